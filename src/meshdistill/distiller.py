@@ -1,0 +1,204 @@
+"""The programmatic API: a `Distiller` binds teacher, student, strategy, optimizer and layout.
+
+>>> import meshdistill as md
+>>> md.simulate_cpu_devices(8)                      # doctest: +SKIP
+>>> mesh = md.make_mesh(data=2, tensor=4)           # doctest: +SKIP
+>>> teacher = md.init_model(md.ModelConfig(n_layers=4), seed=0, mesh=mesh)  # doctest: +SKIP
+>>> student = md.init_model(md.ModelConfig(n_layers=2), seed=1, mesh=mesh)  # doctest: +SKIP
+>>> d = md.Distiller(student, teacher, mesh=mesh)  # doctest: +SKIP
+>>> state = d.init_state()                          # doctest: +SKIP
+>>> state, metrics = d.step(state, batch)           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, make_mesh, param_shardings
+from meshdistill.models import Decoder
+from meshdistill.step import BACKENDS, TrainState, per_device_step, wrap_step
+from meshdistill.strategies import LogitKD
+
+log = logging.getLogger(__name__)
+
+BATCH_KEYS = ("inputs", "targets", "mask")
+
+
+def default_optimizer(learning_rate: float | optax.Schedule = 1e-3, clip: float = 1.0, weight_decay: float = 0.0):
+  """Global-norm clipping followed by AdamW."""
+  return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(learning_rate, weight_decay=weight_decay))
+
+
+class Distiller:
+  """Distils ``teacher`` into ``student`` with one compiled step per layout.
+
+  Args:
+    student, teacher: `Decoder` modules (built with `init_model`; placed anywhere, they
+      are moved onto the layout). Their vocabularies must match.
+    strategy: what to distil (default `LogitKD()`: tau=2, alpha=0.5).
+    optimizer: an optax transformation for the student (default `default_optimizer()`).
+    mesh: a ``(data, tensor)`` mesh from `make_mesh`; ``None`` means one device.
+    backend: ``"shard_map"`` (default with a mesh), ``"single"`` (default without) or
+      ``"pmap"`` (data-parallel compatibility path; needs ``tensor=1``).
+  """
+
+  def __init__(
+      self,
+      student: Decoder,
+      teacher: Decoder,
+      *,
+      strategy: Any = None,
+      optimizer: optax.GradientTransformation | None = None,
+      mesh: Mesh | None = None,
+      backend: str | None = None,
+      seed: int = 0,
+  ):
+    if teacher.cfg.vocab_size != student.cfg.vocab_size:
+      raise ValueError(
+          f"teacher vocab_size={teacher.cfg.vocab_size} != student vocab_size={student.cfg.vocab_size}; "
+          "distillation compares distributions token by token, so both models need the same vocabulary "
+          "(build the student with vocab_size equal to the teacher's)"
+      )
+    backend = backend or ("shard_map" if mesh is not None else "single")
+    if backend not in BACKENDS:
+      raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
+    if backend == "shard_map" and mesh is None:
+      raise ValueError("backend='shard_map' needs a mesh: pass mesh=meshdistill.make_mesh(data=..., tensor=...)")
+    if backend == "single" and mesh is not None and mesh.size > 1:
+      raise ValueError(f"backend='single' runs on one device but mesh has {mesh.size}; pass mesh=None")
+    if backend == "pmap":
+      if mesh is None:
+        mesh = make_mesh(data=jax.device_count(), tensor=1)
+      if mesh.shape[TENSOR] != 1:
+        raise ValueError(
+            f"backend='pmap' is data-parallel only, but mesh tensor={mesh.shape[TENSOR]}; use "
+            "backend='shard_map' to split weights over tensor, or a mesh with tensor=1 "
+            f"(make_mesh(data={mesh.size}, tensor=1))"
+        )
+    if mesh is not None and backend == "shard_map":
+      student.cfg.check_tensor_split(mesh.shape[TENSOR])
+      teacher.cfg.check_tensor_split(mesh.shape[TENSOR])
+
+    self.mesh, self.backend = mesh, backend
+    self.strategy = strategy if strategy is not None else LogitKD()
+    self.optimizer = optimizer if optimizer is not None else default_optimizer()
+    self.student_cfg, self.teacher_cfg = student.cfg, teacher.cfg
+    self.max_len = min(student.cfg.max_len, teacher.cfg.max_len)
+    self.seed = seed
+    self.student_def, self._student_init = nnx.split(student)
+    self.teacher_def, teacher_params = nnx.split(teacher)
+    self._student_specs = nnx.get_partition_spec(self._student_init)
+    self.teacher_params = self._place_params(teacher_params, nnx.get_partition_spec(teacher_params))
+    self._step_fn = functools.partial(
+        per_device_step,
+        student_def=self.student_def,
+        teacher_def=self.teacher_def,
+        strategy=self.strategy,
+        optimizer=self.optimizer,
+    )
+    self._compiled = None
+
+  # ------------------------------------------------------------------ placement
+  @property
+  def n_replicas(self) -> int:
+    return 1 if self.mesh is None else self.mesh.shape[DATA]
+
+  def _place_params(self, params, specs):
+    if self.backend == "single":
+      return jax.device_put(params, jax.devices()[0])
+    if self.backend == "shard_map":
+      return jax.device_put(params, param_shardings(specs, self.mesh))
+    return _stack(jax.device_get(params), self.mesh.size)
+
+  def init_state(self, student: Decoder | None = None) -> TrainState:
+    """A fresh train state from ``student`` (default: the student given at construction)."""
+    params = self._student_init if student is None else nnx.state(student)
+    extra = self.strategy.init_params(self.student_cfg, self.teacher_cfg, jax.random.key(self.seed))
+    if self.backend == "pmap":
+      host = jax.device_get({"student": params, "strategy": extra})
+      state = jax.jit(self._fresh_state)(host)
+      return _stack(jax.device_get(state), self.mesh.size)
+    if self.backend == "single":
+      return jax.jit(self._fresh_state)(jax.device_put({"student": params, "strategy": extra}, jax.devices()[0]))
+    shardings = {
+        "student": param_shardings(self._student_specs, self.mesh),
+        "strategy": jax.tree.map(lambda _: NamedSharding(self.mesh, P()), extra),
+    }
+    placed = jax.device_put({"student": params, "strategy": extra}, shardings)
+    return jax.jit(self._fresh_state)(placed)
+
+  def _fresh_state(self, params) -> TrainState:
+    params = jax.tree.map(jnp.copy, params)
+    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+  # ---------------------------------------------------------------------- steps
+  def check_batch(self, batch: dict) -> None:
+    """Raises a clear error for a malformed batch (keys, shapes, length, divisibility)."""
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+      raise ValueError(f"batch is missing {missing}; a batch is a dict with {BATCH_KEYS}, each [batch, seq]")
+    shapes = {k: tuple(np.shape(batch[k])) for k in BATCH_KEYS}
+    if len(set(shapes.values())) != 1 or len(shapes["inputs"]) != 2:
+      raise ValueError(f"batch arrays must share one [batch, seq] shape, got {shapes}")
+    B, T = shapes["inputs"]
+    if T > self.max_len:
+      raise ValueError(
+          f"sequence length {T} exceeds max_len={self.max_len} (student {self.student_cfg.max_len}, "
+          f"teacher {self.teacher_cfg.max_len}); use seq_len <= {self.max_len}"
+      )
+    if self.mesh is not None:
+      check_batch(B, self.mesh)
+
+  def _place_batch(self, batch: dict) -> dict:
+    batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS}
+    if self.backend == "single":
+      return jax.device_put(batch, jax.devices()[0])
+    if self.backend == "shard_map":
+      return host_to_global(batch, self.mesh)
+    n = self.mesh.size
+    return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
+
+  def compiled_step(self, state: TrainState):
+    if self._compiled is None:
+      shardings = jax.tree.map(lambda x: x.sharding, state) if self.backend == "shard_map" else None
+      self._compiled = wrap_step(self._step_fn, self.backend, self.mesh, shardings)
+    return self._compiled
+
+  def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One train step on a host batch ``{inputs, targets, mask}`` of shape [B, T].
+
+    ``state`` is consumed (its buffers are donated); use the returned one.
+    """
+    self.check_batch(batch)
+    new_state, metrics = self.compiled_step(state)(state, self.teacher_params, self._place_batch(batch))
+    if self.backend == "pmap":
+      metrics = jax.tree.map(lambda x: x[0], metrics)
+    return new_state, metrics
+
+  def lower(self, state: TrainState, batch: dict):
+    """The lowered step for ``batch`` (``.compile().as_text()`` gives its HLO)."""
+    self.check_batch(batch)
+    return self.compiled_step(state).lower(state, self.teacher_params, self._place_batch(batch))
+
+  # --------------------------------------------------------------------- access
+  def unreplicate(self, tree):
+    """For ``pmap`` the first replica of a stacked tree; otherwise ``tree`` unchanged."""
+    return jax.tree.map(lambda x: x[0], tree) if self.backend == "pmap" else tree
+
+  def student(self, state: TrainState) -> Decoder:
+    """The student module holding the parameters of ``state``."""
+    return nnx.merge(self.student_def, self.unreplicate(state.params)["student"])
+
+
+def _stack(tree, n: int):
+  return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))).copy(), tree)

@@ -1,0 +1,30 @@
+"""Test set-up: 8 simulated CPU devices, set once before JAX starts a backend."""
+
+import chex
+
+chex.set_n_cpu_devices(8)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import meshdistill as md  # noqa: E402
+
+VOCAB = 64
+
+TEACHER_CFG = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
+STUDENT_CFG = TEACHER_CFG.replace(n_layers=1, d_model=16, mlp_hidden=32)
+
+
+def make_batch(seed: int = 0, batch: int = 8, seq: int = 8, vocab: int = VOCAB, pad_from: int | None = 6):
+  """A host batch {inputs, targets, mask}: random tokens, positions >= pad_from masked."""
+  rng = np.random.default_rng(seed)
+  x = rng.integers(0, vocab, (batch, seq + 1))
+  mask = np.ones((batch, seq), np.float32)
+  if pad_from is not None:
+    mask[:, pad_from:] = 0.0
+  return {"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32), "mask": mask}
+
+
+@pytest.fixture
+def tiny_cfgs():
+  return TEACHER_CFG, STUDENT_CFG
