@@ -34,7 +34,7 @@ from flax import nnx
 
 from meshdistill.mesh import TENSOR
 
-CAPTURABLE = ("hidden", "attn")
+CAPTURABLE = ("hidden", "attn", "final")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,12 +103,18 @@ class ModelConfig:
 
 
 class ModelOutput(NamedTuple):
-  """Forward-pass result. ``hidden``: (L+1) x [B, T, D] (embeddings, then after each block),
-  ``attn``: L x [B, H, T, T] attention probabilities; empty tuples unless captured."""
+  """Forward-pass result.
 
-  logits: jax.Array  # [B, T, V], V split over tensor
+  ``logits``: [B, T, V] (V split over ``tensor``), ``None`` when called with ``logits=False``;
+  ``hidden``: (L+1) x [B, T, D] (embeddings, then after each block); ``attn``: L x
+  [B, H, T, T] attention probabilities; ``final``: [B, T, D] final-norm output, the
+  input of the LM head (see `Decoder.head_weight`). Uncaptured entries are empty/None.
+  """
+
+  logits: jax.Array | None
   hidden: tuple = ()
   attn: tuple = ()
+  final: jax.Array | None = None
 
 
 def _part(init, *names):
@@ -217,7 +223,9 @@ class Decoder(nnx.Module):
           rngs=rngs,
       )
 
-  def __call__(self, tokens_BxT: jax.Array, *, capture: tuple[str, ...] = ()) -> ModelOutput:
+  def __call__(
+      self, tokens_BxT: jax.Array, *, capture: tuple[str, ...] = (), logits: bool = True
+  ) -> ModelOutput:
     cfg = self.cfg
     unknown = set(capture) - set(CAPTURABLE)
     if unknown:
@@ -240,8 +248,11 @@ class Decoder(nnx.Module):
       if want_attn:
         attn.append(probs)
     x = self.final_norm(x)
-    logits = self.embed.attend(x) if self.head is None else self.head(x)
-    return ModelOutput(logits.astype(jnp.float32), tuple(hidden), tuple(attn))
+    final = x if "final" in capture else None
+    if not logits:
+      return ModelOutput(None, tuple(hidden), tuple(attn), final)
+    logits_BxTxV = self.embed.attend(x) if self.head is None else self.head(x)
+    return ModelOutput(logits_BxTxV.astype(jnp.float32), tuple(hidden), tuple(attn), final)
 
   def head_weight(self) -> jax.Array:
     """The LM-head matrix as [D, V] (V split over ``tensor``)."""
