@@ -1,0 +1,54 @@
+"""Data: corpora, tokenizers, packing into ``[N, T]`` rows, and grain loaders split over processes.
+
+The trainer's entry point::
+
+  bundle = build_data(DataConfig(source="stdlib", seq_len=128), batch_size=32)
+  it = bundle.train_iterator()               # or bundle.train_iterator(saved_state)
+  batch = next(it)                           # {"inputs", "targets", "mask"}: [B/P, T] numpy
+  state = it.get_state()                     # JSON-serializable; store it with the checkpoint
+  evals = bundle.val_batches(max_batches=8)  # fixed, finite list of batches
+
+Modules: `_corpus` (sources and the split by document), `_tokenizer` (byte-level and BPE),
+`_packing` (rows, targets and the loss mask), `_loader` (grain: shuffling, epochs, process
+shards, state), `_pipeline` (config and `build_data`).
+"""
+
+from meshdistill.data._corpus import Document, cap_documents, load_documents, split_documents, stdlib_documents
+from meshdistill.data._loader import TrainIterator, process_slice, validation_batches
+from meshdistill.data._packing import PackedSequences, TokenStream, join_documents, pack, pack_documents, tokenize_documents
+from meshdistill.data._pipeline import DataBundle, DataConfig, build_data, resolve_tokenizer
+from meshdistill.data._tokenizer import (
+    VOCAB_MULTIPLE,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    train_bpe,
+)
+
+__all__ = [
+    "VOCAB_MULTIPLE",
+    "ByteTokenizer",
+    "DataBundle",
+    "DataConfig",
+    "Document",
+    "HFTokenizer",
+    "PackedSequences",
+    "TokenStream",
+    "Tokenizer",
+    "TrainIterator",
+    "build_data",
+    "cap_documents",
+    "join_documents",
+    "load_documents",
+    "load_tokenizer",
+    "pack",
+    "pack_documents",
+    "process_slice",
+    "resolve_tokenizer",
+    "split_documents",
+    "stdlib_documents",
+    "tokenize_documents",
+    "train_bpe",
+    "validation_batches",
+]
