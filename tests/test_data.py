@@ -253,7 +253,7 @@ def _assert_same(xs, ys):
 
 def test_loader_is_deterministic_by_seed_and_seeds_differ():
   packed, _ = _random_packed(n_docs=60)
-  kw = dict(global_batch_size=4, process_index=0, process_count=1)
+  kw = {"global_batch_size": 4, "process_index": 0, "process_count": 1}
   a = _take(TrainIterator(packed, seed=1, **kw), 5)
   _assert_same(a, _take(TrainIterator(packed, seed=1, **kw), 5))
   b = _take(TrainIterator(packed, seed=2, **kw), 5)
@@ -275,7 +275,7 @@ def test_each_epoch_visits_every_row_once_in_a_new_order():
 
 def test_state_restore_mid_epoch_gives_the_same_following_batches():
   packed, _ = _random_packed(n_docs=50)
-  kw = dict(global_batch_size=4, seed=3, process_index=0, process_count=1)
+  kw = {"global_batch_size": 4, "seed": 3, "process_index": 0, "process_count": 1}
   it = TrainIterator(packed, **kw)
   _take(it, 7)
   state = json.loads(json.dumps(it.get_state()))  # survives a JSON checkpoint
@@ -391,3 +391,5 @@ def test_build_data_errors_name_the_problem(tmp_path):
   with pytest.raises(FileNotFoundError, match="data.tokenizer"):
     build_data(DataConfig(max_chars=1000, tokenizer=str(tmp_path / "tok.json")), 4, process_index=0, process_count=1)
   assert DataConfig(source=["a.txt", "b.jsonl"]).source == ("a.txt", "b.jsonl")
+  with pytest.raises(ValueError, match="data.seq_len=-1"):
+    DataConfig().replace(seq_len=-1)

@@ -15,7 +15,14 @@ shards, state), `_pipeline` (config and `build_data`).
 
 from meshdistill.data._corpus import Document, cap_documents, load_documents, split_documents, stdlib_documents
 from meshdistill.data._loader import TrainIterator, process_slice, validation_batches
-from meshdistill.data._packing import PackedSequences, TokenStream, join_documents, pack, pack_documents, tokenize_documents
+from meshdistill.data._packing import (
+    PackedSequences,
+    TokenStream,
+    join_documents,
+    pack,
+    pack_documents,
+    tokenize_documents,
+)
 from meshdistill.data._pipeline import DataBundle, DataConfig, build_data, resolve_tokenizer
 from meshdistill.data._tokenizer import (
     VOCAB_MULTIPLE,

@@ -94,6 +94,10 @@ class DataConfig:
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"data.seed={self.seed!r} must be an integer")
 
+  def replace(self, **kw) -> DataConfig:
+    """A copy with ``kw`` changed (validated again)."""
+    return dataclasses.replace(self, **kw)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class DataBundle:
@@ -252,7 +256,8 @@ def build_data(
   process_count = batch_size // (hi - lo)
   process_index = lo // (hi - lo)
   cache_dir = cache_dir if cache_dir is not None else cfg.cache_dir
-  docs = cap_documents(load_documents(cfg.source, text_key=cfg.text_key), max_chars=cfg.max_chars, max_docs=cfg.max_docs)
+  docs = load_documents(cfg.source, text_key=cfg.text_key)
+  docs = cap_documents(docs, max_chars=cfg.max_chars, max_docs=cfg.max_docs)
   train_docs, val_docs = split_documents(docs, cfg.val_fraction)
   log.info("data: %d documents -> %d train, %d validation", len(docs), len(train_docs), len(val_docs))
   tok = tokenizer if tokenizer is not None else resolve_tokenizer(cfg, train_docs, cache_dir)
