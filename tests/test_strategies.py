@@ -11,6 +11,7 @@ from meshdistill import losses
 from meshdistill.models import ModelOutput
 from meshdistill.strategies import (
     AttentionTransfer,
+    ChunkedLogitKD,
     Composite,
     FeaturePooling,
     FeatureProjection,
@@ -301,6 +302,8 @@ def test_bad_settings_are_rejected_naming_the_setting():
     Composite(terms={"attn": AttentionTransfer()}, weights={"atn": 1.0})
   with pytest.raises(ValueError, match="Composite.terms"):
     Composite(terms={})
+  with pytest.raises(ValueError, match=r"Composite\.terms\['kd'\]=ChunkedLogitKD.*LogitKD"):
+    Composite(terms={"kd": ChunkedLogitKD()})
   with pytest.raises(ValueError, match="AttentionTransfer.loss"):
     AttentionTransfer(loss="cosine")
   with pytest.raises(ValueError, match="FeatureProjection.loss"):

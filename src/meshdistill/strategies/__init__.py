@@ -15,22 +15,30 @@ A strategy is any object with
 ``student`` / ``teacher`` are `ModelOutput` of one sequence: logits ``[T, V]``,
 hidden states ``(L+1) x [T, D]`` and attention maps ``L x [H, T, T]``.
 
+A strategy that sets ``needs_head = True`` instead receives all local rows at once in
+``per_batch`` together with the LM heads, and the models skip their own heads
+(``needs_logits = False``; see `ChunkedLogitKD` and `meshdistill.step`).
+
 Built in:
 
-==========================  ===================================================
-`LogitKD`                   KL between temperature-softened logits + hard-label CE
-`HardLabelCE`               cross-entropy on the targets only
-`AttentionTransfer`         KL / MSE between attention probability maps
-`FeaturePooling`            cosine / MSE to the teacher's width-pooled hidden states
-`FeatureProjection`         cosine / MSE through a learned ``[D_s, D_t]`` map per layer
-`Composite`                 a weighted sum of the above (weights may be schedules)
-==========================  ===================================================
+====================  ==========================================================================
+`LogitKD`             a divergence (KL, reverse KL, JSD, ...) between temperature-softened
+                      logits, mixed with hard-label CE
+`ChunkedLogitKD`      logit KD without ``[B, T, V]`` logits (token chunks, vocabulary-parallel)
+`HardLabelCE`         cross-entropy on the targets only
+`AttentionTransfer`   KL / MSE between attention probability maps of mapped layers
+`FeaturePooling`      cosine / MSE to the teacher's width-pooled hidden states
+`FeatureProjection`   cosine / MSE through a learned ``[D_s, D_t]`` map per mapped layer
+`Composite`           a weighted sum of per-sequence strategies (all above but `ChunkedLogitKD`);
+                      weights may be schedules
+====================  ==========================================================================
 
 Layer maps (`default_layer_map`) pair student with teacher layers; weights and other
 scalars may be schedules, evaluated with `value_at`.
 """
 
 from meshdistill.strategies._attention import AttentionTransfer, attention_map_loss, group_heads
+from meshdistill.strategies._chunked import ChunkedLogitKD
 from meshdistill.strategies._composite import Composite, HardLabelCE
 from meshdistill.strategies._features import FeaturePooling, FeatureProjection, feature_loss, pool_features
 from meshdistill.strategies._layer_map import default_layer_map
@@ -38,6 +46,7 @@ from meshdistill.strategies._logit import LogitKD, Scalar, logit_metrics, value_
 
 __all__ = [
     "AttentionTransfer",
+    "ChunkedLogitKD",
     "Composite",
     "FeaturePooling",
     "FeatureProjection",

@@ -70,6 +70,11 @@ class Composite:
       if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"Composite.terms name {name!r} must be a non-empty string without '/'")
       missing = [a for a in ("capture", "init_params", "per_sequence") if not hasattr(term, a)]
+      if getattr(term, "needs_head", False) or not getattr(term, "needs_logits", True):
+        raise ValueError(
+            f"Composite.terms[{name!r}]={type(term).__name__} computes its loss over whole batches from the LM "
+            "heads (needs_head), which a composite cannot combine per sequence; use LogitKD as the term instead"
+        )
       if missing:
         raise ValueError(f"Composite.terms[{name!r}]={term!r} is not a strategy: it lacks {missing}")
     unknown = sorted(set(self.weights) - set(self.terms))
