@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any
@@ -135,7 +136,20 @@ class Distiller:
         "strategy": jax.tree.map(lambda _: NamedSharding(self.mesh, P()), extra),
     }
     placed = jax.device_put({"student": params, "strategy": extra}, shardings)
-    return jax.jit(self._fresh_state)(placed)
+    return jax.jit(self._fresh_state, out_shardings=self._state_shardings(placed, shardings))(placed)
+
+  def _state_shardings(self, params, param_shardings_tree):
+    """Shardings of a whole TrainState: optimizer moments follow their parameters."""
+    replicated = NamedSharding(self.mesh, P())
+    abstract = jax.eval_shape(self._fresh_state, params)
+    opt = optax.tree_utils.tree_map_params(
+        self.optimizer,
+        lambda _, sharding: sharding,
+        abstract.opt_state,
+        param_shardings_tree,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(replicated, param_shardings_tree, opt)
 
   def _fresh_state(self, params) -> TrainState:
     params = jax.tree.map(jnp.copy, params)
@@ -189,6 +203,20 @@ class Distiller:
     """The lowered step for ``batch`` (``.compile().as_text()`` gives its HLO)."""
     self.check_batch(batch)
     return self.compiled_step(state).lower(state, self.teacher_params, self._place_batch(batch))
+
+  def with_strategy(self, strategy: Any) -> "Distiller":
+    """A Distiller like this one (same models, layout, placed teacher, optimizer) distilling with ``strategy``.
+
+    Nothing is copied or re-placed; the new step compiles once, on first use. Train states
+    carry over: ``params["strategy"]`` of a state made for the old strategy is handed to the
+    new one, which must accept it (a strategy without parameters of its own ignores it).
+    Used to switch to a fallback loss after a divergence (`meshdistill.safeguards`).
+    """
+    new = copy.copy(self)
+    new.strategy = strategy
+    new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, "strategy": strategy})
+    new._compiled = None
+    return new
 
   # --------------------------------------------------------------------- access
   def unreplicate(self, tree):

@@ -72,18 +72,27 @@ def per_device_step(
   (plus ``grad_norm`` and ``tokens``), identical on every device.
   """
   capture = tuple(strategy.capture)
+  # A strategy with `needs_head` forms logits itself from the final hidden states and the
+  # LM heads (e.g. chunked over tokens); the models then skip their heads (`needs_logits`).
+  with_logits = getattr(strategy, "needs_logits", True)
+  with_head = getattr(strategy, "needs_head", False)
   inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
   mask_BxT = batch["mask"].astype(jnp.float32)
 
   teacher = nnx.merge(teacher_def, teacher_params)
-  teacher_out = jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture))
+  teacher_out = jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits))
+  teacher_head = jax.lax.stop_gradient(teacher.head_weight()) if with_head else None
 
   tokens = _psum(jnp.sum(mask_BxT), data_axis)
   denom = jnp.maximum(tokens, 1.0)
 
   def loss_fn(params):
     student = nnx.merge(student_def, params["student"])
-    student_out = student(inputs_BxT, capture=capture)
+    student_out = student(inputs_BxT, capture=capture, logits=with_logits)
+    if with_head:  # token sums over all local rows; heads [D, V] with V split over `tensor`
+      heads = (student.head_weight(), teacher_head)
+      sums = strategy.per_batch(params["strategy"], student_out, teacher_out, heads, targets_BxT, mask_BxT, state.step)
+      return sums["loss"] / denom, sums
     per_seq = jax.vmap(strategy.per_sequence, in_axes=(None, 0, 0, 0, 0, None))
     sums_B = per_seq(params["strategy"], student_out, teacher_out, targets_BxT, mask_BxT, state.step)
     sums = jax.tree.map(jnp.sum, sums_B)
@@ -114,8 +123,17 @@ def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = N
     # A size-1 `data` axis needs no collective (and XLA rejects an all-reduce over a
     # trivial manual axis), so the sum over `data` is dropped there.
     data_axis = DATA if mesh.shape[DATA] > 1 else None
+
+    def pinned_step(state, teacher_params, batch):
+      new_state, metrics = step_fn(state, teacher_params, batch, data_axis=data_axis)
+      if state_shardings is not None:
+        # Without this XLA leaves the updated weights replicated over `tensor` at the
+        # shard_map boundary (an all-gather of every weight, vocabulary included).
+        new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
+      return new_state, metrics
+
     body = jax.shard_map(
-        functools.partial(step_fn, data_axis=data_axis),
+        pinned_step,
         mesh=mesh,
         in_specs=(P(), P(), P(DATA)),
         out_specs=(P(), P()),
