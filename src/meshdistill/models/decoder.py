@@ -36,6 +36,17 @@ from meshdistill.mesh import TENSOR
 
 CAPTURABLE = ("hidden", "attn", "final")
 
+# Per-block rematerialisation (`jax.checkpoint`) policies, by `ModelConfig.remat` name:
+# "none" keeps every activation for the backward pass; "full" keeps only each block's
+# input and recomputes the block; "dots" keeps matmul outputs; "dots_no_batch" keeps
+# only matmuls without batch dimensions (the weight projections, not attention scores).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -53,6 +64,7 @@ class ModelConfig:
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
   dtype: str = "float32"  # compute dtype of activations; params stay float32
+  remat: str = "none"  # per-block rematerialisation policy, a key of REMAT_POLICIES
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "max_len"):
@@ -73,6 +85,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (rotary embedding)")
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"ModelConfig.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {tuple(REMAT_POLICIES)}")
 
   @property
   def hd(self) -> int:
@@ -241,8 +255,9 @@ class Decoder(nnx.Module):
     want_hidden, want_attn = "hidden" in capture, "attn" in capture
     x = self.embed(tokens_BxT)
     hidden, attn = [x] if want_hidden else [], []
+    run_block = _block_runner(cfg.remat)
     for block in self.blocks:
-      x, probs = block(x, want_attn)
+      x, probs = run_block(block, x, want_attn)
       if want_hidden:
         hidden.append(x)
       if want_attn:
@@ -259,6 +274,20 @@ class Decoder(nnx.Module):
     if self.head is None:
       return self.embed.embedding[...].T
     return self.head.kernel[...]
+
+
+def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool):
+  return block(x_BxTxD, want_probs)
+
+
+def _block_runner(remat: str):
+  """``f(block, x, want_probs)`` running one block, under `nnx.remat` unless ``remat="none"``.
+
+  Rematerialisation changes what the backward pass stores, never the values.
+  """
+  if remat == "none":
+    return _call_block
+  return nnx.remat(_call_block, policy=REMAT_POLICIES[remat], static_argnums=(2,))
 
 
 def param_count(model: nnx.Module) -> int:
