@@ -1,7 +1,12 @@
 """Test set-up: 8 simulated CPU devices, set once before JAX starts a backend."""
 
+import os
+
 import chex
 
+# The test models are tiny: skipping LLVM's optimisation passes halves compile time,
+# which dominates the suite. Every layout compiles with the same flags.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 chex.set_n_cpu_devices(8)
 
 import numpy as np  # noqa: E402

@@ -219,7 +219,8 @@ class Decoder(nnx.Module):
     self.embed = nnx.Embed(
         cfg.vocab_size,
         cfg.d_model,
-        embedding_init=_part(nnx.initializers.normal(stddev=1.0), TENSOR, None),
+        # std 1/sqrt(D): with a tied head the initial logits then have unit scale
+        embedding_init=_part(nnx.initializers.normal(stddev=cfg.d_model**-0.5), TENSOR, None),
         dtype=cfg.compute_dtype,
         rngs=rngs,
     )
