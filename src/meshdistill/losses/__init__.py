@@ -2,8 +2,50 @@
 
 All functions take ONE sequence (``[T, V]`` logits, ``[T]`` mask) and return per-token
 values ``[T]`` with masked tokens exactly 0; `jax.vmap` lifts them over a batch.
+
+Divergences (`DIVERGENCES`, `get_divergence`): ``forward_kl``, ``reverse_kl``, ``jsd``
+(generalised, ``beta``), ``skew_kl`` / ``skew_reverse_kl`` (``skew``), ``tvd``, ``mse``
+(centred logits). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`.
 """
 
-from meshdistill.losses._logits import cross_entropy, forward_kl, log_softmax, pearson, top1_agreement
+from meshdistill.losses._divergences import (
+    DISTRIBUTION_DIVERGENCES,
+    DIVERGENCES,
+    HYPERPARAMETERS,
+    forward_kl,
+    get_distribution_divergence,
+    get_divergence,
+    jsd,
+    kl_logprobs,
+    logit_mse,
+    reverse_kl,
+    skew_kl,
+    skew_reverse_kl,
+    tvd,
+)
+from meshdistill.losses._logits import cross_entropy, log_softmax, pearson, top1_agreement
+from meshdistill.losses._topk import teacher_topk, topk_bins, topk_divergence, topk_tail
 
-__all__ = ["cross_entropy", "forward_kl", "log_softmax", "pearson", "top1_agreement"]
+__all__ = [
+    "DISTRIBUTION_DIVERGENCES",
+    "DIVERGENCES",
+    "HYPERPARAMETERS",
+    "cross_entropy",
+    "forward_kl",
+    "get_distribution_divergence",
+    "get_divergence",
+    "jsd",
+    "kl_logprobs",
+    "log_softmax",
+    "logit_mse",
+    "pearson",
+    "reverse_kl",
+    "skew_kl",
+    "skew_reverse_kl",
+    "teacher_topk",
+    "top1_agreement",
+    "topk_bins",
+    "topk_divergence",
+    "topk_tail",
+    "tvd",
+]

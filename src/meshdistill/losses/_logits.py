@@ -21,22 +21,16 @@ def _masked(values_T: jax.Array, mask_T: jax.Array | None) -> jax.Array:
   return jnp.where(mask_T.astype(bool), values_T, jnp.zeros_like(values_T))
 
 
+def as_float(x: jax.Array) -> jax.Array:
+  """``x`` in at least float32: bfloat16/float16 are widened, float64 (under x64) is kept."""
+  x = jnp.asarray(x)
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def log_softmax(logits_TxV: jax.Array, temperature: float | jax.Array = 1.0) -> jax.Array:
-  """``log softmax(logits / temperature)`` in float32."""
-  return jax.nn.log_softmax(logits_TxV.astype(jnp.float32) / temperature, axis=-1)
-
-
-def forward_kl(
-    student_TxV: jax.Array,
-    teacher_TxV: jax.Array,
-    mask_T: jax.Array | None = None,
-    temperature: float | jax.Array = 1.0,
-) -> jax.Array:
-  """``KL(p_t || p_s) = sum_v p_t(v) (log p_t(v) - log p_s(v))`` per token, both at ``temperature``."""
-  logp_s = log_softmax(student_TxV, temperature)
-  logp_t = log_softmax(teacher_TxV, temperature)
-  kl_T = jnp.sum(jnp.exp(logp_t) * (logp_t - logp_s), axis=-1)
-  return _masked(kl_T, mask_T)
+  """``log softmax(logits / temperature)`` in float32 (float64 for float64 inputs)."""
+  x = as_float(logits_TxV)
+  return jax.nn.log_softmax(x / jnp.asarray(temperature, x.dtype), axis=-1)
 
 
 def cross_entropy(logits_TxV: jax.Array, targets_T: jax.Array, mask_T: jax.Array | None = None) -> jax.Array:

@@ -1,0 +1,135 @@
+"""Top-k teachers: the teacher's k most likely tokens plus one tail bin for the rest.
+
+A top-k teacher is given per token by ``indices_TxK`` (token ids) and ``logprobs_TxK``
+(their log-probabilities). The target is a distribution over k+1 bins: the k kept
+tokens and a tail bin holding the remaining mass ``1 - sum_k p_t``. The student's
+distribution is mapped onto the same bins: its probabilities at the k token ids and
+its own remaining mass in the tail. Any distribution-level divergence
+(`meshdistill.losses.DISTRIBUTION_DIVERGENCES`) then compares the two (k+1)-bin
+distributions. Merging tokens into one bin never increases these divergences, so the
+top-k value is a lower bound of the full-vocabulary one and equals it for
+``k >= V - 1``.
+
+Unlike a top-k that renormalises over the k tokens, the tail keeps the student
+accountable for mass it puts outside the teacher's top-k. The ``(indices, logprobs)``
+pair is all the teacher side needs, so an offline cache of teacher top-k can feed
+`topk_divergence` directly; `teacher_topk` computes it from live teacher logits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from meshdistill.losses._divergences import Scalar, get_distribution_divergence
+from meshdistill.losses._logits import _masked, as_float, log_softmax
+
+
+def teacher_topk(teacher_TxV: jax.Array, k: int, temperature: Scalar = 1.0) -> tuple[jax.Array, jax.Array]:
+  """The teacher's ``k`` most likely tokens per position at ``temperature``.
+
+  Returns ``(indices_TxK int32, logprobs_TxK)``: token ids in decreasing probability and
+  their log-probabilities ``log softmax(teacher / temperature)``. Uses `jax.lax.top_k`
+  over V (with V split over ``tensor`` the compiler partitions or gathers it; the
+  distillation loss itself never gathers V).
+  """
+  logp_TxV = log_softmax(teacher_TxV, temperature)
+  logprobs_TxK, indices_TxK = jax.lax.top_k(logp_TxV, k)
+  return indices_TxK.astype(jnp.int32), logprobs_TxK
+
+
+def _log1mexp(x: jax.Array) -> jax.Array:
+  """``log(1 - exp(x))`` for ``x <= 0`` (``x`` is clipped to 0; gives -inf there)."""
+  x = jnp.minimum(x, 0.0)
+  safe = jnp.where(x < 0, x, -1.0)  # keeps the unused branch's gradient finite
+  return jnp.where(x < 0, jnp.log(-jnp.expm1(safe)), -jnp.inf)
+
+
+def _tail(logp_TxV: jax.Array, indices_TxK: jax.Array) -> jax.Array:
+  """``log sum_{v not in indices} p(v)`` per token: a masked log-sum-exp over V (-inf if K == V)."""
+  T, V = logp_TxV.shape
+  if indices_TxK.shape[-1] == V:
+    return jnp.full((T,), -jnp.inf, logp_TxV.dtype)
+  in_top_TxV = jnp.zeros((T, V), bool).at[jnp.arange(T)[:, None], indices_TxK].set(True)
+  return jax.nn.logsumexp(jnp.where(in_top_TxV, -jnp.inf, logp_TxV), axis=-1)
+
+
+def topk_tail(logits_TxV: jax.Array, indices_TxK: jax.Array, temperature: Scalar = 1.0) -> jax.Array:
+  """Exact log-mass ``[T]`` of the tokens outside ``indices_TxK`` at ``temperature``.
+
+  ``log(1 - sum_k p)`` from the top-k log-probabilities alone loses precision when the
+  tail is small (float32 rounding of the sum is ~1e-7 absolute); with the logits at hand,
+  this sums the tail directly. Worth storing next to an offline top-k cache.
+  """
+  return _tail(log_softmax(logits_TxV, temperature), indices_TxK)
+
+
+def topk_bins(
+    student_TxV: jax.Array,
+    indices_TxK: jax.Array,
+    logprobs_TxK: jax.Array,
+    temperature: Scalar = 1.0,
+    tail_T: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Student and teacher log-probabilities on the k+1 bins, ``([T, K+1], [T, K+1])``.
+
+  Bin ``j < K`` is token ``indices_TxK[:, j]``; bin ``K`` is the tail (all other tokens).
+
+  * teacher: ``logprobs_TxK`` and the tail log-mass ``tail_T`` (from `topk_tail`), or,
+    when not given, ``log(1 - sum_k p_t)``; renormalised over the k+1 bins (so rounding
+    in a cached, e.g. bfloat16, top-k cannot leave it off 1). ``logprobs_TxK`` must be
+    log-probabilities at the same ``temperature`` the student is compared at (what
+    `teacher_topk` returns).
+  * student: ``log softmax(student / temperature)`` picked at the k ids (a gather of k
+    values per token) and the exact log of its remaining mass, a log-sum-exp over the
+    tokens outside the k (a masked reduction over V, no ``1 - sum`` cancellation).
+
+  With ``K == V`` there is nothing left: the tail bin is empty on both sides.
+  """
+  V = student_TxV.shape[-1]
+  K = indices_TxK.shape[-1]
+  if K > V:
+    raise ValueError(f"top-k teacher has k={K} tokens per position but the vocabulary has V={V}; use k <= {V}")
+  logp_s_TxV = log_softmax(student_TxV, temperature)
+  top_s_TxK = jnp.take_along_axis(logp_s_TxV, indices_TxK, axis=-1)
+  top_t_TxK = as_float(logprobs_TxK).astype(logp_s_TxV.dtype)
+  tail_s_T = _tail(logp_s_TxV, indices_TxK)
+  if K == V:
+    tail_t_T = tail_s_T
+  elif tail_T is not None:
+    tail_t_T = as_float(tail_T).astype(logp_s_TxV.dtype)
+  else:
+    tail_t_T = _log1mexp(jax.nn.logsumexp(top_t_TxK, axis=-1))
+  bins_s = jnp.concatenate([top_s_TxK, tail_s_T[:, None]], axis=-1)
+  bins_t = jax.nn.log_softmax(jnp.concatenate([top_t_TxK, tail_t_T[:, None]], axis=-1), axis=-1)
+  return bins_s, bins_t
+
+
+def topk_divergence(
+    student_TxV: jax.Array,
+    indices_TxK: jax.Array,
+    logprobs_TxK: jax.Array,
+    mask_T: jax.Array | None = None,
+    temperature: Scalar = 1.0,
+    divergence: str = "forward_kl",
+    tail_T: jax.Array | None = None,
+    **hyper,
+) -> jax.Array:
+  """A distribution-level divergence between the student and a top-k teacher on k+1 bins, per token.
+
+  Args:
+    student_TxV: student logits of one sequence.
+    indices_TxK, logprobs_TxK: the teacher's top-k token ids and log-probabilities at
+      ``temperature`` (from `teacher_topk` or an offline cache).
+    mask_T: masked tokens (0) give exactly 0.
+    temperature: the student's temperature.
+    divergence: a name in `DISTRIBUTION_DIVERGENCES` (default forward KL).
+    tail_T: optional exact teacher tail log-mass (`topk_tail`); default ``log(1 - sum_k p_t)``.
+    **hyper: the divergence's hyper-parameters (``beta`` for jsd, ``skew`` for the skew KLs).
+
+  Returns:
+    ``[T]`` per-token divergence.
+  """
+  fn = get_distribution_divergence(divergence)
+  bins_s, bins_t = topk_bins(student_TxV, indices_TxK, logprobs_TxK, temperature, tail_T)
+  return _masked(fn(bins_s, bins_t, **hyper), mask_T)
