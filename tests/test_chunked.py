@@ -5,7 +5,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from conftest import STUDENT_CFG, TEACHER_CFG, make_batch
 from jax.sharding import NamedSharding
@@ -132,22 +131,11 @@ TEACHER = TEACHER_CFG.replace(vocab_size=VOCAB, tie_embeddings=False)
 STUDENT = STUDENT_CFG.replace(vocab_size=VOCAB)
 
 
-def sharded_opt_state(d, state):
-  """The state with optimizer moments placed like the parameters they follow (split over ``tensor``)."""
-  opt_state = optax.tree_map_params(
-      d.optimizer, lambda x, p: jax.device_put(x, p.sharding), state.opt_state, state.params,
-      transform_non_params=lambda x: x,
-  )
-  return state._replace(opt_state=opt_state)
-
-
 def train(strategy, mesh, batches):
   teacher = md.init_model(TEACHER, seed=0, mesh=mesh)
   student = md.init_model(STUDENT, seed=1, mesh=mesh)
   d = md.Distiller(student, teacher, strategy=strategy, mesh=mesh)
   state = d.init_state()
-  if mesh is not None:
-    state = sharded_opt_state(d, state)
   history = []
   for batch in batches:
     state, metrics = d.step(state, batch)
