@@ -26,7 +26,8 @@ step       ``{values, boundaries}``              ``values[i]`` for ``boundaries[
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import optax

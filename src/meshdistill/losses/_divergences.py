@@ -24,7 +24,7 @@ nearly equal distributions a few ulps below 0.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 from meshdistill import losses, schedules
 from meshdistill.models import ModelOutput
 
-Scalar = Union[float, Callable[[jax.Array], jax.Array]]
+Scalar = float | Callable[[jax.Array], jax.Array]
 
 
 def value_at(x: Scalar, step: jax.Array) -> jax.Array:
@@ -47,12 +48,15 @@ def _check_range(name: str, value: Any) -> None:
     try:
       value = float(value)
     except (TypeError, ValueError):
-      raise ValueError(f"LogitKD.{name}={value!r} must be a number, a schedule function or a schedule spec dict") from None
+      raise ValueError(
+          f"LogitKD.{name}={value!r} must be a number, a schedule function or a schedule spec dict"
+      ) from None
   lo, hi = schedules.value_range(value, f"LogitKD.{name}")
   low, high, low_in, high_in, example = _RANGES[name]
   ok = (lo >= low if low_in else lo > low) and (hi <= high if high_in else hi < high)
   if not ok:
-    interval = f"> {low}" if high == float("inf") else f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+    brackets = ("[" if low_in else "(", "]" if high_in else ")")
+    interval = f"> {low}" if high == float("inf") else f"in {brackets[0]}{low}, {high}{brackets[1]}"
     shown = repr(value) if not isinstance(value, dict) else f"{value} (takes values in [{lo}, {hi}])"
     raise ValueError(f"LogitKD.{name}={shown} must be {interval} (e.g. {example})")
 
