@@ -411,3 +411,28 @@ def test_every_divergence_gives_the_same_loss_on_a_2x4_mesh_as_on_one_device():
       key = f"loss_{label}"
       assert np.isfinite(single[key]) and single[key] > 0, (i, key)
       np.testing.assert_allclose(sharded[key], single[key], rtol=1e-5, err_msg=f"step {i} {key}")
+
+
+def test_divergences_and_a_cached_top_k_teacher_never_gather_a_vocabulary_split_over_tensor():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = md.make_mesh(data=2, tensor=4)
+  split_vocab = NamedSharding(mesh, P("data", None, "tensor"))
+  rng = np.random.default_rng(0)
+  s, t = (jax.device_put(rng.normal(size=(4, 8, 64)).astype(np.float32), split_vocab) for _ in range(2))
+  idx, lp = jax.vmap(lambda x: losses.teacher_topk(x, 8, 1.0))(jax.device_get(t))
+  tail = jax.vmap(lambda x, i: losses.topk_tail(x, i, 1.0))(jax.device_get(t), idx)
+  idx, lp, tail = jax.device_put((idx, lp, tail), NamedSharding(mesh, P("data")))
+
+  def total(s, t, idx, lp, tail):
+    every_T = [f(s, t, None, 2.0, **HYPER.get(n, {})) for n, f in losses.DIVERGENCES.items()]
+    every_T += [losses.topk_divergence(s, idx, lp, None, 1.0, n, tail, **HYPER.get(n, {})) for n in DIST_NAMES]
+    return jnp.sum(jnp.stack(every_T))
+
+  step = jax.jit(jax.value_and_grad(lambda s, *rest: jnp.sum(jax.vmap(total)(s, *rest))))
+  hlo = step.lower(s, t, idx, lp, tail).compile().as_text()
+  assert "all-reduce(" in hlo  # the vocabulary reductions do cross `tensor` ...
+  assert "all-gather(" not in hlo and "all-to-all(" not in hlo  # ... as partial sums, never as gathered logits
+  value, _ = step(s, t, idx, lp, tail)
+  assert np.isfinite(value)

@@ -29,9 +29,12 @@ def teacher_topk(teacher_TxV: jax.Array, k: int, temperature: Scalar = 1.0) -> t
   """The teacher's ``k`` most likely tokens per position at ``temperature``.
 
   Returns ``(indices_TxK int32, logprobs_TxK)``: token ids in decreasing probability and
-  their log-probabilities ``log softmax(teacher / temperature)``. Uses `jax.lax.top_k`
-  over V (with V split over ``tensor`` the compiler partitions or gathers it; the
-  distillation loss itself never gathers V).
+  their log-probabilities ``log softmax(teacher / temperature)``, by `jax.lax.top_k`
+  over V. With V split over ``tensor``, XLA all-gathers the teacher's ``[T, V]``
+  log-probabilities over ``tensor`` for this selection (seen in the compiled HLO on CPU;
+  a two-stage per-slice selection was gathered all the same). Everything after it --
+  the student's bins, its tail and the divergence -- stays vocabulary-parallel. An
+  offline top-k cache avoids the selection in the train step altogether.
   """
   logp_TxV = log_softmax(teacher_TxV, temperature)
   logprobs_TxK, indices_TxK = jax.lax.top_k(logp_TxV, k)
