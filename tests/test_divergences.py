@@ -355,6 +355,7 @@ def test_logitkd_top_k_reports_the_top_k_term_below_the_full_one():
         ({"alpha": -0.1}, "alpha"),
         ({"beta": 1.2, "divergence": "jsd"}, "beta"),
         ({"beta": 0.0, "divergence": "jsd"}, "beta"),
+        ({"beta": {"kind": "constant", "value": 1.0}, "divergence": "jsd"}, "beta"),
         ({"skew": 1.0, "divergence": "skew_kl"}, "skew"),
         ({"divergence": "kl"}, "divergence"),
         ({"top_k": 0}, "top_k"),

@@ -37,7 +37,8 @@ def test_schedules_evaluate_on_a_traced_step_inside_jit():
   jitted = jax.jit(lambda step: jnp.stack([jnp.asarray(f(step), jnp.float32) for f in scheds]))
   for step in range(10):
     np.testing.assert_allclose(jitted(jnp.int32(step)), [float(f(step)) for f in scheds], rtol=1e-6, atol=1e-7)
-  assert jitted._cache_size() == 1
+  if hasattr(jitted, "_cache_size"):
+    assert jitted._cache_size() == 1
 
 
 def test_from_spec_builds_every_kind_and_passes_numbers_and_callables():
@@ -136,6 +137,8 @@ def test_the_step_compiles_once_while_tau_alpha_and_beta_all_change():
   assert int(state.step) == n_steps
   assert sum(step_name in m for m in log.messages) == 1, [m[:80] for m in log.messages]
   assert log.messages[after_first:] == []  # nothing at all compiles after the first step
-  assert d.compiled_step(state)._cache_size() == 1
+  compiled = d.compiled_step(state)
+  if hasattr(compiled, "_cache_size"):  # private jit API: a second witness where it exists
+    assert compiled._cache_size() == 1
   # The loss follows the schedules: its weights change every step while the batch is fixed.
   assert np.all(np.isfinite(losses)) and len(set(losses)) == n_steps

@@ -100,19 +100,21 @@ class LogitKD:
   capture: tuple[str, ...] = ()
 
   def __post_init__(self):
-    for name in _RANGES:
-      value = getattr(self, name)
-      _check_range(name, value)
-      if isinstance(value, dict):  # a YAML-style spec becomes a schedule function
-        object.__setattr__(self, name, schedules.from_spec(value, f"LogitKD.{name}"))
     if self.divergence not in losses.DIVERGENCES:
       raise ValueError(f"LogitKD.divergence={self.divergence!r} is unknown; choose one of {sorted(losses.DIVERGENCES)}")
-    if self.divergence == "jsd" and not callable(self.beta) and float(self.beta) in (0.0, 1.0):
-      other = "forward_kl" if float(self.beta) == 0.0 else "reverse_kl"
-      raise ValueError(
-          f"LogitKD.beta={self.beta!r} makes divergence='jsd' identically 0 (its mixture collapses onto one side); "
-          f"for the limit it tends to use divergence={other!r}, or choose 0 < beta < 1"
-      )
+    for name in _RANGES:
+      _check_range(name, getattr(self, name))
+    if self.divergence == "jsd" and not callable(self.beta):
+      lo, hi = schedules.value_range(self.beta if isinstance(self.beta, dict) else float(self.beta))
+      if lo == hi and lo in (0.0, 1.0):
+        other = "forward_kl" if lo == 0.0 else "reverse_kl"
+        raise ValueError(
+            f"LogitKD.beta={self.beta!r} makes divergence='jsd' identically 0 (its mixture collapses onto one "
+            f"side); for the limit it tends to use divergence={other!r}, or choose 0 < beta < 1"
+        )
+    for name in _RANGES:
+      if isinstance(getattr(self, name), dict):  # a YAML-style spec becomes a schedule function
+        object.__setattr__(self, name, schedules.from_spec(getattr(self, name), f"LogitKD.{name}"))
     if self.top_k is not None:
       if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
         raise ValueError(f"LogitKD.top_k={self.top_k!r} must be None (full vocabulary) or a positive integer")
