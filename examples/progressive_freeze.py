@@ -27,7 +27,8 @@ def batches(n, batch=8, seq=16, vocab=64, seed=0):
   rng = np.random.default_rng(seed)
   for _ in range(n):
     x = rng.integers(0, vocab, (batch, seq + 1))
-    yield {"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32), "mask": np.ones((batch, seq), np.float32)}
+    mask = np.ones((batch, seq), np.float32)
+    yield {"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32), "mask": mask}
 
 
 def moved_parts(before, after) -> list[str]:
@@ -42,7 +43,9 @@ def moved_parts(before, after) -> list[str]:
 
 def main():
   mesh = md.make_mesh(data=2, tensor=4)
-  teacher_cfg = md.ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
+  teacher_cfg = md.ModelConfig(
+      vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16
+  )
   student_cfg = teacher_cfg.replace(n_layers=N_LAYERS, d_model=16, mlp_hidden=32)
   teacher = md.init_model(teacher_cfg, seed=0, mesh=mesh)
   student = md.init_model(student_cfg, seed=1, mesh=mesh)

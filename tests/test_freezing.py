@@ -200,8 +200,8 @@ def test_default_recipe_and_fraction_rounding():
     [
         (lambda: check_stages([Stage(start_step=0, lr=1e-3), Stage(start_step=0, lr=1e-4)], 4), "start_step"),
         (lambda: check_stages([Stage(start_step=5, lr=1e-3), Stage(start_step=2, lr=1e-4)], 4), "start_step"),
-        (lambda: check_stages([Stage(start_step=0, lr=1e-3), Stage(start_step=9, lr=1e-4), Stage(start_step=3, lr=1e-5)], 4),
-         "strictly increase"),
+        (lambda: check_stages([Stage(start_step=0, lr=1e-3), Stage(start_step=9, lr=1e-4),
+                               Stage(start_step=3, lr=1e-5)], 4), "strictly increase"),
         (lambda: Stage(start_step=0, freeze=1.5, lr=1e-3), "Stage.freeze=1.5"),
         (lambda: Stage(start_step=0, freeze=-0.1, lr=1e-3), "Stage.freeze"),
         (lambda: progressive_freeze([Stage(start_step=0, freeze=(0, 4), lr=1e-3)], 4), "n_layers=4"),

@@ -162,10 +162,11 @@ def test_fallback_strategy_is_logit_mse_and_mse_is_zero_on_matching_logits():
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(5, 8)), jnp.float32)
   mask = jnp.asarray([1, 1, 1, 0, 0], jnp.float32)
-  same = LogitMSE(alpha=1.0).per_sequence({}, ModelOutput(logits), ModelOutput(logits + 3.0), jnp.zeros(5, int), mask, 0)
+  targets = jnp.zeros(5, int)
+  same = LogitMSE(alpha=1.0).per_sequence({}, ModelOutput(logits), ModelOutput(logits + 3.0), targets, mask, 0)
   assert float(same["mse"]) == pytest.approx(0.0, abs=1e-10)  # a per-token offset is not a difference
   shifted = logits.at[3:].add(100.0)  # changes on masked tokens only
-  out = LogitMSE(alpha=1.0).per_sequence({}, ModelOutput(shifted), ModelOutput(logits), jnp.zeros(5, int), mask, 0)
+  out = LogitMSE(alpha=1.0).per_sequence({}, ModelOutput(shifted), ModelOutput(logits), targets, mask, 0)
   assert float(out["loss"]) == pytest.approx(0.0, abs=1e-10)
 
 

@@ -86,7 +86,8 @@ class Stage:
   def __post_init__(self):
     if isinstance(self.start_step, bool) or not isinstance(self.start_step, (int, np.integer)) or self.start_step < 0:
       raise ValueError(f"Stage.start_step={self.start_step!r} must be a non-negative integer step number")
-    if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (math.isfinite(self.lr) and self.lr > 0):
+    lr_ok = isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool) and math.isfinite(self.lr)
+    if not (lr_ok and self.lr > 0):
       raise ValueError(f"Stage.lr={self.lr!r} must be a finite number > 0 (e.g. 1e-4)")
     f = self.freeze
     if isinstance(f, (int, float, np.integer, np.floating)) and not isinstance(f, bool):
@@ -364,7 +365,7 @@ def freeze_status(opt_state) -> dict[str, float] | None:
 
 
 def describe_stages(stages: Sequence[Stage], n_layers: int) -> list[str]:
-  """One readable line per stage (for logs): steps, lr, frozen blocks, embeddings and head."""
+  """One readable line per stage (for logs): steps, lr, frozen blocks, embeddings (a tied head follows them), head."""
   table = trainable_table(stages, n_layers)
   lines = []
   for k, s in enumerate(stages):
@@ -373,6 +374,6 @@ def describe_stages(stages: Sequence[Stage], n_layers: int) -> list[str]:
     lines.append(
         f"stage {k + 1} (steps {s.start_step}..{end}): lr={s.lr:g}, frozen blocks {frozen}, "
         f"embeddings {'trainable' if table[k, n_layers + _EMBED] else 'frozen'}, "
-        f"final norm/head {'trainable' if table[k, n_layers + _HEAD] else 'frozen'}"
+        f"final norm and untied head {'trainable' if table[k, n_layers + _HEAD] else 'frozen'}"
     )
   return lines

@@ -159,7 +159,8 @@ def rebuild_with_remat(distiller, remat: str):
   """
   from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
 
-  student = with_remat(nnx.merge(distiller.student_def, distiller._student_init), remat)  # pylint: disable=protected-access
+  initial = distiller._student_init  # pylint: disable=protected-access
+  student = with_remat(nnx.merge(distiller.student_def, initial), remat)
   teacher = nnx.merge(distiller.teacher_def, distiller.unreplicate(distiller.teacher_params))
   return Distiller(student, teacher, strategy=distiller.strategy, optimizer=distiller.optimizer, mesh=distiller.mesh,
                    backend=distiller.backend, seed=distiller.seed)

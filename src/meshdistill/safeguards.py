@@ -171,7 +171,8 @@ def fallback_strategy(strategy: Any) -> Any:
   if isinstance(strategy, ScaledLoss):
     return ScaledLoss(fallback_strategy(strategy.strategy), strategy.scale)
   fields = {f.name for f in dataclasses.fields(strategy)} if dataclasses.is_dataclass(strategy) else set()
-  if isinstance(strategy, LogitKD) and {"divergence", "top_k"} <= fields and "mse" in getattr(losses, "DIVERGENCES", {}):
+  has_mse = "mse" in getattr(losses, "DIVERGENCES", {})
+  if isinstance(strategy, LogitKD) and {"divergence", "top_k"} <= fields and has_mse:
     return dataclasses.replace(strategy, divergence="mse", top_k=None)
   alpha = getattr(strategy, "alpha", 0.5)
   return LogitMSE(alpha=alpha if callable(alpha) or isinstance(alpha, (int, float)) else 0.5)
@@ -328,7 +329,8 @@ def fit_guarded(
         )
       state = guard.restore()
       if runners["fallback"] is None:
-        runners["fallback"] = distiller.with_strategy(fallback if fallback is not None else fallback_strategy(distiller.strategy))
+        backup = fallback if fallback is not None else fallback_strategy(distiller.strategy)
+        runners["fallback"] = distiller.with_strategy(backup)
       restored = freeze_status(state.opt_state)
       active, fallback_stage = "fallback", (None if restored is None else restored["next_stage"])
       guard.reset_history()
