@@ -1,6 +1,6 @@
 """meshdistill: knowledge distillation of language models on a JAX (data, tensor) mesh."""
 
-from meshdistill import data, losses, strategies
+from meshdistill import data, losses, schedules, strategies
 from meshdistill.data import DataConfig, build_data
 from meshdistill.distiller import Distiller, default_optimizer
 from meshdistill.mesh import AXES, DATA, TENSOR, host_to_global, make_mesh, simulate_cpu_devices
@@ -45,6 +45,7 @@ __all__ = [
     "param_count",
     "per_device_step",
     "shard_model",
+    "schedules",
     "simulate_cpu_devices",
     "strategies",
     "wrap_step",
