@@ -1,8 +1,19 @@
 """meshdistill: knowledge distillation of language models on a JAX (data, tensor) mesh."""
 
-from meshdistill import data, losses, schedules, strategies
+from meshdistill import data, freezing, losses, memory, safeguards, schedules, strategies
 from meshdistill.data import DataConfig, build_data
 from meshdistill.distiller import Distiller, default_optimizer
+from meshdistill.freezing import Stage, default_stages, freeze_status, progressive_freeze
+from meshdistill.memory import MemoryReport, fit_remat, step_memory
+from meshdistill.safeguards import (
+    DivergenceGuard,
+    LogitMSE,
+    ScaledLoss,
+    fallback_strategy,
+    fit_guarded,
+    safeguarded,
+    skipped_updates,
+)
 from meshdistill.mesh import AXES, DATA, TENSOR, host_to_global, make_mesh, simulate_cpu_devices
 from meshdistill.models import Decoder, ModelConfig, ModelOutput, init_model, param_count, shard_model
 from meshdistill.step import TrainState, per_device_step, wrap_step
@@ -19,34 +30,51 @@ from meshdistill.strategies import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "AXES",
     "AttentionTransfer",
+    "AXES",
+    "build_data",
     "ChunkedLogitKD",
     "Composite",
     "DATA",
+    "data",
     "DataConfig",
     "Decoder",
+    "default_optimizer",
+    "default_stages",
+    "Distiller",
+    "DivergenceGuard",
+    "fallback_strategy",
     "FeaturePooling",
     "FeatureProjection",
+    "fit_guarded",
+    "fit_remat",
+    "freeze_status",
+    "freezing",
     "HardLabelCE",
-    "Distiller",
-    "LogitKD",
-    "ModelConfig",
-    "ModelOutput",
-    "TENSOR",
-    "TrainState",
-    "build_data",
-    "data",
-    "default_optimizer",
     "host_to_global",
     "init_model",
+    "LogitKD",
+    "LogitMSE",
     "losses",
     "make_mesh",
+    "memory",
+    "MemoryReport",
+    "ModelConfig",
+    "ModelOutput",
     "param_count",
     "per_device_step",
-    "shard_model",
+    "progressive_freeze",
+    "safeguarded",
+    "safeguards",
+    "ScaledLoss",
     "schedules",
+    "shard_model",
     "simulate_cpu_devices",
+    "skipped_updates",
+    "Stage",
+    "step_memory",
     "strategies",
+    "TENSOR",
+    "TrainState",
     "wrap_step",
 ]
