@@ -45,7 +45,8 @@ class Distiller:
 
   Args:
     student, teacher: `Decoder` modules (built with `init_model`; placed anywhere, they
-      are moved onto the layout). Their vocabularies must match.
+      are moved onto the layout). Their vocabularies must match, up to padding rows: see
+      `resolve_shared_vocab` and ``shared_vocab`` (an explicit shared token range).
     strategy: what to distil (default `LogitKD()`: tau=2, alpha=0.5).
     optimizer: an optax transformation for the student (default `default_optimizer()`).
     mesh: a ``(data, tensor)`` mesh from `make_mesh`; ``None`` means one device.
@@ -63,13 +64,9 @@ class Distiller:
       mesh: Mesh | None = None,
       backend: str | None = None,
       seed: int = 0,
+      shared_vocab: int | None = None,
   ):
-    if teacher.cfg.vocab_size != student.cfg.vocab_size:
-      raise ValueError(
-          f"teacher vocab_size={teacher.cfg.vocab_size} != student vocab_size={student.cfg.vocab_size}; "
-          "distillation compares distributions token by token, so both models need the same vocabulary "
-          "(build the student with vocab_size equal to the teacher's)"
-      )
+    self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
     backend = backend or ("shard_map" if mesh is not None else "single")
     if backend not in BACKENDS:
       raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
@@ -106,6 +103,7 @@ class Distiller:
         teacher_def=self.teacher_def,
         strategy=self.strategy,
         optimizer=self.optimizer,
+        vocab=self.shared_vocab,
     )
     self._compiled = None
 
@@ -226,6 +224,44 @@ class Distiller:
   def student(self, state: TrainState) -> Decoder:
     """The student module holding the parameters of ``state``."""
     return nnx.merge(self.student_def, self.unreplicate(state.params)["student"])
+
+
+PADDING_TOLERANCE = 0.01  # vocabularies this close (relative to the larger) differ by padding rows
+
+
+def resolve_shared_vocab(teacher_vocab: int, student_vocab: int, shared_vocab: int | None = None) -> int | None:
+  """The token range both models are compared on, or ``None`` when their vocabularies are equal.
+
+  One tokenizer's models often pad the embedding to different sizes (Qwen2.5: 152064 for 7B,
+  151936 for 0.5B); the rows past the tokenizer are never produced by it. Sizes within
+  ``PADDING_TOLERANCE`` (1 %) of each other are taken as such padding and compared on
+  ``[0, min(sizes))``, with a logged note. Other differences mean different tokenizers and
+  raise, unless ``shared_vocab`` names the range explicitly (then 1 <= shared_vocab <= both).
+  Inside the step both models' logits are sliced ``logits[..., :shared]``; keep it a
+  multiple of the ``tensor`` size so the slice stays vocabulary-parallel.
+  """
+  small, large = sorted((teacher_vocab, student_vocab))
+  if shared_vocab is not None:
+    if not isinstance(shared_vocab, int) or not 1 <= shared_vocab <= small:
+      raise ValueError(
+          f"shared_vocab={shared_vocab!r} must be an integer in [1, {small}] (teacher vocab_size={teacher_vocab}, "
+          f"student vocab_size={student_vocab})"
+      )
+    return None if shared_vocab == large else shared_vocab
+  if small == large:
+    return None
+  if large - small > PADDING_TOLERANCE * large:
+    raise ValueError(
+        f"teacher vocab_size={teacher_vocab} != student vocab_size={student_vocab}; distillation compares "
+        "distributions token by token, so both models need the same tokenizer (build the student with "
+        f"vocab_size={teacher_vocab}); if they do share one and the larger is only padded, pass "
+        f"shared_vocab=<tokenizer size, at most {small}>"
+    )
+  log.info(
+      "teacher vocab_size=%d, student vocab_size=%d: treating the extra %d rows as padding of one tokenizer and "
+      "distilling over token ids [0, %d)", teacher_vocab, student_vocab, large - small, small,
+  )
+  return small
 
 
 def _stack(tree, n: int):

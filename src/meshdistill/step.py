@@ -65,8 +65,12 @@ def per_device_step(
     strategy: Any,
     optimizer: optax.GradientTransformation,
     data_axis: str | None,
+    vocab: int | None = None,
 ):
   """One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``.
+
+  ``vocab``: when teacher and student vocabularies differ only by padding rows, the shared
+  range ``[0, vocab)``; both models' logits (and LM heads) are sliced to it before the loss.
 
   Returns ``(new_state, metrics)``; metrics are token means over the global batch
   (plus ``grad_norm`` and ``tokens``), identical on every device.
@@ -80,17 +84,17 @@ def per_device_step(
   mask_BxT = batch["mask"].astype(jnp.float32)
 
   teacher = nnx.merge(teacher_def, teacher_params)
-  teacher_out = jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits))
-  teacher_head = jax.lax.stop_gradient(teacher.head_weight()) if with_head else None
+  teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
+  teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
 
   tokens = _psum(jnp.sum(mask_BxT), data_axis)
   denom = jnp.maximum(tokens, 1.0)
 
   def loss_fn(params):
     student = nnx.merge(student_def, params["student"])
-    student_out = student(inputs_BxT, capture=capture, logits=with_logits)
+    student_out = _vocab_slice(student(inputs_BxT, capture=capture, logits=with_logits), vocab)
     if with_head:  # token sums over all local rows; heads [D, V] with V split over `tensor`
-      heads = (student.head_weight(), teacher_head)
+      heads = (student.head_weight()[:, :vocab], teacher_head)
       sums = strategy.per_batch(params["strategy"], student_out, teacher_out, heads, targets_BxT, mask_BxT, state.step)
       return sums["loss"] / denom, sums
     per_seq = jax.vmap(strategy.per_sequence, in_axes=(None, 0, 0, 0, 0, None))
@@ -109,6 +113,13 @@ def per_device_step(
   metrics["grad_norm"] = optax.global_norm(grads)
   metrics["tokens"] = tokens
   return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def _vocab_slice(out, vocab: int | None):
+  """``out`` with logits [B, T, V] cut to [B, T, vocab] (still split over ``tensor``); ``vocab=None`` keeps all."""
+  if vocab is None or out.logits is None or out.logits.shape[-1] == vocab:
+    return out
+  return out._replace(logits=out.logits[..., :vocab])
 
 
 def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = None):

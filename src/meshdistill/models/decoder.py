@@ -49,6 +49,38 @@ REMAT_POLICIES = {
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+  """Llama-3 rotary frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type="llama3"``).
+
+  Wavelengths longer than ``original_max_len / low_freq_factor`` are stretched by ``factor``,
+  those shorter than ``original_max_len / high_freq_factor`` kept, the band between blended.
+  """
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int = 8192
+
+  def __post_init__(self):
+    if not self.high_freq_factor > self.low_freq_factor > 0 or self.factor <= 0 or self.original_max_len < 1:
+      raise ValueError(
+          f"RopeScaling{dataclasses.astuple(self)} needs factor > 0, high_freq_factor > low_freq_factor > 0 "
+          "and original_max_len >= 1 (e.g. Llama 3.1: factor=8, low_freq_factor=1, high_freq_factor=4, "
+          "original_max_len=8192)"
+      )
+
+  def apply(self, inv_freq: jax.Array) -> jax.Array:
+    """Scaled inverse frequencies ``[K/2]`` from the plain ones."""
+    wavelen = 2 * jnp.pi / inv_freq
+    low_wavelen = self.original_max_len / self.low_freq_factor
+    high_wavelen = self.original_max_len / self.high_freq_factor
+    smooth = (self.original_max_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+    out = jnp.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+    return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), blended, out)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
   """Sizes of a decoder. Head dimension is ``d_model // n_heads`` unless given."""
 
@@ -65,8 +97,13 @@ class ModelConfig:
   tie_embeddings: bool = True
   dtype: str = "float32"  # compute dtype of activations; params stay float32
   remat: str = "none"  # per-block rematerialisation policy, a key of REMAT_POLICIES
+  qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3)
+  qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+  rope_scaling: RopeScaling | None = None  # Llama-3 frequency scaling (a dict of its fields also works)
 
   def __post_init__(self):
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "max_len"):
       v = getattr(self, name)
       if not isinstance(v, int) or v < 1:
@@ -135,10 +172,12 @@ def _part(init, *names):
   return nnx.with_partitioning(init, names)
 
 
-def rope(x_BxTxHxK: jax.Array, theta: float) -> jax.Array:
+def rope(x_BxTxHxK: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
   """Rotary position embedding on the last axis (rotate-half convention)."""
   T, K = x_BxTxHxK.shape[1], x_BxTxHxK.shape[-1]
   inv = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)  # [K/2]
+  if scaling is not None:
+    inv = scaling.apply(inv)
   ang_TxK2 = jnp.arange(T, dtype=jnp.float32)[:, None] * inv[None, :]
   sin = jnp.sin(ang_TxK2)[None, :, None, :]
   cos = jnp.cos(ang_TxK2)[None, :, None, :]
@@ -153,13 +192,17 @@ class Attention(nnx.Module):
     self.cfg = cfg
     init = nnx.initializers.lecun_normal()
     D, H, KV, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd
-    lin = lambda i, o, names: nnx.Linear(  # noqa: E731
-        i, o, use_bias=False, kernel_init=_part(init, *names), dtype=cfg.compute_dtype, rngs=rngs
+    lin = lambda i, o, names, bias=False: nnx.Linear(  # noqa: E731
+        i, o, use_bias=bias, kernel_init=_part(init, *names), bias_init=_part(nnx.initializers.zeros, names[1]),
+        dtype=cfg.compute_dtype, rngs=rngs
     )
-    self.q = lin(D, H * K, (None, TENSOR))
-    self.k = lin(D, KV * K, (None, TENSOR))
-    self.v = lin(D, KV * K, (None, TENSOR))
+    self.q = lin(D, H * K, (None, TENSOR), cfg.qkv_bias)
+    self.k = lin(D, KV * K, (None, TENSOR), cfg.qkv_bias)
+    self.v = lin(D, KV * K, (None, TENSOR), cfg.qkv_bias)
     self.o = lin(H * K, D, (TENSOR, None))
+    if cfg.qk_norm:  # per-head RMSNorm over head_dim, scales [K] replicated
+      self.q_norm = nnx.RMSNorm(K, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
+      self.k_norm = nnx.RMSNorm(K, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
 
   def __call__(self, x_BxTxD: jax.Array, want_probs: bool):
     cfg = self.cfg
@@ -167,7 +210,9 @@ class Attention(nnx.Module):
     q = einops.rearrange(self.q(x_BxTxD), "b t (h k) -> b t h k", k=K)
     k = einops.rearrange(self.k(x_BxTxD), "b t (h k) -> b t h k", k=K)
     v = einops.rearrange(self.v(x_BxTxD), "b t (h k) -> b t h k", k=K)
-    q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = rope(q, cfg.rope_theta, cfg.rope_scaling), rope(k, cfg.rope_theta, cfg.rope_scaling)
     group = cfg.n_heads // cfg.n_kv_heads
     k = einops.repeat(k, "b t g k -> b t (g r) k", r=group)
     v = einops.repeat(v, "b t g k -> b t (g r) k", r=group)

@@ -1,0 +1,125 @@
+"""Makes tiny random Hugging Face checkpoints and their transformers logits for tests/test_hf.py.
+
+Run by hand (needs torch and transformers, which the test suite itself does not):
+
+    pip install torch==2.13.0
+    python scripts/make_hf_fixtures.py                  # writes tests/fixtures/hf_*
+    python scripts/make_hf_fixtures.py --check-export   # meshdistill export -> transformers logits
+
+Each fixture directory holds config.json, bfloat16 safetensors weights (the Llama one sharded,
+with model.safetensors.index.json) and ``reference.npz`` = {tokens [2, 12] int32, logits
+[2, 12, V] float32} computed by transformers in float32 from exactly the stored weights.
+Norm scales and biases are randomised too, so a mis-mapped norm or bias changes the logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import transformers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+TOKENS = np.random.default_rng(0).integers(0, 128, (2, 12)).astype(np.int32)
+
+COMMON = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+              max_position_embeddings=64, hidden_act="silu")
+MODELS = {
+    # Llama 3.x: untied head, rope_theta 500000 and Llama-3 frequency scaling whose bands all
+    # fall inside head_dim=16 (original_max_position_embeddings=16); sharded safetensors.
+    "hf_llama": (
+        transformers.LlamaConfig,
+        dict(COMMON, hidden_size=64, intermediate_size=96, tie_word_embeddings=False, rope_theta=500_000.0,
+             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_max_position_embeddings=16)),
+        transformers.LlamaForCausalLM,
+        "40KB",
+    ),
+    # Qwen3: q/k RMSNorm, explicit head_dim (4 x 16 = 64 != hidden 48), tied embeddings.
+    "hf_qwen3": (
+        transformers.Qwen3Config,
+        dict(COMMON, hidden_size=48, head_dim=16, intermediate_size=96, tie_word_embeddings=True,
+             rope_theta=1_000_000.0),
+        transformers.Qwen3ForCausalLM,
+        None,
+    ),
+    # Qwen2: q/k/v biases.
+    "hf_qwen2": (
+        transformers.Qwen2Config,
+        dict(COMMON, hidden_size=32, intermediate_size=64, num_hidden_layers=1, tie_word_embeddings=False,
+             rope_theta=1_000_000.0),
+        transformers.Qwen2ForCausalLM,
+        None,
+    ),
+}
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+  g = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+      elif name.endswith("bias"):
+        p.copy_(0.2 * torch.randn(p.shape, generator=g))
+      else:
+        p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+      p.copy_(p.to(torch.bfloat16).to(torch.float32))  # exactly what the bfloat16 files hold
+
+
+def logits_of(model: torch.nn.Module, tokens: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.from_numpy(tokens).long()).logits.float().numpy()
+
+
+def make(name: str, seed: int) -> None:
+  config_cls, kw, model_cls, shard_size = MODELS[name]
+  torch.manual_seed(seed)
+  model = model_cls(config_cls(**kw)).float().eval()
+  _randomise(model, seed)
+  logits = logits_of(model, TOKENS)
+  out = FIXTURES / name
+  out.mkdir(parents=True, exist_ok=True)
+  for old in out.glob("*.safetensors*"):
+    old.unlink()
+  model.to(torch.bfloat16).save_pretrained(out, max_shard_size=shard_size or "1GB", safe_serialization=True)
+  np.savez_compressed(out / "reference.npz", tokens=TOKENS, logits=logits)
+  size = sum(p.stat().st_size for p in out.iterdir())
+  print(f"{name}: {sorted(p.name for p in out.iterdir())}, {size / 1024:.0f} KiB")
+
+
+def check_export() -> int:
+  """Loads each fixture with meshdistill, exports it, loads the export with transformers, compares logits."""
+  sys.path.insert(0, str(ROOT / "src"))
+  from meshdistill.models.hf import export_hf, load_hf
+
+  worst = 0.0
+  for name in MODELS:
+    ref = np.load(FIXTURES / name / "reference.npz")
+    with tempfile.TemporaryDirectory() as tmp:
+      export_hf(load_hf(FIXTURES / name), tmp, tokenizer=None)
+      reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+      err = float(np.abs(logits_of(reloaded, ref["tokens"]) - ref["logits"]).max())
+    print(f"{name}: transformers logits of the meshdistill export, max |diff| = {err:.2e}")
+    worst = max(worst, err)
+  return 0 if worst < 1e-4 else 1
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--check-export", action="store_true", help="verify meshdistill exports with transformers")
+  args = parser.parse_args()
+  if args.check_export:
+    return check_export()
+  for i, name in enumerate(MODELS):
+    make(name, seed=i)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,258 @@
+"""Hugging Face safetensors checkpoints straight onto the mesh, and back out.
+
+`load_hf(path, mesh)` reads a local Hugging Face directory (``config.json`` plus
+``model.safetensors``, or sharded ``model-0000x-of-0000n.safetensors`` with
+``model.safetensors.index.json``) of a Llama, Qwen3 or Qwen2 causal LM into the built-in
+`Decoder`, its weights split over the mesh axis ``tensor`` exactly as `init_model` would
+split them. Every device reads only its own slice of each tensor from disk
+(``safe_open(...).get_slice(name)[...]`` inside `jax.make_array_from_callback`), so no
+device and no host buffer ever holds a full tensor-split weight.
+
+`export_hf(model, out_dir)` writes a decoder as a checkpoint that transformers (and so
+vLLM) loads: ``config.json``, ``model.safetensors`` and, when given, tokenizer files.
+
+Why the built-in decoder and not tunix's model classes: the decoder already is the Llama
+block (RMSNorm, rotate-half RoPE, GQA, SwiGLU); three default-off `ModelConfig` options
+(``qk_norm``, ``qkv_bias``, ``rope_scaling``) cover Qwen3, Qwen2 and Llama 3.x. With it a
+loaded teacher gets everything the distillation step needs -- per-layer hidden states,
+attention probabilities, the final hidden state and ``head_weight()`` for chunked losses,
+per-block remat -- with partitioning over ``tensor``. (tunix 0.1.7's Llama3 also ignores
+``rope_theta`` in its attention and has no Llama-3 frequency scaling, so its logits differ
+from transformers' for Llama 3.x checkpoints.) `meshdistill.models.tunix_adapter` wraps
+tunix's modules for users who already hold them.
+
+Layout: Hugging Face Linear weights are [out, in], the decoder's kernels [in, out]; each
+device reads the transposed window of its shard. Both store q/k in rotate-half order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from meshdistill.mesh import TENSOR
+from meshdistill.models._build import abstract_params
+from meshdistill.models._hf_config import SUPPORTED, config_from_hf, hf_config, weight_names
+from meshdistill.models.decoder import Decoder, ModelConfig
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+_DTYPES = ("float32", "bfloat16", "float16")
+
+__all__ = ["SUPPORTED", "config_from_hf", "export_hf", "hf_config", "load_hf", "read_hf_config"]
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+  """The parsed ``config.json`` of a Hugging Face model directory."""
+  file = Path(path) / "config.json"
+  if not file.is_file():
+    raise FileNotFoundError(f"{file} not found; a Hugging Face model directory holds config.json and *.safetensors")
+  return json.loads(file.read_text())
+
+
+def _weight_map(path: Path) -> dict[str, Path]:
+  """Tensor name -> safetensors file, from the index or the single file."""
+  index = path / INDEX_FILE
+  if index.is_file():
+    names = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(names, dict):
+      raise ValueError(f"{index} has no 'weight_map' object mapping tensor names to files")
+    files = {f: path / f for f in set(names.values())}
+    missing = sorted(f for f, p in files.items() if not p.is_file())
+    if missing:
+      raise FileNotFoundError(f"{index} lists {missing} but {'it is' if len(missing) == 1 else 'they are'} "
+                              f"missing from {path}; download the complete checkpoint")
+    return {n: files[f] for n, f in names.items()}
+  single = path / SINGLE_FILE
+  if single.is_file():
+    from safetensors import safe_open
+
+    with safe_open(single, "numpy") as f:
+      return {n: single for n in f.keys()}
+  raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def load_hf(
+    path: str | os.PathLike,
+    mesh: Mesh | None = None,
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    max_len: int | None = None,
+) -> Decoder:
+  """Loads a Hugging Face Llama / Qwen3 / Qwen2 causal-LM directory into a `Decoder`.
+
+  Args:
+    path: local directory with ``config.json`` and safetensors weights (single file or
+      sharded with ``model.safetensors.index.json``).
+    mesh: a ``(data, tensor)`` mesh; each weight is created split over ``tensor`` and
+      replicated over ``data``, each device reading only its slice from disk. ``None``:
+      one device.
+    dtype: compute dtype of activations (`ModelConfig.dtype`).
+    param_dtype: dtype the weights are stored in on device (``"float32"``, the decoder's
+      convention, or ``"bfloat16"`` / ``"float16"`` for a teacher too large for float32).
+    max_len: longest sequence the model accepts (default ``max_position_embeddings``).
+
+  Raises:
+    FileNotFoundError: a missing ``config.json`` or shard file (named).
+    ValueError: unsupported architecture, or a tensor whose shape disagrees with
+      ``config.json`` (names the tensor, the file and both shapes), or a missing tensor.
+  """
+  path = Path(path)
+  if param_dtype not in _DTYPES:
+    raise ValueError(f"param_dtype={param_dtype!r}; choose one of {_DTYPES}")
+  cfg = config_from_hf(read_hf_config(path), max_len=max_len, dtype=dtype, where=str(path / "config.json"))
+  if mesh is not None:
+    cfg.check_tensor_split(mesh.shape[TENSOR])
+  where = _weight_map(path)
+  graphdef, abstract, shardings = abstract_params(cfg, mesh)
+  flat_abstract = nnx.to_flat_state(abstract)
+  flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+  target = np.dtype(jax.numpy.dtype(param_dtype))
+  used = set()
+  with contextlib.ExitStack() as stack:
+    from safetensors import safe_open
+
+    handles: dict[Path, Any] = {}
+
+    def handle(file: Path):
+      if file not in handles:
+        handles[file] = stack.enter_context(safe_open(file, "numpy"))
+      return handles[file]
+
+    leaves = []
+    for key, var in flat_abstract:
+      name, transposed = weight_names(key)
+      if name not in where:
+        raise ValueError(f"tensor {name!r} (for {'.'.join(map(str, key))}) is not in the checkpoint at {path}; "
+                         f"config.json describes a model that needs it")
+      used.add(name)
+      sl = handle(where[name]).get_slice(name)
+      hf_shape = tuple(sl.get_shape())
+      shape = tuple(var.get_value().shape)
+      expect = shape[::-1] if transposed else shape
+      if hf_shape != expect:
+        raise ValueError(f"tensor {name!r} in {where[name].name} has shape {list(hf_shape)} but config.json implies "
+                         f"{list(expect)}; the config does not match the weights")
+      sharding = flat_shardings.get(key)
+      sharding = sharding.get_value() if hasattr(sharding, "get_value") else sharding
+      sharding = sharding or SingleDeviceSharding(jax.devices()[0])
+
+      def read(index, sl=sl, transposed=transposed):
+        window = tuple(index[::-1]) if transposed else tuple(index)
+        block = np.asarray(sl[window])
+        return np.ascontiguousarray(block.T if transposed else block, dtype=target)
+
+      leaves.append((key, var.replace(jax.make_array_from_callback(shape, sharding, read))))
+  extra = sorted(set(where) - used)
+  if extra:
+    ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    odd = [n for n in extra if n not in ignorable and not n.endswith("rotary_emb.inv_freq")]
+    if odd:
+      log.warning("%s: %d tensors not used by the decoder: %s", path, len(odd), odd[:8])
+  log.info("loaded %s (%s, %d layers) from %s", SUPPORTED.get((read_hf_config(path).get("architectures") or [""])[0]),
+           cfg.d_model, cfg.n_layers, path)
+  return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def _host_value(x: jax.Array) -> np.ndarray:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
+def _write_tokenizer(tokenizer: Any, out: Path) -> list[str]:
+  if isinstance(tokenizer, (str, os.PathLike)):
+    src = Path(tokenizer)
+    src_dir = src if src.is_dir() else src.parent
+    names = [n for n in TOKENIZER_FILES if (src_dir / n).is_file()] if src.is_dir() else [src.name]
+    if not names:
+      raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} holds none of {TOKENIZER_FILES}")
+    for n in names:
+      shutil.copyfile(src_dir / n, out / n)
+    return names
+  if hasattr(tokenizer, "save_pretrained"):  # a transformers tokenizer
+    tokenizer.save_pretrained(str(out))
+    return sorted(p.name for p in out.iterdir() if p.name in TOKENIZER_FILES)
+  hf_tok = getattr(tokenizer, "hf_tokenizer", None)  # meshdistill.data.HFTokenizer
+  if hf_tok is not None and hasattr(hf_tok, "save"):
+    hf_tok.save(str(out / "tokenizer.json"))
+    return ["tokenizer.json"]
+  if hasattr(tokenizer, "to_str"):  # a `tokenizers.Tokenizer`
+    (out / "tokenizer.json").write_text(tokenizer.to_str())
+    return ["tokenizer.json"]
+  raise TypeError(
+      f"tokenizer of type {type(tokenizer).__name__} cannot be exported; pass a Hugging Face model directory, "
+      "a transformers tokenizer or a tokenizers.Tokenizer"
+  )
+
+
+def export_hf(
+    model: Decoder,
+    out_dir: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    family: str | None = None,
+    dtype: str = "float32",
+) -> Path:
+  """Writes ``model`` as a Hugging Face checkpoint directory loadable by transformers / vLLM / tunix.
+
+  Args:
+    model: a `Decoder` (sharded or not; weights are gathered to the host one at a time).
+    out_dir: created if needed; receives ``config.json`` and ``model.safetensors``.
+    tokenizer: optional; a Hugging Face model directory (its tokenizer files are copied),
+      a transformers tokenizer, a `meshdistill.data` HF tokenizer or a `tokenizers.Tokenizer`.
+    family: ``"llama"``, ``"qwen3"`` or ``"qwen2"``; default from the config (qwen3 with
+      ``qk_norm``, qwen2 with ``qkv_bias``, else llama).
+    dtype: dtype of the written weights: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+
+  Returns the output directory. In a multi-process run every process must call it; only
+  process 0 writes.
+  """
+  from safetensors.numpy import save_file
+
+  if dtype not in _DTYPES:
+    raise ValueError(f"dtype={dtype!r}; choose one of {_DTYPES}")
+  cfg: ModelConfig = model.cfg
+  config = hf_config(cfg, family, torch_dtype=dtype)
+  target = np.dtype(jax.numpy.dtype(dtype))
+  tensors = {}
+  for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    name, transposed = weight_names(key)
+    value = _host_value(var.get_value())
+    tensors[name] = np.ascontiguousarray(value.T if transposed else value, dtype=target)
+  out = Path(out_dir)
+  if jax.process_index() != 0:
+    return out
+  out.mkdir(parents=True, exist_ok=True)
+  save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+  (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+  written = [] if tokenizer is None else _write_tokenizer(tokenizer, out)
+  log.info("exported %s (%d tensors%s) to %s", config["architectures"][0], len(tensors),
+           f", tokenizer {written}" if written else "", out)
+  return out
