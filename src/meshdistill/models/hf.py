@@ -127,55 +127,94 @@ def load_hf(
   cfg = config_from_hf(read_hf_config(path), max_len=max_len, dtype=dtype, where=str(path / "config.json"))
   if mesh is not None:
     cfg.check_tensor_split(mesh.shape[TENSOR])
-  where = _weight_map(path)
   graphdef, abstract, shardings = abstract_params(cfg, mesh)
-  flat_abstract = nnx.to_flat_state(abstract)
-  flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
-  target = np.dtype(jax.numpy.dtype(param_dtype))
-  used = set()
-  with contextlib.ExitStack() as stack:
-    from safetensors import safe_open
-
-    handles: dict[Path, Any] = {}
-
-    def handle(file: Path):
-      if file not in handles:
-        handles[file] = stack.enter_context(safe_open(file, "numpy"))
-      return handles[file]
-
-    leaves = []
-    for key, var in flat_abstract:
-      name, transposed = weight_names(key)
-      if name not in where:
-        raise ValueError(f"tensor {name!r} (for {'.'.join(map(str, key))}) is not in the checkpoint at {path}; "
-                         f"config.json describes a model that needs it")
-      used.add(name)
-      sl = handle(where[name]).get_slice(name)
-      hf_shape = tuple(sl.get_shape())
-      shape = tuple(var.get_value().shape)
-      expect = shape[::-1] if transposed else shape
-      if hf_shape != expect:
-        raise ValueError(f"tensor {name!r} in {where[name].name} has shape {list(hf_shape)} but config.json implies "
-                         f"{list(expect)}; the config does not match the weights")
-      sharding = flat_shardings.get(key)
-      sharding = sharding.get_value() if hasattr(sharding, "get_value") else sharding
-      sharding = sharding or SingleDeviceSharding(jax.devices()[0])
-
-      def read(index, sl=sl, transposed=transposed):
-        window = tuple(index[::-1]) if transposed else tuple(index)
-        block = np.asarray(sl[window])
-        return np.ascontiguousarray(block.T if transposed else block, dtype=target)
-
-      leaves.append((key, var.replace(jax.make_array_from_callback(shape, sharding, read))))
+  state, where, used = read_onto_mesh(path, abstract, shardings, _decoder_names, param_dtype)
   extra = sorted(set(where) - used)
   if extra:
     ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
     odd = [n for n in extra if n not in ignorable and not n.endswith("rotary_emb.inv_freq")]
     if odd:
       log.warning("%s: %d tensors not used by the decoder: %s", path, len(odd), odd[:8])
-  log.info("loaded %s (%s, %d layers) from %s", SUPPORTED.get((read_hf_config(path).get("architectures") or [""])[0]),
-           cfg.d_model, cfg.n_layers, path)
-  return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+  log.info("loaded %d layers, d_model=%d, vocab %d from %s", cfg.n_layers, cfg.d_model, cfg.vocab_size, path)
+  return nnx.merge(graphdef, state)
+
+
+def _decoder_names(key: tuple) -> tuple[str, str]:
+  name, transposed = weight_names(key)
+  return name, "T" if transposed else "same"
+
+
+def _hf_shape(shape: tuple, layout: str) -> tuple:
+  """The Hugging Face shape of a weight of ``shape`` stored in ``layout`` (see `read_onto_mesh`)."""
+  if layout == "same":
+    return shape
+  if layout == "T":
+    return shape[::-1]
+  if layout == "in_heads":  # [D, N, H] <- [N*H, D]
+    return (shape[1] * shape[2], shape[0])
+  if layout == "out_heads":  # [N, H, D] <- [D, N*H]
+    return (shape[2], shape[0] * shape[1])
+  raise ValueError(f"unknown layout {layout!r}")
+
+
+def _window(index: tuple, shape: tuple, layout: str):
+  """(Hugging Face window, fix(block) -> our block) for the device-local ``index`` into ``shape``."""
+  if layout == "same":
+    return tuple(index), lambda b: b
+  if layout == "T":
+    return tuple(index[::-1]), lambda b: b.T
+  heads, hd = (shape[1], shape[2]) if layout == "in_heads" else (shape[0], shape[1])
+  s_n = index[1] if layout == "in_heads" else index[0]
+  n0, n1, _ = s_n.indices(heads)
+  rows = slice(n0 * hd, n1 * hd)  # head-dim axis is never split, so the window is contiguous
+  if layout == "in_heads":
+    return (rows, index[0]), lambda b: b.T.reshape(b.shape[1], n1 - n0, hd)
+  return (index[2], rows), lambda b: b.T.reshape(n1 - n0, hd, b.shape[0])
+
+
+def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any, names, param_dtype: str = "float32"):
+  """Fills an abstract NNX state from a Hugging Face directory, each device reading only its window.
+
+  ``names(key) -> (hf_name, layout)`` for every parameter path; layout ``"same"``, ``"T"``
+  (HF [out, in] -> [in, out]), ``"in_heads"`` (HF [N*H, D] -> [D, N, H]) or ``"out_heads"``
+  (HF [D, N*H] -> [N, H, D]). ``shardings``: a state of `NamedSharding` like ``abstract``
+  or ``None`` (one device). Returns ``(state, weight_map, used_names)``.
+  """
+  path = Path(path)
+  where = _weight_map(path)
+  flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+  target = np.dtype(jax.numpy.dtype(param_dtype))
+  used = set()
+  leaves = []
+  with contextlib.ExitStack() as stack:
+    from safetensors import safe_open
+
+    handles: dict[Path, Any] = {}
+    for key, var in nnx.to_flat_state(abstract):
+      name, layout = names(key)
+      if name not in where:
+        raise ValueError(f"tensor {name!r} (for {'.'.join(map(str, key))}) is not in the checkpoint at {path}; "
+                         f"config.json describes a model that needs it")
+      used.add(name)
+      file = where[name]
+      if file not in handles:
+        handles[file] = stack.enter_context(safe_open(file, "numpy"))
+      sl = handles[file].get_slice(name)
+      shape = tuple(var.get_value().shape)
+      hf_shape, expect = tuple(sl.get_shape()), _hf_shape(shape, layout)
+      if hf_shape != expect:
+        raise ValueError(f"tensor {name!r} in {file.name} has shape {list(hf_shape)} but config.json implies "
+                         f"{list(expect)}; the config does not match the weights")
+      sharding = flat_shardings.get(key)
+      sharding = sharding.get_value() if hasattr(sharding, "get_value") else sharding
+      sharding = sharding or SingleDeviceSharding(jax.devices()[0])
+
+      def read(index, sl=sl, shape=shape, layout=layout):
+        window, fix = _window(index, shape, layout)
+        return np.ascontiguousarray(fix(np.asarray(sl[window])), dtype=target)
+
+      leaves.append((key, var.replace(jax.make_array_from_callback(shape, sharding, read))))
+  return nnx.from_flat_state(leaves), where, used
 
 
 def _host_value(x: jax.Array) -> np.ndarray:
