@@ -15,7 +15,16 @@ from meshdistill.safeguards import (
     skipped_updates,
 )
 from meshdistill.mesh import AXES, DATA, TENSOR, host_to_global, make_mesh, simulate_cpu_devices
-from meshdistill.models import Decoder, ModelConfig, ModelOutput, init_model, param_count, shard_model
+from meshdistill.models import (
+    Decoder,
+    ModelConfig,
+    ModelOutput,
+    export_hf,
+    init_model,
+    load_hf,
+    param_count,
+    shard_model,
+)
 from meshdistill.step import TrainState, per_device_step, wrap_step
 from meshdistill.strategies import (
     AttentionTransfer,
@@ -43,6 +52,7 @@ __all__ = [
     "default_stages",
     "Distiller",
     "DivergenceGuard",
+    "export_hf",
     "fallback_strategy",
     "FeaturePooling",
     "FeatureProjection",
@@ -55,6 +65,7 @@ __all__ = [
     "init_model",
     "LogitKD",
     "LogitMSE",
+    "load_hf",
     "losses",
     "make_mesh",
     "memory",

@@ -1,15 +1,32 @@
-"""Models: the built-in Llama-style decoder and its construction on a mesh."""
+"""Models: the built-in Llama-style decoder, its construction on a mesh, Hugging Face import/export.
+
+``meshdistill.models.tunix_adapter`` (tunix's Llama 3 / Qwen3 modules) is imported on use only.
+"""
 
 from meshdistill.models._build import abstract_params, init_model, shard_model
-from meshdistill.models.decoder import CAPTURABLE, Decoder, ModelConfig, ModelOutput, param_count
+from meshdistill.models.decoder import (
+    CAPTURABLE,
+    REMAT_POLICIES,
+    Decoder,
+    ModelConfig,
+    ModelOutput,
+    RopeScaling,
+    param_count,
+)
+from meshdistill.models.hf import export_hf, load_hf, read_hf_config
 
 __all__ = [
     "CAPTURABLE",
     "Decoder",
     "ModelConfig",
     "ModelOutput",
+    "REMAT_POLICIES",
+    "RopeScaling",
     "abstract_params",
+    "export_hf",
     "init_model",
+    "load_hf",
     "param_count",
+    "read_hf_config",
     "shard_model",
 ]
