@@ -1,0 +1,194 @@
+"""Quality benchmark: does distillation beat training the same student from scratch?
+
+Three models on the default corpus, all evaluated on the same validation batches:
+
+1. the teacher (loaded from the cache, or pretrained on hard labels with ``pretrain.*``);
+2. the student distilled from it (``distill.*`` recipe, ``train.*`` schedule);
+3. the SAME student architecture trained from scratch on hard labels only: same
+   initialisation seed, same number of steps, same data order (same data seed and batch
+   size), same learning-rate schedule and optimizer.
+
+Writes ``benchmarks/results/quality.md`` (validation loss and perplexity of each, the
+student/teacher parameter ratio, the distilled/scratch loss ratio against the 0.97 target)
+and appends the run to ``benchmarks/results/quality_runs.jsonl`` (every recipe tried).
+
+  python benchmarks/quality.py                              # the default config (main job's recipe)
+  python benchmarks/quality.py --config configs/quality.yaml --set distill.alpha=0.8
+
+Runs on the configured mesh (2x4 simulated CPU devices by default); expect tens of minutes
+on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TARGET_RATIO = 0.97
+MAX_PARAM_RATIO = 0.30
+
+
+def _args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--config", default=None, help="YAML file or packaged config name (default: the main job's)")
+  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+  p.add_argument("--run-root", default="runs/quality", help="where the two student runs write their run directories")
+  p.add_argument("--eval-batches", type=int, default=64, help="validation batches for the final numbers")
+  p.add_argument("--out", default=os.path.join(HERE, "results", "quality.md"))
+  p.add_argument("--note", default="", help="a remark stored with this run in quality_runs.jsonl")
+  return p.parse_args(argv)
+
+
+def _fit(trainer, data, cfg, run_dir, name):
+  from meshdistill.checkpoint import Checkpointer
+  from meshdistill.monitor import Monitor
+  from meshdistill.trainer import fit, lr_schedule
+
+  t = cfg.train
+  monitor = Monitor(run_dir, t.steps, stream=sys.stderr, name=name)
+  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+  try:
+    return fit(
+        trainer, data, steps=t.steps, kind=name, eval_every=t.eval_every, eval_batches=t.eval_batches,
+        log_every=t.log_every, checkpointer=ckpt, monitor=monitor, lr=lr_schedule(t),
+    )
+  finally:
+    ckpt.close()
+    monitor.close()
+
+
+def main(argv=None) -> int:
+  args = _args(argv)
+  from meshdistill.config import dump_config, load_config
+
+  cfg = load_config(args.config, args.overrides)
+  from meshdistill import jobs
+
+  jobs.prepare_devices(cfg)
+  import jax
+
+  from meshdistill.evaluate import Evaluator
+  from meshdistill.hardlabel import HardLabelTrainer
+  from meshdistill.models import init_model, param_count
+  from meshdistill.trainer import make_optimizer
+
+  t_start = time.perf_counter()
+  os.makedirs(args.run_root, exist_ok=True)
+  dump_config(cfg, os.path.join(args.run_root, "config.yaml"))
+  mesh = jobs.build_mesh(cfg)
+  data = jobs.load_data(cfg)
+  say = jobs.stream_reporter(sys.stderr)
+  t0 = time.perf_counter()
+  teacher, tdir = jobs.obtain_teacher(cfg, data, mesh, stream=sys.stderr, report=say)
+  teacher_seconds = time.perf_counter() - t0
+
+  distiller = jobs.make_distiller(cfg, teacher, mesh)
+  t0 = time.perf_counter()
+  distilled = _fit(distiller, data, cfg, os.path.join(args.run_root, "distill"), "distill")
+  distill_seconds = time.perf_counter() - t0
+
+  scratch_model = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
+  scratch = HardLabelTrainer(scratch_model, optimizer=make_optimizer(cfg.train), mesh=mesh, backend=cfg.mesh.backend)
+  t0 = time.perf_counter()
+  baseline = _fit(scratch, data, cfg, os.path.join(args.run_root, "scratch"), "scratch")
+  scratch_seconds = time.perf_counter() - t0
+
+  val = data.val_batches(max_batches=args.eval_batches)
+  ev_d = Evaluator.for_trainer(distiller)(distiller.unreplicate(distilled.state.params)["student"], val)
+  ev_s = Evaluator(scratch.student_def, teacher_def=distiller.teacher_def, teacher_params=distiller.teacher_params,
+                   mesh=distiller.mesh if distiller.backend == "shard_map" else None)(
+                       scratch.unreplicate(baseline.state.params)["student"], val)
+  n_t, n_s = param_count(teacher), param_count(distiller.student(distilled.state))
+  row = {
+      "date": datetime.datetime.now().isoformat(timespec="seconds"),
+      "config": args.config or "default",
+      "overrides": args.overrides,
+      "note": args.note,
+      "teacher": {"loss": ev_d["teacher_loss"], "ppl": ev_d["teacher_ppl"], "params": n_t},
+      "distilled": {k: ev_d[k] for k in ("loss", "ppl", "kl", "agree")} | {"params": n_s},
+      "scratch": {k: ev_s[k] for k in ("loss", "ppl", "kl", "agree")} | {"params": n_s},
+      "loss_ratio": ev_d["loss"] / ev_s["loss"],
+      "param_ratio": n_s / n_t,
+      "val_tokens": ev_d["tokens"],
+      "seconds": {"teacher": teacher_seconds, "distill": distill_seconds, "scratch": scratch_seconds,
+                  "total": time.perf_counter() - t_start},
+      "settings": {"teacher": cfg.to_dict()["teacher"], "student": cfg.to_dict()["student"],
+                   "distill": cfg.to_dict()["distill"], "train": cfg.to_dict()["train"],
+                   "pretrain": cfg.to_dict()["pretrain"], "data": cfg.to_dict()["data"], "mesh": cfg.to_dict()["mesh"]},
+      "devices": f"{jax.device_count()} x {jax.default_backend()}",
+      "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+  }
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(os.path.join(os.path.dirname(args.out), "quality_runs.jsonl"), "a", encoding="utf-8") as f:
+    f.write(json.dumps(row) + "\n")
+  with open(args.out, "w", encoding="utf-8") as f:
+    f.write(render(row, tdir, _history(os.path.join(os.path.dirname(args.out), "quality_runs.jsonl"))))
+  print(render(row, tdir, []))
+  return 0
+
+
+def _history(path):
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _recipe(r):
+  s = r["settings"]
+  d = s["distill"]
+  tau = d["temperature"]
+  tau = f"{tau['start']}->{tau['end']}" if isinstance(tau, dict) else f"{tau}"
+  m = lambda c: f"d{c['d_model']}xL{c['n_layers']}"  # noqa: E731
+  return (f"teacher {m(s['teacher'])} {s['pretrain']['steps']} steps; student {m(s['student'])} "
+          f"{s['train']['steps']} steps lr {s['train']['lr']}; tau {tau}, alpha {d['alpha']}")
+
+
+def render(r, tdir, history) -> str:
+  ok = r["loss_ratio"] <= TARGET_RATIO and r["param_ratio"] <= MAX_PARAM_RATIO
+  s = r["settings"]
+  lines = [
+      "# Quality benchmark: distilled student vs. the same student trained from scratch",
+      "",
+      f"Written by `benchmarks/quality.py` on {r['date']} ({r['devices']} devices, mesh "
+      f"{s['mesh']['data']}x{s['mesh']['tensor']}, {r['machine']}); config `{r['config']}`"
+      + (f" with `{' '.join('--set ' + o for o in r['overrides'])}`" if r["overrides"] else "") + ".",
+      "",
+      f"Corpus: `{s['data']['source']}` (max_chars {s['data']['max_chars']}), tokenizer `{s['data']['tokenizer']}`, "
+      f"seq_len {s['data']['seq_len']}; validation: {int(r['val_tokens']):,} tokens (held-out documents).",
+      "Both students: same architecture, initialisation seed, steps, batch size, data order and learning-rate "
+      "schedule; the scratch student sees only the hard labels.",
+      "",
+      "| model | params | val loss (nats/token) | val perplexity | KL(teacher‖model) | top-1 agreement |",
+      "|---|---:|---:|---:|---:|---:|",
+      f"| teacher | {r['teacher']['params']:,} | {r['teacher']['loss']:.4f} | {r['teacher']['ppl']:.3f} | – | – |",
+      f"| distilled student | {r['distilled']['params']:,} | {r['distilled']['loss']:.4f} | {r['distilled']['ppl']:.3f} "
+      f"| {r['distilled']['kl']:.4f} | {r['distilled']['agree']:.1%} |",
+      f"| scratch student | {r['scratch']['params']:,} | {r['scratch']['loss']:.4f} | {r['scratch']['ppl']:.3f} "
+      f"| {r['scratch']['kl']:.4f} | {r['scratch']['agree']:.1%} |",
+      "",
+      f"- student / teacher parameters: **{r['param_ratio']:.1%}** (target <= {MAX_PARAM_RATIO:.0%})",
+      f"- distilled / scratch validation loss: **{r['loss_ratio']:.4f}** (target <= {TARGET_RATIO})",
+      f"- target {'met' if ok else 'NOT met'}",
+      f"- wall time: teacher {r['seconds']['teacher']:.0f} s (0 when cached), distillation "
+      f"{r['seconds']['distill']:.0f} s, scratch {r['seconds']['scratch']:.0f} s, total {r['seconds']['total']:.0f} s",
+      "",
+      "Recipe: " + _recipe(r) + f"; divergence {s['distill']['divergence']}.",
+      "",
+  ]
+  if history:
+    lines += ["## Recipes tried", "", "| date | recipe | teacher loss | distilled | scratch | ratio | note |",
+              "|---|---|---:|---:|---:|---:|---|"]
+    for h in history:
+      lines.append(f"| {h['date']} | {_recipe(h)} | {h['teacher']['loss']:.4f} | {h['distilled']['loss']:.4f} | "
+                   f"{h['scratch']['loss']:.4f} | {h['loss_ratio']:.4f} | {h.get('note', '')} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

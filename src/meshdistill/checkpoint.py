@@ -1,0 +1,246 @@
+"""Checkpoints (orbax): train states for exact resume, and the pretrained-teacher cache.
+
+Train-state checkpoints (`Checkpointer`): one `orbax.checkpoint.CheckpointManager` step
+directory per saved step, holding three items:
+
+* ``state`` -- the whole `TrainState` (student and strategy parameters, optimizer state,
+  step) as arrays (``StandardSave``);
+* ``data``  -- the training iterator's position (``JsonSave``), so a resumed run reads
+  exactly the batches an uninterrupted run would;
+* ``meta``  -- what produced it (``JsonSave``): job kind, step, model configs, tokenizer
+  fingerprint, seed, mesh shape.
+
+There is no other random state to save: the train step is deterministic given the state
+and the batch (no dropout), parameters are initialised from the config's seed, and the
+data order is a function of the data seed and the iterator position above.
+
+Saves are atomic: orbax writes each step into a temporary directory and renames it when
+complete, so a process killed mid-save leaves the previous finished checkpoint as the
+latest loadable one (the half-written directory is ignored and cleaned up later).
+
+Restoring onto a different mesh (saved on 2x4, resumed on 4x2 or 1x8): the caller passes a
+freshly initialised state on the NEW layout as a template; every leaf becomes an abstract
+``jax.ShapeDtypeStruct(shape, dtype, sharding=<new sharding>)`` and orbax reads each shard
+straight into place.
+
+The teacher cache (`save_teacher` / `load_teacher`): a directory with ``params/`` (orbax),
+``teacher.json`` (its `ModelConfig`, the tokenizer's identity, how it was trained) and the
+tokenizer itself. Loading checks the architecture field by field against the configured
+teacher and the tokenizer against the run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from meshdistill.models import Decoder, ModelConfig
+from meshdistill.models._build import abstract_params
+from meshdistill.step import TrainState
+
+log = logging.getLogger(__name__)
+
+ITEMS = ("state", "data", "meta")
+TEACHER_FORMAT = "meshdistill.teacher/1"
+
+
+def _abstract(template: Any) -> Any:
+  """Abstract restore target: shape, dtype and sharding of every leaf of ``template``."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
+
+
+def _unstacked_template(trainer, state: TrainState) -> TrainState:
+  if trainer.backend != "pmap":
+    return state
+  device = SingleDeviceSharding(jax.devices()[0])
+  one = trainer.unreplicate(state)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=device), one)
+
+
+class Checkpointer:
+  """Saves and restores train states under ``directory`` (every ``every`` steps, newest ``keep`` kept).
+
+  Args:
+    directory: checkpoint root (created if missing).
+    every: save interval in steps for `maybe_save`; 0 = only explicit final saves.
+    keep: number of newest checkpoints kept.
+  """
+
+  def __init__(self, directory: str, *, every: int = 100, keep: int = 2):
+    self.directory = os.path.abspath(directory)
+    self.every = every
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+    self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+
+  def latest_step(self) -> int | None:
+    """The newest completely written step, or None."""
+    return self._mgr.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._mgr.all_steps())
+
+  def save(self, step: int, trainer, state: TrainState, data_state: dict, meta: dict) -> None:
+    """Writes ``state`` (for ``pmap`` the first replica), the data position and ``meta`` as ``step``."""
+    state = trainer.unreplicate(state) if trainer.backend == "pmap" else state
+    meta = {**meta, "step": int(step)}
+    self._mgr.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)
+        ),
+        force=True,
+    )
+    self._mgr.wait_until_finished()
+    log.info("checkpoint: saved step %d to %s", step, self.directory)
+
+  def maybe_save(self, step: int, trainer, state: TrainState, data_state: dict, meta: dict, final: bool = False) -> bool:
+    """Saves when ``step`` is a multiple of ``every`` (or ``final``); returns whether it saved."""
+    if final or (self.every and step % self.every == 0):
+      if step not in self.all_steps():
+        self.save(step, trainer, state, data_state, meta)
+        return True
+    return False
+
+  def read_meta(self, step: int | None = None) -> dict:
+    """The ``meta`` item of ``step`` (default: the latest)."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+    return dict(self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
+  def restore(self, trainer, template: TrainState, step: int | None = None) -> tuple[TrainState, dict, dict]:
+    """Restores ``(state, data_state, meta)`` of ``step`` (default: latest) onto ``template``'s layout.
+
+    ``template`` is a fresh ``trainer.init_state()`` on the mesh to resume on, which may
+    differ from the mesh the checkpoint was written on.
+    """
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+    target = _abstract(_unstacked_template(trainer, template))
+    try:
+      got = self._mgr.restore(
+          step,
+          args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()
+          ),
+      )
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(
+          f"checkpoint step {step} in {self.directory} does not fit this run's train state ({e}); it was written "
+          "by a run with other model sizes or another strategy/optimizer: use another checkpoint.dir or run_dir"
+      ) from e
+    state = got.state
+    if trainer.backend == "pmap":
+      n = trainer.mesh.size
+      state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))).copy(), state)
+    log.info("checkpoint: restored step %d from %s", step, self.directory)
+    return state, dict(got.data), dict(got.meta)
+
+  def close(self) -> None:
+    self._mgr.wait_until_finished()
+    self._mgr.close()
+
+
+# --------------------------------------------------------------------------- teacher cache
+def _model_fields(cfg: ModelConfig) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def save_teacher(directory: str, model: Decoder, tokenizer: Any, info: dict | None = None) -> str:
+  """Writes ``model`` (params + `ModelConfig`) and ``tokenizer`` to ``directory``, atomically.
+
+  The files are written into a temporary sibling directory that is renamed into place when
+  complete, so a reader never sees a half-written teacher.
+  """
+  directory = os.path.abspath(directory)
+  parent = os.path.dirname(directory)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{os.path.basename(directory)}-")
+  try:
+    params = jax.tree.map(np.asarray, jax.device_get(nnx.state(model)))
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(tmp, "params"), params)
+    ckptr.wait_until_finished()
+    tokenizer.save(os.path.join(tmp, "tokenizer"))
+    meta = {
+        "format": TEACHER_FORMAT,
+        "model": _model_fields(model.cfg),
+        "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "repr": repr(tokenizer)},
+        "info": info or {},
+    }
+    with open(os.path.join(tmp, "teacher.json"), "w", encoding="utf-8") as f:
+      json.dump(meta, f, indent=2, default=str)
+    if os.path.exists(directory):
+      shutil.rmtree(directory)
+    os.rename(tmp, directory)
+  finally:
+    if os.path.exists(tmp):
+      shutil.rmtree(tmp, ignore_errors=True)
+  log.info("teacher: saved to %s", directory)
+  return directory
+
+
+def read_teacher_meta(directory: str) -> dict:
+  """The ``teacher.json`` of a teacher directory (raises FileNotFoundError with a hint when absent)."""
+  path = os.path.join(directory, "teacher.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(
+        f"{directory} is not a teacher directory (no teacher.json); write one with `meshdistill pretrain` "
+        "or leave pretrain.teacher unset to pretrain and cache a teacher"
+    )
+  with open(path, encoding="utf-8") as f:
+    meta = json.load(f)
+  if meta.get("format") != TEACHER_FORMAT:
+    raise ValueError(f"{path}: format {meta.get('format')!r} is not {TEACHER_FORMAT!r}")
+  return meta
+
+
+def check_teacher_architecture(saved: dict, expected: ModelConfig, where: str) -> None:
+  """Raises ValueError listing every `ModelConfig` field where ``saved`` differs from ``expected``."""
+  want = _model_fields(expected)
+  diff = {k: (saved.get(k, "<missing>"), v) for k, v in want.items() if saved.get(k, "<missing>") != v}
+  diff.update({k: (v, "<unknown field>") for k, v in saved.items() if k not in want})
+  if diff:
+    desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in sorted(diff.items()))
+    raise ValueError(
+        f"teacher checkpoint {where} has another architecture than the configured teacher ({desc}); "
+        "set the teacher.* sizes to the checkpoint's, or point pretrain.teacher at a matching checkpoint"
+    )
+
+
+def load_teacher(directory: str, expected: ModelConfig, mesh: Mesh | None, tokenizer: Any = None) -> Decoder:
+  """Loads the teacher in ``directory`` onto ``mesh`` (split over ``tensor``; None = one device).
+
+  Raises:
+    FileNotFoundError: ``directory`` holds no teacher.
+    ValueError: its architecture differs from ``expected`` (every differing field is named), or
+      it was trained with another tokenizer than ``tokenizer``.
+  """
+  directory = os.path.abspath(directory)
+  meta = read_teacher_meta(directory)
+  check_teacher_architecture(meta["model"], expected, directory)
+  if tokenizer is not None and meta["tokenizer"]["fingerprint"] != tokenizer.fingerprint:
+    raise ValueError(
+        f"teacher {directory} was trained with tokenizer {meta['tokenizer']['repr']} (fingerprint "
+        f"{meta['tokenizer']['fingerprint']}) but this run uses {tokenizer!r} (fingerprint {tokenizer.fingerprint}); "
+        "use the same data.tokenizer as the teacher"
+    )
+  graphdef, abstract, shardings = abstract_params(expected, mesh)
+  if shardings is None:
+    shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
+  log.info("teacher: loaded %s", directory)
+  return nnx.merge(graphdef, params)

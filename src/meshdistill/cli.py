@@ -1,0 +1,130 @@
+"""The ``meshdistill`` command.
+
+  meshdistill distill                       # the main job: configs/default.yaml on a 2x4 mesh
+  meshdistill distill --config tiny --set train.steps=50 --set distill.alpha=0.7
+  meshdistill pretrain [--out DIR]          # pretrain (and cache) the configured teacher
+  meshdistill eval RUN_DIR                  # validation loss / perplexity / agreement of a run
+  meshdistill plot RUN_DIR                  # PNG curves of loss, KL, CE and correlation
+  meshdistill config [--config ...] [--set ...]   # print the effective configuration
+
+``--config`` takes a YAML file or the name of a packaged config (``default``, ``tiny``);
+``--set key.path=value`` (repeatable) overrides one setting, the value parsed as YAML. Bad
+keys or values are reported before anything runs. On a machine without an accelerator the
+mesh runs on simulated CPU devices (``mesh.simulate_cpu_devices: auto``).
+
+Only this module prints; the library logs (``-v`` shows its INFO messages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from meshdistill.config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="meshdistill", description="Knowledge distillation on a JAX (data, tensor) mesh.")
+  p.add_argument("-v", "--verbose", action="store_true", help="show library log messages (INFO)")
+  sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+  def with_config(sp):
+    sp.add_argument("--config", default=None, help="YAML file or packaged config name (default: the built-in default)")
+    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a setting, e.g. --set train.steps=200 (repeatable)")
+    return sp
+
+  d = with_config(sub.add_parser("distill", help="distil the teacher into the student (the main job)"))
+  d.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
+  pt = with_config(sub.add_parser("pretrain", help="pretrain the configured teacher from scratch and cache it"))
+  pt.add_argument("--out", default=None, help="teacher directory to write (default: the teacher cache)")
+  pt.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
+  e = with_config(sub.add_parser("eval", help="evaluate a distillation run's latest checkpoint"))
+  e.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
+  pl = sub.add_parser("plot", help="write PNG curves of a run's metrics")
+  pl.add_argument("run_dir", help="run directory holding metrics.jsonl")
+  pl.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
+  with_config(sub.add_parser("config", help="print the effective configuration as YAML"))
+  return p
+
+
+def _setup_logging(verbose: bool) -> None:
+  logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+  for noisy in ("absl", "jax._src", "orbax", "etils"):
+    logging.getLogger(noisy).setLevel(logging.INFO if verbose else logging.ERROR)
+
+
+def _load(args, run_dir: str | None = None):
+  config = args.config
+  overrides = list(args.overrides)
+  if run_dir is not None:
+    saved = os.path.join(run_dir, "config.yaml")
+    if config is None and os.path.isfile(saved):
+      config = saved
+    overrides.append(f"run.run_dir={run_dir}")
+  return load_config(config, overrides)
+
+
+def _err(msg: str) -> int:
+  print(f"meshdistill: error: {msg}", file=sys.stderr)
+  return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  _setup_logging(args.verbose)
+  if args.command == "plot":
+    from meshdistill.monitor import plot_run  # pylint: disable=g-import-not-at-top
+
+    try:
+      for path in plot_run(args.run_dir, args.out):
+        print(path)
+    except (FileNotFoundError, ValueError) as e:
+      return _err(str(e))
+    return 0
+
+  try:  # every setting is checked here, before JAX starts or any data is read
+    cfg = _load(args, getattr(args, "run_dir", None))
+  except (ConfigError, FileNotFoundError) as e:
+    return _err(str(e))
+  if args.command == "config":
+    import yaml  # pylint: disable=g-import-not-at-top
+
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0
+
+  from meshdistill import jobs  # pylint: disable=g-import-not-at-top
+
+  jobs.prepare_devices(cfg)  # before JAX starts a backend
+  t0 = time.perf_counter()
+  try:
+    if args.command == "pretrain":
+      out = jobs.pretrain(cfg, out=args.out, stream=sys.stderr, profile=args.profile)
+      ev = out["eval"]
+      print(f"teacher ({out['params']:,} params) -> {out['teacher_dir']}")
+      if ev:
+        print(f"validation loss {ev['loss']:.4f}, perplexity {ev['ppl']:.3f}")
+    elif args.command == "distill":
+      import jax  # pylint: disable=g-import-not-at-top
+
+      mesh = "1 device" if cfg.mesh.backend == "single" else f"{cfg.mesh.data}x{cfg.mesh.tensor} (data x tensor)"
+      print(f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s), "
+            f"run dir {cfg.run.run_dir}", file=sys.stderr)
+      summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
+      print(jobs.summary_table(summary))
+    elif args.command == "eval":
+      print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
+  except (ConfigError, FileNotFoundError, ValueError) as e:
+    return _err(str(e))
+  except KeyboardInterrupt:
+    print("\ninterrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
+    return 130
+  print(f"done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

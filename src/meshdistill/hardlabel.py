@@ -1,0 +1,157 @@
+"""Training one model on hard labels (next-token cross-entropy), with no teacher.
+
+Used to pretrain a teacher from scratch and to train the "scratch student" baseline of the
+quality benchmark. Why a separate step rather than `Distiller` with ``alpha=0``: the
+distillation step always runs a teacher forward pass, and with the model itself (or any
+stand-in) as the teacher that forward would be pure waste -- a third of the compute of a
+pretraining step. This step is the distillation step minus the teacher: the same
+`TrainState`, the same layouts (`meshdistill.step.wrap_step`: ``single`` / ``shard_map`` /
+``pmap``), the same token-mean over unmasked tokens of the GLOBAL batch, the same
+per-sequence loss `jax.vmap`-ed over the local rows. States are interchangeable with the
+distiller's (``params = {"student": ..., "strategy": {}}``), so checkpoints, evaluation and the
+trainer loop serve both.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshdistill import losses
+from meshdistill.distiller import BATCH_KEYS, default_optimizer
+from meshdistill.mesh import TENSOR, check_batch, host_to_global, make_mesh, param_shardings
+from meshdistill.models import Decoder
+from meshdistill.step import BACKENDS, TrainState, wrap_step
+
+
+def per_device_ce_step(
+    state: TrainState,
+    unused_teacher_params: Any,
+    batch: dict[str, jax.Array],
+    *,
+    model_def: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    data_axis: str | None,
+):
+  """One hard-label step on this device's rows ``batch = {inputs, targets, mask}: [b, T]`` (b split over ``data``).
+
+  Returns ``(new_state, metrics)`` with ``loss`` = ``ce`` (token mean over the global batch),
+  ``grad_norm`` and ``tokens``; the signature matches `meshdistill.step.per_device_step` so
+  `wrap_step` compiles it for every layout.
+  """
+  del unused_teacher_params
+  mask_BxT = batch["mask"].astype(jnp.float32)
+  tokens = jnp.sum(mask_BxT) if data_axis is None else jax.lax.psum(jnp.sum(mask_BxT), data_axis)
+  denom = jnp.maximum(tokens, 1.0)
+
+  def loss_fn(params):
+    model = nnx.merge(model_def, params["student"])
+    logits_BxTxV = model(batch["inputs"]).logits
+    ce_B = jax.vmap(lambda l, t, m: jnp.sum(losses.cross_entropy(l, t, m)))(logits_BxTxV, batch["targets"], mask_BxT)
+    return jnp.sum(ce_B) / denom, jnp.sum(ce_B)
+
+  (_, ce_sum), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  if data_axis is not None:
+    grads, ce_sum = jax.lax.psum((grads, ce_sum), data_axis)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  ce = ce_sum / denom
+  metrics = {"loss": ce, "ce": ce, "grad_norm": optax.global_norm(grads), "tokens": tokens}
+  return TrainState(state.step + 1, params, opt_state), metrics
+
+
+class HardLabelTrainer:
+  """Trains ``model`` on next-token cross-entropy; the teacher-free twin of `Distiller`.
+
+  Same interface as `Distiller` where the trainer loop needs it: `init_state`, `step`,
+  `unreplicate`, `student`, ``student_def``, ``mesh``, ``backend``; ``teacher_def`` and
+  ``teacher_params`` are None.
+  """
+
+  teacher_def = None
+  teacher_params = None
+  teacher_cfg = None
+
+  def __init__(
+      self,
+      model: Decoder,
+      *,
+      optimizer: optax.GradientTransformation | None = None,
+      mesh: Mesh | None = None,
+      backend: str | None = None,
+  ):
+    backend = backend or ("shard_map" if mesh is not None else "single")
+    if backend not in BACKENDS:
+      raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
+    if backend == "shard_map" and mesh is None:
+      raise ValueError("backend='shard_map' needs a mesh: pass mesh=meshdistill.make_mesh(data=..., tensor=...)")
+    if backend == "single" and mesh is not None and mesh.size > 1:
+      raise ValueError(f"backend='single' runs on one device but mesh has {mesh.size}; pass mesh=None")
+    if backend == "pmap":
+      mesh = mesh if mesh is not None else make_mesh(data=jax.device_count(), tensor=1)
+      if mesh.shape[TENSOR] != 1:
+        raise ValueError(f"backend='pmap' is data-parallel only, but mesh tensor={mesh.shape[TENSOR]}; use tensor=1")
+    if backend == "shard_map":
+      model.cfg.check_tensor_split(mesh.shape[TENSOR])
+    self.mesh, self.backend = mesh, backend
+    self.optimizer = optimizer if optimizer is not None else default_optimizer()
+    self.student_cfg = model.cfg
+    self.max_len = model.cfg.max_len
+    self.student_def, self._init = nnx.split(model)
+    self._specs = nnx.get_partition_spec(self._init)
+    self._step_fn = functools.partial(per_device_ce_step, model_def=self.student_def, optimizer=self.optimizer)
+    self._compiled = None
+
+  def init_state(self) -> TrainState:
+    """A fresh train state from the model given at construction."""
+    params = {"student": self._init, "strategy": {}}
+    fresh = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.copy, p), self.optimizer.init(p)))
+    if self.backend == "single":
+      return fresh(jax.device_put(params, jax.devices()[0]))
+    if self.backend == "pmap":
+      state = jax.device_get(fresh(jax.device_get(params)))
+      return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (self.mesh.size, *np.shape(x))).copy(), state)
+    shardings = {"student": param_shardings(self._specs, self.mesh), "strategy": {}}
+    return fresh(jax.device_put(params, shardings))
+
+  def _place_batch(self, batch: dict) -> dict:
+    batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS}
+    if self.backend == "single":
+      return jax.device_put(batch, jax.devices()[0])
+    if self.backend == "shard_map":
+      return host_to_global(batch, self.mesh)
+    n = self.mesh.size
+    return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
+
+  def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One step on a host batch ``{inputs, targets, mask}`` [B, T]; ``state`` is consumed (donated)."""
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+      raise ValueError(f"batch is missing {missing}; a batch is a dict with {BATCH_KEYS}, each [batch, seq]")
+    B, T = np.shape(batch["inputs"])
+    if T > self.max_len:
+      raise ValueError(f"sequence length {T} exceeds max_len={self.max_len}; use seq_len <= {self.max_len}")
+    check_batch(B, self.mesh)
+    if self._compiled is None:
+      shardings = jax.tree.map(lambda x: x.sharding, state) if self.backend == "shard_map" else None
+      self._compiled = wrap_step(self._step_fn, self.backend, self.mesh, shardings)
+    new_state, metrics = self._compiled(state, {}, self._place_batch(batch))
+    if self.backend == "pmap":
+      metrics = jax.tree.map(lambda x: x[0], metrics)
+    return new_state, metrics
+
+  def unreplicate(self, tree):
+    """For ``pmap`` the first replica of a stacked tree; otherwise ``tree`` unchanged."""
+    return jax.tree.map(lambda x: x[0], tree) if self.backend == "pmap" else tree
+
+  def student(self, state: TrainState) -> Decoder:
+    """The model holding the parameters of ``state``."""
+    return nnx.merge(self.student_def, self.unreplicate(state.params)["student"])
+

@@ -1,0 +1,337 @@
+"""Whole jobs from a `Config`: pretrain a teacher, distil a student, evaluate a run.
+
+The CLI is a thin shell over these functions; scripts and benchmarks call them directly.
+Order of work in `distill` (the main job):
+
+1. the mesh (``mesh.data`` x ``mesh.tensor``; on CPU, simulated devices -- see
+   `prepare_devices`, which must run before JAX starts);
+2. the data (`meshdistill.data.build_data`): tokenizer, training iterator, validation batches;
+3. the teacher: ``pretrain.teacher`` if given, else the cached teacher for these settings,
+   else one pretrained now on hard labels (`pretrain`) and cached for later runs;
+4. the student, initialised from ``train.seed`` directly on the mesh;
+5. `meshdistill.trainer.fit` with a `Distiller`, checkpoints and monitoring in ``run.run_dir``;
+6. the final evaluation of teacher and student on the validation batches (``summary.json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from typing import IO, Any
+
+from meshdistill.checkpoint import Checkpointer, load_teacher, read_teacher_meta, save_teacher
+from meshdistill.config import Config, ConfigError, dump_config
+from meshdistill.monitor import Monitor, ProfileWindow
+
+log = logging.getLogger(__name__)
+
+
+def prepare_devices(cfg: Config) -> None:
+  """Makes the devices the mesh needs exist. Call before anything starts JAX.
+
+  ``mesh.simulate_cpu_devices``: ``auto`` asks the CPU platform for ``data * tensor`` devices
+  (it only affects the CPU platform: on a GPU/TPU machine JAX still uses the accelerators);
+  ``true`` also forces the CPU platform; ``false`` leaves devices as they are.
+  """
+  from meshdistill.mesh import simulate_cpu_devices  # pylint: disable=g-import-not-at-top
+
+  sim = cfg.mesh.simulate_cpu_devices
+  if sim is False:
+    return
+  if sim is True:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  if cfg.mesh.devices > 1 or sim is True:
+    simulate_cpu_devices(cfg.mesh.devices)
+
+
+def build_mesh(cfg: Config):
+  """The run's mesh (None for the ``single`` backend)."""
+  from meshdistill.mesh import make_mesh  # pylint: disable=g-import-not-at-top
+
+  if cfg.mesh.backend == "single":
+    return None
+  return make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor)
+
+
+def load_data(cfg: Config, batch_size: int | None = None):
+  """The data bundle of ``cfg`` for the distillation batch size; checks the vocabulary fits the models."""
+  from meshdistill.data import build_data  # pylint: disable=g-import-not-at-top
+
+  data = build_data(cfg.data, cfg.train.batch_size if batch_size is None else batch_size)
+  vocab = data.tokenizer.vocab_size
+  for who in ("teacher", "student"):
+    have = getattr(cfg, who).vocab_size
+    if have < vocab:
+      raise ConfigError(
+          f"{who}.vocab_size={have} is smaller than the tokenizer's vocabulary ({vocab} ids, "
+          f"data.tokenizer={cfg.data.tokenizer!r}); set teacher.vocab_size={vocab} and student.vocab_size={vocab}"
+      )
+  return data
+
+
+def with_batch_size(data, batch_size: int):
+  """The same data bundle with another global batch size (no re-reading)."""
+  return dataclasses.replace(data, global_batch_size=batch_size)
+
+
+def default_cache_dir() -> str:
+  """``$MESHDISTILL_CACHE`` or ``$XDG_CACHE_HOME/meshdistill`` (default ``~/.cache/meshdistill``) + ``/teachers``."""
+  root = os.environ.get("MESHDISTILL_CACHE") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshdistill"
+  )
+  return os.path.join(root, "teachers")
+
+
+def teacher_key(cfg: Config, tokenizer: Any) -> str:
+  """A digest of everything that determines a pretrained teacher (sizes, tokenizer, data, recipe, mesh-free)."""
+  p = cfg.pretrain
+  recipe = {k: getattr(p, k) for k in ("steps", "batch_size", "lr", "warmup", "final_lr_fraction", "weight_decay", "clip", "seed")}
+  d = cfg.data
+  data = {k: getattr(d, k) for k in ("source", "text_key", "val_fraction", "max_chars", "max_docs", "seq_len", "seed", "num_epochs")}
+  blob = json.dumps(
+      {"model": dataclasses.asdict(cfg.teacher), "tokenizer": tokenizer.fingerprint, "data": data, "recipe": recipe},
+      sort_keys=True,
+      default=str,
+  )
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def teacher_dir(cfg: Config, tokenizer: Any) -> str:
+  """Where the cached teacher of ``cfg`` lives (``pretrain.cache_dir`` / ``default_cache_dir()``)."""
+  root = os.path.expanduser(cfg.pretrain.cache_dir) if cfg.pretrain.cache_dir else default_cache_dir()
+  return os.path.join(root, f"teacher-{teacher_key(cfg, tokenizer)}")
+
+
+def _monitor(run_dir: str, steps: int, stream, name: str) -> Monitor:
+  return Monitor(run_dir, steps, stream=stream, name=name)
+
+
+def pretrain(
+    cfg: Config,
+    *,
+    data=None,
+    mesh=None,
+    out: str | None = None,
+    run_dir: str | None = None,
+    stream: IO[str] | None = None,
+    profile: str | None = None,
+) -> dict:
+  """Pretrains the teacher of ``cfg`` from scratch on hard labels and saves it to ``out``.
+
+  ``out`` defaults to the teacher cache (`teacher_dir`), where `distill` looks for it.
+  Training state is checkpointed in ``run_dir`` (default ``<run.run_dir>/teacher``), so an
+  interrupted pretraining resumes. Returns a summary with the teacher's validation metrics.
+  """
+  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.hardlabel import HardLabelTrainer  # pylint: disable=g-import-not-at-top
+  from meshdistill.models import init_model, param_count  # pylint: disable=g-import-not-at-top
+  from meshdistill.trainer import fit, lr_schedule, make_optimizer  # pylint: disable=g-import-not-at-top
+
+  mesh = mesh if mesh is not None else build_mesh(cfg)
+  data = with_batch_size(data if data is not None else load_data(cfg), cfg.pretrain.batch_size)
+  out = out or teacher_dir(cfg, data.tokenizer)
+  run_dir = run_dir or os.path.join(cfg.run.run_dir, "teacher")
+  p = cfg.pretrain
+  model = init_model(cfg.teacher, seed=p.seed, mesh=mesh)
+  trainer = HardLabelTrainer(model, optimizer=make_optimizer(p), mesh=mesh, backend=cfg.mesh.backend)
+  os.makedirs(run_dir, exist_ok=True)
+  dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+  monitor = _monitor(run_dir, p.steps, stream, "pretrain")
+  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+  try:
+    result = fit(
+        trainer,
+        data,
+        steps=p.steps,
+        kind="pretrain",
+        eval_every=p.eval_every,
+        eval_batches=p.eval_batches,
+        log_every=p.log_every,
+        checkpointer=ckpt,
+        monitor=monitor,
+        evaluator=Evaluator.for_trainer(trainer, with_teacher=False),
+        profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
+        lr=lr_schedule(p),
+    )
+  finally:
+    ckpt.close()
+    monitor.close()
+  teacher = trainer.student(result.state)
+  info = {"pretrain": dataclasses.asdict(p), "data": cfg.to_dict()["data"], "eval": result.eval, "steps": result.step}
+  save_teacher(out, teacher, data.tokenizer, info)
+  return {"teacher_dir": out, "eval": result.eval, "params": param_count(teacher), "seconds": result.seconds}
+
+
+def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, report=None):
+  """The teacher `Decoder` on ``mesh``: from ``pretrain.teacher``, the cache, or pretrained now.
+
+  ``report(text)`` receives one line saying where the teacher came from.
+  """
+  report = report or log.info
+  if cfg.pretrain.teacher:
+    path = os.path.expanduser(cfg.pretrain.teacher)
+    report(f"teacher: {path}")
+    return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
+  path = teacher_dir(cfg, data.tokenizer)
+  if os.path.isfile(os.path.join(path, "teacher.json")):
+    report(f"teacher: cached {path}")
+  else:
+    report(f"teacher: none cached for these settings; pretraining one ({cfg.pretrain.steps} steps) -> {path}")
+    pretrain(cfg, data=data, mesh=mesh, out=path, stream=stream)
+  return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
+
+
+def _evaluate_pair(distiller, state, val) -> dict:
+  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
+
+  student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
+  teacher_eval = Evaluator(distiller.teacher_def, mesh=distiller.mesh if distiller.backend == "shard_map" else None)
+  teacher = teacher_eval(distiller.unreplicate(distiller.teacher_params), val)
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  n_student = param_count(distiller.student(state))
+  n_teacher = param_count(nnx.merge(distiller.teacher_def, distiller.unreplicate(distiller.teacher_params)))
+  return {
+      "teacher": {"loss": teacher["loss"], "ppl": teacher["ppl"], "params": n_teacher},
+      "student": {
+          "loss": student["loss"],
+          "ppl": student["ppl"],
+          "params": n_student,
+          "kl": student["kl"],
+          "agree": student["agree"],
+          "corr": student["corr"],
+      },
+      "param_ratio": n_student / n_teacher,
+      "val_tokens": student["tokens"],
+  }
+
+
+def make_distiller(cfg: Config, teacher, mesh):
+  """The `Distiller` of ``cfg`` for ``teacher`` (student initialised from ``train.seed``)."""
+  from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
+  from meshdistill.models import init_model  # pylint: disable=g-import-not-at-top
+  from meshdistill.trainer import make_optimizer  # pylint: disable=g-import-not-at-top
+
+  student = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
+  return Distiller(
+      student,
+      teacher,
+      strategy=cfg.distill.strategy(),
+      optimizer=make_optimizer(cfg.train),
+      mesh=mesh,
+      backend=cfg.mesh.backend,
+      seed=cfg.train.seed,
+  )
+
+
+def distill(
+    cfg: Config, *, stream: IO[str] | None = None, profile: str | None = None, stop_after: int | None = None
+) -> dict:
+  """The main job: teacher (loaded, cached or pretrained) -> distilled student -> evaluation.
+
+  Writes ``config.yaml``, ``metrics.jsonl``, ``tb/``, ``checkpoints/`` and ``summary.json`` into
+  ``run.run_dir`` and returns the summary (teacher / student validation loss and perplexity).
+  """
+  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.trainer import fit, lr_schedule  # pylint: disable=g-import-not-at-top
+
+  run_dir = cfg.run.run_dir
+  os.makedirs(run_dir, exist_ok=True)
+  dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+  mesh = build_mesh(cfg)
+  data = load_data(cfg)
+  say = stream_reporter(stream)
+  say(f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
+      f"vocabulary {data.tokenizer.vocab_size}")
+  teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  distiller = make_distiller(cfg, teacher, mesh)
+  monitor = _monitor(run_dir, cfg.train.steps, stream, "distill")
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+  t = cfg.train
+  try:
+    result = fit(
+        distiller,
+        data,
+        steps=t.steps,
+        kind="distill",
+        eval_every=t.eval_every,
+        eval_batches=t.eval_batches,
+        log_every=t.log_every,
+        checkpointer=ckpt,
+        monitor=monitor,
+        evaluator=Evaluator.for_trainer(distiller),
+        profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
+        lr=lr_schedule(t),
+        stop_after=stop_after,
+        meta={"teacher_dir": tdir},
+    )
+  finally:
+    ckpt.close()
+    monitor.close()
+  summary = _evaluate_pair(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
+  summary.update({"step": result.step, "teacher_dir": tdir, "run_dir": run_dir, "train_seconds": result.seconds})
+  with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
+  """Evaluates the latest checkpoint of the run in ``run.run_dir`` against its teacher."""
+  say = stream_reporter(stream)
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, keep=cfg.checkpoint.keep)
+  try:
+    if ckpt.latest_step() is None:
+      raise FileNotFoundError(
+          f"no checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with run.run_dir={cfg.run.run_dir} first"
+      )
+    meta = ckpt.read_meta()
+    if meta.get("kind") != "distill":
+      raise ValueError(f"{cfg.checkpoint_dir} holds a {meta.get('kind')!r} run, not a distillation run")
+    mesh = build_mesh(cfg)
+    data = load_data(cfg)
+    tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
+    read_teacher_meta(tdir)
+    teacher = load_teacher(tdir, cfg.teacher, mesh, data.tokenizer)
+    distiller = make_distiller(cfg, teacher, mesh)
+    state, _, _ = ckpt.restore(distiller, distiller.init_state())
+    say(f"evaluating step {meta['step']} of {cfg.run.run_dir} (teacher {tdir})")
+    summary = _evaluate_pair(distiller, state, data.val_batches(max_batches=cfg.train.eval_batches))
+  finally:
+    ckpt.close()
+  summary.update({"step": int(meta["step"]), "teacher_dir": tdir, "run_dir": cfg.run.run_dir})
+  return summary
+
+
+def stream_reporter(stream: IO[str] | None):
+  """A function writing one line to ``stream`` (or to the log when None)."""
+
+  def say(text: str) -> None:
+    if stream is None:
+      log.info("%s", text)
+    else:
+      stream.write(text + "\n")
+      stream.flush()
+
+  return say
+
+
+def summary_table(summary: dict) -> str:
+  """The final teacher / student table as text."""
+  t, s = summary["teacher"], summary["student"]
+  rows = [
+      ("model", "params", "val loss", "val ppl"),
+      ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}"),
+      ("distilled student", f"{s['params']:,}", f"{s['loss']:.4f}", f"{s['ppl']:.3f}"),
+  ]
+  widths = [max(len(r[i]) for r in rows) for i in range(4)]
+  line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+  out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]
+  out.append(
+      f"student/teacher params {summary['param_ratio']:.1%}; student vs teacher: KL {s['kl']:.4f}, "
+      f"top-1 agreement {s['agree']:.1%}, logit correlation {s['corr']:.3f}"
+  )
+  return "\n".join(out)

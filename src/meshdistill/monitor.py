@@ -1,0 +1,306 @@
+"""Watching a run: progress line, metrics.jsonl, TensorBoard events, plots and profiler traces.
+
+Everything lands in the run directory:
+
+* ``metrics.jsonl`` -- one JSON object per line: ``{"step", "split": "train"|"val", ...metrics}``;
+  train lines are means over the last ``log_every`` steps, plus ``lr``, ``tokens_per_s`` and
+  ``step_s``;
+* ``tb/`` -- TensorBoard event files (``tensorboardX``; skipped with a warning when it is not
+  installed), scalars named ``train/loss``, ``val/ppl``, ...;
+* ``plots/*.png`` -- from `plot_run` (``meshdistill plot RUN_DIR``);
+* ``profile/`` -- a JAX profiler trace of the steps chosen with `ProfileWindow`.
+
+The progress line (step, loss, tokens/s, ETA) goes to a stream the caller passes (the CLI
+passes stderr); library users without a stream get the same line through `logging`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import IO, Any, Iterable
+
+import jax
+
+log = logging.getLogger(__name__)
+
+PLOTTED = ("loss", "kl", "ce", "corr")
+
+
+def _fmt_duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = int(round(seconds))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}:{m:02d}:{s:02d}" if h else f"{m:d}:{s:02d}"
+
+
+class ProgressBar:
+  """A one-line progress display: ``[name] step 120/300 40% | loss 1.234 | 5.1k tok/s | ETA 0:35``.
+
+  On a terminal the line is redrawn in place; otherwise (a log file) each update is a new line.
+  """
+
+  def __init__(self, total: int, stream: IO[str] | None = None, name: str = "", width: int = 24):
+    self.total, self.stream, self.name, self.width = total, stream, name, width
+    self._tty = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+    self._last_len = 0
+
+  def render(self, step: int, loss: float | None, tokens_per_s: float | None, eta_s: float | None) -> str:
+    frac = min(max(step / max(self.total, 1), 0.0), 1.0)
+    filled = int(round(frac * self.width))
+    bar = "#" * filled + "-" * (self.width - filled)
+    parts = [f"{self.name + ' ' if self.name else ''}[{bar}] {step}/{self.total} {frac:4.0%}"]
+    if loss is not None:
+      parts.append(f"loss {loss:.4f}")
+    if tokens_per_s is not None:
+      parts.append(f"{tokens_per_s / 1000:.1f}k tok/s" if tokens_per_s >= 1000 else f"{tokens_per_s:.0f} tok/s")
+    if eta_s is not None:
+      parts.append(f"ETA {_fmt_duration(eta_s)}")
+    return " | ".join(parts)
+
+  def update(self, step: int, loss: float | None = None, tokens_per_s: float | None = None, eta_s: float | None = None):
+    line = self.render(step, loss, tokens_per_s, eta_s)
+    if self.stream is None:
+      log.info("%s", line)
+      return
+    if self._tty:
+      pad = max(self._last_len - len(line), 0)
+      self.stream.write("\r" + line + " " * pad)
+      self._last_len = len(line)
+    else:
+      self.stream.write(line + "\n")
+    self.stream.flush()
+
+  def message(self, text: str) -> None:
+    """A line that stays (e.g. an evaluation result), printed above the progress line."""
+    if self.stream is None:
+      log.info("%s", text)
+      return
+    if self._tty and self._last_len:
+      self.stream.write("\r" + " " * self._last_len + "\r")
+      self._last_len = 0
+    self.stream.write(text + "\n")
+    self.stream.flush()
+
+  def close(self) -> None:
+    if self.stream is not None and self._tty and self._last_len:
+      self.stream.write("\n")
+      self.stream.flush()
+      self._last_len = 0
+
+
+def _tensorboard_writer(logdir: str):
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    log.warning("tensorboardX is not installed: no TensorBoard events (pip install tensorboardX)")
+    return None
+  return SummaryWriter(logdir=logdir, flush_secs=10)
+
+
+class Monitor:
+  """Collects step metrics, writes them (JSONL, TensorBoard) and drives the progress line.
+
+  Args:
+    run_dir: where ``metrics.jsonl`` and ``tb/`` go (created); None writes nothing.
+    total_steps: the run's last step (for the progress line and the ETA).
+    stream: where the progress line goes (None: `logging`).
+    name: a label shown in the progress line (``pretrain``, ``distill``).
+    tensorboard: write TensorBoard events.
+  """
+
+  def __init__(
+      self, run_dir: str | None, total_steps: int, *, stream: IO[str] | None = None, name: str = "", tensorboard=True
+  ):
+    self.run_dir = run_dir
+    self.bar = ProgressBar(total_steps, stream, name)
+    self.total = total_steps
+    self._jsonl = None
+    self._tb = None
+    if run_dir is not None:
+      os.makedirs(run_dir, exist_ok=True)
+      self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+      if tensorboard:
+        self._tb = _tensorboard_writer(os.path.join(run_dir, "tb"))
+    self._window: list[dict[str, Any]] = []
+    self._window_tokens = 0.0
+    self._t_window = None
+    self._t_start = None
+    self._first_step = None
+    self._timed_steps = 0
+    self._timed_seconds = 0.0
+
+  def start(self, step: int) -> None:
+    """Marks the start (or resumption) of training at ``step``."""
+    self._first_step = step
+    self._t_start = self._t_window = time.perf_counter()
+    self.bar.update(step)
+
+  def step(self, step: int, metrics: dict[str, Any], tokens: float) -> None:
+    """Records one finished step (``metrics`` may still be device arrays: nothing blocks here)."""
+    self._window.append(metrics)
+    self._window_tokens += tokens
+
+  def exclude(self, seconds: float) -> None:
+    """Keeps ``seconds`` (evaluation, checkpointing) out of the current window's step timing."""
+    if self._t_window is not None:
+      self._t_window += seconds
+
+  def flush_train(self, step: int, extra: dict[str, float] | None = None) -> dict[str, float]:
+    """Means of the metrics recorded since the last flush; writes and displays them."""
+    if not self._window:
+      return {}
+    host = jax.device_get(self._window)
+    keys = [k for k in host[0] if k != "tokens"]
+    means = {k: float(sum(float(m[k]) for m in host) / len(host)) for k in keys}
+    now = time.perf_counter()
+    seconds = now - self._t_window
+    n = len(host)
+    # The window holding the first step includes compilation: keep it out of the ETA.
+    if step - n > self._first_step:
+      self._timed_steps += n
+      self._timed_seconds += seconds
+    means["tokens_per_s"] = self._window_tokens / max(seconds, 1e-9)
+    means["step_s"] = seconds / n
+    means.update(extra or {})
+    self._window, self._window_tokens, self._t_window = [], 0.0, now
+    # Until a window without compilation has been timed, the ETA is unknown.
+    eta = self._timed_seconds / self._timed_steps * (self.total - step) if self._timed_steps else None
+    self.write(step, "train", means)
+    self.bar.update(step, means.get("loss"), means["tokens_per_s"], eta)
+    return means
+
+  def eval(self, step: int, metrics: dict[str, float]) -> None:
+    """Writes and displays validation metrics."""
+    self.write(step, "val", metrics)
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "tokens")
+    self.bar.message(f"{self.bar.name + ' ' if self.bar.name else ''}eval @ step {step}: {shown}")
+
+  def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
+    row = {"step": int(step), "split": split, **{k: float(v) for k, v in metrics.items()}}
+    if self._jsonl is not None:
+      self._jsonl.write(json.dumps(row) + "\n")
+      self._jsonl.flush()
+    if self._tb is not None:
+      for k, v in metrics.items():
+        if math.isfinite(float(v)):
+          self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+
+  def message(self, text: str) -> None:
+    self.bar.message(text)
+
+  def close(self) -> None:
+    self.bar.close()
+    if self._jsonl is not None:
+      self._jsonl.close()
+      self._jsonl = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+
+class ProfileWindow:
+  """Writes a JAX profiler trace of steps ``start`` .. ``stop`` (1-based, inclusive) to ``directory``.
+
+  Parse ``"START:STOP"`` with `ProfileWindow.parse`. View the trace with TensorBoard's profile
+  plugin or Perfetto (``.trace.json.gz`` under ``directory``).
+  """
+
+  def __init__(self, start: int, stop: int, directory: str):
+    if not 1 <= start <= stop:
+      raise ValueError(f"profile window {start}:{stop} must satisfy 1 <= START <= STOP (steps are 1-based)")
+    self.start, self.stop, self.directory = start, stop, directory
+    self.active = False
+
+  @classmethod
+  def parse(cls, spec: str | None, directory: str) -> "ProfileWindow | None":
+    if not spec:
+      return None
+    try:
+      a, b = spec.split(":")
+      return cls(int(a), int(b), directory)
+    except ValueError as e:
+      raise ValueError(f"--profile {spec!r} must be START:STOP with 1 <= START <= STOP, e.g. 10:15 ({e})") from None
+
+  def before_step(self, step: int) -> None:
+    """Call before running step number ``step`` (1-based)."""
+    if step == self.start and not self.active:
+      os.makedirs(self.directory, exist_ok=True)
+      jax.profiler.start_trace(self.directory)
+      self.active = True
+      log.info("profiler: tracing steps %d..%d into %s", self.start, self.stop, self.directory)
+
+  def after_step(self, step: int, result: Any) -> None:
+    """Call after step ``step``; stops the trace (after the step finished) at ``stop``."""
+    if self.active and step >= self.stop:
+      jax.block_until_ready(result)
+      jax.profiler.stop_trace()
+      self.active = False
+      log.info("profiler: trace written to %s", self.directory)
+
+  def close(self) -> None:
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False
+
+
+# --------------------------------------------------------------------------- plots
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+  """The rows of ``run_dir/metrics.jsonl``."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} does not exist; is {run_dir!r} a run directory (written by meshdistill)?")
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _series(rows: Iterable[dict], split: str, key: str) -> tuple[list[int], list[float]]:
+  by_step = {}
+  for r in rows:
+    if r.get("split") == split and key in r:
+      by_step[int(r["step"])] = float(r[key])  # a resumed run may repeat steps: keep the latest
+  steps = sorted(by_step)
+  return steps, [by_step[s] for s in steps]
+
+
+def plot_run(run_dir: str, out_dir: str | None = None, keys: Iterable[str] = PLOTTED) -> list[str]:
+  """Writes one PNG per metric in ``keys`` (train and validation curves) and returns their paths.
+
+  Validation ``loss`` is the student's cross-entropy, plotted with the train ``loss`` (the
+  optimised objective) and the train ``ce``. Metrics a run does not have are skipped.
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  rows = read_metrics(run_dir)
+  out_dir = out_dir or os.path.join(run_dir, "plots")
+  os.makedirs(out_dir, exist_ok=True)
+  written = []
+  for key in keys:
+    curves = [(f"{split} {key}", *_series(rows, split, key)) for split in ("train", "val")]
+    curves = [c for c in curves if c[1]]
+    if not curves:
+      continue
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, xs, ys in curves:
+      ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.set_title(f"{os.path.basename(os.path.normpath(run_dir))}: {key}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = os.path.join(out_dir, f"{key}.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+  if not written:
+    raise ValueError(f"{run_dir}/metrics.jsonl has none of the metrics {list(keys)}")
+  return written

@@ -1,0 +1,147 @@
+"""Run configuration: YAML + overrides -> typed dataclasses; every bad key or value is named."""
+
+import dataclasses
+import os
+
+import jax
+import pytest
+import yaml
+
+from meshdistill import cli
+from meshdistill.config import Config, ConfigError, config_path, dump_config, load_config
+from meshdistill.models import abstract_params
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_default_yaml_equals_the_dataclass_defaults():
+  assert load_config("default") == Config()
+  assert load_config(None) == Config()
+
+
+def test_repository_default_yaml_is_the_packaged_one():
+  with open(os.path.join(REPO, "configs", "default.yaml"), encoding="utf-8") as a, open(
+      config_path("default"), encoding="utf-8"
+  ) as b:
+    assert a.read() == b.read()
+
+
+def test_main_job_is_a_2x4_mesh_with_student_under_30_percent_of_teacher():
+  cfg = Config()
+  assert (cfg.mesh.data, cfg.mesh.tensor) == (2, 4)
+
+  def count(model_cfg):  # parameter count from abstract shapes, nothing allocated
+    return sum(x.size for x in jax.tree.leaves(abstract_params(model_cfg)[1]))
+
+  assert count(cfg.student) <= 0.30 * count(cfg.teacher)
+
+
+def test_partial_yaml_keeps_the_other_defaults(tmp_path):
+  path = tmp_path / "c.yaml"
+  path.write_text("train: {steps: 70}\nteacher: {d_model: 64}\n")
+  cfg = load_config(str(path))
+  assert cfg.train.steps == 70 and cfg.train.batch_size == Config().train.batch_size
+  assert cfg.teacher.d_model == 64 and cfg.teacher.vocab_size == Config().teacher.vocab_size
+
+
+def test_overrides_are_parsed_as_yaml():
+  cfg = load_config(
+      None,
+      [
+          "train.steps=200",
+          "distill.alpha=0.7",
+          "mesh.simulate_cpu_devices=false",
+          "distill.temperature={kind: linear, start: 3, end: 1, steps: 500}",
+          "data.max_chars=null",
+      ],
+  )
+  assert cfg.train.steps == 200 and cfg.distill.alpha == 0.7
+  assert cfg.mesh.simulate_cpu_devices is False
+  assert cfg.distill.temperature == {"kind": "linear", "start": 3, "end": 1, "steps": 500}
+  assert cfg.data.max_chars is None
+  assert isinstance(load_config(None, ["train.lr=1"]).train.lr, float)
+
+
+def test_config_round_trips_through_yaml(tmp_path):
+  cfg = load_config("tiny", ["distill.alpha=0.25"])
+  dump_config(cfg, str(tmp_path / "c.yaml"))
+  assert load_config(str(tmp_path / "c.yaml")) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, named, hint",
+    [
+        ("train.stepz=5", "train.stepz", "did you mean 'train.steps'"),
+        ("trian.steps=5", "trian", "did you mean 'train'"),
+        ("teacher.dmodel=64", "teacher.dmodel", "'d_model'"),
+        ("distill.tau=2", "distill.tau", "temperature"),
+    ],
+)
+def test_unknown_key_names_the_dotted_key_and_the_valid_keys(override, named, hint):
+  with pytest.raises(ConfigError) as e:
+    load_config(None, [override])
+  msg = str(e.value)
+  assert f"unknown key '{named}'" in msg and hint in msg and "valid keys" in msg
+
+
+@pytest.mark.parametrize(
+    "override, named, allowed",
+    [
+        ("train.steps=many", "train.steps", "expected int"),
+        ("train.steps=0", "train.steps", "positive integer"),
+        ("train.lr=-0.1", "train.lr", "(0.0, 1.0]"),
+        ("distill.alpha=1.5", "distill.alpha", "[0"),
+        ("distill.temperature=0", "distill.temperature", "> 0"),
+        ("distill.divergence=kl2", "distill.divergence", "forward_kl"),
+        ("mesh.backend=tpu", "mesh.backend", "shard_map"),
+        ("mesh.data=0", "mesh.data", "positive integer"),
+        ("mesh.simulate_cpu_devices=maybe", "mesh.simulate_cpu_devices", "auto"),
+        ("teacher.d_model=-1", "teacher.d_model", "positive integer"),
+        ("student.n_heads=3", "student.n_heads", "n_kv_heads"),
+        ("data.val_fraction=2", "data.val_fraction", "[0, 1)"),
+        ("checkpoint.keep=0", "checkpoint.keep", "positive integer"),
+        ("train.batch_size=7", "train.batch_size", "mesh.data"),
+        ("data.seq_len=512", "max_len", "data.seq_len"),
+        ("student.vocab_size=300", "student.vocab_size", "teacher.vocab_size"),
+    ],
+)
+def test_bad_value_names_the_key_and_what_is_allowed(override, named, allowed):
+  with pytest.raises(ConfigError) as e:
+    load_config(None, [override])
+  msg = str(e.value)
+  assert named in msg and allowed in msg, msg
+
+
+def test_section_given_a_scalar_is_an_error():
+  with pytest.raises(ConfigError, match="'train' must be a mapping"):
+    load_config(None, ["train=5"])
+
+
+def test_malformed_override_is_an_error():
+  with pytest.raises(ConfigError, match="key.path=value"):
+    load_config(None, ["train.steps"])
+
+
+def test_unknown_config_name_lists_packaged_configs():
+  with pytest.raises(FileNotFoundError, match="default"):
+    load_config("no-such-config")
+
+
+def test_yaml_with_unknown_section_fails(tmp_path):
+  path = tmp_path / "c.yaml"
+  path.write_text(yaml.safe_dump({"trainer": {"steps": 3}}))
+  with pytest.raises(ConfigError, match="unknown key 'trainer'"):
+    load_config(str(path))
+
+
+def test_cli_reports_a_bad_key_before_any_work(capsys):
+  assert cli.main(["distill", "--set", "train.stepz=3"]) == 2
+  err = capsys.readouterr().err
+  assert "train.stepz" in err and "did you mean 'train.steps'" in err
+
+
+def test_cli_config_prints_the_effective_settings(capsys):
+  assert cli.main(["config", "--set", "train.steps=42"]) == 0
+  printed = yaml.safe_load(capsys.readouterr().out)
+  assert printed["train"]["steps"] == 42
+  assert printed == dataclasses.replace(Config(), train=load_config(None, ["train.steps=42"]).train).to_dict()

@@ -1,0 +1,220 @@
+"""The training loop: exact resume, hard-label pretraining, evaluation, monitoring, clear errors."""
+
+import io
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import make_batch
+
+import meshdistill as md
+from meshdistill import jobs
+from meshdistill.checkpoint import Checkpointer
+from meshdistill.config import ConfigError, load_config
+from meshdistill.data import DataConfig, build_data
+from meshdistill.evaluate import Evaluator
+from meshdistill.hardlabel import HardLabelTrainer
+from meshdistill.monitor import Monitor, ProfileWindow, plot_run
+from meshdistill.trainer import fit, lr_schedule, make_optimizer
+
+VOCAB = 264  # byte tokenizer
+TEACHER = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
+STUDENT = TEACHER.replace(d_model=16, n_layers=1, mlp_hidden=32)
+
+
+def write_corpus(root, n_docs=24):
+  """A small corpus of text files; enough documents that some land in validation."""
+  root.mkdir(parents=True, exist_ok=True)
+  rng = np.random.default_rng(0)
+  words = ["def", "return", "class", "self", "import", "for", "in", "if", "else", "x", "y", "(", ")", ":", "\n"]
+  for i in range(n_docs):
+    text = " ".join(rng.choice(words, size=150 + 10 * i))
+    (root / f"doc{i:02d}.txt").write_text(text)
+  return str(root)
+
+
+def tiny_settings(steps=6, **kw):
+  return load_config("tiny", [f"train.steps={steps}", "train.warmup=1", *[f"train.{k}={v}" for k, v in kw.items()]]).train
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+  src = write_corpus(tmp_path_factory.mktemp("corpus") / "c")
+  bundle = build_data(DataConfig(source=src, seq_len=16, val_fraction=0.25), batch_size=8)
+  assert bundle.val is not None and len(bundle.val_batches()) >= 1
+  return bundle
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return md.make_mesh(data=2, tensor=4)
+
+
+def new_distiller(mesh, settings):
+  teacher = md.init_model(TEACHER, seed=0, mesh=mesh)
+  student = md.init_model(STUDENT, seed=1, mesh=mesh)
+  return md.Distiller(student, teacher, optimizer=make_optimizer(settings), mesh=mesh, strategy=md.LogitKD(alpha=0.7))
+
+
+def leaves_equal(a, b):
+  la, lb = jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))
+  assert len(la) == len(lb)
+  return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="module")
+def settings():
+  return tiny_settings(steps=6)
+
+
+@pytest.fixture(scope="module")
+def kd(mesh, settings):
+  """A distiller shared by the tests below (its step compiles once)."""
+  return new_distiller(mesh, settings)
+
+
+@pytest.fixture(scope="module")
+def hard(mesh, settings):
+  return HardLabelTrainer(md.init_model(STUDENT, seed=1, mesh=mesh), optimizer=make_optimizer(settings), mesh=mesh)
+
+
+def test_interrupted_and_resumed_run_is_bitwise_identical_to_uninterrupted(data, mesh, settings, kd, tmp_path):
+  full_ckpt = Checkpointer(str(tmp_path / "full"), every=6)
+  full = fit(kd, data, steps=6, eval_every=0, checkpointer=full_ckpt, log_every=2)
+
+  ckpt = Checkpointer(str(tmp_path / "split"), every=3)
+  first = fit(kd, data, steps=6, eval_every=0, checkpointer=ckpt, stop_after=3, log_every=2)
+  assert first.step == 3 and ckpt.latest_step() == 3
+  ckpt.close()
+  # A new process rebuilds everything: a new distiller (fresh compile) and checkpointer.
+  resumed_ckpt = Checkpointer(str(tmp_path / "split"), every=3)
+  second = fit(new_distiller(mesh, settings), data, steps=6, eval_every=0, checkpointer=resumed_ckpt, log_every=2)
+  assert second.resumed_from == 3 and second.step == 6
+
+  assert int(jax.device_get(second.state.step)) == int(jax.device_get(full.state.step)) == 6
+  assert leaves_equal(second.state.params, full.state.params)
+  assert leaves_equal(second.state.opt_state, full.state.opt_state)
+  # the data position saved with the final checkpoints is the same
+  _, data_full, _ = full_ckpt.restore(kd, kd.init_state())
+  _, data_resumed, _ = resumed_ckpt.restore(kd, kd.init_state())
+  assert data_full == data_resumed and data_full["next_batch"] == 6
+  # and the resumed run did not simply skip training: the interrupted state differs
+  assert not leaves_equal(first.state.params, full.state.params)
+
+
+def test_hard_label_step_equals_distillation_with_alpha_zero(mesh, settings, hard):
+  kd0 = md.Distiller(md.init_model(STUDENT, seed=1, mesh=mesh), md.init_model(TEACHER, seed=0, mesh=mesh),
+                     strategy=md.LogitKD(alpha=0.0), optimizer=make_optimizer(settings), mesh=mesh)
+  batch = make_batch(batch=8, seq=16, vocab=VOCAB, pad_from=12)
+  s_hard, m_hard = hard.step(hard.init_state(), batch)
+  s_kd, m_kd = kd0.step(kd0.init_state(), batch)
+  np.testing.assert_allclose(float(m_hard["loss"]), float(m_kd["ce"]), rtol=1e-6)
+  np.testing.assert_allclose(float(m_hard["loss"]), float(m_kd["loss"]), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(s_hard.params), jax.tree.leaves(s_kd.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_hard_label_pretraining_lowers_validation_loss(data, hard):
+  evaluator = Evaluator.for_trainer(hard)
+  before = evaluator(hard.init_state().params["student"], data.val_batches())
+  result = fit(hard, data, steps=12, kind="pretrain", eval_every=0, evaluator=evaluator)
+  assert result.eval["loss"] < before["loss"] - 0.5
+  assert set(before) == {"loss", "ppl", "tokens"}
+
+
+def test_evaluation_is_a_token_mean_that_ignores_padding(mesh):
+  model = md.init_model(STUDENT, seed=3, mesh=mesh)
+  graphdef, params = nnx.split(model)
+  ev = Evaluator(graphdef, mesh=mesh)
+  batch = make_batch(seed=1, batch=8, seq=16, vocab=VOCAB, pad_from=10)
+  got = ev(params, [batch])
+  logits = np.asarray(model(batch["inputs"]).logits, np.float64)
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+  nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+  want = (nll * batch["mask"]).sum() / batch["mask"].sum()
+  np.testing.assert_allclose(got["loss"], want, rtol=1e-5)
+  assert got["tokens"] == batch["mask"].sum() == 8 * 10
+  # garbage in the padded positions changes nothing
+  noisy = dict(batch, targets=np.where(batch["mask"] > 0, batch["targets"], 7).astype(np.int32))
+  np.testing.assert_allclose(ev(params, [noisy])["loss"], got["loss"], rtol=1e-6)
+  np.testing.assert_allclose(got["ppl"], np.exp(got["loss"]), rtol=1e-6)
+
+
+def test_monitor_writes_jsonl_tensorboard_plots_and_a_profile(data, settings, kd, tmp_path):
+  run = tmp_path / "run"
+  stream = io.StringIO()
+  monitor = Monitor(str(run), 4, stream=stream, name="distill")
+  profile = ProfileWindow.parse("2:3", str(run / "profile"))
+  fit(kd, data, steps=4, eval_every=2, log_every=2, monitor=monitor, profile=profile, lr=lr_schedule(settings))
+  monitor.close()
+  rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  train = [r for r in rows if r["split"] == "train"]
+  val = [r for r in rows if r["split"] == "val"]
+  assert [r["step"] for r in train] == [2, 4] and [r["step"] for r in val] == [2, 4]
+  assert {"loss", "kl", "ce", "corr", "agree", "lr", "tokens_per_s", "step_s"} <= set(train[0])
+  assert {"loss", "ppl", "kl", "agree", "corr", "teacher_loss"} <= set(val[0])
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(run / "tb"))
+  assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for _, _, fs in os.walk(run / "profile") for f in fs)
+  shown = stream.getvalue()
+  assert "4/4" in shown and "tok/s" in shown and "ETA" in shown and "eval @ step 2" in shown
+  pngs = plot_run(str(run))
+  assert sorted(os.path.basename(p) for p in pngs) == ["ce.png", "corr.png", "kl.png", "loss.png"]
+  assert all(os.path.getsize(p) > 1000 for p in pngs)
+
+
+def test_bad_profile_window_is_rejected():
+  with pytest.raises(ValueError, match="START:STOP"):
+    ProfileWindow.parse("5", "/tmp/x")
+  with pytest.raises(ValueError, match="1 <= START <= STOP"):
+    ProfileWindow.parse("4:2", "/tmp/x")
+
+
+def test_empty_corpus_and_missing_file_give_clear_errors(tmp_path):
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  (empty / "a.txt").write_text("")
+  with pytest.raises(ValueError, match="corpus is empty"):
+    jobs.load_data(load_config("tiny", [f"data.source={empty}"]))
+  with pytest.raises(FileNotFoundError, match="no file or directory"):
+    jobs.load_data(load_config("tiny", [f"data.source={tmp_path / 'missing.txt'}"]))
+
+
+def test_model_vocabulary_smaller_than_the_tokenizer_is_named(tmp_path):
+  src = write_corpus(tmp_path / "c", n_docs=4)
+  cfg = load_config("tiny", [f"data.source={src}", "teacher.vocab_size=128", "student.vocab_size=128"])
+  with pytest.raises(ConfigError, match="teacher.vocab_size=128 is smaller than the tokenizer's vocabulary \\(264"):
+    jobs.load_data(cfg)
+
+
+def test_distill_job_pretrains_caches_and_reuses_the_teacher(tmp_path):
+  src = write_corpus(tmp_path / "c")
+  sets = [
+      f"data.source={src}", "data.seq_len=16", "data.val_fraction=0.25", "data.max_chars=null",
+      "teacher.max_len=16", "student.max_len=16",
+      "train.steps=3", "train.warmup=1", "train.eval_every=0", "train.log_every=1",
+      "pretrain.steps=3", "pretrain.warmup=1", "pretrain.eval_every=0", "pretrain.log_every=1",
+      f"pretrain.cache_dir={tmp_path / 'cache'}", "checkpoint.every=0",
+  ]
+  cfg = load_config("tiny", sets + [f"run.run_dir={tmp_path / 'run1'}"])
+  summary = jobs.distill(cfg)
+  tdir = summary["teacher_dir"]
+  assert tdir.startswith(str(tmp_path / "cache")) and os.path.isfile(os.path.join(tdir, "teacher.json"))
+  assert summary["step"] == 3 and 0 < summary["param_ratio"] < 1
+  assert np.isfinite(summary["student"]["loss"]) and summary["teacher"]["ppl"] > 1
+  assert json.load(open(tmp_path / "run1" / "summary.json"))["student"]["loss"] == summary["student"]["loss"]
+  stamp = os.path.getmtime(os.path.join(tdir, "teacher.json"))
+  # a second run with the same settings finds the cached teacher (no pretraining)
+  cfg2 = load_config("tiny", sets + [f"run.run_dir={tmp_path / 'run2'}"])
+  lines = []
+  data = jobs.load_data(cfg2)
+  teacher, path = jobs.obtain_teacher(cfg2, data, jobs.build_mesh(cfg2), report=lines.append)
+  assert path == tdir and lines == [f"teacher: cached {tdir}"]
+  assert os.path.getmtime(os.path.join(tdir, "teacher.json")) == stamp
+  assert not os.path.exists(tmp_path / "run2" / "teacher")
+  evaluator = Evaluator(nnx.graphdef(teacher), mesh=jobs.build_mesh(cfg2))
+  ev = evaluator(nnx.state(teacher), data.val_batches(cfg2.train.eval_batches))
+  np.testing.assert_allclose(ev["loss"], summary["teacher"]["loss"], rtol=1e-6)
