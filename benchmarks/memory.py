@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from tunix.distillation.strategies import logit as tunix_logit  # noqa: E402
 
-from meshdistill.losses._chunked import chunked_token_sums, head_logits  # noqa: E402
+from meshdistill.losses._chunked import chunked_token_sums  # noqa: E402
 from meshdistill.strategies._chunked import ChunkedLogitKD  # noqa: E402
 
 DATA, TENSOR = md.DATA, md.TENSOR
