@@ -8,6 +8,13 @@ Divergences (`DIVERGENCES`, `get_divergence`): ``forward_kl``, ``reverse_kl``, `
 (centred logits). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`.
 """
 
+from meshdistill.losses._chunked import (
+    TokenFn,
+    chunked_token_sums,
+    cross_entropy_token_fn,
+    divergence_token_fn,
+    head_logits,
+)
 from meshdistill.losses._divergences import (
     DISTRIBUTION_DIVERGENCES,
     DIVERGENCES,
@@ -30,6 +37,11 @@ __all__ = [
     "DISTRIBUTION_DIVERGENCES",
     "DIVERGENCES",
     "HYPERPARAMETERS",
+    "TokenFn",
+    "chunked_token_sums",
+    "cross_entropy_token_fn",
+    "divergence_token_fn",
+    "head_logits",
     "cross_entropy",
     "forward_kl",
     "get_distribution_divergence",
