@@ -10,7 +10,8 @@ Three models on the default corpus, all evaluated on the same validation batches
 
 Writes ``benchmarks/results/quality.md`` (validation loss and perplexity of each, the
 student/teacher parameter ratio, the distilled/scratch loss ratio against the 0.97 target)
-and appends the run to ``benchmarks/results/quality_runs.jsonl`` (every recipe tried).
+and appends the run to ``benchmarks/results/quality_runs.jsonl`` (every recipe run with this script);
+hand-written tuning notes in ``benchmarks/results/quality_notes.md`` are appended to the report.
 
   python benchmarks/quality.py                              # the default config (main job's recipe)
   python benchmarks/quality.py --config configs/quality.yaml --set distill.alpha=0.8
@@ -42,6 +43,7 @@ def _args(argv):
   p.add_argument("--eval-batches", type=int, default=64, help="validation batches for the final numbers")
   p.add_argument("--out", default=os.path.join(HERE, "results", "quality.md"))
   p.add_argument("--note", default="", help="a remark stored with this run in quality_runs.jsonl")
+  p.add_argument("--render-only", action="store_true", help="rewrite the report from quality_runs.jsonl; train nothing")
   return p.parse_args(argv)
 
 
@@ -55,16 +57,42 @@ def _fit(trainer, data, cfg, run_dir, name):
   ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
   try:
     return fit(
-        trainer, data, steps=t.steps, kind=name, eval_every=t.eval_every, eval_batches=t.eval_batches,
-        log_every=t.log_every, checkpointer=ckpt, monitor=monitor, lr=lr_schedule(t),
+      trainer,
+      data,
+      steps=t.steps,
+      kind=name,
+      eval_every=t.eval_every,
+      eval_batches=t.eval_batches,
+      log_every=t.log_every,
+      checkpointer=ckpt,
+      monitor=monitor,
+      lr=None if t.freeze else lr_schedule(t),
     )
   finally:
     ckpt.close()
     monitor.close()
 
 
+def write_report(out: str, row: dict, tdir: str) -> str:
+  """Writes ``out`` for ``row``, with the history of runs and the tuning notes next to it."""
+  results = os.path.dirname(out)
+  notes_path = os.path.join(results, "quality_notes.md")
+  notes = ""
+  if os.path.isfile(notes_path):
+    with open(notes_path, encoding="utf-8") as f:
+      notes = f.read()
+  text = render(row, tdir, _history(os.path.join(results, "quality_runs.jsonl"))) + ("\n" + notes if notes else "")
+  with open(out, "w", encoding="utf-8") as f:
+    f.write(text)
+  return text
+
+
 def main(argv=None) -> int:
   args = _args(argv)
+  if args.render_only:
+    rows = _history(os.path.join(os.path.dirname(args.out), "quality_runs.jsonl"))
+    write_report(args.out, rows[-1], rows[-1].get("teacher_dir", ""))
+    return 0
   from meshdistill.config import dump_config, load_config
 
   cfg = load_config(args.config, args.overrides)
@@ -87,6 +115,9 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   teacher, tdir = jobs.obtain_teacher(cfg, data, mesh, stream=sys.stderr, report=say)
   teacher_seconds = time.perf_counter() - t0
+  from meshdistill.checkpoint import read_teacher_meta
+
+  teacher_pretrain_seconds = read_teacher_meta(tdir)["info"].get("seconds")
 
   distiller = jobs.make_distiller(cfg, teacher, mesh)
   t0 = time.perf_counter()
@@ -94,41 +125,57 @@ def main(argv=None) -> int:
   distill_seconds = time.perf_counter() - t0
 
   scratch_model = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
-  scratch = HardLabelTrainer(scratch_model, optimizer=make_optimizer(cfg.train), mesh=mesh, backend=cfg.mesh.backend)
+  scratch = HardLabelTrainer(
+    scratch_model, optimizer=make_optimizer(cfg.train, cfg.student.n_layers), mesh=mesh, backend=cfg.mesh.backend
+  )
   t0 = time.perf_counter()
   baseline = _fit(scratch, data, cfg, os.path.join(args.run_root, "scratch"), "scratch")
   scratch_seconds = time.perf_counter() - t0
 
   val = data.val_batches(max_batches=args.eval_batches)
   ev_d = Evaluator.for_trainer(distiller)(distiller.unreplicate(distilled.state.params)["student"], val)
-  ev_s = Evaluator(scratch.student_def, teacher_def=distiller.teacher_def, teacher_params=distiller.teacher_params,
-                   mesh=distiller.mesh if distiller.backend == "shard_map" else None)(
-                       scratch.unreplicate(baseline.state.params)["student"], val)
+  ev_s = Evaluator(
+    scratch.student_def,
+    teacher_def=distiller.teacher_def,
+    teacher_params=distiller.teacher_params,
+    mesh=distiller.mesh if distiller.backend == "shard_map" else None,
+  )(scratch.unreplicate(baseline.state.params)["student"], val)
   n_t, n_s = param_count(teacher), param_count(distiller.student(distilled.state))
   row = {
-      "date": datetime.datetime.now().isoformat(timespec="seconds"),
-      "config": args.config or "default",
-      "overrides": args.overrides,
-      "note": args.note,
-      "teacher": {"loss": ev_d["teacher_loss"], "ppl": ev_d["teacher_ppl"], "params": n_t},
-      "distilled": {k: ev_d[k] for k in ("loss", "ppl", "kl", "agree")} | {"params": n_s},
-      "scratch": {k: ev_s[k] for k in ("loss", "ppl", "kl", "agree")} | {"params": n_s},
-      "loss_ratio": ev_d["loss"] / ev_s["loss"],
-      "param_ratio": n_s / n_t,
-      "val_tokens": ev_d["tokens"],
-      "seconds": {"teacher": teacher_seconds, "distill": distill_seconds, "scratch": scratch_seconds,
-                  "total": time.perf_counter() - t_start},
-      "settings": {"teacher": cfg.to_dict()["teacher"], "student": cfg.to_dict()["student"],
-                   "distill": cfg.to_dict()["distill"], "train": cfg.to_dict()["train"],
-                   "pretrain": cfg.to_dict()["pretrain"], "data": cfg.to_dict()["data"], "mesh": cfg.to_dict()["mesh"]},
-      "devices": f"{jax.device_count()} x {jax.default_backend()}",
-      "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    "config": args.config or "default",
+    "overrides": args.overrides,
+    "note": args.note,
+    "teacher": {"loss": ev_d["teacher_loss"], "ppl": ev_d["teacher_ppl"], "params": n_t},
+    "distilled": {k: ev_d[k] for k in ("loss", "ppl", "kl", "agree")} | {"params": n_s},
+    "scratch": {k: ev_s[k] for k in ("loss", "ppl", "kl", "agree")} | {"params": n_s},
+    "loss_ratio": ev_d["loss"] / ev_s["loss"],
+    "param_ratio": n_s / n_t,
+    "val_tokens": ev_d["tokens"],
+    "teacher_dir": tdir,
+    "seconds": {
+      "teacher": teacher_seconds,
+      "teacher_pretraining": teacher_pretrain_seconds,
+      "distill": distill_seconds,
+      "scratch": scratch_seconds,
+      "total": time.perf_counter() - t_start,
+    },
+    "settings": {
+      "teacher": cfg.to_dict()["teacher"],
+      "student": cfg.to_dict()["student"],
+      "distill": cfg.to_dict()["distill"],
+      "train": cfg.to_dict()["train"],
+      "pretrain": cfg.to_dict()["pretrain"],
+      "data": cfg.to_dict()["data"],
+      "mesh": cfg.to_dict()["mesh"],
+    },
+    "devices": f"{jax.device_count()} x {jax.default_backend()}",
+    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
   }
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(os.path.join(os.path.dirname(args.out), "quality_runs.jsonl"), "a", encoding="utf-8") as f:
     f.write(json.dumps(row) + "\n")
-  with open(args.out, "w", encoding="utf-8") as f:
-    f.write(render(row, tdir, _history(os.path.join(os.path.dirname(args.out), "quality_runs.jsonl"))))
+  write_report(args.out, row, tdir)
   print(render(row, tdir, []))
   return 0
 
@@ -143,49 +190,78 @@ def _recipe(r):
   d = s["distill"]
   tau = d["temperature"]
   tau = f"{tau['start']}->{tau['end']}" if isinstance(tau, dict) else f"{tau}"
-  m = lambda c: f"d{c['d_model']}xL{c['n_layers']}"  # noqa: E731
-  return (f"teacher {m(s['teacher'])} {s['pretrain']['steps']} steps; student {m(s['student'])} "
-          f"{s['train']['steps']} steps lr {s['train']['lr']}; tau {tau}, alpha {d['alpha']}")
+  m = lambda c: f"d{c['d_model']}xL{c['n_layers']}"
+  return (
+    f"teacher {m(s['teacher'])} {s['pretrain']['steps']} steps; student {m(s['student'])} "
+    f"{s['train']['steps']} steps lr {s['train']['lr']}; tau {tau}, alpha {d['alpha']}"
+  )
+
+
+def _timing(sec: dict) -> str:
+  pre = sec.get("teacher_pretraining")
+  if pre and sec["teacher"] < 0.5 * pre:
+    teacher = f"teacher loaded from the cache in {sec['teacher']:.0f} s (its pretraining took {pre:.0f} s)"
+  else:
+    teacher = f"teacher pretraining {sec['teacher']:.0f} s"
+  return (
+    f"- wall time: {teacher}, distillation {sec['distill']:.0f} s, scratch student {sec['scratch']:.0f} s, "
+    f"benchmark total {sec['total']:.0f} s (evaluation and compilation included)"
+  )
+
+
+def _row(name: str, m: dict) -> str:
+  return f"| {name} | {m['params']:,} | {m['loss']:.4f} | {m['ppl']:.3f} | {m['kl']:.4f} | {m['agree']:.1%} |"
 
 
 def render(r, tdir, history) -> str:
   ok = r["loss_ratio"] <= TARGET_RATIO and r["param_ratio"] <= MAX_PARAM_RATIO
   s = r["settings"]
   lines = [
-      "# Quality benchmark: distilled student vs. the same student trained from scratch",
-      "",
+    "# Quality benchmark: distilled student vs. the same student trained from scratch",
+    "",
+    (
       f"Written by `benchmarks/quality.py` on {r['date']} ({r['devices']} devices, mesh "
       f"{s['mesh']['data']}x{s['mesh']['tensor']}, {r['machine']}); config `{r['config']}`"
-      + (f" with `{' '.join('--set ' + o for o in r['overrides'])}`" if r["overrides"] else "") + ".",
-      "",
-      f"Corpus: `{s['data']['source']}` (max_chars {s['data']['max_chars']}), tokenizer `{s['data']['tokenizer']}`, "
-      f"seq_len {s['data']['seq_len']}; validation: {int(r['val_tokens']):,} tokens (held-out documents).",
+    )
+    + (f" with `{' '.join('--set ' + o for o in r['overrides'])}`" if r["overrides"] else "")
+    + ".",
+    "",
+    (
+      f"Corpus: `{s['data']['source']}` (max_chars {s['data']['max_chars']}), tokenizer "
+      f"`{s['data']['tokenizer']}`, seq_len {s['data']['seq_len']}; validation: {int(r['val_tokens']):,} tokens "
+      "(held-out documents)."
+    ),
+    (
       "Both students: same architecture, initialisation seed, steps, batch size, data order and learning-rate "
-      "schedule; the scratch student sees only the hard labels.",
-      "",
-      "| model | params | val loss (nats/token) | val perplexity | KL(teacher‖model) | top-1 agreement |",
-      "|---|---:|---:|---:|---:|---:|",
-      f"| teacher | {r['teacher']['params']:,} | {r['teacher']['loss']:.4f} | {r['teacher']['ppl']:.3f} | – | – |",
-      f"| distilled student | {r['distilled']['params']:,} | {r['distilled']['loss']:.4f} | {r['distilled']['ppl']:.3f} "
-      f"| {r['distilled']['kl']:.4f} | {r['distilled']['agree']:.1%} |",
-      f"| scratch student | {r['scratch']['params']:,} | {r['scratch']['loss']:.4f} | {r['scratch']['ppl']:.3f} "
-      f"| {r['scratch']['kl']:.4f} | {r['scratch']['agree']:.1%} |",
-      "",
-      f"- student / teacher parameters: **{r['param_ratio']:.1%}** (target <= {MAX_PARAM_RATIO:.0%})",
-      f"- distilled / scratch validation loss: **{r['loss_ratio']:.4f}** (target <= {TARGET_RATIO})",
-      f"- target {'met' if ok else 'NOT met'}",
-      f"- wall time: teacher {r['seconds']['teacher']:.0f} s (0 when cached), distillation "
-      f"{r['seconds']['distill']:.0f} s, scratch {r['seconds']['scratch']:.0f} s, total {r['seconds']['total']:.0f} s",
-      "",
-      "Recipe: " + _recipe(r) + f"; divergence {s['distill']['divergence']}.",
-      "",
+      "schedule; the scratch student sees only the hard labels."
+    ),
+    "",
+    "| model | params | val loss (nats/token) | val perplexity | KL(teacher‖model) | top-1 agreement |",
+    "|---|---:|---:|---:|---:|---:|",
+    f"| teacher | {r['teacher']['params']:,} | {r['teacher']['loss']:.4f} | {r['teacher']['ppl']:.3f} | – | – |",
+    _row("distilled student", r["distilled"]),
+    _row("scratch student", r["scratch"]),
+    "",
+    f"- student / teacher parameters: **{r['param_ratio']:.1%}** (target <= {MAX_PARAM_RATIO:.0%})",
+    f"- distilled / scratch validation loss: **{r['loss_ratio']:.4f}** (target <= {TARGET_RATIO})",
+    f"- target {'met' if ok else 'NOT met'}",
+    _timing(r["seconds"]),
+    "",
+    "Recipe: " + _recipe(r) + f"; divergence {s['distill']['divergence']}.",
+    "",
   ]
   if history:
-    lines += ["## Recipes tried", "", "| date | recipe | teacher loss | distilled | scratch | ratio | note |",
-              "|---|---|---:|---:|---:|---:|---|"]
+    lines += [
+      "## Recipes tried",
+      "",
+      "| date | recipe | teacher loss | distilled | scratch | ratio | note |",
+      "|---|---|---:|---:|---:|---:|---|",
+    ]
     for h in history:
-      lines.append(f"| {h['date']} | {_recipe(h)} | {h['teacher']['loss']:.4f} | {h['distilled']['loss']:.4f} | "
-                   f"{h['scratch']['loss']:.4f} | {h['loss_ratio']:.4f} | {h.get('note', '')} |")
+      lines.append(
+        f"| {h['date']} | {_recipe(h)} | {h['teacher']['loss']:.4f} | {h['distilled']['loss']:.4f} | "
+        f"{h['scratch']['loss']:.4f} | {h['loss_ratio']:.4f} | {h.get('note', '')} |"
+      )
     lines.append("")
   return "\n".join(lines)
 

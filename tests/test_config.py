@@ -20,9 +20,10 @@ def test_default_yaml_equals_the_dataclass_defaults():
 
 
 def test_repository_default_yaml_is_the_packaged_one():
-  with open(os.path.join(REPO, "configs", "default.yaml"), encoding="utf-8") as a, open(
-      config_path("default"), encoding="utf-8"
-  ) as b:
+  with (
+    open(os.path.join(REPO, "configs", "default.yaml"), encoding="utf-8") as a,
+    open(config_path("default"), encoding="utf-8") as b,
+  ):
     assert a.read() == b.read()
 
 
@@ -46,14 +47,14 @@ def test_partial_yaml_keeps_the_other_defaults(tmp_path):
 
 def test_overrides_are_parsed_as_yaml():
   cfg = load_config(
-      None,
-      [
-          "train.steps=200",
-          "distill.alpha=0.7",
-          "mesh.simulate_cpu_devices=false",
-          "distill.temperature={kind: linear, start: 3, end: 1, steps: 500}",
-          "data.max_chars=null",
-      ],
+    None,
+    [
+      "train.steps=200",
+      "distill.alpha=0.7",
+      "mesh.simulate_cpu_devices=false",
+      "distill.temperature={kind: linear, start: 3, end: 1, steps: 500}",
+      "data.max_chars=null",
+    ],
   )
   assert cfg.train.steps == 200 and cfg.distill.alpha == 0.7
   assert cfg.mesh.simulate_cpu_devices is False
@@ -69,13 +70,13 @@ def test_config_round_trips_through_yaml(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "override, named, hint",
-    [
-        ("train.stepz=5", "train.stepz", "did you mean 'train.steps'"),
-        ("trian.steps=5", "trian", "did you mean 'train'"),
-        ("teacher.dmodel=64", "teacher.dmodel", "'d_model'"),
-        ("distill.tau=2", "distill.tau", "temperature"),
-    ],
+  "override, named, hint",
+  [
+    ("train.stepz=5", "train.stepz", "did you mean 'train.steps'"),
+    ("trian.steps=5", "trian", "did you mean 'train'"),
+    ("teacher.dmodel=64", "teacher.dmodel", "'d_model'"),
+    ("distill.tau=2", "distill.tau", "temperature"),
+  ],
 )
 def test_unknown_key_names_the_dotted_key_and_the_valid_keys(override, named, hint):
   with pytest.raises(ConfigError) as e:
@@ -85,25 +86,25 @@ def test_unknown_key_names_the_dotted_key_and_the_valid_keys(override, named, hi
 
 
 @pytest.mark.parametrize(
-    "override, named, allowed",
-    [
-        ("train.steps=many", "train.steps", "expected int"),
-        ("train.steps=0", "train.steps", "positive integer"),
-        ("train.lr=-0.1", "train.lr", "(0.0, 1.0]"),
-        ("distill.alpha=1.5", "distill.alpha", "[0"),
-        ("distill.temperature=0", "distill.temperature", "> 0"),
-        ("distill.divergence=kl2", "distill.divergence", "forward_kl"),
-        ("mesh.backend=tpu", "mesh.backend", "shard_map"),
-        ("mesh.data=0", "mesh.data", "positive integer"),
-        ("mesh.simulate_cpu_devices=maybe", "mesh.simulate_cpu_devices", "auto"),
-        ("teacher.d_model=-1", "teacher.d_model", "positive integer"),
-        ("student.n_heads=3", "student.n_heads", "n_kv_heads"),
-        ("data.val_fraction=2", "data.val_fraction", "[0, 1)"),
-        ("checkpoint.keep=0", "checkpoint.keep", "positive integer"),
-        ("train.batch_size=7", "train.batch_size", "mesh.data"),
-        ("data.seq_len=512", "max_len", "data.seq_len"),
-        ("student.vocab_size=300", "student.vocab_size", "teacher.vocab_size"),
-    ],
+  "override, named, allowed",
+  [
+    ("train.steps=many", "train.steps", "expected int"),
+    ("train.steps=0", "train.steps", "positive integer"),
+    ("train.lr=-0.1", "train.lr", "(0.0, 1.0]"),
+    ("distill.alpha=1.5", "distill.alpha", "[0"),
+    ("distill.temperature=0", "distill.temperature", "> 0"),
+    ("distill.divergence=kl2", "distill.divergence", "forward_kl"),
+    ("mesh.backend=tpu", "mesh.backend", "shard_map"),
+    ("mesh.data=0", "mesh.data", "positive integer"),
+    ("mesh.simulate_cpu_devices=maybe", "mesh.simulate_cpu_devices", "auto"),
+    ("teacher.d_model=-1", "teacher.d_model", "positive integer"),
+    ("student.n_heads=3", "student.n_heads", "n_kv_heads"),
+    ("data.val_fraction=2", "data.val_fraction", "[0, 1)"),
+    ("checkpoint.keep=0", "checkpoint.keep", "positive integer"),
+    ("train.batch_size=7", "train.batch_size", "mesh.data"),
+    ("data.seq_len=512", "max_len", "data.seq_len"),
+    ("student.vocab_size=300", "student.vocab_size", "teacher.vocab_size"),
+  ],
 )
 def test_bad_value_names_the_key_and_what_is_allowed(override, named, allowed):
   with pytest.raises(ConfigError) as e:
@@ -145,3 +146,16 @@ def test_cli_config_prints_the_effective_settings(capsys):
   printed = yaml.safe_load(capsys.readouterr().out)
   assert printed["train"]["steps"] == 42
   assert printed == dataclasses.replace(Config(), train=load_config(None, ["train.steps=42"]).train).to_dict()
+
+
+def test_freezing_schedule_is_checked_against_the_student():
+  stages = "[{start_step: 0, freeze: 0.5, lr: 0.003}, {start_step: 100, freeze: [0], lr: 0.001}]"
+  cfg = load_config(None, [f"train.freeze={stages}"])
+  got = cfg.train.stages()
+  assert [s.start_step for s in got] == [0, 100] and got[1].freeze == (0,)
+  with pytest.raises(ConfigError, match=r"train.freeze\[0\].*start_step"):
+    load_config(None, ["train.freeze=[{start_step: 0, lr: 0.1, frezee: 0.5}]"])
+  with pytest.raises(ConfigError, match=r"train.freeze\[0\].*lr"):
+    load_config(None, ["train.freeze=[{start_step: 0, lr: -1}]"])
+  with pytest.raises(ConfigError, match=r"train.freeze: .*n_layers=4"):
+    load_config(None, ["train.freeze=[{start_step: 0, freeze: [7], lr: 0.1}]"])

@@ -7,9 +7,8 @@ import os
 import jax
 import numpy as np
 import pytest
-from flax import nnx
-
 from conftest import make_batch
+from flax import nnx
 
 import meshdistill as md
 from meshdistill import jobs
@@ -38,7 +37,9 @@ def write_corpus(root, n_docs=24):
 
 
 def tiny_settings(steps=6, **kw):
-  return load_config("tiny", [f"train.steps={steps}", "train.warmup=1", *[f"train.{k}={v}" for k, v in kw.items()]]).train
+  return load_config(
+    "tiny", [f"train.steps={steps}", "train.warmup=1", *[f"train.{k}={v}" for k, v in kw.items()]]
+  ).train
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +108,13 @@ def test_interrupted_and_resumed_run_is_bitwise_identical_to_uninterrupted(data,
 
 
 def test_hard_label_step_equals_distillation_with_alpha_zero(mesh, settings, hard):
-  kd0 = md.Distiller(md.init_model(STUDENT, seed=1, mesh=mesh), md.init_model(TEACHER, seed=0, mesh=mesh),
-                     strategy=md.LogitKD(alpha=0.0), optimizer=make_optimizer(settings), mesh=mesh)
+  kd0 = md.Distiller(
+    md.init_model(STUDENT, seed=1, mesh=mesh),
+    md.init_model(TEACHER, seed=0, mesh=mesh),
+    strategy=md.LogitKD(alpha=0.0),
+    optimizer=make_optimizer(settings),
+    mesh=mesh,
+  )
   batch = make_batch(batch=8, seq=16, vocab=VOCAB, pad_from=12)
   s_hard, m_hard = hard.step(hard.init_state(), batch)
   s_kd, m_kd = kd0.step(kd0.init_state(), batch)
@@ -133,7 +139,11 @@ def test_evaluation_is_a_token_mean_that_ignores_padding(mesh):
   batch = make_batch(seed=1, batch=8, seq=16, vocab=VOCAB, pad_from=10)
   got = ev(params, [batch])
   logits = np.asarray(model(batch["inputs"]).logits, np.float64)
-  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+  logp = (
+    logits
+    - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    - logits.max(-1, keepdims=True)
+  )
   nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
   want = (nll * batch["mask"]).sum() / batch["mask"].sum()
   np.testing.assert_allclose(got["loss"], want, rtol=1e-5)
@@ -193,11 +203,22 @@ def test_model_vocabulary_smaller_than_the_tokenizer_is_named(tmp_path):
 def test_distill_job_pretrains_caches_and_reuses_the_teacher(tmp_path):
   src = write_corpus(tmp_path / "c")
   sets = [
-      f"data.source={src}", "data.seq_len=16", "data.val_fraction=0.25", "data.max_chars=null",
-      "teacher.max_len=16", "student.max_len=16",
-      "train.steps=3", "train.warmup=1", "train.eval_every=0", "train.log_every=1",
-      "pretrain.steps=3", "pretrain.warmup=1", "pretrain.eval_every=0", "pretrain.log_every=1",
-      f"pretrain.cache_dir={tmp_path / 'cache'}", "checkpoint.every=0",
+    f"data.source={src}",
+    "data.seq_len=16",
+    "data.val_fraction=0.25",
+    "data.max_chars=null",
+    "teacher.max_len=16",
+    "student.max_len=16",
+    "train.steps=3",
+    "train.warmup=1",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "pretrain.steps=3",
+    "pretrain.warmup=1",
+    "pretrain.eval_every=0",
+    "pretrain.log_every=1",
+    f"pretrain.cache_dir={tmp_path / 'cache'}",
+    "checkpoint.every=0",
   ]
   cfg = load_config("tiny", sets + [f"run.run_dir={tmp_path / 'run1'}"])
   summary = jobs.distill(cfg)
@@ -205,7 +226,7 @@ def test_distill_job_pretrains_caches_and_reuses_the_teacher(tmp_path):
   assert tdir.startswith(str(tmp_path / "cache")) and os.path.isfile(os.path.join(tdir, "teacher.json"))
   assert summary["step"] == 3 and 0 < summary["param_ratio"] < 1
   assert np.isfinite(summary["student"]["loss"]) and summary["teacher"]["ppl"] > 1
-  assert json.load(open(tmp_path / "run1" / "summary.json"))["student"]["loss"] == summary["student"]["loss"]
+  assert json.loads((tmp_path / "run1" / "summary.json").read_text())["student"]["loss"] == summary["student"]["loss"]
   stamp = os.path.getmtime(os.path.join(tdir, "teacher.json"))
   # a second run with the same settings finds the cached teacher (no pretraining)
   cfg2 = load_config("tiny", sets + [f"run.run_dir={tmp_path / 'run2'}"])
@@ -218,3 +239,19 @@ def test_distill_job_pretrains_caches_and_reuses_the_teacher(tmp_path):
   evaluator = Evaluator(nnx.graphdef(teacher), mesh=jobs.build_mesh(cfg2))
   ev = evaluator(nnx.state(teacher), data.val_batches(cfg2.train.eval_batches))
   np.testing.assert_allclose(ev["loss"], summary["teacher"]["loss"], rtol=1e-6)
+
+
+def test_freezing_schedule_from_the_config_holds_frozen_blocks_bit_for_bit(data, mesh):
+  settings = load_config("tiny", ["train.warmup=1", "train.freeze=[{start_step: 0, freeze: [0], lr: 0.01}]"]).train
+  student_cfg = STUDENT.replace(n_layers=2)
+  d = md.Distiller(
+    md.init_model(student_cfg, seed=1, mesh=mesh),
+    md.init_model(TEACHER, seed=0, mesh=mesh),
+    optimizer=make_optimizer(settings, student_cfg.n_layers),
+    mesh=mesh,
+  )
+  before = jax.device_get(d.init_state().params["student"])
+  monitor = Monitor(None, 3)
+  after = jax.device_get(fit(d, data, steps=3, eval_every=0, log_every=3, monitor=monitor).state.params["student"])
+  assert leaves_equal(before["blocks"][0], after["blocks"][0]) and leaves_equal(before["embed"], after["embed"])
+  assert not leaves_equal(before["blocks"][1], after["blocks"][1])

@@ -95,21 +95,23 @@ class Checkpointer:
     state = trainer.unreplicate(state) if trainer.backend == "pmap" else state
     meta = {**meta, "step": int(step)}
     self._mgr.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)
-        ),
-        force=True,
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)
+      ),
+      force=True,
     )
     self._mgr.wait_until_finished()
     log.info("checkpoint: saved step %d to %s", step, self.directory)
 
-  def maybe_save(self, step: int, trainer, state: TrainState, data_state: dict, meta: dict, final: bool = False) -> bool:
+  def maybe_save(
+    self, step: int, trainer, state: TrainState, data_state: dict, meta: dict, final: bool = False
+  ) -> bool:
     """Saves when ``step`` is a multiple of ``every`` (or ``final``); returns whether it saved."""
-    if final or (self.every and step % self.every == 0):
-      if step not in self.all_steps():
-        self.save(step, trainer, state, data_state, meta)
-        return True
+    due = final or (self.every and step % self.every == 0)
+    if due and step not in self.all_steps():
+      self.save(step, trainer, state, data_state, meta)
+      return True
     return False
 
   def read_meta(self, step: int | None = None) -> dict:
@@ -131,15 +133,15 @@ class Checkpointer:
     target = _abstract(_unstacked_template(trainer, template))
     try:
       got = self._mgr.restore(
-          step,
-          args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()
-          ),
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()
+        ),
       )
     except (ValueError, KeyError, TypeError) as e:
       raise ValueError(
-          f"checkpoint step {step} in {self.directory} does not fit this run's train state ({e}); it was written "
-          "by a run with other model sizes or another strategy/optimizer: use another checkpoint.dir or run_dir"
+        f"checkpoint step {step} in {self.directory} does not fit this run's train state ({e}); it was written "
+        "by a run with other model sizes or another strategy/optimizer: use another checkpoint.dir or run_dir"
       ) from e
     state = got.state
     if trainer.backend == "pmap":
@@ -175,10 +177,10 @@ def save_teacher(directory: str, model: Decoder, tokenizer: Any, info: dict | No
     ckptr.wait_until_finished()
     tokenizer.save(os.path.join(tmp, "tokenizer"))
     meta = {
-        "format": TEACHER_FORMAT,
-        "model": _model_fields(model.cfg),
-        "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "repr": repr(tokenizer)},
-        "info": info or {},
+      "format": TEACHER_FORMAT,
+      "model": _model_fields(model.cfg),
+      "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "repr": repr(tokenizer)},
+      "info": info or {},
     }
     with open(os.path.join(tmp, "teacher.json"), "w", encoding="utf-8") as f:
       json.dump(meta, f, indent=2, default=str)
@@ -197,8 +199,8 @@ def read_teacher_meta(directory: str) -> dict:
   path = os.path.join(directory, "teacher.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(
-        f"{directory} is not a teacher directory (no teacher.json); write one with `meshdistill pretrain` "
-        "or leave pretrain.teacher unset to pretrain and cache a teacher"
+      f"{directory} is not a teacher directory (no teacher.json); write one with `meshdistill pretrain` "
+      "or leave pretrain.teacher unset to pretrain and cache a teacher"
     )
   with open(path, encoding="utf-8") as f:
     meta = json.load(f)
@@ -215,8 +217,8 @@ def check_teacher_architecture(saved: dict, expected: ModelConfig, where: str) -
   if diff:
     desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in sorted(diff.items()))
     raise ValueError(
-        f"teacher checkpoint {where} has another architecture than the configured teacher ({desc}); "
-        "set the teacher.* sizes to the checkpoint's, or point pretrain.teacher at a matching checkpoint"
+      f"teacher checkpoint {where} has another architecture than the configured teacher ({desc}); "
+      "set the teacher.* sizes to the checkpoint's, or point pretrain.teacher at a matching checkpoint"
     )
 
 
@@ -233,9 +235,9 @@ def load_teacher(directory: str, expected: ModelConfig, mesh: Mesh | None, token
   check_teacher_architecture(meta["model"], expected, directory)
   if tokenizer is not None and meta["tokenizer"]["fingerprint"] != tokenizer.fingerprint:
     raise ValueError(
-        f"teacher {directory} was trained with tokenizer {meta['tokenizer']['repr']} (fingerprint "
-        f"{meta['tokenizer']['fingerprint']}) but this run uses {tokenizer!r} (fingerprint {tokenizer.fingerprint}); "
-        "use the same data.tokenizer as the teacher"
+      f"teacher {directory} was trained with tokenizer {meta['tokenizer']['repr']} (fingerprint "
+      f"{meta['tokenizer']['fingerprint']}) but this run uses {tokenizer!r} (fingerprint {tokenizer.fingerprint}); "
+      "use the same data.tokenizer as the teacher"
     )
   graphdef, abstract, shardings = abstract_params(expected, mesh)
   if shardings is None:

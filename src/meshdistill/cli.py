@@ -33,8 +33,14 @@ def _parser() -> argparse.ArgumentParser:
 
   def with_config(sp):
     sp.add_argument("--config", default=None, help="YAML file or packaged config name (default: the built-in default)")
-    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a setting, e.g. --set train.steps=200 (repeatable)")
+    sp.add_argument(
+      "--set",
+      dest="overrides",
+      action="append",
+      default=[],
+      metavar="KEY=VALUE",
+      help="override a setting, e.g. --set train.steps=200 (repeatable)",
+    )
     return sp
 
   d = with_config(sub.add_parser("distill", help="distil the teacher into the student (the main job)"))
@@ -111,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
       import jax  # pylint: disable=g-import-not-at-top
 
       mesh = "1 device" if cfg.mesh.backend == "single" else f"{cfg.mesh.data}x{cfg.mesh.tensor} (data x tensor)"
-      print(f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s), "
-            f"run dir {cfg.run.run_dir}", file=sys.stderr)
+      print(
+        f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s), "
+        f"run dir {cfg.run.run_dir}",
+        file=sys.stderr,
+      )
       summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
       print(jobs.summary_table(summary))
     elif args.command == "eval":

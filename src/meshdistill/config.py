@@ -22,44 +22,28 @@ value raises `ConfigError` naming the dotted key and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.resources
 import os
-import types
-import typing
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
 
 import yaml
 
+from meshdistill._typed_yaml import (
+  ConfigError,
+  from_dict,
+  in_range,
+  nonneg_int,
+  parse_override,
+  positive_int,
+  set_path,
+  to_plain,
+  unknown_key,
+)
 from meshdistill.data import DataConfig
 from meshdistill.models import ModelConfig
 
 BACKENDS = ("shard_map", "single", "pmap")
-SIMULATE_CHOICES = ("auto", True, False)
 CONFIG_SUFFIXES = (".yaml", ".yml")
-
-
-class ConfigError(ValueError):
-  """A configuration key or value that cannot be used; the message names the dotted key."""
-
-
-def _positive_int(where: str, v: Any) -> None:
-  if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-    raise ConfigError(f"{where}={v!r} must be a positive integer")
-
-
-def _nonneg_int(where: str, v: Any) -> None:
-  if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-    raise ConfigError(f"{where}={v!r} must be an integer >= 0")
-
-
-def _in_range(where: str, v: Any, lo: float, hi: float, lo_open: bool = False, example: str = "") -> None:
-  bad = isinstance(v, bool) or not isinstance(v, (int, float))
-  if not bad:
-    bad = not (v > lo if lo_open else v >= lo) or not v <= hi
-  if bad:
-    interval = f"{'(' if lo_open else '['}{lo}, {hi}]" if hi != float("inf") else f"{'>' if lo_open else '>='} {lo}"
-    raise ConfigError(f"{where}={v!r} must be a number {'in ' if hi != float('inf') else ''}{interval}{example}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,21 +55,19 @@ class MeshSettings:
   data: int = 2
   tensor: int = 4
   backend: str = "shard_map"
-  simulate_cpu_devices: Union[bool, str] = "auto"
+  simulate_cpu_devices: bool | str = "auto"
 
   def __post_init__(self):
-    _positive_int("mesh.data", self.data)
-    _positive_int("mesh.tensor", self.tensor)
+    positive_int("mesh.data", self.data)
+    positive_int("mesh.tensor", self.tensor)
     if self.backend not in BACKENDS:
       raise ConfigError(f"mesh.backend={self.backend!r}; choose one of {list(BACKENDS)}")
-    if self.simulate_cpu_devices not in SIMULATE_CHOICES or isinstance(self.simulate_cpu_devices, int) and not isinstance(
-        self.simulate_cpu_devices, bool
-    ):
+    if not (self.simulate_cpu_devices == "auto" or isinstance(self.simulate_cpu_devices, bool)):
       raise ConfigError(f"mesh.simulate_cpu_devices={self.simulate_cpu_devices!r}; choose one of ['auto', true, false]")
     if self.backend == "single" and self.data * self.tensor != 1:
       raise ConfigError(
-          f"mesh.backend='single' runs on one device but mesh.data={self.data} x mesh.tensor={self.tensor}; "
-          "set mesh.data=1 and mesh.tensor=1, or use mesh.backend='shard_map'"
+        f"mesh.backend='single' runs on one device but mesh.data={self.data} x mesh.tensor={self.tensor}; "
+        "set mesh.data=1 and mesh.tensor=1, or use mesh.backend='shard_map'"
       )
     if self.backend == "pmap" and self.tensor != 1:
       raise ConfigError(f"mesh.backend='pmap' is data-parallel only: mesh.tensor={self.tensor} must be 1")
@@ -100,12 +82,10 @@ class DistillSettings:
   """The `meshdistill.LogitKD` recipe. ``temperature`` and ``alpha`` are numbers or schedule specs
   (`meshdistill.schedules.from_spec`), e.g. ``{kind: linear, start: 3.0, end: 1.0, steps: 300}``."""
 
-  temperature: Union[float, dict] = dataclasses.field(
-      default_factory=lambda: {"kind": "linear", "start": 2.0, "end": 1.0, "steps": 300}
-  )
-  alpha: Union[float, dict] = 0.9
+  temperature: float | dict = 1.0
+  alpha: float | dict = 1.0
   divergence: str = "forward_kl"
-  top_k: Union[int, None] = None
+  top_k: int | None = None
 
   def __post_init__(self):
     try:
@@ -123,8 +103,10 @@ class DistillSettings:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainSettings:
   """Optimizer (AdamW with linear warm-up then cosine decay to ``lr * final_lr_fraction``, global-norm
-  clipping), batch size, and the evaluation / logging cadence (in steps)."""
+  clipping), batch size, the evaluation / logging cadence (in steps), and an optional progressive
+  freezing schedule (``freeze``, see `stages`)."""
 
+  SECTION = "train"  # the config section, for messages
   steps: int = 300
   batch_size: int = 16
   lr: float = 3e-3
@@ -136,25 +118,56 @@ class TrainSettings:
   eval_every: int = 100
   eval_batches: int = 8
   log_every: int = 10
+  freeze: list | None = None
 
   def __post_init__(self):
     prefix = type(self).SECTION
-    _positive_int(f"{prefix}.steps", self.steps)
-    _positive_int(f"{prefix}.batch_size", self.batch_size)
-    _in_range(f"{prefix}.lr", self.lr, 0.0, 1.0, lo_open=True, example=" (e.g. 3e-3)")
-    _nonneg_int(f"{prefix}.warmup", self.warmup)
-    _in_range(f"{prefix}.final_lr_fraction", self.final_lr_fraction, 0.0, 1.0)
-    _in_range(f"{prefix}.weight_decay", self.weight_decay, 0.0, 1.0)
-    _in_range(f"{prefix}.clip", self.clip, 0.0, float("inf"), lo_open=True, example=" (e.g. 1.0)")
+    self.stages()  # checks the freezing schedule
+    positive_int(f"{prefix}.steps", self.steps)
+    positive_int(f"{prefix}.batch_size", self.batch_size)
+    in_range(f"{prefix}.lr", self.lr, 0.0, 1.0, lo_open=True, example=" (e.g. 3e-3)")
+    nonneg_int(f"{prefix}.warmup", self.warmup)
+    in_range(f"{prefix}.final_lr_fraction", self.final_lr_fraction, 0.0, 1.0)
+    in_range(f"{prefix}.weight_decay", self.weight_decay, 0.0, 1.0)
+    in_range(f"{prefix}.clip", self.clip, 0.0, float("inf"), lo_open=True, example=" (e.g. 1.0)")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ConfigError(f"{prefix}.seed={self.seed!r} must be an integer")
-    _nonneg_int(f"{prefix}.eval_every", self.eval_every)
-    _positive_int(f"{prefix}.eval_batches", self.eval_batches)
-    _positive_int(f"{prefix}.log_every", self.log_every)
+    nonneg_int(f"{prefix}.eval_every", self.eval_every)
+    positive_int(f"{prefix}.eval_batches", self.eval_batches)
+    positive_int(f"{prefix}.log_every", self.log_every)
     if self.warmup >= self.steps:
       raise ConfigError(f"{prefix}.warmup={self.warmup} must be smaller than {prefix}.steps={self.steps}")
 
-  SECTION = "train"
+  def stages(self) -> list | None:
+    """The progressive-freezing schedule (`meshdistill.freezing.Stage` list), or None.
+
+    ``freeze`` is a list of stages ``{start_step, freeze, lr, freeze_embeddings}``: ``freeze`` a
+    fraction of the bottom blocks or a list of block indices, ``lr`` the stage's learning rate
+    (it replaces ``lr``/``warmup``). E.g. ``[{start_step: 0, freeze: 0.5, lr: 3e-3},
+    {start_step: 100, freeze: 0.0, lr: 1e-3}]``.
+    """
+    if self.freeze is None:
+      return None
+    from meshdistill.freezing import Stage  # pylint: disable=g-import-not-at-top
+
+    where = f"{type(self).SECTION}.freeze"
+    if not isinstance(self.freeze, (list, tuple)) or not self.freeze:
+      raise ConfigError(
+        f"{where}={self.freeze!r} must be null or a non-empty list of stages {{start_step, freeze, lr}}"
+      )
+    allowed = [f.name for f in dataclasses.fields(Stage)]
+    stages = []
+    for i, spec in enumerate(self.freeze):
+      if not isinstance(spec, dict):
+        raise ConfigError(f"{where}[{i}]={spec!r} must be a mapping with keys {allowed}")
+      for key in spec:
+        if key not in allowed:
+          raise unknown_key(f"{where}[{i}].", key, allowed)
+      try:
+        stages.append(Stage(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}))
+      except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}[{i}]: {e}".replace("Stage.", "")) from None
+    return stages
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,9 +178,9 @@ class PretrainSettings(TrainSettings):
   the teacher's sizes, the tokenizer, the data and these settings, so later runs load it."""
 
   SECTION = "pretrain"
-  teacher: Union[str, None] = None
-  cache_dir: Union[str, None] = None
-  steps: int = 600
+  teacher: str | None = None
+  cache_dir: str | None = None
+  steps: int = 500
   lr: float = 3e-3
   warmup: int = 50
   seed: int = 0
@@ -179,13 +192,13 @@ class CheckpointSettings:
   """Train-state checkpoints (orbax): every ``every`` steps and at the end, the newest ``keep`` kept.
   ``dir`` defaults to ``<run_dir>/checkpoints``; ``every: 0`` saves only at the end."""
 
-  dir: Union[str, None] = None
+  dir: str | None = None
   every: int = 100
   keep: int = 2
 
   def __post_init__(self):
-    _nonneg_int("checkpoint.every", self.every)
-    _positive_int("checkpoint.keep", self.keep)
+    nonneg_int("checkpoint.every", self.every)
+    positive_int("checkpoint.keep", self.keep)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -201,13 +214,13 @@ class RunSettings:
 
 def _default_teacher() -> ModelConfig:
   return ModelConfig(
-      vocab_size=264, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=512, max_len=128, tie_embeddings=False
+    vocab_size=264, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=512, max_len=128, tie_embeddings=False
   )
 
 
 def _default_student() -> ModelConfig:
   return ModelConfig(
-      vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=256, max_len=128, tie_embeddings=False
+    vocab_size=264, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=256, max_len=128, tie_embeddings=False
   )
 
 
@@ -230,8 +243,8 @@ class Config:
       m = getattr(self, who)
       if m.max_len < self.data.seq_len:
         raise ConfigError(
-            f"{who}.max_len={m.max_len} is shorter than data.seq_len={self.data.seq_len}; "
-            f"set {who}.max_len >= {self.data.seq_len} or lower data.seq_len"
+          f"{who}.max_len={m.max_len} is shorter than data.seq_len={self.data.seq_len}; "
+          f"set {who}.max_len >= {self.data.seq_len} or lower data.seq_len"
         )
       try:
         m.check_tensor_split(self.mesh.tensor)
@@ -239,23 +252,32 @@ class Config:
         raise ConfigError(f"{who}: {e} (mesh.tensor={self.mesh.tensor})") from None
     if self.teacher.vocab_size != self.student.vocab_size:
       raise ConfigError(
-          f"teacher.vocab_size={self.teacher.vocab_size} != student.vocab_size={self.student.vocab_size}; "
-          "distillation compares distributions token by token: set both to the tokenizer's vocabulary size"
+        f"teacher.vocab_size={self.teacher.vocab_size} != student.vocab_size={self.student.vocab_size}; "
+        "distillation compares distributions token by token: set both to the tokenizer's vocabulary size"
       )
+    for section, model in (("train", self.student), ("pretrain", self.teacher)):
+      stages = getattr(self, section).stages()
+      if stages is not None:
+        from meshdistill.freezing import check_stages  # pylint: disable=g-import-not-at-top
+
+        try:
+          check_stages(stages, model.n_layers)
+        except ValueError as e:
+          raise ConfigError(f"{section}.freeze: {e}".replace("Stage(", "stage(")) from None
     for section in ("train", "pretrain"):
       b = getattr(self, section).batch_size
       if b % self.mesh.data:
         ok = [d for d in range(1, b + 1) if b % d == 0]
         raise ConfigError(
-            f"{section}.batch_size={b} is not divisible by mesh.data={self.mesh.data}; use a multiple of "
-            f"{self.mesh.data} or mesh.data in {ok}"
+          f"{section}.batch_size={b} is not divisible by mesh.data={self.mesh.data}; use a multiple of "
+          f"{self.mesh.data} or mesh.data in {ok}"
         )
 
   def to_dict(self) -> dict:
     """Plain nested dict (YAML/JSON-serializable) of every setting."""
-    return _to_plain(self)
+    return to_plain(self)
 
-  def replace(self, **sections) -> "Config":
+  def replace(self, **sections) -> Config:
     return dataclasses.replace(self, **sections)
 
   @property
@@ -263,141 +285,7 @@ class Config:
     return self.checkpoint.dir or os.path.join(self.run.run_dir, "checkpoints")
 
 
-# --------------------------------------------------------------------------- conversion
-def _to_plain(x: Any) -> Any:
-  if dataclasses.is_dataclass(x):
-    return {f.name: _to_plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
-  if isinstance(x, (list, tuple)):
-    return [_to_plain(v) for v in x]
-  if isinstance(x, dict):
-    return {k: _to_plain(v) for k, v in x.items()}
-  return x
-
-
-def _type_name(t: Any) -> str:
-  if t is type(None):
-    return "null"
-  if typing.get_origin(t) in (Union, types.UnionType):
-    return " or ".join(_type_name(a) for a in typing.get_args(t))
-  if typing.get_origin(t) is not None:
-    return getattr(typing.get_origin(t), "__name__", str(t))
-  return getattr(t, "__name__", str(t))
-
-
-def _matches(t: Any, v: Any) -> tuple[bool, Any]:
-  """Whether YAML value ``v`` fits annotation ``t``; returns (ok, converted value)."""
-  if t is Any:
-    return True, v
-  origin = typing.get_origin(t)
-  if origin in (Union, types.UnionType):
-    for a in typing.get_args(t):
-      ok, cv = _matches(a, v)
-      if ok:
-        return True, cv
-    return False, v
-  if origin is tuple:
-    if not isinstance(v, (list, tuple)):
-      return False, v
-    args = typing.get_args(t)
-    inner = args[0] if args else Any
-    conv = []
-    for item in v:
-      ok, cv = _matches(inner, item)
-      if not ok:
-        return False, v
-      conv.append(cv)
-    return True, tuple(conv)
-  if origin is dict or t is dict:
-    return isinstance(v, dict), v
-  if t is type(None):
-    return v is None, v
-  if t is bool:
-    return isinstance(v, bool), v
-  if t is int:
-    return isinstance(v, int) and not isinstance(v, bool), v
-  if t is float:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-    return ok, float(v) if ok else v
-  if t is str:
-    return isinstance(v, str), v
-  if isinstance(t, type):
-    return isinstance(v, t), v
-  return True, v
-
-
-def _unknown_key(where: str, key: str, allowed: Sequence[str]) -> ConfigError:
-  close = difflib.get_close_matches(str(key), allowed, n=1)
-  hint = f" (did you mean '{where}{close[0]}'?)" if close else ""
-  return ConfigError(f"unknown key '{where}{key}'{hint}; valid keys in {where.rstrip('.') or 'the config'}: {sorted(allowed)}")
-
-
-def from_dict(cls: type, raw: Any, where: str = "", base: Any = None) -> Any:
-  """Builds dataclass ``cls`` from a nested dict, checking keys and value types.
-
-  Keys missing from ``raw`` keep their values in ``base`` (default: ``cls()``), section by
-  section, so a file may give only the settings it changes. Raises `ConfigError` naming the
-  dotted key (``where`` is the prefix, e.g. ``"train."``).
-  """
-  if raw is None:
-    raw = {}
-  if not isinstance(raw, dict):
-    raise ConfigError(f"'{where.rstrip('.') or 'config'}' must be a mapping of keys to values, got {raw!r}")
-  base = cls() if base is None else base
-  fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-  hints = typing.get_type_hints(cls)
-  kwargs = {name: getattr(base, name) for name in fields}
-  for key, value in raw.items():
-    if key not in fields:
-      raise _unknown_key(where, key, list(fields))
-    t = hints[key]
-    if dataclasses.is_dataclass(t):
-      kwargs[key] = from_dict(t, value, f"{where}{key}.", getattr(base, key))
-      continue
-    ok, conv = _matches(t, value)
-    if not ok:
-      raise ConfigError(f"{where}{key}={value!r} has the wrong type: expected {_type_name(t)}")
-    kwargs[key] = conv
-  try:
-    return cls(**kwargs)
-  except ConfigError:
-    raise
-  except ValueError as e:
-    msg = str(e)
-    section = where.rstrip(".")
-    # Messages of other modules' configs name e.g. "ModelConfig.d_model"; name the config key instead.
-    msg = msg.replace(f"{cls.__name__}.", where)
-    if section and not msg.startswith(section):
-      msg = f"{section}: {msg}"
-    raise ConfigError(msg) from None
-
-
 # --------------------------------------------------------------------------- loading
-def _parse_override(item: str) -> tuple[list[str], Any]:
-  if "=" not in item:
-    raise ConfigError(f"override {item!r} must look like key.path=value, e.g. train.steps=200")
-  key, text = item.split("=", 1)
-  key = key.strip()
-  if not key or any(not part for part in key.split(".")):
-    raise ConfigError(f"override {item!r} has an empty key; write e.g. train.steps=200")
-  try:
-    value = yaml.safe_load(text) if text.strip() else None
-  except yaml.YAMLError as e:
-    raise ConfigError(f"override {item!r}: the value is not valid YAML ({e})") from None
-  return key.split("."), value
-
-
-def _set_path(tree: dict, path: list[str], value: Any, item: str) -> None:
-  node = tree
-  for i, part in enumerate(path[:-1]):
-    child = node.get(part)
-    if child is None:
-      child = node[part] = {}
-    if not isinstance(child, dict):
-      raise ConfigError(f"override {item!r}: '{'.'.join(path[: i + 1])}' is a value ({child!r}), not a section")
-    node = child
-  node[path[-1]] = value
-
-
 def config_path(name_or_path: str) -> str:
   """A config file: an existing path, or the name of a packaged config (``default``, ``tiny``)."""
   if os.path.exists(name_or_path):
@@ -441,8 +329,8 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
   """
   raw = load_raw(name_or_path)
   for item in overrides:
-    path, value = _parse_override(item)
-    _set_path(raw, path, value, item)
+    path, value = parse_override(item)
+    set_path(raw, path, value, item)
   return from_dict(Config, raw)
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ def _sums(params, teacher_params, batch, *, model_def, teacher_def):
   mask_BxT = batch["mask"].astype(jnp.float32)
   targets_BxT = batch["targets"]
   logits = nnx.merge(model_def, params)(batch["inputs"]).logits
-  per_seq = lambda f: jax.vmap(lambda *a: jnp.sum(f(*a)))  # noqa: E731
+  per_seq = lambda f: jax.vmap(lambda *a: jnp.sum(f(*a)))
   out = {"tokens": jnp.sum(mask_BxT), "ce": jnp.sum(per_seq(losses.cross_entropy)(logits, targets_BxT, mask_BxT))}
   if teacher_def is not None:
     t_logits = nnx.merge(teacher_def, teacher_params)(batch["inputs"]).logits
@@ -75,7 +76,7 @@ class Evaluator:
     self._fn = functools.partial(_sums, model_def=model_def, teacher_def=teacher_def)
 
   @classmethod
-  def for_trainer(cls, trainer: Any, with_teacher: bool = True) -> "Evaluator":
+  def for_trainer(cls, trainer: Any, with_teacher: bool = True) -> Evaluator:
     """An evaluator of ``trainer``'s student (a `Distiller` or `HardLabelTrainer`) on its layout."""
     teacher_def = getattr(trainer, "teacher_def", None) if with_teacher else None
     teacher_params = trainer.unreplicate(trainer.teacher_params) if teacher_def is not None else None
@@ -92,8 +93,8 @@ class Evaluator:
     """Metrics of the model with parameters ``params`` (an ``nnx.State``) over ``batches``."""
     if not batches:
       raise ValueError(
-          "no validation batches: the corpus has no validation split; set data.val_fraction > 0 "
-          "(e.g. 0.05) or use a larger corpus"
+        "no validation batches: the corpus has no validation split; set data.val_fraction > 0 "
+        "(e.g. 0.05) or use a larger corpus"
       )
     total: dict[str, float] = {}
     for batch in batches:

@@ -32,13 +32,13 @@ from meshdistill.step import BACKENDS, TrainState, wrap_step
 
 
 def per_device_ce_step(
-    state: TrainState,
-    unused_teacher_params: Any,
-    batch: dict[str, jax.Array],
-    *,
-    model_def: nnx.GraphDef,
-    optimizer: optax.GradientTransformation,
-    data_axis: str | None,
+  state: TrainState,
+  unused_teacher_params: Any,
+  batch: dict[str, jax.Array],
+  *,
+  model_def: nnx.GraphDef,
+  optimizer: optax.GradientTransformation,
+  data_axis: str | None,
 ):
   """One hard-label step on this device's rows ``batch = {inputs, targets, mask}: [b, T]`` (b split over ``data``).
 
@@ -80,12 +80,12 @@ class HardLabelTrainer:
   teacher_cfg = None
 
   def __init__(
-      self,
-      model: Decoder,
-      *,
-      optimizer: optax.GradientTransformation | None = None,
-      mesh: Mesh | None = None,
-      backend: str | None = None,
+    self,
+    model: Decoder,
+    *,
+    optimizer: optax.GradientTransformation | None = None,
+    mesh: Mesh | None = None,
+    backend: str | None = None,
   ):
     backend = backend or ("shard_map" if mesh is not None else "single")
     if backend not in BACKENDS:
@@ -154,4 +154,3 @@ class HardLabelTrainer:
   def student(self, state: TrainState) -> Decoder:
     """The model holding the parameters of ``state``."""
     return nnx.merge(self.student_def, self.unreplicate(state.params)["student"])
-

@@ -53,7 +53,13 @@ def build_mesh(cfg: Config):
 
   if cfg.mesh.backend == "single":
     return None
-  return make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor)
+  try:
+    return make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor)
+  except ValueError as e:
+    raise ConfigError(
+      f"{e}. Set the layout with e.g. --set mesh.data=1 --set mesh.tensor=1 (or mesh.backend=single), "
+      "or run on simulated CPU devices with --set mesh.simulate_cpu_devices=true"
+    ) from None
 
 
 def load_data(cfg: Config, batch_size: int | None = None):
@@ -66,8 +72,8 @@ def load_data(cfg: Config, batch_size: int | None = None):
     have = getattr(cfg, who).vocab_size
     if have < vocab:
       raise ConfigError(
-          f"{who}.vocab_size={have} is smaller than the tokenizer's vocabulary ({vocab} ids, "
-          f"data.tokenizer={cfg.data.tokenizer!r}); set teacher.vocab_size={vocab} and student.vocab_size={vocab}"
+        f"{who}.vocab_size={have} is smaller than the tokenizer's vocabulary ({vocab} ids, "
+        f"data.tokenizer={cfg.data.tokenizer!r}); set teacher.vocab_size={vocab} and student.vocab_size={vocab}"
       )
   return data
 
@@ -80,7 +86,7 @@ def with_batch_size(data, batch_size: int):
 def default_cache_dir() -> str:
   """``$MESHDISTILL_CACHE`` or ``$XDG_CACHE_HOME/meshdistill`` (default ``~/.cache/meshdistill``) + ``/teachers``."""
   root = os.environ.get("MESHDISTILL_CACHE") or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshdistill"
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshdistill"
   )
   return os.path.join(root, "teachers")
 
@@ -88,13 +94,19 @@ def default_cache_dir() -> str:
 def teacher_key(cfg: Config, tokenizer: Any) -> str:
   """A digest of everything that determines a pretrained teacher (sizes, tokenizer, data, recipe, mesh-free)."""
   p = cfg.pretrain
-  recipe = {k: getattr(p, k) for k in ("steps", "batch_size", "lr", "warmup", "final_lr_fraction", "weight_decay", "clip", "seed")}
+  recipe = {
+    k: getattr(p, k)
+    for k in ("steps", "batch_size", "lr", "warmup", "final_lr_fraction", "weight_decay", "clip", "seed")
+  }
   d = cfg.data
-  data = {k: getattr(d, k) for k in ("source", "text_key", "val_fraction", "max_chars", "max_docs", "seq_len", "seed", "num_epochs")}
+  data = {
+    k: getattr(d, k)
+    for k in ("source", "text_key", "val_fraction", "max_chars", "max_docs", "seq_len", "seed", "num_epochs")
+  }
   blob = json.dumps(
-      {"model": dataclasses.asdict(cfg.teacher), "tokenizer": tokenizer.fingerprint, "data": data, "recipe": recipe},
-      sort_keys=True,
-      default=str,
+    {"model": dataclasses.asdict(cfg.teacher), "tokenizer": tokenizer.fingerprint, "data": data, "recipe": recipe},
+    sort_keys=True,
+    default=str,
   )
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -110,14 +122,14 @@ def _monitor(run_dir: str, steps: int, stream, name: str) -> Monitor:
 
 
 def pretrain(
-    cfg: Config,
-    *,
-    data=None,
-    mesh=None,
-    out: str | None = None,
-    run_dir: str | None = None,
-    stream: IO[str] | None = None,
-    profile: str | None = None,
+  cfg: Config,
+  *,
+  data=None,
+  mesh=None,
+  out: str | None = None,
+  run_dir: str | None = None,
+  stream: IO[str] | None = None,
+  profile: str | None = None,
 ) -> dict:
   """Pretrains the teacher of ``cfg`` from scratch on hard labels and saves it to ``out``.
 
@@ -136,31 +148,39 @@ def pretrain(
   run_dir = run_dir or os.path.join(cfg.run.run_dir, "teacher")
   p = cfg.pretrain
   model = init_model(cfg.teacher, seed=p.seed, mesh=mesh)
-  trainer = HardLabelTrainer(model, optimizer=make_optimizer(p), mesh=mesh, backend=cfg.mesh.backend)
+  optimizer = make_optimizer(p, cfg.teacher.n_layers)
+  trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend)
   os.makedirs(run_dir, exist_ok=True)
   dump_config(cfg, os.path.join(run_dir, "config.yaml"))
   monitor = _monitor(run_dir, p.steps, stream, "pretrain")
   ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
   try:
     result = fit(
-        trainer,
-        data,
-        steps=p.steps,
-        kind="pretrain",
-        eval_every=p.eval_every,
-        eval_batches=p.eval_batches,
-        log_every=p.log_every,
-        checkpointer=ckpt,
-        monitor=monitor,
-        evaluator=Evaluator.for_trainer(trainer, with_teacher=False),
-        profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
-        lr=lr_schedule(p),
+      trainer,
+      data,
+      steps=p.steps,
+      kind="pretrain",
+      eval_every=p.eval_every,
+      eval_batches=p.eval_batches,
+      log_every=p.log_every,
+      checkpointer=ckpt,
+      monitor=monitor,
+      evaluator=Evaluator.for_trainer(trainer, with_teacher=False),
+      profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
+      lr=None if p.freeze else lr_schedule(p),
     )
   finally:
     ckpt.close()
     monitor.close()
   teacher = trainer.student(result.state)
-  info = {"pretrain": dataclasses.asdict(p), "data": cfg.to_dict()["data"], "eval": result.eval, "steps": result.step}
+  info = {
+    "pretrain": dataclasses.asdict(p),
+    "data": cfg.to_dict()["data"],
+    "eval": result.eval,
+    "steps": result.step,
+    "seconds": result.seconds,
+    "mesh": cfg.to_dict()["mesh"],
+  }
   save_teacher(out, teacher, data.tokenizer, info)
   return {"teacher_dir": out, "eval": result.eval, "params": param_count(teacher), "seconds": result.seconds}
 
@@ -196,17 +216,17 @@ def _evaluate_pair(distiller, state, val) -> dict:
   n_student = param_count(distiller.student(state))
   n_teacher = param_count(nnx.merge(distiller.teacher_def, distiller.unreplicate(distiller.teacher_params)))
   return {
-      "teacher": {"loss": teacher["loss"], "ppl": teacher["ppl"], "params": n_teacher},
-      "student": {
-          "loss": student["loss"],
-          "ppl": student["ppl"],
-          "params": n_student,
-          "kl": student["kl"],
-          "agree": student["agree"],
-          "corr": student["corr"],
-      },
-      "param_ratio": n_student / n_teacher,
-      "val_tokens": student["tokens"],
+    "teacher": {"loss": teacher["loss"], "ppl": teacher["ppl"], "params": n_teacher},
+    "student": {
+      "loss": student["loss"],
+      "ppl": student["ppl"],
+      "params": n_student,
+      "kl": student["kl"],
+      "agree": student["agree"],
+      "corr": student["corr"],
+    },
+    "param_ratio": n_student / n_teacher,
+    "val_tokens": student["tokens"],
   }
 
 
@@ -218,18 +238,18 @@ def make_distiller(cfg: Config, teacher, mesh):
 
   student = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
   return Distiller(
-      student,
-      teacher,
-      strategy=cfg.distill.strategy(),
-      optimizer=make_optimizer(cfg.train),
-      mesh=mesh,
-      backend=cfg.mesh.backend,
-      seed=cfg.train.seed,
+    student,
+    teacher,
+    strategy=cfg.distill.strategy(),
+    optimizer=make_optimizer(cfg.train, cfg.student.n_layers),
+    mesh=mesh,
+    backend=cfg.mesh.backend,
+    seed=cfg.train.seed,
   )
 
 
 def distill(
-    cfg: Config, *, stream: IO[str] | None = None, profile: str | None = None, stop_after: int | None = None
+  cfg: Config, *, stream: IO[str] | None = None, profile: str | None = None, stop_after: int | None = None
 ) -> dict:
   """The main job: teacher (loaded, cached or pretrained) -> distilled student -> evaluation.
 
@@ -245,8 +265,10 @@ def distill(
   mesh = build_mesh(cfg)
   data = load_data(cfg)
   say = stream_reporter(stream)
-  say(f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
-      f"vocabulary {data.tokenizer.vocab_size}")
+  say(
+    f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
+    f"vocabulary {data.tokenizer.vocab_size}"
+  )
   teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
   distiller = make_distiller(cfg, teacher, mesh)
   monitor = _monitor(run_dir, cfg.train.steps, stream, "distill")
@@ -254,20 +276,20 @@ def distill(
   t = cfg.train
   try:
     result = fit(
-        distiller,
-        data,
-        steps=t.steps,
-        kind="distill",
-        eval_every=t.eval_every,
-        eval_batches=t.eval_batches,
-        log_every=t.log_every,
-        checkpointer=ckpt,
-        monitor=monitor,
-        evaluator=Evaluator.for_trainer(distiller),
-        profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
-        lr=lr_schedule(t),
-        stop_after=stop_after,
-        meta={"teacher_dir": tdir},
+      distiller,
+      data,
+      steps=t.steps,
+      kind="distill",
+      eval_every=t.eval_every,
+      eval_batches=t.eval_batches,
+      log_every=t.log_every,
+      checkpointer=ckpt,
+      monitor=monitor,
+      evaluator=Evaluator.for_trainer(distiller),
+      profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
+      lr=None if t.freeze else lr_schedule(t),
+      stop_after=stop_after,
+      meta={"teacher_dir": tdir},
     )
   finally:
     ckpt.close()
@@ -286,7 +308,7 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
   try:
     if ckpt.latest_step() is None:
       raise FileNotFoundError(
-          f"no checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with run.run_dir={cfg.run.run_dir} first"
+        f"no checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with run.run_dir={cfg.run.run_dir} first"
       )
     meta = ckpt.read_meta()
     if meta.get("kind") != "distill":
@@ -323,15 +345,15 @@ def summary_table(summary: dict) -> str:
   """The final teacher / student table as text."""
   t, s = summary["teacher"], summary["student"]
   rows = [
-      ("model", "params", "val loss", "val ppl"),
-      ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}"),
-      ("distilled student", f"{s['params']:,}", f"{s['loss']:.4f}", f"{s['ppl']:.3f}"),
+    ("model", "params", "val loss", "val ppl"),
+    ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}"),
+    ("distilled student", f"{s['params']:,}", f"{s['loss']:.4f}", f"{s['ppl']:.3f}"),
   ]
   widths = [max(len(r[i]) for r in rows) for i in range(4)]
-  line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+  line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
   out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]
   out.append(
-      f"student/teacher params {summary['param_ratio']:.1%}; student vs teacher: KL {s['kl']:.4f}, "
-      f"top-1 agreement {s['agree']:.1%}, logit correlation {s['corr']:.3f}"
+    f"student/teacher params {summary['param_ratio']:.1%}; student vs teacher: KL {s['kl']:.4f}, "
+    f"top-1 agreement {s['agree']:.1%}, logit correlation {s['corr']:.3f}"
   )
   return "\n".join(out)

@@ -21,19 +21,30 @@ import logging
 import math
 import os
 import time
-from typing import IO, Any, Iterable
+from collections.abc import Iterable
+from typing import IO, Any
 
 import jax
 
 log = logging.getLogger(__name__)
 
-PLOTTED = ("loss", "kl", "ce", "corr")
+# plot name -> curves (split, metric key, label). Validation "loss" is the model's cross-entropy.
+PLOTS = {
+  "loss": (("train", "loss", "train objective"), ("val", "loss", "validation cross-entropy")),
+  "kl": (("train", "kl", "train KL(teacher || student) at tau"), ("val", "kl", "validation KL at tau = 1")),
+  "ce": (
+    ("train", "ce", "train cross-entropy"),
+    ("val", "loss", "validation cross-entropy"),
+    ("val", "teacher_loss", "teacher, validation"),
+  ),
+  "corr": (("train", "corr", "train logit correlation"), ("val", "corr", "validation logit correlation")),
+}
 
 
 def _fmt_duration(seconds: float) -> str:
   if not math.isfinite(seconds):
     return "?"
-  seconds = int(round(seconds))
+  seconds = round(seconds)
   h, rem = divmod(seconds, 3600)
   m, s = divmod(rem, 60)
   return f"{h}:{m:02d}:{s:02d}" if h else f"{m:d}:{s:02d}"
@@ -52,7 +63,7 @@ class ProgressBar:
 
   def render(self, step: int, loss: float | None, tokens_per_s: float | None, eta_s: float | None) -> str:
     frac = min(max(step / max(self.total, 1), 0.0), 1.0)
-    filled = int(round(frac * self.width))
+    filled = round(frac * self.width)
     bar = "#" * filled + "-" * (self.width - filled)
     parts = [f"{self.name + ' ' if self.name else ''}[{bar}] {step}/{self.total} {frac:4.0%}"]
     if loss is not None:
@@ -115,7 +126,7 @@ class Monitor:
   """
 
   def __init__(
-      self, run_dir: str | None, total_steps: int, *, stream: IO[str] | None = None, name: str = "", tensorboard=True
+    self, run_dir: str | None, total_steps: int, *, stream: IO[str] | None = None, name: str = "", tensorboard=True
   ):
     self.run_dir = run_dir
     self.bar = ProgressBar(total_steps, stream, name)
@@ -124,7 +135,7 @@ class Monitor:
     self._tb = None
     if run_dir is not None:
       os.makedirs(run_dir, exist_ok=True)
-      self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+      self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
       if tensorboard:
         self._tb = _tensorboard_writer(os.path.join(run_dir, "tb"))
     self._window: list[dict[str, Any]] = []
@@ -218,7 +229,7 @@ class ProfileWindow:
     self.active = False
 
   @classmethod
-  def parse(cls, spec: str | None, directory: str) -> "ProfileWindow | None":
+  def parse(cls, spec: str | None, directory: str) -> ProfileWindow | None:
     if not spec:
       return None
     try:
@@ -268,11 +279,11 @@ def _series(rows: Iterable[dict], split: str, key: str) -> tuple[list[int], list
   return steps, [by_step[s] for s in steps]
 
 
-def plot_run(run_dir: str, out_dir: str | None = None, keys: Iterable[str] = PLOTTED) -> list[str]:
-  """Writes one PNG per metric in ``keys`` (train and validation curves) and returns their paths.
+def plot_run(run_dir: str, out_dir: str | None = None, names: Iterable[str] = tuple(PLOTS)) -> list[str]:
+  """Writes one PNG per plot in ``names`` (see `PLOTS`: loss, kl, ce, corr) and returns their paths.
 
-  Validation ``loss`` is the student's cross-entropy, plotted with the train ``loss`` (the
-  optimised objective) and the train ``ce``. Metrics a run does not have are skipped.
+  Curves a run does not have (a pretraining run has no KL) are left out, and so are plots
+  with no curve at all.
   """
   import matplotlib  # pylint: disable=g-import-not-at-top
 
@@ -283,8 +294,8 @@ def plot_run(run_dir: str, out_dir: str | None = None, keys: Iterable[str] = PLO
   out_dir = out_dir or os.path.join(run_dir, "plots")
   os.makedirs(out_dir, exist_ok=True)
   written = []
-  for key in keys:
-    curves = [(f"{split} {key}", *_series(rows, split, key)) for split in ("train", "val")]
+  for name in names:
+    curves = [(label, *_series(rows, split, key)) for split, key, label in PLOTS[name]]
     curves = [c for c in curves if c[1]]
     if not curves:
       continue
@@ -292,15 +303,15 @@ def plot_run(run_dir: str, out_dir: str | None = None, keys: Iterable[str] = PLO
     for label, xs, ys in curves:
       ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel(key)
-    ax.set_title(f"{os.path.basename(os.path.normpath(run_dir))}: {key}")
+    ax.set_ylabel(name)
+    ax.set_title(f"{os.path.basename(os.path.normpath(run_dir))}: {name}")
     ax.grid(alpha=0.3)
     ax.legend()
-    path = os.path.join(out_dir, f"{key}.png")
+    path = os.path.join(out_dir, f"{name}.png")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     written.append(path)
   if not written:
-    raise ValueError(f"{run_dir}/metrics.jsonl has none of the metrics {list(keys)}")
+    raise ValueError(f"{run_dir}/metrics.jsonl has none of the metrics to plot ({sorted(PLOTS)})")
   return written

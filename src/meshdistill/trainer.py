@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -38,22 +39,35 @@ log = logging.getLogger(__name__)
 def lr_schedule(settings) -> optax.Schedule:
   """Linear warm-up from 0 to ``lr`` over ``warmup`` steps, then cosine decay to ``lr * final_lr_fraction``."""
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0,
-      peak_value=settings.lr,
-      warmup_steps=settings.warmup,
-      decay_steps=settings.steps,
-      end_value=settings.lr * settings.final_lr_fraction,
+    init_value=0.0,
+    peak_value=settings.lr,
+    warmup_steps=settings.warmup,
+    decay_steps=settings.steps,
+    end_value=settings.lr * settings.final_lr_fraction,
   )
 
 
-def make_optimizer(settings) -> optax.GradientTransformation:
+def make_optimizer(settings, n_layers: int | None = None) -> optax.GradientTransformation:
   """AdamW on `lr_schedule`, behind global-norm clipping and a skip of non-finite updates.
 
   ``settings`` is a `meshdistill.config.TrainSettings` (or anything with ``lr``, ``warmup``,
-  ``steps``, ``final_lr_fraction``, ``weight_decay``, ``clip``).
+  ``steps``, ``final_lr_fraction``, ``weight_decay``, ``clip``). With a freezing schedule
+  (``settings.freeze``; needs the model's ``n_layers``) the AdamW runs inside
+  `meshdistill.freezing.progressive_freeze`: each stage's blocks are frozen bit for bit and the
+  stage's learning rate replaces the schedule; clipping then covers the trainable gradients only.
   """
   from meshdistill.safeguards import safeguarded  # pylint: disable=g-import-not-at-top
 
+  stages = settings.stages() if hasattr(settings, "stages") else None
+  if stages is not None:
+    from meshdistill.freezing import progressive_freeze  # pylint: disable=g-import-not-at-top
+
+    if n_layers is None:
+      raise ValueError("make_optimizer: a freezing schedule needs the model's n_layers")
+    frozen = progressive_freeze(
+      stages, n_layers, optax.adamw(1.0, weight_decay=settings.weight_decay), clip=settings.clip
+    )
+    return safeguarded(frozen, clip=None)
   inner = optax.adamw(lr_schedule(settings), weight_decay=settings.weight_decay)
   return safeguarded(inner, clip=settings.clip)
 
@@ -85,27 +99,37 @@ def _check_resumable(meta: dict, expected: dict, directory: str) -> None:
   for key in ("kind", "student", "teacher"):
     if key in expected and meta.get(key) != expected[key]:
       raise ValueError(
-          f"checkpoint in {directory} was written by another run ({key}: saved {meta.get(key)!r}, now "
-          f"{expected[key]!r}); use a fresh run.run_dir (or checkpoint.dir), or the settings that wrote it"
+        f"checkpoint in {directory} was written by another run ({key}: saved {meta.get(key)!r}, now "
+        f"{expected[key]!r}); use a fresh run.run_dir (or checkpoint.dir), or the settings that wrote it"
       )
 
 
+def _schedule_metrics(state: TrainState, step: int, lr) -> dict[str, float]:
+  """The learning rate of the step just taken and, with progressive freezing, the stage."""
+  from meshdistill.freezing import freeze_status  # pylint: disable=g-import-not-at-top
+
+  status = freeze_status(state.opt_state)
+  if status is not None:
+    return {"lr": float(status["lr"]), "freeze_stage": float(status["stage"])}
+  return {"lr": float(lr(step - 1))} if lr is not None else {}
+
+
 def fit(
-    trainer: Any,
-    data: Any,
-    *,
-    steps: int,
-    kind: str = "distill",
-    eval_every: int = 0,
-    eval_batches: int = 8,
-    log_every: int = 10,
-    checkpointer: Checkpointer | None = None,
-    monitor: Monitor | None = None,
-    evaluator: Evaluator | None = None,
-    profile: ProfileWindow | None = None,
-    lr: Callable[[int], Any] | None = None,
-    stop_after: int | None = None,
-    meta: dict | None = None,
+  trainer: Any,
+  data: Any,
+  *,
+  steps: int,
+  kind: str = "distill",
+  eval_every: int = 0,
+  eval_batches: int = 8,
+  log_every: int = 10,
+  checkpointer: Checkpointer | None = None,
+  monitor: Monitor | None = None,
+  evaluator: Evaluator | None = None,
+  profile: ProfileWindow | None = None,
+  lr: Callable[[int], Any] | None = None,
+  stop_after: int | None = None,
+  meta: dict | None = None,
 ) -> FitResult:
   """Trains ``trainer`` for ``steps`` steps on ``data``, resuming from ``checkpointer`` if it holds a run.
 
@@ -160,7 +184,7 @@ def fit(
       if profile is not None:
         profile.after_step(step, metrics)
       if step % log_every == 0 or step == last:
-        monitor.flush_train(step, {"lr": float(lr(step - 1))} if lr is not None else None)
+        monitor.flush_train(step, _schedule_metrics(state, step, lr))
       done = step == steps
       t_aside = time.perf_counter()
       if val and ((eval_every and step % eval_every == 0) or done):
