@@ -119,9 +119,11 @@ def test_the_step_compiles_once_while_tau_alpha_and_beta_all_change():
   step_name = f"jit({d.compiled_step(state).__name__})"
   log = _CompileLog()
   logger = logging.getLogger("jax")
-  old_level = logger.level
   logger.addHandler(log)
-  logger.setLevel(logging.DEBUG)
+  # Other code (e.g. the CLI, run in-process by other tests) may quieten JAX's loggers.
+  levels = {name: logging.getLogger(name).level for name in ("jax", "jax._src")}
+  for name in levels:
+    logging.getLogger(name).setLevel(logging.DEBUG)
   batch = make_batch(seed=0)
   losses, after_first = [], None
   try:
@@ -133,7 +135,8 @@ def test_the_step_compiles_once_while_tau_alpha_and_beta_all_change():
           after_first = len(log.messages)
   finally:
     logger.removeHandler(log)
-    logger.setLevel(old_level)
+    for name, level in levels.items():
+      logging.getLogger(name).setLevel(level)
   assert int(state.step) == n_steps
   assert sum(step_name in m for m in log.messages) == 1, [m[:80] for m in log.messages]
   assert log.messages[after_first:] == []  # nothing at all compiles after the first step
