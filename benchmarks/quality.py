@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     return 0
   from meshdistill.config import dump_config, load_config
 
-  cfg = load_config(args.config, args.overrides)
+  # The teacher's pretraining run (when no cached teacher fits) also goes under --run-root.
+  cfg = load_config(args.config, [*args.overrides, f"run.run_dir={args.run_root}"])
   from meshdistill import jobs
 
   jobs.prepare_devices(cfg)

@@ -159,3 +159,8 @@ def test_freezing_schedule_is_checked_against_the_student():
     load_config(None, ["train.freeze=[{start_step: 0, lr: -1}]"])
   with pytest.raises(ConfigError, match=r"train.freeze: .*n_layers=4"):
     load_config(None, ["train.freeze=[{start_step: 0, freeze: [7], lr: 0.1}]"])
+
+
+def test_cli_rejects_a_bad_profile_window_before_any_work(capsys):
+  assert cli.main(["distill", "--profile", "5"]) == 2
+  assert "START:STOP" in capsys.readouterr().err

@@ -105,6 +105,9 @@ def test_interrupted_and_resumed_run_is_bitwise_identical_to_uninterrupted(data,
   assert data_full == data_resumed and data_full["next_batch"] == 6
   # and the resumed run did not simply skip training: the interrupted state differs
   assert not leaves_equal(first.state.params, full.state.params)
+  # a checkpoint past the run's last step is refused, not silently reported as that step
+  with pytest.raises(ValueError, match="at step 6, past this run's 4 steps"):
+    fit(kd, data, steps=4, checkpointer=full_ckpt)
 
 
 def test_hard_label_step_equals_distillation_with_alpha_zero(mesh, settings, hard):
@@ -235,7 +238,7 @@ def test_distill_job_pretrains_caches_and_reuses_the_teacher(tmp_path):
   teacher, path = jobs.obtain_teacher(cfg2, data, jobs.build_mesh(cfg2), report=lines.append)
   assert path == tdir and lines == [f"teacher: cached {tdir}"]
   assert os.path.getmtime(os.path.join(tdir, "teacher.json")) == stamp
-  assert not os.path.exists(tmp_path / "run2" / "teacher")
+  assert not (tmp_path / "run2").exists()  # nothing was trained
   evaluator = Evaluator(nnx.graphdef(teacher), mesh=jobs.build_mesh(cfg2))
   ev = evaluator(nnx.state(teacher), data.val_batches(cfg2.train.eval_batches))
   np.testing.assert_allclose(ev["loss"], summary["teacher"]["loss"], rtol=1e-6)

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
       for path in plot_run(args.run_dir, args.out):
         print(path)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ImportError) as e:
       return _err(str(e))
     return 0
 
@@ -103,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
   from meshdistill import jobs  # pylint: disable=g-import-not-at-top
+  from meshdistill.monitor import ProfileWindow  # pylint: disable=g-import-not-at-top
+
+  try:
+    ProfileWindow.parse(getattr(args, "profile", None), "")
+  except ValueError as e:
+    return _err(str(e))
 
   jobs.prepare_devices(cfg)  # before JAX starts a backend
   t0 = time.perf_counter()

@@ -180,7 +180,7 @@ class PretrainSettings(TrainSettings):
   SECTION = "pretrain"
   teacher: str | None = None
   cache_dir: str | None = None
-  steps: int = 500
+  steps: int = 400
   lr: float = 3e-3
   warmup: int = 50
   seed: int = 0

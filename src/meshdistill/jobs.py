@@ -134,8 +134,9 @@ def pretrain(
   """Pretrains the teacher of ``cfg`` from scratch on hard labels and saves it to ``out``.
 
   ``out`` defaults to the teacher cache (`teacher_dir`), where `distill` looks for it.
-  Training state is checkpointed in ``run_dir`` (default ``<run.run_dir>/teacher``), so an
-  interrupted pretraining resumes. Returns a summary with the teacher's validation metrics.
+  Training state is checkpointed in ``run_dir`` (default ``<run.run_dir>/teacher-<key>``, the key
+  of `teacher_key`, so pretraining with other settings never resumes this one), and an interrupted
+  pretraining resumes. Returns a summary with the teacher's validation metrics.
   """
   from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
   from meshdistill.hardlabel import HardLabelTrainer  # pylint: disable=g-import-not-at-top
@@ -145,7 +146,7 @@ def pretrain(
   mesh = mesh if mesh is not None else build_mesh(cfg)
   data = with_batch_size(data if data is not None else load_data(cfg), cfg.pretrain.batch_size)
   out = out or teacher_dir(cfg, data.tokenizer)
-  run_dir = run_dir or os.path.join(cfg.run.run_dir, "teacher")
+  run_dir = run_dir or os.path.join(cfg.run.run_dir, f"teacher-{teacher_key(cfg, data.tokenizer)}")
   p = cfg.pretrain
   model = init_model(cfg.teacher, seed=p.seed, mesh=mesh)
   optimizer = make_optimizer(p, cfg.teacher.n_layers)

@@ -285,8 +285,10 @@ def plot_run(run_dir: str, out_dir: str | None = None, names: Iterable[str] = tu
   Curves a run does not have (a pretraining run has no KL) are left out, and so are plots
   with no curve at all.
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ImportError("plotting needs matplotlib: pip install matplotlib") from None
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 

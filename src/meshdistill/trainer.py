@@ -95,8 +95,13 @@ def _meta(trainer, kind: str, extra: dict | None) -> dict:
   return meta
 
 
-def _check_resumable(meta: dict, expected: dict, directory: str) -> None:
-  for key in ("kind", "student", "teacher"):
+def _check_resumable(meta: dict, expected: dict, directory: str, steps: int) -> None:
+  if int(meta["step"]) > steps:
+    raise ValueError(
+      f"the checkpoint in {directory} is at step {meta['step']}, past this run's {steps} steps; raise the number "
+      "of steps or use a fresh run.run_dir (or checkpoint.dir)"
+    )
+  for key in ("kind", "student", "teacher", "teacher_dir"):
     if key in expected and meta.get(key) != expected[key]:
       raise ValueError(
         f"checkpoint in {directory} was written by another run ({key}: saved {meta.get(key)!r}, now "
@@ -162,7 +167,7 @@ def fit(
   state = trainer.init_state()
   start, data_state, resumed = 0, None, None
   if checkpointer is not None and checkpointer.latest_step() is not None:
-    _check_resumable(checkpointer.read_meta(), meta, checkpointer.directory)
+    _check_resumable(checkpointer.read_meta(), meta, checkpointer.directory, steps)
     state, data_state, saved = checkpointer.restore(trainer, state)
     start = resumed = int(saved["step"])
     got = int(np.asarray(jax.device_get(trainer.unreplicate(state).step)))
