@@ -9,6 +9,8 @@ import chex
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 chex.set_n_cpu_devices(8)
 
+import re  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -33,3 +35,13 @@ def make_batch(seed: int = 0, batch: int = 8, seq: int = 8, vocab: int = VOCAB, 
 @pytest.fixture
 def tiny_cfgs():
   return TEACHER_CFG, STUDENT_CFG
+
+
+def all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
+  """Output shapes (dims) of every all-gather in an HLO module text."""
+  shapes = []
+  for line in hlo.splitlines():
+    m = re.search(r"=\s*\(?\s*\w+\[([\d,]*)\][^=]*?\ball-gather(?:-start)?\(", line)
+    if m:
+      shapes.append(tuple(int(v) for v in m.group(1).split(",") if v))
+  return shapes

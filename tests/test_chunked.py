@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import STUDENT_CFG, TEACHER_CFG, make_batch
+from conftest import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -161,16 +161,6 @@ def test_2x4_chunked_step_matches_single_device_naive_logit_kd(chunked_2x4):
   assert ours[1]["loss"] != ours[0]["loss"]  # the first update changed the student
   for a, b in zip(jax.tree.leaves(d.student(state)), jax.tree.leaves(ref_d.student(ref_state))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-
-
-def all_gather_shapes(hlo: str):
-  """Output shapes of every all-gather in an HLO module text."""
-  shapes = []
-  for line in hlo.splitlines():
-    m = re.search(r"=\s*\(?\s*\w+\[([\d,]*)\][^=]*?\ball-gather(?:-start)?\(", line)
-    if m:
-      shapes.append(tuple(int(v) for v in m.group(1).split(",") if v))
-  return shapes
 
 
 def test_2x4_chunked_step_never_gathers_the_vocabulary(chunked_2x4):

@@ -1,13 +1,11 @@
 """The sharded distillation step: layout parity, replication, masking, reference formula, HLO."""
 
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import STUDENT_CFG, TEACHER_CFG, make_batch
-from flax import nnx
+from conftest import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
 
 import meshdistill as md
 
@@ -152,16 +150,6 @@ def test_teacher_receives_no_gradient():
   grads = jax.jit(jax.grad(loss_of_teacher))(d.teacher_params)
   assert all(float(jnp.max(jnp.abs(g))) == 0.0 for g in jax.tree.leaves(grads))
   assert jax.tree.structure(d.teacher_params) != jax.tree.structure(state.opt_state)
-
-
-def all_gather_shapes(hlo: str):
-  """Output shapes (dims) of every all-gather in an HLO module text."""
-  shapes = []
-  for line in hlo.splitlines():
-    m = re.search(r"=\s*(?:\()?\s*\w+\[([\d,]*)\][^=]*?\ball-gather(?:-start)?\(", line)
-    if m:
-      shapes.append(tuple(int(v) for v in m.group(1).split(",") if v))
-  return shapes
 
 
 def test_2x4_step_never_gathers_the_vocabulary():

@@ -25,9 +25,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, make_mesh, param_shardings
+from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, param_shardings
 from meshdistill.models import Decoder
-from meshdistill.step import BACKENDS, TrainState, per_device_step, wrap_step
+from meshdistill.step import TrainState, per_device_step, resolve_backend, wrap_step
 from meshdistill.strategies import LogitKD
 
 log = logging.getLogger(__name__)
@@ -67,22 +67,7 @@ class Distiller:
       shared_vocab: int | None = None,
   ):
     self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
-    backend = backend or ("shard_map" if mesh is not None else "single")
-    if backend not in BACKENDS:
-      raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
-    if backend == "shard_map" and mesh is None:
-      raise ValueError("backend='shard_map' needs a mesh: pass mesh=meshdistill.make_mesh(data=..., tensor=...)")
-    if backend == "single" and mesh is not None and mesh.size > 1:
-      raise ValueError(f"backend='single' runs on one device but mesh has {mesh.size}; pass mesh=None")
-    if backend == "pmap":
-      if mesh is None:
-        mesh = make_mesh(data=jax.device_count(), tensor=1)
-      if mesh.shape[TENSOR] != 1:
-        raise ValueError(
-            f"backend='pmap' is data-parallel only, but mesh tensor={mesh.shape[TENSOR]}; use "
-            "backend='shard_map' to split weights over tensor, or a mesh with tensor=1 "
-            f"(make_mesh(data={mesh.size}, tensor=1))"
-        )
+    backend, mesh = resolve_backend(backend, mesh)
     if mesh is not None and backend == "shard_map":
       student.cfg.check_tensor_split(mesh.shape[TENSOR])
       teacher.cfg.check_tensor_split(mesh.shape[TENSOR])

@@ -26,9 +26,9 @@ from jax.sharding import Mesh
 
 from meshdistill import losses
 from meshdistill.distiller import BATCH_KEYS, default_optimizer
-from meshdistill.mesh import TENSOR, check_batch, host_to_global, make_mesh, param_shardings
+from meshdistill.mesh import TENSOR, check_batch, host_to_global, param_shardings
 from meshdistill.models import Decoder
-from meshdistill.step import BACKENDS, TrainState, wrap_step
+from meshdistill.step import TrainState, resolve_backend, wrap_step
 
 
 def per_device_ce_step(
@@ -87,17 +87,7 @@ class HardLabelTrainer:
     mesh: Mesh | None = None,
     backend: str | None = None,
   ):
-    backend = backend or ("shard_map" if mesh is not None else "single")
-    if backend not in BACKENDS:
-      raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
-    if backend == "shard_map" and mesh is None:
-      raise ValueError("backend='shard_map' needs a mesh: pass mesh=meshdistill.make_mesh(data=..., tensor=...)")
-    if backend == "single" and mesh is not None and mesh.size > 1:
-      raise ValueError(f"backend='single' runs on one device but mesh has {mesh.size}; pass mesh=None")
-    if backend == "pmap":
-      mesh = mesh if mesh is not None else make_mesh(data=jax.device_count(), tensor=1)
-      if mesh.shape[TENSOR] != 1:
-        raise ValueError(f"backend='pmap' is data-parallel only, but mesh tensor={mesh.shape[TENSOR]}; use tensor=1")
+    backend, mesh = resolve_backend(backend, mesh)
     if backend == "shard_map":
       model.cfg.check_tensor_split(mesh.shape[TENSOR])
     self.mesh, self.backend = mesh, backend

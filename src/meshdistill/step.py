@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.mesh import DATA
+from meshdistill.mesh import DATA, TENSOR, make_mesh
 
 BACKENDS = ("single", "shard_map", "pmap")
 
@@ -120,6 +120,31 @@ def _vocab_slice(out, vocab: int | None):
   if vocab is None or out.logits is None or out.logits.shape[-1] == vocab:
     return out
   return out._replace(logits=out.logits[..., :vocab])
+
+
+def resolve_backend(backend: str | None, mesh: Mesh | None) -> tuple[str, Mesh | None]:
+  """Validates a ``(backend, mesh)`` pair; returns the backend to use and its mesh.
+
+  ``None`` picks ``"shard_map"`` with a mesh and ``"single"`` without; ``"pmap"`` without a
+  mesh gets a ``data``-only mesh over all devices.
+  """
+  backend = backend or ("shard_map" if mesh is not None else "single")
+  if backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
+  if backend == "shard_map" and mesh is None:
+    raise ValueError("backend='shard_map' needs a mesh: pass mesh=meshdistill.make_mesh(data=..., tensor=...)")
+  if backend == "single" and mesh is not None and mesh.size > 1:
+    raise ValueError(f"backend='single' runs on one device but mesh has {mesh.size}; pass mesh=None")
+  if backend == "pmap":
+    if mesh is None:
+      mesh = make_mesh(data=jax.device_count(), tensor=1)
+    if mesh.shape[TENSOR] != 1:
+      raise ValueError(
+          f"backend='pmap' is data-parallel only, but mesh tensor={mesh.shape[TENSOR]}; use "
+          "backend='shard_map' to split weights over tensor, or a mesh with tensor=1 "
+          f"(make_mesh(data={mesh.size}, tensor=1))"
+      )
+  return backend, mesh
 
 
 def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = None):
