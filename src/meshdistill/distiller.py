@@ -102,7 +102,7 @@ class Distiller:
       return jax.device_put(params, jax.devices()[0])
     if self.backend == "shard_map":
       return jax.device_put(params, param_shardings(specs, self.mesh))
-    return _stack(jax.device_get(params), self.mesh.size)
+    return stack_replicas(jax.device_get(params), self.mesh.size)
 
   def init_state(self, student: Decoder | None = None) -> TrainState:
     """A fresh train state from ``student`` (default: the student given at construction)."""
@@ -111,7 +111,7 @@ class Distiller:
     if self.backend == "pmap":
       host = jax.device_get({"student": params, "strategy": extra})
       state = jax.jit(self._fresh_state)(host)
-      return _stack(jax.device_get(state), self.mesh.size)
+      return stack_replicas(jax.device_get(state), self.mesh.size)
     if self.backend == "single":
       return jax.jit(self._fresh_state)(jax.device_put({"student": params, "strategy": extra}, jax.devices()[0]))
     shardings = {
@@ -157,13 +157,7 @@ class Distiller:
       check_batch(B, self.mesh)
 
   def _place_batch(self, batch: dict) -> dict:
-    batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS}
-    if self.backend == "single":
-      return jax.device_put(batch, jax.devices()[0])
-    if self.backend == "shard_map":
-      return host_to_global(batch, self.mesh)
-    n = self.mesh.size
-    return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
+    return place_batch(batch, self.backend, self.mesh)
 
   def compiled_step(self, state: TrainState):
     if self._compiled is None:
@@ -249,5 +243,17 @@ def resolve_shared_vocab(teacher_vocab: int, student_vocab: int, shared_vocab: i
   return small
 
 
-def _stack(tree, n: int):
+def place_batch(batch: dict, backend: str, mesh: Mesh | None) -> dict:
+  """Puts a host batch where a step of ``backend`` reads it (pmap: split into [n, B/n, T])."""
+  batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS}
+  if backend == "single":
+    return jax.device_put(batch, jax.devices()[0])
+  if backend == "shard_map":
+    return host_to_global(batch, mesh)
+  n = mesh.size
+  return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
+
+
+def stack_replicas(tree, n: int):
+  """``n`` stacked host copies of every leaf: the classic pmap layout of a replicated state."""
   return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))).copy(), tree)

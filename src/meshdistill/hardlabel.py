@@ -25,8 +25,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshdistill import losses
-from meshdistill.distiller import BATCH_KEYS, default_optimizer
-from meshdistill.mesh import TENSOR, check_batch, host_to_global, param_shardings
+from meshdistill.distiller import BATCH_KEYS, default_optimizer, place_batch, stack_replicas
+from meshdistill.mesh import TENSOR, check_batch, param_shardings
 from meshdistill.models import Decoder
 from meshdistill.step import TrainState, resolve_backend, wrap_step
 
@@ -106,19 +106,9 @@ class HardLabelTrainer:
     if self.backend == "single":
       return fresh(jax.device_put(params, jax.devices()[0]))
     if self.backend == "pmap":
-      state = jax.device_get(fresh(jax.device_get(params)))
-      return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (self.mesh.size, *np.shape(x))).copy(), state)
+      return stack_replicas(jax.device_get(fresh(jax.device_get(params))), self.mesh.size)
     shardings = {"student": param_shardings(self._specs, self.mesh), "strategy": {}}
     return fresh(jax.device_put(params, shardings))
-
-  def _place_batch(self, batch: dict) -> dict:
-    batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS}
-    if self.backend == "single":
-      return jax.device_put(batch, jax.devices()[0])
-    if self.backend == "shard_map":
-      return host_to_global(batch, self.mesh)
-    n = self.mesh.size
-    return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
 
   def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
     """One step on a host batch ``{inputs, targets, mask}`` [B, T]; ``state`` is consumed (donated)."""
@@ -132,7 +122,7 @@ class HardLabelTrainer:
     if self._compiled is None:
       shardings = jax.tree.map(lambda x: x.sharding, state) if self.backend == "shard_map" else None
       self._compiled = wrap_step(self._step_fn, self.backend, self.mesh, shardings)
-    new_state, metrics = self._compiled(state, {}, self._place_batch(batch))
+    new_state, metrics = self._compiled(state, {}, place_batch(batch, self.backend, self.mesh))
     if self.backend == "pmap":
       metrics = jax.tree.map(lambda x: x[0], metrics)
     return new_state, metrics
