@@ -45,3 +45,14 @@ def all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
     if m:
       shapes.append(tuple(int(v) for v in m.group(1).split(",") if v))
   return shapes
+
+
+def write_corpus(root, n_docs=24):
+  """A small corpus of text files; enough documents that some land in validation."""
+  root.mkdir(parents=True, exist_ok=True)
+  rng = np.random.default_rng(0)
+  words = ["def", "return", "class", "self", "import", "for", "in", "if", "else", "x", "y", "(", ")", ":", "\n"]
+  for i in range(n_docs):
+    text = " ".join(rng.choice(words, size=150 + 10 * i))
+    (root / f"doc{i:02d}.txt").write_text(text)
+  return str(root)

@@ -7,7 +7,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import make_batch
+from conftest import make_batch, write_corpus
 from flax import nnx
 
 import meshdistill as md
@@ -23,17 +23,6 @@ from meshdistill.trainer import fit, lr_schedule, make_optimizer
 VOCAB = 264  # byte tokenizer
 TEACHER = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
 STUDENT = TEACHER.replace(d_model=16, n_layers=1, mlp_hidden=32)
-
-
-def write_corpus(root, n_docs=24):
-  """A small corpus of text files; enough documents that some land in validation."""
-  root.mkdir(parents=True, exist_ok=True)
-  rng = np.random.default_rng(0)
-  words = ["def", "return", "class", "self", "import", "for", "in", "if", "else", "x", "y", "(", ")", ":", "\n"]
-  for i in range(n_docs):
-    text = " ".join(rng.choice(words, size=150 + 10 * i))
-    (root / f"doc{i:02d}.txt").write_text(text)
-  return str(root)
 
 
 def tiny_settings(steps=6, **kw):
@@ -228,6 +217,7 @@ def test_distill_job_pretrains_caches_and_reuses_the_teacher(tmp_path):
   tdir = summary["teacher_dir"]
   assert tdir.startswith(str(tmp_path / "cache")) and os.path.isfile(os.path.join(tdir, "teacher.json"))
   assert summary["step"] == 3 and 0 < summary["param_ratio"] < 1
+  assert summary["safeguards"] == {"remat": "none", "divergences": 0, "events": []}  # the guard ran, quietly
   assert np.isfinite(summary["student"]["loss"]) and summary["teacher"]["ppl"] > 1
   assert json.loads((tmp_path / "run1" / "summary.json").read_text())["student"]["loss"] == summary["student"]["loss"]
   stamp = os.path.getmtime(os.path.join(tdir, "teacher.json"))

@@ -156,6 +156,9 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------------- teacher cache
+COMPUTE_FIELDS = ("remat", "dtype")  # `ModelConfig` fields that change no parameter
+
+
 def _model_fields(cfg: ModelConfig) -> dict:
   return dataclasses.asdict(cfg)
 
@@ -212,7 +215,12 @@ def read_teacher_meta(directory: str) -> dict:
 def check_teacher_architecture(saved: dict, expected: ModelConfig, where: str) -> None:
   """Raises ValueError listing every `ModelConfig` field where ``saved`` differs from ``expected``."""
   want = _model_fields(expected)
-  diff = {k: (saved.get(k, "<missing>"), v) for k, v in want.items() if saved.get(k, "<missing>") != v}
+  # How a model computes (remat policy, activation dtype) is not part of its architecture.
+  diff = {
+    k: (saved.get(k, "<missing>"), v)
+    for k, v in want.items()
+    if saved.get(k, "<missing>") != v and k not in COMPUTE_FIELDS
+  }
   diff.update({k: (v, "<unknown field>") for k, v in saved.items() if k not in want})
   if diff:
     desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in sorted(diff.items()))

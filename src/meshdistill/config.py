@@ -9,6 +9,7 @@ A run is described by `Config`, whose sections are frozen, keyword-only dataclas
   distill     the logit-distillation recipe (temperature / alpha: numbers or schedule specs)
   train       steps, batch size, optimizer, evaluation and logging cadence
   pretrain    how the teacher is obtained: a checkpoint, or pretrained from scratch and cached
+  safeguards  divergence guard, automatic remat by memory, static loss scaling
   checkpoint  where / how often train states are saved, and how many are kept
   run         the run directory
 
@@ -188,6 +189,82 @@ class PretrainSettings(TrainSettings):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class GuardSettings:
+  """The divergence guard (`meshdistill.safeguards.DivergenceGuard`) of the training loop.
+
+  A step diverges when its loss is non-finite or above ``factor`` times the median of the last
+  ``window`` good losses (once ``min_history`` are known). The loop then restores the last good
+  train state (a device copy taken every ``keep_every`` steps and at every checkpoint step: it
+  costs the memory of one train state) and, for distillation, switches the distillation term to
+  the ``fallback`` divergence (``mse``: logit MSE) for the rest of the freezing stage (the whole
+  run without a freezing schedule). After ``max_restores`` divergences the run stops with an
+  error. Every restore is written to ``metrics.jsonl`` as an ``event`` row. ``enabled: false``
+  turns the guard off (and the per-step read of the loss it needs)."""
+
+  enabled: bool = True
+  window: int = 50
+  factor: float = 4.0
+  min_history: int = 10
+  max_restores: int = 3
+  keep_every: int = 10
+  fallback: str = "mse"
+
+  def __post_init__(self):
+    from meshdistill.losses import DIVERGENCES  # pylint: disable=g-import-not-at-top
+
+    positive_int("safeguards.guard.window", self.window)
+    in_range("safeguards.guard.factor", self.factor, 1.0, float("inf"), lo_open=True, example=" (e.g. 4.0)")
+    positive_int("safeguards.guard.min_history", self.min_history)
+    if self.min_history > self.window:
+      raise ConfigError(
+        f"safeguards.guard.min_history={self.min_history} must be <= safeguards.guard.window={self.window}"
+      )
+    positive_int("safeguards.guard.max_restores", self.max_restores)
+    positive_int("safeguards.guard.keep_every", self.keep_every)
+    if self.fallback not in DIVERGENCES:
+      raise ConfigError(f"safeguards.guard.fallback={self.fallback!r}; choose one of {sorted(DIVERGENCES)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RematSettings:
+  """Choosing rematerialisation by memory before the first step (`meshdistill.memory.fit_remat`).
+
+  With ``auto`` the trainer compiles the first step, compares its per-device memory with
+  ``headroom`` times the device's memory (``budget_mib`` MiB when set; a CPU device has no known
+  limit, so there the check runs only with ``budget_mib``) and, if it would not fit, turns on the
+  first of the student's leaner remat policies that fits (logged, and written to
+  ``metrics.jsonl`` as an ``event`` row). Measuring compiles the step once more."""
+
+  auto: bool = True
+  budget_mib: float | None = None
+  headroom: float = 0.9
+
+  def __post_init__(self):
+    if self.budget_mib is not None:
+      in_range("safeguards.remat.budget_mib", self.budget_mib, 0.0, float("inf"), lo_open=True, example=" (e.g. 16000)")
+    in_range("safeguards.remat.headroom", self.headroom, 0.0, 1.0, lo_open=True, example=" (e.g. 0.9)")
+
+  @property
+  def budget_bytes(self) -> int | None:
+    return None if self.budget_mib is None else int(self.budget_mib * 2**20)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SafeguardSettings:
+  """Run safeguards besides ``train.clip`` and the always-on skip of non-finite updates: the divergence
+  guard, automatic remat, and static loss scaling (``loss_scale``: the loss gradient is multiplied by it
+  and the gradients divided by it before the update; for bf16 backward passes; null = off)."""
+
+  guard: GuardSettings = dataclasses.field(default_factory=GuardSettings)
+  remat: RematSettings = dataclasses.field(default_factory=RematSettings)
+  loss_scale: float | None = None
+
+  def __post_init__(self):
+    if self.loss_scale is not None:
+      in_range("safeguards.loss_scale", self.loss_scale, 0.0, float("inf"), lo_open=True, example=" (e.g. 1024.0)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointSettings:
   """Train-state checkpoints (orbax): every ``every`` steps and at the end, the newest ``keep`` kept.
   ``dir`` defaults to ``<run_dir>/checkpoints``; ``every: 0`` saves only at the end."""
@@ -235,6 +312,7 @@ class Config:
   distill: DistillSettings = dataclasses.field(default_factory=DistillSettings)
   train: TrainSettings = dataclasses.field(default_factory=TrainSettings)
   pretrain: PretrainSettings = dataclasses.field(default_factory=PretrainSettings)
+  safeguards: SafeguardSettings = dataclasses.field(default_factory=SafeguardSettings)
   checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
   run: RunSettings = dataclasses.field(default_factory=RunSettings)
 

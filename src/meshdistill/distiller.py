@@ -91,6 +91,7 @@ class Distiller:
         vocab=self.shared_vocab,
     )
     self._compiled = None
+    self.compiler_options: dict | None = None  # XLA options of the step (`with_compiler_options`)
 
   # ------------------------------------------------------------------ placement
   @property
@@ -162,7 +163,7 @@ class Distiller:
   def compiled_step(self, state: TrainState):
     if self._compiled is None:
       shardings = jax.tree.map(lambda x: x.sharding, state) if self.backend == "shard_map" else None
-      self._compiled = wrap_step(self._step_fn, self.backend, self.mesh, shardings)
+      self._compiled = wrap_step(self._step_fn, self.backend, self.mesh, shardings, self.compiler_options)
     return self._compiled
 
   def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -192,6 +193,32 @@ class Distiller:
     new = copy.copy(self)
     new.strategy = strategy
     new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, "strategy": strategy})
+    new._compiled = None
+    return new
+
+  def with_compiler_options(self, options: dict | None) -> "Distiller":
+    """A copy whose step compiles with the XLA ``options`` (e.g. `meshdistill.memory.CPU_MEMORY_SCHEDULER`).
+
+    Train states carry over; the new step compiles once, on first use.
+    """
+    new = copy.copy(self)
+    new.compiler_options = dict(options) if options else None
+    new._compiled = None
+    return new
+
+  def with_remat(self, remat: str) -> "Distiller":
+    """A Distiller like this one whose student recomputes activations with policy ``remat``.
+
+    Remat changes no parameter: train states carry over, ``init_state()`` starts from the same
+    student, nothing is copied or re-placed; the new step compiles once, on first use.
+    """
+    from meshdistill.models._build import abstract_params  # pylint: disable=g-import-not-at-top
+
+    cfg = self.student_cfg.replace(remat=remat)  # validates the name
+    new = copy.copy(self)
+    new.student_cfg = cfg
+    new.student_def = abstract_params(cfg)[0]
+    new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, "student_def": new.student_def})
     new._compiled = None
     return new
 

@@ -14,6 +14,7 @@ trainer loop serve both.
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -98,6 +99,7 @@ class HardLabelTrainer:
     self._specs = nnx.get_partition_spec(self._init)
     self._step_fn = functools.partial(per_device_ce_step, model_def=self.student_def, optimizer=self.optimizer)
     self._compiled = None
+    self.compiler_options: dict | None = None  # XLA options of the step (`with_compiler_options`)
 
   def init_state(self) -> TrainState:
     """A fresh train state from the model given at construction."""
@@ -110,8 +112,8 @@ class HardLabelTrainer:
     shardings = {"student": param_shardings(self._specs, self.mesh), "strategy": {}}
     return fresh(jax.device_put(params, shardings))
 
-  def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One step on a host batch ``{inputs, targets, mask}`` [B, T]; ``state`` is consumed (donated)."""
+  def check_batch(self, batch: dict) -> None:
+    """Raises a clear error for a malformed batch (keys, length, divisibility)."""
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
       raise ValueError(f"batch is missing {missing}; a batch is a dict with {BATCH_KEYS}, each [batch, seq]")
@@ -119,13 +121,47 @@ class HardLabelTrainer:
     if T > self.max_len:
       raise ValueError(f"sequence length {T} exceeds max_len={self.max_len}; use seq_len <= {self.max_len}")
     check_batch(B, self.mesh)
+
+  def compiled_step(self, state: TrainState):
     if self._compiled is None:
       shardings = jax.tree.map(lambda x: x.sharding, state) if self.backend == "shard_map" else None
-      self._compiled = wrap_step(self._step_fn, self.backend, self.mesh, shardings)
-    new_state, metrics = self._compiled(state, {}, place_batch(batch, self.backend, self.mesh))
+      self._compiled = wrap_step(self._step_fn, self.backend, self.mesh, shardings, self.compiler_options)
+    return self._compiled
+
+  def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One step on a host batch ``{inputs, targets, mask}`` [B, T]; ``state`` is consumed (donated)."""
+    self.check_batch(batch)
+    new_state, metrics = self.compiled_step(state)(state, {}, place_batch(batch, self.backend, self.mesh))
     if self.backend == "pmap":
       metrics = jax.tree.map(lambda x: x[0], metrics)
     return new_state, metrics
+
+  def lower(self, state: TrainState, batch: dict):
+    """The lowered step for ``batch`` (for memory analysis and HLO inspection)."""
+    self.check_batch(batch)
+    return self.compiled_step(state).lower(state, {}, place_batch(batch, self.backend, self.mesh))
+
+  def with_compiler_options(self, options: dict | None) -> "HardLabelTrainer":
+    """A copy whose step compiles with the XLA ``options`` (e.g. `meshdistill.memory.CPU_MEMORY_SCHEDULER`).
+
+    Train states carry over; the new step compiles once, on first use.
+    """
+    new = copy.copy(self)
+    new.compiler_options = dict(options) if options else None
+    new._compiled = None
+    return new
+
+  def with_remat(self, remat: str) -> "HardLabelTrainer":
+    """A trainer like this one whose model recomputes activations with policy ``remat`` (states carry over)."""
+    from meshdistill.models._build import abstract_params  # pylint: disable=g-import-not-at-top
+
+    cfg = self.student_cfg.replace(remat=remat)  # validates the name
+    new = copy.copy(self)
+    new.student_cfg = cfg
+    new.student_def = abstract_params(cfg)[0]
+    new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, "model_def": new.student_def})
+    new._compiled = None
+    return new
 
   def unreplicate(self, tree):
     """For ``pmap`` the first replica of a stacked tree; otherwise ``tree`` unchanged."""

@@ -169,11 +169,12 @@ def pretrain(
       evaluator=Evaluator.for_trainer(trainer, with_teacher=False),
       profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
       lr=None if p.freeze else lr_schedule(p),
+      **safeguard_kwargs(cfg),
     )
   finally:
     ckpt.close()
     monitor.close()
-  teacher = trainer.student(result.state)
+  teacher = trainer.student(result.state)  # the configured model (a remat turned on for pretraining is not saved)
   info = {
     "pretrain": dataclasses.asdict(p),
     "data": cfg.to_dict()["data"],
@@ -231,6 +232,34 @@ def _evaluate_pair(distiller, state, val) -> dict:
   }
 
 
+def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
+  """`meshdistill.trainer.fit` keywords for ``cfg.safeguards``: the divergence guard and automatic remat.
+
+  ``strategy``: the run's distillation strategy, whose fallback is built from
+  ``safeguards.guard.fallback`` (None for hard-label training: the guard then only restores).
+  """
+  from meshdistill.safeguards import DivergenceGuard, ScaledLoss, fallback_strategy  # pylint: disable=g-import-not-at-top
+
+  g, r = cfg.safeguards.guard, cfg.safeguards.remat
+  kwargs = {"auto_remat": r.auto, "memory_budget_bytes": r.budget_bytes, "memory_headroom": r.headroom}
+  if not g.enabled:
+    return kwargs
+  fallback = None
+  if strategy is not None:
+    fallback = fallback_strategy(strategy)
+    if g.fallback != "mse":
+      inner = fallback.strategy if isinstance(fallback, ScaledLoss) else fallback
+      if "divergence" not in {f.name for f in dataclasses.fields(inner)}:
+        raise ConfigError(
+          f"safeguards.guard.fallback={g.fallback!r} needs a LogitKD strategy; {type(inner).__name__} falls back "
+          "to logit MSE only: set safeguards.guard.fallback=mse"
+        )
+      inner = dataclasses.replace(inner, divergence=g.fallback)
+      fallback = ScaledLoss(inner, fallback.scale) if isinstance(fallback, ScaledLoss) else inner
+  guard = DivergenceGuard(window=g.window, factor=g.factor, min_history=g.min_history, max_restores=g.max_restores)
+  return {**kwargs, "guard": guard, "keep_every": g.keep_every, "fallback": fallback}
+
+
 def make_distiller(cfg: Config, teacher, mesh):
   """The `Distiller` of ``cfg`` for ``teacher`` (student initialised from ``train.seed``)."""
   from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
@@ -238,11 +267,16 @@ def make_distiller(cfg: Config, teacher, mesh):
   from meshdistill.trainer import make_optimizer  # pylint: disable=g-import-not-at-top
 
   student = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
+  strategy, scale = cfg.distill.strategy(), cfg.safeguards.loss_scale
+  if scale is not None:
+    from meshdistill.safeguards import ScaledLoss  # pylint: disable=g-import-not-at-top
+
+    strategy = ScaledLoss(strategy, scale)
   return Distiller(
     student,
     teacher,
-    strategy=cfg.distill.strategy(),
-    optimizer=make_optimizer(cfg.train, cfg.student.n_layers),
+    strategy=strategy,
+    optimizer=make_optimizer(cfg.train, cfg.student.n_layers, loss_scale=scale),
     mesh=mesh,
     backend=cfg.mesh.backend,
     seed=cfg.train.seed,
@@ -291,12 +325,19 @@ def distill(
       lr=None if t.freeze else lr_schedule(t),
       stop_after=stop_after,
       meta={"teacher_dir": tdir},
+      **safeguard_kwargs(cfg, distiller.strategy),
     )
   finally:
     ckpt.close()
     monitor.close()
+  distiller = result.trainer
   summary = _evaluate_pair(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
   summary.update({"step": result.step, "teacher_dir": tdir, "run_dir": run_dir, "train_seconds": result.seconds})
+  summary["safeguards"] = {
+    "remat": distiller.student_cfg.remat,
+    "divergences": sum(e["kind"] == "diverged" for e in result.events),
+    "events": result.events,
+  }
   with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)
   return summary

@@ -151,19 +151,13 @@ def choose_remat(
   return RematChoice(best, False, budget_bytes, reports)
 
 
-def rebuild_with_remat(distiller, remat: str):
-  """A `Distiller` equal to ``distiller`` but whose student uses ``remat``.
+def rebuild_with_remat(trainer, remat: str):
+  """``trainer`` (a `Distiller` or `HardLabelTrainer`) with its student using ``remat`` (``trainer.with_remat``).
 
-  Train states of ``distiller`` are valid for it (remat changes no parameter), and its
+  Train states of ``trainer`` are valid for it (remat changes no parameter), and its
   ``init_state()`` starts from the same initial student.
   """
-  from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
-
-  initial = distiller._student_init  # pylint: disable=protected-access
-  student = with_remat(nnx.merge(distiller.student_def, initial), remat)
-  teacher = nnx.merge(distiller.teacher_def, distiller.unreplicate(distiller.teacher_params))
-  return Distiller(student, teacher, strategy=distiller.strategy, optimizer=distiller.optimizer, mesh=distiller.mesh,
-                   backend=distiller.backend, seed=distiller.seed)
+  return trainer.with_remat(remat)
 
 
 def fit_remat(
@@ -176,7 +170,7 @@ def fit_remat(
     headroom: float = 0.9,
     compiler_options: dict | None = None,
 ):
-  """Returns ``(distiller, RematChoice)``: ``distiller``, or a rebuilt one with remat on if the step would not fit.
+  """Returns ``(trainer, RematChoice)``: ``distiller``, or a copy with remat on if the step would not fit.
 
   Args:
     distiller, state, batch: what the first step would run (nothing runs; ``state`` is kept).
@@ -185,7 +179,8 @@ def fit_remat(
     candidates: policies to try in order; default: the student's current one, then the
       leaner ones of `REMAT_ORDER`.
     headroom: fraction of the budget the step may use.
-    compiler_options: XLA options of the measuring compilations (see `step_memory`).
+    compiler_options: XLA options of the measured steps (e.g. `CPU_MEMORY_SCHEDULER`); the
+      returned trainer's step compiles with them too, so it runs the program that was measured.
   """
   current = distiller.student_cfg.remat
   if candidates is None:
@@ -193,13 +188,16 @@ def fit_remat(
   if budget_bytes is None:
     devices = distiller.mesh.devices.flat if distiller.mesh is not None else jax.devices()[:1]
     budget_bytes = device_memory_limit(next(iter(devices)))
-  built = {current: distiller}
+  base = distiller.with_compiler_options(compiler_options) if compiler_options else distiller
+  built = {current: base}
 
   def measure(remat: str) -> MemoryReport:
     if remat not in built:
-      built[remat] = rebuild_with_remat(distiller, remat)
-    return step_memory(built[remat], state, batch, compiler_options)
+      built[remat] = rebuild_with_remat(base, remat)
+    return step_memory(built[remat], state, batch)
 
   choice = choose_remat(measure, budget_bytes, candidates=candidates, headroom=headroom)
-  chosen = built.get(choice.remat) or rebuild_with_remat(distiller, choice.remat)
+  if budget_bytes is None:
+    return distiller, choice
+  chosen = built.get(choice.remat) or rebuild_with_remat(base, choice.remat)
   return chosen, choice

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import IO, Any
 
 import jax
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +168,9 @@ class Monitor:
     if not self._window:
       return {}
     host = jax.device_get(self._window)
-    keys = [k for k in host[0] if k != "tokens"]
-    means = {k: float(sum(float(m[k]) for m in host) / len(host)) for k in keys}
+    # Each metric over the steps that report it (a fallback loss adds metrics of its own).
+    keys = list(dict.fromkeys(k for m in host for k in m if k != "tokens"))
+    means = {k: float(np.mean([float(m[k]) for m in host if k in m])) for k in keys}
     now = time.perf_counter()
     seconds = now - self._t_window
     n = len(host)
@@ -201,6 +203,13 @@ class Monitor:
       for k, v in metrics.items():
         if math.isfinite(float(v)):
           self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+
+  def event(self, step: int, kind: str, **fields: Any) -> None:
+    """Writes one event row ``{"step", "split": "event", "event": kind, **fields}`` to ``metrics.jsonl``
+    (divergence restores, fallback switches, remat decisions); JSON values, not sent to TensorBoard."""
+    if self._jsonl is not None:
+      self._jsonl.write(json.dumps({"step": int(step), "split": "event", "event": kind, **fields}) + "\n")
+      self._jsonl.flush()
 
   def message(self, text: str) -> None:
     self.bar.message(text)

@@ -147,14 +147,17 @@ def resolve_backend(backend: str | None, mesh: Mesh | None) -> tuple[str, Mesh |
   return backend, mesh
 
 
-def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = None):
+def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = None, compiler_options=None):
   """Compiles ``step_fn(state, teacher_params, batch, data_axis=...)`` for a layout.
 
   ``state_shardings`` (shard_map only) pins the output state to the input layout so the
-  step never recompiles and the state keeps its sharding.
+  step never recompiles and the state keeps its sharding. ``compiler_options``: XLA options
+  of the step's compilation (``single`` / ``shard_map``; ``jax.pmap`` takes none).
   """
+  if compiler_options and backend == "pmap":
+    raise ValueError("compiler_options need backend 'single' or 'shard_map': jax.pmap takes no compiler options")
   if backend == "single":
-    return jax.jit(functools.partial(step_fn, data_axis=None), donate_argnums=0)
+    return jax.jit(functools.partial(step_fn, data_axis=None), donate_argnums=0, compiler_options=compiler_options)
   if backend == "shard_map":
     # A size-1 `data` axis needs no collective (and XLA rejects an all-reduce over a
     # trivial manual axis), so the sum over `data` is dropped there.
@@ -178,7 +181,7 @@ def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = N
     )
     metric_sharding = NamedSharding(mesh, P())
     out_shardings = None if state_shardings is None else (state_shardings, metric_sharding)
-    return jax.jit(body, donate_argnums=0, out_shardings=out_shardings)
+    return jax.jit(body, donate_argnums=0, out_shardings=out_shardings, compiler_options=compiler_options)
   if backend == "pmap":
     devices = list(mesh.devices.flat)
     return jax.pmap(

@@ -14,6 +14,22 @@ One step, in order: read the next host batch; run the compiled step (metrics sta
 device); every ``log_every`` steps fetch and average them (`Monitor`); every ``eval_every``
 steps (and at the end) evaluate on the fixed validation batches; every
 ``checkpoint.every`` steps (and at the end) save.
+
+Before the first step (``auto_remat``) the step is compiled once and its per-device memory
+compared with the device's (or a given budget); when it would not fit, the student's
+rematerialisation is turned on (`meshdistill.memory.fit_remat`), logged and written to
+``metrics.jsonl`` as an ``event`` row.
+
+With a `DivergenceGuard` (``guard``) the loop reads every step's loss. A non-finite loss, or one
+far above its running median, restores the last good train state and, for distillation,
+switches to the fallback loss (logit MSE by default) for the rest of the freezing stage; both
+are ``event`` rows. The batch that diverged is not retried: data keep moving forward. The good
+state is a device copy of the state before step ``s + 1``, taken when ``s`` is a multiple of
+``keep_every`` or a checkpoint step, and kept once step ``s + 1``'s loss is good. Under the guard a
+checkpoint of step ``s`` is written only then, from that copy, so every checkpoint holds a state
+the guard accepted and no checkpoint is newer than the state a restore returns to (the last
+step of a run is saved at once: nothing follows to confirm it). The guard's history, restore
+count and fallback state travel in the checkpoint, so resuming is still exact.
 """
 
 from __future__ import annotations
@@ -28,9 +44,10 @@ import jax
 import numpy as np
 import optax
 
-from meshdistill.checkpoint import Checkpointer
+from meshdistill.checkpoint import COMPUTE_FIELDS, Checkpointer
 from meshdistill.evaluate import Evaluator
 from meshdistill.monitor import Monitor, ProfileWindow
+from meshdistill.safeguards import DivergenceGuard, copy_state, fallback_strategy, skipped_updates
 from meshdistill.step import TrainState
 
 log = logging.getLogger(__name__)
@@ -47,7 +64,9 @@ def lr_schedule(settings) -> optax.Schedule:
   )
 
 
-def make_optimizer(settings, n_layers: int | None = None) -> optax.GradientTransformation:
+def make_optimizer(
+  settings, n_layers: int | None = None, loss_scale: float | None = None
+) -> optax.GradientTransformation:
   """AdamW on `lr_schedule`, behind global-norm clipping and a skip of non-finite updates.
 
   ``settings`` is a `meshdistill.config.TrainSettings` (or anything with ``lr``, ``warmup``,
@@ -55,6 +74,7 @@ def make_optimizer(settings, n_layers: int | None = None) -> optax.GradientTrans
   (``settings.freeze``; needs the model's ``n_layers``) the AdamW runs inside
   `meshdistill.freezing.progressive_freeze`: each stage's blocks are frozen bit for bit and the
   stage's learning rate replaces the schedule; clipping then covers the trainable gradients only.
+  ``loss_scale`` divides the gradients first (pair it with `meshdistill.safeguards.ScaledLoss`).
   """
   from meshdistill.safeguards import safeguarded  # pylint: disable=g-import-not-at-top
 
@@ -67,14 +87,19 @@ def make_optimizer(settings, n_layers: int | None = None) -> optax.GradientTrans
     frozen = progressive_freeze(
       stages, n_layers, optax.adamw(1.0, weight_decay=settings.weight_decay), clip=settings.clip
     )
-    return safeguarded(frozen, clip=None)
+    return safeguarded(frozen, clip=None, loss_scale=loss_scale)
   inner = optax.adamw(lr_schedule(settings), weight_decay=settings.weight_decay)
-  return safeguarded(inner, clip=settings.clip)
+  return safeguarded(inner, clip=settings.clip, loss_scale=loss_scale)
 
 
 @dataclasses.dataclass
 class FitResult:
-  """What `fit` returns: the final state, its step, the last validation metrics and timing."""
+  """What `fit` returns: the final state, its step, the last validation metrics and timing.
+
+  ``trainer`` is the trainer that ran (another object than the one given when ``auto_remat``
+  turned remat on); ``remat`` the `meshdistill.memory.RematChoice` (None when not measured);
+  ``events`` the divergence-guard events (`DivergenceEvent` as dicts) of this call.
+  """
 
   state: TrainState
   step: int
@@ -82,6 +107,9 @@ class FitResult:
   resumed_from: int | None
   seconds: float
   train_seconds: float
+  trainer: Any = None
+  remat: Any = None
+  events: list = dataclasses.field(default_factory=list)
 
 
 def _meta(trainer, kind: str, extra: dict | None) -> dict:
@@ -102,11 +130,18 @@ def _check_resumable(meta: dict, expected: dict, directory: str, steps: int) -> 
       "of steps or use a fresh run.run_dir (or checkpoint.dir)"
     )
   for key in ("kind", "student", "teacher", "teacher_dir"):
-    if key in expected and meta.get(key) != expected[key]:
+    if key in expected and _same_params(meta.get(key)) != _same_params(expected[key]):
       raise ValueError(
         f"checkpoint in {directory} was written by another run ({key}: saved {meta.get(key)!r}, now "
         f"{expected[key]!r}); use a fresh run.run_dir (or checkpoint.dir), or the settings that wrote it"
       )
+
+
+def _same_params(model: Any) -> Any:
+  """A model config dict without the settings that change no parameter (remat, compute dtype)."""
+  if not isinstance(model, dict):
+    return model
+  return {k: v for k, v in model.items() if k not in COMPUTE_FIELDS}
 
 
 def _schedule_metrics(state: TrainState, step: int, lr) -> dict[str, float]:
@@ -117,6 +152,143 @@ def _schedule_metrics(state: TrainState, step: int, lr) -> dict[str, float]:
   if status is not None:
     return {"lr": float(status["lr"]), "freeze_stage": float(status["stage"])}
   return {"lr": float(lr(step - 1))} if lr is not None else {}
+
+
+class _Recovery:
+  """The host side of the divergence guard inside `fit`: the good state, the fallback, their bookkeeping."""
+
+  def __init__(self, trainer, guard: DivergenceGuard, keep_every: int, fallback: Any, monitor: Monitor):
+    if not isinstance(keep_every, int) or keep_every < 1:
+      raise ValueError(f"fit keep_every={keep_every!r} must be a positive integer (steps between good-state copies)")
+    self.guard, self.keep_every, self.monitor = guard, keep_every, monitor
+    self.runners = {"primary": trainer, "fallback": None}
+    self.fallback = fallback
+    self.can_fall_back = fallback is not None or hasattr(trainer, "with_strategy")
+    self.active, self.stage = "primary", None
+    self.restores = 0
+    self.events: list[dict] = []
+
+  # ---- checkpointed bookkeeping
+  def snapshot(self) -> dict:
+    return {
+      "history": list(self.guard.history),
+      "restores": self.restores,
+      "active": self.active,
+      "stage": self.stage,
+    }
+
+  def load(self, snap: dict | None) -> None:
+    if not snap:
+      return
+    self.guard.history.clear()
+    self.guard.history.extend(float(x) for x in snap["history"])
+    self.restores, self.stage = int(snap["restores"]), snap["stage"]
+    if snap["active"] == "fallback":
+      self._use_fallback()
+
+  # ---- runners
+  @property
+  def runner(self):
+    return self.runners[self.active]
+
+  def _use_fallback(self) -> None:
+    if self.runners["fallback"] is None:
+      primary = self.runners["primary"]
+      strategy = self.fallback if self.fallback is not None else fallback_strategy(primary.strategy)
+      self.runners["fallback"] = primary.with_strategy(strategy)
+    self.active = "fallback"
+
+  def before_step(self, step: int, state: TrainState) -> None:
+    """Ends the fallback when a new freezing stage begins with the next update."""
+    if self.active != "fallback" or self.stage is None:
+      return
+    from meshdistill.freezing import freeze_status  # pylint: disable=g-import-not-at-top
+
+    next_stage = freeze_status(state.opt_state)["next_stage"]
+    if next_stage != self.stage:
+      self.active = "primary"
+      self.guard.reset_history()
+      self._record(step, "fallback_end", reason=f"freezing stage {next_stage + 1} begins", strategy="primary")
+      self.monitor.message(f"step {step + 1}: freezing stage {next_stage + 1} begins; back to the primary loss")
+
+  def wants_copy(self, step: int, checkpoint_due: bool) -> bool:
+    return step % self.keep_every == 0 or checkpoint_due
+
+  def keep(self, state: TrainState, step: int) -> None:
+    self.guard.good_state, self.guard.good_step = state, step
+
+  def diverged(self, step: int, loss: float) -> str | None:
+    reason = self.guard.check(loss)
+    self.guard.observe(step, loss)
+    return reason
+
+  def recover(self, step: int, loss: float, reason: str) -> tuple[TrainState, int]:
+    """The restored (state, step) after step ``step`` diverged; raises after ``max_restores``."""
+    self.restores += 1
+    good = self.guard.good_step
+    if self.restores > self.guard.max_restores:
+      self._record(step, "diverged", loss=loss, reason=reason, restored_step=None, strategy=self.active)
+      raise RuntimeError(
+        f"training diverged {self.restores} times (last at step {step}: {reason}), more than "
+        f"safeguards.guard.max_restores={self.guard.max_restores}; the last checkpoint is kept. Lower the learning "
+        "rate (train.lr), check the data, or raise safeguards.guard.max_restores"
+      )
+    if self.can_fall_back:
+      self._use_fallback()
+      from meshdistill.freezing import freeze_status  # pylint: disable=g-import-not-at-top
+
+      status = freeze_status(self.guard.good_state.opt_state)
+      self.stage = None if status is None else status["next_stage"]
+    self.guard.reset_history()
+    self._record(step, "diverged", loss=loss, reason=reason, restored_step=good, strategy=self.active)
+    self.monitor.message(
+      f"step {step}: divergence ({reason}); restored step {good}"
+      + ("; distilling with the fallback loss" if self.active == "fallback" else "")
+    )
+    log.warning("step %d diverged (%s); restored the state of step %d, strategy %s", step, reason, good, self.active)
+    return copy_state(self.guard.good_state), good
+
+  def _record(self, step: int, kind: str, **fields) -> None:
+    loss = fields.get("loss")
+    if loss is not None and not np.isfinite(loss):
+      fields["loss"] = str(loss)  # JSON has no NaN / Infinity
+    event = {"step": int(step), "kind": kind, **fields}
+    self.events.append(event)
+    self.guard.events.append(event)
+    self.monitor.event(step, kind, **{k: v for k, v in fields.items()})
+
+
+def _measure_remat(trainer, state, batch, budget_bytes, headroom, monitor: Monitor, step: int):
+  """`fit_remat` before the first step, reported on the progress line and as an event row."""
+  from meshdistill.memory import device_memory_limit, fit_remat  # pylint: disable=g-import-not-at-top
+
+  devices = trainer.mesh.devices.flat if trainer.mesh is not None else jax.devices()[:1]
+  if budget_bytes is None and device_memory_limit(next(iter(devices))) is None:
+    log.info("memory check skipped: the %s device reports no memory limit (set a budget to check)",
+             jax.default_backend())
+    return trainer, None
+  before = trainer.student_cfg.remat
+  options = None
+  if jax.default_backend() == "cpu" and trainer.backend != "pmap":
+    # XLA's default CPU scheduler favours concurrency and hides what remat saves; with a memory
+    # budget asked for on CPU, measure and run the step under the memory-optimised scheduler.
+    from meshdistill.memory import CPU_MEMORY_SCHEDULER  # pylint: disable=g-import-not-at-top
+
+    options = CPU_MEMORY_SCHEDULER
+  chosen, choice = fit_remat(trainer, state, batch, budget_bytes=budget_bytes, headroom=headroom,
+                             compiler_options=options)
+  mib = {name: round(r.total_bytes / 2**20, 3) for name, r in choice.reports.items()}
+  monitor.event(step, "remat", remat=choice.remat, previous=before, fits=choice.fits,
+                budget_mib=round(choice.budget_bytes / 2**20, 3), headroom=headroom, step_mib=mib)
+  budget = f"{headroom:.0%} of {choice.budget_bytes / 2**20:.1f} MiB"
+  if choice.remat != before:
+    monitor.message(
+      f"memory: the step needs {mib[before]:.1f} MiB per device with remat={before!r}, over {budget}; turned on "
+      f"remat={choice.remat!r} ({mib[choice.remat]:.1f} MiB)" + ("" if choice.fits else ", the leanest, which still does not fit")
+    )
+  else:
+    log.info("memory: the step needs %.1f MiB per device (%s): remat=%r kept", mib[before], budget, before)
+  return chosen, choice
 
 
 def fit(
@@ -135,6 +307,12 @@ def fit(
   lr: Callable[[int], Any] | None = None,
   stop_after: int | None = None,
   meta: dict | None = None,
+  guard: DivergenceGuard | None = None,
+  keep_every: int = 10,
+  fallback: Any = None,
+  auto_remat: bool = False,
+  memory_budget_bytes: int | None = None,
+  memory_headroom: float = 0.9,
 ) -> FitResult:
   """Trains ``trainer`` for ``steps`` steps on ``data``, resuming from ``checkpointer`` if it holds a run.
 
@@ -152,6 +330,14 @@ def fit(
     lr: the learning-rate schedule, logged with the train metrics.
     stop_after: stop (as if interrupted) once this step is done, without the final evaluation.
     meta: extra JSON-serializable facts stored in every checkpoint.
+    guard: a `DivergenceGuard` to run under (None: no guard; see the module docstring).
+    keep_every: with a guard, steps between copies of the good state.
+    fallback: the strategy after a divergence (default `fallback_strategy(trainer.strategy)`);
+      a trainer without strategies (hard labels) only restores.
+    auto_remat: measure the step's memory before the first step and turn remat on if needed.
+    memory_budget_bytes: per-device budget for ``auto_remat`` (default: the device's memory;
+      without either -- a CPU device -- nothing is measured).
+    memory_headroom: fraction of the budget the step may use.
 
   Returns:
     A `FitResult` with the final state and the last validation metrics.
@@ -165,7 +351,7 @@ def fit(
   meta = _meta(trainer, kind, meta)
 
   state = trainer.init_state()
-  start, data_state, resumed = 0, None, None
+  start, data_state, resumed, saved = 0, None, None, {}
   if checkpointer is not None and checkpointer.latest_step() is not None:
     _check_resumable(checkpointer.read_meta(), meta, checkpointer.directory, steps)
     state, data_state, saved = checkpointer.restore(trainer, state)
@@ -177,26 +363,72 @@ def fit(
   it = data.train_iterator(data_state)
   last = min(steps, stop_after) if stop_after is not None else steps
   last_eval: dict[str, float] = {}
-  monitor.start(start)
+  remat, recovery = None, None
+  ahead = None  # a batch read before the loop (for the memory check) and the data position before it
   t_train = time.perf_counter()
   try:
-    for step in range(start + 1, last + 1):
+    if auto_remat and start < last:
+      position = it.get_state()
+      ahead = (next(it), position)
+      trainer, remat = _measure_remat(
+        trainer, state, ahead[0], memory_budget_bytes, memory_headroom, monitor, start
+      )
+    if guard is not None:
+      recovery = _Recovery(trainer, guard, keep_every, fallback, monitor)
+      recovery.load(saved.get("guard"))
+      recovery.keep(copy_state(state), start)
+    due = lambda s: checkpointer is not None and bool(checkpointer.every) and s % checkpointer.every == 0  # noqa: E731
+
+    monitor.start(start)
+    t_train = time.perf_counter()
+    step = start
+    while step < last:
       if profile is not None:
-        profile.before_step(step)
-      batch = next(it)
-      state, metrics = trainer.step(state, batch)
+        profile.before_step(step + 1)
+      if ahead is not None:
+        (batch, position), ahead = ahead, None
+      else:
+        position = it.get_state() if recovery is not None else None
+        batch = next(it)
+      candidate = None
+      if recovery is not None:
+        snapshot = recovery.snapshot()
+        recovery.before_step(step, state)
+        if recovery.wants_copy(step, due(step)):
+          candidate = copy_state(state)  # the state is donated to the step
+      runner = recovery.runner if recovery is not None else trainer
+      state, metrics = runner.step(state, batch)
+      if recovery is not None:
+        loss = float(np.asarray(jax.device_get(metrics["loss"])).reshape(-1)[0])
+        reason = recovery.diverged(step + 1, loss)
+        if reason is not None:
+          state, step = recovery.recover(step + 1, loss, reason)
+          continue
+        if candidate is not None:  # the state before this step produced a good loss: keep it
+          recovery.keep(candidate, step)
+          if due(step) and step > start and step not in checkpointer.all_steps():
+            checkpointer.save(step, trainer, candidate, position, {**meta, "guard": snapshot})
+      step += 1
       monitor.step(step, metrics, float(np.sum(batch["mask"])))
       if profile is not None:
         profile.after_step(step, metrics)
       if step % log_every == 0 or step == last:
-        monitor.flush_train(step, _schedule_metrics(state, step, lr))
+        extra = _schedule_metrics(state, step, lr)
+        extra["skipped"] = float(skipped_updates(state.opt_state))
+        if recovery is not None:
+          extra.update(restores=float(recovery.restores), fallback=float(recovery.active == "fallback"))
+        monitor.flush_train(step, extra)
       done = step == steps
       t_aside = time.perf_counter()
       if val and ((eval_every and step % eval_every == 0) or done):
         last_eval = evaluator(trainer.unreplicate(state.params)["student"], val)
         monitor.eval(step, last_eval)
       if checkpointer is not None:
-        checkpointer.maybe_save(step, trainer, state, it.get_state(), meta, final=done)
+        if recovery is None:
+          checkpointer.maybe_save(step, trainer, state, it.get_state(), meta, final=done)
+        elif step == last and (done or due(step)):  # nothing follows to confirm this state: save it now
+          checkpointer.maybe_save(step, trainer, state, it.get_state(), {**meta, "guard": recovery.snapshot()},
+                                  final=True)
       monitor.exclude(time.perf_counter() - t_aside)
   finally:
     it.close()
@@ -205,4 +437,5 @@ def fit(
   if start >= last and val and not last_eval:  # nothing left to train: report the restored state
     last_eval = evaluator(trainer.unreplicate(state.params)["student"], val)
   train_seconds = time.perf_counter() - t_train
-  return FitResult(state, last, last_eval, resumed, time.perf_counter() - t0, train_seconds)
+  events = recovery.events if recovery is not None else []
+  return FitResult(state, last, last_eval, resumed, time.perf_counter() - t0, train_seconds, trainer, remat, events)

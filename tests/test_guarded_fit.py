@@ -1,0 +1,229 @@
+"""The training loop under its safeguards: divergence recovery, exact resume across it, remat by memory."""
+
+import io
+import re
+
+import jax
+import numpy as np
+import pytest
+from conftest import write_corpus
+
+import meshdistill as md
+from meshdistill import jobs
+from meshdistill.checkpoint import Checkpointer
+from meshdistill.config import ConfigError, load_config
+from meshdistill.data import DataConfig, build_data
+from meshdistill.memory import CPU_MEMORY_SCHEDULER, step_memory
+from meshdistill.monitor import Monitor, read_metrics
+from meshdistill.safeguards import DivergenceGuard, LogitMSE, ScaledLoss
+from meshdistill.trainer import fit, make_optimizer
+
+VOCAB = 264  # byte tokenizer
+TEACHER = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
+STUDENT = TEACHER.replace(d_model=16, n_layers=2, mlp_hidden=32)
+POISON = 3  # the 4th batch read (data position 3) holds a NaN: its step's loss is NaN
+# Stage 1 (bottom block frozen) runs 6 updates, stage 2 trains everything.
+FREEZE = "train.freeze=[{start_step: 0, freeze: [0], lr: 0.01}, {start_step: 6, lr: 0.01}]"
+
+
+class PoisonedData:
+  """A data bundle whose batch at each position in ``poison`` carries a NaN in its mask."""
+
+  def __init__(self, bundle, poison=(POISON,)):
+    self.bundle, self.poison = bundle, set(poison)
+
+  def val_batches(self, max_batches=None):
+    return self.bundle.val_batches(max_batches=max_batches)
+
+  def train_iterator(self, state=None):
+    return _PoisonedIterator(self.bundle.train_iterator(state), self.poison)
+
+
+class _PoisonedIterator:
+  def __init__(self, it, poison):
+    self.it, self.poison = it, poison
+
+  def __next__(self):
+    position = self.it.get_state()["next_batch"]
+    batch = dict(next(self.it))
+    if position in self.poison:
+      mask = batch["mask"].astype(np.float32)
+      mask[0, 0] = np.nan
+      batch["mask"] = mask
+    return batch
+
+  def get_state(self):
+    return self.it.get_state()
+
+  def close(self):
+    self.it.close()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+  src = write_corpus(tmp_path_factory.mktemp("corpus") / "c")
+  return build_data(DataConfig(source=src, seq_len=16, val_fraction=0.25), batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return md.make_mesh(data=2, tensor=4)
+
+
+def settings(steps=10):
+  return load_config("tiny", [f"train.steps={steps}", "train.warmup=1", FREEZE]).train
+
+
+def new_distiller(mesh, steps=10):
+  return md.Distiller(
+    md.init_model(STUDENT, seed=1, mesh=mesh),
+    md.init_model(TEACHER, seed=0, mesh=mesh),
+    optimizer=make_optimizer(settings(steps), STUDENT.n_layers),
+    mesh=mesh,
+    strategy=md.LogitKD(alpha=0.7),
+  )
+
+
+def guard():
+  return DivergenceGuard(window=10, min_history=2)
+
+
+def leaves_equal(a, b):
+  la, lb = jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))
+  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, mesh, tmp_path_factory):
+  """10 guarded steps with a poisoned 4th batch, checkpoints every 4 steps, metrics in a run dir."""
+  run = tmp_path_factory.mktemp("run")
+  d = new_distiller(mesh)
+  stream = io.StringIO()
+  monitor = Monitor(str(run), 10, stream=stream, tensorboard=False)
+  ckpt = Checkpointer(str(run / "ckpt"), every=4)
+  try:
+    result = fit(d, PoisonedData(data), steps=10, log_every=1, checkpointer=ckpt, monitor=monitor,
+                 guard=guard(), keep_every=2)
+  finally:
+    monitor.close()
+    ckpt.close()
+  return d, result, read_metrics(str(run)), stream.getvalue(), ckpt
+
+
+def test_divergence_in_the_trainer_restores_the_good_state_and_falls_back_for_the_rest_of_the_stage(uninterrupted):
+  d, result, rows, shown, _ = uninterrupted
+  # step 4 read the poisoned batch: NaN loss -> the state of step 2 (the last kept copy) comes back
+  assert [(e["step"], e["kind"]) for e in result.events] == [(4, "diverged"), (6, "fallback_end")]
+  diverged = result.events[0]
+  assert diverged["restored_step"] == 2 and "non-finite" in diverged["reason"] and diverged["strategy"] == "fallback"
+  assert "step 4: divergence (non-finite loss nan); restored step 2" in shown
+  events = [r for r in rows if r["split"] == "event"]
+  assert [(r["step"], r["event"]) for r in events] == [(4, "diverged"), (6, "fallback_end")]
+  train = [r for r in rows if r["split"] == "train"]
+  # steps 1-3, then 3-10 again from the restored state; the diverged step itself is not logged
+  assert [r["step"] for r in train] == [1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10]
+  assert [r["fallback"] for r in train] == [0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+  assert all(("mse" in r) == bool(r["fallback"]) for r in train)  # logit MSE is the loss while falling back
+  assert [r["freeze_stage"] for r in train][-4:] == [1, 1, 1, 1]  # stage 2 started after 6 updates
+  assert all(np.isfinite(r["loss"]) for r in train) and train[-1]["restores"] == 1
+  assert train[-1]["skipped"] == 0  # the optimizer skipped the NaN update, but that state was discarded
+  assert events[0]["loss"] == "nan"  # JSON has no NaN: non-finite losses are written as text
+  assert int(jax.device_get(result.state.step)) == 10 and result.step == 10
+  primary = result.trainer
+  assert primary is d and primary.compiled_step(result.state)._cache_size() == 1  # one compile across restores
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(result.state.params)))
+
+
+def test_resume_after_a_divergence_is_bitwise_identical(uninterrupted, data, mesh, tmp_path):
+  _, full, _, _, full_ckpt = uninterrupted
+  # Checkpoints hold states the guard accepted: step 4 was re-run after the restore.
+  assert full_ckpt.all_steps() == [8, 10]
+  ckpt = Checkpointer(str(tmp_path / "split"), every=4)
+  first = fit(new_distiller(mesh), PoisonedData(data), steps=10, checkpointer=ckpt, stop_after=5, guard=guard(),
+              keep_every=2)
+  assert [e["kind"] for e in first.events] == ["diverged"] and ckpt.latest_step() == 4
+  assert ckpt.read_meta()["guard"]["active"] == "fallback"
+  ckpt.close()
+  resumed_ckpt = Checkpointer(str(tmp_path / "split"), every=4)
+  second = fit(new_distiller(mesh), PoisonedData(data), steps=10, checkpointer=resumed_ckpt, guard=guard(),
+               keep_every=2)
+  resumed_ckpt.close()
+  assert second.resumed_from == 4
+  assert [e["kind"] for e in second.events] == ["fallback_end"]  # the fallback carried over and ended on time
+  assert leaves_equal(second.state.params, full.state.params)
+  assert leaves_equal(second.state.opt_state, full.state.opt_state)
+
+
+def test_repeated_divergence_stops_with_a_clear_error_and_keeps_the_checkpoint(data, mesh, tmp_path):
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every=2)
+  g = DivergenceGuard(window=10, min_history=2, max_restores=1)
+  with pytest.raises(RuntimeError, match="diverged 2 times .*safeguards.guard.max_restores=1"):
+    fit(new_distiller(mesh), PoisonedData(data, poison=(3, 5)), steps=10, checkpointer=ckpt, guard=g, keep_every=2)
+  assert ckpt.latest_step() == 2 and ckpt.read_meta()["step"] == 2
+  ckpt.close()
+
+
+def test_fit_turns_remat_on_when_the_step_exceeds_the_memory_budget(data, tmp_path):
+  d = new_distiller(None)  # one device: compiles fastest, and all activations live there
+  it = data.train_iterator()
+  batch = next(it)
+  it.close()
+  state = d.init_state()
+  # the step as fit measures it on CPU: under the memory-aware scheduler
+  none = step_memory(d.with_compiler_options(CPU_MEMORY_SCHEDULER), state, batch).total_bytes
+  budget = int(none * 0.999 / 0.9)  # with 90% headroom the plain step just misses
+  stream = io.StringIO()
+  monitor = Monitor(str(tmp_path), 2, stream=stream, tensorboard=False)
+  result = fit(d, data, steps=2, auto_remat=True, memory_budget_bytes=budget, monitor=monitor)
+  monitor.close()
+  choice = result.remat
+  assert choice.reports["none"].total_bytes == none
+  assert choice.remat != "none" and choice.fits and choice.reports[choice.remat].total_bytes < none
+  assert result.trainer.student_cfg.remat == choice.remat and d.student_cfg.remat == "none"
+  assert f"turned on remat={choice.remat!r}" in stream.getvalue()
+  (event,) = [r for r in read_metrics(str(tmp_path)) if r["split"] == "event"]
+  assert event["event"] == "remat" and event["remat"] == choice.remat and event["previous"] == "none"
+  assert event["step_mib"]["none"] > event["budget_mib"] * event["headroom"]
+  # the remat run trains the same model: equal to a plain run up to float rounding
+  plain = fit(d, data, steps=2)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               jax.device_get(plain.state.params), jax.device_get(result.state.params))
+  assert not leaves_equal(jax.device_get(state.params), result.state.params)
+  # without a budget a CPU device has no known limit: nothing is measured, nothing changes
+  unmeasured = fit(d, data, steps=1, auto_remat=True)
+  assert unmeasured.remat is None and unmeasured.trainer is d
+
+
+def test_safeguard_settings_build_the_guard_fallback_and_loss_scale(mesh):
+  cfg = load_config("tiny", ["safeguards.guard.factor=3.0", "safeguards.guard.keep_every=5",
+                             "safeguards.guard.fallback=reverse_kl", "safeguards.loss_scale=1024.0",
+                             "safeguards.remat.budget_mib=512"])
+  teacher = md.init_model(cfg.teacher, seed=0, mesh=mesh)
+  d = jobs.make_distiller(cfg, teacher, mesh)
+  assert isinstance(d.strategy, ScaledLoss) and d.strategy.scale == 1024.0
+  kw = jobs.safeguard_kwargs(cfg, d.strategy)
+  assert kw["guard"].factor == 3.0 and kw["keep_every"] == 5 and kw["memory_budget_bytes"] == 512 * 2**20
+  assert isinstance(kw["fallback"], ScaledLoss) and kw["fallback"].strategy.divergence == "reverse_kl"
+  assert jobs.safeguard_kwargs(load_config("tiny", ["safeguards.guard.enabled=false"])).get("guard") is None
+  assert jobs.safeguard_kwargs(cfg)["fallback"] is None  # hard-label training: restore only
+  with pytest.raises(ConfigError, match="needs a LogitKD strategy"):
+    jobs.safeguard_kwargs(cfg, md.strategies.AttentionTransfer())
+  assert isinstance(jobs.safeguard_kwargs(load_config("tiny"), md.strategies.AttentionTransfer())["fallback"], LogitMSE)
+
+
+@pytest.mark.parametrize(
+  "override, match",
+  [
+    ("safeguards.guard.factor=1.0", "safeguards.guard.factor=1.0 must be a number > 1.0"),
+    ("safeguards.guard.fallback=kl", "safeguards.guard.fallback='kl'; choose one of"),
+    ("safeguards.guard.min_history=60", "min_history=60 must be <= safeguards.guard.window=50"),
+    ("safeguards.guard.keep_every=0", "safeguards.guard.keep_every"),
+    ("safeguards.remat.headroom=0", "safeguards.remat.headroom=0.0 must be a number in (0.0, 1.0]"),
+    ("safeguards.remat.budget_mib=-5", "safeguards.remat.budget_mib=-5.0 must be a number > 0"),
+    ("safeguards.loss_scale=0", "safeguards.loss_scale=0.0 must be a number > 0"),
+    ("safeguards.guard.windw=3", "did you mean 'safeguards.guard.window'"),
+  ],
+)
+def test_bad_safeguard_settings_name_the_key(override, match):
+  with pytest.raises(ConfigError, match=re.escape(match)):
+    load_config("tiny", [override])
