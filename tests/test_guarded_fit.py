@@ -157,7 +157,7 @@ def test_resume_after_a_divergence_is_bitwise_identical(uninterrupted, data, mes
 def test_repeated_divergence_stops_with_a_clear_error_and_keeps_the_checkpoint(data, mesh, tmp_path):
   ckpt = Checkpointer(str(tmp_path / "ckpt"), every=2)
   g = DivergenceGuard(window=10, min_history=2, max_restores=1)
-  with pytest.raises(RuntimeError, match="diverged 2 times .*safeguards.guard.max_restores=1"):
+  with pytest.raises(RuntimeError, match="diverged 2 times .*max_restores=1 \\(safeguards.guard.max_restores\\)"):
     fit(new_distiller(mesh), PoisonedData(data, poison=(3, 5)), steps=10, checkpointer=ckpt, guard=g, keep_every=2)
   assert ckpt.latest_step() == 2 and ckpt.read_meta()["step"] == 2
   ckpt.close()

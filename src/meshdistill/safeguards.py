@@ -18,9 +18,10 @@ Host side (between steps):
 * `DivergenceGuard` -- ``observe(step, loss)`` says whether the run diverged (non-finite
   loss, or loss above ``factor`` times the median of the last ``window`` good losses) and
   keeps a copy of the last state whose loss was good; ``events`` records what happened.
-* `fit_guarded` -- a small loop that runs steps, restores the last good state on
-  divergence and switches the distillation term to logit MSE (`fallback_strategy`) for
-  the rest of the current freezing stage. A trainer can call it or mirror it.
+* `Recovery` -- the bookkeeping of a guarded loop: good-state copies, restores, the switch
+  to the fallback strategy (`fallback_strategy`: logit MSE) for the rest of the freezing
+  stage, events, and a JSON snapshot for checkpoints. `meshdistill.trainer.fit` (the CLI's
+  loop) and `fit_guarded` (a minimal loop over a list of batches) both run on it.
 
 Compute dtype: ``ModelConfig(dtype="bfloat16")`` runs activations in bf16 while master
 weights, gradients, optimizer state and the loss stay float32 (the decoder keeps float32
@@ -258,6 +259,125 @@ class DivergenceGuard:
     self.history.clear()
 
 
+class Recovery:
+  """The host side of a guarded training loop: good-state copies, restores, the fallback strategy.
+
+  Used by `fit_guarded` and by `meshdistill.trainer.fit`. Per step a loop calls
+  ``before_step`` (ends the fallback when a new freezing stage begins), takes a copy of the
+  state when ``wants_copy``, runs ``runner.step``, then ``diverged(step, loss)``: on a
+  reason it calls ``recover`` (restored state and its step), otherwise ``keep`` on the copy.
+  ``snapshot`` / ``load`` carry the guard's history, restore count and fallback state through
+  a checkpoint (plain JSON).
+
+  Args:
+    trainer: the primary runner (a `Distiller`, or any trainer with ``step``).
+    guard: the `DivergenceGuard`.
+    keep_every: steps between good-state copies (each costs one train state of memory while kept).
+    fallback: the strategy after a divergence (default `fallback_strategy(trainer.strategy)`);
+      a trainer without ``with_strategy`` (hard labels) only restores.
+    on_event: ``on_event(step, kind, fields)`` for each event (e.g. a metrics row).
+    say: ``say(text)`` for a human-readable line per event.
+  """
+
+  def __init__(self, trainer, guard: DivergenceGuard, keep_every: int = 1, fallback: Any = None, *,
+               on_event: Callable[[int, str, dict], None] | None = None, say: Callable[[str], None] | None = None):
+    if not isinstance(keep_every, int) or isinstance(keep_every, bool) or keep_every < 1:
+      raise ValueError(f"keep_every={keep_every!r} must be a positive integer (steps between good-state copies)")
+    self.guard, self.keep_every = guard, keep_every
+    self.runners = {"primary": trainer, "fallback": None}
+    self.fallback = fallback
+    self.can_fall_back = fallback is not None or hasattr(trainer, "with_strategy")
+    self.active, self.stage = "primary", None
+    self.restores = 0
+    self.events: list[dict] = []
+    self._on_event = on_event or (lambda step, kind, fields: None)
+    self._say = say or log.info
+
+  # ---------------------------------------------------------------- checkpointed
+  def snapshot(self) -> dict:
+    """The guard's loss history, restore count and fallback state (JSON)."""
+    return {"history": list(self.guard.history), "restores": self.restores, "active": self.active, "stage": self.stage}
+
+  def load(self, snap: dict | None) -> None:
+    """Continues from a `snapshot` (None: nothing to load)."""
+    if not snap:
+      return
+    self.guard.history.clear()
+    self.guard.history.extend(float(x) for x in snap["history"])
+    self.restores, self.stage = int(snap["restores"]), snap["stage"]
+    if snap["active"] == "fallback":
+      self._use_fallback()
+
+  # ---------------------------------------------------------------- the loop's calls
+  @property
+  def runner(self):
+    """The trainer to run the next step with (primary or fallback)."""
+    return self.runners[self.active]
+
+  def _use_fallback(self) -> None:
+    if self.runners["fallback"] is None:
+      primary = self.runners["primary"]
+      strategy = self.fallback if self.fallback is not None else fallback_strategy(primary.strategy)
+      self.runners["fallback"] = primary.with_strategy(strategy)  # compiles once, on first use
+    self.active = "fallback"
+
+  def before_step(self, step: int, state) -> None:
+    """Ends the fallback when the next update of ``state`` (at ``step``) starts a new freezing stage."""
+    if self.active != "fallback" or self.stage is None:
+      return
+    next_stage = freeze_status(state.opt_state)["next_stage"]
+    if next_stage != self.stage:
+      self.active = "primary"
+      self.guard.reset_history()
+      self._record(step, "fallback_end", reason=f"freezing stage {next_stage + 1} begins", strategy="primary")
+      self._say(f"step {step}: freezing stage {next_stage + 1} begins; back to the primary loss")
+
+  def wants_copy(self, step: int, checkpoint_due: bool = False) -> bool:
+    """Whether to copy the state before the step from ``step`` (every ``keep_every`` steps, checkpoint steps)."""
+    return step % self.keep_every == 0 or checkpoint_due
+
+  def keep(self, state, step: int) -> None:
+    """``state`` (a copy, at ``step``) is good: the state a divergence returns to."""
+    self.guard.good_state, self.guard.good_step = state, step
+
+  def diverged(self, step: int, loss: float) -> str | None:
+    """Why ``loss`` counts as divergence, or None (then it joins the guard's history)."""
+    reason = self.guard.check(loss)
+    self.guard.observe(step, loss)
+    return reason
+
+  def recover(self, step: int, loss: float, reason: str):
+    """``(state, step)`` to continue from after step ``step`` diverged; raises after ``max_restores``."""
+    self.restores += 1
+    good = self.guard.good_step
+    if self.restores > self.guard.max_restores:
+      self._record(step, "diverged", loss=loss, reason=reason, restored_step=None, strategy=self.active)
+      raise RuntimeError(
+          f"training diverged {self.restores} times (last at step {step}: {reason}), more than max_restores="
+          f"{self.guard.max_restores} (safeguards.guard.max_restores); the last checkpoint is kept. Lower the learning "
+          "rate, check the data, or allow more restores"
+      )
+    if self.can_fall_back:
+      self._use_fallback()
+      status = freeze_status(self.guard.good_state.opt_state)
+      self.stage = None if status is None else status["next_stage"]
+    self.guard.reset_history()
+    self._record(step, "diverged", loss=loss, reason=reason, restored_step=good, strategy=self.active)
+    self._say(f"step {step}: divergence ({reason}); restored step {good}"
+              + ("; distilling with the fallback loss" if self.active == "fallback" else ""))
+    log.warning("step %d diverged (%s); restored the state of step %s, strategy %s", step, reason, good, self.active)
+    return copy_state(self.guard.good_state), good
+
+  def _record(self, step: int, kind: str, **fields) -> None:
+    event = DivergenceEvent(step=int(step), kind=kind, **fields)
+    self.guard.events.append(event)
+    row = dataclasses.asdict(event)
+    if row["loss"] is not None and not np.isfinite(row["loss"]):
+      row["loss"] = str(row["loss"])  # JSON has no NaN / Infinity
+    self.events.append(row)
+    self._on_event(step, kind, {k: v for k, v in row.items() if k not in ("step", "kind")})
+
+
 def _host(metrics: dict) -> dict[str, float]:
   return {k: float(np.asarray(jax.device_get(v)).reshape(-1)[0]) for k, v in metrics.items()}
 
@@ -274,13 +394,14 @@ def fit_guarded(
 ):
   """Trains on ``batches`` with divergence recovery; returns ``(state, records)``.
 
-  Per batch: if the state's step is a multiple of ``keep_every`` a copy of it is taken
-  (it is donated to the step); the step runs; if its loss is good that copy becomes the
-  guard's good state. On divergence the good state is restored, the strategy switches to
-  ``fallback`` (default `fallback_strategy(distiller.strategy)`, compiled once on first
-  use via `Distiller.with_strategy`) and the guard's history is reset. The fallback lasts
-  for the rest of the current `progressive_freeze` stage (the whole run without one);
-  then the original strategy (already compiled) resumes.
+  A minimal loop around `Recovery` (the CLI's loop, `meshdistill.trainer.fit`, adds data,
+  checkpoints and metrics). Per batch: if the state's step is a multiple of ``keep_every`` a
+  copy of it is taken (it is donated to the step); the step runs; if its loss is good that copy
+  becomes the guard's good state. On divergence the good state is restored, the strategy
+  switches to ``fallback`` (default `fallback_strategy(distiller.strategy)`, compiled once on
+  first use via `Distiller.with_strategy`) and the guard's history is reset. The fallback lasts
+  for the rest of the current `progressive_freeze` stage (the whole run without one); then the
+  original strategy (already compiled) resumes.
 
   Each record holds the step's metrics as floats plus ``step`` (the state's step before
   it), ``strategy`` (``"primary"``/``"fallback"``), ``skipped`` (`skipped_updates`),
@@ -289,56 +410,28 @@ def fit_guarded(
   Raises RuntimeError after ``guard.max_restores`` divergences.
   """
   guard = guard if guard is not None else DivergenceGuard()
-  if not isinstance(keep_every, int) or keep_every < 1:
-    raise ValueError(f"fit_guarded keep_every={keep_every!r} must be a positive integer")
-  runners = {"primary": distiller, "fallback": None}
-  active, fallback_stage = "primary", None
+  recovery = Recovery(distiller, guard, keep_every, fallback)
   if guard.good_state is None:
     guard.keep(state)
   records = []
   for batch in batches:
     step = int(np.asarray(jax.device_get(state.step)).reshape(-1)[0])
-    events = []
-    if active == "fallback" and fallback_stage is not None:
-      next_stage = freeze_status(state.opt_state)["next_stage"]
-      if next_stage != fallback_stage:
-        events.append(DivergenceEvent(step=step, kind="fallback_end", reason=f"stage {next_stage + 1} begins",
-                                      strategy="primary"))
-        log.info("freezing stage %d begins at step %d: back to the primary strategy", next_stage + 1, step)
-        active = "primary"
-        guard.reset_history()
-    candidate = copy_state(state) if step % keep_every == 0 else None
-    state, metrics = runners[active].step(state, batch)
+    seen = len(recovery.events)
+    recovery.before_step(step, state)
+    candidate = copy_state(state) if recovery.wants_copy(step) else None
+    active = recovery.active
+    state, metrics = recovery.runner.step(state, batch)
     rec = {"step": step, "strategy": active, **_host(metrics), "skipped": skipped_updates(state.opt_state)}
     status = freeze_status(state.opt_state)
     if status is not None:
       rec["stage"] = status["stage"]
-    reason = guard.check(rec["loss"])
-    if guard.observe(step, rec["loss"]):
-      event = DivergenceEvent(step=step, kind="diverged", loss=rec["loss"], reason=reason or "",
-                              restored_step=guard.good_step, strategy="fallback")
-      events.append(event)
-      n_diverged = sum(e.kind == "diverged" for e in guard.events) + 1
-      log.warning("divergence at step %d (%s); restoring step %s, distilling with logit MSE", step, reason,
-                  guard.good_step)
-      if n_diverged > guard.max_restores:
-        guard.events.extend(events)
-        raise RuntimeError(
-            f"training diverged {n_diverged} times (last at step {step}: {reason}); lower the learning "
-            "rate, check the data, or raise DivergenceGuard(max_restores=...)"
-        )
-      state = guard.restore()
-      if runners["fallback"] is None:
-        backup = fallback if fallback is not None else fallback_strategy(distiller.strategy)
-        runners["fallback"] = distiller.with_strategy(backup)
-      restored = freeze_status(state.opt_state)
-      active, fallback_stage = "fallback", (None if restored is None else restored["next_stage"])
-      guard.reset_history()
+    reason = recovery.diverged(step, rec["loss"])
+    if reason is not None:
+      state, _ = recovery.recover(step, rec["loss"], reason)
     elif candidate is not None:
-      guard.good_state, guard.good_step = candidate, step
-    if events:
-      guard.events.extend(events)
-      rec["events"] = [dataclasses.asdict(e) for e in events]
+      recovery.keep(candidate, step)
+    if len(recovery.events) > seen:
+      rec["events"] = recovery.events[seen:]
     records.append(rec)
     if on_step is not None:
       on_step(rec)

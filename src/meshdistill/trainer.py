@@ -47,7 +47,7 @@ import optax
 from meshdistill.checkpoint import COMPUTE_FIELDS, Checkpointer
 from meshdistill.evaluate import Evaluator
 from meshdistill.monitor import Monitor, ProfileWindow
-from meshdistill.safeguards import DivergenceGuard, copy_state, fallback_strategy, skipped_updates
+from meshdistill.safeguards import DivergenceGuard, Recovery, copy_state, skipped_updates
 from meshdistill.step import TrainState
 
 log = logging.getLogger(__name__)
@@ -154,110 +154,6 @@ def _schedule_metrics(state: TrainState, step: int, lr) -> dict[str, float]:
   return {"lr": float(lr(step - 1))} if lr is not None else {}
 
 
-class _Recovery:
-  """The host side of the divergence guard inside `fit`: the good state, the fallback, their bookkeeping."""
-
-  def __init__(self, trainer, guard: DivergenceGuard, keep_every: int, fallback: Any, monitor: Monitor):
-    if not isinstance(keep_every, int) or keep_every < 1:
-      raise ValueError(f"fit keep_every={keep_every!r} must be a positive integer (steps between good-state copies)")
-    self.guard, self.keep_every, self.monitor = guard, keep_every, monitor
-    self.runners = {"primary": trainer, "fallback": None}
-    self.fallback = fallback
-    self.can_fall_back = fallback is not None or hasattr(trainer, "with_strategy")
-    self.active, self.stage = "primary", None
-    self.restores = 0
-    self.events: list[dict] = []
-
-  # ---- checkpointed bookkeeping
-  def snapshot(self) -> dict:
-    return {
-      "history": list(self.guard.history),
-      "restores": self.restores,
-      "active": self.active,
-      "stage": self.stage,
-    }
-
-  def load(self, snap: dict | None) -> None:
-    if not snap:
-      return
-    self.guard.history.clear()
-    self.guard.history.extend(float(x) for x in snap["history"])
-    self.restores, self.stage = int(snap["restores"]), snap["stage"]
-    if snap["active"] == "fallback":
-      self._use_fallback()
-
-  # ---- runners
-  @property
-  def runner(self):
-    return self.runners[self.active]
-
-  def _use_fallback(self) -> None:
-    if self.runners["fallback"] is None:
-      primary = self.runners["primary"]
-      strategy = self.fallback if self.fallback is not None else fallback_strategy(primary.strategy)
-      self.runners["fallback"] = primary.with_strategy(strategy)
-    self.active = "fallback"
-
-  def before_step(self, step: int, state: TrainState) -> None:
-    """Ends the fallback when a new freezing stage begins with the next update."""
-    if self.active != "fallback" or self.stage is None:
-      return
-    from meshdistill.freezing import freeze_status  # pylint: disable=g-import-not-at-top
-
-    next_stage = freeze_status(state.opt_state)["next_stage"]
-    if next_stage != self.stage:
-      self.active = "primary"
-      self.guard.reset_history()
-      self._record(step, "fallback_end", reason=f"freezing stage {next_stage + 1} begins", strategy="primary")
-      self.monitor.message(f"step {step + 1}: freezing stage {next_stage + 1} begins; back to the primary loss")
-
-  def wants_copy(self, step: int, checkpoint_due: bool) -> bool:
-    return step % self.keep_every == 0 or checkpoint_due
-
-  def keep(self, state: TrainState, step: int) -> None:
-    self.guard.good_state, self.guard.good_step = state, step
-
-  def diverged(self, step: int, loss: float) -> str | None:
-    reason = self.guard.check(loss)
-    self.guard.observe(step, loss)
-    return reason
-
-  def recover(self, step: int, loss: float, reason: str) -> tuple[TrainState, int]:
-    """The restored (state, step) after step ``step`` diverged; raises after ``max_restores``."""
-    self.restores += 1
-    good = self.guard.good_step
-    if self.restores > self.guard.max_restores:
-      self._record(step, "diverged", loss=loss, reason=reason, restored_step=None, strategy=self.active)
-      raise RuntimeError(
-        f"training diverged {self.restores} times (last at step {step}: {reason}), more than "
-        f"safeguards.guard.max_restores={self.guard.max_restores}; the last checkpoint is kept. Lower the learning "
-        "rate (train.lr), check the data, or raise safeguards.guard.max_restores"
-      )
-    if self.can_fall_back:
-      self._use_fallback()
-      from meshdistill.freezing import freeze_status  # pylint: disable=g-import-not-at-top
-
-      status = freeze_status(self.guard.good_state.opt_state)
-      self.stage = None if status is None else status["next_stage"]
-    self.guard.reset_history()
-    self._record(step, "diverged", loss=loss, reason=reason, restored_step=good, strategy=self.active)
-    self.monitor.message(
-      f"step {step}: divergence ({reason}); restored step {good}"
-      + ("; distilling with the fallback loss" if self.active == "fallback" else "")
-    )
-    log.warning("step %d diverged (%s); restored the state of step %d, strategy %s", step, reason, good, self.active)
-    return copy_state(self.guard.good_state), good
-
-  def _record(self, step: int, kind: str, **fields) -> None:
-    loss = fields.get("loss")
-    if loss is not None and not np.isfinite(loss):
-      fields["loss"] = str(loss)  # JSON has no NaN / Infinity
-    event = {"step": int(step), "kind": kind, **fields}
-    self.events.append(event)
-    self.guard.events.append(event)
-    self.monitor.event(step, kind, **{k: v for k, v in fields.items()})
-
-
 def _measure_remat(trainer, state, batch, budget_bytes, headroom, monitor: Monitor, step: int):
   """`fit_remat` before the first step, reported on the progress line and as an event row."""
   from meshdistill.memory import device_memory_limit, fit_remat  # pylint: disable=g-import-not-at-top
@@ -280,14 +176,15 @@ def _measure_remat(trainer, state, batch, budget_bytes, headroom, monitor: Monit
   mib = {name: round(r.total_bytes / 2**20, 3) for name, r in choice.reports.items()}
   monitor.event(step, "remat", remat=choice.remat, previous=before, fits=choice.fits,
                 budget_mib=round(choice.budget_bytes / 2**20, 3), headroom=headroom, step_mib=mib)
-  budget = f"{headroom:.0%} of {choice.budget_bytes / 2**20:.1f} MiB"
+  budget = f"{headroom:.0%} of {choice.budget_bytes / 2**20:.4g} MiB"
   if choice.remat != before:
     monitor.message(
-      f"memory: the step needs {mib[before]:.1f} MiB per device with remat={before!r}, over {budget}; turned on "
-      f"remat={choice.remat!r} ({mib[choice.remat]:.1f} MiB)" + ("" if choice.fits else ", the leanest, which still does not fit")
+      f"memory: the step needs {mib[before]:.4g} MiB per device with remat={before!r}, over {budget}; turned on "
+      f"remat={choice.remat!r} ({mib[choice.remat]:.4g} MiB)"
+      + ("" if choice.fits else ", the leanest, which still does not fit")
     )
   else:
-    log.info("memory: the step needs %.1f MiB per device (%s): remat=%r kept", mib[before], budget, before)
+    log.info("memory: the step needs %.4g MiB per device (%s): remat=%r kept", mib[before], budget, before)
   return chosen, choice
 
 
@@ -374,7 +271,8 @@ def fit(
         trainer, state, ahead[0], memory_budget_bytes, memory_headroom, monitor, start
       )
     if guard is not None:
-      recovery = _Recovery(trainer, guard, keep_every, fallback, monitor)
+      recovery = Recovery(trainer, guard, keep_every, fallback, say=monitor.message,
+                          on_event=lambda s, kind, fields: monitor.event(s, kind, **fields))
       recovery.load(saved.get("guard"))
       recovery.keep(copy_state(state), start)
     due = lambda s: checkpointer is not None and bool(checkpointer.every) and s % checkpointer.every == 0  # noqa: E731
