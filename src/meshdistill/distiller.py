@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 from typing import Any
@@ -27,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, param_shardings
 from meshdistill.models import Decoder
-from meshdistill.step import TrainState, per_device_step, resolve_backend, wrap_step
+from meshdistill.step import StepVariants, TrainState, per_device_step, resolve_backend, wrap_step
 from meshdistill.strategies import LogitKD
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ def default_optimizer(learning_rate: float | optax.Schedule = 1e-3, clip: float 
   return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(learning_rate, weight_decay=weight_decay))
 
 
-class Distiller:
+class Distiller(StepVariants):
   """Distils ``teacher`` into ``student`` with one compiled step per layout.
 
   Args:
@@ -91,7 +90,6 @@ class Distiller:
         vocab=self.shared_vocab,
     )
     self._compiled = None
-    self.compiler_options: dict | None = None  # XLA options of the step (`with_compiler_options`)
 
   # ------------------------------------------------------------------ placement
   @property
@@ -190,36 +188,8 @@ class Distiller:
     new one, which must accept it (a strategy without parameters of its own ignores it).
     Used to switch to a fallback loss after a divergence (`meshdistill.safeguards`).
     """
-    new = copy.copy(self)
+    new = self._variant(strategy=strategy)
     new.strategy = strategy
-    new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, "strategy": strategy})
-    new._compiled = None
-    return new
-
-  def with_compiler_options(self, options: dict | None) -> "Distiller":
-    """A copy whose step compiles with the XLA ``options`` (e.g. `meshdistill.memory.CPU_MEMORY_SCHEDULER`).
-
-    Train states carry over; the new step compiles once, on first use.
-    """
-    new = copy.copy(self)
-    new.compiler_options = dict(options) if options else None
-    new._compiled = None
-    return new
-
-  def with_remat(self, remat: str) -> "Distiller":
-    """A Distiller like this one whose student recomputes activations with policy ``remat``.
-
-    Remat changes no parameter: train states carry over, ``init_state()`` starts from the same
-    student, nothing is copied or re-placed; the new step compiles once, on first use.
-    """
-    from meshdistill.models._build import abstract_params  # pylint: disable=g-import-not-at-top
-
-    cfg = self.student_cfg.replace(remat=remat)  # validates the name
-    new = copy.copy(self)
-    new.student_cfg = cfg
-    new.student_def = abstract_params(cfg)[0]
-    new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, "student_def": new.student_def})
-    new._compiled = None
     return new
 
   # --------------------------------------------------------------------- access

@@ -14,7 +14,6 @@ trainer loop serve both.
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Any
 
@@ -29,7 +28,7 @@ from meshdistill import losses
 from meshdistill.distiller import BATCH_KEYS, default_optimizer, place_batch, stack_replicas
 from meshdistill.mesh import TENSOR, check_batch, param_shardings
 from meshdistill.models import Decoder
-from meshdistill.step import TrainState, resolve_backend, wrap_step
+from meshdistill.step import StepVariants, TrainState, resolve_backend, wrap_step
 
 
 def per_device_ce_step(
@@ -68,7 +67,7 @@ def per_device_ce_step(
   return TrainState(state.step + 1, params, opt_state), metrics
 
 
-class HardLabelTrainer:
+class HardLabelTrainer(StepVariants):
   """Trains ``model`` on next-token cross-entropy; the teacher-free twin of `Distiller`.
 
   Same interface as `Distiller` where the trainer loop needs it: `init_state`, `step`,
@@ -76,6 +75,7 @@ class HardLabelTrainer:
   ``teacher_params`` are None.
   """
 
+  _MODEL_DEF = "model_def"
   teacher_def = None
   teacher_params = None
   teacher_cfg = None
@@ -99,7 +99,6 @@ class HardLabelTrainer:
     self._specs = nnx.get_partition_spec(self._init)
     self._step_fn = functools.partial(per_device_ce_step, model_def=self.student_def, optimizer=self.optimizer)
     self._compiled = None
-    self.compiler_options: dict | None = None  # XLA options of the step (`with_compiler_options`)
 
   def init_state(self) -> TrainState:
     """A fresh train state from the model given at construction."""
@@ -140,28 +139,6 @@ class HardLabelTrainer:
     """The lowered step for ``batch`` (for memory analysis and HLO inspection)."""
     self.check_batch(batch)
     return self.compiled_step(state).lower(state, {}, place_batch(batch, self.backend, self.mesh))
-
-  def with_compiler_options(self, options: dict | None) -> "HardLabelTrainer":
-    """A copy whose step compiles with the XLA ``options`` (e.g. `meshdistill.memory.CPU_MEMORY_SCHEDULER`).
-
-    Train states carry over; the new step compiles once, on first use.
-    """
-    new = copy.copy(self)
-    new.compiler_options = dict(options) if options else None
-    new._compiled = None
-    return new
-
-  def with_remat(self, remat: str) -> "HardLabelTrainer":
-    """A trainer like this one whose model recomputes activations with policy ``remat`` (states carry over)."""
-    from meshdistill.models._build import abstract_params  # pylint: disable=g-import-not-at-top
-
-    cfg = self.student_cfg.replace(remat=remat)  # validates the name
-    new = copy.copy(self)
-    new.student_cfg = cfg
-    new.student_def = abstract_params(cfg)[0]
-    new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, "model_def": new.student_def})
-    new._compiled = None
-    return new
 
   def unreplicate(self, tree):
     """For ``pmap`` the first replica of a stacked tree; otherwise ``tree`` unchanged."""

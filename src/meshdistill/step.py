@@ -28,6 +28,7 @@ Layouts (`wrap_step`):
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, NamedTuple
 
@@ -39,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.mesh import DATA, TENSOR, make_mesh
+from meshdistill.models._build import abstract_params
 
 BACKENDS = ("single", "shard_map", "pmap")
 
@@ -191,3 +193,38 @@ def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = N
         donate_argnums=0,
     )
   raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
+
+
+class StepVariants:
+  """Copies of a trainer (`meshdistill.Distiller`, `meshdistill.hardlabel.HardLabelTrainer`) that
+  build their one step differently. Train states carry over between them; nothing is copied or
+  re-placed, and each copy's step compiles once, on first use.
+
+  A trainer using it holds ``_step_fn`` (a ``functools.partial`` of its per-device step),
+  ``_compiled``, ``student_cfg`` and ``student_def``; ``_MODEL_DEF`` names the keyword of the
+  step function that takes the student's graph definition.
+  """
+
+  _MODEL_DEF = "student_def"
+  compiler_options: dict | None = None  # XLA options of the step (see `wrap_step`)
+
+  def _variant(self, **step_keywords):
+    new = copy.copy(self)
+    new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, **step_keywords})
+    new._compiled = None
+    return new
+
+  def with_compiler_options(self, options: dict | None):
+    """A copy whose step compiles with the XLA ``options`` (e.g. `meshdistill.memory.CPU_MEMORY_SCHEDULER`)."""
+    new = self._variant()
+    new.compiler_options = dict(options) if options else None
+    return new
+
+  def with_remat(self, remat: str):
+    """A copy whose student recomputes activations with policy ``remat`` (it changes no parameter,
+    so ``init_state()`` still starts from the same student)."""
+    cfg = self.student_cfg.replace(remat=remat)  # validates the name
+    graphdef = abstract_params(cfg)[0]
+    new = self._variant(**{self._MODEL_DEF: graphdef})
+    new.student_cfg, new.student_def = cfg, graphdef
+    return new

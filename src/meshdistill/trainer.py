@@ -267,15 +267,15 @@ def fit(
     if auto_remat and start < last:
       position = it.get_state()
       ahead = (next(it), position)
-      trainer, remat = _measure_remat(
-        trainer, state, ahead[0], memory_budget_bytes, memory_headroom, monitor, start
-      )
+      trainer, remat = _measure_remat(trainer, state, ahead[0], memory_budget_bytes, memory_headroom, monitor, start)
     if guard is not None:
       recovery = Recovery(trainer, guard, keep_every, fallback, say=monitor.message,
                           on_event=lambda s, kind, fields: monitor.event(s, kind, **fields))
       recovery.load(saved.get("guard"))
       recovery.keep(copy_state(state), start)
-    due = lambda s: checkpointer is not None and bool(checkpointer.every) and s % checkpointer.every == 0  # noqa: E731
+
+    def due(s: int) -> bool:  # a checkpoint is due after step s
+      return checkpointer is not None and bool(checkpointer.every) and s % checkpointer.every == 0
 
     monitor.start(start)
     t_train = time.perf_counter()
