@@ -180,9 +180,29 @@ def fallback_strategy(strategy: Any) -> Any:
 
 
 # ------------------------------------------------------------------ divergence guard
+_COPIERS: dict = {}  # one compiled copy per (tree structure, shardings)
+
+
 def copy_state(state):
-  """A device copy of ``state`` (same shardings), safe from the donation of the original."""
-  return jax.tree.map(jnp.copy, state)
+  """A device copy of ``state`` (same shardings), safe from the donation of the original.
+
+  One compiled program copies every leaf (a train state has ~100 leaves: copying them one
+  by one costs a dispatch each: 27 ms against 3.3 ms for the main job's state on 2 CPU cores). Leaves that are not
+  `jax.Array`s with a mesh or single-device sharding (e.g. stacked ``pmap`` states) are copied
+  one by one.
+  """
+  leaves, treedef = jax.tree.flatten(state)
+  shardings = tuple(getattr(x, "sharding", None) for x in leaves)
+  if not leaves or not all(isinstance(sh, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding))
+                           for sh in shardings):
+    return jax.tree.map(jnp.copy, state)
+  key = (treedef, shardings)
+  if key not in _COPIERS:
+    _COPIERS[key] = jax.jit(lambda *xs: [jnp.copy(x) for x in xs], out_shardings=list(shardings))
+  copies = _COPIERS[key](*leaves)
+  if any(c is x for c, x in zip(copies, leaves)):  # never hand back the original buffers
+    return jax.tree.map(jnp.copy, state)
+  return jax.tree.unflatten(treedef, copies)
 
 
 @dataclasses.dataclass

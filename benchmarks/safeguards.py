@@ -1,0 +1,141 @@
+"""What the training loop's safeguards cost: the divergence guard's step time and memory, remat's trade.
+
+The main job's models, batch and 2x4 mesh (`meshdistill.config.Config` defaults) go through
+`meshdistill.trainer.fit`:
+
+* guard: the same `Distiller` trains ``--steps`` steps without the guard, with it at the
+  default ``keep_every=10`` and at ``keep_every=1`` (a state copy before every step). The guard
+  reads every step's loss on the host (one device sync per step) and keeps device copies of the
+  train state. Rounds are interleaved (off, 10, 1, off, ...) and the median step time of each
+  variant is reported; the step is compiled before timing (a warm-up fit), so only the loop is
+  timed. The memory the guard holds is one train state per device (two while a fresh copy
+  waits for the next step's loss).
+* remat: per-device memory of the compiled step (XLA's memory analysis, CPU memory-aware
+  scheduler, as the trainer measures on CPU with a budget) and the step time of each policy:
+  what `safeguards.remat.auto` trades for memory.
+
+Run: ``python benchmarks/safeguards.py [--steps 40 --rounds 3]``; writes
+``benchmarks/results/safeguards.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import platform
+import statistics
+
+import meshdistill as md
+
+md.simulate_cpu_devices(8)
+
+import jax  # noqa: E402
+
+from meshdistill.config import Config  # noqa: E402
+from meshdistill.data import build_data  # noqa: E402
+from meshdistill.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER, step_memory  # noqa: E402
+from meshdistill.safeguards import DivergenceGuard  # noqa: E402
+from meshdistill.trainer import fit, make_optimizer  # noqa: E402
+
+RESULT = pathlib.Path(__file__).parent / "results" / "safeguards.md"
+
+
+def state_bytes_per_device(state) -> int:
+  """Bytes of ``state`` held by the first device (its shards of every leaf)."""
+  device = jax.devices()[0]
+  return sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards if s.device == device)
+
+
+def timed_fit(distiller, data, steps: int, keep_every: int | None) -> float:
+  """Seconds per step of ``steps`` steps of `fit` (the step is already compiled)."""
+  guard = None if keep_every is None else DivergenceGuard()
+  result = fit(distiller, data, steps=steps, log_every=steps, guard=guard, keep_every=keep_every or 1)
+  jax.block_until_ready(result.state)
+  return result.train_seconds / steps
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--steps", type=int, default=40, help="timed steps per round and variant")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--remat-steps", type=int, default=10, help="timed steps per remat policy")
+  args = p.parse_args()
+
+  cfg = Config()
+  cfg = cfg.replace(data=dataclasses.replace(cfg.data, max_chars=600_000))  # enough batches, quick to load
+  mesh = md.make_mesh(cfg.mesh.data, cfg.mesh.tensor)
+  data = build_data(cfg.data, cfg.train.batch_size)
+  teacher = md.init_model(cfg.teacher, seed=0, mesh=mesh)
+  student = md.init_model(cfg.student, seed=1, mesh=mesh)
+  d = md.Distiller(student, teacher, strategy=cfg.distill.strategy(), mesh=mesh, seed=1,
+                   optimizer=make_optimizer(cfg.train, cfg.student.n_layers))
+  tokens = cfg.train.batch_size * cfg.data.seq_len
+
+  # ---------------------------------------------------------------- guard
+  variants = {"no guard": None, "guard, keep_every=10": 10, "guard, keep_every=1": 1}
+  fit(d, data, steps=3, log_every=3)  # compile
+  times: dict[str, list[float]] = {k: [] for k in variants}
+  for r in range(args.rounds):
+    for name, keep in variants.items():
+      times[name].append(timed_fit(d, data, args.steps, keep))
+      print(f"round {r + 1}: {name}: {times[name][-1] * 1e3:.1f} ms/step", flush=True)
+  med = {k: statistics.median(v) for k, v in times.items()}
+  state_mib = state_bytes_per_device(d.init_state()) / 2**20
+
+  # ---------------------------------------------------------------- remat
+  it = data.train_iterator()
+  batch = next(it)
+  it.close()
+  state = d.init_state()
+  remat_rows = []
+  for policy in REMAT_ORDER:
+    dr = d.with_remat(policy).with_compiler_options(CPU_MEMORY_SCHEDULER)
+    report = step_memory(dr, state, batch)
+    fit(dr, data, steps=2, log_every=2)  # compile
+    per_step = statistics.median(timed_fit(dr, data, args.remat_steps, None) for _ in range(2))
+    remat_rows.append((policy, report, per_step))
+    print(f"remat={policy}: {report}; {per_step * 1e3:.1f} ms/step", flush=True)
+
+  base = med["no guard"]
+  lines = [
+    "# Safeguards: cost of the divergence guard and of remat",
+    "",
+    f"`python benchmarks/safeguards.py --steps {args.steps} --rounds {args.rounds} --remat-steps {args.remat_steps}`"
+    f" on {platform.machine()} with {os.cpu_count()} CPU cores, jax {jax.__version__}, 8 simulated CPU devices "
+    f"(2x4 mesh); the main job's models (teacher {cfg.teacher.d_model}x{cfg.teacher.n_layers}, student "
+    f"{cfg.student.d_model}x{cfg.student.n_layers}, V={cfg.student.vocab_size}), batch {cfg.train.batch_size} x "
+    f"{cfg.data.seq_len}. Timed: `trainer.fit`'s loop (data, step, guard), compiled beforehand.",
+    "",
+    "## Divergence guard",
+    "",
+    "| variant | median ms/step | tokens/s | step time vs no guard | rounds (ms/step) |",
+    "|---|---|---|---|---|",
+  ]
+  for name in variants:
+    rounds = ", ".join(f"{t * 1e3:.1f}" for t in times[name])
+    lines.append(f"| {name} | {med[name] * 1e3:.1f} | {tokens / med[name]:,.0f} | {med[name] / base:.3f}x | {rounds} |")
+  lines += [
+    "",
+    f"Memory held by the guard: one copy of the train state, {state_mib:.3f} MiB per device here (params + "
+    "AdamW moments of the student; the teacher is not copied), two for one step while a new copy awaits the "
+    "next loss.",
+    "",
+    "## Remat policies (memory-aware CPU scheduler)",
+    "",
+    "| remat | step memory per device (MiB) | temp (MiB) | median ms/step | vs none |",
+    "|---|---|---|---|---|",
+  ]
+  t_none = remat_rows[0][2]
+  for policy, report, per_step in remat_rows:
+    lines.append(f"| {policy} | {report.total_bytes / 2**20:.2f} | {report.temp_bytes / 2**20:.2f} | "
+                 f"{per_step * 1e3:.1f} | {per_step / t_none:.3f}x |")
+  lines.append("")
+  RESULT.write_text("\n".join(lines))
+  print("\n".join(lines))
+  print(f"wrote {RESULT}")
+
+
+if __name__ == "__main__":
+  main()
