@@ -12,6 +12,7 @@ from conftest import STUDENT_CFG, TEACHER_CFG, make_batch
 import meshdistill as md
 from meshdistill.freezing import Stage, freeze_status, progressive_freeze
 from meshdistill.models import ModelOutput
+from meshdistill.strategies import ChunkedLogitKD
 from meshdistill.safeguards import (
     DivergenceGuard,
     LogitMSE,
@@ -88,6 +89,17 @@ def test_divergence_restores_last_good_state_and_falls_back_to_mse_for_the_rest_
   assert d.compiled_step(state)._cache_size() == 1  # restored states keep their layout: no recompilation
 
 
+def test_a_chunked_loss_falls_back_to_chunked_logit_mse():
+  d = md.Distiller(md.init_model(STUDENT_CFG, seed=1), md.init_model(TEACHER_CFG, seed=0),
+                   strategy=ChunkedLogitKD(chunk_size=8), optimizer=safeguarded(optax.adamw(1e-3)))
+  batches = [make_batch(seed=i) for i in range(2)] + [poisoned_batch(2)] + [make_batch(seed=i) for i in range(3, 5)]
+  state, records = fit_guarded(d, d.init_state(), batches, DivergenceGuard(window=10, min_history=1))
+  assert [r["strategy"] for r in records] == ["primary"] * 3 + ["fallback"] * 2
+  assert records[2]["events"][0]["restored_step"] == 1
+  assert all("mse" in r and np.isfinite(r["loss"]) for r in records[3:]) and "mse" not in records[1]
+  assert int(state.step) == 3
+
+
 def test_guard_flags_spikes_against_running_median_and_nonfinite_losses():
   guard = DivergenceGuard(window=4, factor=3.0, min_history=3)
   assert guard.observe(0, 100.0) is False  # no history yet: only non-finite counts
@@ -149,8 +161,9 @@ def test_safeguarded_skips_nonfinite_and_clips_global_norm():
 
 
 def test_fallback_strategy_is_logit_mse_and_mse_is_zero_on_matching_logits():
-  kd = fallback_strategy(md.LogitKD(alpha=0.3))
-  assert getattr(kd, "divergence", "mse") == "mse" or isinstance(kd, LogitMSE)
+  assert fallback_strategy(md.LogitKD(alpha=0.3, top_k=4)) == md.LogitKD(alpha=0.3, divergence="mse")
+  chunked = fallback_strategy(ChunkedLogitKD(alpha=0.3, chunk_size=16))  # stays chunked: no full logits
+  assert chunked == ChunkedLogitKD(alpha=0.3, chunk_size=16, divergence="mse")
   assert fallback_strategy(ScaledLoss(md.LogitKD(), 8.0)).scale == 8.0
 
   @dataclasses.dataclass(frozen=True)

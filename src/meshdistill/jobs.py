@@ -251,8 +251,8 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
       inner = fallback.strategy if isinstance(fallback, ScaledLoss) else fallback
       if "divergence" not in {f.name for f in dataclasses.fields(inner)}:
         raise ConfigError(
-          f"safeguards.guard.fallback={g.fallback!r} needs a LogitKD strategy; {type(inner).__name__} falls back "
-          "to logit MSE only: set safeguards.guard.fallback=mse"
+          f"safeguards.guard.fallback={g.fallback!r} needs a strategy with a divergence setting (LogitKD, "
+          f"ChunkedLogitKD); {type(inner).__name__} falls back to logit MSE only: set safeguards.guard.fallback=mse"
         )
       inner = dataclasses.replace(inner, divergence=g.fallback)
       fallback = ScaledLoss(inner, fallback.scale) if isinstance(fallback, ScaledLoss) else inner

@@ -40,9 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from meshdistill import losses
 from meshdistill.freezing import freeze_status
-from meshdistill.strategies import LogitKD, logit_metrics, value_at
+from meshdistill.strategies import logit_metrics, value_at
 
 log = logging.getLogger(__name__)
 
@@ -165,16 +164,16 @@ class LogitMSE:
 def fallback_strategy(strategy: Any) -> Any:
   """The logit-MSE strategy that replaces ``strategy`` after a divergence.
 
-  A `LogitKD` becomes the same `LogitKD` with ``divergence="mse"`` (full vocabulary) when
-  the losses provide it; anything else becomes `LogitMSE` with the strategy's ``alpha``
-  (0.5 when it has none). A `ScaledLoss` keeps its scale.
+  A strategy with a ``divergence`` setting (`LogitKD`, `ChunkedLogitKD`) keeps its recipe with
+  ``divergence="mse"`` (and no top-k): a chunked loss stays chunked, so the fallback needs no
+  more memory than the loss it replaces. Anything else becomes `LogitMSE` with the strategy's
+  ``alpha`` (0.5 when it has none). A `ScaledLoss` keeps its scale.
   """
   if isinstance(strategy, ScaledLoss):
     return ScaledLoss(fallback_strategy(strategy.strategy), strategy.scale)
   fields = {f.name for f in dataclasses.fields(strategy)} if dataclasses.is_dataclass(strategy) else set()
-  has_mse = "mse" in getattr(losses, "DIVERGENCES", {})
-  if isinstance(strategy, LogitKD) and {"divergence", "top_k"} <= fields and has_mse:
-    return dataclasses.replace(strategy, divergence="mse", top_k=None)
+  if "divergence" in fields:
+    return dataclasses.replace(strategy, divergence="mse", **({"top_k": None} if "top_k" in fields else {}))
   alpha = getattr(strategy, "alpha", 0.5)
   return LogitMSE(alpha=alpha if callable(alpha) or isinstance(alpha, (int, float)) else 0.5)
 
