@@ -94,6 +94,7 @@ def test_unknown_key_names_the_dotted_key_and_the_valid_keys(override, named, hi
     ("distill.alpha=1.5", "distill.alpha", "[0"),
     ("distill.temperature=0", "distill.temperature", "> 0"),
     ("distill.divergence=kl2", "distill.divergence", "forward_kl"),
+    ("distill.chunk_size=-4", "distill.chunk_size", "non-negative integer"),
     ("mesh.backend=tpu", "mesh.backend", "shard_map"),
     ("mesh.data=0", "mesh.data", "positive integer"),
     ("mesh.simulate_cpu_devices=maybe", "mesh.simulate_cpu_devices", "auto"),
@@ -164,3 +165,14 @@ def test_freezing_schedule_is_checked_against_the_student():
 def test_cli_rejects_a_bad_profile_window_before_any_work(capsys):
   assert cli.main(["distill", "--profile", "5"]) == 2
   assert "START:STOP" in capsys.readouterr().err
+
+
+def test_chunk_size_selects_the_chunked_loss_with_the_same_recipe():
+  from meshdistill.strategies import ChunkedLogitKD, LogitKD
+
+  plain = load_config("tiny").distill.strategy()
+  chunked = load_config("tiny", ["distill.chunk_size=16"]).distill.strategy()
+  assert isinstance(plain, LogitKD) and isinstance(chunked, ChunkedLogitKD) and chunked.chunk_size == 16
+  assert (chunked.temperature, chunked.alpha, chunked.divergence) == (plain.temperature, plain.alpha, plain.divergence)
+  with pytest.raises(ConfigError, match="distill.chunk_size=16 and distill.top_k=8 exclude each other"):
+    load_config("tiny", ["distill.chunk_size=16", "distill.top_k=8"])

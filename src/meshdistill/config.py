@@ -87,17 +87,29 @@ class DistillSettings:
   alpha: float | dict = 1.0
   divergence: str = "forward_kl"
   top_k: int | None = None
+  chunk_size: int | None = None
 
   def __post_init__(self):
+    if self.chunk_size is not None and self.top_k is not None:
+      raise ConfigError(
+        f"distill.chunk_size={self.chunk_size} and distill.top_k={self.top_k} exclude each other: the chunked loss "
+        "has no top-k form; set distill.chunk_size=null for a top-k teacher, or distill.top_k=null"
+      )
     try:
       self.strategy()
-    except ValueError as e:  # LogitKD names the setting as LogitKD.<name>
-      raise ConfigError(str(e).replace("LogitKD.", "distill.")) from None
+    except ValueError as e:  # the strategies name the setting as LogitKD.<name> / ChunkedLogitKD.<name>
+      raise ConfigError(str(e).replace("ChunkedLogitKD.", "distill.").replace("LogitKD.", "distill.")) from None
 
   def strategy(self):
-    """The `LogitKD` strategy these settings describe."""
-    from meshdistill.strategies import LogitKD  # pylint: disable=g-import-not-at-top
+    """The strategy these settings describe: `LogitKD`, or `ChunkedLogitKD` when ``chunk_size`` is set
+    (the loss from final hidden states and LM heads, ``chunk_size`` tokens at a time, without
+    ``[batch, seq, vocab]`` logits; ``0`` = all tokens at once)."""
+    from meshdistill.strategies import ChunkedLogitKD, LogitKD  # pylint: disable=g-import-not-at-top
 
+    if self.chunk_size is not None:
+      return ChunkedLogitKD(
+        temperature=self.temperature, alpha=self.alpha, divergence=self.divergence, chunk_size=self.chunk_size
+      )
     return LogitKD(temperature=self.temperature, alpha=self.alpha, divergence=self.divergence, top_k=self.top_k)
 
 
