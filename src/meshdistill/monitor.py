@@ -236,6 +236,7 @@ class ProfileWindow:
       raise ValueError(f"profile window {start}:{stop} must satisfy 1 <= START <= STOP (steps are 1-based)")
     self.start, self.stop, self.directory = start, stop, directory
     self.active = False
+    self.done = False  # one trace per run, even when a divergence restore passes the window again
 
   @classmethod
   def parse(cls, spec: str | None, directory: str) -> ProfileWindow | None:
@@ -249,7 +250,7 @@ class ProfileWindow:
 
   def before_step(self, step: int) -> None:
     """Call before running step number ``step`` (1-based)."""
-    if step == self.start and not self.active:
+    if step == self.start and not self.active and not self.done:
       os.makedirs(self.directory, exist_ok=True)
       jax.profiler.start_trace(self.directory)
       self.active = True
@@ -260,7 +261,7 @@ class ProfileWindow:
     if self.active and step >= self.stop:
       jax.block_until_ready(result)
       jax.profiler.stop_trace()
-      self.active = False
+      self.active, self.done = False, True
       log.info("profiler: trace written to %s", self.directory)
 
   def close(self) -> None:
