@@ -264,8 +264,9 @@ class RematSettings:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SafeguardSettings:
   """Run safeguards besides ``train.clip`` and the always-on skip of non-finite updates: the divergence
-  guard, automatic remat, and static loss scaling (``loss_scale``: the loss gradient is multiplied by it
-  and the gradients divided by it before the update; for bf16 backward passes; null = off)."""
+  guard, automatic remat (both for pretraining and distillation), and static loss scaling of the
+  distillation loss (``loss_scale``: the loss gradient is multiplied by it and the gradients divided by
+  it before the update; for bf16 backward passes; null = off)."""
 
   guard: GuardSettings = dataclasses.field(default_factory=GuardSettings)
   remat: RematSettings = dataclasses.field(default_factory=RematSettings)
