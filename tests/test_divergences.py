@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import STUDENT_CFG, TEACHER_CFG, make_batch
+from conftest import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -437,3 +437,26 @@ def test_divergences_and_a_cached_top_k_teacher_never_gather_a_vocabulary_split_
   assert "all-gather(" not in hlo and "all-to-all(" not in hlo  # ... as partial sums, never as gathered logits
   value, _ = step(s, t, idx, lp, tail)
   assert np.isfinite(value)
+
+
+def test_live_teacher_top_k_is_vocabulary_parallel_and_picks_the_same_tokens_as_one_device():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = md.make_mesh(data=2, tensor=4)  # 64 tokens: 16 per slice
+  rng = np.random.default_rng(0)
+  t = rng.normal(size=(4, 8, 64)).astype(np.float32)
+  t[:, :, 10:20] = 3.0  # ties across the boundary of slices 0 and 1: the lower ids must win
+  t[0, 0] = 0.0  # a row of 64 ties
+  select = jax.vmap(lambda x: losses.teacher_topk(x, 12, 1.5))
+  one_idx, one_lp = jax.jit(select)(t)  # no mesh: jax.lax.top_k over V
+  with jax.set_mesh(mesh):
+    x = jax.device_put(t, NamedSharding(mesh, P(None, None, "tensor")))  # rows stay whole, as in the step
+    compiled = jax.jit(select).lower(x).compile()
+    idx, lp = compiled(x)
+  gathers = all_gather_shapes(compiled.as_text())
+  assert gathers and not [g for g in gathers if 64 in g], gathers  # only the 4 x 12 candidates per token move
+  assert all(g[-1] == 4 * 12 for g in gathers), gathers
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(one_idx))
+  np.testing.assert_allclose(np.asarray(lp), np.asarray(one_lp), rtol=1e-6)
+  assert list(np.asarray(idx)[1, 0, :10]) == list(range(10, 20))

@@ -152,11 +152,12 @@ def test_teacher_receives_no_gradient():
   assert jax.tree.structure(d.teacher_params) != jax.tree.structure(state.opt_state)
 
 
-def test_2x4_step_never_gathers_the_vocabulary():
+@pytest.mark.parametrize("strategy", [md.LogitKD(), md.LogitKD(top_k=8)], ids=["full", "top_k"])
+def test_2x4_step_never_gathers_the_vocabulary(strategy):
   vocab = 200  # distinct from every other dimension in the step
   tcfg = TEACHER_CFG.replace(vocab_size=vocab, tie_embeddings=False)
   scfg = STUDENT_CFG.replace(vocab_size=vocab)
-  d = build("2x4", teacher_cfg=tcfg, student_cfg=scfg)
+  d = build("2x4", teacher_cfg=tcfg, student_cfg=scfg, strategy=strategy)
   state = d.init_state()
   hlo = d.lower(state, make_batch(vocab=vocab)).compile().as_text()
   gathers = all_gather_shapes(hlo)

@@ -20,25 +20,62 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from meshdistill.losses._divergences import Scalar, get_distribution_divergence
 from meshdistill.losses._logits import _masked, as_float, log_softmax
+from meshdistill.mesh import TENSOR
 
 
 def teacher_topk(teacher_TxV: jax.Array, k: int, temperature: Scalar = 1.0) -> tuple[jax.Array, jax.Array]:
   """The teacher's ``k`` most likely tokens per position at ``temperature``.
 
   Returns ``(indices_TxK int32, logprobs_TxK)``: token ids in decreasing probability and
-  their log-probabilities ``log softmax(teacher / temperature)``, by `jax.lax.top_k`
-  over V. With V split over ``tensor``, XLA all-gathers the teacher's ``[T, V]``
-  log-probabilities over ``tensor`` for this selection (seen in the compiled HLO on CPU;
-  a two-stage per-slice selection was gathered all the same). Everything after it --
-  the student's bins, its tail and the divergence -- stays vocabulary-parallel. An
-  offline top-k cache avoids the selection in the train step altogether.
+  their log-probabilities ``log softmax(teacher / temperature)`` (ties: the lower id first).
+
+  Inside a train step whose vocabulary is split over the mesh axis ``tensor`` (an automatic
+  axis of the current mesh), the selection is vocabulary-parallel: each device takes the top
+  ``k`` of its own vocabulary slice, the ``tensor * k`` candidates are all-gathered, and the
+  top ``k`` of those are the global ones (exact: every global top-k token is in its slice's
+  top k). Only ``[T, tensor * k]`` values move instead of the ``[T, V]`` log-probabilities a
+  plain `jax.lax.top_k` would gather. Elsewhere (one device, ``V`` not divisible by
+  ``tensor``, or ``k`` above a slice) it is `jax.lax.top_k` over V. An offline top-k cache
+  avoids the selection in the train step altogether.
   """
   logp_TxV = log_softmax(teacher_TxV, temperature)
+  shards = _vocab_shards(logp_TxV.shape[-1], k)
+  if shards > 1:
+    return _sharded_topk(logp_TxV, k)
   logprobs_TxK, indices_TxK = jax.lax.top_k(logp_TxV, k)
   return indices_TxK.astype(jnp.int32), logprobs_TxK
+
+
+def _vocab_shards(vocab: int, k: int) -> int:
+  """Size of the automatic ``tensor`` axis of the mesh being traced, when a vocabulary of ``vocab``
+  splits over it evenly with at least ``k`` tokens per slice; else 1."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or TENSOR not in mesh.axis_names or TENSOR not in mesh.auto_axes:
+    return 1
+  n = mesh.shape[TENSOR]
+  return n if n > 1 and vocab % n == 0 and vocab // n >= k else 1
+
+
+def _sharded_topk(logp_TxV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """`teacher_topk`'s selection with the vocabulary split over ``tensor`` (see there)."""
+
+  def local(logp_TxVl):
+    values_TxK, indices_TxK = jax.lax.top_k(logp_TxVl, k)
+    indices_TxK = indices_TxK.astype(jnp.int32) + jax.lax.axis_index(TENSOR) * logp_TxVl.shape[-1]
+    # candidates ordered by slice, then by rank: among equal values the lower id comes first
+    values_TxSK = jax.lax.all_gather(values_TxK, TENSOR, axis=values_TxK.ndim - 1, tiled=True)
+    indices_TxSK = jax.lax.all_gather(indices_TxK, TENSOR, axis=indices_TxK.ndim - 1, tiled=True)
+    top_TxK, position_TxK = jax.lax.top_k(values_TxSK, k)
+    return jnp.take_along_axis(indices_TxSK, position_TxK, axis=-1), top_TxK
+
+  lead = (None,) * (logp_TxV.ndim - 1)
+  return jax.shard_map(
+    local, in_specs=P(*lead, TENSOR), out_specs=(P(), P()), axis_names={TENSOR}, check_vma=False
+  )(logp_TxV)
 
 
 def _log1mexp(x: jax.Array) -> jax.Array:
