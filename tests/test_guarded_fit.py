@@ -131,20 +131,21 @@ def test_divergence_in_the_trainer_restores_the_good_state_and_falls_back_for_th
   assert int(jax.device_get(result.state.step)) == 10 and result.step == 10
   primary = result.trainer
   assert primary is d and primary.compiled_step(result.state)._cache_size() == 1  # one compile across restores
+  fallback = d.with_strategy(md.safeguards.fallback_strategy(d.strategy))  # the one the run used, compiled once
+  assert fallback.strategy.divergence == "mse" and fallback.compiled_step(result.state)._cache_size() == 1
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(result.state.params)))
 
 
 def test_resume_after_a_divergence_is_bitwise_identical(uninterrupted, data, mesh, tmp_path):
-  _, full, _, _, full_ckpt = uninterrupted
+  d, full, _, _, full_ckpt = uninterrupted
   # Checkpoints hold states the guard accepted: step 4 was re-run after the restore.
   assert full_ckpt.all_steps() == [8, 10]
   ckpt = Checkpointer(str(tmp_path / "split"), every=4)
-  first = fit(new_distiller(mesh), PoisonedData(data), steps=10, checkpointer=ckpt, stop_after=5, guard=guard(),
-              keep_every=2)
+  first = fit(d, PoisonedData(data), steps=10, checkpointer=ckpt, stop_after=5, guard=guard(), keep_every=2)
   assert [e["kind"] for e in first.events] == ["diverged"] and ckpt.latest_step() == 4
   assert ckpt.read_meta()["guard"]["active"] == "fallback"
   ckpt.close()
-  resumed_ckpt = Checkpointer(str(tmp_path / "split"), every=4)
+  resumed_ckpt = Checkpointer(str(tmp_path / "split"), every=4)  # as in a new process: new distiller, new compile
   second = fit(new_distiller(mesh), PoisonedData(data), steps=10, checkpointer=resumed_ckpt, guard=guard(),
                keep_every=2)
   resumed_ckpt.close()
@@ -154,11 +155,12 @@ def test_resume_after_a_divergence_is_bitwise_identical(uninterrupted, data, mes
   assert leaves_equal(second.state.opt_state, full.state.opt_state)
 
 
-def test_repeated_divergence_stops_with_a_clear_error_and_keeps_the_checkpoint(data, mesh, tmp_path):
+def test_repeated_divergence_stops_with_a_clear_error_and_keeps_the_checkpoint(uninterrupted, data, tmp_path):
+  d = uninterrupted[0]
   ckpt = Checkpointer(str(tmp_path / "ckpt"), every=2)
   g = DivergenceGuard(window=10, min_history=2, max_restores=1)
   with pytest.raises(RuntimeError, match="diverged 2 times .*max_restores=1 \\(safeguards.guard.max_restores\\)"):
-    fit(new_distiller(mesh), PoisonedData(data, poison=(3, 5)), steps=10, checkpointer=ckpt, guard=g, keep_every=2)
+    fit(d, PoisonedData(data, poison=(3, 5)), steps=10, checkpointer=ckpt, guard=g, keep_every=2)
   assert ckpt.latest_step() == 2 and ckpt.read_meta()["step"] == 2
   ckpt.close()
 

@@ -90,6 +90,7 @@ class Distiller(StepVariants):
         vocab=self.shared_vocab,
     )
     self._compiled = None
+    self._strategy_variants: dict = {}  # `with_strategy` results, reused
 
   # ------------------------------------------------------------------ placement
   @property
@@ -183,13 +184,24 @@ class Distiller(StepVariants):
   def with_strategy(self, strategy: Any) -> "Distiller":
     """A Distiller like this one (same models, layout, placed teacher, optimizer) distilling with ``strategy``.
 
-    Nothing is copied or re-placed; the new step compiles once, on first use. Train states
-    carry over: ``params["strategy"]`` of a state made for the old strategy is handed to the
-    new one, which must accept it (a strategy without parameters of its own ignores it).
+    Nothing is copied or re-placed; the new step compiles once, on first use, and asking again
+    for an equal (hashable) strategy returns the same Distiller, compiled step included. Train
+    states carry over: ``params["strategy"]`` of a state made for the old strategy is handed to
+    the new one, which must accept it (a strategy without parameters of its own ignores it).
     Used to switch to a fallback loss after a divergence (`meshdistill.safeguards`).
     """
+    try:
+      known = self._strategy_variants.get(strategy)
+    except TypeError:  # an unhashable strategy: no reuse
+      known = None
+    if known is not None:
+      return known
     new = self._variant(strategy=strategy)
     new.strategy = strategy
+    try:
+      self._strategy_variants[strategy] = new
+    except TypeError:
+      pass
     return new
 
   # --------------------------------------------------------------------- access

@@ -212,6 +212,7 @@ class StepVariants:
     new = copy.copy(self)
     new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, **step_keywords})
     new._compiled = None
+    new._strategy_variants = {}  # variants of the copy are its own
     return new
 
   def with_compiler_options(self, options: dict | None):
