@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, param_shardings
 from meshdistill.models import Decoder
-from meshdistill.step import StepVariants, TrainState, per_device_step, resolve_backend, wrap_step
+from meshdistill.step import StepVariants, TrainState, per_device_step, resolve_backend
 from meshdistill.strategies import LogitKD
 
 log = logging.getLogger(__name__)
@@ -158,12 +158,6 @@ class Distiller(StepVariants):
 
   def _place_batch(self, batch: dict) -> dict:
     return place_batch(batch, self.backend, self.mesh)
-
-  def compiled_step(self, state: TrainState):
-    if self._compiled is None:
-      shardings = jax.tree.map(lambda x: x.sharding, state) if self.backend == "shard_map" else None
-      self._compiled = wrap_step(self._step_fn, self.backend, self.mesh, shardings, self.compiler_options)
-    return self._compiled
 
   def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
     """One train step on a host batch ``{inputs, targets, mask}`` of shape [B, T].

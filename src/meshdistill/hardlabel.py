@@ -28,7 +28,7 @@ from meshdistill import losses
 from meshdistill.distiller import BATCH_KEYS, default_optimizer, place_batch, stack_replicas
 from meshdistill.mesh import TENSOR, check_batch, param_shardings
 from meshdistill.models import Decoder
-from meshdistill.step import StepVariants, TrainState, resolve_backend, wrap_step
+from meshdistill.step import StepVariants, TrainState, resolve_backend
 
 
 def per_device_ce_step(
@@ -120,12 +120,6 @@ class HardLabelTrainer(StepVariants):
     if T > self.max_len:
       raise ValueError(f"sequence length {T} exceeds max_len={self.max_len}; use seq_len <= {self.max_len}")
     check_batch(B, self.mesh)
-
-  def compiled_step(self, state: TrainState):
-    if self._compiled is None:
-      shardings = jax.tree.map(lambda x: x.sharding, state) if self.backend == "shard_map" else None
-      self._compiled = wrap_step(self._step_fn, self.backend, self.mesh, shardings, self.compiler_options)
-    return self._compiled
 
   def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
     """One step on a host batch ``{inputs, targets, mask}`` [B, T]; ``state`` is consumed (donated)."""

@@ -196,17 +196,24 @@ def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = N
 
 
 class StepVariants:
-  """Copies of a trainer (`meshdistill.Distiller`, `meshdistill.hardlabel.HardLabelTrainer`) that
-  build their one step differently. Train states carry over between them; nothing is copied or
-  re-placed, and each copy's step compiles once, on first use.
+  """A trainer's compiled step (`meshdistill.Distiller`, `meshdistill.hardlabel.HardLabelTrainer`), and
+  copies of the trainer that build that step differently. Train states carry over between them;
+  nothing is copied or re-placed, and each copy's step compiles once, on first use.
 
   A trainer using it holds ``_step_fn`` (a ``functools.partial`` of its per-device step),
-  ``_compiled``, ``student_cfg`` and ``student_def``; ``_MODEL_DEF`` names the keyword of the
-  step function that takes the student's graph definition.
+  ``_compiled``, ``backend``, ``mesh``, ``student_cfg`` and ``student_def``; ``_MODEL_DEF`` names
+  the keyword of the step function that takes the student's graph definition.
   """
 
   _MODEL_DEF = "student_def"
   compiler_options: dict | None = None  # XLA options of the step (see `wrap_step`)
+
+  def compiled_step(self, state: TrainState):
+    """The step compiled for ``state``'s layout (its output state is pinned to it on ``shard_map``)."""
+    if self._compiled is None:
+      shardings = jax.tree.map(lambda x: x.sharding, state) if self.backend == "shard_map" else None
+      self._compiled = wrap_step(self._step_fn, self.backend, self.mesh, shardings, self.compiler_options)
+    return self._compiled
 
   def _variant(self, **step_keywords):
     new = copy.copy(self)
