@@ -49,25 +49,14 @@ def _args(argv):
 
 def _fit(trainer, data, cfg, run_dir, name):
   from meshdistill.checkpoint import Checkpointer
+  from meshdistill.jobs import loop_kwargs
   from meshdistill.monitor import Monitor
-  from meshdistill.trainer import fit, lr_schedule
+  from meshdistill.trainer import fit
 
-  t = cfg.train
-  monitor = Monitor(run_dir, t.steps, stream=sys.stderr, name=name)
+  monitor = Monitor(run_dir, cfg.train.steps, stream=sys.stderr, name=name)
   ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
   try:
-    return fit(
-      trainer,
-      data,
-      steps=t.steps,
-      kind=name,
-      eval_every=t.eval_every,
-      eval_batches=t.eval_batches,
-      log_every=t.log_every,
-      checkpointer=ckpt,
-      monitor=monitor,
-      lr=None if t.freeze else lr_schedule(t),
-    )
+    return fit(trainer, data, kind=name, checkpointer=ckpt, monitor=monitor, **loop_kwargs(cfg.train))
   finally:
     ckpt.close()
     monitor.close()

@@ -141,7 +141,7 @@ def pretrain(
   from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
   from meshdistill.hardlabel import HardLabelTrainer  # pylint: disable=g-import-not-at-top
   from meshdistill.models import init_model, param_count  # pylint: disable=g-import-not-at-top
-  from meshdistill.trainer import fit, lr_schedule, make_optimizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.trainer import fit, make_optimizer  # pylint: disable=g-import-not-at-top
 
   mesh = mesh if mesh is not None else build_mesh(cfg)
   data = with_batch_size(data if data is not None else load_data(cfg), cfg.pretrain.batch_size)
@@ -159,16 +159,12 @@ def pretrain(
     result = fit(
       trainer,
       data,
-      steps=p.steps,
       kind="pretrain",
-      eval_every=p.eval_every,
-      eval_batches=p.eval_batches,
-      log_every=p.log_every,
       checkpointer=ckpt,
       monitor=monitor,
       evaluator=Evaluator.for_trainer(trainer, with_teacher=False),
       profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
-      lr=None if p.freeze else lr_schedule(p),
+      **loop_kwargs(p),
       **safeguard_kwargs(cfg),
     )
   finally:
@@ -232,6 +228,21 @@ def _evaluate_pair(distiller, state, val) -> dict:
   }
 
 
+def loop_kwargs(settings) -> dict:
+  """`meshdistill.trainer.fit` keywords a `TrainSettings` section (``train`` / ``pretrain``) decides: the
+  number of steps, the evaluation and logging cadence, and the logged learning-rate schedule (None with
+  progressive freezing, whose stages set the rate)."""
+  from meshdistill.trainer import lr_schedule  # pylint: disable=g-import-not-at-top
+
+  return {
+    "steps": settings.steps,
+    "eval_every": settings.eval_every,
+    "eval_batches": settings.eval_batches,
+    "log_every": settings.log_every,
+    "lr": None if settings.freeze else lr_schedule(settings),
+  }
+
+
 def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
   """`meshdistill.trainer.fit` keywords for ``cfg.safeguards``: the divergence guard and automatic remat.
 
@@ -292,7 +303,7 @@ def distill(
   ``run.run_dir`` and returns the summary (teacher / student validation loss and perplexity).
   """
   from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
-  from meshdistill.trainer import fit, lr_schedule  # pylint: disable=g-import-not-at-top
+  from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
 
   run_dir = cfg.run.run_dir
   os.makedirs(run_dir, exist_ok=True)
@@ -313,17 +324,13 @@ def distill(
     result = fit(
       distiller,
       data,
-      steps=t.steps,
       kind="distill",
-      eval_every=t.eval_every,
-      eval_batches=t.eval_batches,
-      log_every=t.log_every,
       checkpointer=ckpt,
       monitor=monitor,
       evaluator=Evaluator.for_trainer(distiller),
       profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
-      lr=None if t.freeze else lr_schedule(t),
       stop_after=stop_after,
+      **loop_kwargs(t),
       meta={"teacher_dir": tdir},
       **safeguard_kwargs(cfg, distiller.strategy),
     )
