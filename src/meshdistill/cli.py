@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
       from meshdistill.generate import SamplingConfig  # pylint: disable=g-import-not-at-top
       from meshdistill.prompts import read_prompts  # pylint: disable=g-import-not-at-top
 
-      prompts = list(args.prompt) + ([r["prompt"] for r in read_prompts(args.prompts_file)] if args.prompts_file else [])
+      prompts = list(args.prompt)
+      if args.prompts_file:
+        prompts += [r["prompt"] for r in read_prompts(args.prompts_file)]
       sampling = SamplingConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
       )

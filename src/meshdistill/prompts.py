@@ -51,11 +51,12 @@ def read_prompts(path: str, *, need_completion: bool = False) -> list[dict]:
     try:
       obj = json.loads(line)
     except json.JSONDecodeError as e:
-      raise ValueError(f"prompts file {path!r} line {n}: not JSON ({e.msg}); each line must be like {example}") from None
+      msg = f"prompts file {path!r} line {n}: not JSON ({e.msg}); each line must be like {example}"
+      raise ValueError(msg) from None
     if not isinstance(obj, dict) or "prompt" not in obj:
       raise ValueError(f"prompts file {path!r} line {n} has no 'prompt' field; each line must be like {example}")
     if need_completion and "completion" not in obj:
-      raise ValueError(f"prompts file {path!r} line {n} has no 'completion' field, which training data needs: {example}")
+      raise ValueError(f"prompts file {path!r} line {n} has no 'completion' field (training data needs one): {example}")
     for field in ("prompt", "completion"):
       if obj.get(field) is not None and not isinstance(obj[field], str):
         raise ValueError(f"prompts file {path!r} line {n}: '{field}' must be a string, got {type(obj[field]).__name__}")
