@@ -109,7 +109,7 @@ def test_padding_rows_and_finished_rows_do_not_change_other_rows(model):
   key = jax.random.key(1)
   base = generate(model, tokens, mask, key, SAMPLED)
   # Wider padding and extra rows appended: the original rows decode the same tokens.
-  wide_t, wide_m = left_pad(PROMPTS + [[1, 2, 3, 4, 5, 6, 7], [9]] + [[2]] * 2, width=8)
+  wide_t, wide_m = left_pad(PROMPTS + [[1, 2, 3, 4, 5, 6, 7], [9]] + [[2]] * 2, width=11)  # 11 + N - 1 = max_len
   wide = generate(model, wide_t, wide_m, key, SAMPLED)
   np.testing.assert_array_equal(wide.tokens_BxN[: len(PROMPTS)], base.tokens_BxN)
   # A token some row emits at its 2nd step becomes EOS: that row stops there, the others do not change.
@@ -131,7 +131,7 @@ def test_bad_sampling_settings_and_long_prompts_are_named(model):
   with pytest.raises(ValueError, match="temperature=-1"):
     SamplingConfig(temperature=-1)
   tokens, mask = left_pad([[1] * 12])
-  with pytest.raises(ValueError, match=r"max_new_tokens=6 exceeds the model's max_len=16.*at most .* = 10"):
+  with pytest.raises(ValueError, match=r"max_new_tokens=6 needs 17 positions, more than the model's max_len=16.* = 11"):
     generate(model, tokens, mask, jax.random.key(0), SAMPLED)
   with pytest.raises(ValueError, match="PRNG key"):
     generate(model, *left_pad([[1]]), None, SAMPLED)

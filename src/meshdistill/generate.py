@@ -181,7 +181,7 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   model = nnx.merge(graphdef, params)
   mcfg = model.cfg
   B, Pn = prompts_BxP.shape
-  N, S = cfg.max_new_tokens, prompts_BxP.shape[1] + cfg.max_new_tokens
+  N, S = cfg.max_new_tokens, prompts_BxP.shape[1] + cfg.max_new_tokens - 1  # cache slots: the last token is not fed
   V = mcfg.vocab_size
   logit_sharding = None if mesh is None else NamedSharding(mesh, P(DATA, TENSOR))
   kv_sharding = None if mesh is None else NamedSharding(mesh, P(DATA))
@@ -240,11 +240,12 @@ def check_prompts(prompts_BxP, max_len: int, cfg: SamplingConfig, mesh: Mesh | N
   if np.ndim(prompts_BxP) != 2:
     raise ValueError(f"prompts must be [batch, prompt_len] (left-padded, see left_pad), got {np.shape(prompts_BxP)}")
   B, Pn = np.shape(prompts_BxP)
-  if Pn + cfg.max_new_tokens > max_len:
+  if Pn + cfg.max_new_tokens - 1 > max_len:  # the last new token is never fed back
     raise ValueError(
-        f"prompt length {Pn} + max_new_tokens={cfg.max_new_tokens} exceeds the model's max_len={max_len}: "
-        f"keep prompts to at most max_len - max_new_tokens = {max_len - cfg.max_new_tokens} tokens"
-        + ("" if max_len > cfg.max_new_tokens else f", or lower max_new_tokens below {max_len}")
+        f"prompt length {Pn} + max_new_tokens={cfg.max_new_tokens} needs {Pn + cfg.max_new_tokens - 1} positions, more "
+        f"than the model's max_len={max_len}: keep prompts to at most max_len + 1 - max_new_tokens = "
+        f"{max_len + 1 - cfg.max_new_tokens} tokens"
+        + ("" if max_len >= cfg.max_new_tokens else f", and lower max_new_tokens to at most {max_len}")
     )
   check_batch(B, mesh, "prompt batch")
 
