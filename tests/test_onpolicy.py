@@ -162,3 +162,26 @@ def test_generate_job_prints_the_teachers_greedy_completion(tmp_path):
   assert texts == [tok.decode(np.asarray(w, int)) for w in want]
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
     jobs.generate(cfg, ["x"], model="student", sampling=greedy)
+
+
+def test_prompt_data_masks_completions_resumes_and_holds_out_pairs(tmp_path):
+  from meshdistill.data import ByteTokenizer
+  from meshdistill.prompts import PromptData
+
+  path = tmp_path / "pairs.jsonl"
+  path.write_text("".join(json.dumps({"prompt": f"q{i}:", "completion": " a" * (i % 4)}) + "\n" for i in range(40)))
+  tok = ByteTokenizer()
+  data = PromptData(read_prompts(str(path), need_completion=True), tok, seq_len=12, batch_size=8, val_fraction=0.2)
+  assert len(data.val_batches()) == 1 and data.stats["pairs"] == 40
+  it = data.train_iterator()
+  batches = [next(it) for _ in range(6)]  # more than one epoch (4 batches)
+  for b in batches:
+    for r in range(8):
+      n = int(b["prompt_len"][r])
+      assert not b["mask"][r, : n - 1].any() and b["mask"][r, n - 1] == 1
+      completion = b["targets"][r][b["mask"][r] > 0]
+      assert completion[-1] == tok.eos_id and tok.decode(completion).strip(" a") == ""
+  resumed = data.train_iterator({"index": 5})
+  np.testing.assert_array_equal(next(resumed)["inputs"], batches[5]["inputs"])
+  with pytest.raises(ValueError, match="need at least batch_size=64"):
+    PromptData(read_prompts(str(path), need_completion=True), tok, seq_len=12, batch_size=64)

@@ -82,9 +82,10 @@ class MeshSettings:
 class OnPolicySettings:
   """On-policy distillation (GKD, `meshdistill.onpolicy`): with probability ``lambda`` a batch's completions are
   sampled from the student (``seq_kd``: from the teacher), otherwise the data's are used; the loss then covers
-  completion tokens only. Off (plain distillation on whole rows) while ``lambda=0`` and ``seq_kd=false``.
-  Prompts are the first ``data.seq_len + 1 - max_new_tokens`` tokens of each training row. ``temperature``,
-  ``top_k``, ``top_p`` are the sampler's (``distill.temperature`` stays the loss's)."""
+  completion tokens only. Off (plain distillation on whole rows) while ``lambda=0``, ``seq_kd=false`` and no
+  ``prompts_file``. Prompts are the first ``data.seq_len + 1 - max_new_tokens`` tokens of each training row, or
+  those of ``prompts_file`` (JSONL ``prompt`` / ``completion`` pairs; ``data.val_fraction`` of them held out).
+  ``temperature``, ``top_k``, ``top_p`` are the sampler's (``distill.temperature`` stays the loss's)."""
 
   YAML_NAMES = {"lmbda": "lambda"}  # `lambda` is a Python keyword
 
@@ -94,6 +95,7 @@ class OnPolicySettings:
   top_k: int = 0
   top_p: float = 1.0
   seq_kd: bool = False
+  prompts_file: str | None = None  # JSONL prompt/completion pairs to train on instead of the corpus rows
 
   def __post_init__(self):
     in_range("distill.on_policy.lambda", self.lmbda, 0.0, 1.0, example=" (e.g. 0.5)")
@@ -104,13 +106,13 @@ class OnPolicySettings:
 
   @property
   def active(self) -> bool:
-    return self.lmbda > 0 or self.seq_kd
+    return self.lmbda > 0 or self.seq_kd or self.prompts_file is not None
 
   def config(self, eos_id: int | None = None, pad_id: int = 0):
     """The `meshdistill.onpolicy.OnPolicyConfig` of these settings."""
     from meshdistill.onpolicy import OnPolicyConfig  # pylint: disable=g-import-not-at-top
 
-    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "prompts_file"}
     return OnPolicyConfig(**fields, eos_id=eos_id, pad_id=pad_id)
 
 

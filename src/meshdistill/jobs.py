@@ -324,6 +324,13 @@ def distill(
     f"vocabulary {data.tokenizer.vocab_size}"
   )
   teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
+    from meshdistill.prompts import PromptData, read_prompts  # pylint: disable=g-import-not-at-top
+
+    rows = read_prompts(os.path.expanduser(cfg.distill.on_policy.prompts_file), need_completion=True)
+    data = PromptData(rows, data.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                      val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
+    say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
   distiller = make_distiller(cfg, teacher, mesh, data.tokenizer)
   monitor = _monitor(run_dir, cfg.train.steps, stream, "distill")
   ckpt = Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)

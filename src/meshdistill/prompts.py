@@ -106,7 +106,11 @@ def prompts_of(batch: dict, width: int, pad_id: int = 0) -> tuple[np.ndarray, np
   inputs = np.asarray(batch["inputs"])
   lens = np.asarray(batch["prompt_len"])
   if lens.max() > width:
-    raise ValueError(f"a prompt has {lens.max()} tokens, more than the {width} the generation leaves for it")
+    raise ValueError(
+        f"a prompt has {lens.max()} tokens, more than the {width} that generation leaves in a row "
+        "(data.seq_len + 1 - distill.on_policy.max_new_tokens): shorten the prompts, lower max_new_tokens "
+        "or raise data.seq_len"
+    )
   tokens = np.full((len(lens), width), pad_id, np.int32)
   mask = np.zeros((len(lens), width), bool)
   for r, n in enumerate(lens):
@@ -127,3 +131,69 @@ def completion_batch(prompts_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN, seq_len
       (prompts_BxP[r][prompt_mask_BxP[r]], tokens_BxN[r][mask_BxN[r]]) for r in range(prompts_BxP.shape[0])
   ]
   return pair_batch(pairs, seq_len, pad_id)
+
+
+class PromptData:
+  """Prompt/completion pairs as a training source for `meshdistill.trainer.fit` (a single-process stand-in
+  for `meshdistill.data.DataBundle`): shuffled batches per epoch with a resumable position, fixed
+  validation batches. Completions end with the tokenizer's EOS, so a student learns to stop.
+
+  Args:
+    rows: ``[{"prompt": str, "completion": str}]`` (`read_prompts` with ``need_completion=True``).
+    tokenizer: encodes both fields; ``eos_id`` closes each completion.
+    seq_len: positions per row (prompt + completion, cut to fit).
+    batch_size: rows per step.
+    val_fraction: share of the pairs held out (at least one batch when > 0).
+  """
+
+  def __init__(self, rows, tokenizer, *, seq_len: int, batch_size: int, val_fraction: float = 0.1, seed: int = 0):
+    pad = getattr(tokenizer, "pad_id", None) or 0
+    eos = [tokenizer.eos_id]
+    pairs = [(tokenizer.encode(r["prompt"]), tokenizer.encode(r["completion"] or "") + eos) for r in rows]
+    order = np.random.default_rng(seed).permutation(len(pairs))
+    n_val = 0 if val_fraction <= 0 else max(batch_size, int(round(val_fraction * len(pairs))))
+    if len(pairs) - n_val < batch_size:
+      raise ValueError(
+          f"{len(pairs)} prompt/completion pairs leave {len(pairs) - n_val} for training after {n_val} held out; "
+          f"need at least batch_size={batch_size}: add pairs, lower the batch size or data.val_fraction"
+      )
+    self.tokenizer, self.global_batch_size, self.seed = tokenizer, batch_size, seed
+    self.val = pair_batch([pairs[i] for i in order[:n_val]], seq_len, pad) if n_val else None
+    self.train = pair_batch([pairs[i] for i in order[n_val:]], seq_len, pad)
+    count = lambda b: 0 if b is None else int(b["mask"].sum())  # noqa: E731
+    self.stats = {"train_tokens": count(self.train), "val_tokens": count(self.val), "pairs": len(pairs)}
+
+  def train_iterator(self, state: dict | None = None) -> "PairIterator":
+    return PairIterator(self.train, self.global_batch_size, self.seed, state)
+
+  def val_batches(self, max_batches: int | None = None) -> list[dict]:
+    if self.val is None:
+      return []
+    B, n = self.global_batch_size, len(self.val["inputs"])
+    out = [{k: v[i : i + B] for k, v in self.val.items()} for i in range(0, n - B + 1, B)]
+    return out if max_batches is None else out[:max_batches]
+
+
+class PairIterator:
+  """Batches of prompt/completion rows, reshuffled every epoch; ``get_state()`` is ``{"index": batches read}``."""
+
+  def __init__(self, rows: dict, batch_size: int, seed: int, state: dict | None = None):
+    self.rows, self.B, self.seed = rows, batch_size, seed
+    self.per_epoch = len(rows["inputs"]) // batch_size
+    self.index = int(state["index"]) if state else 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    epoch, within = divmod(self.index, self.per_epoch)
+    perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows["inputs"]))
+    take = np.sort(perm[within * self.B : (within + 1) * self.B])
+    self.index += 1
+    return {k: v[take] for k, v in self.rows.items()}
+
+  def get_state(self) -> dict:
+    return {"index": self.index}
+
+  def close(self) -> None:
+    pass
