@@ -60,8 +60,10 @@ def test_same_key_gives_the_same_samples_on_one_device_2x4_and_4x2(model):
     mesh = md.make_mesh(data=data, tensor=tensor)
     got = generate(md.shard_model(model, mesh), tokens, mask, key, SAMPLED, mesh=mesh)
     np.testing.assert_array_equal(got.tokens_BxN, one.tokens_BxN, err_msg=f"{data}x{tensor}")
+  compiled = _generate_jit._cache_size()
   other = generate(model, tokens, mask, jax.random.key(8), SAMPLED)
   assert not np.array_equal(other.tokens_BxN, one.tokens_BxN)  # the key matters
+  assert _generate_jit._cache_size() == compiled  # another key, same shapes: no recompilation
 
 
 def test_decode_program_on_2x4_gathers_no_vocabulary(model):

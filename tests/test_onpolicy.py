@@ -113,6 +113,20 @@ def test_a_student_completion_matches_its_own_generation(single):
     np.testing.assert_array_equal(got["targets"][r, width - 1 : width - 1 + n], np.asarray(gen.tokens_BxN[r, :n]))
 
 
+def test_seq_kd_samples_come_from_the_teacher(single):
+  d = copy.copy(single)
+  d.on_policy = dataclasses.replace(single.on_policy, seq_kd=True)
+  batch = d.as_prompt_batch(BATCHES[0])
+  got = d.sample_batch(d.init_state(), batch, step=2)
+  width = SEQ + 1 - NEW
+  prompts = np.asarray(batch["inputs"])[:, :width]
+  gen = generate((d.teacher_def, d.teacher_params), prompts, np.ones_like(prompts, bool),
+                 jax.random.fold_in(jax.random.key(3), 2), d.on_policy.sampling())
+  for r in range(len(prompts)):
+    n = int(gen.lengths_B[r])
+    np.testing.assert_array_equal(got["targets"][r, width - 1 : width - 1 + n], np.asarray(gen.tokens_BxN[r, :n]))
+
+
 def test_prompt_files_and_pairs_report_bad_input(tmp_path):
   good = tmp_path / "p.jsonl"
   good.write_text(json.dumps({"prompt": "ab", "completion": "cd"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
