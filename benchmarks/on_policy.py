@@ -17,7 +17,7 @@ that recomputes the full forward pass for every token (same model, same 2x4 mesh
 compiled program).
 
   python benchmarks/on_policy.py                 # writes benchmarks/results/on_policy.md
-  python benchmarks/on_policy.py --steps 100 --only speed
+  python benchmarks/on_policy.py --only speed        # sampler speed only (quality numbers kept from on_policy.json)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _args(argv):
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
   p.add_argument("--steps", type=int, default=None, help="train steps per run (default: train.steps)")
   p.add_argument("--max-new-tokens", type=int, default=32)
-  p.add_argument("--divergence", default="jsd")
+  p.add_argument("--divergence", default="jsd,reverse_kl", help="comma-separated: KD runs for each")
   p.add_argument("--beta", type=float, default=0.5)
   p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--only", choices=("quality", "speed"), default=None)
@@ -58,7 +58,7 @@ def _full_recompute_greedy(graphdef, params, prompts_BxP, n_new):
   buf = jnp.concatenate([prompts_BxP, jnp.zeros((B, n_new), prompts_BxP.dtype)], axis=1)
 
   def body(n, buf):
-    logits = model(buf).logits  # causal: positions after P + n - 1 do not matter
+    logits = model(buf[:, :-1]).logits  # causal: positions after P + n - 1 do not matter; the last is never fed
     tok = vocab_argmax(jax.lax.dynamic_index_in_dim(logits, P + n - 1, axis=1, keepdims=False))
     return jax.lax.dynamic_update_slice(buf, tok[:, None].astype(buf.dtype), (0, P + n))
 
@@ -120,14 +120,12 @@ def quality(cfg, teacher, data, mesh, args):
 
   tok = data.tokenizer
   pad = getattr(tok, "pad_id", 0) or 0
-  kd = LogitKD(temperature=1.0, alpha=1.0, divergence=args.divergence,
-               **({"beta": args.beta} if args.divergence == "jsd" else {}))
-  runs = {
-      "off-policy KD": (0.0, kd),
-      "GKD lambda 0.5": (0.5, kd),
-      "GKD lambda 1.0": (1.0, kd),
-      "SFT (completions)": (0.0, LogitKD(temperature=1.0, alpha=0.0)),
-  }
+  runs = {}
+  for div in args.divergence.split(","):
+    kd = LogitKD(temperature=1.0, alpha=1.0, divergence=div, **({"beta": args.beta} if div == "jsd" else {}))
+    for name, lmbda in (("off-policy KD", 0.0), ("GKD lambda 0.5", 0.5), ("GKD lambda 1.0", 1.0)):
+      runs[f"{name}, {div}"] = (lmbda, kd)
+  runs["SFT (completions)"] = (0.0, LogitKD(temperature=1.0, alpha=0.0))
   steps = args.steps or cfg.train.steps
   val = data.val_batches(max_batches=args.eval_batches)
   results, models = {}, {}
@@ -170,14 +168,14 @@ def quality(cfg, teacher, data, mesh, args):
 def render(results, samples, speed_rows, meta) -> str:
   out = ["# On-policy distillation (GKD) vs off-policy KD vs SFT", "", meta, ""]
   if results:
-    base = results.get("off-policy KD", {}).get("sample_nll")
     out += [
         "| run | steps | val loss (whole rows) | val KL | teacher NLL of student samples | vs off-policy KD "
         "| student NLL of own samples | sample length | train s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
-      rel = f"{(r['sample_nll'] / base - 1) * 100:+.1f}%" if base else ""
+      base = results.get("off-policy KD, " + name.split(", ")[-1], {}).get("sample_nll")
+      rel = f"{(r['sample_nll'] / base - 1) * 100:+.1f}%" if base and ", " in name else ""
       out.append(
           f"| {name} | {r['steps']} | {r['val_loss']:.4f} | {r['kl']:.4f} | {r['sample_nll']:.4f} | {rel} | "
           f"{r['student_nll']:.4f} | {r['sample_len']:.1f} | {r['seconds']:.0f} |"
@@ -226,8 +224,15 @@ def main(argv=None) -> int:
   data = jobs.load_data(cfg)
   teacher, tdir = jobs.obtain_teacher(cfg, data, mesh, stream=sys.stderr)
   results, samples, speed_rows = {}, [], []
+  saved = os.path.splitext(args.out)[0] + ".json"  # measured quality numbers, kept for a speed-only rerun
   if args.only != "speed":
     results, samples = quality(cfg, teacher, data, mesh, args)
+    with open(saved, "w", encoding="utf-8") as f:
+      json.dump({"results": results, "samples": samples}, f, indent=1)
+  elif os.path.isfile(saved):
+    with open(saved, encoding="utf-8") as f:
+      kept = json.load(f)
+    results, samples = kept["results"], kept["samples"]
   if args.only != "quality":
     speed_rows = speed(teacher, init_model(cfg.student, seed=cfg.train.seed, mesh=mesh), data, mesh,
                        args.max_new_tokens)
@@ -235,9 +240,8 @@ def main(argv=None) -> int:
       f"Main job's teacher ({tdir}) and student config; mesh {cfg.mesh.data}x{cfg.mesh.tensor} on "
       f"{jax.device_count()} {jax.default_backend()} devices ({platform.machine()}, {os.cpu_count()} CPUs); "
       f"prompts = first {cfg.data.seq_len + 1 - args.max_new_tokens} tokens of each row, completions "
-      f"{args.max_new_tokens} tokens; KD divergence {args.divergence}"
-      + (f" (beta {args.beta})" if args.divergence == "jsd" else "")
-      + f", loss temperature 1, sampler temperature 1; {args.eval_batches} held-out batches of "
+      f"{args.max_new_tokens} tokens; KD divergences {args.divergence} (jsd: beta {args.beta}), alpha 1, "
+      f"loss temperature 1, sampler temperature 1; {args.eval_batches} held-out batches of "
       f"{cfg.train.batch_size} rows. Command: `python benchmarks/on_policy.py {' '.join(argv or sys.argv[1:])}`"
   )
   text = render(results, samples, speed_rows, meta)
