@@ -375,7 +375,7 @@ def test_logitkd_rejects_top_k_larger_than_the_vocabulary():
 
 # ---------------------------------------------------------------- through the mesh step
 @dataclasses.dataclass(frozen=True)
-class _EveryDivergence:
+class _EveryDivergence(md.strategies.SequenceStrategy):
   """Optimises the sum of several LogitKD losses; reports each one (one compile for all)."""
 
   terms: tuple

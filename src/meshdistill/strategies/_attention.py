@@ -16,13 +16,14 @@ context). Keys after the query are already 0 in both maps (causal attention).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import einops
 import jax
 import jax.numpy as jnp
 
 from meshdistill.models import ModelOutput
+from meshdistill.strategies._base import SequenceStrategy, register
 from meshdistill.strategies._layer_map import LayerMap, check_layer_map_shape, resolve_layer_map
 
 ATTENTION_LOSSES = ("kl", "mse")
@@ -88,8 +89,9 @@ def attention_map_loss(
   return jnp.where(m > 0, per_T, 0.0)
 
 
+@register("attention_transfer")
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AttentionTransfer:
+class AttentionTransfer(SequenceStrategy):
   """Distils attention probability maps of mapped layers.
 
   ``loss`` per sequence = sum over unmasked queries of the per-row loss, averaged over
@@ -110,6 +112,7 @@ class AttentionTransfer:
   loss: str = "kl"
   heads: str = "group"
   mask_keys: bool = True
+  capture: ClassVar[tuple[str, ...]] = ("attn",)
 
   def __post_init__(self):
     object.__setattr__(self, "layer_map", check_layer_map_shape("AttentionTransfer", self.layer_map))
@@ -117,10 +120,6 @@ class AttentionTransfer:
       raise ValueError(f"AttentionTransfer.loss={self.loss!r}; choose one of {ATTENTION_LOSSES}")
     if self.heads not in HEAD_MODES:
       raise ValueError(f"AttentionTransfer.heads={self.heads!r}; choose one of {HEAD_MODES}")
-
-  @property
-  def capture(self) -> tuple[str, ...]:
-    return ("attn",)
 
   def init_params(self, student_cfg, teacher_cfg, key) -> Any:
     """Checks the layer map and head counts against the models; no parameters."""
