@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
