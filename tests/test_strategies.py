@@ -358,3 +358,49 @@ def test_composite_weights_take_spec_dicts_and_reject_non_finite_values():
   for bad in (float("inf"), float("nan"), "1", {"kind": "constant", "value": -1.0}):
     with pytest.raises(ValueError, match=r"Composite\.weights\['attn'\]"):
       Composite(terms={"attn": attn}, weights={"attn": bad})
+
+
+def test_a_new_strategy_is_one_new_module(tmp_path):
+  """Copy the package, add one file to strategies/, and use the strategy from the API and a config."""
+  import os
+  import shutil
+  import subprocess
+  import sys
+  import textwrap
+
+  src = os.path.dirname(os.path.dirname(os.path.abspath(md.__file__)))
+  shutil.copytree(os.path.join(src, "meshdistill"), tmp_path / "meshdistill", ignore=shutil.ignore_patterns("__pycache__"))
+  (tmp_path / "meshdistill" / "strategies" / "_mine.py").write_text(textwrap.dedent('''
+      import dataclasses
+      import jax.numpy as jnp
+      from meshdistill import losses
+      from meshdistill.schedules import check_scalar
+      from meshdistill.strategies._base import SequenceStrategy, register
+
+      @register("mine")
+      @dataclasses.dataclass(frozen=True, kw_only=True)
+      class Mine(SequenceStrategy):
+        temperature: float = 1.0
+
+        def __post_init__(self):
+          check_scalar("Mine.temperature", self.temperature, 0.0, low_open=True)
+
+        def per_sequence(self, params, student, teacher, targets_T, mask_T, step):
+          return {"loss": jnp.sum(losses.forward_kl(student.logits, teacher.logits, mask_T, self.temperature))}
+  '''))
+  probe = textwrap.dedent('''
+      import meshdistill as md
+      from meshdistill.config import ConfigError, load_config
+      assert md.strategies.Mine is md.strategies.get("mine")
+      assert load_config(None, ["distill.kind=mine"]).distill.strategy() == md.strategies.Mine(temperature=1.0)
+      try:
+        load_config(None, ["distill.kind=mine", "distill.temperature=0"])
+      except ConfigError as e:
+        print(e)
+      else:
+        raise SystemExit("distill.temperature=0 was accepted")
+  ''')
+  env = dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu")
+  run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr
+  assert "distill.temperature=0.0 must be > 0.0" in run.stdout
