@@ -120,7 +120,6 @@ def register(name: str):
     if name in _REGISTRY and _REGISTRY[name] is not cls:
       raise ValueError(f"strategy name {name!r} is taken by {_REGISTRY[name].__name__}; choose another for {cls}")
     _REGISTRY[name] = cls
-    cls.registered_name = name
     return cls
 
   return add

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from meshdistill import losses
 from meshdistill.models import ModelOutput
-from meshdistill.schedules import Scalar, check_integer, check_scalar, value_at
+from meshdistill.schedules import Scalar, check_integer, check_scalar, value_at, value_range
 from meshdistill.strategies._base import SequenceStrategy, Strategy, register
 
 Divergence = Callable[..., jax.Array]
@@ -99,8 +99,6 @@ class LogitRecipe(Strategy):
     resolve_divergence(owner, self.divergence)
     checked = {name: check_scalar(f"{owner}.{name}", getattr(self, name), **kw) for name, kw in RANGES.items()}
     if self.divergence == "jsd" and not callable(self.beta):
-      from meshdistill.schedules import value_range  # pylint: disable=g-import-not-at-top
-
       lo, hi = value_range(self.beta)
       if lo == hi and lo in (0.0, 1.0):
         other = "forward_kl" if lo == 0.0 else "reverse_kl"
