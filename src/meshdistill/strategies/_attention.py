@@ -18,13 +18,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import einops
 import jax
 import jax.numpy as jnp
 
 from meshdistill.models import ModelOutput
 from meshdistill.strategies._base import SequenceStrategy, register
-from meshdistill.strategies._layer_map import LayerMap, check_layer_map_shape, resolve_layer_map
+from meshdistill.strategies._layer_map import LayerMap, check_layer_map_shape, mean_groups, resolve_layer_map
 
 ATTENTION_LOSSES = ("kl", "mse")
 HEAD_MODES = ("group", "mean")
@@ -37,16 +36,14 @@ def group_heads(attn_HxTxS: jax.Array, n_heads: int, owner: str = "AttentionTran
   ``[H, T, S] -> [n_heads, T, S]``; identity when ``H == n_heads``. The mean of
   probability rows is a probability row, so KL stays well defined.
   """
-  H = attn_HxTxS.shape[0]
-  if H == n_heads:
-    return attn_HxTxS
-  if H % n_heads:
-    raise ValueError(
-        f"{owner}: teacher has {H} attention heads, which cannot be averaged into the student's {n_heads} "
-        f"(groups of teacher_heads / student_heads heads need {H} % {n_heads} == 0); "
-        "use heads='mean' to compare head-averaged maps instead"
-    )
-  return einops.reduce(attn_HxTxS, "(g r) t s -> g t s", "mean", g=n_heads)
+  return mean_groups(
+      attn_HxTxS,
+      n_heads,
+      0,
+      f"{owner}: teacher has {{N}} attention heads, which cannot be averaged into the student's {{n}} "
+      "(groups of teacher_heads / student_heads heads need {N} % {n} == 0); "
+      "use heads='mean' to compare head-averaged maps instead",
+  )
 
 
 def _drop_keys(p_HxTxS: jax.Array, mask_S: jax.Array) -> jax.Array:

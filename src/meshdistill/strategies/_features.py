@@ -17,13 +17,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import einops
 import jax
 import jax.numpy as jnp
 
 from meshdistill.models import ModelOutput
 from meshdistill.strategies._base import SequenceStrategy, register
-from meshdistill.strategies._layer_map import LayerMap, check_layer_map_shape, resolve_layer_map
+from meshdistill.strategies._layer_map import LayerMap, check_layer_map_shape, mean_groups, resolve_layer_map
 
 FEATURE_LOSSES = ("cosine", "mse")
 _EPS = 1e-12
@@ -31,15 +30,13 @@ _EPS = 1e-12
 
 def pool_features(x_TxD: jax.Array, width: int, owner: str = "FeaturePooling") -> jax.Array:
   """Average-pools ``[T, D]`` to ``[T, width]`` over consecutive groups of ``D / width`` features."""
-  D = x_TxD.shape[-1]
-  if D == width:
-    return x_TxD
-  if D % width:
-    raise ValueError(
-        f"{owner}: teacher d_model={D} is not a multiple of student d_model={width}; pooling averages groups "
-        "of teacher_d / student_d features. Choose widths that divide, or use FeatureProjection (a learned map)"
-    )
-  return einops.reduce(x_TxD, "t (d r) -> t d", "mean", d=width)
+  return mean_groups(
+      x_TxD,
+      width,
+      -1,
+      f"{owner}: teacher d_model={{N}} is not a multiple of student d_model={{n}}; pooling averages groups "
+      "of teacher_d / student_d features. Choose widths that divide, or use FeatureProjection (a learned map)",
+  )
 
 
 def feature_loss(student_TxD: jax.Array, teacher_TxD: jax.Array, mask_T: jax.Array, loss: str = "cosine") -> jax.Array:
