@@ -144,6 +144,11 @@ def pretrain(
   from meshdistill.models import init_model, param_count  # pylint: disable=g-import-not-at-top
   from meshdistill.trainer import fit, make_optimizer  # pylint: disable=g-import-not-at-top
 
+  if cfg.models.teacher_hf:
+    raise ConfigError(
+      f"teacher.hf={cfg.models.teacher_hf!r} is a pretrained teacher; `meshdistill pretrain` builds a teacher from "
+      "scratch: remove teacher.hf (and give the teacher's shape) to pretrain one"
+    )
   mesh = mesh if mesh is not None else build_mesh(cfg)
   data = with_batch_size(data if data is not None else load_data(cfg), cfg.pretrain.batch_size)
   out = out or teacher_dir(cfg, data.tokenizer)

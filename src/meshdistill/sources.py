@@ -115,8 +115,9 @@ def split_sources(raw: dict) -> dict:
     typed = sorted(k for k in section if k not in FREE_KEYS)
     if derived and typed:
       how = f"{who}.hf" if models.get(f"{who}_hf") is not None else "student.init.from_teacher"
+      origin = "config.json" if "hf" in how else "the teacher"
       raise ConfigError(
-          f"{who}.{typed[0]} is set, but with {how} the {who}'s shape is derived ({'config.json' if 'hf' in how else 'the teacher'}); "
+          f"{who}.{typed[0]} is set, but with {how} the {who}'s shape is derived ({origin}); "
           f"remove {[f'{who}.{k}' for k in typed]} (beside it only {[f'{who}.{k}' for k in FREE_KEYS]} may be set)"
       )
     raw[who] = section
@@ -215,6 +216,11 @@ def resolve(cfg) -> dict:
   out: dict[str, Any] = {}
   teacher = cfg.teacher
   if src.teacher_hf:
+    if cfg.pretrain.teacher:
+      raise ConfigError(
+          f"teacher.hf={src.teacher_hf!r} and pretrain.teacher={cfg.pretrain.teacher!r} both name the teacher; "
+          "keep one of them"
+      )
     teacher = _hf_model_config(src.teacher_hf, "teacher.hf", cfg.teacher)
     out["teacher"] = teacher
     out["data"] = _teacher_tokenizer(cfg, src.teacher_hf)
