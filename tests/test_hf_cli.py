@@ -106,6 +106,19 @@ def test_export_step_dtype_and_overwrite(cli_run, tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16"]  # no temporary siblings left behind
 
 
+def test_2x4_student_hf_loads_a_pretrained_student_of_the_teachers_family(cli_run):
+  _, out_dir = cli_run  # the exported student: qwen3, 1 block, the teacher's tokenizer.json
+  mesh = md.make_mesh(data=2, tensor=4)
+  cfg = load_config(EXAMPLE, [f"teacher.hf={QWEN3}", f"data.source={FIXTURES / 'hf_text.jsonl'}",
+                              f"student.hf={out_dir}", "student.init=null"])
+  assert (cfg.student.n_layers, cfg.student.d_model, cfg.models.student_hf) == (1, 48, str(out_dir))
+  teacher = jobs.obtain_teacher(cfg, None, mesh)[0]
+  distiller = jobs.make_distiller(cfg, teacher, mesh)
+  student = distiller.student(distiller.init_state())
+  tokens = jnp.asarray(_tokens())
+  np.testing.assert_allclose(student(tokens).logits, load_hf(out_dir)(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
 def _direct_forward(teacher, layers, tokens):
   """The teacher's own modules applied with only ``layers``: embed, those blocks, final norm, head."""
   x = teacher.embed(tokens)

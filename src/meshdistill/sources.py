@@ -108,7 +108,7 @@ def split_sources(raw: dict) -> dict:
     section = dict(section)
     for k in keys:
       if k in section:
-        models[f"{who}_{k}"] = section.pop(k)
+        models[f"{who}_{k}"] = _checked(f"{who}.{k}", section.pop(k))
     derived = models.get(f"{who}_hf") is not None or (
         isinstance(models.get("student_init"), dict) and models["student_init"].get("from_teacher") and who == "student"
     )
@@ -130,6 +130,32 @@ def split_sources(raw: dict) -> dict:
   return raw
 
 
+def _checked(key: str, value: Any) -> Any:
+  """Type checks of the raw source keys, named as the user wrote them (not as ``models.*``)."""
+  if key.endswith(".hf"):
+    if value is not None and (not isinstance(value, str) or not value):
+      raise ConfigError(f"{key}={value!r} must be the path of a local Hugging Face model directory")
+    return value
+  if value is None:
+    return value
+  allowed = [f.name for f in dataclasses.fields(StudentInit)]
+  if not isinstance(value, dict):
+    raise ConfigError(f"{key}={value!r} must be a mapping, e.g. {{from_teacher: true, layers: [0, 2]}}")
+  for k in value:
+    if k not in allowed:
+      from meshdistill._typed_yaml import unknown_key  # pylint: disable=g-import-not-at-top
+
+      raise unknown_key(f"{key}.", k, allowed)
+  if not isinstance(value.get("from_teacher", False), bool):
+    raise ConfigError(f"{key}.from_teacher={value['from_teacher']!r} must be true or false")
+  layers = value.get("layers")
+  if layers is not None and (
+      not isinstance(layers, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers)
+  ):
+    raise ConfigError(f"{key}.layers={layers!r} must be a list of teacher block indices, e.g. [0, 2]")
+  return value
+
+
 def nest_sources(plain: dict, sources: ModelSources) -> dict:
   """The inverse of `split_sources` on a plain (``to_dict``) config: derived sections keep only their
   source keys and `FREE_KEYS`."""
@@ -143,10 +169,6 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
     init = {"from_teacher": True, "layers": list(sources.student_init.layers)}
     plain["student"] = {"init": init, **{k: plain["student"][k] for k in FREE_KEYS}}
   return plain
-
-
-def sources_from_raw(raw: Any) -> ModelSources:
-  return from_dict(ModelSources, raw, "models.")
 
 
 # --------------------------------------------------------------------------- checks on files
