@@ -24,7 +24,7 @@ from meshdistill.checkpoint import Checkpointer
 from meshdistill.config import ConfigError, dump_config, load_config
 from meshdistill.export import export_run, run_config
 from meshdistill.models.hf import load_hf
-from meshdistill.sources import build_student, student_from_teacher
+from meshdistill.sources import build_student, load_teacher_hf, student_from_teacher
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -239,3 +239,14 @@ def test_export_of_a_run_without_checkpoint_writes_nothing(tmp_path, capsys):
   _cli_error(capsys, ["export", str(run_dir), str(out)], "has no checkpoint", "nothing was written")
   _cli_error(capsys, ["export", str(run_dir), str(out), "--dtype", "int8"], "--dtype='int8'")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and os.listdir(run_dir) == ["config.yaml"]
+
+
+def test_remat_beside_teacher_hf_is_kept_and_changes_no_logits():
+  base = [f"teacher.hf={QWEN3}", f"data.source={FIXTURES / 'hf_text.jsonl'}"]
+  cfg = load_config(EXAMPLE, [*base, "teacher.remat=full", "student.remat=dots"])
+  teacher = load_teacher_hf(cfg, None)
+  student = build_student(cfg, teacher, None)
+  assert (teacher.cfg.remat, student.cfg.remat) == ("full", "dots")
+  tokens = jnp.asarray(_tokens())
+  logits = nnx.jit(lambda m, t: m(t).logits)
+  np.testing.assert_allclose(logits(teacher, tokens), logits(load_hf(QWEN3), tokens), rtol=1e-5, atol=1e-6)

@@ -341,10 +341,10 @@ def _with_config(model, want):
     raise ValueError(f"loaded model config {model.cfg} differs from the configured {want}")
   if model.cfg == want:
     return model
-  graphdef, state = nnx.split(model)
-  fresh_def, _ = nnx.split(nnx.eval_shape(lambda: type(model)(want, rngs=nnx.Rngs(0))))
-  del graphdef
-  return nnx.merge(fresh_def, state)
+  from meshdistill.models import abstract_params  # pylint: disable=g-import-not-at-top
+
+  graphdef, _, _ = abstract_params(want)
+  return nnx.merge(graphdef, nnx.state(model))
 
 
 def build_student(cfg, teacher, mesh):
