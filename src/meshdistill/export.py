@@ -1,7 +1,8 @@
 """A distillation run's student as a Hugging Face checkpoint (``meshdistill export RUN_DIR OUT_DIR``).
 
-`export_run` reads the run's ``config.yaml``, restores the student of a checkpoint (the latest,
-or ``step``) onto the run's mesh and writes it with `meshdistill.models.export_hf`:
+`export_run` reads the run's ``config.yaml``, restores only the student of a checkpoint (the
+latest, or ``step``; no optimizer state, no teacher) onto the run's mesh, each device reading its
+own shards, and writes it with `meshdistill.models.export_hf`:
 ``config.json``, ``model.safetensors`` and the tokenizer files -- those of ``teacher.hf`` (or of
 ``data.tokenizer`` when it is a path), a ``tokenizer.json`` for a trained BPE; a byte-level run
 has no Hugging Face tokenizer, which the returned record says.
@@ -60,17 +61,6 @@ def _tokenizer_source(cfg: Config):
   return load_data(cfg).tokenizer, "the run's trained BPE"
 
 
-def _data_tokenizer(cfg: Config, exported):
-  """The run's data-pipeline tokenizer (the cached teacher records which one it was trained with)."""
-  from meshdistill.data import ByteTokenizer, load_tokenizer  # pylint: disable=g-import-not-at-top
-
-  if cfg.data.tokenizer == "byte":
-    return ByteTokenizer()
-  if cfg.data.tokenizer == "bpe":
-    return exported
-  return load_tokenizer(os.path.expanduser(cfg.data.tokenizer), vocab_multiple=cfg.data.vocab_multiple)
-
-
 def export_run(
     run_dir: str,
     out_dir: str,
@@ -118,13 +108,9 @@ def export_run(
     if meta.get("kind") != "distill":
       raise ValueError(f"RUN_DIR={run_dir!r} holds a {meta.get('kind')!r} run, not a distillation run")
     tokenizer, tok_note = _tokenizer_source(cfg)
-    mesh = jobs.build_mesh(cfg)
-    _, teacher = jobs.run_teacher(cfg, meta, mesh, None if cfg.models.teacher_hf else _data_tokenizer(cfg, tokenizer))
-    distiller = jobs.make_distiller(cfg, teacher, mesh)
-    state, _, _ = ckpt.restore(distiller, distiller.init_state(), step)
+    student = ckpt.restore_student(cfg.student, jobs.build_mesh(cfg), step)
   finally:
     ckpt.close()
-  student = distiller.student(state)
   written = _write_atomically(out_dir, student, tokenizer, dtype)
   from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
   from meshdistill.models._hf_config import default_family  # pylint: disable=g-import-not-at-top
