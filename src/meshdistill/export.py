@@ -122,8 +122,13 @@ def export_run(
 
 def _write_atomically(out_dir: str, model, tokenizer, dtype: str) -> str:
   """`export_hf` into a temporary sibling of ``out_dir``, then renamed to it (an old ``out_dir`` replaced)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
   from meshdistill.models.hf import export_hf  # pylint: disable=g-import-not-at-top
 
+  if jax.process_index() != 0:  # every process gathers the weights; process 0 writes
+    export_hf(model, out_dir, tokenizer=tokenizer, dtype=dtype)
+    return out_dir
   parent, name = os.path.split(out_dir)
   os.makedirs(parent, exist_ok=True)
   tag = uuid.uuid4().hex[:8]
