@@ -20,7 +20,7 @@ import os
 import shutil
 import uuid
 
-from meshdistill.config import Config, ConfigError, load_config
+from meshdistill.config import Config, load_config
 
 log = logging.getLogger(__name__)
 
@@ -147,4 +147,4 @@ def _write_atomically(out_dir: str, model, tokenizer, dtype: str) -> str:
   return out_dir
 
 
-__all__ = ["DTYPES", "ConfigError", "check_out_dir", "export_run", "run_config"]
+__all__ = ["DTYPES", "check_out_dir", "export_run", "run_config"]
