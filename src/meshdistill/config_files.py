@@ -4,7 +4,8 @@ The dataclass defaults of `meshdistill.config.Config` are the one source of the 
 settings. The packaged ``configs/default.yaml`` is generated from them by `default_yaml`
 (``python scripts/write_default_config.py``), with the comments below, and a test keeps the
 file equal to the generated text. Other packaged configs (``tiny``) hold only the keys they
-change. The repository's ``configs/`` is a link to this packaged folder, not a copy.
+change. In the repository's ``configs/``, ``default.yaml`` and ``tiny.yaml`` are links to the
+packaged files, not copies; it also holds recipes that only make sense in a checkout (``hf_example``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from __future__ import annotations
 import importlib.resources
 import os
 from collections.abc import Sequence
-from typing import Any
-
 import yaml
 
-from meshdistill._typed_yaml import ConfigError, from_dict, parse_override, set_path
+from meshdistill._typed_yaml import ConfigError, parse_override, set_path
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
 
@@ -121,10 +120,10 @@ def load_raw(name_or_path: str | None) -> dict:
   return raw
 
 
-def load(cls: type, name_or_path: str | None, overrides: Sequence[str]) -> Any:
-  """Dataclass ``cls`` from a config file (or None: the defaults) with ``key.path=value`` overrides."""
+def read(name_or_path: str | None, overrides: Sequence[str]) -> dict:
+  """The raw mapping of a config file (or None: ``{}``) with ``key.path=value`` overrides applied."""
   raw = load_raw(name_or_path)
   for item in overrides:
     path, value = parse_override(item)
     set_path(raw, path, value, item)
-  return from_dict(cls, raw)
+  return raw
