@@ -6,9 +6,10 @@ Order of work in `distill` (the main job):
 1. the mesh (``mesh.data`` x ``mesh.tensor``; on CPU, simulated devices -- see
    `prepare_devices`, which must run before JAX starts);
 2. the data (`meshdistill.data.build_data`): tokenizer, training iterator, validation batches;
-3. the teacher: ``pretrain.teacher`` if given, else the cached teacher for these settings,
-   else one pretrained now on hard labels (`pretrain`) and cached for later runs;
-4. the student, initialised from ``train.seed`` directly on the mesh;
+3. the teacher: ``teacher.hf`` (a Hugging Face directory) or ``pretrain.teacher`` if given, else the
+   cached teacher for these settings, else one pretrained now on hard labels (`pretrain`) and cached;
+4. the student, directly on the mesh: ``student.hf``, copied from the teacher's blocks
+   (``student.init``), or initialised from ``train.seed`` (`meshdistill.sources.build_student`);
 5. `meshdistill.trainer.fit` with a `Distiller`, checkpoints and monitoring in ``run.run_dir``;
 6. the final evaluation of teacher and student on the validation batches (``summary.json``).
 """
@@ -143,6 +144,11 @@ def pretrain(
   from meshdistill.models import init_model, param_count  # pylint: disable=g-import-not-at-top
   from meshdistill.trainer import fit, make_optimizer  # pylint: disable=g-import-not-at-top
 
+  if cfg.models.teacher_hf:
+    raise ConfigError(
+      f"teacher.hf={cfg.models.teacher_hf!r} is a pretrained teacher; `meshdistill pretrain` builds a teacher from "
+      "scratch: remove teacher.hf (and give the teacher's shape) to pretrain one"
+    )
   mesh = mesh if mesh is not None else build_mesh(cfg)
   data = with_batch_size(data if data is not None else load_data(cfg), cfg.pretrain.batch_size)
   out = out or teacher_dir(cfg, data.tokenizer)
@@ -189,6 +195,11 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
   ``report(text)`` receives one line saying where the teacher came from.
   """
   report = report or log.info
+  if cfg.models.teacher_hf:
+    from meshdistill.sources import load_teacher_hf  # pylint: disable=g-import-not-at-top
+
+    report(f"teacher: {cfg.models.teacher_hf} (Hugging Face)")
+    return load_teacher_hf(cfg, mesh), cfg.models.teacher_hf
   if cfg.pretrain.teacher:
     path = os.path.expanduser(cfg.pretrain.teacher)
     report(f"teacher: {path}")
@@ -272,13 +283,13 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
 
 
 def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
-  """The `Distiller` of ``cfg`` for ``teacher`` (student initialised from ``train.seed``); with
+  """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.sources.build_student`); with
   ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS)."""
   from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
-  from meshdistill.models import init_model  # pylint: disable=g-import-not-at-top
+  from meshdistill.sources import build_student  # pylint: disable=g-import-not-at-top
   from meshdistill.trainer import make_optimizer  # pylint: disable=g-import-not-at-top
 
-  student = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
+  student = build_student(cfg, teacher, mesh)
   strategy, scale = cfg.distill.strategy(), cfg.safeguards.loss_scale
   if scale is not None:
     from meshdistill.safeguards import ScaledLoss  # pylint: disable=g-import-not-at-top
@@ -379,9 +390,7 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
       raise ValueError(f"{cfg.checkpoint_dir} holds a {meta.get('kind')!r} run, not a distillation run")
     mesh = build_mesh(cfg)
     data = load_data(cfg)
-    tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
-    read_teacher_meta(tdir)
-    teacher = load_teacher(tdir, cfg.teacher, mesh, data.tokenizer)
+    tdir, teacher = run_teacher(cfg, meta, mesh, data.tokenizer)
     distiller = make_distiller(cfg, teacher, mesh)
     state, _, _ = ckpt.restore(distiller, distiller.init_state())
     say(f"evaluating step {meta['step']} of {cfg.run.run_dir} (teacher {tdir})")
@@ -426,12 +435,12 @@ def generate(
         "first, or generate with the teacher (--model teacher)"
       )
     tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
-    if not tdir:
+    if not tdir and not cfg.models.teacher_hf:
       raise FileNotFoundError(f"{cfg.run.run_dir} names no teacher: set pretrain.teacher=DIR or distil first")
-    read_teacher_meta(tdir)
-    tokenizer = load_tokenizer(os.path.join(tdir, "tokenizer"))
+    # A saved teacher carries its tokenizer; otherwise (a Hugging Face teacher) the run's data settings name it.
+    tokenizer = load_data(cfg).tokenizer if cfg.models.teacher_hf else load_tokenizer(os.path.join(tdir, "tokenizer"))
     mesh = build_mesh(cfg)
-    net = load_teacher(tdir, cfg.teacher, mesh, tokenizer)
+    _, net = run_teacher(cfg, meta, mesh, tokenizer)
     if model == "student":
       distiller = make_distiller(cfg, net, mesh)
       state, _, _ = ckpt.restore(distiller, distiller.init_state())
@@ -454,6 +463,17 @@ def generate(
     row = [int(t) for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m and t != sampling.eos_id]
     out.append(tokenizer.decode(row))
   return out
+
+
+def run_teacher(cfg: Config, meta: dict, mesh, tokenizer):
+  """``(teacher_dir, teacher)`` of a distillation run whose checkpoint ``meta`` is given."""
+  if cfg.models.teacher_hf:
+    from meshdistill.sources import load_teacher_hf  # pylint: disable=g-import-not-at-top
+
+    return cfg.models.teacher_hf, load_teacher_hf(cfg, mesh)
+  tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
+  read_teacher_meta(tdir)
+  return tdir, load_teacher(tdir, cfg.teacher, mesh, tokenizer)
 
 
 def stream_reporter(stream: IO[str] | None):
