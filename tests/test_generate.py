@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TEACHER_CFG, VOCAB, all_gather_shapes
+from helpers import TEACHER_CFG, VOCAB, all_gather_shapes
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
