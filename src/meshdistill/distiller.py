@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, param_shardings
 from meshdistill.models import Decoder
+from meshdistill.models._build import fit_model
 from meshdistill.step import StepVariants, TrainState, per_device_step, resolve_backend
 from meshdistill.strategies import LogitKD
 
@@ -67,9 +68,8 @@ class Distiller(StepVariants):
   ):
     self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
     backend, mesh = resolve_backend(backend, mesh)
-    if mesh is not None and backend == "shard_map":
-      student.cfg.check_tensor_split(mesh.shape[TENSOR])
-      teacher.cfg.check_tensor_split(mesh.shape[TENSOR])
+    if mesh is not None and backend == "shard_map":  # pads a vocabulary / replicates k/v where `tensor` needs it
+      student, teacher = fit_model(student, mesh.shape[TENSOR]), fit_model(teacher, mesh.shape[TENSOR])
 
     self.mesh, self.backend = mesh, backend
     self.strategy = strategy if strategy is not None else LogitKD()

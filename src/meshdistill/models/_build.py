@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -22,25 +23,67 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh | None = None):
   return graphdef, state, shardings
 
 
+def _value(v):
+  return v.get_value() if hasattr(v, "get_value") else v
+
+
+def _reshape_state(state: nnx.State, target: nnx.State, fn) -> nnx.State:
+  """``target``'s variables (metadata, partitioning) holding ``fn(value, target_shape)`` of ``state``'s."""
+  source = dict(nnx.to_flat_state(state))
+  return nnx.from_flat_state(
+      [(k, t.replace(fn(_value(source[k]), tuple(_value(t).shape)))) for k, t in nnx.to_flat_state(target)]
+  )
+
+
+def pad_state(state: nnx.State, target: nnx.State) -> nnx.State:
+  """``state`` zero-padded at the end of each axis to the shapes of ``target`` (vocabulary padding rows)."""
+  return _reshape_state(
+      state, target, lambda x, shape: jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)]) if x.shape != shape else x
+  )
+
+
+def unpad_state(state: nnx.State, target: nnx.State) -> nnx.State:
+  """``state`` cut to the shapes of ``target`` (the inverse of `pad_state`)."""
+  return _reshape_state(state, target, lambda x, shape: x[tuple(slice(0, n) for n in shape)])
+
+
 def init_model(cfg: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -> Decoder:
   """Initialises a decoder from ``seed``.
 
   With ``mesh`` the parameters are created already split over ``tensor`` (and
   replicated over ``data``): the initialiser is jitted with the target shardings, so
   no device ever holds a full copy of a split weight. Values equal the unsharded
-  initialisation for the same seed (JAX's partitionable threefry).
+  initialisation for the same seed (JAX's partitionable threefry); a vocabulary that
+  ``tensor`` does not divide gets zero padding rows (`ModelConfig.for_tensor`), the real
+  rows still equal the unsharded initialisation.
   """
   if mesh is None:
     return _create(cfg, seed)
-  cfg.check_tensor_split(mesh.shape[TENSOR])
-  graphdef, _, shardings = abstract_params(cfg, mesh)
-  state = jax.jit(lambda: nnx.state(_create(cfg, seed)), out_shardings=shardings)()
+  fitted = cfg.for_tensor(mesh.shape[TENSOR])
+  graphdef, target, shardings = abstract_params(fitted, mesh)
+  real = cfg.replace(vocab_multiple=1, replicate_kv=False)
+  state = jax.jit(lambda: pad_state(nnx.state(_create(real, seed)), target), out_shardings=shardings)()
   return nnx.merge(graphdef, state)
 
 
+def fit_model(model: Decoder, tensor: int) -> Decoder:
+  """``model`` itself when its config suits a ``tensor``-way split, else a copy padded / re-partitioned for it."""
+  if not isinstance(model, Decoder):  # e.g. a tunix adapter: no padding, only the check
+    model.cfg.check_tensor_split(tensor)
+    return model
+  fitted = model.cfg.for_tensor(tensor)
+  if fitted == model.cfg:
+    return model
+  graphdef, target, _ = abstract_params(fitted)
+  return nnx.merge(graphdef, pad_state(nnx.state(model), target))
+
+
 def shard_model(model: Decoder, mesh: Mesh) -> Decoder:
-  """Returns a copy of ``model`` with its parameters placed on ``mesh`` per their partitioning."""
-  model.cfg.check_tensor_split(mesh.shape[TENSOR])
+  """Returns a copy of ``model`` with its parameters placed on ``mesh`` per their partitioning.
+
+  A vocabulary that ``tensor`` does not divide is padded first (`ModelConfig.for_tensor`).
+  """
+  model = fit_model(model, mesh.shape[TENSOR])
   graphdef, state = nnx.split(model)
   shardings = param_shardings(nnx.get_partition_spec(state), mesh)
   return nnx.merge(graphdef, jax.device_put(state, shardings))

@@ -8,15 +8,17 @@ Weights carry partition metadata over the mesh axis ``tensor``:
 ==========================  ================  =====================
 weight                      shape             split over ``tensor``
 ==========================  ================  =====================
-embedding                   [V, D]            V (vocabulary)
-attention q / k / v         [D, H*Hd]         heads
+embedding                   [V', D]           V' (vocabulary padded to a multiple of tensor)
+attention q                 [D, H*Hd]         heads
+attention k / v             [D, G*Hd]         heads (replicated when G < tensor)
 attention out               [H*Hd, D]         heads
 MLP gate / up               [D, F]            F (hidden units)
 MLP down                    [F, D]            F
-untied LM head              [D, V]            V
+untied LM head              [D, V']           V'
 norm scales                 [D]               replicated
 ==========================  ================  =====================
 
+(``ModelConfig.for_tensor`` pads and replicates; the decoder cuts the padding off its outputs.)
 So the logits ``[B, T, V]`` come out split over ``tensor`` along V. On request
 (``capture=``) the forward pass also returns per-layer hidden states and attention
 probabilities; capturing never changes parameters or module state.
@@ -25,6 +27,7 @@ probabilities; capturing never changes parameters or module state.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import einops
@@ -100,11 +103,15 @@ class ModelConfig:
   qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3)
   qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
   rope_scaling: RopeScaling | None = None  # Llama-3 frequency scaling (a dict of its fields also works)
+  # Set by `for_tensor` (init_model / load_hf / shard_model on a mesh), rarely by hand:
+  vocab_multiple: int = 1  # embedding / head rows padded to a multiple of this; logits still cover vocab_size
+  replicate_kv: bool = False  # k/v projections replicated over `tensor` (fewer key/value heads than `tensor`)
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "max_len"):
+    sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "max_len", "vocab_multiple")
+    for name in sizes:
       v = getattr(self, name)
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"ModelConfig.{name}={v!r} must be a positive integer")
@@ -136,20 +143,47 @@ class ModelConfig:
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
 
+  @property
+  def padded_vocab(self) -> int:
+    """Rows of the embedding (and columns of an untied head): ``vocab_size`` rounded up to ``vocab_multiple``."""
+    return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+  def for_tensor(self, tensor: int) -> "ModelConfig":
+    """This config adjusted to a mesh whose ``tensor`` axis has ``tensor`` devices.
+
+    Uneven splits are handled where that is exact:
+
+    * a vocabulary that ``tensor`` does not divide (GPT-2's 50257) is padded to a multiple of
+      ``tensor`` (``vocab_multiple``); the padded rows start at zero and the decoder cuts them
+      off its logits and ``head_weight()``, so no loss, metric or sampler ever sees them, and
+      `export_hf` drops them;
+    * fewer (or a non-dividing count of) key/value heads than ``tensor``: the k/v projections are
+      replicated over ``tensor`` (``replicate_kv``), as serving stacks replicate key/value heads;
+    * a query head count that ``tensor`` does not divide works when ``n_heads * head_dim`` is
+      divisible: the split then falls inside heads and the compiler adds the communication
+      (correct, slower; prefer ``tensor`` dividing ``n_heads``). Otherwise, and for ``mlp_hidden``,
+      a ValueError names the setting.
+    """
+    if not isinstance(tensor, int) or tensor < 1:
+      raise ValueError(f"mesh tensor={tensor!r} must be a positive integer")
+    self.check_tensor_split(tensor)
+    cfg = self
+    if cfg.padded_vocab % tensor:
+      cfg = cfg.replace(vocab_multiple=math.lcm(cfg.vocab_multiple, tensor))
+    if cfg.n_kv_heads % tensor and not cfg.replicate_kv:
+      cfg = cfg.replace(replicate_kv=True)
+    return cfg
+
   def check_tensor_split(self, tensor: int) -> None:
-    """Raises when a ``tensor``-split weight dimension is not divisible by ``tensor``."""
-    dims = {
-        "vocab_size": self.vocab_size,
-        "n_heads * head_dim": self.n_heads * self.hd,
-        "n_kv_heads * head_dim": self.n_kv_heads * self.hd,
-        "mlp_hidden": self.mlp_hidden,
-    }
+    """Raises when a ``tensor``-split dimension that cannot be padded or replicated is not divisible."""
+    dims = {"n_heads * head_dim": self.n_heads * self.hd, "mlp_hidden": self.mlp_hidden}
     bad = {k: v for k, v in dims.items() if v % tensor}
     if bad:
       desc = ", ".join(f"{k}={v}" for k, v in bad.items())
       raise ValueError(
-          f"mesh tensor={tensor} does not divide {desc}; these weight dimensions are split "
-          f"over the tensor axis: choose sizes that are multiples of {tensor} or a smaller tensor axis"
+          f"mesh tensor={tensor} does not divide {desc} (n_heads={self.n_heads}, head_dim={self.hd}); these weight "
+          f"dimensions are split over the tensor axis: choose sizes that are multiples of {tensor} or a smaller "
+          "tensor axis (vocabularies are padded and key/value heads replicated automatically)"
       )
 
 
@@ -235,8 +269,9 @@ class Attention(nnx.Module):
         dtype=cfg.compute_dtype, rngs=rngs
     )
     self.q = lin(D, H * K, (None, TENSOR), cfg.qkv_bias)
-    self.k = lin(D, KV * K, (None, TENSOR), cfg.qkv_bias)
-    self.v = lin(D, KV * K, (None, TENSOR), cfg.qkv_bias)
+    kv_split = (None, None) if cfg.replicate_kv else (None, TENSOR)
+    self.k = lin(D, KV * K, kv_split, cfg.qkv_bias)
+    self.v = lin(D, KV * K, kv_split, cfg.qkv_bias)
     self.o = lin(H * K, D, (TENSOR, None))
     if cfg.qk_norm:  # per-head RMSNorm over head_dim, scales [K] replicated
       self.q_norm = nnx.RMSNorm(K, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
@@ -308,7 +343,7 @@ class Decoder(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = nnx.Embed(
-        cfg.vocab_size,
+        cfg.padded_vocab,
         cfg.d_model,
         # std 1/sqrt(D): with a tied head the initial logits then have unit scale
         embedding_init=_part(nnx.initializers.normal(stddev=cfg.d_model**-0.5), TENSOR, None),
@@ -322,7 +357,7 @@ class Decoder(nnx.Module):
     else:
       self.head = nnx.Linear(
           cfg.d_model,
-          cfg.vocab_size,
+          cfg.padded_vocab,
           use_bias=False,
           kernel_init=_part(nnx.initializers.lecun_normal(), None, TENSOR),
           dtype=cfg.compute_dtype,
@@ -359,13 +394,14 @@ class Decoder(nnx.Module):
     if not logits:
       return ModelOutput(None, tuple(hidden), tuple(attn), final)
     logits_BxTxV = self.embed.attend(x) if self.head is None else self.head(x)
+    if cfg.padded_vocab != cfg.vocab_size:  # padding rows never reach a loss (XLA keeps the shards padded)
+      logits_BxTxV = logits_BxTxV[..., : cfg.vocab_size]
     return ModelOutput(logits_BxTxV.astype(jnp.float32), tuple(hidden), tuple(attn), final)
 
   def head_weight(self) -> jax.Array:
-    """The LM-head matrix as [D, V] (V split over ``tensor``)."""
-    if self.head is None:
-      return self.embed.embedding[...].T
-    return self.head.kernel[...]
+    """The LM-head matrix as [D, V] (V split over ``tensor``; padding rows cut off)."""
+    w_DxV = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
+    return w_DxV[:, : self.cfg.vocab_size] if self.cfg.padded_vocab != self.cfg.vocab_size else w_DxV
 
 
 def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool):

@@ -125,10 +125,14 @@ def load_hf(
   if param_dtype not in _DTYPES:
     raise ValueError(f"param_dtype={param_dtype!r}; choose one of {_DTYPES}")
   cfg = config_from_hf(read_hf_config(path), max_len=max_len, dtype=dtype, where=str(path / "config.json"))
-  if mesh is not None:
-    cfg.check_tensor_split(mesh.shape[TENSOR])
+  real_shapes = None
+  if mesh is not None:  # a vocabulary `tensor` does not divide gets zero padding rows, not read from disk
+    fitted = cfg.for_tensor(mesh.shape[TENSOR])
+    if fitted.padded_vocab != cfg.padded_vocab:
+      real_shapes = {k: tuple(v.get_value().shape) for k, v in nnx.to_flat_state(abstract_params(cfg)[1])}
+    cfg = fitted
   graphdef, abstract, shardings = abstract_params(cfg, mesh)
-  state, where, used = read_onto_mesh(path, abstract, shardings, _decoder_names, param_dtype)
+  state, where, used = read_onto_mesh(path, abstract, shardings, _decoder_names, param_dtype, real_shapes)
   extra = sorted(set(where) - used)
   if extra:
     ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
@@ -172,13 +176,16 @@ def _window(index: tuple, shape: tuple, layout: str):
   return (index[2], rows), lambda b: b.T.reshape(n1 - n0, hd, b.shape[0])
 
 
-def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any, names, param_dtype: str = "float32"):
+def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any, names, param_dtype: str = "float32",
+                   real_shapes: dict | None = None):
   """Fills an abstract NNX state from a Hugging Face directory, each device reading only its window.
 
   ``names(key) -> (hf_name, layout)`` for every parameter path; layout ``"same"``, ``"T"``
   (HF [out, in] -> [in, out]), ``"in_heads"`` (HF [N*H, D] -> [D, N, H]) or ``"out_heads"``
   (HF [D, N*H] -> [N, H, D]). ``shardings``: a state of `NamedSharding` like ``abstract``
-  or ``None`` (one device). Returns ``(state, weight_map, used_names)``.
+  or ``None`` (one device). ``real_shapes``: parameter path -> the checkpoint's shape (in our
+  layout) where ``abstract`` is larger (vocabulary padding): the extra rows are zeros, never read.
+  Returns ``(state, weight_map, used_names)``.
   """
   path = Path(path)
   where = _weight_map(path)
@@ -201,7 +208,8 @@ def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any,
         handles[file] = stack.enter_context(safe_open(file, "numpy"))
       sl = handles[file].get_slice(name)
       shape = tuple(var.get_value().shape)
-      hf_shape, expect = tuple(sl.get_shape()), _hf_shape(shape, layout)
+      real = (real_shapes or {}).get(key, shape)
+      hf_shape, expect = tuple(sl.get_shape()), _hf_shape(real, layout)
       if hf_shape != expect:
         raise ValueError(f"tensor {name!r} in {file.name} has shape {list(hf_shape)} but config.json implies "
                          f"{list(expect)}; the config does not match the weights")
@@ -209,9 +217,18 @@ def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any,
       sharding = sharding.get_value() if hasattr(sharding, "get_value") else sharding
       sharding = sharding or SingleDeviceSharding(jax.devices()[0])
 
-      def read(index, sl=sl, shape=shape, layout=layout):
-        window, fix = _window(index, shape, layout)
-        return np.ascontiguousarray(fix(np.asarray(sl[window])), dtype=target)
+      def read(index, sl=sl, shape=shape, real=real, layout=layout):
+        if real == shape:
+          window, fix = _window(index, shape, layout)
+          return np.ascontiguousarray(fix(np.asarray(sl[window])), dtype=target)
+        # padded ("same" / "T" layouts only): read the part inside the checkpoint, zeros beyond it
+        spans = [s.indices(n)[:2] for s, n in zip(index, shape)]
+        block = np.zeros([b - a for a, b in spans], dtype=target)
+        inside = [(a, min(b, r)) for (a, b), r in zip(spans, real)]
+        if all(b > a for a, b in inside):
+          window, fix = _window(tuple(slice(a, b) for a, b in inside), real, layout)
+          block[tuple(slice(0, b - a) for a, b in inside)] = fix(np.asarray(sl[window]))
+        return block
 
       leaves.append((key, var.replace(jax.make_array_from_callback(shape, sharding, read))))
   return nnx.from_flat_state(leaves), where, used
@@ -281,9 +298,11 @@ def export_hf(
   config = hf_config(cfg, family, torch_dtype=dtype)
   target = np.dtype(jax.numpy.dtype(dtype))
   tensors = {}
+  real = cfg.replace(vocab_multiple=1, replicate_kv=False)  # vocabulary padding rows are not exported
+  real_shapes = {k: tuple(v.get_value().shape) for k, v in nnx.to_flat_state(abstract_params(real)[1])}
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     name, transposed = weight_names(key)
-    value = _host_value(var.get_value())
+    value = _host_value(var.get_value())[tuple(slice(0, n) for n in real_shapes[key])]
     tensors[name] = np.ascontiguousarray(value.T if transposed else value, dtype=target)
   out = Path(out_dir)
   if jax.process_index() != 0:
