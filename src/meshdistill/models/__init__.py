@@ -6,6 +6,7 @@
 from meshdistill.models._build import abstract_params, init_model, shard_model
 from meshdistill.models.decoder import (
     CAPTURABLE,
+    ATTENTION,
     REMAT_POLICIES,
     Decoder,
     ModelConfig,
@@ -16,6 +17,7 @@ from meshdistill.models.decoder import (
 from meshdistill.models.hf import export_hf, load_hf, read_hf_config
 
 __all__ = [
+    "ATTENTION",
     "CAPTURABLE",
     "Decoder",
     "ModelConfig",

@@ -50,6 +50,16 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
+# Attention kernels, by `ModelConfig.attention` name. Every one is causal grouped-query attention
+# without copying key/value heads; capturing attention probabilities always uses "explicit".
+ATTENTION = {
+    "auto": "explicit scores when probabilities are captured, else xla",
+    "explicit": "grouped einsums materialising [B, H, T, S] float32 scores and probabilities",
+    "xla": "jax.nn.dot_product_attention(implementation='xla')",
+    "cudnn": "jax.nn.dot_product_attention(implementation='cudnn'): cuDNN flash attention, GPU with bf16/fp16 only",
+    "splash": "the Pallas TPU splash-attention kernel (interpreted off TPU; sequence length a multiple of 128)",
+}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
@@ -103,6 +113,7 @@ class ModelConfig:
   qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3)
   qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
   rope_scaling: RopeScaling | None = None  # Llama-3 frequency scaling (a dict of its fields also works)
+  attention: str = "auto"  # attention kernel, a key of ATTENTION (explicit scores whenever probabilities are captured)
   # Set by `for_tensor` (init_model / load_hf / shard_model on a mesh), rarely by hand:
   vocab_multiple: int = 1  # embedding / head rows padded to a multiple of this; logits still cover vocab_size
   replicate_kv: bool = False  # k/v projections replicated over `tensor` (fewer key/value heads than `tensor`)
@@ -129,6 +140,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (rotary embedding)")
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"ModelConfig.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {tuple(ATTENTION)}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {tuple(REMAT_POLICIES)}")
 
@@ -292,19 +305,77 @@ class Attention(nnx.Module):
     if cache is not None:
       cache = cache.write(k, v)
       k, v = cache.k_BxSxGxK, cache.v_BxSxGxK
-    group = cfg.n_heads // cfg.n_kv_heads
-    k = einops.repeat(k, "b t g k -> b t (g r) k", r=group)
-    v = einops.repeat(v, "b t g k -> b t (g r) k", r=group)
     T = x_BxTxD.shape[1]
-    scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q, k).astype(jnp.float32) / jnp.sqrt(K)
-    causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool)) if cache is None else cache.visible(T)
-    scores_BxHxTxS = jnp.where(causal_TxS, scores_BxHxTxS, jnp.finfo(jnp.float32).min)
-    probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1)
-    out = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS.astype(v.dtype), v)
+    visible = None if cache is None else cache.visible(T)  # [B, 1, T, S]
+    kind = cfg.attention
+    if kind == "auto" or want_probs:
+      kind = "explicit" if want_probs else "xla"
+    if kind == "splash" and cache is not None:
+      kind = "xla"  # decoding attends a few queries to a cache: nothing for a flash kernel to save
+    if kind == "explicit":
+      out, probs_BxHxTxS = _explicit_attention(q, k, v, visible)
+    elif kind == "splash":
+      out, probs_BxHxTxS = _splash_attention(q, k, v), None
+    else:
+      out = jax.nn.dot_product_attention(
+          q, k, v, mask=visible, is_causal=visible is None, implementation=kind
+      ).astype(v.dtype)
+      probs_BxHxTxS = None
     out = self.o(einops.rearrange(out, "b t h k -> b t (h k)"))
     if cache is not None:
       return out, cache
     return out, (probs_BxHxTxS if want_probs else None)
+
+
+def _explicit_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS=None):
+  """Causal grouped-query attention with explicit float32 scores: ``(out [B, T, H, K], probs [B, H, T, S])``.
+
+  Query head ``h`` reads key/value head ``h // (H / G)``; the einsums run over the groups, so
+  key/value heads are never copied.
+  """
+  G, K = k_BxSxGxK.shape[2], q_BxTxHxK.shape[-1]
+  T, S = q_BxTxHxK.shape[1], k_BxSxGxK.shape[1]
+  q_BxTxGxRxK = einops.rearrange(q_BxTxHxK, "b t (g r) k -> b t g r k", g=G)
+  scores = jnp.einsum("btgrk,bsgk->bgrts", q_BxTxGxRxK, k_BxSxGxK).astype(jnp.float32) / jnp.sqrt(K)
+  scores_BxHxTxS = einops.rearrange(scores, "b g r t s -> b (g r) t s")
+  visible = jnp.tril(jnp.ones((T, S), dtype=bool)) if visible_Bx1xTxS is None else visible_Bx1xTxS
+  scores_BxHxTxS = jnp.where(visible, scores_BxHxTxS, jnp.finfo(jnp.float32).min)
+  probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1)
+  probs = einops.rearrange(probs_BxHxTxS.astype(v_BxSxGxK.dtype), "b (g r) t s -> b g r t s", g=G)
+  out = jnp.einsum("bgrts,bsgk->btgrk", probs, v_BxSxGxK)
+  return einops.rearrange(out, "b t g r k -> b t (g r) k"), probs_BxHxTxS
+
+
+def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
+  """Causal grouped-query attention with the Pallas splash kernel: ``out [B, T, H, K]``.
+
+  The kernel's multi-query form (one key/value head shared by ``H / G`` query heads) is vmapped
+  over batch and key/value groups, so key/value heads are never copied. On TPU it runs compiled,
+  elsewhere in Pallas interpret mode (slow: for numerics checks). Blocks are ``min(T, 512)``
+  tokens; ``T`` must be a multiple of 128 (the kernel's lane width). Under a ``tensor``-split
+  mesh the kernel is a custom call XLA does not partition: wrap it in a shard_map over heads
+  before using it at scale (not done here).
+  """
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
+
+  B, T, H, K = q_BxTxHxK.shape
+  G = k_BxTxGxK.shape[2]
+  if T % 128:
+    raise ValueError(
+        f"ModelConfig.attention='splash' needs a sequence length that is a multiple of 128, got {T}; "
+        "pad the sequence or use attention='xla'"
+    )
+  block = math.gcd(T, 512)
+  sizes = splash.BlockSizes(
+      block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
+      block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+  )
+  mask = splash.MultiHeadMask([splash.CausalMask((T, T)) for _ in range(H // G)])
+  kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=jax.default_backend() != "tpu")
+  q_BxGxRxTxK = einops.rearrange(q_BxTxHxK, "b t (g r) k -> b g r t k", g=G) / jnp.sqrt(K).astype(q_BxTxHxK.dtype)
+  k_BxGxTxK, v_BxGxTxK = (einops.rearrange(a, "b t g k -> b g t k") for a in (k_BxTxGxK, v_BxTxGxK))
+  out = jax.vmap(jax.vmap(kernel))(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK)
+  return einops.rearrange(out, "b g r t k -> b t (g r) k").astype(v_BxTxGxK.dtype)
 
 
 class MLP(nnx.Module):
