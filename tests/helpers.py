@@ -6,6 +6,7 @@ devices before any test module (and so this one) is imported.
 
 import re
 
+import jax
 import numpy as np
 
 import meshdistill as md
@@ -24,6 +25,16 @@ def make_batch(seed: int = 0, batch: int = 8, seq: int = 8, vocab: int = VOCAB, 
   if pad_from is not None:
     mask[:, pad_from:] = 0.0
   return {"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32), "mask": mask}
+
+
+def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
+  """Leaf-by-leaf allclose of two pytrees keyed by path, ignoring Variable metadata (a layout may
+  partition a weight differently, e.g. key/value projections replicated when `tensor` > n_kv_heads)."""
+  flat = lambda tree: {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(tree)}  # noqa: E731
+  g, w = flat(jax.device_get(got)), flat(jax.device_get(want))
+  assert g.keys() == w.keys(), sorted(set(g) ^ set(w))
+  for k in w:
+    np.testing.assert_allclose(g[k], w[k], rtol=rtol, atol=atol, err_msg=k)
 
 
 def all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:

@@ -8,7 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
 
 import meshdistill as md
 from meshdistill import jobs
@@ -57,7 +57,7 @@ def test_gkd_steps_on_2x4_equal_one_device(single_gkd):
   for m, g in zip(metrics, got):
     for k in ("loss", "kl", "sample_len", "sample_nll", "tokens"):
       np.testing.assert_allclose(g[k], m[k], rtol=1e-5, err_msg=k)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_params, params)
+  assert_trees_close(got_params, params, rtol=1e-5, atol=1e-6)
 
 
 def test_lambda_zero_is_off_policy_kd_on_the_completions_exactly(single):

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, assert_trees_close, make_batch
 
 import meshdistill as md
 
@@ -51,8 +51,7 @@ def test_every_layout_matches_one_device(runs, layout):
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   got = jax.device_get(d.unreplicate(state.params))
   want = jax.device_get(ref_state.params)
-  chex_tree = jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
-  del chex_tree
+  assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
   assert int(d.unreplicate(state.step)) == 3
 
 
@@ -213,8 +212,8 @@ def test_bad_inputs_name_the_setting():
     md.Distiller(md.init_model(STUDENT_CFG.replace(vocab_size=128), 1), md.init_model(TEACHER_CFG, 0))
   with pytest.raises(ValueError, match=r"mesh data=3 x tensor=2 needs 6 devices but 8 are available"):
     md.make_mesh(3, 2)
-  with pytest.raises(ValueError, match="mesh tensor=8 does not divide vocab_size=100"):
-    md.init_model(TEACHER_CFG.replace(vocab_size=100), 0, md.make_mesh(1, 8))
+  with pytest.raises(ValueError, match="mesh tensor=8 does not divide mlp_hidden=100"):  # vocabularies are padded
+    md.init_model(TEACHER_CFG.replace(mlp_hidden=100), 0, md.make_mesh(1, 8))
   with pytest.raises(RuntimeError, match="called after JAX started with 8"):
     md.simulate_cpu_devices(4)
   md.simulate_cpu_devices(8)  # same count: a no-op
