@@ -181,7 +181,8 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------------- teacher cache
-COMPUTE_FIELDS = ("remat", "dtype")  # `ModelConfig` fields that change no parameter
+# `ModelConfig` fields that change no parameter (how it computes; how a mesh pads / partitions it)
+COMPUTE_FIELDS = ("remat", "dtype", "attention", "vocab_multiple", "replicate_kv")
 
 
 def _model_fields(cfg: ModelConfig) -> dict:
@@ -272,7 +273,15 @@ def load_teacher(directory: str, expected: ModelConfig, mesh: Mesh | None, token
       f"{meta['tokenizer']['fingerprint']}) but this run uses {tokenizer!r} (fingerprint {tokenizer.fingerprint}); "
       "use the same data.tokenizer as the teacher"
     )
-  graphdef, abstract, shardings = abstract_params(expected, mesh)
+  saved = expected.replace(vocab_multiple=meta["model"].get("vocab_multiple", 1))  # restored with its padding rows
+  cfg = saved if mesh is None else saved.for_tensor(mesh.shape["tensor"])
+  if cfg.padded_vocab != saved.padded_vocab:
+    raise ValueError(
+      f"teacher checkpoint {directory} holds {saved.padded_vocab} vocabulary rows (vocab_size {saved.vocab_size} "
+      f"padded), which mesh tensor={mesh.shape['tensor']} does not divide; use a tensor size that divides "
+      f"{saved.padded_vocab}"
+    )
+  graphdef, abstract, shardings = abstract_params(cfg, mesh)
   if shardings is None:
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
