@@ -221,3 +221,12 @@ def merge_lora(model: Decoder) -> Decoder:
       values.append((key, var.replace(_value(flat[key]))))
   return nnx.merge(graphdef, nnx.from_flat_state(values))
 
+
+
+def abstract_lora(cfg: ModelConfig, lora: LoraConfig, mesh: Mesh | None = None):
+  """(graphdef, abstract state, shardings or None) of a LoRA student, without allocating it."""
+  from meshdistill.models._build import _create  # pylint: disable=g-import-not-at-top
+
+  model = nnx.eval_shape(lambda: apply_lora(_create(cfg, 0), lora))
+  graphdef, state = nnx.split(model)
+  return graphdef, state, (None if mesh is None else fitted_shardings(state, mesh))
