@@ -95,7 +95,10 @@ def per_device_step(
   teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
 
   tokens = _psum(jnp.sum(mask_BxT), data_axis)
-  denom = jnp.maximum(tokens, 1.0)
+  # A strategy whose loss is a mean over something else than tokens (pairs of rows: preference
+  # losses) says how many of those its local rows hold (`count`); the step sums that over `data`.
+  count = getattr(strategy, "count", None)
+  denom = jnp.maximum(tokens if count is None else _psum(count(mask_BxT), data_axis), 1.0)
 
   params_in, frozen = split_trainable(state.params, trainable)
 

@@ -29,6 +29,8 @@ Built in:
 `AttentionTransfer`   KL / MSE between attention probability maps of mapped layers
 `FeaturePooling`      cosine / MSE to the teacher's width-pooled hidden states
 `FeatureProjection`   cosine / MSE through a learned ``[D_s, D_t]`` map per mapped layer
+`PreferenceLoss`      DPO / IPO / DPO + KL on (chosen, rejected) row pairs, the teacher as the
+                      frozen reference (per batch: the loss is a mean over pairs)
 `Composite`           a weighted sum of per-sequence strategies (all above but `ChunkedLogitKD`);
                       weights may be schedules
 ====================  ==========================================================================
@@ -43,6 +45,7 @@ from meshdistill.strategies._composite import Composite, HardLabelCE
 from meshdistill.strategies._features import FeaturePooling, FeatureProjection, feature_loss, pool_features
 from meshdistill.strategies._layer_map import default_layer_map
 from meshdistill.strategies._logit import LogitKD, Scalar, logit_metrics, value_at
+from meshdistill.strategies._preference import PreferenceLoss, preference_batch, read_preferences
 
 __all__ = [
     "AttentionTransfer",
@@ -52,6 +55,7 @@ __all__ = [
     "FeatureProjection",
     "HardLabelCE",
     "LogitKD",
+    "PreferenceLoss",
     "Scalar",
     "attention_map_loss",
     "default_layer_map",
@@ -59,5 +63,7 @@ __all__ = [
     "group_heads",
     "logit_metrics",
     "pool_features",
+    "preference_batch",
+    "read_preferences",
     "value_at",
 ]
