@@ -113,3 +113,22 @@ def test_preference_row_missing_rejected_is_named(tmp_path):
   assert read_preferences(str(path)) == ROWS[:1]
   with pytest.raises(ValueError, match="beta"):
     PreferenceLoss(beta=0.0)
+
+
+def test_pairs_from_own_text_share_the_prompt_and_mask_only_the_completion():
+  from meshdistill.data import own_pairs
+
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, VOCAB, (3, 9))
+  mask = np.ones((3, 8), np.float32)
+  mask[2, 6:] = 0.0
+  pairs = own_pairs({"inputs": x[:, :-1], "targets": x[:, 1:], "mask": mask}, prompt_fraction=0.5)
+  assert pairs["inputs"].shape == (6, 8)
+  chosen, rejected = {k: v[0::2] for k, v in pairs.items()}, {k: v[1::2] for k, v in pairs.items()}
+  np.testing.assert_array_equal(chosen["inputs"], x[:, :-1])
+  np.testing.assert_array_equal(rejected["inputs"][:, :4], x[:, :4])  # the same prompt
+  np.testing.assert_array_equal(rejected["targets"][0, 3:], x[1, 4:])  # another row's continuation
+  np.testing.assert_array_equal(rejected["inputs"][:, 1:], rejected["targets"][:, :-1])  # a consistent sequence
+  assert chosen["mask"][:, :3].sum() == rejected["mask"][:, :3].sum() == 0  # prompt targets never count
+  np.testing.assert_array_equal(chosen["mask"][:, 3:], mask[:, 3:])
+  np.testing.assert_array_equal(rejected["mask"][1, 3:], mask[2, 3:])  # padding of the borrowed row stays masked

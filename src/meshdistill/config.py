@@ -7,6 +7,7 @@ A run is described by `Config`, whose sections are frozen, keyword-only dataclas
   student     `ModelConfig` of the student, ``hf: PATH``, or ``init: {from_teacher: true, layers: [...]}``
   data        `meshdistill.data.DataConfig` (corpus, tokenizer, seq_len, ...)
   distill     the logit-distillation recipe (temperature / alpha: numbers or schedule specs)
+  preference  preference optimisation (DPO / IPO / DPO + KL) with the teacher as reference, instead of ``distill``
   train       steps, batch size, optimizer, evaluation and logging cadence
   pretrain    how the teacher is obtained: a checkpoint, or pretrained from scratch and cached
   safeguards  divergence guard, automatic remat by memory, static loss scaling
@@ -112,6 +113,38 @@ class DistillSettings:
         temperature=self.temperature, alpha=self.alpha, divergence=self.divergence, chunk_size=self.chunk_size
       )
     return LogitKD(temperature=self.temperature, alpha=self.alpha, divergence=self.divergence, top_k=self.top_k)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreferenceSettings:
+  """``preference``: with ``enabled`` the run trains the student on preference pairs with
+  `meshdistill.strategies.PreferenceLoss` (the teacher is the frozen reference) instead of the
+  ``distill`` recipe. ``pairs``: ``own`` (pairs built from the run's text: its continuation against
+  another place's, split at ``prompt_fraction``) or the path of a JSONL file of ``{prompt, chosen,
+  rejected}`` rows. ``train.batch_size`` counts rows: half as many pairs."""
+
+  enabled: bool = False
+  beta: float = 0.1
+  loss: str = "sigmoid"
+  kl_weight: float = 0.1
+  pairs: str = "own"
+  prompt_fraction: float = 0.5
+
+  def __post_init__(self):
+    if not isinstance(self.enabled, bool):
+      raise ConfigError(f"preference.enabled={self.enabled!r} must be true or false")
+    in_range("preference.prompt_fraction", self.prompt_fraction, 0.0, 1.0, lo_open=True, example=" (e.g. 0.5)")
+    try:
+      self.strategy()
+    except ValueError as e:
+      raise ConfigError(str(e).replace("distill.", "preference.")) from None
+    if self.pairs != "own" and not os.path.isfile(os.path.expanduser(self.pairs)):
+      raise ConfigError(f"preference.pairs={self.pairs!r} is neither 'own' nor an existing JSONL file")
+
+  def strategy(self):
+    from meshdistill.strategies import PreferenceLoss  # pylint: disable=g-import-not-at-top
+
+    return PreferenceLoss(beta=self.beta, loss=self.loss, kl_weight=self.kl_weight)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -324,6 +357,7 @@ class Config:
   student: ModelConfig = dataclasses.field(default_factory=_default_student)
   data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(seq_len=128, max_chars=3_000_000))
   distill: DistillSettings = dataclasses.field(default_factory=DistillSettings)
+  preference: PreferenceSettings = dataclasses.field(default_factory=PreferenceSettings)
   train: TrainSettings = dataclasses.field(default_factory=TrainSettings)
   pretrain: PretrainSettings = dataclasses.field(default_factory=PretrainSettings)
   safeguards: SafeguardSettings = dataclasses.field(default_factory=SafeguardSettings)
@@ -359,6 +393,11 @@ class Config:
           check_stages(stages, model.n_layers)
         except ValueError as e:
           raise ConfigError(f"{section}.freeze: {e}".replace("Stage(", "stage(")) from None
+    if self.preference.enabled and self.train.batch_size % (2 * self.mesh.data):
+      raise ConfigError(
+        f"train.batch_size={self.train.batch_size} with preference.enabled: rows come in (chosen, rejected) pairs "
+        f"that share a data shard, so use a multiple of 2 * mesh.data = {2 * self.mesh.data}"
+      )
     for section in ("train", "pretrain"):
       b = getattr(self, section).batch_size
       if b % self.mesh.data:

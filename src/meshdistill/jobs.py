@@ -290,6 +290,8 @@ def make_distiller(cfg: Config, teacher, mesh):
 
   student = build_student(cfg, teacher, mesh)
   strategy, scale = cfg.distill.strategy(), cfg.safeguards.loss_scale
+  if cfg.preference.enabled:  # the teacher is the frozen reference model
+    strategy = cfg.preference.strategy()
   if scale is not None:
     from meshdistill.safeguards import ScaledLoss  # pylint: disable=g-import-not-at-top
 
@@ -321,6 +323,13 @@ def distill(
   dump_config(cfg, os.path.join(run_dir, "config.yaml"))
   mesh = build_mesh(cfg)
   data = load_data(cfg)
+  if cfg.preference.enabled:  # batches of (chosen, rejected) row pairs; validation stays plain text
+    from meshdistill.data import PreferencePairs  # pylint: disable=g-import-not-at-top
+
+    pairs = cfg.preference.pairs
+    data = PreferencePairs(with_batch_size(data, cfg.train.batch_size // 2),
+                           source="own" if pairs == "own" else os.path.expanduser(pairs),
+                           prompt_fraction=cfg.preference.prompt_fraction)
   say = stream_reporter(stream)
   say(
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
