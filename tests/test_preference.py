@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import STUDENT_CFG, TEACHER_CFG, VOCAB
+from helpers import STUDENT_CFG, TEACHER_CFG, VOCAB
 
 import meshdistill as md
 from meshdistill.models import ModelOutput
@@ -111,7 +111,7 @@ def test_preference_row_missing_rejected_is_named(tmp_path):
     read_preferences(str(path))
   path.write_text(json.dumps(ROWS[0]) + "\n")
   assert read_preferences(str(path)) == ROWS[:1]
-  with pytest.raises(ValueError, match="beta"):
+  with pytest.raises(ValueError, match="PreferenceLoss.beta"):
     PreferenceLoss(beta=0.0)
 
 

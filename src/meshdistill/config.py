@@ -6,47 +6,37 @@ A run is described by `Config`, whose sections are frozen, keyword-only dataclas
   teacher     `ModelConfig` of the teacher, or ``hf: PATH`` (a Hugging Face directory; see `meshdistill.sources`)
   student     `ModelConfig` of the student, ``hf: PATH``, or ``init: {from_teacher: true, layers: [...]}``
   data        `meshdistill.data.DataConfig` (corpus, tokenizer, seq_len, ...)
-  distill     the logit-distillation recipe (temperature / alpha: numbers or schedule specs)
-  preference  preference optimisation (DPO / IPO / DPO + KL) with the teacher as reference, instead of ``distill``
+  distill     the strategy (a registered name) and its recipe (temperature / alpha: numbers or schedule specs)
+  preference  how a ``distill.kind: preference`` run gets its (chosen, rejected) pairs
   train       steps, batch size, optimizer, evaluation and logging cadence
   pretrain    how the teacher is obtained: a checkpoint, or pretrained from scratch and cached
   safeguards  divergence guard, automatic remat by memory, static loss scaling
   checkpoint  where / how often train states are saved, and how many are kept
   run         the run directory
 
-The dataclass defaults ARE the main job (``meshdistill distill`` with no arguments); the
-packaged ``configs/default.yaml`` spells them out, and a test keeps the two equal. A YAML
-file only needs the keys it changes: `load_config` overlays the file, then the overrides,
-on the defaults. Everything is checked before any work starts: an unknown key or a bad
+The dataclass defaults ARE the main job (``meshdistill distill`` with no arguments) and the
+one source of its settings: the packaged ``configs/default.yaml`` is generated from them
+(`meshdistill.config_files`), and a test keeps the file equal to them. A YAML file only needs
+the keys it changes: `load_config` overlays the file, then the overrides, on the defaults. Everything is checked before any work starts: an unknown key or a bad
 value raises `ConfigError` naming the dotted key and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 import os
 from collections.abc import Sequence
 
 import yaml
 
-from meshdistill._typed_yaml import (
-  ConfigError,
-  from_dict,
-  in_range,
-  nonneg_int,
-  parse_override,
-  positive_int,
-  set_path,
-  to_plain,
-  unknown_key,
-)
+from meshdistill import config_files
+from meshdistill._typed_yaml import ConfigError, from_dict, in_range, nonneg_int, positive_int, to_plain, unknown_key
+from meshdistill.config_files import config_path, load_raw  # noqa: F401  (part of this module's API)
 from meshdistill.data import DataConfig
 from meshdistill.models import ModelConfig
 from meshdistill.sources import ModelSources, nest_sources, resolve, split_sources
 
 BACKENDS = ("shard_map", "single", "pmap")
-CONFIG_SUFFIXES = (".yaml", ".yml")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,70 +71,103 @@ class MeshSettings:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DistillSettings:
-  """The `meshdistill.LogitKD` recipe. ``temperature`` and ``alpha`` are numbers or schedule specs
-  (`meshdistill.schedules.from_spec`), e.g. ``{kind: linear, start: 3.0, end: 1.0, steps: 300}``."""
+class OnPolicySettings:
+  """On-policy distillation (GKD, `meshdistill.onpolicy`): with probability ``lambda`` a batch's completions are
+  sampled from the student (``seq_kd``: from the teacher), otherwise the data's are used; the loss then covers
+  completion tokens only. Off (plain distillation on whole rows) while ``lambda=0``, ``seq_kd=false`` and no
+  ``prompts_file``. Prompts are the first ``data.seq_len + 1 - max_new_tokens`` tokens of each training row, or
+  those of ``prompts_file`` (JSONL ``prompt`` / ``completion`` pairs; ``data.val_fraction`` of them held out).
+  ``temperature``, ``top_k``, ``top_p`` are the sampler's (``distill.temperature`` stays the loss's)."""
 
+  YAML_NAMES = {"lmbda": "lambda"}  # `lambda` is a Python keyword
+
+  lmbda: float = 0.0
+  max_new_tokens: int = 32
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seq_kd: bool = False
+  prompts_file: str | None = None  # JSONL prompt/completion pairs to train on instead of the corpus rows
+
+  def __post_init__(self):
+    in_range("distill.on_policy.lambda", self.lmbda, 0.0, 1.0, example=" (e.g. 0.5)")
+    positive_int("distill.on_policy.max_new_tokens", self.max_new_tokens)
+    in_range("distill.on_policy.temperature", self.temperature, 0.0, float("inf"), example=" (0 = greedy)")
+    nonneg_int("distill.on_policy.top_k", self.top_k)
+    in_range("distill.on_policy.top_p", self.top_p, 0.0, 1.0, lo_open=True, example=" (1 = no nucleus filter)")
+
+  @property
+  def active(self) -> bool:
+    return self.lmbda > 0 or self.seq_kd or self.prompts_file is not None
+
+  def config(self, eos_id: int | None = None, pad_id: int = 0):
+    """The `meshdistill.onpolicy.OnPolicyConfig` of these settings."""
+    from meshdistill.onpolicy import OnPolicyConfig  # pylint: disable=g-import-not-at-top
+
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "prompts_file"}
+    return OnPolicyConfig(**fields, eos_id=eos_id, pad_id=pad_id)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillSettings:
+  """The strategy: ``kind`` names a registered one (`meshdistill.strategies.names()`), built from the
+  settings below that are among its fields plus ``options`` (`meshdistill.strategies.from_settings`).
+  For ``logit_kd``: ``temperature`` and ``alpha`` are numbers or schedule specs
+  (`meshdistill.schedules.from_spec`), e.g. ``{kind: linear, start: 3.0, end: 1.0, steps: 300}``;
+  ``chunk_size`` selects `ChunkedLogitKD` (the loss from final hidden states and LM heads,
+  ``chunk_size`` tokens at a time, without ``[batch, seq, vocab]`` logits; ``0`` = all at once)."""
+
+  kind: str = "logit_kd"
   temperature: float | dict = 1.0
   alpha: float | dict = 1.0
   divergence: str = "forward_kl"
   top_k: int | None = None
   chunk_size: int | None = None
+  on_policy: OnPolicySettings = dataclasses.field(default_factory=OnPolicySettings)
+  options: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    if self.chunk_size is not None and self.top_k is not None:
-      raise ConfigError(
-        f"distill.chunk_size={self.chunk_size} and distill.top_k={self.top_k} exclude each other: the chunked loss "
-        "has no top-k form; set distill.chunk_size=null for a top-k teacher, or distill.top_k=null"
-      )
-    try:
-      self.strategy()
-    except ValueError as e:  # the strategies name the setting as LogitKD.<name> / ChunkedLogitKD.<name>
-      raise ConfigError(str(e).replace("ChunkedLogitKD.", "distill.").replace("LogitKD.", "distill.")) from None
+    self.strategy()  # checks every setting
 
   def strategy(self):
-    """The strategy these settings describe: `LogitKD`, or `ChunkedLogitKD` when ``chunk_size`` is set
-    (the loss from final hidden states and LM heads, ``chunk_size`` tokens at a time, without
-    ``[batch, seq, vocab]`` logits; ``0`` = all tokens at once)."""
-    from meshdistill.strategies import ChunkedLogitKD, LogitKD  # pylint: disable=g-import-not-at-top
+    """The strategy these settings describe (raises `ConfigError` naming the ``distill.`` key)."""
+    from meshdistill import strategies  # pylint: disable=g-import-not-at-top
 
-    if self.chunk_size is not None:
-      return ChunkedLogitKD(
-        temperature=self.temperature, alpha=self.alpha, divergence=self.divergence, chunk_size=self.chunk_size
-      )
-    return LogitKD(temperature=self.temperature, alpha=self.alpha, divergence=self.divergence, top_k=self.top_k)
+    if self.kind not in strategies.names():
+      raise ConfigError(f"distill.kind={self.kind!r} is not a registered strategy; choose one of {strategies.names()}")
+    skip = ("kind", "options", "on_policy")  # on_policy: how batches are made (meshdistill.onpolicy), not the loss
+    fixed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+    try:
+      built = strategies.from_settings(self.kind, {**fixed, **self.options})
+    except (TypeError, ValueError) as e:  # the strategies name <Class>.<setting>: name the config key instead
+      msg = str(e)
+      for name in strategies.names():
+        msg = msg.replace(f"{strategies.get(name).__name__}.", "distill.")
+      for key in self.options:
+        msg = msg.replace(f"distill.{key}=", f"distill.options.{key}=")
+      raise ConfigError(msg) from None
+    fields = {f.name for f in dataclasses.fields(built)} if dataclasses.is_dataclass(built) else set()
+    if set(self.options) - fields:
+      raise ConfigError(f"distill.options {sorted(set(self.options) - fields)} are not settings of "
+                        f"{type(built).__name__}; its settings: {sorted(fields)}")
+    return built
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PreferenceSettings:
-  """``preference``: with ``enabled`` the run trains the student on preference pairs with
-  `meshdistill.strategies.PreferenceLoss` (the teacher is the frozen reference) instead of the
-  ``distill`` recipe. ``pairs``: ``own`` (pairs built from the run's text: its continuation against
-  another place's, split at ``prompt_fraction``) or the path of a JSONL file of ``{prompt, chosen,
-  rejected}`` rows. ``train.batch_size`` counts rows: half as many pairs."""
+  """``preference``: where a ``distill.kind: preference`` run (`meshdistill.strategies.PreferenceLoss`,
+  the teacher as the frozen reference; ``distill.options: {beta, loss, kl_weight}``) gets its pairs.
+  ``pairs``: ``own`` (built from the run's text: its continuation against another place's, split at
+  ``prompt_fraction``) or the path of a JSONL file of ``{prompt, chosen, rejected}`` rows.
+  ``train.batch_size`` counts rows: half as many pairs."""
 
-  enabled: bool = False
-  beta: float = 0.1
-  loss: str = "sigmoid"
-  kl_weight: float = 0.1
   pairs: str = "own"
   prompt_fraction: float = 0.5
 
   def __post_init__(self):
-    if not isinstance(self.enabled, bool):
-      raise ConfigError(f"preference.enabled={self.enabled!r} must be true or false")
     in_range("preference.prompt_fraction", self.prompt_fraction, 0.0, 1.0, lo_open=True, example=" (e.g. 0.5)")
-    try:
-      self.strategy()
-    except ValueError as e:
-      raise ConfigError(str(e).replace("distill.", "preference.")) from None
     if self.pairs != "own" and not os.path.isfile(os.path.expanduser(self.pairs)):
       raise ConfigError(f"preference.pairs={self.pairs!r} is neither 'own' nor an existing JSONL file")
-
-  def strategy(self):
-    from meshdistill.strategies import PreferenceLoss  # pylint: disable=g-import-not-at-top
-
-    return PreferenceLoss(beta=self.beta, loss=self.loss, kl_weight=self.kl_weight)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -384,6 +407,12 @@ class Config:
         f"teacher.vocab_size={self.teacher.vocab_size} != student.vocab_size={self.student.vocab_size}; "
         "distillation compares distributions token by token: set both to the tokenizer's vocabulary size"
       )
+    n_new = self.distill.on_policy.max_new_tokens
+    if self.distill.on_policy.active and n_new > self.data.seq_len:
+      raise ConfigError(
+        f"distill.on_policy.max_new_tokens={n_new} leaves no prompt in rows of data.seq_len={self.data.seq_len} "
+        f"tokens; use max_new_tokens <= {self.data.seq_len} (prompts are the first seq_len + 1 - max_new_tokens tokens)"
+      )
     for section, model in (("train", self.student), ("pretrain", self.teacher)):
       stages = getattr(self, section).stages()
       if stages is not None:
@@ -393,9 +422,9 @@ class Config:
           check_stages(stages, model.n_layers)
         except ValueError as e:
           raise ConfigError(f"{section}.freeze: {e}".replace("Stage(", "stage(")) from None
-    if self.preference.enabled and self.train.batch_size % (2 * self.mesh.data):
+    if self.distill.kind == "preference" and self.train.batch_size % (2 * self.mesh.data):
       raise ConfigError(
-        f"train.batch_size={self.train.batch_size} with preference.enabled: rows come in (chosen, rejected) pairs "
+        f"train.batch_size={self.train.batch_size} with distill.kind=preference: rows come in (chosen, rejected) pairs "
         f"that share a data shard, so use a multiple of 2 * mesh.data = {2 * self.mesh.data}"
       )
     for section in ("train", "pretrain"):
@@ -420,36 +449,6 @@ class Config:
 
 
 # --------------------------------------------------------------------------- loading
-def config_path(name_or_path: str) -> str:
-  """A config file: an existing path, or the name of a packaged config (``default``, ``tiny``)."""
-  if os.path.exists(name_or_path):
-    return name_or_path
-  packaged = importlib.resources.files("meshdistill") / "configs"
-  for suffix in ("",) + CONFIG_SUFFIXES:
-    candidate = packaged / f"{name_or_path}{suffix}"
-    if candidate.is_file():
-      return str(candidate)
-  names = sorted(p.name.rsplit(".", 1)[0] for p in packaged.iterdir() if p.name.endswith(CONFIG_SUFFIXES))
-  raise FileNotFoundError(f"config {name_or_path!r} is neither a file nor a packaged config; packaged configs: {names}")
-
-
-def load_raw(name_or_path: str | None) -> dict:
-  """The YAML mapping of a config file (``{}`` for None)."""
-  if name_or_path is None:
-    return {}
-  path = config_path(name_or_path)
-  with open(path, encoding="utf-8") as f:
-    try:
-      raw = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-      raise ConfigError(f"{path}: not valid YAML ({e})") from None
-  if raw is None:
-    return {}
-  if not isinstance(raw, dict):
-    raise ConfigError(f"{path}: the top level must be a mapping of sections (mesh, teacher, student, ...)")
-  return raw
-
-
 def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) -> Config:
   """The `Config` of a YAML file (or packaged config name) with ``key.path=value`` overrides.
 
@@ -461,11 +460,7 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
     ConfigError: an unknown key or a bad value, named by its dotted path.
     FileNotFoundError: the config file does not exist.
   """
-  raw = load_raw(name_or_path)
-  for item in overrides:
-    path, value = parse_override(item)
-    set_path(raw, path, value, item)
-  return from_dict(Config, split_sources(raw))
+  return from_dict(Config, split_sources(config_files.read(name_or_path, overrides)))
 
 
 def dump_config(cfg: Config, path: str) -> None:

@@ -28,13 +28,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from meshdistill.losses import cross_entropy
+from meshdistill.strategies._base import BatchStrategy, register
 
 LOSSES = ("sigmoid", "ipo", "sigmoid_kl")
 FIELDS = ("prompt", "chosen", "rejected")
@@ -49,8 +50,9 @@ def pair_loss(margin_P: jax.Array, beta: float, loss: str = "sigmoid") -> jax.Ar
   raise ValueError(f"preference loss={loss!r}; choose one of {LOSSES}")
 
 
+@register("preference")
 @dataclasses.dataclass(frozen=True)
-class PreferenceLoss:
+class PreferenceLoss(BatchStrategy):
   """DPO-family loss on (chosen, rejected) row pairs, the teacher as the reference model.
 
   Args:
@@ -64,23 +66,15 @@ class PreferenceLoss:
   kl_weight: float = 0.1
 
   capture: tuple[str, ...] = dataclasses.field(default=(), init=False)
-  needs_logits = True
-  needs_head = True
+  needs_logits: ClassVar[bool] = True  # completion log-probs from the models' own logits
 
   def __post_init__(self):
     if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not self.beta > 0:
-      raise ValueError(f"distill.beta={self.beta!r} (preference beta) must be a number > 0, e.g. 0.1")
+      raise ValueError(f"PreferenceLoss.beta={self.beta!r} must be a number > 0, e.g. 0.1")
     if self.loss not in LOSSES:
-      raise ValueError(f"distill.loss={self.loss!r}; choose one of {LOSSES}")
+      raise ValueError(f"PreferenceLoss.loss={self.loss!r}; choose one of {LOSSES}")
     if isinstance(self.kl_weight, bool) or not isinstance(self.kl_weight, (int, float)) or self.kl_weight < 0:
-      raise ValueError(f"distill.kl_weight={self.kl_weight!r} must be a number >= 0")
-
-  def init_params(self, student_cfg, teacher_cfg, key) -> Any:
-    del student_cfg, teacher_cfg, key
-    return {}
-
-  def fallback(self) -> Any:
-    return None
+      raise ValueError(f"PreferenceLoss.kl_weight={self.kl_weight!r} must be a number >= 0")
 
   def count(self, mask_BxT: jax.Array) -> jax.Array:
     """The local number of pairs: the step's denominator (summed over ``data``)."""
