@@ -122,7 +122,8 @@ def main() -> None:
       "",
   ]
   RESULT.parent.mkdir(parents=True, exist_ok=True)
-  RESULT.write_text("\n".join(lines))
+  kept = RESULT.read_text().partition("\n## Quality")[2] if RESULT.exists() else ""
+  RESULT.write_text("\n".join(lines) + ("\n## Quality" + kept if kept else ""))  # quality notes: written by hand
   print("\n".join(lines))
 
 
