@@ -28,8 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from typing import ClassVar
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,8 +63,9 @@ class PreferenceLoss(BatchStrategy):
   loss: str = "sigmoid"
   kl_weight: float = 0.1
 
-  capture: tuple[str, ...] = dataclasses.field(default=(), init=False)
-  needs_logits: ClassVar[bool] = True  # completion log-probs from the models' own logits
+  # The models skip their heads; logits are formed here from the final hidden states and the LM
+  # heads (V split over `tensor`), the same product the models' heads compute.
+  capture: tuple[str, ...] = dataclasses.field(default=("final",), init=False)
 
   def __post_init__(self):
     if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not self.beta > 0:
@@ -87,11 +86,12 @@ class PreferenceLoss(BatchStrategy):
     return jnp.asarray(B // 2, jnp.float32)
 
   def per_batch(self, params, student, teacher, heads, targets_BxT, mask_BxT, step) -> dict[str, jax.Array]:
-    del params, heads, step
+    del params, step
     self.count(mask_BxT)
+    s_logits, t_logits = (_logits(out, head) for out, head in zip((student, teacher), heads or (None, None)))
     ce = jax.vmap(cross_entropy)
-    logp_B = -jnp.sum(ce(student.logits, targets_BxT, mask_BxT), axis=-1)
-    ref_B = -jnp.sum(ce(teacher.logits, targets_BxT, mask_BxT), axis=-1)
+    logp_B = -jnp.sum(ce(s_logits, targets_BxT, mask_BxT), axis=-1)
+    ref_B = -jnp.sum(ce(t_logits, targets_BxT, mask_BxT), axis=-1)
     logp_c, logp_r = logp_B[0::2], logp_B[1::2]
     ratio_c, ratio_r = logp_c - ref_B[0::2], logp_r - ref_B[1::2]
     margin_P = ratio_c - ratio_r
@@ -107,12 +107,19 @@ class PreferenceLoss(BatchStrategy):
     }
     total = sums["preference_loss"]
     if self.loss == "sigmoid_kl":
-      kl_BxT = jax.vmap(_reverse_kl)(student.logits, teacher.logits, mask_BxT)
+      kl_BxT = jax.vmap(_reverse_kl)(s_logits, t_logits, mask_BxT)
       kl = jnp.sum(kl_BxT) / 2.0  # per pair: both rows' completion tokens
       sums["kl"] = kl
       total = total + self.kl_weight * kl
     sums["loss"] = total
     return sums
+
+
+def _logits(out, head_DxV):
+  """``[B, T, V]`` float32 logits of a model output: its own, or its final hidden states times its LM head."""
+  if out.logits is not None:
+    return out.logits
+  return jnp.einsum("btd,dv->btv", out.final, head_DxV.astype(out.final.dtype)).astype(jnp.float32)
 
 
 def _reverse_kl(student_TxV, teacher_TxV, mask_T):
