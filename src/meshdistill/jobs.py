@@ -34,8 +34,10 @@ def prepare_devices(cfg: Config) -> None:
 
   ``mesh.simulate_cpu_devices``: ``auto`` asks the CPU platform for ``data * tensor`` devices
   (it only affects the CPU platform: on a GPU/TPU machine JAX still uses the accelerators);
-  ``true`` also forces the CPU platform; ``false`` leaves devices as they are.
+  ``true`` also forces the CPU platform; ``false`` leaves devices as they are. In a job of several
+  processes (`meshdistill.distributed.initialize` first) each process simulates its share.
   """
+  from meshdistill.distributed import local_device_share  # pylint: disable=g-import-not-at-top
   from meshdistill.mesh import simulate_cpu_devices  # pylint: disable=g-import-not-at-top
 
   sim = cfg.mesh.simulate_cpu_devices
@@ -44,17 +46,20 @@ def prepare_devices(cfg: Config) -> None:
   if sim is True:
     os.environ["JAX_PLATFORMS"] = "cpu"
   if cfg.mesh.devices > 1 or sim is True:
-    simulate_cpu_devices(cfg.mesh.devices)
+    simulate_cpu_devices(local_device_share(cfg.mesh.devices))
 
 
 def build_mesh(cfg: Config):
   """The run's mesh (None for the ``single`` backend)."""
+  from meshdistill.distributed import check_data_layout  # pylint: disable=g-import-not-at-top
   from meshdistill.mesh import make_mesh  # pylint: disable=g-import-not-at-top
 
   if cfg.mesh.backend == "single":
     return None
   try:
-    return make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor)
+    mesh = make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor)
+    check_data_layout(mesh)
+    return mesh
   except ValueError as e:
     raise ConfigError(
       f"{e}. Set the layout with e.g. --set mesh.data=1 --set mesh.tensor=1 (or mesh.backend=single), "
@@ -118,7 +123,18 @@ def teacher_dir(cfg: Config, tokenizer: Any) -> str:
 
 
 def _monitor(run_dir: str, steps: int, stream, name: str) -> Monitor:
-  return Monitor(run_dir, steps, stream=stream, name=name)
+  """The run's monitor; only process 0 writes ``metrics.jsonl`` and ``tb/`` (every process shows progress)."""
+  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
+
+  return Monitor(run_dir if is_primary() else None, steps, stream=stream, name=name)
+
+
+def _write_config(cfg: Config, run_dir: str) -> None:
+  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
+
+  os.makedirs(run_dir, exist_ok=True)
+  if is_primary():
+    dump_config(cfg, os.path.join(run_dir, "config.yaml"))
 
 
 def pretrain(
@@ -151,8 +167,7 @@ def pretrain(
   model = init_model(cfg.teacher, seed=p.seed, mesh=mesh)
   optimizer = make_optimizer(p, cfg.teacher.n_layers)
   trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend)
-  os.makedirs(run_dir, exist_ok=True)
-  dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+  _write_config(cfg, run_dir)
   monitor = _monitor(run_dir, p.steps, stream, "pretrain")
   ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
   try:
@@ -306,8 +321,7 @@ def distill(
   from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
 
   run_dir = cfg.run.run_dir
-  os.makedirs(run_dir, exist_ok=True)
-  dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+  _write_config(cfg, run_dir)
   mesh = build_mesh(cfg)
   data = load_data(cfg)
   say = stream_reporter(stream)
@@ -345,8 +359,11 @@ def distill(
     "divergences": sum(e["kind"] == "diverged" for e in result.events),
     "events": result.events,
   }
-  with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
-    json.dump(summary, f, indent=2)
+  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
+
+  if is_primary():
+    with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
+      json.dump(summary, f, indent=2)
   return summary
 
 
