@@ -157,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 
       mesh = "1 device" if cfg.mesh.backend == "single" else f"{cfg.mesh.data}x{cfg.mesh.tensor} (data x tensor)"
       print(
-        f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s), "
-        f"run dir {cfg.run.run_dir}",
+        f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s)"
+        + (f" in {jax.process_count()} processes (this is process {jax.process_index()})" if jax.process_count() > 1
+           else "")
+        + f", run dir {cfg.run.run_dir}",
         file=sys.stderr,
       )
       summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
@@ -170,6 +172,18 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt:
     print("\ninterrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
     return 130
+  except RuntimeError as e:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    if distributed.process_count() == 1 or not isinstance(e, jax.errors.JaxRuntimeError):
+      raise
+    print(
+      f"meshdistill: error: process {distributed.process_index()} of {distributed.process_count()}: {e}\n"
+      "a collective between the processes failed (did another process of the job stop?); rerun the same command "
+      "on every process to resume from the last checkpoint",
+      file=sys.stderr,
+    )
+    return 1
   print(f"done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
   return 0
 

@@ -1,0 +1,153 @@
+"""The main job as several processes on one machine (JAX's multi-controller runtime, gloo on CPU).
+
+Every run here is a real ``meshdistill distill --config tiny`` subprocess (4 steps, a checkpoint
+every 2): 2 processes x 4 CPU devices on a 2x4 mesh (through ``meshdistill launch``) against
+1 process x 8 devices; a 1-process resume of the 2-process checkpoint; and a 2-process run
+whose second process is killed. A random teacher written once by this module replaces the
+tiny config's teacher pretraining (it only costs compile time here).
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import meshdistill as md
+from meshdistill import distributed
+from meshdistill.checkpoint import save_teacher
+from meshdistill.config import load_config
+
+STEPS = 4
+TIMEOUT_S = 600  # a whole run on a loaded 2-core machine; a hang fails instead of blocking CI
+
+
+def _args(run_dir, teacher, *extra):
+  sets = {
+      "run.run_dir": run_dir, "pretrain.teacher": teacher, "train.steps": STEPS, "checkpoint.every": 2,
+      "checkpoint.keep": 5, "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 1,
+  }
+  out = ["distill", "--config", "tiny"]
+  for k, v in sets.items():
+    out += ["--set", f"{k}={v}"]
+  return out + list(extra)
+
+
+def _env(tmp):
+  env = dict(os.environ)
+  env["MESHDISTILL_CACHE"] = str(tmp / "cache")
+  src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(md.__file__))))
+  env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+  return env
+
+
+def _train_losses(run_dir):
+  rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8")]
+  train = [r for r in rows if r["split"] == "train"]
+  steps = [r["step"] for r in train]
+  assert len(steps) == len(set(steps)), f"a step was written twice (by two processes?): {steps}"
+  return {r["step"]: r["loss"] for r in train}
+
+
+def _load_state(run_dir, step):
+  """The saved train state of ``step`` as numpy arrays (whatever layout and process count wrote it)."""
+  path = os.path.join(run_dir, "checkpoints", str(step), "state")
+  ckptr = ocp.PyTreeCheckpointer()
+  tree = ckptr.metadata(path).item_metadata.tree
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  return ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+
+
+def _progress_losses(output, prefix):
+  """``{step: loss}`` of the progress lines one process printed (what that process read from its devices)."""
+  pat = re.compile(rf"^{re.escape(prefix)}distill \[[#-]+\] (\d+)/\d+ .*?\| loss ([\d.]+)")
+  return {int(m.group(1)): m.group(2) for m in map(pat.match, output.splitlines()) if m}
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+  cfg = load_config("tiny")
+  path = str(tmp_path_factory.mktemp("teacher") / "teacher")
+  save_teacher(path, md.init_model(cfg.teacher, seed=0), md.data.ByteTokenizer(), {"note": "random, for tests"})
+  return path
+
+
+def test_two_processes_match_one_and_resume_on_one(tmp_path, teacher):
+  env = _env(tmp_path)
+  two, one, resumed = (str(tmp_path / n) for n in ("two", "one", "resumed"))
+  launch = [sys.executable, "-m", "meshdistill", "launch", "--processes", "2", "--", "meshdistill", *_args(two, teacher)]
+  single = [sys.executable, "-m", "meshdistill", *_args(one, teacher)]
+  # Both jobs at once: the machine's two cores are shared either way, and the waits overlap.
+  p2 = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  p1 = subprocess.Popen(single, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  out2, _ = p2.communicate(timeout=TIMEOUT_S)
+  out1, _ = p1.communicate(timeout=TIMEOUT_S)
+  assert p2.returncode == 0, out2[-3000:]
+  assert p1.returncode == 0, out1[-3000:]
+  assert "on 8 cpu device(s) in 2 processes" in out2
+
+  # Every process read the same loss at every step: the guard's decisions cannot differ.
+  seen = [_progress_losses(out2, f"[p{i}] ") for i in range(2)]
+  assert sorted(seen[0]) == list(range(STEPS + 1)[1:]) and seen[0] == seen[1]
+
+  # Same per-step losses and final parameters as one process on 8 devices.
+  l2, l1 = _train_losses(two), _train_losses(one)
+  assert sorted(l2) == list(range(1, STEPS + 1))
+  np.testing.assert_allclose([l2[s] for s in sorted(l2)], [l1[s] for s in sorted(l2)], rtol=1e-5)
+  final2, final1 = _load_state(two, STEPS), _load_state(one, STEPS)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), final2, final1)
+  assert os.path.isfile(os.path.join(two, "summary.json"))
+
+  # The 2-process checkpoint of step 2, resumed by 1 process, ends where the uninterrupted runs end.
+  shutil.copytree(os.path.join(two, "checkpoints", "2"), os.path.join(resumed, "checkpoints", "2"))
+  out, _ = subprocess.Popen(
+      [sys.executable, "-m", "meshdistill", *_args(resumed, teacher)], env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True,
+  ).communicate(timeout=TIMEOUT_S)
+  assert "resumed from step 2" in out, out[-3000:]
+  lr = _train_losses(resumed)
+  assert sorted(lr) == [3, 4]
+  np.testing.assert_allclose([lr[3], lr[4]], [l2[3], l2[4]], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), _load_state(resumed, STEPS),
+               final2)
+
+
+def test_killed_process_stops_the_other_and_leaves_a_loadable_checkpoint(tmp_path, teacher):
+  env, run = _env(tmp_path), str(tmp_path / "killed")
+  port = distributed.free_port()
+  cmd = [sys.executable, "-m", "meshdistill", *_args(run, teacher, "--set", "train.steps=500")]
+  logs = [open(tmp_path / f"p{i}.log", "w+", encoding="utf-8") for i in range(2)]  # noqa: SIM115
+  procs = [subprocess.Popen(cmd, env=distributed.local_env(i, 2, port, base=env), stdout=logs[i],
+                            stderr=subprocess.STDOUT) for i in range(2)]
+  ckpt = os.path.join(run, "checkpoints")
+  try:
+    t0 = time.monotonic()
+    while not (os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))):
+      assert all(p.poll() is None for p in procs), "a process ended before the first checkpoint"
+      assert time.monotonic() - t0 < TIMEOUT_S, "no checkpoint written"
+      time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    code = procs[0].wait(timeout=60)
+    waited = time.monotonic() - killed
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  logs[0].seek(0)
+  out = logs[0].read()
+  assert code != 0, out[-3000:]
+  assert waited < 60
+  steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()]
+  assert steps and max(steps) < 500, "the run ended before the kill: nothing was tested"
+  state = _load_state(run, max(steps))
+  assert int(state["step"]) == max(steps)
