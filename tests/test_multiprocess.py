@@ -151,3 +151,35 @@ def test_killed_process_stops_the_other_and_leaves_a_loadable_checkpoint(tmp_pat
   assert steps and max(steps) < 500, "the run ended before the kill: nothing was tested"
   state = _load_state(run, max(steps))
   assert int(state["step"]) == max(steps)
+
+
+@pytest.mark.parametrize(
+    "owners, expect",
+    [
+        ([[0, 0, 0, 0], [1, 1, 1, 1]], [(0, 2), (1, 2)]),  # 2 processes x 4 devices on 2x4: a half each
+        ([[0, 0], [0, 0], [1, 1], [1, 1]], [(0, 2), (1, 2)]),  # 4x2: two mesh rows each
+        ([[0, 1, 2, 3], [4, 5, 6, 7]], [(0, 2)] * 4 + [(1, 2)] * 4),  # one device each, tensor across processes
+        ([[0, 0, 1, 1]], [(0, 1), (0, 1)]),  # 1x4 over 2 processes: both read the whole batch
+        ([[0, 0], [1, 1], [0, 0], [1, 1]], [None, None]),  # scattered rows
+        ([[0, 0], [0, 1]], [None, None]),  # overlapping, different rows
+    ],
+)
+def test_batch_part_is_the_rows_a_process_holds(owners, expect):
+  assert [distributed.batch_part(owners, p) for p in range(len(expect))] == expect
+
+
+def test_resolve_reads_flags_then_environment_and_names_what_is_missing():
+  env = {"MESHDISTILL_COORDINATOR": "10.0.0.1:8476", "MESHDISTILL_NUM_PROCESSES": "4", "MESHDISTILL_PROCESS_ID": "3"}
+  assert distributed.resolve(environ=env) == distributed.Settings("10.0.0.1:8476", 4, 3)
+  assert distributed.resolve("h:1", 2, 0, environ=env) == distributed.Settings("h:1", 2, 0)
+  assert not distributed.resolve(environ={}).multi
+  assert distributed.resolve(environ={"SLURM_NTASKS": "8"}).coordinator == distributed.AUTO
+  assert not distributed.resolve(environ={"SLURM_NTASKS": "1"}).multi
+  with pytest.raises(distributed.DistributedError, match="needs --process-id"):
+    distributed.resolve("h:1", 2, environ={})
+  with pytest.raises(distributed.DistributedError, match="without a coordinator"):
+    distributed.resolve(num_processes=2, environ={})
+  with pytest.raises(distributed.DistributedError, match="smaller than num_processes"):
+    distributed.resolve("h:1", 2, 2, environ={})
+  with pytest.raises(distributed.DistributedError, match="HOST:PORT"):
+    distributed.resolve("h", 2, 0, environ={})

@@ -13,7 +13,7 @@ collectives cross the processes. This module
   ``meshdistill launch`` command): gloo collectives, ``[pN]``-prefixed output, and when one
   process fails the rest are stopped and the launcher exits non-zero;
 * answers the questions the rest of the code asks: `process_count` / `is_primary` without
-  starting a backend, `barrier`, `check_data_layout`.
+  starting a backend, `barrier`, `data_shard` (which rows of each batch this process reads).
 
 What each process does in a run (see also README.md, "Several hosts"):
 
@@ -286,28 +286,62 @@ def barrier(name: str, timeout_s: int = 600) -> None:
   _global_state().client.wait_at_barrier(f"meshdistill:{name}", timeout_in_ms=timeout_s * 1000)
 
 
-def check_data_layout(mesh) -> None:
-  """Raises unless process ``p`` of ``P`` holds exactly the batch rows ``[p*B/P, (p+1)*B/P)`` of ``mesh``.
+def data_shard(mesh) -> tuple[int, int]:
+  """``(index, count)``: this process reads part ``index`` of ``count`` equal parts of every global batch.
 
-  That is the slice the data loader reads (`meshdistill.data.process_slice`). It holds when the
-  ``data`` axis is a multiple of the process count and each process's devices form whole rows
-  of the mesh, which `meshdistill.make_mesh` gives over ``jax.devices()`` (ordered by process).
+  The part is the batch rows held by the mesh rows (``data`` indices) of this process's devices.
+  With whole mesh rows per process (``mesh.data`` a multiple of the process count, e.g. 2
+  processes x 4 devices on 2x4) that is ``(process_index, process_count)``; when several
+  processes share mesh rows (one GPU per process and ``tensor`` spanning a host's GPUs) they
+  read the same part, and `meshdistill.host_to_global` builds the global batch from it.
+
+  Raises:
+    DistributedError: a process's devices hold scattered rows, or processes hold overlapping
+      but different rows (the message says which layouts work).
   """
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   n = jax.process_count()
-  if mesh is None or n == 1:
-    return
-  rows = mesh.devices.shape[0]
-  owners = np.vectorize(lambda d: d.process_index)(mesh.devices)
-  expected = np.repeat(np.arange(n), rows // n)[:, None] if rows % n == 0 else None
-  if expected is None or not (owners == expected).all():
+  if n == 1:
+    return 0, 1
+  if mesh is None:
     raise DistributedError(
-        f"mesh data={rows} x tensor={mesh.devices.shape[1]} over {n} processes: each process must hold whole, "
-        f"consecutive rows of the data axis (its own share of every batch); use mesh.data a multiple of {n} and "
-        f"mesh.tensor at most {jax.local_device_count()} (the devices of one process)"
+        f"mesh.backend=single runs on one device, but this job has {n} processes; use mesh.backend=shard_map"
     )
+  owners = np.vectorize(lambda d: d.process_index)(mesh.devices)  # [data, tensor] process of each device
+  got = batch_part(owners, jax.process_index())
+  if got is None:
+    raise DistributedError(
+        f"mesh data={owners.shape[0]} x tensor={owners.shape[1]} over {n} processes: each process's devices must "
+        "hold consecutive rows of the data axis, one equal share of every batch per process or per group of "
+        f"processes; use mesh.data a multiple of {n} with mesh.tensor at most {jax.local_device_count()} (one "
+        "process's devices), or mesh.tensor a multiple of the devices per process"
+    )
+  return got
+
+
+def batch_part(owners_DxT, process: int) -> tuple[int, int] | None:
+  """`data_shard` for a mesh whose device ``[d, t]`` belongs to process ``owners_DxT[d, t]`` (None: no layout).
+
+  Rows of the mesh are batch parts; a process reads the part its devices' rows form. Those rows
+  must be consecutive, and the distinct parts of all processes equal and covering every row.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  owners_DxT = np.asarray(owners_DxT)
+  rows = owners_DxT.shape[0]
+  spans = {}
+  for p in np.unique(owners_DxT):
+    held = np.flatnonzero((owners_DxT == p).any(axis=1))
+    if held[-1] + 1 - held[0] != held.size:  # scattered rows
+      return None
+    spans[int(p)] = (int(held[0]), int(held[-1]) + 1)
+  parts = sorted(set(spans.values()))
+  size = rows // len(parts)
+  if parts != [(k * size, (k + 1) * size) for k in range(len(parts))] or process not in spans:
+    return None
+  return parts.index(spans[process]), len(parts)
 
 
 # --------------------------------------------------------------------------- local launcher

@@ -51,14 +51,19 @@ def prepare_devices(cfg: Config) -> None:
 
 def build_mesh(cfg: Config):
   """The run's mesh (None for the ``single`` backend)."""
-  from meshdistill.distributed import check_data_layout  # pylint: disable=g-import-not-at-top
+  from meshdistill.distributed import data_shard, process_count  # pylint: disable=g-import-not-at-top
   from meshdistill.mesh import make_mesh  # pylint: disable=g-import-not-at-top
 
+  if process_count() > 1 and cfg.mesh.backend != "shard_map":
+    raise ConfigError(
+      f"mesh.backend={cfg.mesh.backend!r} cannot span the {process_count()} processes of this job; use "
+      "mesh.backend=shard_map"
+    )
   if cfg.mesh.backend == "single":
     return None
   try:
     mesh = make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor)
-    check_data_layout(mesh)
+    data_shard(mesh)  # each process's share of a batch is well defined
     return mesh
   except ValueError as e:
     raise ConfigError(
@@ -67,11 +72,19 @@ def build_mesh(cfg: Config):
     ) from None
 
 
-def load_data(cfg: Config, batch_size: int | None = None):
-  """The data bundle of ``cfg`` for the distillation batch size; checks the vocabulary fits the models."""
-  from meshdistill.data import build_data  # pylint: disable=g-import-not-at-top
+def load_data(cfg: Config, batch_size: int | None = None, mesh=None):
+  """The data bundle of ``cfg`` for the distillation batch size; checks the vocabulary fits the models.
 
-  data = build_data(cfg.data, cfg.train.batch_size if batch_size is None else batch_size)
+  In a job of several processes each process reads the rows of every batch its devices of ``mesh``
+  hold (`meshdistill.distributed.data_shard`).
+  """
+  from meshdistill.data import build_data  # pylint: disable=g-import-not-at-top
+  from meshdistill.distributed import data_shard  # pylint: disable=g-import-not-at-top
+
+  index, count = data_shard(mesh)
+  data = build_data(
+    cfg.data, cfg.train.batch_size if batch_size is None else batch_size, process_index=index, process_count=count
+  )
   vocab = data.tokenizer.vocab_size
   for who in ("teacher", "student"):
     have = getattr(cfg, who).vocab_size
@@ -160,7 +173,7 @@ def pretrain(
   from meshdistill.trainer import fit, make_optimizer  # pylint: disable=g-import-not-at-top
 
   mesh = mesh if mesh is not None else build_mesh(cfg)
-  data = with_batch_size(data if data is not None else load_data(cfg), cfg.pretrain.batch_size)
+  data = with_batch_size(data if data is not None else load_data(cfg, mesh=mesh), cfg.pretrain.batch_size)
   out = out or teacher_dir(cfg, data.tokenizer)
   run_dir = run_dir or os.path.join(cfg.run.run_dir, f"teacher-{teacher_key(cfg, data.tokenizer)}")
   p = cfg.pretrain
@@ -323,7 +336,7 @@ def distill(
   run_dir = cfg.run.run_dir
   _write_config(cfg, run_dir)
   mesh = build_mesh(cfg)
-  data = load_data(cfg)
+  data = load_data(cfg, mesh=mesh)
   say = stream_reporter(stream)
   say(
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
@@ -380,7 +393,7 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
     if meta.get("kind") != "distill":
       raise ValueError(f"{cfg.checkpoint_dir} holds a {meta.get('kind')!r} run, not a distillation run")
     mesh = build_mesh(cfg)
-    data = load_data(cfg)
+    data = load_data(cfg, mesh=mesh)
     tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
     read_teacher_meta(tdir)
     teacher = load_teacher(tdir, cfg.teacher, mesh, data.tokenizer)
