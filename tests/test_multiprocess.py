@@ -2,9 +2,9 @@
 
 Every run here is a real ``meshdistill distill --config tiny`` subprocess (4 steps, a checkpoint
 every 2): 2 processes x 4 CPU devices on a 2x4 mesh (through ``meshdistill launch``) against
-1 process x 8 devices; a 1-process resume of the 2-process checkpoint; and a 2-process run
-whose second process is killed. A random teacher written once by this module replaces the
-tiny config's teacher pretraining (it only costs compile time here).
+1 process x 8 devices; a 1-process resume of the 2-process checkpoint; and a 2-process resume of
+the 1-process checkpoint whose second process is then killed. A random teacher written once by
+this module replaces the tiny config's teacher pretraining (it only costs compile time here).
 """
 
 import json
@@ -80,58 +80,70 @@ def teacher(tmp_path_factory):
   return path
 
 
-def test_two_processes_match_one_and_resume_on_one(tmp_path, teacher):
-  env = _env(tmp_path)
-  two, one, resumed = (str(tmp_path / n) for n in ("two", "one", "resumed"))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, teacher):
+  """The same 4-step job as 2 processes x 4 devices (``meshdistill launch``) and as 1 process x 8 devices."""
+  tmp = tmp_path_factory.mktemp("runs")
+  env = _env(tmp)
+  two, one = str(tmp / "two"), str(tmp / "one")
   launch = [sys.executable, "-m", "meshdistill", "launch", "--processes", "2", "--", "meshdistill", *_args(two, teacher)]
   single = [sys.executable, "-m", "meshdistill", *_args(one, teacher)]
-  # Both jobs at once: the machine's two cores are shared either way, and the waits overlap.
+  # Both jobs at once: the machine's cores are shared either way, and the waits overlap.
   p2 = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   p1 = subprocess.Popen(single, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   out2, _ = p2.communicate(timeout=TIMEOUT_S)
   out1, _ = p1.communicate(timeout=TIMEOUT_S)
   assert p2.returncode == 0, out2[-3000:]
   assert p1.returncode == 0, out1[-3000:]
-  assert "on 8 cpu device(s) in 2 processes" in out2
+  return {"two": two, "one": one, "out2": out2, "env": env, "teacher": teacher}
 
+
+def test_two_processes_match_one_process(runs):
+  two, one, out2 = runs["two"], runs["one"], runs["out2"]
+  assert "on 8 cpu device(s) in 2 processes" in out2
   # Every process read the same loss at every step: the guard's decisions cannot differ.
   seen = [_progress_losses(out2, f"[p{i}] ") for i in range(2)]
-  assert sorted(seen[0]) == list(range(STEPS + 1)[1:]) and seen[0] == seen[1]
-
+  assert sorted(seen[0]) == list(range(1, STEPS + 1)) and seen[0] == seen[1]
   # Same per-step losses and final parameters as one process on 8 devices.
   l2, l1 = _train_losses(two), _train_losses(one)
   assert sorted(l2) == list(range(1, STEPS + 1))
   np.testing.assert_allclose([l2[s] for s in sorted(l2)], [l1[s] for s in sorted(l2)], rtol=1e-5)
-  final2, final1 = _load_state(two, STEPS), _load_state(one, STEPS)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), final2, final1)
-  assert os.path.isfile(os.path.join(two, "summary.json"))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), _load_state(two, STEPS),
+               _load_state(one, STEPS))
+  assert os.path.isfile(os.path.join(two, "summary.json"))  # written once, by process 0
 
-  # The 2-process checkpoint of step 2, resumed by 1 process, ends where the uninterrupted runs end.
-  shutil.copytree(os.path.join(two, "checkpoints", "2"), os.path.join(resumed, "checkpoints", "2"))
+
+def test_two_process_checkpoint_resumes_on_one_process(runs, tmp_path):
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(os.path.join(runs["two"], "checkpoints", "2"), os.path.join(resumed, "checkpoints", "2"))
   out, _ = subprocess.Popen(
-      [sys.executable, "-m", "meshdistill", *_args(resumed, teacher)], env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True,
+      [sys.executable, "-m", "meshdistill", *_args(resumed, runs["teacher"])], env=runs["env"],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
   ).communicate(timeout=TIMEOUT_S)
   assert "resumed from step 2" in out, out[-3000:]
-  lr = _train_losses(resumed)
+  lr, l2 = _train_losses(resumed), _train_losses(runs["two"])
   assert sorted(lr) == [3, 4]
   np.testing.assert_allclose([lr[3], lr[4]], [l2[3], l2[4]], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), _load_state(resumed, STEPS),
-               final2)
+               _load_state(runs["two"], STEPS))
 
 
-def test_killed_process_stops_the_other_and_leaves_a_loadable_checkpoint(tmp_path, teacher):
-  env, run = _env(tmp_path), str(tmp_path / "killed")
+def test_one_process_checkpoint_resumes_on_two_and_a_killed_process_stops_the_other(runs, tmp_path):
+  """1 -> 2 processes: the 1-process run's step-2 checkpoint resumes as a longer 2-process job whose first
+  loss (step 3: the restored parameters on the restored data position, before any new update) is the
+  1-process run's; then process 1 is killed and process 0 must stop on its own, leaving loadable checkpoints."""
+  run = str(tmp_path / "killed")
+  shutil.copytree(os.path.join(runs["one"], "checkpoints", "2"), os.path.join(run, "checkpoints", "2"))
   port = distributed.free_port()
-  cmd = [sys.executable, "-m", "meshdistill", *_args(run, teacher, "--set", "train.steps=500")]
+  cmd = [sys.executable, "-m", "meshdistill", *_args(run, runs["teacher"], "--set", "train.steps=500")]
   logs = [open(tmp_path / f"p{i}.log", "w+", encoding="utf-8") for i in range(2)]  # noqa: SIM115
-  procs = [subprocess.Popen(cmd, env=distributed.local_env(i, 2, port, base=env), stdout=logs[i],
+  procs = [subprocess.Popen(cmd, env=distributed.local_env(i, 2, port, base=runs["env"]), stdout=logs[i],
                             stderr=subprocess.STDOUT) for i in range(2)]
   ckpt = os.path.join(run, "checkpoints")
   try:
     t0 = time.monotonic()
-    while not (os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))):
-      assert all(p.poll() is None for p in procs), "a process ended before the first checkpoint"
+    while not any(n.isdigit() and int(n) > 2 for n in os.listdir(ckpt)):
+      assert all(p.poll() is None for p in procs), "a process ended before its first checkpoint"
       assert time.monotonic() - t0 < TIMEOUT_S, "no checkpoint written"
       time.sleep(0.2)
     procs[1].send_signal(signal.SIGKILL)
@@ -145,12 +157,13 @@ def test_killed_process_stops_the_other_and_leaves_a_loadable_checkpoint(tmp_pat
         p.wait()
   logs[0].seek(0)
   out = logs[0].read()
-  assert code != 0, out[-3000:]
-  assert waited < 60
+  assert "resumed from step 2" in out, out[-3000:]
+  np.testing.assert_allclose(_train_losses(run)[3], _train_losses(runs["one"])[3], rtol=1e-5)
+  assert code != 0 and waited < 60, out[-3000:]
+  assert "rerun the same command" in out or "another task died" in out, out[-3000:]
   steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()]
-  assert steps and max(steps) < 500, "the run ended before the kill: nothing was tested"
-  state = _load_state(run, max(steps))
-  assert int(state["step"]) == max(steps)
+  assert max(steps) < 500, "the run ended before the kill: nothing was tested"
+  assert int(_load_state(run, max(steps))["step"]) == max(steps)
 
 
 @pytest.mark.parametrize(

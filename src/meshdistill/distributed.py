@@ -37,9 +37,12 @@ with ``out_specs=P()`` after a ``psum`` over ``data``, so every device of every 
 the result of the same all-reduce, and every process reads its own copy of the same bits. The
 rest of what the loop branches on (step counters, checkpoint cadence, the guard's history) is
 a function of those values and of the configuration, which every process loads identically.
-So no process can take a branch (restore, switch to the fallback loss, save, stop) that another
-does not take, which would leave the others waiting in a collective. `tests/test_multiprocess.py`
-checks it: both processes of a 2-process run print the same loss at every step.
+The one decision read from the file system, the step to resume from, is process 0's on every
+process (`agree_on`); orbax's list of saved steps then changes only through saves, which every
+process makes together. So no process can take a branch (restore, switch to the fallback loss,
+save, stop) that another does not take, which would leave the others waiting in a collective.
+`tests/test_multiprocess.py` checks it: both processes of a 2-process run print the same loss
+at every step.
 
 Failure: when a process dies, the others stop with an error instead of waiting forever. Its
 peers' next collective fails (gloo on CPU: the connection closes), and the coordination service
@@ -284,6 +287,25 @@ def barrier(name: str, timeout_s: int = 600) -> None:
   if process_count() == 1:
     return
   _global_state().client.wait_at_barrier(f"meshdistill:{name}", timeout_in_ms=timeout_s * 1000)
+
+
+def agree_on(value: int | None, what: str) -> int | None:
+  """Process 0's ``value`` (a non-negative int or None) on every process; ``value`` itself with one process.
+
+  For host decisions read from the file system rather than from a replicated array: which
+  checkpoint step to resume from must be the same on every process, even where a shared file
+  system lists directories with some delay.
+  """
+  if process_count() == 1:
+    return value
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  got = int(multihost_utils.broadcast_one_to_all(np.int64(-1 if value is None else value)))
+  got = None if got < 0 else got
+  if got != value:
+    log.warning("distributed: %s is %s here, %s on process 0; using process 0's", what, value, got)
+  return got
 
 
 def data_shard(mesh) -> tuple[int, int]:
