@@ -167,7 +167,8 @@ def save_teacher(directory: str, model: Decoder, tokenizer: Any, info: dict | No
   """Writes ``model`` (params + `ModelConfig`) and ``tokenizer`` to ``directory``, atomically.
 
   The files are written into a temporary sibling directory that is renamed into place when
-  complete, so a reader never sees a half-written teacher.
+  complete, so a reader never sees a half-written teacher. In a job of several processes every
+  process writes its shards of the parameters and process 0 the rest (call it on every process).
   """
   directory = os.path.abspath(directory)
   parent = os.path.dirname(directory)
@@ -181,14 +182,8 @@ def save_teacher(directory: str, model: Decoder, tokenizer: Any, info: dict | No
     ckptr.save(os.path.join(tmp, "params"), params)
     ckptr.wait_until_finished()
     tokenizer.save(os.path.join(tmp, "tokenizer"))
-    meta = {
-      "format": TEACHER_FORMAT,
-      "model": _model_fields(model.cfg),
-      "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "repr": repr(tokenizer)},
-      "info": info or {},
-    }
     with open(os.path.join(tmp, "teacher.json"), "w", encoding="utf-8") as f:
-      json.dump(meta, f, indent=2, default=str)
+      json.dump(_teacher_meta(model, tokenizer, info), f, indent=2, default=str)
     if os.path.exists(directory):
       shutil.rmtree(directory)
     os.rename(tmp, directory)
