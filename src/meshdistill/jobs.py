@@ -232,8 +232,11 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
     path = os.path.expanduser(cfg.pretrain.teacher)
     report(f"teacher: {path}")
     return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
+  from meshdistill.distributed import agree_on  # pylint: disable=g-import-not-at-top
+
   path = teacher_dir(cfg, data.tokenizer)
-  if os.path.isfile(os.path.join(path, "teacher.json")):
+  # Every process of a job takes process 0's answer: pretraining is a collective.
+  if agree_on(int(os.path.isfile(os.path.join(path, "teacher.json"))), "whether the teacher is cached"):
     report(f"teacher: cached {path}")
   else:
     report(f"teacher: none cached for these settings; pretraining one ({cfg.pretrain.steps} steps) -> {path}")
