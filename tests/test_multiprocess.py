@@ -7,6 +7,7 @@ the 1-process checkpoint whose second process is then killed. A random teacher w
 this module replaces the tiny config's teacher pretraining (it only costs compile time here).
 """
 
+import io
 import json
 import os
 import re
@@ -196,3 +197,21 @@ def test_resolve_reads_flags_then_environment_and_names_what_is_missing():
     distributed.resolve("h:1", 2, 2, environ={})
   with pytest.raises(distributed.DistributedError, match="HOST:PORT"):
     distributed.resolve("h", 2, 0, environ={})
+
+
+def test_launch_prefixes_output_and_stops_the_others_when_one_fails():
+  code = (
+      "import os, sys, time\n"
+      "i = int(os.environ['MESHDISTILL_PROCESS_ID'])\n"
+      "print('process', i, 'of', os.environ['MESHDISTILL_NUM_PROCESSES'], flush=True)\n"
+      "time.sleep(0.5 if i == 1 else 120)\n"
+      "sys.exit(7 if i == 1 else 0)\n"
+  )
+  out = io.StringIO()
+  t0 = time.monotonic()
+  assert distributed.launch(2, [sys.executable, "-c", code], out=out, grace_s=5) == 7
+  assert time.monotonic() - t0 < 60  # process 0 (sleeping 120 s) was stopped
+  text = out.getvalue()
+  assert "[p0] process 0 of 2" in text and "[p1] process 1 of 2" in text
+  assert "process 1 exited with code 7" in text
+  assert distributed.launch(2, [sys.executable, "-c", "print('ok')"], out=io.StringIO()) == 0
