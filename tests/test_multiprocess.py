@@ -87,7 +87,8 @@ def runs(tmp_path_factory, teacher):
   tmp = tmp_path_factory.mktemp("runs")
   env = _env(tmp)
   two, one = str(tmp / "two"), str(tmp / "one")
-  launch = [sys.executable, "-m", "meshdistill", "launch", "--processes", "2", "--", "meshdistill", *_args(two, teacher)]
+  launch = [sys.executable, "-m", "meshdistill", "launch", "--processes", "2", "--", "meshdistill",
+            *_args(two, teacher)]
   single = [sys.executable, "-m", "meshdistill", *_args(one, teacher)]
   # Both jobs at once: the machine's cores are shared either way, and the waits overlap.
   p2 = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

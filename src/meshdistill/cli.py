@@ -61,7 +61,9 @@ def _parser() -> argparse.ArgumentParser:
 
   d = with_processes(with_config(sub.add_parser("distill", help="distil the teacher into the student (the main job)")))
   d.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
-  pt = with_processes(with_config(sub.add_parser("pretrain", help="pretrain the configured teacher from scratch and cache it")))
+  pt = with_processes(
+    with_config(sub.add_parser("pretrain", help="pretrain the configured teacher from scratch and cache it"))
+  )
   pt.add_argument("--out", default=None, help="teacher directory to write (default: the teacher cache)")
   pt.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
   e = with_processes(with_config(sub.add_parser("eval", help="evaluate a distillation run's latest checkpoint")))
