@@ -4,6 +4,7 @@
   meshdistill distill --config tiny --set train.steps=50 --set distill.alpha=0.7
   meshdistill pretrain [--out DIR]          # pretrain (and cache) the configured teacher
   meshdistill eval RUN_DIR                  # validation loss / perplexity / agreement of a run
+  meshdistill generate RUN_DIR --prompt "def "   # samples of a run's student (--model teacher: its teacher)
   meshdistill plot RUN_DIR                  # PNG curves of loss, KL, CE and correlation
   meshdistill export RUN_DIR OUT_DIR [--dtype bfloat16] [--step N] [--overwrite]   # the student as a HF checkpoint
   meshdistill config [--config ...] [--set ...]   # print the effective configuration
@@ -68,6 +69,16 @@ def _parser() -> argparse.ArgumentParser:
   pt.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
   e = with_processes(with_config(sub.add_parser("eval", help="evaluate a distillation run's latest checkpoint")))
   e.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
+  g = with_config(sub.add_parser("generate", help="print samples of a run's student or teacher"))
+  g.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
+  g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+  g.add_argument("--prompts-file", default=None, help="a text file (one prompt a line) or JSONL with a 'prompt' field")
+  g.add_argument("--model", choices=("student", "teacher"), default="student", help="which model samples")
+  g.add_argument("--max-new-tokens", type=int, default=64)
+  g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+  g.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+  g.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus filter")
+  g.add_argument("--seed", type=int, default=0)
   pl = sub.add_parser("plot", help="write PNG curves of a run's metrics")
   pl.add_argument("run_dir", help="run directory holding metrics.jsonl")
   pl.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
@@ -201,6 +212,19 @@ def main(argv: list[str] | None = None) -> int:
       print(jobs.summary_table(summary))
     elif args.command == "eval":
       print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
+    elif args.command == "generate":
+      from meshdistill.generate import SamplingConfig  # pylint: disable=g-import-not-at-top
+      from meshdistill.prompts import read_prompts  # pylint: disable=g-import-not-at-top
+
+      prompts = list(args.prompt)
+      if args.prompts_file:
+        prompts += [r["prompt"] for r in read_prompts(args.prompts_file)]
+      sampling = SamplingConfig(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
+      )
+      texts = jobs.generate(cfg, prompts, model=args.model, sampling=sampling, seed=args.seed, stream=sys.stderr)
+      for prompt, text in zip(prompts, texts):
+        print(f"--- {prompt!r}\n{prompt}{text}")
   except (ConfigError, FileNotFoundError, ValueError) as e:
     return _err(str(e))
   except KeyboardInterrupt:

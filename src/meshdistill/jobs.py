@@ -313,8 +313,9 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
   return {**kwargs, "guard": guard, "keep_every": g.keep_every, "fallback": fallback}
 
 
-def make_distiller(cfg: Config, teacher, mesh):
-  """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.sources.build_student`)."""
+def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
+  """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.sources.build_student`); with
+  ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS)."""
   from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
   from meshdistill.sources import build_student  # pylint: disable=g-import-not-at-top
   from meshdistill.trainer import make_optimizer  # pylint: disable=g-import-not-at-top
@@ -325,6 +326,12 @@ def make_distiller(cfg: Config, teacher, mesh):
     from meshdistill.safeguards import ScaledLoss  # pylint: disable=g-import-not-at-top
 
     strategy = ScaledLoss(strategy, scale)
+  extra = {}
+  if cfg.distill.on_policy.active:
+    from meshdistill.onpolicy import OnPolicyDistiller as Distiller  # pylint: disable=g-import-not-at-top
+
+    eos, pad = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "pad_id", None)
+    extra["on_policy"] = cfg.distill.on_policy.config(eos_id=eos, pad_id=pad or 0)
   return Distiller(
     student,
     teacher,
@@ -333,6 +340,7 @@ def make_distiller(cfg: Config, teacher, mesh):
     mesh=mesh,
     backend=cfg.mesh.backend,
     seed=cfg.train.seed,
+    **extra,
   )
 
 
@@ -357,7 +365,14 @@ def distill(
     f"vocabulary {data.tokenizer.vocab_size}"
   )
   teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
-  distiller = make_distiller(cfg, teacher, mesh)
+  if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
+    from meshdistill.prompts import PromptData, read_prompts  # pylint: disable=g-import-not-at-top
+
+    rows = read_prompts(os.path.expanduser(cfg.distill.on_policy.prompts_file), need_completion=True)
+    data = PromptData(rows, data.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                      val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
+    say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
+  distiller = make_distiller(cfg, teacher, mesh, data.tokenizer)
   monitor = _monitor(run_dir, cfg.train.steps, stream, "distill")
   ckpt = Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
   t = cfg.train
@@ -417,6 +432,70 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
     ckpt.close()
   summary.update({"step": int(meta["step"]), "teacher_dir": tdir, "run_dir": cfg.run.run_dir})
   return summary
+
+
+def generate(
+  cfg: Config,
+  prompts: list[str],
+  *,
+  model: str = "student",
+  sampling: Any = None,
+  seed: int = 0,
+  stream: IO[str] | None = None,
+) -> list[str]:
+  """Completions of ``prompts`` by the ``model`` (``student``: the run's latest checkpoint; ``teacher``: its
+  teacher) of the run in ``run.run_dir``, decoded with ``sampling`` (a `meshdistill.generate.SamplingConfig`;
+  its ``eos_id`` defaults to the tokenizer's) from ``jax.random.key(seed)`` on the run's layout."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.data import load_tokenizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.generate import SamplingConfig, generate, left_pad  # pylint: disable=g-import-not-at-top
+
+  if model not in ("student", "teacher"):
+    raise ValueError(f"model={model!r}; choose student or teacher")
+  if not prompts:
+    raise ValueError("no prompts: give --prompt TEXT or --prompts-file FILE")
+  say = stream_reporter(stream)
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, keep=cfg.checkpoint.keep)
+  try:
+    step = ckpt.latest_step()
+    meta = ckpt.read_meta() if step is not None else {}
+    if step is not None and meta.get("kind") != "distill":
+      raise ValueError(f"{cfg.checkpoint_dir} holds a {meta.get('kind')!r} run, not a distillation run")
+    if step is None and model == "student":
+      raise FileNotFoundError(
+        f"no checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with run.run_dir={cfg.run.run_dir} "
+        "first, or generate with the teacher (--model teacher)"
+      )
+    tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
+    if not tdir and not cfg.models.teacher_hf:
+      raise FileNotFoundError(f"{cfg.run.run_dir} names no teacher: set pretrain.teacher=DIR or distil first")
+    # A saved teacher carries its tokenizer; otherwise (a Hugging Face teacher) the run's data settings name it.
+    tokenizer = load_data(cfg).tokenizer if cfg.models.teacher_hf else load_tokenizer(os.path.join(tdir, "tokenizer"))
+    mesh = build_mesh(cfg)
+    _, net = run_teacher(cfg, meta, mesh, tokenizer)
+    if model == "student":
+      distiller = make_distiller(cfg, net, mesh)
+      state, _, _ = ckpt.restore(distiller, distiller.init_state())
+      net = distiller.student(state)
+      mesh = mesh if distiller.backend == "shard_map" else None
+    say(f"generating with the {model} of {cfg.run.run_dir}" + (f" (step {step})" if model == "student" else ""))
+  finally:
+    ckpt.close()
+  sampling = sampling or SamplingConfig()
+  if sampling.eos_id is None:
+    sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
+  ids = [tokenizer.encode(p) for p in prompts]
+  rows = len(ids)
+  if mesh is not None and rows % mesh.shape["data"]:  # fill the batch up to a multiple of the data axis
+    ids += [ids[-1]] * (mesh.shape["data"] - rows % mesh.shape["data"])
+  tokens, mask = left_pad(ids, pad_id=getattr(tokenizer, "pad_id", 0) or 0)
+  gen = jax.device_get(generate(net, tokens, mask, jax.random.key(seed), sampling, mesh=mesh))
+  out = []
+  for r in range(rows):
+    row = [int(t) for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m and t != sampling.eos_id]
+    out.append(tokenizer.decode(row))
+  return out
 
 
 def run_teacher(cfg: Config, meta: dict, mesh, tokenizer):
