@@ -75,7 +75,15 @@ def fit_model(model: Decoder, tensor: int) -> Decoder:
   if fitted == model.cfg:
     return model
   graphdef, target, _ = abstract_params(fitted)
-  return nnx.merge(graphdef, pad_state(nnx.state(model), target))
+  state = nnx.state(model)
+  extra = {k for k, _ in nnx.to_flat_state(state)} - {k for k, _ in nnx.to_flat_state(target)}
+  if extra:  # e.g. LoRA adapters applied before the model met the mesh
+    raise ValueError(
+        f"a model with extra variables ({'.'.join(map(str, sorted(extra)[0]))}, ...) needs re-partitioning for mesh "
+        f"tensor={tensor} (vocab_multiple={fitted.vocab_multiple}, replicate_kv={fitted.replicate_kv}); build it on "
+        "the mesh first (init_model(cfg, mesh=...) / load_hf(path, mesh)), then wrap it"
+    )
+  return nnx.merge(graphdef, pad_state(state, target))
 
 
 def shard_model(model: Decoder, mesh: Mesh) -> Decoder:
