@@ -39,6 +39,7 @@ Run: ``python benchmarks/throughput.py [--vocab 1024 --steps 15]``; writes
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import pathlib
@@ -205,20 +206,20 @@ class Bare:
 
 
 class Matmul:
-  """A large float32 matmul, [8 n, n] x [n, n], on a device set: its rows split over every device of
-  ``mesh`` (no communication), or on one device (``mesh=None``). ``flops`` per call."""
+  """A float32 matmul [m, k] x [k, n] on a device set: on ``mesh`` its rows (m per device) split over
+  every device (no communication), else on one device. ``flops`` per call."""
 
-  def __init__(self, mesh, n: int):
-    rows = 8 * n
+  def __init__(self, mesh, m: int, k: int, n: int):
+    rows = m * (mesh.size if mesh is not None else 1)
     key_a, key_b = jax.random.split(jax.random.key(0))
     if mesh is None:
       where_a = where_b = jax.devices()[0]
     else:
       where_a, where_b = NamedSharding(mesh, P((md.DATA, md.TENSOR))), NamedSharding(mesh, P())
-    self.a = jax.device_put(jax.random.normal(key_a, (rows, n), jnp.float32), where_a)
-    self.b = jax.device_put(jax.random.normal(key_b, (n, n), jnp.float32), where_b)
+    self.a = jax.device_put(jax.random.normal(key_a, (rows, k), jnp.float32), where_a)
+    self.b = jax.device_put(jax.random.normal(key_b, (k, n), jnp.float32), where_b)
     self.fn = jax.jit(jnp.matmul)
-    self.flops = 2.0 * rows * n * n
+    self.flops = 2.0 * rows * k * n
 
   def step(self, x):
     del x
@@ -247,11 +248,17 @@ OURS, REF = "meshdistill ChunkedLogitKD", "meshdistill LogitKD"
 TUNIX, TUNIX_NP = "tunix", "tunix, host numpy input"
 BARE_T, BARE_S = "bare teacher forward", "bare student step"
 CE_ONLY = "meshdistill step, CE only"
-MATMUL = "float32 matmul (rate probe)"
+# rate probes [m (per device), k] x [k, n]: the teacher MLP's shape at this batch, a square one, a tall one
+PROBES = ((B * T, 256, 1024), (1024, 1024, 1024), (4096, 1024, 1024))
+MATMUL = "float32 matmul"
+
+
+def probe_name(shape) -> str:
+  return f"{MATMUL} [{shape[0]}, {shape[1]}] x [{shape[1]}, {shape[2]}] per device"
 ONE = "1 device: "
 
 
-def run(vocab: int, steps: int, warmup: int, chunk: int, matmul_n: int) -> dict:
+def run(vocab: int, steps: int, warmup: int, chunk: int) -> dict:
   mesh = md.make_mesh(data=2, tensor=4)
   tcfg, scfg = configs(vocab)
   systems = {
@@ -266,7 +273,8 @@ def run(vocab: int, steps: int, warmup: int, chunk: int, matmul_n: int) -> dict:
       ONE + REF: Ours(LogitKD(temperature=TAU, alpha=ALPHA), None, tcfg, scfg),
   }
   bare, bare1 = Bare(mesh, tcfg, scfg), Bare(None, tcfg, scfg)
-  probes = {MATMUL: Matmul(mesh, matmul_n), ONE + MATMUL: Matmul(None, matmul_n)}
+  probes = {pre + probe_name(shape): Matmul(where, *shape) for pre, where in (("", mesh), (ONE, None))
+            for shape in PROBES}
   parts = {
       BARE_T: bare.teacher, BARE_S: bare.student, ONE + BARE_T: bare1.teacher, ONE + BARE_S: bare1.student,
       **{k: v.step for k, v in probes.items()},
@@ -308,12 +316,11 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=15, help="timed steps per system (after warm-up)")
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--chunk", type=int, default=256, help="ChunkedLogitKD tokens per chunk (per device)")
-  parser.add_argument("--matmul", type=int, default=1024, help="the rate probe multiplies [8 n, n] by [n, n]")
   parser.add_argument("--out", type=pathlib.Path, default=RESULT)
   args = parser.parse_args(argv)
   t0 = time.time()
   load_start = os.getloadavg()
-  res = run(args.vocab, args.steps, args.warmup, args.chunk, args.matmul)
+  res = run(args.vocab, args.steps, args.warmup, args.chunk)
   res["load"] = (load_start, os.getloadavg())
   med = {name: statistics.median(ts) for name, ts in res["times"].items()}
   for name, ts in res["times"].items():
@@ -334,7 +341,13 @@ def write(args, res, med, seconds: float) -> None:
   t, cpu = res["times"], res["cpu"]
   cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
   fl = step_flops(res["tcfg"], res["scfg"])
-  rate = {"": res["matmul_flops"][MATMUL] / med[MATMUL], ONE: res["matmul_flops"][ONE + MATMUL] / med[ONE + MATMUL]}
+  probe_rate = {k: f / med[k] for k, f in res["matmul_flops"].items()}
+  # One device and the mesh run on the same cores; a lone dot on one device runs on one thread (XLA CPU runs
+  # independent ops of a program concurrently, not one dot across threads), so the roofline for both is the
+  # fastest probe on either device set.
+  best = max(probe_rate.values())
+  rate = {"": best, ONE: best}
+  single = max(r for k, r in probe_rate.items() if k.startswith(ONE))
   row_flops = {OURS: fl["step"], REF: fl["step"], TUNIX: fl["step"], TUNIX_NP: fl["step"], CE_ONLY: fl["student"],
                BARE_T: fl["teacher"], BARE_S: fl["student"]}
   tc, sc = res["tcfg"], res["scfg"]
@@ -343,7 +356,7 @@ def write(args, res, med, seconds: float) -> None:
       "# Throughput: meshdistill vs tunix on the same work, with a roofline",
       "",
       f"Produced by `python benchmarks/throughput.py --vocab {args.vocab} --steps {args.steps} --warmup {args.warmup} "
-      f"--chunk {args.chunk} --matmul {args.matmul}` ({seconds:.0f} s wall).",
+      f"--chunk {args.chunk}` ({seconds:.0f} s wall).",
       "",
       "## Set-up",
       "",
@@ -372,10 +385,12 @@ def write(args, res, med, seconds: float) -> None:
       f"Roofline: analytic FLOPs per step: teacher forward {fl['teacher'] / 1e9:.2f} GFLOP (N_teacher = "
       f"{fl['n_t']:,} matmul weights), student forward + backward {fl['student'] / 1e9:.2f} GFLOP (N_student = "
       f"{fl['n_s']:,}), distillation step {fl['step'] / 1e9:.2f} GFLOP (KL / softmax elementwise work not counted).",
-      f"Matmul rate measured in these rounds: **{rate[''] / 1e9:.1f} GFLOP/s on the 2x4 mesh** (a "
-      f"[{args.matmul * 8}, {args.matmul}] x [{args.matmul}, {args.matmul}] float32 matmul, rows over all 8 devices), "
-      f"**{rate[ONE] / 1e9:.1f} GFLOP/s on one device** (the same matmul). *of matmul rate* = "
-      "(FLOPs / median step time) / that rate.",
+      f"Matmul rate measured in these rounds: **{best / 1e9:.1f} GFLOP/s**, the fastest of {len(PROBES)} float32 "
+      "matmul shapes, each timed on the 2x4 mesh (rows split over the 8 devices) and on one device (median time of "
+      "each, table below). One device and the mesh share the same 2 cores, so this one rate is the roofline of both;",
+      f"a lone matmul on one device reaches only {single / 1e9:.1f} GFLOP/s (XLA's CPU runtime runs one dot on one",
+      "thread; a model step on one device runs independent ops concurrently, which is why its bare teacher",
+      "forward can exceed that). *of matmul rate* = (FLOPs / median step time) / the roofline rate.",
       "",
       "| system | median step (ms) | tokens/s | median CPU s / step | GFLOP / step | GFLOP/s | of matmul rate "
       "| all timed steps (ms) |",
@@ -391,10 +406,11 @@ def write(args, res, med, seconds: float) -> None:
         f"| {name} | {1e3 * med[name]:.1f} | {tokens / med[name]:.0f} | {cpu_med[name]:.3f} | {f / 1e9:.2f} | "
         f"{f / med[name] / 1e9:.1f} | {100 * f / med[name] / r:.0f}% | {ts} |"
     )
-  for pre in ("", ONE):
-    ts = ", ".join(f"{1e3 * v:.0f}" for v in t[pre + MATMUL])
-    lines.append(f"| {pre}{MATMUL} | {1e3 * med[pre + MATMUL]:.1f} | | {cpu_med[pre + MATMUL]:.3f} | "
-                 f"{res['matmul_flops'][pre + MATMUL] / 1e9:.2f} | {rate[pre or ''] / 1e9:.1f} | 100% | {ts} |")
+  for name, f in res["matmul_flops"].items():
+    r = rate[ONE if name.startswith(ONE) else ""]
+    ts = ", ".join(f"{1e3 * v:.0f}" for v in t[name])
+    lines.append(f"| {name} | {1e3 * med[name]:.1f} | | {cpu_med[name]:.3f} | {f / 1e9:.2f} | "
+                 f"{probe_rate[name] / 1e9:.1f} | {100 * probe_rate[name] / r:.0f}% | {ts} |")
   sp = {k: (med[k2] / med[k], paired(t, k2, (k,))) for k in (OURS, REF) for k2 in (TUNIX,)}
   sp_np = {k: (med[TUNIX_NP] / med[k], paired(t, TUNIX_NP, (k,))) for k in (OURS, REF)}
   ov = {
@@ -470,13 +486,15 @@ def write(args, res, med, seconds: float) -> None:
       "",
       "Where the difference to tunix comes from. Given host numpy batches, tunix's teacher forward runs",
       "on the unsplit batch on every `data` replica (its logits come out split over `tensor` only):",
-      f"its step is {tunix_split[0]:.2f}x its own step with split input. Given split input, tunix runs the same",
-      "model matmuls as we do; what is left is the structure: tunix runs the teacher forward as one",
-      "jitted call and the student step as another, with its Python loop (metric buffering, a host",
-      "read of the previous loss) around them; meshdistill runs the teacher forward, the student",
-      "forward/backward and the update as one program. Handing the `[B, T, V]` teacher logits from",
-      "one program to the other is cheap at these sizes (about a millisecond), so the gap to tunix with",
-      "split input is small: the earlier 1.44x headline came from tunix's numpy-input row.",
+      f"here its numpy-input step is {tunix_split[0]:.2f}x (paired {tunix_split[1]:.2f}x) its step with split input.",
+      "Given split input, tunix runs the same model matmuls as we do; what differs is the structure:",
+      "tunix runs the teacher forward as one jitted call and the student step as another, with its",
+      "Python loop (metric buffering, a host read of the previous loss) around them; meshdistill runs",
+      "the teacher forward, the student forward/backward and the update as one program. The teacher",
+      f"logits handed between tunix's two programs are {B * T * args.vocab * 4 / 2**20:.0f} MiB here, cheap to pass.",
+      f"Measured: ChunkedLogitKD / tunix (split input) = {sp[OURS][0]:.2f}x by medians, {sp[OURS][1]:.2f}x paired; "
+      f"LogitKD / tunix = {sp[REF][0]:.2f}x / {sp[REF][1]:.2f}x.",
+      "An earlier version of this file compared against tunix's numpy-input row only.",
       "",
       "Where our step's time goes beyond the bare programs (2x4 mesh, paired): the same step with a",
       f"CE-only strategy (teacher dropped) is {structure:.2f}x the bare student step: the cost of the step's",
@@ -493,6 +511,8 @@ def write(args, res, med, seconds: float) -> None:
   lines.append(f"Environment: jax {jax.__version__}, Python {platform.python_version()}, {platform.machine()}.")
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text("\n".join(lines) + "\n")
+  raw = {k: res[k] for k in ("times", "cpu", "compile_s", "stats", "matmul_flops", "losses", "load")}
+  args.out.with_suffix(".json").write_text(json.dumps(raw) + "\n")
 
 
 if __name__ == "__main__":
