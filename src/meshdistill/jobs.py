@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from typing import IO, Any
 
 from meshdistill.checkpoint import Checkpointer, load_teacher, read_teacher_meta, save_teacher
@@ -239,6 +240,85 @@ def _evaluate_pair(distiller, state, val) -> dict:
   }
 
 
+def _open_teacher_cache(cfg: Config, data, say):
+  """``teacher.cache``: the cache (checked against this run's data, tokenizer, teacher config and student
+  vocabulary), the data with the teacher's top-k in every training batch, and the teacher as a `TopKTeacher`."""
+  from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
+
+  if cfg.models.student_init.from_teacher:
+    raise ConfigError("student.init.from_teacher copies the teacher's weights, but teacher.cache loads none; "
+                      "remove student.init (or teacher.cache)")
+  cache = tc.TeacherCache(cfg.models.teacher_cache)
+  teacher_cfg = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k != "remat"}
+  saved_cfg = {k: v for k, v in cache.manifest["teacher"]["config"].items() if k != "remat"}
+  if saved_cfg != teacher_cfg:
+    diff = sorted(k for k in set(saved_cfg) | set(teacher_cfg) if saved_cfg.get(k) != teacher_cfg.get(k))
+    raise ConfigError(
+      f"teacher.cache={cache.path} was made by another teacher (teacher.{diff[0]}: cache "
+      f"{saved_cfg.get(diff[0])!r}, this config {teacher_cfg.get(diff[0])!r}); use the config that wrote the cache"
+    )
+  cache.check(data=tc.data_identity(data.train, data.tokenizer), vocab=cfg.student.vocab_size)
+  say(f"teacher: top-{cache.k} cache {cache.path} ({cache.manifest['precision']}, "
+      f"{cache.bytes_per_token():.1f} bytes/token); no teacher weights loaded")
+  return tc.CachedTeacherData(data, cache), cache.spec(), cache.path
+
+
+def _cache_safeguards(kwargs: dict, distiller) -> dict:
+  """With a top-k teacher the guard only restores: its fallback loss (logit MSE) needs the teacher's logits."""
+  if distiller.topk_teacher is not None and kwargs.get("fallback") is not None:
+    kwargs = {**kwargs, "fallback": distiller.strategy}
+  return kwargs
+
+
+def _evaluate_student(distiller, state, val) -> dict:
+  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
+
+  student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
+  return {
+    "teacher": None,
+    "student": {"loss": student["loss"], "ppl": student["ppl"], "params": param_count(distiller.student(state))},
+    "val_tokens": student["tokens"],
+  }
+
+
+def cache_teacher(
+  cfg: Config, out: str, *, k: int = 32, precision: str = "float16", rows_per_shard: int = 1024,
+  stream: IO[str] | None = None, stop_after_shards: int | None = None,
+) -> dict:
+  """Writes the top-``k`` cache of the run's teacher over its training rows into ``out`` (resumable).
+
+  The teacher is the one `distill` would use (``teacher.hf``, ``pretrain.teacher``, cached or pretrained
+  now), run on the configured mesh; log-probabilities are taken at ``distill.temperature`` over the
+  token range teacher and student share. Returns the manifest.
+  """
+  from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
+  from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
+
+  if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
+    raise ConfigError(f"distill.temperature={cfg.distill.temperature!r}: a teacher cache holds log-probabilities "
+                      "at one temperature; set a constant distill.temperature")
+  mesh = build_mesh(cfg)
+  data = load_data(cfg)
+  say = stream_reporter(stream)
+  teacher, _ = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
+  program = tc.TeacherTopK(teacher, k=k, temperature=float(cfg.distill.temperature), vocab=vocab,
+                           mesh=mesh if cfg.mesh.backend == "shard_map" else None)
+  identity = {"teacher": tc.teacher_identity(teacher),
+              "data": tc.data_identity(data.train, data.tokenizer, cfg.data.source)}
+  import jax  # pylint: disable=g-import-not-at-top
+
+  t0 = time.perf_counter()
+  manifest = tc.write_cache(program, data.train, out, identity=identity, precision=precision,
+                            rows_per_shard=rows_per_shard, batch_size=data.global_batch_size,
+                            process_index=jax.process_index(), process_count=jax.process_count(),
+                            stop_after_shards=stop_after_shards)
+  say(f"teacher cache: {len(data.train)} rows x {data.train.seq_len} tokens -> {out} in "
+      f"{time.perf_counter() - t0:.1f}s")
+  return manifest
+
+
 def loop_kwargs(settings) -> dict:
   """`meshdistill.trainer.fit` keywords a `TrainSettings` section (``train`` / ``pretrain``) decides: the
   number of steps, the evaluation and logging cadence, and the logged learning-rate schedule (None with
@@ -326,7 +406,10 @@ def distill(
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
     f"vocabulary {data.tokenizer.vocab_size}"
   )
-  teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  if cfg.models.teacher_cache:  # an offline top-k teacher: no teacher weights are loaded
+    data, teacher, tdir = _open_teacher_cache(cfg, data, say)
+  else:
+    teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
   distiller = make_distiller(cfg, teacher, mesh)
   monitor = _monitor(run_dir, cfg.train.steps, stream, "distill")
   ckpt = Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
@@ -343,13 +426,16 @@ def distill(
       stop_after=stop_after,
       **loop_kwargs(t),
       meta={"teacher_dir": tdir},
-      **safeguard_kwargs(cfg, distiller.strategy),
+      **_cache_safeguards(safeguard_kwargs(cfg, distiller.strategy), distiller),
     )
   finally:
     ckpt.close()
     monitor.close()
   distiller = result.trainer
-  summary = _evaluate_pair(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
+  if distiller.topk_teacher is not None:
+    summary = _evaluate_student(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
+  else:
+    summary = _evaluate_pair(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
   summary.update({"step": result.step, "teacher_dir": tdir, "run_dir": run_dir, "train_seconds": result.seconds})
   summary["safeguards"] = {
     "remat": distiller.student_cfg.remat,
@@ -415,9 +501,13 @@ def summary_table(summary: dict) -> str:
   t, s = summary["teacher"], summary["student"]
   rows = [
     ("model", "params", "val loss", "val ppl"),
-    ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}"),
+    ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}") if t else None,
     ("distilled student", f"{s['params']:,}", f"{s['loss']:.4f}", f"{s['ppl']:.3f}"),
   ]
+  if t is None:  # distilled from a teacher cache: no teacher weights to evaluate
+    rows = [r for r in rows if r is not None]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows) + "\n(teacher: top-k cache)"
   widths = [max(len(r[i]) for r in rows) for i in range(4)]
   line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
   out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]

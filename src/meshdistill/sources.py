@@ -64,13 +64,16 @@ class StudentInit:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSources:
-  """``teacher.hf``, ``student.hf`` and ``student.init`` of a config (paths made absolute)."""
+  """``teacher.hf``, ``teacher.cache``, ``student.hf`` and ``student.init`` of a config (paths made absolute)."""
 
   teacher_hf: str | None = None
   student_hf: str | None = None
   student_init: StudentInit = dataclasses.field(default_factory=StudentInit)
+  teacher_cache: str | None = None  # an offline top-k cache (`meshdistill.teacher_cache`): no teacher weights loaded
 
   def __post_init__(self):
+    if self.teacher_cache is not None:
+      object.__setattr__(self, "teacher_cache", os.path.abspath(os.path.expanduser(self.teacher_cache)))
     for who in ("teacher", "student"):
       path = getattr(self, f"{who}_hf")
       if path is not None:
@@ -101,7 +104,7 @@ def split_sources(raw: dict) -> dict:
   """
   raw = dict(raw)
   models: dict[str, Any] = {}
-  for who, keys in (("teacher", ("hf",)), ("student", ("hf", "init"))):
+  for who, keys in (("teacher", ("hf", "cache")), ("student", ("hf", "init"))):
     section = raw.get(who)
     if not isinstance(section, dict) or not any(k in section for k in keys):
       continue
@@ -136,6 +139,10 @@ def _checked(key: str, value: Any) -> Any:
     if value is not None and (not isinstance(value, str) or not value):
       raise ConfigError(f"{key}={value!r} must be the path of a local Hugging Face model directory")
     return value
+  if key == "teacher.cache":
+    if value is not None and (not isinstance(value, str) or not value):
+      raise ConfigError(f"{key}={value!r} must be the path of a teacher cache (written by `meshdistill cache-teacher`)")
+    return value
   if value is None:
     return value
   allowed = [f.name for f in dataclasses.fields(StudentInit)]
@@ -168,6 +175,8 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
   elif sources.student_init.from_teacher:
     init = {"from_teacher": True, "layers": list(sources.student_init.layers)}
     plain["student"] = {"init": init, **{k: plain["student"][k] for k in FREE_KEYS}}
+  if sources.teacher_cache:
+    plain["teacher"] = {**plain["teacher"], "cache": sources.teacher_cache}
   return plain
 
 

@@ -362,7 +362,7 @@ def _check_same(saved: dict, now: dict, where: str) -> None:
 
 def _first_difference(key: str, a: Any, b: Any) -> str:
   if isinstance(a, dict) and isinstance(b, dict):
-    for k in sorted(set(a) | set(b)):
+    for k in [*b, *(k for k in a if k not in b)]:
       if a.get(k) != b.get(k):
         return _first_difference(f"{key}.{k}", a.get(k), b.get(k))
   return f"{key}: cache {a!r}, this run {b!r}"
