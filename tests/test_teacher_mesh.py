@@ -1,0 +1,57 @@
+"""A live teacher on its own devices: same numbers as a teacher on the student's mesh, no teacher weights
+on the student's devices, the teacher one batch ahead, and a clear error for a bad device split."""
+
+import time
+
+import jax
+import numpy as np
+import pytest
+from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
+
+import meshdistill as md
+from meshdistill.strategies import LogitKD
+from meshdistill.teacher_mesh import TeacherOnMesh, addressable_bytes, split_meshes
+
+STRATEGY = LogitKD(top_k=4, temperature=2.0, alpha=0.5)
+
+
+def test_submesh_teacher_equals_same_mesh_teacher_and_runs_one_batch_ahead():
+  teacher_mesh, student_mesh = split_meshes(teacher=(1, 4), student=(2, 2))
+  teacher = md.init_model(TEACHER_CFG, seed=0)
+  student = md.init_model(STUDENT_CFG, seed=1)
+  batches = [make_batch(seed=i) for i in range(3)]
+
+  same = md.Distiller(student, teacher, mesh=student_mesh, strategy=STRATEGY)
+  state = same.init_state()
+  want = []
+  for batch in batches:
+    state, metrics = same.step(state, batch)
+    want.append(float(metrics["loss"]))
+
+  on_mesh = TeacherOnMesh(teacher, k=4, temperature=2.0, teacher_mesh=teacher_mesh, student_mesh=student_mesh)
+  split = md.Distiller(student, on_mesh.spec(), mesh=student_mesh, strategy=STRATEGY)
+  state = split.init_state()
+  got, done = [], []
+  for batch in on_mesh.batches(batches):
+    state, metrics = split.step(state, batch)
+    got.append(float(jax.block_until_ready(metrics["loss"])))
+    done.append(time.perf_counter())
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+  # the teacher's weights live on the teacher mesh only
+  held = addressable_bytes(on_mesh.program.params, jax.devices())
+  assert all(held[d] == 0 for d in student_mesh.devices.flat)
+  assert all(held[d] > 0 for d in teacher_mesh.devices.flat)
+  assert split.teacher_params == {} and split.teacher_def is None
+  # the teacher's work for batch s+1 was issued before the student's step s finished
+  issued = {i: t for event, i, t in on_mesh.dispatch_log if event == "teacher"}
+  assert sorted(issued) == [0, 1, 2]
+  for s in range(len(batches) - 1):
+    assert issued[s + 1] < done[s]
+
+
+def test_teacher_devices_leaving_the_student_too_few_is_an_error():
+  with pytest.raises(ValueError, match=r"teacher.devices=2x4 takes 8 of the 8 devices and leaves the student 0"):
+    split_meshes(teacher=(2, 4), student=(2, 2))
+  with pytest.raises(ValueError, match="teacher.devices.tensor=0"):
+    split_meshes(teacher=(1, 0), student=(2, 2))
