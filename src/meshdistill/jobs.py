@@ -45,8 +45,11 @@ def prepare_devices(cfg: Config) -> None:
     return
   if sim is True:
     os.environ["JAX_PLATFORMS"] = "cpu"
-  if cfg.mesh.devices > 1 or sim is True:
-    simulate_cpu_devices(cfg.mesh.devices)
+  n = cfg.mesh.devices
+  if cfg.models.teacher_devices:  # the teacher's own mesh takes devices beside the student's
+    n += cfg.models.teacher_devices["data"] * cfg.models.teacher_devices["tensor"]
+  if n > 1 or sim is True:
+    simulate_cpu_devices(n)
 
 
 def build_mesh(cfg: Config):
@@ -263,6 +266,31 @@ def _open_teacher_cache(cfg: Config, data, say):
   return tc.CachedTeacherData(data, cache), cache.spec(), cache.path
 
 
+def _teacher_on_own_mesh(cfg: Config, data, stream, say):
+  """``teacher.devices``: teacher and student meshes on disjoint devices, the teacher's top-k fed to the student."""
+  from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
+  from meshdistill.teacher_mesh import TeacherMeshData, TeacherOnMesh, split_meshes  # pylint: disable=g-import-not-at-top
+
+  td = cfg.models.teacher_devices
+  if cfg.mesh.backend != "shard_map":
+    raise ConfigError(f"teacher.devices needs mesh.backend=shard_map (got {cfg.mesh.backend!r})")
+  if cfg.distill.kind != "logit_kd" or cfg.distill.top_k is None:
+    raise ConfigError("teacher.devices sends the teacher's top-k to the student: set distill.kind=logit_kd and "
+                      "distill.top_k (e.g. 32); other strategies need the teacher on the student's mesh")
+  if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
+    raise ConfigError("teacher.devices needs a constant distill.temperature (the top-k is taken at it)")
+  try:
+    teacher_mesh, mesh = split_meshes((td["data"], td["tensor"]), (cfg.mesh.data, cfg.mesh.tensor))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  teacher, tdir = obtain_teacher(cfg, data, teacher_mesh, stream=stream, report=say)
+  vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
+  on_mesh = TeacherOnMesh(teacher, k=cfg.distill.top_k, temperature=float(cfg.distill.temperature), vocab=vocab,
+                          teacher_mesh=teacher_mesh, student_mesh=mesh)
+  say(f"teacher: on its own {td['data']}x{td['tensor']} mesh, student on {cfg.mesh.data}x{cfg.mesh.tensor}")
+  return TeacherMeshData(data, on_mesh), on_mesh.spec(), tdir, mesh
+
+
 def _cache_safeguards(kwargs: dict, distiller) -> dict:
   """With a top-k teacher the guard only restores: its fallback loss (logit MSE) needs the teacher's logits."""
   if distiller.topk_teacher is not None and kwargs.get("fallback") is not None:
@@ -399,7 +427,7 @@ def distill(
   run_dir = cfg.run.run_dir
   os.makedirs(run_dir, exist_ok=True)
   dump_config(cfg, os.path.join(run_dir, "config.yaml"))
-  mesh = build_mesh(cfg)
+  mesh = build_mesh(cfg) if not cfg.models.teacher_devices else None  # else the student's part of the devices
   data = load_data(cfg)
   say = stream_reporter(stream)
   say(
@@ -408,6 +436,8 @@ def distill(
   )
   if cfg.models.teacher_cache:  # an offline top-k teacher: no teacher weights are loaded
     data, teacher, tdir = _open_teacher_cache(cfg, data, say)
+  elif cfg.models.teacher_devices:  # a live teacher on its own devices, one batch ahead
+    data, teacher, tdir, mesh = _teacher_on_own_mesh(cfg, data, stream, say)
   else:
     teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
   distiller = make_distiller(cfg, teacher, mesh)
@@ -507,7 +537,7 @@ def summary_table(summary: dict) -> str:
   if t is None:  # distilled from a teacher cache: no teacher weights to evaluate
     rows = [r for r in rows if r is not None]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows) + "\n(teacher: top-k cache)"
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows) + "\n(teacher given by its top-k only: not evaluated)"
   widths = [max(len(r[i]) for r in rows) for i in range(4)]
   line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
   out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]

@@ -70,10 +70,14 @@ class ModelSources:
   student_hf: str | None = None
   student_init: StudentInit = dataclasses.field(default_factory=StudentInit)
   teacher_cache: str | None = None  # an offline top-k cache (`meshdistill.teacher_cache`): no teacher weights loaded
+  teacher_devices: dict | None = None  # the teacher's own mesh {data, tensor} (`meshdistill.teacher_mesh`)
 
   def __post_init__(self):
     if self.teacher_cache is not None:
       object.__setattr__(self, "teacher_cache", os.path.abspath(os.path.expanduser(self.teacher_cache)))
+      if self.teacher_devices:
+        raise ConfigError("teacher.cache and teacher.devices exclude each other: a cached teacher runs nowhere; "
+                          "remove one of them")
     for who in ("teacher", "student"):
       path = getattr(self, f"{who}_hf")
       if path is not None:
@@ -104,7 +108,7 @@ def split_sources(raw: dict) -> dict:
   """
   raw = dict(raw)
   models: dict[str, Any] = {}
-  for who, keys in (("teacher", ("hf", "cache")), ("student", ("hf", "init"))):
+  for who, keys in (("teacher", ("hf", "cache", "devices")), ("student", ("hf", "init"))):
     section = raw.get(who)
     if not isinstance(section, dict) or not any(k in section for k in keys):
       continue
@@ -138,6 +142,12 @@ def _checked(key: str, value: Any) -> Any:
   if key.endswith(".hf"):
     if value is not None and (not isinstance(value, str) or not value):
       raise ConfigError(f"{key}={value!r} must be the path of a local Hugging Face model directory")
+    return value
+  if key == "teacher.devices":
+    if value is not None and (not isinstance(value, dict) or set(value) != {"data", "tensor"} or any(
+        isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value.values())):
+      raise ConfigError(f"{key}={value!r} must be the teacher's own mesh {{data: D, tensor: T}} (positive integers), "
+                        "e.g. {data: 1, tensor: 4}; the student's mesh (mesh.data x mesh.tensor) takes other devices")
     return value
   if key == "teacher.cache":
     if value is not None and (not isinstance(value, str) or not value):
@@ -177,6 +187,8 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
     plain["student"] = {"init": init, **{k: plain["student"][k] for k in FREE_KEYS}}
   if sources.teacher_cache:
     plain["teacher"] = {**plain["teacher"], "cache": sources.teacher_cache}
+  if sources.teacher_devices:
+    plain["teacher"] = {**plain["teacher"], "devices": dict(sources.teacher_devices)}
   return plain
 
 

@@ -105,3 +105,52 @@ def addressable_bytes(tree, devices) -> dict:
       if shard.device in out:
         out[shard.device] += shard.data.nbytes
   return out
+
+
+class TeacherMeshData:
+  """A `meshdistill.data.DataBundle` whose training batches carry the top-k of a `TeacherOnMesh`, the
+  teacher working one batch ahead; the iterator's state is the position of the next batch it hands out,
+  so checkpoints and resume are those of the plain data."""
+
+  def __init__(self, bundle, on_mesh: TeacherOnMesh):
+    self.bundle, self.on_mesh = bundle, on_mesh
+
+  def __getattr__(self, name):
+    return getattr(self.bundle, name)
+
+  def train_iterator(self, state: dict | None = None, **kw) -> _AheadIterator:
+    return _AheadIterator(self.bundle.train_iterator(state, **kw), self.on_mesh)
+
+
+class _AheadIterator:
+  def __init__(self, it, on_mesh: TeacherOnMesh):
+    self._it, self._on, self._ahead, self._index = it, on_mesh, None, 0
+
+  def _read(self):
+    position = self._it.get_state()
+    try:
+      batch = next(self._it)
+    except StopIteration:
+      return None
+    self._index += 1
+    return position, batch, self._on.dispatch(batch, self._index - 1)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    current = self._ahead if self._ahead is not None else self._read()
+    if current is None:
+      raise StopIteration
+    self._ahead = self._read()  # batch s+1's teacher work is issued before batch s is handed out
+    return {**current[1], **current[2]}
+
+  def get_state(self):
+    return self._ahead[0] if self._ahead is not None else self._it.get_state()
+
+  def set_state(self, state):
+    self._ahead = None
+    self._it.set_state(state)
+
+  def close(self):
+    self._it.close()
