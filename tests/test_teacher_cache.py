@@ -17,7 +17,7 @@ STRATEGY = LogitKD(top_k=K, temperature=TAU, alpha=0.5)
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   root = tmp_path_factory.mktemp("cache")
-  data = md.data.build_data(md.data.DataConfig(source=write_corpus(root / "corpus", 8), seq_len=8, val_fraction=0.0),
+  data = md.data.build_data(md.data.DataConfig(source=write_corpus(root / "corpus", 8), seq_len=16, val_fraction=0.0),
                             batch_size=8)
   vocab = data.tokenizer.vocab_size
   mesh = md.make_mesh(data=2, tensor=4)
@@ -28,13 +28,13 @@ def setup(tmp_path_factory):
   caches = {}
   for precision in ("float32", "float16"):
     out = str(root / precision)
-    tc.write_cache(program, data.train, out, identity=identity, precision=precision, rows_per_shard=64, batch_size=8)
+    tc.write_cache(program, data.train, out, identity=identity, precision=precision, rows_per_shard=128, batch_size=32)
     caches[precision] = out
   return dict(root=root, data=data, mesh=mesh, teacher=teacher, student_cfg=student_cfg, program=program,
               identity=identity, caches=caches)
 
 
-def _losses(distiller, data, student_cfg, mesh, steps=3):
+def _losses(distiller, data, student_cfg, mesh, steps=2):
   student = md.init_model(student_cfg, seed=1, mesh=mesh)
   state = distiller.init_state(student)
   it = data.train_iterator()
@@ -57,16 +57,17 @@ def test_ids_pack_into_ceil_log2_vocab_bits_and_round_trip():
 
 def test_run_from_float32_cache_equals_live_topk_run(setup):
   s = setup
-  student = md.init_model(s["student_cfg"], seed=1, mesh=s["mesh"])
-  live = md.Distiller(student, s["teacher"], mesh=s["mesh"], strategy=STRATEGY)
+  # written on a 2x4 mesh, read by a student on one device (the layouts agree on the numbers)
+  student = md.init_model(s["student_cfg"], seed=1)
+  live = md.Distiller(student, s["teacher"], strategy=STRATEGY)
   cache = tc.TeacherCache(s["caches"]["float32"], verify=True)
-  cached = md.Distiller(student, cache.spec(), mesh=s["mesh"], strategy=STRATEGY)
-  assert cached.teacher_def is None and cached.teacher_params == {}  # no teacher weights on the student mesh
-  want = _losses(live, s["data"], s["student_cfg"], s["mesh"])
-  got = _losses(cached, tc.CachedTeacherData(s["data"], cache), s["student_cfg"], s["mesh"])
+  cached = md.Distiller(student, cache.spec(), strategy=STRATEGY)
+  assert cached.teacher_def is None and cached.teacher_params == {}  # no teacher weights beside the student
+  want = _losses(live, s["data"], s["student_cfg"], None)
+  got = _losses(cached, tc.CachedTeacherData(s["data"], cache), s["student_cfg"], None)
   np.testing.assert_allclose(got, want, rtol=1e-6)
   compact = _losses(cached, tc.CachedTeacherData(s["data"], tc.TeacherCache(s["caches"]["float16"])),
-                    s["student_cfg"], s["mesh"])
+                    s["student_cfg"], None)
   assert np.max(np.abs(compact - want) / want) < 1e-3  # float16 log-probs: a small, bounded error
   assert not np.array_equal(compact, want)
 
@@ -75,7 +76,7 @@ def test_killed_write_resumes_to_the_same_cache(setup, tmp_path):
   s = setup
   out = str(tmp_path / "resumed")
   first = tc.write_cache(s["program"], s["data"].train, out, identity=s["identity"], precision="float32",
-                         rows_per_shard=64, batch_size=8, stop_after_shards=1)
+                         rows_per_shard=128, batch_size=32, stop_after_shards=1)
   assert first == {} and os.path.isfile(os.path.join(out, tc.PROGRESS))
   # a write cut off mid-file: a partial next shard that progress.json does not list
   with open(os.path.join(out, "shard-00001.safetensors"), "wb") as f:
@@ -83,7 +84,7 @@ def test_killed_write_resumes_to_the_same_cache(setup, tmp_path):
   with pytest.raises(tc.CacheError, match="unfinished"):
     tc.TeacherCache(out)
   done = tc.write_cache(s["program"], s["data"].train, out, identity=s["identity"], precision="float32",
-                        rows_per_shard=64, batch_size=8)
+                        rows_per_shard=128, batch_size=32)
   whole = tc.TeacherCache(s["caches"]["float32"]).manifest
   assert len(whole["shards"]) > 1
   assert done["content_sha256"] == whole["content_sha256"]
@@ -107,7 +108,7 @@ def test_cache_for_other_settings_or_damaged_is_refused(setup, tmp_path):
   # writing into it with another k is refused, naming k
   program = tc.TeacherTopK(s["teacher"], k=K + 1, temperature=TAU, mesh=s["mesh"])
   with pytest.raises(tc.CacheError, match="k: cache 4, this run 5"):
-    tc.write_cache(program, s["data"].train, path, identity=s["identity"], rows_per_shard=64)
+    tc.write_cache(program, s["data"].train, path, identity=s["identity"], rows_per_shard=128)
   # a truncated shard
   broken = tmp_path / "broken"
   broken.mkdir()
@@ -117,8 +118,8 @@ def test_cache_for_other_settings_or_damaged_is_refused(setup, tmp_path):
   with pytest.raises(tc.CacheError, match="truncated"):
     tc.TeacherCache(str(broken))
   # strategies that need a live teacher, or other top-k settings
-  student = md.init_model(s["student_cfg"], seed=1, mesh=s["mesh"])
+  student = md.init_model(s["student_cfg"], seed=1)
   for strategy, match in ((AttentionTransfer(), "needs a live teacher"), (LogitKD(top_k=K + 1, temperature=TAU), "top_k"),
                           (LogitKD(top_k=K, temperature=1.0), "temperature")):
     with pytest.raises(ValueError, match=match):
-      md.Distiller(student, cache.spec(), mesh=s["mesh"], strategy=strategy)
+      md.Distiller(student, cache.spec(), strategy=strategy)

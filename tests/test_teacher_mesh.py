@@ -10,7 +10,7 @@ from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 
 import meshdistill as md
 from meshdistill.strategies import LogitKD
-from meshdistill.teacher_mesh import TeacherOnMesh, addressable_bytes, split_meshes
+from meshdistill.teacher_mesh import TeacherMeshData, TeacherOnMesh, addressable_bytes, split_meshes
 
 STRATEGY = LogitKD(top_k=4, temperature=2.0, alpha=0.5)
 
@@ -55,3 +55,43 @@ def test_teacher_devices_leaving_the_student_too_few_is_an_error():
     split_meshes(teacher=(2, 4), student=(2, 2))
   with pytest.raises(ValueError, match="teacher.devices.tensor=0"):
     split_meshes(teacher=(1, 0), student=(2, 2))
+
+
+class _Batches:
+  """A stand-in data bundle: ``make_batch(seed=i)`` for i = 0, 1, ... with a position state."""
+
+  def train_iterator(self, state=None):
+    return _Positioned(0 if state is None else state["next"])
+
+
+class _Positioned:
+  def __init__(self, start):
+    self.next = start
+
+  def __next__(self):
+    self.next += 1
+    return make_batch(seed=self.next - 1)
+
+  def get_state(self):
+    return {"next": self.next}
+
+  def set_state(self, state):
+    self.next = state["next"]
+
+  def close(self):
+    pass
+
+
+def test_ahead_iterator_state_is_the_next_batch_it_hands_out():
+  teacher_mesh, student_mesh = split_meshes(teacher=(1, 4), student=(2, 2))
+  on_mesh = TeacherOnMesh(md.init_model(TEACHER_CFG, seed=0), k=4, temperature=2.0, teacher_mesh=teacher_mesh,
+                          student_mesh=student_mesh)
+  it = TeacherMeshData(_Batches(), on_mesh).train_iterator()
+  next(it), next(it)
+  assert it.get_state() == {"next": 2}  # the teacher is already working on batch 3, which is not handed out yet
+  resumed = TeacherMeshData(_Batches(), on_mesh).train_iterator(it.get_state())
+  a, b = next(it), next(resumed)
+  np.testing.assert_array_equal(a["inputs"], make_batch(seed=2)["inputs"])
+  for key in ("inputs", "teacher_ids", "teacher_logprobs"):
+    np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
+  assert a["teacher_ids"].sharding.mesh == student_mesh
