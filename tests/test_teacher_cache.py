@@ -77,7 +77,7 @@ def test_killed_write_resumes_to_the_same_cache(setup, tmp_path):
   out = str(tmp_path / "resumed")
   first = tc.write_cache(s["program"], s["data"].train, out, identity=s["identity"], precision="float32",
                          rows_per_shard=128, batch_size=32, stop_after_shards=1)
-  assert first == {} and os.path.isfile(os.path.join(out, tc.PROGRESS))
+  assert first == {} and os.path.isfile(os.path.join(out, "progress-0.json"))
   # a write cut off mid-file: a partial next shard that progress.json does not list
   with open(os.path.join(out, "shard-00001.safetensors"), "wb") as f:
     f.write(b"\0" * 100)

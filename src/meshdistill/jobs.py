@@ -341,10 +341,16 @@ def cache_teacher(
   manifest = tc.write_cache(program, data.train, out, identity=identity, precision=precision,
                             rows_per_shard=rows_per_shard, batch_size=data.global_batch_size,
                             process_index=jax.process_index(), process_count=jax.process_count(),
-                            stop_after_shards=stop_after_shards)
+                            stop_after_shards=stop_after_shards, barrier=_barrier)
   say(f"teacher cache: {len(data.train)} rows x {data.train.seq_len} tokens -> {out} in "
       f"{time.perf_counter() - t0:.1f}s")
   return manifest
+
+
+def _barrier() -> None:
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  multihost_utils.sync_global_devices("meshdistill-teacher-cache")
 
 
 def loop_kwargs(settings) -> dict:

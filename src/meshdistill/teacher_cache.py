@@ -13,16 +13,18 @@ Layout of a cache directory:
   into ``ceil(log2 vocab)`` bits, row by row), ``logprobs`` ``[rows, T, K]`` and ``tail`` ``[rows, T]``
   in the cache's precision (``float16``: 2 bytes; ``float32``: exact). Each shard is written to a
   temporary file and renamed, so a shard on disk is whole;
-* ``progress.json`` -- while writing: the settings and the finished shards (with sizes and
-  SHA-256), rewritten atomically after each shard; a rerun skips them (resume after a kill);
+* ``progress-P.json`` -- while writing, one per process ``P``: the settings and that process's
+  finished shards (with sizes and SHA-256), rewritten atomically after each shard; a rerun skips
+  them (resume after a kill);
 * ``manifest.json`` -- written last: teacher (config and a hash of its weights), tokenizer
   fingerprint, data (sources, ``seq_len``, row count, a hash of the packed tokens), ``k``,
   ``temperature``, ``vocab``, ``precision``, the shards and a content hash over them.
 
 At k=32 and V=128k a token costs 32 x 17 bits of ids (68 B) + 32 x 2 B of float16 log-probs +
 2 B of tail = 134 B (``benchmarks/teacher_cache.py`` measures it and the error float16 costs).
-With several processes each writes the shards ``i`` with ``i % process_count == process_index``;
-process 0 writes the manifest once all shards exist.
+With several processes each writes the shards ``i`` with ``i % process_count == process_index``
+and its own progress file; after a barrier (``barrier``, e.g. JAX's `sync_global_devices`) process 0
+merges them into the manifest.
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 PRECISIONS = {"float16": np.float16, "float32": np.float32}
-MANIFEST, PROGRESS = "manifest.json", "progress.json"
+MANIFEST = "manifest.json"
+
+
+def _progress_name(process_index: int) -> str:
+  return f"progress-{process_index}.json"
 
 
 class CacheError(ValueError):
@@ -250,6 +256,7 @@ def write_cache(
     process_index: int = 0,
     process_count: int = 1,
     stop_after_shards: int | None = None,
+    barrier: Any = None,
 ) -> dict:
   """Writes (or finishes) the top-k cache of ``teacher_topk`` over all rows of ``packed`` into ``out``.
 
@@ -263,6 +270,7 @@ def write_cache(
     rows_per_shard: rows per shard file; batch_size: rows per teacher call (a multiple of ``data``).
     process_index, process_count: this process's shards (``i % process_count == process_index``).
     stop_after_shards: stop after writing this many shards (as if killed; for tests).
+    barrier: with several processes, a function every process calls after its shards (a sync point).
 
   Returns:
     The manifest (``{}`` when stopped early, or when another process still has shards to write).
@@ -288,7 +296,7 @@ def write_cache(
     _check_same(done, settings, out)
     log.info("teacher cache %s is complete (%d shards); nothing to do", out, len(done["shards"]))
     return done
-  progress_path = os.path.join(out, PROGRESS)
+  progress_path = os.path.join(out, _progress_name(process_index))
   progress = _read_json(progress_path)
   if progress is not None:
     _check_same(progress["settings"], settings, out)
@@ -314,14 +322,25 @@ def write_cache(
     _write_json(progress_path, progress)
     written += 1
   log.info("teacher cache: wrote %d shards in %.1fs", written, time.perf_counter() - t0)
-  if len(progress["shards"]) < n_shards or process_index != 0:
-    return {}  # other processes' shards are still missing (process 0 finishes when they are there)
-  shards = [{"name": f"shard-{i:05d}.safetensors", **progress["shards"][f"shard-{i:05d}.safetensors"]}
-            for i in range(n_shards)]
+  if process_count > 1 and barrier is not None:
+    barrier()
+  if process_index != 0:
+    return {}
+  finished = {}
+  for p in range(process_count):
+    part = _read_json(os.path.join(out, _progress_name(p)))
+    finished.update({} if part is None else part["shards"])
+  missing = [i for i in range(n_shards) if f"shard-{i:05d}.safetensors" not in finished]
+  if missing:
+    log.info("teacher cache: %d shards still missing (other processes); rerun to finish", len(missing))
+    return {}
+  shards = [{"name": f"shard-{i:05d}.safetensors", **finished[f"shard-{i:05d}.safetensors"]} for i in range(n_shards)]
   content = hashlib.sha256("".join(s["sha256"] for s in shards).encode()).hexdigest()
   manifest = {**settings, "shards": shards, "content_sha256": content}
   _write_json(os.path.join(out, MANIFEST), manifest)
-  os.remove(progress_path)
+  for p in range(process_count):
+    if os.path.isfile(os.path.join(out, _progress_name(p))):
+      os.remove(os.path.join(out, _progress_name(p)))
   return manifest
 
 
@@ -381,9 +400,9 @@ class TeacherCache:
     self.path = os.path.abspath(os.path.expanduser(path))
     manifest = _read_json(os.path.join(self.path, MANIFEST))
     if manifest is None:
-      unfinished = os.path.isfile(os.path.join(self.path, PROGRESS))
+      unfinished = any(n.startswith("progress-") for n in os.listdir(self.path)) if os.path.isdir(self.path) else False
       raise CacheError(
-          f"teacher.cache={path!r} is " + ("an unfinished teacher cache (progress.json, no manifest.json); rerun "
+          f"teacher.cache={path!r} is " + ("an unfinished teacher cache (progress files, no manifest.json); rerun "
                                           "`meshdistill cache-teacher` with the same settings to finish it"
                                           if unfinished else "not a teacher cache (no manifest.json); write one "
                                           "with `meshdistill cache-teacher --out PATH`")
