@@ -10,7 +10,8 @@ Three measurements, one run:
   encoding + files, tokens per second, after a warm-up call), then the same student trained ``--steps``
   steps three ways from the same batches: live teacher with ``LogitKD(top_k=k)``, from the float32 cache,
   from the float16 cache. Reported: the largest relative loss difference to the live run, and the median
-  step time of each (each step waited for; reading the batch and its cached top-k included).
+  step time of each (each step waited for; reading the batch and its cached top-k included; the three
+  runs step in turn, so machine load falls on all of them alike).
 
 Run: ``python benchmarks/teacher_cache.py [--steps 30 --k 32]``; writes ``benchmarks/results/teacher_cache.md``.
 """
@@ -66,20 +67,26 @@ def size_at_128k(root: str, k: int) -> dict:
   return out
 
 
-def timed_steps(distiller, student, data, steps: int) -> tuple[np.ndarray, float]:
-  state = distiller.init_state(student)
-  it = data.train_iterator()
-  state, metrics = distiller.step(state, next(it))  # compile
-  jax.block_until_ready(metrics)
-  losses, times = [float(metrics["loss"])], []
+def interleaved_steps(runs: dict, student, steps: int) -> dict:
+  """Trains one student per entry of ``runs = {name: (distiller, data)}`` from the same batches, one step of
+  each in turn (so a loaded machine slows all alike); returns ``{name: (losses, median step seconds)}``."""
+  live = {}
+  for name, (distiller, data) in runs.items():
+    it = data.train_iterator()
+    state, metrics = distiller.step(distiller.init_state(student), next(it))  # compile
+    live[name] = [distiller, it, state, [float(metrics["loss"])], []]
   for _ in range(steps - 1):
-    t0 = time.perf_counter()  # reading the batch (and its cached top-k) counts
-    state, metrics = distiller.step(state, next(it))
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - t0)
-    losses.append(float(metrics["loss"]))
-  it.close()
-  return np.array(losses), statistics.median(times)
+    for entry in live.values():
+      distiller, it, state = entry[:3]
+      t0 = time.perf_counter()  # reading the batch (and its cached top-k) counts
+      state, metrics = distiller.step(state, next(it))
+      jax.block_until_ready(metrics)
+      entry[4].append(time.perf_counter() - t0)
+      entry[2] = state
+      entry[3].append(float(metrics["loss"]))
+  for entry in live.values():
+    entry[1].close()
+  return {name: (np.array(e[3]), statistics.median(e[4])) for name, e in live.items()}
 
 
 def main() -> None:
@@ -114,18 +121,19 @@ def main() -> None:
 
   strategy = LogitKD(top_k=args.k, temperature=tau, alpha=float(cfg.distill.alpha))
   student = md.init_model(cfg.student, seed=1, mesh=mesh)
-  live = md.Distiller(student, teacher, mesh=mesh, strategy=strategy)
-  runs = {"live teacher (top-k in the step)": timed_steps(live, student, data, args.steps)}
+  plan = {"live teacher (top-k in the step)": (md.Distiller(student, teacher, mesh=mesh, strategy=strategy), data)}
   for precision, cache in caches.items():
-    d = md.Distiller(student, cache.spec(), mesh=mesh, strategy=strategy)
-    runs[f"cache, {precision}"] = timed_steps(d, student, tc.CachedTeacherData(data, cache), args.steps)
+    plan[f"cache, {precision}"] = (md.Distiller(student, cache.spec(), mesh=mesh, strategy=strategy),
+                                   tc.CachedTeacherData(data, cache))
+  runs = interleaved_steps(plan, student, args.steps)
   want = runs["live teacher (top-k in the step)"][0]
 
   lines = [
       "# Offline top-k teacher cache",
       "",
       f"`python benchmarks/teacher_cache.py --steps {args.steps} --k {args.k} --pretrain-steps {args.pretrain_steps}` "
-      f"on {platform.machine()} ({os.cpu_count()} CPU cores, 8 simulated devices), jax {jax.__version__}.",
+      f"on {platform.machine()} ({os.cpu_count()} CPU cores, 8 simulated devices, load average "
+      f"{os.getloadavg()[0]:.1f} at the end: a shared machine), jax {jax.__version__}.",
       "",
       f"## Size at V = 128,000, k = {args.k}",
       "",

@@ -95,3 +95,17 @@ def test_ahead_iterator_state_is_the_next_batch_it_hands_out():
   for key in ("inputs", "teacher_ids", "teacher_logprobs"):
     np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
   assert a["teacher_ids"].sharding.mesh == student_mesh
+
+
+def test_teacher_devices_and_cache_config_keys_are_checked():
+  from meshdistill.config import ConfigError, load_config
+
+  cfg = load_config("tiny", ["teacher.devices={data: 1, tensor: 4}", "mesh.data=2", "mesh.tensor=2"])
+  assert cfg.models.teacher_devices == {"data": 1, "tensor": 4}
+  assert cfg.to_dict()["teacher"]["devices"] == {"data": 1, "tensor": 4}
+  cfg = load_config("tiny", ["teacher.cache=some/cache"])
+  assert cfg.models.teacher_cache.endswith("some/cache") and cfg.to_dict()["teacher"]["cache"] == cfg.models.teacher_cache
+  with pytest.raises(ConfigError, match="teacher.devices="):
+    load_config("tiny", ["teacher.devices={data: 1, tensor: 0}"])
+  with pytest.raises(ConfigError, match="exclude each other"):
+    load_config("tiny", ["teacher.devices={data: 1, tensor: 4}", "teacher.cache=x"])
