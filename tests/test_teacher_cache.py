@@ -119,7 +119,8 @@ def test_cache_for_other_settings_or_damaged_is_refused(setup, tmp_path):
     tc.TeacherCache(str(broken))
   # strategies that need a live teacher, or other top-k settings
   student = md.init_model(s["student_cfg"], seed=1)
-  for strategy, match in ((AttentionTransfer(), "needs a live teacher"), (LogitKD(top_k=K + 1, temperature=TAU), "top_k"),
-                          (LogitKD(top_k=K, temperature=1.0), "temperature")):
+  refused = ((AttentionTransfer(), "needs a live teacher"), (LogitKD(top_k=K + 1, temperature=TAU), "top_k"),
+             (LogitKD(top_k=K, temperature=1.0), "temperature"))
+  for strategy, match in refused:
     with pytest.raises(ValueError, match=match):
       md.Distiller(student, cache.spec(), strategy=strategy)

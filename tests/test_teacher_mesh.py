@@ -104,7 +104,8 @@ def test_teacher_devices_and_cache_config_keys_are_checked():
   assert cfg.models.teacher_devices == {"data": 1, "tensor": 4}
   assert cfg.to_dict()["teacher"]["devices"] == {"data": 1, "tensor": 4}
   cfg = load_config("tiny", ["teacher.cache=some/cache"])
-  assert cfg.models.teacher_cache.endswith("some/cache") and cfg.to_dict()["teacher"]["cache"] == cfg.models.teacher_cache
+  assert cfg.models.teacher_cache.endswith("some/cache")
+  assert cfg.to_dict()["teacher"]["cache"] == cfg.models.teacher_cache
   with pytest.raises(ConfigError, match="teacher.devices="):
     load_config("tiny", ["teacher.devices={data: 1, tensor: 0}"])
   with pytest.raises(ConfigError, match="exclude each other"):

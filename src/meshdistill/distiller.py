@@ -46,8 +46,9 @@ class Distiller(StepVariants):
   Args:
     student, teacher: `Decoder` modules (built with `init_model`; placed anywhere, they
       are moved onto the layout). ``teacher`` may instead be a `meshdistill.teacher_cache.TopKTeacher`
-      (no weights; every batch then carries its top-k, see `meshdistill.teacher_cache`). Their vocabularies must match, up to padding rows: see
-      `resolve_shared_vocab` and ``shared_vocab`` (an explicit shared token range).
+      (no weights; every batch then carries its top-k, see `meshdistill.teacher_cache`). Their
+      vocabularies must match, up to padding rows: see `resolve_shared_vocab` and ``shared_vocab``
+      (an explicit shared token range).
     strategy: what to distil (default `LogitKD()`: tau=2, alpha=0.5).
     optimizer: an optax transformation for the student (default `default_optimizer()`).
     mesh: a ``(data, tensor)`` mesh from `make_mesh`; ``None`` means one device.

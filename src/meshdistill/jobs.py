@@ -497,8 +497,8 @@ def distill(
     teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
   if (cfg.models.teacher_cache or teacher_mesh is not None) and (
       cfg.distill.on_policy.active or cfg.distill.on_policy.prompts_file):
-    raise ConfigError("distill.on_policy trains on prompts and sampled completions, but teacher.cache / teacher.devices "
-                      "feed the teacher's top-k of the corpus rows; remove one of them")
+    raise ConfigError("distill.on_policy trains on prompts and sampled completions, but teacher.cache / "
+                      "teacher.devices feed the teacher's top-k of the corpus rows; remove one of them")
   if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
     from meshdistill.prompts import PromptData, read_prompts  # pylint: disable=g-import-not-at-top
 
@@ -670,7 +670,8 @@ def summary_table(summary: dict) -> str:
   if t is None:  # distilled from a teacher cache: no teacher weights to evaluate
     rows = [r for r in rows if r is not None]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows) + "\n(teacher given by its top-k only: not evaluated)"
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+    return table + "\n(teacher given by its top-k only: not evaluated)"
   widths = [max(len(r[i]) for r in rows) for i in range(4)]
   line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
   out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]

@@ -44,7 +44,8 @@ def split_meshes(teacher: tuple[int, int], student: tuple[int, int], devices=Non
   if n_teacher + n_student > len(devices):
     left = len(devices) - n_teacher
     raise ValueError(
-        f"teacher.devices={td}x{tt} takes {n_teacher} of the {len(devices)} devices and leaves the student {max(left, 0)}, "
+        f"teacher.devices={td}x{tt} takes {n_teacher} of the {len(devices)} devices and leaves the student "
+        f"{max(left, 0)}, "
         f"but mesh {sd}x{st} (data x tensor) needs {n_student}; give the teacher at most "
         f"{len(devices) - n_student} devices, or the student a mesh of at most {max(left, 0)}"
     )
