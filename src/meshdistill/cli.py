@@ -82,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
   pl = sub.add_parser("plot", help="write PNG curves of a run's metrics")
   pl.add_argument("run_dir", help="run directory holding metrics.jsonl")
   pl.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
-  ct = with_config(sub.add_parser("cache-teacher", help="write the teacher's top-k over the training data (resumable)"))
+  ct = with_processes(with_config(
+    sub.add_parser("cache-teacher", help="write the teacher's top-k over the training data (resumable)")
+  ))
   ct.add_argument("--out", required=True, help="cache directory to write (rerun to resume; then teacher.cache=OUT)")
   ct.add_argument("--k", type=int, default=32, help="tokens kept per position (default 32)")
   ct.add_argument("--precision", default="float16", help="log-probabilities as float16 (compact) or float32 (exact)")
