@@ -2,7 +2,7 @@
 
   meshdistill distill                       # the main job: configs/default.yaml on a 2x4 mesh
   meshdistill distill --config tiny --set train.steps=50 --set distill.alpha=0.7
-  meshdistill pretrain [--out DIR]          # pretrain (and cache) the configured teacher
+  meshdistill pretrain [--out DIR [--overwrite]]  # pretrain (and cache) the configured teacher
   meshdistill eval RUN_DIR                  # validation loss / perplexity / agreement of a run
   meshdistill plot RUN_DIR                  # PNG curves of loss, KL, CE and correlation
   meshdistill config [--config ...] [--set ...]   # print the effective configuration
@@ -13,6 +13,12 @@ keys or values are reported before anything runs. On a machine without an accele
 mesh runs on simulated CPU devices (``mesh.simulate_cpu_devices: auto``).
 
 Only this module prints; the library logs (``-v`` shows its INFO messages).
+
+Exit codes: 0 done; 2 refused (a bad setting, a missing or damaged input, an output that
+would replace files, a run directory in use) -- nothing was lost; 1 training failed (the
+divergence guard gave up, a checkpoint could not be written) -- the last checkpoint is kept;
+130 interrupted (Ctrl-C); 143 stopped by SIGTERM after writing a checkpoint. Rerunning the
+same command resumes after 1, 130 and 143.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
   d.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
   pt = with_config(sub.add_parser("pretrain", help="pretrain the configured teacher from scratch and cache it"))
   pt.add_argument("--out", default=None, help="teacher directory to write (default: the teacher cache)")
+  pt.add_argument("--overwrite", action="store_true", help="replace an existing teacher directory at --out")
   pt.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
   e = with_config(sub.add_parser("eval", help="evaluate a distillation run's latest checkpoint"))
   e.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
@@ -74,9 +81,9 @@ def _load(args, run_dir: str | None = None):
   return load_config(config, overrides)
 
 
-def _err(msg: str) -> int:
+def _err(msg: str, code: int = 2) -> int:
   print(f"meshdistill: error: {msg}", file=sys.stderr)
-  return 2
+  return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,9 +99,16 @@ def main(argv: list[str] | None = None) -> int:
       return _err(str(e))
     return 0
 
+  run_dir = getattr(args, "run_dir", None)
+  if run_dir is not None and not os.path.isdir(run_dir):
+    return _err(f"run directory {run_dir} does not exist; give the run.run_dir of a `meshdistill distill` run")
   try:  # every setting is checked here, before JAX starts or any data is read
-    cfg = _load(args, getattr(args, "run_dir", None))
-  except (ConfigError, FileNotFoundError) as e:
+    cfg = _load(args, run_dir)
+    if args.command == "pretrain" and args.out is not None:
+      from meshdistill.checkpoint import check_teacher_target  # pylint: disable=g-import-not-at-top
+
+      check_teacher_target(args.out, overwrite=args.overwrite)  # again before saving; here to fail fast
+  except (ConfigError, FileNotFoundError, FileExistsError) as e:
     return _err(str(e))
   if args.command == "config":
     import yaml  # pylint: disable=g-import-not-at-top
@@ -103,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
   from meshdistill import jobs  # pylint: disable=g-import-not-at-top
+  from meshdistill.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+  from meshdistill.fsutil import RunLockedError  # pylint: disable=g-import-not-at-top
   from meshdistill.monitor import ProfileWindow  # pylint: disable=g-import-not-at-top
+  from meshdistill.stopping import Stopped, stop_on_signals  # pylint: disable=g-import-not-at-top
 
   try:
     ProfileWindow.parse(getattr(args, "profile", None), "")
@@ -112,31 +129,37 @@ def main(argv: list[str] | None = None) -> int:
 
   jobs.prepare_devices(cfg)  # before JAX starts a backend
   t0 = time.perf_counter()
-  try:
-    if args.command == "pretrain":
-      out = jobs.pretrain(cfg, out=args.out, stream=sys.stderr, profile=args.profile)
-      ev = out["eval"]
-      print(f"teacher ({out['params']:,} params) -> {out['teacher_dir']}")
-      if ev:
-        print(f"validation loss {ev['loss']:.4f}, perplexity {ev['ppl']:.3f}")
-    elif args.command == "distill":
-      import jax  # pylint: disable=g-import-not-at-top
+  with stop_on_signals():  # SIGTERM: checkpoint, then exit 143
+    try:
+      if args.command == "pretrain":
+        out = jobs.pretrain(cfg, out=args.out, stream=sys.stderr, profile=args.profile, overwrite=args.overwrite)
+        ev = out["eval"]
+        print(f"teacher ({out['params']:,} params) -> {out['teacher_dir']}")
+        if ev:
+          print(f"validation loss {ev['loss']:.4f}, perplexity {ev['ppl']:.3f}")
+      elif args.command == "distill":
+        import jax  # pylint: disable=g-import-not-at-top
 
-      mesh = "1 device" if cfg.mesh.backend == "single" else f"{cfg.mesh.data}x{cfg.mesh.tensor} (data x tensor)"
-      print(
-        f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s), "
-        f"run dir {cfg.run.run_dir}",
-        file=sys.stderr,
-      )
-      summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
-      print(jobs.summary_table(summary))
-    elif args.command == "eval":
-      print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
-  except (ConfigError, FileNotFoundError, ValueError) as e:
-    return _err(str(e))
-  except KeyboardInterrupt:
-    print("\ninterrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
-    return 130
+        mesh = "1 device" if cfg.mesh.backend == "single" else f"{cfg.mesh.data}x{cfg.mesh.tensor} (data x tensor)"
+        print(
+          f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s), "
+          f"run dir {cfg.run.run_dir}",
+          file=sys.stderr,
+        )
+        summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
+        print(jobs.summary_table(summary))
+      elif args.command == "eval":
+        print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError, RunLockedError) as e:
+      return _err(str(e))
+    except (CheckpointError, RuntimeError, OSError) as e:
+      return _err(str(e), code=1)
+    except Stopped as e:
+      print(f"{e}; rerun the same command to resume", file=sys.stderr)
+      return 143
+    except KeyboardInterrupt:
+      print("\ninterrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
+      return 130
   print(f"done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
   return 0
 

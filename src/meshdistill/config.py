@@ -33,6 +33,7 @@ from meshdistill._typed_yaml import (
   ConfigError,
   from_dict,
   in_range,
+  load_yaml,
   nonneg_int,
   parse_override,
   positive_int,
@@ -41,9 +42,11 @@ from meshdistill._typed_yaml import (
   unknown_key,
 )
 from meshdistill.data import DataConfig
+from meshdistill.fsutil import write_text_atomic
 from meshdistill.models import ModelConfig
 
 BACKENDS = ("shard_map", "single", "pmap")
+MAX_LOSS_SCALE = 2.0**32  # the largest static loss scale: any larger and float32 gradients overflow on ordinary losses
 CONFIG_SUFFIXES = (".yaml", ".yml")
 
 
@@ -274,7 +277,8 @@ class SafeguardSettings:
 
   def __post_init__(self):
     if self.loss_scale is not None:
-      in_range("safeguards.loss_scale", self.loss_scale, 0.0, float("inf"), lo_open=True, example=" (e.g. 1024.0)")
+      in_range("safeguards.loss_scale", self.loss_scale, 0.0, MAX_LOSS_SCALE, lo_open=True,
+               example=" (e.g. 1024.0; a larger scale overflows float32 gradients)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -397,7 +401,7 @@ def load_raw(name_or_path: str | None) -> dict:
   path = config_path(name_or_path)
   with open(path, encoding="utf-8") as f:
     try:
-      raw = yaml.safe_load(f)
+      raw = load_yaml(f)
     except yaml.YAMLError as e:
       raise ConfigError(f"{path}: not valid YAML ({e})") from None
   if raw is None:
@@ -427,5 +431,4 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
 
 def dump_config(cfg: Config, path: str) -> None:
   """Writes ``cfg`` as YAML (loadable with `load_config`)."""
-  with open(path, "w", encoding="utf-8") as f:
-    yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+  write_text_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))  # never a half-written config.yaml

@@ -22,8 +22,16 @@ import logging
 import os
 from typing import IO, Any
 
-from meshdistill.checkpoint import Checkpointer, load_teacher, read_teacher_meta, save_teacher
+from meshdistill.checkpoint import (
+  Checkpointer,
+  TeacherDamagedError,
+  check_teacher_target,
+  load_teacher,
+  read_teacher_meta,
+  save_teacher,
+)
 from meshdistill.config import Config, ConfigError, dump_config
+from meshdistill.fsutil import RunLock
 from meshdistill.monitor import Monitor, ProfileWindow
 
 log = logging.getLogger(__name__)
@@ -130,10 +138,13 @@ def pretrain(
   run_dir: str | None = None,
   stream: IO[str] | None = None,
   profile: str | None = None,
+  overwrite: bool = False,
 ) -> dict:
   """Pretrains the teacher of ``cfg`` from scratch on hard labels and saves it to ``out``.
 
-  ``out`` defaults to the teacher cache (`teacher_dir`), where `distill` looks for it.
+  ``out`` defaults to the teacher cache (`teacher_dir`), where `distill` looks for it. An existing
+  non-empty ``out`` is refused before any training unless ``overwrite`` (the cache always may be
+  replaced), and only a teacher directory is ever replaced (`meshdistill.checkpoint.save_teacher`).
   Training state is checkpointed in ``run_dir`` (default ``<run.run_dir>/teacher-<key>``, the key
   of `teacher_key`, so pretraining with other settings never resumes this one), and an interrupted
   pretraining resumes. Returns a summary with the teacher's validation metrics.
@@ -145,31 +156,33 @@ def pretrain(
 
   mesh = mesh if mesh is not None else build_mesh(cfg)
   data = with_batch_size(data if data is not None else load_data(cfg), cfg.pretrain.batch_size)
-  out = out or teacher_dir(cfg, data.tokenizer)
+  if out is None:
+    out, overwrite = teacher_dir(cfg, data.tokenizer), True  # the cache is ours to replace
+  check_teacher_target(out, overwrite=overwrite)  # before any training
   run_dir = run_dir or os.path.join(cfg.run.run_dir, f"teacher-{teacher_key(cfg, data.tokenizer)}")
   p = cfg.pretrain
   model = init_model(cfg.teacher, seed=p.seed, mesh=mesh)
   optimizer = make_optimizer(p, cfg.teacher.n_layers)
   trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend)
-  os.makedirs(run_dir, exist_ok=True)
-  dump_config(cfg, os.path.join(run_dir, "config.yaml"))
-  monitor = _monitor(run_dir, p.steps, stream, "pretrain")
-  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
-  try:
-    result = fit(
-      trainer,
-      data,
-      kind="pretrain",
-      checkpointer=ckpt,
-      monitor=monitor,
-      evaluator=Evaluator.for_trainer(trainer, with_teacher=False),
-      profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
-      **loop_kwargs(p),
-      **safeguard_kwargs(cfg),
-    )
-  finally:
-    ckpt.close()
-    monitor.close()
+  with RunLock(run_dir, "pretraining"):  # one run per run directory
+    dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+    monitor = _monitor(run_dir, p.steps, stream, "pretrain")
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+    try:
+      result = fit(
+        trainer,
+        data,
+        kind="pretrain",
+        checkpointer=ckpt,
+        monitor=monitor,
+        evaluator=Evaluator.for_trainer(trainer, with_teacher=False),
+        profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
+        **loop_kwargs(p),
+        **safeguard_kwargs(cfg),
+      )
+    finally:
+      ckpt.close()
+      monitor.close()
   teacher = trainer.student(result.state)  # the configured model (a remat turned on for pretraining is not saved)
   info = {
     "pretrain": dataclasses.asdict(p),
@@ -179,7 +192,7 @@ def pretrain(
     "seconds": result.seconds,
     "mesh": cfg.to_dict()["mesh"],
   }
-  save_teacher(out, teacher, data.tokenizer, info)
+  save_teacher(out, teacher, data.tokenizer, info, overwrite=overwrite)
   return {"teacher_dir": out, "eval": result.eval, "params": param_count(teacher), "seconds": result.seconds}
 
 
@@ -196,9 +209,16 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
   path = teacher_dir(cfg, data.tokenizer)
   if os.path.isfile(os.path.join(path, "teacher.json")):
     report(f"teacher: cached {path}")
+    try:
+      return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
+    except Exception as e:  # noqa: BLE001 -- any unreadable cache entry is rebuilt, the reason reported
+      # The cache key covers the architecture and the tokenizer: a cached teacher that does not load is damaged.
+      why = str(e) if isinstance(e, TeacherDamagedError) else f"{type(e).__name__}: {str(e)[:300]}"
+      log.warning("cached teacher %s cannot be used (%s); rebuilding it", path, why)
+      report(f"teacher: the cached teacher is damaged ({why}); pretraining it again ({cfg.pretrain.steps} steps)")
   else:
     report(f"teacher: none cached for these settings; pretraining one ({cfg.pretrain.steps} steps) -> {path}")
-    pretrain(cfg, data=data, mesh=mesh, out=path, stream=stream)
+  pretrain(cfg, data=data, mesh=mesh, out=path, stream=stream)
   return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
 
 
@@ -301,15 +321,40 @@ def distill(
 
   Writes ``config.yaml``, ``metrics.jsonl``, ``tb/``, ``checkpoints/`` and ``summary.json`` into
   ``run.run_dir`` and returns the summary (teacher / student validation loss and perplexity).
+  Holds the run directory's lock (`meshdistill.fsutil.RunLock`) throughout; ``config.yaml`` is
+  written only once the settings are known to fit the checkpoint the run resumes from.
   """
+  with RunLock(cfg.run.run_dir, "distillation run"):
+    return _distill(cfg, stream=stream, profile=profile, stop_after=stop_after)
+
+
+def _check_against_checkpoint(cfg: Config, tdir: str) -> None:
+  """Raises when the run directory's checkpoint was written with other settings (before anything is written)."""
+  from meshdistill.trainer import _check_resumable  # pylint: disable=g-import-not-at-top
+
+  if not os.path.isdir(cfg.checkpoint_dir):
+    return
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, read_only=True)
+  try:
+    if ckpt.latest_step() is None:
+      return
+    expected = {"kind": "distill", "student": dataclasses.asdict(cfg.student),
+                "teacher": dataclasses.asdict(cfg.teacher), "teacher_dir": tdir}
+    _check_resumable(ckpt.read_meta(), expected, ckpt.directory, cfg.train.steps)
+  finally:
+    ckpt.close()
+
+
+def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
   from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
 
   run_dir = cfg.run.run_dir
-  os.makedirs(run_dir, exist_ok=True)
-  dump_config(cfg, os.path.join(run_dir, "config.yaml"))
   mesh = build_mesh(cfg)
   data = load_data(cfg)
+  tdir = os.path.expanduser(cfg.pretrain.teacher) if cfg.pretrain.teacher else teacher_dir(cfg, data.tokenizer)
+  _check_against_checkpoint(cfg, tdir)
+  dump_config(cfg, os.path.join(run_dir, "config.yaml"))
   say = stream_reporter(stream)
   say(
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
@@ -353,7 +398,11 @@ def distill(
 def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
   """Evaluates the latest checkpoint of the run in ``run.run_dir`` against its teacher."""
   say = stream_reporter(stream)
-  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, keep=cfg.checkpoint.keep)
+  if not os.path.isdir(cfg.checkpoint_dir):  # evaluation creates nothing
+    raise FileNotFoundError(
+      f"no checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with run.run_dir={cfg.run.run_dir} first"
+    )
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, read_only=True)
   try:
     if ckpt.latest_step() is None:
       raise FileNotFoundError(

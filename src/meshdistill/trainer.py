@@ -49,6 +49,7 @@ from meshdistill.evaluate import Evaluator
 from meshdistill.monitor import Monitor, ProfileWindow
 from meshdistill.safeguards import DivergenceGuard, Recovery, copy_state, skipped_updates
 from meshdistill.step import TrainState
+from meshdistill.stopping import Stopped, requested
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +258,7 @@ def fit(
     if got != start:
       raise ValueError(f"checkpoint step {start} holds a train state at step {got}; the checkpoint is inconsistent")
     monitor.message(f"resumed from step {start} ({checkpointer.directory})")
+  monitor.rewind(start)  # rows past the start are from work that is redone now
   it = data.train_iterator(data_state)
   last = min(steps, stop_after) if stop_after is not None else steps
   last_eval: dict[str, float] = {}
@@ -298,7 +300,7 @@ def fit(
       state, metrics = runner.step(state, batch)
       if recovery is not None:
         loss = float(np.asarray(jax.device_get(metrics["loss"])).reshape(-1)[0])
-        reason = recovery.diverged(step + 1, loss)
+        reason = recovery.diverged(step + 1, loss, state, metrics)
         if reason is not None:
           state, step = recovery.recover(step + 1, loss, reason)
           continue
@@ -328,6 +330,12 @@ def fit(
           checkpointer.maybe_save(step, trainer, state, it.get_state(), {**meta, "guard": recovery.snapshot()},
                                   final=True)
       monitor.exclude(time.perf_counter() - t_aside)
+      if requested() is not None and step < last:  # SIGTERM: checkpoint this step, then stop (see stopping.py)
+        monitor.flush_train(step, {"skipped": float(skipped_updates(state.opt_state))})
+        if checkpointer is not None:
+          guard_meta = {"guard": recovery.snapshot()} if recovery is not None else {}
+          checkpointer.maybe_save(step, trainer, state, it.get_state(), {**meta, **guard_meta}, final=True)
+        raise Stopped(requested(), step, checkpointer.directory if checkpointer is not None else None)
   finally:
     it.close()
     if profile is not None:
