@@ -277,8 +277,10 @@ class SafeguardSettings:
 
   def __post_init__(self):
     if self.loss_scale is not None:
-      in_range("safeguards.loss_scale", self.loss_scale, 0.0, MAX_LOSS_SCALE, lo_open=True,
-               example=" (e.g. 1024.0; a larger scale overflows float32 gradients)")
+      in_range("safeguards.loss_scale", self.loss_scale, 0.0, float("inf"), lo_open=True, example=" (e.g. 1024.0)")
+      if self.loss_scale > MAX_LOSS_SCALE:
+        raise ConfigError(f"safeguards.loss_scale={self.loss_scale!r} overflows float32 gradients; use at most 2**32 "
+                          "(e.g. 1024.0), or null for no scaling")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -305,25 +305,25 @@ class ProfileWindow:
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
   """The rows of ``run_dir/metrics.jsonl``; a torn line (a run killed mid-write) is skipped with a warning.
 
-  A step that appears more than once (a run resumed before rows were rewound) keeps its last row.
+  Rows are kept as written: a divergence restore repeats steps on purpose (plots keep each step's
+  last value); a resumed run has already dropped the rows past its checkpoint (`Monitor.rewind`).
   """
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path} does not exist; is {run_dir!r} a run directory (written by meshdistill)?")
-  rows: dict[tuple, dict[str, Any]] = {}
+  rows: list[dict[str, Any]] = []
   with open(path, encoding="utf-8", errors="replace") as f:
     for i, line in enumerate(f, 1):
       if not line.strip():
         continue
       try:
         row = json.loads(line)
-        key = (int(row["step"]), row.get("split"), row.get("event"))
+        int(row["step"])
       except (ValueError, TypeError, KeyError) as e:
         log.warning("%s line %d is not a metrics row (%s); skipped", path, i, e)
         continue
-      rows.pop(key, None)
-      rows[key] = row
-  return list(rows.values())
+      rows.append(row)
+  return rows
 
 
 def _series(rows: Iterable[dict], split: str, key: str) -> tuple[list[int], list[float]]:
