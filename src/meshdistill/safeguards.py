@@ -18,6 +18,8 @@ Host side (between steps):
 * `DivergenceGuard` -- ``observe(step, loss)`` says whether the run diverged (non-finite
   loss, or loss above ``factor`` times the median of the last ``window`` good losses) and
   keeps a copy of the last state whose loss was good; ``events`` records what happened.
+  ``check_updates`` also calls it divergence when updates stop while the loss stays finite (a
+  run of skipped updates, or of non-finite gradient norms that clipping turns into zero updates).
 * `Recovery` -- the bookkeeping of a guarded loop: good-state copies, restores, the switch
   to the fallback strategy (`fallback_strategy`: logit MSE) for the rest of the freezing
   stage, events, and a JSON snapshot for checkpoints. `meshdistill.trainer.fit` (the CLI's

@@ -30,6 +30,10 @@ checkpoint of step ``s`` is written only then, from that copy, so every checkpoi
 the guard accepted and no checkpoint is newer than the state a restore returns to (the last
 step of a run is saved at once: nothing follows to confirm it). The guard's history, restore
 count and fallback state travel in the checkpoint, so resuming is still exact.
+
+Under `meshdistill.stopping.stop_on_signals` (the CLI), a SIGTERM lets the step in flight finish,
+checkpoints it and raises `Stopped`. A (re)started run first drops the ``metrics.jsonl`` rows past
+its start step (`Monitor.rewind`), so a resumed run logs each step once.
 """
 
 from __future__ import annotations
