@@ -113,6 +113,7 @@ class Checkpointer:
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
     self._damaged: dict[int, str] = {}  # step -> what is wrong with it (found by `verify`)
     self._warned_legacy = False
+    self._warned: set[int] = set()  # damaged steps already reported
 
   def latest_step(self) -> int | None:
     """The newest completely written step (intact or not; see `intact_step`), or None."""
@@ -140,8 +141,9 @@ class Checkpointer:
         force=True,
       )
       self._mgr.wait_until_finished()
-      digests = file_digests(self.step_dir(step), exclude=(CHECKSUM_FILE,))
-      write_text_atomic(os.path.join(self.step_dir(step), CHECKSUM_FILE), json.dumps(digests, indent=1))
+      if jax.process_index() == 0:  # one writer; orbax has finished the step on every process here
+        digests = file_digests(self.step_dir(step), exclude=(CHECKSUM_FILE,))
+        write_text_atomic(os.path.join(self.step_dir(step), CHECKSUM_FILE), json.dumps(digests, indent=1))
     except OSError as e:
       self._mgr.reload()
       intact = [s for s in sorted(self.all_steps(), reverse=True) if s != step]
@@ -204,7 +206,10 @@ class Checkpointer:
     for s in steps:
       if self.verify(s) is None:
         return s
-      log.warning("checkpoint step %d in %s is damaged (%s); trying an earlier step", s, self.directory, self._damaged[s])
+      if s not in self._warned:
+        self._warned.add(s)
+        log.warning("checkpoint step %d in %s is damaged (%s); trying an earlier step", s, self.directory,
+                    self._damaged[s])
     listing = "; ".join(f"step {s}: {self._damaged[s]}" for s in steps)
     raise CheckpointError(
       f"no intact checkpoint in {self.directory} ({listing}). Nothing was restored; move the directory aside to "
