@@ -100,7 +100,9 @@ def atomic_output_dir(path: str) -> Iterator[str]:
         os.rename(old, path)
       raise
     fsync_dir(parent)
-    if old is not None:
+    if old is not None and os.path.islink(old):
+      os.unlink(old)  # a symlinked target: the link goes, what it pointed to stays
+    elif old is not None:
       shutil.rmtree(old, ignore_errors=True)
   finally:
     if os.path.exists(tmp):
