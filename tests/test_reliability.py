@@ -257,11 +257,13 @@ def test_one_run_per_run_directory_and_stale_locks_are_taken_over(tmp_path, corp
 
 # ------------------------------------------------------------------ 5. rejected resume
 def test_a_rejected_resume_leaves_config_yaml_as_it_was(saved_run, kd, tmp_path, corpus):
-  run = tmp_path / "run"
-  cfg = load_config("tiny", tiny_sets(tmp_path, corpus) + [f"run.run_dir={run}", "train.steps=4"])
+  run, teacher = tmp_path / "run", tmp_path / "teacher"
+  cfg = load_config("tiny", tiny_sets(tmp_path, corpus) + [f"run.run_dir={run}", "train.steps=4",
+                                                         f"pretrain.teacher={teacher}"])
+  save_teacher(str(teacher), md.init_model(cfg.teacher, seed=0), jobs.load_data(cfg).tokenizer)
   ckpt = Checkpointer(str(run / "checkpoints"), every=0)
   other = {**cfg.to_dict()["student"], "d_model": 64}
-  ckpt.save(2, kd, kd.init_state(), {"next_batch": 2}, {"kind": "distill", "student": other})
+  ckpt.save(2, kd, kd.init_state(), {"next_batch": 2}, {"kind": "distill", "student": other, "teacher_dir": str(teacher)})
   ckpt.close()
   (run / "config.yaml").write_text("# the run's own config\n")
   with pytest.raises(ValueError, match="written by another run \\(student"):

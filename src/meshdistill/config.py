@@ -3,8 +3,8 @@
 A run is described by `Config`, whose sections are frozen, keyword-only dataclasses::
 
   mesh        data x tensor layout, step backend, simulated CPU devices
-  teacher     `ModelConfig` of the teacher
-  student     `ModelConfig` of the student
+  teacher     `ModelConfig` of the teacher, or ``hf: PATH`` (a Hugging Face directory; see `meshdistill.sources`)
+  student     `ModelConfig` of the student, ``hf: PATH``, or ``init: {from_teacher: true, layers: [...]}``
   data        `meshdistill.data.DataConfig` (corpus, tokenizer, seq_len, ...)
   distill     the logit-distillation recipe (temperature / alpha: numbers or schedule specs)
   train       steps, batch size, optimizer, evaluation and logging cadence
@@ -44,6 +44,7 @@ from meshdistill._typed_yaml import (
 from meshdistill.data import DataConfig
 from meshdistill.fsutil import write_text_atomic
 from meshdistill.models import ModelConfig
+from meshdistill.sources import ModelSources, nest_sources, resolve, split_sources
 
 BACKENDS = ("shard_map", "single", "pmap")
 MAX_LOSS_SCALE = 2.0**32  # the largest static loss scale: any larger and float32 gradients overflow on ordinary losses
@@ -334,8 +335,11 @@ class Config:
   safeguards: SafeguardSettings = dataclasses.field(default_factory=SafeguardSettings)
   checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
   run: RunSettings = dataclasses.field(default_factory=RunSettings)
+  models: ModelSources = dataclasses.field(default_factory=ModelSources)  # teacher.hf / student.hf / student.init
 
   def __post_init__(self):
+    for section, value in resolve(self).items():  # shapes (and tokenizer) derived from teacher.hf / student.*
+      object.__setattr__(self, section, value)
     for who in ("teacher", "student"):
       m = getattr(self, who)
       if m.max_len < self.data.seq_len:
@@ -347,7 +351,7 @@ class Config:
         m.check_tensor_split(self.mesh.tensor)
       except ValueError as e:
         raise ConfigError(f"{who}: {e} (mesh.tensor={self.mesh.tensor})") from None
-    if self.teacher.vocab_size != self.student.vocab_size:
+    if self.teacher.vocab_size != self.student.vocab_size and not self.models.student_hf:  # hf: padding checked
       raise ConfigError(
         f"teacher.vocab_size={self.teacher.vocab_size} != student.vocab_size={self.student.vocab_size}; "
         "distillation compares distributions token by token: set both to the tokenizer's vocabulary size"
@@ -372,7 +376,7 @@ class Config:
 
   def to_dict(self) -> dict:
     """Plain nested dict (YAML/JSON-serializable) of every setting."""
-    return to_plain(self)
+    return nest_sources(to_plain(self), self.models)
 
   def replace(self, **sections) -> Config:
     return dataclasses.replace(self, **sections)
@@ -428,7 +432,7 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
   for item in overrides:
     path, value = parse_override(item)
     set_path(raw, path, value, item)
-  return from_dict(Config, raw)
+  return from_dict(Config, split_sources(raw))
 
 
 def dump_config(cfg: Config, path: str) -> None:

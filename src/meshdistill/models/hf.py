@@ -247,7 +247,7 @@ def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any,
   return nnx.from_flat_state(leaves), where, used
 
 
-def _is_checkpoint_file(name: str) -> bool:
+def is_checkpoint_file(name: str) -> bool:
   """Whether ``name`` is a file an export (or a Hugging Face download) puts in a model directory."""
   return name in ("config.json", INDEX_FILE, *TOKENIZER_FILES) or name.endswith(".safetensors")
 
@@ -327,7 +327,7 @@ def export_hf(
   out = Path(out_dir)
   if jax.process_index() != 0:
     return out
-  check_output_dir(str(out), overwrite=overwrite, ours=_is_checkpoint_file, what="export directory",
+  check_output_dir(str(out), overwrite=overwrite, ours=is_checkpoint_file, what="export directory",
                    flag="overwrite=True")
   with atomic_output_dir(str(out)) as tmp:  # a tokenizer read from out_dir is copied before out_dir is replaced
     tmp = Path(tmp)
