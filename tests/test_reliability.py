@@ -169,6 +169,12 @@ def test_export_replaces_an_old_sharded_checkpoint_whole_and_never_writes_throug
   assert outside.read_text() == (FIXTURES / "hf_llama" / "config.json").read_text()  # the link's target untouched
   again = load_hf(out)
   assert leaves_equal(nnx.state(again, nnx.Param), nnx.state(new, nnx.Param))  # the NEW weights
+  # `meshdistill export RUN_DIR OUT_DIR --overwrite` follows the same rule
+  from meshdistill.export import check_out_dir
+
+  (out / "notes.txt").write_text("mine")
+  with pytest.raises(OutputExistsError, match="did not write \\(notes.txt\\)"):
+    check_out_dir(str(out), overwrite=True)
 
 
 # ------------------------------------------------------------------ 3. damaged checkpoints
