@@ -45,6 +45,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from typing import Any
 
@@ -345,9 +346,12 @@ def save_teacher(
   complete, so a reader never sees a half-written teacher. ``teacher.json`` records the SHA-256
   of every parameter and tokenizer file (`load_teacher` checks them). An existing non-empty
   ``directory`` is an error unless ``overwrite``, and even then only a teacher directory is
-  replaced (`meshdistill.fsutil.check_output_dir`).
+  replaced (`meshdistill.fsutil.check_output_dir`). In a job of several processes every process
+  writes its shards of the parameters and process 0 the rest (call it on every process).
   """
   directory = os.path.abspath(directory)
+  if jax.process_count() > 1:
+    return _save_teacher_multiprocess(directory, model, tokenizer, info, overwrite)
   check_teacher_target(directory, overwrite=overwrite)
   with atomic_output_dir(directory) as tmp:
     params = jax.tree.map(np.asarray, jax.device_get(nnx.state(model)))
@@ -355,13 +359,7 @@ def save_teacher(
     ckptr.save(os.path.join(tmp, "params"), params)
     ckptr.wait_until_finished()
     tokenizer.save(os.path.join(tmp, "tokenizer"))
-    meta = {
-      "format": TEACHER_FORMAT,
-      "model": _model_fields(model.cfg),
-      "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "repr": repr(tokenizer)},
-      "info": info or {},
-      "checksums": file_digests(tmp),
-    }
+    meta = _teacher_meta(model, tokenizer, info, file_digests(tmp))  # before teacher.json exists
     with open(os.path.join(tmp, "teacher.json"), "w", encoding="utf-8") as f:
       json.dump(meta, f, indent=2, default=str)
   log.info("teacher: saved to %s", directory)
@@ -372,6 +370,47 @@ def check_teacher_target(directory: str, *, overwrite: bool) -> None:
   """Raises `OutputExistsError` unless `save_teacher` may write ``directory`` (call it before training)."""
   check_output_dir(directory, overwrite=overwrite, ours=lambda n: n in TEACHER_ENTRIES, what="teacher directory",
                    flag="--overwrite (pretrain.overwrite)")
+
+
+def _teacher_meta(model: Decoder, tokenizer: Any, info: dict | None, checksums: dict) -> dict:
+  return {
+    "format": TEACHER_FORMAT,
+    "model": _model_fields(model.cfg),
+    "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "repr": repr(tokenizer)},
+    "info": info or {},
+    "checksums": checksums,
+  }
+
+
+def _save_teacher_multiprocess(directory: str, model: Decoder, tokenizer: Any, info: dict | None,
+                               overwrite: bool) -> str:
+  """`save_teacher` in a job of several processes: every process writes its shards of the parameters
+  (orbax), process 0 alone checks the target, writes ``teacher.json`` (with the checksums) and the
+  tokenizer and renames the directory into place (an old teacher renamed aside, then removed)."""
+  from meshdistill.distributed import barrier, is_primary  # pylint: disable=g-import-not-at-top
+
+  tmp = os.path.join(os.path.dirname(directory), f".tmp-{os.path.basename(directory)}-job")
+  if is_primary():
+    check_teacher_target(directory, overwrite=overwrite)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a job that died while saving
+    os.makedirs(tmp)
+  barrier("save_teacher:start")
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(os.path.join(tmp, "params"), nnx.state(model))
+  ckptr.wait_until_finished()
+  if is_primary():
+    tokenizer.save(os.path.join(tmp, "tokenizer"))
+    meta = _teacher_meta(model, tokenizer, info, file_digests(tmp))  # before teacher.json exists
+    with open(os.path.join(tmp, "teacher.json"), "w", encoding="utf-8") as f:
+      json.dump(meta, f, indent=2, default=str)
+    old = f"{tmp}-old"
+    if os.path.exists(directory):
+      os.rename(directory, old)
+    os.rename(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+  barrier("save_teacher:done")
+  log.info("teacher: saved to %s", directory)
+  return directory
 
 
 def read_teacher_meta(directory: str) -> dict:
