@@ -223,7 +223,7 @@ class Checkpointer:
 
   def _set_aside(self, newer_than: int) -> None:
     """Moves damaged steps after ``newer_than`` to ``damaged-<step>-<time>`` so the run can save them anew."""
-    if self.read_only:
+    if self.read_only or jax.process_index() != 0:
       return
     moved = False
     for s in sorted(self._damaged):
@@ -253,7 +253,7 @@ class Checkpointer:
 
     ``template`` is a fresh ``trainer.init_state()`` on the mesh to resume on, which may
     differ from the mesh the checkpoint was written on. Without ``step``, damaged steps are
-    skipped with a warning (and, unless ``read_only``, moved aside).
+    skipped with a warning; damaged steps newer than the one restored are moved aside (unless ``read_only``).
     """
     explicit = step is not None
     step = self.intact_step() if step is None else step
@@ -274,8 +274,7 @@ class Checkpointer:
         f"checkpoint step {step} in {self.directory} does not fit this run's train state ({e}); it was written "
         "by a run with other model sizes or another strategy/optimizer: use another checkpoint.dir or run_dir"
       ) from e
-    if not explicit:
-      self._set_aside(step)
+    self._set_aside(step)
     state = got.state
     if trainer.backend == "pmap":
       n = trainer.mesh.size

@@ -255,7 +255,8 @@ def fit(
 
   state = trainer.init_state()
   start, data_state, resumed, saved = 0, None, None, {}
-  latest = agree_on(checkpointer.latest_step(), "the latest checkpoint") if checkpointer is not None else None
+  # The newest step whose checksums hold (damaged newer ones are named in a warning and set aside on restore).
+  latest = agree_on(checkpointer.intact_step(), "the latest checkpoint") if checkpointer is not None else None
   if latest is not None:
     _check_resumable(checkpointer.read_meta(latest), meta, checkpointer.directory, steps)
     state, data_state, saved = checkpointer.restore(trainer, state, latest)
