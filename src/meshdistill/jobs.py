@@ -393,9 +393,11 @@ def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
 
   The same check as `meshdistill.trainer.fit`'s on resume, made before ``config.yaml`` is written.
   """
+  from meshdistill.distributed import agree_on  # pylint: disable=g-import-not-at-top
   from meshdistill.trainer import _check_resumable  # pylint: disable=g-import-not-at-top
 
-  if not os.path.isdir(cfg.checkpoint_dir):
+  # Opening a checkpoint manager is a collective: every process takes process 0's answer.
+  if not agree_on(int(os.path.isdir(cfg.checkpoint_dir)), "whether the run has a checkpoint directory"):
     return
   ckpt = Checkpointer(cfg.checkpoint_dir, every=0, read_only=True)
   try:
