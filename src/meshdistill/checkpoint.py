@@ -287,11 +287,13 @@ class Checkpointer:
       log.info("checkpoint: restored step %d from %s", step, self.directory)
     return state, dict(got.data), dict(got.meta)
 
-  def restore_student(self, cfg: ModelConfig, mesh: Mesh | None, step: int | None = None) -> Decoder:
+  def restore_student(self, cfg: ModelConfig, mesh: Mesh | None, step: int | None = None, lora=None) -> Decoder:
     """Only the student of a distillation checkpoint (no optimizer state, no teacher), onto ``mesh``.
 
     ``cfg`` is the student's `ModelConfig`; each weight is read straight into its `tensor` shards.
     Default: the newest intact step; an explicit damaged ``step`` raises `CheckpointError`.
+    ``lora``: the run's `meshdistill.models.lora.LoraConfig` when its student holds adapters (the
+    returned student then holds them too; `merge_lora` folds them in).
     """
     explicit = step is not None
     step = self.intact_step() if step is None else step
@@ -300,6 +302,12 @@ class Checkpointer:
     if explicit and self.verify(step) is not None:
       raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
     graphdef, abstract, shardings = abstract_params(cfg, mesh)
+    if lora is not None and lora.enabled:
+      from meshdistill.models.lora import abstract_lora  # pylint: disable=g-import-not-at-top
+
+      graphdef, abstract, shardings = abstract_lora(cfg, lora, mesh)
+    else:
+      graphdef, abstract, shardings = abstract_params(cfg, mesh)
     one = SingleDeviceSharding(jax.devices()[0])
     where = jax.tree.map(lambda _: one, abstract) if shardings is None else shardings
     target = {"params": {"student": jax.tree.map(

@@ -425,6 +425,13 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   # Checked before the teacher is built (kind, teacher), and again with the models' shapes before config.yaml is
   # written: a rejected resume changes nothing in the run directory.
   _check_against_checkpoint(cfg, {"kind": "distill", "teacher_dir": _teacher_source(cfg, data.tokenizer)})
+  if cfg.distill.kind == "preference":  # batches of (chosen, rejected) row pairs; validation stays plain text
+    from meshdistill.data import PreferencePairs  # pylint: disable=g-import-not-at-top
+
+    pairs = cfg.preference.pairs
+    data = PreferencePairs(with_batch_size(data, cfg.train.batch_size // 2),
+                           source="own" if pairs == "own" else os.path.expanduser(pairs),
+                           prompt_fraction=cfg.preference.prompt_fraction)
   say = stream_reporter(stream)
   say(
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
