@@ -301,7 +301,6 @@ class Checkpointer:
       raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
     if explicit and self.verify(step) is not None:
       raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
-    graphdef, abstract, shardings = abstract_params(cfg, mesh)
     if lora is not None and lora.enabled:
       from meshdistill.models.lora import abstract_lora  # pylint: disable=g-import-not-at-top
 
