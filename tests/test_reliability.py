@@ -240,7 +240,7 @@ def test_checkpoints_from_before_checksums_restore_unverified_with_a_warning(sav
     f.unlink()
   with caplog.at_level(logging.WARNING, logger="meshdistill.checkpoint"):
     _, _, meta = Checkpointer(str(run / "ckpt"), read_only=True).restore(kd, kd.init_state())
-  assert meta["step"] == 4 and "record no checksums" in caplog.text
+  assert meta["step"] == 4 and "records no checksums" in caplog.text
 
 
 # ------------------------------------------------------------------ 4. concurrent runs

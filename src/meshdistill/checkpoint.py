@@ -113,7 +113,6 @@ class Checkpointer:
     )
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
     self._damaged: dict[int, str] = {}  # step -> what is wrong with it (found by `verify`)
-    self._warned_legacy = False
     self._warned: set[int] = set()  # damaged steps already reported
 
   def latest_step(self) -> int | None:
@@ -173,10 +172,14 @@ class Checkpointer:
       return self._damaged[step]
     path = os.path.join(self.step_dir(step), CHECKSUM_FILE)
     problem = None
-    if not os.path.isfile(path) and self._legacy():
-      return None
     if not os.path.isfile(path):
-      problem = f"no {CHECKSUM_FILE} (the save did not finish, or a file was deleted)"
+      # Written before checksums existed, or the process died between orbax's final rename and the checksum
+      # write: orbax's own commit marker says the step is complete, so it is used, unverified.
+      if step not in self._warned:
+        self._warned.add(step)
+        log.warning("checkpoint step %d in %s records no checksums (an older meshdistill, or a process killed "
+                    "right after saving it); restoring it unverified", step, self.directory)
+      return None
     else:
       try:
         problem = verify_digests(self.step_dir(step), read_json(path, "checkpoint checksums"), exclude=(CHECKSUM_FILE,))
@@ -185,16 +188,6 @@ class Checkpointer:
     if problem is not None:
       self._damaged[step] = problem
     return problem
-
-  def _legacy(self) -> bool:
-    """True when no step records checksums: a directory written before they existed (restored unverified)."""
-    if any(os.path.isfile(os.path.join(self.step_dir(s), CHECKSUM_FILE)) for s in self.all_steps()):
-      return False
-    if not self._warned_legacy:
-      log.warning("checkpoints in %s record no checksums (written by an older meshdistill); restoring unverified",
-                  self.directory)
-      self._warned_legacy = True
-    return True
 
   def intact_step(self) -> int | None:
     """The newest step that passes `verify` (a warning names each damaged newer one), or None if no step exists.
