@@ -42,7 +42,7 @@ def main(teacher_dir: str, out_dir: str, steps: int = 8) -> None:
     state, metrics = d.step(state, batch)
     print(f"step {step}: loss {float(metrics['loss']):.4f}  kl {float(metrics['kl']):.4f}")
 
-  out = export_hf(d.student(state), out_dir, tokenizer=teacher_dir)
+  out = export_hf(d.student(state), out_dir, tokenizer=teacher_dir, overwrite=True)  # replaces an earlier export
   files = sorted(p.name for p in out.iterdir())
   again = load_hf(out, mesh)
   print(f"exported {files} to {out}; reloaded {md.param_count(again):,} params")

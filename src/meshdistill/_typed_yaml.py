@@ -6,18 +6,46 @@ of valid keys), every value must fit the field's annotation (``int``, ``float``,
 ``str``, ``None``, unions, tuples, dicts, nested dataclasses), and errors raised by the
 dataclass's own validation are re-raised naming the dotted key. `parse_override` and
 `set_path` apply ``key.path=value`` overrides (values parsed as YAML).
+
+YAML is read with `load_yaml` / `Loader`: PyYAML's safe loader with YAML 1.2's float syntax added
+to its implicit resolver. PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent
+(``3.0e-4``), so ``3e-4``, ``1e9`` and ``1.0e9`` would load as strings and be rejected as "wrong type".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Sequence
 from typing import Any, Union
 
 import yaml
+
+
+class Loader(yaml.SafeLoader):
+  """`yaml.SafeLoader` that also resolves YAML 1.2 floats (``3e-4``, ``1e9``, ``1.0e9``, ``.5``) as floats."""
+
+
+Loader.add_implicit_resolver(
+  "tag:yaml.org,2002:float",
+  re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)[eE][-+]?[0-9]+
+    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+  ),
+  list("-+0123456789."),
+)
+
+
+def load_yaml(stream: Any) -> Any:
+  """YAML text or a file, parsed with `Loader`."""
+  return yaml.load(stream, Loader=Loader)  # noqa: S506 -- a SafeLoader subclass
 
 
 class ConfigError(ValueError):
@@ -170,7 +198,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
   if not key or any(not part for part in key.split(".")):
     raise ConfigError(f"override {item!r} has an empty key; write e.g. train.steps=200")
   try:
-    value = yaml.safe_load(text) if text.strip() else None
+    value = load_yaml(text) if text.strip() else None
   except yaml.YAMLError as e:
     raise ConfigError(f"override {item!r}: the value is not valid YAML ({e})") from None
   return key.split("."), value

@@ -16,7 +16,17 @@ data order is a function of the data seed and the iterator position above.
 
 Saves are atomic: orbax writes each step into a temporary directory and renames it when
 complete, so a process killed mid-save leaves the previous finished checkpoint as the
-latest loadable one (the half-written directory is ignored and cleaned up later).
+latest loadable one (the half-written directory is ignored and cleaned up later). A save
+that fails (a full disk) raises `CheckpointError` saying which step is still intact.
+
+Saves are verified: orbax keeps no checksum of the array data (a flipped bit restores as a
+silently wrong -- often NaN -- value), so after each save the SHA-256 of every file of the
+step is written to ``<step>/checksums.json`` (through a temporary file and a rename). A
+restore checks them first; a step that fails (a changed, truncated or deleted file, an
+unreadable metadata file) is reported with a warning naming it and the newest intact step
+is used instead. A resuming run moves the damaged newer steps aside to
+``damaged-<step>-<time>`` (kept for inspection, never trained on); with no intact step
+left, `CheckpointError` lists every step and what is wrong with it.
 
 Restoring onto a different mesh (saved on 2x4, resumed on 4x2 or 1x8): the caller passes a
 freshly initialised state on the NEW layout as a template; every leaf becomes an abstract
@@ -36,7 +46,7 @@ import json
 import logging
 import os
 import shutil
-import tempfile
+import time
 from typing import Any
 
 import jax
@@ -45,6 +55,14 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from meshdistill.fsutil import (
+  atomic_output_dir,
+  check_output_dir,
+  file_digests,
+  read_json,
+  verify_digests,
+  write_text_atomic,
+)
 from meshdistill.models import Decoder, ModelConfig
 from meshdistill.models._build import abstract_params
 from meshdistill.step import TrainState
@@ -53,6 +71,11 @@ log = logging.getLogger(__name__)
 
 ITEMS = ("state", "data", "meta")
 TEACHER_FORMAT = "meshdistill.teacher/1"
+CHECKSUM_FILE = "checksums.json"
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint could not be written, or no intact checkpoint is left to restore; the message says what to do."""
 
 
 def _abstract(template: Any) -> Any:
@@ -72,36 +95,64 @@ class Checkpointer:
   """Saves and restores train states under ``directory`` (every ``every`` steps, newest ``keep`` kept).
 
   Args:
-    directory: checkpoint root (created if missing).
+    directory: checkpoint root (created if missing, unless ``read_only``).
     every: save interval in steps for `maybe_save`; 0 = only explicit final saves.
     keep: number of newest checkpoints kept.
+    read_only: never create or change anything under ``directory`` (evaluation): a damaged step is
+      skipped but not moved aside.
   """
 
-  def __init__(self, directory: str, *, every: int = 100, keep: int = 2):
+  def __init__(self, directory: str, *, every: int = 100, keep: int = 2, read_only: bool = False):
     self.directory = os.path.abspath(directory)
     self.every = every
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+    self.read_only = read_only
+    if read_only and not os.path.isdir(self.directory):
+      raise FileNotFoundError(f"no checkpoint directory {self.directory}")
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=None if read_only else keep, create=not read_only, enable_async_checkpointing=False, read_only=read_only
+    )
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+    self._damaged: dict[int, str] = {}  # step -> what is wrong with it (found by `verify`)
+    self._warned: set[int] = set()  # damaged steps already reported
 
   def latest_step(self) -> int | None:
-    """The newest completely written step, or None."""
+    """The newest completely written step (intact or not; see `intact_step`), or None."""
     return self._mgr.latest_step()
 
   def all_steps(self) -> list[int]:
     return list(self._mgr.all_steps())
 
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def save(self, step: int, trainer, state: TrainState, data_state: dict, meta: dict) -> None:
-    """Writes ``state`` (for ``pmap`` the first replica), the data position and ``meta`` as ``step``."""
+    """Writes ``state`` (for ``pmap`` the first replica), the data position and ``meta`` as ``step``.
+
+    Raises `CheckpointError` when the write fails (e.g. a full disk); earlier steps stay intact.
+    """
     state = trainer.unreplicate(state) if trainer.backend == "pmap" else state
     meta = {**meta, "step": int(step)}
-    self._mgr.save(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)
-      ),
-      force=True,
-    )
-    self._mgr.wait_until_finished()
+    try:
+      self._mgr.save(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)
+        ),
+        force=True,
+      )
+      self._mgr.wait_until_finished()
+      if jax.process_index() == 0:  # one writer; orbax has finished the step on every process here
+        digests = file_digests(self.step_dir(step), exclude=(CHECKSUM_FILE,))
+        write_text_atomic(os.path.join(self.step_dir(step), CHECKSUM_FILE), json.dumps(digests, indent=1))
+    except OSError as e:
+      self._mgr.reload()
+      intact = [s for s in sorted(self.all_steps(), reverse=True) if s != step]
+      kept = f"step {intact[0]} is the newest checkpoint kept" if intact else "no earlier checkpoint exists"
+      raise CheckpointError(
+        f"could not write checkpoint step {step} to {self.directory} ({e}); {kept}. Free disk space (or choose "
+        "another checkpoint.dir) and rerun the same command to resume"
+      ) from e
+    self._damaged.pop(step, None)
     log.info("checkpoint: saved step %d to %s", step, self.directory)
 
   def maybe_save(
@@ -114,22 +165,95 @@ class Checkpointer:
       return True
     return False
 
+  # ------------------------------------------------------------------ verification
+  def verify(self, step: int) -> str | None:
+    """None when ``step``'s files match the checksums recorded when it was saved; else what is wrong."""
+    if step in self._damaged:
+      return self._damaged[step]
+    path = os.path.join(self.step_dir(step), CHECKSUM_FILE)
+    problem = None
+    if not os.path.isfile(path):
+      # Written before checksums existed, or the process died between orbax's final rename and the checksum
+      # write: orbax's own commit marker says the step is complete, so it is used, unverified.
+      if step not in self._warned:
+        self._warned.add(step)
+        log.warning("checkpoint step %d in %s records no checksums (an older meshdistill, or a process killed "
+                    "right after saving it); restoring it unverified", step, self.directory)
+      return None
+    else:
+      try:
+        problem = verify_digests(self.step_dir(step), read_json(path, "checkpoint checksums"), exclude=(CHECKSUM_FILE,))
+      except (OSError, ValueError) as e:
+        problem = str(e)
+    if problem is not None:
+      self._damaged[step] = problem
+    return problem
+
+  def intact_step(self) -> int | None:
+    """The newest step that passes `verify` (a warning names each damaged newer one), or None if no step exists.
+
+    Raises `CheckpointError` when steps exist but none is intact.
+    """
+    steps = sorted(self.all_steps(), reverse=True)
+    if not steps:
+      return None
+    for s in steps:
+      if self.verify(s) is None:
+        return s
+      if s not in self._warned:
+        self._warned.add(s)
+        log.warning("checkpoint step %d in %s is damaged (%s); trying an earlier step", s, self.directory,
+                    self._damaged[s])
+    listing = "; ".join(f"step {s}: {self._damaged[s]}" for s in steps)
+    raise CheckpointError(
+      f"no intact checkpoint in {self.directory} ({listing}). Nothing was restored; move the directory aside to "
+      "start the run over"
+    )
+
+  def damaged_steps(self) -> dict[int, str]:
+    """Steps found damaged so far, with what is wrong with each."""
+    return dict(self._damaged)
+
+  def _set_aside(self, newer_than: int) -> None:
+    """Moves damaged steps after ``newer_than`` to ``damaged-<step>-<time>`` so the run can save them anew."""
+    if self.read_only or jax.process_index() != 0:
+      return
+    moved = False
+    for s in sorted(self._damaged):
+      if s > newer_than and os.path.isdir(self.step_dir(s)):
+        dest = os.path.join(self.directory, f"damaged-{s}-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.rename(self.step_dir(s), dest)
+        log.warning("checkpoint: moved damaged step %d to %s", s, dest)
+        moved = True
+    if moved:
+      self._mgr.reload()
+
   def read_meta(self, step: int | None = None) -> dict:
-    """The ``meta`` item of ``step`` (default: the latest)."""
-    step = self.latest_step() if step is None else step
+    """The ``meta`` item of ``step`` (default: the newest intact step)."""
+    step = self.intact_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
-    return dict(self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+    try:
+      return dict(self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+    except Exception as e:  # orbax / json errors do not name the file
+      raise CheckpointError(
+        f"checkpoint step {step}: {os.path.join(self.step_dir(step), 'meta')} cannot be read ({type(e).__name__}: "
+        f"{e})"
+      ) from e
 
   def restore(self, trainer, template: TrainState, step: int | None = None) -> tuple[TrainState, dict, dict]:
-    """Restores ``(state, data_state, meta)`` of ``step`` (default: latest) onto ``template``'s layout.
+    """Restores ``(state, data_state, meta)`` of ``step`` (default: the newest intact) onto ``template``'s layout.
 
     ``template`` is a fresh ``trainer.init_state()`` on the mesh to resume on, which may
-    differ from the mesh the checkpoint was written on.
+    differ from the mesh the checkpoint was written on. Without ``step``, damaged steps are
+    skipped with a warning; damaged steps newer than the one restored are moved aside (unless ``read_only``).
     """
-    step = self.latest_step() if step is None else step
+    explicit = step is not None
+    step = self.intact_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+    if explicit and self.verify(step) is not None:
+      raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
     target = _abstract(_unstacked_template(trainer, template))
     try:
       got = self._mgr.restore(
@@ -143,23 +267,33 @@ class Checkpointer:
         f"checkpoint step {step} in {self.directory} does not fit this run's train state ({e}); it was written "
         "by a run with other model sizes or another strategy/optimizer: use another checkpoint.dir or run_dir"
       ) from e
+    self._set_aside(step)
     state = got.state
     if trainer.backend == "pmap":
       n = trainer.mesh.size
       state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))).copy(), state)
-    log.info("checkpoint: restored step %d from %s", step, self.directory)
+    if any(s > step for s in self._damaged):
+      newer = ", ".join(str(s) for s in sorted(self._damaged) if s > step)
+      log.warning("checkpoint: restored step %d from %s instead of the damaged step(s) %s", step, self.directory,
+                  newer)
+    else:
+      log.info("checkpoint: restored step %d from %s", step, self.directory)
     return state, dict(got.data), dict(got.meta)
 
   def restore_student(self, cfg: ModelConfig, mesh: Mesh | None, step: int | None = None, lora=None) -> Decoder:
     """Only the student of a distillation checkpoint (no optimizer state, no teacher), onto ``mesh``.
 
     ``cfg`` is the student's `ModelConfig`; each weight is read straight into its `tensor` shards.
+    Default: the newest intact step; an explicit damaged ``step`` raises `CheckpointError`.
     ``lora``: the run's `meshdistill.models.lora.LoraConfig` when its student holds adapters (the
     returned student then holds them too; `merge_lora` folds them in).
     """
-    step = self.latest_step() if step is None else step
+    explicit = step is not None
+    step = self.intact_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+    if explicit and self.verify(step) is not None:
+      raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
     if lora is not None and lora.enabled:
       from meshdistill.models.lora import abstract_lora  # pylint: disable=g-import-not-at-top
 
@@ -196,53 +330,68 @@ def _model_fields(cfg: ModelConfig) -> dict:
   return dataclasses.asdict(cfg)
 
 
-def save_teacher(directory: str, model: Decoder, tokenizer: Any, info: dict | None = None) -> str:
+TEACHER_ENTRIES = ("params", "tokenizer", "teacher.json")  # what `save_teacher` writes into a teacher directory
+
+
+class TeacherDamagedError(ValueError):
+  """A teacher directory whose files no longer match the checksums recorded when it was written."""
+
+
+def save_teacher(
+  directory: str, model: Decoder, tokenizer: Any, info: dict | None = None, *, overwrite: bool = False
+) -> str:
   """Writes ``model`` (params + `ModelConfig`) and ``tokenizer`` to ``directory``, atomically.
 
   The files are written into a temporary sibling directory that is renamed into place when
-  complete, so a reader never sees a half-written teacher. In a job of several processes every
-  process writes its shards of the parameters and process 0 the rest (call it on every process).
+  complete, so a reader never sees a half-written teacher. ``teacher.json`` records the SHA-256
+  of every parameter and tokenizer file (`load_teacher` checks them). An existing non-empty
+  ``directory`` is an error unless ``overwrite``, and even then only a teacher directory is
+  replaced (`meshdistill.fsutil.check_output_dir`). In a job of several processes every process
+  writes its shards of the parameters and process 0 the rest (call it on every process).
   """
   directory = os.path.abspath(directory)
-  parent = os.path.dirname(directory)
   if jax.process_count() > 1:
-    return _save_teacher_multiprocess(directory, model, tokenizer, info)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{os.path.basename(directory)}-")
-  try:
+    return _save_teacher_multiprocess(directory, model, tokenizer, info, overwrite)
+  check_teacher_target(directory, overwrite=overwrite)
+  with atomic_output_dir(directory) as tmp:
     params = jax.tree.map(np.asarray, jax.device_get(nnx.state(model)))
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(os.path.join(tmp, "params"), params)
     ckptr.wait_until_finished()
     tokenizer.save(os.path.join(tmp, "tokenizer"))
+    meta = _teacher_meta(model, tokenizer, info, file_digests(tmp))  # before teacher.json exists
     with open(os.path.join(tmp, "teacher.json"), "w", encoding="utf-8") as f:
-      json.dump(_teacher_meta(model, tokenizer, info), f, indent=2, default=str)
-    if os.path.exists(directory):
-      shutil.rmtree(directory)
-    os.rename(tmp, directory)
-  finally:
-    if os.path.exists(tmp):
-      shutil.rmtree(tmp, ignore_errors=True)
+      json.dump(meta, f, indent=2, default=str)
   log.info("teacher: saved to %s", directory)
   return directory
 
 
-def _teacher_meta(model: Decoder, tokenizer: Any, info: dict | None) -> dict:
+def check_teacher_target(directory: str, *, overwrite: bool) -> None:
+  """Raises `OutputExistsError` unless `save_teacher` may write ``directory`` (call it before training)."""
+  check_output_dir(directory, overwrite=overwrite, ours=lambda n: n in TEACHER_ENTRIES, what="teacher directory",
+                   flag="--overwrite (pretrain.overwrite)")
+
+
+def _teacher_meta(model: Decoder, tokenizer: Any, info: dict | None, checksums: dict) -> dict:
   return {
     "format": TEACHER_FORMAT,
     "model": _model_fields(model.cfg),
     "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "repr": repr(tokenizer)},
     "info": info or {},
+    "checksums": checksums,
   }
 
 
-def _save_teacher_multiprocess(directory: str, model: Decoder, tokenizer: Any, info: dict | None) -> str:
+def _save_teacher_multiprocess(directory: str, model: Decoder, tokenizer: Any, info: dict | None,
+                               overwrite: bool) -> str:
   """`save_teacher` in a job of several processes: every process writes its shards of the parameters
-  (orbax), process 0 alone writes ``teacher.json`` and the tokenizer and renames the directory into place."""
+  (orbax), process 0 alone checks the target, writes ``teacher.json`` (with the checksums) and the
+  tokenizer and renames the directory into place (an old teacher renamed aside, then removed)."""
   from meshdistill.distributed import barrier, is_primary  # pylint: disable=g-import-not-at-top
 
   tmp = os.path.join(os.path.dirname(directory), f".tmp-{os.path.basename(directory)}-job")
   if is_primary():
+    check_teacher_target(directory, overwrite=overwrite)
     shutil.rmtree(tmp, ignore_errors=True)  # left by a job that died while saving
     os.makedirs(tmp)
   barrier("save_teacher:start")
@@ -251,11 +400,14 @@ def _save_teacher_multiprocess(directory: str, model: Decoder, tokenizer: Any, i
   ckptr.wait_until_finished()
   if is_primary():
     tokenizer.save(os.path.join(tmp, "tokenizer"))
+    meta = _teacher_meta(model, tokenizer, info, file_digests(tmp))  # before teacher.json exists
     with open(os.path.join(tmp, "teacher.json"), "w", encoding="utf-8") as f:
-      json.dump(_teacher_meta(model, tokenizer, info), f, indent=2, default=str)
+      json.dump(meta, f, indent=2, default=str)
+    old = f"{tmp}-old"
     if os.path.exists(directory):
-      shutil.rmtree(directory)
+      os.rename(directory, old)
     os.rename(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
   barrier("save_teacher:done")
   log.info("teacher: saved to %s", directory)
   return directory
@@ -269,11 +421,25 @@ def read_teacher_meta(directory: str) -> dict:
       f"{directory} is not a teacher directory (no teacher.json); write one with `meshdistill pretrain` "
       "or leave pretrain.teacher unset to pretrain and cache a teacher"
     )
-  with open(path, encoding="utf-8") as f:
-    meta = json.load(f)
+  meta = read_json(path, "teacher metadata")
   if meta.get("format") != TEACHER_FORMAT:
     raise ValueError(f"{path}: format {meta.get('format')!r} is not {TEACHER_FORMAT!r}")
   return meta
+
+
+def verify_teacher(directory: str, meta: dict | None = None) -> None:
+  """Raises `TeacherDamagedError` (naming the files) when ``directory``'s files differ from its recorded checksums.
+
+  A teacher written before checksums were recorded is accepted with a log line.
+  """
+  meta = read_teacher_meta(directory) if meta is None else meta
+  expected = meta.get("checksums")
+  if expected is None:
+    log.info("teacher %s records no checksums (written by an older version); not verified", directory)
+    return
+  problem = verify_digests(directory, expected, exclude=("teacher.json",))
+  if problem is not None:
+    raise TeacherDamagedError(f"teacher {directory} is damaged ({problem})")
 
 
 def check_teacher_architecture(saved: dict, expected: ModelConfig, where: str) -> None:
@@ -301,9 +467,11 @@ def load_teacher(directory: str, expected: ModelConfig, mesh: Mesh | None, token
     FileNotFoundError: ``directory`` holds no teacher.
     ValueError: its architecture differs from ``expected`` (every differing field is named), or
       it was trained with another tokenizer than ``tokenizer``.
+    TeacherDamagedError: its files differ from the checksums in ``teacher.json``.
   """
   directory = os.path.abspath(directory)
   meta = read_teacher_meta(directory)
+  verify_teacher(directory, meta)
   check_teacher_architecture(meta["model"], expected, directory)
   if tokenizer is not None and meta["tokenizer"]["fingerprint"] != tokenizer.fingerprint:
     raise ValueError(

@@ -2,7 +2,7 @@
 
   meshdistill distill                       # the main job: configs/default.yaml on a 2x4 mesh
   meshdistill distill --config tiny --set train.steps=50 --set distill.alpha=0.7
-  meshdistill pretrain [--out DIR]          # pretrain (and cache) the configured teacher
+  meshdistill pretrain [--out DIR [--overwrite]]  # pretrain (and cache) the configured teacher
   meshdistill eval RUN_DIR                  # validation loss / perplexity / agreement of a run
   meshdistill generate RUN_DIR --prompt "def "   # samples of a run's student (--model teacher: its teacher)
   meshdistill plot RUN_DIR                  # PNG curves of loss, KL, CE and correlation
@@ -22,6 +22,12 @@ keys or values are reported before anything runs. On a machine without an accele
 mesh runs on simulated CPU devices (``mesh.simulate_cpu_devices: auto``).
 
 Only this module prints; the library logs (``-v`` shows its INFO messages).
+
+Exit codes: 0 done; 2 refused (a bad setting, a missing or damaged input, an output that
+would replace files, a run directory in use) -- nothing was lost; 1 training failed (the
+divergence guard gave up, a checkpoint could not be written) -- the last checkpoint is kept;
+130 interrupted (Ctrl-C); 143 stopped by SIGTERM after writing a checkpoint. Rerunning the
+same command resumes after 1, 130 and 143.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     with_config(sub.add_parser("pretrain", help="pretrain the configured teacher from scratch and cache it"))
   )
   pt.add_argument("--out", default=None, help="teacher directory to write (default: the teacher cache)")
+  pt.add_argument("--overwrite", action="store_true", help="replace an existing teacher directory at --out")
   pt.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
   e = with_processes(with_config(sub.add_parser("eval", help="evaluate a distillation run's latest checkpoint")))
   e.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
@@ -120,9 +127,9 @@ def _load(args, run_dir: str | None = None):
   return load_config(config, overrides)
 
 
-def _err(msg: str) -> int:
+def _err(msg: str, code: int = 2) -> int:
   print(f"meshdistill: error: {msg}", file=sys.stderr)
-  return 2
+  return code
 
 
 def _export(args) -> int:
@@ -141,6 +148,8 @@ def _export(args) -> int:
     )
   except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
     return _err(str(e))
+  except RuntimeError as e:  # meshdistill.checkpoint.CheckpointError: no intact checkpoint
+    return _err(str(e), code=1)
   print(f"exported step {out['step']} of {args.run_dir} ({out['family']}, {out['params']:,} params, {out['dtype']}) "
         f"-> {out['out_dir']}")
   print(f"tokenizer: {out['tokenizer']}")
@@ -171,9 +180,16 @@ def main(argv: list[str] | None = None) -> int:
   if args.command == "export":
     return _export(args)
 
+  run_dir = getattr(args, "run_dir", None)
+  if run_dir is not None and not os.path.isdir(run_dir):
+    return _err(f"run directory {run_dir} does not exist; give the run.run_dir of a `meshdistill distill` run")
   try:  # every setting is checked here, before JAX starts or any data is read
-    cfg = _load(args, getattr(args, "run_dir", None))
-  except (ConfigError, FileNotFoundError) as e:
+    cfg = _load(args, run_dir)
+    if args.command == "pretrain" and args.out is not None:
+      from meshdistill.checkpoint import check_teacher_target  # pylint: disable=g-import-not-at-top
+
+      check_teacher_target(args.out, overwrite=args.overwrite)  # again before saving; here to fail fast
+  except (ConfigError, FileNotFoundError, FileExistsError) as e:
     return _err(str(e))
   if args.command == "config":
     import yaml  # pylint: disable=g-import-not-at-top
@@ -182,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
   from meshdistill import jobs  # pylint: disable=g-import-not-at-top
+  from meshdistill.fsutil import RunLockedError  # pylint: disable=g-import-not-at-top
   from meshdistill.monitor import ProfileWindow  # pylint: disable=g-import-not-at-top
+  from meshdistill.stopping import Stopped, stop_on_signals  # pylint: disable=g-import-not-at-top
 
   try:
     ProfileWindow.parse(getattr(args, "profile", None), "")
@@ -197,69 +215,75 @@ def main(argv: list[str] | None = None) -> int:
   except distributed.DistributedError as e:
     return _err(str(e))
   t0 = time.perf_counter()
-  try:
-    if args.command == "pretrain":
-      out = jobs.pretrain(cfg, out=args.out, stream=sys.stderr, profile=args.profile)
-      ev = out["eval"]
-      print(f"teacher ({out['params']:,} params) -> {out['teacher_dir']}")
-      if ev:
-        print(f"validation loss {ev['loss']:.4f}, perplexity {ev['ppl']:.3f}")
-    elif args.command == "distill":
+  with stop_on_signals():  # SIGTERM: checkpoint, then exit 143
+    try:
+      if args.command == "pretrain":
+        out = jobs.pretrain(cfg, out=args.out, stream=sys.stderr, profile=args.profile, overwrite=args.overwrite)
+        ev = out["eval"]
+        print(f"teacher ({out['params']:,} params) -> {out['teacher_dir']}")
+        if ev:
+          print(f"validation loss {ev['loss']:.4f}, perplexity {ev['ppl']:.3f}")
+      elif args.command == "distill":
+        import jax  # pylint: disable=g-import-not-at-top
+
+        mesh = "1 device" if cfg.mesh.backend == "single" else f"{cfg.mesh.data}x{cfg.mesh.tensor} (data x tensor)"
+        print(
+          f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s)"
+          + (f" in {jax.process_count()} processes (this is process {jax.process_index()})"
+             if jax.process_count() > 1 else "")
+          + f", run dir {cfg.run.run_dir}",
+          file=sys.stderr,
+        )
+        summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
+        print(jobs.summary_table(summary))
+      elif args.command == "cache-teacher":
+        from meshdistill.teacher_cache import TeacherCache  # pylint: disable=g-import-not-at-top
+
+        m = jobs.cache_teacher(cfg, args.out, k=args.k, precision=args.precision,
+                               rows_per_shard=args.rows_per_shard, stream=sys.stderr)
+        if m:
+          cache = TeacherCache(args.out)
+          print(f"teacher cache {cache.path}: {m['rows']} rows x {m['seq_len']} tokens, top-{m['k']} at temperature "
+                f"{m['temperature']}, {m['precision']}, {cache.bytes_per_token():.1f} bytes/token, "
+                f"content {m['content_sha256'][:16]}")
+          print(f"distil from it with: --set teacher.cache={cache.path} --set distill.top_k={m['k']}")
+      elif args.command == "eval":
+        print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
+      elif args.command == "generate":
+        from meshdistill.generate import SamplingConfig  # pylint: disable=g-import-not-at-top
+        from meshdistill.prompts import read_prompts  # pylint: disable=g-import-not-at-top
+
+        prompts = list(args.prompt)
+        if args.prompts_file:
+          prompts += [r["prompt"] for r in read_prompts(args.prompts_file)]
+        sampling = SamplingConfig(
+          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
+        )
+        texts = jobs.generate(cfg, prompts, model=args.model, sampling=sampling, seed=args.seed, stream=sys.stderr)
+        for prompt, text in zip(prompts, texts):
+          print(f"--- {prompt!r}\n{prompt}{text}")
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError, RunLockedError) as e:
+      return _err(str(e))
+    except Stopped as e:
+      print(f"{e}; rerun the same command to resume", file=sys.stderr)
+      return 143
+    except KeyboardInterrupt:
+      print("\ninterrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
+      return 130
+    except RuntimeError as e:
       import jax  # pylint: disable=g-import-not-at-top
 
-      mesh = "1 device" if cfg.mesh.backend == "single" else f"{cfg.mesh.data}x{cfg.mesh.tensor} (data x tensor)"
-      print(
-        f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s)"
-        + (f" in {jax.process_count()} processes (this is process {jax.process_index()})" if jax.process_count() > 1
-           else "")
-        + f", run dir {cfg.run.run_dir}",
-        file=sys.stderr,
-      )
-      summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
-      print(jobs.summary_table(summary))
-    elif args.command == "cache-teacher":
-      from meshdistill.teacher_cache import TeacherCache  # pylint: disable=g-import-not-at-top
-
-      m = jobs.cache_teacher(cfg, args.out, k=args.k, precision=args.precision, rows_per_shard=args.rows_per_shard,
-                             stream=sys.stderr)
-      if m:
-        cache = TeacherCache(args.out)
-        print(f"teacher cache {cache.path}: {m['rows']} rows x {m['seq_len']} tokens, top-{m['k']} at temperature "
-              f"{m['temperature']}, {m['precision']}, {cache.bytes_per_token():.1f} bytes/token, "
-              f"content {m['content_sha256'][:16]}")
-        print(f"distil from it with: --set teacher.cache={cache.path} --set distill.top_k={m['k']}")
-    elif args.command == "eval":
-      print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
-    elif args.command == "generate":
-      from meshdistill.generate import SamplingConfig  # pylint: disable=g-import-not-at-top
-      from meshdistill.prompts import read_prompts  # pylint: disable=g-import-not-at-top
-
-      prompts = list(args.prompt)
-      if args.prompts_file:
-        prompts += [r["prompt"] for r in read_prompts(args.prompts_file)]
-      sampling = SamplingConfig(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
-      )
-      texts = jobs.generate(cfg, prompts, model=args.model, sampling=sampling, seed=args.seed, stream=sys.stderr)
-      for prompt, text in zip(prompts, texts):
-        print(f"--- {prompt!r}\n{prompt}{text}")
-  except (ConfigError, FileNotFoundError, ValueError) as e:
-    return _err(str(e))
-  except KeyboardInterrupt:
-    print("\ninterrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
-    return 130
-  except RuntimeError as e:
-    import jax  # pylint: disable=g-import-not-at-top
-
-    if distributed.process_count() == 1 or not isinstance(e, jax.errors.JaxRuntimeError):
-      raise
-    print(
-      f"meshdistill: error: process {distributed.process_index()} of {distributed.process_count()}: {e}\n"
-      "a collective between the processes failed (did another process of the job stop?); rerun the same command "
-      "on every process to resume from the last checkpoint",
-      file=sys.stderr,
-    )
-    return 1
+      if distributed.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
+        print(
+          f"meshdistill: error: process {distributed.process_index()} of {distributed.process_count()}: {e}\n"
+          "a collective between the processes failed (did another process of the job stop?); rerun the same command "
+          "on every process to resume from the last checkpoint",
+          file=sys.stderr,
+        )
+        return 1
+      return _err(str(e), code=1)  # the guard gave up, no intact checkpoint (CheckpointError): last checkpoint kept
+    except OSError as e:  # a checkpoint or output that could not be written (a full disk)
+      return _err(str(e), code=1)
   print(f"done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
   return 0
 

@@ -33,10 +33,12 @@ from meshdistill import config_files
 from meshdistill._typed_yaml import ConfigError, from_dict, in_range, nonneg_int, positive_int, to_plain, unknown_key
 from meshdistill.config_files import config_path, load_raw  # noqa: F401  (part of this module's API)
 from meshdistill.data import DataConfig
+from meshdistill.fsutil import write_text_atomic
 from meshdistill.models import ModelConfig
 from meshdistill.sources import ModelSources, nest_sources, resolve, split_sources
 
 BACKENDS = ("shard_map", "single", "pmap")
+MAX_LOSS_SCALE = 2.0**32  # the largest static loss scale: any larger and float32 gradients overflow on ordinary losses
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -332,6 +334,9 @@ class SafeguardSettings:
   def __post_init__(self):
     if self.loss_scale is not None:
       in_range("safeguards.loss_scale", self.loss_scale, 0.0, float("inf"), lo_open=True, example=" (e.g. 1024.0)")
+      if self.loss_scale > MAX_LOSS_SCALE:
+        raise ConfigError(f"safeguards.loss_scale={self.loss_scale!r} overflows float32 gradients; use at most 2**32 "
+                          "(e.g. 1024.0), or null for no scaling")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -465,5 +470,4 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
 
 def dump_config(cfg: Config, path: str) -> None:
   """Writes ``cfg`` as YAML (loadable with `load_config`)."""
-  with open(path, "w", encoding="utf-8") as f:
-    yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+  write_text_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))  # never a half-written config.yaml

@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 import yaml
 
-from meshdistill._typed_yaml import ConfigError, parse_override, set_path
+from meshdistill._typed_yaml import ConfigError, load_yaml, parse_override, set_path
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
 
@@ -119,7 +119,7 @@ def load_raw(name_or_path: str | None) -> dict:
   path = config_path(name_or_path)
   with open(path, encoding="utf-8") as f:
     try:
-      raw = yaml.safe_load(f)
+      raw = load_yaml(f)  # YAML 1.2 floats (3e-4, 1e9) too
     except yaml.YAMLError as e:
       raise ConfigError(f"{path}: not valid YAML ({e})") from None
   if raw is None:

@@ -39,8 +39,10 @@ BATCH_KEYS = ("inputs", "targets", "mask")
 
 
 def default_optimizer(learning_rate: float | optax.Schedule = 1e-3, clip: float = 1.0, weight_decay: float = 0.0):
-  """Global-norm clipping followed by AdamW."""
-  return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(learning_rate, weight_decay=weight_decay))
+  """Global-norm clipping followed by AdamW, behind a skip of non-finite updates (`safeguards.safeguarded`)."""
+  from meshdistill.safeguards import safeguarded  # pylint: disable=g-import-not-at-top
+
+  return safeguarded(optax.adamw(learning_rate, weight_decay=weight_decay), clip=clip)
 
 
 class Distiller(StepVariants):

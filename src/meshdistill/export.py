@@ -38,13 +38,17 @@ def run_config(run_dir: str) -> Config:
 
 
 def check_out_dir(out_dir: str, overwrite: bool) -> None:
-  """Raises unless ``out_dir`` may receive the export."""
+  """Raises unless ``out_dir`` may receive the export.
+
+  Even with ``overwrite`` only a directory holding nothing but checkpoint files (``config.json``,
+  ``*.safetensors``, the index, tokenizer files) is replaced (`meshdistill.fsutil.check_output_dir`).
+  """
+  from meshdistill.fsutil import check_output_dir  # pylint: disable=g-import-not-at-top
+  from meshdistill.models.hf import is_checkpoint_file  # pylint: disable=g-import-not-at-top
+
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise FileExistsError(f"OUT_DIR={out_dir!r} is a file; give a directory path")
-  if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-    raise FileExistsError(
-        f"OUT_DIR={out_dir!r} is not empty; choose a new directory or pass --overwrite to replace its contents"
-    )
+  check_output_dir(out_dir, overwrite=overwrite, ours=is_checkpoint_file, what="OUT_DIR", flag="--overwrite")
 
 
 def _tokenizer_source(cfg: Config):
@@ -92,7 +96,7 @@ def export_run(
         f"RUN_DIR={run_dir!r} has no checkpoint ({cfg.checkpoint_dir} does not exist): run `meshdistill distill` "
         "to at least its first checkpoint; nothing was written"
     )
-  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, keep=cfg.checkpoint.keep)
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, read_only=True)
   try:
     steps = ckpt.all_steps()
     if not steps:
@@ -101,7 +105,7 @@ def export_run(
           "least its first checkpoint; nothing was written"
       )
     if step is None:
-      step = ckpt.latest_step()
+      step = ckpt.intact_step()  # the newest step whose checksums hold (a damaged one is named in a warning)
     elif step not in steps:
       raise ValueError(f"--step={step} is not a checkpoint of {run_dir!r}; its checkpoints: {sorted(steps)}")
     meta = ckpt.read_meta(step)

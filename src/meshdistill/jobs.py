@@ -24,8 +24,16 @@ import os
 import time
 from typing import IO, Any
 
-from meshdistill.checkpoint import Checkpointer, load_teacher, read_teacher_meta, save_teacher
+from meshdistill.checkpoint import (
+  Checkpointer,
+  TeacherDamagedError,
+  check_teacher_target,
+  load_teacher,
+  read_teacher_meta,
+  save_teacher,
+)
 from meshdistill.config import Config, ConfigError, dump_config
+from meshdistill.fsutil import RunLock
 from meshdistill.monitor import Monitor, ProfileWindow
 
 log = logging.getLogger(__name__)
@@ -147,6 +155,15 @@ def _monitor(run_dir: str, steps: int, stream, name: str) -> Monitor:
   return Monitor(run_dir if is_primary() else None, steps, stream=stream, name=name)
 
 
+def _run_lock(run_dir: str, what: str):
+  """The run directory's `RunLock`, held by the process that writes its files (process 0)."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
+
+  return RunLock(run_dir, what) if is_primary() else contextlib.nullcontext()
+
+
 def _write_config(cfg: Config, run_dir: str) -> None:
   from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
 
@@ -164,10 +181,13 @@ def pretrain(
   run_dir: str | None = None,
   stream: IO[str] | None = None,
   profile: str | None = None,
+  overwrite: bool = False,
 ) -> dict:
   """Pretrains the teacher of ``cfg`` from scratch on hard labels and saves it to ``out``.
 
-  ``out`` defaults to the teacher cache (`teacher_dir`), where `distill` looks for it.
+  ``out`` defaults to the teacher cache (`teacher_dir`), where `distill` looks for it. An existing
+  non-empty ``out`` is refused before any training unless ``overwrite`` (the cache always may be
+  replaced), and only a teacher directory is ever replaced (`meshdistill.checkpoint.save_teacher`).
   Training state is checkpointed in ``run_dir`` (default ``<run.run_dir>/teacher-<key>``, the key
   of `teacher_key`, so pretraining with other settings never resumes this one), and an interrupted
   pretraining resumes. Returns a summary with the teacher's validation metrics.
@@ -184,30 +204,33 @@ def pretrain(
     )
   mesh = mesh if mesh is not None else build_mesh(cfg)
   data = with_batch_size(data if data is not None else load_data(cfg, mesh=mesh), cfg.pretrain.batch_size)
-  out = out or teacher_dir(cfg, data.tokenizer)
+  if out is None:
+    out, overwrite = teacher_dir(cfg, data.tokenizer), True  # the cache is ours to replace
+  check_teacher_target(out, overwrite=overwrite)  # before any training
   run_dir = run_dir or os.path.join(cfg.run.run_dir, f"teacher-{teacher_key(cfg, data.tokenizer)}")
   p = cfg.pretrain
   model = init_model(cfg.teacher, seed=p.seed, mesh=mesh)
   optimizer = make_optimizer(p, cfg.teacher.n_layers)
   trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend)
-  _write_config(cfg, run_dir)
-  monitor = _monitor(run_dir, p.steps, stream, "pretrain")
-  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
-  try:
-    result = fit(
-      trainer,
-      data,
-      kind="pretrain",
-      checkpointer=ckpt,
-      monitor=monitor,
-      evaluator=Evaluator.for_trainer(trainer, with_teacher=False),
-      profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
-      **loop_kwargs(p),
-      **safeguard_kwargs(cfg),
-    )
-  finally:
-    ckpt.close()
-    monitor.close()
+  with _run_lock(run_dir, "pretraining"):  # one run per run directory
+    _write_config(cfg, run_dir)
+    monitor = _monitor(run_dir, p.steps, stream, "pretrain")
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+    try:
+      result = fit(
+        trainer,
+        data,
+        kind="pretrain",
+        checkpointer=ckpt,
+        monitor=monitor,
+        evaluator=Evaluator.for_trainer(trainer, with_teacher=False),
+        profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
+        **loop_kwargs(p),
+        **safeguard_kwargs(cfg),
+      )
+    finally:
+      ckpt.close()
+      monitor.close()
   teacher = trainer.student(result.state)  # the configured model (a remat turned on for pretraining is not saved)
   info = {
     "pretrain": dataclasses.asdict(p),
@@ -217,7 +240,7 @@ def pretrain(
     "seconds": result.seconds,
     "mesh": cfg.to_dict()["mesh"],
   }
-  save_teacher(out, teacher, data.tokenizer, info)
+  save_teacher(out, teacher, data.tokenizer, info, overwrite=overwrite)
   return {"teacher_dir": out, "eval": result.eval, "params": param_count(teacher), "seconds": result.seconds}
 
 
@@ -242,9 +265,16 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
   # Every process of a job takes process 0's answer: pretraining is a collective.
   if agree_on(int(os.path.isfile(os.path.join(path, "teacher.json"))), "whether the teacher is cached"):
     report(f"teacher: cached {path}")
+    try:
+      return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
+    except Exception as e:  # noqa: BLE001 -- any unreadable cache entry is rebuilt, the reason reported
+      # The cache key covers the architecture and the tokenizer: a cached teacher that does not load is damaged.
+      why = str(e) if isinstance(e, TeacherDamagedError) else f"{type(e).__name__}: {str(e)[:300]}"
+      log.warning("cached teacher %s cannot be used (%s); rebuilding it", path, why)
+      report(f"teacher: the cached teacher is damaged ({why}); pretraining it again ({cfg.pretrain.steps} steps)")
   else:
     report(f"teacher: none cached for these settings; pretraining one ({cfg.pretrain.steps} steps) -> {path}")
-    pretrain(cfg, data=data, mesh=mesh, out=path, stream=stream)
+  pretrain(cfg, data=data, mesh=mesh, out=path, stream=stream, overwrite=True)  # the cache is ours to replace
   return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
 
 
@@ -472,18 +502,47 @@ def distill(
 
   Writes ``config.yaml``, ``metrics.jsonl``, ``tb/``, ``checkpoints/`` and ``summary.json`` into
   ``run.run_dir`` and returns the summary (teacher / student validation loss and perplexity).
+  Holds the run directory's lock (`meshdistill.fsutil.RunLock`) throughout; ``config.yaml`` is
+  written only once the settings are known to fit the checkpoint the run resumes from.
   """
+  with _run_lock(cfg.run.run_dir, "distillation run"):
+    return _distill(cfg, stream=stream, profile=profile, stop_after=stop_after)
+
+
+def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
+  """Raises when the run directory's checkpoint was written by another run (``expected``: facts of this one).
+
+  The same check as `meshdistill.trainer.fit`'s on resume, made before ``config.yaml`` is written.
+  """
+  from meshdistill.distributed import agree_on  # pylint: disable=g-import-not-at-top
+  from meshdistill.trainer import _check_resumable  # pylint: disable=g-import-not-at-top
+
+  # Opening a checkpoint manager is a collective: every process takes process 0's answer.
+  if not agree_on(int(os.path.isdir(cfg.checkpoint_dir)), "whether the run has a checkpoint directory"):
+    return
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, read_only=True)
+  try:
+    if ckpt.latest_step() is None:
+      return
+    _check_resumable(ckpt.read_meta(), expected, ckpt.directory, cfg.train.steps)
+  finally:
+    ckpt.close()
+
+
+def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
   from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
 
   run_dir = cfg.run.run_dir
-  _write_config(cfg, run_dir)
   teacher_mesh = None
   if cfg.models.teacher_devices:  # the teacher's own mesh, the student's on the other devices
     teacher_mesh, mesh = _split_meshes(cfg)
   else:
     mesh = build_mesh(cfg)
   data = load_data(cfg, mesh=mesh)
+  # Checked before the teacher is built (kind, steps), and again with the models and teacher before config.yaml is
+  # written: a rejected resume changes nothing in the run directory.
+  _check_against_checkpoint(cfg, {"kind": "distill"})
   if cfg.distill.kind == "preference":  # batches of (chosen, rejected) row pairs; validation stays plain text
     from meshdistill.data import PreferencePairs  # pylint: disable=g-import-not-at-top
 
@@ -514,6 +573,10 @@ def distill(
                       val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
     say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
   distiller = make_distiller(cfg, teacher, mesh, data.tokenizer)
+  from meshdistill.trainer import _meta  # pylint: disable=g-import-not-at-top
+
+  _check_against_checkpoint(cfg, _meta(distiller, "distill", {"teacher_dir": tdir}))
+  _write_config(cfg, run_dir)
   monitor = _monitor(run_dir, cfg.train.steps, stream, "distill")
   ckpt = Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
   t = cfg.train
@@ -556,7 +619,11 @@ def distill(
 def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
   """Evaluates the latest checkpoint of the run in ``run.run_dir`` against its teacher."""
   say = stream_reporter(stream)
-  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, keep=cfg.checkpoint.keep)
+  if not os.path.isdir(cfg.checkpoint_dir):  # evaluation creates nothing
+    raise FileNotFoundError(
+      f"no checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with run.run_dir={cfg.run.run_dir} first"
+    )
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, read_only=True)
   try:
     if ckpt.latest_step() is None:
       raise FileNotFoundError(

@@ -214,6 +214,37 @@ class Monitor:
   def message(self, text: str) -> None:
     self.bar.message(text)
 
+  def rewind(self, step: int) -> int:
+    """Drops the ``metrics.jsonl`` rows of steps after ``step`` and any torn (unparseable) line; returns how many.
+
+    A resumed run calls it with the restored step: the rows a killed run wrote after its last
+    checkpoint are redone, and would otherwise appear twice. The file is rewritten through a
+    temporary sibling and a rename.
+    """
+    if self._jsonl is None:
+      return 0
+    from meshdistill.fsutil import write_text_atomic  # pylint: disable=g-import-not-at-top
+
+    path = self._jsonl.name
+    self._jsonl.close()
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+          ok = isinstance(row, dict) and int(row.get("step", 0)) <= step
+        except (ValueError, TypeError):
+          ok = False
+        if ok:
+          kept.append(line if line.endswith("\n") else line + "\n")
+        elif line.strip():
+          dropped += 1
+    if dropped:
+      write_text_atomic(path, "".join(kept))
+      log.info("%s: dropped %d rows after step %d (or torn)", path, dropped, step)
+    self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+    return dropped
+
   def close(self) -> None:
     self.bar.close()
     if self._jsonl is not None:
@@ -272,12 +303,27 @@ class ProfileWindow:
 
 # --------------------------------------------------------------------------- plots
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-  """The rows of ``run_dir/metrics.jsonl``."""
+  """The rows of ``run_dir/metrics.jsonl``; a torn line (a run killed mid-write) is skipped with a warning.
+
+  Rows are kept as written: a divergence restore repeats steps on purpose (plots keep each step's
+  last value); a resumed run has already dropped the rows past its checkpoint (`Monitor.rewind`).
+  """
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path} does not exist; is {run_dir!r} a run directory (written by meshdistill)?")
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+  rows: list[dict[str, Any]] = []
+  with open(path, encoding="utf-8", errors="replace") as f:
+    for i, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+        int(row["step"])
+      except (ValueError, TypeError, KeyError) as e:
+        log.warning("%s line %d is not a metrics row (%s); skipped", path, i, e)
+        continue
+      rows.append(row)
+  return rows
 
 
 def _series(rows: Iterable[dict], split: str, key: str) -> tuple[list[int], list[float]]:

@@ -18,6 +18,8 @@ Host side (between steps):
 * `DivergenceGuard` -- ``observe(step, loss)`` says whether the run diverged (non-finite
   loss, or loss above ``factor`` times the median of the last ``window`` good losses) and
   keeps a copy of the last state whose loss was good; ``events`` records what happened.
+  ``check_updates`` also calls it divergence when updates stop while the loss stays finite (a
+  run of skipped updates, or of non-finite gradient norms that clipping turns into zero updates).
 * `Recovery` -- the bookkeeping of a guarded loop: good-state copies, restores, the switch
   to the fallback strategy (`fallback_strategy`: logit MSE) for the rest of the freezing
   stage, events, and a JSON snapshot for checkpoints. `meshdistill.trainer.fit` (the CLI's
@@ -96,9 +98,24 @@ def skipped_updates(opt_state) -> int:
   return sum(int(np.asarray(jax.device_get(s.total_notfinite)).reshape(-1)[0]) for s in found)
 
 
+def consecutive_skips(opt_state) -> tuple[int, int]:
+  """``(skipped in a row up to now, skipped in total)`` of the non-finite skip in ``opt_state`` (0s without one)."""
+  found = [
+      x
+      for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ApplyIfFiniteState))
+      if isinstance(x, optax.ApplyIfFiniteState)
+  ]
+  if not found:
+    return 0, 0
+  first = lambda a: int(np.asarray(jax.device_get(a)).reshape(-1)[0])
+  return first(found[0].notfinite_count), first(found[0].total_notfinite)
+
+
 def _check_scale(scale) -> None:
   if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not np.isfinite(scale) or scale <= 0:
     raise ValueError(f"loss_scale={scale!r} must be a finite number > 0 (e.g. 1024.0), or None for no scaling")
+  if scale > 2.0**32:  # the scaled gradients of any ordinary loss overflow float32
+    raise ValueError(f"loss_scale={scale!r} overflows float32 gradients; use at most 2**32 (e.g. 1024.0)")
 
 
 # ------------------------------------------------------------------ strategies
@@ -224,6 +241,8 @@ class DivergenceGuard:
     factor: a loss above ``factor * median`` counts as divergence.
     min_history: losses needed before the ratio test applies (non-finite always counts).
     max_restores: `fit_guarded` raises after this many divergences.
+    max_skips: this many updates in a row skipped for non-finite gradients count as divergence
+      ("updates stopped"; see `check_updates`).
 
   ``observe(step, loss)`` returns True on divergence (the loss is then NOT added to the
   history). ``keep(state)`` stores a device copy (`copy_state`) of a state known to be
@@ -231,14 +250,21 @@ class DivergenceGuard:
   call only ``observe`` and restore its own last checkpoint.
   """
 
-  def __init__(self, *, window: int = 50, factor: float = 4.0, min_history: int = 5, max_restores: int = 3):
+  def __init__(self, *, window: int = 50, factor: float = 4.0, min_history: int = 5, max_restores: int = 3,
+               max_skips: int = 8):
     if not isinstance(window, int) or window < 1:
       raise ValueError(f"DivergenceGuard window={window!r} must be a positive integer (e.g. 50)")
     if not factor > 1.0:
       raise ValueError(f"DivergenceGuard factor={factor!r} must be > 1 (e.g. 4.0: loss above 4x its median)")
     if not isinstance(min_history, int) or not 1 <= min_history <= window:
       raise ValueError(f"DivergenceGuard min_history={min_history!r} must be an integer in [1, window={window}]")
+    if not isinstance(max_skips, int) or isinstance(max_skips, bool) or max_skips < 1:
+      raise ValueError(f"DivergenceGuard max_skips={max_skips!r} must be a positive integer (e.g. 8)")
     self.window, self.factor, self.min_history, self.max_restores = window, float(factor), min_history, max_restores
+    self.max_skips = max_skips
+    self._stall_losses: collections.deque[float] = collections.deque(maxlen=max_skips)
+    self._nonfinite_norms = 0
+    self._applied = 0  # updates seen applied (finite gradient norm, not skipped) since this guard was made
     self.history: collections.deque[float] = collections.deque(maxlen=window)
     self.events: list[DivergenceEvent] = []
     self.good_state, self.good_step = None, None
@@ -252,6 +278,40 @@ class DivergenceGuard:
       if loss > self.factor * median:
         return f"loss {loss:.4g} > {self.factor:g} x running median {median:.4g}"
     return None
+
+  # ---------------------------------------------------------------- stalled updates
+  def check_updates(self, step: int, opt_state, loss: float, grad_norm: float | None = None) -> str | None:
+    """Why the updates stopped, or None. Call once per step, after it, with the state's optimizer state.
+
+    Updates stop, while the loss stays finite (so `check` sees nothing), when the last ``max_skips``
+    updates were all skipped for non-finite gradients, or when the gradient norm was non-finite on
+    the last ``max_skips`` steps (clipping then scales every update to zero). The reason names the
+    likely cause: from the first update on, the gradients overflow from the start (a loss scale
+    too large, non-finite data or teacher outputs); after good updates, the weights grew until
+    their gradients overflow (a learning rate too large).
+    """
+    self._stall_losses.append(float(loss))
+    finite_norm = grad_norm is None or bool(np.isfinite(grad_norm))
+    self._nonfinite_norms = 0 if finite_norm else self._nonfinite_norms + 1
+    in_a_row, _ = consecutive_skips(opt_state)
+    self._applied += int(finite_norm and in_a_row == 0)
+    stalled = max(in_a_row, self._nonfinite_norms)
+    if stalled < self.max_skips:
+      return None
+    lo, hi = min(self._stall_losses), max(self._stall_losses)
+    what = (f"the last {in_a_row} updates were all skipped for non-finite gradients" if in_a_row >= self.max_skips
+            else f"the gradient norm was non-finite on the last {self._nonfinite_norms} steps (every update clipped "
+            "to zero)")
+    head = (f"updates stopped at step {step}: {what} while the loss stayed finite ({lo:.4g} to {hi:.4g}), so nothing "
+            "is being trained. ")
+    if not self._applied:
+      return head + ("No update has been applied since the run (re)started: the gradients overflow from the start. "
+                     "Likely cause: a loss "
+                     "scale too large for float32 (safeguards.loss_scale; try 1024 or null), or NaN/Inf in the data "
+                     "or the teacher's outputs")
+    return head + (f"{self._applied} update(s) were applied first: the weights grew until their gradients "
+                   "overflow. Likely cause: a learning rate too large (train.lr / pretrain.lr; the usual range is "
+                   "1e-4 to 3e-3), or too little clipping (train.clip)")
 
   def observe(self, step: int, loss: float) -> bool:
     """True when ``loss`` (of step ``step``) diverged; otherwise it joins the history."""
@@ -276,6 +336,8 @@ class DivergenceGuard:
   def reset_history(self) -> None:
     """Forgets the loss history (after the loss changes meaning, e.g. a strategy switch)."""
     self.history.clear()
+    self._stall_losses.clear()
+    self._nonfinite_norms = 0
 
 
 class Recovery:
@@ -359,9 +421,18 @@ class Recovery:
     """``state`` (a copy, at ``step``) is good: the state a divergence returns to."""
     self.guard.good_state, self.guard.good_step = state, step
 
-  def diverged(self, step: int, loss: float) -> str | None:
-    """Why ``loss`` counts as divergence, or None (then it joins the guard's history)."""
+  def diverged(self, step: int, loss: float, state=None, metrics: dict | None = None) -> str | None:
+    """Why ``loss`` counts as divergence, or None (then it joins the guard's history).
+
+    With ``state`` (the state after the step; ``metrics`` its metrics, for ``grad_norm``) updates that
+    stopped count too (`DivergenceGuard.check_updates`).
+    """
     reason = self.guard.check(loss)
+    if reason is None and state is not None:
+      norm = None if metrics is None or "grad_norm" not in metrics else _first(metrics["grad_norm"])
+      reason = self.guard.check_updates(step, state.opt_state, loss, norm)
+      if reason is not None:
+        return reason
     self.guard.observe(step, loss)
     return reason
 
@@ -373,8 +444,9 @@ class Recovery:
       self._record(step, "diverged", loss=loss, reason=reason, restored_step=None, strategy=self.active)
       raise RuntimeError(
           f"training diverged {self.restores} times (last at step {step}: {reason}), more than max_restores="
-          f"{self.guard.max_restores} (safeguards.guard.max_restores); the last checkpoint is kept. Lower the learning "
-          "rate, check the data, or allow more restores"
+          f"{self.guard.max_restores} (safeguards.guard.max_restores); the last checkpoint is kept."
+          + ("" if reason.startswith("updates stopped") else " Lower the learning rate, check the data, or allow more "
+             "restores")
       )
     if self.can_fall_back:
       self._use_fallback()
@@ -395,6 +467,10 @@ class Recovery:
       row["loss"] = str(row["loss"])  # JSON has no NaN / Infinity
     self.events.append(row)
     self._on_event(step, kind, {k: v for k, v in row.items() if k not in ("step", "kind")})
+
+
+def _first(x) -> float:
+  return float(np.asarray(jax.device_get(x)).reshape(-1)[0])
 
 
 def _host(metrics: dict) -> dict[str, float]:
@@ -444,7 +520,7 @@ def fit_guarded(
     status = freeze_status(state.opt_state)
     if status is not None:
       rec["stage"] = status["stage"]
-    reason = recovery.diverged(step, rec["loss"])
+    reason = recovery.diverged(step + 1, rec["loss"], state, rec)
     if reason is not None:
       state, _ = recovery.recover(step, rec["loss"], reason)
     elif candidate is not None:

@@ -30,6 +30,10 @@ checkpoint of step ``s`` is written only then, from that copy, so every checkpoi
 the guard accepted and no checkpoint is newer than the state a restore returns to (the last
 step of a run is saved at once: nothing follows to confirm it). The guard's history, restore
 count and fallback state travel in the checkpoint, so resuming is still exact.
+
+Under `meshdistill.stopping.stop_on_signals` (the CLI), a SIGTERM lets the step in flight finish,
+checkpoints it and raises `Stopped`. A (re)started run first drops the ``metrics.jsonl`` rows past
+its start step (`Monitor.rewind`), so a resumed run logs each step once.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from meshdistill.evaluate import Evaluator
 from meshdistill.monitor import Monitor, ProfileWindow
 from meshdistill.safeguards import DivergenceGuard, Recovery, copy_state, skipped_updates
 from meshdistill.step import TrainState
+from meshdistill.stopping import Stopped, requested
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +255,8 @@ def fit(
 
   state = trainer.init_state()
   start, data_state, resumed, saved = 0, None, None, {}
-  latest = agree_on(checkpointer.latest_step(), "the latest checkpoint") if checkpointer is not None else None
+  # The newest step whose checksums hold (damaged newer ones are named in a warning and set aside on restore).
+  latest = agree_on(checkpointer.intact_step(), "the latest checkpoint") if checkpointer is not None else None
   if latest is not None:
     _check_resumable(checkpointer.read_meta(latest), meta, checkpointer.directory, steps)
     state, data_state, saved = checkpointer.restore(trainer, state, latest)
@@ -259,6 +265,7 @@ def fit(
     if got != start:
       raise ValueError(f"checkpoint step {start} holds a train state at step {got}; the checkpoint is inconsistent")
     monitor.message(f"resumed from step {start} ({checkpointer.directory})")
+  monitor.rewind(start)  # rows past the start are from work that is redone now
   it = data.train_iterator(data_state)
   last = min(steps, stop_after) if stop_after is not None else steps
   last_eval: dict[str, float] = {}
@@ -301,7 +308,7 @@ def fit(
       if recovery is not None:
         # A replicated output: every process reads the same bits (see meshdistill.distributed).
         loss = float(np.asarray(jax.device_get(metrics["loss"])).reshape(-1)[0])
-        reason = recovery.diverged(step + 1, loss)
+        reason = recovery.diverged(step + 1, loss, state, metrics)
         if reason is not None:
           state, step = recovery.recover(step + 1, loss, reason)
           continue
@@ -331,6 +338,12 @@ def fit(
           checkpointer.maybe_save(step, trainer, state, it.get_state(), {**meta, "guard": recovery.snapshot()},
                                   final=True)
       monitor.exclude(time.perf_counter() - t_aside)
+      if requested() is not None and step < last:  # SIGTERM: checkpoint this step, then stop (see stopping.py)
+        monitor.flush_train(step, {"skipped": float(skipped_updates(state.opt_state))})
+        if checkpointer is not None:
+          guard_meta = {"guard": recovery.snapshot()} if recovery is not None else {}
+          checkpointer.maybe_save(step, trainer, state, it.get_state(), {**meta, **guard_meta}, final=True)
+        raise Stopped(requested(), step, checkpointer.directory if checkpointer is not None else None)
   finally:
     it.close()
     if profile is not None:

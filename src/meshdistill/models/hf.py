@@ -9,7 +9,15 @@ split them. Every device reads only its own slice of each tensor from disk
 device and no host buffer ever holds a full tensor-split weight.
 
 `export_hf(model, out_dir)` writes a decoder as a checkpoint that transformers (and so
-vLLM) loads: ``config.json``, ``model.safetensors`` and, when given, tokenizer files.
+vLLM) loads: ``config.json``, ``model.safetensors`` and, when given, tokenizer files. It writes
+into a fresh temporary sibling and renames it into place (`meshdistill.fsutil.atomic_output_dir`):
+no old shard or index survives next to the new weights, no symlink in the old directory is
+written through, and a failure (a bad tokenizer) leaves the old directory as it was. A non-empty
+``out_dir`` is replaced only with ``overwrite=True`` and only when it holds nothing but
+checkpoint files.
+
+Reading is defensive: a malformed ``config.json``, index or safetensors file is reported with
+its path, and an index whose ``weight_map`` points outside the model directory is refused.
 
 Why the built-in decoder and not tunix's model classes: the decoder already is the Llama
 block (RMSNorm, rotate-half RoPE, GQA, SwiGLU); three default-off `ModelConfig` options
@@ -40,6 +48,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from meshdistill.fsutil import atomic_output_dir, check_output_dir, read_json
 from meshdistill.mesh import TENSOR
 from meshdistill.models._build import abstract_params
 from meshdistill.models._hf_config import SUPPORTED, config_from_hf, hf_config, weight_names
@@ -70,17 +79,38 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
   file = Path(path) / "config.json"
   if not file.is_file():
     raise FileNotFoundError(f"{file} not found; a Hugging Face model directory holds config.json and *.safetensors")
-  return json.loads(file.read_text())
+  return read_json(str(file), "Hugging Face model config")
+
+
+def _safe_open(file: Path):
+  """``safetensors.safe_open`` whose errors name the file (a truncated download, a file of another format)."""
+  from safetensors import SafetensorError, safe_open
+
+  try:
+    return safe_open(file, "numpy")
+  except (SafetensorError, OSError, ValueError) as e:
+    raise ValueError(f"{file} is not a readable safetensors file ({e}); download it again") from None
+
+
+def _inside(path: Path, name: Any, index: Path) -> Path:
+  """``path / name`` for an index entry, refused unless it is a plain file name inside ``path``."""
+  root = path.resolve()
+  if not isinstance(name, str) or not name or os.path.isabs(name):
+    raise ValueError(f"{index}: weight_map entry {name!r} is not a relative file name")
+  full = (path / name).resolve()
+  if full.parent != root and root not in full.parents:
+    raise ValueError(f"{index}: weight_map entry {name!r} points outside {path}; refusing to open it")
+  return path / name
 
 
 def _weight_map(path: Path) -> dict[str, Path]:
   """Tensor name -> safetensors file, from the index or the single file."""
   index = path / INDEX_FILE
   if index.is_file():
-    names = json.loads(index.read_text()).get("weight_map")
+    names = read_json(str(index), "safetensors index").get("weight_map")
     if not isinstance(names, dict):
       raise ValueError(f"{index} has no 'weight_map' object mapping tensor names to files")
-    files = {f: path / f for f in set(names.values())}
+    files = {f: _inside(path, f, index) for f in set(names.values())}
     missing = sorted(f for f, p in files.items() if not p.is_file())
     if missing:
       raise FileNotFoundError(f"{index} lists {missing} but {'it is' if len(missing) == 1 else 'they are'} "
@@ -88,9 +118,7 @@ def _weight_map(path: Path) -> dict[str, Path]:
     return {n: files[f] for n, f in names.items()}
   single = path / SINGLE_FILE
   if single.is_file():
-    from safetensors import safe_open
-
-    with safe_open(single, "numpy") as f:
+    with _safe_open(single) as f:
       return {n: single for n in f.keys()}
   raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
@@ -194,8 +222,6 @@ def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any,
   used = set()
   leaves = []
   with contextlib.ExitStack() as stack:
-    from safetensors import safe_open
-
     handles: dict[Path, Any] = {}
     for key, var in nnx.to_flat_state(abstract):
       name, layout = names(key)
@@ -205,7 +231,7 @@ def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any,
       used.add(name)
       file = where[name]
       if file not in handles:
-        handles[file] = stack.enter_context(safe_open(file, "numpy"))
+        handles[file] = stack.enter_context(_safe_open(file))
       sl = handles[file].get_slice(name)
       shape = tuple(var.get_value().shape)
       real = (real_shapes or {}).get(key, shape)
@@ -217,21 +243,32 @@ def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any,
       sharding = sharding.get_value() if hasattr(sharding, "get_value") else sharding
       sharding = sharding or SingleDeviceSharding(jax.devices()[0])
 
-      def read(index, sl=sl, shape=shape, real=real, layout=layout):
+      def read(index, sl=sl, shape=shape, real=real, layout=layout, name=name, file=file):
+        def get(window):
+          try:
+            return np.asarray(sl[window])
+          except Exception as e:  # noqa: BLE001 -- safetensors' errors name neither the tensor nor the file
+            raise ValueError(f"tensor {name!r} in {file} cannot be read ({e}); the file is damaged") from None
+
         if real == shape:
           window, fix = _window(index, shape, layout)
-          return np.ascontiguousarray(fix(np.asarray(sl[window])), dtype=target)
+          return np.ascontiguousarray(fix(get(window)), dtype=target)
         # padded ("same" / "T" layouts only): read the part inside the checkpoint, zeros beyond it
         spans = [s.indices(n)[:2] for s, n in zip(index, shape)]
         block = np.zeros([b - a for a, b in spans], dtype=target)
         inside = [(a, min(b, r)) for (a, b), r in zip(spans, real)]
         if all(b > a for a, b in inside):
           window, fix = _window(tuple(slice(a, b) for a, b in inside), real, layout)
-          block[tuple(slice(0, b - a) for a, b in inside)] = fix(np.asarray(sl[window]))
+          block[tuple(slice(0, b - a) for a, b in inside)] = fix(get(window))
         return block
 
       leaves.append((key, var.replace(jax.make_array_from_callback(shape, sharding, read))))
   return nnx.from_flat_state(leaves), where, used
+
+
+def is_checkpoint_file(name: str) -> bool:
+  """Whether ``name`` is a file an export (or a Hugging Face download) puts in a model directory."""
+  return name in ("config.json", INDEX_FILE, *TOKENIZER_FILES) or name.endswith(".safetensors")
 
 
 def _host_value(x: jax.Array) -> np.ndarray:
@@ -275,6 +312,7 @@ def export_hf(
     *,
     family: str | None = None,
     dtype: str = "float32",
+    overwrite: bool = False,
 ) -> Path:
   """Writes ``model`` as a Hugging Face checkpoint directory loadable by transformers / vLLM / tunix.
 
@@ -286,6 +324,9 @@ def export_hf(
     family: ``"llama"``, ``"qwen3"`` or ``"qwen2"``; default from the config (qwen3 with
       ``qk_norm``, qwen2 with ``qkv_bias``, else llama).
     dtype: dtype of the written weights: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    overwrite: replace a non-empty ``out_dir`` (only one holding nothing but checkpoint files:
+      ``config.json``, ``*.safetensors``, the index, tokenizer files). Without it a non-empty
+      ``out_dir`` is an error, raised before anything is written.
 
   Returns the output directory. In a multi-process run every process must call it; only
   process 0 writes.
@@ -307,10 +348,13 @@ def export_hf(
   out = Path(out_dir)
   if jax.process_index() != 0:
     return out
-  out.mkdir(parents=True, exist_ok=True)
-  save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
-  (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-  written = [] if tokenizer is None else _write_tokenizer(tokenizer, out)
+  check_output_dir(str(out), overwrite=overwrite, ours=is_checkpoint_file, what="export directory",
+                   flag="overwrite=True")
+  with atomic_output_dir(str(out)) as tmp:  # a tokenizer read from out_dir is copied before out_dir is replaced
+    tmp = Path(tmp)
+    save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    written = [] if tokenizer is None else _write_tokenizer(tokenizer, tmp)
   log.info("exported %s (%d tensors%s) to %s", config["architectures"][0], len(tensors),
            f", tokenizer {written}" if written else "", out)
   return out

@@ -1,0 +1,247 @@
+"""Files a run writes: atomic output directories, content digests, one run per run directory.
+
+Three rules every command follows (see ``benchmarks/results/reliability.md``):
+
+* An output directory is built in a temporary sibling (``.tmp-<name>-XXXX`` next to it) and
+  renamed into place when complete (`atomic_output_dir`), so a reader never sees a half-written
+  output and a failed write leaves what was there before. Symlinks inside an old target are
+  never written through: the new directory is a fresh one.
+* What the user did not create is never deleted. An existing non-empty target is an error
+  unless ``overwrite``; even then it is replaced only when every entry in it is something this
+  project writes there (`check_output_dir`'s ``ours``), so ``--out .`` or ``--out ~`` is refused.
+* One run per run directory: `RunLock` holds an OS lock (``fcntl.flock``) on
+  ``<run_dir>/.meshdistill.lock`` for the life of the run. The OS drops the lock when the
+  process ends, however it ends, so a lock file left by a killed run is stale by construction:
+  it is detected (its owner's pid is no longer alive or no longer holds it) and taken over.
+
+`file_digests` / `verify_digests` record and check SHA-256 digests of a directory's files
+(checkpoint steps and the teacher cache use them to detect damaged files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".meshdistill.lock"
+
+
+class OutputExistsError(FileExistsError):
+  """An output target exists and holds files; the message says how to proceed."""
+
+
+class RunLockedError(RuntimeError):
+  """Another live process holds the run directory's lock."""
+
+
+# --------------------------------------------------------------------------- output directories
+def check_output_dir(path: str, *, overwrite: bool, ours: Callable[[str], bool], what: str, flag: str) -> None:
+  """Raises unless ``path`` may receive a new output.
+
+  A missing or empty ``path`` is fine. A non-empty one needs ``overwrite`` (named by ``flag``,
+  e.g. ``--overwrite``), and even then every entry must satisfy ``ours(name)`` (files this
+  project writes there): anything else is the user's and is never deleted.
+  """
+  path = os.path.abspath(path)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise OutputExistsError(f"{what} {path} exists and is not a directory; choose a new directory")
+  if not os.path.isdir(path) or not os.listdir(path):
+    return
+  foreign = sorted(n for n in os.listdir(path) if not ours(n))
+  if foreign:
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    raise OutputExistsError(
+      f"{what} {path} holds files this command did not write ({shown}); nothing was changed. Choose a new or "
+      "empty directory"
+    )
+  if not overwrite:
+    raise OutputExistsError(
+      f"{what} {path} already exists and is not empty; nothing was changed. Pass {flag} to replace it, or choose "
+      "a new directory"
+    )
+
+
+@contextlib.contextmanager
+def atomic_output_dir(path: str) -> Iterator[str]:
+  """Yields a fresh temporary sibling of ``path``; on success it replaces ``path`` by renames.
+
+  An old ``path`` (already checked with `check_output_dir`) is renamed aside first and removed
+  only after the new directory is in place. On an exception the temporary directory is removed
+  and ``path`` is left as it was.
+  """
+  path = os.path.abspath(path)
+  parent, name = os.path.dirname(path), os.path.basename(path)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{name}-")
+  try:
+    yield tmp
+    old = None
+    if os.path.lexists(path):
+      if os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path):
+        os.rmdir(path)
+      else:
+        old = tempfile.mkdtemp(dir=parent, prefix=f".old-{name}-")
+        os.rmdir(old)
+        os.rename(path, old)
+    try:
+      os.rename(tmp, path)
+    except OSError:
+      if old is not None:
+        os.rename(old, path)
+      raise
+    fsync_dir(parent)
+    if old is not None and os.path.islink(old):
+      os.unlink(old)  # a symlinked target: the link goes, what it pointed to stays
+    elif old is not None:
+      shutil.rmtree(old, ignore_errors=True)
+  finally:
+    if os.path.exists(tmp):
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fsync_dir(path: str) -> None:
+  """Makes a rename inside ``path`` durable (best effort: some filesystems refuse)."""
+  with contextlib.suppress(OSError):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  """Writes ``text`` to ``path`` through a temporary sibling and a rename (never a half-written file)."""
+  parent = os.path.dirname(os.path.abspath(path)) or "."
+  fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".tmp-{os.path.basename(path)}-")
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
+# --------------------------------------------------------------------------- digests
+def file_digests(root: str, exclude: tuple[str, ...] = ()) -> dict[str, str]:
+  """``{relative path: sha256 hex}`` of every regular file under ``root`` (``exclude``: relative paths)."""
+  out = {}
+  for d, _, files in os.walk(root):
+    for n in files:
+      full = os.path.join(d, n)
+      rel = os.path.relpath(full, root)
+      if rel in exclude or os.path.islink(full):
+        continue
+      with open(full, "rb") as f:
+        out[rel] = hashlib.file_digest(f, "sha256").hexdigest()
+  return dict(sorted(out.items()))
+
+
+def verify_digests(root: str, expected: dict[str, str], exclude: tuple[str, ...] = ()) -> str | None:
+  """None when the files under ``root`` match ``expected``; else what differs (file names, for a message)."""
+  have = file_digests(root, exclude)
+  missing = sorted(set(expected) - set(have))
+  changed = sorted(k for k in expected if k in have and have[k] != expected[k])
+  problems = []
+  if missing:
+    problems.append(f"missing {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
+  if changed:
+    problems.append(f"checksum mismatch in {', '.join(changed[:3])}" + (" ..." if len(changed) > 3 else ""))
+  return "; ".join(problems) or None
+
+
+def read_json(path: str, what: str = "") -> dict:
+  """The JSON object in ``path``; a parse error names the file and what it is."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}{' (' + what + ')' if what else ''} is not valid JSON: {e}") from None
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}{' (' + what + ')' if what else ''} is not UTF-8 text: {e}") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{path}{' (' + what + ')' if what else ''} must hold a JSON object, got {type(value).__name__}")
+  return value
+
+
+# --------------------------------------------------------------------------- run lock
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+class RunLock:
+  """An exclusive OS lock on ``<run_dir>/.meshdistill.lock`` for one run (a context manager).
+
+  ``acquire`` raises `RunLockedError` naming the pid that holds it. A lock file whose
+  writer is gone (killed with ``kill -9``, a crashed machine) is stale: the OS already released
+  its ``flock``, so it is taken over and the takeover logged. Released on ``release`` / exit.
+  """
+
+  def __init__(self, run_dir: str, what: str = "run"):
+    self.run_dir = os.path.abspath(run_dir)
+    self.path = os.path.join(self.run_dir, LOCK_FILE)
+    self.what = what
+    self._fd: int | None = None
+
+  def acquire(self) -> RunLock:
+    os.makedirs(self.run_dir, exist_ok=True)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      os.close(fd)
+      if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+        raise
+      holder = self._holder()
+      raise RunLockedError(
+        f"{self.run_dir} is in use by another {self.what} (pid {holder or 'unknown'}); one run per run directory: "
+        "wait for it to finish, or use another run.run_dir"
+      ) from None
+    previous = self._holder()
+    if previous is not None and previous != os.getpid():
+      state = "no longer running" if not _pid_alive(previous) else "no longer holding it"
+      log.warning("%s: stale lock of pid %d (%s) taken over", self.path, previous, state)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    self._fd = fd
+    return self
+
+  def _holder(self) -> int | None:
+    try:
+      with open(self.path, encoding="utf-8") as f:
+        return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+      return None
+
+  def release(self) -> None:
+    if self._fd is None:
+      return
+    with contextlib.suppress(OSError):
+      os.ftruncate(self._fd, 0)
+    fcntl.flock(self._fd, fcntl.LOCK_UN)
+    os.close(self._fd)
+    self._fd = None
+
+  def __enter__(self) -> RunLock:
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()

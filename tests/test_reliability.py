@@ -1,0 +1,450 @@
+"""Reliability: no command loses a user's files, and damaged state is detected, not trained on.
+
+Each test reproduces one case of ``benchmarks/results/reliability.md`` and checks what happens
+now: the data is kept, and the command gives a clear error (a non-zero exit code when work was
+refused) or falls back with a warning naming what was damaged.
+"""
+
+import errno
+import json
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import make_batch, write_corpus
+from flax import nnx
+
+import meshdistill as md
+from meshdistill import cli, jobs
+from meshdistill.checkpoint import (
+  Checkpointer,
+  CheckpointError,
+  TeacherDamagedError,
+  load_teacher,
+  save_teacher,
+)
+from meshdistill.config import ConfigError, load_config
+from meshdistill.data import DataConfig, build_data
+from meshdistill.fsutil import LOCK_FILE, OutputExistsError, RunLock, RunLockedError
+from meshdistill.models import export_hf, load_hf
+from meshdistill.monitor import Monitor, plot_run, read_metrics
+from meshdistill.safeguards import DivergenceGuard, ScaledLoss, fit_guarded, safeguarded, skipped_updates
+from meshdistill.trainer import fit
+
+VOCAB = 264  # byte tokenizer
+TEACHER = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
+STUDENT = TEACHER.replace(d_model=16, n_layers=1, mlp_hidden=32)
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+def tiny_sets(tmp, corpus):
+  """The tiny CLI config on a small corpus (the settings `test_trainer` uses for whole jobs)."""
+  return [f"data.source={corpus}", "data.seq_len=16", "data.val_fraction=0.25", "data.max_chars=null",
+          "teacher.max_len=16", "student.max_len=16", "train.warmup=1", "train.eval_every=0", "train.log_every=1",
+          "pretrain.warmup=1", "pretrain.eval_every=0", "pretrain.log_every=1", "checkpoint.every=0",
+          f"pretrain.cache_dir={tmp / 'cache'}", "mesh.backend=single", "mesh.data=1", "mesh.tensor=1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  return write_corpus(tmp_path_factory.mktemp("corpus") / "c")
+
+
+@pytest.fixture(scope="module")
+def data(corpus):
+  return build_data(DataConfig(source=corpus, seq_len=16, val_fraction=0.25), batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def kd():
+  """One single-device distiller with the API's default optimizer, shared by the tests (its step compiles once)."""
+  return md.Distiller(md.init_model(STUDENT, seed=1), md.init_model(TEACHER, seed=0), strategy=md.LogitKD(alpha=0.7))
+
+
+@pytest.fixture(scope="module")
+def saved_run(kd, data, tmp_path_factory):
+  """A 4-step run with checkpoints at steps 2 and 4 (a pristine copy; tests damage copies of it)."""
+  root = tmp_path_factory.mktemp("saved")
+  ckpt = Checkpointer(str(root / "ckpt"), every=2, keep=3)
+  monitor = Monitor(str(root), 4, tensorboard=False)
+  try:
+    result = fit(kd, data, steps=4, log_every=1, checkpointer=ckpt, monitor=monitor)
+  finally:
+    ckpt.close()
+    monitor.close()
+  assert sorted(Checkpointer(str(root / "ckpt"), read_only=True).all_steps()) == [2, 4]
+  return root, result
+
+
+def copy_run(saved_run, tmp_path) -> pathlib.Path:
+  dst = tmp_path / "run"
+  shutil.copytree(saved_run[0], dst)
+  return dst
+
+
+def biggest_file(root: pathlib.Path) -> pathlib.Path:
+  files = [p for p in root.rglob("*") if p.is_file()]
+  return max(files, key=lambda p: p.stat().st_size)
+
+
+def flip_bit(path: pathlib.Path) -> None:
+  raw = bytearray(path.read_bytes())
+  raw[len(raw) // 2] ^= 0x10
+  path.write_bytes(bytes(raw))
+
+
+def leaves_equal(a, b):
+  la, lb = jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))
+  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def tree_of(root: pathlib.Path) -> dict:
+  return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------ 1. data loss
+def test_pretrain_into_an_existing_directory_is_refused_and_its_files_kept(tmp_path, monkeypatch, capsys):
+  mine = tmp_path / "project"
+  mine.mkdir()
+  (mine / "notes.txt").write_text("mine")
+  old = tmp_path / "old_teacher"
+  old.mkdir()
+  (old / "teacher.json").write_text("{}")
+  before = tree_of(tmp_path)
+  assert cli.main(["pretrain", "--config", "tiny", "--out", str(mine)]) == 2
+  assert "did not write (notes.txt); nothing was changed" in capsys.readouterr().err
+  assert cli.main(["pretrain", "--config", "tiny", "--out", str(old)]) == 2
+  assert "not empty; nothing was changed. Pass --overwrite" in capsys.readouterr().err
+  # --out . (the working directory): refused, even with --overwrite, since it holds files meshdistill did not write
+  monkeypatch.chdir(mine)
+  assert cli.main(["pretrain", "--config", "tiny", "--out", ".", "--overwrite"]) == 2
+  assert "did not write (notes.txt)" in capsys.readouterr().err
+  assert tree_of(tmp_path) == before
+
+
+def test_save_teacher_replaces_only_a_teacher_and_only_when_asked(tmp_path, data):
+  model = md.init_model(STUDENT, seed=3)
+  out = tmp_path / "teacher"
+  save_teacher(str(out), model, data.tokenizer)
+  with pytest.raises(OutputExistsError, match="already exists and is not empty"):
+    save_teacher(str(out), model, data.tokenizer)
+  save_teacher(str(out), md.init_model(STUDENT, seed=4), data.tokenizer, overwrite=True)  # a teacher: replaced
+  assert sorted(os.listdir(out)) == ["params", "teacher.json", "tokenizer"]
+  assert not [n for n in os.listdir(tmp_path) if n.startswith((".tmp-", ".old-"))]  # nothing left behind
+  (out / "mine.txt").write_text("x")
+  with pytest.raises(OutputExistsError, match="did not write"):
+    save_teacher(str(out), model, data.tokenizer, overwrite=True)
+  assert (out / "mine.txt").read_text() == "x"
+
+
+# ------------------------------------------------------------------ 2. export
+def test_export_replaces_an_old_sharded_checkpoint_whole_and_never_writes_through_symlinks(tmp_path):
+  model = load_hf(FIXTURES / "hf_llama")
+  state = nnx.state(model, nnx.Param)
+  new = nnx.merge(nnx.graphdef(model), jax.tree.map(lambda x: x * 2.0, state))
+  out = tmp_path / "out"
+  shutil.copytree(FIXTURES / "hf_llama", out, ignore=shutil.ignore_patterns("*.npz"))  # an older sharded export
+  outside = tmp_path / "elsewhere.json"
+  outside.write_text("{}")
+  (out / "config.json").unlink()
+  shutil.copyfile(FIXTURES / "hf_llama" / "config.json", outside)
+  (out / "config.json").symlink_to(outside)
+  before = tree_of(out)
+  with pytest.raises(OutputExistsError, match="overwrite=True"):
+    export_hf(new, out)
+  assert tree_of(out) == before  # refused before anything was written
+  export_hf(new, out, tokenizer=out, overwrite=True)  # the tokenizer is read from the directory being replaced
+  assert not (out / "model.safetensors.index.json").exists() and not list(out.glob("model-*-of-*.safetensors"))
+  assert (out / "generation_config.json").is_file() and not (out / "config.json").is_symlink()
+  assert outside.read_text() == (FIXTURES / "hf_llama" / "config.json").read_text()  # the link's target untouched
+  again = load_hf(out)
+  assert leaves_equal(nnx.state(again, nnx.Param), nnx.state(new, nnx.Param))  # the NEW weights
+  # `meshdistill export RUN_DIR OUT_DIR --overwrite` follows the same rule
+  from meshdistill.export import check_out_dir
+
+  (out / "notes.txt").write_text("mine")
+  with pytest.raises(OutputExistsError, match="did not write \\(notes.txt\\)"):
+    check_out_dir(str(out), overwrite=True)
+
+
+# ------------------------------------------------------------------ 3. damaged checkpoints
+@pytest.mark.parametrize("damage", ["flipped bit", "truncated", "deleted state", "garbled meta"])
+def test_damaged_latest_step_falls_back_to_the_previous_intact_one_with_a_warning(
+  damage, saved_run, kd, tmp_path, caplog
+):
+  run = copy_run(saved_run, tmp_path)
+  step4 = run / "ckpt" / "4"
+  if damage == "flipped bit":
+    flip_bit(biggest_file(step4 / "state"))
+  elif damage == "truncated":
+    big = biggest_file(step4 / "state")
+    big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])
+  elif damage == "deleted state":
+    shutil.rmtree(step4 / "state")
+  else:
+    (step4 / "meta" / "metadata").write_text("{not json")
+  ckpt = Checkpointer(str(run / "ckpt"), read_only=True)  # what `meshdistill eval` opens
+  with caplog.at_level(logging.WARNING, logger="meshdistill.checkpoint"):
+    state, data_state, meta = ckpt.restore(kd, kd.init_state())
+  assert meta["step"] == 2 and int(state.step) == 2 and data_state["next_batch"] == 2
+  assert "checkpoint step 4" in caplog.text and "is damaged" in caplog.text
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+  assert (run / "ckpt" / "4").is_dir()  # read-only: the damaged step is reported, not moved
+  if damage == "garbled meta":  # asked for explicitly, the damaged step is refused naming its file
+    with pytest.raises(CheckpointError, match="checksum mismatch in meta/metadata"):
+      ckpt.restore(kd, kd.init_state(), step=4)
+
+
+def test_resume_sets_the_damaged_step_aside_and_trains_again_to_the_same_state(saved_run, kd, data, tmp_path):
+  run = copy_run(saved_run, tmp_path)
+  flip_bit(biggest_file(run / "ckpt" / "4" / "state"))
+  ckpt = Checkpointer(str(run / "ckpt"), every=2, keep=3)
+  monitor = Monitor(str(run), 4, tensorboard=False)
+  try:
+    result = fit(kd, data, steps=4, log_every=1, checkpointer=ckpt, monitor=monitor)
+  finally:
+    ckpt.close()
+    monitor.close()
+  assert result.resumed_from == 2 and result.step == 4
+  assert leaves_equal(result.state.params, saved_run[1].state.params)  # the redone steps equal the lost ones
+  assert [n for n in os.listdir(run / "ckpt") if n.startswith("damaged-4-")]
+  assert Checkpointer(str(run / "ckpt"), read_only=True).verify(4) is None  # step 4 written anew, intact
+  # 7. resumed runs do not duplicate metrics rows
+  steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
+  assert steps == [1, 2, 3, 4]
+
+
+def test_no_intact_checkpoint_is_a_clear_error(saved_run, kd, data, tmp_path):
+  run = copy_run(saved_run, tmp_path)
+  for s in (2, 4):
+    flip_bit(biggest_file(run / "ckpt" / str(s) / "state"))
+  ckpt = Checkpointer(str(run / "ckpt"), every=2)
+  with pytest.raises(CheckpointError, match=r"no intact checkpoint .*step 4: checksum mismatch.*step 2: checksum"):
+    fit(kd, data, steps=4, checkpointer=ckpt)
+  assert sorted(ckpt.all_steps()) == [2, 4]  # nothing restored, nothing moved or deleted
+
+
+def test_checkpoints_from_before_checksums_restore_unverified_with_a_warning(saved_run, kd, tmp_path, caplog):
+  run = copy_run(saved_run, tmp_path)
+  for f in (run / "ckpt").glob("*/checksums.json"):
+    f.unlink()
+  with caplog.at_level(logging.WARNING, logger="meshdistill.checkpoint"):
+    _, _, meta = Checkpointer(str(run / "ckpt"), read_only=True).restore(kd, kd.init_state())
+  assert meta["step"] == 4 and "records no checksums" in caplog.text
+
+
+# ------------------------------------------------------------------ 4. concurrent runs
+def test_one_run_per_run_directory_and_stale_locks_are_taken_over(tmp_path, corpus, caplog):
+  run = tmp_path / "run"
+  with RunLock(str(run)):
+    with pytest.raises(RunLockedError, match=f"in use by another run \\(pid {os.getpid()}\\)"):
+      RunLock(str(run)).acquire()
+    cfg = load_config("tiny", tiny_sets(tmp_path, corpus) + [f"run.run_dir={run}"])
+    with pytest.raises(RunLockedError):
+      jobs.distill(cfg)
+    assert sorted(os.listdir(run)) == [LOCK_FILE]  # the second run wrote nothing
+  # a lock file left by a process that died (kill -9): the OS released its lock; it is taken over
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+  (run / LOCK_FILE).write_text(dead.stdout)
+  with caplog.at_level(logging.WARNING, logger="meshdistill.fsutil"), RunLock(str(run)):
+    pass
+  assert f"stale lock of pid {int(dead.stdout)} (no longer running) taken over" in caplog.text
+
+
+# ------------------------------------------------------------------ 5. rejected resume
+def test_a_rejected_resume_leaves_config_yaml_as_it_was(saved_run, kd, tmp_path, corpus):
+  run, teacher = tmp_path / "run", tmp_path / "teacher"
+  cfg = load_config("tiny", tiny_sets(tmp_path, corpus) + [f"run.run_dir={run}", "train.steps=4",
+                                                         f"pretrain.teacher={teacher}"])
+  save_teacher(str(teacher), md.init_model(cfg.teacher, seed=0), jobs.load_data(cfg).tokenizer)
+  ckpt = Checkpointer(str(run / "checkpoints"), every=0)
+  other = {**cfg.to_dict()["student"], "d_model": 64}
+  ckpt.save(2, kd, kd.init_state(), {"next_batch": 2}, {"kind": "distill", "student": other, "teacher_dir": str(teacher)})
+  ckpt.close()
+  (run / "config.yaml").write_text("# the run's own config\n")
+  with pytest.raises(ValueError, match="written by another run \\(student"):
+    jobs.distill(cfg)
+  assert (run / "config.yaml").read_text() == "# the run's own config\n"
+
+
+# ------------------------------------------------------------------ 6. guard blind spots
+def test_default_distiller_optimizer_skips_a_nan_batch(kd):
+  d = kd  # built without an optimizer: the API's default
+  state = d.init_state()
+  before = jax.device_get(state.params)
+  bad = make_batch(0, seq=16, vocab=VOCAB)
+  bad["mask"][0, 0] = np.nan  # one NaN batch
+  state, metrics = d.step(state, bad)
+  assert not np.isfinite(float(metrics["loss"])) and skipped_updates(state.opt_state) == 1
+  assert leaves_equal(state.params, before)  # the weights are untouched, not NaN
+  state, metrics = d.step(state, make_batch(1, seq=16, vocab=VOCAB))
+  assert np.isfinite(float(metrics["loss"])) and not leaves_equal(state.params, before)  # and training goes on
+
+
+def test_guard_fires_when_every_update_is_skipped_and_names_the_loss_scale(kd, data):
+  # safeguards.loss_scale: 1.0e+38 (refused by the config now) made every gradient overflow while the loss
+  # stayed finite and flat: the guard saw nothing.
+  with pytest.raises(ConfigError, match="loss_scale=1e\\+38 overflows float32 gradients"):
+    load_config("tiny", ["safeguards.loss_scale=1.0e+38"])
+  with pytest.raises(ValueError, match="overflows float32"):
+    ScaledLoss(md.LogitKD(), 1e38)
+  scaled = ScaledLoss(md.LogitKD(alpha=0.7), 1.0)
+  scaled.scale = 1e38  # as an older config let through
+  d = kd.with_strategy(scaled)
+  batches = [jax.tree.map(np.asarray, b) for b, _ in zip(data.train_iterator(), range(5))]
+  guard = DivergenceGuard(max_skips=2, max_restores=1, min_history=2)
+  with pytest.raises(RuntimeError) as e:
+    fit_guarded(d, d.init_state(), batches, guard, fallback=scaled)
+  msg = str(e.value)
+  assert "updates stopped" in msg and "gradient norm was non-finite on the last 2 steps" in msg
+  assert "No update has been applied since the run (re)started" in msg and "safeguards.loss_scale" in msg
+
+
+def test_guard_names_the_learning_rate_when_updates_stop_after_good_ones():
+  guard = DivergenceGuard(max_skips=4, min_history=2)
+  for loss in (2.0, 2.0, 2.0):
+    guard.observe(0, loss)
+  opt = safeguarded(optax.sgd(1.0))
+  update = jax.jit(opt.update)
+  state = opt.init({"w": jnp.zeros(2)})
+  for step in range(1, 15):  # 10 good updates, then 4 with non-finite gradients
+    good = step <= 10
+    state = update({"w": jnp.ones(2) if good else jnp.full(2, jnp.inf)}, state)[1]
+    reason = guard.check_updates(step, state, 2.0, 1.0 if good else float("inf"))
+    assert (reason is None) == (step < 14)
+  assert "loss stayed finite (2 to 2)" in reason and "10 update(s) were applied first" in reason and "train.lr" in reason
+  assert guard.check_updates(15, update({"w": jnp.ones(2)}, state)[1], 2.0) is None
+
+
+# ------------------------------------------------------------------ 7. config numbers
+def test_yaml_and_set_accept_exponent_floats(tmp_path):
+  path = tmp_path / "c.yaml"
+  path.write_text("train: {lr: 3e-4}\npretrain: {lr: 1e-3}\nsafeguards: {loss_scale: 1.0e9}\n")
+  cfg = load_config(str(path), ["distill.alpha=5e-1"])
+  assert (cfg.train.lr, cfg.pretrain.lr, cfg.safeguards.loss_scale, cfg.distill.alpha) == (3e-4, 1e-3, 1e9, 0.5)
+  assert load_config("tiny", ["train.lr=3e-3"]).train.lr == 3e-3  # the error hint's own example
+
+
+# ------------------------------------------------------------------ 8. minor
+def test_damaged_model_files_are_named_and_index_escapes_refused(tmp_path):
+  path = tmp_path / "m"
+  shutil.copytree(FIXTURES / "hf_llama", path)
+  shard = path / "model-00002-of-00005.safetensors"
+  shard.write_bytes(shard.read_bytes()[:40])
+  with pytest.raises(ValueError, match="model-00002-of-00005.safetensors"):
+    load_hf(path)
+  shutil.copyfile(FIXTURES / "hf_llama" / shard.name, shard)
+  (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+  with pytest.raises(ValueError, match=r"config.json .*is not valid JSON"):
+    load_hf(path)
+  shutil.copyfile(FIXTURES / "hf_llama" / "config.json", path / "config.json")
+  index = json.loads((path / "model.safetensors.index.json").read_text())
+  name = next(iter(index["weight_map"]))
+  index["weight_map"][name] = "../../etc/passwd"
+  (path / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(ValueError, match="points outside"):
+    load_hf(path)
+
+
+def test_eval_of_a_missing_run_creates_nothing(tmp_path, capsys, corpus):
+  missing = tmp_path / "nope"
+  assert cli.main(["eval", str(missing)]) == 2
+  assert "does not exist" in capsys.readouterr().err
+  cfg = load_config("tiny", tiny_sets(tmp_path, corpus) + [f"run.run_dir={missing}"])
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    jobs.evaluate(cfg)
+  assert not missing.exists()
+
+
+def test_metrics_rewind_drops_redone_rows_and_plot_tolerates_a_torn_line(tmp_path):
+  rows = [{"step": s, "split": "train", "loss": 1.0 / s} for s in (1, 2, 3, 4)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "spl')
+  assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3, 4]  # the torn line is skipped
+  assert [os.path.basename(p) for p in plot_run(str(tmp_path))] == ["loss.png"]
+  monitor = Monitor(str(tmp_path), 4, tensorboard=False)
+  assert monitor.rewind(2) == 3  # rows 3, 4 and the torn one
+  monitor.write(3, "train", {"loss": 0.5})
+  monitor.close()
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------ own cases
+def test_disk_full_during_a_save_keeps_the_last_checkpoint_and_says_so(saved_run, kd, tmp_path, monkeypatch):
+  run = copy_run(saved_run, tmp_path)
+  before = tree_of(run / "ckpt")
+  from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+  async def full(self, x, directory):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", full)
+  ckpt = Checkpointer(str(run / "ckpt"), every=2, keep=3)
+  state, data_state, _ = ckpt.restore(kd, kd.init_state())
+  with pytest.raises(CheckpointError, match="could not write checkpoint step 6 .*No space left.*step 4 is the newest"):
+    ckpt.save(6, kd, state, data_state, {"kind": "distill"})
+  monkeypatch.undo()
+  ckpt.close()
+  again = Checkpointer(str(run / "ckpt"), read_only=True)
+  assert again.intact_step() == 4 and again.all_steps() == [2, 4]
+  assert {k: v for k, v in tree_of(run / "ckpt").items() if k.split("/")[0] in ("2", "4")} == before
+
+
+def test_a_damaged_teacher_cache_is_rebuilt_and_a_damaged_given_teacher_refused(tmp_path, corpus, monkeypatch, caplog):
+  cfg = load_config("tiny", tiny_sets(tmp_path, corpus) + [f"run.run_dir={tmp_path / 'run'}"])
+  data = jobs.load_data(cfg)
+  path = jobs.teacher_dir(cfg, data.tokenizer)
+  save_teacher(path, md.init_model(cfg.teacher, seed=0), data.tokenizer)
+  flip_bit(biggest_file(pathlib.Path(path) / "params"))
+  with pytest.raises(TeacherDamagedError, match="checksum mismatch in params/"):
+    load_teacher(path, cfg.teacher, None, data.tokenizer)
+  given = load_config("tiny", tiny_sets(tmp_path, corpus) + [f"pretrain.teacher={path}"])
+  with pytest.raises(TeacherDamagedError, match="is damaged"):  # a teacher the user named: refused, not rebuilt
+    jobs.obtain_teacher(given, data, None)
+  rebuilt = []
+
+  def pretrain(cfg, *, data, mesh, out, stream, overwrite):  # stands in for the 20-step pretraining
+    rebuilt.append(out)
+    save_teacher(out, md.init_model(cfg.teacher, seed=1), data.tokenizer, overwrite=overwrite)
+
+  monkeypatch.setattr(jobs, "pretrain", pretrain)
+  lines = []
+  with caplog.at_level(logging.WARNING, logger="meshdistill.jobs"):
+    teacher, got = jobs.obtain_teacher(cfg, data, None, report=lines.append)
+  assert rebuilt == [path] and got == path and "rebuilding it" in caplog.text
+  assert any("cached teacher is damaged (teacher" in x and "checksum mismatch" in x for x in lines)
+  assert leaves_equal(nnx.state(teacher), nnx.state(md.init_model(cfg.teacher, seed=1)))
+
+
+def test_sigterm_writes_a_final_checkpoint_and_exits_143(tmp_path, corpus):
+  run = tmp_path / "run"
+  cmd = [sys.executable, "-m", "meshdistill", "pretrain", "--config", "tiny", "--out", str(tmp_path / "teacher"),
+         *[f"--set={s}" for s in tiny_sets(tmp_path, corpus)], f"--set=run.run_dir={run}", "--set=pretrain.steps=100000"]
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+  metrics = None
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    found = list(run.glob("teacher-*/metrics.jsonl"))
+    if found and found[0].read_text().count("\n") >= 2:
+      metrics = found[0]
+      break
+    time.sleep(0.5)
+  assert metrics is not None, proc.communicate()[1][-2000:]
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 143, err[-2000:]
+  assert "stopped by SIGTERM after step" in err and "rerun the same command to resume" in err
+  stopped_at = int(err.split("stopped by SIGTERM after step ")[1].split(";")[0])
+  ckpt = Checkpointer(str(metrics.parent / "checkpoints"), read_only=True)
+  assert ckpt.intact_step() == stopped_at >= 2
+  assert not (tmp_path / "teacher").exists()  # the run stopped before its end: no teacher was written
