@@ -2,13 +2,14 @@
 
 import os
 
-import chex
+# CPU only: with libtpu installed (the `tpu` extra) JAX would otherwise probe for a TPU at start-up
+# (seconds, and log noise); the planner's TPU topologies need no TPU backend. Set before JAX is imported.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import chex  # noqa: E402
 
 # The test models are tiny: skipping LLVM's optimisation passes halves compile time,
 # which dominates the suite. Every layout compiles with the same flags.
-# CPU only: with libtpu installed (the `tpu` extra) JAX would otherwise probe for a TPU at start-up
-# (seconds, and log noise); the planner's TPU topologies need no TPU backend.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 chex.set_n_cpu_devices(8)
 

@@ -85,7 +85,14 @@ def _plan(args) -> int:
 
   from meshdistill.planner._hardware import cpu_count_of  # pylint: disable=g-import-not-at-top
 
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the planner needs no accelerator; this skips probing for one
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.mesh import _backend_started  # pylint: disable=g-import-not-at-top
+
+  if not os.environ.get("JAX_PLATFORMS") and not _backend_started():
+    # the planner needs no accelerator: skip probing for one (jax read the environment when it was imported)
+    jax.config.update("jax_platforms", "cpu")
+    os.environ["JAX_PLATFORMS"] = "cpu"
   n = cpu_count_of(args.devices)
   if n is not None and n > 1:
     from meshdistill.mesh import simulate_cpu_devices  # pylint: disable=g-import-not-at-top

@@ -93,9 +93,13 @@ def leaf_count(tree) -> int:
 
 @dataclasses.dataclass
 class CompiledStep:
-  """What the compiler says about one step (per device) and how long it took to compile."""
+  """What the compiler says about one step (per device) and how long it took to compile.
 
-  memory: MemoryReport
+  A TPU compilation whose buffers exceed the chip's HBM fails; then ``memory`` is None, ``oom`` holds
+  the compiler's message and ``oom_bytes`` the (temp, available) sizes it names, when it names them.
+  """
+
+  memory: MemoryReport | None
   flops: float | None
   bytes_accessed: float | None
   hlo: str
@@ -103,6 +107,8 @@ class CompiledStep:
   lower_seconds: float
   parts: dict[str, int]  # per-device bytes of the step's inputs, by kind
   params: dict[str, int]  # parameter counts (teacher, student)
+  oom: str | None = None
+  oom_bytes: tuple[int | None, int | None] = (None, None)
 
 
 def compile_step(distiller: Distiller, batch: int, seq: int) -> CompiledStep:
@@ -113,12 +119,6 @@ def compile_step(distiller: Distiller, batch: int, seq: int) -> CompiledStep:
   t0 = time.perf_counter()
   lowered = distiller.compiled_step(state).lower(state, distiller.teacher_params, inputs)
   t1 = time.perf_counter()
-  compiled = lowered.compile()
-  t2 = time.perf_counter()
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else {}
-  cost = cost or {}
   parts = {
       "teacher_weights": shard_bytes(distiller.teacher_params),
       "student_weights": shard_bytes(state.params["student"]),
@@ -127,6 +127,19 @@ def compile_step(distiller: Distiller, batch: int, seq: int) -> CompiledStep:
       "batch": shard_bytes(inputs),
   }
   params = {"teacher": leaf_count(distiller.teacher_params), "student": leaf_count(state.params["student"])}
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    message = str(e).strip().splitlines()[0]
+    return CompiledStep(None, None, None, "", time.perf_counter() - t1, t1 - t0, parts, params, message,
+                        _oom_sizes(message))
+  t2 = time.perf_counter()
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  cost = cost or {}
   return CompiledStep(
       memory=MemoryReport.of(compiled),
       flops=_num(cost.get("flops")),
@@ -137,6 +150,18 @@ def compile_step(distiller: Distiller, batch: int, seq: int) -> CompiledStep:
       parts=parts,
       params=params,
   )
+
+
+_SIZE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _oom_sizes(message: str) -> tuple[int | None, int | None]:
+  """(temporaries, available HBM) in bytes from a TPU out-of-memory message, e.g. ``... the total memory
+  required for HLO temporaries (17.55G) exceeds available HBM (15.75G)``."""
+  def find(pattern):
+    m = re.search(pattern + r"\s*\(([\d.]+)\s*([KMGT]?)i?B?\)", message)
+    return None if m is None else int(float(m.group(1)) * _SIZE[m.group(2)])
+  return find(r"HLO temporaries"), find(r"available HBM")
 
 
 def _num(x) -> float | None:

@@ -75,12 +75,15 @@ def libtpu_available() -> bool:
 
 
 def _quiet_libtpu() -> None:
-  """Tells libtpu it runs on no TPU VM (it otherwise queries metadata and logs errors); CPU-only processes only."""
+  """Tells libtpu it runs on no TPU VM (it otherwise queries metadata and logs errors) and only compiles;
+  in CPU-only processes (``JAX_PLATFORMS=cpu``, as the CLI and the tests set) only."""
   if os.environ.get("JAX_PLATFORMS", "").strip().lower() != "cpu":
     return
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+  # compiling only: several planning processes may load libtpu at once (it otherwise takes a machine-wide lock)
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def tpu_target(topology: str, hbm_budget_bytes: int | None = None) -> Target:

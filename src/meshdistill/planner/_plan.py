@@ -116,10 +116,17 @@ class Planner:
     c = compile_step(d, k.batch, self.seq)
     mem = c.memory
     memory = dict(c.parts)
-    memory.update(temp=mem.temp_bytes, outputs=mem.output_bytes - mem.alias_bytes, total=mem.total_bytes,
-                  arguments=mem.argument_bytes, output=mem.output_bytes, alias=mem.alias_bytes)
     budget = self.target.budget_bytes
-    fits = None if budget is None else mem.total_bytes <= self.headroom * budget
+    if mem is None:  # the TPU compiler refused: out of HBM
+      temp = c.oom_bytes[0]
+      args = sum(c.parts.values())
+      memory.update(temp=temp, outputs=None, total=None if temp is None else args + temp, arguments=args, output=None,
+                    alias=None)
+      fits = False
+    else:
+      memory.update(temp=mem.temp_bytes, outputs=mem.output_bytes - mem.alias_bytes, total=mem.total_bytes,
+                    arguments=mem.argument_bytes, output=mem.output_bytes, alias=mem.alias_bytes)
+      fits = None if budget is None else mem.total_bytes <= self.headroom * budget
     n = len(self.target.devices)
     tokens = k.batch * self.seq
     n_t = _matmul_params(self.teacher, c.params["teacher"])
@@ -137,6 +144,9 @@ class Planner:
         collectives=colls, time=self._roofline(c, colls, analytic * n, tokens), compile_seconds=c.compile_seconds,
         compiler_options=self.options,
     )
+    if c.oom:
+      p.notes.append(f"the TPU compiler stopped: {c.oom} (the memory above: the step's inputs plus the temporaries "
+                     "it names; FLOPs and collectives need a program that fits)")
     if k.remat != "none":
       p.notes.append(f"remat={k.remat} recomputes student activations: compiled FLOPs include the recomputation, "
                      "the analytic 6*N_s does not")
@@ -346,7 +356,8 @@ def search(teacher: Any = None, student: Any = None, *, topology: str | None = N
 
   def rank(p: Plan):
     per_token = None if p.step_seconds is None else p.step_seconds / (p.batch * p.seq)
-    return (p.fits is False, per_token if per_token is not None else p.memory["total"], p.memory["total"])
+    total = p.memory["total"] if p.memory["total"] is not None else float("inf")
+    return (p.fits is False, per_token if per_token is not None else total, total)
 
   return sorted(plans, key=rank)
 

@@ -63,8 +63,10 @@ class Plan:
 
   @property
   def over_bytes(self) -> float | None:
-    """Bytes per device above the limit (negative: room left); None without a budget."""
-    return None if self.limit_bytes is None else self.memory["total"] - self.limit_bytes
+    """Bytes per device above the limit (negative: room left); None without a budget or a known total."""
+    if self.limit_bytes is None or self.memory.get("total") is None:
+      return None
+    return self.memory["total"] - self.limit_bytes
 
   @property
   def step_seconds(self) -> float | None:
@@ -106,15 +108,22 @@ class Plan:
       lines.append("  budget: none known for this device (give hbm_gib / --hbm-gib to check the fit)")
     else:
       verdict = "FITS" if self.fits else "DOES NOT FIT"
-      lines.append(f"  budget {_gib(self.budget_bytes)} x headroom {self.headroom:g} = {_gib(self.limit_bytes)}: "
-                   f"{verdict} ({100 * m['total'] / self.budget_bytes:.0f}% of the budget; "
-                   + (f"{_gib(-self.over_bytes)} to spare)" if self.fits else f"{_gib(self.over_bytes)} over)"))
+      head = f"  budget {_gib(self.budget_bytes)} x headroom {self.headroom:g} = {_gib(self.limit_bytes)}: {verdict}"
+      if m.get("total") is None:
+        lines.append(head + " (the compiler ran out of memory; see the note)")
+      else:
+        lines.append(head + f" ({100 * m['total'] / self.budget_bytes:.0f}% of the budget; "
+                     + (f"{_gib(-self.over_bytes)} to spare)" if self.fits else f"{_gib(self.over_bytes)} over)"))
     lines.append("")
     f = self.flops
     lines.append("FLOPs per step, per device:")
     lines.append(f"  compiled (XLA cost analysis)   {_e(f['compiled'])}")
     lines.append(f"  analytic 2*N_t + 6*N_s /token  {_e(f['analytic'])}   (compiled / analytic = "
                  + (f"{f['compiled'] / f['analytic']:.3f})" if f["compiled"] and f["analytic"] else "n/a)"))
+    if f.get("analytic_per_token"):
+      lines.append(f"  analytic per token             {_e(f['analytic_per_token'])}   (N_t = "
+                   f"{f['matmul_params_teacher'] / 1e9:.3f} B, N_s = {f['matmul_params_student'] / 1e9:.3f} B "
+                   "matmul parameters)")
     lines.append("")
     lines.append("collectives (per device, ops in the program text):")
     if not self.collectives:
@@ -138,7 +147,8 @@ class Plan:
       lines.append("nearest configurations that fit (each compiled):")
       for s in self.suggestions:
         step = "" if s.step_seconds is None else f", est. {1e3 * s.step_seconds:.1f} ms/step"
-        lines.append(f"  {s.describe()}: {_gib(s.memory['total'])} per device{step}")
+        lines.append(f"  {s.describe()}: {_gib(s.memory['total'])} per device{step}, compiled in "
+                     f"{s.compile_seconds:.0f} s")
     elif self.fits is False:
       lines.append("")
       lines.append("no configuration that fits was found among those tried; see --search, a larger topology, "
@@ -154,8 +164,9 @@ def search_table(plans: list[Plan]) -> str:
     ms = "-" if p.step_seconds is None else f"{1e3 * p.step_seconds:.1f}"
     mfu = "-" if p.time.get("mfu") is None else f"{100 * p.time['mfu']:.1f}%"
     fits = {True: "yes", False: "no", None: "?"}[p.fits]
+    total = "oom" if p.memory.get("total") is None else f"{p.memory['total'] / GIB:.2f}"
     rows.append(f"{i:>4}  {p.mesh[0]:>2}x{p.mesh[1]:<4} {p.remat:<14} {loss:<14} {p.batch:>4}x{p.seq:<5} "
-                f"{p.memory['total'] / GIB:>8.2f}  {fits:<5} {ms:>13} {mfu:>6} {p.compile_seconds:>10.1f}")
+                f"{total:>8}  {fits:<5} {ms:>13} {mfu:>6} {p.compile_seconds:>10.1f}")
   return "\n".join(rows)
 
 
