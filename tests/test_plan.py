@@ -140,3 +140,12 @@ def _count(c: md.ModelConfig) -> int:
   attn = c.d_model * c.hd * (2 * c.n_heads + 2 * c.n_kv_heads) + (2 * c.hd if c.qk_norm else 0)
   block = attn + 3 * c.d_model * c.mlp_hidden + 2 * c.d_model
   return c.n_layers * block + c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2) + c.d_model
+
+
+def test_search_ranks_the_compiled_configurations_that_fit():
+  plans = planner.search(devices="cpu:8", meshes=[(2, 4), (8, 1)], remats=["none"], chunk_sizes=[None],
+                         hbm_gib=0.5, max_compiles=2)
+  assert sorted(p.mesh for p in plans) == [(2, 4), (8, 1)] and all(p.fits for p in plans)
+  totals = [p.memory["total"] for p in plans]
+  assert totals == sorted(totals)  # no step time on CPU: ranked by memory
+  assert "rank" in planner.search_table(plans)
