@@ -51,7 +51,15 @@ def run_row(i: int, batch: int, seq: int, chunk: int) -> dict:
 
 
 def _gib(x):
-  return f"{x / 2**30:.2f}"
+  return "n/a" if x is None else f"{x / 2**30:.2f}"
+
+
+def _fits(r) -> str:
+  if r["fits"]:
+    return "yes"
+  if r["over_bytes"] is not None:
+    return f"**no**: {_gib(r['over_bytes'])} GiB over the 90% limit"
+  return "**no**: the compiler ran out of HBM"
 
 
 def report() -> str:
@@ -82,12 +90,15 @@ def report() -> str:
       missing.append(f"{t} -> {s} on {label} (`{topo}`)")
       continue
     m, f, tm = r["memory"], r["flops"], r["time"]
-    fits = "yes" if r["fits"] else f"**no**: {_gib(r['over_bytes'])} GiB over the 90% limit"
+    fits = _fits(r)
+    flops = "n/a" if f["compiled"] is None else f"{f['compiled'] / 1e12:.1f}"
+    step = "n/a" if tm["step_s"] is None else f"{tm['step_s']:.2f}"
+    mfu = "n/a" if tm["mfu"] is None else f"{100 * tm['mfu']:.0f}%"
     lines.append(
         f"| {t} -> {s} | {label} | {r['mesh']['data']}x{r['mesh']['tensor']} | {r['batch'] * r['seq']:,} "
         f"| {_gib(m['teacher_weights'])} | {_gib(m['student_weights'])} | {_gib(m['optimizer_state'])} "
         f"| {_gib(m['temp'])} | {_gib(m['total'])} / {_gib(r['budget_bytes'])} | {fits} "
-        f"| {f['compiled'] / 1e12:.1f} ({f['analytic'] / 1e12:.1f}) | {tm['step_s']:.2f} | {100 * tm['mfu']:.0f}% "
+        f"| {flops} ({f['analytic'] / 1e12:.1f}) | {step} | {mfu} "
         f"| {r['compile_seconds']:.0f} |"
     )
   lines.append("")
@@ -118,7 +129,7 @@ def main() -> int:
     r = run_row(args.one, args.batch, args.seq, args.chunk_size)
     with open(JSONL, "a", encoding="utf-8") as f:
       f.write(json.dumps(r) + "\n")
-    print(f"row {args.one}: {r['teacher']} -> {r['student']} on {r['target']}: {r['memory']['total'] / 2**30:.2f} GiB "
+    print(f"row {args.one}: {r['teacher']} -> {r['student']} on {r['target']}: {_gib(r['memory']['total'])} GiB "
           f"per chip, fits={r['fits']}, compile {r['compile_seconds']:.0f} s", flush=True)
     return 0
   if not args.report:

@@ -73,7 +73,8 @@ def _plan_parser(sp) -> None:
   sp.add_argument("--remat", default=None, help="the student's remat policy: none, dots, dots_no_batch, full")
   sp.add_argument("--chunk-size", type=int, default=None, help="chunked loss with this many tokens per chunk")
   sp.add_argument("--hbm-gib", type=float, default=None, help="memory budget per device in GiB (replaces the chip's)")
-  sp.add_argument("--search", action="store_true", help="compile meshes x remat x chunk sizes x batches; rank those that fit")
+  sp.add_argument("--search", action="store_true",
+                  help="compile meshes x remat x chunk sizes x batches; rank those that fit")
   sp.add_argument("--batches", default=None, help="with --search: comma-separated batch sizes (default: --batch)")
   sp.add_argument("--max-compiles", type=int, default=None, help="compilations allowed for suggestions / --search")
   sp.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -106,7 +106,8 @@ def tpu_target(topology: str, hbm_budget_bytes: int | None = None) -> Target:
   try:
     desc = topologies.get_topology_desc(platform="tpu", topology_name=name)
   except Exception as e:  # noqa: BLE001 -- libtpu raises JaxRuntimeError with its own text
-    raise ValueError(f"topology={topology!r} was rejected by libtpu ({str(e).splitlines()[0]}); e.g. {EXAMPLES}") from None
+    first = str(e).splitlines()[0]
+    raise ValueError(f"topology={topology!r} was rejected by libtpu ({first}); e.g. {EXAMPLES}") from None
   devices = tuple(desc.devices)
   chip = TPU_CHIPS[m.group(1)]
   chips = len({tuple(getattr(d, "coords", (i,))) for i, d in enumerate(devices)})

@@ -49,7 +49,8 @@ class Planner:
 
   def __init__(self, cfg: Config, teacher: ModelConfig, student: ModelConfig, labels: tuple[str, str],
                target: Target, seq: int):
-    self.cfg, self.teacher, self.student, self.labels, self.target, self.seq = cfg, teacher, student, labels, target, seq
+    self.cfg, self.teacher, self.student, self.labels = cfg, teacher, student, labels
+    self.target, self.seq = target, seq
     self.headroom = cfg.safeguards.remat.headroom
     # On CPU with a budget, `distill` measures and runs the step under the memory-optimised scheduler.
     self.options = CPU_MEMORY_SCHEDULER if target.platform == "cpu" and target.budget_bytes is not None else None

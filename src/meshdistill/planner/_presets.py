@@ -52,7 +52,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def resolve_model(spec: Any, *, who: str, dtype: str | None = None, remat: str | None = None) -> tuple[ModelConfig, str]:
+def resolve_model(spec: Any, *, who: str, dtype: str | None = None,
+                  remat: str | None = None) -> tuple[ModelConfig, str]:
   """``(ModelConfig, label)`` of a teacher / student argument.
 
   ``spec``: a `ModelConfig`, a preset name (`PRESETS`), or the path of a Hugging Face ``config.json``
