@@ -7,7 +7,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import make_batch, write_corpus
+from helpers import make_batch, write_corpus
 from flax import nnx
 
 import meshdistill as md
