@@ -133,7 +133,9 @@ class Plan:
     lines.append("")
     t = self.time
     if t.get("step_s") is None:
-      lines.append("step time: no estimate (no peak FLOP/s / bandwidth known for this device)")
+      why = ("the compiler produced no program" if m.get("output") is None
+             else "no peak FLOP/s / bandwidth known for this device")
+      lines.append(f"step time: no estimate ({why})")
     else:
       comm = "n/a (no ICI bandwidth known)" if t["comm_s"] is None else f"{1e3 * t['comm_s']:.1f} ms"
       lines.append(f"roofline step time {1e3 * t['step_s']:.1f} ms = max(compute {1e3 * t['compute_s']:.1f} ms, "
