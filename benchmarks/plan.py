@@ -7,7 +7,8 @@ compiled and analytic FLOPs, the roofline step time / MFU and the compile time o
 
 Rows run one at a time, each in its own process, and are appended to ``results/plan.jsonl``; a
 rerun skips rows already measured (``--rows`` picks some by index, ``--report`` only rewrites the
-Markdown). Needs libtpu: ``pip install -e '.[tpu]'``.
+Markdown). Needs libtpu: ``pip install -e '.[tpu]'``. ``--add FILE`` appends the JSON of a ``meshdistill plan
+--json`` run (and its suggestions) as extra rows named ``ROW`` / ``ROW suggestion``.
 
   python benchmarks/plan.py --rows 0          # Llama-3.1-8B -> Llama-3.2-1B on v5e:4x4
   python benchmarks/plan.py --report          # write results/plan.md from the rows measured
@@ -79,12 +80,16 @@ def report() -> str:
       "is the roofline estimate max(compute, HBM) + collectives, MFU from the analytic 2*N_t + 6*N_s FLOPs "
       "per token. Compile time is on this shared 2-core machine, under load from other jobs.",
       "",
-      "| teacher -> student | slice | mesh d x t | tokens/step | teacher GiB | student GiB | opt GiB | temp GiB "
+      "| teacher -> student | slice | mesh d x t | remat, loss | tokens/step | teacher GiB | student GiB | opt GiB | temp GiB "
       "| total GiB / HBM | fits | TFLOP/chip compiled (analytic) | est. step s | MFU | compile s |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   missing = []
-  for i, (t, s, topo, label) in enumerate(ROWS):
+  labels = dict(TOPOLOGIES)
+  extra = [(k, r) for k, r in rows.items() if not isinstance(k, int)]
+  for i, (t, s, topo, label) in [*enumerate(ROWS), *((k, (r["teacher"], r["student"], r["target"],
+                                                         labels.get(r["target"], r["target"]) + f" ({k})"))
+                                                     for k, r in extra)]:
     r = rows.get(i)
     if r is None:
       missing.append(f"{t} -> {s} on {label} (`{topo}`)")
@@ -95,7 +100,8 @@ def report() -> str:
     step = "n/a" if tm["step_s"] is None else f"{tm['step_s']:.2f}"
     mfu = "n/a" if tm["mfu"] is None else f"{100 * tm['mfu']:.0f}%"
     lines.append(
-        f"| {t} -> {s} | {label} | {r['mesh']['data']}x{r['mesh']['tensor']} | {r['batch'] * r['seq']:,} "
+        f"| {t} -> {s} | {label} | {r['mesh']['data']}x{r['mesh']['tensor']} | {r.get('remat')}, "
+        f"{'full logits' if r.get('chunk_size') is None else 'chunk ' + str(r['chunk_size'])} | {r['batch'] * r['seq']:,} "
         f"| {_gib(m['teacher_weights'])} | {_gib(m['student_weights'])} | {_gib(m['optimizer_state'])} "
         f"| {_gib(m['temp'])} | {_gib(m['total'])} / {_gib(r['budget_bytes'])} | {fits} "
         f"| {flops} ({f['analytic'] / 1e12:.1f}) | {step} | {mfu} "
@@ -123,8 +129,16 @@ def main() -> int:
   ap.add_argument("--chunk-size", type=int, default=1024)
   ap.add_argument("--report", action="store_true", help="only write results/plan.md")
   ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a row, in this process
+  ap.add_argument("--add", nargs=2, metavar=("FILE", "ROW"), default=None, help="add a `plan --json` output")
   args = ap.parse_args()
   os.makedirs(RESULTS, exist_ok=True)
+  if args.add:
+    with open(args.add[0], encoding="utf-8") as f:
+      p = json.load(f)
+    with open(JSONL, "a", encoding="utf-8") as f:
+      for name, r in [(args.add[1], p)] + [(f"{args.add[1]} suggestion", x) for x in p.get("suggestions", [])]:
+        f.write(json.dumps({**r, "row": name, "suggestions": []}) + "\n")
+    args.report = True
   if args.one is not None:
     r = run_row(args.one, args.batch, args.seq, args.chunk_size)
     with open(JSONL, "a", encoding="utf-8") as f:
