@@ -80,8 +80,8 @@ def report() -> str:
       "is the roofline estimate max(compute, HBM) + collectives, MFU from the analytic 2*N_t + 6*N_s FLOPs "
       "per token. Compile time is on this shared 2-core machine, under load from other jobs.",
       "",
-      "| teacher -> student | slice | mesh d x t | remat, loss | tokens/step | teacher GiB | student GiB | opt GiB | temp GiB "
-      "| total GiB / HBM | fits | TFLOP/chip compiled (analytic) | est. step s | MFU | compile s |",
+      "| teacher -> student | slice | mesh d x t | remat, loss | tokens/step | teacher GiB | student GiB | opt GiB "
+      "| temp GiB | total GiB / HBM | fits | TFLOP/chip compiled (analytic) | est. step s | MFU | compile s |",
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   missing = []
@@ -99,9 +99,10 @@ def report() -> str:
     flops = "n/a" if f["compiled"] is None else f"{f['compiled'] / 1e12:.1f}"
     step = "n/a" if tm["step_s"] is None else f"{tm['step_s']:.2f}"
     mfu = "n/a" if tm["mfu"] is None else f"{100 * tm['mfu']:.0f}%"
+    loss = "full logits" if r.get("chunk_size") is None else f"chunk {r['chunk_size']}"
     lines.append(
         f"| {t} -> {s} | {label} | {r['mesh']['data']}x{r['mesh']['tensor']} | {r.get('remat')}, "
-        f"{'full logits' if r.get('chunk_size') is None else 'chunk ' + str(r['chunk_size'])} | {r['batch'] * r['seq']:,} "
+        f"{loss} | {r['batch'] * r['seq']:,} "
         f"| {_gib(m['teacher_weights'])} | {_gib(m['student_weights'])} | {_gib(m['optimizer_state'])} "
         f"| {_gib(m['temp'])} | {_gib(m['total'])} / {_gib(r['budget_bytes'])} | {fits} "
         f"| {flops} ({f['analytic'] / 1e12:.1f}) | {step} | {mfu} "
