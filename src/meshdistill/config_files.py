@@ -27,6 +27,7 @@ HEADER = """\
 
 # dotted key -> the comment written after it in default.yaml
 COMMENTS = {
+    "preference.pairs": "distill.kind preference: own (the run's text vs another place's) or a JSONL file",
     "mesh.data": "batch split over 2 devices",
     "mesh.tensor": "weights (heads, MLP units, vocabulary) split over 4 devices",
     "mesh.backend": "shard_map | single | pmap",
@@ -42,6 +43,14 @@ COMMENTS = {
     "distill.alpha": "weight of the KL term; 1 - alpha on the hard labels",
     "distill.chunk_size": "e.g. 1024: the loss from hidden states, 1024 tokens at a time (no [B, T, V] logits)",
     "distill.options": "further settings of the strategy by name, e.g. {beta: 0.3} for divergence jsd",
+    "distill.on_policy": "GKD: the student completes the prompts it is graded on (lambda > 0 turns it on)",
+    "distill.on_policy.lambda": "probability a batch is sampled by the student; else the data's completions",
+    "distill.on_policy.max_new_tokens": "completion length; prompts: the first seq_len + 1 - max_new_tokens tokens",
+    "distill.on_policy.temperature": "the sampler's (distill.temperature is the loss's); 0 = greedy",
+    "distill.on_policy.top_k": "0 = no top-k filter",
+    "distill.on_policy.top_p": "1 = no nucleus filter",
+    "distill.on_policy.seq_kd": "the teacher samples instead (sequence-level KD)",
+    "distill.on_policy.prompts_file": "JSONL {prompt, completion} pairs instead of the corpus rows",
     "train": "the student",
     "train.freeze": "progressive freezing, e.g. [{start_step: 0, freeze: 0.5, lr: 3.0e-3}, {start_step: 150, lr: 1.0e-3}]",
     "pretrain": "the teacher: loaded from `teacher`, else pretrained once and cached",

@@ -26,7 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, param_shardings
 from meshdistill.models import Decoder
-from meshdistill.step import StepVariants, TrainState, per_device_step, resolve_backend
+from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
+from meshdistill.models.lora import fitted_shardings, is_lora
+from meshdistill.step import StepVariants, TrainState, per_device_step, resolve_backend, split_trainable
 from meshdistill.strategies import LogitKD
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,9 @@ class Distiller(StepVariants):
     mesh: a ``(data, tensor)`` mesh from `make_mesh`; ``None`` means one device.
     backend: ``"shard_map"`` (default with a mesh), ``"single"`` (default without) or
       ``"pmap"`` (data-parallel compatibility path; needs ``tensor=1``).
+    trainable: an nnx filter of the student parameters that train; the optimizer holds state for
+      these only and the rest never moves. Default: the adapters of a LoRA student
+      (`meshdistill.models.lora.apply_lora`), otherwise the whole student.
   """
 
   def __init__(
@@ -64,6 +69,7 @@ class Distiller(StepVariants):
       backend: str | None = None,
       seed: int = 0,
       shared_vocab: int | None = None,
+      trainable: Any = None,
   ):
     self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
     backend, mesh = resolve_backend(backend, mesh)
@@ -80,6 +86,9 @@ class Distiller(StepVariants):
     self.student_def, self._student_init = nnx.split(student)
     self.teacher_def, teacher_params = nnx.split(teacher)
     self._student_specs = nnx.get_partition_spec(self._student_init)
+    if trainable is None and is_lora(self._student_init):
+      trainable = LORA_TRAINABLE
+    self.trainable = trainable
     self.teacher_params = self._place_params(teacher_params, nnx.get_partition_spec(teacher_params))
     self._step_fn = functools.partial(
         per_device_step,
@@ -88,6 +97,7 @@ class Distiller(StepVariants):
         strategy=self.strategy,
         optimizer=self.optimizer,
         vocab=self.shared_vocab,
+        trainable=trainable,
     )
     self._compiled = None
     self._strategy_variants: dict = {}  # `with_strategy` results, reused
@@ -115,7 +125,7 @@ class Distiller(StepVariants):
     if self.backend == "single":
       return jax.jit(self._fresh_state)(jax.device_put({"student": params, "strategy": extra}, jax.devices()[0]))
     shardings = {
-        "student": param_shardings(self._student_specs, self.mesh),
+        "student": fitted_shardings(self._student_init, self.mesh),
         "strategy": jax.tree.map(lambda _: NamedSharding(self.mesh, P()), extra),
     }
     placed = jax.device_put({"student": params, "strategy": extra}, shardings)
@@ -129,14 +139,14 @@ class Distiller(StepVariants):
         self.optimizer,
         lambda _, sharding: sharding,
         abstract.opt_state,
-        param_shardings_tree,
+        split_trainable(param_shardings_tree, self.trainable)[0],
         transform_non_params=lambda _: replicated,
     )
     return TrainState(replicated, param_shardings_tree, opt)
 
   def _fresh_state(self, params) -> TrainState:
     params = jax.tree.map(jnp.copy, params)
-    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(split_trainable(params, self.trainable)[0]))
 
   # ---------------------------------------------------------------------- steps
   def check_batch(self, batch: dict) -> None:

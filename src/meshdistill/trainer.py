@@ -45,6 +45,7 @@ import numpy as np
 import optax
 
 from meshdistill.checkpoint import COMPUTE_FIELDS, Checkpointer
+from meshdistill.distributed import agree_on
 from meshdistill.evaluate import Evaluator
 from meshdistill.monitor import Monitor, ProfileWindow
 from meshdistill.safeguards import DivergenceGuard, Recovery, copy_state, skipped_updates
@@ -249,9 +250,10 @@ def fit(
 
   state = trainer.init_state()
   start, data_state, resumed, saved = 0, None, None, {}
-  if checkpointer is not None and checkpointer.latest_step() is not None:
-    _check_resumable(checkpointer.read_meta(), meta, checkpointer.directory, steps)
-    state, data_state, saved = checkpointer.restore(trainer, state)
+  latest = agree_on(checkpointer.latest_step(), "the latest checkpoint") if checkpointer is not None else None
+  if latest is not None:
+    _check_resumable(checkpointer.read_meta(latest), meta, checkpointer.directory, steps)
+    state, data_state, saved = checkpointer.restore(trainer, state, latest)
     start = resumed = int(saved["step"])
     got = int(np.asarray(jax.device_get(trainer.unreplicate(state).step)))
     if got != start:
@@ -297,6 +299,7 @@ def fit(
       runner = recovery.runner if recovery is not None else trainer
       state, metrics = runner.step(state, batch)
       if recovery is not None:
+        # A replicated output: every process reads the same bits (see meshdistill.distributed).
         loss = float(np.asarray(jax.device_get(metrics["loss"])).reshape(-1)[0])
         reason = recovery.diverged(step + 1, loss)
         if reason is not None:

@@ -148,6 +148,9 @@ class Planner:
     if c.oom:
       p.notes.append(f"the TPU compiler stopped: {c.oom} (the memory above: the step's inputs plus the temporaries "
                      "it names; FLOPs and collectives need a program that fits)")
+    on_policy = getattr(self.cfg.distill, "on_policy", None)
+    if on_policy is not None and getattr(on_policy, "active", False):
+      p.notes.append("distill.on_policy is active: this plans the train step only, not the sampling of completions")
     if k.remat != "none":
       p.notes.append(f"remat={k.remat} recomputes student activations: compiled FLOPs include the recomputation, "
                      "the analytic 6*N_s does not")
