@@ -28,8 +28,9 @@ from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, param_sh
 from meshdistill.models import Decoder
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import fitted_shardings, is_lora
-from meshdistill.step import StepVariants, TrainState, per_device_step, resolve_backend, split_trainable
+from meshdistill.step import TOPK_KEYS, StepVariants, TrainState, per_device_step, resolve_backend, split_trainable
 from meshdistill.strategies import LogitKD
+from meshdistill.teacher_cache import TopKTeacher
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,10 @@ class Distiller(StepVariants):
 
   Args:
     student, teacher: `Decoder` modules (built with `init_model`; placed anywhere, they
-      are moved onto the layout). Their vocabularies must match, up to padding rows: see
-      `resolve_shared_vocab` and ``shared_vocab`` (an explicit shared token range).
+      are moved onto the layout). ``teacher`` may instead be a `meshdistill.teacher_cache.TopKTeacher`
+      (no weights; every batch then carries its top-k, see `meshdistill.teacher_cache`). Their
+      vocabularies must match, up to padding rows: see `resolve_shared_vocab` and ``shared_vocab``
+      (an explicit shared token range).
     strategy: what to distil (default `LogitKD()`: tau=2, alpha=0.5).
     optimizer: an optax transformation for the student (default `default_optimizer()`).
     mesh: a ``(data, tensor)`` mesh from `make_mesh`; ``None`` means one device.
@@ -71,25 +74,40 @@ class Distiller(StepVariants):
       shared_vocab: int | None = None,
       trainable: Any = None,
   ):
-    self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
+    # A `TopKTeacher` (an offline cache, a teacher on other devices) has no weights here: every batch
+    # brings the teacher's top-k (`step.TOPK_KEYS`) and the step runs no teacher.
+    self.topk_teacher = teacher if isinstance(teacher, TopKTeacher) else None
+    if self.topk_teacher is not None:
+      if teacher.vocab > student.cfg.vocab_size:
+        raise ValueError(f"{teacher.source} has token ids up to {teacher.vocab} but the student's vocab_size is "
+                         f"{student.cfg.vocab_size}; use a student of the teacher's tokenizer")
+      self.shared_vocab = resolve_shared_vocab(teacher.vocab, student.cfg.vocab_size, shared_vocab)
+    else:
+      self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
     backend, mesh = resolve_backend(backend, mesh)
     if mesh is not None and backend == "shard_map":
       student.cfg.check_tensor_split(mesh.shape[TENSOR])
-      teacher.cfg.check_tensor_split(mesh.shape[TENSOR])
+      if self.topk_teacher is None:
+        teacher.cfg.check_tensor_split(mesh.shape[TENSOR])
 
     self.mesh, self.backend = mesh, backend
     self.strategy = strategy if strategy is not None else LogitKD()
+    if self.topk_teacher is not None:
+      self.topk_teacher.check_strategy(self.strategy)
     self.optimizer = optimizer if optimizer is not None else default_optimizer()
     self.student_cfg, self.teacher_cfg = student.cfg, teacher.cfg
     self.max_len = min(student.cfg.max_len, teacher.cfg.max_len)
     self.seed = seed
     self.student_def, self._student_init = nnx.split(student)
-    self.teacher_def, teacher_params = nnx.split(teacher)
     self._student_specs = nnx.get_partition_spec(self._student_init)
     if trainable is None and is_lora(self._student_init):
       trainable = LORA_TRAINABLE
     self.trainable = trainable
-    self.teacher_params = self._place_params(teacher_params, nnx.get_partition_spec(teacher_params))
+    if self.topk_teacher is not None:
+      self.teacher_def, self.teacher_params = None, {}
+    else:
+      self.teacher_def, teacher_params = nnx.split(teacher)
+      self.teacher_params = self._place_params(teacher_params, nnx.get_partition_spec(teacher_params))
     self._step_fn = functools.partial(
         per_device_step,
         student_def=self.student_def,
@@ -165,6 +183,13 @@ class Distiller(StepVariants):
       )
     if self.mesh is not None:
       check_batch(B, self.mesh)
+    if self.topk_teacher is not None:
+      k = self.topk_teacher.k
+      want = {TOPK_KEYS[0]: (B, T, k), TOPK_KEYS[1]: (B, T, k), TOPK_KEYS[2]: (B, T)}
+      got = {key: tuple(np.shape(batch[key])) if key in batch else None for key in TOPK_KEYS}
+      if got != want:
+        raise ValueError(f"with {self.topk_teacher.source} every batch carries the teacher's top-k {want}, got {got}; "
+                         "read the data through meshdistill.teacher_cache.CachedTeacherData (or a teacher_mesh source)")
 
   def _place_batch(self, batch: dict) -> dict:
     return place_batch(batch, self.backend, self.mesh)
@@ -258,7 +283,8 @@ def resolve_shared_vocab(teacher_vocab: int, student_vocab: int, shared_vocab: i
 
 def place_batch(batch: dict, backend: str, mesh: Mesh | None) -> dict:
   """Puts a host batch where a step of ``backend`` reads it (pmap: split into [n, B/n, T])."""
-  batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS}
+  keys = BATCH_KEYS + tuple(k for k in TOPK_KEYS if k in batch)  # a teacher's top-k may come with the batch
+  batch = {k: batch[k] if isinstance(batch[k], jax.Array) else np.asarray(batch[k]) for k in keys}
   if backend == "single":
     return jax.device_put(batch, jax.devices()[0])
   if backend == "shard_map":

@@ -39,10 +39,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshdistill import losses
 from meshdistill.mesh import DATA, TENSOR, make_mesh
 from meshdistill.models._build import abstract_params
 
 BACKENDS = ("single", "shard_map", "pmap")
+# Batch keys of a teacher given by its top-k instead of its weights (`meshdistill.losses.TopK`):
+# ids and log-probs [B, T, K], tail log-mass [B, T]; see `meshdistill.teacher_cache`.
+TOPK_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_tail")
 
 
 class TrainState(NamedTuple):
@@ -72,6 +76,10 @@ def per_device_step(
 ):
   """One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``.
 
+  With `TOPK_KEYS` in ``batch`` the teacher is not run: its top-k from the batch (an offline cache,
+  `meshdistill.teacher_cache`, or a teacher on its own devices, `meshdistill.teacher_mesh`) is
+  handed to the strategy as a `meshdistill.losses.TopK`.
+
   ``trainable``: an nnx filter of the student parameters that train (e.g. ``nnx.LoRAParam``); the
   others are inputs of the step only: no gradient, no optimizer state, never moved (`split_trainable`).
   ``None``: the whole student trains.
@@ -90,9 +98,13 @@ def per_device_step(
   inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
   mask_BxT = batch["mask"].astype(jnp.float32)
 
-  teacher = nnx.merge(teacher_def, teacher_params)
-  teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
-  teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
+  if TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
+    teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
+    teacher_head = None
+  else:
+    teacher = nnx.merge(teacher_def, teacher_params)
+    teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
+    teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
 
   tokens = _psum(jnp.sum(mask_BxT), data_axis)
   # A strategy whose loss is a mean over something else than tokens (pairs of rows: preference
