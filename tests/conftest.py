@@ -5,7 +5,11 @@ Shared configs and helpers live in ``tests/helpers.py`` (``from helpers import .
 
 import os
 
-import chex
+# CPU only: with libtpu installed (the `tpu` extra) JAX would otherwise probe for a TPU at start-up
+# (seconds, and log noise); the planner's TPU topologies need no TPU backend. Set before JAX is imported.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import chex  # noqa: E402
 
 # The test models are tiny: skipping LLVM's optimisation passes halves compile time,
 # which dominates the suite. Every layout compiles with the same flags.

@@ -5,6 +5,7 @@ from meshdistill.data import DataConfig, build_data
 from meshdistill.distiller import Distiller, default_optimizer
 from meshdistill.freezing import Stage, default_stages, freeze_status, progressive_freeze
 from meshdistill.memory import MemoryReport, fit_remat, step_memory
+from meshdistill.planner import Plan, plan
 from meshdistill.safeguards import (
     DivergenceGuard,
     LogitMSE,
@@ -74,6 +75,8 @@ __all__ = [
     "ModelOutput",
     "param_count",
     "per_device_step",
+    "Plan",
+    "plan",
     "progressive_freeze",
     "safeguarded",
     "safeguards",

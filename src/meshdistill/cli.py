@@ -8,6 +8,7 @@
   meshdistill plot RUN_DIR                  # PNG curves of loss, KL, CE and correlation
   meshdistill export RUN_DIR OUT_DIR [--dtype bfloat16] [--step N] [--overwrite]   # the student as a HF checkpoint
   meshdistill config [--config ...] [--set ...]   # print the effective configuration
+  meshdistill plan --teacher llama3.1-8b --student llama3.2-1b --topology v5e:4x4 --batch 16 --seq 2048
   meshdistill launch --processes 2 -- meshdistill distill --config tiny   # N local processes, one job
 
 ``distill``, ``pretrain`` and ``eval`` join a job of several processes (one per host of a TPU pod
@@ -107,7 +108,74 @@ def _parser() -> argparse.ArgumentParser:
   ex.add_argument("--dtype", default="float32", help="dtype of the written weights: float32, bfloat16 or float16")
   ex.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the latest)")
   ex.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty OUT_DIR")
+  _plan_parser(with_config(sub.add_parser("plan", help="compile the distillation step for a TPU slice or CPU devices "
+                                          "and report whether and how it fits (no accelerator needed)")))
   return p
+
+
+def _plan_parser(sp) -> None:
+  sp.add_argument("--teacher", default=None, help="preset name, config.json path or directory (default: the config's)")
+  sp.add_argument("--student", default=None, help="preset name, config.json path or directory (default: the config's)")
+  target = sp.add_mutually_exclusive_group(required=True)
+  target.add_argument("--topology", default=None, help="TPU topology, e.g. v5e:4x4, v5p:4x4x4 (needs meshdistill[tpu])")
+  target.add_argument("--devices", default=None, help="cpu:N: N simulated CPU devices of this machine")
+  sp.add_argument("--mesh", default="auto", help="DATAxTENSOR, e.g. 2x8, or auto (default)")
+  sp.add_argument("--batch", type=int, default=None, help="global batch size (default: train.batch_size)")
+  sp.add_argument("--seq", type=int, default=None, help="sequence length (default: data.seq_len)")
+  sp.add_argument("--dtype", default=None, help="compute dtype of both models (presets default to bfloat16)")
+  sp.add_argument("--remat", default=None, help="the student's remat policy: none, dots, dots_no_batch, full")
+  sp.add_argument("--chunk-size", type=int, default=None, help="chunked loss with this many tokens per chunk")
+  sp.add_argument("--hbm-gib", type=float, default=None, help="memory budget per device in GiB (replaces the chip's)")
+  sp.add_argument("--search", action="store_true",
+                  help="compile meshes x remat x chunk sizes x batches; rank those that fit")
+  sp.add_argument("--batches", default=None, help="with --search: comma-separated batch sizes (default: --batch)")
+  sp.add_argument("--max-compiles", type=int, default=None, help="compilations allowed for suggestions / --search")
+  sp.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _plan(args) -> int:
+  """``meshdistill plan``: JAX starts here on CPU devices only; TPU programs are compiled, never run."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.planner._hardware import cpu_count_of  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.mesh import _backend_started  # pylint: disable=g-import-not-at-top
+
+  if not os.environ.get("JAX_PLATFORMS") and not _backend_started():
+    # the planner needs no accelerator: skip probing for one (jax read the environment when it was imported)
+    jax.config.update("jax_platforms", "cpu")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  n = cpu_count_of(args.devices)
+  if n is not None and n > 1:
+    from meshdistill.mesh import simulate_cpu_devices  # pylint: disable=g-import-not-at-top
+
+    simulate_cpu_devices(n)
+  from meshdistill import planner  # pylint: disable=g-import-not-at-top
+
+  common = dict(topology=args.topology, devices=args.devices, seq=args.seq, config=args.config,
+                overrides=args.overrides, dtype=args.dtype, hbm_gib=args.hbm_gib)
+  t0 = time.perf_counter()
+  if args.search:
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+    chunks = None if args.chunk_size is None else [args.chunk_size]
+    remats = None if args.remat is None else [args.remat]
+    plans = planner.search(args.teacher, args.student, batch=args.batch, batches=batches, remats=remats,
+                           chunk_sizes=chunks, max_compiles=args.max_compiles or 12, **common)
+    if args.json:
+      print(json.dumps([p.to_dict() for p in plans], indent=1))
+    else:
+      print(planner.search_table(plans))
+      if plans and plans[0].fits is not False:
+        print(f"\nbest: {plans[0].describe()}")
+  else:
+    extra = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
+    p = planner.plan(args.teacher, args.student, mesh=args.mesh, batch=args.batch, remat=args.remat,
+                     max_compiles=args.max_compiles or 4, **extra, **common)
+    print(p.to_json(indent=1) if args.json else p.table())
+  print(f"planned in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+  return 0
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -191,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
       check_teacher_target(args.out, overwrite=args.overwrite)  # again before saving; here to fail fast
   except (ConfigError, FileNotFoundError, FileExistsError) as e:
     return _err(str(e))
+  if args.command == "plan":
+    try:
+      return _plan(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+      return _err(str(e))
   if args.command == "config":
     import yaml  # pylint: disable=g-import-not-at-top
 

@@ -464,19 +464,28 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
   return {**kwargs, "guard": guard, "keep_every": g.keep_every, "fallback": fallback}
 
 
-def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
-  """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.sources.build_student`); with
-  ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS)."""
-  from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
-  from meshdistill.sources import build_student  # pylint: disable=g-import-not-at-top
+def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
+  """The distillation strategy and student optimizer of ``cfg`` (what `make_distiller` and ``meshdistill plan``
+  use); ``student_layers`` replaces ``cfg.student.n_layers`` for a freezing schedule."""
   from meshdistill.trainer import make_optimizer  # pylint: disable=g-import-not-at-top
 
-  student = build_student(cfg, teacher, mesh)
   strategy, scale = cfg.distill.strategy(), cfg.safeguards.loss_scale
   if scale is not None:
     from meshdistill.safeguards import ScaledLoss  # pylint: disable=g-import-not-at-top
 
     strategy = ScaledLoss(strategy, scale)
+  layers = cfg.student.n_layers if student_layers is None else student_layers
+  return strategy, make_optimizer(cfg.train, layers, loss_scale=scale)
+
+
+def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
+  """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.sources.build_student`); with
+  ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS)."""
+  from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
+  from meshdistill.sources import build_student  # pylint: disable=g-import-not-at-top
+
+  student = build_student(cfg, teacher, mesh)
+  strategy, optimizer = strategy_and_optimizer(cfg)
   extra = {}
   if cfg.distill.on_policy.active:
     from meshdistill.onpolicy import OnPolicyDistiller as Distiller  # pylint: disable=g-import-not-at-top
@@ -487,7 +496,7 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
     student,
     teacher,
     strategy=strategy,
-    optimizer=make_optimizer(cfg.train, cfg.student.n_layers, loss_scale=scale),
+    optimizer=optimizer,
     mesh=mesh,
     backend=cfg.mesh.backend,
     seed=cfg.train.seed,

@@ -1,0 +1,171 @@
+"""Plans of real teacher -> student pairs on TPU slices, compiled on this machine: benchmarks/results/plan.md.
+
+Each row compiles the distillation step (``meshdistill.plan``) for one pair on one topology at
+``--batch`` x ``--seq`` tokens per step (default 32 x 2048 = 65,536), mesh ``auto``, student remat
+``full`` and the chunked loss (``--chunk-size``), and records per-chip memory, the fit against HBM,
+compiled and analytic FLOPs, the roofline step time / MFU and the compile time on this machine.
+
+Rows run one at a time, each in its own process, and are appended to ``results/plan.jsonl``; a
+rerun skips rows already measured (``--rows`` picks some by index, ``--report`` only rewrites the
+Markdown). Needs libtpu: ``pip install -e '.[tpu]'``. ``--add FILE`` appends the JSON of a ``meshdistill plan
+--json`` run (and its suggestions) as extra rows named ``ROW`` / ``ROW suggestion``.
+
+  python benchmarks/plan.py --rows 0          # Llama-3.1-8B -> Llama-3.2-1B on v5e:4x4
+  python benchmarks/plan.py --report          # write results/plan.md from the rows measured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+JSONL = os.path.join(RESULTS, "plan.jsonl")
+
+PAIRS = [
+    ("llama3.1-8b", "llama3.2-1b"),
+    ("qwen3-8b", "qwen3-1.7b"),
+    ("llama3.1-70b", "llama3.1-8b"),
+    ("qwen3-4b", "qwen3-0.6b"),
+]
+# (topology name, what Google Cloud calls the slice)
+TOPOLOGIES = [("v5e:4x4", "v5e-16"), ("v5e:8x8", "v5e-64"), ("v5p:2x4x4", "v5p-64 (32 chips)")]
+ROWS = [(t, s, topo, label) for t, s in PAIRS for topo, label in TOPOLOGIES]
+
+
+def run_row(i: int, batch: int, seq: int, chunk: int) -> dict:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import meshdistill as md  # pylint: disable=g-import-not-at-top
+
+  teacher, student, topo, label = ROWS[i]
+  t0 = time.perf_counter()
+  p = md.plan(teacher, student, topology=topo, batch=batch, seq=seq, remat="full", chunk_size=chunk, suggest=0)
+  out = p.to_dict()
+  out.update(row=i, slice=label, wall_seconds=time.perf_counter() - t0, host=f"{os.cpu_count()} cores")
+  return out
+
+
+def _gib(x):
+  return "n/a" if x is None else f"{x / 2**30:.2f}"
+
+
+def _fits(r) -> str:
+  if r["fits"]:
+    return "yes"
+  if r["over_bytes"] is not None:
+    return f"**no**: {_gib(r['over_bytes'])} GiB over the 90% limit"
+  return "**no**: the compiler ran out of HBM"
+
+
+def report() -> str:
+  rows = {}
+  if os.path.isfile(JSONL):
+    with open(JSONL, encoding="utf-8") as f:
+      for line in f:
+        r = json.loads(line)
+        rows[r["row"]] = r
+  lines = [
+      "# Plans of real pairs on TPU slices (compiled on a CPU machine)",
+      "",
+      "`python benchmarks/plan.py`: `meshdistill.plan` compiles the distillation step `distill` runs (LogitKD "
+      "loss chunked over 1024 tokens, student remat `full`, AdamW, parameters and optimizer state float32, "
+      "compute bfloat16) with libtpu's compiler for each topology, every array abstract. Memory is per chip "
+      "(XLA's memory analysis), the budget is 90% of the chip's HBM (the headroom `distill` uses); step time "
+      "is the roofline estimate max(compute, HBM) + collectives, MFU from the analytic 2*N_t + 6*N_s FLOPs "
+      "per token. Compile time is on this shared 2-core machine, under load from other jobs.",
+      "",
+      "| teacher -> student | slice | mesh d x t | remat, loss | tokens/step | teacher GiB | student GiB | opt GiB "
+      "| temp GiB | total GiB / HBM | fits | TFLOP/chip compiled (analytic) | est. step s | MFU | compile s |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  missing = []
+  labels = dict(TOPOLOGIES)
+  extra = [(k, r) for k, r in rows.items() if not isinstance(k, int)]
+  for i, (t, s, topo, label) in [*enumerate(ROWS), *((k, (r["teacher"], r["student"], r["target"],
+                                                         labels.get(r["target"], r["target"]) + f" ({k})"))
+                                                     for k, r in extra)]:
+    r = rows.get(i)
+    if r is None:
+      missing.append(f"{t} -> {s} on {label} (`{topo}`)")
+      continue
+    m, f, tm = r["memory"], r["flops"], r["time"]
+    fits = _fits(r)
+    flops = "n/a" if f["compiled"] is None else f"{f['compiled'] / 1e12:.1f}"
+    step = "n/a" if tm["step_s"] is None else f"{tm['step_s']:.2f}"
+    mfu = "n/a" if tm["mfu"] is None else f"{100 * tm['mfu']:.0f}%"
+    loss = "full logits" if r.get("chunk_size") is None else f"chunk {r['chunk_size']}"
+    lines.append(
+        f"| {t} -> {s} | {label} | {r['mesh']['data']}x{r['mesh']['tensor']} | {r.get('remat')}, "
+        f"{loss} | {r['batch'] * r['seq']:,} "
+        f"| {_gib(m['teacher_weights'])} | {_gib(m['student_weights'])} | {_gib(m['optimizer_state'])} "
+        f"| {_gib(m['temp'])} | {_gib(m['total'])} / {_gib(r['budget_bytes'])} | {fits} "
+        f"| {flops} ({f['analytic'] / 1e12:.1f}) | {step} | {mfu} "
+        f"| {r['compile_seconds']:.0f} |"
+    )
+  lines.append("")
+  if missing:
+    lines.append("Not run (each 8B-class compile takes minutes and a 70B one far longer on the 2 shared cores of "
+                 "the machine these were measured on; run them with `python benchmarks/plan.py`):")
+    lines += [f"- {x}" for x in missing]
+    lines.append("")
+  lines.append("Where the memory goes: the teacher's weights are replicated over `data` and split only over "
+               "`tensor`, and so are the student's parameters and float32 AdamW moments (together 5.5-6.2 GiB of "
+               "the 8B-class rows); a row that does not fit says by how much, and sharding these over `data` too "
+               "(FSDP, the scale-out issue) is what would free that room (the 70B rows, not run here, hold 16.4 GiB "
+               "of teacher weights per chip at tensor=16 on v5e-16, over its 16 GiB on their own).")
+  lines.append("")
+  lines.append(f"Measured with Python {platform.python_version()} on {os.cpu_count()} CPU cores.")
+  return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--rows", default=None, help="comma-separated row indices (default: every row not yet measured)")
+  ap.add_argument("--batch", type=int, default=32)
+  ap.add_argument("--seq", type=int, default=2048)
+  ap.add_argument("--chunk-size", type=int, default=1024)
+  ap.add_argument("--report", action="store_true", help="only write results/plan.md")
+  ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a row, in this process
+  ap.add_argument("--add", nargs=2, metavar=("FILE", "ROW"), default=None, help="add a `plan --json` output")
+  args = ap.parse_args()
+  os.makedirs(RESULTS, exist_ok=True)
+  if args.add:
+    with open(args.add[0], encoding="utf-8") as f:
+      p = json.load(f)
+    with open(JSONL, "a", encoding="utf-8") as f:
+      for name, r in [(args.add[1], p)] + [(f"{args.add[1]} suggestion", x) for x in p.get("suggestions", [])]:
+        f.write(json.dumps({**r, "row": name, "suggestions": []}) + "\n")
+    args.report = True
+  if args.one is not None:
+    r = run_row(args.one, args.batch, args.seq, args.chunk_size)
+    with open(JSONL, "a", encoding="utf-8") as f:
+      f.write(json.dumps(r) + "\n")
+    print(f"row {args.one}: {r['teacher']} -> {r['student']} on {r['target']}: {_gib(r['memory']['total'])} GiB "
+          f"per chip, fits={r['fits']}, compile {r['compile_seconds']:.0f} s", flush=True)
+    return 0
+  if not args.report:
+    done = set()
+    if os.path.isfile(JSONL):
+      with open(JSONL, encoding="utf-8") as f:
+        done = {json.loads(line)["row"] for line in f}
+    todo = [int(x) for x in args.rows.split(",")] if args.rows else [i for i in range(len(ROWS)) if i not in done]
+    for i in todo:
+      cmd = [sys.executable, __file__, "--one", str(i), "--batch", str(args.batch), "--seq", str(args.seq),
+             "--chunk-size", str(args.chunk_size)]
+      print(f"row {i}: {ROWS[i]}", flush=True)
+      subprocess.run(cmd, check=False)
+  md = report()
+  with open(os.path.join(RESULTS, "plan.md"), "w", encoding="utf-8") as f:
+    f.write(md)
+  print(md)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,265 @@
+"""Lowering and compiling the distillation step for a target without allocating any array.
+
+`abstract_distiller` is the one adapter between the planner and the trainer's step: a
+`meshdistill.Distiller` whose teacher, student and train state are `jax.ShapeDtypeStruct`s carrying
+their shardings. Everything else -- the per-device step, its ``shard_map`` wrapper, the state
+shardings (optimizer moments follow their parameters), output pinning and donation -- is the
+Distiller's own code, so the compiled program is the one ``meshdistill distill`` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshdistill.distiller import Distiller
+from meshdistill.memory import MemoryReport
+from meshdistill.mesh import batch_sharding, param_shardings
+from meshdistill.models._build import abstract_params
+from meshdistill.models.decoder import ModelConfig
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_model(cfg: ModelConfig):
+  graphdef, state, _ = abstract_params(cfg)
+  return nnx.merge(graphdef, state)
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+class _AbstractDistiller(Distiller):
+  """A `Distiller` on abstract arrays: weights and state are shapes with shardings, never allocated."""
+
+  def _place_params(self, params, specs):
+    return _abstract(params, param_shardings(specs, self.mesh))
+
+  def init_state(self, student=None):
+    """The abstract train state of `Distiller.init_state` (same shardings, nothing allocated)."""
+    extra = jax.eval_shape(
+        lambda: self.strategy.init_params(self.student_cfg, self.teacher_cfg, jax.random.key(self.seed))
+    )
+    params = {"student": self._student_init, "strategy": extra}
+    shardings = {
+        "student": param_shardings(self._student_specs, self.mesh),
+        "strategy": jax.tree.map(lambda _: NamedSharding(self.mesh, P()), extra),
+    }
+    abstract = jax.eval_shape(self._fresh_state, params)
+    return _abstract(abstract, self._state_shardings(params, shardings))
+
+
+def abstract_distiller(teacher: ModelConfig, student: ModelConfig, strategy, optimizer, mesh: Mesh,
+                       compiler_options: dict | None = None) -> Distiller:
+  """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays."""
+  d = _AbstractDistiller(_abstract_model(student), _abstract_model(teacher), strategy=strategy, optimizer=optimizer,
+                         mesh=mesh, backend="shard_map")
+  return d.with_compiler_options(compiler_options) if compiler_options else d
+
+
+def abstract_batch(mesh: Mesh, batch: int, seq: int) -> dict:
+  """``{inputs, targets, mask}`` [batch, seq] as the data loader makes them (int32, int32, float32), split over data."""
+  sharding = batch_sharding(mesh)
+  return {
+      "inputs": jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding),
+      "targets": jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding),
+      "mask": jax.ShapeDtypeStruct((batch, seq), jnp.float32, sharding=sharding),
+  }
+
+
+def shard_bytes(tree) -> int:
+  """Bytes one device holds of an abstract tree (each leaf's shard shape times its item size)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+def leaf_count(tree) -> int:
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass
+class CompiledStep:
+  """What the compiler says about one step (per device) and how long it took to compile.
+
+  A TPU compilation whose buffers exceed the chip's HBM fails; then ``memory`` is None, ``oom`` holds
+  the compiler's message and ``oom_bytes`` the (temp, available) sizes it names, when it names them.
+  """
+
+  memory: MemoryReport | None
+  flops: float | None
+  bytes_accessed: float | None
+  hlo: str
+  compile_seconds: float
+  lower_seconds: float
+  parts: dict[str, int]  # per-device bytes of the step's inputs, by kind
+  params: dict[str, int]  # parameter counts (teacher, student)
+  oom: str | None = None
+  oom_bytes: tuple[int | None, int | None] = (None, None)
+
+
+def compile_step(distiller: Distiller, batch: int, seq: int) -> CompiledStep:
+  """Lowers and compiles ``distiller``'s step for a [batch, seq] batch; nothing runs, nothing is allocated."""
+  state = distiller.init_state()
+  inputs = abstract_batch(distiller.mesh, batch, seq)
+  distiller.check_batch(inputs)
+  t0 = time.perf_counter()
+  lowered = distiller.compiled_step(state).lower(state, distiller.teacher_params, inputs)
+  t1 = time.perf_counter()
+  parts = {
+      "teacher_weights": shard_bytes(distiller.teacher_params),
+      "student_weights": shard_bytes(state.params["student"]),
+      "optimizer_state": shard_bytes(state.opt_state),
+      "other_state": shard_bytes((state.step, state.params["strategy"])),
+      "batch": shard_bytes(inputs),
+  }
+  params = {"teacher": leaf_count(distiller.teacher_params), "student": leaf_count(state.params["student"])}
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    message = str(e).strip().splitlines()[0]
+    return CompiledStep(None, None, None, "", time.perf_counter() - t1, t1 - t0, parts, params, message,
+                        _oom_sizes(message))
+  t2 = time.perf_counter()
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  cost = cost or {}
+  return CompiledStep(
+      memory=MemoryReport.of(compiled),
+      flops=_num(cost.get("flops")),
+      bytes_accessed=_num(cost.get("bytes accessed")),
+      hlo=compiled.as_text() or "",
+      compile_seconds=t2 - t1,
+      lower_seconds=t1 - t0,
+      parts=parts,
+      params=params,
+  )
+
+
+_SIZE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _oom_sizes(message: str) -> tuple[int | None, int | None]:
+  """(temporaries, available HBM) in bytes from a TPU out-of-memory message, e.g. ``... the total memory
+  required for HLO temporaries (17.55G) exceeds available HBM (15.75G)``."""
+  def find(pattern):
+    m = re.search(pattern + r"\s*\(([\d.]+)\s*([KMGT]?)i?B?\)", message)
+    return None if m is None else int(float(m.group(1)) * _SIZE[m.group(2)])
+  return find(r"HLO temporaries"), find(r"available HBM")
+
+
+def _num(x) -> float | None:
+  return None if x is None or x < 0 else float(x)
+
+
+# --------------------------------------------------------------------------- collectives
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OP = re.compile(r"=\s*(?P<type>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\(")
+_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,{} ]*\})\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{(\{[\d,{} ]*\})\}")
+_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
+
+
+def _bytes(dtype: str, dims: str) -> int:
+  bits = _BITS.get(dtype) or (8 if dtype.startswith("f8") else int(re.sub(r"\D", "", dtype) or 32))
+  return math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+
+
+def _groups(line: str) -> list[list[int]] | None:
+  m = _GROUPS_IOTA.search(line)
+  if m:
+    g, s = int(m.group(1)), int(m.group(2))
+    dims = [int(v) for v in m.group(3).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(v) for v in m.group(4).split(",")])
+    return ids.reshape(g, s).tolist()
+  m = _GROUPS_LIST.search(line) or _PAIRS.search(line)
+  if m:
+    return [[int(v) for v in grp.split(",") if v.strip()] for grp in re.findall(r"\{([\d, ]*)\}", m.group(1))]
+  return None
+
+
+def _axis(groups: list[list[int]] | None, mesh_shape: tuple[int, int]) -> str:
+  """Which mesh axis a collective's device groups run over (ids are positions in the mesh's device order)."""
+  data, tensor = mesh_shape
+  if not groups or all(len(g) == 0 for g in groups):
+    return "data+tensor"
+  coords = [[divmod(i, tensor) for i in g] for g in groups if g]
+  same_row = all(len({r for r, _ in g}) == 1 for g in coords)
+  same_col = all(len({c for _, c in g}) == 1 for g in coords)
+  if same_row and same_col:
+    return "none"
+  if same_row:
+    return "tensor"
+  if same_col:
+    return "data"
+  return "data+tensor"
+
+
+def collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[dict[str, Any]]:
+  """Collective ops of a compiled module's HLO text, grouped by (kind, mesh axis).
+
+  Each entry: ``kind``, ``axis``, ``count`` (ops in the program text; an op inside a loop body
+  counts once), ``bytes`` (their result sizes per device; for an asynchronous all-gather or
+  permute the gathered / received buffer) and ``wire_bytes`` (bytes each device sends in a
+  ring algorithm: all-reduce 2(n-1)/n of the size, all-gather and all-to-all (n-1)/n,
+  reduce-scatter (n-1) times its result, permute its size).
+  """
+  out: dict[tuple[str, str], dict[str, Any]] = {}
+  for line in hlo.splitlines():
+    m = _OP.search(line)
+    if not m or "-done(" in line:
+      continue
+    kind = m.group("op")
+    shapes = [_bytes(t, d) for t, d in _SHAPE.findall(m.group("type"))]
+    if not shapes:
+      continue
+    size = max(shapes) if m.group("start") and kind in ("all-gather", "collective-permute") else sum(shapes)
+    groups = _groups(line)
+    n = max((len(g) for g in groups), default=0) if groups else mesh_shape[0] * mesh_shape[1]
+    n = max(n, 1)
+    wire = {
+        "all-reduce": 2 * (n - 1) / n * size,
+        "all-gather": (n - 1) / n * size,
+        "all-to-all": (n - 1) / n * size,
+        "reduce-scatter": (n - 1) * size,
+        "collective-permute": float(size),
+    }[kind]
+    axis = _permute_axis(groups, mesh_shape) if kind == "collective-permute" else _axis(groups, mesh_shape)
+    entry = out.setdefault((kind, axis), {"kind": kind, "axis": axis, "count": 0, "bytes": 0, "wire_bytes": 0.0})
+    entry["count"] += 1
+    entry["bytes"] += size
+    entry["wire_bytes"] += wire
+  return sorted(out.values(), key=lambda e: -e["bytes"])
+
+
+def _permute_axis(pairs: list[list[int]] | None, mesh_shape: tuple[int, int]) -> str:
+  if not pairs:
+    return "data+tensor"
+  tensor = mesh_shape[1]
+  rows = {divmod(a, tensor)[0] == divmod(b, tensor)[0] for a, b in (p for p in pairs if len(p) == 2)}
+  cols = {divmod(a, tensor)[1] == divmod(b, tensor)[1] for a, b in (p for p in pairs if len(p) == 2)}
+  if rows == {True}:
+    return "tensor"
+  if cols == {True}:
+    return "data"
+  return "data+tensor"

@@ -1,0 +1,145 @@
+"""Target devices of a plan: abstract TPU devices of a libtpu topology, or this machine's CPU devices.
+
+``TPU_CHIPS`` holds, per TPU generation, the per-chip numbers the report compares against:
+HBM capacity, peak bf16 FLOP/s, HBM bandwidth and bidirectional inter-chip interconnect (ICI)
+bandwidth, from Google Cloud's TPU documentation (``SOURCE``). Compiling for a topology needs no
+TPU: libtpu's compiler runs on the CPU host (``pip install 'meshdistill[tpu]'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+
+import jax
+
+SOURCE = ("Google Cloud TPU documentation, system architecture pages: cloud.google.com/tpu/docs/v5e, /v5p, /v6e, "
+          "/v4, /system-architecture-tpu-vm (per-chip values)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """Per-chip numbers of one TPU generation (``None``: not published / not known)."""
+
+  family: str  # the topology prefix, e.g. "v5e"
+  device_kind: str  # jax's device_kind
+  hbm_bytes: int
+  peak_bf16_flops: float
+  hbm_bandwidth: float  # bytes/s
+  ici_bandwidth: float | None  # bytes/s, bidirectional, per chip
+
+
+GIB = 2**30
+TPU_CHIPS = {
+    c.family: c
+    for c in (
+        Chip("v5e", "TPU v5 lite", 16 * GIB, 197e12, 819e9, 400e9),
+        Chip("v5p", "TPU v5", 95 * GIB, 459e12, 2765e9, 1200e9),
+        Chip("v6e", "TPU v6 lite", 32 * GIB, 918e12, 1638e9, 800e9),
+        Chip("v4", "TPU v4", 32 * GIB, 275e12, 1200e9, None),
+        Chip("v3", "TPU v3", 32 * GIB, 123e12, 900e9, None),
+    )
+}
+_TOPOLOGY = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)+)$")
+EXAMPLES = "v5e:2x2, v5e:4x4, v5e:8x8, v5e:16x16, v5p:2x2x1, v5p:4x4x4, v6e:4x4, v4:2x2x1, v3:4x4"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """The devices a plan compiles for: ``devices`` (a flat list), their chip numbers, and a name."""
+
+  name: str
+  devices: tuple
+  chip: Chip | None  # None on CPU
+  devices_per_chip: int = 1
+  hbm_budget_bytes: int | None = None  # per device; a given budget replaces the chip's HBM
+
+  @property
+  def platform(self) -> str:
+    return "cpu" if self.chip is None else "tpu"
+
+  @property
+  def budget_bytes(self) -> int | None:
+    if self.hbm_budget_bytes is not None:
+      return self.hbm_budget_bytes
+    return None if self.chip is None else self.chip.hbm_bytes // self.devices_per_chip
+
+  def per_device(self, value: float | None) -> float | None:
+    return None if value is None else value / self.devices_per_chip
+
+
+def libtpu_available() -> bool:
+  return importlib.util.find_spec("libtpu") is not None
+
+
+def _quiet_libtpu() -> None:
+  """Tells libtpu it runs on no TPU VM (it otherwise queries metadata and logs errors) and only compiles;
+  in CPU-only processes (``JAX_PLATFORMS=cpu``, as the CLI and the tests set) only."""
+  if os.environ.get("JAX_PLATFORMS", "").strip().lower() != "cpu":
+    return
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+  # compiling only: several planning processes may load libtpu at once (it otherwise takes a machine-wide lock)
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def tpu_target(topology: str, hbm_budget_bytes: int | None = None) -> Target:
+  """Abstract devices of the TPU slice ``topology`` (e.g. ``v5e:4x4``), compiled for on this host."""
+  m = _TOPOLOGY.match(topology.strip().lower()) if isinstance(topology, str) else None
+  if m is None or m.group(1) not in TPU_CHIPS:
+    raise ValueError(
+        f"topology={topology!r} is not a TPU topology name; use FAMILY:SHAPE with a family in {sorted(TPU_CHIPS)}, "
+        f"e.g. {EXAMPLES}"
+    )
+  if not libtpu_available():
+    raise ValueError(
+        f"topology={topology!r} needs libtpu (the TPU compiler) on this machine: pip install 'meshdistill[tpu]'; "
+        "or plan on this machine's CPU devices with --devices cpu:N"
+    )
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
+  _quiet_libtpu()
+  name = f"{m.group(1)}:{m.group(2)}"
+  try:
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=name)
+  except Exception as e:  # noqa: BLE001 -- libtpu raises JaxRuntimeError with its own text
+    first = str(e).splitlines()[0]
+    raise ValueError(f"topology={topology!r} was rejected by libtpu ({first}); e.g. {EXAMPLES}") from None
+  devices = tuple(desc.devices)
+  chip = TPU_CHIPS[m.group(1)]
+  chips = len({tuple(getattr(d, "coords", (i,))) for i, d in enumerate(devices)})
+  return Target(name, devices, chip, max(1, len(devices) // max(chips, 1)), hbm_budget_bytes)
+
+
+def cpu_target(n: int, hbm_budget_bytes: int | None = None) -> Target:
+  """``n`` of this process's CPU devices (see `meshdistill.simulate_cpu_devices`)."""
+  if not isinstance(n, int) or n < 1:
+    raise ValueError(f"devices=cpu:{n!r}: the device count must be a positive integer")
+  have = jax.devices("cpu")
+  if len(have) < n:
+    raise ValueError(
+        f"devices=cpu:{n} but this process has {len(have)} CPU device(s); call meshdistill.simulate_cpu_devices({n}) "
+        "before JAX starts (the CLI does), or plan for fewer devices"
+    )
+  return Target(f"cpu:{n}", tuple(have[:n]), None, 1, hbm_budget_bytes)
+
+
+def parse_target(topology: str | None, devices: str | None, hbm_budget_bytes: int | None = None) -> Target:
+  """The `Target` of ``topology`` (a TPU topology name) or ``devices`` (``cpu:N``); exactly one is given."""
+  if (topology is None) == (devices is None):
+    raise ValueError("give exactly one target: topology (e.g. 'v5e:4x4') or devices (e.g. 'cpu:8')")
+  if topology is not None:
+    return tpu_target(topology, hbm_budget_bytes)
+  m = re.fullmatch(r"cpu:(\d+)", devices.strip().lower()) if isinstance(devices, str) else None
+  if m is None:
+    raise ValueError(f"devices={devices!r}; use cpu:N (N simulated CPU devices), or a TPU topology such as v5e:4x4")
+  return cpu_target(int(m.group(1)), hbm_budget_bytes)
+
+
+def cpu_count_of(devices: str | None) -> int | None:
+  """N of a ``cpu:N`` devices argument (None otherwise); the CLI simulates that many devices before JAX starts."""
+  m = re.fullmatch(r"cpu:(\d+)", devices.strip().lower()) if isinstance(devices, str) else None
+  return int(m.group(1)) if m else None

@@ -1,0 +1,369 @@
+"""`plan` and `search`: compile the distillation step for a target and report what it needs per device."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+import jax
+
+from meshdistill.config import Config, DistillSettings, load_config
+from meshdistill.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER
+from meshdistill.mesh import make_mesh
+from meshdistill.models.decoder import ModelConfig
+from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, shard_bytes
+from meshdistill.planner._hardware import Target, parse_target
+from meshdistill.planner._presets import PRESETS, resolve_model
+from meshdistill.planner._report import Plan
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+_UNSET = object()
+DEFAULT_CHUNK = 1024  # tokens per chunk of the chunked loss tried by `search` and the suggestions
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+  """What a search varies: the mesh, the student's remat policy, the loss's chunk size, the batch size."""
+
+  data: int
+  tensor: int
+  remat: str
+  chunk_size: int | None
+  batch: int
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _matmul_params(cfg: ModelConfig, total: int) -> int:
+  """Parameters that take part in matmuls: all but an untied input embedding (a lookup)."""
+  return total if cfg.tie_embeddings else total - cfg.vocab_size * cfg.d_model
+
+
+class Planner:
+  """Plans of one teacher / student pair and distillation config on one target, compiled on demand."""
+
+  def __init__(self, cfg: Config, teacher: ModelConfig, student: ModelConfig, labels: tuple[str, str],
+               target: Target, seq: int):
+    self.cfg, self.teacher, self.student, self.labels = cfg, teacher, student, labels
+    self.target, self.seq = target, seq
+    self.headroom = cfg.safeguards.remat.headroom
+    # On CPU with a budget, `distill` measures and runs the step under the memory-optimised scheduler.
+    self.options = CPU_MEMORY_SCHEDULER if target.platform == "cpu" and target.budget_bytes is not None else None
+    self._plans: dict[Knobs, Plan] = {}
+    self._static: dict[Knobs, int] = {}
+
+  # ------------------------------------------------------------------ layouts
+  def split_error(self, tensor: int) -> str | None:
+    for who, m in (("teacher", self.teacher), ("student", self.student)):
+      try:
+        m.check_tensor_split(tensor)
+      except ValueError as e:
+        return f"{who} ({self.labels[who == 'student']}): {e}"
+    return None
+
+  def layouts(self, batch: int) -> list[tuple[int, int]]:
+    """``(data, tensor)`` layouts of the target's devices the models split over and ``batch`` divides."""
+    n = len(self.target.devices)
+    return [(n // t, t) for t in _divisors(n) if batch % (n // t) == 0 and self.split_error(t) is None]
+
+  def check_mesh(self, data: int, tensor: int, batch: int) -> None:
+    n = len(self.target.devices)
+    for name, v in (("data", data), ("tensor", tensor)):
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"mesh {name}={v!r} must be a positive integer")
+    ok = ", ".join(f"{d}x{t}" for d, t in self.layouts(batch)) or "none"
+    if data * tensor != n:
+      raise ValueError(f"mesh {data}x{tensor} (data x tensor) needs {data * tensor} devices but {self.target.name} has "
+                       f"{n}; layouts of {n} devices that fit these models and batch {batch}: {ok}")
+    err = self.split_error(tensor)
+    if err:
+      raise ValueError(f"mesh tensor={tensor}: {err}; layouts that split both models: {ok}")
+    if batch % data:
+      raise ValueError(f"batch {batch} is not divisible by mesh data={data}; use a multiple of {data}, or one of "
+                       f"the layouts {ok}")
+
+  # ------------------------------------------------------------------- builds
+  def _distiller(self, k: Knobs):
+    mesh = make_mesh(data=k.data, tensor=k.tensor, devices=self.target.devices)
+    cfg = self.cfg.replace(distill=dataclasses.replace(self.cfg.distill, chunk_size=k.chunk_size)) \
+        if k.chunk_size != self.cfg.distill.chunk_size else self.cfg
+    from meshdistill.jobs import strategy_and_optimizer  # pylint: disable=g-import-not-at-top
+
+    strategy, optimizer = strategy_and_optimizer(cfg, self.student.n_layers)
+    student = self.student.replace(remat=k.remat) if k.remat != self.student.remat else self.student
+    return abstract_distiller(self.teacher, student, strategy, optimizer, mesh, self.options)
+
+  def static_bytes(self, k: Knobs) -> int:
+    """Per-device bytes of the step's inputs (weights, optimizer state, batch): a lower bound, without compiling."""
+    if k not in self._static:
+      d = self._distiller(k)
+      state = d.init_state()
+      self._static[k] = shard_bytes((state, d.teacher_params)) + 12 * k.batch * self.seq // k.data
+    return self._static[k]
+
+  def plan(self, k: Knobs) -> Plan:
+    """Compiles configuration ``k`` (once) and returns its `Plan`."""
+    if k in self._plans:
+      return self._plans[k]
+    self.check_mesh(k.data, k.tensor, k.batch)
+    d = self._distiller(k)
+    log.info("compiling %s for %s: mesh %dx%d, remat=%s, chunk_size=%s, batch %dx%d", self.labels, self.target.name,
+             k.data, k.tensor, k.remat, k.chunk_size, k.batch, self.seq)
+    c = compile_step(d, k.batch, self.seq)
+    mem = c.memory
+    memory = dict(c.parts)
+    budget = self.target.budget_bytes
+    if mem is None:  # the TPU compiler refused: out of HBM
+      temp = c.oom_bytes[0]
+      args = sum(c.parts.values())
+      memory.update(temp=temp, outputs=None, total=None if temp is None else args + temp, arguments=args, output=None,
+                    alias=None)
+      fits = False
+    else:
+      memory.update(temp=mem.temp_bytes, outputs=mem.output_bytes - mem.alias_bytes, total=mem.total_bytes,
+                    arguments=mem.argument_bytes, output=mem.output_bytes, alias=mem.alias_bytes)
+      fits = None if budget is None else mem.total_bytes <= self.headroom * budget
+    n = len(self.target.devices)
+    tokens = k.batch * self.seq
+    n_t = _matmul_params(self.teacher, c.params["teacher"])
+    n_s = _matmul_params(self.student, c.params["student"])
+    analytic = (2 * n_t + 6 * n_s) * tokens / n
+    colls = collectives(c.hlo, (k.data, k.tensor))
+    p = Plan(
+        teacher=self.labels[0], student=self.labels[1], params=c.params, target=self.target.name,
+        device_kind=str(getattr(self.target.devices[0], "device_kind", self.target.platform)), devices=n,
+        devices_per_chip=self.target.devices_per_chip, mesh=(k.data, k.tensor), batch=k.batch, seq=self.seq,
+        remat=k.remat, chunk_size=k.chunk_size, dtype=self.student.dtype, strategy=type(d.strategy).__name__,
+        memory=memory, budget_bytes=budget, headroom=self.headroom, fits=fits,
+        flops={"compiled": c.flops, "analytic": analytic, "analytic_per_token": float(2 * n_t + 6 * n_s),
+               "matmul_params_teacher": n_t, "matmul_params_student": n_s},
+        collectives=colls, time=self._roofline(c, colls, analytic * n, tokens), compile_seconds=c.compile_seconds,
+        compiler_options=self.options,
+    )
+    if c.oom:
+      p.notes.append(f"the TPU compiler stopped: {c.oom} (the memory above: the step's inputs plus the temporaries "
+                     "it names; FLOPs and collectives need a program that fits)")
+    on_policy = getattr(self.cfg.distill, "on_policy", None)
+    if on_policy is not None and getattr(on_policy, "active", False):
+      p.notes.append("distill.on_policy is active: this plans the train step only, not the sampling of completions")
+    if k.remat != "none":
+      p.notes.append(f"remat={k.remat} recomputes student activations: compiled FLOPs include the recomputation, "
+                     "the analytic 6*N_s does not")
+    self._plans[k] = p
+    return p
+
+  def _roofline(self, c, colls, model_flops: float, tokens: int) -> dict[str, float | None]:
+    chip, t = self.target.chip, self.target
+    if chip is None or c.flops is None:
+      return {"compute_s": None, "hbm_s": None, "comm_s": None, "step_s": None, "mfu": None, "tokens_per_s": None}
+    compute = c.flops / t.per_device(chip.peak_bf16_flops)
+    hbm = (c.bytes_accessed or 0.0) / t.per_device(chip.hbm_bandwidth)
+    wire = sum(x["wire_bytes"] for x in colls)
+    comm = None if chip.ici_bandwidth is None else wire / t.per_device(chip.ici_bandwidth)
+    step = max(compute, hbm) + (comm or 0.0)
+    chips = len(t.devices) / t.devices_per_chip
+    return {"compute_s": compute, "hbm_s": hbm, "comm_s": comm, "step_s": step,
+            "mfu": model_flops / (step * chip.peak_bf16_flops * chips), "tokens_per_s": tokens / step}
+
+  # ------------------------------------------------------------- alternatives
+  def fits_statically(self, k: Knobs) -> bool:
+    limit = None if self.target.budget_bytes is None else self.headroom * self.target.budget_bytes
+    return limit is None or self.static_bytes(k) <= limit
+
+  def nearest(self, k: Knobs, want: int, max_compiles: int) -> list[Plan]:
+    """Up to ``want`` configurations near ``k`` that fit, each compiled: leaner remat (``full`` first), a chunked
+    loss, more ``tensor``, then smaller batches, tried in that order (at most ``max_compiles`` compilations)."""
+    leaner = list(REMAT_ORDER[REMAT_ORDER.index(k.remat) + 1:]) if k.remat in REMAT_ORDER else []
+    chunk = k.chunk_size if k.chunk_size is not None else min(DEFAULT_CHUNK, k.batch * self.seq)
+    more_tensor = [(d, t) for d, t in self.layouts(k.batch) if t > k.tensor]
+    order: list[Knobs] = []
+    # the leanest remat first (one knob, the largest saving), then the policies between
+    order += [dataclasses.replace(k, remat=r) for r in leaner[::-1]]
+    if k.chunk_size is None:
+      order += [dataclasses.replace(k, chunk_size=chunk), dataclasses.replace(k, chunk_size=chunk, remat="full")]
+    for d, t in more_tensor:
+      order += [dataclasses.replace(k, data=d, tensor=t), dataclasses.replace(k, data=d, tensor=t, remat="full",
+                                                                             chunk_size=chunk)]
+    b = k.batch // 2
+    while b >= 1 and b % k.data == 0:
+      order.append(dataclasses.replace(k, batch=b, remat="full", chunk_size=chunk))
+      b //= 2
+    found, compiled, seen = [], 0, {k}
+    for cand in order:
+      if cand in seen:
+        continue
+      seen.add(cand)
+      if len(found) >= want or compiled >= max_compiles:
+        break
+      if not self.fits_statically(cand):
+        continue
+      compiled += 1
+      p = self.plan(cand)
+      if p.fits:
+        found.append(p)
+    return found
+
+  def candidates(self, batch: int, meshes=None, remats=None, chunk_sizes=None, batches=None) -> list[Knobs]:
+    batches = list(batches or [batch])
+    remats = list(remats or dict.fromkeys([self.student.remat, "full"]))
+    chunks = list(chunk_sizes or dict.fromkeys([self.cfg.distill.chunk_size, DEFAULT_CHUNK]))
+    out = []
+    for b in batches:
+      layouts = meshes or self.layouts(b)
+      for d, t in layouts:
+        for r in remats:
+          for c in chunks:
+            out.append(Knobs(d, t, r, c, b))
+    return out
+
+
+# --------------------------------------------------------------------------- entry points
+def _config(config: Config | str | None, overrides: Sequence[str]) -> Config:
+  if isinstance(config, Config):
+    if overrides:
+      raise ValueError("overrides apply to a config file or name; pass a Config already carrying them")
+    return config
+  return load_config(config, overrides)
+
+
+def _mesh_arg(mesh: Any) -> tuple[int, int] | None:
+  if mesh is None or mesh == "auto":
+    return None
+  if isinstance(mesh, str):
+    parts = mesh.lower().split("x")
+    if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
+      return int(parts[0]), int(parts[1])
+    raise ValueError(f"mesh={mesh!r}; give DATAxTENSOR (e.g. 2x8) or 'auto'")
+  if isinstance(mesh, (tuple, list)) and len(mesh) == 2:
+    return int(mesh[0]), int(mesh[1])
+  raise ValueError(f"mesh={mesh!r}; give (data, tensor), 'DATAxTENSOR' or 'auto'")
+
+
+def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq=None, config=None, overrides=(),
+                 dtype=None, remat=None, hbm_gib=None) -> Planner:
+  """A `Planner` for a pair and target (see `plan` for the arguments)."""
+  cfg = _config(config, overrides)
+  default_dtype = "bfloat16" if dtype is None else dtype
+  t_cfg, t_label = resolve_model(cfg.teacher if teacher is None else teacher, who="teacher",
+                                 dtype=dtype if teacher is None or isinstance(teacher, ModelConfig) else default_dtype)
+  s_cfg, s_label = resolve_model(cfg.student if student is None else student, who="student", remat=remat,
+                                 dtype=dtype if student is None or isinstance(student, ModelConfig) else default_dtype)
+  if teacher is None:
+    t_label = "config teacher"
+  if student is None:
+    s_label = "config student"
+  from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
+
+  resolve_shared_vocab(t_cfg.vocab_size, s_cfg.vocab_size)  # different tokenizers raise here
+  if hbm_gib is not None and not hbm_gib > 0:
+    raise ValueError(f"hbm_gib={hbm_gib!r} must be a positive number of GiB per device")
+  budget = None if hbm_gib is None else int(hbm_gib * GIB)
+  if budget is None and devices is not None and cfg.safeguards.remat.budget_bytes is not None:
+    budget = cfg.safeguards.remat.budget_bytes
+  target = parse_target(topology, devices, budget)
+  seq = cfg.data.seq_len if seq is None else seq
+  if not isinstance(seq, int) or seq < 1:
+    raise ValueError(f"seq={seq!r} must be a positive integer")
+  for who, m in (("teacher", t_cfg), ("student", s_cfg)):
+    if seq > m.max_len:
+      raise ValueError(f"seq={seq} exceeds the {who}'s max_len={m.max_len}; use seq <= {m.max_len}")
+  return Planner(cfg, t_cfg, s_cfg, (t_label, s_label), target, seq)
+
+
+def _default_knobs(pl: Planner, mesh, batch: int, chunk_size) -> Knobs:
+  chunk = pl.cfg.distill.chunk_size if chunk_size is _UNSET else chunk_size
+  if chunk is not None:
+    DistillSettings(chunk_size=chunk)  # validates
+  given = _mesh_arg(mesh)
+  if given is not None:
+    pl.check_mesh(*given, batch)
+    return Knobs(*given, pl.student.remat, chunk, batch)
+  layouts = pl.layouts(batch)
+  if not layouts:
+    n = len(pl.target.devices)
+    raise ValueError(f"no (data x tensor) layout of {n} devices splits both models with batch {batch}: "
+                     f"{pl.split_error(n) or ''} (batch must be a multiple of data)")
+  cfg_mesh = (pl.cfg.mesh.data, pl.cfg.mesh.tensor)
+  if pl.target.budget_bytes is None:
+    return Knobs(*(cfg_mesh if cfg_mesh in layouts else layouts[0]), pl.student.remat, chunk, batch)
+  # auto: the least tensor parallelism whose weights and optimizer state take at most half the limit
+  limit = pl.headroom * pl.target.budget_bytes
+  for d, t in layouts:
+    k = Knobs(d, t, pl.student.remat, chunk, batch)
+    if pl.static_bytes(k) <= 0.5 * limit:
+      return k
+  return Knobs(*layouts[-1], pl.student.remat, chunk, batch)
+
+
+def plan(teacher: Any = None, student: Any = None, *, topology: str | None = None, devices: str | None = None,
+         mesh: Any = "auto", batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
+         overrides: Sequence[str] = (), dtype: str | None = None, remat: str | None = None, chunk_size: Any = _UNSET,
+         hbm_gib: float | None = None, suggest: int = 1, max_compiles: int = 4) -> Plan:
+  """Compiles the distillation step ``meshdistill distill`` would run, for a target, without allocating it.
+
+  Args:
+    teacher, student: a preset name (`PRESETS`), a Hugging Face ``config.json`` path (or its directory) or a
+      `ModelConfig`; default: the config's models. Presets and config files compute in ``bfloat16`` unless
+      ``dtype`` says otherwise (parameters and optimizer state stay float32, as in training).
+    topology: a TPU topology (``v5e:4x4``, ``v5p:4x4x4``, ...; needs ``pip install 'meshdistill[tpu]'``),
+      or ``devices="cpu:N"``: N CPU devices of this process.
+    mesh: ``(data, tensor)``, ``"DATAxTENSOR"`` or ``"auto"`` (the least ``tensor`` whose weights and optimizer
+      state take at most half the memory limit; on CPU without a budget the config's mesh).
+    batch, seq: global batch and sequence length (default: ``train.batch_size``, ``data.seq_len``).
+    config, overrides: the distillation config as for ``distill`` (a `Config`, or a YAML file / packaged name
+      plus ``key=value`` overrides): strategy, chunk size, optimizer, freezing, loss scale, remat headroom.
+    dtype, remat, chunk_size: replace the models' compute dtype, the student's remat policy, the loss's chunk size.
+    hbm_gib: per-device memory budget; replaces the chip's HBM (CPU devices have none).
+    suggest, max_compiles: when the plan does not fit, how many fitting configurations to find, compiling at most
+      ``max_compiles`` more programs.
+  """
+  pl = make_planner(teacher, student, topology=topology, devices=devices, seq=seq, config=config,
+                    overrides=overrides, dtype=dtype, remat=remat, hbm_gib=hbm_gib)
+  batch = pl.cfg.train.batch_size if batch is None else batch
+  if not isinstance(batch, int) or batch < 1:
+    raise ValueError(f"batch={batch!r} must be a positive integer")
+  k = _default_knobs(pl, mesh, batch, chunk_size)
+  p = pl.plan(k)
+  if p.fits is False and suggest > 0:
+    p.suggestions = pl.nearest(k, suggest, max_compiles)
+  return p
+
+
+def search(teacher: Any = None, student: Any = None, *, topology: str | None = None, devices: str | None = None,
+           batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
+           overrides: Sequence[str] = (), dtype: str | None = None, meshes=None, remats=None, chunk_sizes=None,
+           batches=None, hbm_gib: float | None = None, max_compiles: int = 12) -> list[Plan]:
+  """Compiles configurations over meshes, remat policies, chunk sizes and batch sizes; returns them ranked.
+
+  Configurations whose weights and optimizer state alone exceed the limit are skipped without compiling.
+  Ranking: those that fit first, by estimated step time per token (on CPU, by memory), then the rest by memory.
+  Defaults: every layout the models split over, the student's remat and ``full``, the config's loss and
+  chunk size 1024, the given batch. At most ``max_compiles`` programs are compiled.
+  """
+  pl = make_planner(teacher, student, topology=topology, devices=devices, seq=seq, config=config,
+                    overrides=overrides, dtype=dtype, hbm_gib=hbm_gib)
+  batch = pl.cfg.train.batch_size if batch is None else batch
+  plans = []
+  for k in pl.candidates(batch, meshes, remats, chunk_sizes, batches):
+    if len(plans) >= max_compiles:
+      log.info("search stopped after %d compilations (max_compiles)", max_compiles)
+      break
+    if not pl.fits_statically(k):
+      log.info("skipped %s: weights and optimizer state alone take %.2f GiB per device", k, pl.static_bytes(k) / GIB)
+      continue
+    plans.append(pl.plan(k))
+
+  def rank(p: Plan):
+    per_token = None if p.step_seconds is None else p.step_seconds / (p.batch * p.seq)
+    total = p.memory["total"] if p.memory["total"] is not None else float("inf")
+    return (p.fits is False, per_token if per_token is not None else total, total)
+
+  return sorted(plans, key=rank)
+
+
+__all__ = ["Knobs", "PRESETS", "Plan", "Planner", "make_planner", "plan", "search"]

@@ -1,0 +1,180 @@
+"""`Plan`: what one compiled configuration needs per device, how long it should take, and its table / JSON form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+GIB = 2**30
+
+MEMORY_ROWS = (
+    ("teacher_weights", "teacher weights"),
+    ("student_weights", "student weights"),
+    ("optimizer_state", "optimizer state"),
+    ("other_state", "step + strategy params"),
+    ("batch", "batch"),
+    ("temp", "compiler temp (activations)"),
+    ("outputs", "outputs (not aliased)"),
+)
+
+
+@dataclasses.dataclass
+class Plan:
+  """One configuration compiled for a target. Memory in bytes per device, FLOPs per device per step.
+
+  ``fits``: ``memory["total"] <= headroom * budget_bytes`` (the rule ``distill``'s automatic remat
+  uses); ``None`` without a budget (CPU devices without ``hbm_gib``). ``time`` (seconds, per step) is
+  a roofline estimate: ``max(compute, hbm) + communication`` with ``compute = flops / peak``,
+  ``hbm = bytes accessed / HBM bandwidth``, ``communication = ring bytes sent / ICI bandwidth``;
+  ``mfu`` = analytic model FLOPs / (step time * peak * chips). ``suggestions``: configurations that
+  fit, each compiled, when this one does not.
+  """
+
+  teacher: str
+  student: str
+  params: dict[str, int]
+  target: str
+  device_kind: str
+  devices: int
+  devices_per_chip: int
+  mesh: tuple[int, int]
+  batch: int
+  seq: int
+  remat: str
+  chunk_size: int | None
+  dtype: str
+  strategy: str
+  memory: dict[str, int]
+  budget_bytes: int | None
+  headroom: float
+  fits: bool | None
+  flops: dict[str, float | None]
+  collectives: list[dict[str, Any]]
+  time: dict[str, float | None]
+  compile_seconds: float
+  compiler_options: dict | None = None
+  suggestions: list["Plan"] = dataclasses.field(default_factory=list)
+  notes: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def limit_bytes(self) -> float | None:
+    return None if self.budget_bytes is None else self.headroom * self.budget_bytes
+
+  @property
+  def over_bytes(self) -> float | None:
+    """Bytes per device above the limit (negative: room left); None without a budget or a known total."""
+    if self.limit_bytes is None or self.memory.get("total") is None:
+      return None
+    return self.memory["total"] - self.limit_bytes
+
+  @property
+  def step_seconds(self) -> float | None:
+    return self.time.get("step_s")
+
+  def describe(self) -> str:
+    """The knobs of this configuration in one line (what a suggestion changes)."""
+    chunk = "full logits" if self.chunk_size is None else f"chunk_size={self.chunk_size}"
+    return f"mesh {self.mesh[0]}x{self.mesh[1]}, remat={self.remat}, {chunk}, batch {self.batch}x{self.seq}"
+
+  def to_dict(self) -> dict[str, Any]:
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "suggestions"}
+    out["mesh"] = {"data": self.mesh[0], "tensor": self.mesh[1]}
+    out["limit_bytes"] = self.limit_bytes
+    out["over_bytes"] = self.over_bytes
+    out["suggestions"] = [s.to_dict() for s in self.suggestions]
+    return out
+
+  def to_json(self, **kw) -> str:
+    return json.dumps(self.to_dict(), **kw)
+
+  def table(self) -> str:
+    """A readable report (what ``meshdistill plan`` prints)."""
+    m, lines = self.memory, []
+    per = "chip" if self.devices_per_chip == 1 else f"device ({self.devices_per_chip} per chip)"
+    lines.append(f"plan: {self.teacher} ({self.params['teacher'] / 1e9:.2f} B params) -> {self.student} "
+                 f"({self.params['student'] / 1e9:.2f} B params), {self.strategy}")
+    lines.append(f"target: {self.target} = {self.devices} x {self.device_kind}, mesh data={self.mesh[0]} x "
+                 f"tensor={self.mesh[1]}; batch {self.batch} x seq {self.seq} = {self.batch * self.seq:,} tokens/step; "
+                 f"dtype {self.dtype}, remat {self.remat}, "
+                 + ("full logits" if self.chunk_size is None else f"chunk_size {self.chunk_size}"))
+    lines.append("")
+    lines.append(f"memory per {per}:")
+    for key, label in MEMORY_ROWS:
+      lines.append(f"  {label:<30} {_gib(m[key]):>11}")
+    lines.append(f"  {'total':<30} {_gib(m['total']):>11}   (compiler: arguments {_gib(m['arguments'])}, "
+                 f"temp {_gib(m['temp'])}, outputs {_gib(m['output'])}, aliased {_gib(m['alias'])})")
+    if self.budget_bytes is None:
+      lines.append("  budget: none known for this device (give hbm_gib / --hbm-gib to check the fit)")
+    else:
+      verdict = "FITS" if self.fits else "DOES NOT FIT"
+      head = f"  budget {_gib(self.budget_bytes)} x headroom {self.headroom:g} = {_gib(self.limit_bytes)}: {verdict}"
+      if m.get("total") is None:
+        lines.append(head + " (the compiler ran out of memory; see the note)")
+      else:
+        lines.append(head + f" ({100 * m['total'] / self.budget_bytes:.0f}% of the budget; "
+                     + (f"{_gib(-self.over_bytes)} to spare)" if self.fits else f"{_gib(self.over_bytes)} over)"))
+    lines.append("")
+    f = self.flops
+    lines.append("FLOPs per step, per device:")
+    lines.append(f"  compiled (XLA cost analysis)   {_e(f['compiled'])}")
+    lines.append(f"  analytic 2*N_t + 6*N_s /token  {_e(f['analytic'])}   (compiled / analytic = "
+                 + (f"{f['compiled'] / f['analytic']:.3f})" if f["compiled"] and f["analytic"] else "n/a)"))
+    if f.get("analytic_per_token"):
+      lines.append(f"  analytic per token             {_e(f['analytic_per_token'])}   (N_t = "
+                   f"{f['matmul_params_teacher'] / 1e9:.3f} B, N_s = {f['matmul_params_student'] / 1e9:.3f} B "
+                   "matmul parameters)")
+    lines.append("")
+    lines.append("collectives (per device, ops in the program text):")
+    if not self.collectives:
+      lines.append("  none")
+    for c in self.collectives:
+      lines.append(f"  {c['kind']:<19} over {c['axis']:<12} {c['count']:>5} ops  {_gib(c['bytes']):>11}")
+    lines.append("")
+    t = self.time
+    if t.get("step_s") is None:
+      why = ("the compiler produced no program" if m.get("output") is None
+             else "no peak FLOP/s / bandwidth known for this device")
+      lines.append(f"step time: no estimate ({why})")
+    else:
+      comm = "n/a (no ICI bandwidth known)" if t["comm_s"] is None else f"{1e3 * t['comm_s']:.1f} ms"
+      lines.append(f"roofline step time {1e3 * t['step_s']:.1f} ms = max(compute {1e3 * t['compute_s']:.1f} ms, "
+                   f"HBM {1e3 * t['hbm_s']:.1f} ms) + collectives {comm}; MFU {100 * t['mfu']:.1f}%, "
+                   f"{t['tokens_per_s']:,.0f} tokens/s")
+    lines.append(f"compile time on this machine: {self.compile_seconds:.1f} s")
+    for note in self.notes:
+      lines.append(f"note: {note}")
+    if self.suggestions:
+      lines.append("")
+      lines.append("nearest configurations that fit (each compiled):")
+      for s in self.suggestions:
+        step = "" if s.step_seconds is None else f", est. {1e3 * s.step_seconds:.1f} ms/step"
+        lines.append(f"  {s.describe()}: {_gib(s.memory['total'])} per device{step}, compiled in "
+                     f"{s.compile_seconds:.0f} s")
+    elif self.fits is False:
+      lines.append("")
+      lines.append("no configuration that fits was found among those tried; see --search, a larger topology, "
+                   "or a smaller batch")
+    return "\n".join(lines)
+
+
+def search_table(plans: list[Plan]) -> str:
+  """Ranked configurations of a search, one row each."""
+  rows = ["rank  mesh     remat          loss           batch      GiB/dev  fits   est. ms/step   MFU   compile s"]
+  for i, p in enumerate(plans, 1):
+    loss = "full logits" if p.chunk_size is None else f"chunk {p.chunk_size}"
+    ms = "-" if p.step_seconds is None else f"{1e3 * p.step_seconds:.1f}"
+    mfu = "-" if p.time.get("mfu") is None else f"{100 * p.time['mfu']:.1f}%"
+    fits = {True: "yes", False: "no", None: "?"}[p.fits]
+    total = "oom" if p.memory.get("total") is None else f"{p.memory['total'] / GIB:.2f}"
+    rows.append(f"{i:>4}  {p.mesh[0]:>2}x{p.mesh[1]:<4} {p.remat:<14} {loss:<14} {p.batch:>4}x{p.seq:<5} "
+                f"{total:>8}  {fits:<5} {ms:>13} {mfu:>6} {p.compile_seconds:>10.1f}")
+  return "\n".join(rows)
+
+
+def _gib(n: float | None) -> str:
+  return "n/a" if n is None else f"{n / GIB:.3f} GiB"
+
+
+def _e(x: float | None) -> str:
+  return "n/a" if x is None else f"{x:.3e}"
