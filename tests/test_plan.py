@@ -21,7 +21,8 @@ needs_libtpu = pytest.mark.skipif(not planner.libtpu_available(),
 
 TEACHER = md.ModelConfig(vocab_size=8192, d_model=512, n_layers=2, n_heads=8, n_kv_heads=4, mlp_hidden=2048,
                          max_len=16, tie_embeddings=False)
-STUDENT = TEACHER.replace(d_model=256, n_heads=4, n_kv_heads=2, mlp_hidden=1024)
+# key/value heads divide tensor=4 on both models, so every split weight halves (fewer are replicated)
+STUDENT = TEACHER.replace(d_model=256, n_heads=4, n_kv_heads=4, mlp_hidden=1024)
 BATCH, SEQ = 4, 16
 
 
