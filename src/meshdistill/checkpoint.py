@@ -55,19 +55,6 @@ ITEMS = ("state", "data", "meta")
 TEACHER_FORMAT = "meshdistill.teacher/1"
 
 
-def _abstract(template: Any) -> Any:
-  """Abstract restore target: shape, dtype and sharding of every leaf of ``template``."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
-
-
-def _unstacked_template(trainer, state: TrainState) -> TrainState:
-  if trainer.backend != "pmap":
-    return state
-  device = SingleDeviceSharding(jax.devices()[0])
-  one = trainer.unreplicate(state)
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=device), one)
-
-
 class Checkpointer:
   """Saves and restores train states under ``directory`` (every ``every`` steps, newest ``keep`` kept).
 
@@ -91,8 +78,9 @@ class Checkpointer:
     return list(self._mgr.all_steps())
 
   def save(self, step: int, trainer, state: TrainState, data_state: dict, meta: dict) -> None:
-    """Writes ``state`` (for ``pmap`` the first replica), the data position and ``meta`` as ``step``."""
-    state = trainer.unreplicate(state) if trainer.backend == "pmap" else state
+    """Writes ``state`` (one replica of it: `meshdistill.layout.Layout.unreplicate`), the data position and
+    ``meta`` as ``step``."""
+    state = trainer.layout.unreplicate(state)
     meta = {**meta, "step": int(step)}
     self._mgr.save(
       step,
@@ -130,7 +118,7 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
-    target = _abstract(_unstacked_template(trainer, template))
+    target = trainer.layout.checkpoint_target(template)
     try:
       got = self._mgr.restore(
         step,
@@ -143,10 +131,7 @@ class Checkpointer:
         f"checkpoint step {step} in {self.directory} does not fit this run's train state ({e}); it was written "
         "by a run with other model sizes or another strategy/optimizer: use another checkpoint.dir or run_dir"
       ) from e
-    state = got.state
-    if trainer.backend == "pmap":
-      n = trainer.mesh.size
-      state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))).copy(), state)
+    state = trainer.layout.replicate(got.state)
     log.info("checkpoint: restored step %d from %s", step, self.directory)
     return state, dict(got.data), dict(got.meta)
 

@@ -49,9 +49,10 @@ def prepare_devices(cfg: Config) -> None:
 
 def build_mesh(cfg: Config):
   """The run's mesh (None for the ``single`` backend)."""
+  from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
   from meshdistill.mesh import make_mesh  # pylint: disable=g-import-not-at-top
 
-  if cfg.mesh.backend == "single":
+  if layout_class(cfg.mesh.backend).one_device:
     return None
   try:
     return make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor)
@@ -141,7 +142,8 @@ def pretrain(
   from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
   from meshdistill.hardlabel import HardLabelTrainer  # pylint: disable=g-import-not-at-top
   from meshdistill.models import init_model, param_count  # pylint: disable=g-import-not-at-top
-  from meshdistill.trainer import fit, make_optimizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
 
   mesh = mesh if mesh is not None else build_mesh(cfg)
   data = with_batch_size(data if data is not None else load_data(cfg), cfg.pretrain.batch_size)
@@ -207,7 +209,7 @@ def _evaluate_pair(distiller, state, val) -> dict:
   from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
 
   student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
-  teacher_eval = Evaluator(distiller.teacher_def, mesh=distiller.mesh if distiller.backend == "shard_map" else None)
+  teacher_eval = Evaluator(distiller.teacher_def, mesh=distiller.layout.eval_mesh)
   teacher = teacher_eval(distiller.unreplicate(distiller.teacher_params), val)
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
@@ -232,7 +234,7 @@ def loop_kwargs(settings) -> dict:
   """`meshdistill.trainer.fit` keywords a `TrainSettings` section (``train`` / ``pretrain``) decides: the
   number of steps, the evaluation and logging cadence, and the logged learning-rate schedule (None with
   progressive freezing, whose stages set the rate)."""
-  from meshdistill.trainer import lr_schedule  # pylint: disable=g-import-not-at-top
+  from meshdistill.optimizers import lr_schedule  # pylint: disable=g-import-not-at-top
 
   return {
     "steps": settings.steps,
@@ -249,7 +251,8 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
   ``strategy``: the run's distillation strategy, whose fallback is built from
   ``safeguards.guard.fallback`` (None for hard-label training: the guard then only restores).
   """
-  from meshdistill.safeguards import DivergenceGuard, ScaledLoss, fallback_strategy  # pylint: disable=g-import-not-at-top
+  from meshdistill.guard import DivergenceGuard  # pylint: disable=g-import-not-at-top
+  from meshdistill.strategies import ScaledLoss, fallback_strategy  # pylint: disable=g-import-not-at-top
 
   g, r = cfg.safeguards.guard, cfg.safeguards.remat
   kwargs = {"auto_remat": r.auto, "memory_budget_bytes": r.budget_bytes, "memory_headroom": r.headroom}
@@ -275,12 +278,12 @@ def make_distiller(cfg: Config, teacher, mesh):
   """The `Distiller` of ``cfg`` for ``teacher`` (student initialised from ``train.seed``)."""
   from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
   from meshdistill.models import init_model  # pylint: disable=g-import-not-at-top
-  from meshdistill.trainer import make_optimizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
 
   student = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
   strategy, scale = cfg.distill.strategy(), cfg.safeguards.loss_scale
   if scale is not None:
-    from meshdistill.safeguards import ScaledLoss  # pylint: disable=g-import-not-at-top
+    from meshdistill.strategies import ScaledLoss  # pylint: disable=g-import-not-at-top
 
     strategy = ScaledLoss(strategy, scale)
   return Distiller(

@@ -43,6 +43,7 @@ from meshdistill.strategies._composite import Composite, HardLabelCE
 from meshdistill.strategies._features import FeaturePooling, FeatureProjection, feature_loss, pool_features
 from meshdistill.strategies._layer_map import default_layer_map
 from meshdistill.strategies._logit import LogitKD, Scalar, logit_metrics, value_at
+from meshdistill.strategies._wrappers import LogitMSE, ScaledLoss, fallback_strategy
 
 __all__ = [
     "AttentionTransfer",
