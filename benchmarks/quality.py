@@ -94,7 +94,7 @@ def main(argv=None) -> int:
   from meshdistill.evaluate import Evaluator
   from meshdistill.hardlabel import HardLabelTrainer
   from meshdistill.models import init_model, param_count
-  from meshdistill.trainer import make_optimizer
+  from meshdistill.optimizers import make_optimizer
 
   t_start = time.perf_counter()
   os.makedirs(args.run_root, exist_ok=True)
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     scratch.student_def,
     teacher_def=distiller.teacher_def,
     teacher_params=distiller.teacher_params,
-    mesh=distiller.mesh if distiller.backend == "shard_map" else None,
+    mesh=distiller.layout.eval_mesh,
   )(scratch.unreplicate(baseline.state.params)["student"], val)
   n_t, n_s = param_count(teacher), param_count(distiller.student(distilled.state))
   row = {

@@ -3,19 +3,20 @@
 The main job's models, batch and 2x4 mesh (`meshdistill.config.Config` defaults) go through
 `meshdistill.trainer.fit`:
 
-* guard: the same `Distiller` trains ``--steps`` steps without the guard and with it: the default
+* guard: the same `Distiller` trains ``--steps`` steps without the guard and with it, the default
   (lagged check, ``keep_every=10``: step ``s``'s loss is read after step ``s + 1`` is dispatched,
   so the device queue never drains), the check read at once (``guard_lag=0``: one device sync per
   step) and a state copy before every step (``keep_every=1``). Rounds are interleaved (off, on,
-  ..., off, on, ...), side by side on the same compiled step; reported are the median step time
-  of each variant and the median over rounds of its ratio to the no-guard run of the same round.
+  ...; the order rotates each round), side by side on the same compiled step; reported are the
+  median step time of each variant and the median over rounds of its ratio to the no-guard run of
+  the same round.
   The step is compiled before timing (a warm-up fit), so only the loop is timed. The memory the
   guard holds is one train state per device (two while a fresh copy waits for the next step's loss).
 * remat: per-device memory of the compiled step (XLA's memory analysis, CPU memory-aware
   scheduler, as the trainer measures on CPU with a budget) and the step time of each policy:
   what `safeguards.remat.auto` trades for memory.
 
-Run: ``python benchmarks/safeguards.py [--steps 40 --rounds 5]``; writes
+Run: ``python benchmarks/safeguards.py [--steps 20 --rounds 12]``; writes
 ``benchmarks/results/safeguards.md``.
 """
 
@@ -61,8 +62,8 @@ def timed_fit(distiller, data, steps: int, guard: dict | None) -> float:
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--steps", type=int, default=40, help="timed steps per round and variant")
-  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--steps", type=int, default=20, help="timed steps per variant in each round")
+  p.add_argument("--rounds", type=int, default=12, help="rounds; each runs every variant once, in rotated order")
   p.add_argument("--remat-steps", type=int, default=10, help="timed steps per remat policy")
   args = p.parse_args()
 
@@ -85,9 +86,12 @@ def main() -> None:
   }
   fit(d, data, steps=3, log_every=3)  # compile
   times: dict[str, list[float]] = {k: [] for k in variants}
+  names = list(variants)
   for r in range(args.rounds):
-    for name, keep in variants.items():
-      times[name].append(timed_fit(d, data, args.steps, keep))
+    # Variants run back to back and the order rotates from round to round, so a slow spell of a
+    # shared machine hits each variant alike; each is compared with the no-guard run of its round.
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      times[name].append(timed_fit(d, data, args.steps, variants[name]))
       print(f"round {r + 1}: {name}: {times[name][-1] * 1e3:.1f} ms/step", flush=True)
   med = {k: statistics.median(v) for k, v in times.items()}
   ratio = {k: statistics.median(t / off for t, off in zip(v, times["no guard"])) for k, v in times.items()}
