@@ -5,61 +5,102 @@ Run by hand (needs torch and transformers, which the test suite itself does not)
     pip install torch==2.13.0
     python scripts/make_hf_fixtures.py                  # writes tests/fixtures/hf_*
     python scripts/make_hf_fixtures.py --check-export   # meshdistill export -> transformers logits
+    python scripts/make_hf_fixtures.py --tokenizer      # only the text and tokenizer (needs `tokenizers` only)
 
 Each fixture directory holds config.json, bfloat16 safetensors weights (the Llama one sharded,
 with model.safetensors.index.json) and ``reference.npz`` = {tokens [2, 12] int32, logits
 [2, 12, V] float32} computed by transformers in float32 from exactly the stored weights.
 Norm scales and biases are randomised too, so a mis-mapped norm or bias changes the logits.
+
+``--tokenizer`` writes ``tests/fixtures/hf_text.jsonl`` (a small JSONL corpus, ``text`` field) and a
+``tokenizer.json`` for the Qwen3 fixture: a BPE of at most 128 tokens (the fixture's vocabulary)
+trained on that text, with ``<|endoftext|>`` as its end-of-text token, so the CLI can distil the
+fixture on real text (configs/hf_example.yaml).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 import tempfile
 
 import numpy as np
-import torch
-import transformers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 TOKENS = np.random.default_rng(0).integers(0, 128, (2, 12)).astype(np.int32)
 
+TOKENIZER_FIXTURE = "hf_qwen3"
+TEXT_FILE = FIXTURES / "hf_text.jsonl"
+WORDS = (
+    "the teacher model writes a distribution over the next token and the student learns to match it "
+    "a small model trained on soft targets sees how likely every other token was not only the right one "
+    "layers of the student start as copies of chosen teacher blocks so its first steps are already close "
+    "weights are split over the tensor axis and the batch over the data axis of one mesh "
+    "checkpoints are saved every few steps and a run resumes where it stopped"
+).split()
+
+
+def make_text_and_tokenizer() -> None:
+  """Writes the JSONL corpus and the Qwen3 fixture's tokenizer.json (deterministic)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  rng = np.random.default_rng(0)
+  docs = [" ".join(rng.choice(WORDS, size=int(rng.integers(20, 60)))).capitalize() + "." for _ in range(120)]
+  TEXT_FILE.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+  tok = Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.decoder = decoders.Metaspace()
+  trainer = trainers.BpeTrainer(vocab_size=128, special_tokens=["<|endoftext|>", "<unk>"], show_progress=False)
+  tok.train_from_iterator(docs, trainer)
+  out = FIXTURES / TOKENIZER_FIXTURE / "tokenizer.json"
+  tok.save(str(out))
+  print(f"{TEXT_FILE.name}: {len(docs)} documents, {TEXT_FILE.stat().st_size / 1024:.0f} KiB; "
+        f"{out.relative_to(FIXTURES)}: {tok.get_vocab_size()} tokens, {out.stat().st_size / 1024:.0f} KiB")
+
+
 COMMON = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
               max_position_embeddings=64, hidden_act="silu")
-MODELS = {
-    # Llama 3.x: untied head, rope_theta 500000 and Llama-3 frequency scaling whose bands all
-    # fall inside head_dim=16 (original_max_position_embeddings=16); sharded safetensors.
-    "hf_llama": (
-        transformers.LlamaConfig,
-        dict(COMMON, hidden_size=64, intermediate_size=96, tie_word_embeddings=False, rope_theta=500_000.0,
-             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                               original_max_position_embeddings=16)),
-        transformers.LlamaForCausalLM,
-        "40KB",
-    ),
-    # Qwen3: q/k RMSNorm, explicit head_dim (4 x 16 = 64 != hidden 48), tied embeddings.
-    "hf_qwen3": (
-        transformers.Qwen3Config,
-        dict(COMMON, hidden_size=48, head_dim=16, intermediate_size=96, tie_word_embeddings=True,
-             rope_theta=1_000_000.0),
-        transformers.Qwen3ForCausalLM,
-        None,
-    ),
-    # Qwen2: q/k/v biases.
-    "hf_qwen2": (
-        transformers.Qwen2Config,
-        dict(COMMON, hidden_size=32, intermediate_size=64, num_hidden_layers=1, tie_word_embeddings=False,
-             rope_theta=1_000_000.0),
-        transformers.Qwen2ForCausalLM,
-        None,
-    ),
-}
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
+def _models() -> dict:
+  import transformers
+
+  return {
+      # Llama 3.x: untied head, rope_theta 500000 and Llama-3 frequency scaling whose bands all
+      # fall inside head_dim=16 (original_max_position_embeddings=16); sharded safetensors.
+      "hf_llama": (
+          transformers.LlamaConfig,
+          dict(COMMON, hidden_size=64, intermediate_size=96, tie_word_embeddings=False, rope_theta=500_000.0,
+               rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=16)),
+          transformers.LlamaForCausalLM,
+          "40KB",
+      ),
+      # Qwen3: q/k RMSNorm, explicit head_dim (4 x 16 = 64 != hidden 48), tied embeddings.
+      "hf_qwen3": (
+          transformers.Qwen3Config,
+          dict(COMMON, hidden_size=48, head_dim=16, intermediate_size=96, tie_word_embeddings=True,
+               rope_theta=1_000_000.0),
+          transformers.Qwen3ForCausalLM,
+          None,
+      ),
+      # Qwen2: q/k/v biases.
+      "hf_qwen2": (
+          transformers.Qwen2Config,
+          dict(COMMON, hidden_size=32, intermediate_size=64, num_hidden_layers=1, tie_word_embeddings=False,
+               rope_theta=1_000_000.0),
+          transformers.Qwen2ForCausalLM,
+          None,
+      ),
+  }
+
+
+def _randomise(model, seed: int) -> None:
+  import torch
+
   g = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -72,13 +113,17 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
       p.copy_(p.to(torch.bfloat16).to(torch.float32))  # exactly what the bfloat16 files hold
 
 
-def logits_of(model: torch.nn.Module, tokens: np.ndarray) -> np.ndarray:
+def logits_of(model, tokens: np.ndarray) -> np.ndarray:
+  import torch
+
   with torch.no_grad():
     return model(torch.from_numpy(tokens).long()).logits.float().numpy()
 
 
 def make(name: str, seed: int) -> None:
-  config_cls, kw, model_cls, shard_size = MODELS[name]
+  import torch
+
+  config_cls, kw, model_cls, shard_size = _models()[name]
   torch.manual_seed(seed)
   model = model_cls(config_cls(**kw)).float().eval()
   _randomise(model, seed)
@@ -95,11 +140,14 @@ def make(name: str, seed: int) -> None:
 
 def check_export() -> int:
   """Loads each fixture with meshdistill, exports it, loads the export with transformers, compares logits."""
+  import torch
+  import transformers
+
   sys.path.insert(0, str(ROOT / "src"))
   from meshdistill.models.hf import export_hf, load_hf
 
   worst = 0.0
-  for name in MODELS:
+  for name in _models():
     ref = np.load(FIXTURES / name / "reference.npz")
     with tempfile.TemporaryDirectory() as tmp:
       export_hf(load_hf(FIXTURES / name), tmp, tokenizer=None)
@@ -113,11 +161,16 @@ def check_export() -> int:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--check-export", action="store_true", help="verify meshdistill exports with transformers")
+  parser.add_argument("--tokenizer", action="store_true", help="write only the text corpus and the Qwen3 tokenizer")
   args = parser.parse_args()
   if args.check_export:
     return check_export()
-  for i, name in enumerate(MODELS):
+  if args.tokenizer:
+    make_text_and_tokenizer()
+    return 0
+  for i, name in enumerate(_models()):
     make(name, seed=i)
+  make_text_and_tokenizer()
   return 0
 
 

@@ -1,4 +1,7 @@
-"""Test set-up: 8 simulated CPU devices, set once before JAX starts a backend."""
+"""Test set-up: 8 simulated CPU devices, set once before JAX starts a backend; shared fixtures.
+
+Shared configs and helpers live in ``tests/helpers.py`` (``from helpers import ...``).
+"""
 
 import os
 
@@ -9,50 +12,10 @@ import chex
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 chex.set_n_cpu_devices(8)
 
-import re  # noqa: E402
-
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-
-import meshdistill as md  # noqa: E402
-
-VOCAB = 64
-
-TEACHER_CFG = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
-STUDENT_CFG = TEACHER_CFG.replace(n_layers=1, d_model=16, mlp_hidden=32)
-
-
-def make_batch(seed: int = 0, batch: int = 8, seq: int = 8, vocab: int = VOCAB, pad_from: int | None = 6):
-  """A host batch {inputs, targets, mask}: random tokens, positions >= pad_from masked."""
-  rng = np.random.default_rng(seed)
-  x = rng.integers(0, vocab, (batch, seq + 1))
-  mask = np.ones((batch, seq), np.float32)
-  if pad_from is not None:
-    mask[:, pad_from:] = 0.0
-  return {"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32), "mask": mask}
+from helpers import STUDENT_CFG, TEACHER_CFG  # noqa: E402  (after the devices are set)
 
 
 @pytest.fixture
 def tiny_cfgs():
   return TEACHER_CFG, STUDENT_CFG
-
-
-def all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
-  """Output shapes (dims) of every all-gather in an HLO module text."""
-  shapes = []
-  for line in hlo.splitlines():
-    m = re.search(r"=\s*\(?\s*\w+\[([\d,]*)\][^=]*?\ball-gather(?:-start)?\(", line)
-    if m:
-      shapes.append(tuple(int(v) for v in m.group(1).split(",") if v))
-  return shapes
-
-
-def write_corpus(root, n_docs=24):
-  """A small corpus of text files; enough documents that some land in validation."""
-  root.mkdir(parents=True, exist_ok=True)
-  rng = np.random.default_rng(0)
-  words = ["def", "return", "class", "self", "import", "for", "in", "if", "else", "x", "y", "(", ")", ":", "\n"]
-  for i in range(n_docs):
-    text = " ".join(rng.choice(words, size=150 + 10 * i))
-    (root / f"doc{i:02d}.txt").write_text(text)
-  return str(root)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from conftest import make_batch
+from helpers import make_batch
 from flax import nnx
 
 import meshdistill as md

@@ -6,18 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
 from meshdistill.losses._chunked import chunked_token_sums, cross_entropy_token_fn, divergence_token_fn
 from meshdistill.strategies import LogitKD
-from meshdistill.strategies._chunked import ChunkedLogitKD, divergence_registry
+from meshdistill.strategies._chunked import ChunkedLogitKD
 
 N, D, E, V = 37, 16, 24, 200  # 37 tokens: prime, so most chunk sizes leave a padded tail
-DIVERGENCES = sorted(divergence_registry())
-TOKEN_FNS = {name: divergence_token_fn(fn) for name, fn in divergence_registry().items()}
+DIVERGENCES = sorted(md.losses.DIVERGENCES)
+TOKEN_FNS = {name: divergence_token_fn(fn) for name, fn in md.losses.DIVERGENCES.items()}
 TOKEN_FNS["cross_entropy"] = cross_entropy_token_fn
 
 
@@ -122,6 +122,68 @@ def test_bad_settings_name_the_setting(inputs):
     ChunkedLogitKD(temperature=0.0)
   with pytest.raises(ValueError, match="final"):
     ChunkedLogitKD(capture=("hidden",))
+
+
+# ------------------------------------------------------------------ one recipe: LogitKD and ChunkedLogitKD
+BAD_RECIPES = [
+    {"temperature": 0.0},
+    {"temperature": -1.0},
+    {"temperature": "hot"},
+    {"temperature": {"kind": "linear", "start": 3.0, "end": 0.0, "steps": 10}},
+    {"alpha": 1.5},
+    {"alpha": True},
+    {"alpha": {"kind": "cosine", "start": 0.5, "end": 1.5, "steps": 10}},
+    {"beta": 1.2, "divergence": "jsd"},
+    {"beta": 0.0, "divergence": "jsd"},
+    {"beta": {"kind": "constant", "value": 1.0}, "divergence": "jsd"},
+    {"skew": 1.0, "divergence": "skew_kl"},
+    {"skew": float("nan")},
+    {"divergence": "kl"},
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD_RECIPES, ids=str)
+def test_logitkd_and_chunked_reject_the_same_bad_values_with_the_same_message(kwargs):
+  with pytest.raises(ValueError) as plain:
+    LogitKD(**kwargs)
+  with pytest.raises(ValueError) as chunked:
+    ChunkedLogitKD(**kwargs)
+  setting = next(iter(kwargs))
+  assert f"LogitKD.{setting}" in str(plain.value)
+  assert str(chunked.value) == str(plain.value).replace("LogitKD.", "ChunkedLogitKD.")
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {},
+        {"divergence": "jsd", "beta": 0.3, "alpha": 0.7},
+        {"divergence": "skew_reverse_kl", "temperature": {"kind": "linear", "start": 3.0, "end": 1.0, "steps": 4}},
+        {"divergence": "mse", "alpha": {"kind": "step", "values": [0.2, 0.9], "boundaries": [2]}},
+    ],
+    ids=["forward_kl", "jsd", "skew_reverse_kl_scheduled_tau", "mse_scheduled_alpha"],
+)
+def test_logitkd_and_chunked_report_the_same_metrics_on_the_same_inputs(inputs, recipe):
+  b, T = 4, 9  # 36 of the 37 tokens as [b, T] rows
+  s_BxTxD, t_BxTxE = inputs["s"][: b * T].reshape(b, T, D), inputs["t"][: b * T].reshape(b, T, E)
+  targets_BxT, mask_BxT = inputs["targets"][: b * T].reshape(b, T), inputs["mask"][: b * T].reshape(b, T)
+  plain, chunked = LogitKD(**recipe), ChunkedLogitKD(chunk_size=5, **recipe)
+  student = md.ModelOutput(logits=s_BxTxD @ inputs["w"])
+  teacher = md.ModelOutput(logits=t_BxTxE @ inputs["wt"])
+  for step in (0, 3):
+    per_seq = jax.vmap(plain.per_sequence, in_axes=(None, 0, 0, 0, 0, None))
+    ref = {k: jnp.sum(v) for k, v in per_seq({}, student, teacher, targets_BxT, mask_BxT, step).items()}
+    got = chunked.per_batch({}, md.ModelOutput(logits=None, final=s_BxTxD), md.ModelOutput(logits=None, final=t_BxTxE),
+                            (inputs["w"], inputs["wt"]), targets_BxT, mask_BxT, step)
+    assert set(got) == set(ref) and {"loss", "kl", "ce", "teacher_ce", "corr", "agree"} <= set(ref)
+    for k in ref:
+      assert rel_err(got[k], ref[k]) < 1e-5, (step, k, float(got[k]), float(ref[k]))
+
+
+def test_the_fallback_keeps_the_recipe_on_the_logit_mse():
+  assert LogitKD(top_k=4, alpha=0.3).fallback() == LogitKD(divergence="mse", alpha=0.3)
+  fallback = ChunkedLogitKD(chunk_size=7, temperature=3.0).fallback()
+  assert fallback == ChunkedLogitKD(chunk_size=7, temperature=3.0, divergence="mse") and fallback.needs_head
 
 
 # ------------------------------------------------------------------ through the train step

@@ -2,6 +2,8 @@
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -9,6 +11,7 @@ import yaml
 
 from meshdistill import cli
 from meshdistill.config import Config, ConfigError, config_path, dump_config, load_config
+from meshdistill.config_files import default_yaml
 from meshdistill.models import abstract_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,12 +22,24 @@ def test_default_yaml_equals_the_dataclass_defaults():
   assert load_config(None) == Config()
 
 
-def test_repository_default_yaml_is_the_packaged_one():
-  with (
-    open(os.path.join(REPO, "configs", "default.yaml"), encoding="utf-8") as a,
-    open(config_path("default"), encoding="utf-8") as b,
-  ):
-    assert a.read() == b.read()
+def test_packaged_default_yaml_is_generated_from_the_dataclass_defaults():
+  with open(config_path("default"), encoding="utf-8") as f:
+    text = f.read()
+  assert text == default_yaml(Config().to_dict()), "run: python scripts/write_default_config.py"
+  assert yaml.safe_load(text) == Config().to_dict()  # every setting spelled out, none left to the defaults
+  # the script's check mode agrees
+  script = os.path.join(REPO, "scripts", "write_default_config.py")
+  assert subprocess.run([sys.executable, script, "--check"], capture_output=True).returncode == 0
+
+
+def test_repository_configs_named_like_packaged_ones_are_links_to_them_not_copies():
+  packaged = os.path.dirname(config_path("default"))
+  linked = []
+  for name in sorted(os.listdir(os.path.join(REPO, "configs"))):
+    if os.path.exists(os.path.join(packaged, name)):
+      assert os.path.realpath(os.path.join(REPO, "configs", name)) == os.path.realpath(os.path.join(packaged, name))
+      linked.append(name)
+  assert {"default.yaml", "tiny.yaml"} <= set(linked)  # README: --config configs/tiny.yaml
 
 
 def test_main_job_is_a_2x4_mesh_with_student_under_30_percent_of_teacher():
@@ -176,3 +191,20 @@ def test_chunk_size_selects_the_chunked_loss_with_the_same_recipe():
   assert (chunked.temperature, chunked.alpha, chunked.divergence) == (plain.temperature, plain.alpha, plain.divergence)
   with pytest.raises(ConfigError, match="distill.chunk_size=16 and distill.top_k=8 exclude each other"):
     load_config("tiny", ["distill.chunk_size=16", "distill.top_k=8"])
+
+
+def test_distill_kind_names_a_registered_strategy_with_options():
+  from meshdistill.strategies import AttentionTransfer, LogitKD
+
+  kd = load_config("tiny", ["distill.divergence=jsd", "distill.options={beta: 0.3}"]).distill.strategy()
+  assert kd == LogitKD(temperature=2.0, alpha=0.5, divergence="jsd", beta=0.3)
+  attn = load_config(None, ["distill.kind=attention_transfer", "distill.options={loss: mse}"]).distill.strategy()
+  assert attn == AttentionTransfer(loss="mse")
+  for sets, match in [
+      (["distill.kind=logit_kdd"], r"distill.kind='logit_kdd' is not a registered strategy; choose one of \[.*'logit_kd'"),
+      (["distill.options={bta: 0.3}"], r"distill.options \['bta'\] are not settings of LogitKD; its settings: .*'beta'"),
+      (["distill.divergence=jsd", "distill.options={beta: 1.5}"], r"distill.options.beta=1.5 must be in \[0.0, 1.0\]"),
+      (["distill.kind=attention_transfer", "distill.options={loss: l1}"], r"distill.options.loss='l1'; choose one of"),
+  ]:
+    with pytest.raises(ConfigError, match=match):
+      load_config(None, sets)

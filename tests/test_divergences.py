@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -375,7 +375,7 @@ def test_logitkd_rejects_top_k_larger_than_the_vocabulary():
 
 # ---------------------------------------------------------------- through the mesh step
 @dataclasses.dataclass(frozen=True)
-class _EveryDivergence:
+class _EveryDivergence(md.strategies.SequenceStrategy):
   """Optimises the sum of several LogitKD losses; reports each one (one compile for all)."""
 
   terms: tuple

@@ -6,7 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from conftest import write_corpus
+from helpers import write_corpus
 
 import meshdistill as md
 from meshdistill import jobs

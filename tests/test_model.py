@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TEACHER_CFG
+from helpers import TEACHER_CFG
 from flax import nnx
 
 import meshdistill as md

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import STUDENT_CFG, TEACHER_CFG, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 
 import meshdistill as md
 from meshdistill.freezing import Stage, freeze_status, progressive_freeze

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import STUDENT_CFG, TEACHER_CFG, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 
 import meshdistill as md
 from meshdistill import schedules

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
 
 import meshdistill as md
 

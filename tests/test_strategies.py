@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import STUDENT_CFG, TEACHER_CFG, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 
 import meshdistill as md
 from meshdistill import losses
@@ -310,3 +310,97 @@ def test_bad_settings_are_rejected_naming_the_setting():
     AttentionTransfer(loss="cosine")
   with pytest.raises(ValueError, match="FeatureProjection.loss"):
     FeatureProjection(loss="kl")
+
+
+# ---------------------------------------------------------------- the contract and the registry
+def test_every_built_in_strategy_meets_the_contract_without_optional_hooks():
+  built = {name: md.strategies.get(name)() for name in md.strategies.names()}
+  assert {"logit_kd", "chunked_logit_kd", "hard_label_ce", "attention_transfer", "feature_pooling"} <= set(built)
+  for name, strategy in built.items():
+    kind = md.strategies.check(strategy, name)
+    protocol = md.strategies.PerBatch if kind == "per_batch" else md.strategies.PerSequence
+    assert isinstance(strategy, protocol), name
+    assert strategy.needs_head == (kind == "per_batch") and strategy.needs_logits == (kind == "per_sequence"), name
+  assert md.strategies.check(Composite(terms={"kd": LogitKD()})) == "per_sequence"
+
+
+def test_a_strategy_without_the_contract_is_rejected_naming_what_it_lacks():
+  class Bare:
+    capture = ()
+
+    def per_sequence(self, *args):
+      return {}
+
+  with pytest.raises(ValueError, match=r"Composite.terms\['x'\]=Bare is not a strategy.*needs_logits.*SequenceStrategy"):
+    Composite(terms={"x": Bare()})
+
+
+def test_a_registered_strategy_is_found_by_name_with_its_settings():
+  @md.strategies.register("test_scaled_ce")
+  class ScaledCE(HardLabelCE):  # pylint: disable=unused-variable
+    pass
+
+  assert "test_scaled_ce" in md.strategies.names()
+  assert isinstance(md.strategies.from_settings("test_scaled_ce", {"temperature": 2.0}), ScaledCE)
+  kd = md.strategies.from_settings("logit_kd", {"temperature": 3.0, "alpha": 0.2, "top_k": None, "chunk_size": None})
+  assert kd == LogitKD(temperature=3.0, alpha=0.2)
+  assert md.strategies.from_settings("logit_kd", {"chunk_size": 8}) == ChunkedLogitKD(chunk_size=8)
+  with pytest.raises(ValueError, match=r"strategy 'no_such' is not registered; choose one of \[.*'logit_kd'"):
+    md.strategies.from_settings("no_such", {})
+  with pytest.raises(ValueError, match="name 'logit_kd' is taken by LogitKD"):
+    md.strategies.register("logit_kd")(ScaledCE)
+
+
+def test_composite_weights_take_spec_dicts_and_reject_non_finite_values():
+  attn = AttentionTransfer()
+  c = Composite(terms={"attn": attn}, weights={"attn": {"kind": "linear", "start": 0.0, "end": 1.0, "steps": 4}})
+  np.testing.assert_allclose(float(c.weight("attn", jnp.int32(2))), 0.5)
+  for bad in (float("inf"), float("nan"), "1", {"kind": "constant", "value": -1.0}):
+    with pytest.raises(ValueError, match=r"Composite\.weights\['attn'\]"):
+      Composite(terms={"attn": attn}, weights={"attn": bad})
+
+
+def test_a_new_strategy_is_one_new_module(tmp_path):
+  """Copy the package, add one file to strategies/, and use the strategy from the API and a config."""
+  import os
+  import shutil
+  import subprocess
+  import sys
+  import textwrap
+
+  src = os.path.dirname(os.path.dirname(os.path.abspath(md.__file__)))
+  shutil.copytree(os.path.join(src, "meshdistill"), tmp_path / "meshdistill", ignore=shutil.ignore_patterns("__pycache__"))
+  (tmp_path / "meshdistill" / "strategies" / "_mine.py").write_text(textwrap.dedent('''
+      import dataclasses
+      import jax.numpy as jnp
+      from meshdistill import losses
+      from meshdistill.schedules import check_scalar
+      from meshdistill.strategies._base import SequenceStrategy, register
+
+      @register("mine")
+      @dataclasses.dataclass(frozen=True, kw_only=True)
+      class Mine(SequenceStrategy):
+        temperature: float = 1.0
+
+        def __post_init__(self):
+          check_scalar("Mine.temperature", self.temperature, 0.0, low_open=True)
+
+        def per_sequence(self, params, student, teacher, targets_T, mask_T, step):
+          return {"loss": jnp.sum(losses.forward_kl(student.logits, teacher.logits, mask_T, self.temperature))}
+  '''))
+  probe = textwrap.dedent('''
+      import meshdistill as md
+      from meshdistill.config import ConfigError, load_config
+      assert md.strategies.Mine is md.strategies.get("mine")
+      assert load_config(None, ["distill.kind=mine"]).distill.strategy() == md.strategies.Mine(temperature=1.0)
+      try:
+        load_config(None, ["distill.kind=mine", "distill.temperature=0"])
+      except ConfigError as e:
+        print(e)
+      else:
+        raise SystemExit("distill.temperature=0 was accepted")
+  ''')
+  env = dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu")
+  run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr
+  assert "distill.temperature=0.0 must be > 0.0" in run.stdout

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import make_batch, write_corpus
+from helpers import make_batch, write_corpus
 from flax import nnx
 
 import meshdistill as md

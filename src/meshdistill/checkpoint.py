@@ -135,6 +135,31 @@ class Checkpointer:
     log.info("checkpoint: restored step %d from %s", step, self.directory)
     return state, dict(got.data), dict(got.meta)
 
+  def restore_student(self, cfg: ModelConfig, mesh: Mesh | None, step: int | None = None) -> Decoder:
+    """Only the student of a distillation checkpoint (no optimizer state, no teacher), onto ``mesh``.
+
+    ``cfg`` is the student's `ModelConfig`; each weight is read straight into its `tensor` shards.
+    """
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+    graphdef, abstract, shardings = abstract_params(cfg, mesh)
+    one = SingleDeviceSharding(jax.devices()[0])
+    where = jax.tree.map(lambda _: one, abstract) if shardings is None else shardings
+    target = {"params": {"student": jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, where)}}
+    args = ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
+    try:
+      got = self._mgr.restore(step, args=ocp.args.Composite(state=args))
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(
+          f"checkpoint step {step} in {self.directory} holds no student of this shape ({e}); it was written by a "
+          "run with other model sizes"
+      ) from e
+    return nnx.merge(graphdef, got.state["params"]["student"])
+
   def close(self) -> None:
     self._mgr.wait_until_finished()
     self._mgr.close()

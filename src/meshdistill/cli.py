@@ -5,6 +5,7 @@
   meshdistill pretrain [--out DIR]          # pretrain (and cache) the configured teacher
   meshdistill eval RUN_DIR                  # validation loss / perplexity / agreement of a run
   meshdistill plot RUN_DIR                  # PNG curves of loss, KL, CE and correlation
+  meshdistill export RUN_DIR OUT_DIR [--dtype bfloat16] [--step N] [--overwrite]   # the student as a HF checkpoint
   meshdistill config [--config ...] [--set ...]   # print the effective configuration
 
 ``--config`` takes a YAML file or the name of a packaged config (``default``, ``tiny``);
@@ -54,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
   pl.add_argument("run_dir", help="run directory holding metrics.jsonl")
   pl.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
   with_config(sub.add_parser("config", help="print the effective configuration as YAML"))
+  ex = sub.add_parser("export", help="write a distillation run's student as a Hugging Face checkpoint")
+  ex.add_argument("run_dir", help="run directory of a `meshdistill distill` run")
+  ex.add_argument("out_dir", help="directory to write (config.json, model.safetensors, tokenizer files)")
+  ex.add_argument("--dtype", default="float32", help="dtype of the written weights: float32, bfloat16 or float16")
+  ex.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the latest)")
+  ex.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty OUT_DIR")
   return p
 
 
@@ -79,6 +86,28 @@ def _err(msg: str) -> int:
   return 2
 
 
+def _export(args) -> int:
+  from meshdistill import export  # pylint: disable=g-import-not-at-top
+
+  try:  # settings, run directory and OUT_DIR are checked before JAX starts
+    cfg = export.run_config(args.run_dir)
+    if args.dtype not in export.DTYPES:
+      raise ValueError(f"--dtype={args.dtype!r}; choose one of {list(export.DTYPES)}")
+    export.check_out_dir(args.out_dir, args.overwrite)
+    from meshdistill import jobs  # pylint: disable=g-import-not-at-top
+
+    jobs.prepare_devices(cfg)
+    out = export.export_run(
+      args.run_dir, args.out_dir, dtype=args.dtype, step=args.step, overwrite=args.overwrite, cfg=cfg
+    )
+  except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+    return _err(str(e))
+  print(f"exported step {out['step']} of {args.run_dir} ({out['family']}, {out['params']:,} params, {out['dtype']}) "
+        f"-> {out['out_dir']}")
+  print(f"tokenizer: {out['tokenizer']}")
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   _setup_logging(args.verbose)
@@ -91,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, ImportError) as e:
       return _err(str(e))
     return 0
+
+  if args.command == "export":
+    return _export(args)
 
   try:  # every setting is checked here, before JAX starts or any data is read
     cfg = _load(args, getattr(args, "run_dir", None))

@@ -3,48 +3,39 @@
 A run is described by `Config`, whose sections are frozen, keyword-only dataclasses::
 
   mesh        data x tensor layout, step backend, simulated CPU devices
-  teacher     `ModelConfig` of the teacher
-  student     `ModelConfig` of the student
+  teacher     `ModelConfig` of the teacher, or ``hf: PATH`` (a Hugging Face directory; see `meshdistill.sources`)
+  student     `ModelConfig` of the student, ``hf: PATH``, or ``init: {from_teacher: true, layers: [...]}``
   data        `meshdistill.data.DataConfig` (corpus, tokenizer, seq_len, ...)
-  distill     the logit-distillation recipe (temperature / alpha: numbers or schedule specs)
+  distill     the strategy (a registered name) and its recipe (temperature / alpha: numbers or schedule specs)
   train       steps, batch size, optimizer, evaluation and logging cadence
   pretrain    how the teacher is obtained: a checkpoint, or pretrained from scratch and cached
   safeguards  divergence guard, automatic remat by memory, static loss scaling
   checkpoint  where / how often train states are saved, and how many are kept
   run         the run directory
 
-The dataclass defaults ARE the main job (``meshdistill distill`` with no arguments); the
-packaged ``configs/default.yaml`` spells them out, and a test keeps the two equal. A YAML
-file only needs the keys it changes: `load_config` overlays the file, then the overrides,
-on the defaults. Everything is checked before any work starts: an unknown key or a bad
+The dataclass defaults ARE the main job (``meshdistill distill`` with no arguments) and the
+one source of its settings: the packaged ``configs/default.yaml`` is generated from them
+(`meshdistill.config_files`), and a test keeps the file equal to them. A YAML file only needs
+the keys it changes: `load_config` overlays the file, then the overrides, on the defaults. Everything is checked before any work starts: an unknown key or a bad
 value raises `ConfigError` naming the dotted key and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 import os
 from collections.abc import Sequence
 
 import yaml
 
-from meshdistill._typed_yaml import (
-  ConfigError,
-  from_dict,
-  in_range,
-  nonneg_int,
-  parse_override,
-  positive_int,
-  set_path,
-  to_plain,
-  unknown_key,
-)
+from meshdistill import config_files
+from meshdistill._typed_yaml import ConfigError, from_dict, in_range, nonneg_int, positive_int, to_plain, unknown_key
+from meshdistill.config_files import config_path, load_raw  # noqa: F401  (part of this module's API)
 from meshdistill.data import DataConfig
 from meshdistill.layout import BACKENDS, layout_class
 from meshdistill.models import ModelConfig
+from meshdistill.sources import ModelSources, nest_sources, resolve, split_sources
 
-CONFIG_SUFFIXES = (".yaml", ".yml")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,37 +67,45 @@ class MeshSettings:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistillSettings:
-  """The `meshdistill.LogitKD` recipe. ``temperature`` and ``alpha`` are numbers or schedule specs
-  (`meshdistill.schedules.from_spec`), e.g. ``{kind: linear, start: 3.0, end: 1.0, steps: 300}``."""
+  """The strategy: ``kind`` names a registered one (`meshdistill.strategies.names()`), built from the
+  settings below that are among its fields plus ``options`` (`meshdistill.strategies.from_settings`).
+  For ``logit_kd``: ``temperature`` and ``alpha`` are numbers or schedule specs
+  (`meshdistill.schedules.from_spec`), e.g. ``{kind: linear, start: 3.0, end: 1.0, steps: 300}``;
+  ``chunk_size`` selects `ChunkedLogitKD` (the loss from final hidden states and LM heads,
+  ``chunk_size`` tokens at a time, without ``[batch, seq, vocab]`` logits; ``0`` = all at once)."""
 
+  kind: str = "logit_kd"
   temperature: float | dict = 1.0
   alpha: float | dict = 1.0
   divergence: str = "forward_kl"
   top_k: int | None = None
   chunk_size: int | None = None
+  options: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    if self.chunk_size is not None and self.top_k is not None:
-      raise ConfigError(
-        f"distill.chunk_size={self.chunk_size} and distill.top_k={self.top_k} exclude each other: the chunked loss "
-        "has no top-k form; set distill.chunk_size=null for a top-k teacher, or distill.top_k=null"
-      )
-    try:
-      self.strategy()
-    except ValueError as e:  # the strategies name the setting as LogitKD.<name> / ChunkedLogitKD.<name>
-      raise ConfigError(str(e).replace("ChunkedLogitKD.", "distill.").replace("LogitKD.", "distill.")) from None
+    self.strategy()  # checks every setting
 
   def strategy(self):
-    """The strategy these settings describe: `LogitKD`, or `ChunkedLogitKD` when ``chunk_size`` is set
-    (the loss from final hidden states and LM heads, ``chunk_size`` tokens at a time, without
-    ``[batch, seq, vocab]`` logits; ``0`` = all tokens at once)."""
-    from meshdistill.strategies import ChunkedLogitKD, LogitKD  # pylint: disable=g-import-not-at-top
+    """The strategy these settings describe (raises `ConfigError` naming the ``distill.`` key)."""
+    from meshdistill import strategies  # pylint: disable=g-import-not-at-top
 
-    if self.chunk_size is not None:
-      return ChunkedLogitKD(
-        temperature=self.temperature, alpha=self.alpha, divergence=self.divergence, chunk_size=self.chunk_size
-      )
-    return LogitKD(temperature=self.temperature, alpha=self.alpha, divergence=self.divergence, top_k=self.top_k)
+    if self.kind not in strategies.names():
+      raise ConfigError(f"distill.kind={self.kind!r} is not a registered strategy; choose one of {strategies.names()}")
+    fixed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("kind", "options")}
+    try:
+      built = strategies.from_settings(self.kind, {**fixed, **self.options})
+    except (TypeError, ValueError) as e:  # the strategies name <Class>.<setting>: name the config key instead
+      msg = str(e)
+      for name in strategies.names():
+        msg = msg.replace(f"{strategies.get(name).__name__}.", "distill.")
+      for key in self.options:
+        msg = msg.replace(f"distill.{key}=", f"distill.options.{key}=")
+      raise ConfigError(msg) from None
+    fields = {f.name for f in dataclasses.fields(built)} if dataclasses.is_dataclass(built) else set()
+    if set(self.options) - fields:
+      raise ConfigError(f"distill.options {sorted(set(self.options) - fields)} are not settings of "
+                        f"{type(built).__name__}; its settings: {sorted(fields)}")
+    return built
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -324,8 +323,11 @@ class Config:
   safeguards: SafeguardSettings = dataclasses.field(default_factory=SafeguardSettings)
   checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
   run: RunSettings = dataclasses.field(default_factory=RunSettings)
+  models: ModelSources = dataclasses.field(default_factory=ModelSources)  # teacher.hf / student.hf / student.init
 
   def __post_init__(self):
+    for section, value in resolve(self).items():  # shapes (and tokenizer) derived from teacher.hf / student.*
+      object.__setattr__(self, section, value)
     for who in ("teacher", "student"):
       m = getattr(self, who)
       if m.max_len < self.data.seq_len:
@@ -337,7 +339,7 @@ class Config:
         m.check_tensor_split(self.mesh.tensor)
       except ValueError as e:
         raise ConfigError(f"{who}: {e} (mesh.tensor={self.mesh.tensor})") from None
-    if self.teacher.vocab_size != self.student.vocab_size:
+    if self.teacher.vocab_size != self.student.vocab_size and not self.models.student_hf:  # hf: padding checked
       raise ConfigError(
         f"teacher.vocab_size={self.teacher.vocab_size} != student.vocab_size={self.student.vocab_size}; "
         "distillation compares distributions token by token: set both to the tokenizer's vocabulary size"
@@ -362,7 +364,7 @@ class Config:
 
   def to_dict(self) -> dict:
     """Plain nested dict (YAML/JSON-serializable) of every setting."""
-    return to_plain(self)
+    return nest_sources(to_plain(self), self.models)
 
   def replace(self, **sections) -> Config:
     return dataclasses.replace(self, **sections)
@@ -373,36 +375,6 @@ class Config:
 
 
 # --------------------------------------------------------------------------- loading
-def config_path(name_or_path: str) -> str:
-  """A config file: an existing path, or the name of a packaged config (``default``, ``tiny``)."""
-  if os.path.exists(name_or_path):
-    return name_or_path
-  packaged = importlib.resources.files("meshdistill") / "configs"
-  for suffix in ("",) + CONFIG_SUFFIXES:
-    candidate = packaged / f"{name_or_path}{suffix}"
-    if candidate.is_file():
-      return str(candidate)
-  names = sorted(p.name.rsplit(".", 1)[0] for p in packaged.iterdir() if p.name.endswith(CONFIG_SUFFIXES))
-  raise FileNotFoundError(f"config {name_or_path!r} is neither a file nor a packaged config; packaged configs: {names}")
-
-
-def load_raw(name_or_path: str | None) -> dict:
-  """The YAML mapping of a config file (``{}`` for None)."""
-  if name_or_path is None:
-    return {}
-  path = config_path(name_or_path)
-  with open(path, encoding="utf-8") as f:
-    try:
-      raw = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-      raise ConfigError(f"{path}: not valid YAML ({e})") from None
-  if raw is None:
-    return {}
-  if not isinstance(raw, dict):
-    raise ConfigError(f"{path}: the top level must be a mapping of sections (mesh, teacher, student, ...)")
-  return raw
-
-
 def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) -> Config:
   """The `Config` of a YAML file (or packaged config name) with ``key.path=value`` overrides.
 
@@ -414,11 +386,7 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
     ConfigError: an unknown key or a bad value, named by its dotted path.
     FileNotFoundError: the config file does not exist.
   """
-  raw = load_raw(name_or_path)
-  for item in overrides:
-    path, value = parse_override(item)
-    set_path(raw, path, value, item)
-  return from_dict(Config, raw)
+  return from_dict(Config, split_sources(config_files.read(name_or_path, overrides)))
 
 
 def dump_config(cfg: Config, path: str) -> None:

@@ -6,9 +6,10 @@ Order of work in `distill` (the main job):
 1. the mesh (``mesh.data`` x ``mesh.tensor``; on CPU, simulated devices -- see
    `prepare_devices`, which must run before JAX starts);
 2. the data (`meshdistill.data.build_data`): tokenizer, training iterator, validation batches;
-3. the teacher: ``pretrain.teacher`` if given, else the cached teacher for these settings,
-   else one pretrained now on hard labels (`pretrain`) and cached for later runs;
-4. the student, initialised from ``train.seed`` directly on the mesh;
+3. the teacher: ``teacher.hf`` (a Hugging Face directory) or ``pretrain.teacher`` if given, else the
+   cached teacher for these settings, else one pretrained now on hard labels (`pretrain`) and cached;
+4. the student, directly on the mesh: ``student.hf``, copied from the teacher's blocks
+   (``student.init``), or initialised from ``train.seed`` (`meshdistill.sources.build_student`);
 5. `meshdistill.trainer.fit` with a `Distiller`, checkpoints and monitoring in ``run.run_dir``;
 6. the final evaluation of teacher and student on the validation batches (``summary.json``).
 """
@@ -145,6 +146,11 @@ def pretrain(
   from meshdistill.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
   from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
 
+  if cfg.models.teacher_hf:
+    raise ConfigError(
+      f"teacher.hf={cfg.models.teacher_hf!r} is a pretrained teacher; `meshdistill pretrain` builds a teacher from "
+      "scratch: remove teacher.hf (and give the teacher's shape) to pretrain one"
+    )
   mesh = mesh if mesh is not None else build_mesh(cfg)
   data = with_batch_size(data if data is not None else load_data(cfg), cfg.pretrain.batch_size)
   out = out or teacher_dir(cfg, data.tokenizer)
@@ -191,6 +197,11 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
   ``report(text)`` receives one line saying where the teacher came from.
   """
   report = report or log.info
+  if cfg.models.teacher_hf:
+    from meshdistill.sources import load_teacher_hf  # pylint: disable=g-import-not-at-top
+
+    report(f"teacher: {cfg.models.teacher_hf} (Hugging Face)")
+    return load_teacher_hf(cfg, mesh), cfg.models.teacher_hf
   if cfg.pretrain.teacher:
     path = os.path.expanduser(cfg.pretrain.teacher)
     report(f"teacher: {path}")
@@ -275,12 +286,12 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
 
 
 def make_distiller(cfg: Config, teacher, mesh):
-  """The `Distiller` of ``cfg`` for ``teacher`` (student initialised from ``train.seed``)."""
+  """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.sources.build_student`)."""
   from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
-  from meshdistill.models import init_model  # pylint: disable=g-import-not-at-top
   from meshdistill.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.sources import build_student  # pylint: disable=g-import-not-at-top
 
-  student = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
+  student = build_student(cfg, teacher, mesh)
   strategy, scale = cfg.distill.strategy(), cfg.safeguards.loss_scale
   if scale is not None:
     from meshdistill.strategies import ScaledLoss  # pylint: disable=g-import-not-at-top
@@ -367,9 +378,7 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
       raise ValueError(f"{cfg.checkpoint_dir} holds a {meta.get('kind')!r} run, not a distillation run")
     mesh = build_mesh(cfg)
     data = load_data(cfg)
-    tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
-    read_teacher_meta(tdir)
-    teacher = load_teacher(tdir, cfg.teacher, mesh, data.tokenizer)
+    tdir, teacher = run_teacher(cfg, meta, mesh, data.tokenizer)
     distiller = make_distiller(cfg, teacher, mesh)
     state, _, _ = ckpt.restore(distiller, distiller.init_state())
     say(f"evaluating step {meta['step']} of {cfg.run.run_dir} (teacher {tdir})")
@@ -378,6 +387,17 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
     ckpt.close()
   summary.update({"step": int(meta["step"]), "teacher_dir": tdir, "run_dir": cfg.run.run_dir})
   return summary
+
+
+def run_teacher(cfg: Config, meta: dict, mesh, tokenizer):
+  """``(teacher_dir, teacher)`` of a distillation run whose checkpoint ``meta`` is given."""
+  if cfg.models.teacher_hf:
+    from meshdistill.sources import load_teacher_hf  # pylint: disable=g-import-not-at-top
+
+    return cfg.models.teacher_hf, load_teacher_hf(cfg, mesh)
+  tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
+  read_teacher_meta(tdir)
+  return tdir, load_teacher(tdir, cfg.teacher, mesh, tokenizer)
 
 
 def stream_reporter(stream: IO[str] | None):

@@ -2,8 +2,13 @@
 
 A schedule is a function of the step number returning a float -- the same contract as
 `optax.Schedule`, and built from `optax.schedules`. Strategies evaluate it on the
-traced ``int32`` step inside the jitted train step (`meshdistill.strategies.value_at`),
-so a changing value never recompiles the step.
+traced ``int32`` step inside the jitted train step (`value_at`), so a changing value
+never recompiles the step.
+
+A strategy setting that may change over training (temperature, alpha, beta, skew, term
+weights) is a `Scalar`: a number, a schedule function or a spec dict. `check_scalar` is
+the one place such a setting is checked against its allowed range (and a spec dict turned
+into a schedule); `check_integer` does the same for counts (top-k, chunk sizes).
 
 Kinds (``from_spec`` keys in brackets; ``begin`` defaults to 0):
 
@@ -30,9 +35,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 Schedule = Callable[[jax.Array], jax.Array]
+Scalar = float | Schedule  # a strategy setting: a constant or a schedule
 
 KINDS = ("constant", "linear", "cosine", "step")
 _KEYS = {
@@ -165,3 +172,79 @@ def value_range(spec: float | dict, name: str = "") -> tuple[float, float]:
   else:
     vals = [s["start"], s["end"]]
   return min(vals), max(vals)
+
+
+# ----------------------------------------------------------------------- strategy settings
+def value_at(x: Scalar, step: jax.Array) -> jax.Array:
+  """A constant, or a schedule (a function of the step number) evaluated at ``step``."""
+  return jnp.asarray(x(step) if callable(x) else x, jnp.float32)
+
+
+def _interval(low: float, high: float, low_open: bool, high_open: bool) -> str:
+  if high == math.inf:
+    return f"{'>' if low_open else '>='} {low}"
+  if low == -math.inf:
+    return f"{'<' if high_open else '<='} {high}"
+  return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
+def check_scalar(
+    where: str,
+    value: Any,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    example: str = "",
+) -> Scalar:
+  """Checks a `Scalar` setting against ``low .. high``; returns it ready for `value_at`.
+
+  A number must lie in the interval; a spec dict must stay in it at every step (see
+  `value_range`) and comes back as a schedule function; a schedule function is returned
+  as is (it cannot be checked without running it). ``where`` names the setting in errors
+  (e.g. ``"LogitKD.alpha"``), ``example`` is a value that would work.
+
+  >>> check_scalar("LogitKD.alpha", 0.5, 0.0, 1.0)
+  0.5
+  >>> check_scalar("LogitKD.alpha", 1.5, 0.0, 1.0)
+  Traceback (most recent call last):
+  ...
+  ValueError: LogitKD.alpha=1.5 must be in [0.0, 1.0]
+
+  Raises:
+    ValueError: naming ``where``, the value and the allowed interval.
+  """
+  if callable(value):
+    return value
+  hint = f" (e.g. {example})" if example else ""
+  if isinstance(value, dict):
+    lo, hi = value_range(value, where)
+    shown = f"{value} (takes values in [{lo}, {hi}])"
+  else:
+    try:
+      if isinstance(value, (bool, str)):
+        raise TypeError
+      lo = hi = float(value)
+    except (TypeError, ValueError):
+      raise ValueError(
+          f"{where}={value!r} must be a number, a schedule function or a schedule spec dict{hint}"
+      ) from None
+    shown = repr(value)
+  ok = (lo > low if low_open else lo >= low) and (hi < high if high_open else hi <= high)
+  if not ok:
+    raise ValueError(f"{where}={shown} must be {_interval(low, high, low_open, high_open)}{hint}")
+  return from_spec(value, where) if isinstance(value, dict) else value
+
+
+def check_integer(where: str, value: Any, minimum: int, *, allow_none: bool = False, meaning: str = "") -> int | None:
+  """Checks a count setting (an ``int`` >= ``minimum``, or None when ``allow_none``); returns it.
+
+  ``meaning`` completes the error message (e.g. ``": tokens per chunk (e.g. 1024)"``).
+  """
+  if value is None and allow_none:
+    return None
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    what = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+    raise ValueError(f"{where}={value!r} must be {'None or ' if allow_none else ''}{what}{meaning}")
+  return value

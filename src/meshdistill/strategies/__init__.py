@@ -1,64 +1,101 @@
-"""What to distil: strategies turn one sequence's student and teacher outputs into loss terms.
+"""What to distil: strategies turn student and teacher outputs into loss terms.
 
-A strategy is any object with
+The contract (`meshdistill.strategies._base`): a strategy is per-sequence (`SequenceStrategy`:
+``per_sequence`` on one sequence's `ModelOutput`, vmapped by the step) or per-batch
+(`BatchStrategy`: ``per_batch`` on all local rows plus the LM heads, ``needs_head = True``).
+Both return a dict of token SUMS with a ``"loss"`` entry (every other entry is a metric);
+the step divides by the global count of unmasked tokens, so every value is a token mean.
+Every strategy has ``capture`` (extra model outputs: ``"hidden"``, ``"attn"``, ``"final"``),
+``needs_logits`` / ``needs_head``, ``init_params(student_cfg, teacher_cfg, key)`` (extra
+trainable parameters, and the check of settings against model sizes) and ``fallback()``
+(its replacement after a divergence, or None); the base classes give the defaults, and
+`PerSequence` / `PerBatch` state the contract as `typing.Protocol` classes.
 
-* ``capture``: the extra model outputs it needs (subset of ``("hidden", "attn", "final")``);
-* ``init_params(student_cfg, teacher_cfg, key)``: extra trainable parameters (e.g. a
-  feature projection), trained with the student, replicated over the mesh; ``{}`` when
-  none. It is also where a strategy checks its settings against the model sizes
-  (`Distiller.init_state` calls it), raising ``ValueError`` for a bad setting;
-* ``per_sequence(params, student, teacher, targets_T, mask_T, step)``: a dict of
-  token SUMS for one sequence. ``"loss"`` is required; every other entry is reported as
-  a metric. The train step vmaps it over the local batch, sums over the global batch and
-  divides by the global count of unmasked tokens, so every value is a token mean.
+Built in (registered name in brackets, for configs' ``distill.kind`` and `get`):
 
-``student`` / ``teacher`` are `ModelOutput` of one sequence: logits ``[T, V]``,
-hidden states ``(L+1) x [T, D]`` and attention maps ``L x [H, T, T]``.
+=====================================  ===========================================================
+`LogitKD` (logit_kd)                   a divergence (KL, reverse KL, JSD, ...) between
+                                       temperature-softened logits, mixed with hard-label CE
+`ChunkedLogitKD` (chunked_logit_kd)    the same recipe without ``[B, T, V]`` logits (token chunks,
+                                       vocabulary-parallel); shares `LogitRecipe` with `LogitKD`
+`HardLabelCE` (hard_label_ce)          cross-entropy on the targets only
+`AttentionTransfer`                    KL / MSE between attention probability maps of mapped layers
+(attention_transfer)
+`FeaturePooling` (feature_pooling)     cosine / MSE to the teacher's width-pooled hidden states
+`FeatureProjection`                    cosine / MSE through a learned ``[D_s, D_t]`` map per mapped
+(feature_projection)                   layer
+`Composite`                            a weighted sum of per-sequence strategies; weights may be
+                                       schedules
+=====================================  ===========================================================
 
-A strategy that sets ``needs_head = True`` instead receives all local rows at once in
-``per_batch`` together with the LM heads, and the models skip their own heads
-(``needs_logits = False``; see `ChunkedLogitKD` and `meshdistill.step`).
-
-Built in:
-
-====================  ==========================================================================
-`LogitKD`             a divergence (KL, reverse KL, JSD, ...) between temperature-softened
-                      logits, mixed with hard-label CE
-`ChunkedLogitKD`      logit KD without ``[B, T, V]`` logits (token chunks, vocabulary-parallel)
-`HardLabelCE`         cross-entropy on the targets only
-`AttentionTransfer`   KL / MSE between attention probability maps of mapped layers
-`FeaturePooling`      cosine / MSE to the teacher's width-pooled hidden states
-`FeatureProjection`   cosine / MSE through a learned ``[D_s, D_t]`` map per mapped layer
-`Composite`           a weighted sum of per-sequence strategies (all above but `ChunkedLogitKD`);
-                      weights may be schedules
-====================  ==========================================================================
+A new strategy is one module in this package: a class deriving from `SequenceStrategy` or
+`BatchStrategy`, decorated with ``@register("name")``. Every module of the package is
+imported here, so the decorator runs and the class is exported under its own name.
 
 Layer maps (`default_layer_map`) pair student with teacher layers; weights and other
-scalars may be schedules, evaluated with `value_at`.
+scalars may be schedules, evaluated with `value_at` and checked with
+`meshdistill.schedules.check_scalar`.
 """
 
+import importlib
+import pkgutil
+
+from meshdistill.schedules import Scalar, value_at
 from meshdistill.strategies._attention import AttentionTransfer, attention_map_loss, group_heads
+from meshdistill.strategies._base import (
+    BatchStrategy,
+    PerBatch,
+    PerSequence,
+    SequenceStrategy,
+    Strategy,
+    check,
+    from_settings,
+    get,
+    names,
+    register,
+)
 from meshdistill.strategies._chunked import ChunkedLogitKD
 from meshdistill.strategies._composite import Composite, HardLabelCE
 from meshdistill.strategies._features import FeaturePooling, FeatureProjection, feature_loss, pool_features
 from meshdistill.strategies._layer_map import default_layer_map
-from meshdistill.strategies._logit import LogitKD, Scalar, logit_metrics, value_at
+from meshdistill.strategies._logit import LogitKD, LogitRecipe, logit_metrics, logit_token_metrics
 from meshdistill.strategies._wrappers import LogitMSE, ScaledLoss, fallback_strategy
 
 __all__ = [
     "AttentionTransfer",
+    "BatchStrategy",
     "ChunkedLogitKD",
     "Composite",
     "FeaturePooling",
     "FeatureProjection",
     "HardLabelCE",
     "LogitKD",
+    "LogitRecipe",
+    "PerBatch",
+    "PerSequence",
     "Scalar",
+    "SequenceStrategy",
+    "Strategy",
     "attention_map_loss",
+    "check",
     "default_layer_map",
     "feature_loss",
+    "from_settings",
+    "get",
     "group_heads",
     "logit_metrics",
+    "logit_token_metrics",
+    "names",
     "pool_features",
+    "register",
     "value_at",
 ]
+
+# Modules added to this package register their strategies on import; export those by class name.
+for _module in pkgutil.iter_modules(__path__):
+  importlib.import_module(f"{__name__}.{_module.name}")
+for _name in names():
+  _cls = get(_name)
+  if _cls.__name__ not in globals():
+    globals()[_cls.__name__] = _cls
+    __all__.append(_cls.__name__)

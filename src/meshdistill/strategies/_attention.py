@@ -16,14 +16,14 @@ context). Keys after the query are already 0 in both maps (causal attention).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
-import einops
 import jax
 import jax.numpy as jnp
 
 from meshdistill.models import ModelOutput
-from meshdistill.strategies._layer_map import LayerMap, check_layer_map_shape, resolve_layer_map
+from meshdistill.strategies._base import SequenceStrategy, register
+from meshdistill.strategies._layer_map import LayerMap, check_layer_map_shape, mean_groups, resolve_layer_map
 
 ATTENTION_LOSSES = ("kl", "mse")
 HEAD_MODES = ("group", "mean")
@@ -36,16 +36,14 @@ def group_heads(attn_HxTxS: jax.Array, n_heads: int, owner: str = "AttentionTran
   ``[H, T, S] -> [n_heads, T, S]``; identity when ``H == n_heads``. The mean of
   probability rows is a probability row, so KL stays well defined.
   """
-  H = attn_HxTxS.shape[0]
-  if H == n_heads:
-    return attn_HxTxS
-  if H % n_heads:
-    raise ValueError(
-        f"{owner}: teacher has {H} attention heads, which cannot be averaged into the student's {n_heads} "
-        f"(groups of teacher_heads / student_heads heads need {H} % {n_heads} == 0); "
-        "use heads='mean' to compare head-averaged maps instead"
-    )
-  return einops.reduce(attn_HxTxS, "(g r) t s -> g t s", "mean", g=n_heads)
+  return mean_groups(
+      attn_HxTxS,
+      n_heads,
+      0,
+      f"{owner}: teacher has {{N}} attention heads, which cannot be averaged into the student's {{n}} "
+      "(groups of teacher_heads / student_heads heads need {N} % {n} == 0); "
+      "use heads='mean' to compare head-averaged maps instead",
+  )
 
 
 def _drop_keys(p_HxTxS: jax.Array, mask_S: jax.Array) -> jax.Array:
@@ -88,8 +86,9 @@ def attention_map_loss(
   return jnp.where(m > 0, per_T, 0.0)
 
 
+@register("attention_transfer")
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AttentionTransfer:
+class AttentionTransfer(SequenceStrategy):
   """Distils attention probability maps of mapped layers.
 
   ``loss`` per sequence = sum over unmasked queries of the per-row loss, averaged over
@@ -110,6 +109,7 @@ class AttentionTransfer:
   loss: str = "kl"
   heads: str = "group"
   mask_keys: bool = True
+  capture: ClassVar[tuple[str, ...]] = ("attn",)
 
   def __post_init__(self):
     object.__setattr__(self, "layer_map", check_layer_map_shape("AttentionTransfer", self.layer_map))
@@ -117,10 +117,6 @@ class AttentionTransfer:
       raise ValueError(f"AttentionTransfer.loss={self.loss!r}; choose one of {ATTENTION_LOSSES}")
     if self.heads not in HEAD_MODES:
       raise ValueError(f"AttentionTransfer.heads={self.heads!r}; choose one of {HEAD_MODES}")
-
-  @property
-  def capture(self) -> tuple[str, ...]:
-    return ("attn",)
 
   def init_params(self, student_cfg, teacher_cfg, key) -> Any:
     """Checks the layer map and head counts against the models; no parameters."""

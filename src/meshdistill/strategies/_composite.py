@@ -20,20 +20,14 @@ import jax.numpy as jnp
 
 from meshdistill import losses
 from meshdistill.models import ModelOutput
-from meshdistill.strategies._logit import Scalar, value_at
+from meshdistill.schedules import Scalar, check_scalar, value_at
+from meshdistill.strategies._base import SequenceStrategy, check, register
 
 
+@register("hard_label_ce")
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HardLabelCE:
+class HardLabelCE(SequenceStrategy):
   """Cross-entropy of the student on the targets (no teacher term): ``loss`` = masked CE sum."""
-
-  @property
-  def capture(self) -> tuple[str, ...]:
-    return ()
-
-  def init_params(self, student_cfg, teacher_cfg, key) -> Any:
-    del student_cfg, teacher_cfg, key
-    return {}
 
   def per_sequence(self, params, student: ModelOutput, teacher: ModelOutput, targets_T, mask_T, step):
     del params, teacher, step
@@ -41,7 +35,7 @@ class HardLabelCE:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
-class Composite:
+class Composite(SequenceStrategy):
   """A weighted sum of strategies.
 
   ``loss = sum_name weights[name] * terms[name].loss``; every value a term returns is
@@ -51,8 +45,8 @@ class Composite:
 
   Attributes:
     terms: ``{name: strategy}``; names are non-empty and contain no ``"/"``.
-    weights: ``{name: weight}``; a weight is a non-negative constant or a schedule (a
-      function of the step). Terms without a weight get 1.0.
+    weights: ``{name: weight}``; a weight is a non-negative constant, a schedule (a
+      function of the step) or a schedule spec dict. Terms without a weight get 1.0.
   """
 
   terms: Mapping[str, Any]
@@ -69,30 +63,20 @@ class Composite:
     for name, term in self.terms.items():
       if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"Composite.terms name {name!r} must be a non-empty string without '/'")
-      missing = [a for a in ("capture", "init_params", "per_sequence") if not hasattr(term, a)]
-      if getattr(term, "needs_head", False) or not getattr(term, "needs_logits", True):
+      if check(term, f"Composite.terms[{name!r}]") != "per_sequence":
         raise ValueError(
             f"Composite.terms[{name!r}]={type(term).__name__} computes its loss over whole batches from the LM "
             "heads (needs_head), which a composite cannot combine per sequence; use LogitKD as the term instead"
         )
-      if missing:
-        raise ValueError(f"Composite.terms[{name!r}]={term!r} is not a strategy: it lacks {missing}")
     unknown = sorted(set(self.weights) - set(self.terms))
     if unknown:
       raise ValueError(f"Composite.weights names {unknown}, which are not terms; terms are {sorted(self.terms)}")
-    for name, w in self.weights.items():
-      if callable(w):
-        continue
-      try:
-        ok = math.isfinite(float(w)) and float(w) >= 0.0
-      except (TypeError, ValueError):
-        ok = False
-      if not ok:
-        raise ValueError(
-            f"Composite.weights[{name!r}]={w!r} must be a finite number >= 0 or a schedule (a function of the step)"
-        )
+    weights = {
+        name: check_scalar(f"Composite.weights[{name!r}]", w, 0.0, math.inf, high_open=True, example="1.0")
+        for name, w in self.weights.items()
+    }
     object.__setattr__(self, "terms", dict(self.terms))
-    object.__setattr__(self, "weights", dict(self.weights))
+    object.__setattr__(self, "weights", weights)
 
   @property
   def capture(self) -> tuple[str, ...]:

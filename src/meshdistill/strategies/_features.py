@@ -15,14 +15,14 @@ the mesh. Two ways to bridge the width gap between teacher (``D_t``) and student
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
-import einops
 import jax
 import jax.numpy as jnp
 
 from meshdistill.models import ModelOutput
-from meshdistill.strategies._layer_map import LayerMap, check_layer_map_shape, resolve_layer_map
+from meshdistill.strategies._base import SequenceStrategy, register
+from meshdistill.strategies._layer_map import LayerMap, check_layer_map_shape, mean_groups, resolve_layer_map
 
 FEATURE_LOSSES = ("cosine", "mse")
 _EPS = 1e-12
@@ -30,15 +30,13 @@ _EPS = 1e-12
 
 def pool_features(x_TxD: jax.Array, width: int, owner: str = "FeaturePooling") -> jax.Array:
   """Average-pools ``[T, D]`` to ``[T, width]`` over consecutive groups of ``D / width`` features."""
-  D = x_TxD.shape[-1]
-  if D == width:
-    return x_TxD
-  if D % width:
-    raise ValueError(
-        f"{owner}: teacher d_model={D} is not a multiple of student d_model={width}; pooling averages groups "
-        "of teacher_d / student_d features. Choose widths that divide, or use FeatureProjection (a learned map)"
-    )
-  return einops.reduce(x_TxD, "t (d r) -> t d", "mean", d=width)
+  return mean_groups(
+      x_TxD,
+      width,
+      -1,
+      f"{owner}: teacher d_model={{N}} is not a multiple of student d_model={{n}}; pooling averages groups "
+      "of teacher_d / student_d features. Choose widths that divide, or use FeatureProjection (a learned map)",
+  )
 
 
 def feature_loss(student_TxD: jax.Array, teacher_TxD: jax.Array, mask_T: jax.Array, loss: str = "cosine") -> jax.Array:
@@ -61,24 +59,36 @@ def feature_loss(student_TxD: jax.Array, teacher_TxD: jax.Array, mask_T: jax.Arr
   return jnp.where(mask_T > 0, per_T, 0.0)
 
 
-def _check(owner: str, loss: str, layer_map) -> LayerMap | None:
-  if loss not in FEATURE_LOSSES:
-    raise ValueError(f"{owner}.loss={loss!r}; choose one of {FEATURE_LOSSES}")
-  return check_layer_map_shape(owner, layer_map)
-
-
-def _pairs(owner: str, layer_map, student: ModelOutput, teacher: ModelOutput) -> LayerMap:
-  if not student.hidden or not teacher.hidden:
-    raise ValueError(f"{owner} needs hidden states: the models must be called with capture=('hidden',)")
-  return resolve_layer_map(owner, layer_map, len(student.hidden), len(teacher.hidden), "hidden state", 1)
-
-
-def _pairs_from_cfgs(owner: str, layer_map, student_cfg, teacher_cfg) -> LayerMap:
-  return resolve_layer_map(owner, layer_map, student_cfg.n_layers + 1, teacher_cfg.n_layers + 1, "hidden state", 1)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FeaturePooling:
+class _FeatureMatch(SequenceStrategy):
+  """What `FeaturePooling` and `FeatureProjection` share: a layer map over hidden states and a loss."""
+
+  layer_map: LayerMap | None = None
+  loss: str = "cosine"
+  capture: ClassVar[tuple[str, ...]] = ("hidden",)
+
+  def __post_init__(self):
+    owner = type(self).__name__
+    if self.loss not in FEATURE_LOSSES:
+      raise ValueError(f"{owner}.loss={self.loss!r}; choose one of {FEATURE_LOSSES}")
+    object.__setattr__(self, "layer_map", check_layer_map_shape(owner, self.layer_map))
+
+  def pairs_for_models(self, student_cfg, teacher_cfg) -> LayerMap:
+    """The layer pairs for these model sizes (checks the layer map against them)."""
+    n_s, n_t = student_cfg.n_layers + 1, teacher_cfg.n_layers + 1
+    return resolve_layer_map(type(self).__name__, self.layer_map, n_s, n_t, "hidden state", 1)
+
+  def pairs(self, student: ModelOutput, teacher: ModelOutput) -> LayerMap:
+    """The layer pairs for these captured hidden states."""
+    owner = type(self).__name__
+    if not student.hidden or not teacher.hidden:
+      raise ValueError(f"{owner} needs hidden states: the models must be called with capture=('hidden',)")
+    return resolve_layer_map(owner, self.layer_map, len(student.hidden), len(teacher.hidden), "hidden state", 1)
+
+
+@register("feature_pooling")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FeaturePooling(_FeatureMatch):
   """Hidden-state distillation with the teacher's width average-pooled to the student's.
 
   ``loss`` per sequence = sum over unmasked tokens of the per-token distance, averaged
@@ -91,27 +101,17 @@ class FeaturePooling:
     loss: ``"cosine"`` (1 - cosine similarity) or ``"mse"``.
   """
 
-  layer_map: LayerMap | None = None
-  loss: str = "cosine"
-
-  def __post_init__(self):
-    object.__setattr__(self, "layer_map", _check("FeaturePooling", self.loss, self.layer_map))
-
-  @property
-  def capture(self) -> tuple[str, ...]:
-    return ("hidden",)
-
   def init_params(self, student_cfg, teacher_cfg, key) -> Any:
     """Checks the layer map and widths against the models; no parameters."""
     del key
-    _pairs_from_cfgs("FeaturePooling", self.layer_map, student_cfg, teacher_cfg)
+    self.pairs_for_models(student_cfg, teacher_cfg)
     if teacher_cfg.d_model % student_cfg.d_model:
       pool_features(jnp.zeros((1, teacher_cfg.d_model)), student_cfg.d_model)
     return {}
 
   def per_sequence(self, params, student: ModelOutput, teacher: ModelOutput, targets_T, mask_T, step):
     del params, targets_T, step
-    pairs = _pairs("FeaturePooling", self.layer_map, student, teacher)
+    pairs = self.pairs(student, teacher)
     total_T = 0.0
     for s_idx, t_idx in pairs:
       s = student.hidden[s_idx]
@@ -125,8 +125,9 @@ def projection_name(student_layer: int, teacher_layer: int) -> str:
   return f"s{student_layer}_t{teacher_layer}"
 
 
+@register("feature_projection")
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FeatureProjection:
+class FeatureProjection(_FeatureMatch):
   """Hidden-state distillation through a learned per-token linear map ``D_s -> D_t``.
 
   Parameters (from `init_params`): ``{projection_name(s, t): {"kernel": [D_s, D_t]}}``,
@@ -140,19 +141,9 @@ class FeatureProjection:
     loss: ``"cosine"`` or ``"mse"``.
   """
 
-  layer_map: LayerMap | None = None
-  loss: str = "cosine"
-
-  def __post_init__(self):
-    object.__setattr__(self, "layer_map", _check("FeatureProjection", self.loss, self.layer_map))
-
-  @property
-  def capture(self) -> tuple[str, ...]:
-    return ("hidden",)
-
   def init_params(self, student_cfg, teacher_cfg, key) -> Any:
     """One ``[D_s, D_t]`` kernel per mapped layer pair (checks the layer map first)."""
-    pairs = _pairs_from_cfgs("FeatureProjection", self.layer_map, student_cfg, teacher_cfg)
+    pairs = self.pairs_for_models(student_cfg, teacher_cfg)
     init = jax.nn.initializers.lecun_normal()
     shape = (student_cfg.d_model, teacher_cfg.d_model)
     return {
@@ -162,7 +153,7 @@ class FeatureProjection:
 
   def per_sequence(self, params, student: ModelOutput, teacher: ModelOutput, targets_T, mask_T, step):
     del targets_T, step
-    pairs = _pairs("FeatureProjection", self.layer_map, student, teacher)
+    pairs = self.pairs(student, teacher)
     total_T = 0.0
     for s_idx, t_idx in pairs:
       name = projection_name(s_idx, t_idx)

@@ -17,6 +17,9 @@ from __future__ import annotations
 import operator
 from typing import Sequence
 
+import einops
+import jax
+
 LayerMap = tuple[tuple[int, int], ...]
 
 
@@ -80,3 +83,18 @@ def resolve_layer_map(
             f"valid {role} {what}s are 0..{n - 1}"
         )
   return tuple(layer_map)
+
+
+def mean_groups(x: jax.Array, n: int, axis: int, mismatch: str) -> jax.Array:
+  """Averages axis ``axis`` of ``x`` (size ``N``) into ``n`` groups of ``N / n`` consecutive entries.
+
+  Bridges a teacher dimension to the student's (heads, width); identity when ``N == n``.
+  Raises ``ValueError(mismatch.format(N=N, n=n))`` when ``n`` does not divide ``N``.
+  """
+  N = x.shape[axis]
+  if N == n:
+    return x
+  if N % n:
+    raise ValueError(mismatch.format(N=N, n=n))
+  moved = jax.numpy.moveaxis(x, axis, 0)
+  return jax.numpy.moveaxis(einops.reduce(moved, "(g r) ... -> g ...", "mean", g=n), 0, axis)

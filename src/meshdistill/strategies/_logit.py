@@ -1,128 +1,193 @@
-"""Logit distillation: a divergence at temperature tau mixed with hard-label CE."""
+"""Logit distillation: a divergence at temperature tau mixed with hard-label CE.
+
+`LogitRecipe` holds what `LogitKD` and `ChunkedLogitKD` share: the settings, their checks,
+the per-token loss and metrics, and the divergence fallback. The two differ only in where the
+logits come from (the models' heads, or chunks formed from the final hidden states).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
 
-from meshdistill import losses, schedules
+from meshdistill import losses
 from meshdistill.models import ModelOutput
+from meshdistill.schedules import Scalar, check_integer, check_scalar, value_at, value_range
+from meshdistill.strategies._base import SequenceStrategy, Strategy, register
 
-Scalar = float | Callable[[jax.Array], jax.Array]
+Divergence = Callable[..., jax.Array]
 
-
-def value_at(x: Scalar, step: jax.Array) -> jax.Array:
-  """A constant, or a schedule (a function of the step number) evaluated at ``step``."""
-  return jnp.asarray(x(step) if callable(x) else x, jnp.float32)
-
-
-def logit_metrics(student: ModelOutput, teacher: ModelOutput, targets_T, mask_T) -> dict[str, jax.Array]:
-  """Token sums of the monitoring metrics shared by every strategy (all masked)."""
-  s, t = student.logits, teacher.logits
-  return {
-      "ce": jnp.sum(losses.cross_entropy(s, targets_T, mask_T)),
-      "teacher_ce": jnp.sum(losses.cross_entropy(t, targets_T, mask_T)),
-      "corr": jnp.sum(losses.pearson(s, t, mask_T)),
-      "agree": jnp.sum(losses.top1_agreement(s, t, mask_T)),
-  }
-
-
-# setting -> (lowest allowed, highest allowed, lowest inclusive, highest inclusive, example)
-_RANGES = {
-    "temperature": (0.0, float("inf"), False, False, "2.0"),
-    "alpha": (0.0, 1.0, True, True, "0.5"),
-    "beta": (0.0, 1.0, True, True, "0.5"),
-    "skew": (0.0, 1.0, True, False, "0.1"),
+# setting -> keyword arguments of `check_scalar` (allowed interval, an example that works)
+RANGES = {
+    "temperature": {"low": 0.0, "low_open": True, "example": "2.0"},
+    "alpha": {"low": 0.0, "high": 1.0, "example": "0.5"},
+    "beta": {"low": 0.0, "high": 1.0, "example": "0.5"},
+    "skew": {"low": 0.0, "high": 1.0, "high_open": True, "example": "0.1"},
 }
 
 
-def _check_range(name: str, value: Any) -> None:
-  """Raises ValueError when a constant or dict-spec setting can leave its allowed range."""
-  if callable(value):
-    return  # an arbitrary schedule function cannot be checked without running it
-  if not isinstance(value, dict):
-    try:
-      value = float(value)
-    except (TypeError, ValueError):
-      raise ValueError(
-          f"LogitKD.{name}={value!r} must be a number, a schedule function or a schedule spec dict"
-      ) from None
-  lo, hi = schedules.value_range(value, f"LogitKD.{name}")
-  low, high, low_in, high_in, example = _RANGES[name]
-  ok = (lo >= low if low_in else lo > low) and (hi <= high if high_in else hi < high)
-  if not ok:
-    brackets = ("[" if low_in else "(", "]" if high_in else ")")
-    interval = f"> {low}" if high == float("inf") else f"in {brackets[0]}{low}, {high}{brackets[1]}"
-    shown = repr(value) if not isinstance(value, dict) else f"{value} (takes values in [{lo}, {hi}])"
-    raise ValueError(f"LogitKD.{name}={shown} must be {interval} (e.g. {example})")
+def logit_token_metrics(student_TxV, teacher_TxV, targets_T, mask_T) -> dict[str, jax.Array]:
+  """Per-token monitoring metrics shared by the logit strategies (``[T]``, 0 where masked)."""
+  return {
+      "ce": losses.cross_entropy(student_TxV, targets_T, mask_T),
+      "teacher_ce": losses.cross_entropy(teacher_TxV, targets_T, mask_T),
+      "corr": losses.pearson(student_TxV, teacher_TxV, mask_T),
+      "agree": losses.top1_agreement(student_TxV, teacher_TxV, mask_T),
+  }
+
+
+def logit_metrics(student: ModelOutput, teacher: ModelOutput, targets_T, mask_T) -> dict[str, jax.Array]:
+  """Token sums of `logit_token_metrics` for one sequence."""
+  per_token = logit_token_metrics(student.logits, teacher.logits, targets_T, mask_T)
+  return {k: jnp.sum(v) for k, v in per_token.items()}
+
+
+def resolve_divergence(owner: str, divergence: Union[str, Divergence]) -> Divergence:
+  """The per-token function ``f(student_TxV, teacher_TxV, mask_T, temperature, **hyper) -> [T]``.
+
+  ``divergence`` is a name of `meshdistill.losses.DIVERGENCES` or such a function.
+  """
+  if callable(divergence):
+    return divergence
+  if divergence not in losses.DIVERGENCES:
+    raise ValueError(
+        f"{owner}.divergence={divergence!r} is unknown; choose one of {sorted(losses.DIVERGENCES)} or pass a "
+        "function f(student_TxV, teacher_TxV, mask_T, temperature) -> [T]"
+    )
+  return losses.DIVERGENCES[divergence]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LogitKD:
-  """Logit distillation mixed with hard labels.
-
-  ``loss = alpha * tau^2 * D(teacher_tau, student_tau) + (1 - alpha) * CE(student, targets)``
+class LogitRecipe(Strategy):
+  """``loss = alpha * tau^2 * D(teacher_tau, student_tau) + (1 - alpha) * CE(student, targets)``.
 
   Args:
     temperature: tau > 0, softens both distributions (the ``tau^2`` factor keeps the
       gradient scale independent of tau).
     alpha: weight of the distillation term, in [0, 1].
     divergence: ``D``, a name in `meshdistill.losses.DIVERGENCES`: ``forward_kl``
-      (default), ``reverse_kl``, ``jsd``, ``skew_kl``, ``skew_reverse_kl``, ``tvd``, ``mse``.
+      (default), ``reverse_kl``, ``jsd``, ``skew_kl``, ``skew_reverse_kl``, ``tvd``, ``mse``;
+      or any per-token function ``f(student_TxV, teacher_TxV, mask_T, temperature) -> [T]``
+      that reduces over V with sums and maxima only (its metric is named after it).
     beta: ``jsd`` only: the generalised JSD's interpolation in [0, 1] (TRL's convention,
       near 0 ~ forward KL, near 1 ~ reverse KL; see `meshdistill.losses.jsd`).
     skew: ``skew_kl`` / ``skew_reverse_kl`` only: mixture weight in [0, 1) (DistiLLM: 0.1).
-    top_k: None for the full vocabulary, or k: compare on the teacher's top-k tokens plus
-      one tail bin (`meshdistill.losses.topk_divergence`; not with ``mse``).
-    capture: extra model outputs (none needed).
 
   ``temperature``, ``alpha``, ``beta`` and ``skew`` are each a number, a schedule (a
   function of the step, see `meshdistill.schedules`) or a schedule spec dict such as
-  ``{"kind": "linear", "start": 3.0, "end": 1.0, "steps": 1000}``; schedules are
-  evaluated on the traced step inside the compiled step (no recompilation).
+  ``{"kind": "linear", "start": 3.0, "end": 1.0, "steps": 1000}``, checked by
+  `meshdistill.schedules.check_scalar`; schedules are evaluated on the traced step inside
+  the compiled step (no recompilation).
 
   Metrics (token means): ``loss``, ``kl`` (forward KL at tau over the full vocabulary,
   always reported for comparability), ``ce``, ``teacher_ce``, ``corr``, ``agree``, and,
-  when the optimised term is not the full forward KL, the term itself under the
-  divergence's name (``reverse_kl``, ``jsd``, ...; ``topk_<name>`` with ``top_k``).
+  when the optimised term is not the full forward KL, the term itself under `term_name`.
   """
 
   temperature: Scalar = 2.0
   alpha: Scalar = 0.5
-  divergence: str = "forward_kl"
+  divergence: Union[str, Divergence] = "forward_kl"
   beta: Scalar = 0.5
   skew: Scalar = 0.1
+
+  def __post_init__(self):
+    owner = type(self).__name__
+    resolve_divergence(owner, self.divergence)
+    checked = {name: check_scalar(f"{owner}.{name}", getattr(self, name), **kw) for name, kw in RANGES.items()}
+    if self.divergence == "jsd" and not callable(self.beta):
+      lo, hi = value_range(self.beta)
+      if lo == hi and lo in (0.0, 1.0):
+        other = "forward_kl" if lo == 0.0 else "reverse_kl"
+        raise ValueError(
+            f"{owner}.beta={self.beta!r} makes divergence='jsd' identically 0 (its mixture collapses onto one "
+            f"side); for the limit it tends to use divergence={other!r}, or choose 0 < beta < 1"
+        )
+    for name, value in checked.items():  # a YAML-style spec dict becomes a schedule function
+      object.__setattr__(self, name, value)
+
+  @property
+  def term_name(self) -> str:
+    """Metric name of the optimised term (``kl`` for the full forward KL)."""
+    fn = resolve_divergence(type(self).__name__, self.divergence)
+    if fn is losses.forward_kl:
+      return "kl"
+    return self.divergence if isinstance(self.divergence, str) else getattr(fn, "__name__", "divergence")
+
+  def hyperparameters(self) -> tuple[str, ...]:
+    """The divergence's own settings (``beta``, ``skew``) it is called with."""
+    return () if callable(self.divergence) else losses.HYPERPARAMETERS[self.divergence]
+
+  def scalars(self, step) -> dict[str, jax.Array]:
+    """Temperature, alpha and the divergence's hyper-parameters at ``step``."""
+    names = ("temperature", "alpha", *self.hyperparameters())
+    return {name: value_at(getattr(self, name), step) for name in names}
+
+  def divergence_term(self, student_TxV, teacher_TxV, mask_T, tau, hyper) -> jax.Array:
+    """The optimised per-token term ``[T]``."""
+    return resolve_divergence(type(self).__name__, self.divergence)(student_TxV, teacher_TxV, mask_T, tau, **hyper)
+
+  def token_terms(self, params, student_TxV, teacher_TxV, targets_T, mask_T) -> dict[str, jax.Array]:
+    """Per-token loss and metrics (``[T]``, 0 where masked); ``params = scalars(step)``."""
+    tau, alpha = params["temperature"], params["alpha"]
+    hyper = {k: v for k, v in params.items() if k not in ("temperature", "alpha")}
+    out = {"kl": losses.forward_kl(student_TxV, teacher_TxV, mask_T, tau)}
+    out.update(logit_token_metrics(student_TxV, teacher_TxV, targets_T, mask_T))
+    name = self.term_name
+    if name != "kl":
+      out[name] = self.divergence_term(student_TxV, teacher_TxV, mask_T, tau, hyper)
+    out["loss"] = alpha * tau**2 * out[name] + (1.0 - alpha) * out["ce"]
+    return out
+
+  def fallback(self) -> LogitRecipe:
+    """The same recipe on the logit MSE (steadier than a KL when a run blows up)."""
+    return dataclasses.replace(self, divergence="mse")
+
+
+@register("logit_kd")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogitKD(LogitRecipe, SequenceStrategy):
+  """Logit distillation mixed with hard labels, on the models' logits (see `LogitRecipe`).
+
+  Args (besides `LogitRecipe`'s):
+    top_k: None for the full vocabulary, or k: compare on the teacher's top-k tokens plus
+      one tail bin (`meshdistill.losses.topk_divergence`; a named divergence of
+      distributions only, not ``mse``); the term's metric is ``topk_<divergence>``.
+    capture: extra model outputs (none needed).
+  """
+
   top_k: int | None = None
   capture: tuple[str, ...] = ()
 
   def __post_init__(self):
-    if self.divergence not in losses.DIVERGENCES:
-      raise ValueError(f"LogitKD.divergence={self.divergence!r} is unknown; choose one of {sorted(losses.DIVERGENCES)}")
-    for name in _RANGES:
-      _check_range(name, getattr(self, name))
-    if self.divergence == "jsd" and not callable(self.beta):
-      lo, hi = schedules.value_range(self.beta if isinstance(self.beta, dict) else float(self.beta))
-      if lo == hi and lo in (0.0, 1.0):
-        other = "forward_kl" if lo == 0.0 else "reverse_kl"
+    super().__post_init__()
+    check_integer("LogitKD.top_k", self.top_k, 1, allow_none=True, meaning=" (None: the full vocabulary)")
+    if self.top_k is not None and self.divergence not in losses.DISTRIBUTION_DIVERGENCES:
+      raise ValueError(
+          f"LogitKD.top_k={self.top_k} needs a divergence of distributions, but divergence={self.divergence!r} "
+          f"compares logits; choose one of {sorted(losses.DISTRIBUTION_DIVERGENCES)} or top_k=None"
+      )
+
+  @classmethod
+  def from_settings(cls, settings) -> LogitRecipe:
+    """`LogitKD`, or `ChunkedLogitKD` with the same recipe when ``chunk_size`` is set (not None)."""
+    if settings.get("chunk_size") is not None:
+      from meshdistill.strategies._chunked import ChunkedLogitKD  # pylint: disable=g-import-not-at-top
+
+      if settings.get("top_k") is not None:
         raise ValueError(
-            f"LogitKD.beta={self.beta!r} makes divergence='jsd' identically 0 (its mixture collapses onto one "
-            f"side); for the limit it tends to use divergence={other!r}, or choose 0 < beta < 1"
+            f"LogitKD.chunk_size={settings['chunk_size']} and LogitKD.top_k={settings['top_k']} exclude each other: "
+            "the chunked loss has no top-k form; set LogitKD.chunk_size=null for a top-k teacher, or LogitKD.top_k=null"
         )
-    for name in _RANGES:
-      if isinstance(getattr(self, name), dict):  # a YAML-style spec becomes a schedule function
-        object.__setattr__(self, name, schedules.from_spec(getattr(self, name), f"LogitKD.{name}"))
-    if self.top_k is not None:
-      if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-        raise ValueError(f"LogitKD.top_k={self.top_k!r} must be None (full vocabulary) or a positive integer")
-      if self.divergence not in losses.DISTRIBUTION_DIVERGENCES:
-        raise ValueError(
-            f"LogitKD.top_k={self.top_k} needs a divergence of distributions, but divergence={self.divergence!r} "
-            f"compares logits; choose one of {sorted(losses.DISTRIBUTION_DIVERGENCES)} or top_k=None"
-        )
+      return ChunkedLogitKD.from_settings(settings)
+    return super().from_settings(settings)
+
+  @property
+  def term_name(self) -> str:
+    return super().term_name if self.top_k is None else f"topk_{self.divergence}"
 
   def init_params(self, student_cfg, teacher_cfg, key) -> Any:
     del key
@@ -132,27 +197,19 @@ class LogitKD:
         raise ValueError(f"LogitKD.top_k={self.top_k} exceeds the vocabulary size {vocab}; use top_k <= {vocab}")
     return {}
 
+  def divergence_term(self, student_TxV, teacher_TxV, mask_T, tau, hyper) -> jax.Array:
+    if self.top_k is None:
+      return super().divergence_term(student_TxV, teacher_TxV, mask_T, tau, hyper)
+    indices_TxK, logprobs_TxK = losses.teacher_topk(teacher_TxV, self.top_k, tau)
+    tail_T = losses.topk_tail(teacher_TxV, indices_TxK, tau)
+    return losses.topk_divergence(
+        student_TxV, indices_TxK, logprobs_TxK, mask_T, tau, self.divergence, tail_T, **hyper
+    )
+
+  def fallback(self) -> LogitKD:
+    return dataclasses.replace(self, divergence="mse", top_k=None)
+
   def per_sequence(self, params, student: ModelOutput, teacher: ModelOutput, targets_T, mask_T, step):
     del params
-    tau = value_at(self.temperature, step)
-    alpha = value_at(self.alpha, step)
-    s, t = student.logits, teacher.logits
-    out = logit_metrics(student, teacher, targets_T, mask_T)
-    out["kl"] = jnp.sum(losses.forward_kl(s, t, mask_T, tau))
-    if self.divergence == "forward_kl" and self.top_k is None:
-      term = out["kl"]
-    else:
-      hyper = {name: value_at(getattr(self, name), step) for name in losses.HYPERPARAMETERS[self.divergence]}
-      if self.top_k is None:
-        name = self.divergence
-        per_token_T = losses.get_divergence(name)(s, t, mask_T, tau, **hyper)
-      else:
-        name = f"topk_{self.divergence}"
-        indices_TxK, logprobs_TxK = losses.teacher_topk(t, self.top_k, tau)
-        tail_T = losses.topk_tail(t, indices_TxK, tau)
-        per_token_T = losses.topk_divergence(
-            s, indices_TxK, logprobs_TxK, mask_T, tau, self.divergence, tail_T, **hyper
-        )
-      term = out[name] = jnp.sum(per_token_T)
-    out["loss"] = alpha * tau**2 * term + (1.0 - alpha) * out["ce"]
-    return out
+    per_token = self.token_terms(self.scalars(step), student.logits, teacher.logits, targets_T, mask_T)
+    return {k: jnp.sum(v) for k, v in per_token.items()}

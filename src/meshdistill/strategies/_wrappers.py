@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from meshdistill.optimizers import check_loss_scale
-from meshdistill.strategies._logit import logit_metrics, value_at
+from meshdistill.schedules import value_at
+from meshdistill.strategies._base import SequenceStrategy, Strategy
+from meshdistill.strategies._logit import logit_metrics
 
 
 class ScaledLoss:
@@ -45,9 +47,13 @@ class ScaledLoss:
   def per_batch(self, *args):
     return self._scaled(self.strategy.per_batch(*args))
 
+  def fallback(self) -> ScaledLoss:
+    """The wrapped strategy's fallback, at the same scale."""
+    return ScaledLoss(fallback_strategy(self.strategy), self.scale)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LogitMSE:
+class LogitMSE(SequenceStrategy):
   """``loss = alpha * MSE(centred logits) + (1 - alpha) * CE``: the divergence fallback.
 
   The MSE is per token ``mean_v (c(z_s) - c(z_t))^2`` with ``c(z) = z - mean_v z``
@@ -64,10 +70,6 @@ class LogitMSE:
     if not 0.0 <= float(self.alpha) <= 1.0:
       raise ValueError(f"LogitMSE.alpha={self.alpha!r} must lie in [0, 1] (weight of the MSE term)")
 
-  def init_params(self, student_cfg, teacher_cfg, key) -> Any:
-    del student_cfg, teacher_cfg, key
-    return {}
-
   def per_sequence(self, params, student, teacher, targets_T, mask_T, step):
     del params  # a fallback keeps the state of the strategy it replaces, and ignores it
     alpha = value_at(self.alpha, step)
@@ -80,17 +82,17 @@ class LogitMSE:
 
 
 def fallback_strategy(strategy: Any) -> Any:
-  """The logit-MSE strategy that replaces ``strategy`` after a divergence.
+  """The strategy that replaces ``strategy`` after a divergence: its own ``fallback()``, else logit MSE.
 
-  A strategy with a ``divergence`` setting (`LogitKD`, `ChunkedLogitKD`) keeps its recipe with
-  ``divergence="mse"`` (and no top-k): a chunked loss stays chunked, so the fallback needs no
-  more memory than the loss it replaces. Anything else becomes `LogitMSE` with the strategy's
-  ``alpha`` (0.5 when it has none). A `ScaledLoss` keeps its scale.
+  `LogitKD` / `ChunkedLogitKD` keep their recipe with ``divergence="mse"`` (and no top-k): a
+  chunked loss stays chunked, so the fallback needs no more memory than the loss it replaces. A
+  strategy whose ``fallback()`` is None (or that does not derive from `Strategy`) becomes
+  `LogitMSE` with its ``alpha`` (0.5 when it has none). A `ScaledLoss` keeps its scale.
   """
   if isinstance(strategy, ScaledLoss):
-    return ScaledLoss(fallback_strategy(strategy.strategy), strategy.scale)
-  fields = {f.name for f in dataclasses.fields(strategy)} if dataclasses.is_dataclass(strategy) else set()
-  if "divergence" in fields:
-    return dataclasses.replace(strategy, divergence="mse", **({"top_k": None} if "top_k" in fields else {}))
+    return strategy.fallback()
+  own = strategy.fallback() if isinstance(strategy, Strategy) else None
+  if own is not None:
+    return own
   alpha = getattr(strategy, "alpha", 0.5)
   return LogitMSE(alpha=alpha if callable(alpha) or isinstance(alpha, (int, float)) else 0.5)

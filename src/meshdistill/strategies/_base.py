@@ -1,0 +1,163 @@
+"""The strategy contract: what the train step asks of a strategy, its defaults, and the registry by name.
+
+Two kinds of strategy, told apart by ``needs_head``:
+
+* per-sequence (`SequenceStrategy`, ``needs_head = False``): the step vmaps
+  ``per_sequence(params, student, teacher, targets_T, mask_T, step)`` over the local rows;
+  ``student`` / ``teacher`` are one sequence's `ModelOutput` (logits ``[T, V]``, hidden
+  states ``(L+1) x [T, D]``, attention maps ``L x [H, T, T]``);
+* per-batch (`BatchStrategy`, ``needs_head = True``): the step calls
+  ``per_batch(params, student, teacher, heads, targets_BxT, mask_BxT, step)`` once on all
+  local rows with the LM heads ``heads = (student_DxV, teacher_ExV)`` (V split over
+  ``tensor``); with ``needs_logits = False`` the models skip their own heads and the
+  strategy forms logits itself (e.g. chunked over tokens, `ChunkedLogitKD`).
+
+Both return a dict of token SUMS over their rows: ``"loss"`` is required, every other entry
+is reported as a metric; the step sums over the global batch and divides by the global count
+of unmasked tokens. Every strategy also has
+
+* ``capture``: the extra model outputs it needs (a subset of ``("hidden", "attn", "final")``);
+* ``init_params(student_cfg, teacher_cfg, key)``: extra trainable parameters (``{}`` when
+  none), replicated and trained with the student; also where a strategy checks its settings
+  against the model sizes (raising ``ValueError``);
+* ``fallback()``: the strategy that replaces it after a divergence (`DivergenceGuard`), or
+  None for the guard's generic logit-MSE fallback.
+
+Subclassing `SequenceStrategy` / `BatchStrategy` gives every attribute its default, so the
+step reads them directly. `register` makes a strategy available by name to configs
+(``distill.kind``) and to `get`; `from_settings` builds one from a config section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import jax
+
+from meshdistill.models import ModelOutput
+
+CAPTURES = ("hidden", "attn", "final")
+
+
+class _Common(Protocol):
+  capture: tuple[str, ...]
+  needs_logits: bool
+  needs_head: bool
+
+  def init_params(self, student_cfg, teacher_cfg, key) -> Any: ...
+
+  def fallback(self) -> Any: ...
+
+
+@runtime_checkable
+class PerSequence(_Common, Protocol):
+  """What the step needs of a per-sequence strategy (see the module docstring)."""
+
+  def per_sequence(self, params, student: ModelOutput, teacher: ModelOutput, targets_T, mask_T, step) -> dict: ...
+
+
+@runtime_checkable
+class PerBatch(_Common, Protocol):
+  """What the step needs of a per-batch strategy (``needs_head = True``)."""
+
+  def per_batch(
+      self, params, student: ModelOutput, teacher: ModelOutput, heads, targets_BxT, mask_BxT, step
+  ) -> dict: ...
+
+
+class Strategy:
+  """Defaults of the contract; subclass `SequenceStrategy` or `BatchStrategy` instead of this."""
+
+  capture: tuple[str, ...] = ()  # a dataclass field or a property in subclasses
+  needs_logits: ClassVar[bool] = True
+  needs_head: ClassVar[bool] = False
+
+  def init_params(self, student_cfg, teacher_cfg, key) -> Any:
+    """Extra trainable parameters: none by default."""
+    del student_cfg, teacher_cfg, key
+    return {}
+
+  def fallback(self) -> Any:
+    """The strategy to switch to after a divergence; None: the guard's generic fallback."""
+    return None
+
+  @classmethod
+  def from_settings(cls, settings: Mapping[str, Any]) -> Strategy:
+    """This strategy from a config section: the settings that name one of its fields, None ones left out."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else set()
+    return cls(**{k: v for k, v in settings.items() if k in names and v is not None})
+
+
+class SequenceStrategy(Strategy):
+  """A strategy the step vmaps over sequences: implement `per_sequence`."""
+
+  def per_sequence(self, params, student: ModelOutput, teacher: ModelOutput, targets_T, mask_T, step):
+    raise NotImplementedError(f"{type(self).__name__}.per_sequence")
+
+
+class BatchStrategy(Strategy):
+  """A strategy called once on all local rows with the LM heads: implement `per_batch`."""
+
+  needs_logits: ClassVar[bool] = False
+  needs_head: ClassVar[bool] = True
+
+  def per_batch(
+      self, params, student: ModelOutput, teacher: ModelOutput, heads, targets_BxT, mask_BxT, step
+  ) -> dict[str, jax.Array]:
+    raise NotImplementedError(f"{type(self).__name__}.per_batch")
+
+
+# --------------------------------------------------------------------------- registry
+_REGISTRY: dict[str, type] = {}
+
+
+def register(name: str):
+  """Class decorator: makes the strategy available as ``name`` (configs' ``distill.kind``, `get`)."""
+
+  def add(cls: type) -> type:
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+      raise ValueError(f"strategy name {name!r} is taken by {_REGISTRY[name].__name__}; choose another for {cls}")
+    _REGISTRY[name] = cls
+    return cls
+
+  return add
+
+
+def names() -> list[str]:
+  """The registered strategy names."""
+  return sorted(_REGISTRY)
+
+
+def get(name: str) -> type:
+  """The strategy class registered as ``name``."""
+  if name not in _REGISTRY:
+    raise ValueError(f"strategy {name!r} is not registered; choose one of {names()}")
+  return _REGISTRY[name]
+
+
+def from_settings(name: str, settings: Mapping[str, Any]) -> Any:
+  """The strategy registered as ``name``, built from a config section (see `Strategy.from_settings`)."""
+  return get(name).from_settings(settings)
+
+
+def check(strategy: Any, where: str = "strategy") -> str:
+  """The kind of ``strategy`` (``"per_sequence"`` or ``"per_batch"``), checked against the contract.
+
+  Raises:
+    ValueError: naming what ``strategy`` lacks and how to get the defaults.
+  """
+  missing = [a for a in ("capture", "needs_logits", "needs_head", "init_params", "fallback") if not hasattr(strategy, a)]
+  kind = "per_batch" if getattr(strategy, "needs_head", False) else "per_sequence"
+  if not callable(getattr(strategy, kind, None)):
+    missing.append(kind)
+  if missing:
+    raise ValueError(
+        f"{where}={type(strategy).__name__} is not a strategy: it lacks {missing}; subclass "
+        "meshdistill.strategies.SequenceStrategy (or BatchStrategy), which supplies the defaults"
+    )
+  bad = [c for c in strategy.capture if c not in CAPTURES]
+  if bad:
+    raise ValueError(f"{where}.capture={tuple(strategy.capture)!r} names {bad}; choose from {CAPTURES}")
+  return kind

@@ -1,0 +1,47 @@
+"""Shared test configs and helpers: tiny models, host batches, an HLO all-gather parser, a small corpus.
+
+Imported by the tests as ``from helpers import ...``; `conftest.py` sets up the simulated
+devices before any test module (and so this one) is imported.
+"""
+
+import re
+
+import numpy as np
+
+import meshdistill as md
+
+VOCAB = 64
+
+TEACHER_CFG = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
+STUDENT_CFG = TEACHER_CFG.replace(n_layers=1, d_model=16, mlp_hidden=32)
+
+
+def make_batch(seed: int = 0, batch: int = 8, seq: int = 8, vocab: int = VOCAB, pad_from: int | None = 6):
+  """A host batch {inputs, targets, mask}: random tokens, positions >= pad_from masked."""
+  rng = np.random.default_rng(seed)
+  x = rng.integers(0, vocab, (batch, seq + 1))
+  mask = np.ones((batch, seq), np.float32)
+  if pad_from is not None:
+    mask[:, pad_from:] = 0.0
+  return {"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32), "mask": mask}
+
+
+def all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
+  """Output shapes (dims) of every all-gather in an HLO module text."""
+  shapes = []
+  for line in hlo.splitlines():
+    m = re.search(r"=\s*\(?\s*\w+\[([\d,]*)\][^=]*?\ball-gather(?:-start)?\(", line)
+    if m:
+      shapes.append(tuple(int(v) for v in m.group(1).split(",") if v))
+  return shapes
+
+
+def write_corpus(root, n_docs=24):
+  """A small corpus of text files; enough documents that some land in validation."""
+  root.mkdir(parents=True, exist_ok=True)
+  rng = np.random.default_rng(0)
+  words = ["def", "return", "class", "self", "import", "for", "in", "if", "else", "x", "y", "(", ")", ":", "\n"]
+  for i in range(n_docs):
+    text = " ".join(rng.choice(words, size=150 + 10 * i))
+    (root / f"doc{i:02d}.txt").write_text(text)
+  return str(root)
