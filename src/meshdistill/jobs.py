@@ -411,21 +411,3 @@ def stream_reporter(stream: IO[str] | None):
       stream.flush()
 
   return say
-
-
-def summary_table(summary: dict) -> str:
-  """The final teacher / student table as text."""
-  t, s = summary["teacher"], summary["student"]
-  rows = [
-    ("model", "params", "val loss", "val ppl"),
-    ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}"),
-    ("distilled student", f"{s['params']:,}", f"{s['loss']:.4f}", f"{s['ppl']:.3f}"),
-  ]
-  widths = [max(len(r[i]) for r in rows) for i in range(4)]
-  line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-  out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]
-  out.append(
-    f"student/teacher params {summary['param_ratio']:.1%}; student vs teacher: KL {s['kl']:.4f}, "
-    f"top-1 agreement {s['agree']:.1%}, logit correlation {s['corr']:.3f}"
-  )
-  return "\n".join(out)
