@@ -43,9 +43,16 @@ def in_range(where: str, v: Any, lo: float, hi: float, lo_open: bool = False, ex
     raise ConfigError(f"{where}={v!r} must be a number {'in ' if hi != float('inf') else ''}{interval}{example}")
 
 
+def yaml_names(cls: Any) -> dict[str, str]:
+  """Field name -> YAML key; a section names a field that is a Python keyword in ``YAML_NAMES``
+  (e.g. ``{"lmbda": "lambda"}``)."""
+  return getattr(cls, "YAML_NAMES", {})
+
+
 def to_plain(x: Any) -> Any:
   if dataclasses.is_dataclass(x):
-    return {f.name: to_plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+    names = yaml_names(x)
+    return {names.get(f.name, f.name): to_plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
   if isinstance(x, (list, tuple)):
     return [to_plain(v) for v in x]
   if isinstance(x, dict):
@@ -127,9 +134,11 @@ def from_dict(cls: type, raw: Any, where: str = "", base: Any = None) -> Any:
   fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
   hints = typing.get_type_hints(cls)
   kwargs = {name: getattr(base, name) for name in fields}
-  for key, value in raw.items():
-    if key not in fields:
-      raise unknown_key(where, key, list(fields))
+  field_of = {v: k for k, v in yaml_names(cls).items()}
+  for yaml_key, value in raw.items():
+    key = field_of.get(yaml_key, yaml_key)
+    if key not in fields or yaml_key in yaml_names(cls):
+      raise unknown_key(where, yaml_key, [yaml_names(cls).get(f, f) for f in fields])
     t = hints[key]
     if dataclasses.is_dataclass(t):
       kwargs[key] = from_dict(t, value, f"{where}{key}.", getattr(base, key))

@@ -177,10 +177,13 @@ def save_teacher(directory: str, model: Decoder, tokenizer: Any, info: dict | No
   """Writes ``model`` (params + `ModelConfig`) and ``tokenizer`` to ``directory``, atomically.
 
   The files are written into a temporary sibling directory that is renamed into place when
-  complete, so a reader never sees a half-written teacher.
+  complete, so a reader never sees a half-written teacher. In a job of several processes every
+  process writes its shards of the parameters and process 0 the rest (call it on every process).
   """
   directory = os.path.abspath(directory)
   parent = os.path.dirname(directory)
+  if jax.process_count() > 1:
+    return _save_teacher_multiprocess(directory, model, tokenizer, info)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{os.path.basename(directory)}-")
   try:
@@ -189,20 +192,48 @@ def save_teacher(directory: str, model: Decoder, tokenizer: Any, info: dict | No
     ckptr.save(os.path.join(tmp, "params"), params)
     ckptr.wait_until_finished()
     tokenizer.save(os.path.join(tmp, "tokenizer"))
-    meta = {
-      "format": TEACHER_FORMAT,
-      "model": _model_fields(model.cfg),
-      "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "repr": repr(tokenizer)},
-      "info": info or {},
-    }
     with open(os.path.join(tmp, "teacher.json"), "w", encoding="utf-8") as f:
-      json.dump(meta, f, indent=2, default=str)
+      json.dump(_teacher_meta(model, tokenizer, info), f, indent=2, default=str)
     if os.path.exists(directory):
       shutil.rmtree(directory)
     os.rename(tmp, directory)
   finally:
     if os.path.exists(tmp):
       shutil.rmtree(tmp, ignore_errors=True)
+  log.info("teacher: saved to %s", directory)
+  return directory
+
+
+def _teacher_meta(model: Decoder, tokenizer: Any, info: dict | None) -> dict:
+  return {
+    "format": TEACHER_FORMAT,
+    "model": _model_fields(model.cfg),
+    "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size, "repr": repr(tokenizer)},
+    "info": info or {},
+  }
+
+
+def _save_teacher_multiprocess(directory: str, model: Decoder, tokenizer: Any, info: dict | None) -> str:
+  """`save_teacher` in a job of several processes: every process writes its shards of the parameters
+  (orbax), process 0 alone writes ``teacher.json`` and the tokenizer and renames the directory into place."""
+  from meshdistill.distributed import barrier, is_primary  # pylint: disable=g-import-not-at-top
+
+  tmp = os.path.join(os.path.dirname(directory), f".tmp-{os.path.basename(directory)}-job")
+  if is_primary():
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a job that died while saving
+    os.makedirs(tmp)
+  barrier("save_teacher:start")
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(os.path.join(tmp, "params"), nnx.state(model))
+  ckptr.wait_until_finished()
+  if is_primary():
+    tokenizer.save(os.path.join(tmp, "tokenizer"))
+    with open(os.path.join(tmp, "teacher.json"), "w", encoding="utf-8") as f:
+      json.dump(_teacher_meta(model, tokenizer, info), f, indent=2, default=str)
+    if os.path.exists(directory):
+      shutil.rmtree(directory)
+    os.rename(tmp, directory)
+  barrier("save_teacher:done")
   log.info("teacher: saved to %s", directory)
   return directory
 

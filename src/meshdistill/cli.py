@@ -4,9 +4,17 @@
   meshdistill distill --config tiny --set train.steps=50 --set distill.alpha=0.7
   meshdistill pretrain [--out DIR]          # pretrain (and cache) the configured teacher
   meshdistill eval RUN_DIR                  # validation loss / perplexity / agreement of a run
+  meshdistill generate RUN_DIR --prompt "def "   # samples of a run's student (--model teacher: its teacher)
   meshdistill plot RUN_DIR                  # PNG curves of loss, KL, CE and correlation
   meshdistill export RUN_DIR OUT_DIR [--dtype bfloat16] [--step N] [--overwrite]   # the student as a HF checkpoint
   meshdistill config [--config ...] [--set ...]   # print the effective configuration
+  meshdistill launch --processes 2 -- meshdistill distill --config tiny   # N local processes, one job
+
+``distill``, ``pretrain`` and ``eval`` join a job of several processes (one per host of a TPU pod
+slice or GPU cluster) with ``--coordinator HOST:PORT --num-processes N --process-id I``, the
+``MESHDISTILL_COORDINATOR`` / ``_NUM_PROCESSES`` / ``_PROCESS_ID`` variables, or ``--coordinator auto``
+(JAX's cluster auto-detection, also used when a cluster launcher's variables are found); see
+`meshdistill.distributed`.
 
 ``--config`` takes a YAML file or the name of a packaged config (``default``, ``tiny``);
 ``--set key.path=value`` (repeatable) overrides one setting, the value parsed as YAML. Bad
@@ -44,17 +52,41 @@ def _parser() -> argparse.ArgumentParser:
     )
     return sp
 
-  d = with_config(sub.add_parser("distill", help="distil the teacher into the student (the main job)"))
+  def with_processes(sp):
+    g = sp.add_argument_group("several processes (one per host; see meshdistill.distributed)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address, the same on every process, or 'auto' (cluster auto-detection)")
+    g.add_argument("--num-processes", default=None, type=int, metavar="N", help="processes in the job")
+    g.add_argument("--process-id", default=None, type=int, metavar="I", help="this process's id, 0..N-1")
+    return sp
+
+  d = with_processes(with_config(sub.add_parser("distill", help="distil the teacher into the student (the main job)")))
   d.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
-  pt = with_config(sub.add_parser("pretrain", help="pretrain the configured teacher from scratch and cache it"))
+  pt = with_processes(
+    with_config(sub.add_parser("pretrain", help="pretrain the configured teacher from scratch and cache it"))
+  )
   pt.add_argument("--out", default=None, help="teacher directory to write (default: the teacher cache)")
   pt.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
-  e = with_config(sub.add_parser("eval", help="evaluate a distillation run's latest checkpoint"))
+  e = with_processes(with_config(sub.add_parser("eval", help="evaluate a distillation run's latest checkpoint")))
   e.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
+  g = with_config(sub.add_parser("generate", help="print samples of a run's student or teacher"))
+  g.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
+  g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+  g.add_argument("--prompts-file", default=None, help="a text file (one prompt a line) or JSONL with a 'prompt' field")
+  g.add_argument("--model", choices=("student", "teacher"), default="student", help="which model samples")
+  g.add_argument("--max-new-tokens", type=int, default=64)
+  g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+  g.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+  g.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus filter")
+  g.add_argument("--seed", type=int, default=0)
   pl = sub.add_parser("plot", help="write PNG curves of a run's metrics")
   pl.add_argument("run_dir", help="run directory holding metrics.jsonl")
   pl.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
   with_config(sub.add_parser("config", help="print the effective configuration as YAML"))
+  la = sub.add_parser("launch", help="run a command as N local CPU processes of one job (development, tests)")
+  la.add_argument("--processes", type=int, required=True, metavar="N", help="number of processes")
+  la.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
+  la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command every process runs")
   ex = sub.add_parser("export", help="write a distillation run's student as a Hugging Face checkpoint")
   ex.add_argument("run_dir", help="run directory of a `meshdistill distill` run")
   ex.add_argument("out_dir", help="directory to write (config.json, model.safetensors, tokenizer files)")
@@ -108,27 +140,17 @@ def _export(args) -> int:
   return 0
 
 
-def summary_table(summary: dict) -> str:
-  """The final teacher / student table as text."""
-  t, s = summary["teacher"], summary["student"]
-  rows = [
-    ("model", "params", "val loss", "val ppl"),
-    ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}"),
-    ("distilled student", f"{s['params']:,}", f"{s['loss']:.4f}", f"{s['ppl']:.3f}"),
-  ]
-  widths = [max(len(r[i]) for r in rows) for i in range(4)]
-  line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-  out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]
-  out.append(
-    f"student/teacher params {summary['param_ratio']:.1%}; student vs teacher: KL {s['kl']:.4f}, "
-    f"top-1 agreement {s['agree']:.1%}, logit correlation {s['corr']:.3f}"
-  )
-  return "\n".join(out)
-
-
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   _setup_logging(args.verbose)
+  if args.command == "launch":
+    from meshdistill import distributed  # pylint: disable=g-import-not-at-top
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    try:
+      return distributed.launch(args.processes, cmd, port=args.port)
+    except distributed.DistributedError as e:
+      return _err(str(e))
   if args.command == "plot":
     from meshdistill.monitor import plot_run  # pylint: disable=g-import-not-at-top
 
@@ -160,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as e:
     return _err(str(e))
 
-  jobs.prepare_devices(cfg)  # before JAX starts a backend
+  from meshdistill import distributed  # pylint: disable=g-import-not-at-top
+
+  try:  # before JAX starts a backend
+    distributed.initialize(distributed.resolve(args.coordinator, args.num_processes, args.process_id))
+    jobs.prepare_devices(cfg)
+  except distributed.DistributedError as e:
+    return _err(str(e))
   t0 = time.perf_counter()
   try:
     if args.command == "pretrain":
@@ -176,19 +204,46 @@ def main(argv: list[str] | None = None) -> int:
 
       mesh = layout_class(cfg.mesh.backend).describe(cfg.mesh.data, cfg.mesh.tensor)
       print(
-        f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s), "
-        f"run dir {cfg.run.run_dir}",
+        f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s)"
+        + (f" in {jax.process_count()} processes (this is process {jax.process_index()})" if jax.process_count() > 1
+           else "")
+        + f", run dir {cfg.run.run_dir}",
         file=sys.stderr,
       )
       summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
-      print(summary_table(summary))
+      print(jobs.summary_table(summary))
     elif args.command == "eval":
-      print(summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
+      print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
+    elif args.command == "generate":
+      from meshdistill.generate import SamplingConfig  # pylint: disable=g-import-not-at-top
+      from meshdistill.prompts import read_prompts  # pylint: disable=g-import-not-at-top
+
+      prompts = list(args.prompt)
+      if args.prompts_file:
+        prompts += [r["prompt"] for r in read_prompts(args.prompts_file)]
+      sampling = SamplingConfig(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
+      )
+      texts = jobs.generate(cfg, prompts, model=args.model, sampling=sampling, seed=args.seed, stream=sys.stderr)
+      for prompt, text in zip(prompts, texts):
+        print(f"--- {prompt!r}\n{prompt}{text}")
   except (ConfigError, FileNotFoundError, ValueError) as e:
     return _err(str(e))
   except KeyboardInterrupt:
     print("\ninterrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
     return 130
+  except RuntimeError as e:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    if distributed.process_count() == 1 or not isinstance(e, jax.errors.JaxRuntimeError):
+      raise
+    print(
+      f"meshdistill: error: process {distributed.process_index()} of {distributed.process_count()}: {e}\n"
+      "a collective between the processes failed (did another process of the job stop?); rerun the same command "
+      "on every process to resume from the last checkpoint",
+      file=sys.stderr,
+    )
+    return 1
   print(f"done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
   return 0
 

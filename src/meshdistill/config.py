@@ -66,6 +66,44 @@ class MeshSettings:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class OnPolicySettings:
+  """On-policy distillation (GKD, `meshdistill.onpolicy`): with probability ``lambda`` a batch's completions are
+  sampled from the student (``seq_kd``: from the teacher), otherwise the data's are used; the loss then covers
+  completion tokens only. Off (plain distillation on whole rows) while ``lambda=0``, ``seq_kd=false`` and no
+  ``prompts_file``. Prompts are the first ``data.seq_len + 1 - max_new_tokens`` tokens of each training row, or
+  those of ``prompts_file`` (JSONL ``prompt`` / ``completion`` pairs; ``data.val_fraction`` of them held out).
+  ``temperature``, ``top_k``, ``top_p`` are the sampler's (``distill.temperature`` stays the loss's)."""
+
+  YAML_NAMES = {"lmbda": "lambda"}  # `lambda` is a Python keyword
+
+  lmbda: float = 0.0
+  max_new_tokens: int = 32
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seq_kd: bool = False
+  prompts_file: str | None = None  # JSONL prompt/completion pairs to train on instead of the corpus rows
+
+  def __post_init__(self):
+    in_range("distill.on_policy.lambda", self.lmbda, 0.0, 1.0, example=" (e.g. 0.5)")
+    positive_int("distill.on_policy.max_new_tokens", self.max_new_tokens)
+    in_range("distill.on_policy.temperature", self.temperature, 0.0, float("inf"), example=" (0 = greedy)")
+    nonneg_int("distill.on_policy.top_k", self.top_k)
+    in_range("distill.on_policy.top_p", self.top_p, 0.0, 1.0, lo_open=True, example=" (1 = no nucleus filter)")
+
+  @property
+  def active(self) -> bool:
+    return self.lmbda > 0 or self.seq_kd or self.prompts_file is not None
+
+  def config(self, eos_id: int | None = None, pad_id: int = 0):
+    """The `meshdistill.onpolicy.OnPolicyConfig` of these settings."""
+    from meshdistill.onpolicy import OnPolicyConfig  # pylint: disable=g-import-not-at-top
+
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "prompts_file"}
+    return OnPolicyConfig(**fields, eos_id=eos_id, pad_id=pad_id)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DistillSettings:
   """The strategy: ``kind`` names a registered one (`meshdistill.strategies.names()`), built from the
   settings below that are among its fields plus ``options`` (`meshdistill.strategies.from_settings`).
@@ -80,6 +118,7 @@ class DistillSettings:
   divergence: str = "forward_kl"
   top_k: int | None = None
   chunk_size: int | None = None
+  on_policy: OnPolicySettings = dataclasses.field(default_factory=OnPolicySettings)
   options: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -91,7 +130,8 @@ class DistillSettings:
 
     if self.kind not in strategies.names():
       raise ConfigError(f"distill.kind={self.kind!r} is not a registered strategy; choose one of {strategies.names()}")
-    fixed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("kind", "options")}
+    skip = ("kind", "options", "on_policy")  # on_policy: how batches are made (meshdistill.onpolicy), not the loss
+    fixed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
     try:
       built = strategies.from_settings(self.kind, {**fixed, **self.options})
     except (TypeError, ValueError) as e:  # the strategies name <Class>.<setting>: name the config key instead
@@ -343,6 +383,12 @@ class Config:
       raise ConfigError(
         f"teacher.vocab_size={self.teacher.vocab_size} != student.vocab_size={self.student.vocab_size}; "
         "distillation compares distributions token by token: set both to the tokenizer's vocabulary size"
+      )
+    n_new = self.distill.on_policy.max_new_tokens
+    if self.distill.on_policy.active and n_new > self.data.seq_len:
+      raise ConfigError(
+        f"distill.on_policy.max_new_tokens={n_new} leaves no prompt in rows of data.seq_len={self.data.seq_len} "
+        f"tokens; use max_new_tokens <= {self.data.seq_len} (prompts are the first seq_len + 1 - max_new_tokens tokens)"
       )
     for section, model in (("train", self.student), ("pretrain", self.teacher)):
       stages = getattr(self, section).stages()

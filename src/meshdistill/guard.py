@@ -221,6 +221,7 @@ class Recovery:
   def diverged(self, step: int, loss) -> str | None:
     """Why ``loss`` (a device scalar or float; read here) counts as divergence, or None (then it joins the
     guard's history)."""
+    # A replicated output: every process reads the same bits (see meshdistill.distributed).
     loss = self.last_loss = float(np.asarray(jax.device_get(loss)).reshape(-1)[0])
     reason = self.guard.check(loss)
     self.guard.observe(step, loss)

@@ -35,8 +35,10 @@ def prepare_devices(cfg: Config) -> None:
 
   ``mesh.simulate_cpu_devices``: ``auto`` asks the CPU platform for ``data * tensor`` devices
   (it only affects the CPU platform: on a GPU/TPU machine JAX still uses the accelerators);
-  ``true`` also forces the CPU platform; ``false`` leaves devices as they are.
+  ``true`` also forces the CPU platform; ``false`` leaves devices as they are. In a job of several
+  processes (`meshdistill.distributed.initialize` first) each process simulates its share.
   """
+  from meshdistill.distributed import local_device_share  # pylint: disable=g-import-not-at-top
   from meshdistill.mesh import simulate_cpu_devices  # pylint: disable=g-import-not-at-top
 
   sim = cfg.mesh.simulate_cpu_devices
@@ -45,18 +47,28 @@ def prepare_devices(cfg: Config) -> None:
   if sim is True:
     os.environ["JAX_PLATFORMS"] = "cpu"
   if cfg.mesh.devices > 1 or sim is True:
-    simulate_cpu_devices(cfg.mesh.devices)
+    simulate_cpu_devices(local_device_share(cfg.mesh.devices))
 
 
 def build_mesh(cfg: Config):
   """The run's mesh (None for the ``single`` backend)."""
-  from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
+  from meshdistill.distributed import data_shard, process_count  # pylint: disable=g-import-not-at-top
+  from meshdistill.layout import BACKENDS, layout_class  # pylint: disable=g-import-not-at-top
   from meshdistill.mesh import make_mesh  # pylint: disable=g-import-not-at-top
 
-  if layout_class(cfg.mesh.backend).one_device:
+  layout = layout_class(cfg.mesh.backend)
+  if process_count() > 1 and not layout.spans_processes:
+    spanning = [name for name in BACKENDS if layout_class(name).spans_processes]
+    raise ConfigError(
+      f"mesh.backend={cfg.mesh.backend!r} cannot span the {process_count()} processes of this job; use "
+      f"mesh.backend={spanning[0]}"
+    )
+  if layout.one_device:
     return None
   try:
-    return make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor)
+    mesh = make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor)
+    data_shard(mesh)  # each process's share of a batch is well defined
+    return mesh
   except ValueError as e:
     raise ConfigError(
       f"{e}. Set the layout with e.g. --set mesh.data=1 --set mesh.tensor=1 (or mesh.backend=single), "
@@ -64,11 +76,19 @@ def build_mesh(cfg: Config):
     ) from None
 
 
-def load_data(cfg: Config, batch_size: int | None = None):
-  """The data bundle of ``cfg`` for the distillation batch size; checks the vocabulary fits the models."""
-  from meshdistill.data import build_data  # pylint: disable=g-import-not-at-top
+def load_data(cfg: Config, batch_size: int | None = None, mesh=None):
+  """The data bundle of ``cfg`` for the distillation batch size; checks the vocabulary fits the models.
 
-  data = build_data(cfg.data, cfg.train.batch_size if batch_size is None else batch_size)
+  In a job of several processes each process reads the rows of every batch its devices of ``mesh``
+  hold (`meshdistill.distributed.data_shard`).
+  """
+  from meshdistill.data import build_data  # pylint: disable=g-import-not-at-top
+  from meshdistill.distributed import data_shard  # pylint: disable=g-import-not-at-top
+
+  index, count = data_shard(mesh)
+  data = build_data(
+    cfg.data, cfg.train.batch_size if batch_size is None else batch_size, process_index=index, process_count=count
+  )
   vocab = data.tokenizer.vocab_size
   for who in ("teacher", "student"):
     have = getattr(cfg, who).vocab_size
@@ -120,7 +140,18 @@ def teacher_dir(cfg: Config, tokenizer: Any) -> str:
 
 
 def _monitor(run_dir: str, steps: int, stream, name: str) -> Monitor:
-  return Monitor(run_dir, steps, stream=stream, name=name)
+  """The run's monitor; only process 0 writes ``metrics.jsonl`` and ``tb/`` (every process shows progress)."""
+  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
+
+  return Monitor(run_dir if is_primary() else None, steps, stream=stream, name=name)
+
+
+def _write_config(cfg: Config, run_dir: str) -> None:
+  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
+
+  os.makedirs(run_dir, exist_ok=True)
+  if is_primary():
+    dump_config(cfg, os.path.join(run_dir, "config.yaml"))
 
 
 def pretrain(
@@ -152,15 +183,14 @@ def pretrain(
       "scratch: remove teacher.hf (and give the teacher's shape) to pretrain one"
     )
   mesh = mesh if mesh is not None else build_mesh(cfg)
-  data = with_batch_size(data if data is not None else load_data(cfg), cfg.pretrain.batch_size)
+  data = with_batch_size(data if data is not None else load_data(cfg, mesh=mesh), cfg.pretrain.batch_size)
   out = out or teacher_dir(cfg, data.tokenizer)
   run_dir = run_dir or os.path.join(cfg.run.run_dir, f"teacher-{teacher_key(cfg, data.tokenizer)}")
   p = cfg.pretrain
   model = init_model(cfg.teacher, seed=p.seed, mesh=mesh)
   optimizer = make_optimizer(p, cfg.teacher.n_layers)
   trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend)
-  os.makedirs(run_dir, exist_ok=True)
-  dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+  _write_config(cfg, run_dir)
   monitor = _monitor(run_dir, p.steps, stream, "pretrain")
   ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
   try:
@@ -206,8 +236,11 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
     path = os.path.expanduser(cfg.pretrain.teacher)
     report(f"teacher: {path}")
     return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
+  from meshdistill.distributed import agree_on  # pylint: disable=g-import-not-at-top
+
   path = teacher_dir(cfg, data.tokenizer)
-  if os.path.isfile(os.path.join(path, "teacher.json")):
+  # Every process of a job takes process 0's answer: pretraining is a collective.
+  if agree_on(int(os.path.isfile(os.path.join(path, "teacher.json"))), "whether the teacher is cached"):
     report(f"teacher: cached {path}")
   else:
     report(f"teacher: none cached for these settings; pretraining one ({cfg.pretrain.steps} steps) -> {path}")
@@ -285,8 +318,9 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
   return {**kwargs, "guard": guard, "keep_every": g.keep_every, "fallback": fallback}
 
 
-def make_distiller(cfg: Config, teacher, mesh):
-  """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.sources.build_student`)."""
+def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
+  """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.sources.build_student`); with
+  ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS)."""
   from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
   from meshdistill.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
   from meshdistill.sources import build_student  # pylint: disable=g-import-not-at-top
@@ -297,6 +331,12 @@ def make_distiller(cfg: Config, teacher, mesh):
     from meshdistill.strategies import ScaledLoss  # pylint: disable=g-import-not-at-top
 
     strategy = ScaledLoss(strategy, scale)
+  extra = {}
+  if cfg.distill.on_policy.active:
+    from meshdistill.onpolicy import OnPolicyDistiller as Distiller  # pylint: disable=g-import-not-at-top
+
+    eos, pad = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "pad_id", None)
+    extra["on_policy"] = cfg.distill.on_policy.config(eos_id=eos, pad_id=pad or 0)
   return Distiller(
     student,
     teacher,
@@ -305,6 +345,7 @@ def make_distiller(cfg: Config, teacher, mesh):
     mesh=mesh,
     backend=cfg.mesh.backend,
     seed=cfg.train.seed,
+    **extra,
   )
 
 
@@ -320,17 +361,23 @@ def distill(
   from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
 
   run_dir = cfg.run.run_dir
-  os.makedirs(run_dir, exist_ok=True)
-  dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+  _write_config(cfg, run_dir)
   mesh = build_mesh(cfg)
-  data = load_data(cfg)
+  data = load_data(cfg, mesh=mesh)
   say = stream_reporter(stream)
   say(
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
     f"vocabulary {data.tokenizer.vocab_size}"
   )
   teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
-  distiller = make_distiller(cfg, teacher, mesh)
+  if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
+    from meshdistill.prompts import PromptData, read_prompts  # pylint: disable=g-import-not-at-top
+
+    rows = read_prompts(os.path.expanduser(cfg.distill.on_policy.prompts_file), need_completion=True)
+    data = PromptData(rows, data.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                      val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
+    say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
+  distiller = make_distiller(cfg, teacher, mesh, data.tokenizer)
   monitor = _monitor(run_dir, cfg.train.steps, stream, "distill")
   ckpt = Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
   t = cfg.train
@@ -359,8 +406,11 @@ def distill(
     "divergences": sum(e["kind"] == "diverged" for e in result.events),
     "events": result.events,
   }
-  with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
-    json.dump(summary, f, indent=2)
+  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
+
+  if is_primary():
+    with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
+      json.dump(summary, f, indent=2)
   return summary
 
 
@@ -377,7 +427,7 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
     if meta.get("kind") != "distill":
       raise ValueError(f"{cfg.checkpoint_dir} holds a {meta.get('kind')!r} run, not a distillation run")
     mesh = build_mesh(cfg)
-    data = load_data(cfg)
+    data = load_data(cfg, mesh=mesh)
     tdir, teacher = run_teacher(cfg, meta, mesh, data.tokenizer)
     distiller = make_distiller(cfg, teacher, mesh)
     state, _, _ = ckpt.restore(distiller, distiller.init_state())
@@ -387,6 +437,70 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
     ckpt.close()
   summary.update({"step": int(meta["step"]), "teacher_dir": tdir, "run_dir": cfg.run.run_dir})
   return summary
+
+
+def generate(
+  cfg: Config,
+  prompts: list[str],
+  *,
+  model: str = "student",
+  sampling: Any = None,
+  seed: int = 0,
+  stream: IO[str] | None = None,
+) -> list[str]:
+  """Completions of ``prompts`` by the ``model`` (``student``: the run's latest checkpoint; ``teacher``: its
+  teacher) of the run in ``run.run_dir``, decoded with ``sampling`` (a `meshdistill.generate.SamplingConfig`;
+  its ``eos_id`` defaults to the tokenizer's) from ``jax.random.key(seed)`` on the run's layout."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.data import load_tokenizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.generate import SamplingConfig, generate, left_pad  # pylint: disable=g-import-not-at-top
+
+  if model not in ("student", "teacher"):
+    raise ValueError(f"model={model!r}; choose student or teacher")
+  if not prompts:
+    raise ValueError("no prompts: give --prompt TEXT or --prompts-file FILE")
+  say = stream_reporter(stream)
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, keep=cfg.checkpoint.keep)
+  try:
+    step = ckpt.latest_step()
+    meta = ckpt.read_meta() if step is not None else {}
+    if step is not None and meta.get("kind") != "distill":
+      raise ValueError(f"{cfg.checkpoint_dir} holds a {meta.get('kind')!r} run, not a distillation run")
+    if step is None and model == "student":
+      raise FileNotFoundError(
+        f"no checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with run.run_dir={cfg.run.run_dir} "
+        "first, or generate with the teacher (--model teacher)"
+      )
+    tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
+    if not tdir and not cfg.models.teacher_hf:
+      raise FileNotFoundError(f"{cfg.run.run_dir} names no teacher: set pretrain.teacher=DIR or distil first")
+    # A saved teacher carries its tokenizer; otherwise (a Hugging Face teacher) the run's data settings name it.
+    tokenizer = load_data(cfg).tokenizer if cfg.models.teacher_hf else load_tokenizer(os.path.join(tdir, "tokenizer"))
+    mesh = build_mesh(cfg)
+    _, net = run_teacher(cfg, meta, mesh, tokenizer)
+    if model == "student":
+      distiller = make_distiller(cfg, net, mesh)
+      state, _, _ = ckpt.restore(distiller, distiller.init_state())
+      net = distiller.student(state)
+      mesh = distiller.layout.eval_mesh
+    say(f"generating with the {model} of {cfg.run.run_dir}" + (f" (step {step})" if model == "student" else ""))
+  finally:
+    ckpt.close()
+  sampling = sampling or SamplingConfig()
+  if sampling.eos_id is None:
+    sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
+  ids = [tokenizer.encode(p) for p in prompts]
+  rows = len(ids)
+  if mesh is not None and rows % mesh.shape["data"]:  # fill the batch up to a multiple of the data axis
+    ids += [ids[-1]] * (mesh.shape["data"] - rows % mesh.shape["data"])
+  tokens, mask = left_pad(ids, pad_id=getattr(tokenizer, "pad_id", 0) or 0)
+  gen = jax.device_get(generate(net, tokens, mask, jax.random.key(seed), sampling, mesh=mesh))
+  out = []
+  for r in range(rows):
+    row = [int(t) for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m and t != sampling.eos_id]
+    out.append(tokenizer.decode(row))
+  return out
 
 
 def run_teacher(cfg: Config, meta: dict, mesh, tokenizer):
@@ -411,3 +525,21 @@ def stream_reporter(stream: IO[str] | None):
       stream.flush()
 
   return say
+
+
+def summary_table(summary: dict) -> str:
+  """The final teacher / student table as text."""
+  t, s = summary["teacher"], summary["student"]
+  rows = [
+    ("model", "params", "val loss", "val ppl"),
+    ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}"),
+    ("distilled student", f"{s['params']:,}", f"{s['loss']:.4f}", f"{s['ppl']:.3f}"),
+  ]
+  widths = [max(len(r[i]) for r in rows) for i in range(4)]
+  line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+  out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]
+  out.append(
+    f"student/teacher params {summary['param_ratio']:.1%}; student vs teacher: KL {s['kl']:.4f}, "
+    f"top-1 agreement {s['agree']:.1%}, logit correlation {s['corr']:.3f}"
+  )
+  return "\n".join(out)

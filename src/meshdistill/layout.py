@@ -54,6 +54,7 @@ class Layout:
   one_device: ClassVar[bool] = False  # runs without a mesh, on one device
   stacked: ClassVar[bool] = False  # states carry one replica per device along a leading axis
   takes_compiler_options: ClassVar[bool] = True  # the step's compilation accepts XLA options
+  spans_processes: ClassVar[bool] = False  # one mesh may cover the devices of several processes
 
   def __init__(self, mesh: Mesh | None):
     self.mesh = mesh
@@ -196,6 +197,7 @@ class ShardMapLayout(Layout):
   """A ``(data, tensor)`` mesh: manual over ``data`` (`jax.shard_map`), compiler-managed over ``tensor``."""
 
   name = "shard_map"
+  spans_processes = True
 
   @classmethod
   def resolve_mesh(cls, mesh):

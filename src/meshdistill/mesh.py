@@ -123,9 +123,16 @@ def host_to_global(batch: Any, mesh: Mesh) -> Any:
   sharding = batch_sharding(mesh)
   if jax.process_count() == 1:
     return jax.device_put(batch, sharding)
-  return jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch
-  )
+  # The rows held here cover this process's data indices (several processes may share them).
+  me = jax.process_index()
+  rows_here = {index[0] for index, d in np.ndenumerate(mesh.devices) if d.process_index == me}
+  scale = mesh.shape[DATA] // len(rows_here)
+
+  def one(x):
+    x = np.asarray(x)
+    return jax.make_array_from_process_local_data(sharding, x, (x.shape[0] * scale, *x.shape[1:]))
+
+  return jax.tree.map(one, batch)
 
 
 def param_shardings(specs: Any, mesh: Mesh) -> Any:

@@ -47,6 +47,7 @@ import numpy as np
 
 from meshdistill import hooks as hooks_lib
 from meshdistill.checkpoint import COMPUTE_FIELDS, Checkpointer
+from meshdistill.distributed import agree_on
 from meshdistill.evaluate import Evaluator
 from meshdistill.guard import DivergenceGuard, NoRecovery, Recovery, copy_state
 from meshdistill.monitor import Monitor, ProfileWindow
@@ -311,9 +312,10 @@ def fit(
   state = trainer.init_state() if state is None else state
   start = int(np.asarray(jax.device_get(trainer.unreplicate(state).step)))
   data_state, resumed, saved = None, None, {}
-  if checkpointer is not None and checkpointer.latest_step() is not None:
-    _check_resumable(checkpointer.read_meta(), meta, checkpointer.directory, opts.steps)
-    state, data_state, saved = checkpointer.restore(trainer, state)
+  latest = agree_on(checkpointer.latest_step(), "the latest checkpoint") if checkpointer is not None else None
+  if latest is not None:
+    _check_resumable(checkpointer.read_meta(latest), meta, checkpointer.directory, opts.steps)
+    state, data_state, saved = checkpointer.restore(trainer, state, latest)
     start = resumed = int(saved["step"])
     got = int(np.asarray(jax.device_get(trainer.unreplicate(state).step)))
     if got != start:

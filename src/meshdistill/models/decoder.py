@@ -168,19 +168,57 @@ class ModelOutput(NamedTuple):
   final: jax.Array | None = None
 
 
+class KVCache(NamedTuple):
+  """One attention layer's key/value cache for decoding (`meshdistill.generate`).
+
+  ``k_BxSxGxK`` / ``v_BxSxGxK``: keys (after RoPE) and values of ``S`` slots (G = n_kv_heads, split
+  over ``tensor`` like the k/v projections); ``valid_BxS``: slots holding a real token (left padding
+  is never attended); ``index``: the slot of the first token of this call; ``positions_BxT``: the
+  RoPE positions of this call's tokens, per row.
+  """
+
+  k_BxSxGxK: jax.Array
+  v_BxSxGxK: jax.Array
+  valid_BxS: jax.Array
+  index: jax.Array
+  positions_BxT: jax.Array
+
+  def write(self, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array) -> "KVCache":
+    at = (0, self.index, 0, 0)
+    return self._replace(
+        k_BxSxGxK=jax.lax.dynamic_update_slice(self.k_BxSxGxK, k_BxTxGxK.astype(self.k_BxSxGxK.dtype), at),
+        v_BxSxGxK=jax.lax.dynamic_update_slice(self.v_BxSxGxK, v_BxTxGxK.astype(self.v_BxSxGxK.dtype), at),
+    )
+
+  def visible(self, T: int) -> jax.Array:
+    """``[B, 1, T, S]``: query ``t`` (slot ``index + t``) sees valid slots ``<= index + t``."""
+    S = self.k_BxSxGxK.shape[1]
+    causal_TxS = jnp.arange(S)[None, :] <= self.index + jnp.arange(T)[:, None]
+    return causal_TxS[None, None] & self.valid_BxS[:, None, None, :]
+
+
 def _part(init, *names):
   return nnx.with_partitioning(init, names)
 
 
-def rope(x_BxTxHxK: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
-  """Rotary position embedding on the last axis (rotate-half convention)."""
+def rope(
+    x_BxTxHxK: jax.Array, theta: float, scaling: RopeScaling | None = None, positions_BxT: jax.Array | None = None
+) -> jax.Array:
+  """Rotary position embedding on the last axis (rotate-half convention).
+
+  Positions are ``0 .. T-1`` unless ``positions_BxT`` gives each row its own (left-padded decoding).
+  """
   T, K = x_BxTxHxK.shape[1], x_BxTxHxK.shape[-1]
   inv = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)  # [K/2]
   if scaling is not None:
     inv = scaling.apply(inv)
-  ang_TxK2 = jnp.arange(T, dtype=jnp.float32)[:, None] * inv[None, :]
-  sin = jnp.sin(ang_TxK2)[None, :, None, :]
-  cos = jnp.cos(ang_TxK2)[None, :, None, :]
+  if positions_BxT is None:
+    ang_TxK2 = jnp.arange(T, dtype=jnp.float32)[:, None] * inv[None, :]
+    sin = jnp.sin(ang_TxK2)[None, :, None, :]
+    cos = jnp.cos(ang_TxK2)[None, :, None, :]
+  else:
+    ang_BxTxK2 = positions_BxT.astype(jnp.float32)[..., None] * inv
+    sin, cos = jnp.sin(ang_BxTxK2)[:, :, None, :], jnp.cos(ang_BxTxK2)[:, :, None, :]
   x = x_BxTxHxK.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -204,7 +242,9 @@ class Attention(nnx.Module):
       self.q_norm = nnx.RMSNorm(K, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
       self.k_norm = nnx.RMSNorm(K, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
 
-  def __call__(self, x_BxTxD: jax.Array, want_probs: bool):
+  def __call__(self, x_BxTxD: jax.Array, want_probs: bool, cache: KVCache | None = None):
+    """``(output, attention probabilities or None)``; with a ``cache`` (decoding), ``(output, updated cache)``:
+    the new keys/values are written at ``cache.index`` and the queries see the cache's valid slots up to their own."""
     cfg = self.cfg
     K = cfg.hd
     q = einops.rearrange(self.q(x_BxTxD), "b t (h k) -> b t h k", k=K)
@@ -212,17 +252,23 @@ class Attention(nnx.Module):
     v = einops.rearrange(self.v(x_BxTxD), "b t (h k) -> b t h k", k=K)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rope(q, cfg.rope_theta, cfg.rope_scaling), rope(k, cfg.rope_theta, cfg.rope_scaling)
+    pos = None if cache is None else cache.positions_BxT
+    q, k = rope(q, cfg.rope_theta, cfg.rope_scaling, pos), rope(k, cfg.rope_theta, cfg.rope_scaling, pos)
+    if cache is not None:
+      cache = cache.write(k, v)
+      k, v = cache.k_BxSxGxK, cache.v_BxSxGxK
     group = cfg.n_heads // cfg.n_kv_heads
     k = einops.repeat(k, "b t g k -> b t (g r) k", r=group)
     v = einops.repeat(v, "b t g k -> b t (g r) k", r=group)
     T = x_BxTxD.shape[1]
     scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q, k).astype(jnp.float32) / jnp.sqrt(K)
-    causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
+    causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool)) if cache is None else cache.visible(T)
     scores_BxHxTxS = jnp.where(causal_TxS, scores_BxHxTxS, jnp.finfo(jnp.float32).min)
     probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1)
     out = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS.astype(v.dtype), v)
     out = self.o(einops.rearrange(out, "b t h k -> b t (h k)"))
+    if cache is not None:
+      return out, cache
     return out, (probs_BxHxTxS if want_probs else None)
 
 
@@ -249,8 +295,8 @@ class Block(nnx.Module):
     self.mlp_norm = norm()
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x_BxTxD, want_probs: bool):
-    a, probs = self.attn(self.attn_norm(x_BxTxD), want_probs)
+  def __call__(self, x_BxTxD, want_probs: bool, cache: KVCache | None = None):
+    a, probs = self.attn(self.attn_norm(x_BxTxD), want_probs, cache)  # with a cache: (a, updated cache)
     x_BxTxD = x_BxTxD + a
     x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
     return x_BxTxD, probs

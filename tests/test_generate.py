@@ -1,0 +1,141 @@
+"""KV-cache generation: cached logits equal full forwards, sampling is layout-independent and
+vocabulary-parallel, filters hold, rows are independent, bad settings are named."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TEACHER_CFG, VOCAB, all_gather_shapes
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import meshdistill as md
+from meshdistill.generate import SamplingConfig, _generate_jit, allowed_tokens, generate, left_pad, sample_tokens
+from meshdistill.mesh import batch_sharding
+
+CFG = TEACHER_CFG.replace(qk_norm=True, qkv_bias=True)  # every attention branch of the decoder
+PROMPTS = [[5, 9, 2, 7, 1], [3, 8], [11, 4, 6], [60]]
+N = 6
+SAMPLED = SamplingConfig(max_new_tokens=N, temperature=0.9, top_k=12, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return md.init_model(CFG, seed=3)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, params, tokens_1xT):
+  return nnx.merge(graphdef, params)(tokens_1xT).logits[0]
+
+
+def _full_logits(model, seq):
+  """Full forward logits at the last token of ``seq`` (right-padded to max_len: causal, so the padding is unseen)."""
+  padded = np.zeros((1, CFG.max_len), np.int32)
+  padded[0, : len(seq)] = seq
+  return np.asarray(_forward(*nnx.split(model), padded)[len(seq) - 1])
+
+
+def test_cached_decode_logits_equal_full_forward_and_greedy_equals_argmax_rollout(model):
+  tokens, mask = left_pad(PROMPTS)
+  gen = generate(model, tokens, mask, None, SamplingConfig(max_new_tokens=N, temperature=0.0), return_logits=True)
+  for r, prompt in enumerate(PROMPTS):
+    seq = list(prompt)
+    for n in range(N):
+      want = _full_logits(model, seq)  # the unpadded row, positions from 0
+      np.testing.assert_allclose(gen.logits_BxNxV[r, n], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+      seq.append(int(np.argmax(want)))
+    assert list(np.asarray(gen.tokens_BxN[r])) == seq[len(prompt):]
+  assert np.asarray(gen.mask_BxN).all() and list(np.asarray(gen.lengths_B)) == [N] * len(PROMPTS)
+
+
+def test_same_key_gives_the_same_samples_on_one_device_2x4_and_4x2(model):
+  tokens, mask = left_pad(PROMPTS)
+  key = jax.random.key(7)
+  one = generate(model, tokens, mask, key, SAMPLED)
+  for data, tensor in ((2, 4), (4, 2)):
+    mesh = md.make_mesh(data=data, tensor=tensor)
+    got = generate(md.shard_model(model, mesh), tokens, mask, key, SAMPLED, mesh=mesh)
+    np.testing.assert_array_equal(got.tokens_BxN, one.tokens_BxN, err_msg=f"{data}x{tensor}")
+  compiled = _generate_jit._cache_size()
+  other = generate(model, tokens, mask, jax.random.key(8), SAMPLED)
+  assert not np.array_equal(other.tokens_BxN, one.tokens_BxN)  # the key matters
+  assert _generate_jit._cache_size() == compiled  # another key, same shapes: no recompilation
+
+
+def test_decode_program_on_2x4_gathers_no_vocabulary(model):
+  mesh = md.make_mesh(data=2, tensor=4)
+  sharded = md.shard_model(model, mesh)
+  tokens, mask = left_pad(PROMPTS)
+  graphdef, params = nnx.split(sharded)
+  placed = jax.device_put((jnp.asarray(tokens), jnp.asarray(mask)), batch_sharding(mesh))
+  hlo = _generate_jit.lower(
+      params, *placed, jax.random.key(0), graphdef=graphdef, cfg=SAMPLED, return_logits=False, mesh=mesh
+  ).compile().as_text()
+  shapes = all_gather_shapes(hlo)
+  assert not [s for s in shapes if VOCAB in s], f"vocabulary-sized all-gathers: {shapes}"
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    top_k=st.sampled_from([0, 1, 3, 7]),
+    top_p=st.sampled_from([1.0, 0.95, 0.5, 0.1]),
+    scale=st.sampled_from([0.5, 4.0]),
+)
+def test_top_k_and_top_p_never_pick_outside_the_allowed_set(seed, top_k, top_p, scale):
+  rng = np.random.default_rng(seed)
+  logits = (rng.normal(size=(32, 16)) * scale).astype(np.float32)
+  logits[:, 3] = logits[:, 5]  # a tie somewhere
+  cfg = SamplingConfig(max_new_tokens=1, temperature=1.0, top_k=top_k, top_p=top_p)
+  keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(seed), r))(jnp.arange(32))
+  picks = np.asarray(jax.jit(lambda l, k: sample_tokens(l, k, 0, cfg))(logits, keys))
+  ok = np.asarray(allowed_tokens(jnp.asarray(logits), top_k, top_p))
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  for b, i in enumerate(picks):
+    above = logits[b] > logits[b, i]
+    if top_k:
+      assert above.sum() < top_k, (b, i)
+    kept = logits[b] >= np.sort(logits[b])[-top_k] if top_k else np.ones(16, bool)
+    p = np.where(kept, probs[b], 0) / np.where(kept, probs[b], 0).sum()
+    assert p[above].sum() < top_p + 1e-5, (b, i)
+    assert ok[b, i]
+  assert ok.any(-1).all()  # never an empty set
+
+
+def test_padding_rows_and_finished_rows_do_not_change_other_rows(model):
+  tokens, mask = left_pad(PROMPTS)
+  key = jax.random.key(1)
+  base = generate(model, tokens, mask, key, SAMPLED)
+  # Wider padding and extra rows appended: the original rows decode the same tokens.
+  wide_t, wide_m = left_pad(PROMPTS + [[1, 2, 3, 4, 5, 6, 7], [9]] + [[2]] * 2, width=11)  # 11 + N - 1 = max_len
+  wide = generate(model, wide_t, wide_m, key, SAMPLED)
+  np.testing.assert_array_equal(wide.tokens_BxN[: len(PROMPTS)], base.tokens_BxN)
+  # A token some row emits at its 2nd step becomes EOS: that row stops there, the others do not change.
+  eos = int(base.tokens_BxN[1, 1])
+  stopped = generate(model, tokens, mask, key, SamplingConfig(**{**SAMPLED.__dict__, "eos_id": eos, "pad_id": 63}))
+  t, m = np.asarray(stopped.tokens_BxN), np.asarray(stopped.mask_BxN)
+  for r in range(len(PROMPTS)):
+    row = list(np.asarray(base.tokens_BxN[r]))
+    n = row.index(eos) + 1 if eos in row else N
+    assert list(t[r, :n]) == row[:n] and (t[r, n:] == 63).all()
+    assert m[r, :n].all() and not m[r, n:].any() and stopped.lengths_B[r] == n
+
+
+def test_bad_sampling_settings_and_long_prompts_are_named(model):
+  with pytest.raises(ValueError, match="top_p=1.5"):
+    SamplingConfig(top_p=1.5)
+  with pytest.raises(ValueError, match="top_p=0"):
+    SamplingConfig(top_p=0)
+  with pytest.raises(ValueError, match="temperature=-1"):
+    SamplingConfig(temperature=-1)
+  tokens, mask = left_pad([[1] * 12])
+  with pytest.raises(ValueError, match=r"max_new_tokens=6 needs 17 positions, more than the model's max_len=16.* = 11"):
+    generate(model, tokens, mask, jax.random.key(0), SAMPLED)
+  with pytest.raises(ValueError, match="PRNG key"):
+    generate(model, *left_pad([[1]]), None, SAMPLED)
+  with pytest.raises(ValueError, match="at least one token"):
+    left_pad([[1], []])

@@ -1,0 +1,218 @@
+"""The main job as several processes on one machine (JAX's multi-controller runtime, gloo on CPU).
+
+Every run here is a real ``meshdistill distill --config tiny`` subprocess (4 steps, a checkpoint
+every 2): 2 processes x 4 CPU devices on a 2x4 mesh (through ``meshdistill launch``) against
+1 process x 8 devices; a 1-process resume of the 2-process checkpoint; and a 2-process resume of
+the 1-process checkpoint whose second process is then killed. A random teacher written once by
+this module replaces the tiny config's teacher pretraining (it only costs compile time here).
+"""
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import meshdistill as md
+from meshdistill import distributed
+from meshdistill.checkpoint import save_teacher
+from meshdistill.config import load_config
+
+STEPS = 4
+TIMEOUT_S = 600  # a whole run on a loaded 2-core machine; a hang fails instead of blocking CI
+
+
+def _args(run_dir, teacher, *extra):
+  sets = {
+      "run.run_dir": run_dir, "pretrain.teacher": teacher, "train.steps": STEPS, "checkpoint.every": 2,
+      "checkpoint.keep": 5, "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 1,
+  }
+  out = ["distill", "--config", "tiny"]
+  for k, v in sets.items():
+    out += ["--set", f"{k}={v}"]
+  return out + list(extra)
+
+
+def _env(tmp):
+  env = dict(os.environ)
+  env["MESHDISTILL_CACHE"] = str(tmp / "cache")
+  src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(md.__file__))))
+  env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+  return env
+
+
+def _train_losses(run_dir):
+  rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8")]
+  train = [r for r in rows if r["split"] == "train"]
+  steps = [r["step"] for r in train]
+  assert len(steps) == len(set(steps)), f"a step was written twice (by two processes?): {steps}"
+  return {r["step"]: r["loss"] for r in train}
+
+
+def _load_state(run_dir, step):
+  """The saved train state of ``step`` as numpy arrays (whatever layout and process count wrote it)."""
+  path = os.path.join(run_dir, "checkpoints", str(step), "state")
+  ckptr = ocp.PyTreeCheckpointer()
+  tree = ckptr.metadata(path).item_metadata.tree
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  return ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+
+
+def _progress_losses(output, prefix):
+  """``{step: loss}`` of the progress lines one process printed (what that process read from its devices)."""
+  pat = re.compile(rf"^{re.escape(prefix)}distill \[[#-]+\] (\d+)/\d+ .*?\| loss ([\d.]+)")
+  return {int(m.group(1)): m.group(2) for m in map(pat.match, output.splitlines()) if m}
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+  cfg = load_config("tiny")
+  path = str(tmp_path_factory.mktemp("teacher") / "teacher")
+  save_teacher(path, md.init_model(cfg.teacher, seed=0), md.data.ByteTokenizer(), {"note": "random, for tests"})
+  return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, teacher):
+  """The same 4-step job as 2 processes x 4 devices (``meshdistill launch``) and as 1 process x 8 devices."""
+  tmp = tmp_path_factory.mktemp("runs")
+  env = _env(tmp)
+  two, one = str(tmp / "two"), str(tmp / "one")
+  launch = [sys.executable, "-m", "meshdistill", "launch", "--processes", "2", "--", "meshdistill",
+            *_args(two, teacher)]
+  single = [sys.executable, "-m", "meshdistill", *_args(one, teacher)]
+  # Both jobs at once: the machine's cores are shared either way, and the waits overlap.
+  p2 = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  p1 = subprocess.Popen(single, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  out2, _ = p2.communicate(timeout=TIMEOUT_S)
+  out1, _ = p1.communicate(timeout=TIMEOUT_S)
+  assert p2.returncode == 0, out2[-3000:]
+  assert p1.returncode == 0, out1[-3000:]
+  return {"two": two, "one": one, "out2": out2, "env": env, "teacher": teacher}
+
+
+def test_two_processes_match_one_process(runs):
+  two, one, out2 = runs["two"], runs["one"], runs["out2"]
+  assert "on 8 cpu device(s) in 2 processes" in out2
+  # Every process read the same loss at every step: the guard's decisions cannot differ.
+  seen = [_progress_losses(out2, f"[p{i}] ") for i in range(2)]
+  assert sorted(seen[0]) == list(range(1, STEPS + 1)) and seen[0] == seen[1]
+  # Same per-step losses and final parameters as one process on 8 devices.
+  l2, l1 = _train_losses(two), _train_losses(one)
+  assert sorted(l2) == list(range(1, STEPS + 1))
+  np.testing.assert_allclose([l2[s] for s in sorted(l2)], [l1[s] for s in sorted(l2)], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), _load_state(two, STEPS),
+               _load_state(one, STEPS))
+  assert os.path.isfile(os.path.join(two, "summary.json"))  # written once, by process 0
+
+
+def test_two_process_checkpoint_resumes_on_one_process(runs, tmp_path):
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(os.path.join(runs["two"], "checkpoints", "2"), os.path.join(resumed, "checkpoints", "2"))
+  out, _ = subprocess.Popen(
+      [sys.executable, "-m", "meshdistill", *_args(resumed, runs["teacher"])], env=runs["env"],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+  ).communicate(timeout=TIMEOUT_S)
+  assert "resumed from step 2" in out, out[-3000:]
+  lr, l2 = _train_losses(resumed), _train_losses(runs["two"])
+  assert sorted(lr) == [3, 4]
+  np.testing.assert_allclose([lr[3], lr[4]], [l2[3], l2[4]], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), _load_state(resumed, STEPS),
+               _load_state(runs["two"], STEPS))
+
+
+def test_one_process_checkpoint_resumes_on_two_and_a_killed_process_stops_the_other(runs, tmp_path):
+  """1 -> 2 processes: the 1-process run's step-2 checkpoint resumes as a longer 2-process job whose first
+  loss (step 3: the restored parameters on the restored data position, before any new update) is the
+  1-process run's; then process 1 is killed and process 0 must stop on its own, leaving loadable checkpoints."""
+  run = str(tmp_path / "killed")
+  shutil.copytree(os.path.join(runs["one"], "checkpoints", "2"), os.path.join(run, "checkpoints", "2"))
+  port = distributed.free_port()
+  cmd = [sys.executable, "-m", "meshdistill", *_args(run, runs["teacher"], "--set", "train.steps=500")]
+  logs = [open(tmp_path / f"p{i}.log", "w+", encoding="utf-8") for i in range(2)]  # noqa: SIM115
+  procs = [subprocess.Popen(cmd, env=distributed.local_env(i, 2, port, base=runs["env"]), stdout=logs[i],
+                            stderr=subprocess.STDOUT) for i in range(2)]
+  ckpt = os.path.join(run, "checkpoints")
+  try:
+    t0 = time.monotonic()
+    while not any(n.isdigit() and int(n) > 2 for n in os.listdir(ckpt)):
+      assert all(p.poll() is None for p in procs), "a process ended before its first checkpoint"
+      assert time.monotonic() - t0 < TIMEOUT_S, "no checkpoint written"
+      time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    code = procs[0].wait(timeout=60)
+    waited = time.monotonic() - killed
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  logs[0].seek(0)
+  out = logs[0].read()
+  assert "resumed from step 2" in out, out[-3000:]
+  np.testing.assert_allclose(_train_losses(run)[3], _train_losses(runs["one"])[3], rtol=1e-5)
+  assert code != 0 and waited < 60, out[-3000:]
+  assert "rerun the same command" in out or "another task died" in out, out[-3000:]
+  steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()]
+  assert max(steps) < 500, "the run ended before the kill: nothing was tested"
+  assert int(_load_state(run, max(steps))["step"]) == max(steps)
+
+
+@pytest.mark.parametrize(
+    "owners, expect",
+    [
+        ([[0, 0, 0, 0], [1, 1, 1, 1]], [(0, 2), (1, 2)]),  # 2 processes x 4 devices on 2x4: a half each
+        ([[0, 0], [0, 0], [1, 1], [1, 1]], [(0, 2), (1, 2)]),  # 4x2: two mesh rows each
+        ([[0, 1, 2, 3], [4, 5, 6, 7]], [(0, 2)] * 4 + [(1, 2)] * 4),  # one device each, tensor across processes
+        ([[0, 0, 1, 1]], [(0, 1), (0, 1)]),  # 1x4 over 2 processes: both read the whole batch
+        ([[0, 0], [1, 1], [0, 0], [1, 1]], [None, None]),  # scattered rows
+        ([[0, 0], [0, 1]], [None, None]),  # overlapping, different rows
+    ],
+)
+def test_batch_part_is_the_rows_a_process_holds(owners, expect):
+  assert [distributed.batch_part(owners, p) for p in range(len(expect))] == expect
+
+
+def test_resolve_reads_flags_then_environment_and_names_what_is_missing():
+  env = {"MESHDISTILL_COORDINATOR": "10.0.0.1:8476", "MESHDISTILL_NUM_PROCESSES": "4", "MESHDISTILL_PROCESS_ID": "3"}
+  assert distributed.resolve(environ=env) == distributed.Settings("10.0.0.1:8476", 4, 3)
+  assert distributed.resolve("h:1", 2, 0, environ=env) == distributed.Settings("h:1", 2, 0)
+  assert not distributed.resolve(environ={}).multi
+  assert distributed.resolve(environ={"SLURM_NTASKS": "8"}).coordinator == distributed.AUTO
+  assert not distributed.resolve(environ={"SLURM_NTASKS": "1"}).multi
+  with pytest.raises(distributed.DistributedError, match="needs --process-id"):
+    distributed.resolve("h:1", 2, environ={})
+  with pytest.raises(distributed.DistributedError, match="without a coordinator"):
+    distributed.resolve(num_processes=2, environ={})
+  with pytest.raises(distributed.DistributedError, match="smaller than num_processes"):
+    distributed.resolve("h:1", 2, 2, environ={})
+  with pytest.raises(distributed.DistributedError, match="HOST:PORT"):
+    distributed.resolve("h", 2, 0, environ={})
+
+
+def test_launch_prefixes_output_and_stops_the_others_when_one_fails():
+  code = (
+      "import os, sys, time\n"
+      "i = int(os.environ['MESHDISTILL_PROCESS_ID'])\n"
+      "print('process', i, 'of', os.environ['MESHDISTILL_NUM_PROCESSES'], flush=True)\n"
+      "time.sleep(0.5 if i == 1 else 120)\n"
+      "sys.exit(7 if i == 1 else 0)\n"
+  )
+  out = io.StringIO()
+  t0 = time.monotonic()
+  assert distributed.launch(2, [sys.executable, "-c", code], out=out, grace_s=5) == 7
+  assert time.monotonic() - t0 < 60  # process 0 (sleeping 120 s) was stopped
+  text = out.getvalue()
+  assert "[p0] process 0 of 2" in text and "[p1] process 1 of 2" in text
+  assert "process 1 exited with code 7" in text
+  assert distributed.launch(2, [sys.executable, "-c", "print('ok')"], out=io.StringIO()) == 0

@@ -1,0 +1,201 @@
+"""On-policy distillation (GKD): layout parity with sampling, completion-only losses, lambda=0 is
+off-policy KD, prompt files and the run-level generate job."""
+
+import copy
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
+
+import meshdistill as md
+from meshdistill import jobs
+from meshdistill.config import ConfigError, load_config
+from meshdistill.generate import SamplingConfig, generate, left_pad
+from meshdistill.onpolicy import OnPolicyConfig, OnPolicyDistiller
+from meshdistill.prompts import completion_batch, cut_prompts, pair_batch, read_prompts
+
+SEQ, NEW = 12, 5  # prompts: the first SEQ + 1 - NEW = 8 tokens of each row
+GKD = md.LogitKD(temperature=1.0, alpha=0.5, divergence="jsd", beta=0.5)
+
+
+def _distiller(mesh, lmbda, cls=OnPolicyDistiller, **kw):
+  teacher = md.init_model(TEACHER_CFG, seed=0, mesh=mesh)
+  student = md.init_model(STUDENT_CFG, seed=1, mesh=mesh)
+  if cls is OnPolicyDistiller:
+    kw["on_policy"] = OnPolicyConfig(lmbda=lmbda, max_new_tokens=NEW, temperature=1.0, eos_id=7)
+  return cls(student, teacher, strategy=GKD, mesh=mesh, seed=3, **kw)
+
+
+def _run(d, batches):
+  state, out = d.init_state(), []
+  for b in batches:
+    state, m = d.step(state, b)
+    out.append(jax.device_get(m))
+  return jax.device_get(d.unreplicate(state.params)), out
+
+
+BATCHES = [make_batch(seed=s, seq=SEQ, pad_from=None) for s in range(2)]
+
+
+@pytest.fixture(scope="module")
+def single():
+  return _distiller(None, 1.0)
+
+
+@pytest.fixture(scope="module")
+def single_gkd(single):
+  return _run(single, BATCHES)
+
+
+def test_gkd_steps_on_2x4_equal_one_device(single_gkd):
+  params, metrics = single_gkd
+  assert all(m["on_policy"] == 1 and 0 < m["sample_len"] <= NEW for m in metrics)
+  got_params, got = _run(_distiller(md.make_mesh(data=2, tensor=4), 1.0), BATCHES)
+  for m, g in zip(metrics, got):
+    for k in ("loss", "kl", "sample_len", "sample_nll", "tokens"):
+      np.testing.assert_allclose(g[k], m[k], rtol=1e-5, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_params, params)
+
+
+def test_lambda_zero_is_off_policy_kd_on_the_completions_exactly(single):
+  off = copy.copy(single)  # the same compiled step
+  off.on_policy = dataclasses.replace(single.on_policy, lmbda=0.0)
+  params, metrics = _run(off, BATCHES)
+  width = SEQ + 1 - NEW
+  state, ref = off.init_state(), []
+  for b in BATCHES:  # the plain distillation step on rows whose loss mask covers the completions
+    state, m = md.Distiller.step(off, state, cut_prompts(b, width))
+    ref.append(jax.device_get(m))
+  jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(state.params))
+  assert [m["loss"] for m in metrics] == [m["loss"] for m in ref] and all(m["on_policy"] == 0 for m in metrics)
+  assert metrics[0]["tokens"] == len(BATCHES[0]["mask"]) * (SEQ - width + 1)  # completion targets only
+
+
+def test_prompt_tokens_never_count_in_the_loss(single):
+  d = single
+  sampled = d.sample_batch(d.init_state(), d.as_prompt_batch(BATCHES[0]), step=0)
+  width = SEQ + 1 - NEW
+  assert not sampled["mask"][:, : width - 1].any()  # targets inside the prompts
+  assert (sampled["mask"].sum(1) >= 1).all()
+  # Scrambling the targets at prompt (and padding) positions changes no number of the step.
+  scrambled = dict(sampled, targets=np.where(sampled["mask"] > 0, sampled["targets"], (sampled["targets"] + 11) % 64))
+  base = md.Distiller.step(d, d.init_state(), sampled)[1]
+  other = md.Distiller.step(d, d.init_state(), scrambled)[1]
+  for k in ("loss", "kl", "ce", "teacher_ce"):
+    assert float(base[k]) == float(other[k]), k
+
+
+def test_generated_completions_are_laid_out_from_position_zero():
+  prompts, mask = left_pad([[4, 5, 6], [9]], width=4)
+  tokens = np.array([[1, 2, 7, 0], [3, 3, 3, 3]])
+  gen_mask = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool)
+  b = completion_batch(prompts, mask, tokens, gen_mask, seq_len=7)
+  np.testing.assert_array_equal(b["inputs"], [[4, 5, 6, 1, 2, 7, 0], [9, 3, 3, 3, 3, 0, 0]])
+  np.testing.assert_array_equal(b["mask"], [[0, 0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0]])
+  np.testing.assert_array_equal(b["prompt_len"], [3, 1])
+
+
+def test_a_student_completion_matches_its_own_generation(single):
+  """The sampled batch holds exactly what `generate` decodes for the same key and step."""
+  d = single
+  state = d.init_state()
+  batch = d.as_prompt_batch(BATCHES[0])
+  got = d.sample_batch(state, batch, step=4)
+  width = SEQ + 1 - NEW
+  prompts = np.asarray(batch["inputs"])[:, :width]
+  gen = generate((d.student_def, state.params["student"]), prompts, np.ones_like(prompts, bool),
+                 jax.random.fold_in(jax.random.key(3), 4), d.on_policy.sampling())
+  for r in range(len(prompts)):
+    n = int(gen.lengths_B[r])
+    np.testing.assert_array_equal(got["targets"][r, width - 1 : width - 1 + n], np.asarray(gen.tokens_BxN[r, :n]))
+
+
+def test_seq_kd_samples_come_from_the_teacher(single):
+  d = copy.copy(single)
+  d.on_policy = dataclasses.replace(single.on_policy, seq_kd=True)
+  batch = d.as_prompt_batch(BATCHES[0])
+  got = d.sample_batch(d.init_state(), batch, step=2)
+  width = SEQ + 1 - NEW
+  prompts = np.asarray(batch["inputs"])[:, :width]
+  gen = generate((d.teacher_def, d.teacher_params), prompts, np.ones_like(prompts, bool),
+                 jax.random.fold_in(jax.random.key(3), 2), d.on_policy.sampling())
+  for r in range(len(prompts)):
+    n = int(gen.lengths_B[r])
+    np.testing.assert_array_equal(got["targets"][r, width - 1 : width - 1 + n], np.asarray(gen.tokens_BxN[r, :n]))
+
+
+def test_prompt_files_and_pairs_report_bad_input(tmp_path):
+  good = tmp_path / "p.jsonl"
+  good.write_text(json.dumps({"prompt": "ab", "completion": "cd"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+  assert read_prompts(str(good)) == [{"prompt": "ab", "completion": "cd"}, {"prompt": "x", "completion": None}]
+  with pytest.raises(ValueError, match="line 2 has no 'completion' field"):
+    read_prompts(str(good), need_completion=True)
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no prompt"}) + "\n")
+  with pytest.raises(ValueError, match="line 2 has no 'prompt' field"):
+    read_prompts(str(bad))
+  text = tmp_path / "p.txt"
+  text.write_text("first prompt\n\nsecond\n")
+  assert [r["prompt"] for r in read_prompts(str(text))] == ["first prompt", "second"]
+  with pytest.raises(ValueError, match="seq_len=4"):
+    pair_batch([([1, 2, 3, 4, 5], [6])], seq_len=4)
+  b = pair_batch([([1, 2], [3, 4, 5]), ([9], [8])], seq_len=4)
+  np.testing.assert_array_equal(b["mask"], [[0, 1, 1, 1], [1, 0, 0, 0]])
+
+
+def test_on_policy_settings_are_checked_and_named():
+  cfg = load_config("tiny", ["distill.on_policy.lambda=0.5", "distill.on_policy.top_p=0.9"])
+  assert cfg.distill.on_policy.active and cfg.distill.on_policy.config(eos_id=2).lmbda == 0.5
+  assert not load_config("tiny").distill.on_policy.active
+  for override, match in (
+      ("distill.on_policy.lambda=1.5", r"distill.on_policy.lambda=1.5 must be a number in \[0.0, 1.0\]"),
+      ("distill.on_policy.top_p=0", r"distill.on_policy.top_p=0.0 must be a number in \(0.0, 1.0\]"),
+      ("distill.on_policy.max_new_tokens=40", "max_new_tokens=40 leaves no prompt"),
+  ):
+    with pytest.raises(ConfigError, match=match):
+      load_config("tiny", ["distill.on_policy.lambda=1", override])
+
+
+def test_generate_job_prints_the_teachers_greedy_completion(tmp_path):
+  from meshdistill.checkpoint import save_teacher
+  from meshdistill.data import ByteTokenizer
+
+  where = [f"run.run_dir={tmp_path / 'run'}", f"pretrain.teacher={tmp_path / 'teacher'}"]
+  cfg = load_config("tiny", where + ["mesh.backend=single", "mesh.data=1", "mesh.tensor=1"])
+  teacher = md.init_model(cfg.teacher, seed=0)
+  save_teacher(str(tmp_path / "teacher"), teacher, ByteTokenizer(), {})
+  greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+  texts = jobs.generate(cfg, ["def f", "x"], model="teacher", sampling=greedy)
+  tok = ByteTokenizer()
+  gen = generate(teacher, *left_pad([tok.encode("def f"), tok.encode("x")]), None,
+                 SamplingConfig(max_new_tokens=6, temperature=0.0, eos_id=tok.eos_id))
+  want = [[t for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m and t != tok.eos_id] for r in range(2)]
+  assert texts == [tok.decode(np.asarray(w, int)) for w in want]
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    jobs.generate(cfg, ["x"], model="student", sampling=greedy)
+
+
+def test_prompt_data_masks_completions_resumes_and_holds_out_pairs(tmp_path):
+  from meshdistill.data import ByteTokenizer
+  from meshdistill.prompts import PromptData
+
+  path = tmp_path / "pairs.jsonl"
+  path.write_text("".join(json.dumps({"prompt": f"q{i}:", "completion": " a" * (i % 4)}) + "\n" for i in range(40)))
+  tok = ByteTokenizer()
+  data = PromptData(read_prompts(str(path), need_completion=True), tok, seq_len=12, batch_size=8, val_fraction=0.2)
+  assert len(data.val_batches()) == 1 and data.stats["pairs"] == 40
+  it = data.train_iterator()
+  batches = [next(it) for _ in range(6)]  # more than one epoch (4 batches)
+  for b in batches:
+    for r in range(8):
+      n = int(b["prompt_len"][r])
+      assert not b["mask"][r, : n - 1].any() and b["mask"][r, n - 1] == 1
+      completion = b["targets"][r][b["mask"][r] > 0]
+      assert completion[-1] == tok.eos_id and tok.decode(completion).strip(" a") == ""
+  resumed = data.train_iterator({"index": 5})
+  np.testing.assert_array_equal(next(resumed)["inputs"], batches[5]["inputs"])
+  with pytest.raises(ValueError, match="need at least batch_size=64"):
+    PromptData(read_prompts(str(path), need_completion=True), tok, seq_len=12, batch_size=64)
