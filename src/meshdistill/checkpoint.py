@@ -135,15 +135,22 @@ class Checkpointer:
     log.info("checkpoint: restored step %d from %s", step, self.directory)
     return state, dict(got.data), dict(got.meta)
 
-  def restore_student(self, cfg: ModelConfig, mesh: Mesh | None, step: int | None = None) -> Decoder:
+  def restore_student(self, cfg: ModelConfig, mesh: Mesh | None, step: int | None = None, lora=None) -> Decoder:
     """Only the student of a distillation checkpoint (no optimizer state, no teacher), onto ``mesh``.
 
     ``cfg`` is the student's `ModelConfig`; each weight is read straight into its `tensor` shards.
+    ``lora``: the run's `meshdistill.models.lora.LoraConfig` when its student holds adapters (the
+    returned student then holds them too; `merge_lora` folds them in).
     """
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
-    graphdef, abstract, shardings = abstract_params(cfg, mesh)
+    if lora is not None and lora.enabled:
+      from meshdistill.models.lora import abstract_lora  # pylint: disable=g-import-not-at-top
+
+      graphdef, abstract, shardings = abstract_lora(cfg, lora, mesh)
+    else:
+      graphdef, abstract, shardings = abstract_params(cfg, mesh)
     one = SingleDeviceSharding(jax.devices()[0])
     where = jax.tree.map(lambda _: one, abstract) if shardings is None else shardings
     target = {"params": {"student": jax.tree.map(

@@ -7,6 +7,7 @@ A run is described by `Config`, whose sections are frozen, keyword-only dataclas
   student     `ModelConfig` of the student, ``hf: PATH``, or ``init: {from_teacher: true, layers: [...]}``
   data        `meshdistill.data.DataConfig` (corpus, tokenizer, seq_len, ...)
   distill     the strategy (a registered name) and its recipe (temperature / alpha: numbers or schedule specs)
+  preference  how a ``distill.kind: preference`` run gets its (chosen, rejected) pairs
   train       steps, batch size, optimizer, evaluation and logging cadence
   pretrain    how the teacher is obtained: a checkpoint, or pretrained from scratch and cached
   safeguards  divergence guard, automatic remat by memory, static loss scaling
@@ -146,6 +147,23 @@ class DistillSettings:
       raise ConfigError(f"distill.options {sorted(set(self.options) - fields)} are not settings of "
                         f"{type(built).__name__}; its settings: {sorted(fields)}")
     return built
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreferenceSettings:
+  """``preference``: where a ``distill.kind: preference`` run (`meshdistill.strategies.PreferenceLoss`,
+  the teacher as the frozen reference; ``distill.options: {beta, loss, kl_weight}``) gets its pairs.
+  ``pairs``: ``own`` (built from the run's text: its continuation against another place's, split at
+  ``prompt_fraction``) or the path of a JSONL file of ``{prompt, chosen, rejected}`` rows.
+  ``train.batch_size`` counts rows: half as many pairs."""
+
+  pairs: str = "own"
+  prompt_fraction: float = 0.5
+
+  def __post_init__(self):
+    in_range("preference.prompt_fraction", self.prompt_fraction, 0.0, 1.0, lo_open=True, example=" (e.g. 0.5)")
+    if self.pairs != "own" and not os.path.isfile(os.path.expanduser(self.pairs)):
+      raise ConfigError(f"preference.pairs={self.pairs!r} is neither 'own' nor an existing JSONL file")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -358,6 +376,7 @@ class Config:
   student: ModelConfig = dataclasses.field(default_factory=_default_student)
   data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(seq_len=128, max_chars=3_000_000))
   distill: DistillSettings = dataclasses.field(default_factory=DistillSettings)
+  preference: PreferenceSettings = dataclasses.field(default_factory=PreferenceSettings)
   train: TrainSettings = dataclasses.field(default_factory=TrainSettings)
   pretrain: PretrainSettings = dataclasses.field(default_factory=PretrainSettings)
   safeguards: SafeguardSettings = dataclasses.field(default_factory=SafeguardSettings)
@@ -399,6 +418,11 @@ class Config:
           check_stages(stages, model.n_layers)
         except ValueError as e:
           raise ConfigError(f"{section}.freeze: {e}".replace("Stage(", "stage(")) from None
+    if self.distill.kind == "preference" and self.train.batch_size % (2 * self.mesh.data):
+      raise ConfigError(
+        f"train.batch_size={self.train.batch_size} with distill.kind=preference: rows come in (chosen, rejected) pairs "
+        f"that share a data shard, so use a multiple of 2 * mesh.data = {2 * self.mesh.data}"
+      )
     for section in ("train", "pretrain"):
       b = getattr(self, section).batch_size
       if b % self.mesh.data:

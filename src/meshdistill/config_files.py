@@ -27,6 +27,7 @@ HEADER = """\
 
 # dotted key -> the comment written after it in default.yaml
 COMMENTS = {
+    "preference.pairs": "distill.kind preference: own (the run's text vs another place's) or a JSONL file",
     "mesh.data": "batch split over 2 devices",
     "mesh.tensor": "weights (heads, MLP units, vocabulary) split over 4 devices",
     "mesh.backend": "shard_map | single | pmap",

@@ -30,6 +30,8 @@ from jax.sharding import Mesh
 from meshdistill.layout import BATCH_KEYS, make_layout, stack_replicas  # noqa: F401 -- stack_replicas re-exported
 from meshdistill.models import Decoder
 from meshdistill.models._build import abstract_params
+from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
+from meshdistill.models.lora import is_lora
 from meshdistill.optimizers import default_optimizer  # noqa: F401 -- re-exported
 from meshdistill.step import TrainState, per_device_step
 from meshdistill.strategies import LogitKD
@@ -51,6 +53,9 @@ class Distiller:
     mesh: a ``(data, tensor)`` mesh from `make_mesh`; ``None`` means one device.
     backend: ``"shard_map"`` (default with a mesh), ``"single"`` (default without) or
       ``"pmap"`` (data-parallel compatibility path; needs ``tensor=1``): see `meshdistill.layout`.
+    trainable: an nnx filter of the student parameters that train; the optimizer holds state for
+      these only and the rest never moves. Default: the adapters of a LoRA student
+      (`meshdistill.models.lora.apply_lora`), otherwise the whole student.
   """
 
   compiler_options: dict | None = None  # XLA options of the step (see `with_compiler_options`)
@@ -66,6 +71,7 @@ class Distiller:
       backend: str | None = None,
       seed: int = 0,
       shared_vocab: int | None = None,
+      trainable: Any = None,
   ):
     if teacher is None and strategy is None:
       raise ValueError("Distiller without a teacher needs a strategy that uses none, e.g. strategy=HardLabelCE()")
@@ -83,11 +89,13 @@ class Distiller:
     self.max_len = student.cfg.max_len if teacher is None else min(student.cfg.max_len, teacher.cfg.max_len)
     self.seed = seed
     self.student_def, self._student_init = nnx.split(student)
-    self._student_specs = nnx.get_partition_spec(self._student_init)
+    if trainable is None and is_lora(self._student_init):
+      trainable = LORA_TRAINABLE
+    self.trainable = trainable
     self.teacher_def, self.teacher_params = None, None
     if teacher is not None:
       self.teacher_def, teacher_params = nnx.split(teacher)
-      self.teacher_params = self.layout.place_params(teacher_params, nnx.get_partition_spec(teacher_params))
+      self.teacher_params = self.layout.place_params(teacher_params)
     self._step_fn = functools.partial(
         per_device_step,
         student_def=self.student_def,
@@ -95,6 +103,7 @@ class Distiller:
         strategy=self.strategy,
         optimizer=self.optimizer,
         vocab=self.shared_vocab,
+        trainable=trainable,
     )
     self._compiled = None
     self._strategy_variants: dict = {}  # `with_strategy` results, reused
@@ -117,7 +126,7 @@ class Distiller:
     """A fresh train state from ``student`` (default: the student given at construction)."""
     params = self._student_init if student is None else nnx.state(student)
     extra = self.strategy.init_params(self.student_cfg, self.teacher_cfg, jax.random.key(self.seed))
-    return self.layout.fresh_state(self.optimizer, {"student": params, "strategy": extra}, self._student_specs)
+    return self.layout.fresh_state(self.optimizer, {"student": params, "strategy": extra}, self.trainable)
 
   # ---------------------------------------------------------------------- steps
   def check_batch(self, batch: dict) -> None:
@@ -198,6 +207,10 @@ class Distiller:
     so ``init_state()`` still starts from the same student)."""
     cfg = self.student_cfg.replace(remat=remat)  # validates the name
     graphdef = abstract_params(cfg)[0]
+    if self.trainable is not None:  # a student beyond the plain decoder (LoRA): keep its graph
+      model = nnx.merge(self.student_def, self._student_init)
+      model.cfg = cfg
+      graphdef = nnx.split(model)[0]
     new = self._variant(student_def=graphdef)
     new.student_cfg, new.student_def = cfg, graphdef
     return new

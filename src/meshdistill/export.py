@@ -108,7 +108,11 @@ def export_run(
     if meta.get("kind") != "distill":
       raise ValueError(f"RUN_DIR={run_dir!r} holds a {meta.get('kind')!r} run, not a distillation run")
     tokenizer, tok_note = _tokenizer_source(cfg)
-    student = ckpt.restore_student(cfg.student, jobs.build_mesh(cfg), step)
+    student = ckpt.restore_student(cfg.student, jobs.build_mesh(cfg), step, lora=cfg.models.student_lora)
+    if cfg.models.student_lora.enabled:  # adapters folded into the (dequantised) base weights
+      from meshdistill.models.lora import merge_lora  # pylint: disable=g-import-not-at-top
+
+      student = merge_lora(student)
   finally:
     ckpt.close()
   written = _write_atomically(out_dir, student, tokenizer, dtype)

@@ -364,6 +364,13 @@ def distill(
   _write_config(cfg, run_dir)
   mesh = build_mesh(cfg)
   data = load_data(cfg, mesh=mesh)
+  if cfg.distill.kind == "preference":  # batches of (chosen, rejected) row pairs; validation stays plain text
+    from meshdistill.data import PreferencePairs  # pylint: disable=g-import-not-at-top
+
+    pairs = cfg.preference.pairs
+    data = PreferencePairs(with_batch_size(data, cfg.train.batch_size // 2),
+                           source="own" if pairs == "own" else os.path.expanduser(pairs),
+                           prompt_fraction=cfg.preference.prompt_fraction)
   say = stream_reporter(stream)
   say(
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "

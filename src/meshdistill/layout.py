@@ -29,17 +29,19 @@ import optax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, make_mesh, param_shardings
+from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, make_mesh
+from meshdistill.models.lora import fitted_shardings
 
 BATCH_KEYS = ("inputs", "targets", "mask")
 
 
-def _fresh_state(optimizer: optax.GradientTransformation, params):
-  """Step 0, a copy of ``params`` (so the caller's buffers survive donation) and fresh optimizer state."""
-  from meshdistill.step import TrainState  # pylint: disable=g-import-not-at-top
+def _fresh_state(optimizer: optax.GradientTransformation, trainable, params):
+  """Step 0, a copy of ``params`` (so the caller's buffers survive donation) and fresh optimizer state of the
+  parameters that train (``trainable``: an nnx filter of the student's, see `meshdistill.step.split_trainable`)."""
+  from meshdistill.step import TrainState, split_trainable  # pylint: disable=g-import-not-at-top
 
   params = jax.tree.map(jnp.copy, params)
-  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(split_trainable(params, trainable)[0]))
 
 
 def stack_replicas(tree, n: int):
@@ -91,13 +93,14 @@ class Layout:
     return None
 
   # ------------------------------------------------------------------ placement
-  def _device_shardings(self, params, specs):
-    """Shardings of ``params`` (``specs``: their `PartitionSpec` tree) and of replicated leaves."""
+  def _device_shardings(self, params):
+    """Shardings of model parameters ``params`` (an ``nnx.State``, split as its partition metadata says)
+    and of replicated leaves."""
     raise NotImplementedError
 
-  def place_params(self, params, specs):
-    """Puts model parameters (``specs`` from ``nnx.get_partition_spec``) where the step reads them."""
-    shardings, _ = self._device_shardings(params, specs)
+  def place_params(self, params):
+    """Puts model parameters (an ``nnx.State``) where the step reads them."""
+    shardings, _ = self._device_shardings(params)
     return jax.device_put(params, shardings)
 
   def place_batch(self, batch: dict) -> dict:
@@ -107,16 +110,19 @@ class Layout:
   def check_batch(self, batch_size: int) -> None:
     check_batch(batch_size, self.mesh)
 
-  def fresh_state(self, optimizer, params: dict, student_specs):
-    """A step-0 `TrainState` of ``params = {"student": ..., "strategy": ...}``: the student split as
-    ``student_specs`` say, strategy parameters replicated, optimizer moments sharded as their parameters."""
-    student_sh, replicated = self._device_shardings(params["student"], student_specs)
+  def fresh_state(self, optimizer, params: dict, trainable=None):
+    """A step-0 `TrainState` of ``params = {"student": ..., "strategy": ...}``: the student split as its
+    partition metadata says, strategy parameters replicated, optimizer moments (of the ``trainable``
+    parameters only) sharded as their parameters."""
+    from meshdistill.step import split_trainable  # pylint: disable=g-import-not-at-top
+
+    student_sh, replicated = self._device_shardings(params["student"])
     shardings = {"student": student_sh, "strategy": jax.tree.map(lambda _: replicated, params["strategy"])}
     placed = jax.device_put(params, shardings)
-    fresh = functools.partial(_fresh_state, optimizer)
+    fresh = functools.partial(_fresh_state, optimizer, trainable)
     abstract = jax.eval_shape(fresh, placed)
     opt = optax.tree_utils.tree_map_params(
-        optimizer, lambda _, sharding: sharding, abstract.opt_state, shardings,
+        optimizer, lambda _, sharding: sharding, abstract.opt_state, split_trainable(shardings, trainable)[0],
         transform_non_params=lambda _: replicated,
     )
     out_shardings = type(abstract)(replicated, shardings, opt)
@@ -180,8 +186,7 @@ class SingleLayout(Layout):
     del data, tensor
     return "1 device"
 
-  def _device_shardings(self, params, specs):
-    del specs
+  def _device_shardings(self, params):
     device = SingleDeviceSharding(jax.devices()[0])
     return jax.tree.map(lambda _: device, params), device
 
@@ -212,9 +217,9 @@ class ShardMapLayout(Layout):
   def eval_mesh(self):
     return self.mesh
 
-  def _device_shardings(self, params, specs):
-    del params
-    return param_shardings(specs, self.mesh), NamedSharding(self.mesh, P())
+  def _device_shardings(self, params):
+    # Partition metadata, minus `tensor` on dimensions it does not divide (quantization scales).
+    return fitted_shardings(params, self.mesh), NamedSharding(self.mesh, P())
 
   def place_batch(self, batch):
     return host_to_global({k: np.asarray(batch[k]) for k in BATCH_KEYS}, self.mesh)
@@ -271,18 +276,16 @@ class PmapLayout(Layout):
       )
     return mesh
 
-  def place_params(self, params, specs):
-    del specs
+  def place_params(self, params):
     return self.replicate(jax.device_get(params))
 
   def place_batch(self, batch):
     n = self.mesh.size
     return {k: np.asarray(batch[k]).reshape(n, -1, *np.shape(batch[k])[1:]) for k in BATCH_KEYS}
 
-  def fresh_state(self, optimizer, params, student_specs):
-    del student_specs
+  def fresh_state(self, optimizer, params, trainable=None):
     host = jax.device_get(params)
-    return self.replicate(jax.device_get(jax.jit(functools.partial(_fresh_state, optimizer))(host)))
+    return self.replicate(jax.device_get(jax.jit(functools.partial(_fresh_state, optimizer, trainable))(host)))
 
   def compile(self, step_fn, state_shardings=None, compiler_options=None):
     del state_shardings

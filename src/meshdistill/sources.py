@@ -6,6 +6,8 @@ In a config these are keys of the ``teacher`` and ``student`` sections::
   student: {hf: path/to/Qwen3-0.6B}        # a pretrained smaller model of the same family and tokenizer
   student: {init: {from_teacher: true, layers: [0, 9, 18, 27]}}   # or: the teacher's embeddings, LM head,
                                            # final norm and these blocks (layer-subset initialisation)
+  student: {lora: {rank: 8, alpha: 16, targets: [q, k, v, o], quantize: int8}}   # with any of the above:
+                                           # train low-rank adapters on a frozen base (`meshdistill.models.lora`)
 
 With ``hf`` or ``init.from_teacher`` a section's shape is derived -- from ``config.json``, or the
 teacher's shape with ``len(layers)`` blocks -- and only ``max_len``, ``dtype`` and ``remat`` may be
@@ -30,6 +32,7 @@ import os
 from typing import Any
 
 from meshdistill._typed_yaml import ConfigError, from_dict
+from meshdistill.models.lora import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ class ModelSources:
   teacher_hf: str | None = None
   student_hf: str | None = None
   student_init: StudentInit = dataclasses.field(default_factory=StudentInit)
+  student_lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank 0: no adapters
 
   def __post_init__(self):
     for who in ("teacher", "student"):
@@ -101,6 +105,24 @@ def split_sources(raw: dict) -> dict:
   """
   raw = dict(raw)
   models: dict[str, Any] = {}
+  student = raw.get("student")
+  if isinstance(student, dict) and "lora" in student:  # not a source of the shape: taken out before the checks
+    student = dict(student)
+    lora = student.pop("lora")
+    if lora is not None and not isinstance(lora, dict):
+      raise ConfigError(f"student.lora={lora!r} must be a mapping, e.g. {{rank: 8, alpha: 16}}")
+    allowed = [f.name for f in dataclasses.fields(LoraConfig)]
+    for k in lora or {}:
+      if k not in allowed:
+        from meshdistill._typed_yaml import unknown_key  # pylint: disable=g-import-not-at-top
+
+        raise unknown_key("student.lora.", k, allowed)
+    try:
+      LoraConfig(**(lora or {}))  # checked here, so errors name student.lora.*
+    except (TypeError, ValueError) as e:
+      raise ConfigError(str(e)) from None
+    models["student_lora"] = dict(lora or {})
+    raw["student"] = student
   for who, keys in (("teacher", ("hf",)), ("student", ("hf", "init"))):
     section = raw.get(who)
     if not isinstance(section, dict) or not any(k in section for k in keys):
@@ -161,6 +183,7 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
   source keys and `FREE_KEYS`."""
   plain = dict(plain)
   plain.pop("models", None)
+  lora = sources.student_lora
   if sources.teacher_hf:
     plain["teacher"] = {"hf": sources.teacher_hf, **{k: plain["teacher"][k] for k in FREE_KEYS}}
   if sources.student_hf:
@@ -168,6 +191,8 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
   elif sources.student_init.from_teacher:
     init = {"from_teacher": True, "layers": list(sources.student_init.layers)}
     plain["student"] = {"init": init, **{k: plain["student"][k] for k in FREE_KEYS}}
+  if lora.enabled:
+    plain["student"] = {**plain["student"], "lora": {**dataclasses.asdict(lora), "targets": list(lora.targets)}}
   return plain
 
 
@@ -357,10 +382,21 @@ def build_student(cfg, teacher, mesh):
     from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
 
     model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, max_len=cfg.student.max_len)
-    return _with_config(model, cfg.student)
-  if src.student_init.from_teacher:
-    return student_from_teacher(teacher, src.student_init.layers, cfg.student, mesh)
-  return init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
+    model = _with_config(model, cfg.student)
+  elif src.student_init.from_teacher:
+    model = student_from_teacher(teacher, src.student_init.layers, cfg.student, mesh)
+  else:
+    model = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
+  return with_lora(model, src.student_lora, seed=cfg.train.seed, mesh=mesh)
+
+
+def with_lora(model, lora: LoraConfig, *, seed: int, mesh):
+  """``model`` with the adapters of ``student.lora`` (unchanged when its rank is 0)."""
+  if not lora.enabled:
+    return model
+  from meshdistill.models.lora import apply_lora  # pylint: disable=g-import-not-at-top
+
+  return apply_lora(model, lora, seed=seed + 1, mesh=mesh)
 
 
 def student_from_teacher(teacher, layers, student_cfg, mesh=None):

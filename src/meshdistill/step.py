@@ -55,8 +55,13 @@ def per_device_step(
     optimizer: optax.GradientTransformation,
     data_axis: str | None,
     vocab: int | None = None,
+    trainable: Any = None,
 ):
   """One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``.
+
+  ``trainable``: an nnx filter of the student parameters that train (e.g. ``nnx.LoRAParam``); the
+  others are inputs of the step only: no gradient, no optimizer state, never moved (`split_trainable`).
+  ``None``: the whole student trains.
 
   ``vocab``: when teacher and student vocabularies differ only by padding rows, the shared
   range ``[0, vocab)``; both models' logits (and LM heads) are sliced to it before the loss.
@@ -79,9 +84,15 @@ def per_device_step(
     teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
 
   tokens = _psum(jnp.sum(mask_BxT), data_axis)
-  denom = jnp.maximum(tokens, 1.0)
+  # A strategy whose loss is a mean over something else than tokens (pairs of rows: preference
+  # losses) says how many of those its local rows hold (`count`); the step sums that over `data`.
+  count = getattr(strategy, "count", None)
+  denom = jnp.maximum(tokens if count is None else _psum(count(mask_BxT), data_axis), 1.0)
+
+  params_in, frozen = split_trainable(state.params, trainable)
 
   def loss_fn(params):
+    params = join_trainable(params, frozen)
     student = nnx.merge(student_def, params["student"])
     student_out = _vocab_slice(student(inputs_BxT, capture=capture, logits=with_logits), vocab)
     if with_head:  # token sums over all local rows; heads [D, V] with V split over `tensor`
@@ -93,17 +104,34 @@ def per_device_step(
     sums = jax.tree.map(jnp.sum, sums_B)
     return sums["loss"] / denom, sums
 
-  (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
   grads = _psum(grads, data_axis)
   sums = _psum(sums, data_axis)
 
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  updates, opt_state = optimizer.update(grads, state.opt_state, params_in)
+  params = join_trainable(optax.apply_updates(params_in, updates), frozen)
 
   metrics = {k: v / denom for k, v in sums.items()}
   metrics["grad_norm"] = optax.global_norm(grads)
   metrics["tokens"] = tokens
   return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def split_trainable(params: dict, trainable: Any) -> tuple[dict, Any]:
+  """``(trained, frozen)``: ``params`` with only the student parameters matching the nnx filter
+  ``trainable`` (strategy parameters always train), and the rest of the student; ``trainable=None``:
+  ``(params, None)``. The optimizer sees ``trained`` only."""
+  if trainable is None:
+    return params, None
+  trained, frozen = nnx.split_state(params["student"], trainable, ...)
+  return {**params, "student": trained}, frozen
+
+
+def join_trainable(trained: dict, frozen: Any) -> dict:
+  """The inverse of `split_trainable`."""
+  if frozen is None:
+    return trained
+  return {**trained, "student": nnx.merge_state(trained["student"], frozen)}
 
 
 def _vocab_slice(out, vocab: int | None):

@@ -24,6 +24,7 @@ from meshdistill.data._packing import (
     tokenize_documents,
 )
 from meshdistill.data._pipeline import DataBundle, DataConfig, build_data, resolve_tokenizer
+from meshdistill.data._preference import PreferencePairs, own_pairs
 from meshdistill.data._tokenizer import (
     VOCAB_MULTIPLE,
     ByteTokenizer,
@@ -34,6 +35,8 @@ from meshdistill.data._tokenizer import (
 )
 
 __all__ = [
+    "PreferencePairs",
+    "own_pairs",
     "VOCAB_MULTIPLE",
     "ByteTokenizer",
     "DataBundle",

@@ -26,8 +26,23 @@ Built in (registered name in brackets, for configs' ``distill.kind`` and `get`):
 (feature_projection)                   layer
 `Composite`                            a weighted sum of per-sequence strategies; weights may be
                                        schedules
+`PreferenceLoss` (preference)          DPO / IPO / DPO + KL on (chosen, rejected) row pairs, the
+                                       teacher as the frozen reference (a mean over pairs)
 =====================================  ===========================================================
 
+`LogitKD`             a divergence (KL, reverse KL, JSD, ...) between temperature-softened
+                      logits, mixed with hard-label CE
+`ChunkedLogitKD`      logit KD without ``[B, T, V]`` logits (token chunks, vocabulary-parallel)
+`HardLabelCE`         cross-entropy on the targets only
+`AttentionTransfer`   KL / MSE between attention probability maps of mapped layers
+`FeaturePooling`      cosine / MSE to the teacher's width-pooled hidden states
+`FeatureProjection`   cosine / MSE through a learned ``[D_s, D_t]`` map per mapped layer
+`PreferenceLoss`      DPO / IPO / DPO + KL on (chosen, rejected) row pairs, the teacher as the
+                      frozen reference (per batch: the loss is a mean over pairs)
+`Composite`           a weighted sum of per-sequence strategies (all above but `ChunkedLogitKD`);
+                      weights may be schedules
+====================  ==========================================================================
+=======
 A new strategy is one module in this package: a class deriving from `SequenceStrategy` or
 `BatchStrategy`, decorated with ``@register("name")``. Every module of the package is
 imported here, so the decorator runs and the class is exported under its own name.
@@ -59,6 +74,7 @@ from meshdistill.strategies._composite import Composite, HardLabelCE
 from meshdistill.strategies._features import FeaturePooling, FeatureProjection, feature_loss, pool_features
 from meshdistill.strategies._layer_map import default_layer_map
 from meshdistill.strategies._logit import LogitKD, LogitRecipe, logit_metrics, logit_token_metrics
+from meshdistill.strategies._preference import PreferenceLoss, preference_batch, read_preferences
 from meshdistill.strategies._wrappers import LogitMSE, ScaledLoss, fallback_strategy
 
 __all__ = [
@@ -70,6 +86,7 @@ __all__ = [
     "FeatureProjection",
     "HardLabelCE",
     "LogitKD",
+    "PreferenceLoss",
     "LogitRecipe",
     "PerBatch",
     "PerSequence",
@@ -87,6 +104,8 @@ __all__ = [
     "logit_token_metrics",
     "names",
     "pool_features",
+    "preference_batch",
+    "read_preferences",
     "register",
     "value_at",
 ]

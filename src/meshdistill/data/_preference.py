@@ -1,0 +1,126 @@
+"""Preference pairs for the training loop: from a JSONL file, or built from the run's own text.
+
+`PreferencePairs` wraps a `DataBundle` so that `meshdistill.trainer.fit` reads preference batches:
+every training batch of ``B`` rows holds ``B / 2`` (chosen, rejected) pairs, interleaved (row ``2i``
+chosen, ``2i + 1`` rejected), masks on the completion targets only (`PreferenceLoss`).
+Validation batches stay the bundle's own text, so evaluation measures the student's language model.
+
+* ``source="own"`` (default): each packed training row is split at ``prompt_fraction`` of its length;
+  the chosen completion is the row's own continuation, the rejected one the continuation of the next
+  row of the batch (another place of the corpus): a real continuation against a corrupted one.
+* ``source=<path.jsonl>``: rows ``{prompt, chosen, rejected}`` (`read_preferences`), cycled in file
+  order and tokenized with the run's tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+def own_pairs(batch: dict[str, np.ndarray], prompt_fraction: float) -> dict[str, np.ndarray]:
+  """``2 * b`` interleaved rows from a packed batch of ``b`` rows (see the module docstring)."""
+  inputs, targets, mask = (np.asarray(batch[k]) for k in ("inputs", "targets", "mask"))
+  b, T = inputs.shape
+  if b < 2:
+    raise ValueError("preference pairs from the run's own data need at least 2 rows per batch (train.batch_size >= 4)")
+  p = max(1, min(T - 1, int(round(prompt_fraction * T))))  # prompt tokens: inputs[:, :p]
+  completion_T = (np.arange(T) >= p - 1).astype(np.float32)  # targets t >= p - 1 are completion tokens
+  other = np.roll(np.arange(b), -1)
+  rej_inputs, rej_targets = inputs.copy(), targets.copy()
+  rej_inputs[:, p:] = inputs[other, p:]
+  rej_targets[:, p - 1:] = targets[other, p - 1:]
+  chosen_mask = mask * completion_T
+  rejected_mask = mask[other] * completion_T * (mask[:, p - 1:p] > 0)  # the prompt's last token must be real
+  out = {}
+  for key, c, r in (("inputs", inputs, rej_inputs), ("targets", targets, rej_targets),
+                    ("mask", chosen_mask, rejected_mask)):
+    pair = np.empty((2 * b, T), c.dtype)
+    pair[0::2], pair[1::2] = c, r
+    out[key] = pair
+  out["mask"] = out["mask"].astype(np.float32)
+  return out
+
+
+class _PairIterator:
+  """The bundle's train iterator, each batch turned into pairs; its position is the inner one's."""
+
+  def __init__(self, inner, make):
+    self._inner, self._make = inner, make
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return self._make(next(self._inner))
+
+  def get_state(self):
+    return self._inner.get_state()
+
+  def close(self):
+    close = getattr(self._inner, "close", None)
+    if close is not None:
+      close()
+
+
+class _JsonlIterator:
+  """Preference rows from a file, ``n`` per batch, in file order, cycled; the position is a row index."""
+
+  def __init__(self, rows, n: int, encode, seq_len: int, state: dict | None):
+    self._rows, self._n, self._encode, self._seq_len = rows, n, encode, seq_len
+    self._pos = int((state or {}).get("preference_row", 0))
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    from meshdistill.strategies._preference import preference_batch  # pylint: disable=g-import-not-at-top
+
+    take = [self._rows[(self._pos + i) % len(self._rows)] for i in range(self._n)]
+    self._pos = (self._pos + self._n) % len(self._rows)
+    return preference_batch(take, self._encode, self._seq_len)
+
+  def get_state(self):
+    return {"preference_row": self._pos}
+
+  def close(self):
+    pass
+
+
+@dataclasses.dataclass
+class PreferencePairs:
+  """A `DataBundle` whose training batches are preference pairs (see the module docstring).
+
+  ``bundle`` must be built with batch size ``B / 2`` (``B`` = rows per step = 2 x pairs).
+  """
+
+  bundle: Any
+  source: str = "own"
+  prompt_fraction: float = 0.5
+
+  def __post_init__(self):
+    self._rows = None
+    if self.source != "own":
+      from meshdistill.strategies._preference import read_preferences  # pylint: disable=g-import-not-at-top
+
+      self._rows = read_preferences(self.source)
+
+  def __getattr__(self, name):  # tokenizer, stats, val, config, ...
+    return getattr(self.bundle, name)
+
+  @property
+  def global_batch_size(self) -> int:
+    return 2 * self.bundle.global_batch_size
+
+  def val_batches(self, *args, **kwargs):
+    return self.bundle.val_batches(*args, **kwargs)
+
+  def train_iterator(self, state: dict | None = None, **kwargs):
+    if self._rows is not None:
+      tok = self.bundle.tokenizer
+      encode = tok.encode if hasattr(tok, "encode") else tok
+      return _JsonlIterator(self._rows, self.bundle.local_batch_size, encode, self.bundle.config.seq_len, state)
+    inner = self.bundle.train_iterator(state, **kwargs)
+    return _PairIterator(inner, lambda batch: own_pairs(batch, self.prompt_fraction))
