@@ -15,6 +15,12 @@ hand-written tuning notes in ``benchmarks/results/quality_notes.md`` are appende
 
   python benchmarks/quality.py                              # the default config (main job's recipe)
   python benchmarks/quality.py --config configs/quality.yaml --set distill.alpha=0.8
+  python benchmarks/quality.py --seeds 5                    # the spread over student seeds 1..5
+
+With ``--seeds N`` the distilled and scratch students are trained for ``train.seed`` = 1..N (the
+teacher is the same, cached after the first), each seed's row is appended to
+``benchmarks/results/quality_seeds.jsonl`` as soon as it finishes, and ``quality.md`` gets the mean and
+standard deviation over the seeds finished so far (``--render-only`` rewrites it from those files).
 
 Runs on the configured mesh (2x4 simulated CPU devices by default); expect tens of minutes
 on a 2-core machine.
@@ -43,6 +49,7 @@ def _args(argv):
   p.add_argument("--eval-batches", type=int, default=64, help="validation batches for the final numbers")
   p.add_argument("--out", default=os.path.join(HERE, "results", "quality.md"))
   p.add_argument("--note", default="", help="a remark stored with this run in quality_runs.jsonl")
+  p.add_argument("--seeds", type=int, default=0, help="train the two students for train.seed = 1..N; report mean/sd")
   p.add_argument("--render-only", action="store_true", help="rewrite the report from quality_runs.jsonl; train nothing")
   return p.parse_args(argv)
 
@@ -70,7 +77,9 @@ def write_report(out: str, row: dict, tdir: str) -> str:
   if os.path.isfile(notes_path):
     with open(notes_path, encoding="utf-8") as f:
       notes = f.read()
-  text = render(row, tdir, _history(os.path.join(results, "quality_runs.jsonl"))) + ("\n" + notes if notes else "")
+  seeds_path = os.path.join(results, "quality_seeds.jsonl")
+  seeds = render_seeds(_history(seeds_path)) if os.path.isfile(seeds_path) else ""
+  text = render(row, tdir, _history(os.path.join(results, "quality_runs.jsonl"))) + seeds + ("\n" + notes if notes else "")
   with open(out, "w", encoding="utf-8") as f:
     f.write(text)
   return text
@@ -78,14 +87,39 @@ def write_report(out: str, row: dict, tdir: str) -> str:
 
 def main(argv=None) -> int:
   args = _args(argv)
+  results = os.path.dirname(args.out)
   if args.render_only:
-    rows = _history(os.path.join(os.path.dirname(args.out), "quality_runs.jsonl"))
+    rows = _history(os.path.join(results, "quality_runs.jsonl"))
     write_report(args.out, rows[-1], rows[-1].get("teacher_dir", ""))
     return 0
+  if args.seeds:
+    seeds_path = os.path.join(results, "quality_seeds.jsonl")
+    for seed in range(1, args.seeds + 1):
+      row = run_once(args, [*args.overrides, f"train.seed={seed}"], os.path.join(args.run_root, f"seed{seed}"))
+      row["seed"] = seed
+      os.makedirs(results, exist_ok=True)
+      with open(seeds_path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+      print(f"seed {seed}: distilled {row['distilled']['loss']:.4f} scratch {row['scratch']['loss']:.4f} "
+            f"ratio {row['loss_ratio']:.4f}", flush=True)
+      head = _history(os.path.join(results, "quality_runs.jsonl"))[-1]  # the headline run stays on top
+      write_report(args.out, head, head.get("teacher_dir", ""))
+    return 0
+  row = run_once(args, args.overrides, args.run_root)
+  os.makedirs(results, exist_ok=True)
+  with open(os.path.join(results, "quality_runs.jsonl"), "a", encoding="utf-8") as f:
+    f.write(json.dumps(row) + "\n")
+  write_report(args.out, row, row["teacher_dir"])
+  print(render(row, row["teacher_dir"], []))
+  return 0
+
+
+def run_once(args, overrides: list[str], run_root: str) -> dict:
+  """Trains the distilled and the scratch student once; returns the run's row."""
   from meshdistill.config import dump_config, load_config
 
-  # The teacher's pretraining run (when no cached teacher fits) also goes under --run-root.
-  cfg = load_config(args.config, [*args.overrides, f"run.run_dir={args.run_root}"])
+  # The teacher's pretraining run (when no cached teacher fits) also goes under the run root.
+  cfg = load_config(args.config, [*overrides, f"run.run_dir={run_root}"])
   from meshdistill import jobs
 
   jobs.prepare_devices(cfg)
@@ -97,8 +131,8 @@ def main(argv=None) -> int:
   from meshdistill.optimizers import make_optimizer
 
   t_start = time.perf_counter()
-  os.makedirs(args.run_root, exist_ok=True)
-  dump_config(cfg, os.path.join(args.run_root, "config.yaml"))
+  os.makedirs(run_root, exist_ok=True)
+  dump_config(cfg, os.path.join(run_root, "config.yaml"))
   mesh = jobs.build_mesh(cfg)
   data = jobs.load_data(cfg)
   say = jobs.stream_reporter(sys.stderr)
@@ -111,7 +145,7 @@ def main(argv=None) -> int:
 
   distiller = jobs.make_distiller(cfg, teacher, mesh)
   t0 = time.perf_counter()
-  distilled = _fit(distiller, data, cfg, os.path.join(args.run_root, "distill"), "distill")
+  distilled = _fit(distiller, data, cfg, os.path.join(run_root, "distill"), "distill")
   distill_seconds = time.perf_counter() - t0
 
   scratch_model = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
@@ -119,7 +153,7 @@ def main(argv=None) -> int:
     scratch_model, optimizer=make_optimizer(cfg.train, cfg.student.n_layers), mesh=mesh, backend=cfg.mesh.backend
   )
   t0 = time.perf_counter()
-  baseline = _fit(scratch, data, cfg, os.path.join(args.run_root, "scratch"), "scratch")
+  baseline = _fit(scratch, data, cfg, os.path.join(run_root, "scratch"), "scratch")
   scratch_seconds = time.perf_counter() - t0
 
   val = data.val_batches(max_batches=args.eval_batches)
@@ -134,7 +168,7 @@ def main(argv=None) -> int:
   row = {
     "date": datetime.datetime.now().isoformat(timespec="seconds"),
     "config": args.config or "default",
-    "overrides": args.overrides,
+    "overrides": overrides,
     "note": args.note,
     "teacher": {"loss": ev_d["teacher_loss"], "ppl": ev_d["teacher_ppl"], "params": n_t},
     "distilled": {k: ev_d[k] for k in ("loss", "ppl", "kl", "agree")} | {"params": n_s},
@@ -161,13 +195,46 @@ def main(argv=None) -> int:
     },
     "devices": f"{jax.device_count()} x {jax.default_backend()}",
     "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+    "load_average": os.getloadavg()[0],
   }
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(os.path.join(os.path.dirname(args.out), "quality_runs.jsonl"), "a", encoding="utf-8") as f:
-    f.write(json.dumps(row) + "\n")
-  write_report(args.out, row, tdir)
-  print(render(row, tdir, []))
-  return 0
+  return row
+
+
+def render_seeds(rows: list[dict]) -> str:
+  """The spread over student seeds: one row per seed, then mean and sample standard deviation."""
+  if not rows:
+    return ""
+  import statistics
+
+  by_seed = {r["seed"]: r for r in rows}  # a seed run again replaces its earlier row
+  rows = [by_seed[k] for k in sorted(by_seed)]
+  lines = [
+    f"## Spread over student seeds ({len(rows)} seed(s) finished)",
+    "",
+    "`python benchmarks/quality.py --seeds N`: the same recipe, teacher and data order, both students",
+    "(distilled and scratch) initialised from `train.seed` = S.",
+    "",
+    "| train.seed | distilled loss | scratch loss | ratio | recipe | date |",
+    "|---:|---:|---:|---:|---|---|",
+  ]
+  for r in rows:
+    lines.append(
+      f"| {r['seed']} | {r['distilled']['loss']:.4f} | {r['scratch']['loss']:.4f} | {r['loss_ratio']:.4f} | "
+      f"{_recipe(r)} | {r['date']} |"
+    )
+  lines.append("")
+  cols = {
+    "distilled loss": [r["distilled"]["loss"] for r in rows],
+    "scratch loss": [r["scratch"]["loss"] for r in rows],
+    "distilled / scratch": [r["loss_ratio"] for r in rows],
+  }
+  for name, v in cols.items():
+    sd = statistics.stdev(v) if len(v) > 1 else float("nan")
+    lines.append(f"- {name}: mean **{statistics.mean(v):.4f}**, sd {sd:.4f} over {len(v)} seed(s)")
+  worst = max(cols["distilled / scratch"])
+  verdict = "met on every seed" if worst <= TARGET_RATIO else "NOT met on every seed"
+  lines += [f"- worst seed's ratio {worst:.4f} (target <= {TARGET_RATIO}: {verdict})", ""]
+  return "\n".join(lines) + "\n"
 
 
 def _history(path):

@@ -1,33 +1,47 @@
-"""Training throughput on a 2x4 mesh: meshdistill against tunix's DistillationTrainer, same work.
+"""Training throughput: meshdistill against tunix's DistillationTrainer on the same work, with a roofline.
 
 The same teacher and student (the built-in decoder, sized for CPU), the same initial weights,
 the same optimizer (global-norm clipping + AdamW, lr 1e-3) and the same batches go through
 
 * tunix 0.1.7: `DistillationTrainer` + `LogitStrategy` (tau=2, alpha=0.5), driven through its
-  public ``train()`` loop one batch per call (its teacher forward is a separate jitted call, the
-  student step another; it runs under GSPMD on the same mesh with the batch over ``data``);
-* meshdistill: `Distiller` with `ChunkedLogitKD` (and, for reference, `LogitKD`), one compiled
-  program per step (shard_map over ``data``, weights split over ``tensor``).
+  public ``train()`` loop one batch per call, on the 2x4 mesh under GSPMD. Its strategy already
+  wraps the teacher forward in ``nnx.jit`` (its jitted teacher call). tunix computes the teacher's
+  outputs in ``_prepare_inputs`` BEFORE ``shard_input`` splits the batch over ``data``: given host
+  numpy batches its teacher forward sees the unsplit batch and is computed on every ``data``
+  replica. Two rows are therefore reported: "tunix" with each batch put on the mesh split over
+  ``data`` inside the timed step (what ``shard_input`` would do, and what tunix's own examples feed:
+  its best configuration, the headline peer), and "tunix, host numpy input" (what a plain
+  iterator of numpy batches gives it);
+* meshdistill: `Distiller` with `ChunkedLogitKD` (and `LogitKD`), one compiled program per step
+  (shard_map over ``data``, weights split over ``tensor``), fed the same host numpy batches.
 
 Every position counts (mask of ones): tunix's loss averages over all positions, so with no
 padding both compute the same loss, ``alpha tau^2 KL + (1 - alpha) CE``, and their loss curves
 must agree -- a check that the work really is the same.
 
-Timing: after warm-up steps, steps of the systems are interleaved (ours, tunix, ours, ...) and
-each step is timed to completion (``block_until_ready`` / the end of tunix's ``train()``); the
-median is reported. The overhead ratio compares our step with the sum of a bare teacher forward
-(logits) and a bare student step (forward, CE, backward, optimizer update), each its own jitted
-program on the same mesh. The same meshdistill step with a CE-only strategy (the compiler drops the
-unused teacher) splits that overhead into the step's structure and the distillation work.
+The same meshdistill steps and the bare programs also run on ONE device (no mesh), so the overhead
+of our step over a bare teacher forward + bare student step is measured on one device and on the
+mesh. Timing: after warm-up steps, steps of all systems are interleaved round by round and each
+step is timed to completion (``block_until_ready`` / the end of tunix's ``train()``); medians of
+the per-step times and medians of the within-round ratios ("paired") are reported.
 
-Run: ``python benchmarks/throughput.py [--vocab 1024 --steps 7]``; writes
+Roofline: each row's analytic FLOPs per step (matmuls: 2 N_teacher + 6 N_student per token, N the
+matmul weights incl. the tied LM head; plus attention 4 L T D per token forward, 3x that for the
+student's forward + backward) against the matmul rate measured in the same rounds on the same
+device set (a large float32 matmul, split over all devices on the mesh). The compiled programs'
+``cost_analysis()`` FLOPs are printed beside the analytic count, and the number of all-reduces
+in the compiled 2x4 step.
+
+Run: ``python benchmarks/throughput.py [--vocab 1024 --steps 15]``; writes
 ``benchmarks/results/throughput.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import pathlib
 import platform
 import statistics
@@ -84,7 +98,7 @@ def timed(fn) -> tuple[float, float]:
 
 # ---------------------------------------------------------------------------------- systems
 class Ours:
-  """A meshdistill Distiller stepping through the batches."""
+  """A meshdistill Distiller stepping through the batches (``mesh=None``: one device)."""
 
   def __init__(self, strategy, mesh, tcfg, scfg):
     teacher, student = md.init_model(tcfg, seed=0, mesh=mesh), md.init_model(scfg, seed=1, mesh=mesh)
@@ -97,12 +111,23 @@ class Ours:
     jax.block_until_ready(metrics)
     self.losses.append(float(metrics["loss"]))
 
+  def compiled_stats(self, x) -> tuple[float, int]:
+    """(cost_analysis FLOPs of the compiled step, all-reduces in its HLO)."""
+    compiled = self.d.lower(self.state, ours_batch(x)).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    hlo = compiled.as_text()
+    return float(cost.get("flops", float("nan"))), len(re.findall(r"\ball-reduce(?:-start)?\(", hlo))
+
 
 class Tunix:
   """tunix's DistillationTrainer + LogitStrategy on our decoders (no adapter needed: the strategy
-  takes forward functions, which call the NNX decoder and return its logits)."""
+  takes forward functions, which call the NNX decoder and return its logits; it ``nnx.jit``s them).
 
-  def __init__(self, mesh, tcfg, scfg):
+  ``shard``: put each batch on the mesh split over ``data`` (inside the timed step) before handing it
+  to ``train()``, so the teacher forward in ``_prepare_inputs`` runs on the split batch."""
+
+  def __init__(self, mesh, tcfg, scfg, shard: bool):
     vocab = scfg.vocab_size
     teacher, student = md.init_model(tcfg, seed=0, mesh=mesh), md.init_model(scfg, seed=1, mesh=mesh)
 
@@ -117,6 +142,7 @@ class Tunix:
     strategy = tunix_logit.LogitStrategy(forward, forward, labels, temperature=TAU, alpha=ALPHA)
     config = tunix_trainer.TrainingConfig(eval_every_n_steps=10**9, data_sharding_axis=(md.DATA,))
     self.mesh = mesh
+    self.rows = NamedSharding(mesh, P(md.DATA)) if shard else None
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       with mesh:  # tunix reads the legacy `with mesh:` context (deprecated in jax)
@@ -125,10 +151,13 @@ class Tunix:
     self.trainer.is_managed_externally = True
 
   def step(self, x):
+    tokens, mask = x, np.ones_like(x)
+    if self.rows is not None:
+      tokens, mask = jax.device_put((tokens, mask), self.rows)
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       with self.mesh:
-        self.trainer.train([tunix_trainer.TrainingInput(input_tokens=x, input_mask=np.ones_like(x))])
+        self.trainer.train([tunix_trainer.TrainingInput(input_tokens=tokens, input_mask=mask)])
 
   def losses(self) -> list[float]:
     self.trainer.close()  # flushes the last buffered step's metrics
@@ -143,13 +172,16 @@ class Bare:
     self.tdef, self.tparams = nnx.split(teacher)
     self.sdef, self.sparams = nnx.split(student)
     self.tx = md.default_optimizer(LR)
-    opt_shardings = optax.tree_map_params(
-        self.tx, lambda _, p: p.sharding, jax.eval_shape(self.tx.init, self.sparams), self.sparams,
-        transform_non_params=lambda _: NamedSharding(mesh, P()),
-    )
-    self.opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(self.sparams)
-    rows = NamedSharding(mesh, P(md.DATA))
-    self.rows = rows
+    if mesh is None:
+      self.opt_state = jax.jit(self.tx.init)(self.sparams)
+      self.rows = jax.devices()[0]
+    else:
+      opt_shardings = optax.tree_map_params(
+          self.tx, lambda _, p: p.sharding, jax.eval_shape(self.tx.init, self.sparams), self.sparams,
+          transform_non_params=lambda _: NamedSharding(mesh, P()),
+      )
+      self.opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(self.sparams)
+      self.rows = NamedSharding(mesh, P(md.DATA))
     self.teacher_fwd = jax.jit(lambda p, x: nnx.merge(self.tdef, p)(x).logits)
 
     def student_step(params, opt_state, inputs, targets):
@@ -173,22 +205,82 @@ class Bare:
     jax.block_until_ready(loss)
 
 
+class Matmul:
+  """A float32 matmul [m, k] x [k, n] on a device set: on ``mesh`` its rows (m per device) split over
+  every device (no communication), else on one device. ``flops`` per call."""
+
+  def __init__(self, mesh, m: int, k: int, n: int):
+    rows = m * (mesh.size if mesh is not None else 1)
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    if mesh is None:
+      where_a = where_b = jax.devices()[0]
+    else:
+      where_a, where_b = NamedSharding(mesh, P((md.DATA, md.TENSOR))), NamedSharding(mesh, P())
+    self.a = jax.device_put(jax.random.normal(key_a, (rows, k), jnp.float32), where_a)
+    self.b = jax.device_put(jax.random.normal(key_b, (k, n), jnp.float32), where_b)
+    self.fn = jax.jit(jnp.matmul)
+    self.flops = 2.0 * rows * k * n
+
+  def step(self, x):
+    del x
+    jax.block_until_ready(self.fn(self.a, self.b))
+
+
+# ------------------------------------------------------------------------------- FLOP counts
+def matmul_params(cfg) -> int:
+  """Weights used in matmuls: every parameter with 2+ dimensions (the tied embedding counted once, as the head)."""
+  model = md.init_model(cfg, seed=0)
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if x.ndim >= 2)
+
+
+def step_flops(tcfg, scfg) -> dict[str, float]:
+  """Analytic FLOPs per step of each kind of program (matmuls and attention scores / mixing)."""
+  tokens = B * T
+  n_t, n_s = matmul_params(tcfg), matmul_params(scfg)
+  attn_fwd = lambda c: 4.0 * c.n_layers * T * c.d_model  # noqa: E731  QK^T and PV per token, full T x T
+  teacher = tokens * (2.0 * n_t + attn_fwd(tcfg))
+  student = tokens * 3.0 * (2.0 * n_s + attn_fwd(scfg))
+  return {"teacher": teacher, "student": student, "step": teacher + student, "n_t": n_t, "n_s": n_s}
+
+
 # -------------------------------------------------------------------------------------- run
+OURS, REF = "meshdistill ChunkedLogitKD", "meshdistill LogitKD"
+TUNIX, TUNIX_NP = "tunix", "tunix, host numpy input"
+BARE_T, BARE_S = "bare teacher forward", "bare student step"
+CE_ONLY = "meshdistill step, CE only"
+# rate probes [m (per device), k] x [k, n]: the teacher MLP's shape at this batch, a square one, a tall one
+PROBES = ((B * T, 256, 1024), (1024, 1024, 1024), (4096, 1024, 1024))
+MATMUL = "float32 matmul"
+
+
+def probe_name(shape) -> str:
+  return f"{MATMUL} [{shape[0]}, {shape[1]}] x [{shape[1]}, {shape[2]}] per device"
+ONE = "1 device: "
+
+
 def run(vocab: int, steps: int, warmup: int, chunk: int) -> dict:
   mesh = md.make_mesh(data=2, tensor=4)
   tcfg, scfg = configs(vocab)
   systems = {
-      "meshdistill ChunkedLogitKD": Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), mesh, tcfg,
-                                         scfg),
-      "meshdistill LogitKD": Ours(LogitKD(temperature=TAU, alpha=ALPHA), mesh, tcfg, scfg),
-      "tunix": Tunix(mesh, tcfg, scfg),
+      OURS: Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), mesh, tcfg, scfg),
+      REF: Ours(LogitKD(temperature=TAU, alpha=ALPHA), mesh, tcfg, scfg),
+      TUNIX: Tunix(mesh, tcfg, scfg, shard=True),
+      TUNIX_NP: Tunix(mesh, tcfg, scfg, shard=False),
       # the same step with a CE-only strategy: the unused teacher is dropped by the compiler, so this
       # is a bare student step in meshdistill's step structure (shard_map over `data`)
       CE_ONLY: Ours(HardLabelCE(), mesh, tcfg, scfg),
+      ONE + OURS: Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), None, tcfg, scfg),
+      ONE + REF: Ours(LogitKD(temperature=TAU, alpha=ALPHA), None, tcfg, scfg),
   }
-  bare = Bare(mesh, tcfg, scfg)
-  parts = {"bare teacher forward": bare.teacher, "bare student step": bare.student}
+  bare, bare1 = Bare(mesh, tcfg, scfg), Bare(None, tcfg, scfg)
+  probes = {pre + probe_name(shape): Matmul(where, *shape) for pre, where in (("", mesh), (ONE, None))
+            for shape in PROBES}
+  parts = {
+      BARE_T: bare.teacher, BARE_S: bare.student, ONE + BARE_T: bare1.teacher, ONE + BARE_S: bare1.student,
+      **{k: v.step for k, v in probes.items()},
+  }
   batches = make_batches(warmup + steps, vocab)
+  stats = {name: systems[name].compiled_stats(batches[0]) for name in (OURS, REF, ONE + OURS, ONE + REF)}
   times = {name: [] for name in [*systems, *parts]}
   cpu = {name: [] for name in times}
   compile_s = {}
@@ -204,10 +296,14 @@ def run(vocab: int, steps: int, warmup: int, chunk: int) -> dict:
       "times": times,
       "cpu": cpu,
       "compile_s": compile_s,
+      "stats": stats,
+      "matmul_flops": {k: v.flops for k, v in probes.items()},
       "losses": {
-          "meshdistill ChunkedLogitKD": systems["meshdistill ChunkedLogitKD"].losses,
-          "meshdistill LogitKD": systems["meshdistill LogitKD"].losses,
-          "tunix": systems["tunix"].losses(),
+          OURS: systems[OURS].losses,
+          REF: systems[REF].losses,
+          TUNIX: systems[TUNIX].losses(),
+          TUNIX_NP: systems[TUNIX_NP].losses(),
+          ONE + OURS: systems[ONE + OURS].losses,
       },
       "tcfg": tcfg,
       "scfg": scfg,
@@ -223,110 +319,148 @@ def main(argv=None):
   parser.add_argument("--out", type=pathlib.Path, default=RESULT)
   args = parser.parse_args(argv)
   t0 = time.time()
+  load_start = os.getloadavg()
   res = run(args.vocab, args.steps, args.warmup, args.chunk)
+  res["load"] = (load_start, os.getloadavg())
   med = {name: statistics.median(ts) for name, ts in res["times"].items()}
   for name, ts in res["times"].items():
     print(f"{name}: median {1e3 * med[name]:.1f} ms over {len(ts)} steps", flush=True)
+  for name, (flops, n_ar) in res["stats"].items():
+    print(f"{name}: compiled step {flops / 1e9:.2f} GFLOP (cost_analysis), {n_ar} all-reduces in the HLO", flush=True)
   write(args, res, med, time.time() - t0)
   print(f"wrote {args.out}")
 
 
-OURS, REF, TUNIX = "meshdistill ChunkedLogitKD", "meshdistill LogitKD", "tunix"
-BARE_T, BARE_S = "bare teacher forward", "bare student step"
-CE_ONLY = "meshdistill step, CE only"
-
-
-def ratios(t: dict[str, list[float]], system: str) -> dict[str, tuple[float, float]]:
-  """(tunix / system, system / bare) by three estimators over per-step times ``t``."""
-  med = {k: statistics.median(v) for k, v in t.items()}
-  best = {k: min(v) for k, v in t.items()}
-  rounds = range(len(t[system]))
-  return {
-      # the ratio of medians: the estimator the verdicts use
-      "medians": (med[TUNIX] / med[system], med[system] / (med[BARE_T] + med[BARE_S])),
-      # ratios within each interleaved round (systems timed back to back share the load), then their median
-      "paired": (
-          statistics.median(t[TUNIX][i] / t[system][i] for i in rounds),
-          statistics.median(t[system][i] / (t[BARE_T][i] + t[BARE_S][i]) for i in rounds),
-      ),
-      # the fastest step of each: the least disturbed by other jobs
-      "fastest": (best[TUNIX] / best[system], best[system] / (best[BARE_T] + best[BARE_S])),
-  }
-
-
-def robustness(wall_r, cpu_r) -> list[str]:
-  """A warning line per target whose verdict changes with the estimator."""
-  out = []
-  for i, (what, target, ok) in enumerate(
-      (("speed-up over tunix", 1.3, lambda r: r >= 1.3), ("overhead", 1.10, lambda r: r <= 1.10))
-  ):
-    values = [r[i] for r in (*wall_r.values(), *cpu_r.values())]
-    if len({ok(v) for v in values}) > 1:
-      out += [
-          f"**The {what} verdict is not robust here**: the estimators range {min(values):.2f}x-{max(values):.2f}x",
-          f"around the {target:.2f}x target, so on this shared machine the measurement cannot decide it.",
-          "",
-      ]
-  return out
+def paired(t: dict[str, list[float]], num: str, den: tuple[str, ...]) -> float:
+  """Median over rounds of t[num] / sum(t[d] for d in den) within the round."""
+  return statistics.median(t[num][i] / sum(t[d][i] for d in den) for i in range(len(t[num])))
 
 
 def write(args, res, med, seconds: float) -> None:
   tokens = B * T
-  ours, ref, tunix = OURS, REF, TUNIX
-  bare = med[BARE_T] + med[BARE_S]
-  wall_r, cpu_r, ref_r = ratios(res["times"], ours), ratios(res["cpu"], ours), ratios(res["times"], ref)
-  speedup, overhead = wall_r["medians"]
-  cpu_med = {k: statistics.median(v) for k, v in res["cpu"].items()}
+  t, cpu = res["times"], res["cpu"]
+  cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+  fl = step_flops(res["tcfg"], res["scfg"])
+  probe_rate = {k: f / med[k] for k, f in res["matmul_flops"].items()}
+  # One device and the mesh run on the same cores; a lone dot on one device runs on one thread (XLA CPU runs
+  # independent ops of a program concurrently, not one dot across threads), so the roofline for both is the
+  # fastest probe on either device set.
+  best = max(probe_rate.values())
+  rate = {"": best, ONE: best}
+  single = max(r for k, r in probe_rate.items() if k.startswith(ONE))
+  row_flops = {OURS: fl["step"], REF: fl["step"], TUNIX: fl["step"], TUNIX_NP: fl["step"], CE_ONLY: fl["student"],
+               BARE_T: fl["teacher"], BARE_S: fl["student"]}
   tc, sc = res["tcfg"], res["scfg"]
+  (l1, l5, l15), (e1, e5, e15) = res["load"]
   lines = [
-      "# Throughput: meshdistill vs tunix on the same work",
+      "# Throughput: meshdistill vs tunix on the same work, with a roofline",
       "",
       f"Produced by `python benchmarks/throughput.py --vocab {args.vocab} --steps {args.steps} --warmup {args.warmup} "
       f"--chunk {args.chunk}` ({seconds:.0f} s wall).",
       "",
       "## Set-up",
       "",
-      f"* Mesh 2x4 (`data`=2, `tensor`=4) of 8 simulated CPU devices on a machine with {os.cpu_count()} CPU cores",
-      f"  SHARED with other jobs while this ran (load average {os.getloadavg()[0]:.1f} at the end): absolute",
-      "  numbers are noisy and low; ratios of interleaved runs are what this measures.",
+      f"* Machine: {os.cpu_count()} CPU cores SHARED with other jobs while this ran: load average (1/5/15 min)",
+      f"  {l1:.1f}/{l5:.1f}/{l15:.1f} at the start, {e1:.1f}/{e5:.1f}/{e15:.1f} at the end (`os.getloadavg()`, as `uptime`",
+      "  prints). Absolute times are therefore slow and noisy; the ratios compare systems timed in the",
+      "  same interleaved rounds (medians of per-round ratios: *paired*), which is what this measures.",
+      "* Mesh 2x4 (`data`=2, `tensor`=4) of 8 simulated CPU devices sharing those cores, and one device",
+      "  (no mesh; XLA's CPU client uses the cores for intra-op threads) for the `1 device:` rows.",
       f"* Teacher: {tc.n_layers} layers, d={tc.d_model}, MLP {tc.mlp_hidden}; student: {sc.n_layers} layers, "
       f"d={sc.d_model}, MLP {sc.mlp_hidden}; V={sc.vocab_size}; B={B}, T={T} ({tokens} tokens per step), float32.",
       "* Same initial weights, optimizer (clip 1.0 + AdamW lr 1e-3) and batches (random tokens, no",
-      "  padding) for every system; tau=2, alpha=0.5, forward KL + CE.",
+      "  padding) for every system; tau=2, alpha=0.5, forward KL + CE. Every system gets host numpy",
+      "  batches and does its own transfer inside the timed step.",
+      "* **tunix** (the headline peer row): each batch put on the mesh split over `data` before `train()`",
+      "  (what tunix's `shard_input` does and its examples feed), so its jitted teacher forward (the",
+      "  strategy `nnx.jit`s it) runs on the split batch. **tunix, host numpy input**: the same trainer",
+      "  given numpy batches: tunix runs the teacher in `_prepare_inputs` before `shard_input`, so the",
+      "  teacher forward sees the whole batch and is computed on every `data` replica.",
       f"* {args.warmup} warm-up steps (compilation) per system, then {args.steps} timed steps each, interleaved;",
-      "  each step timed to completion; median reported.",
-      f"* ChunkedLogitKD with chunk_size={args.chunk} tokens per device (the 512 local tokens in "
-      f"{-(-B * T // 2 // args.chunk)} chunk(s)).",
+      "  each step timed to completion.",
+      f"* ChunkedLogitKD with chunk_size={args.chunk} tokens per device.",
       "",
       "## Results",
       "",
-      "| system | median step (ms) | tokens/s | median CPU s / step | all timed steps (ms) |",
-      "|---|---:|---:|---:|---|",
+      f"Roofline: analytic FLOPs per step: teacher forward {fl['teacher'] / 1e9:.2f} GFLOP (N_teacher = "
+      f"{fl['n_t']:,} matmul weights), student forward + backward {fl['student'] / 1e9:.2f} GFLOP (N_student = "
+      f"{fl['n_s']:,}), distillation step {fl['step'] / 1e9:.2f} GFLOP (KL / softmax elementwise work not counted).",
+      f"Matmul rate measured in these rounds: **{best / 1e9:.1f} GFLOP/s**, the fastest of {len(PROBES)} float32 "
+      "matmul shapes, each timed on the 2x4 mesh (rows split over the 8 devices) and on one device (median time of "
+      "each, table below). One device and the mesh share the same 2 cores, so this one rate is the roofline of both;",
+      f"a lone matmul on one device reaches only {single / 1e9:.1f} GFLOP/s (XLA's CPU runtime runs one dot on one",
+      "thread; a model step on one device runs independent ops concurrently, which is why its bare teacher",
+      "forward can exceed that). *of matmul rate* = (FLOPs / median step time) / the roofline rate.",
+      "",
+      "| system | median step (ms) | tokens/s | median CPU s / step | GFLOP / step | GFLOP/s | of matmul rate "
+      "| all timed steps (ms) |",
+      "|---|---:|---:|---:|---:|---:|---:|---|",
   ]
-  for name in (ours, ref, tunix, BARE_T, BARE_S, CE_ONLY):
-    ts = ", ".join(f"{1e3 * t:.0f}" for t in res["times"][name])
-    lines.append(f"| {name} | {1e3 * med[name]:.1f} | {tokens / med[name]:.0f} | {cpu_med[name]:.3f} | {ts} |")
+  order = [OURS, REF, TUNIX, TUNIX_NP, CE_ONLY, BARE_T, BARE_S, ONE + OURS, ONE + REF, ONE + BARE_T, ONE + BARE_S]
+  for name in order:
+    base = name.removeprefix(ONE)
+    r = rate[ONE if name.startswith(ONE) else ""]
+    f = row_flops[base]
+    ts = ", ".join(f"{1e3 * v:.0f}" for v in t[name])
+    lines.append(
+        f"| {name} | {1e3 * med[name]:.1f} | {tokens / med[name]:.0f} | {cpu_med[name]:.3f} | {f / 1e9:.2f} | "
+        f"{f / med[name] / 1e9:.1f} | {100 * f / med[name] / r:.0f}% | {ts} |"
+    )
+  for name, f in res["matmul_flops"].items():
+    r = rate[ONE if name.startswith(ONE) else ""]
+    ts = ", ".join(f"{1e3 * v:.0f}" for v in t[name])
+    lines.append(f"| {name} | {1e3 * med[name]:.1f} | | {cpu_med[name]:.3f} | {f / 1e9:.2f} | "
+                 f"{probe_rate[name] / 1e9:.1f} | {100 * probe_rate[name] / r:.0f}% | {ts} |")
+  sp = {k: (med[k2] / med[k], paired(t, k2, (k,))) for k in (OURS, REF) for k2 in (TUNIX,)}
+  sp_np = {k: (med[TUNIX_NP] / med[k], paired(t, TUNIX_NP, (k,))) for k in (OURS, REF)}
+  ov = {
+      pre + k: (med[pre + k] / (med[pre + BARE_T] + med[pre + BARE_S]), paired(t, pre + k, (pre + BARE_T, pre + BARE_S)))
+      for pre in (ONE, "") for k in (OURS, REF)
+  }
+  tunix_split = (med[TUNIX_NP] / med[TUNIX], paired(t, TUNIX_NP, (TUNIX,)))
   lines += [
-      f"| {BARE_T} + {BARE_S} | {1e3 * bare:.1f} | {tokens / bare:.0f} | "
-      f"{cpu_med[BARE_T] + cpu_med[BARE_S]:.3f} | |",
       "",
-      f"* **tokens/s, ours (ChunkedLogitKD) / tunix: {speedup:.2f}x** (target >= 1.3x: "
-      f"**{'met' if speedup >= 1.3 else 'MISSED'}**); LogitKD / tunix: {ref_r['medians'][0]:.2f}x.",
-      f"* **our step / ({BARE_T} + {BARE_S}): {overhead:.2f}x** (target <= 1.10x: "
-      f"**{'met' if overhead <= 1.10 else 'MISSED'}**); LogitKD: {ref_r['medians'][1]:.2f}x.",
+      "## Ratios (medians of step times / medians of per-round ratios)",
       "",
-      "Both verdicts use wall-clock medians, as specified. Because other jobs shared the cores, the same",
-      "ratios by other estimators (ours = ChunkedLogitKD):",
-      "",
-      "| estimator | tunix / ours (speed-up) | ours / bare (overhead) |",
+      "| comparison | ratio of medians | paired |",
       "|---|---:|---:|",
-      *[f"| wall, {k} | {a:.2f}x | {b:.2f}x |" for k, (a, b) in wall_r.items()],
-      *[f"| process CPU time, {k} | {a:.2f}x | {b:.2f}x |" for k, (a, b) in cpu_r.items()],
+      *[f"| **tokens/s, {k.removeprefix('meshdistill ')} / tunix (input split over `data`)** | **{a:.2f}x** | {b:.2f}x |"
+        for k, (a, b) in sp.items()],
+      *[f"| tokens/s, {k.removeprefix('meshdistill ')} / tunix, host numpy input | {a:.2f}x | {b:.2f}x |"
+        for k, (a, b) in sp_np.items()],
+      f"| tunix: numpy input step / split input step | {tunix_split[0]:.2f}x | {tunix_split[1]:.2f}x |",
+      *[f"| {'**' if k.startswith(ONE) else ''}our step / (bare teacher forward + bare student step), "
+        f"{k.replace(ONE, 'one device, ').replace('meshdistill ', '') if k.startswith(ONE) else k.removeprefix('meshdistill ') + ', 2x4 mesh'}"
+        f"{'**' if k.startswith(ONE) else ''} | {a:.2f}x | {b:.2f}x |" for k, (a, b) in ov.items()],
       "",
-      *robustness(wall_r, cpu_r),
-      "*medians*: ratio of the median step times; *paired*: median over rounds of the ratio within a",
-      "round (systems timed back to back see the same load); *fastest*: ratio of each system's fastest",
-      "step (the least disturbed). Process CPU time counts the work this process did, whatever else ran.",
+  ]
+  targets = [
+      f"* ours / tunix >= 1.25x with tunix given split input (ChunkedLogitKD): **{'met' if sp[OURS][0] >= 1.25 else 'NOT met'}**"
+      f" ({sp[OURS][0]:.2f}x by medians, {sp[OURS][1]:.2f}x paired).",
+      f"* ours / bare <= 1.05x on one device: ChunkedLogitKD {ov[ONE + OURS][0]:.2f}x, LogitKD {ov[ONE + REF][0]:.2f}x: "
+      f"**{'met' if max(ov[ONE + OURS][0], ov[ONE + REF][0]) <= 1.05 else 'NOT met'}** (the mesh ratios beside it "
+      "come from 8 simulated devices time-sharing 2 cores).",
+      f"* one-device step at >= 70% of the measured matmul rate: ChunkedLogitKD "
+      f"{100 * fl['step'] / med[ONE + OURS] / rate[ONE]:.0f}%, LogitKD {100 * fl['step'] / med[ONE + REF] / rate[ONE]:.0f}%: "
+      f"**{'met' if fl['step'] / med[ONE + OURS] / rate[ONE] >= 0.7 else 'NOT met'}**.",
+  ]
+  stats = res["stats"]
+  lines += [
+      "## Targets (issue 20), as measured here",
+      "",
+      *targets,
+      "",
+      "## Compiled step: FLOPs and all-reduces",
+      "",
+      "| step | cost_analysis GFLOP (per device program) | analytic GFLOP (whole step) | all-reduces in the HLO |",
+      "|---|---:|---:|---:|",
+      *[f"| {k} | {f / 1e9:.2f} | {fl['step'] / 1e9:.2f} | {n} |" for k, (f, n) in stats.items()],
+      "",
+      f"**All-reduce count per step on the 2x4 HLO: {stats[OURS][1]} (ChunkedLogitKD), {stats[REF][1]} (LogitKD)** -- the",
+      "baseline for bundling the loss/metric reductions and bucketing the gradient sums (not done here).",
+      "XLA CPU's cost analysis counts the per-device program (on the mesh: 1/8 of the batch rows, 1/4",
+      "of the tensor-split weights) and includes elementwise work, so it is not comparable one to one",
+      "with the analytic matmul count.",
       "",
       "## Losses side by side (same batches, same start)",
       "",
@@ -337,54 +471,48 @@ def write(args, res, med, seconds: float) -> None:
   for i in range(n):
     lines.append(f"| {i + 1} | " + " | ".join(f"{v[i]:.5f}" for v in res["losses"].values()) + " |")
   final = {k: v[n - 1] for k, v in res["losses"].items()}
-  rel = abs(final[ours] - final[tunix]) / abs(final[tunix])
+  rel = max(abs(final[OURS] - final[k]) / abs(final[k]) for k in final)
   lines += [
       "",
-      f"Final loss: ours {final[ours]:.5f}, tunix {final[tunix]:.5f} (relative difference {rel:.1e}).",
+      f"Final loss: ours {final[OURS]:.5f}, tunix {final[TUNIX]:.5f}; largest relative difference between any two "
+      f"columns {rel:.1e}.",
       "",
       "Compile + warm-up seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in res["compile_s"].items()) + ".",
   ]
-  structure = med[CE_ONLY] / med[BARE_S]
-  distill = (med[ours] - med[CE_ONLY]) / med[BARE_T]
+  structure = paired(t, CE_ONLY, (BARE_S,))
   lines += [
       "",
       "## Reading the numbers",
       "",
-      *commentary(speedup, overhead, cpu_r["medians"][1]),
+      "Where the difference to tunix comes from. Given host numpy batches, tunix's teacher forward runs",
+      "on the unsplit batch on every `data` replica (its logits come out split over `tensor` only):",
+      f"here its numpy-input step is {tunix_split[0]:.2f}x (paired {tunix_split[1]:.2f}x) its step with split input.",
+      "Given split input, tunix runs the same model matmuls as we do; what differs is the structure:",
+      "tunix runs the teacher forward as one jitted call and the student step as another, with its",
+      "Python loop (metric buffering, a host read of the previous loss) around them; meshdistill runs",
+      "the teacher forward, the student forward/backward and the update as one program. The teacher",
+      f"logits handed between tunix's two programs are {B * T * args.vocab * 4 / 2**20:.0f} MiB here, cheap to pass.",
+      f"Measured: ChunkedLogitKD / tunix (split input) = {sp[OURS][0]:.2f}x by medians, {sp[OURS][1]:.2f}x paired; "
+      f"LogitKD / tunix = {sp[REF][0]:.2f}x / {sp[REF][1]:.2f}x.",
+      "An earlier version of this file compared against tunix's numpy-input row only.",
       "",
-      "Where our step's time goes beyond the bare programs (wall medians): the same step with a CE-only",
-      f"strategy (teacher dropped) takes {1e3 * med[CE_ONLY]:.1f} ms against {1e3 * med[BARE_S]:.1f} ms for the bare",
-      f"student step ({structure:.2f}x): the cost of the step's structure (shard_map manual over `data`",
-      "with compiler-managed `tensor`, the explicit gradient psum, the metrics). Adding the teacher and",
-      f"the KL then costs {1e3 * (med[ours] - med[CE_ONLY]):.1f} ms, {distill:.2f}x the bare teacher forward "
-      "(the KL's softmaxes of both models at tau and the vocabulary metrics come on top of the teacher).",
+      "Where our step's time goes beyond the bare programs (2x4 mesh, paired): the same step with a",
+      f"CE-only strategy (teacher dropped) is {structure:.2f}x the bare student step: the cost of the step's",
+      "structure (shard_map manual over `data` with compiler-managed `tensor`, the explicit gradient",
+      "psum, the metrics). On one device that structure is absent, see the one-device ratio above.",
+      "",
+      "Roofline: the matmul rate is what this machine reaches on one large matmul in the same rounds;",
+      "the step's fraction of it is bounded by its non-matmul work (softmaxes, norms, the optimizer,",
+      "copies) and, on the mesh, by the all-reduces between 8 simulated devices that share 2 cores.",
+      "Cutting that work (grouped GQA einsum, a metrics-light step, bundled collectives) is separate",
+      "work; these numbers are its baseline.",
       "",
   ]
   lines.append(f"Environment: jax {jax.__version__}, Python {platform.python_version()}, {platform.machine()}.")
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text("\n".join(lines) + "\n")
-
-
-def commentary(speedup: float, overhead: float, cpu_overhead: float) -> list[str]:
-  out = [
-      "Where the difference to tunix comes from: tunix runs the teacher forward as its own jitted call,",
-      "hands its full float32 `[B, T, V]` logits to a second jitted program for the student, and drives",
-      "every step from a Python loop with metric buffering and a host read of the previous loss;",
-      "meshdistill runs teacher forward, student forward/backward and the update as one program.",
-  ]
-  if speedup < 1.3:
-    out += [
-        "",
-        f"The 1.3x target is MISSED ({speedup:.2f}x). Both systems run the same model matmuls, which",
-        "dominate a step of these sizes on CPU; the fixed costs that one program saves are what is left.",
-    ]
-  if overhead > 1.10:
-    out += [
-        "",
-        f"The 1.10x overhead target is MISSED on wall-clock medians ({overhead:.2f}x; by process CPU time",
-        f"{cpu_overhead:.2f}x); the decomposition below shows which part of the step it comes from.",
-    ]
-  return out
+  raw = {k: res[k] for k in ("times", "cpu", "compile_s", "stats", "matmul_flops", "losses", "load")}
+  args.out.with_suffix(".json").write_text(json.dumps(raw) + "\n")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
   pl = sub.add_parser("plot", help="write PNG curves of a run's metrics")
   pl.add_argument("run_dir", help="run directory holding metrics.jsonl")
   pl.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
+  ct = with_processes(with_config(
+    sub.add_parser("cache-teacher", help="write the teacher's top-k over the training data (resumable)")
+  ))
+  ct.add_argument("--out", required=True, help="cache directory to write (rerun to resume; then teacher.cache=OUT)")
+  ct.add_argument("--k", type=int, default=32, help="tokens kept per position (default 32)")
+  ct.add_argument("--precision", default="float16", help="log-probabilities as float16 (compact) or float32 (exact)")
+  ct.add_argument("--rows-per-shard", type=int, default=1024, help="packed rows per shard file")
   with_config(sub.add_parser("config", help="print the effective configuration as YAML"))
   la = sub.add_parser("launch", help="run a command as N local CPU processes of one job (development, tests)")
   la.add_argument("--processes", type=int, required=True, metavar="N", help="number of processes")
@@ -212,6 +219,17 @@ def main(argv: list[str] | None = None) -> int:
       )
       summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
       print(jobs.summary_table(summary))
+    elif args.command == "cache-teacher":
+      from meshdistill.teacher_cache import TeacherCache  # pylint: disable=g-import-not-at-top
+
+      m = jobs.cache_teacher(cfg, args.out, k=args.k, precision=args.precision, rows_per_shard=args.rows_per_shard,
+                             stream=sys.stderr)
+      if m:
+        cache = TeacherCache(args.out)
+        print(f"teacher cache {cache.path}: {m['rows']} rows x {m['seq_len']} tokens, top-{m['k']} at temperature "
+              f"{m['temperature']}, {m['precision']}, {cache.bytes_per_token():.1f} bytes/token, "
+              f"content {m['content_sha256'][:16]}")
+        print(f"distil from it with: --set teacher.cache={cache.path} --set distill.top_k={m['k']}")
     elif args.command == "eval":
       print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
     elif args.command == "generate":

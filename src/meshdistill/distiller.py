@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshdistill.layout import BATCH_KEYS, make_layout, stack_replicas  # noqa: F401 -- stack_replicas re-exported
+from meshdistill.layout import BATCH_KEYS, TOPK_KEYS, make_layout, stack_replicas  # noqa: F401 -- stack_replicas re-exported
 from meshdistill.models import Decoder
 from meshdistill.models._build import abstract_params
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
@@ -35,6 +35,7 @@ from meshdistill.models.lora import is_lora
 from meshdistill.optimizers import default_optimizer  # noqa: F401 -- re-exported
 from meshdistill.step import TrainState, per_device_step
 from meshdistill.strategies import LogitKD
+from meshdistill.teacher_cache import TopKTeacher
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class Distiller:
     student, teacher: `Decoder` modules (built with `init_model`; placed anywhere, they
       are moved onto the layout). Their vocabularies must match, up to padding rows: see
       `resolve_shared_vocab` and ``shared_vocab`` (an explicit shared token range).
+      ``teacher`` may instead be a `meshdistill.teacher_cache.TopKTeacher` (no weights; every batch
+      then carries its top-k, see `meshdistill.teacher_cache`).
       ``teacher=None`` trains the student alone with a ``strategy`` that uses no teacher
       (`meshdistill.hardlabel.HardLabelTrainer`).
     strategy: what to distil (default `LogitKD()`: tau=2, alpha=0.5).
@@ -75,14 +78,24 @@ class Distiller:
   ):
     if teacher is None and strategy is None:
       raise ValueError("Distiller without a teacher needs a strategy that uses none, e.g. strategy=HardLabelCE()")
+    # A `TopKTeacher` (an offline cache, a teacher on other devices) has no weights here: every batch
+    # brings the teacher's top-k (`TOPK_KEYS`) and the step runs no teacher.
+    self.topk_teacher = teacher if isinstance(teacher, TopKTeacher) else None
     self.shared_vocab = None
-    if teacher is not None:
+    if self.topk_teacher is not None:
+      if teacher.vocab > student.cfg.vocab_size:
+        raise ValueError(f"{teacher.source} has token ids up to {teacher.vocab} but the student's vocab_size is "
+                         f"{student.cfg.vocab_size}; use a student of the teacher's tokenizer")
+      self.shared_vocab = resolve_shared_vocab(teacher.vocab, student.cfg.vocab_size, shared_vocab)
+    elif teacher is not None:
       self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
     self.layout = make_layout(backend, mesh)
-    for model in (student, teacher):
+    for model in (student, None if self.topk_teacher is not None else teacher):
       if model is not None:
         self.layout.check_model(model.cfg)
     self.strategy = strategy if strategy is not None else LogitKD()
+    if self.topk_teacher is not None:
+      self.topk_teacher.check_strategy(self.strategy)
     self.optimizer = optimizer if optimizer is not None else default_optimizer()
     self.student_cfg = student.cfg
     self.teacher_cfg = None if teacher is None else teacher.cfg
@@ -92,8 +105,8 @@ class Distiller:
     if trainable is None and is_lora(self._student_init):
       trainable = LORA_TRAINABLE
     self.trainable = trainable
-    self.teacher_def, self.teacher_params = None, None
-    if teacher is not None:
+    self.teacher_def, self.teacher_params = None, ({} if self.topk_teacher is not None else None)
+    if teacher is not None and self.topk_teacher is None:
       self.teacher_def, teacher_params = nnx.split(teacher)
       self.teacher_params = self.layout.place_params(teacher_params)
     self._step_fn = functools.partial(
@@ -143,6 +156,13 @@ class Distiller:
           "" if self.teacher_cfg is None else f", teacher {self.teacher_cfg.max_len}")
       raise ValueError(f"sequence length {T} exceeds max_len={self.max_len} ({models}); use seq_len <= {self.max_len}")
     self.layout.check_batch(B)
+    if self.topk_teacher is not None:
+      k = self.topk_teacher.k
+      want = {TOPK_KEYS[0]: (B, T, k), TOPK_KEYS[1]: (B, T, k), TOPK_KEYS[2]: (B, T)}
+      got = {key: tuple(np.shape(batch[key])) if key in batch else None for key in TOPK_KEYS}
+      if got != want:
+        raise ValueError(f"with {self.topk_teacher.source} every batch carries the teacher's top-k {want}, got {got}; "
+                         "read the data through meshdistill.teacher_cache.CachedTeacherData (or a teacher_mesh source)")
 
   def compiled_step(self, state: TrainState):
     """The step compiled for ``state``'s layout (its output state pinned to it where the layout needs that)."""

@@ -155,7 +155,7 @@ class Recovery:
     self.guard, self.keep_every = guard, keep_every
     self.runners = {"primary": trainer, "fallback": None}
     self.fallback = fallback
-    self.can_fall_back = fallback is not None or getattr(trainer, "teacher_def", None) is not None
+    self.can_fall_back = fallback is not None or getattr(trainer, "teacher_cfg", None) is not None
     self.active, self.stage = "primary", None
     self.restores, self.last_loss = 0, None
     self.events: list[dict] = []

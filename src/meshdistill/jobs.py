@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from typing import IO, Any
 
 from meshdistill.checkpoint import Checkpointer, load_teacher, read_teacher_meta, save_teacher
@@ -46,8 +47,11 @@ def prepare_devices(cfg: Config) -> None:
     return
   if sim is True:
     os.environ["JAX_PLATFORMS"] = "cpu"
-  if cfg.mesh.devices > 1 or sim is True:
-    simulate_cpu_devices(local_device_share(cfg.mesh.devices))
+  n = cfg.mesh.devices
+  if cfg.models.teacher_devices:  # the teacher's own mesh takes devices beside the student's
+    n += cfg.models.teacher_devices["data"] * cfg.models.teacher_devices["tensor"]
+  if n > 1 or sim is True:
+    simulate_cpu_devices(local_device_share(n))
 
 
 def build_mesh(cfg: Config):
@@ -274,6 +278,126 @@ def _evaluate_pair(distiller, state, val) -> dict:
   }
 
 
+def _open_teacher_cache(cfg: Config, data, say):
+  """``teacher.cache``: the cache (checked against this run's data, tokenizer, teacher config and student
+  vocabulary), the data with the teacher's top-k in every training batch, and the teacher as a `TopKTeacher`."""
+  from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
+
+  if cfg.models.student_init.from_teacher:
+    raise ConfigError("student.init.from_teacher copies the teacher's weights, but teacher.cache loads none; "
+                      "remove student.init (or teacher.cache)")
+  cache = tc.TeacherCache(cfg.models.teacher_cache)
+  teacher_cfg = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k != "remat"}
+  saved_cfg = {k: v for k, v in cache.manifest["teacher"]["config"].items() if k != "remat"}
+  if saved_cfg != teacher_cfg:
+    diff = sorted(k for k in set(saved_cfg) | set(teacher_cfg) if saved_cfg.get(k) != teacher_cfg.get(k))
+    raise ConfigError(
+      f"teacher.cache={cache.path} was made by another teacher (teacher.{diff[0]}: cache "
+      f"{saved_cfg.get(diff[0])!r}, this config {teacher_cfg.get(diff[0])!r}); use the config that wrote the cache"
+    )
+  cache.check(data=tc.data_identity(data.train, data.tokenizer), vocab=cfg.student.vocab_size)
+  say(f"teacher: top-{cache.k} cache {cache.path} ({cache.manifest['precision']}, "
+      f"{cache.bytes_per_token():.1f} bytes/token); no teacher weights loaded")
+  return tc.CachedTeacherData(data, cache), cache.spec(), cache.path
+
+
+def _split_meshes(cfg: Config):
+  """``teacher.devices``: the teacher's mesh and the student's (``mesh.data`` x ``mesh.tensor``), disjoint."""
+  from meshdistill.teacher_mesh import split_meshes  # pylint: disable=g-import-not-at-top
+
+  td = cfg.models.teacher_devices
+  from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
+
+  if not layout_class(cfg.mesh.backend).spans_processes:  # a mesh split over devices of its own
+    raise ConfigError(f"teacher.devices needs mesh.backend=shard_map (got {cfg.mesh.backend!r})")
+  try:
+    return split_meshes((td["data"], td["tensor"]), (cfg.mesh.data, cfg.mesh.tensor))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def _teacher_on_own_mesh(cfg: Config, data, teacher_mesh, mesh, stream, say):
+  """``teacher.devices``: the teacher on ``teacher_mesh``, its top-k fed to the student on ``mesh``."""
+  from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
+  from meshdistill.teacher_mesh import TeacherMeshData, TeacherOnMesh  # pylint: disable=g-import-not-at-top
+
+  td = cfg.models.teacher_devices
+  if cfg.distill.kind != "logit_kd" or cfg.distill.top_k is None:
+    raise ConfigError("teacher.devices sends the teacher's top-k to the student: set distill.kind=logit_kd and "
+                      "distill.top_k (e.g. 32); other strategies need the teacher on the student's mesh")
+  if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
+    raise ConfigError("teacher.devices needs a constant distill.temperature (the top-k is taken at it)")
+  teacher, tdir = obtain_teacher(cfg, data, teacher_mesh, stream=stream, report=say)
+  vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
+  on_mesh = TeacherOnMesh(teacher, k=cfg.distill.top_k, temperature=float(cfg.distill.temperature), vocab=vocab,
+                          teacher_mesh=teacher_mesh, student_mesh=mesh)
+  say(f"teacher: on its own {td['data']}x{td['tensor']} mesh, student on {cfg.mesh.data}x{cfg.mesh.tensor}")
+  return TeacherMeshData(data, on_mesh), on_mesh.spec(), tdir
+
+
+def _cache_safeguards(kwargs: dict, distiller) -> dict:
+  """With a top-k teacher the guard only restores: its fallback loss (logit MSE) needs the teacher's logits."""
+  if distiller.topk_teacher is not None and kwargs.get("fallback") is not None:
+    kwargs = {**kwargs, "fallback": distiller.strategy}
+  return kwargs
+
+
+def _evaluate_student(distiller, state, val) -> dict:
+  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
+
+  student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
+  return {
+    "teacher": None,
+    "student": {"loss": student["loss"], "ppl": student["ppl"], "params": param_count(distiller.student(state))},
+    "val_tokens": student["tokens"],
+  }
+
+
+def cache_teacher(
+  cfg: Config, out: str, *, k: int = 32, precision: str = "float16", rows_per_shard: int = 1024,
+  stream: IO[str] | None = None, stop_after_shards: int | None = None,
+) -> dict:
+  """Writes the top-``k`` cache of the run's teacher over its training rows into ``out`` (resumable).
+
+  The teacher is the one `distill` would use (``teacher.hf``, ``pretrain.teacher``, cached or pretrained
+  now), run on the configured mesh; log-probabilities are taken at ``distill.temperature`` over the
+  token range teacher and student share. Returns the manifest.
+  """
+  from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
+  from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
+  from meshdistill.layout import make_layout  # pylint: disable=g-import-not-at-top
+
+  if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
+    raise ConfigError(f"distill.temperature={cfg.distill.temperature!r}: a teacher cache holds log-probabilities "
+                      "at one temperature; set a constant distill.temperature")
+  mesh = build_mesh(cfg)
+  data = load_data(cfg, mesh=mesh)
+  say = stream_reporter(stream)
+  teacher, _ = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
+  program = tc.TeacherTopK(teacher, k=k, temperature=float(cfg.distill.temperature), vocab=vocab,
+                           mesh=make_layout(cfg.mesh.backend, mesh).eval_mesh)
+  identity = {"teacher": tc.teacher_identity(teacher),
+              "data": tc.data_identity(data.train, data.tokenizer, cfg.data.source)}
+  import jax  # pylint: disable=g-import-not-at-top
+
+  t0 = time.perf_counter()
+  manifest = tc.write_cache(program, data.train, out, identity=identity, precision=precision,
+                            rows_per_shard=rows_per_shard, batch_size=data.global_batch_size,
+                            process_index=jax.process_index(), process_count=jax.process_count(),
+                            stop_after_shards=stop_after_shards, barrier=_barrier)
+  say(f"teacher cache: {len(data.train)} rows x {data.train.seq_len} tokens -> {out} in "
+      f"{time.perf_counter() - t0:.1f}s")
+  return manifest
+
+
+def _barrier() -> None:
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  multihost_utils.sync_global_devices("meshdistill-teacher-cache")
+
+
 def loop_kwargs(settings) -> dict:
   """`meshdistill.trainer.fit` keywords a `TrainSettings` section (``train`` / ``pretrain``) decides: the
   number of steps, the evaluation and logging cadence, and the logged learning-rate schedule (None with
@@ -362,7 +486,11 @@ def distill(
 
   run_dir = cfg.run.run_dir
   _write_config(cfg, run_dir)
-  mesh = build_mesh(cfg)
+  teacher_mesh = None
+  if cfg.models.teacher_devices:  # the teacher's own mesh, the student's on the other devices
+    teacher_mesh, mesh = _split_meshes(cfg)
+  else:
+    mesh = build_mesh(cfg)
   data = load_data(cfg, mesh=mesh)
   if cfg.distill.kind == "preference":  # batches of (chosen, rejected) row pairs; validation stays plain text
     from meshdistill.data import PreferencePairs  # pylint: disable=g-import-not-at-top
@@ -376,7 +504,16 @@ def distill(
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
     f"vocabulary {data.tokenizer.vocab_size}"
   )
-  teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  if cfg.models.teacher_cache:  # an offline top-k teacher: no teacher weights are loaded
+    data, teacher, tdir = _open_teacher_cache(cfg, data, say)
+  elif teacher_mesh is not None:  # a live teacher on its own devices, one batch ahead
+    data, teacher, tdir = _teacher_on_own_mesh(cfg, data, teacher_mesh, mesh, stream, say)
+  else:
+    teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  if (cfg.models.teacher_cache or teacher_mesh is not None) and (
+      cfg.distill.on_policy.active or cfg.distill.on_policy.prompts_file):
+    raise ConfigError("distill.on_policy trains on prompts and sampled completions, but teacher.cache / "
+                      "teacher.devices feed the teacher's top-k of the corpus rows; remove one of them")
   if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
     from meshdistill.prompts import PromptData, read_prompts  # pylint: disable=g-import-not-at-top
 
@@ -400,13 +537,16 @@ def distill(
       stop_after=stop_after,
       **loop_kwargs(t),
       meta={"teacher_dir": tdir},
-      **safeguard_kwargs(cfg, distiller.strategy),
+      **_cache_safeguards(safeguard_kwargs(cfg, distiller.strategy), distiller),
     )
   finally:
     ckpt.close()
     monitor.close()
   distiller = result.trainer
-  summary = _evaluate_pair(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
+  if distiller.topk_teacher is not None:
+    summary = _evaluate_student(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
+  else:
+    summary = _evaluate_pair(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
   summary.update({"step": result.step, "teacher_dir": tdir, "run_dir": run_dir, "train_seconds": result.seconds})
   summary["safeguards"] = {
     "remat": distiller.student_cfg.remat,
@@ -539,9 +679,14 @@ def summary_table(summary: dict) -> str:
   t, s = summary["teacher"], summary["student"]
   rows = [
     ("model", "params", "val loss", "val ppl"),
-    ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}"),
+    ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}") if t else None,
     ("distilled student", f"{s['params']:,}", f"{s['loss']:.4f}", f"{s['ppl']:.3f}"),
   ]
+  if t is None:  # distilled from a teacher cache: no teacher weights to evaluate
+    rows = [r for r in rows if r is not None]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+    return table + "\n(teacher given by its top-k only: not evaluated)"
   widths = [max(len(r[i]) for r in rows) for i in range(4)]
   line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
   out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]

@@ -33,6 +33,15 @@ from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, make_mes
 from meshdistill.models.lora import fitted_shardings
 
 BATCH_KEYS = ("inputs", "targets", "mask")
+# Batch keys of a teacher given by its top-k instead of its weights (`meshdistill.losses.TopK`):
+# ids and log-probs [B, T, K], tail log-mass [B, T]; see `meshdistill.teacher_cache`.
+TOPK_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_tail")
+
+
+def _host_batch(batch: dict) -> dict:
+  """The step's keys of a batch (a teacher's top-k, when it comes with the batch, included); device arrays kept."""
+  keys = BATCH_KEYS + tuple(k for k in TOPK_KEYS if k in batch)
+  return {k: batch[k] if isinstance(batch[k], jax.Array) else np.asarray(batch[k]) for k in keys}
 
 
 def _fresh_state(optimizer: optax.GradientTransformation, trainable, params):
@@ -191,7 +200,7 @@ class SingleLayout(Layout):
     return jax.tree.map(lambda _: device, params), device
 
   def place_batch(self, batch):
-    return jax.device_put({k: np.asarray(batch[k]) for k in BATCH_KEYS}, jax.devices()[0])
+    return jax.device_put(_host_batch(batch), jax.devices()[0])
 
   def compile(self, step_fn, state_shardings=None, compiler_options=None):
     del state_shardings
@@ -222,7 +231,7 @@ class ShardMapLayout(Layout):
     return fitted_shardings(params, self.mesh), NamedSharding(self.mesh, P())
 
   def place_batch(self, batch):
-    return host_to_global({k: np.asarray(batch[k]) for k in BATCH_KEYS}, self.mesh)
+    return host_to_global(_host_batch(batch), self.mesh)
 
   def state_shardings(self, state):
     return jax.tree.map(lambda x: x.sharding, state)
@@ -281,7 +290,7 @@ class PmapLayout(Layout):
 
   def place_batch(self, batch):
     n = self.mesh.size
-    return {k: np.asarray(batch[k]).reshape(n, -1, *np.shape(batch[k])[1:]) for k in BATCH_KEYS}
+    return {k: np.asarray(v).reshape(n, -1, *np.shape(v)[1:]) for k, v in _host_batch(batch).items()}
 
   def fresh_state(self, optimizer, params, trainable=None):
     host = jax.device_get(params)

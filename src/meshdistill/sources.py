@@ -67,14 +67,21 @@ class StudentInit:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSources:
-  """``teacher.hf``, ``student.hf`` and ``student.init`` of a config (paths made absolute)."""
+  """``teacher.hf``, ``teacher.cache``, ``student.hf`` and ``student.init`` of a config (paths made absolute)."""
 
   teacher_hf: str | None = None
   student_hf: str | None = None
   student_init: StudentInit = dataclasses.field(default_factory=StudentInit)
+  teacher_cache: str | None = None  # an offline top-k cache (`meshdistill.teacher_cache`): no teacher weights loaded
+  teacher_devices: dict | None = None  # the teacher's own mesh {data, tensor} (`meshdistill.teacher_mesh`)
   student_lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank 0: no adapters
 
   def __post_init__(self):
+    if self.teacher_cache is not None:
+      object.__setattr__(self, "teacher_cache", os.path.abspath(os.path.expanduser(self.teacher_cache)))
+      if self.teacher_devices:
+        raise ConfigError("teacher.cache and teacher.devices exclude each other: a cached teacher runs nowhere; "
+                          "remove one of them")
     for who in ("teacher", "student"):
       path = getattr(self, f"{who}_hf")
       if path is not None:
@@ -123,7 +130,7 @@ def split_sources(raw: dict) -> dict:
       raise ConfigError(str(e)) from None
     models["student_lora"] = dict(lora or {})
     raw["student"] = student
-  for who, keys in (("teacher", ("hf",)), ("student", ("hf", "init"))):
+  for who, keys in (("teacher", ("hf", "cache", "devices")), ("student", ("hf", "init"))):
     section = raw.get(who)
     if not isinstance(section, dict) or not any(k in section for k in keys):
       continue
@@ -158,6 +165,16 @@ def _checked(key: str, value: Any) -> Any:
     if value is not None and (not isinstance(value, str) or not value):
       raise ConfigError(f"{key}={value!r} must be the path of a local Hugging Face model directory")
     return value
+  if key == "teacher.devices":
+    if value is not None and (not isinstance(value, dict) or set(value) != {"data", "tensor"} or any(
+        isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value.values())):
+      raise ConfigError(f"{key}={value!r} must be the teacher's own mesh {{data: D, tensor: T}} (positive integers), "
+                        "e.g. {data: 1, tensor: 4}; the student's mesh (mesh.data x mesh.tensor) takes other devices")
+    return value
+  if key == "teacher.cache":
+    if value is not None and (not isinstance(value, str) or not value):
+      raise ConfigError(f"{key}={value!r} must be the path of a teacher cache (written by `meshdistill cache-teacher`)")
+    return value
   if value is None:
     return value
   allowed = [f.name for f in dataclasses.fields(StudentInit)]
@@ -191,6 +208,10 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
   elif sources.student_init.from_teacher:
     init = {"from_teacher": True, "layers": list(sources.student_init.layers)}
     plain["student"] = {"init": init, **{k: plain["student"][k] for k in FREE_KEYS}}
+  if sources.teacher_cache:
+    plain["teacher"] = {**plain["teacher"], "cache": sources.teacher_cache}
+  if sources.teacher_devices:
+    plain["teacher"] = {**plain["teacher"], "devices": dict(sources.teacher_devices)}
   if lora.enabled:
     plain["student"] = {**plain["student"], "lora": {**dataclasses.asdict(lora), "targets": list(lora.targets)}}
   return plain

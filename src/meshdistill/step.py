@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from meshdistill.layout import BACKENDS, resolve_backend, wrap_step  # noqa: F401 -- re-exported
+from meshdistill import losses
+from meshdistill.layout import BACKENDS, TOPK_KEYS, resolve_backend, wrap_step  # noqa: F401 -- re-exported
 
 
 class TrainState(NamedTuple):
@@ -59,6 +60,10 @@ def per_device_step(
 ):
   """One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``.
 
+  With `TOPK_KEYS` in ``batch`` the teacher is not run: its top-k from the batch (an offline cache,
+  `meshdistill.teacher_cache`, or a teacher on its own devices, `meshdistill.teacher_mesh`) is
+  handed to the strategy as a `meshdistill.losses.TopK`.
+
   ``trainable``: an nnx filter of the student parameters that train (e.g. ``nnx.LoRAParam``); the
   others are inputs of the step only: no gradient, no optimizer state, never moved (`split_trainable`).
   ``None``: the whole student trains.
@@ -78,7 +83,9 @@ def per_device_step(
   mask_BxT = batch["mask"].astype(jnp.float32)
 
   teacher_out = teacher_head = None
-  if teacher_def is not None:
+  if TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
+    teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
+  elif teacher_def is not None:
     teacher = nnx.merge(teacher_def, teacher_params)
     teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
     teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None

@@ -63,11 +63,14 @@ def process_slice(global_batch_size: int, process_index: int | None, process_cou
 class _ReadRows:
   """grain map: a global batch of row indices -> this process's rows as a batch dict."""
 
-  def __init__(self, packed: PackedSequences, lo: int, hi: int, segments: bool):
-    self._packed, self._lo, self._hi, self._segments = packed, lo, hi, segments
+  def __init__(self, packed: PackedSequences, lo: int, hi: int, segments: bool, row_ids: bool = False):
+    self._packed, self._lo, self._hi, self._segments, self._row_ids = packed, lo, hi, segments, row_ids
 
   def __call__(self, indices_B: np.ndarray) -> dict[str, np.ndarray]:
-    return self._packed.rows(indices_B[self._lo : self._hi], segments=self._segments)
+    rows = self._packed.rows(indices_B[self._lo : self._hi], segments=self._segments)
+    if self._row_ids:  # which packed rows these are (an offline teacher cache is indexed by them)
+      rows["row_ids"] = np.asarray(indices_B[self._lo : self._hi], np.int64)
+    return rows
 
 
 class TrainIterator(Iterator[dict[str, np.ndarray]]):
@@ -83,6 +86,7 @@ class TrainIterator(Iterator[dict[str, np.ndarray]]):
     num_epochs: passes over the data; ``None`` = forever.
     process_index, process_count: which slice of each batch this process reads (default: JAX's).
     segments: also yield ``segment_ids`` and ``positions``.
+    row_ids: also yield ``row_ids`` [B/P] int64, the packed rows' indices.
     prefetch: batches prepared ahead in a background thread (0 = none).
 
   Raises:
@@ -100,6 +104,7 @@ class TrainIterator(Iterator[dict[str, np.ndarray]]):
       process_count: int | None = None,
       segments: bool = False,
       prefetch: int = 2,
+      row_ids: bool = False,
   ):
     lo, hi = process_slice(global_batch_size, process_index, process_count)
     if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
@@ -122,7 +127,7 @@ class TrainIterator(Iterator[dict[str, np.ndarray]]):
         .shuffle(seed=seed)
         .repeat(num_epochs, reseed_each_epoch=True)
         .batch(global_batch_size, drop_remainder=True)
-        .map(_ReadRows(packed, lo, hi, segments))
+        .map(_ReadRows(packed, lo, hi, segments, row_ids))
     )
     self.num_batches = None if num_epochs is None else len(ds)
     options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=max(prefetch, 1))

@@ -126,7 +126,9 @@ class DataBundle:
     """Rows per batch on this process: ``global_batch_size / process_count``."""
     return self.global_batch_size // self.process_count
 
-  def train_iterator(self, state: dict[str, Any] | None = None, *, segments: bool = False) -> TrainIterator:
+  def train_iterator(
+      self, state: dict[str, Any] | None = None, *, segments: bool = False, row_ids: bool = False
+  ) -> TrainIterator:
     """A fresh training iterator, positioned at ``state`` (from ``TrainIterator.get_state``) if given."""
     it = TrainIterator(
         self.train,
@@ -136,6 +138,7 @@ class DataBundle:
         process_index=self.process_index,
         process_count=self.process_count,
         segments=segments,
+        row_ids=row_ids,
     )
     if state is not None:
       it.set_state(state)

@@ -5,7 +5,8 @@ values ``[T]`` with masked tokens exactly 0; `jax.vmap` lifts them over a batch.
 
 Divergences (`DIVERGENCES`, `get_divergence`): ``forward_kl``, ``reverse_kl``, ``jsd``
 (generalised, ``beta``), ``skew_kl`` / ``skew_reverse_kl`` (``skew``), ``tvd``, ``mse``
-(centred logits). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`.
+(centred logits). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`; `TopK` (a teacher given by its
+top-k, e.g. an offline cache) and `narrow_topk`.
 """
 
 from meshdistill.losses._chunked import (
@@ -31,7 +32,7 @@ from meshdistill.losses._divergences import (
     tvd,
 )
 from meshdistill.losses._logits import cross_entropy, log_softmax, pearson, top1_agreement
-from meshdistill.losses._topk import teacher_topk, topk_bins, topk_divergence, topk_tail
+from meshdistill.losses._topk import TopK, narrow_topk, teacher_topk, topk_bins, topk_divergence, topk_tail
 
 __all__ = [
     "DISTRIBUTION_DIVERGENCES",
@@ -54,6 +55,8 @@ __all__ = [
     "reverse_kl",
     "skew_kl",
     "skew_reverse_kl",
+    "TopK",
+    "narrow_topk",
     "teacher_topk",
     "top1_agreement",
     "topk_bins",

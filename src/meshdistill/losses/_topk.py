@@ -18,6 +18,8 @@ pair is all the teacher side needs, so an offline cache of teacher top-k can fee
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -173,3 +175,26 @@ def topk_divergence(
   fn = get_distribution_divergence(divergence)
   bins_s, bins_t = topk_bins(student_TxV, indices_TxK, logprobs_TxK, temperature, tail_T)
   return _masked(fn(bins_s, bins_t, **hyper), mask_T)
+
+
+class TopK(NamedTuple):
+  """A teacher given by its top-k tokens rather than its weights (an offline cache, or a teacher on
+  other devices): ``indices [..., T, K]`` int32 token ids in decreasing probability,
+  ``logprobs [..., T, K]`` their log-probabilities at the distillation temperature and ``tail [..., T]``
+  the log-mass of all other tokens (`topk_tail`). The train step hands one sequence's ``[T, ...]``
+  slices to the strategy in place of the teacher's `ModelOutput`."""
+
+  indices: jax.Array
+  logprobs: jax.Array
+  tail: jax.Array
+
+
+def narrow_topk(topk: TopK, k: int) -> TopK:
+  """The first ``k`` of ``K >= k`` kept tokens; the other ``K - k`` join the tail bin (exact)."""
+  K = topk.indices.shape[-1]
+  if k == K:
+    return topk
+  if k > K:
+    raise ValueError(f"a top-k teacher with k={K} cannot give its top {k}; use top_k <= {K}")
+  rest = jnp.concatenate([topk.logprobs[..., k:].astype(jnp.float32), topk.tail[..., None].astype(jnp.float32)], -1)
+  return TopK(topk.indices[..., :k], topk.logprobs[..., :k], jax.nn.logsumexp(rest, axis=-1))

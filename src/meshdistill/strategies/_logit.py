@@ -211,5 +211,23 @@ class LogitKD(LogitRecipe, SequenceStrategy):
 
   def per_sequence(self, params, student: ModelOutput, teacher: ModelOutput, targets_T, mask_T, step):
     del params
-    per_token = self.token_terms(self.scalars(step), student.logits, teacher.logits, targets_T, mask_T)
+    if isinstance(teacher, losses.TopK):
+      per_token = self.topk_token_terms(self.scalars(step), student.logits, teacher, targets_T, mask_T)
+    else:
+      per_token = self.token_terms(self.scalars(step), student.logits, teacher.logits, targets_T, mask_T)
     return {k: jnp.sum(v) for k, v in per_token.items()}
+
+  def topk_token_terms(self, params, student_TxV, teacher: losses.TopK, targets_T, mask_T) -> dict[str, jax.Array]:
+    """`token_terms` against a teacher given only by its top-k (`meshdistill.losses.TopK`, e.g. an offline
+    cache): the same loss as a live teacher with the same ``top_k``; of the metrics only ``ce`` and
+    ``agree`` (the teacher's top-1 is its first id) can be formed without the teacher's logits."""
+    tau, alpha = params["temperature"], params["alpha"]
+    hyper = {k: v for k, v in params.items() if k not in ("temperature", "alpha")}
+    ids_TxK, logprobs_TxK, tail_T = losses.narrow_topk(teacher, self.top_k)
+    term_T = losses.topk_divergence(student_TxV, ids_TxK, logprobs_TxK, mask_T, tau, self.divergence, tail_T, **hyper)
+    at_top_T = jnp.take_along_axis(student_TxV, ids_TxK[:, :1], axis=-1)[:, 0]
+    agree_T = (at_top_T >= jnp.max(student_TxV, axis=-1)).astype(jnp.float32)
+    out = {self.term_name: term_T, "ce": losses.cross_entropy(student_TxV, targets_T, mask_T)}
+    out["agree"] = agree_T * mask_T
+    out["loss"] = alpha * tau**2 * term_T + (1.0 - alpha) * out["ce"]
+    return out

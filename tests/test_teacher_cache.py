@@ -1,0 +1,126 @@
+"""The offline top-k teacher cache: compact encoding, exact equality with a live top-k teacher, resume, refusals."""
+
+import os
+
+import numpy as np
+import pytest
+from helpers import STUDENT_CFG, TEACHER_CFG, write_corpus
+
+import meshdistill as md
+from meshdistill import teacher_cache as tc
+from meshdistill.strategies import AttentionTransfer, LogitKD
+
+K, TAU = 4, 2.0
+STRATEGY = LogitKD(top_k=K, temperature=TAU, alpha=0.5)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("cache")
+  data = md.data.build_data(md.data.DataConfig(source=write_corpus(root / "corpus", 8), seq_len=16, val_fraction=0.0),
+                            batch_size=8)
+  vocab = data.tokenizer.vocab_size
+  mesh = md.make_mesh(data=2, tensor=4)
+  teacher = md.init_model(TEACHER_CFG.replace(vocab_size=vocab), seed=0, mesh=mesh)
+  student_cfg = STUDENT_CFG.replace(vocab_size=vocab)
+  program = tc.TeacherTopK(teacher, k=K, temperature=TAU, mesh=mesh)
+  identity = {"teacher": tc.teacher_identity(teacher), "data": tc.data_identity(data.train, data.tokenizer)}
+  caches = {}
+  for precision in ("float32", "float16"):
+    out = str(root / precision)
+    tc.write_cache(program, data.train, out, identity=identity, precision=precision, rows_per_shard=128, batch_size=32)
+    caches[precision] = out
+  return dict(root=root, data=data, mesh=mesh, teacher=teacher, student_cfg=student_cfg, program=program,
+              identity=identity, caches=caches)
+
+
+def _losses(distiller, data, student_cfg, mesh, steps=2):
+  student = md.init_model(student_cfg, seed=1, mesh=mesh)
+  state = distiller.init_state(student)
+  it = data.train_iterator()
+  out = []
+  for _ in range(steps):
+    state, metrics = distiller.step(state, next(it))
+    out.append(float(metrics["loss"]))
+  it.close()
+  return np.array(out)
+
+
+def test_ids_pack_into_ceil_log2_vocab_bits_and_round_trip():
+  rng = np.random.default_rng(0)
+  ids = rng.integers(0, 128_000, (5, 32 * 3))
+  bits = tc.id_bits(128_000)
+  packed = tc.pack_ids(ids, bits)
+  assert bits == 17 and packed.shape == (5, 32 * 3 * 17 // 8)
+  np.testing.assert_array_equal(tc.unpack_ids(packed, bits, ids.shape[1]), ids)
+
+
+def test_run_from_float32_cache_equals_live_topk_run(setup):
+  s = setup
+  # written on a 2x4 mesh, read by a student on one device (the layouts agree on the numbers)
+  student = md.init_model(s["student_cfg"], seed=1)
+  live = md.Distiller(student, s["teacher"], strategy=STRATEGY)
+  cache = tc.TeacherCache(s["caches"]["float32"], verify=True)
+  cached = md.Distiller(student, cache.spec(), strategy=STRATEGY)
+  assert cached.teacher_def is None and cached.teacher_params == {}  # no teacher weights beside the student
+  want = _losses(live, s["data"], s["student_cfg"], None)
+  got = _losses(cached, tc.CachedTeacherData(s["data"], cache), s["student_cfg"], None)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  compact = _losses(cached, tc.CachedTeacherData(s["data"], tc.TeacherCache(s["caches"]["float16"])),
+                    s["student_cfg"], None)
+  assert np.max(np.abs(compact - want) / want) < 1e-3  # float16 log-probs: a small, bounded error
+  assert not np.array_equal(compact, want)
+
+
+def test_killed_write_resumes_to_the_same_cache(setup, tmp_path):
+  s = setup
+  out = str(tmp_path / "resumed")
+  first = tc.write_cache(s["program"], s["data"].train, out, identity=s["identity"], precision="float32",
+                         rows_per_shard=128, batch_size=32, stop_after_shards=1)
+  assert first == {} and os.path.isfile(os.path.join(out, "progress-0.json"))
+  # a write cut off mid-file: a partial next shard that progress.json does not list
+  with open(os.path.join(out, "shard-00001.safetensors"), "wb") as f:
+    f.write(b"\0" * 100)
+  with pytest.raises(tc.CacheError, match="unfinished"):
+    tc.TeacherCache(out)
+  done = tc.write_cache(s["program"], s["data"].train, out, identity=s["identity"], precision="float32",
+                        rows_per_shard=128, batch_size=32)
+  whole = tc.TeacherCache(s["caches"]["float32"]).manifest
+  assert len(whole["shards"]) > 1
+  assert done["content_sha256"] == whole["content_sha256"]
+  tc.TeacherCache(out, verify=True)
+
+
+def test_cache_for_other_settings_or_damaged_is_refused(setup, tmp_path):
+  s = setup
+  path = s["caches"]["float16"]
+  cache = tc.TeacherCache(path)
+  other = dict(s["identity"]["data"], tokens_sha256="0" * 64)
+  with pytest.raises(tc.CacheError, match="data.tokens_sha256"):
+    cache.check(data=other)
+  with pytest.raises(tc.CacheError, match="another tokenizer"):
+    cache.check(data=dict(s["identity"]["data"], tokenizer="bpe-1234"))
+  with pytest.raises(tc.CacheError, match="vocab_size is 128"):
+    cache.check(vocab=128)
+  with pytest.raises(tc.CacheError, match="teacher.weights_sha256"):
+    cache.check(teacher={"weights_sha256": "x"})
+  cache.check(data=s["identity"]["data"], vocab=s["student_cfg"].vocab_size, teacher=s["identity"]["teacher"])
+  # writing into it with another k is refused, naming k
+  program = tc.TeacherTopK(s["teacher"], k=K + 1, temperature=TAU, mesh=s["mesh"])
+  with pytest.raises(tc.CacheError, match="k: cache 4, this run 5"):
+    tc.write_cache(program, s["data"].train, path, identity=s["identity"], rows_per_shard=128)
+  # a truncated shard
+  broken = tmp_path / "broken"
+  broken.mkdir()
+  for name in os.listdir(path):
+    data = open(os.path.join(path, name), "rb").read()
+    (broken / name).write_bytes(data[:-10] if name == "shard-00000.safetensors" else data)
+  with pytest.raises(tc.CacheError, match="truncated"):
+    tc.TeacherCache(str(broken))
+  # strategies that need a live teacher, or other top-k settings
+  student = md.init_model(s["student_cfg"], seed=1)
+  refused = ((AttentionTransfer(), "needs a live teacher"), (LogitKD(top_k=K + 1, temperature=TAU), "top_k"),
+             (LogitKD(top_k=K, temperature=1.0), "temperature"))
+  for strategy, match in refused:
+    with pytest.raises(ValueError, match=match):
+      md.Distiller(student, cache.spec(), strategy=strategy)
