@@ -128,7 +128,7 @@ def run_once(args, overrides: list[str], run_root: str) -> dict:
   from meshdistill.evaluate import Evaluator
   from meshdistill.hardlabel import HardLabelTrainer
   from meshdistill.models import init_model, param_count
-  from meshdistill.trainer import make_optimizer
+  from meshdistill.optimizers import make_optimizer
 
   t_start = time.perf_counter()
   os.makedirs(run_root, exist_ok=True)
@@ -162,7 +162,7 @@ def run_once(args, overrides: list[str], run_root: str) -> dict:
     scratch.student_def,
     teacher_def=distiller.teacher_def,
     teacher_params=distiller.teacher_params,
-    mesh=distiller.mesh if distiller.backend == "shard_map" else None,
+    mesh=distiller.layout.eval_mesh,
   )(scratch.unreplicate(baseline.state.params)["student"], val)
   n_t, n_s = param_count(teacher), param_count(distiller.student(distilled.state))
   row = {

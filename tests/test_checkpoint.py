@@ -19,7 +19,8 @@ import meshdistill as md
 from meshdistill.checkpoint import Checkpointer, check_teacher_architecture, load_teacher, save_teacher
 from meshdistill.config import load_config
 from meshdistill.data import ByteTokenizer
-from meshdistill.trainer import make_optimizer
+from meshdistill.layout import make_layout
+from meshdistill.optimizers import make_optimizer
 
 VOCAB = 264
 TEACHER = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
@@ -148,7 +149,8 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
       import numpy as np
       import orbax.checkpoint._src.path.async_path as ap
       from meshdistill.checkpoint import Checkpointer
-      single = types.SimpleNamespace(backend="single")
+      from meshdistill.layout import make_layout
+      single = types.SimpleNamespace(layout=make_layout("single", None))
       state = {{"w": np.arange(6, dtype=np.float32)}}
       ckpt = Checkpointer({directory!r}, every=1)
       ckpt.save(1, single, state, {{"next_batch": 1}}, {{"kind": "test"}})
@@ -172,7 +174,7 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
   template = {"w": jax.ShapeDtypeStruct((6,), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
 
   class Single:
-    backend = "single"
+    layout = make_layout("single", None)
 
   state, data_state, meta = ckpt.restore(Single(), template)
   np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(6, dtype=np.float32))

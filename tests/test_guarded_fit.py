@@ -229,3 +229,89 @@ def test_safeguard_settings_build_the_guard_fallback_and_loss_scale(mesh):
 def test_bad_safeguard_settings_name_the_key(override, match):
   with pytest.raises(ConfigError, match=re.escape(match)):
     load_config("tiny", [override])
+
+
+class _Probe:
+  """A loss that records when the host reads it."""
+
+  def __init__(self, x, step, log):
+    self.x, self.step, self.log = x, step, log
+
+  def _read(self):
+    self.log.append(("read", self.step))
+    return np.asarray(jax.device_get(self.x))
+
+  def __array__(self, dtype=None, copy=None):
+    return self._read() if dtype is None else self._read().astype(dtype)
+
+  def __float__(self):
+    return float(self._read())
+
+
+class _Spy:
+  """A trainer that records each dispatched step and hands out losses that record their reads."""
+
+  def __init__(self, trainer, log):
+    self.trainer, self.log = trainer, log
+
+  def __getattr__(self, name):
+    return getattr(self.trainer, name)
+
+  def step(self, state, batch):
+    state, metrics = self.trainer.step(state, batch)
+    step = len([e for e in self.log if e[0] == "dispatch"]) + 1
+    self.log.append(("dispatch", step))
+    return state, {**metrics, "loss": _Probe(metrics["loss"], step, self.log)}
+
+
+class _Counted(PoisonedData):
+  def __init__(self, bundle, poison=(POISON,)):
+    super().__init__(bundle, poison)
+    self.read = 0
+
+  def train_iterator(self, state=None):
+    outer, it = self, super().train_iterator(state)
+
+    class _It:
+      def __next__(self):
+        outer.read += 1
+        return next(it)
+
+      def get_state(self):
+        return it.get_state()
+
+      def close(self):
+        it.close()
+
+    return _It()
+
+
+@pytest.mark.parametrize("lag", [1, 0])
+def test_the_lagged_guard_reads_each_loss_only_after_the_next_step_is_dispatched(uninterrupted, data, lag):
+  log = []
+  fit(_Spy(uninterrupted[0], log), PoisonedData(data, poison=()), steps=6, guard=guard(), keep_every=2,
+      guard_lag=lag)
+  order = {e: i for i, e in reversed(list(enumerate(log)))}  # first occurrence of each event
+  for k in range(1, 6):
+    assert ("read", k) in order
+    if lag:  # the step after k is already queued when k's loss is read: dispatch never waits for the guard
+      assert order[("dispatch", k + 1)] < order[("read", k)]
+    else:
+      assert order[("read", k)] < order[("dispatch", k + 1)]
+
+
+def test_the_lagged_guard_spends_one_more_batch_after_a_divergence_and_changes_nothing_without_one(
+    uninterrupted, data):
+  d = uninterrupted[0]
+  lagged, at_once = _Counted(data), _Counted(data)
+  a = fit(d, lagged, steps=6, guard=guard(), keep_every=2)
+  b = fit(d, at_once, steps=6, guard=guard(), keep_every=2, guard_lag=0)
+  assert [e["restored_step"] for e in a.events if e["kind"] == "diverged"] == [2]
+  assert [e["restored_step"] for e in b.events if e["kind"] == "diverged"] == [2]
+  # 4 steps, 2 restored, 4 more: 8 batches read at once; the lagged check also spends step 5's batch
+  assert (at_once.read, lagged.read) == (8, 9)
+  # without a divergence the guard changes no number, lagged or not
+  plain = fit(d, PoisonedData(data, poison=()), steps=6)
+  for lag in (0, 1):
+    guarded = fit(d, PoisonedData(data, poison=()), steps=6, guard=guard(), keep_every=2, guard_lag=lag)
+    assert guarded.events == [] and leaves_equal(guarded.state.params, plain.state.params)

@@ -6,6 +6,7 @@ import os
 
 import jax
 import numpy as np
+import optax
 import pytest
 from helpers import make_batch, write_corpus
 from flax import nnx
@@ -248,3 +249,13 @@ def test_freezing_schedule_from_the_config_holds_frozen_blocks_bit_for_bit(data,
   after = jax.device_get(fit(d, data, steps=3, eval_every=0, log_every=3, monitor=monitor).state.params["student"])
   assert leaves_equal(before["blocks"][0], after["blocks"][0]) and leaves_equal(before["embed"], after["embed"])
   assert not leaves_equal(before["blocks"][1], after["blocks"][1])
+
+
+def test_fresh_state_moments_take_their_parameters_sharding_on_every_trainer(kd, hard):
+  for trainer in (kd, hard):  # with a teacher and without one: one code path (`Layout.fresh_state`)
+    state = trainer.init_state()
+    want = jax.tree.map(lambda x: x.sharding, state.params)
+    for moment in ("mu", "nu"):
+      got = jax.tree.map(lambda x: x.sharding, optax.tree_utils.tree_get(state.opt_state, moment))
+      assert got == want
+    assert any(not s.is_fully_replicated for s in jax.tree.leaves(want))  # some weights really are split

@@ -1,20 +1,15 @@
 """meshdistill: knowledge distillation of language models on a JAX (data, tensor) mesh."""
 
-from meshdistill import data, freezing, losses, memory, safeguards, schedules, strategies
+from meshdistill import data, freezing, layout, losses, memory, safeguards, schedules, strategies
 from meshdistill.data import DataConfig, build_data
-from meshdistill.distiller import Distiller, default_optimizer
+from meshdistill.distiller import Distiller
+from meshdistill.layout import Layout, make_layout, wrap_step
 from meshdistill.freezing import Stage, default_stages, freeze_status, progressive_freeze
 from meshdistill.memory import MemoryReport, fit_remat, step_memory
+from meshdistill.guard import DivergenceGuard
 from meshdistill.planner import Plan, plan
-from meshdistill.safeguards import (
-    DivergenceGuard,
-    LogitMSE,
-    ScaledLoss,
-    fallback_strategy,
-    fit_guarded,
-    safeguarded,
-    skipped_updates,
-)
+from meshdistill.optimizers import default_optimizer, safeguarded, skipped_updates
+from meshdistill.safeguards import fit_guarded
 from meshdistill.mesh import AXES, DATA, TENSOR, host_to_global, make_mesh, simulate_cpu_devices
 from meshdistill.models import (
     Decoder,
@@ -26,7 +21,7 @@ from meshdistill.models import (
     param_count,
     shard_model,
 )
-from meshdistill.step import TrainState, per_device_step, wrap_step
+from meshdistill.step import TrainState, per_device_step
 from meshdistill.strategies import (
     AttentionTransfer,
     ChunkedLogitKD,
@@ -35,6 +30,9 @@ from meshdistill.strategies import (
     FeatureProjection,
     HardLabelCE,
     LogitKD,
+    LogitMSE,
+    ScaledLoss,
+    fallback_strategy,
 )
 
 __version__ = "0.1.0"
@@ -64,10 +62,13 @@ __all__ = [
     "HardLabelCE",
     "host_to_global",
     "init_model",
+    "layout",
+    "Layout",
     "LogitKD",
     "LogitMSE",
     "load_hf",
     "losses",
+    "make_layout",
     "make_mesh",
     "memory",
     "MemoryReport",

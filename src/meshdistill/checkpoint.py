@@ -78,19 +78,6 @@ class CheckpointError(RuntimeError):
   """A checkpoint could not be written, or no intact checkpoint is left to restore; the message says what to do."""
 
 
-def _abstract(template: Any) -> Any:
-  """Abstract restore target: shape, dtype and sharding of every leaf of ``template``."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
-
-
-def _unstacked_template(trainer, state: TrainState) -> TrainState:
-  if trainer.backend != "pmap":
-    return state
-  device = SingleDeviceSharding(jax.devices()[0])
-  one = trainer.unreplicate(state)
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=device), one)
-
-
 class Checkpointer:
   """Saves and restores train states under ``directory`` (every ``every`` steps, newest ``keep`` kept).
 
@@ -126,11 +113,12 @@ class Checkpointer:
     return os.path.join(self.directory, str(step))
 
   def save(self, step: int, trainer, state: TrainState, data_state: dict, meta: dict) -> None:
-    """Writes ``state`` (for ``pmap`` the first replica), the data position and ``meta`` as ``step``.
+    """Writes ``state`` (one replica of it: `meshdistill.layout.Layout.unreplicate`), the data position and
+    ``meta`` as ``step``.
 
     Raises `CheckpointError` when the write fails (e.g. a full disk); earlier steps stay intact.
     """
-    state = trainer.unreplicate(state) if trainer.backend == "pmap" else state
+    state = trainer.layout.unreplicate(state)
     meta = {**meta, "step": int(step)}
     try:
       self._mgr.save(
@@ -254,7 +242,7 @@ class Checkpointer:
       raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
     if explicit and self.verify(step) is not None:
       raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
-    target = _abstract(_unstacked_template(trainer, template))
+    target = trainer.layout.checkpoint_target(template)
     try:
       got = self._mgr.restore(
         step,
@@ -268,10 +256,7 @@ class Checkpointer:
         "by a run with other model sizes or another strategy/optimizer: use another checkpoint.dir or run_dir"
       ) from e
     self._set_aside(step)
-    state = got.state
-    if trainer.backend == "pmap":
-      n = trainer.mesh.size
-      state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))).copy(), state)
+    state = trainer.layout.replicate(got.state)
     if any(s > step for s in self._damaged):
       newer = ", ".join(str(s) for s in sorted(self._damaged) if s > step)
       log.warning("checkpoint: restored step %d from %s instead of the damaged step(s) %s", step, self.directory,

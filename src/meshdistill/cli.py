@@ -299,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
       elif args.command == "distill":
         import jax  # pylint: disable=g-import-not-at-top
 
-        mesh = "1 device" if cfg.mesh.backend == "single" else f"{cfg.mesh.data}x{cfg.mesh.tensor} (data x tensor)"
+        from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
+
+        mesh = layout_class(cfg.mesh.backend).describe(cfg.mesh.data, cfg.mesh.tensor)
         print(
           f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s)"
           + (f" in {jax.process_count()} processes (this is process {jax.process_index()})"

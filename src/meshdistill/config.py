@@ -34,12 +34,10 @@ from meshdistill._typed_yaml import ConfigError, from_dict, in_range, nonneg_int
 from meshdistill.config_files import config_path, load_raw  # noqa: F401  (part of this module's API)
 from meshdistill.data import DataConfig
 from meshdistill.fsutil import write_text_atomic
+from meshdistill.layout import BACKENDS, layout_class
 from meshdistill.models import ModelConfig
+from meshdistill.optimizers import MAX_LOSS_SCALE
 from meshdistill.sources import ModelSources, nest_sources, resolve, split_sources
-
-BACKENDS = ("shard_map", "single", "pmap")
-MAX_LOSS_SCALE = 2.0**32  # the largest static loss scale: any larger and float32 gradients overflow on ordinary losses
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshSettings:
@@ -59,13 +57,9 @@ class MeshSettings:
       raise ConfigError(f"mesh.backend={self.backend!r}; choose one of {list(BACKENDS)}")
     if not (self.simulate_cpu_devices == "auto" or isinstance(self.simulate_cpu_devices, bool)):
       raise ConfigError(f"mesh.simulate_cpu_devices={self.simulate_cpu_devices!r}; choose one of ['auto', true, false]")
-    if self.backend == "single" and self.data * self.tensor != 1:
-      raise ConfigError(
-        f"mesh.backend='single' runs on one device but mesh.data={self.data} x mesh.tensor={self.tensor}; "
-        "set mesh.data=1 and mesh.tensor=1, or use mesh.backend='shard_map'"
-      )
-    if self.backend == "pmap" and self.tensor != 1:
-      raise ConfigError(f"mesh.backend='pmap' is data-parallel only: mesh.tensor={self.tensor} must be 1")
+    problem = layout_class(self.backend).check_settings(self.data, self.tensor)
+    if problem is not None:
+      raise ConfigError(problem)
 
   @property
   def devices(self) -> int:

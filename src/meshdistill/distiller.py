@@ -1,5 +1,9 @@
 """The programmatic API: a `Distiller` binds teacher, student, strategy, optimizer and layout.
 
+It is the one trainer: teacher pretraining and hard-label baselines are a `Distiller` without a
+teacher (``teacher=None``, see `meshdistill.hardlabel`). Where arrays live and how the step is
+compiled is the `meshdistill.layout.Layout`'s job.
+
 >>> import meshdistill as md
 >>> md.simulate_cpu_devices(8)                      # doctest: +SKIP
 >>> mesh = md.make_mesh(data=2, tensor=4)           # doctest: +SKIP
@@ -12,62 +16,57 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, param_shardings
+from meshdistill.layout import BATCH_KEYS, TOPK_KEYS, make_layout, stack_replicas  # noqa: F401 -- stack_replicas re-exported
 from meshdistill.models import Decoder
-from meshdistill.models._build import fit_model
+from meshdistill.models._build import abstract_params
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
-from meshdistill.models.lora import fitted_shardings, is_lora
-from meshdistill.step import TOPK_KEYS, StepVariants, TrainState, per_device_step, resolve_backend, split_trainable
+from meshdistill.models.lora import is_lora
+from meshdistill.optimizers import default_optimizer  # noqa: F401 -- re-exported
+from meshdistill.step import TrainState, per_device_step
 from meshdistill.strategies import LogitKD
 from meshdistill.teacher_cache import TopKTeacher
 
 log = logging.getLogger(__name__)
 
-BATCH_KEYS = ("inputs", "targets", "mask")
 
-
-def default_optimizer(learning_rate: float | optax.Schedule = 1e-3, clip: float = 1.0, weight_decay: float = 0.0):
-  """Global-norm clipping followed by AdamW, behind a skip of non-finite updates (`safeguards.safeguarded`)."""
-  from meshdistill.safeguards import safeguarded  # pylint: disable=g-import-not-at-top
-
-  return safeguarded(optax.adamw(learning_rate, weight_decay=weight_decay), clip=clip)
-
-
-class Distiller(StepVariants):
+class Distiller:
   """Distils ``teacher`` into ``student`` with one compiled step per layout.
 
   Args:
     student, teacher: `Decoder` modules (built with `init_model`; placed anywhere, they
-      are moved onto the layout). ``teacher`` may instead be a `meshdistill.teacher_cache.TopKTeacher`
-      (no weights; every batch then carries its top-k, see `meshdistill.teacher_cache`). Their
-      vocabularies must match, up to padding rows: see `resolve_shared_vocab` and ``shared_vocab``
-      (an explicit shared token range).
+      are moved onto the layout). Their vocabularies must match, up to padding rows: see
+      `resolve_shared_vocab` and ``shared_vocab`` (an explicit shared token range).
+      ``teacher`` may instead be a `meshdistill.teacher_cache.TopKTeacher` (no weights; every batch
+      then carries its top-k, see `meshdistill.teacher_cache`).
+      ``teacher=None`` trains the student alone with a ``strategy`` that uses no teacher
+      (`meshdistill.hardlabel.HardLabelTrainer`).
     strategy: what to distil (default `LogitKD()`: tau=2, alpha=0.5).
     optimizer: an optax transformation for the student (default `default_optimizer()`).
     mesh: a ``(data, tensor)`` mesh from `make_mesh`; ``None`` means one device.
     backend: ``"shard_map"`` (default with a mesh), ``"single"`` (default without) or
-      ``"pmap"`` (data-parallel compatibility path; needs ``tensor=1``).
+      ``"pmap"`` (data-parallel compatibility path; needs ``tensor=1``): see `meshdistill.layout`.
     trainable: an nnx filter of the student parameters that train; the optimizer holds state for
       these only and the rest never moves. Default: the adapters of a LoRA student
       (`meshdistill.models.lora.apply_lora`), otherwise the whole student.
   """
 
+  compiler_options: dict | None = None  # XLA options of the step (see `with_compiler_options`)
+
   def __init__(
       self,
       student: Decoder,
-      teacher: Decoder,
+      teacher: Decoder | None = None,
       *,
       strategy: Any = None,
       optimizer: optax.GradientTransformation | None = None,
@@ -77,40 +76,40 @@ class Distiller(StepVariants):
       shared_vocab: int | None = None,
       trainable: Any = None,
   ):
+    if teacher is None and strategy is None:
+      raise ValueError("Distiller without a teacher needs a strategy that uses none, e.g. strategy=HardLabelCE()")
     # A `TopKTeacher` (an offline cache, a teacher on other devices) has no weights here: every batch
-    # brings the teacher's top-k (`step.TOPK_KEYS`) and the step runs no teacher.
+    # brings the teacher's top-k (`TOPK_KEYS`) and the step runs no teacher.
     self.topk_teacher = teacher if isinstance(teacher, TopKTeacher) else None
+    self.shared_vocab = None
     if self.topk_teacher is not None:
       if teacher.vocab > student.cfg.vocab_size:
         raise ValueError(f"{teacher.source} has token ids up to {teacher.vocab} but the student's vocab_size is "
                          f"{student.cfg.vocab_size}; use a student of the teacher's tokenizer")
       self.shared_vocab = resolve_shared_vocab(teacher.vocab, student.cfg.vocab_size, shared_vocab)
-    else:
+    elif teacher is not None:
       self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
-    backend, mesh = resolve_backend(backend, mesh)
-    if mesh is not None and backend == "shard_map":  # pads a vocabulary / replicates k/v where `tensor` needs it
-      student = fit_model(student, mesh.shape[TENSOR])
-      if self.topk_teacher is None:
-        teacher = fit_model(teacher, mesh.shape[TENSOR])
-
-    self.mesh, self.backend = mesh, backend
+    self.layout = make_layout(backend, mesh)
+    # pads a vocabulary / replicates key/value heads where the mesh's `tensor` needs it
+    student = self.layout.fit_model(student)
+    if teacher is not None and self.topk_teacher is None:
+      teacher = self.layout.fit_model(teacher)
     self.strategy = strategy if strategy is not None else LogitKD()
     if self.topk_teacher is not None:
       self.topk_teacher.check_strategy(self.strategy)
     self.optimizer = optimizer if optimizer is not None else default_optimizer()
-    self.student_cfg, self.teacher_cfg = student.cfg, teacher.cfg
-    self.max_len = min(student.cfg.max_len, teacher.cfg.max_len)
+    self.student_cfg = student.cfg
+    self.teacher_cfg = None if teacher is None else teacher.cfg
+    self.max_len = student.cfg.max_len if teacher is None else min(student.cfg.max_len, teacher.cfg.max_len)
     self.seed = seed
     self.student_def, self._student_init = nnx.split(student)
-    self._student_specs = nnx.get_partition_spec(self._student_init)
     if trainable is None and is_lora(self._student_init):
       trainable = LORA_TRAINABLE
     self.trainable = trainable
-    if self.topk_teacher is not None:
-      self.teacher_def, self.teacher_params = None, {}
-    else:
+    self.teacher_def, self.teacher_params = None, ({} if self.topk_teacher is not None else None)
+    if teacher is not None and self.topk_teacher is None:
       self.teacher_def, teacher_params = nnx.split(teacher)
-      self.teacher_params = self._place_params(teacher_params, nnx.get_partition_spec(teacher_params))
+      self.teacher_params = self.layout.place_params(teacher_params)
     self._step_fn = functools.partial(
         per_device_step,
         student_def=self.student_def,
@@ -123,51 +122,25 @@ class Distiller(StepVariants):
     self._compiled = None
     self._strategy_variants: dict = {}  # `with_strategy` results, reused
 
-  # ------------------------------------------------------------------ placement
+  # ------------------------------------------------------------------ layout
+  @property
+  def mesh(self) -> Mesh | None:
+    return self.layout.mesh
+
+  @property
+  def backend(self) -> str:
+    """The layout's name (``single`` / ``shard_map`` / ``pmap``)."""
+    return self.layout.name
+
   @property
   def n_replicas(self) -> int:
-    return 1 if self.mesh is None else self.mesh.shape[DATA]
-
-  def _place_params(self, params, specs):
-    if self.backend == "single":
-      return jax.device_put(params, jax.devices()[0])
-    if self.backend == "shard_map":
-      return jax.device_put(params, param_shardings(specs, self.mesh))
-    return stack_replicas(jax.device_get(params), self.mesh.size)
+    return self.layout.n_replicas
 
   def init_state(self, student: Decoder | None = None) -> TrainState:
     """A fresh train state from ``student`` (default: the student given at construction)."""
     params = self._student_init if student is None else nnx.state(student)
     extra = self.strategy.init_params(self.student_cfg, self.teacher_cfg, jax.random.key(self.seed))
-    if self.backend == "pmap":
-      host = jax.device_get({"student": params, "strategy": extra})
-      state = jax.jit(self._fresh_state)(host)
-      return stack_replicas(jax.device_get(state), self.mesh.size)
-    if self.backend == "single":
-      return jax.jit(self._fresh_state)(jax.device_put({"student": params, "strategy": extra}, jax.devices()[0]))
-    shardings = {
-        "student": fitted_shardings(self._student_init, self.mesh),
-        "strategy": jax.tree.map(lambda _: NamedSharding(self.mesh, P()), extra),
-    }
-    placed = jax.device_put({"student": params, "strategy": extra}, shardings)
-    return jax.jit(self._fresh_state, out_shardings=self._state_shardings(placed, shardings))(placed)
-
-  def _state_shardings(self, params, param_shardings_tree):
-    """Shardings of a whole TrainState: optimizer moments follow their parameters."""
-    replicated = NamedSharding(self.mesh, P())
-    abstract = jax.eval_shape(self._fresh_state, params)
-    opt = optax.tree_utils.tree_map_params(
-        self.optimizer,
-        lambda _, sharding: sharding,
-        abstract.opt_state,
-        split_trainable(param_shardings_tree, self.trainable)[0],
-        transform_non_params=lambda _: replicated,
-    )
-    return TrainState(replicated, param_shardings_tree, opt)
-
-  def _fresh_state(self, params) -> TrainState:
-    params = jax.tree.map(jnp.copy, params)
-    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(split_trainable(params, self.trainable)[0]))
+    return self.layout.fresh_state(self.optimizer, {"student": params, "strategy": extra}, self.trainable)
 
   # ---------------------------------------------------------------------- steps
   def check_batch(self, batch: dict) -> None:
@@ -180,12 +153,10 @@ class Distiller(StepVariants):
       raise ValueError(f"batch arrays must share one [batch, seq] shape, got {shapes}")
     B, T = shapes["inputs"]
     if T > self.max_len:
-      raise ValueError(
-          f"sequence length {T} exceeds max_len={self.max_len} (student {self.student_cfg.max_len}, "
-          f"teacher {self.teacher_cfg.max_len}); use seq_len <= {self.max_len}"
-      )
-    if self.mesh is not None:
-      check_batch(B, self.mesh)
+      models = f"student {self.student_cfg.max_len}" + (
+          "" if self.teacher_cfg is None else f", teacher {self.teacher_cfg.max_len}")
+      raise ValueError(f"sequence length {T} exceeds max_len={self.max_len} ({models}); use seq_len <= {self.max_len}")
+    self.layout.check_batch(B)
     if self.topk_teacher is not None:
       k = self.topk_teacher.k
       want = {TOPK_KEYS[0]: (B, T, k), TOPK_KEYS[1]: (B, T, k), TOPK_KEYS[2]: (B, T)}
@@ -194,8 +165,12 @@ class Distiller(StepVariants):
         raise ValueError(f"with {self.topk_teacher.source} every batch carries the teacher's top-k {want}, got {got}; "
                          "read the data through meshdistill.teacher_cache.CachedTeacherData (or a teacher_mesh source)")
 
-  def _place_batch(self, batch: dict) -> dict:
-    return place_batch(batch, self.backend, self.mesh)
+  def compiled_step(self, state: TrainState):
+    """The step compiled for ``state``'s layout (its output state pinned to it where the layout needs that)."""
+    if self._compiled is None:
+      shardings = self.layout.state_shardings(state)
+      self._compiled = self.layout.compile(self._step_fn, shardings, self.compiler_options)
+    return self._compiled
 
   def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
     """One train step on a host batch ``{inputs, targets, mask}`` of shape [B, T].
@@ -203,15 +178,21 @@ class Distiller(StepVariants):
     ``state`` is consumed (its buffers are donated); use the returned one.
     """
     self.check_batch(batch)
-    new_state, metrics = self.compiled_step(state)(state, self.teacher_params, self._place_batch(batch))
-    if self.backend == "pmap":
-      metrics = jax.tree.map(lambda x: x[0], metrics)
-    return new_state, metrics
+    new_state, metrics = self.compiled_step(state)(state, self.teacher_params, self.layout.place_batch(batch))
+    return new_state, self.layout.host_metrics(metrics)
 
   def lower(self, state: TrainState, batch: dict):
     """The lowered step for ``batch`` (``.compile().as_text()`` gives its HLO)."""
     self.check_batch(batch)
-    return self.compiled_step(state).lower(state, self.teacher_params, self._place_batch(batch))
+    return self.compiled_step(state).lower(state, self.teacher_params, self.layout.place_batch(batch))
+
+  # ------------------------------------------------------------------ variants
+  def _variant(self, **step_keywords):
+    new = copy.copy(self)
+    new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, **step_keywords})
+    new._compiled = None
+    new._strategy_variants = {}  # variants of the copy are its own
+    return new
 
   def with_strategy(self, strategy: Any) -> "Distiller":
     """A Distiller like this one (same models, layout, placed teacher, optimizer) distilling with ``strategy``.
@@ -220,7 +201,7 @@ class Distiller(StepVariants):
     for an equal (hashable) strategy returns the same Distiller, compiled step included. Train
     states carry over: ``params["strategy"]`` of a state made for the old strategy is handed to
     the new one, which must accept it (a strategy without parameters of its own ignores it).
-    Used to switch to a fallback loss after a divergence (`meshdistill.safeguards`).
+    Used to switch to a fallback loss after a divergence (`meshdistill.guard`).
     """
     try:
       known = self._strategy_variants.get(strategy)
@@ -236,10 +217,29 @@ class Distiller(StepVariants):
       pass
     return new
 
+  def with_compiler_options(self, options: dict | None):
+    """A copy whose step compiles with the XLA ``options`` (e.g. `meshdistill.memory.CPU_MEMORY_SCHEDULER`)."""
+    new = self._variant()
+    new.compiler_options = dict(options) if options else None
+    return new
+
+  def with_remat(self, remat: str):
+    """A copy whose student recomputes activations with policy ``remat`` (it changes no parameter,
+    so ``init_state()`` still starts from the same student)."""
+    cfg = self.student_cfg.replace(remat=remat)  # validates the name
+    graphdef = abstract_params(cfg)[0]
+    if self.trainable is not None:  # a student beyond the plain decoder (LoRA): keep its graph
+      model = nnx.merge(self.student_def, self._student_init)
+      model.cfg = cfg
+      graphdef = nnx.split(model)[0]
+    new = self._variant(student_def=graphdef)
+    new.student_cfg, new.student_def = cfg, graphdef
+    return new
+
   # --------------------------------------------------------------------- access
   def unreplicate(self, tree):
-    """For ``pmap`` the first replica of a stacked tree; otherwise ``tree`` unchanged."""
-    return jax.tree.map(lambda x: x[0], tree) if self.backend == "pmap" else tree
+    """One replica of a tree in the layout's state form (for ``pmap`` the first; otherwise ``tree``)."""
+    return self.layout.unreplicate(tree)
 
   def student(self, state: TrainState) -> Decoder:
     """The student module holding the parameters of ``state``."""
@@ -285,17 +285,5 @@ def resolve_shared_vocab(teacher_vocab: int, student_vocab: int, shared_vocab: i
 
 
 def place_batch(batch: dict, backend: str, mesh: Mesh | None) -> dict:
-  """Puts a host batch where a step of ``backend`` reads it (pmap: split into [n, B/n, T])."""
-  keys = BATCH_KEYS + tuple(k for k in TOPK_KEYS if k in batch)  # a teacher's top-k may come with the batch
-  batch = {k: batch[k] if isinstance(batch[k], jax.Array) else np.asarray(batch[k]) for k in keys}
-  if backend == "single":
-    return jax.device_put(batch, jax.devices()[0])
-  if backend == "shard_map":
-    return host_to_global(batch, mesh)
-  n = mesh.size
-  return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
-
-
-def stack_replicas(tree, n: int):
-  """``n`` stacked host copies of every leaf: the classic pmap layout of a replicated state."""
-  return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))).copy(), tree)
+  """Puts a host batch where a step of ``backend`` reads it (see `meshdistill.layout.Layout.place_batch`)."""
+  return make_layout(backend, mesh).place_batch(batch)

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshdistill import losses
-from meshdistill.distiller import BATCH_KEYS
+from meshdistill.layout import BATCH_KEYS
 from meshdistill.mesh import host_to_global
 
 
@@ -80,8 +80,7 @@ class Evaluator:
     """An evaluator of ``trainer``'s student (a `Distiller` or `HardLabelTrainer`) on its layout."""
     teacher_def = getattr(trainer, "teacher_def", None) if with_teacher else None
     teacher_params = trainer.unreplicate(trainer.teacher_params) if teacher_def is not None else None
-    mesh = trainer.mesh if trainer.backend == "shard_map" else None
-    return cls(trainer.student_def, teacher_def=teacher_def, teacher_params=teacher_params, mesh=mesh)
+    return cls(trainer.student_def, teacher_def=teacher_def, teacher_params=teacher_params, mesh=trainer.layout.eval_mesh)
 
   def _place(self, batch):
     batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS}

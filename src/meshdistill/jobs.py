@@ -65,14 +65,17 @@ def prepare_devices(cfg: Config) -> None:
 def build_mesh(cfg: Config):
   """The run's mesh (None for the ``single`` backend)."""
   from meshdistill.distributed import data_shard, process_count  # pylint: disable=g-import-not-at-top
+  from meshdistill.layout import BACKENDS, layout_class  # pylint: disable=g-import-not-at-top
   from meshdistill.mesh import make_mesh  # pylint: disable=g-import-not-at-top
 
-  if process_count() > 1 and cfg.mesh.backend != "shard_map":
+  layout = layout_class(cfg.mesh.backend)
+  if process_count() > 1 and not layout.spans_processes:
+    spanning = [name for name in BACKENDS if layout_class(name).spans_processes]
     raise ConfigError(
       f"mesh.backend={cfg.mesh.backend!r} cannot span the {process_count()} processes of this job; use "
-      "mesh.backend=shard_map"
+      f"mesh.backend={spanning[0]}"
     )
-  if cfg.mesh.backend == "single":
+  if layout.one_device:
     return None
   try:
     mesh = make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor)
@@ -195,7 +198,8 @@ def pretrain(
   from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
   from meshdistill.hardlabel import HardLabelTrainer  # pylint: disable=g-import-not-at-top
   from meshdistill.models import init_model, param_count  # pylint: disable=g-import-not-at-top
-  from meshdistill.trainer import fit, make_optimizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
 
   if cfg.models.teacher_hf:
     raise ConfigError(
@@ -283,7 +287,7 @@ def _evaluate_pair(distiller, state, val) -> dict:
   from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
 
   student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
-  teacher_eval = Evaluator(distiller.teacher_def, mesh=distiller.mesh if distiller.backend == "shard_map" else None)
+  teacher_eval = Evaluator(distiller.teacher_def, mesh=distiller.layout.eval_mesh)
   teacher = teacher_eval(distiller.unreplicate(distiller.teacher_params), val)
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
@@ -332,7 +336,9 @@ def _split_meshes(cfg: Config):
   from meshdistill.teacher_mesh import split_meshes  # pylint: disable=g-import-not-at-top
 
   td = cfg.models.teacher_devices
-  if cfg.mesh.backend != "shard_map":
+  from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
+
+  if not layout_class(cfg.mesh.backend).spans_processes:  # a mesh split over devices of its own
     raise ConfigError(f"teacher.devices needs mesh.backend=shard_map (got {cfg.mesh.backend!r})")
   try:
     return split_meshes((td["data"], td["tensor"]), (cfg.mesh.data, cfg.mesh.tensor))
@@ -390,6 +396,7 @@ def cache_teacher(
   """
   from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
   from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
+  from meshdistill.layout import make_layout  # pylint: disable=g-import-not-at-top
 
   if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
     raise ConfigError(f"distill.temperature={cfg.distill.temperature!r}: a teacher cache holds log-probabilities "
@@ -400,7 +407,7 @@ def cache_teacher(
   teacher, _ = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
   program = tc.TeacherTopK(teacher, k=k, temperature=float(cfg.distill.temperature), vocab=vocab,
-                           mesh=mesh if cfg.mesh.backend == "shard_map" else None)
+                           mesh=make_layout(cfg.mesh.backend, mesh).eval_mesh)
   identity = {"teacher": tc.teacher_identity(teacher),
               "data": tc.data_identity(data.train, data.tokenizer, cfg.data.source)}
   import jax  # pylint: disable=g-import-not-at-top
@@ -425,7 +432,7 @@ def loop_kwargs(settings) -> dict:
   """`meshdistill.trainer.fit` keywords a `TrainSettings` section (``train`` / ``pretrain``) decides: the
   number of steps, the evaluation and logging cadence, and the logged learning-rate schedule (None with
   progressive freezing, whose stages set the rate)."""
-  from meshdistill.trainer import lr_schedule  # pylint: disable=g-import-not-at-top
+  from meshdistill.optimizers import lr_schedule  # pylint: disable=g-import-not-at-top
 
   return {
     "steps": settings.steps,
@@ -442,7 +449,8 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
   ``strategy``: the run's distillation strategy, whose fallback is built from
   ``safeguards.guard.fallback`` (None for hard-label training: the guard then only restores).
   """
-  from meshdistill.safeguards import DivergenceGuard, ScaledLoss, fallback_strategy  # pylint: disable=g-import-not-at-top
+  from meshdistill.guard import DivergenceGuard  # pylint: disable=g-import-not-at-top
+  from meshdistill.strategies import ScaledLoss, fallback_strategy  # pylint: disable=g-import-not-at-top
 
   g, r = cfg.safeguards.guard, cfg.safeguards.remat
   kwargs = {"auto_remat": r.auto, "memory_budget_bytes": r.budget_bytes, "memory_headroom": r.headroom}
@@ -467,11 +475,11 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
 def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
   """The distillation strategy and student optimizer of ``cfg`` (what `make_distiller` and ``meshdistill plan``
   use); ``student_layers`` replaces ``cfg.student.n_layers`` for a freezing schedule."""
-  from meshdistill.trainer import make_optimizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
 
   strategy, scale = cfg.distill.strategy(), cfg.safeguards.loss_scale
   if scale is not None:
-    from meshdistill.safeguards import ScaledLoss  # pylint: disable=g-import-not-at-top
+    from meshdistill.strategies import ScaledLoss  # pylint: disable=g-import-not-at-top
 
     strategy = ScaledLoss(strategy, scale)
   layers = cfg.student.n_layers if student_layers is None else student_layers
@@ -698,7 +706,7 @@ def generate(
       distiller = make_distiller(cfg, net, mesh)
       state, _, _ = ckpt.restore(distiller, distiller.init_state())
       net = distiller.student(state)
-      mesh = mesh if distiller.backend == "shard_map" else None
+      mesh = distiller.layout.eval_mesh
     say(f"generating with the {model} of {cfg.run.run_dir}" + (f" (step {step})" if model == "student" else ""))
   finally:
     ckpt.close()

@@ -110,7 +110,7 @@ class OnPolicyDistiller(Distiller):
       model = (self.teacher_def, self.unreplicate(self.teacher_params))
     else:
       model = (self.student_def, self.unreplicate(state.params)["student"])
-    mesh = self.mesh if self.backend == "shard_map" else None
+    mesh = self.layout.eval_mesh
     key = jax.random.fold_in(jax.random.key(self.seed), step)
     gen = jax.device_get(generate(model, prompts, prompt_mask, key, self.on_policy.sampling(), mesh=mesh))
     return completion_batch(prompts, prompt_mask, gen.tokens_BxN, gen.mask_BxN, seq_len, self.on_policy.pad_id)

@@ -13,40 +13,24 @@ The loss is the token mean over unmasked tokens of the GLOBAL batch: numerator a
 denominator are summed over ``data`` (``psum``), so every layout computes the same
 number as one device.
 
-Layouts (`wrap_step`):
+With no teacher (``teacher_def=None``) step 1 is skipped and the strategy sees
+``teacher=None``: teacher pretraining and hard-label baselines run this same step.
 
-* ``"single"`` -- plain `jax.jit`, no mesh, collectives are identities;
-* ``"shard_map"`` -- `jax.shard_map` over a ``(data, tensor)`` mesh, manual over
-  ``data`` only. The ``tensor`` axis is compiler-managed: weights arrive split over
-  ``tensor`` (heads, MLP units, vocabulary) and XLA partitions the matmuls, reducing
-  max/sum partial results over ``tensor`` for vocabulary reductions instead of
-  gathering logits. This keeps the model code free of hand-written collectives
-  while the HLO stays vocabulary-parallel (audited by the tests);
-* ``"pmap"`` -- the classic `jax.pmap(axis_name="data")` path, data-parallel only.
-  The state is stacked with one replica per device.
+How the step is compiled and where its inputs live -- single device, ``shard_map`` over
+a ``(data, tensor)`` mesh, or ``pmap`` -- is `meshdistill.layout`'s business.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from meshdistill import losses
-from meshdistill.mesh import DATA, TENSOR, make_mesh
-from meshdistill.models._build import abstract_params
-
-BACKENDS = ("single", "shard_map", "pmap")
-# Batch keys of a teacher given by its top-k instead of its weights (`meshdistill.losses.TopK`):
-# ids and log-probs [B, T, K], tail log-mass [B, T]; see `meshdistill.teacher_cache`.
-TOPK_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_tail")
+from meshdistill.layout import BACKENDS, TOPK_KEYS, resolve_backend, wrap_step  # noqa: F401 -- re-exported
 
 
 class TrainState(NamedTuple):
@@ -67,7 +51,7 @@ def per_device_step(
     batch: dict[str, jax.Array],
     *,
     student_def: nnx.GraphDef,
-    teacher_def: nnx.GraphDef,
+    teacher_def: nnx.GraphDef | None,
     strategy: Any,
     optimizer: optax.GradientTransformation,
     data_axis: str | None,
@@ -98,10 +82,10 @@ def per_device_step(
   inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
   mask_BxT = batch["mask"].astype(jnp.float32)
 
+  teacher_out = teacher_head = None
   if TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
     teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
-    teacher_head = None
-  else:
+  elif teacher_def is not None:
     teacher = nnx.merge(teacher_def, teacher_params)
     teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
     teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
@@ -162,121 +146,3 @@ def _vocab_slice(out, vocab: int | None):
   if vocab is None or out.logits is None or out.logits.shape[-1] == vocab:
     return out
   return out._replace(logits=out.logits[..., :vocab])
-
-
-def resolve_backend(backend: str | None, mesh: Mesh | None) -> tuple[str, Mesh | None]:
-  """Validates a ``(backend, mesh)`` pair; returns the backend to use and its mesh.
-
-  ``None`` picks ``"shard_map"`` with a mesh and ``"single"`` without; ``"pmap"`` without a
-  mesh gets a ``data``-only mesh over all devices.
-  """
-  backend = backend or ("shard_map" if mesh is not None else "single")
-  if backend not in BACKENDS:
-    raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
-  if backend == "shard_map" and mesh is None:
-    raise ValueError("backend='shard_map' needs a mesh: pass mesh=meshdistill.make_mesh(data=..., tensor=...)")
-  if backend == "single" and mesh is not None and mesh.size > 1:
-    raise ValueError(f"backend='single' runs on one device but mesh has {mesh.size}; pass mesh=None")
-  if backend == "pmap":
-    if mesh is None:
-      mesh = make_mesh(data=jax.device_count(), tensor=1)
-    if mesh.shape[TENSOR] != 1:
-      raise ValueError(
-          f"backend='pmap' is data-parallel only, but mesh tensor={mesh.shape[TENSOR]}; use "
-          "backend='shard_map' to split weights over tensor, or a mesh with tensor=1 "
-          f"(make_mesh(data={mesh.size}, tensor=1))"
-      )
-  return backend, mesh
-
-
-def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = None, compiler_options=None):
-  """Compiles ``step_fn(state, teacher_params, batch, data_axis=...)`` for a layout.
-
-  ``state_shardings`` (shard_map only) pins the output state to the input layout so the
-  step never recompiles and the state keeps its sharding. ``compiler_options``: XLA options
-  of the step's compilation (``single`` / ``shard_map``; ``jax.pmap`` takes none).
-  """
-  if compiler_options and backend == "pmap":
-    raise ValueError("compiler_options need backend 'single' or 'shard_map': jax.pmap takes no compiler options")
-  if backend == "single":
-    return jax.jit(functools.partial(step_fn, data_axis=None), donate_argnums=0, compiler_options=compiler_options)
-  if backend == "shard_map":
-    # A size-1 `data` axis needs no collective (and XLA rejects an all-reduce over a
-    # trivial manual axis), so the sum over `data` is dropped there.
-    data_axis = DATA if mesh.shape[DATA] > 1 else None
-
-    def pinned_step(state, teacher_params, batch):
-      new_state, metrics = step_fn(state, teacher_params, batch, data_axis=data_axis)
-      if state_shardings is not None:
-        # Without this XLA leaves the updated weights replicated over `tensor` at the
-        # shard_map boundary (an all-gather of every weight, vocabulary included).
-        new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
-      return new_state, metrics
-
-    body = jax.shard_map(
-        pinned_step,
-        mesh=mesh,
-        in_specs=(P(), P(), P(DATA)),
-        out_specs=(P(), P()),
-        axis_names={DATA},
-        check_vma=False,  # gradients are summed over `data` explicitly, as in pmap
-    )
-    metric_sharding = NamedSharding(mesh, P())
-    out_shardings = None if state_shardings is None else (state_shardings, metric_sharding)
-    return jax.jit(body, donate_argnums=0, out_shardings=out_shardings, compiler_options=compiler_options)
-  if backend == "pmap":
-    devices = list(mesh.devices.flat)
-    return jax.pmap(
-        functools.partial(step_fn, data_axis=DATA),
-        axis_name=DATA,
-        devices=devices,
-        donate_argnums=0,
-    )
-  raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
-
-
-class StepVariants:
-  """A trainer's compiled step (`meshdistill.Distiller`, `meshdistill.hardlabel.HardLabelTrainer`), and
-  copies of the trainer that build that step differently. Train states carry over between them;
-  nothing is copied or re-placed, and each copy's step compiles once, on first use.
-
-  A trainer using it holds ``_step_fn`` (a ``functools.partial`` of its per-device step),
-  ``_compiled``, ``backend``, ``mesh``, ``student_cfg`` and ``student_def``; ``_MODEL_DEF`` names
-  the keyword of the step function that takes the student's graph definition.
-  """
-
-  _MODEL_DEF = "student_def"
-  compiler_options: dict | None = None  # XLA options of the step (see `wrap_step`)
-
-  def compiled_step(self, state: TrainState):
-    """The step compiled for ``state``'s layout (its output state is pinned to it on ``shard_map``)."""
-    if self._compiled is None:
-      shardings = jax.tree.map(lambda x: x.sharding, state) if self.backend == "shard_map" else None
-      self._compiled = wrap_step(self._step_fn, self.backend, self.mesh, shardings, self.compiler_options)
-    return self._compiled
-
-  def _variant(self, **step_keywords):
-    new = copy.copy(self)
-    new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, **step_keywords})
-    new._compiled = None
-    new._strategy_variants = {}  # variants of the copy are its own
-    return new
-
-  def with_compiler_options(self, options: dict | None):
-    """A copy whose step compiles with the XLA ``options`` (e.g. `meshdistill.memory.CPU_MEMORY_SCHEDULER`)."""
-    new = self._variant()
-    new.compiler_options = dict(options) if options else None
-    return new
-
-  def with_remat(self, remat: str):
-    """A copy whose student recomputes activations with policy ``remat`` (it changes no parameter,
-    so ``init_state()`` still starts from the same student)."""
-    cfg = self.student_cfg.replace(remat=remat)  # validates the name
-    graphdef = abstract_params(cfg)[0]
-    if getattr(self, "trainable", None) is not None:  # a student beyond the plain decoder (LoRA): keep its graph
-      model = nnx.merge(self.student_def, self._student_init)
-      model.cfg = cfg
-      graphdef = nnx.split(model)[0]
-    new = self._variant(**{self._MODEL_DEF: graphdef})
-    new.student_cfg, new.student_def = cfg, graphdef
-    return new

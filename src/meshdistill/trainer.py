@@ -1,39 +1,42 @@
 """The training loop: data -> step -> metrics -> evaluation -> checkpoints. The only loop.
 
-`fit` drives any step object with the `Distiller` interface (`init_state`, `step`,
-`unreplicate`, ``student_def``, ``mesh``, ``backend``): the `Distiller` itself for
-distillation, `meshdistill.hardlabel.HardLabelTrainer` for teacher pretraining and
-hard-label baselines.
+`fit` drives a `meshdistill.Distiller` -- with a teacher for distillation, without one
+(`meshdistill.hardlabel.HardLabelTrainer`) for teacher pretraining and hard-label baselines.
+Its settings are one `FitOptions`; what happens besides the step is a list of hooks
+(`meshdistill.hooks`: train metrics, evaluation, checkpoints, profiling, the memory check), like
+nanodo's periodic actions.
 
 Resume is exact: when the checkpoint directory holds a finished checkpoint, `fit` restores
 the train state (parameters, optimizer state, step) onto the current layout and the data
 iterator's position, then continues. The run's step and data order from there are those
 of an uninterrupted run, so the result is bitwise identical (tested).
 
-One step, in order: read the next host batch; run the compiled step (metrics stay on
-device); every ``log_every`` steps fetch and average them (`Monitor`); every ``eval_every``
-steps (and at the end) evaluate on the fixed validation batches; every
-``checkpoint.every`` steps (and at the end) save.
-
-Before the first step (``auto_remat``) the step is compiled once and its per-device memory
-compared with the device's (or a given budget); when it would not fit, the student's
-rematerialisation is turned on (`meshdistill.memory.fit_remat`), logged and written to
-``metrics.jsonl`` as an ``event`` row.
+One step, in order: read the next host batch; dispatch the compiled step (metrics stay on
+device); judge the previous step's loss (the divergence guard); every ``log_every`` steps
+fetch and average the metrics (`Monitor`); every ``eval_every`` steps (and at the end)
+evaluate on the fixed validation batches; every ``checkpoint.every`` steps (and at the end) save.
 
 With a `DivergenceGuard` (``guard``) the loop reads every step's loss. A non-finite loss, or one
 far above its running median, restores the last good train state and, for distillation,
 switches to the fallback loss (logit MSE by default) for the rest of the freezing stage; both
-are ``event`` rows. The batch that diverged is not retried: data keep moving forward. The good
-state is a device copy of the state before step ``s + 1``, taken when ``s`` is a multiple of
-``keep_every`` or a checkpoint step, and kept once step ``s + 1``'s loss is good. Under the guard a
-checkpoint of step ``s`` is written only then, from that copy, so every checkpoint holds a state
-the guard accepted and no checkpoint is newer than the state a restore returns to (the last
-step of a run is saved at once: nothing follows to confirm it). The guard's history, restore
-count and fallback state travel in the checkpoint, so resuming is still exact.
+are ``event`` rows. The good state is a device copy of the state before step ``s + 1``, taken
+when ``s`` is a multiple of ``keep_every`` or a checkpoint step, and kept once step ``s + 1``'s
+loss is good; checkpoints are written from such copies (`meshdistill.hooks.Checkpoint`). The
+guard's history, restore count and fallback state travel in the checkpoint, so resuming is exact.
+
+Lagged check (``guard_lag=1``, the default): the loss of step ``s`` is read after step ``s + 1``
+has been dispatched, so reading it never stalls the device queue. When step ``s`` diverged,
+step ``s + 1`` already ran on the diverged state and is thrown away too: after a divergence
+the batches of the diverged step AND of the one after it are spent (never retried), whether
+the loss happened to be read at once (before logging, evaluating or saving at ``s``, the loop
+reads it first) or one step later, so a run's numbers do not depend on those cadences.
+``guard_lag=0`` reads each loss right after its step and spends only the diverged batch.
+With no guard the loop reads no loss at all (`meshdistill.guard.NoRecovery`).
 
 Under `meshdistill.stopping.stop_on_signals` (the CLI), a SIGTERM lets the step in flight finish,
 checkpoints it and raises `Stopped`. A (re)started run first drops the ``metrics.jsonl`` rows past
-its start step (`Monitor.rewind`), so a resumed run logs each step once.
+its start step (`Monitor.rewind`), so a resumed run logs each step once. It resumes from the newest
+checkpoint whose checksums hold (damaged newer ones are named in a warning and set aside on restore).
 """
 
 from __future__ import annotations
@@ -41,61 +44,69 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import optax
 
+from meshdistill import hooks as hooks_lib
 from meshdistill.checkpoint import COMPUTE_FIELDS, Checkpointer
 from meshdistill.distributed import agree_on
 from meshdistill.evaluate import Evaluator
+from meshdistill.guard import DivergenceGuard, NoRecovery, Recovery, copy_state
 from meshdistill.monitor import Monitor, ProfileWindow
-from meshdistill.safeguards import DivergenceGuard, Recovery, copy_state, skipped_updates
+from meshdistill.optimizers import lr_schedule, make_optimizer  # noqa: F401 -- re-exported
 from meshdistill.step import TrainState
 from meshdistill.stopping import Stopped, requested
 
 log = logging.getLogger(__name__)
 
 
-def lr_schedule(settings) -> optax.Schedule:
-  """Linear warm-up from 0 to ``lr`` over ``warmup`` steps, then cosine decay to ``lr * final_lr_fraction``."""
-  return optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=settings.lr,
-    warmup_steps=settings.warmup,
-    decay_steps=settings.steps,
-    end_value=settings.lr * settings.final_lr_fraction,
-  )
+@dataclasses.dataclass(kw_only=True)
+class FitOptions:
+  """The settings of one `fit` call.
 
-
-def make_optimizer(
-  settings, n_layers: int | None = None, loss_scale: float | None = None
-) -> optax.GradientTransformation:
-  """AdamW on `lr_schedule`, behind global-norm clipping and a skip of non-finite updates.
-
-  ``settings`` is a `meshdistill.config.TrainSettings` (or anything with ``lr``, ``warmup``,
-  ``steps``, ``final_lr_fraction``, ``weight_decay``, ``clip``). With a freezing schedule
-  (``settings.freeze``; needs the model's ``n_layers``) the AdamW runs inside
-  `meshdistill.freezing.progressive_freeze`: each stage's blocks are frozen bit for bit and the
-  stage's learning rate replaces the schedule; clipping then covers the trainable gradients only.
-  ``loss_scale`` divides the gradients first (pair it with `meshdistill.safeguards.ScaledLoss`).
+  Attributes:
+    steps: the run's total number of steps (a resumed run continues up to it); None runs until
+      the data end.
+    kind: a label stored in checkpoints (``distill`` / ``pretrain``); resuming checks it.
+    eval_every: evaluate every N steps (0: only at the end); ``eval_batches`` bounds the batches.
+    log_every: average, write and display the train metrics every N steps.
+    lr: the learning-rate schedule, logged with the train metrics.
+    stop_after: stop (as if interrupted) once this step is done, without the final evaluation.
+    meta: extra JSON-serializable facts stored in every checkpoint.
+    guard: a `DivergenceGuard` to run under (None: no guard; see the module docstring).
+    keep_every: with a guard, steps between copies of the good state.
+    fallback: the strategy after a divergence (default `fallback_strategy(trainer.strategy)`);
+      a trainer without a teacher (hard labels) only restores.
+    guard_lag: 1 reads step ``s``'s loss after dispatching step ``s + 1`` (one more step is
+      thrown away after a divergence); 0 reads it right after step ``s``.
+    auto_remat: measure the step's memory before the first step and turn remat on if needed.
+    memory_budget_bytes: per-device budget for ``auto_remat`` (default: the device's memory;
+      without either -- a CPU device -- nothing is measured).
+    memory_headroom: fraction of the budget the step may use.
   """
-  from meshdistill.safeguards import safeguarded  # pylint: disable=g-import-not-at-top
 
-  stages = settings.stages() if hasattr(settings, "stages") else None
-  if stages is not None:
-    from meshdistill.freezing import progressive_freeze  # pylint: disable=g-import-not-at-top
+  steps: int | None
+  kind: str = "distill"
+  eval_every: int = 0
+  eval_batches: int = 8
+  log_every: int = 10
+  lr: Callable[[int], Any] | None = None
+  stop_after: int | None = None
+  meta: dict | None = None
+  guard: DivergenceGuard | None = None
+  keep_every: int = 10
+  fallback: Any = None
+  guard_lag: int = 1
+  auto_remat: bool = False
+  memory_budget_bytes: int | None = None
+  memory_headroom: float = 0.9
 
-    if n_layers is None:
-      raise ValueError("make_optimizer: a freezing schedule needs the model's n_layers")
-    frozen = progressive_freeze(
-      stages, n_layers, optax.adamw(1.0, weight_decay=settings.weight_decay), clip=settings.clip
-    )
-    return safeguarded(frozen, clip=None, loss_scale=loss_scale)
-  inner = optax.adamw(lr_schedule(settings), weight_decay=settings.weight_decay)
-  return safeguarded(inner, clip=settings.clip, loss_scale=loss_scale)
+  def __post_init__(self):
+    if self.guard_lag not in (0, 1):
+      raise ValueError(f"guard_lag={self.guard_lag!r} must be 0 (read each loss at once) or 1 (one step later)")
 
 
 @dataclasses.dataclass
@@ -129,8 +140,8 @@ def _meta(trainer, kind: str, extra: dict | None) -> dict:
   return meta
 
 
-def _check_resumable(meta: dict, expected: dict, directory: str, steps: int) -> None:
-  if int(meta["step"]) > steps:
+def _check_resumable(meta: dict, expected: dict, directory: str, steps: int | None) -> None:
+  if steps is not None and int(meta["step"]) > steps:
     raise ValueError(
       f"the checkpoint in {directory} is at step {meta['step']}, past this run's {steps} steps; raise the number "
       "of steps or use a fresh run.run_dir (or checkpoint.dir)"
@@ -150,115 +161,178 @@ def _same_params(model: Any) -> Any:
   return {k: v for k, v in model.items() if k not in COMPUTE_FIELDS}
 
 
-def _schedule_metrics(state: TrainState, step: int, lr) -> dict[str, float]:
-  """The learning rate of the step just taken and, with progressive freezing, the stage."""
-  from meshdistill.freezing import freeze_status  # pylint: disable=g-import-not-at-top
+class StepInfo(NamedTuple):
+  """A dispatched step whose loss the guard has not judged yet."""
 
-  status = freeze_status(state.opt_state)
-  if status is not None:
-    return {"lr": float(status["lr"]), "freeze_stage": float(status["stage"])}
-  return {"lr": float(lr(step - 1))} if lr is not None else {}
+  step: int  # the state's step after it
+  metrics: dict  # on device
+  tokens: float
+  candidate: Any  # a copy of the state before it, or None
+  position: Any  # the data position before its batch
+  guard: dict | None  # the guard's snapshot that goes with ``candidate``
+  strategy: str  # "primary" / "fallback"
 
 
-def _measure_remat(trainer, state, batch, budget_bytes, headroom, monitor: Monitor, step: int):
-  """`fit_remat` before the first step, reported on the progress line and as an event row."""
-  from meshdistill.memory import device_memory_limit, fit_remat  # pylint: disable=g-import-not-at-top
+class Run:
+  """The loop's state as hooks see it, and the loop itself (`run`)."""
 
-  devices = trainer.mesh.devices.flat if trainer.mesh is not None else jax.devices()[:1]
-  if budget_bytes is None and device_memory_limit(next(iter(devices))) is None:
-    log.info("memory check skipped: the %s device reports no memory limit (set a budget to check)",
-             jax.default_backend())
-    return trainer, None
-  before = trainer.student_cfg.remat
-  options = None
-  if jax.default_backend() == "cpu" and trainer.backend != "pmap":
-    # XLA's default CPU scheduler favours concurrency and hides what remat saves; with a memory
-    # budget asked for on CPU, measure and run the step under the memory-optimised scheduler.
-    from meshdistill.memory import CPU_MEMORY_SCHEDULER  # pylint: disable=g-import-not-at-top
+  def __init__(self, trainer, state, *, start: int, last: float, steps: int | None, it, monitor: Monitor,
+               hooks: Sequence[hooks_lib.Hook], lag: int):
+    self.trainer, self.state, self.it, self.monitor, self.hooks, self.lag = trainer, state, it, monitor, hooks, lag
+    self.start, self.step, self.last, self.steps = start, start, last, steps
+    self.recovery: Any = NoRecovery(trainer)
+    self.pending: StepInfo | None = None
+    self.ahead = None  # a batch read before the loop (for the memory check) and the data position before it
+    self.ended = False  # the data ran out
+    self.last_eval: dict[str, float] = {}
+    self.remat = None
+    self._guard_snapshot = None
 
-    options = CPU_MEMORY_SCHEDULER
-  chosen, choice = fit_remat(trainer, state, batch, budget_bytes=budget_bytes, headroom=headroom,
-                             compiler_options=options)
-  mib = {name: round(r.total_bytes / 2**20, 3) for name, r in choice.reports.items()}
-  monitor.event(step, "remat", remat=choice.remat, previous=before, fits=choice.fits,
-                budget_mib=round(choice.budget_bytes / 2**20, 3), headroom=headroom, step_mib=mib)
-  budget = f"{headroom:.0%} of {choice.budget_bytes / 2**20:.4g} MiB"
-  if choice.remat != before:
-    monitor.message(
-      f"memory: the step needs {mib[before]:.4g} MiB per device with remat={before!r}, over {budget}; turned on "
-      f"remat={choice.remat!r} ({mib[choice.remat]:.4g} MiB)"
-      + ("" if choice.fits else ", the leanest, which still does not fit")
-    )
-  else:
-    log.info("memory: the step needs %.4g MiB per device (%s): remat=%r kept", mib[before], budget, before)
-  return chosen, choice
+  def read_ahead(self) -> dict:
+    """The first batch of the loop, read now (it is still the first step's batch)."""
+    if self.ahead is None:
+      position = self.it.get_state()
+      self.ahead = (next(self.it), position)
+    return self.ahead[0]
+
+  def guard_with(self, recovery: Recovery, saved: dict | None) -> None:
+    self.recovery = recovery
+    recovery.load(saved)
+    recovery.start(self.state, self.start)
+    self._guard_snapshot = recovery.snapshot()
+
+  def run(self) -> None:
+    self.monitor.start(self.start)
+    while self.step < self.last and not self.ended:
+      self._advance()
+    if self.pending is not None:  # the data ended before the last step's loss was read
+      self._settle()
+
+  def _next_batch(self):
+    if self.ahead is not None:
+      (batch, position), self.ahead = self.ahead, None
+      return batch, position
+    position = self.it.get_state() if self.recovery.guarded else None
+    return next(self.it), position
+
+  def _advance(self) -> None:
+    rec = self.recovery
+    if self.pending is not None and rec.needs_settled() and not self._settle():
+      return
+    step = self.step
+    for h in self.hooks:
+      h.before_step(self, step + 1)
+    try:
+      batch, position = self._next_batch()
+    except StopIteration:
+      self.ended = True
+      return
+    rec.before_step(step, self.state)
+    candidate = None
+    if rec.wants_copy(step, any(h.wants_copy(step) for h in self.hooks)):
+      candidate = copy_state(self.state)  # the state is donated to the step
+    strategy = rec.active
+    self.state, metrics = rec.runner.step(self.state, batch)
+    if self.pending is not None and not self._settle(dispatched=True):
+      return  # the step just dispatched ran on a diverged state: thrown away, its batch spent
+    self.pending = StepInfo(step + 1, metrics, float(np.sum(batch["mask"])), candidate, position,
+                            self._guard_snapshot, strategy)
+    self.step = step + 1
+    for h in self.hooks:
+      h.after_dispatch(self, self.step, metrics)
+    due = [h for h in self.hooks if h.due(self, self.step)]
+    if (due or self.lag == 0) and not self._settle():
+      return
+    t_aside = time.perf_counter()
+    for h in due:
+      h.after_step(self, self.step)
+    self.monitor.exclude(time.perf_counter() - t_aside)
+    if requested() is not None and self.step < self.last:
+      self._stop()
+
+  def _stop(self) -> None:
+    """A SIGTERM (`meshdistill.stopping`): the step in flight is judged (restored if it diverged), then
+    the hooks checkpoint and log the state, and `Stopped` ends the run."""
+    if self.pending is not None:
+      self._settle()
+    for h in self.hooks:
+      h.on_stop(self, self.step)
+    saved = [h.checkpointer.directory for h in self.hooks if isinstance(h, hooks_lib.Checkpoint)]
+    raise Stopped(requested(), self.step, saved[0] if saved else None)
+
+  def _settle(self, dispatched: bool = False) -> bool:
+    """Judges the pending step's loss; on divergence restores the good state. Returns whether it was good.
+
+    ``dispatched``: another step was already dispatched after the pending one (it is discarded on
+    divergence); otherwise, with ``lag=1``, the next batch is skipped so that the same batches are spent.
+    """
+    info, self.pending = self.pending, None
+    after = None if dispatched else self.state
+    reason = self.recovery.diverged(info.step, info.metrics["loss"], info.metrics.get("grad_norm"))
+    if reason is None:
+      if info.candidate is not None:  # the state before this step produced a good loss: keep it
+        self.recovery.keep(info.candidate, info.step - 1)
+        for h in self.hooks:
+          h.on_confirmed(self, info.step - 1, info.candidate, info.position, info.guard)
+      self.monitor.step(info.step, info.metrics, info.tokens)
+    else:
+      self.state, self.step = self.recovery.recover(info.step, reason)
+      if self.lag and not dispatched:
+        try:
+          next(self.it)
+        except StopIteration:
+          self.ended = True
+    self._guard_snapshot = self.recovery.snapshot()
+    for h in self.hooks:
+      h.on_settled(self, info, after, reason)
+    return reason is None
 
 
 def fit(
   trainer: Any,
   data: Any,
+  options: FitOptions | None = None,
   *,
-  steps: int,
-  kind: str = "distill",
-  eval_every: int = 0,
-  eval_batches: int = 8,
-  log_every: int = 10,
   checkpointer: Checkpointer | None = None,
   monitor: Monitor | None = None,
   evaluator: Evaluator | None = None,
   profile: ProfileWindow | None = None,
-  lr: Callable[[int], Any] | None = None,
-  stop_after: int | None = None,
-  meta: dict | None = None,
-  guard: DivergenceGuard | None = None,
-  keep_every: int = 10,
-  fallback: Any = None,
-  auto_remat: bool = False,
-  memory_budget_bytes: int | None = None,
-  memory_headroom: float = 0.9,
+  hooks: Sequence[hooks_lib.Hook] = (),
+  state: TrainState | None = None,
+  **settings,
 ) -> FitResult:
-  """Trains ``trainer`` for ``steps`` steps on ``data``, resuming from ``checkpointer`` if it holds a run.
+  """Trains ``trainer`` on ``data``, resuming from ``checkpointer`` if it holds a run.
 
   Args:
-    trainer: a `Distiller` or `HardLabelTrainer`.
-    data: a `meshdistill.data.DataBundle` (its batch size is the global batch size).
-    steps: the run's total number of steps (a resumed run continues up to it).
-    kind: a label stored in checkpoints (``distill`` / ``pretrain``); resuming checks it.
-    eval_every: evaluate every N steps (0: only at the end); ``eval_batches`` bounds the batches.
-    log_every: average, write and display the train metrics every N steps.
+    trainer: a `Distiller` (with or without a teacher).
+    data: a `meshdistill.data.DataBundle` (its batch size is the global batch size), or anything
+      with ``train_iterator(position)`` (an iterator with ``get_state``) and ``val_batches(max_batches)``.
+    options: the `FitOptions`; or give its fields as keywords (``steps=..., guard=...``).
     checkpointer: where to save / resume; None trains without checkpoints.
     monitor: metrics writer and progress line (default: one that only logs).
     evaluator: validation metrics (default: `Evaluator.for_trainer`).
     profile: a profiler window over some steps.
-    lr: the learning-rate schedule, logged with the train metrics.
-    stop_after: stop (as if interrupted) once this step is done, without the final evaluation.
-    meta: extra JSON-serializable facts stored in every checkpoint.
-    guard: a `DivergenceGuard` to run under (None: no guard; see the module docstring).
-    keep_every: with a guard, steps between copies of the good state.
-    fallback: the strategy after a divergence (default `fallback_strategy(trainer.strategy)`);
-      a trainer without strategies (hard labels) only restores.
-    auto_remat: measure the step's memory before the first step and turn remat on if needed.
-    memory_budget_bytes: per-device budget for ``auto_remat`` (default: the device's memory;
-      without either -- a CPU device -- nothing is measured).
-    memory_headroom: fraction of the budget the step may use.
+    hooks: more `meshdistill.hooks.Hook`s, run after the built-in ones.
+    state: the state to start from (default ``trainer.init_state()``; a checkpoint overrides both).
 
   Returns:
     A `FitResult` with the final state and the last validation metrics.
   """
+  opts = dataclasses.replace(options, **settings) if options is not None else FitOptions(**settings)
   t0 = time.perf_counter()
-  monitor = monitor or Monitor(None, steps)
+  monitor = monitor or Monitor(None, opts.steps or 0)
   evaluator = evaluator or Evaluator.for_trainer(trainer)
-  val = data.val_batches(max_batches=eval_batches)
-  if eval_every and not val:
+  val = data.val_batches(max_batches=opts.eval_batches)
+  if opts.eval_every and not val:
     raise ValueError("evaluation needs validation batches, but the data has none: set data.val_fraction > 0")
-  meta = _meta(trainer, kind, meta)
+  meta = _meta(trainer, opts.kind, opts.meta)
 
-  state = trainer.init_state()
-  start, data_state, resumed, saved = 0, None, None, {}
-  # The newest step whose checksums hold (damaged newer ones are named in a warning and set aside on restore).
+  state = trainer.init_state() if state is None else state
+  start = int(np.asarray(jax.device_get(trainer.unreplicate(state).step)))
+  data_state, resumed, saved = None, None, {}
   latest = agree_on(checkpointer.intact_step(), "the latest checkpoint") if checkpointer is not None else None
   if latest is not None:
-    _check_resumable(checkpointer.read_meta(latest), meta, checkpointer.directory, steps)
+    _check_resumable(checkpointer.read_meta(latest), meta, checkpointer.directory, opts.steps)
     state, data_state, saved = checkpointer.restore(trainer, state, latest)
     start = resumed = int(saved["step"])
     got = int(np.asarray(jax.device_get(trainer.unreplicate(state).step)))
@@ -266,90 +340,35 @@ def fit(
       raise ValueError(f"checkpoint step {start} holds a train state at step {got}; the checkpoint is inconsistent")
     monitor.message(f"resumed from step {start} ({checkpointer.directory})")
   monitor.rewind(start)  # rows past the start are from work that is redone now
+  last = float("inf") if opts.steps is None else opts.steps
+  last = min(last, opts.stop_after) if opts.stop_after is not None else last
+  actions: list[hooks_lib.Hook] = []
+  if opts.auto_remat:
+    actions.append(hooks_lib.AutoRemat(opts.memory_budget_bytes, opts.memory_headroom))
+  actions += [hooks_lib.LogTrain(opts.log_every, opts.lr), hooks_lib.Evaluate(evaluator, val, opts.eval_every)]
+  if checkpointer is not None:
+    actions.append(hooks_lib.Checkpoint(checkpointer, meta))
+  if profile is not None:
+    actions.append(hooks_lib.Profile(profile))
+  actions += list(hooks)
   it = data.train_iterator(data_state)
-  last = min(steps, stop_after) if stop_after is not None else steps
-  last_eval: dict[str, float] = {}
-  remat, recovery = None, None
-  ahead = None  # a batch read before the loop (for the memory check) and the data position before it
+  run = Run(trainer, state, start=start, last=last, steps=opts.steps, it=it, monitor=monitor, hooks=actions,
+            lag=opts.guard_lag)
   t_train = time.perf_counter()
   try:
-    if auto_remat and start < last:
-      position = it.get_state()
-      ahead = (next(it), position)
-      trainer, remat = _measure_remat(trainer, state, ahead[0], memory_budget_bytes, memory_headroom, monitor, start)
-    if guard is not None:
-      recovery = Recovery(trainer, guard, keep_every, fallback, say=monitor.message,
-                          on_event=lambda s, kind, fields: monitor.event(s, kind, **fields))
-      recovery.load(saved.get("guard"))
-      recovery.keep(copy_state(state), start)
-
-    def due(s: int) -> bool:  # a checkpoint is due after step s
-      return checkpointer is not None and bool(checkpointer.every) and s % checkpointer.every == 0
-
-    monitor.start(start)
+    for h in actions:
+      h.before_loop(run)
+    if opts.guard is not None:
+      run.guard_with(Recovery(run.trainer, opts.guard, opts.keep_every, opts.fallback, say=monitor.message,
+                              on_event=lambda s, kind, fields: monitor.event(s, kind, **fields)), saved.get("guard"))
     t_train = time.perf_counter()
-    step = start
-    while step < last:
-      if profile is not None:
-        profile.before_step(step + 1)
-      if ahead is not None:
-        (batch, position), ahead = ahead, None
-      else:
-        position = it.get_state() if recovery is not None else None
-        batch = next(it)
-      candidate = None
-      if recovery is not None:
-        snapshot = recovery.snapshot()
-        recovery.before_step(step, state)
-        if recovery.wants_copy(step, due(step)):
-          candidate = copy_state(state)  # the state is donated to the step
-      runner = recovery.runner if recovery is not None else trainer
-      state, metrics = runner.step(state, batch)
-      if recovery is not None:
-        # A replicated output: every process reads the same bits (see meshdistill.distributed).
-        loss = float(np.asarray(jax.device_get(metrics["loss"])).reshape(-1)[0])
-        reason = recovery.diverged(step + 1, loss, state, metrics)
-        if reason is not None:
-          state, step = recovery.recover(step + 1, loss, reason)
-          continue
-        if candidate is not None:  # the state before this step produced a good loss: keep it
-          recovery.keep(candidate, step)
-          if due(step) and step > start and step not in checkpointer.all_steps():
-            checkpointer.save(step, trainer, candidate, position, {**meta, "guard": snapshot})
-      step += 1
-      monitor.step(step, metrics, float(np.sum(batch["mask"])))
-      if profile is not None:
-        profile.after_step(step, metrics)
-      if step % log_every == 0 or step == last:
-        extra = _schedule_metrics(state, step, lr)
-        extra["skipped"] = float(skipped_updates(state.opt_state))
-        if recovery is not None:
-          extra.update(restores=float(recovery.restores), fallback=float(recovery.active == "fallback"))
-        monitor.flush_train(step, extra)
-      done = step == steps
-      t_aside = time.perf_counter()
-      if val and ((eval_every and step % eval_every == 0) or done):
-        last_eval = evaluator(trainer.unreplicate(state.params)["student"], val)
-        monitor.eval(step, last_eval)
-      if checkpointer is not None:
-        if recovery is None:
-          checkpointer.maybe_save(step, trainer, state, it.get_state(), meta, final=done)
-        elif step == last and (done or due(step)):  # nothing follows to confirm this state: save it now
-          checkpointer.maybe_save(step, trainer, state, it.get_state(), {**meta, "guard": recovery.snapshot()},
-                                  final=True)
-      monitor.exclude(time.perf_counter() - t_aside)
-      if requested() is not None and step < last:  # SIGTERM: checkpoint this step, then stop (see stopping.py)
-        monitor.flush_train(step, {"skipped": float(skipped_updates(state.opt_state))})
-        if checkpointer is not None:
-          guard_meta = {"guard": recovery.snapshot()} if recovery is not None else {}
-          checkpointer.maybe_save(step, trainer, state, it.get_state(), {**meta, **guard_meta}, final=True)
-        raise Stopped(requested(), step, checkpointer.directory if checkpointer is not None else None)
+    run.run()
   finally:
     it.close()
-    if profile is not None:
-      profile.close()
-  if start >= last and val and not last_eval:  # nothing left to train: report the restored state
-    last_eval = evaluator(trainer.unreplicate(state.params)["student"], val)
+    for h in actions:
+      h.close()
+  if start >= last and val and not run.last_eval:  # nothing left to train: report the restored state
+    run.last_eval = evaluator(run.trainer.unreplicate(run.state.params)["student"], val)
   train_seconds = time.perf_counter() - t_train
-  events = recovery.events if recovery is not None else []
-  return FitResult(state, last, last_eval, resumed, time.perf_counter() - t0, train_seconds, trainer, remat, events)
+  return FitResult(run.state, run.step, run.last_eval, resumed, time.perf_counter() - t0, train_seconds, run.trainer,
+                   run.remat, run.recovery.events)
