@@ -54,8 +54,9 @@ class Distiller:
     strategy: what to distil (default `LogitKD()`: tau=2, alpha=0.5).
     optimizer: an optax transformation for the student (default `default_optimizer()`).
     mesh: a ``(data, tensor)`` mesh from `make_mesh`; ``None`` means one device.
-    backend: ``"shard_map"`` (default with a mesh), ``"single"`` (default without) or
-      ``"pmap"`` (data-parallel compatibility path; needs ``tensor=1``): see `meshdistill.layout`.
+    backend: ``"shard_map"`` (default with a mesh), ``"single"`` (default without), ``"pmap"``
+      (data-parallel compatibility path; needs ``tensor=1``), or a `meshdistill.layout.Layout` object:
+      see `meshdistill.layout`.
     trainable: an nnx filter of the student parameters that train; the optimizer holds state for
       these only and the rest never moves. Default: the adapters of a LoRA student
       (`meshdistill.models.lora.apply_lora`), otherwise the whole student.

@@ -125,19 +125,23 @@ class Layout:
     """A step-0 `TrainState` of ``params = {"student": ..., "strategy": ...}``: the student split as its
     partition metadata says, strategy parameters replicated, optimizer moments (of the ``trainable``
     parameters only) sharded as their parameters."""
+    fresh, shardings, out_shardings = self.state_plan(optimizer, params, trainable)
+    return jax.jit(fresh, out_shardings=out_shardings)(jax.device_put(params, shardings))
+
+  def state_plan(self, optimizer, params: dict, trainable=None):
+    """``(fresh, param_shardings, state_shardings)`` of `fresh_state`: the function making a step-0 state
+    from ``params``, where the params go and where each leaf of the state goes (``params`` may be abstract)."""
     from meshdistill.step import split_trainable  # pylint: disable=g-import-not-at-top
 
     student_sh, replicated = self._device_shardings(params["student"])
     shardings = {"student": student_sh, "strategy": jax.tree.map(lambda _: replicated, params["strategy"])}
-    placed = jax.device_put(params, shardings)
     fresh = functools.partial(_fresh_state, optimizer, trainable)
-    abstract = jax.eval_shape(fresh, placed)
+    abstract = jax.eval_shape(fresh, params)
     opt = optax.tree_utils.tree_map_params(
         optimizer, lambda _, sharding: sharding, abstract.opt_state, split_trainable(shardings, trainable)[0],
         transform_non_params=lambda _: replicated,
     )
-    out_shardings = type(abstract)(replicated, shardings, opt)
-    return jax.jit(fresh, out_shardings=out_shardings)(placed)
+    return fresh, shardings, type(abstract)(replicated, shardings, opt)
 
   # ------------------------------------------------------------------ the step
   def state_shardings(self, state) -> Any:
@@ -334,6 +338,8 @@ def layout_class(backend: str) -> type[Layout]:
 def make_layout(backend: str | None, mesh: Mesh | None) -> Layout:
   """The layout of a ``(backend, mesh)`` pair. ``None`` picks ``"shard_map"`` with a mesh and ``"single"``
   without; ``"pmap"`` without a mesh gets a ``data``-only mesh over all devices."""
+  if isinstance(backend, Layout):  # a layout object already (e.g. the planner's abstract one)
+    return backend
   cls = layout_class(backend or ("shard_map" if mesh is not None else "single"))
   return cls(cls.resolve_mesh(mesh))
 

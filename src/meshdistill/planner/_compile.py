@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from meshdistill.distiller import Distiller
+from meshdistill.layout import ShardMapLayout
 from meshdistill.memory import MemoryReport
-from meshdistill.mesh import batch_sharding, param_shardings
+from meshdistill.mesh import batch_sharding
 from meshdistill.models._build import abstract_params
 from meshdistill.models.decoder import ModelConfig
 
@@ -40,31 +40,33 @@ def _abstract(tree, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+class _AbstractLayout(ShardMapLayout):
+  """The shard_map layout on abstract arrays: placement gives shapes with shardings, never buffers."""
+
+  def place_params(self, params):
+    return _abstract(params, self._device_shardings(params)[0])
+
+  def fresh_state(self, optimizer, params, trainable=None):
+    fresh, _, state_shardings = self.state_plan(optimizer, params, trainable)
+    return _abstract(jax.eval_shape(fresh, params), state_shardings)
+
+
 class _AbstractDistiller(Distiller):
   """A `Distiller` on abstract arrays: weights and state are shapes with shardings, never allocated."""
-
-  def _place_params(self, params, specs):
-    return _abstract(params, param_shardings(specs, self.mesh))
 
   def init_state(self, student=None):
     """The abstract train state of `Distiller.init_state` (same shardings, nothing allocated)."""
     extra = jax.eval_shape(
         lambda: self.strategy.init_params(self.student_cfg, self.teacher_cfg, jax.random.key(self.seed))
     )
-    params = {"student": self._student_init, "strategy": extra}
-    shardings = {
-        "student": param_shardings(self._student_specs, self.mesh),
-        "strategy": jax.tree.map(lambda _: NamedSharding(self.mesh, P()), extra),
-    }
-    abstract = jax.eval_shape(self._fresh_state, params)
-    return _abstract(abstract, self._state_shardings(params, shardings))
+    return self.layout.fresh_state(self.optimizer, {"student": self._student_init, "strategy": extra}, self.trainable)
 
 
 def abstract_distiller(teacher: ModelConfig, student: ModelConfig, strategy, optimizer, mesh: Mesh,
                        compiler_options: dict | None = None) -> Distiller:
   """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays."""
   d = _AbstractDistiller(_abstract_model(student), _abstract_model(teacher), strategy=strategy, optimizer=optimizer,
-                         mesh=mesh, backend="shard_map")
+                         mesh=mesh, backend=_AbstractLayout(mesh))
   return d.with_compiler_options(compiler_options) if compiler_options else d
 
 
