@@ -380,9 +380,11 @@ def load_teacher_hf(cfg, mesh):
 
 
 def _with_config(model, want):
-  """``model`` with its `ModelConfig` set to ``want`` (equal up to the compute-only ``remat``)."""
+  """``model`` with its `ModelConfig` set to ``want`` (equal up to the compute-only ``remat``; the padding and
+  key/value replication the mesh asked for at load time (`ModelConfig.for_tensor`) are kept)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
+  want = want.replace(vocab_multiple=model.cfg.vocab_multiple, replicate_kv=model.cfg.replicate_kv)
   if model.cfg.replace(remat=want.remat) != want:
     raise ValueError(f"loaded model config {model.cfg} differs from the configured {want}")
   if model.cfg == want:
@@ -435,6 +437,8 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   from meshdistill.models import abstract_params  # pylint: disable=g-import-not-at-top
 
   t = teacher.cfg
+  # the copies keep the teacher's layout for the mesh (vocabulary padding, key/value replication)
+  student_cfg = student_cfg.replace(vocab_multiple=t.vocab_multiple, replicate_kv=t.replicate_kv)
   if student_cfg.replace(n_layers=t.n_layers, max_len=t.max_len, dtype=t.dtype, remat=t.remat) != t:
     raise ValueError("student_from_teacher: student_cfg must be the teacher's config with n_layers=len(layers)")
   if len(layers) != student_cfg.n_layers or any(not 0 <= i < t.n_layers for i in layers):
