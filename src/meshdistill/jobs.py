@@ -401,6 +401,13 @@ def cache_teacher(
   if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
     raise ConfigError(f"distill.temperature={cfg.distill.temperature!r}: a teacher cache holds log-probabilities "
                       "at one temperature; set a constant distill.temperature")
+  from meshdistill import distributed  # pylint: disable=g-import-not-at-top
+
+  if distributed.process_count() > 1:
+    # Each process would own every n-th shard, but the teacher program spans the global mesh, so every
+    # process must take part in every call: not supported yet.
+    raise ConfigError(f"cache-teacher runs as one process, but this job has {distributed.process_count()}; run it "
+                      "once on one host (its devices as mesh.data x mesh.tensor), then distil from the cache")
   mesh = build_mesh(cfg)
   data = load_data(cfg, mesh=mesh)
   say = stream_reporter(stream)

@@ -22,9 +22,10 @@ Layout of a cache directory:
 
 At k=32 and V=128k a token costs 32 x 17 bits of ids (68 B) + 32 x 2 B of float16 log-probs +
 2 B of tail = 134 B (``benchmarks/teacher_cache.py`` measures it and the error float16 costs).
-With several processes each writes the shards ``i`` with ``i % process_count == process_index``
-and its own progress file; after a barrier (``barrier``, e.g. JAX's `sync_global_devices`) process 0
-merges them into the manifest.
+`write_cache` can split the shards over writers (``i % process_count == process_index``, each with
+its own progress file; after a barrier process 0 merges them into the manifest) when each writer
+runs its own teacher program. ``meshdistill cache-teacher`` runs as one process: its teacher
+program spans the mesh, so the processes of one job could not each compute different shards.
 """
 
 from __future__ import annotations
