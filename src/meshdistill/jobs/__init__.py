@@ -1,0 +1,55 @@
+"""Whole jobs from a `Config`: pretrain a teacher, distil a student, evaluate a run.
+
+The CLI is a thin shell over these functions; scripts and benchmarks call them directly.
+Order of work in `distill` (the main job):
+
+1. the mesh (``mesh.data`` x ``mesh.tensor``; on CPU, simulated devices -- see
+   `prepare_devices`, which must run before JAX starts);
+2. the data (`meshdistill.data.build_data`): tokenizer, training iterator, validation batches;
+3. the teacher: ``teacher.hf`` (a Hugging Face directory) or ``pretrain.teacher`` if given, else the
+   cached teacher for these settings, else one pretrained now on hard labels (`pretrain`) and cached;
+4. the student, directly on the mesh: ``student.hf``, copied from the teacher's blocks
+   (``student.init``), or initialised from ``train.seed`` (`meshdistill.sources.build_student`);
+5. `meshdistill.trainer.fit` with a `Distiller`, checkpoints and monitoring in ``run.run_dir``;
+6. the final evaluation of teacher and student on the validation batches (``summary.json``).
+
+The jobs live in private modules by concept; import them from here (``meshdistill.jobs.<name>``):
+
+- ``_setup``: `prepare_devices`, `build_mesh`, `load_data`, `with_batch_size`, the run directory's lock, monitor
+  and ``config.yaml``, `stream_reporter`;
+- ``_training``: `loop_kwargs`, `safeguard_kwargs`, `strategy_and_optimizer`, `make_distiller`;
+- ``_teacher``: the teacher cache (`default_cache_dir`, `teacher_key`, `teacher_dir`), `pretrain`, `obtain_teacher`,
+  `cache_teacher` and the teacher on its own sub-mesh;
+- ``_distill_job``: `distill` and its final evaluation;
+- ``_inspect``: `evaluate`, `generate`, `run_teacher`, `summary_table`.
+"""
+
+from meshdistill.jobs._setup import build_mesh, load_data, prepare_devices, stream_reporter, with_batch_size
+from meshdistill.jobs._training import loop_kwargs, make_distiller, safeguard_kwargs, strategy_and_optimizer
+from meshdistill.jobs._teacher import cache_teacher, default_cache_dir, obtain_teacher, pretrain, teacher_dir
+from meshdistill.jobs._teacher import teacher_key
+from meshdistill.jobs._distill_job import distill
+from meshdistill.jobs._inspect import evaluate, generate, run_teacher, summary_table
+
+__all__ = [
+  "build_mesh",
+  "cache_teacher",
+  "default_cache_dir",
+  "distill",
+  "evaluate",
+  "generate",
+  "load_data",
+  "loop_kwargs",
+  "make_distiller",
+  "obtain_teacher",
+  "prepare_devices",
+  "pretrain",
+  "run_teacher",
+  "safeguard_kwargs",
+  "strategy_and_optimizer",
+  "stream_reporter",
+  "summary_table",
+  "teacher_dir",
+  "teacher_key",
+  "with_batch_size",
+]

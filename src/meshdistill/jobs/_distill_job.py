@@ -1,0 +1,175 @@
+"""The main job, `distill`: teacher (loaded, cached or pretrained) -> distilled student -> evaluation,
+with the check against the run's checkpoint and the final teacher / student evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import IO
+
+from meshdistill.checkpoint import Checkpointer
+from meshdistill.config import Config, ConfigError
+from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
+from meshdistill.jobs._setup import with_batch_size
+from meshdistill.jobs._teacher import _open_teacher_cache, _split_meshes, _teacher_on_own_mesh, obtain_teacher
+from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
+from meshdistill.monitor import ProfileWindow
+
+
+def distill(
+  cfg: Config, *, stream: IO[str] | None = None, profile: str | None = None, stop_after: int | None = None
+) -> dict:
+  """The main job: teacher (loaded, cached or pretrained) -> distilled student -> evaluation.
+
+  Writes ``config.yaml``, ``metrics.jsonl``, ``tb/``, ``checkpoints/`` and ``summary.json`` into
+  ``run.run_dir`` and returns the summary (teacher / student validation loss and perplexity).
+  Holds the run directory's lock (`meshdistill.fsutil.RunLock`) throughout; ``config.yaml`` is
+  written only once the settings are known to fit the checkpoint the run resumes from.
+  """
+  with _run_lock(cfg.run.run_dir, "distillation run"):
+    return _distill(cfg, stream=stream, profile=profile, stop_after=stop_after)
+
+
+def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
+  """Raises when the run directory's checkpoint was written by another run (``expected``: facts of this one).
+
+  The same check as `meshdistill.trainer.fit`'s on resume, made before ``config.yaml`` is written.
+  """
+  from meshdistill.distributed import agree_on  # pylint: disable=g-import-not-at-top
+  from meshdistill.trainer import _check_resumable  # pylint: disable=g-import-not-at-top
+
+  # Opening a checkpoint manager is a collective: every process takes process 0's answer.
+  if not agree_on(int(os.path.isdir(cfg.checkpoint_dir)), "whether the run has a checkpoint directory"):
+    return
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, read_only=True)
+  try:
+    if ckpt.latest_step() is None:
+      return
+    _check_resumable(ckpt.read_meta(), expected, ckpt.directory, cfg.train.steps)
+  finally:
+    ckpt.close()
+
+
+def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
+  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
+
+  run_dir = cfg.run.run_dir
+  teacher_mesh = None
+  if cfg.models.teacher_devices:  # the teacher's own mesh, the student's on the other devices
+    teacher_mesh, mesh = _split_meshes(cfg)
+  else:
+    mesh = build_mesh(cfg)
+  data = load_data(cfg, mesh=mesh)
+  # Checked before the teacher is built (kind, steps), and again with the models and teacher before config.yaml is
+  # written: a rejected resume changes nothing in the run directory.
+  _check_against_checkpoint(cfg, {"kind": "distill"})
+  if cfg.distill.kind == "preference":  # batches of (chosen, rejected) row pairs; validation stays plain text
+    from meshdistill.data import PreferencePairs  # pylint: disable=g-import-not-at-top
+
+    pairs = cfg.preference.pairs
+    data = PreferencePairs(with_batch_size(data, cfg.train.batch_size // 2),
+                           source="own" if pairs == "own" else os.path.expanduser(pairs),
+                           prompt_fraction=cfg.preference.prompt_fraction)
+  say = stream_reporter(stream)
+  say(
+    f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
+    f"vocabulary {data.tokenizer.vocab_size}"
+  )
+  if cfg.models.teacher_cache:  # an offline top-k teacher: no teacher weights are loaded
+    data, teacher, tdir = _open_teacher_cache(cfg, data, say)
+  elif teacher_mesh is not None:  # a live teacher on its own devices, one batch ahead
+    data, teacher, tdir = _teacher_on_own_mesh(cfg, data, teacher_mesh, mesh, stream, say)
+  else:
+    teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  if (cfg.models.teacher_cache or teacher_mesh is not None) and (
+      cfg.distill.on_policy.active or cfg.distill.on_policy.prompts_file):
+    raise ConfigError("distill.on_policy trains on prompts and sampled completions, but teacher.cache / "
+                      "teacher.devices feed the teacher's top-k of the corpus rows; remove one of them")
+  if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
+    from meshdistill.prompts import PromptData, read_prompts  # pylint: disable=g-import-not-at-top
+
+    rows = read_prompts(os.path.expanduser(cfg.distill.on_policy.prompts_file), need_completion=True)
+    data = PromptData(rows, data.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                      val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
+    say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
+  distiller = make_distiller(cfg, teacher, mesh, data.tokenizer)
+  from meshdistill.trainer import _meta  # pylint: disable=g-import-not-at-top
+
+  _check_against_checkpoint(cfg, _meta(distiller, "distill", {"teacher_dir": tdir}))
+  _write_config(cfg, run_dir)
+  monitor = _monitor(run_dir, cfg.train.steps, stream, "distill")
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+  t = cfg.train
+  try:
+    result = fit(
+      distiller,
+      data,
+      kind="distill",
+      checkpointer=ckpt,
+      monitor=monitor,
+      evaluator=Evaluator.for_trainer(distiller),
+      profile=ProfileWindow.parse(profile, os.path.join(run_dir, "profile")),
+      stop_after=stop_after,
+      **loop_kwargs(t),
+      meta={"teacher_dir": tdir},
+      **_cache_safeguards(safeguard_kwargs(cfg, distiller.strategy), distiller),
+    )
+  finally:
+    ckpt.close()
+    monitor.close()
+  distiller = result.trainer
+  if distiller.topk_teacher is not None:
+    summary = _evaluate_student(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
+  else:
+    summary = _evaluate_pair(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
+  summary.update({"step": result.step, "teacher_dir": tdir, "run_dir": run_dir, "train_seconds": result.seconds})
+  summary["safeguards"] = {
+    "remat": distiller.student_cfg.remat,
+    "divergences": sum(e["kind"] == "diverged" for e in result.events),
+    "events": result.events,
+  }
+  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
+
+  if is_primary():
+    with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
+      json.dump(summary, f, indent=2)
+  return summary
+
+
+def _evaluate_pair(distiller, state, val) -> dict:
+  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
+
+  student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
+  teacher_eval = Evaluator(distiller.teacher_def, mesh=distiller.layout.eval_mesh)
+  teacher = teacher_eval(distiller.unreplicate(distiller.teacher_params), val)
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  n_student = param_count(distiller.student(state))
+  n_teacher = param_count(nnx.merge(distiller.teacher_def, distiller.unreplicate(distiller.teacher_params)))
+  return {
+    "teacher": {"loss": teacher["loss"], "ppl": teacher["ppl"], "params": n_teacher},
+    "student": {
+      "loss": student["loss"],
+      "ppl": student["ppl"],
+      "params": n_student,
+      "kl": student["kl"],
+      "agree": student["agree"],
+      "corr": student["corr"],
+    },
+    "param_ratio": n_student / n_teacher,
+    "val_tokens": student["tokens"],
+  }
+
+
+def _evaluate_student(distiller, state, val) -> dict:
+  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
+
+  student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
+  return {
+    "teacher": None,
+    "student": {"loss": student["loss"], "ppl": student["ppl"], "params": param_count(distiller.student(state))},
+    "val_tokens": student["tokens"],
+  }

@@ -1,0 +1,141 @@
+"""Jobs on a finished (or running) distillation run: `evaluate` its latest checkpoint, `generate` with its
+student or teacher, `run_teacher` (the run's teacher) and the final `summary_table`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import IO, Any
+
+from meshdistill.checkpoint import Checkpointer, load_teacher, read_teacher_meta
+from meshdistill.config import Config
+from meshdistill.jobs._distill_job import _evaluate_pair
+from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
+from meshdistill.jobs._training import make_distiller
+
+
+def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
+  """Evaluates the latest checkpoint of the run in ``run.run_dir`` against its teacher."""
+  say = stream_reporter(stream)
+  if not os.path.isdir(cfg.checkpoint_dir):  # evaluation creates nothing
+    raise FileNotFoundError(
+      f"no checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with run.run_dir={cfg.run.run_dir} first"
+    )
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, read_only=True)
+  try:
+    if ckpt.latest_step() is None:
+      raise FileNotFoundError(
+        f"no checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with run.run_dir={cfg.run.run_dir} first"
+      )
+    meta = ckpt.read_meta()
+    if meta.get("kind") != "distill":
+      raise ValueError(f"{cfg.checkpoint_dir} holds a {meta.get('kind')!r} run, not a distillation run")
+    mesh = build_mesh(cfg)
+    data = load_data(cfg, mesh=mesh)
+    tdir, teacher = run_teacher(cfg, meta, mesh, data.tokenizer)
+    distiller = make_distiller(cfg, teacher, mesh)
+    state, _, _ = ckpt.restore(distiller, distiller.init_state())
+    say(f"evaluating step {meta['step']} of {cfg.run.run_dir} (teacher {tdir})")
+    summary = _evaluate_pair(distiller, state, data.val_batches(max_batches=cfg.train.eval_batches))
+  finally:
+    ckpt.close()
+  summary.update({"step": int(meta["step"]), "teacher_dir": tdir, "run_dir": cfg.run.run_dir})
+  return summary
+
+
+def generate(
+  cfg: Config,
+  prompts: list[str],
+  *,
+  model: str = "student",
+  sampling: Any = None,
+  seed: int = 0,
+  stream: IO[str] | None = None,
+) -> list[str]:
+  """Completions of ``prompts`` by the ``model`` (``student``: the run's latest checkpoint; ``teacher``: its
+  teacher) of the run in ``run.run_dir``, decoded with ``sampling`` (a `meshdistill.generate.SamplingConfig`;
+  its ``eos_id`` defaults to the tokenizer's) from ``jax.random.key(seed)`` on the run's layout."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.data import load_tokenizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.generate import SamplingConfig, generate, left_pad  # pylint: disable=g-import-not-at-top
+
+  if model not in ("student", "teacher"):
+    raise ValueError(f"model={model!r}; choose student or teacher")
+  if not prompts:
+    raise ValueError("no prompts: give --prompt TEXT or --prompts-file FILE")
+  say = stream_reporter(stream)
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, keep=cfg.checkpoint.keep)
+  try:
+    step = ckpt.latest_step()
+    meta = ckpt.read_meta() if step is not None else {}
+    if step is not None and meta.get("kind") != "distill":
+      raise ValueError(f"{cfg.checkpoint_dir} holds a {meta.get('kind')!r} run, not a distillation run")
+    if step is None and model == "student":
+      raise FileNotFoundError(
+        f"no checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with run.run_dir={cfg.run.run_dir} "
+        "first, or generate with the teacher (--model teacher)"
+      )
+    tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
+    if not tdir and not cfg.models.teacher_hf:
+      raise FileNotFoundError(f"{cfg.run.run_dir} names no teacher: set pretrain.teacher=DIR or distil first")
+    # A saved teacher carries its tokenizer; otherwise (a Hugging Face teacher) the run's data settings name it.
+    tokenizer = load_data(cfg).tokenizer if cfg.models.teacher_hf else load_tokenizer(os.path.join(tdir, "tokenizer"))
+    mesh = build_mesh(cfg)
+    _, net = run_teacher(cfg, meta, mesh, tokenizer)
+    if model == "student":
+      distiller = make_distiller(cfg, net, mesh)
+      state, _, _ = ckpt.restore(distiller, distiller.init_state())
+      net = distiller.student(state)
+      mesh = distiller.layout.eval_mesh
+    say(f"generating with the {model} of {cfg.run.run_dir}" + (f" (step {step})" if model == "student" else ""))
+  finally:
+    ckpt.close()
+  sampling = sampling or SamplingConfig()
+  if sampling.eos_id is None:
+    sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
+  ids = [tokenizer.encode(p) for p in prompts]
+  rows = len(ids)
+  if mesh is not None and rows % mesh.shape["data"]:  # fill the batch up to a multiple of the data axis
+    ids += [ids[-1]] * (mesh.shape["data"] - rows % mesh.shape["data"])
+  tokens, mask = left_pad(ids, pad_id=getattr(tokenizer, "pad_id", 0) or 0)
+  gen = jax.device_get(generate(net, tokens, mask, jax.random.key(seed), sampling, mesh=mesh))
+  out = []
+  for r in range(rows):
+    row = [int(t) for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m and t != sampling.eos_id]
+    out.append(tokenizer.decode(row))
+  return out
+
+
+def run_teacher(cfg: Config, meta: dict, mesh, tokenizer):
+  """``(teacher_dir, teacher)`` of a distillation run whose checkpoint ``meta`` is given."""
+  if cfg.models.teacher_hf:
+    from meshdistill.sources import load_teacher_hf  # pylint: disable=g-import-not-at-top
+
+    return cfg.models.teacher_hf, load_teacher_hf(cfg, mesh)
+  tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
+  read_teacher_meta(tdir)
+  return tdir, load_teacher(tdir, cfg.teacher, mesh, tokenizer)
+
+
+def summary_table(summary: dict) -> str:
+  """The final teacher / student table as text."""
+  t, s = summary["teacher"], summary["student"]
+  rows = [
+    ("model", "params", "val loss", "val ppl"),
+    ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}") if t else None,
+    ("distilled student", f"{s['params']:,}", f"{s['loss']:.4f}", f"{s['ppl']:.3f}"),
+  ]
+  if t is None:  # distilled from a teacher cache: no teacher weights to evaluate
+    rows = [r for r in rows if r is not None]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+    return table + "\n(teacher given by its top-k only: not evaluated)"
+  widths = [max(len(r[i]) for r in rows) for i in range(4)]
+  line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+  out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]
+  out.append(
+    f"student/teacher params {summary['param_ratio']:.1%}; student vs teacher: KL {s['kl']:.4f}, "
+    f"top-1 agreement {s['agree']:.1%}, logit correlation {s['corr']:.3f}"
+  )
+  return "\n".join(out)

@@ -1,0 +1,100 @@
+"""What `meshdistill.trainer.fit` is given from a `Config`: the loop and safeguard keywords, the
+distillation strategy and optimizer, and the `Distiller` itself."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from meshdistill.config import Config, ConfigError
+
+
+def loop_kwargs(settings) -> dict:
+  """`meshdistill.trainer.fit` keywords a `TrainSettings` section (``train`` / ``pretrain``) decides: the
+  number of steps, the evaluation and logging cadence, and the logged learning-rate schedule (None with
+  progressive freezing, whose stages set the rate)."""
+  from meshdistill.optimizers import lr_schedule  # pylint: disable=g-import-not-at-top
+
+  return {
+    "steps": settings.steps,
+    "eval_every": settings.eval_every,
+    "eval_batches": settings.eval_batches,
+    "log_every": settings.log_every,
+    "lr": None if settings.freeze else lr_schedule(settings),
+  }
+
+
+def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
+  """`meshdistill.trainer.fit` keywords for ``cfg.safeguards``: the divergence guard and automatic remat.
+
+  ``strategy``: the run's distillation strategy, whose fallback is built from
+  ``safeguards.guard.fallback`` (None for hard-label training: the guard then only restores).
+  """
+  from meshdistill.guard import DivergenceGuard  # pylint: disable=g-import-not-at-top
+  from meshdistill.strategies import ScaledLoss, fallback_strategy  # pylint: disable=g-import-not-at-top
+
+  g, r = cfg.safeguards.guard, cfg.safeguards.remat
+  kwargs = {"auto_remat": r.auto, "memory_budget_bytes": r.budget_bytes, "memory_headroom": r.headroom}
+  if not g.enabled:
+    return kwargs
+  fallback = None
+  if strategy is not None:
+    fallback = fallback_strategy(strategy)
+    if g.fallback != "mse":
+      inner = fallback.strategy if isinstance(fallback, ScaledLoss) else fallback
+      if "divergence" not in {f.name for f in dataclasses.fields(inner)}:
+        raise ConfigError(
+          f"safeguards.guard.fallback={g.fallback!r} needs a strategy with a divergence setting (LogitKD, "
+          f"ChunkedLogitKD); {type(inner).__name__} falls back to logit MSE only: set safeguards.guard.fallback=mse"
+        )
+      inner = dataclasses.replace(inner, divergence=g.fallback)
+      fallback = ScaledLoss(inner, fallback.scale) if isinstance(fallback, ScaledLoss) else inner
+  guard = DivergenceGuard(window=g.window, factor=g.factor, min_history=g.min_history, max_restores=g.max_restores)
+  return {**kwargs, "guard": guard, "keep_every": g.keep_every, "fallback": fallback}
+
+
+def _cache_safeguards(kwargs: dict, distiller) -> dict:
+  """With a top-k teacher the guard only restores: its fallback loss (logit MSE) needs the teacher's logits."""
+  if distiller.topk_teacher is not None and kwargs.get("fallback") is not None:
+    kwargs = {**kwargs, "fallback": distiller.strategy}
+  return kwargs
+
+
+def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
+  """The distillation strategy and student optimizer of ``cfg`` (what `make_distiller` and ``meshdistill plan``
+  use); ``student_layers`` replaces ``cfg.student.n_layers`` for a freezing schedule."""
+  from meshdistill.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
+
+  strategy, scale = cfg.distill.strategy(), cfg.safeguards.loss_scale
+  if scale is not None:
+    from meshdistill.strategies import ScaledLoss  # pylint: disable=g-import-not-at-top
+
+    strategy = ScaledLoss(strategy, scale)
+  layers = cfg.student.n_layers if student_layers is None else student_layers
+  return strategy, make_optimizer(cfg.train, layers, loss_scale=scale)
+
+
+def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
+  """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.sources.build_student`); with
+  ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS)."""
+  from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
+  from meshdistill.sources import build_student  # pylint: disable=g-import-not-at-top
+
+  student = build_student(cfg, teacher, mesh)
+  strategy, optimizer = strategy_and_optimizer(cfg)
+  extra = {}
+  if cfg.distill.on_policy.active:
+    from meshdistill.onpolicy import OnPolicyDistiller as Distiller  # pylint: disable=g-import-not-at-top
+
+    eos, pad = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "pad_id", None)
+    extra["on_policy"] = cfg.distill.on_policy.config(eos_id=eos, pad_id=pad or 0)
+  return Distiller(
+    student,
+    teacher,
+    strategy=strategy,
+    optimizer=optimizer,
+    mesh=mesh,
+    backend=cfg.mesh.backend,
+    seed=cfg.train.seed,
+    **extra,
+  )
