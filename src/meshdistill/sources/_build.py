@@ -1,0 +1,94 @@
+"""Building a run's models from its sources: the ``teacher.hf`` teacher (`load_teacher_hf`), the student
+(`build_student`: loaded, copied from the teacher by `student_from_teacher`, or fresh) and its adapters
+(`with_lora`)."""
+
+from __future__ import annotations
+
+from meshdistill.models.lora import LoraConfig
+from meshdistill.sources._settings import ModelSources
+
+
+def load_teacher_hf(cfg, mesh):
+  """The teacher of ``teacher.hf`` on ``mesh`` (each device reading only its slices)."""
+  from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
+
+  model = load_hf(cfg.models.teacher_hf, mesh, dtype=cfg.teacher.dtype, max_len=cfg.teacher.max_len)
+  return _with_config(model, cfg.teacher)
+
+
+def _with_config(model, want):
+  """``model`` with its `ModelConfig` set to ``want`` (equal up to the compute-only ``remat``; the padding and
+  key/value replication the mesh asked for at load time (`ModelConfig.for_tensor`) are kept)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  want = want.replace(vocab_multiple=model.cfg.vocab_multiple, replicate_kv=model.cfg.replicate_kv)
+  if model.cfg.replace(remat=want.remat) != want:
+    raise ValueError(f"loaded model config {model.cfg} differs from the configured {want}")
+  if model.cfg == want:
+    return model
+  from meshdistill.models import abstract_params  # pylint: disable=g-import-not-at-top
+
+  graphdef, _, _ = abstract_params(want)
+  return nnx.merge(graphdef, nnx.state(model))
+
+
+def build_student(cfg, teacher, mesh):
+  """The run's student on ``mesh``: loaded (``student.hf``), copied from ``teacher`` (``student.init``),
+  or initialised from ``train.seed``."""
+  from meshdistill.models import init_model  # pylint: disable=g-import-not-at-top
+
+  src: ModelSources = cfg.models
+  if src.student_hf:
+    from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
+
+    model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, max_len=cfg.student.max_len)
+    model = _with_config(model, cfg.student)
+  elif src.student_init.from_teacher:
+    model = student_from_teacher(teacher, src.student_init.layers, cfg.student, mesh)
+  else:
+    model = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
+  return with_lora(model, src.student_lora, seed=cfg.train.seed, mesh=mesh)
+
+
+def with_lora(model, lora: LoraConfig, *, seed: int, mesh):
+  """``model`` with the adapters of ``student.lora`` (unchanged when its rank is 0)."""
+  if not lora.enabled:
+    return model
+  from meshdistill.models.lora import apply_lora  # pylint: disable=g-import-not-at-top
+
+  return apply_lora(model, lora, seed=seed + 1, mesh=mesh)
+
+
+def student_from_teacher(teacher, layers, student_cfg, mesh=None):
+  """A student whose embeddings, LM head, final norm and blocks are copies of ``teacher``'s.
+
+  Student block ``i`` is teacher block ``layers[i]``. ``student_cfg`` must be the teacher's
+  configuration with ``n_layers=len(layers)`` (``max_len``, ``dtype``, ``remat`` may differ).
+  The copies are new buffers on ``mesh`` with the student's shardings (never aliases of the
+  teacher's weights, which the train step must not update).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.models import abstract_params  # pylint: disable=g-import-not-at-top
+
+  t = teacher.cfg
+  # the copies keep the teacher's layout for the mesh (vocabulary padding, key/value replication)
+  student_cfg = student_cfg.replace(vocab_multiple=t.vocab_multiple, replicate_kv=t.replicate_kv)
+  if student_cfg.replace(n_layers=t.n_layers, max_len=t.max_len, dtype=t.dtype, remat=t.remat) != t:
+    raise ValueError("student_from_teacher: student_cfg must be the teacher's config with n_layers=len(layers)")
+  if len(layers) != student_cfg.n_layers or any(not 0 <= i < t.n_layers for i in layers):
+    raise ValueError(f"layers={list(layers)} must be {student_cfg.n_layers} block indices in [0, {t.n_layers})")
+  graphdef, abstract, shardings = abstract_params(student_cfg, mesh)
+  teacher_flat = dict(nnx.to_flat_state(nnx.state(teacher)))
+  leaves = []
+  for key, var in nnx.to_flat_state(abstract):
+    src_key = (key[0], layers[key[1]], *key[2:]) if key[0] == "blocks" else key
+    leaves.append((key, var.replace(teacher_flat[src_key].get_value())))
+  state = nnx.from_flat_state(leaves)
+  if mesh is None:
+    state = jax.jit(lambda s: jax.tree.map(jnp.copy, s))(state)
+  else:
+    state = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)(state)
+  return nnx.merge(graphdef, state)
