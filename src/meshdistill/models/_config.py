@@ -1,0 +1,172 @@
+"""The sizes and options of a `meshdistill.models.decoder.Decoder`: `ModelConfig` with its validation and
+its fitting to a ``tensor`` axis (vocabulary padding, key/value replication), `RopeScaling`, and the names
+of the attention kernels (`ATTENTION`) and per-block rematerialisation policies (`REMAT_POLICIES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+# Per-block rematerialisation (`jax.checkpoint`) policies, by `ModelConfig.remat` name:
+# "none" keeps every activation for the backward pass; "full" keeps only each block's
+# input and recomputes the block; "dots" keeps matmul outputs; "dots_no_batch" keeps
+# only matmuls without batch dimensions (the weight projections, not attention scores).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+# Attention kernels, by `ModelConfig.attention` name. Every one is causal grouped-query attention
+# without copying key/value heads; capturing attention probabilities always uses "explicit".
+ATTENTION = {
+    "auto": "explicit scores when probabilities are captured, else xla",
+    "explicit": "grouped einsums materialising [B, H, T, S] float32 scores and probabilities",
+    "xla": "jax.nn.dot_product_attention(implementation='xla')",
+    "cudnn": "jax.nn.dot_product_attention(implementation='cudnn'): cuDNN flash attention, GPU with bf16/fp16 only",
+    "splash": "the Pallas TPU splash-attention kernel (interpreted off TPU; sequence length a multiple of 128)",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+  """Llama-3 rotary frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type="llama3"``).
+
+  Wavelengths longer than ``original_max_len / low_freq_factor`` are stretched by ``factor``,
+  those shorter than ``original_max_len / high_freq_factor`` kept, the band between blended.
+  """
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int = 8192
+
+  def __post_init__(self):
+    if not self.high_freq_factor > self.low_freq_factor > 0 or self.factor <= 0 or self.original_max_len < 1:
+      raise ValueError(
+          f"RopeScaling{dataclasses.astuple(self)} needs factor > 0, high_freq_factor > low_freq_factor > 0 "
+          "and original_max_len >= 1 (e.g. Llama 3.1: factor=8, low_freq_factor=1, high_freq_factor=4, "
+          "original_max_len=8192)"
+      )
+
+  def apply(self, inv_freq: jax.Array) -> jax.Array:
+    """Scaled inverse frequencies ``[K/2]`` from the plain ones."""
+    wavelen = 2 * jnp.pi / inv_freq
+    low_wavelen = self.original_max_len / self.low_freq_factor
+    high_wavelen = self.original_max_len / self.high_freq_factor
+    smooth = (self.original_max_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+    out = jnp.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+    return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), blended, out)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Sizes of a decoder. Head dimension is ``d_model // n_heads`` unless given."""
+
+  vocab_size: int = 256
+  d_model: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int | None = None
+  mlp_hidden: int = 512
+  max_len: int = 512
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  dtype: str = "float32"  # compute dtype of activations; params stay float32
+  remat: str = "none"  # per-block rematerialisation policy, a key of REMAT_POLICIES
+  qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3)
+  qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+  rope_scaling: RopeScaling | None = None  # Llama-3 frequency scaling (a dict of its fields also works)
+  attention: str = "auto"  # attention kernel, a key of ATTENTION (explicit scores whenever probabilities are captured)
+  # Set by `for_tensor` (init_model / load_hf / shard_model on a mesh), rarely by hand:
+  vocab_multiple: int = 1  # embedding / head rows padded to a multiple of this; logits still cover vocab_size
+  replicate_kv: bool = False  # k/v projections replicated over `tensor` (fewer key/value heads than `tensor`)
+
+  def __post_init__(self):
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+    sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "max_len", "vocab_multiple")
+    for name in sizes:
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"ModelConfig.{name}={v!r} must be a positive integer")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
+          "(grouped-query attention shares each key/value head among n_heads/n_kv_heads query heads)"
+      )
+    if self.head_dim is None and self.d_model % self.n_heads:
+      raise ValueError(
+          f"ModelConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+          "set head_dim explicitly or choose d_model as a multiple of n_heads"
+      )
+    if self.head_dim is not None and self.head_dim % 2:
+      raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (rotary embedding)")
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise ValueError(f"ModelConfig.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {tuple(ATTENTION)}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {tuple(REMAT_POLICIES)}")
+
+  @property
+  def hd(self) -> int:
+    return self.head_dim or self.d_model // self.n_heads
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  @property
+  def padded_vocab(self) -> int:
+    """Rows of the embedding (and columns of an untied head): ``vocab_size`` rounded up to ``vocab_multiple``."""
+    return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+  def for_tensor(self, tensor: int) -> "ModelConfig":
+    """This config adjusted to a mesh whose ``tensor`` axis has ``tensor`` devices.
+
+    Uneven splits are handled where that is exact:
+
+    * a vocabulary that ``tensor`` does not divide (GPT-2's 50257) is padded to a multiple of
+      ``tensor`` (``vocab_multiple``); the padded rows start at zero and the decoder cuts them
+      off its logits and ``head_weight()``, so no loss, metric or sampler ever sees them, and
+      `export_hf` drops them;
+    * fewer (or a non-dividing count of) key/value heads than ``tensor``: the k/v projections are
+      replicated over ``tensor`` (``replicate_kv``), as serving stacks replicate key/value heads;
+    * a query head count that ``tensor`` does not divide works when ``n_heads * head_dim`` is
+      divisible: the split then falls inside heads and the compiler adds the communication
+      (correct, slower; prefer ``tensor`` dividing ``n_heads``). Otherwise, and for ``mlp_hidden``,
+      a ValueError names the setting.
+    """
+    if not isinstance(tensor, int) or tensor < 1:
+      raise ValueError(f"mesh tensor={tensor!r} must be a positive integer")
+    self.check_tensor_split(tensor)
+    cfg = self
+    if cfg.padded_vocab % tensor:
+      cfg = cfg.replace(vocab_multiple=math.lcm(cfg.vocab_multiple, tensor))
+    if cfg.n_kv_heads % tensor and not cfg.replicate_kv:
+      cfg = cfg.replace(replicate_kv=True)
+    return cfg
+
+  def check_tensor_split(self, tensor: int) -> None:
+    """Raises when a ``tensor``-split dimension that cannot be padded or replicated is not divisible."""
+    dims = {"n_heads * head_dim": self.n_heads * self.hd, "mlp_hidden": self.mlp_hidden}
+    bad = {k: v for k, v in dims.items() if v % tensor}
+    if bad:
+      desc = ", ".join(f"{k}={v}" for k, v in bad.items())
+      raise ValueError(
+          f"mesh tensor={tensor} does not divide {desc} (n_heads={self.n_heads}, head_dim={self.hd}); these weight "
+          f"dimensions are split over the tensor axis: choose sizes that are multiples of {tensor} or a smaller "
+          "tensor axis (vocabularies are padded and key/value heads replicated automatically)"
+      )
