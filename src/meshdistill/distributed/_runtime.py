@@ -1,58 +1,7 @@
-"""Several processes, one job: JAX's multi-controller start-up, the local launcher, process-0 duties.
+"""Multi-process runtime: start-up settings (`resolve`, `initialize`), process queries, `agree_on`, `data_shard`.
 
-On a TPU pod slice or a GPU cluster every host runs the same ``meshdistill`` command as its own
-Python process. Each process drives its local devices; together they see every device of the
-job (``jax.devices()``), build the same mesh and run the same compiled programs, whose
-collectives cross the processes. This module
-
-* starts that runtime (`initialize`) before anything touches a backend, from the
-  ``--coordinator`` / ``--num-processes`` / ``--process-id`` flags, the ``MESHDISTILL_*``
-  environment variables (`ENV`), or the variables cluster launchers set (JAX's own
-  auto-detection: Cloud TPU pod slices, SLURM, Open MPI, Kubernetes jobs);
-* launches N local CPU processes as one job for development and tests (`launch`, the
-  ``meshdistill launch`` command): gloo collectives, ``[pN]``-prefixed output, and when one
-  process fails the rest are stopped and the launcher exits non-zero;
-* answers the questions the rest of the code asks: `process_count` / `is_primary` without
-  starting a backend, `barrier`, `data_shard` (which rows of each batch this process reads).
-
-What each process does in a run (see also README.md, "Several hosts"):
-
-* data: every process builds the same `DataBundle` and reads only its own contiguous slice of
-  every global batch (`meshdistill.data.process_slice`); `meshdistill.host_to_global` assembles
-  the slices with ``jax.make_array_from_process_local_data``. A global batch depends only on the
-  data, the seed and the GLOBAL batch size, so the global batch at every step is the
-  single-process one, and the saved data position (a global batch index) resumes on any
-  process count;
-* checkpoints: orbax writes every process's shards and commits once (the primary process
-  finalises the step directory after a barrier); restoring reads each shard straight onto the
-  new layout, on any process count;
-* host files: ``config.yaml``, ``metrics.jsonl``, ``tb/``, ``summary.json``, plots and the
-  teacher cache's ``teacher.json``/tokenizer are written by process 0 only (`is_primary`);
-  every process prints its own progress line (a launcher shows them with a ``[pN]`` prefix).
-
-Host decisions are identical on every process. Every value the loop reads from a device to
-decide something -- the divergence guard's loss, the skipped-update count, the learning rate,
-evaluation sums -- is a REPLICATED output of one SPMD program: the train step returns the loss
-with ``out_specs=P()`` after a ``psum`` over ``data``, so every device of every process holds
-the result of the same all-reduce, and every process reads its own copy of the same bits. The
-rest of what the loop branches on (step counters, checkpoint cadence, the guard's history) is
-a function of those values and of the configuration, which every process loads identically.
-The one decision read from the file system, the step to resume from, is process 0's on every
-process (`agree_on`); orbax's list of saved steps then changes only through saves, which every
-process makes together. So no process can take a branch (restore, switch to the fallback loss,
-save, stop) that another does not take, which would leave the others waiting in a collective.
-`tests/test_multiprocess.py` checks it: both processes of a 2-process run print the same loss
-(as displayed, 4 decimals) at every step, and process 0's logged losses equal a 1-process run's.
-
-Failure: when a process dies, the others stop with an error instead of waiting forever. Its
-peers' next collective fails (gloo on CPU: the connection closes), and the coordination service
-notices the missing heartbeats after ``heartbeat_timeout`` seconds and stops every process. The
-local launcher sets short timeouts (`LOCAL_HEARTBEAT_TIMEOUT`); on a cluster JAX's defaults
-apply unless ``MESHDISTILL_HEARTBEAT_TIMEOUT`` is set. A rerun of the same command resumes
-from the last finished checkpoint (orbax only ever finalises complete steps).
-
-The run directory must be on a file system every process sees (NFS, GCS through gcsfuse,
-...): every process reads the configuration, the teacher and the checkpoints from it.
+Part of `meshdistill.distributed` (see its docstring for what each process does in a run); import the
+names from there.
 """
 
 from __future__ import annotations
@@ -60,15 +9,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import selectors
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("meshdistill.distributed")
 
 ENV = {
     "coordinator": "MESHDISTILL_COORDINATOR",
@@ -367,133 +310,3 @@ def batch_part(owners_DxT, process: int) -> tuple[int, int] | None:
     return None
   return parts.index(spans[process]), len(parts)
 
-
-# --------------------------------------------------------------------------- local launcher
-def free_port() -> int:
-  """A TCP port free on 127.0.0.1 right now (for a local coordinator)."""
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def local_env(
-    process_id: int, num_processes: int, port: int, base: Mapping[str, str] | None = None,
-    heartbeat_timeout: int = LOCAL_HEARTBEAT_TIMEOUT,
-) -> dict[str, str]:
-  """The environment of local process ``process_id`` of a job coordinated on ``127.0.0.1:port`` (CPU)."""
-  env = dict(os.environ if base is None else base)
-  env.update({
-      ENV["coordinator"]: f"127.0.0.1:{port}",
-      ENV["num_processes"]: str(num_processes),
-      ENV["process_id"]: str(process_id),
-      ENV["heartbeat_timeout"]: str(heartbeat_timeout),
-      "JAX_PLATFORMS": "cpu",
-      "PYTHONUNBUFFERED": "1",
-  })
-  return env
-
-
-def command_line(command: Sequence[str]) -> list[str]:
-  """``command`` with a leading ``meshdistill`` run by this Python (``python -m meshdistill``)."""
-  command = list(command)
-  if command and command[0] == "meshdistill":
-    return [sys.executable, "-m", "meshdistill", *command[1:]]
-  return command
-
-
-def launch(
-    num_processes: int,
-    command: Sequence[str],
-    *,
-    port: int | None = None,
-    out=None,
-    grace_s: float = 10.0,
-    heartbeat_timeout: int = LOCAL_HEARTBEAT_TIMEOUT,
-) -> int:
-  """Runs ``command`` as ``num_processes`` local processes of one job; returns the job's exit code.
-
-  Each process gets `local_env` (coordinator ``127.0.0.1:port``, its id, CPU platform, gloo);
-  its stdout and stderr are forwarded line by line to ``out`` (default stdout) prefixed with
-  ``[pN] ``. When a process exits non-zero the others are sent SIGTERM, then SIGKILL after
-  ``grace_s`` seconds, and its code is returned; 0 when every process succeeded. Ctrl-C stops them all.
-
-  Raises:
-    DistributedError: ``num_processes`` below 1 or an empty command.
-  """
-  if not isinstance(num_processes, int) or num_processes < 1:
-    raise DistributedError(f"--processes={num_processes!r} must be a positive integer")
-  if not command:
-    raise DistributedError(
-        "launch needs a command after --, e.g. meshdistill launch --processes 2 -- meshdistill distill"
-    )
-  out = out or sys.stdout
-  port = port or free_port()
-  argv = command_line(command)
-  procs = []
-  for i in range(num_processes):
-    procs.append(subprocess.Popen(  # pylint: disable=consider-using-with
-        argv, env=local_env(i, num_processes, port, heartbeat_timeout=heartbeat_timeout),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    ))
-  sel = selectors.DefaultSelector()
-  for i, p in enumerate(procs):
-    os.set_blocking(p.stdout.fileno(), False)
-    sel.register(p.stdout, selectors.EVENT_READ, i)
-  partial = [b""] * num_processes
-  failed: int | None = None
-  deadline = None
-
-  def emit(i: int, data: bytes, final: bool = False) -> None:
-    partial[i] += data
-    *lines, partial[i] = partial[i].split(b"\n")
-    if final and partial[i]:
-      lines, partial[i] = [*lines, partial[i]], b""
-    for line in lines:
-      out.write(f"[p{i}] {line.decode(errors='replace')}\n")
-    if lines:
-      out.flush()
-
-  def signal_all(sig: int) -> None:
-    for p in procs:
-      if p.poll() is None:
-        try:
-          os.killpg(p.pid, sig)
-        except ProcessLookupError:
-          pass
-
-  try:
-    while sel.get_map():
-      for key, _ in sel.select(timeout=0.2):
-        i = key.data
-        try:
-          data = os.read(key.fileobj.fileno(), 65536)
-        except BlockingIOError:
-          continue
-        if data:
-          emit(i, data)
-        else:
-          emit(i, b"", final=True)
-          sel.unregister(key.fileobj)
-      for i, p in enumerate(procs):
-        code = p.poll()
-        if code is not None and code != 0 and failed is None:
-          failed = code
-          out.write(f"[launch] process {i} exited with code {code}; stopping the others\n")
-          out.flush()
-          signal_all(signal.SIGTERM)
-          deadline = time.monotonic() + grace_s
-      if deadline is not None and time.monotonic() > deadline:
-        signal_all(signal.SIGKILL)
-        deadline = None
-  except KeyboardInterrupt:
-    signal_all(signal.SIGINT)
-    failed = 130
-  for p in procs:
-    try:
-      p.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-      os.killpg(p.pid, signal.SIGKILL)
-      p.wait()
-  if failed is None:
-    failed = next((p.returncode for p in procs if p.returncode), 0)
-  return failed
