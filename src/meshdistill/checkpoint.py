@@ -252,6 +252,16 @@ class Checkpointer:
         f"{e})"
       ) from e
 
+  def _restorable(self, step: int | None) -> int:
+    """``step`` if it is intact (else `CheckpointError`); without one, the newest intact step."""
+    if step is None:
+      step = self.intact_step()
+      if step is None:
+        raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+    elif self.verify(step) is not None:
+      raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
+    return step
+
   def restore(self, trainer, template: TrainState, step: int | None = None) -> tuple[TrainState, dict, dict]:
     """Restores ``(state, data_state, meta)`` of ``step`` (default: the newest intact) onto ``template``'s layout.
 
@@ -259,12 +269,7 @@ class Checkpointer:
     differ from the mesh the checkpoint was written on. Without ``step``, damaged steps are
     skipped with a warning; damaged steps newer than the one restored are moved aside (unless ``read_only``).
     """
-    explicit = step is not None
-    step = self.intact_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
-    if explicit and self.verify(step) is not None:
-      raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
+    step = self._restorable(step)
     target = trainer.layout.checkpoint_target(template)
     try:
       got = self._mgr.restore(
@@ -296,12 +301,7 @@ class Checkpointer:
     ``lora``: the run's `meshdistill.models.lora.LoraConfig` when its student holds adapters (the
     returned student then holds them too; `merge_lora` folds them in).
     """
-    explicit = step is not None
-    step = self.intact_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
-    if explicit and self.verify(step) is not None:
-      raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
+    step = self._restorable(step)
     if lora is not None and lora.enabled:
       from meshdistill.models.lora import abstract_lora  # pylint: disable=g-import-not-at-top
 

@@ -38,32 +38,23 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OnPolicyConfig:
+class OnPolicyConfig(SamplingConfig):
   """GKD settings: ``lmbda`` = probability that a batch is generated; ``seq_kd``: the teacher generates.
 
-  ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``: the sampler (`SamplingConfig`);
-  ``eos_id`` ends a completion; ``pad_id`` fills rows.
+  The sampler's settings (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``eos_id`` ending a
+  completion, ``pad_id`` filling rows) are those of `SamplingConfig`, checked there.
   """
 
   lmbda: float = 0.5
-  max_new_tokens: int = 32
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
   seq_kd: bool = False
-  eos_id: int | None = None
-  pad_id: int = 0
 
   def __post_init__(self):
+    super().__post_init__()
     if not 0 <= self.lmbda <= 1:
       raise ValueError(f"lambda={self.lmbda!r} must be in [0, 1] (0 = dataset completions only, 1 = always sample)")
-    self.sampling()  # validates the sampler settings
 
   def sampling(self) -> SamplingConfig:
-    return SamplingConfig(
-        max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-        eos_id=self.eos_id, pad_id=self.pad_id,
-    )
+    return SamplingConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingConfig)})
 
 
 class OnPolicyDistiller(Distiller):
