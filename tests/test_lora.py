@@ -12,7 +12,8 @@ import meshdistill as md
 from meshdistill.checkpoint import Checkpointer
 from meshdistill.config import ConfigError, load_config
 from meshdistill.models.hf import export_hf, load_hf
-from meshdistill.models.lora import LoraConfig, apply_lora, is_lora, merge_lora
+from meshdistill.models.lora import QUANTIZE, LoraConfig, apply_lora, is_lora, merge_lora
+from meshdistill.models.quantize import is_quantized, quantize_model, weight_bytes
 
 STEPS = 2
 
@@ -22,10 +23,13 @@ def _logits(model, tokens):
   return np.asarray(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x).logits)(state, tokens))
 
 
-def _run(layout: str, quantize: str | None):
-  """(distiller, initial host params, final state, losses) of STEPS LoRA steps on ``layout``."""
+def _run(layout: str, quantize: str | None, teacher_quantize: str | None = None):
+  """(distiller, initial host params, final state, losses) of STEPS LoRA steps on ``layout`` (a float student
+  with adapters when ``quantize`` is None and ``teacher_quantize`` is set)."""
   mesh = None if layout == "single" else md.make_mesh(data=2, tensor=4)
   teacher = md.init_model(TEACHER_CFG, seed=0, mesh=mesh)
+  if teacher_quantize:
+    teacher = quantize_model(teacher, teacher_quantize, mesh=mesh)
   student = apply_lora(md.init_model(STUDENT_CFG, seed=1, mesh=mesh), LoraConfig(rank=4, quantize=quantize),
                        seed=2, mesh=mesh)
   d = md.Distiller(student, teacher, mesh=mesh)
@@ -40,7 +44,13 @@ def _run(layout: str, quantize: str | None):
 
 @pytest.fixture(scope="module")
 def runs():
-  return {(layout, q): _run(layout, q) for layout in ("single", "2x4") for q in (None, "int8")}
+  return {(layout, q): _run(layout, q) for layout in ("single", "2x4") for q in (None, *QUANTIZE)}
+
+
+@pytest.fixture(scope="module")
+def teacher_runs():
+  """LoRA steps distilling from an int8 teacher, on one device and on 2x4."""
+  return {layout: _run(layout, None, teacher_quantize="int8") for layout in ("single", "2x4")}
 
 
 def test_lora_student_starts_exactly_at_its_base_model():
@@ -51,8 +61,9 @@ def test_lora_student_starts_exactly_at_its_base_model():
   np.testing.assert_array_equal(_logits(adapted, tokens), _logits(base, tokens))
 
 
-def test_only_adapters_move_and_only_adapters_have_optimizer_state(runs):
-  d, before, state, _ = runs[("single", None)]
+@pytest.mark.parametrize("quantize", [None, "int4", "nf4"])
+def test_only_adapters_move_and_only_adapters_have_optimizer_state(runs, quantize):
+  d, before, state, _ = runs[("single", quantize)]
   after = jax.device_get(state.params)
   old, new = dict(nnx.to_flat_state(before["student"])), dict(nnx.to_flat_state(after["student"]))
   for key, var in old.items():
@@ -68,7 +79,7 @@ def test_only_adapters_move_and_only_adapters_have_optimizer_state(runs):
   assert moments == 2 * adapters < total  # Adam's two moments, of the adapters only
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [None, *QUANTIZE])
 def test_lora_and_qlora_steps_on_2x4_equal_one_device(runs, quantize):
   single, sharded = runs[("single", quantize)][3], runs[("2x4", quantize)][3]
   np.testing.assert_allclose(sharded, single, rtol=1e-5)
@@ -87,15 +98,73 @@ def test_adapters_follow_their_base_weights_split_over_tensor(runs):
   assert spec(attn["o"]["kernel_lora_b"]) == (None, None)
 
 
-def test_qlora_base_weights_stay_int8_storage_on_the_mesh(runs):
-  _, before, state, _ = runs[("2x4", "int8")]
-  q = state.params["student"]["blocks"][0]["attn"]["q"]["kernel"]["array"]
+STORAGE = {"int8": jnp.int8, "int4": jnp.int4, "nf4": jnp.uint4}  # nf4: 16 NormalFloat levels, stored uint4
+
+
+@pytest.mark.parametrize("quantize", QUANTIZE)
+def test_qlora_base_weights_stay_integer_storage_on_the_mesh(runs, quantize):
+  _, before, state, _ = runs[("2x4", quantize)]
+  for module in ("attn/q", "attn/o", "mlp/down"):
+    section, name = module.split("/")
+    q = state.params["student"]["blocks"][0][section][name]["kernel"]["array"]
+    qvalue = q["qvalue"][...]
+    # one byte per weight at most (4-bit types are not packed on CPU; a TPU packs them two per byte)
+    assert qvalue.dtype == STORAGE[quantize] and qvalue.nbytes == qvalue.size
+    assert "tensor" in tuple(qvalue.sharding.spec)
+    shards = qvalue.addressable_shards
+    assert all(s.data.dtype == STORAGE[quantize] and s.data.nbytes == s.data.size for s in shards)
+    assert sum(s.data.size for s in shards) == qvalue.size * 2  # split over tensor=4, replicated over data=2
+    assert q["scale"][...].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(qvalue), np.asarray(
+        before["student"]["blocks"][0][section][name]["kernel"]["array"]["qvalue"][...]))
+
+
+def _float_leaves(tree):
+  return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def test_int8_teacher_stays_int8_on_the_mesh_and_its_steps_on_2x4_equal_one_device(teacher_runs):
+  d, _, state, losses = teacher_runs["2x4"]
+  single = teacher_runs["single"]
+  np.testing.assert_allclose(losses, single[3], rtol=1e-5)
+  assert_trees_close(jax.device_get(state.params), jax.device_get(single[2].params), rtol=1e-5, atol=1e-7)
+  assert is_quantized(d.teacher_params)
+  q = d.teacher_params["blocks"][1]["mlp"]["up"]["kernel"]["array"]
   qvalue = q["qvalue"][...]
-  assert qvalue.dtype == jnp.int8 and qvalue.nbytes == qvalue.size
-  assert qvalue.sharding.spec[1] == "tensor"
-  assert all(s.data.dtype == jnp.int8 for s in qvalue.addressable_shards)
-  np.testing.assert_array_equal(np.asarray(qvalue), np.asarray(before["student"]["blocks"][0]["attn"]["q"]["kernel"]
-                                                                ["array"]["qvalue"][...]))
+  assert qvalue.dtype == jnp.int8 and qvalue.nbytes == qvalue.size and "tensor" in tuple(qvalue.sharding.spec)
+  assert all(s.data.dtype == jnp.int8 and s.data.nbytes * 4 == s.data.size * 4 for s in qvalue.addressable_shards)
+  assert weight_bytes(d.teacher_params) < 0.5 * weight_bytes(nnx.state(md.init_model(TEACHER_CFG, seed=0)))
+
+
+def test_quantized_teacher_receives_no_gradient(teacher_runs):
+  d, _, state, _ = teacher_runs["single"]
+  batch = jax.device_put({k: jnp.asarray(v) for k, v in make_batch(5).items()})
+  leaves, treedef = jax.tree.flatten(d.teacher_params)
+  floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+  def loss_of_teacher(float_leaves):
+    full = list(leaves)
+    for i, x in zip(floats, float_leaves):
+      full[i] = x
+    _, metrics = md.per_device_step(
+        state, jax.tree.unflatten(treedef, full), batch, student_def=d.student_def, teacher_def=d.teacher_def,
+        strategy=d.strategy, optimizer=d.optimizer, data_axis=None, trainable=d.trainable,
+    )
+    return metrics["loss"]
+
+  grads = jax.jit(jax.grad(loss_of_teacher))([leaves[i] for i in floats])  # scales, embeddings, norms, head
+  assert grads and all(float(jnp.max(jnp.abs(g))) == 0.0 for g in grads)
+
+
+def test_int8_teacher_logits_are_close_to_the_float_teachers():
+  teacher = md.init_model(TEACHER_CFG, seed=0)
+  tokens = jnp.asarray(make_batch(4)["inputs"])
+  want = _logits(teacher, tokens)
+  errors = {}
+  for q in QUANTIZE:
+    got = _logits(quantize_model(teacher, q), tokens)
+    errors[q] = float(np.abs(got - want).max() / np.abs(want).max())
+  assert 0 < errors["int8"] < 0.02 < errors["int4"] and errors["nf4"] < 0.5, errors
 
 
 def test_lora_checkpoint_resumes_exactly(tmp_path, runs):

@@ -221,6 +221,9 @@ def _teacher_on_own_mesh(cfg: Config, data, teacher_mesh, mesh, stream, say):
   if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
     raise ConfigError("teacher.devices needs a constant distill.temperature (the top-k is taken at it)")
   teacher, tdir = obtain_teacher(cfg, data, teacher_mesh, stream=stream, report=say)
+  from meshdistill.sources import quantized_teacher  # pylint: disable=g-import-not-at-top
+
+  teacher = quantized_teacher(cfg, teacher, teacher_mesh)  # teacher.quantize
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
   on_mesh = TeacherOnMesh(teacher, k=cfg.distill.top_k, temperature=float(cfg.distill.temperature), vocab=vocab,
                           teacher_mesh=teacher_mesh, student_mesh=mesh)
@@ -256,6 +259,9 @@ def cache_teacher(
   data = load_data(cfg, mesh=mesh)
   say = stream_reporter(stream)
   teacher, _ = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  from meshdistill.sources import quantized_teacher  # pylint: disable=g-import-not-at-top
+
+  teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
   program = tc.TeacherTopK(teacher, k=k, temperature=float(cfg.distill.temperature), vocab=vocab,
                            mesh=make_layout(cfg.mesh.backend, mesh).eval_mesh)

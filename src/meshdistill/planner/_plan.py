@@ -96,7 +96,8 @@ class Planner:
 
     strategy, optimizer = strategy_and_optimizer(cfg, self.student.n_layers)
     student = self.student.replace(remat=k.remat) if k.remat != self.student.remat else self.student
-    return abstract_distiller(self.teacher, student, strategy, optimizer, mesh, self.options)
+    return abstract_distiller(self.teacher, student, strategy, optimizer, mesh, self.options,
+                              lora=self.cfg.models.student_lora, teacher_quantize=self.cfg.models.teacher_quantize)
 
   def static_bytes(self, k: Knobs) -> int:
     """Per-device bytes of the step's inputs (weights, optimizer state, batch): a lower bound, without compiling."""

@@ -28,7 +28,7 @@ Hugging Face directories and tokenizers), `_build` (`load_teacher_hf`, `build_st
 `student_from_teacher`, `with_lora`: the models at run time).
 """
 
-from meshdistill.sources._build import build_student, load_teacher_hf, student_from_teacher, with_lora
+from meshdistill.sources._build import build_student, load_teacher_hf, quantized_teacher, student_from_teacher, with_lora
 from meshdistill.sources._resolve import check_hf_dir, resolve, tokenizer_difference, tokenizer_file
 from meshdistill.sources._settings import FREE_KEYS, ModelSources, StudentInit, nest_sources, split_sources
 
@@ -45,5 +45,6 @@ __all__ = [
     "student_from_teacher",
     "tokenizer_difference",
     "tokenizer_file",
+    "quantized_teacher",
     "with_lora",
 ]
