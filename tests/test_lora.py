@@ -1,6 +1,8 @@
 """LoRA / QLoRA students: exact start, only adapters move and hold optimizer state, layouts agree,
 quantized storage stays integer, resume is exact, merged export reloads, bad settings are named."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,9 +12,14 @@ from flax import nnx
 
 import meshdistill as md
 from meshdistill.checkpoint import Checkpointer
-from meshdistill.config import ConfigError, load_config
+from meshdistill.config import ConfigError, dump_config, load_config
 from meshdistill.models.hf import export_hf, load_hf
-from meshdistill.models.lora import QUANTIZE, LoraConfig, apply_lora, is_lora, merge_lora
+from meshdistill.export import export_run
+from meshdistill.fsutil import OutputExistsError
+from meshdistill.models.lora import QUANTIZE, LoraConfig, adapter_count, apply_lora, is_lora, merge_lora
+from meshdistill.models.peft import export_adapter
+from meshdistill.planner import Knobs, make_planner
+from meshdistill.planner._compile import shard_bytes
 from meshdistill.models.quantize import is_quantized, quantize_model, weight_bytes
 
 STEPS = 2
@@ -44,13 +51,9 @@ def _run(layout: str, quantize: str | None, teacher_quantize: str | None = None)
 
 @pytest.fixture(scope="module")
 def runs():
-  return {(layout, q): _run(layout, q) for layout in ("single", "2x4") for q in (None, *QUANTIZE)}
-
-
-@pytest.fixture(scope="module")
-def teacher_runs():
-  """LoRA steps distilling from an int8 teacher, on one device and on 2x4."""
-  return {layout: _run(layout, None, teacher_quantize="int8") for layout in ("single", "2x4")}
+  """LoRA / QLoRA steps on one device and on 2x4 (the nf4 student distils from an int8 teacher)."""
+  return {(layout, q): _run(layout, q, teacher_quantize="int8" if q == "nf4" else None)
+          for layout in ("single", "2x4") for q in (None, *QUANTIZE)}
 
 
 def test_lora_student_starts_exactly_at_its_base_model():
@@ -119,25 +122,20 @@ def test_qlora_base_weights_stay_integer_storage_on_the_mesh(runs, quantize):
         before["student"]["blocks"][0][section][name]["kernel"]["array"]["qvalue"][...]))
 
 
-def _float_leaves(tree):
-  return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-
-
-def test_int8_teacher_stays_int8_on_the_mesh_and_its_steps_on_2x4_equal_one_device(teacher_runs):
-  d, _, state, losses = teacher_runs["2x4"]
-  single = teacher_runs["single"]
-  np.testing.assert_allclose(losses, single[3], rtol=1e-5)
-  assert_trees_close(jax.device_get(state.params), jax.device_get(single[2].params), rtol=1e-5, atol=1e-7)
-  assert is_quantized(d.teacher_params)
+def test_int8_teacher_stays_int8_on_the_mesh(runs):
+  d = runs[("2x4", "nf4")][0]  # its 2x4 steps equal one device's: test_lora_and_qlora_steps_on_2x4_equal_one_device
+  assert is_quantized(d.teacher_params) and not is_quantized(runs[("2x4", "int8")][0].teacher_params)
   q = d.teacher_params["blocks"][1]["mlp"]["up"]["kernel"]["array"]
   qvalue = q["qvalue"][...]
   assert qvalue.dtype == jnp.int8 and qvalue.nbytes == qvalue.size and "tensor" in tuple(qvalue.sharding.spec)
-  assert all(s.data.dtype == jnp.int8 and s.data.nbytes * 4 == s.data.size * 4 for s in qvalue.addressable_shards)
+  shards = qvalue.addressable_shards
+  assert all(s.data.dtype == jnp.int8 and s.data.nbytes == s.data.size for s in shards)
+  assert sum(s.data.size for s in shards) == qvalue.size * 2  # split over tensor=4, replicated over data=2
   assert weight_bytes(d.teacher_params) < 0.5 * weight_bytes(nnx.state(md.init_model(TEACHER_CFG, seed=0)))
 
 
-def test_quantized_teacher_receives_no_gradient(teacher_runs):
-  d, _, state, _ = teacher_runs["single"]
+def test_quantized_teacher_receives_no_gradient(runs):
+  d, _, state, _ = runs[("single", "nf4")]
   batch = jax.device_put({k: jnp.asarray(v) for k, v in make_batch(5).items()})
   leaves, treedef = jax.tree.flatten(d.teacher_params)
   floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -196,3 +194,76 @@ def test_bad_lora_settings_name_the_setting():
     apply_lora(md.init_model(STUDENT_CFG, seed=1), LoraConfig(rank=40))
   with pytest.raises(ConfigError, match="student.lora.rank"):
     load_config(None, ["student.lora.rank=-2"])
+
+
+def test_lora_student_under_remat_steps_like_without(runs):
+  d, _, _, _ = runs[("single", "int4")]
+  batch = make_batch(9)
+  _, plain = d.step(d.init_state(), batch)
+  _, remat = d.with_remat("full").step(d.init_state(), batch)  # frozen base and adapters inside nnx.remat blocks
+  np.testing.assert_allclose(float(remat["loss"]), float(plain["loss"]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_peft_adapter_directory_applied_to_its_base_gives_the_merged_export(tmp_path, runs, quantize):
+  from safetensors.numpy import load_file
+
+  d, _, state, _ = runs[("2x4", quantize)]
+  student = d.student(state)
+  export_adapter(student, tmp_path / "adapter")
+  export_hf(merge_lora(student), tmp_path / "merged")
+  config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+  assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+  assert config["base_model_name_or_path"] == str(tmp_path / "adapter" / "base")
+  adapters = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+  base = load_file(str(tmp_path / "adapter" / "base" / "model.safetensors"))
+  merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+  assert base.keys() == merged.keys()
+  a = adapters["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+  b = adapters["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+  assert a.shape == (STUDENT_CFG.d_model, 4)[::-1] and b.shape == (STUDENT_CFG.n_heads * 4, 4)  # [r, in], [out, r]
+  scale = config["lora_alpha"] / config["r"]
+  adapted = 0
+  for name, w in base.items():
+    stem = "base_model.model." + name.removesuffix(".weight")
+    if stem + ".lora_A.weight" in adapters:
+      w = w + scale * adapters[stem + ".lora_B.weight"] @ adapters[stem + ".lora_A.weight"]
+      adapted += 1
+    np.testing.assert_allclose(w, merged[name], rtol=1e-5, atol=1e-5, err_msg=name)
+  assert adapted == 7 * STUDENT_CFG.n_layers == len(adapters) // 2
+  with pytest.raises(OutputExistsError, match="already exists"):  # refused, as the merged export
+    export_adapter(student, tmp_path / "adapter")
+
+
+def test_bad_quantize_settings_name_the_setting(tmp_path):
+  with pytest.raises(ConfigError, match=r"teacher.quantize='int3'; choose one of \['int8', 'int4', 'nf4'\]"):
+    load_config(None, ["teacher.quantize=int3"])
+  with pytest.raises(ConfigError, match="teacher.quantize and teacher.cache exclude each other"):
+    load_config(None, ["teacher.quantize=int8", f"teacher.cache={tmp_path}"])
+  with pytest.raises(ConfigError, match=r"student.lora.quantize='fp4'"):
+    load_config(None, ["student.lora.rank=4", "student.lora.quantize=fp4"])
+  cfg = load_config(None, ["teacher.quantize=nf4"])
+  assert cfg.models.teacher_quantize == "nf4" and cfg.to_dict()["teacher"]["quantize"] == "nf4"
+  run_dir = tmp_path / "run"  # a run without adapters: --adapter is refused before anything is read or written
+  run_dir.mkdir()
+  dump_config(cfg, str(run_dir / "config.yaml"))
+  assert load_config(str(run_dir / "config.yaml")).models.teacher_quantize == "nf4"  # round trip
+  with pytest.raises(ValueError, match="--adapter writes LoRA adapters.*student.lora.rank is 0"):
+    export_run(str(run_dir), str(tmp_path / "out"), adapter=True)
+  assert not (tmp_path / "out").exists()
+
+
+def test_planner_builds_the_lora_student_and_quantized_teacher_the_config_asks_for():
+  overrides = ["student.lora.rank=4", "student.lora.quantize=int4", "teacher.quantize=int8", "train.batch_size=8",
+               "data.seq_len=16", "teacher.d_model=32", "teacher.mlp_hidden=64", "student.d_model=16",
+               "student.mlp_hidden=32", "teacher.n_layers=2", "student.n_layers=1"]
+  p = md.plan(devices="cpu:8", overrides=overrides, mesh="2x4")
+  cfg = load_config(None, overrides)
+  student = apply_lora(md.init_model(cfg.student, seed=0), cfg.models.student_lora)
+  assert p.params["student_trained"] == adapter_count(student) < p.params["student"]
+  assert p.memory["optimizer_state"] < p.memory["student_weights"]  # moments of the adapters only
+  k = Knobs(2, 4, "none", None, 8)
+  assert is_quantized(make_planner(devices="cpu:8", overrides=overrides)._distiller(k).teacher_params)
+  plain = make_planner(devices="cpu:8", overrides=overrides[3:])._distiller(k)
+  assert p.memory["teacher_weights"] < 0.65 * shard_bytes(plain.teacher_params)  # int8 projections, float embeddings
