@@ -131,7 +131,6 @@ def export_run(
 
       written = str(export_adapter(student, out_dir, base=base, tokenizer=tokenizer, dtype=dtype,
                                    overwrite=overwrite))
-      from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
       from meshdistill.models.lora import adapter_count  # pylint: disable=g-import-not-at-top
 
       return {"out_dir": written, "step": int(step), "family": "PEFT LoRA adapter", "dtype": dtype,
