@@ -38,24 +38,31 @@ class TopKTeacher:
   source: str = "top-k teacher"
 
   def check_strategy(self, strategy: Any) -> None:
-    """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone."""
-    from meshdistill.strategies import LogitKD  # pylint: disable=g-import-not-at-top
+    """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone.
 
-    if type(strategy) is not LogitKD:  # pylint: disable=unidiomatic-typecheck
+    A `ScaledLoss` (static loss scaling) trains from it when the strategy it wraps does: it hands the
+    teacher's top-k to that strategy unchanged.
+    """
+    from meshdistill.strategies import LogitKD, ScaledLoss  # pylint: disable=g-import-not-at-top
+
+    wrapped, inner = "", strategy
+    while isinstance(inner, ScaledLoss):
+      wrapped, inner = f"{wrapped}ScaledLoss(scale={inner.scale}) wrapping ", inner.strategy
+    if type(inner) is not LogitKD:  # pylint: disable=unidiomatic-typecheck
       raise ValueError(
-          f"{self.source} gives the teacher's top-{self.k} tokens only, but strategy {type(strategy).__name__} needs "
-          "a live teacher (its logits, hidden states, attention maps or LM head); use distill.kind=logit_kd with "
-          f"distill.top_k <= {self.k}, or a live teacher (remove teacher.cache)"
+          f"{self.source} gives the teacher's top-{self.k} tokens only, but strategy {wrapped}{type(inner).__name__} "
+          "needs a live teacher (its logits, hidden states, attention maps or LM head); use distill.kind=logit_kd "
+          f"with distill.top_k <= {self.k}, or a live teacher (remove teacher.cache)"
       )
-    if strategy.top_k is None or strategy.top_k > self.k:
+    if inner.top_k is None or inner.top_k > self.k:
       raise ValueError(
-          f"{self.source} holds the teacher's top-{self.k}, but LogitKD.top_k={strategy.top_k}; set distill.top_k to "
-          f"an integer in [1, {self.k}] (the full-vocabulary loss needs a live teacher)"
+          f"{self.source} holds the teacher's top-{self.k}, but {wrapped}LogitKD.top_k={inner.top_k}; set "
+          f"distill.top_k to an integer in [1, {self.k}] (the full-vocabulary loss needs a live teacher)"
       )
-    if callable(strategy.temperature) or float(strategy.temperature) != float(self.temperature):
+    if callable(inner.temperature) or float(inner.temperature) != float(self.temperature):
       raise ValueError(
-          f"{self.source} holds log-probabilities at temperature {self.temperature}, but LogitKD.temperature="
-          f"{strategy.temperature!r}; set distill.temperature={self.temperature} (a constant), or write a cache at "
+          f"{self.source} holds log-probabilities at temperature {self.temperature}, but {wrapped}LogitKD.temperature="
+          f"{inner.temperature!r}; set distill.temperature={self.temperature} (a constant), or write a cache at "
           "the temperature you want"
       )
 

@@ -124,13 +124,14 @@ def write_cache(
   finished = _finished_shards(out, settings)  # by any writer, of this run or an earlier one (any process count)
   n_shards = -(-n // rows_per_shard)
   bits = settings["id_bits"]
-  written = 0
+  written = kept = 0
   t0 = time.perf_counter()
   for i in range(process_index, n_shards, process_count):
     name = _shard_name(i)
     path = os.path.join(out, name)
     entry = finished.get(name)
     if entry is not None and os.path.isfile(path) and os.path.getsize(path) == entry["bytes"]:
+      kept += 1
       continue  # finished before an interruption
     if stop_after_shards is not None and written >= stop_after_shards:
       log.info("teacher cache: stopping after %d shards (as asked)", written)
@@ -141,8 +142,8 @@ def write_cache(
     progress["shards"][name] = {"rows": [lo, hi], "bytes": os.path.getsize(path), "sha256": _file_sha256(path)}
     _write_json(progress_path, progress)
     written += 1
-  log.info("teacher cache: process %d of %d wrote %d shards in %.1fs", process_index, process_count, written,
-           time.perf_counter() - t0)
+  log.info("teacher cache: process %d of %d wrote %d shards in %.1fs (%d written before)", process_index,
+           process_count, written, time.perf_counter() - t0, kept)
   if process_count > 1 and barrier is not None:
     barrier("teacher-cache-shards")  # every writer has finished its shards
   if process_index == 0:
