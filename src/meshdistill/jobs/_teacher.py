@@ -201,6 +201,18 @@ def _split_meshes(cfg: Config):
   td = cfg.models.teacher_devices
   from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
 
+  # Checked first (before data or teacher): the teacher on its own mesh sends the student its top-k only.
+  if cfg.distill.kind != "logit_kd" or cfg.distill.top_k is None:
+    what = f"distill.kind={cfg.distill.kind}" + (" without distill.top_k" if cfg.distill.kind == "logit_kd" else "")
+    raise ConfigError(
+      f"teacher.devices sends the student the teacher's top-k only (not its logits, hidden states or attention "
+      f"maps), but {what} needs more: set distill.kind=logit_kd and distill.top_k (e.g. 32), or remove "
+      "teacher.devices to run the teacher on the student's mesh (the full-vocabulary and chunked losses, "
+      "attention and feature transfer)"
+    )
+  if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
+    raise ConfigError("teacher.devices needs a constant distill.temperature (the top-k is taken at it)")
+
   if not layout_class(cfg.mesh.backend).spans_processes:  # a mesh split over devices of its own
     raise ConfigError(f"teacher.devices needs mesh.backend=shard_map (got {cfg.mesh.backend!r})")
   try:
@@ -215,11 +227,6 @@ def _teacher_on_own_mesh(cfg: Config, data, teacher_mesh, mesh, stream, say):
   from meshdistill.teacher_mesh import TeacherMeshData, TeacherOnMesh  # pylint: disable=g-import-not-at-top
 
   td = cfg.models.teacher_devices
-  if cfg.distill.kind != "logit_kd" or cfg.distill.top_k is None:
-    raise ConfigError("teacher.devices sends the teacher's top-k to the student: set distill.kind=logit_kd and "
-                      "distill.top_k (e.g. 32); other strategies need the teacher on the student's mesh")
-  if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
-    raise ConfigError("teacher.devices needs a constant distill.temperature (the top-k is taken at it)")
   teacher, tdir = obtain_teacher(cfg, data, teacher_mesh, stream=stream, report=say)
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
   on_mesh = TeacherOnMesh(teacher, k=cfg.distill.top_k, temperature=float(cfg.distill.temperature), vocab=vocab,
