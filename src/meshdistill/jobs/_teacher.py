@@ -243,7 +243,9 @@ def cache_teacher(
 
   The teacher is the one `distill` would use (``teacher.hf``, ``pretrain.teacher``, cached or pretrained
   now), run on the configured mesh; log-probabilities are taken at ``distill.temperature`` over the
-  token range teacher and student share. Returns the manifest.
+  token range teacher and student share. In a job of several processes each process is one writer:
+  the teacher runs on its rows of the mesh alone (`teacher_cache.process_mesh`) and writes every n-th
+  shard; every process returns the manifest process 0 writes once all shards are there.
   """
   from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
   from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
