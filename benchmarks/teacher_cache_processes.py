@@ -116,8 +116,8 @@ def main() -> None:
       "",
       "On 8x1 the teacher runs no collective, so the 2 writers' shards can be bit-identical to one process's. "
       "On 2x4 the teacher's tensor all-reduces run through gloo in a job of several CPU processes but "
-      "in-process with one, which sums in another order: float32 results differ in the last bits and some float16 values by one "
-      "float16 step (`tests/test_multiprocess.py` checks 8x1 for equal hashes and 2x4 for float32 values equal to "
+      "in-process with one, which sums in another order: float32 results differ in the last bits and some "
+      "float16 values by one float16 step (`tests/test_multiprocess.py` checks 8x1 for equal hashes and 2x4 for float32 values equal to "
       "rtol 1e-5). With tensor > 1 those gloo all-reduces "
       "(TCP, even between the devices of one process) dominate the 2-process time on CPU: there, write a cache "
       "from several CPU processes with mesh.tensor=1. The cost is that of CPU processes' collectives, not of the "
