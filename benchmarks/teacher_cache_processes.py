@@ -114,15 +114,15 @@ def main() -> None:
       "",
       f"Every configuration wrote the same cache in every round: {'yes' if stable else 'NO'}.",
       "",
-      "On 8x1 the teacher runs no collective, so the 2 writers' shards can be bit-identical to one process's. "
-      "On 2x4 the teacher's tensor all-reduces run through gloo in a job of several CPU processes but "
-      "in-process with one, which sums in another order: float32 results differ in the last bits and some "
-      "float16 values by one float16 step (`tests/test_multiprocess.py` checks 8x1 for equal hashes and 2x4 for float32 values equal to "
-      "rtol 1e-5). With tensor > 1 those gloo all-reduces "
-      "(TCP, even between the devices of one process) dominate the 2-process time on CPU: there, write a cache "
-      "from several CPU processes with mesh.tensor=1. The cost is that of CPU processes' collectives, not of the "
-      "writers: on 8x1 both processes share this machine's 2 cores, so 2 writers cannot be faster than 1; on "
-      "hosts of their own each writes half the shards.",
+      "On 8x1 the teacher runs no collective, so the 2 writers' shards can be bit-identical to one "
+      "process's. On 2x4 the teacher's tensor all-reduces run through gloo in a job of several CPU "
+      "processes but in-process with one, which sums in another order: float32 results differ in the last "
+      "bits and some float16 values by one float16 step (`tests/test_multiprocess.py` checks 8x1 for equal "
+      "hashes and 2x4 for float32 values equal to rtol 1e-5). With tensor > 1 those gloo all-reduces (TCP, "
+      "even between the devices of one process) dominate the 2-process time on CPU: there, write a cache "
+      "from several CPU processes with mesh.tensor=1. The cost is that of CPU processes' collectives, not "
+      "of the writers: on 8x1 both processes share this machine's 2 cores, so 2 writers cannot be faster "
+      "than 1; on hosts of their own each writes half the shards.",
   ]
   RESULT.parent.mkdir(parents=True, exist_ok=True)
   RESULT.write_text("\n".join(lines) + "\n")
