@@ -14,8 +14,8 @@ Layout of a cache directory:
   in the cache's precision (``float16``: 2 bytes; ``float32``: exact). Each shard is written to a
   temporary file and renamed, so a shard on disk is whole;
 * ``progress-P.json`` -- while writing, one per process ``P``: the settings and that process's
-  finished shards (with sizes and SHA-256), rewritten atomically after each shard; a rerun skips
-  them (resume after a kill);
+  finished shards (with sizes and SHA-256), rewritten atomically after each shard; a rerun, on any
+  number of processes, skips every shard any of them lists (resume after a kill);
 * ``manifest.json`` -- written last: teacher (config and a hash of its weights), tokenizer
   fingerprint, data (sources, ``seq_len``, row count, a hash of the packed tokens), ``k``,
   ``temperature``, ``vocab``, ``precision``, the shards and a content hash over them.
