@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from meshdistill import losses
+from meshdistill.distributed import agree_on
 from meshdistill.teacher_cache._format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -115,6 +116,15 @@ def write_cache(
   settings = json.loads(json.dumps(settings))  # as it reads back from JSON
   os.makedirs(out, exist_ok=True)
   done = _read_json(os.path.join(out, MANIFEST))
+  # Every process must take the same path (the shard loop has barriers): process 0's reading decides,
+  # even where a shared file system shows a fresh manifest to some processes later than to others.
+  found = agree_on(int(done is not None), "teacher cache: manifest found")
+  if not found:
+    done = None
+  elif done is None:
+    done = _read_json(os.path.join(out, MANIFEST))
+    if done is None:
+      raise CacheError(f"{out}: process 0 found {MANIFEST} but this process cannot read it; check the shared file system")
   if done is not None:
     _check_same(done, settings, out)
     log.info("teacher cache %s is complete (%d shards); nothing to do", out, len(done["shards"]))
