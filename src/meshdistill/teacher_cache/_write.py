@@ -18,6 +18,7 @@ from meshdistill import losses
 from meshdistill.distributed import agree_on
 from meshdistill.teacher_cache._format import (
     FORMAT_VERSION,
+    CacheError,
     MANIFEST,
     PRECISIONS,
     _check_same,
