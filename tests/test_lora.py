@@ -165,13 +165,14 @@ def test_int8_teacher_logits_are_close_to_the_float_teachers():
   assert 0 < errors["int8"] < 0.02 < errors["int4"] and errors["nf4"] < 0.5, errors
 
 
-def test_lora_checkpoint_resumes_exactly(tmp_path, runs):
-  d, _, state, _ = runs[("single", None)]
+@pytest.mark.parametrize("quantize", [None, "nf4"])  # nf4 weights (uint4) are stored widened to uint8
+def test_lora_checkpoint_resumes_exactly(tmp_path, runs, quantize):
+  d, _, state, _ = runs[("single", quantize)]
   ckpt = Checkpointer(str(tmp_path / "ck"), every=0)
   ckpt.save(STEPS, d, state, {"pos": 0}, {"kind": "distill"})
   restored, _, _ = ckpt.restore(d, d.init_state())
   ckpt.close()
-  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), restored, state)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True), restored, state)
   batch = make_batch(7)
   _, m1 = d.step(jax.tree.map(jnp.copy, state), batch)
   _, m2 = d.step(restored, batch)
