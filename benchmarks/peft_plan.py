@@ -12,6 +12,7 @@ rows already measured. The section ``## 8B student on a TPU slice`` of ``results
 from them (the rest of the file is kept). Needs libtpu: ``pip install -e '.[tpu]'``.
 
   python benchmarks/peft_plan.py              # every row not yet measured, then the report
+  python benchmarks/peft_plan.py --static     # weights + optimizer state per chip of every row, no compile
   python benchmarks/peft_plan.py --report     # only rewrite the section of results/peft.md
 """
 
@@ -27,6 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 JSONL = os.path.join(RESULTS, "peft_plan.jsonl")
+STATIC_JSONL = os.path.join(RESULTS, "peft_plan_static.jsonl")
 PEFT_MD = os.path.join(RESULTS, "peft.md")
 SECTION = "\n## 8B student on a TPU slice"
 
@@ -55,17 +57,45 @@ def run_row(i: int, mesh: str, batch: int, seq: int, chunk: int) -> dict:
   return out
 
 
+def static_row(i: int, mesh: str, batch: int, seq: int, chunk: int) -> dict:
+  """Per-chip bytes of the step's inputs of row ``i`` (weights, optimizer state, batch) from the planner's
+  abstract train state, without compiling (seconds instead of minutes)."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from meshdistill.planner import Knobs, make_planner  # pylint: disable=g-import-not-at-top
+  from meshdistill.planner._compile import abstract_batch, leaf_count, shard_bytes  # pylint: disable=g-import-not-at-top
+
+  name, overrides = ROWS[i]
+  pl = make_planner(TEACHER, STUDENT, topology=TOPOLOGY, seq=seq, overrides=overrides, remat="full")
+  data, tensor = (int(x) for x in mesh.split("x"))
+  pl.check_mesh(data, tensor, batch)
+  d = pl._distiller(Knobs(data, tensor, "full", chunk, batch))  # pylint: disable=protected-access
+  state = d.init_state()
+  student = state.params["student"]
+  trained = student if d.trainable is None else __import__("flax").nnx.filter_state(student, d.trainable)
+  parts = {"teacher_weights": shard_bytes(d.teacher_params, True), "student_weights": shard_bytes(student, True),
+           "optimizer_state": shard_bytes(state.opt_state, True),
+           "batch": shard_bytes(abstract_batch(d.mesh, batch, seq), True)}
+  return {"row": i, "name": name, "overrides": overrides, "mesh": {"data": data, "tensor": tensor}, "batch": batch,
+          "seq": seq, "parts": parts, "static_total": sum(parts.values()), "trained_params": leaf_count(trained),
+          "budget_bytes": pl.target.budget_bytes, "headroom": pl.headroom}
+
+
 def _gib(x) -> str:
   return "n/a" if x is None else f"{x / 2**30:.2f}"
 
 
-def report() -> str:
+def _read(path: str) -> dict:
   rows = {}
-  if os.path.isfile(JSONL):
-    with open(JSONL, encoding="utf-8") as f:
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
       for line in f:
         r = json.loads(line)
         rows[r["row"]] = r
+  return rows
+
+
+def report() -> str:
+  rows, static = _read(JSONL), _read(STATIC_JSONL)
   lines = [
       SECTION.strip(),
       "",
@@ -76,25 +106,37 @@ def report() -> str:
       "bfloat16; adapters on q, k, v, o, gate, up, down. Memory is per chip (XLA's memory analysis of the "
       "compiled step); the limit is 90% of HBM.",
       "",
+      "Columns up to *weights + optimizer* come from the planner's abstract train state with its shardings "
+      "(`benchmarks/peft_plan.py --static`: exact, no compile); *temp* and *total* from compiling the step "
+      "(minutes per row; a row whose compile did not finish on the shared machine says so).",
+      "",
       "| student | overrides | mesh d x t | tokens/step | trained params | teacher GiB | student GiB | optimizer GiB "
-      "| temp GiB | total GiB / HBM | fits | compile s |",
-      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+      "| weights + optimizer GiB | temp GiB | total GiB / HBM | fits | compile s |",
+      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
   ]
   for i, (name, overrides) in enumerate(ROWS):
-    r = rows.get(i)
-    if r is None:
-      lines.append(f"| {name} | `{' '.join(overrides) or '-'}` | not run | | | | | | | | | |")
+    r, st = rows.get(i), static.get(i)
+    if r is None and st is None:
+      lines.append(f"| {name} | `{' '.join(overrides) or '-'}` | not run | | | | | | | | | | |")
       continue
-    m = r["memory"]
-    fits = "yes" if r["fits"] else ("**no**" + ("" if r["fits"] is False and m["total"] is None
-                                                else f": {_gib(r.get('over_bytes'))} GiB over"))
-    trained = r["params"].get("student_trained", r["params"]["student"])
-    lines.append(
-        f"| {name} | `{' '.join(overrides) or '-'}` | {r['mesh']['data']}x{r['mesh']['tensor']} "
-        f"| {r['batch'] * r['seq']:,} | {'n/a' if trained is None else f'{trained:,}'} "
-        f"| {_gib(m['teacher_weights'])} | {_gib(m['student_weights'])} | {_gib(m['optimizer_state'])} "
-        f"| {_gib(m['temp'])} | {_gib(m['total'])} / {_gib(r['budget_bytes'])} | {fits} | {r['compile_seconds']:.0f} |"
-    )
+    src = st or r
+    parts = st["parts"] if st else r["memory"]
+    trained = st["trained_params"] if st else r["params"].get("student_trained", r["params"]["student"])
+    static_total = sum(parts[k] for k in ("teacher_weights", "student_weights", "optimizer_state"))
+    cells = [name, f"`{' '.join(overrides) or '-'}`", f"{src['mesh']['data']}x{src['mesh']['tensor']}",
+             f"{src['batch'] * src['seq']:,}", f"{trained:,}", _gib(parts["teacher_weights"]),
+             _gib(parts["student_weights"]), _gib(parts["optimizer_state"]), _gib(static_total)]
+    if r is None:
+      limit = st["headroom"] * st["budget_bytes"]
+      fits = "**no**" if static_total > limit else "not compiled"
+      cells += ["not compiled", "not compiled", fits, "-"]
+    else:
+      m = r["memory"]
+      fits = "yes" if r["fits"] else ("**no**" + ("" if r.get("over_bytes") is None
+                                                  else f": {_gib(r['over_bytes'])} GiB over"))
+      cells += [_gib(m["temp"]), f"{_gib(m['total'])} / {_gib(r['budget_bytes'])}", fits,
+                f"{r['compile_seconds']:.0f}"]
+    lines.append("| " + " | ".join(cells) + " |")
   lines.append("")
   return "\n".join(lines) + "\n"
 
@@ -103,11 +145,9 @@ def write_report() -> str:
   section = report()
   text = open(PEFT_MD, encoding="utf-8").read() if os.path.isfile(PEFT_MD) else ""
   head, _, rest = text.partition(SECTION)
-  tail = rest.partition("\n## ")[2]  # any section after ours
-  kept_notes = ""
-  marker = "\n<!-- notes -->\n"
-  if marker in rest:
-    kept_notes = rest[rest.index(marker):].partition("\n## ")[0]
+  own, _, tail = rest.partition("\n## ")  # our section, and any section after it
+  marker = "\n<!-- notes -->\n"  # notes written by hand below our table are kept
+  kept_notes = own[own.index(marker):] if marker in own else ""
   text = head.rstrip("\n") + "\n\n" + section + kept_notes.rstrip("\n") + ("\n\n## " + tail if tail else "")
   with open(PEFT_MD, "w", encoding="utf-8") as f:
     f.write(text.rstrip("\n") + "\n")
@@ -122,6 +162,8 @@ def main() -> int:
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--chunk-size", type=int, default=1024)
   ap.add_argument("--report", action="store_true", help="only rewrite the section of results/peft.md")
+  ap.add_argument("--static", action="store_true", help="only the per-chip bytes of weights and optimizer state of "
+                  "every row (no compile; seconds), then the report")
   ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a row, in this process
   args = ap.parse_args()
   os.makedirs(RESULTS, exist_ok=True)
@@ -132,6 +174,11 @@ def main() -> int:
     print(f"row {args.one}: {r['name']}: {_gib(r['memory']['total'])} GiB per chip, fits={r['fits']}, "
           f"compile {r['compile_seconds']:.0f} s", flush=True)
     return 0
+  if args.static:
+    with open(STATIC_JSONL, "w", encoding="utf-8") as f:
+      for i in range(len(ROWS)):
+        f.write(json.dumps(static_row(i, args.mesh, args.batch, args.seq, args.chunk_size)) + "\n")
+    args.report = True
   if not args.report:
     done = set()
     if os.path.isfile(JSONL):

@@ -103,9 +103,9 @@ def main() -> None:
   print(section)
   text = open(RESULT, encoding="utf-8").read() if os.path.exists(RESULT) else ""
   head, _, rest = text.partition(SECTION)
-  tail = rest.partition("\n## ")[2]
-  notes = "\n<!-- notes -->\n"
-  kept = rest[rest.index(notes):].partition("\n## ")[0] if notes in rest else ""
+  own, _, tail = rest.partition("\n## ")  # our section, and any section after it
+  notes = "\n<!-- notes -->\n"  # notes written by hand below our table are kept
+  kept = own[own.index(notes):] if notes in own else ""
   out = head.rstrip("\n") + "\n\n" + section + kept.rstrip("\n") + ("\n\n## " + tail if tail else "")
   with open(RESULT, "w", encoding="utf-8") as f:
     f.write(out.rstrip("\n") + "\n")
