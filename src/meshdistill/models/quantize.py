@@ -13,8 +13,9 @@ differentiated and never in the optimizer (`meshdistill.step`).
 
 Storage: int8 one byte per weight; int4 / nf4 (nf4 is qwix's 16-level NormalFloat, stored ``uint4``)
 are packed two per byte where the backend packs 4-bit types (TPU) and take one byte per value on CPU,
-where JAX keeps 4-bit arrays unpacked. 4-bit weights need a shape the backend can store: on CPU every
-size works; see `check_quantize`.
+where JAX keeps 4-bit arrays unpacked. 4-bit storage adds no shape limit of its own on CPU (odd sizes
+work); a split over ``tensor`` needs the sizes the float model needs. Checkpoints store nf4's
+``uint4`` widened to ``uint8`` (tensorstore has no ``uint4``; `meshdistill.checkpoint`).
 """
 
 from __future__ import annotations
