@@ -40,6 +40,7 @@ from flax import nnx
 from meshdistill.mesh import TENSOR
 from meshdistill.models._attention import KVCache, _explicit_attention, _splash_attention, rope
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
+from meshdistill.models._scan import scan_blocks, stacked_blocks
 
 __all__ = [
     "ATTENTION",
@@ -177,7 +178,10 @@ class Decoder(nnx.Module):
         dtype=cfg.compute_dtype,
         rngs=rngs,
     )
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+    if cfg.scan_layers:  # one Block whose weights are stacked [L, ...] (see `meshdistill.models._scan`)
+      self.blocks = stacked_blocks(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
     self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
     if cfg.tie_embeddings:
       self.head = nnx.data(None)
@@ -210,12 +214,16 @@ class Decoder(nnx.Module):
     x = self.embed(tokens_BxT)
     hidden, attn = [x] if want_hidden else [], []
     run_block = _block_runner(cfg.remat)
-    for block in self.blocks:
-      x, probs = run_block(block, x, want_attn)
-      if want_hidden:
-        hidden.append(x)
-      if want_attn:
-        attn.append(probs)
+    if cfg.scan_layers:  # the same run_block on each layer's slice of the stacked blocks
+      x, hidden_L, attn_L = scan_blocks(self.blocks, x, run_block, want_hidden, want_attn)
+      hidden, attn = hidden + list(hidden_L), list(attn_L)
+    else:
+      for block in self.blocks:
+        x, probs = run_block(block, x, want_attn)
+        if want_hidden:
+          hidden.append(x)
+        if want_attn:
+          attn.append(probs)
     x = self.final_norm(x)
     final = x if "final" in capture else None
     if not logits:
