@@ -13,12 +13,14 @@ from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
 from meshdistill.checkpoint import Checkpointer
+from meshdistill.data import ByteTokenizer
 from meshdistill.freezing import Stage, progressive_freeze
 from meshdistill.generate import SamplingConfig, generate
 from meshdistill.models.hf import export_hf, load_hf
 from meshdistill.models.lora import LoraConfig, apply_lora
 from meshdistill.models.stacking import is_stacked, stack_layers, to_scanned, to_unrolled, unstack_layers
 from meshdistill.sources import student_from_teacher
+from meshdistill.teacher_checkpoint import load_teacher, save_teacher
 from test_hf import FIXTURES
 
 TEACHER = TEACHER_CFG.replace(n_layers=3)
@@ -147,6 +149,14 @@ def test_student_checkpoint_restores_across_scan_layers(tmp_path):
   other = md.Distiller(md.init_model(STUDENT, seed=1), md.init_model(TEACHER, seed=0))
   with pytest.raises(ValueError, match="scan_layers"):
     ckpt.restore(other, other.init_state())
+
+
+def test_saved_unrolled_teacher_loads_scanned(tmp_path):
+  teacher = md.init_model(TEACHER, seed=0)
+  tok = ByteTokenizer()
+  path = save_teacher(str(tmp_path / "teacher"), teacher, tok, {})
+  loaded = load_teacher(path, TEACHER.replace(scan_layers=True), None, tok)
+  assert loaded.cfg.scan_layers and _state_equal(to_unrolled(loaded), teacher)
 
 
 def test_lora_and_block_freezing_refuse_stacked_blocks_naming_the_setting():

@@ -21,7 +21,9 @@ norm scales                 [D]               replicated
 (``ModelConfig.for_tensor`` pads and replicates; the decoder cuts the padding off its outputs.)
 So the logits ``[B, T, V]`` come out split over ``tensor`` along V. On request
 (``capture=``) the forward pass also returns per-layer hidden states and attention
-probabilities; capturing never changes parameters or module state.
+probabilities; capturing never changes parameters or module state. With ``ModelConfig.scan_layers``
+``blocks`` is one `Block` whose weights are stacked ``[L, ...]`` (layer axis unsplit), run under
+``nnx.scan`` (`meshdistill.models._scan`) with the same per-block runner as the unrolled loop.
 
 This module holds the modules (`Decoder`, `Block`, `Attention`, `MLP`) and `ModelOutput`;
 `ModelConfig`, `RopeScaling`, `ATTENTION` and `REMAT_POLICIES` live in `meshdistill.models._config`,

@@ -154,6 +154,10 @@ class Planner:
     if k.remat != "none":
       p.notes.append(f"remat={k.remat} recomputes student activations: compiled FLOPs include the recomputation, "
                      "the analytic 6*N_s does not")
+    if self.teacher.scan_layers or self.student.scan_layers:
+      p.notes.append("scan_layers: XLA's cost analysis counts a loop body once, so the compiled FLOPs, bytes accessed "
+                     "and the roofline step time / MFU cover one block per scanned model (plan unrolled for those); "
+                     "memory is exact")
     self._plans[k] = p
     return p
 
