@@ -3,8 +3,8 @@ benchmarks/results/scan_compile.md.
 
 Each row plans (``meshdistill.plan``: trace, lower and compile the step ``distill`` runs, nothing allocated)
 one teacher -> student pair with both models' blocks unrolled or under ``nnx.scan``, in its own process, and
-records the XLA compile seconds and the whole call's wall seconds (tracing + lowering + compiling), with the
-per-device memory and compiled FLOPs to show that the program computes the same thing:
+records the XLA compile seconds and the whole call's wall seconds (tracing + lowering + compiling) and CPU
+seconds (all threads of the process: the steadier number on a shared machine), with the per-device memory:
 
 * ``cpu``: a deep, narrow pair (teacher 64 blocks, student 32, d_model 64) on one CPU device;
 * ``tpu``: Llama-3.1-70B -> Llama-3.1-8B on ``v5p:4x4x4`` as an 8x8 mesh (B=32, T=2048, remat ``full``,
@@ -54,10 +54,11 @@ def run_row(case: str, scan: bool) -> dict:
 
   c = CASES[case]
   models = [ModelConfig(**m) if isinstance(m, dict) else m for m in (c["teacher"], c["student"])]
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   p = md.plan(*models, scan_layers=scan, **c["plan"])
-  wall = time.perf_counter() - t0
+  wall, cpu = time.perf_counter() - t0, time.process_time() - c0
   return dict(case=case, scan_layers=scan, label=c["label"], compile_seconds=p.compile_seconds, wall_seconds=wall,
+              cpu_seconds=cpu, load_average=os.getloadavg()[0],
               memory_total=p.memory.get("total"), memory_temp=p.memory.get("temp"), fits=p.fits,
               flops=p.flops.get("compiled"), host=f"{os.cpu_count()} cores", python=platform.python_version())
 
@@ -77,26 +78,30 @@ def report() -> str:
       "`python benchmarks/scan_compile.py`: `meshdistill.plan` traces, lowers and compiles the distillation step "
       "(LogitKD, AdamW, student remat `full`) with both models' blocks unrolled (`scan_layers: false`, one copy of "
       "the block per layer in the program) or under `nnx.scan` (`scan_layers: true`, stacked weights, one block "
-      "body). `compile s` is XLA's compile, `trace+lower+compile s` the whole call. Memory is per device from XLA's "
-      "memory analysis; compiled TFLOP show both programs do the same work. Each row ran in its own process on a "
-      "shared 2-core machine (other jobs running), so times are indicative to within tens of percent.",
+      "body). `compile s` is XLA's compile (wall), `whole call` the trace + lower + compile in wall and in CPU "
+      "seconds (all threads of the process; the steadier number on a shared machine: each row ran in its own process "
+      "on a 2-core machine shared with other jobs, at the load average shown). Memory is per device from XLA's "
+      "memory analysis. XLA's cost analysis counts a loop body once, so the scanned rows' compiled TFLOP count one "
+      "block per model (a property of the measurement, not of the work done).",
       "",
-      "| pair | blocks | compile s | trace+lower+compile s | total GiB / device | temp GiB | TFLOP compiled |",
-      "|---|---|---|---|---|---|---|",
+      "| pair | blocks | compile s | whole call s (wall) | whole call CPU s | load avg | total GiB / device | temp GiB "
+      "| TFLOP compiled |",
+      "|---|---|---|---|---|---|---|---|---|",
   ]
   gib = lambda x: "n/a" if x is None else f"{x / 2**30:.2f}"  # noqa: E731
   for r in rows:
     fl = "n/a" if r["flops"] is None else f"{r['flops'] / 1e12:.3g}"
     lines.append(f"| {r['label']} | {'scanned' if r['scan_layers'] else 'unrolled'} | {r['compile_seconds']:.1f} | "
-                 f"{r['wall_seconds']:.1f} | {gib(r['memory_total'])} | {gib(r['memory_temp'])} | {fl} |")
+                 f"{r['wall_seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['load_average']:.1f} | "
+                 f"{gib(r['memory_total'])} | {gib(r['memory_temp'])} | {fl} |")
   by = {(r["case"], r["scan_layers"]): r for r in rows}
   lines.append("")
   for case in CASES:
     if (case, False) in by and (case, True) in by:
       u, s = by[(case, False)], by[(case, True)]
       lines.append(f"- {CASES[case]['label']}: compile {u['compile_seconds']:.1f} s -> {s['compile_seconds']:.1f} s "
-                   f"({u['compile_seconds'] / s['compile_seconds']:.1f}x faster), whole call {u['wall_seconds']:.1f} s "
-                   f"-> {s['wall_seconds']:.1f} s.")
+                   f"({u['compile_seconds'] / s['compile_seconds']:.1f}x less), whole call {u['cpu_seconds']:.1f} -> "
+                   f"{s['cpu_seconds']:.1f} CPU s ({u['cpu_seconds'] / s['cpu_seconds']:.1f}x less).")
     elif (case, True) in by or (case, False) in by:
       lines.append(f"- {CASES[case]['label']}: only the {'scanned' if (case, True) in by else 'unrolled'} row was "
                    "measured (the other did not finish in the time this run had).")

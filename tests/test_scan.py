@@ -166,3 +166,13 @@ def test_lora_and_block_freezing_refuse_stacked_blocks_naming_the_setting():
   tx = progressive_freeze([Stage(start_step=0, freeze=0.5, lr=1e-3)], STUDENT.n_layers)
   with pytest.raises(ValueError, match="scan_layers"):
     tx.init({"student": nnx.state(scanned, nnx.Param)})
+
+
+def test_config_refuses_freezing_and_lora_with_a_scanned_student():
+  from meshdistill.config import ConfigError, load_config
+
+  assert load_config(None, ["student.scan_layers=true", "teacher.scan_layers=true"]).student.scan_layers
+  with pytest.raises(ConfigError, match="student.scan_layers=false"):
+    load_config(None, ["student.scan_layers=true", "train.freeze=[{start_step: 0, freeze: 0.5, lr: 0.003}]"])
+  with pytest.raises(ConfigError, match="student.scan_layers=false"):
+    load_config(None, ["student.scan_layers=true", "student.lora.rank=4"])

@@ -165,7 +165,8 @@ def sample_tokens(logits_BxV, row_keys_B, step, cfg: SamplingConfig, sharding=No
 def forward_cached(model: Decoder, tokens_BxT, kv, valid_BxS, index, positions_BxT, last_only: bool = False):
   """The decoder on ``tokens_BxT`` written into cache slots ``index ..``: ``(logits float32, new kv)``.
 
-  ``kv``: per layer ``(k_BxSxGxK, v_BxSxGxK)`` (scanned blocks: one stacked pair ``[L, B, S, G, K]``); ``valid_BxS`` must already mark this call's slots.
+  ``kv``: per layer ``(k_BxSxGxK, v_BxSxGxK)`` (scanned blocks: one stacked pair ``[L, B, S, G, K]``);
+  ``valid_BxS`` must already mark this call's slots.
   ``last_only``: logits of the last position only (``[B, 1, V]``).
   """
   x = model.embed(tokens_BxT)

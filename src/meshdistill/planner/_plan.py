@@ -308,7 +308,8 @@ def _default_knobs(pl: Planner, mesh, batch: int, chunk_size) -> Knobs:
 def plan(teacher: Any = None, student: Any = None, *, topology: str | None = None, devices: str | None = None,
          mesh: Any = "auto", batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
          overrides: Sequence[str] = (), dtype: str | None = None, remat: str | None = None, chunk_size: Any = _UNSET,
-         hbm_gib: float | None = None, suggest: int = 1, max_compiles: int = 4, scan_layers: bool | None = None) -> Plan:
+         hbm_gib: float | None = None, suggest: int = 1, max_compiles: int = 4,
+         scan_layers: bool | None = None) -> Plan:
   """Compiles the distillation step ``meshdistill distill`` would run, for a target, without allocating it.
 
   Args:
