@@ -88,7 +88,7 @@ def report() -> str:
       "| TFLOP compiled |",
       "|---|---|---|---|---|---|---|---|---|",
   ]
-  gib = lambda x: "n/a" if x is None else f"{x / 2**30:.2f}"  # noqa: E731
+  gib = lambda x: "n/a" if x is None else f"{x / 2**30:.2f}" if x >= 2**30 else f"{x / 2**30:.4f}"  # noqa: E731
   for r in rows:
     fl = "n/a" if r["flops"] is None else f"{r['flops'] / 1e12:.3g}"
     lines.append(f"| {r['label']} | {'scanned' if r['scan_layers'] else 'unrolled'} | {r['compile_seconds']:.1f} | "
