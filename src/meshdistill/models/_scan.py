@@ -25,6 +25,15 @@ from meshdistill.models._attention import KVCache
 LAYER_AXIS = {nnx.PARTITION_NAME: None}
 
 
+def save_all_but_casts(prim, *_, **__) -> bool:
+  """Remat policy of a scanned block without rematerialisation: keep every value but dtype casts.
+
+  Without it the scan stacks the compute-dtype copies of each layer's weights for the backward pass (measured:
+  8 bf16 blocks, d=256: 38.5 MiB of temporaries instead of 8.5); a cast is recomputed for free.
+  """
+  return prim is not jax.lax.convert_element_type_p
+
+
 def stacked_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], n_layers: int, rngs: nnx.Rngs) -> nnx.Module:
   """``n_layers`` blocks as ONE module whose variables are stacked ``[n_layers, ...]``."""
 

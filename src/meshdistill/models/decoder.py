@@ -42,7 +42,7 @@ from flax import nnx
 from meshdistill.mesh import TENSOR
 from meshdistill.models._attention import KVCache, _explicit_attention, _splash_attention, rope
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
-from meshdistill.models._scan import scan_blocks, stacked_blocks
+from meshdistill.models._scan import save_all_but_casts, scan_blocks, stacked_blocks
 
 __all__ = [
     "ATTENTION",
@@ -215,7 +215,7 @@ class Decoder(nnx.Module):
     want_hidden, want_attn = "hidden" in capture, "attn" in capture
     x = self.embed(tokens_BxT)
     hidden, attn = [x] if want_hidden else [], []
-    run_block = _block_runner(cfg.remat)
+    run_block = _block_runner(cfg.remat, cfg.scan_layers)
     if cfg.scan_layers:  # the same run_block on each layer's slice of the stacked blocks
       x, hidden_L, attn_L = scan_blocks(self.blocks, x, run_block, want_hidden, want_attn)
       hidden, attn = hidden + list(hidden_L), list(attn_L)
@@ -245,11 +245,15 @@ def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool):
   return block(x_BxTxD, want_probs)
 
 
-def _block_runner(remat: str):
+def _block_runner(remat: str, scanned: bool = False):
   """``f(block, x, want_probs)`` running one block, under `nnx.remat` unless ``remat="none"``.
 
-  Rematerialisation changes what the backward pass stores, never the values.
+  Rematerialisation changes what the backward pass stores, never the values. A scanned block with
+  ``remat="none"`` keeps everything but its dtype casts (`save_all_but_casts`): what a scan keeps for the
+  backward pass is stacked over layers, and the compute-dtype copies of the weights would be a second copy.
   """
+  if remat == "none" and scanned:
+    return nnx.remat(_call_block, policy=save_all_but_casts, static_argnums=(2,))
   if remat == "none":
     return _call_block
   return nnx.remat(_call_block, policy=REMAT_POLICIES[remat], static_argnums=(2,))
