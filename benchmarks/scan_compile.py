@@ -7,6 +7,7 @@ records the XLA compile seconds and the whole call's wall seconds (tracing + low
 seconds (all threads of the process: the steadier number on a shared machine), with the per-device memory:
 
 * ``cpu``: a deep, narrow pair (teacher 64 blocks, student 32, d_model 64) on one CPU device;
+* ``cpu-bf16``: a wider pair computing in bfloat16 (teacher 16 blocks, student 8, d_model 256);
 * ``tpu``: Llama-3.1-70B -> Llama-3.1-8B on ``v5p:4x4x4`` as an 8x8 mesh (B=32, T=2048, remat ``full``,
   chunked loss), compiled by libtpu on this CPU machine (needs ``pip install -e '.[tpu]'``; the unrolled
   row takes many minutes).
@@ -37,6 +38,14 @@ CASES = {
         student=dict(vocab_size=256, d_model=64, n_layers=32, n_heads=4, n_kv_heads=2, mlp_hidden=128, max_len=128),
         plan=dict(devices="cpu:1", batch=4, seq=128, remat="full", suggest=0),
         label="64-block teacher -> 32-block student, d=64 (CPU, 1 device)",
+    ),
+    "cpu-bf16": dict(
+        teacher=dict(vocab_size=256, d_model=256, n_layers=16, n_heads=4, n_kv_heads=2, mlp_hidden=1024, max_len=128,
+                     dtype="bfloat16"),
+        student=dict(vocab_size=256, d_model=256, n_layers=8, n_heads=4, n_kv_heads=2, mlp_hidden=1024, max_len=128,
+                     dtype="bfloat16"),
+        plan=dict(devices="cpu:1", batch=4, seq=128, remat="full", suggest=0),
+        label="16-block teacher -> 8-block student, d=256, bf16 compute (CPU, 1 device)",
     ),
     "tpu": dict(
         teacher="llama3.1-70b",
@@ -101,10 +110,21 @@ def report() -> str:
       u, s = by[(case, False)], by[(case, True)]
       lines.append(f"- {CASES[case]['label']}: compile {u['compile_seconds']:.1f} s -> {s['compile_seconds']:.1f} s "
                    f"({u['compile_seconds'] / s['compile_seconds']:.1f}x less), whole call {u['cpu_seconds']:.1f} -> "
-                   f"{s['cpu_seconds']:.1f} CPU s ({u['cpu_seconds'] / s['cpu_seconds']:.1f}x less).")
+                   f"{s['cpu_seconds']:.1f} CPU s ({u['cpu_seconds'] / s['cpu_seconds']:.1f}x less); memory per device "
+                   f"{gib(u['memory_total'])} -> {gib(s['memory_total'])} GiB (temp {gib(u['memory_temp'])} -> "
+                   f"{gib(s['memory_temp'])}).")
     elif (case, True) in by or (case, False) in by:
       lines.append(f"- {CASES[case]['label']}: only the {'scanned' if (case, True) in by else 'unrolled'} row was "
                    "measured (the other did not finish in the time this run had).")
+  lines += [
+      "",
+      "Memory: XLA's CPU compiler keeps fewer temporaries for the scanned step (the CPU rows), but the TPU compiler "
+      "keeps more for the scanned 70B step (temp +8.8 GiB per chip; it still fits v5p's 95 GiB). Where the TPU "
+      "program spends them (the stacked gradient carry of the student's scan is the first suspect) is not yet "
+      "traced; plan both ways (`meshdistill plan --scan-layers / --no-scan-layers`) where memory is tight. "
+      "(The 70B rows were compiled before a scanned block without remat got its `save_all_but_casts` policy; their "
+      "student uses remat `full` and the teacher is never differentiated, so that change does not touch them.)",
+  ]
   if rows:
     lines += ["", f"Measured with Python {rows[-1]['python']} on {rows[-1]['host']}."]
   return "\n".join(lines) + "\n"
