@@ -23,6 +23,7 @@ compiled program).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -35,7 +36,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-  p.add_argument("--steps", type=int, default=None, help="train steps per run (default: train.steps)")
+  p.add_argument("--warm-start", type=int, default=0,
+                 help="steps of the main job's off-policy KD shared by every arm; the arms train the rest of train.steps")
+  p.add_argument("--seeds", default=None, help="comma-separated train.seed values (default: train.seed)")
+  p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (training and evaluation)")
+  p.add_argument("--samples", type=int, default=3, help="held-out prompts shown with greedy completions")
   p.add_argument("--max-new-tokens", type=int, default=32)
   p.add_argument("--divergence", default="jsd,reverse_kl", help="comma-separated: KD runs for each")
   p.add_argument("--beta", type=float, default=0.5)
@@ -106,12 +111,41 @@ def speed(teacher, student, data, mesh, n_new, repeats=3):
   return rows
 
 
-def quality(cfg, teacher, data, mesh, args):
-  import jax
-  import numpy as np
+class _After:
+  """``data`` whose training batches start after the first ``skip`` (the warm-start phase's)."""
 
+  def __init__(self, data, skip: int):
+    self.data, self.skip = data, skip
+    self.tokenizer = data.tokenizer
+
+  def train_iterator(self, state=None, **kwargs):
+    it = self.data.train_iterator(state, **kwargs)
+    if state is None:
+      for _ in range(self.skip):
+        next(it)
+    return it
+
+  def val_batches(self, max_batches=None):
+    return self.data.val_batches(max_batches=max_batches)
+
+
+def _arms(args):
+  from meshdistill.strategies import LogitKD
+
+  runs = {}
+  for div in args.divergence.split(","):
+    kd = LogitKD(temperature=1.0, alpha=1.0, divergence=div, **({"beta": args.beta} if div == "jsd" else {}))
+    for name, lmbda in (("off-policy KD", 0.0), ("GKD lambda 0.5", 0.5), ("GKD lambda 1.0", 1.0)):
+      runs[f"{name}, {div}"] = (lmbda, kd)
+  runs["SFT (completions)"] = (0.0, LogitKD(temperature=1.0, alpha=0.0))
+  return runs
+
+
+def quality(cfg, teacher, data, mesh, args, keep_models=False):
+  """One seed (``cfg.train.seed``): the optional shared warm start, then every arm; returns (results, models)."""
+  from meshdistill.distiller import Distiller
   from meshdistill.evaluate import Evaluator
-  from meshdistill.generate import SamplingConfig, generate
+  from meshdistill.guard import copy_state
   from meshdistill.models import init_model
   from meshdistill.monitor import Monitor
   from meshdistill.onpolicy import OnPolicyConfig, OnPolicyDistiller
@@ -120,67 +154,115 @@ def quality(cfg, teacher, data, mesh, args):
 
   tok = data.tokenizer
   pad = getattr(tok, "pad_id", 0) or 0
-  runs = {}
-  for div in args.divergence.split(","):
-    kd = LogitKD(temperature=1.0, alpha=1.0, divergence=div, **({"beta": args.beta} if div == "jsd" else {}))
-    for name, lmbda in (("off-policy KD", 0.0), ("GKD lambda 0.5", 0.5), ("GKD lambda 1.0", 1.0)):
-      runs[f"{name}, {div}"] = (lmbda, kd)
-  runs["SFT (completions)"] = (0.0, LogitKD(temperature=1.0, alpha=0.0))
-  steps = args.steps or cfg.train.steps
+  seed, steps, warm = cfg.train.seed, cfg.train.steps, args.warm_start
+  if not 0 <= warm < steps:
+    raise SystemExit(f"--warm-start {warm} must be in [0, train.steps={steps})")
   val = data.val_batches(max_batches=args.eval_batches)
-  results, models = {}, {}
-  for name, (lmbda, strategy) in runs.items():
-    student = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
-    op = OnPolicyConfig(lmbda=lmbda, max_new_tokens=args.max_new_tokens, temperature=1.0, eos_id=tok.eos_id,
-                        pad_id=pad)
-    d = OnPolicyDistiller(student, teacher, strategy=strategy, on_policy=op, mesh=mesh, seed=cfg.train.seed,
-                          optimizer=make_optimizer(cfg.train, cfg.student.n_layers))
-    t0 = time.perf_counter()
-    res = fit(d, data, steps=steps, monitor=Monitor(None, steps, stream=sys.stderr, name=name),
-              eval_batches=args.eval_batches, log_every=cfg.train.log_every)
-    seconds = time.perf_counter() - t0
-    ev = Evaluator.for_trainer(d)(d.unreplicate(res.state.params)["student"], val)
-    # Teacher NLL of the student's samples on held-out prompts (fixed keys: the same for every run).
-    sampled = [d.sample_batch(res.state, d.as_prompt_batch(b), step=10**6 + i) for i, b in enumerate(val)]
+  op0 = OnPolicyConfig(lmbda=0.0, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       eos_id=tok.eos_id, pad_id=pad)
+
+  def evaluate(d, state, name, seconds):
+    ev = Evaluator.for_trainer(d)(d.unreplicate(state.params)["student"], val)
+    # Teacher NLL of the student's samples on held-out prompts (fixed keys: the same for every run of a seed).
+    sampled = [d.sample_batch(state, d.as_prompt_batch(b), step=10**6 + i) for i, b in enumerate(val)]
     nll = Evaluator(d.teacher_def, mesh=mesh)(d.teacher_params, sampled)
-    own = Evaluator(d.student_def, mesh=mesh)(res.state.params["student"], sampled)
-    results[name] = {
-        "val_loss": ev["loss"], "kl": ev["kl"], "sample_nll": nll["loss"], "student_nll": own["loss"],
-        "sample_len": nll["tokens"] / sum(len(b["inputs"]) for b in sampled), "seconds": seconds, "steps": steps,
-    }
-    models[name] = d.student(res.state)
-    print(f"quality {name}: {results[name]}", file=sys.stderr)
-  # A few greedy completions of held-out prompts, side by side.
-  b = val[0]
+    own = Evaluator(d.student_def, mesh=mesh)(state.params["student"], sampled)
+    r = {"val_loss": ev["loss"], "kl": ev["kl"], "sample_nll": nll["loss"], "student_nll": own["loss"],
+         "sample_len": nll["tokens"] / sum(len(b["inputs"]) for b in sampled), "seconds": seconds,
+         "steps": steps - warm if name != "warm start" else warm}
+    print(f"quality seed {seed} {name}: {r}", file=sys.stderr)
+    return r
+
+  results, models, warm_state = {}, {}, None
+  optimizer = make_optimizer(cfg.train, cfg.student.n_layers)  # one schedule over all train.steps
+  if warm:  # the main job's off-policy KD on whole rows, shared by every arm
+    student = init_model(cfg.student, seed=seed, mesh=mesh)
+    kd = LogitKD(temperature=cfg.distill.temperature, alpha=cfg.distill.alpha, divergence=cfg.distill.divergence)
+    d = Distiller(student, teacher, strategy=kd, mesh=mesh, seed=seed, optimizer=optimizer)
+    t0 = time.perf_counter()
+    res = fit(d, data, steps=warm, monitor=Monitor(None, warm, stream=sys.stderr, name="warm start"),
+              eval_batches=args.eval_batches, log_every=cfg.train.log_every)
+    warm_state = res.state
+    op = OnPolicyDistiller(student, teacher, strategy=kd, on_policy=op0, mesh=mesh, seed=seed, optimizer=optimizer)
+    results["warm start"] = evaluate(op, warm_state, "warm start", time.perf_counter() - t0)
+  for name, (lmbda, strategy) in _arms(args).items():
+    student = init_model(cfg.student, seed=seed, mesh=mesh)
+    op = dataclasses.replace(op0, lmbda=lmbda)
+    d = OnPolicyDistiller(student, teacher, strategy=strategy, on_policy=op, mesh=mesh, seed=seed, optimizer=optimizer)
+    t0 = time.perf_counter()
+    res = fit(d, _After(data, warm) if warm else data, steps=steps,
+              monitor=Monitor(None, steps, stream=sys.stderr, name=name), eval_batches=args.eval_batches,
+              log_every=cfg.train.log_every, state=copy_state(warm_state) if warm else None)
+    results[name] = evaluate(d, res.state, name, time.perf_counter() - t0)
+    if keep_models:
+      models[name] = d.student(res.state)
+  return results, models
+
+
+def samples_of(teacher, models, data, mesh, args):
+  """Greedy completions of the first held-out prompts, side by side."""
+  import jax
+  import numpy as np
+
+  from meshdistill.generate import SamplingConfig, generate
+
+  tok = data.tokenizer
+  pad = getattr(tok, "pad_id", 0) or 0
+  b = data.val_batches(max_batches=1)[0]
   P = b["inputs"].shape[1] + 1 - args.max_new_tokens
   prompts = np.asarray(b["inputs"][:, :P], np.int32)
   greedy = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, eos_id=tok.eos_id, pad_id=pad)
+  gens = {name: jax.device_get(generate(m, prompts, np.ones_like(prompts, bool), None, greedy, mesh=mesh))
+          for name, m in [("teacher", teacher)] + list(models.items())}
   samples = []
-  for r in range(3):
+  for r in range(args.samples):
     row = {"prompt": tok.decode(prompts[r][-48:])}
-    for name, model in [("teacher", teacher)] + list(models.items()):
-      gen = jax.device_get(generate(model, prompts, np.ones_like(prompts, bool), None, greedy, mesh=mesh))
+    for name, gen in gens.items():
       row[name] = tok.decode([t for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m and t != tok.eos_id])
     samples.append(row)
-  return results, samples
+  return samples
 
 
-def render(results, samples, speed_rows, meta) -> str:
+def _rel(per_seed, name, key="sample_nll"):
+  """Per seed: ``key`` of run ``name`` relative to off-policy KD of the same divergence (None for other runs)."""
+  if ", " not in name:
+    return None
+  base = "off-policy KD, " + name.split(", ")[-1]
+  return [r[name][key] / r[base][key] - 1 for r in per_seed.values() if name in r and base in r]
+
+
+def render(per_seed, samples, speed_rows, meta) -> str:
+  import numpy as np
+
   out = ["# On-policy distillation (GKD) vs off-policy KD vs SFT", "", meta, ""]
-  if results:
+  if per_seed:
+    seeds = list(per_seed)
+    names = list(dict.fromkeys(n for r in per_seed.values() for n in r))
+    mean = lambda name, key: float(np.mean([r[name][key] for r in per_seed.values() if name in r]))
     out += [
+        f"Means over seeds {', '.join(map(str, seeds))} (train.seed: the initialisation, data order of the arms "
+        "is shared, sampling keys):", "",
         "| run | steps | val loss (whole rows) | val KL | teacher NLL of student samples | vs off-policy KD "
-        "| student NLL of own samples | sample length | train s |",
+        "(per seed) | student NLL of own samples | sample length | train s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in results.items():
-      base = results.get("off-policy KD, " + name.split(", ")[-1], {}).get("sample_nll")
-      rel = f"{(r['sample_nll'] / base - 1) * 100:+.1f}%" if base and ", " in name else ""
+    for name in names:
+      rel = _rel(per_seed, name)
+      rel_s = "" if rel is None else f"{np.mean(rel) * 100:+.1f}% ({', '.join(f'{x * 100:+.1f}' for x in rel)})"
+      steps = next(r[name]["steps"] for r in per_seed.values() if name in r)
       out.append(
-          f"| {name} | {r['steps']} | {r['val_loss']:.4f} | {r['kl']:.4f} | {r['sample_nll']:.4f} | {rel} | "
-          f"{r['student_nll']:.4f} | {r['sample_len']:.1f} | {r['seconds']:.0f} |"
+          f"| {name} | {steps} | {mean(name, 'val_loss'):.4f} | {mean(name, 'kl'):.4f} | "
+          f"{mean(name, 'sample_nll'):.4f} | {rel_s} | {mean(name, 'student_nll'):.4f} | "
+          f"{mean(name, 'sample_len'):.1f} | {mean(name, 'seconds'):.0f} |"
       )
     out.append("")
+    if len(seeds) > 1:
+      out += ["Teacher NLL of student samples, per seed:", "",
+              "| run | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+      for name in names:
+        cells = [f"{per_seed[s][name]['sample_nll']:.4f}" if name in per_seed[s] else "" for s in seeds]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+      out.append("")
   if samples:
     out += ["## Greedy completions of held-out prompts", ""]
     for s in samples:
@@ -223,28 +305,40 @@ def main(argv=None) -> int:
   mesh = jobs.build_mesh(cfg)
   data = jobs.load_data(cfg)
   teacher, tdir = jobs.obtain_teacher(cfg, data, mesh, stream=sys.stderr)
-  results, samples, speed_rows = {}, [], []
+  per_seed, samples, speed_rows = {}, [], []
   saved = os.path.splitext(args.out)[0] + ".json"  # measured quality numbers, kept for a speed-only rerun
+  seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [cfg.train.seed]
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   if args.only != "speed":
-    results, samples = quality(cfg, teacher, data, mesh, args)
-    with open(saved, "w", encoding="utf-8") as f:
-      json.dump({"results": results, "samples": samples}, f, indent=1)
+    for i, seed in enumerate(seeds):
+      scfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))
+      per_seed[seed], models = quality(scfg, teacher, data, mesh, args, keep_models=i == 0)
+      if i == 0:
+        samples = samples_of(teacher, models, data, mesh, args)
+      with open(saved, "w", encoding="utf-8") as f:  # after every seed: a partial run keeps what it measured
+        json.dump({"per_seed": per_seed, "samples": samples, "argv": argv or sys.argv[1:]}, f, indent=1)
   elif os.path.isfile(saved):
     with open(saved, encoding="utf-8") as f:
       kept = json.load(f)
-    results, samples = kept["results"], kept["samples"]
+    per_seed, samples = kept["per_seed"], kept["samples"]
   if args.only != "quality":
     speed_rows = speed(teacher, init_model(cfg.student, seed=cfg.train.seed, mesh=mesh), data, mesh,
                        args.max_new_tokens)
+  warm = (f"every arm starts from the same checkpoint: {args.warm_start} steps of the main job's off-policy KD "
+          f"(divergence {cfg.distill.divergence}, whole rows, the first {args.warm_start} batches), then trains "
+          f"{cfg.train.steps - args.warm_start} steps on the next batches (one learning-rate schedule over "
+          f"{cfg.train.steps} steps, optimizer state carried over)" if args.warm_start else
+          f"every arm starts from random weights and trains {cfg.train.steps} steps")
   meta = (
       f"Main job's teacher ({tdir}) and student config; mesh {cfg.mesh.data}x{cfg.mesh.tensor} on "
       f"{jax.device_count()} {jax.default_backend()} devices ({platform.machine()}, {os.cpu_count()} CPUs); "
-      f"prompts = first {cfg.data.seq_len + 1 - args.max_new_tokens} tokens of each row, completions "
+      f"{warm}; prompts = first {cfg.data.seq_len + 1 - args.max_new_tokens} tokens of each row, completions "
       f"{args.max_new_tokens} tokens; KD divergences {args.divergence} (jsd: beta {args.beta}), alpha 1, "
-      f"loss temperature 1, sampler temperature 1; {args.eval_batches} held-out batches of "
-      f"{cfg.train.batch_size} rows. Command: `python benchmarks/on_policy.py {' '.join(argv or sys.argv[1:])}`"
+      f"loss temperature 1, sampler temperature {args.temperature} (training and evaluation); "
+      f"{args.eval_batches} held-out batches of {cfg.train.batch_size} rows. "
+      f"Command: `python benchmarks/on_policy.py {' '.join(argv or sys.argv[1:])}`"
   )
-  text = render(results, samples, speed_rows, meta)
+  text = render(per_seed, samples, speed_rows, meta)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w", encoding="utf-8") as f:
     f.write(text)

@@ -61,7 +61,8 @@ class OnPolicyDistiller(Distiller):
   """A `Distiller` whose batches are, with probability ``on_policy.lmbda``, completed by the student.
 
   Takes the `Distiller` arguments plus ``on_policy`` (an `OnPolicyConfig`). ``step`` returns the step's
-  metrics plus ``on_policy`` (1 for a generated batch, else 0) and, for generated batches,
+  metrics (``tokens``: the completion tokens trained on, a host number) plus ``on_policy`` (1 for a
+  generated batch, else 0) and, for generated batches,
   ``sample_len`` (mean completion length) and ``sample_nll`` (the teacher's per-token NLL of the
   generated completions: the step's ``teacher_ce`` on them).
   """
@@ -114,6 +115,9 @@ class OnPolicyDistiller(Distiller):
       batch = self.sample_batch(state, batch, step)
     new_state, metrics = super().step(state, batch)
     metrics = dict(metrics)
+    # The tokens trained on (completion targets; sampled ones for a generated batch), counted on the host:
+    # `fit` reports tokens/s from this rather than from the mask of the batch it handed over.
+    metrics["tokens"] = np.float32(np.sum(batch["mask"]))
     metrics["on_policy"] = np.float32(sampled)
     if sampled:
       metrics["sample_len"] = np.float32(np.mean(np.sum(batch["mask"], axis=1)))
