@@ -70,7 +70,68 @@ def _full_recompute_greedy(graphdef, params, prompts_BxP, n_new):
   return jax.lax.fori_loop(0, n_new, body, buf)[:, P:]
 
 
-def speed(teacher, student, data, mesh, n_new, repeats=3):
+class _IdTokenizer:
+  """tunix's tokenizer interface over prompts written as space-separated token ids (no BOS added)."""
+
+  def encode(self, text, **_):
+    return [int(x) for x in text.split()]
+
+  def decode(self, ids, **_):
+    return " ".join(map(str, ids))
+
+  def bos_id(self):
+    return None
+
+  def eos_id(self):
+    return -1  # never sampled: every row decodes all its tokens, as in the other rows of the table
+
+  def pad_id(self):
+    return 0
+
+
+def tunix_speed(cfg, mesh, prompts_BxP, n_new, repeats):
+  """Greedy tokens/s of tunix's `Sampler` on a tunix Llama3 of ``cfg``'s shapes (random weights), on ``mesh``."""
+  import jax
+  from flax import nnx
+  from tunix.generate import sampler as tunix_sampler
+  from tunix.models.llama3 import model as llama
+
+  from meshdistill.mesh import TENSOR, param_shardings
+
+  # meshdistill's split: heads / MLP units / vocabulary over `tensor`; KV heads replicated (as the built-in
+  # decoder does when n_kv_heads < tensor).
+  kv = (None, TENSOR, None) if cfg.n_kv_heads % mesh.shape[TENSOR] == 0 else (None, None, None)
+  shd = llama.ShardingConfig(
+      emb_vd=(TENSOR, None), emb_dv=(None, TENSOR), q_weight_dnh=(None, TENSOR, None), kv_weight_dnh=kv,
+      o_weight_nhd=(TENSOR, None, None), ffw_weight_df=(None, TENSOR), ffw_weight_fd=(TENSOR, None),
+      rms_norm_weight=(None,), act_btd=(None, None, None), act_btf=(None, None, None),
+      act_btnh=(None, None, None, None))
+  hd = cfg.head_dim or cfg.d_model // cfg.n_heads
+  tcfg = llama.ModelConfig(num_layers=cfg.n_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.d_model,
+                           hidden_dim=cfg.mlp_hidden, num_heads=cfg.n_heads, head_dim=hd, num_kv_heads=cfg.n_kv_heads,
+                           rope_theta=int(cfg.rope_theta), norm_eps=cfg.norm_eps, weight_tying=cfg.tie_embeddings,
+                           shd_config=shd)
+  with nnx.use_eager_sharding(False):
+    model = llama.Llama3(tcfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, jax.device_put(state, param_shardings(nnx.get_partition_spec(state), mesh)))
+  B, P = prompts_BxP.shape
+  sampler = tunix_sampler.Sampler(model, _IdTokenizer(), tunix_sampler.CacheConfig(
+      cache_size=P + n_new, num_layers=cfg.n_layers, num_kv_heads=cfg.n_kv_heads, head_dim=hd))
+  texts = [" ".join(map(str, row)) for row in prompts_BxP]
+  with jax.set_mesh(mesh):
+    run = lambda: sampler(texts, max_generation_steps=n_new, max_prompt_length=P, temperature=0.0)
+    out = run()  # compile
+    assert all(len(t) == n_new for t in out.tokens), [len(t) for t in out.tokens]
+    best = float("inf")
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(run().tokens)
+      best = min(best, time.perf_counter() - t0)
+  return B * n_new / best
+
+
+def speed(teacher, student, data, mesh, n_new, repeats=5):
   import jax
   import numpy as np
   from flax import nnx
@@ -108,6 +169,12 @@ def speed(teacher, student, data, mesh, n_new, repeats=3):
         "same_tokens": same,
     })
     print(f"speed {rows[-1]}", file=sys.stderr)
+  try:
+    tunix_tok_s = tunix_speed(teacher.cfg, mesh, prompts, n_new, repeats)
+  except Exception as e:  # pylint: disable=broad-except
+    tunix_tok_s = f"failed: {type(e).__name__}: {e}"[:300]
+  rows[0]["tunix_tok_s"] = tunix_tok_s  # like for like: the teacher's shapes
+  print(f"speed tunix: {tunix_tok_s}", file=sys.stderr)
   return rows
 
 
@@ -276,13 +343,16 @@ def render(per_seed, samples, speed_rows, meta) -> str:
     out += [
         "## Sampler speed (greedy, 2x4 mesh)",
         "",
-        "| model | batch | prompt | new tokens | KV cache tok/s | full recompute tok/s | speed-up | same tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | batch | prompt | new tokens | KV cache tok/s | full recompute tok/s | speed-up | same tokens "
+        "| tunix `Sampler` tok/s (Llama3 of the same shapes) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in speed_rows:
+      tx = r.get("tunix_tok_s", "")
+      tx = f"{tx:.0f} (KV cache: {r['cached_tok_s'] / tx:.2f}x)" if isinstance(tx, float) else tx
       out.append(
           f"| {r['model']} | {r['batch']} | {r['prompt']} | {r['new']} | {r['cached_tok_s']:.0f} | "
-          f"{r['full_tok_s']:.0f} | {r['cached_tok_s'] / r['full_tok_s']:.1f}x | {r['same_tokens']} |"
+          f"{r['full_tok_s']:.0f} | {r['cached_tok_s'] / r['full_tok_s']:.1f}x | {r['same_tokens']} | {tx} |"
       )
     out.append("")
   return "\n".join(out)
