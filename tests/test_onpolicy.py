@@ -184,6 +184,14 @@ def test_seq_kd_samples_come_from_the_teacher(single):
     np.testing.assert_array_equal(got["targets"][r, width - 1 : width - 1 + n], np.asarray(gen.tokens_BxN[r, :n]))
 
 
+def test_multi_process_on_policy_is_refused_by_name(monkeypatch):
+  import meshdistill.onpolicy as onpolicy
+
+  monkeypatch.setattr(onpolicy, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"distill\.on_policy\.lambda=1\.0.*one process.*has 2"):
+    _distiller(None, 1.0)
+
+
 def test_prompt_files_and_pairs_report_bad_input(tmp_path):
   good = tmp_path / "p.jsonl"
   good.write_text(json.dumps({"prompt": "ab", "completion": "cd"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from meshdistill.distiller import Distiller
+from meshdistill.distributed import process_count
 from meshdistill.generate import SamplingConfig, generate
 from meshdistill.prompts import completion_batch, cut_prompts, prompts_of
 
@@ -68,6 +69,12 @@ class OnPolicyDistiller(Distiller):
   """
 
   def __init__(self, student, teacher, *, on_policy: OnPolicyConfig, **kwargs):
+    if process_count() > 1:  # the sampled batch is built on the host from the whole batch's completions
+      raise ValueError(
+          f"on-policy distillation (distill.on_policy.lambda={on_policy.lmbda}, seq_kd={on_policy.seq_kd}) runs as "
+          f"one process, but this job has {process_count()}; run it on one host (its devices as mesh.data x "
+          "mesh.tensor), or set distill.on_policy.lambda=0 and seq_kd=false for off-policy KD across processes"
+      )
     super().__init__(student, teacher, **kwargs)
     self.on_policy = on_policy
 
