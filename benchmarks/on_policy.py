@@ -196,6 +196,12 @@ class _After:
     return self.data.val_batches(max_batches=max_batches)
 
 
+def _completion_text(tok, batch, r):
+  """The completion of row ``r`` of a sampled batch (its target tokens under the loss mask, EOS dropped)."""
+  ids = [int(t) for t, m in zip(batch["targets"][r], batch["mask"][r]) if m and t != tok.eos_id]
+  return tok.decode(ids)
+
+
 def _arms(args):
   from meshdistill.strategies import LogitKD
 
@@ -236,7 +242,8 @@ def quality(cfg, teacher, data, mesh, args, keep_models=False):
     own = Evaluator(d.student_def, mesh=mesh)(state.params["student"], sampled)
     r = {"val_loss": ev["loss"], "kl": ev["kl"], "sample_nll": nll["loss"], "student_nll": own["loss"],
          "sample_len": nll["tokens"] / sum(len(b["inputs"]) for b in sampled), "seconds": seconds,
-         "steps": steps - warm if name != "warm start" else warm}
+         "steps": steps - warm if name != "warm start" else warm,
+         "sampled_texts": [_completion_text(tok, sampled[0], r) for r in range(args.samples)]}
     print(f"quality seed {seed} {name}: {r}", file=sys.stderr)
     return r
 
@@ -298,10 +305,13 @@ def _rel(per_seed, name, key="sample_nll"):
   return [r[name][key] / r[base][key] - 1 for r in per_seed.values() if name in r and base in r]
 
 
-def render(per_seed, samples, speed_rows, meta) -> str:
+def render(per_seed, samples, speed_rows, meta, meta_temperature=1.0) -> str:
   import numpy as np
 
   out = ["# On-policy distillation (GKD) vs off-policy KD vs SFT", "", meta, ""]
+  for r in per_seed.values():  # per token on the student's samples: teacher NLL = student NLL + reverse KL
+    for v in r.values():
+      v["sample_rkl"] = v["sample_nll"] - v["student_nll"]
   if per_seed:
     seeds = list(per_seed)
     names = list(dict.fromkeys(n for r in per_seed.values() for n in r))
@@ -310,16 +320,17 @@ def render(per_seed, samples, speed_rows, meta) -> str:
         f"Means over seeds {', '.join(map(str, seeds))} (train.seed: the initialisation, data order of the arms "
         "is shared, sampling keys):", "",
         "| run | steps | val loss (whole rows) | val KL | teacher NLL of student samples | vs off-policy KD "
-        "(per seed) | student NLL of own samples | sample length | train s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(per seed) | student NLL of own samples | reverse KL on own samples (difference) | vs off-policy KD "
+        "| sample length | train s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    pct = lambda rel: "" if rel is None else f"{np.mean(rel) * 100:+.1f}% ({', '.join(f'{x * 100:+.1f}' for x in rel)})"
     for name in names:
-      rel = _rel(per_seed, name)
-      rel_s = "" if rel is None else f"{np.mean(rel) * 100:+.1f}% ({', '.join(f'{x * 100:+.1f}' for x in rel)})"
       steps = next(r[name]["steps"] for r in per_seed.values() if name in r)
       out.append(
           f"| {name} | {steps} | {mean(name, 'val_loss'):.4f} | {mean(name, 'kl'):.4f} | "
-          f"{mean(name, 'sample_nll'):.4f} | {rel_s} | {mean(name, 'student_nll'):.4f} | "
+          f"{mean(name, 'sample_nll'):.4f} | {pct(_rel(per_seed, name))} | {mean(name, 'student_nll'):.4f} | "
+          f"{mean(name, 'sample_rkl'):.4f} | {pct(_rel(per_seed, name, 'sample_rkl'))} | "
           f"{mean(name, 'sample_len'):.1f} | {mean(name, 'seconds'):.0f} |"
       )
     out.append("")
@@ -330,8 +341,19 @@ def render(per_seed, samples, speed_rows, meta) -> str:
         cells = [f"{per_seed[s][name]['sample_nll']:.4f}" if name in per_seed[s] else "" for s in seeds]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
       out.append("")
+  shown = [seed for seed, r in per_seed.items() if all("sampled_texts" in v for v in r.values())][:1]
+  first = per_seed[shown[0]] if shown else {}
+  if samples and shown:
+    out += [f"## Samples at temperature {meta_temperature} (the ones graded above), seed {shown[0]}", ""]
+    for r, s in enumerate(samples):
+      out.append(f"prompt (last 48 characters): `{json.dumps(s['prompt'])[1:-1]}`")
+      out.append("")
+      for name, v in first.items():
+        if r < len(v["sampled_texts"]):
+          out.append(f"- {name}: `{json.dumps(v['sampled_texts'][r])[1:-1]}`")
+      out.append("")
   if samples:
-    out += ["## Greedy completions of held-out prompts", ""]
+    out += ["## Greedy completions of held-out prompts" + (f", seed {shown[0]}" if shown else ""), ""]
     for s in samples:
       out.append(f"prompt (last 48 characters): `{json.dumps(s['prompt'])[1:-1]}`")
       out.append("")
@@ -408,7 +430,7 @@ def main(argv=None) -> int:
       f"{args.eval_batches} held-out batches of {cfg.train.batch_size} rows. "
       f"Command: `python benchmarks/on_policy.py {' '.join(argv or sys.argv[1:])}`"
   )
-  text = render(per_seed, samples, speed_rows, meta)
+  text = render(per_seed, samples, speed_rows, meta, args.temperature)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w", encoding="utf-8") as f:
     f.write(text)
