@@ -325,8 +325,8 @@ def render(per_seed, samples, speed_rows, meta, meta_temperature=1.0) -> str:
     names = list(dict.fromkeys(n for r in per_seed.values() for n in r))
     mean = lambda name, key: float(np.mean([r[name][key] for r in per_seed.values() if name in r]))
     out += [
-        f"Means over seeds {', '.join(map(str, seeds))} (train.seed: the initialisation, data order of the arms "
-        "is shared, sampling keys):", "",
+        f"Means over seeds {', '.join(map(str, seeds))} (train.seed sets the initialisation, the sampling keys and "
+        "the GKD coin flips; the data order is the same for every seed):", "",
         "| run | steps | val loss (whole rows) | val KL | teacher NLL of student samples | vs off-policy KD "
         "(per seed) | student NLL of own samples | reverse KL on own samples (difference) | vs off-policy KD "
         "| sample length | train s |",
@@ -405,7 +405,7 @@ def main(argv=None) -> int:
   mesh = jobs.build_mesh(cfg)
   data = jobs.load_data(cfg)
   teacher, tdir = jobs.obtain_teacher(cfg, data, mesh, stream=sys.stderr)
-  per_seed, samples, speed_rows = {}, [], []
+  per_seed, samples, speed_rows, quality_cmd = {}, [], [], None
   saved = os.path.splitext(args.out)[0] + ".json"  # measured quality numbers, kept for a speed-only rerun
   seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [cfg.train.seed]
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -421,6 +421,7 @@ def main(argv=None) -> int:
     with open(saved, encoding="utf-8") as f:
       kept = json.load(f)
     per_seed, samples = kept["per_seed"], kept["samples"]
+    quality_cmd = kept.get("argv")
   if args.only != "quality":
     speed_rows = speed(teacher, init_model(cfg.student, seed=cfg.train.seed, mesh=mesh), data, mesh,
                        args.max_new_tokens)
@@ -437,6 +438,7 @@ def main(argv=None) -> int:
       f"loss temperature 1, sampler temperature {args.temperature} (training and evaluation); "
       f"{args.eval_batches} held-out batches of {cfg.train.batch_size} rows. "
       f"Command: `python benchmarks/on_policy.py {' '.join(argv or sys.argv[1:])}`"
+      + (f"; quality numbers from `{quality_cmd}`" if quality_cmd and per_seed else "")
   )
   text = render(per_seed, samples, speed_rows, meta, args.temperature)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
