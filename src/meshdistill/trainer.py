@@ -86,6 +86,11 @@ class FitOptions:
     memory_budget_bytes: per-device budget for ``auto_remat`` (default: the device's memory;
       without either -- a CPU device -- nothing is measured).
     memory_headroom: fraction of the budget the step may use.
+    metrics_light: on steps whose metrics no hook reads (`meshdistill.hooks.Hook.wants_metrics`: the
+      train log reads every ``log_every``-th), run the trainer's metrics-light step
+      (`meshdistill.Distiller.metrics_light`: the same update, only ``loss``, ``grad_norm`` and ``tokens``).
+      The logged means of the other metrics are then over the logged steps. False: every step computes
+      every metric (one compiled step instead of two).
   """
 
   steps: int | None
@@ -103,6 +108,7 @@ class FitOptions:
   auto_remat: bool = False
   memory_budget_bytes: int | None = None
   memory_headroom: float = 0.9
+  metrics_light: bool = True
 
   def __post_init__(self):
     if self.guard_lag not in (0, 1):
@@ -177,8 +183,9 @@ class Run:
   """The loop's state as hooks see it, and the loop itself (`run`)."""
 
   def __init__(self, trainer, state, *, start: int, last: float, steps: int | None, it, monitor: Monitor,
-               hooks: Sequence[hooks_lib.Hook], lag: int):
+               hooks: Sequence[hooks_lib.Hook], lag: int, light: bool = False):
     self.trainer, self.state, self.it, self.monitor, self.hooks, self.lag = trainer, state, it, monitor, hooks, lag
+    self.light = light  # metrics-light steps where no hook reads the metrics
     self.start, self.step, self.last, self.steps = start, start, last, steps
     self.recovery: Any = NoRecovery(trainer)
     self.pending: StepInfo | None = None
@@ -232,7 +239,10 @@ class Run:
     if rec.wants_copy(step, any(h.wants_copy(step) for h in self.hooks)):
       candidate = copy_state(self.state)  # the state is donated to the step
     strategy = rec.active
-    self.state, metrics = rec.runner.step(self.state, batch)
+    runner = rec.runner
+    if self.light and hasattr(runner, "metrics_light") and not any(h.wants_metrics(self, step + 1) for h in self.hooks):
+      runner = runner.metrics_light()
+    self.state, metrics = runner.step(self.state, batch)
     if self.pending is not None and not self._settle(dispatched=True):
       return  # the step just dispatched ran on a diverged state: thrown away, its batch spent
     self.pending = StepInfo(step + 1, metrics, float(np.sum(batch["mask"])), candidate, position,
@@ -353,7 +363,7 @@ def fit(
   actions += list(hooks)
   it = data.train_iterator(data_state)
   run = Run(trainer, state, start=start, last=last, steps=opts.steps, it=it, monitor=monitor, hooks=actions,
-            lag=opts.guard_lag)
+            lag=opts.guard_lag, light=opts.metrics_light)
   t_train = time.perf_counter()
   try:
     for h in actions:
