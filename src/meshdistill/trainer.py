@@ -86,11 +86,12 @@ class FitOptions:
     memory_budget_bytes: per-device budget for ``auto_remat`` (default: the device's memory;
       without either -- a CPU device -- nothing is measured).
     memory_headroom: fraction of the budget the step may use.
-    metrics_light: on steps whose metrics no hook reads (`meshdistill.hooks.Hook.wants_metrics`: the
-      train log reads every ``log_every``-th), run the trainer's metrics-light step
-      (`meshdistill.Distiller.metrics_light`: the same update, only ``loss``, ``grad_norm`` and ``tokens``).
-      The logged means of the other metrics are then over the logged steps. False: every step computes
-      every metric (one compiled step instead of two).
+    metrics_light: after the first logged step, run the trainer's metrics-light step
+      (`meshdistill.Distiller.metrics_light`: the same update, only ``loss``, ``grad_norm`` and ``tokens``)
+      on the steps whose metrics no hook reads (`meshdistill.hooks.Hook.wants_metrics`: the train log
+      reads every ``log_every``-th). The logged means of the other metrics are then over the logged
+      steps (all steps in the first window). A run that never gets past its first log compiles one
+      step. False: every step computes every metric.
   """
 
   steps: int | None
@@ -185,7 +186,8 @@ class Run:
   def __init__(self, trainer, state, *, start: int, last: float, steps: int | None, it, monitor: Monitor,
                hooks: Sequence[hooks_lib.Hook], lag: int, light: bool = False):
     self.trainer, self.state, self.it, self.monitor, self.hooks, self.lag = trainer, state, it, monitor, hooks, lag
-    self.light = light  # metrics-light steps where no hook reads the metrics
+    self.light = light  # metrics-light steps where no hook reads the metrics, once one step was logged
+    self._logged = False
     self.start, self.step, self.last, self.steps = start, start, last, steps
     self.recovery: Any = NoRecovery(trainer)
     self.pending: StepInfo | None = None
@@ -240,8 +242,10 @@ class Run:
       candidate = copy_state(self.state)  # the state is donated to the step
     strategy = rec.active
     runner = rec.runner
-    if self.light and hasattr(runner, "metrics_light") and not any(h.wants_metrics(self, step + 1) for h in self.hooks):
+    wanted = any(h.wants_metrics(self, step + 1) for h in self.hooks)
+    if self.light and self._logged and not wanted and hasattr(runner, "metrics_light"):
       runner = runner.metrics_light()
+    self._logged = self._logged or wanted
     self.state, metrics = runner.step(self.state, batch)
     if self.pending is not None and not self._settle(dispatched=True):
       return  # the step just dispatched ran on a diverged state: thrown away, its batch spent
