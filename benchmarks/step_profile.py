@@ -12,10 +12,13 @@ the fused computation it calls) holds, first match wins:
   them is counted here too);
 * **elementwise** -- everything else (exp, log, selects, the optimizer update, ...).
 
-Times are summed over the runtime's threads (ops run concurrently), per step, and shown as shares.
+Each op is counted at its fastest of the traced steps (on a shared machine a run of an op that other
+jobs slowed is not the op's cost), times its runs per step; summed over the runtime's threads (ops run
+concurrently) and shown as shares.
 
-Run: ``python benchmarks/step_profile.py [--steps 4] [--mesh]``; prints a markdown table (the
-results file `benchmarks/results/throughput.md` quotes it before / after).
+Run: ``python benchmarks/step_profile.py [--steps 4] [--mesh] [--label after]``; prints a markdown
+table and replaces the rows of ``--label`` in ``benchmarks/results/step_profile.jsonl``, which
+`benchmarks/throughput.py` renders into ``benchmarks/results/throughput.md`` (before / after).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import collections
 import glob
 import gzip
 import json
+import os
 import pathlib
 import re
 import sys
@@ -38,6 +42,7 @@ import meshdistill as md  # noqa: E402
 from meshdistill.strategies import LogitKD  # noqa: E402
 from meshdistill.strategies._chunked import ChunkedLogitKD  # noqa: E402
 
+RESULT = pathlib.Path(__file__).parent / "results" / "step_profile.jsonl"
 KINDS = ("matmul", "collective", "reduction", "copy/transpose", "elementwise")
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _CONTAINERS = ("while", "conditional", "call")
@@ -106,19 +111,27 @@ def profile(distiller, batches, steps: int) -> dict[str, float]:
     path = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]
     trace = json.load(gzip.open(path))
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  total = collections.Counter()
+  durations = collections.defaultdict(list)
   for e in events:
     if e.get("ph") == "X" and e.get("name") in kinds:
-      total[kinds[e["name"]]] += e.get("dur", 0.0) / 1e3  # us -> ms
-  return {k: total[k] / steps for k in KINDS}
+      durations[e["name"]].append(e.get("dur", 0.0) / 1e3)  # us -> ms
+  # Each op at its fastest run (a run slowed by other jobs on the shared cores counts as that fastest one),
+  # times how often it ran per step (ops inside a loop run once per iteration).
+  total = collections.Counter()
+  for name, ds in durations.items():
+    total[kinds[name]] += min(ds) * len(ds) / steps
+  return {k: total[k] for k in KINDS}
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=4)
+  parser.add_argument("--steps", type=int, default=6)
   parser.add_argument("--vocab", type=int, default=1024)
   parser.add_argument("--mesh", action="store_true", help="also profile the 2x4 mesh (8 simulated devices)")
+  parser.add_argument("--label", default="after", help="what this run measures (e.g. before / after a change)")
+  parser.add_argument("--out", type=pathlib.Path, default=RESULT)
   args = parser.parse_args(argv)
+  rows = []
   tcfg, scfg = tp.configs(args.vocab)
   batches = tp.make_batches(args.steps + 2, args.vocab)
   meshes = {"1 device": None, **({"2x4": md.make_mesh(data=2, tensor=4)} if args.mesh else {})}
@@ -140,6 +153,13 @@ def main(argv=None):
         total = sum(ms.values())
         shares = " | ".join(f"{100 * ms[k] / total:.0f}% ({ms[k]:.0f})" for k in KINDS)
         print(f"| {where}: {name}{suffix} | {total:.0f} | {shares} |", flush=True)
+        rows.append({"label": args.label, "step": f"{where}: {name}{suffix}", "steps": args.steps,
+                     "load": os.getloadavg()[0], "ms": ms})
+  kept = []
+  if args.out.exists():
+    kept = [r for r in map(json.loads, args.out.read_text().splitlines()) if r["label"] != args.label]
+  args.out.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
+  print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -345,6 +345,35 @@ def main(argv=None):
   print(f"wrote {args.out}")
 
 
+PROFILE = pathlib.Path(__file__).parent / "results" / "step_profile.jsonl"
+
+
+def profile_section() -> list[str]:
+  """The op-kind breakdown of `benchmarks/step_profile.py` runs (``results/step_profile.jsonl``), if any."""
+  if not PROFILE.exists():
+    return []
+  rows = [json.loads(line) for line in PROFILE.read_text().splitlines()]
+  kinds = list(rows[0]["ms"])
+  out = [
+      "## Profile: where the step's time goes, before / after",
+      "",
+      "`python benchmarks/step_profile.py --label <label>`: a `jax.profiler` trace of the one-device step on these",
+      "models; every op the XLA CPU runtime ran, grouped by what its HLO holds (matmul: a dot, with whatever is fused",
+      "into it; reduction; copy/transpose: a layout change, with fused elementwise work; elementwise: the rest).",
+      "Each op at its fastest of the traced steps (other jobs on the shared cores slow single runs) times its runs",
+      "per step, summed over the runtime's threads (ops run concurrently, so the sum is not the step's wall time).",
+      "*before*: the code before this round's changes (commit 6dda497); *after*: this version.",
+      "",
+      "| run | step | load (1 min) | op ms / step | " + " | ".join(kinds) + " |",
+      "|---|---|---:|---:|" + "---:|" * len(kinds),
+  ]
+  for r in rows:
+    total = sum(r["ms"].values())
+    shares = " | ".join(f"{100 * r['ms'][k] / total:.0f}% ({r['ms'][k]:.0f})" for k in kinds)
+    out.append(f"| {r['label']} | {r['step']} | {r['load']:.1f} | {total:.0f} | {shares} |")
+  return out + [""]
+
+
 def paired(t: dict[str, list[float]], num: str, den: tuple[str, ...]) -> float:
   """Median over rounds of t[num] / sum(t[d] for d in den) within the round."""
   return statistics.median(t[num][i] / sum(t[d][i] for d in den) for i in range(len(t[num])))
@@ -550,6 +579,7 @@ def write(args, res, med, seconds: float) -> None:
       "teacher data-parallel over all devices), so the count is not halved.",
       "",
   ]
+  lines += profile_section()
   lines.append(f"Environment: jax {jax.__version__}, Python {platform.python_version()}, {platform.machine()}.")
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text("\n".join(lines) + "\n")

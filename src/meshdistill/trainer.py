@@ -15,6 +15,8 @@ One step, in order: read the next host batch; dispatch the compiled step (metric
 device); judge the previous step's loss (the divergence guard); every ``log_every`` steps
 fetch and average the metrics (`Monitor`); every ``eval_every`` steps (and at the end)
 evaluate on the fixed validation batches; every ``checkpoint.every`` steps (and at the end) save.
+After the first logged step, steps whose metrics nothing reads run the trainer's metrics-light step
+(same update; ``FitOptions.metrics_light``).
 
 With a `DivergenceGuard` (``guard``) the loop reads every step's loss. A non-finite loss, or one
 far above its running median, restores the last good train state and, for distillation,
