@@ -392,7 +392,8 @@ def write(args, res, med, seconds: float) -> None:
   best = max(probe_rate.values())
   rate = {"": best, ONE: best}
   single = max(r for k, r in probe_rate.items() if k.startswith(ONE))
-  row_flops = {OURS: fl["step"], REF: fl["step"], OURS + LIGHT: fl["step"], REF + LIGHT: fl["step"], TUNIX: fl["step"], TUNIX_NP: fl["step"], CE_ONLY: fl["student"],
+  row_flops = {OURS: fl["step"], REF: fl["step"], OURS + LIGHT: fl["step"], REF + LIGHT: fl["step"],
+               TUNIX: fl["step"], TUNIX_NP: fl["step"], CE_ONLY: fl["student"],
                BARE_T: fl["teacher"], BARE_S: fl["student"]}
   tc, sc = res["tcfg"], res["scfg"]
   (l1, l5, l15), (e1, e5, e15) = res["load"]
@@ -487,7 +488,8 @@ def write(args, res, med, seconds: float) -> None:
   targets = [
       f"* ours / tunix >= 1.25x with tunix given split input (ChunkedLogitKD): **{verdict(sp[OURS][0] >= 1.25)}**"
       f" ({sp[OURS][0]:.2f}x by medians, {sp[OURS][1]:.2f}x paired; metrics-light step {sp[OURS + LIGHT][0]:.2f}x / "
-      f"{sp[OURS + LIGHT][1]:.2f}x; LogitKD {sp[REF][0]:.2f}x / {sp[REF][1]:.2f}x, metrics-light {sp[REF + LIGHT][0]:.2f}x / "
+      f"{sp[OURS + LIGHT][1]:.2f}x; LogitKD {sp[REF][0]:.2f}x / {sp[REF][1]:.2f}x, "
+      f"metrics-light {sp[REF + LIGHT][0]:.2f}x / "
       f"{sp[REF + LIGHT][1]:.2f}x).",
       f"* ours / bare <= 1.05x on one device: ChunkedLogitKD {ov[ONE + OURS][0]:.2f}x, LogitKD {ov[ONE + REF][0]:.2f}x: "
       f"**{verdict(max(ov[ONE + OURS][0], ov[ONE + REF][0]) <= 1.05)}**; metrics-light steps (the loop's steps between "

@@ -24,7 +24,8 @@ def _distiller(mesh, **kw):
 
 @pytest.fixture(scope="module")
 def mesh_step():
-  """The 2x4 step: its distiller, a state, a batch, the compiled HLO, the lowered (pre-XLA) module, the compiled step."""
+  """The 2x4 step: its distiller, a state, a batch, the compiled HLO, the lowered (pre-XLA) module and the
+  compiled step."""
   d = _distiller(md.make_mesh(2, 4))
   state, batch = d.init_state(), make_batch()
   lowered = d.lower(state, batch)
