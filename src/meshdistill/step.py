@@ -30,6 +30,7 @@ import optax
 from flax import nnx
 
 from meshdistill import losses
+from meshdistill.collectives import psum_bundled
 from meshdistill.layout import BACKENDS, TOPK_KEYS, resolve_backend, wrap_step  # noqa: F401 -- re-exported
 
 
@@ -39,10 +40,6 @@ class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar
   params: Any
   opt_state: Any
-
-
-def _psum(x, axis: str | None):
-  return x if axis is None else jax.lax.psum(x, axis)
 
 
 def per_device_step(
@@ -57,6 +54,7 @@ def per_device_step(
     data_axis: str | None,
     vocab: int | None = None,
     trainable: Any = None,
+    light: bool = False,
 ):
   """One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``.
 
@@ -70,6 +68,11 @@ def per_device_step(
 
   ``vocab``: when teacher and student vocabularies differ only by padding rows, the shared
   range ``[0, vocab)``; both models' logits (and LM heads) are sliced to it before the loss.
+
+  ``light``: the metrics-light step: the same update (same parameters, same loss), but its metrics
+  are only ``loss``, ``grad_norm`` and ``tokens`` (what the divergence guard and the progress line
+  read); the strategy's other metrics are not returned, so the compiler drops their work (their
+  vocabulary-wide passes and reductions). The loop runs it on the steps it does not log.
 
   Returns ``(new_state, metrics)``; metrics are token means over the global batch
   (plus ``grad_norm`` and ``tokens``), identical on every device.
@@ -90,11 +93,11 @@ def per_device_step(
     teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
     teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
 
-  tokens = _psum(jnp.sum(mask_BxT), data_axis)
   # A strategy whose loss is a mean over something else than tokens (pairs of rows: preference
   # losses) says how many of those its local rows hold (`count`); the step sums that over `data`.
   count = getattr(strategy, "count", None)
-  denom = jnp.maximum(tokens if count is None else _psum(count(mask_BxT), data_axis), 1.0)
+  tokens, counted = psum_bundled((jnp.sum(mask_BxT), None if count is None else count(mask_BxT)), data_axis)
+  denom = jnp.maximum(tokens if count is None else counted, 1.0)
 
   params_in, frozen = split_trainable(state.params, trainable)
 
@@ -113,14 +116,15 @@ def per_device_step(
     return sums["loss"] / denom, sums
 
   (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
-  grads = _psum(grads, data_axis)
-  sums = _psum(sums, data_axis)
+  if light:
+    sums = {"loss": sums["loss"]}
+  grads, sums = psum_bundled((grads, sums), data_axis)  # one all-reduce of the scalars, one (combined) of the arrays
 
   updates, opt_state = optimizer.update(grads, state.opt_state, params_in)
   params = join_trainable(optax.apply_updates(params_in, updates), frozen)
 
   metrics = {k: v / denom for k, v in sums.items()}
-  metrics["grad_norm"] = optax.global_norm(grads)
+  metrics["grad_norm"] = optax.tree.norm(grads)  # the norm the optimizer clips with (computed once: CSE)
   metrics["tokens"] = tokens
   return TrainState(state.step + 1, params, opt_state), metrics
 

@@ -21,7 +21,9 @@ norm scales                 [D]               replicated
 (``ModelConfig.for_tensor`` pads and replicates; the decoder cuts the padding off its outputs.)
 So the logits ``[B, T, V]`` come out split over ``tensor`` along V. On request
 (``capture=``) the forward pass also returns per-layer hidden states and attention
-probabilities; capturing never changes parameters or module state.
+probabilities; capturing never changes parameters or module state. With ``ModelConfig.scan_layers``
+``blocks`` is one `Block` whose weights are stacked ``[L, ...]`` (layer axis unsplit), run under
+``nnx.scan`` (`meshdistill.models._scan`) with the same per-block runner as the unrolled loop.
 
 This module holds the modules (`Decoder`, `Block`, `Attention`, `MLP`) and `ModelOutput`;
 `ModelConfig`, `RopeScaling`, `ATTENTION` and `REMAT_POLICIES` live in `meshdistill.models._config`,
@@ -40,6 +42,7 @@ from flax import nnx
 from meshdistill.mesh import TENSOR
 from meshdistill.models._attention import KVCache, _explicit_attention, _splash_attention, rope
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
+from meshdistill.models._scan import save_all_but_casts, scan_blocks, stacked_blocks
 
 __all__ = [
     "ATTENTION",
@@ -75,6 +78,13 @@ class ModelOutput(NamedTuple):
   final: jax.Array | None = None
 
 
+def _per_token(layer, x_BxTxD: jax.Array) -> jax.Array:
+  """``layer`` (a Linear, or the tied head's ``attend``) on ``[..., D]`` as ONE ``[N, D]`` matmul. Its weight
+  gradient then contracts one token axis; contracting ``[B, T]`` makes XLA's CPU dot copy the activation
+  gradient into a transposed layout first (a third of the one-device step's time went to such copies)."""
+  return layer(x_BxTxD.reshape(-1, x_BxTxD.shape[-1])).reshape(*x_BxTxD.shape[:-1], -1)
+
+
 def _part(init, *names):
   return nnx.with_partitioning(init, names)
 
@@ -102,9 +112,9 @@ class Attention(nnx.Module):
     the new keys/values are written at ``cache.index`` and the queries see the cache's valid slots up to their own."""
     cfg = self.cfg
     K = cfg.hd
-    q = einops.rearrange(self.q(x_BxTxD), "b t (h k) -> b t h k", k=K)
-    k = einops.rearrange(self.k(x_BxTxD), "b t (h k) -> b t h k", k=K)
-    v = einops.rearrange(self.v(x_BxTxD), "b t (h k) -> b t h k", k=K)
+    q = einops.rearrange(_per_token(self.q, x_BxTxD), "b t (h k) -> b t h k", k=K)
+    k = einops.rearrange(_per_token(self.k, x_BxTxD), "b t (h k) -> b t h k", k=K)
+    v = einops.rearrange(_per_token(self.v, x_BxTxD), "b t (h k) -> b t h k", k=K)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     pos = None if cache is None else cache.positions_BxT
@@ -128,7 +138,7 @@ class Attention(nnx.Module):
           q, k, v, mask=visible, is_causal=visible is None, implementation=kind
       ).astype(v.dtype)
       probs_BxHxTxS = None
-    out = self.o(einops.rearrange(out, "b t h k -> b t (h k)"))
+    out = _per_token(self.o, einops.rearrange(out, "b t h k -> b t (h k)"))
     if cache is not None:
       return out, cache
     return out, (probs_BxHxTxS if want_probs else None)
@@ -146,7 +156,8 @@ class MLP(nnx.Module):
     self.down = lin(F, D, (TENSOR, None))
 
   def __call__(self, x_BxTxD):
-    return self.down(jax.nn.silu(self.gate(x_BxTxD)) * self.up(x_BxTxD))
+    x_NxD = x_BxTxD.reshape(-1, x_BxTxD.shape[-1])  # one token axis: see `_per_token`
+    return self.down(jax.nn.silu(self.gate(x_NxD)) * self.up(x_NxD)).reshape(x_BxTxD.shape)
 
 
 class Block(nnx.Module):
@@ -177,7 +188,10 @@ class Decoder(nnx.Module):
         dtype=cfg.compute_dtype,
         rngs=rngs,
     )
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+    if cfg.scan_layers:  # one Block whose weights are stacked [L, ...] (see `meshdistill.models._scan`)
+      self.blocks = stacked_blocks(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
     self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
     if cfg.tie_embeddings:
       self.head = nnx.data(None)
@@ -209,18 +223,22 @@ class Decoder(nnx.Module):
     want_hidden, want_attn = "hidden" in capture, "attn" in capture
     x = self.embed(tokens_BxT)
     hidden, attn = [x] if want_hidden else [], []
-    run_block = _block_runner(cfg.remat)
-    for block in self.blocks:
-      x, probs = run_block(block, x, want_attn)
-      if want_hidden:
-        hidden.append(x)
-      if want_attn:
-        attn.append(probs)
+    run_block = _block_runner(cfg.remat, cfg.scan_layers)
+    if cfg.scan_layers:  # the same run_block on each layer's slice of the stacked blocks
+      x, hidden_L, attn_L = scan_blocks(self.blocks, x, run_block, want_hidden, want_attn)
+      hidden, attn = hidden + list(hidden_L), list(attn_L)
+    else:
+      for block in self.blocks:
+        x, probs = run_block(block, x, want_attn)
+        if want_hidden:
+          hidden.append(x)
+        if want_attn:
+          attn.append(probs)
     x = self.final_norm(x)
     final = x if "final" in capture else None
     if not logits:
       return ModelOutput(None, tuple(hidden), tuple(attn), final)
-    logits_BxTxV = self.embed.attend(x) if self.head is None else self.head(x)
+    logits_BxTxV = _per_token(self.embed.attend if self.head is None else self.head, x)
     if cfg.padded_vocab != cfg.vocab_size:  # padding rows never reach a loss (XLA keeps the shards padded)
       logits_BxTxV = logits_BxTxV[..., : cfg.vocab_size]
     return ModelOutput(logits_BxTxV.astype(jnp.float32), tuple(hidden), tuple(attn), final)
@@ -235,11 +253,15 @@ def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool):
   return block(x_BxTxD, want_probs)
 
 
-def _block_runner(remat: str):
+def _block_runner(remat: str, scanned: bool = False):
   """``f(block, x, want_probs)`` running one block, under `nnx.remat` unless ``remat="none"``.
 
-  Rematerialisation changes what the backward pass stores, never the values.
+  Rematerialisation changes what the backward pass stores, never the values. A scanned block with
+  ``remat="none"`` keeps everything but its dtype casts (`save_all_but_casts`): what a scan keeps for the
+  backward pass is stacked over layers, and the compute-dtype copies of the weights would be a second copy.
   """
+  if remat == "none" and scanned:
+    return nnx.remat(_call_block, policy=save_all_but_casts, static_argnums=(2,))
   if remat == "none":
     return _call_block
   return nnx.remat(_call_block, policy=REMAT_POLICIES[remat], static_argnums=(2,))
