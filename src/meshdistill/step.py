@@ -9,6 +9,11 @@ holds. It runs, in ONE compiled program:
    `jax.vmap`-ed over the local rows;
 3. the gradient sum over ``data`` and the optimizer update.
 
+It is written as two halves, `per_device_gradients` (steps 1-2 and the sums over ``data``) and
+`apply_gradients` (the update). The single and pmap layouts run both per device; the
+shard_map layout runs the first under its ``shard_map`` and the second on the global arrays
+(see `meshdistill.fsdp`: weights may be split over ``data``).
+
 The loss is the token mean over unmasked tokens of the GLOBAL batch: numerator and
 denominator are summed over ``data`` (``psum``), so every layout computes the same
 number as one device.
@@ -22,6 +27,7 @@ a ``(data, tensor)`` mesh, or ``pmap`` -- is `meshdistill.layout`'s business.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from meshdistill import losses
+from meshdistill import fsdp, losses
 from meshdistill.layout import BACKENDS, TOPK_KEYS, resolve_backend, wrap_step  # noqa: F401 -- re-exported
 
 
@@ -45,7 +51,18 @@ def _psum(x, axis: str | None):
   return x if axis is None else jax.lax.psum(x, axis)
 
 
-def per_device_step(
+def per_device_step(state: TrainState, teacher_params: Any, batch: dict[str, jax.Array], **keywords):
+  """One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``: `per_device_gradients` then
+  `apply_gradients` (see them for the keywords).
+
+  Returns ``(new_state, metrics)``; metrics are token means over the global batch
+  (plus ``grad_norm`` and ``tokens``), identical on every device.
+  """
+  grads, metrics = per_device_gradients(state, teacher_params, batch, **keywords)
+  return apply_gradients(state, grads, metrics, **keywords)
+
+
+def per_device_gradients(
     state: TrainState,
     teacher_params: Any,
     batch: dict[str, jax.Array],
@@ -53,12 +70,12 @@ def per_device_step(
     student_def: nnx.GraphDef,
     teacher_def: nnx.GraphDef | None,
     strategy: Any,
-    optimizer: optax.GradientTransformation,
     data_axis: str | None,
     vocab: int | None = None,
     trainable: Any = None,
+    **_,
 ):
-  """One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``.
+  """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
 
   With `TOPK_KEYS` in ``batch`` the teacher is not run: its top-k from the batch (an offline cache,
   `meshdistill.teacher_cache`, or a teacher on its own devices, `meshdistill.teacher_mesh`) is
@@ -71,8 +88,9 @@ def per_device_step(
   ``vocab``: when teacher and student vocabularies differ only by padding rows, the shared
   range ``[0, vocab)``; both models' logits (and LM heads) are sliced to it before the loss.
 
-  Returns ``(new_state, metrics)``; metrics are token means over the global batch
-  (plus ``grad_norm`` and ``tokens``), identical on every device.
+  Only ``state.step`` and ``state.params`` are read. Weights split over ``data`` (`meshdistill.fsdp`) arrive as
+  shards and their gradients leave as shards, already summed over ``data``. Other keywords (the whole step's)
+  are ignored.
   """
   capture = tuple(strategy.capture)
   # A strategy with `needs_head` forms logits itself from the final hidden states and the
@@ -112,16 +130,44 @@ def per_device_step(
     return sums["loss"] / denom, sums
 
   (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
-  grads = _psum(grads, data_axis)
+  grads = sum_over_data(grads, data_axis)
   sums = _psum(sums, data_axis)
+  metrics = {k: v / denom for k, v in sums.items()}
+  metrics["tokens"] = tokens
+  return grads, metrics
 
+
+def sum_over_data(grads: Any, data_axis: str | None) -> Any:
+  """``grads`` summed over ``data``, except those of weights split over ``data`` (`meshdistill.fsdp`): the
+  backward pass of their all-gather already reduce-scattered them."""
+  if data_axis is None:
+    return grads
+  split = fsdp.data_dim
+  return jax.tree.map(lambda g: g if split(g) is not None else _psum(g, data_axis), grads,
+                      is_leaf=lambda x: split(x) is not None)
+
+
+def apply_gradients(
+    state: TrainState, grads: Any, metrics: dict, *, optimizer: optax.GradientTransformation, trainable: Any = None,
+    **_,
+):
+  """The update half of the step: the optimizer on ``grads`` (of the trainable parameters, summed over ``data``);
+  returns ``(new_state, metrics + grad_norm)``. Under `meshdistill.layout.ShardMapLayout` it runs on the global
+  arrays (outside the ``shard_map``), so norms and moments are those of whole gradients. Other keywords are ignored."""
+  params_in, frozen = split_trainable(state.params, trainable)
   updates, opt_state = optimizer.update(grads, state.opt_state, params_in)
   params = join_trainable(optax.apply_updates(params_in, updates), frozen)
-
-  metrics = {k: v / denom for k, v in sums.items()}
-  metrics["grad_norm"] = optax.global_norm(grads)
-  metrics["tokens"] = tokens
+  metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
   return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def step_halves(step_fn) -> tuple[Any, Any] | None:
+  """``(gradients, update)`` halves of a `per_device_step` partial (its keywords bound to both), or None for
+  another function."""
+  if not isinstance(step_fn, functools.partial) or step_fn.func is not per_device_step or step_fn.args:
+    return None
+  kw = step_fn.keywords
+  return functools.partial(per_device_gradients, **kw), functools.partial(apply_gradients, **kw)
 
 
 def split_trainable(params: dict, trainable: Any) -> tuple[dict, Any]:

@@ -1,0 +1,163 @@
+"""Fully sharded data parallelism (ZeRO-3 style) over the ``data`` axis: which weights split, and their gathers.
+
+With ``mesh.fsdp: true`` (``Distiller(..., fsdp=True)``, `meshdistill.layout.ShardMapLayout` only) every
+weight of the student -- and so its optimizer moments, which follow their parameter's sharding -- and
+every weight of the teacher is split over ``data`` as well as ``tensor``: the teacher over the whole
+mesh, the student's parameters and AdamW moments over ``data x tensor``.
+
+How it is expressed:
+
+* **Which dimension.** `assign` adds the name ``data`` to the partition metadata (nnx ``out_sharding``)
+  of each weight, on its largest dimension that ``tensor`` does not split and ``data`` divides (the
+  model dimension D of projections, embeddings and norm scales). Weights with no such dimension
+  (a bias split over ``tensor``, a small LoRA factor) stay replicated over ``data``. The layout does
+  this once, on the models it is given (`meshdistill.layout.ShardMapLayout.fit_model`); from then on
+  the metadata is the one source: placement, optimizer moments, checkpoint targets and the step's
+  ``shard_map`` specs (`data_specs`) all read it. No model code names the dimensions.
+* **Explicit gathers per layer.** The step stays ONE per-device function under a ``shard_map``
+  manual over ``data`` only (``tensor`` compiler-managed). Inside it, the weights of a data-split
+  module arrive as local shards, and `gathered` all-gathers them over ``data``
+  (``jax.lax.all_gather(tiled=True)``) right where the module runs: the decoder calls it once per
+  block, INSIDE the block's rematerialisation region, so the full copy of a block's weights lives
+  only while the block runs and is gathered again in the backward pass (with ``remat="none"`` it is
+  kept until then); embeddings, final norm and LM head are gathered where they are used. The
+  transpose of an all-gather is a reduce-scatter, so the gradient of a data-split weight comes out
+  of the backward pass already summed over ``data`` and split like its weight: the step must not sum
+  it again (`meshdistill.step.sum_over_data`). Explicit collectives, rather than leaving the gathers to
+  the compiler: the step is manual over ``data`` already, and only an explicit gather can be placed
+  inside the remat region per block (the compiler would otherwise be free to gather every weight at
+  the start of the program and keep it).
+* **The update runs on the global arrays.** Global-norm clipping, the ``grad_norm`` metric and AdamW
+  need whole gradients, not a device's shard: `meshdistill.layout.ShardMapLayout.compile` runs the
+  gradient half of the step (`meshdistill.step.per_device_gradients`) under the ``shard_map`` and the
+  update half (`meshdistill.step.apply_gradients`) at ``jit`` level on the globally sharded arrays,
+  in the same program; the moments stay split over ``data x tensor``.
+
+Outside a ``shard_map`` manual over ``data`` (evaluation, generation, export) `gathered` does nothing:
+the arrays are global there and the compiler partitions them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from meshdistill.mesh import DATA
+
+SETTING = "mesh.fsdp"
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _names(v: nnx.Variable) -> tuple:
+  """The partition names of a variable, one per dimension (None: not split)."""
+  names = v.get_metadata().get("out_sharding") or ()
+  return tuple(names) + (None,) * (len(v.shape) - len(names))
+
+
+def data_dim(v: Any) -> int | None:
+  """The dimension of variable ``v`` split over ``data`` (None: replicated over ``data``, or not a variable)."""
+  if not _is_var(v):
+    return None
+  names = _names(v)
+  return names.index(DATA) if DATA in names else None
+
+
+def _choose(v: nnx.Variable, data: int) -> int | None:
+  """The largest dimension of ``v`` that no axis splits and ``data`` divides (the first of equals), or None."""
+  names, shape = _names(v), v.shape
+  free = [i for i, (a, n) in enumerate(zip(names, shape)) if a is None and n % data == 0]
+  return max(free, key=lambda i: (shape[i], -i)) if free else None
+
+
+def assign(state: nnx.State, mesh: Mesh) -> nnx.State:
+  """``state`` with ``data`` in the partition metadata of each variable that can be split over it (see the module
+  docstring); a state already assigned for this mesh comes back unchanged, one assigned for another is redone."""
+  data = mesh.shape[DATA]
+
+  def one(v):
+    if not _is_var(v) or not v.shape:
+      return v
+    names = tuple(None if a == DATA else a for a in _names(v))
+    v = v.replace(out_sharding=names) if DATA in _names(v) else v
+    dim = _choose(v, data) if data > 1 else None
+    if dim is None:
+      return v
+    return v.replace(out_sharding=tuple(DATA if i == dim else a for i, a in enumerate(names)))
+
+  return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def remove(state: nnx.State) -> nnx.State:
+  """``state`` without ``data`` in any partition metadata (replicated over ``data`` again)."""
+  def one(v):
+    if data_dim(v) is None:
+      return v
+    return v.replace(out_sharding=tuple(None if a == DATA else a for a in _names(v)))
+  return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def annotate_model(model, mesh: Mesh | None, on: bool):
+  """``model`` with its weights assigned to ``data`` (``on``) or not; the model itself when nothing changes."""
+  graphdef, state = nnx.split(model)
+  new = assign(state, mesh) if on else remove(state)
+  if jax.tree.structure(new) == jax.tree.structure(state):
+    return model
+  return nnx.merge(graphdef, new)
+
+
+def data_specs(tree: Any) -> Any:
+  """``shard_map`` specs of a parameter tree over the manual ``data`` axis: ``P(..., 'data', ...)`` on the data-split
+  dimension of each variable, ``P()`` (replicated over ``data``) for the rest."""
+  def one(v):
+    dim = data_dim(v)
+    return P() if dim is None else P(*(DATA if i == dim else None for i in range(dim + 1)))
+  return jax.tree.map(one, tree, is_leaf=_is_var)
+
+
+def any_split(tree: Any) -> bool:
+  """Whether any variable of ``tree`` is split over ``data``."""
+  return any(data_dim(v) is not None for v in jax.tree.leaves(tree, is_leaf=_is_var))
+
+
+def _data_is_manual() -> bool:
+  mesh = jax.sharding.get_abstract_mesh()
+  return DATA in getattr(mesh, "manual_axes", ())
+
+
+def gathered(module):
+  """``module`` with every weight split over ``data`` all-gathered whole (a copy; ``module`` is not changed).
+
+  The one hook of the models: called where a module's weights are used (once per decoder block, inside
+  its remat region). Only inside a ``shard_map`` manual over ``data`` do such weights arrive as shards
+  (their specs from `data_specs`); elsewhere the module comes back as it is. The gradient of the gather
+  is a reduce-scatter over ``data``.
+  """
+  if module is None or not _data_is_manual():
+    return module
+  graphdef, state = nnx.split(module)
+  if not any_split(state):
+    return module
+
+  def one(v):
+    dim = data_dim(v)
+    if dim is None:
+      return v
+    return v.replace(jax.lax.all_gather(v.get_value(), DATA, axis=dim, tiled=True))
+
+  return nnx.merge(graphdef, jax.tree.map(one, state, is_leaf=_is_var))
+
+
+def unsupported(layout: str) -> str:
+  """The error for ``mesh.fsdp`` on a layout that cannot split weights over ``data``."""
+  return (
+      f"{SETTING}=true (Distiller(fsdp=True)) splits weights over the data axis of a shard_map mesh, but "
+      f"mesh.backend={layout!r} keeps a whole replica per device; use mesh.backend='shard_map' (backend='shard_map' "
+      "with a mesh from make_mesh), or set mesh.fsdp=false"
+  )
