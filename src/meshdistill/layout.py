@@ -102,8 +102,9 @@ class Layout:
 
   def fit_model(self, model):
     """``model`` ready for this layout: itself, or a copy padded / re-partitioned for the mesh (a vocabulary or
-    key/value head count that ``tensor`` does not divide); raises when it cannot be laid out here."""
-    return model
+    key/value head count that ``tensor`` does not divide; weights split over ``data`` or not, `fsdp`); raises
+    when it cannot be laid out here."""
+    return fsdp_lib.annotate_model(model, self.mesh, False)
 
   @property
   def eval_mesh(self) -> Mesh | None:
@@ -274,12 +275,10 @@ class ShardMapLayout(Layout):
       # The gradient half per device (manual over `data`); weights split over `data` arrive as shards.
       inputs = TrainState(state.step, state.params, None)  # no optimizer state: it never needs gathering
       body = jax.shard_map(
-          functools.partial(gradients, data_axis=data_axis),
-          mesh=self.mesh,
+          functools.partial(gradients, data_axis=data_axis), mesh=self.mesh,
           in_specs=(specs(inputs), specs(teacher_params), P(DATA)),
           out_specs=(specs(split_trainable(state.params, trainable)[0]), P()),
-          axis_names={DATA},
-          check_vma=False,  # gradients are summed over `data` explicitly, as in pmap
+          axis_names={DATA}, check_vma=False,  # gradients are summed over `data` explicitly, as in pmap
       )
       grads, metrics = body(inputs, teacher_params, batch)
       if state_shardings is not None:  # gradients laid out as their parameters
@@ -295,20 +294,12 @@ class ShardMapLayout(Layout):
   def _whole_step(self, step_fn, data_axis, state_shardings):
     def pinned_step(state, teacher_params, batch):
       new_state, metrics = step_fn(state, teacher_params, batch, data_axis=data_axis)
-      if state_shardings is not None:
-        # Without this XLA leaves the updated weights replicated over `tensor` at the
-        # shard_map boundary (an all-gather of every weight, vocabulary included).
+      if state_shardings is not None:  # else XLA leaves the updated weights replicated over `tensor`
         new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
       return new_state, metrics
 
-    return jax.shard_map(
-        pinned_step,
-        mesh=self.mesh,
-        in_specs=(P(), P(), P(DATA)),
-        out_specs=(P(), P()),
-        axis_names={DATA},
-        check_vma=False,  # gradients are summed over `data` explicitly, as in pmap
-    )
+    return jax.shard_map(pinned_step, mesh=self.mesh, in_specs=(P(), P(), P(DATA)), out_specs=(P(), P()),
+                         axis_names={DATA}, check_vma=False)
 
 
 class PmapLayout(Layout):
@@ -385,7 +376,7 @@ def make_layout(backend: str | None, mesh: Mesh | None, fsdp: bool = False) -> L
   ``data`` too (`meshdistill.fsdp`; shard_map only)."""
   if isinstance(backend, Layout):  # a layout object already (e.g. the planner's abstract one)
     if fsdp and not backend.fsdp:
-      raise ValueError(f"fsdp=True with a layout object built without it: pass {type(backend).__name__}(mesh, fsdp=True)")
+      raise ValueError(f"fsdp=True with a layout built without it: pass {type(backend).__name__}(mesh, fsdp=True)")
     return backend
   cls = layout_class(backend or ("shard_map" if mesh is not None else "single"))
   if fsdp and not cls.supports_fsdp:

@@ -63,10 +63,11 @@ class _AbstractDistiller(Distiller):
 
 
 def abstract_distiller(teacher: ModelConfig, student: ModelConfig, strategy, optimizer, mesh: Mesh,
-                       compiler_options: dict | None = None) -> Distiller:
-  """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays."""
+                       compiler_options: dict | None = None, fsdp: bool = False) -> Distiller:
+  """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays
+  (``fsdp``: weights and optimizer moments split over ``data`` too, ``mesh.fsdp``)."""
   d = _AbstractDistiller(_abstract_model(student), _abstract_model(teacher), strategy=strategy, optimizer=optimizer,
-                         mesh=mesh, backend=_AbstractLayout(mesh))
+                         mesh=mesh, backend=_AbstractLayout(mesh, fsdp=fsdp), fsdp=fsdp)
   return d.with_compiler_options(compiler_options) if compiler_options else d
 
 
