@@ -134,24 +134,37 @@ def _data_is_manual() -> bool:
 def gathered(module):
   """``module`` with every weight split over ``data`` all-gathered whole (a copy; ``module`` is not changed).
 
-  The one hook of the models: called where a module's weights are used (once per decoder block, inside
-  its remat region). Only inside a ``shard_map`` manual over ``data`` do such weights arrive as shards
-  (their specs from `data_specs`); elsewhere the module comes back as it is. The gradient of the gather
-  is a reduce-scatter over ``data``.
+  Only inside a ``shard_map`` manual over ``data`` do such weights arrive as shards (their specs from
+  `data_specs`); elsewhere the module comes back as it is. The gradient of the gather is a reduce-scatter
+  over ``data``. See `gathered_for` to gather a module only once its input exists.
+  """
+  return gathered_for(module, None)[0]
+
+
+def gathered_for(module, x_BxTxD):
+  """``(gathered(module), x_BxTxD)``, the gather ordered after ``x_BxTxD`` (the module's input) is computed.
+
+  The one hook of the models: the decoder calls it for each block, inside the block's remat region, and
+  for the final norm and LM head. The order is an `jax.lax.optimization_barrier` joining the input and
+  the weight shards: without it the compiler may start every layer's gather at the beginning of the
+  program (to hide their latency) and keep all gathered copies alive at once -- the whole model per
+  device again. With it, one block's gathered weights exist at a time (the price: a gather is not
+  overlapped with the previous block's compute).
   """
   if module is None or not _data_is_manual():
-    return module
+    return module, x_BxTxD
   graphdef, state = nnx.split(module)
   if not any_split(state):
-    return module
-
-  def one(v):
-    dim = data_dim(v)
-    if dim is None:
-      return v
-    return v.replace(jax.lax.all_gather(v.get_value(), DATA, axis=dim, tiled=True))
-
-  return nnx.merge(graphdef, jax.tree.map(one, state, is_leaf=_is_var))
+    return module, x_BxTxD
+  flat = list(nnx.to_flat_state(state))
+  split = [i for i, (_, v) in enumerate(flat) if data_dim(v) is not None]
+  shards = [flat[i][1].get_value() for i in split]
+  if x_BxTxD is not None:
+    x_BxTxD, shards = jax.lax.optimization_barrier((x_BxTxD, shards))
+  for i, shard in zip(split, shards):
+    path, v = flat[i]
+    flat[i] = (path, v.replace(jax.lax.all_gather(shard, DATA, axis=data_dim(v), tiled=True)))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat)), x_BxTxD
 
 
 def unsupported(layout: str) -> str:

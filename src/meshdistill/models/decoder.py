@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshdistill.fsdp import gathered
+from meshdistill.fsdp import gathered, gathered_for
 from meshdistill.mesh import TENSOR
 from meshdistill.models._attention import KVCache, _explicit_attention, _splash_attention, rope
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
@@ -219,11 +219,13 @@ class Decoder(nnx.Module):
         hidden.append(x)
       if want_attn:
         attn.append(probs)
-    x = gathered(self.final_norm)(x)
+    final_norm, x = gathered_for(self.final_norm, x)
+    x = final_norm(x)
     final = x if "final" in capture else None
     if not logits:
       return ModelOutput(None, tuple(hidden), tuple(attn), final)
-    logits_BxTxV = gathered(self.embed).attend(x) if self.head is None else gathered(self.head)(x)
+    head, x = gathered_for(self.embed if self.head is None else self.head, x)
+    logits_BxTxV = head.attend(x) if self.head is None else head(x)
     if cfg.padded_vocab != cfg.vocab_size:  # padding rows never reach a loss (XLA keeps the shards padded)
       logits_BxTxV = logits_BxTxV[..., : cfg.vocab_size]
     return ModelOutput(logits_BxTxV.astype(jnp.float32), tuple(hidden), tuple(attn), final)
@@ -236,7 +238,8 @@ class Decoder(nnx.Module):
 
 def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool):
   # Weights split over `data` (`meshdistill.fsdp`) are gathered here, inside the block's remat region.
-  return gathered(block)(x_BxTxD, want_probs)
+  block, x_BxTxD = gathered_for(block, x_BxTxD)
+  return block(x_BxTxD, want_probs)
 
 
 def _block_runner(remat: str):
