@@ -3,8 +3,9 @@
 Every run here is a real ``meshdistill distill --config tiny`` subprocess (4 steps, a checkpoint
 every 2): 2 processes x 4 CPU devices on a 2x4 mesh (through ``meshdistill launch``) against
 1 process x 8 devices; a 1-process resume of the 2-process checkpoint; and a 2-process resume of
-the 1-process checkpoint whose second process is then killed. A random teacher written once by
-this module replaces the tiny config's teacher pretraining (it only costs compile time here).
+the 1-process checkpoint whose second process is then killed; ``meshdistill cache-teacher`` as 2
+writers against 1. A random teacher written once by this module replaces the tiny config's teacher
+pretraining (it only costs compile time here).
 """
 
 import io
@@ -166,6 +167,47 @@ def test_one_process_checkpoint_resumes_on_two_and_a_killed_process_stops_the_ot
   steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()]
   assert max(steps) < 500, "the run ended before the kill: nothing was tested"
   assert int(_load_state(run, max(steps))["step"]) == max(steps)
+
+
+def test_two_process_teacher_cache_equals_one_process_cache(teacher, tmp_path):
+  """``cache-teacher`` as 2 processes (each writing its own shards) against 1 process, on the tiny data.
+
+  On 8x1 (no collective in the teacher) the shards are bit-identical: same content hash, same manifest. On
+  2x4 the teacher's tensor all-reduces run through gloo with 2 processes but in-process with one, which sums
+  in another order: the float32 log-probabilities then agree to float32 rounding, not bit for bit."""
+  env = _env(tmp_path)
+  layouts = {"8x1": ((8, 1), "float16"), "2x4": ((2, 4), "float32")}
+
+  def cmd(name, processes):
+    (data, tensor), precision = layouts[name]
+    sets = {"pretrain.teacher": teacher, "data.max_chars": 8000, "run.run_dir": str(tmp_path / "run"),
+            "mesh.data": data, "mesh.tensor": tensor}
+    args = ["cache-teacher", "--config", "tiny", "--out", str(tmp_path / f"{name}-{processes}"), "--k", "8",
+            "--rows-per-shard", "48", "--precision", precision]
+    args += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    launch = ["launch", "--processes", str(processes), "--", "meshdistill"] if processes > 1 else []
+    return [sys.executable, "-m", "meshdistill", *launch, *args]
+
+  # All four jobs at once: their start-up and compile waits overlap.
+  jobs = {(name, n): subprocess.Popen(cmd(name, n), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True) for name in layouts for n in (1, 2)}
+  outs = {key: p.communicate(timeout=TIMEOUT_S)[0] for key, p in jobs.items()}
+  for key, p in jobs.items():
+    assert p.returncode == 0, outs[key][-3000:]
+  assert "(2 writers)" in outs[("8x1", 2)] and "[p1] teacher cache" in outs[("8x1", 2)]
+  caches = {key: md.teacher_cache.TeacherCache(str(tmp_path / f"{key[0]}-{key[1]}"), verify=True) for key in jobs}
+  one, two = caches[("8x1", 1)].manifest, caches[("8x1", 2)].manifest
+  assert len(one["shards"]) == 5 and one["rows"] == 237  # 3 shards written by process 0, 2 by process 1
+  assert two["content_sha256"] == one["content_sha256"] and two == one
+  assert sorted(os.listdir(tmp_path / "8x1-2")) == sorted(os.listdir(tmp_path / "8x1-1"))  # no progress files left
+  one, two = caches[("2x4", 1)], caches[("2x4", 2)]
+  rows = np.arange(one.manifest["rows"])
+  got, want = two.rows(rows), one.rows(rows)
+  assert sorted(got) == sorted(want) and len(want) >= 3
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+  assert {k: v for k, v in two.manifest.items() if k not in ("shards", "content_sha256")} == {
+      k: v for k, v in one.manifest.items() if k not in ("shards", "content_sha256")}
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,13 @@
 import os
 
 import numpy as np
+import optax
 import pytest
 from helpers import STUDENT_CFG, TEACHER_CFG, write_corpus
 
 import meshdistill as md
 from meshdistill import teacher_cache as tc
+from meshdistill.safeguards import ScaledLoss, safeguarded
 from meshdistill.strategies import AttentionTransfer, LogitKD
 
 K, TAU = 4, 2.0
@@ -91,6 +93,22 @@ def test_killed_write_resumes_to_the_same_cache(setup, tmp_path):
   tc.TeacherCache(out, verify=True)
 
 
+def test_writers_split_the_shards_and_a_rerun_on_another_process_count_finishes(setup, tmp_path):
+  """Writer 1 of 2 alone writes the odd shards and no manifest; a one-process rerun writes only the even ones
+  (writer 1's files are kept as they are) and ends with the uninterrupted cache and no progress files."""
+  s = setup
+  out = tmp_path / "split"
+  kw = dict(identity=s["identity"], precision="float32", rows_per_shard=128, batch_size=32)
+  assert tc.write_cache(s["program"], s["data"].train, str(out), process_index=1, process_count=2, **kw) == {}
+  odd = {n: os.stat(out / n).st_mtime_ns for n in os.listdir(out) if n.startswith("shard-")}
+  whole = tc.TeacherCache(s["caches"]["float32"]).manifest
+  assert sorted(odd) == [sh["name"] for sh in whole["shards"][1::2]] and os.path.isfile(out / "progress-1.json")
+  done = tc.write_cache(s["program"], s["data"].train, str(out), **kw)
+  assert done["content_sha256"] == whole["content_sha256"]
+  assert {n: os.stat(out / n).st_mtime_ns for n in odd} == odd
+  assert not any(n.startswith("progress-") for n in os.listdir(out))
+
+
 def test_cache_for_other_settings_or_damaged_is_refused(setup, tmp_path):
   s = setup
   path = s["caches"]["float16"]
@@ -124,3 +142,22 @@ def test_cache_for_other_settings_or_damaged_is_refused(setup, tmp_path):
   for strategy, match in refused:
     with pytest.raises(ValueError, match=match):
       md.Distiller(student, cache.spec(), strategy=strategy)
+
+
+def test_scaled_loss_trains_from_a_cache_like_the_strategy_it_wraps(setup):
+  """`ScaledLoss` (static loss scaling) around a top-k `LogitKD`: the cache serves it; the loss values and, with the
+  optimizer unscaling by the same factor, the whole trajectory are the unscaled run's. Around a strategy that
+  needs a live teacher the error names both."""
+  s = setup
+  cache = tc.TeacherCache(s["caches"]["float32"])
+  data = tc.CachedTeacherData(s["data"], cache)
+  student = md.init_model(s["student_cfg"], seed=1)
+  plain = md.Distiller(student, cache.spec(), strategy=STRATEGY, optimizer=safeguarded(optax.sgd(0.1)))
+  scaled = md.Distiller(student, cache.spec(), strategy=ScaledLoss(STRATEGY, 1024.0),
+                        optimizer=safeguarded(optax.sgd(0.1), loss_scale=1024.0))
+  np.testing.assert_allclose(_losses(scaled, data, s["student_cfg"], None),
+                             _losses(plain, data, s["student_cfg"], None), rtol=1e-5)
+  with pytest.raises(ValueError, match=r"ScaledLoss\(scale=8.0\) wrapping AttentionTransfer needs a live teacher"):
+    md.Distiller(student, cache.spec(), strategy=ScaledLoss(AttentionTransfer(), 8.0))
+  with pytest.raises(ValueError, match=r"ScaledLoss\(scale=8.0\) wrapping LogitKD.top_k=5"):
+    md.Distiller(student, cache.spec(), strategy=ScaledLoss(LogitKD(top_k=K + 1, temperature=TAU), 8.0))

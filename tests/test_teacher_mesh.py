@@ -110,3 +110,20 @@ def test_teacher_devices_and_cache_config_keys_are_checked():
     load_config("tiny", ["teacher.devices={data: 1, tensor: 0}"])
   with pytest.raises(ConfigError, match="exclude each other"):
     load_config("tiny", ["teacher.devices={data: 1, tensor: 4}", "teacher.cache=x"])
+
+
+@pytest.mark.parametrize("sets, named", [
+    (["distill.kind=chunked_logit_kd"], "distill.kind=chunked_logit_kd needs more"),
+    ([], "distill.kind=logit_kd without distill.top_k needs more"),
+    (["distill.kind=attention_transfer"], "distill.kind=attention_transfer needs more"),
+])
+def test_teacher_devices_with_a_strategy_that_needs_more_than_top_k_is_an_error(tmp_path, sets, named):
+  """Before any data or teacher is loaded: the sub-mesh teacher sends top-k only."""
+  from meshdistill import jobs
+  from meshdistill.config import ConfigError, load_config
+
+  cfg = load_config("tiny", ["teacher.devices={data: 1, tensor: 4}", "mesh.data=2", "mesh.tensor=2",
+                             f"run.run_dir={tmp_path / 'run'}", *sets])
+  with pytest.raises(ConfigError, match=f"teacher.devices sends the student the teacher's top-k only.*{named}"):
+    jobs.distill(cfg)
+  assert not (tmp_path / "run" / "config.yaml").exists()

@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
           f"meshdistill: error: process {distributed.process_index()} of {distributed.process_count()}: {e}\n"
           "a collective between the processes failed (did another process of the job stop?); rerun the same command "
-          "on every process to resume from the last checkpoint",
+          "on every process to resume (from the last checkpoint, or for cache-teacher from the shards written)",
           file=sys.stderr,
         )
         return 1

@@ -201,6 +201,18 @@ def _split_meshes(cfg: Config):
   td = cfg.models.teacher_devices
   from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
 
+  # Checked first (before data or teacher): the teacher on its own mesh sends the student its top-k only.
+  if cfg.distill.kind != "logit_kd" or cfg.distill.top_k is None:
+    what = f"distill.kind={cfg.distill.kind}" + (" without distill.top_k" if cfg.distill.kind == "logit_kd" else "")
+    raise ConfigError(
+      f"teacher.devices sends the student the teacher's top-k only (not its logits, hidden states or attention "
+      f"maps), but {what} needs more: set distill.kind=logit_kd and distill.top_k (e.g. 32), or remove "
+      "teacher.devices to run the teacher on the student's mesh (the full-vocabulary and chunked losses, "
+      "attention and feature transfer)"
+    )
+  if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
+    raise ConfigError("teacher.devices needs a constant distill.temperature (the top-k is taken at it)")
+
   if not layout_class(cfg.mesh.backend).spans_processes:  # a mesh split over devices of its own
     raise ConfigError(f"teacher.devices needs mesh.backend=shard_map (got {cfg.mesh.backend!r})")
   try:
@@ -215,11 +227,6 @@ def _teacher_on_own_mesh(cfg: Config, data, teacher_mesh, mesh, stream, say):
   from meshdistill.teacher_mesh import TeacherMeshData, TeacherOnMesh  # pylint: disable=g-import-not-at-top
 
   td = cfg.models.teacher_devices
-  if cfg.distill.kind != "logit_kd" or cfg.distill.top_k is None:
-    raise ConfigError("teacher.devices sends the teacher's top-k to the student: set distill.kind=logit_kd and "
-                      "distill.top_k (e.g. 32); other strategies need the teacher on the student's mesh")
-  if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
-    raise ConfigError("teacher.devices needs a constant distill.temperature (the top-k is taken at it)")
   teacher, tdir = obtain_teacher(cfg, data, teacher_mesh, stream=stream, report=say)
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
   on_mesh = TeacherOnMesh(teacher, k=cfg.distill.top_k, temperature=float(cfg.distill.temperature), vocab=vocab,
@@ -236,7 +243,9 @@ def cache_teacher(
 
   The teacher is the one `distill` would use (``teacher.hf``, ``pretrain.teacher``, cached or pretrained
   now), run on the configured mesh; log-probabilities are taken at ``distill.temperature`` over the
-  token range teacher and student share. Returns the manifest.
+  token range teacher and student share. In a job of several processes each process is one writer:
+  the teacher runs on its rows of the mesh alone (`teacher_cache.process_mesh`) and writes every n-th
+  shard; every process returns the manifest process 0 writes once all shards are there.
   """
   from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
   from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
@@ -247,33 +256,47 @@ def cache_teacher(
                       "at one temperature; set a constant distill.temperature")
   from meshdistill import distributed  # pylint: disable=g-import-not-at-top
 
-  if distributed.process_count() > 1:
-    # Each process would own every n-th shard, but the teacher program spans the global mesh, so every
-    # process must take part in every call: not supported yet.
-    raise ConfigError(f"cache-teacher runs as one process, but this job has {distributed.process_count()}; run it "
-                      "once on one host (its devices as mesh.data x mesh.tensor), then distil from the cache")
   mesh = build_mesh(cfg)
   data = load_data(cfg, mesh=mesh)
   say = stream_reporter(stream)
   teacher, _ = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
-  program = tc.TeacherTopK(teacher, k=k, temperature=float(cfg.distill.temperature), vocab=vocab,
-                           mesh=make_layout(cfg.mesh.backend, mesh).eval_mesh)
+  program_mesh, batch_size = make_layout(cfg.mesh.backend, mesh).eval_mesh, data.global_batch_size
+  if distributed.process_count() > 1:
+    # One writer per process: each runs the teacher alone on its own rows of the mesh (the same per-device
+    # program and rows per device as one process on the whole mesh) and writes every n-th shard.
+    try:
+      program_mesh = tc.process_mesh(mesh)
+      teacher = _on_mesh(teacher, program_mesh)
+    except ValueError as e:
+      raise ConfigError(f"cache-teacher as {distributed.process_count()} processes: {e}") from None
+    batch_size = batch_size * program_mesh.shape["data"] // mesh.shape["data"]
+  program = tc.TeacherTopK(teacher, k=k, temperature=float(cfg.distill.temperature), vocab=vocab, mesh=program_mesh)
   identity = {"teacher": tc.teacher_identity(teacher),
               "data": tc.data_identity(data.train, data.tokenizer, cfg.data.source)}
-  import jax  # pylint: disable=g-import-not-at-top
-
   t0 = time.perf_counter()
   manifest = tc.write_cache(program, data.train, out, identity=identity, precision=precision,
-                            rows_per_shard=rows_per_shard, batch_size=data.global_batch_size,
-                            process_index=jax.process_index(), process_count=jax.process_count(),
+                            rows_per_shard=rows_per_shard, batch_size=batch_size,
+                            process_index=distributed.process_index(), process_count=distributed.process_count(),
                             stop_after_shards=stop_after_shards, barrier=_barrier)
   say(f"teacher cache: {len(data.train)} rows x {data.train.seq_len} tokens -> {out} in "
-      f"{time.perf_counter() - t0:.1f}s")
+      f"{time.perf_counter() - t0:.1f}s" + (f" ({distributed.process_count()} writers)"
+                                             if distributed.process_count() > 1 else ""))
   return manifest
 
 
-def _barrier() -> None:
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+def _on_mesh(teacher, mesh):
+  """``teacher`` with its parameters on ``mesh``, this process's part of the job's mesh (no copy)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  multihost_utils.sync_global_devices("meshdistill-teacher-cache")
+  from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
+
+  graphdef, params = nnx.split(teacher)
+  return nnx.merge(graphdef, tc.on_process_mesh(params, mesh))
+
+
+def _barrier(name: str) -> None:
+  """Waits for every process; a writer with more shards may finish a shard's time later than the others."""
+  from meshdistill import distributed  # pylint: disable=g-import-not-at-top
+
+  distributed.barrier(name, timeout_s=24 * 3600)  # a process that dies stops the others (missed heartbeats)

@@ -14,18 +14,20 @@ Layout of a cache directory:
   in the cache's precision (``float16``: 2 bytes; ``float32``: exact). Each shard is written to a
   temporary file and renamed, so a shard on disk is whole;
 * ``progress-P.json`` -- while writing, one per process ``P``: the settings and that process's
-  finished shards (with sizes and SHA-256), rewritten atomically after each shard; a rerun skips
-  them (resume after a kill);
+  finished shards (with sizes and SHA-256), rewritten atomically after each shard; a rerun, on any
+  number of processes, skips every shard any of them lists (resume after a kill);
 * ``manifest.json`` -- written last: teacher (config and a hash of its weights), tokenizer
   fingerprint, data (sources, ``seq_len``, row count, a hash of the packed tokens), ``k``,
   ``temperature``, ``vocab``, ``precision``, the shards and a content hash over them.
 
 At k=32 and V=128k a token costs 32 x 17 bits of ids (68 B) + 32 x 2 B of float16 log-probs +
 2 B of tail = 134 B (``benchmarks/teacher_cache.py`` measures it and the error float16 costs).
-`write_cache` can split the shards over writers (``i % process_count == process_index``, each with
-its own progress file; after a barrier process 0 merges them into the manifest) when each writer
-runs its own teacher program. ``meshdistill cache-teacher`` runs as one process: its teacher
-program spans the mesh, so the processes of one job could not each compute different shards.
+`write_cache` splits the shards over writers (``i % process_count == process_index``, each with its
+own progress file; after a barrier process 0 merges them into the manifest). ``meshdistill
+cache-teacher`` in a job of N processes runs one writer per process: each process runs the teacher
+alone on its own rows of the mesh (`process_mesh`; the teacher's parameters there without a copy,
+`on_process_mesh`), with the same per-device program and rows per device as one process on the
+whole mesh, so the shards -- and the manifest's content hash -- are those of a one-process cache.
 
 Modules: `_program` (the teacher as top-k: `TopKTeacher`, `TeacherTopK`), `_format` (the storage
 format: bit-packed ids, shard and JSON files, settings checks, the `TeacherCache` reader and
@@ -44,7 +46,7 @@ from meshdistill.teacher_cache._format import (
     pack_ids,
     unpack_ids,
 )
-from meshdistill.teacher_cache._program import TeacherTopK, TopKTeacher
+from meshdistill.teacher_cache._program import TeacherTopK, TopKTeacher, on_process_mesh, process_mesh
 from meshdistill.teacher_cache._write import data_identity, teacher_identity, weights_hash, write_cache
 
 __all__ = [
@@ -59,7 +61,9 @@ __all__ = [
     "data_identity",
     "encode_rows",
     "id_bits",
+    "on_process_mesh",
     "pack_ids",
+    "process_mesh",
     "teacher_identity",
     "unpack_ids",
     "weights_hash",

@@ -1,5 +1,6 @@
 """The teacher as top-k: `TopKTeacher` (a teacher known by its top-k only) and `TeacherTopK` (a placed teacher
-compiled to return its `TopK` for a batch of rows, the program `write_cache` and `meshdistill.teacher_mesh` run)."""
+compiled to return its `TopK` for a batch of rows, the program `write_cache` and `meshdistill.teacher_mesh` run);
+`process_mesh` / `on_process_mesh`: the rows of a job's mesh one process runs alone (a cache writer per process)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill import losses
 from meshdistill.fsdp import data_specs
-from meshdistill.mesh import DATA, host_to_global, param_shardings
+from meshdistill.mesh import DATA, TENSOR, host_to_global, param_shardings
 
 
 # --------------------------------------------------------------------------- the teacher as top-k
@@ -38,24 +39,31 @@ class TopKTeacher:
   source: str = "top-k teacher"
 
   def check_strategy(self, strategy: Any) -> None:
-    """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone."""
-    from meshdistill.strategies import LogitKD  # pylint: disable=g-import-not-at-top
+    """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone.
 
-    if type(strategy) is not LogitKD:  # pylint: disable=unidiomatic-typecheck
+    A `ScaledLoss` (static loss scaling) trains from it when the strategy it wraps does: it hands the
+    teacher's top-k to that strategy unchanged.
+    """
+    from meshdistill.strategies import LogitKD, ScaledLoss  # pylint: disable=g-import-not-at-top
+
+    wrapped, inner = "", strategy
+    while isinstance(inner, ScaledLoss):
+      wrapped, inner = f"{wrapped}ScaledLoss(scale={inner.scale}) wrapping ", inner.strategy
+    if type(inner) is not LogitKD:  # pylint: disable=unidiomatic-typecheck
       raise ValueError(
-          f"{self.source} gives the teacher's top-{self.k} tokens only, but strategy {type(strategy).__name__} needs "
-          "a live teacher (its logits, hidden states, attention maps or LM head); use distill.kind=logit_kd with "
-          f"distill.top_k <= {self.k}, or a live teacher (remove teacher.cache)"
+          f"{self.source} gives the teacher's top-{self.k} tokens only, but strategy {wrapped}{type(inner).__name__} "
+          "needs a live teacher (its logits, hidden states, attention maps or LM head); use distill.kind=logit_kd "
+          f"with distill.top_k <= {self.k}, or a live teacher (remove teacher.cache)"
       )
-    if strategy.top_k is None or strategy.top_k > self.k:
+    if inner.top_k is None or inner.top_k > self.k:
       raise ValueError(
-          f"{self.source} holds the teacher's top-{self.k}, but LogitKD.top_k={strategy.top_k}; set distill.top_k to "
-          f"an integer in [1, {self.k}] (the full-vocabulary loss needs a live teacher)"
+          f"{self.source} holds the teacher's top-{self.k}, but {wrapped}LogitKD.top_k={inner.top_k}; set "
+          f"distill.top_k to an integer in [1, {self.k}] (the full-vocabulary loss needs a live teacher)"
       )
-    if callable(strategy.temperature) or float(strategy.temperature) != float(self.temperature):
+    if callable(inner.temperature) or float(inner.temperature) != float(self.temperature):
       raise ValueError(
-          f"{self.source} holds log-probabilities at temperature {self.temperature}, but LogitKD.temperature="
-          f"{strategy.temperature!r}; set distill.temperature={self.temperature} (a constant), or write a cache at "
+          f"{self.source} holds log-probabilities at temperature {self.temperature}, but {wrapped}LogitKD.temperature="
+          f"{inner.temperature!r}; set distill.temperature={self.temperature} (a constant), or write a cache at "
           "the temperature you want"
       )
 
@@ -109,3 +117,56 @@ class TeacherTopK:
 
   def spec(self, source: str) -> TopKTeacher:
     return TopKTeacher(cfg=self.cfg, k=self.k, temperature=self.temperature, vocab=self.vocab, source=source)
+
+
+# --------------------------------------------------------------------------- one process's part of a job's mesh
+def process_mesh(mesh: Mesh) -> Mesh:
+  """The rows of ``mesh`` (its ``data`` indices) whose devices all belong to this process, as a mesh of their own.
+
+  A program on it involves no other process, so each process of a job can run the teacher on different
+  rows (`write_cache` with one writer per process). Its ``tensor`` size is ``mesh``'s, so a device computes
+  the same program on the same number of rows as on ``mesh``. ``mesh`` itself with one process.
+
+  Raises:
+    ValueError: this process's devices do not form whole rows of ``mesh`` (``tensor`` spans processes).
+  """
+  if jax.process_count() == 1:
+    return mesh
+  owners_DxT = np.vectorize(lambda d: d.process_index)(mesh.devices)
+  mine = owners_DxT == jax.process_index()
+  rows = np.flatnonzero(mine.all(axis=1))
+  if rows.size == 0 or rows.size != np.count_nonzero(mine.any(axis=1)):
+    raise ValueError(
+        f"mesh data={mesh.shape[DATA]} x tensor={mesh.shape[TENSOR]}: the devices of process "
+        f"{jax.process_index()} do not form whole rows of the data axis, so it cannot run the teacher on rows of its "
+        f"own; use mesh.tensor at most the devices of one process ({jax.local_device_count()}) and mesh.data a "
+        f"multiple of the {jax.process_count()} processes"
+    )
+  return Mesh(mesh.devices[rows], mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def on_process_mesh(params: Any, mesh: Mesh) -> Any:
+  """``params`` (arrays on a job's mesh, replicated over ``data``) as arrays on its `process_mesh` ``mesh``.
+
+  No copy: each array of the result is made of this process's shards of the input.
+
+  Raises:
+    ValueError: an array is split over ``data`` (this process's rows do not hold all of it).
+  """
+
+  def one(path, x):
+    if not isinstance(x.sharding, NamedSharding):
+      raise ValueError(f"teacher parameter {jax.tree_util.keystr(path)} is not on a mesh ({x.sharding})")
+    sharding = NamedSharding(mesh, x.sharding.spec)
+    have = x.sharding.devices_indices_map(x.shape)
+    want = sharding.devices_indices_map(x.shape)
+    if any(have[d] != idx for d, idx in want.items()):
+      raise ValueError(
+          f"teacher parameter {jax.tree_util.keystr(path)} is split as {x.sharding.spec} over the job's mesh, so the "
+          "rows of one process do not hold all of it; shard the teacher over tensor only to write the cache as "
+          "several processes"
+      )
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, [by_device[d] for d in want])
+
+  return jax.tree_util.tree_map_with_path(one, params)

@@ -15,8 +15,10 @@ import numpy as np
 from flax import nnx
 
 from meshdistill import losses
+from meshdistill.distributed import agree_on
 from meshdistill.teacher_cache._format import (
     FORMAT_VERSION,
+    CacheError,
     MANIFEST,
     PRECISIONS,
     _check_same,
@@ -87,12 +89,16 @@ def write_cache(
       data (`data_identity`); stored in the manifest, and a rerun must match it.
     precision: ``float16`` (compact) or ``float32`` (exact log-probabilities).
     rows_per_shard: rows per shard file; batch_size: rows per teacher call (a multiple of ``data``).
-    process_index, process_count: this process's shards (``i % process_count == process_index``).
+    process_index, process_count: this writer's shards (``i % process_count == process_index``); each writer
+      runs its own ``teacher_topk`` (e.g. on its process's `process_mesh`) and records its finished shards in
+      ``progress-<process_index>.json``. A rerun skips every shard any progress file lists (whatever the
+      process count that wrote it), so a cache resumes on another number of processes too.
     stop_after_shards: stop after writing this many shards (as if killed; for tests).
-    barrier: with several processes, a function every process calls after its shards (a sync point).
+    barrier: with several processes, ``barrier(name)`` waits for every process (`meshdistill.distributed.barrier`):
+      after the shards (then process 0 merges the progress files into the manifest) and after the manifest.
 
   Returns:
-    The manifest (``{}`` when stopped early, or when another process still has shards to write).
+    The manifest (``{}`` when stopped early, or when a writer's shards are still missing).
 
   Raises:
     CacheError: ``out`` holds a cache (finished or not) of other settings.
@@ -111,25 +117,32 @@ def write_cache(
   settings = json.loads(json.dumps(settings))  # as it reads back from JSON
   os.makedirs(out, exist_ok=True)
   done = _read_json(os.path.join(out, MANIFEST))
+  # Every process must take the same path (the shard loop has barriers): process 0's reading decides,
+  # even where a shared file system shows a fresh manifest to some processes later than to others.
+  found = agree_on(int(done is not None), "teacher cache: manifest found")
+  if not found:
+    done = None
+  elif done is None:
+    done = _read_json(os.path.join(out, MANIFEST))
+    if done is None:
+      raise CacheError(f"{out}: process 0 found {MANIFEST} but this process cannot read it; check the shared file system")
   if done is not None:
     _check_same(done, settings, out)
     log.info("teacher cache %s is complete (%d shards); nothing to do", out, len(done["shards"]))
     return done
   progress_path = os.path.join(out, _progress_name(process_index))
-  progress = _read_json(progress_path)
-  if progress is not None:
-    _check_same(progress["settings"], settings, out)
-  else:
-    progress = {"settings": settings, "shards": {}}
+  progress = _read_json(progress_path) or {"settings": settings, "shards": {}}
+  finished = _finished_shards(out, settings)  # by any writer, of this run or an earlier one (any process count)
   n_shards = -(-n // rows_per_shard)
   bits = settings["id_bits"]
-  written = 0
+  written = kept = 0
   t0 = time.perf_counter()
   for i in range(process_index, n_shards, process_count):
-    name = f"shard-{i:05d}.safetensors"
+    name = _shard_name(i)
     path = os.path.join(out, name)
-    entry = progress["shards"].get(name)
+    entry = finished.get(name)
     if entry is not None and os.path.isfile(path) and os.path.getsize(path) == entry["bytes"]:
+      kept += 1
       continue  # finished before an interruption
     if stop_after_shards is not None and written >= stop_after_shards:
       log.info("teacher cache: stopping after %d shards (as asked)", written)
@@ -140,27 +153,47 @@ def write_cache(
     progress["shards"][name] = {"rows": [lo, hi], "bytes": os.path.getsize(path), "sha256": _file_sha256(path)}
     _write_json(progress_path, progress)
     written += 1
-  log.info("teacher cache: wrote %d shards in %.1fs", written, time.perf_counter() - t0)
+  log.info("teacher cache: process %d of %d wrote %d shards in %.1fs (%d written before)", process_index,
+           process_count, written, time.perf_counter() - t0, kept)
   if process_count > 1 and barrier is not None:
-    barrier()
-  if process_index != 0:
-    return {}
+    barrier("teacher-cache-shards")  # every writer has finished its shards
+  if process_index == 0:
+    _write_manifest(out, settings, n_shards)
+  if process_count > 1 and barrier is not None:
+    barrier("teacher-cache-manifest")  # process 0 has written the manifest (or found shards missing)
+  return _read_json(os.path.join(out, MANIFEST)) or {}
+
+
+def _shard_name(i: int) -> str:
+  return f"shard-{i:05d}.safetensors"
+
+
+def _progress_files(out: str) -> list[str]:
+  return sorted(os.path.join(out, f) for f in os.listdir(out) if f.startswith("progress-") and f.endswith(".json"))
+
+
+def _finished_shards(out: str, settings: dict) -> dict:
+  """``{shard name: entry}`` of every progress file in ``out`` (each checked against ``settings``)."""
   finished = {}
-  for p in range(process_count):
-    part = _read_json(os.path.join(out, _progress_name(p)))
-    finished.update({} if part is None else part["shards"])
-  missing = [i for i in range(n_shards) if f"shard-{i:05d}.safetensors" not in finished]
+  for path in _progress_files(out):
+    part = _read_json(path)
+    _check_same(part["settings"], settings, out)
+    finished.update(part["shards"])
+  return finished
+
+
+def _write_manifest(out: str, settings: dict, n_shards: int) -> None:
+  """Merges the writers' progress files into ``manifest.json`` (and removes them), once every shard is listed."""
+  finished = _finished_shards(out, settings)
+  missing = [i for i in range(n_shards) if _shard_name(i) not in finished]
   if missing:
-    log.info("teacher cache: %d shards still missing (other processes); rerun to finish", len(missing))
-    return {}
-  shards = [{"name": f"shard-{i:05d}.safetensors", **finished[f"shard-{i:05d}.safetensors"]} for i in range(n_shards)]
+    log.info("teacher cache: %d shards still missing (other writers); rerun to finish", len(missing))
+    return
+  shards = [{"name": _shard_name(i), **finished[_shard_name(i)]} for i in range(n_shards)]
   content = hashlib.sha256("".join(s["sha256"] for s in shards).encode()).hexdigest()
-  manifest = {**settings, "shards": shards, "content_sha256": content}
-  _write_json(os.path.join(out, MANIFEST), manifest)
-  for p in range(process_count):
-    if os.path.isfile(os.path.join(out, _progress_name(p))):
-      os.remove(os.path.join(out, _progress_name(p)))
-  return manifest
+  _write_json(os.path.join(out, MANIFEST), {**settings, "shards": shards, "content_sha256": content})
+  for path in _progress_files(out):
+    os.remove(path)
 
 
 def _teacher_rows(teacher_topk: TeacherTopK, packed, lo: int, hi: int, batch_size: int) -> losses.TopK:
