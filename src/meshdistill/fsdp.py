@@ -46,7 +46,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.mesh import DATA
+from meshdistill.mesh import DATA, TENSOR
 
 SETTING = "mesh.fsdp"
 
@@ -126,6 +126,31 @@ def any_split(tree: Any) -> bool:
   return any(data_dim(v) is not None for v in jax.tree.leaves(tree, is_leaf=_is_var))
 
 
+def _tensor_spec(v: nnx.Variable) -> P:
+  """The variable's split over the compiler-managed axes (``data`` dropped): what its gathered copy keeps."""
+  return P(*(None if a == DATA else a for a in _names(v)))
+
+
+def _over_tensor(fn, v: nnx.Variable):
+  """``fn`` with ``tensor`` manual as well when ``v`` is split over it: a collective over ``data`` then runs on the
+  local ``tensor`` block. (In a ``shard_map`` manual over ``data`` only, XLA first gathers the operand of such a
+  collective over ``tensor``: every device would hold whole weights.)"""
+  spec = _tensor_spec(v)
+  if TENSOR not in spec:
+    return fn
+  return jax.shard_map(fn, in_specs=spec, out_specs=spec, axis_names={TENSOR}, check_vma=False)
+
+
+def _gather(shard, v: nnx.Variable):
+  """All-gather over ``data`` of a weight's shard; the copy stays split over ``tensor``."""
+  return _over_tensor(lambda w: jax.lax.all_gather(w, DATA, axis=data_dim(v), tiled=True), v)(shard)
+
+
+def _scatter(grad, v: nnx.Variable):
+  """The transpose of `_gather` for a gradient: summed over ``data``, this device's shard kept."""
+  return _over_tensor(lambda g: jax.lax.psum_scatter(g, DATA, scatter_dimension=data_dim(v), tiled=True), v)(grad)
+
+
 def _data_is_manual() -> bool:
   mesh = jax.sharding.get_abstract_mesh()
   return DATA in getattr(mesh, "manual_axes", ())
@@ -163,8 +188,57 @@ def gathered_for(module, x_BxTxD):
     x_BxTxD, shards = jax.lax.optimization_barrier((x_BxTxD, shards))
   for i, shard in zip(split, shards):
     path, v = flat[i]
-    flat[i] = (path, v.replace(jax.lax.all_gather(shard, DATA, axis=data_dim(v), tiled=True)))
+    flat[i] = (path, v.replace(_gather(shard, v)))
   return nnx.merge(graphdef, nnx.from_flat_state(flat)), x_BxTxD
+
+
+def gathered_call(call, module, x_BxTxD, *static):
+  """``call(gathered(module), x_BxTxD, *static)`` rematerialised by hand: only ``x_BxTxD`` and the weight SHARDS
+  are kept for the backward pass, which gathers the weights again once the output's cotangent exists, runs
+  ``call``'s backward and reduce-scatters the weight gradients over ``data`` (a `jax.custom_vjp`).
+
+  The decoder's blocks run this way under ``remat="full"`` when their weights are split over ``data`` (None
+  otherwise: the caller then runs its usual path). `jax.checkpoint` alone recomputes a block from its
+  saved input, and nothing ties that recomputation (and its gather) to the backward pass reaching the
+  block: the compiler may gather every block's weights at the start of the backward pass. Here the
+  gather, the block's backward and the reduce-scatter wait for the cotangent (optimization barriers),
+  so one block's gathered weights and full gradients exist at a time, forward and backward.
+  """
+  if module is None or not _data_is_manual():
+    return None
+  graphdef, state = nnx.split(module)
+  flat = list(nnx.to_flat_state(state))
+  split = [i for i, (_, v) in enumerate(flat) if data_dim(v) is not None]
+  if not split:
+    return None
+  rest = [i for i in range(len(flat)) if i not in split]
+  variables = [flat[i][1] for i in split]
+
+  def gather(shards):
+    return [_gather(w, v) for w, v in zip(shards, variables)]
+
+  def apply(full, others, x):
+    values = dict(zip(split, full)) | dict(zip(rest, others))
+    merged = nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(values[i])) for i, (p, v) in enumerate(flat)]))
+    return call(merged, x, *static)
+
+  @jax.custom_vjp
+  def run(shards, others, x):
+    x, shards = jax.lax.optimization_barrier((x, shards))
+    return apply(gather(shards), others, x)
+
+  def forward(shards, others, x):
+    return run(shards, others, x), (shards, others, x)
+
+  def backward(saved, ct):
+    shards, others, x, ct = jax.lax.optimization_barrier((*saved, ct))
+    _, vjp = jax.vjp(apply, gather(shards), others, x)
+    d_full, d_others, d_x = vjp(ct)
+    d_shards = [_scatter(g, v) for g, v in zip(d_full, variables)]
+    return jax.lax.optimization_barrier((d_shards, d_others, d_x))
+
+  run.defvjp(forward, backward)
+  return run([flat[i][1].get_value() for i in split], [flat[i][1].get_value() for i in rest], x_BxTxD)
 
 
 def unsupported(layout: str) -> str:

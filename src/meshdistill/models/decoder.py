@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshdistill.fsdp import gathered, gathered_for
+from meshdistill.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.mesh import TENSOR
 from meshdistill.models._attention import KVCache, _explicit_attention, _splash_attention, rope
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
@@ -249,7 +249,19 @@ def _block_runner(remat: str):
   """
   if remat == "none":
     return _call_block
-  return nnx.remat(_call_block, policy=REMAT_POLICIES[remat], static_argnums=(2,))
+  rematted = nnx.remat(_call_block, policy=REMAT_POLICIES[remat], static_argnums=(2,))
+  if remat != "full":
+    return rematted
+
+  def run(block, x_BxTxD, want_probs):  # weights split over `data`: gathered again in the backward pass, in order
+    out = gathered_call(_plain_call, block, x_BxTxD, want_probs)
+    return rematted(block, x_BxTxD, want_probs) if out is None else out
+
+  return run
+
+
+def _plain_call(block: Block, x_BxTxD: jax.Array, want_probs: bool):
+  return block(x_BxTxD, want_probs)
 
 
 def param_count(model: nnx.Module) -> int:
