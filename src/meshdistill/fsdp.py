@@ -16,17 +16,23 @@ How it is expressed:
   ``shard_map`` specs (`data_specs`) all read it. No model code names the dimensions.
 * **Explicit gathers per layer.** The step stays ONE per-device function under a ``shard_map``
   manual over ``data`` only (``tensor`` compiler-managed). Inside it, the weights of a data-split
-  module arrive as local shards, and `gathered` all-gathers them over ``data``
-  (``jax.lax.all_gather(tiled=True)``) right where the module runs: the decoder calls it once per
-  block, INSIDE the block's rematerialisation region, so the full copy of a block's weights lives
-  only while the block runs and is gathered again in the backward pass (with ``remat="none"`` it is
-  kept until then); embeddings, final norm and LM head are gathered where they are used. The
-  transpose of an all-gather is a reduce-scatter, so the gradient of a data-split weight comes out
-  of the backward pass already summed over ``data`` and split like its weight: the step must not sum
-  it again (`meshdistill.step.sum_over_data`). Explicit collectives, rather than leaving the gathers to
-  the compiler: the step is manual over ``data`` already, and only an explicit gather can be placed
-  inside the remat region per block (the compiler would otherwise be free to gather every weight at
-  the start of the program and keep it).
+  module arrive as local shards, and `gathered_for` all-gathers them over ``data``
+  (``jax.lax.all_gather(tiled=True)``) right where the module runs, once its input exists (an
+  optimization barrier, else the compiler may start every layer's gather at the beginning): the
+  decoder calls it once per block and for the embedding, final norm and LM head. The transpose of an
+  all-gather is a reduce-scatter, so the gradient of a data-split weight comes out of the backward
+  pass already summed over ``data`` and split like its weight: the step must not sum it again
+  (`meshdistill.step.sum_over_data`). Each collective runs in a nested ``shard_map`` manual over
+  ``tensor`` too, on the local ``tensor`` block: left to the compiler in a ``data``-manual region, XLA
+  gathers the operand over ``tensor`` first and every device would hold whole weights.
+* **Blocks under ``remat="full"``** run through `gathered_call` (a `jax.custom_vjp`): only the block's
+  input and its weight shards are saved; the backward pass gathers the weights again once the block's
+  output cotangent exists, runs the block's backward and reduce-scatters the gradients, in that order.
+  `jax.checkpoint` alone would recompute (and gather) from saved inputs with nothing tying the
+  recomputation to the backward pass reaching the block. Other remat policies gather inside the
+  block's `nnx.remat` region (with ``"none"`` the gathered copy is kept for the backward pass).
+  Why explicit collectives at all: the step is manual over ``data`` already, and only explicit
+  gathers can be placed, and ordered, per block.
 * **The update runs on the global arrays.** Global-norm clipping, the ``grad_norm`` metric and AdamW
   need whole gradients, not a device's shard: `meshdistill.layout.ShardMapLayout.compile` runs the
   gradient half of the step (`meshdistill.step.per_device_gradients`) under the ``shard_map`` and the
@@ -42,6 +48,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -234,7 +241,8 @@ def gathered_call(call, module, x_BxTxD, *static):
     shards, others, x, ct = jax.lax.optimization_barrier((*saved, ct))
     _, vjp = jax.vjp(apply, gather(shards), others, x)
     d_full, d_others, d_x = vjp(ct)
-    d_shards = [_scatter(g, v) for g, v in zip(d_full, variables)]
+    d_shards = [_scatter(g, v) if g.dtype != jax.dtypes.float0 else np.zeros(w.shape, g.dtype)  # integer storage
+                for g, v, w in zip(d_full, variables, shards)]
     return jax.lax.optimization_barrier((d_shards, d_others, d_x))
 
   run.defvjp(forward, backward)
