@@ -14,8 +14,10 @@ import meshdistill as md
 from meshdistill import jobs
 from meshdistill.config import ConfigError, load_config
 from meshdistill.generate import SamplingConfig, generate, left_pad
+from meshdistill.monitor import Monitor
 from meshdistill.onpolicy import OnPolicyConfig, OnPolicyDistiller
 from meshdistill.prompts import completion_batch, cut_prompts, pair_batch, read_prompts
+from meshdistill.trainer import fit
 
 SEQ, NEW = 12, 5  # prompts: the first SEQ + 1 - NEW = 8 tokens of each row
 GKD = md.LogitKD(temperature=1.0, alpha=0.5, divergence="jsd", beta=0.5)
@@ -88,6 +90,61 @@ def test_prompt_tokens_never_count_in_the_loss(single):
     assert float(base[k]) == float(other[k]), k
 
 
+class _Batches:
+  """A data bundle cycling through ``batches`` (fit's interface)."""
+
+  def __init__(self, batches):
+    self.batches = batches
+
+  def val_batches(self, max_batches=None):
+    return self.batches[:1]
+
+  def train_iterator(self, state=None):
+    return _Cycle(self.batches)
+
+
+class _Cycle:
+  def __init__(self, batches):
+    self.batches, self.i = batches, 0
+
+  def __next__(self):
+    self.i += 1
+    return self.batches[(self.i - 1) % len(self.batches)]
+
+  def get_state(self):
+    return {"next_batch": self.i}
+
+  def close(self):
+    pass
+
+
+class _TokenLog(Monitor):
+  def __init__(self, steps):
+    super().__init__(None, steps)
+    self.tokens, self.metrics = [], []
+
+  def step(self, step, metrics, tokens):
+    super().step(step, metrics, tokens)
+    self.tokens.append(tokens)
+    self.metrics.append(jax.device_get(metrics))
+
+
+@pytest.mark.parametrize("lmbda", [1.0, 0.0])
+def test_tokens_per_s_counts_the_completion_tokens_trained_on(single, lmbda):
+  d = copy.copy(single)  # the same compiled step
+  d.on_policy = dataclasses.replace(single.on_policy, lmbda=lmbda)
+  log = _TokenLog(2)
+  fit(d, _Batches(BATCHES), steps=2, monitor=log, log_every=1)
+  rows = len(BATCHES[0]["mask"])
+  for m, n, b in zip(log.metrics, log.tokens, BATCHES):
+    assert n < np.sum(b["mask"])  # not the data's mask: prompt tokens are never trained on
+    if lmbda:
+      assert m["on_policy"] == 1 and n == pytest.approx(m["sample_len"] * rows)
+    else:
+      assert n == rows * NEW  # the data's completion targets
+  assert log.tokens == [float(m["tokens"]) for m in log.metrics]
+
+
 def test_generated_completions_are_laid_out_from_position_zero():
   prompts, mask = left_pad([[4, 5, 6], [9]], width=4)
   tokens = np.array([[1, 2, 7, 0], [3, 3, 3, 3]])
@@ -125,6 +182,14 @@ def test_seq_kd_samples_come_from_the_teacher(single):
   for r in range(len(prompts)):
     n = int(gen.lengths_B[r])
     np.testing.assert_array_equal(got["targets"][r, width - 1 : width - 1 + n], np.asarray(gen.tokens_BxN[r, :n]))
+
+
+def test_multi_process_on_policy_is_refused_by_name(monkeypatch):
+  import meshdistill.onpolicy as onpolicy
+
+  monkeypatch.setattr(onpolicy, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"distill\.on_policy\.lambda=1\.0.*one process.*has 2"):
+    _distiller(None, 1.0)
 
 
 def test_prompt_files_and_pairs_report_bad_input(tmp_path):

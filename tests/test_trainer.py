@@ -259,3 +259,26 @@ def test_fresh_state_moments_take_their_parameters_sharding_on_every_trainer(kd,
       got = jax.tree.map(lambda x: x.sharding, optax.tree_utils.tree_get(state.opt_state, moment))
       assert got == want
     assert any(not s.is_fully_replicated for s in jax.tree.leaves(want))  # some weights really are split
+
+
+def test_tokens_per_s_keeps_the_flushs_wait_and_drops_the_time_set_aside(monkeypatch):
+  """A flush waits for its window's steps (step time); evaluation after it is set aside (not step time)."""
+  import meshdistill.monitor as monitor_lib
+
+  clock = [0.0]
+  monkeypatch.setattr(monitor_lib.time, "perf_counter", lambda: clock[0])
+  m = Monitor(None, 10)
+  m.start(0)
+  m.step(1, {"loss": 1.0}, 100.0)
+  clock[0] = 2.0  # the flush began at 1.5 and waited for the step until 2.0
+  assert m.flush_train(1)["tokens_per_s"] == 50.0
+  clock[0] = 5.0  # an evaluation until 5.0: the hooks took 5.0 - 1.5 s, of which 3 s after the flush
+  m.exclude(3.5)
+  m.step(2, {"loss": 1.0}, 100.0)
+  clock[0] = 6.0
+  assert m.flush_train(2)["tokens_per_s"] == 100.0
+  clock[0] = 8.0  # 1 s set aside inside a window
+  m.exclude(1.0)
+  m.step(3, {"loss": 1.0}, 100.0)
+  clock[0] = 9.0
+  assert m.flush_train(3)["tokens_per_s"] == 50.0

@@ -281,7 +281,9 @@ class Checkpointer:
     except (ValueError, KeyError, TypeError) as e:
       raise ValueError(
         f"checkpoint step {step} in {self.directory} does not fit this run's train state ({e}); it was written "
-        "by a run with other model sizes or another strategy/optimizer: use another checkpoint.dir or run_dir"
+        "by a run with other model sizes, another strategy/optimizer or the other student.scan_layers (stacked vs "
+        "per-layer blocks; restore_student / export read either): use another checkpoint.dir or run_dir, or the "
+        "run's own scan_layers"
       ) from e
     self._set_aside(step)
     state = trainer.layout.replicate(got.state)
@@ -299,9 +301,27 @@ class Checkpointer:
     ``cfg`` is the student's `ModelConfig`; each weight is read straight into its `tensor` shards.
     Default: the newest intact step; an explicit damaged ``step`` raises `CheckpointError`.
     ``lora``: the run's `meshdistill.models.lora.LoraConfig` when its student holds adapters (the
-    returned student then holds them too; `merge_lora` folds them in).
+    returned student then holds them too; `merge_lora` folds them in). A student stored with the other
+    ``scan_layers`` (stacked vs per-layer blocks) is read as stored and converted to ``cfg``'s layout.
     """
     step = self._restorable(step)
+    try:
+      return self._read_student(step, cfg, mesh, lora)
+    except ValueError:
+      if lora is not None and lora.enabled:
+        raise
+      try:  # written with the other blocks layout (scan_layers): read it as such, then convert
+        from meshdistill.models.stacking import to_scanned, to_unrolled  # pylint: disable=g-import-not-at-top
+
+        other = self._read_student(step, cfg.replace(scan_layers=not cfg.scan_layers), mesh, None)
+      except ValueError:
+        pass
+      else:
+        log.info("checkpoint: student of step %d stored with scan_layers=%s, converted", step, not cfg.scan_layers)
+        return to_scanned(other) if cfg.scan_layers else to_unrolled(other)
+      raise
+
+  def _read_student(self, step: int, cfg: ModelConfig, mesh: Mesh | None, lora) -> Decoder:
     if lora is not None and lora.enabled:
       from meshdistill.models.lora import abstract_lora  # pylint: disable=g-import-not-at-top
 
@@ -322,7 +342,14 @@ class Checkpointer:
           f"checkpoint step {step} in {self.directory} holds no student of this shape ({e}); it was written by a "
           "run with other model sizes"
       ) from e
-    return nnx.merge(graphdef, got.state["params"]["student"])
+    student = got.state["params"]["student"]
+    missing = [p for p, x in jax.tree_util.tree_leaves_with_path(student) if isinstance(x, jax.ShapeDtypeStruct)]
+    if missing:  # a partial restore leaves what the checkpoint lacks abstract
+      raise ValueError(
+          f"checkpoint step {step} in {self.directory} holds no student weight {jax.tree_util.keystr(missing[0])} "
+          f"of this model (scan_layers={cfg.scan_layers}); it was written by a run with other model sizes"
+      )
+    return nnx.merge(graphdef, student)
 
   def close(self) -> None:
     self._mgr.wait_until_finished()

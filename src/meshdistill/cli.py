@@ -125,6 +125,8 @@ def _plan_parser(sp) -> None:
   sp.add_argument("--dtype", default=None, help="compute dtype of both models (presets default to bfloat16)")
   sp.add_argument("--remat", default=None, help="the student's remat policy: none, dots, dots_no_batch, full")
   sp.add_argument("--chunk-size", type=int, default=None, help="chunked loss with this many tokens per chunk")
+  sp.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                  help="both models' blocks under nnx.scan (one compiled body) or unrolled (default: as configured)")
   sp.add_argument("--hbm-gib", type=float, default=None, help="memory budget per device in GiB (replaces the chip's)")
   sp.add_argument("--search", action="store_true",
                   help="compile meshes x remat x chunk sizes x batches; rank those that fit")
@@ -155,7 +157,7 @@ def _plan(args) -> int:
   from meshdistill import planner  # pylint: disable=g-import-not-at-top
 
   common = dict(topology=args.topology, devices=args.devices, seq=args.seq, config=args.config,
-                overrides=args.overrides, dtype=args.dtype, hbm_gib=args.hbm_gib)
+                overrides=args.overrides, dtype=args.dtype, hbm_gib=args.hbm_gib, scan_layers=args.scan_layers)
   t0 = time.perf_counter()
   if args.search:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else None

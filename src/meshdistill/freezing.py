@@ -184,6 +184,12 @@ def param_group(path, n_layers: int, block_key: str = "blocks") -> int:
     keys = keys[1:]
   if block_key in keys[:-1]:
     i = keys[keys.index(block_key) + 1]
+    if isinstance(i, str) and not i.isdigit():  # blocks/attn/...: every block in one stacked [L, ...] weight
+      raise ValueError(
+          f"progressive freezing groups parameters by block, but {'/'.join(map(str, keys))} holds all blocks "
+          "stacked (scan_layers=true); set student.scan_layers=false to freeze by block, or train without "
+          "train.freeze stages"
+      )
     if not isinstance(i, (int, np.integer)) or not 0 <= int(i) < n_layers:
       raise ValueError(
           f"parameter {'/'.join(map(str, keys))} has block index {i!r} but n_layers={n_layers}; "

@@ -76,29 +76,32 @@ def data_dim(v: Any) -> int | None:
   return names.index(DATA) if DATA in names else None
 
 
-def _choose(v: nnx.Variable, data: int) -> int | None:
-  """The largest dimension of ``v`` that no axis splits and ``data`` divides (the first of equals), or None."""
+def _choose(v: nnx.Variable, data: int, first: int = 0) -> int | None:
+  """The largest dimension of ``v`` from ``first`` on that no axis splits and ``data`` divides (the first of
+  equals), or None."""
   names, shape = _names(v), v.shape
-  free = [i for i, (a, n) in enumerate(zip(names, shape)) if a is None and n % data == 0]
+  free = [i for i, (a, n) in enumerate(zip(names, shape)) if i >= first and a is None and n % data == 0]
   return max(free, key=lambda i: (shape[i], -i)) if free else None
 
 
-def assign(state: nnx.State, mesh: Mesh) -> nnx.State:
+def assign(state: nnx.State, mesh: Mesh, stacked: tuple[str, ...] = ()) -> nnx.State:
   """``state`` with ``data`` in the partition metadata of each variable that can be split over it (see the module
-  docstring); a state already assigned for this mesh comes back unchanged, one assigned for another is redone."""
+  docstring); a state already assigned for this mesh comes back unchanged, one assigned for another is redone.
+  Variables under the top-level names ``stacked`` (scanned blocks, ``[L, ...]``) never split their layer axis."""
   data = mesh.shape[DATA]
 
-  def one(v):
+  def one(path, v):
     if not _is_var(v) or not v.shape:
       return v
     names = tuple(None if a == DATA else a for a in _names(v))
     v = v.replace(out_sharding=names) if DATA in _names(v) else v
-    dim = _choose(v, data) if data > 1 else None
+    first = 1 if path and getattr(path[0], "key", None) in stacked else 0
+    dim = _choose(v, data, first) if data > 1 else None
     if dim is None:
       return v
     return v.replace(out_sharding=tuple(DATA if i == dim else a for i, a in enumerate(names)))
 
-  return jax.tree.map(one, state, is_leaf=_is_var)
+  return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_var)
 
 
 def remove(state: nnx.State) -> nnx.State:
@@ -113,7 +116,8 @@ def remove(state: nnx.State) -> nnx.State:
 def annotate_model(model, mesh: Mesh | None, on: bool):
   """``model`` with its weights assigned to ``data`` (``on``) or not; the model itself when nothing changes."""
   graphdef, state = nnx.split(model)
-  new = assign(state, mesh) if on else remove(state)
+  stacked = ("blocks",) if getattr(getattr(model, "cfg", None), "scan_layers", False) else ()
+  new = assign(state, mesh, stacked) if on else remove(state)
   if jax.tree.structure(new) == jax.tree.structure(state):
     return model
   return nnx.merge(graphdef, new)

@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.mesh import DATA, TENSOR, check_batch
+from meshdistill.models._scan import scan_blocks_cached
 from meshdistill.models.decoder import Decoder, KVCache
 
 
@@ -164,14 +165,18 @@ def sample_tokens(logits_BxV, row_keys_B, step, cfg: SamplingConfig, sharding=No
 def forward_cached(model: Decoder, tokens_BxT, kv, valid_BxS, index, positions_BxT, last_only: bool = False):
   """The decoder on ``tokens_BxT`` written into cache slots ``index ..``: ``(logits float32, new kv)``.
 
-  ``kv``: per layer ``(k_BxSxGxK, v_BxSxGxK)``; ``valid_BxS`` must already mark this call's slots.
+  ``kv``: per layer ``(k_BxSxGxK, v_BxSxGxK)`` (scanned blocks: one stacked pair ``[L, B, S, G, K]``);
+  ``valid_BxS`` must already mark this call's slots.
   ``last_only``: logits of the last position only (``[B, 1, V]``).
   """
   x = model.embed(tokens_BxT)
-  new_kv = []
-  for block, (k, v) in zip(model.blocks, kv):
-    x, cache = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT))
-    new_kv.append((cache.k_BxSxGxK, cache.v_BxSxGxK))
+  if model.cfg.scan_layers:  # stacked blocks: kv is (k_LxBxSxGxK, v_LxBxSxGxK), scanned with them
+    x, new_kv = scan_blocks_cached(model.blocks, x, kv, valid_BxS, index, positions_BxT)
+  else:
+    new_kv = []
+    for block, (k, v) in zip(model.blocks, kv):
+      x, cache = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT))
+      new_kv.append((cache.k_BxSxGxK, cache.v_BxSxGxK))
   x = model.final_norm(x[:, -1:] if last_only else x)
   logits = model.embed.attend(x) if model.head is None else model.head(x)
   return logits.astype(jnp.float32), new_kv
@@ -184,13 +189,14 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   N, S = cfg.max_new_tokens, prompts_BxP.shape[1] + cfg.max_new_tokens - 1  # cache slots: the last token is not fed
   V = mcfg.vocab_size
   logit_sharding = None if mesh is None else NamedSharding(mesh, P(DATA, TENSOR))
-  kv_sharding = None if mesh is None else NamedSharding(mesh, P(DATA))
+  lead = (mcfg.n_layers,) if mcfg.scan_layers else ()  # scanned blocks: caches stacked [L, ...] like the weights
+  kv_sharding = None if mesh is None else NamedSharding(mesh, P(*[None] * len(lead), DATA))
 
   def zeros_kv():
-    z = jnp.zeros((B, S, mcfg.n_kv_heads, mcfg.hd), mcfg.compute_dtype)
+    z = jnp.zeros((*lead, B, S, mcfg.n_kv_heads, mcfg.hd), mcfg.compute_dtype)
     return z if kv_sharding is None else jax.lax.with_sharding_constraint(z, kv_sharding)
 
-  kv = [(zeros_kv(), zeros_kv()) for _ in range(mcfg.n_layers)]
+  kv = (zeros_kv(), zeros_kv()) if lead else [(zeros_kv(), zeros_kv()) for _ in range(mcfg.n_layers)]
   lengths_B = jnp.sum(prompt_mask_BxP, axis=-1, dtype=jnp.int32)
   positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1, dtype=jnp.int32) - 1, 0)
   valid_BxS = jnp.zeros((B, S), bool).at[:, :Pn].set(prompt_mask_BxP)

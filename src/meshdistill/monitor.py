@@ -159,9 +159,14 @@ class Monitor:
     self._window_tokens += tokens
 
   def exclude(self, seconds: float) -> None:
-    """Keeps ``seconds`` (evaluation, checkpointing) out of the current window's step timing."""
+    """Keeps the last ``seconds`` (evaluation, checkpointing) out of the current window's step timing.
+
+    Only their part after the window's start counts: a flush among them (which waits for the steps of
+    the window it closes) has already started a new window.
+    """
     if self._t_window is not None:
-      self._t_window += seconds
+      now = time.perf_counter()
+      self._t_window += max(0.0, now - max(self._t_window, now - seconds))
 
   def flush_train(self, step: int, extra: dict[str, float] | None = None) -> dict[str, float]:
     """Means of the metrics recorded since the last flush; writes and displays them."""

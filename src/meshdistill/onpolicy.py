@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from meshdistill.distiller import Distiller
+from meshdistill.distributed import process_count
 from meshdistill.generate import SamplingConfig, generate
 from meshdistill.prompts import completion_batch, cut_prompts, prompts_of
 
@@ -61,12 +62,19 @@ class OnPolicyDistiller(Distiller):
   """A `Distiller` whose batches are, with probability ``on_policy.lmbda``, completed by the student.
 
   Takes the `Distiller` arguments plus ``on_policy`` (an `OnPolicyConfig`). ``step`` returns the step's
-  metrics plus ``on_policy`` (1 for a generated batch, else 0) and, for generated batches,
+  metrics (``tokens``: the completion tokens trained on, a host number) plus ``on_policy`` (1 for a
+  generated batch, else 0) and, for generated batches,
   ``sample_len`` (mean completion length) and ``sample_nll`` (the teacher's per-token NLL of the
   generated completions: the step's ``teacher_ce`` on them).
   """
 
   def __init__(self, student, teacher, *, on_policy: OnPolicyConfig, **kwargs):
+    if process_count() > 1:  # the sampled batch is built on the host from the whole batch's completions
+      raise ValueError(
+          f"on-policy distillation (distill.on_policy.lambda={on_policy.lmbda}, seq_kd={on_policy.seq_kd}) runs as "
+          f"one process, but this job has {process_count()}; run it on one host (its devices as mesh.data x "
+          "mesh.tensor), or set distill.on_policy.lambda=0 and seq_kd=false for off-policy KD across processes"
+      )
     super().__init__(student, teacher, **kwargs)
     self.on_policy = on_policy
 
@@ -114,6 +122,9 @@ class OnPolicyDistiller(Distiller):
       batch = self.sample_batch(state, batch, step)
     new_state, metrics = super().step(state, batch)
     metrics = dict(metrics)
+    # The tokens trained on (completion targets; sampled ones for a generated batch), counted on the host:
+    # `fit` reports tokens/s from this rather than from the mask of the batch it handed over.
+    metrics["tokens"] = np.float32(np.sum(batch["mask"]))
     metrics["on_policy"] = np.float32(sampled)
     if sampled:
       metrics["sample_len"] = np.float32(np.mean(np.sum(batch["mask"], axis=1)))

@@ -37,7 +37,8 @@ log = logging.getLogger("meshdistill.checkpoint")
 TEACHER_FORMAT = "meshdistill.teacher/1"
 
 # `ModelConfig` fields that change no parameter (how it computes; how a mesh pads / partitions it)
-COMPUTE_FIELDS = ("remat", "dtype", "attention", "vocab_multiple", "replicate_kv")
+# (``scan_layers``, stacked vs per-layer blocks, is converted on load)
+COMPUTE_FIELDS = ("remat", "dtype", "attention", "vocab_multiple", "replicate_kv", "scan_layers")
 
 
 def _model_fields(cfg: ModelConfig) -> dict:
@@ -193,7 +194,9 @@ def load_teacher(directory: str, expected: ModelConfig, mesh: Mesh | None, token
       f"{meta['tokenizer']['fingerprint']}) but this run uses {tokenizer!r} (fingerprint {tokenizer.fingerprint}); "
       "use the same data.tokenizer as the teacher"
     )
-  saved = expected.replace(vocab_multiple=meta["model"].get("vocab_multiple", 1))  # restored with its padding rows
+  # restored with its padding rows and its blocks layout, then converted to the configured layout
+  saved = expected.replace(vocab_multiple=meta["model"].get("vocab_multiple", 1),
+                           scan_layers=bool(meta["model"].get("scan_layers", False)))
   cfg = saved if mesh is None else saved.for_tensor(mesh.shape["tensor"])
   if cfg.padded_vocab != saved.padded_vocab:
     raise ValueError(
@@ -207,4 +210,9 @@ def load_teacher(directory: str, expected: ModelConfig, mesh: Mesh | None, token
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
   params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), target)
   log.info("teacher: loaded %s", directory)
-  return nnx.merge(graphdef, params)
+  model = nnx.merge(graphdef, params)
+  if saved.scan_layers == expected.scan_layers:
+    return model
+  from meshdistill.models.stacking import to_scanned, to_unrolled  # pylint: disable=g-import-not-at-top
+
+  return to_scanned(model) if expected.scan_layers else to_unrolled(model)

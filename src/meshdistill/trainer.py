@@ -161,6 +161,16 @@ def _same_params(model: Any) -> Any:
   return {k: v for k, v in model.items() if k not in COMPUTE_FIELDS}
 
 
+def _trained_tokens(batch: dict, metrics: dict) -> float:
+  """The tokens a step trained on: its own count where it is a host number (a trainer that builds the
+  batch it trains on, e.g. `meshdistill.onpolicy.OnPolicyDistiller`), else the mask of the batch it was
+  given (read on the host: no wait for the device)."""
+  tokens = metrics.get("tokens")
+  if isinstance(tokens, (np.ndarray, np.generic)):
+    return float(tokens)
+  return float(np.sum(batch["mask"]))
+
+
 class StepInfo(NamedTuple):
   """A dispatched step whose loss the guard has not judged yet."""
 
@@ -235,7 +245,7 @@ class Run:
     self.state, metrics = rec.runner.step(self.state, batch)
     if self.pending is not None and not self._settle(dispatched=True):
       return  # the step just dispatched ran on a diverged state: thrown away, its batch spent
-    self.pending = StepInfo(step + 1, metrics, float(np.sum(batch["mask"])), candidate, position,
+    self.pending = StepInfo(step + 1, metrics, _trained_tokens(batch, metrics), candidate, position,
                             self._guard_snapshot, strategy)
     self.step = step + 1
     for h in self.hooks:

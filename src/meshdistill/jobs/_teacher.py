@@ -180,8 +180,9 @@ def _open_teacher_cache(cfg: Config, data, say):
     raise ConfigError("student.init.from_teacher copies the teacher's weights, but teacher.cache loads none; "
                       "remove student.init (or teacher.cache)")
   cache = tc.TeacherCache(cfg.models.teacher_cache)
-  teacher_cfg = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k != "remat"}
-  saved_cfg = {k: v for k, v in cache.manifest["teacher"]["config"].items() if k != "remat"}
+  layout = ("remat", "scan_layers")  # how the teacher computes, not what
+  teacher_cfg = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k not in layout}
+  saved_cfg = {k: v for k, v in cache.manifest["teacher"]["config"].items() if k not in layout}
   if saved_cfg != teacher_cfg:
     diff = sorted(k for k in set(saved_cfg) | set(teacher_cfg) if saved_cfg.get(k) != teacher_cfg.get(k))
     raise ConfigError(

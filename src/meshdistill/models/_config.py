@@ -67,7 +67,15 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-  """Sizes of a decoder. Head dimension is ``d_model // n_heads`` unless given."""
+  """Sizes of a decoder. Head dimension is ``d_model // n_heads`` unless given.
+
+  ``scan_layers``: the blocks' weights are stacked along a leading layer axis (``blocks/attn/q/kernel``
+  is ``[L, D, H*Hd]``, the layer axis never split) and the forward pass runs them under ``nnx.scan``,
+  so the compiled program holds ONE block body however deep the model is (compile time stops growing
+  with ``n_layers``); ``remat`` applies per scanned block. Values, gradients and captures equal the
+  unrolled model's for the same weights; `meshdistill.models.stacking` converts between the two
+  layouts (``to_scanned`` / ``to_unrolled``, ``stack_layers`` / ``unstack_layers``).
+  """
 
   vocab_size: int = 256
   d_model: int = 128
@@ -86,6 +94,7 @@ class ModelConfig:
   qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
   rope_scaling: RopeScaling | None = None  # Llama-3 frequency scaling (a dict of its fields also works)
   attention: str = "auto"  # attention kernel, a key of ATTENTION (explicit scores whenever probabilities are captured)
+  scan_layers: bool = False  # blocks stacked [L, ...] and run under nnx.scan: one compiled block (see below)
   # Set by `for_tensor` (init_model / load_hf / shard_model on a mesh), rarely by hand:
   vocab_multiple: int = 1  # embedding / head rows padded to a multiple of this; logits still cover vocab_size
   replicate_kv: bool = False  # k/v projections replicated over `tensor` (fewer key/value heads than `tensor`)
@@ -114,6 +123,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
     if self.attention not in ATTENTION:
       raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {tuple(ATTENTION)}")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"ModelConfig.scan_layers={self.scan_layers!r} must be true or false")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {tuple(REMAT_POLICIES)}")
 

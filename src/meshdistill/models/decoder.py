@@ -23,7 +23,9 @@ With ``mesh.fsdp`` the layout adds ``data`` on one more dimension of each weight
 gathers a module's weights where it runs it (`meshdistill.fsdp.gathered`: per block, inside remat).
 So the logits ``[B, T, V]`` come out split over ``tensor`` along V. On request
 (``capture=``) the forward pass also returns per-layer hidden states and attention
-probabilities; capturing never changes parameters or module state.
+probabilities; capturing never changes parameters or module state. With ``ModelConfig.scan_layers``
+``blocks`` is one `Block` whose weights are stacked ``[L, ...]`` (layer axis unsplit), run under
+``nnx.scan`` (`meshdistill.models._scan`) with the same per-block runner as the unrolled loop.
 
 This module holds the modules (`Decoder`, `Block`, `Attention`, `MLP`) and `ModelOutput`;
 `ModelConfig`, `RopeScaling`, `ATTENTION` and `REMAT_POLICIES` live in `meshdistill.models._config`,
@@ -43,6 +45,7 @@ from meshdistill.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.mesh import TENSOR
 from meshdistill.models._attention import KVCache, _explicit_attention, _splash_attention, rope
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
+from meshdistill.models._scan import save_all_but_casts, scan_blocks, stacked_blocks
 
 __all__ = [
     "ATTENTION",
@@ -180,7 +183,10 @@ class Decoder(nnx.Module):
         dtype=cfg.compute_dtype,
         rngs=rngs,
     )
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+    if cfg.scan_layers:  # one Block whose weights are stacked [L, ...] (see `meshdistill.models._scan`)
+      self.blocks = stacked_blocks(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
     self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
     if cfg.tie_embeddings:
       self.head = nnx.data(None)
@@ -212,13 +218,17 @@ class Decoder(nnx.Module):
     want_hidden, want_attn = "hidden" in capture, "attn" in capture
     x = gathered(self.embed)(tokens_BxT)
     hidden, attn = [x] if want_hidden else [], []
-    run_block = _block_runner(cfg.remat)
-    for block in self.blocks:
-      x, probs = run_block(block, x, want_attn)
-      if want_hidden:
-        hidden.append(x)
-      if want_attn:
-        attn.append(probs)
+    run_block = _block_runner(cfg.remat, cfg.scan_layers)
+    if cfg.scan_layers:  # the same run_block on each layer's slice of the stacked blocks
+      x, hidden_L, attn_L = scan_blocks(self.blocks, x, run_block, want_hidden, want_attn)
+      hidden, attn = hidden + list(hidden_L), list(attn_L)
+    else:
+      for block in self.blocks:
+        x, probs = run_block(block, x, want_attn)
+        if want_hidden:
+          hidden.append(x)
+        if want_attn:
+          attn.append(probs)
     final_norm, x = gathered_for(self.final_norm, x)
     x = final_norm(x)
     final = x if "final" in capture else None
@@ -242,11 +252,15 @@ def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool):
   return block(x_BxTxD, want_probs)
 
 
-def _block_runner(remat: str):
+def _block_runner(remat: str, scanned: bool = False):
   """``f(block, x, want_probs)`` running one block, under `nnx.remat` unless ``remat="none"``.
 
-  Rematerialisation changes what the backward pass stores, never the values.
+  Rematerialisation changes what the backward pass stores, never the values. A scanned block with
+  ``remat="none"`` keeps everything but its dtype casts (`save_all_but_casts`): what a scan keeps for the
+  backward pass is stacked over layers, and the compute-dtype copies of the weights would be a second copy.
   """
+  if remat == "none" and scanned:
+    return nnx.remat(_call_block, policy=save_all_but_casts, static_argnums=(2,))
   if remat == "none":
     return _call_block
   rematted = nnx.remat(_call_block, policy=REMAT_POLICIES[remat], static_argnums=(2,))

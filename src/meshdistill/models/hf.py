@@ -53,6 +53,7 @@ from meshdistill.mesh import TENSOR
 from meshdistill.models._build import abstract_params
 from meshdistill.models._hf_config import SUPPORTED, config_from_hf, hf_config, weight_names
 from meshdistill.models.decoder import Decoder, ModelConfig
+from meshdistill.models.stacking import to_scanned
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ def load_hf(
     dtype: str = "float32",
     param_dtype: str = "float32",
     max_len: int | None = None,
+    scan_layers: bool = False,
 ) -> Decoder:
   """Loads a Hugging Face Llama / Qwen3 / Qwen2 causal-LM directory into a `Decoder`.
 
@@ -143,6 +145,8 @@ def load_hf(
     param_dtype: dtype the weights are stored in on device (``"float32"``, the decoder's
       convention, or ``"bfloat16"`` / ``"float16"`` for a teacher too large for float32).
     max_len: longest sequence the model accepts (default ``max_position_embeddings``).
+    scan_layers: stack the blocks for ``nnx.scan`` (`ModelConfig.scan_layers`); the layers are read one by
+      one as usual and then stacked, so the device briefly holds the block weights twice.
 
   Raises:
     FileNotFoundError: a missing ``config.json`` or shard file (named).
@@ -168,7 +172,8 @@ def load_hf(
     if odd:
       log.warning("%s: %d tensors not used by the decoder: %s", path, len(odd), odd[:8])
   log.info("loaded %d layers, d_model=%d, vocab %d from %s", cfg.n_layers, cfg.d_model, cfg.vocab_size, path)
-  return nnx.merge(graphdef, state)
+  model = nnx.merge(graphdef, state)
+  return to_scanned(model) if scan_layers else model
 
 
 def _decoder_names(key: tuple) -> tuple[str, str]:
@@ -339,12 +344,17 @@ def export_hf(
   config = hf_config(cfg, family, torch_dtype=dtype)
   target = np.dtype(jax.numpy.dtype(dtype))
   tensors = {}
-  real = cfg.replace(vocab_multiple=1, replicate_kv=False)  # vocabulary padding rows are not exported
+  real = cfg.replace(vocab_multiple=1, replicate_kv=False, scan_layers=False)  # padding rows are not exported
   real_shapes = {k: tuple(v.get_value().shape) for k, v in nnx.to_flat_state(abstract_params(real)[1])}
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    name, transposed = weight_names(key)
-    value = _host_value(var.get_value())[tuple(slice(0, n) for n in real_shapes[key])]
-    tensors[name] = np.ascontiguousarray(value.T if transposed else value, dtype=target)
+    stacked = _host_value(var.get_value())
+    # scanned blocks: one stacked [L, ...] weight -> L per-layer tensors
+    layers = [(("blocks", i, *key[1:]), stacked[i]) for i in range(cfg.n_layers)] if (
+        cfg.scan_layers and key[0] == "blocks") else [(key, stacked)]
+    for k, value in layers:
+      name, transposed = weight_names(k)
+      value = value[tuple(slice(0, n) for n in real_shapes[k])]
+      tensors[name] = np.ascontiguousarray(value.T if transposed else value, dtype=target)
   out = Path(out_dir)
   if jax.process_index() != 0:
     return out

@@ -139,6 +139,12 @@ def apply_lora(model: Decoder, lora: LoraConfig, *, seed: int = 0, mesh: Mesh | 
     raise ValueError("apply_lora: student.lora.rank is 0 (LoRA off); set a rank >= 1")
   if is_lora(model):
     raise ValueError("apply_lora: the model already holds adapters")
+  if getattr(model.cfg, "scan_layers", False):
+    raise ValueError(
+        "student.lora needs per-layer blocks: qwix adapts the linear layers it finds by path (blocks/<i>/attn/q), "
+        "which stacked blocks do not have; set student.scan_layers=false for a LoRA student (the teacher may stay "
+        "scanned)"
+    )
   check_lora(model, lora)
   provider = qwix.LoraProvider(
       module_path=r"blocks/\d+/(attn|mlp)/(" + "|".join(map(re.escape, lora.targets)) + ")",

@@ -154,6 +154,10 @@ class Planner:
     if k.remat != "none":
       p.notes.append(f"remat={k.remat} recomputes student activations: compiled FLOPs include the recomputation, "
                      "the analytic 6*N_s does not")
+    if self.teacher.scan_layers or self.student.scan_layers:
+      p.notes.append("scan_layers: XLA's cost analysis counts a loop body once, so the compiled FLOPs, bytes accessed "
+                     "and the roofline step time / MFU cover one block per scanned model (plan unrolled for those); "
+                     "memory is exact")
     self._plans[k] = p
     return p
 
@@ -245,13 +249,14 @@ def _mesh_arg(mesh: Any) -> tuple[int, int] | None:
 
 
 def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq=None, config=None, overrides=(),
-                 dtype=None, remat=None, hbm_gib=None) -> Planner:
+                 dtype=None, remat=None, hbm_gib=None, scan_layers=None) -> Planner:
   """A `Planner` for a pair and target (see `plan` for the arguments)."""
   cfg = _config(config, overrides)
   default_dtype = "bfloat16" if dtype is None else dtype
-  t_cfg, t_label = resolve_model(cfg.teacher if teacher is None else teacher, who="teacher",
+  t_cfg, t_label = resolve_model(cfg.teacher if teacher is None else teacher, who="teacher", scan_layers=scan_layers,
                                  dtype=dtype if teacher is None or isinstance(teacher, ModelConfig) else default_dtype)
   s_cfg, s_label = resolve_model(cfg.student if student is None else student, who="student", remat=remat,
+                                 scan_layers=scan_layers,
                                  dtype=dtype if student is None or isinstance(student, ModelConfig) else default_dtype)
   if teacher is None:
     t_label = "config teacher"
@@ -303,7 +308,8 @@ def _default_knobs(pl: Planner, mesh, batch: int, chunk_size) -> Knobs:
 def plan(teacher: Any = None, student: Any = None, *, topology: str | None = None, devices: str | None = None,
          mesh: Any = "auto", batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
          overrides: Sequence[str] = (), dtype: str | None = None, remat: str | None = None, chunk_size: Any = _UNSET,
-         hbm_gib: float | None = None, suggest: int = 1, max_compiles: int = 4) -> Plan:
+         hbm_gib: float | None = None, suggest: int = 1, max_compiles: int = 4,
+         scan_layers: bool | None = None) -> Plan:
   """Compiles the distillation step ``meshdistill distill`` would run, for a target, without allocating it.
 
   Args:
@@ -319,11 +325,12 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
       plus ``key=value`` overrides): strategy, chunk size, optimizer, freezing, loss scale, remat headroom.
     dtype, remat, chunk_size: replace the models' compute dtype, the student's remat policy, the loss's chunk size.
     hbm_gib: per-device memory budget; replaces the chip's HBM (CPU devices have none).
+    scan_layers: replace both models' ``ModelConfig.scan_layers`` (blocks under ``nnx.scan``: one compiled body).
     suggest, max_compiles: when the plan does not fit, how many fitting configurations to find, compiling at most
       ``max_compiles`` more programs.
   """
   pl = make_planner(teacher, student, topology=topology, devices=devices, seq=seq, config=config,
-                    overrides=overrides, dtype=dtype, remat=remat, hbm_gib=hbm_gib)
+                    overrides=overrides, dtype=dtype, remat=remat, hbm_gib=hbm_gib, scan_layers=scan_layers)
   batch = pl.cfg.train.batch_size if batch is None else batch
   if not isinstance(batch, int) or batch < 1:
     raise ValueError(f"batch={batch!r} must be a positive integer")
@@ -337,7 +344,8 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
 def search(teacher: Any = None, student: Any = None, *, topology: str | None = None, devices: str | None = None,
            batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
            overrides: Sequence[str] = (), dtype: str | None = None, meshes=None, remats=None, chunk_sizes=None,
-           batches=None, hbm_gib: float | None = None, max_compiles: int = 12) -> list[Plan]:
+           batches=None, hbm_gib: float | None = None, max_compiles: int = 12,
+           scan_layers: bool | None = None) -> list[Plan]:
   """Compiles configurations over meshes, remat policies, chunk sizes and batch sizes; returns them ranked.
 
   Configurations whose weights and optimizer state alone exceed the limit are skipped without compiling.
@@ -346,7 +354,7 @@ def search(teacher: Any = None, student: Any = None, *, topology: str | None = N
   chunk size 1024, the given batch. At most ``max_compiles`` programs are compiled.
   """
   pl = make_planner(teacher, student, topology=topology, devices=devices, seq=seq, config=config,
-                    overrides=overrides, dtype=dtype, hbm_gib=hbm_gib)
+                    overrides=overrides, dtype=dtype, hbm_gib=hbm_gib, scan_layers=scan_layers)
   batch = pl.cfg.train.batch_size if batch is None else batch
   plans = []
   for k in pl.candidates(batch, meshes, remats, chunk_sizes, batches):

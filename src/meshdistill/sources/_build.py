@@ -12,15 +12,20 @@ def load_teacher_hf(cfg, mesh):
   """The teacher of ``teacher.hf`` on ``mesh`` (each device reading only its slices)."""
   from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
 
-  model = load_hf(cfg.models.teacher_hf, mesh, dtype=cfg.teacher.dtype, max_len=cfg.teacher.max_len)
+  model = load_hf(cfg.models.teacher_hf, mesh, dtype=cfg.teacher.dtype, max_len=cfg.teacher.max_len,
+                  scan_layers=cfg.teacher.scan_layers)
   return _with_config(model, cfg.teacher)
 
 
 def _with_config(model, want):
-  """``model`` with its `ModelConfig` set to ``want`` (equal up to the compute-only ``remat``; the padding and
-  key/value replication the mesh asked for at load time (`ModelConfig.for_tensor`) are kept)."""
+  """``model`` with its `ModelConfig` set to ``want`` (equal up to the compute-only ``remat`` and the weights'
+  layout ``scan_layers``, converted here; the padding and key/value replication the mesh asked for at load time
+  (`ModelConfig.for_tensor`) are kept)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
+  from meshdistill.models.stacking import to_scanned, to_unrolled  # pylint: disable=g-import-not-at-top
+
+  model = to_scanned(model) if want.scan_layers else to_unrolled(model)
   want = want.replace(vocab_multiple=model.cfg.vocab_multiple, replicate_kv=model.cfg.replicate_kv)
   if model.cfg.replace(remat=want.remat) != want:
     raise ValueError(f"loaded model config {model.cfg} differs from the configured {want}")
@@ -41,7 +46,8 @@ def build_student(cfg, teacher, mesh):
   if src.student_hf:
     from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
 
-    model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, max_len=cfg.student.max_len)
+    model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, max_len=cfg.student.max_len,
+                    scan_layers=cfg.student.scan_layers)
     model = _with_config(model, cfg.student)
   elif src.student_init.from_teacher:
     model = student_from_teacher(teacher, src.student_init.layers, cfg.student, mesh)
@@ -63,7 +69,7 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   """A student whose embeddings, LM head, final norm and blocks are copies of ``teacher``'s.
 
   Student block ``i`` is teacher block ``layers[i]``. ``student_cfg`` must be the teacher's
-  configuration with ``n_layers=len(layers)`` (``max_len``, ``dtype``, ``remat`` may differ).
+  configuration with ``n_layers=len(layers)`` (``max_len``, ``dtype``, ``remat``, ``scan_layers`` may differ).
   The copies are new buffers on ``mesh`` with the student's shardings (never aliases of the
   teacher's weights, which the train step must not update).
   """
@@ -72,8 +78,11 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   from meshdistill.models import abstract_params  # pylint: disable=g-import-not-at-top
+  from meshdistill.models.stacking import to_scanned  # pylint: disable=g-import-not-at-top
 
-  t = teacher.cfg
+  scan = student_cfg.scan_layers
+  t = teacher.cfg.replace(scan_layers=False)
+  student_cfg = student_cfg.replace(scan_layers=False)  # built per layer, stacked at the end when asked for
   # the copies keep the teacher's layout for the mesh (vocabulary padding, key/value replication)
   student_cfg = student_cfg.replace(vocab_multiple=t.vocab_multiple, replicate_kv=t.replicate_kv)
   if student_cfg.replace(n_layers=t.n_layers, max_len=t.max_len, dtype=t.dtype, remat=t.remat) != t:
@@ -84,11 +93,17 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   teacher_flat = dict(nnx.to_flat_state(nnx.state(teacher)))
   leaves = []
   for key, var in nnx.to_flat_state(abstract):
-    src_key = (key[0], layers[key[1]], *key[2:]) if key[0] == "blocks" else key
-    leaves.append((key, var.replace(teacher_flat[src_key].get_value())))
+    if key[0] != "blocks":
+      value = teacher_flat[key].get_value()
+    elif teacher.cfg.scan_layers:  # the teacher's stacked weight, its layer layers[i]
+      value = teacher_flat[(key[0], *key[2:])].get_value()[layers[key[1]]]
+    else:
+      value = teacher_flat[(key[0], layers[key[1]], *key[2:])].get_value()
+    leaves.append((key, var.replace(value)))
   state = nnx.from_flat_state(leaves)
   if mesh is None:
     state = jax.jit(lambda s: jax.tree.map(jnp.copy, s))(state)
   else:
     state = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)(state)
-  return nnx.merge(graphdef, state)
+  student = nnx.merge(graphdef, state)
+  return to_scanned(student) if scan else student

@@ -45,7 +45,7 @@ def _hf_model_config(path: str, setting: str, section):
     cfg = config_from_hf(hf, max_len=section.max_len, dtype=section.dtype, where=f"{setting}={path!r}: config.json")
   except (KeyError, TypeError, ValueError) as e:
     raise ConfigError(f"{setting}={path!r}: {e if not isinstance(e, KeyError) else f'config.json lacks {e}'}") from None
-  return cfg.replace(remat=section.remat)
+  return cfg.replace(remat=section.remat, scan_layers=section.scan_layers)
 
 
 def _family(cfg) -> str:
@@ -112,7 +112,8 @@ def resolve(cfg) -> dict:
           f"{teacher.n_layers} blocks: indices 0..{teacher.n_layers - 1})"
       )
     s = cfg.student
-    out["student"] = teacher.replace(n_layers=len(layers), max_len=s.max_len, dtype=s.dtype, remat=s.remat)
+    out["student"] = teacher.replace(n_layers=len(layers), max_len=s.max_len, dtype=s.dtype, remat=s.remat,
+                                     scan_layers=s.scan_layers)
   return out
 
 
