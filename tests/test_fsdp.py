@@ -159,6 +159,22 @@ def test_checkpoint_restores_across_fsdp_on_off_and_meshes(saved, source, shape,
   assert (kernel.sharding.spec[0] == "data") == fsdp
 
 
+def test_scanned_layers_under_fsdp_equal_one_device():
+  def scanned_run(shape, fsdp):
+    mesh = None if shape is None else md.make_mesh(*shape)
+    d = md.Distiller(md.init_model(STUDENT.replace(scan_layers=True), seed=1, mesh=mesh),
+                     md.init_model(TEACHER_CFG.replace(scan_layers=True), seed=0, mesh=mesh), mesh=mesh, fsdp=fsdp)
+    state = d.init_state()
+    for batch in BATCHES[:2]:
+      state, metrics = d.step(state, batch)
+    return state, float(metrics["loss"])
+  (want, want_loss), (got, got_loss) = scanned_run(None, False), scanned_run((4, 2), True)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  assert_trees_close(got.params, want.params, rtol=1e-5, atol=1e-6)
+  q = got.params["student"]["blocks"]["attn"]["q"]["kernel"][...]  # [L, D, H*K]: the layer axis is never split
+  assert q.sharding.spec == jax.P(None, "data", "tensor")
+
+
 @pytest.mark.parametrize("quantize", ["int8"])  # float adapters on an int8 base: both kinds of leaf
 def test_lora_student_under_fsdp_equals_one_device(quantize):
   def lora_run(shape, fsdp):

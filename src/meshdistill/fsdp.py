@@ -64,8 +64,10 @@ def _is_var(x) -> bool:
 
 def _names(v: nnx.Variable) -> tuple:
   """The partition names of a variable, one per dimension (None: not split)."""
-  names = v.get_metadata().get("out_sharding") or ()
-  return tuple(names) + (None,) * (len(v.shape) - len(names))
+  names, rank = tuple(v.get_metadata().get("out_sharding") or ()), len(v.shape)
+  # Inside `nnx.scan` over stacked blocks a variable holds one layer's slice but keeps the stacked [L, ...]
+  # metadata: its leading (layer) names, never split over `data` (`assign`), are dropped.
+  return names[len(names) - rank:] if len(names) > rank else names + (None,) * (rank - len(names))
 
 
 def data_dim(v: Any) -> int | None:
