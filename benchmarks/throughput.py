@@ -64,10 +64,14 @@ from tunix.distillation import distillation_trainer as tunix_trainer  # noqa: E4
 from tunix.distillation.strategies import logit as tunix_logit  # noqa: E402
 
 from meshdistill import losses  # noqa: E402
+from meshdistill.collectives import all_reduce_census  # noqa: E402
 from meshdistill.strategies import HardLabelCE, LogitKD  # noqa: E402
 from meshdistill.strategies._chunked import ChunkedLogitKD  # noqa: E402
 
 RESULT = pathlib.Path(__file__).parent / "results" / "throughput.md"
+# `all_reduce_census` of the same 2x4 steps at commit 6dda497 (before the bundled sums, the one-pass gradient norm
+# and the metrics-light step): total (over `data` / over `tensor` / over part of `tensor`)
+BEFORE_ALL_REDUCES = "37 (2 / 28 / 7) ChunkedLogitKD, 36 (2 / 27 / 7) LogitKD"
 B, T = 8, 128
 TAU, ALPHA, LR = 2.0, 0.5, 1e-3
 
@@ -98,11 +102,14 @@ def timed(fn) -> tuple[float, float]:
 
 # ---------------------------------------------------------------------------------- systems
 class Ours:
-  """A meshdistill Distiller stepping through the batches (``mesh=None``: one device)."""
+  """A meshdistill Distiller stepping through the batches (``mesh=None``: one device); ``light``: its
+  metrics-light step (what the training loop runs on the steps it does not log)."""
 
-  def __init__(self, strategy, mesh, tcfg, scfg):
+  def __init__(self, strategy, mesh, tcfg, scfg, light: bool = False):
     teacher, student = md.init_model(tcfg, seed=0, mesh=mesh), md.init_model(scfg, seed=1, mesh=mesh)
     self.d = md.Distiller(student, teacher, strategy=strategy, optimizer=md.default_optimizer(LR), mesh=mesh)
+    if light:
+      self.d = self.d.metrics_light()
     self.state = self.d.init_state()
     self.losses = []
 
@@ -111,13 +118,12 @@ class Ours:
     jax.block_until_ready(metrics)
     self.losses.append(float(metrics["loss"]))
 
-  def compiled_stats(self, x) -> tuple[float, int]:
-    """(cost_analysis FLOPs of the compiled step, all-reduces in its HLO)."""
+  def compiled_stats(self, x) -> tuple[float, dict]:
+    """(cost_analysis FLOPs of the compiled step, its HLO's all-reduces by mesh axis: `all_reduce_census`)."""
     compiled = self.d.lower(self.state, ours_batch(x)).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    hlo = compiled.as_text()
-    return float(cost.get("flops", float("nan"))), len(re.findall(r"\ball-reduce(?:-start)?\(", hlo))
+    return float(cost.get("flops", float("nan"))), all_reduce_census(compiled.as_text(), self.d.mesh)
 
 
 class Tunix:
@@ -245,6 +251,7 @@ def step_flops(tcfg, scfg) -> dict[str, float]:
 
 # -------------------------------------------------------------------------------------- run
 OURS, REF = "meshdistill ChunkedLogitKD", "meshdistill LogitKD"
+LIGHT = ", metrics-light"
 TUNIX, TUNIX_NP = "tunix", "tunix, host numpy input"
 BARE_T, BARE_S = "bare teacher forward", "bare student step"
 CE_ONLY = "meshdistill step, CE only"
@@ -271,6 +278,12 @@ def run(vocab: int, steps: int, warmup: int, chunk: int) -> dict:
       CE_ONLY: Ours(HardLabelCE(), mesh, tcfg, scfg),
       ONE + OURS: Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), None, tcfg, scfg),
       ONE + REF: Ours(LogitKD(temperature=TAU, alpha=ALPHA), None, tcfg, scfg),
+      # the steps the training loop runs between logging steps (same update, loss / grad_norm only)
+      OURS + LIGHT: Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), mesh, tcfg, scfg, light=True),
+      REF + LIGHT: Ours(LogitKD(temperature=TAU, alpha=ALPHA), mesh, tcfg, scfg, light=True),
+      ONE + OURS + LIGHT: Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), None, tcfg, scfg,
+                               light=True),
+      ONE + REF + LIGHT: Ours(LogitKD(temperature=TAU, alpha=ALPHA), None, tcfg, scfg, light=True),
   }
   bare, bare1 = Bare(mesh, tcfg, scfg), Bare(None, tcfg, scfg)
   probes = {pre + probe_name(shape): Matmul(where, *shape) for pre, where in (("", mesh), (ONE, None))
@@ -280,7 +293,7 @@ def run(vocab: int, steps: int, warmup: int, chunk: int) -> dict:
       **{k: v.step for k, v in probes.items()},
   }
   batches = make_batches(warmup + steps, vocab)
-  stats = {name: systems[name].compiled_stats(batches[0]) for name in (OURS, REF, ONE + OURS, ONE + REF)}
+  stats = {name: systems[name].compiled_stats(batches[0]) for name in systems if name.startswith(("meshdistill", ONE))}
   times = {name: [] for name in [*systems, *parts]}
   cpu = {name: [] for name in times}
   compile_s = {}
@@ -304,6 +317,7 @@ def run(vocab: int, steps: int, warmup: int, chunk: int) -> dict:
           TUNIX: systems[TUNIX].losses(),
           TUNIX_NP: systems[TUNIX_NP].losses(),
           ONE + OURS: systems[ONE + OURS].losses,
+          ONE + REF + LIGHT: systems[ONE + REF + LIGHT].losses,
       },
       "tcfg": tcfg,
       "scfg": scfg,
@@ -325,10 +339,40 @@ def main(argv=None):
   med = {name: statistics.median(ts) for name, ts in res["times"].items()}
   for name, ts in res["times"].items():
     print(f"{name}: median {1e3 * med[name]:.1f} ms over {len(ts)} steps", flush=True)
-  for name, (flops, n_ar) in res["stats"].items():
-    print(f"{name}: compiled step {flops / 1e9:.2f} GFLOP (cost_analysis), {n_ar} all-reduces in the HLO", flush=True)
+  for name, (flops, census) in res["stats"].items():
+    print(f"{name}: compiled step {flops / 1e9:.2f} GFLOP (cost_analysis), all-reduces in the HLO {census}", flush=True)
   write(args, res, med, time.time() - t0)
   print(f"wrote {args.out}")
+
+
+PROFILE = pathlib.Path(__file__).parent / "results" / "step_profile.jsonl"
+
+
+def profile_section() -> list[str]:
+  """The op-kind breakdown of `benchmarks/step_profile.py` runs (``results/step_profile.jsonl``), if any."""
+  if not PROFILE.exists():
+    return []
+  rows = [json.loads(line) for line in PROFILE.read_text().splitlines()]
+  kinds = list(rows[0]["ms"])
+  out = [
+      "## Profile: where the step's time goes, before / after",
+      "",
+      "`python benchmarks/step_profile.py --label <label>`: a `jax.profiler` trace of the one-device step on these",
+      "models; every op the XLA CPU runtime ran, grouped by what its HLO holds (matmul: a dot, with whatever is fused",
+      "into it; reduction; copy/transpose: a layout change, with fused elementwise work; elementwise: the rest).",
+      "Each op at its fastest of the traced steps (other jobs on the shared cores slow single runs) times its runs",
+      "per step, summed over the runtime's threads (ops run concurrently, so the sum is not the step's wall time).",
+      "*before*: the code before this round's changes (commit 6dda497); *after: ...*: with the changes named, in",
+      "order (collectives and metrics-light step; then the decoder's token-flat matmuls).",
+      "",
+      "| run | step | load (1 min) | op ms / step | " + " | ".join(kinds) + " |",
+      "|---|---|---:|---:|" + "---:|" * len(kinds),
+  ]
+  for r in rows:
+    total = sum(r["ms"].values())
+    shares = " | ".join(f"{100 * r['ms'][k] / total:.0f}% ({r['ms'][k]:.0f})" for k in kinds)
+    out.append(f"| {r['label']} | {r['step']} | {r['load']:.1f} | {total:.0f} | {shares} |")
+  return out + [""]
 
 
 def paired(t: dict[str, list[float]], num: str, den: tuple[str, ...]) -> float:
@@ -348,7 +392,8 @@ def write(args, res, med, seconds: float) -> None:
   best = max(probe_rate.values())
   rate = {"": best, ONE: best}
   single = max(r for k, r in probe_rate.items() if k.startswith(ONE))
-  row_flops = {OURS: fl["step"], REF: fl["step"], TUNIX: fl["step"], TUNIX_NP: fl["step"], CE_ONLY: fl["student"],
+  row_flops = {OURS: fl["step"], REF: fl["step"], OURS + LIGHT: fl["step"], REF + LIGHT: fl["step"],
+               TUNIX: fl["step"], TUNIX_NP: fl["step"], CE_ONLY: fl["student"],
                BARE_T: fl["teacher"], BARE_S: fl["student"]}
   tc, sc = res["tcfg"], res["scfg"]
   (l1, l5, l15), (e1, e5, e15) = res["load"]
@@ -396,7 +441,8 @@ def write(args, res, med, seconds: float) -> None:
       "| all timed steps (ms) |",
       "|---|---:|---:|---:|---:|---:|---:|---|",
   ]
-  order = [OURS, REF, TUNIX, TUNIX_NP, CE_ONLY, BARE_T, BARE_S, ONE + OURS, ONE + REF, ONE + BARE_T, ONE + BARE_S]
+  order = [OURS, REF, OURS + LIGHT, REF + LIGHT, TUNIX, TUNIX_NP, CE_ONLY, BARE_T, BARE_S, ONE + OURS, ONE + REF,
+           ONE + OURS + LIGHT, ONE + REF + LIGHT, ONE + BARE_T, ONE + BARE_S]
   for name in order:
     base = name.removeprefix(ONE)
     r = rate[ONE if name.startswith(ONE) else ""]
@@ -411,11 +457,12 @@ def write(args, res, med, seconds: float) -> None:
     ts = ", ".join(f"{1e3 * v:.0f}" for v in t[name])
     lines.append(f"| {name} | {1e3 * med[name]:.1f} | | {cpu_med[name]:.3f} | {f / 1e9:.2f} | "
                  f"{probe_rate[name] / 1e9:.1f} | {100 * probe_rate[name] / r:.0f}% | {ts} |")
-  sp = {k: (med[k2] / med[k], paired(t, k2, (k,))) for k in (OURS, REF) for k2 in (TUNIX,)}
+  ours = (OURS, REF, OURS + LIGHT, REF + LIGHT)
+  sp = {k: (med[k2] / med[k], paired(t, k2, (k,))) for k in ours for k2 in (TUNIX,)}
   sp_np = {k: (med[TUNIX_NP] / med[k], paired(t, TUNIX_NP, (k,))) for k in (OURS, REF)}
   ov = {
       pre + k: (med[pre + k] / (med[pre + BARE_T] + med[pre + BARE_S]), paired(t, pre + k, (pre + BARE_T, pre + BARE_S)))
-      for pre in (ONE, "") for k in (OURS, REF)
+      for pre in (ONE, "") for k in ours
   }
   tunix_split = (med[TUNIX_NP] / med[TUNIX], paired(t, TUNIX_NP, (TUNIX,)))
   lines += [
@@ -434,15 +481,25 @@ def write(args, res, med, seconds: float) -> None:
         f"{'**' if k.startswith(ONE) else ''} | {a:.2f}x | {b:.2f}x |" for k, (a, b) in ov.items()],
       "",
   ]
+  def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+  roof = {k: fl["step"] / med[ONE + k] / rate[ONE] for k in ours}
   targets = [
-      f"* ours / tunix >= 1.25x with tunix given split input (ChunkedLogitKD): **{'met' if sp[OURS][0] >= 1.25 else 'NOT met'}**"
-      f" ({sp[OURS][0]:.2f}x by medians, {sp[OURS][1]:.2f}x paired).",
+      f"* ours / tunix >= 1.25x with tunix given split input (ChunkedLogitKD): **{verdict(sp[OURS][0] >= 1.25)}**"
+      f" ({sp[OURS][0]:.2f}x by medians, {sp[OURS][1]:.2f}x paired; metrics-light step {sp[OURS + LIGHT][0]:.2f}x / "
+      f"{sp[OURS + LIGHT][1]:.2f}x; LogitKD {sp[REF][0]:.2f}x / {sp[REF][1]:.2f}x, "
+      f"metrics-light {sp[REF + LIGHT][0]:.2f}x / "
+      f"{sp[REF + LIGHT][1]:.2f}x).",
       f"* ours / bare <= 1.05x on one device: ChunkedLogitKD {ov[ONE + OURS][0]:.2f}x, LogitKD {ov[ONE + REF][0]:.2f}x: "
-      f"**{'met' if max(ov[ONE + OURS][0], ov[ONE + REF][0]) <= 1.05 else 'NOT met'}** (the mesh ratios beside it "
+      f"**{verdict(max(ov[ONE + OURS][0], ov[ONE + REF][0]) <= 1.05)}**; metrics-light steps (the loop's steps between "
+      f"logs): {ov[ONE + OURS + LIGHT][0]:.2f}x, {ov[ONE + REF + LIGHT][0]:.2f}x: "
+      f"**{verdict(max(ov[ONE + OURS + LIGHT][0], ov[ONE + REF + LIGHT][0]) <= 1.05)}** (the mesh ratios beside it "
       "come from 8 simulated devices time-sharing 2 cores).",
-      f"* one-device step at >= 70% of the measured matmul rate: ChunkedLogitKD "
-      f"{100 * fl['step'] / med[ONE + OURS] / rate[ONE]:.0f}%, LogitKD {100 * fl['step'] / med[ONE + REF] / rate[ONE]:.0f}%: "
-      f"**{'met' if fl['step'] / med[ONE + OURS] / rate[ONE] >= 0.7 else 'NOT met'}**.",
+      f"* one-device step at >= 70% of the measured matmul rate: ChunkedLogitKD {100 * roof[OURS]:.0f}% "
+      f"(metrics-light {100 * roof[OURS + LIGHT]:.0f}%), LogitKD {100 * roof[REF]:.0f}% (metrics-light "
+      f"{100 * roof[REF + LIGHT]:.0f}%): **{verdict(min(roof.values()) >= 0.7)}** for all four"
+      f"{'' if min(roof.values()) >= 0.7 else ', ' + verdict(max(roof.values()) >= 0.7) + ' for the best'}.",
   ]
   stats = res["stats"]
   lines += [
@@ -452,12 +509,16 @@ def write(args, res, med, seconds: float) -> None:
       "",
       "## Compiled step: FLOPs and all-reduces",
       "",
-      "| step | cost_analysis GFLOP (per device program) | analytic GFLOP (whole step) | all-reduces in the HLO |",
-      "|---|---:|---:|---:|",
-      *[f"| {k} | {f / 1e9:.2f} | {fl['step'] / 1e9:.2f} | {n} |" for k, (f, n) in stats.items()],
+      "| step | cost_analysis GFLOP (per device program) | analytic GFLOP (whole step) | all-reduces in the HLO: total "
+      "| over `data` | over `tensor` | over part of `tensor` |",
+      "|---|---:|---:|---:|---:|---:|---:|",
+      *[f"| {k} | {f / 1e9:.2f} | {fl['step'] / 1e9:.2f} | {c['total']} | {c.get('data', 0)} | {c.get('tensor', 0)} | "
+        f"{c.get('other', 0)} |" for k, (f, c) in stats.items()],
       "",
-      f"**All-reduce count per step on the 2x4 HLO: {stats[OURS][1]} (ChunkedLogitKD), {stats[REF][1]} (LogitKD)** -- the",
-      "baseline for bundling the loss/metric reductions and bucketing the gradient sums (not done here).",
+      f"**All-reduce count per step on the 2x4 HLO: {stats[OURS][1]['total']} (ChunkedLogitKD), "
+      f"{stats[REF][1]['total']} (LogitKD); metrics-light {stats[OURS + LIGHT][1]['total']}, "
+      f"{stats[REF + LIGHT][1]['total']}.** Before this round's changes: {BEFORE_ALL_REDUCES}. See the",
+      "reading below for what the count is made of.",
       "XLA CPU's cost analysis counts the per-device program (on the mesh: 1/8 of the batch rows, 1/4",
       "of the tensor-split weights) and includes elementwise work, so it is not comparable one to one",
       "with the analytic matmul count.",
@@ -504,10 +565,24 @@ def write(args, res, med, seconds: float) -> None:
       "Roofline: the matmul rate is what this machine reaches on one large matmul in the same rounds;",
       "the step's fraction of it is bounded by its non-matmul work (softmaxes, norms, the optimizer,",
       "copies) and, on the mesh, by the all-reduces between 8 simulated devices that share 2 cores.",
-      "Cutting that work (grouped GQA einsum, a metrics-light step, bundled collectives) is separate",
-      "work; these numbers are its baseline.",
+      "",
+      "What the all-reduces are. Sums over `data` are 2 per step in every version: the token count",
+      "(needed before the loss) and one tuple all-reduce of every gradient and metric sum. JAX emits one",
+      "all-reduce per gradient leaf; XLA's all-reduce combiner fuses them (the census counts compiled",
+      "instructions), and `psum_bundled` stacks the scalars into one. The rest are over `tensor`, inserted",
+      "by the compiler for the Megatron-style split: each row-parallel matmul's output (attention output",
+      "and MLP down projection, per layer: 8 in the teacher forward, 4 in the student forward, the same",
+      "again for the input gradients of the column-parallel matmuls in the student backward), the",
+      "embedding lookup, the vocabulary-wide max / sum partials of the loss and metrics, and (the ones",
+      "over part of `tensor`) the gradients of key/value heads that fewer heads than `tensor` devices",
+      "share. What was avoidable is gone: the optimizer reduced the gradients three times (an `and` of",
+      "`isfinite` per leaf, the clipping norm inside the skip's `cond`, the `grad_norm` metric), now once",
+      "(6 -> 2 all-reduces, one per group of devices); the metrics-light step drops the metrics' 3. The",
+      "activation reductions are what tensor parallelism costs; fewer would need another split (e.g. the",
+      "teacher data-parallel over all devices), so the count is not halved.",
       "",
   ]
+  lines += profile_section()
   lines.append(f"Environment: jax {jax.__version__}, Python {platform.python_version()}, {platform.machine()}.")
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text("\n".join(lines) + "\n")

@@ -125,6 +125,7 @@ class Distiller:
     )
     self._compiled = None
     self._strategy_variants: dict = {}  # `with_strategy` results, reused
+    self._light = None  # the `metrics_light` variant, once asked for
 
   # ------------------------------------------------------------------ layout
   @property
@@ -196,7 +197,18 @@ class Distiller:
     new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, **step_keywords})
     new._compiled = None
     new._strategy_variants = {}  # variants of the copy are its own
+    new._light = None
     return new
+
+  def metrics_light(self) -> "Distiller":
+    """This Distiller with the metrics-light step (`meshdistill.step.per_device_step`'s ``light``): the same
+    update, bit for bit, with only ``loss``, ``grad_norm`` and ``tokens`` as metrics. Compiled once, on first
+    use; `meshdistill.trainer.fit` runs it on the steps whose metrics it does not log."""
+    if self._step_fn.keywords.get("light"):
+      return self
+    if self._light is None:
+      self._light = self._variant(light=True)
+    return self._light
 
   def with_strategy(self, strategy: Any) -> "Distiller":
     """A Distiller like this one (same models, layout, placed teacher, optimizer) distilling with ``strategy``.

@@ -7,6 +7,8 @@ A hook sees the loop's `meshdistill.trainer.Run` (``run.state``, ``run.step``, `
 * ``before_loop(run)`` -- once, before the first step (may replace ``run.trainer``);
 * ``before_step(run, step)`` -- before step ``step`` (1-based) is dispatched;
 * ``after_dispatch(run, step, metrics)`` -- right after dispatch, without waiting for the result;
+* ``wants_metrics(run, step)`` -- whether step ``step`` must report all its metrics (else it may run
+  metrics-light: ``loss``, ``grad_norm``, ``tokens`` only);
 * ``due(run, step)`` / ``after_step(run, step)`` -- an action on the state after ``step``. Before it
   runs, the loop reads the divergence guard's verdict on that step, so a hook never acts on a
   state the guard would throw away;
@@ -43,6 +45,12 @@ class Hook:
     del run, step
     return False
 
+  def wants_metrics(self, run, step: int) -> bool:
+    """Whether this hook reads all of step ``step``'s metrics (otherwise the loop may run the metrics-light
+    step, whose metrics are ``loss``, ``grad_norm`` and ``tokens`` only)."""
+    del run, step
+    return False
+
   def after_step(self, run, step: int) -> None:
     del run, step
 
@@ -73,6 +81,9 @@ class LogTrain(Hook):
 
   def due(self, run, step):
     return step % self.every == 0 or step == run.last
+
+  def wants_metrics(self, run, step):
+    return self.due(run, step)
 
   def after_step(self, run, step):
     from meshdistill.freezing import freeze_status  # pylint: disable=g-import-not-at-top

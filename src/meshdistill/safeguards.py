@@ -59,6 +59,9 @@ class _Records(Hook):
   def __init__(self, on_step):
     self.records, self.on_step, self.seen = [], on_step, 0
 
+  def wants_metrics(self, run, step):
+    return True  # every record holds all of its step's metrics
+
   def on_settled(self, run, info, state_after, reason):
     from meshdistill.freezing import freeze_status  # pylint: disable=g-import-not-at-top
 

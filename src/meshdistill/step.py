@@ -36,6 +36,7 @@ import optax
 from flax import nnx
 
 from meshdistill import fsdp, losses
+from meshdistill.collectives import psum_bundled
 from meshdistill.layout import BACKENDS, TOPK_KEYS, resolve_backend, wrap_step  # noqa: F401 -- re-exported
 
 
@@ -45,10 +46,6 @@ class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar
   params: Any
   opt_state: Any
-
-
-def _psum(x, axis: str | None):
-  return x if axis is None else jax.lax.psum(x, axis)
 
 
 def per_device_step(state: TrainState, teacher_params: Any, batch: dict[str, jax.Array], **keywords):
@@ -73,6 +70,7 @@ def per_device_gradients(
     data_axis: str | None,
     vocab: int | None = None,
     trainable: Any = None,
+    light: bool = False,
     **_,
 ):
   """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
@@ -87,6 +85,11 @@ def per_device_gradients(
 
   ``vocab``: when teacher and student vocabularies differ only by padding rows, the shared
   range ``[0, vocab)``; both models' logits (and LM heads) are sliced to it before the loss.
+
+  ``light``: the metrics-light step: the same update (same parameters, same loss), but its metrics
+  are only ``loss``, ``grad_norm`` and ``tokens`` (what the divergence guard and the progress line
+  read); the strategy's other metrics are not returned, so the compiler drops their work (their
+  vocabulary-wide passes and reductions). The loop runs it on the steps it does not log.
 
   Only ``state.step`` and ``state.params`` are read. Weights split over ``data`` (`meshdistill.fsdp`) arrive as
   shards and their gradients leave as shards, already summed over ``data``. Other keywords (the whole step's)
@@ -108,11 +111,11 @@ def per_device_gradients(
     teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
     teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
 
-  tokens = _psum(jnp.sum(mask_BxT), data_axis)
   # A strategy whose loss is a mean over something else than tokens (pairs of rows: preference
   # losses) says how many of those its local rows hold (`count`); the step sums that over `data`.
   count = getattr(strategy, "count", None)
-  denom = jnp.maximum(tokens if count is None else _psum(count(mask_BxT), data_axis), 1.0)
+  tokens, counted = psum_bundled((jnp.sum(mask_BxT), None if count is None else count(mask_BxT)), data_axis)
+  denom = jnp.maximum(tokens if count is None else counted, 1.0)
 
   params_in, frozen = split_trainable(state.params, trainable)
 
@@ -130,21 +133,26 @@ def per_device_gradients(
     return sums["loss"] / denom, sums
 
   (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
-  grads = sum_over_data(grads, data_axis)
-  sums = _psum(sums, data_axis)
+  if light:
+    sums = {"loss": sums["loss"]}
+  grads, sums = sum_over_data((grads, sums), data_axis)
   metrics = {k: v / denom for k, v in sums.items()}
   metrics["tokens"] = tokens
   return grads, metrics
 
 
-def sum_over_data(grads: Any, data_axis: str | None) -> Any:
-  """``grads`` summed over ``data``, except those of weights split over ``data`` (`meshdistill.fsdp`): the
+def sum_over_data(tree: Any, data_axis: str | None) -> Any:
+  """``tree`` (gradients, token sums) summed over ``data`` in few all-reduces (`psum_bundled`: one of the scalars,
+  one combined of the arrays), except the gradients of weights split over ``data`` (`meshdistill.fsdp`): the
   backward pass of their all-gather already reduce-scattered them."""
   if data_axis is None:
-    return grads
-  split = fsdp.data_dim
-  return jax.tree.map(lambda g: g if split(g) is not None else _psum(g, data_axis), grads,
-                      is_leaf=lambda x: split(x) is not None)
+    return tree
+  is_split = lambda x: fsdp.data_dim(x) is not None  # noqa: E731
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_split)
+  summed = [i for i, x in enumerate(leaves) if not is_split(x)]
+  for i, x in zip(summed, psum_bundled([leaves[i] for i in summed], data_axis)):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def apply_gradients(
@@ -157,7 +165,7 @@ def apply_gradients(
   params_in, frozen = split_trainable(state.params, trainable)
   updates, opt_state = optimizer.update(grads, state.opt_state, params_in)
   params = join_trainable(optax.apply_updates(params_in, updates), frozen)
-  metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+  metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}  # the norm the optimizer clips with (CSE: once)
   return TrainState(state.step + 1, params, opt_state), metrics
 
 

@@ -15,6 +15,8 @@ One step, in order: read the next host batch; dispatch the compiled step (metric
 device); judge the previous step's loss (the divergence guard); every ``log_every`` steps
 fetch and average the metrics (`Monitor`); every ``eval_every`` steps (and at the end)
 evaluate on the fixed validation batches; every ``checkpoint.every`` steps (and at the end) save.
+After the first logged step, steps whose metrics nothing reads run the trainer's metrics-light step
+(same update; ``FitOptions.metrics_light``).
 
 With a `DivergenceGuard` (``guard``) the loop reads every step's loss. A non-finite loss, or one
 far above its running median, restores the last good train state and, for distillation,
@@ -86,6 +88,12 @@ class FitOptions:
     memory_budget_bytes: per-device budget for ``auto_remat`` (default: the device's memory;
       without either -- a CPU device -- nothing is measured).
     memory_headroom: fraction of the budget the step may use.
+    metrics_light: after the first logged step, run the trainer's metrics-light step
+      (`meshdistill.Distiller.metrics_light`: the same update, only ``loss``, ``grad_norm`` and ``tokens``)
+      on the steps whose metrics no hook reads (`meshdistill.hooks.Hook.wants_metrics`: the train log
+      reads every ``log_every``-th). The logged means of the other metrics are then over the logged
+      steps (all steps in the first window). A run that never gets past its first log compiles one
+      step. False: every step computes every metric.
   """
 
   steps: int | None
@@ -103,6 +111,7 @@ class FitOptions:
   auto_remat: bool = False
   memory_budget_bytes: int | None = None
   memory_headroom: float = 0.9
+  metrics_light: bool = True
 
   def __post_init__(self):
     if self.guard_lag not in (0, 1):
@@ -187,8 +196,10 @@ class Run:
   """The loop's state as hooks see it, and the loop itself (`run`)."""
 
   def __init__(self, trainer, state, *, start: int, last: float, steps: int | None, it, monitor: Monitor,
-               hooks: Sequence[hooks_lib.Hook], lag: int):
+               hooks: Sequence[hooks_lib.Hook], lag: int, light: bool = False):
     self.trainer, self.state, self.it, self.monitor, self.hooks, self.lag = trainer, state, it, monitor, hooks, lag
+    self.light = light  # metrics-light steps where no hook reads the metrics, once one step was logged
+    self._logged = False
     self.start, self.step, self.last, self.steps = start, start, last, steps
     self.recovery: Any = NoRecovery(trainer)
     self.pending: StepInfo | None = None
@@ -242,7 +253,12 @@ class Run:
     if rec.wants_copy(step, any(h.wants_copy(step) for h in self.hooks)):
       candidate = copy_state(self.state)  # the state is donated to the step
     strategy = rec.active
-    self.state, metrics = rec.runner.step(self.state, batch)
+    runner = rec.runner
+    wanted = any(h.wants_metrics(self, step + 1) for h in self.hooks)
+    if self.light and self._logged and not wanted and hasattr(runner, "metrics_light"):
+      runner = runner.metrics_light()
+    self._logged = self._logged or wanted
+    self.state, metrics = runner.step(self.state, batch)
     if self.pending is not None and not self._settle(dispatched=True):
       return  # the step just dispatched ran on a diverged state: thrown away, its batch spent
     self.pending = StepInfo(step + 1, metrics, _trained_tokens(batch, metrics), candidate, position,
@@ -363,7 +379,7 @@ def fit(
   actions += list(hooks)
   it = data.train_iterator(data_state)
   run = Run(trainer, state, start=start, last=last, steps=opts.steps, it=it, monitor=monitor, hooks=actions,
-            lag=opts.guard_lag)
+            lag=opts.guard_lag, light=opts.metrics_light)
   t_train = time.perf_counter()
   try:
     for h in actions:

@@ -81,6 +81,13 @@ class ModelOutput(NamedTuple):
   final: jax.Array | None = None
 
 
+def _per_token(layer, x_BxTxD: jax.Array) -> jax.Array:
+  """``layer`` (a Linear, or the tied head's ``attend``) on ``[..., D]`` as ONE ``[N, D]`` matmul. Its weight
+  gradient then contracts one token axis; contracting ``[B, T]`` makes XLA's CPU dot copy the activation
+  gradient into a transposed layout first (a third of the one-device step's time went to such copies)."""
+  return layer(x_BxTxD.reshape(-1, x_BxTxD.shape[-1])).reshape(*x_BxTxD.shape[:-1], -1)
+
+
 def _part(init, *names):
   return nnx.with_partitioning(init, names)
 
@@ -108,9 +115,9 @@ class Attention(nnx.Module):
     the new keys/values are written at ``cache.index`` and the queries see the cache's valid slots up to their own."""
     cfg = self.cfg
     K = cfg.hd
-    q = einops.rearrange(self.q(x_BxTxD), "b t (h k) -> b t h k", k=K)
-    k = einops.rearrange(self.k(x_BxTxD), "b t (h k) -> b t h k", k=K)
-    v = einops.rearrange(self.v(x_BxTxD), "b t (h k) -> b t h k", k=K)
+    q = einops.rearrange(_per_token(self.q, x_BxTxD), "b t (h k) -> b t h k", k=K)
+    k = einops.rearrange(_per_token(self.k, x_BxTxD), "b t (h k) -> b t h k", k=K)
+    v = einops.rearrange(_per_token(self.v, x_BxTxD), "b t (h k) -> b t h k", k=K)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     pos = None if cache is None else cache.positions_BxT
@@ -134,7 +141,7 @@ class Attention(nnx.Module):
           q, k, v, mask=visible, is_causal=visible is None, implementation=kind
       ).astype(v.dtype)
       probs_BxHxTxS = None
-    out = self.o(einops.rearrange(out, "b t h k -> b t (h k)"))
+    out = _per_token(self.o, einops.rearrange(out, "b t h k -> b t (h k)"))
     if cache is not None:
       return out, cache
     return out, (probs_BxHxTxS if want_probs else None)
@@ -152,7 +159,8 @@ class MLP(nnx.Module):
     self.down = lin(F, D, (TENSOR, None))
 
   def __call__(self, x_BxTxD):
-    return self.down(jax.nn.silu(self.gate(x_BxTxD)) * self.up(x_BxTxD))
+    x_NxD = x_BxTxD.reshape(-1, x_BxTxD.shape[-1])  # one token axis: see `_per_token`
+    return self.down(jax.nn.silu(self.gate(x_NxD)) * self.up(x_NxD)).reshape(x_BxTxD.shape)
 
 
 class Block(nnx.Module):
@@ -235,7 +243,7 @@ class Decoder(nnx.Module):
     if not logits:
       return ModelOutput(None, tuple(hidden), tuple(attn), final)
     head, x = gathered_for(self.embed if self.head is None else self.head, x)
-    logits_BxTxV = head.attend(x) if self.head is None else head(x)
+    logits_BxTxV = _per_token(head.attend if self.head is None else head, x)
     if cfg.padded_vocab != cfg.vocab_size:  # padding rows never reach a loss (XLA keeps the shards padded)
       logits_BxTxV = logits_BxTxV[..., : cfg.vocab_size]
     return ModelOutput(logits_BxTxV.astype(jnp.float32), tuple(hidden), tuple(attn), final)

@@ -1,0 +1,166 @@
+"""Where a step's time goes: a profiler trace of the compiled step, its ops grouped by kind.
+
+The throughput benchmark's models (`benchmarks/throughput.py`) run a few steps under
+`jax.profiler.trace`; every op the XLA CPU runtime executes is one trace event named after its
+HLO instruction. Each instruction of the compiled step's HLO is put in one kind, by what it (or
+the fused computation it calls) holds, first match wins:
+
+* **matmul** -- a ``dot`` / ``convolution`` (with whatever elementwise work is fused into it);
+* **collective** -- all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute;
+* **reduction** -- a ``reduce`` (softmax sums and maxima, norms, metric sums);
+* **copy/transpose** -- a ``copy`` or ``transpose`` (layout changes; elementwise work fused into
+  them is counted here too);
+* **elementwise** -- everything else (exp, log, selects, the optimizer update, ...).
+
+Each op is counted at its fastest of the traced steps (on a shared machine a run of an op that other
+jobs slowed is not the op's cost), times its runs per step; summed over the runtime's threads (ops run
+concurrently) and shown as shares.
+
+Run: ``python benchmarks/step_profile.py [--steps 4] [--mesh] [--label after]``; prints a markdown
+table and replaces the rows of ``--label`` in ``benchmarks/results/step_profile.jsonl``, which
+`benchmarks/throughput.py` renders into ``benchmarks/results/throughput.md`` (before / after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import pathlib
+import re
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import throughput as tp  # noqa: E402  (simulates the 8 CPU devices first)
+
+import jax  # noqa: E402
+import meshdistill as md  # noqa: E402
+from meshdistill.strategies import LogitKD  # noqa: E402
+from meshdistill.strategies._chunked import ChunkedLogitKD  # noqa: E402
+
+RESULT = pathlib.Path(__file__).parent / "results" / "step_profile.jsonl"
+KINDS = ("matmul", "collective", "reduction", "copy/transpose", "elementwise")
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_CONTAINERS = ("while", "conditional", "call")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\(")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
+
+
+def hlo_kinds(hlo: str) -> dict[str, str]:
+  """Instruction name -> kind (see the module docstring) for every non-container instruction of ``hlo``."""
+  comps: dict[str, list[tuple[str, str, str]]] = collections.defaultdict(list)  # computation -> (name, op, line)
+  current = None
+  for line in hlo.splitlines():
+    m = _COMP.match(line)
+    if m and line.rstrip().endswith("{"):
+      current = m.group(1)
+      continue
+    m = _INSTR.match(line)
+    if m and current is not None:
+      comps[current].append((m.group(1), m.group(2), line))
+
+  def ops_of(comp: str, seen=()) -> set[str]:
+    out = set()
+    for _, op, line in comps.get(comp, ()):
+      out.add(op)
+      for called in re.findall(r"calls=%([\w.\-]+)", line):
+        if called not in seen:
+          out |= ops_of(called, (*seen, comp))
+    return out
+
+  kinds = {}
+  for comp in comps.values():
+    for name, op, line in comp:
+      if op in _CONTAINERS or op in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
+        continue
+      ops = {op}
+      for called in re.findall(r"calls=%([\w.\-]+)", line):
+        ops |= ops_of(called)
+      if ops & {"dot", "convolution"}:
+        kind = "matmul"
+      elif any(o.startswith(_COLLECTIVES) for o in ops):
+        kind = "collective"
+      elif ops & {"reduce", "reduce-window"}:
+        kind = "reduction"
+      elif ops & {"copy", "transpose"}:
+        kind = "copy/transpose"
+      else:
+        kind = "elementwise"
+      kinds[name] = kind
+  return kinds
+
+
+def profile(distiller, batches, steps: int) -> dict[str, float]:
+  """Milliseconds per step of each kind (summed over threads), from a trace of ``steps`` steps."""
+  state = distiller.init_state()
+  batch = tp.ours_batch(batches[0])
+  hlo = distiller.lower(state, batch).compile().as_text()
+  kinds = hlo_kinds(hlo)
+  for x in batches[:2]:  # compile and warm up
+    state, metrics = distiller.step(state, tp.ours_batch(x))
+  jax.block_until_ready(metrics)
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for x in batches[2:2 + steps]:
+        state, metrics = distiller.step(state, tp.ours_batch(x))
+        jax.block_until_ready(metrics)
+    path = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]
+    trace = json.load(gzip.open(path))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  durations = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") == "X" and e.get("name") in kinds:
+      durations[e["name"]].append(e.get("dur", 0.0) / 1e3)  # us -> ms
+  # Each op at its fastest run (a run slowed by other jobs on the shared cores counts as that fastest one),
+  # times how often it ran per step (ops inside a loop run once per iteration).
+  total = collections.Counter()
+  for name, ds in durations.items():
+    total[kinds[name]] += min(ds) * len(ds) / steps
+  return {k: total[k] for k in KINDS}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--steps", type=int, default=6)
+  parser.add_argument("--vocab", type=int, default=1024)
+  parser.add_argument("--mesh", action="store_true", help="also profile the 2x4 mesh (8 simulated devices)")
+  parser.add_argument("--label", default="after", help="what this run measures (e.g. before / after a change)")
+  parser.add_argument("--out", type=pathlib.Path, default=RESULT)
+  args = parser.parse_args(argv)
+  rows = []
+  tcfg, scfg = tp.configs(args.vocab)
+  batches = tp.make_batches(args.steps + 2, args.vocab)
+  meshes = {"1 device": None, **({"2x4": md.make_mesh(data=2, tensor=4)} if args.mesh else {})}
+  strategies = {
+      "ChunkedLogitKD": ChunkedLogitKD(temperature=tp.TAU, alpha=tp.ALPHA, chunk_size=256),
+      "LogitKD": LogitKD(temperature=tp.TAU, alpha=tp.ALPHA),
+  }
+  print("| step | op time / step (ms, summed over threads) | " + " | ".join(KINDS) + " |")
+  print("|---|---:|" + "---:|" * len(KINDS))
+  for where, mesh in meshes.items():
+    for name, strategy in strategies.items():
+      teacher, student = md.init_model(tcfg, seed=0, mesh=mesh), md.init_model(scfg, seed=1, mesh=mesh)
+      d = md.Distiller(student, teacher, strategy=strategy, optimizer=md.default_optimizer(tp.LR), mesh=mesh)
+      variants = {"": d}
+      if hasattr(d, "metrics_light"):
+        variants[", metrics-light"] = d.metrics_light()
+      for suffix, dv in variants.items():
+        ms = profile(dv, batches, args.steps)
+        total = sum(ms.values())
+        shares = " | ".join(f"{100 * ms[k] / total:.0f}% ({ms[k]:.0f})" for k in KINDS)
+        print(f"| {where}: {name}{suffix} | {total:.0f} | {shares} |", flush=True)
+        rows.append({"label": args.label, "step": f"{where}: {name}{suffix}", "steps": args.steps,
+                     "load": os.getloadavg()[0], "ms": ms})
+  kept = []
+  if args.out.exists():
+    kept = [r for r in map(json.loads, args.out.read_text().splitlines()) if r["label"] != args.label]
+  args.out.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

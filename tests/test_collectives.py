@@ -1,0 +1,173 @@
+"""Collectives of the step: bundled sums over `data`, one gradient-norm pass, the metrics-light step."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
+from jax.sharding import PartitionSpec as P
+
+import meshdistill as md
+from meshdistill.collectives import all_reduce_census, mesh_axis_groups, psum_bundled, replica_groups
+from meshdistill.monitor import Monitor, read_metrics
+from meshdistill.trainer import fit
+
+
+def _distiller(mesh, **kw):
+  teacher = md.init_model(TEACHER_CFG, seed=0, mesh=mesh)
+  student = md.init_model(STUDENT_CFG, seed=1, mesh=mesh)
+  return md.Distiller(student, teacher, mesh=mesh, **kw)
+
+
+@pytest.fixture(scope="module")
+def mesh_step():
+  """The 2x4 step: its distiller, a state, a batch, the compiled HLO, the lowered (pre-XLA) module and the
+  compiled step."""
+  d = _distiller(md.make_mesh(2, 4))
+  state, batch = d.init_state(), make_batch()
+  lowered = d.lower(state, batch)
+  compiled = lowered.compile()
+  return d, state, batch, compiled.as_text(), lowered.as_text(), compiled
+
+
+def _run(d, compiled, seeds):
+  """Steps of a compiled step (no second compilation through ``d.step``) from a fresh state."""
+  state = d.init_state()
+  for seed in seeds:
+    state, metrics = compiled(state, d.teacher_params, d.layout.place_batch(make_batch(seed=seed)))
+  return jax.device_get(state), jax.device_get(metrics)
+
+
+def test_replica_groups_read_both_hlo_forms():
+  assert replica_groups("{{0,4},{1,5},{2,6},{3,7}}") == [frozenset(g) for g in ({0, 4}, {1, 5}, {2, 6}, {3, 7})]
+  assert replica_groups("[2,4]<=[8]") == [frozenset(range(4)), frozenset(range(4, 8))]
+  assert replica_groups("[4,2]<=[2,2,2]T(0,2,1)") == [frozenset(g) for g in ({0, 2}, {1, 3}, {4, 6}, {5, 7})]
+  mesh = md.make_mesh(2, 4)
+  assert mesh_axis_groups(mesh, ("data",)) == set(replica_groups("{{0,4},{1,5},{2,6},{3,7}}"))
+  assert mesh_axis_groups(mesh, ("tensor",)) == set(replica_groups("[2,4]<=[8]"))
+
+
+def test_psum_bundled_sums_like_psum_with_one_all_reduce_per_scalar_dtype():
+  mesh = md.make_mesh(8, 1)
+
+  def body(x_NxD):
+    tree = {"s1": x_NxD.sum(), "s2": (2 * x_NxD).max(), "i": jnp.sum(x_NxD > 3, dtype=jnp.int32),
+            "i2": jnp.int32(1), "w": x_NxD, "v": {"u": x_NxD[:, :1] * 3}}
+    return psum_bundled(tree, "data"), jax.lax.psum(tree, "data")
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(), axis_names={"data"},
+                             check_vma=False))
+  x = jnp.arange(32.0).reshape(16, 2)
+  got, want = fn(x)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
+  lowered = fn.lower(x).as_text()
+  # plain psum: one all-reduce per leaf (6 + 6); bundled: f32 scalars 1, int32 scalars 1, arrays 2
+  assert lowered.count("stablehlo.all_reduce") == 6 + 4
+  assert psum_bundled({"a": x}, None)["a"] is x
+
+
+def test_2x4_step_sums_over_data_in_at_most_two_all_reduces(mesh_step):
+  d, state, _, hlo, lowered, compiled = mesh_step
+  names = _run(d, compiled, [0])[1]
+  census = all_reduce_census(hlo, d.mesh)
+  n_grads = len(jax.tree.leaves(state.params))
+  # one all-reduce per summed leaf: every gradient, every metric sum and the token count (all but grad_norm)
+  per_leaf = n_grads + len([k for k in names if k != "grad_norm"])
+  data_groups = "replica_groups={{0,4},{1,5},{2,6},{3,7}}"
+  assert lowered.count("stablehlo.all_reduce") >= n_grads  # JAX emits one per gradient leaf ...
+  assert census["data"] <= 2 <= per_leaf // 2, census  # ... XLA's combiner sends them as one
+  assert census["data"] == sum(1 for line in hlo.splitlines() if "all-reduce(" in line and data_groups in line)
+  assert not re.search(r"\ball-to-all\(", hlo)
+
+
+def test_2x4_step_reduces_the_gradient_norm_once(mesh_step):
+  """Clipping, the non-finite check and the ``grad_norm`` metric share one pass: no two scalar
+  all-reduces over the same devices (optax's pair gave three: an ``and`` and two norms)."""
+  hlo = mesh_step[3]
+  scalar_groups = []
+  for line in hlo.splitlines():
+    m = re.search(r"=\s*(\(?[^=]*?\)?)\s+all-reduce\(.*replica_groups=(\S+?), use", line)
+    if m and re.fullmatch(r"\(?((f32|pred)\[\](, (/\*index=\d+\*/)?)?)+\)?", m.group(1).strip()):
+      scalar_groups.append(m.group(2))
+  assert scalar_groups and len(scalar_groups) == len(set(scalar_groups)), scalar_groups
+
+
+def test_clip_if_finite_matches_optax_pair():
+  tx = md.default_optimizer(1e-2, clip=0.5)
+  ref = optax.apply_if_finite(optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.0)), 2**30)
+  params = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}
+  grads = [{"w": jnp.full((3, 4), g), "b": jnp.full(4, g)} for g in (0.01, 3.0, jnp.nan, jnp.inf, 0.2)]
+  state, ref_state = tx.init(params), ref.init(params)
+  assert jax.tree.structure(state) == jax.tree.structure(ref_state)
+  for g in grads:
+    u, state = jax.jit(tx.update)(g, state, params)
+    r, ref_state = jax.jit(ref.update)(g, ref_state, params)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), (u, state), (r, ref_state))
+  assert int(state.total_notfinite) == 2
+
+
+def test_metrics_light_step_gives_the_same_update_with_fewer_collectives(mesh_step):
+  d, state, batch, hlo, _, compiled = mesh_step
+  light = d.metrics_light()
+  assert light.metrics_light() is light and d.metrics_light() is light
+  light_compiled = light.lower(state, batch).compile()
+  full_state, full_metrics = _run(d, compiled, range(2))
+  light_state, light_metrics = _run(light, light_compiled, range(2))
+  assert set(light_metrics) == {"loss", "grad_norm", "tokens"} < set(full_metrics)
+  for k in light_metrics:
+    assert float(light_metrics[k]) == float(full_metrics[k]), k
+  for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(light_state)):
+    np.testing.assert_array_equal(a, b)
+  assert all_reduce_census(light_compiled.as_text())["total"] < all_reduce_census(hlo)["total"]
+
+
+def test_fit_runs_metrics_light_steps_between_logs(tmp_path):
+  class Data:
+    def __init__(self, batches):
+      self.batches = batches
+
+    def train_iterator(self, position):
+      return _Iter(self.batches, position or 0)
+
+    def val_batches(self, max_batches):
+      del max_batches
+      return []
+
+  class _Iter:
+    def __init__(self, batches, i):
+      self.batches, self.i = batches, i
+
+    def __next__(self):
+      if self.i >= len(self.batches):
+        raise StopIteration
+      self.i += 1
+      return self.batches[self.i - 1]
+
+    def get_state(self):
+      return self.i
+
+    def close(self):
+      pass
+
+  batches = [make_batch(seed=s) for s in range(6)]
+  d = _distiller(None)
+  monitor = Monitor(str(tmp_path), 6)
+  res = fit(d, Data(batches), steps=6, log_every=2, monitor=monitor)
+  monitor.close()
+  assert d._light is not None and d._light._compiled is not None  # the light step ran
+  rows = [r for r in read_metrics(str(tmp_path)) if r["split"] == "train"]
+  # the same run with the full step every step (already compiled by the fit)
+  state, losses = d.init_state(), []
+  for b in batches:
+    state, metrics = d.step(state, b)
+    losses.append(float(metrics["loss"]))
+  for a, b in zip(jax.tree.leaves(jax.device_get(res.state)), jax.tree.leaves(jax.device_get(state))):
+    np.testing.assert_array_equal(a, b)
+  # steps 1-2 full (the first window), then light between the logged steps 4 and 6, which computed every metric;
+  # the loss means are over every step
+  assert [r["step"] for r in rows] == [2, 4, 6] and all("kl" in r and "agree" in r for r in rows)
+  np.testing.assert_allclose([r["loss"] for r in rows], np.mean(np.reshape(losses, (3, 2)), axis=1), rtol=1e-6)
+
