@@ -101,6 +101,29 @@ class CheckpointError(RuntimeError):
   """A checkpoint could not be written, or no intact checkpoint is left to restore; the message says what to do."""
 
 
+def _widen(tree):
+  """``tree`` with uint4 leaves (nf4 weights of a QLoRA base) as uint8: tensorstore stores no uint4.
+
+  Arrays are converted (lossless: values 0..15); abstract leaves get the uint8 dtype."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def widen(x):
+    if getattr(x, "dtype", None) != jnp.uint4:
+      return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, jnp.uint8, sharding=x.sharding)
+    return x.astype(jnp.uint8)
+
+  return jax.tree.map(widen, tree)
+
+
+def _narrow(tree, like):
+  """The inverse of `_widen`: leaves of ``tree`` back to the dtypes of ``like`` where those are uint4."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  return jax.tree.map(lambda x, w: x.astype(jnp.uint4) if w.dtype == jnp.uint4 else x, tree, like)
+
+
 class Checkpointer:
   """Saves and restores train states under ``directory`` (every ``every`` steps, newest ``keep`` kept).
 
@@ -141,7 +164,7 @@ class Checkpointer:
 
     Raises `CheckpointError` when the write fails (e.g. a full disk); earlier steps stay intact.
     """
-    state = trainer.layout.unreplicate(state)
+    state = _widen(trainer.layout.unreplicate(state))  # uint4 (nf4 weights): stored as uint8
     meta = {**meta, "step": int(step)}
     try:
       self._mgr.save(
@@ -270,7 +293,8 @@ class Checkpointer:
     skipped with a warning; damaged steps newer than the one restored are moved aside (unless ``read_only``).
     """
     step = self._restorable(step)
-    target = trainer.layout.checkpoint_target(template)
+    narrow = trainer.layout.checkpoint_target(template)
+    target = _widen(narrow)
     try:
       got = self._mgr.restore(
         step,
@@ -286,7 +310,7 @@ class Checkpointer:
         "run's own scan_layers"
       ) from e
     self._set_aside(step)
-    state = trainer.layout.replicate(got.state)
+    state = trainer.layout.replicate(_narrow(got.state, narrow))
     if any(s > step for s in self._damaged):
       newer = ", ".join(str(s) for s in sorted(self._damaged) if s > step)
       log.warning("checkpoint: restored step %d from %s instead of the damaged step(s) %s", step, self.directory,
@@ -332,6 +356,7 @@ class Checkpointer:
     where = jax.tree.map(lambda _: one, abstract) if shardings is None else shardings
     target = {"params": {"student": jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, where)}}
+    narrow, target = target, _widen(target)
     args = ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
     )
@@ -349,7 +374,7 @@ class Checkpointer:
           f"checkpoint step {step} in {self.directory} holds no student weight {jax.tree_util.keystr(missing[0])} "
           f"of this model (scan_layers={cfg.scan_layers}); it was written by a run with other model sizes"
       )
-    return nnx.merge(graphdef, student)
+    return nnx.merge(graphdef, _narrow(student, narrow["params"]["student"]))
 
   def close(self) -> None:
     self._mgr.wait_until_finished()

@@ -7,6 +7,7 @@
   meshdistill generate RUN_DIR --prompt "def "   # samples of a run's student (--model teacher: its teacher)
   meshdistill plot RUN_DIR                  # PNG curves of loss, KL, CE and correlation
   meshdistill export RUN_DIR OUT_DIR [--dtype bfloat16] [--step N] [--overwrite]   # the student as a HF checkpoint
+  meshdistill export RUN_DIR OUT_DIR --adapter      # a LoRA student's adapters as a PEFT adapter directory
   meshdistill config [--config ...] [--set ...]   # print the effective configuration
   meshdistill plan --teacher llama3.1-8b --student llama3.2-1b --topology v5e:4x4 --batch 16 --seq 2048
   meshdistill launch --processes 2 -- meshdistill distill --config tiny   # N local processes, one job
@@ -108,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
   ex.add_argument("--dtype", default="float32", help="dtype of the written weights: float32, bfloat16 or float16")
   ex.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the latest)")
   ex.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty OUT_DIR")
+  ex.add_argument("--adapter", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter directory "
+                  "(adapter_config.json, adapter_model.safetensors, and the base in base/) instead of merged weights")
   _plan_parser(with_config(sub.add_parser("plan", help="compile the distillation step for a TPU slice or CPU devices "
                                           "and report whether and how it fits (no accelerator needed)")))
   return p
@@ -209,12 +212,13 @@ def _export(args) -> int:
     cfg = export.run_config(args.run_dir)
     if args.dtype not in export.DTYPES:
       raise ValueError(f"--dtype={args.dtype!r}; choose one of {list(export.DTYPES)}")
-    export.check_out_dir(args.out_dir, args.overwrite)
+    export.check_out_dir(args.out_dir, args.overwrite, args.adapter)
     from meshdistill import jobs  # pylint: disable=g-import-not-at-top
 
     jobs.prepare_devices(cfg)
     out = export.export_run(
-      args.run_dir, args.out_dir, dtype=args.dtype, step=args.step, overwrite=args.overwrite, cfg=cfg
+      args.run_dir, args.out_dir, dtype=args.dtype, step=args.step, overwrite=args.overwrite, cfg=cfg,
+      adapter=args.adapter,
     )
   except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
     return _err(str(e))
@@ -223,6 +227,8 @@ def _export(args) -> int:
   print(f"exported step {out['step']} of {args.run_dir} ({out['family']}, {out['params']:,} params, {out['dtype']}) "
         f"-> {out['out_dir']}")
   print(f"tokenizer: {out['tokenizer']}")
+  if "base" in out:
+    print(f"adapters apply to the base {out['base']}")
   return 0
 
 

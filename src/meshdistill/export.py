@@ -37,18 +37,21 @@ def run_config(run_dir: str) -> Config:
   return load_config(path, [f"run.run_dir={run_dir}"])
 
 
-def check_out_dir(out_dir: str, overwrite: bool) -> None:
+def check_out_dir(out_dir: str, overwrite: bool, adapter: bool = False) -> None:
   """Raises unless ``out_dir`` may receive the export.
 
   Even with ``overwrite`` only a directory holding nothing but checkpoint files (``config.json``,
-  ``*.safetensors``, the index, tokenizer files) is replaced (`meshdistill.fsutil.check_output_dir`).
+  ``*.safetensors``, the index, tokenizer files; with ``adapter`` the adapter files and ``base/``) is
+  replaced (`meshdistill.fsutil.check_output_dir`).
   """
   from meshdistill.fsutil import check_output_dir  # pylint: disable=g-import-not-at-top
   from meshdistill.models.hf import is_checkpoint_file  # pylint: disable=g-import-not-at-top
+  from meshdistill.models.peft import is_adapter_file  # pylint: disable=g-import-not-at-top
 
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise FileExistsError(f"OUT_DIR={out_dir!r} is a file; give a directory path")
-  check_output_dir(out_dir, overwrite=overwrite, ours=is_checkpoint_file, what="OUT_DIR", flag="--overwrite")
+  check_output_dir(out_dir, overwrite=overwrite, ours=is_adapter_file if adapter else is_checkpoint_file,
+                   what="OUT_DIR", flag="--overwrite")
 
 
 def _tokenizer_source(cfg: Config):
@@ -73,10 +76,15 @@ def export_run(
     step: int | None = None,
     overwrite: bool = False,
     cfg: Config | None = None,
+    adapter: bool = False,
 ) -> dict:
   """Writes the student of ``run_dir``'s checkpoint (latest, or ``step``) to ``out_dir`` as a Hugging Face model.
 
-  Returns ``{"out_dir", "step", "family", "dtype", "params", "tokenizer"}``.
+  With ``adapter`` (a LoRA run) ``out_dir`` instead receives the adapters as a PEFT adapter directory
+  (`meshdistill.models.peft.export_adapter`): ``adapter_config.json`` and ``adapter_model.safetensors``,
+  plus the frozen base in ``base/`` unless the run's ``student.hf`` is that base exactly (a float base).
+
+  Returns ``{"out_dir", "step", "family", "dtype", "params", "tokenizer"}`` (with ``adapter``: ``"base"``).
 
   Raises:
     FileNotFoundError: no config.yaml or no checkpoint in ``run_dir``.
@@ -90,7 +98,11 @@ def export_run(
     raise ValueError(f"--dtype={dtype!r}; choose one of {list(DTYPES)}")
   cfg = cfg or run_config(run_dir)
   out_dir = os.path.abspath(out_dir)
-  check_out_dir(out_dir, overwrite)
+  lora = cfg.models.student_lora
+  if adapter and not lora.enabled:
+    raise ValueError(f"--adapter writes LoRA adapters, but RUN_DIR={run_dir!r} trained the whole student "
+                     "(student.lora.rank is 0); export it without --adapter")
+  check_out_dir(out_dir, overwrite, adapter)
   if not os.path.isdir(cfg.checkpoint_dir):
     raise FileNotFoundError(
         f"RUN_DIR={run_dir!r} has no checkpoint ({cfg.checkpoint_dir} does not exist): run `meshdistill distill` "
@@ -112,8 +124,19 @@ def export_run(
     if meta.get("kind") != "distill":
       raise ValueError(f"RUN_DIR={run_dir!r} holds a {meta.get('kind')!r} run, not a distillation run")
     tokenizer, tok_note = _tokenizer_source(cfg)
-    student = ckpt.restore_student(cfg.student, jobs.build_mesh(cfg), step, lora=cfg.models.student_lora)
-    if cfg.models.student_lora.enabled:  # adapters folded into the (dequantised) base weights
+    student = ckpt.restore_student(cfg.student, jobs.build_mesh(cfg), step, lora=lora)
+    if adapter:
+      base = cfg.models.student_hf if lora.quantize is None else None  # else the base is written beside
+      from meshdistill.models.peft import export_adapter  # pylint: disable=g-import-not-at-top
+
+      written = str(export_adapter(student, out_dir, base=base, tokenizer=tokenizer, dtype=dtype,
+                                   overwrite=overwrite))
+      from meshdistill.models.lora import adapter_count  # pylint: disable=g-import-not-at-top
+
+      return {"out_dir": written, "step": int(step), "family": "PEFT LoRA adapter", "dtype": dtype,
+              "params": adapter_count(student), "tokenizer": tok_note,
+              "base": base or os.path.join(written, "base")}
+    if lora.enabled:  # adapters folded into the (dequantised) base weights
       from meshdistill.models.lora import merge_lora  # pylint: disable=g-import-not-at-top
 
       student = merge_lora(student)

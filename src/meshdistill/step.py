@@ -120,7 +120,8 @@ def per_device_gradients(
   params_in, frozen = split_trainable(state.params, trainable)
 
   def loss_fn(params):
-    params = join_trainable(params, frozen)
+    # frozen parameters enter as constants of this trace (outer tracers inside `nnx.remat` blocks would not merge)
+    params = join_trainable(params, jax.lax.stop_gradient(frozen))
     student = nnx.merge(student_def, params["student"])
     student_out = _vocab_slice(student(inputs_BxT, capture=capture, logits=with_logits), vocab)
     if with_head:  # token sums over all local rows; heads [D, V] with V split over `tensor`

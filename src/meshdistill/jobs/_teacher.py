@@ -229,6 +229,9 @@ def _teacher_on_own_mesh(cfg: Config, data, teacher_mesh, mesh, stream, say):
 
   td = cfg.models.teacher_devices
   teacher, tdir = obtain_teacher(cfg, data, teacher_mesh, stream=stream, report=say)
+  from meshdistill.sources import quantized_teacher  # pylint: disable=g-import-not-at-top
+
+  teacher = quantized_teacher(cfg, teacher, teacher_mesh)  # teacher.quantize
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
   on_mesh = TeacherOnMesh(teacher, k=cfg.distill.top_k, temperature=float(cfg.distill.temperature), vocab=vocab,
                           teacher_mesh=teacher_mesh, student_mesh=mesh)
@@ -261,6 +264,9 @@ def cache_teacher(
   data = load_data(cfg, mesh=mesh)
   say = stream_reporter(stream)
   teacher, _ = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  from meshdistill.sources import quantized_teacher  # pylint: disable=g-import-not-at-top
+
+  teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
   program_mesh, batch_size = make_layout(cfg.mesh.backend, mesh).eval_mesh, data.global_batch_size
   if distributed.process_count() > 1:

@@ -78,9 +78,10 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
   """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.sources.build_student`); with
   ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS)."""
   from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
-  from meshdistill.sources import build_student  # pylint: disable=g-import-not-at-top
+  from meshdistill.sources import build_student, quantized_teacher  # pylint: disable=g-import-not-at-top
 
   student = build_student(cfg, teacher, mesh)
+  teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize: after the student copied any float blocks
   strategy, optimizer = strategy_and_optimizer(cfg)
   extra = {}
   if cfg.distill.on_policy.active:

@@ -36,11 +36,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.models.decoder import Decoder, ModelConfig
+from meshdistill.models.quantize import QUANTIZE  # noqa: F401 -- the base weight types of QLoRA
 
 log = logging.getLogger(__name__)
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the decoder's projections (attn/*, mlp/*)
-QUANTIZE = ("int8", "int4", "nf4")
 TRAINABLE = nnx.LoRAParam  # the nnx filter of the parameters a LoRA student trains
 
 
@@ -124,7 +124,9 @@ def check_lora(model: Decoder, lora: LoraConfig) -> None:
 
 
 def _qtype(name: str | None):
-  return {None: None, "int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}[name]
+  from meshdistill.models.quantize import qtype  # pylint: disable=g-import-not-at-top
+
+  return qtype(name, "student.lora.quantize")
 
 
 def apply_lora(model: Decoder, lora: LoraConfig, *, seed: int = 0, mesh: Mesh | None = None) -> Decoder:
@@ -191,8 +193,10 @@ def _value(x):
   return x[...] if isinstance(x, nnx.Variable) else x
 
 
-def merge_lora(model: Decoder) -> Decoder:
-  """A plain `Decoder` whose targeted kernels are ``dequantize(W) + A @ B * alpha / rank``; same placement."""
+def merge_lora(model: Decoder, adapters: bool = True) -> Decoder:
+  """A plain `Decoder` whose targeted kernels are ``dequantize(W) + A @ B * alpha / rank``; same placement.
+
+  ``adapters=False``: the frozen base alone (``dequantize(W)``), what a PEFT adapter directory applies to."""
   import qwix  # pylint: disable=g-import-not-at-top
   from qwix._src.providers import ptq  # pylint: disable=g-import-not-at-top
 
@@ -211,7 +215,7 @@ def merge_lora(model: Decoder) -> Decoder:
       base = _value(kernel)
     a, b = _value(m.kernel_lora_a), _value(m.kernel_lora_b)
     lora: LoraConfig = model.lora
-    delta = (a @ b) * (lora.scale_alpha / lora.rank)
+    delta = (a @ b) * (lora.scale_alpha / lora.rank) if adapters else 0.0
     merged[tuple(path) + ("kernel",)] = (base.astype(jnp.float32) + delta).astype(jnp.float32)
 
   plain = nnx.to_flat_state(abstract)

@@ -25,14 +25,25 @@ from jax.sharding import Mesh
 from meshdistill.distiller import Distiller
 from meshdistill.layout import ShardMapLayout
 from meshdistill.memory import MemoryReport
-from meshdistill.mesh import batch_sharding
+from meshdistill.mesh import TENSOR, batch_sharding
 from meshdistill.models._build import abstract_params
 from meshdistill.models.decoder import ModelConfig
 
 
 @functools.lru_cache(maxsize=8)
-def _abstract_model(cfg: ModelConfig):
-  graphdef, state, _ = abstract_params(cfg)
+def _abstract_model(cfg: ModelConfig, lora=None, quantize: str | None = None):
+  """An abstract decoder of ``cfg``; with ``lora`` (a `LoraConfig`) holding adapters (and its quantized base), with
+  ``quantize`` its projections stored quantized (a quantized teacher, `meshdistill.models.quantize`)."""
+  if lora is not None and lora.enabled:
+    from meshdistill.models.lora import abstract_lora  # pylint: disable=g-import-not-at-top
+
+    graphdef, state, _ = abstract_lora(cfg, lora)
+  elif quantize is not None:
+    from meshdistill.models.quantize import abstract_quantized  # pylint: disable=g-import-not-at-top
+
+    graphdef, state = abstract_quantized(cfg, quantize)
+  else:
+    graphdef, state, _ = abstract_params(cfg)
   return nnx.merge(graphdef, state)
 
 
@@ -63,11 +74,22 @@ class _AbstractDistiller(Distiller):
 
 
 def abstract_distiller(teacher: ModelConfig, student: ModelConfig, strategy, optimizer, mesh: Mesh,
-                       compiler_options: dict | None = None, fsdp: bool = False) -> Distiller:
-  """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays
-  (``fsdp``: weights and optimizer moments split over ``data`` too, ``mesh.fsdp``)."""
-  d = _AbstractDistiller(_abstract_model(student), _abstract_model(teacher), strategy=strategy, optimizer=optimizer,
-                         mesh=mesh, backend=_AbstractLayout(mesh, fsdp=fsdp), fsdp=fsdp)
+                       compiler_options: dict | None = None, lora=None, teacher_quantize: str | None = None,
+                       fsdp: bool = False) -> Distiller:
+  """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays.
+
+  ``lora``: the student's `meshdistill.models.lora.LoraConfig` (``student.lora``: adapters, only they train);
+  ``teacher_quantize``: ``teacher.quantize`` (the teacher's projections stored int8 / int4 / nf4);
+  ``fsdp``: weights and optimizer moments split over ``data`` too (``mesh.fsdp``).
+  """
+  tensor = mesh.shape[TENSOR]
+  if lora is not None and lora.enabled:  # adapters are applied to a student already fitted to the mesh
+    student = student.for_tensor(tensor)
+  if teacher_quantize is not None:
+    teacher = teacher.for_tensor(tensor)
+  d = _AbstractDistiller(_abstract_model(student, lora), _abstract_model(teacher, None, teacher_quantize),
+                         strategy=strategy, optimizer=optimizer, mesh=mesh, backend=_AbstractLayout(mesh, fsdp=fsdp),
+                         fsdp=fsdp)
   return d.with_compiler_options(compiler_options) if compiler_options else d
 
 
@@ -81,12 +103,17 @@ def abstract_batch(mesh: Mesh, batch: int, seq: int) -> dict:
   }
 
 
-def shard_bytes(tree) -> int:
-  """Bytes one device holds of an abstract tree (each leaf's shard shape times its item size)."""
+_4BIT = (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4))
+
+
+def shard_bytes(tree, packed_4bit: bool = False) -> int:
+  """Bytes one device holds of an abstract tree (each leaf's shard shape times its item size); with
+  ``packed_4bit`` (TPU) 4-bit values (int4 / nf4 weights) take half a byte, otherwise one (CPU)."""
   total = 0
   for x in jax.tree.leaves(tree):
     shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-    total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    n = math.prod(shape)
+    total += (n + 1) // 2 if packed_4bit and jnp.dtype(x.dtype) in _4BIT else n * jnp.dtype(x.dtype).itemsize
   return total
 
 
@@ -122,14 +149,17 @@ def compile_step(distiller: Distiller, batch: int, seq: int) -> CompiledStep:
   t0 = time.perf_counter()
   lowered = distiller.compiled_step(state).lower(state, distiller.teacher_params, inputs)
   t1 = time.perf_counter()
+  packed = distiller.mesh.devices.flat[0].platform == "tpu"  # the TPU packs 4-bit types two per byte
   parts = {
-      "teacher_weights": shard_bytes(distiller.teacher_params),
-      "student_weights": shard_bytes(state.params["student"]),
+      "teacher_weights": shard_bytes(distiller.teacher_params, packed),
+      "student_weights": shard_bytes(state.params["student"], packed),
       "optimizer_state": shard_bytes(state.opt_state),
       "other_state": shard_bytes((state.step, state.params["strategy"])),
       "batch": shard_bytes(inputs),
   }
   params = {"teacher": leaf_count(distiller.teacher_params), "student": leaf_count(state.params["student"])}
+  if distiller.trainable is not None:  # e.g. LoRA: only the adapters train
+    params["student_trained"] = leaf_count(nnx.filter_state(state.params["student"], distiller.trainable))
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:

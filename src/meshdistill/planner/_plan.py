@@ -96,7 +96,9 @@ class Planner:
 
     strategy, optimizer = strategy_and_optimizer(cfg, self.student.n_layers)
     student = self.student.replace(remat=k.remat) if k.remat != self.student.remat else self.student
-    return abstract_distiller(self.teacher, student, strategy, optimizer, mesh, self.options, fsdp=self.cfg.mesh.fsdp)
+    return abstract_distiller(self.teacher, student, strategy, optimizer, mesh, self.options,
+                              lora=self.cfg.models.student_lora, teacher_quantize=self.cfg.models.teacher_quantize,
+                              fsdp=self.cfg.mesh.fsdp)
 
   def static_bytes(self, k: Knobs) -> int:
     """Per-device bytes of the step's inputs (weights, optimizer state, batch): a lower bound, without compiling."""
@@ -151,6 +153,15 @@ class Planner:
     on_policy = getattr(self.cfg.distill, "on_policy", None)
     if on_policy is not None and getattr(on_policy, "active", False):
       p.notes.append("distill.on_policy is active: this plans the train step only, not the sampling of completions")
+    lora = self.cfg.models.student_lora
+    if lora.enabled:
+      base = f", {lora.quantize} base" if lora.quantize else ""
+      p.notes.append(f"student.lora: rank {lora.rank}{base}; only the {c.params['student_trained']:,} adapter "
+                     "parameters train (the analytic 6*N_s also counts the frozen base's weight gradients, which "
+                     "the step does not compute)")
+    if self.cfg.models.teacher_quantize:
+      p.notes.append(f"teacher.quantize={self.cfg.models.teacher_quantize}: the teacher's block projections stored "
+                     "quantized, dequantised in the step")
     if k.remat != "none":
       p.notes.append(f"remat={k.remat} recomputes student activations: compiled FLOPs include the recomputation, "
                      "the analytic 6*N_s does not")

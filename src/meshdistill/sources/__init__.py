@@ -8,6 +8,8 @@ In a config these are keys of the ``teacher`` and ``student`` sections::
                                            # final norm and these blocks (layer-subset initialisation)
   student: {lora: {rank: 8, alpha: 16, targets: [q, k, v, o], quantize: int8}}   # with any of the above:
                                            # train low-rank adapters on a frozen base (`meshdistill.models.lora`)
+  teacher: {quantize: int8}                # with any teacher source: its projections stored int8 / int4 / nf4
+                                           # for inference (`meshdistill.models.quantize`)
 
 With ``hf`` or ``init.from_teacher`` a section's shape is derived -- from ``config.json``, or the
 teacher's shape with ``len(layers)`` blocks -- and only ``max_len``, ``dtype`` and ``remat`` may be
@@ -25,10 +27,16 @@ config is written, so ``config.yaml`` reads as it was written. `resolve` derives
 Modules: `_settings` (`ModelSources`, `StudentInit`, `split_sources`, `nest_sources`: the config
 keys), `_resolve` (`resolve`: shapes from ``config.json`` or the teacher, and the checks on the
 Hugging Face directories and tokenizers), `_build` (`load_teacher_hf`, `build_student`,
-`student_from_teacher`, `with_lora`: the models at run time).
+`student_from_teacher`, `with_lora`, `quantized_teacher`: the models at run time).
 """
 
-from meshdistill.sources._build import build_student, load_teacher_hf, student_from_teacher, with_lora
+from meshdistill.sources._build import (
+  build_student,
+  load_teacher_hf,
+  quantized_teacher,
+  student_from_teacher,
+  with_lora,
+)
 from meshdistill.sources._resolve import check_hf_dir, resolve, tokenizer_difference, tokenizer_file
 from meshdistill.sources._settings import FREE_KEYS, ModelSources, StudentInit, nest_sources, split_sources
 
@@ -45,5 +53,6 @@ __all__ = [
     "student_from_teacher",
     "tokenizer_difference",
     "tokenizer_file",
+    "quantized_teacher",
     "with_lora",
 ]

@@ -1,6 +1,6 @@
 """Building a run's models from its sources: the ``teacher.hf`` teacher (`load_teacher_hf`), the student
 (`build_student`: loaded, copied from the teacher by `student_from_teacher`, or fresh) and its adapters
-(`with_lora`)."""
+(`with_lora`); the teacher quantized for inference (`quantized_teacher`)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,18 @@ def with_lora(model, lora: LoraConfig, *, seed: int, mesh):
   from meshdistill.models.lora import apply_lora  # pylint: disable=g-import-not-at-top
 
   return apply_lora(model, lora, seed=seed + 1, mesh=mesh)
+
+
+def quantized_teacher(cfg, teacher, mesh):
+  """``teacher`` with its projections stored as ``teacher.quantize`` says (unchanged when it is null).
+
+  Applied after the student is built, so ``student.init.from_teacher`` copies the float weights."""
+  q = cfg.models.teacher_quantize
+  if q is None or teacher is None or not hasattr(teacher, "iter_modules"):  # no weights here (a top-k teacher)
+    return teacher
+  from meshdistill.models.quantize import quantize_model  # pylint: disable=g-import-not-at-top
+
+  return quantize_model(teacher, q, mesh=mesh)
 
 
 def student_from_teacher(teacher, layers, student_cfg, mesh=None):

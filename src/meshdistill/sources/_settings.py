@@ -49,8 +49,18 @@ class ModelSources:
   teacher_cache: str | None = None  # an offline top-k cache (`meshdistill.teacher_cache`): no teacher weights loaded
   teacher_devices: dict | None = None  # the teacher's own mesh {data, tensor} (`meshdistill.teacher_mesh`)
   student_lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank 0: no adapters
+  teacher_quantize: str | None = None  # the teacher's projections stored int8 / int4 / nf4 (`models.quantize`)
 
   def __post_init__(self):
+    if self.teacher_quantize is not None:
+      from meshdistill.models.quantize import QUANTIZE  # pylint: disable=g-import-not-at-top
+
+      if self.teacher_quantize not in QUANTIZE:
+        raise ConfigError(f"teacher.quantize={self.teacher_quantize!r}; choose one of {list(QUANTIZE)} or null "
+                          "(float teacher weights)")
+      if self.teacher_cache is not None:
+        raise ConfigError("teacher.quantize and teacher.cache exclude each other: a cached teacher loads no weights "
+                          "to quantize; remove one of them (quantize the teacher when writing the cache instead)")
     if self.teacher_cache is not None:
       object.__setattr__(self, "teacher_cache", os.path.abspath(os.path.expanduser(self.teacher_cache)))
       if self.teacher_devices:
@@ -104,7 +114,7 @@ def split_sources(raw: dict) -> dict:
       raise ConfigError(str(e)) from None
     models["student_lora"] = dict(lora or {})
     raw["student"] = student
-  for who, keys in (("teacher", ("hf", "cache", "devices")), ("student", ("hf", "init"))):
+  for who, keys in (("teacher", ("hf", "cache", "devices", "quantize")), ("student", ("hf", "init"))):
     section = raw.get(who)
     if not isinstance(section, dict) or not any(k in section for k in keys):
       continue
@@ -144,6 +154,12 @@ def _checked(key: str, value: Any) -> Any:
         isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value.values())):
       raise ConfigError(f"{key}={value!r} must be the teacher's own mesh {{data: D, tensor: T}} (positive integers), "
                         "e.g. {data: 1, tensor: 4}; the student's mesh (mesh.data x mesh.tensor) takes other devices")
+    return value
+  if key == "teacher.quantize":
+    from meshdistill.models.quantize import QUANTIZE  # pylint: disable=g-import-not-at-top
+
+    if value is not None and value not in QUANTIZE:
+      raise ConfigError(f"{key}={value!r}; choose one of {list(QUANTIZE)} or null (float teacher weights)")
     return value
   if key == "teacher.cache":
     if value is not None and (not isinstance(value, str) or not value):
@@ -186,6 +202,8 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
     plain["teacher"] = {**plain["teacher"], "cache": sources.teacher_cache}
   if sources.teacher_devices:
     plain["teacher"] = {**plain["teacher"], "devices": dict(sources.teacher_devices)}
+  if sources.teacher_quantize:
+    plain["teacher"] = {**plain["teacher"], "quantize": sources.teacher_quantize}
   if lora.enabled:
     plain["student"] = {**plain["student"], "lora": {**dataclasses.asdict(lora), "targets": list(lora.targets)}}
   return plain
