@@ -114,11 +114,14 @@ def report() -> str:
                  "the machine these were measured on; run them with `python benchmarks/plan.py`):")
     lines += [f"- {x}" for x in missing]
     lines.append("")
-  lines.append("Where the memory goes: the teacher's weights are replicated over `data` and split only over "
-               "`tensor`, and so are the student's parameters and float32 AdamW moments (together 5.5-6.2 GiB of "
-               "the 8B-class rows); a row that does not fit says by how much, and sharding these over `data` too "
-               "(FSDP, the scale-out issue) is what would free that room (the 70B rows, not run here, hold 16.4 GiB "
-               "of teacher weights per chip at tensor=16 on v5e-16, over its 16 GiB on their own).")
+  lines.append("Where the memory goes: in the rows without `mesh.fsdp` the teacher's weights are replicated over "
+               "`data` and split only over `tensor`, and so are the student's parameters and float32 AdamW moments "
+               "(together 5.5-6.2 GiB of the 8B-class rows). Without it the 70B teacher alone holds 21.1 GiB of weights "
+               "per chip at mesh 1x16 on v5e-16 (its 8 key/value heads replicated over 16 `tensor` devices), over "
+               "the chip's 16 GiB, and on v5e-64 the widest split (1x64, 9.0 GiB of teacher) leaves the step's "
+               "activations 15.7 GiB over the limit. With `mesh.fsdp=true` (`--set mesh.fsdp=true`) every "
+               "weight and moment is split over `data` too and gathered per block: Llama-3.1-70B -> Llama-3.1-8B "
+               "then fits a v5e-64 at mesh 8x8 (teacher 4.11 GiB per chip, 9.89 GiB in all).")
   lines.append("")
   lines.append(f"Measured with Python {platform.python_version()} on {os.cpu_count()} CPU cores.")
   return "\n".join(lines) + "\n"

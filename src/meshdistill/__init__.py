@@ -1,6 +1,6 @@
 """meshdistill: knowledge distillation of language models on a JAX (data, tensor) mesh."""
 
-from meshdistill import data, freezing, layout, losses, memory, safeguards, schedules, strategies
+from meshdistill import data, freezing, fsdp, layout, losses, memory, safeguards, schedules, strategies
 from meshdistill.data import DataConfig, build_data
 from meshdistill.distiller import Distiller
 from meshdistill.layout import Layout, make_layout, wrap_step
@@ -59,6 +59,7 @@ __all__ = [
     "fit_remat",
     "freeze_status",
     "freezing",
+    "fsdp",
     "HardLabelCE",
     "host_to_global",
     "init_model",

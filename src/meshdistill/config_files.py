@@ -31,6 +31,7 @@ COMMENTS = {
     "mesh.data": "batch split over 2 devices",
     "mesh.tensor": "weights (heads, MLP units, vocabulary) split over 4 devices",
     "mesh.backend": "shard_map | single | pmap",
+    "mesh.fsdp": "true: weights and optimizer moments split over data too (ZeRO-3; shard_map only)",
     "mesh.simulate_cpu_devices": "without an accelerator: 8 simulated CPU devices",
     "teacher": "~1.05 M parameters",
     "teacher.vocab_size": "the byte tokenizer's vocabulary",

@@ -19,6 +19,7 @@ import dataclasses
 import os
 
 from meshdistill._typed_yaml import ConfigError, in_range, nonneg_int, positive_int, unknown_key
+from meshdistill.fsdp import unsupported as fsdp_unsupported
 from meshdistill.layout import BACKENDS, layout_class
 from meshdistill.optimizers import MAX_LOSS_SCALE
 
@@ -27,12 +28,14 @@ from meshdistill.optimizers import MAX_LOSS_SCALE
 class MeshSettings:
   """``data`` x ``tensor`` devices; ``simulate_cpu_devices``: ``auto`` exposes data*tensor CPU
   devices when running on CPU (it does not affect GPU/TPU), ``true`` forces the CPU platform with
-  simulated devices, ``false`` uses the devices as they are."""
+  simulated devices, ``false`` uses the devices as they are. ``fsdp``: weights of both models and the
+  student's optimizer moments split over ``data`` too (`meshdistill.fsdp`; ``backend: shard_map`` only)."""
 
   data: int = 2
   tensor: int = 4
   backend: str = "shard_map"
   simulate_cpu_devices: bool | str = "auto"
+  fsdp: bool = False
 
   def __post_init__(self):
     positive_int("mesh.data", self.data)
@@ -41,6 +44,10 @@ class MeshSettings:
       raise ConfigError(f"mesh.backend={self.backend!r}; choose one of {list(BACKENDS)}")
     if not (self.simulate_cpu_devices == "auto" or isinstance(self.simulate_cpu_devices, bool)):
       raise ConfigError(f"mesh.simulate_cpu_devices={self.simulate_cpu_devices!r}; choose one of ['auto', true, false]")
+    if not isinstance(self.fsdp, bool):
+      raise ConfigError(f"mesh.fsdp={self.fsdp!r}; choose true or false")
+    if self.fsdp and not layout_class(self.backend).supports_fsdp:
+      raise ConfigError(fsdp_unsupported(self.backend))
     problem = layout_class(self.backend).check_settings(self.data, self.tensor)
     if problem is not None:
       raise ConfigError(problem)

@@ -60,6 +60,8 @@ class Distiller:
     trainable: an nnx filter of the student parameters that train; the optimizer holds state for
       these only and the rest never moves. Default: the adapters of a LoRA student
       (`meshdistill.models.lora.apply_lora`), otherwise the whole student.
+    fsdp: split the weights of both models and the student's optimizer moments over ``data`` as well
+      (ZeRO-3 style, `meshdistill.fsdp`; ``backend="shard_map"`` only); same numbers, less memory per device.
   """
 
   compiler_options: dict | None = None  # XLA options of the step (see `with_compiler_options`)
@@ -76,6 +78,7 @@ class Distiller:
       seed: int = 0,
       shared_vocab: int | None = None,
       trainable: Any = None,
+      fsdp: bool = False,
   ):
     if teacher is None and strategy is None:
       raise ValueError("Distiller without a teacher needs a strategy that uses none, e.g. strategy=HardLabelCE()")
@@ -90,7 +93,7 @@ class Distiller:
       self.shared_vocab = resolve_shared_vocab(teacher.vocab, student.cfg.vocab_size, shared_vocab)
     elif teacher is not None:
       self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
-    self.layout = make_layout(backend, mesh)
+    self.layout = make_layout(backend, mesh, fsdp)
     # pads a vocabulary / replicates key/value heads where the mesh's `tensor` needs it
     student = self.layout.fit_model(student)
     if teacher is not None and self.topk_teacher is None:
@@ -140,7 +143,7 @@ class Distiller:
 
   def init_state(self, student: Decoder | None = None) -> TrainState:
     """A fresh train state from ``student`` (default: the student given at construction)."""
-    params = self._student_init if student is None else nnx.state(student)
+    params = self._student_init if student is None else nnx.state(self.layout.fit_model(student))
     extra = self.strategy.init_params(self.student_cfg, self.teacher_cfg, jax.random.key(self.seed))
     return self.layout.fresh_state(self.optimizer, {"student": params, "strategy": extra}, self.trainable)
 

@@ -35,7 +35,8 @@ def HardLabelTrainer(  # pylint: disable=invalid-name -- a class name kept for t
     optimizer: optax.GradientTransformation | None = None,
     mesh: Mesh | None = None,
     backend: str | None = None,
+    fsdp: bool = False,
 ) -> Distiller:
   """A `Distiller` training ``model`` alone on next-token cross-entropy (``teacher_def`` / ``teacher_params``
   / ``teacher_cfg`` are None; a divergence guard over it restores but has no fallback loss)."""
-  return Distiller(model, None, strategy=NextTokenCE(), optimizer=optimizer, mesh=mesh, backend=backend)
+  return Distiller(model, None, strategy=NextTokenCE(), optimizer=optimizer, mesh=mesh, backend=backend, fsdp=fsdp)

@@ -11,6 +11,8 @@ them tests a backend name.
   ``data`` only. The ``tensor`` axis is compiler-managed: weights arrive split over ``tensor``
   (heads, MLP units, vocabulary) and XLA partitions the matmuls, reducing max/sum partial results
   over ``tensor`` for vocabulary reductions instead of gathering logits (audited by the tests);
+  With ``fsdp`` (``mesh.fsdp``) weights are split over ``data`` too (`meshdistill.fsdp`): the step's
+  gradient half runs under the ``shard_map``, the optimizer update on the global arrays;
 * ``pmap`` (`PmapLayout`) -- the classic `jax.pmap(axis_name="data")` path, data-parallel only. The
   state is stacked with one replica per device.
 
@@ -29,6 +31,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from meshdistill import fsdp as fsdp_lib
 from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, make_mesh
 from meshdistill.models._build import fit_model
 from meshdistill.models.lora import fitted_shardings
@@ -67,9 +70,13 @@ class Layout:
   stacked: ClassVar[bool] = False  # states carry one replica per device along a leading axis
   takes_compiler_options: ClassVar[bool] = True  # the step's compilation accepts XLA options
   spans_processes: ClassVar[bool] = False  # one mesh may cover the devices of several processes
+  supports_fsdp: ClassVar[bool] = False  # weights (and optimizer moments) may be split over `data` (`fsdp`)
 
-  def __init__(self, mesh: Mesh | None):
+  def __init__(self, mesh: Mesh | None, fsdp: bool = False):
+    if fsdp and not self.supports_fsdp:
+      raise ValueError(fsdp_lib.unsupported(self.name))
     self.mesh = mesh
+    self.fsdp = bool(fsdp)  # weights of both models split over `data` as well (`meshdistill.fsdp`)
 
   # ------------------------------------------------------------------ settings
   @classmethod
@@ -95,8 +102,9 @@ class Layout:
 
   def fit_model(self, model):
     """``model`` ready for this layout: itself, or a copy padded / re-partitioned for the mesh (a vocabulary or
-    key/value head count that ``tensor`` does not divide); raises when it cannot be laid out here."""
-    return model
+    key/value head count that ``tensor`` does not divide; weights split over ``data`` or not, `fsdp`); raises
+    when it cannot be laid out here."""
+    return fsdp_lib.annotate_model(model, self.mesh, False)
 
   @property
   def eval_mesh(self) -> Mesh | None:
@@ -225,8 +233,11 @@ class ShardMapLayout(Layout):
       raise ValueError("backend='shard_map' needs a mesh: pass mesh=meshdistill.make_mesh(data=..., tensor=...)")
     return mesh
 
+  supports_fsdp = True
+
   def fit_model(self, model):
-    return fit_model(model, self.mesh.shape[TENSOR])
+    model = fit_model(model, self.mesh.shape[TENSOR])
+    return fsdp_lib.annotate_model(model, self.mesh, self.fsdp)
 
   @property
   def eval_mesh(self):
@@ -246,25 +257,49 @@ class ShardMapLayout(Layout):
     # A size-1 `data` axis needs no collective (and XLA rejects an all-reduce over a
     # trivial manual axis), so the sum over `data` is dropped there.
     data_axis = DATA if self.mesh.shape[DATA] > 1 else None
+    out_shardings = None if state_shardings is None else (state_shardings, NamedSharding(self.mesh, P()))
+    jit = functools.partial(jax.jit, donate_argnums=0, out_shardings=out_shardings, compiler_options=compiler_options)
+    from meshdistill.step import TrainState, split_trainable, step_halves  # pylint: disable=g-import-not-at-top
 
-    def pinned_step(state, teacher_params, batch):
-      new_state, metrics = step_fn(state, teacher_params, batch, data_axis=data_axis)
+    halves = step_halves(step_fn)
+    if halves is None:  # another step function (`wrap_step`): the whole step per device
+      if self.fsdp:
+        raise ValueError(f"{fsdp_lib.SETTING}=true needs the step of meshdistill.step.per_device_step (its gradient "
+                         "and update halves); wrap_step of another function runs with mesh.fsdp=false")
+      return jit(self._whole_step(step_fn, data_axis, state_shardings))
+    gradients, update = halves
+    trainable = step_fn.keywords.get("trainable")
+    specs = fsdp_lib.data_specs
+
+    def program(state, teacher_params, batch):
+      # The gradient half per device (manual over `data`); weights split over `data` arrive as shards.
+      inputs = TrainState(state.step, state.params, None)  # no optimizer state: it never needs gathering
+      body = jax.shard_map(
+          functools.partial(gradients, data_axis=data_axis), mesh=self.mesh,
+          in_specs=(specs(inputs), specs(teacher_params), P(DATA)),
+          out_specs=(specs(split_trainable(state.params, trainable)[0]), P()),
+          axis_names={DATA}, check_vma=False,  # gradients are summed over `data` explicitly, as in pmap
+      )
+      grads, metrics = body(inputs, teacher_params, batch)
+      if state_shardings is not None:  # gradients laid out as their parameters
+        grads = jax.lax.with_sharding_constraint(grads, split_trainable(state_shardings.params, trainable)[0])
+      # The update on the global arrays (compiler-managed): global norms and moments of whole gradients.
+      new_state, metrics = update(state, grads, metrics)
       if state_shardings is not None:
-        # Without this XLA leaves the updated weights replicated over `tensor` at the
-        # shard_map boundary (an all-gather of every weight, vocabulary included).
         new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
       return new_state, metrics
 
-    body = jax.shard_map(
-        pinned_step,
-        mesh=self.mesh,
-        in_specs=(P(), P(), P(DATA)),
-        out_specs=(P(), P()),
-        axis_names={DATA},
-        check_vma=False,  # gradients are summed over `data` explicitly, as in pmap
-    )
-    out_shardings = None if state_shardings is None else (state_shardings, NamedSharding(self.mesh, P()))
-    return jax.jit(body, donate_argnums=0, out_shardings=out_shardings, compiler_options=compiler_options)
+    return jit(program)
+
+  def _whole_step(self, step_fn, data_axis, state_shardings):
+    def pinned_step(state, teacher_params, batch):
+      new_state, metrics = step_fn(state, teacher_params, batch, data_axis=data_axis)
+      if state_shardings is not None:  # else XLA leaves the updated weights replicated over `tensor`
+        new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
+      return new_state, metrics
+
+    return jax.shard_map(pinned_step, mesh=self.mesh, in_specs=(P(), P(), P(DATA)), out_specs=(P(), P()),
+                         axis_names={DATA}, check_vma=False)
 
 
 class PmapLayout(Layout):
@@ -335,13 +370,18 @@ def layout_class(backend: str) -> type[Layout]:
   return LAYOUTS[backend]
 
 
-def make_layout(backend: str | None, mesh: Mesh | None) -> Layout:
+def make_layout(backend: str | None, mesh: Mesh | None, fsdp: bool = False) -> Layout:
   """The layout of a ``(backend, mesh)`` pair. ``None`` picks ``"shard_map"`` with a mesh and ``"single"``
-  without; ``"pmap"`` without a mesh gets a ``data``-only mesh over all devices."""
+  without; ``"pmap"`` without a mesh gets a ``data``-only mesh over all devices. ``fsdp``: weights split over
+  ``data`` too (`meshdistill.fsdp`; shard_map only)."""
   if isinstance(backend, Layout):  # a layout object already (e.g. the planner's abstract one)
+    if fsdp and not backend.fsdp:
+      raise ValueError(f"fsdp=True with a layout built without it: pass {type(backend).__name__}(mesh, fsdp=True)")
     return backend
   cls = layout_class(backend or ("shard_map" if mesh is not None else "single"))
-  return cls(cls.resolve_mesh(mesh))
+  if fsdp and not cls.supports_fsdp:
+    raise ValueError(fsdp_lib.unsupported(cls.name))
+  return cls(cls.resolve_mesh(mesh), fsdp=fsdp)
 
 
 def resolve_backend(backend: str | None, mesh: Mesh | None) -> tuple[str, Mesh | None]:

@@ -9,6 +9,11 @@ holds. It runs, in ONE compiled program:
    `jax.vmap`-ed over the local rows;
 3. the gradient sum over ``data`` and the optimizer update.
 
+It is written as two halves, `per_device_gradients` (steps 1-2 and the sums over ``data``) and
+`apply_gradients` (the update). The single and pmap layouts run both per device; the
+shard_map layout runs the first under its ``shard_map`` and the second on the global arrays
+(see `meshdistill.fsdp`: weights may be split over ``data``).
+
 The loss is the token mean over unmasked tokens of the GLOBAL batch: numerator and
 denominator are summed over ``data`` (``psum``), so every layout computes the same
 number as one device.
@@ -22,6 +27,7 @@ a ``(data, tensor)`` mesh, or ``pmap`` -- is `meshdistill.layout`'s business.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from meshdistill import losses
+from meshdistill import fsdp, losses
 from meshdistill.collectives import psum_bundled
 from meshdistill.layout import BACKENDS, TOPK_KEYS, resolve_backend, wrap_step  # noqa: F401 -- re-exported
 
@@ -42,7 +48,18 @@ class TrainState(NamedTuple):
   opt_state: Any
 
 
-def per_device_step(
+def per_device_step(state: TrainState, teacher_params: Any, batch: dict[str, jax.Array], **keywords):
+  """One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``: `per_device_gradients` then
+  `apply_gradients` (see them for the keywords).
+
+  Returns ``(new_state, metrics)``; metrics are token means over the global batch
+  (plus ``grad_norm`` and ``tokens``), identical on every device.
+  """
+  grads, metrics = per_device_gradients(state, teacher_params, batch, **keywords)
+  return apply_gradients(state, grads, metrics, **keywords)
+
+
+def per_device_gradients(
     state: TrainState,
     teacher_params: Any,
     batch: dict[str, jax.Array],
@@ -50,13 +67,13 @@ def per_device_step(
     student_def: nnx.GraphDef,
     teacher_def: nnx.GraphDef | None,
     strategy: Any,
-    optimizer: optax.GradientTransformation,
     data_axis: str | None,
     vocab: int | None = None,
     trainable: Any = None,
     light: bool = False,
+    **_,
 ):
-  """One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``.
+  """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
 
   With `TOPK_KEYS` in ``batch`` the teacher is not run: its top-k from the batch (an offline cache,
   `meshdistill.teacher_cache`, or a teacher on its own devices, `meshdistill.teacher_mesh`) is
@@ -74,8 +91,9 @@ def per_device_step(
   read); the strategy's other metrics are not returned, so the compiler drops their work (their
   vocabulary-wide passes and reductions). The loop runs it on the steps it does not log.
 
-  Returns ``(new_state, metrics)``; metrics are token means over the global batch
-  (plus ``grad_norm`` and ``tokens``), identical on every device.
+  Only ``state.step`` and ``state.params`` are read. Weights split over ``data`` (`meshdistill.fsdp`) arrive as
+  shards and their gradients leave as shards, already summed over ``data``. Other keywords (the whole step's)
+  are ignored.
   """
   capture = tuple(strategy.capture)
   # A strategy with `needs_head` forms logits itself from the final hidden states and the
@@ -118,15 +136,47 @@ def per_device_step(
   (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
   if light:
     sums = {"loss": sums["loss"]}
-  grads, sums = psum_bundled((grads, sums), data_axis)  # one all-reduce of the scalars, one (combined) of the arrays
+  grads, sums = sum_over_data((grads, sums), data_axis)
+  metrics = {k: v / denom for k, v in sums.items()}
+  metrics["tokens"] = tokens
+  return grads, metrics
 
+
+def sum_over_data(tree: Any, data_axis: str | None) -> Any:
+  """``tree`` (gradients, token sums) summed over ``data`` in few all-reduces (`psum_bundled`: one of the scalars,
+  one combined of the arrays), except the gradients of weights split over ``data`` (`meshdistill.fsdp`): the
+  backward pass of their all-gather already reduce-scattered them."""
+  if data_axis is None:
+    return tree
+  is_split = lambda x: fsdp.data_dim(x) is not None  # noqa: E731
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_split)
+  summed = [i for i, x in enumerate(leaves) if not is_split(x)]
+  for i, x in zip(summed, psum_bundled([leaves[i] for i in summed], data_axis)):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def apply_gradients(
+    state: TrainState, grads: Any, metrics: dict, *, optimizer: optax.GradientTransformation, trainable: Any = None,
+    **_,
+):
+  """The update half of the step: the optimizer on ``grads`` (of the trainable parameters, summed over ``data``);
+  returns ``(new_state, metrics + grad_norm)``. Under `meshdistill.layout.ShardMapLayout` it runs on the global
+  arrays (outside the ``shard_map``), so norms and moments are those of whole gradients. Other keywords are ignored."""
+  params_in, frozen = split_trainable(state.params, trainable)
   updates, opt_state = optimizer.update(grads, state.opt_state, params_in)
   params = join_trainable(optax.apply_updates(params_in, updates), frozen)
-
-  metrics = {k: v / denom for k, v in sums.items()}
-  metrics["grad_norm"] = optax.tree.norm(grads)  # the norm the optimizer clips with (computed once: CSE)
-  metrics["tokens"] = tokens
+  metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}  # the norm the optimizer clips with (CSE: once)
   return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def step_halves(step_fn) -> tuple[Any, Any] | None:
+  """``(gradients, update)`` halves of a `per_device_step` partial (its keywords bound to both), or None for
+  another function."""
+  if not isinstance(step_fn, functools.partial) or step_fn.func is not per_device_step or step_fn.args:
+    return None
+  kw = step_fn.keywords
+  return functools.partial(per_device_gradients, **kw), functools.partial(apply_gradients, **kw)
 
 
 def split_trainable(params: dict, trainable: Any) -> tuple[dict, Any]:

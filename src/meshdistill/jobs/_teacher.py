@@ -102,7 +102,7 @@ def pretrain(
   p = cfg.pretrain
   model = init_model(cfg.teacher, seed=p.seed, mesh=mesh)
   optimizer = make_optimizer(p, cfg.teacher.n_layers)
-  trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend)
+  trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend, fsdp=cfg.mesh.fsdp)
   with _run_lock(run_dir, "pretraining"):  # one run per run directory
     _write_config(cfg, run_dir)
     monitor = _monitor(run_dir, p.steps, stream, "pretrain")

@@ -96,6 +96,7 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
     optimizer=optimizer,
     mesh=mesh,
     backend=cfg.mesh.backend,
+    fsdp=cfg.mesh.fsdp,
     seed=cfg.train.seed,
     **extra,
   )

@@ -19,6 +19,8 @@ norm scales                 [D]               replicated
 ==========================  ================  =====================
 
 (``ModelConfig.for_tensor`` pads and replicates; the decoder cuts the padding off its outputs.)
+With ``mesh.fsdp`` the layout adds ``data`` on one more dimension of each weight and the decoder
+gathers a module's weights where it runs it (`meshdistill.fsdp.gathered`: per block, inside remat).
 So the logits ``[B, T, V]`` come out split over ``tensor`` along V. On request
 (``capture=``) the forward pass also returns per-layer hidden states and attention
 probabilities; capturing never changes parameters or module state. With ``ModelConfig.scan_layers``
@@ -39,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshdistill.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.mesh import TENSOR
 from meshdistill.models._attention import KVCache, _explicit_attention, _splash_attention, rope
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
@@ -221,7 +224,7 @@ class Decoder(nnx.Module):
           f"use seq_len <= {cfg.max_len} or build the model with a larger max_len"
       )
     want_hidden, want_attn = "hidden" in capture, "attn" in capture
-    x = self.embed(tokens_BxT)
+    x = gathered(self.embed)(tokens_BxT)
     hidden, attn = [x] if want_hidden else [], []
     run_block = _block_runner(cfg.remat, cfg.scan_layers)
     if cfg.scan_layers:  # the same run_block on each layer's slice of the stacked blocks
@@ -234,22 +237,26 @@ class Decoder(nnx.Module):
           hidden.append(x)
         if want_attn:
           attn.append(probs)
-    x = self.final_norm(x)
+    final_norm, x = gathered_for(self.final_norm, x)
+    x = final_norm(x)
     final = x if "final" in capture else None
     if not logits:
       return ModelOutput(None, tuple(hidden), tuple(attn), final)
-    logits_BxTxV = _per_token(self.embed.attend if self.head is None else self.head, x)
+    head, x = gathered_for(self.embed if self.head is None else self.head, x)
+    logits_BxTxV = _per_token(head.attend if self.head is None else head, x)
     if cfg.padded_vocab != cfg.vocab_size:  # padding rows never reach a loss (XLA keeps the shards padded)
       logits_BxTxV = logits_BxTxV[..., : cfg.vocab_size]
     return ModelOutput(logits_BxTxV.astype(jnp.float32), tuple(hidden), tuple(attn), final)
 
   def head_weight(self) -> jax.Array:
     """The LM-head matrix as [D, V] (V split over ``tensor``; padding rows cut off)."""
-    w_DxV = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
+    w_DxV = gathered(self.embed).embedding[...].T if self.head is None else gathered(self.head).kernel[...]
     return w_DxV[:, : self.cfg.vocab_size] if self.cfg.padded_vocab != self.cfg.vocab_size else w_DxV
 
 
 def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool):
+  # Weights split over `data` (`meshdistill.fsdp`) are gathered here, inside the block's remat region.
+  block, x_BxTxD = gathered_for(block, x_BxTxD)
   return block(x_BxTxD, want_probs)
 
 
@@ -264,7 +271,19 @@ def _block_runner(remat: str, scanned: bool = False):
     return nnx.remat(_call_block, policy=save_all_but_casts, static_argnums=(2,))
   if remat == "none":
     return _call_block
-  return nnx.remat(_call_block, policy=REMAT_POLICIES[remat], static_argnums=(2,))
+  rematted = nnx.remat(_call_block, policy=REMAT_POLICIES[remat], static_argnums=(2,))
+  if remat != "full":
+    return rematted
+
+  def run(block, x_BxTxD, want_probs):  # weights split over `data`: gathered again in the backward pass, in order
+    out = gathered_call(_plain_call, block, x_BxTxD, want_probs)
+    return rematted(block, x_BxTxD, want_probs) if out is None else out
+
+  return run
+
+
+def _plain_call(block: Block, x_BxTxD: jax.Array, want_probs: bool):
+  return block(x_BxTxD, want_probs)
 
 
 def param_count(model: nnx.Module) -> int:

@@ -35,7 +35,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.mesh import TENSOR
 from meshdistill.models.decoder import Decoder, ModelConfig
 from meshdistill.models.quantize import QUANTIZE  # noqa: F401 -- the base weight types of QLoRA
 
@@ -168,14 +167,13 @@ def apply_lora(model: Decoder, lora: LoraConfig, *, seed: int = 0, mesh: Mesh | 
 
 
 def fitted_shardings(state: Any, mesh: Mesh) -> Any:
-  """Shardings from the partition metadata of ``state``, dropping ``tensor`` on dimensions it does not
+  """Shardings from the partition metadata of ``state``, dropping a mesh axis on dimensions it does not
   divide (per-channel quantization scales have a size-1 dimension where their weight is split)."""
   specs = nnx.get_partition_spec(state)
 
   def fit(spec, x):
     spec = spec if isinstance(spec, P) else P()
-    n = mesh.shape[TENSOR]
-    dims = tuple(a if a is None or jnp.shape(x)[i] % n == 0 else None for i, a in enumerate(spec))
+    dims = tuple(a if a is None or jnp.shape(x)[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec))
     return NamedSharding(mesh, P(*dims))
 
   return jax.tree.map(fit, specs, state, is_leaf=lambda x: isinstance(x, P) or x is None)

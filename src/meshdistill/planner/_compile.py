@@ -74,12 +74,13 @@ class _AbstractDistiller(Distiller):
 
 
 def abstract_distiller(teacher: ModelConfig, student: ModelConfig, strategy, optimizer, mesh: Mesh,
-                       compiler_options: dict | None = None, lora=None, teacher_quantize: str | None = None
-                       ) -> Distiller:
+                       compiler_options: dict | None = None, lora=None, teacher_quantize: str | None = None,
+                       fsdp: bool = False) -> Distiller:
   """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays.
 
   ``lora``: the student's `meshdistill.models.lora.LoraConfig` (``student.lora``: adapters, only they train);
-  ``teacher_quantize``: ``teacher.quantize`` (the teacher's projections stored int8 / int4 / nf4).
+  ``teacher_quantize``: ``teacher.quantize`` (the teacher's projections stored int8 / int4 / nf4);
+  ``fsdp``: weights and optimizer moments split over ``data`` too (``mesh.fsdp``).
   """
   tensor = mesh.shape[TENSOR]
   if lora is not None and lora.enabled:  # adapters are applied to a student already fitted to the mesh
@@ -87,7 +88,8 @@ def abstract_distiller(teacher: ModelConfig, student: ModelConfig, strategy, opt
   if teacher_quantize is not None:
     teacher = teacher.for_tensor(tensor)
   d = _AbstractDistiller(_abstract_model(student, lora), _abstract_model(teacher, None, teacher_quantize),
-                         strategy=strategy, optimizer=optimizer, mesh=mesh, backend=_AbstractLayout(mesh))
+                         strategy=strategy, optimizer=optimizer, mesh=mesh, backend=_AbstractLayout(mesh, fsdp=fsdp),
+                         fsdp=fsdp)
   return d.with_compiler_options(compiler_options) if compiler_options else d
 
 

@@ -97,7 +97,8 @@ class Planner:
     strategy, optimizer = strategy_and_optimizer(cfg, self.student.n_layers)
     student = self.student.replace(remat=k.remat) if k.remat != self.student.remat else self.student
     return abstract_distiller(self.teacher, student, strategy, optimizer, mesh, self.options,
-                              lora=self.cfg.models.student_lora, teacher_quantize=self.cfg.models.teacher_quantize)
+                              lora=self.cfg.models.student_lora, teacher_quantize=self.cfg.models.teacher_quantize,
+                              fsdp=self.cfg.mesh.fsdp)
 
   def static_bytes(self, k: Knobs) -> int:
     """Per-device bytes of the step's inputs (weights, optimizer state, batch): a lower bound, without compiling."""
@@ -144,7 +145,7 @@ class Planner:
         flops={"compiled": c.flops, "analytic": analytic, "analytic_per_token": float(2 * n_t + 6 * n_s),
                "matmul_params_teacher": n_t, "matmul_params_student": n_s},
         collectives=colls, time=self._roofline(c, colls, analytic * n, tokens), compile_seconds=c.compile_seconds,
-        compiler_options=self.options,
+        compiler_options=self.options, fsdp=self.cfg.mesh.fsdp,
     )
     if c.oom:
       p.notes.append(f"the TPU compiler stopped: {c.oom} (the memory above: the step's inputs plus the temporaries "

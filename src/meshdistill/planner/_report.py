@@ -54,6 +54,7 @@ class Plan:
   time: dict[str, float | None]
   compile_seconds: float
   compiler_options: dict | None = None
+  fsdp: bool = False  # weights and optimizer moments split over `data` too (`mesh.fsdp`)
   suggestions: list["Plan"] = dataclasses.field(default_factory=list)
   notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -75,7 +76,8 @@ class Plan:
   def describe(self) -> str:
     """The knobs of this configuration in one line (what a suggestion changes)."""
     chunk = "full logits" if self.chunk_size is None else f"chunk_size={self.chunk_size}"
-    return f"mesh {self.mesh[0]}x{self.mesh[1]}, remat={self.remat}, {chunk}, batch {self.batch}x{self.seq}"
+    fsdp = " fsdp" if self.fsdp else ""
+    return f"mesh {self.mesh[0]}x{self.mesh[1]}{fsdp}, remat={self.remat}, {chunk}, batch {self.batch}x{self.seq}"
 
   def to_dict(self) -> dict[str, Any]:
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "suggestions"}
@@ -95,7 +97,7 @@ class Plan:
     lines.append(f"plan: {self.teacher} ({self.params['teacher'] / 1e9:.2f} B params) -> {self.student} "
                  f"({self.params['student'] / 1e9:.2f} B params), {self.strategy}")
     lines.append(f"target: {self.target} = {self.devices} x {self.device_kind}, mesh data={self.mesh[0]} x "
-                 f"tensor={self.mesh[1]}; batch {self.batch} x seq {self.seq} = {self.batch * self.seq:,} tokens/step; "
+                 f"tensor={self.mesh[1]}{' (fsdp: weights split over data too)' if self.fsdp else ''}; batch {self.batch} x seq {self.seq} = {self.batch * self.seq:,} tokens/step; "
                  f"dtype {self.dtype}, remat {self.remat}, "
                  + ("full logits" if self.chunk_size is None else f"chunk_size {self.chunk_size}"))
     lines.append("")

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill import losses
+from meshdistill.fsdp import data_specs
 from meshdistill.mesh import DATA, TENSOR, host_to_global, param_shardings
 
 
@@ -103,7 +104,7 @@ class TeacherTopK:
     if mesh is None:
       self._fn = jax.jit(fn)
     else:
-      self._fn = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=P(DATA),
+      self._fn = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(data_specs(self.params), P(DATA)), out_specs=P(DATA),
                                        axis_names={DATA}, check_vma=False))
 
   def __call__(self, inputs_BxT) -> losses.TopK:
