@@ -102,7 +102,7 @@ def _module_path(path) -> str:
 def _targeted(model: Decoder, lora: LoraConfig) -> dict[str, nnx.Linear]:
   """The decoder's linear layers ``lora`` adapts, by path (``blocks/0/attn/q``)."""
   pattern = re.compile(r"blocks/\d+/(attn|mlp)/(" + "|".join(map(re.escape, lora.targets)) + ")")
-  found = {_module_path(p): m for p, m in model.iter_modules() if isinstance(m, nnx.Linear)}
+  found = {_module_path(p): m for p, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear)}
   return {p: m for p, m in found.items() if pattern.fullmatch(p)}
 
 
@@ -111,7 +111,7 @@ def check_lora(model: Decoder, lora: LoraConfig) -> None:
   chosen = _targeted(model, lora)
   for t in lora.targets:
     if not any(p.endswith("/" + t) for p in chosen):
-      have = sorted({p.rsplit("/", 1)[1] for p, m in model.iter_modules() if isinstance(m, nnx.Linear) for p in
+      have = sorted({p.rsplit("/", 1)[1] for p, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear) for p in
                      [_module_path(p)] if p.startswith("blocks/")})
       raise ValueError(f"student.lora.targets: {t!r} matches no module of the student; its projections: {have}")
   for path, m in chosen.items():
@@ -205,7 +205,7 @@ def merge_lora(model: Decoder, adapters: bool = True) -> Decoder:
   cfg: ModelConfig = model.cfg
   graphdef, abstract, _ = abstract_params(cfg)
   merged = {}
-  for path, m in model.iter_modules():
+  for path, m in nnx.iter_modules(model):
     if not hasattr(m, "kernel_lora_a"):
       continue
     kernel = m.kernel

@@ -62,7 +62,7 @@ def adapter_tensors(model) -> dict[str, np.ndarray]:
   real_shapes = {tuple(map(str, k)): tuple(v.get_value().shape)
                  for k, v in nnx.to_flat_state(abstract_params(real)[1])}
   tensors = {}
-  for path, m in model.iter_modules():
+  for path, m in nnx.iter_modules(model):
     if not hasattr(m, "kernel_lora_a"):
       continue
     key = tuple(str(p) for p in path) + ("kernel",)
