@@ -11,7 +11,7 @@ import pytest
 from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
 
 import meshdistill as md
-from meshdistill import jobs
+from meshdistill import cli, jobs
 from meshdistill.config import ConfigError, load_config
 from meshdistill.generate import SamplingConfig, generate, left_pad
 from meshdistill.monitor import Monitor
@@ -224,7 +224,7 @@ def test_on_policy_settings_are_checked_and_named():
       load_config("tiny", ["distill.on_policy.lambda=1", override])
 
 
-def test_generate_job_prints_the_teachers_greedy_completion(tmp_path):
+def test_generate_job_prints_the_teachers_greedy_completion(tmp_path, capsys):
   from meshdistill.checkpoint import save_teacher
   from meshdistill.data import ByteTokenizer
 
@@ -241,6 +241,12 @@ def test_generate_job_prints_the_teachers_greedy_completion(tmp_path):
   assert texts == [tok.decode(np.asarray(w, int)) for w in want]
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
     jobs.generate(cfg, ["x"], model="student", sampling=greedy)
+  assert not (tmp_path / "run").exists()  # generating creates nothing in the run directory
+  sets = [x for w in where + ["mesh.backend=single", "mesh.data=1", "mesh.tensor=1"] for x in ("--set", w)]
+  assert cli.main(["generate", "--config", "tiny", *sets, "--model", "teacher", "--prompt", "x",
+                   "--max-new-tokens", "3", "--temperature", "0"]) == 0
+  assert "--- 'x'\nx" in capsys.readouterr().out  # the CLI prints each prompt and its completion
+  assert not (tmp_path / "run").exists()
 
 
 def test_prompt_data_masks_completions_resumes_and_holds_out_pairs(tmp_path):

@@ -291,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
   from meshdistill import distributed  # pylint: disable=g-import-not-at-top
 
   try:  # before JAX starts a backend
-    distributed.initialize(distributed.resolve(args.coordinator, args.num_processes, args.process_id))
+    # (`generate` runs as one process: it takes no process flags)
+    process_flags = (getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id"))
+    distributed.initialize(distributed.resolve(*process_flags))
     jobs.prepare_devices(cfg)
   except distributed.DistributedError as e:
     return _err(str(e))

@@ -65,9 +65,10 @@ def generate(
   if not prompts:
     raise ValueError("no prompts: give --prompt TEXT or --prompts-file FILE")
   say = stream_reporter(stream)
-  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, keep=cfg.checkpoint.keep)
+  # Read only: generating never creates, prunes or moves aside anything in the run (no run yet: the teacher).
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, read_only=True) if os.path.isdir(cfg.checkpoint_dir) else None
   try:
-    step = ckpt.latest_step()
+    step = None if ckpt is None else ckpt.latest_step()
     meta = ckpt.read_meta() if step is not None else {}
     if step is not None and meta.get("kind") != "distill":
       raise ValueError(f"{cfg.checkpoint_dir} holds a {meta.get('kind')!r} run, not a distillation run")
@@ -90,7 +91,8 @@ def generate(
       mesh = distiller.layout.eval_mesh
     say(f"generating with the {model} of {cfg.run.run_dir}" + (f" (step {step})" if model == "student" else ""))
   finally:
-    ckpt.close()
+    if ckpt is not None:
+      ckpt.close()
   sampling = sampling or SamplingConfig()
   if sampling.eos_id is None:
     sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
