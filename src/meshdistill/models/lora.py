@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.models.decoder import Decoder, ModelConfig
-from meshdistill.models.quantize import QUANTIZE  # noqa: F401 -- the base weight types of QLoRA
+from meshdistill.models.quantize import QUANTIZE, projection_pattern, qtype  # noqa: F401 -- QUANTIZE re-exported
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def _module_path(path) -> str:
 
 def _targeted(model: Decoder, lora: LoraConfig) -> dict[str, nnx.Linear]:
   """The decoder's linear layers ``lora`` adapts, by path (``blocks/0/attn/q``)."""
-  pattern = re.compile(r"blocks/\d+/(attn|mlp)/(" + "|".join(map(re.escape, lora.targets)) + ")")
+  pattern = re.compile(projection_pattern(lora.targets))
   found = {_module_path(p): m for p, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear)}
   return {p: m for p, m in found.items() if pattern.fullmatch(p)}
 
@@ -124,8 +124,6 @@ def check_lora(model: Decoder, lora: LoraConfig) -> None:
 
 
 def _qtype(name: str | None):
-  from meshdistill.models.quantize import qtype  # pylint: disable=g-import-not-at-top
-
   return qtype(name, "student.lora.quantize")
 
 
@@ -149,7 +147,7 @@ def apply_lora(model: Decoder, lora: LoraConfig, *, seed: int = 0, mesh: Mesh | 
     )
   check_lora(model, lora)
   provider = qwix.LoraProvider(
-      module_path=r"blocks/\d+/(attn|mlp)/(" + "|".join(map(re.escape, lora.targets)) + ")",
+      module_path=projection_pattern(lora.targets),
       rank=lora.rank,
       alpha=lora.scale_alpha,
       weight_qtype=_qtype(lora.quantize),
@@ -158,8 +156,7 @@ def apply_lora(model: Decoder, lora: LoraConfig, *, seed: int = 0, mesh: Mesh | 
   adapted = qwix.apply_lora_to_model(model, provider, tokens, rngs=nnx.Rngs(params=seed))
   adapted.lora = lora  # a static attribute: part of the graph definition, read by `merge_lora`
   if mesh is not None:  # quantized storage is computed eagerly; pin every leaf to its split
-    graphdef, state = nnx.split(adapted)
-    adapted = nnx.merge(graphdef, jax.device_put(state, fitted_shardings(state, mesh)))
+    adapted = placed(adapted, mesh)
   n = sum(x.size for x in jax.tree.leaves(nnx.state(adapted, TRAINABLE)))
   log.info("LoRA: rank %d, alpha %g, targets %s, quantize %s: %d adapter parameters",
            lora.rank, lora.scale_alpha, list(lora.targets), lora.quantize, n)
@@ -177,6 +174,12 @@ def fitted_shardings(state: Any, mesh: Mesh) -> Any:
     return NamedSharding(mesh, P(*dims))
 
   return jax.tree.map(fit, specs, state, is_leaf=lambda x: isinstance(x, P) or x is None)
+
+
+def placed(model, mesh: Mesh):
+  """``model`` with every weight put on ``mesh`` per its partition metadata (`fitted_shardings`)."""
+  graphdef, state = nnx.split(model)
+  return nnx.merge(graphdef, jax.device_put(state, fitted_shardings(state, mesh)))
 
 
 def is_lora(model_or_state: Any) -> bool:

@@ -61,7 +61,7 @@ def quantize_model(model, quantize: str, *, mesh: Mesh | None = None, setting: s
   """
   import qwix  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.models.lora import fitted_shardings, is_lora  # pylint: disable=g-import-not-at-top
+  from meshdistill.models.lora import is_lora, placed  # pylint: disable=g-import-not-at-top
 
   weight_qtype = qtype(quantize, setting)
   if weight_qtype is None:
@@ -74,8 +74,7 @@ def quantize_model(model, quantize: str, *, mesh: Mesh | None = None, setting: s
   provider = qwix.PtqProvider([qwix.QuantizationRule(module_path=projection_pattern(), weight_qtype=weight_qtype)])
   quantized = qwix.quantize_model(model, provider, jnp.zeros((1, 1), jnp.int32))
   if mesh is not None:  # quantized storage is computed eagerly; pin every leaf to its split
-    graphdef, state = nnx.split(quantized)
-    quantized = nnx.merge(graphdef, jax.device_put(state, fitted_shardings(state, mesh)))
+    quantized = placed(quantized, mesh)
   log.info("quantized %s projections to %s: %.1f MiB of weights (was %.1f MiB)", type(model).__name__, quantize,
            weight_bytes(quantized) / 2**20, weight_bytes(model) / 2**20)
   return quantized
