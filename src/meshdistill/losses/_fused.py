@@ -8,26 +8,31 @@ Why: with the vocabulary split over the mesh axis ``tensor``, every reduction ov
 (over ``tensor``), and inside the chunked loss (`chunked_token_sums`) each one runs once per chunk. Written
 term by term, the recipe reduces over V for each log-softmax (student and teacher, at tau and at 1: a max
 and a sum each), for the KL, the target picks, the correlation's means and sums and the agreement's maxima,
-and again in the backward pass of every log-softmax: the compiler needs ~7 all-reduces per chunk even after
-combining the independent ones. Per token, all of it follows from the two maxima ``m_s = max s`` and
-``m_t = max t`` (``max(s / tau) = m_s / tau`` for tau > 0) and sums of elementwise terms of ``s - m_s`` and
-``t - m_t``, so here:
+and again in the backward pass of every log-softmax: even after XLA's all-reduce combiner has merged the
+independent ones, the compiled 2x4 chunked step keeps 7 all-reduces per chunk for the loss (plus the one
+of the hidden-state gradient). Per token, everything follows from the maxima ``m_s = max s`` and
+``m_t = max t`` (``max(s / tau) = m_s / tau`` exactly for tau > 0) and sums of elementwise terms, so here:
 
 * ONE max-reduction over V, of the stacked ``[s, t]``;
 * ONE sum-reduction of the stacked terms the loss needs (``Z_s`` and ``Z_t`` at tau, the KL numerator
-  ``sum e_t (b - a)``, ``Z_s`` at 1, the student's target logit) and ONE of the terms only the metrics
-  need (``Z_t`` at 1, the teacher's target logit, the correlation's five sums, the count of shared
-  arg-max tokens). The two are independent, so the compiler's all-reduce combiner sends them as one
-  all-reduce; the metrics-light step, which drops the metrics, drops the second stack's work entirely;
+  ``sum_v e_t (b - a)`` with ``a, b`` the shifted logits at tau and ``e_t = exp(b)``, ``Z_s`` at 1, the
+  student's shifted target logit), and beside it one of the terms only the metrics need (``Z_t`` at 1,
+  the teacher's target logit, the logit sums for the correlation's means, the count of tokens that are
+  the arg-max of both). The two are independent, so the combiner sends them as ONE all-reduce, and the
+  metrics-light step, which drops the metrics, drops the second stack's work entirely;
+* the correlation's three sums around the means (``pearson``'s two passes: raw moments would cancel for
+  logits far from 0), a third sum-reduction that only the metrics need; it is independent of the
+  hidden-state gradient's all-reduce, and the combiner sends the two together;
 * a `jax.custom_vjp` whose backward pass is the analytic gradient with respect to the student logits,
-  ``(g_loss alpha tau + g_kl / tau) (p_s,tau - p_t,tau) + (g_loss (1 - alpha) + g_ce) (p_s - onehot)``,
-  from the logits and the per-token log-normalisers saved by the forward pass: no reduction over V.
+  ``(g_loss alpha tau^2 + g_kl) / tau (p_s,tau - p_t,tau) + (g_loss (1 - alpha) + g_ce) (p_s - onehot)``,
+  from the logits and the per-token maxima and normalisers saved by the forward pass: no reduction over V.
+
+So a chunk of the 2x4 chunked step has 3 all-reduces (max; sums; correlation + hidden-state gradient)
+instead of 8, and the forward pass makes 4 exponentials per logit pair instead of 5.
 
 What the unfused functions guarantee holds: float32 (float64 for float64 logits; bfloat16 is widened),
 masked tokens exactly 0 (values and gradients), only max and sum reductions over V (a vocabulary split over
-``tensor``, also unevenly, is never gathered), teacher terms with ``p_t == 0`` (``-inf`` logits) count 0.
-The correlation's sums are taken around the maxima (not the raw logits), so logits of large magnitude do
-not cancel; its cancellation error grows with ``((max - mean) / sd)^2`` of a token's logits.
+``tensor``, also unevenly, is never gathered), teacher terms with ``e_t == 0`` (``-inf`` logits) count 0.
 
 Gradients flow only to the student logits and only from ``loss``, ``kl`` and ``ce``; ``teacher_ce`` and
 ``agree`` have none to give, and ``corr`` (a monitoring metric) is treated as a constant, as are the
@@ -40,9 +45,6 @@ import jax
 import jax.numpy as jnp
 
 from meshdistill.losses._logits import as_float
-
-NAMES = ("kl", "ce", "teacher_ce", "corr", "agree", "loss")
-
 
 def _dtype(student_TxV, teacher_TxV):
   return jnp.promote_types(as_float(student_TxV).dtype, as_float(teacher_TxV).dtype)
@@ -143,8 +145,9 @@ def forward_kl_terms(
 
   The same values as ``forward_kl(s, t, mask, tau)``, ``cross_entropy(s, targets, mask)``,
   ``cross_entropy(t, targets, mask)``, ``pearson(s, t, mask)``, ``top1_agreement(s, t, mask)`` and
-  ``alpha * tau^2 * kl + (1 - alpha) * ce`` (up to float rounding), with one max- and two sum-reductions
-  over V and none in the backward pass (see the module docstring).
+  ``alpha * tau^2 * kl + (1 - alpha) * ce`` (up to float rounding), from one stacked max over V, one stacked
+  sum for the loss and two for the metrics only, and no reduction over V in the backward pass (see the module
+  docstring). Gradients: to the student logits, from ``loss``, ``kl`` and ``ce`` only.
 
   Args:
     student_TxV, teacher_TxV: logits ``[..., V]`` (V may be split over ``tensor``).
@@ -163,4 +166,4 @@ def forward_kl_terms(
   return _terms(s, t, targets_T, keep_T, tau, alpha)
 
 
-__all__ = ["NAMES", "forward_kl_terms"]
+__all__ = ["forward_kl_terms"]
