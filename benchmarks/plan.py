@@ -80,9 +80,9 @@ def report() -> str:
       "is the roofline estimate max(compute, HBM) + collectives, MFU from the analytic 2*N_t + 6*N_s FLOPs "
       "per token. Compile time is on this shared 2-core machine, under load from other jobs.",
       "",
-      "| teacher -> student | slice | mesh d x t | remat, loss | tokens/step | teacher GiB | student GiB | opt GiB "
-      "| temp GiB | total GiB / HBM | fits | TFLOP/chip compiled (analytic) | est. step s | MFU | compile s |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "| teacher -> student | slice | mesh d x t | remat, loss | attention | tokens/step | teacher GiB | student GiB "
+      "| opt GiB | temp GiB | total GiB / HBM | fits | TFLOP/chip compiled (analytic) | est. step s | MFU | compile s |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   missing = []
   labels = dict(TOPOLOGIES)
@@ -102,7 +102,7 @@ def report() -> str:
     loss = "full logits" if r.get("chunk_size") is None else f"chunk {r['chunk_size']}"
     lines.append(
         f"| {t} -> {s} | {label} | {r['mesh']['data']}x{r['mesh']['tensor']} | {r.get('remat')}, "
-        f"{loss} | {r['batch'] * r['seq']:,} "
+        f"{loss} | {r.get('attention', 'auto')} | {r['batch'] * r['seq']:,} "
         f"| {_gib(m['teacher_weights'])} | {_gib(m['student_weights'])} | {_gib(m['optimizer_state'])} "
         f"| {_gib(m['temp'])} | {_gib(m['total'])} / {_gib(r['budget_bytes'])} | {fits} "
         f"| {flops} ({f['analytic'] / 1e12:.1f}) | {step} | {mfu} "

@@ -12,7 +12,7 @@ from meshdistill.config import Config, DistillSettings, load_config
 from meshdistill.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER
 from meshdistill.mesh import make_mesh
 from meshdistill.models.decoder import ModelConfig
-from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, shard_bytes
+from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, kernel_flops, shard_bytes
 from meshdistill.planner._hardware import Target, parse_target
 from meshdistill.planner._presets import PRESETS, resolve_model
 from meshdistill.planner._report import Plan, model_notes
@@ -135,6 +135,7 @@ class Planner:
     n_t = _matmul_params(self.teacher, c.params["teacher"])
     n_s = _matmul_params(self.student, c.params["student"])
     analytic = (2 * n_t + 6 * n_s) * tokens / n
+    kernels = kernel_flops(self.teacher, self.student, k.remat, self.seq) * tokens / n  # not in XLA's count
     colls = collectives(c.hlo, (k.data, k.tensor))
     p = Plan(
         teacher=self.labels[0], student=self.labels[1], params=c.params, target=self.target.name,
@@ -143,8 +144,9 @@ class Planner:
         remat=k.remat, chunk_size=k.chunk_size, dtype=self.student.dtype, strategy=type(d.strategy).__name__,
         memory=memory, budget_bytes=budget, headroom=self.headroom, fits=fits,
         flops={"compiled": c.flops, "analytic": analytic, "analytic_per_token": float(2 * n_t + 6 * n_s),
-               "matmul_params_teacher": n_t, "matmul_params_student": n_s},
-        collectives=colls, time=self._roofline(c, colls, analytic * n, tokens), compile_seconds=c.compile_seconds,
+               "matmul_params_teacher": n_t, "matmul_params_student": n_s, "kernels": kernels},
+        collectives=colls, time=self._roofline(c, colls, analytic * n, tokens, kernels),
+        compile_seconds=c.compile_seconds,
         compiler_options=self.options, fsdp=self.cfg.mesh.fsdp, attention=self._attention(),
     )
     if c.oom:
@@ -173,11 +175,11 @@ class Planner:
     t, s = self.teacher.attention, self.student.attention
     return t if t == s else f"teacher {t}, student {s}"
 
-  def _roofline(self, c, colls, model_flops: float, tokens: int) -> dict[str, float | None]:
+  def _roofline(self, c, colls, model_flops: float, tokens: int, kernels: float) -> dict[str, float | None]:
     chip, t = self.target.chip, self.target
     if chip is None or c.flops is None:
       return {"compute_s": None, "hbm_s": None, "comm_s": None, "step_s": None, "mfu": None, "tokens_per_s": None}
-    compute = c.flops / t.per_device(chip.peak_bf16_flops)
+    compute = (c.flops + kernels) / t.per_device(chip.peak_bf16_flops)
     hbm = (c.bytes_accessed or 0.0) / t.per_device(chip.hbm_bandwidth)
     wire = sum(x["wire_bytes"] for x in colls)
     comm = None if chip.ici_bandwidth is None else wire / t.per_device(chip.ici_bandwidth)

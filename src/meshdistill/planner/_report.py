@@ -121,6 +121,8 @@ class Plan:
     f = self.flops
     lines.append("FLOPs per step, per device:")
     lines.append(f"  compiled (XLA cost analysis)   {_e(f['compiled'])}")
+    if f.get("kernels"):
+      lines.append(f"  + Pallas kernels (analytic)    {_e(f['kernels'])}   (attention inside the splash kernel)")
     lines.append(f"  analytic 2*N_t + 6*N_s /token  {_e(f['analytic'])}   (compiled / analytic = "
                  + (f"{f['compiled'] / f['analytic']:.3f})" if f["compiled"] and f["analytic"] else "n/a)"))
     if f.get("analytic_per_token"):
@@ -169,8 +171,9 @@ def model_notes(teacher, student) -> list[str]:
                  "and the roofline step time / MFU cover one block per scanned model (plan unrolled for those); "
                  "memory is exact")
   if "splash" in (teacher.attention, student.attention):
-    notes.append("attention=splash: XLA's cost analysis does not see inside the Mosaic kernel, so the compiled FLOPs, "
-                 "the roofline step time and MFU leave the attention matmuls out (memory is exact)")
+    notes.append("attention=splash: XLA's cost analysis does not see inside the Mosaic kernel; the roofline adds its "
+                 "attention matmuls counted analytically (flops['kernels'], causal: half of T x T), the compiled "
+                 "FLOPs leave them out")
   return notes
 
 
