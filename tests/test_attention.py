@@ -167,3 +167,19 @@ def test_splash_settings_are_checked_with_the_setting_named():
   cfg = load_config("tiny", ["teacher.attention=splash", "student.attention=xla", "data.seq_len=128",
                              "teacher.max_len=128", "student.max_len=128"])
   assert (cfg.teacher.attention, cfg.student.attention) == ("splash", "xla")
+
+
+def test_splash_evaluation_on_a_mesh_equals_explicit_on_one_device():
+  """Evaluation runs its plain jit under the mesh (`jax.set_mesh`): the kernel then goes in a shard_map manual over
+  both axes (rows over data, heads over tensor), as the TPU compiler requires of a Mosaic kernel."""
+  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+
+  def metrics(attention, mesh):
+    (gs, ps), (gt, pt) = (nnx.split(md.init_model(cfg.replace(attention=attention), seed=seed, mesh=mesh))
+                          for cfg, seed in ((SPLASH_STUDENT, 1), (SPLASH_TEACHER, 0)))
+    return Evaluator(gs, teacher_def=gt, teacher_params=pt, mesh=mesh)(ps, SPLASH_BATCHES[:1])
+
+  want, got = metrics("explicit", None), metrics("splash", md.make_mesh(2, 4))
+  assert want.keys() == got.keys()
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.mesh import TENSOR
+from meshdistill.mesh import DATA, TENSOR
 from meshdistill.models._config import RopeScaling
 
 
@@ -107,23 +107,26 @@ def target_platform() -> str:
 def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
   """`_splash_attention` placed for the mesh in context: ``out [B, T, H, K]``.
 
-  The kernel is a Pallas custom call that XLA cannot partition: left to the compiler on a mesh whose
-  ``tensor`` axis is compiler-managed (the layouts' steps are manual over ``data`` only), every device
-  would gather all heads and run the whole kernel. So where ``tensor`` splits the mesh, the kernel runs
-  in a nested ``shard_map`` manual over ``tensor`` (as `meshdistill.fsdp` writes its gathers), each
-  device on its own query heads ``[i*H/t, (i+1)*H/t)`` and the key/value heads they read
-  (``h // (H/G)``): the local ``tensor`` blocks themselves when ``t`` divides ``G``; otherwise (the
-  k/v projections replicated over ``tensor``, `ModelConfig.for_tensor`) the device slices its group(s)
-  out of the replicated keys and values. Interpret mode follows `target_platform`.
-  Outside a mesh (one device, ``pmap``, a plain ``jit``) the kernel runs as it is.
+  The kernel is a Pallas custom call that XLA cannot partition (the TPU compiler refuses to: "Mosaic
+  kernels cannot be automatically partitioned"), so it runs in a nested ``shard_map`` manual over every
+  mesh axis that is still compiler-managed -- in a layout's step (manual over ``data``, as
+  `meshdistill.fsdp` writes its gathers) that is ``tensor``; under ``jax.set_mesh`` (evaluation) both.
+  Each device runs it on its own query heads ``[i*H/t, (i+1)*H/t)`` of the ``tensor`` axis (size ``t``)
+  and the key/value heads they read (``h // (H/G)``): its local ``tensor`` block when ``t`` divides
+  ``G``; otherwise (the k/v projections replicated over ``tensor``, `ModelConfig.for_tensor`) the
+  device slices its group out of the replicated keys and values. Rows are split over a
+  compiler-managed ``data`` axis that divides them. Interpret mode follows `target_platform`.
+  Without a mesh in context (one device, ``pmap``, a plain ``jit``) the kernel runs as it is.
   """
   interpret = target_platform() != "tpu"
   mesh = jax.sharding.get_abstract_mesh()
-  if (TENSOR not in mesh.axis_names or mesh.shape[TENSOR] == 1
-      or TENSOR in getattr(mesh, "manual_axes", ())):
+  manual = set(getattr(mesh, "manual_axes", ()))
+  free = {a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1}
+  if not free:
     return _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret=interpret)
-  t = mesh.shape[TENSOR]
-  H, G = q_BxTxHxK.shape[2], k_BxTxGxK.shape[2]
+  B, _, H, _ = q_BxTxHxK.shape
+  G = k_BxTxGxK.shape[2]
+  t = mesh.shape[TENSOR] if TENSOR in free else 1
   if H % t:
     raise ValueError(
         f"ModelConfig.attention='splash' on a mesh with tensor={t} runs each device's query heads on their own, "
@@ -131,20 +134,21 @@ def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
     )
   heads, R = H // t, H // G  # query heads per device, query heads per key/value head
   kv_split = G % t == 0
-  q_spec = P(None, None, TENSOR, None)
-  kv_spec = q_spec if kv_split else P()
+  rows = DATA if DATA in free and B % mesh.shape[DATA] == 0 else None
+  q_spec = P(rows, None, TENSOR if t > 1 else None, None)
+  kv_spec = q_spec if kv_split else P(rows)
 
   def local(q_BxTxHlxK, k_BxTxGxK, v_BxTxGxK):
     if not kv_split:  # replicated keys/values: this device's query heads read groups (i*heads + j) // R
       first = jax.lax.axis_index(TENSOR) * heads
-      if R % heads == 0:  # all of them in one group (G < t): its key/value head
+      if R % heads == 0:  # all of them in one group (G divides t): its key/value head
         pick = lambda a: jax.lax.dynamic_slice_in_dim(a, first // R, 1, axis=2)  # noqa: E731
       else:  # groups cut by the split (t divides neither G nor H/G): one key/value head per query head
         pick = lambda a: jnp.take(a, (first + jnp.arange(heads)) // R, axis=2)  # noqa: E731
       k_BxTxGxK, v_BxTxGxK = pick(k_BxTxGxK), pick(v_BxTxGxK)
     return _splash_attention(q_BxTxHlxK, k_BxTxGxK, v_BxTxGxK, interpret=interpret)
 
-  return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names={TENSOR},
+  return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=free,
                        check_vma=False)(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK)
 
 
