@@ -94,10 +94,11 @@ def _explicit_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS=None):
 def target_platform() -> str:
   """The platform the program being traced is compiled for.
 
-  Inside a layout's step the mesh in context says it: the abstract mesh of a ``shard_map`` (or of
-  ``pmap``, built on one) carries its devices' platform, which is ``tpu`` when the planner compiles
-  for a TPU topology's abstract devices from a CPU host. Without a mesh (the single-device layout, a
-  plain ``jit``) the program runs on the default device, so the default backend is the target.
+  Where there is a mesh in context, it says: the abstract mesh of a layout's ``shard_map`` (or of ``pmap``,
+  built on one, or of ``jax.set_mesh`` around evaluation) carries its devices' platform, which is ``tpu``
+  when the planner compiles for a TPU topology's abstract devices from a CPU host. Without one (the
+  single-device layout, a plain ``jit``) the program runs on the default device, so the default backend
+  is the target.
   `jax.default_backend()` alone would be wrong while planning: it is ``cpu`` there.
   """
   device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
@@ -116,7 +117,8 @@ def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
   ``G``; otherwise (the k/v projections replicated over ``tensor``, `ModelConfig.for_tensor`) the
   device slices its group out of the replicated keys and values. Rows are split over a
   compiler-managed ``data`` axis that divides them. Interpret mode follows `target_platform`.
-  Without a mesh in context (one device, ``pmap``, a plain ``jit``) the kernel runs as it is.
+  Without a mesh in context (one device, a plain ``jit``) or with every axis manual already (``pmap``) the
+  kernel runs as it is.
   """
   interpret = target_platform() != "tpu"
   mesh = jax.sharding.get_abstract_mesh()
