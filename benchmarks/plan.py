@@ -80,8 +80,9 @@ def report() -> str:
       "is the roofline estimate max(compute, HBM) + collectives, MFU from the analytic 2*N_t + 6*N_s FLOPs "
       "per token. Compile time is on this shared 2-core machine, under load from other jobs.",
       "",
-      "| teacher -> student | slice | mesh d x t | remat, loss | attention | tokens/step | teacher GiB | student GiB "
-      "| opt GiB | temp GiB | total GiB / HBM | fits | TFLOP/chip compiled (analytic) | est. step s | MFU | compile s |",
+      "| teacher -> student | slice | mesh d x t | remat, loss | attention | tokens/step | teacher GiB "
+      "| student GiB | opt GiB | temp GiB | total GiB / HBM | fits | TFLOP/chip compiled (analytic) | est. step s "
+      "| MFU | compile s |",
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   missing = []
