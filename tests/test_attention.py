@@ -1,15 +1,19 @@
-"""Attention kernels: `xla` (jax.nn.dot_product_attention) and the grouped explicit path agree, values and grads."""
+"""Attention kernels: `xla` (jax.nn.dot_product_attention) and the Pallas splash kernel (interpreted on CPU) agree
+with the grouped explicit path, values and grads, alone and inside the Distiller's step on every layout."""
 
 import einops
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
-from helpers import TEACHER_CFG, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
+from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
-from meshdistill.models.decoder import _explicit_attention, _splash_attention
+from meshdistill.config import ConfigError, load_config
+from meshdistill.models._attention import _explicit_attention, _splash_attention, splash_attention
 
 CFG = TEACHER_CFG.replace(n_heads=4, n_kv_heads=2)
 
@@ -87,3 +91,95 @@ def test_splash_interpreted_values_and_grads_equal_explicit():
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="attention='splash' needs a sequence length that is a multiple of 128"):
     _splash_attention(q[:, :8], k[:, :8], v[:, :8])
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 4), (4, 2), (12, 6)])
+def test_splash_per_device_heads_on_a_tensor_split_mesh_equal_explicit(heads, kv_heads):
+  """`splash_attention` in a step manual over ``data`` on 2x4: key/value heads split with the query heads (8/4),
+  replicated with each device's heads in one group (4/2: G < tensor), or groups cut by the split (12/6)."""
+  rng = np.random.default_rng(2)
+  shapes = ((4, 128, heads, 8), (4, 128, kv_heads, 8), (4, 128, kv_heads, 8))
+  q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes)
+  w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+  mesh = md.make_mesh(2, 4)
+
+  def run(attn):
+    def loss(q, k, v):  # the step's form: per device over `data`, `tensor` left to the compiler
+      per_device = lambda q, k, v, w: jax.lax.psum(jnp.sum(attn(q, k, v) * w), "data")  # noqa: E731
+      return jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P(), axis_names={"data"},
+                           check_vma=False)(q, k, v, w)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+  want, want_grads = run(lambda *a: _explicit_attention(*a)[0])
+  got, got_grads = run(splash_attention)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for g, r in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+SPLASH_TEACHER = TEACHER_CFG.replace(max_len=128)
+SPLASH_STUDENT = STUDENT_CFG.replace(max_len=128, n_layers=2, remat="full")
+SPLASH_BATCHES = [make_batch(seed=s, seq=128, pad_from=100) for s in range(2)]
+
+
+def _distill(attention, shape=None, backend=None, fsdp=False, scan=False):
+  """Two Distiller steps with SGD (lr 1: the first step's parameter change is minus the gradient): per-step loss
+  and gradient norm, the first step's gradient and the final state."""
+  mesh = None if shape is None else md.make_mesh(*shape)
+  d = md.Distiller(
+      md.init_model(SPLASH_STUDENT.replace(attention=attention, scan_layers=scan), seed=1, mesh=mesh),
+      md.init_model(SPLASH_TEACHER.replace(attention=attention, scan_layers=scan), seed=0, mesh=mesh),
+      optimizer=optax.sgd(1.0), mesh=mesh, backend=backend, fsdp=fsdp)
+  state = d.init_state()
+  before = jax.device_get(d.unreplicate(state.params))
+  records, grads = [], None
+  for batch in SPLASH_BATCHES:
+    state, metrics = d.step(state, batch)
+    records.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    if grads is None:
+      grads = jax.tree.map(lambda a, b: a - b, before, jax.device_get(d.unreplicate(state.params)))
+  return records, grads
+
+
+@pytest.fixture(scope="module")
+def explicit_runs():
+  """The one-device references with explicit scores: unrolled and scanned blocks."""
+  return {scan: _distill("explicit", scan=scan) for scan in (False, True)}
+
+
+@pytest.mark.parametrize("shape, backend, fsdp, scan", [
+    ((2, 4), None, False, False), ((2, 4), None, True, False), ((4, 2), None, True, True), (None, None, False, False),
+    ((8, 1), "pmap", False, False)])
+def test_splash_distiller_steps_equal_explicit_on_one_device(explicit_runs, shape, backend, fsdp, scan):
+  """Loss, gradient norm and gradient of Distiller steps with splash (interpreted) on a layout, student under remat
+  full, equal the explicit path on one device."""
+  want_records, want_grads = explicit_runs[scan]
+  records, grads = _distill("splash", shape, backend, fsdp, scan)
+  np.testing.assert_allclose(records, want_records, rtol=1e-5)
+  assert_trees_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+
+
+def test_splash_settings_are_checked_with_the_setting_named():
+  with pytest.raises(ConfigError, match=r"student.attention=splash needs data.seq_len a multiple of 128.*got 64"):
+    load_config("tiny", ["student.attention=splash", "data.seq_len=64", "teacher.max_len=64", "student.max_len=64"])
+  with pytest.raises(ValueError, match=r"attention='splash'.*tensor=4 does not divide n_heads=6"):
+    TEACHER_CFG.replace(n_heads=6, n_kv_heads=2, d_model=48, attention="splash").for_tensor(4)
+  cfg = load_config("tiny", ["teacher.attention=splash", "student.attention=xla", "data.seq_len=128",
+                             "teacher.max_len=128", "student.max_len=128"])
+  assert (cfg.teacher.attention, cfg.student.attention) == ("splash", "xla")
+
+
+def test_splash_evaluation_on_a_mesh_equals_explicit_on_one_device():
+  """Evaluation runs its plain jit under the mesh (`jax.set_mesh`): the kernel then goes in a shard_map manual over
+  both axes (rows over data, heads over tensor), as the TPU compiler requires of a Mosaic kernel."""
+  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+
+  def metrics(attention, mesh):
+    (gs, ps), (gt, pt) = (nnx.split(md.init_model(cfg.replace(attention=attention), seed=seed, mesh=mesh))
+                          for cfg, seed in ((SPLASH_STUDENT, 1), (SPLASH_TEACHER, 0)))
+    return Evaluator(gs, teacher_def=gt, teacher_params=pt, mesh=mesh)(ps, SPLASH_BATCHES[:1])
+
+  want, got = metrics("explicit", None), metrics("splash", md.make_mesh(2, 4))
+  assert want.keys() == got.keys()
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)

@@ -241,12 +241,14 @@ def test_export_of_a_run_without_checkpoint_writes_nothing(tmp_path, capsys):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and os.listdir(run_dir) == ["config.yaml"]
 
 
-def test_remat_beside_teacher_hf_is_kept_and_changes_no_logits():
+def test_remat_and_attention_beside_teacher_hf_are_kept_and_change_no_logits():
   base = [f"teacher.hf={QWEN3}", f"data.source={FIXTURES / 'hf_text.jsonl'}"]
-  cfg = load_config(EXAMPLE, [*base, "teacher.remat=full", "student.remat=dots"])
+  cfg = load_config(EXAMPLE, [*base, "teacher.remat=full", "student.remat=dots", "teacher.attention=xla",
+                              "student.attention=explicit"])
   teacher = load_teacher_hf(cfg, None)
   student = build_student(cfg, teacher, None)
   assert (teacher.cfg.remat, student.cfg.remat) == ("full", "dots")
+  assert (teacher.cfg.attention, student.cfg.attention) == ("xla", "explicit")
   tokens = jnp.asarray(_tokens())
   logits = nnx.jit(lambda m, t: m(t).logits)
   np.testing.assert_allclose(logits(teacher, tokens), logits(load_hf(QWEN3), tokens), rtol=1e-5, atol=1e-6)

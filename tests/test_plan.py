@@ -7,6 +7,8 @@ a 2x2 mesh while fitting on 1x4.
 """
 
 import json
+import math
+import re
 
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ import meshdistill as md
 from meshdistill import cli, jobs, planner
 from meshdistill.config import load_config
 from meshdistill.memory import step_memory
+from meshdistill.evaluate import Evaluator
+from meshdistill.planner._compile import abstract_batch, compile_step
 
 needs_libtpu = pytest.mark.skipif(not planner.libtpu_available(),
                                   reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
@@ -150,3 +154,31 @@ def test_search_ranks_the_compiled_configurations_that_fit():
   totals = [p.memory["total"] for p in plans]
   assert totals == sorted(totals)  # no step time on CPU: ranked by memory
   assert "rank" in planner.search_table(plans)
+
+
+@needs_libtpu
+def test_splash_compiles_for_a_tpu_topology_to_the_mosaic_kernel_on_each_devices_heads():
+  """The planner's program (abstract Distiller, libtpu's compiler, from this CPU host) with attention='splash' on
+  v5e:2x2 as mesh 2x2: the kernel is the Mosaic custom call, not Pallas's interpreted loop (interpret mode follows
+  the mesh's platform, not the host's backend), and each device runs it on its own 2 of the 4 query heads; the same
+  for evaluation's program (a plain jit under the mesh)."""
+  cfg = md.ModelConfig(vocab_size=1024, d_model=256, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, mlp_hidden=512,
+                       max_len=128, attention="splash", dtype="bfloat16")
+  pl = planner.make_planner(cfg, cfg.replace(remat="full"), topology="v5e:2x2", seq=128)
+  hlo = compile_step(pl._distiller(planner.Knobs(2, 2, "full", None, 4)), 4, 128).hlo
+  kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+  assert {re.search(r"%(splash_mqa_\w+?)(_no)?_residuals", k).group(1) for k in kernels} >= {
+      "splash_mqa_fwd", "splash_mqa_dkv", "splash_mqa_dq"}
+  assert " while(" not in hlo  # an interpreted kernel is a while loop over its grid
+  forward = [k for k in kernels if "splash_mqa_fwd" in k]
+  outs = {tuple(int(x) for x in dims.split(","))
+          for k in forward for dims in re.findall(r"bf16\[([\d,]+)\]", k.split("custom-call(")[0])}
+  # the attention output per device: batch 4 / data 2, heads 4 / tensor 2, 128 tokens, head_dim 64
+  assert {math.prod(s) for s in outs} == {2 * 2 * 128 * 64}, outs
+
+  # evaluation's plain jit runs under the mesh (jax.set_mesh): the kernel is placed there too
+  d = pl._distiller(planner.Knobs(2, 2, "none", None, 4))
+  params = d.init_state().params["student"]
+  evaluator = Evaluator(d.student_def, mesh=d.mesh)
+  hlo = evaluator.lower(params, abstract_batch(d.mesh, 4, 128)).compile().as_text()
+  assert hlo.count('custom_call_target="tpu_custom_call"') == 1 and " while(" not in hlo

@@ -130,6 +130,8 @@ def _plan_parser(sp) -> None:
   sp.add_argument("--chunk-size", type=int, default=None, help="chunked loss with this many tokens per chunk")
   sp.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                   help="both models' blocks under nnx.scan (one compiled body) or unrolled (default: as configured)")
+  sp.add_argument("--attention", default=None, help="both models' attention kernel: auto, explicit, xla, cudnn, "
+                  "splash (the Pallas TPU kernel; seq a multiple of 128) (default: as configured / auto for presets)")
   sp.add_argument("--hbm-gib", type=float, default=None, help="memory budget per device in GiB (replaces the chip's)")
   sp.add_argument("--search", action="store_true",
                   help="compile meshes x remat x chunk sizes x batches; rank those that fit")
@@ -160,7 +162,8 @@ def _plan(args) -> int:
   from meshdistill import planner  # pylint: disable=g-import-not-at-top
 
   common = dict(topology=args.topology, devices=args.devices, seq=args.seq, config=args.config,
-                overrides=args.overrides, dtype=args.dtype, hbm_gib=args.hbm_gib, scan_layers=args.scan_layers)
+                overrides=args.overrides, dtype=args.dtype, hbm_gib=args.hbm_gib, scan_layers=args.scan_layers,
+                attention=args.attention)
   t0 = time.perf_counter()
   if args.search:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else None

@@ -113,6 +113,11 @@ class Config:
           f"{who}.max_len={m.max_len} is shorter than data.seq_len={self.data.seq_len}; "
           f"set {who}.max_len >= {self.data.seq_len} or lower data.seq_len"
         )
+      if m.attention == "splash" and self.data.seq_len % 128:
+        raise ConfigError(
+          f"{who}.attention=splash needs data.seq_len a multiple of 128 (the kernel's block width), got "
+          f"{self.data.seq_len}; set data.seq_len={max(128, self.data.seq_len // 128 * 128)} or {who}.attention=xla"
+        )
       try:
         m.check_tensor_split(self.mesh.tensor)
       except ValueError as e:

@@ -15,6 +15,7 @@ live on (batch split over ``data``; weights split over ``tensor``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Sequence
@@ -88,6 +89,15 @@ class Evaluator:
       return batch
     return host_to_global(batch, self.mesh)
 
+  def _in_mesh(self):
+    """The mesh in context: kernels XLA cannot partition (Pallas splash attention) place themselves on it."""
+    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+  def lower(self, params: Any, batch: dict):
+    """The lowered program of one batch (already placed; abstract ``jax.ShapeDtypeStruct``s work)."""
+    with self._in_mesh():
+      return self._fn.func.lower(params, self.teacher_params, batch, **self._fn.keywords)
+
   def __call__(self, params: Any, batches: Sequence[dict]) -> dict[str, float]:
     """Metrics of the model with parameters ``params`` (an ``nnx.State``) over ``batches``."""
     if not batches:
@@ -96,8 +106,9 @@ class Evaluator:
         "(e.g. 0.05) or use a larger corpus"
       )
     total: dict[str, float] = {}
-    for batch in batches:
-      sums = jax.device_get(self._fn(params, self.teacher_params, self._place(batch)))
-      for k, v in sums.items():
-        total[k] = total.get(k, 0.0) + float(v)
+    with self._in_mesh():
+      for batch in batches:
+        sums = jax.device_get(self._fn(params, self.teacher_params, self._place(batch)))
+        for k, v in sums.items():
+          total[k] = total.get(k, 0.0) + float(v)
     return finish(total)

@@ -1,6 +1,8 @@
 """Attention kernels of the decoder: rotary position embedding (`rope`), the decoding key/value cache
 (`KVCache`), and causal grouped-query attention with explicit float32 scores (`_explicit_attention`) or the
-Pallas splash kernel (`_splash_attention`). `meshdistill.models.decoder.Attention` chooses among them.
+Pallas splash kernel (`splash_attention`: per device on its heads of a ``tensor``-split mesh, compiled or
+interpreted as the target platform says, `target_platform`). `meshdistill.models.decoder.Attention` chooses
+among them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from typing import NamedTuple
 import einops
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from meshdistill.mesh import DATA, TENSOR
 from meshdistill.models._config import RopeScaling
 
 
@@ -87,15 +91,77 @@ def _explicit_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS=None):
   return einops.rearrange(out, "b t g r k -> b t (g r) k"), probs_BxHxTxS
 
 
-def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
-  """Causal grouped-query attention with the Pallas splash kernel: ``out [B, T, H, K]``.
+def target_platform() -> str:
+  """The platform the program being traced is compiled for.
+
+  Where there is a mesh in context, it says: the abstract mesh of a layout's ``shard_map`` (or of ``pmap``,
+  built on one, or of ``jax.set_mesh`` around evaluation) carries its devices' platform, which is ``tpu``
+  when the planner compiles for a TPU topology's abstract devices from a CPU host. Without one (the
+  single-device layout, a plain ``jit``) the program runs on the default device, so the default backend
+  is the target.
+  `jax.default_backend()` alone would be wrong while planning: it is ``cpu`` there.
+  """
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return jax.default_backend() if device is None else device.platform
+
+
+def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
+  """`_splash_attention` placed for the mesh in context: ``out [B, T, H, K]``.
+
+  The kernel is a Pallas custom call that XLA cannot partition (the TPU compiler refuses to: "Mosaic
+  kernels cannot be automatically partitioned"), so it runs in a nested ``shard_map`` manual over every
+  mesh axis that is still compiler-managed -- in a layout's step (manual over ``data``, as
+  `meshdistill.fsdp` writes its gathers) that is ``tensor``; under ``jax.set_mesh`` (evaluation) both.
+  Each device runs it on its own query heads ``[i*H/t, (i+1)*H/t)`` of the ``tensor`` axis (size ``t``)
+  and the key/value heads they read (``h // (H/G)``): its local ``tensor`` block when ``t`` divides
+  ``G``; otherwise (the k/v projections replicated over ``tensor``, `ModelConfig.for_tensor`) the
+  device slices its group out of the replicated keys and values. Rows are split over a
+  compiler-managed ``data`` axis that divides them. Interpret mode follows `target_platform`.
+  Without a mesh in context (one device, a plain ``jit``) or with every axis manual already (``pmap``) the
+  kernel runs as it is.
+  """
+  interpret = target_platform() != "tpu"
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(mesh, "manual_axes", ()))
+  free = {a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1}
+  if not free:
+    return _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret=interpret)
+  B, _, H, _ = q_BxTxHxK.shape
+  G = k_BxTxGxK.shape[2]
+  t = mesh.shape[TENSOR] if TENSOR in free else 1
+  if H % t:
+    raise ValueError(
+        f"ModelConfig.attention='splash' on a mesh with tensor={t} runs each device's query heads on their own, "
+        f"but tensor={t} does not divide n_heads={H}; use a tensor axis dividing {H} or attention='xla'"
+    )
+  heads, R = H // t, H // G  # query heads per device, query heads per key/value head
+  kv_split = G % t == 0
+  rows = DATA if DATA in free and B % mesh.shape[DATA] == 0 else None
+  q_spec = P(rows, None, TENSOR if t > 1 else None, None)
+  kv_spec = q_spec if kv_split else P(rows)
+
+  def local(q_BxTxHlxK, k_BxTxGxK, v_BxTxGxK):
+    if not kv_split:  # replicated keys/values: this device's query heads read groups (i*heads + j) // R
+      first = jax.lax.axis_index(TENSOR) * heads
+      if R % heads == 0:  # all of them in one group (G divides t): its key/value head
+        pick = lambda a: jax.lax.dynamic_slice_in_dim(a, first // R, 1, axis=2)  # noqa: E731
+      else:  # groups cut by the split (t divides neither G nor H/G): one key/value head per query head
+        pick = lambda a: jnp.take(a, (first + jnp.arange(heads)) // R, axis=2)  # noqa: E731
+      k_BxTxGxK, v_BxTxGxK = pick(k_BxTxGxK), pick(v_BxTxGxK)
+    return _splash_attention(q_BxTxHlxK, k_BxTxGxK, v_BxTxGxK, interpret=interpret)
+
+  return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=free,
+                       check_vma=False)(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK)
+
+
+def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret: bool | None = None):
+  """Causal grouped-query attention with the Pallas splash kernel on the heads given: ``out [B, T, H, K]``.
 
   The kernel's multi-query form (one key/value head shared by ``H / G`` query heads) is vmapped
-  over batch and key/value groups, so key/value heads are never copied. On TPU it runs compiled,
-  elsewhere in Pallas interpret mode (slow: for numerics checks). Blocks are ``min(T, 512)``
-  tokens; ``T`` must be a multiple of 128 (the kernel's lane width). Under a ``tensor``-split
-  mesh the kernel is a custom call XLA does not partition: wrap it in a shard_map over heads
-  before using it at scale (not done here).
+  over batch and key/value groups, so key/value heads are never copied. ``interpret``: Pallas
+  interpret mode (slow: for numerics checks off TPU); None follows `target_platform`. Blocks are
+  ``gcd(T, 512)`` tokens; ``T`` must be a multiple of 128 (the kernel's lane width). The decoder
+  calls it through `splash_attention`, which splits heads over ``tensor``.
   """
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
 
@@ -106,13 +172,15 @@ def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
         f"ModelConfig.attention='splash' needs a sequence length that is a multiple of 128, got {T}; "
         "pad the sequence or use attention='xla'"
     )
+  if interpret is None:
+    interpret = target_platform() != "tpu"
   block = math.gcd(T, 512)
   sizes = splash.BlockSizes(
       block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
       block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
   )
   mask = splash.MultiHeadMask([splash.CausalMask((T, T)) for _ in range(H // G)])
-  kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=jax.default_backend() != "tpu")
+  kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
   q_BxGxRxTxK = einops.rearrange(q_BxTxHxK, "b t (g r) k -> b g r t k", g=G) / jnp.sqrt(K).astype(q_BxTxHxK.dtype)
   k_BxGxTxK, v_BxGxTxK = (einops.rearrange(a, "b t g k -> b g t k") for a in (k_BxTxGxK, v_BxTxGxK))
   out = jax.vmap(jax.vmap(kernel))(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK)

@@ -29,7 +29,8 @@ ATTENTION = {
     "explicit": "grouped einsums materialising [B, H, T, S] float32 scores and probabilities",
     "xla": "jax.nn.dot_product_attention(implementation='xla')",
     "cudnn": "jax.nn.dot_product_attention(implementation='cudnn'): cuDNN flash attention, GPU with bf16/fp16 only",
-    "splash": "the Pallas TPU splash-attention kernel (interpreted off TPU; sequence length a multiple of 128)",
+    "splash": "the Pallas TPU splash-attention kernel, per device on its heads of a tensor-split mesh (interpreted "
+              "when the target is not a TPU; sequence length a multiple of 128)",
 }
 
 
@@ -171,7 +172,8 @@ class ModelConfig:
     return cfg
 
   def check_tensor_split(self, tensor: int) -> None:
-    """Raises when a ``tensor``-split dimension that cannot be padded or replicated is not divisible."""
+    """Raises when a ``tensor``-split dimension that cannot be padded or replicated is not divisible (with
+    ``attention='splash'`` the query heads too: each device runs the kernel on its own heads)."""
     dims = {"n_heads * head_dim": self.n_heads * self.hd, "mlp_hidden": self.mlp_hidden}
     bad = {k: v for k, v in dims.items() if v % tensor}
     if bad:
@@ -180,4 +182,10 @@ class ModelConfig:
           f"mesh tensor={tensor} does not divide {desc} (n_heads={self.n_heads}, head_dim={self.hd}); these weight "
           f"dimensions are split over the tensor axis: choose sizes that are multiples of {tensor} or a smaller "
           "tensor axis (vocabularies are padded and key/value heads replicated automatically)"
+      )
+    if self.attention == "splash" and self.n_heads % tensor:
+      raise ValueError(
+          f"attention='splash' runs each device's query heads on their own (the Pallas kernel is not split by "
+          f"the compiler), but mesh tensor={tensor} does not divide n_heads={self.n_heads}; use a tensor axis "
+          f"dividing {self.n_heads} or attention='xla'"
       )

@@ -43,7 +43,7 @@ from flax import nnx
 
 from meshdistill.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.mesh import TENSOR
-from meshdistill.models._attention import KVCache, _explicit_attention, _splash_attention, rope
+from meshdistill.models._attention import KVCache, _explicit_attention, rope, splash_attention
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._scan import save_all_but_casts, scan_blocks, stacked_blocks
 
@@ -135,7 +135,7 @@ class Attention(nnx.Module):
     if kind == "explicit":
       out, probs_BxHxTxS = _explicit_attention(q, k, v, visible)
     elif kind == "splash":
-      out, probs_BxHxTxS = _splash_attention(q, k, v), None
+      out, probs_BxHxTxS = splash_attention(q, k, v), None
     else:
       out = jax.nn.dot_product_attention(
           q, k, v, mask=visible, is_causal=visible is None, implementation=kind

@@ -197,6 +197,16 @@ def _oom_sizes(message: str) -> tuple[int | None, int | None]:
   return find(r"HLO temporaries"), find(r"available HBM")
 
 
+def kernel_flops(teacher: ModelConfig, student: ModelConfig, remat: str, seq: int) -> float:
+  """FLOPs per token of the attention matmuls that run inside Pallas kernels (``attention='splash'``), which XLA's
+  cost analysis cannot see. Causal attention of one layer: ``2 * seq * n_heads * head_dim`` per token forward
+  (q.k and p.v over ``seq / 2`` keys on average); the student adds its backward (twice the forward) and, under a
+  remat policy, the forward again (a custom call's outputs are never saved). The teacher runs forward only."""
+  def forward(cfg: ModelConfig) -> float:
+    return 2.0 * seq * cfg.n_heads * cfg.hd * cfg.n_layers if cfg.attention == "splash" else 0.0
+  return forward(teacher) + forward(student) * (3 + (remat != "none"))
+
+
 def _num(x) -> float | None:
   return None if x is None or x < 0 else float(x)
 

@@ -12,10 +12,10 @@ from meshdistill.config import Config, DistillSettings, load_config
 from meshdistill.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER
 from meshdistill.mesh import make_mesh
 from meshdistill.models.decoder import ModelConfig
-from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, shard_bytes
+from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, kernel_flops, shard_bytes
 from meshdistill.planner._hardware import Target, parse_target
 from meshdistill.planner._presets import PRESETS, resolve_model
-from meshdistill.planner._report import Plan
+from meshdistill.planner._report import Plan, model_notes
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ class Planner:
     n_t = _matmul_params(self.teacher, c.params["teacher"])
     n_s = _matmul_params(self.student, c.params["student"])
     analytic = (2 * n_t + 6 * n_s) * tokens / n
+    kernels = kernel_flops(self.teacher, self.student, k.remat, self.seq) * tokens / n  # not in XLA's count
     colls = collectives(c.hlo, (k.data, k.tensor))
     p = Plan(
         teacher=self.labels[0], student=self.labels[1], params=c.params, target=self.target.name,
@@ -143,9 +144,10 @@ class Planner:
         remat=k.remat, chunk_size=k.chunk_size, dtype=self.student.dtype, strategy=type(d.strategy).__name__,
         memory=memory, budget_bytes=budget, headroom=self.headroom, fits=fits,
         flops={"compiled": c.flops, "analytic": analytic, "analytic_per_token": float(2 * n_t + 6 * n_s),
-               "matmul_params_teacher": n_t, "matmul_params_student": n_s},
-        collectives=colls, time=self._roofline(c, colls, analytic * n, tokens), compile_seconds=c.compile_seconds,
-        compiler_options=self.options, fsdp=self.cfg.mesh.fsdp,
+               "matmul_params_teacher": n_t, "matmul_params_student": n_s, "kernels": kernels},
+        collectives=colls, time=self._roofline(c, colls, analytic * n, tokens, kernels),
+        compile_seconds=c.compile_seconds,
+        compiler_options=self.options, fsdp=self.cfg.mesh.fsdp, attention=self._attention(),
     )
     if c.oom:
       p.notes.append(f"the TPU compiler stopped: {c.oom} (the memory above: the step's inputs plus the temporaries "
@@ -165,18 +167,19 @@ class Planner:
     if k.remat != "none":
       p.notes.append(f"remat={k.remat} recomputes student activations: compiled FLOPs include the recomputation, "
                      "the analytic 6*N_s does not")
-    if self.teacher.scan_layers or self.student.scan_layers:
-      p.notes.append("scan_layers: XLA's cost analysis counts a loop body once, so the compiled FLOPs, bytes accessed "
-                     "and the roofline step time / MFU cover one block per scanned model (plan unrolled for those); "
-                     "memory is exact")
+    p.notes += model_notes(self.teacher, self.student)
     self._plans[k] = p
     return p
 
-  def _roofline(self, c, colls, model_flops: float, tokens: int) -> dict[str, float | None]:
+  def _attention(self) -> str:
+    t, s = self.teacher.attention, self.student.attention
+    return t if t == s else f"teacher {t}, student {s}"
+
+  def _roofline(self, c, colls, model_flops: float, tokens: int, kernels: float) -> dict[str, float | None]:
     chip, t = self.target.chip, self.target
     if chip is None or c.flops is None:
       return {"compute_s": None, "hbm_s": None, "comm_s": None, "step_s": None, "mfu": None, "tokens_per_s": None}
-    compute = c.flops / t.per_device(chip.peak_bf16_flops)
+    compute = (c.flops + kernels) / t.per_device(chip.peak_bf16_flops)
     hbm = (c.bytes_accessed or 0.0) / t.per_device(chip.hbm_bandwidth)
     wire = sum(x["wire_bytes"] for x in colls)
     comm = None if chip.ici_bandwidth is None else wire / t.per_device(chip.ici_bandwidth)
@@ -260,14 +263,15 @@ def _mesh_arg(mesh: Any) -> tuple[int, int] | None:
 
 
 def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq=None, config=None, overrides=(),
-                 dtype=None, remat=None, hbm_gib=None, scan_layers=None) -> Planner:
+                 dtype=None, remat=None, hbm_gib=None, scan_layers=None, attention=None) -> Planner:
   """A `Planner` for a pair and target (see `plan` for the arguments)."""
   cfg = _config(config, overrides)
   default_dtype = "bfloat16" if dtype is None else dtype
   t_cfg, t_label = resolve_model(cfg.teacher if teacher is None else teacher, who="teacher", scan_layers=scan_layers,
+                                 attention=attention,
                                  dtype=dtype if teacher is None or isinstance(teacher, ModelConfig) else default_dtype)
   s_cfg, s_label = resolve_model(cfg.student if student is None else student, who="student", remat=remat,
-                                 scan_layers=scan_layers,
+                                 scan_layers=scan_layers, attention=attention,
                                  dtype=dtype if student is None or isinstance(student, ModelConfig) else default_dtype)
   if teacher is None:
     t_label = "config teacher"
@@ -288,6 +292,9 @@ def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq
   for who, m in (("teacher", t_cfg), ("student", s_cfg)):
     if seq > m.max_len:
       raise ValueError(f"seq={seq} exceeds the {who}'s max_len={m.max_len}; use seq <= {m.max_len}")
+    if m.attention == "splash" and seq % 128:
+      raise ValueError(f"the {who}'s attention='splash' needs seq a multiple of 128 (the kernel's block width), got "
+                       f"{seq}; use seq={max(128, seq // 128 * 128)} or attention='xla'")
   return Planner(cfg, t_cfg, s_cfg, (t_label, s_label), target, seq)
 
 
@@ -320,7 +327,7 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
          mesh: Any = "auto", batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
          overrides: Sequence[str] = (), dtype: str | None = None, remat: str | None = None, chunk_size: Any = _UNSET,
          hbm_gib: float | None = None, suggest: int = 1, max_compiles: int = 4,
-         scan_layers: bool | None = None) -> Plan:
+         scan_layers: bool | None = None, attention: str | None = None) -> Plan:
   """Compiles the distillation step ``meshdistill distill`` would run, for a target, without allocating it.
 
   Args:
@@ -337,11 +344,14 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
     dtype, remat, chunk_size: replace the models' compute dtype, the student's remat policy, the loss's chunk size.
     hbm_gib: per-device memory budget; replaces the chip's HBM (CPU devices have none).
     scan_layers: replace both models' ``ModelConfig.scan_layers`` (blocks under ``nnx.scan``: one compiled body).
+    attention: replace both models' ``ModelConfig.attention`` (a config's ``teacher.attention`` /
+      ``student.attention`` set its own models only, not presets).
     suggest, max_compiles: when the plan does not fit, how many fitting configurations to find, compiling at most
       ``max_compiles`` more programs.
   """
   pl = make_planner(teacher, student, topology=topology, devices=devices, seq=seq, config=config,
-                    overrides=overrides, dtype=dtype, remat=remat, hbm_gib=hbm_gib, scan_layers=scan_layers)
+                    overrides=overrides, dtype=dtype, remat=remat, hbm_gib=hbm_gib, scan_layers=scan_layers,
+                    attention=attention)
   batch = pl.cfg.train.batch_size if batch is None else batch
   if not isinstance(batch, int) or batch < 1:
     raise ValueError(f"batch={batch!r} must be a positive integer")
@@ -356,7 +366,7 @@ def search(teacher: Any = None, student: Any = None, *, topology: str | None = N
            batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
            overrides: Sequence[str] = (), dtype: str | None = None, meshes=None, remats=None, chunk_sizes=None,
            batches=None, hbm_gib: float | None = None, max_compiles: int = 12,
-           scan_layers: bool | None = None) -> list[Plan]:
+           scan_layers: bool | None = None, attention: str | None = None) -> list[Plan]:
   """Compiles configurations over meshes, remat policies, chunk sizes and batch sizes; returns them ranked.
 
   Configurations whose weights and optimizer state alone exceed the limit are skipped without compiling.
@@ -365,7 +375,7 @@ def search(teacher: Any = None, student: Any = None, *, topology: str | None = N
   chunk size 1024, the given batch. At most ``max_compiles`` programs are compiled.
   """
   pl = make_planner(teacher, student, topology=topology, devices=devices, seq=seq, config=config,
-                    overrides=overrides, dtype=dtype, hbm_gib=hbm_gib, scan_layers=scan_layers)
+                    overrides=overrides, dtype=dtype, hbm_gib=hbm_gib, scan_layers=scan_layers, attention=attention)
   batch = pl.cfg.train.batch_size if batch is None else batch
   plans = []
   for k in pl.candidates(batch, meshes, remats, chunk_sizes, batches):

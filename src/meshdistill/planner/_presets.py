@@ -53,12 +53,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def resolve_model(spec: Any, *, who: str, dtype: str | None = None,
-                  remat: str | None = None, scan_layers: bool | None = None) -> tuple[ModelConfig, str]:
+                  remat: str | None = None, scan_layers: bool | None = None,
+                  attention: str | None = None) -> tuple[ModelConfig, str]:
   """``(ModelConfig, label)`` of a teacher / student argument.
 
   ``spec``: a `ModelConfig`, a preset name (`PRESETS`), or the path of a Hugging Face ``config.json``
-  (or of the directory holding one). ``dtype`` / ``remat`` / ``scan_layers`` replace the compute dtype / remat
-  policy / scanned blocks.
+  (or of the directory holding one). ``dtype`` / ``remat`` / ``scan_layers`` / ``attention`` replace the compute
+  dtype / remat policy / scanned blocks / attention kernel.
   """
   if isinstance(spec, ModelConfig):
     cfg, label = spec, "ModelConfig"
@@ -74,7 +75,8 @@ def resolve_model(spec: Any, *, who: str, dtype: str | None = None,
     raise ValueError(
         f"{who}={spec!r} is neither a preset nor an existing config.json path; presets: {sorted(PRESETS)}"
     )
-  changes = {k: v for k, v in (("dtype", dtype), ("remat", remat), ("scan_layers", scan_layers)) if v is not None}
+  changes = {k: v for k, v in (("dtype", dtype), ("remat", remat), ("scan_layers", scan_layers),
+                                ("attention", attention)) if v is not None}
   try:
     return (cfg.replace(**changes) if changes else cfg), label
   except ValueError as e:

@@ -55,6 +55,7 @@ class Plan:
   compile_seconds: float
   compiler_options: dict | None = None
   fsdp: bool = False  # weights and optimizer moments split over `data` too (`mesh.fsdp`)
+  attention: str = "auto"  # the models' `ModelConfig.attention` ("teacher X, student Y" when they differ)
   suggestions: list["Plan"] = dataclasses.field(default_factory=list)
   notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -98,7 +99,7 @@ class Plan:
                  f"({self.params['student'] / 1e9:.2f} B params), {self.strategy}")
     lines.append(f"target: {self.target} = {self.devices} x {self.device_kind}, mesh data={self.mesh[0]} x "
                  f"tensor={self.mesh[1]}{' (fsdp: weights split over data too)' if self.fsdp else ''}; batch {self.batch} x seq {self.seq} = {self.batch * self.seq:,} tokens/step; "
-                 f"dtype {self.dtype}, remat {self.remat}, "
+                 f"dtype {self.dtype}, remat {self.remat}, attention {self.attention}, "
                  + ("full logits" if self.chunk_size is None else f"chunk_size {self.chunk_size}"))
     lines.append("")
     lines.append(f"memory per {per}:")
@@ -120,6 +121,8 @@ class Plan:
     f = self.flops
     lines.append("FLOPs per step, per device:")
     lines.append(f"  compiled (XLA cost analysis)   {_e(f['compiled'])}")
+    if f.get("kernels"):
+      lines.append(f"  + Pallas kernels (analytic)    {_e(f['kernels'])}   (attention inside the splash kernel)")
     lines.append(f"  analytic 2*N_t + 6*N_s /token  {_e(f['analytic'])}   (compiled / analytic = "
                  + (f"{f['compiled'] / f['analytic']:.3f})" if f["compiled"] and f["analytic"] else "n/a)"))
     if f.get("analytic_per_token"):
@@ -158,6 +161,20 @@ class Plan:
       lines.append("no configuration that fits was found among those tried; see --search, a larger topology, "
                    "or a smaller batch")
     return "\n".join(lines)
+
+
+def model_notes(teacher, student) -> list[str]:
+  """Notes on what the compiler's numbers leave out for these models' settings (`ModelConfig`s)."""
+  notes = []
+  if teacher.scan_layers or student.scan_layers:
+    notes.append("scan_layers: XLA's cost analysis counts a loop body once, so the compiled FLOPs, bytes accessed "
+                 "and the roofline step time / MFU cover one block per scanned model (plan unrolled for those); "
+                 "memory is exact")
+  if "splash" in (teacher.attention, student.attention):
+    notes.append("attention=splash: XLA's cost analysis does not see inside the Mosaic kernel; the roofline adds its "
+                 "attention matmuls counted analytically (flops['kernels'], causal: half of T x T), the compiled "
+                 "FLOPs leave them out")
+  return notes
 
 
 def search_table(plans: list[Plan]) -> str:

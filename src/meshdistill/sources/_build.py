@@ -18,16 +18,16 @@ def load_teacher_hf(cfg, mesh):
 
 
 def _with_config(model, want):
-  """``model`` with its `ModelConfig` set to ``want`` (equal up to the compute-only ``remat`` and the weights'
-  layout ``scan_layers``, converted here; the padding and key/value replication the mesh asked for at load time
-  (`ModelConfig.for_tensor`) are kept)."""
+  """``model`` with its `ModelConfig` set to ``want`` (equal up to the compute-only ``remat`` / ``attention`` and
+  the weights' layout ``scan_layers``, converted here; the padding and key/value replication the mesh asked for at
+  load time (`ModelConfig.for_tensor`) are kept)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   from meshdistill.models.stacking import to_scanned, to_unrolled  # pylint: disable=g-import-not-at-top
 
   model = to_scanned(model) if want.scan_layers else to_unrolled(model)
   want = want.replace(vocab_multiple=model.cfg.vocab_multiple, replicate_kv=model.cfg.replicate_kv)
-  if model.cfg.replace(remat=want.remat) != want:
+  if model.cfg.replace(remat=want.remat, attention=want.attention) != want:
     raise ValueError(f"loaded model config {model.cfg} differs from the configured {want}")
   if model.cfg == want:
     return model
@@ -81,7 +81,8 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   """A student whose embeddings, LM head, final norm and blocks are copies of ``teacher``'s.
 
   Student block ``i`` is teacher block ``layers[i]``. ``student_cfg`` must be the teacher's
-  configuration with ``n_layers=len(layers)`` (``max_len``, ``dtype``, ``remat``, ``scan_layers`` may differ).
+  configuration with ``n_layers=len(layers)`` (``max_len``, ``dtype``, ``remat``, ``scan_layers``, ``attention`` may
+  differ).
   The copies are new buffers on ``mesh`` with the student's shardings (never aliases of the
   teacher's weights, which the train step must not update).
   """
@@ -97,7 +98,8 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   student_cfg = student_cfg.replace(scan_layers=False)  # built per layer, stacked at the end when asked for
   # the copies keep the teacher's layout for the mesh (vocabulary padding, key/value replication)
   student_cfg = student_cfg.replace(vocab_multiple=t.vocab_multiple, replicate_kv=t.replicate_kv)
-  if student_cfg.replace(n_layers=t.n_layers, max_len=t.max_len, dtype=t.dtype, remat=t.remat) != t:
+  if student_cfg.replace(n_layers=t.n_layers, max_len=t.max_len, dtype=t.dtype, remat=t.remat,
+                         attention=t.attention) != t:
     raise ValueError("student_from_teacher: student_cfg must be the teacher's config with n_layers=len(layers)")
   if len(layers) != student_cfg.n_layers or any(not 0 <= i < t.n_layers for i in layers):
     raise ValueError(f"layers={list(layers)} must be {student_cfg.n_layers} block indices in [0, {t.n_layers})")
