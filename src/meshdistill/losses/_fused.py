@@ -28,7 +28,11 @@ of the hidden-state gradient). Per token, everything follows from the maxima ``m
   from the logits and the per-token maxima and normalisers saved by the forward pass: no reduction over V.
 
 So a chunk of the 2x4 chunked step has 3 all-reduces (max; sums; correlation + hidden-state gradient)
-instead of 8, and the forward pass makes 4 exponentials per logit pair instead of 5.
+instead of 8. The forward pass makes 4 exponentials per logit pair instead of 5; the backward pass
+recomputes 3 from the logits rather than keeping ``[T, V]`` softmaxes as residuals. Stacked rather than
+separate reductions: separate ones leave the grouping to the combiner, which (measured) grouped the loss's
+sums with the correlation's and kept 4 all-reduces per chunk; XLA:CPU materialises a stack before reducing
+it (one-device cost of the chunked loss: 10.9 ms stacked, 10.1 ms separate, 12.3 ms term by term).
 
 What the unfused functions guarantee holds: float32 (float64 for float64 logits; bfloat16 is widened),
 masked tokens exactly 0 (values and gradients), only max and sum reductions over V (a vocabulary split over
