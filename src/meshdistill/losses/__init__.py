@@ -5,7 +5,7 @@ values ``[T]`` with masked tokens exactly 0; `jax.vmap` lifts them over a batch.
 
 Divergences (`DIVERGENCES`, `get_divergence`): ``forward_kl``, ``reverse_kl``, ``jsd``
 (generalised, ``beta``), ``skew_kl`` / ``skew_reverse_kl`` (``skew``), ``tvd``, ``mse``
-(centred logits). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`; `TopK` (a teacher given by its
+(centred logits). `forward_kl_terms`: the default recipe's loss and metrics fused (one pass over V). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`; `TopK` (a teacher given by its
 top-k, e.g. an offline cache) and `narrow_topk`.
 """
 
@@ -31,6 +31,7 @@ from meshdistill.losses._divergences import (
     skew_reverse_kl,
     tvd,
 )
+from meshdistill.losses._fused import forward_kl_terms
 from meshdistill.losses._logits import cross_entropy, log_softmax, pearson, top1_agreement
 from meshdistill.losses._topk import TopK, narrow_topk, teacher_topk, topk_bins, topk_divergence, topk_tail
 
@@ -45,6 +46,7 @@ __all__ = [
     "head_logits",
     "cross_entropy",
     "forward_kl",
+    "forward_kl_terms",
     "get_distribution_divergence",
     "get_divergence",
     "jsd",

@@ -131,8 +131,13 @@ class LogitRecipe(Strategy):
     return resolve_divergence(type(self).__name__, self.divergence)(student_TxV, teacher_TxV, mask_T, tau, **hyper)
 
   def token_terms(self, params, student_TxV, teacher_TxV, targets_T, mask_T) -> dict[str, jax.Array]:
-    """Per-token loss and metrics (``[T]``, 0 where masked); ``params = scalars(step)``."""
+    """Per-token loss and metrics (``[T]``, 0 where masked); ``params = scalars(step)``.
+
+    The full forward KL (the default) takes the fused form `meshdistill.losses.forward_kl_terms` (the same
+    values in one pass over V; its metrics carry no gradient); other divergences are formed term by term."""
     tau, alpha = params["temperature"], params["alpha"]
+    if self.term_name == "kl":  # the default recipe: one pass over V, few collectives (`losses.forward_kl_terms`)
+      return losses.forward_kl_terms(student_TxV, teacher_TxV, targets_T, mask_T, tau, alpha)
     hyper = {k: v for k, v in params.items() if k not in ("temperature", "alpha")}
     out = {"kl": losses.forward_kl(student_TxV, teacher_TxV, mask_T, tau)}
     out.update(logit_token_metrics(student_TxV, teacher_TxV, targets_T, mask_T))
