@@ -219,8 +219,11 @@ def test_2x4_chunked_step_matches_single_device_naive_logit_kd(chunked_2x4):
   d, state, ours = chunked_2x4
   assert ref[0].keys() == ours[0].keys()
   for r, o in zip(ref, ours):
-    for k in ("loss", "kl", "ce", "teacher_ce", "corr", "agree"):
+    for k in ("loss", "kl", "ce", "teacher_ce", "agree"):
       assert rel_err(o[k], r[k]) < 1e-5, (k, o[k], r[k])
+    # A correlation lives on [-1, 1]: its float32 rounding is absolute (~1e-7), and here its mean is ~-0.004,
+    # so a relative bound would test rounding. 1e-6 absolute is still 1e-5 of the scale of a correlation.
+    assert abs(o["corr"] - r["corr"]) < 1e-6, (o["corr"], r["corr"])
   assert ours[1]["loss"] != ours[0]["loss"]  # the first update changed the student
   for a, b in zip(jax.tree.leaves(d.student(state)), jax.tree.leaves(ref_d.student(ref_state))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
