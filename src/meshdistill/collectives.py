@@ -86,6 +86,18 @@ def mesh_axis_groups(mesh, axes: tuple[str, ...]) -> set[frozenset[int]]:
   return {frozenset(int(v) for v in row) for row in per_group}
 
 
+def all_reduce_instructions(hlo: str) -> list[tuple[set[frozenset[int]], str]]:
+  """Each all-reduce instruction of ``hlo`` as (its device groups, its ``op_name`` metadata: the JAX
+  operation it came from, ``""`` if none). An instruction inside a loop body counts once."""
+  out = []
+  for line in hlo.splitlines():
+    if _ALL_REDUCE.search(line):
+      groups = _GROUPS.search(line)
+      op = re.search(r'op_name="([^"]*)"', line)
+      out.append((set(replica_groups(groups.group(1))) if groups else set(), op.group(1) if op else ""))
+  return out
+
+
 def all_reduce_census(hlo: str, mesh=None) -> dict[str, int]:
   """How many all-reduce instructions ``hlo`` (a compiled program's ``as_text()``) holds, by what they reduce over.
 
@@ -93,17 +105,15 @@ def all_reduce_census(hlo: str, mesh=None) -> dict[str, int]:
   ``"tensor"``, ``"data+tensor"``) and ``"other"`` (a part of an axis: e.g. devices holding
   different key/value heads). An instruction inside a loop body counts once.
   """
-  lines = [line for line in hlo.splitlines() if _ALL_REDUCE.search(line)]
-  census = {"total": len(lines)}
+  instructions = all_reduce_instructions(hlo)
+  census = {"total": len(instructions)}
   if mesh is None:
     return census
   names = tuple(mesh.axis_names)
   kinds = {name: mesh_axis_groups(mesh, (name,)) for name in names}
   kinds["+".join(names)] = mesh_axis_groups(mesh, names)
   census.update({k: 0 for k in kinds}, other=0)
-  for line in lines:
-    m = _GROUPS.search(line)
-    groups = set(replica_groups(m.group(1))) if m else set()
+  for groups, _ in instructions:
     match = [k for k, want in kinds.items() if groups == want]
     census[match[0] if match else "other"] += 1
   return census
