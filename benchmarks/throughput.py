@@ -436,7 +436,8 @@ def profile_section() -> list[str]:
       "Each op at its fastest of the traced steps (other jobs on the shared cores slow single runs) times its runs",
       "per step, summed over the runtime's threads (ops run concurrently, so the sum is not the step's wall time).",
       "*before*: the code before this round's changes (commit 6dda497); *after: ...*: with the changes named, in",
-      "order (collectives and metrics-light step; then the decoder's token-flat matmuls).",
+      "order (collectives and metrics-light step; then the decoder's token-flat matmuls; then the one-pass loss and",
+      "metrics of `forward_kl_terms`).",
       "",
       "| run | step | load (1 min) | op ms / step | " + " | ".join(kinds) + " |",
       "|---|---|---:|---:|" + "---:|" * len(kinds),
@@ -533,6 +534,7 @@ def write(args, res, med, seconds: float) -> None:
       for pre in (ONE, "") for k in ours
   }
   tunix_split = (med[TUNIX_NP] / med[TUNIX], paired(t, TUNIX_NP, (TUNIX,)))
+  hand_tunix = (med[TUNIX] / med[HAND], paired(t, TUNIX, (HAND,)))
   hand = {pre + k: (med[pre + k] / med[pre + HAND], paired(t, pre + k, (pre + HAND,))) for pre in (ONE, "") for k in ours}
   lines += [
       "",
@@ -645,6 +647,11 @@ def write(args, res, med, seconds: float) -> None:
       f"logits handed between tunix's two programs are {B * T * args.vocab * 4 / 2**20:.0f} MiB here, cheap to pass.",
       f"Measured: ChunkedLogitKD / tunix (split input) = {sp[OURS][0]:.2f}x by medians, {sp[OURS][1]:.2f}x paired; "
       f"LogitKD / tunix = {sp[REF][0]:.2f}x / {sp[REF][1]:.2f}x.",
+      f"The hand-written one-program step (the same math in plain JAX, one jit) is {hand_tunix[0]:.2f}x tunix by medians "
+      f"({hand_tunix[1]:.2f}x paired): that much of the gain is running the teacher forward and the student update as "
+      f"one program; ours / the hand-written step on the mesh is {hand[OURS][0]:.2f}x (ChunkedLogitKD) and "
+      f"{hand[REF][0]:.2f}x (LogitKD) by medians, what the framework's step adds or saves beyond that (the chunked "
+      "loss, the one-pass loss and metrics, the bundled sums).",
       "An earlier version of this file compared against tunix's numpy-input row only.",
       "",
       "Where our step's time goes beyond the bare programs (2x4 mesh, paired): the same step with a",
@@ -652,24 +659,27 @@ def write(args, res, med, seconds: float) -> None:
       "structure (shard_map manual over `data` with compiler-managed `tensor`, the explicit gradient",
       "psum, the metrics). On one device that structure is absent, see the one-device ratio above.",
       "",
-      "Roofline: the matmul rate is what this machine reaches on one large matmul in the same rounds;",
-      "the step's fraction of it is bounded by its non-matmul work (softmaxes, norms, the optimizer,",
-      "copies) and, on the mesh, by the all-reduces between 8 simulated devices that share 2 cores.",
+      "Roofline: the matmul rate is what this machine reaches on one large float32 matmul on the same device set",
+      "in the same rounds; the step's fraction of it is bounded by its non-matmul work (softmaxes, norms, the",
+      "optimizer, copies), by matmuls too thin to reach the rate (the student's), and, on the mesh, by the",
+      "all-reduces between 8 simulated devices that share 2 cores. The hand-written step and the bare programs",
+      "(the targets' line above) show what these models allow before any framework code runs.",
       "",
-      "What the all-reduces are. Sums over `data` are 2 per step in every version: the token count",
-      "(needed before the loss) and one tuple all-reduce of every gradient and metric sum. JAX emits one",
-      "all-reduce per gradient leaf; XLA's all-reduce combiner fuses them (the census counts compiled",
-      "instructions), and `psum_bundled` stacks the scalars into one. The rest are over `tensor`, inserted",
-      "by the compiler for the Megatron-style split: each row-parallel matmul's output (attention output",
-      "and MLP down projection, per layer: 8 in the teacher forward, 4 in the student forward, the same",
-      "again for the input gradients of the column-parallel matmuls in the student backward), the",
-      "embedding lookup, the vocabulary-wide max / sum partials of the loss and metrics, and (the ones",
-      "over part of `tensor`) the gradients of key/value heads that fewer heads than `tensor` devices",
-      "share. What was avoidable is gone: the optimizer reduced the gradients three times (an `and` of",
-      "`isfinite` per leaf, the clipping norm inside the skip's `cond`, the `grad_norm` metric), now once",
-      "(6 -> 2 all-reduces, one per group of devices); the metrics-light step drops the metrics' 3. The",
-      "activation reductions are what tensor parallelism costs; fewer would need another split (e.g. the",
-      "teacher data-parallel over all devices), so the count is not halved.",
+      "What the all-reduces are (the by-source table above). Sums over `data` are 2 per step: the token count",
+      "(needed before the loss) and one tuple all-reduce of every gradient and metric sum (JAX emits one",
+      "all-reduce per gradient leaf; XLA's all-reduce combiner fuses them, and `psum_bundled` stacks the",
+      "scalars into one). The optimizer reduces the gradients once (it did three times: an `and` of `isfinite`",
+      "per leaf, the clipping norm inside the skip's `cond`, the `grad_norm` metric). The loss and its metrics",
+      "reduce over the `tensor`-split vocabulary with one stacked max and one stacked sum per chunk for the",
+      "default recipe (`meshdistill.losses.forward_kl_terms`: the loss's sums and the metrics' sums leave as one",
+      "all-reduce, correlation's centred sums ride with the hidden-state gradient's, and the backward pass needs",
+      "no reduction over V): 3 all-reduces in the chunk loop, 8 before. The rest are the models' own: under the",
+      "Megatron-style split each row-parallel matmul's output (attention output and MLP down projection: 2 per",
+      "layer in each forward), the input gradients of the column-parallel matmuls in the student backward, the",
+      "embedding lookups, and (over part of `tensor`) the gradients of key/value heads that fewer heads than",
+      "`tensor` devices share. Those alone exceed half the count before this round, so halving needs another",
+      "split (e.g. the teacher data-parallel over all devices, or sequence parallelism, which trades each",
+      "all-reduce for a reduce-scatter and an all-gather), not fewer sums.",
       "",
   ]
   lines += profile_section()
