@@ -45,6 +45,11 @@ def test_replica_groups_read_both_hlo_forms():
   assert replica_groups("{{0,4},{1,5},{2,6},{3,7}}") == [frozenset(g) for g in ({0, 4}, {1, 5}, {2, 6}, {3, 7})]
   assert replica_groups("[2,4]<=[8]") == [frozenset(range(4)), frozenset(range(4, 8))]
   assert replica_groups("[4,2]<=[2,2,2]T(0,2,1)") == [frozenset(g) for g in ({0, 2}, {1, 3}, {4, 6}, {5, 7})]
+  # the mesh form of a program partitioned outside a shard_map (the jit-level optimizer of the 2x4 step)
+  mesh_form = "mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"
+  assert replica_groups(mesh_form) == [frozenset(range(4)), frozenset(range(4, 8))]
+  both = "mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_1'}"
+  assert replica_groups(both) == [frozenset(g) for g in ({0, 2}, {1, 3}, {4, 6}, {5, 7})]
   mesh = md.make_mesh(2, 4)
   assert mesh_axis_groups(mesh, ("data",)) == set(replica_groups("{{0,4},{1,5},{2,6},{3,7}}"))
   assert mesh_axis_groups(mesh, ("tensor",)) == set(replica_groups("[2,4]<=[8]"))

@@ -58,20 +58,36 @@ def psum_bundled(tree: Any, axis: str | None) -> Any:
 
 # -------------------------------------------------------------------------------------------- census
 _ALL_REDUCE = re.compile(r"\ball-reduce(?:-start)?\(")
-_GROUPS = re.compile(r"replica_groups=(\{[\d,{} ]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_GROUPS = re.compile(
+    r"replica_groups=(\{[\d,{} ]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+    r"|mesh\[[^\]]*\], device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\) \{[^}]*\})"
+)
+_MESH_FORM = re.compile(r"mesh\[([^\]]*)\], device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\) \{([^}]*)\}")
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+  ids = np.arange(int(np.prod([int(v) for v in dims.split(",")]))).reshape([int(v) for v in dims.split(",")])
+  return ids.transpose([int(v) for v in perm.split(",")]) if perm else ids
 
 
 def replica_groups(text: str) -> list[frozenset[int]]:
-  """The device groups of an HLO ``replica_groups=`` value: ``{{0,4},{1,5}}`` or the iota form
-  ``[4,2]<=[2,2,2]T(0,2,1)`` (iota over the reshape dims, transposed, cut into groups)."""
+  """The device groups of an HLO ``replica_groups=`` value: ``{{0,4},{1,5}}``; the iota form
+  ``[4,2]<=[2,2,2]T(0,2,1)`` (iota over the reshape dims, transposed, cut into groups); or the mesh form
+  of programs partitioned outside a shard_map, ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}``
+  (the devices laid out on the named mesh axes, grouped along the axes in braces)."""
+  m = _MESH_FORM.fullmatch(text)
+  if m:
+    axes = [(name.strip("'"), int(size)) for name, size in (a.split("=") for a in m.group(1).split(","))]
+    ids = _iota(m.group(2), m.group(3)).reshape([size for _, size in axes])
+    reduced = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m.group(4)]
+    kept = [i for i in range(len(axes)) if i not in reduced]
+    moved = ids.transpose(kept + reduced)
+    return [frozenset(int(v) for v in row) for row in moved.reshape(-1, int(np.prod([axes[i][1] for i in reduced])))]
   if text.startswith("{"):
     return [frozenset(int(v) for v in g.split(",") if v) for g in re.findall(r"\{([\d, ]*)\}", text[1:-1])]
   m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
   shape = [int(v) for v in m.group(1).split(",")]
-  dims = [int(v) for v in m.group(2).split(",")]
-  ids = np.arange(int(np.prod(dims))).reshape(dims)
-  if m.group(3):
-    ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+  ids = _iota(m.group(2), m.group(3))
   return [frozenset(int(v) for v in row) for row in ids.reshape(shape)]
 
 
