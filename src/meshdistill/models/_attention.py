@@ -7,6 +7,7 @@ among them.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import NamedTuple
 
@@ -17,6 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill.mesh import DATA, TENSOR
 from meshdistill.models._config import RopeScaling
+
+log = logging.getLogger(__name__)
+_warned_interpret = False
 
 
 class KVCache(NamedTuple):
@@ -121,6 +125,13 @@ def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
   kernel runs as it is.
   """
   interpret = target_platform() != "tpu"
+  global _warned_interpret
+  if interpret and not _warned_interpret:
+    _warned_interpret = True
+    log.warning(
+        "attention='splash' on %s runs the Pallas kernel in interpret mode: slow, meant for numerics checks; "
+        "use attention='auto' (or 'xla') off TPU", target_platform()
+    )
   mesh = jax.sharding.get_abstract_mesh()
   manual = set(getattr(mesh, "manual_axes", ()))
   free = {a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1}
