@@ -13,7 +13,8 @@ rate are computed inside the transformation from its own update count with jnp o
 Which parameter belongs to which block comes from its path in the params tree
 ``{"student": nnx.State, "strategy": ...}``, e.g. ``student/blocks/3/attn/q/kernel``:
 
-* ``student/blocks/<i>/...``    -- block ``i``;
+* ``student/blocks/<i>/...``    -- block ``i``; with stacked blocks (``scan_layers``), ``student/blocks/<name>``
+  ``[L, ...]``: slice ``[i]`` is block ``i``, with the same semantics (`meshdistill.freezing_stacked`);
 * ``student/embed/...``         -- the embeddings: frozen when the stage's
   ``freeze_embeddings`` says so; by default (``None``) they follow block 0 (the layer
   below it). With tied embeddings the LM head IS the embedding table and follows this rule;
@@ -179,8 +180,7 @@ def _key_name(k) -> Any:
 
 
 def param_group(path, n_layers: int, block_key: str = "blocks") -> int:
-  """Group id of the parameter at ``path``: its block index, `STACKED` (all blocks, ``[L, ...]``), or
-  n_layers + (0 embed, 1 head, 2 rest)."""
+  """Group id at ``path``: its block index, `STACKED` (every block, stacked) or n_layers + (0 embed, 1 head, 2 rest)."""
   keys = [_key_name(k) for k in path]
   if keys and keys[0] == "strategy":
     return n_layers + _ALWAYS
@@ -208,8 +208,7 @@ def _groups(tree, n_layers: int, block_key: str):
 
 
 def trainable_mask(params, stage: Stage | Sequence[Stage], n_layers: int, index: int = 0, block_key: str = "blocks"):
-  """Host-side tree of bools: which leaves of ``params`` train in ``stages[index]`` (a stacked block leaf:
-  a tuple of ``n_layers`` bools, one per block)."""
+  """Host-side tree of bools: which leaves of ``params`` train in ``stages[index]`` (stacked blocks: one per block)."""
   stages = [stage] if isinstance(stage, Stage) else list(stage)
   row = trainable_table(stages, n_layers)[index]
   return jax.tree.map(lambda g: stacked_mask(row, n_layers) if g == STACKED else bool(row[g]),

@@ -5,10 +5,14 @@ A scanned decoder holds block ``i``'s weights as slice ``[i]`` of each ``blocks/
 layer axis is axis 0 and never split over a mesh axis: `meshdistill.models._scan`), so a block
 group is a slice, not a set of leaves. The semantics are those of per-layer blocks, slice by slice:
 
-* the inner optimizer runs ONCE for all stacked leaves, ``jax.vmap``-ed over the layer axis: each
-  slice sees its own gradient, moments and params, and its block's own step count (the ``[G]``
-  stacked non-parameter state keeps one entry per block group, entries ``0..L-1`` as with per-layer
-  blocks, so the state has the same counts either way);
+* the inner optimizer is traced ONCE for all stacked leaves and run over the layer axis with
+  ``jax.lax.map``: each slice sees its own gradient, moments and params, and its block's own step
+  count (the ``[G]`` stacked non-parameter state keeps one entry per block group, entries ``0..L-1``
+  as with per-layer blocks, so the state has the same counts either way). ``lax.map`` rather than
+  ``vmap``: each iteration is the per-layer computation itself, so the updates equal those of
+  per-layer blocks bit for bit (the batched form of Adam's bias correction differed in the last bit,
+  which a thawed block's first steps amplify); the program still holds one copy of the optimizer;
+* the clip norm is summed in the per-layer order (`clip_layer_major`), for the same reason;
 * a frozen block's gradient slice is zeroed before clipping, its update slice is exactly ``-0.0``
   (no weight decay), and its moment slices and step count are held bit for bit.
 
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +126,6 @@ def stacked_update(inner: optax.GradientTransformation, grads, full, params, gid
   return out, full
 
 
-def stacked_mask(row: Any, n_layers: int):
+def stacked_mask(row, n_layers: int) -> tuple[bool, ...]:
   """Host-side per-block flags of a stacked leaf (``[L]`` booleans, block ``i`` at ``[i]``)."""
   return tuple(bool(b) for b in row[:n_layers])
