@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
+from flax import nnx
+from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
 
 import meshdistill as md
 from meshdistill.freezing import (
@@ -220,3 +221,87 @@ def test_block_index_beyond_n_layers_in_params_raises():
   tx = progressive_freeze([Stage(start_step=0, lr=1e-3)], 1)
   with pytest.raises(ValueError, match="n_layers=1"):
     tx.init(_toy_params(n_layers=2))
+
+
+# ------------------------------------------------------------------ stacked blocks (scan_layers=true)
+SCAN_LAYERS = 2
+# block 0 frozen from the start, thawed for one step, frozen again (with moments of its own to hold)
+SCAN_STAGES = [Stage(start_step=0, freeze=(0,), lr=1e-2), Stage(start_step=2, lr=5e-3),
+               Stage(start_step=3, freeze=(0,), lr=5e-3)]
+SCAN_STEPS = 5
+
+
+def _stacked_block0(tree):
+  """Slice 0 (block 0) of every stacked block leaf of a student params-shaped tree, as host bits."""
+  return [_bits(x[0]) for x in jax.tree.leaves(jax.device_get(tree["student"]["blocks"]))]
+
+
+def _scan_run(scan: bool, mesh, fsdp: bool = False):
+  from meshdistill.models.stacking import to_scanned, to_unrolled
+
+  student = md.init_model(STUDENT_CFG.replace(n_layers=SCAN_LAYERS), seed=1, mesh=mesh)
+  student = to_scanned(student) if scan else student
+  teacher = md.init_model(TEACHER_CFG, seed=0, mesh=mesh)
+  # eps 1e-3: a thawed block takes AdamW's first step, ~g / (|g| + eps) per element, so the last-bit gradient
+  # differences of the two layouts on a mesh (~1e-8 here) would change an element whose gradient is ~1e-7 by a
+  # few percent with eps 1e-8 (measured: 1.3e-5 on one weight); eps 1e-3 bounds that amplification by 1 / eps.
+  tx = progressive_freeze(SCAN_STAGES, SCAN_LAYERS, optax.adamw(1.0, eps=1e-3, weight_decay=0.1))
+  d = md.Distiller(student, teacher, optimizer=tx, mesh=mesh, fsdp=fsdp)
+  state = d.init_state()
+  losses, block0 = [], []
+
+  def snapshot():
+    adam = state.opt_state.inner[0]
+    block0.append((_stacked_block0(state.params), _stacked_block0(adam.mu), _stacked_block0(adam.nu),
+                   int(jax.device_get(adam.count)[0])))
+
+  for i in range(SCAN_STEPS):
+    if scan:
+      snapshot()
+    state, metrics = d.step(state, make_batch(seed=i))
+    losses.append(float(metrics["loss"]))
+  if scan:
+    snapshot()
+  return {"losses": losses, "student": jax.device_get(nnx.state(to_unrolled(d.student(state)), nnx.Param)),
+          "block0": block0, "state": state, "mesh": mesh}
+
+
+_UNROLLED_RUNS = {}
+
+
+@pytest.fixture(scope="module", params=["1dev", "2x4", "2x4-fsdp"])
+def scan_runs(request):
+  """The same freezing run with unrolled and stacked student blocks (one device, the 2x4 mesh, fsdp on it);
+  the stacked run with fsdp is compared with the replicated unrolled one."""
+  shape = None if request.param == "1dev" else (2, 4)
+  mesh = None if shape is None else md.make_mesh(*shape)
+  if shape not in _UNROLLED_RUNS:
+    _UNROLLED_RUNS[shape] = _scan_run(False, mesh)
+  return _UNROLLED_RUNS[shape], _scan_run(True, mesh, request.param.endswith("fsdp"))
+
+
+def test_stacked_blocks_freeze_like_per_layer_blocks(scan_runs):
+  unrolled, scanned = scan_runs
+  np.testing.assert_allclose(scanned["losses"], unrolled["losses"], rtol=1e-5)
+  assert_trees_close(scanned["student"], unrolled["student"], rtol=1e-5, atol=1e-6)
+  adam, params = scanned["state"].opt_state.inner[0], scanned["state"].params
+  for m, p in zip(jax.tree.leaves((adam.mu, adam.nu)), 2 * jax.tree.leaves(params)):  # stacked moments shard like
+    assert m.shape == p.shape and m.sharding.is_equivalent_to(p.sharding, p.ndim)   # their params (fsdp included)
+  if scanned["mesh"] is None:  # one device: the same gradients, clipped and stepped in the same order, bit for bit
+    assert all(np.array_equal(_bits(a), _bits(b))
+               for a, b in zip(jax.tree.leaves(scanned["student"]), jax.tree.leaves(unrolled["student"])))
+  assert scanned["state"].opt_state.inner[0].count.shape == (SCAN_LAYERS + 2,)  # per block, embedding, final norm
+  np.testing.assert_array_equal(scanned["state"].opt_state.inner[0].count, unrolled["state"].opt_state.inner[0].count)
+
+
+def test_frozen_slice_of_stacked_blocks_bitwise_unchanged_then_thaws(scan_runs):
+  block0 = scan_runs[1]["block0"]  # before each step and after the last: block 0's (params, mu, nu) slices, its count
+  same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(a, b))  # noqa: E731
+  for step in range(SCAN_STEPS):
+    before, after = block0[step], block0[step + 1]
+    k = sum(step >= s.start_step for s in SCAN_STAGES) - 1
+    if 0 in SCAN_STAGES[k].frozen_blocks(SCAN_LAYERS):  # weight decay, nonzero gradients: any update changes bits
+      assert all(same(a, b) for a, b in zip(before[:3], after[:3])) and before[3] == after[3], f"step {step}"
+    else:
+      assert not any(np.array_equal(x, y) for x, y in zip(before[0], after[0])) and after[3] == before[3] + 1
+  assert block0[-1][3] == 1 and not all(np.all(x == 0) for x in block0[-1][1])  # held moments of its own

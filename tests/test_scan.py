@@ -1,6 +1,6 @@
 """Scanned blocks (`ModelConfig.scan_layers`): the same numbers as unrolled blocks for the same weights, with
 captures, remat and on a mesh; conversions, Hugging Face import/export, generation, student init and checkpoints
-across the two layouts; clear errors where stacked weights cannot serve (LoRA, freezing by block)."""
+across the two layouts; clear errors where stacked weights cannot serve (LoRA)."""
 
 import jax
 import jax.numpy as jnp
@@ -159,20 +159,24 @@ def test_saved_unrolled_teacher_loads_scanned(tmp_path):
   assert loaded.cfg.scan_layers and _state_equal(to_unrolled(loaded), teacher)
 
 
-def test_lora_and_block_freezing_refuse_stacked_blocks_naming_the_setting():
+def test_lora_refuses_stacked_blocks_and_freezing_checks_their_layer_axis():
   scanned = md.init_model(STUDENT.replace(scan_layers=True), seed=1)
   with pytest.raises(ValueError, match="student.scan_layers=false"):
     apply_lora(scanned, LoraConfig(rank=2))
-  tx = progressive_freeze([Stage(start_step=0, freeze=0.5, lr=1e-3)], STUDENT.n_layers)
-  with pytest.raises(ValueError, match="scan_layers"):
-    tx.init({"student": nnx.state(scanned, nnx.Param)})
+  params = {"student": nnx.state(scanned, nnx.Param)}
+  tx = progressive_freeze([Stage(start_step=0, freeze=0.5, lr=1e-3)], STUDENT.n_layers + 1)
+  with pytest.raises(ValueError, match=f"n_layers={STUDENT.n_layers + 1}"):  # stacked [2, ...] read as 3 blocks
+    tx.init(params)
+  mixed = {**params, "other": {"blocks": {0: {"w": jnp.zeros(2)}}}}
+  with pytest.raises(ValueError, match="scan_layers=true or false"):
+    progressive_freeze([Stage(start_step=0, lr=1e-3)], STUDENT.n_layers).init(mixed)
 
 
-def test_config_refuses_freezing_and_lora_with_a_scanned_student():
+def test_config_takes_freezing_but_refuses_lora_with_a_scanned_student():
   from meshdistill.config import ConfigError, load_config
 
   assert load_config(None, ["student.scan_layers=true", "teacher.scan_layers=true"]).student.scan_layers
-  with pytest.raises(ConfigError, match="student.scan_layers=false"):
-    load_config(None, ["student.scan_layers=true", "train.freeze=[{start_step: 0, freeze: 0.5, lr: 0.003}]"])
+  cfg = load_config(None, ["student.scan_layers=true", "train.freeze=[{start_step: 0, freeze: 0.5, lr: 0.003}]"])
+  assert cfg.train.stages()[0].freeze == 0.5
   with pytest.raises(ConfigError, match="student.scan_layers=false"):
     load_config(None, ["student.scan_layers=true", "student.lora.rank=4"])

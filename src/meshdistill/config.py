@@ -142,10 +142,6 @@ class Config:
           check_stages(stages, model.n_layers)
         except ValueError as e:
           raise ConfigError(f"{section}.freeze: {e}".replace("Stage(", "stage(")) from None
-        if model.scan_layers:  # freezing groups parameters by block index; stacked blocks have none
-          who = "student" if section == "train" else "teacher"
-          raise ConfigError(f"{section}.freeze needs per-layer blocks: set {who}.scan_layers=false (or remove "
-                            f"{section}.freeze)")
     if self.student.scan_layers and self.models.student_lora.enabled:
       raise ConfigError("student.lora needs per-layer blocks (qwix adapts blocks/<i>/... by path): set "
                         "student.scan_layers=false for a LoRA student (the teacher may stay scanned)")

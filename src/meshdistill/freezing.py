@@ -13,7 +13,8 @@ rate are computed inside the transformation from its own update count with jnp o
 Which parameter belongs to which block comes from its path in the params tree
 ``{"student": nnx.State, "strategy": ...}``, e.g. ``student/blocks/3/attn/q/kernel``:
 
-* ``student/blocks/<i>/...``    -- block ``i``;
+* ``student/blocks/<i>/...``    -- block ``i``; with stacked blocks (``scan_layers``), ``student/blocks/<name>``
+  ``[L, ...]``: slice ``[i]`` is block ``i``, with the same semantics (`meshdistill.freezing_stacked`);
 * ``student/embed/...``         -- the embeddings: frozen when the stage's
   ``freeze_embeddings`` says so; by default (``None``) they follow block 0 (the layer
   below it). With tied embeddings the LM head IS the embedding table and follows this rule;
@@ -59,6 +60,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from meshdistill.freezing_stacked import (
+    STACKED, check_stacked, clip_layer_major, gate_gradient, is_stacked_block, stacked_mask, stacked_update)
 
 log = logging.getLogger(__name__)
 
@@ -176,20 +180,16 @@ def _key_name(k) -> Any:
 
 
 def param_group(path, n_layers: int, block_key: str = "blocks") -> int:
-  """Group id of the parameter at ``path``: its block index, or n_layers + (0 embed, 1 head, 2 rest)."""
+  """Group id at ``path``: its block index, `STACKED` (every block, stacked) or n_layers + (0 embed, 1 head, 2 rest)."""
   keys = [_key_name(k) for k in path]
   if keys and keys[0] == "strategy":
     return n_layers + _ALWAYS
   if keys and keys[0] == "student":
     keys = keys[1:]
   if block_key in keys[:-1]:
+    if is_stacked_block(keys, block_key):  # blocks/attn/...: every block in one stacked [L, ...] weight
+      return STACKED
     i = keys[keys.index(block_key) + 1]
-    if isinstance(i, str) and not i.isdigit():  # blocks/attn/...: every block in one stacked [L, ...] weight
-      raise ValueError(
-          f"progressive freezing groups parameters by block, but {'/'.join(map(str, keys))} holds all blocks "
-          "stacked (scan_layers=true); set student.scan_layers=false to freeze by block, or train without "
-          "train.freeze stages"
-      )
     if not isinstance(i, (int, np.integer)) or not 0 <= int(i) < n_layers:
       raise ValueError(
           f"parameter {'/'.join(map(str, keys))} has block index {i!r} but n_layers={n_layers}; "
@@ -208,10 +208,11 @@ def _groups(tree, n_layers: int, block_key: str):
 
 
 def trainable_mask(params, stage: Stage | Sequence[Stage], n_layers: int, index: int = 0, block_key: str = "blocks"):
-  """Host-side tree of bools: which leaves of ``params`` train in ``stages[index]``."""
+  """Host-side tree of bools: which leaves of ``params`` train in ``stages[index]`` (stacked blocks: one per block)."""
   stages = [stage] if isinstance(stage, Stage) else list(stage)
   row = trainable_table(stages, n_layers)[index]
-  return jax.tree.map(lambda g: bool(row[g]), _groups(params, n_layers, block_key))
+  return jax.tree.map(lambda g: stacked_mask(row, n_layers) if g == STACKED else bool(row[g]),
+                      _groups(params, n_layers, block_key))
 
 
 class ProgressiveFreezeState(NamedTuple):
@@ -271,8 +272,10 @@ def progressive_freeze(
   starts_np = np.asarray([s.start_step for s in stages], np.int32)
   lrs_np = np.asarray([s.lr for s in stages], np.float32)
 
-  def present_groups(gids) -> list[int]:
-    return sorted(set(jax.tree.leaves(gids)))
+  def present_groups(tree, gids) -> list[int]:
+    """Group ids with state entries: the leaves' groups, every block for stacked blocks (`freezing_stacked`)."""
+    blocks = range(n_layers) if check_stacked(tree, gids, n_layers, block_key) else ()
+    return sorted((set(jax.tree.leaves(gids)) - {STACKED}) | set(blocks))
 
   def group_state(full, gids, g: int, k: int):
     """Group ``g``'s inner state: its leaves of each param-shaped tree, entry ``k`` of the rest."""
@@ -299,7 +302,7 @@ def progressive_freeze(
 
   def init(params):
     gids = _groups(params, n_layers, block_key)
-    groups = present_groups(gids)
+    groups = present_groups(params, gids)
     if groups and not any(g < n_layers for g in groups):
       log.warning("progressive_freeze: no parameter path contains %r/<index>; nothing will be frozen", block_key)
     full = inner.init(params)
@@ -320,19 +323,25 @@ def progressive_freeze(
 
   def update(updates, state, params=None):
     gids = _groups(updates, n_layers, block_key)
-    groups = present_groups(gids)
+    groups = present_groups(updates, gids)
     stage_at = lambda n: jnp.sum(n >= jnp.asarray(starts_np)).astype(jnp.int32) - 1  # noqa: E731
     stage = stage_at(state.count)
     row = jnp.asarray(table_np)[stage]  # [n_layers + 3] trainable flags of this stage
     lr = jnp.asarray(lrs_np)[stage]
-    grads = jax.tree.map(lambda g, gi: jnp.where(row[gi], g, jnp.zeros_like(g)), updates, gids)
-    if clip is not None:
+    grads = jax.tree.map(
+        lambda g, gi: gate_gradient(g, row[:n_layers]) if gi == STACKED else jnp.where(row[gi], g, jnp.zeros_like(g)),
+        updates, gids)
+    if clip is not None and STACKED in jax.tree.leaves(gids):
+      grads = clip_layer_major(grads, gids, clip, n_layers)
+    elif clip is not None:
       grads, _ = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())
 
     flat_gids, treedef = jax.tree.flatten(gids)
     out = [None] * len(flat_gids)
     full = state.inner
     for k, g in enumerate(groups):
+      if g not in flat_gids:  # a block of stacked leaves: updated below, all blocks at once
+        continue
       sub_params = None if params is None else _select(params, gids, g)
       upd_g, new_g = inner.update(_select(grads, gids, g), group_state(state.inner, gids, g, k), sub_params)
       on = row[g]
@@ -340,6 +349,10 @@ def progressive_freeze(
       positions = [i for i, gi in enumerate(flat_gids) if gi == g]
       for i, u in zip(positions, jax.tree.leaves(upd_g)):
         out[i] = jnp.where(on, (lr * u).astype(u.dtype), jnp.asarray(-0.0, u.dtype))
+    if STACKED in flat_gids:
+      upd_s, full = stacked_update(inner, grads, full, params, gids, row[:n_layers], lr, n_layers)
+      for i, (u, gi) in enumerate(zip(jax.tree.leaves(upd_s, is_leaf=_is_masked), flat_gids)):
+        out[i] = u if gi == STACKED else out[i]
     new_state = ProgressiveFreezeState(state.count + 1, stage, lr, stage_at(state.count + 1), full)
     return jax.tree.unflatten(treedef, out), new_state
 
