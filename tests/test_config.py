@@ -177,6 +177,17 @@ def test_freezing_schedule_is_checked_against_the_student():
     load_config(None, ["train.freeze=[{start_step: 0, freeze: [7], lr: 0.1}]"])
 
 
+def test_teacher_cache_key_counts_a_pretrain_freezing_schedule():
+  from meshdistill.jobs._teacher import teacher_key  # pylint: disable=g-import-not-at-top
+
+  class Tokenizer:
+    fingerprint = "bytes"
+
+  plain = teacher_key(load_config(None), Tokenizer())
+  frozen = teacher_key(load_config(None, ["pretrain.freeze=[{start_step: 0, freeze: [0], lr: 0.003}]"]), Tokenizer())
+  assert plain == teacher_key(load_config(None), Tokenizer()) and frozen != plain
+
+
 def test_cli_rejects_a_bad_profile_window_before_any_work(capsys):
   assert cli.main(["distill", "--profile", "5"]) == 2
   assert "START:STOP" in capsys.readouterr().err

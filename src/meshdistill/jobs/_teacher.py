@@ -43,6 +43,8 @@ def teacher_key(cfg: Config, tokenizer: Any) -> str:
     k: getattr(p, k)
     for k in ("steps", "batch_size", "lr", "warmup", "final_lr_fraction", "weight_decay", "clip", "seed")
   }
+  if p.freeze:  # a freezing schedule changes the teacher; absent, the key stays what it was before the setting counted
+    recipe["freeze"] = p.freeze
   d = cfg.data
   data = {
     k: getattr(d, k)
