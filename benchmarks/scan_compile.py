@@ -119,9 +119,17 @@ def report() -> str:
   lines += [
       "",
       "Memory: XLA's CPU compiler keeps fewer temporaries for the scanned step (the CPU rows), but the TPU compiler "
-      "keeps more for the scanned 70B step (temp +8.8 GiB per chip; it still fits v5p's 95 GiB). Where the TPU "
-      "program spends them (the stacked gradient carry of the student's scan is the first suspect) is not yet "
-      "traced; plan both ways (`meshdistill plan --scan-layers / --no-scan-layers`) where memory is tight. "
+      "keeps more for the scanned 70B step (temp +8.8 GiB per chip; it still fits v5p's 95 GiB). In a smaller plan "
+      "where it reproduces (`meshdistill plan --teacher qwen3-1.7b --student qwen3-0.6b --topology v5e:2x2 --mesh 1x4 "
+      "--batch 8 --seq 2048 --remat full --chunk-size 1024 --scan-layers / --no-scan-layers`: temp 5.14 against 4.69 "
+      "GiB), the TPU program's buffer assignment (`XLA_FLAGS=--xla_dump_to=DIR`) shows where: the TPU compiler "
+      "converts the teacher's stacked float32 MLP weights to bfloat16 whole, before the layer loop (three "
+      "`convert(param)` of `[28, 2048, 1536]`, 3 x 168 MiB), where the unrolled program casts each layer's weights "
+      "as it uses them; an optimization barrier on the sliced block did not stop it (5.45 GiB). The 70B row is "
+      "likely the same (not traced: each of its compiles takes ~20 minutes here). Weights stored in the compute "
+      "dtype leave no cast to hoist: `load_hf(..., param_dtype='bfloat16')` does that for a Hugging Face teacher; "
+      "the config and the planner do not set it yet. Plan both ways (`meshdistill plan --scan-layers / "
+      "--no-scan-layers`) where memory is tight. "
       "(The 70B rows were compiled before a scanned block without remat got its `save_all_but_casts` policy; their "
       "student uses remat `full` and the teacher is never differentiated, so that change does not touch them.)",
   ]
