@@ -39,7 +39,7 @@ def pad_state(state: nnx.State, target: nnx.State) -> nnx.State:
   """``state`` zero-padded at the end of each axis to the shapes of ``target`` (vocabulary padding rows) and cast to
   its dtypes (``param_dtype``)."""
   dtypes = {k: _value(t).dtype for k, t in nnx.to_flat_state(target)}
-  cast = lambda x, dtype: x if dtype in (None, x.dtype) else x.astype(dtype)  # noqa: E731 (abstract arrays: as they are)
+  cast = lambda x, dtype: x if dtype in (None, x.dtype) else x.astype(dtype)  # noqa: E731 (abstract: as is)
   state = nnx.from_flat_state([(k, v.replace(cast(_value(v), dtypes.get(k)))) for k, v in nnx.to_flat_state(state)])
   return _reshape_state(
       state, target, lambda x, shape: jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)]) if x.shape != shape else x
