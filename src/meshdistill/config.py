@@ -122,6 +122,12 @@ class Config:
         m.check_tensor_split(self.mesh.tensor)
       except ValueError as e:
         raise ConfigError(f"{who}: {e} (mesh.tensor={self.mesh.tensor})") from None
+    if self.student.param_dtype != "float32":
+      raise ConfigError(
+        f"student.param_dtype={self.student.param_dtype!r}: the student trains with float32 weights (optimizer "
+        "updates on bfloat16 / float16 weights are not supported); set student.param_dtype=float32 and use "
+        "student.dtype=bfloat16 for bfloat16 compute (teacher.param_dtype may be bfloat16: the teacher is frozen)"
+      )
     if self.teacher.vocab_size != self.student.vocab_size and not self.models.student_hf:  # hf: padding checked
       raise ConfigError(
         f"teacher.vocab_size={self.teacher.vocab_size} != student.vocab_size={self.student.vocab_size}; "

@@ -82,6 +82,9 @@ class Distiller:
   ):
     if teacher is None and strategy is None:
       raise ValueError("Distiller without a teacher needs a strategy that uses none, e.g. strategy=HardLabelCE()")
+    if getattr(getattr(student, "cfg", None), "param_dtype", "float32") != "float32":
+      raise ValueError(f"student.param_dtype={student.cfg.param_dtype!r}: the student trains with float32 weights; "
+                       "build it with param_dtype='float32' (dtype='bfloat16' computes in bfloat16)")
     # A `TopKTeacher` (an offline cache, a teacher on other devices) has no weights here: every batch
     # brings the teacher's top-k (`TOPK_KEYS`) and the step runs no teacher.
     self.topk_teacher = teacher if isinstance(teacher, TopKTeacher) else None

@@ -37,8 +37,8 @@ log = logging.getLogger("meshdistill.checkpoint")
 TEACHER_FORMAT = "meshdistill.teacher/1"
 
 # `ModelConfig` fields that change no parameter (how it computes; how a mesh pads / partitions it)
-# (``scan_layers``, stacked vs per-layer blocks, is converted on load)
-COMPUTE_FIELDS = ("remat", "dtype", "attention", "vocab_multiple", "replicate_kv", "scan_layers")
+# (``scan_layers``, stacked vs per-layer blocks, is converted on load; the weights are cast to ``param_dtype`` on load)
+COMPUTE_FIELDS = ("remat", "dtype", "attention", "vocab_multiple", "replicate_kv", "scan_layers", "param_dtype")
 
 
 def _model_fields(cfg: ModelConfig) -> dict:

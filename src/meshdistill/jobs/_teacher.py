@@ -50,8 +50,10 @@ def teacher_key(cfg: Config, tokenizer: Any) -> str:
     k: getattr(d, k)
     for k in ("source", "text_key", "val_fraction", "max_chars", "max_docs", "seq_len", "seed", "num_epochs")
   }
+  # the teacher is pretrained and cached in float32 whatever teacher.param_dtype (the stored dtype, cast on load)
+  model = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k != "param_dtype"}
   blob = json.dumps(
-    {"model": dataclasses.asdict(cfg.teacher), "tokenizer": tokenizer.fingerprint, "data": data, "recipe": recipe},
+    {"model": model, "tokenizer": tokenizer.fingerprint, "data": data, "recipe": recipe},
     sort_keys=True,
     default=str,
   )
@@ -102,7 +104,8 @@ def pretrain(
   check_teacher_target(out, overwrite=overwrite)  # before any training
   run_dir = run_dir or os.path.join(cfg.run.run_dir, f"teacher-{teacher_key(cfg, data.tokenizer)}")
   p = cfg.pretrain
-  model = init_model(cfg.teacher, seed=p.seed, mesh=mesh)
+  # trained (and saved) with float32 weights; `load_teacher` stores them in teacher.param_dtype
+  model = init_model(cfg.teacher.replace(param_dtype="float32"), seed=p.seed, mesh=mesh)
   optimizer = make_optimizer(p, cfg.teacher.n_layers)
   trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend, fsdp=cfg.mesh.fsdp)
   with _run_lock(run_dir, "pretraining"):  # one run per run directory
@@ -184,7 +187,9 @@ def _open_teacher_cache(cfg: Config, data, say):
   cache = tc.TeacherCache(cfg.models.teacher_cache)
   layout = ("remat", "scan_layers")  # how the teacher computes, not what
   teacher_cfg = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k not in layout}
-  saved_cfg = {k: v for k, v in cache.manifest["teacher"]["config"].items() if k not in layout}
+  # a cache written before param_dtype was a setting: float32 weights
+  saved_cfg = {"param_dtype": "float32", **{k: v for k, v in cache.manifest["teacher"]["config"].items()
+                                             if k not in layout}}
   if saved_cfg != teacher_cfg:
     diff = sorted(k for k in set(saved_cfg) | set(teacher_cfg) if saved_cfg.get(k) != teacher_cfg.get(k))
     raise ConfigError(

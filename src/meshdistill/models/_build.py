@@ -36,7 +36,11 @@ def _reshape_state(state: nnx.State, target: nnx.State, fn) -> nnx.State:
 
 
 def pad_state(state: nnx.State, target: nnx.State) -> nnx.State:
-  """``state`` zero-padded at the end of each axis to the shapes of ``target`` (vocabulary padding rows)."""
+  """``state`` zero-padded at the end of each axis to the shapes of ``target`` (vocabulary padding rows) and cast to
+  its dtypes (``param_dtype``)."""
+  dtypes = {k: _value(t).dtype for k, t in nnx.to_flat_state(target)}
+  cast = lambda x, dtype: x if dtype in (None, x.dtype) else x.astype(dtype)  # noqa: E731 (abstract: as is)
+  state = nnx.from_flat_state([(k, v.replace(cast(_value(v), dtypes.get(k)))) for k, v in nnx.to_flat_state(state)])
   return _reshape_state(
       state, target, lambda x, shape: jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)]) if x.shape != shape else x
   )
@@ -55,14 +59,16 @@ def init_model(cfg: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -> Dec
   no device ever holds a full copy of a split weight. Values equal the unsharded
   initialisation for the same seed (JAX's partitionable threefry); a vocabulary that
   ``tensor`` does not divide gets zero padding rows (`ModelConfig.for_tensor`), the real
-  rows still equal the unsharded initialisation.
+  rows still equal the unsharded initialisation. Weights stored in another ``param_dtype`` than
+  float32 are the float32 initialisation rounded to it (the same seed, the same model).
   """
-  if mesh is None:
+  if mesh is None and cfg.param_dtype == "float32":
     return _create(cfg, seed)
-  fitted = cfg.for_tensor(mesh.shape[TENSOR])
+  fitted = cfg if mesh is None else cfg.for_tensor(mesh.shape[TENSOR])
   graphdef, target, shardings = abstract_params(fitted, mesh)
-  real = cfg.replace(vocab_multiple=1, replicate_kv=False)
-  state = jax.jit(lambda: pad_state(nnx.state(_create(real, seed)), target), out_shardings=shardings)()
+  real = cfg.replace(vocab_multiple=1, replicate_kv=False, param_dtype="float32")
+  placement = {} if mesh is None else {"out_shardings": shardings}
+  state = jax.jit(lambda: pad_state(nnx.state(_create(real, seed)), target), **placement)()
   return nnx.merge(graphdef, state)
 
 

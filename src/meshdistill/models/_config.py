@@ -89,7 +89,8 @@ class ModelConfig:
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
-  dtype: str = "float32"  # compute dtype of activations; params stay float32
+  dtype: str = "float32"  # compute dtype of activations (weights are cast to it where they are used)
+  param_dtype: str = "float32"  # dtype the weights are stored in: bfloat16 / float16 halve a frozen teacher's memory
   remat: str = "none"  # per-block rematerialisation policy, a key of REMAT_POLICIES
   qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3)
   qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
@@ -122,6 +123,9 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (rotary embedding)")
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"ModelConfig.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
+    if self.param_dtype not in ("float32", "bfloat16", "float16"):
+      raise ValueError(f"ModelConfig.param_dtype={self.param_dtype!r}; choose float32, bfloat16 or float16 (the "
+                       "dtype the weights are stored in; bfloat16 halves a frozen teacher's memory)")
     if self.attention not in ATTENTION:
       raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {tuple(ATTENTION)}")
     if not isinstance(self.scan_layers, bool):
@@ -136,6 +140,11 @@ class ModelConfig:
   @property
   def compute_dtype(self):
     return jnp.dtype(self.dtype)
+
+  @property
+  def weight_dtype(self):
+    """The dtype the weights are stored in (``param_dtype``)."""
+    return jnp.dtype(self.param_dtype)
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)

@@ -88,6 +88,11 @@ def _per_token(layer, x_BxTxD: jax.Array) -> jax.Array:
   return layer(x_BxTxD.reshape(-1, x_BxTxD.shape[-1])).reshape(*x_BxTxD.shape[:-1], -1)
 
 
+def _dtypes(cfg: ModelConfig) -> dict:
+  """The nnx layers' dtypes: compute in ``cfg.dtype``, weights stored in ``cfg.param_dtype`` (cast where used)."""
+  return {"dtype": cfg.compute_dtype, "param_dtype": cfg.weight_dtype}
+
+
 def _part(init, *names):
   return nnx.with_partitioning(init, names)
 
@@ -99,7 +104,7 @@ class Attention(nnx.Module):
     D, H, KV, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd
     lin = lambda i, o, names, bias=False: nnx.Linear(  # noqa: E731
         i, o, use_bias=bias, kernel_init=_part(init, *names), bias_init=_part(nnx.initializers.zeros, names[1]),
-        dtype=cfg.compute_dtype, rngs=rngs
+        **_dtypes(cfg), rngs=rngs
     )
     self.q = lin(D, H * K, (None, TENSOR), cfg.qkv_bias)
     kv_split = (None, None) if cfg.replicate_kv else (None, TENSOR)
@@ -107,8 +112,8 @@ class Attention(nnx.Module):
     self.v = lin(D, KV * K, kv_split, cfg.qkv_bias)
     self.o = lin(H * K, D, (TENSOR, None))
     if cfg.qk_norm:  # per-head RMSNorm over head_dim, scales [K] replicated
-      self.q_norm = nnx.RMSNorm(K, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
-      self.k_norm = nnx.RMSNorm(K, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
+      self.q_norm = nnx.RMSNorm(K, epsilon=cfg.norm_eps, **_dtypes(cfg), rngs=rngs)
+      self.k_norm = nnx.RMSNorm(K, epsilon=cfg.norm_eps, **_dtypes(cfg), rngs=rngs)
 
   def __call__(self, x_BxTxD: jax.Array, want_probs: bool, cache: KVCache | None = None):
     """``(output, attention probabilities or None)``; with a ``cache`` (decoding), ``(output, updated cache)``:
@@ -152,7 +157,7 @@ class MLP(nnx.Module):
     init = nnx.initializers.lecun_normal()
     D, F = cfg.d_model, cfg.mlp_hidden
     lin = lambda i, o, names: nnx.Linear(  # noqa: E731
-        i, o, use_bias=False, kernel_init=_part(init, *names), dtype=cfg.compute_dtype, rngs=rngs
+        i, o, use_bias=False, kernel_init=_part(init, *names), **_dtypes(cfg), rngs=rngs
     )
     self.gate = lin(D, F, (None, TENSOR))
     self.up = lin(D, F, (None, TENSOR))
@@ -165,7 +170,7 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)  # noqa: E731
+    norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, **_dtypes(cfg), rngs=rngs)  # noqa: E731
     self.attn_norm = norm()
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = norm()
@@ -188,14 +193,14 @@ class Decoder(nnx.Module):
         cfg.d_model,
         # std 1/sqrt(D): with a tied head the initial logits then have unit scale
         embedding_init=_part(nnx.initializers.normal(stddev=cfg.d_model**-0.5), TENSOR, None),
-        dtype=cfg.compute_dtype,
+        **_dtypes(cfg),
         rngs=rngs,
     )
     if cfg.scan_layers:  # one Block whose weights are stacked [L, ...] (see `meshdistill.models._scan`)
       self.blocks = stacked_blocks(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
     else:
       self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-    self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
+    self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, **_dtypes(cfg), rngs=rngs)
     if cfg.tie_embeddings:
       self.head = nnx.data(None)
     else:
@@ -204,7 +209,7 @@ class Decoder(nnx.Module):
           cfg.padded_vocab,
           use_bias=False,
           kernel_init=_part(nnx.initializers.lecun_normal(), None, TENSOR),
-          dtype=cfg.compute_dtype,
+          **_dtypes(cfg),
           rngs=rngs,
       )
 

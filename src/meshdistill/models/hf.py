@@ -142,8 +142,8 @@ def load_hf(
       replicated over ``data``, each device reading only its slice from disk. ``None``:
       one device.
     dtype: compute dtype of activations (`ModelConfig.dtype`).
-    param_dtype: dtype the weights are stored in on device (``"float32"``, the decoder's
-      convention, or ``"bfloat16"`` / ``"float16"`` for a teacher too large for float32).
+    param_dtype: dtype the weights are stored in on device (`ModelConfig.param_dtype` of the returned model):
+      ``"float32"``, or ``"bfloat16"`` / ``"float16"`` for a frozen teacher (half the memory).
     max_len: longest sequence the model accepts (default ``max_position_embeddings``).
     scan_layers: stack the blocks for ``nnx.scan`` (`ModelConfig.scan_layers`); the layers are read one by
       one as usual and then stacked, so the device briefly holds the block weights twice.
@@ -157,6 +157,7 @@ def load_hf(
   if param_dtype not in _DTYPES:
     raise ValueError(f"param_dtype={param_dtype!r}; choose one of {_DTYPES}")
   cfg = config_from_hf(read_hf_config(path), max_len=max_len, dtype=dtype, where=str(path / "config.json"))
+  cfg = cfg.replace(param_dtype=param_dtype)  # the model's config says how its weights are stored
   real_shapes = None
   if mesh is not None:  # a vocabulary `tensor` does not divide gets zero padding rows, not read from disk
     fitted = cfg.for_tensor(mesh.shape[TENSOR])

@@ -267,8 +267,9 @@ def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq
   """A `Planner` for a pair and target (see `plan` for the arguments)."""
   cfg = _config(config, overrides)
   default_dtype = "bfloat16" if dtype is None else dtype
+  named = teacher is not None and not isinstance(teacher, ModelConfig)
   t_cfg, t_label = resolve_model(cfg.teacher if teacher is None else teacher, who="teacher", scan_layers=scan_layers,
-                                 attention=attention,
+                                 attention=attention, param_dtype=cfg.teacher.param_dtype if named else None,
                                  dtype=dtype if teacher is None or isinstance(teacher, ModelConfig) else default_dtype)
   s_cfg, s_label = resolve_model(cfg.student if student is None else student, who="student", remat=remat,
                                  scan_layers=scan_layers, attention=attention,
@@ -332,8 +333,8 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
 
   Args:
     teacher, student: a preset name (`PRESETS`), a Hugging Face ``config.json`` path (or its directory) or a
-      `ModelConfig`; default: the config's models. Presets and config files compute in ``bfloat16`` unless
-      ``dtype`` says otherwise (parameters and optimizer state stay float32, as in training).
+      `ModelConfig`; default: the config's models. Presets and config files compute in ``bfloat16`` unless ``dtype``
+      says otherwise; weights are stored as the config's ``teacher.param_dtype`` / ``student.param_dtype`` say.
     topology: a TPU topology (``v5e:4x4``, ``v5p:4x4x4``, ...; needs ``pip install 'meshdistill[tpu]'``),
       or ``devices="cpu:N"``: N CPU devices of this process.
     mesh: ``(data, tensor)``, ``"DATAxTENSOR"`` or ``"auto"`` (the least ``tensor`` whose weights and optimizer

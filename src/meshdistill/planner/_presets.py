@@ -54,12 +54,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def resolve_model(spec: Any, *, who: str, dtype: str | None = None,
                   remat: str | None = None, scan_layers: bool | None = None,
-                  attention: str | None = None) -> tuple[ModelConfig, str]:
+                  attention: str | None = None, param_dtype: str | None = None) -> tuple[ModelConfig, str]:
   """``(ModelConfig, label)`` of a teacher / student argument.
 
   ``spec``: a `ModelConfig`, a preset name (`PRESETS`), or the path of a Hugging Face ``config.json``
-  (or of the directory holding one). ``dtype`` / ``remat`` / ``scan_layers`` / ``attention`` replace the compute
-  dtype / remat policy / scanned blocks / attention kernel.
+  (or of the directory holding one). ``dtype`` / ``remat`` / ``scan_layers`` / ``attention`` / ``param_dtype`` replace
+  the compute dtype / remat policy / scanned blocks / attention kernel / stored weights' dtype.
   """
   if isinstance(spec, ModelConfig):
     cfg, label = spec, "ModelConfig"
@@ -76,7 +76,7 @@ def resolve_model(spec: Any, *, who: str, dtype: str | None = None,
         f"{who}={spec!r} is neither a preset nor an existing config.json path; presets: {sorted(PRESETS)}"
     )
   changes = {k: v for k, v in (("dtype", dtype), ("remat", remat), ("scan_layers", scan_layers),
-                                ("attention", attention)) if v is not None}
+                                ("attention", attention), ("param_dtype", param_dtype)) if v is not None}
   try:
     return (cfg.replace(**changes) if changes else cfg), label
   except ValueError as e:

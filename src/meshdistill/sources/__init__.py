@@ -12,8 +12,8 @@ In a config these are keys of the ``teacher`` and ``student`` sections::
                                            # for inference (`meshdistill.models.quantize`)
 
 With ``hf`` or ``init.from_teacher`` a section's shape is derived -- from ``config.json``, or the
-teacher's shape with ``len(layers)`` blocks -- and only `FREE_KEYS` (``max_len``, ``dtype``, ``remat``,
-``scan_layers``, ``attention``) may be set beside it (a shape key typed again is an error, unless it
+teacher's shape with ``len(layers)`` blocks -- and only `FREE_KEYS` (``max_len``, ``dtype``, ``param_dtype``,
+``remat``, ``scan_layers``, ``attention``) may be set beside it (a shape key typed again is an error, unless it
 equals the derived value). With ``teacher.hf`` the data pipeline tokenizes with the teacher's
 ``tokenizer.json``; a ``student.hf`` whose tokenizer differs in anything but its ``padding`` /
 ``truncation`` settings is an error, as is a student of another family. Everything here is checked

@@ -12,8 +12,8 @@ def load_teacher_hf(cfg, mesh):
   """The teacher of ``teacher.hf`` on ``mesh`` (each device reading only its slices)."""
   from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
 
-  model = load_hf(cfg.models.teacher_hf, mesh, dtype=cfg.teacher.dtype, max_len=cfg.teacher.max_len,
-                  scan_layers=cfg.teacher.scan_layers)
+  model = load_hf(cfg.models.teacher_hf, mesh, dtype=cfg.teacher.dtype, param_dtype=cfg.teacher.param_dtype,
+                  max_len=cfg.teacher.max_len, scan_layers=cfg.teacher.scan_layers)
   return _with_config(model, cfg.teacher)
 
 
@@ -46,8 +46,8 @@ def build_student(cfg, teacher, mesh):
   if src.student_hf:
     from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
 
-    model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, max_len=cfg.student.max_len,
-                    scan_layers=cfg.student.scan_layers)
+    model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, param_dtype=cfg.student.param_dtype,
+                    max_len=cfg.student.max_len, scan_layers=cfg.student.scan_layers)
     model = _with_config(model, cfg.student)
   elif src.student_init.from_teacher:
     model = student_from_teacher(teacher, src.student_init.layers, cfg.student, mesh)
@@ -81,8 +81,8 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   """A student whose embeddings, LM head, final norm and blocks are copies of ``teacher``'s.
 
   Student block ``i`` is teacher block ``layers[i]``. ``student_cfg`` must be the teacher's
-  configuration with ``n_layers=len(layers)`` (``max_len``, ``dtype``, ``remat``, ``scan_layers``, ``attention`` may
-  differ).
+  configuration with ``n_layers=len(layers)`` (``max_len``, ``dtype``, ``param_dtype``, ``remat``, ``scan_layers``,
+  ``attention`` may differ; the copies are cast to the student's ``param_dtype``).
   The copies are new buffers on ``mesh`` with the student's shardings (never aliases of the
   teacher's weights, which the train step must not update).
   """
@@ -99,7 +99,7 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   # the copies keep the teacher's layout for the mesh (vocabulary padding, key/value replication)
   student_cfg = student_cfg.replace(vocab_multiple=t.vocab_multiple, replicate_kv=t.replicate_kv)
   if student_cfg.replace(n_layers=t.n_layers, max_len=t.max_len, dtype=t.dtype, remat=t.remat,
-                         attention=t.attention) != t:
+                         attention=t.attention, param_dtype=t.param_dtype) != t:
     raise ValueError("student_from_teacher: student_cfg must be the teacher's config with n_layers=len(layers)")
   if len(layers) != student_cfg.n_layers or any(not 0 <= i < t.n_layers for i in layers):
     raise ValueError(f"layers={list(layers)} must be {student_cfg.n_layers} block indices in [0, {t.n_layers})")
@@ -113,7 +113,7 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
       value = teacher_flat[(key[0], *key[2:])].get_value()[layers[key[1]]]
     else:
       value = teacher_flat[(key[0], layers[key[1]], *key[2:])].get_value()
-    leaves.append((key, var.replace(value)))
+    leaves.append((key, var.replace(value.astype(var.get_value().dtype))))
   state = nnx.from_flat_state(leaves)
   if mesh is None:
     state = jax.jit(lambda s: jax.tree.map(jnp.copy, s))(state)

@@ -45,7 +45,8 @@ def _hf_model_config(path: str, setting: str, section):
     cfg = config_from_hf(hf, max_len=section.max_len, dtype=section.dtype, where=f"{setting}={path!r}: config.json")
   except (KeyError, TypeError, ValueError) as e:
     raise ConfigError(f"{setting}={path!r}: {e if not isinstance(e, KeyError) else f'config.json lacks {e}'}") from None
-  return cfg.replace(remat=section.remat, scan_layers=section.scan_layers, attention=section.attention)
+  return cfg.replace(remat=section.remat, scan_layers=section.scan_layers, attention=section.attention,
+                     param_dtype=section.param_dtype)
 
 
 def _family(cfg) -> str:
@@ -113,7 +114,7 @@ def resolve(cfg) -> dict:
       )
     s = cfg.student
     out["student"] = teacher.replace(n_layers=len(layers), max_len=s.max_len, dtype=s.dtype, remat=s.remat,
-                                     scan_layers=s.scan_layers, attention=s.attention)
+                                     scan_layers=s.scan_layers, attention=s.attention, param_dtype=s.param_dtype)
   return out
 
 

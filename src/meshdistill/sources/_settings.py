@@ -11,7 +11,7 @@ from typing import Any
 from meshdistill._typed_yaml import ConfigError
 from meshdistill.models.lora import LoraConfig
 
-FREE_KEYS = ("max_len", "dtype", "remat", "scan_layers", "attention")  # settable beside a derived shape
+FREE_KEYS = ("max_len", "dtype", "param_dtype", "remat", "scan_layers", "attention")  # settable beside a derived shape
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
