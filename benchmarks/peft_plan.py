@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from _results import pending_rows, replace_section
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 JSONL = os.path.join(RESULTS, "peft_plan.jsonl")
@@ -143,14 +145,7 @@ def report() -> str:
 
 def write_report() -> str:
   section = report()
-  text = open(PEFT_MD, encoding="utf-8").read() if os.path.isfile(PEFT_MD) else ""
-  head, _, rest = text.partition(SECTION)
-  own, _, tail = rest.partition("\n## ")  # our section, and any section after it
-  marker = "\n<!-- notes -->\n"  # notes written by hand below our table are kept
-  kept_notes = own[own.index(marker):] if marker in own else ""
-  text = head.rstrip("\n") + "\n\n" + section + kept_notes.rstrip("\n") + ("\n\n## " + tail if tail else "")
-  with open(PEFT_MD, "w", encoding="utf-8") as f:
-    f.write(text.rstrip("\n") + "\n")
+  replace_section(PEFT_MD, SECTION, section)
   return section
 
 
@@ -180,12 +175,7 @@ def main() -> int:
         f.write(json.dumps(static_row(i, args.mesh, args.batch, args.seq, args.chunk_size)) + "\n")
     args.report = True
   if not args.report:
-    done = set()
-    if os.path.isfile(JSONL):
-      with open(JSONL, encoding="utf-8") as f:
-        done = {json.loads(line)["row"] for line in f}
-    todo = [int(x) for x in args.rows.split(",")] if args.rows else [i for i in range(len(ROWS)) if i not in done]
-    for i in todo:
+    for i in pending_rows(JSONL, args.rows, len(ROWS)):
       cmd = [sys.executable, __file__, "--one", str(i), "--mesh", args.mesh, "--batch", str(args.batch), "--seq",
              str(args.seq), "--chunk-size", str(args.chunk_size)]
       print(f"row {i}: {ROWS[i][0]}", flush=True)

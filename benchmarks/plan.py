@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from _results import pending_rows
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 JSONL = os.path.join(RESULTS, "plan.jsonl")
@@ -176,12 +178,7 @@ def main() -> int:
           f"per chip, fits={r['fits']}, compile {r['compile_seconds']:.0f} s", flush=True)
     return 0
   if not args.report:
-    done = set()
-    if os.path.isfile(JSONL):
-      with open(JSONL, encoding="utf-8") as f:
-        done = {json.loads(line)["row"] for line in f}
-    todo = [int(x) for x in args.rows.split(",")] if args.rows else [i for i in range(len(ROWS)) if i not in done]
-    for i in todo:
+    for i in pending_rows(JSONL, args.rows, len(ROWS)):
       cmd = [sys.executable, __file__, "--one", str(i), "--batch", str(args.batch), "--seq", str(args.seq),
              "--chunk-size", str(args.chunk_size)]
       print(f"row {i}: {ROWS[i]}", flush=True)

@@ -33,6 +33,8 @@ from meshdistill import jobs  # noqa: E402
 from meshdistill.config import load_config  # noqa: E402
 from meshdistill.models.quantize import QUANTIZE, quantize_model  # noqa: E402
 
+from _results import replace_section  # noqa: E402
+
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "peft.md")
 SECTION = "\n## Quantized teacher"
 
@@ -101,14 +103,7 @@ def main() -> None:
   lines.append("")
   section = "\n".join(lines)
   print(section)
-  text = open(RESULT, encoding="utf-8").read() if os.path.exists(RESULT) else ""
-  head, _, rest = text.partition(SECTION)
-  own, _, tail = rest.partition("\n## ")  # our section, and any section after it
-  notes = "\n<!-- notes -->\n"  # notes written by hand below our table are kept
-  kept = own[own.index(notes):] if notes in own else ""
-  out = head.rstrip("\n") + "\n\n" + section + kept.rstrip("\n") + ("\n\n## " + tail if tail else "")
-  with open(RESULT, "w", encoding="utf-8") as f:
-    f.write(out.rstrip("\n") + "\n")
+  replace_section(RESULT, SECTION, section)
 
 
 if __name__ == "__main__":
