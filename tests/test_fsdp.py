@@ -159,15 +159,20 @@ def test_checkpoint_restores_across_fsdp_on_off_and_meshes(saved, source, shape,
   assert (kernel.sharding.spec[0] == "data") == fsdp
 
 
+def two_steps(d):
+  """(state, loss) after two steps of ``d`` from its initial state."""
+  state = d.init_state()
+  for batch in BATCHES[:2]:
+    state, metrics = d.step(state, batch)
+  return state, float(metrics["loss"])
+
+
 def test_scanned_layers_under_fsdp_equal_one_device():
   def scanned_run(shape, fsdp):
     mesh = None if shape is None else md.make_mesh(*shape)
-    d = md.Distiller(md.init_model(STUDENT.replace(scan_layers=True), seed=1, mesh=mesh),
-                     md.init_model(TEACHER_CFG.replace(scan_layers=True), seed=0, mesh=mesh), mesh=mesh, fsdp=fsdp)
-    state = d.init_state()
-    for batch in BATCHES[:2]:
-      state, metrics = d.step(state, batch)
-    return state, float(metrics["loss"])
+    return two_steps(md.Distiller(md.init_model(STUDENT.replace(scan_layers=True), seed=1, mesh=mesh),
+                                  md.init_model(TEACHER_CFG.replace(scan_layers=True), seed=0, mesh=mesh),
+                                  mesh=mesh, fsdp=fsdp))
   (want, want_loss), (got, got_loss) = scanned_run(None, False), scanned_run((4, 2), True)
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   assert_trees_close(got.params, want.params, rtol=1e-5, atol=1e-6)
@@ -182,11 +187,7 @@ def test_lora_student_under_fsdp_equals_one_device(quantize):
     # remat none: a LoRA student under nnx.remat fails on one device already (qwix mutates its variables there)
     base = md.init_model(STUDENT.replace(remat="none"), seed=1, mesh=mesh)
     student = apply_lora(base, LoraConfig(rank=4, quantize=quantize), mesh=mesh)
-    d = md.Distiller(student, md.init_model(TEACHER_CFG, seed=0, mesh=mesh), mesh=mesh, fsdp=fsdp)
-    state = d.init_state()
-    for batch in BATCHES[:2]:
-      state, metrics = d.step(state, batch)
-    return state, float(metrics["loss"])
+    return two_steps(md.Distiller(student, md.init_model(TEACHER_CFG, seed=0, mesh=mesh), mesh=mesh, fsdp=fsdp))
   (want, want_loss), (got, got_loss) = lora_run(None, False), lora_run((2, 4), True)
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   assert_trees_close(got.params, want.params, rtol=1e-5, atol=1e-6)

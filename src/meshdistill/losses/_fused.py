@@ -50,6 +50,7 @@ import jax.numpy as jnp
 
 from meshdistill.losses._logits import as_float
 
+
 def _dtype(student_TxV, teacher_TxV):
   return jnp.promote_types(as_float(student_TxV).dtype, as_float(teacher_TxV).dtype)
 
@@ -111,10 +112,6 @@ def _terms(s, t, targets_T, keep_T, tau, alpha):
   return _forward(s, t, targets_T, keep_T, tau, alpha)[0]
 
 
-def _terms_fwd(s, t, targets_T, keep_T, tau, alpha):
-  return _forward(s, t, targets_T, keep_T, tau, alpha)
-
-
 def _terms_bwd(res, g):
   s, t, targets_T, keep_T, tau, alpha, m_s, m_t, inv_z_s_tau, inv_z_t_tau, inv_z_s_1 = res
   zero = jnp.zeros((), s.dtype)
@@ -134,7 +131,7 @@ def _terms_bwd(res, g):
   return d_s, zeros(t), d_targets, jnp.zeros(keep_T.shape, jax.dtypes.float0), zeros(tau), zeros(alpha)
 
 
-_terms.defvjp(_terms_fwd, _terms_bwd)
+_terms.defvjp(_forward, _terms_bwd)  # the forward pass returns its residuals too
 
 
 def forward_kl_terms(
