@@ -379,6 +379,43 @@ def test_metrics_rewind_drops_redone_rows_and_plot_tolerates_a_torn_line(tmp_pat
   assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
 
 
+
+def _tensorboard_scalars(logdir, tag: str) -> list[tuple[int, float]]:
+  """``(step, value)`` of ``tag`` as TensorBoard shows it: event files in name order, records in file order,
+  and a session-start marker at step s hides the earlier events of steps >= s (TensorBoard's purge rule)."""
+  import struct  # pylint: disable=g-import-not-at-top
+
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
+  shown: list[tuple[int, float]] = []
+  for name in sorted(os.listdir(logdir)):
+    data = (pathlib.Path(logdir) / name).read_bytes()
+    at = 0
+    while at < len(data):  # TFRecord: length u64, its crc u32, the record, its crc u32
+      (length,) = struct.unpack("<Q", data[at : at + 8])
+      event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+      at += 12 + length + 4
+      if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+        shown = [(s, v) for s, v in shown if s < event.step]
+      shown += [(event.step, v.simple_value) for v in event.summary.value if v.tag == tag]
+  return shown
+
+
+def test_metrics_rewind_hides_the_redone_steps_from_tensorboard_too(tmp_path):
+  monitor = Monitor(str(tmp_path), 4)
+  for s in (1, 2, 3, 4):
+    monitor.write(s, "train", {"loss": float(s)})
+  monitor.close()
+  resumed = Monitor(str(tmp_path), 4)  # a resumed run: restored at step 2, steps 3 and 4 are redone
+  assert resumed.rewind(2) == 2
+  resumed.write(3, "train", {"loss": 30.0})
+  resumed.close()
+  assert _tensorboard_scalars(tmp_path / "tb", "train/loss") == [(1, 1.0), (2, 2.0), (3, 30.0)]
+  first, again = sorted(os.listdir(tmp_path / "tb"))  # the first run's file is kept whole (append-only)
+  assert again.endswith(".from_step_3")
+  (tmp_path / "tb" / again).unlink()
+  assert _tensorboard_scalars(tmp_path / "tb", "train/loss") == [(s, float(s)) for s in (1, 2, 3, 4)], first
+
 # ------------------------------------------------------------------ own cases
 def test_disk_full_during_a_save_keeps_the_last_checkpoint_and_says_so(saved_run, kd, tmp_path, monkeypatch):
   run = copy_run(saved_run, tmp_path)

@@ -106,13 +106,18 @@ class ProgressBar:
       self._last_len = 0
 
 
-def _tensorboard_writer(logdir: str):
+def _tensorboard_writer(logdir: str, purge_step: int | None = None):
+  """A TensorBoard writer of ``logdir``; ``purge_step``: TensorBoard hides the earlier events of steps >= it.
+
+  Event file names carry the second they were opened in; ours carry the process id (and the purge step) too, so
+  a writer never reuses, and truncates, a file that another one opened in the same second."""
   try:
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
   except ImportError:
     log.warning("tensorboardX is not installed: no TensorBoard events (pip install tensorboardX)")
     return None
-  return SummaryWriter(logdir=logdir, flush_secs=10)
+  suffix = f".{os.getpid()}" + ("" if purge_step is None else f".from_step_{purge_step}")
+  return SummaryWriter(logdir=logdir, flush_secs=10, purge_step=purge_step, filename_suffix=suffix)
 
 
 class Monitor:
@@ -133,12 +138,14 @@ class Monitor:
     self.bar = ProgressBar(total_steps, stream, name)
     self.total = total_steps
     self._jsonl = None
-    self._tb = None
+    self._tb = None  # opened at the first write (after a resumed run's `rewind`)
+    self._tb_dir = None
+    self._tb_purge = None
     if run_dir is not None:
       os.makedirs(run_dir, exist_ok=True)
       self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
       if tensorboard:
-        self._tb = _tensorboard_writer(os.path.join(run_dir, "tb"))
+        self._tb_dir = os.path.join(run_dir, "tb")
     self._window: list[dict[str, Any]] = []
     self._window_tokens = 0.0
     self._t_window = None
@@ -204,6 +211,9 @@ class Monitor:
     if self._jsonl is not None:
       self._jsonl.write(json.dumps(row) + "\n")
       self._jsonl.flush()
+    if self._tb is None and self._tb_dir is not None:
+      self._tb = _tensorboard_writer(self._tb_dir, self._tb_purge)
+      self._tb_dir = None if self._tb is None else self._tb_dir  # no tensorboardX: warned once
     if self._tb is not None:
       for k, v in metrics.items():
         if math.isfinite(float(v)):
@@ -224,8 +234,15 @@ class Monitor:
 
     A resumed run calls it with the restored step: the rows a killed run wrote after its last
     checkpoint are redone, and would otherwise appear twice. The file is rewritten through a
-    temporary sibling and a rename.
+    temporary sibling and a rename. TensorBoard's event files are append-only: the next event file
+    starts with a purge marker at ``step + 1`` (TensorBoard's ``purge_step``), so TensorBoard hides
+    the earlier events of the redone steps.
     """
+    if self._tb_dir is not None:
+      if self._tb is not None:
+        self._tb.close()
+        self._tb = None
+      self._tb_purge = int(step) + 1
     if self._jsonl is None:
       return 0
     from meshdistill.fsutil import write_text_atomic  # pylint: disable=g-import-not-at-top
