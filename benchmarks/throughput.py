@@ -293,7 +293,7 @@ def step_flops(tcfg, scfg) -> dict[str, float]:
   return {"teacher": teacher, "student": student, "step": teacher + student, "n_t": n_t, "n_s": n_s}
 
 
-SOURCES = ("data-axis sums", "loss and metrics (reductions over V)", "embedding lookups",
+SOURCES = ("sums over `data` (or over all devices)", "loss and metrics (reductions over V)", "embedding lookups",
            "model matmuls (tensor-parallel activations and input gradients)",
            "optimizer (gradient norm, outside the shard_map)", "other")
 
@@ -301,11 +301,12 @@ SOURCES = ("data-axis sums", "loss and metrics (reductions over V)", "embedding 
 def census_by_source(hlo: str, mesh) -> dict[str, int]:
   """The all-reduces of a compiled step by what produced them, from each instruction's ``op_name``
   metadata (an all-reduce the combiner fused from several sources counts once, under the first source
-  of `SOURCES` it holds). Those over `data` (whole groups of `data`) are the step's explicit sums."""
-  data_groups = mesh_axis_groups(mesh, (md.DATA,))
+  of `SOURCES` it holds). Those over `data` (whole groups of `data`), or over every device (a student run on
+  rows split over both axes, ``student_split="batch"``), are the step's explicit sums."""
+  explicit = (mesh_axis_groups(mesh, (md.DATA,)), mesh_axis_groups(mesh, (md.DATA, md.TENSOR)))
   out = dict.fromkeys(SOURCES, 0)
   for groups, op in all_reduce_instructions(hlo):
-    if groups == data_groups:
+    if groups in explicit:
       out[SOURCES[0]] += 1
     elif "shard_map" not in op:
       out[SOURCES[4]] += 1
