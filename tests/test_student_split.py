@@ -158,3 +158,20 @@ def test_settings_that_do_not_combine_are_refused():
     layout_lib.make_layout("shard_map", mesh, student_split="batch").compile(step)
   # without a `tensor` axis both splits are one layout
   assert not layout_lib.make_layout("shard_map", md.make_mesh(8, 1), student_split="batch").student_rows
+
+
+def test_planner_counts_the_whole_student_on_every_chip():
+  teacher = md.ModelConfig(vocab_size=1024, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden=256,
+                           max_len=16, tie_embeddings=False)
+  student = teacher.replace(d_model=64, mlp_hidden=128)
+  split = md.plan(teacher, student, topology="v5e:2x2", mesh="1x4", batch=4, seq=16)
+  rows = md.plan(teacher, student, topology="v5e:2x2", mesh="1x4", batch=4, seq=16,
+                 overrides=["mesh.student_split=batch"])
+  assert rows.student_split == "batch" and "student over batch" in rows.describe()
+  assert rows.memory["teacher_weights"] == split.memory["teacher_weights"]
+  for key in ("student_weights", "optimizer_state"):
+    ratio = rows.memory[key] / split.memory[key]
+    assert 3.9 < ratio <= 4.0, (key, ratio)  # tensor=4: a whole copy instead of a quarter (norms were whole)
+  with pytest.raises(ValueError, match=r"batch 2 is not divisible by mesh data x tensor=4"):
+    md.plan(teacher, student, topology="v5e:2x2", mesh="1x4", batch=2, seq=16,
+            overrides=["mesh.student_split=batch"])

@@ -91,8 +91,9 @@ class Planner:
     rows = self._row_split(data, tensor)
     if batch % rows:
       split = f"data={data}" if rows == data else f"data x tensor={rows} (mesh.student_split: batch)"
+      other = "" if rows == data else " (or mesh.student_split: tensor)"
       raise ValueError(f"batch {batch} is not divisible by mesh {split}; use a multiple of {rows}, or one of "
-                       f"the layouts {ok}")
+                       f"the layouts {ok}{other}")
 
   # ------------------------------------------------------------------- builds
   def _distiller(self, k: Knobs):
