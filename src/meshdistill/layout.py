@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill import fsdp as fsdp_lib
-from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, make_mesh
+from meshdistill.mesh import DATA, TENSOR, check_batch, global_batch_size, host_to_global, make_mesh
 from meshdistill.models._build import fit_model
 from meshdistill.models.lora import fitted_shardings
 
@@ -144,6 +144,7 @@ class Layout:
     check_batch(batch_size, self.mesh)
     if self.student_rows:
       data, tensor = self.mesh.shape[DATA], self.mesh.shape[TENSOR]
+      batch_size = global_batch_size(batch_size, self.mesh)  # a process passes its own rows
       if batch_size % (data * tensor):
         raise ValueError(
             f"train.batch_size={batch_size} with {STUDENT_SPLIT_SETTING}='batch': the student runs on rows split over "
