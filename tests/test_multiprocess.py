@@ -134,11 +134,14 @@ def test_two_process_checkpoint_resumes_on_one_process(runs, tmp_path):
 def test_one_process_checkpoint_resumes_on_two_and_a_killed_process_stops_the_other(runs, tmp_path):
   """1 -> 2 processes: the 1-process run's step-2 checkpoint resumes as a longer 2-process job whose first
   loss (step 3: the restored parameters on the restored data position, before any new update) is the
-  1-process run's; then process 1 is killed and process 0 must stop on its own, leaving loadable checkpoints."""
+  1-process run's; then process 1 is killed and process 0 must stop on its own, leaving loadable checkpoints.
+  The 2-process job runs the student over the batch (``mesh.student_split=batch``; the checkpoint was written
+  with the student split over ``tensor``): the restore re-lays the student out, and the loss must not move."""
   run = str(tmp_path / "killed")
   shutil.copytree(os.path.join(runs["one"], "checkpoints", "2"), os.path.join(run, "checkpoints", "2"))
   port = distributed.free_port()
-  cmd = [sys.executable, "-m", "meshdistill", *_args(run, runs["teacher"], "--set", "train.steps=500")]
+  cmd = [sys.executable, "-m", "meshdistill", *_args(run, runs["teacher"], "--set", "train.steps=500",
+                                                     "--set", "mesh.student_split=batch")]
   logs = [open(tmp_path / f"p{i}.log", "w+", encoding="utf-8") for i in range(2)]  # noqa: SIM115
   procs = [subprocess.Popen(cmd, env=distributed.local_env(i, 2, port, base=runs["env"]), stdout=logs[i],
                             stderr=subprocess.STDOUT) for i in range(2)]

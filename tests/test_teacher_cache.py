@@ -74,6 +74,17 @@ def test_run_from_float32_cache_equals_live_topk_run(setup):
   assert not np.array_equal(compact, want)
 
 
+def test_cache_feeds_a_student_over_the_batch_like_a_live_teacher(setup):
+  s = setup
+  cache = tc.TeacherCache(s["caches"]["float32"])
+  rows = md.Distiller(md.init_model(s["student_cfg"], seed=1, mesh=s["mesh"]), cache.spec(), strategy=STRATEGY,
+                      mesh=s["mesh"], student_split="batch")  # the top-k arrays reach each device's rows
+  live = md.Distiller(md.init_model(s["student_cfg"], seed=1), s["teacher"], strategy=STRATEGY)
+  want = _losses(live, s["data"], s["student_cfg"], None)
+  got = _losses(rows, tc.CachedTeacherData(s["data"], cache), s["student_cfg"], s["mesh"])
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_killed_write_resumes_to_the_same_cache(setup, tmp_path):
   s = setup
   out = str(tmp_path / "resumed")

@@ -315,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
 
         mesh = layout_class(cfg.mesh.backend).describe(cfg.mesh.data, cfg.mesh.tensor)
+        if cfg.mesh.fsdp:
+          mesh += ", fsdp"
+        if cfg.mesh.student_split == "batch" and cfg.mesh.tensor > 1:
+          mesh += ", student replicated on rows split over data x tensor"
         print(
           f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s)"
           + (f" in {jax.process_count()} processes (this is process {jax.process_index()})"

@@ -32,6 +32,7 @@ COMMENTS = {
     "mesh.tensor": "weights (heads, MLP units, vocabulary) split over 4 devices",
     "mesh.backend": "shard_map | single | pmap",
     "mesh.fsdp": "true: weights and optimizer moments split over data too (ZeRO-3; shard_map only)",
+    "mesh.student_split": "tensor | batch: a replicated student on rows split over data x tensor",
     "mesh.simulate_cpu_devices": "without an accelerator: 8 simulated CPU devices",
     "teacher": "~1.05 M parameters",
     "teacher.vocab_size": "the byte tokenizer's vocabulary",

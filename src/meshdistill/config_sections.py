@@ -20,7 +20,7 @@ import os
 
 from meshdistill._typed_yaml import ConfigError, in_range, nonneg_int, positive_int, unknown_key
 from meshdistill.fsdp import unsupported as fsdp_unsupported
-from meshdistill.layout import BACKENDS, layout_class
+from meshdistill.layout import BACKENDS, check_student_split, layout_class
 from meshdistill.optimizers import MAX_LOSS_SCALE
 
 
@@ -29,13 +29,16 @@ class MeshSettings:
   """``data`` x ``tensor`` devices; ``simulate_cpu_devices``: ``auto`` exposes data*tensor CPU
   devices when running on CPU (it does not affect GPU/TPU), ``true`` forces the CPU platform with
   simulated devices, ``false`` uses the devices as they are. ``fsdp``: weights of both models and the
-  student's optimizer moments split over ``data`` too (`meshdistill.fsdp`; ``backend: shard_map`` only)."""
+  student's optimizer moments split over ``data`` too (`meshdistill.fsdp`; ``backend: shard_map`` only).
+  ``student_split``: ``tensor`` (the student split over ``tensor`` like the teacher) or ``batch`` (the student
+  replicated, run on the batch rows split over ``data`` x ``tensor``: `meshdistill.layout.ShardMapLayout`)."""
 
   data: int = 2
   tensor: int = 4
   backend: str = "shard_map"
   simulate_cpu_devices: bool | str = "auto"
   fsdp: bool = False
+  student_split: str = "tensor"
 
   def __post_init__(self):
     positive_int("mesh.data", self.data)
@@ -48,6 +51,10 @@ class MeshSettings:
       raise ConfigError(f"mesh.fsdp={self.fsdp!r}; choose true or false")
     if self.fsdp and not layout_class(self.backend).supports_fsdp:
       raise ConfigError(fsdp_unsupported(self.backend))
+    try:
+      check_student_split(self.student_split, self.fsdp)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
     problem = layout_class(self.backend).check_settings(self.data, self.tensor)
     if problem is not None:
       raise ConfigError(problem)

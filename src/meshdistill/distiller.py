@@ -62,6 +62,10 @@ class Distiller:
       (`meshdistill.models.lora.apply_lora`), otherwise the whole student.
     fsdp: split the weights of both models and the student's optimizer moments over ``data`` as well
       (ZeRO-3 style, `meshdistill.fsdp`; ``backend="shard_map"`` only); same numbers, less memory per device.
+    student_split: ``"tensor"`` (default): the student split over ``tensor`` like the teacher; ``"batch"``: the
+      student replicated, run on the batch rows split over ``data`` x ``tensor`` (a student small enough to hold
+      whole on each device then needs no collective in its forward and backward passes; see
+      `meshdistill.layout.ShardMapLayout`). Same numbers either way; not with ``fsdp``.
   """
 
   compiler_options: dict | None = None  # XLA options of the step (see `with_compiler_options`)
@@ -79,6 +83,7 @@ class Distiller:
       shared_vocab: int | None = None,
       trainable: Any = None,
       fsdp: bool = False,
+      student_split: str = "tensor",
   ):
     if teacher is None and strategy is None:
       raise ValueError("Distiller without a teacher needs a strategy that uses none, e.g. strategy=HardLabelCE()")
@@ -96,7 +101,7 @@ class Distiller:
       self.shared_vocab = resolve_shared_vocab(teacher.vocab, student.cfg.vocab_size, shared_vocab)
     elif teacher is not None:
       self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
-    self.layout = make_layout(backend, mesh, fsdp)
+    self.layout = make_layout(backend, mesh, fsdp, student_split)
     # pads a vocabulary / replicates key/value heads where the mesh's `tensor` needs it
     student = self.layout.fit_model(student)
     if teacher is not None and self.topk_teacher is None:

@@ -12,7 +12,9 @@ them tests a backend name.
   (heads, MLP units, vocabulary) and XLA partitions the matmuls, reducing max/sum partial results
   over ``tensor`` for vocabulary reductions instead of gathering logits (audited by the tests);
   With ``fsdp`` (``mesh.fsdp``) weights are split over ``data`` too (`meshdistill.fsdp`): the step's
-  gradient half runs under the ``shard_map``, the optimizer update on the global arrays;
+  gradient half runs under the ``shard_map``, the optimizer update on the global arrays.
+  With ``student_split="batch"`` (``mesh.student_split``) only the teacher is split over ``tensor``; the
+  student is replicated and runs on rows split over ``data`` x ``tensor`` (see `ShardMapLayout`);
 * ``pmap`` (`PmapLayout`) -- the classic `jax.pmap(axis_name="data")` path, data-parallel only. The
   state is stacked with one replica per device.
 
@@ -32,11 +34,15 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill import fsdp as fsdp_lib
-from meshdistill.mesh import DATA, TENSOR, check_batch, host_to_global, make_mesh
+from meshdistill.mesh import DATA, TENSOR, check_batch, global_batch_size, host_to_global, make_mesh
 from meshdistill.models._build import fit_model
 from meshdistill.models.lora import fitted_shardings
 
 BATCH_KEYS = ("inputs", "targets", "mask")
+# How the student is laid out over `tensor` (`mesh.student_split`): split like the teacher, or replicated with
+# the batch rows split over `tensor` as well (`ShardMapLayout`).
+STUDENT_SPLITS = ("tensor", "batch")
+STUDENT_SPLIT_SETTING = "mesh.student_split"
 # Batch keys of a teacher given by its top-k instead of its weights (`meshdistill.losses.TopK`):
 # ids and log-probs [B, T, K], tail log-mass [B, T]; see `meshdistill.teacher_cache`.
 TOPK_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_tail")
@@ -72,11 +78,19 @@ class Layout:
   spans_processes: ClassVar[bool] = False  # one mesh may cover the devices of several processes
   supports_fsdp: ClassVar[bool] = False  # weights (and optimizer moments) may be split over `data` (`fsdp`)
 
-  def __init__(self, mesh: Mesh | None, fsdp: bool = False):
+  def __init__(self, mesh: Mesh | None, fsdp: bool = False, student_split: str = "tensor"):
     if fsdp and not self.supports_fsdp:
       raise ValueError(fsdp_lib.unsupported(self.name))
+    check_student_split(student_split, fsdp)
     self.mesh = mesh
     self.fsdp = bool(fsdp)  # weights of both models split over `data` as well (`meshdistill.fsdp`)
+    self.student_split = student_split
+
+  @property
+  def student_rows(self) -> bool:
+    """The student is replicated and runs on rows split over ``tensor`` as well (``student_split="batch"`` on a
+    mesh whose ``tensor`` axis has more than one device; elsewhere both splits are the same layout)."""
+    return self.student_split == "batch" and self.mesh is not None and self.mesh.shape[TENSOR] > 1
 
   # ------------------------------------------------------------------ settings
   @classmethod
@@ -128,6 +142,16 @@ class Layout:
 
   def check_batch(self, batch_size: int) -> None:
     check_batch(batch_size, self.mesh)
+    if self.student_rows:
+      data, tensor = self.mesh.shape[DATA], self.mesh.shape[TENSOR]
+      batch_size = global_batch_size(batch_size, self.mesh)  # a process passes its own rows
+      if batch_size % (data * tensor):
+        raise ValueError(
+            f"train.batch_size={batch_size} with {STUDENT_SPLIT_SETTING}='batch': the student runs on rows split over "
+            f"mesh.data={data} x mesh.tensor={tensor} devices, so the batch size must be a multiple of {data * tensor} "
+            f"(e.g. {data * tensor * max(1, round(batch_size / (data * tensor)))}); or set {STUDENT_SPLIT_SETTING}="
+            "'tensor'"
+        )
 
   def fresh_state(self, optimizer, params: dict, trainable=None):
     """A step-0 `TrainState` of ``params = {"student": ..., "strategy": ...}``: the student split as its
@@ -142,6 +166,8 @@ class Layout:
     from meshdistill.step import split_trainable  # pylint: disable=g-import-not-at-top
 
     student_sh, replicated = self._device_shardings(params["student"])
+    if self.student_rows:  # a replica of the student on every device (`ShardMapLayout`)
+      student_sh = jax.tree.map(lambda _: replicated, student_sh)
     shardings = {"student": student_sh, "strategy": jax.tree.map(lambda _: replicated, params["strategy"])}
     fresh = functools.partial(_fresh_state, optimizer, trainable)
     abstract = jax.eval_shape(fresh, params)
@@ -222,7 +248,18 @@ class SingleLayout(Layout):
 
 
 class ShardMapLayout(Layout):
-  """A ``(data, tensor)`` mesh: manual over ``data`` (`jax.shard_map`), compiler-managed over ``tensor``."""
+  """A ``(data, tensor)`` mesh: manual over ``data`` (`jax.shard_map`), compiler-managed over ``tensor``.
+
+  ``student_split="tensor"`` (default): both models split Megatron-style over ``tensor``. ``"batch"``: the
+  teacher as before; the student replicated over ``tensor``, and its forward, loss and backward run in a
+  nested ``shard_map`` manual over ``tensor`` too, on the local rows split once more (`meshdistill.step`,
+  ``student_axis``). The teacher's outputs reach the student's rows by one all-to-all of its logits (or, for a
+  strategy forming logits from hidden states, one gather of its LM head: its hidden states are replicated over
+  ``tensor`` already), and the gradients and token sums are summed over both axes at once. A student small
+  enough to hold whole on each device then spends no all-reduce on its activations: on the 2x4 benchmark step
+  (`benchmarks/throughput.py`) that is most of the step's collectives. The batch must be a multiple of
+  ``data * tensor``; the student's optimizer moments are replicated as well (memory: `meshdistill.planner`).
+  """
 
   name = "shard_map"
   spans_processes = True
@@ -266,8 +303,14 @@ class ShardMapLayout(Layout):
       if self.fsdp:
         raise ValueError(f"{fsdp_lib.SETTING}=true needs the step of meshdistill.step.per_device_step (its gradient "
                          "and update halves); wrap_step of another function runs with mesh.fsdp=false")
+      if self.student_rows:
+        raise ValueError(f"{STUDENT_SPLIT_SETTING}='batch' needs the step of meshdistill.step.per_device_step (it "
+                         f"runs the student on rows split over tensor); wrap_step of another function runs with "
+                         f"{STUDENT_SPLIT_SETTING}='tensor'")
       return jit(self._whole_step(step_fn, data_axis, state_shardings))
     gradients, update = halves
+    if self.student_rows:  # the student's part on rows split over `tensor` too
+      gradients = functools.partial(gradients, student_axis=TENSOR)
     trainable = step_fn.keywords.get("trainable")
     specs = fsdp_lib.data_specs
 
@@ -370,18 +413,34 @@ def layout_class(backend: str) -> type[Layout]:
   return LAYOUTS[backend]
 
 
-def make_layout(backend: str | None, mesh: Mesh | None, fsdp: bool = False) -> Layout:
+def check_student_split(student_split: str, fsdp: bool = False) -> None:
+  """Raises a clear error for a ``mesh.student_split`` value that does not exist or does not combine with fsdp."""
+  if student_split not in STUDENT_SPLITS:
+    raise ValueError(f"{STUDENT_SPLIT_SETTING}={student_split!r}; choose one of {list(STUDENT_SPLITS)}")
+  if fsdp and student_split == "batch":
+    raise ValueError(
+        f"{fsdp_lib.SETTING}=true with {STUDENT_SPLIT_SETTING}='batch': fsdp splits both models' weights over data, "
+        f"'batch' keeps a whole student on every device; use one of them ({STUDENT_SPLIT_SETTING}='tensor' with "
+        f"{fsdp_lib.SETTING}=true, or {fsdp_lib.SETTING}=false)"
+    )
+
+
+def make_layout(backend: str | None, mesh: Mesh | None, fsdp: bool = False, student_split: str = "tensor") -> Layout:
   """The layout of a ``(backend, mesh)`` pair. ``None`` picks ``"shard_map"`` with a mesh and ``"single"``
   without; ``"pmap"`` without a mesh gets a ``data``-only mesh over all devices. ``fsdp``: weights split over
-  ``data`` too (`meshdistill.fsdp`; shard_map only)."""
+  ``data`` too (`meshdistill.fsdp`; shard_map only). ``student_split``: ``"tensor"`` or ``"batch"`` (see
+  `ShardMapLayout`; on layouts without a ``tensor`` axis both are the same)."""
   if isinstance(backend, Layout):  # a layout object already (e.g. the planner's abstract one)
     if fsdp and not backend.fsdp:
       raise ValueError(f"fsdp=True with a layout built without it: pass {type(backend).__name__}(mesh, fsdp=True)")
+    if student_split != backend.student_split:
+      raise ValueError(f"student_split={student_split!r} with a layout built with {backend.student_split!r}: pass "
+                       f"{type(backend).__name__}(mesh, student_split={student_split!r})")
     return backend
   cls = layout_class(backend or ("shard_map" if mesh is not None else "single"))
   if fsdp and not cls.supports_fsdp:
     raise ValueError(fsdp_lib.unsupported(cls.name))
-  return cls(cls.resolve_mesh(mesh), fsdp=fsdp)
+  return cls(cls.resolve_mesh(mesh), fsdp=fsdp, student_split=student_split)
 
 
 def resolve_backend(backend: str | None, mesh: Mesh | None) -> tuple[str, Mesh | None]:

@@ -123,16 +123,22 @@ def host_to_global(batch: Any, mesh: Mesh) -> Any:
   sharding = batch_sharding(mesh)
   if jax.process_count() == 1:
     return jax.device_put(batch, sharding)
-  # The rows held here cover this process's data indices (several processes may share them).
-  me = jax.process_index()
-  rows_here = {index[0] for index, d in np.ndenumerate(mesh.devices) if d.process_index == me}
-  scale = mesh.shape[DATA] // len(rows_here)
 
   def one(x):
     x = np.asarray(x)
-    return jax.make_array_from_process_local_data(sharding, x, (x.shape[0] * scale, *x.shape[1:]))
+    return jax.make_array_from_process_local_data(sharding, x, (global_batch_size(x.shape[0], mesh), *x.shape[1:]))
 
   return jax.tree.map(one, batch)
+
+
+def global_batch_size(rows: int, mesh: Mesh) -> int:
+  """The global batch size of ``rows`` rows held by this process (`host_to_global`): the rows held here cover this
+  process's ``data`` indices (several processes may share them); one process holds the whole batch."""
+  if jax.process_count() == 1:
+    return rows
+  me = jax.process_index()
+  rows_here = {index[0] for index, d in np.ndenumerate(mesh.devices) if d.process_index == me}
+  return rows * (mesh.shape[DATA] // len(rows_here))
 
 
 def param_shardings(specs: Any, mesh: Mesh) -> Any:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from meshdistill import fsdp, losses
 from meshdistill.collectives import psum_bundled
@@ -71,6 +72,7 @@ def per_device_gradients(
     vocab: int | None = None,
     trainable: Any = None,
     light: bool = False,
+    student_axis: str | None = None,
     **_,
 ):
   """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
@@ -91,6 +93,11 @@ def per_device_gradients(
   read); the strategy's other metrics are not returned, so the compiler drops their work (their
   vocabulary-wide passes and reductions). The loop runs it on the steps it does not log.
 
+  ``student_axis``: a compiler-managed mesh axis (``tensor``) over which the student is replicated and its rows
+  split (`meshdistill.layout.ShardMapLayout` with ``student_split="batch"``): the teacher runs as usual on this
+  device's rows, the student's part (`student_gradients`) in a nested ``shard_map`` manual over that axis on its
+  slice of them, and the sums cover ``data`` and that axis. Same numbers as one device.
+
   Only ``state.step`` and ``state.params`` are read. Weights split over ``data`` (`meshdistill.fsdp`) arrive as
   shards and their gradients leave as shards, already summed over ``data``. Other keywords (the whole step's)
   are ignored.
@@ -100,24 +107,62 @@ def per_device_gradients(
   # LM heads (e.g. chunked over tokens); the models then skip their heads (`needs_logits`).
   with_logits = getattr(strategy, "needs_logits", True)
   with_head = getattr(strategy, "needs_head", False)
-  inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
-  mask_BxT = batch["mask"].astype(jnp.float32)
 
   teacher_out = teacher_head = None
   if TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
     teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
   elif teacher_def is not None:
     teacher = nnx.merge(teacher_def, teacher_params)
-    teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
+    teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(batch["inputs"], capture=capture, logits=with_logits)),
+                               vocab)
     teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
+
+  student_part = functools.partial(
+      student_gradients, state.step, student_def=student_def, strategy=strategy, vocab=vocab, trainable=trainable,
+      light=light,
+  )
+  rows = {k: batch[k] for k in ("inputs", "targets", "mask")}
+  if student_axis is None:
+    return student_part(state.params, rows, teacher_out, teacher_head, axes=data_axis)
+  # The student on its rows: they (and the teacher's outputs, moved to rows) split over `student_axis`, its
+  # weights and the teacher's LM head whole; gradients and sums over both axes inside, so they leave replicated.
+  axes = student_axis if data_axis is None else (data_axis, student_axis)
+  split = jax.shard_map(
+      functools.partial(student_part, axes=axes), in_specs=(P(), P(student_axis), P(student_axis), P()),
+      out_specs=P(), axis_names={student_axis}, check_vma=False,
+  )
+  return split(state.params, rows, teacher_out, teacher_head)
+
+
+def student_gradients(
+    step: jax.Array,
+    params: Any,
+    batch: dict[str, jax.Array],
+    teacher_out: Any,
+    teacher_head: jax.Array | None,
+    *,
+    axes: Any,
+    student_def: nnx.GraphDef,
+    strategy: Any,
+    vocab: int | None,
+    trainable: Any,
+    light: bool,
+):
+  """The student's part of `per_device_gradients` on the rows given, with the teacher's outputs for them:
+  ``(grads, metrics)`` with gradients and token sums summed over the mesh axes ``axes`` (``None``: none)."""
+  capture = tuple(strategy.capture)
+  with_logits = getattr(strategy, "needs_logits", True)
+  with_head = getattr(strategy, "needs_head", False)
+  inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
+  mask_BxT = batch["mask"].astype(jnp.float32)
 
   # A strategy whose loss is a mean over something else than tokens (pairs of rows: preference
   # losses) says how many of those its local rows hold (`count`); the step sums that over `data`.
   count = getattr(strategy, "count", None)
-  tokens, counted = psum_bundled((jnp.sum(mask_BxT), None if count is None else count(mask_BxT)), data_axis)
+  tokens, counted = psum_bundled((jnp.sum(mask_BxT), None if count is None else count(mask_BxT)), axes)
   denom = jnp.maximum(tokens if count is None else counted, 1.0)
 
-  params_in, frozen = split_trainable(state.params, trainable)
+  params_in, frozen = split_trainable(params, trainable)
 
   def loss_fn(params):
     # frozen parameters enter as constants of this trace (outer tracers inside `nnx.remat` blocks would not merge)
@@ -126,23 +171,23 @@ def per_device_gradients(
     student_out = _vocab_slice(student(inputs_BxT, capture=capture, logits=with_logits), vocab)
     if with_head:  # token sums over all local rows; heads [D, V] with V split over `tensor`
       heads = (student.head_weight()[:, :vocab], teacher_head)
-      sums = strategy.per_batch(params["strategy"], student_out, teacher_out, heads, targets_BxT, mask_BxT, state.step)
+      sums = strategy.per_batch(params["strategy"], student_out, teacher_out, heads, targets_BxT, mask_BxT, step)
       return sums["loss"] / denom, sums
     per_seq = jax.vmap(strategy.per_sequence, in_axes=(None, 0, 0, 0, 0, None))
-    sums_B = per_seq(params["strategy"], student_out, teacher_out, targets_BxT, mask_BxT, state.step)
+    sums_B = per_seq(params["strategy"], student_out, teacher_out, targets_BxT, mask_BxT, step)
     sums = jax.tree.map(jnp.sum, sums_B)
     return sums["loss"] / denom, sums
 
   (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
   if light:
     sums = {"loss": sums["loss"]}
-  grads, sums = sum_over_data((grads, sums), data_axis)
+  grads, sums = sum_over_data((grads, sums), axes)
   metrics = {k: v / denom for k, v in sums.items()}
   metrics["tokens"] = tokens
   return grads, metrics
 
 
-def sum_over_data(tree: Any, data_axis: str | None) -> Any:
+def sum_over_data(tree: Any, data_axis: Any) -> Any:
   """``tree`` (gradients, token sums) summed over ``data`` in few all-reduces (`psum_bundled`: one of the scalars,
   one combined of the arrays), except the gradients of weights split over ``data`` (`meshdistill.fsdp`): the
   backward pass of their all-gather already reduce-scattered them."""

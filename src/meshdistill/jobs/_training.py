@@ -97,6 +97,7 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
     mesh=mesh,
     backend=cfg.mesh.backend,
     fsdp=cfg.mesh.fsdp,
+    student_split=cfg.mesh.student_split,
     seed=cfg.train.seed,
     **extra,
   )

@@ -75,12 +75,13 @@ class _AbstractDistiller(Distiller):
 
 def abstract_distiller(teacher: ModelConfig, student: ModelConfig, strategy, optimizer, mesh: Mesh,
                        compiler_options: dict | None = None, lora=None, teacher_quantize: str | None = None,
-                       fsdp: bool = False) -> Distiller:
+                       fsdp: bool = False, student_split: str = "tensor") -> Distiller:
   """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays.
 
   ``lora``: the student's `meshdistill.models.lora.LoraConfig` (``student.lora``: adapters, only they train);
   ``teacher_quantize``: ``teacher.quantize`` (the teacher's projections stored int8 / int4 / nf4);
-  ``fsdp``: weights and optimizer moments split over ``data`` too (``mesh.fsdp``).
+  ``fsdp``: weights and optimizer moments split over ``data`` too (``mesh.fsdp``); ``student_split``:
+  ``mesh.student_split`` (``batch``: the student replicated, its weights and moments whole on every device).
   """
   tensor = mesh.shape[TENSOR]
   if lora is not None and lora.enabled:  # adapters are applied to a student already fitted to the mesh
@@ -88,8 +89,9 @@ def abstract_distiller(teacher: ModelConfig, student: ModelConfig, strategy, opt
   if teacher_quantize is not None:
     teacher = teacher.for_tensor(tensor)
   d = _AbstractDistiller(_abstract_model(student, lora), _abstract_model(teacher, None, teacher_quantize),
-                         strategy=strategy, optimizer=optimizer, mesh=mesh, backend=_AbstractLayout(mesh, fsdp=fsdp),
-                         fsdp=fsdp)
+                         strategy=strategy, optimizer=optimizer, mesh=mesh,
+                         backend=_AbstractLayout(mesh, fsdp=fsdp, student_split=student_split), fsdp=fsdp,
+                         student_split=student_split)
   return d.with_compiler_options(compiler_options) if compiler_options else d
 
 

@@ -69,7 +69,12 @@ class Planner:
   def layouts(self, batch: int) -> list[tuple[int, int]]:
     """``(data, tensor)`` layouts of the target's devices the models split over and ``batch`` divides."""
     n = len(self.target.devices)
-    return [(n // t, t) for t in _divisors(n) if batch % (n // t) == 0 and self.split_error(t) is None]
+    return [(n // t, t) for t in _divisors(n) if batch % self._row_split(n // t, t) == 0 and self.split_error(t) is None]
+
+  def _row_split(self, data: int, tensor: int) -> int:
+    """How many devices a batch's rows are split over: ``data``, times ``tensor`` with ``mesh.student_split: batch``
+    (the student on rows split over both axes)."""
+    return data * tensor if self.cfg.mesh.student_split == "batch" else data
 
   def check_mesh(self, data: int, tensor: int, batch: int) -> None:
     n = len(self.target.devices)
@@ -83,9 +88,12 @@ class Planner:
     err = self.split_error(tensor)
     if err:
       raise ValueError(f"mesh tensor={tensor}: {err}; layouts that split both models: {ok}")
-    if batch % data:
-      raise ValueError(f"batch {batch} is not divisible by mesh data={data}; use a multiple of {data}, or one of "
-                       f"the layouts {ok}")
+    rows = self._row_split(data, tensor)
+    if batch % rows:
+      split = f"data={data}" if rows == data else f"data x tensor={rows} (mesh.student_split: batch)"
+      other = "" if rows == data else " (or mesh.student_split: tensor)"
+      raise ValueError(f"batch {batch} is not divisible by mesh {split}; use a multiple of {rows}, or one of "
+                       f"the layouts {ok}{other}")
 
   # ------------------------------------------------------------------- builds
   def _distiller(self, k: Knobs):
@@ -98,7 +106,7 @@ class Planner:
     student = self.student.replace(remat=k.remat) if k.remat != self.student.remat else self.student
     return abstract_distiller(self.teacher, student, strategy, optimizer, mesh, self.options,
                               lora=self.cfg.models.student_lora, teacher_quantize=self.cfg.models.teacher_quantize,
-                              fsdp=self.cfg.mesh.fsdp)
+                              fsdp=self.cfg.mesh.fsdp, student_split=self.cfg.mesh.student_split)
 
   def static_bytes(self, k: Knobs) -> int:
     """Per-device bytes of the step's inputs (weights, optimizer state, batch): a lower bound, without compiling."""
@@ -148,6 +156,7 @@ class Planner:
         collectives=colls, time=self._roofline(c, colls, analytic * n, tokens, kernels),
         compile_seconds=c.compile_seconds,
         compiler_options=self.options, fsdp=self.cfg.mesh.fsdp, attention=self._attention(),
+        student_split=self.cfg.mesh.student_split,
     )
     if c.oom:
       p.notes.append(f"the TPU compiler stopped: {c.oom} (the memory above: the step's inputs plus the temporaries "

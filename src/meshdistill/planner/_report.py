@@ -55,6 +55,7 @@ class Plan:
   compile_seconds: float
   compiler_options: dict | None = None
   fsdp: bool = False  # weights and optimizer moments split over `data` too (`mesh.fsdp`)
+  student_split: str = "tensor"  # `mesh.student_split`: "batch" = a replicated student on rows split over both axes
   attention: str = "auto"  # the models' `ModelConfig.attention` ("teacher X, student Y" when they differ)
   suggestions: list["Plan"] = dataclasses.field(default_factory=list)
   notes: list[str] = dataclasses.field(default_factory=list)
@@ -77,7 +78,7 @@ class Plan:
   def describe(self) -> str:
     """The knobs of this configuration in one line (what a suggestion changes)."""
     chunk = "full logits" if self.chunk_size is None else f"chunk_size={self.chunk_size}"
-    fsdp = " fsdp" if self.fsdp else ""
+    fsdp = (" fsdp" if self.fsdp else "") + (" student over batch" if self.student_split == "batch" else "")
     return f"mesh {self.mesh[0]}x{self.mesh[1]}{fsdp}, remat={self.remat}, {chunk}, batch {self.batch}x{self.seq}"
 
   def to_dict(self) -> dict[str, Any]:
@@ -98,7 +99,7 @@ class Plan:
     lines.append(f"plan: {self.teacher} ({self.params['teacher'] / 1e9:.2f} B params) -> {self.student} "
                  f"({self.params['student'] / 1e9:.2f} B params), {self.strategy}")
     lines.append(f"target: {self.target} = {self.devices} x {self.device_kind}, mesh data={self.mesh[0]} x "
-                 f"tensor={self.mesh[1]}{' (fsdp: weights split over data too)' if self.fsdp else ''}; batch {self.batch} x seq {self.seq} = {self.batch * self.seq:,} tokens/step; "
+                 f"tensor={self.mesh[1]}{' (fsdp: weights split over data too)' if self.fsdp else ''}{' (student replicated, on rows split over data x tensor)' if self.student_split == 'batch' else ''}; batch {self.batch} x seq {self.seq} = {self.batch * self.seq:,} tokens/step; "
                  f"dtype {self.dtype}, remat {self.remat}, attention {self.attention}, "
                  + ("full logits" if self.chunk_size is None else f"chunk_size {self.chunk_size}"))
     lines.append("")

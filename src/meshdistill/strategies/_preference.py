@@ -80,8 +80,9 @@ class PreferenceLoss(BatchStrategy):
     B = mask_BxT.shape[0]
     if B % 2:
       raise ValueError(
-          f"a preference batch pairs rows (chosen, rejected); this data shard holds {B} rows: use a batch size "
-          "that is an even multiple of mesh.data"
+          f"a preference batch pairs rows (chosen, rejected); this device's share of the batch holds {B} rows: use a "
+          "batch size that is an even multiple of mesh.data (of mesh.data x mesh.tensor with "
+          "mesh.student_split='batch')"
       )
     return jnp.asarray(B // 2, jnp.float32)
 
