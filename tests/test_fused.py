@@ -1,5 +1,8 @@
 """The fused forward-KL recipe (`losses.forward_kl_terms`) against the term-by-term functions."""
 
+import contextlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
 from meshdistill import losses
+from meshdistill.collectives import all_reduce_census
 from meshdistill.strategies import LogitKD
 
 T, V = 12, 96
@@ -101,12 +105,47 @@ def test_fused_with_the_vocabulary_split_over_tensor_equals_one_device():
   (_, want), g_want = jax.jit(value_and_grad)(s, t)
   split = NamedSharding(mesh, P(None, "tensor"))
   s, t = jax.device_put(s, split), jax.device_put(t, split)
-  compiled = jax.jit(value_and_grad, out_shardings=(NamedSharding(mesh, P()), split)).lower(s, t).compile()
-  (_, got), g_got = compiled(s, t)
+  jitted = jax.jit(value_and_grad, out_shardings=(NamedSharding(mesh, P()), split))
+  with jax.set_mesh(mesh):  # `tensor` an auto axis in scope, as in the train step: the stacked reductions
+    stacked = jitted.lower(s, t).compile()
+  separate = jitted.lower(s, t).compile()  # no mesh in scope: the one-device form, on split inputs
+  for compiled in (stacked, separate):
+    (_, got), g_got = compiled(s, t)
+    for k in want:
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(g_got, g_want, rtol=1e-5, atol=1e-7)
+    assert "all-gather" not in compiled.as_text()
+  census = [all_reduce_census(c.as_text(), mesh)["tensor"] for c in (stacked, separate)]
+  # stacked: the max, the sums (the loss's and the metrics' in one), the correlation's sums; separate ones
+  # leave the grouping to XLA's combiner (here it finds the same; inside the chunked loop it kept one more)
+  assert 0 < census[0] <= min(3, census[1]), census
+
+
+_STACK = re.compile(r"\b(stack|concatenate)\[")  # how a jaxpr writes `jnp.stack`
+
+
+def test_fused_stacks_its_reductions_only_where_the_vocabulary_may_be_split():
+  """One device (and a manual ``tensor`` axis, as with the student over the batch): separate reductions, no
+  stacked ``[k, T, V]`` copy written; a mesh with ``tensor`` auto: stacked. Both forms give the same numbers."""
+  s, t, y, m = logits(5)
+
+  def has_stack(mesh=None):
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+      jaxpr = jax.make_jaxpr(jax.grad(lambda s: jnp.sum(fused(s, t, y, m, 2.0, 0.5)["loss"])))(s)
+    return _STACK.search(str(jaxpr)) is not None
+
+  assert not has_stack()
+  assert not has_stack(md.make_mesh(8, 1))  # `tensor` of size 1: nothing to split
+  assert has_stack(md.make_mesh(2, 4))
+  mesh = md.make_mesh(2, 4)
+  manual = jax.shard_map(lambda s: jax.grad(lambda s: jnp.sum(fused(s, t, y, m, 2.0, 0.5)["loss"]))(s), mesh=mesh,
+                         in_specs=P(), out_specs=P(), check_vma=False)  # every device holds all of V
+  assert _STACK.search(str(jax.make_jaxpr(manual)(s))) is None
+  want = fused(s, t, y, m, 2.0, 0.5)
+  with jax.set_mesh(md.make_mesh(2, 4)):
+    got = jax.jit(fused)(s, t, y, m, 2.0, 0.5)
   for k in want:
-    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
-  np.testing.assert_allclose(g_got, g_want, rtol=1e-5, atol=1e-7)
-  assert "all-gather" not in compiled.as_text()
+    np.testing.assert_allclose(got[k], want[k], rtol=2e-6, atol=2e-6, err_msg=k)
 
 
 def test_logit_recipe_fuses_the_forward_kl_only():

@@ -11,7 +11,7 @@ and a sum each), for the KL, the target picks, the correlation's means and sums 
 and again in the backward pass of every log-softmax: even after XLA's all-reduce combiner has merged the
 independent ones, the compiled 2x4 chunked step keeps 7 all-reduces per chunk for the loss (plus the one
 of the hidden-state gradient). Per token, everything follows from the maxima ``m_s = max s`` and
-``m_t = max t`` (``max(s / tau) = m_s / tau`` exactly for tau > 0) and sums of elementwise terms, so here:
+``m_t = max t`` (``max(s / tau) = m_s / tau`` exactly for tau > 0) and sums of elementwise terms, so here (where V may be split over ``tensor``; see below for elsewhere):
 
 * ONE max-reduction over V, of the stacked ``[s, t]``;
 * ONE sum-reduction of the stacked terms the loss needs (``Z_s`` and ``Z_t`` at tau, the KL numerator
@@ -29,10 +29,16 @@ of the hidden-state gradient). Per token, everything follows from the maxima ``m
 
 So a chunk of the 2x4 chunked step has 3 all-reduces (max; sums; correlation + hidden-state gradient)
 instead of 8. The forward pass makes 4 exponentials per logit pair instead of 5; the backward pass
-recomputes 3 from the logits rather than keeping ``[T, V]`` softmaxes as residuals. Stacked rather than
-separate reductions: separate ones leave the grouping to the combiner, which (measured) grouped the loss's
-sums with the correlation's and kept 4 all-reduces per chunk; XLA:CPU materialises a stack before reducing
-it (one-device cost of the chunked loss: 10.9 ms stacked, 10.1 ms separate, 12.3 ms term by term).
+recomputes 3 from the logits rather than keeping ``[T, V]`` softmaxes as residuals.
+
+Stacked reductions only where they save collectives: when the program being traced has ``tensor`` as a
+compiler-managed (auto) mesh axis of more than one device, so that V may be split over it. There, separate
+reductions leave the grouping to the combiner, which (measured) grouped the loss's sums with the
+correlation's and kept 4 all-reduces per chunk. Everywhere else (one device; the student over the batch,
+where ``tensor`` is manual and every device holds all of V) the reductions stay separate: XLA fuses sibling
+reductions of one shape into one pass over the inputs, while XLA:CPU writes a stack out before reducing it,
+for full ``[B, T, V]`` logits several times their size (one-device cost of the chunked loss: 10.9 ms
+stacked, 10.1 ms separate, 12.3 ms term by term).
 
 What the unfused functions guarantee holds: float32 (float64 for float64 logits; bfloat16 is widened),
 masked tokens exactly 0 (values and gradients), only max and sum reductions over V (a vocabulary split over
@@ -49,6 +55,23 @@ import jax
 import jax.numpy as jnp
 
 from meshdistill.losses._logits import as_float
+from meshdistill.mesh import TENSOR
+
+
+def _vocab_may_be_split() -> bool:
+  """Whether the program being traced may hold V split over ``tensor``: the mesh in scope has ``tensor`` as a
+  compiler-managed (auto) axis of more than one device. Then every reduction over V is an all-reduce."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and TENSOR in mesh.auto_axes and mesh.shape[TENSOR] > 1
+
+
+def _reduce(op, arrays):
+  """``op(x, axis=-1)`` of each of ``arrays`` (one shape). Where V may be split over ``tensor``, as ONE
+  reduction of their stack (one all-reduce); elsewhere one by one (XLA fuses sibling reductions into one pass
+  over the inputs and writes no stack; see the module docstring)."""
+  if _vocab_may_be_split():
+    return tuple(op(jnp.stack(arrays), axis=-1))
+  return tuple(op(x, axis=-1) for x in arrays)
 
 
 def _dtype(student_TxV, teacher_TxV):
@@ -69,7 +92,7 @@ def _is_target(targets_T, vocab: int):
 def _forward(s, t, targets_T, keep_T, tau, alpha):
   """The per-token values (unmasked) and the residuals of the backward pass."""
   vocab = s.shape[-1]
-  m_s, m_t = jnp.max(jnp.stack([s, t]), axis=-1)  # the one max-reduction over V
+  m_s, m_t = _reduce(jnp.max, [s, t])  # the one max-reduction over V (stacked where V may be split)
   a_tau, b_tau = _shifted(s, t, tau, m_s, m_t)
   a_1, b_1 = s - m_s[..., None], t - m_t[..., None]
   e_t_tau = jnp.exp(b_tau)
@@ -77,18 +100,18 @@ def _forward(s, t, targets_T, keep_T, tau, alpha):
   zero = jnp.zeros((), s.dtype)
   # terms with e_t == 0 (teacher logit -inf, or underflow) count 0, as in `kl_logprobs`
   kl_terms = jnp.where(e_t_tau > 0, e_t_tau * (b_tau - a_tau), zero)
-  z_s_tau, z_t_tau, kl_num, z_s_1, s_target = jnp.sum(
-      jnp.stack([jnp.exp(a_tau), e_t_tau, kl_terms, jnp.exp(a_1), jnp.where(is_target, a_1, zero)]), axis=-1
+  z_s_tau, z_t_tau, kl_num, z_s_1, s_target = _reduce(
+      jnp.sum, [jnp.exp(a_tau), e_t_tau, kl_terms, jnp.exp(a_1), jnp.where(is_target, a_1, zero)]
   )
   # metrics only: a stack of its own (independent of the loss's, so one combined all-reduce; dead when unused)
   both_top = jnp.logical_and(s >= m_s[..., None], t >= m_t[..., None]).astype(s.dtype)
-  z_t_1, t_target, sum_a, sum_b, n_top = jnp.sum(
-      jnp.stack([jnp.exp(b_1), jnp.where(is_target, b_1, zero), a_1, b_1, both_top]), axis=-1
+  z_t_1, t_target, sum_a, sum_b, n_top = _reduce(
+      jnp.sum, [jnp.exp(b_1), jnp.where(is_target, b_1, zero), a_1, b_1, both_top]
   )
   # the correlation's sums around the means, as `pearson` forms them (raw moments would cancel): a third
   # reduction, independent of the backward pass's (which the combiner then sends with it)
   a_c, b_c = s - (m_s + sum_a / vocab)[..., None], t - (m_t + sum_b / vocab)[..., None]
-  cov, var_a, var_b = jnp.sum(jnp.stack([a_c * b_c, a_c * a_c, b_c * b_c]), axis=-1)
+  cov, var_a, var_b = _reduce(jnp.sum, [a_c * b_c, a_c * a_c, b_c * b_c])
   log_z_s_tau, log_z_t_tau, log_z_s_1 = jnp.log(z_s_tau), jnp.log(z_t_tau), jnp.log(z_s_1)
   in_vocab = jnp.logical_and(targets_T >= 0, targets_T < vocab)  # `one_hot` of an id outside V is all zeros
   kl = kl_num / z_t_tau + (log_z_s_tau - log_z_t_tau)
@@ -146,8 +169,8 @@ def forward_kl_terms(
 
   The same values as ``forward_kl(s, t, mask, tau)``, ``cross_entropy(s, targets, mask)``,
   ``cross_entropy(t, targets, mask)``, ``pearson(s, t, mask)``, ``top1_agreement(s, t, mask)`` and
-  ``alpha * tau^2 * kl + (1 - alpha) * ce`` (up to float rounding), from one stacked max over V, one stacked
-  sum for the loss and two for the metrics only, and no reduction over V in the backward pass (see the module
+  ``alpha * tau^2 * kl + (1 - alpha) * ce`` (up to float rounding), from one max over V, one
+  sum for the loss and two for the metrics only (stacked where V may be split over ``tensor``), and no reduction over V in the backward pass (see the module
   docstring). Gradients: to the student logits, from ``loss``, ``kl`` and ``ce`` only.
 
   Args:
