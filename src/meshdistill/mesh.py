@@ -131,6 +131,14 @@ def host_to_global(batch: Any, mesh: Mesh) -> Any:
   return jax.tree.map(one, batch)
 
 
+def auto_tensor_size() -> int:
+  """The number of devices of ``tensor`` in the mesh of the program being traced, where the compiler manages
+  that axis (auto): arrays may then be split over it. 1 with no mesh in scope, no ``tensor`` axis, or ``tensor``
+  manual (inside a ``shard_map`` over it, where each device holds its own block whole)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.shape[TENSOR] if not mesh.empty and TENSOR in mesh.auto_axes else 1
+
+
 def global_batch_size(rows: int, mesh: Mesh) -> int:
   """The global batch size of ``rows`` rows held by this process (`host_to_global`): the rows held here cover this
   process's ``data`` indices (several processes may share them); one process holds the whole batch."""

@@ -11,7 +11,8 @@ and a sum each), for the KL, the target picks, the correlation's means and sums 
 and again in the backward pass of every log-softmax: even after XLA's all-reduce combiner has merged the
 independent ones, the compiled 2x4 chunked step keeps 7 all-reduces per chunk for the loss (plus the one
 of the hidden-state gradient). Per token, everything follows from the maxima ``m_s = max s`` and
-``m_t = max t`` (``max(s / tau) = m_s / tau`` exactly for tau > 0) and sums of elementwise terms, so here (where V may be split over ``tensor``; see below for elsewhere):
+``m_t = max t`` (``max(s / tau) = m_s / tau`` exactly for tau > 0) and sums of elementwise terms, so here
+(where V may be split over ``tensor``; see below for elsewhere):
 
 * ONE max-reduction over V, of the stacked ``[s, t]``;
 * ONE sum-reduction of the stacked terms the loss needs (``Z_s`` and ``Z_t`` at tau, the KL numerator
@@ -55,21 +56,13 @@ import jax
 import jax.numpy as jnp
 
 from meshdistill.losses._logits import as_float
-from meshdistill.mesh import TENSOR
+from meshdistill.mesh import auto_tensor_size
 
 
-def _vocab_may_be_split() -> bool:
-  """Whether the program being traced may hold V split over ``tensor``: the mesh in scope has ``tensor`` as a
-  compiler-managed (auto) axis of more than one device. Then every reduction over V is an all-reduce."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return not mesh.empty and TENSOR in mesh.auto_axes and mesh.shape[TENSOR] > 1
-
-
-def _reduce(op, arrays):
-  """``op(x, axis=-1)`` of each of ``arrays`` (one shape). Where V may be split over ``tensor``, as ONE
-  reduction of their stack (one all-reduce); elsewhere one by one (no stack written; see the module
-  docstring)."""
-  if _vocab_may_be_split():
+def _reduce(op, arrays, stacked: bool):
+  """``op(x, axis=-1)`` of each of ``arrays`` (one shape): as ONE reduction of their stack (one all-reduce where V
+  is split over ``tensor``) if ``stacked``, else one by one (no stack written; see the module docstring)."""
+  if stacked:
     return tuple(op(jnp.stack(arrays), axis=-1))
   return tuple(op(x, axis=-1) for x in arrays)
 
@@ -92,7 +85,8 @@ def _is_target(targets_T, vocab: int):
 def _forward(s, t, targets_T, keep_T, tau, alpha):
   """The per-token values (unmasked) and the residuals of the backward pass."""
   vocab = s.shape[-1]
-  m_s, m_t = _reduce(jnp.max, [s, t])  # the one max-reduction over V (stacked where V may be split)
+  stacked = auto_tensor_size() > 1  # V may be split over `tensor`: every reduction over V is an all-reduce
+  m_s, m_t = _reduce(jnp.max, [s, t], stacked)  # the one max-reduction over V
   a_tau, b_tau = _shifted(s, t, tau, m_s, m_t)
   a_1, b_1 = s - m_s[..., None], t - m_t[..., None]
   e_t_tau = jnp.exp(b_tau)
@@ -101,17 +95,17 @@ def _forward(s, t, targets_T, keep_T, tau, alpha):
   # terms with e_t == 0 (teacher logit -inf, or underflow) count 0, as in `kl_logprobs`
   kl_terms = jnp.where(e_t_tau > 0, e_t_tau * (b_tau - a_tau), zero)
   z_s_tau, z_t_tau, kl_num, z_s_1, s_target = _reduce(
-      jnp.sum, [jnp.exp(a_tau), e_t_tau, kl_terms, jnp.exp(a_1), jnp.where(is_target, a_1, zero)]
+      jnp.sum, [jnp.exp(a_tau), e_t_tau, kl_terms, jnp.exp(a_1), jnp.where(is_target, a_1, zero)], stacked
   )
   # metrics only: a stack of its own (independent of the loss's, so one combined all-reduce; dead when unused)
   both_top = jnp.logical_and(s >= m_s[..., None], t >= m_t[..., None]).astype(s.dtype)
   z_t_1, t_target, sum_a, sum_b, n_top = _reduce(
-      jnp.sum, [jnp.exp(b_1), jnp.where(is_target, b_1, zero), a_1, b_1, both_top]
+      jnp.sum, [jnp.exp(b_1), jnp.where(is_target, b_1, zero), a_1, b_1, both_top], stacked
   )
   # the correlation's sums around the means, as `pearson` forms them (raw moments would cancel): a third
   # reduction, independent of the backward pass's (which the combiner then sends with it)
   a_c, b_c = s - (m_s + sum_a / vocab)[..., None], t - (m_t + sum_b / vocab)[..., None]
-  cov, var_a, var_b = _reduce(jnp.sum, [a_c * b_c, a_c * a_c, b_c * b_c])
+  cov, var_a, var_b = _reduce(jnp.sum, [a_c * b_c, a_c * a_c, b_c * b_c], stacked)
   log_z_s_tau, log_z_t_tau, log_z_s_1 = jnp.log(z_s_tau), jnp.log(z_t_tau), jnp.log(z_s_1)
   in_vocab = jnp.logical_and(targets_T >= 0, targets_T < vocab)  # `one_hot` of an id outside V is all zeros
   kl = kl_num / z_t_tau + (log_z_s_tau - log_z_t_tau)
@@ -169,9 +163,10 @@ def forward_kl_terms(
 
   The same values as ``forward_kl(s, t, mask, tau)``, ``cross_entropy(s, targets, mask)``,
   ``cross_entropy(t, targets, mask)``, ``pearson(s, t, mask)``, ``top1_agreement(s, t, mask)`` and
-  ``alpha * tau^2 * kl + (1 - alpha) * ce`` (up to float rounding), from one max over V, one
-  sum for the loss and two for the metrics only (stacked where V may be split over ``tensor``), and no reduction over V in the backward pass (see the module
-  docstring). Gradients: to the student logits, from ``loss``, ``kl`` and ``ce`` only.
+  ``alpha * tau^2 * kl + (1 - alpha) * ce`` (up to float rounding), from one max over V, one sum for the loss
+  and two for the metrics only (stacked where V may be split over ``tensor``), and no reduction over V in the
+  backward pass (see the module docstring). Gradients: to the student logits, from ``loss``, ``kl`` and ``ce``
+  only.
 
   Args:
     student_TxV, teacher_TxV: logits ``[..., V]`` (V may be split over ``tensor``).

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill.losses._divergences import Scalar, get_distribution_divergence
 from meshdistill.losses._logits import _masked, as_float, log_softmax
-from meshdistill.mesh import TENSOR
+from meshdistill.mesh import TENSOR, auto_tensor_size
 
 
 def teacher_topk(teacher_TxV: jax.Array, k: int, temperature: Scalar = 1.0) -> tuple[jax.Array, jax.Array]:
@@ -55,10 +55,7 @@ def teacher_topk(teacher_TxV: jax.Array, k: int, temperature: Scalar = 1.0) -> t
 def _vocab_shards(vocab: int, k: int) -> int:
   """Size of the automatic ``tensor`` axis of the mesh being traced, when a vocabulary of ``vocab``
   splits over it evenly with at least ``k`` tokens per slice; else 1."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or TENSOR not in mesh.axis_names or TENSOR not in mesh.auto_axes:
-    return 1
-  n = mesh.shape[TENSOR]
+  n = auto_tensor_size()
   return n if n > 1 and vocab % n == 0 and vocab // n >= k else 1
 
 
