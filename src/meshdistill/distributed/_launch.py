@@ -63,7 +63,9 @@ def launch(
   Each process gets `local_env` (coordinator ``127.0.0.1:port``, its id, CPU platform, gloo);
   its stdout and stderr are forwarded line by line to ``out`` (default stdout) prefixed with
   ``[pN] ``. When a process exits non-zero the others are sent SIGTERM, then SIGKILL after
-  ``grace_s`` seconds, and its code is returned; 0 when every process succeeded. Ctrl-C stops them all.
+  ``grace_s`` seconds, and its code is returned (minus the signal number when a signal stopped it, as
+  `subprocess` reports it; the log then names the signal and says to rerun the command, since such a process
+  printed no advice of its own); 0 when every process succeeded. Ctrl-C stops them all.
 
   Raises:
     DistributedError: ``num_processes`` below 1 or an empty command.
@@ -126,7 +128,7 @@ def launch(
         code = p.poll()
         if code is not None and code != 0 and failed is None:
           failed = code
-          out.write(f"[launch] process {i} exited with code {code}; stopping the others\n")
+          out.write(f"[launch] process {i} {_ended(code)}; stopping the others\n")
           out.flush()
           signal_all(signal.SIGTERM)
           deadline = time.monotonic() + grace_s
@@ -144,4 +146,20 @@ def launch(
       p.wait()
   if failed is None:
     failed = next((p.returncode for p in procs if p.returncode), 0)
+  if failed < 0:  # a process stopped by a signal printed no advice of its own
+    out.write("[launch] the job stopped; rerun the same command to resume (distill: from the last checkpoint; "
+              "cache-teacher: from the shards written)\n")
+    out.flush()
   return failed
+
+
+def _ended(code: int) -> str:
+  """How a child process ended, for the launcher's log: its exit code, or the signal that stopped it."""
+  if code < 0:
+    try:
+      name = signal.Signals(-code).name
+    except ValueError:
+      name = f"signal {-code}"
+    why = " (a native library aborted it: its message is above)" if -code == signal.SIGABRT else ""
+    return f"was stopped by {name}{why}"
+  return f"exited with code {code}"
