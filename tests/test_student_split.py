@@ -3,6 +3,7 @@ and run on rows split over `data` x `tensor`. Same numbers as one device, whole 
 fewer all-reduces than the tensor split, no teacher gradient, checkpoints across the two splits, clear errors."""
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -111,6 +112,20 @@ def test_fewer_than_half_the_all_reduces_of_the_tensor_split(runs, name):
   assert got["total"] * 2 <= before["total"], (got, before)
   # the student's gradients and sums: over both axes at once, never over `data` alone
   assert got["data+tensor"] >= 1 and got["data"] == 0, got
+
+
+@pytest.mark.parametrize("name", ["LogitKD", "ChunkedLogitKD"])
+def test_the_teacher_runs_split_over_tensor_without_gathering_its_weights(runs, name):
+  """The student's rows split over `tensor` must not carry that split back into the teacher: split over rows and
+  `tensor` at once, it would gather its weights every step (the whole teacher, on a large one). Floating-point
+  all-gathers: none for LogitKD (its logits reach the student's rows by an all-to-all), the teacher's LM head
+  for ChunkedLogitKD (its loss forms the logits on the student's rows)."""
+  d, _, _ = runs[(name, "batch")]
+  hlo = d.lower(d.init_state(), BATCHES[0]).compile().as_text()
+  gathers = [line for line in hlo.splitlines()
+             if re.search(r"= \(?(bf16|f16|f32|f64)\[.*\ball-gather(-start)?\(", line)]
+  assert len(gathers) <= (1 if name == "ChunkedLogitKD" else 0), "\n".join(g[:160] for g in gathers)
+  assert name == "ChunkedLogitKD" or re.search(r"\ball-to-all(-start)?\(", hlo)
 
 
 def test_teacher_receives_no_gradient(runs):

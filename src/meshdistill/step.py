@@ -95,8 +95,9 @@ def per_device_gradients(
 
   ``student_axis``: a compiler-managed mesh axis (``tensor``) over which the student is replicated and its rows
   split (`meshdistill.layout.ShardMapLayout` with ``student_split="batch"``): the teacher runs as usual on this
-  device's rows, the student's part (`student_gradients`) in a nested ``shard_map`` manual over that axis on its
-  slice of them, and the sums cover ``data`` and that axis. Same numbers as one device.
+  device's rows (its inputs and outputs pinned whole over rows, `_rows_whole`), the student's part
+  (`student_gradients`) in a nested ``shard_map`` manual over that axis on its slice of them, and the sums cover
+  ``data`` and that axis. Same numbers as one device.
 
   Only ``state.step`` and ``state.params`` are read. Weights split over ``data`` (`meshdistill.fsdp`) arrive as
   shards and their gradients leave as shards, already summed over ``data``. Other keywords (the whole step's)
@@ -113,8 +114,8 @@ def per_device_gradients(
     teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
   elif teacher_def is not None:
     teacher = nnx.merge(teacher_def, teacher_params)
-    teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(batch["inputs"], capture=capture, logits=with_logits)),
-                               vocab)
+    inputs_BxT = batch["inputs"] if student_axis is None else _rows_whole(batch["inputs"])
+    teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
     teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
 
   student_part = functools.partial(
@@ -127,11 +128,29 @@ def per_device_gradients(
   # The student on its rows: they (and the teacher's outputs, moved to rows) split over `student_axis`, its
   # weights and the teacher's LM head whole; gradients and sums over both axes inside, so they leave replicated.
   axes = student_axis if data_axis is None else (data_axis, student_axis)
+  teacher_out = _rows_whole(teacher_out)
   split = jax.shard_map(
       functools.partial(student_part, axes=axes), in_specs=(P(), P(student_axis), P(student_axis), P()),
       out_specs=P(), axis_names={student_axis}, check_vma=False,
   )
   return split(state.params, rows, teacher_out, teacher_head)
+
+
+def _rows_whole(tree: Any) -> Any:
+  """``tree``'s arrays pinned whole along their first (row) axis, their other axes left to the compiler.
+
+  The teacher's inputs and outputs under ``student_axis``. Unpinned, the compiler sees them consumed split over
+  rows (the student's nested ``shard_map``) and carries that split back into the teacher, whose weights are split
+  over the same axis: on the 2x4 benchmark step it gathered every layer's attention weights and gathered the
+  activations back before each MLP (a planned Qwen3-1.7B teacher on 2x4: 0.69 GB of weights gathered per
+  scanned layer). Pinned, the teacher runs split over ``tensor`` as in the default split, and its outputs reach
+  the student's rows once (an all-to-all of the logits)."""
+  def pin(x):
+    if not isinstance(x, jax.Array) or x.ndim == 0:
+      return x
+    return jax.lax.with_sharding_constraint(x, P(None, *([P.UNCONSTRAINED] * (x.ndim - 1))))
+
+  return jax.tree.map(pin, tree)
 
 
 def student_gradients(
