@@ -1,6 +1,8 @@
 """The offline top-k teacher cache: compact encoding, exact equality with a live top-k teacher, resume, refusals."""
 
+import json
 import os
+import shutil
 
 import numpy as np
 import optax
@@ -172,3 +174,37 @@ def test_scaled_loss_trains_from_a_cache_like_the_strategy_it_wraps(setup):
     md.Distiller(student, cache.spec(), strategy=ScaledLoss(AttentionTransfer(), 8.0))
   with pytest.raises(ValueError, match=r"ScaledLoss\(scale=8.0\) wrapping LogitKD.top_k=5"):
     md.Distiller(student, cache.spec(), strategy=ScaledLoss(LogitKD(top_k=K + 1, temperature=TAU), 8.0))
+
+
+def test_a_config_naming_another_teacher_is_refused_and_an_older_cache_reads_as_float32(setup, tmp_path):
+  """`distill` with ``teacher.cache``: the run's teacher settings must be those that wrote the cache (how it
+  computes -- remat, scanned layers -- may differ); a cache written before ``teacher.param_dtype`` was a setting
+  (no such key in its manifest) was made from float32 weights."""
+  from meshdistill.config import Config, ConfigError  # pylint: disable=g-import-not-at-top
+  from meshdistill.jobs._teacher import _open_teacher_cache  # pylint: disable=g-import-not-at-top
+  from meshdistill.sources._settings import ModelSources  # pylint: disable=g-import-not-at-top
+
+  s = setup
+  teacher_cfg = s["teacher"].cfg
+
+  def open_with(path, **teacher):
+    cfg = Config(teacher=teacher_cfg.replace(**teacher), student=s["student_cfg"],
+                 models=ModelSources(teacher_cache=path), data=md.data.DataConfig(seq_len=s["data"].train.seq_len))
+    return _open_teacher_cache(cfg, s["data"], lambda *_: None)
+
+  path = s["caches"]["float32"]
+  assert open_with(path)[2] == path
+  assert open_with(path, remat="full")[2] == path  # how the teacher computes, not what
+  for key, value in (("n_layers", teacher_cfg.n_layers + 1), ("param_dtype", "bfloat16")):
+    with pytest.raises(ConfigError, match=f"teacher.{key}: cache .*, this config {value!r}"):
+      open_with(path, **{key: value})
+
+  # the same cache as an older version wrote it: no param_dtype in the manifest's teacher config
+  old = tmp_path / "old"
+  shutil.copytree(path, old)
+  manifest = json.loads((old / tc.MANIFEST).read_text())
+  del manifest["teacher"]["config"]["param_dtype"]
+  (old / tc.MANIFEST).write_text(json.dumps(manifest))
+  assert open_with(str(old))[2] == str(old)
+  with pytest.raises(ConfigError, match="teacher.param_dtype: cache 'float32', this config 'bfloat16'"):
+    open_with(str(old), param_dtype="bfloat16")
