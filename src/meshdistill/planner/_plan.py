@@ -184,10 +184,15 @@ class Planner:
     t, s = self.teacher.attention, self.student.attention
     return t if t == s else f"teacher {t}, student {s}"
 
-  def _roofline(self, c, colls, model_flops: float, tokens: int, kernels: float) -> dict[str, float | None]:
+  def _roofline(self, c, colls, model_flops: float, tokens: int, kernels: float) -> dict[str, float | str | None]:
     chip, t = self.target.chip, self.target
+    none = {"compute_s": None, "hbm_s": None, "comm_s": None, "step_s": None, "mfu": None, "tokens_per_s": None}
+    scanned = [who for who, m in (("teacher", self.teacher), ("student", self.student)) if m.scan_layers]
+    if scanned:  # XLA's cost analysis counts a loop body once: FLOPs, bytes and collectives of one block
+      return {**none, "why": f"the {' and '.join(scanned)}'s blocks are scanned (scan_layers) and XLA's cost "
+                             "analysis counts a loop body once; plan with --no-scan-layers for a step time"}
     if chip is None or c.flops is None:
-      return {"compute_s": None, "hbm_s": None, "comm_s": None, "step_s": None, "mfu": None, "tokens_per_s": None}
+      return none
     compute = (c.flops + kernels) / t.per_device(chip.peak_bf16_flops)
     hbm = (c.bytes_accessed or 0.0) / t.per_device(chip.hbm_bandwidth)
     wire = sum(x["wire_bytes"] for x in colls)

@@ -139,8 +139,8 @@ class Plan:
     lines.append("")
     t = self.time
     if t.get("step_s") is None:
-      why = ("the compiler produced no program" if m.get("output") is None
-             else "no peak FLOP/s / bandwidth known for this device")
+      why = t.get("why") or ("the compiler produced no program" if m.get("output") is None
+                             else "no peak FLOP/s / bandwidth known for this device")
       lines.append(f"step time: no estimate ({why})")
     else:
       comm = "n/a (no ICI bandwidth known)" if t["comm_s"] is None else f"{1e3 * t['comm_s']:.1f} ms"
@@ -169,8 +169,8 @@ def model_notes(teacher, student) -> list[str]:
   notes = []
   if teacher.scan_layers or student.scan_layers:
     notes.append("scan_layers: XLA's cost analysis counts a loop body once, so the compiled FLOPs, bytes accessed "
-                 "and the roofline step time / MFU cover one block per scanned model (plan unrolled for those); "
-                 "memory is exact")
+                 "and collectives cover one block per scanned model and no step time / MFU is estimated (plan "
+                 "unrolled for those); memory is exact")
   if "splash" in (teacher.attention, student.attention):
     notes.append("attention=splash: XLA's cost analysis does not see inside the Mosaic kernel; the roofline adds its "
                  "attention matmuls counted analytically (flops['kernels'], causal: half of T x T), the compiled "
