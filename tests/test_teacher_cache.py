@@ -11,7 +11,10 @@ from helpers import STUDENT_CFG, TEACHER_CFG, write_corpus
 
 import meshdistill as md
 from meshdistill import teacher_cache as tc
+from meshdistill.config import Config, ConfigError
+from meshdistill.jobs._teacher import _open_teacher_cache
 from meshdistill.safeguards import ScaledLoss, safeguarded
+from meshdistill.sources._settings import ModelSources
 from meshdistill.strategies import AttentionTransfer, LogitKD
 
 K, TAU = 4, 2.0
@@ -180,10 +183,6 @@ def test_a_config_naming_another_teacher_is_refused_and_an_older_cache_reads_as_
   """`distill` with ``teacher.cache``: the run's teacher settings must be those that wrote the cache (how it
   computes -- remat, scanned layers -- may differ); a cache written before ``teacher.param_dtype`` was a setting
   (no such key in its manifest) was made from float32 weights."""
-  from meshdistill.config import Config, ConfigError  # pylint: disable=g-import-not-at-top
-  from meshdistill.jobs._teacher import _open_teacher_cache  # pylint: disable=g-import-not-at-top
-  from meshdistill.sources._settings import ModelSources  # pylint: disable=g-import-not-at-top
-
   s = setup
   teacher_cfg = s["teacher"].cfg
 
