@@ -19,9 +19,9 @@ Every position counts (mask of ones): tunix's loss averages over all positions, 
 padding both compute the same loss, ``alpha tau^2 KL + (1 - alpha) CE``, and their loss curves
 must agree -- a check that the work really is the same.
 
-The same meshdistill steps and the bare programs also run on ONE device (no mesh), so the overhead
-of our step over a bare teacher forward + bare student step is measured on one device and on the
-mesh. Timing: after warm-up steps, steps of all systems are interleaved round by round and each
+The same meshdistill steps and the bare programs also run on ONE device (no mesh; in a child process whose
+JAX has one CPU device, not on one of the 8 simulated ones), so the overhead of our step over a bare teacher
+forward + bare student step is measured on one device and on the mesh. Timing: after warm-up steps, steps of all systems are interleaved round by round and each
 step is timed to completion (``block_until_ready`` / the end of tunix's ``train()``); medians of
 the per-step times and medians of the within-round ratios ("paired") are reported.
 
@@ -53,13 +53,20 @@ import re
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
 import meshdistill as md
 
-md.simulate_cpu_devices(8)
+# The one-device rows run in a child process of their own with ONE CPU device (`run`): in a process whose
+# CPU client simulates 8 devices, a program placed on one of them runs slower than in a process with one device.
+ONE_DEVICE_ENV = "MESHDISTILL_THROUGHPUT_ONE_DEVICE"
+XLA_FLAGS_BEFORE = os.environ.get("XLA_FLAGS")
+if os.environ.get(ONE_DEVICE_ENV) != "1":
+  md.simulate_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -450,42 +457,69 @@ def run_loops(loops: dict, vocab: int, rounds: int, k: int) -> dict[str, list[fl
 
 
 def run(vocab: int, steps: int, warmup: int, chunk: int, loop_rounds: int = 6, loop_steps: int = 10) -> dict:
-  mesh = md.make_mesh(data=2, tensor=4)
+  """Every row: first the one-device rows in a child process with one CPU device (`one_device_part`; first,
+  while this process has started no JAX backend, tunix or thread pool that could take CPU time beside it), then
+  the 2x4 mesh rows here (8 simulated CPU devices); the same batches and initial weights in both."""
+  one_res = one_device_part(vocab, steps, warmup, chunk, loop_rounds, loop_steps)
+  mesh_res = run_part(False, vocab, steps, warmup, chunk, loop_rounds, loop_steps)
+  res = {k: {**mesh_res[k], **one_res[k]} for k in ("times", "loop_times", "cpu", "compile_s", "stats", "matmul_flops")}
+  losses = {**mesh_res["losses"], **one_res["losses"]}
+  order = (OURS, REF, TUNIX, TUNIX_NP, TUNIX_REP, OURS + ROWS, REF + ROWS, ONE + OURS, ONE + REF + LIGHT, HAND, ONE + HAND)
   tcfg, scfg = configs(vocab)
+  return {**res, "loop_steps": loop_steps, "losses": {k: losses[k] for k in order}, "tcfg": tcfg, "scfg": scfg}
+
+
+def one_device_part(vocab: int, steps: int, warmup: int, chunk: int, loop_rounds: int, loop_steps: int) -> dict:
+  """`run_part` of the one-device rows in a child process whose JAX has one CPU device (this process's
+  device-count flag removed from its environment); its results come back as JSON."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  if XLA_FLAGS_BEFORE is not None:
+    env["XLA_FLAGS"] = XLA_FLAGS_BEFORE
+  env[ONE_DEVICE_ENV] = "1"
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / "one_device.json"
+    subprocess.run([sys.executable, __file__, "--one-device-part", str(out), "--vocab", str(vocab), "--steps",
+                    str(steps), "--warmup", str(warmup), "--chunk", str(chunk), "--loop-rounds", str(loop_rounds),
+                    "--loop-steps", str(loop_steps)], env=env, check=True)
+    return json.loads(out.read_text())
+
+
+def run_part(one_device: bool, vocab: int, steps: int, warmup: int, chunk: int, loop_rounds: int,
+             loop_steps: int) -> dict:
+  """Times the mesh rows (``one_device=False``) or the one-device rows: steps interleaved round by round,
+  then the training loops (`run_loops`)."""
+  if one_device:  # the default device; `run` starts this part in a process that has no other
+    mesh, pre = None, ONE
+  else:
+    mesh, pre = md.make_mesh(data=2, tensor=4), ""
+  tcfg, scfg = configs(vocab)
+  chunked = lambda: ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk)  # noqa: E731
+  logit = lambda: LogitKD(temperature=TAU, alpha=ALPHA)  # noqa: E731
   systems = {
-      OURS: Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), mesh, tcfg, scfg),
-      REF: Ours(LogitKD(temperature=TAU, alpha=ALPHA), mesh, tcfg, scfg),
-      TUNIX: Tunix(mesh, tcfg, scfg, shard=True),
-      TUNIX_NP: Tunix(mesh, tcfg, scfg, shard=False),
-      # the same step with a CE-only strategy: the unused teacher is dropped by the compiler, so this
-      # is a bare student step in meshdistill's step structure (shard_map over `data`)
-      CE_ONLY: Ours(HardLabelCE(), mesh, tcfg, scfg),
-      ONE + OURS: Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), None, tcfg, scfg),
-      ONE + REF: Ours(LogitKD(temperature=TAU, alpha=ALPHA), None, tcfg, scfg),
+      pre + OURS: Ours(chunked(), mesh, tcfg, scfg),
+      pre + REF: Ours(logit(), mesh, tcfg, scfg),
       # the steps the training loop runs between logging steps (same update, loss / grad_norm only)
-      OURS + LIGHT: Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), mesh, tcfg, scfg, light=True),
-      REF + LIGHT: Ours(LogitKD(temperature=TAU, alpha=ALPHA), mesh, tcfg, scfg, light=True),
-      ONE + OURS + LIGHT: Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), None, tcfg, scfg,
-                               light=True),
-      ONE + REF + LIGHT: Ours(LogitKD(temperature=TAU, alpha=ALPHA), None, tcfg, scfg, light=True),
-      HAND: Hand(mesh, tcfg, scfg),
-      ONE + HAND: Hand(None, tcfg, scfg),
-      # the student replicated and run on rows split over data x tensor (`mesh.student_split: batch`)
-      OURS + ROWS: Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), mesh, tcfg, scfg,
-                        split="batch"),
-      REF + ROWS: Ours(LogitKD(temperature=TAU, alpha=ALPHA), mesh, tcfg, scfg, split="batch"),
-      OURS + ROWS + LIGHT: Ours(ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk), mesh, tcfg, scfg,
-                                light=True, split="batch"),
-      REF + ROWS + LIGHT: Ours(LogitKD(temperature=TAU, alpha=ALPHA), mesh, tcfg, scfg, light=True, split="batch"),
-      TUNIX_REP: Tunix(mesh, tcfg, scfg, shard=True, replicated_student=True),
+      pre + OURS + LIGHT: Ours(chunked(), mesh, tcfg, scfg, light=True),
+      pre + REF + LIGHT: Ours(logit(), mesh, tcfg, scfg, light=True),
+      pre + HAND: Hand(mesh, tcfg, scfg),
   }
-  bare, bare1 = Bare(mesh, tcfg, scfg), Bare(None, tcfg, scfg)
-  probes = {pre + probe_name(shape): Matmul(where, *shape) for pre, where in (("", mesh), (ONE, None))
-            for shape in PROBES}
-  parts = {
-      BARE_T: bare.teacher, BARE_S: bare.student, ONE + BARE_T: bare1.teacher, ONE + BARE_S: bare1.student,
-      **{k: v.step for k, v in probes.items()},
-  }
+  if not one_device:
+    systems.update({
+        TUNIX: Tunix(mesh, tcfg, scfg, shard=True),
+        TUNIX_NP: Tunix(mesh, tcfg, scfg, shard=False),
+        # the same step with a CE-only strategy: the unused teacher is dropped by the compiler, so this
+        # is a bare student step in meshdistill's step structure (shard_map over `data`)
+        CE_ONLY: Ours(HardLabelCE(), mesh, tcfg, scfg),
+        # the student replicated and run on rows split over data x tensor (`mesh.student_split: batch`)
+        OURS + ROWS: Ours(chunked(), mesh, tcfg, scfg, split="batch"),
+        REF + ROWS: Ours(logit(), mesh, tcfg, scfg, split="batch"),
+        OURS + ROWS + LIGHT: Ours(chunked(), mesh, tcfg, scfg, light=True, split="batch"),
+        REF + ROWS + LIGHT: Ours(logit(), mesh, tcfg, scfg, light=True, split="batch"),
+        TUNIX_REP: Tunix(mesh, tcfg, scfg, shard=True, replicated_student=True),
+    })
+  bare = Bare(mesh, tcfg, scfg)
+  probes = {pre + probe_name(shape): Matmul(mesh, *shape) for shape in PROBES}
+  parts = {pre + BARE_T: bare.teacher, pre + BARE_S: bare.student, **{k: v.step for k, v in probes.items()}}
   batches = make_batches(warmup + steps, vocab)
   stats = {name: s.compiled_stats(batches[0]) for name, s in systems.items() if isinstance(s, Ours)}
   times = {name: [] for name in [*systems, *parts]}
@@ -499,34 +533,20 @@ def run(vocab: int, steps: int, warmup: int, chunk: int, loop_rounds: int = 6, l
       else:
         times[name].append(wall)
         cpu[name].append(cpu_s)
-  loops = {OURS: systems[OURS], OURS + ROWS: systems[OURS + ROWS], REF + ROWS: systems[REF + ROWS],
-           TUNIX: systems[TUNIX], TUNIX_REP: systems[TUNIX_REP], BARE: bare,
-           ONE + OURS: systems[ONE + OURS], ONE + REF: systems[ONE + REF], ONE + BARE: bare1}
+  if one_device:
+    loops = {ONE + OURS: systems[ONE + OURS], ONE + REF: systems[ONE + REF], ONE + BARE: bare}
+    losses = {ONE + OURS: systems[ONE + OURS].losses, ONE + REF + LIGHT: systems[ONE + REF + LIGHT].losses,
+              ONE + HAND: systems[ONE + HAND].losses}
+  else:
+    loops = {OURS: systems[OURS], OURS + ROWS: systems[OURS + ROWS], REF + ROWS: systems[REF + ROWS],
+             TUNIX: systems[TUNIX], TUNIX_REP: systems[TUNIX_REP], BARE: bare}
+    losses = {OURS: systems[OURS].losses, REF: systems[REF].losses, TUNIX: systems[TUNIX].losses(),
+              TUNIX_NP: systems[TUNIX_NP].losses(), TUNIX_REP: systems[TUNIX_REP].losses(),
+              OURS + ROWS: systems[OURS + ROWS].losses, REF + ROWS: systems[REF + ROWS].losses,
+              HAND: systems[HAND].losses}
   loop_times = run_loops(loops, vocab, loop_rounds, loop_steps) if loop_rounds else {}
-  return {
-      "times": times,
-      "loop_times": loop_times,
-      "loop_steps": loop_steps,
-      "cpu": cpu,
-      "compile_s": compile_s,
-      "stats": stats,
-      "matmul_flops": {k: v.flops for k, v in probes.items()},
-      "losses": {
-          OURS: systems[OURS].losses,
-          REF: systems[REF].losses,
-          TUNIX: systems[TUNIX].losses(),
-          TUNIX_NP: systems[TUNIX_NP].losses(),
-          TUNIX_REP: systems[TUNIX_REP].losses(),
-          OURS + ROWS: systems[OURS + ROWS].losses,
-          REF + ROWS: systems[REF + ROWS].losses,
-          ONE + OURS: systems[ONE + OURS].losses,
-          ONE + REF + LIGHT: systems[ONE + REF + LIGHT].losses,
-          HAND: systems[HAND].losses,
-          ONE + HAND: systems[ONE + HAND].losses,
-      },
-      "tcfg": tcfg,
-      "scfg": scfg,
-  }
+  return {"times": times, "loop_times": loop_times, "cpu": cpu, "compile_s": compile_s, "stats": stats,
+          "matmul_flops": {k: v.flops for k, v in probes.items()}, "losses": losses}
 
 
 def main(argv=None):
@@ -542,7 +562,15 @@ def main(argv=None):
   parser.add_argument("--out", type=pathlib.Path, default=RESULT)
   parser.add_argument("--render", action="store_true",
                       help="rewrite --out from the raw times its .json keeps (an earlier run), timing nothing")
+  parser.add_argument("--one-device-part", type=pathlib.Path, default=None, metavar="JSON",
+                      help=f"time only the one-device rows, in this process, and write their raw times to JSON (what "
+                           f"the run does in its child process, started with {ONE_DEVICE_ENV}=1: one CPU device; "
+                           "without it this process simulates 8 devices and the rows run on the first)")
   args = parser.parse_args(argv)
+  if args.one_device_part is not None:
+    part = run_part(True, args.vocab, args.steps, args.warmup, args.chunk, args.loop_rounds, args.loop_steps)
+    args.one_device_part.write_text(json.dumps(part) + "\n")
+    return
   if args.render:
     raw = json.loads(args.out.with_suffix(".json").read_text())
     for k, v in raw["args"].items():
@@ -674,13 +702,13 @@ def loop_section(res, fl, rate, med) -> dict[str, list[str]]:
       f"| tunix: step rows (one `train()` call per batch) / its loop (not paired: other rounds) | "
       f"{med[TUNIX] / lmed[TUNIX]:.2f}x | | |",
       "",
-      f"{'Every loop ran slower' if min(slow.values()) > 1 else 'Loops against'} per step than the same system timed "
-      "one step at a time in the rounds above (loop / step-row medians: ours, ChunkedLogitKD over the batch, against "
-      f"its metrics-light step {slow['ours']:.2f}x; tunix {slow['tunix']:.2f}x, student replicated {slow['rep']:.2f}x; "
-      f"the bare programs {slow['bare']:.2f}x, one device {slow['bare1']:.2f}x). A loop dispatches ahead: its host",
-      "work and its next program (for tunix and the bare loop, the next teacher forward, which does not wait for the",
-      "student step) run while the last program computes. On these 2 shared cores that competes with the compute's",
-      "own threads instead of hiding behind them; on an accelerator the host work runs on cores of its own.",
+      "Per step, each loop against the same system timed one step at a time in the rounds above (loop / step-row "
+      f"medians, not paired: ours, ChunkedLogitKD over the batch, against its metrics-light step {slow['ours']:.2f}x; "
+      f"tunix {slow['tunix']:.2f}x, student replicated {slow['rep']:.2f}x; the bare programs {slow['bare']:.2f}x, one "
+      f"device {slow['bare1']:.2f}x). A loop dispatches ahead: its host work and its next program (for tunix and the",
+      "bare loop, the next teacher forward, which does not wait for the student step) run while the last program",
+      "computes; on these 2 shared cores that competes with the compute's own threads rather than hiding behind",
+      "them (on an accelerator the host work runs on cores of its own), so a loop need not be the faster form here.",
       "",
   ]
   best = max(LOOP_OURS, key=lambda o: min(vs[(o, peer)][:2]))
@@ -727,8 +755,11 @@ def write(args, res, med, seconds: float) -> None:
       f"  {l1:.1f}/{l5:.1f}/{l15:.1f} at the start, {e1:.1f}/{e5:.1f}/{e15:.1f} at the end (`os.getloadavg()`, as `uptime`",
       "  prints; it counts this benchmark's own threads too). Absolute times are slow and noisy; the ratios compare systems timed in the",
       "  same interleaved rounds (medians of per-round ratios: *paired*), which is what this measures.",
-      "* Mesh 2x4 (`data`=2, `tensor`=4) of 8 simulated CPU devices sharing those cores, and one device",
-      "  (no mesh; XLA's CPU client uses the cores for intra-op threads) for the `1 device:` rows.",
+      "* Mesh 2x4 (`data`=2, `tensor`=4) of 8 simulated CPU devices sharing those cores. The `1 device:` rows run",
+      "  after them in a child process whose JAX has one CPU device (no mesh; XLA's CPU client uses the cores for",
+      "  intra-op threads), interleaved among themselves: a program placed on one of 8 simulated devices runs slower",
+      "  than the same program in a process with one device (see throughput_notes.md), which is not what one device",
+      "  means.",
       f"* Teacher: {tc.n_layers} layers, d={tc.d_model}, MLP {tc.mlp_hidden}; student: {sc.n_layers} layers, "
       f"d={sc.d_model}, MLP {sc.mlp_hidden}; V={sc.vocab_size}; B={B}, T={T} ({tokens} tokens per step), float32.",
       "* Same initial weights, optimizer (clip 1.0 + AdamW lr 1e-3) and batches (random tokens, no",
