@@ -21,9 +21,10 @@ must agree -- a check that the work really is the same.
 
 The same meshdistill steps and the bare programs also run on ONE device (no mesh; in a child process whose
 JAX has one CPU device, not on one of the 8 simulated ones), so the overhead of our step over a bare teacher
-forward + bare student step is measured on one device and on the mesh. Timing: after warm-up steps, steps of all systems are interleaved round by round and each
-step is timed to completion (``block_until_ready`` / the end of tunix's ``train()``); medians of
-the per-step times and medians of the within-round ratios ("paired") are reported.
+forward + bare student step is measured on one device and on the mesh. Timing: after warm-up steps, steps
+of all systems (of each process) are interleaved round by round and each step is timed to completion
+(``block_until_ready`` / the end of tunix's ``train()``); medians of the per-step times and medians of the
+within-round ratios ("paired") are reported.
 
 Training loops: the same systems also run their own training loops side by side over blocks of
 ``--loop-steps`` batches (ours: `meshdistill.trainer.fit`, one logged step and the rest metrics-light per
@@ -457,9 +458,9 @@ def run_loops(loops: dict, vocab: int, rounds: int, k: int) -> dict[str, list[fl
 
 
 def run(vocab: int, steps: int, warmup: int, chunk: int, loop_rounds: int = 6, loop_steps: int = 10) -> dict:
-  """Every row: first the one-device rows in a child process with one CPU device (`one_device_part`; first,
-  while this process has started no JAX backend, tunix or thread pool that could take CPU time beside it), then
-  the 2x4 mesh rows here (8 simulated CPU devices); the same batches and initial weights in both."""
+  """Every row: first the one-device rows in a child process with one CPU device (`one_device_part`; first, before
+  this process starts its JAX backend or builds tunix's trainers, whose threads could take CPU time beside it),
+  then the 2x4 mesh rows here (8 simulated CPU devices); the same batches and initial weights in both."""
   one_res = one_device_part(vocab, steps, warmup, chunk, loop_rounds, loop_steps)
   mesh_res = run_part(False, vocab, steps, warmup, chunk, loop_rounds, loop_steps)
   res = {k: {**mesh_res[k], **one_res[k]} for k in ("times", "loop_times", "cpu", "compile_s", "stats", "matmul_flops")}
