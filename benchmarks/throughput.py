@@ -419,6 +419,8 @@ OURS, REF = "meshdistill ChunkedLogitKD", "meshdistill LogitKD"
 LIGHT = ", metrics-light"
 TUNIX, TUNIX_NP = "tunix", "tunix, host numpy input"
 TUNIX_REP = "tunix, student replicated"
+DP = ", data parallel (8x1)"  # the mesh 8x1: both models replicated, the batch split over 8 devices
+TUNIX_DP = TUNIX + DP
 ROWS = ", student over the batch"
 BARE_T, BARE_S = "bare teacher forward", "bare student step"
 CE_ONLY = "meshdistill step, CE only"
@@ -465,7 +467,8 @@ def run(vocab: int, steps: int, warmup: int, chunk: int, loop_rounds: int = 6, l
   mesh_res = run_part(False, vocab, steps, warmup, chunk, loop_rounds, loop_steps)
   res = {k: {**mesh_res[k], **one_res[k]} for k in ("times", "loop_times", "cpu", "compile_s", "stats", "matmul_flops")}
   losses = {**mesh_res["losses"], **one_res["losses"]}
-  order = (OURS, REF, TUNIX, TUNIX_NP, TUNIX_REP, OURS + ROWS, REF + ROWS, ONE + OURS, ONE + REF + LIGHT, HAND, ONE + HAND)
+  order = (OURS, REF, TUNIX, TUNIX_NP, TUNIX_REP, OURS + ROWS, REF + ROWS, OURS + DP, TUNIX_DP, ONE + OURS,
+           ONE + REF + LIGHT, HAND, ONE + HAND)
   tcfg, scfg = configs(vocab)
   return {**res, "loop_steps": loop_steps, "losses": {k: losses[k] for k in order}, "tcfg": tcfg, "scfg": scfg}
 
@@ -493,6 +496,7 @@ def run_part(one_device: bool, vocab: int, steps: int, warmup: int, chunk: int, 
     mesh, pre = None, ONE
   else:
     mesh, pre = md.make_mesh(data=2, tensor=4), ""
+    dp_mesh = md.make_mesh(data=8, tensor=1)
   tcfg, scfg = configs(vocab)
   chunked = lambda: ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk)  # noqa: E731
   logit = lambda: LogitKD(temperature=TAU, alpha=ALPHA)  # noqa: E731
@@ -517,10 +521,18 @@ def run_part(one_device: bool, vocab: int, steps: int, warmup: int, chunk: int, 
         OURS + ROWS + LIGHT: Ours(chunked(), mesh, tcfg, scfg, light=True, split="batch"),
         REF + ROWS + LIGHT: Ours(logit(), mesh, tcfg, scfg, light=True, split="batch"),
         TUNIX_REP: Tunix(mesh, tcfg, scfg, shard=True, replicated_student=True),
+        # every system's data-parallel form: on the mesh 8x1 nothing is split over `tensor`
+        OURS + DP: Ours(chunked(), dp_mesh, tcfg, scfg),
+        OURS + DP + LIGHT: Ours(chunked(), dp_mesh, tcfg, scfg, light=True),
+        TUNIX_DP: Tunix(dp_mesh, tcfg, scfg, shard=True),
+        HAND + DP: Hand(dp_mesh, tcfg, scfg),
     })
   bare = Bare(mesh, tcfg, scfg)
   probes = {pre + probe_name(shape): Matmul(mesh, *shape) for shape in PROBES}
   parts = {pre + BARE_T: bare.teacher, pre + BARE_S: bare.student, **{k: v.step for k, v in probes.items()}}
+  if not one_device:
+    bare_dp = Bare(dp_mesh, tcfg, scfg)
+    parts.update({BARE_T + DP: bare_dp.teacher, BARE_S + DP: bare_dp.student})
   batches = make_batches(warmup + steps, vocab)
   stats = {name: s.compiled_stats(batches[0]) for name, s in systems.items() if isinstance(s, Ours)}
   times = {name: [] for name in [*systems, *parts]}
@@ -540,11 +552,12 @@ def run_part(one_device: bool, vocab: int, steps: int, warmup: int, chunk: int, 
               ONE + HAND: systems[ONE + HAND].losses}
   else:
     loops = {OURS: systems[OURS], OURS + ROWS: systems[OURS + ROWS], REF + ROWS: systems[REF + ROWS],
-             TUNIX: systems[TUNIX], TUNIX_REP: systems[TUNIX_REP], BARE: bare}
+             OURS + DP: systems[OURS + DP], TUNIX: systems[TUNIX], TUNIX_REP: systems[TUNIX_REP],
+             TUNIX_DP: systems[TUNIX_DP], BARE: bare}
     losses = {OURS: systems[OURS].losses, REF: systems[REF].losses, TUNIX: systems[TUNIX].losses(),
               TUNIX_NP: systems[TUNIX_NP].losses(), TUNIX_REP: systems[TUNIX_REP].losses(),
               OURS + ROWS: systems[OURS + ROWS].losses, REF + ROWS: systems[REF + ROWS].losses,
-              HAND: systems[HAND].losses}
+              HAND: systems[HAND].losses, OURS + DP: systems[OURS + DP].losses, TUNIX_DP: systems[TUNIX_DP].losses()}
   loop_times = run_loops(loops, vocab, loop_rounds, loop_steps) if loop_rounds else {}
   return {"times": times, "loop_times": loop_times, "cpu": cpu, "compile_s": compile_s, "stats": stats,
           "matmul_flops": {k: v.flops for k, v in probes.items()}, "losses": losses}
@@ -663,8 +676,9 @@ def loop_section(res, fl, rate, med) -> dict[str, list[str]]:
   def ratio(num: str, den: tuple[str, ...]) -> tuple[float, float, str]:
     return lmed[num] / sum(lmed[d] for d in den), paired(t, num, den), spread(t, num, den)
 
-  peer = TUNIX if lmed[TUNIX] <= lmed[TUNIX_REP] else TUNIX_REP
-  vs = {(o, p): ratio(p, (o,)) for o in LOOP_OURS for p in (TUNIX, TUNIX_REP)}
+  peers = [p for p in (TUNIX, TUNIX_REP, TUNIX_DP) if p in t]
+  peer = min(peers, key=lmed.get)
+  vs = {(o, p): ratio(p, (o,)) for o in (*LOOP_OURS, OURS + DP) if o in t for p in peers}
   bare = {o: ratio(o, (BARE,)) for o in LOOP_OURS} | {ONE + o: ratio(ONE + o, (ONE + BARE,)) for o in (OURS, REF)}
   slow = {"ours": lmed[OURS + ROWS] / med[OURS + ROWS + LIGHT], "tunix": lmed[TUNIX] / med[TUNIX],
           "rep": lmed[TUNIX_REP] / med[TUNIX_REP], "bare": lmed[BARE] / (med[BARE_T] + med[BARE_S]),
@@ -712,7 +726,7 @@ def loop_section(res, fl, rate, med) -> dict[str, list[str]]:
       "them (on an accelerator the host work runs on cores of its own), so a loop need not be the faster form here.",
       "",
   ]
-  best = max(LOOP_OURS, key=lambda o: min(vs[(o, peer)][:2]))
+  best = max((o for o in (*LOOP_OURS, OURS + DP) if o in t), key=lambda o: min(vs[(o, peer)][:2]))
   roof = {o: fl["step"] / lmed[ONE + o] / rate[ONE] for o in (OURS, REF)}
   ok = lambda b: "met" if b else "NOT met"  # noqa: E731
   targets = [
@@ -725,6 +739,22 @@ def loop_section(res, fl, rate, med) -> dict[str, list[str]]:
       f"matmul rate: {100 * roof[OURS]:.0f}% / {100 * roof[REF]:.0f}%: **{ok(max(roof.values()) >= 0.7)}**.",
   ]
   return {"lines": lines, "targets": targets}
+
+
+def fastest_layouts(t, med, ratio, verdict) -> str:
+  """The first target's closing sentence: each system at its fastest layout of those in the run (ChunkedLogitKD),
+  the full step and the metrics-light one, against tunix's fastest ("" for a run without the 8x1 rows)."""
+  if TUNIX_DP not in t:
+    return ""
+  peer = min((TUNIX, TUNIX_REP, TUNIX_DP), key=med.get)
+  out = f" Each system at its fastest layout of those run here (2x4 as above, or data parallel on 8x1; tunix: *{peer}*):"
+  for kind, names in (("full step", (OURS, OURS + ROWS, OURS + DP)),
+                      ("metrics-light", (OURS + LIGHT, OURS + ROWS + LIGHT, OURS + DP + LIGHT))):
+    ours = min(names, key=med.get)
+    a, b, c = ratio(peer, (ours,))
+    out += (f" ChunkedLogitKD {kind} (*{ours.removeprefix('meshdistill ')}*) {a:.2f}x by medians, {b:.2f}x paired "
+            f"({c}): **{verdict(min(a, b) >= 1.25)}**;")
+  return out[:-1] + "."
 
 
 def write(args, res, med, seconds: float) -> None:
@@ -740,7 +770,9 @@ def write(args, res, med, seconds: float) -> None:
                TUNIX: fl["step"], TUNIX_NP: fl["step"], TUNIX_REP: fl["step"], CE_ONLY: fl["student"],
                OURS + ROWS: fl["step"], REF + ROWS: fl["step"], OURS + ROWS + LIGHT: fl["step"],
                REF + ROWS + LIGHT: fl["step"],
-               BARE_T: fl["teacher"], BARE_S: fl["student"], HAND: fl["step"]}
+               BARE_T: fl["teacher"], BARE_S: fl["student"], HAND: fl["step"],
+               OURS + DP: fl["step"], OURS + DP + LIGHT: fl["step"], TUNIX_DP: fl["step"], HAND + DP: fl["step"],
+               BARE_T + DP: fl["teacher"], BARE_S + DP: fl["student"]}
   tc, sc = res["tcfg"], res["scfg"]
   (l1, l5, l15), (e1, e5, e15) = res["load"]
   lines = [
@@ -774,6 +806,10 @@ def write(args, res, med, seconds: float) -> None:
       "  replicated**: split input as in the headline row, the student's weights replicated instead of split over",
       "  `tensor` (the layout of our *student over the batch* rows; tunix still splits the batch over `data` only).",
       "  The targets compare against the faster of the two split-input tunix rows in the run.",
+      "* **..., data parallel (8x1)**: the same systems on the mesh `data`=8, `tensor`=1 of the same 8 devices: both",
+      "  models replicated, the batch split over all 8, no collective but the gradient sums (for models this small",
+      "  the layout a user would pick; tunix given split input as in its headline row). The targets also compare",
+      "  each system at its fastest layout of those run.",
       f"* {args.warmup} warm-up steps (compilation) per system, then {args.steps} timed steps each, interleaved;",
       "  each step timed to completion.",
       f"* ChunkedLogitKD with chunk_size={args.chunk} tokens per device.",
@@ -793,9 +829,10 @@ def write(args, res, med, seconds: float) -> None:
       "|---|---:|---:|---:|---:|---:|---:|---|",
   ]
   order = [OURS, REF, OURS + LIGHT, REF + LIGHT, OURS + ROWS, REF + ROWS, OURS + ROWS + LIGHT, REF + ROWS + LIGHT,
-           TUNIX, TUNIX_REP, TUNIX_NP, HAND, CE_ONLY, BARE_T, BARE_S, ONE + OURS, ONE + REF,
-           ONE + OURS + LIGHT, ONE + REF + LIGHT, ONE + HAND, ONE + BARE_T, ONE + BARE_S]
-  for name in order:
+           OURS + DP, OURS + DP + LIGHT, TUNIX, TUNIX_REP, TUNIX_DP, TUNIX_NP, HAND, HAND + DP, CE_ONLY, BARE_T, BARE_S,
+           BARE_T + DP, BARE_S + DP, ONE + OURS, ONE + REF, ONE + OURS + LIGHT, ONE + REF + LIGHT, ONE + HAND,
+           ONE + BARE_T, ONE + BARE_S]
+  for name in (n for n in order if n in t):  # a file rendered from an earlier run may lack some rows
     base = name.removeprefix(ONE)
     r = rate[ONE if name.startswith(ONE) else ""]
     f = row_flops[base]
@@ -872,7 +909,8 @@ def write(args, res, med, seconds: float) -> None:
       "The metrics-light step, which the training loop runs on every step it does not log (tunix computes its loss "
       "and none of these metrics), student over the batch: ChunkedLogitKD "
       f"{best[light[0]][0]:.2f}x / {best[light[0]][1]:.2f}x ({best[light[0]][2]}), LogitKD {best[light[1]][0]:.2f}x / "
-      f"{best[light[1]][1]:.2f}x: **{verdict(min(best[k][i] for k in light for i in (0, 1)) >= 1.25)}**.",
+      f"{best[light[1]][1]:.2f}x: **{verdict(min(best[k][i] for k in light for i in (0, 1)) >= 1.25)}**."
+      + fastest_layouts(t, med, ratio, verdict),
       f"* ours / bare <= 1.05x on one device: ChunkedLogitKD {ov[ONE + OURS][0]:.2f}x, LogitKD {ov[ONE + REF][0]:.2f}x: "
       f"**{verdict(max(ov[ONE + OURS][0], ov[ONE + REF][0]) <= 1.05)}**; metrics-light steps (the loop's steps between "
       f"logs): {ov[ONE + OURS + LIGHT][0]:.2f}x, {ov[ONE + REF + LIGHT][0]:.2f}x: "
