@@ -757,6 +757,23 @@ def fastest_layouts(t, med, ratio, verdict) -> str:
   return out[:-1] + "."
 
 
+def dp_reading(t, med, ratio) -> list[str]:
+  """The reading of the data-parallel (8x1) rows ([] for a run without them)."""
+  if TUNIX_DP not in t:
+    return []
+  tun, hand = ratio(TUNIX_DP, (OURS + DP,)), ratio(HAND + DP, (OURS + DP,))
+  tun_hand, layout = ratio(TUNIX_DP, (HAND + DP,)), ratio(TUNIX_DP, (TUNIX,))
+  bare = ratio(OURS + DP, (BARE_T + DP, BARE_S + DP))
+  return [
+      f"Data parallel on 8x1 (no `tensor` split, no collective but the gradient sums): tunix / ours ChunkedLogitKD "
+      f"{tun[0]:.2f}x by medians ({tun[1]:.2f}x paired), the hand-written step / ours {hand[0]:.2f}x ({hand[1]:.2f}x), "
+      f"tunix / the hand-written step {tun_hand[0]:.2f}x ({tun_hand[1]:.2f}x); ours / the bare programs {bare[0]:.2f}x "
+      f"({bare[1]:.2f}x). tunix on 8x1 / tunix on 2x4: {layout[0]:.2f}x ({layout[1]:.2f}x). Each device holds the whole "
+      "vocabulary here, so the hand-written step forms its full `[B, T, V]` logits and their softmaxes per device, "
+      "where the chunked loss forms them a chunk at a time from the final hidden states.",
+  ]
+
+
 def write(args, res, med, seconds: float) -> None:
   tokens = B * T
   t, cpu = res["times"], res["cpu"]
@@ -1009,6 +1026,7 @@ def write(args, res, med, seconds: float) -> None:
       f"one program; ours / the hand-written step on the mesh is {hand[OURS][0]:.2f}x (ChunkedLogitKD) and "
       f"{hand[REF][0]:.2f}x (LogitKD) by medians, what the framework's step adds or saves beyond that (the chunked "
       "loss, the one-pass loss and metrics, the bundled sums).",
+      *dp_reading(t, med, ratio),
       "An earlier version of this file compared against tunix's numpy-input row only.",
       "",
       "Where our step's time goes beyond the bare programs (2x4 mesh, paired): the same step with a",
