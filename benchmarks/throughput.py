@@ -806,7 +806,7 @@ def write(args, res, med, seconds: float) -> None:
       "  prints; it counts this benchmark's own threads too). Absolute times are slow and noisy; the ratios compare systems timed in the",
       "  same interleaved rounds (medians of per-round ratios: *paired*), which is what this measures.",
       "* Mesh 2x4 (`data`=2, `tensor`=4) of 8 simulated CPU devices sharing those cores. The `1 device:` rows run",
-      "  after them in a child process whose JAX has one CPU device (no mesh; XLA's CPU client uses the cores for",
+      "  first, in a child process whose JAX has one CPU device (no mesh; XLA's CPU client uses the cores for",
       "  intra-op threads), interleaved among themselves: a program placed on one of 8 simulated devices runs slower",
       "  than the same program in a process with one device (see throughput_notes.md), which is not what one device",
       "  means.",
@@ -838,7 +838,8 @@ def write(args, res, med, seconds: float) -> None:
       f"{fl['n_s']:,}), distillation step {fl['step'] / 1e9:.2f} GFLOP (KL / softmax elementwise work not counted).",
       f"Matmul rate measured in these rounds, on each device set: **one device {rate[ONE] / 1e9:.1f} GFLOP/s, "
       f"2x4 mesh {rate[''] / 1e9:.1f} GFLOP/s**: the fastest of {len(PROBES)} float32 matmul shapes timed on that "
-      "device set (on the mesh, rows split over the 8 devices; median time of each, table below). Both device sets "
+      "device set (on the mesh, rows split over the 8 devices, the rate of the 2x4 and the 8x1 rows alike; median time of "
+      "each, table below). Both device sets "
       "run on the same 2 cores. *of matmul rate* = (FLOPs / median step time) / the rate of the row's device set.",
       "",
       "| system | median step (ms) | tokens/s | median CPU s / step | GFLOP / step | GFLOP/s | of matmul rate "
