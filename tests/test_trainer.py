@@ -147,6 +147,53 @@ def test_evaluation_is_a_token_mean_that_ignores_padding(mesh):
   np.testing.assert_allclose(got["ppl"], np.exp(got["loss"]), rtol=1e-6)
 
 
+class _FirstBatches:
+  """``bundle`` with its training data cut after ``n`` batches: a finite dataset that ends before the run's steps."""
+
+  def __init__(self, bundle, n):
+    self.bundle, self.n = bundle, n
+
+  def train_iterator(self, position):
+    return _Cut(self.bundle.train_iterator(position), self.n)
+
+  def val_batches(self, max_batches):
+    return self.bundle.val_batches(max_batches)
+
+
+class _Cut:
+  def __init__(self, it, n):
+    self.it, self.left = it, n - it.get_state()["next_batch"]
+
+  def __next__(self):
+    if self.left <= 0:
+      raise StopIteration
+    self.left -= 1
+    return next(self.it)
+
+  def get_state(self):
+    return self.it.get_state()
+
+  def close(self):
+    self.it.close()
+
+
+def test_a_run_whose_data_ends_early_logs_evaluates_and_checkpoints_its_last_step(data, kd, tmp_path):
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every=4)
+  stream = io.StringIO()
+  monitor = Monitor(str(tmp_path / "run"), 10, stream=stream)
+  res = fit(kd, _FirstBatches(data, 5), steps=10, eval_every=4, log_every=4, checkpointer=ckpt, monitor=monitor)
+  monitor.close()
+  assert res.step == 5 and int(jax.device_get(res.state.step)) == 5
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  # step 5 is logged, evaluated and saved as a run's last step is (before: the rows and checkpoint of step 4 only)
+  assert [r["step"] for r in rows if r["split"] == "train"] == [4, 5]
+  assert [r["step"] for r in rows if r["split"] == "val"] == [4, 5] and res.eval
+  assert sorted(ckpt.all_steps()) == [4, 5]
+  _, position, _ = ckpt.restore(kd, kd.init_state())
+  assert position["next_batch"] == 5
+  assert "the data ran out after step 5 of 10" in stream.getvalue()
+
+
 def test_monitor_writes_jsonl_tensorboard_plots_and_a_profile(data, settings, kd, tmp_path):
   run = tmp_path / "run"
   stream = io.StringIO()

@@ -71,7 +71,8 @@ class FitOptions:
 
   Attributes:
     steps: the run's total number of steps (a resumed run continues up to it); None runs until
-      the data end.
+      the data end. Data that ends first ends the run there, with what a run does at its end (the
+      last train log, the final evaluation, the final checkpoint) and a message saying so.
     kind: a label stored in checkpoints (``distill`` / ``pretrain``); resuming checks it.
     eval_every: evaluate every N steps (0: only at the end); ``eval_batches`` bounds the batches.
     log_every: average, write and display the train metrics every N steps.
@@ -228,6 +229,23 @@ class Run:
       self._advance()
     if self.pending is not None:  # the data ended before the last step's loss was read
       self._settle()
+    if self.ended and self.step > self.start:
+      self._end_with_the_data()
+
+  def _end_with_the_data(self) -> None:
+    """The data ran out before the run's last step: the step reached ends the run, so what a run does at its
+    end (the last train log, the final evaluation, the final checkpoint) happens now, once: the hooks already
+    due at this step acted on it in `_advance`."""
+    step = self.step
+    done = [h for h in self.hooks if h.due(self, step)]
+    if self.steps is not None:
+      self.monitor.message(f"the data ran out after step {step} of {self.steps}; the run ends there")
+    self.last = self.steps = step
+    t_aside = time.perf_counter()
+    for h in self.hooks:
+      if h not in done and h.due(self, step):
+        h.after_step(self, step)
+    self.monitor.exclude(time.perf_counter() - t_aside)
 
   def _next_batch(self):
     if self.ahead is not None:
