@@ -152,7 +152,8 @@ class Ours:
     """Our training loop (`meshdistill.trainer.fit`, default options, no checkpoints or evaluation) over
     ``xs``, continuing this system's state; returns once the state after the last step is computed (fit itself
     returns with that step possibly in flight: it reads losses only where a hook needs them)."""
-    self.state = fit(self.d, Batches(xs), steps=None, log_every=log_every, state=self.state).state
+    data = md.data.BatchList(ours_batch(x) for x in xs)
+    self.state = fit(self.d, data, steps=None, log_every=log_every, state=self.state).state
     jax.block_until_ready(self.state)
 
 
@@ -219,40 +220,6 @@ class Tunix:
   def losses(self) -> list[float]:
     self.trainer.close()  # flushes the last buffered step's metrics
     return [float(v) for v in self.trainer.metrics_logger.get_metric_history("", "loss", "train")]
-
-
-class Batches:
-  """What `meshdistill.trainer.fit` reads its batches from: the benchmark's numpy batches, no validation data."""
-
-  def __init__(self, xs):
-    self.xs = xs
-
-  def train_iterator(self, position):
-    return _BatchIterator(self.xs, position or 0)
-
-  def val_batches(self, max_batches):
-    del max_batches
-    return []
-
-
-class _BatchIterator:
-  def __init__(self, xs, i: int):
-    self.xs, self.i = xs, i
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    if self.i >= len(self.xs):
-      raise StopIteration
-    self.i += 1
-    return ours_batch(self.xs[self.i - 1])
-
-  def get_state(self):
-    return self.i
-
-  def close(self):
-    pass
 
 
 class Bare:

@@ -130,37 +130,10 @@ def test_metrics_light_step_gives_the_same_update_with_fewer_collectives(mesh_st
 
 
 def test_fit_runs_metrics_light_steps_between_logs(tmp_path):
-  class Data:
-    def __init__(self, batches):
-      self.batches = batches
-
-    def train_iterator(self, position):
-      return _Iter(self.batches, position or 0)
-
-    def val_batches(self, max_batches):
-      del max_batches
-      return []
-
-  class _Iter:
-    def __init__(self, batches, i):
-      self.batches, self.i = batches, i
-
-    def __next__(self):
-      if self.i >= len(self.batches):
-        raise StopIteration
-      self.i += 1
-      return self.batches[self.i - 1]
-
-    def get_state(self):
-      return self.i
-
-    def close(self):
-      pass
-
   batches = [make_batch(seed=s) for s in range(6)]
   d = _distiller(None)
   monitor = Monitor(str(tmp_path), 6)
-  res = fit(d, Data(batches), steps=6, log_every=2, monitor=monitor)
+  res = fit(d, md.data.BatchList(batches), steps=6, log_every=2, monitor=monitor)
   monitor.close()
   assert d._light is not None and d._light._compiled is not None  # the light step ran
   rows = [r for r in read_metrics(str(tmp_path)) if r["split"] == "train"]

@@ -15,41 +15,11 @@ from typing import Any, Callable, Iterable
 import jax
 import numpy as np
 
+from meshdistill.data import BatchList
 from meshdistill.guard import DivergenceEvent, DivergenceGuard, NoRecovery, Recovery, copy_state  # noqa: F401
 from meshdistill.hooks import Hook
 from meshdistill.optimizers import safeguarded, skipped_updates  # noqa: F401
 from meshdistill.strategies import LogitMSE, ScaledLoss, fallback_strategy  # noqa: F401
-
-
-class _BatchList:
-  """A list of host batches as `fit` reads data (no validation batches)."""
-
-  def __init__(self, batches: Iterable[dict]):
-    self.batches = list(batches)
-
-  def val_batches(self, max_batches=None):
-    del max_batches
-    return []
-
-  def train_iterator(self, state=None):
-    return _ListIterator(self.batches, (state or {}).get("next_batch", 0))
-
-
-class _ListIterator:
-  def __init__(self, batches, position):
-    self.batches, self.position = batches, position
-
-  def __next__(self):
-    if self.position >= len(self.batches):
-      raise StopIteration
-    self.position += 1
-    return self.batches[self.position - 1]
-
-  def get_state(self):
-    return {"next_batch": self.position}
-
-  def close(self):
-    pass
 
 
 class _Records(Hook):
@@ -99,7 +69,7 @@ def fit_guarded(
   from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
 
   records = _Records(on_step)
-  result = fit(distiller, _BatchList(batches), state=state, hooks=[records], steps=None, log_every=2**62,
+  result = fit(distiller, BatchList(batches), state=state, hooks=[records], steps=None, log_every=2**62,
                guard=guard if guard is not None else DivergenceGuard(), keep_every=keep_every, fallback=fallback,
                guard_lag=0)
   return result.state, records.records

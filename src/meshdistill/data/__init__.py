@@ -10,9 +10,10 @@ The trainer's entry point::
 
 Modules: `_corpus` (sources and the split by document), `_tokenizer` (byte-level and BPE),
 `_packing` (rows, targets and the loss mask), `_loader` (grain: shuffling, epochs, process
-shards, state), `_pipeline` (config and `build_data`).
+shards, state), `_pipeline` (config and `build_data`), `_batch_list` (batches already in memory).
 """
 
+from meshdistill.data._batch_list import BatchList, BatchListIterator
 from meshdistill.data._corpus import Document, cap_documents, load_documents, split_documents, stdlib_documents
 from meshdistill.data._loader import TrainIterator, process_slice, validation_batches
 from meshdistill.data._packing import (
@@ -35,6 +36,8 @@ from meshdistill.data._tokenizer import (
 )
 
 __all__ = [
+    "BatchList",
+    "BatchListIterator",
     "PreferencePairs",
     "own_pairs",
     "VOCAB_MULTIPLE",
