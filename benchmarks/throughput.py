@@ -622,6 +622,16 @@ def paired(t: dict[str, list[float]], num: str, den: tuple[str, ...]) -> float:
   return statistics.median(per_round(t, num, den))
 
 
+def ratio_of(t: dict[str, list[float]], med: dict[str, float], num: str,
+             den: tuple[str, ...]) -> tuple[float, float, str]:
+  """(ratio of medians, median of per-round ratios, their interquartile range) of num / sum(den)."""
+  return med[num] / sum(med[d] for d in den), paired(t, num, den), spread(t, num, den)
+
+
+def verdict(ok: bool) -> str:
+  return "met" if ok else "NOT met"
+
+
 def spread(t: dict[str, list[float]], num: str, den: tuple[str, ...]) -> str:
   """The range of the per-round ratios between their quartiles (the middle half of the rounds)."""
   q1, _, q3 = statistics.quantiles(per_round(t, num, den), n=4)
@@ -641,7 +651,7 @@ def loop_section(res, fl, rate, med) -> dict[str, list[str]]:
   lmed = {name: statistics.median(v) for name, v in t.items()}
 
   def ratio(num: str, den: tuple[str, ...]) -> tuple[float, float, str]:
-    return lmed[num] / sum(lmed[d] for d in den), paired(t, num, den), spread(t, num, den)
+    return ratio_of(t, lmed, num, den)
 
   peers = [p for p in (TUNIX, TUNIX_REP, TUNIX_DP) if p in t]
   peer = min(peers, key=lmed.get)
@@ -650,6 +660,10 @@ def loop_section(res, fl, rate, med) -> dict[str, list[str]]:
   slow = {"ours": lmed[OURS + ROWS] / med[OURS + ROWS + LIGHT], "tunix": lmed[TUNIX] / med[TUNIX],
           "rep": lmed[TUNIX_REP] / med[TUNIX_REP], "bare": lmed[BARE] / (med[BARE_T] + med[BARE_S]),
           "bare1": lmed[ONE + BARE] / (med[ONE + BARE_T] + med[ONE + BARE_S])}
+  def where(o: str) -> str:
+    return o.replace(ONE, "one device, ").replace("meshdistill ", "") if o.startswith(ONE) else (
+        o.removeprefix("meshdistill ") + ", 2x4 mesh")
+
   lines = [
       "",
       "## Training loops side by side",
@@ -671,16 +685,16 @@ def loop_section(res, fl, rate, med) -> dict[str, list[str]]:
   for name, ts in t.items():
     r = rate[ONE if name.startswith(ONE) else ""]
     every = ", ".join(f"{1e3 * v:.0f}" for v in ts)
-    lines.append(f"| {name} | {1e3 * lmed[name]:.1f} | {tokens / lmed[name]:.0f} | {fl['step'] / lmed[name] / 1e9:.1f} | "
-                 f"{100 * fl['step'] / lmed[name] / r:.0f}% | {every} |")
+    rate_s = fl["step"] / lmed[name]
+    lines.append(f"| {name} | {1e3 * lmed[name]:.1f} | {tokens / lmed[name]:.0f} | {rate_s / 1e9:.1f} | "
+                 f"{100 * rate_s / r:.0f}% | {every} |")
   lines += [
       "",
       "| comparison (loops) | ratio of medians | paired | paired, middle half of the rounds |",
       "|---|---:|---:|---:|",
       *[f"| {'**' if p == peer else ''}tokens/s, {o.removeprefix('meshdistill ')} / {p}{'**' if p == peer else ''} | "
         f"{a:.2f}x | {b:.2f}x | {c} |" for (o, p), (a, b, c) in vs.items()],
-      *[f"| our loop / the bare loop, {o.replace(ONE, 'one device, ').replace('meshdistill ', '') if o.startswith(ONE) else o.removeprefix('meshdistill ') + ', 2x4 mesh'}"
-        f" | {a:.2f}x | {b:.2f}x | {c} |" for o, (a, b, c) in bare.items()],
+      *[f"| our loop / the bare loop, {where(o)} | {a:.2f}x | {b:.2f}x | {c} |" for o, (a, b, c) in bare.items()],
       f"| tunix: step rows (one `train()` call per batch) / its loop (not paired: other rounds) | "
       f"{med[TUNIX] / lmed[TUNIX]:.2f}x | | |",
       "",
@@ -695,26 +709,27 @@ def loop_section(res, fl, rate, med) -> dict[str, list[str]]:
   ]
   best = max((o for o in (*LOOP_OURS, OURS + DP) if o in t), key=lambda o: min(vs[(o, peer)][:2]))
   roof = {o: fl["step"] / lmed[ONE + o] / rate[ONE] for o in (OURS, REF)}
-  ok = lambda b: "met" if b else "NOT met"  # noqa: E731
   targets = [
       f"* In the training loops (above; each system's own loop, tunix's per-call set-up paid once per block): ours "
       f"/ tunix's faster loop (*{peer}*) >= 1.25x: best {best.removeprefix('meshdistill ')} "
       f"{vs[(best, peer)][0]:.2f}x by medians, {vs[(best, peer)][1]:.2f}x paired ({vs[(best, peer)][2]}): "
-      f"**{ok(min(vs[(best, peer)][:2]) >= 1.25)}**; ours / bare <= 1.05x on one device: ChunkedLogitKD "
+      f"**{verdict(min(vs[(best, peer)][:2]) >= 1.25)}**; ours / bare <= 1.05x on one device: ChunkedLogitKD "
       f"{bare[ONE + OURS][0]:.2f}x / {bare[ONE + OURS][1]:.2f}x, LogitKD {bare[ONE + REF][0]:.2f}x / "
-      f"{bare[ONE + REF][1]:.2f}x: **{ok(max(bare[ONE + OURS][0], bare[ONE + REF][0]) <= 1.05)}**; one device of the "
-      f"matmul rate: {100 * roof[OURS]:.0f}% / {100 * roof[REF]:.0f}%: **{ok(max(roof.values()) >= 0.7)}**.",
+      f"{bare[ONE + REF][1]:.2f}x: **{verdict(max(bare[ONE + OURS][0], bare[ONE + REF][0]) <= 1.05)}**; one device of "
+      "the "
+      f"matmul rate: {100 * roof[OURS]:.0f}% / {100 * roof[REF]:.0f}%: **{verdict(max(roof.values()) >= 0.7)}**.",
   ]
   return {"lines": lines, "targets": targets}
 
 
-def fastest_layouts(t, med, ratio, verdict) -> str:
+def fastest_layouts(t, med, ratio) -> str:
   """The first target's closing sentence: each system at its fastest layout of those in the run (ChunkedLogitKD),
   the full step and the metrics-light one, against tunix's fastest ("" for a run without the 8x1 rows)."""
   if TUNIX_DP not in t:
     return ""
   peer = min((TUNIX, TUNIX_REP, TUNIX_DP), key=med.get)
-  out = f" Each system at its fastest layout of those run here (2x4 as above, or data parallel on 8x1; tunix: *{peer}*):"
+  out = (" Each system at its fastest layout of those run here (2x4 as above, or data parallel on 8x1; "
+         f"tunix: *{peer}*):")
   for kind, names in (("full step", (OURS, OURS + ROWS, OURS + DP)),
                       ("metrics-light", (OURS + LIGHT, OURS + ROWS + LIGHT, OURS + DP + LIGHT))):
     ours = min(names, key=med.get)
@@ -735,9 +750,9 @@ def dp_reading(t, med, ratio) -> list[str]:
       f"Data parallel on 8x1 (no `tensor` split, no collective but the gradient sums): tunix / ours ChunkedLogitKD "
       f"{tun[0]:.2f}x by medians ({tun[1]:.2f}x paired), the hand-written step / ours {hand[0]:.2f}x ({hand[1]:.2f}x), "
       f"tunix / the hand-written step {tun_hand[0]:.2f}x ({tun_hand[1]:.2f}x); ours / the bare programs {bare[0]:.2f}x "
-      f"({bare[1]:.2f}x). tunix on 8x1 / tunix on 2x4: {layout[0]:.2f}x ({layout[1]:.2f}x). Each device holds the whole "
-      "vocabulary here, so the hand-written step forms its full `[B, T, V]` logits and their softmaxes per device, "
-      "where the chunked loss forms them a chunk at a time from the final hidden states.",
+      f"({bare[1]:.2f}x). tunix on 8x1 / tunix on 2x4: {layout[0]:.2f}x ({layout[1]:.2f}x). Each device holds "
+      "the whole vocabulary here, so the hand-written step forms its full `[B, T, V]` logits and their softmaxes per "
+      "device, where the chunked loss forms them a chunk at a time from the final hidden states.",
   ]
 
 
@@ -763,7 +778,7 @@ def write(args, res, med, seconds: float) -> None:
       "# Throughput: meshdistill vs tunix on the same work, with a roofline",
       "",
       f"Produced by `python benchmarks/throughput.py --vocab {args.vocab} --steps {args.steps} --warmup {args.warmup} "
-      f"--chunk {args.chunk} --loop-rounds {getattr(args, 'loop_rounds', 0)} --loop-steps {getattr(args, 'loop_steps', 0)}` "
+      f"--chunk {args.chunk} --loop-rounds {args.loop_rounds} --loop-steps {args.loop_steps}` "
       f"({seconds:.0f} s wall).",
       "",
       "## Set-up",
@@ -805,8 +820,8 @@ def write(args, res, med, seconds: float) -> None:
       f"{fl['n_s']:,}), distillation step {fl['step'] / 1e9:.2f} GFLOP (KL / softmax elementwise work not counted).",
       f"Matmul rate measured in these rounds, on each device set: **one device {rate[ONE] / 1e9:.1f} GFLOP/s, "
       f"2x4 mesh {rate[''] / 1e9:.1f} GFLOP/s**: the fastest of {len(PROBES)} float32 matmul shapes timed on that "
-      "device set (on the mesh, rows split over the 8 devices, the rate of the 2x4 and the 8x1 rows alike; median time of "
-      "each, table below). Both device sets "
+      "device set (on the mesh, rows split over the 8 devices, the rate of the 2x4 and the 8x1 rows alike; median "
+      "time of each, table below). Both device sets "
       "run on the same 2 cores. *of matmul rate* = (FLOPs / median step time) / the rate of the row's device set.",
       "",
       "| system | median step (ms) | tokens/s | median CPU s / step | GFLOP / step | GFLOP/s | of matmul rate "
@@ -835,8 +850,7 @@ def write(args, res, med, seconds: float) -> None:
   rows = (OURS + ROWS, REF + ROWS, OURS + ROWS + LIGHT, REF + ROWS + LIGHT)  # mesh only
 
   def ratio(num: str, den: tuple[str, ...]) -> tuple[float, float, str]:
-    """(ratio of medians, median of per-round ratios, their interquartile range) of num / sum(den)."""
-    return med[num] / sum(med[d] for d in den), paired(t, num, den), spread(t, num, den)
+    return ratio_of(t, med, num, den)
 
   sp = {k: ratio(TUNIX, (k,)) for k in (*ours, *rows)}
   sp_rep = {k: ratio(TUNIX_REP, (k,)) for k in (*ours, *rows)}
@@ -875,9 +889,6 @@ def write(args, res, med, seconds: float) -> None:
         f" | {a:.2f}x | {b:.2f}x | {c} |" for k, (a, b, c) in hand.items()],
       "",
   ]
-  def verdict(ok: bool) -> str:
-    return "met" if ok else "NOT met"
-
   roof = {k: fl["step"] / med[ONE + k] / rate[ONE] for k in ours}
   # tunix's faster layout of the two it was given (student split over `tensor`, or replicated), by medians
   peer = TUNIX if med[TUNIX] <= med[TUNIX_REP] else TUNIX_REP
@@ -895,7 +906,7 @@ def write(args, res, med, seconds: float) -> None:
       "and none of these metrics), student over the batch: ChunkedLogitKD "
       f"{best[light[0]][0]:.2f}x / {best[light[0]][1]:.2f}x ({best[light[0]][2]}), LogitKD {best[light[1]][0]:.2f}x / "
       f"{best[light[1]][1]:.2f}x: **{verdict(min(best[k][i] for k in light for i in (0, 1)) >= 1.25)}**."
-      + fastest_layouts(t, med, ratio, verdict),
+      + fastest_layouts(t, med, ratio),
       f"* ours / bare <= 1.05x on one device: ChunkedLogitKD {ov[ONE + OURS][0]:.2f}x, LogitKD {ov[ONE + REF][0]:.2f}x: "
       f"**{verdict(max(ov[ONE + OURS][0], ov[ONE + REF][0]) <= 1.05)}**; metrics-light steps (the loop's steps between "
       f"logs): {ov[ONE + OURS + LIGHT][0]:.2f}x, {ov[ONE + REF + LIGHT][0]:.2f}x: "

@@ -143,8 +143,8 @@ def _rows_whole(tree: Any) -> Any:
   rows (the student's nested ``shard_map``) and carries that split back into the teacher, whose weights are split
   over the same axis: on the 2x4 benchmark step it gathered every layer's attention weights and gathered the
   activations back before each MLP (a planned Qwen3-1.7B teacher on 2x4: 198 all-gathers, its whole bfloat16
-  weights, 3.44 GB per device, every step). Pinned, the teacher runs split over ``tensor`` as in the default split, and its outputs reach
-  the student's rows once (an all-to-all of the logits)."""
+  weights, 3.44 GB per device, every step). Pinned, the teacher runs split over ``tensor`` as in the default
+  split, and its outputs reach the student's rows once (an all-to-all of the logits)."""
   def pin(x):
     if not isinstance(x, jax.Array) or x.ndim == 0:
       return x
