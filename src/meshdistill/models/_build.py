@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,7 +13,8 @@ from meshdistill.mesh import TENSOR, param_shardings
 from meshdistill.models.decoder import Decoder, ModelConfig
 
 
-def _create(cfg: ModelConfig, seed: int) -> Decoder:
+def _create(cfg: ModelConfig, seed: int | jax.Array) -> Decoder:
+  """A decoder drawn from ``seed`` (an int, or the key ``jax.random.key(seed)``: the same weights)."""
   with nnx.use_eager_sharding(False):
     return Decoder(cfg, rngs=nnx.Rngs(seed))
 
@@ -64,12 +67,19 @@ def init_model(cfg: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -> Dec
   """
   if mesh is None and cfg.param_dtype == "float32":
     return _create(cfg, seed)
+  graphdef, initialise = _initializer(cfg, mesh)
+  return nnx.merge(graphdef, initialise(jax.random.key(seed)))
+
+
+@functools.lru_cache(maxsize=16)
+def _initializer(cfg: ModelConfig, mesh: Mesh | None):
+  """(graphdef, jitted ``key -> state``) of `init_model` for ``cfg`` on ``mesh``: traced and compiled once per
+  config and mesh, then reused for every seed (a new model on the same mesh costs one run of it, not a compile)."""
   fitted = cfg if mesh is None else cfg.for_tensor(mesh.shape[TENSOR])
   graphdef, target, shardings = abstract_params(fitted, mesh)
   real = cfg.replace(vocab_multiple=1, replicate_kv=False, param_dtype="float32")
   placement = {} if mesh is None else {"out_shardings": shardings}
-  state = jax.jit(lambda: pad_state(nnx.state(_create(real, seed)), target), **placement)()
-  return nnx.merge(graphdef, state)
+  return graphdef, jax.jit(lambda key: pad_state(nnx.state(_create(real, key)), target), **placement)
 
 
 def fit_model(model: Decoder, tensor: int) -> Decoder:
