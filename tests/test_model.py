@@ -78,3 +78,18 @@ def test_sequence_longer_than_max_len_is_rejected():
     model(jnp.zeros((1, 17), jnp.int32))
   with pytest.raises(ValueError, match="capture"):
     model(jnp.zeros((1, 4), jnp.int32), capture=("logits",))
+
+
+def test_models_built_on_a_mesh_one_after_another_each_hold_their_own_seeds_weights():
+  """`init_model` on a mesh compiles its initialiser once per config and mesh and reuses it: every seed must still
+  give that seed's weights (those of the one-device initialisation, to float32 rounding: the jitted embedding
+  initialiser may differ from the eager one in the last bit), and a seed built again the same weights bit for bit."""
+  mesh = md.make_mesh(data=2, tensor=4)
+  flat = lambda model: [np.asarray(v[...]) for _, v in nnx.to_flat_state(nnx.state(model))]  # noqa: E731
+  first, other, again = (flat(md.init_model(TEACHER_CFG, seed, mesh)) for seed in (0, 5, 0))
+  for seed, got in ((0, first), (5, other)):
+    for g, want in zip(got, flat(md.init_model(TEACHER_CFG, seed))):
+      np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-7)
+  for a, b in zip(first, again):
+    np.testing.assert_array_equal(a, b)
+  assert all(not np.array_equal(a, b) for a, b in zip(first, other) if a.ndim >= 2)  # every weight matrix drawn anew
