@@ -32,8 +32,9 @@ def test_capture_returns_hidden_states_and_attention_without_touching_params():
   assert len(out.attn) == L and out.attn[0].shape == (2, H, 10, 10)
   np.testing.assert_allclose(np.asarray(jnp.sum(out.attn[1], -1)), 1.0, rtol=1e-5)
   assert float(jnp.max(jnp.abs(jnp.triu(out.attn[0], k=1)))) == 0.0  # causal
-  # capturing "attn" takes the explicit-score kernel (attention="auto" is xla otherwise): equal up to rounding
-  np.testing.assert_allclose(np.asarray(out.logits), np.asarray(plain.logits), rtol=1e-5, atol=1e-6)
+  # capturing "attn" takes the explicit-score kernel (attention="auto" is xla otherwise): equal up to rounding,
+  # which differs by CPU (2e-6 on logits of magnitude ~3 on one AVX-512 machine: a few float32 ulps)
+  np.testing.assert_allclose(np.asarray(out.logits), np.asarray(plain.logits), rtol=1e-5, atol=1e-5)
   explicit = md.init_model(TEACHER_CFG.replace(attention="explicit"), seed=0)
   np.testing.assert_array_equal(np.asarray(explicit(x, capture=("attn",)).logits), np.asarray(explicit(x).logits))
   assert out.final.shape == (2, 10, TEACHER_CFG.d_model)
