@@ -16,6 +16,10 @@ Each op is counted at its fastest of the traced steps (on a shared machine a run
 jobs slowed is not the op's cost), times its runs per step; summed over the runtime's threads (ops run
 concurrently) and shown as shares.
 
+The one-device rows are traced in a process whose JAX has one CPU device, as `throughput.py` times
+them (a program on one of 8 simulated devices runs slower than in a process with one device); with
+``--mesh`` they come from a child process of that kind and the 2x4 rows from this one.
+
 Run: ``python benchmarks/step_profile.py [--steps 4] [--mesh] [--label after]``; prints a markdown
 table and replaces the rows of ``--label`` in ``benchmarks/results/step_profile.jsonl``, which
 `benchmarks/throughput.py` renders into ``benchmarks/results/throughput.md`` (before / after).
@@ -31,9 +35,13 @@ import json
 import os
 import pathlib
 import re
+import subprocess
 import sys
 import tempfile
 
+ONE_DEVICE_ENV = "MESHDISTILL_THROUGHPUT_ONE_DEVICE"  # read by throughput.py as it is imported
+if __name__ == "__main__" and "--mesh" not in sys.argv[1:]:
+  os.environ.setdefault(ONE_DEVICE_ENV, "1")
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import throughput as tp  # noqa: E402  (simulates the 8 CPU devices first)
 
@@ -123,6 +131,26 @@ def profile(distiller, batches, steps: int) -> dict[str, float]:
   return {k: total[k] for k in KINDS}
 
 
+def table_row(step: str, ms: dict[str, float]) -> str:
+  total = sum(ms.values())
+  shares = " | ".join(f"{100 * ms[k] / total:.0f}% ({ms[k]:.0f})" for k in KINDS)
+  return f"| {step} | {total:.0f} | {shares} |"
+
+
+def one_device_rows(args) -> list[dict]:
+  """The one-device rows, traced by this script in a child process whose JAX has one CPU device (this
+  process's device-count flag removed from its environment)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  if tp.XLA_FLAGS_BEFORE is not None:
+    env["XLA_FLAGS"] = tp.XLA_FLAGS_BEFORE
+  env[ONE_DEVICE_ENV] = "1"
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / "one_device.jsonl"
+    subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--vocab", str(args.vocab), "--label",
+                    args.label, "--out", str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=6)
@@ -131,16 +159,19 @@ def main(argv=None):
   parser.add_argument("--label", default="after", help="what this run measures (e.g. before / after a change)")
   parser.add_argument("--out", type=pathlib.Path, default=RESULT)
   args = parser.parse_args(argv)
-  rows = []
+  one_device = os.environ.get(ONE_DEVICE_ENV) == "1"
+  print("| step | op time / step (ms, summed over threads) | " + " | ".join(KINDS) + " |")
+  print("|---|---:|" + "---:|" * len(KINDS))
+  rows = [] if one_device else one_device_rows(args)
+  for row in rows:
+    print(table_row(row["step"], row["ms"]), flush=True)
   tcfg, scfg = tp.configs(args.vocab)
   batches = tp.make_batches(args.steps + 2, args.vocab)
-  meshes = {"1 device": None, **({"2x4": md.make_mesh(data=2, tensor=4)} if args.mesh else {})}
+  meshes = {"1 device": None} if one_device else {"2x4": md.make_mesh(data=2, tensor=4)}
   strategies = {
       "ChunkedLogitKD": ChunkedLogitKD(temperature=tp.TAU, alpha=tp.ALPHA, chunk_size=256),
       "LogitKD": LogitKD(temperature=tp.TAU, alpha=tp.ALPHA),
   }
-  print("| step | op time / step (ms, summed over threads) | " + " | ".join(KINDS) + " |")
-  print("|---|---:|" + "---:|" * len(KINDS))
   for where, mesh in meshes.items():
     for name, strategy in strategies.items():
       teacher, student = md.init_model(tcfg, seed=0, mesh=mesh), md.init_model(scfg, seed=1, mesh=mesh)
@@ -150,9 +181,7 @@ def main(argv=None):
         variants[", metrics-light"] = d.metrics_light()
       for suffix, dv in variants.items():
         ms = profile(dv, batches, args.steps)
-        total = sum(ms.values())
-        shares = " | ".join(f"{100 * ms[k] / total:.0f}% ({ms[k]:.0f})" for k in KINDS)
-        print(f"| {where}: {name}{suffix} | {total:.0f} | {shares} |", flush=True)
+        print(table_row(f"{where}: {name}{suffix}", ms), flush=True)
         rows.append({"label": args.label, "step": f"{where}: {name}{suffix}", "steps": args.steps,
                      "load": os.getloadavg()[0], "ms": ms})
   kept = []
