@@ -564,7 +564,7 @@ def main(argv=None):
   t0 = time.time()
   load_start = os.getloadavg()
   res = run(args.vocab, args.steps, args.warmup, args.chunk, args.loop_rounds, args.loop_steps)
-  res["load"] = (load_start, os.getloadavg())
+  res["load"], res["machine"] = (load_start, os.getloadavg()), machine()
   med = {name: statistics.median(ts) for name, ts in res["times"].items()}
   for name, ts in res["times"].items():
     print(f"{name}: median {1e3 * med[name]:.1f} ms over {len(ts)} steps", flush=True)
@@ -574,6 +574,25 @@ def main(argv=None):
     print(f"{name}: compiled step {flops / 1e9:.2f} GFLOP (cost_analysis), all-reduces in the HLO {census}", flush=True)
   write(args, res, med, time.time() - t0)
   print(f"wrote {args.out}")
+
+
+def machine() -> str:
+  """Versions and the processor this process runs on (its model name and vector extensions: XLA's CPU kernels,
+  and so the times and the last bits of the losses, differ between processors)."""
+  cpu, isa = platform.machine(), ""
+  try:
+    info = pathlib.Path("/proc/cpuinfo").read_text()
+  except OSError:
+    info = ""
+  for line in info.splitlines():
+    key, _, value = line.partition(":")
+    if key.strip() == "model name" and cpu == platform.machine():
+      cpu = f"{value.strip()} ({platform.machine()})"
+    elif key.strip() == "flags" and not isa:
+      flags = value.split()
+      isa = ", ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+  return (f"jax {jax.__version__}, Python {platform.python_version()}, {cpu}, {os.cpu_count()} CPU cores"
+          + (f" ({isa})" if isa else ""))
 
 
 PROFILE = pathlib.Path(__file__).parent / "results" / "step_profile.jsonl"
@@ -1052,11 +1071,11 @@ def write(args, res, med, seconds: float) -> None:
       "",
   ]
   lines += profile_section()
-  lines.append(f"Environment: jax {jax.__version__}, Python {platform.python_version()}, {platform.machine()}.")
+  lines.append(f"Environment: {res.get('machine') or machine()}.")
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text("\n".join(lines) + "\n")
   raw = {k: res[k] for k in ("times", "loop_times", "loop_steps", "cpu", "compile_s", "stats", "matmul_flops",
-                             "losses", "load") if k in res}
+                             "losses", "load", "machine") if k in res}
   raw["args"] = {k: getattr(args, k) for k in ("vocab", "steps", "warmup", "chunk", "loop_rounds", "loop_steps")}
   raw["seconds"] = seconds
   args.out.with_suffix(".json").write_text(json.dumps(raw) + "\n")
