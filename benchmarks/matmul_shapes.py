@@ -1,0 +1,238 @@
+"""The rate the step's own matmul shapes reach: a roofline of the throughput models on one device.
+
+`throughput.py` compares each step with the machine's matmul rate: the fastest of a few large float32
+matmuls. The throughput models are small (student d=128), so their matmuls are not those shapes. This
+benchmark asks what the step's matmuls reach by themselves, with nothing else in the program:
+
+1. every ``dot_general`` of a compiled program is read from its StableHLO (operand shapes, contracting and
+   batch dimensions; a dot in a private function counts once per call): meshdistill's one-device
+   ``LogitKD`` step on the throughput models, the bare teacher forward and the bare student step of
+   `throughput.py`;
+2. each distinct dot is timed alone: one jitted program of ``--chain`` copies of it on different left
+   operands (so XLA cannot merge them; every output is returned, so none is dropped as dead code; they are
+   independent, so XLA's CPU runtime may run two side by side, as it may independent dots of a step),
+   median over ``--calls`` calls, divided by ``--chain``;
+3. per program: the sum over its dots of (runs x time alone) is what its matmuls cost with nothing else
+   running; its FLOPs over that sum is the rate its matmul shapes reach, shown as a fraction of
+   the probe rate (the large matmuls of `throughput.py`, timed here the same way). The programs themselves are
+   timed in the same process (median of ``--calls`` calls), for their fraction of the rate as run.
+
+A program's time can only reach its dots' time if everything but its matmuls took no time and its dots ran as
+well packed as copies of one shape do; so the dots' fraction of the probe rate is what the program can reach
+on this machine at best.
+
+Runs in a process with one CPU device (as `throughput.py`'s one-device rows). ``python
+benchmarks/matmul_shapes.py [--calls 15 --chain 20]``; writes ``benchmarks/results/matmul_shapes.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import pathlib
+import re
+import statistics
+import sys
+import time
+
+os.environ.setdefault("MESHDISTILL_THROUGHPUT_ONE_DEVICE", "1")  # read by throughput.py as it is imported
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import throughput as tp  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import meshdistill as md  # noqa: E402
+from meshdistill.strategies import LogitKD  # noqa: E402
+
+RESULT = pathlib.Path(__file__).parent / "results" / "matmul_shapes.md"
+PROBES = ((1024, 1024, 1024), (4096, 1024, 1024))  # [m, k] x [k, n], as throughput.py's probes
+
+_FUNC = re.compile(r"func\.func (?:public |private )?@([\w.]+)\(")
+_CALL = re.compile(r"call @([\w.]+)\(")
+_DOT = re.compile(r"stablehlo\.dot_general .*?(?:batching_dims = \[([\d, ]*)\] x \[([\d, ]*)\], )?"
+                  r"contracting_dims = \[([\d, ]*)\] x \[([\d, ]*)\].*?: \(tensor<([\dx]+)xf32>, "
+                  r"tensor<([\dx]+)xf32>\)")
+
+Dot = collections.namedtuple("Dot", "lhs rhs lhs_contract rhs_contract lhs_batch rhs_batch")
+
+
+def _ints(s: str | None) -> tuple[int, ...]:
+  return tuple(int(x) for x in s.split(",") if x.strip()) if s else ()
+
+
+def dots_of(stablehlo: str) -> collections.Counter:
+  """Every float32 ``dot_general`` of a StableHLO module -> how often one run of ``main`` runs it. Calls to
+  private functions are followed (a dot in a function called twice counts twice); the programs measured
+  here have no loops (checked: a ``while`` raises)."""
+  if "stablehlo.while" in stablehlo:
+    raise ValueError("a program with a loop: the runs of the dots inside it are not counted here")
+  body: dict[str, list[str]] = collections.defaultdict(list)
+  current = None
+  for line in stablehlo.splitlines():
+    m = _FUNC.search(line)
+    if m:
+      current = m.group(1)
+    elif current is not None:
+      body[current].append(line)
+
+  def count(fn: str) -> collections.Counter:
+    out = collections.Counter()
+    for line in body[fn]:
+      m = _DOT.search(line)
+      if m:
+        lb, rb, lc, rc, lhs, rhs = m.groups()
+        out[Dot(_ints(lhs.replace("x", ",")), _ints(rhs.replace("x", ",")), _ints(lc), _ints(rc), _ints(lb),
+                _ints(rb))] += 1
+      elif "stablehlo.dot_general" in line:
+        raise ValueError(f"a dot this reader does not parse: {line.strip()[:160]}")
+      for called in _CALL.findall(line):
+        out.update(count(called))
+    return out
+
+  return count("main")
+
+
+def flops(d: Dot) -> float:
+  """2 x every index of the output x the contracted size."""
+  batch = math.prod(d.lhs[i] for i in d.lhs_batch)
+  contract = math.prod(d.lhs[i] for i in d.lhs_contract)
+  free_l = math.prod(n for i, n in enumerate(d.lhs) if i not in d.lhs_batch + d.lhs_contract)
+  free_r = math.prod(n for i, n in enumerate(d.rhs) if i not in d.rhs_batch + d.rhs_contract)
+  return 2.0 * batch * free_l * free_r * contract
+
+
+def time_alone(d: Dot, calls: int, chain: int) -> float:
+  """Seconds per run of ``d`` with nothing else to do: ``chain`` copies of it on different left operands in
+  one jitted program (different data, so XLA cannot merge them; independent, so its CPU runtime may run them
+  side by side, as it may run independent dots of a step), per copy."""
+  dims = ((d.lhs_contract, d.rhs_contract), (d.lhs_batch, d.rhs_batch))
+
+  @jax.jit
+  def copies(lhs, rhs):
+    return [jax.lax.dot_general(a, rhs, dims) for a in lhs]  # every output returned: none is dead code
+
+  keys = jax.random.split(jax.random.key(0), chain + 1)
+  lhs = [jax.random.normal(k, d.lhs, jnp.float32) for k in keys[:-1]]
+  rhs = jax.random.normal(keys[-1], d.rhs, jnp.float32)
+  return median_call(lambda: copies(lhs, rhs), calls) / chain
+
+
+def median_call(fn, calls: int) -> float:
+  jax.block_until_ready(fn())  # compile, warm up
+  ts = []
+  for _ in range(calls):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts)
+
+
+def programs(vocab: int):
+  """name -> (StableHLO, a call that runs the program once and waits for it)."""
+  tcfg, scfg = tp.configs(vocab)
+  x = tp.make_batches(1, vocab)[0]
+  teacher, student = md.init_model(tcfg, seed=0), md.init_model(scfg, seed=1)
+  d = md.Distiller(student, teacher, strategy=LogitKD(temperature=tp.TAU, alpha=tp.ALPHA),
+                   optimizer=md.default_optimizer(tp.LR))
+  state, batch = [d.init_state()], tp.ours_batch(x)
+
+  def ours():
+    state[0], metrics = d.step(state[0], batch)
+    return metrics
+
+  bare = tp.Bare(None, tcfg, scfg)
+  inputs, targets = x[:, :-1], x[:, 1:]
+  return {
+      "meshdistill LogitKD step": (d.lower(state[0], batch).as_text(), ours),
+      "bare teacher forward": (bare.teacher_fwd.lower(bare.tparams, inputs).as_text(),
+                               lambda: bare.teacher_fwd(bare.tparams, inputs)),
+      "bare student step": (bare.student_step.lower(bare.sparams, bare.opt_state, inputs, targets).as_text(),
+                            lambda: bare.student(x)),
+  }
+
+
+def probe_list(probes: dict, alone: dict) -> str:
+  return ", ".join(f"{name} {flops(d) / alone[d] / 1e9:.1f}" for name, d in probes.items())
+
+
+def probe_list1(single: dict) -> str:
+  return ", ".join(f"[{m}, {k}] x [{k}, {n}] {r / 1e9:.1f}" for (m, k, n), r in single.items())
+
+
+def shape_name(d: Dot) -> str:
+  lb = f", batch {list(d.lhs_batch)}x{list(d.rhs_batch)}" if d.lhs_batch else ""
+  return f"{list(d.lhs)} x {list(d.rhs)} (contract {list(d.lhs_contract)}x{list(d.rhs_contract)}{lb})"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--vocab", type=int, default=1024)
+  parser.add_argument("--calls", type=int, default=15, help="timed calls of each program (median)")
+  parser.add_argument("--chain", type=int, default=20, help="copies of a dot (on different inputs) in one program")
+  parser.add_argument("--out", type=pathlib.Path, default=RESULT)
+  args = parser.parse_args(argv)
+  if len(jax.devices()) != 1:
+    raise SystemExit(f"matmul_shapes: runs on one device; this process has {len(jax.devices())} "
+                     f"(unset MESHDISTILL_THROUGHPUT_ONE_DEVICE or set it to 1)")
+  t0 = time.time()
+  load_start = os.getloadavg()
+  progs = programs(args.vocab)
+  per_prog = {name: dots_of(text) for name, (text, _) in progs.items()}
+  probes = {f"[{m}, {k}] x [{k}, {n}]": Dot((m, k), (k, n), (1,), (0,), (), ()) for m, k, n in PROBES}
+  alone: dict[Dot, float] = {}
+  for d in sorted({d for c in per_prog.values() for d in c} | set(probes.values())):
+    alone[d] = time_alone(d, args.calls, args.chain)
+    print(f"{shape_name(d)}: {1e3 * alone[d]:.3f} ms, {flops(d) / alone[d] / 1e9:.1f} GFLOP/s", flush=True)
+  run_time = {name: median_call(call, args.calls) for name, (_, call) in progs.items()}
+  rate = max(flops(d) / alone[d] for d in probes.values())
+  single = {}  # throughput.py's probe: one dot a call, the same operands every call
+  for m, k, n in PROBES:
+    probe = tp.Matmul(None, m, k, n)
+    single[m, k, n] = probe.flops / median_call(lambda: probe.fn(probe.a, probe.b), args.calls)
+  rate1 = max(single.values())
+  load_end = os.getloadavg()
+
+  lines = [
+      "# The step's own matmul shapes: what they reach alone, on one device",
+      "",
+      f"Produced by `python benchmarks/matmul_shapes.py --vocab {args.vocab} --calls {args.calls} --chain "
+      f"{args.chain}` ({time.time() - t0:.0f} s wall; load average {load_start[0]:.1f} at the start, "
+      f"{load_end[0]:.1f} at the end). {tp.machine()}; one CPU device in the process.",
+      "",
+      "Each distinct float32 dot of a program (from its StableHLO), timed alone: "
+      f"{args.chain} copies on different inputs in one jitted program, median of {args.calls} calls, per copy. "
+      f"Rates: the faster probe timed the same way, **{rate / 1e9:.1f} GFLOP/s** (the large matmuls of "
+      f"`throughput.py`: {probe_list(probes, alone)}); and as `throughput.py` times its probes (one dot a call, "
+      f"the same operands every call), **{rate1 / 1e9:.1f} GFLOP/s** ({probe_list1(single)}): the rate its "
+      "70% target is measured against. See the module docstring for the method.",
+      "",
+      "| program | dots run | GFLOP in dots | its dots alone (ms) | the dots' rate | of the probe rate (copies / "
+      "one a call) | the program as run (ms) | as run, of the probe rate (copies / one a call) | "
+      "program / its dots |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for name, counts in per_prog.items():
+    fl = sum(flops(d) * n for d, n in counts.items())
+    t = sum(alone[d] * n for d, n in counts.items())
+    run = run_time[name]
+    lines.append(f"| {name} | {sum(counts.values())} | {fl / 1e9:.2f} | {1e3 * t:.1f} | {fl / t / 1e9:.1f} GFLOP/s | "
+                 f"{100 * fl / t / rate:.0f}% / {100 * fl / t / rate1:.0f}% | {1e3 * run:.1f} | "
+                 f"{100 * fl / run / rate:.0f}% / {100 * fl / run / rate1:.0f}% | {run / t:.2f}x |")
+  lines += ["", "Every distinct dot (runs per program: step / bare teacher / bare student):", "",
+            "| dot (lhs x rhs) | GFLOP | ms alone | GFLOP/s | of the probe rate (copies) | runs |",
+            "|---|---:|---:|---:|---:|---|"]
+  by_time = sorted(alone, key=lambda d: -sum(per_prog[p][d] for p in per_prog) * alone[d])
+  for d in by_time:
+    runs = " / ".join(str(per_prog[p][d]) for p in per_prog) if d not in probes.values() else "probe"
+    lines.append(f"| {shape_name(d)} | {flops(d) / 1e9:.3f} | {1e3 * alone[d]:.3f} | {flops(d) / alone[d] / 1e9:.1f} | "
+                 f"{100 * flops(d) / alone[d] / rate:.0f}% | {runs} |")
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.write_text("\n".join(lines) + "\n")
+  print("\n".join(lines[:12 + len(per_prog)]))
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
