@@ -138,16 +138,11 @@ def table_row(step: str, ms: dict[str, float]) -> str:
 
 
 def one_device_rows(args) -> list[dict]:
-  """The one-device rows, traced by this script in a child process whose JAX has one CPU device (this
-  process's device-count flag removed from its environment)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  if tp.XLA_FLAGS_BEFORE is not None:
-    env["XLA_FLAGS"] = tp.XLA_FLAGS_BEFORE
-  env[ONE_DEVICE_ENV] = "1"
+  """The one-device rows, traced by this script in a child process whose JAX has one CPU device."""
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp) / "one_device.jsonl"
     subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--vocab", str(args.vocab), "--label",
-                    args.label, "--out", str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
+                    args.label, "--out", str(out)], env=tp.one_device_env(), check=True, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 

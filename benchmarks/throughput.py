@@ -440,13 +440,20 @@ def run(vocab: int, steps: int, warmup: int, chunk: int, loop_rounds: int = 6, l
   return {**res, "loop_steps": loop_steps, "losses": {k: losses[k] for k in order}, "tcfg": tcfg, "scfg": scfg}
 
 
-def one_device_part(vocab: int, steps: int, warmup: int, chunk: int, loop_rounds: int, loop_steps: int) -> dict:
-  """`run_part` of the one-device rows in a child process whose JAX has one CPU device (this process's
-  device-count flag removed from its environment); its results come back as JSON."""
+def one_device_env() -> dict[str, str]:
+  """This process's environment for a child process whose JAX has one CPU device: the device-count flag this
+  module added removed, the one-device switch on."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   if XLA_FLAGS_BEFORE is not None:
     env["XLA_FLAGS"] = XLA_FLAGS_BEFORE
   env[ONE_DEVICE_ENV] = "1"
+  return env
+
+
+def one_device_part(vocab: int, steps: int, warmup: int, chunk: int, loop_rounds: int, loop_steps: int) -> dict:
+  """`run_part` of the one-device rows in a child process whose JAX has one CPU device (this process's
+  device-count flag removed from its environment); its results come back as JSON."""
+  env = one_device_env()
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp) / "one_device.json"
     subprocess.run([sys.executable, __file__, "--one-device-part", str(out), "--vocab", str(vocab), "--steps",
