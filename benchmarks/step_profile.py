@@ -43,7 +43,7 @@ ONE_DEVICE_ENV = "MESHDISTILL_THROUGHPUT_ONE_DEVICE"  # read by throughput.py as
 if __name__ == "__main__" and "--mesh" not in sys.argv[1:]:
   os.environ.setdefault(ONE_DEVICE_ENV, "1")
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import throughput as tp  # noqa: E402  (simulates the 8 CPU devices first)
+import throughput as tp  # noqa: E402  (8 simulated CPU devices, unless the one-device switch is on)
 
 import jax  # noqa: E402
 import meshdistill as md  # noqa: E402
@@ -155,6 +155,9 @@ def main(argv=None):
   parser.add_argument("--out", type=pathlib.Path, default=RESULT)
   args = parser.parse_args(argv)
   one_device = os.environ.get(ONE_DEVICE_ENV) == "1"
+  if one_device and args.mesh:
+    parser.error(f"--mesh needs the 8 simulated devices: unset {ONE_DEVICE_ENV} (the one-device rows run in a "
+                 "child process of their own)")
   print("| step | op time / step (ms, summed over threads) | " + " | ".join(KINDS) + " |")
   print("|---|---:|" + "---:|" * len(KINDS))
   rows = [] if one_device else one_device_rows(args)
