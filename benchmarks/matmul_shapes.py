@@ -28,106 +28,22 @@ benchmarks/matmul_shapes.py [--calls 15 --chain 20]``; writes ``benchmarks/resul
 from __future__ import annotations
 
 import argparse
-import collections
-import math
 import os
 import pathlib
-import re
-import statistics
 import sys
 import time
 
 os.environ.setdefault("MESHDISTILL_THROUGHPUT_ONE_DEVICE", "1")  # read by throughput.py as it is imported
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import throughput as tp  # noqa: E402
+from _matmuls import Dot, dots_of, flops, median_call, time_alone  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import meshdistill as md  # noqa: E402
 from meshdistill.strategies import LogitKD  # noqa: E402
 
 RESULT = pathlib.Path(__file__).parent / "results" / "matmul_shapes.md"
 PROBES = ((1024, 1024, 1024), (4096, 1024, 1024))  # [m, k] x [k, n], as throughput.py's probes
-
-_FUNC = re.compile(r"func\.func (?:public |private )?@([\w.]+)\(")
-_CALL = re.compile(r"call @([\w.]+)\(")
-_DOT = re.compile(r"stablehlo\.dot_general .*?(?:batching_dims = \[([\d, ]*)\] x \[([\d, ]*)\], )?"
-                  r"contracting_dims = \[([\d, ]*)\] x \[([\d, ]*)\].*?: \(tensor<([\dx]+)xf32>, "
-                  r"tensor<([\dx]+)xf32>\)")
-
-Dot = collections.namedtuple("Dot", "lhs rhs lhs_contract rhs_contract lhs_batch rhs_batch")
-
-
-def _ints(s: str | None) -> tuple[int, ...]:
-  return tuple(int(x) for x in s.split(",") if x.strip()) if s else ()
-
-
-def dots_of(stablehlo: str) -> collections.Counter:
-  """Every float32 ``dot_general`` of a StableHLO module -> how often one run of ``main`` runs it. Calls to
-  private functions are followed (a dot in a function called twice counts twice); the programs measured
-  here have no loops (checked: a ``while`` raises)."""
-  if "stablehlo.while" in stablehlo:
-    raise ValueError("a program with a loop: the runs of the dots inside it are not counted here")
-  body: dict[str, list[str]] = collections.defaultdict(list)
-  current = None
-  for line in stablehlo.splitlines():
-    m = _FUNC.search(line)
-    if m:
-      current = m.group(1)
-    elif current is not None:
-      body[current].append(line)
-
-  def count(fn: str) -> collections.Counter:
-    out = collections.Counter()
-    for line in body[fn]:
-      m = _DOT.search(line)
-      if m:
-        lb, rb, lc, rc, lhs, rhs = m.groups()
-        out[Dot(_ints(lhs.replace("x", ",")), _ints(rhs.replace("x", ",")), _ints(lc), _ints(rc), _ints(lb),
-                _ints(rb))] += 1
-      elif "stablehlo.dot_general" in line:
-        raise ValueError(f"a dot this reader does not parse: {line.strip()[:160]}")
-      for called in _CALL.findall(line):
-        out.update(count(called))
-    return out
-
-  return count("main")
-
-
-def flops(d: Dot) -> float:
-  """2 x every index of the output x the contracted size."""
-  batch = math.prod(d.lhs[i] for i in d.lhs_batch)
-  contract = math.prod(d.lhs[i] for i in d.lhs_contract)
-  free_l = math.prod(n for i, n in enumerate(d.lhs) if i not in d.lhs_batch + d.lhs_contract)
-  free_r = math.prod(n for i, n in enumerate(d.rhs) if i not in d.rhs_batch + d.rhs_contract)
-  return 2.0 * batch * free_l * free_r * contract
-
-
-def time_alone(d: Dot, calls: int, chain: int) -> float:
-  """Seconds per run of ``d`` with nothing else to do: ``chain`` copies of it on different left operands in
-  one jitted program (different data, so XLA cannot merge them; independent, so its CPU runtime may run them
-  side by side, as it may run independent dots of a step), per copy."""
-  dims = ((d.lhs_contract, d.rhs_contract), (d.lhs_batch, d.rhs_batch))
-
-  @jax.jit
-  def copies(lhs, rhs):
-    return [jax.lax.dot_general(a, rhs, dims) for a in lhs]  # every output returned: none is dead code
-
-  keys = jax.random.split(jax.random.key(0), chain + 1)
-  lhs = [jax.random.normal(k, d.lhs, jnp.float32) for k in keys[:-1]]
-  rhs = jax.random.normal(keys[-1], d.rhs, jnp.float32)
-  return median_call(lambda: copies(lhs, rhs), calls) / chain
-
-
-def median_call(fn, calls: int) -> float:
-  jax.block_until_ready(fn())  # compile, warm up
-  ts = []
-  for _ in range(calls):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts)
-
 
 def programs(vocab: int):
   """name -> (StableHLO, a call that runs the program once and waits for it)."""

@@ -79,6 +79,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from tunix.distillation import distillation_trainer as tunix_trainer  # noqa: E402
 from tunix.distillation.strategies import logit as tunix_logit  # noqa: E402
 
+import _matmuls  # noqa: E402  (beside this file)
 from meshdistill import losses  # noqa: E402
 from meshdistill.collectives import all_reduce_census, all_reduce_instructions, mesh_axis_groups  # noqa: E402
 from meshdistill.strategies import HardLabelCE, LogitKD  # noqa: E402
@@ -432,12 +433,39 @@ def run(vocab: int, steps: int, warmup: int, chunk: int, loop_rounds: int = 6, l
   then the 2x4 mesh rows here (8 simulated CPU devices); the same batches and initial weights in both."""
   one_res = one_device_part(vocab, steps, warmup, chunk, loop_rounds, loop_steps)
   mesh_res = run_part(False, vocab, steps, warmup, chunk, loop_rounds, loop_steps)
-  res = {k: {**mesh_res[k], **one_res[k]} for k in ("times", "loop_times", "cpu", "compile_s", "stats", "matmul_flops")}
+  res = {k: {**mesh_res[k], **one_res[k]}
+         for k in ("times", "loop_times", "cpu", "compile_s", "stats", "matmul_flops", "ceiling")}
   losses = {**mesh_res["losses"], **one_res["losses"]}
   order = (OURS, REF, TUNIX, TUNIX_NP, TUNIX_REP, OURS + ROWS, REF + ROWS, OURS + DP, TUNIX_DP, ONE + OURS,
            ONE + REF + LIGHT, HAND, ONE + HAND)
   tcfg, scfg = configs(vocab)
   return {**res, "loop_steps": loop_steps, "losses": {k: losses[k] for k in order}, "tcfg": tcfg, "scfg": scfg}
+
+
+def matmul_ceilings(ours: Ours, bare: Bare, x: np.ndarray) -> dict[str, tuple[float, float]]:
+  """(FLOPs, seconds) of the dots of the one-device LogitKD step and of the bare programs, each dot timed alone
+  at its shape (`_matmuls.ceiling`): the rate these models' matmul shapes reach with nothing else to run. (The
+  chunked step's loss loop is not read; its dots are LogitKD's but for the LM head's, taken a chunk at a time.)"""
+  alone: dict = {}
+  inputs, targets = x[:, :-1], x[:, 1:]
+  return {
+      ONE + REF: _matmuls.ceiling(ours.d.lower(ours.state, ours_batch(x)).as_text(), alone=alone),
+      ONE + BARE_T: _matmuls.ceiling(bare.teacher_fwd.lower(bare.tparams, inputs).as_text(), alone=alone),
+      ONE + BARE_S: _matmuls.ceiling(
+          bare.student_step.lower(bare.sparams, bare.opt_state, inputs, targets).as_text(), alone=alone),
+  }
+
+
+def ceiling_sentence(ceiling: dict, rate: float) -> str:
+  """The targets' line on the matmul shapes' own ceiling (`matmul_ceilings`), if the run measured it."""
+  if not ceiling:
+    return ""
+  frac = {k: fl / s / rate for k, (fl, s) in ceiling.items()}
+  return (f" The models' own matmul shapes, every dot of a program timed alone in the same process "
+          f"(`benchmarks/_matmuls.py`; `benchmarks/matmul_shapes.py` lists them): the LogitKD step's dots reach "
+          f"{100 * frac[ONE + REF]:.0f}% of the rate with nothing else to run, the bare teacher forward's "
+          f"{100 * frac[ONE + BARE_T]:.0f}%, the bare student step's {100 * frac[ONE + BARE_S]:.0f}%: the most a "
+          "step of these models reaches on this machine.")
 
 
 def one_device_env() -> dict[str, str]:
@@ -520,6 +548,7 @@ def run_part(one_device: bool, vocab: int, steps: int, warmup: int, chunk: int, 
       else:
         times[name].append(wall)
         cpu[name].append(cpu_s)
+  ceiling = matmul_ceilings(systems[ONE + REF], bare, batches[0]) if one_device else {}
   if one_device:
     loops = {ONE + OURS: systems[ONE + OURS], ONE + REF: systems[ONE + REF], ONE + BARE: bare}
     losses = {ONE + OURS: systems[ONE + OURS].losses, ONE + REF + LIGHT: systems[ONE + REF + LIGHT].losses,
@@ -534,7 +563,7 @@ def run_part(one_device: bool, vocab: int, steps: int, warmup: int, chunk: int, 
               HAND: systems[HAND].losses, OURS + DP: systems[OURS + DP].losses, TUNIX_DP: systems[TUNIX_DP].losses()}
   loop_times = run_loops(loops, vocab, loop_rounds, loop_steps) if loop_rounds else {}
   return {"times": times, "loop_times": loop_times, "cpu": cpu, "compile_s": compile_s, "stats": stats,
-          "matmul_flops": {k: v.flops for k, v in probes.items()}, "losses": losses}
+          "matmul_flops": {k: v.flops for k, v in probes.items()}, "losses": losses, "ceiling": ceiling}
 
 
 def main(argv=None):
@@ -946,7 +975,8 @@ def write(args, res, med, seconds: float) -> None:
       f"{100 * fl['step'] / med[ONE + HAND] / rate[ONE]:.0f}%; the bare teacher forward "
       f"{100 * fl['teacher'] / med[ONE + BARE_T] / rate[ONE]:.0f}% and the bare student step "
       f"{100 * fl['student'] / med[ONE + BARE_S] / rate[ONE]:.0f}% (its matmuls are [{B * T}, {res['scfg'].d_model}]-thin), "
-      f"{100 * fl['step'] / (med[ONE + BARE_T] + med[ONE + BARE_S]) / rate[ONE]:.0f}% back to back.",
+      f"{100 * fl['step'] / (med[ONE + BARE_T] + med[ONE + BARE_S]) / rate[ONE]:.0f}% back to back."
+      + ceiling_sentence(res.get("ceiling", {}), rate[ONE]),
   ]
   targets += loop["targets"]
   stats = res["stats"]
@@ -1084,7 +1114,7 @@ def write(args, res, med, seconds: float) -> None:
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text("\n".join(lines) + "\n")
   raw = {k: res[k] for k in ("times", "loop_times", "loop_steps", "cpu", "compile_s", "stats", "matmul_flops",
-                             "losses", "load", "machine") if k in res}
+                             "losses", "load", "machine", "ceiling") if k in res}
   raw["args"] = {k: getattr(args, k) for k in ("vocab", "steps", "warmup", "chunk", "loop_rounds", "loop_steps")}
   raw["seconds"] = seconds
   args.out.with_suffix(".json").write_text(json.dumps(raw) + "\n")

@@ -1,4 +1,5 @@
-"""`benchmarks/matmul_shapes.py`: the dots of a program read from its StableHLO, with their runs and FLOPs."""
+"""`benchmarks/_matmuls.py` (used by `matmul_shapes.py` and `throughput.py`): the dots of a program read from
+its StableHLO, with their runs and FLOPs."""
 
 import importlib.util
 import pathlib
@@ -7,18 +8,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-_PATH = pathlib.Path(__file__).parents[1] / "benchmarks" / "matmul_shapes.py"
+_PATH = pathlib.Path(__file__).parents[1] / "benchmarks" / "_matmuls.py"
 
 
 @pytest.fixture(scope="module")
 def shapes():
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setenv("MESHDISTILL_THROUGHPUT_ONE_DEVICE", "1")  # this process's devices are already set up
-    mp.syspath_prepend(str(_PATH.parent))
-    spec = importlib.util.spec_from_file_location("matmul_shapes_benchmark", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
+  spec = importlib.util.spec_from_file_location("matmuls_benchmark_helpers", _PATH)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def test_dots_in_a_function_called_twice_count_twice_with_their_batch_and_contracting_dims(shapes):
