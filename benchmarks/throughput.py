@@ -60,7 +60,11 @@ import tempfile
 import time
 import warnings
 
-import meshdistill as md
+# A CPU benchmark (its mesh is simulated CPU devices): JAX, with libtpu installed (the `tpu` extra), does not
+# probe for a TPU first (as the CLI and the tests set it; `step_profile.py` and `matmul_shapes.py` import this
+# module before JAX). Read as JAX is imported.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import meshdistill as md  # noqa: E402
 
 # The one-device rows run in a child process of their own with ONE CPU device (`run`): in a process whose
 # CPU client simulates 8 devices, a program placed on one of them runs slower than in a process with one device.
