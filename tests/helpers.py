@@ -1,9 +1,12 @@
-"""Shared test configs and helpers: tiny models, host batches, an HLO all-gather parser, a small corpus.
+"""Shared test configs and helpers: tiny models, host batches, an HLO all-gather parser, a small corpus,
+a benchmark script loaded as a module.
 
 Imported by the tests as ``from helpers import ...``; `conftest.py` sets up the simulated
 devices before any test module (and so this one) is imported.
 """
 
+import importlib.util
+import pathlib
 import re
 
 import jax
@@ -56,3 +59,12 @@ def write_corpus(root, n_docs=24):
     text = " ".join(rng.choice(words, size=150 + 10 * i))
     (root / f"doc{i:02d}.txt").write_text(text)
   return str(root)
+
+
+def load_benchmark(file: str):
+  """``benchmarks/<file>`` loaded as a module (the benchmarks are scripts, not a package)."""
+  path = pathlib.Path(__file__).parents[1] / "benchmarks" / file
+  spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

@@ -1,22 +1,16 @@
 """`benchmarks/_matmuls.py` (used by `matmul_shapes.py` and `throughput.py`): the dots of a program read from
 its StableHLO, with their runs and FLOPs."""
 
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import pytest
 
-_PATH = pathlib.Path(__file__).parents[1] / "benchmarks" / "_matmuls.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def shapes():
-  spec = importlib.util.spec_from_file_location("matmuls_benchmark_helpers", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_benchmark("_matmuls.py")
 
 
 def test_dots_in_a_function_called_twice_count_twice_with_their_batch_and_contracting_dims(shapes):

@@ -1,20 +1,15 @@
 """`benchmarks/quality.py --seeds`: the spread section's mean and standard deviation over seeds."""
 
-import importlib.util
-import pathlib
 import statistics
 
 import pytest
 
-_PATH = pathlib.Path(__file__).parents[1] / "benchmarks" / "quality.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def quality():
-  spec = importlib.util.spec_from_file_location("quality_benchmark", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_benchmark("quality.py")
 
 
 def _row(seed, distilled, scratch):
