@@ -66,20 +66,20 @@ def flops(d: Dot) -> float:
   return 2.0 * batch * free_l * free_r * contract
 
 
-def time_alone(d: Dot, calls: int, chain: int) -> float:
-  """Seconds per run of ``d`` with nothing else to do: ``chain`` copies of it on different left operands in
+def time_alone(d: Dot, calls: int, copies: int) -> float:
+  """Seconds per run of ``d`` with nothing else to do: ``copies`` copies of it on different left operands in
   one jitted program (different data, so XLA cannot merge them; independent, so its CPU runtime may run them
   side by side, as it may run independent dots of a step), per copy."""
   dims = ((d.lhs_contract, d.rhs_contract), (d.lhs_batch, d.rhs_batch))
 
   @jax.jit
-  def copies(lhs, rhs):
+  def run(lhs, rhs):
     return [jax.lax.dot_general(a, rhs, dims) for a in lhs]  # every output returned: none is dead code
 
-  keys = jax.random.split(jax.random.key(0), chain + 1)
+  keys = jax.random.split(jax.random.key(0), copies + 1)
   lhs = [jax.random.normal(k, d.lhs, jnp.float32) for k in keys[:-1]]
   rhs = jax.random.normal(keys[-1], d.rhs, jnp.float32)
-  return median_call(lambda: copies(lhs, rhs), calls) / chain
+  return median_call(lambda: run(lhs, rhs), calls) / copies
 
 
 def median_call(fn, calls: int) -> float:
@@ -92,6 +92,11 @@ def median_call(fn, calls: int) -> float:
   return statistics.median(ts)
 
 
+def cost(counts: collections.Counter, alone: dict) -> tuple[float, float]:
+  """(FLOPs, seconds) of a program's dots (`dots_of`), each run taking its time alone (``alone``, by dot)."""
+  return sum(flops(d) * n for d, n in counts.items()), sum(alone[d] * n for d, n in counts.items())
+
+
 def ceiling(stablehlo: str, calls: int = 15, copies: int = 20, alone: dict | None = None) -> tuple[float, float]:
   """(FLOPs of a program's dots, seconds of its dots each timed alone at its shape, `time_alone`): its FLOPs over
   those seconds is the rate its matmul shapes reach with nothing else in the program. ``alone``: a cache of
@@ -101,5 +106,4 @@ def ceiling(stablehlo: str, calls: int = 15, copies: int = 20, alone: dict | Non
   for d in counts:
     if d not in alone:
       alone[d] = time_alone(d, calls, copies)
-  return sum(flops(d) * n for d, n in counts.items()), sum(alone[d] * n for d, n in counts.items())
-
+  return cost(counts, alone)

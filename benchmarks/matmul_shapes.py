@@ -14,7 +14,7 @@ benchmark asks what the step's matmuls reach by themselves, with nothing else in
    median over ``--calls`` calls, divided by ``--chain``;
 3. per program: the sum over its dots of (runs x time alone) is what its matmuls cost with nothing else
    running; its FLOPs over that sum is the rate its matmul shapes reach, shown as a fraction of
-   the probe rate (the large matmuls of `throughput.py`, timed here the same way). The programs themselves are
+   the probe rate (the matmuls of `throughput.py`'s probes, timed here the same way). The programs themselves are
    timed in the same process (median of ``--calls`` calls), for their fraction of the rate as run.
 
 A program's time can only reach its dots' time if everything but its matmuls took no time and its dots ran as
@@ -36,37 +36,26 @@ import time
 os.environ.setdefault("MESHDISTILL_THROUGHPUT_ONE_DEVICE", "1")  # read by throughput.py as it is imported
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import throughput as tp  # noqa: E402
-from _matmuls import Dot, dots_of, flops, median_call, time_alone  # noqa: E402
+from _matmuls import Dot, cost, dots_of, flops, median_call, time_alone  # noqa: E402
 
 import jax  # noqa: E402
-import meshdistill as md  # noqa: E402
 from meshdistill.strategies import LogitKD  # noqa: E402
 
 RESULT = pathlib.Path(__file__).parent / "results" / "matmul_shapes.md"
-PROBES = ((1024, 1024, 1024), (4096, 1024, 1024))  # [m, k] x [k, n], as throughput.py's probes
+NAMES = {tp.ONE + tp.REF: "meshdistill LogitKD step", tp.ONE + tp.BARE_T: "bare teacher forward",
+         tp.ONE + tp.BARE_S: "bare student step"}
+
 
 def programs(vocab: int):
-  """name -> (StableHLO, a call that runs the program once and waits for it)."""
+  """name -> (StableHLO, a call that runs the program once and waits for it): `throughput.py`'s one-device
+  LogitKD step and bare programs (`throughput.one_device_programs`)."""
   tcfg, scfg = tp.configs(vocab)
   x = tp.make_batches(1, vocab)[0]
-  teacher, student = md.init_model(tcfg, seed=0), md.init_model(scfg, seed=1)
-  d = md.Distiller(student, teacher, strategy=LogitKD(temperature=tp.TAU, alpha=tp.ALPHA),
-                   optimizer=md.default_optimizer(tp.LR))
-  state, batch = [d.init_state()], tp.ours_batch(x)
-
-  def ours():
-    state[0], metrics = d.step(state[0], batch)
-    return metrics
-
+  ours = tp.Ours(LogitKD(temperature=tp.TAU, alpha=tp.ALPHA), None, tcfg, scfg)
   bare = tp.Bare(None, tcfg, scfg)
-  inputs, targets = x[:, :-1], x[:, 1:]
-  return {
-      "meshdistill LogitKD step": (d.lower(state[0], batch).as_text(), ours),
-      "bare teacher forward": (bare.teacher_fwd.lower(bare.tparams, inputs).as_text(),
-                               lambda: bare.teacher_fwd(bare.tparams, inputs)),
-      "bare student step": (bare.student_step.lower(bare.sparams, bare.opt_state, inputs, targets).as_text(),
-                            lambda: bare.student(x)),
-  }
+  calls = {tp.ONE + tp.REF: lambda: ours.step(x), tp.ONE + tp.BARE_T: lambda: bare.teacher(x),
+           tp.ONE + tp.BARE_S: lambda: bare.student(x)}
+  return {NAMES[k]: (text, calls[k]) for k, text in tp.one_device_programs(ours, bare, x).items()}
 
 
 def probe_list(probes: dict, alone: dict) -> str:
@@ -96,7 +85,7 @@ def main(argv=None):
   load_start = os.getloadavg()
   progs = programs(args.vocab)
   per_prog = {name: dots_of(text) for name, (text, _) in progs.items()}
-  probes = {f"[{m}, {k}] x [{k}, {n}]": Dot((m, k), (k, n), (1,), (0,), (), ()) for m, k, n in PROBES}
+  probes = {f"[{m}, {k}] x [{k}, {n}]": Dot((m, k), (k, n), (1,), (0,), (), ()) for m, k, n in tp.PROBES}
   alone: dict[Dot, float] = {}
   for d in sorted({d for c in per_prog.values() for d in c} | set(probes.values())):
     alone[d] = time_alone(d, args.calls, args.chain)
@@ -104,7 +93,7 @@ def main(argv=None):
   run_time = {name: median_call(call, args.calls) for name, (_, call) in progs.items()}
   rate = max(flops(d) / alone[d] for d in probes.values())
   single = {}  # throughput.py's probe: one dot a call, the same operands every call
-  for m, k, n in PROBES:
+  for m, k, n in tp.PROBES:
     probe = tp.Matmul(None, m, k, n)
     single[m, k, n] = probe.flops / median_call(lambda: probe.fn(probe.a, probe.b), args.calls)
   rate1 = max(single.values())
@@ -119,7 +108,7 @@ def main(argv=None):
       "",
       "Each distinct float32 dot of a program (from its StableHLO), timed alone: "
       f"{args.chain} copies on different inputs in one jitted program, median of {args.calls} calls, per copy. "
-      f"Rates: the faster probe timed the same way, **{rate / 1e9:.1f} GFLOP/s** (the large matmuls of "
+      f"Rates: the fastest probe timed the same way, **{rate / 1e9:.1f} GFLOP/s** (the probe matmuls of "
       f"`throughput.py`: {probe_list(probes, alone)}); and as `throughput.py` times its probes (one dot a call, "
       f"the same operands every call), **{rate1 / 1e9:.1f} GFLOP/s** ({probe_list1(single)}): the rate its "
       "70% target is measured against. See the module docstring for the method.",
@@ -130,8 +119,7 @@ def main(argv=None):
       "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for name, counts in per_prog.items():
-    fl = sum(flops(d) * n for d, n in counts.items())
-    t = sum(alone[d] * n for d, n in counts.items())
+    fl, t = cost(counts, alone)
     run = run_time[name]
     lines.append(f"| {name} | {sum(counts.values())} | {fl / 1e9:.2f} | {1e3 * t:.1f} | {fl / t / 1e9:.1f} GFLOP/s | "
                  f"{100 * fl / t / rate:.0f}% / {100 * fl / t / rate1:.0f}% | {1e3 * run:.1f} | "
@@ -141,7 +129,9 @@ def main(argv=None):
             "|---|---:|---:|---:|---:|---|"]
   by_time = sorted(alone, key=lambda d: -sum(per_prog[p][d] for p in per_prog) * alone[d])
   for d in by_time:
-    runs = " / ".join(str(per_prog[p][d]) for p in per_prog) if d not in probes.values() else "probe"
+    runs = " / ".join(str(per_prog[p][d]) for p in per_prog) if any(per_prog[p][d] for p in per_prog) else ""
+    if d in probes.values():
+      runs = f"{runs}, a probe" if runs else "a probe"
     lines.append(f"| {shape_name(d)} | {flops(d) / 1e9:.3f} | {1e3 * alone[d]:.3f} | {flops(d) / alone[d] / 1e9:.1f} | "
                  f"{100 * flops(d) / alone[d] / rate:.0f}% | {runs} |")
   args.out.parent.mkdir(parents=True, exist_ok=True)

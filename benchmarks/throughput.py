@@ -446,18 +446,22 @@ def run(vocab: int, steps: int, warmup: int, chunk: int, loop_rounds: int = 6, l
   return {**res, "loop_steps": loop_steps, "losses": {k: losses[k] for k in order}, "tcfg": tcfg, "scfg": scfg}
 
 
-def matmul_ceilings(ours: Ours, bare: Bare, x: np.ndarray) -> dict[str, tuple[float, float]]:
-  """(FLOPs, seconds) of the dots of the one-device LogitKD step and of the bare programs, each dot timed alone
-  at its shape (`_matmuls.ceiling`): the rate these models' matmul shapes reach with nothing else to run. (The
-  chunked step's loss loop is not read; its dots are LogitKD's but for the LM head's, taken a chunk at a time.)"""
-  alone: dict = {}
+def one_device_programs(ours: Ours, bare: Bare, x: np.ndarray) -> dict[str, str]:
+  """The StableHLO of the one-device LogitKD step and of the bare programs on batch ``x``, by row name."""
   inputs, targets = x[:, :-1], x[:, 1:]
   return {
-      ONE + REF: _matmuls.ceiling(ours.d.lower(ours.state, ours_batch(x)).as_text(), alone=alone),
-      ONE + BARE_T: _matmuls.ceiling(bare.teacher_fwd.lower(bare.tparams, inputs).as_text(), alone=alone),
-      ONE + BARE_S: _matmuls.ceiling(
-          bare.student_step.lower(bare.sparams, bare.opt_state, inputs, targets).as_text(), alone=alone),
+      ONE + REF: ours.d.lower(ours.state, ours_batch(x)).as_text(),
+      ONE + BARE_T: bare.teacher_fwd.lower(bare.tparams, inputs).as_text(),
+      ONE + BARE_S: bare.student_step.lower(bare.sparams, bare.opt_state, inputs, targets).as_text(),
   }
+
+
+def matmul_ceilings(ours: Ours, bare: Bare, x: np.ndarray) -> dict[str, tuple[float, float]]:
+  """(FLOPs, seconds) of the dots of `one_device_programs`, each dot timed alone at its shape (`_matmuls.ceiling`):
+  the rate these models' matmul shapes reach with nothing else to run. (The chunked step's loss loop is not
+  read; its dots are LogitKD's but for the LM head's, taken a chunk at a time.)"""
+  alone: dict = {}
+  return {name: _matmuls.ceiling(text, alone=alone) for name, text in one_device_programs(ours, bare, x).items()}
 
 
 def ceiling_sentence(ceiling: dict, rate: float) -> str:
