@@ -21,15 +21,21 @@ slice or GPU cluster) with ``--coordinator HOST:PORT --num-processes N --process
 ``--config`` takes a YAML file or the name of a packaged config (``default``, ``tiny``);
 ``--set key.path=value`` (repeatable) overrides one setting, the value parsed as YAML. Bad
 keys or values are reported before anything runs. On a machine without an accelerator the
-mesh runs on simulated CPU devices (``mesh.simulate_cpu_devices: auto``).
+mesh runs on simulated CPU devices (``mesh.simulate_cpu_devices: auto``), and JAX does not probe
+for a TPU (``JAX_PLATFORMS=cpu`` unless set; see `meshdistill.platforms`).
 
-Only this module prints; the library logs (``-v`` shows its INFO messages).
+Only this module prints; the library logs (``-v``, before or after the command, shows its INFO
+messages; ``plan`` shows its progress without it). Job modules (JAX, the data pipeline) are imported
+inside the chosen command, so ``--help`` and ``--version`` answer at once.
 
 Exit codes: 0 done; 2 refused (a bad setting, a missing or damaged input, an output that
 would replace files, a run directory in use) -- nothing was lost; 1 training failed (the
 divergence guard gave up, a checkpoint could not be written) -- the last checkpoint is kept;
-130 interrupted (Ctrl-C); 143 stopped by SIGTERM after writing a checkpoint. Rerunning the
-same command resumes after 1, 130 and 143.
+143 stopped by SIGTERM and 130 stopped by SIGINT (Ctrl-C): ``distill`` and ``pretrain`` after
+writing a checkpoint of the step in flight, ``cache-teacher`` after recording the shard in flight
+(`meshdistill.stopping`); a second signal ends the process at once. Rerunning the same command
+resumes after 1, 130 and 143. ``launch`` forwards SIGTERM and SIGINT to its processes and exits
+with the first failing process's code (128 + N for one ended by signal N).
 """
 
 from __future__ import annotations
@@ -40,104 +46,12 @@ import os
 import sys
 import time
 
-from meshdistill.config import ConfigError, load_config
+from meshdistill._cli_parser import parser as _parser
+from meshdistill._typed_yaml import ConfigError  # light (no JAX): job modules are imported inside each command
 
-
-def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="meshdistill", description="Knowledge distillation on a JAX (data, tensor) mesh.")
-  p.add_argument("-v", "--verbose", action="store_true", help="show library log messages (INFO)")
-  sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-  def with_config(sp):
-    sp.add_argument("--config", default=None, help="YAML file or packaged config name (default: the built-in default)")
-    sp.add_argument(
-      "--set",
-      dest="overrides",
-      action="append",
-      default=[],
-      metavar="KEY=VALUE",
-      help="override a setting, e.g. --set train.steps=200 (repeatable)",
-    )
-    return sp
-
-  def with_processes(sp):
-    g = sp.add_argument_group("several processes (one per host; see meshdistill.distributed)")
-    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="process 0's address, the same on every process, or 'auto' (cluster auto-detection)")
-    g.add_argument("--num-processes", default=None, type=int, metavar="N", help="processes in the job")
-    g.add_argument("--process-id", default=None, type=int, metavar="I", help="this process's id, 0..N-1")
-    return sp
-
-  d = with_processes(with_config(sub.add_parser("distill", help="distil the teacher into the student (the main job)")))
-  d.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
-  pt = with_processes(
-    with_config(sub.add_parser("pretrain", help="pretrain the configured teacher from scratch and cache it"))
-  )
-  pt.add_argument("--out", default=None, help="teacher directory to write (default: the teacher cache)")
-  pt.add_argument("--overwrite", action="store_true", help="replace an existing teacher directory at --out")
-  pt.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
-  e = with_processes(with_config(sub.add_parser("eval", help="evaluate a distillation run's latest checkpoint")))
-  e.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
-  g = with_config(sub.add_parser("generate", help="print samples of a run's student or teacher"))
-  g.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
-  g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-  g.add_argument("--prompts-file", default=None, help="a text file (one prompt a line) or JSONL with a 'prompt' field")
-  g.add_argument("--model", choices=("student", "teacher"), default="student", help="which model samples")
-  g.add_argument("--max-new-tokens", type=int, default=64)
-  g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-  g.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
-  g.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus filter")
-  g.add_argument("--seed", type=int, default=0)
-  pl = sub.add_parser("plot", help="write PNG curves of a run's metrics")
-  pl.add_argument("run_dir", help="run directory holding metrics.jsonl")
-  pl.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
-  ct = with_processes(with_config(
-    sub.add_parser("cache-teacher", help="write the teacher's top-k over the training data (resumable)")
-  ))
-  ct.add_argument("--out", required=True, help="cache directory to write (rerun to resume; then teacher.cache=OUT)")
-  ct.add_argument("--k", type=int, default=32, help="tokens kept per position (default 32)")
-  ct.add_argument("--precision", default="float16", help="log-probabilities as float16 (compact) or float32 (exact)")
-  ct.add_argument("--rows-per-shard", type=int, default=1024, help="packed rows per shard file")
-  with_config(sub.add_parser("config", help="print the effective configuration as YAML"))
-  la = sub.add_parser("launch", help="run a command as N local CPU processes of one job (development, tests)")
-  la.add_argument("--processes", type=int, required=True, metavar="N", help="number of processes")
-  la.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
-  la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command every process runs")
-  ex = sub.add_parser("export", help="write a distillation run's student as a Hugging Face checkpoint")
-  ex.add_argument("run_dir", help="run directory of a `meshdistill distill` run")
-  ex.add_argument("out_dir", help="directory to write (config.json, model.safetensors, tokenizer files)")
-  ex.add_argument("--dtype", default="float32", help="dtype of the written weights: float32, bfloat16 or float16")
-  ex.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the latest)")
-  ex.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty OUT_DIR")
-  ex.add_argument("--adapter", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter directory "
-                  "(adapter_config.json, adapter_model.safetensors, and the base in base/) instead of merged weights")
-  _plan_parser(with_config(sub.add_parser("plan", help="compile the distillation step for a TPU slice or CPU devices "
-                                          "and report whether and how it fits (no accelerator needed)")))
-  return p
-
-
-def _plan_parser(sp) -> None:
-  sp.add_argument("--teacher", default=None, help="preset name, config.json path or directory (default: the config's)")
-  sp.add_argument("--student", default=None, help="preset name, config.json path or directory (default: the config's)")
-  target = sp.add_mutually_exclusive_group(required=True)
-  target.add_argument("--topology", default=None, help="TPU topology, e.g. v5e:4x4, v5p:4x4x4 (needs meshdistill[tpu])")
-  target.add_argument("--devices", default=None, help="cpu:N: N simulated CPU devices of this machine")
-  sp.add_argument("--mesh", default="auto", help="DATAxTENSOR, e.g. 2x8, or auto (default)")
-  sp.add_argument("--batch", type=int, default=None, help="global batch size (default: train.batch_size)")
-  sp.add_argument("--seq", type=int, default=None, help="sequence length (default: data.seq_len)")
-  sp.add_argument("--dtype", default=None, help="compute dtype of both models (presets default to bfloat16)")
-  sp.add_argument("--remat", default=None, help="the student's remat policy: none, dots, dots_no_batch, full")
-  sp.add_argument("--chunk-size", type=int, default=None, help="chunked loss with this many tokens per chunk")
-  sp.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
-                  help="both models' blocks under nnx.scan (one compiled body) or unrolled (default: as configured)")
-  sp.add_argument("--attention", default=None, help="both models' attention kernel: auto, explicit, xla, cudnn, "
-                  "splash (the Pallas TPU kernel; seq a multiple of 128) (default: as configured / auto for presets)")
-  sp.add_argument("--hbm-gib", type=float, default=None, help="memory budget per device in GiB (replaces the chip's)")
-  sp.add_argument("--search", action="store_true",
-                  help="compile meshes x remat x chunk sizes x batches; rank those that fit")
-  sp.add_argument("--batches", default=None, help="with --search: comma-separated batch sizes (default: --batch)")
-  sp.add_argument("--max-compiles", type=int, default=None, help="compilations allowed for suggestions / --search")
-  sp.add_argument("--json", action="store_true", help="print JSON instead of the table")
+# commands whose loops honour a stop request (`meshdistill.stopping`): SIGTERM / SIGINT end them at a step or
+# shard boundary with their progress saved (exit 143 / 130)
+STOPPABLE = ("distill", "pretrain", "cache-teacher")
 
 
 def _plan(args) -> int:
@@ -146,14 +60,6 @@ def _plan(args) -> int:
 
   from meshdistill.planner._hardware import cpu_count_of  # pylint: disable=g-import-not-at-top
 
-  import jax  # pylint: disable=g-import-not-at-top
-
-  from meshdistill.mesh import _backend_started  # pylint: disable=g-import-not-at-top
-
-  if not os.environ.get("JAX_PLATFORMS") and not _backend_started():
-    # the planner needs no accelerator: skip probing for one (jax read the environment when it was imported)
-    jax.config.update("jax_platforms", "cpu")
-    os.environ["JAX_PLATFORMS"] = "cpu"
   n = cpu_count_of(args.devices)
   if n is not None and n > 1:
     from meshdistill.mesh import simulate_cpu_devices  # pylint: disable=g-import-not-at-top
@@ -186,10 +92,12 @@ def _plan(args) -> int:
   return 0
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool, command: str | None = None) -> None:
   logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
   for noisy in ("absl", "jax._src", "orbax", "etils"):
     logging.getLogger(noisy).setLevel(logging.INFO if verbose else logging.ERROR)
+  if command == "plan":  # compilations take minutes on large pairs: show what is being compiled, and for how long
+    logging.getLogger("meshdistill.planner").setLevel(logging.INFO)
 
 
 def _load(args, run_dir: str | None = None):
@@ -200,6 +108,8 @@ def _load(args, run_dir: str | None = None):
     if config is None and os.path.isfile(saved):
       config = saved
     overrides.append(f"run.run_dir={run_dir}")
+  from meshdistill.config import load_config  # pylint: disable=g-import-not-at-top
+
   return load_config(config, overrides)
 
 
@@ -237,7 +147,11 @@ def _export(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
-  _setup_logging(args.verbose)
+  _setup_logging(args.verbose, args.command)
+  if args.command != "launch":  # the launcher starts no JAX; its processes get JAX_PLATFORMS=cpu from it
+    from meshdistill.platforms import select_platform  # pylint: disable=g-import-not-at-top
+
+    select_platform(force_cpu=args.command == "plan")  # CPU unless an accelerator is present or JAX_PLATFORMS set
   if args.command == "launch":
     from meshdistill import distributed  # pylint: disable=g-import-not-at-top
 
@@ -284,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
   from meshdistill import jobs  # pylint: disable=g-import-not-at-top
   from meshdistill.fsutil import RunLockedError  # pylint: disable=g-import-not-at-top
   from meshdistill.monitor import ProfileWindow  # pylint: disable=g-import-not-at-top
-  from meshdistill.stopping import Stopped, stop_on_signals  # pylint: disable=g-import-not-at-top
+  from meshdistill.stopping import STOP_SIGNALS, Stopped, stop_on_signals  # pylint: disable=g-import-not-at-top
 
   try:
     ProfileWindow.parse(getattr(args, "profile", None), "")
@@ -301,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
   except distributed.DistributedError as e:
     return _err(str(e))
   t0 = time.perf_counter()
-  with stop_on_signals():  # SIGTERM: checkpoint, then exit 143
+  # SIGTERM / SIGINT: finish the step (shard), save it, exit 143 / 130; eval and generate keep the default actions
+  with stop_on_signals(STOP_SIGNALS if args.command in STOPPABLE else ()):
     try:
       if args.command == "pretrain":
         out = jobs.pretrain(cfg, out=args.out, stream=sys.stderr, profile=args.profile, overwrite=args.overwrite)
@@ -358,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
       return _err(str(e))
     except Stopped as e:
       print(f"{e}; rerun the same command to resume", file=sys.stderr)
-      return 143
-    except KeyboardInterrupt:
-      print("\ninterrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
+      return e.exit_code
+    except KeyboardInterrupt:  # eval, generate (the stoppable commands turn SIGINT into a stop request)
+      print("\ninterrupted; rerun the same command to start again", file=sys.stderr)
       return 130
     except RuntimeError as e:
       import jax  # pylint: disable=g-import-not-at-top

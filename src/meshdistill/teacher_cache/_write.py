@@ -16,6 +16,7 @@ from flax import nnx
 
 from meshdistill import losses
 from meshdistill.distributed import agree_on
+from meshdistill.stopping import Stopped, requested
 from meshdistill.teacher_cache._format import (
     FORMAT_VERSION,
     CacheError,
@@ -93,7 +94,9 @@ def write_cache(
       runs its own ``teacher_topk`` (e.g. on its process's `process_mesh`) and records its finished shards in
       ``progress-<process_index>.json``. A rerun skips every shard any progress file lists (whatever the
       process count that wrote it), so a cache resumes on another number of processes too.
-    stop_after_shards: stop after writing this many shards (as if killed; for tests).
+    stop_after_shards: stop after writing this many shards (as if killed; for tests). A stop request
+      (`meshdistill.stopping.requested`, SIGTERM or SIGINT under `stop_on_signals`) is honoured between shards:
+      `meshdistill.stopping.Stopped` is raised with every finished shard recorded, so a rerun resumes.
     barrier: with several processes, ``barrier(name)`` waits for every process (`meshdistill.distributed.barrier`):
       after the shards (then process 0 merges the progress files into the manifest) and after the manifest.
 
@@ -144,6 +147,9 @@ def write_cache(
     if entry is not None and os.path.isfile(path) and os.path.getsize(path) == entry["bytes"]:
       kept += 1
       continue  # finished before an interruption
+    if requested() is not None:  # SIGTERM / SIGINT under `stop_on_signals`: the finished shards are recorded
+      raise Stopped(requested(), written, None, detail=f"after writing {written} of this writer's shards "
+                    f"(the cache has {n_shards}; the finished ones are listed in {progress_path})")
     if stop_after_shards is not None and written >= stop_after_shards:
       log.info("teacher cache: stopping after %d shards (as asked)", written)
       return {}
