@@ -268,7 +268,7 @@ def test_launch_prefixes_output_and_stops_the_others_when_one_fails():
   # prints no advice: the launcher names the signal and says how to go on.
   out = io.StringIO()
   aborts = "import os, time\nif os.environ['MESHDISTILL_PROCESS_ID'] == '1': os.abort()\ntime.sleep(120)\n"
-  assert distributed.launch(2, [sys.executable, "-c", aborts], out=out, grace_s=5) == -signal.SIGABRT
+  assert distributed.launch(2, [sys.executable, "-c", aborts], out=out, grace_s=5) == 128 + signal.SIGABRT
   text = out.getvalue()
   assert "process 1 was stopped by SIGABRT" in text and "rerun the same command to resume" in text, text
   assert distributed.launch(2, [sys.executable, "-c", "print('ok')"], out=io.StringIO()) == 0
