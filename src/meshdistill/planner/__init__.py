@@ -11,7 +11,8 @@ collectives by kind and mesh axis, a roofline step time and MFU, and the compile
 """
 
 from meshdistill.planner._hardware import TPU_CHIPS, Chip, Target, libtpu_available, parse_target
-from meshdistill.planner._plan import Knobs, Planner, make_planner, plan, search
+from meshdistill.planner._entry import make_planner, plan, search
+from meshdistill.planner._plan import Knobs, Planner
 from meshdistill.planner._presets import PRESETS, resolve_model
 from meshdistill.planner._report import Plan, search_table
 

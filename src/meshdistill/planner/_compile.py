@@ -143,14 +143,20 @@ class CompiledStep:
   oom_bytes: tuple[int | None, int | None] = (None, None)
 
 
-def compile_step(distiller: Distiller, batch: int, seq: int) -> CompiledStep:
-  """Lowers and compiles ``distiller``'s step for a [batch, seq] batch; nothing runs, nothing is allocated."""
+def compile_step(distiller: Distiller, batch: int, seq: int, report=None) -> CompiledStep:
+  """Lowers and compiles ``distiller``'s step for a [batch, seq] batch; nothing runs, nothing is allocated.
+
+  ``report(message)``, when given, hears each phase as it starts and ends (lowering, compiling, with seconds).
+  """
+  report = report or (lambda message: None)
   state = distiller.init_state()
   inputs = abstract_batch(distiller.mesh, batch, seq)
   distiller.check_batch(inputs)
   t0 = time.perf_counter()
+  report("lowering the step")
   lowered = distiller.compiled_step(state).lower(state, distiller.teacher_params, inputs)
   t1 = time.perf_counter()
+  report(f"lowered in {t1 - t0:.1f} s; compiling")
   packed = distiller.mesh.devices.flat[0].platform == "tpu"  # the TPU packs 4-bit types two per byte
   parts = {
       "teacher_weights": shard_bytes(distiller.teacher_params, packed),
@@ -168,9 +174,11 @@ def compile_step(distiller: Distiller, batch: int, seq: int) -> CompiledStep:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     message = str(e).strip().splitlines()[0]
+    report(f"the compiler ran out of memory after {time.perf_counter() - t1:.1f} s")
     return CompiledStep(None, None, None, "", time.perf_counter() - t1, t1 - t0, parts, params, message,
                         _oom_sizes(message))
   t2 = time.perf_counter()
+  report(f"compiled in {t2 - t1:.1f} s")
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}

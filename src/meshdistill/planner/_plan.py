@@ -1,20 +1,18 @@
-"""`plan` and `search`: compile the distillation step for a target and report what it needs per device."""
+"""The `Planner`: the plans of one teacher / student pair on one target, each configuration compiled once."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
 
-import jax
-
-from meshdistill.config import Config, DistillSettings, load_config
+from meshdistill.config import Config
 from meshdistill.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER
 from meshdistill.mesh import make_mesh
 from meshdistill.models.decoder import ModelConfig
 from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, kernel_flops, shard_bytes
-from meshdistill.planner._hardware import Target, parse_target
-from meshdistill.planner._presets import PRESETS, resolve_model
+from meshdistill.planner._hardware import Target
+from meshdistill.planner._presets import PRESETS
+from meshdistill.planner._progress import Progress
 from meshdistill.planner._report import Plan, model_notes
 
 log = logging.getLogger(__name__)
@@ -56,6 +54,7 @@ class Planner:
     self.options = CPU_MEMORY_SCHEDULER if target.platform == "cpu" and target.budget_bytes is not None else None
     self._plans: dict[Knobs, Plan] = {}
     self._static: dict[Knobs, int] = {}
+    self.progress = Progress()
 
   # ------------------------------------------------------------------ layouts
   def split_error(self, tensor: int) -> str | None:
@@ -121,10 +120,10 @@ class Planner:
     if k in self._plans:
       return self._plans[k]
     self.check_mesh(k.data, k.tensor, k.batch)
+    label = self.progress.start(f"{self.labels[0]} -> {self.labels[1]} for {self.target.name}: mesh {k.data}x{k.tensor}"
+                                f", remat={k.remat}, chunk_size={k.chunk_size}, batch {k.batch}x{self.seq}")
     d = self._distiller(k)
-    log.info("compiling %s for %s: mesh %dx%d, remat=%s, chunk_size=%s, batch %dx%d", self.labels, self.target.name,
-             k.data, k.tensor, k.remat, k.chunk_size, k.batch, self.seq)
-    c = compile_step(d, k.batch, self.seq)
+    c = compile_step(d, k.batch, self.seq, report=lambda message: self.progress.step(label, message))
     mem = c.memory
     memory = dict(c.parts)
     budget = self.target.budget_bytes
@@ -202,6 +201,9 @@ class Planner:
     return {"compute_s": compute, "hbm_s": hbm, "comm_s": comm, "step_s": step,
             "mfu": model_flops / (step * chip.peak_bf16_flops * chips), "tokens_per_s": tokens / step}
 
+  def announce(self, first: int, more: int = 0) -> None:
+    self.progress.announce(self.teacher, self.student, self.target.platform, self.target.name, first, more)
+
   # ------------------------------------------------------------- alternatives
   def fits_statically(self, k: Knobs) -> bool:
     limit = None if self.target.budget_bytes is None else self.headroom * self.target.budget_bytes
@@ -254,160 +256,4 @@ class Planner:
     return out
 
 
-# --------------------------------------------------------------------------- entry points
-def _config(config: Config | str | None, overrides: Sequence[str]) -> Config:
-  if isinstance(config, Config):
-    if overrides:
-      raise ValueError("overrides apply to a config file or name; pass a Config already carrying them")
-    return config
-  return load_config(config, overrides)
-
-
-def _mesh_arg(mesh: Any) -> tuple[int, int] | None:
-  if mesh is None or mesh == "auto":
-    return None
-  if isinstance(mesh, str):
-    parts = mesh.lower().split("x")
-    if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
-      return int(parts[0]), int(parts[1])
-    raise ValueError(f"mesh={mesh!r}; give DATAxTENSOR (e.g. 2x8) or 'auto'")
-  if isinstance(mesh, (tuple, list)) and len(mesh) == 2:
-    return int(mesh[0]), int(mesh[1])
-  raise ValueError(f"mesh={mesh!r}; give (data, tensor), 'DATAxTENSOR' or 'auto'")
-
-
-def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq=None, config=None, overrides=(),
-                 dtype=None, remat=None, hbm_gib=None, scan_layers=None, attention=None) -> Planner:
-  """A `Planner` for a pair and target (see `plan` for the arguments)."""
-  cfg = _config(config, overrides)
-  default_dtype = "bfloat16" if dtype is None else dtype
-  named = teacher is not None and not isinstance(teacher, ModelConfig)
-  t_cfg, t_label = resolve_model(cfg.teacher if teacher is None else teacher, who="teacher", scan_layers=scan_layers,
-                                 attention=attention, param_dtype=cfg.teacher.param_dtype if named else None,
-                                 dtype=dtype if teacher is None or isinstance(teacher, ModelConfig) else default_dtype)
-  s_cfg, s_label = resolve_model(cfg.student if student is None else student, who="student", remat=remat,
-                                 scan_layers=scan_layers, attention=attention,
-                                 dtype=dtype if student is None or isinstance(student, ModelConfig) else default_dtype)
-  if teacher is None:
-    t_label = "config teacher"
-  if student is None:
-    s_label = "config student"
-  from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
-
-  resolve_shared_vocab(t_cfg.vocab_size, s_cfg.vocab_size)  # different tokenizers raise here
-  if hbm_gib is not None and not hbm_gib > 0:
-    raise ValueError(f"hbm_gib={hbm_gib!r} must be a positive number of GiB per device")
-  budget = None if hbm_gib is None else int(hbm_gib * GIB)
-  if budget is None and devices is not None and cfg.safeguards.remat.budget_bytes is not None:
-    budget = cfg.safeguards.remat.budget_bytes
-  target = parse_target(topology, devices, budget)
-  seq = cfg.data.seq_len if seq is None else seq
-  if not isinstance(seq, int) or seq < 1:
-    raise ValueError(f"seq={seq!r} must be a positive integer")
-  for who, m in (("teacher", t_cfg), ("student", s_cfg)):
-    if seq > m.max_len:
-      raise ValueError(f"seq={seq} exceeds the {who}'s max_len={m.max_len}; use seq <= {m.max_len}")
-    if m.attention == "splash" and seq % 128:
-      raise ValueError(f"the {who}'s attention='splash' needs seq a multiple of 128 (the kernel's block width), got "
-                       f"{seq}; use seq={max(128, seq // 128 * 128)} or attention='xla'")
-  return Planner(cfg, t_cfg, s_cfg, (t_label, s_label), target, seq)
-
-
-def _default_knobs(pl: Planner, mesh, batch: int, chunk_size) -> Knobs:
-  chunk = pl.cfg.distill.chunk_size if chunk_size is _UNSET else chunk_size
-  if chunk is not None:
-    DistillSettings(chunk_size=chunk)  # validates
-  given = _mesh_arg(mesh)
-  if given is not None:
-    pl.check_mesh(*given, batch)
-    return Knobs(*given, pl.student.remat, chunk, batch)
-  layouts = pl.layouts(batch)
-  if not layouts:
-    n = len(pl.target.devices)
-    raise ValueError(f"no (data x tensor) layout of {n} devices splits both models with batch {batch}: "
-                     f"{pl.split_error(n) or ''} (batch must be a multiple of data)")
-  cfg_mesh = (pl.cfg.mesh.data, pl.cfg.mesh.tensor)
-  if pl.target.budget_bytes is None:
-    return Knobs(*(cfg_mesh if cfg_mesh in layouts else layouts[0]), pl.student.remat, chunk, batch)
-  # auto: the least tensor parallelism whose weights and optimizer state take at most half the limit
-  limit = pl.headroom * pl.target.budget_bytes
-  for d, t in layouts:
-    k = Knobs(d, t, pl.student.remat, chunk, batch)
-    if pl.static_bytes(k) <= 0.5 * limit:
-      return k
-  return Knobs(*layouts[-1], pl.student.remat, chunk, batch)
-
-
-def plan(teacher: Any = None, student: Any = None, *, topology: str | None = None, devices: str | None = None,
-         mesh: Any = "auto", batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
-         overrides: Sequence[str] = (), dtype: str | None = None, remat: str | None = None, chunk_size: Any = _UNSET,
-         hbm_gib: float | None = None, suggest: int = 1, max_compiles: int = 4,
-         scan_layers: bool | None = None, attention: str | None = None) -> Plan:
-  """Compiles the distillation step ``meshdistill distill`` would run, for a target, without allocating it.
-
-  Args:
-    teacher, student: a preset name (`PRESETS`), a Hugging Face ``config.json`` path (or its directory) or a
-      `ModelConfig`; default: the config's models. Presets and config files compute in ``bfloat16`` unless ``dtype``
-      says otherwise; weights are stored as the config's ``teacher.param_dtype`` / ``student.param_dtype`` say.
-    topology: a TPU topology (``v5e:4x4``, ``v5p:4x4x4``, ...; needs ``pip install 'meshdistill[tpu]'``),
-      or ``devices="cpu:N"``: N CPU devices of this process.
-    mesh: ``(data, tensor)``, ``"DATAxTENSOR"`` or ``"auto"`` (the least ``tensor`` whose weights and optimizer
-      state take at most half the memory limit; on CPU without a budget the config's mesh).
-    batch, seq: global batch and sequence length (default: ``train.batch_size``, ``data.seq_len``).
-    config, overrides: the distillation config as for ``distill`` (a `Config`, or a YAML file / packaged name
-      plus ``key=value`` overrides): strategy, chunk size, optimizer, freezing, loss scale, remat headroom.
-    dtype, remat, chunk_size: replace the models' compute dtype, the student's remat policy, the loss's chunk size.
-    hbm_gib: per-device memory budget; replaces the chip's HBM (CPU devices have none).
-    scan_layers: replace both models' ``ModelConfig.scan_layers`` (blocks under ``nnx.scan``: one compiled body).
-    attention: replace both models' ``ModelConfig.attention`` (a config's ``teacher.attention`` /
-      ``student.attention`` set its own models only, not presets).
-    suggest, max_compiles: when the plan does not fit, how many fitting configurations to find, compiling at most
-      ``max_compiles`` more programs.
-  """
-  pl = make_planner(teacher, student, topology=topology, devices=devices, seq=seq, config=config,
-                    overrides=overrides, dtype=dtype, remat=remat, hbm_gib=hbm_gib, scan_layers=scan_layers,
-                    attention=attention)
-  batch = pl.cfg.train.batch_size if batch is None else batch
-  if not isinstance(batch, int) or batch < 1:
-    raise ValueError(f"batch={batch!r} must be a positive integer")
-  k = _default_knobs(pl, mesh, batch, chunk_size)
-  p = pl.plan(k)
-  if p.fits is False and suggest > 0:
-    p.suggestions = pl.nearest(k, suggest, max_compiles)
-  return p
-
-
-def search(teacher: Any = None, student: Any = None, *, topology: str | None = None, devices: str | None = None,
-           batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
-           overrides: Sequence[str] = (), dtype: str | None = None, meshes=None, remats=None, chunk_sizes=None,
-           batches=None, hbm_gib: float | None = None, max_compiles: int = 12,
-           scan_layers: bool | None = None, attention: str | None = None) -> list[Plan]:
-  """Compiles configurations over meshes, remat policies, chunk sizes and batch sizes; returns them ranked.
-
-  Configurations whose weights and optimizer state alone exceed the limit are skipped without compiling.
-  Ranking: those that fit first, by estimated step time per token (on CPU, by memory), then the rest by memory.
-  Defaults: every layout the models split over, the student's remat and ``full``, the config's loss and
-  chunk size 1024, the given batch. At most ``max_compiles`` programs are compiled.
-  """
-  pl = make_planner(teacher, student, topology=topology, devices=devices, seq=seq, config=config,
-                    overrides=overrides, dtype=dtype, hbm_gib=hbm_gib, scan_layers=scan_layers, attention=attention)
-  batch = pl.cfg.train.batch_size if batch is None else batch
-  plans = []
-  for k in pl.candidates(batch, meshes, remats, chunk_sizes, batches):
-    if len(plans) >= max_compiles:
-      log.info("search stopped after %d compilations (max_compiles)", max_compiles)
-      break
-    if not pl.fits_statically(k):
-      log.info("skipped %s: weights and optimizer state alone take %.2f GiB per device", k, pl.static_bytes(k) / GIB)
-      continue
-    plans.append(pl.plan(k))
-
-  def rank(p: Plan):
-    per_token = None if p.step_seconds is None else p.step_seconds / (p.batch * p.seq)
-    total = p.memory["total"] if p.memory["total"] is not None else float("inf")
-    return (p.fits is False, per_token if per_token is not None else total, total)
-
-  return sorted(plans, key=rank)
-
-
-__all__ = ["Knobs", "PRESETS", "Plan", "Planner", "make_planner", "plan", "search"]
+__all__ = ["Knobs", "PRESETS", "Plan", "Planner"]

@@ -1,0 +1,179 @@
+"""`plan`, `search` and `make_planner`: the planner's entry points (a `Planner` for the arguments, then compile).
+
+Part of `meshdistill.planner`; import the names from there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from meshdistill.config import Config, DistillSettings, load_config
+from meshdistill.models.decoder import ModelConfig
+from meshdistill.planner._hardware import parse_target
+from meshdistill.planner._plan import _UNSET, GIB, Knobs, Planner
+from meshdistill.planner._presets import resolve_model
+from meshdistill.planner._report import Plan
+
+log = logging.getLogger("meshdistill.planner._plan")  # the name its records always had
+
+
+# --------------------------------------------------------------------------- entry points
+def _config(config: Config | str | None, overrides: Sequence[str]) -> Config:
+  if isinstance(config, Config):
+    if overrides:
+      raise ValueError("overrides apply to a config file or name; pass a Config already carrying them")
+    return config
+  return load_config(config, overrides)
+
+
+def _mesh_arg(mesh: Any) -> tuple[int, int] | None:
+  if mesh is None or mesh == "auto":
+    return None
+  if isinstance(mesh, str):
+    parts = mesh.lower().split("x")
+    if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
+      return int(parts[0]), int(parts[1])
+    raise ValueError(f"mesh={mesh!r}; give DATAxTENSOR (e.g. 2x8) or 'auto'")
+  if isinstance(mesh, (tuple, list)) and len(mesh) == 2:
+    return int(mesh[0]), int(mesh[1])
+  raise ValueError(f"mesh={mesh!r}; give (data, tensor), 'DATAxTENSOR' or 'auto'")
+
+
+def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq=None, config=None, overrides=(),
+                 dtype=None, remat=None, hbm_gib=None, scan_layers=None, attention=None) -> Planner:
+  """A `Planner` for a pair and target (see `plan` for the arguments)."""
+  cfg = _config(config, overrides)
+  default_dtype = "bfloat16" if dtype is None else dtype
+  named = teacher is not None and not isinstance(teacher, ModelConfig)
+  t_cfg, t_label = resolve_model(cfg.teacher if teacher is None else teacher, who="teacher", scan_layers=scan_layers,
+                                 attention=attention, param_dtype=cfg.teacher.param_dtype if named else None,
+                                 dtype=dtype if teacher is None or isinstance(teacher, ModelConfig) else default_dtype)
+  s_cfg, s_label = resolve_model(cfg.student if student is None else student, who="student", remat=remat,
+                                 scan_layers=scan_layers, attention=attention,
+                                 dtype=dtype if student is None or isinstance(student, ModelConfig) else default_dtype)
+  if teacher is None:
+    t_label = "config teacher"
+  if student is None:
+    s_label = "config student"
+  from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
+
+  resolve_shared_vocab(t_cfg.vocab_size, s_cfg.vocab_size)  # different tokenizers raise here
+  if hbm_gib is not None and not hbm_gib > 0:
+    raise ValueError(f"hbm_gib={hbm_gib!r} must be a positive number of GiB per device")
+  budget = None if hbm_gib is None else int(hbm_gib * GIB)
+  if budget is None and devices is not None and cfg.safeguards.remat.budget_bytes is not None:
+    budget = cfg.safeguards.remat.budget_bytes
+  target = parse_target(topology, devices, budget)
+  seq = cfg.data.seq_len if seq is None else seq
+  if not isinstance(seq, int) or seq < 1:
+    raise ValueError(f"seq={seq!r} must be a positive integer")
+  for who, m in (("teacher", t_cfg), ("student", s_cfg)):
+    if seq > m.max_len:
+      raise ValueError(f"seq={seq} exceeds the {who}'s max_len={m.max_len}; use seq <= {m.max_len}")
+    if m.attention == "splash" and seq % 128:
+      raise ValueError(f"the {who}'s attention='splash' needs seq a multiple of 128 (the kernel's block width), got "
+                       f"{seq}; use seq={max(128, seq // 128 * 128)} or attention='xla'")
+  return Planner(cfg, t_cfg, s_cfg, (t_label, s_label), target, seq)
+
+
+def _default_knobs(pl: Planner, mesh, batch: int, chunk_size) -> Knobs:
+  chunk = pl.cfg.distill.chunk_size if chunk_size is _UNSET else chunk_size
+  if chunk is not None:
+    DistillSettings(chunk_size=chunk)  # validates
+  given = _mesh_arg(mesh)
+  if given is not None:
+    pl.check_mesh(*given, batch)
+    return Knobs(*given, pl.student.remat, chunk, batch)
+  layouts = pl.layouts(batch)
+  if not layouts:
+    n = len(pl.target.devices)
+    raise ValueError(f"no (data x tensor) layout of {n} devices splits both models with batch {batch}: "
+                     f"{pl.split_error(n) or ''} (batch must be a multiple of data)")
+  cfg_mesh = (pl.cfg.mesh.data, pl.cfg.mesh.tensor)
+  if pl.target.budget_bytes is None:
+    return Knobs(*(cfg_mesh if cfg_mesh in layouts else layouts[0]), pl.student.remat, chunk, batch)
+  # auto: the least tensor parallelism whose weights and optimizer state take at most half the limit
+  limit = pl.headroom * pl.target.budget_bytes
+  for d, t in layouts:
+    k = Knobs(d, t, pl.student.remat, chunk, batch)
+    if pl.static_bytes(k) <= 0.5 * limit:
+      return k
+  return Knobs(*layouts[-1], pl.student.remat, chunk, batch)
+
+
+def plan(teacher: Any = None, student: Any = None, *, topology: str | None = None, devices: str | None = None,
+         mesh: Any = "auto", batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
+         overrides: Sequence[str] = (), dtype: str | None = None, remat: str | None = None, chunk_size: Any = _UNSET,
+         hbm_gib: float | None = None, suggest: int = 1, max_compiles: int = 4,
+         scan_layers: bool | None = None, attention: str | None = None) -> Plan:
+  """Compiles the distillation step ``meshdistill distill`` would run, for a target, without allocating it.
+
+  Args:
+    teacher, student: a preset name (`PRESETS`), a Hugging Face ``config.json`` path (or its directory) or a
+      `ModelConfig`; default: the config's models. Presets and config files compute in ``bfloat16`` unless ``dtype``
+      says otherwise; weights are stored as the config's ``teacher.param_dtype`` / ``student.param_dtype`` say.
+    topology: a TPU topology (``v5e:4x4``, ``v5p:4x4x4``, ...; needs ``pip install 'meshdistill[tpu]'``),
+      or ``devices="cpu:N"``: N CPU devices of this process.
+    mesh: ``(data, tensor)``, ``"DATAxTENSOR"`` or ``"auto"`` (the least ``tensor`` whose weights and optimizer
+      state take at most half the memory limit; on CPU without a budget the config's mesh).
+    batch, seq: global batch and sequence length (default: ``train.batch_size``, ``data.seq_len``).
+    config, overrides: the distillation config as for ``distill`` (a `Config`, or a YAML file / packaged name
+      plus ``key=value`` overrides): strategy, chunk size, optimizer, freezing, loss scale, remat headroom.
+    dtype, remat, chunk_size: replace the models' compute dtype, the student's remat policy, the loss's chunk size.
+    hbm_gib: per-device memory budget; replaces the chip's HBM (CPU devices have none).
+    scan_layers: replace both models' ``ModelConfig.scan_layers`` (blocks under ``nnx.scan``: one compiled body).
+    attention: replace both models' ``ModelConfig.attention`` (a config's ``teacher.attention`` /
+      ``student.attention`` set its own models only, not presets).
+    suggest, max_compiles: when the plan does not fit, how many fitting configurations to find, compiling at most
+      ``max_compiles`` more programs.
+  """
+  pl = make_planner(teacher, student, topology=topology, devices=devices, seq=seq, config=config,
+                    overrides=overrides, dtype=dtype, remat=remat, hbm_gib=hbm_gib, scan_layers=scan_layers,
+                    attention=attention)
+  batch = pl.cfg.train.batch_size if batch is None else batch
+  if not isinstance(batch, int) or batch < 1:
+    raise ValueError(f"batch={batch!r} must be a positive integer")
+  k = _default_knobs(pl, mesh, batch, chunk_size)
+  pl.announce(1, more=max_compiles if suggest > 0 else 0)
+  p = pl.plan(k)
+  if p.fits is False and suggest > 0:
+    p.suggestions = pl.nearest(k, suggest, max_compiles)
+  return p
+
+
+def search(teacher: Any = None, student: Any = None, *, topology: str | None = None, devices: str | None = None,
+           batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
+           overrides: Sequence[str] = (), dtype: str | None = None, meshes=None, remats=None, chunk_sizes=None,
+           batches=None, hbm_gib: float | None = None, max_compiles: int = 12,
+           scan_layers: bool | None = None, attention: str | None = None) -> list[Plan]:
+  """Compiles configurations over meshes, remat policies, chunk sizes and batch sizes; returns them ranked.
+
+  Configurations whose weights and optimizer state alone exceed the limit are skipped without compiling.
+  Ranking: those that fit first, by estimated step time per token (on CPU, by memory), then the rest by memory.
+  Defaults: every layout the models split over, the student's remat and ``full``, the config's loss and
+  chunk size 1024, the given batch. At most ``max_compiles`` programs are compiled.
+  """
+  pl = make_planner(teacher, student, topology=topology, devices=devices, seq=seq, config=config,
+                    overrides=overrides, dtype=dtype, hbm_gib=hbm_gib, scan_layers=scan_layers, attention=attention)
+  batch = pl.cfg.train.batch_size if batch is None else batch
+  plans, candidates = [], pl.candidates(batch, meshes, remats, chunk_sizes, batches)
+  pl.announce(min(len(candidates), max_compiles))
+  for k in candidates:
+    if len(plans) >= max_compiles:
+      log.info("search stopped after %d compilations (max_compiles)", max_compiles)
+      break
+    if not pl.fits_statically(k):
+      log.info("skipped %s: weights and optimizer state alone take %.2f GiB per device", k, pl.static_bytes(k) / GIB)
+      continue
+    plans.append(pl.plan(k))
+
+  def rank(p: Plan):
+    per_token = None if p.step_seconds is None else p.step_seconds / (p.batch * p.seq)
+    total = p.memory["total"] if p.memory["total"] is not None else float("inf")
+    return (p.fits is False, per_token if per_token is not None else total, total)
+
+  return sorted(plans, key=rank)
+
+
+__all__ = ["make_planner", "plan", "search"]
