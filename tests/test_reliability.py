@@ -485,3 +485,168 @@ def test_sigterm_writes_a_final_checkpoint_and_exits_143(tmp_path, corpus):
   ckpt = Checkpointer(str(metrics.parent / "checkpoints"), read_only=True)
   assert ckpt.intact_step() == stopped_at >= 2
   assert not (tmp_path / "teacher").exists()  # the run stopped before its end: no teacher was written
+
+
+# ---- round two: signals, processes, start-up
+def _meshdistill(*args) -> list[str]:
+  return [sys.executable, "-m", "meshdistill", *args]
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+def test_cache_teacher_stops_on_sigterm_with_143_and_a_rerun_finishes_the_same_cache(tmp_path, corpus):
+  out = tmp_path / "cache"
+  sets = [*tiny_sets(tmp_path, corpus), "pretrain.steps=2", f"run.run_dir={tmp_path / 'run'}", "data.max_chars=8000"]
+  # one row per shard: a few hundred shards, so the loop is still writing when the signal comes
+  cmd = _meshdistill("cache-teacher", "--config", "tiny", "--out", str(out), "--k", "4", "--rows-per-shard", "1",
+                     *[f"--set={s}" for s in sets])
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  first = out / "shard-00000.safetensors"
+  deadline = time.time() + 180
+  while time.time() < deadline and proc.poll() is None and not first.exists():
+    time.sleep(0.02)
+  assert first.exists(), proc.communicate()[1][-2000:]
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 143, err[-2000:]
+  assert "stopped by SIGTERM after writing" in err and "rerun the same command to resume" in err, err[-2000:]
+  assert not (out / "manifest.json").exists()
+  progress = json.loads((out / "progress-0.json").read_text())["shards"]
+  kept = {name: (out / name).stat().st_mtime_ns for name in progress}
+  assert 1 <= len(kept)
+  rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+  assert rerun.returncode == 0, rerun.stderr[-2000:]
+  cache = md.teacher_cache.TeacherCache(str(out), verify=True)
+  assert len(cache.manifest["shards"]) == cache.manifest["rows"] > len(kept)  # stopped before its end
+  assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept  # the finished shards were kept, not redone
+
+
+def test_launch_forwards_sigterm_and_leaves_no_process_behind(tmp_path):
+  sleeper = "import os, time; print(os.getpid(), flush=True); time.sleep(300)"
+  proc = subprocess.Popen(_meshdistill("launch", "--processes", "2", "--", sys.executable, "-c", sleeper),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  pids = []
+  try:
+    while len(pids) < 2:
+      line = proc.stdout.readline()
+      assert line, "the launcher ended before its processes started"
+      if line.startswith("[p") and line.split()[-1].isdigit():
+        pids.append(int(line.split()[-1]))
+    assert all(_alive(p) for p in pids)
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, rest  # the processes were ended by SIGTERM: 128 + 15
+    assert "SIGTERM received: forwarded to the processes" in rest
+    time.sleep(0.2)
+    assert [p for p in pids if _alive(p)] == []
+  finally:
+    for p in pids:
+      if _alive(p):
+        os.kill(p, signal.SIGKILL)
+    if proc.poll() is None:
+      proc.kill()
+
+
+def test_launch_exits_128_plus_the_signal_of_a_killed_process_and_names_a_missing_command():
+  killed = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+  r = subprocess.run(_meshdistill("launch", "--processes", "2", "--", sys.executable, "-c", killed),
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 137, r.stdout + r.stderr
+  assert "was stopped by SIGKILL" in r.stdout and "rerun the same command" in r.stdout
+  r = subprocess.run(_meshdistill("launch", "--processes", "2", "--", "no-such-command-here"),
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+  assert "launch cannot start 'no-such-command-here'" in r.stderr
+
+
+def test_sigint_stops_training_at_a_step_with_a_checkpoint_every_time(tmp_path, corpus):
+  """Ctrl-C is a stop request like SIGTERM: it is never lost in a callback (the run would go on) nor raised in
+  the middle of a save; each of three interrupted runs saves its step, exits 130, and the next one resumes."""
+  run = tmp_path / "run"
+  cmd = _meshdistill("pretrain", "--config", "tiny", "--out", str(tmp_path / "teacher"),
+                     *[f"--set={s}" for s in tiny_sets(tmp_path, corpus)], f"--set=run.run_dir={run}",
+                     "--set=pretrain.steps=100000")
+  stopped = []
+  for attempt in range(3):
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = (stopped[-1] if stopped else 0) + 2 + attempt  # a few more steps than the last run saved
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+      found = list(run.glob("teacher-*/metrics.jsonl"))
+      if found and found[0].read_text().count("\n") >= lines:
+        break
+      time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "stopped by SIGINT after step" in err and "rerun the same command to resume" in err, err[-2000:]
+    step = int(err.split("stopped by SIGINT after step ")[1].split(";")[0])
+    ckpt = Checkpointer(str(found[0].parent / "checkpoints"), read_only=True)
+    assert ckpt.intact_step() == step
+    if stopped:
+      assert step > stopped[-1] and f"resumed from step {stopped[-1]}" in err, err[-2000:]
+    stopped.append(step)
+  assert not (tmp_path / "teacher").exists()
+
+
+def test_plan_shows_an_estimate_then_each_compilation_on_stderr():
+  r = subprocess.run(_meshdistill("plan", "--devices", "cpu:8", "--json", "--hbm-gib", "0.5", "--set",
+                                  "train.batch_size=8"), capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert json.loads(r.stdout)["fits"] is True
+  err = r.stderr
+  assert "rough estimate" in err and "1 compilation(s)" in err, err
+  for phase in ("compilation 1 of up to", "lowering the step", "lowered in", "compiled in"):
+    assert phase in err, (phase, err)
+  assert err.index("rough estimate") < err.index("lowering the step") < err.index("compiled in")
+
+
+def test_help_and_import_start_neither_jax_nor_grain():
+  probe = ("import sys\nimport meshdistill\nfrom meshdistill.cli import main\n"
+           "for argv in (['--help'], ['plot', '--help'], ['distill', '--help'], ['--version']):\n"
+           "  try:\n    main(argv)\n  except SystemExit:\n    pass\n"
+           "print('LOADED', sorted(m for m in ('jax', 'grain', 'flax', 'numpy') if m in sys.modules))\n")
+  r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert "LOADED []" in r.stdout, r.stdout[-500:]
+  # every public name still resolves, and dir() lists them
+  assert set(md.__all__) <= set(dir(md)) and all(getattr(md, n) is not None for n in md.__all__)
+  assert md.Distiller.__module__ == "meshdistill.distiller" and md.teacher_cache.TeacherCache
+
+
+def test_version_flag(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--version"])
+  assert e.value.code == 0 and capsys.readouterr().out.strip() == f"meshdistill {md.__version__}"
+
+
+def test_verbose_after_the_command_and_defaults_in_help(capsys):
+  from meshdistill._cli_parser import parser  # pylint: disable=g-import-not-at-top
+
+  p = parser()
+  assert p.parse_args(["config", "-v"]).verbose is True
+  assert p.parse_args(["-v", "config"]).verbose is True
+  assert p.parse_args(["config"]).verbose is False
+  with pytest.raises(SystemExit):
+    cli.main(["generate", "--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert "tokens to sample after each prompt (default: 64)" in text and "(default: 0)" in text
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("libtpu"), reason="libtpu (the tpu extra) not installed")
+def test_a_cpu_command_prints_no_libtpu_lines(tmp_path, corpus):
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # as a user's shell: nothing chosen
+  r = subprocess.run(_meshdistill("pretrain", "--config", "tiny", "--out", str(tmp_path / "teacher"),
+                                  *[f"--set={s}" for s in tiny_sets(tmp_path, corpus)], "--set=pretrain.steps=2",
+                                  f"--set=run.run_dir={tmp_path / 'run'}"),
+                     capture_output=True, text=True, env=env, timeout=240)
+  assert r.returncode == 0, r.stderr[-2000:]
+  for noise in ("Failed to find host bounds", "INVALID_ARGUMENT", "TPU_WORKER_HOSTNAMES", "libtpu"):
+    assert noise not in r.stderr, r.stderr[-2000:]
