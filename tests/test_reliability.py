@@ -628,12 +628,16 @@ def test_version_flag(capsys):
 
 
 def test_verbose_after_the_command_and_defaults_in_help(capsys):
-  from meshdistill._cli_parser import parser  # pylint: disable=g-import-not-at-top
-
-  p = parser()
-  assert p.parse_args(["config", "-v"]).verbose is True
-  assert p.parse_args(["-v", "config"]).verbose is True
-  assert p.parse_args(["config"]).verbose is False
+  orbax = logging.getLogger("orbax")
+  level = orbax.level
+  try:
+    for argv in (["config", "--config", "tiny", "-v"], ["-v", "config", "--config", "tiny"]):
+      orbax.setLevel(logging.ERROR)
+      assert cli.main(argv) == 0 and "teacher:" in capsys.readouterr().out
+      assert orbax.level == logging.INFO, argv  # -v took effect (the CLI sets its libraries' loggers)
+    assert cli.main(["config", "--config", "tiny"]) == 0 and orbax.level == logging.ERROR
+  finally:
+    orbax.setLevel(level)
   with pytest.raises(SystemExit):
     cli.main(["generate", "--help"])
   text = " ".join(capsys.readouterr().out.split())
