@@ -40,7 +40,6 @@ with the first failing process's code (128 + N for one ended by signal N).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys

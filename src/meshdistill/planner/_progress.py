@@ -34,7 +34,7 @@ def rough_params(cfg) -> int:
 
 
 def _count(n: int) -> str:
-  return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+  return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.0f} K"
 
 
 def _duration(seconds: float) -> str:
