@@ -79,7 +79,7 @@ _EXPORTS: dict[str, str] = {
     "LogitMSE": "meshdistill.strategies",
     "ScaledLoss": "meshdistill.strategies",
     "fallback_strategy": "meshdistill.strategies",
-    # runs on disk (reading a finished or running run directory): add its public names here
+    # runs on disk: reading a finished or running run directory ("load_run": "meshdistill.<its module>") goes here
 }
 
 __all__ = sorted(_EXPORTS, key=str.lower)

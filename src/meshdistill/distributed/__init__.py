@@ -11,7 +11,8 @@ collectives cross the processes. This module
   auto-detection: Cloud TPU pod slices, SLURM, Open MPI, Kubernetes jobs);
 * launches N local CPU processes as one job for development and tests (`launch`, the
   ``meshdistill launch`` command): gloo collectives, ``[pN]``-prefixed output, and when one
-  process fails the rest are stopped and the launcher exits non-zero;
+  process fails the rest are stopped and the launcher exits with its code (128 + N for a process
+  ended by signal N); SIGTERM / SIGINT to the launcher are forwarded to every process;
 * answers the questions the rest of the code asks: `process_count` / `is_primary` without
   starting a backend, `barrier`, `data_shard` (which rows of each batch this process reads).
 
