@@ -145,6 +145,14 @@ def _export(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:  # Ctrl-C where no stop request is installed (plan, export, start-up): nothing to save
+    print("\ninterrupted", file=sys.stderr)
+    return 130
+
+
+def _main(argv: list[str] | None) -> int:
   args = _parser().parse_args(argv)
   _setup_logging(args.verbose, args.command)
   if args.command != "launch":  # the launcher starts no JAX; its processes get JAX_PLATFORMS=cpu from it
