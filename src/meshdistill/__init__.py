@@ -7,6 +7,7 @@ from meshdistill.layout import Layout, make_layout, wrap_step
 from meshdistill.freezing import Stage, default_stages, freeze_status, progressive_freeze
 from meshdistill.memory import MemoryReport, fit_remat, step_memory
 from meshdistill.guard import DivergenceGuard
+from meshdistill.jobs import load_run
 from meshdistill.planner import Plan, plan
 from meshdistill.optimizers import default_optimizer, safeguarded, skipped_updates
 from meshdistill.safeguards import fit_guarded
@@ -68,6 +69,7 @@ __all__ = [
     "LogitKD",
     "LogitMSE",
     "load_hf",
+  "load_run",
     "losses",
     "make_layout",
     "make_mesh",
