@@ -94,3 +94,31 @@ def test_load_run_of_a_missing_empty_or_checkpointless_directory_is_named(tmp_pa
     md.load_run(str(run_dir))
   assert cfg.checkpoint_dir in str(e.value)
   assert sorted(os.listdir(run_dir)) == ["config.yaml"]  # nothing created
+
+
+def test_load_run_of_a_run_with_a_padded_vocabulary_gives_its_logits(tmp_path):
+  """A vocabulary the run's `tensor` does not divide (265 on tensor=4) is stored padded to 268 rows."""
+  from meshdistill.jobs._setup import _write_config
+
+  run_dir = tmp_path / "run"
+  cfg = load_config("tiny", [f"run.run_dir={run_dir}", "teacher.vocab_size=265", "student.vocab_size=265"])
+  mesh = jobs.build_mesh(cfg)
+  distiller = jobs.make_distiller(cfg, md.init_model(cfg.teacher, seed=0, mesh=mesh), mesh)
+  state = distiller.init_state()
+  _write_config(cfg, str(run_dir))
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0)
+  ckpt.save(1, distiller, state, {}, {"kind": "distill"})
+  ckpt.close()
+  tokens = np.arange(2 * 16, dtype=np.int32).reshape(2, 16) % 265
+  want = np.asarray(jax.device_get(distiller.student(state)(tokens).logits))
+  assert want.shape[-1] == 265
+  for mesh in (None, md.make_mesh(data=2, tensor=4), md.make_mesh(data=4, tensor=2)):
+    got = md.load_run(str(run_dir), mesh=mesh).student(tokens).logits
+    np.testing.assert_allclose(np.asarray(jax.device_get(got)), want, rtol=1e-5, atol=1e-6)
+  # `meshdistill export` reads the student the same way: the export holds the 265 real rows
+  from meshdistill.export import export_run
+
+  export_run(str(run_dir), str(tmp_path / "hf"))
+  reloaded = md.load_hf(str(tmp_path / "hf"))
+  assert reloaded.cfg.vocab_size == 265
+  np.testing.assert_allclose(np.asarray(jax.device_get(reloaded(tokens).logits)), want, rtol=1e-5, atol=1e-6)

@@ -125,7 +125,8 @@ def load_run(run_dir: str, step: int | None = None, *, mesh=None) -> LoadedRun:
   Reads the run's ``config.yaml`` and restores only the student's weights (no teacher, no optimizer
   state) with `meshdistill.checkpoint.Checkpointer.restore_student`, as ``meshdistill export`` does; a
   damaged newest step is skipped with a warning naming it. ``mesh=None`` puts every weight on one device
-  (``jax.devices()[0]``); a `jax.sharding.Mesh` with a ``tensor`` axis splits it as training did. A LoRA
+  (``jax.devices()[0]``); a `jax.sharding.Mesh` with a ``tensor`` axis splits it as training did (a vocabulary
+  padded for the run's ``tensor`` needs a ``tensor`` that divides the padded size). A LoRA
   run's student holds its adapters (`meshdistill.models.lora.merge_lora` folds them in). Nothing in
   ``run_dir`` is created or changed.
 
@@ -151,11 +152,27 @@ def load_run(run_dir: str, step: int | None = None, *, mesh=None) -> LoadedRun:
     meta = ckpt.read_meta(step)
     if meta.get("kind") != "distill":
       raise ValueError(f"run_dir={run_dir!r} holds a {meta.get('kind')!r} run, not a distillation run")
-    student = ckpt.restore_student(cfg.student, mesh, step, lora=cfg.models.student_lora)
+    student = ckpt.restore_student(stored_student_config(cfg, mesh), mesh, step, lora=cfg.models.student_lora)
   finally:
     if ckpt is not None:
       ckpt.close()
   return LoadedRun(student, cfg, int(step))
+
+
+def stored_student_config(cfg: Config, mesh=None):
+  """The student's `ModelConfig` as the run's checkpoints store it, fitted to ``mesh`` (None: one device).
+
+  On a mesh, training pads a vocabulary its ``tensor`` does not divide and may replicate key/value heads
+  (`meshdistill.models.ModelConfig.for_tensor`); the checkpoint holds those padded rows, so the student is
+  read with the same padding (the decoder cuts it off its logits) and then, on ``mesh``, fitted to its
+  ``tensor`` too.
+  """
+  from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
+
+  student = cfg.student
+  if not layout_class(cfg.mesh.backend).one_device:
+    student = student.for_tensor(cfg.mesh.tensor)
+  return student if mesh is None else student.for_tensor(mesh.shape["tensor"])
 
 
 def run_teacher(cfg: Config, meta: dict, mesh, tokenizer):
