@@ -207,3 +207,16 @@ def test_a_config_naming_another_teacher_is_refused_and_an_older_cache_reads_as_
   assert open_with(str(old))[2] == str(old)
   with pytest.raises(ConfigError, match="teacher.param_dtype: cache 'float32', this config 'bfloat16'"):
     open_with(str(old), param_dtype="bfloat16")
+
+
+# --------------------------------------------------------------------------- the config as written, not as fitted
+def test_a_cache_written_on_a_mesh_opens_with_the_teacher_config_as_written(setup):
+  """The manifest holds the teacher's config fitted to the writer's mesh (`ModelConfig.for_tensor`: 2 key/value heads
+  replicated over tensor=4); the run's config is the one the user wrote, without that placement."""
+  s = setup
+  fitted = s["teacher"].cfg
+  assert fitted.replicate_kv  # the fixture's teacher: 2 key/value heads on tensor=4
+  written = fitted.replace(replicate_kv=False, vocab_multiple=1)
+  cfg = Config(teacher=written, student=s["student_cfg"], models=ModelSources(teacher_cache=s["caches"]["float32"]),
+               data=md.data.DataConfig(seq_len=s["data"].train.seq_len))
+  assert _open_teacher_cache(cfg, s["data"], lambda *_: None)[2] == s["caches"]["float32"]

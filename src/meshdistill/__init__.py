@@ -79,7 +79,9 @@ _EXPORTS: dict[str, str] = {
     "LogitMSE": "meshdistill.strategies",
     "ScaledLoss": "meshdistill.strategies",
     "fallback_strategy": "meshdistill.strategies",
-    # runs on disk: reading a finished or running run directory ("load_run": "meshdistill.<its module>") goes here
+    # runs on disk
+    "LoadedRun": "meshdistill.jobs",
+    "load_run": "meshdistill.jobs",
 }
 
 __all__ = sorted(_EXPORTS, key=str.lower)

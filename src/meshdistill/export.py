@@ -124,7 +124,8 @@ def export_run(
     if meta.get("kind") != "distill":
       raise ValueError(f"RUN_DIR={run_dir!r} holds a {meta.get('kind')!r} run, not a distillation run")
     tokenizer, tok_note = _tokenizer_source(cfg)
-    student = ckpt.restore_student(cfg.student, jobs.build_mesh(cfg), step, lora=lora)
+    mesh = jobs.build_mesh(cfg)
+    student = ckpt.restore_student(jobs.stored_student_config(cfg, mesh), mesh, step, lora=lora)
     if adapter:
       base = cfg.models.student_hf if lora.quantize is None else None  # else the base is written beside
       from meshdistill.models.peft import export_adapter  # pylint: disable=g-import-not-at-top

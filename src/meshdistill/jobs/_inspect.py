@@ -1,14 +1,16 @@
 """Jobs on a finished (or running) distillation run: `evaluate` its latest checkpoint, `generate` with its
-student or teacher, `run_teacher` (the run's teacher) and the final `summary_table`."""
+student or teacher, `load_run` (its student in Python), `run_teacher` (the run's teacher) and the final
+`summary_table`."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from meshdistill.checkpoint import Checkpointer, load_teacher, read_teacher_meta
 from meshdistill.config import Config
+from meshdistill.export import run_config
 from meshdistill.jobs._distill_job import _evaluate_pair
 from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
 from meshdistill.jobs._training import make_distiller
@@ -107,6 +109,70 @@ def generate(
     row = [int(t) for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m and t != sampling.eos_id]
     out.append(tokenizer.decode(row))
   return out
+
+
+class LoadedRun(NamedTuple):
+  """What `load_run` returns: ``student, config, step = md.load_run("runs/default")``."""
+
+  student: Any  # a `meshdistill.Decoder` holding the checkpoint's weights
+  config: Config  # the run's own config.yaml, with run.run_dir pointing at the directory loaded
+  step: int  # the checkpoint step the weights come from
+
+
+def load_run(run_dir: str, step: int | None = None, *, mesh=None) -> LoadedRun:
+  """The student of a `meshdistill distill` run directory, from its newest intact checkpoint (or ``step``).
+
+  Reads the run's ``config.yaml`` and restores only the student's weights (no teacher, no optimizer
+  state) with `meshdistill.checkpoint.Checkpointer.restore_student`, as ``meshdistill export`` does; a
+  damaged newest step is skipped with a warning naming it. ``mesh=None`` puts every weight on one device
+  (``jax.devices()[0]``); a `jax.sharding.Mesh` with a ``tensor`` axis splits it as training did (a vocabulary
+  padded for the run's ``tensor`` needs a ``tensor`` that divides the padded size). A LoRA
+  run's student holds its adapters (`meshdistill.models.lora.merge_lora` folds them in). Nothing in
+  ``run_dir`` is created or changed.
+
+  Raises:
+    FileNotFoundError: ``run_dir`` is missing, holds no ``config.yaml`` or no finished checkpoint.
+    ValueError: ``step`` is not one of its checkpoints, or the run is not a distillation run.
+    meshdistill.checkpoint.CheckpointError: ``step``, or every step, is damaged.
+  """
+  if not os.path.isdir(run_dir):
+    raise FileNotFoundError(f"run_dir={run_dir!r} does not exist; give the run.run_dir of a `meshdistill distill` run")
+  cfg = run_config(run_dir)
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0, read_only=True) if os.path.isdir(cfg.checkpoint_dir) else None
+  try:
+    steps = [] if ckpt is None else ckpt.all_steps()
+    if not steps:
+      raise FileNotFoundError(
+        f"run_dir={run_dir!r} has no finished checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with "
+        f"run.run_dir={run_dir} to at least its first checkpoint (checkpoint.every, or its last step)"
+      )
+    if step is not None and step not in steps:
+      raise ValueError(f"step={step} is not a checkpoint of {run_dir!r}; its checkpoints: {sorted(steps)}")
+    step = ckpt.intact_step() if step is None else step
+    meta = ckpt.read_meta(step)
+    if meta.get("kind") != "distill":
+      raise ValueError(f"run_dir={run_dir!r} holds a {meta.get('kind')!r} run, not a distillation run")
+    student = ckpt.restore_student(stored_student_config(cfg, mesh), mesh, step, lora=cfg.models.student_lora)
+  finally:
+    if ckpt is not None:
+      ckpt.close()
+  return LoadedRun(student, cfg, int(step))
+
+
+def stored_student_config(cfg: Config, mesh=None):
+  """The student's `ModelConfig` as the run's checkpoints store it, fitted to ``mesh`` (None: one device).
+
+  On a mesh, training pads a vocabulary its ``tensor`` does not divide and may replicate key/value heads
+  (`meshdistill.models.ModelConfig.for_tensor`); the checkpoint holds those padded rows, so the student is
+  read with the same padding (the decoder cuts it off its logits) and then, on ``mesh``, fitted to its
+  ``tensor`` too.
+  """
+  from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
+
+  student = cfg.student
+  if not layout_class(cfg.mesh.backend).one_device:
+    student = student.for_tensor(cfg.mesh.tensor)
+  return student if mesh is None else student.for_tensor(mesh.shape["tensor"])
 
 
 def run_teacher(cfg: Config, meta: dict, mesh, tokenizer):

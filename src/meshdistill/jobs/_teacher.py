@@ -185,7 +185,9 @@ def _open_teacher_cache(cfg: Config, data, say):
     raise ConfigError("student.init.from_teacher copies the teacher's weights, but teacher.cache loads none; "
                       "remove student.init (or teacher.cache)")
   cache = tc.TeacherCache(cfg.models.teacher_cache)
-  layout = ("remat", "scan_layers")  # how the teacher computes, not what
+  # how the teacher computes or is placed, not what: remat, stacked blocks, and the vocabulary padding and
+  # key/value replication `ModelConfig.for_tensor` adds for the writer's mesh (the manifest holds the fitted config)
+  layout = ("remat", "scan_layers", "vocab_multiple", "replicate_kv")
   teacher_cfg = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k not in layout}
   # a cache written before param_dtype was a setting: float32 weights
   saved_cfg = {"param_dtype": "float32", **{k: v for k, v in cache.manifest["teacher"]["config"].items()
