@@ -38,6 +38,7 @@ from meshdistill.data import DataConfig, build_data
 from meshdistill.fsutil import LOCK_FILE, OutputExistsError, RunLock, RunLockedError
 from meshdistill.models import export_hf, load_hf
 from meshdistill.monitor import Monitor, plot_run, read_metrics
+from meshdistill.ownership import MARKER, write_marker
 from meshdistill.safeguards import DivergenceGuard, ScaledLoss, fit_guarded, safeguarded, skipped_updates
 from meshdistill.trainer import fit
 
@@ -139,7 +140,7 @@ def test_save_teacher_replaces_only_a_teacher_and_only_when_asked(tmp_path, data
   with pytest.raises(OutputExistsError, match="already exists and is not empty"):
     save_teacher(str(out), model, data.tokenizer)
   save_teacher(str(out), md.init_model(STUDENT, seed=4), data.tokenizer, overwrite=True)  # a teacher: replaced
-  assert sorted(os.listdir(out)) == ["params", "teacher.json", "tokenizer"]
+  assert sorted(os.listdir(out)) == [MARKER, "params", "teacher.json", "tokenizer"]
   assert not [n for n in os.listdir(tmp_path) if n.startswith((".tmp-", ".old-"))]  # nothing left behind
   (out / "mine.txt").write_text("x")
   with pytest.raises(OutputExistsError, match="did not write"):
@@ -154,6 +155,7 @@ def test_export_replaces_an_old_sharded_checkpoint_whole_and_never_writes_throug
   new = nnx.merge(nnx.graphdef(model), jax.tree.map(lambda x: x * 2.0, state))
   out = tmp_path / "out"
   shutil.copytree(FIXTURES / "hf_llama", out, ignore=shutil.ignore_patterns("*.npz"))  # an older sharded export
+  write_marker(str(out), "export")  # written by an export (a marker-less one is never replaced: round two)
   outside = tmp_path / "elsewhere.json"
   outside.write_text("{}")
   (out / "config.json").unlink()

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
       for path in plot_run(args.run_dir, args.out):
         print(path)
-    except (FileNotFoundError, ValueError, ImportError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
       return _err(str(e))
     return 0
 

@@ -40,6 +40,17 @@ class OutputExistsError(FileExistsError):
   """An output target exists and holds files; the message says how to proceed."""
 
 
+class SymlinkError(OutputExistsError):
+  """A symlink where meshdistill would write a file: never written through."""
+
+  def __init__(self, path: str):
+    super().__init__(
+      f"{path} is a symbolic link (to {os.readlink(path) if os.path.islink(path) else '?'}); meshdistill never "
+      "writes through a link: remove the link, or choose another run.run_dir / output directory"
+    )
+    self.path = path
+
+
 class RunLockedError(RuntimeError):
   """Another live process holds the run directory's lock."""
 
@@ -83,6 +94,7 @@ def atomic_output_dir(path: str) -> Iterator[str]:
   parent, name = os.path.dirname(path), os.path.basename(path)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{name}-")
+  os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700: the output honours the umask like any directory
   try:
     yield tmp
     old = None
@@ -109,6 +121,17 @@ def atomic_output_dir(path: str) -> Iterator[str]:
       shutil.rmtree(tmp, ignore_errors=True)
 
 
+def open_append(path: str):
+  """``open(path, "a")`` that never follows a symlink at ``path`` (an error naming it instead)."""
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise SymlinkError(path) from None
+    raise
+  return os.fdopen(fd, "a", encoding="utf-8")
+
+
 def fsync_dir(path: str) -> None:
   """Makes a rename inside ``path`` durable (best effort: some filesystems refuse)."""
   with contextlib.suppress(OSError):
@@ -119,11 +142,23 @@ def fsync_dir(path: str) -> None:
       os.close(fd)
 
 
+def current_umask() -> int:
+  """The process's umask (read by setting it and setting it back)."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
 def write_text_atomic(path: str, text: str) -> None:
-  """Writes ``text`` to ``path`` through a temporary sibling and a rename (never a half-written file)."""
+  """Writes ``text`` to ``path`` through a temporary sibling and a rename (never a half-written file).
+
+  The rename replaces a symlink at ``path`` itself, never the file it points to; the file gets the
+  mode any new file gets (``0o666`` less the umask), not `tempfile.mkstemp`'s ``0o600``.
+  """
   parent = os.path.dirname(os.path.abspath(path)) or "."
   fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".tmp-{os.path.basename(path)}-")
   try:
+    os.fchmod(fd, 0o666 & ~current_umask())
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       f.write(text)
       f.flush()
@@ -203,7 +238,12 @@ class RunLock:
 
   def acquire(self) -> RunLock:
     os.makedirs(self.run_dir, exist_ok=True)
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # a link at the lock's place is refused: truncating it would truncate what it points to
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+      if e.errno == errno.ELOOP:
+        raise SymlinkError(self.path) from None
+      raise
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -226,7 +266,8 @@ class RunLock:
 
   def _holder(self) -> int | None:
     try:
-      with open(self.path, encoding="utf-8") as f:
+      fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+      with os.fdopen(fd, encoding="utf-8") as f:
         return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
       return None
