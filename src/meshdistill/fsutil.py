@@ -4,11 +4,13 @@ Three rules every command follows (see ``benchmarks/results/reliability.md``):
 
 * An output directory is built in a temporary sibling (``.tmp-<name>-XXXX`` next to it) and
   renamed into place when complete (`atomic_output_dir`), so a reader never sees a half-written
-  output and a failed write leaves what was there before. Symlinks inside an old target are
-  never written through: the new directory is a fresh one.
-* What the user did not create is never deleted. An existing non-empty target is an error
-  unless ``overwrite``; even then it is replaced only when every entry in it is something this
-  project writes there (`check_output_dir`'s ``ours``), so ``--out .`` or ``--out ~`` is refused.
+  output and a failed write leaves what was there before. Files and directories made this way get
+  the modes any new one gets (the umask), not ``tempfile``'s ``0600`` / ``0700``. Symlinks inside an
+  old target are never written through: the new directory is a fresh one.
+* What the user did not create is never deleted or overwritten: an output directory is replaced
+  or reused only when its owner marker proves meshdistill wrote it (`meshdistill.ownership`), so
+  ``--out .`` or ``--out ~`` is refused. Nothing is written through a symlink (`SymlinkError`): the
+  lock and ``metrics.jsonl`` open with ``O_NOFOLLOW``, other files are renamed into place.
 * One run per run directory: `RunLock` holds an OS lock (``fcntl.flock``) on
   ``<run_dir>/.meshdistill.lock`` for the life of the run. The OS drops the lock when the
   process ends, however it ends, so a lock file left by a killed run is stale by construction:
@@ -29,7 +31,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -56,32 +58,6 @@ class RunLockedError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- output directories
-def check_output_dir(path: str, *, overwrite: bool, ours: Callable[[str], bool], what: str, flag: str) -> None:
-  """Raises unless ``path`` may receive a new output.
-
-  A missing or empty ``path`` is fine. A non-empty one needs ``overwrite`` (named by ``flag``,
-  e.g. ``--overwrite``), and even then every entry must satisfy ``ours(name)`` (files this
-  project writes there): anything else is the user's and is never deleted.
-  """
-  path = os.path.abspath(path)
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise OutputExistsError(f"{what} {path} exists and is not a directory; choose a new directory")
-  if not os.path.isdir(path) or not os.listdir(path):
-    return
-  foreign = sorted(n for n in os.listdir(path) if not ours(n))
-  if foreign:
-    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-    raise OutputExistsError(
-      f"{what} {path} holds files this command did not write ({shown}); nothing was changed. Choose a new or "
-      "empty directory"
-    )
-  if not overwrite:
-    raise OutputExistsError(
-      f"{what} {path} already exists and is not empty; nothing was changed. Pass {flag} to replace it, or choose "
-      "a new directory"
-    )
-
-
 @contextlib.contextmanager
 def atomic_output_dir(path: str) -> Iterator[str]:
   """Yields a fresh temporary sibling of ``path``; on success it replaces ``path`` by renames.
