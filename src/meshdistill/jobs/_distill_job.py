@@ -60,20 +60,20 @@ def _changed_settings(cfg: Config) -> None:
   """
   import yaml  # pylint: disable=g-import-not-at-top
 
+  from meshdistill.distributed import agree_on  # pylint: disable=g-import-not-at-top
+
   path = os.path.join(cfg.run.run_dir, "config.yaml")
   try:
     with open(path, encoding="utf-8") as f:
       saved = yaml.safe_load(f)
   except (OSError, yaml.YAMLError):
-    return
-  if not isinstance(saved, dict):
-    return
-  saved = _flat(saved)
+    saved = None
+  saved = _flat(saved) if isinstance(saved, dict) else {}
   now = _flat(yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False)))  # as config.yaml would hold it
   changed = [k for k in now if k in saved and saved[k] != now[k] and not k.startswith(UNTRAINED_SETTINGS)
              and k not in UNTRAINED_SETTINGS]
-  if changed:
-    shown = "; ".join(f"{k}: trained with {saved[k]!r}, now {now[k]!r}" for k in changed[:6])
+  if agree_on(int(bool(changed)), "whether the run's settings changed"):  # process 0 decides for the job
+    shown = "; ".join(f"{k}: trained with {saved[k]!r}, now {now[k]!r}" for k in changed[:6]) or "see process 0"
     raise ConfigError(
       f"run.run_dir={cfg.run.run_dir} already holds a run trained with other settings ({shown}); nothing was "
       f"changed. A run directory keeps the settings it was trained with: give a new run.run_dir (e.g. --set "
