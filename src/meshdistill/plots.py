@@ -130,7 +130,7 @@ def _plot_dir(out_dir: str, names: list[str], earlier_ok: bool) -> str:
       raise SymlinkError(path)
     if os.path.lexists(path) and not ours:
       raise OutputExistsError(
-        f"{path} exists and meshdistill did not write it (no plot directory of meshdistill's); nothing was "
+        f"{path} exists and meshdistill did not write it (--out is not a plot directory meshdistill made); nothing was "
         "changed. Give another --out (a new directory), or move the file away"
       )
   return out_dir
