@@ -38,6 +38,7 @@ from meshdistill.data import DataConfig, build_data
 from meshdistill.fsutil import LOCK_FILE, OutputExistsError, RunLock, RunLockedError
 from meshdistill.models import export_hf, load_hf
 from meshdistill.monitor import Monitor, plot_run, read_metrics
+from meshdistill.ownership import MARKER, write_marker
 from meshdistill.safeguards import DivergenceGuard, ScaledLoss, fit_guarded, safeguarded, skipped_updates
 from meshdistill.trainer import fit
 
@@ -139,7 +140,7 @@ def test_save_teacher_replaces_only_a_teacher_and_only_when_asked(tmp_path, data
   with pytest.raises(OutputExistsError, match="already exists and is not empty"):
     save_teacher(str(out), model, data.tokenizer)
   save_teacher(str(out), md.init_model(STUDENT, seed=4), data.tokenizer, overwrite=True)  # a teacher: replaced
-  assert sorted(os.listdir(out)) == ["params", "teacher.json", "tokenizer"]
+  assert sorted(os.listdir(out)) == [MARKER, "params", "teacher.json", "tokenizer"]
   assert not [n for n in os.listdir(tmp_path) if n.startswith((".tmp-", ".old-"))]  # nothing left behind
   (out / "mine.txt").write_text("x")
   with pytest.raises(OutputExistsError, match="did not write"):
@@ -154,6 +155,7 @@ def test_export_replaces_an_old_sharded_checkpoint_whole_and_never_writes_throug
   new = nnx.merge(nnx.graphdef(model), jax.tree.map(lambda x: x * 2.0, state))
   out = tmp_path / "out"
   shutil.copytree(FIXTURES / "hf_llama", out, ignore=shutil.ignore_patterns("*.npz"))  # an older sharded export
+  write_marker(str(out), "export")  # written by an export (a marker-less one is never replaced: round two)
   outside = tmp_path / "elsewhere.json"
   outside.write_text("{}")
   (out / "config.json").unlink()
@@ -656,3 +658,165 @@ def test_a_cpu_command_prints_no_libtpu_lines(tmp_path, corpus):
   assert r.returncode == 0, r.stderr[-2000:]
   for noise in ("Failed to find host bounds", "INVALID_ARGUMENT", "TPU_WORKER_HOSTNAMES", "libtpu"):
     assert noise not in r.stderr, r.stderr[-2000:]
+
+
+# ---- round two: data loss and symlinks
+def cli_sets(tmp, corpus, *extra):
+  """``--set`` arguments of `tiny_sets` plus ``extra``, with a 2-step teacher and student (whole jobs in seconds)."""
+  return [f"--set={s}" for s in (*tiny_sets(tmp, corpus), "pretrain.steps=2", "train.steps=2", *extra)]
+
+
+def test_r2_distill_refuses_a_run_dir_of_the_users_files_and_keeps_them(tmp_path, corpus, monkeypatch, capsys):
+  # 1. a user's config.yaml, metrics.jsonl (a CSV) and summary.json: were overwritten with rc 0
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "config.yaml").write_text("my: settings\n")
+  (mine / "metrics.jsonl").write_text("step,loss\n1,0.5\n")
+  (mine / "summary.json").write_text('{"mine": true}\n')
+  before = tree_of(mine)
+  assert cli.main(["distill", "--config", "tiny", *cli_sets(tmp_path, corpus, f"run.run_dir={mine}")]) == 2
+  err = capsys.readouterr().err
+  assert f"run directory {mine} is not empty and nothing proves meshdistill wrote it" in err
+  assert "config.yaml, metrics.jsonl, summary.json" in err and "Choose a new or empty directory" in err
+  assert tree_of(mine) == before and sorted(os.listdir(mine)) == ["config.yaml", "metrics.jsonl", "summary.json"]
+  # run.run_dir=. in a directory of the user's (its config.yaml was replaced)
+  monkeypatch.chdir(mine)
+  assert cli.main(["distill", "--config", "tiny", *cli_sets(tmp_path, corpus, "run.run_dir=.")]) == 2
+  assert "nothing was changed" in capsys.readouterr().err
+  assert tree_of(mine) == before
+
+
+def test_r2_symlinks_in_a_run_directory_are_refused_never_written_through(tmp_path, corpus, capsys):
+  # 2. `ln -s ~/.bashrc RUN/.meshdistill.lock` truncated ~/.bashrc; RUN/summary.json -> FILE overwrote FILE
+  precious = tmp_path / "bashrc"
+  precious.write_text("export KEEP=1\n")
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / LOCK_FILE).symlink_to(precious)
+  with pytest.raises(OutputExistsError, match=f"{run / LOCK_FILE} is a symbolic link"):
+    RunLock(str(run)).acquire()  # the lock of a run directory and of pretrain's teacher-<key> directories
+  assert precious.read_text() == "export KEEP=1\n"
+  (run / LOCK_FILE).unlink()
+  write_marker(str(run), "run")  # a run directory of this version: only the link is wrong
+  (run / "summary.json").symlink_to(precious)
+  assert cli.main(["distill", "--config", "tiny", *cli_sets(tmp_path, corpus, f"run.run_dir={run}")]) == 2
+  assert f"{run / 'summary.json'} is a symbolic link (to {precious})" in capsys.readouterr().err
+  (run / "summary.json").unlink()
+  (run / "metrics.jsonl").symlink_to(precious)
+  with pytest.raises(OutputExistsError, match="metrics.jsonl is a symbolic link"):
+    Monitor(str(run), 4, tensorboard=False)
+  assert precious.read_text() == "export KEEP=1\n"
+  assert sorted(os.listdir(run)) == [MARKER, "metrics.jsonl"]  # nothing written beside
+
+
+def test_r2_overwrite_replaces_only_what_an_owner_marker_proves_ours(tmp_path, corpus, data, capsys):
+  # 3. `--overwrite` decided by names: d/params/mine.bin was deleted; a downloaded model was replaced by an export
+  d = tmp_path / "d"
+  (d / "params").mkdir(parents=True)
+  (d / "params" / "mine.bin").write_text("mine")
+  assert cli.main(["pretrain", "--config", "tiny", "--out", str(d), "--overwrite", *cli_sets(tmp_path, corpus)]) == 2
+  err = capsys.readouterr().err
+  assert f"teacher directory {d} is not empty and nothing proves meshdistill wrote it" in err
+  assert "params/mine.bin" in err
+  assert (d / "params" / "mine.bin").read_text() == "mine" and not (tmp_path / "cache").exists()  # before training
+  downloaded = tmp_path / "model"
+  shutil.copytree(FIXTURES / "hf_llama", downloaded, ignore=shutil.ignore_patterns("*.npz"))
+  before = tree_of(downloaded)
+  from meshdistill.export import check_out_dir
+
+  with pytest.raises(OutputExistsError, match="looks like a downloaded model"):
+    check_out_dir(str(downloaded), overwrite=True)  # `meshdistill export RUN model --overwrite`
+  with pytest.raises(OutputExistsError, match="looks like a downloaded model"):
+    export_hf(load_hf(FIXTURES / "hf_llama"), downloaded, overwrite=True)
+  assert tree_of(downloaded) == before
+  # a teacher saved by an earlier version (no marker): replaced, as its teacher.json lists every file
+  teacher = tmp_path / "teacher"
+  save_teacher(str(teacher), md.init_model(STUDENT, seed=3), data.tokenizer)
+  (teacher / MARKER).unlink()
+  (teacher / "params" / "mine.bin").write_text("mine")  # ... unless a file was added to it
+  with pytest.raises(OutputExistsError, match="params/mine.bin is not a file teacher.json lists"):
+    save_teacher(str(teacher), md.init_model(STUDENT, seed=4), data.tokenizer, overwrite=True)
+  (teacher / "params" / "mine.bin").unlink()
+  save_teacher(str(teacher), md.init_model(STUDENT, seed=4), data.tokenizer, overwrite=True)
+  assert (teacher / MARKER).is_file()
+
+
+def test_r2_plot_and_cache_teacher_keep_a_users_files(tmp_path, corpus, capsys):
+  # 4. `plot --out DIR` overwrote loss.png; `cache-teacher --out DIR` wrote beside a user's files, checked --out
+  # only after pretraining the teacher, and a stray progress-0.json crashed with KeyError: 'settings'
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1 / s}) + "\n"
+                                             for s in (1, 2, 3)))
+  pics = tmp_path / "pics"
+  pics.mkdir()
+  (pics / "loss.png").write_bytes(b"my picture")
+  assert cli.main(["plot", str(run), "--out", str(pics)]) == 2
+  assert f"{pics / 'loss.png'} exists and meshdistill did not write it" in capsys.readouterr().err
+  assert (pics / "loss.png").read_bytes() == b"my picture" and os.listdir(pics) == ["loss.png"]
+  assert cli.main(["plot", str(run), "--out", str(tmp_path / "new")]) == 0  # a directory it makes: redrawn
+  assert cli.main(["plot", str(run), "--out", str(tmp_path / "new")]) == 0
+  assert (tmp_path / "new" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "notes.txt").write_text("mine")
+  assert cli.main(["cache-teacher", "--config", "tiny", "--out", str(out), *cli_sets(tmp_path, corpus)]) == 2
+  assert "did not write (notes.txt); nothing was changed" in capsys.readouterr().err
+  (out / "notes.txt").unlink()
+  (out / "progress-0.json").write_text('{"mine": 1}')
+  assert cli.main(["cache-teacher", "--config", "tiny", "--out", str(out), *cli_sets(tmp_path, corpus)]) == 2
+  assert "progress-0.json is not a teacher cache record" in capsys.readouterr().err
+  assert os.listdir(out) == ["progress-0.json"] and not (tmp_path / "cache").exists()  # no teacher pretrained
+
+
+def test_r2_a_finished_run_refuses_a_changed_training_setting(tmp_path, corpus, capsys):
+  # 7. `distill --set distill.alpha=0.7` after the default job: rc 0, nothing trained, config.yaml said alpha 0.7
+  run = tmp_path / "run"
+  args = ["distill", "--config", "tiny", *cli_sets(tmp_path, corpus, f"run.run_dir={run}")]
+  assert cli.main(args) == 0
+  capsys.readouterr()
+  before = tree_of(run)
+  assert cli.main([*args, "--set=distill.alpha=0.7"]) == 2
+  err = capsys.readouterr().err
+  assert "distill.alpha: trained with 0.5, now 0.7" in err and f"run.run_dir={run}-2" in err
+  assert tree_of(run) == before  # config.yaml still says what was trained
+  # settings that do not change what is trained: more steps to continue, another log cadence
+  assert cli.main([*args, "--set=train.steps=3", "--set=train.log_every=2"]) == 0
+  assert json.loads((run / "summary.json").read_text())["step"] == 3
+  saved = load_config(str(run / "config.yaml"))
+  assert (saved.train.steps, saved.train.log_every, saved.distill.alpha) == (3, 2, 0.5)
+
+
+def test_r2_modes_honour_the_umask_home_is_expanded_and_interrupted_saves_are_cleaned(
+    tmp_path, data, monkeypatch, caplog):
+  # misc: 0700 / 0600 outputs whatever the umask; run.run_dir=~/x not expanded; *.orbax-checkpoint-tmp never cleaned
+  from meshdistill.config import dump_config
+  from meshdistill.jobs._setup import _run_lock
+
+  old = os.umask(0o022)
+  try:
+    save_teacher(str(tmp_path / "teacher"), md.init_model(STUDENT, seed=3), data.tokenizer)
+    cfg = load_config("tiny")
+    dump_config(cfg, str(tmp_path / "config.yaml"))
+    monitor = Monitor(str(tmp_path), 4, tensorboard=False)
+    monitor.write(1, "train", {"loss": 1.0})
+    monitor.rewind(0)  # rewritten through a temporary file
+    monitor.close()
+  finally:
+    os.umask(old)
+  assert oct((tmp_path / "teacher").stat().st_mode & 0o777) == oct(0o755)
+  assert oct((tmp_path / "config.yaml").stat().st_mode & 0o777) == oct(0o644)
+  assert oct((tmp_path / "metrics.jsonl").stat().st_mode & 0o777) == oct(0o644)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert load_config("tiny", ["run.run_dir=~/x"]).run.run_dir == str(tmp_path / "home" / "x")
+  run = tmp_path / "run"
+  left = run / "checkpoints" / "4.orbax-checkpoint-tmp-1700000000"
+  (left / "state").mkdir(parents=True)
+  write_marker(str(run), "run")
+  with RunLock(str(run)):  # another run holds the directory: its save in progress is not touched
+    with pytest.raises(RunLockedError):
+      _run_lock(str(run), "distillation run").__enter__()
+    assert left.is_dir()
+  with caplog.at_level(logging.WARNING, logger="meshdistill.jobs"), _run_lock(str(run), "distillation run"):
+    assert not left.exists()
+  assert "removing 4.orbax-checkpoint-tmp-1700000000, a checkpoint save that was interrupted" in caplog.text

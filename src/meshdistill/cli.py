@@ -173,7 +173,7 @@ def _main(argv: list[str] | None) -> int:
     try:
       for path in plot_run(args.run_dir, args.out):
         print(path)
-    except (FileNotFoundError, ValueError, ImportError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
       return _err(str(e))
     return 0
 

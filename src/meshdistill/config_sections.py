@@ -343,6 +343,8 @@ class CheckpointSettings:
   def __post_init__(self):
     nonneg_int("checkpoint.every", self.every)
     positive_int("checkpoint.keep", self.keep)
+    if isinstance(self.dir, str):
+      object.__setattr__(self, "dir", os.path.expanduser(self.dir))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -354,3 +356,4 @@ class RunSettings:
   def __post_init__(self):
     if not isinstance(self.run_dir, str) or not self.run_dir:
       raise ConfigError(f"run.run_dir={self.run_dir!r} must be a non-empty path")
+    object.__setattr__(self, "run_dir", os.path.expanduser(self.run_dir))  # run.run_dir=~/x: the home directory

@@ -10,7 +10,7 @@ has no Hugging Face tokenizer, which the returned record says.
 Every check (run directory, checkpoint step, dtype, output directory) runs before anything is
 written. The checkpoint is written to a temporary sibling of ``OUT_DIR`` and renamed into place,
 so ``OUT_DIR`` is either absent, untouched (on an error) or complete; a non-empty ``OUT_DIR`` is
-refused unless ``overwrite``.
+refused unless ``overwrite``, and replaced only when its owner marker proves an export wrote it.
 """
 
 from __future__ import annotations
@@ -40,18 +40,21 @@ def run_config(run_dir: str) -> Config:
 def check_out_dir(out_dir: str, overwrite: bool, adapter: bool = False) -> None:
   """Raises unless ``out_dir`` may receive the export.
 
-  Even with ``overwrite`` only a directory holding nothing but checkpoint files (``config.json``,
-  ``*.safetensors``, the index, tokenizer files; with ``adapter`` the adapter files and ``base/``) is
-  replaced (`meshdistill.fsutil.check_output_dir`).
+  Even with ``overwrite`` only a directory an earlier export wrote (its owner marker proves it) holding
+  nothing but checkpoint files (``config.json``, ``*.safetensors``, the index, tokenizer files; with
+  ``adapter`` the adapter files and ``base/``) is replaced (`meshdistill.ownership.check_owned`): a
+  downloaded model holds the same files and is never deleted.
   """
-  from meshdistill.fsutil import check_output_dir  # pylint: disable=g-import-not-at-top
-  from meshdistill.models.hf import is_checkpoint_file  # pylint: disable=g-import-not-at-top
-  from meshdistill.models.peft import is_adapter_file  # pylint: disable=g-import-not-at-top
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.models.hf import export_kind  # pylint: disable=g-import-not-at-top
+  from meshdistill.models.peft import adapter_kind  # pylint: disable=g-import-not-at-top
+  from meshdistill.ownership import check_owned  # pylint: disable=g-import-not-at-top
 
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise FileExistsError(f"OUT_DIR={out_dir!r} is a file; give a directory path")
-  check_output_dir(out_dir, overwrite=overwrite, ours=is_adapter_file if adapter else is_checkpoint_file,
-                   what="OUT_DIR", flag="--overwrite")
+  kind = dataclasses.replace(adapter_kind() if adapter else export_kind(), what="OUT_DIR")
+  check_owned(out_dir, kind, overwrite=overwrite, flag="--overwrite")
 
 
 def _tokenizer_source(cfg: Config):

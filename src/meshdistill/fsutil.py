@@ -4,11 +4,13 @@ Three rules every command follows (see ``benchmarks/results/reliability.md``):
 
 * An output directory is built in a temporary sibling (``.tmp-<name>-XXXX`` next to it) and
   renamed into place when complete (`atomic_output_dir`), so a reader never sees a half-written
-  output and a failed write leaves what was there before. Symlinks inside an old target are
-  never written through: the new directory is a fresh one.
-* What the user did not create is never deleted. An existing non-empty target is an error
-  unless ``overwrite``; even then it is replaced only when every entry in it is something this
-  project writes there (`check_output_dir`'s ``ours``), so ``--out .`` or ``--out ~`` is refused.
+  output and a failed write leaves what was there before. Files and directories made this way get
+  the modes any new one gets (the umask), not ``tempfile``'s ``0600`` / ``0700``. Symlinks inside an
+  old target are never written through: the new directory is a fresh one.
+* What the user did not create is never deleted or overwritten: an output directory is replaced
+  or reused only when its owner marker proves meshdistill wrote it (`meshdistill.ownership`), so
+  ``--out .`` or ``--out ~`` is refused. Nothing is written through a symlink (`SymlinkError`): the
+  lock and ``metrics.jsonl`` open with ``O_NOFOLLOW``, other files are renamed into place.
 * One run per run directory: `RunLock` holds an OS lock (``fcntl.flock``) on
   ``<run_dir>/.meshdistill.lock`` for the life of the run. The OS drops the lock when the
   process ends, however it ends, so a lock file left by a killed run is stale by construction:
@@ -29,7 +31,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -40,37 +42,22 @@ class OutputExistsError(FileExistsError):
   """An output target exists and holds files; the message says how to proceed."""
 
 
+class SymlinkError(OutputExistsError):
+  """A symlink where meshdistill would write a file: never written through."""
+
+  def __init__(self, path: str):
+    super().__init__(
+      f"{path} is a symbolic link (to {os.readlink(path) if os.path.islink(path) else '?'}); meshdistill never "
+      "writes through a link: remove the link, or choose another run.run_dir / output directory"
+    )
+    self.path = path
+
+
 class RunLockedError(RuntimeError):
   """Another live process holds the run directory's lock."""
 
 
 # --------------------------------------------------------------------------- output directories
-def check_output_dir(path: str, *, overwrite: bool, ours: Callable[[str], bool], what: str, flag: str) -> None:
-  """Raises unless ``path`` may receive a new output.
-
-  A missing or empty ``path`` is fine. A non-empty one needs ``overwrite`` (named by ``flag``,
-  e.g. ``--overwrite``), and even then every entry must satisfy ``ours(name)`` (files this
-  project writes there): anything else is the user's and is never deleted.
-  """
-  path = os.path.abspath(path)
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise OutputExistsError(f"{what} {path} exists and is not a directory; choose a new directory")
-  if not os.path.isdir(path) or not os.listdir(path):
-    return
-  foreign = sorted(n for n in os.listdir(path) if not ours(n))
-  if foreign:
-    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-    raise OutputExistsError(
-      f"{what} {path} holds files this command did not write ({shown}); nothing was changed. Choose a new or "
-      "empty directory"
-    )
-  if not overwrite:
-    raise OutputExistsError(
-      f"{what} {path} already exists and is not empty; nothing was changed. Pass {flag} to replace it, or choose "
-      "a new directory"
-    )
-
-
 @contextlib.contextmanager
 def atomic_output_dir(path: str) -> Iterator[str]:
   """Yields a fresh temporary sibling of ``path``; on success it replaces ``path`` by renames.
@@ -83,6 +70,7 @@ def atomic_output_dir(path: str) -> Iterator[str]:
   parent, name = os.path.dirname(path), os.path.basename(path)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{name}-")
+  os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700: the output honours the umask like any directory
   try:
     yield tmp
     old = None
@@ -109,6 +97,17 @@ def atomic_output_dir(path: str) -> Iterator[str]:
       shutil.rmtree(tmp, ignore_errors=True)
 
 
+def open_append(path: str):
+  """``open(path, "a")`` that never follows a symlink at ``path`` (an error naming it instead)."""
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise SymlinkError(path) from None
+    raise
+  return os.fdopen(fd, "a", encoding="utf-8")
+
+
 def fsync_dir(path: str) -> None:
   """Makes a rename inside ``path`` durable (best effort: some filesystems refuse)."""
   with contextlib.suppress(OSError):
@@ -119,11 +118,23 @@ def fsync_dir(path: str) -> None:
       os.close(fd)
 
 
+def current_umask() -> int:
+  """The process's umask (read by setting it and setting it back)."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
 def write_text_atomic(path: str, text: str) -> None:
-  """Writes ``text`` to ``path`` through a temporary sibling and a rename (never a half-written file)."""
+  """Writes ``text`` to ``path`` through a temporary sibling and a rename (never a half-written file).
+
+  The rename replaces a symlink at ``path`` itself, never the file it points to; the file gets the
+  mode any new file gets (``0o666`` less the umask), not `tempfile.mkstemp`'s ``0o600``.
+  """
   parent = os.path.dirname(os.path.abspath(path)) or "."
   fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".tmp-{os.path.basename(path)}-")
   try:
+    os.fchmod(fd, 0o666 & ~current_umask())
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       f.write(text)
       f.flush()
@@ -203,7 +214,12 @@ class RunLock:
 
   def acquire(self) -> RunLock:
     os.makedirs(self.run_dir, exist_ok=True)
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # a link at the lock's place is refused: truncating it would truncate what it points to
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+      if e.errno == errno.ELOOP:
+        raise SymlinkError(self.path) from None
+      raise
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -226,7 +242,8 @@ class RunLock:
 
   def _holder(self) -> int | None:
     try:
-      with open(self.path, encoding="utf-8") as f:
+      fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+      with os.fdopen(fd, encoding="utf-8") as f:
         return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
       return None

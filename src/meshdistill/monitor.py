@@ -7,7 +7,7 @@ Everything lands in the run directory:
   ``step_s``;
 * ``tb/`` -- TensorBoard event files (``tensorboardX``; skipped with a warning when it is not
   installed), scalars named ``train/loss``, ``val/ppl``, ...;
-* ``plots/*.png`` -- from `plot_run` (``meshdistill plot RUN_DIR``);
+* ``plots/*.png`` -- from `plot_run` (``meshdistill plot RUN_DIR``; in `meshdistill.plots`);
 * ``profile/`` -- a JAX profiler trace of the steps chosen with `ProfileWindow`.
 
 The progress line (step, loss, tokens/s, ETA) goes to a stream the caller passes (the CLI
@@ -21,26 +21,15 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable
 from typing import IO, Any
 
 import jax
 import numpy as np
 
+from meshdistill.fsutil import open_append, write_text_atomic
+from meshdistill.plots import PLOTS, plot_run, read_metrics  # noqa: F401 -- re-exported: plots live in plots.py
+
 log = logging.getLogger(__name__)
-
-# plot name -> curves (split, metric key, label). Validation "loss" is the model's cross-entropy.
-PLOTS = {
-  "loss": (("train", "loss", "train objective"), ("val", "loss", "validation cross-entropy")),
-  "kl": (("train", "kl", "train KL(teacher || student) at tau"), ("val", "kl", "validation KL at tau = 1")),
-  "ce": (
-    ("train", "ce", "train cross-entropy"),
-    ("val", "loss", "validation cross-entropy"),
-    ("val", "teacher_loss", "teacher, validation"),
-  ),
-  "corr": (("train", "corr", "train logit correlation"), ("val", "corr", "validation logit correlation")),
-}
-
 
 def _fmt_duration(seconds: float) -> str:
   if not math.isfinite(seconds):
@@ -143,7 +132,8 @@ class Monitor:
     self._tb_purge = None
     if run_dir is not None:
       os.makedirs(run_dir, exist_ok=True)
-      self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+      self._jsonl_path = os.path.join(run_dir, "metrics.jsonl")
+      self._jsonl = open_append(self._jsonl_path)  # a link there is refused; closed in close()
       if tensorboard:
         self._tb_dir = os.path.join(run_dir, "tb")
     self._window: list[dict[str, Any]] = []
@@ -245,9 +235,7 @@ class Monitor:
       self._tb_purge = int(step) + 1
     if self._jsonl is None:
       return 0
-    from meshdistill.fsutil import write_text_atomic  # pylint: disable=g-import-not-at-top
-
-    path = self._jsonl.name
+    path = self._jsonl_path
     self._jsonl.close()
     kept, dropped = [], 0
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -264,7 +252,7 @@ class Monitor:
     if dropped:
       write_text_atomic(path, "".join(kept))
       log.info("%s: dropped %d rows after step %d (or torn)", path, dropped, step)
-    self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+    self._jsonl = open_append(path)  # closed in close()
     return dropped
 
   def close(self) -> None:
@@ -321,77 +309,3 @@ class ProfileWindow:
     if self.active:
       jax.profiler.stop_trace()
       self.active = False
-
-
-# --------------------------------------------------------------------------- plots
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-  """The rows of ``run_dir/metrics.jsonl``; a torn line (a run killed mid-write) is skipped with a warning.
-
-  Rows are kept as written: a divergence restore repeats steps on purpose (plots keep each step's
-  last value); a resumed run has already dropped the rows past its checkpoint (`Monitor.rewind`).
-  """
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path} does not exist; is {run_dir!r} a run directory (written by meshdistill)?")
-  rows: list[dict[str, Any]] = []
-  with open(path, encoding="utf-8", errors="replace") as f:
-    for i, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-        int(row["step"])
-      except (ValueError, TypeError, KeyError) as e:
-        log.warning("%s line %d is not a metrics row (%s); skipped", path, i, e)
-        continue
-      rows.append(row)
-  return rows
-
-
-def _series(rows: Iterable[dict], split: str, key: str) -> tuple[list[int], list[float]]:
-  by_step = {}
-  for r in rows:
-    if r.get("split") == split and key in r:
-      by_step[int(r["step"])] = float(r[key])  # a resumed run may repeat steps: keep the latest
-  steps = sorted(by_step)
-  return steps, [by_step[s] for s in steps]
-
-
-def plot_run(run_dir: str, out_dir: str | None = None, names: Iterable[str] = tuple(PLOTS)) -> list[str]:
-  """Writes one PNG per plot in ``names`` (see `PLOTS`: loss, kl, ce, corr) and returns their paths.
-
-  Curves a run does not have (a pretraining run has no KL) are left out, and so are plots
-  with no curve at all.
-  """
-  try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    raise ImportError("plotting needs matplotlib: pip install matplotlib") from None
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
-  rows = read_metrics(run_dir)
-  out_dir = out_dir or os.path.join(run_dir, "plots")
-  os.makedirs(out_dir, exist_ok=True)
-  written = []
-  for name in names:
-    curves = [(label, *_series(rows, split, key)) for split, key, label in PLOTS[name]]
-    curves = [c for c in curves if c[1]]
-    if not curves:
-      continue
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, xs, ys in curves:
-      ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel(name)
-    ax.set_title(f"{os.path.basename(os.path.normpath(run_dir))}: {name}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    path = os.path.join(out_dir, f"{name}.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    written.append(path)
-  if not written:
-    raise ValueError(f"{run_dir}/metrics.jsonl has none of the metrics to plot ({sorted(PLOTS)})")
-  return written

@@ -24,13 +24,13 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from meshdistill.fsutil import (
   atomic_output_dir,
-  check_output_dir,
   file_digests,
   read_json,
   verify_digests,
 )
 from meshdistill.models import Decoder, ModelConfig
 from meshdistill.models._build import abstract_params
+from meshdistill.ownership import OutputKind, check_owned, write_marker
 
 log = logging.getLogger("meshdistill.checkpoint")
 
@@ -48,6 +48,26 @@ def _model_fields(cfg: ModelConfig) -> dict:
 TEACHER_ENTRIES = ("params", "tokenizer", "teacher.json")  # what `save_teacher` writes into a teacher directory
 
 
+def _earlier_teacher(directory: str) -> str | None:
+  """None when a marker-less ``directory`` is a teacher an earlier version saved: a meshdistill ``teacher.json``
+  whose checksums list every file under the directory (a file anyone added is not listed); else why not."""
+  try:
+    meta = read_json(os.path.join(directory, "teacher.json"), "teacher metadata")
+  except (OSError, ValueError):
+    return "no readable teacher.json"
+  if meta.get("format") != TEACHER_FORMAT or not isinstance(meta.get("checksums"), dict):
+    return f"teacher.json is not a {TEACHER_FORMAT} record"
+  for d, _, files in os.walk(directory):
+    for n in files:
+      rel = os.path.relpath(os.path.join(d, n), directory)
+      if rel != "teacher.json" and rel not in meta["checksums"]:
+        return f"{rel} is not a file teacher.json lists"
+  return None
+
+
+TEACHER_KIND = OutputKind("teacher", "teacher directory", lambda n: n in TEACHER_ENTRIES, _earlier_teacher)
+
+
 class TeacherDamagedError(ValueError):
   """A teacher directory whose files no longer match the checksums recorded when it was written."""
 
@@ -61,8 +81,9 @@ def save_teacher(
   complete, so a reader never sees a half-written teacher. ``teacher.json`` records the SHA-256
   of every parameter and tokenizer file (`load_teacher` checks them). An existing non-empty
   ``directory`` is an error unless ``overwrite``, and even then only a teacher directory is
-  replaced (`meshdistill.fsutil.check_output_dir`). In a job of several processes every process
-  writes its shards of the parameters and process 0 the rest (call it on every process).
+  replaced (`meshdistill.ownership.check_owned`: its owner marker, written here, proves it). In a job of
+  several processes every process writes its shards of the parameters and process 0 the rest (call it on
+  every process).
   """
   directory = os.path.abspath(directory)
   if jax.process_count() > 1:
@@ -77,14 +98,14 @@ def save_teacher(
     meta = _teacher_meta(model, tokenizer, info, file_digests(tmp))  # before teacher.json exists
     with open(os.path.join(tmp, "teacher.json"), "w", encoding="utf-8") as f:
       json.dump(meta, f, indent=2, default=str)
+    write_marker(tmp, TEACHER_KIND, {"model": _model_fields(model.cfg)})
   log.info("teacher: saved to %s", directory)
   return directory
 
 
 def check_teacher_target(directory: str, *, overwrite: bool) -> None:
   """Raises `OutputExistsError` unless `save_teacher` may write ``directory`` (call it before training)."""
-  check_output_dir(directory, overwrite=overwrite, ours=lambda n: n in TEACHER_ENTRIES, what="teacher directory",
-                   flag="--overwrite (pretrain.overwrite)")
+  check_owned(directory, TEACHER_KIND, overwrite=overwrite, flag="--overwrite (pretrain.overwrite)")
 
 
 def _teacher_meta(model: Decoder, tokenizer: Any, info: dict | None, checksums: dict) -> dict:
@@ -118,6 +139,7 @@ def _save_teacher_multiprocess(directory: str, model: Decoder, tokenizer: Any, i
     meta = _teacher_meta(model, tokenizer, info, file_digests(tmp))  # before teacher.json exists
     with open(os.path.join(tmp, "teacher.json"), "w", encoding="utf-8") as f:
       json.dump(meta, f, indent=2, default=str)
+    write_marker(tmp, TEACHER_KIND, {"model": _model_fields(model.cfg)})
     old = f"{tmp}-old"
     if os.path.exists(directory):
       os.rename(directory, old)

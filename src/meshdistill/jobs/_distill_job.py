@@ -9,6 +9,7 @@ from typing import IO
 
 from meshdistill.checkpoint import Checkpointer
 from meshdistill.config import Config, ConfigError
+from meshdistill.fsutil import write_text_atomic
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
 from meshdistill.jobs._setup import with_batch_size
 from meshdistill.jobs._teacher import _open_teacher_cache, _split_meshes, _teacher_on_own_mesh, obtain_teacher
@@ -26,12 +27,64 @@ def distill(
   Holds the run directory's lock (`meshdistill.fsutil.RunLock`) throughout; ``config.yaml`` is
   written only once the settings are known to fit the checkpoint the run resumes from.
   """
-  with _run_lock(cfg.run.run_dir, "distillation run"):
+  with _run_lock(cfg.run.run_dir, "distillation run", cfg.checkpoint_dir):
     return _distill(cfg, stream=stream, profile=profile, stop_after=stop_after)
 
 
+# Settings that do not change what a run trains (how it is laid out, logged, evaluated, checkpointed; how far
+# it goes): a finished or interrupted run continues under other values of these, and its config.yaml then
+# records them. Any other setting differing from the run's config.yaml is an error (`_changed_settings`).
+UNTRAINED_SETTINGS = (
+  "run.", "checkpoint.", "mesh.", "safeguards.remat.", "data.cache_dir", "train.steps", "train.log_every",
+  "train.eval_every", "train.eval_batches", "pretrain.log_every", "pretrain.eval_every", "pretrain.eval_batches",
+  "teacher.remat", "student.remat",
+)
+
+
+def _flat(d, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict) and v:
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _changed_settings(cfg: Config) -> None:
+  """Raises `ConfigError` when a setting that changes what is trained differs from the run's ``config.yaml``
+  (the settings its checkpoint was trained with), naming each key with the old and the new value.
+
+  Settings in `UNTRAINED_SETTINGS` may change (e.g. more ``train.steps`` to continue, another
+  ``train.log_every``); keys only one side has (a config.yaml of an older version) are not compared.
+  """
+  import yaml  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.distributed import agree_on  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(cfg.run.run_dir, "config.yaml")
+  try:
+    with open(path, encoding="utf-8") as f:
+      saved = yaml.safe_load(f)
+  except (OSError, yaml.YAMLError):
+    saved = None
+  saved = _flat(saved) if isinstance(saved, dict) else {}
+  now = _flat(yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False)))  # as config.yaml would hold it
+  changed = [k for k in now if k in saved and saved[k] != now[k] and not k.startswith(UNTRAINED_SETTINGS)
+             and k not in UNTRAINED_SETTINGS]
+  if agree_on(int(bool(changed)), "whether the run's settings changed"):  # process 0 decides for the job
+    shown = "; ".join(f"{k}: trained with {saved[k]!r}, now {now[k]!r}" for k in changed[:6]) or "see process 0"
+    raise ConfigError(
+      f"run.run_dir={cfg.run.run_dir} already holds a run trained with other settings ({shown}); nothing was "
+      f"changed. A run directory keeps the settings it was trained with: give a new run.run_dir (e.g. --set "
+      f"run.run_dir={cfg.run.run_dir.rstrip('/')}-2) for these settings, or use those of {path}. Only how far and "
+      "how a run goes may change (train.steps, the log / eval cadence, checkpoint.*, mesh.*, run.*)"
+    )
+
+
 def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
-  """Raises when the run directory's checkpoint was written by another run (``expected``: facts of this one).
+  """Raises when the run directory's checkpoint was written by another run (``expected``: facts of this one),
+  or by this run with other settings that change what is trained (`_changed_settings`).
 
   The same check as `meshdistill.trainer.fit`'s on resume, made before ``config.yaml`` is written.
   """
@@ -46,6 +99,7 @@ def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
     if ckpt.latest_step() is None:
       return
     _check_resumable(ckpt.read_meta(), expected, ckpt.directory, cfg.train.steps)
+    _changed_settings(cfg)
   finally:
     ckpt.close()
 
@@ -131,9 +185,8 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   }
   from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
 
-  if is_primary():
-    with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
-      json.dump(summary, f, indent=2)
+  if is_primary():  # through a rename: a link put there is replaced, never written through
+    write_text_atomic(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
   return summary
 
 

@@ -9,8 +9,9 @@ import os
 from typing import IO
 
 from meshdistill.config import Config, ConfigError, dump_config
-from meshdistill.fsutil import RunLock
+from meshdistill.fsutil import LOCK_FILE, RunLock
 from meshdistill.monitor import Monitor
+from meshdistill.ownership import MARKER, OutputKind, check_owned, read_marker, refuse_links, write_marker
 
 log = logging.getLogger("meshdistill.jobs")  # the package's logger: records keep the name they always had
 
@@ -100,13 +101,105 @@ def _monitor(run_dir: str, steps: int, stream, name: str) -> Monitor:
   return Monitor(run_dir if is_primary() else None, steps, stream=stream, name=name)
 
 
-def _run_lock(run_dir: str, what: str):
-  """The run directory's `RunLock`, held by the process that writes its files (process 0)."""
-  import contextlib  # pylint: disable=g-import-not-at-top
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", LOCK_FILE, MARKER)  # files a run writes (never links)
+RUN_ENTRIES = (*RUN_FILES, "checkpoints", "tb", "plots", "profile")  # and directories; teacher-<key>: pretraining
 
-  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
 
-  return RunLock(run_dir, what) if is_primary() else contextlib.nullcontext()
+def _is_run_entry(name: str) -> bool:
+  return (name in RUN_ENTRIES or name.startswith("teacher-")
+          or any(name.startswith(f".tmp-{f}-") for f in RUN_FILES))  # a rename interrupted by a kill
+
+
+def _earlier_run(path: str) -> str | None:
+  """None when a marker-less ``path`` is a run directory an earlier version wrote (a checkpoint step, a
+  ``metrics.jsonl`` of meshdistill rows, or a pretraining run directory of its own inside); else why not."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  entries = [n for n in os.listdir(path) if n not in (LOCK_FILE, MARKER)]
+  if not entries:
+    return None  # a run killed before it wrote anything
+  ckpt = os.path.join(path, "checkpoints")
+  if os.path.isdir(ckpt) and any(n.isdigit() and os.path.isdir(os.path.join(ckpt, n, "meta"))
+                                 for n in os.listdir(ckpt)):
+    return None
+  metrics = os.path.join(path, "metrics.jsonl")
+  if os.path.isfile(metrics):
+    with open(metrics, encoding="utf-8", errors="replace") as f:
+      lines = [x for x in f.read().splitlines() if x.strip()]
+    try:
+      rows = [json.loads(x) for x in lines[:-1]]  # the last line may be torn
+    except ValueError:
+      rows = [None]
+    if lines and all(isinstance(r, dict) and "step" in r and "split" in r for r in rows) and lines[0].startswith("{"):
+      return None
+  for n in entries:
+    sub = os.path.join(path, n)
+    if n.startswith("teacher-") and os.path.isdir(sub) and not os.path.islink(sub):
+      marker = read_marker(sub)
+      if (marker is not None and marker["kind"] == "run") or _earlier_run(sub) is None:
+        return None
+  return "no checkpoint step and no metrics.jsonl of meshdistill rows"
+
+
+RUN_KIND = OutputKind("run", "run directory", _is_run_entry, _earlier_run)
+
+
+def claim_run_dir(run_dir: str) -> None:
+  """Raises unless ``run_dir`` may hold this run: new, empty, or a meshdistill run directory (its owner marker,
+  or an earlier version's run) with no symlink where the run writes a file (`meshdistill.ownership`)."""
+  check_owned(run_dir, RUN_KIND, overwrite=None)
+  if os.path.isdir(run_dir):
+    refuse_links(run_dir, RUN_FILES)
+
+
+def _clean_interrupted_saves(checkpoint_dir: str) -> None:
+  """Removes the ``*.orbax-checkpoint-tmp*`` steps a killed save left (call only while holding the run's lock)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  if not os.path.isdir(checkpoint_dir) or os.path.islink(checkpoint_dir):
+    return
+  for n in sorted(os.listdir(checkpoint_dir)):
+    if ".orbax-checkpoint-tmp" in n:
+      log.warning("%s: removing %s, a checkpoint save that was interrupted", checkpoint_dir, n)
+      full = os.path.join(checkpoint_dir, n)
+      if os.path.isdir(full) and not os.path.islink(full):
+        shutil.rmtree(full, ignore_errors=True)
+      else:
+        os.unlink(full)
+
+
+class _run_lock:  # noqa: N801 -- used as a function
+  """The run directory, held by the process that writes its files (process 0) for the life of the run.
+
+  Entering checks the directory may hold the run (`claim_run_dir`: refused before any work), takes its
+  `RunLock`, writes its owner marker when it has none, and removes the checkpoint saves a killed run left
+  in ``checkpoint_dir`` (default ``<run_dir>/checkpoints``) -- never while another run holds the lock.
+  """
+
+  def __init__(self, run_dir: str, what: str, checkpoint_dir: str | None = None):
+    from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
+
+    self.run_dir, self.what = run_dir, what
+    self.checkpoint_dir = checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    self.lock = RunLock(run_dir, what) if is_primary() else None
+
+  def __enter__(self):
+    if self.lock is None:
+      return self
+    claim_run_dir(self.run_dir)
+    self.lock.acquire()
+    try:
+      if read_marker(self.run_dir) is None:
+        write_marker(self.run_dir, RUN_KIND, {"job": self.what})
+      _clean_interrupted_saves(self.checkpoint_dir)
+    except BaseException:
+      self.lock.release()
+      raise
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self.lock is not None:
+      self.lock.release()
 
 
 def _write_config(cfg: Config, run_dir: str) -> None:

@@ -24,6 +24,7 @@ from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_me
 from meshdistill.jobs._setup import with_batch_size
 from meshdistill.jobs._training import loop_kwargs, safeguard_kwargs
 from meshdistill.monitor import ProfileWindow
+from meshdistill.ownership import OutputKind, check_owned, read_marker, write_marker
 
 log = logging.getLogger("meshdistill.jobs")  # the package's logger: records keep the name they always had
 
@@ -258,7 +259,9 @@ def cache_teacher(
   now), run on the configured mesh; log-probabilities are taken at ``distill.temperature`` over the
   token range teacher and student share. In a job of several processes each process is one writer:
   the teacher runs on its rows of the mesh alone (`teacher_cache.process_mesh`) and writes every n-th
-  shard; every process returns the manifest process 0 writes once all shards are there.
+  shard; every process returns the manifest process 0 writes once all shards are there. ``out`` is checked
+  first (`CACHE_KIND`): new, empty, or a cache meshdistill started there (its owner marker; without one, an
+  earlier version's cache files only); a directory of other files is refused before any work.
   """
   from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
   from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
@@ -269,6 +272,9 @@ def cache_teacher(
                       "at one temperature; set a constant distill.temperature")
   from meshdistill import distributed  # pylint: disable=g-import-not-at-top
 
+  if distributed.is_primary():  # before any teacher is loaded or pretrained: a refused --out costs nothing
+    if not check_owned(out, CACHE_KIND, overwrite=None) or read_marker(out) is None:
+      write_marker(out, CACHE_KIND)  # a new cache (or one an earlier version started): ours from now on
   mesh = build_mesh(cfg)
   data = load_data(cfg, mesh=mesh)
   say = stream_reporter(stream)
@@ -299,6 +305,32 @@ def cache_teacher(
       f"{time.perf_counter() - t0:.1f}s" + (f" ({distributed.process_count()} writers)"
                                              if distributed.process_count() > 1 else ""))
   return manifest
+
+
+def _cache_entry(name: str) -> bool:
+  return name in ("manifest.json",) or (name.startswith("shard-") and name.endswith(".safetensors")) or (
+    name.startswith("progress-") and name.endswith(".json")) or name.startswith(".tmp-")
+
+
+def _earlier_cache(path: str) -> str | None:
+  """None when a marker-less ``path`` holds a teacher cache an earlier version wrote (a manifest or progress
+  records of its shards, each naming the settings it was written with); else why not."""
+  from meshdistill.fsutil import read_json  # pylint: disable=g-import-not-at-top
+
+  records = [n for n in sorted(os.listdir(path)) if n == "manifest.json" or n.startswith("progress-")]
+  if not records:
+    return "no manifest.json or progress record"
+  for n in records:
+    try:
+      record = read_json(os.path.join(path, n), "teacher cache record")
+    except (OSError, ValueError) as e:
+      return str(e)
+    if not isinstance(record.get("shards"), (list, dict)) or (n != "manifest.json" and "settings" not in record):
+      return f"{n} is not a teacher cache record (no settings / shards)"
+  return None
+
+
+CACHE_KIND = OutputKind("teacher-cache", "teacher cache directory (--out)", _cache_entry, _earlier_cache)
 
 
 def _on_mesh(teacher, mesh):

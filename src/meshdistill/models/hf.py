@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from meshdistill.fsutil import atomic_output_dir, check_output_dir, read_json
+from meshdistill.fsutil import atomic_output_dir, read_json
 from meshdistill.mesh import TENSOR
 from meshdistill.models._build import abstract_params
 from meshdistill.models._hf_config import SUPPORTED, config_from_hf, hf_config, weight_names
@@ -277,6 +277,15 @@ def is_checkpoint_file(name: str) -> bool:
   return name in ("config.json", INDEX_FILE, *TOKENIZER_FILES) or name.endswith(".safetensors")
 
 
+def export_kind():
+  """An export directory: replaced only when its owner marker proves `export_hf` wrote it (a marker-less
+  directory of these files may be a downloaded model: never replaced)."""
+  from meshdistill.ownership import OutputKind  # pylint: disable=g-import-not-at-top
+
+  return OutputKind("export", "export directory", is_checkpoint_file,
+                    lambda path: "an export without an owner marker looks like a downloaded model")
+
+
 def _host_value(x: jax.Array) -> np.ndarray:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
@@ -359,10 +368,12 @@ def export_hf(
   out = Path(out_dir)
   if jax.process_index() != 0:
     return out
-  check_output_dir(str(out), overwrite=overwrite, ours=is_checkpoint_file, what="export directory",
-                   flag="overwrite=True")
+  from meshdistill.ownership import check_owned, write_marker  # pylint: disable=g-import-not-at-top
+
+  check_owned(str(out), export_kind(), overwrite=overwrite, flag="overwrite=True")
   with atomic_output_dir(str(out)) as tmp:  # a tokenizer read from out_dir is copied before out_dir is replaced
     tmp = Path(tmp)
+    write_marker(str(tmp), export_kind(), {"architecture": config["architectures"][0], "dtype": dtype})
     save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     written = [] if tokenizer is None else _write_tokenizer(tokenizer, tmp)

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshdistill.fsutil import atomic_output_dir, check_output_dir
+from meshdistill.fsutil import atomic_output_dir
 from meshdistill.models._hf_config import weight_names
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,14 @@ PREFIX = "base_model.model."
 def is_adapter_file(name: str) -> bool:
   """Whether ``name`` is an entry `export_adapter` puts in its directory."""
   return name in (CONFIG_FILE, WEIGHTS_FILE, BASE_DIR)
+
+
+def adapter_kind():
+  """An adapter directory: replaced only when its owner marker proves `export_adapter` wrote it."""
+  from meshdistill.ownership import OutputKind  # pylint: disable=g-import-not-at-top
+
+  return OutputKind("adapter", "adapter directory", is_adapter_file,
+                    lambda path: "an adapter directory without an owner marker looks like a downloaded adapter")
 
 
 def _host(x) -> np.ndarray:
@@ -126,10 +134,12 @@ def export_adapter(model, out_dir: str | os.PathLike, *, base: str | None = None
     if base_model is not None:
       export_hf(base_model, out / BASE_DIR, tokenizer=tokenizer, dtype=dtype)
     return out
-  check_output_dir(str(out), overwrite=overwrite, ours=is_adapter_file, what="adapter directory",
-                   flag="overwrite=True")
+  from meshdistill.ownership import check_owned, write_marker  # pylint: disable=g-import-not-at-top
+
+  check_owned(str(out), adapter_kind(), overwrite=overwrite, flag="overwrite=True")
   with atomic_output_dir(str(out)) as tmp:
     tmp = Path(tmp)
+    write_marker(str(tmp), adapter_kind(), {"rank": model.lora.rank})
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     if base_model is not None:
       export_hf(base_model, tmp / BASE_DIR, tokenizer=tokenizer, dtype=dtype)
