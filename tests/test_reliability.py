@@ -485,3 +485,35 @@ def test_sigterm_writes_a_final_checkpoint_and_exits_143(tmp_path, corpus):
   ckpt = Checkpointer(str(metrics.parent / "checkpoints"), read_only=True)
   assert ckpt.intact_step() == stopped_at >= 2
   assert not (tmp_path / "teacher").exists()  # the run stopped before its end: no teacher was written
+
+
+# ---- round two: silent corruption and named errors
+def test_an_empty_checksums_list_is_damage_not_intact(saved_run, kd, tmp_path, caplog):
+  run = copy_run(saved_run, tmp_path)
+  step4 = run / "ckpt" / "4"
+  (step4 / "checksums.json").write_text("{}")  # lists no file: nothing of the step would be checked
+  flip_bit(biggest_file(step4 / "state"))
+  ckpt = Checkpointer(str(run / "ckpt"), read_only=True)
+  assert "checksums.json does not list" in ckpt.verify(4)
+  with caplog.at_level(logging.WARNING, logger="meshdistill.checkpoint"):
+    state, _, meta = ckpt.restore(kd, kd.init_state())
+  assert meta["step"] == 2 and "checkpoint step 4" in caplog.text and "is damaged" in caplog.text
+  assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(state.params)) < 1e3
+
+
+def test_an_unverified_step_that_fails_to_restore_falls_back_to_the_older_intact_one(saved_run, kd, data, tmp_path,
+                                                                                    caplog):
+  run = copy_run(saved_run, tmp_path)
+  (run / "ckpt" / "4" / "checksums.json").unlink()  # written before checksums (or killed right after the save)
+  big = biggest_file(run / "ckpt" / "4" / "state")
+  big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])  # heavier damage: tensorstore cannot read it
+  with caplog.at_level(logging.WARNING, logger="meshdistill.checkpoint"):
+    _, _, meta = Checkpointer(str(run / "ckpt"), read_only=True).restore(kd, kd.init_state())
+  assert meta["step"] == 2 and "checkpoint step 4" in caplog.text and "is damaged (cannot be restored" in caplog.text
+  ckpt = Checkpointer(str(run / "ckpt"), every=2, keep=3)  # a resumed run: trains steps 3, 4 again
+  try:
+    result = fit(kd, data, steps=4, log_every=1, checkpointer=ckpt)
+  finally:
+    ckpt.close()
+  assert result.resumed_from == 2 and [n for n in os.listdir(run / "ckpt") if n.startswith("damaged-4-")]
+  assert leaves_equal(result.state.params, saved_run[1].state.params)

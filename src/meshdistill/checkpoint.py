@@ -52,12 +52,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from meshdistill.fsutil import (
-  file_digests,
-  read_json,
-  verify_digests,
-  write_text_atomic,
-)
+from meshdistill.fsutil import file_digests, read_json, write_text_atomic
 from meshdistill.models import Decoder, ModelConfig
 from meshdistill.models._build import abstract_params
 from meshdistill.step import TrainState
@@ -101,6 +96,16 @@ class CheckpointError(RuntimeError):
   """A checkpoint could not be written, or no intact checkpoint is left to restore; the message says what to do."""
 
 
+class _DoesNotFit(ValueError):
+  """An intact step holding another train state than this run's (other sizes, strategy or optimizer)."""
+
+
+def _first_line(e: BaseException) -> str:
+  """The first line of ``e``'s message (tensorstore's run to a hundred lines), at most 300 characters."""
+  text = str(e).strip().splitlines()
+  return text[0][:300] if text else type(e).__name__
+
+
 def _widen(tree):
   """``tree`` with uint4 leaves (nf4 weights of a QLoRA base) as uint8: tensorstore stores no uint4.
 
@@ -115,6 +120,19 @@ def _widen(tree):
     return x.astype(jnp.uint8)
 
   return jax.tree.map(widen, tree)
+
+
+def _verify_complete(step_dir: str, expected: dict) -> str | None:
+  """None when ``expected`` (a step's ``checksums.json``) lists every file of the step and each matches; else what
+  is wrong. A list that leaves files out (``{}``, a partial one) is damage: those files would restore unchecked."""
+  have = file_digests(step_dir, exclude=(CHECKSUM_FILE,))
+  found = {
+    "missing": sorted(set(expected) - set(have)),
+    "checksum mismatch in": sorted(k for k in expected if k in have and have[k] != expected[k]),
+    f"{CHECKSUM_FILE} does not list": sorted(set(have) - set(expected)),
+  }
+  return "; ".join(f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                   for what, names in found.items() if names) or None
 
 
 def _narrow(tree, like):
@@ -147,6 +165,8 @@ class Checkpointer:
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
     self._damaged: dict[int, str] = {}  # step -> what is wrong with it (found by `verify`)
     self._warned: set[int] = set()  # damaged steps already reported
+    self._unverified: set[int] = set()  # steps without checksums (restored unverified)
+    self.restored_step: int | None = None  # the step the last restore / restore_student / read_meta read
 
   def latest_step(self) -> int | None:
     """The newest completely written step (intact or not; see `intact_step`), or None."""
@@ -213,10 +233,11 @@ class Checkpointer:
         self._warned.add(step)
         log.warning("checkpoint step %d in %s records no checksums (an older meshdistill, or a process killed "
                     "right after saving it); restoring it unverified", step, self.directory)
+      self._unverified.add(step)
       return None
     else:
       try:
-        problem = verify_digests(self.step_dir(step), read_json(path, "checkpoint checksums"), exclude=(CHECKSUM_FILE,))
+        problem = _verify_complete(self.step_dir(step), read_json(path, "checkpoint checksums"))
       except (OSError, ValueError) as e:
         problem = str(e)
     if problem is not None:
@@ -263,17 +284,17 @@ class Checkpointer:
       self._mgr.reload()
 
   def read_meta(self, step: int | None = None) -> dict:
-    """The ``meta`` item of ``step`` (default: the newest intact step)."""
-    step = self.intact_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
-    try:
-      return dict(self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
-    except Exception as e:  # orbax / json errors do not name the file
-      raise CheckpointError(
-        f"checkpoint step {step}: {os.path.join(self.step_dir(step), 'meta')} cannot be read ({type(e).__name__}: "
-        f"{e})"
-      ) from e
+    """The ``meta`` item of ``step`` (default: the newest intact step, trying older ones as `restore` does)."""
+
+    def read(s: int) -> dict:
+      try:
+        return dict(self._mgr.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+      except Exception as e:  # orbax / json errors do not name the file
+        raise CheckpointError(
+          f"checkpoint step {s}: {os.path.join(self.step_dir(s), 'meta')} cannot be read ({type(e).__name__}: {e})"
+        ) from e
+
+    return self._read_intact(step, read)
 
   def _restorable(self, step: int | None) -> int:
     """``step`` if it is intact (else `CheckpointError`); without one, the newest intact step."""
@@ -285,30 +306,61 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
     return step
 
+  def _read_intact(self, step: int | None, read):
+    """``read(s)`` of ``step`` (damaged: `CheckpointError`) or, without one, of the newest intact step.
+
+    A step that fails to restore is damaged, like one whose checksums fail: without ``step`` it is reported
+    with the same warning and the next older intact step is tried (`CheckpointError` when none is left). Only
+    a verified step whose read raises `_DoesNotFit` raises that (this run's state has another shape: every
+    step of the directory would fail alike). Sets ``restored_step``.
+    """
+    while True:
+      s = self._restorable(step)
+      try:
+        got = read(s)
+      except Exception as e:  # pylint: disable=broad-except  # tensorstore raises plain Exception on bad bytes
+        if step is not None or (isinstance(e, _DoesNotFit) and s not in self._unverified):
+          if isinstance(e, (_DoesNotFit, CheckpointError)):
+            raise
+          raise CheckpointError(f"checkpoint step {s} in {self.directory} cannot be restored "
+                                f"({type(e).__name__}: {_first_line(e)})") from e
+        self._damaged[s] = f"cannot be restored: {type(e).__name__}: {_first_line(e)}"
+        self._warned.add(s)
+        log.warning("checkpoint step %d in %s is damaged (%s); trying an earlier step", s, self.directory,
+                    self._damaged[s])
+        continue
+      self.restored_step = s
+      return got
+
   def restore(self, trainer, template: TrainState, step: int | None = None) -> tuple[TrainState, dict, dict]:
     """Restores ``(state, data_state, meta)`` of ``step`` (default: the newest intact) onto ``template``'s layout.
 
     ``template`` is a fresh ``trainer.init_state()`` on the mesh to resume on, which may
-    differ from the mesh the checkpoint was written on. Without ``step``, damaged steps are
-    skipped with a warning; damaged steps newer than the one restored are moved aside (unless ``read_only``).
+    differ from the mesh the checkpoint was written on. Without ``step``, damaged steps (checksums that fail,
+    or a step that fails to restore) are skipped with a warning; damaged steps newer than the one restored are
+    moved aside (unless ``read_only``).
     """
-    step = self._restorable(step)
     narrow = trainer.layout.checkpoint_target(template)
     target = _widen(narrow)
-    try:
-      got = self._mgr.restore(
-        step,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()
-        ),
-      )
-    except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(
-        f"checkpoint step {step} in {self.directory} does not fit this run's train state ({e}); it was written "
-        "by a run with other model sizes, another strategy/optimizer or the other student.scan_layers (stacked vs "
-        "per-layer blocks; restore_student / export read either): use another checkpoint.dir or run_dir, or the "
-        "run's own scan_layers"
-      ) from e
+
+    def read(s: int):
+      try:
+        return self._mgr.restore(
+          s,
+          args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()
+          ),
+        )
+      except (ValueError, KeyError, TypeError) as e:
+        raise _DoesNotFit(
+          f"checkpoint step {s} in {self.directory} does not fit this run's train state ({e}); it was written "
+          "by a run with other model sizes, another strategy/optimizer or the other student.scan_layers (stacked vs "
+          "per-layer blocks; restore_student / export read either): use another checkpoint.dir or run_dir, or the "
+          "run's own scan_layers"
+        ) from e
+
+    got = self._read_intact(step, read)
+    step = self.restored_step
     self._set_aside(step)
     state = trainer.layout.replicate(_narrow(got.state, narrow))
     if any(s > step for s in self._damaged):
@@ -323,12 +375,15 @@ class Checkpointer:
     """Only the student of a distillation checkpoint (no optimizer state, no teacher), onto ``mesh``.
 
     ``cfg`` is the student's `ModelConfig`; each weight is read straight into its `tensor` shards.
-    Default: the newest intact step; an explicit damaged ``step`` raises `CheckpointError`.
+    Default: the newest intact step (falling back as `restore` does; ``restored_step`` says which was read); an
+    explicit damaged ``step`` raises `CheckpointError`.
     ``lora``: the run's `meshdistill.models.lora.LoraConfig` when its student holds adapters (the
     returned student then holds them too; `merge_lora` folds them in). A student stored with the other
     ``scan_layers`` (stacked vs per-layer blocks) is read as stored and converted to ``cfg``'s layout.
     """
-    step = self._restorable(step)
+    return self._read_intact(step, lambda s: self._read_student_any_layout(s, cfg, mesh, lora))
+
+  def _read_student_any_layout(self, step: int, cfg: ModelConfig, mesh: Mesh | None, lora) -> Decoder:
     try:
       return self._read_student(step, cfg, mesh, lora)
     except ValueError:
@@ -363,14 +418,14 @@ class Checkpointer:
     try:
       got = self._mgr.restore(step, args=ocp.args.Composite(state=args))
     except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(
+      raise _DoesNotFit(
           f"checkpoint step {step} in {self.directory} holds no student of this shape ({e}); it was written by a "
           "run with other model sizes"
       ) from e
     student = got.state["params"]["student"]
     missing = [p for p, x in jax.tree_util.tree_leaves_with_path(student) if isinstance(x, jax.ShapeDtypeStruct)]
     if missing:  # a partial restore leaves what the checkpoint lacks abstract
-      raise ValueError(
+      raise _DoesNotFit(
           f"checkpoint step {step} in {self.directory} holds no student weight {jax.tree_util.keystr(missing[0])} "
           f"of this model (scan_layers={cfg.scan_layers}); it was written by a run with other model sizes"
       )
