@@ -21,12 +21,12 @@ that fails (a full disk) raises `CheckpointError` saying which step is still int
 
 Saves are verified: orbax keeps no checksum of the array data (a flipped bit restores as a
 silently wrong -- often NaN -- value), so after each save the SHA-256 of every file of the
-step is written to ``<step>/checksums.json`` (through a temporary file and a rename). A
-restore checks them first; a step that fails (a changed, truncated or deleted file, an
-unreadable metadata file) is reported with a warning naming it and the newest intact step
-is used instead. A resuming run moves the damaged newer steps aside to
-``damaged-<step>-<time>`` (kept for inspection, never trained on); with no intact step
-left, `CheckpointError` lists every step and what is wrong with it.
+step is written to ``<step>/checksums.json`` (`meshdistill.checkpoint_steps`). A restore checks
+them first: a list that leaves a file out (``{}``) counts as damage. A damaged step (a changed,
+truncated, deleted or unlisted file) -- or any step that fails to restore, checksums or not -- is
+named in a warning and the next older intact step is used. A resuming run moves damaged newer
+steps aside to ``damaged-<step>-<time>`` (never trained on); with no intact step left,
+`CheckpointError` lists every step and what is wrong with it.
 
 Restoring onto a different mesh (saved on 2x4, resumed on 4x2 or 1x8): the caller passes a
 freshly initialised state on the NEW layout as a template; every leaf becomes an abstract
@@ -52,6 +52,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from meshdistill.checkpoint_steps import CHECKSUM_FILE, first_line, narrow_uint4, verify_complete, widen_uint4
 from meshdistill.fsutil import file_digests, read_json, write_text_atomic
 from meshdistill.models import Decoder, ModelConfig
 from meshdistill.models._build import abstract_params
@@ -72,7 +73,6 @@ from meshdistill.teacher_checkpoint import (  # re-exported (__all__): meshdisti
 log = logging.getLogger(__name__)
 
 ITEMS = ("state", "data", "meta")
-CHECKSUM_FILE = "checksums.json"
 
 __all__ = [
   "CHECKSUM_FILE",
@@ -98,48 +98,6 @@ class CheckpointError(RuntimeError):
 
 class _DoesNotFit(ValueError):
   """An intact step holding another train state than this run's (other sizes, strategy or optimizer)."""
-
-
-def _first_line(e: BaseException) -> str:
-  """The first line of ``e``'s message (tensorstore's run to a hundred lines), at most 300 characters."""
-  text = str(e).strip().splitlines()
-  return text[0][:300] if text else type(e).__name__
-
-
-def _widen(tree):
-  """``tree`` with uint4 leaves (nf4 weights of a QLoRA base) as uint8: tensorstore stores no uint4.
-
-  Arrays are converted (lossless: values 0..15); abstract leaves get the uint8 dtype."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
-  def widen(x):
-    if getattr(x, "dtype", None) != jnp.uint4:
-      return x
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return jax.ShapeDtypeStruct(x.shape, jnp.uint8, sharding=x.sharding)
-    return x.astype(jnp.uint8)
-
-  return jax.tree.map(widen, tree)
-
-
-def _verify_complete(step_dir: str, expected: dict) -> str | None:
-  """None when ``expected`` (a step's ``checksums.json``) lists every file of the step and each matches; else what
-  is wrong. A list that leaves files out (``{}``, a partial one) is damage: those files would restore unchecked."""
-  have = file_digests(step_dir, exclude=(CHECKSUM_FILE,))
-  found = {
-    "missing": sorted(set(expected) - set(have)),
-    "checksum mismatch in": sorted(k for k in expected if k in have and have[k] != expected[k]),
-    f"{CHECKSUM_FILE} does not list": sorted(set(have) - set(expected)),
-  }
-  return "; ".join(f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
-                   for what, names in found.items() if names) or None
-
-
-def _narrow(tree, like):
-  """The inverse of `_widen`: leaves of ``tree`` back to the dtypes of ``like`` where those are uint4."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
-  return jax.tree.map(lambda x, w: x.astype(jnp.uint4) if w.dtype == jnp.uint4 else x, tree, like)
 
 
 class Checkpointer:
@@ -184,7 +142,7 @@ class Checkpointer:
 
     Raises `CheckpointError` when the write fails (e.g. a full disk); earlier steps stay intact.
     """
-    state = _widen(trainer.layout.unreplicate(state))  # uint4 (nf4 weights): stored as uint8
+    state = widen_uint4(trainer.layout.unreplicate(state))  # uint4 (nf4 weights): stored as uint8
     meta = {**meta, "step": int(step)}
     try:
       self._mgr.save(
@@ -237,7 +195,7 @@ class Checkpointer:
       return None
     else:
       try:
-        problem = _verify_complete(self.step_dir(step), read_json(path, "checkpoint checksums"))
+        problem = verify_complete(self.step_dir(step), read_json(path, "checkpoint checksums"))
       except (OSError, ValueError) as e:
         problem = str(e)
     if problem is not None:
@@ -323,8 +281,8 @@ class Checkpointer:
           if isinstance(e, (_DoesNotFit, CheckpointError)):
             raise
           raise CheckpointError(f"checkpoint step {s} in {self.directory} cannot be restored "
-                                f"({type(e).__name__}: {_first_line(e)})") from e
-        self._damaged[s] = f"cannot be restored: {type(e).__name__}: {_first_line(e)}"
+                                f"({type(e).__name__}: {first_line(e)})") from e
+        self._damaged[s] = f"cannot be restored: {type(e).__name__}: {first_line(e)}"
         self._warned.add(s)
         log.warning("checkpoint step %d in %s is damaged (%s); trying an earlier step", s, self.directory,
                     self._damaged[s])
@@ -341,7 +299,7 @@ class Checkpointer:
     moved aside (unless ``read_only``).
     """
     narrow = trainer.layout.checkpoint_target(template)
-    target = _widen(narrow)
+    target = widen_uint4(narrow)
 
     def read(s: int):
       try:
@@ -362,7 +320,7 @@ class Checkpointer:
     got = self._read_intact(step, read)
     step = self.restored_step
     self._set_aside(step)
-    state = trainer.layout.replicate(_narrow(got.state, narrow))
+    state = trainer.layout.replicate(narrow_uint4(got.state, narrow))
     if any(s > step for s in self._damaged):
       newer = ", ".join(str(s) for s in sorted(self._damaged) if s > step)
       log.warning("checkpoint: restored step %d from %s instead of the damaged step(s) %s", step, self.directory,
@@ -411,7 +369,7 @@ class Checkpointer:
     where = jax.tree.map(lambda _: one, abstract) if shardings is None else shardings
     target = {"params": {"student": jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, where)}}
-    narrow, target = target, _widen(target)
+    narrow, target = target, widen_uint4(target)
     args = ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
     )
@@ -429,7 +387,7 @@ class Checkpointer:
           f"checkpoint step {step} in {self.directory} holds no student weight {jax.tree_util.keystr(missing[0])} "
           f"of this model (scan_layers={cfg.scan_layers}); it was written by a run with other model sizes"
       )
-    return nnx.merge(graphdef, _narrow(student, narrow["params"]["student"]))
+    return nnx.merge(graphdef, narrow_uint4(student, narrow["params"]["student"]))
 
   def close(self) -> None:
     self._mgr.wait_until_finished()
