@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -517,3 +518,57 @@ def test_an_unverified_step_that_fails_to_restore_falls_back_to_the_older_intact
     ckpt.close()
   assert result.resumed_from == 2 and [n for n in os.listdir(run / "ckpt") if n.startswith("damaged-4-")]
   assert leaves_equal(result.state.params, saved_run[1].state.params)
+
+
+@pytest.fixture(scope="module")
+def cache_run(corpus, tmp_path_factory):
+  """A tiny top-2 teacher cache of the tiny config (4 rows a shard) and the settings that distil from it; its
+  teacher is saved where `distill` looks for it, so no pretraining runs."""
+  tmp = tmp_path_factory.mktemp("cache_run")
+  sets = tiny_sets(tmp, corpus) + ["distill.top_k=2", "distill.temperature=1.0", "train.steps=2"]
+  cfg = load_config("tiny", sets)
+  data = jobs.load_data(cfg)
+  save_teacher(jobs.teacher_dir(cfg, data.tokenizer), md.init_model(cfg.teacher, seed=0), data.tokenizer)
+  jobs.cache_teacher(cfg, str(tmp / "tc"), k=2, precision="float32", rows_per_shard=4)
+  return tmp, sets
+
+
+def test_distill_from_a_teacher_cache_with_overwritten_log_probs_is_refused_naming_the_shard(cache_run, tmp_path,
+                                                                                             capsys):
+  from safetensors.numpy import load_file, save_file
+
+  cache = tmp_path / "tc"
+  shutil.copytree(cache_run[0] / "tc", cache)
+  for shard in sorted(cache.glob("shard-*.safetensors")):  # every shard's log-probs replaced (sizes unchanged)
+    arrays = load_file(shard)
+    save_file({**arrays, "logprobs": np.full_like(arrays["logprobs"], -0.5)}, shard, metadata={"format": "1"})
+  sets = cache_run[1] + [f"teacher.cache={cache}", f"run.run_dir={tmp_path / 'run'}"]
+  assert cli.main(["distill", "--config", "tiny", *[f"--set={s}" for s in sets]]) == 2
+  err = capsys.readouterr().err
+  named = f"teacher cache shard shard-\\d+.safetensors in {re.escape(str(cache))} does not match its SHA-256"
+  assert re.search(named, err)  # the first shard read (rows are shuffled), before any step trains on it
+  assert "nothing was trained on it" in err and "meshdistill cache-teacher" in err
+  assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("damage", ["absolute shard name", "shard name with ..", "not JSON", "no shards"])
+def test_a_teacher_cache_manifest_that_escapes_or_is_malformed_is_refused_naming_it(damage, cache_run, tmp_path):
+  from meshdistill import teacher_cache as tc
+
+  cache = tmp_path / "tc"
+  shutil.copytree(cache_run[0] / "tc", cache)
+  outside = tmp_path / "outside.safetensors"  # what an escaping name would open
+  shutil.copyfile(cache / "shard-00000.safetensors", outside)
+  manifest = json.loads((cache / tc.MANIFEST).read_text())
+  want = "not a file name inside"
+  if damage == "absolute shard name":
+    manifest["shards"][0]["name"] = str(outside)
+  elif damage == "shard name with ..":
+    manifest["shards"][0]["name"] = "../outside.safetensors"
+  elif damage == "no shards":
+    del manifest["shards"]
+    want = "has no 'shards' entry"
+  (cache / tc.MANIFEST).write_text("{not json" if damage == "not JSON" else json.dumps(manifest))
+  want = "cannot be read as JSON" if damage == "not JSON" else want
+  with pytest.raises(tc.CacheError, match=f"{want}.*cache-teacher"):
+    tc.TeacherCache(str(cache))
