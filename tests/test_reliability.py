@@ -572,3 +572,24 @@ def test_a_teacher_cache_manifest_that_escapes_or_is_malformed_is_refused_naming
   want = "cannot be read as JSON" if damage == "not JSON" else want
   with pytest.raises(tc.CacheError, match=f"{want}.*cache-teacher"):
     tc.TeacherCache(str(cache))
+
+
+def test_a_binary_or_directory_config_is_an_error_naming_the_file(tmp_path, capsys):
+  binary = tmp_path / "weights.yaml"
+  binary.write_bytes(bytes(range(128, 256)) * 4)  # not UTF-8
+  (tmp_path / "configs.d").mkdir()
+  for path, want in ((binary, "is not UTF-8 text"), (tmp_path / "configs.d", "is a directory")):
+    assert cli.main(["distill", "--config", str(path)]) == 2
+    assert f"config {path} {want}" in capsys.readouterr().err
+
+
+def test_non_utf8_jsonl_data_and_prompts_files_are_errors_naming_file_and_line(tmp_path):
+  from meshdistill.prompts import read_prompts
+
+  data_file, prompts_file = tmp_path / "data.jsonl", tmp_path / "prompts.jsonl"
+  data_file.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')  # latin-1, not UTF-8
+  prompts_file.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "b"}\n')
+  with pytest.raises(ValueError, match=f"data.source: {re.escape(str(data_file))}:2 is not UTF-8 text"):
+    build_data(DataConfig(source=str(data_file), seq_len=16), batch_size=8)
+  with pytest.raises(ValueError, match=f"prompts file '{re.escape(str(prompts_file))}' is not UTF-8 text \\(line 2"):
+    read_prompts(str(prompts_file), need_completion=True)
