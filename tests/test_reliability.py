@@ -593,3 +593,24 @@ def test_non_utf8_jsonl_data_and_prompts_files_are_errors_naming_file_and_line(t
     build_data(DataConfig(source=str(data_file), seq_len=16), batch_size=8)
   with pytest.raises(ValueError, match=f"prompts file '{re.escape(str(prompts_file))}' is not UTF-8 text \\(line 2"):
     read_prompts(str(prompts_file), need_completion=True)
+
+
+def test_a_vanishing_distill_temperature_is_refused_naming_the_setting_and_what_works():
+  with pytest.raises(ConfigError, match=r"distill.temperature=1e-30 must be >= 0.01 \(e.g. 2.0; below 0.01"):
+    load_config("tiny", ["distill.temperature=1e-30"])
+  with pytest.raises(ConfigError, match=r"takes values in \[0.001, 3.0\]\) must be >= 0.01"):  # a schedule too
+    load_config("tiny", ["distill.temperature={kind: linear, start: 3.0, end: 0.001, steps: 10}"])
+  assert load_config("tiny", ["distill.temperature=0.01"]).distill.temperature == 0.01
+
+
+def test_a_guard_that_gives_up_before_any_checkpoint_does_not_claim_one_is_kept(kd, data, tmp_path):
+  scaled = ScaledLoss(md.LogitKD(alpha=0.7), 1.0)
+  scaled.scale = 1e38  # every update overflows: the guard gives up at step 2, before the first checkpoint
+  d = kd.with_strategy(scaled)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every=100)
+  guard = DivergenceGuard(max_skips=2, max_restores=0, min_history=2)
+  with pytest.raises(RuntimeError, match="max_restores") as e:
+    fit(d, data, steps=6, checkpointer=ckpt, guard=guard, fallback=scaled)
+  ckpt.close()
+  assert "no checkpoint was written before it diverged" in str(e.value) and "checkpoint is kept" not in str(e.value)
+  assert ckpt.all_steps() == []

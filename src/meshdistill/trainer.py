@@ -404,7 +404,8 @@ def fit(
       h.before_loop(run)
     if opts.guard is not None:
       run.guard_with(Recovery(run.trainer, opts.guard, opts.keep_every, opts.fallback, say=monitor.message,
-                              on_event=lambda s, kind, fields: monitor.event(s, kind, **fields)), saved.get("guard"))
+                              on_event=lambda s, kind, fields: monitor.event(s, kind, **fields),
+                              checkpoints=getattr(checkpointer, "all_steps", None)), saved.get("guard"))
     t_train = time.perf_counter()
     run.run()
   finally:
