@@ -614,3 +614,17 @@ def test_a_guard_that_gives_up_before_any_checkpoint_does_not_claim_one_is_kept(
   ckpt.close()
   assert "no checkpoint was written before it diverged" in str(e.value) and "checkpoint is kept" not in str(e.value)
   assert ckpt.all_steps() == []
+
+
+def test_generate_names_the_step_it_fell_back_to(cache_run, tmp_path, capsys):
+  import io
+
+  from meshdistill.generate import SamplingConfig
+
+  run = tmp_path / "run"
+  sets = cache_run[1] + [f"run.run_dir={run}", "train.steps=4", "checkpoint.every=2", "checkpoint.keep=2"]
+  assert cli.main(["distill", "--config", "tiny", *[f"--set={s}" for s in sets]]) == 0
+  flip_bit(biggest_file(run / "checkpoints" / "4" / "state"))
+  said = io.StringIO()
+  out = jobs.generate(load_config("tiny", sets), ["ab"], sampling=SamplingConfig(max_new_tokens=2), stream=said)
+  assert len(out) == 1 and "(step 2)" in said.getvalue() and "(step 4)" not in said.getvalue()
