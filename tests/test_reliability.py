@@ -628,3 +628,25 @@ def test_generate_names_the_step_it_fell_back_to(cache_run, tmp_path, capsys):
   said = io.StringIO()
   out = jobs.generate(load_config("tiny", sets), ["ab"], sampling=SamplingConfig(max_new_tokens=2), stream=said)
   assert len(out) == 1 and "(step 2)" in said.getvalue() and "(step 4)" not in said.getvalue()
+
+
+def test_a_sharded_model_in_the_hugging_face_hub_cache_layout_loads_and_an_escaping_name_stays_refused(tmp_path):
+  import hashlib
+
+  repo = tmp_path / "models--tiny--llama"
+  snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+  snapshot.mkdir(parents=True)
+  blobs.mkdir()
+  for f in sorted((FIXTURES / "hf_llama").iterdir()):  # each file a blob, linked from the snapshot as the hub does
+    blob = blobs / hashlib.sha256(f.read_bytes()).hexdigest()
+    shutil.copyfile(f, blob)
+    (snapshot / f.name).symlink_to(pathlib.Path("../..") / "blobs" / blob.name)
+  got = load_hf(snapshot)
+  assert leaves_equal(nnx.state(got, nnx.Param), nnx.state(load_hf(FIXTURES / "hf_llama"), nnx.Param))
+  index = json.loads((snapshot / "model.safetensors.index.json").read_text())
+  name = next(iter(index["weight_map"]))
+  index["weight_map"][name] = os.readlink(snapshot / index["weight_map"][name])  # its blob: named outside the dir
+  (snapshot / "model.safetensors.index.json").unlink()
+  (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(ValueError, match="points outside"):
+    load_hf(snapshot)
