@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -820,3 +821,167 @@ def test_r2_modes_honour_the_umask_home_is_expanded_and_interrupted_saves_are_cl
   with caplog.at_level(logging.WARNING, logger="meshdistill.jobs"), _run_lock(str(run), "distillation run"):
     assert not left.exists()
   assert "removing 4.orbax-checkpoint-tmp-1700000000, a checkpoint save that was interrupted" in caplog.text
+
+
+# ---- round two: silent corruption and named errors
+def test_an_empty_checksums_list_is_damage_not_intact(saved_run, kd, tmp_path, caplog):
+  run = copy_run(saved_run, tmp_path)
+  step4 = run / "ckpt" / "4"
+  (step4 / "checksums.json").write_text("{}")  # lists no file: nothing of the step would be checked
+  flip_bit(biggest_file(step4 / "state"))
+  ckpt = Checkpointer(str(run / "ckpt"), read_only=True)
+  assert "checksums.json does not list" in ckpt.verify(4)
+  with caplog.at_level(logging.WARNING, logger="meshdistill.checkpoint"):
+    state, _, meta = ckpt.restore(kd, kd.init_state())
+  assert meta["step"] == 2 and "checkpoint step 4" in caplog.text and "is damaged" in caplog.text
+  assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(state.params)) < 1e3
+
+
+def test_an_unverified_step_that_fails_to_restore_falls_back_to_the_older_intact_one(saved_run, kd, data, tmp_path,
+                                                                                    caplog):
+  run = copy_run(saved_run, tmp_path)
+  (run / "ckpt" / "4" / "checksums.json").unlink()  # written before checksums (or killed right after the save)
+  big = biggest_file(run / "ckpt" / "4" / "state")
+  big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])  # heavier damage: tensorstore cannot read it
+  with caplog.at_level(logging.WARNING, logger="meshdistill.checkpoint"):
+    _, _, meta = Checkpointer(str(run / "ckpt"), read_only=True).restore(kd, kd.init_state())
+  assert meta["step"] == 2 and "checkpoint step 4" in caplog.text and "is damaged (cannot be restored" in caplog.text
+  ckpt = Checkpointer(str(run / "ckpt"), every=2, keep=3)  # a resumed run: trains steps 3, 4 again
+  try:
+    result = fit(kd, data, steps=4, log_every=1, checkpointer=ckpt)
+  finally:
+    ckpt.close()
+  assert result.resumed_from == 2 and [n for n in os.listdir(run / "ckpt") if n.startswith("damaged-4-")]
+  assert leaves_equal(result.state.params, saved_run[1].state.params)
+
+
+@pytest.fixture(scope="module")
+def cache_run(corpus, tmp_path_factory):
+  """A tiny top-2 teacher cache of the tiny config (4 rows a shard) and the settings that distil from it; its
+  teacher is saved where `distill` looks for it, so no pretraining runs."""
+  tmp = tmp_path_factory.mktemp("cache_run")
+  sets = tiny_sets(tmp, corpus) + ["distill.top_k=2", "distill.temperature=1.0", "train.steps=2"]
+  cfg = load_config("tiny", sets)
+  data = jobs.load_data(cfg)
+  save_teacher(jobs.teacher_dir(cfg, data.tokenizer), md.init_model(cfg.teacher, seed=0), data.tokenizer)
+  jobs.cache_teacher(cfg, str(tmp / "tc"), k=2, precision="float32", rows_per_shard=4)
+  return tmp, sets
+
+
+def test_distill_from_a_teacher_cache_with_overwritten_log_probs_is_refused_naming_the_shard(cache_run, tmp_path,
+                                                                                             capsys):
+  from safetensors.numpy import load_file, save_file
+
+  cache = tmp_path / "tc"
+  shutil.copytree(cache_run[0] / "tc", cache)
+  for shard in sorted(cache.glob("shard-*.safetensors")):  # every shard's log-probs replaced (sizes unchanged)
+    arrays = load_file(shard)
+    save_file({**arrays, "logprobs": np.full_like(arrays["logprobs"], -0.5)}, shard, metadata={"format": "1"})
+  sets = cache_run[1] + [f"teacher.cache={cache}", f"run.run_dir={tmp_path / 'run'}"]
+  assert cli.main(["distill", "--config", "tiny", *[f"--set={s}" for s in sets]]) == 2
+  err = capsys.readouterr().err
+  named = f"teacher cache shard shard-\\d+.safetensors in {re.escape(str(cache))} does not match its SHA-256"
+  assert re.search(named, err)  # the first shard read (rows are shuffled), before any step trains on it
+  assert "nothing was trained on it" in err and "meshdistill cache-teacher" in err
+  assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("damage", ["absolute shard name", "shard name with ..", "not JSON", "no shards"])
+def test_a_teacher_cache_manifest_that_escapes_or_is_malformed_is_refused_naming_it(damage, cache_run, tmp_path):
+  from meshdistill import teacher_cache as tc
+
+  cache = tmp_path / "tc"
+  shutil.copytree(cache_run[0] / "tc", cache)
+  outside = tmp_path / "outside.safetensors"  # what an escaping name would open
+  shutil.copyfile(cache / "shard-00000.safetensors", outside)
+  manifest = json.loads((cache / tc.MANIFEST).read_text())
+  want = "not a file name inside"
+  if damage == "absolute shard name":
+    manifest["shards"][0]["name"] = str(outside)
+  elif damage == "shard name with ..":
+    manifest["shards"][0]["name"] = "../outside.safetensors"
+  elif damage == "no shards":
+    del manifest["shards"]
+    want = "has no 'shards' entry"
+  (cache / tc.MANIFEST).write_text("{not json" if damage == "not JSON" else json.dumps(manifest))
+  want = "cannot be read as JSON" if damage == "not JSON" else want
+  with pytest.raises(tc.CacheError, match=f"{want}.*cache-teacher"):
+    tc.TeacherCache(str(cache))
+
+
+def test_a_binary_or_directory_config_is_an_error_naming_the_file(tmp_path, capsys):
+  binary = tmp_path / "weights.yaml"
+  binary.write_bytes(bytes(range(128, 256)) * 4)  # not UTF-8
+  (tmp_path / "configs.d").mkdir()
+  for path, want in ((binary, "is not UTF-8 text"), (tmp_path / "configs.d", "is a directory")):
+    assert cli.main(["distill", "--config", str(path)]) == 2
+    assert f"config {path} {want}" in capsys.readouterr().err
+
+
+def test_non_utf8_jsonl_data_and_prompts_files_are_errors_naming_file_and_line(tmp_path):
+  from meshdistill.prompts import read_prompts
+
+  data_file, prompts_file = tmp_path / "data.jsonl", tmp_path / "prompts.jsonl"
+  data_file.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')  # latin-1, not UTF-8
+  prompts_file.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "b"}\n')
+  with pytest.raises(ValueError, match=f"data.source: {re.escape(str(data_file))}:2 is not UTF-8 text"):
+    build_data(DataConfig(source=str(data_file), seq_len=16), batch_size=8)
+  with pytest.raises(ValueError, match=f"prompts file '{re.escape(str(prompts_file))}' is not UTF-8 text \\(line 2"):
+    read_prompts(str(prompts_file), need_completion=True)
+
+
+def test_a_vanishing_distill_temperature_is_refused_naming_the_setting_and_what_works():
+  with pytest.raises(ConfigError, match=r"distill.temperature=1e-30 must be >= 0.01 \(e.g. 2.0; below 0.01"):
+    load_config("tiny", ["distill.temperature=1e-30"])
+  with pytest.raises(ConfigError, match=r"takes values in \[0.001, 3.0\]\) must be >= 0.01"):  # a schedule too
+    load_config("tiny", ["distill.temperature={kind: linear, start: 3.0, end: 0.001, steps: 10}"])
+  assert load_config("tiny", ["distill.temperature=0.01"]).distill.temperature == 0.01
+
+
+def test_a_guard_that_gives_up_before_any_checkpoint_does_not_claim_one_is_kept(kd, data, tmp_path):
+  scaled = ScaledLoss(md.LogitKD(alpha=0.7), 1.0)
+  scaled.scale = 1e38  # every update overflows: the guard gives up at step 2, before the first checkpoint
+  d = kd.with_strategy(scaled)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), every=100)
+  guard = DivergenceGuard(max_skips=2, max_restores=0, min_history=2)
+  with pytest.raises(RuntimeError, match="max_restores") as e:
+    fit(d, data, steps=6, checkpointer=ckpt, guard=guard, fallback=scaled)
+  ckpt.close()
+  assert "no checkpoint was written before it diverged" in str(e.value) and "checkpoint is kept" not in str(e.value)
+  assert ckpt.all_steps() == []
+
+
+def test_generate_names_the_step_it_fell_back_to(cache_run, tmp_path, capsys):
+  import io
+
+  from meshdistill.generate import SamplingConfig
+
+  run = tmp_path / "run"
+  sets = cache_run[1] + [f"run.run_dir={run}", "train.steps=4", "checkpoint.every=2", "checkpoint.keep=2"]
+  assert cli.main(["distill", "--config", "tiny", *[f"--set={s}" for s in sets]]) == 0
+  flip_bit(biggest_file(run / "checkpoints" / "4" / "state"))
+  said = io.StringIO()
+  out = jobs.generate(load_config("tiny", sets), ["ab"], sampling=SamplingConfig(max_new_tokens=2), stream=said)
+  assert len(out) == 1 and "(step 2)" in said.getvalue() and "(step 4)" not in said.getvalue()
+
+
+def test_a_sharded_model_in_the_hugging_face_hub_cache_layout_loads_and_an_escaping_name_stays_refused(tmp_path):
+  import hashlib
+
+  repo = tmp_path / "models--tiny--llama"
+  snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+  snapshot.mkdir(parents=True)
+  blobs.mkdir()
+  for f in sorted((FIXTURES / "hf_llama").iterdir()):  # each file a blob, linked from the snapshot as the hub does
+    blob = blobs / hashlib.sha256(f.read_bytes()).hexdigest()
+    shutil.copyfile(f, blob)
+    (snapshot / f.name).symlink_to(pathlib.Path("../..") / "blobs" / blob.name)
+  got = load_hf(snapshot)
+  assert leaves_equal(nnx.state(got, nnx.Param), nnx.state(load_hf(FIXTURES / "hf_llama"), nnx.Param))
+  index = json.loads((snapshot / "model.safetensors.index.json").read_text())
+  name = next(iter(index["weight_map"]))
+  index["weight_map"][name] = os.readlink(snapshot / index["weight_map"][name])  # its blob: named outside the dir
+  (snapshot / "model.safetensors.index.json").unlink()
+  (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(ValueError, match="points outside"):
+    load_hf(snapshot)

@@ -21,12 +21,12 @@ that fails (a full disk) raises `CheckpointError` saying which step is still int
 
 Saves are verified: orbax keeps no checksum of the array data (a flipped bit restores as a
 silently wrong -- often NaN -- value), so after each save the SHA-256 of every file of the
-step is written to ``<step>/checksums.json`` (through a temporary file and a rename). A
-restore checks them first; a step that fails (a changed, truncated or deleted file, an
-unreadable metadata file) is reported with a warning naming it and the newest intact step
-is used instead. A resuming run moves the damaged newer steps aside to
-``damaged-<step>-<time>`` (kept for inspection, never trained on); with no intact step
-left, `CheckpointError` lists every step and what is wrong with it.
+step is written to ``<step>/checksums.json`` (`meshdistill.checkpoint_steps`). A restore checks
+them first: a list that leaves a file out (``{}``) counts as damage. A damaged step (a changed,
+truncated, deleted or unlisted file) -- or any step that fails to restore, checksums or not -- is
+named in a warning and the next older intact step is used. A resuming run moves damaged newer
+steps aside to ``damaged-<step>-<time>`` (never trained on); with no intact step left,
+`CheckpointError` lists every step and what is wrong with it.
 
 Restoring onto a different mesh (saved on 2x4, resumed on 4x2 or 1x8): the caller passes a
 freshly initialised state on the NEW layout as a template; every leaf becomes an abstract
@@ -52,12 +52,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from meshdistill.fsutil import (
-  file_digests,
-  read_json,
-  verify_digests,
-  write_text_atomic,
-)
+from meshdistill.checkpoint_steps import CHECKSUM_FILE, first_line, narrow_uint4, verify_complete, widen_uint4
+from meshdistill.fsutil import file_digests, read_json, write_text_atomic
 from meshdistill.models import Decoder, ModelConfig
 from meshdistill.models._build import abstract_params
 from meshdistill.step import TrainState
@@ -77,7 +73,6 @@ from meshdistill.teacher_checkpoint import (  # re-exported (__all__): meshdisti
 log = logging.getLogger(__name__)
 
 ITEMS = ("state", "data", "meta")
-CHECKSUM_FILE = "checksums.json"
 
 __all__ = [
   "CHECKSUM_FILE",
@@ -101,27 +96,8 @@ class CheckpointError(RuntimeError):
   """A checkpoint could not be written, or no intact checkpoint is left to restore; the message says what to do."""
 
 
-def _widen(tree):
-  """``tree`` with uint4 leaves (nf4 weights of a QLoRA base) as uint8: tensorstore stores no uint4.
-
-  Arrays are converted (lossless: values 0..15); abstract leaves get the uint8 dtype."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
-  def widen(x):
-    if getattr(x, "dtype", None) != jnp.uint4:
-      return x
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return jax.ShapeDtypeStruct(x.shape, jnp.uint8, sharding=x.sharding)
-    return x.astype(jnp.uint8)
-
-  return jax.tree.map(widen, tree)
-
-
-def _narrow(tree, like):
-  """The inverse of `_widen`: leaves of ``tree`` back to the dtypes of ``like`` where those are uint4."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
-  return jax.tree.map(lambda x, w: x.astype(jnp.uint4) if w.dtype == jnp.uint4 else x, tree, like)
+class _DoesNotFit(ValueError):
+  """An intact step holding another train state than this run's (other sizes, strategy or optimizer)."""
 
 
 class Checkpointer:
@@ -147,6 +123,8 @@ class Checkpointer:
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
     self._damaged: dict[int, str] = {}  # step -> what is wrong with it (found by `verify`)
     self._warned: set[int] = set()  # damaged steps already reported
+    self._unverified: set[int] = set()  # steps without checksums (restored unverified)
+    self.restored_step: int | None = None  # the step the last restore / restore_student / read_meta read
 
   def latest_step(self) -> int | None:
     """The newest completely written step (intact or not; see `intact_step`), or None."""
@@ -164,7 +142,7 @@ class Checkpointer:
 
     Raises `CheckpointError` when the write fails (e.g. a full disk); earlier steps stay intact.
     """
-    state = _widen(trainer.layout.unreplicate(state))  # uint4 (nf4 weights): stored as uint8
+    state = widen_uint4(trainer.layout.unreplicate(state))  # uint4 (nf4 weights): stored as uint8
     meta = {**meta, "step": int(step)}
     try:
       self._mgr.save(
@@ -213,10 +191,11 @@ class Checkpointer:
         self._warned.add(step)
         log.warning("checkpoint step %d in %s records no checksums (an older meshdistill, or a process killed "
                     "right after saving it); restoring it unverified", step, self.directory)
+      self._unverified.add(step)
       return None
     else:
       try:
-        problem = verify_digests(self.step_dir(step), read_json(path, "checkpoint checksums"), exclude=(CHECKSUM_FILE,))
+        problem = verify_complete(self.step_dir(step), read_json(path, "checkpoint checksums"))
       except (OSError, ValueError) as e:
         problem = str(e)
     if problem is not None:
@@ -263,17 +242,17 @@ class Checkpointer:
       self._mgr.reload()
 
   def read_meta(self, step: int | None = None) -> dict:
-    """The ``meta`` item of ``step`` (default: the newest intact step)."""
-    step = self.intact_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
-    try:
-      return dict(self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
-    except Exception as e:  # orbax / json errors do not name the file
-      raise CheckpointError(
-        f"checkpoint step {step}: {os.path.join(self.step_dir(step), 'meta')} cannot be read ({type(e).__name__}: "
-        f"{e})"
-      ) from e
+    """The ``meta`` item of ``step`` (default: the newest intact step, trying older ones as `restore` does)."""
+
+    def read(s: int) -> dict:
+      try:
+        return dict(self._mgr.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+      except Exception as e:  # orbax / json errors do not name the file
+        raise CheckpointError(
+          f"checkpoint step {s}: {os.path.join(self.step_dir(s), 'meta')} cannot be read ({type(e).__name__}: {e})"
+        ) from e
+
+    return self._read_intact(step, read)
 
   def _restorable(self, step: int | None) -> int:
     """``step`` if it is intact (else `CheckpointError`); without one, the newest intact step."""
@@ -285,32 +264,63 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
     return step
 
+  def _read_intact(self, step: int | None, read):
+    """``read(s)`` of ``step`` (damaged: `CheckpointError`) or, without one, of the newest intact step.
+
+    A step that fails to restore is damaged, like one whose checksums fail: without ``step`` it is reported
+    with the same warning and the next older intact step is tried (`CheckpointError` when none is left). Only
+    a verified step whose read raises `_DoesNotFit` raises that (this run's state has another shape: every
+    step of the directory would fail alike). Sets ``restored_step``.
+    """
+    while True:
+      s = self._restorable(step)
+      try:
+        got = read(s)
+      except Exception as e:  # pylint: disable=broad-except  # tensorstore raises plain Exception on bad bytes
+        if step is not None or (isinstance(e, _DoesNotFit) and s not in self._unverified):
+          if isinstance(e, (_DoesNotFit, CheckpointError)):
+            raise
+          raise CheckpointError(f"checkpoint step {s} in {self.directory} cannot be restored "
+                                f"({type(e).__name__}: {first_line(e)})") from e
+        self._damaged[s] = f"cannot be restored: {type(e).__name__}: {first_line(e)}"
+        self._warned.add(s)
+        log.warning("checkpoint step %d in %s is damaged (%s); trying an earlier step", s, self.directory,
+                    self._damaged[s])
+        continue
+      self.restored_step = s
+      return got
+
   def restore(self, trainer, template: TrainState, step: int | None = None) -> tuple[TrainState, dict, dict]:
     """Restores ``(state, data_state, meta)`` of ``step`` (default: the newest intact) onto ``template``'s layout.
 
     ``template`` is a fresh ``trainer.init_state()`` on the mesh to resume on, which may
-    differ from the mesh the checkpoint was written on. Without ``step``, damaged steps are
-    skipped with a warning; damaged steps newer than the one restored are moved aside (unless ``read_only``).
+    differ from the mesh the checkpoint was written on. Without ``step``, damaged steps (checksums that fail,
+    or a step that fails to restore) are skipped with a warning; damaged steps newer than the one restored are
+    moved aside (unless ``read_only``).
     """
-    step = self._restorable(step)
     narrow = trainer.layout.checkpoint_target(template)
-    target = _widen(narrow)
-    try:
-      got = self._mgr.restore(
-        step,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()
-        ),
-      )
-    except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(
-        f"checkpoint step {step} in {self.directory} does not fit this run's train state ({e}); it was written "
-        "by a run with other model sizes, another strategy/optimizer or the other student.scan_layers (stacked vs "
-        "per-layer blocks; restore_student / export read either): use another checkpoint.dir or run_dir, or the "
-        "run's own scan_layers"
-      ) from e
+    target = widen_uint4(narrow)
+
+    def read(s: int):
+      try:
+        return self._mgr.restore(
+          s,
+          args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()
+          ),
+        )
+      except (ValueError, KeyError, TypeError) as e:
+        raise _DoesNotFit(
+          f"checkpoint step {s} in {self.directory} does not fit this run's train state ({e}); it was written "
+          "by a run with other model sizes, another strategy/optimizer or the other student.scan_layers (stacked vs "
+          "per-layer blocks; restore_student / export read either): use another checkpoint.dir or run_dir, or the "
+          "run's own scan_layers"
+        ) from e
+
+    got = self._read_intact(step, read)
+    step = self.restored_step
     self._set_aside(step)
-    state = trainer.layout.replicate(_narrow(got.state, narrow))
+    state = trainer.layout.replicate(narrow_uint4(got.state, narrow))
     if any(s > step for s in self._damaged):
       newer = ", ".join(str(s) for s in sorted(self._damaged) if s > step)
       log.warning("checkpoint: restored step %d from %s instead of the damaged step(s) %s", step, self.directory,
@@ -323,12 +333,15 @@ class Checkpointer:
     """Only the student of a distillation checkpoint (no optimizer state, no teacher), onto ``mesh``.
 
     ``cfg`` is the student's `ModelConfig`; each weight is read straight into its `tensor` shards.
-    Default: the newest intact step; an explicit damaged ``step`` raises `CheckpointError`.
+    Default: the newest intact step (falling back as `restore` does; ``restored_step`` says which was read); an
+    explicit damaged ``step`` raises `CheckpointError`.
     ``lora``: the run's `meshdistill.models.lora.LoraConfig` when its student holds adapters (the
     returned student then holds them too; `merge_lora` folds them in). A student stored with the other
     ``scan_layers`` (stacked vs per-layer blocks) is read as stored and converted to ``cfg``'s layout.
     """
-    step = self._restorable(step)
+    return self._read_intact(step, lambda s: self._read_student_any_layout(s, cfg, mesh, lora))
+
+  def _read_student_any_layout(self, step: int, cfg: ModelConfig, mesh: Mesh | None, lora) -> Decoder:
     try:
       return self._read_student(step, cfg, mesh, lora)
     except ValueError:
@@ -356,25 +369,25 @@ class Checkpointer:
     where = jax.tree.map(lambda _: one, abstract) if shardings is None else shardings
     target = {"params": {"student": jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, where)}}
-    narrow, target = target, _widen(target)
+    narrow, target = target, widen_uint4(target)
     args = ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
     )
     try:
       got = self._mgr.restore(step, args=ocp.args.Composite(state=args))
     except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(
+      raise _DoesNotFit(
           f"checkpoint step {step} in {self.directory} holds no student of this shape ({e}); it was written by a "
           "run with other model sizes"
       ) from e
     student = got.state["params"]["student"]
     missing = [p for p, x in jax.tree_util.tree_leaves_with_path(student) if isinstance(x, jax.ShapeDtypeStruct)]
     if missing:  # a partial restore leaves what the checkpoint lacks abstract
-      raise ValueError(
+      raise _DoesNotFit(
           f"checkpoint step {step} in {self.directory} holds no student weight {jax.tree_util.keystr(missing[0])} "
           f"of this model (scan_layers={cfg.scan_layers}); it was written by a run with other model sizes"
       )
-    return nnx.merge(graphdef, _narrow(student, narrow["params"]["student"]))
+    return nnx.merge(graphdef, narrow_uint4(student, narrow["params"]["student"]))
 
   def close(self) -> None:
     self._mgr.wait_until_finished()

@@ -119,11 +119,19 @@ def load_raw(name_or_path: str | None) -> dict:
   if name_or_path is None:
     return {}
   path = config_path(name_or_path)
-  with open(path, encoding="utf-8") as f:
-    try:
+  if os.path.isdir(path):
+    raise ConfigError(f"config {path} is a directory; give a YAML file (e.g. configs/tiny.yaml) or a packaged "
+                      "config name (default, tiny)")
+  try:
+    with open(path, encoding="utf-8") as f:
       raw = load_yaml(f)  # YAML 1.2 floats (3e-4, 1e9) too
-    except yaml.YAMLError as e:
-      raise ConfigError(f"{path}: not valid YAML ({e})") from None
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{path}: not valid YAML ({e})") from None
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"config {path} is not UTF-8 text (byte {e.start}: {e.reason}), so not a YAML config; give "
+                      "a YAML file or a packaged config name (default, tiny)") from None
+  except OSError as e:
+    raise ConfigError(f"config {path} cannot be read ({e.strerror or e}); give a readable YAML file") from None
   if raw is None:
     return {}
   if not isinstance(raw, dict):

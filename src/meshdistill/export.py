@@ -119,16 +119,16 @@ def export_run(
           f"RUN_DIR={run_dir!r} has no finished checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` to at "
           "least its first checkpoint; nothing was written"
       )
-    if step is None:
-      step = ckpt.intact_step()  # the newest step whose checksums hold (a damaged one is named in a warning)
-    elif step not in steps:
+    if step is not None and step not in steps:
       raise ValueError(f"--step={step} is not a checkpoint of {run_dir!r}; its checkpoints: {sorted(steps)}")
     meta = ckpt.read_meta(step)
     if meta.get("kind") != "distill":
       raise ValueError(f"RUN_DIR={run_dir!r} holds a {meta.get('kind')!r} run, not a distillation run")
     tokenizer, tok_note = _tokenizer_source(cfg)
+    # Without --step: the newest intact step (a damaged one, or one that fails to restore, is named in a warning)
     mesh = jobs.build_mesh(cfg)
     student = ckpt.restore_student(jobs.stored_student_config(cfg, mesh), mesh, step, lora=lora)
+    step = ckpt.restored_step
     if adapter:
       base = cfg.models.student_hf if lora.quantize is None else None  # else the base is written beside
       from meshdistill.models.peft import export_adapter  # pylint: disable=g-import-not-at-top

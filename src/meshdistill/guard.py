@@ -188,10 +188,13 @@ class Recovery:
       a trainer without a teacher (hard labels) only restores.
     on_event: ``on_event(step, kind, fields)`` for each event (e.g. a metrics row).
     say: ``say(text)`` for a human-readable line per event.
+    checkpoints: ``checkpoints()`` -> the steps saved so far (`meshdistill.checkpoint.Checkpointer.all_steps`),
+      for the final error to say which is kept; None: the run writes no checkpoints.
   """
 
   def __init__(self, trainer, guard: DivergenceGuard, keep_every: int = 1, fallback: Any = None, *,
-               on_event: Callable[[int, str, dict], None] | None = None, say: Callable[[str], None] | None = None):
+               on_event: Callable[[int, str, dict], None] | None = None, say: Callable[[str], None] | None = None,
+               checkpoints: Callable[[], list[int]] | None = None):
     if not isinstance(keep_every, int) or isinstance(keep_every, bool) or keep_every < 1:
       raise ValueError(f"keep_every={keep_every!r} must be a positive integer (steps between good-state copies)")
     self.guard, self.keep_every = guard, keep_every
@@ -204,6 +207,7 @@ class Recovery:
     self._on_event = on_event or (lambda step, kind, fields: None)
     self.guarded = True
     self._say = say or log.info
+    self._checkpoints = checkpoints
 
   # ---------------------------------------------------------------- checkpointed
   def snapshot(self) -> dict:
@@ -288,7 +292,7 @@ class Recovery:
       self._record(step, "diverged", loss=loss, reason=reason, restored_step=None, strategy=self.active)
       raise RuntimeError(
           f"training diverged {self.restores} times (last at step {step}: {reason}), more than max_restores="
-          f"{self.guard.max_restores} (safeguards.guard.max_restores); the last checkpoint is kept."
+          f"{self.guard.max_restores} (safeguards.guard.max_restores); {self._kept()}."
           + ("" if reason.startswith("updates stopped") else " Lower the learning rate, check the data, or allow more "
              "restores")
       )
@@ -302,6 +306,13 @@ class Recovery:
               + ("; distilling with the fallback loss" if self.active == "fallback" else ""))
     log.warning("step %d diverged (%s); restored the state of step %s, strategy %s", step, reason, good, self.active)
     return copy_state(self.guard.good_state), good
+
+  def _kept(self) -> str:
+    """What a stopped run leaves to resume from, for its error."""
+    if self._checkpoints is None:
+      return "this run writes no checkpoints"
+    steps = self._checkpoints()
+    return f"checkpoint step {max(steps)} is kept" if steps else "no checkpoint was written before it diverged"
 
   def _record(self, step: int, kind: str, **fields) -> None:
     event = DivergenceEvent(step=int(step), kind=kind, **fields)

@@ -27,6 +27,17 @@ from collections.abc import Sequence
 import numpy as np
 
 
+def non_utf8_line(path: str) -> str:
+  """``line N`` of the first line of ``path`` that is not UTF-8 (for an error message)."""
+  with open(path, "rb") as f:
+    for n, raw in enumerate(f, 1):
+      try:
+        raw.decode("utf-8")
+      except UnicodeDecodeError:
+        return f"line {n}"
+  return "a multi-byte character split across lines"
+
+
 def read_prompts(path: str, *, need_completion: bool = False) -> list[dict]:
   """``[{"prompt": str, "completion": str | None}]`` from a JSONL file or a text file (one prompt a line).
 
@@ -39,8 +50,12 @@ def read_prompts(path: str, *, need_completion: bool = False) -> list[dict]:
   """
   if not os.path.isfile(path):
     raise FileNotFoundError(f"prompts file {path!r} does not exist")
-  with open(path, encoding="utf-8") as f:
-    lines = [(i + 1, line.rstrip("\n")) for i, line in enumerate(f) if line.strip()]
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = [(i + 1, line.rstrip("\n")) for i, line in enumerate(f) if line.strip()]
+  except UnicodeDecodeError as e:
+    raise ValueError(f"prompts file {path!r} is not UTF-8 text ({non_utf8_line(path)}: {e.reason}); re-encode "
+                     "it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
   if not lines:
     raise ValueError(f"prompts file {path!r} has no prompts")
   if not lines[0][1].lstrip().startswith("{"):

@@ -377,7 +377,7 @@ def fit(
   latest = agree_on(checkpointer.intact_step(), "the latest checkpoint") if checkpointer is not None else None
   if latest is not None:
     _check_resumable(checkpointer.read_meta(latest), meta, checkpointer.directory, opts.steps)
-    state, data_state, saved = checkpointer.restore(trainer, state, latest)
+    state, data_state, saved = checkpointer.restore(trainer, state)  # `latest`, or an older step if it fails
     start = resumed = int(saved["step"])
     got = int(np.asarray(jax.device_get(trainer.unreplicate(state).step)))
     if got != start:
@@ -404,7 +404,8 @@ def fit(
       h.before_loop(run)
     if opts.guard is not None:
       run.guard_with(Recovery(run.trainer, opts.guard, opts.keep_every, opts.fallback, say=monitor.message,
-                              on_event=lambda s, kind, fields: monitor.event(s, kind, **fields)), saved.get("guard"))
+                              on_event=lambda s, kind, fields: monitor.event(s, kind, **fields),
+                              checkpoints=getattr(checkpointer, "all_steps", None)), saved.get("guard"))
     t_train = time.perf_counter()
     run.run()
   finally:

@@ -90,8 +90,13 @@ def stdlib_documents(root: str | None = None) -> list[Document]:
 
 def _jsonl_documents(path: str, key: str, text_key: str) -> list[Document]:
   docs = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"data.source: {path}:{lineno} is not UTF-8 text (byte {e.start} of the line: {e.reason}); "
+                         "JSONL data must be UTF-8 (re-encode it, e.g. iconv -f latin1 -t utf-8)") from None
       if not line.strip():
         continue
       try:

@@ -36,7 +36,7 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
     data = load_data(cfg, mesh=mesh)
     tdir, teacher = run_teacher(cfg, meta, mesh, data.tokenizer)
     distiller = make_distiller(cfg, teacher, mesh)
-    state, _, _ = ckpt.restore(distiller, distiller.init_state())
+    state, _, meta = ckpt.restore(distiller, distiller.init_state())  # meta: of the step restored
     say(f"evaluating step {meta['step']} of {cfg.run.run_dir} (teacher {tdir})")
     summary = _evaluate_pair(distiller, state, data.val_batches(max_batches=cfg.train.eval_batches))
   finally:
@@ -88,7 +88,8 @@ def generate(
     _, net = run_teacher(cfg, meta, mesh, tokenizer)
     if model == "student":
       distiller = make_distiller(cfg, net, mesh)
-      state, _, _ = ckpt.restore(distiller, distiller.init_state())
+      state, _, restored = ckpt.restore(distiller, distiller.init_state())
+      step = int(restored["step"])  # an older step when the newest is damaged
       net = distiller.student(state)
       mesh = distiller.layout.eval_mesh
     say(f"generating with the {model} of {cfg.run.run_dir}" + (f" (step {step})" if model == "student" else ""))

@@ -17,7 +17,9 @@ written through, and a failure (a bad tokenizer) leaves the old directory as it 
 checkpoint files.
 
 Reading is defensive: a malformed ``config.json``, index or safetensors file is reported with
-its path, and an index whose ``weight_map`` points outside the model directory is refused.
+its path, and an index whose ``weight_map`` names a file outside the model directory (an absolute
+path, ``..``) is refused. Files are opened through links, as the Hugging Face hub cache's
+``snapshots/<rev>/*`` (links to ``../../blobs/``) need; the NAME decides what is inside.
 
 Why the built-in decoder and not tunix's model classes: the decoder already is the Llama
 block (RMSNorm, rotate-half RoPE, GQA, SwiGLU); three default-off `ModelConfig` options
@@ -40,7 +42,7 @@ import json
 import logging
 import os
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import jax
@@ -94,12 +96,12 @@ def _safe_open(file: Path):
 
 
 def _inside(path: Path, name: Any, index: Path) -> Path:
-  """``path / name`` for an index entry, refused unless it is a plain file name inside ``path``."""
-  root = path.resolve()
-  if not isinstance(name, str) or not name or os.path.isabs(name):
+  """``path / name`` for an index entry, judged by its NAME: a relative path that stays lexically inside ``path``
+  (not absolute, no ``..``). The file it names is then opened like ``model.safetensors``, links followed: the
+  Hugging Face hub cache links ``snapshots/<rev>/*`` to ``../../blobs/<hash>``."""
+  if not isinstance(name, str) or not name or os.path.isabs(name) or PureWindowsPath(name).drive:
     raise ValueError(f"{index}: weight_map entry {name!r} is not a relative file name")
-  full = (path / name).resolve()
-  if full.parent != root and root not in full.parents:
+  if ".." in PurePosixPath(name.replace("\\", "/")).parts:
     raise ValueError(f"{index}: weight_map entry {name!r} points outside {path}; refusing to open it")
   return path / name
 

@@ -22,8 +22,13 @@ from meshdistill.strategies._base import SequenceStrategy, Strategy, register
 Divergence = Callable[..., jax.Array]
 
 # setting -> keyword arguments of `check_scalar` (allowed interval, an example that works)
+# temperature >= 0.01: below it the float32 softmax of logits / tau is already one-hot for logit gaps of 1 or more
+# (exp(-1 / 0.01) = exp(-100) is below float32's smallest normal, exp(-87.3)), so a lower tau changes no target,
+# only the size of the 1 / tau factors of the loss and its gradient, which overflow float32 (NaN) from about 1e-9.
 RANGES = {
-    "temperature": {"low": 0.0, "low_open": True, "example": "2.0"},
+    "temperature": {"low": 0.01, "example": "2.0; below 0.01 softmax(logits / temperature) is one-hot in float32 for "
+                                            "logit gaps of 1 or more, and its 1 / temperature factors overflow to NaN "
+                                            "from about 1e-9"},
     "alpha": {"low": 0.0, "high": 1.0, "example": "0.5"},
     "beta": {"low": 0.0, "high": 1.0, "example": "0.5"},
     "skew": {"low": 0.0, "high": 1.0, "high_open": True, "example": "0.1"},
@@ -66,7 +71,7 @@ class LogitRecipe(Strategy):
   """``loss = alpha * tau^2 * D(teacher_tau, student_tau) + (1 - alpha) * CE(student, targets)``.
 
   Args:
-    temperature: tau > 0, softens both distributions (the ``tau^2`` factor keeps the
+    temperature: tau >= 0.01 (see `RANGES`), softens both distributions (the ``tau^2`` factor keeps the
       gradient scale independent of tau).
     alpha: weight of the distillation term, in [0, 1].
     divergence: ``D``, a name in `meshdistill.losses.DIVERGENCES`: ``forward_kl``

@@ -20,6 +20,10 @@ Layout of a cache directory:
   fingerprint, data (sources, ``seq_len``, row count, a hash of the packed tokens), ``k``,
   ``temperature``, ``vocab``, ``precision``, the shards and a content hash over them.
 
+`TeacherCache` reads a finished cache: each shard's size is checked when it is opened and its SHA-256 before its
+first read (a damaged shard is an error naming it, never trained on); shard names are plain file names inside
+the directory.
+
 At k=32 and V=128k a token costs 32 x 17 bits of ids (68 B) + 32 x 2 B of float16 log-probs +
 2 B of tail = 134 B (``benchmarks/teacher_cache.py`` measures it and the error float16 costs).
 `write_cache` splits the shards over writers (``i % process_count == process_index``, each with its

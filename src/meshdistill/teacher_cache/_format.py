@@ -120,17 +120,59 @@ def _first_difference(key: str, a: Any, b: Any) -> str:
 
 
 # --------------------------------------------------------------------------- reading
+# the manifest entries `TeacherCache` reads: key -> JSON type
+_MANIFEST_KEYS = {"k": int, "seq_len": int, "rows": int, "rows_per_shard": int, "id_bits": int, "vocab": int,
+                  "temperature": (int, float), "precision": str, "teacher": dict, "data": dict, "shards": list}
+_REBUILD = "rebuild the cache with `meshdistill cache-teacher --out DIR` into a fresh directory"
+
+
+def _read_manifest(path: str, given: str) -> dict | None:
+  """The manifest of the cache directory ``path`` (None when it has none), checked for the entries it must hold;
+  `CacheError` naming the file otherwise. ``given``: the directory as the user named it."""
+  file = os.path.join(path, MANIFEST)
+  if not os.path.isfile(file):
+    return None
+  try:
+    with open(file, encoding="utf-8") as f:
+      manifest = json.load(f)
+  except (ValueError, OSError) as e:  # JSON or UTF-8 errors
+    raise CacheError(f"teacher.cache={given!r}: {file} cannot be read as JSON ({e}); {_REBUILD}") from None
+  if not isinstance(manifest, dict):
+    raise CacheError(f"teacher.cache={given!r}: {file} holds a {type(manifest).__name__}, not the JSON object of a "
+                     f"teacher cache manifest; {_REBUILD}")
+  if manifest.get("format") != FORMAT_VERSION:
+    raise CacheError(f"teacher.cache={given!r} has format {manifest.get('format')!r}; this version reads "
+                     f"{FORMAT_VERSION}: rewrite it with `meshdistill cache-teacher`")
+  for key, kind in _MANIFEST_KEYS.items():
+    if not isinstance(manifest.get(key), kind):
+      what = "has no" if key not in manifest else f"has a {type(manifest[key]).__name__} as its"
+      raise CacheError(f"teacher.cache={given!r}: {file} {what} {key!r} entry (damaged or not written by "
+                       f"`meshdistill cache-teacher`); {_REBUILD}")
+  for shard in manifest["shards"]:
+    name = shard.get("name") if isinstance(shard, dict) else None
+    if not (isinstance(name, str) and name and name == os.path.basename(name) and name not in (".", "..")):
+      raise CacheError(f"teacher.cache={given!r}: {file} lists shard {name if name is not None else shard!r}, "
+                       f"which is not a file name inside {path} (shards are plain file names there); {_REBUILD}")
+    if not (isinstance(shard.get("bytes"), int) and isinstance(shard.get("sha256"), str)):
+      raise CacheError(f"teacher.cache={given!r}: {file} gives shard {name!r} no bytes / sha256 entry; {_REBUILD}")
+  return manifest
+
+
 class TeacherCache:
-  """A finished cache directory, opened for reading (its shards checked for size; ``verify`` hashes them).
+  """A finished cache directory, opened for reading.
+
+  Every shard is checked for size when the cache is opened, and against its SHA-256 in the manifest when it is
+  first read (``verify``: all of them now), so a damaged shard is never trained on.
 
   Raises:
-    CacheError: no manifest (an unfinished cache: rerun ``meshdistill cache-teacher``), a missing or
-      truncated shard, or (``verify``) a shard whose content changed.
+    CacheError: no manifest (an unfinished cache: rerun ``meshdistill cache-teacher``), a manifest that is not
+      one (malformed, entries missing, a shard name outside the directory), a missing or truncated shard, or a
+      shard whose content changed (when it is opened with ``verify``, else when it is first read).
   """
 
   def __init__(self, path: str, *, verify: bool = False):
     self.path = os.path.abspath(os.path.expanduser(path))
-    manifest = _read_json(os.path.join(self.path, MANIFEST))
+    manifest = _read_manifest(self.path, path)
     if manifest is None:
       unfinished = any(n.startswith("progress-") for n in os.listdir(self.path)) if os.path.isdir(self.path) else False
       raise CacheError(
@@ -139,9 +181,6 @@ class TeacherCache:
                                           if unfinished else "not a teacher cache (no manifest.json); write one "
                                           "with `meshdistill cache-teacher --out PATH`")
       )
-    if manifest.get("format") != FORMAT_VERSION:
-      raise CacheError(f"teacher.cache={path!r} has format {manifest.get('format')!r}; this version reads "
-                       f"{FORMAT_VERSION}: rewrite it with `meshdistill cache-teacher`")
     self.manifest = manifest
     for shard in manifest["shards"]:
       file = os.path.join(self.path, shard["name"])
@@ -150,11 +189,22 @@ class TeacherCache:
         what = "is missing" if size is None else f"has {size} bytes, the manifest says {shard['bytes']} (truncated?)"
         raise CacheError(f"teacher cache shard {file} {what}; rerun `meshdistill cache-teacher` into a fresh "
                          "directory (or restore the file)")
-      if verify and _file_sha256(file) != shard["sha256"]:
-        raise CacheError(f"teacher cache shard {file} does not match its SHA-256 in the manifest (damaged); "
-                         "rewrite the cache")
     self.k, self.seq_len, self.num_rows = manifest["k"], manifest["seq_len"], manifest["rows"]
     self._handles: dict[int, Any] = {}
+    self._verified: set[int] = set()  # shards whose SHA-256 matched
+    if verify:
+      for i in range(len(manifest["shards"])):
+        self._verify(i)
+
+  def _verify(self, i: int) -> None:
+    """Raises `CacheError` unless shard ``i`` matches its SHA-256 in the manifest (hashed once)."""
+    if i in self._verified:
+      return
+    shard = self.manifest["shards"][i]
+    if _file_sha256(os.path.join(self.path, shard["name"])) != shard["sha256"]:
+      raise CacheError(f"teacher cache shard {shard['name']} in {self.path} does not match its SHA-256 in "
+                       f"{MANIFEST} (damaged); nothing was trained on it: {_REBUILD}, then distil from that")
+    self._verified.add(i)
 
   def spec(self) -> TopKTeacher:
     """The teacher as a `TopKTeacher` (for `meshdistill.Distiller`)."""
@@ -189,6 +239,7 @@ class TeacherCache:
     if i not in self._handles:
       from safetensors import safe_open  # pylint: disable=g-import-not-at-top
 
+      self._verify(i)  # before its first read
       self._handles[i] = safe_open(os.path.join(self.path, self.manifest["shards"][i]["name"]), framework="numpy")
     return self._handles[i]
 
