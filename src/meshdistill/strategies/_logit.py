@@ -177,6 +177,11 @@ class LogitKD(LogitRecipe, SequenceStrategy):
       )
 
   @classmethod
+  def settings(cls) -> tuple[str, ...]:
+    """`LogitRecipe`'s settings, ``top_k``, ``capture`` and ``chunk_size`` (set: `ChunkedLogitKD`)."""
+    return (*super().settings(), "chunk_size")
+
+  @classmethod
   def from_settings(cls, settings) -> LogitRecipe:
     """`LogitKD`, or `ChunkedLogitKD` with the same recipe when ``chunk_size`` is set (not None)."""
     if settings.get("chunk_size") is not None:
@@ -188,7 +193,7 @@ class LogitKD(LogitRecipe, SequenceStrategy):
             "the chunked loss has no top-k form; set LogitKD.chunk_size=null for a top-k teacher, or LogitKD.top_k=null"
         )
       return ChunkedLogitKD.from_settings(settings)
-    return super().from_settings(settings)
+    return super().from_settings({k: v for k, v in settings.items() if k != "chunk_size"})
 
   @property
   def term_name(self) -> str:
