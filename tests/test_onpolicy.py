@@ -216,8 +216,9 @@ def test_on_policy_settings_are_checked_and_named():
   assert cfg.distill.on_policy.active and cfg.distill.on_policy.config(eos_id=2).lmbda == 0.5
   assert not load_config("tiny").distill.on_policy.active
   for override, match in (
-      ("distill.on_policy.lambda=1.5", r"distill.on_policy.lambda=1.5 must be a number in \[0.0, 1.0\]"),
-      ("distill.on_policy.top_p=0", r"distill.on_policy.top_p=0.0 must be a number in \(0.0, 1.0\]"),
+      ("distill.on_policy.lambda=1.5", r"distill.on_policy.lambda=1.5 must be a number in \[0, 1\]"),
+      ("distill.on_policy.top_p=0", r"distill.on_policy.top_p=0.0 must be a number in \(0, 1\]"),
+      ("distill.on_policy.top_k=-1", r"distill.on_policy.top_k=-1 must be an integer >= 0"),
       ("distill.on_policy.max_new_tokens=40", "max_new_tokens=40 leaves no prompt"),
   ):
     with pytest.raises(ConfigError, match=match):

@@ -84,11 +84,11 @@ class OnPolicySettings:
   prompts_file: str | None = None  # JSONL prompt/completion pairs to train on instead of the corpus rows
 
   def __post_init__(self):
-    in_range("distill.on_policy.lambda", self.lmbda, 0.0, 1.0, example=" (e.g. 0.5)")
-    positive_int("distill.on_policy.max_new_tokens", self.max_new_tokens)
-    in_range("distill.on_policy.temperature", self.temperature, 0.0, float("inf"), example=" (0 = greedy)")
-    nonneg_int("distill.on_policy.top_k", self.top_k)
-    in_range("distill.on_policy.top_p", self.top_p, 0.0, 1.0, lo_open=True, example=" (1 = no nucleus filter)")
+    try:  # the rules live with the sampler's settings (`OnPolicyConfig`, `meshdistill.generate.SamplingConfig`)
+      self.config()
+    except (TypeError, ValueError) as e:
+      key = lambda name: f"distill.on_policy.{self.YAML_NAMES.get(name, name)}"  # noqa: E731
+      raise ConfigError(api_to_config(str(e), ["OnPolicyConfig", "SamplingConfig"], key)) from None
 
   @property
   def active(self) -> bool:

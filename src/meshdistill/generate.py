@@ -63,14 +63,20 @@ class SamplingConfig:
   pad_id: int = 0
 
   def __post_init__(self):
-    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer (e.g. 64)")
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 = greedy, 1 = the model's distribution)")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 = no top-k filter)")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1 = no nucleus filter, e.g. 0.9)")
+    owner = type(self).__name__
+    if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise ValueError(f"{owner}.max_new_tokens={self.max_new_tokens!r} must be a positive integer (e.g. 64)")
+    if not _is_number(self.temperature) or not self.temperature >= 0:
+      raise ValueError(f"{owner}.temperature={self.temperature!r} must be a number >= 0 (0 = greedy, 1 = the "
+                       "model's distribution)")
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"{owner}.top_k={self.top_k!r} must be an integer >= 0 (0 = no top-k filter)")
+    if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+      raise ValueError(f"{owner}.top_p={self.top_p!r} must be a number in (0, 1] (1 = no nucleus filter, e.g. 0.9)")
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 class Generation(NamedTuple):
