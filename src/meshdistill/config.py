@@ -34,7 +34,7 @@ import yaml
 
 from meshdistill import config_files
 from meshdistill._typed_yaml import ConfigError, from_dict, to_plain
-from meshdistill.config_files import config_path, load_raw  # noqa: F401  (part of this module's API)
+from meshdistill.config_files import config_path  # noqa: F401  (part of this module's API)
 from meshdistill.config_sections import (
   CheckpointSettings,
   DistillSettings,
@@ -70,7 +70,6 @@ __all__ = [
   "config_path",
   "dump_config",
   "load_config",
-  "load_raw",
 ]
 
 

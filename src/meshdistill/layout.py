@@ -443,12 +443,6 @@ def make_layout(backend: str | None, mesh: Mesh | None, fsdp: bool = False, stud
   return cls(cls.resolve_mesh(mesh), fsdp=fsdp, student_split=student_split)
 
 
-def resolve_backend(backend: str | None, mesh: Mesh | None) -> tuple[str, Mesh | None]:
-  """Validates a ``(backend, mesh)`` pair; returns the backend to use and its mesh (see `make_layout`)."""
-  layout = make_layout(backend, mesh)
-  return layout.name, layout.mesh
-
-
 def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = None, compiler_options=None):
   """Compiles ``step_fn(state, teacher_params, batch, data_axis=...)`` for a layout (see `Layout.compile`).
 

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill import fsdp, losses
 from meshdistill.collectives import psum_bundled
-from meshdistill.layout import BACKENDS, TOPK_KEYS, resolve_backend, wrap_step  # noqa: F401 -- re-exported
+from meshdistill.layout import TOPK_KEYS
 
 
 class TrainState(NamedTuple):

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.models.decoder import Decoder, ModelConfig
-from meshdistill.models.quantize import QUANTIZE, projection_pattern, qtype  # noqa: F401 -- QUANTIZE re-exported
+from meshdistill.models.quantize import QUANTIZE, projection_pattern, qtype
 
 log = logging.getLogger(__name__)
 
