@@ -27,13 +27,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshdistill.layout import BATCH_KEYS, TOPK_KEYS, make_layout
+from meshdistill.layout import make_layout
 from meshdistill.models import Decoder
 from meshdistill.models._build import abstract_params
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
 from meshdistill.optimizers import default_optimizer
-from meshdistill.step import TrainState, per_device_step
+from meshdistill.step import BATCH_KEYS, TOPK_KEYS, TrainState, per_device_step
 from meshdistill.strategies import LogitKD
 from meshdistill.teacher_cache import TopKTeacher
 

@@ -170,9 +170,7 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
       report(f"teacher: the cached teacher is damaged ({why}); pretraining it again ({cfg.pretrain.steps} steps)")
   else:
     report(f"teacher: none cached for these settings; pretraining one ({cfg.pretrain.steps} steps) -> {path}")
-  from meshdistill import jobs  # pylint: disable=g-import-not-at-top -- tests patch jobs.pretrain
-
-  jobs.pretrain(cfg, data=data, mesh=mesh, out=path, stream=stream, overwrite=True)  # the cache is ours to replace
+  pretrain(cfg, data=data, mesh=mesh, out=path, stream=stream, overwrite=True)  # the cache is ours to replace
   return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
 
 

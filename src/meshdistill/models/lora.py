@@ -32,11 +32,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from meshdistill.models.decoder import Decoder, ModelConfig
-from meshdistill.models.quantize import QUANTIZE, projection_pattern, qtype
+from meshdistill.models.quantize import QUANTIZE, placed, projection_pattern, qtype
 
 log = logging.getLogger(__name__)
 
@@ -161,25 +160,6 @@ def apply_lora(model: Decoder, lora: LoraConfig, *, seed: int = 0, mesh: Mesh | 
   log.info("LoRA: rank %d, alpha %g, targets %s, quantize %s: %d adapter parameters",
            lora.rank, lora.scale_alpha, list(lora.targets), lora.quantize, n)
   return adapted
-
-
-def fitted_shardings(state: Any, mesh: Mesh) -> Any:
-  """Shardings from the partition metadata of ``state``, dropping a mesh axis on dimensions it does not
-  divide (per-channel quantization scales have a size-1 dimension where their weight is split)."""
-  specs = nnx.get_partition_spec(state)
-
-  def fit(spec, x):
-    spec = spec if isinstance(spec, P) else P()
-    dims = tuple(a if a is None or jnp.shape(x)[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec))
-    return NamedSharding(mesh, P(*dims))
-
-  return jax.tree.map(fit, specs, state, is_leaf=lambda x: isinstance(x, P) or x is None)
-
-
-def placed(model, mesh: Mesh):
-  """``model`` with every weight put on ``mesh`` per its partition metadata (`fitted_shardings`)."""
-  graphdef, state = nnx.split(model)
-  return nnx.merge(graphdef, jax.device_put(state, fitted_shardings(state, mesh)))
 
 
 def is_lora(model_or_state: Any) -> bool:
