@@ -49,6 +49,7 @@ from meshdistill.config_sections import (
   TrainSettings,
 )
 from meshdistill.data import DataConfig
+from meshdistill.freezing import check_stages
 from meshdistill.fsutil import write_text_atomic
 from meshdistill.models import ModelConfig
 from meshdistill.sources import ModelSources, nest_sources, resolve, split_sources
@@ -147,8 +148,6 @@ class Config:
     for section, model in (("train", self.student), ("pretrain", self.teacher)):
       stages = getattr(self, section).stages()
       if stages is not None:
-        from meshdistill.freezing import check_stages  # pylint: disable=g-import-not-at-top
-
         try:
           check_stages(stages, model.n_layers)
         except ValueError as e:

@@ -18,9 +18,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from meshdistill import strategies
 from meshdistill._typed_yaml import ConfigError, api_to_config, in_range, nonneg_int, positive_int, unknown_key
+from meshdistill.freezing import Stage
 from meshdistill.fsdp import unsupported as fsdp_unsupported
 from meshdistill.layout import BACKENDS, check_student_split, layout_class
+from meshdistill.losses import DIVERGENCES
+from meshdistill.onpolicy import OnPolicyConfig
 from meshdistill.optimizers import MAX_LOSS_SCALE
 
 
@@ -96,8 +100,6 @@ class OnPolicySettings:
 
   def config(self, eos_id: int | None = None, pad_id: int = 0):
     """The `meshdistill.onpolicy.OnPolicyConfig` of these settings."""
-    from meshdistill.onpolicy import OnPolicyConfig  # pylint: disable=g-import-not-at-top
-
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "prompts_file"}
     return OnPolicyConfig(**fields, eos_id=eos_id, pad_id=pad_id)
 
@@ -154,8 +156,6 @@ class DistillSettings:
 
   def strategy(self):
     """The strategy these settings describe (raises `ConfigError` naming the ``distill.`` key)."""
-    from meshdistill import strategies  # pylint: disable=g-import-not-at-top
-
     if self.kind not in strategies.names():
       raise ConfigError(f"distill.kind={self.kind!r} is not a registered strategy; choose one of {strategies.names()}")
     try:
@@ -166,8 +166,6 @@ class DistillSettings:
 
   def value(self, setting: str):
     """The value the strategy gets for ``setting``: this section's, else the strategy's own default."""
-    from meshdistill import strategies  # pylint: disable=g-import-not-at-top
-
     given = self.settings().get(setting)
     if given is not None:
       return given
@@ -240,8 +238,6 @@ class TrainSettings:
     """
     if self.freeze is None:
       return None
-    from meshdistill.freezing import Stage  # pylint: disable=g-import-not-at-top
-
     where = f"{type(self).SECTION}.freeze"
     if not isinstance(self.freeze, (list, tuple)) or not self.freeze:
       raise ConfigError(
@@ -301,8 +297,6 @@ class GuardSettings:
   fallback: str = "mse"
 
   def __post_init__(self):
-    from meshdistill.losses import DIVERGENCES  # pylint: disable=g-import-not-at-top
-
     positive_int("safeguards.guard.window", self.window)
     in_range("safeguards.guard.factor", self.factor, 1.0, float("inf"), lo_open=True, example=" (e.g. 4.0)")
     positive_int("safeguards.guard.min_history", self.min_history)
