@@ -152,7 +152,8 @@ class DistillSettings:
 
   def key(self, setting: str) -> str:
     """The config key of a strategy setting (``distill.<name>`` or ``distill.options.<name>``)."""
-    return f"distill.options.{setting}" if setting in self.options or setting not in self.FLAT else f"distill.{setting}"
+    flat = setting in self.FLAT and setting not in self.options
+    return f"distill.{setting}" if flat else f"distill.options.{setting}"
 
   def strategy(self):
     """The strategy these settings describe (raises `ConfigError` naming the ``distill.`` key)."""
@@ -169,8 +170,8 @@ class DistillSettings:
     given = self.settings().get(setting)
     if given is not None:
       return given
-    fields = {f.name: f for f in dataclasses.fields(strategies.get(self.kind))}
-    return fields[setting].default if setting in fields else None
+    fields = {f.name: f.default for f in dataclasses.fields(strategies.get(self.kind))}
+    return None if fields.get(setting, dataclasses.MISSING) is dataclasses.MISSING else fields[setting]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
