@@ -239,7 +239,8 @@ def _teacher_on_own_mesh(cfg: Config, data, teacher_mesh, mesh, stream, say):
 
   teacher = quantized_teacher(cfg, teacher, teacher_mesh)  # teacher.quantize
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
-  on_mesh = TeacherOnMesh(teacher, k=cfg.distill.top_k, temperature=float(tau), vocab=vocab,
+  tau = float(cfg.distill.value("temperature"))  # constant: checked by teacher_devices_mesh
+  on_mesh = TeacherOnMesh(teacher, k=cfg.distill.top_k, temperature=tau, vocab=vocab,
                           teacher_mesh=teacher_mesh, student_mesh=mesh)
   say(f"teacher: on its own {td['data']}x{td['tensor']} mesh, student on {cfg.mesh.data}x{cfg.mesh.tensor}")
   return TeacherMeshData(data, on_mesh), on_mesh.spec(), tdir

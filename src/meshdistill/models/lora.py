@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from meshdistill.models._build import _create, abstract_params
 from meshdistill.models.decoder import Decoder, ModelConfig
-from meshdistill.models.quantize import QUANTIZE, placed, projection_pattern, qtype
+from meshdistill.models.quantize import QUANTIZE, fitted_shardings, placed, projection_pattern, qtype
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +184,6 @@ def merge_lora(model: Decoder, adapters: bool = True) -> Decoder:
   import qwix  # pylint: disable=g-import-not-at-top
   from qwix._src.providers import ptq  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.models._build import abstract_params  # pylint: disable=g-import-not-at-top
-
   cfg: ModelConfig = model.cfg
   graphdef, abstract, _ = abstract_params(cfg)
   merged = {}
@@ -213,11 +212,8 @@ def merge_lora(model: Decoder, adapters: bool = True) -> Decoder:
   return nnx.merge(graphdef, nnx.from_flat_state(values))
 
 
-
 def abstract_lora(cfg: ModelConfig, lora: LoraConfig, mesh: Mesh | None = None):
   """(graphdef, abstract state, shardings or None) of a LoRA student, without allocating it."""
-  from meshdistill.models._build import _create  # pylint: disable=g-import-not-at-top
-
   model = nnx.eval_shape(lambda: apply_lora(_create(cfg, 0), lora))
   graphdef, state = nnx.split(model)
   return graphdef, state, (None if mesh is None else fitted_shardings(state, mesh))

@@ -30,6 +30,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshdistill.models._build import _create
+
 log = logging.getLogger(__name__)
 
 QUANTIZE = ("int8", "int4", "nf4")
@@ -110,6 +112,4 @@ def weight_bytes(model_or_state: Any) -> int:
 
 def abstract_quantized(cfg, quantize: str):
   """(graphdef, abstract state) of a `Decoder` of ``cfg`` with ``quantize`` projections, without allocating it."""
-  from meshdistill.models._build import _create  # pylint: disable=g-import-not-at-top
-
   return nnx.split(nnx.eval_shape(lambda: quantize_model(_create(cfg, 0), quantize)))
