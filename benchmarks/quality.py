@@ -188,7 +188,8 @@ def run_once(args, overrides: list[str], run_root: str) -> dict:
       "teacher": cfg.to_dict()["teacher"],
       "student": cfg.to_dict()["student"],
       # null settings filled in with the strategy's defaults: the recipe the run trained with
-      "distill": {**cfg.to_dict()["distill"], **{k: cfg.distill.value(k) for k in ("temperature", "alpha")}},
+      "distill": {**cfg.to_dict()["distill"],
+                  **{k: cfg.distill.value(k) for k in ("temperature", "alpha", "divergence")}},
       "train": cfg.to_dict()["train"],
       "pretrain": cfg.to_dict()["pretrain"],
       "data": cfg.to_dict()["data"],
