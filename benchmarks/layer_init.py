@@ -93,8 +93,8 @@ def main(argv=None) -> int:
       f"Student: the teacher's shape with {len(layers)} blocks ({results['fresh']['params']:,} params); "
       f"`student.init: {init}` copies the teacher's embeddings, LM head, final norm and blocks {layers}; "
       f"the fresh student is initialised from train.seed={c.train.seed}. Both: {c.train.steps} steps, lr {c.train.lr}, "
-      f"tau {c.distill.temperature}, alpha {c.distill.alpha}, same data order; validation loss (nats/token) on the "
-      f"same {c.train.eval_batches} validation batches.",
+      f"tau {c.distill.value('temperature')}, alpha {c.distill.value('alpha')}, same data order; validation loss "
+      f"(nats/token) on the same {c.train.eval_batches} validation batches.",
       "",
       "| step | from teacher | fresh | difference |",
       "|---:|---:|---:|---:|",

@@ -259,7 +259,7 @@ def quality(cfg, teacher, data, mesh, args, keep_models=False):
   optimizer = make_optimizer(cfg.train, cfg.student.n_layers)  # one schedule over all train.steps
   if warm:  # the main job's off-policy KD on whole rows, shared by every arm
     student = init_model(cfg.student, seed=seed, mesh=mesh)
-    kd = LogitKD(temperature=cfg.distill.temperature, alpha=cfg.distill.alpha, divergence=cfg.distill.divergence)
+    kd = LogitKD(**{k: cfg.distill.value(k) for k in ("temperature", "alpha", "divergence")})
     d = Distiller(student, teacher, strategy=kd, mesh=mesh, seed=seed, optimizer=optimizer)
     t0 = time.perf_counter()
     res = fit(d, data, steps=warm, monitor=Monitor(None, warm, stream=sys.stderr, name="warm start"),
@@ -426,7 +426,8 @@ def main(argv=None) -> int:
     speed_rows = speed(teacher, init_model(cfg.student, seed=cfg.train.seed, mesh=mesh), data, mesh,
                        args.max_new_tokens)
   warm = (f"every arm starts from the same checkpoint: {args.warm_start} steps of the main job's off-policy KD "
-          f"(divergence {cfg.distill.divergence}, whole rows, the first {args.warm_start} batches), then trains "
+          f"(divergence {cfg.distill.value('divergence')}, whole rows, the first {args.warm_start} batches), "
+          f"then trains "
           f"{cfg.train.steps - args.warm_start} steps on the next batches (one learning-rate schedule over "
           f"{cfg.train.steps} steps, optimizer state carried over)" if args.warm_start else
           f"every arm starts from random weights and trains {cfg.train.steps} steps")

@@ -187,7 +187,9 @@ def run_once(args, overrides: list[str], run_root: str) -> dict:
     "settings": {
       "teacher": cfg.to_dict()["teacher"],
       "student": cfg.to_dict()["student"],
-      "distill": cfg.to_dict()["distill"],
+      # null settings filled in with the strategy's defaults: the recipe the run trained with
+      "distill": {**cfg.to_dict()["distill"],
+                  **{k: cfg.distill.value(k) for k in ("temperature", "alpha", "divergence")}},
       "train": cfg.to_dict()["train"],
       "pretrain": cfg.to_dict()["pretrain"],
       "data": cfg.to_dict()["data"],

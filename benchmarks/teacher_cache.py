@@ -105,7 +105,7 @@ def main() -> None:
   mesh = jobs.build_mesh(cfg)
   data = jobs.load_data(cfg)
   teacher, _ = jobs.obtain_teacher(cfg, data, mesh)
-  tau = float(cfg.distill.temperature)
+  tau = float(cfg.distill.value("temperature"))
   program = tc.TeacherTopK(teacher, k=args.k, temperature=tau, mesh=mesh)
   jax.block_until_ready(program(data.train.rows(np.arange(16))["inputs"]))  # compile
   identity = {"teacher": tc.teacher_identity(teacher), "data": tc.data_identity(data.train, data.tokenizer)}
@@ -119,7 +119,7 @@ def main() -> None:
     caches[precision] = tc.TeacherCache(path)
     write[precision] = (len(data.train) * data.train.seq_len / seconds, seconds, caches[precision].bytes_per_token())
 
-  strategy = LogitKD(top_k=args.k, temperature=tau, alpha=float(cfg.distill.alpha))
+  strategy = LogitKD(top_k=args.k, temperature=tau, alpha=float(cfg.distill.value("alpha")))
   student = md.init_model(cfg.student, seed=1, mesh=mesh)
   plan = {"live teacher (top-k in the step)": (md.Distiller(student, teacher, mesh=mesh, strategy=strategy), data)}
   for precision, cache in caches.items():

@@ -213,9 +213,44 @@ def test_distill_kind_names_a_registered_strategy_with_options():
   assert attn == AttentionTransfer(loss="mse")
   for sets, match in [
       (["distill.kind=logit_kdd"], r"distill.kind='logit_kdd' is not a registered strategy; choose one of \[.*'logit_kd'"),
-      (["distill.options={bta: 0.3}"], r"distill.options \['bta'\] are not settings of LogitKD; its settings: .*'beta'"),
+      (["distill.options={bta: 0.3}"], r"distill.options.bta=0.3 is not a setting of LogitKD .*its settings: .*'beta'"),
       (["distill.divergence=jsd", "distill.options={beta: 1.5}"], r"distill.options.beta=1.5 must be in \[0.0, 1.0\]"),
       (["distill.kind=attention_transfer", "distill.options={loss: l1}"], r"distill.options.loss='l1'; choose one of"),
   ]:
     with pytest.raises(ConfigError, match=match):
       load_config(None, sets)
+
+
+def test_a_setting_the_chosen_strategy_does_not_have_is_named_with_the_settings_it_has():
+  from meshdistill.strategies import AttentionTransfer
+
+  sets = ["distill.kind=attention_transfer", "distill.temperature=7.5", "distill.divergence=jsd", "distill.top_k=3"]
+  with pytest.raises(ConfigError) as e:
+    load_config("tiny", sets)
+  msg = str(e.value)
+  for key in ("distill.temperature=7.5", "distill.divergence='jsd'", "distill.top_k=3"):
+    assert key in msg, msg
+  assert "AttentionTransfer" in msg and all(f"'{name}'" in msg for name in AttentionTransfer.settings()), msg
+  with pytest.raises(ConfigError, match=r"distill.options.beta=0.3 is not a setting of AttentionTransfer"):
+    load_config(None, ["distill.kind=attention_transfer", "distill.options={beta: 0.3}"])
+  with pytest.raises(ConfigError, match=r"distill.top_k=8 is not a setting of ChunkedLogitKD .*'chunk_size'"):
+    load_config(None, ["distill.kind=chunked_logit_kd", "distill.top_k=8"])
+  # naming a kind starts from that strategy's defaults: the main job's logit_kd settings do not follow
+  assert load_config(None, ["distill.kind=attention_transfer"]).distill.strategy() == AttentionTransfer()
+  assert load_config("tiny", ["distill.kind=attention_transfer"]).distill.strategy() == AttentionTransfer()
+
+
+def test_the_config_and_the_api_share_the_strategies_defaults():
+  from meshdistill.strategies import ChunkedLogitKD, LogitKD
+
+  assert load_config("tiny").distill.strategy() == LogitKD()  # tiny names the kind: LogitKD's own defaults
+  assert load_config(None, ["distill.kind=logit_kd"]).distill.strategy() == LogitKD()
+  assert load_config(None, ["distill.kind=chunked_logit_kd"]).distill.strategy() == ChunkedLogitKD()
+  # the main job states its recipe (temperature 1.0, alpha 1.0) and keeps it under other overrides
+  main = LogitKD(temperature=1.0, alpha=1.0, divergence="forward_kl")
+  assert Config().distill.strategy() == main == load_config("default").distill.strategy()
+  assert load_config(None, ["distill.alpha=0.7"]).distill.strategy() == LogitKD(temperature=1.0, alpha=0.7)
+  assert load_config("tiny").distill.value("temperature") == LogitKD().temperature == 2.0
+
+  for path in ("configs/hf_example.yaml", "configs/preference.yaml"):  # the shipped configs still load
+    assert load_config(os.path.join(REPO, path)).distill.strategy() is not None

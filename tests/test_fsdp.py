@@ -108,12 +108,18 @@ def test_student_weights_and_optimizer_state_per_device_shrink_by_the_data_facto
   assert device_bytes(on.teacher_params) * shape[0] == device_bytes(off.teacher_params)
 
 
-def test_the_step_gathers_per_block_and_reduce_scatters_gradients(runs):
-  d, state, _ = runs[("2x4", True)]
-  hlo = d.lower(state, BATCHES[0]).compile().as_text()
-  colls = {(c["kind"], c["axis"]) for c in collectives(hlo, (2, 4))}
-  assert ("all-gather", "data") in colls  # weights gathered over data
-  assert ("reduce-scatter", "data") in colls or ("all-reduce", "data") in colls
+def test_the_step_gathers_per_block_and_reduce_scatters_gradients():
+  """The FSDP step gathers weights and reduce-scatters their gradients over ``data``; the replicated step on the
+  same mesh does neither (it all-reduces whole gradients over ``data``), so the check tells the two apart."""
+  kinds = {}
+  for fsdp in (True, False):
+    d = distiller(MESHES["2x4"], fsdp)
+    hlo = d.lower(d.init_state(), BATCHES[0]).compile().as_text()
+    kinds[fsdp] = {(c["kind"], c["axis"]) for c in collectives(hlo, (2, 4))}
+  assert ("all-gather", "data") in kinds[True]  # weights gathered over data
+  assert ("reduce-scatter", "data") in kinds[True], kinds[True]  # each device keeps its shard of the gradients
+  assert ("reduce-scatter", "data") not in kinds[False] and ("all-gather", "data") not in kinds[False], kinds[False]
+  assert ("all-reduce", "data") in kinds[False]
 
 
 def test_teacher_receives_no_gradient_under_fsdp(runs):

@@ -139,3 +139,25 @@ def test_bad_sampling_settings_and_long_prompts_are_named(model):
     generate(model, *left_pad([[1]]), None, SAMPLED)
   with pytest.raises(ValueError, match="at least one token"):
     left_pad([[1], []])
+
+
+def test_a_vocabulary_padded_for_the_tensor_axis_is_never_sampled_and_its_logits_are_cut():
+  """Vocabulary 10 on a 2x4 mesh is padded to 12 rows (zero at init, so logit 0: often the largest); the
+  cached decoding must cut them as the full forward pass does: no id >= 10 in many samples, logits [B, N, 10]."""
+  mesh = md.make_mesh(data=2, tensor=4)
+  cfg = CFG.replace(vocab_size=10)
+  model = md.init_model(cfg, seed=5, mesh=mesh)
+  assert model.cfg.padded_vocab == 12
+  tokens, mask = left_pad([[1, 2, 3], [4], [5, 6], [7, 8, 9, 1]] * 2)
+  flat = SamplingConfig(max_new_tokens=N, temperature=2.0)
+  ids = np.concatenate([np.asarray(generate(model, tokens, mask, jax.random.key(s), flat, mesh=mesh).tokens_BxN)
+                        for s in range(40)])
+  assert ids.size == 40 * 8 * N and ids.max() < 10, np.unique(ids)
+  assert len(np.unique(ids)) == 10  # every real id is reachable: the cut took the padding only
+  gen = generate(model, tokens, mask, None, SamplingConfig(max_new_tokens=N, temperature=0.0), mesh=mesh,
+                 return_logits=True)
+  assert gen.logits_BxNxV.shape == (8, N, 10)
+  for r, prompt in enumerate([[1, 2, 3], [4]]):  # the cached logits are the full forward's, position by position
+    seq = list(prompt) + [int(t) for t in np.asarray(gen.tokens_BxN[r])]
+    full = np.asarray(jax.jit(lambda m, t: m(t).logits)(model, jnp.asarray([seq[:-1]], jnp.int32)))[0]
+    np.testing.assert_allclose(gen.logits_BxNxV[r], full[len(prompt) - 1:], rtol=1e-5, atol=1e-5)

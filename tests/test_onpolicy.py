@@ -216,8 +216,9 @@ def test_on_policy_settings_are_checked_and_named():
   assert cfg.distill.on_policy.active and cfg.distill.on_policy.config(eos_id=2).lmbda == 0.5
   assert not load_config("tiny").distill.on_policy.active
   for override, match in (
-      ("distill.on_policy.lambda=1.5", r"distill.on_policy.lambda=1.5 must be a number in \[0.0, 1.0\]"),
-      ("distill.on_policy.top_p=0", r"distill.on_policy.top_p=0.0 must be a number in \(0.0, 1.0\]"),
+      ("distill.on_policy.lambda=1.5", r"distill.on_policy.lambda=1.5 must be a number in \[0, 1\]"),
+      ("distill.on_policy.top_p=0", r"distill.on_policy.top_p=0.0 must be a number in \(0, 1\]"),
+      ("distill.on_policy.top_k=-1", r"distill.on_policy.top_k=-1 must be an integer >= 0"),
       ("distill.on_policy.max_new_tokens=40", "max_new_tokens=40 leaves no prompt"),
   ):
     with pytest.raises(ConfigError, match=match):
@@ -270,3 +271,19 @@ def test_prompt_data_masks_completions_resumes_and_holds_out_pairs(tmp_path):
   np.testing.assert_array_equal(next(resumed)["inputs"], batches[5]["inputs"])
   with pytest.raises(ValueError, match="need at least batch_size=64"):
     PromptData(read_prompts(str(path), need_completion=True), tok, seq_len=12, batch_size=64)
+
+
+def test_on_policy_samples_of_a_student_padded_for_the_tensor_axis_stay_in_the_vocabulary():
+  """Vocabulary 10 on a 2x4 mesh is padded to 12 rows; the sampled completions the step trains on hold real ids only."""
+  mesh = md.make_mesh(data=2, tensor=4)
+  teacher = md.init_model(TEACHER_CFG.replace(vocab_size=10), seed=0, mesh=mesh)
+  student = md.init_model(STUDENT_CFG.replace(vocab_size=10), seed=1, mesh=mesh)
+  assert student.cfg.padded_vocab == 12
+  d = OnPolicyDistiller(student, teacher, strategy=GKD, mesh=mesh, seed=3,
+                        on_policy=OnPolicyConfig(lmbda=1.0, max_new_tokens=NEW, temperature=2.0))
+  state = d.init_state()
+  batch = d.as_prompt_batch(make_batch(seed=0, seq=SEQ, pad_from=None, vocab=10))
+  width = SEQ + 1 - NEW
+  sampled = np.concatenate([np.asarray(d.sample_batch(state, batch, step=s)["targets"])[:, width - 1:]
+                            for s in range(12)])
+  assert sampled.size == 12 * 8 * NEW and sampled.max() < 10, np.unique(sampled)

@@ -457,7 +457,7 @@ def test_a_damaged_teacher_cache_is_rebuilt_and_a_damaged_given_teacher_refused(
     rebuilt.append(out)
     save_teacher(out, md.init_model(cfg.teacher, seed=1), data.tokenizer, overwrite=overwrite)
 
-  monkeypatch.setattr(jobs, "pretrain", pretrain)
+  monkeypatch.setattr(jobs._teacher, "pretrain", pretrain)  # the module obtain_teacher calls it from
   lines = []
   with caplog.at_level(logging.WARNING, logger="meshdistill.jobs"):
     teacher, got = jobs.obtain_teacher(cfg, data, None, report=lines.append)

@@ -341,7 +341,9 @@ def test_a_registered_strategy_is_found_by_name_with_its_settings():
     pass
 
   assert "test_scaled_ce" in md.strategies.names()
-  assert isinstance(md.strategies.from_settings("test_scaled_ce", {"temperature": 2.0}), ScaledCE)
+  assert isinstance(md.strategies.from_settings("test_scaled_ce", {"temperature": None}), ScaledCE)  # None: unset
+  with pytest.raises(ValueError, match=r"ScaledCE.temperature=2.0 is not a setting of ScaledCE .*its settings: \[\]"):
+    md.strategies.from_settings("test_scaled_ce", {"temperature": 2.0})  # never silently dropped
   kd = md.strategies.from_settings("logit_kd", {"temperature": 3.0, "alpha": 0.2, "top_k": None, "chunk_size": None})
   assert kd == LogitKD(temperature=3.0, alpha=0.2)
   assert md.strategies.from_settings("logit_kd", {"chunk_size": 8}) == ChunkedLogitKD(chunk_size=8)

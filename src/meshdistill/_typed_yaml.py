@@ -147,11 +147,22 @@ def unknown_key(where: str, key: str, allowed: Sequence[str]) -> ConfigError:
   )
 
 
+def api_to_config(message: str, owners: Sequence[str], config_key) -> str:
+  """``message`` with each API name ``Owner.setting`` (``Owner`` in ``owners``, e.g. ``LogitKD.alpha``) written
+  as its config key ``config_key(setting)`` (e.g. ``distill.alpha``): the one place where errors of the
+  library's objects are translated into the config's names."""
+  if not owners:
+    return message
+  pattern = re.compile(rf"\b(?:{'|'.join(map(re.escape, owners))})\.(\w+)")
+  return pattern.sub(lambda m: config_key(m.group(1)), message)
+
+
 def from_dict(cls: type, raw: Any, where: str = "", base: Any = None) -> Any:
   """Builds dataclass ``cls`` from a nested dict, checking keys and value types.
 
-  Keys missing from ``raw`` keep their values in ``base`` (default: ``cls()``), section by
-  section, so a file may give only the settings it changes. Raises `ConfigError` naming the
+  Keys missing from ``raw`` keep their values in ``base`` (default: ``cls()``; a class with a
+  ``section_base(raw, base)`` classmethod chooses it), section by section, so a file may give only
+  the settings it changes. Raises `ConfigError` naming the
   dotted key (``where`` is the prefix, e.g. ``"train."``).
   """
   if raw is None:
@@ -159,6 +170,8 @@ def from_dict(cls: type, raw: Any, where: str = "", base: Any = None) -> Any:
   if not isinstance(raw, dict):
     raise ConfigError(f"'{where.rstrip('.') or 'config'}' must be a mapping of keys to values, got {raw!r}")
   base = cls() if base is None else base
+  if hasattr(cls, "section_base"):  # a section may choose what the mapping overlays (e.g. a new strategy kind)
+    base = cls.section_base(raw, base)
   fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
   hints = typing.get_type_hints(cls)
   kwargs = {name: getattr(base, name) for name in fields}
@@ -183,7 +196,7 @@ def from_dict(cls: type, raw: Any, where: str = "", base: Any = None) -> Any:
     msg = str(e)
     section = where.rstrip(".")
     # Messages of other modules' configs name e.g. "ModelConfig.d_model"; name the config key instead.
-    msg = msg.replace(f"{cls.__name__}.", where)
+    msg = api_to_config(msg, [cls.__name__], lambda key: f"{where}{key}")
     if section and not msg.startswith(section):
       msg = f"{section}: {msg}"
     raise ConfigError(msg) from None

@@ -223,10 +223,6 @@ class Checkpointer:
       "start the run over"
     )
 
-  def damaged_steps(self) -> dict[int, str]:
-    """Steps found damaged so far, with what is wrong with each."""
-    return dict(self._damaged)
-
   def _set_aside(self, newer_than: int) -> None:
     """Moves damaged steps after ``newer_than`` to ``damaged-<step>-<time>`` so the run can save them anew."""
     if self.read_only or jax.process_index() != 0:

@@ -34,7 +34,7 @@ import yaml
 
 from meshdistill import config_files
 from meshdistill._typed_yaml import ConfigError, from_dict, to_plain
-from meshdistill.config_files import config_path, load_raw  # noqa: F401  (part of this module's API)
+from meshdistill.config_files import config_path  # noqa: F401  (part of this module's API)
 from meshdistill.config_sections import (
   CheckpointSettings,
   DistillSettings,
@@ -49,6 +49,7 @@ from meshdistill.config_sections import (
   TrainSettings,
 )
 from meshdistill.data import DataConfig
+from meshdistill.freezing import check_stages
 from meshdistill.fsutil import write_text_atomic
 from meshdistill.models import ModelConfig
 from meshdistill.sources import ModelSources, nest_sources, resolve, split_sources
@@ -70,7 +71,6 @@ __all__ = [
   "config_path",
   "dump_config",
   "load_config",
-  "load_raw",
 ]
 
 
@@ -86,6 +86,12 @@ def _default_student() -> ModelConfig:
   )
 
 
+def _default_distill() -> DistillSettings:
+  """The main job's recipe, stated in full: `LogitKD` on the forward KL at temperature 1.0, alpha 1.0 (LogitKD's
+  own defaults, which a config naming ``distill.kind`` starts from, are temperature 2.0 and alpha 0.5)."""
+  return DistillSettings(kind="logit_kd", temperature=1.0, alpha=1.0, divergence="forward_kl")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
   """A whole run. Defaults are the main job; see the module docstring for the sections."""
@@ -94,7 +100,7 @@ class Config:
   teacher: ModelConfig = dataclasses.field(default_factory=_default_teacher)
   student: ModelConfig = dataclasses.field(default_factory=_default_student)
   data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(seq_len=128, max_chars=3_000_000))
-  distill: DistillSettings = dataclasses.field(default_factory=DistillSettings)
+  distill: DistillSettings = dataclasses.field(default_factory=_default_distill)
   preference: PreferenceSettings = dataclasses.field(default_factory=PreferenceSettings)
   train: TrainSettings = dataclasses.field(default_factory=TrainSettings)
   pretrain: PretrainSettings = dataclasses.field(default_factory=PretrainSettings)
@@ -142,8 +148,6 @@ class Config:
     for section, model in (("train", self.student), ("pretrain", self.teacher)):
       stages = getattr(self, section).stages()
       if stages is not None:
-        from meshdistill.freezing import check_stages  # pylint: disable=g-import-not-at-top
-
         try:
           check_stages(stages, model.n_layers)
         except ValueError as e:

@@ -18,9 +18,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from meshdistill._typed_yaml import ConfigError, in_range, nonneg_int, positive_int, unknown_key
+from meshdistill import strategies
+from meshdistill._typed_yaml import ConfigError, api_to_config, in_range, nonneg_int, positive_int, unknown_key
+from meshdistill.freezing import Stage
 from meshdistill.fsdp import unsupported as fsdp_unsupported
 from meshdistill.layout import BACKENDS, check_student_split, layout_class
+from meshdistill.losses import DIVERGENCES
+from meshdistill.onpolicy import OnPolicyConfig
 from meshdistill.optimizers import MAX_LOSS_SCALE
 
 
@@ -84,11 +88,11 @@ class OnPolicySettings:
   prompts_file: str | None = None  # JSONL prompt/completion pairs to train on instead of the corpus rows
 
   def __post_init__(self):
-    in_range("distill.on_policy.lambda", self.lmbda, 0.0, 1.0, example=" (e.g. 0.5)")
-    positive_int("distill.on_policy.max_new_tokens", self.max_new_tokens)
-    in_range("distill.on_policy.temperature", self.temperature, 0.0, float("inf"), example=" (0 = greedy)")
-    nonneg_int("distill.on_policy.top_k", self.top_k)
-    in_range("distill.on_policy.top_p", self.top_p, 0.0, 1.0, lo_open=True, example=" (1 = no nucleus filter)")
+    try:  # the rules live with the sampler's settings (`OnPolicyConfig`, `meshdistill.generate.SamplingConfig`)
+      self.config()
+    except (TypeError, ValueError) as e:
+      key = lambda name: f"distill.on_policy.{self.YAML_NAMES.get(name, name)}"  # noqa: E731
+      raise ConfigError(api_to_config(str(e), ["OnPolicyConfig", "SamplingConfig"], key)) from None
 
   @property
   def active(self) -> bool:
@@ -96,25 +100,32 @@ class OnPolicySettings:
 
   def config(self, eos_id: int | None = None, pad_id: int = 0):
     """The `meshdistill.onpolicy.OnPolicyConfig` of these settings."""
-    from meshdistill.onpolicy import OnPolicyConfig  # pylint: disable=g-import-not-at-top
-
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "prompts_file"}
     return OnPolicyConfig(**fields, eos_id=eos_id, pad_id=pad_id)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DistillSettings:
-  """The strategy: ``kind`` names a registered one (`meshdistill.strategies.names()`), built from the
-  settings below that are among its fields plus ``options`` (`meshdistill.strategies.from_settings`).
+  """The strategy: ``kind`` names a registered one (`meshdistill.strategies.names()`); its settings are the flat
+  keys below and ``options`` (any other setting of it, e.g. ``{beta: 0.3}``), passed to
+  `meshdistill.strategies.from_settings`. A setting left null takes the strategy's own default (its dataclass
+  default, the same as the Python API's: `LogitKD` temperature 2.0, alpha 0.5); a setting the chosen strategy
+  does not have is an error naming it and the settings it has.
+
+  A config that names ``distill.kind`` starts from that strategy's defaults; one that does not continues the
+  main job's ``distill`` section (`meshdistill.config.Config`: ``logit_kd`` at temperature 1.0, alpha 1.0).
+
   For ``logit_kd``: ``temperature`` and ``alpha`` are numbers or schedule specs
   (`meshdistill.schedules.from_spec`), e.g. ``{kind: linear, start: 3.0, end: 1.0, steps: 300}``;
   ``chunk_size`` selects `ChunkedLogitKD` (the loss from final hidden states and LM heads,
   ``chunk_size`` tokens at a time, without ``[batch, seq, vocab]`` logits; ``0`` = all at once)."""
 
+  FLAT = ("temperature", "alpha", "divergence", "top_k", "chunk_size")  # strategy settings with their own key
+
   kind: str = "logit_kd"
-  temperature: float | dict = 1.0
-  alpha: float | dict = 1.0
-  divergence: str = "forward_kl"
+  temperature: float | dict | None = None
+  alpha: float | dict | None = None
+  divergence: str | None = None
   top_k: int | None = None
   chunk_size: int | None = None
   on_policy: OnPolicySettings = dataclasses.field(default_factory=OnPolicySettings)
@@ -123,28 +134,44 @@ class DistillSettings:
   def __post_init__(self):
     self.strategy()  # checks every setting
 
+  @classmethod
+  def section_base(cls, raw: dict, base: DistillSettings) -> DistillSettings:
+    """What a config's ``distill`` mapping ``raw`` overlays (`meshdistill._typed_yaml.from_dict`): ``base``, or,
+    when ``raw`` names a ``kind``, ``base`` without strategy settings (they belong to ``base``'s strategy)."""
+    if "kind" not in raw:
+      return base
+    return dataclasses.replace(base, **{k: None for k in cls.FLAT}, options={})
+
+  def settings(self) -> dict:
+    """``{setting: value}`` the strategy is built from: the flat keys that are not null, then ``options``."""
+    given = {k: getattr(self, k) for k in self.FLAT if getattr(self, k) is not None}
+    both = sorted(set(given) & set(self.options))
+    if both:
+      raise ConfigError(f"distill.{both[0]} and distill.options.{both[0]} are both set; keep one")
+    return {**given, **self.options}
+
+  def key(self, setting: str) -> str:
+    """The config key of a strategy setting (``distill.<name>`` or ``distill.options.<name>``)."""
+    flat = setting in self.FLAT and setting not in self.options
+    return f"distill.{setting}" if flat else f"distill.options.{setting}"
+
   def strategy(self):
     """The strategy these settings describe (raises `ConfigError` naming the ``distill.`` key)."""
-    from meshdistill import strategies  # pylint: disable=g-import-not-at-top
-
     if self.kind not in strategies.names():
       raise ConfigError(f"distill.kind={self.kind!r} is not a registered strategy; choose one of {strategies.names()}")
-    skip = ("kind", "options", "on_policy")  # on_policy: how batches are made (meshdistill.onpolicy), not the loss
-    fixed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
     try:
-      built = strategies.from_settings(self.kind, {**fixed, **self.options})
-    except (TypeError, ValueError) as e:  # the strategies name <Class>.<setting>: name the config key instead
-      msg = str(e)
-      for name in strategies.names():
-        msg = msg.replace(f"{strategies.get(name).__name__}.", "distill.")
-      for key in self.options:
-        msg = msg.replace(f"distill.{key}=", f"distill.options.{key}=")
-      raise ConfigError(msg) from None
-    fields = {f.name for f in dataclasses.fields(built)} if dataclasses.is_dataclass(built) else set()
-    if set(self.options) - fields:
-      raise ConfigError(f"distill.options {sorted(set(self.options) - fields)} are not settings of "
-                        f"{type(built).__name__}; its settings: {sorted(fields)}")
-    return built
+      return strategies.from_settings(self.kind, self.settings())
+    except (TypeError, ValueError) as e:  # the strategies name <Class>.<setting>
+      owners = [strategies.get(name).__name__ for name in strategies.names()]
+      raise ConfigError(api_to_config(str(e), owners, self.key)) from None
+
+  def value(self, setting: str):
+    """The value the strategy gets for ``setting``: this section's, else the strategy's own default."""
+    given = self.settings().get(setting)
+    if given is not None:
+      return given
+    fields = {f.name: f.default for f in dataclasses.fields(strategies.get(self.kind))}
+    return None if fields.get(setting, dataclasses.MISSING) is dataclasses.MISSING else fields[setting]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -212,8 +239,6 @@ class TrainSettings:
     """
     if self.freeze is None:
       return None
-    from meshdistill.freezing import Stage  # pylint: disable=g-import-not-at-top
-
     where = f"{type(self).SECTION}.freeze"
     if not isinstance(self.freeze, (list, tuple)) or not self.freeze:
       raise ConfigError(
@@ -230,7 +255,7 @@ class TrainSettings:
       try:
         stages.append(Stage(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}))
       except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}[{i}]: {e}".replace("Stage.", "")) from None
+        raise ConfigError(api_to_config(str(e), ["Stage"], lambda key, i=i: f"{where}[{i}].{key}")) from None
     return stages
 
 
@@ -273,8 +298,6 @@ class GuardSettings:
   fallback: str = "mse"
 
   def __post_init__(self):
-    from meshdistill.losses import DIVERGENCES  # pylint: disable=g-import-not-at-top
-
     positive_int("safeguards.guard.window", self.window)
     in_range("safeguards.guard.factor", self.factor, 1.0, float("inf"), lo_open=True, example=" (e.g. 4.0)")
     positive_int("safeguards.guard.min_history", self.min_history)

@@ -27,13 +27,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshdistill.layout import BATCH_KEYS, TOPK_KEYS, make_layout, stack_replicas  # noqa: F401 -- stack_replicas re-exported
+from meshdistill.layout import make_layout
 from meshdistill.models import Decoder
 from meshdistill.models._build import abstract_params
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
-from meshdistill.optimizers import default_optimizer  # noqa: F401 -- re-exported
-from meshdistill.step import TrainState, per_device_step
+from meshdistill.optimizers import default_optimizer
+from meshdistill.step import BATCH_KEYS, TOPK_KEYS, TrainState, per_device_step
 from meshdistill.strategies import LogitKD
 from meshdistill.teacher_cache import TopKTeacher
 
@@ -307,7 +307,3 @@ def resolve_shared_vocab(teacher_vocab: int, student_vocab: int, shared_vocab: i
   )
   return small
 
-
-def place_batch(batch: dict, backend: str, mesh: Mesh | None) -> dict:
-  """Puts a host batch where a step of ``backend`` reads it (see `meshdistill.layout.Layout.place_batch`)."""
-  return make_layout(backend, mesh).place_batch(batch)

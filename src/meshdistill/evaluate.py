@@ -28,8 +28,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshdistill import losses
-from meshdistill.layout import BATCH_KEYS
 from meshdistill.mesh import host_to_global
+from meshdistill.step import BATCH_KEYS
 
 
 @functools.partial(jax.jit, static_argnames=("model_def", "teacher_def"))

@@ -24,8 +24,10 @@ along V and every vocabulary reduction is a max, min or sum (XLA reduces partial
   threshold are all kept (top-k can then keep more than k tokens of exactly equal logit).
 
 Runs on one device or on a ``(data, tensor)`` mesh (pass ``mesh``: rows split over ``data``,
-parameters where they already are). The built-in `Decoder` (and Hugging Face checkpoints loaded
-into it) is supported; tunix's model zoo is not.
+parameters where they already are). The model's own cached pass (`Decoder.decode_step`) computes the
+logits, so a vocabulary padded for the ``tensor`` axis is cut exactly as in its full forward pass: ids
+``>= vocab_size`` are never sampled and the logits are ``[B, N, vocab_size]``. The built-in `Decoder` (and
+Hugging Face checkpoints loaded into it) is supported; tunix's model zoo is not.
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.mesh import DATA, TENSOR, check_batch
-from meshdistill.models._scan import scan_blocks_cached
-from meshdistill.models.decoder import Decoder, KVCache
+from meshdistill.models.decoder import Decoder
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,14 +63,20 @@ class SamplingConfig:
   pad_id: int = 0
 
   def __post_init__(self):
-    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer (e.g. 64)")
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 = greedy, 1 = the model's distribution)")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 = no top-k filter)")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1 = no nucleus filter, e.g. 0.9)")
+    owner = type(self).__name__
+    if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise ValueError(f"{owner}.max_new_tokens={self.max_new_tokens!r} must be a positive integer (e.g. 64)")
+    if not _is_number(self.temperature) or not self.temperature >= 0:
+      raise ValueError(f"{owner}.temperature={self.temperature!r} must be a number >= 0 (0 = greedy, 1 = the "
+                       "model's distribution)")
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"{owner}.top_k={self.top_k!r} must be an integer >= 0 (0 = no top-k filter)")
+    if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+      raise ValueError(f"{owner}.top_p={self.top_p!r} must be a number in (0, 1] (1 = no nucleus filter, e.g. 0.9)")
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 class Generation(NamedTuple):
@@ -161,27 +168,6 @@ def sample_tokens(logits_BxV, row_keys_B, step, cfg: SamplingConfig, sharding=No
   return vocab_argmax(jnp.where(ok_BxV, scaled_BxV + gumbel_BxV, -jnp.inf))
 
 
-# ---------------------------------------------------------------------------- the model
-def forward_cached(model: Decoder, tokens_BxT, kv, valid_BxS, index, positions_BxT, last_only: bool = False):
-  """The decoder on ``tokens_BxT`` written into cache slots ``index ..``: ``(logits float32, new kv)``.
-
-  ``kv``: per layer ``(k_BxSxGxK, v_BxSxGxK)`` (scanned blocks: one stacked pair ``[L, B, S, G, K]``);
-  ``valid_BxS`` must already mark this call's slots.
-  ``last_only``: logits of the last position only (``[B, 1, V]``).
-  """
-  x = model.embed(tokens_BxT)
-  if model.cfg.scan_layers:  # stacked blocks: kv is (k_LxBxSxGxK, v_LxBxSxGxK), scanned with them
-    x, new_kv = scan_blocks_cached(model.blocks, x, kv, valid_BxS, index, positions_BxT)
-  else:
-    new_kv = []
-    for block, (k, v) in zip(model.blocks, kv):
-      x, cache = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT))
-      new_kv.append((cache.k_BxSxGxK, cache.v_BxSxGxK))
-  x = model.final_norm(x[:, -1:] if last_only else x)
-  logits = model.embed.attend(x) if model.head is None else model.head(x)
-  return logits.astype(jnp.float32), new_kv
-
-
 def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: SamplingConfig, return_logits, mesh):
   model = nnx.merge(graphdef, params)
   mcfg = model.cfg
@@ -189,14 +175,8 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   N, S = cfg.max_new_tokens, prompts_BxP.shape[1] + cfg.max_new_tokens - 1  # cache slots: the last token is not fed
   V = mcfg.vocab_size
   logit_sharding = None if mesh is None else NamedSharding(mesh, P(DATA, TENSOR))
-  lead = (mcfg.n_layers,) if mcfg.scan_layers else ()  # scanned blocks: caches stacked [L, ...] like the weights
-  kv_sharding = None if mesh is None else NamedSharding(mesh, P(*[None] * len(lead), DATA))
-
-  def zeros_kv():
-    z = jnp.zeros((*lead, B, S, mcfg.n_kv_heads, mcfg.hd), mcfg.compute_dtype)
-    return z if kv_sharding is None else jax.lax.with_sharding_constraint(z, kv_sharding)
-
-  kv = (zeros_kv(), zeros_kv()) if lead else [(zeros_kv(), zeros_kv()) for _ in range(mcfg.n_layers)]
+  kv_sharding = None if mesh is None else NamedSharding(mesh, P(*((None,) if mcfg.scan_layers else ()), DATA))
+  kv = model.empty_cache(B, S, kv_sharding)
   lengths_B = jnp.sum(prompt_mask_BxP, axis=-1, dtype=jnp.int32)
   positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1, dtype=jnp.int32) - 1, 0)
   valid_BxS = jnp.zeros((B, S), bool).at[:, :Pn].set(prompt_mask_BxP)
@@ -207,7 +187,7 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
       logits_BxV = jax.lax.with_sharding_constraint(logits_BxV, logit_sharding)
     return sample_tokens(logits_BxV, row_keys_B, n, cfg, logit_sharding).astype(jnp.int32)
 
-  logits_Bx1xV, kv = forward_cached(model, prompts_BxP, kv, valid_BxS, 0, positions_BxP, last_only=True)
+  logits_Bx1xV, kv = model.decode_step(prompts_BxP, kv, valid_BxS, 0, positions_BxP, last_only=True)
   first_B = pick(logits_Bx1xV[:, 0], 0)
   tokens_BxN = jnp.full((B, N), cfg.pad_id, jnp.int32).at[:, 0].set(first_B)
   mask_BxN = jnp.zeros((B, N), bool).at[:, 0].set(True)
@@ -223,7 +203,7 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
     slot = Pn + n - 1  # the slot of the token fed in (the previous step's)
     valid_BxS = jax.lax.dynamic_update_slice(valid_BxS, jnp.ones((B, 1), bool), (0, slot))
     positions_Bx1 = (lengths_B + n - 1)[:, None]
-    logits_Bx1xV, kv = forward_cached(model, last_B[:, None], kv, valid_BxS, slot, positions_Bx1)
+    logits_Bx1xV, kv = model.decode_step(last_B[:, None], kv, valid_BxS, slot, positions_Bx1)
     new_B = jnp.where(done_B, cfg.pad_id, pick(logits_Bx1xV[:, 0], n))
     tokens_BxN = jax.lax.dynamic_update_slice(tokens_BxN, new_B[:, None], (0, n))
     mask_BxN = jax.lax.dynamic_update_slice(mask_BxN, ~done_B[:, None], (0, n))

@@ -36,16 +36,13 @@ from jax.sharding import PartitionSpec as P
 from meshdistill import fsdp as fsdp_lib
 from meshdistill.mesh import DATA, TENSOR, check_batch, global_batch_size, host_to_global, make_mesh
 from meshdistill.models._build import fit_model
-from meshdistill.models.lora import fitted_shardings
+from meshdistill.models.quantize import fitted_shardings
+from meshdistill.step import BATCH_KEYS, TOPK_KEYS, TrainState, split_trainable, step_halves
 
-BATCH_KEYS = ("inputs", "targets", "mask")
 # How the student is laid out over `tensor` (`mesh.student_split`): split like the teacher, or replicated with
 # the batch rows split over `tensor` as well (`ShardMapLayout`).
 STUDENT_SPLITS = ("tensor", "batch")
 STUDENT_SPLIT_SETTING = "mesh.student_split"
-# Batch keys of a teacher given by its top-k instead of its weights (`meshdistill.losses.TopK`):
-# ids and log-probs [B, T, K], tail log-mass [B, T]; see `meshdistill.teacher_cache`.
-TOPK_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_tail")
 
 
 def _host_batch(batch: dict) -> dict:
@@ -57,8 +54,6 @@ def _host_batch(batch: dict) -> dict:
 def _fresh_state(optimizer: optax.GradientTransformation, trainable, params):
   """Step 0, a copy of ``params`` (so the caller's buffers survive donation) and fresh optimizer state of the
   parameters that train (``trainable``: an nnx filter of the student's, see `meshdistill.step.split_trainable`)."""
-  from meshdistill.step import TrainState, split_trainable  # pylint: disable=g-import-not-at-top
-
   params = jax.tree.map(jnp.copy, params)
   return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(split_trainable(params, trainable)[0]))
 
@@ -163,8 +158,6 @@ class Layout:
   def state_plan(self, optimizer, params: dict, trainable=None):
     """``(fresh, param_shardings, state_shardings)`` of `fresh_state`: the function making a step-0 state
     from ``params``, where the params go and where each leaf of the state goes (``params`` may be abstract)."""
-    from meshdistill.step import split_trainable  # pylint: disable=g-import-not-at-top
-
     student_sh, replicated = self._device_shardings(params["student"])
     if self.student_rows:  # a replica of the student on every device (`ShardMapLayout`)
       student_sh = jax.tree.map(lambda _: replicated, student_sh)
@@ -296,8 +289,6 @@ class ShardMapLayout(Layout):
     data_axis = DATA if self.mesh.shape[DATA] > 1 else None
     out_shardings = None if state_shardings is None else (state_shardings, NamedSharding(self.mesh, P()))
     jit = functools.partial(jax.jit, donate_argnums=0, out_shardings=out_shardings, compiler_options=compiler_options)
-    from meshdistill.step import TrainState, split_trainable, step_halves  # pylint: disable=g-import-not-at-top
-
     halves = step_halves(step_fn)
     if halves is None:  # another step function (`wrap_step`): the whole step per device
       if self.fsdp:
@@ -441,12 +432,6 @@ def make_layout(backend: str | None, mesh: Mesh | None, fsdp: bool = False, stud
   if fsdp and not cls.supports_fsdp:
     raise ValueError(fsdp_lib.unsupported(cls.name))
   return cls(cls.resolve_mesh(mesh), fsdp=fsdp, student_split=student_split)
-
-
-def resolve_backend(backend: str | None, mesh: Mesh | None) -> tuple[str, Mesh | None]:
-  """Validates a ``(backend, mesh)`` pair; returns the backend to use and its mesh (see `make_layout`)."""
-  layout = make_layout(backend, mesh)
-  return layout.name, layout.mesh
 
 
 def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = None, compiler_options=None):

@@ -51,8 +51,9 @@ class OnPolicyConfig(SamplingConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    if not 0 <= self.lmbda <= 1:
-      raise ValueError(f"lambda={self.lmbda!r} must be in [0, 1] (0 = dataset completions only, 1 = always sample)")
+    if isinstance(self.lmbda, bool) or not isinstance(self.lmbda, (int, float)) or not 0 <= self.lmbda <= 1:
+      raise ValueError(f"OnPolicyConfig.lmbda={self.lmbda!r} must be a number in [0, 1] (0 = dataset completions "
+                       "only, 1 = always sample)")
 
   def sampling(self) -> SamplingConfig:
     return SamplingConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingConfig)})

@@ -38,7 +38,12 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill import fsdp, losses
 from meshdistill.collectives import psum_bundled
-from meshdistill.layout import BACKENDS, TOPK_KEYS, resolve_backend, wrap_step  # noqa: F401 -- re-exported
+
+# The keys of a batch the step reads: token ids and targets [B, T], the loss mask [B, T].
+BATCH_KEYS = ("inputs", "targets", "mask")
+# Batch keys of a teacher given by its top-k instead of its weights (`meshdistill.losses.TopK`):
+# ids and log-probs [B, T, K], tail log-mass [B, T]; see `meshdistill.teacher_cache`.
+TOPK_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_tail")
 
 
 class TrainState(NamedTuple):

@@ -171,9 +171,7 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
       report(f"teacher: the cached teacher is damaged ({why}); pretraining it again ({cfg.pretrain.steps} steps)")
   else:
     report(f"teacher: none cached for these settings; pretraining one ({cfg.pretrain.steps} steps) -> {path}")
-  from meshdistill import jobs  # pylint: disable=g-import-not-at-top -- tests patch jobs.pretrain
-
-  jobs.pretrain(cfg, data=data, mesh=mesh, out=path, stream=stream, overwrite=True)  # the cache is ours to replace
+  pretrain(cfg, data=data, mesh=mesh, out=path, stream=stream, overwrite=True)  # the cache is ours to replace
   return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
 
 
@@ -221,7 +219,8 @@ def _split_meshes(cfg: Config):
       "teacher.devices to run the teacher on the student's mesh (the full-vocabulary and chunked losses, "
       "attention and feature transfer)"
     )
-  if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
+  tau = cfg.distill.value("temperature")  # the section's, or the strategy's default
+  if callable(tau) or isinstance(tau, dict):
     raise ConfigError("teacher.devices needs a constant distill.temperature (the top-k is taken at it)")
 
   if not layout_class(cfg.mesh.backend).spans_processes:  # a mesh split over devices of its own
@@ -243,7 +242,8 @@ def _teacher_on_own_mesh(cfg: Config, data, teacher_mesh, mesh, stream, say):
 
   teacher = quantized_teacher(cfg, teacher, teacher_mesh)  # teacher.quantize
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
-  on_mesh = TeacherOnMesh(teacher, k=cfg.distill.top_k, temperature=float(cfg.distill.temperature), vocab=vocab,
+  tau = float(cfg.distill.value("temperature"))  # constant: checked by teacher_devices_mesh
+  on_mesh = TeacherOnMesh(teacher, k=cfg.distill.top_k, temperature=tau, vocab=vocab,
                           teacher_mesh=teacher_mesh, student_mesh=mesh)
   say(f"teacher: on its own {td['data']}x{td['tensor']} mesh, student on {cfg.mesh.data}x{cfg.mesh.tensor}")
   return TeacherMeshData(data, on_mesh), on_mesh.spec(), tdir
@@ -267,8 +267,9 @@ def cache_teacher(
   from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
   from meshdistill.layout import make_layout  # pylint: disable=g-import-not-at-top
 
-  if callable(cfg.distill.temperature) or isinstance(cfg.distill.temperature, dict):
-    raise ConfigError(f"distill.temperature={cfg.distill.temperature!r}: a teacher cache holds log-probabilities "
+  tau = cfg.distill.value("temperature")  # the section's, or the strategy's default
+  if callable(tau) or isinstance(tau, dict):
+    raise ConfigError(f"distill.temperature={tau!r}: a teacher cache holds log-probabilities "
                       "at one temperature; set a constant distill.temperature")
   from meshdistill import distributed  # pylint: disable=g-import-not-at-top
 
@@ -293,7 +294,7 @@ def cache_teacher(
     except ValueError as e:
       raise ConfigError(f"cache-teacher as {distributed.process_count()} processes: {e}") from None
     batch_size = batch_size * program_mesh.shape["data"] // mesh.shape["data"]
-  program = tc.TeacherTopK(teacher, k=k, temperature=float(cfg.distill.temperature), vocab=vocab, mesh=program_mesh)
+  program = tc.TeacherTopK(teacher, k=k, temperature=float(tau), vocab=vocab, mesh=program_mesh)
   identity = {"teacher": tc.teacher_identity(teacher),
               "data": tc.data_identity(data.train, data.tokenizer, cfg.data.source)}
   t0 = time.perf_counter()

@@ -49,11 +49,6 @@ def pad_state(state: nnx.State, target: nnx.State) -> nnx.State:
   )
 
 
-def unpad_state(state: nnx.State, target: nnx.State) -> nnx.State:
-  """``state`` cut to the shapes of ``target`` (the inverse of `pad_state`)."""
-  return _reshape_state(state, target, lambda x, shape: x[tuple(slice(0, n) for n in shape)])
-
-
 def init_model(cfg: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -> Decoder:
   """Initialises a decoder from ``seed``.
 

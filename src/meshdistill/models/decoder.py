@@ -18,7 +18,8 @@ untied LM head              [D, V']           V'
 norm scales                 [D]               replicated
 ==========================  ================  =====================
 
-(``ModelConfig.for_tensor`` pads and replicates; the decoder cuts the padding off its outputs.)
+(``ModelConfig.for_tensor`` pads and replicates; the decoder cuts the padding off its outputs, in the full
+forward pass and in `Decoder.decode_step`, the cached decoding pass `meshdistill.generate` runs.)
 With ``mesh.fsdp`` the layout adds ``data`` on one more dimension of each weight and the decoder
 gathers a module's weights where it runs it (`meshdistill.fsdp.gathered`: per block, inside remat).
 So the logits ``[B, T, V]`` come out split over ``tensor`` along V. On request
@@ -45,7 +46,7 @@ from meshdistill.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.mesh import TENSOR
 from meshdistill.models._attention import KVCache, _explicit_attention, rope, splash_attention
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
-from meshdistill.models._scan import save_all_but_casts, scan_blocks, stacked_blocks
+from meshdistill.models._scan import save_all_but_casts, scan_blocks, scan_blocks_cached, stacked_blocks
 
 __all__ = [
     "ATTENTION",
@@ -247,11 +248,46 @@ class Decoder(nnx.Module):
     final = x if "final" in capture else None
     if not logits:
       return ModelOutput(None, tuple(hidden), tuple(attn), final)
-    head, x = gathered_for(self.embed if self.head is None else self.head, x)
+    return ModelOutput(self._logits(x), tuple(hidden), tuple(attn), final)
+
+  def _logits(self, final_BxTxD: jax.Array) -> jax.Array:
+    """float32 logits ``[B, T, V]`` of final-norm outputs (V split over ``tensor``, vocabulary padding cut off)."""
+    head, x = gathered_for(self.embed if self.head is None else self.head, final_BxTxD)
     logits_BxTxV = _per_token(head.attend if self.head is None else head, x)
-    if cfg.padded_vocab != cfg.vocab_size:  # padding rows never reach a loss (XLA keeps the shards padded)
-      logits_BxTxV = logits_BxTxV[..., : cfg.vocab_size]
-    return ModelOutput(logits_BxTxV.astype(jnp.float32), tuple(hidden), tuple(attn), final)
+    if self.cfg.padded_vocab != self.cfg.vocab_size:  # padding rows never reach a loss or a sampler
+      logits_BxTxV = logits_BxTxV[..., : self.cfg.vocab_size]  # (XLA keeps the shards padded)
+    return logits_BxTxV.astype(jnp.float32)
+
+  def empty_cache(self, batch: int, slots: int, sharding=None):
+    """Zero key/value caches for `decode_step`: per layer ``(k_BxSxGxK, v_BxSxGxK)`` (scanned blocks: one stacked
+    pair ``[L, B, S, G, K]``), each placed with ``sharding`` (e.g. rows over ``data``) when given."""
+    cfg = self.cfg
+    lead = (cfg.n_layers,) if cfg.scan_layers else ()
+
+    def zeros():
+      z = jnp.zeros((*lead, batch, slots, cfg.n_kv_heads, cfg.hd), cfg.compute_dtype)
+      return z if sharding is None else jax.lax.with_sharding_constraint(z, sharding)
+
+    return (zeros(), zeros()) if lead else [(zeros(), zeros()) for _ in range(cfg.n_layers)]
+
+  def decode_step(self, tokens_BxT, kv, valid_BxS, index, positions_BxT, *, last_only: bool = False):
+    """The forward pass of ``tokens_BxT`` against a key/value cache: ``(logits float32 [B, T or 1, V], new kv)``.
+
+    The same blocks and LM head as `__call__` (and the same vocabulary cut: ids ``>= vocab_size`` never
+    appear), with this call's keys/values written into cache slots ``index ..`` (`KVCache`). ``kv``: from
+    `empty_cache` or the previous call; ``valid_BxS`` must already mark this call's slots; ``positions_BxT``:
+    each row's RoPE positions. ``last_only``: the logits of the last position only (``[B, 1, V]``).
+    """
+    x = gathered(self.embed)(tokens_BxT)
+    if self.cfg.scan_layers:  # stacked blocks: kv is (k_LxBxSxGxK, v_LxBxSxGxK), scanned with them
+      x, new_kv = scan_blocks_cached(self.blocks, x, kv, valid_BxS, index, positions_BxT)
+    else:
+      new_kv = []
+      for block, (k, v) in zip(self.blocks, kv):
+        x, cache = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT))
+        new_kv.append((cache.k_BxSxGxK, cache.v_BxSxGxK))
+    final_norm, x = gathered_for(self.final_norm, x[:, -1:] if last_only else x)
+    return self._logits(final_norm(x)), new_kv
 
   def head_weight(self) -> jax.Array:
     """The LM-head matrix as [D, V] (V split over ``tensor``; padding rows cut off)."""

@@ -32,11 +32,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
+from meshdistill.models._build import _create, abstract_params
 from meshdistill.models.decoder import Decoder, ModelConfig
-from meshdistill.models.quantize import QUANTIZE, projection_pattern, qtype  # noqa: F401 -- QUANTIZE re-exported
+from meshdistill.models.quantize import QUANTIZE, fitted_shardings, placed, projection_pattern, qtype
 
 log = logging.getLogger(__name__)
 
@@ -163,25 +163,6 @@ def apply_lora(model: Decoder, lora: LoraConfig, *, seed: int = 0, mesh: Mesh | 
   return adapted
 
 
-def fitted_shardings(state: Any, mesh: Mesh) -> Any:
-  """Shardings from the partition metadata of ``state``, dropping a mesh axis on dimensions it does not
-  divide (per-channel quantization scales have a size-1 dimension where their weight is split)."""
-  specs = nnx.get_partition_spec(state)
-
-  def fit(spec, x):
-    spec = spec if isinstance(spec, P) else P()
-    dims = tuple(a if a is None or jnp.shape(x)[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec))
-    return NamedSharding(mesh, P(*dims))
-
-  return jax.tree.map(fit, specs, state, is_leaf=lambda x: isinstance(x, P) or x is None)
-
-
-def placed(model, mesh: Mesh):
-  """``model`` with every weight put on ``mesh`` per its partition metadata (`fitted_shardings`)."""
-  graphdef, state = nnx.split(model)
-  return nnx.merge(graphdef, jax.device_put(state, fitted_shardings(state, mesh)))
-
-
 def is_lora(model_or_state: Any) -> bool:
   """Whether a decoder (or its state) holds LoRA adapters."""
   state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
@@ -202,8 +183,6 @@ def merge_lora(model: Decoder, adapters: bool = True) -> Decoder:
   ``adapters=False``: the frozen base alone (``dequantize(W)``), what a PEFT adapter directory applies to."""
   import qwix  # pylint: disable=g-import-not-at-top
   from qwix._src.providers import ptq  # pylint: disable=g-import-not-at-top
-
-  from meshdistill.models._build import abstract_params  # pylint: disable=g-import-not-at-top
 
   cfg: ModelConfig = model.cfg
   graphdef, abstract, _ = abstract_params(cfg)
@@ -233,11 +212,8 @@ def merge_lora(model: Decoder, adapters: bool = True) -> Decoder:
   return nnx.merge(graphdef, nnx.from_flat_state(values))
 
 
-
 def abstract_lora(cfg: ModelConfig, lora: LoraConfig, mesh: Mesh | None = None):
   """(graphdef, abstract state, shardings or None) of a LoRA student, without allocating it."""
-  from meshdistill.models._build import _create  # pylint: disable=g-import-not-at-top
-
   model = nnx.eval_shape(lambda: apply_lora(_create(cfg, 0), lora))
   graphdef, state = nnx.split(model)
   return graphdef, state, (None if mesh is None else fitted_shardings(state, mesh))

@@ -27,7 +27,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshdistill.models._build import _create
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,25 @@ def is_quantized(model_or_state: Any) -> bool:
   return any("qvalue" in map(str, k) for k, _ in nnx.to_flat_state(state))
 
 
+def fitted_shardings(state: Any, mesh: Mesh) -> Any:
+  """Shardings from the partition metadata of ``state``, dropping a mesh axis on dimensions it does not
+  divide (per-channel quantization scales have a size-1 dimension where their weight is split)."""
+  specs = nnx.get_partition_spec(state)
+
+  def fit(spec, x):
+    spec = spec if isinstance(spec, P) else P()
+    dims = tuple(a if a is None or jnp.shape(x)[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec))
+    return NamedSharding(mesh, P(*dims))
+
+  return jax.tree.map(fit, specs, state, is_leaf=lambda x: isinstance(x, P) or x is None)
+
+
+def placed(model, mesh: Mesh):
+  """``model`` with every weight put on ``mesh`` per its partition metadata (`fitted_shardings`)."""
+  graphdef, state = nnx.split(model)
+  return nnx.merge(graphdef, jax.device_put(state, fitted_shardings(state, mesh)))
+
+
 def quantize_model(model, quantize: str, *, mesh: Mesh | None = None, setting: str = "teacher.quantize"):
   """A copy of ``model`` whose block projections are stored quantized (``quantize``: `QUANTIZE`).
 
@@ -61,14 +83,12 @@ def quantize_model(model, quantize: str, *, mesh: Mesh | None = None, setting: s
   """
   import qwix  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.models.lora import is_lora, placed  # pylint: disable=g-import-not-at-top
-
   weight_qtype = qtype(quantize, setting)
   if weight_qtype is None:
     raise ValueError(f"{setting} is null: nothing to quantize; choose one of {list(QUANTIZE)}")
   if is_quantized(model):
     raise ValueError(f"{setting}: the model is already quantized")
-  if is_lora(model):
+  if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):  # adapters (`meshdistill.models.lora`)
     raise ValueError(f"{setting}: the model holds LoRA adapters; quantize its base with student.lora.quantize "
                      "(`apply_lora`), or merge the adapters first (`merge_lora`)")
   provider = qwix.PtqProvider([qwix.QuantizationRule(module_path=projection_pattern(), weight_qtype=weight_qtype)])
@@ -92,6 +112,4 @@ def weight_bytes(model_or_state: Any) -> int:
 
 def abstract_quantized(cfg, quantize: str):
   """(graphdef, abstract state) of a `Decoder` of ``cfg`` with ``quantize`` projections, without allocating it."""
-  from meshdistill.models._build import _create  # pylint: disable=g-import-not-at-top
-
   return nnx.split(nnx.eval_shape(lambda: quantize_model(_create(cfg, 0), quantize)))

@@ -84,10 +84,26 @@ class Strategy:
     return None
 
   @classmethod
+  def settings(cls) -> tuple[str, ...]:
+    """The settings this strategy takes by name (a config's ``distill.<name>`` / ``distill.options``): its
+    constructor's fields. Their defaults are the dataclass defaults: the API's and the config's."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init) if dataclasses.is_dataclass(cls) else ()
+
+  @classmethod
   def from_settings(cls, settings: Mapping[str, Any]) -> Strategy:
-    """This strategy from a config section: the settings that name one of its fields, None ones left out."""
-    names = {f.name for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else set()
-    return cls(**{k: v for k, v in settings.items() if k in names and v is not None})
+    """This strategy from named settings; a None value means the strategy's own default.
+
+    Raises:
+      ValueError: a setting (not None) this strategy does not have, naming it and the settings it has.
+    """
+    unknown = [k for k, v in settings.items() if v is not None and k not in cls.settings()]
+    if unknown:
+      named = ", ".join(f"{cls.__name__}.{k}={settings[k]!r}" for k in unknown)
+      raise ValueError(
+          f"{named} {'is not a setting' if len(unknown) == 1 else 'are not settings'} of {cls.__name__} "
+          f"(strategy {name_of(cls)!r}); its settings: {sorted(cls.settings())}"
+      )
+    return cls(**{k: v for k, v in settings.items() if v is not None})
 
 
 class SequenceStrategy(Strategy):
@@ -128,6 +144,11 @@ def register(name: str):
 def names() -> list[str]:
   """The registered strategy names."""
   return sorted(_REGISTRY)
+
+
+def name_of(cls: type) -> str | None:
+  """The name ``cls`` is registered under (None if it is not)."""
+  return next((name for name, c in _REGISTRY.items() if c is cls), None)
 
 
 def get(name: str) -> type:
