@@ -22,7 +22,8 @@ import meshdistill as md
 from meshdistill import cli, jobs
 from meshdistill.checkpoint import Checkpointer
 from meshdistill.config import ConfigError, dump_config, load_config
-from meshdistill.export import export_run, run_config
+from meshdistill.config import run_config
+from meshdistill.export import export_run
 from meshdistill.models.hf import load_hf
 from meshdistill.sources import build_student, load_teacher_hf, student_from_teacher
 

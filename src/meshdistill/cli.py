@@ -119,9 +119,10 @@ def _err(msg: str, code: int = 2) -> int:
 
 def _export(args) -> int:
   from meshdistill import export  # pylint: disable=g-import-not-at-top
+  from meshdistill.config import run_config  # pylint: disable=g-import-not-at-top
 
   try:  # settings, run directory and OUT_DIR are checked before JAX starts
-    cfg = export.run_config(args.run_dir)
+    cfg = run_config(args.run_dir)
     if args.dtype not in export.DTYPES:
       raise ValueError(f"--dtype={args.dtype!r}; choose one of {list(export.DTYPES)}")
     export.check_out_dir(args.out_dir, args.overwrite, args.adapter)

@@ -71,6 +71,7 @@ __all__ = [
   "config_path",
   "dump_config",
   "load_config",
+  "run_config",
 ]
 
 
@@ -195,6 +196,16 @@ def load_config(name_or_path: str | None = None, overrides: Sequence[str] = ()) 
   """
   return from_dict(Config, split_sources(config_files.read(name_or_path, overrides)))
 
+
+
+def run_config(run_dir: str) -> Config:
+  """The `Config` a run was started with (its ``config.yaml``), pointed at ``run_dir``."""
+  path = os.path.join(run_dir, "config.yaml")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(
+        f"RUN_DIR={run_dir!r} holds no config.yaml; give the run directory of a `meshdistill distill` run"
+    )
+  return load_config(path, [f"run.run_dir={run_dir}"])
 
 def dump_config(cfg: Config, path: str) -> None:
   """Writes ``cfg`` as YAML (loadable with `load_config`)."""

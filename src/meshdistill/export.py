@@ -20,21 +20,11 @@ import os
 import shutil
 import uuid
 
-from meshdistill.config import Config, load_config
+from meshdistill.config import Config, run_config
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def run_config(run_dir: str) -> Config:
-  """The `Config` a run was started with (its ``config.yaml``), pointed at ``run_dir``."""
-  path = os.path.join(run_dir, "config.yaml")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(
-        f"RUN_DIR={run_dir!r} holds no config.yaml; give the run directory of a `meshdistill distill` run"
-    )
-  return load_config(path, [f"run.run_dir={run_dir}"])
 
 
 def check_out_dir(out_dir: str, overwrite: bool, adapter: bool = False) -> None:
@@ -182,4 +172,4 @@ def _write_atomically(out_dir: str, model, tokenizer, dtype: str) -> str:
   return out_dir
 
 
-__all__ = ["DTYPES", "check_out_dir", "export_run", "run_config"]
+__all__ = ["DTYPES", "check_out_dir", "export_run"]

@@ -10,7 +10,7 @@ from typing import IO, Any, NamedTuple
 
 from meshdistill.checkpoint import Checkpointer, load_teacher, read_teacher_meta
 from meshdistill.config import Config
-from meshdistill.export import run_config
+from meshdistill.config import run_config
 from meshdistill.jobs._distill_job import _evaluate_pair
 from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
 from meshdistill.jobs._training import make_distiller
