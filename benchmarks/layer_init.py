@@ -46,7 +46,7 @@ def main(argv=None) -> int:
   args = _args(argv)
   layers = [int(x) for x in args.layers.split(",")]
   from meshdistill.config import load_config
-  from meshdistill.sources import ModelSources
+  from meshdistill.teachers.sources import ModelSources
 
   init = "{from_teacher: true, layers: [" + ", ".join(map(str, layers)) + "]}"
   base = [*args.overrides, f"student.init={init}"]
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
   jobs.prepare_devices(cfg_init)
   import jax
 
-  from meshdistill.evaluate import Evaluator
+  from meshdistill.loop.evaluate import Evaluator
   from meshdistill.models import param_count
 
   results = {}

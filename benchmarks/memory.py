@@ -78,7 +78,7 @@ def abstract_inputs(mesh, tokens: int, vocab: int):
 
 
 def ours_fn(mesh, chunk_size: int, vmapped: bool = False):
-  """Loss and grads (student hidden, student head) as in `meshdistill.step`: manual over ``data``."""
+  """Loss and grads (student hidden, student head) as in `meshdistill.train.step`: manual over ``data``."""
   strategy = ChunkedLogitKD(temperature=TAU, alpha=ALPHA, chunk_size=chunk_size)
   final = lambda x: md.ModelOutput(None, final=x)  # noqa: E731
 

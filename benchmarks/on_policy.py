@@ -63,7 +63,7 @@ def _full_recompute_greedy(graphdef, params, prompts_BxP, n_new):
   import jax.numpy as jnp
   from flax import nnx
 
-  from meshdistill.generate import vocab_argmax
+  from meshdistill.models.generate import vocab_argmax
 
   model = nnx.merge(graphdef, params)
   B, P = prompts_BxP.shape
@@ -103,7 +103,7 @@ def tunix_speed(cfg, mesh, prompts_BxP, n_new, repeats):
   from tunix.generate import sampler as tunix_sampler
   from tunix.models.llama3 import model as llama
 
-  from meshdistill.mesh import TENSOR, param_shardings
+  from meshdistill.parallel.mesh import TENSOR, param_shardings
 
   # meshdistill's split: heads / MLP units / vocabulary over `tensor`; KV heads replicated (as the built-in
   # decoder does when n_kv_heads < tensor).
@@ -143,8 +143,8 @@ def speed(teacher, student, data, mesh, n_new, repeats=5):
   import numpy as np
   from flax import nnx
 
-  from meshdistill.generate import SamplingConfig, generate
-  from meshdistill.mesh import batch_sharding
+  from meshdistill.models.generate import SamplingConfig, generate
+  from meshdistill.parallel.mesh import batch_sharding
 
   batch = data.val_batches(max_batches=1)[0]
   P = batch["inputs"].shape[1] + 1 - n_new
@@ -224,14 +224,14 @@ def _arms(args):
 
 def quality(cfg, teacher, data, mesh, args, keep_models=False):
   """One seed (``cfg.train.seed``): the optional shared warm start, then every arm; returns (results, models)."""
-  from meshdistill.distiller import Distiller
-  from meshdistill.evaluate import Evaluator
-  from meshdistill.guard import copy_state
+  from meshdistill.train.distiller import Distiller
+  from meshdistill.loop.evaluate import Evaluator
+  from meshdistill.loop.guard import copy_state
   from meshdistill.models import init_model
-  from meshdistill.monitor import Monitor
-  from meshdistill.onpolicy import OnPolicyConfig, OnPolicyDistiller
+  from meshdistill.loop.monitor import Monitor
+  from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller
   from meshdistill.strategies import LogitKD
-  from meshdistill.trainer import fit, make_optimizer
+  from meshdistill.loop.trainer import fit, make_optimizer
 
   tok = data.tokenizer
   pad = getattr(tok, "pad_id", 0) or 0
@@ -286,7 +286,7 @@ def samples_of(teacher, models, data, mesh, args):
   import jax
   import numpy as np
 
-  from meshdistill.generate import SamplingConfig, generate
+  from meshdistill.models.generate import SamplingConfig, generate
 
   tok = data.tokenizer
   pad = getattr(tok, "pad_id", 0) or 0

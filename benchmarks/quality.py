@@ -55,10 +55,10 @@ def _args(argv):
 
 
 def _fit(trainer, data, cfg, run_dir, name):
-  from meshdistill.checkpoint import Checkpointer
+  from meshdistill.storage.checkpoint import Checkpointer
   from meshdistill.jobs import loop_kwargs
-  from meshdistill.monitor import Monitor
-  from meshdistill.trainer import fit
+  from meshdistill.loop.monitor import Monitor
+  from meshdistill.loop.trainer import fit
 
   monitor = Monitor(run_dir, cfg.train.steps, stream=sys.stderr, name=name)
   ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
@@ -125,10 +125,10 @@ def run_once(args, overrides: list[str], run_root: str) -> dict:
   jobs.prepare_devices(cfg)
   import jax
 
-  from meshdistill.evaluate import Evaluator
-  from meshdistill.hardlabel import HardLabelTrainer
+  from meshdistill.loop.evaluate import Evaluator
+  from meshdistill.train.hardlabel import HardLabelTrainer
   from meshdistill.models import init_model, param_count
-  from meshdistill.optimizers import make_optimizer
+  from meshdistill.train.optimizers import make_optimizer
 
   t_start = time.perf_counter()
   os.makedirs(run_root, exist_ok=True)
@@ -139,7 +139,7 @@ def run_once(args, overrides: list[str], run_root: str) -> dict:
   t0 = time.perf_counter()
   teacher, tdir = jobs.obtain_teacher(cfg, data, mesh, stream=sys.stderr, report=say)
   teacher_seconds = time.perf_counter() - t0
-  from meshdistill.checkpoint import read_teacher_meta
+  from meshdistill.storage.checkpoint import read_teacher_meta
 
   teacher_pretrain_seconds = read_teacher_meta(tdir)["info"].get("seconds")
 

@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshdistill import jobs  # noqa: E402
-from meshdistill import teacher_cache as tc  # noqa: E402
+from meshdistill.teachers import cache as tc  # noqa: E402
 from meshdistill.config import load_config  # noqa: E402
 from meshdistill.strategies import LogitKD  # noqa: E402
 

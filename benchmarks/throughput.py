@@ -27,7 +27,7 @@ of all systems (of each process) are interleaved round by round and each step is
 within-round ratios ("paired") are reported.
 
 Training loops: the same systems also run their own training loops side by side over blocks of
-``--loop-steps`` batches (ours: `meshdistill.trainer.fit`, one logged step and the rest metrics-light per
+``--loop-steps`` batches (ours: `meshdistill.loop.trainer.fit`, one logged step and the rest metrics-light per
 block, as a run does; tunix: one ``train()`` call per block, its documented usage, so its per-call set-up
 is paid once per block rather than per step; the bare programs: dispatched back to back, waited on at the
 end), interleaved block by block: what a run costs per step, dispatch-ahead included.
@@ -85,10 +85,10 @@ from tunix.distillation.strategies import logit as tunix_logit  # noqa: E402
 
 import _matmuls  # noqa: E402  (beside this file)
 from meshdistill import losses  # noqa: E402
-from meshdistill.collectives import all_reduce_census, all_reduce_instructions, mesh_axis_groups  # noqa: E402
+from meshdistill.parallel.collectives import all_reduce_census, all_reduce_instructions, mesh_axis_groups  # noqa: E402
 from meshdistill.strategies import HardLabelCE, LogitKD  # noqa: E402
 from meshdistill.strategies._chunked import ChunkedLogitKD  # noqa: E402
-from meshdistill.trainer import fit  # noqa: E402
+from meshdistill.loop.trainer import fit  # noqa: E402
 
 RESULT = pathlib.Path(__file__).parent / "results" / "throughput.md"
 # `all_reduce_census` of the same 2x4 steps at commit 6dda497 (before the bundled sums, the one-pass gradient norm
@@ -154,7 +154,7 @@ class Ours:
     return float(cost.get("flops", float("nan"))), census
 
   def loop(self, xs, log_every: int):
-    """Our training loop (`meshdistill.trainer.fit`, default options, no checkpoints or evaluation) over
+    """Our training loop (`meshdistill.loop.trainer.fit`, default options, no checkpoints or evaluation) over
     ``xs``, continuing this system's state; returns once the state after the last step is computed (fit itself
     returns with that step possibly in flight: it reads losses only where a hook needs them)."""
     data = md.data.BatchList(ours_batch(x) for x in xs)
@@ -412,7 +412,7 @@ def run_loops(loops: dict, vocab: int, rounds: int, k: int) -> dict[str, list[fl
   """Each system's own training loop over the same ``k`` batches, round after round (``rounds`` timed, after
   warm-up): seconds per step of each block (the block's wall time / ``k``).
 
-  Our loops (`Ours.loop`, `meshdistill.trainer.fit` with ``log_every=k``) are first brought to a step
+  Our loops (`Ours.loop`, `meshdistill.loop.trainer.fit` with ``log_every=k``) are first brought to a step
   count of ``k - 1`` modulo ``k`` so that every timed block is one logged (full) step and ``k - 1``
   metrics-light ones, the steady state of a run (a fit call runs full steps until its first log)."""
   batches = make_batches(k * (rounds + 2), vocab, seed=1)
@@ -733,7 +733,7 @@ def loop_section(res, fl, rate, med) -> dict[str, list[str]]:
       "",
       f"Each system's own training loop over the same {k} batches per block, {len(t[TUNIX])} timed blocks interleaved",
       "round by round after a warm-up block; time per step = the block's wall time / "
-      f"{k}. Ours: `meshdistill.trainer.fit` (default options, `log_every={k}`, no checkpoints or evaluation), whose",
+      f"{k}. Ours: `meshdistill.loop.trainer.fit` (default options, `log_every={k}`, no checkpoints or evaluation), whose",
       f"steady state is one logged step with every metric and {k - 1} metrics-light steps per block, dispatched",
       "ahead (it reads losses only to log them); the blocks are aligned to that, and a block ends when the state",
       "after its last step is computed. tunix: one `train()` call over the",
@@ -1101,7 +1101,7 @@ def write(args, res, med, seconds: float) -> None:
       "`tensor` devices share. Those alone exceed half the count before the step-performance changes, so",
       "halving needs another split, not fewer sums.",
       "",
-      "The student over the batch (`mesh.student_split: batch`, `meshdistill.layout.ShardMapLayout`) is that split:",
+      "The student over the batch (`mesh.student_split: batch`, `meshdistill.parallel.layout.ShardMapLayout`) is that split:",
       "the teacher stays split over `tensor`; the student, small enough to hold whole on every device, is",
       "replicated and runs its forward, loss and backward in a nested `shard_map` on the rows of its device (the",
       "batch split over `data` x `tensor`). Its activations then need no all-reduce; what is left is the teacher's",
@@ -1109,7 +1109,7 @@ def write(args, res, med, seconds: float) -> None:
       "the student's rows (an all-to-all of the logits, or for the chunked loss one gather of the teacher's LM",
       "head; neither is an all-reduce), and one bundled sum of the gradients and token sums over all 8 devices.",
       "The optimizer needs no collective at all (whole gradients). The teacher's inputs and outputs are pinned",
-      "whole over rows (`meshdistill.step`): unpinned, the compiler carried the student's row split into the",
+      "whole over rows (`meshdistill.train.step`): unpinned, the compiler carried the student's row split into the",
       "teacher, gathered its attention weights and gathered the activations back before each MLP (then 7",
       "all-reduces here, and 14 all-gathers that this census does not count; see throughput_notes.md).",
       "tunix splits its batch over the axes of `data_sharding_axis` for both models at once; with `data` (as its",

@@ -16,8 +16,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from meshdistill.freezing import describe_stages, freeze_status, progressive_freeze, Stage  # noqa: E402
-from meshdistill.safeguards import safeguarded, skipped_updates  # noqa: E402
+from meshdistill.train.freezing import describe_stages, freeze_status, progressive_freeze, Stage  # noqa: E402
+from meshdistill.loop.safeguards import safeguarded, skipped_updates  # noqa: E402
 
 STEPS_PER_STAGE = 3
 N_LAYERS = 5

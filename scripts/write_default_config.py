@@ -14,7 +14,7 @@ import pathlib
 import sys
 
 from meshdistill.config import Config
-from meshdistill.config_files import default_yaml
+from meshdistill.config.files import default_yaml
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "src" / "meshdistill" / "configs" / "default.yaml"
 

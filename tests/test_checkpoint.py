@@ -16,11 +16,11 @@ from helpers import make_batch
 from flax import nnx
 
 import meshdistill as md
-from meshdistill.checkpoint import Checkpointer, check_teacher_architecture, load_teacher, save_teacher
+from meshdistill.storage.checkpoint import Checkpointer, check_teacher_architecture, load_teacher, save_teacher
 from meshdistill.config import load_config
 from meshdistill.data import ByteTokenizer
-from meshdistill.layout import make_layout
-from meshdistill.optimizers import make_optimizer
+from meshdistill.parallel.layout import make_layout
+from meshdistill.train.optimizers import make_optimizer
 
 VOCAB = 264
 TEACHER = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
@@ -148,8 +148,8 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
       import time, types
       import numpy as np
       import orbax.checkpoint._src.path.async_path as ap
-      from meshdistill.checkpoint import Checkpointer
-      from meshdistill.layout import make_layout
+      from meshdistill.storage.checkpoint import Checkpointer
+      from meshdistill.parallel.layout import make_layout
       single = types.SimpleNamespace(layout=make_layout("single", None))
       state = {{"w": np.arange(6, dtype=np.float32)}}
       ckpt = Checkpointer({directory!r}, every=1)

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
-from meshdistill.collectives import all_reduce_census
+from meshdistill.parallel.collectives import all_reduce_census
 from meshdistill.losses._chunked import chunked_token_sums, cross_entropy_token_fn, divergence_token_fn
 from meshdistill.strategies import LogitKD
 from meshdistill.strategies._chunked import ChunkedLogitKD

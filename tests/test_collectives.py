@@ -11,9 +11,9 @@ from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
-from meshdistill.collectives import all_reduce_census, mesh_axis_groups, psum_bundled, replica_groups
-from meshdistill.monitor import Monitor, read_metrics
-from meshdistill.trainer import fit
+from meshdistill.parallel.collectives import all_reduce_census, mesh_axis_groups, psum_bundled, replica_groups
+from meshdistill.loop.monitor import Monitor, read_metrics
+from meshdistill.loop.trainer import fit
 
 
 def _distiller(mesh, **kw):

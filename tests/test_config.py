@@ -11,7 +11,7 @@ import yaml
 
 from meshdistill import cli
 from meshdistill.config import Config, ConfigError, config_path, dump_config, load_config
-from meshdistill.config_files import default_yaml
+from meshdistill.config.files import default_yaml
 from meshdistill.models import abstract_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,7 @@ from flax import nnx
 from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
 
 import meshdistill as md
-from meshdistill.freezing import (
+from meshdistill.train.freezing import (
     Stage,
     check_stages,
     default_stages,

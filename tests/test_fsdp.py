@@ -7,15 +7,15 @@ import pytest
 from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
 
 import meshdistill as md
-from meshdistill import fsdp as fsdp_lib
+from meshdistill.parallel import fsdp as fsdp_lib
 from meshdistill import planner
-from meshdistill.checkpoint import Checkpointer
+from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.models.lora import LoraConfig, apply_lora
 from meshdistill.config import ConfigError, load_config
 from meshdistill.planner._compile import collectives
-from meshdistill.safeguards import DivergenceGuard, fit_guarded
-from meshdistill.step import step_halves
-from meshdistill.trainer import make_optimizer
+from meshdistill.loop.safeguards import DivergenceGuard, fit_guarded
+from meshdistill.train.step import step_halves
+from meshdistill.loop.trainer import make_optimizer
 
 # Two blocks (the bottom one frozen in the first stage), an untied head (gathered for the chunked loss), remat
 # full (the per-block gathers run inside the remat region and again in the backward pass).

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
 from meshdistill import losses
-from meshdistill.collectives import all_reduce_census
+from meshdistill.parallel.collectives import all_reduce_census
 from meshdistill.strategies import LogitKD
 
 T, V = 12, 96

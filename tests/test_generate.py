@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshdistill as md
-from meshdistill.generate import SamplingConfig, _generate_jit, allowed_tokens, generate, left_pad, sample_tokens
-from meshdistill.mesh import batch_sharding
+from meshdistill.models.generate import SamplingConfig, _generate_jit, allowed_tokens, generate, left_pad, sample_tokens
+from meshdistill.parallel.mesh import batch_sharding
 
 CFG = TEACHER_CFG.replace(qk_norm=True, qkv_bias=True)  # every attention branch of the decoder
 PROMPTS = [[5, 9, 2, 7, 1], [3, 8], [11, 4, 6], [60]]

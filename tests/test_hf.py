@@ -18,8 +18,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import meshdistill as md
-from meshdistill.distiller import resolve_shared_vocab
-from meshdistill.mesh import TENSOR
+from meshdistill.train.distiller import resolve_shared_vocab
+from meshdistill.parallel.mesh import TENSOR
 from meshdistill.models.hf import export_hf, load_hf, read_hf_config
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

@@ -20,12 +20,12 @@ from flax import nnx
 
 import meshdistill as md
 from meshdistill import cli, jobs
-from meshdistill.checkpoint import Checkpointer
+from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import ConfigError, dump_config, load_config
 from meshdistill.config import run_config
-from meshdistill.export import export_run
+from meshdistill.models.export import export_run
 from meshdistill.models.hf import load_hf
-from meshdistill.sources import build_student, load_teacher_hf, student_from_teacher
+from meshdistill.teachers.sources import build_student, load_teacher_hf, student_from_teacher
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -25,8 +25,9 @@ import pytest
 
 import meshdistill as md
 from meshdistill import distributed
-from meshdistill.checkpoint import save_teacher
+from meshdistill.storage.checkpoint import save_teacher
 from meshdistill.config import load_config
+from meshdistill.teachers.cache import TeacherCache
 
 STEPS = 4
 TIMEOUT_S = 600  # a whole run on a loaded 2-core machine; a hang fails instead of blocking CI
@@ -202,7 +203,7 @@ def test_two_process_teacher_cache_equals_one_process_cache(teacher, tmp_path):
   for key, p in jobs.items():
     assert p.returncode == 0, outs[key][-3000:]
   assert "(2 writers)" in outs[("8x1", 2)] and "[p1] teacher cache" in outs[("8x1", 2)]
-  caches = {key: md.teacher_cache.TeacherCache(str(tmp_path / f"{key[0]}-{key[1]}"), verify=True) for key in jobs}
+  caches = {key: TeacherCache(str(tmp_path / f"{key[0]}-{key[1]}"), verify=True) for key in jobs}
   one, two = caches[("8x1", 1)].manifest, caches[("8x1", 2)].manifest
   assert len(one["shards"]) == 5 and one["rows"] == 237  # 3 shards written by process 0, 2 by process 1
   assert two["content_sha256"] == one["content_sha256"] and two == one

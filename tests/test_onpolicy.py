@@ -13,11 +13,11 @@ from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
 import meshdistill as md
 from meshdistill import cli, jobs
 from meshdistill.config import ConfigError, load_config
-from meshdistill.generate import SamplingConfig, generate, left_pad
-from meshdistill.monitor import Monitor
-from meshdistill.onpolicy import OnPolicyConfig, OnPolicyDistiller
-from meshdistill.prompts import completion_batch, cut_prompts, pair_batch, read_prompts
-from meshdistill.trainer import fit
+from meshdistill.models.generate import SamplingConfig, generate, left_pad
+from meshdistill.loop.monitor import Monitor
+from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller
+from meshdistill.data.prompts import completion_batch, cut_prompts, pair_batch, read_prompts
+from meshdistill.loop.trainer import fit
 
 SEQ, NEW = 12, 5  # prompts: the first SEQ + 1 - NEW = 8 tokens of each row
 GKD = md.LogitKD(temperature=1.0, alpha=0.5, divergence="jsd", beta=0.5)
@@ -185,7 +185,7 @@ def test_seq_kd_samples_come_from_the_teacher(single):
 
 
 def test_multi_process_on_policy_is_refused_by_name(monkeypatch):
-  import meshdistill.onpolicy as onpolicy
+  import meshdistill.train.onpolicy as onpolicy
 
   monkeypatch.setattr(onpolicy, "process_count", lambda: 2)
   with pytest.raises(ValueError, match=r"distill\.on_policy\.lambda=1\.0.*one process.*has 2"):
@@ -226,7 +226,7 @@ def test_on_policy_settings_are_checked_and_named():
 
 
 def test_generate_job_prints_the_teachers_greedy_completion(tmp_path, capsys):
-  from meshdistill.checkpoint import save_teacher
+  from meshdistill.storage.checkpoint import save_teacher
   from meshdistill.data import ByteTokenizer
 
   where = [f"run.run_dir={tmp_path / 'run'}", f"pretrain.teacher={tmp_path / 'teacher'}"]
@@ -252,7 +252,7 @@ def test_generate_job_prints_the_teachers_greedy_completion(tmp_path, capsys):
 
 def test_prompt_data_masks_completions_resumes_and_holds_out_pairs(tmp_path):
   from meshdistill.data import ByteTokenizer
-  from meshdistill.prompts import PromptData
+  from meshdistill.data.prompts import PromptData
 
   path = tmp_path / "pairs.jsonl"
   path.write_text("".join(json.dumps({"prompt": f"q{i}:", "completion": " a" * (i % 4)}) + "\n" for i in range(40)))

@@ -12,7 +12,7 @@ from flax import nnx
 from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 
 import meshdistill as md
-from meshdistill.checkpoint import load_teacher, save_teacher
+from meshdistill.storage.checkpoint import load_teacher, save_teacher
 from meshdistill.config import ConfigError, load_config
 from meshdistill.data import ByteTokenizer
 from meshdistill.models.quantize import quantize_model
@@ -93,7 +93,7 @@ def test_student_weights_other_than_float32_are_refused():
 def test_teacher_hf_with_param_dtype_loads_bf16_weights_and_copies_float32_students():
   from meshdistill import jobs  # pylint: disable=g-import-not-at-top
   from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
-  from meshdistill.sources import build_student  # pylint: disable=g-import-not-at-top
+  from meshdistill.teachers.sources import build_student  # pylint: disable=g-import-not-at-top
 
   mesh = md.make_mesh(2, 4)
   cfg = load_config(str(ROOT / "configs" / "hf_example.yaml"),

@@ -27,7 +27,7 @@ from flax import nnx
 
 import meshdistill as md
 from meshdistill import cli, jobs
-from meshdistill.checkpoint import (
+from meshdistill.storage.checkpoint import (
   Checkpointer,
   CheckpointError,
   TeacherDamagedError,
@@ -36,12 +36,13 @@ from meshdistill.checkpoint import (
 )
 from meshdistill.config import ConfigError, load_config
 from meshdistill.data import DataConfig, build_data
-from meshdistill.fsutil import LOCK_FILE, OutputExistsError, RunLock, RunLockedError
+from meshdistill.teachers.cache import TeacherCache
+from meshdistill.storage.fsutil import LOCK_FILE, OutputExistsError, RunLock, RunLockedError
 from meshdistill.models import export_hf, load_hf
-from meshdistill.monitor import Monitor, plot_run, read_metrics
-from meshdistill.ownership import MARKER, write_marker
-from meshdistill.safeguards import DivergenceGuard, ScaledLoss, fit_guarded, safeguarded, skipped_updates
-from meshdistill.trainer import fit
+from meshdistill.loop.monitor import Monitor, plot_run, read_metrics
+from meshdistill.storage.ownership import MARKER, write_marker
+from meshdistill.loop.safeguards import DivergenceGuard, ScaledLoss, fit_guarded, safeguarded, skipped_updates
+from meshdistill.loop.trainer import fit
 
 VOCAB = 264  # byte tokenizer
 TEACHER = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
@@ -173,7 +174,7 @@ def test_export_replaces_an_old_sharded_checkpoint_whole_and_never_writes_throug
   again = load_hf(out)
   assert leaves_equal(nnx.state(again, nnx.Param), nnx.state(new, nnx.Param))  # the NEW weights
   # `meshdistill export RUN_DIR OUT_DIR --overwrite` follows the same rule
-  from meshdistill.export import check_out_dir
+  from meshdistill.models.export import check_out_dir
 
   (out / "notes.txt").write_text("mine")
   with pytest.raises(OutputExistsError, match="did not write \\(notes.txt\\)"):
@@ -197,7 +198,7 @@ def test_damaged_latest_step_falls_back_to_the_previous_intact_one_with_a_warnin
   else:
     (step4 / "meta" / "metadata").write_text("{not json")
   ckpt = Checkpointer(str(run / "ckpt"), read_only=True)  # what `meshdistill eval` opens
-  with caplog.at_level(logging.WARNING, logger="meshdistill.checkpoint"):
+  with caplog.at_level(logging.WARNING, logger="meshdistill.storage.checkpoint"):
     state, data_state, meta = ckpt.restore(kd, kd.init_state())
   assert meta["step"] == 2 and int(state.step) == 2 and data_state["next_batch"] == 2
   assert "checkpoint step 4" in caplog.text and "is damaged" in caplog.text
@@ -241,7 +242,7 @@ def test_checkpoints_from_before_checksums_restore_unverified_with_a_warning(sav
   run = copy_run(saved_run, tmp_path)
   for f in (run / "ckpt").glob("*/checksums.json"):
     f.unlink()
-  with caplog.at_level(logging.WARNING, logger="meshdistill.checkpoint"):
+  with caplog.at_level(logging.WARNING, logger="meshdistill.storage.checkpoint"):
     _, _, meta = Checkpointer(str(run / "ckpt"), read_only=True).restore(kd, kd.init_state())
   assert meta["step"] == 4 and "records no checksums" in caplog.text
 
@@ -259,7 +260,7 @@ def test_one_run_per_run_directory_and_stale_locks_are_taken_over(tmp_path, corp
   # a lock file left by a process that died (kill -9): the OS released its lock; it is taken over
   dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
   (run / LOCK_FILE).write_text(dead.stdout)
-  with caplog.at_level(logging.WARNING, logger="meshdistill.fsutil"), RunLock(str(run)):
+  with caplog.at_level(logging.WARNING, logger="meshdistill.storage.fsutil"), RunLock(str(run)):
     pass
   assert f"stale lock of pid {int(dead.stdout)} (no longer running) taken over" in caplog.text
 
@@ -525,7 +526,7 @@ def test_cache_teacher_stops_on_sigterm_with_143_and_a_rerun_finishes_the_same_c
   assert 1 <= len(kept)
   rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
   assert rerun.returncode == 0, rerun.stderr[-2000:]
-  cache = md.teacher_cache.TeacherCache(str(out), verify=True)
+  cache = TeacherCache(str(out), verify=True)
   assert len(cache.manifest["shards"]) == cache.manifest["rows"] > len(kept)  # stopped before its end
   assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept  # the finished shards were kept, not redone
 
@@ -621,7 +622,7 @@ def test_help_and_import_start_neither_jax_nor_grain():
   assert "LOADED []" in r.stdout, r.stdout[-500:]
   # every public name still resolves, and dir() lists them
   assert set(md.__all__) <= set(dir(md)) and all(getattr(md, n) is not None for n in md.__all__)
-  assert md.Distiller.__module__ == "meshdistill.distiller" and md.teacher_cache.TeacherCache
+  assert md.Distiller.__module__ == "meshdistill.train.distiller" and md.teachers.__name__ == "meshdistill.teachers"
 
 
 def test_version_flag(capsys):
@@ -723,7 +724,7 @@ def test_r2_overwrite_replaces_only_what_an_owner_marker_proves_ours(tmp_path, c
   downloaded = tmp_path / "model"
   shutil.copytree(FIXTURES / "hf_llama", downloaded, ignore=shutil.ignore_patterns("*.npz"))
   before = tree_of(downloaded)
-  from meshdistill.export import check_out_dir
+  from meshdistill.models.export import check_out_dir
 
   with pytest.raises(OutputExistsError, match="looks like a downloaded model"):
     check_out_dir(str(downloaded), overwrite=True)  # `meshdistill export RUN model --overwrite`
@@ -831,7 +832,7 @@ def test_an_empty_checksums_list_is_damage_not_intact(saved_run, kd, tmp_path, c
   flip_bit(biggest_file(step4 / "state"))
   ckpt = Checkpointer(str(run / "ckpt"), read_only=True)
   assert "checksums.json does not list" in ckpt.verify(4)
-  with caplog.at_level(logging.WARNING, logger="meshdistill.checkpoint"):
+  with caplog.at_level(logging.WARNING, logger="meshdistill.storage.checkpoint"):
     state, _, meta = ckpt.restore(kd, kd.init_state())
   assert meta["step"] == 2 and "checkpoint step 4" in caplog.text and "is damaged" in caplog.text
   assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(state.params)) < 1e3
@@ -843,7 +844,7 @@ def test_an_unverified_step_that_fails_to_restore_falls_back_to_the_older_intact
   (run / "ckpt" / "4" / "checksums.json").unlink()  # written before checksums (or killed right after the save)
   big = biggest_file(run / "ckpt" / "4" / "state")
   big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])  # heavier damage: tensorstore cannot read it
-  with caplog.at_level(logging.WARNING, logger="meshdistill.checkpoint"):
+  with caplog.at_level(logging.WARNING, logger="meshdistill.storage.checkpoint"):
     _, _, meta = Checkpointer(str(run / "ckpt"), read_only=True).restore(kd, kd.init_state())
   assert meta["step"] == 2 and "checkpoint step 4" in caplog.text and "is damaged (cannot be restored" in caplog.text
   ckpt = Checkpointer(str(run / "ckpt"), every=2, keep=3)  # a resumed run: trains steps 3, 4 again
@@ -888,7 +889,7 @@ def test_distill_from_a_teacher_cache_with_overwritten_log_probs_is_refused_nami
 
 @pytest.mark.parametrize("damage", ["absolute shard name", "shard name with ..", "not JSON", "no shards"])
 def test_a_teacher_cache_manifest_that_escapes_or_is_malformed_is_refused_naming_it(damage, cache_run, tmp_path):
-  from meshdistill import teacher_cache as tc
+  from meshdistill.teachers import cache as tc
 
   cache = tmp_path / "tc"
   shutil.copytree(cache_run[0] / "tc", cache)
@@ -919,7 +920,7 @@ def test_a_binary_or_directory_config_is_an_error_naming_the_file(tmp_path, caps
 
 
 def test_non_utf8_jsonl_data_and_prompts_files_are_errors_naming_file_and_line(tmp_path):
-  from meshdistill.prompts import read_prompts
+  from meshdistill.data.prompts import read_prompts
 
   data_file, prompts_file = tmp_path / "data.jsonl", tmp_path / "prompts.jsonl"
   data_file.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')  # latin-1, not UTF-8
@@ -954,7 +955,7 @@ def test_a_guard_that_gives_up_before_any_checkpoint_does_not_claim_one_is_kept(
 def test_generate_names_the_step_it_fell_back_to(cache_run, tmp_path, capsys):
   import io
 
-  from meshdistill.generate import SamplingConfig
+  from meshdistill.models.generate import SamplingConfig
 
   run = tmp_path / "run"
   sets = cache_run[1] + [f"run.run_dir={run}", "train.steps=4", "checkpoint.every=2", "checkpoint.keep=2"]

@@ -8,7 +8,7 @@ from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 from flax import nnx
 
 import meshdistill as md
-from meshdistill.memory import (
+from meshdistill.train.memory import (
     CPU_MEMORY_SCHEDULER,
     MemoryReport,
     choose_remat,
@@ -17,7 +17,7 @@ from meshdistill.memory import (
     rebuild_with_remat,
     with_remat,
 )
-from meshdistill.safeguards import copy_state
+from meshdistill.loop.safeguards import copy_state
 
 SEQ = 64
 # Activations dominate: thin blocks, long sequence (attention maps [B, H, T, T] per block).

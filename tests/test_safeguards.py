@@ -10,10 +10,10 @@ import pytest
 from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 
 import meshdistill as md
-from meshdistill.freezing import Stage, freeze_status, progressive_freeze
+from meshdistill.train.freezing import Stage, freeze_status, progressive_freeze
 from meshdistill.models import ModelOutput
 from meshdistill.strategies import ChunkedLogitKD
-from meshdistill.safeguards import (
+from meshdistill.loop.safeguards import (
     DivergenceGuard,
     LogitMSE,
     ScaledLoss,

@@ -12,15 +12,15 @@ from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
 from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
-from meshdistill.checkpoint import Checkpointer
+from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.data import ByteTokenizer
-from meshdistill.freezing import Stage, progressive_freeze
-from meshdistill.generate import SamplingConfig, generate
+from meshdistill.train.freezing import Stage, progressive_freeze
+from meshdistill.models.generate import SamplingConfig, generate
 from meshdistill.models.hf import export_hf, load_hf
 from meshdistill.models.lora import LoraConfig, apply_lora
 from meshdistill.models.stacking import is_stacked, stack_layers, to_scanned, to_unrolled, unstack_layers
-from meshdistill.sources import student_from_teacher
-from meshdistill.teacher_checkpoint import load_teacher, save_teacher
+from meshdistill.teachers.sources import student_from_teacher
+from meshdistill.teachers.checkpoint import load_teacher, save_teacher
 from test_hf import FIXTURES
 
 TEACHER = TEACHER_CFG.replace(n_layers=3)

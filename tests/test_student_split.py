@@ -11,11 +11,11 @@ import pytest
 from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
 
 import meshdistill as md
-from meshdistill import layout as layout_lib
-from meshdistill.checkpoint import Checkpointer
-from meshdistill.collectives import all_reduce_census
+from meshdistill.parallel import layout as layout_lib
+from meshdistill.storage.checkpoint import Checkpointer
+from meshdistill.parallel.collectives import all_reduce_census
 from meshdistill.config import ConfigError, load_config
-from meshdistill.step import step_halves
+from meshdistill.train.step import step_halves
 
 STUDENT = STUDENT_CFG.replace(tie_embeddings=False)  # an untied head: the chunked loss reads both heads
 ODD = 62  # a vocabulary `tensor`=4 does not divide: both models padded, logits sliced back
@@ -169,7 +169,7 @@ def test_settings_that_do_not_combine_are_refused():
     load_config("tiny", ["mesh.student_split=rows"])
   assert load_config("tiny", ["mesh.student_split=batch"]).mesh.student_split == "batch"
   step = lambda state, teacher, batch, data_axis: (state, {})  # noqa: E731
-  with pytest.raises(ValueError, match=r"mesh.student_split='batch' needs the step of meshdistill.step"):
+  with pytest.raises(ValueError, match=r"mesh.student_split='batch' needs the step of meshdistill.train.step"):
     layout_lib.make_layout("shard_map", mesh, student_split="batch").compile(step)
   # without a `tensor` axis both splits are one layout
   assert not layout_lib.make_layout("shard_map", md.make_mesh(8, 1), student_split="batch").student_rows

@@ -10,11 +10,11 @@ import pytest
 from helpers import STUDENT_CFG, TEACHER_CFG, write_corpus
 
 import meshdistill as md
-from meshdistill import teacher_cache as tc
+from meshdistill.teachers import cache as tc
 from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._teacher import _open_teacher_cache
-from meshdistill.safeguards import ScaledLoss, safeguarded
-from meshdistill.sources._settings import ModelSources
+from meshdistill.loop.safeguards import ScaledLoss, safeguarded
+from meshdistill.teachers.sources._settings import ModelSources
 from meshdistill.strategies import AttentionTransfer, LogitKD
 
 K, TAU = 4, 2.0

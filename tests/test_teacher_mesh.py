@@ -10,7 +10,7 @@ from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 
 import meshdistill as md
 from meshdistill.strategies import LogitKD
-from meshdistill.teacher_mesh import TeacherMeshData, TeacherOnMesh, addressable_bytes, split_meshes
+from meshdistill.teachers.mesh import TeacherMeshData, TeacherOnMesh, addressable_bytes, split_meshes
 
 STRATEGY = LogitKD(top_k=4, temperature=2.0, alpha=0.5)
 

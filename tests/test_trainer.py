@@ -13,13 +13,13 @@ from flax import nnx
 
 import meshdistill as md
 from meshdistill import jobs
-from meshdistill.checkpoint import Checkpointer
+from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import ConfigError, load_config
 from meshdistill.data import DataConfig, build_data
-from meshdistill.evaluate import Evaluator
-from meshdistill.hardlabel import HardLabelTrainer
-from meshdistill.monitor import Monitor, ProfileWindow, plot_run
-from meshdistill.trainer import fit, lr_schedule, make_optimizer
+from meshdistill.loop.evaluate import Evaluator
+from meshdistill.train.hardlabel import HardLabelTrainer
+from meshdistill.loop.monitor import Monitor, ProfileWindow, plot_run
+from meshdistill.loop.trainer import fit, lr_schedule, make_optimizer
 
 VOCAB = 264  # byte tokenizer
 TEACHER = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
@@ -310,7 +310,7 @@ def test_fresh_state_moments_take_their_parameters_sharding_on_every_trainer(kd,
 
 def test_tokens_per_s_keeps_the_flushs_wait_and_drops_the_time_set_aside(monkeypatch):
   """A flush waits for its window's steps (step time); evaluation after it is set aside (not step time)."""
-  import meshdistill.monitor as monitor_lib
+  import meshdistill.loop.monitor as monitor_lib
 
   clock = [0.0]
   monkeypatch.setattr(monitor_lib.time, "perf_counter", lambda: clock[0])

@@ -3,7 +3,7 @@
 The public names below are resolved lazily (PEP 562 module ``__getattr__``): ``import meshdistill``
 imports neither JAX nor the data pipeline, so the ``meshdistill`` command starts in a fraction of a
 second; ``meshdistill.Distiller`` (or ``from meshdistill import Distiller``) imports its module on first
-use. Subpackages (``meshdistill.teacher_cache``, ``meshdistill.jobs``, ...) resolve the same way.
+use. Subpackages (``meshdistill.teachers.cache``, ``meshdistill.jobs``, ...) resolve the same way.
 """
 
 from __future__ import annotations
@@ -16,49 +16,49 @@ __version__ = "0.1.0"
 # public name -> the module that defines it ("" : the name is itself a submodule of meshdistill)
 _EXPORTS: dict[str, str] = {
     # submodules
-    "data": "",
-    "freezing": "",
-    "fsdp": "",
-    "layout": "",
-    "losses": "",
-    "memory": "",
-    "safeguards": "",
-    "schedules": "",
-    "strategies": "",
+    "data": "meshdistill.data",
+    "freezing": "meshdistill.train.freezing",
+    "fsdp": "meshdistill.parallel.fsdp",
+    "layout": "meshdistill.parallel.layout",
+    "losses": "meshdistill.losses",
+    "memory": "meshdistill.train.memory",
+    "safeguards": "meshdistill.loop.safeguards",
+    "schedules": "meshdistill.train.schedules",
+    "strategies": "meshdistill.strategies",
     # data
     "DataConfig": "meshdistill.data",
     "build_data": "meshdistill.data",
     # distillation
-    "Distiller": "meshdistill.distiller",
-    "Layout": "meshdistill.layout",
-    "make_layout": "meshdistill.layout",
-    "wrap_step": "meshdistill.layout",
-    "TrainState": "meshdistill.step",
-    "per_device_step": "meshdistill.step",
+    "Distiller": "meshdistill.train.distiller",
+    "Layout": "meshdistill.parallel.layout",
+    "make_layout": "meshdistill.parallel.layout",
+    "wrap_step": "meshdistill.parallel.layout",
+    "TrainState": "meshdistill.train.step",
+    "per_device_step": "meshdistill.train.step",
     # freezing
-    "Stage": "meshdistill.freezing",
-    "default_stages": "meshdistill.freezing",
-    "freeze_status": "meshdistill.freezing",
-    "progressive_freeze": "meshdistill.freezing",
+    "Stage": "meshdistill.train.freezing",
+    "default_stages": "meshdistill.train.freezing",
+    "freeze_status": "meshdistill.train.freezing",
+    "progressive_freeze": "meshdistill.train.freezing",
     # memory and planning
-    "MemoryReport": "meshdistill.memory",
-    "fit_remat": "meshdistill.memory",
-    "step_memory": "meshdistill.memory",
+    "MemoryReport": "meshdistill.train.memory",
+    "fit_remat": "meshdistill.train.memory",
+    "step_memory": "meshdistill.train.memory",
     "Plan": "meshdistill.planner",
     "plan": "meshdistill.planner",
     # safeguards and optimizers
-    "DivergenceGuard": "meshdistill.guard",
-    "default_optimizer": "meshdistill.optimizers",
-    "safeguarded": "meshdistill.optimizers",
-    "skipped_updates": "meshdistill.optimizers",
-    "fit_guarded": "meshdistill.safeguards",
+    "DivergenceGuard": "meshdistill.loop.guard",
+    "default_optimizer": "meshdistill.train.optimizers",
+    "safeguarded": "meshdistill.train.optimizers",
+    "skipped_updates": "meshdistill.train.optimizers",
+    "fit_guarded": "meshdistill.loop.safeguards",
     # mesh
-    "AXES": "meshdistill.mesh",
-    "DATA": "meshdistill.mesh",
-    "TENSOR": "meshdistill.mesh",
-    "host_to_global": "meshdistill.mesh",
-    "make_mesh": "meshdistill.mesh",
-    "simulate_cpu_devices": "meshdistill.mesh",
+    "AXES": "meshdistill.parallel.mesh",
+    "DATA": "meshdistill.parallel.mesh",
+    "TENSOR": "meshdistill.parallel.mesh",
+    "host_to_global": "meshdistill.parallel.mesh",
+    "make_mesh": "meshdistill.parallel.mesh",
+    "simulate_cpu_devices": "meshdistill.parallel.mesh",
     # models
     "Decoder": "meshdistill.models",
     "ModelConfig": "meshdistill.models",
@@ -93,14 +93,14 @@ def __getattr__(name: str) -> Any:
   if where is None:
     if name.startswith("__"):
       raise AttributeError(f"module 'meshdistill' has no attribute {name!r}")
-    try:  # any other submodule: meshdistill.teacher_cache, meshdistill.jobs, ...
+    try:  # any other subpackage: meshdistill.teachers, meshdistill.jobs, ...
       return importlib.import_module(f"meshdistill.{name}")
     except ModuleNotFoundError as e:
       if e.name != f"meshdistill.{name}":
         raise
       raise AttributeError(f"module 'meshdistill' has no attribute {name!r}") from None
-  value = importlib.import_module(f"meshdistill.{name}") if where == "" else getattr(
-      importlib.import_module(where), name)
+  module = importlib.import_module(where)
+  value = module if module.__name__.rsplit(".", 1)[-1] == name else getattr(module, name)
   globals()[name] = value
   return value
 

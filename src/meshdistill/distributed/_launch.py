@@ -66,7 +66,7 @@ def launch(
   session; its stdout and stderr are forwarded line by line to ``out`` (default stdout) prefixed with
   ``[pN] ``. When a process exits non-zero the others are sent SIGTERM, then SIGKILL after ``grace_s``
   seconds. A SIGTERM or SIGINT to the launcher (called from the main thread) is forwarded to every
-  process's group (each then finishes its step or shard and saves it, `meshdistill.stopping`); those
+  process's group (each then finishes its step or shard and saves it, `meshdistill.loop.stopping`); those
   still running ``stop_grace_s`` seconds later are killed; a second signal kills them at once.
 
   Returns:

@@ -9,8 +9,8 @@ Order of work in `distill` (the main job):
 3. the teacher: ``teacher.hf`` (a Hugging Face directory) or ``pretrain.teacher`` if given, else the
    cached teacher for these settings, else one pretrained now on hard labels (`pretrain`) and cached;
 4. the student, directly on the mesh: ``student.hf``, copied from the teacher's blocks
-   (``student.init``), or initialised from ``train.seed`` (`meshdistill.sources.build_student`);
-5. `meshdistill.trainer.fit` with a `Distiller`, checkpoints and monitoring in ``run.run_dir``;
+   (``student.init``), or initialised from ``train.seed`` (`meshdistill.teachers.sources.build_student`);
+5. `meshdistill.loop.trainer.fit` with a `Distiller`, checkpoints and monitoring in ``run.run_dir``;
 6. the final evaluation of teacher and student on the validation batches (``summary.json``).
 
 The jobs live in private modules by concept; import them from here (``meshdistill.jobs.<name>``):

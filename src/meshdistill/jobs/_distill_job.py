@@ -7,14 +7,14 @@ import json
 import os
 from typing import IO
 
-from meshdistill.checkpoint import Checkpointer
+from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import Config, ConfigError
-from meshdistill.fsutil import write_text_atomic
+from meshdistill.storage.fsutil import write_text_atomic
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
 from meshdistill.jobs._setup import with_batch_size
 from meshdistill.jobs._teacher import _open_teacher_cache, _split_meshes, _teacher_on_own_mesh, obtain_teacher
 from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
-from meshdistill.monitor import ProfileWindow
+from meshdistill.loop.monitor import ProfileWindow
 
 
 def distill(
@@ -24,7 +24,7 @@ def distill(
 
   Writes ``config.yaml``, ``metrics.jsonl``, ``tb/``, ``checkpoints/`` and ``summary.json`` into
   ``run.run_dir`` and returns the summary (teacher / student validation loss and perplexity).
-  Holds the run directory's lock (`meshdistill.fsutil.RunLock`) throughout; ``config.yaml`` is
+  Holds the run directory's lock (`meshdistill.storage.fsutil.RunLock`) throughout; ``config.yaml`` is
   written only once the settings are known to fit the checkpoint the run resumes from.
   """
   with _run_lock(cfg.run.run_dir, "distillation run", cfg.checkpoint_dir):
@@ -86,10 +86,10 @@ def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
   """Raises when the run directory's checkpoint was written by another run (``expected``: facts of this one),
   or by this run with other settings that change what is trained (`_changed_settings`).
 
-  The same check as `meshdistill.trainer.fit`'s on resume, made before ``config.yaml`` is written.
+  The same check as `meshdistill.loop.trainer.fit`'s on resume, made before ``config.yaml`` is written.
   """
   from meshdistill.distributed import agree_on  # pylint: disable=g-import-not-at-top
-  from meshdistill.trainer import _check_resumable  # pylint: disable=g-import-not-at-top
+  from meshdistill.loop.trainer import _check_resumable  # pylint: disable=g-import-not-at-top
 
   # Opening a checkpoint manager is a collective: every process takes process 0's answer.
   if not agree_on(int(os.path.isdir(cfg.checkpoint_dir)), "whether the run has a checkpoint directory"):
@@ -105,8 +105,8 @@ def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
 
 
 def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
-  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
-  from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
+  from meshdistill.loop.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.loop.trainer import fit  # pylint: disable=g-import-not-at-top
 
   run_dir = cfg.run.run_dir
   teacher_mesh = None
@@ -141,14 +141,14 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
     raise ConfigError("distill.on_policy trains on prompts and sampled completions, but teacher.cache / "
                       "teacher.devices feed the teacher's top-k of the corpus rows; remove one of them")
   if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
-    from meshdistill.prompts import PromptData, read_prompts  # pylint: disable=g-import-not-at-top
+    from meshdistill.data.prompts import PromptData, read_prompts  # pylint: disable=g-import-not-at-top
 
     rows = read_prompts(os.path.expanduser(cfg.distill.on_policy.prompts_file), need_completion=True)
     data = PromptData(rows, data.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
                       val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
     say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
   distiller = make_distiller(cfg, teacher, mesh, data.tokenizer)
-  from meshdistill.trainer import _meta  # pylint: disable=g-import-not-at-top
+  from meshdistill.loop.trainer import _meta  # pylint: disable=g-import-not-at-top
 
   _check_against_checkpoint(cfg, _meta(distiller, "distill", {"teacher_dir": tdir}))
   _write_config(cfg, run_dir)
@@ -191,7 +191,7 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
 
 
 def _evaluate_pair(distiller, state, val) -> dict:
-  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.loop.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
   from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
 
   student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
@@ -217,7 +217,7 @@ def _evaluate_pair(distiller, state, val) -> dict:
 
 
 def _evaluate_student(distiller, state, val) -> dict:
-  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.loop.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
   from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
 
   student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)

@@ -8,7 +8,7 @@ import dataclasses
 import os
 from typing import IO, Any, NamedTuple
 
-from meshdistill.checkpoint import Checkpointer, load_teacher, read_teacher_meta
+from meshdistill.storage.checkpoint import Checkpointer, load_teacher, read_teacher_meta
 from meshdistill.config import Config
 from meshdistill.config import run_config
 from meshdistill.jobs._distill_job import _evaluate_pair
@@ -55,12 +55,12 @@ def generate(
   stream: IO[str] | None = None,
 ) -> list[str]:
   """Completions of ``prompts`` by the ``model`` (``student``: the run's latest checkpoint; ``teacher``: its
-  teacher) of the run in ``run.run_dir``, decoded with ``sampling`` (a `meshdistill.generate.SamplingConfig`;
+  teacher) of the run in ``run.run_dir``, decoded with ``sampling`` (a `meshdistill.models.generate.SamplingConfig`;
   its ``eos_id`` defaults to the tokenizer's) from ``jax.random.key(seed)`` on the run's layout."""
   import jax  # pylint: disable=g-import-not-at-top
 
   from meshdistill.data import load_tokenizer  # pylint: disable=g-import-not-at-top
-  from meshdistill.generate import SamplingConfig, generate, left_pad  # pylint: disable=g-import-not-at-top
+  from meshdistill.models.generate import SamplingConfig, generate, left_pad  # pylint: disable=g-import-not-at-top
 
   if model not in ("student", "teacher"):
     raise ValueError(f"model={model!r}; choose student or teacher")
@@ -124,7 +124,7 @@ def load_run(run_dir: str, step: int | None = None, *, mesh=None) -> LoadedRun:
   """The student of a `meshdistill distill` run directory, from its newest intact checkpoint (or ``step``).
 
   Reads the run's ``config.yaml`` and restores only the student's weights (no teacher, no optimizer
-  state) with `meshdistill.checkpoint.Checkpointer.restore_student`, as ``meshdistill export`` does; a
+  state) with `meshdistill.storage.checkpoint.Checkpointer.restore_student`, as ``meshdistill export`` does; a
   damaged newest step is skipped with a warning naming it. ``mesh=None`` puts every weight on one device
   (``jax.devices()[0]``); a `jax.sharding.Mesh` with a ``tensor`` axis splits it as training did (a vocabulary
   padded for the run's ``tensor`` needs a ``tensor`` that divides the padded size). A LoRA
@@ -134,7 +134,7 @@ def load_run(run_dir: str, step: int | None = None, *, mesh=None) -> LoadedRun:
   Raises:
     FileNotFoundError: ``run_dir`` is missing, holds no ``config.yaml`` or no finished checkpoint.
     ValueError: ``step`` is not one of its checkpoints, or the run is not a distillation run.
-    meshdistill.checkpoint.CheckpointError: ``step``, or every step, is damaged.
+    meshdistill.storage.checkpoint.CheckpointError: ``step``, or every step, is damaged.
   """
   if not os.path.isdir(run_dir):
     raise FileNotFoundError(f"run_dir={run_dir!r} does not exist; give the run.run_dir of a `meshdistill distill` run")
@@ -168,7 +168,7 @@ def stored_student_config(cfg: Config, mesh=None):
   read with the same padding (the decoder cuts it off its logits) and then, on ``mesh``, fitted to its
   ``tensor`` too.
   """
-  from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
+  from meshdistill.parallel.layout import layout_class  # pylint: disable=g-import-not-at-top
 
   student = cfg.student
   if not layout_class(cfg.mesh.backend).one_device:
@@ -179,7 +179,7 @@ def stored_student_config(cfg: Config, mesh=None):
 def run_teacher(cfg: Config, meta: dict, mesh, tokenizer):
   """``(teacher_dir, teacher)`` of a distillation run whose checkpoint ``meta`` is given."""
   if cfg.models.teacher_hf:
-    from meshdistill.sources import load_teacher_hf  # pylint: disable=g-import-not-at-top
+    from meshdistill.teachers.sources import load_teacher_hf  # pylint: disable=g-import-not-at-top
 
     return cfg.models.teacher_hf, load_teacher_hf(cfg, mesh)
   tdir = meta.get("teacher_dir") or cfg.pretrain.teacher

@@ -9,9 +9,9 @@ import os
 from typing import IO
 
 from meshdistill.config import Config, ConfigError, dump_config
-from meshdistill.fsutil import LOCK_FILE, RunLock
-from meshdistill.monitor import Monitor
-from meshdistill.ownership import MARKER, OutputKind, check_owned, read_marker, refuse_links, write_marker
+from meshdistill.storage.fsutil import LOCK_FILE, RunLock
+from meshdistill.loop.monitor import Monitor
+from meshdistill.storage.ownership import MARKER, OutputKind, check_owned, read_marker, refuse_links, write_marker
 
 log = logging.getLogger("meshdistill.jobs")  # the package's logger: records keep the name they always had
 
@@ -25,7 +25,7 @@ def prepare_devices(cfg: Config) -> None:
   processes (`meshdistill.distributed.initialize` first) each process simulates its share.
   """
   from meshdistill.distributed import local_device_share  # pylint: disable=g-import-not-at-top
-  from meshdistill.mesh import simulate_cpu_devices  # pylint: disable=g-import-not-at-top
+  from meshdistill.parallel.mesh import simulate_cpu_devices  # pylint: disable=g-import-not-at-top
 
   sim = cfg.mesh.simulate_cpu_devices
   if sim is False:
@@ -42,8 +42,8 @@ def prepare_devices(cfg: Config) -> None:
 def build_mesh(cfg: Config):
   """The run's mesh (None for the ``single`` backend)."""
   from meshdistill.distributed import data_shard, process_count  # pylint: disable=g-import-not-at-top
-  from meshdistill.layout import BACKENDS, layout_class  # pylint: disable=g-import-not-at-top
-  from meshdistill.mesh import make_mesh  # pylint: disable=g-import-not-at-top
+  from meshdistill.parallel.layout import BACKENDS, layout_class  # pylint: disable=g-import-not-at-top
+  from meshdistill.parallel.mesh import make_mesh  # pylint: disable=g-import-not-at-top
 
   layout = layout_class(cfg.mesh.backend)
   if process_count() > 1 and not layout.spans_processes:
@@ -146,7 +146,7 @@ RUN_KIND = OutputKind("run", "run directory", _is_run_entry, _earlier_run)
 
 def claim_run_dir(run_dir: str) -> None:
   """Raises unless ``run_dir`` may hold this run: new, empty, or a meshdistill run directory (its owner marker,
-  or an earlier version's run) with no symlink where the run writes a file (`meshdistill.ownership`)."""
+  or an earlier version's run) with no symlink where the run writes a file (`meshdistill.storage.ownership`)."""
   check_owned(run_dir, RUN_KIND, overwrite=None)
   if os.path.isdir(run_dir):
     refuse_links(run_dir, RUN_FILES)

@@ -12,7 +12,7 @@ import os
 import time
 from typing import IO, Any
 
-from meshdistill.checkpoint import (
+from meshdistill.storage.checkpoint import (
   Checkpointer,
   TeacherDamagedError,
   check_teacher_target,
@@ -23,8 +23,8 @@ from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
 from meshdistill.jobs._setup import with_batch_size
 from meshdistill.jobs._training import loop_kwargs, safeguard_kwargs
-from meshdistill.monitor import ProfileWindow
-from meshdistill.ownership import OutputKind, check_owned, read_marker, write_marker
+from meshdistill.loop.monitor import ProfileWindow
+from meshdistill.storage.ownership import OutputKind, check_owned, read_marker, write_marker
 
 log = logging.getLogger("meshdistill.jobs")  # the package's logger: records keep the name they always had
 
@@ -82,16 +82,16 @@ def pretrain(
 
   ``out`` defaults to the teacher cache (`teacher_dir`), where `distill` looks for it. An existing
   non-empty ``out`` is refused before any training unless ``overwrite`` (the cache always may be
-  replaced), and only a teacher directory is ever replaced (`meshdistill.checkpoint.save_teacher`).
+  replaced), and only a teacher directory is ever replaced (`meshdistill.storage.checkpoint.save_teacher`).
   Training state is checkpointed in ``run_dir`` (default ``<run.run_dir>/teacher-<key>``, the key
   of `teacher_key`, so pretraining with other settings never resumes this one), and an interrupted
   pretraining resumes. Returns a summary with the teacher's validation metrics.
   """
-  from meshdistill.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
-  from meshdistill.hardlabel import HardLabelTrainer  # pylint: disable=g-import-not-at-top
+  from meshdistill.loop.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.train.hardlabel import HardLabelTrainer  # pylint: disable=g-import-not-at-top
   from meshdistill.models import init_model, param_count  # pylint: disable=g-import-not-at-top
-  from meshdistill.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
-  from meshdistill.trainer import fit  # pylint: disable=g-import-not-at-top
+  from meshdistill.train.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.loop.trainer import fit  # pylint: disable=g-import-not-at-top
 
   if cfg.models.teacher_hf:
     raise ConfigError(
@@ -148,7 +148,7 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
   """
   report = report or log.info
   if cfg.models.teacher_hf:
-    from meshdistill.sources import load_teacher_hf  # pylint: disable=g-import-not-at-top
+    from meshdistill.teachers.sources import load_teacher_hf  # pylint: disable=g-import-not-at-top
 
     report(f"teacher: {cfg.models.teacher_hf} (Hugging Face)")
     return load_teacher_hf(cfg, mesh), cfg.models.teacher_hf
@@ -178,7 +178,7 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
 def _open_teacher_cache(cfg: Config, data, say):
   """``teacher.cache``: the cache (checked against this run's data, tokenizer, teacher config and student
   vocabulary), the data with the teacher's top-k in every training batch, and the teacher as a `TopKTeacher`."""
-  from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
+  from meshdistill.teachers import cache as tc  # pylint: disable=g-import-not-at-top
 
   if cfg.models.student_init.from_teacher:
     raise ConfigError("student.init.from_teacher copies the teacher's weights, but teacher.cache loads none; "
@@ -205,10 +205,10 @@ def _open_teacher_cache(cfg: Config, data, say):
 
 def _split_meshes(cfg: Config):
   """``teacher.devices``: the teacher's mesh and the student's (``mesh.data`` x ``mesh.tensor``), disjoint."""
-  from meshdistill.teacher_mesh import split_meshes  # pylint: disable=g-import-not-at-top
+  from meshdistill.teachers.mesh import split_meshes  # pylint: disable=g-import-not-at-top
 
   td = cfg.models.teacher_devices
-  from meshdistill.layout import layout_class  # pylint: disable=g-import-not-at-top
+  from meshdistill.parallel.layout import layout_class  # pylint: disable=g-import-not-at-top
 
   # Checked first (before data or teacher): the teacher on its own mesh sends the student its top-k only.
   if cfg.distill.kind != "logit_kd" or cfg.distill.top_k is None:
@@ -233,12 +233,12 @@ def _split_meshes(cfg: Config):
 
 def _teacher_on_own_mesh(cfg: Config, data, teacher_mesh, mesh, stream, say):
   """``teacher.devices``: the teacher on ``teacher_mesh``, its top-k fed to the student on ``mesh``."""
-  from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
-  from meshdistill.teacher_mesh import TeacherMeshData, TeacherOnMesh  # pylint: disable=g-import-not-at-top
+  from meshdistill.train.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
+  from meshdistill.teachers.mesh import TeacherMeshData, TeacherOnMesh  # pylint: disable=g-import-not-at-top
 
   td = cfg.models.teacher_devices
   teacher, tdir = obtain_teacher(cfg, data, teacher_mesh, stream=stream, report=say)
-  from meshdistill.sources import quantized_teacher  # pylint: disable=g-import-not-at-top
+  from meshdistill.teachers.sources import quantized_teacher  # pylint: disable=g-import-not-at-top
 
   teacher = quantized_teacher(cfg, teacher, teacher_mesh)  # teacher.quantize
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
@@ -263,9 +263,9 @@ def cache_teacher(
   first (`CACHE_KIND`): new, empty, or a cache meshdistill started there (its owner marker; without one, an
   earlier version's cache files only); a directory of other files is refused before any work.
   """
-  from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
-  from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
-  from meshdistill.layout import make_layout  # pylint: disable=g-import-not-at-top
+  from meshdistill.teachers import cache as tc  # pylint: disable=g-import-not-at-top
+  from meshdistill.train.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
+  from meshdistill.parallel.layout import make_layout  # pylint: disable=g-import-not-at-top
 
   tau = cfg.distill.value("temperature")  # the section's, or the strategy's default
   if callable(tau) or isinstance(tau, dict):
@@ -280,7 +280,7 @@ def cache_teacher(
   data = load_data(cfg, mesh=mesh)
   say = stream_reporter(stream)
   teacher, _ = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
-  from meshdistill.sources import quantized_teacher  # pylint: disable=g-import-not-at-top
+  from meshdistill.teachers.sources import quantized_teacher  # pylint: disable=g-import-not-at-top
 
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
@@ -316,7 +316,7 @@ def _cache_entry(name: str) -> bool:
 def _earlier_cache(path: str) -> str | None:
   """None when a marker-less ``path`` holds a teacher cache an earlier version wrote (a manifest or progress
   records of its shards, each naming the settings it was written with); else why not."""
-  from meshdistill.fsutil import read_json  # pylint: disable=g-import-not-at-top
+  from meshdistill.storage.fsutil import read_json  # pylint: disable=g-import-not-at-top
 
   records = [n for n in sorted(os.listdir(path)) if n == "manifest.json" or n.startswith("progress-")]
   if not records:
@@ -338,7 +338,7 @@ def _on_mesh(teacher, mesh):
   """``teacher`` with its parameters on ``mesh``, this process's part of the job's mesh (no copy)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  from meshdistill import teacher_cache as tc  # pylint: disable=g-import-not-at-top
+  from meshdistill.teachers import cache as tc  # pylint: disable=g-import-not-at-top
 
   graphdef, params = nnx.split(teacher)
   return nnx.merge(graphdef, tc.on_process_mesh(params, mesh))

@@ -1,4 +1,4 @@
-"""What `meshdistill.trainer.fit` is given from a `Config`: the loop and safeguard keywords, the
+"""What `meshdistill.loop.trainer.fit` is given from a `Config`: the loop and safeguard keywords, the
 distillation strategy and optimizer, and the `Distiller` itself."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from meshdistill.config import Config, ConfigError
 
 
 def loop_kwargs(settings) -> dict:
-  """`meshdistill.trainer.fit` keywords a `TrainSettings` section (``train`` / ``pretrain``) decides: the
+  """`meshdistill.loop.trainer.fit` keywords a `TrainSettings` section (``train`` / ``pretrain``) decides: the
   number of steps, the evaluation and logging cadence, and the logged learning-rate schedule (None with
   progressive freezing, whose stages set the rate)."""
-  from meshdistill.optimizers import lr_schedule  # pylint: disable=g-import-not-at-top
+  from meshdistill.train.optimizers import lr_schedule  # pylint: disable=g-import-not-at-top
 
   return {
     "steps": settings.steps,
@@ -25,12 +25,12 @@ def loop_kwargs(settings) -> dict:
 
 
 def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
-  """`meshdistill.trainer.fit` keywords for ``cfg.safeguards``: the divergence guard and automatic remat.
+  """`meshdistill.loop.trainer.fit` keywords for ``cfg.safeguards``: the divergence guard and automatic remat.
 
   ``strategy``: the run's distillation strategy, whose fallback is built from
   ``safeguards.guard.fallback`` (None for hard-label training: the guard then only restores).
   """
-  from meshdistill.guard import DivergenceGuard  # pylint: disable=g-import-not-at-top
+  from meshdistill.loop.guard import DivergenceGuard  # pylint: disable=g-import-not-at-top
   from meshdistill.strategies import ScaledLoss, fallback_strategy  # pylint: disable=g-import-not-at-top
 
   g, r = cfg.safeguards.guard, cfg.safeguards.remat
@@ -63,7 +63,7 @@ def _cache_safeguards(kwargs: dict, distiller) -> dict:
 def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
   """The distillation strategy and student optimizer of ``cfg`` (what `make_distiller` and ``meshdistill plan``
   use); ``student_layers`` replaces ``cfg.student.n_layers`` for a freezing schedule."""
-  from meshdistill.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
+  from meshdistill.train.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
 
   strategy, scale = cfg.distill.strategy(), cfg.safeguards.loss_scale
   if scale is not None:
@@ -75,17 +75,17 @@ def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
 
 
 def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
-  """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.sources.build_student`); with
+  """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.teachers.sources.build_student`); with
   ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS)."""
-  from meshdistill.distiller import Distiller  # pylint: disable=g-import-not-at-top
-  from meshdistill.sources import build_student, quantized_teacher  # pylint: disable=g-import-not-at-top
+  from meshdistill.train.distiller import Distiller  # pylint: disable=g-import-not-at-top
+  from meshdistill.teachers.sources import build_student, quantized_teacher  # pylint: disable=g-import-not-at-top
 
   student = build_student(cfg, teacher, mesh)
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize: after the student copied any float blocks
   strategy, optimizer = strategy_and_optimizer(cfg)
   extra = {}
   if cfg.distill.on_policy.active:
-    from meshdistill.onpolicy import OnPolicyDistiller as Distiller  # pylint: disable=g-import-not-at-top
+    from meshdistill.train.onpolicy import OnPolicyDistiller as Distiller  # pylint: disable=g-import-not-at-top
 
     eos, pad = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "pad_id", None)
     extra["on_policy"] = cfg.distill.on_policy.config(eos_id=eos, pad_id=pad or 0)

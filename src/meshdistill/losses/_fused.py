@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from meshdistill.losses._logits import as_float
-from meshdistill.mesh import auto_tensor_size
+from meshdistill.parallel.mesh import auto_tensor_size
 
 
 def _reduce(op, arrays, stacked: bool):

@@ -3,7 +3,7 @@
 Every function here takes logits of ONE sequence, ``[T, V]``, and returns a per-token
 vector ``[T]``; masked positions (``mask == 0``) are exactly 0 in the result. Callers
 reduce with a sum and divide by the token count of the global batch
-(see `meshdistill.step`). The vocabulary axis V may be split over the mesh axis
+(see `meshdistill.train.step`). The vocabulary axis V may be split over the mesh axis
 ``tensor``: only max- and sum-reductions over V are used (log-sum-exp subtracts a
 stop-gradient max), so the compiler reduces partial results across ``tensor``
 instead of gathering the vocabulary.

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill.losses._divergences import Scalar, get_distribution_divergence
 from meshdistill.losses._logits import _masked, as_float, log_softmax
-from meshdistill.mesh import TENSOR, auto_tensor_size
+from meshdistill.parallel.mesh import TENSOR, auto_tensor_size
 
 
 def teacher_topk(teacher_TxV: jax.Array, k: int, temperature: Scalar = 1.0) -> tuple[jax.Array, jax.Array]:

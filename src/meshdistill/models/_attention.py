@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.mesh import DATA, TENSOR
+from meshdistill.parallel.mesh import DATA, TENSOR
 from meshdistill.models._config import RopeScaling
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ _warned_interpret = False
 
 
 class KVCache(NamedTuple):
-  """One attention layer's key/value cache for decoding (`meshdistill.generate`).
+  """One attention layer's key/value cache for decoding (`meshdistill.models.generate`).
 
   ``k_BxSxGxK`` / ``v_BxSxGxK``: keys (after RoPE) and values of ``S`` slots (G = n_kv_heads, split
   over ``tensor`` like the k/v projections); ``valid_BxS``: slots holding a real token (left padding
@@ -115,7 +115,7 @@ def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
   The kernel is a Pallas custom call that XLA cannot partition (the TPU compiler refuses to: "Mosaic
   kernels cannot be automatically partitioned"), so it runs in a nested ``shard_map`` manual over every
   mesh axis that is still compiler-managed -- in a layout's step (manual over ``data``, as
-  `meshdistill.fsdp` writes its gathers) that is ``tensor``; under ``jax.set_mesh`` (evaluation) both.
+  `meshdistill.parallel.fsdp` writes its gathers) that is ``tensor``; under ``jax.set_mesh`` (evaluation) both.
   Each device runs it on its own query heads ``[i*H/t, (i+1)*H/t)`` of the ``tensor`` axis (size ``t``)
   and the key/value heads they read (``h // (H/G)``): its local ``tensor`` block when ``t`` divides
   ``G``; otherwise (the k/v projections replicated over ``tensor``, `ModelConfig.for_tensor`) the

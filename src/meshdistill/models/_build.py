@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshdistill.mesh import TENSOR, param_shardings
+from meshdistill.parallel.mesh import TENSOR, param_shardings
 from meshdistill.models.decoder import Decoder, ModelConfig
 
 

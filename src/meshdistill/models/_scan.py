@@ -7,7 +7,7 @@ and run under ``nnx.scan``, so XLA compiles one block body instead of ``n_layers
   per-block rematerialisation, and any per-block step inside it, is unchanged); the per-layer hidden states
   and attention probabilities come out of the scan stacked and are returned as the unrolled model's tuples.
 * `scan_blocks_cached` is the decoding form: the key/value caches are stacked ``[L, ...]`` and scanned
-  alongside the weights (`Decoder.decode_step`, which `meshdistill.generate` runs).
+  alongside the weights (`Decoder.decode_step`, which `meshdistill.models.generate` runs).
 
 Conversions between stacked and per-layer weights live in `meshdistill.models.stacking`.
 """

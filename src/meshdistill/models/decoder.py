@@ -19,9 +19,9 @@ norm scales                 [D]               replicated
 ==========================  ================  =====================
 
 (``ModelConfig.for_tensor`` pads and replicates; the decoder cuts the padding off its outputs, in the full
-forward pass and in `Decoder.decode_step`, the cached decoding pass `meshdistill.generate` runs.)
+forward pass and in `Decoder.decode_step`, the cached decoding pass `meshdistill.models.generate` runs.)
 With ``mesh.fsdp`` the layout adds ``data`` on one more dimension of each weight and the decoder
-gathers a module's weights where it runs it (`meshdistill.fsdp.gathered`: per block, inside remat).
+gathers a module's weights where it runs it (`meshdistill.parallel.fsdp.gathered`: per block, inside remat).
 So the logits ``[B, T, V]`` come out split over ``tensor`` along V. On request
 (``capture=``) the forward pass also returns per-layer hidden states and attention
 probabilities; capturing never changes parameters or module state. With ``ModelConfig.scan_layers``
@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshdistill.fsdp import gathered, gathered_call, gathered_for
-from meshdistill.mesh import TENSOR
+from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
+from meshdistill.parallel.mesh import TENSOR
 from meshdistill.models._attention import KVCache, _explicit_attention, rope, splash_attention
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._scan import save_all_but_casts, scan_blocks, scan_blocks_cached, stacked_blocks
@@ -296,7 +296,7 @@ class Decoder(nnx.Module):
 
 
 def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool):
-  # Weights split over `data` (`meshdistill.fsdp`) are gathered here, inside the block's remat region.
+  # Weights split over `data` (`meshdistill.parallel.fsdp`) are gathered here, inside the block's remat region.
   block, x_BxTxD = gathered_for(block, x_BxTxD)
   return block(x_BxTxD, want_probs)
 

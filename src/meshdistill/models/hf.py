@@ -10,7 +10,7 @@ device and no host buffer ever holds a full tensor-split weight.
 
 `export_hf(model, out_dir)` writes a decoder as a checkpoint that transformers (and so
 vLLM) loads: ``config.json``, ``model.safetensors`` and, when given, tokenizer files. It writes
-into a fresh temporary sibling and renames it into place (`meshdistill.fsutil.atomic_output_dir`):
+into a fresh temporary sibling and renames it into place (`meshdistill.storage.fsutil.atomic_output_dir`):
 no old shard or index survives next to the new weights, no symlink in the old directory is
 written through, and a failure (a bad tokenizer) leaves the old directory as it was. A non-empty
 ``out_dir`` is replaced only with ``overwrite=True`` and only when it holds nothing but
@@ -50,8 +50,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from meshdistill.fsutil import atomic_output_dir, read_json
-from meshdistill.mesh import TENSOR
+from meshdistill.storage.fsutil import atomic_output_dir, read_json
+from meshdistill.parallel.mesh import TENSOR
 from meshdistill.models._build import abstract_params
 from meshdistill.models._hf_config import SUPPORTED, config_from_hf, hf_config, weight_names
 from meshdistill.models.decoder import Decoder, ModelConfig
@@ -282,7 +282,7 @@ def is_checkpoint_file(name: str) -> bool:
 def export_kind():
   """An export directory: replaced only when its owner marker proves `export_hf` wrote it (a marker-less
   directory of these files may be a downloaded model: never replaced)."""
-  from meshdistill.ownership import OutputKind  # pylint: disable=g-import-not-at-top
+  from meshdistill.storage.ownership import OutputKind  # pylint: disable=g-import-not-at-top
 
   return OutputKind("export", "export directory", is_checkpoint_file,
                     lambda path: "an export without an owner marker looks like a downloaded model")
@@ -370,7 +370,7 @@ def export_hf(
   out = Path(out_dir)
   if jax.process_index() != 0:
     return out
-  from meshdistill.ownership import check_owned, write_marker  # pylint: disable=g-import-not-at-top
+  from meshdistill.storage.ownership import check_owned, write_marker  # pylint: disable=g-import-not-at-top
 
   check_owned(str(out), export_kind(), overwrite=overwrite, flag="overwrite=True")
   with atomic_output_dir(str(out)) as tmp:  # a tokenizer read from out_dir is copied before out_dir is replaced

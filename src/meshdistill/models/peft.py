@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshdistill.fsutil import atomic_output_dir
+from meshdistill.storage.fsutil import atomic_output_dir
 from meshdistill.models._hf_config import weight_names
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def is_adapter_file(name: str) -> bool:
 
 def adapter_kind():
   """An adapter directory: replaced only when its owner marker proves `export_adapter` wrote it."""
-  from meshdistill.ownership import OutputKind  # pylint: disable=g-import-not-at-top
+  from meshdistill.storage.ownership import OutputKind  # pylint: disable=g-import-not-at-top
 
   return OutputKind("adapter", "adapter directory", is_adapter_file,
                     lambda path: "an adapter directory without an owner marker looks like a downloaded adapter")
@@ -134,7 +134,7 @@ def export_adapter(model, out_dir: str | os.PathLike, *, base: str | None = None
     if base_model is not None:
       export_hf(base_model, out / BASE_DIR, tokenizer=tokenizer, dtype=dtype)
     return out
-  from meshdistill.ownership import check_owned, write_marker  # pylint: disable=g-import-not-at-top
+  from meshdistill.storage.ownership import check_owned, write_marker  # pylint: disable=g-import-not-at-top
 
   check_owned(str(out), adapter_kind(), overwrite=overwrite, flag="overwrite=True")
   with atomic_output_dir(str(out)) as tmp:

@@ -9,13 +9,13 @@ The embedding, the norms and the LM head stay float. It is the machinery of the 
 The quantized weights keep their base weight's split over ``tensor`` (``qvalue`` as the kernel; a
 ``scale`` of a row-split weight, size 1 on the split dimension, is replicated). A quantized model is
 for inference only: as a teacher it is an input of the step run under ``stop_gradient``, never
-differentiated and never in the optimizer (`meshdistill.step`).
+differentiated and never in the optimizer (`meshdistill.train.step`).
 
 Storage: int8 one byte per weight; int4 / nf4 (nf4 is qwix's 16-level NormalFloat, stored ``uint4``)
 are packed two per byte where the backend packs 4-bit types (TPU) and take one byte per value on CPU,
 where JAX keeps 4-bit arrays unpacked. 4-bit storage adds no shape limit of its own on CPU (odd sizes
 work); a split over ``tensor`` needs the sizes the float model needs. Checkpoints store nf4's
-``uint4`` widened to ``uint8`` (tensorstore has no ``uint4``; `meshdistill.checkpoint`).
+``uint4`` widened to ``uint8`` (tensorstore has no ``uint4``; `meshdistill.storage.checkpoint`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from meshdistill.mesh import param_shardings
+from meshdistill.parallel.mesh import param_shardings
 from meshdistill.models._build import _value, abstract_params
 from meshdistill.models.decoder import Decoder, ModelConfig
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshdistill.mesh import TENSOR, param_shardings
+from meshdistill.parallel.mesh import TENSOR, param_shardings
 from meshdistill.models._hf_config import config_from_hf, hf_family
 from meshdistill.models.decoder import ModelOutput
 from meshdistill.models.hf import read_hf_config, read_onto_mesh

@@ -22,10 +22,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshdistill.distiller import Distiller
-from meshdistill.layout import ShardMapLayout
-from meshdistill.memory import MemoryReport
-from meshdistill.mesh import TENSOR, batch_sharding
+from meshdistill.train.distiller import Distiller
+from meshdistill.parallel.layout import ShardMapLayout
+from meshdistill.train.memory import MemoryReport
+from meshdistill.parallel.mesh import TENSOR, batch_sharding
 from meshdistill.models._build import abstract_params
 from meshdistill.models.decoder import ModelConfig
 

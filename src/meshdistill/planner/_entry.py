@@ -56,7 +56,7 @@ def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq
     t_label = "config teacher"
   if student is None:
     s_label = "config student"
-  from meshdistill.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
+  from meshdistill.train.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
 
   resolve_shared_vocab(t_cfg.vocab_size, s_cfg.vocab_size)  # different tokenizers raise here
   if hbm_gib is not None and not hbm_gib > 0:

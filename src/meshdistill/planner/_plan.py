@@ -6,8 +6,8 @@ import dataclasses
 import logging
 
 from meshdistill.config import Config
-from meshdistill.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER
-from meshdistill.mesh import make_mesh
+from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER
+from meshdistill.parallel.mesh import make_mesh
 from meshdistill.models.decoder import ModelConfig
 from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, kernel_flops, shard_bytes
 from meshdistill.planner._hardware import Target

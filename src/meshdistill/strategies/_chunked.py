@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from meshdistill.losses._chunked import chunked_token_sums
 from meshdistill.models import ModelOutput
-from meshdistill.schedules import check_integer
+from meshdistill.train.schedules import check_integer
 from meshdistill.strategies._base import BatchStrategy, register
 from meshdistill.strategies._logit import LogitRecipe
 

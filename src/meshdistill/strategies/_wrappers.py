@@ -2,9 +2,9 @@
 
 * `ScaledLoss(strategy, S)` multiplies the gradient of the loss by ``S`` while leaving its VALUE
   (and so every reported metric) unchanged; pair it with
-  ``meshdistill.optimizers.safeguarded(..., loss_scale=S)``, which divides the gradients by ``S``
+  ``meshdistill.train.optimizers.safeguarded(..., loss_scale=S)``, which divides the gradients by ``S``
   first. The step needs no change: the loss is ``stop_gradient(l) + S * (l - stop_gradient(l))``.
-* `LogitMSE` and `fallback_strategy`: the steadier loss `meshdistill.guard.Recovery` distils with
+* `LogitMSE` and `fallback_strategy`: the steadier loss `meshdistill.loop.guard.Recovery` distils with
   after a divergence.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from meshdistill.optimizers import check_loss_scale
-from meshdistill.schedules import value_at
+from meshdistill.train.optimizers import check_loss_scale
+from meshdistill.train.schedules import value_at
 from meshdistill.strategies._base import SequenceStrategy, Strategy
 from meshdistill.strategies._logit import logit_metrics
 

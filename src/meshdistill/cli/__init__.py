@@ -1,0 +1,307 @@
+"""The ``meshdistill`` command.
+
+  meshdistill distill                       # the main job: configs/default.yaml on a 2x4 mesh
+  meshdistill distill --config tiny --set train.steps=50 --set distill.alpha=0.7
+  meshdistill pretrain [--out DIR [--overwrite]]  # pretrain (and cache) the configured teacher
+  meshdistill eval RUN_DIR                  # validation loss / perplexity / agreement of a run
+  meshdistill generate RUN_DIR --prompt "def "   # samples of a run's student (--model teacher: its teacher)
+  meshdistill plot RUN_DIR                  # PNG curves of loss, KL, CE and correlation
+  meshdistill export RUN_DIR OUT_DIR [--dtype bfloat16] [--step N] [--overwrite]   # the student as a HF checkpoint
+  meshdistill export RUN_DIR OUT_DIR --adapter      # a LoRA student's adapters as a PEFT adapter directory
+  meshdistill config [--config ...] [--set ...]   # print the effective configuration
+  meshdistill plan --teacher llama3.1-8b --student llama3.2-1b --topology v5e:4x4 --batch 16 --seq 2048
+  meshdistill launch --processes 2 -- meshdistill distill --config tiny   # N local processes, one job
+
+``distill``, ``pretrain`` and ``eval`` join a job of several processes (one per host of a TPU pod
+slice or GPU cluster) with ``--coordinator HOST:PORT --num-processes N --process-id I``, the
+``MESHDISTILL_COORDINATOR`` / ``_NUM_PROCESSES`` / ``_PROCESS_ID`` variables, or ``--coordinator auto``
+(JAX's cluster auto-detection, also used when a cluster launcher's variables are found); see
+`meshdistill.distributed`.
+
+``--config`` takes a YAML file or the name of a packaged config (``default``, ``tiny``);
+``--set key.path=value`` (repeatable) overrides one setting, the value parsed as YAML. Bad
+keys or values are reported before anything runs. On a machine without an accelerator the
+mesh runs on simulated CPU devices (``mesh.simulate_cpu_devices: auto``), and JAX does not probe
+for a TPU (``JAX_PLATFORMS=cpu`` unless set; see `meshdistill.distributed.platforms`).
+
+Only this module prints; the library logs (``-v``, before or after the command, shows its INFO
+messages; ``plan`` shows its progress without it). Job modules (JAX, the data pipeline) are imported
+inside the chosen command, so ``--help`` and ``--version`` answer at once.
+
+Exit codes: 0 done; 2 refused (a bad setting, a missing or damaged input, an output that
+would replace files, a run directory in use) -- nothing was lost; 1 training failed (the
+divergence guard gave up, a checkpoint could not be written) -- the last checkpoint is kept;
+143 stopped by SIGTERM and 130 stopped by SIGINT (Ctrl-C): ``distill`` and ``pretrain`` after
+writing a checkpoint of the step in flight, ``cache-teacher`` after recording the shard in flight
+(`meshdistill.loop.stopping`); a second signal ends the process at once. Rerunning the same command
+resumes after 1, 130 and 143. ``launch`` forwards SIGTERM and SIGINT to its processes and exits
+with the first failing process's code (128 + N for one ended by signal N).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+from meshdistill.cli.parser import parser as _parser
+from meshdistill.config.typed_yaml import ConfigError  # light (no JAX): job modules are imported inside each command
+
+# commands whose loops honour a stop request (`meshdistill.loop.stopping`): SIGTERM / SIGINT end them at a step or
+# shard boundary with their progress saved (exit 143 / 130)
+STOPPABLE = ("distill", "pretrain", "cache-teacher")
+
+
+def _plan(args) -> int:
+  """``meshdistill plan``: JAX starts here on CPU devices only; TPU programs are compiled, never run."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.planner._hardware import cpu_count_of  # pylint: disable=g-import-not-at-top
+
+  n = cpu_count_of(args.devices)
+  if n is not None and n > 1:
+    from meshdistill.parallel.mesh import simulate_cpu_devices  # pylint: disable=g-import-not-at-top
+
+    simulate_cpu_devices(n)
+  from meshdistill import planner  # pylint: disable=g-import-not-at-top
+
+  common = dict(topology=args.topology, devices=args.devices, seq=args.seq, config=args.config,
+                overrides=args.overrides, dtype=args.dtype, hbm_gib=args.hbm_gib, scan_layers=args.scan_layers,
+                attention=args.attention)
+  t0 = time.perf_counter()
+  if args.search:
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+    chunks = None if args.chunk_size is None else [args.chunk_size]
+    remats = None if args.remat is None else [args.remat]
+    plans = planner.search(args.teacher, args.student, batch=args.batch, batches=batches, remats=remats,
+                           chunk_sizes=chunks, max_compiles=args.max_compiles or 12, **common)
+    if args.json:
+      print(json.dumps([p.to_dict() for p in plans], indent=1))
+    else:
+      print(planner.search_table(plans))
+      if plans and plans[0].fits is not False:
+        print(f"\nbest: {plans[0].describe()}")
+  else:
+    extra = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
+    p = planner.plan(args.teacher, args.student, mesh=args.mesh, batch=args.batch, remat=args.remat,
+                     max_compiles=args.max_compiles or 4, **extra, **common)
+    print(p.to_json(indent=1) if args.json else p.table())
+  print(f"planned in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+  return 0
+
+
+def _setup_logging(verbose: bool, command: str | None = None) -> None:
+  logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+  for noisy in ("absl", "jax._src", "orbax", "etils"):
+    logging.getLogger(noisy).setLevel(logging.INFO if verbose else logging.ERROR)
+  if command == "plan":  # compilations take minutes on large pairs: show what is being compiled, and for how long
+    logging.getLogger("meshdistill.planner").setLevel(logging.INFO)
+
+
+def _load(args, run_dir: str | None = None):
+  config = args.config
+  overrides = list(args.overrides)
+  if run_dir is not None:
+    saved = os.path.join(run_dir, "config.yaml")
+    if config is None and os.path.isfile(saved):
+      config = saved
+    overrides.append(f"run.run_dir={run_dir}")
+  from meshdistill.config import load_config  # pylint: disable=g-import-not-at-top
+
+  return load_config(config, overrides)
+
+
+def _err(msg: str, code: int = 2) -> int:
+  print(f"meshdistill: error: {msg}", file=sys.stderr)
+  return code
+
+
+def _export(args) -> int:
+  from meshdistill.models import export  # pylint: disable=g-import-not-at-top
+  from meshdistill.config import run_config  # pylint: disable=g-import-not-at-top
+
+  try:  # settings, run directory and OUT_DIR are checked before JAX starts
+    cfg = run_config(args.run_dir)
+    if args.dtype not in export.DTYPES:
+      raise ValueError(f"--dtype={args.dtype!r}; choose one of {list(export.DTYPES)}")
+    export.check_out_dir(args.out_dir, args.overwrite, args.adapter)
+    from meshdistill import jobs  # pylint: disable=g-import-not-at-top
+
+    jobs.prepare_devices(cfg)
+    out = export.export_run(
+      args.run_dir, args.out_dir, dtype=args.dtype, step=args.step, overwrite=args.overwrite, cfg=cfg,
+      adapter=args.adapter,
+    )
+  except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+    return _err(str(e))
+  except RuntimeError as e:  # meshdistill.storage.checkpoint.CheckpointError: no intact checkpoint
+    return _err(str(e), code=1)
+  print(f"exported step {out['step']} of {args.run_dir} ({out['family']}, {out['params']:,} params, {out['dtype']}) "
+        f"-> {out['out_dir']}")
+  print(f"tokenizer: {out['tokenizer']}")
+  if "base" in out:
+    print(f"adapters apply to the base {out['base']}")
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:  # Ctrl-C where no stop request is installed (plan, export, start-up): nothing to save
+    print("\ninterrupted", file=sys.stderr)
+    return 130
+
+
+def _main(argv: list[str] | None) -> int:
+  args = _parser().parse_args(argv)
+  _setup_logging(args.verbose, args.command)
+  if args.command != "launch":  # the launcher starts no JAX; its processes get JAX_PLATFORMS=cpu from it
+    from meshdistill.distributed.platforms import select_platform  # pylint: disable=g-import-not-at-top
+
+    select_platform(force_cpu=args.command == "plan")  # CPU unless an accelerator is present or JAX_PLATFORMS set
+  if args.command == "launch":
+    from meshdistill import distributed  # pylint: disable=g-import-not-at-top
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    try:
+      return distributed.launch(args.processes, cmd, port=args.port)
+    except distributed.DistributedError as e:
+      return _err(str(e))
+  if args.command == "plot":
+    from meshdistill.loop.monitor import plot_run  # pylint: disable=g-import-not-at-top
+
+    try:
+      for path in plot_run(args.run_dir, args.out):
+        print(path)
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
+      return _err(str(e))
+    return 0
+
+  if args.command == "export":
+    return _export(args)
+
+  run_dir = getattr(args, "run_dir", None)
+  if run_dir is not None and not os.path.isdir(run_dir):
+    return _err(f"run directory {run_dir} does not exist; give the run.run_dir of a `meshdistill distill` run")
+  try:  # every setting is checked here, before JAX starts or any data is read
+    cfg = _load(args, run_dir)
+    if args.command == "pretrain" and args.out is not None:
+      from meshdistill.storage.checkpoint import check_teacher_target  # pylint: disable=g-import-not-at-top
+
+      check_teacher_target(args.out, overwrite=args.overwrite)  # again before saving; here to fail fast
+  except (ConfigError, FileNotFoundError, FileExistsError) as e:
+    return _err(str(e))
+  if args.command == "plan":
+    try:
+      return _plan(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+      return _err(str(e))
+  if args.command == "config":
+    import yaml  # pylint: disable=g-import-not-at-top
+
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0
+
+  from meshdistill import jobs  # pylint: disable=g-import-not-at-top
+  from meshdistill.storage.fsutil import RunLockedError  # pylint: disable=g-import-not-at-top
+  from meshdistill.loop.monitor import ProfileWindow  # pylint: disable=g-import-not-at-top
+  from meshdistill.loop.stopping import STOP_SIGNALS, Stopped, stop_on_signals  # pylint: disable=g-import-not-at-top
+
+  try:
+    ProfileWindow.parse(getattr(args, "profile", None), "")
+  except ValueError as e:
+    return _err(str(e))
+
+  from meshdistill import distributed  # pylint: disable=g-import-not-at-top
+
+  try:  # before JAX starts a backend
+    # (`generate` runs as one process: it takes no process flags)
+    process_flags = (getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id"))
+    distributed.initialize(distributed.resolve(*process_flags))
+    jobs.prepare_devices(cfg)
+  except distributed.DistributedError as e:
+    return _err(str(e))
+  t0 = time.perf_counter()
+  # SIGTERM / SIGINT: finish the step (shard), save it, exit 143 / 130; eval and generate keep the default actions
+  with stop_on_signals(STOP_SIGNALS if args.command in STOPPABLE else ()):
+    try:
+      if args.command == "pretrain":
+        out = jobs.pretrain(cfg, out=args.out, stream=sys.stderr, profile=args.profile, overwrite=args.overwrite)
+        ev = out["eval"]
+        print(f"teacher ({out['params']:,} params) -> {out['teacher_dir']}")
+        if ev:
+          print(f"validation loss {ev['loss']:.4f}, perplexity {ev['ppl']:.3f}")
+      elif args.command == "distill":
+        import jax  # pylint: disable=g-import-not-at-top
+
+        from meshdistill.parallel.layout import layout_class  # pylint: disable=g-import-not-at-top
+
+        mesh = layout_class(cfg.mesh.backend).describe(cfg.mesh.data, cfg.mesh.tensor)
+        if cfg.mesh.fsdp:
+          mesh += ", fsdp"
+        if cfg.mesh.student_split == "batch" and cfg.mesh.tensor > 1:
+          mesh += ", student replicated on rows split over data x tensor"
+        print(
+          f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s)"
+          + (f" in {jax.process_count()} processes (this is process {jax.process_index()})"
+             if jax.process_count() > 1 else "")
+          + f", run dir {cfg.run.run_dir}",
+          file=sys.stderr,
+        )
+        summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
+        print(jobs.summary_table(summary))
+      elif args.command == "cache-teacher":
+        from meshdistill.teachers.cache import TeacherCache  # pylint: disable=g-import-not-at-top
+
+        m = jobs.cache_teacher(cfg, args.out, k=args.k, precision=args.precision,
+                               rows_per_shard=args.rows_per_shard, stream=sys.stderr)
+        if m:
+          cache = TeacherCache(args.out)
+          print(f"teacher cache {cache.path}: {m['rows']} rows x {m['seq_len']} tokens, top-{m['k']} at temperature "
+                f"{m['temperature']}, {m['precision']}, {cache.bytes_per_token():.1f} bytes/token, "
+                f"content {m['content_sha256'][:16]}")
+          print(f"distil from it with: --set teacher.cache={cache.path} --set distill.top_k={m['k']}")
+      elif args.command == "eval":
+        print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
+      elif args.command == "generate":
+        from meshdistill.models.generate import SamplingConfig  # pylint: disable=g-import-not-at-top
+        from meshdistill.data.prompts import read_prompts  # pylint: disable=g-import-not-at-top
+
+        prompts = list(args.prompt)
+        if args.prompts_file:
+          prompts += [r["prompt"] for r in read_prompts(args.prompts_file)]
+        sampling = SamplingConfig(
+          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
+        )
+        texts = jobs.generate(cfg, prompts, model=args.model, sampling=sampling, seed=args.seed, stream=sys.stderr)
+        for prompt, text in zip(prompts, texts):
+          print(f"--- {prompt!r}\n{prompt}{text}")
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError, RunLockedError) as e:
+      return _err(str(e))
+    except Stopped as e:
+      print(f"{e}; rerun the same command to resume", file=sys.stderr)
+      return e.exit_code
+    except KeyboardInterrupt:  # eval, generate (the stoppable commands turn SIGINT into a stop request)
+      print("\ninterrupted; rerun the same command to start again", file=sys.stderr)
+      return 130
+    except RuntimeError as e:
+      import jax  # pylint: disable=g-import-not-at-top
+
+      if distributed.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
+        print(
+          f"meshdistill: error: process {distributed.process_index()} of {distributed.process_count()}: {e}\n"
+          "a collective between the processes failed (did another process of the job stop?); rerun the same command "
+          "on every process to resume (from the last checkpoint, or for cache-teacher from the shards written)",
+          file=sys.stderr,
+        )
+        return 1
+      return _err(str(e), code=1)  # the guard gave up, no intact checkpoint (CheckpointError): last checkpoint kept
+    except OSError as e:  # a checkpoint or output that could not be written (a full disk)
+      return _err(str(e), code=1)
+  print(f"done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,1 @@
+"""The training loop and what runs around it: fit, hooks, guard, safeguards, monitor, evaluation, stopping."""

@@ -1,0 +1,114 @@
+"""Validation metrics: loss and perplexity of a model, and its agreement with a teacher.
+
+Every number is a token mean over the UNMASKED tokens of all validation batches (sums
+accumulated over batches, divided once at the end), so padding never counts and the
+result does not depend on how the rows are batched:
+
+* ``loss`` -- cross-entropy of the model on the next token; ``ppl = exp(loss)``;
+* with a teacher: ``teacher_loss`` / ``teacher_ppl``, ``kl`` = KL(teacher || model) at
+  temperature 1, ``agree`` = share of tokens whose arg-max matches the teacher's, ``corr`` =
+  Pearson correlation of the two logit vectors.
+
+The forward passes run as one jitted program per batch on the layout the parameters
+live on (batch split over ``data``; weights split over ``tensor``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshdistill import losses
+from meshdistill.parallel.mesh import host_to_global
+from meshdistill.train.step import BATCH_KEYS
+
+
+@functools.partial(jax.jit, static_argnames=("model_def", "teacher_def"))
+def _sums(params, teacher_params, batch, *, model_def, teacher_def):
+  mask_BxT = batch["mask"].astype(jnp.float32)
+  targets_BxT = batch["targets"]
+  logits = nnx.merge(model_def, params)(batch["inputs"]).logits
+  per_seq = lambda f: jax.vmap(lambda *a: jnp.sum(f(*a)))
+  out = {"tokens": jnp.sum(mask_BxT), "ce": jnp.sum(per_seq(losses.cross_entropy)(logits, targets_BxT, mask_BxT))}
+  if teacher_def is not None:
+    t_logits = nnx.merge(teacher_def, teacher_params)(batch["inputs"]).logits
+    out["teacher_ce"] = jnp.sum(per_seq(losses.cross_entropy)(t_logits, targets_BxT, mask_BxT))
+    out["kl"] = jnp.sum(per_seq(losses.forward_kl)(logits, t_logits, mask_BxT))
+    out["agree"] = jnp.sum(per_seq(losses.top1_agreement)(logits, t_logits, mask_BxT))
+    out["corr"] = jnp.sum(per_seq(losses.pearson)(logits, t_logits, mask_BxT))
+  return out
+
+
+def finish(sums: dict[str, float]) -> dict[str, float]:
+  """Token means and perplexities from accumulated token sums."""
+  n = max(sums["tokens"], 1.0)
+  out = {"loss": sums["ce"] / n, "tokens": sums["tokens"]}
+  out["ppl"] = math.exp(min(out["loss"], 700.0))
+  if "teacher_ce" in sums:
+    out["teacher_loss"] = sums["teacher_ce"] / n
+    out["teacher_ppl"] = math.exp(min(out["teacher_loss"], 700.0))
+    for k in ("kl", "agree", "corr"):
+      out[k] = sums[k] / n
+  return out
+
+
+class Evaluator:
+  """Evaluates a model (optionally against a teacher) on fixed validation batches.
+
+  Args:
+    model_def: graph definition of the evaluated model (``trainer.student_def``).
+    teacher_def, teacher_params: the teacher to compare with, or None.
+    mesh: where batches go (split over ``data``); None places them on the default device.
+  """
+
+  def __init__(self, model_def: nnx.GraphDef, *, teacher_def=None, teacher_params=None, mesh: Mesh | None = None):
+    self.mesh = mesh
+    self.teacher_def, self.teacher_params = teacher_def, teacher_params
+    # One compiled program per (graph definitions, shapes, layout), shared by every Evaluator.
+    self._fn = functools.partial(_sums, model_def=model_def, teacher_def=teacher_def)
+
+  @classmethod
+  def for_trainer(cls, trainer: Any, with_teacher: bool = True) -> Evaluator:
+    """An evaluator of ``trainer``'s student (a `Distiller` or `HardLabelTrainer`) on its layout."""
+    teacher_def = getattr(trainer, "teacher_def", None) if with_teacher else None
+    teacher_params = trainer.unreplicate(trainer.teacher_params) if teacher_def is not None else None
+    return cls(trainer.student_def, teacher_def=teacher_def, teacher_params=teacher_params, mesh=trainer.layout.eval_mesh)
+
+  def _place(self, batch):
+    batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS}
+    if self.mesh is None:
+      return batch
+    return host_to_global(batch, self.mesh)
+
+  def _in_mesh(self):
+    """The mesh in context: kernels XLA cannot partition (Pallas splash attention) place themselves on it."""
+    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+  def lower(self, params: Any, batch: dict):
+    """The lowered program of one batch (already placed; abstract ``jax.ShapeDtypeStruct``s work)."""
+    with self._in_mesh():
+      return self._fn.func.lower(params, self.teacher_params, batch, **self._fn.keywords)
+
+  def __call__(self, params: Any, batches: Sequence[dict]) -> dict[str, float]:
+    """Metrics of the model with parameters ``params`` (an ``nnx.State``) over ``batches``."""
+    if not batches:
+      raise ValueError(
+        "no validation batches: the corpus has no validation split; set data.val_fraction > 0 "
+        "(e.g. 0.05) or use a larger corpus"
+      )
+    total: dict[str, float] = {}
+    with self._in_mesh():
+      for batch in batches:
+        sums = jax.device_get(self._fn(params, self.teacher_params, self._place(batch)))
+        for k, v in sums.items():
+          total[k] = total.get(k, 0.0) + float(v)
+    return finish(total)

@@ -1,0 +1,1 @@
+"""Where arrays live: the mesh, the layouts that wrap the one step, FSDP, collectives."""

@@ -1,0 +1,303 @@
+"""The teacher cache's storage format: bit-packed ids, shard and JSON files, settings checks, and reading a
+finished cache (`TeacherCache`, `CachedTeacherData`). The layout of a cache directory is described in
+`meshdistill.teachers.cache`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from meshdistill import losses
+from meshdistill.train.step import TOPK_KEYS
+from meshdistill.teachers.cache._program import TopKTeacher
+
+FORMAT_VERSION = 1
+PRECISIONS = {"float16": np.float16, "float32": np.float32}
+MANIFEST = "manifest.json"
+
+
+def _progress_name(process_index: int) -> str:
+  return f"progress-{process_index}.json"
+
+
+class CacheError(ValueError):
+  """A teacher cache that cannot serve this run (other settings, missing or damaged files)."""
+
+
+# --------------------------------------------------------------------------- encoding
+def id_bits(vocab: int) -> int:
+  """Bits one token id of a ``vocab``-token range needs: ``ceil(log2 vocab)`` (at least 1)."""
+  return max(1, math.ceil(math.log2(vocab)))
+
+
+def pack_ids(ids_NxM: np.ndarray, bits: int) -> np.ndarray:
+  """Each row's ids (< 2**bits) as ``bits``-bit fields, big-endian, in ``ceil(M * bits / 8)`` bytes."""
+  ids = np.asarray(ids_NxM, np.uint32)
+  n, m = ids.shape
+  all_bits = np.unpackbits(ids.astype(">u4").view(np.uint8).reshape(n, m, 4), axis=-1)  # [N, M, 32]
+  return np.packbits(all_bits[..., 32 - bits:].reshape(n, m * bits), axis=-1)
+
+
+def unpack_ids(packed_NxB: np.ndarray, bits: int, m: int) -> np.ndarray:
+  """The inverse of `pack_ids`: ``[N, m]`` int32."""
+  n = packed_NxB.shape[0]
+  fields = np.unpackbits(packed_NxB, axis=-1, count=m * bits).reshape(n, m, bits)
+  full = np.concatenate([np.zeros((n, m, 32 - bits), np.uint8), fields], axis=-1)
+  return np.packbits(full, axis=-1).view(">u4").reshape(n, m).astype(np.int32)
+
+
+def encode_rows(topk: losses.TopK, bits: int, precision: str) -> dict[str, np.ndarray]:
+  """Host arrays of one shard: packed ids, log-probs and tail in ``precision``."""
+  ids_NxTxK = np.asarray(topk.indices)
+  n, t, k = ids_NxTxK.shape
+  dtype = PRECISIONS[precision]
+  return {
+      "ids": pack_ids(ids_NxTxK.reshape(n, t * k), bits),
+      "logprobs": np.asarray(topk.logprobs, np.float32).astype(dtype),
+      "tail": np.asarray(topk.tail, np.float32).astype(dtype),
+  }
+
+
+# --------------------------------------------------------------------------- files
+def _file_sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def _write_json(path: str, obj: dict) -> None:
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+  with os.fdopen(fd, "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def _read_json(path: str) -> dict | None:
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _save_shard(path: str, arrays: dict[str, np.ndarray]) -> None:
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+  os.close(fd)
+  try:
+    save_file(arrays, tmp, metadata={"format": str(FORMAT_VERSION)})
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def _check_same(saved: dict, now: dict, where: str) -> None:
+  """Raises `CacheError` naming the first setting in which ``saved`` differs from ``now``."""
+  for key, value in now.items():
+    if saved.get(key) != value:
+      detail = _first_difference(key, saved.get(key), value)
+      raise CacheError(
+          f"the teacher cache in {where} was made with other settings ({detail}); use a fresh cache directory, "
+          "or the teacher, tokenizer, data and top-k settings that wrote it"
+      )
+
+
+def _first_difference(key: str, a: Any, b: Any) -> str:
+  if isinstance(a, dict) and isinstance(b, dict):
+    for k in [*b, *(k for k in a if k not in b)]:
+      if a.get(k) != b.get(k):
+        return _first_difference(f"{key}.{k}", a.get(k), b.get(k))
+  return f"{key}: cache {a!r}, this run {b!r}"
+
+
+# --------------------------------------------------------------------------- reading
+# the manifest entries `TeacherCache` reads: key -> JSON type
+_MANIFEST_KEYS = {"k": int, "seq_len": int, "rows": int, "rows_per_shard": int, "id_bits": int, "vocab": int,
+                  "temperature": (int, float), "precision": str, "teacher": dict, "data": dict, "shards": list}
+_REBUILD = "rebuild the cache with `meshdistill cache-teacher --out DIR` into a fresh directory"
+
+
+def _read_manifest(path: str, given: str) -> dict | None:
+  """The manifest of the cache directory ``path`` (None when it has none), checked for the entries it must hold;
+  `CacheError` naming the file otherwise. ``given``: the directory as the user named it."""
+  file = os.path.join(path, MANIFEST)
+  if not os.path.isfile(file):
+    return None
+  try:
+    with open(file, encoding="utf-8") as f:
+      manifest = json.load(f)
+  except (ValueError, OSError) as e:  # JSON or UTF-8 errors
+    raise CacheError(f"teacher.cache={given!r}: {file} cannot be read as JSON ({e}); {_REBUILD}") from None
+  if not isinstance(manifest, dict):
+    raise CacheError(f"teacher.cache={given!r}: {file} holds a {type(manifest).__name__}, not the JSON object of a "
+                     f"teacher cache manifest; {_REBUILD}")
+  if manifest.get("format") != FORMAT_VERSION:
+    raise CacheError(f"teacher.cache={given!r} has format {manifest.get('format')!r}; this version reads "
+                     f"{FORMAT_VERSION}: rewrite it with `meshdistill cache-teacher`")
+  for key, kind in _MANIFEST_KEYS.items():
+    if not isinstance(manifest.get(key), kind):
+      what = "has no" if key not in manifest else f"has a {type(manifest[key]).__name__} as its"
+      raise CacheError(f"teacher.cache={given!r}: {file} {what} {key!r} entry (damaged or not written by "
+                       f"`meshdistill cache-teacher`); {_REBUILD}")
+  for shard in manifest["shards"]:
+    name = shard.get("name") if isinstance(shard, dict) else None
+    if not (isinstance(name, str) and name and name == os.path.basename(name) and name not in (".", "..")):
+      raise CacheError(f"teacher.cache={given!r}: {file} lists shard {name if name is not None else shard!r}, "
+                       f"which is not a file name inside {path} (shards are plain file names there); {_REBUILD}")
+    if not (isinstance(shard.get("bytes"), int) and isinstance(shard.get("sha256"), str)):
+      raise CacheError(f"teacher.cache={given!r}: {file} gives shard {name!r} no bytes / sha256 entry; {_REBUILD}")
+  return manifest
+
+
+class TeacherCache:
+  """A finished cache directory, opened for reading.
+
+  Every shard is checked for size when the cache is opened, and against its SHA-256 in the manifest when it is
+  first read (``verify``: all of them now), so a damaged shard is never trained on.
+
+  Raises:
+    CacheError: no manifest (an unfinished cache: rerun ``meshdistill cache-teacher``), a manifest that is not
+      one (malformed, entries missing, a shard name outside the directory), a missing or truncated shard, or a
+      shard whose content changed (when it is opened with ``verify``, else when it is first read).
+  """
+
+  def __init__(self, path: str, *, verify: bool = False):
+    self.path = os.path.abspath(os.path.expanduser(path))
+    manifest = _read_manifest(self.path, path)
+    if manifest is None:
+      unfinished = any(n.startswith("progress-") for n in os.listdir(self.path)) if os.path.isdir(self.path) else False
+      raise CacheError(
+          f"teacher.cache={path!r} is " + ("an unfinished teacher cache (progress files, no manifest.json); rerun "
+                                          "`meshdistill cache-teacher` with the same settings to finish it"
+                                          if unfinished else "not a teacher cache (no manifest.json); write one "
+                                          "with `meshdistill cache-teacher --out PATH`")
+      )
+    self.manifest = manifest
+    for shard in manifest["shards"]:
+      file = os.path.join(self.path, shard["name"])
+      size = os.path.getsize(file) if os.path.isfile(file) else None
+      if size != shard["bytes"]:
+        what = "is missing" if size is None else f"has {size} bytes, the manifest says {shard['bytes']} (truncated?)"
+        raise CacheError(f"teacher cache shard {file} {what}; rerun `meshdistill cache-teacher` into a fresh "
+                         "directory (or restore the file)")
+    self.k, self.seq_len, self.num_rows = manifest["k"], manifest["seq_len"], manifest["rows"]
+    self._handles: dict[int, Any] = {}
+    self._verified: set[int] = set()  # shards whose SHA-256 matched
+    if verify:
+      for i in range(len(manifest["shards"])):
+        self._verify(i)
+
+  def _verify(self, i: int) -> None:
+    """Raises `CacheError` unless shard ``i`` matches its SHA-256 in the manifest (hashed once)."""
+    if i in self._verified:
+      return
+    shard = self.manifest["shards"][i]
+    if _file_sha256(os.path.join(self.path, shard["name"])) != shard["sha256"]:
+      raise CacheError(f"teacher cache shard {shard['name']} in {self.path} does not match its SHA-256 in "
+                       f"{MANIFEST} (damaged); nothing was trained on it: {_REBUILD}, then distil from that")
+    self._verified.add(i)
+
+  def spec(self) -> TopKTeacher:
+    """The teacher as a `TopKTeacher` (for `meshdistill.Distiller`)."""
+    from meshdistill.models import ModelConfig  # pylint: disable=g-import-not-at-top
+
+    m = self.manifest
+    return TopKTeacher(cfg=ModelConfig(**m["teacher"]["config"]), k=m["k"], temperature=m["temperature"],
+                       vocab=m["vocab"], source=f"teacher cache {self.path}")
+
+  def check(self, *, data: dict | None = None, teacher: dict | None = None, vocab: int | None = None) -> None:
+    """Raises `CacheError` naming the setting when the cache was made for other data, teacher or vocabulary.
+
+    ``data``: `data_identity` of this run's rows; ``teacher``: the part of the manifest's ``teacher``
+    entry to compare (e.g. ``{"config": ...}``); ``vocab``: the student's vocabulary size.
+    """
+    where = f"teacher.cache={self.path}"
+    if data is not None:
+      saved = {k: v for k, v in self.manifest["data"].items() if k != "sources"}
+      now = {k: v for k, v in data.items() if k != "sources"}
+      if saved.get("tokenizer") != now.get("tokenizer"):
+        raise CacheError(f"{where} was made with another tokenizer (fingerprint {saved.get('tokenizer')!r}, this run "
+                         f"{now.get('tokenizer')!r}); set data.tokenizer as when the cache was written, or rewrite it")
+      _check_same({"data": saved}, {"data": now}, where)
+    if teacher is not None:
+      _check_same({"teacher": {k: self.manifest["teacher"].get(k) for k in teacher}}, {"teacher": teacher}, where)
+    if vocab is not None and self.manifest["vocab"] > vocab:
+      raise CacheError(f"{where} holds top-k ids over a vocabulary of {self.manifest['vocab']} tokens, but the "
+                       f"student's vocab_size is {vocab}; distil into a student with vocab_size >= "
+                       f"{self.manifest['vocab']} (the same tokenizer), or rewrite the cache for this vocabulary")
+
+  def _shard(self, i: int):
+    if i not in self._handles:
+      from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+
+      self._verify(i)  # before its first read
+      self._handles[i] = safe_open(os.path.join(self.path, self.manifest["shards"][i]["name"]), framework="numpy")
+    return self._handles[i]
+
+  def rows(self, row_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The teacher top-k of packed rows ``row_ids`` [N]: `TOPK_KEYS` -> ids / log-probs ``[N, T, K]``
+    (int32 / float32) and tail ``[N, T]`` float32."""
+    row_ids = np.asarray(row_ids, np.int64).reshape(-1)
+    if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= self.num_rows):
+      raise CacheError(f"rows {row_ids.min()}..{row_ids.max()} asked of teacher cache {self.path}, which holds "
+                       f"{self.num_rows} rows; the data is not the data the cache was made from")
+    r, t, k, bits = self.manifest["rows_per_shard"], self.seq_len, self.k, self.manifest["id_bits"]
+    ids, logprobs, tail = [], [], []
+    for row in row_ids:
+      f, j = self._shard(int(row) // r), int(row) % r
+      ids.append(unpack_ids(f.get_slice("ids")[j:j + 1], bits, t * k).reshape(t, k))
+      logprobs.append(f.get_slice("logprobs")[j:j + 1][0].astype(np.float32))
+      tail.append(f.get_slice("tail")[j:j + 1][0].astype(np.float32))
+    return dict(zip(TOPK_KEYS, (np.stack(ids), np.stack(logprobs), np.stack(tail))))
+
+  def bytes_per_token(self) -> float:
+    """Bytes of shard files per cached token (headers included)."""
+    return sum(s["bytes"] for s in self.manifest["shards"]) / (self.num_rows * self.seq_len)
+
+
+class CachedTeacherData:
+  """A `meshdistill.data.DataBundle` whose training batches also carry the teacher's top-k from a cache.
+
+  Everything else (validation batches, tokenizer, stats, iterator state) is the bundle's; the iterator's
+  state is the bundle iterator's, so checkpoints and resume work unchanged.
+  """
+
+  def __init__(self, bundle, cache: TeacherCache):
+    self.bundle, self.cache = bundle, cache
+
+  def __getattr__(self, name):
+    return getattr(self.bundle, name)
+
+  def train_iterator(self, state: dict | None = None, **kw) -> _CachedIterator:
+    return _CachedIterator(self.bundle.train_iterator(state, row_ids=True, **kw), self.cache)
+
+
+class _CachedIterator:
+  def __init__(self, it, cache: TeacherCache):
+    self._it, self._cache = it, cache
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = dict(next(self._it))
+    batch.update(self._cache.rows(batch.pop("row_ids")))
+    return batch
+
+  def get_state(self):
+    return self._it.get_state()
+
+  def set_state(self, state):
+    self._it.set_state(state)
+
+  def close(self):
+    self._it.close()

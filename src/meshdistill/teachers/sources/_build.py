@@ -1,0 +1,123 @@
+"""Building a run's models from its sources: the ``teacher.hf`` teacher (`load_teacher_hf`), the student
+(`build_student`: loaded, copied from the teacher by `student_from_teacher`, or fresh) and its adapters
+(`with_lora`); the teacher quantized for inference (`quantized_teacher`)."""
+
+from __future__ import annotations
+
+from meshdistill.models.lora import LoraConfig
+from meshdistill.teachers.sources._settings import ModelSources
+
+
+def load_teacher_hf(cfg, mesh):
+  """The teacher of ``teacher.hf`` on ``mesh`` (each device reading only its slices)."""
+  from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
+
+  model = load_hf(cfg.models.teacher_hf, mesh, dtype=cfg.teacher.dtype, param_dtype=cfg.teacher.param_dtype,
+                  max_len=cfg.teacher.max_len, scan_layers=cfg.teacher.scan_layers)
+  return _with_config(model, cfg.teacher)
+
+
+def _with_config(model, want):
+  """``model`` with its `ModelConfig` set to ``want`` (equal up to the compute-only ``remat`` / ``attention`` and
+  the weights' layout ``scan_layers``, converted here; the padding and key/value replication the mesh asked for at
+  load time (`ModelConfig.for_tensor`) are kept)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.models.stacking import to_scanned, to_unrolled  # pylint: disable=g-import-not-at-top
+
+  model = to_scanned(model) if want.scan_layers else to_unrolled(model)
+  want = want.replace(vocab_multiple=model.cfg.vocab_multiple, replicate_kv=model.cfg.replicate_kv)
+  if model.cfg.replace(remat=want.remat, attention=want.attention) != want:
+    raise ValueError(f"loaded model config {model.cfg} differs from the configured {want}")
+  if model.cfg == want:
+    return model
+  from meshdistill.models import abstract_params  # pylint: disable=g-import-not-at-top
+
+  graphdef, _, _ = abstract_params(want)
+  return nnx.merge(graphdef, nnx.state(model))
+
+
+def build_student(cfg, teacher, mesh):
+  """The run's student on ``mesh``: loaded (``student.hf``), copied from ``teacher`` (``student.init``),
+  or initialised from ``train.seed``."""
+  from meshdistill.models import init_model  # pylint: disable=g-import-not-at-top
+
+  src: ModelSources = cfg.models
+  if src.student_hf:
+    from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
+
+    model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, param_dtype=cfg.student.param_dtype,
+                    max_len=cfg.student.max_len, scan_layers=cfg.student.scan_layers)
+    model = _with_config(model, cfg.student)
+  elif src.student_init.from_teacher:
+    model = student_from_teacher(teacher, src.student_init.layers, cfg.student, mesh)
+  else:
+    model = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
+  return with_lora(model, src.student_lora, seed=cfg.train.seed, mesh=mesh)
+
+
+def with_lora(model, lora: LoraConfig, *, seed: int, mesh):
+  """``model`` with the adapters of ``student.lora`` (unchanged when its rank is 0)."""
+  if not lora.enabled:
+    return model
+  from meshdistill.models.lora import apply_lora  # pylint: disable=g-import-not-at-top
+
+  return apply_lora(model, lora, seed=seed + 1, mesh=mesh)
+
+
+def quantized_teacher(cfg, teacher, mesh):
+  """``teacher`` with its projections stored as ``teacher.quantize`` says (unchanged when it is null).
+
+  Applied after the student is built, so ``student.init.from_teacher`` copies the float weights."""
+  q = cfg.models.teacher_quantize
+  if q is None or teacher is None or not hasattr(teacher, "iter_modules"):  # no weights here (a top-k teacher)
+    return teacher
+  from meshdistill.models.quantize import quantize_model  # pylint: disable=g-import-not-at-top
+
+  return quantize_model(teacher, q, mesh=mesh)
+
+
+def student_from_teacher(teacher, layers, student_cfg, mesh=None):
+  """A student whose embeddings, LM head, final norm and blocks are copies of ``teacher``'s.
+
+  Student block ``i`` is teacher block ``layers[i]``. ``student_cfg`` must be the teacher's
+  configuration with ``n_layers=len(layers)`` (``max_len``, ``dtype``, ``param_dtype``, ``remat``, ``scan_layers``,
+  ``attention`` may differ; the copies are cast to the student's ``param_dtype``).
+  The copies are new buffers on ``mesh`` with the student's shardings (never aliases of the
+  teacher's weights, which the train step must not update).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.models import abstract_params  # pylint: disable=g-import-not-at-top
+  from meshdistill.models.stacking import to_scanned  # pylint: disable=g-import-not-at-top
+
+  scan = student_cfg.scan_layers
+  t = teacher.cfg.replace(scan_layers=False)
+  student_cfg = student_cfg.replace(scan_layers=False)  # built per layer, stacked at the end when asked for
+  # the copies keep the teacher's layout for the mesh (vocabulary padding, key/value replication)
+  student_cfg = student_cfg.replace(vocab_multiple=t.vocab_multiple, replicate_kv=t.replicate_kv)
+  if student_cfg.replace(n_layers=t.n_layers, max_len=t.max_len, dtype=t.dtype, remat=t.remat,
+                         attention=t.attention, param_dtype=t.param_dtype) != t:
+    raise ValueError("student_from_teacher: student_cfg must be the teacher's config with n_layers=len(layers)")
+  if len(layers) != student_cfg.n_layers or any(not 0 <= i < t.n_layers for i in layers):
+    raise ValueError(f"layers={list(layers)} must be {student_cfg.n_layers} block indices in [0, {t.n_layers})")
+  graphdef, abstract, shardings = abstract_params(student_cfg, mesh)
+  teacher_flat = dict(nnx.to_flat_state(nnx.state(teacher)))
+  leaves = []
+  for key, var in nnx.to_flat_state(abstract):
+    if key[0] != "blocks":
+      value = teacher_flat[key].get_value()
+    elif teacher.cfg.scan_layers:  # the teacher's stacked weight, its layer layers[i]
+      value = teacher_flat[(key[0], *key[2:])].get_value()[layers[key[1]]]
+    else:
+      value = teacher_flat[(key[0], layers[key[1]], *key[2:])].get_value()
+    leaves.append((key, var.replace(value.astype(var.get_value().dtype))))
+  state = nnx.from_flat_state(leaves)
+  if mesh is None:
+    state = jax.jit(lambda s: jax.tree.map(jnp.copy, s))(state)
+  else:
+    state = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)(state)
+  student = nnx.merge(graphdef, state)
+  return to_scanned(student) if scan else student

@@ -1,0 +1,172 @@
+"""Deriving a config's shapes from its sources (`resolve`), with the checks on Hugging Face directories
+(``config.json``, weights) and tokenizers (teacher vs ``data.tokenizer``, teacher vs student); only JSON
+files are read."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.teachers.sources._settings import ModelSources
+
+log = logging.getLogger(__name__)
+
+_TOKENIZER_SETTINGS = ("padding", "truncation")  # tokenizer.json keys allowed to differ between teacher and student
+
+
+# --------------------------------------------------------------------------- checks on files
+def check_hf_dir(path: str, setting: str) -> dict:
+  """The parsed ``config.json`` of a Hugging Face directory, or a `ConfigError` naming ``setting``."""
+  if not os.path.isdir(path):
+    raise ConfigError(f"{setting}={path!r} is not a directory; give a local Hugging Face model directory "
+                      "(config.json + *.safetensors)")
+  config = os.path.join(path, "config.json")
+  if not os.path.isfile(config):
+    raise ConfigError(f"{setting}={path!r} holds no config.json; a Hugging Face model directory holds config.json "
+                      "and model.safetensors (or model-*.safetensors with model.safetensors.index.json)")
+  if not any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
+    raise ConfigError(f"{setting}={path!r} holds no model.safetensors or model.safetensors.index.json; only "
+                      "safetensors weights can be loaded (convert PyTorch .bin files with transformers first)")
+  try:
+    with open(config, encoding="utf-8") as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{setting}={path!r}: config.json is not valid JSON ({e})") from None
+
+
+def _hf_model_config(path: str, setting: str, section):
+  from meshdistill.models._hf_config import config_from_hf  # pylint: disable=g-import-not-at-top
+
+  hf = check_hf_dir(path, setting)
+  try:
+    cfg = config_from_hf(hf, max_len=section.max_len, dtype=section.dtype, where=f"{setting}={path!r}: config.json")
+  except (KeyError, TypeError, ValueError) as e:
+    raise ConfigError(f"{setting}={path!r}: {e if not isinstance(e, KeyError) else f'config.json lacks {e}'}") from None
+  return cfg.replace(remat=section.remat, scan_layers=section.scan_layers, attention=section.attention,
+                     param_dtype=section.param_dtype)
+
+
+def _family(cfg) -> str:
+  from meshdistill.models._hf_config import default_family  # pylint: disable=g-import-not-at-top
+
+  return default_family(cfg)
+
+
+def tokenizer_file(path: str) -> str | None:
+  file = os.path.join(path, "tokenizer.json")
+  return file if os.path.isfile(file) else None
+
+
+def _tokenizer_spec(file: str) -> dict:
+  with open(file, encoding="utf-8") as f:
+    spec = json.load(f)
+  return {k: v for k, v in spec.items() if k not in _TOKENIZER_SETTINGS} if isinstance(spec, dict) else spec
+
+
+def tokenizer_difference(file_a: str, file_b: str) -> list[str]:
+  """The top-level keys in which two tokenizer.json files differ (ignoring padding / truncation)."""
+  a, b = _tokenizer_spec(file_a), _tokenizer_spec(file_b)
+  if not isinstance(a, dict) or not isinstance(b, dict):
+    return [] if a == b else ["<whole file>"]
+  return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def resolve(cfg) -> dict:
+  """The derived ``teacher`` / ``student`` `ModelConfig` and ``data`` settings of a `Config` with sources.
+
+  Returns a dict of the sections to replace (possibly empty). Raises `ConfigError` naming the setting.
+  """
+  src: ModelSources = cfg.models
+  if not src.any:
+    return {}
+  out: dict[str, Any] = {}
+  teacher = cfg.teacher
+  if src.teacher_hf:
+    if cfg.pretrain.teacher:
+      raise ConfigError(
+          f"teacher.hf={src.teacher_hf!r} and pretrain.teacher={cfg.pretrain.teacher!r} both name the teacher; "
+          "keep one of them"
+      )
+    teacher = _hf_model_config(src.teacher_hf, "teacher.hf", cfg.teacher)
+    out["teacher"] = teacher
+    out["data"] = _teacher_tokenizer(cfg, src.teacher_hf)
+  if src.student_hf:
+    student = _hf_model_config(src.student_hf, "student.hf", cfg.student)
+    tf, sf = _family(teacher), _family(student)
+    if (tf, teacher.rope_scaling is None) != (sf, student.rope_scaling is None):
+      raise ConfigError(
+          f"student.hf={src.student_hf!r} is a {sf!r} model but teacher.hf={src.teacher_hf!r} is a {tf!r} model; "
+          "distil within one family (one tokenizer), or start the student from the teacher with "
+          "student.init: {from_teacher: true, layers: [...]}"
+      )
+    _check_student_tokenizer(src, teacher, student)
+    out["student"] = student
+  elif src.student_init.from_teacher:
+    layers = src.student_init.layers
+    bad = [i for i in layers if i >= teacher.n_layers]
+    if bad:
+      raise ConfigError(
+          f"student.init.layers={list(layers)}: block {bad[0]} is past the teacher's depth (the teacher has "
+          f"{teacher.n_layers} blocks: indices 0..{teacher.n_layers - 1})"
+      )
+    s = cfg.student
+    out["student"] = teacher.replace(n_layers=len(layers), max_len=s.max_len, dtype=s.dtype, remat=s.remat,
+                                     scan_layers=s.scan_layers, attention=s.attention, param_dtype=s.param_dtype)
+  return out
+
+
+def _teacher_tokenizer(cfg, path: str):
+  """``data`` with ``tokenizer`` = the teacher's tokenizer.json (or a checked equal one)."""
+  file = tokenizer_file(path)
+  given = cfg.data.tokenizer
+  if given in ("byte", path, file):
+    if file is None:
+      raise ConfigError(
+          f"teacher.hf={path!r} holds no tokenizer.json, which the data pipeline tokenizes with; add it to the "
+          "directory, or set data.tokenizer to the path of the teacher's tokenizer.json"
+      )
+    return cfg.data.replace(tokenizer=path)
+  if given == "bpe":
+    raise ConfigError(
+        f"data.tokenizer='bpe' trains a new tokenizer, but teacher.hf={path!r} has its own; remove data.tokenizer "
+        "(the teacher's tokenizer.json is used)"
+    )
+  from meshdistill.data._tokenizer import _json_path  # pylint: disable=g-import-not-at-top
+
+  other = _json_path(os.path.expanduser(given))
+  if not os.path.isfile(other):
+    raise ConfigError(f"data.tokenizer={given!r}: no tokenizer file at {other!r}")
+  if file is not None:
+    diff = tokenizer_difference(file, other)
+    if diff:
+      raise ConfigError(
+          f"data.tokenizer={given!r} differs from the tokenizer of teacher.hf={path!r} (in {diff}); remove "
+          "data.tokenizer: with teacher.hf the data is tokenized with the teacher's tokenizer.json"
+      )
+  return cfg.data
+
+
+def _check_student_tokenizer(src: ModelSources, teacher, student) -> None:
+  from meshdistill.train.distiller import PADDING_TOLERANCE  # pylint: disable=g-import-not-at-top
+
+  t_file, s_file = tokenizer_file(src.teacher_hf), tokenizer_file(src.student_hf)
+  if t_file and s_file:
+    diff = tokenizer_difference(t_file, s_file)
+    if diff:
+      raise ConfigError(
+          f"the tokenizers of teacher.hf={src.teacher_hf!r} and student.hf={src.student_hf!r} differ (tokenizer.json "
+          f"keys {diff}); distillation compares distributions token by token, so both need one tokenizer (only "
+          "padding / truncation settings may differ)"
+      )
+  elif s_file is None:
+    log.info("student.hf=%s has no tokenizer.json; comparing vocabulary sizes only", src.student_hf)
+  small, large = sorted((teacher.vocab_size, student.vocab_size))
+  if large - small > PADDING_TOLERANCE * large:
+    raise ConfigError(
+        f"student.hf={src.student_hf!r} has vocab_size={student.vocab_size} but teacher.hf={src.teacher_hf!r} has "
+        f"{teacher.vocab_size}: more than padding apart, so not one tokenizer; choose a student of the teacher's "
+        "tokenizer"
+    )

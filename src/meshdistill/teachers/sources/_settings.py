@@ -1,0 +1,209 @@
+"""The teacher and student sources as config keys: `ModelSources` and `StudentInit` (the typed form, field
+``models`` of `meshdistill.config.Config`), `split_sources` (the raw sections' keys moved into ``models``)
+and `nest_sources` (put back when a config is written)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.models.lora import LoraConfig
+
+FREE_KEYS = ("max_len", "dtype", "param_dtype", "remat", "scan_layers", "attention")  # settable beside a derived shape
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StudentInit:
+  """``student.init``: ``from_teacher: true`` copies the teacher's embeddings, LM head, final norm and
+  the blocks ``layers`` (teacher block indices, in the student's order) into the student."""
+
+  from_teacher: bool = False
+  layers: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    if self.layers is not None and not self.from_teacher:
+      raise ConfigError(
+          f"student.init.layers={list(self.layers)} is set but student.init.from_teacher is false; "
+          "set student.init.from_teacher=true (or remove student.init.layers)"
+      )
+    if self.from_teacher:
+      if not self.layers:
+        raise ConfigError(
+            "student.init.from_teacher=true needs student.init.layers, the teacher blocks to copy, e.g. [0, 2]"
+        )
+      if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layers):
+        raise ConfigError(f"student.init.layers={list(self.layers)} must be teacher block indices (integers >= 0)")
+      if len(set(self.layers)) != len(self.layers):
+        raise ConfigError(f"student.init.layers={list(self.layers)} names a block twice; list each block once")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSources:
+  """``teacher.hf``, ``teacher.cache``, ``student.hf`` and ``student.init`` of a config (paths made absolute)."""
+
+  teacher_hf: str | None = None
+  student_hf: str | None = None
+  student_init: StudentInit = dataclasses.field(default_factory=StudentInit)
+  teacher_cache: str | None = None  # an offline top-k cache (`meshdistill.teachers.cache`): no teacher weights loaded
+  teacher_devices: dict | None = None  # the teacher's own mesh {data, tensor} (`meshdistill.teachers.mesh`)
+  student_lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank 0: no adapters
+  teacher_quantize: str | None = None  # the teacher's projections stored int8 / int4 / nf4 (`models.quantize`)
+
+  def __post_init__(self):
+    if self.teacher_quantize is not None:
+      from meshdistill.models.quantize import QUANTIZE  # pylint: disable=g-import-not-at-top
+
+      if self.teacher_quantize not in QUANTIZE:
+        raise ConfigError(f"teacher.quantize={self.teacher_quantize!r}; choose one of {list(QUANTIZE)} or null "
+                          "(float teacher weights)")
+      if self.teacher_cache is not None:
+        raise ConfigError("teacher.quantize and teacher.cache exclude each other: a cached teacher loads no weights "
+                          "to quantize; remove one of them (quantize the teacher when writing the cache instead)")
+    if self.teacher_cache is not None:
+      object.__setattr__(self, "teacher_cache", os.path.abspath(os.path.expanduser(self.teacher_cache)))
+      if self.teacher_devices:
+        raise ConfigError("teacher.cache and teacher.devices exclude each other: a cached teacher runs nowhere; "
+                          "remove one of them")
+    for who in ("teacher", "student"):
+      path = getattr(self, f"{who}_hf")
+      if path is not None:
+        if not isinstance(path, str) or not path:
+          raise ConfigError(f"{who}.hf={path!r} must be the path of a local Hugging Face model directory")
+        object.__setattr__(self, f"{who}_hf", os.path.abspath(os.path.expanduser(path)))
+    if self.student_hf and self.student_init.from_teacher:
+      raise ConfigError(
+          "student.hf and student.init.from_teacher exclude each other: start the student from a pretrained "
+          "checkpoint (student.hf) or from the teacher's blocks (student.init), not both"
+      )
+    if self.student_hf and not self.teacher_hf:
+      raise ConfigError(
+          "student.hf needs teacher.hf: a Hugging Face student is distilled from a Hugging Face teacher with the "
+          "same tokenizer; set teacher.hf, or describe the student by its shape"
+      )
+
+  @property
+  def any(self) -> bool:
+    return bool(self.teacher_hf or self.student_hf or self.student_init.from_teacher)
+
+
+def split_sources(raw: dict) -> dict:
+  """Moves ``teacher.hf``, ``student.hf`` and ``student.init`` of a raw config into ``raw["models"]``.
+
+  Raises `ConfigError` when a section with a derived shape also sets a shape key (other than
+  `FREE_KEYS`): the shape is read from the checkpoint or the teacher, not typed twice.
+  """
+  raw = dict(raw)
+  models: dict[str, Any] = {}
+  student = raw.get("student")
+  if isinstance(student, dict) and "lora" in student:  # not a source of the shape: taken out before the checks
+    student = dict(student)
+    lora = student.pop("lora")
+    if lora is not None and not isinstance(lora, dict):
+      raise ConfigError(f"student.lora={lora!r} must be a mapping, e.g. {{rank: 8, alpha: 16}}")
+    allowed = [f.name for f in dataclasses.fields(LoraConfig)]
+    for k in lora or {}:
+      if k not in allowed:
+        from meshdistill.config.typed_yaml import unknown_key  # pylint: disable=g-import-not-at-top
+
+        raise unknown_key("student.lora.", k, allowed)
+    try:
+      LoraConfig(**(lora or {}))  # checked here, so errors name student.lora.*
+    except (TypeError, ValueError) as e:
+      raise ConfigError(str(e)) from None
+    models["student_lora"] = dict(lora or {})
+    raw["student"] = student
+  for who, keys in (("teacher", ("hf", "cache", "devices", "quantize")), ("student", ("hf", "init"))):
+    section = raw.get(who)
+    if not isinstance(section, dict) or not any(k in section for k in keys):
+      continue
+    section = dict(section)
+    for k in keys:
+      if k in section:
+        models[f"{who}_{k}"] = _checked(f"{who}.{k}", section.pop(k))
+    derived = models.get(f"{who}_hf") is not None or (
+        isinstance(models.get("student_init"), dict) and models["student_init"].get("from_teacher") and who == "student"
+    )
+    typed = sorted(k for k in section if k not in FREE_KEYS)
+    if derived and typed:
+      how = f"{who}.hf" if models.get(f"{who}_hf") is not None else "student.init.from_teacher"
+      origin = "config.json" if "hf" in how else "the teacher"
+      raise ConfigError(
+          f"{who}.{typed[0]} is set, but with {how} the {who}'s shape is derived ({origin}); "
+          f"remove {[f'{who}.{k}' for k in typed]} (beside it only {[f'{who}.{k}' for k in FREE_KEYS]} may be set)"
+      )
+    raw[who] = section
+  if "models" in raw:
+    raise ConfigError(
+        "unknown section 'models'; give the teacher and student sources as teacher.hf, student.hf and student.init"
+    )
+  if models:
+    raw["models"] = models
+  return raw
+
+
+def _checked(key: str, value: Any) -> Any:
+  """Type checks of the raw source keys, named as the user wrote them (not as ``models.*``)."""
+  if key.endswith(".hf"):
+    if value is not None and (not isinstance(value, str) or not value):
+      raise ConfigError(f"{key}={value!r} must be the path of a local Hugging Face model directory")
+    return value
+  if key == "teacher.devices":
+    if value is not None and (not isinstance(value, dict) or set(value) != {"data", "tensor"} or any(
+        isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value.values())):
+      raise ConfigError(f"{key}={value!r} must be the teacher's own mesh {{data: D, tensor: T}} (positive integers), "
+                        "e.g. {data: 1, tensor: 4}; the student's mesh (mesh.data x mesh.tensor) takes other devices")
+    return value
+  if key == "teacher.quantize":
+    from meshdistill.models.quantize import QUANTIZE  # pylint: disable=g-import-not-at-top
+
+    if value is not None and value not in QUANTIZE:
+      raise ConfigError(f"{key}={value!r}; choose one of {list(QUANTIZE)} or null (float teacher weights)")
+    return value
+  if key == "teacher.cache":
+    if value is not None and (not isinstance(value, str) or not value):
+      raise ConfigError(f"{key}={value!r} must be the path of a teacher cache (written by `meshdistill cache-teacher`)")
+    return value
+  if value is None:
+    return value
+  allowed = [f.name for f in dataclasses.fields(StudentInit)]
+  if not isinstance(value, dict):
+    raise ConfigError(f"{key}={value!r} must be a mapping, e.g. {{from_teacher: true, layers: [0, 2]}}")
+  for k in value:
+    if k not in allowed:
+      from meshdistill.config.typed_yaml import unknown_key  # pylint: disable=g-import-not-at-top
+
+      raise unknown_key(f"{key}.", k, allowed)
+  if not isinstance(value.get("from_teacher", False), bool):
+    raise ConfigError(f"{key}.from_teacher={value['from_teacher']!r} must be true or false")
+  layers = value.get("layers")
+  if layers is not None and (
+      not isinstance(layers, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers)
+  ):
+    raise ConfigError(f"{key}.layers={layers!r} must be a list of teacher block indices, e.g. [0, 2]")
+  return value
+
+
+def nest_sources(plain: dict, sources: ModelSources) -> dict:
+  """The inverse of `split_sources` on a plain (``to_dict``) config: derived sections keep only their
+  source keys and `FREE_KEYS`."""
+  plain = dict(plain)
+  plain.pop("models", None)
+  lora = sources.student_lora
+  if sources.teacher_hf:
+    plain["teacher"] = {"hf": sources.teacher_hf, **{k: plain["teacher"][k] for k in FREE_KEYS}}
+  if sources.student_hf:
+    plain["student"] = {"hf": sources.student_hf, **{k: plain["student"][k] for k in FREE_KEYS}}
+  elif sources.student_init.from_teacher:
+    init = {"from_teacher": True, "layers": list(sources.student_init.layers)}
+    plain["student"] = {"init": init, **{k: plain["student"][k] for k in FREE_KEYS}}
+  if sources.teacher_cache:
+    plain["teacher"] = {**plain["teacher"], "cache": sources.teacher_cache}
+  if sources.teacher_devices:
+    plain["teacher"] = {**plain["teacher"], "devices": dict(sources.teacher_devices)}
+  if sources.teacher_quantize:
+    plain["teacher"] = {**plain["teacher"], "quantize": sources.teacher_quantize}
+  if lora.enabled:
+    plain["student"] = {**plain["student"], "lora": {**dataclasses.asdict(lora), "targets": list(lora.targets)}}
+  return plain

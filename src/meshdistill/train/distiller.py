@@ -1,0 +1,309 @@
+"""The programmatic API: a `Distiller` binds teacher, student, strategy, optimizer and layout.
+
+It is the one trainer: teacher pretraining and hard-label baselines are a `Distiller` without a
+teacher (``teacher=None``, see `meshdistill.train.hardlabel`). Where arrays live and how the step is
+compiled is the `meshdistill.parallel.layout.Layout`'s job.
+
+>>> import meshdistill as md
+>>> md.simulate_cpu_devices(8)                      # doctest: +SKIP
+>>> mesh = md.make_mesh(data=2, tensor=4)           # doctest: +SKIP
+>>> teacher = md.init_model(md.ModelConfig(n_layers=4), seed=0, mesh=mesh)  # doctest: +SKIP
+>>> student = md.init_model(md.ModelConfig(n_layers=2), seed=1, mesh=mesh)  # doctest: +SKIP
+>>> d = md.Distiller(student, teacher, mesh=mesh)  # doctest: +SKIP
+>>> state = d.init_state()                          # doctest: +SKIP
+>>> state, metrics = d.step(state, batch)           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshdistill.parallel.layout import make_layout
+from meshdistill.models import Decoder
+from meshdistill.models._build import abstract_params
+from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
+from meshdistill.models.lora import is_lora
+from meshdistill.train.optimizers import default_optimizer
+from meshdistill.train.step import BATCH_KEYS, TOPK_KEYS, TrainState, per_device_step
+from meshdistill.strategies import LogitKD
+from meshdistill.teachers.cache import TopKTeacher
+
+log = logging.getLogger(__name__)
+
+
+class Distiller:
+  """Distils ``teacher`` into ``student`` with one compiled step per layout.
+
+  Args:
+    student, teacher: `Decoder` modules (built with `init_model`; placed anywhere, they
+      are moved onto the layout). Their vocabularies must match, up to padding rows: see
+      `resolve_shared_vocab` and ``shared_vocab`` (an explicit shared token range).
+      ``teacher`` may instead be a `meshdistill.teachers.cache.TopKTeacher` (no weights; every batch
+      then carries its top-k, see `meshdistill.teachers.cache`).
+      ``teacher=None`` trains the student alone with a ``strategy`` that uses no teacher
+      (`meshdistill.train.hardlabel.HardLabelTrainer`).
+    strategy: what to distil (default `LogitKD()`: tau=2, alpha=0.5).
+    optimizer: an optax transformation for the student (default `default_optimizer()`).
+    mesh: a ``(data, tensor)`` mesh from `make_mesh`; ``None`` means one device.
+    backend: ``"shard_map"`` (default with a mesh), ``"single"`` (default without), ``"pmap"``
+      (data-parallel compatibility path; needs ``tensor=1``), or a `meshdistill.parallel.layout.Layout` object:
+      see `meshdistill.parallel.layout`.
+    trainable: an nnx filter of the student parameters that train; the optimizer holds state for
+      these only and the rest never moves. Default: the adapters of a LoRA student
+      (`meshdistill.models.lora.apply_lora`), otherwise the whole student.
+    fsdp: split the weights of both models and the student's optimizer moments over ``data`` as well
+      (ZeRO-3 style, `meshdistill.parallel.fsdp`; ``backend="shard_map"`` only); same numbers, less memory per device.
+    student_split: ``"tensor"`` (default): the student split over ``tensor`` like the teacher; ``"batch"``: the
+      student replicated, run on the batch rows split over ``data`` x ``tensor`` (a student small enough to hold
+      whole on each device then needs no collective in its forward and backward passes; see
+      `meshdistill.parallel.layout.ShardMapLayout`). Same numbers either way; not with ``fsdp``.
+  """
+
+  compiler_options: dict | None = None  # XLA options of the step (see `with_compiler_options`)
+
+  def __init__(
+      self,
+      student: Decoder,
+      teacher: Decoder | None = None,
+      *,
+      strategy: Any = None,
+      optimizer: optax.GradientTransformation | None = None,
+      mesh: Mesh | None = None,
+      backend: str | None = None,
+      seed: int = 0,
+      shared_vocab: int | None = None,
+      trainable: Any = None,
+      fsdp: bool = False,
+      student_split: str = "tensor",
+  ):
+    if teacher is None and strategy is None:
+      raise ValueError("Distiller without a teacher needs a strategy that uses none, e.g. strategy=HardLabelCE()")
+    if getattr(getattr(student, "cfg", None), "param_dtype", "float32") != "float32":
+      raise ValueError(f"student.param_dtype={student.cfg.param_dtype!r}: the student trains with float32 weights; "
+                       "build it with param_dtype='float32' (dtype='bfloat16' computes in bfloat16)")
+    # A `TopKTeacher` (an offline cache, a teacher on other devices) has no weights here: every batch
+    # brings the teacher's top-k (`TOPK_KEYS`) and the step runs no teacher.
+    self.topk_teacher = teacher if isinstance(teacher, TopKTeacher) else None
+    self.shared_vocab = None
+    if self.topk_teacher is not None:
+      if teacher.vocab > student.cfg.vocab_size:
+        raise ValueError(f"{teacher.source} has token ids up to {teacher.vocab} but the student's vocab_size is "
+                         f"{student.cfg.vocab_size}; use a student of the teacher's tokenizer")
+      self.shared_vocab = resolve_shared_vocab(teacher.vocab, student.cfg.vocab_size, shared_vocab)
+    elif teacher is not None:
+      self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
+    self.layout = make_layout(backend, mesh, fsdp, student_split)
+    # pads a vocabulary / replicates key/value heads where the mesh's `tensor` needs it
+    student = self.layout.fit_model(student)
+    if teacher is not None and self.topk_teacher is None:
+      teacher = self.layout.fit_model(teacher)
+    self.strategy = strategy if strategy is not None else LogitKD()
+    if self.topk_teacher is not None:
+      self.topk_teacher.check_strategy(self.strategy)
+    self.optimizer = optimizer if optimizer is not None else default_optimizer()
+    self.student_cfg = student.cfg
+    self.teacher_cfg = None if teacher is None else teacher.cfg
+    self.max_len = student.cfg.max_len if teacher is None else min(student.cfg.max_len, teacher.cfg.max_len)
+    self.seed = seed
+    self.student_def, self._student_init = nnx.split(student)
+    if trainable is None and is_lora(self._student_init):
+      trainable = LORA_TRAINABLE
+    self.trainable = trainable
+    self.teacher_def, self.teacher_params = None, ({} if self.topk_teacher is not None else None)
+    if teacher is not None and self.topk_teacher is None:
+      self.teacher_def, teacher_params = nnx.split(teacher)
+      self.teacher_params = self.layout.place_params(teacher_params)
+    self._step_fn = functools.partial(
+        per_device_step,
+        student_def=self.student_def,
+        teacher_def=self.teacher_def,
+        strategy=self.strategy,
+        optimizer=self.optimizer,
+        vocab=self.shared_vocab,
+        trainable=trainable,
+    )
+    self._compiled = None
+    self._strategy_variants: dict = {}  # `with_strategy` results, reused
+    self._light = None  # the `metrics_light` variant, once asked for
+
+  # ------------------------------------------------------------------ layout
+  @property
+  def mesh(self) -> Mesh | None:
+    return self.layout.mesh
+
+  @property
+  def backend(self) -> str:
+    """The layout's name (``single`` / ``shard_map`` / ``pmap``)."""
+    return self.layout.name
+
+  @property
+  def n_replicas(self) -> int:
+    return self.layout.n_replicas
+
+  def init_state(self, student: Decoder | None = None) -> TrainState:
+    """A fresh train state from ``student`` (default: the student given at construction)."""
+    params = self._student_init if student is None else nnx.state(self.layout.fit_model(student))
+    extra = self.strategy.init_params(self.student_cfg, self.teacher_cfg, jax.random.key(self.seed))
+    return self.layout.fresh_state(self.optimizer, {"student": params, "strategy": extra}, self.trainable)
+
+  # ---------------------------------------------------------------------- steps
+  def check_batch(self, batch: dict) -> None:
+    """Raises a clear error for a malformed batch (keys, shapes, length, divisibility)."""
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+      raise ValueError(f"batch is missing {missing}; a batch is a dict with {BATCH_KEYS}, each [batch, seq]")
+    shapes = {k: tuple(np.shape(batch[k])) for k in BATCH_KEYS}
+    if len(set(shapes.values())) != 1 or len(shapes["inputs"]) != 2:
+      raise ValueError(f"batch arrays must share one [batch, seq] shape, got {shapes}")
+    B, T = shapes["inputs"]
+    if T > self.max_len:
+      models = f"student {self.student_cfg.max_len}" + (
+          "" if self.teacher_cfg is None else f", teacher {self.teacher_cfg.max_len}")
+      raise ValueError(f"sequence length {T} exceeds max_len={self.max_len} ({models}); use seq_len <= {self.max_len}")
+    self.layout.check_batch(B)
+    if self.topk_teacher is not None:
+      k = self.topk_teacher.k
+      want = {TOPK_KEYS[0]: (B, T, k), TOPK_KEYS[1]: (B, T, k), TOPK_KEYS[2]: (B, T)}
+      got = {key: tuple(np.shape(batch[key])) if key in batch else None for key in TOPK_KEYS}
+      if got != want:
+        raise ValueError(f"with {self.topk_teacher.source} every batch carries the teacher's top-k {want}, got {got}; "
+                         "read the data through meshdistill.teachers.cache.CachedTeacherData (or a teacher_mesh source)")
+
+  def compiled_step(self, state: TrainState):
+    """The step compiled for ``state``'s layout (its output state pinned to it where the layout needs that)."""
+    if self._compiled is None:
+      shardings = self.layout.state_shardings(state)
+      self._compiled = self.layout.compile(self._step_fn, shardings, self.compiler_options)
+    return self._compiled
+
+  def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One train step on a host batch ``{inputs, targets, mask}`` of shape [B, T].
+
+    ``state`` is consumed (its buffers are donated); use the returned one.
+    """
+    self.check_batch(batch)
+    new_state, metrics = self.compiled_step(state)(state, self.teacher_params, self.layout.place_batch(batch))
+    return new_state, self.layout.host_metrics(metrics)
+
+  def lower(self, state: TrainState, batch: dict):
+    """The lowered step for ``batch`` (``.compile().as_text()`` gives its HLO)."""
+    self.check_batch(batch)
+    return self.compiled_step(state).lower(state, self.teacher_params, self.layout.place_batch(batch))
+
+  # ------------------------------------------------------------------ variants
+  def _variant(self, **step_keywords):
+    new = copy.copy(self)
+    new._step_fn = functools.partial(self._step_fn.func, **{**self._step_fn.keywords, **step_keywords})
+    new._compiled = None
+    new._strategy_variants = {}  # variants of the copy are its own
+    new._light = None
+    return new
+
+  def metrics_light(self) -> "Distiller":
+    """This Distiller with the metrics-light step (`meshdistill.train.step.per_device_step`'s ``light``): the same
+    update, bit for bit, with only ``loss``, ``grad_norm`` and ``tokens`` as metrics. Compiled once, on first
+    use; `meshdistill.loop.trainer.fit` runs it on the steps whose metrics it does not log."""
+    if self._step_fn.keywords.get("light"):
+      return self
+    if self._light is None:
+      self._light = self._variant(light=True)
+    return self._light
+
+  def with_strategy(self, strategy: Any) -> "Distiller":
+    """A Distiller like this one (same models, layout, placed teacher, optimizer) distilling with ``strategy``.
+
+    Nothing is copied or re-placed; the new step compiles once, on first use, and asking again
+    for an equal (hashable) strategy returns the same Distiller, compiled step included. Train
+    states carry over: ``params["strategy"]`` of a state made for the old strategy is handed to
+    the new one, which must accept it (a strategy without parameters of its own ignores it).
+    Used to switch to a fallback loss after a divergence (`meshdistill.loop.guard`).
+    """
+    try:
+      known = self._strategy_variants.get(strategy)
+    except TypeError:  # an unhashable strategy: no reuse
+      known = None
+    if known is not None:
+      return known
+    new = self._variant(strategy=strategy)
+    new.strategy = strategy
+    try:
+      self._strategy_variants[strategy] = new
+    except TypeError:
+      pass
+    return new
+
+  def with_compiler_options(self, options: dict | None):
+    """A copy whose step compiles with the XLA ``options`` (e.g. `meshdistill.train.memory.CPU_MEMORY_SCHEDULER`)."""
+    new = self._variant()
+    new.compiler_options = dict(options) if options else None
+    return new
+
+  def with_remat(self, remat: str):
+    """A copy whose student recomputes activations with policy ``remat`` (it changes no parameter,
+    so ``init_state()`` still starts from the same student)."""
+    cfg = self.student_cfg.replace(remat=remat)  # validates the name
+    graphdef = abstract_params(cfg)[0]
+    if self.trainable is not None:  # a student beyond the plain decoder (LoRA): keep its graph
+      model = nnx.merge(self.student_def, self._student_init)
+      model.cfg = cfg
+      graphdef = nnx.split(model)[0]
+    new = self._variant(student_def=graphdef)
+    new.student_cfg, new.student_def = cfg, graphdef
+    return new
+
+  # --------------------------------------------------------------------- access
+  def unreplicate(self, tree):
+    """One replica of a tree in the layout's state form (for ``pmap`` the first; otherwise ``tree``)."""
+    return self.layout.unreplicate(tree)
+
+  def student(self, state: TrainState) -> Decoder:
+    """The student module holding the parameters of ``state``."""
+    return nnx.merge(self.student_def, self.unreplicate(state.params)["student"])
+
+
+PADDING_TOLERANCE = 0.01  # vocabularies this close (relative to the larger) differ by padding rows
+
+
+def resolve_shared_vocab(teacher_vocab: int, student_vocab: int, shared_vocab: int | None = None) -> int | None:
+  """The token range both models are compared on, or ``None`` when their vocabularies are equal.
+
+  One tokenizer's models often pad the embedding to different sizes (Qwen2.5: 152064 for 7B,
+  151936 for 0.5B); the rows past the tokenizer are never produced by it. Sizes within
+  ``PADDING_TOLERANCE`` (1 %) of each other are taken as such padding and compared on
+  ``[0, min(sizes))``, with a logged note. Other differences mean different tokenizers and
+  raise, unless ``shared_vocab`` names the range explicitly (then 1 <= shared_vocab <= both).
+  Inside the step both models' logits are sliced ``logits[..., :shared]``; keep it a
+  multiple of the ``tensor`` size so the slice stays vocabulary-parallel.
+  """
+  small, large = sorted((teacher_vocab, student_vocab))
+  if shared_vocab is not None:
+    if not isinstance(shared_vocab, int) or not 1 <= shared_vocab <= small:
+      raise ValueError(
+          f"shared_vocab={shared_vocab!r} must be an integer in [1, {small}] (teacher vocab_size={teacher_vocab}, "
+          f"student vocab_size={student_vocab})"
+      )
+    return None if shared_vocab == large else shared_vocab
+  if small == large:
+    return None
+  if large - small > PADDING_TOLERANCE * large:
+    raise ValueError(
+        f"teacher vocab_size={teacher_vocab} != student vocab_size={student_vocab}; distillation compares "
+        "distributions token by token, so both models need the same tokenizer (build the student with "
+        f"vocab_size={teacher_vocab}); if they do share one and the larger is only padded, pass "
+        f"shared_vocab=<tokenizer size, at most {small}>"
+    )
+  log.info(
+      "teacher vocab_size=%d, student vocab_size=%d: treating the extra %d rows as padding of one tokenizer and "
+      "distilling over token ids [0, %d)", teacher_vocab, student_vocab, large - small, small,
+  )
+  return small
+

@@ -1,0 +1,134 @@
+"""On-policy distillation (GKD): the student writes the completions it is graded on.
+
+Per train step, with probability ``lmbda`` the student samples completions of the batch's prompts
+(on-policy); otherwise the batch's own completions are used (off-policy). ``seq_kd`` lets the
+teacher sample instead (sequence-level KD). The teacher then scores the sequences inside the
+ordinary distillation step (`meshdistill.train.step.per_device_step`, unchanged), whose loss mask covers
+the completion tokens only, so the divergence (``distill.divergence``: forward/reverse KL,
+generalized JSD with ``beta``, ...) at the loss temperature ``distill.temperature`` is taken on
+exactly the sampled tokens. The sampling temperature is a separate setting.
+
+The generation is its own jitted program (`meshdistill.models.generate.generate`), run just before the
+step on the same layout and reading the train state's student parameters in place (no copy).
+Its PRNG key is ``fold_in(key(seed), step)`` and the coin flip ``uniform(fold_in(key(seed + 1),
+step)) < lmbda``: a run is reproducible, resumes identically, and every layout samples the same text.
+
+Batches: a prompt/completion batch (`meshdistill.data.prompts`: with ``prompt_len``) keeps its prompts;
+a packed batch of documents is cut, the first ``seq_len + 1 - max_new_tokens`` tokens of each row
+becoming its prompt and the rest its completion. Generated batches have the same ``[B, seq_len]``
+shape, so the step compiles once for both kinds.
+
+With ``alpha < 1`` the hard-label CE term of `LogitKD` is taken on the sampled tokens too; GKD
+recipes use ``distill.alpha=1`` (divergence only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+
+from meshdistill.train.distiller import Distiller
+from meshdistill.distributed import process_count
+from meshdistill.models.generate import SamplingConfig, generate
+from meshdistill.data.prompts import completion_batch, cut_prompts, prompts_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OnPolicyConfig(SamplingConfig):
+  """GKD settings: ``lmbda`` = probability that a batch is generated; ``seq_kd``: the teacher generates.
+
+  The sampler's settings (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``eos_id`` ending a
+  completion, ``pad_id`` filling rows) are those of `SamplingConfig`, checked there.
+  """
+
+  lmbda: float = 0.5
+  seq_kd: bool = False
+
+  def __post_init__(self):
+    super().__post_init__()
+    if isinstance(self.lmbda, bool) or not isinstance(self.lmbda, (int, float)) or not 0 <= self.lmbda <= 1:
+      raise ValueError(f"OnPolicyConfig.lmbda={self.lmbda!r} must be a number in [0, 1] (0 = dataset completions "
+                       "only, 1 = always sample)")
+
+  def sampling(self) -> SamplingConfig:
+    return SamplingConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingConfig)})
+
+
+class OnPolicyDistiller(Distiller):
+  """A `Distiller` whose batches are, with probability ``on_policy.lmbda``, completed by the student.
+
+  Takes the `Distiller` arguments plus ``on_policy`` (an `OnPolicyConfig`). ``step`` returns the step's
+  metrics (``tokens``: the completion tokens trained on, a host number) plus ``on_policy`` (1 for a
+  generated batch, else 0) and, for generated batches,
+  ``sample_len`` (mean completion length) and ``sample_nll`` (the teacher's per-token NLL of the
+  generated completions: the step's ``teacher_ce`` on them).
+  """
+
+  def __init__(self, student, teacher, *, on_policy: OnPolicyConfig, **kwargs):
+    if process_count() > 1:  # the sampled batch is built on the host from the whole batch's completions
+      raise ValueError(
+          f"on-policy distillation (distill.on_policy.lambda={on_policy.lmbda}, seq_kd={on_policy.seq_kd}) runs as "
+          f"one process, but this job has {process_count()}; run it on one host (its devices as mesh.data x "
+          "mesh.tensor), or set distill.on_policy.lambda=0 and seq_kd=false for off-policy KD across processes"
+      )
+    super().__init__(student, teacher, **kwargs)
+    self.on_policy = on_policy
+
+  def prompt_width(self, seq_len: int) -> int:
+    """Room for a prompt in a row of ``seq_len`` positions when ``max_new_tokens`` are generated."""
+    width = seq_len + 1 - self.on_policy.max_new_tokens
+    if width < 1:
+      raise ValueError(
+          f"on_policy.max_new_tokens={self.on_policy.max_new_tokens} leaves no room for a prompt in rows of "
+          f"seq_len={seq_len} tokens; use max_new_tokens <= {seq_len}"
+      )
+    return width
+
+  def as_prompt_batch(self, batch: dict) -> dict:
+    """``batch`` with ``prompt_len`` (a packed batch is cut into prompt + completion)."""
+    if "prompt_len" in batch:
+      return batch
+    return cut_prompts(batch, self.prompt_width(np.shape(batch["inputs"])[1]))
+
+  def wants_sample(self, step: int) -> bool:
+    """The step's coin: whether its batch is generated (reproducible from the seed and step)."""
+    if self.on_policy.lmbda == 0:
+      return False
+    u = jax.random.uniform(jax.random.fold_in(jax.random.key(self.seed + 1), step))
+    return bool(float(u) < self.on_policy.lmbda)
+
+  def sample_batch(self, state, batch: dict, step: int) -> dict:
+    """The prompts of ``batch`` completed by the student (the teacher with ``seq_kd``) at ``step``."""
+    seq_len = np.shape(batch["inputs"])[1]
+    prompts, prompt_mask = prompts_of(batch, self.prompt_width(seq_len), self.on_policy.pad_id)
+    if self.on_policy.seq_kd:
+      model = (self.teacher_def, self.unreplicate(self.teacher_params))
+    else:
+      model = (self.student_def, self.unreplicate(state.params)["student"])
+    mesh = self.layout.eval_mesh
+    key = jax.random.fold_in(jax.random.key(self.seed), step)
+    gen = jax.device_get(generate(model, prompts, prompt_mask, key, self.on_policy.sampling(), mesh=mesh))
+    return completion_batch(prompts, prompt_mask, gen.tokens_BxN, gen.mask_BxN, seq_len, self.on_policy.pad_id)
+
+  def step(self, state, batch: dict):
+    step = int(np.asarray(jax.device_get(self.unreplicate(state).step)))
+    batch = self.as_prompt_batch(batch)
+    sampled = self.wants_sample(step)
+    if sampled:
+      batch = self.sample_batch(state, batch, step)
+    new_state, metrics = super().step(state, batch)
+    metrics = dict(metrics)
+    # The tokens trained on (completion targets; sampled ones for a generated batch), counted on the host:
+    # `fit` reports tokens/s from this rather than from the mask of the batch it handed over.
+    metrics["tokens"] = np.float32(np.sum(batch["mask"]))
+    metrics["on_policy"] = np.float32(sampled)
+    if sampled:
+      metrics["sample_len"] = np.float32(np.mean(np.sum(batch["mask"], axis=1)))
+      if "teacher_ce" in metrics:
+        metrics["sample_nll"] = metrics["teacher_ce"]
+    return new_state, metrics

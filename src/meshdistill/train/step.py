@@ -1,0 +1,273 @@
+"""The one distillation train step, and the three ways it is run.
+
+`per_device_step` is written once, for the rows of the batch that one ``data`` shard
+holds. It runs, in ONE compiled program:
+
+1. the teacher forward pass (under `jax.lax.stop_gradient`; the teacher has no
+   optimizer state and receives no gradient);
+2. the student forward and backward pass, with the strategy's per-sequence loss
+   `jax.vmap`-ed over the local rows;
+3. the gradient sum over ``data`` and the optimizer update.
+
+It is written as two halves, `per_device_gradients` (steps 1-2 and the sums over ``data``) and
+`apply_gradients` (the update). The single and pmap layouts run both per device; the
+shard_map layout runs the first under its ``shard_map`` and the second on the global arrays
+(see `meshdistill.parallel.fsdp`: weights may be split over ``data``).
+
+The loss is the token mean over unmasked tokens of the GLOBAL batch: numerator and
+denominator are summed over ``data`` (``psum``), so every layout computes the same
+number as one device.
+
+With no teacher (``teacher_def=None``) step 1 is skipped and the strategy sees
+``teacher=None``: teacher pretraining and hard-label baselines run this same step.
+
+How the step is compiled and where its inputs live -- single device, ``shard_map`` over
+a ``(data, tensor)`` mesh, or ``pmap`` -- is `meshdistill.parallel.layout`'s business.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from meshdistill import losses
+from meshdistill.parallel import fsdp
+from meshdistill.parallel.collectives import psum_bundled
+
+# The keys of a batch the step reads: token ids and targets [B, T], the loss mask [B, T].
+BATCH_KEYS = ("inputs", "targets", "mask")
+# Batch keys of a teacher given by its top-k instead of its weights (`meshdistill.losses.TopK`):
+# ids and log-probs [B, T, K], tail log-mass [B, T]; see `meshdistill.teachers.cache`.
+TOPK_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_tail")
+
+
+class TrainState(NamedTuple):
+  """Everything a step updates. ``params = {"student": nnx.State, "strategy": pytree}``."""
+
+  step: jax.Array  # int32 scalar
+  params: Any
+  opt_state: Any
+
+
+def per_device_step(state: TrainState, teacher_params: Any, batch: dict[str, jax.Array], **keywords):
+  """One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``: `per_device_gradients` then
+  `apply_gradients` (see them for the keywords).
+
+  Returns ``(new_state, metrics)``; metrics are token means over the global batch
+  (plus ``grad_norm`` and ``tokens``), identical on every device.
+  """
+  grads, metrics = per_device_gradients(state, teacher_params, batch, **keywords)
+  return apply_gradients(state, grads, metrics, **keywords)
+
+
+def per_device_gradients(
+    state: TrainState,
+    teacher_params: Any,
+    batch: dict[str, jax.Array],
+    *,
+    student_def: nnx.GraphDef,
+    teacher_def: nnx.GraphDef | None,
+    strategy: Any,
+    data_axis: str | None,
+    vocab: int | None = None,
+    trainable: Any = None,
+    light: bool = False,
+    student_axis: str | None = None,
+    **_,
+):
+  """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
+
+  With `TOPK_KEYS` in ``batch`` the teacher is not run: its top-k from the batch (an offline cache,
+  `meshdistill.teachers.cache`, or a teacher on its own devices, `meshdistill.teachers.mesh`) is
+  handed to the strategy as a `meshdistill.losses.TopK`.
+
+  ``trainable``: an nnx filter of the student parameters that train (e.g. ``nnx.LoRAParam``); the
+  others are inputs of the step only: no gradient, no optimizer state, never moved (`split_trainable`).
+  ``None``: the whole student trains.
+
+  ``vocab``: when teacher and student vocabularies differ only by padding rows, the shared
+  range ``[0, vocab)``; both models' logits (and LM heads) are sliced to it before the loss.
+
+  ``light``: the metrics-light step: the same update (same parameters, same loss), but its metrics
+  are only ``loss``, ``grad_norm`` and ``tokens`` (what the divergence guard and the progress line
+  read); the strategy's other metrics are not returned, so the compiler drops their work (their
+  vocabulary-wide passes and reductions). The loop runs it on the steps it does not log.
+
+  ``student_axis``: a compiler-managed mesh axis (``tensor``) over which the student is replicated and its rows
+  split (`meshdistill.parallel.layout.ShardMapLayout` with ``student_split="batch"``): the teacher runs as usual on this
+  device's rows (its inputs and outputs pinned whole over rows, `_rows_whole`), the student's part
+  (`student_gradients`) in a nested ``shard_map`` manual over that axis on its slice of them, and the sums cover
+  ``data`` and that axis. Same numbers as one device.
+
+  Only ``state.step`` and ``state.params`` are read. Weights split over ``data`` (`meshdistill.parallel.fsdp`) arrive as
+  shards and their gradients leave as shards, already summed over ``data``. Other keywords (the whole step's)
+  are ignored.
+  """
+  capture = tuple(strategy.capture)
+  # A strategy with `needs_head` forms logits itself from the final hidden states and the
+  # LM heads (e.g. chunked over tokens); the models then skip their heads (`needs_logits`).
+  with_logits = getattr(strategy, "needs_logits", True)
+  with_head = getattr(strategy, "needs_head", False)
+
+  teacher_out = teacher_head = None
+  if TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
+    teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
+  elif teacher_def is not None:
+    teacher = nnx.merge(teacher_def, teacher_params)
+    inputs_BxT = batch["inputs"] if student_axis is None else _rows_whole(batch["inputs"])
+    teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
+    teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
+
+  student_part = functools.partial(
+      student_gradients, state.step, student_def=student_def, strategy=strategy, vocab=vocab, trainable=trainable,
+      light=light,
+  )
+  rows = {k: batch[k] for k in ("inputs", "targets", "mask")}
+  if student_axis is None:
+    return student_part(state.params, rows, teacher_out, teacher_head, axes=data_axis)
+  # The student on its rows: they (and the teacher's outputs, moved to rows) split over `student_axis`, its
+  # weights and the teacher's LM head whole; gradients and sums over both axes inside, so they leave replicated.
+  axes = student_axis if data_axis is None else (data_axis, student_axis)
+  teacher_out = _rows_whole(teacher_out)
+  split = jax.shard_map(
+      functools.partial(student_part, axes=axes), in_specs=(P(), P(student_axis), P(student_axis), P()),
+      out_specs=P(), axis_names={student_axis}, check_vma=False,
+  )
+  return split(state.params, rows, teacher_out, teacher_head)
+
+
+def _rows_whole(tree: Any) -> Any:
+  """``tree``'s arrays pinned whole along their first (row) axis, their other axes left to the compiler.
+
+  The teacher's inputs and outputs under ``student_axis``. Unpinned, the compiler sees them consumed split over
+  rows (the student's nested ``shard_map``) and carries that split back into the teacher, whose weights are split
+  over the same axis: on the 2x4 benchmark step it gathered every layer's attention weights and gathered the
+  activations back before each MLP (a planned Qwen3-1.7B teacher on 2x4: 198 all-gathers, its whole bfloat16
+  weights, 3.44 GB per device, every step). Pinned, the teacher runs split over ``tensor`` as in the default
+  split, and its outputs reach the student's rows once (an all-to-all of the logits)."""
+  def pin(x):
+    if not isinstance(x, jax.Array) or x.ndim == 0:
+      return x
+    return jax.lax.with_sharding_constraint(x, P(None, *([P.UNCONSTRAINED] * (x.ndim - 1))))
+
+  return jax.tree.map(pin, tree)
+
+
+def student_gradients(
+    step: jax.Array,
+    params: Any,
+    batch: dict[str, jax.Array],
+    teacher_out: Any,
+    teacher_head: jax.Array | None,
+    *,
+    axes: Any,
+    student_def: nnx.GraphDef,
+    strategy: Any,
+    vocab: int | None,
+    trainable: Any,
+    light: bool,
+):
+  """The student's part of `per_device_gradients` on the rows given, with the teacher's outputs for them:
+  ``(grads, metrics)`` with gradients and token sums summed over the mesh axes ``axes`` (``None``: none)."""
+  capture = tuple(strategy.capture)
+  with_logits = getattr(strategy, "needs_logits", True)
+  with_head = getattr(strategy, "needs_head", False)
+  inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
+  mask_BxT = batch["mask"].astype(jnp.float32)
+
+  # A strategy whose loss is a mean over something else than tokens (pairs of rows: preference
+  # losses) says how many of those its local rows hold (`count`); the step sums that over `data`.
+  count = getattr(strategy, "count", None)
+  tokens, counted = psum_bundled((jnp.sum(mask_BxT), None if count is None else count(mask_BxT)), axes)
+  denom = jnp.maximum(tokens if count is None else counted, 1.0)
+
+  params_in, frozen = split_trainable(params, trainable)
+
+  def loss_fn(params):
+    # frozen parameters enter as constants of this trace (outer tracers inside `nnx.remat` blocks would not merge)
+    params = join_trainable(params, jax.lax.stop_gradient(frozen))
+    student = nnx.merge(student_def, params["student"])
+    student_out = _vocab_slice(student(inputs_BxT, capture=capture, logits=with_logits), vocab)
+    if with_head:  # token sums over all local rows; heads [D, V] with V split over `tensor`
+      heads = (student.head_weight()[:, :vocab], teacher_head)
+      sums = strategy.per_batch(params["strategy"], student_out, teacher_out, heads, targets_BxT, mask_BxT, step)
+      return sums["loss"] / denom, sums
+    per_seq = jax.vmap(strategy.per_sequence, in_axes=(None, 0, 0, 0, 0, None))
+    sums_B = per_seq(params["strategy"], student_out, teacher_out, targets_BxT, mask_BxT, step)
+    sums = jax.tree.map(jnp.sum, sums_B)
+    return sums["loss"] / denom, sums
+
+  (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
+  if light:
+    sums = {"loss": sums["loss"]}
+  grads, sums = sum_over_data((grads, sums), axes)
+  metrics = {k: v / denom for k, v in sums.items()}
+  metrics["tokens"] = tokens
+  return grads, metrics
+
+
+def sum_over_data(tree: Any, data_axis: Any) -> Any:
+  """``tree`` (gradients, token sums) summed over ``data`` in few all-reduces (`psum_bundled`: one of the scalars,
+  one combined of the arrays), except the gradients of weights split over ``data`` (`meshdistill.parallel.fsdp`): the
+  backward pass of their all-gather already reduce-scattered them."""
+  if data_axis is None:
+    return tree
+  is_split = lambda x: fsdp.data_dim(x) is not None  # noqa: E731
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_split)
+  summed = [i for i, x in enumerate(leaves) if not is_split(x)]
+  for i, x in zip(summed, psum_bundled([leaves[i] for i in summed], data_axis)):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def apply_gradients(
+    state: TrainState, grads: Any, metrics: dict, *, optimizer: optax.GradientTransformation, trainable: Any = None,
+    **_,
+):
+  """The update half of the step: the optimizer on ``grads`` (of the trainable parameters, summed over ``data``);
+  returns ``(new_state, metrics + grad_norm)``. Under `meshdistill.parallel.layout.ShardMapLayout` it runs on the global
+  arrays (outside the ``shard_map``), so norms and moments are those of whole gradients. Other keywords are ignored."""
+  params_in, frozen = split_trainable(state.params, trainable)
+  updates, opt_state = optimizer.update(grads, state.opt_state, params_in)
+  params = join_trainable(optax.apply_updates(params_in, updates), frozen)
+  metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}  # the norm the optimizer clips with (CSE: once)
+  return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def step_halves(step_fn) -> tuple[Any, Any] | None:
+  """``(gradients, update)`` halves of a `per_device_step` partial (its keywords bound to both), or None for
+  another function."""
+  if not isinstance(step_fn, functools.partial) or step_fn.func is not per_device_step or step_fn.args:
+    return None
+  kw = step_fn.keywords
+  return functools.partial(per_device_gradients, **kw), functools.partial(apply_gradients, **kw)
+
+
+def split_trainable(params: dict, trainable: Any) -> tuple[dict, Any]:
+  """``(trained, frozen)``: ``params`` with only the student parameters matching the nnx filter
+  ``trainable`` (strategy parameters always train), and the rest of the student; ``trainable=None``:
+  ``(params, None)``. The optimizer sees ``trained`` only."""
+  if trainable is None:
+    return params, None
+  trained, frozen = nnx.split_state(params["student"], trainable, ...)
+  return {**params, "student": trained}, frozen
+
+
+def join_trainable(trained: dict, frozen: Any) -> dict:
+  """The inverse of `split_trainable`."""
+  if frozen is None:
+    return trained
+  return {**trained, "student": nnx.merge_state(trained["student"], frozen)}
+
+
+def _vocab_slice(out, vocab: int | None):
+  """``out`` with logits [B, T, V] cut to [B, T, vocab] (still split over ``tensor``); ``vocab=None`` keeps all."""
+  if vocab is None or out.logits is None or out.logits.shape[-1] == vocab:
+    return out
+  return out._replace(logits=out.logits[..., :vocab])
