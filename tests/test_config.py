@@ -107,7 +107,7 @@ def test_unknown_key_names_the_dotted_key_and_the_valid_keys(override, named, hi
     ("train.steps=0", "train.steps", "positive integer"),
     ("train.lr=-0.1", "train.lr", "(0.0, 1.0]"),
     ("distill.alpha=1.5", "distill.alpha", "[0"),
-    ("distill.temperature=0", "distill.temperature", "> 0"),
+    ("distill.temperature=0", "distill.temperature", ">= 0.01"),
     ("distill.divergence=kl2", "distill.divergence", "forward_kl"),
     ("distill.chunk_size=-4", "distill.chunk_size", "non-negative integer"),
     ("mesh.backend=tpu", "mesh.backend", "shard_map"),

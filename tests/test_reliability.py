@@ -786,7 +786,7 @@ def test_r2_a_finished_run_refuses_a_changed_training_setting(tmp_path, corpus, 
   assert cli.main([*args, "--set=train.steps=3", "--set=train.log_every=2"]) == 0
   assert json.loads((run / "summary.json").read_text())["step"] == 3
   saved = load_config(str(run / "config.yaml"))
-  assert (saved.train.steps, saved.train.log_every, saved.distill.alpha) == (3, 2, 0.5)
+  assert (saved.train.steps, saved.train.log_every, saved.distill.value("alpha")) == (3, 2, 0.5)
 
 
 def test_r2_modes_honour_the_umask_home_is_expanded_and_interrupted_saves_are_cleaned(

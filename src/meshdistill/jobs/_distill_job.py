@@ -3,6 +3,7 @@ with the check against the run's checkpoint and the final teacher / student eval
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import IO
@@ -15,6 +16,7 @@ from meshdistill.jobs._setup import with_batch_size
 from meshdistill.jobs._teacher import _open_teacher_cache, _split_meshes, _teacher_on_own_mesh, obtain_teacher
 from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
 from meshdistill.loop.monitor import ProfileWindow
+from meshdistill import strategies
 
 
 def distill(
@@ -51,6 +53,21 @@ def _flat(d, prefix: str = "") -> dict:
   return out
 
 
+def _strategy_defaults_filled(flat: dict) -> dict:
+  """``flat`` with each null ``distill.<setting>`` replaced by the value the strategy trains with (its default), so a
+  config.yaml that left a setting to the strategy compares equal to one that states the same value."""
+  try:
+    fields = {f.name: f.default for f in dataclasses.fields(strategies.get(flat.get("distill.kind")))}
+  except (KeyError, ValueError, TypeError):
+    return flat
+  out = dict(flat)
+  for key, value in flat.items():
+    name = key[len("distill."):] if key.startswith("distill.") else None
+    if value is None and name and "." not in name and fields.get(name, dataclasses.MISSING) is not dataclasses.MISSING:
+      out[key] = fields[name]
+  return out
+
+
 def _changed_settings(cfg: Config) -> None:
   """Raises `ConfigError` when a setting that changes what is trained differs from the run's ``config.yaml``
   (the settings its checkpoint was trained with), naming each key with the old and the new value.
@@ -70,6 +87,7 @@ def _changed_settings(cfg: Config) -> None:
     saved = None
   saved = _flat(saved) if isinstance(saved, dict) else {}
   now = _flat(yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False)))  # as config.yaml would hold it
+  saved, now = _strategy_defaults_filled(saved), _strategy_defaults_filled(now)
   changed = [k for k in now if k in saved and saved[k] != now[k] and not k.startswith(UNTRAINED_SETTINGS)
              and k not in UNTRAINED_SETTINGS]
   if agree_on(int(bool(changed)), "whether the run's settings changed"):  # process 0 decides for the job
