@@ -235,7 +235,7 @@ def _main(argv: list[str] | None) -> int:
       elif args.command == "distill":
         import jax  # pylint: disable=g-import-not-at-top
 
-        from meshdistill.parallel.layout import layout_class  # pylint: disable=g-import-not-at-top
+        from meshdistill.parallel.backends import layout_class  # pylint: disable=g-import-not-at-top
 
         mesh = layout_class(cfg.mesh.backend).describe(cfg.mesh.data, cfg.mesh.tensor)
         if cfg.mesh.fsdp:

@@ -168,7 +168,7 @@ def stored_student_config(cfg: Config, mesh=None):
   read with the same padding (the decoder cuts it off its logits) and then, on ``mesh``, fitted to its
   ``tensor`` too.
   """
-  from meshdistill.parallel.layout import layout_class  # pylint: disable=g-import-not-at-top
+  from meshdistill.parallel.backends import layout_class  # pylint: disable=g-import-not-at-top
 
   student = cfg.student
   if not layout_class(cfg.mesh.backend).one_device:

@@ -42,7 +42,7 @@ def prepare_devices(cfg: Config) -> None:
 def build_mesh(cfg: Config):
   """The run's mesh (None for the ``single`` backend)."""
   from meshdistill.distributed import data_shard, process_count  # pylint: disable=g-import-not-at-top
-  from meshdistill.parallel.layout import BACKENDS, layout_class  # pylint: disable=g-import-not-at-top
+  from meshdistill.parallel.backends import BACKENDS, layout_class  # pylint: disable=g-import-not-at-top
   from meshdistill.parallel.mesh import make_mesh  # pylint: disable=g-import-not-at-top
 
   layout = layout_class(cfg.mesh.backend)

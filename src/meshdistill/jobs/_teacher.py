@@ -208,7 +208,7 @@ def _split_meshes(cfg: Config):
   from meshdistill.teachers.mesh import split_meshes  # pylint: disable=g-import-not-at-top
 
   td = cfg.models.teacher_devices
-  from meshdistill.parallel.layout import layout_class  # pylint: disable=g-import-not-at-top
+  from meshdistill.parallel.backends import layout_class  # pylint: disable=g-import-not-at-top
 
   # Checked first (before data or teacher): the teacher on its own mesh sends the student its top-k only.
   if cfg.distill.kind != "logit_kd" or cfg.distill.top_k is None:
@@ -265,7 +265,7 @@ def cache_teacher(
   """
   from meshdistill.teachers import cache as tc  # pylint: disable=g-import-not-at-top
   from meshdistill.train.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
-  from meshdistill.parallel.layout import make_layout  # pylint: disable=g-import-not-at-top
+  from meshdistill.parallel.backends import make_layout  # pylint: disable=g-import-not-at-top
 
   tau = cfg.distill.value("temperature")  # the section's, or the strategy's default
   if callable(tau) or isinstance(tau, dict):

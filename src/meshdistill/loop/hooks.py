@@ -1,7 +1,7 @@
 """Periodic actions of the training loop (`meshdistill.loop.trainer.fit`): logging, evaluation, checkpoints,
 profiling and the memory check, each a `Hook`.
 
-A hook sees the loop's `meshdistill.loop.trainer.Run` (``run.state``, ``run.step``, ``run.trainer``,
+A hook sees the loop's `meshdistill.loop.run.Run` (``run.state``, ``run.step``, ``run.trainer``,
 ``run.monitor``, ``run.recovery``, ...) at fixed points:
 
 * ``before_loop(run)`` -- once, before the first step (may replace ``run.trainer``);

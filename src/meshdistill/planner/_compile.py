@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshdistill.train.distiller import Distiller
-from meshdistill.parallel.layout import ShardMapLayout
+from meshdistill.parallel.backends import ShardMapLayout
 from meshdistill.train.memory import MemoryReport
 from meshdistill.parallel.mesh import TENSOR, batch_sharding
 from meshdistill.models._build import abstract_params
