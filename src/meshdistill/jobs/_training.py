@@ -11,7 +11,7 @@ from meshdistill.loop.guard import DivergenceGuard
 from meshdistill.strategies import ScaledLoss, fallback_strategy
 from meshdistill.teachers.sources import build_student, quantized_teacher
 from meshdistill.train.distiller import Distiller
-from meshdistill.train.onpolicy import OnPolicyDistiller as Distiller
+from meshdistill.train.onpolicy import OnPolicyDistiller
 from meshdistill.train.optimizers import lr_schedule, make_optimizer
 
 
@@ -77,11 +77,12 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
   student = build_student(cfg, teacher, mesh)
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize: after the student copied any float blocks
   strategy, optimizer = strategy_and_optimizer(cfg)
-  extra = {}
+  extra, cls = {}, Distiller
   if cfg.distill.on_policy.active:
+    cls = OnPolicyDistiller
     eos, pad = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "pad_id", None)
     extra["on_policy"] = cfg.distill.on_policy.config(eos_id=eos, pad_id=pad or 0)
-  return Distiller(
+  return cls(
     student,
     teacher,
     strategy=strategy,
