@@ -19,7 +19,7 @@ import meshdistill as md
 from meshdistill.storage.checkpoint import Checkpointer, check_teacher_architecture, load_teacher, save_teacher
 from meshdistill.config import load_config
 from meshdistill.data import ByteTokenizer
-from meshdistill.parallel.layout import make_layout
+from meshdistill.parallel.backends import make_layout
 from meshdistill.train.optimizers import make_optimizer
 
 VOCAB = 264
@@ -149,7 +149,7 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
       import numpy as np
       import orbax.checkpoint._src.path.async_path as ap
       from meshdistill.storage.checkpoint import Checkpointer
-      from meshdistill.parallel.layout import make_layout
+      from meshdistill.parallel.backends import make_layout
       single = types.SimpleNamespace(layout=make_layout("single", None))
       state = {{"w": np.arange(6, dtype=np.float32)}}
       ckpt = Checkpointer({directory!r}, every=1)

@@ -10,6 +10,7 @@ with `ast`; relative imports are resolved against the module's package. ``from a
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -19,10 +20,17 @@ SRC = pathlib.Path(meshdistill.__file__).resolve().parents[1]  # the source tree
 PACKAGE = "meshdistill"
 # Function-local import statements of meshdistill modules: 136 with four cycles hidden behind them; 122 once those
 # were broken and the config's checks and the models' builders were imported at the top; 132 with the command's
-# lazy start-up (`meshdistill.cli` imports each job's modules inside its command, so `--help` loads no JAX). Lower it
-# when one goes; a new one needs a reason (a lazy load of a heavy or optional part, e.g. the planner or qwix), never
-# a cycle.
-MAX_LOCAL_IMPORTS = 132
+# lazy start-up (`meshdistill.cli` imports each job's modules inside its command, so `--help` loads no JAX); 22 once
+# every import that closes no cycle and costs the command's start-up nothing went to the top of its module (and
+# `distributed.platforms` got the "has JAX started" check it needs from `parallel.mesh`). What stays local is the
+# command's lazy start-up (20, in `meshdistill.cli`) and `models.hf`'s two (see `REASON_PENDING`). A new one needs a
+# reason on its line (`# lazy: ...`: a heavy or optional part, e.g. the planner or qwix), never a cycle.
+MAX_LOCAL_IMPORTS = 22
+# Modules whose function-local imports of the package may still lack a `# lazy:` reason: `models.hf` imports
+# `storage.ownership` in two functions (a light module, no cycle: they can go to its top, with the models' family
+# registry change). Remove the entry then and lower the ceiling by 2.
+REASON_PENDING = {"meshdistill.models.hf"}
+LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -163,6 +171,39 @@ def test_function_local_imports_of_the_package_stay_under_the_ceiling():
   listing = "\n".join(f"{m}:{line} imports {t}" for m, line, t in local)
   print(f"{len(local)} function-local imports of {PACKAGE} modules (ceiling {MAX_LOCAL_IMPORTS}):\n{listing}")
   assert len(local) <= MAX_LOCAL_IMPORTS, listing
+
+
+def unreasoned(local) -> list[tuple[str, int, str]]:
+  """The function-local imports of ``local`` (as `import_graph` lists them) whose first line has no ``# lazy:``
+  reason comment."""
+  paths = modules()
+  out = []
+  for module, line, target in local:
+    text = paths[module].read_text(encoding="utf-8").split("\n")[line - 1]
+    if not LAZY_REASON.search(text):
+      out.append((module, line, target))
+  return out
+
+
+def test_the_reason_check_names_a_function_local_import_without_a_reason(tmp_path, monkeypatch):
+  pkg = tmp_path / PACKAGE
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "a.py").write_text("X = 1\n")
+  (pkg / "b.py").write_text(
+      "def f():\n  from meshdistill.a import X  # lazy: a is heavy\n  return X\n\n\n"
+      "def g():\n  from meshdistill.a import X  # pylint: disable=g-import-not-at-top\n  return X\n")
+  monkeypatch.setattr(__import__(__name__), "SRC", tmp_path)
+  _, local = import_graph()
+  assert len(local) == 2
+  assert unreasoned(local) == [("meshdistill.b", 7, "meshdistill.a")]
+
+
+def test_every_function_local_import_of_the_package_says_why_it_is_local():
+  _, local = import_graph()
+  missing = [(m, line, t) for m, line, t in unreasoned(local) if m not in REASON_PENDING]
+  assert not missing, "function-local imports without a `# lazy: <why>` comment (or move them to the top):\n" + (
+      "\n".join(f"{m}:{line} imports {t}" for m, line, t in missing))
 
 
 if __name__ == "__main__":

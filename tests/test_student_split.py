@@ -11,7 +11,7 @@ import pytest
 from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
 
 import meshdistill as md
-from meshdistill.parallel import layout as layout_lib
+from meshdistill.parallel import backends as layout_lib
 from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.parallel.collectives import all_reduce_census
 from meshdistill.config import ConfigError, load_config

@@ -31,8 +31,8 @@ _EXPORTS: dict[str, str] = {
     # distillation
     "Distiller": "meshdistill.train.distiller",
     "Layout": "meshdistill.parallel.layout",
-    "make_layout": "meshdistill.parallel.layout",
-    "wrap_step": "meshdistill.parallel.layout",
+    "make_layout": "meshdistill.parallel.backends",
+    "wrap_step": "meshdistill.parallel.backends",
     "TrainState": "meshdistill.train.step",
     "per_device_step": "meshdistill.train.step",
     # freezing

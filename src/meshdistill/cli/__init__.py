@@ -57,14 +57,14 @@ def _plan(args) -> int:
   """``meshdistill plan``: JAX starts here on CPU devices only; TPU programs are compiled, never run."""
   import json  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.planner._hardware import cpu_count_of  # pylint: disable=g-import-not-at-top
+  from meshdistill.planner._hardware import cpu_count_of  # lazy: the planner, for plan only
 
   n = cpu_count_of(args.devices)
   if n is not None and n > 1:
-    from meshdistill.parallel.mesh import simulate_cpu_devices  # pylint: disable=g-import-not-at-top
+    from meshdistill.parallel.mesh import simulate_cpu_devices  # lazy: JAX
 
     simulate_cpu_devices(n)
-  from meshdistill import planner  # pylint: disable=g-import-not-at-top
+  from meshdistill import planner  # lazy: the planner, for plan only
 
   common = dict(topology=args.topology, devices=args.devices, seq=args.seq, config=args.config,
                 overrides=args.overrides, dtype=args.dtype, hbm_gib=args.hbm_gib, scan_layers=args.scan_layers,
@@ -107,7 +107,7 @@ def _load(args, run_dir: str | None = None):
     if config is None and os.path.isfile(saved):
       config = saved
     overrides.append(f"run.run_dir={run_dir}")
-  from meshdistill.config import load_config  # pylint: disable=g-import-not-at-top
+  from meshdistill.config import load_config  # lazy: the config's sections load JAX
 
   return load_config(config, overrides)
 
@@ -118,15 +118,15 @@ def _err(msg: str, code: int = 2) -> int:
 
 
 def _export(args) -> int:
-  from meshdistill.models import export  # pylint: disable=g-import-not-at-top
-  from meshdistill.config import run_config  # pylint: disable=g-import-not-at-top
+  from meshdistill.models import export  # lazy: JAX
+  from meshdistill.config import run_config  # lazy: the config's sections load JAX
 
   try:  # settings, run directory and OUT_DIR are checked before JAX starts
     cfg = run_config(args.run_dir)
     if args.dtype not in export.DTYPES:
       raise ValueError(f"--dtype={args.dtype!r}; choose one of {list(export.DTYPES)}")
     export.check_out_dir(args.out_dir, args.overwrite, args.adapter)
-    from meshdistill import jobs  # pylint: disable=g-import-not-at-top
+    from meshdistill import jobs  # lazy: JAX
 
     jobs.prepare_devices(cfg)
     out = export.export_run(
@@ -157,11 +157,11 @@ def _main(argv: list[str] | None) -> int:
   args = _parser().parse_args(argv)
   _setup_logging(args.verbose, args.command)
   if args.command != "launch":  # the launcher starts no JAX; its processes get JAX_PLATFORMS=cpu from it
-    from meshdistill.distributed.platforms import select_platform  # pylint: disable=g-import-not-at-top
+    from meshdistill.distributed.platforms import select_platform  # lazy: --help loads the parser only
 
     select_platform(force_cpu=args.command == "plan")  # CPU unless an accelerator is present or JAX_PLATFORMS set
   if args.command == "launch":
-    from meshdistill import distributed  # pylint: disable=g-import-not-at-top
+    from meshdistill import distributed  # lazy: --help loads the parser only
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     try:
@@ -169,7 +169,7 @@ def _main(argv: list[str] | None) -> int:
     except distributed.DistributedError as e:
       return _err(str(e))
   if args.command == "plot":
-    from meshdistill.loop.monitor import plot_run  # pylint: disable=g-import-not-at-top
+    from meshdistill.loop.monitor import plot_run  # lazy: JAX
 
     try:
       for path in plot_run(args.run_dir, args.out):
@@ -187,7 +187,7 @@ def _main(argv: list[str] | None) -> int:
   try:  # every setting is checked here, before JAX starts or any data is read
     cfg = _load(args, run_dir)
     if args.command == "pretrain" and args.out is not None:
-      from meshdistill.storage.checkpoint import check_teacher_target  # pylint: disable=g-import-not-at-top
+      from meshdistill.storage.checkpoint import check_teacher_target  # lazy: JAX, orbax
 
       check_teacher_target(args.out, overwrite=args.overwrite)  # again before saving; here to fail fast
   except (ConfigError, FileNotFoundError, FileExistsError) as e:
@@ -203,17 +203,17 @@ def _main(argv: list[str] | None) -> int:
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     return 0
 
-  from meshdistill import jobs  # pylint: disable=g-import-not-at-top
-  from meshdistill.storage.fsutil import RunLockedError  # pylint: disable=g-import-not-at-top
-  from meshdistill.loop.monitor import ProfileWindow  # pylint: disable=g-import-not-at-top
-  from meshdistill.loop.stopping import STOP_SIGNALS, Stopped, stop_on_signals  # pylint: disable=g-import-not-at-top
+  from meshdistill import jobs  # lazy: JAX
+  from meshdistill.storage.fsutil import RunLockedError  # lazy: --help loads the parser only
+  from meshdistill.loop.monitor import ProfileWindow  # lazy: JAX
+  from meshdistill.loop.stopping import STOP_SIGNALS, Stopped, stop_on_signals  # lazy: --help loads the parser only
 
   try:
     ProfileWindow.parse(getattr(args, "profile", None), "")
   except ValueError as e:
     return _err(str(e))
 
-  from meshdistill import distributed  # pylint: disable=g-import-not-at-top
+  from meshdistill import distributed  # lazy: --help loads the parser only
 
   try:  # before JAX starts a backend
     # (`generate` runs as one process: it takes no process flags)
@@ -235,7 +235,7 @@ def _main(argv: list[str] | None) -> int:
       elif args.command == "distill":
         import jax  # pylint: disable=g-import-not-at-top
 
-        from meshdistill.parallel.layout import layout_class  # pylint: disable=g-import-not-at-top
+        from meshdistill.parallel.backends import layout_class  # lazy: JAX
 
         mesh = layout_class(cfg.mesh.backend).describe(cfg.mesh.data, cfg.mesh.tensor)
         if cfg.mesh.fsdp:
@@ -252,7 +252,7 @@ def _main(argv: list[str] | None) -> int:
         summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
         print(jobs.summary_table(summary))
       elif args.command == "cache-teacher":
-        from meshdistill.teachers.cache import TeacherCache  # pylint: disable=g-import-not-at-top
+        from meshdistill.teachers.cache import TeacherCache  # lazy: JAX
 
         m = jobs.cache_teacher(cfg, args.out, k=args.k, precision=args.precision,
                                rows_per_shard=args.rows_per_shard, stream=sys.stderr)
@@ -265,8 +265,8 @@ def _main(argv: list[str] | None) -> int:
       elif args.command == "eval":
         print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
       elif args.command == "generate":
-        from meshdistill.models.generate import SamplingConfig  # pylint: disable=g-import-not-at-top
-        from meshdistill.data.prompts import read_prompts  # pylint: disable=g-import-not-at-top
+        from meshdistill.models.generate import SamplingConfig  # lazy: JAX
+        from meshdistill.data.prompts import read_prompts  # lazy: JAX
 
         prompts = list(args.prompt)
         if args.prompts_file:

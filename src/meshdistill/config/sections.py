@@ -22,7 +22,8 @@ from meshdistill import strategies
 from meshdistill.config.typed_yaml import ConfigError, api_to_config, in_range, nonneg_int, positive_int, unknown_key
 from meshdistill.train.freezing import Stage
 from meshdistill.parallel.fsdp import unsupported as fsdp_unsupported
-from meshdistill.parallel.layout import BACKENDS, check_student_split, layout_class
+from meshdistill.parallel.backends import BACKENDS, layout_class
+from meshdistill.parallel.layout import check_student_split
 from meshdistill.losses import DIVERGENCES
 from meshdistill.train.onpolicy import OnPolicyConfig
 from meshdistill.train.optimizers import MAX_LOSS_SCALE
@@ -35,7 +36,8 @@ class MeshSettings:
   simulated devices, ``false`` uses the devices as they are. ``fsdp``: weights of both models and the
   student's optimizer moments split over ``data`` too (`meshdistill.parallel.fsdp`; ``backend: shard_map`` only).
   ``student_split``: ``tensor`` (the student split over ``tensor`` like the teacher) or ``batch`` (the student
-  replicated, run on the batch rows split over ``data`` x ``tensor``: `meshdistill.parallel.layout.ShardMapLayout`)."""
+  replicated, run on the batch rows split over ``data`` x ``tensor``:
+  `meshdistill.parallel.backends.ShardMapLayout`)."""
 
   data: int = 2
   tensor: int = 4

@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+from meshdistill.strategies._preference import preference_batch, read_preferences
 
 
 def own_pairs(batch: dict[str, np.ndarray], prompt_fraction: float) -> dict[str, np.ndarray]:
@@ -76,8 +77,6 @@ class _JsonlIterator:
     return self
 
   def __next__(self):
-    from meshdistill.strategies._preference import preference_batch  # pylint: disable=g-import-not-at-top
-
     take = [self._rows[(self._pos + i) % len(self._rows)] for i in range(self._n)]
     self._pos = (self._pos + self._n) % len(self._rows)
     return preference_batch(take, self._encode, self._seq_len)
@@ -103,8 +102,6 @@ class PreferencePairs:
   def __post_init__(self):
     self._rows = None
     if self.source != "own":
-      from meshdistill.strategies._preference import read_preferences  # pylint: disable=g-import-not-at-top
-
       self._rows = read_preferences(self.source)
 
   def __getattr__(self, name):  # tokenizer, stats, val, config, ...

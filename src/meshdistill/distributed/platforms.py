@@ -45,7 +45,7 @@ def select_platform(force_cpu: bool = False) -> str:
     return chosen
   if not force_cpu and accelerator_present():
     return ""
-  if "jax" in sys.modules and _backend_started():
+  if backend_started():
     log.debug("JAX already started a backend; JAX_PLATFORMS left unset")
     return ""
   os.environ["JAX_PLATFORMS"] = "cpu"
@@ -56,7 +56,11 @@ def select_platform(force_cpu: bool = False) -> str:
   return "cpu"
 
 
-def _backend_started() -> bool:
-  from meshdistill.parallel.mesh import _backend_started as started  # pylint: disable=g-import-not-at-top
+def backend_started() -> bool:
+  """Whether JAX has started a backend (from then on its platform and CPU device count are fixed); False while
+  nothing has imported JAX."""
+  if "jax" not in sys.modules:
+    return False
+  from jax._src import xla_bridge  # lazy: JAX (only read once imported)
 
-  return started()
+  return xla_bridge.backends_are_initialized()

@@ -17,6 +17,12 @@ from meshdistill.jobs._teacher import _open_teacher_cache, _split_meshes, _teach
 from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
 from meshdistill.loop.monitor import ProfileWindow
 from meshdistill import strategies
+from meshdistill.data import PreferencePairs
+from meshdistill.data.prompts import PromptData, read_prompts
+from meshdistill.distributed import agree_on, is_primary
+from meshdistill.loop.evaluate import Evaluator
+from meshdistill.loop.trainer import _check_resumable, _meta, fit
+from meshdistill.models import param_count
 
 
 def distill(
@@ -77,8 +83,6 @@ def _changed_settings(cfg: Config) -> None:
   """
   import yaml  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.distributed import agree_on  # pylint: disable=g-import-not-at-top
-
   path = os.path.join(cfg.run.run_dir, "config.yaml")
   try:
     with open(path, encoding="utf-8") as f:
@@ -106,9 +110,6 @@ def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
 
   The same check as `meshdistill.loop.trainer.fit`'s on resume, made before ``config.yaml`` is written.
   """
-  from meshdistill.distributed import agree_on  # pylint: disable=g-import-not-at-top
-  from meshdistill.loop.trainer import _check_resumable  # pylint: disable=g-import-not-at-top
-
   # Opening a checkpoint manager is a collective: every process takes process 0's answer.
   if not agree_on(int(os.path.isdir(cfg.checkpoint_dir)), "whether the run has a checkpoint directory"):
     return
@@ -123,9 +124,6 @@ def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
 
 
 def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
-  from meshdistill.loop.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
-  from meshdistill.loop.trainer import fit  # pylint: disable=g-import-not-at-top
-
   run_dir = cfg.run.run_dir
   teacher_mesh = None
   if cfg.models.teacher_devices:  # the teacher's own mesh, the student's on the other devices
@@ -137,8 +135,6 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   # written: a rejected resume changes nothing in the run directory.
   _check_against_checkpoint(cfg, {"kind": "distill"})
   if cfg.distill.kind == "preference":  # batches of (chosen, rejected) row pairs; validation stays plain text
-    from meshdistill.data import PreferencePairs  # pylint: disable=g-import-not-at-top
-
     pairs = cfg.preference.pairs
     data = PreferencePairs(with_batch_size(data, cfg.train.batch_size // 2),
                            source="own" if pairs == "own" else os.path.expanduser(pairs),
@@ -159,14 +155,11 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
     raise ConfigError("distill.on_policy trains on prompts and sampled completions, but teacher.cache / "
                       "teacher.devices feed the teacher's top-k of the corpus rows; remove one of them")
   if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
-    from meshdistill.data.prompts import PromptData, read_prompts  # pylint: disable=g-import-not-at-top
-
     rows = read_prompts(os.path.expanduser(cfg.distill.on_policy.prompts_file), need_completion=True)
     data = PromptData(rows, data.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
                       val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
     say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
   distiller = make_distiller(cfg, teacher, mesh, data.tokenizer)
-  from meshdistill.loop.trainer import _meta  # pylint: disable=g-import-not-at-top
 
   _check_against_checkpoint(cfg, _meta(distiller, "distill", {"teacher_dir": tdir}))
   _write_config(cfg, run_dir)
@@ -201,7 +194,6 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
     "divergences": sum(e["kind"] == "diverged" for e in result.events),
     "events": result.events,
   }
-  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
 
   if is_primary():  # through a rename: a link put there is replaced, never written through
     write_text_atomic(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
@@ -209,9 +201,6 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
 
 
 def _evaluate_pair(distiller, state, val) -> dict:
-  from meshdistill.loop.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
-  from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
-
   student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
   teacher_eval = Evaluator(distiller.teacher_def, mesh=distiller.layout.eval_mesh)
   teacher = teacher_eval(distiller.unreplicate(distiller.teacher_params), val)
@@ -235,9 +224,6 @@ def _evaluate_pair(distiller, state, val) -> dict:
 
 
 def _evaluate_student(distiller, state, val) -> dict:
-  from meshdistill.loop.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
-  from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
-
   student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
   return {
     "teacher": None,

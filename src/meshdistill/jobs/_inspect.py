@@ -14,6 +14,11 @@ from meshdistill.config import run_config
 from meshdistill.jobs._distill_job import _evaluate_pair
 from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
 from meshdistill.jobs._training import make_distiller
+from meshdistill.data import load_tokenizer
+from meshdistill.models import generate as generate_lib
+from meshdistill.models.generate import SamplingConfig, left_pad
+from meshdistill.parallel.backends import layout_class
+from meshdistill.teachers.sources import load_teacher_hf
 
 
 def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
@@ -59,9 +64,6 @@ def generate(
   its ``eos_id`` defaults to the tokenizer's) from ``jax.random.key(seed)`` on the run's layout."""
   import jax  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.data import load_tokenizer  # pylint: disable=g-import-not-at-top
-  from meshdistill.models.generate import SamplingConfig, generate, left_pad  # pylint: disable=g-import-not-at-top
-
   if model not in ("student", "teacher"):
     raise ValueError(f"model={model!r}; choose student or teacher")
   if not prompts:
@@ -104,7 +106,7 @@ def generate(
   if mesh is not None and rows % mesh.shape["data"]:  # fill the batch up to a multiple of the data axis
     ids += [ids[-1]] * (mesh.shape["data"] - rows % mesh.shape["data"])
   tokens, mask = left_pad(ids, pad_id=getattr(tokenizer, "pad_id", 0) or 0)
-  gen = jax.device_get(generate(net, tokens, mask, jax.random.key(seed), sampling, mesh=mesh))
+  gen = jax.device_get(generate_lib.generate(net, tokens, mask, jax.random.key(seed), sampling, mesh=mesh))
   out = []
   for r in range(rows):
     row = [int(t) for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m and t != sampling.eos_id]
@@ -168,8 +170,6 @@ def stored_student_config(cfg: Config, mesh=None):
   read with the same padding (the decoder cuts it off its logits) and then, on ``mesh``, fitted to its
   ``tensor`` too.
   """
-  from meshdistill.parallel.layout import layout_class  # pylint: disable=g-import-not-at-top
-
   student = cfg.student
   if not layout_class(cfg.mesh.backend).one_device:
     student = student.for_tensor(cfg.mesh.tensor)
@@ -179,8 +179,6 @@ def stored_student_config(cfg: Config, mesh=None):
 def run_teacher(cfg: Config, meta: dict, mesh, tokenizer):
   """``(teacher_dir, teacher)`` of a distillation run whose checkpoint ``meta`` is given."""
   if cfg.models.teacher_hf:
-    from meshdistill.teachers.sources import load_teacher_hf  # pylint: disable=g-import-not-at-top
-
     return cfg.models.teacher_hf, load_teacher_hf(cfg, mesh)
   tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
   read_teacher_meta(tdir)

@@ -12,6 +12,10 @@ from meshdistill.config import Config, ConfigError, dump_config
 from meshdistill.storage.fsutil import LOCK_FILE, RunLock
 from meshdistill.loop.monitor import Monitor
 from meshdistill.storage.ownership import MARKER, OutputKind, check_owned, read_marker, refuse_links, write_marker
+from meshdistill.data import build_data
+from meshdistill.distributed import data_shard, is_primary, local_device_share, process_count
+from meshdistill.parallel.backends import BACKENDS, layout_class
+from meshdistill.parallel.mesh import make_mesh, simulate_cpu_devices
 
 log = logging.getLogger("meshdistill.jobs")  # the package's logger: records keep the name they always had
 
@@ -24,9 +28,6 @@ def prepare_devices(cfg: Config) -> None:
   ``true`` also forces the CPU platform; ``false`` leaves devices as they are. In a job of several
   processes (`meshdistill.distributed.initialize` first) each process simulates its share.
   """
-  from meshdistill.distributed import local_device_share  # pylint: disable=g-import-not-at-top
-  from meshdistill.parallel.mesh import simulate_cpu_devices  # pylint: disable=g-import-not-at-top
-
   sim = cfg.mesh.simulate_cpu_devices
   if sim is False:
     return
@@ -41,10 +42,6 @@ def prepare_devices(cfg: Config) -> None:
 
 def build_mesh(cfg: Config):
   """The run's mesh (None for the ``single`` backend)."""
-  from meshdistill.distributed import data_shard, process_count  # pylint: disable=g-import-not-at-top
-  from meshdistill.parallel.layout import BACKENDS, layout_class  # pylint: disable=g-import-not-at-top
-  from meshdistill.parallel.mesh import make_mesh  # pylint: disable=g-import-not-at-top
-
   layout = layout_class(cfg.mesh.backend)
   if process_count() > 1 and not layout.spans_processes:
     spanning = [name for name in BACKENDS if layout_class(name).spans_processes]
@@ -71,9 +68,6 @@ def load_data(cfg: Config, batch_size: int | None = None, mesh=None):
   In a job of several processes each process reads the rows of every batch its devices of ``mesh``
   hold (`meshdistill.distributed.data_shard`).
   """
-  from meshdistill.data import build_data  # pylint: disable=g-import-not-at-top
-  from meshdistill.distributed import data_shard  # pylint: disable=g-import-not-at-top
-
   index, count = data_shard(mesh)
   data = build_data(
     cfg.data, cfg.train.batch_size if batch_size is None else batch_size, process_index=index, process_count=count
@@ -96,8 +90,6 @@ def with_batch_size(data, batch_size: int):
 
 def _monitor(run_dir: str, steps: int, stream, name: str) -> Monitor:
   """The run's monitor; only process 0 writes ``metrics.jsonl`` and ``tb/`` (every process shows progress)."""
-  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
-
   return Monitor(run_dir if is_primary() else None, steps, stream=stream, name=name)
 
 
@@ -177,8 +169,6 @@ class _run_lock:  # noqa: N801 -- used as a function
   """
 
   def __init__(self, run_dir: str, what: str, checkpoint_dir: str | None = None):
-    from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
-
     self.run_dir, self.what = run_dir, what
     self.checkpoint_dir = checkpoint_dir or os.path.join(run_dir, "checkpoints")
     self.lock = RunLock(run_dir, what) if is_primary() else None
@@ -203,8 +193,6 @@ class _run_lock:  # noqa: N801 -- used as a function
 
 
 def _write_config(cfg: Config, run_dir: str) -> None:
-  from meshdistill.distributed import is_primary  # pylint: disable=g-import-not-at-top
-
   os.makedirs(run_dir, exist_ok=True)
   if is_primary():
     dump_config(cfg, os.path.join(run_dir, "config.yaml"))

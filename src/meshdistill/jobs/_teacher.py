@@ -25,6 +25,19 @@ from meshdistill.jobs._setup import with_batch_size
 from meshdistill.jobs._training import loop_kwargs, safeguard_kwargs
 from meshdistill.loop.monitor import ProfileWindow
 from meshdistill.storage.ownership import OutputKind, check_owned, read_marker, write_marker
+from meshdistill import distributed
+from meshdistill.distributed import agree_on
+from meshdistill.loop.evaluate import Evaluator
+from meshdistill.loop.trainer import fit
+from meshdistill.models import init_model, param_count
+from meshdistill.parallel.backends import layout_class, make_layout
+from meshdistill.storage.fsutil import read_json
+from meshdistill.teachers import cache as tc
+from meshdistill.teachers.mesh import TeacherMeshData, TeacherOnMesh, split_meshes
+from meshdistill.teachers.sources import load_teacher_hf, quantized_teacher
+from meshdistill.train.distiller import resolve_shared_vocab
+from meshdistill.train.hardlabel import HardLabelTrainer
+from meshdistill.train.optimizers import make_optimizer
 
 log = logging.getLogger("meshdistill.jobs")  # the package's logger: records keep the name they always had
 
@@ -87,12 +100,6 @@ def pretrain(
   of `teacher_key`, so pretraining with other settings never resumes this one), and an interrupted
   pretraining resumes. Returns a summary with the teacher's validation metrics.
   """
-  from meshdistill.loop.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
-  from meshdistill.train.hardlabel import HardLabelTrainer  # pylint: disable=g-import-not-at-top
-  from meshdistill.models import init_model, param_count  # pylint: disable=g-import-not-at-top
-  from meshdistill.train.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
-  from meshdistill.loop.trainer import fit  # pylint: disable=g-import-not-at-top
-
   if cfg.models.teacher_hf:
     raise ConfigError(
       f"teacher.hf={cfg.models.teacher_hf!r} is a pretrained teacher; `meshdistill pretrain` builds a teacher from "
@@ -148,15 +155,12 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
   """
   report = report or log.info
   if cfg.models.teacher_hf:
-    from meshdistill.teachers.sources import load_teacher_hf  # pylint: disable=g-import-not-at-top
-
     report(f"teacher: {cfg.models.teacher_hf} (Hugging Face)")
     return load_teacher_hf(cfg, mesh), cfg.models.teacher_hf
   if cfg.pretrain.teacher:
     path = os.path.expanduser(cfg.pretrain.teacher)
     report(f"teacher: {path}")
     return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
-  from meshdistill.distributed import agree_on  # pylint: disable=g-import-not-at-top
 
   path = teacher_dir(cfg, data.tokenizer)
   # Every process of a job takes process 0's answer: pretraining is a collective.
@@ -178,8 +182,6 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
 def _open_teacher_cache(cfg: Config, data, say):
   """``teacher.cache``: the cache (checked against this run's data, tokenizer, teacher config and student
   vocabulary), the data with the teacher's top-k in every training batch, and the teacher as a `TopKTeacher`."""
-  from meshdistill.teachers import cache as tc  # pylint: disable=g-import-not-at-top
-
   if cfg.models.student_init.from_teacher:
     raise ConfigError("student.init.from_teacher copies the teacher's weights, but teacher.cache loads none; "
                       "remove student.init (or teacher.cache)")
@@ -205,10 +207,7 @@ def _open_teacher_cache(cfg: Config, data, say):
 
 def _split_meshes(cfg: Config):
   """``teacher.devices``: the teacher's mesh and the student's (``mesh.data`` x ``mesh.tensor``), disjoint."""
-  from meshdistill.teachers.mesh import split_meshes  # pylint: disable=g-import-not-at-top
-
   td = cfg.models.teacher_devices
-  from meshdistill.parallel.layout import layout_class  # pylint: disable=g-import-not-at-top
 
   # Checked first (before data or teacher): the teacher on its own mesh sends the student its top-k only.
   if cfg.distill.kind != "logit_kd" or cfg.distill.top_k is None:
@@ -233,12 +232,8 @@ def _split_meshes(cfg: Config):
 
 def _teacher_on_own_mesh(cfg: Config, data, teacher_mesh, mesh, stream, say):
   """``teacher.devices``: the teacher on ``teacher_mesh``, its top-k fed to the student on ``mesh``."""
-  from meshdistill.train.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
-  from meshdistill.teachers.mesh import TeacherMeshData, TeacherOnMesh  # pylint: disable=g-import-not-at-top
-
   td = cfg.models.teacher_devices
   teacher, tdir = obtain_teacher(cfg, data, teacher_mesh, stream=stream, report=say)
-  from meshdistill.teachers.sources import quantized_teacher  # pylint: disable=g-import-not-at-top
 
   teacher = quantized_teacher(cfg, teacher, teacher_mesh)  # teacher.quantize
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
@@ -263,15 +258,10 @@ def cache_teacher(
   first (`CACHE_KIND`): new, empty, or a cache meshdistill started there (its owner marker; without one, an
   earlier version's cache files only); a directory of other files is refused before any work.
   """
-  from meshdistill.teachers import cache as tc  # pylint: disable=g-import-not-at-top
-  from meshdistill.train.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
-  from meshdistill.parallel.layout import make_layout  # pylint: disable=g-import-not-at-top
-
   tau = cfg.distill.value("temperature")  # the section's, or the strategy's default
   if callable(tau) or isinstance(tau, dict):
     raise ConfigError(f"distill.temperature={tau!r}: a teacher cache holds log-probabilities "
                       "at one temperature; set a constant distill.temperature")
-  from meshdistill import distributed  # pylint: disable=g-import-not-at-top
 
   if distributed.is_primary():  # before any teacher is loaded or pretrained: a refused --out costs nothing
     if not check_owned(out, CACHE_KIND, overwrite=None) or read_marker(out) is None:
@@ -280,7 +270,6 @@ def cache_teacher(
   data = load_data(cfg, mesh=mesh)
   say = stream_reporter(stream)
   teacher, _ = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
-  from meshdistill.teachers.sources import quantized_teacher  # pylint: disable=g-import-not-at-top
 
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize
   vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
@@ -316,8 +305,6 @@ def _cache_entry(name: str) -> bool:
 def _earlier_cache(path: str) -> str | None:
   """None when a marker-less ``path`` holds a teacher cache an earlier version wrote (a manifest or progress
   records of its shards, each naming the settings it was written with); else why not."""
-  from meshdistill.storage.fsutil import read_json  # pylint: disable=g-import-not-at-top
-
   records = [n for n in sorted(os.listdir(path)) if n == "manifest.json" or n.startswith("progress-")]
   if not records:
     return "no manifest.json or progress record"
@@ -338,14 +325,10 @@ def _on_mesh(teacher, mesh):
   """``teacher`` with its parameters on ``mesh``, this process's part of the job's mesh (no copy)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.teachers import cache as tc  # pylint: disable=g-import-not-at-top
-
   graphdef, params = nnx.split(teacher)
   return nnx.merge(graphdef, tc.on_process_mesh(params, mesh))
 
 
 def _barrier(name: str) -> None:
   """Waits for every process; a writer with more shards may finish a shard's time later than the others."""
-  from meshdistill import distributed  # pylint: disable=g-import-not-at-top
-
   distributed.barrier(name, timeout_s=24 * 3600)  # a process that dies stops the others (missed heartbeats)

@@ -7,14 +7,18 @@ import dataclasses
 from typing import Any
 
 from meshdistill.config import Config, ConfigError
+from meshdistill.loop.guard import DivergenceGuard
+from meshdistill.strategies import ScaledLoss, fallback_strategy
+from meshdistill.teachers.sources import build_student, quantized_teacher
+from meshdistill.train.distiller import Distiller
+from meshdistill.train.onpolicy import OnPolicyDistiller
+from meshdistill.train.optimizers import lr_schedule, make_optimizer
 
 
 def loop_kwargs(settings) -> dict:
   """`meshdistill.loop.trainer.fit` keywords a `TrainSettings` section (``train`` / ``pretrain``) decides: the
   number of steps, the evaluation and logging cadence, and the logged learning-rate schedule (None with
   progressive freezing, whose stages set the rate)."""
-  from meshdistill.train.optimizers import lr_schedule  # pylint: disable=g-import-not-at-top
-
   return {
     "steps": settings.steps,
     "eval_every": settings.eval_every,
@@ -30,9 +34,6 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
   ``strategy``: the run's distillation strategy, whose fallback is built from
   ``safeguards.guard.fallback`` (None for hard-label training: the guard then only restores).
   """
-  from meshdistill.loop.guard import DivergenceGuard  # pylint: disable=g-import-not-at-top
-  from meshdistill.strategies import ScaledLoss, fallback_strategy  # pylint: disable=g-import-not-at-top
-
   g, r = cfg.safeguards.guard, cfg.safeguards.remat
   kwargs = {"auto_remat": r.auto, "memory_budget_bytes": r.budget_bytes, "memory_headroom": r.headroom}
   if not g.enabled:
@@ -63,12 +64,8 @@ def _cache_safeguards(kwargs: dict, distiller) -> dict:
 def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
   """The distillation strategy and student optimizer of ``cfg`` (what `make_distiller` and ``meshdistill plan``
   use); ``student_layers`` replaces ``cfg.student.n_layers`` for a freezing schedule."""
-  from meshdistill.train.optimizers import make_optimizer  # pylint: disable=g-import-not-at-top
-
   strategy, scale = cfg.distill.strategy(), cfg.safeguards.loss_scale
   if scale is not None:
-    from meshdistill.strategies import ScaledLoss  # pylint: disable=g-import-not-at-top
-
     strategy = ScaledLoss(strategy, scale)
   layers = cfg.student.n_layers if student_layers is None else student_layers
   return strategy, make_optimizer(cfg.train, layers, loss_scale=scale)
@@ -77,19 +74,15 @@ def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
 def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
   """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.teachers.sources.build_student`); with
   ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS)."""
-  from meshdistill.train.distiller import Distiller  # pylint: disable=g-import-not-at-top
-  from meshdistill.teachers.sources import build_student, quantized_teacher  # pylint: disable=g-import-not-at-top
-
   student = build_student(cfg, teacher, mesh)
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize: after the student copied any float blocks
   strategy, optimizer = strategy_and_optimizer(cfg)
-  extra = {}
+  extra, cls = {}, Distiller
   if cfg.distill.on_policy.active:
-    from meshdistill.train.onpolicy import OnPolicyDistiller as Distiller  # pylint: disable=g-import-not-at-top
-
+    cls = OnPolicyDistiller
     eos, pad = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "pad_id", None)
     extra["on_policy"] = cfg.distill.on_policy.config(eos_id=eos, pad_id=pad or 0)
-  return Distiller(
+  return cls(
     student,
     teacher,
     strategy=strategy,

@@ -1,7 +1,7 @@
 """Periodic actions of the training loop (`meshdistill.loop.trainer.fit`): logging, evaluation, checkpoints,
 profiling and the memory check, each a `Hook`.
 
-A hook sees the loop's `meshdistill.loop.trainer.Run` (``run.state``, ``run.step``, ``run.trainer``,
+A hook sees the loop's `meshdistill.loop.run.Run` (``run.state``, ``run.step``, ``run.trainer``,
 ``run.monitor``, ``run.recovery``, ...) at fixed points:
 
 * ``before_loop(run)`` -- once, before the first step (may replace ``run.trainer``);
@@ -25,6 +25,9 @@ import logging
 from typing import Any
 
 import jax
+from meshdistill.train.freezing import freeze_status
+from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, device_memory_limit, fit_remat
+from meshdistill.train.optimizers import skipped_updates
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +89,6 @@ class LogTrain(Hook):
     return self.due(run, step)
 
   def after_step(self, run, step):
-    from meshdistill.train.freezing import freeze_status  # pylint: disable=g-import-not-at-top
-    from meshdistill.train.optimizers import skipped_updates  # pylint: disable=g-import-not-at-top
-
     status = freeze_status(run.state.opt_state)
     if status is not None:
       extra = {"lr": float(status["lr"]), "freeze_stage": float(status["stage"])}
@@ -182,7 +182,6 @@ class AutoRemat(Hook):
   def before_loop(self, run):
     if run.start >= run.last:
       return
-    from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, device_memory_limit, fit_remat  # pylint: disable=g-import-not-at-top
 
     trainer, monitor = run.trainer, run.monitor
     devices = trainer.mesh.devices.flat if trainer.mesh is not None else jax.devices()[:1]

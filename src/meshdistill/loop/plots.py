@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from meshdistill.storage.fsutil import OutputExistsError, SymlinkError
+from meshdistill.storage.ownership import OutputKind, read_marker, write_marker
 
 log = logging.getLogger("meshdistill.loop.monitor")  # the records keep the name they always had
 
@@ -111,8 +112,6 @@ def plot_run(run_dir: str, out_dir: str | None = None, names: Iterable[str] = tu
 def _plot_dir(out_dir: str, names: list[str], earlier_ok: bool) -> str:
   """``out_dir`` checked for `plot_run` (created, with its owner marker, when missing); raises before anything is
   written when a ``<name>.png`` there is a link, or a file in a directory meshdistill did not make."""
-  from meshdistill.storage.ownership import OutputKind, read_marker, write_marker  # pylint: disable=g-import-not-at-top
-
   kind = OutputKind("plots", "plot directory", lambda n: n in {f"{k}.png" for k in PLOTS})
   if os.path.islink(out_dir):
     raise SymlinkError(out_dir)

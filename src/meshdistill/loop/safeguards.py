@@ -20,6 +20,8 @@ from meshdistill.loop.guard import DivergenceEvent, DivergenceGuard, NoRecovery,
 from meshdistill.loop.hooks import Hook
 from meshdistill.train.optimizers import safeguarded, skipped_updates  # noqa: F401
 from meshdistill.strategies import LogitMSE, ScaledLoss, fallback_strategy  # noqa: F401
+from meshdistill.loop.trainer import fit
+from meshdistill.train.freezing import freeze_status
 
 
 class _Records(Hook):
@@ -33,8 +35,6 @@ class _Records(Hook):
     return True  # every record holds all of its step's metrics
 
   def on_settled(self, run, info, state_after, reason):
-    from meshdistill.train.freezing import freeze_status  # pylint: disable=g-import-not-at-top
-
     del reason
     host = {k: float(np.asarray(jax.device_get(v)).reshape(-1)[0]) for k, v in info.metrics.items()}
     rec = {"step": info.step - 1, "strategy": info.strategy, **host, "skipped": skipped_updates(state_after.opt_state)}
@@ -66,8 +66,6 @@ def fit_guarded(
   `fallback_strategy(distiller.strategy)`) for the rest of the freezing stage; the batch that
   diverged is not retried. Raises RuntimeError after ``guard.max_restores`` divergences.
   """
-  from meshdistill.loop.trainer import fit  # pylint: disable=g-import-not-at-top
-
   records = _Records(on_step)
   result = fit(distiller, BatchList(batches), state=state, hooks=[records], steps=None, log_every=2**62,
                guard=guard if guard is not None else DivergenceGuard(), keep_every=keep_every, fallback=fallback,

@@ -21,6 +21,15 @@ import shutil
 import uuid
 
 from meshdistill.config import Config, run_config
+from meshdistill import jobs
+from meshdistill.jobs import load_data
+from meshdistill.models import param_count
+from meshdistill.models._hf_config import default_family
+from meshdistill.models.hf import export_hf, export_kind
+from meshdistill.models.lora import adapter_count, merge_lora
+from meshdistill.models.peft import adapter_kind, export_adapter
+from meshdistill.storage.checkpoint import Checkpointer
+from meshdistill.storage.ownership import check_owned
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +46,6 @@ def check_out_dir(out_dir: str, overwrite: bool, adapter: bool = False) -> None:
   """
   import dataclasses  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.models.hf import export_kind  # pylint: disable=g-import-not-at-top
-  from meshdistill.models.peft import adapter_kind  # pylint: disable=g-import-not-at-top
-  from meshdistill.storage.ownership import check_owned  # pylint: disable=g-import-not-at-top
-
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise FileExistsError(f"OUT_DIR={out_dir!r} is a file; give a directory path")
   kind = dataclasses.replace(adapter_kind() if adapter else export_kind(), what="OUT_DIR")
@@ -56,7 +61,6 @@ def _tokenizer_source(cfg: Config):
     return None, "none (byte-level run: token ids are UTF-8 bytes, 256 PAD, 257 BOS, 258 EOS)"
   if tok != "bpe":
     return os.path.expanduser(tok), f"data.tokenizer {tok}"
-  from meshdistill.jobs import load_data  # pylint: disable=g-import-not-at-top
 
   return load_data(cfg).tokenizer, "the run's trained BPE"
 
@@ -84,9 +88,6 @@ def export_run(
     FileExistsError: ``out_dir`` is non-empty (without ``overwrite``) or a file.
     ValueError: a bad ``dtype`` or ``step``, or a run that is not a distillation run.
   """
-  from meshdistill import jobs  # pylint: disable=g-import-not-at-top
-  from meshdistill.storage.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
-
   if dtype not in DTYPES:
     raise ValueError(f"--dtype={dtype!r}; choose one of {list(DTYPES)}")
   cfg = cfg or run_config(run_dir)
@@ -121,24 +122,18 @@ def export_run(
     step = ckpt.restored_step
     if adapter:
       base = cfg.models.student_hf if lora.quantize is None else None  # else the base is written beside
-      from meshdistill.models.peft import export_adapter  # pylint: disable=g-import-not-at-top
 
       written = str(export_adapter(student, out_dir, base=base, tokenizer=tokenizer, dtype=dtype,
                                    overwrite=overwrite))
-      from meshdistill.models.lora import adapter_count  # pylint: disable=g-import-not-at-top
 
       return {"out_dir": written, "step": int(step), "family": "PEFT LoRA adapter", "dtype": dtype,
               "params": adapter_count(student), "tokenizer": tok_note,
               "base": base or os.path.join(written, "base")}
     if lora.enabled:  # adapters folded into the (dequantised) base weights
-      from meshdistill.models.lora import merge_lora  # pylint: disable=g-import-not-at-top
-
       student = merge_lora(student)
   finally:
     ckpt.close()
   written = _write_atomically(out_dir, student, tokenizer, dtype)
-  from meshdistill.models import param_count  # pylint: disable=g-import-not-at-top
-  from meshdistill.models._hf_config import default_family  # pylint: disable=g-import-not-at-top
 
   log.info("exported step %d of %s to %s", step, run_dir, written)
   return {"out_dir": written, "step": int(step), "family": default_family(student.cfg), "dtype": dtype,
@@ -148,8 +143,6 @@ def export_run(
 def _write_atomically(out_dir: str, model, tokenizer, dtype: str) -> str:
   """`export_hf` into a temporary sibling of ``out_dir``, then renamed to it (an old ``out_dir`` replaced)."""
   import jax  # pylint: disable=g-import-not-at-top
-
-  from meshdistill.models.hf import export_hf  # pylint: disable=g-import-not-at-top
 
   if jax.process_index() != 0:  # every process gathers the weights; process 0 writes
     export_hf(model, out_dir, tokenizer=tokenizer, dtype=dtype)

@@ -30,6 +30,10 @@ from flax import nnx
 
 from meshdistill.storage.fsutil import atomic_output_dir
 from meshdistill.models._hf_config import weight_names
+from meshdistill.models._build import abstract_params
+from meshdistill.models.hf import export_hf
+from meshdistill.models.lora import is_lora, merge_lora
+from meshdistill.storage.ownership import OutputKind, check_owned, write_marker
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +50,6 @@ def is_adapter_file(name: str) -> bool:
 
 def adapter_kind():
   """An adapter directory: replaced only when its owner marker proves `export_adapter` wrote it."""
-  from meshdistill.storage.ownership import OutputKind  # pylint: disable=g-import-not-at-top
-
   return OutputKind("adapter", "adapter directory", is_adapter_file,
                     lambda path: "an adapter directory without an owner marker looks like a downloaded adapter")
 
@@ -63,8 +65,6 @@ def _host(x) -> np.ndarray:
 def adapter_tensors(model) -> dict[str, np.ndarray]:
   """``{PEFT name: array}`` of the adapters of ``model``: ``lora_A`` ``[r, in]`` and ``lora_B`` ``[r, out]^T``
   = ``[out, r]`` per adapted projection (float32, key/value heads a mesh replicated cut back to the model's)."""
-  from meshdistill.models._build import abstract_params  # pylint: disable=g-import-not-at-top
-
   cfg = model.cfg
   real = cfg.replace(vocab_multiple=1, replicate_kv=False)
   real_shapes = {tuple(map(str, k)): tuple(v.get_value().shape)
@@ -121,9 +121,6 @@ def export_adapter(model, out_dir: str | os.PathLike, *, base: str | None = None
   """
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.models.hf import export_hf  # pylint: disable=g-import-not-at-top
-  from meshdistill.models.lora import is_lora, merge_lora  # pylint: disable=g-import-not-at-top
-
   if not is_lora(model):
     raise ValueError("export_adapter: the model holds no LoRA adapters (student.lora.rank is 0); export the whole "
                      "student instead (without --adapter)")
@@ -134,7 +131,6 @@ def export_adapter(model, out_dir: str | os.PathLike, *, base: str | None = None
     if base_model is not None:
       export_hf(base_model, out / BASE_DIR, tokenizer=tokenizer, dtype=dtype)
     return out
-  from meshdistill.storage.ownership import check_owned, write_marker  # pylint: disable=g-import-not-at-top
 
   check_owned(str(out), adapter_kind(), overwrite=overwrite, flag="overwrite=True")
   with atomic_output_dir(str(out)) as tmp:

@@ -1,6 +1,6 @@
 """Fully sharded data parallelism (ZeRO-3 style) over the ``data`` axis: which weights split, and their gathers.
 
-With ``mesh.fsdp: true`` (``Distiller(..., fsdp=True)``, `meshdistill.parallel.layout.ShardMapLayout` only) every
+With ``mesh.fsdp: true`` (``Distiller(..., fsdp=True)``, `meshdistill.parallel.backends.ShardMapLayout` only) every
 weight of the student -- and so its optimizer moments, which follow their parameter's sharding -- and
 every weight of the teacher is split over ``data`` as well as ``tensor``: the teacher over the whole
 mesh, the student's parameters and AdamW moments over ``data x tensor``.
@@ -11,7 +11,7 @@ How it is expressed:
   of each weight, on its largest dimension that ``tensor`` does not split and ``data`` divides (the
   model dimension D of projections, embeddings and norm scales). Weights with no such dimension
   (a bias split over ``tensor``, a small LoRA factor) stay replicated over ``data``. The layout does
-  this once, on the models it is given (`meshdistill.parallel.layout.ShardMapLayout.fit_model`); from then on
+  this once, on the models it is given (`meshdistill.parallel.backends.ShardMapLayout.fit_model`); from then on
   the metadata is the one source: placement, optimizer moments, checkpoint targets and the step's
   ``shard_map`` specs (`data_specs`) all read it. No model code names the dimensions.
 * **Explicit gathers per layer.** The step stays ONE per-device function under a ``shard_map``
@@ -34,7 +34,7 @@ How it is expressed:
   Why explicit collectives at all: the step is manual over ``data`` already, and only explicit
   gathers can be placed, and ordered, per block.
 * **The update runs on the global arrays.** Global-norm clipping, the ``grad_norm`` metric and AdamW
-  need whole gradients, not a device's shard: `meshdistill.parallel.layout.ShardMapLayout.compile` runs the
+  need whole gradients, not a device's shard: `meshdistill.parallel.backends.ShardMapLayout.compile` runs the
   gradient half of the step (`meshdistill.train.step.per_device_gradients`) under the ``shard_map`` and the
   update half (`meshdistill.train.step.apply_gradients`) at ``jit`` level on the globally sharded arrays,
   in the same program; the moments stay split over ``data x tensor``.

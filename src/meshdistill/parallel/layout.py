@@ -1,24 +1,11 @@
-"""Layouts: where a trainer's arrays live and how its one step is compiled.
+"""The `Layout`: where a trainer's arrays live and how its one step is compiled.
 
-This is the only module that knows the layouts. A `Layout` places parameters and host
-batches, builds a fresh `TrainState` (optimizer moments take their parameter's sharding),
-compiles the per-device step, and converts between its state form and one replica
-(`unreplicate` / `replicate`). Trainers, checkpoints, evaluation and jobs ask it; none of
-them tests a backend name.
-
-* ``single`` (`SingleLayout`) -- plain `jax.jit` on one device, no mesh; collectives are identities;
-* ``shard_map`` (`ShardMapLayout`) -- `jax.shard_map` over a ``(data, tensor)`` mesh, manual over
-  ``data`` only. The ``tensor`` axis is compiler-managed: weights arrive split over ``tensor``
-  (heads, MLP units, vocabulary) and XLA partitions the matmuls, reducing max/sum partial results
-  over ``tensor`` for vocabulary reductions instead of gathering logits (audited by the tests);
-  With ``fsdp`` (``mesh.fsdp``) weights are split over ``data`` too (`meshdistill.parallel.fsdp`): the step's
-  gradient half runs under the ``shard_map``, the optimizer update on the global arrays.
-  With ``student_split="batch"`` (``mesh.student_split``) only the teacher is split over ``tensor``; the
-  student is replicated and runs on rows split over ``data`` x ``tensor`` (see `ShardMapLayout`);
-* ``pmap`` (`PmapLayout`) -- the classic `jax.pmap(axis_name="data")` path, data-parallel only. The
-  state is stacked with one replica per device.
-
-A new layout is one more `Layout` subclass here, registered in `LAYOUTS`.
+A `Layout` places parameters and host batches, builds a fresh `TrainState` (optimizer moments take their
+parameter's sharding), compiles the per-device step, and converts between its state form and one replica
+(`unreplicate` / `replicate`). Trainers, checkpoints, evaluation and jobs ask it; none of them tests a backend
+name. This module holds the base class and what every layout shares (the ``mesh.student_split`` values, the
+batch's step keys, a step-0 state); the layouts themselves (``single``, ``shard_map``, ``pmap``) and the registry
+that picks one by name (`make_layout`, `layout_class`) are `meshdistill.parallel.backends`.
 """
 
 from __future__ import annotations
@@ -30,28 +17,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from meshdistill.parallel import fsdp as fsdp_lib
-from meshdistill.parallel.mesh import DATA, TENSOR, check_batch, global_batch_size, host_to_global, make_mesh
-from meshdistill.models._build import fit_model
-from meshdistill.models.quantize import fitted_shardings
-from meshdistill.train.step import BATCH_KEYS, TOPK_KEYS, TrainState, split_trainable, step_halves
+from meshdistill.parallel.mesh import DATA, TENSOR, check_batch, global_batch_size
+from meshdistill.train.step import BATCH_KEYS, TOPK_KEYS, TrainState, split_trainable
 
 # How the student is laid out over `tensor` (`mesh.student_split`): split like the teacher, or replicated with
-# the batch rows split over `tensor` as well (`ShardMapLayout`).
+# the batch rows split over `tensor` as well (`meshdistill.parallel.backends.ShardMapLayout`).
 STUDENT_SPLITS = ("tensor", "batch")
 STUDENT_SPLIT_SETTING = "mesh.student_split"
 
 
-def _host_batch(batch: dict) -> dict:
+def host_batch(batch: dict) -> dict:
   """The step's keys of a batch (a teacher's top-k, when it comes with the batch, included); device arrays kept."""
   keys = BATCH_KEYS + tuple(k for k in TOPK_KEYS if k in batch)
   return {k: batch[k] if isinstance(batch[k], jax.Array) else np.asarray(batch[k]) for k in keys}
 
 
-def _fresh_state(optimizer: optax.GradientTransformation, trainable, params):
+def fresh_train_state(optimizer: optax.GradientTransformation, trainable, params):
   """Step 0, a copy of ``params`` (so the caller's buffers survive donation) and fresh optimizer state of the
   parameters that train (``trainable``: an nnx filter of the student's, see `meshdistill.train.step.split_trainable`)."""
   params = jax.tree.map(jnp.copy, params)
@@ -64,7 +48,7 @@ def stack_replicas(tree, n: int):
 
 
 class Layout:
-  """Where arrays live and how the step runs; subclasses are the layouts (see the module docstring)."""
+  """Where arrays live and how the step runs; subclasses are the layouts (`meshdistill.parallel.backends`)."""
 
   name: ClassVar[str]
   one_device: ClassVar[bool] = False  # runs without a mesh, on one device
@@ -159,10 +143,10 @@ class Layout:
     """``(fresh, param_shardings, state_shardings)`` of `fresh_state`: the function making a step-0 state
     from ``params``, where the params go and where each leaf of the state goes (``params`` may be abstract)."""
     student_sh, replicated = self._device_shardings(params["student"])
-    if self.student_rows:  # a replica of the student on every device (`ShardMapLayout`)
+    if self.student_rows:  # a replica of the student on every device (`meshdistill.parallel.backends.ShardMapLayout`)
       student_sh = jax.tree.map(lambda _: replicated, student_sh)
     shardings = {"student": student_sh, "strategy": jax.tree.map(lambda _: replicated, params["strategy"])}
-    fresh = functools.partial(_fresh_state, optimizer, trainable)
+    fresh = functools.partial(fresh_train_state, optimizer, trainable)
     abstract = jax.eval_shape(fresh, params)
     opt = optax.tree_utils.tree_map_params(
         optimizer, lambda _, sharding: sharding, abstract.opt_state, split_trainable(shardings, trainable)[0],
@@ -202,208 +186,6 @@ class Layout:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
-class SingleLayout(Layout):
-  """One device, plain `jax.jit`."""
-
-  name = "single"
-  one_device = True
-
-  @classmethod
-  def check_settings(cls, data: int, tensor: int) -> str | None:
-    if data * tensor != 1:
-      return (
-          f"mesh.backend='single' runs on one device but mesh.data={data} x mesh.tensor={tensor}; "
-          "set mesh.data=1 and mesh.tensor=1, or use mesh.backend='shard_map'"
-      )
-    return None
-
-  @classmethod
-  def resolve_mesh(cls, mesh):
-    if mesh is not None and mesh.size > 1:
-      raise ValueError(f"backend='single' runs on one device but mesh has {mesh.size}; pass mesh=None")
-    return mesh
-
-  @classmethod
-  def describe(cls, data: int, tensor: int) -> str:
-    del data, tensor
-    return "1 device"
-
-  def _device_shardings(self, params):
-    device = SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda _: device, params), device
-
-  def place_batch(self, batch):
-    return jax.device_put(_host_batch(batch), jax.devices()[0])
-
-  def compile(self, step_fn, state_shardings=None, compiler_options=None):
-    del state_shardings
-    return jax.jit(functools.partial(step_fn, data_axis=None), donate_argnums=0, compiler_options=compiler_options)
-
-
-class ShardMapLayout(Layout):
-  """A ``(data, tensor)`` mesh: manual over ``data`` (`jax.shard_map`), compiler-managed over ``tensor``.
-
-  ``student_split="tensor"`` (default): both models split Megatron-style over ``tensor``. ``"batch"``: the
-  teacher as before; the student replicated over ``tensor``, and its forward, loss and backward run in a
-  nested ``shard_map`` manual over ``tensor`` too, on the local rows split once more (`meshdistill.train.step`,
-  ``student_axis``). The teacher's outputs reach the student's rows by one all-to-all of its logits (or, for a
-  strategy forming logits from hidden states, one gather of its LM head: its hidden states are replicated over
-  ``tensor`` already), and the gradients and token sums are summed over both axes at once. A student small
-  enough to hold whole on each device then spends no all-reduce on its activations: on the 2x4 benchmark step
-  (`benchmarks/throughput.py`) that is most of the step's collectives. The batch must be a multiple of
-  ``data * tensor``; the student's optimizer moments are replicated as well (memory: `meshdistill.planner`).
-  """
-
-  name = "shard_map"
-  spans_processes = True
-
-  @classmethod
-  def resolve_mesh(cls, mesh):
-    if mesh is None:
-      raise ValueError("backend='shard_map' needs a mesh: pass mesh=meshdistill.make_mesh(data=..., tensor=...)")
-    return mesh
-
-  supports_fsdp = True
-
-  def fit_model(self, model):
-    model = fit_model(model, self.mesh.shape[TENSOR])
-    return fsdp_lib.annotate_model(model, self.mesh, self.fsdp)
-
-  @property
-  def eval_mesh(self):
-    return self.mesh
-
-  def _device_shardings(self, params):
-    # Partition metadata, minus `tensor` on dimensions it does not divide (quantization scales).
-    return fitted_shardings(params, self.mesh), NamedSharding(self.mesh, P())
-
-  def place_batch(self, batch):
-    return host_to_global(_host_batch(batch), self.mesh)
-
-  def state_shardings(self, state):
-    return jax.tree.map(lambda x: x.sharding, state)
-
-  def compile(self, step_fn, state_shardings=None, compiler_options=None):
-    # A size-1 `data` axis needs no collective (and XLA rejects an all-reduce over a
-    # trivial manual axis), so the sum over `data` is dropped there.
-    data_axis = DATA if self.mesh.shape[DATA] > 1 else None
-    out_shardings = None if state_shardings is None else (state_shardings, NamedSharding(self.mesh, P()))
-    jit = functools.partial(jax.jit, donate_argnums=0, out_shardings=out_shardings, compiler_options=compiler_options)
-    halves = step_halves(step_fn)
-    if halves is None:  # another step function (`wrap_step`): the whole step per device
-      if self.fsdp:
-        raise ValueError(f"{fsdp_lib.SETTING}=true needs the step of meshdistill.train.step.per_device_step (its gradient "
-                         "and update halves); wrap_step of another function runs with mesh.fsdp=false")
-      if self.student_rows:
-        raise ValueError(f"{STUDENT_SPLIT_SETTING}='batch' needs the step of meshdistill.train.step.per_device_step (it "
-                         f"runs the student on rows split over tensor); wrap_step of another function runs with "
-                         f"{STUDENT_SPLIT_SETTING}='tensor'")
-      return jit(self._whole_step(step_fn, data_axis, state_shardings))
-    gradients, update = halves
-    if self.student_rows:  # the student's part on rows split over `tensor` too
-      gradients = functools.partial(gradients, student_axis=TENSOR)
-    trainable = step_fn.keywords.get("trainable")
-    specs = fsdp_lib.data_specs
-
-    def program(state, teacher_params, batch):
-      # The gradient half per device (manual over `data`); weights split over `data` arrive as shards.
-      inputs = TrainState(state.step, state.params, None)  # no optimizer state: it never needs gathering
-      body = jax.shard_map(
-          functools.partial(gradients, data_axis=data_axis), mesh=self.mesh,
-          in_specs=(specs(inputs), specs(teacher_params), P(DATA)),
-          out_specs=(specs(split_trainable(state.params, trainable)[0]), P()),
-          axis_names={DATA}, check_vma=False,  # gradients are summed over `data` explicitly, as in pmap
-      )
-      grads, metrics = body(inputs, teacher_params, batch)
-      if state_shardings is not None:  # gradients laid out as their parameters
-        grads = jax.lax.with_sharding_constraint(grads, split_trainable(state_shardings.params, trainable)[0])
-      # The update on the global arrays (compiler-managed): global norms and moments of whole gradients.
-      new_state, metrics = update(state, grads, metrics)
-      if state_shardings is not None:
-        new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
-      return new_state, metrics
-
-    return jit(program)
-
-  def _whole_step(self, step_fn, data_axis, state_shardings):
-    def pinned_step(state, teacher_params, batch):
-      new_state, metrics = step_fn(state, teacher_params, batch, data_axis=data_axis)
-      if state_shardings is not None:  # else XLA leaves the updated weights replicated over `tensor`
-        new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
-      return new_state, metrics
-
-    return jax.shard_map(pinned_step, mesh=self.mesh, in_specs=(P(), P(), P(DATA)), out_specs=(P(), P()),
-                         axis_names={DATA}, check_vma=False)
-
-
-class PmapLayout(Layout):
-  """`jax.pmap` over the devices of a ``data``-only mesh; states stacked, one replica per device."""
-
-  name = "pmap"
-  stacked = True
-  takes_compiler_options = False
-
-  @classmethod
-  def check_settings(cls, data: int, tensor: int) -> str | None:
-    del data
-    return None if tensor == 1 else f"mesh.backend='pmap' is data-parallel only: mesh.tensor={tensor} must be 1"
-
-  @classmethod
-  def resolve_mesh(cls, mesh):
-    if mesh is None:
-      mesh = make_mesh(data=jax.device_count(), tensor=1)
-    if mesh.shape[TENSOR] != 1:
-      raise ValueError(
-          f"backend='pmap' is data-parallel only, but mesh tensor={mesh.shape[TENSOR]}; use "
-          "backend='shard_map' to split weights over tensor, or a mesh with tensor=1 "
-          f"(make_mesh(data={mesh.size}, tensor=1))"
-      )
-    return mesh
-
-  def place_params(self, params):
-    return self.replicate(jax.device_get(params))
-
-  def place_batch(self, batch):
-    n = self.mesh.size
-    return {k: np.asarray(v).reshape(n, -1, *np.shape(v)[1:]) for k, v in _host_batch(batch).items()}
-
-  def fresh_state(self, optimizer, params, trainable=None):
-    host = jax.device_get(params)
-    return self.replicate(jax.device_get(jax.jit(functools.partial(_fresh_state, optimizer, trainable))(host)))
-
-  def compile(self, step_fn, state_shardings=None, compiler_options=None):
-    del state_shardings
-    if compiler_options:
-      raise ValueError("compiler_options need backend 'single' or 'shard_map': jax.pmap takes no compiler options")
-    fn = functools.partial(step_fn, data_axis=DATA)
-    return jax.pmap(fn, axis_name=DATA, devices=list(self.mesh.devices.flat), donate_argnums=0)
-
-  def host_metrics(self, metrics):
-    return jax.tree.map(lambda x: x[0], metrics)
-
-  def unreplicate(self, tree):
-    return jax.tree.map(lambda x: x[0], tree)
-
-  def replicate(self, tree):
-    return stack_replicas(tree, self.mesh.size)
-
-  def checkpoint_target(self, state):
-    device = SingleDeviceSharding(jax.devices()[0])
-    one = self.unreplicate(state)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=device), one)
-
-
-LAYOUTS: dict[str, type[Layout]] = {cls.name: cls for cls in (ShardMapLayout, SingleLayout, PmapLayout)}
-BACKENDS = tuple(LAYOUTS)
-
-
-def layout_class(backend: str) -> type[Layout]:
-  """The `Layout` subclass named ``backend``."""
-  if backend not in LAYOUTS:
-    raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
-  return LAYOUTS[backend]
-
-
 def check_student_split(student_split: str, fsdp: bool = False) -> None:
   """Raises a clear error for a ``mesh.student_split`` value that does not exist or does not combine with fsdp."""
   if student_split not in STUDENT_SPLITS:
@@ -414,29 +196,3 @@ def check_student_split(student_split: str, fsdp: bool = False) -> None:
         f"'batch' keeps a whole student on every device; use one of them ({STUDENT_SPLIT_SETTING}='tensor' with "
         f"{fsdp_lib.SETTING}=true, or {fsdp_lib.SETTING}=false)"
     )
-
-
-def make_layout(backend: str | None, mesh: Mesh | None, fsdp: bool = False, student_split: str = "tensor") -> Layout:
-  """The layout of a ``(backend, mesh)`` pair. ``None`` picks ``"shard_map"`` with a mesh and ``"single"``
-  without; ``"pmap"`` without a mesh gets a ``data``-only mesh over all devices. ``fsdp``: weights split over
-  ``data`` too (`meshdistill.parallel.fsdp`; shard_map only). ``student_split``: ``"tensor"`` or ``"batch"`` (see
-  `ShardMapLayout`; on layouts without a ``tensor`` axis both are the same)."""
-  if isinstance(backend, Layout):  # a layout object already (e.g. the planner's abstract one)
-    if fsdp and not backend.fsdp:
-      raise ValueError(f"fsdp=True with a layout built without it: pass {type(backend).__name__}(mesh, fsdp=True)")
-    if student_split != backend.student_split:
-      raise ValueError(f"student_split={student_split!r} with a layout built with {backend.student_split!r}: pass "
-                       f"{type(backend).__name__}(mesh, student_split={student_split!r})")
-    return backend
-  cls = layout_class(backend or ("shard_map" if mesh is not None else "single"))
-  if fsdp and not cls.supports_fsdp:
-    raise ValueError(fsdp_lib.unsupported(cls.name))
-  return cls(cls.resolve_mesh(mesh), fsdp=fsdp, student_split=student_split)
-
-
-def wrap_step(step_fn, backend: str, mesh: Mesh | None, state_shardings: Any = None, compiler_options=None):
-  """Compiles ``step_fn(state, teacher_params, batch, data_axis=...)`` for a layout (see `Layout.compile`).
-
-  ``state_shardings`` (shard_map only) pins the output state to the input layout.
-  """
-  return layout_class(backend)(mesh).compile(step_fn, state_shardings, compiler_options)

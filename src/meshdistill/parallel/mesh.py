@@ -21,17 +21,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshdistill.distributed.platforms import backend_started
+
 DATA = "data"
 TENSOR = "tensor"
 AXES = (DATA, TENSOR)
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
-
-
-def _backend_started() -> bool:
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-
-  return xla_bridge.backends_are_initialized()
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -47,7 +43,7 @@ def simulate_cpu_devices(n: int) -> None:
   """
   if not isinstance(n, int) or n < 1:
     raise ValueError(f"simulate_cpu_devices: n={n!r} must be a positive integer")
-  if _backend_started():
+  if backend_started():
     have = jax.local_device_count()
     if have == n or jax.default_backend() != "cpu":
       return

@@ -23,11 +23,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshdistill.train.distiller import Distiller
-from meshdistill.parallel.layout import ShardMapLayout
+from meshdistill.parallel.backends import ShardMapLayout
 from meshdistill.train.memory import MemoryReport
 from meshdistill.parallel.mesh import TENSOR, batch_sharding
 from meshdistill.models._build import abstract_params
 from meshdistill.models.decoder import ModelConfig
+from meshdistill.models.lora import abstract_lora
+from meshdistill.models.quantize import abstract_quantized
 
 
 @functools.lru_cache(maxsize=8)
@@ -35,12 +37,8 @@ def _abstract_model(cfg: ModelConfig, lora=None, quantize: str | None = None):
   """An abstract decoder of ``cfg``; with ``lora`` (a `LoraConfig`) holding adapters (and its quantized base), with
   ``quantize`` its projections stored quantized (a quantized teacher, `meshdistill.models.quantize`)."""
   if lora is not None and lora.enabled:
-    from meshdistill.models.lora import abstract_lora  # pylint: disable=g-import-not-at-top
-
     graphdef, state, _ = abstract_lora(cfg, lora)
   elif quantize is not None:
-    from meshdistill.models.quantize import abstract_quantized  # pylint: disable=g-import-not-at-top
-
     graphdef, state = abstract_quantized(cfg, quantize)
   else:
     graphdef, state, _ = abstract_params(cfg)

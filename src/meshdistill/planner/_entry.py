@@ -14,6 +14,7 @@ from meshdistill.planner._hardware import parse_target
 from meshdistill.planner._plan import _UNSET, GIB, Knobs, Planner
 from meshdistill.planner._presets import resolve_model
 from meshdistill.planner._report import Plan
+from meshdistill.train.distiller import resolve_shared_vocab
 
 log = logging.getLogger("meshdistill.planner._plan")  # the name its records always had
 
@@ -56,7 +57,6 @@ def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq
     t_label = "config teacher"
   if student is None:
     s_label = "config student"
-  from meshdistill.train.distiller import resolve_shared_vocab  # pylint: disable=g-import-not-at-top
 
   resolve_shared_vocab(t_cfg.vocab_size, s_cfg.vocab_size)  # different tokenizers raise here
   if hbm_gib is not None and not hbm_gib > 0:

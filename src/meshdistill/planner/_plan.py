@@ -14,6 +14,7 @@ from meshdistill.planner._hardware import Target
 from meshdistill.planner._presets import PRESETS
 from meshdistill.planner._progress import Progress
 from meshdistill.planner._report import Plan, model_notes
+from meshdistill.jobs import strategy_and_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,6 @@ class Planner:
     mesh = make_mesh(data=k.data, tensor=k.tensor, devices=self.target.devices)
     cfg = self.cfg.replace(distill=dataclasses.replace(self.cfg.distill, chunk_size=k.chunk_size)) \
         if k.chunk_size != self.cfg.distill.chunk_size else self.cfg
-    from meshdistill.jobs import strategy_and_optimizer  # pylint: disable=g-import-not-at-top
 
     strategy, optimizer = strategy_and_optimizer(cfg, self.student.n_layers)
     student = self.student.replace(remat=k.remat) if k.remat != self.student.remat else self.student

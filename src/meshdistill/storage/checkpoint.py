@@ -69,6 +69,8 @@ from meshdistill.teachers.checkpoint import (  # re-exported (__all__): meshdist
   save_teacher,
   verify_teacher,
 )
+from meshdistill.models.lora import abstract_lora
+from meshdistill.models.stacking import to_scanned, to_unrolled
 
 log = logging.getLogger(__name__)
 
@@ -344,8 +346,6 @@ class Checkpointer:
       if lora is not None and lora.enabled:
         raise
       try:  # written with the other blocks layout (scan_layers): read it as such, then convert
-        from meshdistill.models.stacking import to_scanned, to_unrolled  # pylint: disable=g-import-not-at-top
-
         other = self._read_student(step, cfg.replace(scan_layers=not cfg.scan_layers), mesh, None)
       except ValueError:
         pass
@@ -356,8 +356,6 @@ class Checkpointer:
 
   def _read_student(self, step: int, cfg: ModelConfig, mesh: Mesh | None, lora) -> Decoder:
     if lora is not None and lora.enabled:
-      from meshdistill.models.lora import abstract_lora  # pylint: disable=g-import-not-at-top
-
       graphdef, abstract, shardings = abstract_lora(cfg, lora, mesh)
     else:
       graphdef, abstract, shardings = abstract_params(cfg, mesh)

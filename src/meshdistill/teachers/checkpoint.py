@@ -31,6 +31,8 @@ from meshdistill.storage.fsutil import (
 from meshdistill.models import Decoder, ModelConfig
 from meshdistill.models._build import abstract_params
 from meshdistill.storage.ownership import OutputKind, check_owned, write_marker
+from meshdistill.distributed import barrier, is_primary
+from meshdistill.models.stacking import to_scanned, to_unrolled
 
 log = logging.getLogger("meshdistill.storage.checkpoint")
 
@@ -123,8 +125,6 @@ def _save_teacher_multiprocess(directory: str, model: Decoder, tokenizer: Any, i
   """`save_teacher` in a job of several processes: every process writes its shards of the parameters
   (orbax), process 0 alone checks the target, writes ``teacher.json`` (with the checksums) and the
   tokenizer and renames the directory into place (an old teacher renamed aside, then removed)."""
-  from meshdistill.distributed import barrier, is_primary  # pylint: disable=g-import-not-at-top
-
   tmp = os.path.join(os.path.dirname(directory), f".tmp-{os.path.basename(directory)}-job")
   if is_primary():
     check_teacher_target(directory, overwrite=overwrite)
@@ -235,6 +235,5 @@ def load_teacher(directory: str, expected: ModelConfig, mesh: Mesh | None, token
   model = nnx.merge(graphdef, params)
   if saved.scan_layers == expected.scan_layers:
     return model
-  from meshdistill.models.stacking import to_scanned, to_unrolled  # pylint: disable=g-import-not-at-top
 
   return to_scanned(model) if expected.scan_layers else to_unrolled(model)

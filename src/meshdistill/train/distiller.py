@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshdistill.parallel.layout import make_layout
+from meshdistill.parallel.backends import make_layout
 from meshdistill.models import Decoder
 from meshdistill.models._build import abstract_params
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
@@ -56,7 +56,7 @@ class Distiller:
     mesh: a ``(data, tensor)`` mesh from `make_mesh`; ``None`` means one device.
     backend: ``"shard_map"`` (default with a mesh), ``"single"`` (default without), ``"pmap"``
       (data-parallel compatibility path; needs ``tensor=1``), or a `meshdistill.parallel.layout.Layout` object:
-      see `meshdistill.parallel.layout`.
+      see `meshdistill.parallel.backends`.
     trainable: an nnx filter of the student parameters that train; the optimizer holds state for
       these only and the rest never moves. Default: the adapters of a LoRA student
       (`meshdistill.models.lora.apply_lora`), otherwise the whole student.
@@ -65,7 +65,7 @@ class Distiller:
     student_split: ``"tensor"`` (default): the student split over ``tensor`` like the teacher; ``"batch"``: the
       student replicated, run on the batch rows split over ``data`` x ``tensor`` (a student small enough to hold
       whole on each device then needs no collective in its forward and backward passes; see
-      `meshdistill.parallel.layout.ShardMapLayout`). Same numbers either way; not with ``fsdp``.
+      `meshdistill.parallel.backends.ShardMapLayout`). Same numbers either way; not with ``fsdp``.
   """
 
   compiler_options: dict | None = None  # XLA options of the step (see `with_compiler_options`)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from meshdistill.train.freezing import progressive_freeze
 
 _NEVER_GIVE_UP = 2**30  # apply_if_finite applies a non-finite update after this many consecutive skips
 
@@ -161,8 +162,6 @@ def make_optimizer(
   """
   stages = settings.stages() if hasattr(settings, "stages") else None
   if stages is not None:
-    from meshdistill.train.freezing import progressive_freeze  # pylint: disable=g-import-not-at-top
-
     if n_layers is None:
       raise ValueError("make_optimizer: a freezing schedule needs the model's n_layers")
     frozen = progressive_freeze(

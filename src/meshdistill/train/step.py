@@ -100,8 +100,8 @@ def per_device_gradients(
   vocabulary-wide passes and reductions). The loop runs it on the steps it does not log.
 
   ``student_axis``: a compiler-managed mesh axis (``tensor``) over which the student is replicated and its rows
-  split (`meshdistill.parallel.layout.ShardMapLayout` with ``student_split="batch"``): the teacher runs as usual on this
-  device's rows (its inputs and outputs pinned whole over rows, `_rows_whole`), the student's part
+  split (`meshdistill.parallel.backends.ShardMapLayout` with ``student_split="batch"``): the teacher runs as usual on
+  this device's rows (its inputs and outputs pinned whole over rows, `_rows_whole`), the student's part
   (`student_gradients`) in a nested ``shard_map`` manual over that axis on its slice of them, and the sums cover
   ``data`` and that axis. Same numbers as one device.
 
@@ -231,8 +231,9 @@ def apply_gradients(
     **_,
 ):
   """The update half of the step: the optimizer on ``grads`` (of the trainable parameters, summed over ``data``);
-  returns ``(new_state, metrics + grad_norm)``. Under `meshdistill.parallel.layout.ShardMapLayout` it runs on the global
-  arrays (outside the ``shard_map``), so norms and moments are those of whole gradients. Other keywords are ignored."""
+  returns ``(new_state, metrics + grad_norm)``. Under `meshdistill.parallel.backends.ShardMapLayout` it runs on the
+  global arrays (outside the ``shard_map``), so norms and moments are those of whole gradients. Other keywords are
+  ignored."""
   params_in, frozen = split_trainable(state.params, trainable)
   updates, opt_state = optimizer.update(grads, state.opt_state, params_in)
   params = join_trainable(optax.apply_updates(params_in, updates), frozen)

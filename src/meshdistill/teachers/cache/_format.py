@@ -16,6 +16,7 @@ import numpy as np
 from meshdistill import losses
 from meshdistill.train.step import TOPK_KEYS
 from meshdistill.teachers.cache._program import TopKTeacher
+from meshdistill.models import ModelConfig
 
 FORMAT_VERSION = 1
 PRECISIONS = {"float16": np.float16, "float32": np.float32}
@@ -208,8 +209,6 @@ class TeacherCache:
 
   def spec(self) -> TopKTeacher:
     """The teacher as a `TopKTeacher` (for `meshdistill.Distiller`)."""
-    from meshdistill.models import ModelConfig  # pylint: disable=g-import-not-at-top
-
     m = self.manifest
     return TopKTeacher(cfg=ModelConfig(**m["teacher"]["config"]), k=m["k"], temperature=m["temperature"],
                        vocab=m["vocab"], source=f"teacher cache {self.path}")

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from meshdistill import losses
 from meshdistill.parallel.fsdp import data_specs
 from meshdistill.parallel.mesh import DATA, TENSOR, host_to_global, param_shardings
+from meshdistill.strategies import LogitKD, ScaledLoss
 
 
 # --------------------------------------------------------------------------- the teacher as top-k
@@ -44,8 +45,6 @@ class TopKTeacher:
     A `ScaledLoss` (static loss scaling) trains from it when the strategy it wraps does: it hands the
     teacher's top-k to that strategy unchanged.
     """
-    from meshdistill.strategies import LogitKD, ScaledLoss  # pylint: disable=g-import-not-at-top
-
     wrapped, inner = "", strategy
     while isinstance(inner, ScaledLoss):
       wrapped, inner = f"{wrapped}ScaledLoss(scale={inner.scale}) wrapping ", inner.strategy

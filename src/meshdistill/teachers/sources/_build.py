@@ -4,14 +4,16 @@
 
 from __future__ import annotations
 
-from meshdistill.models.lora import LoraConfig
+from meshdistill.models.lora import LoraConfig, apply_lora
 from meshdistill.teachers.sources._settings import ModelSources
+from meshdistill.models import abstract_params, init_model
+from meshdistill.models.hf import load_hf
+from meshdistill.models.quantize import quantize_model
+from meshdistill.models.stacking import to_scanned, to_unrolled
 
 
 def load_teacher_hf(cfg, mesh):
   """The teacher of ``teacher.hf`` on ``mesh`` (each device reading only its slices)."""
-  from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
-
   model = load_hf(cfg.models.teacher_hf, mesh, dtype=cfg.teacher.dtype, param_dtype=cfg.teacher.param_dtype,
                   max_len=cfg.teacher.max_len, scan_layers=cfg.teacher.scan_layers)
   return _with_config(model, cfg.teacher)
@@ -23,15 +25,12 @@ def _with_config(model, want):
   load time (`ModelConfig.for_tensor`) are kept)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.models.stacking import to_scanned, to_unrolled  # pylint: disable=g-import-not-at-top
-
   model = to_scanned(model) if want.scan_layers else to_unrolled(model)
   want = want.replace(vocab_multiple=model.cfg.vocab_multiple, replicate_kv=model.cfg.replicate_kv)
   if model.cfg.replace(remat=want.remat, attention=want.attention) != want:
     raise ValueError(f"loaded model config {model.cfg} differs from the configured {want}")
   if model.cfg == want:
     return model
-  from meshdistill.models import abstract_params  # pylint: disable=g-import-not-at-top
 
   graphdef, _, _ = abstract_params(want)
   return nnx.merge(graphdef, nnx.state(model))
@@ -40,12 +39,8 @@ def _with_config(model, want):
 def build_student(cfg, teacher, mesh):
   """The run's student on ``mesh``: loaded (``student.hf``), copied from ``teacher`` (``student.init``),
   or initialised from ``train.seed``."""
-  from meshdistill.models import init_model  # pylint: disable=g-import-not-at-top
-
   src: ModelSources = cfg.models
   if src.student_hf:
-    from meshdistill.models.hf import load_hf  # pylint: disable=g-import-not-at-top
-
     model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, param_dtype=cfg.student.param_dtype,
                     max_len=cfg.student.max_len, scan_layers=cfg.student.scan_layers)
     model = _with_config(model, cfg.student)
@@ -60,7 +55,6 @@ def with_lora(model, lora: LoraConfig, *, seed: int, mesh):
   """``model`` with the adapters of ``student.lora`` (unchanged when its rank is 0)."""
   if not lora.enabled:
     return model
-  from meshdistill.models.lora import apply_lora  # pylint: disable=g-import-not-at-top
 
   return apply_lora(model, lora, seed=seed + 1, mesh=mesh)
 
@@ -72,7 +66,6 @@ def quantized_teacher(cfg, teacher, mesh):
   q = cfg.models.teacher_quantize
   if q is None or teacher is None or not hasattr(teacher, "iter_modules"):  # no weights here (a top-k teacher)
     return teacher
-  from meshdistill.models.quantize import quantize_model  # pylint: disable=g-import-not-at-top
 
   return quantize_model(teacher, q, mesh=mesh)
 
@@ -89,9 +82,6 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  from meshdistill.models import abstract_params  # pylint: disable=g-import-not-at-top
-  from meshdistill.models.stacking import to_scanned  # pylint: disable=g-import-not-at-top
 
   scan = student_cfg.scan_layers
   t = teacher.cfg.replace(scan_layers=False)

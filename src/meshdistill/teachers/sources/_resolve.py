@@ -11,6 +11,9 @@ from typing import Any
 
 from meshdistill.config.typed_yaml import ConfigError
 from meshdistill.teachers.sources._settings import ModelSources
+from meshdistill.data._tokenizer import _json_path
+from meshdistill.models._hf_config import config_from_hf, default_family
+from meshdistill.train.distiller import PADDING_TOLERANCE
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +41,6 @@ def check_hf_dir(path: str, setting: str) -> dict:
 
 
 def _hf_model_config(path: str, setting: str, section):
-  from meshdistill.models._hf_config import config_from_hf  # pylint: disable=g-import-not-at-top
-
   hf = check_hf_dir(path, setting)
   try:
     cfg = config_from_hf(hf, max_len=section.max_len, dtype=section.dtype, where=f"{setting}={path!r}: config.json")
@@ -50,8 +51,6 @@ def _hf_model_config(path: str, setting: str, section):
 
 
 def _family(cfg) -> str:
-  from meshdistill.models._hf_config import default_family  # pylint: disable=g-import-not-at-top
-
   return default_family(cfg)
 
 
@@ -134,7 +133,6 @@ def _teacher_tokenizer(cfg, path: str):
         f"data.tokenizer='bpe' trains a new tokenizer, but teacher.hf={path!r} has its own; remove data.tokenizer "
         "(the teacher's tokenizer.json is used)"
     )
-  from meshdistill.data._tokenizer import _json_path  # pylint: disable=g-import-not-at-top
 
   other = _json_path(os.path.expanduser(given))
   if not os.path.isfile(other):
@@ -150,8 +148,6 @@ def _teacher_tokenizer(cfg, path: str):
 
 
 def _check_student_tokenizer(src: ModelSources, teacher, student) -> None:
-  from meshdistill.train.distiller import PADDING_TOLERANCE  # pylint: disable=g-import-not-at-top
-
   t_file, s_file = tokenizer_file(src.teacher_hf), tokenizer_file(src.student_hf)
   if t_file and s_file:
     diff = tokenizer_difference(t_file, s_file)

@@ -8,8 +8,9 @@ import dataclasses
 import os
 from typing import Any
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.config.typed_yaml import ConfigError, unknown_key
 from meshdistill.models.lora import LoraConfig
+from meshdistill.models.quantize import QUANTIZE
 
 FREE_KEYS = ("max_len", "dtype", "param_dtype", "remat", "scan_layers", "attention")  # settable beside a derived shape
 
@@ -53,8 +54,6 @@ class ModelSources:
 
   def __post_init__(self):
     if self.teacher_quantize is not None:
-      from meshdistill.models.quantize import QUANTIZE  # pylint: disable=g-import-not-at-top
-
       if self.teacher_quantize not in QUANTIZE:
         raise ConfigError(f"teacher.quantize={self.teacher_quantize!r}; choose one of {list(QUANTIZE)} or null "
                           "(float teacher weights)")
@@ -105,8 +104,6 @@ def split_sources(raw: dict) -> dict:
     allowed = [f.name for f in dataclasses.fields(LoraConfig)]
     for k in lora or {}:
       if k not in allowed:
-        from meshdistill.config.typed_yaml import unknown_key  # pylint: disable=g-import-not-at-top
-
         raise unknown_key("student.lora.", k, allowed)
     try:
       LoraConfig(**(lora or {}))  # checked here, so errors name student.lora.*
@@ -156,8 +153,6 @@ def _checked(key: str, value: Any) -> Any:
                         "e.g. {data: 1, tensor: 4}; the student's mesh (mesh.data x mesh.tensor) takes other devices")
     return value
   if key == "teacher.quantize":
-    from meshdistill.models.quantize import QUANTIZE  # pylint: disable=g-import-not-at-top
-
     if value is not None and value not in QUANTIZE:
       raise ConfigError(f"{key}={value!r}; choose one of {list(QUANTIZE)} or null (float teacher weights)")
     return value
@@ -172,8 +167,6 @@ def _checked(key: str, value: Any) -> Any:
     raise ConfigError(f"{key}={value!r} must be a mapping, e.g. {{from_teacher: true, layers: [0, 2]}}")
   for k in value:
     if k not in allowed:
-      from meshdistill.config.typed_yaml import unknown_key  # pylint: disable=g-import-not-at-top
-
       raise unknown_key(f"{key}.", k, allowed)
   if not isinstance(value.get("from_teacher", False), bool):
     raise ConfigError(f"{key}.from_teacher={value['from_teacher']!r} must be true or false")
