@@ -13,8 +13,9 @@ it reads, and holds
 * ``presets``: named shapes for the planner, each the shape fields of a published ``config.json``.
 
 A family that differs from another only in config subclasses it and changes the class attributes.
-``default_export`` (set in the class body, never inherited) marks the family a `ModelConfig` with the
-family's ``block`` options is written as when no family is named.
+Two are never inherited, so a subclass neither repeats its parent's presets nor takes its place:
+``presets`` and ``default_export`` (the family a `ModelConfig` with the family's ``block`` options is
+written as when no family is named; one per block).
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ class Family:
   model_type: ClassVar[str | None] = None  # config.json "model_type" (default: `name`)
   block: ClassVar[dict[str, bool]] = {}  # ModelConfig block options (`BLOCK_OPTIONS`) the family sets to True
   rope_scaling: ClassVar[bool] = False  # whether `to_hf` may write Llama-3 rope_scaling
-  presets: ClassVar[dict[str, dict[str, Any]]] = {}  # planner preset name -> shape fields of a config.json
+  presets: ClassVar[dict[str, dict[str, Any]]] = {}  # planner preset name -> shape fields; not inherited
   default_export: ClassVar[bool] = False  # see the module docstring; not inherited
 
   def __init_subclass__(cls, **kw):
     super().__init_subclass__(**kw)
     cls.default_export = cls.__dict__.get("default_export", False)
+    cls.presets = cls.__dict__.get("presets", {})
     if "model_type" not in cls.__dict__ and "name" in cls.__dict__:
       cls.model_type = cls.name
 
