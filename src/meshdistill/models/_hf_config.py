@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshdistill.models import families
+from meshdistill.models.families._base import weight_name
 from meshdistill.models.decoder import ModelConfig
 
 # architecture -> model_type of the families known at import (`families.supported()` is always current)
@@ -42,7 +43,7 @@ def hf_config(cfg: ModelConfig, family: str | None = None, torch_dtype: str = "f
   return fam.to_hf(cfg, torch_dtype)
 
 
-def weight_names(path: tuple, family: str | None = None) -> tuple[str, bool]:
-  """(Hugging Face tensor name, transposed?) of a `Decoder` parameter path, in ``family``'s layout (default:
-  the Llama layout every built-in family shares)."""
-  return families.get(family or "llama").weight_name(path)
+def weight_names(path: tuple) -> tuple[str, bool]:
+  """(Hugging Face tensor name, transposed?) of a `Decoder` parameter path, in the Llama layout every built-in
+  family shares (a family with its own names answers through `Family.weight_name`)."""
+  return weight_name(path)

@@ -157,25 +157,38 @@ class Family:
 
   def weight_name(self, path: tuple) -> tuple[str, bool]:
     """(Hugging Face tensor name, transposed?) of a `Decoder` parameter path (see `BLOCK_WEIGHTS`)."""
-    p = tuple(str(x) for x in path)
-    if p in TOP_WEIGHTS:
-      return TOP_WEIGHTS[p]
-    if len(p) > 2 and p[0] == "blocks" and p[2:] in BLOCK_WEIGHTS:
-      name, transposed = BLOCK_WEIGHTS[p[2:]]
-      return f"model.layers.{p[1]}.{name}", transposed
-    raise ValueError(f"decoder parameter {'.'.join(p)} has no Hugging Face counterpart")
+    return weight_name(path)
 
   def param_path(self, name: str) -> tuple[tuple, bool]:
     """(`Decoder` parameter path, transposed?) of a Hugging Face tensor name; the inverse of `weight_name`."""
-    for path, (hf, transposed) in TOP_WEIGHTS.items():
-      if name == hf:
-        return path, transposed
-    parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-      for path, (hf, transposed) in BLOCK_WEIGHTS.items():
-        if parts[3] == hf:
-          return ("blocks", int(parts[2]), *path), transposed
-    raise ValueError(f"Hugging Face tensor {name!r} has no counterpart in the decoder of family {self.name!r}")
+    found = param_path(name)
+    if found is None:
+      raise ValueError(f"Hugging Face tensor {name!r} has no counterpart in the decoder of family {self.name!r}")
+    return found
+
+
+def weight_name(path: tuple) -> tuple[str, bool]:
+  """(Hugging Face tensor name, transposed?) of a `Decoder` parameter path in the Llama layout."""
+  p = tuple(str(x) for x in path)
+  if p in TOP_WEIGHTS:
+    return TOP_WEIGHTS[p]
+  if len(p) > 2 and p[0] == "blocks" and p[2:] in BLOCK_WEIGHTS:
+    name, transposed = BLOCK_WEIGHTS[p[2:]]
+    return f"model.layers.{p[1]}.{name}", transposed
+  raise ValueError(f"decoder parameter {'.'.join(p)} has no Hugging Face counterpart")
+
+
+def param_path(name: str) -> tuple[tuple, bool] | None:
+  """(`Decoder` parameter path, transposed?) of a Hugging Face tensor name in the Llama layout, or None."""
+  for path, (hf, transposed) in TOP_WEIGHTS.items():
+    if name == hf:
+      return path, transposed
+  parts = name.split(".", 3)
+  if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+    for path, (hf, transposed) in BLOCK_WEIGHTS.items():
+      if parts[3] == hf:
+        return ("blocks", int(parts[2]), *path), transposed
+  return None
 
 
 def read_rope(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
