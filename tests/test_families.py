@@ -197,7 +197,8 @@ print("families:", families.names())
 def test_a_new_family_that_differs_only_in_config_is_one_new_module(tmp_path):
   """Copy the package, add models/families/mistral.py, and read, write, export and reload a Mistral config."""
   src = os.path.dirname(os.path.dirname(os.path.abspath(md.__file__)))
-  shutil.copytree(os.path.join(src, "meshdistill"), tmp_path / "meshdistill", ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copytree(os.path.join(src, "meshdistill"), tmp_path / "meshdistill",
+                  ignore=shutil.ignore_patterns("__pycache__"))
   (tmp_path / "meshdistill" / "models" / "families" / "mistral.py").write_text(textwrap.dedent(MISTRAL))
   env = dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu")
   run = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
