@@ -1,5 +1,9 @@
 """Models: the built-in Llama-style decoder, its construction on a mesh, Hugging Face import/export.
 
+What every model offers its callers is written down in ``meshdistill.models.contract`` (`LanguageModel`,
+`DecodingModel`); the Hugging Face families the decoder reads and writes (Llama, Qwen3, Qwen2) are one
+module each in ``meshdistill.models.families``.
+
 ``meshdistill.models.tunix_adapter`` (tunix's Llama 3 / Qwen3 modules) is imported on use only.
 """
 

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill.parallel.mesh import DATA, TENSOR, check_batch
 from meshdistill.models.decoder import Decoder
+from meshdistill.models.contract import DecodingModel, check_model
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -255,7 +256,9 @@ def generate(
     return_logits: also return the logits of every decoded position (for tests; ``[B, N, V]``).
   """
   graphdef, params = nnx.split(model) if isinstance(model, nnx.Module) else model
-  check_prompts(prompts_BxP, nnx.merge(graphdef, params).cfg.max_len, cfg, mesh)
+  merged = nnx.merge(graphdef, params)
+  check_model(merged, DecodingModel, "generate's model")  # e.g. a tunix adapter: no cached decode step
+  check_prompts(prompts_BxP, merged.cfg.max_len, cfg, mesh)
   if key is None:
     if cfg.temperature != 0:
       raise ValueError(f"temperature={cfg.temperature} samples: pass a PRNG key (jax.random.key(seed))")

@@ -2,11 +2,12 @@
 
 `load_hf(path, mesh)` reads a local Hugging Face directory (``config.json`` plus
 ``model.safetensors``, or sharded ``model-0000x-of-0000n.safetensors`` with
-``model.safetensors.index.json``) of a Llama, Qwen3 or Qwen2 causal LM into the built-in
-`Decoder`, its weights split over the mesh axis ``tensor`` exactly as `init_model` would
-split them. Every device reads only its own slice of each tensor from disk
-(``safe_open(...).get_slice(name)[...]`` inside `jax.make_array_from_callback`), so no
-device and no host buffer ever holds a full tensor-split weight.
+``model.safetensors.index.json``) of a causal LM of a registered family (Llama, Qwen3, Qwen2:
+`meshdistill.models.families`) into the built-in `Decoder`, its weights split over the mesh
+axis ``tensor`` exactly as `init_model` would split them. Every device reads only its own
+slice of each tensor from disk (``safe_open(...).get_slice(name)[...]`` inside
+`jax.make_array_from_callback`), so no device and no host buffer ever holds a full
+tensor-split weight.
 
 `export_hf(model, out_dir)` writes a decoder as a checkpoint that transformers (and so
 vLLM) loads: ``config.json``, ``model.safetensors`` and, when given, tokenizer files. It writes
@@ -53,7 +54,8 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from meshdistill.storage.fsutil import atomic_output_dir, read_json
 from meshdistill.parallel.mesh import TENSOR
 from meshdistill.models._build import abstract_params
-from meshdistill.models._hf_config import SUPPORTED, config_from_hf, hf_config, weight_names
+from meshdistill.models import families
+from meshdistill.models._hf_config import SUPPORTED, config_from_hf, hf_config
 from meshdistill.models.decoder import Decoder, ModelConfig
 from meshdistill.models.stacking import to_scanned
 
@@ -158,7 +160,9 @@ def load_hf(
   path = Path(path)
   if param_dtype not in _DTYPES:
     raise ValueError(f"param_dtype={param_dtype!r}; choose one of {_DTYPES}")
-  cfg = config_from_hf(read_hf_config(path), max_len=max_len, dtype=dtype, where=str(path / "config.json"))
+  hf, config_file = read_hf_config(path), str(path / "config.json")
+  family = families.family_for(hf, config_file)
+  cfg = family.from_hf(hf, max_len=max_len, dtype=dtype, where=config_file)
   cfg = cfg.replace(param_dtype=param_dtype)  # the model's config says how its weights are stored
   real_shapes = None
   if mesh is not None:  # a vocabulary `tensor` does not divide gets zero padding rows, not read from disk
@@ -167,7 +171,7 @@ def load_hf(
       real_shapes = {k: tuple(v.get_value().shape) for k, v in nnx.to_flat_state(abstract_params(cfg)[1])}
     cfg = fitted
   graphdef, abstract, shardings = abstract_params(cfg, mesh)
-  state, where, used = read_onto_mesh(path, abstract, shardings, _decoder_names, param_dtype, real_shapes)
+  state, where, used = read_onto_mesh(path, abstract, shardings, _layouts(family), param_dtype, real_shapes)
   extra = sorted(set(where) - used)
   if extra:
     ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
@@ -179,9 +183,14 @@ def load_hf(
   return to_scanned(model) if scan_layers else model
 
 
-def _decoder_names(key: tuple) -> tuple[str, str]:
-  name, transposed = weight_names(key)
-  return name, "T" if transposed else "same"
+def _layouts(family: families.Family):
+  """``key -> (Hugging Face name, layout)`` of ``family``'s weight-name map (see `read_onto_mesh`)."""
+
+  def names(key: tuple) -> tuple[str, str]:
+    name, transposed = family.weight_name(key)
+    return name, "T" if transposed else "same"
+
+  return names
 
 
 def _hf_shape(shape: tuple, layout: str) -> tuple:
@@ -338,8 +347,9 @@ def export_hf(
     out_dir: created if needed; receives ``config.json`` and ``model.safetensors``.
     tokenizer: optional; a Hugging Face model directory (its tokenizer files are copied),
       a transformers tokenizer, a `meshdistill.data` HF tokenizer or a `tokenizers.Tokenizer`.
-    family: ``"llama"``, ``"qwen3"`` or ``"qwen2"``; default from the config (qwen3 with
-      ``qk_norm``, qwen2 with ``qkv_bias``, else llama).
+    family: a registered family name (`meshdistill.models.families.names`: ``"llama"``, ``"qwen3"``,
+      ``"qwen2"``, ...); default the family of the config's block (qwen3 with ``qk_norm``, qwen2 with
+      ``qkv_bias``, else llama).
     dtype: dtype of the written weights: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
     overwrite: replace a non-empty ``out_dir`` (only one holding nothing but checkpoint files:
       ``config.json``, ``*.safetensors``, the index, tokenizer files). Without it a non-empty
@@ -353,7 +363,8 @@ def export_hf(
   if dtype not in _DTYPES:
     raise ValueError(f"dtype={dtype!r}; choose one of {_DTYPES}")
   cfg: ModelConfig = model.cfg
-  config = hf_config(cfg, family, torch_dtype=dtype)
+  fam = families.default_for(cfg) if family is None else families.get(family)
+  config = fam.to_hf(cfg, torch_dtype=dtype)
   target = np.dtype(jax.numpy.dtype(dtype))
   tensors = {}
   real = cfg.replace(vocab_multiple=1, replicate_kv=False, scan_layers=False)  # padding rows are not exported
@@ -364,7 +375,7 @@ def export_hf(
     layers = [(("blocks", i, *key[1:]), stacked[i]) for i in range(cfg.n_layers)] if (
         cfg.scan_layers and key[0] == "blocks") else [(key, stacked)]
     for k, value in layers:
-      name, transposed = weight_names(k)
+      name, transposed = fam.weight_name(k)
       value = value[tuple(slice(0, n) for n in real_shapes[k])]
       tensors[name] = np.ascontiguousarray(value.T if transposed else value, dtype=target)
   out = Path(out_dir)

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshdistill.parallel.mesh import TENSOR, param_shardings
-from meshdistill.models._hf_config import config_from_hf, hf_family
+from meshdistill.models import families
 from meshdistill.models.decoder import ModelOutput
 from meshdistill.models.hf import read_hf_config, read_onto_mesh
 
@@ -170,8 +170,8 @@ def load_tunix_hf(path: str | os.PathLike, mesh: Mesh | None = None, *, param_dt
                   max_len: int | None = None) -> TunixLM:
   """A `TunixLM` holding a Hugging Face Llama 3.x / Qwen3 checkpoint, split over ``tensor`` on ``mesh``."""
   hf = read_hf_config(path)
-  family = hf_family(hf, str(path))
-  base = config_from_hf(hf, max_len=max_len)  # validates the fields
+  family = families.family_for(hf, str(path)).name
+  base = families.get(family).from_hf(hf, max_len=max_len)  # validates the fields
   cfg = TunixConfig(family=family, vocab_size=base.vocab_size, d_model=base.d_model, n_layers=base.n_layers,
                     n_heads=base.n_heads, n_kv_heads=base.n_kv_heads, head_dim=base.hd, mlp_hidden=base.mlp_hidden,
                     max_len=base.max_len, tie_embeddings=base.tie_embeddings)
