@@ -36,11 +36,12 @@ from meshdistill import losses
 from meshdistill.parallel.collectives import all_reduce_census, all_reduce_instructions, mesh_axis_groups
 from meshdistill.loop.trainer import fit
 
-B, T = 8, 128
-TAU, ALPHA, LR = 2.0, 0.5, 1e-3
+B, T = 8, 128  # rows per batch, tokens per row
+TAU, ALPHA, LR = 2.0, 0.5, 1e-3  # the KD recipe every system runs, and the learning rate
 
 
 def configs(vocab: int):
+  """(teacher, student) model configs of the throughput benchmark, sized for CPU."""
   teacher = md.ModelConfig(vocab_size=vocab, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=1024,
                            max_len=T)
   student = md.ModelConfig(vocab_size=vocab, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=512,
@@ -49,11 +50,13 @@ def configs(vocab: int):
 
 
 def make_batches(n: int, vocab: int, seed: int = 0) -> list[np.ndarray]:
+  """``n`` host batches of random tokens, each [B, T + 1] (inputs and their next tokens)."""
   rng = np.random.default_rng(seed)
   return [rng.integers(0, vocab, (B, T + 1)).astype(np.int32) for _ in range(n)]
 
 
 def ours_batch(x: np.ndarray) -> dict:
+  """A [B, T + 1] token batch as meshdistill's step takes it (every position counts)."""
   return {"inputs": x[:, :-1], "targets": x[:, 1:], "mask": np.ones((B, T), np.float32)}
 
 
