@@ -38,6 +38,15 @@ def test_interleave_refuses_more_warmup_rounds_than_inputs(harness):
     harness.interleave({"a": lambda x: None}, [1, 2], warmup=3)
 
 
+def test_best_call_keeps_the_fastest_timed_call_and_the_last_output(harness, monkeypatch):
+  clock = iter([0.0, 5.0, 10.0, 12.0, 20.0, 23.0])  # three timed calls: 5 s, 2 s, 3 s
+  monkeypatch.setattr(harness.time, "perf_counter", lambda: next(clock))
+  outputs = iter(range(4))  # the first call compiles, untimed
+  assert harness.best_call(lambda: next(outputs), 3) == (2.0, 3)
+  with pytest.raises(ValueError, match="calls=0; time at least 1 call"):
+    harness.best_call(lambda: 0, 0)
+
+
 def test_paired_ratio_is_the_median_of_the_per_round_ratios_not_the_ratio_of_medians(harness):
   # per round: 3x, 1x, 3x (paired 3x); medians 3 / 2 = 1.5x
   t = {"ours": [1.0, 2.0, 3.0], "peer": [3.0, 2.0, 9.0], "bare_t": [0.5, 1.5, 1.0], "bare_s": [0.5, 0.5, 2.0]}
