@@ -186,7 +186,11 @@ def main(argv=None):
     return
   raw_path = args.out.with_suffix(".json")
   if args.render:
-    args.out.write_text(render_throughput.report(harness.read_json(raw_path)))
+    try:
+      raw = harness.read_json(raw_path)
+    except FileNotFoundError as e:
+      parser.error(str(e))
+    args.out.write_text(render_throughput.report(raw))
     print(f"rewrote {args.out} from {raw_path}")
     return
   t0 = time.time()
