@@ -197,15 +197,13 @@ def main(argv=None):
   load_start = harness.load()
   res = run(args.vocab, args.steps, args.warmup, args.chunk, args.loop_rounds, args.loop_steps)
   res["load"], res["machine"] = (load_start, harness.load()), harness.machine()
-  med = harness.medians(res["times"])
-  for name, ts in res["times"].items():
-    print(f"{name}: median {1e3 * med[name]:.1f} ms over {len(ts)} steps", flush=True)
   for name, ts in res["loop_times"].items():
     print(f"loop, {name}: median {1e3 * harness.medians({name: ts})[name]:.1f} ms per step over {len(ts)} blocks",
           flush=True)
   for name, (flops, census) in res["stats"].items():
     print(f"{name}: compiled step {flops / 1e9:.2f} GFLOP (cost_analysis), all-reduces in the HLO {census}", flush=True)
   raw = render_throughput.raw_results(res, vars(args), time.time() - t0)
+  print("\n".join(render_throughput.step_table(raw)))
   harness.write_json(raw_path, raw)
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(render_throughput.report(raw))

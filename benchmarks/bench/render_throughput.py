@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import re
-import statistics
 import types
 
 from bench.harness import machine, medians, paired, ratio_of, verdict
@@ -101,6 +100,54 @@ def raw_results(res: dict, args: dict, seconds: float) -> dict:
   return {**{k: res[k] for k in RAW_KEYS if k in res}, "args": {k: args[k] for k in ARGS}, "seconds": seconds}
 
 
+def rates(matmul_flops: dict[str, float], med: dict[str, float]) -> dict[str, float]:
+  """The roofline of each device set ("" the mesh, `ONE` one device): the fastest matmul probe on that device
+  set (one device: no mesh; mesh: the 8 simulated devices), measured in the same rounds."""
+  probe_rate = {k: f / med[k] for k, f in matmul_flops.items()}
+  return {pre: max(r for k, r in probe_rate.items() if k.startswith(ONE) == (pre == ONE)) for pre in ("", ONE)}
+
+
+def step_table(res: dict) -> list[str]:
+  """The table of every timed row: median step, tokens/s, CPU time, FLOPs and the fraction of the matmul rate of
+  its device set (what the script also prints)."""
+  t, med, tokens = res["times"], medians(res["times"]), B * T
+  cpu_med = medians(res["cpu"])
+  fl = step_flops(*configs(res["args"]["vocab"]))
+  rate = rates(res["matmul_flops"], med)
+  probe_rate = {k: f / med[k] for k, f in res["matmul_flops"].items()}
+  row_flops = {OURS: fl["step"], REF: fl["step"], OURS + LIGHT: fl["step"], REF + LIGHT: fl["step"],
+               TUNIX: fl["step"], TUNIX_NP: fl["step"], TUNIX_REP: fl["step"], CE_ONLY: fl["student"],
+               OURS + ROWS: fl["step"], REF + ROWS: fl["step"], OURS + ROWS + LIGHT: fl["step"],
+               REF + ROWS + LIGHT: fl["step"],
+               BARE_T: fl["teacher"], BARE_S: fl["student"], HAND: fl["step"],
+               OURS + DP: fl["step"], OURS + DP + LIGHT: fl["step"], TUNIX_DP: fl["step"], HAND + DP: fl["step"],
+               BARE_T + DP: fl["teacher"], BARE_S + DP: fl["student"]}
+  lines = [
+      "| system | median step (ms) | tokens/s | median CPU s / step | GFLOP / step | GFLOP/s | of matmul rate "
+      "| all timed steps (ms) |",
+      "|---|---:|---:|---:|---:|---:|---:|---|",
+  ]
+  order = [OURS, REF, OURS + LIGHT, REF + LIGHT, OURS + ROWS, REF + ROWS, OURS + ROWS + LIGHT, REF + ROWS + LIGHT,
+           OURS + DP, OURS + DP + LIGHT, TUNIX, TUNIX_REP, TUNIX_DP, TUNIX_NP, HAND, HAND + DP, CE_ONLY, BARE_T, BARE_S,
+           BARE_T + DP, BARE_S + DP, ONE + OURS, ONE + REF, ONE + OURS + LIGHT, ONE + REF + LIGHT, ONE + HAND,
+           ONE + BARE_T, ONE + BARE_S]
+  for name in (n for n in order if n in t):  # a file rendered from an earlier run may lack some rows
+    base = name.removeprefix(ONE)
+    r = rate[ONE if name.startswith(ONE) else ""]
+    f = row_flops[base]
+    ts = ", ".join(f"{1e3 * v:.0f}" for v in t[name])
+    lines.append(
+        f"| {name} | {1e3 * med[name]:.1f} | {tokens / med[name]:.0f} | {cpu_med[name]:.3f} | {f / 1e9:.2f} | "
+        f"{f / med[name] / 1e9:.1f} | {100 * f / med[name] / r:.0f}% | {ts} |"
+    )
+  for name, f in res["matmul_flops"].items():
+    r = rate[ONE if name.startswith(ONE) else ""]
+    ts = ", ".join(f"{1e3 * v:.0f}" for v in t[name])
+    lines.append(f"| {name} | {1e3 * med[name]:.1f} | | {cpu_med[name]:.3f} | {f / 1e9:.2f} | "
+                 f"{probe_rate[name] / 1e9:.1f} | {100 * probe_rate[name] / r:.0f}% | {ts} |")
+  return lines
+
+
 def report(raw: dict) -> str:
   """The Markdown report of a run from its raw results (`raw_results`, as its ``.json`` holds them)."""
   args = types.SimpleNamespace(**raw["args"])
@@ -109,20 +156,9 @@ def report(raw: dict) -> str:
   med = medians(res["times"])
   seconds = raw["seconds"]
   tokens = B * T
-  t, cpu = res["times"], res["cpu"]
-  cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+  t = res["times"]
   fl = step_flops(res["tcfg"], res["scfg"])
-  probe_rate = {k: f / med[k] for k, f in res["matmul_flops"].items()}
-  # The roofline of each device set is the fastest probe on that device set (one device: no mesh; mesh: the
-  # 8 simulated devices), measured in the same rounds.
-  rate = {pre: max(r for k, r in probe_rate.items() if k.startswith(ONE) == (pre == ONE)) for pre in ("", ONE)}
-  row_flops = {OURS: fl["step"], REF: fl["step"], OURS + LIGHT: fl["step"], REF + LIGHT: fl["step"],
-               TUNIX: fl["step"], TUNIX_NP: fl["step"], TUNIX_REP: fl["step"], CE_ONLY: fl["student"],
-               OURS + ROWS: fl["step"], REF + ROWS: fl["step"], OURS + ROWS + LIGHT: fl["step"],
-               REF + ROWS + LIGHT: fl["step"],
-               BARE_T: fl["teacher"], BARE_S: fl["student"], HAND: fl["step"],
-               OURS + DP: fl["step"], OURS + DP + LIGHT: fl["step"], TUNIX_DP: fl["step"], HAND + DP: fl["step"],
-               BARE_T + DP: fl["teacher"], BARE_S + DP: fl["student"]}
+  rate = rates(res["matmul_flops"], med)
   tc, sc = res["tcfg"], res["scfg"]
   (l1, l5, l15), (e1, e5, e15) = res["load"]
   cores = re.search(r"(\d+) CPU cores", res.get("machine") or "")  # the run's machine, not the one rendering
@@ -159,28 +195,8 @@ def report(raw: dict) -> str:
       "time of each, table below). Both device sets "
       "run on the same 2 cores. *of matmul rate* = (FLOPs / median step time) / the rate of the row's device set.",
       "",
-      "| system | median step (ms) | tokens/s | median CPU s / step | GFLOP / step | GFLOP/s | of matmul rate "
-      "| all timed steps (ms) |",
-      "|---|---:|---:|---:|---:|---:|---:|---|",
   ]
-  order = [OURS, REF, OURS + LIGHT, REF + LIGHT, OURS + ROWS, REF + ROWS, OURS + ROWS + LIGHT, REF + ROWS + LIGHT,
-           OURS + DP, OURS + DP + LIGHT, TUNIX, TUNIX_REP, TUNIX_DP, TUNIX_NP, HAND, HAND + DP, CE_ONLY, BARE_T, BARE_S,
-           BARE_T + DP, BARE_S + DP, ONE + OURS, ONE + REF, ONE + OURS + LIGHT, ONE + REF + LIGHT, ONE + HAND,
-           ONE + BARE_T, ONE + BARE_S]
-  for name in (n for n in order if n in t):  # a file rendered from an earlier run may lack some rows
-    base = name.removeprefix(ONE)
-    r = rate[ONE if name.startswith(ONE) else ""]
-    f = row_flops[base]
-    ts = ", ".join(f"{1e3 * v:.0f}" for v in t[name])
-    lines.append(
-        f"| {name} | {1e3 * med[name]:.1f} | {tokens / med[name]:.0f} | {cpu_med[name]:.3f} | {f / 1e9:.2f} | "
-        f"{f / med[name] / 1e9:.1f} | {100 * f / med[name] / r:.0f}% | {ts} |"
-    )
-  for name, f in res["matmul_flops"].items():
-    r = rate[ONE if name.startswith(ONE) else ""]
-    ts = ", ".join(f"{1e3 * v:.0f}" for v in t[name])
-    lines.append(f"| {name} | {1e3 * med[name]:.1f} | | {cpu_med[name]:.3f} | {f / 1e9:.2f} | "
-                 f"{probe_rate[name] / 1e9:.1f} | {100 * probe_rate[name] / r:.0f}% | {ts} |")
+  lines += step_table(res)
   ours = (OURS, REF, OURS + LIGHT, REF + LIGHT)
   rows = (OURS + ROWS, REF + ROWS, OURS + ROWS + LIGHT, REF + ROWS + LIGHT)  # mesh only
 
