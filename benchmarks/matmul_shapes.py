@@ -33,29 +33,30 @@ import pathlib
 import sys
 import time
 
-os.environ.setdefault("MESHDISTILL_THROUGHPUT_ONE_DEVICE", "1")  # read by throughput.py as it is imported
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import throughput as tp  # noqa: E402
-from _matmuls import Dot, cost, dots_of, flops, median_call, time_alone  # noqa: E402
+os.environ.setdefault("MESHDISTILL_THROUGHPUT_ONE_DEVICE", "1")  # read by bench.devices as it is imported
+from bench import harness  # noqa: E402
+from bench import systems  # noqa: E402  (after the switch above: one CPU device)
+from bench.harness import median_call  # noqa: E402
+from bench.matmuls import Dot, cost, dots_of, flops, time_alone  # noqa: E402
 
 import jax  # noqa: E402
 from meshdistill.strategies import LogitKD  # noqa: E402
 
 RESULT = pathlib.Path(__file__).parent / "results" / "matmul_shapes.md"
-NAMES = {tp.ONE + tp.REF: "meshdistill LogitKD step", tp.ONE + tp.BARE_T: "bare teacher forward",
-         tp.ONE + tp.BARE_S: "bare student step"}
+NAMES = {systems.ONE + systems.REF: "meshdistill LogitKD step", systems.ONE + systems.BARE_T: "bare teacher forward",
+         systems.ONE + systems.BARE_S: "bare student step"}
 
 
 def programs(vocab: int):
   """name -> (StableHLO, a call that runs the program once and waits for it): `throughput.py`'s one-device
-  LogitKD step and bare programs (`throughput.one_device_programs`)."""
-  tcfg, scfg = tp.configs(vocab)
-  x = tp.make_batches(1, vocab)[0]
-  ours = tp.Ours(LogitKD(temperature=tp.TAU, alpha=tp.ALPHA), None, tcfg, scfg)
-  bare = tp.Bare(None, tcfg, scfg)
-  calls = {tp.ONE + tp.REF: lambda: ours.step(x), tp.ONE + tp.BARE_T: lambda: bare.teacher(x),
-           tp.ONE + tp.BARE_S: lambda: bare.student(x)}
-  return {NAMES[k]: (text, calls[k]) for k, text in tp.one_device_programs(ours, bare, x).items()}
+  LogitKD step and bare programs (`bench.systems.one_device_programs`)."""
+  tcfg, scfg = systems.configs(vocab)
+  x = systems.make_batches(1, vocab)[0]
+  ours = systems.Ours(LogitKD(temperature=systems.TAU, alpha=systems.ALPHA), None, tcfg, scfg)
+  bare = systems.Bare(None, tcfg, scfg)
+  calls = {systems.ONE + systems.REF: lambda: ours.step(x), systems.ONE + systems.BARE_T: lambda: bare.teacher(x),
+           systems.ONE + systems.BARE_S: lambda: bare.student(x)}
+  return {NAMES[k]: (text, calls[k]) for k, text in systems.one_device_programs(ours, bare, x).items()}
 
 
 def probe_list(probes: dict, alone: dict) -> str:
@@ -85,7 +86,7 @@ def main(argv=None):
   load_start = os.getloadavg()
   progs = programs(args.vocab)
   per_prog = {name: dots_of(text) for name, (text, _) in progs.items()}
-  probes = {f"[{m}, {k}] x [{k}, {n}]": Dot((m, k), (k, n), (1,), (0,), (), ()) for m, k, n in tp.PROBES}
+  probes = {f"[{m}, {k}] x [{k}, {n}]": Dot((m, k), (k, n), (1,), (0,), (), ()) for m, k, n in systems.PROBES}
   alone: dict[Dot, float] = {}
   for d in sorted({d for c in per_prog.values() for d in c} | set(probes.values())):
     alone[d] = time_alone(d, args.calls, args.chain)
@@ -93,8 +94,8 @@ def main(argv=None):
   run_time = {name: median_call(call, args.calls) for name, (_, call) in progs.items()}
   rate = max(flops(d) / alone[d] for d in probes.values())
   single = {}  # throughput.py's probe: one dot a call, the same operands every call
-  for m, k, n in tp.PROBES:
-    probe = tp.Matmul(None, m, k, n)
+  for m, k, n in systems.PROBES:
+    probe = systems.Matmul(None, m, k, n)
     single[m, k, n] = probe.flops / median_call(lambda: probe.fn(probe.a, probe.b), args.calls)
   rate1 = max(single.values())
   load_end = os.getloadavg()
@@ -104,7 +105,7 @@ def main(argv=None):
       "",
       f"Produced by `python benchmarks/matmul_shapes.py --vocab {args.vocab} --calls {args.calls} --chain "
       f"{args.chain}` ({time.time() - t0:.0f} s wall; load average {load_start[0]:.1f} at the start, "
-      f"{load_end[0]:.1f} at the end). {tp.machine()}; one CPU device in the process.",
+      f"{load_end[0]:.1f} at the end). {harness.machine()}; one CPU device in the process.",
       "",
       "Each distinct float32 dot of a program (from its StableHLO), timed alone: "
       f"{args.chain} copies on different inputs in one jitted program, median of {args.calls} calls, per copy. "

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 import platform
-import statistics
-import time
+
+from bench.harness import median_call
 
 import meshdistill as md
 
@@ -60,15 +60,14 @@ def measure(cfg: Config, mesh, teacher, lora: LoraConfig | None, steps: int, bat
       "args": mem.argument_bytes,
       "total": mem.total_bytes,
   }
-  state, m = d.step(state, batch)  # compiles
-  jax.block_until_ready(state)
-  times = []
-  for _ in range(steps):
-    t = time.perf_counter()
+  m = None
+
+  def one_step():
+    nonlocal state, m
     state, m = d.step(state, batch)
-    jax.block_until_ready((state, m))
-    times.append(time.perf_counter() - t)
-  out["step_s"] = statistics.median(times)
+    return state, m
+
+  out["step_s"] = median_call(one_step, steps)  # one call to compile, then the median of ``steps`` calls
   out["loss"] = float(m["loss"])
   return out
 

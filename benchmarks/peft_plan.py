@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from _results import pending_rows, replace_section
+from bench.results import pending_rows, replace_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")

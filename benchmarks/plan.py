@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from _results import pending_rows
+from bench.results import pending_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")

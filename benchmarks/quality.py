@@ -36,9 +36,9 @@ import platform
 import sys
 import time
 
+from bench.render_quality import history, render, render_seeds
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-TARGET_RATIO = 0.97
-MAX_PARAM_RATIO = 0.30
 
 
 def _args(argv):
@@ -78,8 +78,8 @@ def write_report(out: str, row: dict, tdir: str) -> str:
     with open(notes_path, encoding="utf-8") as f:
       notes = f.read()
   seeds_path = os.path.join(results, "quality_seeds.jsonl")
-  seeds = render_seeds(_history(seeds_path)) if os.path.isfile(seeds_path) else ""
-  text = render(row, tdir, _history(os.path.join(results, "quality_runs.jsonl"))) + seeds + ("\n" + notes if notes else "")
+  seeds = render_seeds(history(seeds_path)) if os.path.isfile(seeds_path) else ""
+  text = render(row, tdir, history(os.path.join(results, "quality_runs.jsonl"))) + seeds + ("\n" + notes if notes else "")
   with open(out, "w", encoding="utf-8") as f:
     f.write(text)
   return text
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
   args = _args(argv)
   results = os.path.dirname(args.out)
   if args.render_only:
-    rows = _history(os.path.join(results, "quality_runs.jsonl"))
+    rows = history(os.path.join(results, "quality_runs.jsonl"))
     write_report(args.out, rows[-1], rows[-1].get("teacher_dir", ""))
     return 0
   if args.seeds:
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         f.write(json.dumps(row) + "\n")
       print(f"seed {seed}: distilled {row['distilled']['loss']:.4f} scratch {row['scratch']['loss']:.4f} "
             f"ratio {row['loss_ratio']:.4f}", flush=True)
-      head = _history(os.path.join(results, "quality_runs.jsonl"))[-1]  # the headline run stays on top
+      head = history(os.path.join(results, "quality_runs.jsonl"))[-1]  # the headline run stays on top
       write_report(args.out, head, head.get("teacher_dir", ""))
     return 0
   row = run_once(args, args.overrides, args.run_root)
@@ -200,129 +200,6 @@ def run_once(args, overrides: list[str], run_root: str) -> dict:
     "load_average": os.getloadavg()[0],
   }
   return row
-
-
-def render_seeds(rows: list[dict]) -> str:
-  """The spread over student seeds: one row per seed, then mean and sample standard deviation."""
-  if not rows:
-    return ""
-  import statistics
-
-  by_seed = {r["seed"]: r for r in rows}  # a seed run again replaces its earlier row
-  rows = [by_seed[k] for k in sorted(by_seed)]
-  lines = [
-    f"## Spread over student seeds ({len(rows)} seed(s) finished)",
-    "",
-    "`python benchmarks/quality.py --seeds N`: the same recipe, teacher and data order, both students",
-    "(distilled and scratch) initialised from `train.seed` = S.",
-    "",
-    "| train.seed | distilled loss | scratch loss | ratio | recipe | date |",
-    "|---:|---:|---:|---:|---|---|",
-  ]
-  for r in rows:
-    lines.append(
-      f"| {r['seed']} | {r['distilled']['loss']:.4f} | {r['scratch']['loss']:.4f} | {r['loss_ratio']:.4f} | "
-      f"{_recipe(r)} | {r['date']} |"
-    )
-  lines.append("")
-  cols = {
-    "distilled loss": [r["distilled"]["loss"] for r in rows],
-    "scratch loss": [r["scratch"]["loss"] for r in rows],
-    "distilled / scratch": [r["loss_ratio"] for r in rows],
-  }
-  for name, v in cols.items():
-    sd = statistics.stdev(v) if len(v) > 1 else float("nan")
-    lines.append(f"- {name}: mean **{statistics.mean(v):.4f}**, sd {sd:.4f} over {len(v)} seed(s)")
-  worst = max(cols["distilled / scratch"])
-  verdict = "met on every seed" if worst <= TARGET_RATIO else "NOT met on every seed"
-  lines += [f"- worst seed's ratio {worst:.4f} (target <= {TARGET_RATIO}: {verdict})", ""]
-  return "\n".join(lines) + "\n"
-
-
-def _history(path):
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
-def _recipe(r):
-  s = r["settings"]
-  d = s["distill"]
-  tau = d["temperature"]
-  tau = f"{tau['start']}->{tau['end']}" if isinstance(tau, dict) else f"{tau}"
-  m = lambda c: f"d{c['d_model']}xL{c['n_layers']}"
-  return (
-    f"teacher {m(s['teacher'])} {s['pretrain']['steps']} steps; student {m(s['student'])} "
-    f"{s['train']['steps']} steps lr {s['train']['lr']}; tau {tau}, alpha {d['alpha']}"
-  )
-
-
-def _timing(sec: dict) -> str:
-  pre = sec.get("teacher_pretraining")
-  if pre and sec["teacher"] < 0.5 * pre:
-    teacher = f"teacher loaded from the cache in {sec['teacher']:.0f} s (its pretraining took {pre:.0f} s)"
-  else:
-    teacher = f"teacher pretraining {sec['teacher']:.0f} s"
-  return (
-    f"- wall time: {teacher}, distillation {sec['distill']:.0f} s, scratch student {sec['scratch']:.0f} s, "
-    f"benchmark total {sec['total']:.0f} s (evaluation and compilation included)"
-  )
-
-
-def _row(name: str, m: dict) -> str:
-  return f"| {name} | {m['params']:,} | {m['loss']:.4f} | {m['ppl']:.3f} | {m['kl']:.4f} | {m['agree']:.1%} |"
-
-
-def render(r, tdir, history) -> str:
-  ok = r["loss_ratio"] <= TARGET_RATIO and r["param_ratio"] <= MAX_PARAM_RATIO
-  s = r["settings"]
-  lines = [
-    "# Quality benchmark: distilled student vs. the same student trained from scratch",
-    "",
-    (
-      f"Written by `benchmarks/quality.py` on {r['date']} ({r['devices']} devices, mesh "
-      f"{s['mesh']['data']}x{s['mesh']['tensor']}, {r['machine']}); config `{r['config']}`"
-    )
-    + (f" with `{' '.join('--set ' + o for o in r['overrides'])}`" if r["overrides"] else "")
-    + ".",
-    "",
-    (
-      f"Corpus: `{s['data']['source']}` (max_chars {s['data']['max_chars']}), tokenizer "
-      f"`{s['data']['tokenizer']}`, seq_len {s['data']['seq_len']}; validation: {int(r['val_tokens']):,} tokens "
-      "(held-out documents)."
-    ),
-    (
-      "Both students: same architecture, initialisation seed, steps, batch size, data order and learning-rate "
-      "schedule; the scratch student sees only the hard labels."
-    ),
-    "",
-    "| model | params | val loss (nats/token) | val perplexity | KL(teacher‖model) | top-1 agreement |",
-    "|---|---:|---:|---:|---:|---:|",
-    f"| teacher | {r['teacher']['params']:,} | {r['teacher']['loss']:.4f} | {r['teacher']['ppl']:.3f} | – | – |",
-    _row("distilled student", r["distilled"]),
-    _row("scratch student", r["scratch"]),
-    "",
-    f"- student / teacher parameters: **{r['param_ratio']:.1%}** (target <= {MAX_PARAM_RATIO:.0%})",
-    f"- distilled / scratch validation loss: **{r['loss_ratio']:.4f}** (target <= {TARGET_RATIO})",
-    f"- target {'met' if ok else 'NOT met'}",
-    _timing(r["seconds"]),
-    "",
-    "Recipe: " + _recipe(r) + f"; divergence {s['distill']['divergence']}.",
-    "",
-  ]
-  if history:
-    lines += [
-      "## Recipes tried",
-      "",
-      "| date | recipe | teacher loss | distilled | scratch | ratio | note |",
-      "|---|---|---:|---:|---:|---:|---|",
-    ]
-    for h in history:
-      lines.append(
-        f"| {h['date']} | {_recipe(h)} | {h['teacher']['loss']:.4f} | {h['distilled']['loss']:.4f} | "
-        f"{h['scratch']['loss']:.4f} | {h['loss_ratio']:.4f} | {h.get('note', '')} |"
-      )
-    lines.append("")
-  return "\n".join(lines)
 
 
 if __name__ == "__main__":

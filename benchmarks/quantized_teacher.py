@@ -33,7 +33,7 @@ from meshdistill import jobs  # noqa: E402
 from meshdistill.config import load_config  # noqa: E402
 from meshdistill.models.quantize import QUANTIZE, quantize_model  # noqa: E402
 
-from _results import replace_section  # noqa: E402
+from bench.results import replace_section  # noqa: E402
 
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "peft.md")
 SECTION = "\n## Quantized teacher"

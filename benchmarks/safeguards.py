@@ -29,6 +29,8 @@ import pathlib
 import platform
 import statistics
 
+from bench import harness
+
 import meshdistill as md
 
 md.simulate_cpu_devices(8)
@@ -94,8 +96,8 @@ def main() -> None:
     for name in names[r % len(names):] + names[:r % len(names)]:
       times[name].append(timed_fit(d, data, args.steps, variants[name]))
       print(f"round {r + 1}: {name}: {times[name][-1] * 1e3:.1f} ms/step", flush=True)
-  med = {k: statistics.median(v) for k, v in times.items()}
-  ratio = {k: statistics.median(t / off for t, off in zip(v, times["no guard"])) for k, v in times.items()}
+  med = harness.medians(times)
+  ratio = {k: harness.paired(times, k, ("no guard",)) for k in times}  # against the no-guard run of each round
   best = {k: min(v) for k, v in times.items()}  # the round least disturbed by other work on the machine
   state_mib = state_bytes_per_device(d.init_state()) / 2**20
 

@@ -1,6 +1,6 @@
 """Where a step's time goes: a profiler trace of the compiled step, its ops grouped by kind.
 
-The throughput benchmark's models (`benchmarks/throughput.py`) run a few steps under
+The throughput benchmark's models (`benchmarks/bench/systems.py`) run a few steps under
 `jax.profiler.trace`; every op the XLA CPU runtime executes is one trace event named after its
 HLO instruction. Each instruction of the compiled step's HLO is put in one kind, by what it (or
 the fused computation it calls) holds, first match wins:
@@ -39,11 +39,11 @@ import subprocess
 import sys
 import tempfile
 
-ONE_DEVICE_ENV = "MESHDISTILL_THROUGHPUT_ONE_DEVICE"  # read by throughput.py as it is imported
+ONE_DEVICE_ENV = "MESHDISTILL_THROUGHPUT_ONE_DEVICE"  # read by bench.devices as it is imported
 if __name__ == "__main__" and "--mesh" not in sys.argv[1:]:
   os.environ.setdefault(ONE_DEVICE_ENV, "1")
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import throughput as tp  # noqa: E402  (8 simulated CPU devices, unless the one-device switch is on)
+from bench import devices  # noqa: E402  (8 simulated CPU devices, unless the one-device switch is on)
+from bench import systems  # noqa: E402
 
 import jax  # noqa: E402
 import meshdistill as md  # noqa: E402
@@ -105,16 +105,16 @@ def hlo_kinds(hlo: str) -> dict[str, str]:
 def profile(distiller, batches, steps: int) -> dict[str, float]:
   """Milliseconds per step of each kind (summed over threads), from a trace of ``steps`` steps."""
   state = distiller.init_state()
-  batch = tp.ours_batch(batches[0])
+  batch = systems.ours_batch(batches[0])
   hlo = distiller.lower(state, batch).compile().as_text()
   kinds = hlo_kinds(hlo)
   for x in batches[:2]:  # compile and warm up
-    state, metrics = distiller.step(state, tp.ours_batch(x))
+    state, metrics = distiller.step(state, systems.ours_batch(x))
   jax.block_until_ready(metrics)
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d, create_perfetto_trace=True):
       for x in batches[2:2 + steps]:
-        state, metrics = distiller.step(state, tp.ours_batch(x))
+        state, metrics = distiller.step(state, systems.ours_batch(x))
         jax.block_until_ready(metrics)
     path = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]
     trace = json.load(gzip.open(path))
@@ -142,7 +142,7 @@ def one_device_rows(args) -> list[dict]:
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp) / "one_device.jsonl"
     subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--vocab", str(args.vocab), "--label",
-                    args.label, "--out", str(out)], env=tp.one_device_env(), check=True, stdout=subprocess.DEVNULL)
+                    args.label, "--out", str(out)], env=devices.one_device_env(), check=True, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
@@ -163,17 +163,17 @@ def main(argv=None):
   rows = [] if one_device else one_device_rows(args)
   for row in rows:
     print(table_row(row["step"], row["ms"]), flush=True)
-  tcfg, scfg = tp.configs(args.vocab)
-  batches = tp.make_batches(args.steps + 2, args.vocab)
+  tcfg, scfg = systems.configs(args.vocab)
+  batches = systems.make_batches(args.steps + 2, args.vocab)
   meshes = {"1 device": None} if one_device else {"2x4": md.make_mesh(data=2, tensor=4)}
   strategies = {
-      "ChunkedLogitKD": ChunkedLogitKD(temperature=tp.TAU, alpha=tp.ALPHA, chunk_size=256),
-      "LogitKD": LogitKD(temperature=tp.TAU, alpha=tp.ALPHA),
+      "ChunkedLogitKD": ChunkedLogitKD(temperature=systems.TAU, alpha=systems.ALPHA, chunk_size=256),
+      "LogitKD": LogitKD(temperature=systems.TAU, alpha=systems.ALPHA),
   }
   for where, mesh in meshes.items():
     for name, strategy in strategies.items():
       teacher, student = md.init_model(tcfg, seed=0, mesh=mesh), md.init_model(scfg, seed=1, mesh=mesh)
-      d = md.Distiller(student, teacher, strategy=strategy, optimizer=md.default_optimizer(tp.LR), mesh=mesh)
+      d = md.Distiller(student, teacher, strategy=strategy, optimizer=md.default_optimizer(systems.LR), mesh=mesh)
       variants = {"": d}
       if hasattr(d, "metrics_light"):
         variants[", metrics-light"] = d.metrics_light()

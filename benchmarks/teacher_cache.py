@@ -26,6 +26,8 @@ import statistics
 import tempfile
 import time
 
+from bench import harness
+
 import meshdistill as md
 
 md.simulate_cpu_devices(8)
@@ -69,24 +71,27 @@ def size_at_128k(root: str, k: int) -> dict:
 
 def interleaved_steps(runs: dict, student, steps: int) -> dict:
   """Trains one student per entry of ``runs = {name: (distiller, data)}`` from the same batches, one step of
-  each in turn (so a loaded machine slows all alike); returns ``{name: (losses, median step seconds)}``."""
+  each in turn (`bench.harness.interleave`: a loaded machine slows all alike); returns ``{name: (losses, median
+  step seconds)}``. Reading the batch (and its cached top-k) counts in a step's time."""
   live = {}
   for name, (distiller, data) in runs.items():
     it = data.train_iterator()
     state, metrics = distiller.step(distiller.init_state(student), next(it))  # compile
-    live[name] = [distiller, it, state, [float(metrics["loss"])], []]
-  for _ in range(steps - 1):
-    for entry in live.values():
-      distiller, it, state = entry[:3]
-      t0 = time.perf_counter()  # reading the batch (and its cached top-k) counts
-      state, metrics = distiller.step(state, next(it))
+    live[name] = {"distiller": distiller, "it": it, "state": state, "metrics": [metrics]}
+
+  def stepper(entry: dict):
+    def step(_):
+      entry["state"], metrics = entry["distiller"].step(entry["state"], next(entry["it"]))
       jax.block_until_ready(metrics)
-      entry[4].append(time.perf_counter() - t0)
-      entry[2] = state
-      entry[3].append(float(metrics["loss"]))
+      entry["metrics"].append(metrics)  # read on the host after the timing
+
+    return step
+
+  timing = harness.interleave({name: stepper(e) for name, e in live.items()}, range(steps - 1))
   for entry in live.values():
-    entry[1].close()
-  return {name: (np.array(e[3]), statistics.median(e[4])) for name, e in live.items()}
+    entry["it"].close()
+  return {name: (np.array([float(m["loss"]) for m in e["metrics"]]), statistics.median(timing["times"][name]))
+          for name, e in live.items()}
 
 
 def main() -> None:

@@ -1,13 +1,14 @@
 """Shared test configs and helpers: tiny models, host batches, an HLO all-gather parser, a small corpus,
-a benchmark script loaded as a module.
+a module of the benchmarks' package.
 
 Imported by the tests as ``from helpers import ...``; `conftest.py` sets up the simulated
 devices before any test module (and so this one) is imported.
 """
 
-import importlib.util
+import importlib
 import pathlib
 import re
+import sys
 
 import jax
 import numpy as np
@@ -61,10 +62,10 @@ def write_corpus(root, n_docs=24):
   return str(root)
 
 
-def load_benchmark(file: str):
-  """``benchmarks/<file>`` loaded as a module (the benchmarks are scripts, not a package)."""
-  path = pathlib.Path(__file__).parents[1] / "benchmarks" / file
-  spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def bench_module(name: str):
+  """``bench.<name>``, a module of the benchmarks' package (``benchmarks/bench/``), imported as the scripts
+  import it (their folder on the path)."""
+  folder = str(pathlib.Path(__file__).parents[1] / "benchmarks")
+  if folder not in sys.path:
+    sys.path.append(folder)
+  return importlib.import_module(f"bench.{name}")

@@ -1,16 +1,16 @@
-"""`benchmarks/_matmuls.py` (used by `matmul_shapes.py` and `throughput.py`): the dots of a program read from
+"""`benchmarks/bench/matmuls.py` (used by `matmul_shapes.py` and `throughput.py`): the dots of a program read from
 its StableHLO, with their runs and FLOPs."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from helpers import load_benchmark
+from helpers import bench_module
 
 
 @pytest.fixture(scope="module")
 def shapes():
-  return load_benchmark("_matmuls.py")
+  return bench_module("matmuls")
 
 
 def test_dots_in_a_function_called_twice_count_twice_with_their_batch_and_contracting_dims(shapes):

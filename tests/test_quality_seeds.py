@@ -1,15 +1,16 @@
-"""`benchmarks/quality.py --seeds`: the spread section's mean and standard deviation over seeds."""
+"""`benchmarks/quality.py --seeds`: the spread section's mean and standard deviation over seeds
+(`benchmarks/bench/render_quality.py`)."""
 
 import statistics
 
 import pytest
 
-from helpers import load_benchmark
+from helpers import bench_module
 
 
 @pytest.fixture(scope="module")
 def quality():
-  return load_benchmark("quality.py")
+  return bench_module("render_quality")
 
 
 def _row(seed, distilled, scratch):

@@ -1,4 +1,4 @@
-"""Matmuls of a compiled program, read from its StableHLO, and timed alone at their shapes (shared by
+"""Matmuls of a compiled program, read from its StableHLO, and timed alone at their shapes (used by
 `matmul_shapes.py` and `throughput.py`)."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import collections
 import math
 import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+
+from bench.harness import median_call
 
 _FUNC = re.compile(r"func\.func (?:public |private )?@([\w.]+)\(")
 _CALL = re.compile(r"call @([\w.]+)\(")
@@ -82,14 +82,6 @@ def time_alone(d: Dot, calls: int, copies: int) -> float:
   return median_call(lambda: run(lhs, rhs), calls) / copies
 
 
-def median_call(fn, calls: int) -> float:
-  jax.block_until_ready(fn())  # compile, warm up
-  ts = []
-  for _ in range(calls):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts)
 
 
 def cost(counts: collections.Counter, alone: dict) -> tuple[float, float]:
