@@ -23,13 +23,11 @@ PACKAGE = "meshdistill"
 # lazy start-up (`meshdistill.cli` imports each job's modules inside its command, so `--help` loads no JAX); 22 once
 # every import that closes no cycle and costs the command's start-up nothing went to the top of its module (and
 # `distributed.platforms` got the "has JAX started" check it needs from `parallel.mesh`). What stays local is the
-# command's lazy start-up (20, in `meshdistill.cli`) and `models.hf`'s two (see `REASON_PENDING`). A new one needs a
-# reason on its line (`# lazy: ...`: a heavy or optional part, e.g. the planner or qwix), never a cycle.
-MAX_LOCAL_IMPORTS = 22
-# Modules whose function-local imports of the package may still lack a `# lazy:` reason: `models.hf` imports
-# `storage.ownership` in two functions (a light module, no cycle: they can go to its top, with the models' family
-# registry change). Remove the entry then and lower the ceiling by 2.
-REASON_PENDING = {"meshdistill.models.hf"}
+# command's lazy start-up (20, in `meshdistill.cli`). A new one needs a reason on its line (`# lazy: ...`: a heavy or
+# optional part, e.g. the planner or qwix), never a cycle.
+MAX_LOCAL_IMPORTS = 20
+# Modules whose function-local imports of the package may still lack a `# lazy:` reason (none now).
+REASON_PENDING: set[str] = set()
 LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")
 
 

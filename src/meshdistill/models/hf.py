@@ -52,6 +52,7 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from meshdistill.storage.fsutil import atomic_output_dir, read_json
+from meshdistill.storage.ownership import OutputKind, check_owned, write_marker
 from meshdistill.parallel.mesh import TENSOR
 from meshdistill.models._build import abstract_params
 from meshdistill.models import families
@@ -291,7 +292,6 @@ def is_checkpoint_file(name: str) -> bool:
 def export_kind():
   """An export directory: replaced only when its owner marker proves `export_hf` wrote it (a marker-less
   directory of these files may be a downloaded model: never replaced)."""
-  from meshdistill.storage.ownership import OutputKind  # pylint: disable=g-import-not-at-top
 
   return OutputKind("export", "export directory", is_checkpoint_file,
                     lambda path: "an export without an owner marker looks like a downloaded model")
@@ -381,7 +381,6 @@ def export_hf(
   out = Path(out_dir)
   if jax.process_index() != 0:
     return out
-  from meshdistill.storage.ownership import check_owned, write_marker  # pylint: disable=g-import-not-at-top
 
   check_owned(str(out), export_kind(), overwrite=overwrite, flag="overwrite=True")
   with atomic_output_dir(str(out)) as tmp:  # a tokenizer read from out_dir is copied before out_dir is replaced

@@ -22,10 +22,8 @@ import importlib
 import pkgutil
 from typing import Any
 
-from meshdistill.models._config import ModelConfig
-from meshdistill.models.families._base import Family
+from meshdistill.models.families._base import _REGISTRY, Family, all_families, default_for, names
 
-_REGISTRY: dict[str, Family] = {}
 
 
 def register(cls: type[Family]) -> type[Family]:
@@ -46,15 +44,6 @@ def register(cls: type[Family]) -> type[Family]:
                        "only one family can be the default for a block")
   _REGISTRY[fam.name] = fam
   return cls
-
-
-def names() -> list[str]:
-  """The registered family names."""
-  return sorted(_REGISTRY)
-
-
-def all_families() -> list[Family]:
-  return [_REGISTRY[n] for n in names()]
 
 
 def get(name: str) -> Family:
@@ -85,15 +74,6 @@ def family_for(hf: dict[str, Any], where: str = "config.json") -> Family:
       f"{where}: architectures={archs!r}, model_type={model_type!r} is not supported; "
       f"supported architectures: {sorted(by_arch)} (model_type {sorted(by_type)})"
   )
-
-
-def default_for(cfg: ModelConfig) -> Family:
-  """The family a `ModelConfig` is written as when none is named: the ``default_export`` family of its block."""
-  for fam in all_families():
-    if fam.default_export and fam.fits(cfg):
-      return fam
-  raise ValueError(f"ModelConfig with qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias} matches no supported Hugging "
-                   f"Face family; families: {names()}")
 
 
 def presets() -> dict[str, dict[str, Any]]:

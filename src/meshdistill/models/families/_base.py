@@ -220,13 +220,31 @@ def write_rope_scaling(s: RopeScaling) -> dict[str, Any]:
   }
 
 
-def default_family_name(cfg: ModelConfig) -> str:
-  from meshdistill.models.families import default_for  # pylint: disable=g-import-not-at-top
+# The registry's table (filled by `meshdistill.models.families.register`); read here for the contract's own errors.
+_REGISTRY: dict[str, Family] = {}
 
+
+def names() -> list[str]:
+  """The registered family names."""
+  return sorted(_REGISTRY)
+
+
+def all_families() -> list[Family]:
+  return [_REGISTRY[n] for n in names()]
+
+
+def default_for(cfg: ModelConfig) -> Family:
+  """The family a `ModelConfig` is written as when none is named: the ``default_export`` family of its block."""
+  for fam in all_families():
+    if fam.default_export and fam.fits(cfg):
+      return fam
+  raise ValueError(f"ModelConfig with qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias} matches no supported Hugging "
+                   f"Face family; families: {names()}")
+
+
+def default_family_name(cfg: ModelConfig) -> str:
   return default_for(cfg).name
 
 
 def _scaling_families() -> list[str]:
-  from meshdistill.models.families import all_families  # pylint: disable=g-import-not-at-top
-
   return sorted(f.name for f in all_families() if f.rope_scaling)
