@@ -254,3 +254,13 @@ def test_the_config_and_the_api_share_the_strategies_defaults():
 
   for path in ("configs/hf_example.yaml", "configs/preference.yaml"):  # the shipped configs still load
     assert load_config(os.path.join(REPO, path)).distill.strategy() is not None
+
+
+def test_the_config_package_lists_exactly_the_names_its_loader_exports():
+  # `meshdistill.config` resolves its names lazily from a table (its parser-side importers must not load JAX);
+  # the table must name what `config/_config.py` exports, no more and no less
+  import meshdistill.config as config_pkg
+  from meshdistill.config import _config
+
+  assert sorted(config_pkg.__all__) == sorted(_config.__all__)
+  assert all(getattr(config_pkg, name) is getattr(_config, name) for name in config_pkg.__all__)
