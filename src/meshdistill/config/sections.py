@@ -172,8 +172,13 @@ class DistillSettings:
     given = self.settings().get(setting)
     if given is not None:
       return given
-    fields = {f.name: f.default for f in dataclasses.fields(strategies.get(self.kind))}
-    return None if fields.get(setting, dataclasses.MISSING) is dataclasses.MISSING else fields[setting]
+    return strategy_defaults(self.kind).get(setting)
+
+
+def strategy_defaults(kind: str) -> dict:
+  """The settings of strategy ``kind`` that have a plain default, with it (what a null ``distill.<setting>`` trains
+  with)."""
+  return {f.name: f.default for f in dataclasses.fields(strategies.get(kind)) if f.default is not dataclasses.MISSING}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -3,20 +3,19 @@ with the check against the run's checkpoint and the final teacher / student eval
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import IO
 
 from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import Config, ConfigError
+from meshdistill.config.sections import strategy_defaults
 from meshdistill.storage.fsutil import write_text_atomic
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
 from meshdistill.jobs._setup import with_batch_size
 from meshdistill.jobs._teacher import _open_teacher_cache, _split_meshes, _teacher_on_own_mesh, obtain_teacher
 from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
 from meshdistill.loop.monitor import ProfileWindow
-from meshdistill import strategies
 from meshdistill.data import PreferencePairs
 from meshdistill.data.prompts import PromptData, read_prompts
 from meshdistill.distributed import agree_on, is_primary
@@ -63,14 +62,14 @@ def _strategy_defaults_filled(flat: dict) -> dict:
   """``flat`` with each null ``distill.<setting>`` replaced by the value the strategy trains with (its default), so a
   config.yaml that left a setting to the strategy compares equal to one that states the same value."""
   try:
-    fields = {f.name: f.default for f in dataclasses.fields(strategies.get(flat.get("distill.kind")))}
-  except (KeyError, ValueError, TypeError):
+    defaults = strategy_defaults(flat.get("distill.kind"))
+  except (KeyError, ValueError, TypeError):  # no or an unknown kind: the kind itself differs or is refused elsewhere
     return flat
   out = dict(flat)
   for key, value in flat.items():
     name = key[len("distill."):] if key.startswith("distill.") else None
-    if value is None and name and "." not in name and fields.get(name, dataclasses.MISSING) is not dataclasses.MISSING:
-      out[key] = fields[name]
+    if value is None and name in defaults:
+      out[key] = defaults[name]
   return out
 
 
