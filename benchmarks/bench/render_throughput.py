@@ -180,6 +180,9 @@ def report(raw: dict) -> str:
       f"d={sc.d_model}, MLP {sc.mlp_hidden}; V={sc.vocab_size}; B={B}, T={T} ({tokens} tokens per step), float32.",
       f"* {args.warmup} warm-up steps (compilation) per system, then {args.steps} timed steps each, interleaved; "
       f"ChunkedLogitKD with chunk_size={args.chunk} tokens per device.",
+      "* The peer: **tunix** gets its best documented configuration: each batch put on the mesh split over `data` "
+      "before `train()` (what its `shard_input` does and its examples feed); **tunix, host numpy input** is the same "
+      "trainer given numpy batches. The targets compare against the faster split-input tunix row of the run.",
       "* What each row runs (the same weights, optimizer and batches for all; the tunix rows, the data-parallel "
       "rows), and why the ratios (*paired*: medians of per-round ratios) are what this measures: "
       f"{NOTES}.",
