@@ -19,6 +19,8 @@ from meshdistill.data import DataConfig, build_data
 from meshdistill.loop.evaluate import Evaluator
 from meshdistill.train.hardlabel import HardLabelTrainer
 from meshdistill.loop.monitor import Monitor, ProfileWindow, plot_run
+from meshdistill.loop import run as run_lib
+from meshdistill.loop.stopping import Stopped
 from meshdistill.loop.trainer import fit, lr_schedule, make_optimizer
 
 VOCAB = 264  # byte tokenizer
@@ -329,3 +331,20 @@ def test_tokens_per_s_keeps_the_flushs_wait_and_drops_the_time_set_aside(monkeyp
   m.step(3, {"loss": 1.0}, 100.0)
   clock[0] = 9.0
   assert m.flush_train(3)["tokens_per_s"] == 50.0
+
+
+def test_several_processes_stop_together_on_a_request_that_reached_only_another(data, kd, monkeypatch):
+  """With several processes the loop asks `any_process` whether a stop was requested, at the same steps on all
+  (where a hook is due; here the log every 2 steps): a signal that reached one host stops every process after
+  the same step. Here no signal reached this process; the (simulated) others report one from the 2nd question."""
+  asked = []
+
+  def any_process(flag, what):
+    asked.append(flag)
+    return len(asked) >= 2
+
+  monkeypatch.setattr(run_lib, "process_count", lambda: 2)
+  monkeypatch.setattr(run_lib, "any_process", any_process)
+  with pytest.raises(Stopped, match="stopped by SIGTERM after step 4") as stop:
+    fit(kd, data, steps=10, eval_every=0, log_every=2)
+  assert stop.value.step == 4 and asked == [False, False]  # asked at steps 2 and 4 only, never with a local flag

@@ -253,6 +253,26 @@ def agree_on(value: int | None, what: str) -> int | None:
   return got
 
 
+def any_process(flag: bool, what: str) -> bool:
+  """Whether ``flag`` holds on at least one process (``flag`` itself with one process).
+
+  Every process must call it at the same point of its program (it is a collective): the training loop
+  asks it at the same steps on every process, so a stop request that reached one process (a signal sent
+  to one host) stops all of them after the same step instead of leaving the others waiting in the next
+  step's collectives.
+  """
+  if process_count() == 1:
+    return bool(flag)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  flags = np.asarray(multihost_utils.process_allgather(np.int32(bool(flag))))
+  if bool(flags.any()) and not flag:
+    log.warning("distributed: %s on process(es) %s, not here; following them", what,
+                [int(i) for i in np.flatnonzero(flags)])
+  return bool(flags.any())
+
+
 def data_shard(mesh) -> tuple[int, int]:
   """``(index, count)``: this process reads part ``index`` of ``count`` equal parts of every global batch.
 

@@ -34,10 +34,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from meshdistill.distributed import any_process, process_count
 from meshdistill.loop import hooks as hooks_lib
 from meshdistill.loop.guard import NoRecovery, Recovery, copy_state
 from meshdistill.loop.monitor import Monitor
 from meshdistill.loop.stopping import Stopped, requested
+
+# With several processes a stop request is agreed (`any_process`) where a hook is due and at least this often:
+# one small host collective, at the same steps on every process.
+STOP_AGREE_EVERY = 8
 
 
 def _trained_tokens(batch: dict, metrics: dict) -> float:
@@ -160,8 +165,19 @@ class Run:
     for h in due:
       h.after_step(self, self.step)
     self.monitor.exclude(time.perf_counter() - t_aside)
-    if requested() is not None and self.step < self.last:
+    if self.step < self.last and self._stop_requested(bool(due)):
       self._stop()
+
+  def _stop_requested(self, due: bool) -> bool:
+    """Whether to stop after this step. One process: whether a signal asked it to. Several: whether one
+    reached ANY process, asked at the same steps on all of them (where a hook is due, and every
+    `STOP_AGREE_EVERY` steps), so they all stop after the same step and save the same checkpoint instead
+    of one leaving while the others wait in the next step's collectives."""
+    if process_count() == 1:
+      return requested() is not None
+    if not due and self.step % STOP_AGREE_EVERY:
+      return False
+    return any_process(requested() is not None, "a stop request")
 
   def _stop(self) -> None:
     """A SIGTERM (`meshdistill.loop.stopping`): the step in flight is judged (restored if it diverged), then
@@ -171,7 +187,8 @@ class Run:
     for h in self.hooks:
       h.on_stop(self, self.step)
     saved = [h.checkpointer.directory for h in self.hooks if isinstance(h, hooks_lib.Checkpoint)]
-    raise Stopped(requested(), self.step, saved[0] if saved else None)
+    # A process the signal did not reach stops on another's request: name it as the scheduler's SIGTERM.
+    raise Stopped(requested() or "SIGTERM", self.step, saved[0] if saved else None)
 
   def _settle(self, dispatched: bool = False) -> bool:
     """Judges the pending step's loss; on divergence restores the good state. Returns whether it was good.
