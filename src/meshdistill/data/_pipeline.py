@@ -24,6 +24,7 @@ from meshdistill.data._corpus import Document, cap_documents, load_documents, so
 from meshdistill.data._loader import TrainIterator, process_slice, validation_batches
 from meshdistill.data._packing import PackedSequences, TokenStream, pack, tokenize_documents
 from meshdistill.data._tokenizer import VOCAB_MULTIPLE, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from meshdistill.storage.fsutil import current_umask
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def _atomic_write(path: str, write) -> None:
   os.close(fd)
   try:
     write(tmp)
-    os.chmod(tmp, 0o644)
+    os.chmod(tmp, 0o666 & ~current_umask())  # the mode any new file gets, not mkstemp's 0600
     os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):

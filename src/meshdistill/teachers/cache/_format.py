@@ -17,6 +17,7 @@ from meshdistill import losses
 from meshdistill.train.step import TOPK_KEYS
 from meshdistill.teachers.cache._program import TopKTeacher
 from meshdistill.models import ModelConfig
+from meshdistill.storage.fsutil import current_umask, write_text_atomic
 
 FORMAT_VERSION = 1
 PRECISIONS = {"float16": np.float16, "float32": np.float32}
@@ -75,10 +76,7 @@ def _file_sha256(path: str) -> str:
 
 
 def _write_json(path: str, obj: dict) -> None:
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-  with os.fdopen(fd, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
+  write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
 def _read_json(path: str) -> dict | None:
@@ -95,6 +93,7 @@ def _save_shard(path: str, arrays: dict[str, np.ndarray]) -> None:
   os.close(fd)
   try:
     save_file(arrays, tmp, metadata={"format": str(FORMAT_VERSION)})
+    os.chmod(tmp, 0o666 & ~current_umask())  # the mode any new file gets, not mkstemp's 0600
     os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):
