@@ -993,3 +993,21 @@ def test_a_sharded_model_in_the_hugging_face_hub_cache_layout_loads_and_an_escap
   (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
   with pytest.raises(ValueError, match="points outside"):
     load_hf(snapshot)
+
+
+def test_a_restore_that_runs_out_of_memory_keeps_the_step_instead_of_calling_it_damaged(saved_run, kd, tmp_path,
+                                                                                         monkeypatch):
+  # noticed after round two: any exception of a verified step's restore (e.g. out of memory) made it "damaged",
+  # so the loop fell back to an older step and a resume moved the newest one aside
+  run = copy_run(saved_run, tmp_path)
+  ckpt = Checkpointer(str(run / "ckpt"), every=2, keep=3)
+  real = ckpt._mgr.restore
+  monkeypatch.setattr(ckpt._mgr, "restore", lambda *a, **k: (_ for _ in ()).throw(
+      MemoryError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB")))
+  with pytest.raises(CheckpointError, match="step 4 .* verified but could not be restored on this machine"):
+    ckpt.restore(kd, kd.init_state())
+  assert sorted(p.name for p in (run / "ckpt").iterdir() if not p.name.startswith(".")) == ["2", "4"]
+  monkeypatch.setattr(ckpt._mgr, "restore", real)
+  ckpt.restore(kd, kd.init_state())
+  assert ckpt.restored_step == 4
+  ckpt.close()

@@ -102,6 +102,12 @@ class _DoesNotFit(ValueError):
   """An intact step holding another train state than this run's (other sizes, strategy or optimizer)."""
 
 
+def _not_damage(e: BaseException) -> bool:
+  """Whether a restore failed for a reason of this machine (out of host or device memory), not of the files."""
+  text = str(e)
+  return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+
+
 class Checkpointer:
   """Saves and restores train states under ``directory`` (every ``every`` steps, newest ``keep`` kept).
 
@@ -275,6 +281,10 @@ class Checkpointer:
       try:
         got = read(s)
       except Exception as e:  # pylint: disable=broad-except  # tensorstore raises plain Exception on bad bytes
+        if _not_damage(e):  # this machine failed (memory), not the files: keep the step, say so
+          raise CheckpointError(f"checkpoint step {s} in {self.directory} verified but could not be restored on "
+                                f"this machine ({type(e).__name__}: {first_line(e)}); it is kept as it is: rerun "
+                                "with more memory (or fewer devices' worth of state per host)") from e
         if step is not None or (isinstance(e, _DoesNotFit) and s not in self._unverified):
           if isinstance(e, (_DoesNotFit, CheckpointError)):
             raise
