@@ -26,7 +26,7 @@ from meshdistill.parallel.backends import make_layout
 from meshdistill.storage.fsutil import read_json
 from meshdistill.teachers import cache as tc
 from meshdistill.teachers import kinds
-from meshdistill.teachers.kinds.pretrained import default_cache_dir, teacher_dir, teacher_key  # noqa: F401 (re-exported)
+from meshdistill.teachers.kinds.pretrained import default_cache_dir, teacher_dir, teacher_key  # noqa: F401 (re-export)
 from meshdistill.teachers.sources import quantized_teacher
 from meshdistill.train.distiller import resolve_shared_vocab
 from meshdistill.train.hardlabel import HardLabelTrainer

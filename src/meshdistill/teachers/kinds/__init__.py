@@ -30,8 +30,10 @@ from meshdistill.teachers.kinds._base import (
   get,
   infer,
   names,
+  option,
   register,
   resolve,
+  teacher_keys,
   topk_refusal,
 )
 
@@ -48,8 +50,10 @@ __all__ = [
   "get",
   "infer",
   "names",
+  "option",
   "register",
   "resolve",
+  "teacher_keys",
   "topk_refusal",
 ]
 

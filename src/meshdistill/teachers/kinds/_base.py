@@ -35,7 +35,8 @@ if TYPE_CHECKING:
   from meshdistill.config import Config
 
 MODEL, TOPK, NOTHING = "model", "topk", "nothing"
-# Every teacher.<key> some source takes (beside the teacher's shape keys); the config moves them out of the section.
+# The teacher.<key>s the config keeps in fields of their own (`meshdistill.teachers.sources.ModelSources`); a
+# source's other settings are kept by name in ``ModelSources.teacher_options``.
 TEACHER_KEYS = ("source", "hf", "cache", "devices", "quantize")
 
 
@@ -179,6 +180,13 @@ def names() -> list[str]:
   return sorted(_REGISTRY)
 
 
+def teacher_keys() -> tuple[str, ...]:
+  """Every ``teacher.<key>`` that belongs to a source (``source`` and each registered source's settings): the config
+  moves them out of the teacher's shape section."""
+  extra = sorted({k for cls in _REGISTRY.values() for k in cls.settings} - set(TEACHER_KEYS))
+  return (*TEACHER_KEYS, *extra)
+
+
 def get(name: str) -> type[TeacherSource]:
   """The source class registered as ``name``."""
   if name not in _REGISTRY:
@@ -211,6 +219,11 @@ def resolve(values: dict[str, Any]) -> type[TeacherSource]:
   cls = get(kind if kind is not None else infer(values))
   cls.check_keys(values)
   return cls
+
+
+def option(cfg: Config, key: str, default: Any = None) -> Any:
+  """The chosen source's setting ``teacher.<key>`` (one without a field of its own: ``teacher_options``)."""
+  return cfg.models.teacher_options.get(key, default)
 
 
 def _owner(key: str) -> str:

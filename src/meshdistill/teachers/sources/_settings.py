@@ -10,7 +10,7 @@ from typing import Any
 
 from meshdistill.config.typed_yaml import ConfigError, unknown_key
 from meshdistill.models.lora import LoraConfig
-from meshdistill.teachers.kinds._base import TEACHER_KEYS
+from meshdistill.teachers.kinds._base import TEACHER_KEYS, teacher_keys
 from meshdistill.teachers.kinds._base import resolve as resolve_teacher
 
 FREE_KEYS = ("max_len", "dtype", "param_dtype", "remat", "scan_layers", "attention")  # settable beside a derived shape
@@ -57,6 +57,7 @@ class ModelSources:
   teacher_devices: dict | None = None  # the teacher's own mesh {data, tensor} (`meshdistill.teachers.mesh`)
   student_lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank 0: no adapters
   teacher_quantize: str | None = None  # the teacher's projections stored int8 / int4 / nf4 (`models.quantize`)
+  teacher_options: dict = dataclasses.field(default_factory=dict)  # other settings of the chosen source, by key
 
   def __post_init__(self):
     resolve_teacher(self.teacher_values())  # the chosen source checks its own settings
@@ -81,7 +82,7 @@ class ModelSources:
 
   def teacher_values(self) -> dict[str, Any]:
     """The ``teacher.<key>``s of the source settings that are set (``source`` included when given)."""
-    values = {k: getattr(self, f"teacher_{k}") for k in TEACHER_KEYS}
+    values = {**{k: getattr(self, f"teacher_{k}") for k in TEACHER_KEYS}, **self.teacher_options}
     return {k: v for k, v in values.items() if v is not None and v != {}}
 
   @property
@@ -118,7 +119,7 @@ def split_sources(raw: dict) -> dict:
       raise ConfigError(str(e)) from None
     models["student_lora"] = dict(lora or {})
     raw["student"] = student
-  for who, keys in (("teacher", TEACHER_KEYS), ("student", ("hf", "init"))):
+  for who, keys in (("teacher", teacher_keys()), ("student", ("hf", "init"))):
     section = raw.get(who)
     if not isinstance(section, dict) or not any(k in section for k in keys):
       continue
@@ -126,9 +127,15 @@ def split_sources(raw: dict) -> dict:
     for k in keys:
       if k in section:
         value = section.pop(k)
-        models[f"{who}_{k}"] = value if who == "teacher" else _checked(f"{who}.{k}", value)
+        if who == "student":
+          models[f"student_{k}"] = _checked(f"student.{k}", value)
+        elif k in TEACHER_KEYS:
+          models[f"teacher_{k}"] = value
+        else:  # a setting of a source without a field of its own
+          models.setdefault("teacher_options", {})[k] = value
     if who == "teacher":  # checked as written, by the source they belong to
-      resolve_teacher({k: models[f"teacher_{k}"] for k in keys if f"teacher_{k}" in models})
+      resolve_teacher({**{k: models[f"teacher_{k}"] for k in TEACHER_KEYS if f"teacher_{k}" in models},
+                       **models.get("teacher_options", {})})
     derived = models.get(f"{who}_hf") is not None or (
         isinstance(models.get("student_init"), dict) and models["student_init"].get("from_teacher") and who == "student"
     )
@@ -195,6 +202,8 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
     plain["teacher"] = {**plain["teacher"], "devices": dict(sources.teacher_devices)}
   if sources.teacher_quantize:
     plain["teacher"] = {**plain["teacher"], "quantize": sources.teacher_quantize}
+  if sources.teacher_options:
+    plain["teacher"] = {**plain["teacher"], **sources.teacher_options}
   if lora.enabled:
     plain["student"] = {**plain["student"], "lora": {**dataclasses.asdict(lora), "targets": list(lora.targets)}}
   return plain
