@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.models import ModelConfig
 from meshdistill.strategies import get as strategy_class
 from meshdistill.strategies import names as strategy_names
 
@@ -86,7 +87,8 @@ class TeacherSource:
       )
     missing = [k for k in cls.required if values.get(k) is None]
     if missing:
-      raise ConfigError(f"teacher.source={cls.name} needs teacher.{missing[0]} ({cls.__doc__.splitlines()[0]})")
+      what = (cls.__doc__ or cls.name).strip().splitlines()[0]
+      raise ConfigError(f"teacher.source={cls.name} needs teacher.{missing[0]} ({what})")
     cls.check_settings(values)
 
   @classmethod
@@ -169,6 +171,10 @@ def register(cls: type[TeacherSource]) -> type[TeacherSource]:
   """Class decorator: makes the source available as ``teacher.source: <cls.name>``."""
   if not cls.name:
     raise ValueError(f"{cls.__name__} has no name; set the class attribute name = '<teacher.source value>'")
+  shape = sorted(set(cls.settings) & {f.name for f in dataclasses.fields(ModelConfig)})
+  if shape:
+    raise ValueError(f"{cls.__name__}.settings names {shape}, keys of the teacher's shape (ModelConfig); "
+                     "give the source's settings other names")
   if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
     raise ValueError(f"teacher source {cls.name!r} is taken by {_REGISTRY[cls.name].__name__}; choose another")
   _REGISTRY[cls.name] = cls
