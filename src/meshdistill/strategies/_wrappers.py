@@ -22,7 +22,7 @@ from meshdistill.strategies._base import SequenceStrategy, Strategy
 from meshdistill.strategies._logit import logit_metrics
 
 
-class ScaledLoss:
+class ScaledLoss(Strategy):
   """``strategy`` whose loss gradient is multiplied by a static ``scale`` (value unchanged).
 
   Use with ``safeguarded(..., loss_scale=scale)``. Its capabilities (the strategy contract's
@@ -118,8 +118,6 @@ def fallback_strategy(strategy: Any) -> Any:
   strategy whose ``fallback()`` is None (or that does not derive from `Strategy`) becomes
   `LogitMSE` with its ``alpha`` (0.5 when it has none). A `ScaledLoss` keeps its scale.
   """
-  if isinstance(strategy, ScaledLoss):
-    return strategy.fallback()
   own = strategy.fallback() if isinstance(strategy, Strategy) else None
   if own is not None:
     return own
