@@ -15,6 +15,7 @@ import meshdistill as md
 from helpers import STUDENT_CFG, TEACHER_CFG, write_corpus
 from meshdistill import jobs
 from meshdistill.config import ConfigError, load_config
+from meshdistill.jobs._training import _cache_safeguards
 from meshdistill.strategies import CONTRACT, ChunkedLogitKD, LogitKD, PreferenceLoss, ScaledLoss
 from meshdistill.teachers import kinds
 from meshdistill.teachers.cache import TopKTeacher
@@ -75,6 +76,9 @@ def test_no_teacher_serves_only_strategies_that_declare_they_need_none():
   kinds.for_config(load_config("tiny", ["teacher.source=none", "distill.kind=hard_label_ce"])).check()
   with pytest.raises(ValueError, match=r"needs a strategy that uses none .*; LogitKD needs a teacher"):
     md.Distiller(md.init_model(STUDENT_CFG, seed=0), None, strategy=LogitKD())
+  alone = md.Distiller(md.init_model(STUDENT_CFG, seed=0), None, strategy=md.strategies.HardLabelCE())
+  # the divergence guard's logit-MSE fallback needs a teacher's logits: without one it only restores
+  assert _cache_safeguards({"fallback": LogitKD()}, alone)["fallback"] is alone.strategy
 
 
 def test_a_top_k_teacher_reads_capabilities_not_the_strategy_class():

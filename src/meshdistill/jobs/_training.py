@@ -52,8 +52,9 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
 
 
 def _cache_safeguards(kwargs: dict, distiller) -> dict:
-  """With a top-k teacher the guard only restores: its fallback loss (logit MSE) needs the teacher's logits."""
-  if distiller.topk_teacher is not None and kwargs.get("fallback") is not None:
+  """With a top-k teacher, or none, the guard only restores: its fallback loss (logit MSE) needs the teacher's
+  logits."""
+  if distiller.teacher_def is None and kwargs.get("fallback") is not None:
     kwargs = {**kwargs, "fallback": distiller.strategy}
   return kwargs
 

@@ -63,12 +63,11 @@ class ModelSources:
     resolve_teacher(self.teacher_values())  # the chosen source checks its own settings
     if self.teacher_cache is not None:
       object.__setattr__(self, "teacher_cache", os.path.abspath(os.path.expanduser(self.teacher_cache)))
-    for who in ("teacher", "student"):
-      path = getattr(self, f"{who}_hf")
-      if path is not None:
-        if not isinstance(path, str) or not path:
-          raise ConfigError(f"{who}.hf={path!r} must be the path of a local Hugging Face model directory")
-        object.__setattr__(self, f"{who}_hf", os.path.abspath(os.path.expanduser(path)))
+    if self.student_hf is not None and (not isinstance(self.student_hf, str) or not self.student_hf):
+      raise ConfigError(f"student.hf={self.student_hf!r} must be the path of a local Hugging Face model directory")
+    for who in ("teacher", "student"):  # teacher.hf: checked by its source (above)
+      if getattr(self, f"{who}_hf") is not None:
+        object.__setattr__(self, f"{who}_hf", os.path.abspath(os.path.expanduser(getattr(self, f"{who}_hf"))))
     if self.student_hf and self.student_init.from_teacher:
       raise ConfigError(
           "student.hf and student.init.from_teacher exclude each other: start the student from a pretrained "
