@@ -34,12 +34,13 @@ def test_the_keys_of_a_config_without_teacher_source_choose_the_source_it_always
 
 @pytest.mark.parametrize("sets, message", [
     (["teacher.source=cache", "teacher.cache=x", "teacher.devices={data: 1, tensor: 4}"],
-     r"teacher.devices is not a setting of teacher.source=cache; its settings: \['teacher.cache'\] "
+     r"teacher.devices is not a setting of teacher.source=cache; its settings: \['teacher.cache', 'teacher.hf'\] "
      r"\(teacher.devices belongs to teacher.source=submesh\)"),
     (["teacher.source=hf", "teacher.hf=x", "teacher.cache=x"],
      r"teacher.cache is not a setting of teacher.source=hf; its settings: \['teacher.hf', 'teacher.quantize'\]"),
     (["teacher.cache=x", "teacher.quantize=int8"],  # an older spelling: the cache's keys are checked the same way
-     r"teacher.quantize is not a setting of teacher.source=cache; its settings: \['teacher.cache'\]"),
+     r"teacher.quantize and teacher.cache exclude each other: teacher.quantize is not a setting of "
+     r"teacher.source=cache; its settings: \['teacher.cache', 'teacher.hf'\]"),
     (["teacher.source=none", "teacher.quantize=int8"], r"teacher.quantize is not a setting of teacher.source=none; "
                                                        r"its settings: \[\]"),
     (["teacher.source=cache"], r"teacher.source=cache needs teacher.cache"),

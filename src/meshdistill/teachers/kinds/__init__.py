@@ -5,7 +5,7 @@ source         what it is                                                   give
 =============  ===========================================================  =========  ==========================
 ``pretrained`` ``pretrain.teacher``, or cached / pretrained for the settings  a model    ``quantize``
 ``hf``         a Hugging Face model directory                               a model    ``hf``, ``quantize``
-``cache``      an offline top-k cache (``meshdistill cache-teacher``)        top-k      ``cache``
+``cache``      an offline top-k cache (``meshdistill cache-teacher``)        top-k      ``cache``, ``hf``
 ``submesh``    a live teacher on devices of its own, one batch ahead        top-k      ``devices``, ``hf``, ``quantize``
 ``none``       no teacher (a strategy with ``needs_teacher = False``)        nothing
 =============  ===========================================================  =========  ==========================

@@ -76,12 +76,16 @@ class TeacherSource:
 
   # ------------------------------------------------------------------ settings (config time)
   @classmethod
-  def check_keys(cls, values: dict[str, Any]) -> None:
-    """Raises `ConfigError` for a ``teacher.<key>`` of another source, or a required one left out."""
+  def check_keys(cls, values: dict[str, Any], chosen_by: str | None = None) -> None:
+    """Raises `ConfigError` for a ``teacher.<key>`` of another source, or a required one left out.
+
+    ``chosen_by``: the key that chose this source in a config without ``teacher.source`` (`infer`); the message
+    then says the two keys exclude each other, as it did before the setting."""
     other = sorted(k for k in values if k not in cls.settings)
     if other:
+      pair = f"teacher.{other[0]} and teacher.{chosen_by} exclude each other: " if chosen_by else ""
       raise ConfigError(
-          f"teacher.{other[0]} is not a setting of teacher.source={cls.name}; its settings: "
+          f"{pair}teacher.{other[0]} is not a setting of teacher.source={cls.name}; its settings: "
           f"{[f'teacher.{k}' for k in cls.settings]} (teacher.{other[0]} belongs to teacher.source="
           f"{_owner(other[0])}); remove it, or choose that source"
       )
@@ -222,8 +226,12 @@ def resolve(values: dict[str, Any]) -> type[TeacherSource]:
   kind = values.pop("source", None)
   if kind is not None and not isinstance(kind, str):
     raise ConfigError(f"teacher.source={kind!r} must be one of {names()}")
-  cls = get(kind if kind is not None else infer(values))
-  cls.check_keys(values)
+  if kind is not None:
+    cls = get(kind)
+    cls.check_keys(values)
+  else:
+    cls = get(infer(values))
+    cls.check_keys(values, next((key for key, name in _INFERRED if name == cls.name), None))
   return cls
 
 

@@ -1,6 +1,7 @@
 """``teacher.source: cache``: an offline top-k cache (``teacher.cache``, written by ``meshdistill cache-teacher``):
 no teacher weights are loaded; every training batch carries the teacher's top-k. The cache is checked against the
-run's data, tokenizer, teacher config and student vocabulary; its identity is its directory."""
+run's data, tokenizer, teacher config and student vocabulary; its identity is its directory. With ``teacher.hf``
+the teacher's shape and tokenizer are those of the Hugging Face teacher that wrote it (its weights are not read)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import ClassVar
 from meshdistill.config.typed_yaml import ConfigError
 from meshdistill.teachers import cache as tc
 from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, register
+from meshdistill.teachers.kinds.hf import check_hf_path
 
 # How the teacher computes or is placed, not what: remat, stacked blocks, and the vocabulary padding and key/value
 # replication `ModelConfig.for_tensor` adds for the writer's mesh (the manifest holds the fitted config).
@@ -22,11 +24,13 @@ class Cached(TeacherSource):
 
   name: ClassVar[str] = "cache"
   gives: ClassVar[str] = TOPK
-  settings: ClassVar[tuple[str, ...]] = ("cache",)
+  # teacher.hf: the Hugging Face teacher that wrote the cache, for its shape and tokenizer (no weights are read)
+  settings: ClassVar[tuple[str, ...]] = ("cache", "hf")
   required: ClassVar[tuple[str, ...]] = ("cache",)
 
   @classmethod
   def check_settings(cls, values):
+    check_hf_path(values)
     path = values.get("cache")
     if not isinstance(path, str) or not path:
       raise ConfigError(f"teacher.cache={path!r} must be the path of a teacher cache (written by "
