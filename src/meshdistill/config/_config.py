@@ -3,7 +3,8 @@
 A run is described by `Config`, whose sections are frozen, keyword-only dataclasses::
 
   mesh        data x tensor layout, step backend, simulated CPU devices
-  teacher     `ModelConfig` of the teacher, or ``hf: PATH`` (a Hugging Face directory; see `meshdistill.teachers.sources`)
+  teacher     `ModelConfig` of the teacher, and ``source`` with that source's settings (``hf: PATH``, ``cache: PATH``,
+              ``devices: {data, tensor}``, ``quantize``; see `meshdistill.teachers.kinds`)
   student     `ModelConfig` of the student, ``hf: PATH``, or ``init: {from_teacher: true, layers: [...]}``
   data        `meshdistill.data.DataConfig` (corpus, tokenizer, seq_len, ...)
   distill     the strategy (a registered name) and its recipe (temperature / alpha: numbers or schedule specs)

@@ -6,8 +6,10 @@ Order of work in `distill` (the main job):
 1. the mesh (``mesh.data`` x ``mesh.tensor``; on CPU, simulated devices -- see
    `prepare_devices`, which must run before JAX starts);
 2. the data (`meshdistill.data.build_data`): tokenizer, training iterator, validation batches;
-3. the teacher: ``teacher.hf`` (a Hugging Face directory) or ``pretrain.teacher`` if given, else the
-   cached teacher for these settings, else one pretrained now on hard labels (`pretrain`) and cached;
+3. the teacher, from the source ``teacher.source`` chooses (`meshdistill.teachers.kinds`): by default
+   ``pretrain.teacher`` if given, else the cached teacher for these settings, else one pretrained now on hard
+   labels (`pretrain`) and cached; or a Hugging Face directory, an offline top-k cache, a teacher on its own
+   devices, or none;
 4. the student, directly on the mesh: ``student.hf``, copied from the teacher's blocks
    (``student.init``), or initialised from ``train.seed`` (`meshdistill.teachers.sources.build_student`);
 5. `meshdistill.loop.trainer.fit` with a `Distiller`, checkpoints and monitoring in ``run.run_dir``;
@@ -18,8 +20,9 @@ The jobs live in private modules by concept; import them from here (``meshdistil
 - ``_setup``: `prepare_devices`, `build_mesh`, `load_data`, `with_batch_size`, the run directory's lock, monitor
   and ``config.yaml``, `stream_reporter`;
 - ``_training``: `loop_kwargs`, `safeguard_kwargs`, `strategy_and_optimizer`, `make_distiller`;
-- ``_teacher``: the teacher cache (`default_cache_dir`, `teacher_key`, `teacher_dir`), `pretrain`, `obtain_teacher`,
-  `cache_teacher` and the teacher on its own sub-mesh;
+- ``_teacher``: `pretrain`, `cache_teacher`, and the chosen teacher source run for a job (`prepare_teacher`,
+  `obtain_teacher`; the sources are `meshdistill.teachers.kinds`, which also hold the pretrained teacher's cache:
+  `default_cache_dir`, `teacher_key`, `teacher_dir`);
 - ``_distill_job``: `distill` and its final evaluation;
 - ``_inspect``: `evaluate`, `generate`, `load_run` (a run's student in Python), `stored_student_config`, `run_teacher`, `summary_table`.
 """
@@ -27,7 +30,7 @@ The jobs live in private modules by concept; import them from here (``meshdistil
 from meshdistill.jobs._setup import build_mesh, load_data, prepare_devices, stream_reporter, with_batch_size
 from meshdistill.jobs._training import loop_kwargs, make_distiller, safeguard_kwargs, strategy_and_optimizer
 from meshdistill.jobs._teacher import cache_teacher, default_cache_dir, obtain_teacher, pretrain, teacher_dir
-from meshdistill.jobs._teacher import teacher_key
+from meshdistill.jobs._teacher import prepare_teacher, teacher_key
 from meshdistill.jobs._distill_job import distill
 from meshdistill.jobs._inspect import LoadedRun, evaluate, generate, load_run, run_teacher, stored_student_config
 from meshdistill.jobs._inspect import summary_table
@@ -46,6 +49,7 @@ __all__ = [
   "make_distiller",
   "obtain_teacher",
   "prepare_devices",
+  "prepare_teacher",
   "pretrain",
   "run_teacher",
   "safeguard_kwargs",

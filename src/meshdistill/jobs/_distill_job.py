@@ -1,4 +1,4 @@
-"""The main job, `distill`: teacher (loaded, cached or pretrained) -> distilled student -> evaluation,
+"""The main job, `distill`: teacher (its source: `meshdistill.teachers.kinds`) -> distilled student -> evaluation,
 with the check against the run's checkpoint and the final teacher / student evaluation."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from meshdistill.config.sections import strategy_defaults
 from meshdistill.storage.fsutil import write_text_atomic
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
 from meshdistill.jobs._setup import with_batch_size
-from meshdistill.jobs._teacher import _open_teacher_cache, _split_meshes, _teacher_on_own_mesh, obtain_teacher
+from meshdistill.jobs._teacher import prepare_teacher
 from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
 from meshdistill.loop.monitor import ProfileWindow
 from meshdistill.data import PreferencePairs
@@ -22,6 +22,7 @@ from meshdistill.distributed import agree_on, is_primary
 from meshdistill.loop.evaluate import Evaluator
 from meshdistill.loop.trainer import _check_resumable, _meta, fit
 from meshdistill.models import param_count
+from meshdistill.teachers import kinds
 
 
 def distill(
@@ -124,11 +125,9 @@ def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
 
 def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   run_dir = cfg.run.run_dir
-  teacher_mesh = None
-  if cfg.models.teacher_devices:  # the teacher's own mesh, the student's on the other devices
-    teacher_mesh, mesh = _split_meshes(cfg)
-  else:
-    mesh = build_mesh(cfg)
+  source = kinds.for_config(cfg)  # teacher.source
+  source.check()  # what the config alone decides (the strategy's capabilities), before any data or weights
+  teacher_mesh, mesh = source.meshes(build_mesh)  # a source with devices of its own: the student's are the others
   data = load_data(cfg, mesh=mesh)
   # Checked before the teacher is built (kind, steps), and again with the models and teacher before config.yaml is
   # written: a rejected resume changes nothing in the run directory.
@@ -143,16 +142,8 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
     f"vocabulary {data.tokenizer.vocab_size}"
   )
-  if cfg.models.teacher_cache:  # an offline top-k teacher: no teacher weights are loaded
-    data, teacher, tdir = _open_teacher_cache(cfg, data, say)
-  elif teacher_mesh is not None:  # a live teacher on its own devices, one batch ahead
-    data, teacher, tdir = _teacher_on_own_mesh(cfg, data, teacher_mesh, mesh, stream, say)
-  else:
-    teacher, tdir = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
-  if (cfg.models.teacher_cache or teacher_mesh is not None) and (
-      cfg.distill.on_policy.active or cfg.distill.on_policy.prompts_file):
-    raise ConfigError("distill.on_policy trains on prompts and sampled completions, but teacher.cache / "
-                      "teacher.devices feed the teacher's top-k of the corpus rows; remove one of them")
+  prepared = prepare_teacher(cfg, data, mesh, teacher_mesh, stream=stream, report=say)
+  data, teacher, tdir = prepared.data, prepared.teacher, prepared.identity
   if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
     rows = read_prompts(os.path.expanduser(cfg.distill.on_policy.prompts_file), need_completion=True)
     data = PromptData(rows, data.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
@@ -183,7 +174,7 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
     ckpt.close()
     monitor.close()
   distiller = result.trainer
-  if distiller.topk_teacher is not None:
+  if distiller.teacher_def is None:  # a teacher given by its top-k, or none: no teacher weights to evaluate
     summary = _evaluate_student(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
   else:
     summary = _evaluate_pair(distiller, result.state, data.val_batches(max_batches=t.eval_batches))

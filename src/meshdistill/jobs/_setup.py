@@ -16,6 +16,7 @@ from meshdistill.data import build_data
 from meshdistill.distributed import data_shard, is_primary, local_device_share, process_count
 from meshdistill.parallel.backends import BACKENDS, layout_class
 from meshdistill.parallel.mesh import make_mesh, simulate_cpu_devices
+from meshdistill.teachers import kinds
 
 log = logging.getLogger("meshdistill.jobs")  # the package's logger: records keep the name they always had
 
@@ -34,8 +35,7 @@ def prepare_devices(cfg: Config) -> None:
   if sim is True:
     os.environ["JAX_PLATFORMS"] = "cpu"
   n = cfg.mesh.devices
-  if cfg.models.teacher_devices:  # the teacher's own mesh takes devices beside the student's
-    n += cfg.models.teacher_devices["data"] * cfg.models.teacher_devices["tensor"]
+  n += kinds.for_config(cfg).extra_devices()  # a teacher on its own mesh takes devices beside the student's
   if n > 1 or sim is True:
     simulate_cpu_devices(local_device_share(n))
 

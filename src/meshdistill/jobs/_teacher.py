@@ -1,24 +1,17 @@
-"""The teacher jobs: the teacher cache's key and directory, `pretrain` (a teacher from scratch on hard
-labels), `obtain_teacher` (given, cached or pretrained now), the offline top-k cache (`cache_teacher`, and
-opening one for a run) and the teacher on its own sub-mesh (``teacher.devices``)."""
+"""The teacher jobs: `pretrain` (a teacher from scratch on hard labels), `cache_teacher` (the offline top-k cache), and
+the chosen teacher source run for a job (`prepare_teacher`, `obtain_teacher`: the sources themselves are
+`meshdistill.teachers.kinds`; the jobs lend them `pretrain` through `services`). The pretrained teacher's cache key
+and directory (`teacher_key`, `teacher_dir`, `default_cache_dir`) live with their source and are re-exported."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import time
-from typing import IO, Any
+from typing import IO
 
-from meshdistill.storage.checkpoint import (
-  Checkpointer,
-  TeacherDamagedError,
-  check_teacher_target,
-  load_teacher,
-  save_teacher,
-)
+from meshdistill.storage.checkpoint import Checkpointer, check_teacher_target, save_teacher
 from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
 from meshdistill.jobs._setup import with_batch_size
@@ -26,58 +19,20 @@ from meshdistill.jobs._training import loop_kwargs, safeguard_kwargs
 from meshdistill.loop.monitor import ProfileWindow
 from meshdistill.storage.ownership import OutputKind, check_owned, read_marker, write_marker
 from meshdistill import distributed
-from meshdistill.distributed import agree_on
 from meshdistill.loop.evaluate import Evaluator
 from meshdistill.loop.trainer import fit
 from meshdistill.models import init_model, param_count
-from meshdistill.parallel.backends import layout_class, make_layout
+from meshdistill.parallel.backends import make_layout
 from meshdistill.storage.fsutil import read_json
 from meshdistill.teachers import cache as tc
-from meshdistill.teachers.mesh import TeacherMeshData, TeacherOnMesh, split_meshes
-from meshdistill.teachers.sources import load_teacher_hf, quantized_teacher
+from meshdistill.teachers import kinds
+from meshdistill.teachers.kinds.pretrained import default_cache_dir, teacher_dir, teacher_key  # noqa: F401 (re-export)
+from meshdistill.teachers.sources import quantized_teacher
 from meshdistill.train.distiller import resolve_shared_vocab
 from meshdistill.train.hardlabel import HardLabelTrainer
 from meshdistill.train.optimizers import make_optimizer
 
 log = logging.getLogger("meshdistill.jobs")  # the package's logger: records keep the name they always had
-
-
-def default_cache_dir() -> str:
-  """``$MESHDISTILL_CACHE`` or ``$XDG_CACHE_HOME/meshdistill`` (default ``~/.cache/meshdistill``) + ``/teachers``."""
-  root = os.environ.get("MESHDISTILL_CACHE") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshdistill"
-  )
-  return os.path.join(root, "teachers")
-
-
-def teacher_key(cfg: Config, tokenizer: Any) -> str:
-  """A digest of everything that determines a pretrained teacher (sizes, tokenizer, data, recipe, mesh-free)."""
-  p = cfg.pretrain
-  recipe = {
-    k: getattr(p, k)
-    for k in ("steps", "batch_size", "lr", "warmup", "final_lr_fraction", "weight_decay", "clip", "seed")
-  }
-  if p.freeze:  # a freezing schedule changes the teacher; absent, the key stays what it was before the setting counted
-    recipe["freeze"] = p.freeze
-  d = cfg.data
-  data = {
-    k: getattr(d, k)
-    for k in ("source", "text_key", "val_fraction", "max_chars", "max_docs", "seq_len", "seed", "num_epochs")
-  }
-  # the teacher is pretrained and cached in float32 whatever teacher.param_dtype (the stored dtype, cast on load)
-  model = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k != "param_dtype"}
-  blob = json.dumps(
-    {"model": model, "tokenizer": tokenizer.fingerprint, "data": data, "recipe": recipe},
-    sort_keys=True,
-    default=str,
-  )
-  return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def teacher_dir(cfg: Config, tokenizer: Any) -> str:
-  """Where the cached teacher of ``cfg`` lives (``pretrain.cache_dir`` / ``default_cache_dir()``)."""
-  root = os.path.expanduser(cfg.pretrain.cache_dir) if cfg.pretrain.cache_dir else default_cache_dir()
-  return os.path.join(root, f"teacher-{teacher_key(cfg, tokenizer)}")
 
 
 def pretrain(
@@ -148,100 +103,31 @@ def pretrain(
   return {"teacher_dir": out, "eval": result.eval, "params": param_count(teacher), "seconds": result.seconds}
 
 
+def services(stream: IO[str] | None = None, report=None) -> kinds.Services:
+  """What the jobs lend a teacher source: `pretrain` (looked up when called) and ``report``."""
+  def pretrain_into(cfg, *, data, mesh, out):
+    return pretrain(cfg, data=data, mesh=mesh, out=out, stream=stream, overwrite=True)  # the cache is ours to replace
+
+  return kinds.Services(pretrain=pretrain_into, report=report or log.info)
+
+
 def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, report=None):
-  """The teacher `Decoder` on ``mesh``: from ``pretrain.teacher``, the cache, or pretrained now.
+  """``(teacher model on mesh, its identity)``: the model the run's settings name -- ``teacher.hf``, else the
+  pretrained one (``pretrain.teacher``, cached, or pretrained now). ``report(text)`` receives one line saying where
+  the teacher came from."""
+  source = kinds.get("hf" if cfg.models.teacher_hf else "pretrained")(cfg)
+  return source.model(data, mesh, services(stream, report))
 
-  ``report(text)`` receives one line saying where the teacher came from.
-  """
-  report = report or log.info
-  if cfg.models.teacher_hf:
-    report(f"teacher: {cfg.models.teacher_hf} (Hugging Face)")
-    return load_teacher_hf(cfg, mesh), cfg.models.teacher_hf
-  if cfg.pretrain.teacher:
-    path = os.path.expanduser(cfg.pretrain.teacher)
-    report(f"teacher: {path}")
-    return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
 
-  path = teacher_dir(cfg, data.tokenizer)
-  # Every process of a job takes process 0's answer: pretraining is a collective.
-  if agree_on(int(os.path.isfile(os.path.join(path, "teacher.json"))), "whether the teacher is cached"):
-    report(f"teacher: cached {path}")
-    try:
-      return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
-    except Exception as e:  # noqa: BLE001 -- any unreadable cache entry is rebuilt, the reason reported
-      # The cache key covers the architecture and the tokenizer: a cached teacher that does not load is damaged.
-      why = str(e) if isinstance(e, TeacherDamagedError) else f"{type(e).__name__}: {str(e)[:300]}"
-      log.warning("cached teacher %s cannot be used (%s); rebuilding it", path, why)
-      report(f"teacher: the cached teacher is damaged ({why}); pretraining it again ({cfg.pretrain.steps} steps)")
-  else:
-    report(f"teacher: none cached for these settings; pretraining one ({cfg.pretrain.steps} steps) -> {path}")
-  pretrain(cfg, data=data, mesh=mesh, out=path, stream=stream, overwrite=True)  # the cache is ours to replace
-  return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
+def prepare_teacher(cfg: Config, data, mesh, teacher_mesh, *, stream: IO[str] | None = None, report=None):
+  """The chosen teacher source (`meshdistill.teachers.kinds.for_config`) prepared for the run: a `Prepared`."""
+  return kinds.for_config(cfg).prepare(data, mesh, teacher_mesh, services(stream, report))
 
 
 def _open_teacher_cache(cfg: Config, data, say):
-  """``teacher.cache``: the cache (checked against this run's data, tokenizer, teacher config and student
-  vocabulary), the data with the teacher's top-k in every training batch, and the teacher as a `TopKTeacher`."""
-  if cfg.models.student_init.from_teacher:
-    raise ConfigError("student.init.from_teacher copies the teacher's weights, but teacher.cache loads none; "
-                      "remove student.init (or teacher.cache)")
-  cache = tc.TeacherCache(cfg.models.teacher_cache)
-  # how the teacher computes or is placed, not what: remat, stacked blocks, and the vocabulary padding and
-  # key/value replication `ModelConfig.for_tensor` adds for the writer's mesh (the manifest holds the fitted config)
-  layout = ("remat", "scan_layers", "vocab_multiple", "replicate_kv")
-  teacher_cfg = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k not in layout}
-  # a cache written before param_dtype was a setting: float32 weights
-  saved_cfg = {"param_dtype": "float32", **{k: v for k, v in cache.manifest["teacher"]["config"].items()
-                                             if k not in layout}}
-  if saved_cfg != teacher_cfg:
-    diff = sorted(k for k in set(saved_cfg) | set(teacher_cfg) if saved_cfg.get(k) != teacher_cfg.get(k))
-    raise ConfigError(
-      f"teacher.cache={cache.path} was made by another teacher (teacher.{diff[0]}: cache "
-      f"{saved_cfg.get(diff[0])!r}, this config {teacher_cfg.get(diff[0])!r}); use the config that wrote the cache"
-    )
-  cache.check(data=tc.data_identity(data.train, data.tokenizer), vocab=cfg.student.vocab_size)
-  say(f"teacher: top-{cache.k} cache {cache.path} ({cache.manifest['precision']}, "
-      f"{cache.bytes_per_token():.1f} bytes/token); no teacher weights loaded")
-  return tc.CachedTeacherData(data, cache), cache.spec(), cache.path
-
-
-def _split_meshes(cfg: Config):
-  """``teacher.devices``: the teacher's mesh and the student's (``mesh.data`` x ``mesh.tensor``), disjoint."""
-  td = cfg.models.teacher_devices
-
-  # Checked first (before data or teacher): the teacher on its own mesh sends the student its top-k only.
-  if cfg.distill.kind != "logit_kd" or cfg.distill.top_k is None:
-    what = f"distill.kind={cfg.distill.kind}" + (" without distill.top_k" if cfg.distill.kind == "logit_kd" else "")
-    raise ConfigError(
-      f"teacher.devices sends the student the teacher's top-k only (not its logits, hidden states or attention "
-      f"maps), but {what} needs more: set distill.kind=logit_kd and distill.top_k (e.g. 32), or remove "
-      "teacher.devices to run the teacher on the student's mesh (the full-vocabulary and chunked losses, "
-      "attention and feature transfer)"
-    )
-  tau = cfg.distill.value("temperature")  # the section's, or the strategy's default
-  if callable(tau) or isinstance(tau, dict):
-    raise ConfigError("teacher.devices needs a constant distill.temperature (the top-k is taken at it)")
-
-  if not layout_class(cfg.mesh.backend).spans_processes:  # a mesh split over devices of its own
-    raise ConfigError(f"teacher.devices needs mesh.backend=shard_map (got {cfg.mesh.backend!r})")
-  try:
-    return split_meshes((td["data"], td["tensor"]), (cfg.mesh.data, cfg.mesh.tensor))
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-
-
-def _teacher_on_own_mesh(cfg: Config, data, teacher_mesh, mesh, stream, say):
-  """``teacher.devices``: the teacher on ``teacher_mesh``, its top-k fed to the student on ``mesh``."""
-  td = cfg.models.teacher_devices
-  teacher, tdir = obtain_teacher(cfg, data, teacher_mesh, stream=stream, report=say)
-
-  teacher = quantized_teacher(cfg, teacher, teacher_mesh)  # teacher.quantize
-  vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
-  tau = float(cfg.distill.value("temperature"))  # constant: checked by teacher_devices_mesh
-  on_mesh = TeacherOnMesh(teacher, k=cfg.distill.top_k, temperature=tau, vocab=vocab,
-                          teacher_mesh=teacher_mesh, student_mesh=mesh)
-  say(f"teacher: on its own {td['data']}x{td['tensor']} mesh, student on {cfg.mesh.data}x{cfg.mesh.tensor}")
-  return TeacherMeshData(data, on_mesh), on_mesh.spec(), tdir
+  """``teacher.source: cache`` prepared: ``(data with the top-k, the teacher as a TopKTeacher, the cache path)``."""
+  got = kinds.get("cache")(cfg).prepare(data, None, None, services(report=say))
+  return got.data, got.teacher, got.identity
 
 
 def cache_teacher(

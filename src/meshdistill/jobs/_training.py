@@ -3,12 +3,11 @@ distillation strategy and optimizer, and the `Distiller` itself."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from meshdistill.config import Config, ConfigError
 from meshdistill.loop.guard import DivergenceGuard
-from meshdistill.strategies import ScaledLoss, fallback_strategy
+from meshdistill.strategies import ScaledLoss, fallback_strategy, label
 from meshdistill.teachers.sources import build_student, quantized_teacher
 from meshdistill.train.distiller import Distiller
 from meshdistill.train.onpolicy import OnPolicyDistiller
@@ -42,21 +41,20 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
   if strategy is not None:
     fallback = fallback_strategy(strategy)
     if g.fallback != "mse":
-      inner = fallback.strategy if isinstance(fallback, ScaledLoss) else fallback
-      if "divergence" not in {f.name for f in dataclasses.fields(inner)}:
+      if "divergence" not in fallback.settings():
         raise ConfigError(
           f"safeguards.guard.fallback={g.fallback!r} needs a strategy with a divergence setting (LogitKD, "
-          f"ChunkedLogitKD); {type(inner).__name__} falls back to logit MSE only: set safeguards.guard.fallback=mse"
+          f"ChunkedLogitKD); {label(fallback)} falls back to logit MSE only: set safeguards.guard.fallback=mse"
         )
-      inner = dataclasses.replace(inner, divergence=g.fallback)
-      fallback = ScaledLoss(inner, fallback.scale) if isinstance(fallback, ScaledLoss) else inner
+      fallback = fallback.replace(divergence=g.fallback)
   guard = DivergenceGuard(window=g.window, factor=g.factor, min_history=g.min_history, max_restores=g.max_restores)
   return {**kwargs, "guard": guard, "keep_every": g.keep_every, "fallback": fallback}
 
 
 def _cache_safeguards(kwargs: dict, distiller) -> dict:
-  """With a top-k teacher the guard only restores: its fallback loss (logit MSE) needs the teacher's logits."""
-  if distiller.topk_teacher is not None and kwargs.get("fallback") is not None:
+  """With a top-k teacher, or none, the guard only restores: its fallback loss (logit MSE) needs the teacher's
+  logits."""
+  if distiller.teacher_def is None and kwargs.get("fallback") is not None:
     kwargs = {**kwargs, "fallback": distiller.strategy}
   return kwargs
 

@@ -62,6 +62,7 @@ from meshdistill.strategies._base import (
     PerBatch,
     PerSequence,
     SequenceStrategy,
+    CONTRACT,
     Strategy,
     check,
     from_settings,
@@ -75,7 +76,7 @@ from meshdistill.strategies._features import FeaturePooling, FeatureProjection, 
 from meshdistill.strategies._layer_map import default_layer_map
 from meshdistill.strategies._logit import LogitKD, LogitRecipe, logit_metrics, logit_token_metrics
 from meshdistill.strategies._preference import PreferenceLoss, preference_batch, read_preferences
-from meshdistill.strategies._wrappers import LogitMSE, ScaledLoss, fallback_strategy
+from meshdistill.strategies._wrappers import LogitMSE, ScaledLoss, fallback_strategy, label
 
 __all__ = [
     "AttentionTransfer",
@@ -93,6 +94,7 @@ __all__ = [
     "Scalar",
     "SequenceStrategy",
     "Strategy",
+    "CONTRACT",
     "attention_map_loss",
     "check",
     "default_layer_map",
@@ -100,6 +102,7 @@ __all__ = [
     "from_settings",
     "get",
     "group_heads",
+    "label",
     "logit_metrics",
     "logit_token_metrics",
     "names",

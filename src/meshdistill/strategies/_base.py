@@ -21,7 +21,12 @@ of unmasked tokens. Every strategy also has
   none), replicated and trained with the student; also where a strategy checks its settings
   against the model sizes (raising ``ValueError``);
 * ``fallback()``: the strategy that replaces it after a divergence (`DivergenceGuard`), or
-  None for the guard's generic logit-MSE fallback.
+  None for the guard's generic logit-MSE fallback;
+* its capabilities, read by the step and by the teacher sources (`meshdistill.teachers.kinds`):
+  ``needs_teacher`` (False: trains on the data alone, e.g. `HardLabelCE`), ``accepts_topk`` (True: trains
+  from a teacher given by its top-k per token -- an offline cache, a teacher on other devices -- with the
+  ``top_k`` and ``temperature`` it then reads), ``count`` (None: the loss is a mean over unmasked tokens;
+  else ``count(mask_BxT)``, how many of what it averages over the local rows hold, e.g. pairs of rows).
 
 Subclassing `SequenceStrategy` / `BatchStrategy` gives every attribute its default, so the
 step reads them directly. `register` makes a strategy available by name to configs
@@ -39,12 +44,18 @@ import jax
 from meshdistill.models import ModelOutput
 
 CAPTURES = ("hidden", "attn", "final")
+# What every strategy has (`Strategy` supplies the defaults); the step and the teacher sources read them directly.
+CONTRACT = ("capture", "needs_logits", "needs_head", "needs_teacher", "accepts_topk", "count", "init_params",
+            "fallback")
 
 
 class _Common(Protocol):
   capture: tuple[str, ...]
   needs_logits: bool
   needs_head: bool
+  needs_teacher: bool
+  accepts_topk: bool
+  count: Any
 
   def init_params(self, student_cfg, teacher_cfg, key) -> Any: ...
 
@@ -73,6 +84,9 @@ class Strategy:
   capture: tuple[str, ...] = ()  # a dataclass field or a property in subclasses
   needs_logits: ClassVar[bool] = True
   needs_head: ClassVar[bool] = False
+  needs_teacher: ClassVar[bool] = True  # False: trains on the data alone (no teacher source needed)
+  accepts_topk: ClassVar[bool] = False  # True: trains from a teacher's top-k per token (reads top_k, temperature)
+  count: ClassVar[Any] = None  # None: a mean over unmasked tokens; else count(mask_BxT) -> what the loss averages over
 
   def init_params(self, student_cfg, teacher_cfg, key) -> Any:
     """Extra trainable parameters: none by default."""
@@ -82,6 +96,10 @@ class Strategy:
   def fallback(self) -> Any:
     """The strategy to switch to after a divergence; None: the guard's generic fallback."""
     return None
+
+  def replace(self, **changes) -> Strategy:
+    """This strategy with the settings ``changes`` (a dataclass strategy: `dataclasses.replace`)."""
+    return dataclasses.replace(self, **changes)
 
   @classmethod
   def settings(cls) -> tuple[str, ...]:
@@ -169,7 +187,7 @@ def check(strategy: Any, where: str = "strategy") -> str:
   Raises:
     ValueError: naming what ``strategy`` lacks and how to get the defaults.
   """
-  missing = [a for a in ("capture", "needs_logits", "needs_head", "init_params", "fallback") if not hasattr(strategy, a)]
+  missing = [a for a in CONTRACT if not hasattr(strategy, a)]
   kind = "per_batch" if getattr(strategy, "needs_head", False) else "per_sequence"
   if not callable(getattr(strategy, kind, None)):
     missing.append(kind)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,8 @@ from meshdistill.strategies._base import SequenceStrategy, check, register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HardLabelCE(SequenceStrategy):
   """Cross-entropy of the student on the targets (no teacher term): ``loss`` = masked CE sum."""
+
+  needs_teacher: ClassVar[bool] = False
 
   def per_sequence(self, params, student: ModelOutput, teacher: ModelOutput, targets_T, mask_T, step):
     del params, teacher, step

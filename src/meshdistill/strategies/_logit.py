@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +171,7 @@ class LogitKD(LogitRecipe, SequenceStrategy):
 
   top_k: int | None = None
   capture: tuple[str, ...] = ()
+  accepts_topk: ClassVar[bool] = True  # with top_k set, the teacher's top-k per token is all it reads
 
   def __post_init__(self):
     super().__post_init__()

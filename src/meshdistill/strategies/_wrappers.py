@@ -22,19 +22,43 @@ from meshdistill.strategies._base import SequenceStrategy, Strategy
 from meshdistill.strategies._logit import logit_metrics
 
 
-class ScaledLoss:
+class ScaledLoss(Strategy):
   """``strategy`` whose loss gradient is multiplied by a static ``scale`` (value unchanged).
 
-  Use with ``safeguarded(..., loss_scale=scale)``. Every other attribute (``capture``,
-  ``init_params``, ...) is the wrapped strategy's.
+  Use with ``safeguarded(..., loss_scale=scale)``. Its capabilities (the strategy contract's
+  `meshdistill.strategies.CONTRACT`) are the wrapped strategy's, each declared here; it forwards no other
+  attribute, so nothing needs to unwrap it: a top-k teacher reads ``accepts_topk`` / ``top_k`` /
+  ``temperature`` and names it by `label`.
   """
 
   def __init__(self, strategy: Any, scale: float):
     check_loss_scale(scale)
     self.strategy, self.scale = strategy, float(scale)
 
-  def __getattr__(self, name):
-    return getattr(self.strategy, name)
+  capture = property(lambda self: self.strategy.capture)
+  needs_logits = property(lambda self: self.strategy.needs_logits)
+  needs_head = property(lambda self: self.strategy.needs_head)
+  needs_teacher = property(lambda self: self.strategy.needs_teacher)
+  accepts_topk = property(lambda self: self.strategy.accepts_topk)
+  count = property(lambda self: self.strategy.count)
+  top_k = property(lambda self: getattr(self.strategy, "top_k", None))
+  temperature = property(lambda self: getattr(self.strategy, "temperature", None))
+
+  @property
+  def label(self) -> str:
+    """How messages name it: ``ScaledLoss(scale=S) wrapping <the wrapped strategy's label>``."""
+    return f"ScaledLoss(scale={self.scale}) wrapping {label(self.strategy)}"
+
+  def init_params(self, student_cfg, teacher_cfg, key):
+    return self.strategy.init_params(student_cfg, teacher_cfg, key)
+
+  def settings(self) -> tuple[str, ...]:
+    """The wrapped strategy's settings."""
+    return self.strategy.settings()
+
+  def replace(self, **changes) -> ScaledLoss:
+    """The wrapped strategy with ``changes`` (`Strategy.replace`), at the same scale."""
+    return ScaledLoss(self.strategy.replace(**changes), self.scale)
 
   def _scaled(self, sums: dict) -> dict:
     loss = sums["loss"]
@@ -81,6 +105,11 @@ class LogitMSE(SequenceStrategy):
     return out
 
 
+def label(strategy: Any) -> str:
+  """How messages name ``strategy``: its own ``label`` when it has one, else its class name."""
+  return getattr(strategy, "label", None) or type(strategy).__name__
+
+
 def fallback_strategy(strategy: Any) -> Any:
   """The strategy that replaces ``strategy`` after a divergence: its own ``fallback()``, else logit MSE.
 
@@ -89,8 +118,6 @@ def fallback_strategy(strategy: Any) -> Any:
   strategy whose ``fallback()`` is None (or that does not derive from `Strategy`) becomes
   `LogitMSE` with its ``alpha`` (0.5 when it has none). A `ScaledLoss` keeps its scale.
   """
-  if isinstance(strategy, ScaledLoss):
-    return strategy.fallback()
   own = strategy.fallback() if isinstance(strategy, Strategy) else None
   if own is not None:
     return own

@@ -1,1 +1,2 @@
-"""Where teacher outputs come from: sources, the offline cache, the sub-mesh teacher, teacher checkpoints."""
+"""Where teacher outputs come from: the sources behind ``teacher.source`` (`kinds`), the config keys of both models
+(`sources`), the offline cache (`cache`), the sub-mesh teacher (`mesh`), teacher checkpoints (`checkpoint`)."""

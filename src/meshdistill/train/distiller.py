@@ -34,7 +34,7 @@ from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
 from meshdistill.train.optimizers import default_optimizer
 from meshdistill.train.step import BATCH_KEYS, TOPK_KEYS, TrainState, per_device_step
-from meshdistill.strategies import LogitKD
+from meshdistill.strategies import LogitKD, label
 from meshdistill.teachers.cache import TopKTeacher
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,9 @@ class Distiller:
     if teacher is not None and self.topk_teacher is None:
       teacher = self.layout.fit_model(teacher)
     self.strategy = strategy if strategy is not None else LogitKD()
+    if teacher is None and self.strategy.needs_teacher:  # the strategy contract's capability
+      raise ValueError(f"Distiller without a teacher needs a strategy that uses none (needs_teacher = False, e.g. "
+                       f"strategy=HardLabelCE()); {label(self.strategy)} needs a teacher")
     if self.topk_teacher is not None:
       self.topk_teacher.check_strategy(self.strategy)
     self.optimizer = optimizer if optimizer is not None else default_optimizer()

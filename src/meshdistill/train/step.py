@@ -112,8 +112,7 @@ def per_device_gradients(
   capture = tuple(strategy.capture)
   # A strategy with `needs_head` forms logits itself from the final hidden states and the
   # LM heads (e.g. chunked over tokens); the models then skip their heads (`needs_logits`).
-  with_logits = getattr(strategy, "needs_logits", True)
-  with_head = getattr(strategy, "needs_head", False)
+  with_logits, with_head = strategy.needs_logits, strategy.needs_head
 
   teacher_out = teacher_head = None
   if TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
@@ -176,14 +175,13 @@ def student_gradients(
   """The student's part of `per_device_gradients` on the rows given, with the teacher's outputs for them:
   ``(grads, metrics)`` with gradients and token sums summed over the mesh axes ``axes`` (``None``: none)."""
   capture = tuple(strategy.capture)
-  with_logits = getattr(strategy, "needs_logits", True)
-  with_head = getattr(strategy, "needs_head", False)
+  with_logits, with_head = strategy.needs_logits, strategy.needs_head
   inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
   mask_BxT = batch["mask"].astype(jnp.float32)
 
   # A strategy whose loss is a mean over something else than tokens (pairs of rows: preference
   # losses) says how many of those its local rows hold (`count`); the step sums that over `data`.
-  count = getattr(strategy, "count", None)
+  count = strategy.count
   tokens, counted = psum_bundled((jnp.sum(mask_BxT), None if count is None else count(mask_BxT)), axes)
   denom = jnp.maximum(tokens if count is None else counted, 1.0)
 

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from meshdistill import losses
 from meshdistill.parallel.fsdp import data_specs
 from meshdistill.parallel.mesh import DATA, TENSOR, host_to_global, param_shardings
-from meshdistill.strategies import LogitKD, ScaledLoss
+from meshdistill.strategies import label
 
 
 # --------------------------------------------------------------------------- the teacher as top-k
@@ -40,29 +40,27 @@ class TopKTeacher:
   source: str = "top-k teacher"
 
   def check_strategy(self, strategy: Any) -> None:
-    """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone.
-
-    A `ScaledLoss` (static loss scaling) trains from it when the strategy it wraps does: it hands the
-    teacher's top-k to that strategy unchanged.
-    """
-    wrapped, inner = "", strategy
-    while isinstance(inner, ScaledLoss):
-      wrapped, inner = f"{wrapped}ScaledLoss(scale={inner.scale}) wrapping ", inner.strategy
-    if type(inner) is not LogitKD:  # pylint: disable=unidiomatic-typecheck
+    """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone: it declares
+    ``accepts_topk`` (the strategy contract's capability) and reads a top-k of at most ``k`` tokens at this
+    teacher's temperature. A wrapper (`ScaledLoss`) declares the strategy it wraps' capabilities, and is named
+    by its ``label``."""
+    name = label(strategy)
+    if not strategy.accepts_topk:
       raise ValueError(
-          f"{self.source} gives the teacher's top-{self.k} tokens only, but strategy {wrapped}{type(inner).__name__} "
+          f"{self.source} gives the teacher's top-{self.k} tokens only, but strategy {name} "
           "needs a live teacher (its logits, hidden states, attention maps or LM head); use distill.kind=logit_kd "
           f"with distill.top_k <= {self.k}, or a live teacher (remove teacher.cache)"
       )
-    if inner.top_k is None or inner.top_k > self.k:
+    if strategy.top_k is None or strategy.top_k > self.k:
       raise ValueError(
-          f"{self.source} holds the teacher's top-{self.k}, but {wrapped}LogitKD.top_k={inner.top_k}; set "
+          f"{self.source} holds the teacher's top-{self.k}, but {name}.top_k={strategy.top_k}; set "
           f"distill.top_k to an integer in [1, {self.k}] (the full-vocabulary loss needs a live teacher)"
       )
-    if callable(inner.temperature) or float(inner.temperature) != float(self.temperature):
+    tau = strategy.temperature
+    if callable(tau) or float(tau) != float(self.temperature):
       raise ValueError(
-          f"{self.source} holds log-probabilities at temperature {self.temperature}, but {wrapped}LogitKD.temperature="
-          f"{inner.temperature!r}; set distill.temperature={self.temperature} (a constant), or write a cache at "
+          f"{self.source} holds log-probabilities at temperature {self.temperature}, but {name}.temperature="
+          f"{tau!r}; set distill.temperature={self.temperature} (a constant), or write a cache at "
           "the temperature you want"
       )
 

@@ -1,6 +1,7 @@
 """Where a run's teacher and student come from: Hugging Face directories, the teacher's own blocks, or fresh.
 
-In a config these are keys of the ``teacher`` and ``student`` sections::
+In a config these are keys of the ``teacher`` and ``student`` sections (the teacher's keys belong to the source
+``teacher.source`` chooses, which checks them: `meshdistill.teachers.kinds`)::
 
   teacher: {hf: path/to/Qwen3-8B}          # config.json + *.safetensors; loaded sharded (`load_hf`)
   student: {hf: path/to/Qwen3-0.6B}        # a pretrained smaller model of the same family and tokenizer
@@ -22,7 +23,7 @@ when the config is loaded (only JSON files are read), before any weights are tou
 `ModelSources` is the typed form held in `meshdistill.config.Config` (field ``models``);
 `split_sources` moves the keys out of the raw sections and `nest_sources` puts them back when a
 config is written, so ``config.yaml`` reads as it was written. `resolve` derives the shapes;
-`load_teacher_hf` and `build_student` build the models at run time.
+`load_teacher_hf` (from `meshdistill.teachers.kinds.hf`) and `build_student` build the models at run time.
 
 Modules: `_settings` (`ModelSources`, `StudentInit`, `split_sources`, `nest_sources`: the config
 keys), `_resolve` (`resolve`: shapes from ``config.json`` or the teacher, and the checks on the

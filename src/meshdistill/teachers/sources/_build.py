@@ -1,39 +1,16 @@
-"""Building a run's models from its sources: the ``teacher.hf`` teacher (`load_teacher_hf`), the student
-(`build_student`: loaded, copied from the teacher by `student_from_teacher`, or fresh) and its adapters
-(`with_lora`); the teacher quantized for inference (`quantized_teacher`)."""
+"""Building a run's student from its sources (`build_student`: loaded, copied from the teacher by
+`student_from_teacher`, or fresh) and its adapters (`with_lora`). The teacher's loaders live with their sources
+(`meshdistill.teachers.kinds`: `load_teacher_hf`, `quantized_teacher`, re-exported here)."""
 
 from __future__ import annotations
 
-from meshdistill.models.lora import LoraConfig, apply_lora
-from meshdistill.teachers.sources._settings import ModelSources
 from meshdistill.models import abstract_params, init_model
 from meshdistill.models.hf import load_hf
-from meshdistill.models.quantize import quantize_model
-from meshdistill.models.stacking import to_scanned, to_unrolled
-
-
-def load_teacher_hf(cfg, mesh):
-  """The teacher of ``teacher.hf`` on ``mesh`` (each device reading only its slices)."""
-  model = load_hf(cfg.models.teacher_hf, mesh, dtype=cfg.teacher.dtype, param_dtype=cfg.teacher.param_dtype,
-                  max_len=cfg.teacher.max_len, scan_layers=cfg.teacher.scan_layers)
-  return _with_config(model, cfg.teacher)
-
-
-def _with_config(model, want):
-  """``model`` with its `ModelConfig` set to ``want`` (equal up to the compute-only ``remat`` / ``attention`` and
-  the weights' layout ``scan_layers``, converted here; the padding and key/value replication the mesh asked for at
-  load time (`ModelConfig.for_tensor`) are kept)."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  model = to_scanned(model) if want.scan_layers else to_unrolled(model)
-  want = want.replace(vocab_multiple=model.cfg.vocab_multiple, replicate_kv=model.cfg.replicate_kv)
-  if model.cfg.replace(remat=want.remat, attention=want.attention) != want:
-    raise ValueError(f"loaded model config {model.cfg} differs from the configured {want}")
-  if model.cfg == want:
-    return model
-
-  graphdef, _, _ = abstract_params(want)
-  return nnx.merge(graphdef, nnx.state(model))
+from meshdistill.models.lora import LoraConfig, apply_lora
+from meshdistill.models.stacking import to_scanned
+from meshdistill.teachers.kinds._quantize import quantized_teacher  # noqa: F401 -- re-exported
+from meshdistill.teachers.kinds.hf import load_teacher_hf, with_config
+from meshdistill.teachers.sources._settings import ModelSources
 
 
 def build_student(cfg, teacher, mesh):
@@ -43,7 +20,7 @@ def build_student(cfg, teacher, mesh):
   if src.student_hf:
     model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, param_dtype=cfg.student.param_dtype,
                     max_len=cfg.student.max_len, scan_layers=cfg.student.scan_layers)
-    model = _with_config(model, cfg.student)
+    model = with_config(model, cfg.student)
   elif src.student_init.from_teacher:
     model = student_from_teacher(teacher, src.student_init.layers, cfg.student, mesh)
   else:
@@ -57,17 +34,6 @@ def with_lora(model, lora: LoraConfig, *, seed: int, mesh):
     return model
 
   return apply_lora(model, lora, seed=seed + 1, mesh=mesh)
-
-
-def quantized_teacher(cfg, teacher, mesh):
-  """``teacher`` with its projections stored as ``teacher.quantize`` says (unchanged when it is null).
-
-  Applied after the student is built, so ``student.init.from_teacher`` copies the float weights."""
-  q = cfg.models.teacher_quantize
-  if q is None or teacher is None or not hasattr(teacher, "iter_modules"):  # no weights here (a top-k teacher)
-    return teacher
-
-  return quantize_model(teacher, q, mesh=mesh)
 
 
 def student_from_teacher(teacher, layers, student_cfg, mesh=None):

@@ -10,7 +10,8 @@ from typing import Any
 
 from meshdistill.config.typed_yaml import ConfigError, unknown_key
 from meshdistill.models.lora import LoraConfig
-from meshdistill.models.quantize import QUANTIZE
+from meshdistill.teachers.kinds._base import TEACHER_KEYS, teacher_keys
+from meshdistill.teachers.kinds._base import resolve as resolve_teacher
 
 FREE_KEYS = ("max_len", "dtype", "param_dtype", "remat", "scan_layers", "attention")  # settable beside a derived shape
 
@@ -42,8 +43,13 @@ class StudentInit:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSources:
-  """``teacher.hf``, ``teacher.cache``, ``student.hf`` and ``student.init`` of a config (paths made absolute)."""
+  """``teacher.source`` and its settings (``teacher.hf``, ``teacher.cache``, ``teacher.devices``,
+  ``teacher.quantize``), ``student.hf``, ``student.init`` and ``student.lora`` of a config (paths made absolute).
 
+  The teacher's keys are checked by the source they belong to (`meshdistill.teachers.kinds`): ``teacher_source``
+  as given (None: chosen by the keys set, `teacher_kind`)."""
+
+  teacher_source: str | None = None  # the teacher.source given (None: inferred from the keys below)
   teacher_hf: str | None = None
   student_hf: str | None = None
   student_init: StudentInit = dataclasses.field(default_factory=StudentInit)
@@ -51,26 +57,17 @@ class ModelSources:
   teacher_devices: dict | None = None  # the teacher's own mesh {data, tensor} (`meshdistill.teachers.mesh`)
   student_lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank 0: no adapters
   teacher_quantize: str | None = None  # the teacher's projections stored int8 / int4 / nf4 (`models.quantize`)
+  teacher_options: dict = dataclasses.field(default_factory=dict)  # other settings of the chosen source, by key
 
   def __post_init__(self):
-    if self.teacher_quantize is not None:
-      if self.teacher_quantize not in QUANTIZE:
-        raise ConfigError(f"teacher.quantize={self.teacher_quantize!r}; choose one of {list(QUANTIZE)} or null "
-                          "(float teacher weights)")
-      if self.teacher_cache is not None:
-        raise ConfigError("teacher.quantize and teacher.cache exclude each other: a cached teacher loads no weights "
-                          "to quantize; remove one of them (quantize the teacher when writing the cache instead)")
+    resolve_teacher(self.teacher_values())  # the chosen source checks its own settings
     if self.teacher_cache is not None:
       object.__setattr__(self, "teacher_cache", os.path.abspath(os.path.expanduser(self.teacher_cache)))
-      if self.teacher_devices:
-        raise ConfigError("teacher.cache and teacher.devices exclude each other: a cached teacher runs nowhere; "
-                          "remove one of them")
-    for who in ("teacher", "student"):
-      path = getattr(self, f"{who}_hf")
-      if path is not None:
-        if not isinstance(path, str) or not path:
-          raise ConfigError(f"{who}.hf={path!r} must be the path of a local Hugging Face model directory")
-        object.__setattr__(self, f"{who}_hf", os.path.abspath(os.path.expanduser(path)))
+    if self.student_hf is not None and (not isinstance(self.student_hf, str) or not self.student_hf):
+      raise ConfigError(f"student.hf={self.student_hf!r} must be the path of a local Hugging Face model directory")
+    for who in ("teacher", "student"):  # teacher.hf: checked by its source (above)
+      if getattr(self, f"{who}_hf") is not None:
+        object.__setattr__(self, f"{who}_hf", os.path.abspath(os.path.expanduser(getattr(self, f"{who}_hf"))))
     if self.student_hf and self.student_init.from_teacher:
       raise ConfigError(
           "student.hf and student.init.from_teacher exclude each other: start the student from a pretrained "
@@ -81,6 +78,16 @@ class ModelSources:
           "student.hf needs teacher.hf: a Hugging Face student is distilled from a Hugging Face teacher with the "
           "same tokenizer; set teacher.hf, or describe the student by its shape"
       )
+
+  def teacher_values(self) -> dict[str, Any]:
+    """The ``teacher.<key>``s of the source settings that are set (``source`` included when given)."""
+    values = {**{k: getattr(self, f"teacher_{k}") for k in TEACHER_KEYS}, **self.teacher_options}
+    return {k: v for k, v in values.items() if v is not None and v != {}}
+
+  @property
+  def teacher_kind(self) -> str:
+    """The teacher source this config chose: ``teacher.source``, or the one its keys name."""
+    return resolve_teacher(self.teacher_values()).name
 
   @property
   def any(self) -> bool:
@@ -111,14 +118,23 @@ def split_sources(raw: dict) -> dict:
       raise ConfigError(str(e)) from None
     models["student_lora"] = dict(lora or {})
     raw["student"] = student
-  for who, keys in (("teacher", ("hf", "cache", "devices", "quantize")), ("student", ("hf", "init"))):
+  for who, keys in (("teacher", teacher_keys()), ("student", ("hf", "init"))):
     section = raw.get(who)
     if not isinstance(section, dict) or not any(k in section for k in keys):
       continue
     section = dict(section)
     for k in keys:
       if k in section:
-        models[f"{who}_{k}"] = _checked(f"{who}.{k}", section.pop(k))
+        value = section.pop(k)
+        if who == "student":
+          models[f"student_{k}"] = _checked(f"student.{k}", value)
+        elif k in TEACHER_KEYS:
+          models[f"teacher_{k}"] = value
+        else:  # a setting of a source without a field of its own
+          models.setdefault("teacher_options", {})[k] = value
+    if who == "teacher":  # checked as written, by the source they belong to
+      resolve_teacher({**{k: models[f"teacher_{k}"] for k in TEACHER_KEYS if f"teacher_{k}" in models},
+                       **models.get("teacher_options", {})})
     derived = models.get(f"{who}_hf") is not None or (
         isinstance(models.get("student_init"), dict) and models["student_init"].get("from_teacher") and who == "student"
     )
@@ -145,20 +161,6 @@ def _checked(key: str, value: Any) -> Any:
   if key.endswith(".hf"):
     if value is not None and (not isinstance(value, str) or not value):
       raise ConfigError(f"{key}={value!r} must be the path of a local Hugging Face model directory")
-    return value
-  if key == "teacher.devices":
-    if value is not None and (not isinstance(value, dict) or set(value) != {"data", "tensor"} or any(
-        isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value.values())):
-      raise ConfigError(f"{key}={value!r} must be the teacher's own mesh {{data: D, tensor: T}} (positive integers), "
-                        "e.g. {data: 1, tensor: 4}; the student's mesh (mesh.data x mesh.tensor) takes other devices")
-    return value
-  if key == "teacher.quantize":
-    if value is not None and value not in QUANTIZE:
-      raise ConfigError(f"{key}={value!r}; choose one of {list(QUANTIZE)} or null (float teacher weights)")
-    return value
-  if key == "teacher.cache":
-    if value is not None and (not isinstance(value, str) or not value):
-      raise ConfigError(f"{key}={value!r} must be the path of a teacher cache (written by `meshdistill cache-teacher`)")
     return value
   if value is None:
     return value
@@ -191,12 +193,16 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
   elif sources.student_init.from_teacher:
     init = {"from_teacher": True, "layers": list(sources.student_init.layers)}
     plain["student"] = {"init": init, **{k: plain["student"][k] for k in FREE_KEYS}}
+  if sources.teacher_source:
+    plain["teacher"] = {**plain["teacher"], "source": sources.teacher_source}
   if sources.teacher_cache:
     plain["teacher"] = {**plain["teacher"], "cache": sources.teacher_cache}
   if sources.teacher_devices:
     plain["teacher"] = {**plain["teacher"], "devices": dict(sources.teacher_devices)}
   if sources.teacher_quantize:
     plain["teacher"] = {**plain["teacher"], "quantize": sources.teacher_quantize}
+  if sources.teacher_options:
+    plain["teacher"] = {**plain["teacher"], **sources.teacher_options}
   if lora.enabled:
     plain["student"] = {**plain["student"], "lora": {**dataclasses.asdict(lora), "targets": list(lora.targets)}}
   return plain

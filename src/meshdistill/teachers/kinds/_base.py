@@ -1,0 +1,245 @@
+"""The teacher-source contract and its registry: what a source gives the step, its settings, how it is prepared.
+
+A run's teacher comes from exactly one source, chosen by ``teacher.source`` (or, for configs that name none, by the
+one source key they set: `infer`). A source is a `TeacherSource` subclass registered by name (`register`):
+
+* ``gives``: what reaches the step -- `MODEL` (a teacher model the step runs on every batch), `TOPK` (the teacher's
+  top-k log-probabilities per token, delivered with the batch under `meshdistill.train.step.TOPK_KEYS`; no teacher
+  weights on the student's devices) or `NOTHING` (no teacher: the strategy must not need one);
+* ``settings``: the ``teacher.<key>`` keys it takes beside the teacher's shape (``required``: those it cannot do
+  without); `check_settings` is the one home of their rules. A key of another source is an error naming it, the
+  chosen source and that source's settings (`check_keys`);
+* ``accepts``: which strategies it trains -- read from the strategies' declared capabilities (``needs_teacher``,
+  ``accepts_topk``, ``top_k``, ``temperature``), checked from the config before any data or weights are read
+  (`check`);
+* ``meshes``: where it runs -- the student's mesh, or a mesh of its own beside it (``teacher.devices``);
+* ``prepare``: what it does before training -- obtain (load, pretrain) and place a model, open a cache, start a
+  teacher on its sub-mesh -- returning a `Prepared`: the data (a source that gives `TOPK` wraps it), the teacher
+  (a model, a `meshdistill.teachers.cache.TopKTeacher`, or None) and its identity (the ``teacher_dir`` a run's
+  checkpoints record: a directory, a cache path, a Hugging Face directory).
+
+The jobs lend a source what it cannot own without importing them (`Services`: pretraining a teacher is a job).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.models import ModelConfig
+from meshdistill.strategies import get as strategy_class
+from meshdistill.strategies import names as strategy_names
+
+if TYPE_CHECKING:
+  from meshdistill.config import Config
+
+MODEL, TOPK, NOTHING = "model", "topk", "nothing"
+# The teacher.<key>s the config keeps in fields of their own (`meshdistill.teachers.sources.ModelSources`); a
+# source's other settings are kept by name in ``ModelSources.teacher_options``.
+TEACHER_KEYS = ("source", "hf", "cache", "devices", "quantize")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """What a source hands the job: the data (with the teacher's top-k in every training batch when it gives
+  `TOPK`), the teacher (a model, a `TopKTeacher`, or None) and its identity (recorded in checkpoints)."""
+
+  data: Any
+  teacher: Any
+  identity: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Services:
+  """What the jobs lend a source: ``pretrain(cfg, data=, mesh=, out=)`` trains a teacher from scratch into ``out``
+  (`meshdistill.jobs.pretrain`); ``report(line)`` says where the teacher came from."""
+
+  pretrain: Callable[..., Any]
+  report: Callable[[str], None]
+
+
+class TeacherSource:
+  """One way to get a run's teacher; subclass it, set the class attributes, decorate with `register`.
+
+  Instances hold the run's `Config`; `prepare` may be called once per job.
+  """
+
+  name: ClassVar[str] = ""
+  gives: ClassVar[str] = MODEL
+  settings: ClassVar[tuple[str, ...]] = ()  # the teacher.<key>s this source takes (besides "source")
+  required: ClassVar[tuple[str, ...]] = ()  # of those, the ones it needs
+
+  def __init__(self, cfg: Config):
+    self.cfg = cfg
+
+  # ------------------------------------------------------------------ settings (config time)
+  @classmethod
+  def check_keys(cls, values: dict[str, Any], chosen_by: str | None = None) -> None:
+    """Raises `ConfigError` for a ``teacher.<key>`` of another source, or a required one left out.
+
+    ``chosen_by``: the key that chose this source in a config without ``teacher.source`` (`infer`); the message
+    then says the two keys exclude each other, as it did before the setting."""
+    other = sorted(k for k in values if k not in cls.settings)
+    if other:
+      pair = f"teacher.{other[0]} and teacher.{chosen_by} exclude each other: " if chosen_by else ""
+      raise ConfigError(
+          f"{pair}teacher.{other[0]} is not a setting of teacher.source={cls.name}; its settings: "
+          f"{[f'teacher.{k}' for k in cls.settings]} (teacher.{other[0]} belongs to teacher.source="
+          f"{_owner(other[0])}); remove it, or choose that source"
+      )
+    missing = [k for k in cls.required if values.get(k) is None]
+    if missing:
+      what = (cls.__doc__ or cls.name).strip().splitlines()[0]
+      raise ConfigError(f"teacher.source={cls.name} needs teacher.{missing[0]} ({what})")
+    cls.check_settings(values)
+
+  @classmethod
+  def check_settings(cls, values: dict[str, Any]) -> None:
+    """This source's rules on its settings' values (``values``: the ``teacher.<key>``s given, not None)."""
+    del values
+
+  # ------------------------------------------------------------------ the run (before any data or weights)
+  def check(self) -> None:
+    """Refuses, from the config alone, a strategy this source cannot train (`accepts`) and settings it cannot
+    serve; called before data, meshes or weights are touched."""
+    reason = self.accepts(strategy_class(self.cfg.distill.kind), self.cfg.distill)
+    if reason:
+      raise ConfigError(reason)
+    on_policy = self.cfg.distill.on_policy
+    if self.gives == TOPK and (on_policy.active or on_policy.prompts_file):
+      raise ConfigError(f"distill.on_policy trains on prompts and sampled completions, but teacher.source={self.name} "
+                        "feeds the teacher's top-k of the corpus rows; remove one of them")
+
+  def accepts(self, strategy: type, distill: Any) -> str | None:
+    """None when ``strategy`` (a strategy class, its settings in ``distill``) trains from this source, else why not.
+
+    By default: a source that gives a teacher serves every strategy that needs one; one that gives `NOTHING`,
+    only strategies with ``needs_teacher = False``."""
+    del distill
+    if self.gives == NOTHING and strategy.needs_teacher:
+      return (f"teacher.source={self.name} gives no teacher, but distill.kind={self.cfg.distill.kind} needs one; "
+              f"choose a teacher source ({[n for n in names() if get(n).gives != NOTHING]}) or a strategy that needs "
+              "no teacher (distill.kind=hard_label_ce)")
+    return None
+
+  def meshes(self, build_mesh: Callable[[Config], Any]) -> tuple[Any, Any]:
+    """``(teacher_mesh, student_mesh)``: the teacher's own mesh (None: it shares the student's) and the student's."""
+    return None, build_mesh(self.cfg)
+
+  def extra_devices(self) -> int:
+    """Devices this source takes beside the student's mesh (simulated CPU devices are counted with them)."""
+    return 0
+
+  def prepare(self, data: Any, mesh: Any, teacher_mesh: Any, services: Services) -> Prepared:
+    """The data, the teacher and its identity, ready for the `Distiller` on ``mesh``."""
+    raise NotImplementedError(f"{type(self).__name__}.prepare")
+
+
+class ModelSource(TeacherSource):
+  """A source that runs a teacher model: `model` obtains it on a mesh; `prepare` places it on the student's."""
+
+  gives: ClassVar[str] = MODEL
+
+  def model(self, data: Any, mesh: Any, services: Services) -> tuple[Any, str]:
+    """``(teacher model on mesh, its identity)``."""
+    raise NotImplementedError(f"{type(self).__name__}.model")
+
+  def prepare(self, data, mesh, teacher_mesh, services):
+    del teacher_mesh
+    teacher, identity = self.model(data, mesh, services)
+    return Prepared(data, teacher, identity)
+
+
+def topk_refusal(name: str, strategy: type, distill: Any, what: str) -> str | None:
+  """Why a source that gives `TOPK` cannot train ``strategy`` (its config settings ``distill``), or None.
+
+  Read from its declared capabilities: ``accepts_topk`` and, for those that do, a ``top_k`` set. ``what`` names
+  the source as the message starts (e.g. ``"teacher.devices sends the student the teacher's top-k only"``)."""
+  top_k = distill.value("top_k") if "top_k" in strategy.settings() else None
+  if strategy.accepts_topk and top_k is not None:
+    return None
+  needs = f"distill.kind={distill.kind}" + (" without distill.top_k" if strategy.accepts_topk else "")
+  takes = [n for n in strategy_names() if strategy_class(n).accepts_topk]
+  return (f"{what} (not its logits, hidden states or attention maps), but {needs} needs more: set distill.kind to one "
+          f"of {takes} with distill.top_k (e.g. 32), or choose a teacher.source that runs the teacher on the "
+          f"student's mesh (teacher.source={name} gives top-k per token)")
+
+
+# --------------------------------------------------------------------------- registry
+_REGISTRY: dict[str, type[TeacherSource]] = {}
+
+
+def register(cls: type[TeacherSource]) -> type[TeacherSource]:
+  """Class decorator: makes the source available as ``teacher.source: <cls.name>``."""
+  if not cls.name:
+    raise ValueError(f"{cls.__name__} has no name; set the class attribute name = '<teacher.source value>'")
+  shape = sorted(set(cls.settings) & {f.name for f in dataclasses.fields(ModelConfig)})
+  if shape:
+    raise ValueError(f"{cls.__name__}.settings names {shape}, keys of the teacher's shape (ModelConfig); "
+                     "give the source's settings other names")
+  if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+    raise ValueError(f"teacher source {cls.name!r} is taken by {_REGISTRY[cls.name].__name__}; choose another")
+  _REGISTRY[cls.name] = cls
+  return cls
+
+
+def names() -> list[str]:
+  """The registered source names."""
+  return sorted(_REGISTRY)
+
+
+def teacher_keys() -> tuple[str, ...]:
+  """Every ``teacher.<key>`` that belongs to a source (``source`` and each registered source's settings): the config
+  moves them out of the teacher's shape section."""
+  extra = sorted({k for cls in _REGISTRY.values() for k in cls.settings} - set(TEACHER_KEYS))
+  return (*TEACHER_KEYS, *extra)
+
+
+def get(name: str) -> type[TeacherSource]:
+  """The source class registered as ``name``."""
+  if name not in _REGISTRY:
+    raise ConfigError(f"teacher.source={name!r} is not a teacher source; choose one of {names()}")
+  return _REGISTRY[name]
+
+
+# Which source an older config (no teacher.source) chose by the one source key it set, in this order.
+_INFERRED = (("cache", "cache"), ("devices", "submesh"), ("hf", "hf"))
+
+
+def infer(values: dict[str, Any]) -> str:
+  """The source a config without ``teacher.source`` names by its keys (``values``: the ``teacher.<key>``s set):
+  ``cache`` -> cache, ``devices`` -> submesh, ``hf`` -> hf, none of them -> pretrained. Two of ``cache`` /
+  ``devices`` are ambiguous: an error naming both."""
+  given = [k for k, _ in _INFERRED[:2] if values.get(k) is not None]
+  if len(given) > 1:
+    raise ConfigError(f"teacher.{given[0]} and teacher.{given[1]} exclude each other (a cached teacher runs nowhere); "
+                      f"remove one of them, or choose with teacher.source (one of {names()})")
+  return next((kind for key, kind in _INFERRED if values.get(key) is not None), "pretrained")
+
+
+def resolve(values: dict[str, Any]) -> type[TeacherSource]:
+  """The source class of ``values`` (the ``teacher.<key>``s set, ``source`` among them or inferred), its settings
+  checked (`TeacherSource.check_keys`)."""
+  values = {k: v for k, v in values.items() if v is not None}
+  kind = values.pop("source", None)
+  if kind is not None and not isinstance(kind, str):
+    raise ConfigError(f"teacher.source={kind!r} must be one of {names()}")
+  if kind is not None:
+    cls = get(kind)
+    cls.check_keys(values)
+  else:
+    cls = get(infer(values))
+    cls.check_keys(values, next((key for key, name in _INFERRED if name == cls.name), None))
+  return cls
+
+
+def option(cfg: Config, key: str, default: Any = None) -> Any:
+  """The chosen source's setting ``teacher.<key>`` (one without a field of its own: ``teacher_options``)."""
+  return cfg.models.teacher_options.get(key, default)
+
+
+def _owner(key: str) -> str:
+  owners = [n for n in names() if key in _REGISTRY[n].settings]
+  return " or ".join(owners) or "none"

@@ -1,0 +1,63 @@
+"""``teacher.source: cache``: an offline top-k cache (``teacher.cache``, written by ``meshdistill cache-teacher``):
+no teacher weights are loaded; every training batch carries the teacher's top-k. The cache is checked against the
+run's data, tokenizer, teacher config and student vocabulary; its identity is its directory. With ``teacher.hf``
+the teacher's shape and tokenizer are those of the Hugging Face teacher that wrote it (its weights are not read)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.teachers import cache as tc
+from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, register
+from meshdistill.teachers.kinds.hf import check_hf_path
+
+# How the teacher computes or is placed, not what: remat, stacked blocks, and the vocabulary padding and key/value
+# replication `ModelConfig.for_tensor` adds for the writer's mesh (the manifest holds the fitted config).
+_PLACEMENT = ("remat", "scan_layers", "vocab_multiple", "replicate_kv")
+
+
+@register
+class Cached(TeacherSource):
+  """an offline top-k cache, e.g. teacher.cache: path/to/cache (meshdistill cache-teacher --out)"""
+
+  name: ClassVar[str] = "cache"
+  gives: ClassVar[str] = TOPK
+  # teacher.hf: the Hugging Face teacher that wrote the cache, for its shape and tokenizer (no weights are read)
+  settings: ClassVar[tuple[str, ...]] = ("cache", "hf")
+  required: ClassVar[tuple[str, ...]] = ("cache",)
+
+  @classmethod
+  def check_settings(cls, values):
+    check_hf_path(values)
+    path = values.get("cache")
+    if not isinstance(path, str) or not path:
+      raise ConfigError(f"teacher.cache={path!r} must be the path of a teacher cache (written by "
+                        "`meshdistill cache-teacher`)")
+
+  def check(self):
+    # The strategy is checked against the cache's own k and temperature when the `Distiller` is built.
+    if self.cfg.models.student_init.from_teacher:
+      raise ConfigError("student.init.from_teacher copies the teacher's weights, but teacher.cache loads none; "
+                        "remove student.init (or teacher.cache)")
+
+  def prepare(self, data, mesh, teacher_mesh, services):
+    del mesh, teacher_mesh
+    cfg = self.cfg
+    cache = tc.TeacherCache(cfg.models.teacher_cache)
+    teacher_cfg = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k not in _PLACEMENT}
+    # a cache written before param_dtype was a setting: float32 weights
+    saved_cfg = {"param_dtype": "float32", **{k: v for k, v in cache.manifest["teacher"]["config"].items()
+                                               if k not in _PLACEMENT}}
+    if saved_cfg != teacher_cfg:
+      diff = sorted(k for k in set(saved_cfg) | set(teacher_cfg) if saved_cfg.get(k) != teacher_cfg.get(k))
+      raise ConfigError(
+        f"teacher.cache={cache.path} was made by another teacher (teacher.{diff[0]}: cache "
+        f"{saved_cfg.get(diff[0])!r}, this config {teacher_cfg.get(diff[0])!r}); use the config that wrote the cache"
+      )
+    cache.check(data=tc.data_identity(data.train, data.tokenizer), vocab=cfg.student.vocab_size)
+    services.report(f"teacher: top-{cache.k} cache {cache.path} ({cache.manifest['precision']}, "
+                    f"{cache.bytes_per_token():.1f} bytes/token); no teacher weights loaded")
+    return Prepared(tc.CachedTeacherData(data, cache), cache.spec(), cache.path)
+

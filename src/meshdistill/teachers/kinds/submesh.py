@@ -1,0 +1,73 @@
+"""``teacher.source: submesh``: a live teacher on devices of its own (``teacher.devices: {data, tensor}``) beside the
+student's mesh, one batch ahead (`meshdistill.teachers.mesh`); the student receives its top-k per token. The teacher
+it runs is ``teacher.hf`` when set, else the pretrained one (`Pretrained`), optionally ``teacher.quantize``d; its
+identity is that teacher's."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.parallel.backends import layout_class
+from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, register, topk_refusal
+from meshdistill.teachers.kinds.hf import HuggingFace, check_hf_path
+from meshdistill.teachers.kinds._quantize import check_quantize
+from meshdistill.teachers.kinds.pretrained import Pretrained
+from meshdistill.teachers.mesh import TeacherMeshData, TeacherOnMesh, split_meshes
+from meshdistill.teachers.kinds._quantize import quantized_teacher
+from meshdistill.train.distiller import resolve_shared_vocab
+
+
+@register
+class SubMesh(TeacherSource):
+  """a live teacher on its own devices, e.g. teacher.devices: {data: 1, tensor: 4}"""
+
+  name: ClassVar[str] = "submesh"
+  gives: ClassVar[str] = TOPK
+  settings: ClassVar[tuple[str, ...]] = ("devices", "hf", "quantize")
+  required: ClassVar[tuple[str, ...]] = ("devices",)
+
+  @classmethod
+  def check_settings(cls, values):
+    d = values.get("devices")
+    if not isinstance(d, dict) or set(d) != {"data", "tensor"} or any(
+        isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in d.values()):
+      raise ConfigError(f"teacher.devices={d!r} must be the teacher's own mesh {{data: D, tensor: T}} (positive "
+                        "integers), e.g. {data: 1, tensor: 4}; the student's mesh (mesh.data x mesh.tensor) takes "
+                        "other devices")
+    check_hf_path(values)
+    check_quantize(values)
+
+  def accepts(self, strategy, distill):
+    return topk_refusal(self.name, strategy, distill, "teacher.devices sends the student the teacher's top-k only")
+
+  def check(self):
+    super().check()  # the strategy first: the sub-mesh teacher sends the student its top-k only
+    tau = self.cfg.distill.value("temperature")  # the section's, or the strategy's default
+    if callable(tau) or isinstance(tau, dict):
+      raise ConfigError("teacher.devices needs a constant distill.temperature (the top-k is taken at it)")
+    if not layout_class(self.cfg.mesh.backend).spans_processes:  # a mesh split over devices of its own
+      raise ConfigError(f"teacher.devices needs mesh.backend=shard_map (got {self.cfg.mesh.backend!r})")
+
+  def extra_devices(self):
+    d = self.cfg.models.teacher_devices
+    return d["data"] * d["tensor"]
+
+  def meshes(self, build_mesh):
+    cfg, d = self.cfg, self.cfg.models.teacher_devices
+    try:
+      return split_meshes((d["data"], d["tensor"]), (cfg.mesh.data, cfg.mesh.tensor))
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+
+  def prepare(self, data, mesh, teacher_mesh, services):
+    cfg, d = self.cfg, self.cfg.models.teacher_devices
+    runs = HuggingFace(cfg) if cfg.models.teacher_hf else Pretrained(cfg)
+    teacher, identity = runs.model(data, teacher_mesh, services)
+    teacher = quantized_teacher(cfg, teacher, teacher_mesh)  # teacher.quantize
+    vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
+    tau = float(cfg.distill.value("temperature"))  # constant: checked by `check`
+    on_mesh = TeacherOnMesh(teacher, k=cfg.distill.value("top_k"), temperature=tau, vocab=vocab,
+                            teacher_mesh=teacher_mesh, student_mesh=mesh)
+    services.report(f"teacher: on its own {d['data']}x{d['tensor']} mesh, student on {cfg.mesh.data}x{cfg.mesh.tensor}")
+    return Prepared(TeacherMeshData(data, on_mesh), on_mesh.spec(), identity)
