@@ -43,11 +43,15 @@ class TopKTeacher:
     """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone.
 
     A `ScaledLoss` (static loss scaling) trains from it when the strategy it wraps does: it hands the
-    teacher's top-k to that strategy unchanged.
+    teacher's top-k to that strategy unchanged. A strategy with a ``check_topk_teacher(teacher)`` method
+    (`meshdistill.strategies.SampledTokenKD`) checks this teacher itself.
     """
     wrapped, inner = "", strategy
     while isinstance(inner, ScaledLoss):
       wrapped, inner = f"{wrapped}ScaledLoss(scale={inner.scale}) wrapping ", inner.strategy
+    if hasattr(inner, "check_topk_teacher"):  # a strategy that needs only a token's log-probability (sampled_token)
+      inner.check_topk_teacher(self)
+      return
     if type(inner) is not LogitKD:  # pylint: disable=unidiomatic-typecheck
       raise ValueError(
           f"{self.source} gives the teacher's top-{self.k} tokens only, but strategy {wrapped}{type(inner).__name__} "
