@@ -66,6 +66,9 @@ def _args(argv):
   p.add_argument("--gkd-divergence", default="reverse_kl")
   p.add_argument("--arms", default=None, help="comma-separated arm keys (default: all)")
   p.add_argument("--out", default=os.path.join(HERE, "results", "on_policy_task.md"))
+  p.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                 help="train nothing: write --out from these raw results (runs of the same task, seeds and warm start, "
+                      "e.g. one with other --arms / --gkd-divergence), their arms side by side")
   return p.parse_args(argv)
 
 
@@ -93,8 +96,38 @@ def arms(gkd_divergence: str, new_tokens: int, eos: int, pad: int) -> dict:
   }
 
 
+def merge(raws: list[dict]) -> dict:
+  """One result of several runs from the same warm start (same task, seeds, teacher and warm-start settings)."""
+  out = json.loads(json.dumps(raws[0]))
+  same = ("task", "seeds", "batch", "teacher", "student", "teacher_steps", "warm_steps", "steps", "lr", "eval_every")
+  for raw in raws[1:]:
+    differ = [k for k in same if raw["args"][k] != out["args"][k]]
+    if differ or raw["warm_acc"] != out["warm_acc"]:
+      raise ValueError(f"results differ in {differ or 'the warm start'}: not from the same warm start")
+    out["command"] += "`; `" + raw["command"]
+    out["total_seconds"] += raw["total_seconds"]
+    for k, label in raw["labels"].items():
+      key = k if k not in out["labels"] else f"{k}:{raw['args']['gkd_divergence']}"
+      out["labels"][key] = label
+      for field in ("curves", "tokens", "seconds"):
+        out[field][key] = raw[field][k]
+  return out
+
+
 def main(argv=None):
   a = _args(argv)
+  if a.render:
+    raws = []
+    for path in a.render:
+      with open(path) as f:
+        raws.append(json.load(f))
+    raw = merge(raws)
+    base = os.path.splitext(a.out)[0]
+    with open(base + ".json", "w") as f:
+      json.dump(raw, f, indent=1)
+    render(raw, a.out, base + ".png")
+    print(f"wrote {a.out}")
+    return
   task, tok = parse_task(a.task), ByteTokenizer()
   seq = task.prompt_len + task.answer_width  # prompt + answer + EOS = seq + 1 tokens a row
   held = task.rows("held_out", a.eval_prompts, seed=0)

@@ -224,8 +224,9 @@ def test_task_accuracy_is_the_scorers_on_every_layout():
   got = task_accuracy(model, TASK, prompts, TOK, samples=3, seed=4)
   assert got["greedy"] == np.mean([TASK.score(p, c) for p, c in zip(prompts, texts)])
   assert 0 <= got["sampled"] <= got["pass@3"] <= 1
-  mesh = md.make_mesh(data=2, tensor=4)
-  assert task_accuracy(md.init_model(S_CFG, seed=2, mesh=mesh), TASK, prompts, TOK, samples=3, seed=4, mesh=mesh) == got
+  mesh = md.make_mesh(data=2, tensor=4)  # the same text on the mesh: the same numbers (greedy here, one program)
+  on_mesh = task_accuracy(md.init_model(S_CFG, seed=2, mesh=mesh), TASK, prompts, TOK, mesh=mesh)
+  assert on_mesh == {"greedy": got["greedy"]}
   # a model that writes the right answers scores 1: the scorer reads what generation wrote
   assert all(TASK.score(r["prompt"], r["completion"]) for r in TASK.rows("held_out", 9))
 
@@ -240,9 +241,9 @@ def test_eval_task_command_scores_a_runs_model(tmp_path, capsys):
   cfg = load_config("tiny", where)
   teacher = md.init_model(cfg.teacher, seed=0)
   save_teacher(str(tmp_path / "teacher"), teacher, TOK, {})
-  got = jobs.evaluate_task(cfg, "add2", model="teacher", prompts=8, samples=2)
+  got = jobs.evaluate_task(cfg, "add2", model="teacher", prompts=8)
   prompts = [r["prompt"] for r in TASK.rows("held_out", 8)]
-  assert {k: got[k] for k in ("greedy", "sampled", "pass@2")} == task_accuracy(teacher, TASK, prompts, TOK, samples=2)
+  assert got["greedy"] == task_accuracy(teacher, TASK, prompts, TOK)["greedy"]
   sets = [x for w in where for x in ("--set", w)]
   assert cli.main(["eval", "--config", "tiny", *sets, "--task", "add2", "--model", "teacher", "--prompts", "8"]) == 0
   assert f"task add2 (8 held-out problems, teacher): greedy accuracy {got['greedy']:.4f}" in capsys.readouterr().out

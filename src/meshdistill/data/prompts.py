@@ -167,7 +167,9 @@ class PromptData:
                val_rows=None):
     pad = getattr(tokenizer, "pad_id", None) or 0
     eos = [tokenizer.eos_id]
-    encode = lambda rs: [(tokenizer.encode(r["prompt"]), tokenizer.encode(r["completion"] or "") + eos) for r in rs]  # noqa: E731
+    def encode(rs):
+      return [(tokenizer.encode(r["prompt"]), tokenizer.encode(r["completion"] or "") + eos) for r in rs]
+
     pairs = encode(rows)
     order = np.random.default_rng(seed).permutation(len(pairs))
     n_val = 0 if val_fraction <= 0 else max(batch_size, int(round(val_fraction * len(pairs))))
@@ -192,7 +194,8 @@ class PromptData:
     return PairIterator(self.train, self.global_batch_size, self.seed, state, row_ids=row_ids)
 
   def train_rows(self) -> "PairRows":
-    """The train pairs as indexed rows (a teacher cache is written over them: `meshdistill.teachers.cache.write_cache`)."""
+    """The train pairs as indexed rows (a teacher cache is written over them:
+    `meshdistill.teachers.cache.write_cache`)."""
     return PairRows(self.train, int(getattr(self.tokenizer, "pad_id", None) or 0))
 
   def val_batches(self, max_batches: int | None = None) -> list[dict]:

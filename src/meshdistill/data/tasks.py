@@ -133,7 +133,8 @@ class ArithmeticTask:
     return list(out)
 
   def rows(self, split: str, n: int, seed: int = 0) -> list[dict]:
-    """``[{"prompt", "completion"}]`` of ``n`` distinct problems of ``split`` (`meshdistill.data.prompts.PromptData`'s rows)."""
+    """``[{"prompt", "completion"}]`` of ``n`` distinct problems of ``split`` (rows of
+    `meshdistill.data.prompts.PromptData`)."""
     return [{"prompt": self.prompt(a, b), "completion": self.answer(a, b)} for a, b in self.problems(split, n, seed)]
 
   @staticmethod

@@ -21,7 +21,8 @@ The jobs live in private modules by concept; import them from here (``meshdistil
 - ``_teacher``: the teacher cache (`default_cache_dir`, `teacher_key`, `teacher_dir`), `pretrain`, `obtain_teacher`,
   `cache_teacher` and the teacher on its own sub-mesh;
 - ``_distill_job``: `distill` and its final evaluation;
-- ``_inspect``: `evaluate`, `evaluate_task` (accuracy by generation on a task), `generate`, `load_run` (a run's student in Python), `stored_student_config`, `run_teacher`, `summary_table`.
+- ``_inspect``: `evaluate`, `evaluate_task` (accuracy by generation on a task), `generate`, `load_run` (a run's student
+  in Python), `stored_student_config`, `run_teacher`, `summary_table`.
 """
 
 from meshdistill.jobs._setup import build_mesh, load_data, prepare_devices, stream_reporter, with_batch_size

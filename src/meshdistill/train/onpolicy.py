@@ -72,7 +72,9 @@ class OnPolicyConfig(SamplingConfig):
 class OnPolicyDistiller(Distiller):
   """A `Distiller` whose batches are, with probability ``on_policy.lmbda``, completed by the student.
 
-  Takes the `Distiller` arguments plus ``on_policy`` (an `OnPolicyConfig`). ``step`` returns the step's
+  Takes the `Distiller` arguments plus ``on_policy`` (an `OnPolicyConfig`) and ``cache`` (a
+  `meshdistill.teachers.cache.TeacherCache` over the training rows, or None: the off-policy batches' teacher; see
+  the module docstring). ``step`` returns the step's
   metrics (``tokens``: the completion tokens trained on, a host number) plus ``on_policy`` (1 for a
   generated batch, else 0) and, for generated batches,
   ``sample_len`` (mean completion length) and ``sample_nll`` (the teacher's per-token NLL of the
@@ -91,8 +93,8 @@ class OnPolicyDistiller(Distiller):
     self.cache = cache
     if cache is not None:
       if self.teacher_def is None:
-        raise ValueError(f"an off-policy cache ({cache.path}) serves the data's batches; the generated ones need a live "
-                         "teacher, but this distiller has none: pass the teacher model")
+        raise ValueError(f"an off-policy cache ({cache.path}) serves the data's batches; the generated ones need a "
+                         "live teacher, but this distiller has none: pass the teacher model")
       cache.spec().check_strategy(self.strategy)
       cache_vocab = cache.manifest["vocab"]
       if cache_vocab > self.student_cfg.vocab_size:
