@@ -246,16 +246,18 @@ def render(raw: dict, out: str, png: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for k in keys:
-    s, mean, _, lo, hi = _stats(raw["curves"][k])
-    ax.plot(s, mean, marker="o", label=raw["labels"][k])
-    ax.fill_between(s, lo, hi, alpha=0.15)
-  ax.set_xlabel("steps after the warm start")
-  ax.set_ylabel("held-out greedy exact match")
-  ax.set_title(f"{a['task']}: mean over seeds {raw['seeds']} (band: min-max)")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  seeds = raw["seeds"]  # one panel per seed: the warm starts differ too much for a mean to show the arms apart
+  fig, axes = plt.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 4.2), sharey=True, squeeze=False)
+  for i, (ax, seed) in enumerate(zip(axes[0], seeds)):
+    for k in keys:
+      curve = raw["curves"][k][i]
+      style = "--" if "forward_kl" in raw["labels"][k] and k.startswith("gkd") else "-"
+      ax.plot([c[0] for c in curve], [c[1] for c in curve], style, marker=".", label=raw["labels"][k])
+    ax.set_title(f"{a['task']}, seed {seed} (warm start {raw['warm_acc'][i]:.3f})")
+    ax.set_xlabel("steps after the warm start")
+    ax.grid(alpha=0.3)
+  axes[0][0].set_ylabel("held-out greedy exact match")
+  axes[0][-1].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(png, dpi=110)
 

@@ -27,7 +27,7 @@ def main():
   p.add_argument("--form", choices=("sampled", "gkd"), default="sampled")
   p.add_argument("--mesh", default=None, help="data,tensor (simulated CPU devices), e.g. 2,4; default one device")
   p.add_argument("--teacher-steps", type=int, default=800)
-  p.add_argument("--warm-steps", type=int, default=300)
+  p.add_argument("--warm-steps", type=int, default=500)
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--batch", type=int, default=64)
   a = p.parse_args()
