@@ -5,7 +5,9 @@
 
 1. A teacher (2 blocks, d=64) learns the task (`meshdistill.data.tasks`: every number least significant digit
    first) from its train split by next-token cross-entropy; its held-out greedy accuracy is printed.
-2. A student (1 block, d=32) gets a short warm start of the same (``--warm-steps``).
+2. A student (1 block, d=32) gets a warm start of the same (``--warm-steps``): on-policy distillation starts from
+   a student that is already often right (`benchmarks/results/on_policy_task_notes.md`: from a student near 0%,
+   the reverse-KL forms barely move).
 3. The student is distilled on-policy: it answers the train prompts itself and learns from the teacher's
    log-probabilities of its own answers -- ``--form sampled`` (REINFORCE with the advantage ``log p_teacher -
    log p_student`` per token, `meshdistill.strategies.SampledTokenKD`) or ``--form gkd`` (reverse KL on its samples).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -27,7 +30,7 @@ def main():
   p.add_argument("--form", choices=("sampled", "gkd"), default="sampled")
   p.add_argument("--mesh", default=None, help="data,tensor (simulated CPU devices), e.g. 2,4; default one device")
   p.add_argument("--teacher-steps", type=int, default=800)
-  p.add_argument("--warm-steps", type=int, default=500)
+  p.add_argument("--warm-steps", type=int, default=1000)
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--batch", type=int, default=64)
   a = p.parse_args()
@@ -79,7 +82,7 @@ def main():
                                 optimizer=default_optimizer(3e-3))
   hook = TaskAccuracy(task, prompts, tok, every=max(a.steps // 4, 1), samples=4)
   result = fit(distiller, data, steps=a.steps, eval_every=0, log_every=max(a.steps // 4, 1), hooks=[hook],
-               monitor=Monitor(None, a.steps, name=f"{a.form} on-policy"))
+               monitor=Monitor(None, a.steps, stream=sys.stdout, name=f"{a.form} on-policy"))
   final = task_accuracy(distiller.student(result.state), task, prompts, tok, samples=4, mesh=eval_mesh)
   print(f"student after {a.steps} on-policy steps ({a.form}): " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
 
