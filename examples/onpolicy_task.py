@@ -13,6 +13,11 @@
    log p_student`` per token, `meshdistill.strategies.SampledTokenKD`) or ``--form gkd`` (reverse KL on its samples).
    Held-out accuracy by generation (greedy, sampled, pass@4) is logged as eval metrics while it trains
    (`meshdistill.loop.task_eval.TaskAccuracy`).
+
+Measured on a shared 2-core machine (about 65 CPU-seconds; 2.5 min of wall time under load): teacher 1.000 held-out
+greedy accuracy; student 0.598 after its warm start, 0.793 after 200 sampled-token steps (greedy; sampled 0.553,
+pass@4 0.871). With ``--warm-steps 1000`` the warm start already reaches 1.000 and the on-policy steps leave greedy
+at 0.969 while raising sampled accuracy from 0.856 (step 50) to 0.916.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ def main():
   p.add_argument("--form", choices=("sampled", "gkd"), default="sampled")
   p.add_argument("--mesh", default=None, help="data,tensor (simulated CPU devices), e.g. 2,4; default one device")
   p.add_argument("--teacher-steps", type=int, default=800)
-  p.add_argument("--warm-steps", type=int, default=1000)
+  p.add_argument("--warm-steps", type=int, default=700)
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--batch", type=int, default=64)
   a = p.parse_args()
