@@ -262,6 +262,11 @@ def _main(argv: list[str] | None) -> int:
                 f"{m['temperature']}, {m['precision']}, {cache.bytes_per_token():.1f} bytes/token, "
                 f"content {m['content_sha256'][:16]}")
           print(f"distil from it with: --set teacher.cache={cache.path} --set distill.top_k={m['k']}")
+      elif args.command == "eval" and args.task:
+        r = jobs.evaluate_task(cfg, args.task, model=args.model, prompts=args.prompts, samples=args.samples,
+                               temperature=args.temperature, seed=args.seed, stream=sys.stderr)
+        print(f"task {r['task']} ({r['prompts']} held-out problems, {r['model']}): greedy accuracy {r['greedy']:.4f}"
+              + "".join(f", {k} {r[k]:.4f}" for k in r if k == "sampled" or k.startswith("pass@")))
       elif args.command == "eval":
         print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
       elif args.command == "generate":

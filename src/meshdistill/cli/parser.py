@@ -66,6 +66,13 @@ def parser() -> argparse.ArgumentParser:
   pt.add_argument("--profile", default=None, metavar="START:STOP", help="write a JAX profiler trace of these steps")
   e = with_processes(with_config(command("eval", help="evaluate a distillation run's latest checkpoint")))
   e.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
+  e.add_argument("--task", default=None, metavar="NAME",
+                 help="accuracy by generation on a task with checkable answers instead (add<digits>, mul<digits>)")
+  e.add_argument("--prompts", type=int, default=256, help="--task: held-out problems scored")
+  e.add_argument("--samples", type=int, default=0, help="--task: samples per problem for sampled accuracy and pass@k")
+  e.add_argument("--temperature", type=float, default=1.0, help="--task: sampling temperature of the samples")
+  e.add_argument("--model", choices=("student", "teacher"), default="student", help="--task: which model answers")
+  e.add_argument("--seed", type=int, default=0, help="--task: sampling seed")
   g = with_config(command("generate", help="print samples of a run's student or teacher"))
   g.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
   g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")

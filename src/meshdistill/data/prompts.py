@@ -159,14 +159,24 @@ class PromptData:
     seq_len: positions per row (prompt + completion, cut to fit).
     batch_size: rows per step.
     val_fraction: share of the pairs held out (at least one batch when > 0).
+    val_rows: held-out pairs given apart (a task's held-out split, `meshdistill.data.tasks`); then ``rows`` all
+      train and ``val_fraction`` is not used.
   """
 
-  def __init__(self, rows, tokenizer, *, seq_len: int, batch_size: int, val_fraction: float = 0.1, seed: int = 0):
+  def __init__(self, rows, tokenizer, *, seq_len: int, batch_size: int, val_fraction: float = 0.1, seed: int = 0,
+               val_rows=None):
     pad = getattr(tokenizer, "pad_id", None) or 0
     eos = [tokenizer.eos_id]
-    pairs = [(tokenizer.encode(r["prompt"]), tokenizer.encode(r["completion"] or "") + eos) for r in rows]
+    def encode(rs):
+      return [(tokenizer.encode(r["prompt"]), tokenizer.encode(r["completion"] or "") + eos) for r in rs]
+
+    pairs = encode(rows)
     order = np.random.default_rng(seed).permutation(len(pairs))
     n_val = 0 if val_fraction <= 0 else max(batch_size, int(round(val_fraction * len(pairs))))
+    if val_rows is not None:  # the held-out pairs given, in their order, then the train pairs shuffled
+      n_val = len(val_rows)
+      order = np.concatenate([np.arange(n_val), n_val + order])
+      pairs = encode(val_rows) + pairs
     if len(pairs) - n_val < batch_size:
       raise ValueError(
           f"{len(pairs)} prompt/completion pairs leave {len(pairs) - n_val} for training after {n_val} held out; "
@@ -178,8 +188,15 @@ class PromptData:
     count = lambda b: 0 if b is None else int(b["mask"].sum())  # noqa: E731
     self.stats = {"train_tokens": count(self.train), "val_tokens": count(self.val), "pairs": len(pairs)}
 
-  def train_iterator(self, state: dict | None = None) -> "PairIterator":
-    return PairIterator(self.train, self.global_batch_size, self.seed, state)
+  def train_iterator(self, state: dict | None = None, *, row_ids: bool = False) -> "PairIterator":
+    """Shuffled train batches; ``row_ids``: each also carries ``row_ids`` [B], its rows' indices in `train_rows`
+    (what `meshdistill.teachers.cache.CachedTeacherData` reads a teacher cache by)."""
+    return PairIterator(self.train, self.global_batch_size, self.seed, state, row_ids=row_ids)
+
+  def train_rows(self) -> "PairRows":
+    """The train pairs as indexed rows (a teacher cache is written over them:
+    `meshdistill.teachers.cache.write_cache`)."""
+    return PairRows(self.train, int(getattr(self.tokenizer, "pad_id", None) or 0))
 
   def val_batches(self, max_batches: int | None = None) -> list[dict]:
     if self.val is None:
@@ -192,8 +209,8 @@ class PromptData:
 class PairIterator:
   """Batches of prompt/completion rows, reshuffled every epoch; ``get_state()`` is ``{"index": batches read}``."""
 
-  def __init__(self, rows: dict, batch_size: int, seed: int, state: dict | None = None):
-    self.rows, self.B, self.seed = rows, batch_size, seed
+  def __init__(self, rows: dict, batch_size: int, seed: int, state: dict | None = None, *, row_ids: bool = False):
+    self.rows, self.B, self.seed, self.row_ids = rows, batch_size, seed, row_ids
     self.per_epoch = len(rows["inputs"]) // batch_size
     self.index = int(state["index"]) if state else 0
 
@@ -205,10 +222,32 @@ class PairIterator:
     perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows["inputs"]))
     take = np.sort(perm[within * self.B : (within + 1) * self.B])
     self.index += 1
-    return {k: v[take] for k, v in self.rows.items()}
+    batch = {k: v[take] for k, v in self.rows.items()}
+    if self.row_ids:
+      batch["row_ids"] = take.astype(np.int64)
+    return batch
 
   def get_state(self) -> dict:
     return {"index": self.index}
 
+  def set_state(self, state: dict) -> None:
+    self.index = int(state["index"])
+
   def close(self) -> None:
     pass
+
+
+class PairRows:
+  """Prompt/completion rows by index, in the form a teacher cache is written over (``len``, ``seq_len``,
+  ``pad_id``, ``tokens`` ``[N, seq_len + 1]``, ``rows(idx)``), like `meshdistill.data.PackedSequences`."""
+
+  def __init__(self, rows: dict, pad_id: int = 0):
+    self._rows, self.pad_id = rows, pad_id
+    self.seq_len = int(np.shape(rows["inputs"])[1])
+    self.tokens = np.concatenate([rows["inputs"], rows["targets"][:, -1:]], axis=1)
+
+  def __len__(self) -> int:
+    return int(np.shape(self._rows["inputs"])[0])
+
+  def rows(self, idx) -> dict:
+    return {k: v[np.asarray(idx)] for k, v in self._rows.items()}

@@ -24,7 +24,8 @@ The jobs live in private modules by concept; import them from here (``meshdistil
   `obtain_teacher`; the sources are `meshdistill.teachers.kinds`, which also hold the pretrained teacher's cache:
   `default_cache_dir`, `teacher_key`, `teacher_dir`);
 - ``_distill_job``: `distill` and its final evaluation;
-- ``_inspect``: `evaluate`, `generate`, `load_run` (a run's student in Python), `stored_student_config`, `run_teacher`, `summary_table`.
+- ``_inspect``: `evaluate`, `evaluate_task` (accuracy by generation on a task), `generate`, `load_run` (a run's student
+  in Python), `stored_student_config`, `run_teacher`, `summary_table`.
 """
 
 from meshdistill.jobs._setup import build_mesh, load_data, prepare_devices, stream_reporter, with_batch_size
@@ -32,7 +33,15 @@ from meshdistill.jobs._training import loop_kwargs, make_distiller, safeguard_kw
 from meshdistill.jobs._teacher import cache_teacher, default_cache_dir, obtain_teacher, pretrain, teacher_dir
 from meshdistill.jobs._teacher import prepare_teacher, teacher_key
 from meshdistill.jobs._distill_job import distill
-from meshdistill.jobs._inspect import LoadedRun, evaluate, generate, load_run, run_teacher, stored_student_config
+from meshdistill.jobs._inspect import (
+    LoadedRun,
+    evaluate,
+    evaluate_task,
+    generate,
+    load_run,
+    run_teacher,
+    stored_student_config,
+)
 from meshdistill.jobs._inspect import summary_table
 
 __all__ = [
@@ -41,6 +50,7 @@ __all__ = [
   "default_cache_dir",
   "distill",
   "evaluate",
+  "evaluate_task",
   "generate",
   "load_data",
   "load_run",

@@ -1,4 +1,5 @@
-"""Jobs on a finished (or running) distillation run: `evaluate` its latest checkpoint, `generate` with its
+"""Jobs on a finished (or running) distillation run: `evaluate` its latest checkpoint, `evaluate_task` (accuracy by
+generation on a task with checkable answers), `generate` with its
 student or teacher, `load_run` (its student in Python), `run_teacher` (the run's teacher) and the final
 `summary_table`."""
 
@@ -15,6 +16,8 @@ from meshdistill.jobs._distill_job import _evaluate_pair
 from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
 from meshdistill.jobs._training import make_distiller
 from meshdistill.data import load_tokenizer
+from meshdistill.data.tasks import parse_task
+from meshdistill.loop.task_eval import task_accuracy
 from meshdistill.models import generate as generate_lib
 from meshdistill.models.generate import SamplingConfig, left_pad
 from meshdistill.parallel.backends import layout_class
@@ -69,6 +72,27 @@ def generate(
   if not prompts:
     raise ValueError("no prompts: give --prompt TEXT or --prompts-file FILE")
   say = stream_reporter(stream)
+  net, mesh, tokenizer, step = _run_model(cfg, model)
+  say(f"generating with the {model} of {cfg.run.run_dir}" + (f" (step {step})" if model == "student" else ""))
+  sampling = sampling or SamplingConfig()
+  if sampling.eos_id is None:
+    sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
+  ids = [tokenizer.encode(p) for p in prompts]
+  rows = len(ids)
+  if mesh is not None and rows % mesh.shape["data"]:  # fill the batch up to a multiple of the data axis
+    ids += [ids[-1]] * (mesh.shape["data"] - rows % mesh.shape["data"])
+  tokens, mask = left_pad(ids, pad_id=getattr(tokenizer, "pad_id", 0) or 0)
+  gen = jax.device_get(generate_lib.generate(net, tokens, mask, jax.random.key(seed), sampling, mesh=mesh))
+  out = []
+  for r in range(rows):
+    row = [int(t) for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m and t != sampling.eos_id]
+    out.append(tokenizer.decode(row))
+  return out
+
+
+def _run_model(cfg: Config, model: str = "student"):
+  """``(net, mesh, tokenizer, step)``: the ``model`` (``student``: the latest checkpoint; ``teacher``) of the run in
+  ``run.run_dir`` on its layout, read only."""
   # Read only: generating never creates, prunes or moves aside anything in the run (no run yet: the teacher).
   ckpt = Checkpointer(cfg.checkpoint_dir, every=0, read_only=True) if os.path.isdir(cfg.checkpoint_dir) else None
   try:
@@ -94,24 +118,30 @@ def generate(
       step = int(restored["step"])  # an older step when the newest is damaged
       net = distiller.student(state)
       mesh = distiller.layout.eval_mesh
-    say(f"generating with the {model} of {cfg.run.run_dir}" + (f" (step {step})" if model == "student" else ""))
   finally:
     if ckpt is not None:
       ckpt.close()
-  sampling = sampling or SamplingConfig()
-  if sampling.eos_id is None:
-    sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
-  ids = [tokenizer.encode(p) for p in prompts]
-  rows = len(ids)
-  if mesh is not None and rows % mesh.shape["data"]:  # fill the batch up to a multiple of the data axis
-    ids += [ids[-1]] * (mesh.shape["data"] - rows % mesh.shape["data"])
-  tokens, mask = left_pad(ids, pad_id=getattr(tokenizer, "pad_id", 0) or 0)
-  gen = jax.device_get(generate_lib.generate(net, tokens, mask, jax.random.key(seed), sampling, mesh=mesh))
-  out = []
-  for r in range(rows):
-    row = [int(t) for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m and t != sampling.eos_id]
-    out.append(tokenizer.decode(row))
-  return out
+  return net, mesh, tokenizer, step
+
+
+def evaluate_task(cfg: Config, task: str, *, model: str = "student", prompts: int = 256, samples: int = 0,
+                  temperature: float = 1.0, seed: int = 0, stream: IO[str] | None = None) -> dict:
+  """Accuracy by generation of the run's ``model`` on ``prompts`` held-out problems of ``task`` (a name of
+  `meshdistill.data.tasks.parse_task`, e.g. ``add3``): greedy, and with ``samples = k > 0`` sampled accuracy and
+  pass@k at ``temperature`` (`meshdistill.loop.task_eval.task_accuracy`), on the run's layout."""
+  if model not in ("student", "teacher"):
+    raise ValueError(f"model={model!r}; choose student or teacher")
+  spec = parse_task(task)
+  if isinstance(prompts, bool) or not isinstance(prompts, int) or prompts < 1:
+    raise ValueError(f"--prompts={prompts!r} must be a positive number of held-out problems, e.g. 256")
+  say = stream_reporter(stream)
+  net, mesh, tokenizer, step = _run_model(cfg, model)
+  say(f"task {task}: {prompts} held-out problems, the {model} of {cfg.run.run_dir}"
+      + (f" (step {step})" if model == "student" else ""))
+  rows = spec.rows("held_out", prompts)
+  acc = task_accuracy(net, spec, [r["prompt"] for r in rows], tokenizer, samples=samples, temperature=temperature,
+                      seed=seed, mesh=mesh)
+  return {"task": task, "model": model, "step": step, "prompts": prompts, **acc}
 
 
 class LoadedRun(NamedTuple):

@@ -28,6 +28,8 @@ Built in (registered name in brackets, for configs' ``distill.kind`` and `get`):
                                        schedules
 `PreferenceLoss` (preference)          DPO / IPO / DPO + KL on (chosen, rejected) row pairs, the
                                        teacher as the frozen reference (a mean over pairs)
+`SampledTokenKD` (sampled_token)       on-policy REINFORCE on the student's sampled tokens, advantage
+                                       ``log p_teacher - log p_student`` (any teacher giving one log-prob)
 =====================================  ===========================================================
 
 `LogitKD`             a divergence (KL, reverse KL, JSD, ...) between temperature-softened

@@ -20,6 +20,16 @@ shape, so the step compiles once for both kinds.
 
 With ``alpha < 1`` the hard-label CE term of `LogitKD` is taken on the sampled tokens too; GKD
 recipes use ``distill.alpha=1`` (divergence only).
+
+Two forms, by strategy: GKD (a distribution divergence, `LogitKD`, on the sampled sequences) and the
+sampled-token form (`meshdistill.strategies.SampledTokenKD`, ``distill.kind=sampled_token``: REINFORCE with
+the advantage ``log p_teacher(y_t) - log p_student(y_t)`` on the student's own tokens, usually ``lambda=1``).
+
+Off-policy batches from an offline cache (``cache``, a `meshdistill.teachers.cache.TeacherCache` written over
+the training rows): the batches whose coin says "data" read the teacher's top-k from the cache by their
+``row_ids`` (the data iterator yields them) and the step runs no teacher; the generated batches, which no cache
+can hold, run the teacher live. The strategy must then train from a top-k teacher (`LogitKD` with
+``top_k <= k``, the same top-k loss the live teacher's share computes from its logits, or `SampledTokenKD`).
 """
 
 from __future__ import annotations
@@ -62,14 +72,16 @@ class OnPolicyConfig(SamplingConfig):
 class OnPolicyDistiller(Distiller):
   """A `Distiller` whose batches are, with probability ``on_policy.lmbda``, completed by the student.
 
-  Takes the `Distiller` arguments plus ``on_policy`` (an `OnPolicyConfig`). ``step`` returns the step's
+  Takes the `Distiller` arguments plus ``on_policy`` (an `OnPolicyConfig`) and ``cache`` (a
+  `meshdistill.teachers.cache.TeacherCache` over the training rows, or None: the off-policy batches' teacher; see
+  the module docstring). ``step`` returns the step's
   metrics (``tokens``: the completion tokens trained on, a host number) plus ``on_policy`` (1 for a
   generated batch, else 0) and, for generated batches,
   ``sample_len`` (mean completion length) and ``sample_nll`` (the teacher's per-token NLL of the
   generated completions: the step's ``teacher_ce`` on them).
   """
 
-  def __init__(self, student, teacher, *, on_policy: OnPolicyConfig, **kwargs):
+  def __init__(self, student, teacher, *, on_policy: OnPolicyConfig, cache=None, **kwargs):
     if process_count() > 1:  # the sampled batch is built on the host from the whole batch's completions
       raise ValueError(
           f"on-policy distillation (distill.on_policy.lambda={on_policy.lmbda}, seq_kd={on_policy.seq_kd}) runs as "
@@ -78,6 +90,16 @@ class OnPolicyDistiller(Distiller):
       )
     super().__init__(student, teacher, **kwargs)
     self.on_policy = on_policy
+    self.cache = cache
+    if cache is not None:
+      if self.teacher_def is None:
+        raise ValueError(f"an off-policy cache ({cache.path}) serves the data's batches; the generated ones need a "
+                         "live teacher, but this distiller has none: pass the teacher model")
+      cache.spec().check_strategy(self.strategy)
+      cache_vocab = cache.manifest["vocab"]
+      if cache_vocab > self.student_cfg.vocab_size:
+        raise ValueError(f"teacher cache {cache.path} has token ids up to {cache_vocab} but the student's vocab_size "
+                         f"is {self.student_cfg.vocab_size}; use the cache of this teacher and tokenizer")
 
   def prompt_width(self, seq_len: int) -> int:
     """Room for a prompt in a row of ``seq_len`` positions when ``max_new_tokens`` are generated."""
@@ -92,7 +114,7 @@ class OnPolicyDistiller(Distiller):
   def as_prompt_batch(self, batch: dict) -> dict:
     """``batch`` with ``prompt_len`` (a packed batch is cut into prompt + completion)."""
     if "prompt_len" in batch:
-      return batch
+      return dict(batch)
     return cut_prompts(batch, self.prompt_width(np.shape(batch["inputs"])[1]))
 
   def wants_sample(self, step: int) -> bool:
@@ -119,8 +141,14 @@ class OnPolicyDistiller(Distiller):
     step = int(np.asarray(jax.device_get(self.unreplicate(state).step)))
     batch = self.as_prompt_batch(batch)
     sampled = self.wants_sample(step)
+    row_ids = batch.pop("row_ids", None)
     if sampled:
       batch = self.sample_batch(state, batch, step)
+    elif self.cache is not None:  # the data's completions: the teacher's top-k from the cache
+      if row_ids is None:
+        raise ValueError(f"with the off-policy cache {self.cache.path} every batch carries row_ids (its rows in the "
+                         "cache); read the data with train_iterator(row_ids=True)")
+      batch = {**batch, **self.cache.rows(row_ids)}
     new_state, metrics = super().step(state, batch)
     metrics = dict(metrics)
     # The tokens trained on (completion targets; sampled ones for a generated batch), counted on the host:
