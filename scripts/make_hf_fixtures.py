@@ -58,6 +58,9 @@ def make_text_and_tokenizer() -> None:
   tok.train_from_iterator(docs, trainer)
   out = FIXTURES / TOKENIZER_FIXTURE / "tokenizer.json"
   tok.save(str(out))
+  for other in ("hf_gemma3",):  # the Gemma 3 fixture's CLI run (configs/gemma3_example.yaml) reads the same text
+    if (FIXTURES / other).is_dir():
+      tok.save(str(FIXTURES / other / "tokenizer.json"))
   print(f"{TEXT_FILE.name}: {len(docs)} documents, {TEXT_FILE.stat().st_size / 1024:.0f} KiB; "
         f"{out.relative_to(FIXTURES)}: {tok.get_vocab_size()} tokens, {out.stat().st_size / 1024:.0f} KiB")
 
