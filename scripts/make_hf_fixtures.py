@@ -114,7 +114,8 @@ def _models() -> dict:
       # query_pre_attn_scalar != head_dim, q/k norms, tied embeddings, a vocabulary (130) 4 does not divide.
       "hf_gemma3": (
           transformers.Gemma3TextConfig,
-          dict(GEMMA, hidden_size=64, head_dim=16, intermediate_size=96, num_hidden_layers=4, sliding_window=4, query_pre_attn_scalar=24,
+          dict(GEMMA, hidden_size=64, head_dim=16, intermediate_size=96, num_hidden_layers=4, sliding_window=4,
+               query_pre_attn_scalar=24,
                layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
@@ -125,7 +126,8 @@ def _models() -> dict:
       # sliding (window 4) and global layers; a vocabulary (130) 4 does not divide.
       "hf_gemma2": (
           transformers.Gemma2Config,
-          dict(GEMMA, hidden_size=32, head_dim=8, intermediate_size=64, num_hidden_layers=2, sliding_window=4, query_pre_attn_scalar=16,
+          dict(GEMMA, hidden_size=32, head_dim=8, intermediate_size=64, num_hidden_layers=2, sliding_window=4,
+               query_pre_attn_scalar=16,
                attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=10_000.0),
           transformers.Gemma2ForCausalLM,
           None,
