@@ -137,11 +137,11 @@ class Attention(nnx.Module):
     kind = cfg.attention
     if kind == "auto" or want_probs:
       kind = "explicit" if want_probs else "xla"
+    if kind == "splash" and cache is not None:
+      kind = "xla"  # decoding attends a few queries to a cache: nothing for a flash kernel to save
     if cfg.attn_softcap is not None and kind in ("xla", "cudnn"):
       kind = "explicit"  # jax.nn.dot_product_attention has no soft-cap of the scores
     options = {"window": self.window, "scale": cfg.query_scale, "cap": cfg.attn_softcap}
-    if kind == "splash" and cache is not None:
-      kind = "xla"  # decoding attends a few queries to a cache: nothing for a flash kernel to save
     if kind == "explicit":
       out, probs_BxHxTxS = _explicit_attention(q, k, v, visible, **options)
     elif kind == "splash":
