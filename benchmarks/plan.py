@@ -35,6 +35,8 @@ PAIRS = [
     ("qwen3-8b", "qwen3-1.7b"),
     ("llama3.1-70b", "llama3.1-8b"),
     ("qwen3-4b", "qwen3-0.6b"),
+    ("gemma-3-12b", "gemma-3-1b"),
+    ("mistral-7b-v0.3", "mistral-7b-v0.3[0,10,21,31]"),
 ]
 # (topology name, what Google Cloud calls the slice)
 TOPOLOGIES = [("v5e:4x4", "v5e-16"), ("v5e:8x8", "v5e-64"), ("v5p:2x4x4", "v5p-64 (32 chips)")]
@@ -47,10 +49,21 @@ def run_row(i: int, batch: int, seq: int, chunk: int) -> dict:
 
   teacher, student, topo, label = ROWS[i]
   t0 = time.perf_counter()
-  p = md.plan(teacher, student, topology=topo, batch=batch, seq=seq, remat="full", chunk_size=chunk, suggest=0)
+  p = md.plan(teacher, _model(student), topology=topo, batch=batch, seq=seq, remat="full", chunk_size=chunk, suggest=0)
   out = p.to_dict()
   out.update(row=i, slice=label, wall_seconds=time.perf_counter() - t0, host=f"{os.cpu_count()} cores")
   return out
+
+
+def _model(spec: str):
+  """A preset name, or ``PRESET[i,j,...]``: that preset's blocks i, j, ... (a layer-subset student, as
+  ``student.init.layers`` makes; e.g. a 1.1B student of Mistral-7B's blocks 0, 10, 21 and 31)."""
+  if not spec.endswith("]"):
+    return spec
+  from meshdistill.planner import resolve_model  # pylint: disable=g-import-not-at-top
+
+  name, layers = spec[:-1].split("[")
+  return resolve_model(name, who="student")[0].with_layers([int(x) for x in layers.split(",")])
 
 
 def _gib(x):

@@ -6,6 +6,7 @@ Run by hand (needs torch and transformers, which the test suite itself does not)
     python scripts/make_hf_fixtures.py                  # writes tests/fixtures/hf_*
     python scripts/make_hf_fixtures.py --check-export   # meshdistill export -> transformers logits
     python scripts/make_hf_fixtures.py --tokenizer      # only the text and tokenizer (needs `tokenizers` only)
+    python scripts/make_hf_fixtures.py hf_gemma3        # only the fixtures named (also with --check-export)
 
 Each fixture directory holds config.json, bfloat16 safetensors weights (the Llama one sharded,
 with model.safetensors.index.json) and ``reference.npz`` = {tokens [2, 12] int32, logits
@@ -57,12 +58,18 @@ def make_text_and_tokenizer() -> None:
   tok.train_from_iterator(docs, trainer)
   out = FIXTURES / TOKENIZER_FIXTURE / "tokenizer.json"
   tok.save(str(out))
+  for other in ("hf_gemma3",):  # the Gemma 3 fixture's CLI run (configs/gemma3_example.yaml) reads the same text
+    if (FIXTURES / other).is_dir():
+      tok.save(str(FIXTURES / other / "tokenizer.json"))
   print(f"{TEXT_FILE.name}: {len(docs)} documents, {TEXT_FILE.stat().st_size / 1024:.0f} KiB; "
         f"{out.relative_to(FIXTURES)}: {tok.get_vocab_size()} tokens, {out.stat().st_size / 1024:.0f} KiB")
 
 
 COMMON = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
               max_position_embeddings=64, hidden_act="silu")
+
+GEMMA = dict({k: v for k, v in COMMON.items() if k != "hidden_act"}, vocab_size=130,
+             hidden_activation="gelu_pytorch_tanh")
 
 
 def _models() -> dict:
@@ -93,6 +100,36 @@ def _models() -> dict:
           dict(COMMON, hidden_size=32, intermediate_size=64, num_hidden_layers=1, tie_word_embeddings=False,
                rope_theta=1_000_000.0),
           transformers.Qwen2ForCausalLM,
+          None,
+      ),
+      # Mistral: a sliding window (4) shorter than the sequence (12), untied head.
+      "hf_mistral": (
+          transformers.MistralConfig,
+          dict(COMMON, hidden_size=64, head_dim=16, intermediate_size=96, tie_word_embeddings=False,
+               sliding_window=4, rope_theta=1_000_000.0),
+          transformers.MistralForCausalLM,
+          None,
+      ),
+      # Gemma 3 text: sliding (window 4) and global layers with their own RoPE (global: linear scaling x2),
+      # query_pre_attn_scalar != head_dim, q/k norms, tied embeddings, a vocabulary (130) 4 does not divide.
+      "hf_gemma3": (
+          transformers.Gemma3TextConfig,
+          dict(GEMMA, hidden_size=64, head_dim=16, intermediate_size=96, num_hidden_layers=4, sliding_window=4,
+               query_pre_attn_scalar=24,
+               layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+          transformers.Gemma3ForCausalLM,
+          None,
+      ),
+      # Gemma 2: soft-capped attention scores (cap 2) and logits (cap 3), small enough to matter; alternating
+      # sliding (window 4) and global layers; a vocabulary (130) 4 does not divide.
+      "hf_gemma2": (
+          transformers.Gemma2Config,
+          dict(GEMMA, hidden_size=32, head_dim=8, intermediate_size=64, num_hidden_layers=2, sliding_window=4,
+               query_pre_attn_scalar=16,
+               attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=10_000.0),
+          transformers.Gemma2ForCausalLM,
           None,
       ),
   }
@@ -138,7 +175,7 @@ def make(name: str, seed: int) -> None:
   print(f"{name}: {sorted(p.name for p in out.iterdir())}, {size / 1024:.0f} KiB")
 
 
-def check_export() -> int:
+def check_export(names=()) -> int:
   """Loads each fixture with meshdistill, exports it, loads the export with transformers, compares logits."""
   import torch
   import transformers
@@ -147,7 +184,7 @@ def check_export() -> int:
   from meshdistill.models.hf import export_hf, load_hf
 
   worst = 0.0
-  for name in _models():
+  for name in names or _models():
     ref = np.load(FIXTURES / name / "reference.npz")
     with tempfile.TemporaryDirectory() as tmp:
       export_hf(load_hf(FIXTURES / name), tmp, tokenizer=None)
@@ -162,14 +199,18 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--check-export", action="store_true", help="verify meshdistill exports with transformers")
   parser.add_argument("--tokenizer", action="store_true", help="write only the text corpus and the Qwen3 tokenizer")
+  parser.add_argument("names", nargs="*", help="only these fixtures (e.g. hf_gemma3); default all")
   args = parser.parse_args()
   if args.check_export:
-    return check_export()
+    return check_export(args.names)
   if args.tokenizer:
     make_text_and_tokenizer()
     return 0
   for i, name in enumerate(_models()):
-    make(name, seed=i)
+    if not args.names or name in args.names:
+      make(name, seed=i)
+  if args.names:
+    return 0
   make_text_and_tokenizer()
   return 0
 

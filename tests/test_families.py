@@ -18,6 +18,8 @@ from flax import nnx
 import meshdistill as md
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+GEMMA2_BLOCK = {"geglu": True, "norm_offset": True, "embed_scale": True, "post_norms": True}
+GEMMA3_BLOCK = {**GEMMA2_BLOCK, "qk_norm": True}
 TINY = md.ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, mlp_hidden=32, max_len=16)
 
 
@@ -59,7 +61,7 @@ def test_generate_names_what_a_model_without_a_cached_decode_step_lacks():
     generate(_tunix_lm(), prompts, prompts > 0, None, SamplingConfig(max_new_tokens=2, temperature=0.0))
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen3", "hf_qwen2"])
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen3", "hf_qwen2", "hf_mistral", "hf_gemma3", "hf_gemma2"])
 def test_each_fixture_is_recognised_and_its_config_round_trips(name):
   from meshdistill.models import families
 
@@ -74,7 +76,7 @@ def test_each_fixture_is_recognised_and_its_config_round_trips(name):
   assert families.family_for({"model_type": hf["model_type"]}) is fam  # no architectures: by model_type
 
 
-@pytest.mark.parametrize("block", [{}, {"qk_norm": True}, {"qkv_bias": True}])
+@pytest.mark.parametrize("block", [{}, {"qk_norm": True}, {"qkv_bias": True}, GEMMA2_BLOCK, GEMMA3_BLOCK])
 def test_weight_names_map_both_ways_for_every_parameter(block):
   from meshdistill.models import families
   from meshdistill.models._build import abstract_params
@@ -95,9 +97,11 @@ def test_unknown_architecture_or_family_lists_the_supported_ones():
   from meshdistill.models import families
 
   with pytest.raises(ValueError, match=r"architectures=\['GPT2LMHeadModel'\], model_type='gpt2' is not supported; "
-                     r"supported architectures: \['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
+                     r"supported architectures: \['Gemma2ForCausalLM', 'Gemma3ForCausalLM', 'LlamaForCausalLM', "
+                     r"'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
     families.family_for({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
-  with pytest.raises(ValueError, match=r"family='gpt2'; choose one of \['llama', 'qwen2', 'qwen3'\]"):
+  names = r"\['gemma2', 'gemma3', 'llama', 'mistral', 'qwen2', 'qwen3'\]"
+  with pytest.raises(ValueError, match=r"family='gpt2'; choose one of " + names):
     families.get("gpt2")
 
 
@@ -126,20 +130,20 @@ def test_planner_presets_are_collected_from_the_family_modules():
   assert (label, cfg.qk_norm, cfg.d_model, cfg.n_layers) == ("qwen3-8b", True, 4096, 36)
 
 
-MISTRAL = '''
-"""Mistral (``MistralForCausalLM``): the Llama block under another name; no sliding window."""
+TOY = '''
+"""Toy (``ToyForCausalLM``): the Llama block under another name; no sliding window."""
 
 from meshdistill.models.families import register
 from meshdistill.models.families.llama import Llama
 
 
 @register
-class Mistral(Llama):
-  name = "mistral"
-  architectures = ("MistralForCausalLM",)
+class Toy(Llama):
+  name = "toy"
+  architectures = ("ToyForCausalLM",)
   rope_scaling = False
-  presets = {"mistral-7b": {
-      "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096,
+  presets = {"toy-7b": {
+      "architectures": ["ToyForCausalLM"], "model_type": "toy", "vocab_size": 32768, "hidden_size": 4096,
       "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
       "head_dim": 128, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
       "sliding_window": None, "tie_word_embeddings": False,
@@ -163,29 +167,29 @@ from meshdistill.models import families
 from meshdistill.models.hf import export_hf, load_hf
 from meshdistill.planner import PRESETS, resolve_model
 
-hf = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32, "hidden_size": 16,
+hf = {"architectures": ["ToyForCausalLM"], "model_type": "toy", "vocab_size": 32, "hidden_size": 16,
       "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
       "head_dim": 8, "hidden_act": "silu", "max_position_embeddings": 16, "rms_norm_eps": 1e-5,
       "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False}
 fam = families.family_for(hf)
-assert fam.name == "mistral" and fam is families.family_for({"model_type": "mistral"}), fam
+assert fam.name == "toy" and fam is families.family_for({"model_type": "toy"}), fam
 cfg = fam.from_hf(hf)
 written = fam.to_hf(cfg)
-assert written["architectures"] == ["MistralForCausalLM"] and written["model_type"] == "mistral", written
+assert written["architectures"] == ["ToyForCausalLM"] and written["model_type"] == "toy", written
 assert written["sliding_window"] is None and fam.from_hf(written) == cfg
 assert families.default_for(cfg).name == "llama"  # a plain block still exports as llama unless asked
-assert "mistral-7b" in PRESETS and resolve_model("mistral-7b", who="teacher")[0].d_model == 4096
+assert "toy-7b" in PRESETS and resolve_model("toy-7b", who="teacher")[0].d_model == 4096
 with tempfile.TemporaryDirectory() as tmp:
   model = md.models.init_model(cfg, seed=1)
-  export_hf(model, os.path.join(tmp, "out"), family="mistral")
+  export_hf(model, os.path.join(tmp, "out"), family="toy")
   with open(os.path.join(tmp, "out", "config.json")) as f:
-    assert json.load(f)["architectures"] == ["MistralForCausalLM"]
+    assert json.load(f)["architectures"] == ["ToyForCausalLM"]
   tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
   back = load_hf(os.path.join(tmp, "out"))
   assert back.cfg == cfg, (back.cfg, cfg)
   np.testing.assert_allclose(back(tokens).logits, model(tokens).logits, atol=1e-6)
 try:
-  fam.from_hf(dict(hf, sliding_window=4096), where="mistral/config.json")
+  fam.from_hf(dict(hf, sliding_window=4096), where="toy/config.json")
 except ValueError as e:
   print(e)
 else:
@@ -195,13 +199,13 @@ print("families:", families.names())
 
 
 def test_a_new_family_that_differs_only_in_config_is_one_new_module(tmp_path):
-  """Copy the package, add models/families/mistral.py, and read, write, export and reload a Mistral config."""
+  """Copy the package, add models/families/toy.py, and read, write, export and reload a config of that family."""
   src = os.path.dirname(os.path.dirname(os.path.abspath(md.__file__)))
   shutil.copytree(os.path.join(src, "meshdistill"), tmp_path / "meshdistill",
                   ignore=shutil.ignore_patterns("__pycache__"))
-  (tmp_path / "meshdistill" / "models" / "families" / "mistral.py").write_text(textwrap.dedent(MISTRAL))
+  (tmp_path / "meshdistill" / "models" / "families" / "toy.py").write_text(textwrap.dedent(TOY))
   env = dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu")
   run = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr
-  assert "mistral/config.json: sliding_window=4096 is not supported; expected null" in run.stdout
-  assert "families: ['llama', 'mistral', 'qwen2', 'qwen3']" in run.stdout
+  assert "toy/config.json: sliding_window=4096 is not supported; expected null" in run.stdout
+  assert "families: ['gemma2', 'gemma3', 'llama', 'mistral', 'qwen2', 'qwen3', 'toy']" in run.stdout

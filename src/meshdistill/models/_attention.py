@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill.parallel.mesh import DATA, TENSOR
 from meshdistill.models._config import RopeScaling
+from meshdistill.models._variants import band, softcap
 
 log = logging.getLogger(__name__)
 _warned_interpret = False
@@ -45,10 +46,13 @@ class KVCache(NamedTuple):
         v_BxSxGxK=jax.lax.dynamic_update_slice(self.v_BxSxGxK, v_BxTxGxK.astype(self.v_BxSxGxK.dtype), at),
     )
 
-  def visible(self, T: int) -> jax.Array:
-    """``[B, 1, T, S]``: query ``t`` (slot ``index + t``) sees valid slots ``<= index + t``."""
+  def visible(self, T: int, window: int | None = None) -> jax.Array:
+    """``[B, 1, T, S]``: query ``t`` (slot ``index + t``) sees valid slots ``<= index + t`` (with a sliding
+    ``window``: the last ``window`` of them; a row's slots and positions differ by its left padding only, so the
+    band on slots is the band on positions)."""
     S = self.k_BxSxGxK.shape[1]
-    causal_TxS = jnp.arange(S)[None, :] <= self.index + jnp.arange(T)[:, None]
+    rows_Tx1, cols_1xS = self.index + jnp.arange(T)[:, None], jnp.arange(S)[None, :]
+    causal_TxS = (cols_1xS <= rows_Tx1) & band(rows_Tx1, cols_1xS, window)
     return causal_TxS[None, None] & self.valid_BxS[:, None, None, :]
 
 
@@ -76,18 +80,26 @@ def rope(
   return out.astype(x_BxTxHxK.dtype)
 
 
-def _explicit_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS=None):
+def _explicit_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS=None, *, window=None, scale=None,
+                        cap=None):
   """Causal grouped-query attention with explicit float32 scores: ``(out [B, T, H, K], probs [B, H, T, S])``.
 
   Query head ``h`` reads key/value head ``h // (H / G)``; the einsums run over the groups, so
-  key/value heads are never copied.
+  key/value heads are never copied. ``scale``: of the scores (default ``K ** -0.5``); ``cap``: scores soft-capped
+  (`meshdistill.models._variants.softcap`) before the mask; ``window``: a sliding window when ``visible`` is not
+  given (a cache's ``visible`` carries its own).
   """
   G, K = k_BxSxGxK.shape[2], q_BxTxHxK.shape[-1]
   T, S = q_BxTxHxK.shape[1], k_BxSxGxK.shape[1]
   q_BxTxGxRxK = einops.rearrange(q_BxTxHxK, "b t (g r) k -> b t g r k", g=G)
-  scores = jnp.einsum("btgrk,bsgk->bgrts", q_BxTxGxRxK, k_BxSxGxK).astype(jnp.float32) / jnp.sqrt(K)
+  scores = jnp.einsum("btgrk,bsgk->bgrts", q_BxTxGxRxK, k_BxSxGxK).astype(jnp.float32)
+  scores = softcap(scores / jnp.sqrt(K) if scale is None else scores * scale, cap)
   scores_BxHxTxS = einops.rearrange(scores, "b g r t s -> b (g r) t s")
-  visible = jnp.tril(jnp.ones((T, S), dtype=bool)) if visible_Bx1xTxS is None else visible_Bx1xTxS
+  if visible_Bx1xTxS is None:
+    rows_Tx1, cols_1xS = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
+    visible = (cols_1xS <= rows_Tx1) & band(rows_Tx1, cols_1xS, window)
+  else:
+    visible = visible_Bx1xTxS
   scores_BxHxTxS = jnp.where(visible, scores_BxHxTxS, jnp.finfo(jnp.float32).min)
   probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1)
   probs = einops.rearrange(probs_BxHxTxS.astype(v_BxSxGxK.dtype), "b (g r) t s -> b g r t s", g=G)
@@ -109,7 +121,7 @@ def target_platform() -> str:
   return jax.default_backend() if device is None else device.platform
 
 
-def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
+def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, **options):
   """`_splash_attention` placed for the mesh in context: ``out [B, T, H, K]``.
 
   The kernel is a Pallas custom call that XLA cannot partition (the TPU compiler refuses to: "Mosaic
@@ -122,7 +134,7 @@ def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
   device slices its group out of the replicated keys and values. Rows are split over a
   compiler-managed ``data`` axis that divides them. Interpret mode follows `target_platform`.
   Without a mesh in context (one device, a plain ``jit``) or with every axis manual already (``pmap``) the
-  kernel runs as it is.
+  kernel runs as it is. ``options``: `_splash_attention`'s ``window``, ``scale`` and ``cap``.
   """
   interpret = target_platform() != "tpu"
   global _warned_interpret
@@ -136,7 +148,7 @@ def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
   manual = set(getattr(mesh, "manual_axes", ()))
   free = {a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1}
   if not free:
-    return _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret=interpret)
+    return _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret=interpret, **options)
   B, _, H, _ = q_BxTxHxK.shape
   G = k_BxTxGxK.shape[2]
   t = mesh.shape[TENSOR] if TENSOR in free else 1
@@ -159,20 +171,23 @@ def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK):
       else:  # groups cut by the split (t divides neither G nor H/G): one key/value head per query head
         pick = lambda a: jnp.take(a, (first + jnp.arange(heads)) // R, axis=2)  # noqa: E731
       k_BxTxGxK, v_BxTxGxK = pick(k_BxTxGxK), pick(v_BxTxGxK)
-    return _splash_attention(q_BxTxHlxK, k_BxTxGxK, v_BxTxGxK, interpret=interpret)
+    return _splash_attention(q_BxTxHlxK, k_BxTxGxK, v_BxTxGxK, interpret=interpret, **options)
 
   return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=free,
                        check_vma=False)(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK)
 
 
-def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret: bool | None = None):
+def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret: bool | None = None, *, window: int | None = None,
+                      scale: float | None = None, cap: float | None = None):
   """Causal grouped-query attention with the Pallas splash kernel on the heads given: ``out [B, T, H, K]``.
 
   The kernel's multi-query form (one key/value head shared by ``H / G`` query heads) is vmapped
   over batch and key/value groups, so key/value heads are never copied. ``interpret``: Pallas
   interpret mode (slow: for numerics checks off TPU); None follows `target_platform`. Blocks are
   ``gcd(T, 512)`` tokens; ``T`` must be a multiple of 128 (the kernel's lane width). The decoder
-  calls it through `splash_attention`, which splits heads over ``tensor``.
+  calls it through `splash_attention`, which splits heads over ``tensor``. ``window``: the kernel's local mask
+  (a query sees itself and the ``window - 1`` keys before it); ``scale``: of the scores (default ``K ** -0.5``,
+  applied to the queries); ``cap``: the kernel's soft-cap of the scores.
   """
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
 
@@ -190,9 +205,15 @@ def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret: bool | None = 
       block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
       block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
   )
-  mask = splash.MultiHeadMask([splash.CausalMask((T, T)) for _ in range(H // G)])
-  kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
-  q_BxGxRxTxK = einops.rearrange(q_BxTxHxK, "b t (g r) k -> b g r t k", g=G) / jnp.sqrt(K).astype(q_BxTxHxK.dtype)
+  one = splash.CausalMask((T, T)) if window is None else splash.LocalMask((T, T), (window - 1, 0), offset=0)
+  mask = splash.MultiHeadMask([one for _ in range(H // G)])
+  kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret,
+                                                attn_logits_soft_cap=cap)
+  q_BxGxRxTxK = einops.rearrange(q_BxTxHxK, "b t (g r) k -> b g r t k", g=G)
+  if scale is None:
+    q_BxGxRxTxK = q_BxGxRxTxK / jnp.sqrt(K).astype(q_BxTxHxK.dtype)
+  else:
+    q_BxGxRxTxK = q_BxGxRxTxK * jnp.asarray(scale, q_BxTxHxK.dtype)
   k_BxGxTxK, v_BxGxTxK = (einops.rearrange(a, "b t g k -> b g t k") for a in (k_BxTxGxK, v_BxTxGxK))
   out = jax.vmap(jax.vmap(kernel))(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK)
   return einops.rearrange(out, "b g r t k -> b t (g r) k").astype(v_BxTxGxK.dtype)

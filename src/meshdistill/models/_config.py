@@ -34,6 +34,13 @@ ATTENTION = {
 }
 
 
+# `ModelConfig.layer_types` values (Hugging Face's names): what a layer's attention sees.
+LAYER_TYPES = {
+    "full_attention": "every earlier token (global)",
+    "sliding_attention": "the last sliding_window tokens, itself included (local)",
+}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
   """Llama-3 rotary frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type="llama3"``).
@@ -43,12 +50,18 @@ class RopeScaling:
   """
 
   factor: float = 8.0
+  kind: str = "llama3"  # "llama3", or "linear": every frequency divided by ``factor`` (Gemma 3's global layers)
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_len: int = 8192
 
   def __post_init__(self):
-    if not self.high_freq_factor > self.low_freq_factor > 0 or self.factor <= 0 or self.original_max_len < 1:
+    if self.kind not in ("llama3", "linear"):
+      raise ValueError(f"RopeScaling.kind={self.kind!r}; choose 'llama3' or 'linear'")
+    if self.kind == "linear" and self.factor <= 0:
+      raise ValueError(f"RopeScaling(kind='linear', factor={self.factor}) needs factor > 0")
+    bad = not self.high_freq_factor > self.low_freq_factor > 0 or self.factor <= 0 or self.original_max_len < 1
+    if self.kind == "llama3" and bad:
       raise ValueError(
           f"RopeScaling{dataclasses.astuple(self)} needs factor > 0, high_freq_factor > low_freq_factor > 0 "
           "and original_max_len >= 1 (e.g. Llama 3.1: factor=8, low_freq_factor=1, high_freq_factor=4, "
@@ -57,6 +70,8 @@ class RopeScaling:
 
   def apply(self, inv_freq: jax.Array) -> jax.Array:
     """Scaled inverse frequencies ``[K/2]`` from the plain ones."""
+    if self.kind == "linear":
+      return inv_freq / self.factor
     wavelen = 2 * jnp.pi / inv_freq
     low_wavelen = self.original_max_len / self.low_freq_factor
     high_wavelen = self.original_max_len / self.high_freq_factor
@@ -97,11 +112,24 @@ class ModelConfig:
   rope_scaling: RopeScaling | None = None  # Llama-3 frequency scaling (a dict of its fields also works)
   attention: str = "auto"  # attention kernel, a key of ATTENTION (explicit scores whenever probabilities are captured)
   scan_layers: bool = False  # blocks stacked [L, ...] and run under nnx.scan: one compiled block (see below)
+  # Block options of the Mistral and Gemma families (`meshdistill.models._variants`), all off for Llama:
+  sliding_window: int | None = None  # a sliding layer's query sees itself and the sliding_window - 1 tokens before
+  layer_types: tuple[str, ...] | None = None  # per layer, a key of LAYER_TYPES; None: all sliding if sliding_window
+  rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3; they then take no rope_scaling)
+  geglu: bool = False  # MLP gate through tanh-approximated GELU instead of SiLU (Gemma)
+  norm_offset: bool = False  # RMSNorm scales stored as w, applied as 1 + w in float32 (Gemma)
+  embed_scale: bool = False  # embeddings times sqrt(d_model), rounded to the compute dtype (Gemma)
+  post_norms: bool = False  # RMSNorm on the attention and MLP outputs before each residual add (Gemma 2 / 3)
+  query_scale: float | None = None  # score scale (Gemma: query_pre_attn_scalar ** -0.5); default head_dim ** -0.5
+  attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+  final_softcap: float | None = None  # logits -> cap * tanh(logits / cap), elementwise, per vocabulary shard (Gemma 2)
   # Set by `for_tensor` (init_model / load_hf / shard_model on a mesh), rarely by hand:
   vocab_multiple: int = 1  # embedding / head rows padded to a multiple of this; logits still cover vocab_size
   replicate_kv: bool = False  # k/v projections replicated over `tensor` (fewer key/value heads than `tensor`)
 
   def __post_init__(self):
+    if isinstance(self.layer_types, list):
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
     if isinstance(self.rope_scaling, dict):
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
     sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "max_len", "vocab_multiple")
@@ -132,6 +160,42 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.scan_layers={self.scan_layers!r} must be true or false")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {tuple(REMAT_POLICIES)}")
+    self._check_layer_options()
+
+  def _check_layer_options(self) -> None:
+    w = self.sliding_window
+    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+      raise ValueError(f"ModelConfig.sliding_window={w!r} must be a positive integer or None (no window)")
+    for name in ("query_scale", "attn_softcap", "final_softcap", "rope_local_theta"):
+      v = getattr(self, name)
+      if v is not None and not (isinstance(v, (int, float)) and v > 0):
+        raise ValueError(f"ModelConfig.{name}={v!r} must be a positive number or None (off)")
+    types = self.layer_types
+    if types is None:
+      return
+    if len(types) != self.n_layers or any(t not in LAYER_TYPES for t in types):
+      raise ValueError(f"ModelConfig.layer_types={list(types)!r} must name one of {list(LAYER_TYPES)} for each of the "
+                       f"n_layers={self.n_layers} layers")
+    if "sliding_attention" in types and w is None:
+      raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window=None; set the window")
+    if self.scan_layers and len(set(types)) > 1:
+      raise ValueError(f"ModelConfig.scan_layers=True runs one block body for every layer, but layer_types mixes "
+                       f"{sorted(set(types))} (their windows and RoPE bases differ); use scan_layers=false")
+
+  def layer_attention(self, layer: int) -> tuple[int | None, float, RopeScaling | None]:
+    """``(window or None, RoPE base, RoPE scaling or None)`` of block ``layer``."""
+    types = self.layer_types
+    sliding = self.sliding_window is not None and (types is None or types[layer] == "sliding_attention")
+    if not sliding:
+      return None, self.rope_theta, self.rope_scaling
+    if self.rope_local_theta is not None:
+      return self.sliding_window, self.rope_local_theta, None
+    return self.sliding_window, self.rope_theta, self.rope_scaling
+
+  def with_layers(self, layers) -> "ModelConfig":
+    """This config for a model of the blocks ``layers`` (indices into this one's), their layer types kept."""
+    types = None if self.layer_types is None else tuple(self.layer_types[i] for i in layers)
+    return self.replace(n_layers=len(layers), layer_types=types)
 
   @property
   def hd(self) -> int:

@@ -47,6 +47,7 @@ from meshdistill.parallel.mesh import TENSOR
 from meshdistill.models._attention import KVCache, _explicit_attention, rope, splash_attention
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._scan import save_all_but_casts, scan_blocks, scan_blocks_cached, stacked_blocks
+from meshdistill.models._variants import gate_activation, norm, scale_embed, softcap
 
 __all__ = [
     "ATTENTION",
@@ -99,8 +100,9 @@ def _part(init, *names):
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
     self.cfg = cfg
+    self.window, self.theta, self.scaling = cfg.layer_attention(layer)  # sliding window, RoPE of this layer
     init = nnx.initializers.lecun_normal()
     D, H, KV, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd
     lin = lambda i, o, names, bias=False: nnx.Linear(  # noqa: E731
@@ -113,8 +115,7 @@ class Attention(nnx.Module):
     self.v = lin(D, KV * K, kv_split, cfg.qkv_bias)
     self.o = lin(H * K, D, (TENSOR, None))
     if cfg.qk_norm:  # per-head RMSNorm over head_dim, scales [K] replicated
-      self.q_norm = nnx.RMSNorm(K, epsilon=cfg.norm_eps, **_dtypes(cfg), rngs=rngs)
-      self.k_norm = nnx.RMSNorm(K, epsilon=cfg.norm_eps, **_dtypes(cfg), rngs=rngs)
+      self.q_norm, self.k_norm = norm(cfg, K, rngs), norm(cfg, K, rngs)
 
   def __call__(self, x_BxTxD: jax.Array, want_probs: bool, cache: KVCache | None = None):
     """``(output, attention probabilities or None)``; with a ``cache`` (decoding), ``(output, updated cache)``:
@@ -127,24 +128,29 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     pos = None if cache is None else cache.positions_BxT
-    q, k = rope(q, cfg.rope_theta, cfg.rope_scaling, pos), rope(k, cfg.rope_theta, cfg.rope_scaling, pos)
+    q, k = rope(q, self.theta, self.scaling, pos), rope(k, self.theta, self.scaling, pos)
     if cache is not None:
       cache = cache.write(k, v)
       k, v = cache.k_BxSxGxK, cache.v_BxSxGxK
     T = x_BxTxD.shape[1]
-    visible = None if cache is None else cache.visible(T)  # [B, 1, T, S]
+    visible = None if cache is None else cache.visible(T, self.window)  # [B, 1, T, S]
     kind = cfg.attention
     if kind == "auto" or want_probs:
       kind = "explicit" if want_probs else "xla"
     if kind == "splash" and cache is not None:
       kind = "xla"  # decoding attends a few queries to a cache: nothing for a flash kernel to save
+    if cfg.attn_softcap is not None and kind in ("xla", "cudnn"):
+      kind = "explicit"  # jax.nn.dot_product_attention has no soft-cap of the scores
+    options = {"window": self.window, "scale": cfg.query_scale, "cap": cfg.attn_softcap}
     if kind == "explicit":
-      out, probs_BxHxTxS = _explicit_attention(q, k, v, visible)
+      out, probs_BxHxTxS = _explicit_attention(q, k, v, visible, **options)
     elif kind == "splash":
-      out, probs_BxHxTxS = splash_attention(q, k, v), None
+      out, probs_BxHxTxS = splash_attention(q, k, v, **options), None
     else:
+      window = None if self.window is None or visible is not None else (self.window - 1, 0)
       out = jax.nn.dot_product_attention(
-          q, k, v, mask=visible, is_causal=visible is None, implementation=kind
+          q, k, v, mask=visible, is_causal=visible is None, implementation=kind, scale=cfg.query_scale,
+          local_window_size=window,
       ).astype(v.dtype)
       probs_BxHxTxS = None
     out = _per_token(self.o, einops.rearrange(out, "b t h k -> b t (h k)"))
@@ -163,24 +169,27 @@ class MLP(nnx.Module):
     self.gate = lin(D, F, (None, TENSOR))
     self.up = lin(D, F, (None, TENSOR))
     self.down = lin(F, D, (TENSOR, None))
+    self.act = gate_activation(cfg)
 
   def __call__(self, x_BxTxD):
     x_NxD = x_BxTxD.reshape(-1, x_BxTxD.shape[-1])  # one token axis: see `_per_token`
-    return self.down(jax.nn.silu(self.gate(x_NxD)) * self.up(x_NxD)).reshape(x_BxTxD.shape)
+    return self.down(self.act(self.gate(x_NxD)) * self.up(x_NxD)).reshape(x_BxTxD.shape)
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, **_dtypes(cfg), rngs=rngs)  # noqa: E731
-    self.attn_norm = norm()
-    self.attn = Attention(cfg, rngs=rngs)
-    self.mlp_norm = norm()
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
+    self.attn_norm = norm(cfg, cfg.d_model, rngs)
+    self.attn = Attention(cfg, rngs=rngs, layer=layer)
+    self.mlp_norm = norm(cfg, cfg.d_model, rngs)
     self.mlp = MLP(cfg, rngs=rngs)
+    if cfg.post_norms:  # on each sublayer's output, before the residual add (Gemma 2 / 3)
+      self.post_attn_norm, self.post_mlp_norm = norm(cfg, cfg.d_model, rngs), norm(cfg, cfg.d_model, rngs)
 
   def __call__(self, x_BxTxD, want_probs: bool, cache: KVCache | None = None):
     a, probs = self.attn(self.attn_norm(x_BxTxD), want_probs, cache)  # with a cache: (a, updated cache)
-    x_BxTxD = x_BxTxD + a
-    x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
+    x_BxTxD = x_BxTxD + (self.post_attn_norm(a) if hasattr(self, "post_attn_norm") else a)
+    m = self.mlp(self.mlp_norm(x_BxTxD))
+    x_BxTxD = x_BxTxD + (self.post_mlp_norm(m) if hasattr(self, "post_mlp_norm") else m)
     return x_BxTxD, probs
 
 
@@ -200,8 +209,8 @@ class Decoder(nnx.Module):
     if cfg.scan_layers:  # one Block whose weights are stacked [L, ...] (see `meshdistill.models._scan`)
       self.blocks = stacked_blocks(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
     else:
-      self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-    self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, **_dtypes(cfg), rngs=rngs)
+      self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=i) for i in range(cfg.n_layers)])
+    self.final_norm = norm(cfg, cfg.d_model, rngs)
     if cfg.tie_embeddings:
       self.head = nnx.data(None)
     else:
@@ -230,7 +239,7 @@ class Decoder(nnx.Module):
           f"use seq_len <= {cfg.max_len} or build the model with a larger max_len"
       )
     want_hidden, want_attn = "hidden" in capture, "attn" in capture
-    x = gathered(self.embed)(tokens_BxT)
+    x = scale_embed(cfg, gathered(self.embed)(tokens_BxT))
     hidden, attn = [x] if want_hidden else [], []
     run_block = _block_runner(cfg.remat, cfg.scan_layers)
     if cfg.scan_layers:  # the same run_block on each layer's slice of the stacked blocks
@@ -256,7 +265,7 @@ class Decoder(nnx.Module):
     logits_BxTxV = _per_token(head.attend if self.head is None else head, x)
     if self.cfg.padded_vocab != self.cfg.vocab_size:  # padding rows never reach a loss or a sampler
       logits_BxTxV = logits_BxTxV[..., : self.cfg.vocab_size]  # (XLA keeps the shards padded)
-    return logits_BxTxV.astype(jnp.float32)
+    return softcap(logits_BxTxV.astype(jnp.float32), self.cfg.final_softcap)  # elementwise: per vocabulary shard
 
   def empty_cache(self, batch: int, slots: int, sharding=None):
     """Zero key/value caches for `decode_step`: per layer ``(k_BxSxGxK, v_BxSxGxK)`` (scanned blocks: one stacked
@@ -278,7 +287,7 @@ class Decoder(nnx.Module):
     `empty_cache` or the previous call; ``valid_BxS`` must already mark this call's slots; ``positions_BxT``:
     each row's RoPE positions. ``last_only``: the logits of the last position only (``[B, 1, V]``).
     """
-    x = gathered(self.embed)(tokens_BxT)
+    x = scale_embed(self.cfg, gathered(self.embed)(tokens_BxT))
     if self.cfg.scan_layers:  # stacked blocks: kv is (k_LxBxSxGxK, v_LxBxSxGxK), scanned with them
       x, new_kv = scan_blocks_cached(self.blocks, x, kv, valid_BxS, index, positions_BxT)
     else:

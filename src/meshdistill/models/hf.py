@@ -2,8 +2,8 @@
 
 `load_hf(path, mesh)` reads a local Hugging Face directory (``config.json`` plus
 ``model.safetensors``, or sharded ``model-0000x-of-0000n.safetensors`` with
-``model.safetensors.index.json``) of a causal LM of a registered family (Llama, Qwen3, Qwen2:
-`meshdistill.models.families`) into the built-in `Decoder`, its weights split over the mesh
+``model.safetensors.index.json``) of a causal LM of a registered family (Llama, Qwen3, Qwen2, Mistral,
+Gemma 2, Gemma 3 text: `meshdistill.models.families`) into the built-in `Decoder`, its weights split over the mesh
 axis ``tensor`` exactly as `init_model` would split them. Every device reads only its own
 slice of each tensor from disk (``safe_open(...).get_slice(name)[...]`` inside
 `jax.make_array_from_callback`), so no device and no host buffer ever holds a full
@@ -24,7 +24,8 @@ path, ``..``) is refused. Files are opened through links, as the Hugging Face hu
 
 Why the built-in decoder and not tunix's model classes: the decoder already is the Llama
 block (RMSNorm, rotate-half RoPE, GQA, SwiGLU); three default-off `ModelConfig` options
-(``qk_norm``, ``qkv_bias``, ``rope_scaling``) cover Qwen3, Qwen2 and Llama 3.x. With it a
+(``qk_norm``, ``qkv_bias``, ``rope_scaling``) cover Qwen3, Qwen2 and Llama 3.x, and the options of
+`meshdistill.models._variants` (sliding windows, soft-caps, Gemma's norms and GeGLU) Mistral and Gemma. With it a
 loaded teacher gets everything the distillation step needs -- per-layer hidden states,
 attention probabilities, the final hidden state and ``head_weight()`` for chunked losses,
 per-block remat -- with partitioning over ``tensor``. (tunix 0.1.7's Llama3 also ignores

@@ -10,7 +10,10 @@ Two kinds of strategy, told apart by ``needs_head``:
   ``per_batch(params, student, teacher, heads, targets_BxT, mask_BxT, step)`` once on all
   local rows with the LM heads ``heads = (student_DxV, teacher_ExV)`` (V split over
   ``tensor``); with ``needs_logits = False`` the models skip their own heads and the
-  strategy forms logits itself (e.g. chunked over tokens, `ChunkedLogitKD`).
+  strategy forms logits itself (e.g. chunked over tokens, `ChunkedLogitKD`). A model with a final logit
+  soft-cap (``ModelConfig.final_softcap``, Gemma 2) adds ``softcaps=(student, teacher)`` (each a float or
+  None): logits formed from a head must go through `meshdistill.models._variants.softcap` with it, on each vocabulary
+  shard before any reduction;
 
 Both return a dict of token SUMS over their rows: ``"loss"`` is required, every other entry
 is reported as a metric; the step sums over the global batch and divides by the global count
@@ -138,7 +141,8 @@ class BatchStrategy(Strategy):
   needs_head: ClassVar[bool] = True
 
   def per_batch(
-      self, params, student: ModelOutput, teacher: ModelOutput, heads, targets_BxT, mask_BxT, step
+      self, params, student: ModelOutput, teacher: ModelOutput, heads, targets_BxT, mask_BxT, step,
+      softcaps=(None, None),
   ) -> dict[str, jax.Array]:
     raise NotImplementedError(f"{type(self).__name__}.per_batch")
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from meshdistill.losses._chunked import chunked_token_sums
 from meshdistill.models import ModelOutput
+from meshdistill.models._variants import softcap
 from meshdistill.train.schedules import check_integer
 from meshdistill.strategies._base import BatchStrategy, register
 from meshdistill.strategies._logit import LogitRecipe
@@ -49,18 +51,24 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
       raise ValueError(f"ChunkedLogitKD.capture={self.capture!r} must include 'final' (the LM-head input)")
 
   def per_batch(
-      self, params, student: ModelOutput, teacher: ModelOutput, heads, targets_BxT, mask_BxT, step
+      self, params, student: ModelOutput, teacher: ModelOutput, heads, targets_BxT, mask_BxT, step,
+      softcaps=(None, None),
   ) -> dict[str, jax.Array]:
     """Token sums over this device's rows.
 
     ``student.final``: [b, T, D], ``teacher.final``: [b, T, E]; ``heads = (student_DxV,
-    teacher_ExV)`` with V split over ``tensor``; ``targets_BxT``, ``mask_BxT``: [b, T].
+    teacher_ExV)`` with V split over ``tensor``; ``targets_BxT``, ``mask_BxT``: [b, T]; ``softcaps``: the
+    models' final logit soft-caps, applied to each chunk's logits (elementwise, on each vocabulary shard) before
+    the loss reduces anything.
     """
     del params
     student_head_DxV, teacher_head_ExV = heads
     s_final, t_final = student.final, teacher.final
+    token_fn = self.token_terms
+    if any(c is not None for c in softcaps):
+      token_fn = functools.partial(_capped, self.token_terms, *softcaps)
     return chunked_token_sums(
-        self.token_terms,
+        token_fn,
         self.scalars(step),
         s_final.reshape(-1, s_final.shape[-1]),
         student_head_DxV,
@@ -70,3 +78,8 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
         jnp.asarray(mask_BxT, jnp.float32).reshape(-1),
         chunk_size=self.chunk_size,
     )
+
+
+def _capped(token_fn, student_cap, teacher_cap, params, student_CxV, teacher_CxV, targets_C, mask_C):
+  """``token_fn`` on soft-capped logits (`meshdistill.models._variants.softcap`; None leaves a model's as they are)."""
+  return token_fn(params, softcap(student_CxV, student_cap), softcap(teacher_CxV, teacher_cap), targets_C, mask_C)

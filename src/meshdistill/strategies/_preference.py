@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshdistill.losses import cross_entropy
+from meshdistill.models._variants import softcap
 from meshdistill.strategies._base import BatchStrategy, register
 
 LOSSES = ("sigmoid", "ipo", "sigmoid_kl")
@@ -86,10 +87,12 @@ class PreferenceLoss(BatchStrategy):
       )
     return jnp.asarray(B // 2, jnp.float32)
 
-  def per_batch(self, params, student, teacher, heads, targets_BxT, mask_BxT, step) -> dict[str, jax.Array]:
+  def per_batch(self, params, student, teacher, heads, targets_BxT, mask_BxT, step, softcaps=(None, None)
+                ) -> dict[str, jax.Array]:
     del params, step
     self.count(mask_BxT)
-    s_logits, t_logits = (_logits(out, head) for out, head in zip((student, teacher), heads or (None, None)))
+    s_logits, t_logits = (softcap(_logits(out, head), cap) if head is not None else _logits(out, head)
+                          for out, head, cap in zip((student, teacher), heads or (None, None), softcaps))
     ce = jax.vmap(cross_entropy)
     logp_B = -jnp.sum(ce(s_logits, targets_BxT, mask_BxT), axis=-1)
     ref_B = -jnp.sum(ce(t_logits, targets_BxT, mask_BxT), axis=-1)

@@ -68,8 +68,8 @@ class ScaledLoss(Strategy):
   def per_sequence(self, *args):
     return self._scaled(self.strategy.per_sequence(*args))
 
-  def per_batch(self, *args):
-    return self._scaled(self.strategy.per_batch(*args))
+  def per_batch(self, *args, **kw):
+    return self._scaled(self.strategy.per_batch(*args, **kw))
 
   def fallback(self) -> ScaledLoss:
     """The wrapped strategy's fallback, at the same scale."""

@@ -114,7 +114,7 @@ def per_device_gradients(
   # LM heads (e.g. chunked over tokens); the models then skip their heads (`needs_logits`).
   with_logits, with_head = strategy.needs_logits, strategy.needs_head
 
-  teacher_out = teacher_head = None
+  teacher_out = teacher_head = teacher_cap = None
   if TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
     teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
   elif teacher_def is not None:
@@ -122,10 +122,11 @@ def per_device_gradients(
     inputs_BxT = batch["inputs"] if student_axis is None else _rows_whole(batch["inputs"])
     teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
     teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
+    teacher_cap = getattr(teacher.cfg, "final_softcap", None)
 
   student_part = functools.partial(
       student_gradients, state.step, student_def=student_def, strategy=strategy, vocab=vocab, trainable=trainable,
-      light=light,
+      light=light, teacher_softcap=teacher_cap,
   )
   rows = {k: batch[k] for k in ("inputs", "targets", "mask")}
   if student_axis is None:
@@ -171,9 +172,11 @@ def student_gradients(
     vocab: int | None,
     trainable: Any,
     light: bool,
+    teacher_softcap: float | None = None,
 ):
   """The student's part of `per_device_gradients` on the rows given, with the teacher's outputs for them:
-  ``(grads, metrics)`` with gradients and token sums summed over the mesh axes ``axes`` (``None``: none)."""
+  ``(grads, metrics)`` with gradients and token sums summed over the mesh axes ``axes`` (``None``: none).
+  ``teacher_softcap``: the teacher's final logit soft-cap, for a strategy that forms logits from the heads."""
   capture = tuple(strategy.capture)
   with_logits, with_head = strategy.needs_logits, strategy.needs_head
   inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
@@ -194,7 +197,10 @@ def student_gradients(
     student_out = _vocab_slice(student(inputs_BxT, capture=capture, logits=with_logits), vocab)
     if with_head:  # token sums over all local rows; heads [D, V] with V split over `tensor`
       heads = (student.head_weight()[:, :vocab], teacher_head)
-      sums = strategy.per_batch(params["strategy"], student_out, teacher_out, heads, targets_BxT, mask_BxT, step)
+      caps = (getattr(student.cfg, "final_softcap", None), teacher_softcap)  # elementwise: applied per shard
+      capped = {"softcaps": caps} if any(c is not None for c in caps) else {}
+      sums = strategy.per_batch(params["strategy"], student_out, teacher_out, heads, targets_BxT, mask_BxT, step,
+                                **capped)
       return sums["loss"] / denom, sums
     per_seq = jax.vmap(strategy.per_sequence, in_axes=(None, 0, 0, 0, 0, None))
     sums_B = per_seq(params["strategy"], student_out, teacher_out, targets_BxT, mask_BxT, step)

@@ -8,6 +8,10 @@ family       architecture         what differs from the plain Llama block
 ``llama``    LlamaForCausalLM     optional Llama-3 ``rope_scaling`` (``rope_type="llama3"``)
 ``qwen3``    Qwen3ForCausalLM     RMSNorm over head_dim on q and k (``qk_norm``)
 ``qwen2``    Qwen2ForCausalLM     biases on q/k/v (``qkv_bias``)
+``mistral``  MistralForCausalLM   a sliding window on every layer (``sliding_window``)
+``gemma2``   Gemma2ForCausalLM    GeGLU, 1 + w norms, post-norms, scaled embeddings, soft-caps,
+                                  sliding / global layers (`meshdistill.models._variants`)
+``gemma3``   Gemma3ForCausalLM    Gemma 2's block with q/k norms, a local RoPE base, no soft-caps
 ===========  ===================  ==========================================================
 
 Adding a family is one module here: a `Family` subclass decorated with ``@register``. Every module

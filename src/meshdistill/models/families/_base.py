@@ -8,8 +8,11 @@ it reads, and holds
 * `Family.from_hf` / `Family.to_hf`: ``config.json`` <-> `ModelConfig` (the base reads and writes the
   fields every Llama-style family shares; `hf_fields` adds the family's own written fields, `check_hf`
   its own refusals);
+* ``options``: the `ModelConfig` attention options (`ATTENTION_OPTIONS`: sliding window, soft-caps, ...) it
+  reads (`config_fields`) and writes (`hf_fields`); a config that sets one the family does not name is refused
+  by `to_hf`;
 * `Family.weight_name` / `Family.param_path`: Hugging Face tensor name <-> `Decoder` parameter path
-  (``WEIGHT_NAMES``, the Llama layout every built-in family shares);
+  (`BLOCK_WEIGHTS`, the Llama layout; a family with other names sets ``block_weights``);
 * ``presets``: named shapes for the planner, each the shape fields of a published ``config.json``.
 
 A family that differs from another only in config subclasses it and changes the class attributes.
@@ -45,7 +48,11 @@ TOP_WEIGHTS: dict[tuple[str, ...], tuple[str, bool]] = {
     ("final_norm", "scale"): ("model.norm.weight", False),
     ("head", "kernel"): ("lm_head.weight", True),
 }
-BLOCK_OPTIONS = ("qk_norm", "qkv_bias")  # the `ModelConfig` switches that change the block's weights
+# The `ModelConfig` switches that change the block's weights or its arithmetic (one value per family).
+BLOCK_OPTIONS = ("qk_norm", "qkv_bias", "geglu", "norm_offset", "embed_scale", "post_norms")
+# The `ModelConfig` attention options a family may read and write (None: off); see `Family.options`.
+ATTENTION_OPTIONS = ("sliding_window", "layer_types", "rope_local_theta", "query_scale", "attn_softcap",
+                     "final_softcap")
 
 
 class Family:
@@ -57,6 +64,8 @@ class Family:
   block: ClassVar[dict[str, bool]] = {}  # ModelConfig block options (`BLOCK_OPTIONS`) the family sets to True
   rope_scaling: ClassVar[bool] = False  # whether `to_hf` may write Llama-3 rope_scaling
   presets: ClassVar[dict[str, dict[str, Any]]] = {}  # planner preset name -> shape fields; not inherited
+  options: ClassVar[tuple[str, ...]] = ()  # ATTENTION_OPTIONS it reads and writes
+  block_weights: ClassVar[dict[tuple[str, ...], tuple[str, bool]] | None] = None  # its own BLOCK_WEIGHTS, if any
   default_export: ClassVar[bool] = False  # see the module docstring; not inherited
 
   def __init_subclass__(cls, **kw):
@@ -107,7 +116,17 @@ class Family:
         dtype=dtype,
         rope_scaling=scaling,
         **{k: bool(self.block.get(k, False)) for k in BLOCK_OPTIONS},
+        **self.config_fields(hf, where),
     )
+
+  def config_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """`ModelConfig` fields only this family reads from ``hf`` (its ``options``; added to the common ones)."""
+    del hf, where
+    return {}
+
+  def writes(self, cfg: ModelConfig) -> bool:
+    """Whether this family's ``config.json`` can say every attention option ``cfg`` sets (`ATTENTION_OPTIONS`)."""
+    return all(getattr(cfg, o) is None or o in self.options for o in ATTENTION_OPTIONS)
 
   def fits(self, cfg: ModelConfig) -> bool:
     """Whether a decoder of ``cfg`` has this family's block (its weights are exactly the family's)."""
@@ -123,6 +142,11 @@ class Family:
     if not self.fits(cfg):
       raise ValueError(f"a decoder with qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias} cannot be written as "
                        f"{self.name!r}; use family={default_family_name(cfg)!r}")
+    unwritten = [o for o in ATTENTION_OPTIONS if getattr(cfg, o) is not None and o not in self.options]
+    if unwritten:
+      able = sorted(f.name for f in all_families() if f.fits(cfg) and f.writes(cfg))
+      raise ValueError(f"family {self.name!r} cannot write {unwritten} (set in the decoder's config) into its "
+                       f"config.json; families that can: {able or 'none'}")
     if cfg.rope_scaling is not None and not self.rope_scaling:
       raise ValueError(f"rope_scaling is not written for family {self.name!r}; families that write it: "
                        f"{_scaling_families()}")
@@ -157,35 +181,38 @@ class Family:
 
   def weight_name(self, path: tuple) -> tuple[str, bool]:
     """(Hugging Face tensor name, transposed?) of a `Decoder` parameter path (see `BLOCK_WEIGHTS`)."""
-    return weight_name(path)
+    return weight_name(path, self.block_weights)
 
   def param_path(self, name: str) -> tuple[tuple, bool]:
     """(`Decoder` parameter path, transposed?) of a Hugging Face tensor name; the inverse of `weight_name`."""
-    found = param_path(name)
+    found = param_path(name, self.block_weights)
     if found is None:
       raise ValueError(f"Hugging Face tensor {name!r} has no counterpart in the decoder of family {self.name!r}")
     return found
 
 
-def weight_name(path: tuple) -> tuple[str, bool]:
-  """(Hugging Face tensor name, transposed?) of a `Decoder` parameter path in the Llama layout."""
+def weight_name(path: tuple, block_weights: dict | None = None) -> tuple[str, bool]:
+  """(Hugging Face tensor name, transposed?) of a `Decoder` parameter path in the Llama layout (or with the
+  block names ``block_weights``)."""
   p = tuple(str(x) for x in path)
+  block = BLOCK_WEIGHTS if block_weights is None else block_weights
   if p in TOP_WEIGHTS:
     return TOP_WEIGHTS[p]
-  if len(p) > 2 and p[0] == "blocks" and p[2:] in BLOCK_WEIGHTS:
-    name, transposed = BLOCK_WEIGHTS[p[2:]]
+  if len(p) > 2 and p[0] == "blocks" and p[2:] in block:
+    name, transposed = block[p[2:]]
     return f"model.layers.{p[1]}.{name}", transposed
   raise ValueError(f"decoder parameter {'.'.join(p)} has no Hugging Face counterpart")
 
 
-def param_path(name: str) -> tuple[tuple, bool] | None:
-  """(`Decoder` parameter path, transposed?) of a Hugging Face tensor name in the Llama layout, or None."""
+def param_path(name: str, block_weights: dict | None = None) -> tuple[tuple, bool] | None:
+  """(`Decoder` parameter path, transposed?) of a Hugging Face tensor name in the Llama layout (or with the block
+  names ``block_weights``), or None."""
   for path, (hf, transposed) in TOP_WEIGHTS.items():
     if name == hf:
       return path, transposed
   parts = name.split(".", 3)
   if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-    for path, (hf, transposed) in BLOCK_WEIGHTS.items():
+    for path, (hf, transposed) in (BLOCK_WEIGHTS if block_weights is None else block_weights).items():
       if parts[3] == hf:
         return ("blocks", int(parts[2]), *path), transposed
   return None
@@ -199,6 +226,8 @@ def read_rope(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | None
   kind = params.get("rope_type", params.get("type", "default"))
   if kind == "default":
     return theta, None
+  if kind == "linear":
+    return theta, RopeScaling(kind="linear", factor=float(params["factor"]))
   if kind == "llama3":
     return theta, RopeScaling(
         factor=float(params["factor"]),
@@ -206,11 +235,13 @@ def read_rope(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | None
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_len=int(params["original_max_position_embeddings"]),
     )
-  raise ValueError(f"{where}: rope_type={kind!r} is not supported; supported: 'default', 'llama3'")
+  raise ValueError(f"{where}: rope_type={kind!r} is not supported; supported: 'default', 'linear', 'llama3'")
 
 
 def write_rope_scaling(s: RopeScaling) -> dict[str, Any]:
-  """The ``rope_scaling`` entry of a config.json for Llama-3 frequency scaling ``s``."""
+  """The ``rope_scaling`` entry of a config.json for frequency scaling ``s`` (Llama-3 or linear)."""
+  if s.kind == "linear":
+    return {"rope_type": "linear", "factor": s.factor}
   return {
       "rope_type": "llama3",
       "factor": s.factor,
@@ -234,9 +265,11 @@ def all_families() -> list[Family]:
 
 
 def default_for(cfg: ModelConfig) -> Family:
-  """The family a `ModelConfig` is written as when none is named: the ``default_export`` family of its block."""
-  for fam in all_families():
-    if fam.default_export and fam.fits(cfg):
+  """The family a `ModelConfig` is written as when none is named: the ``default_export`` family of its block, or
+  (a config with attention options that family does not write, e.g. a sliding window) the first that writes them."""
+  fitting = [fam for fam in all_families() if fam.fits(cfg)]
+  for fam in sorted(fitting, key=lambda f: not f.default_export):
+    if fam.writes(cfg):
       return fam
   raise ValueError(f"ModelConfig with qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias} matches no supported Hugging "
                    f"Face family; families: {names()}")

@@ -54,11 +54,12 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   student_cfg = student_cfg.replace(scan_layers=False)  # built per layer, stacked at the end when asked for
   # the copies keep the teacher's layout for the mesh (vocabulary padding, key/value replication)
   student_cfg = student_cfg.replace(vocab_multiple=t.vocab_multiple, replicate_kv=t.replicate_kv)
-  if student_cfg.replace(n_layers=t.n_layers, max_len=t.max_len, dtype=t.dtype, remat=t.remat,
-                         attention=t.attention, param_dtype=t.param_dtype) != t:
-    raise ValueError("student_from_teacher: student_cfg must be the teacher's config with n_layers=len(layers)")
   if len(layers) != student_cfg.n_layers or any(not 0 <= i < t.n_layers for i in layers):
     raise ValueError(f"layers={list(layers)} must be {student_cfg.n_layers} block indices in [0, {t.n_layers})")
+  if t.with_layers(layers).replace(max_len=student_cfg.max_len, dtype=student_cfg.dtype, remat=student_cfg.remat,
+                                   attention=student_cfg.attention, param_dtype=student_cfg.param_dtype) != student_cfg:
+    raise ValueError("student_from_teacher: student_cfg must be the teacher's config with n_layers=len(layers) "
+                     "(ModelConfig.with_layers(layers))")
   graphdef, abstract, shardings = abstract_params(student_cfg, mesh)
   teacher_flat = dict(nnx.to_flat_state(nnx.state(teacher)))
   leaves = []

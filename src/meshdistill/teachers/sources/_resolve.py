@@ -112,7 +112,7 @@ def resolve(cfg) -> dict:
           f"{teacher.n_layers} blocks: indices 0..{teacher.n_layers - 1})"
       )
     s = cfg.student
-    out["student"] = teacher.replace(n_layers=len(layers), max_len=s.max_len, dtype=s.dtype, remat=s.remat,
+    out["student"] = teacher.with_layers(layers).replace(max_len=s.max_len, dtype=s.dtype, remat=s.remat,
                                      scan_layers=s.scan_layers, attention=s.attention, param_dtype=s.param_dtype)
   return out
 

@@ -1,0 +1,79 @@
+"""The block options some families turn on (`ModelConfig` fields; all off for the Llama block), as small pieces
+the decoder (`meshdistill.models.decoder`) and its attention kernels (`meshdistill.models._attention`) call:
+
+=====================  ==================================================  ==============
+option                 what it changes                                     families
+=====================  ==================================================  ==============
+``sliding_window``     a sliding layer's query sees itself and the         Mistral, Gemma
+                       ``sliding_window - 1`` tokens before it (`band`)
+``layer_types``        which layers slide and which see everything         Gemma 2 / 3
+``rope_local_theta``   the RoPE base of sliding layers                     Gemma 3
+``geglu``              MLP gate through tanh-approximated GELU             Gemma
+``norm_offset``        RMSNorm applied as ``1 + w`` in float32 (`norm`)    Gemma
+``embed_scale``        embeddings times ``sqrt(d_model)`` (`scale_embed`)  Gemma
+``post_norms``         RMSNorm on attention / MLP outputs before the adds  Gemma 2 / 3
+``query_scale``        attention score scale (``query_pre_attn_scalar``)   Gemma
+``attn_softcap``       ``cap * tanh(scores / cap)`` before the mask        Gemma 2
+``final_softcap``      ``cap * tanh(logits / cap)`` on each vocabulary     Gemma 2
+                       shard (`softcap`; the chunked loss applies it too)
+=====================  ==================================================  ==============
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshdistill.models._config import ModelConfig
+
+
+class OffsetRMSNorm(nnx.Module):
+  """RMSNorm whose scale is stored as ``w`` (zeros at init) and applied as ``1 + w``, computed in float32 and cast
+  back to the input's dtype, as Gemma's. The parameter is ``scale`` ``[D]`` (replicated), like `nnx.RMSNorm`'s."""
+
+  def __init__(self, dim: int, *, epsilon: float, param_dtype, rngs: nnx.Rngs | None = None):
+    del rngs
+    self.epsilon = epsilon
+    self.scale = nnx.Param(jnp.zeros((dim,), param_dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+    return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, dim: int, rngs: nnx.Rngs) -> nnx.Module:
+  """The RMSNorm of ``cfg``'s blocks over ``dim`` features: `OffsetRMSNorm` with ``norm_offset``, else `nnx.RMSNorm`."""
+  if cfg.norm_offset:
+    return OffsetRMSNorm(dim, epsilon=cfg.norm_eps, param_dtype=cfg.weight_dtype)
+  return nnx.RMSNorm(dim, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+  """GELU with the tanh approximation (transformers' ``gelu_pytorch_tanh``)."""
+  return jax.nn.gelu(x, approximate=True)
+
+
+def gate_activation(cfg: ModelConfig):
+  """The MLP gate's activation: `gelu_tanh` with ``geglu``, else SiLU (module-level functions: a model's static
+  attributes stay equal between builds)."""
+  return gelu_tanh if cfg.geglu else jax.nn.silu
+
+
+def scale_embed(cfg: ModelConfig, x_BxTxD: jax.Array) -> jax.Array:
+  """Embeddings times ``sqrt(d_model)`` with ``embed_scale`` (the factor rounded to the compute dtype first)."""
+  if not cfg.embed_scale:
+    return x_BxTxD
+  return x_BxTxD * jnp.asarray(cfg.d_model**0.5, x_BxTxD.dtype)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  """``cap * tanh(x / cap)`` (elementwise: a vocabulary shard needs no other shard), or ``x`` when ``cap`` is None."""
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def band(rows: jax.Array, cols: jax.Array, window: int | None) -> jax.Array | bool:
+  """Causal visibility with a sliding window: key ``col`` is visible to query ``row`` when ``row - window < col``
+  (``col <= row`` is the causal mask's part); ``True`` everywhere without a window."""
+  return True if window is None else cols > rows - window
