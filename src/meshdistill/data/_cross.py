@@ -18,8 +18,8 @@ token (its input is the previous document's EOS), as in the single-tokenizer pac
 
 The alignment of the targets (`meshdistill.data.alignment.RowAlignment`) rides along as small int
 arrays: a span counts when all its tokens on both sides are trained. `PackedPairs.rows` gives the
-batch: the student's ``inputs``, ``targets``, ``mask`` and `CROSS_KEYS` (the teacher's tokens and the
-alignment); `TrainIterator` and `validation_batches` read it like packed rows.
+batch: the student's ``inputs``, ``targets``, ``mask`` and `meshdistill.train.step.CROSS_KEYS` (the teacher's
+tokens and the alignment); `TrainIterator` and `validation_batches` read it like packed rows.
 """
 
 from __future__ import annotations
@@ -30,12 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshdistill.data.alignment import row_alignment, token_byte_lengths
-
-# Batch keys of the teacher's own tokens ([B, Tt]) and of the alignment ([B, Ts], [B, Tt], [B, S] x 3).
-CROSS_KEYS = (
-    "teacher_inputs", "teacher_targets", "teacher_mask",
-    "student_span", "teacher_span", "student_last", "teacher_last", "span_bytes",
-)
+from meshdistill.train.step import CROSS_KEYS
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
