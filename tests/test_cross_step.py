@@ -10,6 +10,7 @@ from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close
 import meshdistill as md
 from meshdistill.data import ByteTokenizer, pack_texts, train_bpe
 from meshdistill.data.alignment import matched_vocabulary
+from meshdistill.loop.evaluate import Evaluator
 from meshdistill.strategies import SpanKL, ULD
 
 TEXTS = ["the cat sat on the mat; the dog sat on the log. " * 2, "héllo wörld 日本 ok", "def f(x): return x + 1\n"]
@@ -101,3 +102,27 @@ def test_a_strategy_of_one_vocabulary_is_refused_with_two_tokenizations(setup):
 def test_different_vocabularies_with_logit_kd_name_the_cross_tokenizer_strategies(setup):
   with pytest.raises(ValueError, match="uld or span_kl"):
     md.Distiller(md.init_model(setup["student_cfg"], seed=1), md.init_model(setup["teacher_cfg"], seed=0))
+
+
+def test_evaluation_gives_bits_per_byte_of_both_models_on_the_same_bytes(setup, runs):
+  d, _, m = runs["single"]
+  state = d.init_state()
+  batch = setup["batches"][0]
+  got = Evaluator.for_trainer(d)(state.params, [batch])
+  # numpy: each side's NLL of the targets inside counted spans, over those spans' bytes
+  def nll(logits, targets, span):
+    logits = np.asarray(logits, np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    counted = (span >= 0) & (np.take_along_axis(batch["span_bytes"], np.maximum(span, 0), 1) > 0)
+    return -np.take_along_axis(logp, targets[..., None], -1)[..., 0][counted].sum()
+
+  forward = jax.jit(lambda graph, params, x: nnx.merge(graph, params)(x).logits, static_argnums=0)
+  student_logits = forward(d.student_def, state.params["student"], batch["inputs"])
+  teacher_logits = forward(d.teacher_def, d.teacher_params, batch["teacher_inputs"])
+  bits = np.log(2) * batch["span_bytes"].sum()
+  np.testing.assert_allclose(got["bpb"], nll(student_logits, batch["targets"], batch["student_span"]) / bits, rtol=1e-5)
+  np.testing.assert_allclose(got["teacher_bpb"],
+                             nll(teacher_logits, batch["teacher_targets"], batch["teacher_span"]) / bits, rtol=1e-5)
+  np.testing.assert_allclose(got["bpb"], m[0]["span_nll"] / m[0]["bytes"] / np.log(2), rtol=1e-5)  # the step's
+  assert 7.0 < got["bpb"] < 10.0  # an untrained byte model: about log2(264) bits per byte

@@ -17,7 +17,15 @@ from meshdistill.losses._chunked import (
     divergence_token_fn,
     head_logits,
 )
-from meshdistill.losses._cross_tokenizer import Aligned, hybrid_uld, matched_kl, span_logprobs, target_logprobs, uld
+from meshdistill.losses._cross_tokenizer import (
+    Aligned,
+    hybrid_uld,
+    matched_kl,
+    span_logprobs,
+    span_nll,
+    target_logprobs,
+    uld,
+)
 from meshdistill.losses._divergences import (
     DISTRIBUTION_DIVERGENCES,
     DIVERGENCES,
@@ -50,6 +58,7 @@ __all__ = [
     "hybrid_uld",
     "matched_kl",
     "span_logprobs",
+    "span_nll",
     "target_logprobs",
     "uld",
     "vocab_topk",

@@ -73,6 +73,13 @@ def span_logprobs(
   return logp_TxV[last_S] + earlier_S[:, None]
 
 
+def span_nll(logits_TxV: jax.Array, targets_T: jax.Array, span_T: jax.Array, span_bytes_S: jax.Array) -> jax.Array:
+  """Negative log-likelihood (nats, a scalar) of the targets in counted spans (``span_bytes > 0``) of one sequence:
+  over the bytes of those spans, a model's bits per byte on text both tokenizations cover alike."""
+  counted_T = (span_T >= 0) & (span_bytes_S[jnp.maximum(span_T, 0)] > 0)
+  return -jnp.sum(jnp.where(counted_T, target_logprobs(log_softmax(logits_TxV), targets_T), 0.0))
+
+
 def _sorted_probs(logp_SxV: jax.Array, k: int) -> jax.Array:
   """The ``k`` largest probabilities per row, decreasing, zero-padded past the vocabulary."""
   V = logp_SxV.shape[-1]

@@ -32,12 +32,6 @@ from meshdistill.strategies._base import SequenceStrategy, register
 from meshdistill.train.schedules import Scalar, check_integer, check_scalar, value_at
 
 
-def span_nll(logits_TxV, targets_T, span_T, span_bytes_S):
-  """Negative log-likelihood (nats) of the targets in counted spans (``span_bytes > 0``) of one sequence."""
-  counted_T = (span_T >= 0) & (span_bytes_S[jnp.maximum(span_T, 0)] > 0)
-  return -jnp.sum(jnp.where(counted_T, losses.target_logprobs(losses.log_softmax(logits_TxV), targets_T), 0.0))
-
-
 @register("uld")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ULD(SequenceStrategy):
@@ -63,6 +57,10 @@ class ULD(SequenceStrategy):
     object.__setattr__(self, "alpha", check_scalar(f"{owner}.alpha", self.alpha, low=0.0, high=1.0, example="0.5"))
     check_integer(f"{owner}.top_k", self.top_k, 1, allow_none=True, meaning=" (None: the whole vocabulary)")
 
+  def fallback(self) -> ULD:
+    """After a divergence: the student's hard-label CE alone (``alpha=0``), on its own tokens."""
+    return dataclasses.replace(self, alpha=0.0)
+
   def distance(self, student_SxV, teacher_SxW, span_mask_S) -> dict:
     """The per-span distillation term(s): ``{"term": [S], <metric>: [S]}``."""
     d_S = losses.uld(student_SxV, teacher_SxW, span_mask_S, self.top_k)
@@ -84,8 +82,8 @@ class ULD(SequenceStrategy):
     out = {"loss": alpha * terms.pop("term") + (1.0 - alpha) * ce, "ce": ce, **terms}
     out["spans"] = jnp.sum(span_mask_S)
     out["bytes"] = jnp.sum(teacher.span_bytes.astype(jnp.float32))
-    out["span_nll"] = span_nll(student.logits, targets_T, teacher.student_span, teacher.span_bytes)
-    out["teacher_span_nll"] = span_nll(teacher.logits, teacher.targets, teacher.teacher_span, teacher.span_bytes)
+    out["span_nll"] = losses.span_nll(student.logits, targets_T, teacher.student_span, teacher.span_bytes)
+    out["teacher_span_nll"] = losses.span_nll(teacher.logits, teacher.targets, teacher.teacher_span, teacher.span_bytes)
     return out
 
 
@@ -118,6 +116,9 @@ class SpanKL(ULD):
     new = dataclasses.replace(self)
     object.__setattr__(new, "matched", (tuple(int(i) for i in teacher_ids), tuple(int(i) for i in student_ids)))
     return new
+
+  def fallback(self) -> SpanKL:
+    return super().fallback().with_matched(*self.matched)
 
   def distance(self, student_SxV, teacher_SxW, span_mask_S) -> dict:
     teacher_ids, student_ids = self.matched
