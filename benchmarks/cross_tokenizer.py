@@ -54,6 +54,7 @@ def main(argv=None) -> int:
   p.add_argument("--seq", type=int, default=64)
   p.add_argument("--bpe", type=int, default=512)
   p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--kinds", default="span_kl,uld", help="cross-tokenizer strategies to run (span_kl, uld)")
   p.add_argument("--out", default=os.path.join(HERE, "results", "cross_tokenizer.md"))
   a = p.parse_args(argv)
   seeds = [int(s) for s in a.seeds.split(",")]
@@ -91,6 +92,8 @@ def main(argv=None) -> int:
           md.init_model(student_cfg, seed=s), _teacher(teachers["bpe"]),
           strategy=ULD(alpha=0.5, top_k=64), optimizer=opt()), cross),
   }
+  kinds = a.kinds.split(",")
+  arms = {k: v for k, v in arms.items() if not k.startswith("cross") or k.split()[1] in kinds}
   results = {name: [] for name in arms}
   teacher_scores = {}
   for seed in seeds:

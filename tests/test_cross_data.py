@@ -1,5 +1,7 @@
 """Cross-tokenizer data: token bytes, aligned spans on hand-made strings, rows cut where both tokenizers agree."""
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -152,3 +154,19 @@ def test_build_data_with_a_teacher_tokenizer_gives_both_tokenizations(tmp_path):
   assert val and val[0]["teacher_targets"].shape == (4, 16)
   with pytest.raises(ValueError, match="data.teacher_seq_len"):
     DataConfig(teacher_tokenizer="bpe", teacher_seq_len=0)
+
+
+def test_the_config_refuses_one_vocabulary_strategies_with_two_tokenizers_and_names_the_ones_that_align():
+  from meshdistill.config import ConfigError, load_config
+
+  for kind in ("logit_kd", "attention_transfer"):
+    with pytest.raises(ConfigError, match=r"refused; choose distill.kind in \['span_kl', 'uld'\]"):
+      load_config(None, ["data.teacher_tokenizer=bpe", f"distill.kind={kind}"])
+  with pytest.raises(ConfigError, match="set data.teacher_tokenizer"):
+    load_config(None, ["distill.kind=uld"])
+  with pytest.raises(ConfigError, match="data.teacher_tokenizer"):
+    load_config(None, ["teacher.vocab_size=1024"])
+  with pytest.raises(ConfigError, match="teacher.max_len=128 is shorter"):
+    load_config(None, ["data.teacher_tokenizer=bpe", "distill.kind=uld", "data.teacher_seq_len=256"])
+  cfg = load_config(str(pathlib.Path(__file__).parents[1] / "configs" / "cross_tokenizer.yaml"))
+  assert cfg.distill.kind == "span_kl" and cfg.data.teacher_tokenizer == "bpe"

@@ -142,6 +142,8 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   say(
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
     f"vocabulary {data.tokenizer.vocab_size}"
+    + ("" if getattr(data, "teacher_tokenizer", None) is None else
+       f" (the teacher's own tokenizer: {data.teacher_tokenizer.vocab_size})")
   )
   if data.teacher_tokenizer is not None and (cfg.models.teacher_cache or teacher_mesh is not None
                                              or cfg.distill.on_policy.active):
