@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import yaml
 
+from meshdistill import strategies
 from meshdistill.config import files as config_files
 from meshdistill.config.typed_yaml import ConfigError, from_dict, to_plain
 from meshdistill.config.files import config_path  # noqa: F401  (part of this module's API)
@@ -136,11 +137,7 @@ class Config:
         "updates on bfloat16 / float16 weights are not supported); set student.param_dtype=float32 and use "
         "student.dtype=bfloat16 for bfloat16 compute (teacher.param_dtype may be bfloat16: the teacher is frozen)"
       )
-    if self.teacher.vocab_size != self.student.vocab_size and not self.models.student_hf:  # hf: padding checked
-      raise ConfigError(
-        f"teacher.vocab_size={self.teacher.vocab_size} != student.vocab_size={self.student.vocab_size}; "
-        "distillation compares distributions token by token: set both to the tokenizer's vocabulary size"
-      )
+    self._check_tokenizers()
     n_new = self.distill.on_policy.max_new_tokens
     if self.distill.on_policy.active and n_new > self.data.seq_len:
       raise ConfigError(
@@ -170,6 +167,34 @@ class Config:
           f"{section}.batch_size={b} is not divisible by mesh.data={self.mesh.data}; use a multiple of "
           f"{self.mesh.data} or mesh.data in {ok}"
         )
+
+  def _check_tokenizers(self) -> None:
+    """One tokenizer: equal vocabularies. A teacher of its own (``data.teacher_tokenizer``): a strategy that aligns
+    the two tokenizations (``cross_tokenizer``: uld, span_kl); the others are refused, naming those that work."""
+    cross = sorted(n for n in strategies.names() if getattr(strategies.get(n), "cross_tokenizer", False))
+    aligns = getattr(strategies.get(self.distill.kind), "cross_tokenizer", False)
+    if self.data.teacher_tokenizer is None:
+      if aligns:
+        raise ConfigError(f"distill.kind={self.distill.kind} distils a teacher of another tokenizer: set "
+                          "data.teacher_tokenizer (byte, bpe or a tokenizer.json path)")
+      if self.teacher.vocab_size != self.student.vocab_size and not self.models.student_hf:  # hf: padding checked
+        raise ConfigError(
+          f"teacher.vocab_size={self.teacher.vocab_size} != student.vocab_size={self.student.vocab_size}; "
+          "distillation compares distributions token by token: set both to the tokenizer's vocabulary size, or give "
+          f"the teacher its own tokenizer (data.teacher_tokenizer) and distil with distill.kind in {cross}"
+        )
+      return
+    if not aligns:
+      raise ConfigError(
+        f"data.teacher_tokenizer={self.data.teacher_tokenizer!r} gives the teacher its own tokens, but "
+        f"distill.kind={self.distill.kind} compares the models token by token over one vocabulary (logit and "
+        "attention-map transfer need the same tokens on both sides), so it is refused; choose distill.kind in "
+        f"{cross}, or drop data.teacher_tokenizer"
+      )
+    teacher_len = self.data.teacher_seq_len or self.data.seq_len
+    if self.teacher.max_len < teacher_len:
+      raise ConfigError(f"teacher.max_len={self.teacher.max_len} is shorter than the teacher's rows "
+                        f"(data.teacher_seq_len={teacher_len}); raise teacher.max_len or lower data.teacher_seq_len")
 
   def to_dict(self) -> dict:
     """Plain nested dict (YAML/JSON-serializable) of every setting."""

@@ -9,11 +9,13 @@ The trainer's entry point::
   evals = bundle.val_batches(max_batches=8)  # fixed, finite list of batches
 
 Modules: `_corpus` (sources and the split by document), `_tokenizer` (byte-level and BPE),
-`_packing` (rows, targets and the loss mask), `_loader` (grain: shuffling, epochs, process
+`_packing` (rows, targets and the loss mask), `alignment` (token bytes, spans two tokenizations agree on),
+`_cross` (rows of two tokenizations of one text, for a teacher with its own tokenizer), `_loader` (grain: shuffling, epochs, process
 shards, state), `_pipeline` (config and `build_data`), `_batch_list` (batches already in memory).
 """
 
 from meshdistill.data._batch_list import BatchList, BatchListIterator
+from meshdistill.data._cross import CROSS_KEYS, PackedPairs, pack_texts
 from meshdistill.data._corpus import Document, cap_documents, load_documents, split_documents, stdlib_documents
 from meshdistill.data._loader import TrainIterator, process_slice, validation_batches
 from meshdistill.data._packing import (
@@ -36,6 +38,9 @@ from meshdistill.data._tokenizer import (
 )
 
 __all__ = [
+    "CROSS_KEYS",
+    "PackedPairs",
+    "pack_texts",
     "BatchList",
     "BatchListIterator",
     "PreferencePairs",

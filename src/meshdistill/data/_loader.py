@@ -204,8 +204,14 @@ def validation_batches(
     rows = packed.rows(idx, segments=segments)
     short = (hi - lo) - idx.size
     if short:
-      fill = {k: np.full((short, packed.seq_len), packed.pad_id if k in ("inputs", "targets") else 0, v.dtype)
-              for k, v in rows.items()}
+      fill = {k: np.full((short, *v.shape[1:]), _fill_value(k, packed.pad_id), v.dtype) for k, v in rows.items()}
       rows = {k: np.concatenate([v, fill[k]]) for k, v in rows.items()}
     batches.append(rows)
   return batches
+
+
+def _fill_value(key: str, pad_id: int) -> int:
+  """What a padding row holds under ``key``: the pad id for tokens, -1 for span ids (no span), else 0 (masked)."""
+  if key in ("inputs", "targets"):
+    return pad_id
+  return -1 if key.endswith("_span") else 0

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from meshdistill.data._cross import PackedPairs, pack_texts
 from meshdistill.data._corpus import Document, cap_documents, load_documents, source_entries, split_documents
 from meshdistill.data._loader import TrainIterator, process_slice, validation_batches
 from meshdistill.data._packing import PackedSequences, TokenStream, pack, tokenize_documents
@@ -49,6 +50,10 @@ class DataConfig:
     seed: shuffling seed of the training batches.
     num_epochs: passes over the training rows; None = repeat forever (the trainer's step count ends it).
     cache_dir: where tokenizers and token streams are cached; None = no cache.
+    teacher_tokenizer: a teacher with its own tokenizer (``"byte"``, ``"bpe"`` or a tokenizer.json path, as
+      ``tokenizer``); None = the teacher shares ``tokenizer``. Set, every text is tokenized by both and the rows
+      carry the teacher's tokens and the alignment (`meshdistill.data._cross`; cross-tokenizer strategies).
+    teacher_seq_len: the teacher's tokens per row with ``teacher_tokenizer``; None = ``seq_len``.
   """
 
   source: str | tuple[str, ...] = "stdlib"
@@ -63,6 +68,8 @@ class DataConfig:
   seed: int = 0
   num_epochs: int | None = None
   cache_dir: str | None = None
+  teacher_tokenizer: str | None = None
+  teacher_seq_len: int | None = None
 
   def __post_init__(self):
     if isinstance(self.source, list):
@@ -92,6 +99,12 @@ class DataConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"data.{name}={v!r} must be a positive integer" + (", e.g. 128" if name == "seq_len" else ""))
+    if self.teacher_tokenizer is not None and (not isinstance(self.teacher_tokenizer, str) or not self.teacher_tokenizer):
+      raise ValueError(f"data.teacher_tokenizer={self.teacher_tokenizer!r} must be 'byte', 'bpe', a path to a "
+                       "tokenizer.json, or None (the teacher shares data.tokenizer)")
+    v = self.teacher_seq_len
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+      raise ValueError(f"data.teacher_seq_len={v!r} must be a positive integer or None (= data.seq_len)")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"data.seed={self.seed!r} must be an integer")
 
@@ -111,16 +124,19 @@ class DataBundle:
     global_batch_size: B, rows per step over all processes.
     process_index, process_count: which slice of every batch this process reads.
     stats: counts (documents, tokens, rows, trained targets per split, batches per epoch, seconds).
+    teacher_tokenizer: the teacher's own `Tokenizer` (``config.teacher_tokenizer``); then ``train`` / ``val`` are
+      `meshdistill.data._cross.PackedPairs`. None: one tokenizer.
   """
 
   config: DataConfig
   tokenizer: Tokenizer
-  train: PackedSequences
-  val: PackedSequences | None
+  train: PackedSequences | PackedPairs
+  val: PackedSequences | PackedPairs | None
   global_batch_size: int
   process_index: int
   process_count: int
   stats: dict[str, Any]
+  teacher_tokenizer: Tokenizer | None = None
 
   @property
   def local_batch_size(self) -> int:
@@ -275,6 +291,12 @@ def build_data(
       )
   train = pack(train_stream, cfg.seq_len, tok.pad_id)
   val = pack(val_stream, cfg.seq_len, tok.pad_id) if val_stream is not None and val_stream.tokens.size >= 2 else None
+  teacher_tok = None
+  if cfg.teacher_tokenizer is not None:  # two tokenizations of the same texts, cut where both agree
+    teacher_tok = resolve_tokenizer(cfg.replace(tokenizer=cfg.teacher_tokenizer), train_docs, cache_dir)
+    pair = lambda docs: pack_texts([d.text for d in docs], tok, teacher_tok, cfg.seq_len, cfg.teacher_seq_len)  # noqa: E731
+    train = pair(train_docs)
+    val = pair(val_docs) if val is not None else None
   stats = {
       "train_docs": train.num_docs,
       "val_docs": 0 if val is None else val.num_docs,
@@ -299,4 +321,5 @@ def build_data(
       process_index=process_index,
       process_count=process_count,
       stats=stats,
+      teacher_tokenizer=teacher_tok,
   )

@@ -12,8 +12,8 @@ from meshdistill.config import Config, ConfigError
 from meshdistill.config.sections import strategy_defaults
 from meshdistill.storage.fsutil import write_text_atomic
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
-from meshdistill.jobs._setup import with_batch_size
-from meshdistill.jobs._teacher import prepare_teacher
+from meshdistill.jobs._setup import teacher_side_data, with_batch_size
+from meshdistill.jobs._teacher import obtain_teacher, prepare_teacher
 from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
 from meshdistill.loop.monitor import ProfileWindow
 from meshdistill.data import PreferencePairs
@@ -141,15 +141,23 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   say(
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
     f"vocabulary {data.tokenizer.vocab_size}"
+    + ("" if getattr(data, "teacher_tokenizer", None) is None else
+       f" (the teacher's own tokenizer: {data.teacher_tokenizer.vocab_size})")
   )
-  prepared = prepare_teacher(cfg, data, mesh, teacher_mesh, stream=stream, report=say)
-  data, teacher, tdir = prepared.data, prepared.teacher, prepared.identity
+  if data.teacher_tokenizer is not None:  # a teacher of its own tokenizer: pretrained on its own tokens, run live
+    if cfg.models.teacher_cache or teacher_mesh is not None or cfg.distill.on_policy.active:
+      raise ConfigError("data.teacher_tokenizer (a teacher of its own tokenizer) runs the teacher live in the step on "
+                        "its own tokens; teacher.cache, teacher.devices and distill.on_policy do not take it yet")
+    teacher, tdir = obtain_teacher(cfg, teacher_side_data(cfg, data, mesh), mesh, stream=stream, report=say)
+  else:
+    prepared = prepare_teacher(cfg, data, mesh, teacher_mesh, stream=stream, report=say)
+    data, teacher, tdir = prepared.data, prepared.teacher, prepared.identity
   if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
     rows = read_prompts(os.path.expanduser(cfg.distill.on_policy.prompts_file), need_completion=True)
     data = PromptData(rows, data.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
                       val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
     say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
-  distiller = make_distiller(cfg, teacher, mesh, data.tokenizer)
+  distiller = make_distiller(cfg, teacher, mesh, data.tokenizer, getattr(data, "teacher_tokenizer", None))
 
   _check_against_checkpoint(cfg, _meta(distiller, "distill", {"teacher_dir": tdir}))
   _write_config(cfg, run_dir)
@@ -192,6 +200,8 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
 
 def _evaluate_pair(distiller, state, val) -> dict:
   student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
+  if getattr(distiller, "cross_tokenizer", False):
+    return _evaluate_cross(distiller, state, student)
   teacher_eval = Evaluator(distiller.teacher_def, mesh=distiller.layout.eval_mesh)
   teacher = teacher_eval(distiller.unreplicate(distiller.teacher_params), val)
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -218,5 +228,19 @@ def _evaluate_student(distiller, state, val) -> dict:
   return {
     "teacher": None,
     "student": {"loss": student["loss"], "ppl": student["ppl"], "params": param_count(distiller.student(state))},
+    "val_tokens": student["tokens"],
+  }
+
+
+def _evaluate_cross(distiller, state, student: dict) -> dict:
+  """A teacher of another tokenizer: both models in bits per byte on the same bytes (losses per token differ)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  n_student = param_count(distiller.student(state))
+  n_teacher = param_count(nnx.merge(distiller.teacher_def, distiller.unreplicate(distiller.teacher_params)))
+  return {
+    "teacher": {"bpb": student["teacher_bpb"], "params": n_teacher},
+    "student": {"loss": student["loss"], "ppl": student["ppl"], "bpb": student["bpb"], "params": n_student},
+    "param_ratio": n_student / n_teacher,
     "val_tokens": student["tokens"],
   }

@@ -75,12 +75,31 @@ def load_data(cfg: Config, batch_size: int | None = None, mesh=None):
   vocab = data.tokenizer.vocab_size
   for who in ("teacher", "student"):
     have = getattr(cfg, who).vocab_size
+    if who == "teacher" and data.teacher_tokenizer is not None:  # a teacher of its own tokenizer
+      if have < data.teacher_tokenizer.vocab_size:
+        raise ConfigError(
+          f"teacher.vocab_size={have} is smaller than the teacher tokenizer's vocabulary "
+          f"({data.teacher_tokenizer.vocab_size} ids, data.teacher_tokenizer={cfg.data.teacher_tokenizer!r}); set "
+          f"teacher.vocab_size={data.teacher_tokenizer.vocab_size}"
+        )
+      continue
     if have < vocab:
       raise ConfigError(
         f"{who}.vocab_size={have} is smaller than the tokenizer's vocabulary ({vocab} ids, "
         f"data.tokenizer={cfg.data.tokenizer!r}); set teacher.vocab_size={vocab} and student.vocab_size={vocab}"
       )
   return data
+
+
+def teacher_side_data(cfg: Config, data, mesh=None):
+  """The data a teacher of its own tokenizer is pretrained on: the same documents through
+  ``data.teacher_tokenizer`` alone (single-tokenizer rows); ``data`` itself when the teacher shares the tokenizer."""
+  if data.teacher_tokenizer is None:
+    return data
+  index, count = data_shard(mesh)
+  own = cfg.data.replace(tokenizer=cfg.data.teacher_tokenizer, teacher_tokenizer=None, teacher_seq_len=None)
+  return build_data(own, data.global_batch_size, tokenizer=data.teacher_tokenizer, process_index=index,
+                    process_count=count)
 
 
 def with_batch_size(data, batch_size: int):

@@ -9,6 +9,7 @@ from meshdistill.config import Config, ConfigError
 from meshdistill.loop.guard import DivergenceGuard
 from meshdistill.strategies import ScaledLoss, fallback_strategy, label
 from meshdistill.teachers.sources import build_student, quantized_teacher
+from meshdistill.data.alignment import matched_vocabulary
 from meshdistill.train.distiller import Distiller
 from meshdistill.train.onpolicy import OnPolicyDistiller
 from meshdistill.train.optimizers import lr_schedule, make_optimizer
@@ -69,12 +70,15 @@ def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
   return strategy, make_optimizer(cfg.train, layers, loss_scale=scale)
 
 
-def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None):
+def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_tokenizer: Any = None):
   """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.teachers.sources.build_student`); with
-  ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS)."""
+  ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS). With a teacher of
+  its own ``teacher_tokenizer``, a strategy that compares matched tokens (``span_kl``) gets the matched vocabulary."""
   student = build_student(cfg, teacher, mesh)
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize: after the student copied any float blocks
   strategy, optimizer = strategy_and_optimizer(cfg)
+  if teacher_tokenizer is not None and hasattr(strategy, "with_matched"):
+    strategy = strategy.with_matched(*matched_vocabulary(teacher_tokenizer, tokenizer))
   extra, cls = {}, Distiller
   if cfg.distill.on_policy.active:
     cls = OnPolicyDistiller

@@ -7,7 +7,10 @@ result does not depend on how the rows are batched:
 * ``loss`` -- cross-entropy of the model on the next token; ``ppl = exp(loss)``;
 * with a teacher: ``teacher_loss`` / ``teacher_ppl``, ``kl`` = KL(teacher || model) at
   temperature 1, ``agree`` = share of tokens whose arg-max matches the teacher's, ``corr`` =
-  Pearson correlation of the two logit vectors.
+  Pearson correlation of the two logit vectors;
+* with batches of two tokenizations (``data.teacher_tokenizer``): ``bpb``, the model's bits per byte on the
+  counted spans (text both tokenizations cover alike, `meshdistill.losses.span_nll`), and ``teacher_bpb``, the
+  teacher's on the same bytes, run on its own tokens: models of different vocabularies compare.
 
 The forward passes run as one jitted program per batch on the layout the parameters
 live on (batch split over ``data``; weights split over ``tensor``).
@@ -29,7 +32,7 @@ from jax.sharding import Mesh
 
 from meshdistill import losses
 from meshdistill.parallel.mesh import host_to_global
-from meshdistill.train.step import BATCH_KEYS
+from meshdistill.train.step import BATCH_KEYS, CROSS_KEYS
 
 
 @functools.partial(jax.jit, static_argnames=("model_def", "teacher_def"))
@@ -48,6 +51,25 @@ def _sums(params, teacher_params, batch, *, model_def, teacher_def):
   return out
 
 
+@functools.partial(jax.jit, static_argnames=("model_def", "teacher_def"))
+def _cross_sums(params, teacher_params, batch, *, model_def, teacher_def):
+  """Token sums of a batch of two tokenizations: the model's CE on its tokens, both models' span NLL and bytes."""
+  mask_BxT = batch["mask"].astype(jnp.float32)
+  logits = nnx.merge(model_def, params)(batch["inputs"]).logits
+  per_seq = lambda f: jax.vmap(lambda *a: jnp.sum(f(*a)))  # noqa: E731
+  out = {
+      "tokens": jnp.sum(mask_BxT), "ce": jnp.sum(per_seq(losses.cross_entropy)(logits, batch["targets"], mask_BxT)),
+      "bytes": jnp.sum(batch["span_bytes"].astype(jnp.float32)),
+      "span_nll": jnp.sum(jax.vmap(losses.span_nll)(logits, batch["targets"], batch["student_span"],
+                                                    batch["span_bytes"])),
+  }
+  if teacher_def is not None:
+    t_logits = nnx.merge(teacher_def, teacher_params)(batch["teacher_inputs"]).logits
+    out["teacher_span_nll"] = jnp.sum(jax.vmap(losses.span_nll)(
+        t_logits, batch["teacher_targets"], batch["teacher_span"], batch["span_bytes"]))
+  return out
+
+
 def finish(sums: dict[str, float]) -> dict[str, float]:
   """Token means and perplexities from accumulated token sums."""
   n = max(sums["tokens"], 1.0)
@@ -58,6 +80,11 @@ def finish(sums: dict[str, float]) -> dict[str, float]:
     out["teacher_ppl"] = math.exp(min(out["teacher_loss"], 700.0))
     for k in ("kl", "agree", "corr"):
       out[k] = sums[k] / n
+  if "bytes" in sums:  # two tokenizations: bits per byte of each model on the same bytes
+    per_byte = max(sums["bytes"], 1.0) * math.log(2.0)
+    out["bpb"] = sums["span_nll"] / per_byte
+    if "teacher_span_nll" in sums:
+      out["teacher_bpb"] = sums["teacher_span_nll"] / per_byte
   return out
 
 
@@ -75,6 +102,7 @@ class Evaluator:
     self.teacher_def, self.teacher_params = teacher_def, teacher_params
     # One compiled program per (graph definitions, shapes, layout), shared by every Evaluator.
     self._fn = functools.partial(_sums, model_def=model_def, teacher_def=teacher_def)
+    self._cross = functools.partial(_cross_sums, model_def=model_def, teacher_def=teacher_def)
 
   @classmethod
   def for_trainer(cls, trainer: Any, with_teacher: bool = True) -> Evaluator:
@@ -84,7 +112,7 @@ class Evaluator:
     return cls(trainer.student_def, teacher_def=teacher_def, teacher_params=teacher_params, mesh=trainer.layout.eval_mesh)
 
   def _place(self, batch):
-    batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS}
+    batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS + CROSS_KEYS if k in batch}
     if self.mesh is None:
       return batch
     return host_to_global(batch, self.mesh)
@@ -108,7 +136,8 @@ class Evaluator:
     total: dict[str, float] = {}
     with self._in_mesh():
       for batch in batches:
-        sums = jax.device_get(self._fn(params, self.teacher_params, self._place(batch)))
+        fn = self._cross if "span_bytes" in batch else self._fn
+        sums = jax.device_get(fn(params, self.teacher_params, self._place(batch)))
         for k, v in sums.items():
           total[k] = total.get(k, 0.0) + float(v)
     return finish(total)

@@ -6,7 +6,8 @@ values ``[T]`` with masked tokens exactly 0; `jax.vmap` lifts them over a batch.
 Divergences (`DIVERGENCES`, `get_divergence`): ``forward_kl``, ``reverse_kl``, ``jsd``
 (generalised, ``beta``), ``skew_kl`` / ``skew_reverse_kl`` (``skew``), ``tvd``, ``mse``
 (centred logits). `forward_kl_terms`: the default recipe's loss and metrics fused (one pass over V). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`; `TopK` (a teacher given by its
-top-k, e.g. an offline cache) and `narrow_topk`.
+top-k, e.g. an offline cache) and `narrow_topk`. A teacher of another tokenizer (`Aligned`): `span_logprobs`, `uld`,
+`matched_kl`, `hybrid_uld` on the spans both tokenizations agree on (per span ``[S]`` instead of per token).
 """
 
 from meshdistill.losses._chunked import (
@@ -15,6 +16,15 @@ from meshdistill.losses._chunked import (
     cross_entropy_token_fn,
     divergence_token_fn,
     head_logits,
+)
+from meshdistill.losses._cross_tokenizer import (
+    Aligned,
+    hybrid_uld,
+    matched_kl,
+    span_logprobs,
+    span_nll,
+    target_logprobs,
+    uld,
 )
 from meshdistill.losses._divergences import (
     DISTRIBUTION_DIVERGENCES,
@@ -33,9 +43,25 @@ from meshdistill.losses._divergences import (
 )
 from meshdistill.losses._fused import forward_kl_terms
 from meshdistill.losses._logits import cross_entropy, log_softmax, pearson, top1_agreement
-from meshdistill.losses._topk import TopK, narrow_topk, teacher_topk, topk_bins, topk_divergence, topk_tail
+from meshdistill.losses._topk import (
+    TopK,
+    narrow_topk,
+    teacher_topk,
+    topk_bins,
+    topk_divergence,
+    topk_tail,
+    vocab_topk,
+)
 
 __all__ = [
+    "Aligned",
+    "hybrid_uld",
+    "matched_kl",
+    "span_logprobs",
+    "span_nll",
+    "target_logprobs",
+    "uld",
+    "vocab_topk",
     "DISTRIBUTION_DIVERGENCES",
     "DIVERGENCES",
     "HYPERPARAMETERS",

@@ -44,12 +44,16 @@ def teacher_topk(teacher_TxV: jax.Array, k: int, temperature: Scalar = 1.0) -> t
   ``tensor``, or ``k`` above a slice) it is `jax.lax.top_k` over V. An offline top-k cache
   avoids the selection in the train step altogether.
   """
-  logp_TxV = log_softmax(teacher_TxV, temperature)
-  shards = _vocab_shards(logp_TxV.shape[-1], k)
-  if shards > 1:
-    return _sharded_topk(logp_TxV, k)
-  logprobs_TxK, indices_TxK = jax.lax.top_k(logp_TxV, k)
-  return indices_TxK.astype(jnp.int32), logprobs_TxK
+  return vocab_topk(log_softmax(teacher_TxV, temperature), k)
+
+
+def vocab_topk(values_TxV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """``(indices_TxK int32, values_TxK)``: the ``k`` largest of ``values_TxV`` per row, decreasing; selected
+  vocabulary-parallel when V is split over ``tensor`` (see `teacher_topk`)."""
+  if _vocab_shards(values_TxV.shape[-1], k) > 1:
+    return _sharded_topk(values_TxV, k)
+  top_TxK, indices_TxK = jax.lax.top_k(values_TxV, k)
+  return indices_TxK.astype(jnp.int32), top_TxK
 
 
 def _vocab_shards(vocab: int, k: int) -> int:

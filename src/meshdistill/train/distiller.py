@@ -33,7 +33,7 @@ from meshdistill.models._build import abstract_params
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
 from meshdistill.train.optimizers import default_optimizer
-from meshdistill.train.step import BATCH_KEYS, TOPK_KEYS, TrainState, per_device_step
+from meshdistill.train.step import BATCH_KEYS, CROSS_KEYS, TOPK_KEYS, TrainState, per_device_step
 from meshdistill.strategies import LogitKD, label
 from meshdistill.teachers.cache import TopKTeacher
 
@@ -99,8 +99,13 @@ class Distiller:
         raise ValueError(f"{teacher.source} has token ids up to {teacher.vocab} but the student's vocab_size is "
                          f"{student.cfg.vocab_size}; use a student of the teacher's tokenizer")
       self.shared_vocab = resolve_shared_vocab(teacher.vocab, student.cfg.vocab_size, shared_vocab)
-    elif teacher is not None:
+    elif teacher is not None and not getattr(strategy, "cross_tokenizer", False):
       self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
+    self.cross_tokenizer = teacher is not None and getattr(strategy, "cross_tokenizer", False)
+    if self.cross_tokenizer and self.topk_teacher is not None:
+      raise ValueError(f"strategy {type(strategy).__name__} runs a teacher of another tokenizer on its own tokens; "
+                       f"{teacher.source} gives a top-k per student token (a cross-tokenizer cache is not built yet): "
+                       "use a live teacher")
     self.layout = make_layout(backend, mesh, fsdp, student_split)
     # pads a vocabulary / replicates key/value heads where the mesh's `tensor` needs it
     student = self.layout.fit_model(student)
@@ -173,6 +178,7 @@ class Distiller:
           "" if self.teacher_cfg is None else f", teacher {self.teacher_cfg.max_len}")
       raise ValueError(f"sequence length {T} exceeds max_len={self.max_len} ({models}); use seq_len <= {self.max_len}")
     self.layout.check_batch(B)
+    self._check_cross_batch(batch, B)
     if self.topk_teacher is not None:
       k = self.topk_teacher.k
       want = {TOPK_KEYS[0]: (B, T, k), TOPK_KEYS[1]: (B, T, k), TOPK_KEYS[2]: (B, T)}
@@ -180,6 +186,31 @@ class Distiller:
       if got != want:
         raise ValueError(f"with {self.topk_teacher.source} every batch carries the teacher's top-k {want}, got {got}; "
                          "read the data through meshdistill.teachers.cache.CachedTeacherData (or a teacher_mesh source)")
+
+  def _check_cross_batch(self, batch: dict, B: int) -> None:
+    """A batch of two tokenizations goes with a cross-tokenizer strategy, and only with one."""
+    has = [k for k in CROSS_KEYS if k in batch]
+    name = type(self.strategy).__name__
+    if has and not self.cross_tokenizer:
+      raise ValueError(
+          f"the batch carries a teacher of another tokenizer ({has[0]}, ...; data.teacher_tokenizer is set) but "
+          f"strategy {name} compares the two models token by token over one vocabulary, so it is refused here "
+          "(attention transfer and feature losses also need the same tokens on both sides); use distill.kind: "
+          "uld or span_kl, or drop data.teacher_tokenizer"
+      )
+    if not self.cross_tokenizer:
+      return
+    if len(has) != len(CROSS_KEYS):
+      raise ValueError(f"strategy {name} needs the teacher's own tokens and the alignment in every batch "
+                       f"({list(CROSS_KEYS)}); set data.teacher_tokenizer (missing: "
+                       f"{[k for k in CROSS_KEYS if k not in batch]})")
+    Tt = np.shape(batch["teacher_inputs"])[1]
+    if Tt > self.teacher_cfg.max_len:
+      raise ValueError(f"teacher sequence length {Tt} exceeds the teacher's max_len={self.teacher_cfg.max_len}; "
+                       f"use data.teacher_seq_len <= {self.teacher_cfg.max_len}")
+    rows = {k: tuple(np.shape(batch[k]))[:1] for k in CROSS_KEYS}
+    if set(rows.values()) != {(B,)}:
+      raise ValueError(f"cross-tokenizer batch arrays must have {B} rows like inputs, got {rows}")
 
   def compiled_step(self, state: TrainState):
     """The step compiled for ``state``'s layout (its output state pinned to it where the layout needs that)."""
@@ -302,7 +333,8 @@ def resolve_shared_vocab(teacher_vocab: int, student_vocab: int, shared_vocab: i
         f"teacher vocab_size={teacher_vocab} != student vocab_size={student_vocab}; distillation compares "
         "distributions token by token, so both models need the same tokenizer (build the student with "
         f"vocab_size={teacher_vocab}); if they do share one and the larger is only padded, pass "
-        f"shared_vocab=<tokenizer size, at most {small}>"
+        f"shared_vocab=<tokenizer size, at most {small}>; if the tokenizers differ, set data.teacher_tokenizer and "
+        "distill.kind: uld or span_kl (they align the two tokenizations)"
     )
   log.info(
       "teacher vocab_size=%d, student vocab_size=%d: treating the extra %d rows as padding of one tokenizer and "

@@ -45,6 +45,13 @@ BATCH_KEYS = ("inputs", "targets", "mask")
 # Batch keys of a teacher given by its top-k instead of its weights (`meshdistill.losses.TopK`):
 # ids and log-probs [B, T, K], tail log-mass [B, T]; see `meshdistill.teachers.cache`.
 TOPK_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_tail")
+# Batch keys of a teacher with its own tokenizer (`meshdistill.data._cross`): its tokens [B, Tt] and the alignment
+# of the row's targets (span ids [B, Ts] / [B, Tt], last positions and bytes per span [B, S]); read when the
+# strategy declares ``cross_tokenizer`` (`meshdistill.strategies.ULD`), which then gets a `meshdistill.losses.Aligned`.
+CROSS_KEYS = (
+    "teacher_inputs", "teacher_targets", "teacher_mask",
+    "student_span", "teacher_span", "student_last", "teacher_last", "span_bytes",
+)
 
 
 class TrainState(NamedTuple):
@@ -117,6 +124,8 @@ def per_device_gradients(
   teacher_out = teacher_head = teacher_cap = None
   if TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
     teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
+  elif teacher_def is not None and getattr(strategy, "cross_tokenizer", False):  # a teacher of another tokenizer
+    teacher_out = _aligned_teacher(nnx.merge(teacher_def, teacher_params), batch, student_axis)
   elif teacher_def is not None:
     teacher = nnx.merge(teacher_def, teacher_params)
     inputs_BxT = batch["inputs"] if student_axis is None else _rows_whole(batch["inputs"])
@@ -140,6 +149,15 @@ def per_device_gradients(
       out_specs=P(), axis_names={student_axis}, check_vma=False,
   )
   return split(state.params, rows, teacher_out, teacher_head)
+
+
+def _aligned_teacher(teacher, batch: dict[str, jax.Array], student_axis: str | None) -> losses.Aligned:
+  """The teacher run on its own tokens (``teacher_inputs`` [b, Tt], under ``stop_gradient``) with the row alignment
+  of `CROSS_KEYS`, for a strategy with ``cross_tokenizer``."""
+  inputs_BxT = batch["teacher_inputs"] if student_axis is None else _rows_whole(batch["teacher_inputs"])
+  logits = jax.lax.stop_gradient(teacher(inputs_BxT).logits)
+  return losses.Aligned(logits, *(batch[k] for k in (
+      "teacher_targets", "teacher_span", "student_span", "teacher_last", "student_last", "span_bytes")))
 
 
 def _rows_whole(tree: Any) -> Any:

@@ -1,0 +1,137 @@
+"""Losses between a teacher and a student that do not share a tokenizer, on aligned spans of one sequence.
+
+The two models predict different tokens, so their distributions are compared span by span
+(`meshdistill.data.alignment`: a span is a maximal group of student tokens and of teacher tokens that
+cover the same bytes). Inputs for one sequence: each side's logits ``[T, V]``, its targets ``[T]``, the
+span of each target ``[T]`` (-1: none) and the position of each span's last target ``[S]``.
+
+Span log-probabilities (`span_logprobs`), GOLD's merging by the chain rule (TRL's ``"bayesian"``
+``uld_token_merge_strategy``): a span of targets ``x_1 .. x_n`` gets the distribution at its LAST position,
+``log p(v | x_<n)``, plus the log-probabilities of the actual earlier tokens, ``sum_{j<n} log p(x_j | x_<j)``:
+the joint log-probability of the span ending in ``v``; at ``v = x_n`` it is the span's log-probability, the
+sum of its tokens' log-probabilities. The result is not normalised (it sums to ``p(x_1 .. x_{n-1})``).
+
+* `uld` (Universal Logit Distillation, Boizard et al. 2024): the L1 distance between the two sides' span
+  probabilities sorted in decreasing order, the shorter vocabulary padded with zeros (the Wasserstein-1
+  distance of the sorted vectors). With ``top_k``, each side keeps its ``k`` largest (the vocabulary-parallel
+  top-k of `meshdistill.losses.teacher_topk` when the vocabulary is split over ``tensor``); ``top_k=None``
+  sorts the whole vocabulary (exact; a vocabulary split over ``tensor`` is then gathered).
+* `hybrid_uld` (GOLD's hybrid loss): tokens whose bytes exist in both vocabularies (the matched vocabulary,
+  pairs of ids ``(teacher_ids [M], student_ids [M])``) are compared token by token with KL(teacher || student)
+  on the span probabilities at those ids (as TRL: probabilities clamped at 1e-8, no renormalisation); the rest of
+  each vocabulary falls to `uld`; ``matched_weight * kl + (1 - matched_weight) * uld``, with the default weight
+  ``M / W`` (the matched share of the teacher's vocabulary, as TRL).
+
+All return per-span values ``[S]``, exactly 0 where ``span_mask`` is 0.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshdistill.losses._logits import log_softmax
+from meshdistill.losses._topk import vocab_topk
+
+CLAMP = 1e-8  # TRL clamps probabilities at this before taking logs in the matched KL
+
+
+class Aligned(NamedTuple):
+  """A teacher of another tokenizer, for the step's strategy: its logits on its own tokens ``[..., Tt, W]`` and
+  targets ``[..., Tt]``, and the alignment of the row (`meshdistill.data.alignment.RowAlignment`): span ids
+  ``teacher_span [..., Tt]`` / ``student_span [..., Ts]``, last positions ``teacher_last`` / ``student_last
+  [..., S]`` and ``span_bytes [..., S]`` (0: the span does not count)."""
+
+  logits: jax.Array
+  targets: jax.Array
+  teacher_span: jax.Array
+  student_span: jax.Array
+  teacher_last: jax.Array
+  student_last: jax.Array
+  span_bytes: jax.Array
+
+
+def target_logprobs(logp_TxV: jax.Array, targets_T: jax.Array) -> jax.Array:
+  """``logp[t, targets[t]]`` ``[T]`` with a one-hot product (a sum over V, never a gather of the vocabulary)."""
+  onehot = jax.nn.one_hot(targets_T, logp_TxV.shape[-1], dtype=logp_TxV.dtype)
+  return jnp.sum(onehot * logp_TxV, axis=-1)
+
+
+def span_logprobs(
+    logits_TxV: jax.Array, targets_T: jax.Array, span_T: jax.Array, last_S: jax.Array, temperature=1.0
+) -> jax.Array:
+  """``[S, V]`` span log-probabilities (see the module docstring) at ``temperature``."""
+  logp_TxV = log_softmax(logits_TxV, temperature)
+  S = last_S.shape[0]
+  actual_T = jnp.maximum(target_logprobs(logp_TxV, targets_T), jnp.log(jnp.asarray(CLAMP, logp_TxV.dtype)))
+  counted_T = span_T >= 0
+  sums_S = jax.ops.segment_sum(jnp.where(counted_T, actual_T, 0.0), jnp.where(counted_T, span_T, S), S + 1)[:S]
+  earlier_S = sums_S - actual_T[last_S]  # each earlier token's probability clamped at 1e-8, as TRL
+  return logp_TxV[last_S] + earlier_S[:, None]
+
+
+def span_nll(logits_TxV: jax.Array, targets_T: jax.Array, span_T: jax.Array, span_bytes_S: jax.Array) -> jax.Array:
+  """Negative log-likelihood (nats, a scalar) of the targets in counted spans (``span_bytes > 0``) of one sequence:
+  over the bytes of those spans, a model's bits per byte on text both tokenizations cover alike."""
+  counted_T = (span_T >= 0) & (span_bytes_S[jnp.maximum(span_T, 0)] > 0)
+  return -jnp.sum(jnp.where(counted_T, target_logprobs(log_softmax(logits_TxV), targets_T), 0.0))
+
+
+def _sorted_probs(logp_SxV: jax.Array, k: int) -> jax.Array:
+  """The ``k`` largest probabilities per row, decreasing, zero-padded past the vocabulary."""
+  V = logp_SxV.shape[-1]
+  _, top_SxK = vocab_topk(logp_SxV, min(k, V))
+  probs = jnp.exp(top_SxK)
+  return jnp.pad(probs, ((0, 0), (0, k - probs.shape[-1])))
+
+
+def uld(student_SxV: jax.Array, teacher_SxW: jax.Array, span_mask_S: jax.Array, top_k: int | None = None) -> jax.Array:
+  """``sum_j |sort(p_s)_j - sort(p_t)_j|`` per span ``[S]`` on span log-probabilities (see the module docstring)."""
+  k = max(student_SxV.shape[-1], teacher_SxW.shape[-1]) if top_k is None else top_k
+  dist_S = jnp.sum(jnp.abs(_sorted_probs(student_SxV, k) - _sorted_probs(teacher_SxW, k)), axis=-1)
+  return jnp.where(span_mask_S > 0, dist_S, 0.0)
+
+
+def matched_kl(
+    student_SxV: jax.Array, teacher_SxW: jax.Array, student_ids_M, teacher_ids_M, span_mask_S: jax.Array
+) -> jax.Array:
+  """KL(teacher || student) over the matched ids per span ``[S]``: ``sum_m q_m (log q_m - log p_m)`` with
+  ``q = max(p_t[teacher_ids], 1e-8)``, ``p = max(p_s[student_ids], 1e-8)`` (M values per span are picked)."""
+  floor = jnp.log(jnp.asarray(CLAMP, student_SxV.dtype))
+  log_p = jnp.maximum(student_SxV[:, jnp.asarray(student_ids_M)], floor)
+  log_q = jnp.maximum(teacher_SxW[:, jnp.asarray(teacher_ids_M)], floor)
+  kl_S = jnp.sum(jnp.exp(log_q) * (log_q - log_p), axis=-1)
+  return jnp.where(span_mask_S > 0, kl_S, 0.0)
+
+
+def unmatched_mask(size: int, ids_M) -> np.ndarray:
+  """``[size]`` bool: True at the ids of the matched vocabulary (a constant of the program)."""
+  out = np.zeros(size, bool)
+  out[np.asarray(ids_M, np.int64)] = True
+  return out
+
+
+def hybrid_uld(
+    student_SxV: jax.Array,
+    teacher_SxW: jax.Array,
+    student_ids_M,
+    teacher_ids_M,
+    span_mask_S: jax.Array,
+    matched_weight: float | None = None,
+    top_k: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """GOLD's hybrid loss per span: ``(loss [S], matched KL [S], unmatched ULD [S])`` (see the module docstring)."""
+  M = len(student_ids_M)
+  weight = M / teacher_SxW.shape[-1] if matched_weight is None else matched_weight
+  kl_S = matched_kl(student_SxV, teacher_SxW, student_ids_M, teacher_ids_M, span_mask_S)
+  drop_s = unmatched_mask(student_SxV.shape[-1], student_ids_M)
+  drop_t = unmatched_mask(teacher_SxW.shape[-1], teacher_ids_M)
+  rest_s = jnp.where(drop_s, -jnp.inf, student_SxV)
+  rest_t = jnp.where(drop_t, -jnp.inf, teacher_SxW)
+  if top_k is None:  # exact: each side's unmatched ids, sorted, the shorter padded with zeros
+    top_k = max(student_SxV.shape[-1] - M, teacher_SxW.shape[-1] - M)
+  uld_S = uld(rest_s, rest_t, span_mask_S, top_k)
+  return weight * kl_S + (1.0 - weight) * uld_S, kl_S, uld_S

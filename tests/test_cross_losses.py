@@ -1,0 +1,172 @@
+"""Cross-tokenizer losses against plain numpy references written from TRL's GOLD formulas (ULD, span merging,
+the hybrid matched-KL + unmatched-ULD loss), on fixed inputs."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from meshdistill import losses
+from meshdistill.data.alignment import row_alignment
+from meshdistill.models import ModelOutput
+from meshdistill.strategies import SpanKL, ULD
+
+EPS = 1e-8
+VS, VT, TS, TT = 12, 20, 7, 5
+S_PIECES = ["a", "b", "c", " ", "d", "e", "f"]  # student targets
+T_PIECES = ["abc", " d", "e", "f", ""]  # teacher targets (the last is padding)
+MATCHED_T = np.array([1, 4, 5, 9, 13])
+MATCHED_S = np.array([0, 3, 7, 2, 11])
+
+
+def ends(pieces):
+  return np.cumsum([len(p) for p in pieces if p])
+
+
+@pytest.fixture(scope="module")
+def case():
+  rng = np.random.default_rng(3)
+  align = row_alignment(ends(S_PIECES), ends(T_PIECES), np.ones(7), np.ones(4), student_len=TS, teacher_len=TT,
+                        spans=5)
+  return {
+      "s_logits": rng.normal(size=(TS, VS)).astype(np.float32) * 2,
+      "t_logits": rng.normal(size=(TT, VT)).astype(np.float32) * 2,
+      "s_targets": rng.integers(0, VS, TS).astype(np.int32),
+      "t_targets": rng.integers(0, VT, TT).astype(np.int32),
+      "align": align,
+  }
+
+
+def softmax(x, tau):
+  z = np.exp((x - x.max(-1, keepdims=True)) / tau)
+  return z / z.sum(-1, keepdims=True)
+
+
+def groups_of(span_ids, n):
+  return [list(np.flatnonzero(span_ids == s)) for s in range(n)]
+
+
+def merge(probs, groups, ids):
+  """TRL's "bayesian" merge: the last position's distribution times the earlier actual tokens' probabilities."""
+  out = []
+  for g in groups:
+    base = probs[g[-1]].copy()
+    for i in g[:-1]:
+      base = base * max(probs[i, ids[i]], EPS)
+    out.append(base)
+  return np.stack(out)
+
+
+def sorted_l1(a, b, k=None):
+  a, b = -np.sort(-a, -1), -np.sort(-b, -1)
+  if k is not None:
+    a, b = a[:, :k], b[:, :k]
+  n = max(a.shape[1], b.shape[1])
+  a = np.pad(a, ((0, 0), (0, n - a.shape[1])))
+  b = np.pad(b, ((0, 0), (0, n - b.shape[1])))
+  return np.abs(a - b).sum()
+
+
+def reference_aligned(case, tau):
+  al = case["align"]
+  n = int((al.span_bytes > 0).sum())
+  s = merge(softmax(case["s_logits"], tau), groups_of(al.student_span, n), case["s_targets"])
+  t = merge(softmax(case["t_logits"], tau), groups_of(al.teacher_span, n), case["t_targets"])
+  return s, t, n
+
+
+def reference_hybrid(s, t, weight):
+  """TRL's `_compute_hybrid_uld_loss` summed over spans (TRL divides both terms by the span count)."""
+  ps, pt = s[:, MATCHED_S], t[:, MATCHED_T]
+  lq, lp = np.log(np.maximum(pt, EPS)), np.log(np.maximum(ps, EPS))
+  kl = (np.exp(lq) * (lq - lp)).sum()
+  keep_s = np.ones(VS, bool)
+  keep_s[MATCHED_S] = False
+  keep_t = np.ones(VT, bool)
+  keep_t[MATCHED_T] = False
+  rest = sorted_l1(s[:, keep_s], t[:, keep_t])
+  w = len(MATCHED_T) / VT if weight is None else weight
+  return w * kl + (1 - w) * rest, kl, rest
+
+
+def aligned_teacher(case):
+  al = case["align"]
+  return losses.Aligned(jnp.asarray(case["t_logits"]), jnp.asarray(case["t_targets"]), *map(jnp.asarray, (
+      al.teacher_span, al.student_span, al.teacher_last, al.student_last, al.span_bytes)))
+
+
+def run(strategy, case):
+  student = ModelOutput(logits=jnp.asarray(case["s_logits"]))
+  mask = jnp.ones(TS, jnp.float32)
+  return jax.jit(lambda s, t: strategy.per_sequence({}, s, t, jnp.asarray(case["s_targets"]), mask, 0))(
+      student, aligned_teacher(case))
+
+
+def test_the_alignment_of_the_fixed_case(case):
+  np.testing.assert_array_equal(case["align"].student_span, [0, 0, 0, 1, 1, 2, 3])
+  np.testing.assert_array_equal(case["align"].teacher_span, [0, 1, 2, 3, -1])
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_uld_equals_the_sorted_l1_of_merged_span_probabilities(case, tau):
+  s, t, _ = reference_aligned(case, tau)
+  got = run(ULD(alpha=1.0, temperature=tau), case)
+  np.testing.assert_allclose(got["uld"], sorted_l1(s, t), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got["loss"], sorted_l1(s, t), rtol=1e-5, atol=1e-6)
+
+
+def test_uld_on_the_top_k_of_each_side(case):
+  s, t, _ = reference_aligned(case, 1.0)
+  got = run(ULD(alpha=1.0, top_k=3), case)
+  np.testing.assert_allclose(got["uld"], sorted_l1(s, t, k=3), rtol=1e-5, atol=1e-6)
+  assert abs(sorted_l1(s, t, k=3) - sorted_l1(s, t)) > 1e-3  # the truncation matters on this case
+
+
+def test_uld_mixes_hard_label_ce_with_alpha(case):
+  s, t, _ = reference_aligned(case, 1.0)
+  logp = np.log(softmax(case["s_logits"], 1.0))
+  ce = -logp[np.arange(TS), case["s_targets"]].sum()
+  got = run(ULD(alpha=0.25), case)
+  np.testing.assert_allclose(got["ce"], ce, rtol=1e-5)
+  np.testing.assert_allclose(got["loss"], 0.25 * sorted_l1(s, t) + 0.75 * ce, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight", [None, 0.7])
+def test_span_kl_equals_the_hybrid_matched_kl_and_unmatched_uld(case, weight):
+  s, t, _ = reference_aligned(case, 1.0)
+  want, kl, rest = reference_hybrid(s, t, weight)
+  got = run(SpanKL(alpha=1.0, matched_weight=weight).with_matched(MATCHED_T, MATCHED_S), case)
+  np.testing.assert_allclose(got["matched_kl"], kl, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got["unmatched_uld"], rest, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got["loss"], want, rtol=1e-5, atol=1e-6)
+
+
+def test_span_log_probability_is_the_sum_of_token_log_probabilities(case):
+  al = case["align"]
+  merged = losses.span_logprobs(jnp.asarray(case["s_logits"]), jnp.asarray(case["s_targets"]),
+                                jnp.asarray(al.student_span), jnp.asarray(al.student_last))
+  logp = np.log(softmax(case["s_logits"], 1.0))
+  token = logp[np.arange(TS), case["s_targets"]]
+  for span in range(4):
+    at = np.flatnonzero(al.student_span == span)
+    np.testing.assert_allclose(merged[span, case["s_targets"][at[-1]]], token[at].sum(), rtol=1e-5)
+
+
+def test_uncounted_spans_and_their_tokens_give_nothing(case):
+  al = case["align"]._replace(span_bytes=np.array([0, 2, 1, 1, 0], np.int32))
+  masked = dict(case, align=al)
+  full, part = run(ULD(alpha=1.0), case), run(ULD(alpha=1.0), masked)
+  s, t, _ = reference_aligned(case, 1.0)
+  np.testing.assert_allclose(part["uld"], sorted_l1(s[1:], t[1:]), rtol=1e-5, atol=1e-6)
+  assert float(part["spans"]) == 3 and float(full["spans"]) == 4
+
+
+def test_strategies_refuse_a_teacher_of_the_same_tokenizer_and_a_missing_matched_vocabulary(case):
+  student = ModelOutput(logits=jnp.asarray(case["s_logits"]))
+  with pytest.raises(ValueError, match="data.teacher_tokenizer"):
+    ULD().per_sequence({}, student, student, jnp.zeros(TS, jnp.int32), jnp.ones(TS), 0)
+  with pytest.raises(ValueError, match="matched_vocabulary"):
+    run(SpanKL(), case)
+  with pytest.raises(ValueError, match="ULD.top_k=0"):
+    ULD(top_k=0)

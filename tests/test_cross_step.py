@@ -1,0 +1,128 @@
+"""The cross-tokenizer step: a teacher on its own (BPE) tokens, a student on bytes; one device = 2x4, masked tokens
+and uncounted spans never count, clear errors for strategies that need one vocabulary."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close
+
+import meshdistill as md
+from meshdistill.data import ByteTokenizer, pack_texts, train_bpe
+from meshdistill.data.alignment import matched_vocabulary
+from meshdistill.loop.evaluate import Evaluator
+from meshdistill.strategies import SpanKL, ULD
+
+TEXTS = ["the cat sat on the mat; the dog sat on the log. " * 2, "héllo wörld 日本 ok", "def f(x): return x + 1\n"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+  bpe = train_bpe(TEXTS * 10, 300)
+  byte = ByteTokenizer()
+  packed = pack_texts(TEXTS, byte, bpe, 16, 8)
+  rows = packed.arrays()
+  idx = np.arange(8) % len(packed)
+  batches = [{k: v[np.roll(idx, s)] for k, v in rows.items()} for s in range(2)]
+  teacher_cfg = TEACHER_CFG.replace(vocab_size=bpe.vocab_size)
+  student_cfg = STUDENT_CFG.replace(vocab_size=byte.vocab_size)
+  return {"bpe": bpe, "byte": byte, "batches": batches, "teacher_cfg": teacher_cfg, "student_cfg": student_cfg}
+
+
+def build(setup, strategy, shape=None):
+  mesh = None if shape is None else md.make_mesh(*shape)
+  teacher = md.init_model(setup["teacher_cfg"], seed=0, mesh=mesh)
+  student = md.init_model(setup["student_cfg"], seed=1, mesh=mesh)
+  return md.Distiller(student, teacher, strategy=strategy, mesh=mesh)
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+  """Two steps of span_kl (its unmatched part is ULD on each side's top-k) on one device and on 2x4."""
+  strategy = SpanKL(matched_weight=0.5, top_k=8).with_matched(*matched_vocabulary(setup["bpe"], setup["byte"]))
+  out = {}
+  for layout, shape in (("single", None), ("2x4", (2, 4))):
+    d = build(setup, strategy, shape)
+    state = d.init_state()
+    metrics = []
+    for b in setup["batches"]:
+      state, m = d.step(state, b)
+      metrics.append({k: float(v) for k, v in m.items()})
+    out[layout] = (d, state, metrics)
+  return out
+
+
+def test_2x4_equals_one_device(runs):
+  d0, s0, m0 = runs["single"]
+  d1, s1, m1 = runs["2x4"]
+  for a, b in zip(m0, m1):
+    for k in a:
+      np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  assert_trees_close(jax.device_get(d1.unreplicate(s1.params)), jax.device_get(s0.params), rtol=1e-5, atol=1e-6)
+  assert m0[0]["spans"] > 0 and m0[0]["loss"] > 0 and m0[1]["loss"] != m0[0]["loss"]
+  assert m0[0]["matched_kl"] > 0 and m0[0]["unmatched_uld"] > 0
+
+
+def test_masked_tokens_and_uncounted_spans_never_count(setup, runs):
+  d, _, _ = runs["single"]
+  batch = setup["batches"][0]
+  ref = d.step(d.init_state(), batch)[1]
+  changed = {k: v.copy() for k, v in batch.items()}
+  # padding of both sides, and the targets of student positions outside every counted span and masked
+  pad_s, pad_t = batch["mask"] == 0, batch["teacher_targets"] == setup["bpe"].pad_id
+  pad_t &= batch["teacher_span"] < 0
+  changed["targets"][pad_s & (batch["student_span"] < 0)] = 7
+  changed["teacher_targets"][pad_t] = 5
+  changed["teacher_inputs"][:, -1][pad_t[:, -1]] = 9  # a padded last input is seen by no counted position
+  got = d.step(d.init_state(), changed)[1]
+  assert pad_s.any() and pad_t.any()
+  for k in ("loss", "matched_kl", "unmatched_uld", "ce", "spans", "span_nll", "teacher_span_nll"):
+    np.testing.assert_allclose(float(got[k]), float(ref[k]), rtol=1e-6, err_msg=k)
+
+
+def test_teacher_never_moves_and_gets_no_optimizer_state(runs):
+  d, state, _ = runs["single"]
+  assert set(state.params) == {"student", "strategy"}
+  fresh = nnx.state(md.init_model(d.teacher_cfg, seed=0))
+  assert_trees_close(jax.device_get(d.teacher_params), jax.device_get(fresh))
+
+
+def test_a_strategy_of_one_vocabulary_is_refused_with_two_tokenizations(setup):
+  student = md.init_model(setup["student_cfg"].replace(vocab_size=setup["teacher_cfg"].vocab_size), seed=1)
+  for strategy in (None, md.strategies.AttentionTransfer()):
+    d = md.Distiller(student, md.init_model(setup["teacher_cfg"], seed=0), strategy=strategy)
+    with pytest.raises(ValueError, match="refused"):
+      d.check_batch(setup["batches"][0])
+  d = md.Distiller(md.init_model(setup["student_cfg"], seed=1), md.init_model(setup["teacher_cfg"], seed=0),
+                   strategy=ULD())
+  with pytest.raises(ValueError, match="data.teacher_tokenizer"):
+    d.check_batch({k: setup["batches"][0][k] for k in ("inputs", "targets", "mask")})
+
+
+def test_different_vocabularies_with_logit_kd_name_the_cross_tokenizer_strategies(setup):
+  with pytest.raises(ValueError, match="uld or span_kl"):
+    md.Distiller(md.init_model(setup["student_cfg"], seed=1), md.init_model(setup["teacher_cfg"], seed=0))
+
+
+def test_evaluation_gives_bits_per_byte_of_both_models_on_the_same_bytes(setup, runs):
+  d, _, m = runs["single"]
+  state = d.init_state()
+  batch = setup["batches"][0]
+  got = Evaluator.for_trainer(d)(state.params, [batch])
+  # numpy: each side's NLL of the targets inside counted spans, over those spans' bytes
+  def nll(logits, targets, span):
+    logits = np.asarray(logits, np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    counted = (span >= 0) & (np.take_along_axis(batch["span_bytes"], np.maximum(span, 0), 1) > 0)
+    return -np.take_along_axis(logp, targets[..., None], -1)[..., 0][counted].sum()
+
+  forward = jax.jit(lambda graph, params, x: nnx.merge(graph, params)(x).logits, static_argnums=0)
+  student_logits = forward(d.student_def, state.params["student"], batch["inputs"])
+  teacher_logits = forward(d.teacher_def, d.teacher_params, batch["teacher_inputs"])
+  bits = np.log(2) * batch["span_bytes"].sum()
+  np.testing.assert_allclose(got["bpb"], nll(student_logits, batch["targets"], batch["student_span"]) / bits, rtol=1e-5)
+  np.testing.assert_allclose(got["teacher_bpb"],
+                             nll(teacher_logits, batch["teacher_targets"], batch["teacher_span"]) / bits, rtol=1e-5)
+  np.testing.assert_allclose(got["bpb"], m[0]["span_nll"] / m[0]["bytes"] / np.log(2), rtol=1e-5)  # the step's
+  assert 7.0 < got["bpb"] < 10.0  # an untrained byte model: about log2(264) bits per byte
