@@ -144,7 +144,7 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
     + ("" if getattr(data, "teacher_tokenizer", None) is None else
        f" (the teacher's own tokenizer: {data.teacher_tokenizer.vocab_size})")
   )
-  if data.teacher_tokenizer is not None:  # a teacher of its own tokenizer: pretrained on its own tokens, run live
+  if getattr(data, "teacher_tokenizer", None) is not None:  # a teacher of its own tokenizer: pretrained on its own tokens, run live
     if cfg.models.teacher_cache or teacher_mesh is not None or cfg.distill.on_policy.active:
       raise ConfigError("data.teacher_tokenizer (a teacher of its own tokenizer) runs the teacher live in the step on "
                         "its own tokens; teacher.cache, teacher.devices and distill.on_policy do not take it yet")
