@@ -110,8 +110,8 @@ def test_tables_name_every_logical_dimension():
 
 
 def distill(mesh, fsdp=False):
-  d = md.Distiller(md.init_model(STUDENT_CFG, seed=1, mesh=mesh), md.init_model(TEACHER_CFG, seed=0, mesh=mesh),
-                   mesh=mesh, backend=None, fsdp=fsdp)
+  # models built off the mesh: the layout pads and places them (no initialiser compiled per mesh)
+  d = md.Distiller(md.init_model(STUDENT_CFG, seed=1), md.init_model(TEACHER_CFG, seed=0), mesh=mesh, fsdp=fsdp)
   state, losses = d.init_state(), []
   for s in range(2):
     state, metrics = d.step(state, make_batch(seed=s))
@@ -136,8 +136,7 @@ def test_an_unmapped_axis_of_size_one_costs_nothing():
   """The same step on 8x1 and on 8 x expert 1 x 1 (fsdp): every state leaf split the same way, the same
   collectives in the lowered program."""
   def lowered(mesh):
-    d = md.Distiller(md.init_model(STUDENT_CFG, seed=1, mesh=mesh), md.init_model(TEACHER_CFG, seed=0, mesh=mesh),
-                     mesh=mesh, fsdp=True)
+    d = md.Distiller(md.init_model(STUDENT_CFG, seed=1), md.init_model(TEACHER_CFG, seed=0), mesh=mesh, fsdp=True)
     state = d.init_state()
     return state, d.lower(state, make_batch())
 
