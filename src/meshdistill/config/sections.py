@@ -16,6 +16,7 @@ Checks that span sections live in `Config.__post_init__`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from meshdistill import strategies
@@ -24,6 +25,7 @@ from meshdistill.train.freezing import Stage
 from meshdistill.parallel.fsdp import unsupported as fsdp_unsupported
 from meshdistill.parallel.backends import BACKENDS, layout_class
 from meshdistill.parallel.layout import check_student_split
+from meshdistill.parallel.mesh import check_axes
 from meshdistill.losses import DIVERGENCES
 from meshdistill.train.onpolicy import OnPolicyConfig
 from meshdistill.train.optimizers import MAX_LOSS_SCALE
@@ -37,10 +39,13 @@ class MeshSettings:
   student's optimizer moments split over ``data`` too (`meshdistill.parallel.fsdp`; ``backend: shard_map`` only).
   ``student_split``: ``tensor`` (the student split over ``tensor`` like the teacher) or ``batch`` (the student
   replicated, run on the batch rows split over ``data`` x ``tensor``:
-  `meshdistill.parallel.backends.ShardMapLayout`)."""
+  `meshdistill.parallel.backends.ShardMapLayout`). ``axes``: more mesh axes and their sizes, between ``data`` and
+  ``tensor`` (e.g. ``{expert: 2}``; `meshdistill.parallel.mesh.EXTRA_AXES`): the devices are the product of all
+  sizes; an axis no rules table maps (`meshdistill.parallel.rules`) holds replicas."""
 
   data: int = 2
   tensor: int = 4
+  axes: dict | None = None
   backend: str = "shard_map"
   simulate_cpu_devices: bool | str = "auto"
   fsdp: bool = False
@@ -49,6 +54,10 @@ class MeshSettings:
   def __post_init__(self):
     positive_int("mesh.data", self.data)
     positive_int("mesh.tensor", self.tensor)
+    try:
+      check_axes(self.axes or {})
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
     if self.backend not in BACKENDS:
       raise ConfigError(f"mesh.backend={self.backend!r}; choose one of {list(BACKENDS)}")
     if not (self.simulate_cpu_devices == "auto" or isinstance(self.simulate_cpu_devices, bool)):
@@ -61,13 +70,13 @@ class MeshSettings:
       check_student_split(self.student_split, self.fsdp)
     except ValueError as e:
       raise ConfigError(str(e)) from None
-    problem = layout_class(self.backend).check_settings(self.data, self.tensor)
+    problem = layout_class(self.backend).check_settings(self.data, self.tensor, self.axes)
     if problem is not None:
       raise ConfigError(problem)
 
   @property
   def devices(self) -> int:
-    return self.data * self.tensor
+    return self.data * self.tensor * math.prod((self.axes or {}).values())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,7 @@ def build_mesh(cfg: Config):
   if layout.one_device:
     return None
   try:
-    mesh = make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor)
+    mesh = make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor, axes=cfg.mesh.axes)
     data_shard(mesh)  # each process's share of a batch is well defined
     return mesh
   except ValueError as e:

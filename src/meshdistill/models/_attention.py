@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+# The splash kernel runs per device in a shard_map over the mesh's auto axes and reads its own query heads by
+# `axis_index` over `tensor`: a collective over named mesh axes, the one place in models/ that names them.
 from meshdistill.parallel.mesh import DATA, TENSOR
 from meshdistill.models._config import RopeScaling
 from meshdistill.models._variants import band, softcap

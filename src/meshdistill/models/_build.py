@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshdistill.parallel.mesh import TENSOR, param_shardings
+from meshdistill.parallel.mesh import param_shardings
+from meshdistill.parallel.rules import split_ways
 from meshdistill.models.decoder import Decoder, ModelConfig
 
 
@@ -70,7 +71,7 @@ def init_model(cfg: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -> Dec
 def _initializer(cfg: ModelConfig, mesh: Mesh | None):
   """(graphdef, jitted ``key -> state``) of `init_model` for ``cfg`` on ``mesh``: traced and compiled once per
   config and mesh, then reused for every seed (a new model on the same mesh costs one run of it, not a compile)."""
-  fitted = cfg if mesh is None else cfg.for_tensor(mesh.shape[TENSOR])
+  fitted = cfg if mesh is None else cfg.for_tensor(split_ways(mesh, "vocab"))
   graphdef, target, shardings = abstract_params(fitted, mesh)
   real = cfg.replace(vocab_multiple=1, replicate_kv=False, param_dtype="float32")
   placement = {} if mesh is None else {"out_shardings": shardings}
@@ -102,7 +103,7 @@ def shard_model(model: Decoder, mesh: Mesh) -> Decoder:
 
   A vocabulary that ``tensor`` does not divide is padded first (`ModelConfig.for_tensor`).
   """
-  model = fit_model(model, mesh.shape[TENSOR])
+  model = fit_model(model, split_ways(mesh, "vocab"))
   graphdef, state = nnx.split(model)
   shardings = param_shardings(nnx.get_partition_spec(state), mesh)
   return nnx.merge(graphdef, jax.device_put(state, shardings))

@@ -2,7 +2,7 @@
 and run under ``nnx.scan``, so XLA compiles one block body instead of ``n_layers`` copies.
 
 * `stacked_blocks` creates ``n_layers`` blocks under ``nnx.vmap`` (one RNG stream split per layer): every
-  weight becomes ``[L, ...]`` and its partitioning ``(None, *per-layer)``: the layer axis is never split.
+  weight becomes ``[L, ...]`` and its partitioning ``("layers", *per-layer)``: no rules table splits the layer axis.
 * `scan_blocks` runs them with the same ``run_block(block, x, want_probs)`` as the unrolled loop (so the
   per-block rematerialisation, and any per-block step inside it, is unchanged); the per-layer hidden states
   and attention probabilities come out of the scan stacked and are returned as the unrolled model's tuples.
@@ -21,8 +21,8 @@ from flax import nnx
 
 from meshdistill.models._attention import KVCache
 
-# The layer axis added in front of every block weight: unsplit (``None`` in its partitioning).
-LAYER_AXIS = {nnx.PARTITION_NAME: None}
+# The layer axis added in front of every block weight: the logical name ``layers`` (no rule splits it).
+LAYER_AXIS = {nnx.PARTITION_NAME: "layers"}
 
 
 def save_all_but_casts(prim, *_, **__) -> bool:

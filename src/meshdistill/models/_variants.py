@@ -26,16 +26,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshdistill.models._config import ModelConfig
+from meshdistill.parallel.rules import annotate
 
 
 class OffsetRMSNorm(nnx.Module):
   """RMSNorm whose scale is stored as ``w`` (zeros at init) and applied as ``1 + w``, computed in float32 and cast
   back to the input's dtype, as Gemma's. The parameter is ``scale`` ``[D]`` (replicated), like `nnx.RMSNorm`'s."""
 
-  def __init__(self, dim: int, *, epsilon: float, param_dtype, rngs: nnx.Rngs | None = None):
+  def __init__(self, dim: int, *, epsilon: float, param_dtype, name: str = "embed", rngs: nnx.Rngs | None = None):
     del rngs
     self.epsilon = epsilon
-    self.scale = nnx.Param(jnp.zeros((dim,), param_dtype))
+    self.scale = nnx.Param(annotate(nnx.initializers.zeros, name)(jax.random.key(0), (dim,), param_dtype))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
@@ -43,11 +44,13 @@ class OffsetRMSNorm(nnx.Module):
     return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
 
 
-def norm(cfg: ModelConfig, dim: int, rngs: nnx.Rngs) -> nnx.Module:
-  """The RMSNorm of ``cfg``'s blocks over ``dim`` features: `OffsetRMSNorm` with ``norm_offset``, else `nnx.RMSNorm`."""
+def norm(cfg: ModelConfig, dim: int, rngs: nnx.Rngs, name: str = "embed") -> nnx.Module:
+  """The RMSNorm of ``cfg``'s blocks over ``dim`` features whose logical name is ``name``
+  (`meshdistill.parallel.rules`): `OffsetRMSNorm` with ``norm_offset``, else `nnx.RMSNorm`."""
   if cfg.norm_offset:
-    return OffsetRMSNorm(dim, epsilon=cfg.norm_eps, param_dtype=cfg.weight_dtype)
-  return nnx.RMSNorm(dim, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs)
+    return OffsetRMSNorm(dim, epsilon=cfg.norm_eps, param_dtype=cfg.weight_dtype, name=name)
+  return nnx.RMSNorm(dim, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                     scale_init=annotate(nnx.initializers.ones, name), rngs=rngs)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:

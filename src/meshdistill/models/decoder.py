@@ -1,31 +1,33 @@
-"""A Llama-style decoder-only transformer in Flax NNX, partitioned over the ``tensor`` axis.
+"""A Llama-style decoder-only transformer in Flax NNX; its weights name their dimensions with logical names.
 
 Blocks: pre-RMSNorm, rotary position embedding (RoPE), grouped-query attention,
 SwiGLU MLP; tied or untied LM head.
 
-Weights carry partition metadata over the mesh axis ``tensor``:
+Weights carry logical dimension names (`meshdistill.parallel.rules`); the layout's rules table maps them to mesh
+axes (the tensor-parallel table's axis in the last column):
 
-==========================  ================  =====================
-weight                      shape             split over ``tensor``
-==========================  ================  =====================
-embedding                   [V', D]           V' (vocabulary padded to a multiple of tensor)
-attention q                 [D, H*Hd]         heads
-attention k / v             [D, G*Hd]         heads (replicated when G < tensor)
-attention out               [H*Hd, D]         heads
-MLP gate / up               [D, F]            F (hidden units)
-MLP down                    [F, D]            F
-untied LM head              [D, V']           V'
-norm scales                 [D]               replicated
-==========================  ================  =====================
+==========================  ================  ======================  ===================
+weight                      shape             logical names           ``tensor`` splits
+==========================  ================  ======================  ===================
+embedding                   [V', D]           vocab, embed            V' (padded to a multiple of tensor)
+attention q                 [D, H*Hd]         embed, heads            heads
+attention k / v             [D, G*Hd]         embed, kv_heads         heads (``kv_replicated``: G < tensor)
+attention out               [H*Hd, D]         heads, embed            heads
+q / k norm scales           [Hd]              head_dim                --
+MLP gate / up               [D, F]            embed, mlp              F (hidden units)
+MLP down                    [F, D]            mlp, embed              F
+untied LM head              [D, V']           embed, vocab            V'
+norm scales                 [D]               embed                   --
+==========================  ================  ======================  ===================
 
 (``ModelConfig.for_tensor`` pads and replicates; the decoder cuts the padding off its outputs, in the full
 forward pass and in `Decoder.decode_step`, the cached decoding pass `meshdistill.models.generate` runs.)
-With ``mesh.fsdp`` the layout adds ``data`` on one more dimension of each weight and the decoder
+With ``mesh.fsdp`` the layout's table splits ``embed`` over ``data`` as well and the decoder
 gathers a module's weights where it runs it (`meshdistill.parallel.fsdp.gathered`: per block, inside remat).
 So the logits ``[B, T, V]`` come out split over ``tensor`` along V. On request
 (``capture=``) the forward pass also returns per-layer hidden states and attention
 probabilities; capturing never changes parameters or module state. With ``ModelConfig.scan_layers``
-``blocks`` is one `Block` whose weights are stacked ``[L, ...]`` (layer axis unsplit), run under
+``blocks`` is one `Block` whose weights are stacked ``[L, ...]`` (logical name ``layers``, unsplit), run under
 ``nnx.scan`` (`meshdistill.models._scan`) with the same per-block runner as the unrolled loop.
 
 This module holds the modules (`Decoder`, `Block`, `Attention`, `MLP`) and `ModelOutput`;
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
-from meshdistill.parallel.mesh import TENSOR
+from meshdistill.parallel.rules import annotate
 from meshdistill.models._attention import KVCache, _explicit_attention, rope, splash_attention
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._scan import save_all_but_casts, scan_blocks, scan_blocks_cached, stacked_blocks
@@ -96,7 +98,8 @@ def _dtypes(cfg: ModelConfig) -> dict:
 
 
 def _part(init, *names):
-  return nnx.with_partitioning(init, names)
+  """``init`` with logical dimension names (`meshdistill.parallel.rules`: the layout maps them to mesh axes)."""
+  return annotate(init, *names)
 
 
 class Attention(nnx.Module):
@@ -109,13 +112,13 @@ class Attention(nnx.Module):
         i, o, use_bias=bias, kernel_init=_part(init, *names), bias_init=_part(nnx.initializers.zeros, names[1]),
         **_dtypes(cfg), rngs=rngs
     )
-    self.q = lin(D, H * K, (None, TENSOR), cfg.qkv_bias)
-    kv_split = (None, None) if cfg.replicate_kv else (None, TENSOR)
+    self.q = lin(D, H * K, ("embed", "heads"), cfg.qkv_bias)
+    kv_split = ("embed", "kv_replicated") if cfg.replicate_kv else ("embed", "kv_heads")
     self.k = lin(D, KV * K, kv_split, cfg.qkv_bias)
     self.v = lin(D, KV * K, kv_split, cfg.qkv_bias)
-    self.o = lin(H * K, D, (TENSOR, None))
+    self.o = lin(H * K, D, ("heads", "embed"))
     if cfg.qk_norm:  # per-head RMSNorm over head_dim, scales [K] replicated
-      self.q_norm, self.k_norm = norm(cfg, K, rngs), norm(cfg, K, rngs)
+      self.q_norm, self.k_norm = norm(cfg, K, rngs, "head_dim"), norm(cfg, K, rngs, "head_dim")
 
   def __call__(self, x_BxTxD: jax.Array, want_probs: bool, cache: KVCache | None = None):
     """``(output, attention probabilities or None)``; with a ``cache`` (decoding), ``(output, updated cache)``:
@@ -166,9 +169,9 @@ class MLP(nnx.Module):
     lin = lambda i, o, names: nnx.Linear(  # noqa: E731
         i, o, use_bias=False, kernel_init=_part(init, *names), **_dtypes(cfg), rngs=rngs
     )
-    self.gate = lin(D, F, (None, TENSOR))
-    self.up = lin(D, F, (None, TENSOR))
-    self.down = lin(F, D, (TENSOR, None))
+    self.gate = lin(D, F, ("embed", "mlp"))
+    self.up = lin(D, F, ("embed", "mlp"))
+    self.down = lin(F, D, ("mlp", "embed"))
     self.act = gate_activation(cfg)
 
   def __call__(self, x_BxTxD):
@@ -202,7 +205,7 @@ class Decoder(nnx.Module):
         cfg.padded_vocab,
         cfg.d_model,
         # std 1/sqrt(D): with a tied head the initial logits then have unit scale
-        embedding_init=_part(nnx.initializers.normal(stddev=cfg.d_model**-0.5), TENSOR, None),
+        embedding_init=_part(nnx.initializers.normal(stddev=cfg.d_model**-0.5), "vocab", "embed"),
         **_dtypes(cfg),
         rngs=rngs,
     )
@@ -218,7 +221,7 @@ class Decoder(nnx.Module):
           cfg.d_model,
           cfg.padded_vocab,
           use_bias=False,
-          kernel_init=_part(nnx.initializers.lecun_normal(), None, TENSOR),
+          kernel_init=_part(nnx.initializers.lecun_normal(), "embed", "vocab"),
           **_dtypes(cfg),
           rngs=rngs,
       )

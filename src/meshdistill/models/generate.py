@@ -41,9 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from meshdistill.parallel.mesh import DATA, TENSOR, check_batch
+from meshdistill.parallel.mesh import check_batch
+from meshdistill.parallel.rules import spec
 from meshdistill.models.decoder import Decoder
 from meshdistill.models.contract import DecodingModel, check_model
 
@@ -175,8 +175,8 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   B, Pn = prompts_BxP.shape
   N, S = cfg.max_new_tokens, prompts_BxP.shape[1] + cfg.max_new_tokens - 1  # cache slots: the last token is not fed
   V = mcfg.vocab_size
-  logit_sharding = None if mesh is None else NamedSharding(mesh, P(DATA, TENSOR))
-  kv_sharding = None if mesh is None else NamedSharding(mesh, P(*((None,) if mcfg.scan_layers else ()), DATA))
+  logit_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch", "vocab"), mesh=mesh))
+  kv_sharding = None if mesh is None else NamedSharding(mesh, spec((*(("layers",) if mcfg.scan_layers else ()), "batch"), mesh=mesh))
   kv = model.empty_cache(B, S, kv_sharding)
   lengths_B = jnp.sum(prompt_mask_BxP, axis=-1, dtype=jnp.int32)
   positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1, dtype=jnp.int32) - 1, 0)
@@ -266,5 +266,5 @@ def generate(
   tokens = jnp.asarray(prompts_BxP, jnp.int32)
   mask = jnp.asarray(prompt_mask_BxP, bool)
   if mesh is not None:
-    tokens, mask = jax.device_put((tokens, mask), NamedSharding(mesh, P(DATA)))
+    tokens, mask = jax.device_put((tokens, mask), NamedSharding(mesh, spec(("batch",), mesh=mesh)))
   return _generate_jit(params, tokens, mask, key, graphdef=graphdef, cfg=cfg, return_logits=return_logits, mesh=mesh)

@@ -54,7 +54,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from meshdistill.storage.fsutil import atomic_output_dir, read_json
 from meshdistill.storage.ownership import OutputKind, check_owned, write_marker
-from meshdistill.parallel.mesh import TENSOR
+from meshdistill.parallel.rules import split_ways
 from meshdistill.models._build import abstract_params
 from meshdistill.models import families
 from meshdistill.models._hf_config import SUPPORTED, config_from_hf, hf_config
@@ -168,7 +168,7 @@ def load_hf(
   cfg = cfg.replace(param_dtype=param_dtype)  # the model's config says how its weights are stored
   real_shapes = None
   if mesh is not None:  # a vocabulary `tensor` does not divide gets zero padding rows, not read from disk
-    fitted = cfg.for_tensor(mesh.shape[TENSOR])
+    fitted = cfg.for_tensor(split_ways(mesh, "vocab"))
     if fitted.padded_vocab != cfg.padded_vocab:
       real_shapes = {k: tuple(v.get_value().shape) for k, v in nnx.to_flat_state(abstract_params(cfg)[1])}
     cfg = fitted

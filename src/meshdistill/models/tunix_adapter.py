@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshdistill.parallel.mesh import TENSOR, param_shardings
+from meshdistill.parallel.mesh import param_shardings
+from meshdistill.parallel.rules import DEFAULT, split_ways
 from meshdistill.models import families
 from meshdistill.models.decoder import ModelOutput
 from meshdistill.models.hf import read_hf_config, read_onto_mesh
@@ -66,15 +67,17 @@ class TunixConfig:
 
 
 def tensor_sharding(module):
-  """A tunix ``ShardingConfig`` for ``module`` (tunix's llama3 or qwen3 model module) over meshdistill's ``tensor``."""
+  """A tunix ``ShardingConfig`` for ``module`` (tunix's llama3 or qwen3 model module): its weights split as the
+  default rules table splits the decoder's (`meshdistill.parallel.rules`; tunix takes mesh axis names)."""
+  V, D, N, F, E = (DEFAULT.axis(n) for n in ("vocab", "embed", "heads", "mlp", "experts"))
   kw = dict(
-      emb_vd=(TENSOR, None), emb_dv=(None, TENSOR), q_weight_dnh=(None, TENSOR, None),
-      kv_weight_dnh=(None, TENSOR, None), o_weight_nhd=(TENSOR, None, None), ffw_weight_df=(None, TENSOR),
-      ffw_weight_fd=(TENSOR, None), rms_norm_weight=(None,), act_btd=(None, None, None),
+      emb_vd=(V, D), emb_dv=(D, V), q_weight_dnh=(D, N, None),
+      kv_weight_dnh=(D, N, None), o_weight_nhd=(N, None, D), ffw_weight_df=(D, F),
+      ffw_weight_fd=(F, D), rms_norm_weight=(D,), act_btd=(None, None, None),
       act_btf=(None, None, None), act_btnh=(None, None, None, None),
   )
   if "exp_weight_edf" in {f.name for f in dataclasses.fields(module.ShardingConfig)}:
-    kw.update(exp_weight_edf=(None, None, TENSOR), exp_weight_efd=(None, TENSOR, None))
+    kw.update(exp_weight_edf=(E, D, F), exp_weight_efd=(E, F, D))
   return module.ShardingConfig(**kw)
 
 
@@ -176,7 +179,7 @@ def load_tunix_hf(path: str | os.PathLike, mesh: Mesh | None = None, *, param_dt
                     n_heads=base.n_heads, n_kv_heads=base.n_kv_heads, head_dim=base.hd, mlp_hidden=base.mlp_hidden,
                     max_len=base.max_len, tie_embeddings=base.tie_embeddings)
   if mesh is not None:
-    cfg.check_tensor_split(mesh.shape[TENSOR])
+    cfg.check_tensor_split(split_ways(mesh, "heads"))
   module = _tunix_module(family)
   tcfg = tunix_config(cfg)
   tcfg = dataclasses.replace(tcfg, rope_theta=base.rope_theta, norm_eps=base.norm_eps)

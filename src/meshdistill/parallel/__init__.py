@@ -1,1 +1,2 @@
-"""Where arrays live: the mesh, the layouts that wrap the one step, FSDP, collectives."""
+"""Where arrays live: the mesh, the rules mapping logical dimensions to its axes, the layouts that wrap the one step,
+FSDP, collectives."""

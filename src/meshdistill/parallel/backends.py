@@ -31,6 +31,8 @@ from meshdistill.models.quantize import fitted_shardings
 from meshdistill.parallel import fsdp as fsdp_lib
 from meshdistill.parallel.layout import STUDENT_SPLIT_SETTING, Layout, fresh_train_state, host_batch, stack_replicas
 from meshdistill.parallel.mesh import DATA, TENSOR, host_to_global, make_mesh
+from meshdistill.parallel import rules as rules_lib
+from meshdistill.parallel.rules import split_ways
 from meshdistill.train.step import TrainState, split_trainable, step_halves
 
 
@@ -41,11 +43,12 @@ class SingleLayout(Layout):
   one_device = True
 
   @classmethod
-  def check_settings(cls, data: int, tensor: int) -> str | None:
-    if data * tensor != 1:
+  def check_settings(cls, data: int, tensor: int, axes: dict | None = None) -> str | None:
+    others = "".join(f" x mesh.axes.{k}={v}" for k, v in (axes or {}).items() if v != 1)
+    if data * tensor != 1 or others:
       return (
-          f"mesh.backend='single' runs on one device but mesh.data={data} x mesh.tensor={tensor}; "
-          "set mesh.data=1 and mesh.tensor=1, or use mesh.backend='shard_map'"
+          f"mesh.backend='single' runs on one device but mesh.data={data} x mesh.tensor={tensor}{others}; "
+          "set every size to 1, or use mesh.backend='shard_map'"
       )
     return None
 
@@ -98,8 +101,12 @@ class ShardMapLayout(Layout):
   supports_fsdp = True
 
   def fit_model(self, model):
-    model = fit_model(model, self.mesh.shape[TENSOR])
-    return fsdp_lib.annotate_model(model, self.mesh, self.fsdp)
+    model = fit_model(model, split_ways(self.mesh, "vocab", self.rules))
+    return rules_lib.apply(model, self.rules, self.mesh)
+
+  @property
+  def rules(self):
+    return rules_lib.FSDP if self.fsdp else rules_lib.TENSOR_PARALLEL
 
   @property
   def eval_mesh(self):
@@ -176,9 +183,13 @@ class PmapLayout(Layout):
   takes_compiler_options = False
 
   @classmethod
-  def check_settings(cls, data: int, tensor: int) -> str | None:
+  def check_settings(cls, data: int, tensor: int, axes: dict | None = None) -> str | None:
     del data
-    return None if tensor == 1 else f"mesh.backend='pmap' is data-parallel only: mesh.tensor={tensor} must be 1"
+    others = [f"mesh.axes.{k}={v}" for k, v in (axes or {}).items() if v != 1]
+    if tensor != 1 or others:
+      bad = ", ".join(([f"mesh.tensor={tensor}"] if tensor != 1 else []) + others)
+      return f"mesh.backend='pmap' is data-parallel only: {bad} must be 1 (or use mesh.backend='shard_map')"
+    return None
 
   @classmethod
   def resolve_mesh(cls, mesh):

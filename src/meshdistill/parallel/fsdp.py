@@ -7,13 +7,13 @@ mesh, the student's parameters and AdamW moments over ``data x tensor``.
 
 How it is expressed:
 
-* **Which dimension.** `assign` adds the name ``data`` to the partition metadata (nnx ``out_sharding``)
-  of each weight, on its largest dimension that ``tensor`` does not split and ``data`` divides (the
-  model dimension D of projections, embeddings and norm scales). Weights with no such dimension
-  (a bias split over ``tensor``, a small LoRA factor) stay replicated over ``data``. The layout does
-  this once, on the models it is given (`meshdistill.parallel.backends.ShardMapLayout.fit_model`); from then on
-  the metadata is the one source: placement, optimizer moments, checkpoint targets and the step's
-  ``shard_map`` specs (`data_specs`) all read it. No model code names the dimensions.
+* **Which dimension.** A rule of the table `meshdistill.parallel.rules.FSDP`: the logical dimension ``embed``
+  (the model dimension D of projections, embeddings and norm scales; ``head_dim`` for a per-head norm scale)
+  is split over ``data`` where ``data`` divides it. Weights without such a dimension (a bias split over
+  ``tensor``, a LoRA factor's rank) stay replicated over ``data``. The layout applies the table once, on the
+  models it is given (`meshdistill.parallel.backends.ShardMapLayout.fit_model`); from then on the resolved specs
+  are the one source: placement, optimizer moments, checkpoint targets and the step's ``shard_map`` specs
+  (`data_specs`) all read them. Model code names logical dimensions only.
 * **Explicit gathers per layer.** The step stays ONE per-device function under a ``shard_map``
   manual over ``data`` only (``tensor`` compiler-managed). Inside it, the weights of a data-split
   module arrive as local shards, and `gathered_for` all-gathers them over ``data``
@@ -53,6 +53,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from meshdistill.parallel import rules as rules_lib
 from meshdistill.parallel.mesh import DATA, TENSOR
 
 SETTING = "mesh.fsdp"
@@ -63,11 +64,8 @@ def _is_var(x) -> bool:
 
 
 def _names(v: nnx.Variable) -> tuple:
-  """The partition names of a variable, one per dimension (None: not split)."""
-  names, rank = tuple(v.get_metadata().get("out_sharding") or ()), len(v.shape)
-  # Inside `nnx.scan` over stacked blocks a variable holds one layer's slice but keeps the stacked [L, ...]
-  # metadata: its leading (layer) names, never split over `data` (`assign`), are dropped.
-  return names[len(names) - rank:] if len(names) > rank else names + (None,) * (rank - len(names))
+  """The mesh axis of each dimension of a variable (None: not split), its layout's rules applied."""
+  return rules_lib.mesh_names(v)
 
 
 def data_dim(v: Any) -> int | None:
@@ -76,53 +74,6 @@ def data_dim(v: Any) -> int | None:
     return None
   names = _names(v)
   return names.index(DATA) if DATA in names else None
-
-
-def _choose(v: nnx.Variable, data: int, first: int = 0) -> int | None:
-  """The largest dimension of ``v`` from ``first`` on that no axis splits and ``data`` divides (the first of
-  equals), or None."""
-  names, shape = _names(v), v.shape
-  free = [i for i, (a, n) in enumerate(zip(names, shape)) if i >= first and a is None and n % data == 0]
-  return max(free, key=lambda i: (shape[i], -i)) if free else None
-
-
-def assign(state: nnx.State, mesh: Mesh, stacked: tuple[str, ...] = ()) -> nnx.State:
-  """``state`` with ``data`` in the partition metadata of each variable that can be split over it (see the module
-  docstring); a state already assigned for this mesh comes back unchanged, one assigned for another is redone.
-  Variables under the top-level names ``stacked`` (scanned blocks, ``[L, ...]``) never split their layer axis."""
-  data = mesh.shape[DATA]
-
-  def one(path, v):
-    if not _is_var(v) or not v.shape:
-      return v
-    names = tuple(None if a == DATA else a for a in _names(v))
-    v = v.replace(out_sharding=names) if DATA in _names(v) else v
-    first = 1 if path and getattr(path[0], "key", None) in stacked else 0
-    dim = _choose(v, data, first) if data > 1 else None
-    if dim is None:
-      return v
-    return v.replace(out_sharding=tuple(DATA if i == dim else a for i, a in enumerate(names)))
-
-  return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_var)
-
-
-def remove(state: nnx.State) -> nnx.State:
-  """``state`` without ``data`` in any partition metadata (replicated over ``data`` again)."""
-  def one(v):
-    if data_dim(v) is None:
-      return v
-    return v.replace(out_sharding=tuple(None if a == DATA else a for a in _names(v)))
-  return jax.tree.map(one, state, is_leaf=_is_var)
-
-
-def annotate_model(model, mesh: Mesh | None, on: bool):
-  """``model`` with its weights assigned to ``data`` (``on``) or not; the model itself when nothing changes."""
-  graphdef, state = nnx.split(model)
-  stacked = ("blocks",) if getattr(getattr(model, "cfg", None), "scan_layers", False) else ()
-  new = assign(state, mesh, stacked) if on else remove(state)
-  if jax.tree.structure(new) == jax.tree.structure(state):
-    return model
-  return nnx.merge(graphdef, new)
 
 
 def data_specs(tree: Any) -> Any:

@@ -20,6 +20,7 @@ import optax
 from jax.sharding import Mesh
 
 from meshdistill.parallel import fsdp as fsdp_lib
+from meshdistill.parallel import rules as rules_lib
 from meshdistill.parallel.mesh import DATA, TENSOR, check_batch, global_batch_size
 from meshdistill.train.step import BATCH_KEYS, CROSS_KEYS, TOPK_KEYS, TrainState, split_trainable
 
@@ -57,6 +58,9 @@ class Layout:
   takes_compiler_options: ClassVar[bool] = True  # the step's compilation accepts XLA options
   spans_processes: ClassVar[bool] = False  # one mesh may cover the devices of several processes
   supports_fsdp: ClassVar[bool] = False  # weights (and optimizer moments) may be split over `data` (`fsdp`)
+  # The mesh axes the layout uses, in mesh order: the config's `mesh` sizes and the planner's search range over
+  # them; a mesh may have more axes (each then needs size 1 here, or rules that use it).
+  axes: ClassVar[tuple[str, ...]] = (DATA, TENSOR)
 
   def __init__(self, mesh: Mesh | None, fsdp: bool = False, student_split: str = "tensor"):
     if fsdp and not self.supports_fsdp:
@@ -67,6 +71,12 @@ class Layout:
     self.student_split = student_split
 
   @property
+  def rules(self) -> rules_lib.Rules:
+    """The rules table mapping the models' logical dimension names to this layout's mesh axes
+    (`meshdistill.parallel.rules`)."""
+    return rules_lib.REPLICATED
+
+  @property
   def student_rows(self) -> bool:
     """The student is replicated and runs on rows split over ``tensor`` as well (``student_split="batch"`` on a
     mesh whose ``tensor`` axis has more than one device; elsewhere both splits are the same layout)."""
@@ -74,9 +84,10 @@ class Layout:
 
   # ------------------------------------------------------------------ settings
   @classmethod
-  def check_settings(cls, data: int, tensor: int) -> str | None:
-    """What is wrong with a ``mesh.data`` x ``mesh.tensor`` config for this layout, or None."""
-    del data, tensor
+  def check_settings(cls, data: int, tensor: int, axes: dict | None = None) -> str | None:
+    """What is wrong with a ``mesh.data`` x ``mesh.tensor`` config (``axes``: ``mesh.axes``, the mesh's other
+    axes) for this layout, or None. The base: axes the layout does not declare (`axes`) hold replicas."""
+    del data, tensor, axes
     return None
 
   @classmethod
@@ -98,7 +109,7 @@ class Layout:
     """``model`` ready for this layout: itself, or a copy padded / re-partitioned for the mesh (a vocabulary or
     key/value head count that ``tensor`` does not divide; weights split over ``data`` or not, `fsdp`); raises
     when it cannot be laid out here."""
-    return fsdp_lib.annotate_model(model, self.mesh, False)
+    return rules_lib.apply(model, self.rules, self.mesh)
 
   @property
   def eval_mesh(self) -> Mesh | None:

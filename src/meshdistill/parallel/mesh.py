@@ -1,17 +1,20 @@
 """Mesh construction, simulated CPU devices, and placing host data on a mesh.
 
-Every layout in meshdistill is a `jax.sharding.Mesh` with two named axes:
+Every layout in meshdistill is a `jax.sharding.Mesh` with (at least) two named axes:
 
 * ``data``   -- the batch is split across it; gradients are summed across it.
 * ``tensor`` -- weights of teacher and student are split across it (attention heads,
   MLP hidden units, vocabulary), so a teacher too large for one device still fits.
 
-Both axes use ``AxisType.Auto``: inside the train step ``data`` is made manual by
+A mesh may name more axes between them (``EXTRA_AXES``: ``expert``); the rules tables
+(`meshdistill.parallel.rules`) say which logical dimensions each axis splits, and an axis no table maps holds
+replicas. All axes use ``AxisType.Auto``: inside the train step ``data`` is made manual by
 `jax.shard_map` and ``tensor`` stays compiler-managed (see `meshdistill.train.step`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
@@ -25,7 +28,9 @@ from meshdistill.distributed.platforms import backend_started
 
 DATA = "data"
 TENSOR = "tensor"
-AXES = (DATA, TENSOR)
+AXES = (DATA, TENSOR)  # the axes every mesh has (size 1 where unused)
+EXPERT = "expert"  # mixture-of-experts weights split over it (a rule in `meshdistill.parallel.rules`)
+EXTRA_AXES = (EXPERT,)  # axes a mesh may add between `data` and `tensor` (`make_mesh(axes=...)`, `mesh.axes`)
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
@@ -60,36 +65,56 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def make_mesh(data: int = 2, tensor: int = 4, devices: Any = None) -> Mesh:
-  """Builds a ``(data, tensor)`` mesh over ``devices`` (default: all devices).
+def make_mesh(data: int = 2, tensor: int = 4, devices: Any = None, axes: dict[str, int] | None = None) -> Mesh:
+  """Builds a ``(data, *axes, tensor)`` mesh over ``devices`` (default: all devices).
 
   Args:
     data: size of the ``data`` axis (batch split).
     tensor: size of the ``tensor`` axis (weights split).
-    devices: optional sequence of devices; must hold exactly ``data * tensor``.
+    devices: optional sequence of devices; must hold exactly the product of all axis sizes.
+    axes: more named axes and their sizes, between ``data`` and ``tensor`` (names from ``EXTRA_AXES``, e.g.
+      ``{"expert": 4}``). An axis no rules table maps (`meshdistill.parallel.rules`) holds replicas: one of size 1
+      costs nothing.
 
   Raises:
-    ValueError: when the sizes are not positive or ``data * tensor`` differs from
+    ValueError: when a size is not positive, an axis name is unknown, or the product of the sizes differs from
       the number of devices; the message lists layouts that would work.
   """
+  extra = dict(axes or {})
+  check_axes(extra)
   for name, v in ((DATA, data), (TENSOR, tensor)):
     if not isinstance(v, int) or v < 1:
       raise ValueError(f"mesh {name}={v!r} must be a positive integer")
   devices = list(jax.devices() if devices is None else devices)
-  n = len(devices)
-  if data * tensor != n:
+  n, need = len(devices), data * tensor * math.prod(extra.values())
+  if need != n:
+    sizes = " x ".join(f"{k}={v}" for k, v in ((DATA, data), *extra.items(), (TENSOR, tensor)))
     options = ", ".join(f"{d}x{n // d}" for d in _divisors(n))
     raise ValueError(
-        f"mesh data={data} x tensor={tensor} needs {data * tensor} devices but {n} are "
-        f"available; choose data x tensor in {{{options}}}"
-        + (
-            f", or call meshdistill.simulate_cpu_devices({data * tensor}) before JAX starts"
-            if jax.default_backend() == "cpu"
-            else ""
-        )
+        f"mesh {sizes} needs {need} devices but {n} are available; choose sizes whose product is {n} "
+        f"(data x tensor in {{{options}}} with the other axes 1)"
+        + (f", or call meshdistill.simulate_cpu_devices({need}) before JAX starts" if jax.default_backend() == "cpu"
+           else "")
     )
-  grid = np.asarray(devices).reshape(data, tensor)
-  return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+  names = (DATA, *extra, TENSOR)
+  grid = np.asarray(devices).reshape(data, *extra.values(), tensor)
+  return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def check_axes(axes: dict, setting: str = "mesh.axes") -> None:
+  """Raises a clear error for extra mesh axes (``{name: size}``) with an unknown name or a size that is not a
+  positive integer."""
+  if not isinstance(axes, dict):
+    raise ValueError(f"{setting}={axes!r}; give a mapping of axis name to size, e.g. {{expert: 2}}")
+  for name, v in axes.items():
+    if name in AXES:
+      raise ValueError(f"{setting} names {name!r}; set its size with mesh.{name} (the axes here are the others: "
+                       f"{list(EXTRA_AXES)})")
+    if name not in EXTRA_AXES:
+      raise ValueError(f"{setting}: unknown mesh axis {name!r}; choose from {list(EXTRA_AXES)} (data and tensor are "
+                       "mesh.data and mesh.tensor)")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{setting}.{name}={v!r} must be a positive integer")
 
 
 def check_batch(batch_size: int, mesh: Mesh | None, what: str = "batch") -> None:
@@ -146,9 +171,13 @@ def global_batch_size(rows: int, mesh: Mesh) -> int:
 
 
 def param_shardings(specs: Any, mesh: Mesh) -> Any:
-  """Turns a pytree of `PartitionSpec` (from ``nnx.get_partition_spec``) into shardings."""
+  """Turns a pytree of `PartitionSpec` (from ``nnx.get_partition_spec``) into shardings; a mesh axis ``mesh`` does
+  not have (a rule for an axis of another mesh) leaves its dimension unsplit."""
+  def fit(s):
+    return P(*(a if a is None or a in mesh.shape else None for a in s)) if isinstance(s, P) else P()
+
   return jax.tree.map(
-      lambda s: NamedSharding(mesh, s if isinstance(s, P) else P()),
+      lambda s: NamedSharding(mesh, fit(s)),
       specs,
       is_leaf=lambda x: isinstance(x, P) or x is None,
   )

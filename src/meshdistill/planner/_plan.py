@@ -7,7 +7,8 @@ import logging
 
 from meshdistill.config import Config
 from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER
-from meshdistill.parallel.mesh import make_mesh
+from meshdistill.parallel.backends import layout_class
+from meshdistill.parallel.mesh import DATA, TENSOR, make_mesh
 from meshdistill.models.decoder import ModelConfig
 from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, kernel_flops, shard_bytes
 from meshdistill.planner._hardware import Target
@@ -32,6 +33,15 @@ class Knobs:
   remat: str
   chunk_size: int | None
   batch: int
+
+
+def mesh_shapes(n: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
+  """Every ``{axis: size}`` over ``axes`` whose sizes multiply to ``n``, ordered by the last axis's size first (then
+  the one before, ...): for ``(data, tensor)``, least ``tensor`` first."""
+  if not axes:
+    return [{}] if n == 1 else []
+  *rest, last = axes
+  return [{**head, last: k} for k in _divisors(n) for head in mesh_shapes(n // k, tuple(rest))]
 
 
 def _divisors(n: int) -> list[int]:
@@ -67,9 +77,19 @@ class Planner:
     return None
 
   def layouts(self, batch: int) -> list[tuple[int, int]]:
-    """``(data, tensor)`` layouts of the target's devices the models split over and ``batch`` divides."""
-    n = len(self.target.devices)
-    return [(n // t, t) for t in _divisors(n) if batch % self._row_split(n // t, t) == 0 and self.split_error(t) is None]
+    """``(data, tensor)`` layouts of the target's devices the models split over and ``batch`` divides: every
+    factorisation of the device count over the axes the layout declares (`meshdistill.parallel.layout.Layout.axes`;
+    ``data`` and ``tensor`` for every layout today), least ``tensor`` first. A plan's knobs carry ``data`` and
+    ``tensor``: another declared axis is enumerated at size 1 until they carry it too."""
+    n, axes = len(self.target.devices), layout_class(self.cfg.mesh.backend).axes
+    out = []
+    for shape in mesh_shapes(n, axes):
+      if any(v != 1 for a, v in shape.items() if a not in (DATA, TENSOR)):
+        continue
+      d, t = shape.get(DATA, 1), shape.get(TENSOR, 1)
+      if batch % self._row_split(d, t) == 0 and self.split_error(t) is None:
+        out.append((d, t))
+    return out
 
   def _row_split(self, data: int, tensor: int) -> int:
     """How many devices a batch's rows are split over: ``data``, times ``tensor`` with ``mesh.student_split: batch``
