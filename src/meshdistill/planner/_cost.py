@@ -81,10 +81,38 @@ def layer_counts(compile_at: Callable[[int, int], CompiledStep], depths: tuple[i
     colls.append(entry)
   colls.sort(key=lambda e: -e["bytes"])
   rest = base.flops - (dt if lt else 0.0) - ds
-  return LayerCounts(flops=flops, bytes_accessed=bytes_accessed, collectives=colls, teacher_block_flops=dt if lt else 0.0,
-                     student_block_flops=ds, rest_flops=rest,
+  return LayerCounts(flops=flops, bytes_accessed=bytes_accessed, collectives=colls,
+                     teacher_block_flops=dt if lt else 0.0, student_block_flops=ds, rest_flops=rest,
                      compile_seconds=sum(c.compile_seconds + c.lower_seconds for c in compiled.values()),
                      depths=(lt, ls))
 
 
-__all__ = ["LayerCounts", "layer_counts"]
+def flops_split(n_t: int, n_s: int, batch: int, seq: int, devices: int, on_policy=None,
+                counts: LayerCounts | None = None) -> dict[str, float]:
+  """The step's model FLOPs per device by who computes them: ``teacher_forward`` (2 N_t per token),
+  ``student_forward_backward`` (6 N_s per token); with ``on_policy`` (`OnPolicySettings`, active) ``generation``:
+  the expected sampling FLOPs of a step (``lambda`` of the batches, all with ``seq_kd``), 2 N per prompt token
+  (prefill) and per new token (KV-cached decode), N the sampler's (the student's, the teacher's with ``seq_kd``),
+  which the train step's time does not include. With ``counts`` (scanned models) also XLA's own split:
+  ``compiled_teacher_blocks`` (L_t b_t), ``compiled_student_blocks`` (L_s b_s) and ``compiled_rest``."""
+  tokens = batch * seq
+  out = {"teacher_forward": 2.0 * n_t * tokens / devices, "student_forward_backward": 6.0 * n_s * tokens / devices}
+  if on_policy is not None and getattr(on_policy, "active", False):
+    rows = batch * (1.0 if on_policy.seq_kd else on_policy.lmbda)
+    out["generation"] = 2.0 * (n_t if on_policy.seq_kd else n_s) * rows * (seq + 1) / devices
+  if counts is not None:
+    lt, ls = counts.depths
+    out.update(compiled_teacher_blocks=lt * counts.teacher_block_flops,
+               compiled_student_blocks=ls * counts.student_block_flops, compiled_rest=counts.rest_flops)
+  return out
+
+
+def mfu_split(split: dict[str, float], step_s: float | None, peak_per_device: float | None) -> dict[str, float]:
+  """Each analytic share's MFU: its FLOPs over (step time x peak); teacher + student = the plan's MFU."""
+  if not step_s or not peak_per_device:
+    return {}
+  return {k: v / (step_s * peak_per_device) for k, v in split.items()
+          if k in ("teacher_forward", "student_forward_backward", "generation")}
+
+
+__all__ = ["LayerCounts", "flops_split", "layer_counts", "mfu_split"]

@@ -10,7 +10,8 @@ from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER
 from meshdistill.parallel.mesh import make_mesh
 from meshdistill.models.decoder import ModelConfig
 from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, kernel_flops, shard_bytes
-from meshdistill.planner._cost import LayerCounts, layer_counts
+from meshdistill.planner._calibrate import CALIBRATION
+from meshdistill.planner._cost import LayerCounts, flops_split, layer_counts, mfu_split
 from meshdistill.planner._hardware import Target
 from meshdistill.planner._presets import PRESETS
 from meshdistill.planner._progress import Progress
@@ -157,23 +158,31 @@ class Planner:
         devices_per_chip=self.target.devices_per_chip, mesh=(k.data, k.tensor), batch=k.batch, seq=self.seq,
         remat=k.remat, chunk_size=k.chunk_size, dtype=self.student.dtype, strategy=type(d.strategy).__name__,
         memory=memory, budget_bytes=budget, headroom=self.headroom, fits=fits,
-        flops={"compiled": c.flops, "counted": flops, "analytic": analytic, "analytic_per_token": float(2 * n_t + 6 * n_s),
+        flops={"compiled": c.flops, "counted": flops, "analytic": analytic,
+               "analytic_per_token": float(2 * n_t + 6 * n_s),
                "matmul_params_teacher": n_t, "matmul_params_student": n_s, "kernels": kernels},
         collectives=colls, time=self._roofline(flops, bytes_accessed, colls, analytic * n, tokens, kernels),
         compile_seconds=c.compile_seconds + (counts.compile_seconds if counts is not None else 0.0),
         compiler_options=self.options, fsdp=self.cfg.mesh.fsdp, attention=self._attention(),
         student_split=self.cfg.mesh.student_split,
     )
+    on_policy = getattr(self.cfg.distill, "on_policy", None)
+    p.flops["split"] = flops_split(n_t, n_s, k.batch, self.seq, n, on_policy, counts)
+    chip = self.target.chip
+    peak = None if chip is None else self.target.per_device(chip.peak_bf16_flops)
+    p.time["mfu_split"] = mfu_split(p.flops["split"], p.time.get("step_s"), peak)
+    p.time["calibrated"] = None if chip is None or CALIBRATION is None else CALIBRATION.of(p.time)
     if counts is not None:
-      p.notes.append(f"scan_layers: FLOPs, bytes and collectives of the whole loops, extended from the step compiled "
-                     f"unrolled at 1 and 2 blocks per model (XLA's counts, linear in depth; {counts.compile_seconds:.0f} s"
-                     f" of the compile time); flops['compiled'] is the scanned program's own count (one block per loop)")
+      p.notes.append("scan_layers: FLOPs, bytes and collectives of the whole loops, extended from the step compiled "
+                     "unrolled at 1 and 2 blocks per model (XLA's counts, linear in depth; "
+                     f"{counts.compile_seconds:.0f} s of the compile time); flops['compiled'] is the scanned "
+                     "program's own count (one block per loop)")
     if c.oom:
       p.notes.append(f"the TPU compiler stopped: {c.oom} (the memory above: the step's inputs plus the temporaries "
                      "it names; FLOPs and collectives need a program that fits)")
-    on_policy = getattr(self.cfg.distill, "on_policy", None)
     if on_policy is not None and getattr(on_policy, "active", False):
-      p.notes.append("distill.on_policy is active: this plans the train step only, not the sampling of completions")
+      p.notes.append("distill.on_policy is active: this plans the train step only; flops['split']['generation'] is "
+                     "the sampling's expected FLOPs per step (analytic), outside the step time")
     lora = self.cfg.models.student_lora
     if lora.enabled:
       base = f", {lora.quantize} base" if lora.quantize else ""

@@ -132,6 +132,16 @@ class Plan:
       lines.append(f"  analytic per token             {_e(f['analytic_per_token'])}   (N_t = "
                    f"{f['matmul_params_teacher'] / 1e9:.3f} B, N_s = {f['matmul_params_student'] / 1e9:.3f} B "
                    "matmul parameters)")
+    split, shares = f.get("split") or {}, self.time.get("mfu_split") or {}
+    names = (("teacher_forward", "teacher forward"), ("student_forward_backward", "student forward+backward"),
+             ("generation", "generation (sampling, not in the step time)"))
+    for key, label in names:
+      if key in split:
+        mfu = f"   MFU share {100 * shares[key]:.1f}%" if key in shares else ""
+        lines.append(f"  {label:<30} {_e(split[key])}{mfu}")
+    if "compiled_rest" in split:
+      lines.append(f"  compiled: teacher blocks {_e(split['compiled_teacher_blocks'])}, student blocks "
+                   f"{_e(split['compiled_student_blocks'])}, the rest {_e(split['compiled_rest'])}")
     lines.append("")
     lines.append("collectives (per device, ops in the program text):")
     if not self.collectives:
@@ -146,9 +156,14 @@ class Plan:
       lines.append(f"step time: no estimate ({why})")
     else:
       comm = "n/a (no ICI bandwidth known)" if t["comm_s"] is None else f"{1e3 * t['comm_s']:.1f} ms"
-      lines.append(f"roofline step time {1e3 * t['step_s']:.1f} ms = max(compute {1e3 * t['compute_s']:.1f} ms, "
-                   f"HBM {1e3 * t['hbm_s']:.1f} ms) + collectives {comm}; MFU {100 * t['mfu']:.1f}%, "
-                   f"{t['tokens_per_s']:,.0f} tokens/s")
+      cal = t.get("calibrated")
+      if cal:
+        lines.append(f"calibrated step time {1e3 * cal['step_s']:.1f} ms (band {1e3 * cal['low_s']:.1f}-"
+                     f"{1e3 * cal['high_s']:.1f} ms: +-{100 * cal['band']:.0f}%, the largest leave-one-out error on "
+                     f"published pod runs); MFU {100 * cal['mfu']:.1f}%, {cal['tokens_per_s']:,.0f} tokens/s")
+      lines.append(f"roofline step time {1e3 * t['step_s']:.1f} ms (an upper bound on speed) = max(compute "
+                   f"{1e3 * t['compute_s']:.1f} ms, HBM {1e3 * t['hbm_s']:.1f} ms) + collectives {comm}; MFU "
+                   f"{100 * t['mfu']:.1f}%, {t['tokens_per_s']:,.0f} tokens/s")
     lines.append(f"compile time on this machine: {self.compile_seconds:.1f} s")
     for note in self.notes:
       lines.append(f"note: {note}")

@@ -1,0 +1,143 @@
+"""The planner's roofline against MaxText's published pod measurements, and the calibrated model fitted on them.
+
+For each `meshdistill.planner._calibrate.PUBLISHED` row: the plain training step (teacher-less `Distiller`,
+`NextTokenCE`, AdamW, bfloat16 compute, the Pallas splash attention as MaxText's ``attention: flash``) compiled with
+libtpu for the row's slice at its sequence and global batch, weights and moments split over every chip
+(``mesh.fsdp``, mesh ``chips x 1``). Its FLOPs, bytes and collectives come from the step compiled unrolled at 1 and
+2 blocks and extended to the model's depth (`meshdistill.planner._cost`), so a 512-chip slice compiles two shallow
+programs. Then the roofline terms, the fit over every row and each row left out.
+
+  python benchmarks/plan_calibration.py                # compile the rows (minutes each), fit, write the report
+  python benchmarks/plan_calibration.py --render       # refit and rewrite the report from the stored .json
+
+Writes benchmarks/results/plan_calibration.json (the rows' terms) and plan_calibration.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JSON = os.path.join(HERE, "results", "plan_calibration.json")
+MD = os.path.join(HERE, "results", "plan_calibration.md")
+REMAT = "dots"  # ours closest to MaxText's offloading policies: matmul outputs kept, nothing recomputed in them
+
+
+def row_terms(i: int) -> dict:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from meshdistill.config import load_config
+  from meshdistill.jobs import strategy_and_optimizer
+  from meshdistill.models._hf_config import config_from_hf
+  from meshdistill.parallel.mesh import make_mesh
+  from meshdistill.planner import _calibrate, _compile, _cost, _hardware, _presets
+  from meshdistill.train.hardlabel import NextTokenCE
+
+  pub = _calibrate.PUBLISHED[i]
+  if pub.model == "llama2-70b":
+    model = config_from_hf(_calibrate.LLAMA2_70B, where="Llama-2-70b config.json")
+  else:
+    model, _ = _presets.resolve_model(pub.model, who="student")
+  model = model.replace(dtype="bfloat16", attention="splash", remat=REMAT, max_len=max(model.max_len, pub.seq))
+  target = _hardware.tpu_target(pub.topology)
+  n = len(target.devices)
+  mesh = make_mesh(data=n, tensor=1, devices=target.devices)
+  _, optimizer = strategy_and_optimizer(load_config(None, ()), model.n_layers)  # the default AdamW
+
+  def compile_at(_, layers):
+    d = _compile.abstract_distiller(None, model.replace(n_layers=layers, scan_layers=False), NextTokenCE(),
+                                    optimizer, mesh, fsdp=True)
+    return _compile.compile_step(d, pub.batch, pub.seq)
+
+  t0 = time.perf_counter()
+  counts = _cost.layer_counts(compile_at, (0, model.n_layers), (n, 1))
+  seconds = time.perf_counter() - t0
+  tokens = pub.batch * pub.seq
+  kernels = 2.0 * pub.seq * model.n_heads * model.hd * model.n_layers * (3 + (REMAT != "none")) * tokens / n
+  chip = target.chip
+  n_params = model.n_layers * (model.d_model * model.hd * (2 * model.n_heads + 2 * model.n_kv_heads)
+                               + 3 * model.d_model * model.mlp_hidden) + model.vocab_size * model.d_model
+  compute = (counts.flops + kernels) / chip.peak_bf16_flops
+  hbm = counts.bytes_accessed / chip.hbm_bandwidth
+  comm = sum(c["wire_bytes"] for c in counts.collectives) / chip.ici_bandwidth
+  return {"row": i, "name": pub.name, "topology": pub.topology, "chips": n, "seq": pub.seq, "batch": pub.batch,
+          "flops_per_chip": counts.flops, "kernel_flops_per_chip": kernels, "bytes_per_chip": counts.bytes_accessed,
+          "wire_bytes_per_chip": sum(c["wire_bytes"] for c in counts.collectives),
+          "collectives": counts.collectives, "matmul_params": n_params,
+          "compute_s": compute, "hbm_s": hbm, "comm_s": comm, "roofline_s": max(compute, hbm) + comm,
+          "compile_s": seconds}
+
+
+def render(rows: list[dict], command: str) -> str:
+  from meshdistill.planner import _calibrate  # pylint: disable=g-import-not-at-top
+
+  pubs = [_calibrate.PUBLISHED[r["row"]] for r in rows]
+  terms = [(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in rows]
+  measured = [p.step_seconds for p in pubs]
+  cal = _calibrate.calibrate(terms, measured)
+  fitted = _calibrate.predict((cal.a, cal.k), terms)
+  loo = _calibrate.leave_one_out(terms, measured) if len(rows) >= 3 else [float("nan")] * len(rows)
+  out = ["# The planner's step time against published measurements", "",
+         "`" + command + "`: each row is MaxText's published plain pretraining measurement (source in the last "
+         "column; the page and the recipe's configuration, commit pinned) and the planner's plan of the same step: "
+         "the teacher-less `Distiller` with `NextTokenCE`, AdamW, bfloat16 compute, splash attention, weights and "
+         f"moments split over every chip (`mesh.fsdp`, mesh chips x 1), student remat `{REMAT}` (ours closest to "
+         "the recipes' host-offloading policies), compiled with libtpu's compiler for the slice on this CPU host "
+         "(1- and 2-block programs, extended to the depth; `planner._cost`).", "",
+         "Roofline: max(compute at peak, HBM) + collectives at full ICI bandwidth, an upper bound on speed. "
+         "Calibrated: max(compute / a, HBM) + k x collectives, `a` and `k` fitted by least squares on log step "
+         "time (scipy `least_squares`); *fit* uses every row, *leave-one-out* predicts each row from the others.",
+         "",
+         "| model | slice | seq | global batch | remat (MaxText) | published tokens/s/chip | published MFU | "
+         "roofline tokens/s/chip | calibrated, fit | calibrated, leave-one-out | LOO error | compile s | source |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r, p, f, l in zip(rows, pubs, fitted, loo):
+    per_chip = lambda s, r=r: r["batch"] * r["seq"] / (s * r["chips"])  # noqa: E731
+    out.append(f"| {p.name} | {p.topology} ({p.chips} chips) | {p.seq} | {p.batch} | {p.remat} | "
+               f"{p.tokens_per_chip:,.0f} | {100 * p.mfu:.1f}% | {per_chip(r['roofline_s']):,.0f} | "
+               f"{per_chip(f):,.0f} | {per_chip(l):,.0f} | {100 * (per_chip(l) / p.tokens_per_chip - 1):+.1f}% | "
+               f"{r['compile_s']:.0f} | {p.source} |")
+  out += ["", f"Fitted over all {cal.rows} rows: a = {cal.a:.3f} (fraction of peak matmul rate reached), "
+          f"k = {cal.k:.3f} (collective seconds per second of ideal ring traffic, not hidden behind compute); "
+          f"error band (largest leave-one-out error of step time): {100 * cal.band:.1f}%. "
+          "The planner prints its calibrated step time with this band (`planner._calibrate.CALIBRATION`).", "",
+          "Roofline terms per row (seconds per step): " + "; ".join(
+              f"{p.name} on {p.topology}: compute {r['compute_s']:.2f} (of which splash attention "
+              f"{r['kernel_flops_per_chip'] / (r['flops_per_chip'] + r['kernel_flops_per_chip']) * 100:.0f}%), HBM "
+              f"{r['hbm_s']:.2f}, collectives {r['comm_s']:.2f}, published {p.step_seconds:.2f}"
+              for r, p in zip(rows, pubs)) + ".", "",
+          f"Measured with Python {platform.python_version()} on {os.cpu_count()} CPU cores (compile times under "
+          "load from other jobs)."]
+  return "\n".join(out) + "\n"
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--render", action="store_true", help="refit and rewrite the report from the stored .json")
+  ap.add_argument("--rows", default=None, help="comma-separated row numbers to compile (default: all)")
+  args = ap.parse_args()
+  sys.path.insert(0, os.path.join(HERE, "..", "src"))
+  from meshdistill.planner import _calibrate  # pylint: disable=g-import-not-at-top
+
+  stored = json.load(open(JSON)) if os.path.exists(JSON) else []
+  if not args.render:
+    wanted = range(len(_calibrate.PUBLISHED)) if args.rows is None else [int(x) for x in args.rows.split(",")]
+    for i in wanted:
+      r = row_terms(i)
+      print(json.dumps({k: v for k, v in r.items() if k != "collectives"}), flush=True)
+      stored = [s for s in stored if s["row"] != i] + [r]
+      stored.sort(key=lambda s: s["row"])
+      with open(JSON, "w") as f:
+        json.dump(stored, f, indent=1)
+  with open(MD, "w") as f:
+    f.write(render(stored, "python benchmarks/plan_calibration.py"))
+  print(open(MD).read())
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
