@@ -25,6 +25,7 @@ import sys
 import time
 
 from bench.results import pending_rows
+from meshdistill.planner._calibrate import CALIBRATION  # numpy / scipy only: the fit of plan_calibration.md
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -83,9 +84,9 @@ def report() -> str:
       "per token. Compile time is on this shared 2-core machine, under load from other jobs.",
       "",
       "| teacher -> student | slice | mesh d x t | remat, loss | attention | tokens/step | teacher GiB "
-      "| student GiB | opt GiB | temp GiB | total GiB / HBM | fits | TFLOP/chip compiled (analytic) | est. step s "
-      "| MFU | compile s |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "| student GiB | opt GiB | temp GiB | total GiB / HBM | fits | TFLOP/chip compiled (analytic) | roofline step s "
+      "| MFU | calibrated step s (band) | calibrated MFU | compile s |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   missing = []
   labels = dict(TOPOLOGIES)
@@ -104,13 +105,16 @@ def report() -> str:
       flops += f" + {f['kernels'] / 1e12:.1f} in kernels"
     step = "n/a" if tm["step_s"] is None else f"{tm['step_s']:.2f}"
     mfu = "n/a" if tm["mfu"] is None else f"{100 * tm['mfu']:.0f}%"
+    cal = None if CALIBRATION is None or r.get("budget_bytes") is None else CALIBRATION.of(tm)
+    cal_step = "n/a" if cal is None else f"{cal['step_s']:.2f} ({cal['low_s']:.2f}-{cal['high_s']:.2f})"
+    cal_mfu = "n/a" if cal is None else f"{100 * cal['mfu']:.0f}%"
     loss = "full logits" if r.get("chunk_size") is None else f"chunk {r['chunk_size']}"
     lines.append(
         f"| {t} -> {s} | {label} | {r['mesh']['data']}x{r['mesh']['tensor']} | {r.get('remat')}, "
         f"{loss} | {r.get('attention', 'auto')} | {r['batch'] * r['seq']:,} "
         f"| {_gib(m['teacher_weights'])} | {_gib(m['student_weights'])} | {_gib(m['optimizer_state'])} "
         f"| {_gib(m['temp'])} | {_gib(m['total'])} / {_gib(r['budget_bytes'])} | {fits} "
-        f"| {flops} ({f['analytic'] / 1e12:.1f}) | {step} | {mfu} "
+        f"| {flops} ({f['analytic'] / 1e12:.1f}) | {step} | {mfu} | {cal_step} | {cal_mfu} "
         f"| {r['compile_seconds']:.0f} |"
     )
   lines.append("")

@@ -28,7 +28,11 @@ MD = os.path.join(HERE, "results", "plan_calibration.md")
 REMAT = "dots"  # ours closest to MaxText's offloading policies: matmul outputs kept, nothing recomputed in them
 
 
-def row_terms(i: int) -> dict:
+# the slices compiled for when --small: the same generation, 16 chips, the same batch per chip
+SMALL = {"v6e": "v6e:4x4", "v5p": "v5p:2x2x4", "v5e": "v5e:4x4"}
+
+
+def row_terms(i: int, small: bool = False) -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from meshdistill.config import load_config
   from meshdistill.jobs import strategy_and_optimizer
@@ -43,20 +47,22 @@ def row_terms(i: int) -> dict:
   else:
     model, _ = _presets.resolve_model(pub.model, who="student")
   model = model.replace(dtype="bfloat16", attention="splash", remat=REMAT, max_len=max(model.max_len, pub.seq))
-  target = _hardware.tpu_target(pub.topology)
+  topology = SMALL[pub.topology.split(":")[0]] if small else pub.topology
+  target = _hardware.tpu_target(topology)
   n = len(target.devices)
+  batch = pub.batch // pub.chips * n  # the published batch per chip
   mesh = make_mesh(data=n, tensor=1, devices=target.devices)
   _, optimizer = strategy_and_optimizer(load_config(None, ()), model.n_layers)  # the default AdamW
 
   def compile_at(_, layers):
     d = _compile.abstract_distiller(None, model.replace(n_layers=layers, scan_layers=False), NextTokenCE(),
                                     optimizer, mesh, fsdp=True)
-    return _compile.compile_step(d, pub.batch, pub.seq)
+    return _compile.compile_step(d, batch, pub.seq)
 
   t0 = time.perf_counter()
   counts = _cost.layer_counts(compile_at, (0, model.n_layers), (n, 1))
   seconds = time.perf_counter() - t0
-  tokens = pub.batch * pub.seq
+  tokens = batch * pub.seq
   kernels = 2.0 * pub.seq * model.n_heads * model.hd * model.n_layers * (3 + (REMAT != "none")) * tokens / n
   chip = target.chip
   n_params = model.n_layers * (model.d_model * model.hd * (2 * model.n_heads + 2 * model.n_kv_heads)
@@ -64,7 +70,8 @@ def row_terms(i: int) -> dict:
   compute = (counts.flops + kernels) / chip.peak_bf16_flops
   hbm = counts.bytes_accessed / chip.hbm_bandwidth
   comm = sum(c["wire_bytes"] for c in counts.collectives) / chip.ici_bandwidth
-  return {"row": i, "name": pub.name, "topology": pub.topology, "chips": n, "seq": pub.seq, "batch": pub.batch,
+  return {"row": i, "name": pub.name, "topology": pub.topology, "compiled_for": topology, "chips": n,
+          "seq": pub.seq, "batch": batch,
           "flops_per_chip": counts.flops, "kernel_flops_per_chip": kernels, "bytes_per_chip": counts.bytes_accessed,
           "wire_bytes_per_chip": sum(c["wire_bytes"] for c in counts.collectives),
           "collectives": counts.collectives, "matmul_params": n_params,
@@ -92,12 +99,13 @@ def render(rows: list[dict], command: str) -> str:
          "Calibrated: max(compute / a, HBM) + k x collectives, `a` and `k` fitted by least squares on log step "
          "time (scipy `least_squares`); *fit* uses every row, *leave-one-out* predicts each row from the others.",
          "",
-         "| model | slice | seq | global batch | remat (MaxText) | published tokens/s/chip | published MFU | "
+         "| model | slice | planned on (same batch per chip) | seq | global batch | remat (MaxText) | published tokens/s/chip | published MFU | "
          "roofline tokens/s/chip | calibrated, fit | calibrated, leave-one-out | LOO error | compile s | source |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r, p, f, l in zip(rows, pubs, fitted, loo):
     per_chip = lambda s, r=r: r["batch"] * r["seq"] / (s * r["chips"])  # noqa: E731
-    out.append(f"| {p.name} | {p.topology} ({p.chips} chips) | {p.seq} | {p.batch} | {p.remat} | "
+    out.append(f"| {p.name} | {p.topology} ({p.chips} chips) | {r.get('compiled_for', p.topology)} ({r['chips']} "
+               f"chips, batch {r['batch']}) | {p.seq} | {p.batch} | {p.remat} | "
                f"{p.tokens_per_chip:,.0f} | {100 * p.mfu:.1f}% | {per_chip(r['roofline_s']):,.0f} | "
                f"{per_chip(f):,.0f} | {per_chip(l):,.0f} | {100 * (per_chip(l) / p.tokens_per_chip - 1):+.1f}% | "
                f"{r['compile_s']:.0f} | {p.source} |")
@@ -119,6 +127,8 @@ def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--render", action="store_true", help="refit and rewrite the report from the stored .json")
   ap.add_argument("--rows", default=None, help="comma-separated row numbers to compile (default: all)")
+  ap.add_argument("--small", action="store_true", help="compile each row for a 16-chip slice of its generation at "
+                  "the published batch per chip (the 256 / 512-chip compiles take too long on a small machine)")
   args = ap.parse_args()
   sys.path.insert(0, os.path.join(HERE, "..", "src"))
   from meshdistill.planner import _calibrate  # pylint: disable=g-import-not-at-top
@@ -127,7 +137,7 @@ def main() -> int:
   if not args.render:
     wanted = range(len(_calibrate.PUBLISHED)) if args.rows is None else [int(x) for x in args.rows.split(",")]
     for i in wanted:
-      r = row_terms(i)
+      r = row_terms(i, args.small)
       print(json.dumps({k: v for k, v in r.items() if k != "collectives"}), flush=True)
       stored = [s for s in stored if s["row"] != i] + [r]
       stored.sort(key=lambda s: s["row"])

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 import meshdistill as md
-from meshdistill import planner
+from meshdistill import cli, planner
 from meshdistill.config.sections import OnPolicySettings
 from meshdistill.planner import _calibrate
 from meshdistill.planner._cost import flops_split
+from meshdistill.planner._placement import placements
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "plan_calibration.json")
 needs_libtpu = pytest.mark.skipif(not planner.libtpu_available(),
@@ -106,3 +107,28 @@ def test_on_policy_settings_add_the_sampling_flops():
   seq_kd = flops_split(n_t=1000, n_s=100, batch=4, seq=16, devices=2, on_policy=OnPolicySettings(seq_kd=True))
   assert seq_kd["generation"] == pytest.approx(2 * 1000 * 4 * 17 / 2)
   assert "generation" not in flops_split(n_t=1000, n_s=100, batch=4, seq=16, devices=2, on_policy=OnPolicySettings())
+
+
+@needs_libtpu
+def test_placement_of_a_tiny_pair_returns_each_option_and_recommends_one(scanned_and_unrolled):
+  _, p = scanned_and_unrolled
+  out = placements(p, vocab=TEACHER.vocab_size, k=8, ici_bytes_per_s=400e9)
+  opts = out["options"]
+  assert set(opts) == {"in_step", "sub_mesh", "offline_cache", "remote"}
+  assert all(o["step_s"] is not None and o["step_s"] > 0 for o in opts.values())
+  assert opts["sub_mesh"]["teacher_chips"] + opts["sub_mesh"]["student_chips"] == 4
+  # without the teacher in the step a chip holds less; the student's steps alone are faster than the step with it
+  assert opts["offline_cache"]["memory_bytes"] == p.memory["total"] - p.memory["teacher_weights"]
+  assert opts["offline_cache"]["step_s"] < opts["in_step"]["step_s"]
+  # top-8 of V=2048: 8 ids of 11 bits (11 B), 8 float16 values and the tail
+  assert out["topk_bytes_per_token"] == 11 + 16 + 2 and opts["remote"]["network_bytes_per_step"] == 29 * 4 * 16
+  assert out["recommended"] in opts
+
+
+def test_cli_plan_placement_on_cpu_devices_lists_each_option(capsys):
+  rc = cli.main(["plan", "--devices", "cpu:8", "--json", "--hbm-gib", "0.5", "--set", "train.batch_size=8",
+                 "--placement", "4"])
+  assert rc == 0
+  out = json.loads(capsys.readouterr().out)["placement"]
+  assert set(out["options"]) == {"in_step", "sub_mesh", "offline_cache", "remote"} and out["k"] == 4
+  assert out["options"]["remote"]["network_bytes_per_step"] > 0

@@ -6,6 +6,8 @@ import dataclasses
 import json
 from typing import Any
 
+from meshdistill.planner._placement import placement_table
+
 GIB = 2**30
 
 MEMORY_ROWS = (
@@ -58,6 +60,7 @@ class Plan:
   student_split: str = "tensor"  # `mesh.student_split`: "batch" = a replicated student on rows split over both axes
   attention: str = "auto"  # the models' `ModelConfig.attention` ("teacher X, student Y" when they differ)
   suggestions: list["Plan"] = dataclasses.field(default_factory=list)
+  placement: dict | None = None  # where the teacher should live (`_placement.placements`), when asked
   notes: list[str] = dataclasses.field(default_factory=list)
 
   @property
@@ -167,6 +170,9 @@ class Plan:
     lines.append(f"compile time on this machine: {self.compile_seconds:.1f} s")
     for note in self.notes:
       lines.append(f"note: {note}")
+    if self.placement is not None:
+      lines.append("")
+      lines.append(placement_table(self.placement))
     if self.suggestions:
       lines.append("")
       lines.append("nearest configurations that fit (each compiled):")
