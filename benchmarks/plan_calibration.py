@@ -99,7 +99,8 @@ def render(rows: list[dict], command: str) -> str:
          "Calibrated: max(compute / a, HBM) + k x collectives, `a` and `k` fitted by least squares on log step "
          "time (scipy `least_squares`); *fit* uses every row, *leave-one-out* predicts each row from the others.",
          "",
-         "| model | slice | planned on (same batch per chip) | seq | global batch | remat (MaxText) | published tokens/s/chip | published MFU | "
+         "| model | slice | planned on (same batch per chip) | seq | global batch | remat (MaxText) | "
+         "published tokens/s/chip | published MFU | "
          "roofline tokens/s/chip | calibrated, fit | calibrated, leave-one-out | LOO error | compile s | source |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r, p, f, l in zip(rows, pubs, fitted, loo):

@@ -148,8 +148,13 @@ class Planner:
     analytic = (2 * n_t + 6 * n_s) * tokens / n
     kernels = kernel_flops(self.teacher, self.student, k.remat, self.seq) * tokens / n  # not in XLA's count
     colls = collectives(c.hlo, (k.data, k.tensor))
-    counts = self._layer_counts(k) if c.flops is not None and self._scanned() else None
-    flops, bytes_accessed = c.flops, c.bytes_accessed
+    counts, uncounted = None, None
+    if c.flops is not None and self._scanned():
+      try:
+        counts = self._layer_counts(k, report=lambda message: self.progress.step(label, message))
+      except ValueError as e:  # a shallow program did not fit: memory stands, no step time
+        uncounted = str(e)
+    flops, bytes_accessed = (None, None) if uncounted else (c.flops, c.bytes_accessed)
     if counts is not None:  # the scanned loops counted whole (see `_cost`)
       flops, bytes_accessed, colls = counts.flops, counts.bytes_accessed, counts.collectives
     p = Plan(
@@ -172,6 +177,8 @@ class Planner:
     peak = None if chip is None else self.target.per_device(chip.peak_bf16_flops)
     p.time["mfu_split"] = mfu_split(p.flops["split"], p.time.get("step_s"), peak)
     p.time["calibrated"] = None if chip is None or CALIBRATION is None else CALIBRATION.of(p.time)
+    if uncounted:
+      p.time["why"] = f"scan_layers: {uncounted}"
     if counts is not None:
       p.notes.append("scan_layers: FLOPs, bytes and collectives of the whole loops, extended from the step compiled "
                      "unrolled at 1 and 2 blocks per model (XLA's counts, linear in depth; "
@@ -206,12 +213,13 @@ class Planner:
   def _scanned(self) -> bool:
     return self.teacher.scan_layers or self.student.scan_layers
 
-  def _layer_counts(self, k: Knobs) -> LayerCounts:
+  def _layer_counts(self, k: Knobs, report=None) -> LayerCounts:
     """The step's counts with its scanned loops counted whole, from shallow unrolled compiles (`_cost`)."""
     def compile_at(lt: int, ls: int):
       shallow = lambda m, n: m.replace(n_layers=n, scan_layers=False)  # noqa: E731
       d = self._distiller(k, shallow(self.teacher, lt), shallow(self.student, ls))
-      return compile_step(d, k.batch, self.seq)
+      where = f"unrolled at {lt} teacher / {ls} student block(s), to count the scanned loops: "
+      return compile_step(d, k.batch, self.seq, report=lambda m: report(where + m) if report else None)
     return layer_counts(compile_at, (self.teacher.n_layers, self.student.n_layers), (k.data, k.tensor))
 
   def _roofline(self, flops, bytes_accessed, colls, model_flops: float, tokens: int,
