@@ -106,7 +106,8 @@ def report() -> str:
     step = "n/a" if tm["step_s"] is None else f"{tm['step_s']:.2f}"
     mfu = "n/a" if tm["mfu"] is None else f"{100 * tm['mfu']:.0f}%"
     cal = None if CALIBRATION is None or r.get("budget_bytes") is None else CALIBRATION.of(tm)
-    cal_step = "n/a" if cal is None else f"{cal['step_s']:.2f} ({cal['low_s']:.2f}-{cal['high_s']:.2f})"
+    cal_step = "n/a" if cal is None else f"{cal['step_s']:.2f}" + (
+        "" if cal["band"] is None else f" ({cal['low_s']:.2f}-{cal['high_s']:.2f})")
     cal_mfu = "n/a" if cal is None else f"{100 * cal['mfu']:.0f}%"
     loss = "full logits" if r.get("chunk_size") is None else f"chunk {r['chunk_size']}"
     lines.append(

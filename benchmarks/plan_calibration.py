@@ -28,8 +28,11 @@ MD = os.path.join(HERE, "results", "plan_calibration.md")
 REMAT = "dots"  # ours closest to MaxText's offloading policies: matmul outputs kept, nothing recomputed in them
 
 
-# the slices compiled for when --small: the same generation, 16 chips, the same batch per chip
+# the slices compiled for when --small: 16 chips, the same batch per chip
 SMALL = {"v6e": "v6e:4x4", "v5p": "v5p:2x2x4", "v5e": "v5e:4x4"}
+# rows whose full-vocabulary logits (float32, [rows, 8192, 128256] per chip: 16.8-21 GiB) leave a v6e chip's 32 GiB
+# no room: their counts are compiled for v5p chips (95 GiB) and timed at the row's own chip's rates
+PROXY = {0: "v5p:2x2x4", 1: "v5p:2x2x4"}
 
 
 def row_terms(i: int, small: bool = False) -> dict:
@@ -47,8 +50,9 @@ def row_terms(i: int, small: bool = False) -> dict:
   else:
     model, _ = _presets.resolve_model(pub.model, who="student")
   model = model.replace(dtype="bfloat16", attention="splash", remat=REMAT, max_len=max(model.max_len, pub.seq))
-  topology = SMALL[pub.topology.split(":")[0]] if small else pub.topology
+  topology = PROXY.get(i) or (SMALL[pub.topology.split(":")[0]] if small else pub.topology)
   target = _hardware.tpu_target(topology)
+  chip = _hardware.TPU_CHIPS[pub.topology.split(":")[0]]  # the row's chip: its rates time the counts
   n = len(target.devices)
   batch = pub.batch // pub.chips * n  # the published batch per chip
   mesh = make_mesh(data=n, tensor=1, devices=target.devices)
@@ -64,7 +68,6 @@ def row_terms(i: int, small: bool = False) -> dict:
   seconds = time.perf_counter() - t0
   tokens = batch * pub.seq
   kernels = 2.0 * pub.seq * model.n_heads * model.hd * model.n_layers * (3 + (REMAT != "none")) * tokens / n
-  chip = target.chip
   n_params = model.n_layers * (model.d_model * model.hd * (2 * model.n_heads + 2 * model.n_kv_heads)
                                + 3 * model.d_model * model.mlp_hidden) + model.vocab_size * model.d_model
   compute = (counts.flops + kernels) / chip.peak_bf16_flops
@@ -79,48 +82,81 @@ def row_terms(i: int, small: bool = False) -> dict:
           "compile_s": seconds}
 
 
-def render(rows: list[dict], command: str) -> str:
-  from meshdistill.planner import _calibrate  # pylint: disable=g-import-not-at-top
+def _compute_bound(pub, model) -> float:
+  """Tokens/s/chip at the chip's peak for 6 N + causal attention FLOPs per token (no HBM, no collectives)."""
+  from meshdistill.planner import _hardware  # pylint: disable=g-import-not-at-top
 
-  pubs = [_calibrate.PUBLISHED[r["row"]] for r in rows]
-  terms = [(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in rows]
-  measured = [p.step_seconds for p in pubs]
-  cal = _calibrate.calibrate(terms, measured)
-  fitted = _calibrate.predict((cal.a, cal.k), terms)
-  loo = _calibrate.leave_one_out(terms, measured) if len(rows) >= 3 else [float("nan")] * len(rows)
+  n = model.n_layers * (model.d_model * model.hd * (2 * model.n_heads + 2 * model.n_kv_heads)
+                        + 3 * model.d_model * model.mlp_hidden) + model.vocab_size * model.d_model
+  per_token = 6.0 * n + 6.0 * model.n_layers * pub.seq * model.n_heads * model.hd
+  return _hardware.TPU_CHIPS[pub.topology.split(":")[0]].peak_bf16_flops / per_token
+
+
+def render(rows: list[dict], command: str) -> str:
+  from meshdistill.models._hf_config import config_from_hf  # pylint: disable=g-import-not-at-top
+  from meshdistill.planner import _calibrate, _presets  # pylint: disable=g-import-not-at-top
+
+  by_row = {r["row"]: r for r in rows}
+  done = [r for r in rows]
+  terms = [(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in done]
+  measured = [_calibrate.PUBLISHED[r["row"]].step_seconds for r in done]
+  cal = _calibrate.calibrate(terms, measured) if len(done) >= 2 else None
+  fitted = dict(zip((r["row"] for r in done), _calibrate.predict((cal.a, cal.k), terms))) if cal else {}
+  loo = dict(zip((r["row"] for r in done), _calibrate.leave_one_out(terms, measured))) if len(done) >= 3 else {}
   out = ["# The planner's step time against published measurements", "",
-         "`" + command + "`: each row is MaxText's published plain pretraining measurement (source in the last "
-         "column; the page and the recipe's configuration, commit pinned) and the planner's plan of the same step: "
+         "`" + command + "`: each row is MaxText's published plain pretraining measurement (the page and the "
+         "recipe's configuration, commit pinned, in the last column) and the planner's plan of the same step: "
          "the teacher-less `Distiller` with `NextTokenCE`, AdamW, bfloat16 compute, splash attention, weights and "
-         f"moments split over every chip (`mesh.fsdp`, mesh chips x 1), student remat `{REMAT}` (ours closest to "
-         "the recipes' host-offloading policies), compiled with libtpu's compiler for the slice on this CPU host "
-         "(1- and 2-block programs, extended to the depth; `planner._cost`).", "",
-         "Roofline: max(compute at peak, HBM) + collectives at full ICI bandwidth, an upper bound on speed. "
-         "Calibrated: max(compute / a, HBM) + k x collectives, `a` and `k` fitted by least squares on log step "
-         "time (scipy `least_squares`); *fit* uses every row, *leave-one-out* predicts each row from the others.",
-         "",
-         "| model | slice | planned on (same batch per chip) | seq | global batch | remat (MaxText) | "
-         "published tokens/s/chip | published MFU | "
-         "roofline tokens/s/chip | calibrated, fit | calibrated, leave-one-out | LOO error | compile s | source |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-  for r, p, f, l in zip(rows, pubs, fitted, loo):
+         f"moments split over every chip (`mesh.fsdp`, mesh chips x 1), remat `{REMAT}` (ours closest to "
+         "the recipes' host-offloading policies), compiled with libtpu's compiler on this CPU host as 1- and "
+         "2-block programs extended to the depth (`planner._cost`), on a 16-chip slice at the published batch per "
+         "chip (`--small`; a 256 / 512-chip compile is slower still).", "",
+         "Compute bound: tokens/s/chip at the chip's peak for 6 N + causal attention FLOPs per token, no memory or "
+         "collectives (analytic, no compile). Roofline: the compiled step's max(compute at peak, HBM) + "
+         "collectives at full ICI bandwidth, an upper bound on speed. Calibrated: max(compute / a, HBM) + k x "
+         "collectives, `a` and `k` fitted by least squares on log step time (scipy `least_squares`) over the "
+         "compiled rows; *leave-one-out* predicts each row from the others.", "",
+         "| model | slice | seq | global batch | remat (MaxText) | published tokens/s/chip | published MFU | "
+         "compute bound | planned on | roofline | calibrated, fit | calibrated, leave-one-out | LOO error | "
+         "compile s | source |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for i, p in enumerate(_calibrate.PUBLISHED):
+    if p.model == "llama2-70b":
+      model = config_from_hf(_calibrate.LLAMA2_70B, where="Llama-2-70b config.json")
+    else:
+      model, _ = _presets.resolve_model(p.model, who="student")
+    bound = f"{_compute_bound(p, model):,.0f}"
+    r = by_row.get(i)
+    head = (f"| {p.name} | {p.topology} ({p.chips} chips) | {p.seq} | {p.batch} | {p.remat} | "
+            f"{p.tokens_per_chip:,.0f} | {100 * p.mfu:.1f}% | {bound} | ")
+    if r is None:
+      out.append(head + "not compiled (see below) | n/a | n/a | n/a | n/a | n/a | " + p.source + " |")
+      continue
     per_chip = lambda s, r=r: r["batch"] * r["seq"] / (s * r["chips"])  # noqa: E731
-    out.append(f"| {p.name} | {p.topology} ({p.chips} chips) | {r.get('compiled_for', p.topology)} ({r['chips']} "
-               f"chips, batch {r['batch']}) | {p.seq} | {p.batch} | {p.remat} | "
-               f"{p.tokens_per_chip:,.0f} | {100 * p.mfu:.1f}% | {per_chip(r['roofline_s']):,.0f} | "
-               f"{per_chip(f):,.0f} | {per_chip(l):,.0f} | {100 * (per_chip(l) / p.tokens_per_chip - 1):+.1f}% | "
-               f"{r['compile_s']:.0f} | {p.source} |")
-  out += ["", f"Fitted over all {cal.rows} rows: a = {cal.a:.3f} (fraction of peak matmul rate reached), "
-          f"k = {cal.k:.3f} (collective seconds per second of ideal ring traffic, not hidden behind compute); "
-          f"error band (largest leave-one-out error of step time): {100 * cal.band:.1f}%. "
-          "The planner prints its calibrated step time with this band (`planner._calibrate.CALIBRATION`).", "",
-          "Roofline terms per row (seconds per step): " + "; ".join(
-              f"{p.name} on {p.topology}: compute {r['compute_s']:.2f} (of which splash attention "
-              f"{r['kernel_flops_per_chip'] / (r['flops_per_chip'] + r['kernel_flops_per_chip']) * 100:.0f}%), HBM "
-              f"{r['hbm_s']:.2f}, collectives {r['comm_s']:.2f}, published {p.step_seconds:.2f}"
-              for r, p in zip(rows, pubs)) + ".", "",
-          f"Measured with Python {platform.python_version()} on {os.cpu_count()} CPU cores (compile times under "
-          "load from other jobs)."]
+    fit_s = "n/a" if i not in fitted else f"{per_chip(fitted[i]):,.0f}"
+    loo_s = "n/a" if i not in loo else f"{per_chip(loo[i]):,.0f}"
+    err = "n/a" if i not in loo else f"{100 * (per_chip(loo[i]) / p.tokens_per_chip - 1):+.1f}%"
+    out.append(head + f"{r['compiled_for']} ({r['chips']} chips, batch {r['batch']}) | "
+               f"{per_chip(r['roofline_s']):,.0f} | {fit_s} | {loo_s} | {err} | {r['compile_s']:.0f} | "
+               f"{p.source} |")
+  out.append("")
+  if cal is None:
+    out.append(f"Fit: not made: {len(done)} of {len(_calibrate.PUBLISHED)} rows compiled, the two parameters need "
+               "two rows and their leave-one-out check three. `planner._calibrate.CALIBRATION` stays None, so "
+               "plans print the roofline only.")
+  else:
+    band = "n/a (fewer than 3 rows)" if cal.band != cal.band else f"{100 * cal.band:.1f}%"
+    out.append(f"Fitted over {cal.rows} rows: a = {cal.a:.3f} (fraction of peak matmul rate reached), "
+               f"k = {cal.k:.3f} (collective seconds per second of ideal ring traffic, not hidden behind compute); "
+               f"error band (largest leave-one-out error of step time): {band}.")
+  if done:
+    out += ["", "Roofline terms per compiled row (seconds per step): " + "; ".join(
+        f"{_calibrate.PUBLISHED[r['row']].name} on {r['topology']}: compute {r['compute_s']:.2f} (splash "
+        f"attention {r['kernel_flops_per_chip'] / (r['flops_per_chip'] + r['kernel_flops_per_chip']) * 100:.0f}%"
+        f" of it), HBM {r['hbm_s']:.2f}, collectives {r['comm_s']:.2f}, published step "
+        f"{_calibrate.PUBLISHED[r['row']].step_seconds:.2f}" for r in done) + "."]
+  out += ["", f"Compiled with Python {platform.python_version()} on {os.cpu_count()} CPU cores shared with other "
+          "jobs (load average 9-22 while these ran)."]
   return "\n".join(out) + "\n"
 
 
@@ -138,7 +174,11 @@ def main() -> int:
   if not args.render:
     wanted = range(len(_calibrate.PUBLISHED)) if args.rows is None else [int(x) for x in args.rows.split(",")]
     for i in wanted:
-      r = row_terms(i, args.small)
+      try:
+        r = row_terms(i, args.small)
+      except ValueError as e:  # e.g. a shallow program out of HBM: no counts for this row
+        print(f"row {i}: {e}", flush=True)
+        continue
       print(json.dumps({k: v for k, v in r.items() if k != "collectives"}), flush=True)
       stored = [s for s in stored if s["row"] != i] + [r]
       stored.sort(key=lambda s: s["row"])

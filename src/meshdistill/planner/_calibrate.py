@@ -93,8 +93,10 @@ class Calibration:
       return None
     step = self.step_seconds(time["compute_s"], time["hbm_s"], time["comm_s"])
     scale = time["step_s"] / step
-    return {"step_s": step, "low_s": step * (1 - self.band), "high_s": step * (1 + self.band),
-            "mfu": time["mfu"] * scale, "tokens_per_s": time["tokens_per_s"] * scale, "band": self.band}
+    band = None if math.isnan(self.band) else self.band  # no leave-one-out with fewer than 3 rows
+    return {"step_s": step, "low_s": None if band is None else step * (1 - band),
+            "high_s": None if band is None else step * (1 + band),
+            "mfu": time["mfu"] * scale, "tokens_per_s": time["tokens_per_s"] * scale, "band": band}
 
 
 def _predict(params: np.ndarray, terms: np.ndarray) -> np.ndarray:

@@ -161,9 +161,11 @@ class Plan:
       comm = "n/a (no ICI bandwidth known)" if t["comm_s"] is None else f"{1e3 * t['comm_s']:.1f} ms"
       cal = t.get("calibrated")
       if cal:
-        lines.append(f"calibrated step time {1e3 * cal['step_s']:.1f} ms (band {1e3 * cal['low_s']:.1f}-"
-                     f"{1e3 * cal['high_s']:.1f} ms: +-{100 * cal['band']:.0f}%, the largest leave-one-out error on "
-                     f"published pod runs); MFU {100 * cal['mfu']:.1f}%, {cal['tokens_per_s']:,.0f} tokens/s")
+        band = ("no band: fewer than 3 published rows" if cal["band"] is None else
+                f"band {1e3 * cal['low_s']:.1f}-{1e3 * cal['high_s']:.1f} ms: +-{100 * cal['band']:.0f}%, the largest "
+                "leave-one-out error on published pod runs")
+        lines.append(f"calibrated step time {1e3 * cal['step_s']:.1f} ms ({band}); MFU {100 * cal['mfu']:.1f}%, "
+                     f"{cal['tokens_per_s']:,.0f} tokens/s")
       lines.append(f"roofline step time {1e3 * t['step_s']:.1f} ms (an upper bound on speed) = max(compute "
                    f"{1e3 * t['compute_s']:.1f} ms, HBM {1e3 * t['hbm_s']:.1f} ms) + collectives {comm}; MFU "
                    f"{100 * t['mfu']:.1f}%, {t['tokens_per_s']:,.0f} tokens/s")
