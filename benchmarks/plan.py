@@ -101,6 +101,8 @@ def report() -> str:
     m, f, tm = r["memory"], r["flops"], r["time"]
     fits = _fits(r)
     flops = "n/a" if f["compiled"] is None else f"{f['compiled'] / 1e12:.1f}"
+    if f.get("counted") not in (None, f["compiled"]):  # scanned blocks: the loops counted whole (`planner._cost`)
+      flops = f"{f['counted'] / 1e12:.1f} (scanned program's own count {f['compiled'] / 1e12:.1f})"
     if f.get("kernels") and f["compiled"] is not None:  # attention inside Pallas kernels, counted analytically
       flops += f" + {f['kernels'] / 1e12:.1f} in kernels"
     step = "n/a" if tm["step_s"] is None else f"{tm['step_s']:.2f}"

@@ -63,15 +63,18 @@ def test_the_stored_calibration_is_the_fit_of_the_published_rows_and_reproduces_
     rows = json.load(f)
   terms = [(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in rows]
   measured = [_calibrate.PUBLISHED[r["row"]].step_seconds for r in rows]
-  cal = _calibrate.calibrate(terms, measured)
+  # the roofline is an upper bound on speed: every published step is slower than its roofline
+  assert rows and all(max(c, h) + m < s for (c, h, m), s in zip(terms, measured))
   stored = _calibrate.CALIBRATION
+  if len(rows) < 2:  # no fit to check: plans print the roofline only
+    assert stored is None
+    return
+  cal = _calibrate.calibrate(terms, measured)
   assert stored.rows == len(rows) and (cal.a, cal.k, cal.band) == pytest.approx((stored.a, stored.k, stored.band),
                                                                                 rel=1e-3, abs=1e-4)
   fitted = _calibrate.predict((stored.a, stored.k), terms)
   # every fitted row within the band the planner prints (the largest leave-one-out error bounds the in-sample ones)
   assert np.all(np.abs(fitted / np.array(measured) - 1) <= stored.band + 1e-9)
-  # the roofline is an upper bound on speed: every published step is slower than its roofline
-  assert all(max(c, h) + m < s for (c, h, m), s in zip(terms, measured))
 
 
 def test_a_plan_prints_the_calibrated_step_beside_the_roofline():

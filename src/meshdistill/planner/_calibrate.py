@@ -10,7 +10,8 @@ over every chip as MaxText's FSDP does) and takes its roofline terms. The calibr
 
 ``a``: the fraction of peak the step's matmuls reach; ``k``: the collectives' cost per second of ideal ring traffic
 (``(1 - overlap) / link efficiency``: 0 when fully hidden behind compute). Both are fitted by least squares on the
-log of the measured / estimated step time (`fit`), checked by leaving each row out (`leave_one_out`). `CALIBRATION`
+log of the measured / estimated step time (`fit`), checked by leaving each row out (`leave_one_out`); with only
+two rows ``k`` is held at 1 (no overlap) and ``a`` alone fitted, so a row can still be left out. `CALIBRATION`
 holds the fit over every row, with its leave-one-out errors as the band the planner prints beside the estimate;
 ``benchmarks/plan_calibration.py`` recomputes the rows and the fit.
 """
@@ -104,12 +105,17 @@ def _predict(params: np.ndarray, terms: np.ndarray) -> np.ndarray:
   return np.maximum(terms[:, 0] / a, terms[:, 1]) + k * terms[:, 2]
 
 
-def fit(terms: Sequence[Sequence[float]], measured: Sequence[float]) -> tuple[float, float]:
+def fit(terms: Sequence[Sequence[float]], measured: Sequence[float], k: float | None = None) -> tuple[float, float]:
   """Least squares of ``log(predicted / measured)`` over rows of roofline ``(compute_s, hbm_s, comm_s)``:
-  ``(a, k)`` with ``0.05 <= a <= 1`` and ``0 <= k <= 10``."""
+  ``(a, k)`` with ``0.05 <= a <= 1`` and ``0 <= k <= 10``; a given ``k`` is held and ``a`` alone fitted."""
   terms, measured = np.asarray(terms, float), np.asarray(measured, float)
-  if len(terms) < 2:
-    raise ValueError(f"fit needs at least 2 measured rows for its 2 parameters, got {len(terms)}")
+  need = 1 if k is not None else 2
+  if len(terms) < need:
+    raise ValueError(f"fit needs at least {need} measured row(s) for its {need} parameter(s), got {len(terms)}")
+  if k is not None:
+    res = least_squares(lambda p: np.log(_predict(np.array([p[0], k]), terms) / measured), x0=[0.6],
+                        bounds=([0.05], [1.0]))
+    return float(res.x[0]), float(k)
   res = least_squares(lambda p: np.log(_predict(p, terms) / measured), x0=[0.6, 0.5],
                       bounds=([0.05, 0.0], [1.0, 10.0]))
   return float(res.x[0]), float(res.x[1])
@@ -119,20 +125,26 @@ def predict(params: tuple[float, float], terms: Sequence[Sequence[float]]) -> np
   return _predict(np.asarray(params, float), np.asarray(terms, float))
 
 
-def leave_one_out(terms: Sequence[Sequence[float]], measured: Sequence[float]) -> list[float]:
-  """Each row's step time predicted by the fit over the other rows (needs 3 rows or more)."""
+def leave_one_out(terms: Sequence[Sequence[float]], measured: Sequence[float], k: float | None = None) -> list[float]:
+  """Each row's step time predicted by the fit over the other rows (``k`` as in `fit`)."""
   terms, measured = np.asarray(terms, float), np.asarray(measured, float)
   out = []
   for i in range(len(terms)):
     keep = np.arange(len(terms)) != i
-    out.append(float(predict(fit(terms[keep], measured[keep]), terms[i:i + 1])[0]))
+    out.append(float(predict(fit(terms[keep], measured[keep], k), terms[i:i + 1])[0]))
   return out
 
 
+# with fewer rows than 3 (two parameters and one left out) ``k`` is held at 1: collectives not hidden at all
+HELD_K = 1.0
+
+
 def calibrate(terms: Sequence[Sequence[float]], measured: Sequence[float]) -> Calibration:
-  """The fit over every row, its band the largest leave-one-out relative error."""
-  a, k = fit(terms, measured)
-  loo = leave_one_out(terms, measured) if len(terms) >= 3 else []
+  """The fit over every row, its band the largest leave-one-out relative error; with 2 rows ``a`` alone is fitted
+  (``k = HELD_K``) so that one row can still be left out."""
+  k = None if len(terms) >= 3 else HELD_K
+  a, k = fit(terms, measured, k)
+  loo = leave_one_out(terms, measured, None if len(terms) >= 3 else HELD_K) if len(terms) >= 2 else []
   band = max((abs(p / m - 1) for p, m in zip(loo, measured)), default=math.nan)
   return Calibration(a=a, k=k, band=band, rows=len(terms))
 
@@ -142,4 +154,4 @@ CALIBRATION: Calibration | None = None
 
 
 __all__ = ["CALIBRATION", "Calibration", "LLAMA2_70B", "PUBLISHED", "Published", "calibrate", "fit",
-           "leave_one_out", "predict"]
+           "HELD_K", "leave_one_out", "predict"]
