@@ -177,9 +177,13 @@ def report() -> str:
                "time: 63 s for the scanned program and 854 s for the three shallow ones, 917 s in all on this "
                "machine under a load average of 9-13 on 2 cores (340 s of CPU time), above the 120 s aimed at.")
   lines.append("")
+  fitted = ("n/a: `planner._calibrate.CALIBRATION` holds no fit yet (too few published rows compiled; "
+            "`plan_calibration.md`)" if CALIBRATION is None else
+            f"a = {CALIBRATION.a:.3f}, k = {CALIBRATION.k:.3f} from {CALIBRATION.rows} rows, band "
+            f"+-{100 * CALIBRATION.band:.0f}%")
   lines.append("Calibrated columns: the roofline's terms of each row (stored in `plan.jsonl`, not recompiled) "
                "through the model fitted on MaxText's published pod measurements, max(compute / a, HBM) + k x "
-               "collectives, with its band (the largest leave-one-out error of that fit); "
+               f"collectives, with its band (the largest leave-one-out error of that fit; {fitted}); "
                "`plan_calibration.md` has the rows, the fit and its errors. The compiled counts of the rows with a "
                "chunked loss (`chunk 1024`) see one chunk of the loss's token loop (XLA counts a loop body once), "
                "so their logits matmuls are undercounted in both estimates.")

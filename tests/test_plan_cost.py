@@ -41,6 +41,8 @@ def test_scanned_loops_are_counted_whole_as_the_unrolled_program_counts_them(sca
   assert wire(scanned) == pytest.approx(wire(unrolled), rel=1e-2)
   assert scanned.step_seconds is not None and scanned.step_seconds == pytest.approx(unrolled.step_seconds, rel=0.2)
   assert "scanned loops counted whole" in scanned.table()
+  # memory is the scanned program's own (its stacked blocks' loop carries), and it fits as the unrolled one does
+  assert scanned.memory["total"] > 0 and scanned.fits == unrolled.fits is True
 
 
 def test_the_fit_recovers_the_parameters_that_made_its_rows_and_reproduces_them():
