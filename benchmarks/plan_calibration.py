@@ -153,6 +153,14 @@ def render(rows: list[dict], command: str) -> str:
                f"largest leave-one-out error of step time): {100 * cal.band:.1f}%, against the 15% aimed at. "
                "`planner._calibrate.CALIBRATION` holds this fit; plans print its estimate with this band beside the "
                "roofline.")
+  missing = [i for i in range(len(_calibrate.PUBLISHED)) if i not in by_row]
+  if missing:
+    out += ["", f"Not compiled: rows {', '.join(map(str, missing))} (numbered from 0 in the table's order): their "
+            "two shallow programs each did not finish in the time this shared 2-core machine gave (a compiled row "
+            "took 1,000-1,100 s at a load average of 12-22); `python benchmarks/plan_calibration.py --small --rows "
+            f"{','.join(map(str, missing))}` compiles them (the Llama 3.1 rows' float32 logits over 128,256 words, "
+            "16.8-21 GiB per chip alone, leave a v6e chip's 32 GiB too little room: they are counted on v5p chips "
+            "and timed at v6e's rates, `PROXY`; a first attempt on v6e was stopped unfinished after 20 minutes)."]
   if done:
     out += ["", "Roofline terms per compiled row (seconds per step): " + "; ".join(
         f"{_calibrate.PUBLISHED[r['row']].name} on {r['topology']}: compute {r['compute_s']:.2f} (splash "
