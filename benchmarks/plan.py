@@ -25,6 +25,7 @@ import sys
 import time
 
 from bench.results import pending_rows
+from meshdistill.planner._calibrate import CALIBRATION  # numpy / scipy only: the fit of plan_calibration.md
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -96,9 +97,9 @@ def report() -> str:
       "per token. Compile time is on this shared 2-core machine, under load from other jobs.",
       "",
       "| teacher -> student | slice | mesh d x t | remat, loss | attention | tokens/step | teacher GiB "
-      "| student GiB | opt GiB | temp GiB | total GiB / HBM | fits | TFLOP/chip compiled (analytic) | est. step s "
-      "| MFU | compile s |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "| student GiB | opt GiB | temp GiB | total GiB / HBM | fits | TFLOP/chip compiled (analytic) | roofline step s "
+      "| MFU | calibrated step s (band) | calibrated MFU | compile s |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   missing = []
   labels = dict(TOPOLOGIES)
@@ -113,17 +114,23 @@ def report() -> str:
     m, f, tm = r["memory"], r["flops"], r["time"]
     fits = _fits(r)
     flops = "n/a" if f["compiled"] is None else f"{f['compiled'] / 1e12:.1f}"
+    if f.get("counted") not in (None, f["compiled"]):  # scanned blocks: the loops counted whole (`planner._cost`)
+      flops = f"{f['counted'] / 1e12:.1f} (scanned program's own count {f['compiled'] / 1e12:.1f})"
     if f.get("kernels") and f["compiled"] is not None:  # attention inside Pallas kernels, counted analytically
       flops += f" + {f['kernels'] / 1e12:.1f} in kernels"
     step = "n/a" if tm["step_s"] is None else f"{tm['step_s']:.2f}"
     mfu = "n/a" if tm["mfu"] is None else f"{100 * tm['mfu']:.0f}%"
+    cal = None if CALIBRATION is None or r.get("budget_bytes") is None else CALIBRATION.of(tm)
+    cal_step = "n/a" if cal is None else f"{cal['step_s']:.2f}" + (
+        "" if cal["band"] is None else f" ({cal['low_s']:.2f}-{cal['high_s']:.2f})")
+    cal_mfu = "n/a" if cal is None else f"{100 * cal['mfu']:.0f}%"
     loss = "full logits" if r.get("chunk_size") is None else f"chunk {r['chunk_size']}"
     lines.append(
         f"| {t} -> {s} | {label} | {r['mesh']['data']}x{r['mesh']['tensor']} | {r.get('remat')}, "
         f"{loss} | {r.get('attention', 'auto')} | {r['batch'] * r['seq']:,} "
         f"| {_gib(m['teacher_weights'])} | {_gib(m['student_weights'])} | {_gib(m['optimizer_state'])} "
         f"| {_gib(m['temp'])} | {_gib(m['total'])} / {_gib(r['budget_bytes'])} | {fits} "
-        f"| {flops} ({f['analytic'] / 1e12:.1f}) | {step} | {mfu} "
+        f"| {flops} ({f['analytic'] / 1e12:.1f}) | {step} | {mfu} | {cal_step} | {cal_mfu} "
         f"| {r['compile_seconds']:.0f} |"
     )
   lines.append("")
@@ -173,6 +180,26 @@ def report() -> str:
                "teacher's inputs and outputs were pinned whole over rows, the compiler gathered the whole teacher "
                "every step in this layout (198 all-gathers over `tensor`, 2.58 GB on the wire; "
                "`throughput_notes.md`).")
+  lines.append("")
+  lines.append("Scanned blocks (the row `--scan-layers`: `meshdistill plan --teacher llama3.1-8b --student "
+               "llama3.2-1b --topology v5e:4x4 --batch 32 --seq 2048 --remat full --chunk-size 1024 --scan-layers "
+               "--json`): the scanned program's memory (13.81 GiB per chip against 11.27 unrolled: the stacked "
+               "blocks' loop carries) and its FLOPs, bytes and collectives counted whole from the step compiled "
+               "unrolled at 1 and 2 blocks per model (`planner._cost`): 96.5 TFLOP per chip, the unrolled row's "
+               "count, against 4.4 TFLOP in the scanned program's own analysis (one block per loop). Its compile "
+               "time: 63 s for the scanned program and 854 s for the three shallow ones, 917 s in all on this "
+               "machine under a load average of 9-13 on 2 cores (340 s of CPU time), above the 120 s aimed at.")
+  lines.append("")
+  fitted = ("n/a: `planner._calibrate.CALIBRATION` holds no fit yet (too few published rows compiled; "
+            "`plan_calibration.md`)" if CALIBRATION is None else
+            f"a = {CALIBRATION.a:.3f}, k = {CALIBRATION.k:.3f} from {CALIBRATION.rows} rows, band "
+            f"+-{100 * CALIBRATION.band:.0f}%")
+  lines.append("Calibrated columns: the roofline's terms of each row (stored in `plan.jsonl`, not recompiled) "
+               "through the model fitted on MaxText's published pod measurements, max(compute / a, HBM) + k x "
+               f"collectives, with its band (the largest leave-one-out error of that fit; {fitted}); "
+               "`plan_calibration.md` has the rows, the fit and its errors. The compiled counts of the rows with a "
+               "chunked loss (`chunk 1024`) see one chunk of the loss's token loop (XLA counts a loop body once), "
+               "so their logits matmuls are undercounted in both estimates.")
   lines.append("")
   lines.append(f"Measured with Python {platform.python_version()} on {os.cpu_count()} CPU cores.")
   return "\n".join(lines) + "\n"

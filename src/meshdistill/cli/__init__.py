@@ -85,7 +85,7 @@ def _plan(args) -> int:
   else:
     extra = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
     p = planner.plan(args.teacher, args.student, mesh=args.mesh, batch=args.batch, remat=args.remat,
-                     max_compiles=args.max_compiles or 4, **extra, **common)
+                     max_compiles=args.max_compiles or 4, placement=args.placement, **extra, **common)
     print(p.to_json(indent=1) if args.json else p.table())
   print(f"planned in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
   return 0

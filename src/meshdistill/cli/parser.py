@@ -133,3 +133,6 @@ def _plan_parser(sp) -> None:
   sp.add_argument("--batches", default=None, help="with --search: comma-separated batch sizes (default: --batch)")
   sp.add_argument("--max-compiles", type=int, default=None, help="compilations allowed for suggestions / --search (default: 4 / 12)")
   sp.add_argument("--json", action="store_true", help="print JSON instead of the table")
+  sp.add_argument("--placement", type=int, nargs="?", const=32, default=None, metavar="K",
+                  help="also compare where the teacher lives (in the step, a sub-mesh, an offline top-K cache, a "
+                  "remote teacher) and recommend one (K: top-k kept per token, default 32)")

@@ -148,7 +148,8 @@ def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, **options):
     )
   mesh = jax.sharding.get_abstract_mesh()
   manual = set(getattr(mesh, "manual_axes", ()))
-  free = {a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1}
+  # every compiler-managed axis, size 1 too: the TPU compiler refuses the kernel under any auto-partitioned axis
+  free = {a for a in mesh.axis_names if a not in manual}
   if not free:
     return _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret=interpret, **options)
   B, _, H, _ = q_BxTxHxK.shape

@@ -71,7 +71,7 @@ class _AbstractDistiller(Distiller):
     return self.layout.fresh_state(self.optimizer, {"student": self._student_init, "strategy": extra}, self.trainable)
 
 
-def abstract_distiller(teacher: ModelConfig, student: ModelConfig, strategy, optimizer, mesh: Mesh,
+def abstract_distiller(teacher: ModelConfig | None, student: ModelConfig, strategy, optimizer, mesh: Mesh,
                        compiler_options: dict | None = None, lora=None, teacher_quantize: str | None = None,
                        fsdp: bool = False, student_split: str = "tensor") -> Distiller:
   """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays.
@@ -80,13 +80,15 @@ def abstract_distiller(teacher: ModelConfig, student: ModelConfig, strategy, opt
   ``teacher_quantize``: ``teacher.quantize`` (the teacher's projections stored int8 / int4 / nf4);
   ``fsdp``: weights and optimizer moments split over ``data`` too (``mesh.fsdp``); ``student_split``:
   ``mesh.student_split`` (``batch``: the student replicated, its weights and moments whole on every device).
+  ``teacher=None``: the student trained alone (its ``strategy`` a hard-label one, e.g. ``NextTokenCE``).
   """
   tensor = mesh.shape[TENSOR]
   if lora is not None and lora.enabled:  # adapters are applied to a student already fitted to the mesh
     student = student.for_tensor(tensor)
-  if teacher_quantize is not None:
+  if teacher_quantize is not None and teacher is not None:
     teacher = teacher.for_tensor(tensor)
-  d = _AbstractDistiller(_abstract_model(student, lora), _abstract_model(teacher, None, teacher_quantize),
+  d = _AbstractDistiller(_abstract_model(student, lora),
+                         None if teacher is None else _abstract_model(teacher, None, teacher_quantize),
                          strategy=strategy, optimizer=optimizer, mesh=mesh,
                          backend=_AbstractLayout(mesh, fsdp=fsdp, student_split=student_split), fsdp=fsdp,
                          student_split=student_split)

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from meshdistill.config import Config, DistillSettings, load_config
 from meshdistill.models.decoder import ModelConfig
 from meshdistill.planner._hardware import parse_target
+from meshdistill.planner._placement import placements
 from meshdistill.planner._plan import _UNSET, GIB, Knobs, Planner
 from meshdistill.planner._presets import resolve_model
 from meshdistill.planner._report import Plan
@@ -106,7 +107,7 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
          mesh: Any = "auto", batch: int | None = None, seq: int | None = None, config: Config | str | None = None,
          overrides: Sequence[str] = (), dtype: str | None = None, remat: str | None = None, chunk_size: Any = _UNSET,
          hbm_gib: float | None = None, suggest: int = 1, max_compiles: int = 4,
-         scan_layers: bool | None = None, attention: str | None = None) -> Plan:
+         scan_layers: bool | None = None, attention: str | None = None, placement: int | None = None) -> Plan:
   """Compiles the distillation step ``meshdistill distill`` would run, for a target, without allocating it.
 
   Args:
@@ -127,6 +128,8 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
       ``student.attention`` set its own models only, not presets).
     suggest, max_compiles: when the plan does not fit, how many fitting configurations to find, compiling at most
       ``max_compiles`` more programs.
+    placement: top-k kept per token: also compare where the teacher lives (in the step, a sub-mesh, an offline
+      cache, a remote server; `meshdistill.planner._placement`) into ``Plan.placement``.
   """
   pl = make_planner(teacher, student, topology=topology, devices=devices, seq=seq, config=config,
                     overrides=overrides, dtype=dtype, remat=remat, hbm_gib=hbm_gib, scan_layers=scan_layers,
@@ -139,6 +142,10 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
   p = pl.plan(k)
   if p.fits is False and suggest > 0:
     p.suggestions = pl.nearest(k, suggest, max_compiles)
+  if placement is not None:
+    chip = pl.target.chip
+    p.placement = placements(p, vocab=pl.teacher.vocab_size, k=placement,
+                             ici_bytes_per_s=None if chip is None else chip.ici_bandwidth)
   return p
 
 

@@ -11,6 +11,8 @@ from meshdistill.parallel.backends import layout_class
 from meshdistill.parallel.mesh import DATA, TENSOR, make_mesh
 from meshdistill.models.decoder import ModelConfig
 from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, kernel_flops, shard_bytes
+from meshdistill.planner._calibrate import CALIBRATION
+from meshdistill.planner._cost import LayerCounts, flops_split, layer_counts, mfu_split
 from meshdistill.planner._hardware import Target
 from meshdistill.planner._presets import PRESETS
 from meshdistill.planner._progress import Progress
@@ -116,14 +118,16 @@ class Planner:
                        f"the layouts {ok}{other}")
 
   # ------------------------------------------------------------------- builds
-  def _distiller(self, k: Knobs):
+  def _distiller(self, k: Knobs, teacher: ModelConfig | None = None, student: ModelConfig | None = None):
+    """The abstract Distiller of ``k`` (``teacher`` / ``student``: other model configs, e.g. shallow copies)."""
     mesh = make_mesh(data=k.data, tensor=k.tensor, devices=self.target.devices)
     cfg = self.cfg.replace(distill=dataclasses.replace(self.cfg.distill, chunk_size=k.chunk_size)) \
         if k.chunk_size != self.cfg.distill.chunk_size else self.cfg
 
     strategy, optimizer = strategy_and_optimizer(cfg, self.student.n_layers)
-    student = self.student.replace(remat=k.remat) if k.remat != self.student.remat else self.student
-    return abstract_distiller(self.teacher, student, strategy, optimizer, mesh, self.options,
+    student = student or self.student
+    student = student.replace(remat=k.remat) if k.remat != student.remat else student
+    return abstract_distiller(teacher or self.teacher, student, strategy, optimizer, mesh, self.options,
                               lora=self.cfg.models.student_lora, teacher_quantize=self.cfg.models.teacher_quantize,
                               fsdp=self.cfg.mesh.fsdp, student_split=self.cfg.mesh.student_split)
 
@@ -164,25 +168,48 @@ class Planner:
     analytic = (2 * n_t + 6 * n_s) * tokens / n
     kernels = kernel_flops(self.teacher, self.student, k.remat, self.seq) * tokens / n  # not in XLA's count
     colls = collectives(c.hlo, (k.data, k.tensor))
+    counts, uncounted = None, None
+    if c.flops is not None and self._scanned():
+      try:
+        counts = self._layer_counts(k, report=lambda message: self.progress.step(label, message))
+      except ValueError as e:  # a shallow program did not fit: memory stands, no step time
+        uncounted = str(e)
+    flops, bytes_accessed = (None, None) if uncounted else (c.flops, c.bytes_accessed)
+    if counts is not None:  # the scanned loops counted whole (see `_cost`)
+      flops, bytes_accessed, colls = counts.flops, counts.bytes_accessed, counts.collectives
     p = Plan(
         teacher=self.labels[0], student=self.labels[1], params=c.params, target=self.target.name,
         device_kind=str(getattr(self.target.devices[0], "device_kind", self.target.platform)), devices=n,
         devices_per_chip=self.target.devices_per_chip, mesh=(k.data, k.tensor), batch=k.batch, seq=self.seq,
         remat=k.remat, chunk_size=k.chunk_size, dtype=self.student.dtype, strategy=type(d.strategy).__name__,
         memory=memory, budget_bytes=budget, headroom=self.headroom, fits=fits,
-        flops={"compiled": c.flops, "analytic": analytic, "analytic_per_token": float(2 * n_t + 6 * n_s),
+        flops={"compiled": c.flops, "counted": flops, "analytic": analytic,
+               "analytic_per_token": float(2 * n_t + 6 * n_s),
                "matmul_params_teacher": n_t, "matmul_params_student": n_s, "kernels": kernels},
-        collectives=colls, time=self._roofline(c, colls, analytic * n, tokens, kernels),
-        compile_seconds=c.compile_seconds,
+        collectives=colls, time=self._roofline(flops, bytes_accessed, colls, analytic * n, tokens, kernels),
+        compile_seconds=c.compile_seconds + (counts.compile_seconds if counts is not None else 0.0),
         compiler_options=self.options, fsdp=self.cfg.mesh.fsdp, attention=self._attention(),
         student_split=self.cfg.mesh.student_split,
     )
+    on_policy = getattr(self.cfg.distill, "on_policy", None)
+    p.flops["split"] = flops_split(n_t, n_s, k.batch, self.seq, n, on_policy, counts)
+    chip = self.target.chip
+    peak = None if chip is None else self.target.per_device(chip.peak_bf16_flops)
+    p.time["mfu_split"] = mfu_split(p.flops["split"], p.time.get("step_s"), peak)
+    p.time["calibrated"] = None if chip is None or CALIBRATION is None else CALIBRATION.of(p.time)
+    if uncounted:
+      p.time["why"] = f"scan_layers: {uncounted}"
+    if counts is not None:
+      p.notes.append("scan_layers: FLOPs, bytes and collectives of the whole loops, extended from the step compiled "
+                     "unrolled at 1 and 2 blocks per model (XLA's counts, linear in depth; "
+                     f"{counts.compile_seconds:.0f} s of the compile time); flops['compiled'] is the scanned "
+                     "program's own count (one block per loop)")
     if c.oom:
       p.notes.append(f"the TPU compiler stopped: {c.oom} (the memory above: the step's inputs plus the temporaries "
                      "it names; FLOPs and collectives need a program that fits)")
-    on_policy = getattr(self.cfg.distill, "on_policy", None)
     if on_policy is not None and getattr(on_policy, "active", False):
-      p.notes.append("distill.on_policy is active: this plans the train step only, not the sampling of completions")
+      p.notes.append("distill.on_policy is active: this plans the train step only; flops['split']['generation'] is "
+                     "the sampling's expected FLOPs per step (analytic), outside the step time")
     lora = self.cfg.models.student_lora
     if lora.enabled:
       base = f", {lora.quantize} base" if lora.quantize else ""
@@ -203,17 +230,26 @@ class Planner:
     t, s = self.teacher.attention, self.student.attention
     return t if t == s else f"teacher {t}, student {s}"
 
-  def _roofline(self, c, colls, model_flops: float, tokens: int, kernels: float) -> dict[str, float | str | None]:
+  def _scanned(self) -> bool:
+    return self.teacher.scan_layers or self.student.scan_layers
+
+  def _layer_counts(self, k: Knobs, report=None) -> LayerCounts:
+    """The step's counts with its scanned loops counted whole, from shallow unrolled compiles (`_cost`)."""
+    def compile_at(lt: int, ls: int):
+      shallow = lambda m, n: m.replace(n_layers=n, scan_layers=False)  # noqa: E731
+      d = self._distiller(k, shallow(self.teacher, lt), shallow(self.student, ls))
+      where = f"unrolled at {lt} teacher / {ls} student block(s), to count the scanned loops: "
+      return compile_step(d, k.batch, self.seq, report=lambda m: report(where + m) if report else None)
+    return layer_counts(compile_at, (self.teacher.n_layers, self.student.n_layers), (k.data, k.tensor))
+
+  def _roofline(self, flops, bytes_accessed, colls, model_flops: float, tokens: int,
+                kernels: float) -> dict[str, float | str | None]:
     chip, t = self.target.chip, self.target
     none = {"compute_s": None, "hbm_s": None, "comm_s": None, "step_s": None, "mfu": None, "tokens_per_s": None}
-    scanned = [who for who, m in (("teacher", self.teacher), ("student", self.student)) if m.scan_layers]
-    if scanned:  # XLA's cost analysis counts a loop body once: FLOPs, bytes and collectives of one block
-      return {**none, "why": f"the {' and '.join(scanned)}'s blocks are scanned (scan_layers) and XLA's cost "
-                             "analysis counts a loop body once; plan with --no-scan-layers for a step time"}
-    if chip is None or c.flops is None:
+    if chip is None or flops is None:
       return none
-    compute = (c.flops + kernels) / t.per_device(chip.peak_bf16_flops)
-    hbm = (c.bytes_accessed or 0.0) / t.per_device(chip.hbm_bandwidth)
+    compute = (flops + kernels) / t.per_device(chip.peak_bf16_flops)
+    hbm = (bytes_accessed or 0.0) / t.per_device(chip.hbm_bandwidth)
     wire = sum(x["wire_bytes"] for x in colls)
     comm = None if chip.ici_bandwidth is None else wire / t.per_device(chip.ici_bandwidth)
     step = max(compute, hbm) + (comm or 0.0)

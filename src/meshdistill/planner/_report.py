@@ -6,6 +6,8 @@ import dataclasses
 import json
 from typing import Any
 
+from meshdistill.planner._placement import placement_table
+
 GIB = 2**30
 
 MEMORY_ROWS = (
@@ -58,6 +60,7 @@ class Plan:
   student_split: str = "tensor"  # `mesh.student_split`: "batch" = a replicated student on rows split over both axes
   attention: str = "auto"  # the models' `ModelConfig.attention` ("teacher X, student Y" when they differ)
   suggestions: list["Plan"] = dataclasses.field(default_factory=list)
+  placement: dict | None = None  # where the teacher should live (`_placement.placements`), when asked
   notes: list[str] = dataclasses.field(default_factory=list)
 
   @property
@@ -122,14 +125,26 @@ class Plan:
     f = self.flops
     lines.append("FLOPs per step, per device:")
     lines.append(f"  compiled (XLA cost analysis)   {_e(f['compiled'])}")
+    if f.get("counted") is not None and f["counted"] != f["compiled"]:
+      lines.append(f"  scanned loops counted whole    {_e(f['counted'])}   (from 1- and 2-block unrolled compiles)")
     if f.get("kernels"):
       lines.append(f"  + Pallas kernels (analytic)    {_e(f['kernels'])}   (attention inside the splash kernel)")
     lines.append(f"  analytic 2*N_t + 6*N_s /token  {_e(f['analytic'])}   (compiled / analytic = "
-                 + (f"{f['compiled'] / f['analytic']:.3f})" if f["compiled"] and f["analytic"] else "n/a)"))
+                 + (f"{_counted(f) / f['analytic']:.3f})" if _counted(f) and f["analytic"] else "n/a)"))
     if f.get("analytic_per_token"):
       lines.append(f"  analytic per token             {_e(f['analytic_per_token'])}   (N_t = "
                    f"{f['matmul_params_teacher'] / 1e9:.3f} B, N_s = {f['matmul_params_student'] / 1e9:.3f} B "
                    "matmul parameters)")
+    split, shares = f.get("split") or {}, self.time.get("mfu_split") or {}
+    names = (("teacher_forward", "teacher forward"), ("student_forward_backward", "student forward+backward"),
+             ("generation", "generation (sampling, not in the step time)"))
+    for key, label in names:
+      if key in split:
+        mfu = f"   MFU share {100 * shares[key]:.1f}%" if key in shares else ""
+        lines.append(f"  {label:<30} {_e(split[key])}{mfu}")
+    if "compiled_rest" in split:
+      lines.append(f"  compiled: teacher blocks {_e(split['compiled_teacher_blocks'])}, student blocks "
+                   f"{_e(split['compiled_student_blocks'])}, the rest {_e(split['compiled_rest'])}")
     lines.append("")
     lines.append("collectives (per device, ops in the program text):")
     if not self.collectives:
@@ -144,12 +159,22 @@ class Plan:
       lines.append(f"step time: no estimate ({why})")
     else:
       comm = "n/a (no ICI bandwidth known)" if t["comm_s"] is None else f"{1e3 * t['comm_s']:.1f} ms"
-      lines.append(f"roofline step time {1e3 * t['step_s']:.1f} ms = max(compute {1e3 * t['compute_s']:.1f} ms, "
-                   f"HBM {1e3 * t['hbm_s']:.1f} ms) + collectives {comm}; MFU {100 * t['mfu']:.1f}%, "
-                   f"{t['tokens_per_s']:,.0f} tokens/s")
+      cal = t.get("calibrated")
+      if cal:
+        band = ("no band: fewer than 3 published rows" if cal["band"] is None else
+                f"band {1e3 * cal['low_s']:.1f}-{1e3 * cal['high_s']:.1f} ms: +-{100 * cal['band']:.0f}%, the largest "
+                "leave-one-out error on published pod runs")
+        lines.append(f"calibrated step time {1e3 * cal['step_s']:.1f} ms ({band}); MFU {100 * cal['mfu']:.1f}%, "
+                     f"{cal['tokens_per_s']:,.0f} tokens/s")
+      lines.append(f"roofline step time {1e3 * t['step_s']:.1f} ms (an upper bound on speed) = max(compute "
+                   f"{1e3 * t['compute_s']:.1f} ms, HBM {1e3 * t['hbm_s']:.1f} ms) + collectives {comm}; MFU "
+                   f"{100 * t['mfu']:.1f}%, {t['tokens_per_s']:,.0f} tokens/s")
     lines.append(f"compile time on this machine: {self.compile_seconds:.1f} s")
     for note in self.notes:
       lines.append(f"note: {note}")
+    if self.placement is not None:
+      lines.append("")
+      lines.append(placement_table(self.placement))
     if self.suggestions:
       lines.append("")
       lines.append("nearest configurations that fit (each compiled):")
@@ -167,10 +192,6 @@ class Plan:
 def model_notes(teacher, student) -> list[str]:
   """Notes on what the compiler's numbers leave out for these models' settings (`ModelConfig`s)."""
   notes = []
-  if teacher.scan_layers or student.scan_layers:
-    notes.append("scan_layers: XLA's cost analysis counts a loop body once, so the compiled FLOPs, bytes accessed "
-                 "and collectives cover one block per scanned model and no step time / MFU is estimated (plan "
-                 "unrolled for those); memory is exact")
   if "splash" in (teacher.attention, student.attention):
     notes.append("attention=splash: XLA's cost analysis does not see inside the Mosaic kernel; the roofline adds its "
                  "attention matmuls counted analytically (flops['kernels'], causal: half of T x T), the compiled "
@@ -190,6 +211,10 @@ def search_table(plans: list[Plan]) -> str:
     rows.append(f"{i:>4}  {p.mesh[0]:>2}x{p.mesh[1]:<4} {p.remat:<14} {loss:<14} {p.batch:>4}x{p.seq:<5} "
                 f"{total:>8}  {fits:<5} {ms:>13} {mfu:>6} {p.compile_seconds:>10.1f}")
   return "\n".join(rows)
+
+
+def _counted(f: dict) -> float | None:
+  return f.get("counted") if f.get("counted") is not None else f.get("compiled")
 
 
 def _gib(n: float | None) -> str:

@@ -1,0 +1,139 @@
+"""The planner's cost model: scanned loops counted whole, the FLOPs split by model, and the calibrated step time."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import meshdistill as md
+from meshdistill import cli, planner
+from meshdistill.config.sections import OnPolicySettings
+from meshdistill.planner import _calibrate
+from meshdistill.planner._cost import flops_split
+from meshdistill.planner._placement import placements
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "plan_calibration.json")
+needs_libtpu = pytest.mark.skipif(not planner.libtpu_available(),
+                                  reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+
+TEACHER = md.ModelConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=1024,
+                         max_len=16, tie_embeddings=False, dtype="bfloat16")
+STUDENT = TEACHER.replace(d_model=128, n_heads=2, n_kv_heads=2, mlp_hidden=512, n_layers=3)
+
+
+@pytest.fixture(scope="module")
+def scanned_and_unrolled():
+  """The same pair and configuration on v5e:2x2, planned with scanned blocks and with unrolled ones."""
+  kw = dict(topology="v5e:2x2", mesh="2x2", batch=4, seq=16, remat="full")
+  return (md.plan(TEACHER.replace(scan_layers=True), STUDENT.replace(scan_layers=True), **kw),
+          md.plan(TEACHER, STUDENT, **kw))
+
+
+@needs_libtpu
+def test_scanned_loops_are_counted_whole_as_the_unrolled_program_counts_them(scanned_and_unrolled):
+  scanned, unrolled = scanned_and_unrolled
+  # the scanned program's own count holds one block per loop: well under the whole step
+  assert scanned.flops["compiled"] < 0.8 * unrolled.flops["compiled"]
+  # counted whole (extended from 1- and 2-block compiles) it equals the unrolled program's count within 0.5%
+  assert scanned.flops["counted"] == pytest.approx(unrolled.flops["compiled"], rel=5e-3)
+  wire = lambda p: sum(c["wire_bytes"] for c in p.collectives)  # noqa: E731
+  assert wire(scanned) == pytest.approx(wire(unrolled), rel=1e-2)
+  assert scanned.step_seconds is not None and scanned.step_seconds == pytest.approx(unrolled.step_seconds, rel=0.2)
+  assert "scanned loops counted whole" in scanned.table()
+  # memory is the scanned program's own (its stacked blocks' loop carries), and it fits as the unrolled one does
+  assert scanned.memory["total"] > 0 and scanned.fits == unrolled.fits is True
+
+
+def test_the_fit_recovers_the_parameters_that_made_its_rows_and_reproduces_them():
+  rng = np.random.default_rng(0)
+  terms = np.column_stack([rng.uniform(1, 40, 6), rng.uniform(0.1, 2, 6), rng.uniform(0.5, 10, 6)])
+  measured = _calibrate.predict((0.55, 0.3), terms)
+  a, k = _calibrate.fit(terms, measured)
+  assert (a, k) == pytest.approx((0.55, 0.3), rel=1e-4)
+  assert np.allclose(_calibrate.predict((a, k), terms), measured, rtol=1e-5)
+  assert np.allclose(_calibrate.leave_one_out(terms, measured), measured, rtol=1e-4)
+  # a row off the model: its leave-one-out error shows it, the others stay close
+  off = measured.copy()
+  off[0] *= 1.5
+  loo = np.array(_calibrate.leave_one_out(terms, off))
+  assert abs(loo[0] / off[0] - 1) > 0.2 and np.all(np.abs(loo[1:] / off[1:] - 1) < 0.2)
+
+
+def test_the_stored_calibration_is_the_fit_of_the_published_rows_and_reproduces_them():
+  with open(RESULTS) as f:
+    rows = json.load(f)
+  terms = [(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in rows]
+  measured = [_calibrate.PUBLISHED[r["row"]].step_seconds for r in rows]
+  # the roofline is an upper bound on speed: every published step is slower than its roofline
+  assert rows and all(max(c, h) + m < s for (c, h, m), s in zip(terms, measured))
+  stored = _calibrate.CALIBRATION
+  if len(rows) < 2:  # no fit to check: plans print the roofline only
+    assert stored is None
+    return
+  cal = _calibrate.calibrate(terms, measured)
+  assert stored.rows == len(rows) and (cal.a, cal.k, cal.band) == pytest.approx((stored.a, stored.k, stored.band),
+                                                                                rel=1e-3, abs=1e-4)
+  fitted = _calibrate.predict((stored.a, stored.k), terms)
+  # every fitted row within the band the planner prints (the largest leave-one-out error bounds the in-sample ones)
+  assert np.all(np.abs(fitted / np.array(measured) - 1) <= stored.band + 1e-9)
+
+
+def test_a_plan_prints_the_calibrated_step_beside_the_roofline():
+  cal = _calibrate.Calibration(a=0.5, k=0.25, band=0.1, rows=4)
+  time = {"compute_s": 1.0, "hbm_s": 0.5, "comm_s": 0.4, "step_s": 1.4, "mfu": 0.7, "tokens_per_s": 1000.0}
+  out = cal.of(time)
+  assert out["step_s"] == pytest.approx(2.0 + 0.1) and out["low_s"] == pytest.approx(0.9 * 2.1)
+  assert out["mfu"] == pytest.approx(0.7 * 1.4 / 2.1) and out["tokens_per_s"] == pytest.approx(1000 * 1.4 / 2.1)
+  assert cal.of({"step_s": None}) is None
+
+
+@needs_libtpu
+def test_the_flops_split_by_model_adds_up_to_the_step(scanned_and_unrolled):
+  scanned, unrolled = scanned_and_unrolled
+  for p in (scanned, unrolled):
+    split, shares = p.flops["split"], p.time["mfu_split"]
+    assert split["teacher_forward"] + split["student_forward_backward"] == pytest.approx(p.flops["analytic"])
+    assert shares["teacher_forward"] + shares["student_forward_backward"] == pytest.approx(p.time["mfu"])
+    assert split["teacher_forward"] / split["student_forward_backward"] == pytest.approx(
+        2 * p.flops["matmul_params_teacher"] / (6 * p.flops["matmul_params_student"]))
+  # XLA's own split (scanned plans): the teacher's blocks, the student's blocks and the rest make the counted step
+  s = scanned.flops["split"]
+  assert s["compiled_teacher_blocks"] + s["compiled_student_blocks"] + s["compiled_rest"] == pytest.approx(
+      scanned.flops["counted"], rel=1e-6)
+  assert s["compiled_student_blocks"] > s["compiled_teacher_blocks"] / TEACHER.n_layers * STUDENT.n_layers * 0.5
+  assert "student forward+backward" in scanned.table()
+
+
+def test_on_policy_settings_add_the_sampling_flops():
+  on = OnPolicySettings(lmbda=0.5, max_new_tokens=8)
+  split = flops_split(n_t=1000, n_s=100, batch=4, seq=16, devices=2, on_policy=on)
+  assert split["generation"] == pytest.approx(2 * 100 * (0.5 * 4) * 17 / 2)
+  seq_kd = flops_split(n_t=1000, n_s=100, batch=4, seq=16, devices=2, on_policy=OnPolicySettings(seq_kd=True))
+  assert seq_kd["generation"] == pytest.approx(2 * 1000 * 4 * 17 / 2)
+  assert "generation" not in flops_split(n_t=1000, n_s=100, batch=4, seq=16, devices=2, on_policy=OnPolicySettings())
+
+
+@needs_libtpu
+def test_placement_of_a_tiny_pair_returns_each_option_and_recommends_one(scanned_and_unrolled):
+  _, p = scanned_and_unrolled
+  out = placements(p, vocab=TEACHER.vocab_size, k=8, ici_bytes_per_s=400e9)
+  opts = out["options"]
+  assert set(opts) == {"in_step", "sub_mesh", "offline_cache", "remote"}
+  assert all(o["step_s"] is not None and o["step_s"] > 0 for o in opts.values())
+  assert opts["sub_mesh"]["teacher_chips"] + opts["sub_mesh"]["student_chips"] == 4
+  # without the teacher in the step a chip holds less; the student's steps alone are faster than the step with it
+  assert opts["offline_cache"]["memory_bytes"] == p.memory["total"] - p.memory["teacher_weights"]
+  assert opts["offline_cache"]["step_s"] < opts["in_step"]["step_s"]
+  # top-8 of V=2048: 8 ids of 11 bits (11 B), 8 float16 values and the tail
+  assert out["topk_bytes_per_token"] == 11 + 16 + 2 and opts["remote"]["network_bytes_per_step"] == 29 * 4 * 16
+  assert out["recommended"] in opts
+
+
+def test_cli_plan_placement_on_cpu_devices_lists_each_option(capsys):
+  rc = cli.main(["plan", "--devices", "cpu:8", "--json", "--hbm-gib", "0.5", "--set", "train.batch_size=8",
+                 "--placement", "4"])
+  assert rc == 0
+  out = json.loads(capsys.readouterr().out)["placement"]
+  assert set(out["options"]) == {"in_step", "sub_mesh", "offline_cache", "remote"} and out["k"] == 4
+  assert out["options"]["remote"]["network_bytes_per_step"] > 0
