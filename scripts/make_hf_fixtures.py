@@ -4,6 +4,7 @@ Run by hand (needs torch and transformers, which the test suite itself does not)
 
     pip install torch==2.13.0
     python scripts/make_hf_fixtures.py                  # writes tests/fixtures/hf_*
+    python scripts/make_hf_fixtures.py --only hf_mixtral  # writes one fixture (the others stay as they are)
     python scripts/make_hf_fixtures.py --check-export   # meshdistill export -> transformers logits
     python scripts/make_hf_fixtures.py --tokenizer      # only the text and tokenizer (needs `tokenizers` only)
 
@@ -95,6 +96,24 @@ def _models() -> dict:
           transformers.Qwen2ForCausalLM,
           None,
       ),
+      # Qwen3-MoE: 8 experts, top-2, no renormalisation of the top-2 weights; layer 1 keeps a dense MLP of another
+      # width (mlp_only_layers), so both block kinds and both hidden sizes are read.
+      "hf_qwen3_moe": (
+          transformers.Qwen3MoeConfig,
+          dict(COMMON, num_hidden_layers=3, hidden_size=32, head_dim=16, intermediate_size=48, moe_intermediate_size=24,
+               num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+               tie_word_embeddings=False, rope_theta=1_000_000.0),
+          transformers.Qwen3MoeForCausalLM,
+          None,
+      ),
+      # Mixtral: 4 experts, top-2 (weights renormalised), experts in every layer.
+      "hf_mixtral": (
+          transformers.MixtralConfig,
+          dict(COMMON, hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+               tie_word_embeddings=False, rope_theta=1_000_000.0),
+          transformers.MixtralForCausalLM,
+          None,
+      ),
   }
 
 
@@ -162,6 +181,7 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--check-export", action="store_true", help="verify meshdistill exports with transformers")
   parser.add_argument("--tokenizer", action="store_true", help="write only the text corpus and the Qwen3 tokenizer")
+  parser.add_argument("--only", nargs="*", default=(), help="write only these fixtures (e.g. hf_mixtral)")
   args = parser.parse_args()
   if args.check_export:
     return check_export()
@@ -169,8 +189,10 @@ def main() -> int:
     make_text_and_tokenizer()
     return 0
   for i, name in enumerate(_models()):
-    make(name, seed=i)
-  make_text_and_tokenizer()
+    if not args.only or name in args.only:
+      make(name, seed=i)
+  if not args.only:
+    make_text_and_tokenizer()
   return 0
 
 

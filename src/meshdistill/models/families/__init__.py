@@ -37,7 +37,8 @@ def register(cls: type[Family]) -> type[Family]:
   if clash:
     raise ValueError(f"family {fam.name!r}: {clash} already name family {taken[clash[0]].name!r}; choose others")
   if fam.default_export:
-    other = next((f for f in _REGISTRY.values() if f.name != fam.name and f.default_export and f.block == fam.block),
+    other = next((f for f in _REGISTRY.values() if f.name != fam.name and f.default_export and f.block == fam.block
+                  and f.experts == fam.experts),
                  None)
     if other is not None:
       raise ValueError(f"family {fam.name!r} and {other.name!r} are both default_export for block {fam.block}; "
