@@ -178,3 +178,30 @@ def test_moe_student_step_reports_router_terms_of_the_plain_formula(runs):
   aux, z = reference_router_terms(logits, batch["mask"].reshape(-1), 2)
   np.testing.assert_allclose(first["moe_aux"], aux, rtol=1e-5)
   np.testing.assert_allclose(first["moe_z"], z, rtol=1e-5)
+
+
+def _count(c: md.ModelConfig) -> int:
+  """Parameters of a decoder of ``c``, by formula: attention, norms, a dense MLP or a router and experts per layer."""
+  attn = c.d_model * c.hd * (2 * c.n_heads + 2 * c.n_kv_heads) + (2 * c.hd if c.qk_norm else 0) + 2 * c.d_model
+  moe = c.moe
+  mlp = [3 * c.d_model * c.mlp_hidden if moe is None or not moe.sparse(i) else
+         c.d_model * moe.n_experts + 3 * moe.n_experts * c.d_model * moe.expert_hidden for i in range(c.n_layers)]
+  return c.n_layers * attn + sum(mlp) + c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2) + c.d_model
+
+
+def test_moe_presets_have_their_published_total_and_active_sizes():
+  """Total and active parameters of the presets against the model cards (Qwen3-30B-A3B: 30.5B / 3.3B, Qwen3-235B-A22B:
+  235B / 22B, Mixtral-8x7B: 46.7B / 12.9B); the planner's analytic FLOPs count the active ones."""
+  from meshdistill.models._build import abstract_params
+  from meshdistill.models.moe import inactive_params
+  from meshdistill.planner import resolve_model
+  from meshdistill.planner._plan import _matmul_params
+
+  assert _count(MOE_STUDENT) == sum(v.get_value().size for _, v in nnx.to_flat_state(abstract_params(MOE_STUDENT)[1]))
+  sizes = {"qwen3-30b-a3b": (30.5e9, 3.3e9), "qwen3-235b-a22b": (235e9, 22e9), "mixtral-8x7b": (46.7e9, 12.9e9)}
+  for name, (total, active) in sizes.items():
+    cfg, _ = resolve_model(name, who="teacher")
+    n = _count(cfg)
+    assert abs(n / total - 1) < 0.02, (name, n)
+    assert abs((n - inactive_params(cfg)) / active - 1) < 0.03, (name, n - inactive_params(cfg))
+    assert _matmul_params(cfg, n) == n - inactive_params(cfg) - cfg.vocab_size * cfg.d_model  # untied embedding

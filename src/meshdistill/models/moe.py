@@ -92,6 +92,17 @@ class MoeConfig:
     return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts))
 
 
+def inactive_params(cfg) -> int:
+  """Expert weights a token does NOT use in a decoder of ``cfg`` (a `ModelConfig`): ``E - top_k`` experts' gate, up
+  and down in every expert layer (0 without ``moe``). Parameters minus these are the active ones, whose matmuls a
+  token runs (the planner's analytic FLOPs)."""
+  moe = cfg.moe
+  if moe is None:
+    return 0
+  layers = sum(moe.sparse(i) for i in range(cfg.n_layers))
+  return layers * (moe.n_experts - moe.top_k) * 3 * cfg.d_model * moe.expert_hidden
+
+
 class Routing(NamedTuple):
   """What an `MoE` block reports besides its output: ``logits_BxTxE`` float32 router logits and
   ``dropped_BxT`` the number of each token's assignments dropped by the capacity (0 when dropless)."""
