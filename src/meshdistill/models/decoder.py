@@ -1,7 +1,8 @@
 """A Llama-style decoder-only transformer in Flax NNX, partitioned over the ``tensor`` axis.
 
 Blocks: pre-RMSNorm, rotary position embedding (RoPE), grouped-query attention,
-SwiGLU MLP; tied or untied LM head.
+SwiGLU MLP (or, with ``ModelConfig.moe``, a mixture of SwiGLU experts: `meshdistill.models.moe`); tied or untied LM
+head.
 
 Weights carry partition metadata over the mesh axis ``tensor``:
 
@@ -14,6 +15,7 @@ attention k / v             [D, G*Hd]         heads (replicated when G < tensor)
 attention out               [H*Hd, D]         heads
 MLP gate / up               [D, F]            F (hidden units)
 MLP down                    [F, D]            F
+MoE router / experts        see `moe`         experts split on F (`meshdistill.models.moe`)
 untied LM head              [D, V']           V'
 norm scales                 [D]               replicated
 ==========================  ================  =====================

@@ -2,7 +2,7 @@
 
 `load_hf(path, mesh)` reads a local Hugging Face directory (``config.json`` plus
 ``model.safetensors``, or sharded ``model-0000x-of-0000n.safetensors`` with
-``model.safetensors.index.json``) of a causal LM of a registered family (Llama, Qwen3, Qwen2:
+``model.safetensors.index.json``) of a causal LM of a registered family (Llama, Qwen3, Qwen2, Qwen3-MoE, Mixtral:
 `meshdistill.models.families`) into the built-in `Decoder`, its weights split over the mesh
 axis ``tensor`` exactly as `init_model` would split them. Every device reads only its own
 slice of each tensor from disk (``safe_open(...).get_slice(name)[...]`` inside
@@ -96,7 +96,8 @@ def load_hf(
     max_len: int | None = None,
     scan_layers: bool = False,
 ) -> Decoder:
-  """Loads a Hugging Face Llama / Qwen3 / Qwen2 causal-LM directory into a `Decoder`.
+  """Loads a Hugging Face causal-LM directory of a registered family (Llama, Qwen3, Qwen2, Qwen3-MoE, Mixtral) into a
+  `Decoder`.
 
   Args:
     path: local directory with ``config.json`` and safetensors weights (single file or

@@ -8,6 +8,8 @@ family       architecture         what differs from the plain Llama block
 ``llama``    LlamaForCausalLM     optional Llama-3 ``rope_scaling`` (``rope_type="llama3"``)
 ``qwen3``    Qwen3ForCausalLM     RMSNorm over head_dim on q and k (``qk_norm``)
 ``qwen2``    Qwen2ForCausalLM     biases on q/k/v (``qkv_bias``)
+qwen3_moe    Qwen3MoeForCausalLM  ``qk_norm`` and mixture-of-experts MLPs (``moe``, `families._moe`)
+``mixtral``  MixtralForCausalLM   mixture-of-experts MLPs in every layer (``moe``)
 ===========  ===================  ==========================================================
 
 Adding a family is one module here: a `Family` subclass decorated with ``@register``. Every module
