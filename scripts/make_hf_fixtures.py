@@ -10,7 +10,8 @@ Run by hand (needs torch and transformers, which the test suite itself does not)
 
 Each fixture directory holds config.json, bfloat16 safetensors weights (the Llama one sharded,
 with model.safetensors.index.json) and ``reference.npz`` = {tokens [2, 12] int32, logits
-[2, 12, V] float32} computed by transformers in float32 from exactly the stored weights.
+[2, 12, V] float32} computed by transformers in float32 from exactly the stored weights (mixture-of-experts
+fixtures also ``aux_mask`` [2, 12] and ``aux_loss``: transformers' load-balancing loss with that attention mask).
 Norm scales and biases are randomised too, so a mis-mapped norm or bias changes the logits.
 
 ``--tokenizer`` writes ``tests/fixtures/hf_text.jsonl`` (a small JSONL corpus, ``text`` field) and a
@@ -147,12 +148,20 @@ def make(name: str, seed: int) -> None:
   model = model_cls(config_cls(**kw)).float().eval()
   _randomise(model, seed)
   logits = logits_of(model, TOKENS)
+  extra = {}
+  if hasattr(model.config, "router_aux_loss_coef"):  # mixture of experts: transformers' load-balancing loss, padded
+    aux_mask = np.ones(TOKENS.shape, np.int32)
+    aux_mask[1, 8:] = 0
+    with torch.no_grad():
+      out = model(torch.from_numpy(TOKENS).long(), attention_mask=torch.from_numpy(aux_mask).long(),
+                  output_router_logits=True)
+    extra = {"aux_mask": aux_mask, "aux_loss": np.float32(out.aux_loss)}
   out = FIXTURES / name
   out.mkdir(parents=True, exist_ok=True)
   for old in out.glob("*.safetensors*"):
     old.unlink()
   model.to(torch.bfloat16).save_pretrained(out, max_shard_size=shard_size or "1GB", safe_serialization=True)
-  np.savez_compressed(out / "reference.npz", tokens=TOKENS, logits=logits)
+  np.savez_compressed(out / "reference.npz", tokens=TOKENS, logits=logits, **extra)
   size = sum(p.stat().st_size for p in out.iterdir())
   print(f"{name}: {sorted(p.name for p in out.iterdir())}, {size / 1024:.0f} KiB")
 

@@ -121,12 +121,15 @@ def test_router_terms_equal_the_plain_formula_and_ignore_masked_tokens():
 
 
 @pytest.mark.parametrize("name", ["hf_qwen3_moe", "hf_mixtral"])
-def test_one_device_loaded_moe_logits_equal_transformers(name):
+def test_one_device_loaded_moe_logits_and_load_balancing_loss_equal_transformers(name):
   ref = np.load(FIXTURES / name / "reference.npz")
   model = load_hf(FIXTURES / name)
   assert model.cfg.moe is not None
-  logits = jax.jit(lambda t: model(t).logits)(jnp.asarray(ref["tokens"]))
-  np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=1e-4, rtol=0)
+  out = jax.jit(lambda t: model(t, capture=("router",)))(jnp.asarray(ref["tokens"]))
+  np.testing.assert_allclose(np.asarray(out.logits), ref["logits"], atol=1e-4, rtol=0)
+  # transformers' aux_loss (output_router_logits=True, rows padded by attention_mask) from our routing
+  terms, _ = router_terms(out.router, jnp.asarray(ref["aux_mask"], jnp.float32), model.cfg.moe, None)
+  np.testing.assert_allclose(float(terms["moe_aux"]), float(ref["aux_loss"]), rtol=1e-5)
 
 
 def test_lora_on_expert_weights_is_refused_naming_what_works():
@@ -205,3 +208,24 @@ def test_moe_presets_have_their_published_total_and_active_sizes():
     assert abs(n / total - 1) < 0.02, (name, n)
     assert abs((n - inactive_params(cfg)) / active - 1) < 0.03, (name, n - inactive_params(cfg))
     assert _matmul_params(cfg, n) == n - inactive_params(cfg) - cfg.vocab_size * cfg.d_model  # untied embedding
+
+
+def test_cached_decoding_of_an_moe_model_equals_its_forward_pass():
+  """Prefill 5 tokens, then decode the other 3 one by one: the logits equal the full forward pass (dropless)."""
+  model = md.init_model(MOE_TEACHER, 0)
+  tokens = jnp.asarray(make_batch(batch=2)["inputs"])
+
+  @nnx.jit
+  def run(model, tokens):
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    valid = jnp.ones((B, T), bool)
+    first, kv = model.decode_step(tokens[:, :5], model.empty_cache(B, T), valid, jnp.int32(0), positions[:, :5])
+    steps = [first]
+    for t in range(5, T):
+      logits, kv = model.decode_step(tokens[:, t:t + 1], kv, valid, jnp.int32(t), positions[:, t:t + 1])
+      steps.append(logits)
+    return jnp.concatenate(steps, axis=1), model(tokens).logits
+
+  cached, full = run(model, tokens)
+  np.testing.assert_allclose(cached, full, atol=1e-5)
