@@ -37,7 +37,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshdistill.parallel.mesh import TENSOR
+from jax.sharding import PartitionSpec as P
+
+from meshdistill.parallel.mesh import DATA, TENSOR
 
 SCORES = ("softmax", "sigmoid")
 
@@ -159,6 +161,37 @@ def dense_experts(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_d
   return out.astype(x_NxD.dtype)
 
 
+def experts_on_mesh(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk=None):
+  """`grouped_experts` placed for the mesh in context: each device runs its own slice of every expert's hidden units.
+
+  Left to the compiler, the sort, gather and ``ragged_dot`` of the grouped matmul with F split over ``tensor`` are
+  not kept split: compiled for a TPU (v5e:2x2, tensor=4) the step gathered the sorted activations around every
+  expert projection (dozens of all-gathers; none in the same step with dense MLPs). So the experts run in a nested
+  ``shard_map`` manual over the compiler-managed axes, as the dense MLP is split by hand in Megatron: every device
+  routes its rows (the same on every ``tensor`` device), runs gate / up on its ``F / tensor`` hidden units and down
+  from them, giving a partial ``[N, D]``; the partials are summed outside (one all-reduce over ``tensor``). Rows are
+  split over a compiler-managed ``data`` axis that divides them. Without a mesh in context (one device, a plain
+  ``jit``) or with every axis manual already, it is `grouped_experts` itself.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(mesh, "manual_axes", ()))
+  free = {a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1}
+  if TENSOR not in free:
+    return grouped_experts(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk)
+  rows = DATA if DATA in free and x_NxD.shape[0] % mesh.shape[DATA] == 0 else None
+  row_spec, keep_spec = P(rows, None), (None if keep_Nxk is None else P(rows, None))
+
+  def local(x, e, g, wg, wu, wd, keep):
+    return grouped_experts(x, e, g, wg, wu, wd, keep)[None]  # this device's partial sum over its hidden units
+
+  partial_TxNxD = jax.shard_map(
+      local, in_specs=(row_spec, row_spec, row_spec, P(None, None, TENSOR), P(None, None, TENSOR),
+                       P(None, TENSOR, None), keep_spec),
+      out_specs=P(TENSOR, rows, None), axis_names=free, check_vma=False,
+  )(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk)
+  return jnp.sum(partial_TxNxD, axis=0)
+
+
 class MoE(nnx.Module):
   """``moe(x_BxTxD) -> (y_BxTxD, Routing)``: the routed SwiGLU experts of one layer (see the module doc)."""
 
@@ -188,5 +221,5 @@ class MoE(nnx.Module):
       keep_Nxk = capacity_keep(experts_Nxk.reshape(B, T, k), self.moe.n_experts, capacity).reshape(-1, k)
       dropped_BxT = jnp.sum(~keep_Nxk, axis=-1).astype(jnp.float32).reshape(B, T)
     w = [v[...].astype(self.dtype) for v in (self.gate, self.up, self.down)]
-    y_NxD = grouped_experts(x_NxD.astype(self.dtype), experts_Nxk, weights_Nxk, *w, keep_Nxk)
+    y_NxD = experts_on_mesh(x_NxD.astype(self.dtype), experts_Nxk, weights_Nxk, *w, keep_Nxk)
     return y_NxD.reshape(B, T, D), Routing(logits_NxE.reshape(B, T, -1), dropped_BxT)
