@@ -10,7 +10,8 @@ Run by hand (needs torch and transformers, which the test suite itself does not)
 
 Each fixture directory holds config.json, bfloat16 safetensors weights (the Llama one sharded,
 with model.safetensors.index.json) and ``reference.npz`` = {tokens [2, 12] int32, logits
-[2, 12, V] float32} computed by transformers in float32 from exactly the stored weights.
+[2, 12, V] float32} computed by transformers in float32 from exactly the stored weights (mixture-of-experts
+fixtures also ``aux_mask`` [2, 12] and ``aux_loss``: transformers' load-balancing loss with that attention mask).
 Norm scales and biases are randomised too, so a mis-mapped norm or bias changes the logits.
 
 ``--tokenizer`` writes ``tests/fixtures/hf_text.jsonl`` (a small JSONL corpus, ``text`` field) and a
@@ -130,6 +131,22 @@ def _models() -> dict:
                query_pre_attn_scalar=16,
                attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=10_000.0),
           transformers.Gemma2ForCausalLM,
+      # Qwen3-MoE: 8 experts, top-2, no renormalisation of the top-2 weights; layer 1 keeps a dense MLP of another
+      # width (mlp_only_layers), so both block kinds and both hidden sizes are read.
+      "hf_qwen3_moe": (
+          transformers.Qwen3MoeConfig,
+          dict(COMMON, num_hidden_layers=3, hidden_size=32, head_dim=16, intermediate_size=48, moe_intermediate_size=24,
+               num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+               tie_word_embeddings=False, rope_theta=1_000_000.0),
+          transformers.Qwen3MoeForCausalLM,
+          None,
+      ),
+      # Mixtral: 4 experts, top-2 (weights renormalised), experts in every layer.
+      "hf_mixtral": (
+          transformers.MixtralConfig,
+          dict(COMMON, hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+               tie_word_embeddings=False, rope_theta=1_000_000.0),
+          transformers.MixtralForCausalLM,
           None,
       ),
   }
@@ -165,12 +182,20 @@ def make(name: str, seed: int) -> None:
   model = model_cls(config_cls(**kw)).float().eval()
   _randomise(model, seed)
   logits = logits_of(model, TOKENS)
+  extra = {}
+  if hasattr(model.config, "router_aux_loss_coef"):  # mixture of experts: transformers' load-balancing loss, padded
+    aux_mask = np.ones(TOKENS.shape, np.int32)
+    aux_mask[1, 8:] = 0
+    with torch.no_grad():
+      out = model(torch.from_numpy(TOKENS).long(), attention_mask=torch.from_numpy(aux_mask).long(),
+                  output_router_logits=True)
+    extra = {"aux_mask": aux_mask, "aux_loss": np.float32(out.aux_loss)}
   out = FIXTURES / name
   out.mkdir(parents=True, exist_ok=True)
   for old in out.glob("*.safetensors*"):
     old.unlink()
   model.to(torch.bfloat16).save_pretrained(out, max_shard_size=shard_size or "1GB", safe_serialization=True)
-  np.savez_compressed(out / "reference.npz", tokens=TOKENS, logits=logits)
+  np.savez_compressed(out / "reference.npz", tokens=TOKENS, logits=logits, **extra)
   size = sum(p.stat().st_size for p in out.iterdir())
   print(f"{name}: {sorted(p.name for p in out.iterdir())}, {size / 1024:.0f} KiB")
 

@@ -61,7 +61,8 @@ def test_generate_names_what_a_model_without_a_cached_decode_step_lacks():
     generate(_tunix_lm(), prompts, prompts > 0, None, SamplingConfig(max_new_tokens=2, temperature=0.0))
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen3", "hf_qwen2", "hf_mistral", "hf_gemma3", "hf_gemma2"])
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen3", "hf_qwen2", "hf_mistral", "hf_gemma3", "hf_gemma2",
+                                  "hf_qwen3_moe", "hf_mixtral"])
 def test_each_fixture_is_recognised_and_its_config_round_trips(name):
   from meshdistill.models import families
 
@@ -76,13 +77,18 @@ def test_each_fixture_is_recognised_and_its_config_round_trips(name):
   assert families.family_for({"model_type": hf["model_type"]}) is fam  # no architectures: by model_type
 
 
-@pytest.mark.parametrize("block", [{}, {"qk_norm": True}, {"qkv_bias": True}, GEMMA2_BLOCK, GEMMA3_BLOCK])
+MOE = {"n_experts": 4, "top_k": 2, "expert_hidden": 16}
+
+
+@pytest.mark.parametrize("block", [{}, {"qk_norm": True}, {"qkv_bias": True}, GEMMA2_BLOCK, GEMMA3_BLOCK, {"moe": MOE},
+                                   {"qk_norm": True, "moe": dict(MOE, dense_layers=(1,))}])
 def test_weight_names_map_both_ways_for_every_parameter(block):
   from meshdistill.models import families
   from meshdistill.models._build import abstract_params
 
   cfg = TINY.replace(tie_embeddings=False, **block)
   fam = families.default_for(cfg)
+  assert fam.experts == ("moe" in block)  # a mixture-of-experts decoder is written by an MoE family, and only it
   paths = [tuple(k) for k, _ in nnx.to_flat_state(abstract_params(cfg)[1])]
   names = {fam.weight_name(p)[0] for p in paths}
   assert len(names) == len(paths)  # no two parameters share a tensor name
@@ -98,9 +104,10 @@ def test_unknown_architecture_or_family_lists_the_supported_ones():
 
   with pytest.raises(ValueError, match=r"architectures=\['GPT2LMHeadModel'\], model_type='gpt2' is not supported; "
                      r"supported architectures: \['Gemma2ForCausalLM', 'Gemma3ForCausalLM', 'LlamaForCausalLM', "
-                     r"'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
+                     r"'MistralForCausalLM', 'MixtralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', "
+                     r"'Qwen3MoeForCausalLM'\]"):
     families.family_for({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
-  names = r"\['gemma2', 'gemma3', 'llama', 'mistral', 'qwen2', 'qwen3'\]"
+  names = r"\['gemma2', 'gemma3', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]"
   with pytest.raises(ValueError, match=r"family='gpt2'; choose one of " + names):
     families.get("gpt2")
 
@@ -208,4 +215,4 @@ def test_a_new_family_that_differs_only_in_config_is_one_new_module(tmp_path):
   run = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr
   assert "toy/config.json: sliding_window=4096 is not supported; expected null" in run.stdout
-  assert "families: ['gemma2', 'gemma3', 'llama', 'mistral', 'qwen2', 'qwen3', 'toy']" in run.stdout
+  assert "families: ['gemma2', 'gemma3', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe', 'toy']" in run.stdout

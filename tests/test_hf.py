@@ -23,7 +23,7 @@ from meshdistill.parallel.mesh import TENSOR
 from meshdistill.models.hf import export_hf, load_hf, read_hf_config
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-FAMILIES = ("hf_llama", "hf_qwen3", "hf_qwen2", "hf_mistral", "hf_gemma3", "hf_gemma2")
+FAMILIES = ("hf_llama", "hf_qwen3", "hf_qwen2", "hf_mistral", "hf_gemma3", "hf_gemma2", "hf_qwen3_moe", "hf_mixtral")
 
 
 @pytest.fixture(scope="module")

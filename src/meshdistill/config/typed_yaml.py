@@ -139,6 +139,14 @@ def _matches(t: Any, v: Any) -> tuple[bool, Any]:
   return True, v
 
 
+def _optional_dataclass(t: Any) -> type | None:
+  """The dataclass of an annotation ``SomeDataclass | None``, else None."""
+  if typing.get_origin(t) not in (Union, types.UnionType):
+    return None
+  args = [a for a in typing.get_args(t) if a is not type(None)]
+  return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+
+
 def unknown_key(where: str, key: str, allowed: Sequence[str]) -> ConfigError:
   close = difflib.get_close_matches(str(key), allowed, n=1)
   hint = f" (did you mean '{where}{close[0]}'?)" if close else ""
@@ -183,6 +191,11 @@ def from_dict(cls: type, raw: Any, where: str = "", base: Any = None) -> Any:
     t = hints[key]
     if dataclasses.is_dataclass(t):
       kwargs[key] = from_dict(t, value, f"{where}{key}.", getattr(base, key))
+      continue
+    optional = _optional_dataclass(t)
+    if optional is not None and isinstance(value, dict):  # e.g. `moe: {n_experts: 8}` for `MoeConfig | None`
+      current = getattr(base, key)
+      kwargs[key] = from_dict(optional, value, f"{where}{key}.", current if isinstance(current, optional) else None)
       continue
     ok, conv = _matches(t, value)
     if not ok:

@@ -11,6 +11,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from meshdistill.models.moe import MoeConfig
+
 # Per-block rematerialisation (`jax.checkpoint`) policies, by `ModelConfig.remat` name:
 # "none" keeps every activation for the backward pass; "full" keeps only each block's
 # input and recomputes the block; "dots" keeps matmul outputs; "dots_no_batch" keeps
@@ -123,6 +125,7 @@ class ModelConfig:
   query_scale: float | None = None  # score scale (Gemma: query_pre_attn_scalar ** -0.5); default head_dim ** -0.5
   attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
   final_softcap: float | None = None  # logits -> cap * tanh(logits / cap), elementwise, per vocabulary shard (Gemma 2)
+  moe: MoeConfig | None = None  # mixture-of-experts blocks (`meshdistill.models.moe`; a dict of its fields also works)
   # Set by `for_tensor` (init_model / load_hf / shard_model on a mesh), rarely by hand:
   vocab_multiple: int = 1  # embedding / head rows padded to a multiple of this; logits still cover vocab_size
   replicate_kv: bool = False  # k/v projections replicated over `tensor` (fewer key/value heads than `tensor`)
@@ -132,6 +135,8 @@ class ModelConfig:
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
     if isinstance(self.rope_scaling, dict):
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+    if isinstance(self.moe, dict):
+      object.__setattr__(self, "moe", MoeConfig(**self.moe))
     sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "max_len", "vocab_multiple")
     for name in sizes:
       v = getattr(self, name)
@@ -160,6 +165,11 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.scan_layers={self.scan_layers!r} must be true or false")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {tuple(REMAT_POLICIES)}")
+    if self.moe is not None and self.scan_layers and len({self.moe.sparse(i) for i in range(self.n_layers)}) > 1:
+      raise ValueError(
+          f"ModelConfig.scan_layers=true stacks identical blocks, but moe.dense_layers={list(self.moe.dense_layers)} "
+          f"mixes dense and expert layers among n_layers={self.n_layers}; set scan_layers=false for this model"
+      )
     self._check_layer_options()
 
   def _check_layer_options(self) -> None:
@@ -248,6 +258,8 @@ class ModelConfig:
     """Raises when a ``tensor``-split dimension that cannot be padded or replicated is not divisible (with
     ``attention='splash'`` the query heads too: each device runs the kernel on its own heads)."""
     dims = {"n_heads * head_dim": self.n_heads * self.hd, "mlp_hidden": self.mlp_hidden}
+    if self.moe is not None:
+      dims["moe.expert_hidden"] = self.moe.expert_hidden
     bad = {k: v for k, v in dims.items() if v % tensor}
     if bad:
       desc = ", ".join(f"{k}={v}" for k, v in bad.items())

@@ -45,23 +45,29 @@ def stacked_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], n_layers: int, 
   return make(rngs)
 
 
-def scan_blocks(blocks: nnx.Module, x_BxTxD: jax.Array, run_block, want_hidden: bool, want_attn: bool):
-  """``(x after the last block, hidden L x [B, T, D] or (), attn L x [B, H, T, T] or ())``.
+def scan_blocks(blocks: nnx.Module, x_BxTxD: jax.Array, run_block, want_hidden: bool, want_attn: bool,
+                want_router: bool = False):
+  """``(x after the last block, hidden L x [B, T, D] or (), attn L x [B, H, T, T] or (), router L x Routing or
+  ())``.
 
-  ``run_block(block, x, want_probs) -> (x, probs)`` runs one (sliced) block, as in the unrolled loop.
+  ``run_block(block, x, want_probs) -> (x, probs, routing)`` runs one (sliced) block, as in the unrolled loop.
   """
 
   @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=LAYER_AXIS)
   def body(x, block):
-    x, probs = run_block(block, x, want_attn)
-    return x, (x if want_hidden else None, probs if want_attn else None)
+    x, probs, routing = run_block(block, x, want_attn)
+    return x, (x if want_hidden else None, probs if want_attn else None, routing if want_router else None)
 
-  x_BxTxD, (hidden_LxBxTxD, attn_LxBxHxTxT) = body(x_BxTxD, blocks)
-  return x_BxTxD, _layers(hidden_LxBxTxD), _layers(attn_LxBxHxTxT)
+  x_BxTxD, (hidden_LxBxTxD, attn_LxBxHxTxT, router_L) = body(x_BxTxD, blocks)
+  return x_BxTxD, _layers(hidden_LxBxTxD), _layers(attn_LxBxHxTxT), _layers(router_L)
 
 
-def _layers(stacked: jax.Array | None) -> tuple:
-  return () if stacked is None else tuple(stacked[i] for i in range(stacked.shape[0]))
+def _layers(stacked) -> tuple:
+  """The per-layer entries of a scan's stacked output (an array or a pytree of arrays [L, ...]), or ()."""
+  if stacked is None:
+    return ()
+  n = jax.tree.leaves(stacked)[0].shape[0]
+  return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
 
 
 def scan_blocks_cached(blocks: nnx.Module, x_BxTxD: jax.Array, kv, valid_BxS, index, positions_BxT):

@@ -1,25 +1,13 @@
 """A Llama-style decoder-only transformer in Flax NNX; its weights name their dimensions with logical names.
 
 Blocks: pre-RMSNorm, rotary position embedding (RoPE), grouped-query attention,
-SwiGLU MLP; tied or untied LM head.
+SwiGLU MLP (or, with ``ModelConfig.moe``, a mixture of SwiGLU experts: `meshdistill.models.moe`); tied or untied LM
+head.
 
 Weights carry logical dimension names (`meshdistill.parallel.rules`); the layout's rules table maps them to mesh
 axes (the tensor-parallel table's axis in the last column):
 
-==========================  ================  ======================  ===================
-weight                      shape             logical names           ``tensor`` splits
-==========================  ================  ======================  ===================
-embedding                   [V', D]           vocab, embed            V' (padded to a multiple of tensor)
-attention q                 [D, H*Hd]         embed, heads            heads
-attention k / v             [D, G*Hd]         embed, kv_heads         heads (``kv_replicated``: G < tensor)
-attention out               [H*Hd, D]         heads, embed            heads
-q / k norm scales           [Hd]              head_dim                --
-MLP gate / up               [D, F]            embed, mlp              F (hidden units)
-MLP down                    [F, D]            mlp, embed              F
-untied LM head              [D, V']           embed, vocab            V'
-norm scales                 [D]               embed                   --
-==========================  ================  ======================  ===================
-
+==========================  ================  ======================  ============
 (``ModelConfig.for_tensor`` pads and replicates; the decoder cuts the padding off its outputs, in the full
 forward pass and in `Decoder.decode_step`, the cached decoding pass `meshdistill.models.generate` runs.)
 With ``mesh.fsdp`` the layout's table splits ``embed`` over ``data`` as well and the decoder
@@ -50,6 +38,7 @@ from meshdistill.models._attention import KVCache, _explicit_attention, rope, sp
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._scan import save_all_but_casts, scan_blocks, scan_blocks_cached, stacked_blocks
 from meshdistill.models._variants import gate_activation, norm, scale_embed, softcap
+from meshdistill.models.moe import MoE, Routing
 
 __all__ = [
     "ATTENTION",
@@ -67,7 +56,7 @@ __all__ = [
     "rope",
 ]
 
-CAPTURABLE = ("hidden", "attn", "final")
+CAPTURABLE = ("hidden", "attn", "final", "router")
 
 
 class ModelOutput(NamedTuple):
@@ -76,13 +65,15 @@ class ModelOutput(NamedTuple):
   ``logits``: [B, T, V] (V split over ``tensor``), ``None`` when called with ``logits=False``;
   ``hidden``: (L+1) x [B, T, D] (embeddings, then after each block); ``attn``: L x
   [B, H, T, T] attention probabilities; ``final``: [B, T, D] final-norm output, the
-  input of the LM head (see `Decoder.head_weight`). Uncaptured entries are empty/None.
+  input of the LM head (see `Decoder.head_weight`); ``router``: one `meshdistill.models.moe.Routing` per
+  mixture-of-experts layer (router logits [B, T, E], dropped assignments [B, T]). Uncaptured entries are empty/None.
   """
 
   logits: jax.Array | None
   hidden: tuple = ()
   attn: tuple = ()
   final: jax.Array | None = None
+  router: tuple = ()
 
 
 def _per_token(layer, x_BxTxD: jax.Array) -> jax.Array:
@@ -180,20 +171,26 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
+  """``block(x, want_probs) -> (x, attention probabilities or None, Routing or None)``; with a ``cache``
+  (decoding) ``(x, updated cache)``. ``layer``: its index (its window and RoPE); ``sparse``: the MLP is a mixture of
+  experts (`meshdistill.models.moe.MoE`)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0, sparse: bool = False):
     self.attn_norm = norm(cfg, cfg.d_model, rngs)
     self.attn = Attention(cfg, rngs=rngs, layer=layer)
     self.mlp_norm = norm(cfg, cfg.d_model, rngs)
-    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp = MoE(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
     if cfg.post_norms:  # on each sublayer's output, before the residual add (Gemma 2 / 3)
       self.post_attn_norm, self.post_mlp_norm = norm(cfg, cfg.d_model, rngs), norm(cfg, cfg.d_model, rngs)
 
   def __call__(self, x_BxTxD, want_probs: bool, cache: KVCache | None = None):
     a, probs = self.attn(self.attn_norm(x_BxTxD), want_probs, cache)  # with a cache: (a, updated cache)
     x_BxTxD = x_BxTxD + (self.post_attn_norm(a) if hasattr(self, "post_attn_norm") else a)
-    m = self.mlp(self.mlp_norm(x_BxTxD))
+    m, routing = self.mlp(self.mlp_norm(x_BxTxD)), None
+    if isinstance(m, tuple):  # a mixture of experts: (output, Routing)
+      m, routing = m
     x_BxTxD = x_BxTxD + (self.post_mlp_norm(m) if hasattr(self, "post_mlp_norm") else m)
-    return x_BxTxD, probs
+    return (x_BxTxD, probs) if cache is not None else (x_BxTxD, probs, routing)
 
 
 class Decoder(nnx.Module):
@@ -210,9 +207,9 @@ class Decoder(nnx.Module):
         rngs=rngs,
     )
     if cfg.scan_layers:  # one Block whose weights are stacked [L, ...] (see `meshdistill.models._scan`)
-      self.blocks = stacked_blocks(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
+      self.blocks = stacked_blocks(lambda r: Block(cfg, rngs=r, sparse=_sparse(cfg, 0)), cfg.n_layers, rngs)
     else:
-      self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=i) for i in range(cfg.n_layers)])
+      self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=i, sparse=_sparse(cfg, i)) for i in range(cfg.n_layers)])
     self.final_norm = norm(cfg, cfg.d_model, rngs)
     if cfg.tie_embeddings:
       self.head = nnx.data(None)
@@ -241,26 +238,26 @@ class Decoder(nnx.Module):
           f"sequence length {T} exceeds the model's max_len={cfg.max_len}; "
           f"use seq_len <= {cfg.max_len} or build the model with a larger max_len"
       )
-    want_hidden, want_attn = "hidden" in capture, "attn" in capture
+    want_hidden, want_attn, want_router = "hidden" in capture, "attn" in capture, "router" in capture
     x = scale_embed(cfg, gathered(self.embed)(tokens_BxT))
-    hidden, attn = [x] if want_hidden else [], []
+    hidden, attn, router = [x] if want_hidden else [], [], []
     run_block = _block_runner(cfg.remat, cfg.scan_layers)
     if cfg.scan_layers:  # the same run_block on each layer's slice of the stacked blocks
-      x, hidden_L, attn_L = scan_blocks(self.blocks, x, run_block, want_hidden, want_attn)
-      hidden, attn = hidden + list(hidden_L), list(attn_L)
+      x, hidden_L, attn_L, router_L = scan_blocks(self.blocks, x, run_block, want_hidden, want_attn, want_router)
+      hidden, attn, router = hidden + list(hidden_L), list(attn_L), list(router_L)
     else:
       for block in self.blocks:
-        x, probs = run_block(block, x, want_attn)
+        x, probs, routing = run_block(block, x, want_attn)
         if want_hidden:
           hidden.append(x)
         if want_attn:
           attn.append(probs)
+        if want_router and routing is not None:
+          router.append(routing)
     final_norm, x = gathered_for(self.final_norm, x)
     x = final_norm(x)
     final = x if "final" in capture else None
-    if not logits:
-      return ModelOutput(None, tuple(hidden), tuple(attn), final)
-    return ModelOutput(self._logits(x), tuple(hidden), tuple(attn), final)
+    return ModelOutput(self._logits(x) if logits else None, tuple(hidden), tuple(attn), final, tuple(router))
 
   def _logits(self, final_BxTxD: jax.Array) -> jax.Array:
     """float32 logits ``[B, T, V]`` of final-norm outputs (V split over ``tensor``, vocabulary padding cut off)."""
@@ -305,6 +302,11 @@ class Decoder(nnx.Module):
     """The LM-head matrix as [D, V] (V split over ``tensor``; padding rows cut off)."""
     w_DxV = gathered(self.embed).embedding[...].T if self.head is None else gathered(self.head).kernel[...]
     return w_DxV[:, : self.cfg.vocab_size] if self.cfg.padded_vocab != self.cfg.vocab_size else w_DxV
+
+
+def _sparse(cfg: ModelConfig, layer: int) -> bool:
+  """Whether layer ``layer`` of a decoder of ``cfg`` is a mixture-of-experts block."""
+  return cfg.moe is not None and cfg.moe.sparse(layer)
 
 
 def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool):

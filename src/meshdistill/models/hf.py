@@ -3,7 +3,7 @@
 `load_hf(path, mesh)` reads a local Hugging Face directory (``config.json`` plus
 ``model.safetensors``, or sharded ``model-0000x-of-0000n.safetensors`` with
 ``model.safetensors.index.json``) of a causal LM of a registered family (Llama, Qwen3, Qwen2, Mistral,
-Gemma 2, Gemma 3 text: `meshdistill.models.families`) into the built-in `Decoder`, its weights split over the mesh
+Gemma 2, Gemma 3 text, Qwen3-MoE, Mixtral: `meshdistill.models.families`) into the built-in `Decoder`, its weights split over the mesh
 axis ``tensor`` exactly as `init_model` would split them. Every device reads only its own
 slice of each tensor from disk (``safe_open(...).get_slice(name)[...]`` inside
 `jax.make_array_from_callback`), so no device and no host buffer ever holds a full
@@ -39,18 +39,17 @@ device reads the transposed window of its shard. Both store q/k in rotate-half o
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh
 
 from meshdistill.storage.fsutil import atomic_output_dir, read_json
 from meshdistill.storage.ownership import OutputKind, check_owned, write_marker
@@ -58,13 +57,13 @@ from meshdistill.parallel.rules import split_ways
 from meshdistill.models._build import abstract_params
 from meshdistill.models import families
 from meshdistill.models._hf_config import SUPPORTED, config_from_hf, hf_config
+from meshdistill.models.families._moe import EXPERT
+from meshdistill.models._safetensors import INDEX_FILE, SINGLE_FILE, read_onto_mesh
 from meshdistill.models.decoder import Decoder, ModelConfig
 from meshdistill.models.stacking import to_scanned
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -89,47 +88,6 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
   return read_json(str(file), "Hugging Face model config")
 
 
-def _safe_open(file: Path):
-  """``safetensors.safe_open`` whose errors name the file (a truncated download, a file of another format)."""
-  from safetensors import SafetensorError, safe_open
-
-  try:
-    return safe_open(file, "numpy")
-  except (SafetensorError, OSError, ValueError) as e:
-    raise ValueError(f"{file} is not a readable safetensors file ({e}); download it again") from None
-
-
-def _inside(path: Path, name: Any, index: Path) -> Path:
-  """``path / name`` for an index entry, judged by its NAME: a relative path that stays lexically inside ``path``
-  (not absolute, no ``..``). The file it names is then opened like ``model.safetensors``, links followed: the
-  Hugging Face hub cache links ``snapshots/<rev>/*`` to ``../../blobs/<hash>``."""
-  if not isinstance(name, str) or not name or os.path.isabs(name) or PureWindowsPath(name).drive:
-    raise ValueError(f"{index}: weight_map entry {name!r} is not a relative file name")
-  if ".." in PurePosixPath(name.replace("\\", "/")).parts:
-    raise ValueError(f"{index}: weight_map entry {name!r} points outside {path}; refusing to open it")
-  return path / name
-
-
-def _weight_map(path: Path) -> dict[str, Path]:
-  """Tensor name -> safetensors file, from the index or the single file."""
-  index = path / INDEX_FILE
-  if index.is_file():
-    names = read_json(str(index), "safetensors index").get("weight_map")
-    if not isinstance(names, dict):
-      raise ValueError(f"{index} has no 'weight_map' object mapping tensor names to files")
-    files = {f: _inside(path, f, index) for f in set(names.values())}
-    missing = sorted(f for f, p in files.items() if not p.is_file())
-    if missing:
-      raise FileNotFoundError(f"{index} lists {missing} but {'it is' if len(missing) == 1 else 'they are'} "
-                              f"missing from {path}; download the complete checkpoint")
-    return {n: files[f] for n, f in names.items()}
-  single = path / SINGLE_FILE
-  if single.is_file():
-    with _safe_open(single) as f:
-      return {n: single for n in f.keys()}
-  raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-
-
 def load_hf(
     path: str | os.PathLike,
     mesh: Mesh | None = None,
@@ -139,7 +97,8 @@ def load_hf(
     max_len: int | None = None,
     scan_layers: bool = False,
 ) -> Decoder:
-  """Loads a Hugging Face Llama / Qwen3 / Qwen2 causal-LM directory into a `Decoder`.
+  """Loads a Hugging Face causal-LM directory of a registered family (Llama, Qwen3, Qwen2, Qwen3-MoE, Mixtral) into a
+  `Decoder`.
 
   Args:
     path: local directory with ``config.json`` and safetensors weights (single file or
@@ -190,99 +149,10 @@ def _layouts(family: families.Family):
 
   def names(key: tuple) -> tuple[str, str]:
     name, transposed = family.weight_name(key)
-    return name, "T" if transposed else "same"
+    layout = "T" if transposed else "same"
+    return name, (f"experts_{layout}" if EXPERT in name else layout)
 
   return names
-
-
-def _hf_shape(shape: tuple, layout: str) -> tuple:
-  """The Hugging Face shape of a weight of ``shape`` stored in ``layout`` (see `read_onto_mesh`)."""
-  if layout == "same":
-    return shape
-  if layout == "T":
-    return shape[::-1]
-  if layout == "in_heads":  # [D, N, H] <- [N*H, D]
-    return (shape[1] * shape[2], shape[0])
-  if layout == "out_heads":  # [N, H, D] <- [D, N*H]
-    return (shape[2], shape[0] * shape[1])
-  raise ValueError(f"unknown layout {layout!r}")
-
-
-def _window(index: tuple, shape: tuple, layout: str):
-  """(Hugging Face window, fix(block) -> our block) for the device-local ``index`` into ``shape``."""
-  if layout == "same":
-    return tuple(index), lambda b: b
-  if layout == "T":
-    return tuple(index[::-1]), lambda b: b.T
-  heads, hd = (shape[1], shape[2]) if layout == "in_heads" else (shape[0], shape[1])
-  s_n = index[1] if layout == "in_heads" else index[0]
-  n0, n1, _ = s_n.indices(heads)
-  rows = slice(n0 * hd, n1 * hd)  # head-dim axis is never split, so the window is contiguous
-  if layout == "in_heads":
-    return (rows, index[0]), lambda b: b.T.reshape(b.shape[1], n1 - n0, hd)
-  return (index[2], rows), lambda b: b.T.reshape(n1 - n0, hd, b.shape[0])
-
-
-def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any, names, param_dtype: str = "float32",
-                   real_shapes: dict | None = None):
-  """Fills an abstract NNX state from a Hugging Face directory, each device reading only its window.
-
-  ``names(key) -> (hf_name, layout)`` for every parameter path; layout ``"same"``, ``"T"``
-  (HF [out, in] -> [in, out]), ``"in_heads"`` (HF [N*H, D] -> [D, N, H]) or ``"out_heads"``
-  (HF [D, N*H] -> [N, H, D]). ``shardings``: a state of `NamedSharding` like ``abstract``
-  or ``None`` (one device). ``real_shapes``: parameter path -> the checkpoint's shape (in our
-  layout) where ``abstract`` is larger (vocabulary padding): the extra rows are zeros, never read.
-  Returns ``(state, weight_map, used_names)``.
-  """
-  path = Path(path)
-  where = _weight_map(path)
-  flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
-  target = np.dtype(jax.numpy.dtype(param_dtype))
-  used = set()
-  leaves = []
-  with contextlib.ExitStack() as stack:
-    handles: dict[Path, Any] = {}
-    for key, var in nnx.to_flat_state(abstract):
-      name, layout = names(key)
-      if name not in where:
-        raise ValueError(f"tensor {name!r} (for {'.'.join(map(str, key))}) is not in the checkpoint at {path}; "
-                         f"config.json describes a model that needs it")
-      used.add(name)
-      file = where[name]
-      if file not in handles:
-        handles[file] = stack.enter_context(_safe_open(file))
-      sl = handles[file].get_slice(name)
-      shape = tuple(var.get_value().shape)
-      real = (real_shapes or {}).get(key, shape)
-      hf_shape, expect = tuple(sl.get_shape()), _hf_shape(real, layout)
-      if hf_shape != expect:
-        raise ValueError(f"tensor {name!r} in {file.name} has shape {list(hf_shape)} but config.json implies "
-                         f"{list(expect)}; the config does not match the weights")
-      sharding = flat_shardings.get(key)
-      sharding = sharding.get_value() if hasattr(sharding, "get_value") else sharding
-      sharding = sharding or SingleDeviceSharding(jax.devices()[0])
-
-      def read(index, sl=sl, shape=shape, real=real, layout=layout, name=name, file=file):
-        def get(window):
-          try:
-            return np.asarray(sl[window])
-          except Exception as e:  # noqa: BLE001 -- safetensors' errors name neither the tensor nor the file
-            raise ValueError(f"tensor {name!r} in {file} cannot be read ({e}); the file is damaged") from None
-
-        if real == shape:
-          window, fix = _window(index, shape, layout)
-          return np.ascontiguousarray(fix(get(window)), dtype=target)
-        # padded ("same" / "T" layouts only): read the part inside the checkpoint, zeros beyond it
-        spans = [s.indices(n)[:2] for s, n in zip(index, shape)]
-        block = np.zeros([b - a for a, b in spans], dtype=target)
-        inside = [(a, min(b, r)) for (a, b), r in zip(spans, real)]
-        if all(b > a for a, b in inside):
-          window, fix = _window(tuple(slice(a, b) for a, b in inside), real, layout)
-          block[tuple(slice(0, b - a) for a, b in inside)] = fix(get(window))
-        return block
-
-      leaves.append((key, var.replace(jax.make_array_from_callback(shape, sharding, read))))
-  return nnx.from_flat_state(leaves), where, used
 
 
 def is_checkpoint_file(name: str) -> bool:
@@ -378,7 +248,10 @@ def export_hf(
     for k, value in layers:
       name, transposed = fam.weight_name(k)
       value = value[tuple(slice(0, n) for n in real_shapes[k])]
-      tensors[name] = np.ascontiguousarray(value.T if transposed else value, dtype=target)
+      # a stacked expert weight [E, ...] -> one tensor per expert
+      per_tensor = [(name.format(e=e), value[e]) for e in range(value.shape[0])] if EXPERT in name else [(name, value)]
+      for one, v in per_tensor:
+        tensors[one] = np.ascontiguousarray(v.T if transposed else v, dtype=target)
   out = Path(out_dir)
   if jax.process_index() != 0:
     return out

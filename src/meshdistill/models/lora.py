@@ -108,6 +108,15 @@ def _targeted(model: Decoder, lora: LoraConfig) -> dict[str, nnx.Linear]:
 
 def check_lora(model: Decoder, lora: LoraConfig) -> None:
   """Raises ValueError for targets matching no module, or a rank larger than a targeted weight allows."""
+  moe = getattr(getattr(model, "cfg", None), "moe", None)
+  mlp = [t for t in lora.targets if t in ("gate", "up", "down")]
+  if moe is not None and mlp:
+    raise ValueError(
+        f"student.lora.targets={list(lora.targets)} names the MLP projections {mlp}, but this student's MLPs are "
+        "mixtures of experts whose weights are stacked [experts, in, out] and take no adapters; target the attention "
+        "projections only (targets: [q, k, v, o]; the router and experts then stay frozen) or train the whole student "
+        "(lora.rank: 0)"
+    )
   chosen = _targeted(model, lora)
   for t in lora.targets:
     if not any(p.endswith("/" + t) for p in chosen):

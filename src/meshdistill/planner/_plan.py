@@ -10,6 +10,7 @@ from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER
 from meshdistill.parallel.backends import layout_class
 from meshdistill.parallel.mesh import DATA, TENSOR, make_mesh
 from meshdistill.models.decoder import ModelConfig
+from meshdistill.models.moe import inactive_params
 from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, kernel_flops, shard_bytes
 from meshdistill.planner._calibrate import CALIBRATION
 from meshdistill.planner._cost import LayerCounts, flops_split, layer_counts, mfu_split
@@ -51,8 +52,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def _matmul_params(cfg: ModelConfig, total: int) -> int:
-  """Parameters that take part in matmuls: all but an untied input embedding (a lookup)."""
-  return total if cfg.tie_embeddings else total - cfg.vocab_size * cfg.d_model
+  """Parameters that take part in a token's matmuls: all but an untied input embedding (a lookup) and the experts a
+  token is not routed to (a mixture of experts counts its active parameters: `meshdistill.models.moe.inactive_params`)."""
+  return (total if cfg.tie_embeddings else total - cfg.vocab_size * cfg.d_model) - inactive_params(cfg)
 
 
 class Planner:

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from meshdistill import losses
 from meshdistill.parallel import fsdp
 from meshdistill.parallel.collectives import psum_bundled
+from meshdistill.train import router_losses
 
 # The keys of a batch the step reads: token ids and targets [B, T], the loss mask [B, T].
 BATCH_KEYS = ("inputs", "targets", "mask")
@@ -212,24 +213,30 @@ def student_gradients(
     # frozen parameters enter as constants of this trace (outer tracers inside `nnx.remat` blocks would not merge)
     params = join_trainable(params, jax.lax.stop_gradient(frozen))
     student = nnx.merge(student_def, params["student"])
-    student_out = _vocab_slice(student(inputs_BxT, capture=capture, logits=with_logits), vocab)
+    moe = getattr(getattr(student, "cfg", None), "moe", None)  # a mixture-of-experts student reports its routing
+    student_out = student(inputs_BxT, capture=capture + (("router",) if moe else ()), logits=with_logits)
+    router, student_out = student_out.router, _vocab_slice(student_out._replace(router=()), vocab)
     if with_head:  # token sums over all local rows; heads [D, V] with V split over `tensor`
       heads = (student.head_weight()[:, :vocab], teacher_head)
       caps = (getattr(student.cfg, "final_softcap", None), teacher_softcap)  # elementwise: applied per shard
       capped = {"softcaps": caps} if any(c is not None for c in caps) else {}
       sums = strategy.per_batch(params["strategy"], student_out, teacher_out, heads, targets_BxT, mask_BxT, step,
                                 **capped)
-      return sums["loss"] / denom, sums
-    per_seq = jax.vmap(strategy.per_sequence, in_axes=(None, 0, 0, 0, 0, None))
-    sums_B = per_seq(params["strategy"], student_out, teacher_out, targets_BxT, mask_BxT, step)
-    sums = jax.tree.map(jnp.sum, sums_B)
-    return sums["loss"] / denom, sums
+    else:
+      per_seq = jax.vmap(strategy.per_sequence, in_axes=(None, 0, 0, 0, 0, None))
+      sums = jax.tree.map(jnp.sum, per_seq(params["strategy"], student_out, teacher_out, targets_BxT, mask_BxT, step))
+    usage = {}
+    if moe:  # the router's terms, as shares of global means (`router_losses`): scaled to the step's token sums
+      terms, usage = router_losses.router_terms(router, mask_BxT, moe, axes)
+      sums = {**sums, "loss": sums["loss"] + denom * router_losses.weighted(terms, moe),
+              **{k: denom * v for k, v in terms.items()}}
+    return sums["loss"] / denom, (sums, usage)
 
-  (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
+  (_, (sums, usage)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
   if light:
-    sums = {"loss": sums["loss"]}
+    sums, usage = {"loss": sums["loss"]}, {}
   grads, sums = sum_over_data((grads, sums), axes)
-  metrics = {k: v / denom for k, v in sums.items()}
+  metrics = {k: v / denom for k, v in sums.items()} | usage
   metrics["tokens"] = tokens
   return grads, metrics
 

@@ -12,6 +12,8 @@ family       architecture         what differs from the plain Llama block
 ``gemma2``   Gemma2ForCausalLM    GeGLU, 1 + w norms, post-norms, scaled embeddings, soft-caps,
                                   sliding / global layers (`meshdistill.models._variants`)
 ``gemma3``   Gemma3ForCausalLM    Gemma 2's block with q/k norms, a local RoPE base, no soft-caps
+qwen3_moe    Qwen3MoeForCausalLM  ``qk_norm`` and mixture-of-experts MLPs (``moe``, `families._moe`)
+``mixtral``  MixtralForCausalLM   mixture-of-experts MLPs in every layer (``moe``)
 ===========  ===================  ==========================================================
 
 Adding a family is one module here: a `Family` subclass decorated with ``@register``. Every module
@@ -41,7 +43,8 @@ def register(cls: type[Family]) -> type[Family]:
   if clash:
     raise ValueError(f"family {fam.name!r}: {clash} already name family {taken[clash[0]].name!r}; choose others")
   if fam.default_export:
-    other = next((f for f in _REGISTRY.values() if f.name != fam.name and f.default_export and f.block == fam.block),
+    other = next((f for f in _REGISTRY.values() if f.name != fam.name and f.default_export and f.block == fam.block
+                  and f.experts == fam.experts),
                  None)
     if other is not None:
       raise ValueError(f"family {fam.name!r} and {other.name!r} are both default_export for block {fam.block}; "

@@ -62,6 +62,7 @@ class Family:
   architectures: ClassVar[tuple[str, ...]]  # config.json "architectures" entries it reads; the first is written
   model_type: ClassVar[str | None] = None  # config.json "model_type" (default: `name`)
   block: ClassVar[dict[str, bool]] = {}  # ModelConfig block options (`BLOCK_OPTIONS`) the family sets to True
+  experts: ClassVar[bool] = False  # mixture-of-experts blocks (`ModelConfig.moe` set; see families._moe)
   rope_scaling: ClassVar[bool] = False  # whether `to_hf` may write Llama-3 rope_scaling
   presets: ClassVar[dict[str, dict[str, Any]]] = {}  # planner preset name -> shape fields; not inherited
   options: ClassVar[tuple[str, ...]] = ()  # ATTENTION_OPTIONS it reads and writes
@@ -130,7 +131,8 @@ class Family:
 
   def fits(self, cfg: ModelConfig) -> bool:
     """Whether a decoder of ``cfg`` has this family's block (its weights are exactly the family's)."""
-    return all(getattr(cfg, k) == bool(self.block.get(k, False)) for k in BLOCK_OPTIONS)
+    same_block = all(getattr(cfg, k) == bool(self.block.get(k, False)) for k in BLOCK_OPTIONS)
+    return same_block and (cfg.moe is not None) == self.experts
 
   def hf_fields(self, cfg: ModelConfig) -> dict[str, Any]:
     """Fields only this family writes into ``config.json`` (added to the common ones by `to_hf`)."""
@@ -140,7 +142,8 @@ class Family:
   def to_hf(self, cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """The Hugging Face ``config.json`` contents for a decoder of config ``cfg``."""
     if not self.fits(cfg):
-      raise ValueError(f"a decoder with qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias} cannot be written as "
+      raise ValueError(f"a decoder with qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias}, "
+                       f"{'mixture-of-experts' if cfg.moe else 'dense'} blocks cannot be written as "
                        f"{self.name!r}; use family={default_family_name(cfg)!r}")
     unwritten = [o for o in ATTENTION_OPTIONS if getattr(cfg, o) is not None and o not in self.options]
     if unwritten:
@@ -271,7 +274,8 @@ def default_for(cfg: ModelConfig) -> Family:
   for fam in sorted(fitting, key=lambda f: not f.default_export):
     if fam.writes(cfg):
       return fam
-  raise ValueError(f"ModelConfig with qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias} matches no supported Hugging "
+  raise ValueError(f"ModelConfig with qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias}, "
+                   f"{'mixture-of-experts' if cfg.moe else 'dense'} blocks matches no supported Hugging "
                    f"Face family; families: {names()}")
 
 

@@ -1,0 +1,226 @@
+"""The mixture-of-experts block: a router picks ``top_k`` of ``n_experts`` SwiGLU experts per token.
+
+`MoeConfig` holds the settings (``ModelConfig.moe``); `MoE` is the block the decoder's `Block` runs in place of
+its dense MLP on the layers `MoeConfig.sparse` names.
+
+==========================  ================  =====================
+weight                      shape             split over ``tensor``
+==========================  ================  =====================
+router                      [D, E]            replicated
+experts gate / up           [E, D, F]         F (each expert's hidden units, as the dense MLP)
+experts down                [E, F, D]         F
+==========================  ================  =====================
+
+Routing (`route`): scores are ``softmax`` (Mixtral, Qwen3-MoE) or ``sigmoid`` of the float32 router logits; the
+``top_k`` highest per token are chosen (equal scores: the lower expert index first, `jax.lax.top_k`'s rule), their
+scores are the combine weights, renormalised to sum to 1 with ``norm_topk_prob``. Routing is a function of the
+logits only, so it is the same on every layout.
+
+The experts run as one grouped matmul (`grouped_experts`): the ``N * top_k`` (token, expert) assignments sorted by
+expert (a stable sort: ties keep token order), `jax.lax.ragged_dot` over the groups, the results put back in
+assignment order and summed per token with their weights. Nothing loops over experts.
+
+Dropless by default. With ``capacity_factor`` each expert takes at most
+``ceil(capacity_factor * T * top_k / E)`` assignments of each sequence (a sequence is the group: the rule does not
+depend on how rows are spread over devices); first choices come before second choices, earlier tokens before later
+ones; the overflow is dropped (sorted past the last group, so `ragged_dot` computes nothing for it, and weighted 0;
+the token keeps its residual). `Routing.dropped_BxT` counts each token's dropped assignments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax.sharding import PartitionSpec as P
+
+# The experts run per device in a shard_map over `tensor` (`experts_on_mesh`): the one place here that names axes.
+from meshdistill.parallel.mesh import DATA, TENSOR
+from meshdistill.parallel.rules import annotate
+
+SCORES = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeConfig:
+  """Mixture-of-experts settings of a decoder (``ModelConfig.moe``).
+
+  ``dense_layers``: layer indices that keep the dense MLP (``ModelConfig.mlp_hidden``); every other layer is an
+  `MoE` block of ``n_experts`` experts with ``expert_hidden`` hidden units each. ``aux_loss_weight`` and
+  ``z_loss_weight`` weigh a student's load-balancing and router z-losses in the train step
+  (`meshdistill.losses.router`); they change nothing in the forward pass.
+  """
+
+  n_experts: int = 8
+  top_k: int = 2
+  expert_hidden: int = 64
+  score: str = "softmax"  # "softmax" (Mixtral, Qwen3-MoE) or "sigmoid"
+  norm_topk_prob: bool = True  # renormalise the top_k weights to sum to 1
+  capacity_factor: float | None = None  # None: dropless; else per-sequence expert capacity (see the module doc)
+  dense_layers: tuple[int, ...] = ()  # layers with the dense MLP (Qwen3-MoE mlp_only_layers / decoder_sparse_step)
+  aux_loss_weight: float = 0.0  # weight of the load-balancing loss of a student (Hugging Face router_aux_loss_coef)
+  z_loss_weight: float = 0.0  # weight of the router z-loss of a student (mean squared log-sum-exp of the logits)
+
+  def __post_init__(self):
+    object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+    for name in ("n_experts", "top_k", "expert_hidden"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"MoeConfig.{name}={v!r} must be a positive integer")
+    if self.top_k > self.n_experts:
+      raise ValueError(f"MoeConfig.top_k={self.top_k} exceeds n_experts={self.n_experts}; choose top_k <= n_experts")
+    if self.score not in SCORES:
+      raise ValueError(f"MoeConfig.score={self.score!r}; choose one of {SCORES}")
+    if self.capacity_factor is not None and not self.capacity_factor > 0:
+      raise ValueError(f"MoeConfig.capacity_factor={self.capacity_factor!r} must be > 0 (e.g. 1.25), or null for "
+                       "dropless routing")
+    for name in ("aux_loss_weight", "z_loss_weight"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"MoeConfig.{name}={getattr(self, name)!r} must be >= 0")
+    if any(i < 0 for i in self.dense_layers):
+      raise ValueError(f"MoeConfig.dense_layers={list(self.dense_layers)} must hold layer indices >= 0")
+
+  def sparse(self, layer: int) -> bool:
+    """Whether layer ``layer`` is an `MoE` block (not one of ``dense_layers``)."""
+    return layer not in self.dense_layers
+
+  def capacity(self, tokens: int) -> int | None:
+    """Assignments each expert takes from a sequence of ``tokens`` tokens (None: dropless)."""
+    if self.capacity_factor is None:
+      return None
+    return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts))
+
+
+def inactive_params(cfg) -> int:
+  """Expert weights a token does NOT use in a decoder of ``cfg`` (a `ModelConfig`): ``E - top_k`` experts' gate, up
+  and down in every expert layer (0 without ``moe``). Parameters minus these are the active ones, whose matmuls a
+  token runs (the planner's analytic FLOPs)."""
+  moe = cfg.moe
+  if moe is None:
+    return 0
+  layers = sum(moe.sparse(i) for i in range(cfg.n_layers))
+  return layers * (moe.n_experts - moe.top_k) * 3 * cfg.d_model * moe.expert_hidden
+
+
+class Routing(NamedTuple):
+  """What an `MoE` block reports besides its output: ``logits_BxTxE`` float32 router logits and
+  ``dropped_BxT`` the number of each token's assignments dropped by the capacity (0 when dropless)."""
+
+  logits_BxTxE: jax.Array
+  dropped_BxT: jax.Array
+
+
+def route(logits_NxE: jax.Array, moe: MoeConfig) -> tuple[jax.Array, jax.Array]:
+  """``(weights [N, k] float32, experts [N, k] int32)`` of float32 router logits (see the module doc)."""
+  scores_NxE = jax.nn.softmax(logits_NxE, axis=-1) if moe.score == "softmax" else jax.nn.sigmoid(logits_NxE)
+  weights_Nxk, experts_Nxk = jax.lax.top_k(scores_NxE, moe.top_k)
+  if moe.norm_topk_prob:
+    weights_Nxk = weights_Nxk / jnp.sum(weights_Nxk, axis=-1, keepdims=True)
+  return weights_Nxk, experts_Nxk
+
+
+def capacity_keep(experts_BxTxk: jax.Array, n_experts: int, capacity: int) -> jax.Array:
+  """bool ``[B, T, k]``: the assignments each expert takes within its sequence's ``capacity``, first choices of
+  all tokens before second choices, earlier tokens first."""
+  B, T, k = experts_BxTxk.shape
+  order_BxKT = jnp.swapaxes(experts_BxTxk, 1, 2).reshape(B, k * T)  # choice-major priority
+  onehot = jax.nn.one_hot(order_BxKT, n_experts, dtype=jnp.int32)  # [B, kT, E]
+  position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)  # rank within its expert
+  return jnp.swapaxes((position < capacity).reshape(B, k, T), 1, 2)
+
+
+def grouped_experts(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk=None):
+  """``sum_j weights[n, j] * expert_{experts[n, j]}(x[n])`` for every token ``n``: one `jax.lax.ragged_dot` per
+  projection over the assignments sorted by expert (dropped ones, ``keep_Nxk`` false, sorted past the groups)."""
+  N, k = experts_Nxk.shape
+  E = w_gate_ExDxF.shape[0]
+  group_NK = experts_Nxk.reshape(-1) if keep_Nxk is None else jnp.where(keep_Nxk, experts_Nxk, E).reshape(-1)
+  order_NK = jnp.argsort(group_NK, stable=True)
+  sizes_E = jnp.bincount(group_NK, length=E + 1)[:E].astype(jnp.int32)
+  x_sorted = x_NxD[order_NK // k]
+  h = jax.nn.silu(jax.lax.ragged_dot(x_sorted, w_gate_ExDxF, sizes_E)) * jax.lax.ragged_dot(x_sorted, w_up_ExDxF, sizes_E)
+  y_sorted = jax.lax.ragged_dot(h, w_down_ExFxD, sizes_E)
+  y_NKxD = jnp.zeros_like(y_sorted).at[order_NK].set(y_sorted, unique_indices=True)
+  weights_Nxk = weights_Nxk if keep_Nxk is None else jnp.where(keep_Nxk, weights_Nxk, 0.0)
+  y_NxkxD = y_NKxD.reshape(N, k, -1) * weights_Nxk[..., None].astype(y_NKxD.dtype)
+  return jnp.sum(y_NxkxD, axis=1)
+
+
+def dense_experts(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk=None):
+  """The same as `grouped_experts` by a Python loop running every expert on every token (a reference and the
+  benchmark's baseline, never used by the model)."""
+  weights_Nxk = weights_Nxk if keep_Nxk is None else jnp.where(keep_Nxk, weights_Nxk, 0.0)
+  out = jnp.zeros(x_NxD.shape, jnp.float32)
+  for e in range(w_gate_ExDxF.shape[0]):
+    y = (jax.nn.silu(x_NxD @ w_gate_ExDxF[e]) * (x_NxD @ w_up_ExDxF[e])) @ w_down_ExFxD[e]
+    gate_N = jnp.sum(jnp.where(experts_Nxk == e, weights_Nxk, 0.0), axis=-1)
+    out = out + gate_N[:, None] * y
+  return out.astype(x_NxD.dtype)
+
+
+def experts_on_mesh(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk=None):
+  """`grouped_experts` placed for the mesh in context: each device runs its own slice of every expert's hidden units.
+
+  Left to the compiler, the sort, gather and ``ragged_dot`` of the grouped matmul with F split over ``tensor`` are
+  not kept split: compiled for a TPU (v5e:2x2, tensor=4) the step gathered the sorted activations around every
+  expert projection (dozens of all-gathers; none in the same step with dense MLPs). So the experts run in a nested
+  ``shard_map`` manual over the compiler-managed axes, as the dense MLP is split by hand in Megatron: every device
+  routes its rows (the same on every ``tensor`` device), runs gate / up on its ``F / tensor`` hidden units and down
+  from them, giving a partial ``[N, D]``; the partials are summed outside (one all-reduce over ``tensor``). Rows are
+  split over a compiler-managed ``data`` axis that divides them. Without a mesh in context (one device, a plain
+  ``jit``) or with every axis manual already, it is `grouped_experts` itself.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(mesh, "manual_axes", ()))
+  free = {a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1}
+  if TENSOR not in free:
+    return grouped_experts(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk)
+  rows = DATA if DATA in free and x_NxD.shape[0] % mesh.shape[DATA] == 0 else None
+  row_spec, keep_spec = P(rows, None), (None if keep_Nxk is None else P(rows, None))
+
+  def local(x, e, g, wg, wu, wd, keep):
+    return grouped_experts(x, e, g, wg, wu, wd, keep)[None]  # this device's partial sum over its hidden units
+
+  partial_TxNxD = jax.shard_map(
+      local, in_specs=(row_spec, row_spec, row_spec, P(None, None, TENSOR), P(None, None, TENSOR),
+                       P(None, TENSOR, None), keep_spec),
+      out_specs=P(TENSOR, rows, None), axis_names=free, check_vma=False,
+  )(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk)
+  return jnp.sum(partial_TxNxD, axis=0)
+
+
+class MoE(nnx.Module):
+  """``moe(x_BxTxD) -> (y_BxTxD, Routing)``: the routed SwiGLU experts of one layer (see the module doc)."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):  # cfg: the decoder's ModelConfig, with cfg.moe set
+    self.moe: MoeConfig = cfg.moe
+    self.dtype = cfg.compute_dtype
+    D, E, F = cfg.d_model, self.moe.n_experts, self.moe.expert_hidden
+    init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    param = lambda init, shape, *names: nnx.Param(  # noqa: E731  (logical names: `meshdistill.parallel.rules`)
+        annotate(init, *names)(rngs.params(), shape, cfg.weight_dtype))
+    self.router = param(nnx.initializers.lecun_normal(), (D, E), "embed", "experts")
+    self.gate = param(init, (E, D, F), "experts", "embed", "mlp")
+    self.up = param(init, (E, D, F), "experts", "embed", "mlp")
+    self.down = param(init, (E, F, D), "experts", "mlp", "embed")
+
+  def __call__(self, x_BxTxD: jax.Array) -> tuple[jax.Array, Routing]:
+    B, T, D = x_BxTxD.shape
+    x_NxD = x_BxTxD.reshape(-1, D)
+    logits_NxE = jnp.dot(x_NxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+    weights_Nxk, experts_Nxk = route(logits_NxE, self.moe)
+    k = self.moe.top_k
+    capacity = self.moe.capacity(T)
+    keep_Nxk = None
+    dropped_BxT = jnp.zeros((B, T), jnp.float32)
+    if capacity is not None:
+      keep_Nxk = capacity_keep(experts_Nxk.reshape(B, T, k), self.moe.n_experts, capacity).reshape(-1, k)
+      dropped_BxT = jnp.sum(~keep_Nxk, axis=-1).astype(jnp.float32).reshape(B, T)
+    w = [v[...].astype(self.dtype) for v in (self.gate, self.up, self.down)]
+    y_NxD = experts_on_mesh(x_NxD.astype(self.dtype), experts_Nxk, weights_Nxk, *w, keep_Nxk)
+    return y_NxD.reshape(B, T, D), Routing(logits_NxE.reshape(B, T, -1), dropped_BxT)
