@@ -69,3 +69,12 @@ def bench_module(name: str):
   if folder not in sys.path:
     sys.path.append(folder)
   return importlib.import_module(f"bench.{name}")
+
+
+def run_steps(trainer, batches):
+  """``(params on the host, [metrics of each step])`` of ``trainer``'s steps on ``batches`` from a fresh state."""
+  state, out = trainer.init_state(), []
+  for b in batches:
+    state, m = trainer.step(state, b)
+    out.append(jax.device_get(m))
+  return jax.device_get(trainer.unreplicate(state.params)), out

@@ -8,7 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch, run_steps
 
 import meshdistill as md
 from meshdistill import cli, jobs
@@ -31,14 +31,6 @@ def _distiller(mesh, lmbda, cls=OnPolicyDistiller, **kw):
   return cls(student, teacher, strategy=GKD, mesh=mesh, seed=3, **kw)
 
 
-def _run(d, batches):
-  state, out = d.init_state(), []
-  for b in batches:
-    state, m = d.step(state, b)
-    out.append(jax.device_get(m))
-  return jax.device_get(d.unreplicate(state.params)), out
-
-
 BATCHES = [make_batch(seed=s, seq=SEQ, pad_from=None) for s in range(2)]
 
 
@@ -49,13 +41,13 @@ def single():
 
 @pytest.fixture(scope="module")
 def single_gkd(single):
-  return _run(single, BATCHES)
+  return run_steps(single, BATCHES)
 
 
 def test_gkd_steps_on_2x4_equal_one_device(single_gkd):
   params, metrics = single_gkd
   assert all(m["on_policy"] == 1 and 0 < m["sample_len"] <= NEW for m in metrics)
-  got_params, got = _run(_distiller(md.make_mesh(data=2, tensor=4), 1.0), BATCHES)
+  got_params, got = run_steps(_distiller(md.make_mesh(data=2, tensor=4), 1.0), BATCHES)
   for m, g in zip(metrics, got):
     for k in ("loss", "kl", "sample_len", "sample_nll", "tokens"):
       np.testing.assert_allclose(g[k], m[k], rtol=1e-5, err_msg=k)
@@ -65,7 +57,7 @@ def test_gkd_steps_on_2x4_equal_one_device(single_gkd):
 def test_lambda_zero_is_off_policy_kd_on_the_completions_exactly(single):
   off = copy.copy(single)  # the same compiled step
   off.on_policy = dataclasses.replace(single.on_policy, lmbda=0.0)
-  params, metrics = _run(off, BATCHES)
+  params, metrics = run_steps(off, BATCHES)
   width = SEQ + 1 - NEW
   state, ref = off.init_state(), []
   for b in BATCHES:  # the plain distillation step on rows whose loss mask covers the completions

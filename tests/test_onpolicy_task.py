@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch, run_steps
 
 import meshdistill as md
 from meshdistill import losses
@@ -138,18 +138,10 @@ def _sampled(mesh):
   return OnPolicyDistiller(student, teacher, strategy=SampledTokenKD(discount=0.5), on_policy=on, mesh=mesh, seed=3)
 
 
-def _run(d, batches):
-  state, out = d.init_state(), []
-  for b in batches:
-    state, m = d.step(state, b)
-    out.append(jax.device_get(m))
-  return jax.device_get(d.unreplicate(state.params)), out
-
-
 def test_sampled_token_steps_on_2x4_equal_one_device():
   batches = [make_batch(seed=s, seq=SEQ, pad_from=None) for s in range(2)]
-  params, metrics = _run(_sampled(None), batches)
-  got_params, got = _run(_sampled(md.make_mesh(data=2, tensor=4)), batches)
+  params, metrics = run_steps(_sampled(None), batches)
+  got_params, got = run_steps(_sampled(md.make_mesh(data=2, tensor=4)), batches)
   assert all(m["on_policy"] == 1 for m in metrics) and metrics[0]["reverse_kl"] > 0
   for m, g in zip(metrics, got):
     for key in ("loss", "reverse_kl", "teacher_ce", "advantage", "sample_len", "tokens"):
