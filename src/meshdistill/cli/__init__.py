@@ -11,6 +11,7 @@
   meshdistill config [--config ...] [--set ...]   # print the effective configuration
   meshdistill plan --teacher llama3.1-8b --student llama3.2-1b --topology v5e:4x4 --batch 16 --seq 2048
   meshdistill launch --processes 2 -- meshdistill distill --config tiny   # N local processes, one job
+  meshdistill serve-teacher --config tiny --port 8000 --k 32   # the teacher's top-k over HTTP (teacher.source: remote)
 
 ``distill``, ``pretrain`` and ``eval`` join a job of several processes (one per host of a TPU pod
 slice or GPU cluster) with ``--coordinator HOST:PORT --num-processes N --process-id I``, the
@@ -262,6 +263,15 @@ def _main(argv: list[str] | None) -> int:
                 f"{m['temperature']}, {m['precision']}, {cache.bytes_per_token():.1f} bytes/token, "
                 f"content {m['content_sha256'][:16]}")
           print(f"distil from it with: --set teacher.cache={cache.path} --set distill.top_k={m['k']}")
+      elif args.command == "serve-teacher":
+        token = args.token or os.environ.get("MESHDISTILL_TEACHER_TOKEN") or None
+        lengths = tuple(int(v) for v in args.lengths.split(",")) if args.lengths else None
+        stats = jobs.serve_teacher(cfg, jobs.ServeSettings(
+            host=args.host, port=args.port, k=args.k, token=token, max_rows=args.max_rows,
+            max_wait_ms=args.max_wait_ms, lengths=lengths, max_tokens=args.max_tokens, max_bytes=args.max_bytes,
+            graceful_s=args.graceful_s, served_name=args.served_name), stream=sys.stderr)
+        print(f"teacher server stopped: {stats['requests']} requests in {stats['calls']} teacher calls, "
+              f"{stats['tokens']} tokens")
       elif args.command == "eval" and args.task:
         r = jobs.evaluate_task(cfg, args.task, model=args.model, prompts=args.prompts, samples=args.samples,
                                temperature=args.temperature, seed=args.seed, stream=sys.stderr)

@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
   ct.add_argument("--k", type=int, default=32, help="tokens kept per position")
   ct.add_argument("--precision", default="float16", help="log-probabilities as float16 (compact) or float32 (exact)")
   ct.add_argument("--rows-per-shard", type=int, default=1024, help="packed rows per shard file")
+  _serve_parser(with_config(command("serve-teacher", help="serve the teacher's top-k over HTTP (vLLM /v1/completions "
+                                    "subset) to students elsewhere (teacher.source: remote)")))
   with_config(command("config", help="print the effective configuration as YAML"))
   la = command("launch", help="run a command as N local CPU processes of one job (development, tests)")
   la.add_argument("--processes", type=int, required=True, metavar="N", help="number of processes")
@@ -109,6 +111,22 @@ def parser() -> argparse.ArgumentParser:
   _plan_parser(with_config(command("plan", help="compile the distillation step for a TPU slice or CPU devices "
                                           "and report whether and how it fits (no accelerator needed)")))
   return p
+
+
+def _serve_parser(sp) -> None:
+  sp.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+  sp.add_argument("--port", type=int, default=8000, help="port to listen on")
+  sp.add_argument("--k", type=int, default=32, help="the most top-k log-probabilities a request may ask for")
+  sp.add_argument("--token", default=None, help="bearer token clients must send (default: $MESHDISTILL_TEACHER_TOKEN; "
+                  "none: no token checked)")
+  sp.add_argument("--max-rows", type=int, default=64, help="prompts per teacher call (and per request) at most")
+  sp.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with")
+  sp.add_argument("--lengths", default=None, help="comma-separated padded lengths the program compiles for "
+                  "(default: powers of two from 64 up to the teacher's max_len)")
+  sp.add_argument("--max-tokens", type=int, default=1 << 20, help="token ids per request at most")
+  sp.add_argument("--max-bytes", type=int, default=64 << 20, help="request body bytes at most")
+  sp.add_argument("--graceful-s", type=float, default=30.0, help="on SIGTERM, seconds to finish requests in flight")
+  sp.add_argument("--served-name", default="meshdistill-teacher", help="the model name /v1/models reports")
 
 
 def _plan_parser(sp) -> None:

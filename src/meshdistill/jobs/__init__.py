@@ -24,6 +24,7 @@ The jobs live in private modules by concept; import them from here (``meshdistil
   `obtain_teacher`; the sources are `meshdistill.teachers.kinds`, which also hold the pretrained teacher's cache:
   `default_cache_dir`, `teacher_key`, `teacher_dir`);
 - ``_distill_job``: `distill` and its final evaluation;
+- ``_serve``: `serve_teacher` (``meshdistill serve-teacher``: the teacher behind an HTTP server), `build_server`;
 - ``_inspect``: `evaluate`, `evaluate_task` (accuracy by generation on a task), `generate`, `load_run` (a run's student
   in Python), `stored_student_config`, `run_teacher`, `summary_table`.
 """
@@ -33,6 +34,7 @@ from meshdistill.jobs._training import loop_kwargs, make_distiller, safeguard_kw
 from meshdistill.jobs._teacher import cache_teacher, default_cache_dir, obtain_teacher, pretrain, teacher_dir
 from meshdistill.jobs._teacher import prepare_teacher, teacher_key
 from meshdistill.jobs._distill_job import distill
+from meshdistill.jobs._serve import ServeSettings, build_server, serve_teacher
 from meshdistill.jobs._inspect import (
     LoadedRun,
     evaluate,
@@ -46,6 +48,7 @@ from meshdistill.jobs._inspect import summary_table
 
 __all__ = [
   "build_mesh",
+  "build_server",
   "cache_teacher",
   "default_cache_dir",
   "distill",
@@ -63,6 +66,8 @@ __all__ = [
   "pretrain",
   "run_teacher",
   "safeguard_kwargs",
+  "serve_teacher",
+  "ServeSettings",
   "stored_student_config",
   "strategy_and_optimizer",
   "stream_reporter",

@@ -1,0 +1,96 @@
+"""The ``serve-teacher`` job: the run's teacher (``teacher.hf``, else the pretrained one; ``teacher.quantize``d) on
+this host's mesh, answering top-k requests over HTTP (`meshdistill.teachers.service`) until SIGTERM / SIGINT."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import IO
+
+import numpy as np
+
+from meshdistill.config import Config, ConfigError
+from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
+from meshdistill.jobs._teacher import obtain_teacher
+from meshdistill.parallel.backends import make_layout
+from meshdistill.teachers import cache as tc
+from meshdistill.teachers.service import protocol, server
+from meshdistill.teachers.service.batching import Batcher, length_buckets
+from meshdistill.teachers.sources import quantized_teacher
+from meshdistill.train.distiller import resolve_shared_vocab
+
+log = logging.getLogger("meshdistill.jobs")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeSettings:
+  """How the server listens and batches (the ``serve-teacher`` flags)."""
+
+  host: str = "127.0.0.1"
+  port: int = 8000
+  k: int = 32
+  token: str | None = None
+  max_rows: int = 64
+  max_wait_ms: float = 5.0
+  lengths: tuple[int, ...] | None = None  # padded lengths; None: powers of two from 64 up to the teacher's max_len
+  max_tokens: int = 1 << 20
+  max_bytes: int = 64 << 20
+  graceful_s: float = 30.0
+  served_name: str = "meshdistill-teacher"
+  warm_up: bool = True
+
+
+def build_server(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None = None):
+  """``(app, batcher, identity)``: the teacher of ``cfg`` placed on its mesh behind a `Batcher`, and the Starlette
+  application answering with it."""
+  if cfg.models.teacher_kind not in ("pretrained", "hf"):
+    raise ConfigError(f"serve-teacher runs a teacher model (teacher.source pretrained or hf, optionally "
+                      f"teacher.quantize); teacher.source={cfg.models.teacher_kind} runs none here")
+  tau = cfg.distill.value("temperature")
+  if callable(tau) or isinstance(tau, dict):
+    raise ConfigError(f"distill.temperature={tau!r}: a served teacher answers at one temperature; set a constant")
+  say = stream_reporter(stream)
+  mesh = build_mesh(cfg)
+  data = load_data(cfg, mesh=mesh)  # the tokenizer (its fingerprint is the identity's) and a teacher to pretrain on
+  teacher, _ = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize
+  vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
+  if not 1 <= settings.k <= vocab:
+    raise ConfigError(f"--k {settings.k} must be in [1, {vocab}] (the teacher's vocabulary range)")
+  program_mesh = make_layout(cfg.mesh.backend, mesh).eval_mesh
+  program = tc.TeacherTopK(teacher, k=settings.k, temperature=float(tau), vocab=vocab, mesh=program_mesh)
+  max_len = teacher.cfg.max_len
+  lengths = tuple(sorted(settings.lengths)) if settings.lengths else length_buckets(max_len)
+  if lengths[-1] > max_len:
+    raise ConfigError(f"--lengths {','.join(map(str, lengths))}: the longest exceeds the teacher's max_len={max_len}")
+  rows = 1 if program_mesh is None else program_mesh.shape["data"]
+
+  def run(tokens_BxL: np.ndarray):
+    return tuple(np.asarray(x) for x in program(tokens_BxL))
+
+  batcher = Batcher(run, max_rows=settings.max_rows, max_wait_ms=settings.max_wait_ms, row_multiple=rows,
+                    lengths=lengths)
+  if settings.warm_up:
+    batcher.warm_up()
+  identity = protocol.identity_of(tokenizer=data.tokenizer.fingerprint, vocab=vocab, temperature=float(tau),
+                                  k=settings.k, teacher=tc.teacher_identity(teacher), max_len=lengths[-1],
+                                  served_name=settings.served_name)
+  limits = protocol.Limits(rows=settings.max_rows, tokens=settings.max_tokens, bytes=settings.max_bytes, vocab=vocab,
+                           max_len=lengths[-1], k=settings.k)
+  app = server.make_app(batcher, identity, limits, token=settings.token)
+  say(f"teacher server: top-{settings.k} at temperature {float(tau)}, vocabulary {vocab}, rows up to "
+      f"{lengths[-1]} tokens, batches of up to {settings.max_rows} rows (wait {settings.max_wait_ms} ms), buckets "
+      f"{batcher.row_buckets} x {lengths}; weights sha256 {identity['teacher']['weights_sha256'][:16]}")
+  return app, batcher, identity
+
+
+def serve_teacher(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None = None) -> dict:
+  """Serves the teacher of ``cfg`` until SIGTERM / SIGINT (requests in flight are answered); returns its stats."""
+  app, batcher, _ = build_server(cfg, settings, stream=stream)
+  stream_reporter(stream)(f"teacher server: listening on http://{settings.host}:{settings.port}"
+                          + (" (bearer token required)" if settings.token else ""))
+  try:
+    server.serve(app, host=settings.host, port=settings.port, graceful_s=settings.graceful_s)
+  finally:
+    batcher.close()
+  return batcher.stats.as_dict()

@@ -1,0 +1,190 @@
+"""``teacher.source: remote``: a teacher served over the network (``meshdistill serve-teacher``, or a vLLM server)
+at ``teacher.url``; the student receives its top-k per token, fetched one batch ahead by a background thread while
+the step runs (the sub-mesh teacher's contract: `meshdistill.teachers.mesh`).
+
+Before the first step the server's identity is checked against the run: its tokenizer fingerprint, vocabulary
+range, temperature and k (a meshdistill server); a vLLM server tells only its model and length, so there the
+temperature must be 1 (vLLM's prompt log-probabilities are the model's own) and the answers' ids are checked
+against the vocabulary. Every answer is checked whole (rows, positions, k entries, finite values) before a step may
+use it; a server that stays down stops the run with an error naming the url (a rerun resumes from the last
+checkpoint). The identity checkpoints record names the teacher's weights, not the url: a restarted server, at any
+address, resumes the run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from typing import ClassVar
+
+from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.teachers.cache import TopKTeacher
+from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, option, register, topk_refusal
+from meshdistill.teachers.service.client import RemoteTeacherError, TeacherClient
+from meshdistill.train.distiller import resolve_shared_vocab
+from meshdistill.train.step import TOPK_KEYS
+
+TOKEN_ENV = "MESHDISTILL_TEACHER_TOKEN"
+
+
+@register
+class Remote(TeacherSource):
+  """a teacher served over the network, e.g. teacher.url: http://teacher-host:8000 (meshdistill serve-teacher)"""
+
+  name: ClassVar[str] = "remote"
+  gives: ClassVar[str] = TOPK
+  # url: the server; k: top-k asked for (default distill.top_k); timeout: seconds a request may take; retries:
+  # tries after a failure (exponential backoff); token_env: the environment variable holding the bearer token
+  # (default MESHDISTILL_TEACHER_TOKEN; the token itself never enters config.yaml); model: the served model name
+  settings: ClassVar[tuple[str, ...]] = ("url", "k", "timeout", "retries", "token_env", "model")
+  required: ClassVar[tuple[str, ...]] = ("url",)
+
+  @classmethod
+  def check_settings(cls, values):
+    url = values.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+      raise ConfigError(f"teacher.url={url!r} must be the server's address, e.g. http://127.0.0.1:8000")
+    for key, low in (("k", 1), ("retries", 0)):
+      v = values.get(key)
+      if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+        raise ConfigError(f"teacher.{key}={v!r} must be an integer >= {low}")
+    t = values.get("timeout")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+      raise ConfigError(f"teacher.timeout={t!r} must be a positive number of seconds, e.g. 60")
+    for key in ("token_env", "model"):
+      if values.get(key) is not None and not isinstance(values[key], str):
+        raise ConfigError(f"teacher.{key}={values[key]!r} must be a string")
+
+  def accepts(self, strategy, distill):
+    return topk_refusal(self.name, strategy, distill, "teacher.url sends the student the teacher's top-k only")
+
+  def check(self):
+    super().check()
+    tau = self.cfg.distill.value("temperature")
+    if callable(tau) or isinstance(tau, dict):
+      raise ConfigError("teacher.source=remote needs a constant distill.temperature (the server's top-k is taken at it)")
+    if self.cfg.models.student_init.from_teacher:
+      raise ConfigError("student.init.from_teacher copies the teacher's weights, but teacher.source=remote has none "
+                        "here; remove student.init")
+
+  def client(self) -> TeacherClient:
+    cfg = self.cfg
+    token = os.environ.get(option(cfg, "token_env") or TOKEN_ENV) or None
+    return TeacherClient(option(cfg, "url"), timeout_s=float(option(cfg, "timeout", 60.0)),
+                         retries=int(option(cfg, "retries", 3)), token=token, model=option(cfg, "model"))
+
+  def prepare(self, data, mesh, teacher_mesh, services):
+    del mesh, teacher_mesh
+    client = self.client()
+    spec, identity = check_identity(client.identity(), self.cfg, data.tokenizer, client.url)
+    services.report(f"teacher: {identity} served at {client.url}, top-{spec.k} at temperature {spec.temperature}")
+    return Prepared(RemoteTeacherData(data, client, spec), spec, identity)
+
+
+def check_identity(ident: dict, cfg, tokenizer, url: str) -> tuple[TopKTeacher, str]:
+  """``(the teacher as the Distiller sees it, its identity for checkpoints)`` of a server's ``ident``; a
+  `ConfigError` naming the first fact that differs from this run (tokenizer, vocabulary, temperature, k, length)."""
+  tau = float(cfg.distill.value("temperature"))
+  top_k = cfg.distill.value("top_k")
+  k = option(cfg, "k") or top_k
+  where = f"the teacher server at {url}"
+  if ident.get("server") == "vllm":
+    if tau != 1.0:
+      raise ConfigError(f"{where} is a vLLM server, whose prompt log-probabilities are at temperature 1; set "
+                        f"distill.temperature=1.0 (got {tau})")
+    vocab = cfg.student.vocab_size
+    spec_cfg = cfg.teacher.replace(max_len=max(ident["max_len"], 1))
+    identity = f"remote vLLM model {ident['model']}"
+  else:
+    teacher = ident.get("teacher") or {}
+    t_vocab = int((teacher.get("config") or {}).get("vocab_size", 0))
+    if ident.get("tokenizer") != tokenizer.fingerprint:
+      raise ConfigError(f"{where} serves a teacher of another tokenizer (fingerprint {ident.get('tokenizer')!r}, this "
+                        f"run {tokenizer.fingerprint!r}); serve a teacher of this run's data.tokenizer, or point "
+                        "teacher.url at one")
+    try:
+      vocab = resolve_shared_vocab(t_vocab, cfg.student.vocab_size) or t_vocab
+    except ValueError as e:
+      raise ConfigError(f"{where}: {e}") from None
+    if ident.get("vocab") != vocab:
+      raise ConfigError(f"{where} ranks tokens over [0, {ident.get('vocab')}), this run compares [0, {vocab}); serve "
+                        "the teacher with a config whose student.vocab_size is this run's")
+    if float(ident.get("temperature", -1)) != tau:
+      raise ConfigError(f"{where} serves log-probabilities at temperature {ident.get('temperature')}, this run trains "
+                        f"at distill.temperature={tau}; set it to {ident.get('temperature')}, or serve the teacher at "
+                        f"{tau} (serve-teacher --set distill.temperature={tau})")
+    if int(ident.get("k", 0)) < k:
+      raise ConfigError(f"{where} serves at most top-{ident.get('k')}, this run asks for {k}; set teacher.k (and "
+                        f"distill.top_k) to at most {ident.get('k')}, or serve with --k {k}")
+    spec_cfg = cfg.teacher.replace(vocab_size=t_vocab, max_len=int(ident["max_len"]))
+    identity = f"remote teacher sha256:{teacher.get('weights_sha256', '?')[:16]}"
+  if spec_cfg.max_len < cfg.data.seq_len:
+    raise ConfigError(f"{where} takes rows of at most {spec_cfg.max_len} tokens, this run's data.seq_len is "
+                      f"{cfg.data.seq_len}")
+  spec = TopKTeacher(cfg=spec_cfg, k=k, temperature=tau, vocab=vocab, source=f"teacher.url={url}")
+  return spec, identity
+
+
+class RemoteTeacherData:
+  """A `meshdistill.data.DataBundle` whose training batches carry a served teacher's top-k, fetched one batch
+  ahead; the iterator's state is the position of the next batch it hands out (resume as with the plain data)."""
+
+  def __init__(self, bundle, client: TeacherClient, spec: TopKTeacher):
+    self.bundle, self.client, self.spec = bundle, client, spec
+    self.wait_log: list[tuple[int, float]] = []  # (batch index, seconds the loop waited for its answer)
+
+  def __getattr__(self, name):
+    return getattr(self.bundle, name)
+
+  def fetch(self, batch: dict) -> dict:
+    """The top-k of ``batch``'s rows under `TOPK_KEYS` (blocking)."""
+    got = self.client.topk(batch["inputs"], batch["targets"][:, -1], k=self.spec.k, vocab=self.spec.vocab)
+    return dict(zip(TOPK_KEYS, got))
+
+  def train_iterator(self, state: dict | None = None, **kw) -> _FetchAheadIterator:
+    return _FetchAheadIterator(self.bundle.train_iterator(state, **kw), self)
+
+
+class _FetchAheadIterator:
+  def __init__(self, it, owner: RemoteTeacherData):
+    self._it, self._owner, self._ahead, self._index = it, owner, None, 0
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote-teacher")
+
+  def _read(self):
+    position = self._it.get_state()
+    try:
+      batch = next(self._it)
+    except StopIteration:
+      return None
+    self._index += 1
+    return self._index - 1, position, batch, self._pool.submit(self._owner.fetch, batch)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    current = self._ahead if self._ahead is not None else self._read()
+    if current is None:
+      raise StopIteration
+    self._ahead = self._read()  # batch s+1's answer is asked for now, fetched while step s runs
+    index, _, batch, future = current
+    t0 = time.perf_counter()
+    try:
+      topk = future.result()  # raises the client's error: the batch is never handed out without its answer
+    except RemoteTeacherError:
+      self._ahead = current  # the state stays this batch's: it is the next one to hand out
+      raise
+    self._owner.wait_log.append((index, time.perf_counter() - t0))
+    return {**batch, **topk}
+
+  def get_state(self):
+    return self._ahead[1] if self._ahead is not None else self._it.get_state()
+
+  def set_state(self, state):
+    self._ahead = None
+    self._it.set_state(state)
+
+  def close(self):
+    self._pool.shutdown(wait=False, cancel_futures=True)
+    self._it.close()

@@ -1,0 +1,159 @@
+"""Dynamic batching: the prompts of concurrent requests gathered into one call of one compiled teacher program.
+
+A `Batcher` owns one worker thread. `Batcher.submit` queues a request's prompts and returns a future; the worker
+takes the oldest request, then keeps taking requests for at most ``max_wait_ms`` or until ``max_rows`` prompts are
+gathered, and answers them all with ONE call of ``fn`` on a ``[B, L]`` block: ``L`` the smallest length bucket
+that holds the longest prompt, ``B`` the smallest row bucket (8 rows or ``row_multiple`` times a power of two,
+at most ``max_rows`` rounded up) that holds them. Padding (id 0) goes after a prompt's ids and in rows of its own: the
+teacher is causal, so a position's top-k never sees it. A few fixed shapes mean the program compiles a few times,
+never per request (`warm_up` compiles them all before the first request).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def length_buckets(max_len: int, smallest: int = 64) -> tuple[int, ...]:
+  """Powers of two from ``smallest`` below ``max_len``, then ``max_len``: the padded lengths a program runs at."""
+  out, n = [], smallest
+  while n < max_len:
+    out.append(n)
+    n *= 2
+  return (*out, max_len)
+
+
+@dataclasses.dataclass
+class Stats:
+  """What the server reports on ``/health``: requests answered, program calls, rows and real tokens computed."""
+
+  requests: int = 0
+  calls: int = 0
+  rows: int = 0
+  tokens: int = 0
+  shapes: set = dataclasses.field(default_factory=set)
+
+  def as_dict(self) -> dict:
+    return {"requests": self.requests, "calls": self.calls, "rows": self.rows, "tokens": self.tokens,
+            "shapes": sorted(self.shapes)}
+
+
+class Batcher:
+  """Gathers concurrent requests into calls of ``fn(tokens [B, L] int32) -> (ids [B, L, K], logprobs [B, L, K],
+  tail [B, L])`` (host arrays).
+
+  Args:
+    fn: the compiled teacher program (B a multiple of ``row_multiple``).
+    max_rows: prompts per call at most (a request never holds more: the server's limit).
+    max_wait_ms: how long the first request of a call waits for others.
+    row_multiple: B is a multiple of it (the mesh's ``data`` size).
+    lengths: the length buckets, increasing; the last is the longest prompt (less its last id) accepted.
+  """
+
+  def __init__(self, fn: Callable, *, max_rows: int, max_wait_ms: float, row_multiple: int, lengths: tuple[int, ...]):
+    if max_rows < 1 or row_multiple < 1 or not lengths:
+      raise ValueError(f"max_rows={max_rows}, row_multiple={row_multiple}, lengths={lengths}: need positive sizes")
+    self.fn, self.max_rows, self.max_wait = fn, max_rows, max_wait_ms / 1000.0
+    self.lengths = tuple(sorted(lengths))
+    rows, n = [], row_multiple * max(1, 8 // row_multiple)  # from 8 rows: a smaller call saves little
+    n = min(n, -(-max_rows // row_multiple) * row_multiple)
+    while n < max_rows:
+      rows.append(n)
+      n *= 2
+    self.row_buckets = (*rows, n)
+    self.stats = Stats()
+    self._queue: collections.deque = collections.deque()
+    self._cond = threading.Condition()
+    self._closed = False
+    self._worker = threading.Thread(target=self._run, name="teacher-batcher", daemon=True)
+    self._worker.start()
+
+  def warm_up(self) -> None:
+    """Compiles the program at every (rows, length) bucket before the first request."""
+    for b in self.row_buckets:
+      for length in self.lengths:
+        self.fn(np.zeros((b, length), np.int32))
+
+  def submit(self, prompts: list[list[int]]) -> concurrent.futures.Future:
+    """Queues ``prompts`` (each of 2 .. ``lengths[-1] + 1`` ids); the future's result is one ``(ids [n - 1, K],
+    logprobs [n - 1, K], tail [n - 1])`` per prompt of ``n`` ids."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with self._cond:
+      if self._closed:
+        raise RuntimeError("the teacher server is shutting down")
+      self._queue.append((prompts, future))
+      self._cond.notify()
+    return future
+
+  def close(self) -> None:
+    """Answers every queued request, then stops the worker."""
+    with self._cond:
+      self._closed = True
+      self._cond.notify()
+    self._worker.join()
+
+  # ------------------------------------------------------------------ the worker
+  def _take(self) -> list | None:
+    with self._cond:
+      while not self._queue and not self._closed:
+        self._cond.wait()
+      if not self._queue:
+        return None
+      taken = [self._queue.popleft()]
+      rows = len(taken[0][0])
+      deadline = time.monotonic() + self.max_wait
+      while rows < self.max_rows and not self._closed:
+        if self._queue:
+          if rows + len(self._queue[0][0]) > self.max_rows:
+            break
+          item = self._queue.popleft()
+          taken.append(item)
+          rows += len(item[0])
+          continue
+        left = deadline - time.monotonic()
+        if left <= 0:
+          break
+        self._cond.wait(left)
+      return taken
+
+  def _run(self) -> None:
+    while True:
+      taken = self._take()
+      if taken is None:
+        return
+      try:
+        answers = self._call([p for prompts, _ in taken for p in prompts])
+      except Exception as e:  # noqa: BLE001 -- handed to each waiting request
+        log.exception("teacher call failed")
+        for _, future in taken:
+          future.set_exception(e)
+        continue
+      start = 0
+      for prompts, future in taken:
+        future.set_result(answers[start:start + len(prompts)])
+        start += len(prompts)
+      self.stats.requests += len(taken)
+
+  def _call(self, prompts: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    longest = max(len(p) - 1 for p in prompts)
+    length = next(n for n in self.lengths if n >= longest)
+    rows = next(n for n in self.row_buckets if n >= len(prompts))
+    tokens_BxL = np.zeros((rows, length), np.int32)
+    for i, p in enumerate(prompts):
+      tokens_BxL[i, :len(p) - 1] = p[:-1]  # the last id's distribution is not asked for
+    ids, logprobs, tail = (np.asarray(x) for x in self.fn(tokens_BxL))
+    self.stats.calls += 1
+    self.stats.rows += len(prompts)
+    self.stats.tokens += sum(len(p) - 1 for p in prompts)
+    self.stats.shapes.add((rows, length))
+    return [(ids[i, :len(p) - 1], logprobs[i, :len(p) - 1], tail[i, :len(p) - 1]) for i, p in enumerate(prompts)]

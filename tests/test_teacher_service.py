@@ -1,0 +1,241 @@
+"""A teacher served over the network (``meshdistill serve-teacher``, ``teacher.source: remote``), against ONE real
+server process on localhost: a run from it equals the run with the teacher in-process; concurrent clients are
+batched and answered right; a killed server stops the run with a clear error and a rerun resumes to the same result;
+a stalled server is retried; another teacher is refused; bad requests are 4xx and the server keeps serving."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from helpers import write_corpus
+
+import meshdistill as md
+from meshdistill import jobs
+from meshdistill.config import ConfigError, load_config
+from meshdistill.teachers.cache import TeacherTopK
+from meshdistill.teachers.checkpoint import save_teacher
+from meshdistill.teachers.kinds.remote import check_identity
+from meshdistill.teachers.service.client import TeacherClient, TeacherDown
+
+K, TAU, TOKEN, VOCAB = 4, 2.0, "s3cret", 264  # the tiny config's byte tokenizer
+SRC = os.path.join(os.path.dirname(__file__), os.pardir, "src")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Server:
+  """``meshdistill serve-teacher`` in a process of its own; `start` again after `kill` (same port)."""
+
+  def __init__(self, overrides, port, cache):
+    self.port, self.url, self.proc, self.cache = port, f"http://127.0.0.1:{port}", None, cache
+    self.cmd = [sys.executable, "-m", "meshdistill", "serve-teacher", "--config", "tiny",
+                *[a for o in overrides for a in ("--set", o)], "--port", str(port), "--k", str(K),
+                "--token", TOKEN, "--max-rows", "16", "--max-wait-ms", "30", "--lengths", "8", "--max-bytes", "20000"]
+
+  def start(self):
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC), "JAX_PLATFORMS": "cpu",
+           "JAX_COMPILATION_CACHE_DIR": self.cache}  # a restarted server reuses its compiled program
+    self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+      if self.proc.poll() is not None:
+        raise RuntimeError(f"serve-teacher exited {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
+      try:
+        if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+          return
+      except httpx.TransportError:
+        time.sleep(0.2)
+    raise RuntimeError("serve-teacher did not answer /health")
+
+  def health(self) -> dict:
+    r = httpx.get(f"{self.url}/health", timeout=5)
+    assert r.status_code == 200
+    return r.json()
+
+  def kill(self):
+    self.proc.kill()
+    self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  root = tmp_path_factory.mktemp("served")
+  corpus = write_corpus(root / "corpus", 12)
+  common = [f"data.source={corpus}", "data.seq_len=8", "data.val_fraction=0.25", "data.max_chars=null",
+            "teacher.max_len=16", "student.max_len=16", f"distill.temperature={TAU}", f"distill.top_k={K}",
+            "mesh.backend=single", "mesh.data=1", "mesh.tensor=1", f"pretrain.cache_dir={root / 'cache'}"]
+  cfg = load_config("tiny", common)
+  data = jobs.load_data(cfg)
+  teacher = md.init_model(cfg.teacher, seed=3)
+  tdir = save_teacher(str(root / "teacher"), teacher, data.tokenizer)
+  common.append(f"pretrain.teacher={tdir}")
+  server = Server(common, _free_port(), str(root / "jax-cache"))
+  server.start()
+  old = os.environ.get("MESHDISTILL_TEACHER_TOKEN")
+  os.environ["MESHDISTILL_TEACHER_TOKEN"] = TOKEN
+  inputs, last = _rows(16, seed=0)
+  want = [np.asarray(x) for x in TeacherTopK(teacher, k=K, temperature=TAU)(inputs)]  # the teacher in-process
+  yield dict(root=root, common=common, server=server, data=data, cfg=load_config("tiny", common), inputs=inputs,
+             last=last, want=want)
+  os.environ.pop("MESHDISTILL_TEACHER_TOKEN") if old is None else os.environ.update(MESHDISTILL_TEACHER_TOKEN=old)
+  server.proc.send_signal(signal.SIGTERM)
+  assert server.proc.wait(timeout=30) == 0  # graceful stop
+
+
+def _rows(n, seed):
+  rng = np.random.default_rng(seed)
+  return rng.integers(0, VOCAB, (n, 8)).astype(np.int32), rng.integers(0, VOCAB, (n,)).astype(np.int32)
+
+
+def _check_answer(got, want):
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- load
+def test_concurrent_clients_get_their_own_answers_from_batched_calls(served):
+  server, inputs, last, want = served["server"], served["inputs"], served["last"], served["want"]
+  before = server.health()
+  n = len(inputs)  # one client per row
+  got, errors = [None] * n, []
+
+  def one(i):
+    client = TeacherClient(server.url, timeout_s=30, retries=0, token=TOKEN)
+    try:
+      got[i] = client.topk(inputs[i:i + 1], last[i:i + 1], k=K, vocab=VOCAB)
+    except Exception as e:  # noqa: BLE001 -- reported below
+      errors.append(e)
+    finally:
+      client.close()
+
+  threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors, errors
+  for i in range(n):
+    _check_answer(got[i], tuple(w[i:i + 1] for w in want))
+  after = server.health()
+  requests, calls = after["requests"] - before["requests"], after["calls"] - before["calls"]
+  assert requests == n and calls < requests  # gathered into fewer teacher calls
+  assert {tuple(s) for s in after["shapes"]} <= {(8, 8), (16, 8)}  # the compiled shapes, never one per request
+
+
+# --------------------------------------------------------------------------- faults
+def test_a_stalled_server_times_out_and_the_retry_gets_the_answer(served):
+  server, inputs, last = served["server"], served["inputs"][:8], served["last"][:8]
+  client = TeacherClient(server.url, timeout_s=0.4, retries=4, backoff_s=0.1, token=TOKEN)
+  server.proc.send_signal(signal.SIGSTOP)  # the server answers nothing for a while
+  resume = threading.Timer(0.7, server.proc.send_signal, (signal.SIGCONT,))
+  resume.start()
+  try:
+    got = client.topk(inputs, last, k=K, vocab=VOCAB)
+  finally:
+    resume.join()
+    server.proc.send_signal(signal.SIGCONT)
+    client.close()
+  assert client.failures >= 1  # at least one try timed out
+  _check_answer(got, tuple(w[:8] for w in served["want"]))
+
+
+def test_a_server_of_another_teacher_is_refused_by_its_identity(served):
+  server, cfg, data = served["server"], served["cfg"], served["data"]
+  client = TeacherClient(server.url, timeout_s=10, retries=0, token=TOKEN)
+  ident = client.identity()
+  client.close()
+  spec, identity = check_identity(ident, cfg, data.tokenizer, server.url)
+  assert spec.k == K and spec.temperature == TAU and identity.startswith("remote teacher sha256:")
+  other_tau = load_config("tiny", [*served["common"], "distill.temperature=1.0"])
+  with pytest.raises(ConfigError, match=r"temperature 2.0, this run trains at distill.temperature=1.0"):
+    check_identity(ident, other_tau, data.tokenizer, server.url)
+  with pytest.raises(ConfigError, match=r"serves at most top-4, this run asks for 8"):
+    check_identity(ident, load_config("tiny", [*served["common"], "teacher.source=remote",
+                                               f"teacher.url={server.url}", "teacher.k=8"]), data.tokenizer, server.url)
+
+  class OtherTokenizer:
+    fingerprint = "0123456789abcdef"
+
+  with pytest.raises(ConfigError, match="another tokenizer"):
+    check_identity(ident, cfg, OtherTokenizer(), server.url)
+  other = dict(ident, teacher={**ident["teacher"], "config": {**ident["teacher"]["config"], "vocab_size": 512}})
+  with pytest.raises(ConfigError, match="vocab_size"):
+    check_identity(other, cfg, data.tokenizer, server.url)
+
+
+@pytest.mark.parametrize("body, headers, status, says", [
+    (b"{not json", {}, 400, "not JSON"),
+    (json.dumps({"prompt": "def f", "prompt_logprobs": 4}), {}, 400, "token-id lists"),
+    (json.dumps({"prompt": [[1, 2, 3]], "prompt_logprobs": "4"}), {}, 400, "prompt_logprobs"),
+    (json.dumps({"prompt": [[1, 2.5, 3]], "prompt_logprobs": 4}), {}, 400, "token ids are integers"),
+    (json.dumps({"prompt": [[1, VOCAB, 3]], "prompt_logprobs": 4}), {}, 400, rf"\[0, {VOCAB}\)"),
+    (json.dumps({"prompt": [[1, 2]], "prompt_logprobs": 4, "max_tokens": 16}), {}, 400, "max_tokens"),
+    (json.dumps({"prompt": [[1, 2]] * 17, "prompt_logprobs": 4}), {}, 413, "at most 16"),
+    (json.dumps({"prompt": [list(range(10))], "prompt_logprobs": 4}), {}, 413, "send 2 to 9"),
+    (json.dumps({"prompt": [[1] * 8000], "prompt_logprobs": 4}), {}, 413, "at most 20000"),
+    (json.dumps({"prompt": [[1, 2]], "prompt_logprobs": 4}), {"Authorization": ""}, 401, "bearer token"),
+    (json.dumps({"prompt": [[1, 2]], "prompt_logprobs": 4}), {"Authorization": "Bearer nope"}, 401, "bearer token"),
+])
+def test_a_bad_request_is_a_4xx_and_the_server_keeps_serving(served, body, headers, status, says):
+  server = served["server"]
+  r = httpx.post(f"{server.url}/v1/completions", content=body,
+                 headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json", **headers}, timeout=10)
+  assert r.status_code == status, r.text
+  assert re.search(says, r.json()["message"])
+  assert server.health()["status"] == "ok"
+
+
+def test_a_run_from_the_served_teacher_equals_the_in_process_run_and_resumes_after_the_server_dies(served):
+  root, server, common = served["root"], served["server"], served["common"]
+  run = ["train.steps=5", "train.warmup=1", "train.eval_every=0", "train.log_every=1", "checkpoint.every=1",
+         "train.eval_batches=1"]
+  live = jobs.distill(load_config("tiny", [*common, *run, f"run.run_dir={root / 'live'}"]))
+
+  remote = load_config("tiny", [*common, *run, f"run.run_dir={root / 'remote'}", "teacher.source=remote",
+                                f"teacher.url={server.url}", "teacher.timeout=5", "teacher.retries=1"])
+
+  class KillAtStep2:
+    def write(self, text):
+      m = re.search(r"\] (\d+)/5", text)
+      if m and int(m.group(1)) == 2 and server.proc.poll() is None:
+        server.kill()
+
+    def flush(self):
+      pass
+
+  with pytest.raises(TeacherDown, match=rf"teacher server {server.url} did not answer .* resumes from its last "
+                     "checkpoint"):
+    jobs.distill(remote, stream=KillAtStep2())
+  stopped = _losses(root / "remote")
+  assert 2 <= len(stopped) < 5  # stopped mid-run, before training on a batch without its answer
+  server.start()  # restarted on the same port
+  resumed = jobs.distill(remote)
+  assert resumed["step"] == 5
+  got, want = _losses(root / "remote"), _losses(root / "live")
+  assert sorted(got) == [1, 2, 3, 4, 5]
+  np.testing.assert_allclose([got[s] for s in range(1, 6)], [want[s] for s in range(1, 6)], rtol=1e-5)
+  np.testing.assert_allclose(resumed["student"]["loss"], live["student"]["loss"], rtol=1e-5)
+  assert resumed["teacher_dir"].startswith("remote teacher sha256:")
+
+
+def _losses(run_dir) -> dict:
+  out = {}
+  for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    rec = json.loads(line)
+    if rec.get("split") == "train":
+      out[rec["step"]] = rec["loss"]
+  return out
