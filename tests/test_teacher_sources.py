@@ -44,8 +44,12 @@ def test_the_keys_of_a_config_without_teacher_source_choose_the_source_it_always
     (["teacher.source=none", "teacher.quantize=int8"], r"teacher.quantize is not a setting of teacher.source=none; "
                                                        r"its settings: \[\]"),
     (["teacher.source=cache"], r"teacher.source=cache needs teacher.cache"),
-    (["teacher.source=remote"], r"teacher.source='remote' is not a teacher source; choose one of \['cache', 'hf', "
-                                r"'none', 'pretrained', 'submesh'\]"),
+    (["teacher.source=oracle"], r"teacher.source='oracle' is not a teacher source; choose one of \['cache', 'hf', "
+                                r"'none', 'pretrained', 'remote', 'submesh'\]"),
+    (["teacher.source=remote"], r"teacher.source=remote needs teacher.url"),
+    (["teacher.source=remote", "teacher.url=localhost:8000"], r"teacher.url='localhost:8000' must be the server's"),
+    (["teacher.source=remote", "teacher.url=http://h:1", "teacher.devices={data: 1, tensor: 4}"],
+     r"teacher.devices is not a setting of teacher.source=remote"),
     (["teacher.devices={data: 1, tensor: 4}", "teacher.cache=x"], r"teacher.cache and teacher.devices exclude each "
                                                                   r"other.*choose with teacher.source"),
     (["teacher.source=submesh", "teacher.devices={data: 1}"], r"teacher.devices=\{'data': 1\} must be the teacher's"),

@@ -7,6 +7,7 @@ source         what it is                                                   give
 ``hf``         a Hugging Face model directory                               a model    ``hf``, ``quantize``
 ``cache``      an offline top-k cache (``meshdistill cache-teacher``)        top-k      ``cache``, ``hf``
 ``submesh``    a live teacher on devices of its own, one batch ahead        top-k      ``devices``, ``hf``, ``quantize``
+``remote``     a teacher served over HTTP (``meshdistill serve-teacher``)    top-k      ``url``, ``k``, ``timeout``, ...
 ``none``       no teacher (a strategy with ``needs_teacher = False``)        nothing
 =============  ===========================================================  =========  ==========================
 

@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import json
 import logging
+import signal
 
 from meshdistill.teachers.service import protocol
 from meshdistill.teachers.service.batching import Batcher
@@ -101,7 +102,16 @@ def make_app(batcher: Batcher, identity: dict, limits: protocol.Limits, token: s
 
 
 def serve(app, *, host: str, port: int, graceful_s: float = 30.0) -> None:
-  """Runs ``app`` until SIGTERM / SIGINT; the requests in flight are answered first (up to ``graceful_s``)."""
+  """Runs ``app`` until SIGTERM / SIGINT; the requests in flight are answered first (up to ``graceful_s``), then it
+  returns (call from the main thread)."""
   config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=graceful_s,
                           access_log=False)
-  uvicorn.Server(config).run()
+  # uvicorn raises the signal it stopped on again once the requests in flight are answered; caught here, that ends
+  # the serving and the caller's clean-up runs (the batcher is closed, the stats reported)
+  caught = (signal.SIGINT, signal.SIGTERM)
+  previous = {sig: signal.signal(sig, lambda *_: None) for sig in caught}
+  try:
+    uvicorn.Server(config).run()
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
