@@ -241,3 +241,29 @@ def _losses(run_dir) -> dict:
     if rec.get("split") == "train":
       out[rec["step"]] = rec["loss"]
   return out
+
+
+def test_a_vllm_answer_is_read_as_its_top_k_with_the_tail_derived():
+  """vLLM's prompt_logprobs: the prompt token's own entry added when outside the top-k, no tail field."""
+  from meshdistill.teachers.service.protocol import AnswerError, read_completion
+
+  p = np.array([0.5, 0.2, 0.1])
+  entry = {"7": {"logprob": float(np.log(p[1])), "rank": 2, "decoded_token": "a"},
+           "3": {"logprob": float(np.log(p[0])), "rank": 1, "decoded_token": "b"},
+           "9": {"logprob": float(np.log(0.01)), "rank": 40, "decoded_token": "c"},  # the prompt token
+           "5": {"logprob": float(np.log(p[2])), "rank": 3, "decoded_token": "d"}}
+  answer = {"choices": [{"index": 0, "text": "x", "prompt_logprobs": [None, entry, entry]}]}
+  ids, logprobs, tail = read_completion(answer, rows=1, length=2, k=3, vocab=16)
+  np.testing.assert_array_equal(ids[0], [[3, 7, 5], [3, 7, 5]])
+  np.testing.assert_allclose(logprobs[0, 0], np.log(p), rtol=1e-6)
+  np.testing.assert_allclose(tail[0], np.log(1 - p.sum()), rtol=1e-5)
+  with pytest.raises(AnswerError, match="1 choices for 2 prompts"):
+    read_completion(answer, rows=2, length=2, k=3, vocab=16)
+  with pytest.raises(AnswerError, match="3 entries for a prompt of 4 ids"):
+    read_completion(answer, rows=1, length=3, k=3, vocab=16)
+  with pytest.raises(AnswerError, match=r"outside \[0, 7\)"):
+    read_completion(answer, rows=1, length=2, k=3, vocab=7)
+  nan = {"choices": [{"index": 0, "prompt_logprobs": [None, {**entry, "3": {"logprob": float("nan"), "rank": 1}},
+                                                           entry]}]}
+  with pytest.raises(AnswerError, match="not finite"):
+    read_completion(nan, rows=1, length=2, k=3, vocab=16)

@@ -64,6 +64,9 @@ class Remote(TeacherSource):
     tau = self.cfg.distill.value("temperature")
     if callable(tau) or isinstance(tau, dict):
       raise ConfigError("teacher.source=remote needs a constant distill.temperature (the server's top-k is taken at it)")
+    if self.cfg.data.teacher_tokenizer is not None:
+      raise ConfigError("data.teacher_tokenizer runs a teacher of its own tokenizer live in the step; "
+                        "teacher.source=remote serves top-k over the run's tokens: remove one of them")
     if self.cfg.models.student_init.from_teacher:
       raise ConfigError("student.init.from_teacher copies the teacher's weights, but teacher.source=remote has none "
                         "here; remove student.init")

@@ -46,7 +46,7 @@ def _error(status: int, message: str) -> JSONResponse:
 def make_app(batcher: Batcher, identity: dict, limits: protocol.Limits, token: str | None = None):
   """The Starlette application answering with ``batcher`` (its ``identity`` from `protocol.identity_of`)."""
   if Starlette is None:
-    raise ImportError("the teacher server needs starlette and uvicorn: pip install 'meshdistill[serve]'")
+    raise RuntimeError("the teacher server needs starlette and uvicorn: pip install 'meshdistill[serve]'")
   name = identity["model"]
   expected = None if not token else f"Bearer {token}".encode()
 
