@@ -8,7 +8,8 @@ random weights -- speed does not depend on them):
   ``--k``, ``--max-rows 64``, ``--max-wait-ms 5``. For each number of clients C, C threads each send requests of
   ``--rows`` rows of ``seq_len + 1`` ids for ``--seconds`` seconds; reported: answered requests/s, scored tokens/s
   (rows x seq_len), the median request latency and the teacher calls the server made for them (from ``/health``: the
-  dynamic batching).
+  dynamic batching); with answers as base64 arrays (what ``teacher.source: remote`` asks a meshdistill server for) and
+  in vLLM's ``prompt_logprobs`` form (what a vLLM client reads), whose cost alone is also timed.
 * step: the same student trained ``--steps`` steps from the same batches with the teacher in the step
   (``LogitKD(top_k=k)``, the teacher on the student's mesh) and with the remote teacher (`RemoteTeacherData`: the
   answer for batch s+1 fetched by a background thread while step s runs); the two step in turn
@@ -22,6 +23,7 @@ Run: ``python benchmarks/teacher_service.py [--seconds 5 --steps 30]``; writes `
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import socket
@@ -47,6 +49,7 @@ from meshdistill.config import load_config  # noqa: E402
 from meshdistill.strategies import LogitKD  # noqa: E402
 from meshdistill.teachers.checkpoint import save_teacher  # noqa: E402
 from meshdistill.teachers.kinds.remote import RemoteTeacherData, check_identity  # noqa: E402
+from meshdistill.teachers.service import protocol  # noqa: E402
 from meshdistill.teachers.service.client import TeacherClient  # noqa: E402
 
 RESULT = pathlib.Path(__file__).parent / "results" / "teacher_service.md"
@@ -78,8 +81,9 @@ def start_server(overrides: list[str], k: int, seq: int) -> tuple[subprocess.Pop
       time.sleep(0.2)
 
 
-def load_clients(url: str, clients: int, seconds: float, rows: int, seq: int, k: int, vocab: int) -> dict:
-  """C threads sending requests for ``seconds``: requests/s, tokens/s, median latency, teacher calls."""
+def load_clients(url: str, clients: int, seconds: float, rows: int, seq: int, k: int, vocab: int, arrays: bool) -> dict:
+  """C threads sending requests for ``seconds``: requests/s, tokens/s, median latency, teacher calls; ``arrays``:
+  answers as base64 arrays (what ``teacher.source: remote`` asks for) or in vLLM's prompt_logprobs form."""
   before = httpx.get(f"{url}/health").json()
   latencies: list[float] = []
   stop = time.perf_counter() + seconds
@@ -87,7 +91,7 @@ def load_clients(url: str, clients: int, seconds: float, rows: int, seq: int, k:
 
   def one(seed):
     rng = np.random.default_rng(seed)
-    client = TeacherClient(url, timeout_s=120, retries=0)
+    client = TeacherClient(url, timeout_s=120, retries=0, arrays=arrays)
     while time.perf_counter() < stop:
       x = rng.integers(0, vocab, (rows, seq + 1)).astype(np.int32)
       t0 = time.perf_counter()
@@ -105,7 +109,7 @@ def load_clients(url: str, clients: int, seconds: float, rows: int, seq: int, k:
   wall = time.perf_counter() - t0
   after = httpx.get(f"{url}/health").json()
   n = len(latencies)
-  return {"clients": clients, "requests": n, "requests_s": n / wall, "tokens_s": n * rows * seq / wall,
+  return {"form": "base64 arrays" if arrays else "vLLM prompt_logprobs", "clients": clients, "requests": n, "requests_s": n / wall, "tokens_s": n * rows * seq / wall,
           "latency_ms": 1000 * statistics.median(latencies), "calls": after["calls"] - before["calls"],
           "served": after["requests"] - before["requests"]}
 
@@ -149,6 +153,26 @@ def step_times(cfg, data, teacher, client, spec, steps: int, k: float, tau: floa
           "spread": harness.spread(timing["times"], "remote teacher", ("teacher in the step",))}
 
 
+def format_cost(rows: int, seq: int, k: int, vocab: int, arrays: bool, calls: int = 5) -> dict:
+  """Median ms of writing (server: the completion object and its JSON) and reading (client: JSON and the checked
+  arrays) one answer of ``rows`` x ``seq`` positions x top-``k`` in vLLM's ``prompt_logprobs`` form, and its bytes."""
+  rng = np.random.default_rng(0)
+  ids = [np.stack([rng.permutation(vocab)[:k] for _ in range(seq)]) for _ in range(rows)]
+  logprobs = [np.sort(np.log(rng.random((seq, k))), axis=-1)[:, ::-1].astype(np.float32) for _ in range(rows)]
+  tails = [lp[:, -1] for lp in logprobs]
+  prompts = [list(range(seq + 1))] * rows
+  write, read = [], []
+  for _ in range(calls):
+    t0 = time.perf_counter()
+    text = json.dumps(protocol.completion(prompts, k, ids, logprobs, tails, "teacher", arrays=arrays))
+    t1 = time.perf_counter()
+    protocol.read_completion(json.loads(text), rows, seq, k, vocab)
+    read.append(time.perf_counter() - t1)
+    write.append(t1 - t0)
+  return {"write_ms": 1000 * statistics.median(write), "read_ms": 1000 * statistics.median(read),
+          "bytes": len(text)}
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--seconds", type=float, default=5.0, help="load per number of clients")
@@ -169,7 +193,8 @@ def main() -> None:
   seq, vocab = cfg.data.seq_len, data.tokenizer.vocab_size
   proc, url, start_s = start_server(overrides, args.k, seq)
   try:
-    loads = [load_clients(url, c, args.seconds, args.rows, seq, args.k, vocab) for c in (1, 4, 16)]
+    loads = [load_clients(url, c, args.seconds, args.rows, seq, args.k, vocab, arrays)
+             for arrays in (True, False) for c in (1, 4, 16)]
     client = TeacherClient(url, timeout_s=120, retries=2)
     spec, _ = check_identity(client.identity(), load_config("tiny", overrides), data.tokenizer, url)
     steps = step_times(cfg, data, teacher, client, spec, args.steps + 2, args.k, 2.0)
@@ -177,6 +202,7 @@ def main() -> None:
   finally:
     proc.terminate()
     proc.wait()
+  fmt = {arrays: format_cost(args.rows, seq, args.k, vocab, arrays) for arrays in (False, True)}
   load1 = harness.load()
 
   lines = ["# A teacher served over the network", "",
@@ -189,11 +215,18 @@ def main() -> None:
            f"answered /health {start_s:.1f} s after it was started (imports, teacher load, compiling its buckets).", "",
            "## Server: concurrent clients", "",
            f"Each client sends requests of {args.rows} rows x {seq + 1} ids, one after another, for {args.seconds:g} s.", "",
-           "| clients | requests/s | tokens/s | median latency (ms) | requests | teacher calls |",
-           "|---:|---:|---:|---:|---:|---:|"]
+           "| answer form | clients | requests/s | tokens/s | median latency (ms) | requests | teacher calls |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
   for r in loads:
-    lines.append(f"| {r['clients']} | {r['requests_s']:.1f} | {r['tokens_s']:,.0f} | {r['latency_ms']:.1f} | "
+    lines.append(f"| {r['form']} | {r['clients']} | {r['requests_s']:.1f} | {r['tokens_s']:,.0f} | {r['latency_ms']:.1f} | "
                  f"{r['served']} | {r['calls']} |")
+  lines += ["", f"The answer's form, measured alone in this process for {args.rows} x {seq} positions x top-{args.k}:", "",
+            "| form | write (server, ms) | read and check (client, ms) | bytes | bytes per (position, token) |",
+            "|---|---:|---:|---:|---:|"]
+  for arrays, name in ((False, "vLLM prompt_logprobs (JSON objects)"), (True, "base64 arrays (meshdistill_arrays)")):
+    f = fmt[arrays]
+    lines.append(f"| {name} | {f['write_ms']:.1f} | {f['read_ms']:.1f} | {f['bytes']:,} | "
+                 f"{f['bytes'] / (args.rows * seq * args.k):.1f} |")
   med = steps["median_s"]
   lines += ["", "## Student step: remote teacher vs the teacher in the step", "",
             f"{args.steps} steps each (after 2 to compile), stepping in turn; batch {cfg.train.batch_size} x {seq} "

@@ -86,8 +86,9 @@ def served(tmp_path_factory):
   old = os.environ.get("MESHDISTILL_TEACHER_TOKEN")
   os.environ["MESHDISTILL_TEACHER_TOKEN"] = TOKEN
   inputs, last = _rows(16, seed=0)
-  client = TeacherClient(server.url, timeout_s=60, retries=0, token=TOKEN)
-  want = client.topk(inputs, last, k=K, vocab=VOCAB)  # all rows in one request (the run's test: equal to in-process)
+  client = TeacherClient(server.url, timeout_s=60, retries=0, token=TOKEN, arrays=True)
+  # all rows in one request, as base64 arrays (the run's test shows them equal to the teacher in-process)
+  want = client.topk(inputs, last, k=K, vocab=VOCAB)
   client.close()
   yield dict(root=root, common=common, server=server, data=data, cfg=load_config("tiny", common), inputs=inputs,
              last=last, want=want)
@@ -109,7 +110,8 @@ def _check_answer(got, want):
 
 # --------------------------------------------------------------------------- load
 def test_concurrent_clients_get_their_own_answers_from_batched_calls(served):
-  """Each client's answer is its rows' part of the answer to all rows at once (whatever it was batched with)."""
+  """Each client's answer (in vLLM's prompt_logprobs form) is its rows' part of the answer to all rows at once (as
+  base64 arrays), whatever it was batched with."""
   server, inputs, last, want = served["server"], served["inputs"], served["last"], served["want"]
   before = server.health()
   n = len(inputs)  # one client per row
@@ -186,6 +188,7 @@ def test_a_server_of_another_teacher_is_refused_by_its_identity(served):
     (json.dumps({"prompt": [[1, 2.5, 3]], "prompt_logprobs": 4}), {}, 400, "token ids are integers"),
     (json.dumps({"prompt": [[1, VOCAB, 3]], "prompt_logprobs": 4}), {}, 400, rf"\[0, {VOCAB}\)"),
     (json.dumps({"prompt": [[1, 2]], "prompt_logprobs": 4, "max_tokens": 16}), {}, 400, "max_tokens"),
+    (json.dumps({"prompt": [[1, 2]], "prompt_logprobs": 4, "meshdistill_arrays": "yes"}), {}, 400, "true or false"),
     (json.dumps({"prompt": [[1, 2]] * 17, "prompt_logprobs": 4}), {}, 413, "at most 16"),
     (json.dumps({"prompt": [list(range(10))], "prompt_logprobs": 4}), {}, 413, "send 2 to 9"),
     (json.dumps({"prompt": [[1] * 8000], "prompt_logprobs": 4}), {}, 413, "at most 20000"),

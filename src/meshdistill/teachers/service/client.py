@@ -40,16 +40,19 @@ class TeacherClient:
     retries: tries after the first one fails; ``backoff_s``: the first wait, doubled each time.
     token: sent as ``Authorization: Bearer <token>`` when given.
     model: the served model name (vLLM: which of its models); None: the server's only one.
+    arrays: ask for the answer as base64 arrays (``meshdistill_arrays``); None: once `identity` has found a
+      meshdistill server. False: vLLM's ``prompt_logprobs`` form always.
   """
 
   def __init__(self, url: str, *, timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5,
-               token: str | None = None, model: str | None = None):
+               token: str | None = None, model: str | None = None, arrays: bool | None = None):
     if httpx is None:
       raise RemoteTeacherError("teacher.source=remote needs httpx: pip install 'meshdistill[serve]'")
     self.url, self.retries, self.backoff_s, self.model = url.rstrip("/"), retries, backoff_s, model
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
     self.failures = 0  # requests tried again (for the logs and tests)
+    self.arrays = arrays
 
   def close(self) -> None:
     self._http.close()
@@ -87,7 +90,9 @@ class TeacherClient:
     """The server's identity: a meshdistill server's ``/v1/teacher``; for another (vLLM) server what ``/v1/models``
     says (``{"server": "vllm", "model", "max_len"}``; no tokenizer, vocabulary or temperature to compare)."""
     try:
-      return self._request("GET", "/v1/teacher")
+      ident = self._request("GET", "/v1/teacher")
+      self.arrays = True if self.arrays is None else self.arrays
+      return ident
     except RemoteTeacherError as e:
       if "HTTP 404" not in str(e):
         raise
@@ -107,6 +112,8 @@ class TeacherClient:
     body = {"prompt": prompts, "prompt_logprobs": k, "max_tokens": 0 if self.model is None else 1}
     if self.model is not None:
       body["model"] = self.model
+    if self.arrays:
+      body["meshdistill_arrays"] = True
     return self._request("POST", "/v1/completions", body,
                          read=lambda a: protocol.read_completion(a, rows, length, k, vocab))
 

@@ -82,7 +82,7 @@ def make_app(batcher: Batcher, identity: dict, limits: protocol.Limits, token: s
       if len(body) > limits.bytes:
         return _error(413, f"a body over {limits.bytes} bytes (the server's --max-bytes)")
     try:
-      prompts, k = protocol.parse_request(json.loads(body), limits, name)
+      prompts, k, arrays = protocol.parse_request(json.loads(body), limits, name)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       return _error(400, f"the body is not JSON ({e})")
     except protocol.RequestError as e:
@@ -92,7 +92,8 @@ def make_app(batcher: Batcher, identity: dict, limits: protocol.Limits, token: s
     except RuntimeError as e:  # shutting down
       return _error(503, str(e))
     ids, logprobs, tails = zip(*answers)
-    text = await asyncio.to_thread(lambda: json.dumps(protocol.completion(prompts, k, ids, logprobs, tails, name)))
+    text = await asyncio.to_thread(
+        lambda: json.dumps(protocol.completion(prompts, k, ids, logprobs, tails, name, arrays=arrays)))
     return Response(text, media_type="application/json")
 
   return Starlette(routes=[
