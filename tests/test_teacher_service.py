@@ -27,6 +27,7 @@ from meshdistill.teachers.service.client import TeacherClient, TeacherDown
 
 K, TAU, TOKEN, VOCAB = 4, 2.0, "s3cret", 264  # the tiny config's byte tokenizer
 SRC = os.path.join(os.path.dirname(__file__), os.pardir, "src")
+RUN = ["train.steps=5", "train.warmup=1", "train.eval_every=0", "train.log_every=1", "train.eval_batches=1"]
 
 
 def _free_port() -> int:
@@ -44,11 +45,13 @@ class Server:
                 *[a for o in overrides for a in ("--set", o)], "--port", str(port), "--k", str(K),
                 "--token", TOKEN, "--max-rows", "16", "--max-wait-ms", "30", "--lengths", "8", "--max-bytes", "20000"]
 
-  def start(self):
+  def launch(self):
     env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC), "JAX_PLATFORMS": "cpu",
            "JAX_COMPILATION_CACHE_DIR": self.cache}  # a restarted server reuses its compiled program
     self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+
+  def wait_ready(self):
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
       if self.proc.poll() is not None:
         raise RuntimeError(f"serve-teacher exited {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
@@ -82,7 +85,10 @@ def served(tmp_path_factory):
   tdir = save_teacher(str(root / "teacher"), teacher, data.tokenizer)
   common.append(f"pretrain.teacher={tdir}")
   server = Server(common, _free_port(), str(root / "jax-cache"))
-  server.start()
+  server.launch()
+  # the reference run, the teacher in-process (LogitKD top-k in the step), while the server starts beside it
+  live = jobs.distill(load_config("tiny", [*common, *RUN, "checkpoint.every=0", f"run.run_dir={root / 'live'}"]))
+  server.wait_ready()
   old = os.environ.get("MESHDISTILL_TEACHER_TOKEN")
   os.environ["MESHDISTILL_TEACHER_TOKEN"] = TOKEN
   inputs, last = _rows(16, seed=0)
@@ -90,8 +96,8 @@ def served(tmp_path_factory):
   # all rows in one request, as base64 arrays (the run's test shows them equal to the teacher in-process)
   want = client.topk(inputs, last, k=K, vocab=VOCAB)
   client.close()
-  yield dict(root=root, common=common, server=server, data=data, cfg=load_config("tiny", common), inputs=inputs,
-             last=last, want=want)
+  yield dict(root=root, common=common, server=server, data=data, live=live, cfg=load_config("tiny", common),
+             inputs=inputs, last=last, want=want)
   os.environ.pop("MESHDISTILL_TEACHER_TOKEN") if old is None else os.environ.update(MESHDISTILL_TEACHER_TOKEN=old)
   server.proc.send_signal(signal.SIGTERM)
   assert server.proc.wait(timeout=30) == 0  # graceful stop
@@ -198,7 +204,8 @@ def test_a_server_of_another_teacher_is_refused_by_its_identity(served):
 def test_a_bad_request_is_a_4xx_and_the_server_keeps_serving(served, body, headers, status, says):
   server = served["server"]
   r = httpx.post(f"{server.url}/v1/completions", content=body,
-                 headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json", **headers}, timeout=10)
+                 headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json", **headers},
+                 timeout=10)
   assert r.status_code == status, r.text
   assert re.search(says, r.json()["message"])
   assert server.health()["status"] == "ok"
@@ -206,10 +213,9 @@ def test_a_bad_request_is_a_4xx_and_the_server_keeps_serving(served, body, heade
 
 def test_a_run_from_the_served_teacher_equals_the_in_process_run_and_resumes_after_the_server_dies(served):
   root, server, common = served["root"], served["server"], served["common"]
-  run = ["train.steps=5", "train.warmup=1", "train.eval_every=0", "train.log_every=1", "train.eval_batches=1"]
-  live = jobs.distill(load_config("tiny", [*common, *run, "checkpoint.every=0", f"run.run_dir={root / 'live'}"]))
+  live = served["live"]
 
-  remote = load_config("tiny", [*common, *run, f"run.run_dir={root / 'remote'}", "teacher.source=remote",
+  remote = load_config("tiny", [*common, *RUN, f"run.run_dir={root / 'remote'}", "teacher.source=remote",
                                 f"teacher.url={server.url}", "teacher.timeout=5", "teacher.retries=1",
                                 "checkpoint.every=2"])
 
@@ -218,6 +224,7 @@ def test_a_run_from_the_served_teacher_equals_the_in_process_run_and_resumes_aft
       m = re.search(r"\] (\d+)/5", text)
       if m and int(m.group(1)) == 2 and server.proc.poll() is None:
         server.kill()
+        server.launch()  # restarted on the same port: it answers seconds later, the run has stopped by then
 
     def flush(self):
       pass
@@ -227,7 +234,7 @@ def test_a_run_from_the_served_teacher_equals_the_in_process_run_and_resumes_aft
     jobs.distill(remote, stream=KillAtStep2())
   stopped = _losses(root / "remote")
   assert 2 <= len(stopped) < 5  # stopped mid-run, before training on a batch without its answer
-  server.start()  # restarted on the same port
+  server.wait_ready()
   resumed = jobs.distill(remote)
   assert resumed["step"] == 5
   got, want = _losses(root / "remote"), _losses(root / "live")

@@ -141,7 +141,8 @@ def completion(prompts: list[list[int]], k: int, ids: list[np.ndarray], logprobs
           "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
 
 
-def read_completion(answer: Any, rows: int, length: int, k: int, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def read_completion(answer: Any, rows: int, length: int, k: int,
+                    vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """``(ids [rows, length, k] int32, logprobs [rows, length, k] float32, tail [rows, length] float32)`` of a
   completion answering ``rows`` prompts of ``length + 1`` ids each; `AnswerError` unless every row, position and
   top-k entry is there, ids lie in ``[0, vocab)`` and every value is finite (a step never trains on less)."""
