@@ -138,11 +138,11 @@ class Batcher:
         for _, future in taken:
           future.set_exception(e)
         continue
+      self.stats.requests += len(taken)  # counted before any answer leaves: /health never lags an answer
       start = 0
       for prompts, future in taken:
         future.set_result(answers[start:start + len(prompts)])
         start += len(prompts)
-      self.stats.requests += len(taken)
 
   def _call(self, prompts: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     longest = max(len(p) - 1 for p in prompts)
