@@ -43,6 +43,7 @@ class ServeSettings:
 def build_server(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None = None):
   """``(app, batcher, identity)``: the teacher of ``cfg`` placed on its mesh behind a `Batcher`, and the Starlette
   application answering with it."""
+  server.require()  # before any teacher is loaded
   if cfg.models.teacher_kind not in ("pretrained", "hf"):
     raise ConfigError(f"serve-teacher runs a teacher model (teacher.source pretrained or hf, optionally "
                       f"teacher.quantize); teacher.source={cfg.models.teacher_kind} runs none here")

@@ -43,10 +43,15 @@ def _error(status: int, message: str) -> JSONResponse:
                       status_code=status)
 
 
-def make_app(batcher: Batcher, identity: dict, limits: protocol.Limits, token: str | None = None):
-  """The Starlette application answering with ``batcher`` (its ``identity`` from `protocol.identity_of`)."""
+def require() -> None:
+  """Raises, naming the extra to install, when starlette or uvicorn is missing."""
   if Starlette is None:
     raise RuntimeError("the teacher server needs starlette and uvicorn: pip install 'meshdistill[serve]'")
+
+
+def make_app(batcher: Batcher, identity: dict, limits: protocol.Limits, token: str | None = None):
+  """The Starlette application answering with ``batcher`` (its ``identity`` from `protocol.identity_of`)."""
+  require()
   name = identity["model"]
   expected = None if not token else f"Bearer {token}".encode()
 
