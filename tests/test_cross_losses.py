@@ -3,6 +3,7 @@ the hybrid matched-KL + unmatched-ULD loss), on fixed inputs."""
 
 import numpy as np
 import pytest
+from helpers import all_gather_shapes
 
 import jax
 import jax.numpy as jnp
@@ -275,3 +276,23 @@ def test_byte_kl_refuses_missing_or_mismatched_tables(case):
     ByteKL().with_tables(tables)
   with pytest.raises(ValueError, match="vocabularies of 16"):
     run(ByteKL(max_depth=2).with_tables(tables), case)
+
+
+def test_byte_kl_keeps_both_vocabularies_split_over_tensor():
+  """Compiled on a 2x4 mesh with both sides' logits split over tensor along the vocabulary, the loss and its
+  gradient hold no all-gather of a vocabulary (a scatter-add into the byte buckets once gathered the teacher's)."""
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  case = byte_case(S_BPE * 2 + [None] * 4, S_BPE_PIECES, 9, 10)  # 32 student ids, 16 teacher ids: split by 4
+  tables = losses.byte_tables(T_VOCAB, S_BPE * 2 + [None] * 4, teacher_eos=13, student_eos=9, max_depth=16)
+  strategy = ByteKL(alpha=1.0).with_tables(tables)
+  mask = jnp.ones(case["s_targets"].shape, jnp.float32)
+
+  def loss(s_logits, t_logits):
+    t = aligned_teacher(dict(case, t_logits=t_logits))
+    return strategy.per_sequence({}, ModelOutput(logits=s_logits), t, jnp.asarray(case["s_targets"]), mask, 0)["loss"]
+
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tensor"))
+  args = [jax.device_put(jnp.asarray(case[k]), split) for k in ("s_logits", "t_logits")]
+  hlo = jax.jit(jax.value_and_grad(loss)).lower(*args).compile().as_text()
+  assert "all-reduce" in hlo  # the sums over the split vocabularies
+  assert not [s for s in all_gather_shapes(hlo) if 32 in s or 16 in s], all_gather_shapes(hlo)

@@ -145,15 +145,15 @@ def test_the_matched_kl_never_gathers_the_teachers_vocabulary_split_over_tensor(
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-  """A 3-step distill job through `meshdistill.jobs`: a BPE teacher (pretrained 2 steps on its own tokens) and a
-  byte student, distill.kind byte_kl."""
+  """A 2-step distill job through `meshdistill.jobs` on the 2x4 mesh: a BPE teacher (pretrained 1 step on its own
+  tokens) and a byte student, distill.kind byte_kl."""
   root = tmp_path_factory.mktemp("cross_job")
   sets = [
       f"data.source={write_corpus(root / 'c', n_docs=12)}", "data.max_chars=null", "data.val_fraction=0.25",
       "data.seq_len=32", "data.teacher_tokenizer=bpe", "data.bpe_vocab_size=280", "data.teacher_seq_len=16",
       "teacher.vocab_size=280", "student.vocab_size=264", "distill.kind=byte_kl", "distill.alpha=0.5",
-      "train.steps=3", "train.warmup=1", "train.eval_every=0", "train.log_every=1", "pretrain.steps=2",
-      "pretrain.warmup=1", "pretrain.eval_every=0", f"pretrain.cache_dir={root / 'cache'}", "checkpoint.every=0",
+      "train.steps=2", "train.warmup=1", "train.eval_every=1", "train.log_every=1", "pretrain.steps=1",
+      "pretrain.warmup=0", "pretrain.eval_every=0", f"pretrain.cache_dir={root / 'cache'}", "checkpoint.every=0",
       f"run.run_dir={root / 'run'}",
   ]
   cfg = load_config("tiny", sets)
@@ -162,16 +162,12 @@ def job(tmp_path_factory):
 
 def test_a_distill_job_with_two_tokenizers_reports_bits_per_byte_and_keeps_its_teacher(job):
   cfg, summary = job
-  assert summary["step"] == 3
+  assert summary["step"] == 2
   assert 0 < summary["student"]["bpb"] < 10 and 0 < summary["teacher"]["bpb"] < 10
   metrics = [json.loads(line) for line in open(f"{cfg.run.run_dir}/metrics.jsonl")]
-  assert any("byte_kl" in m for m in metrics), metrics[0]
-  # the teacher the job ended with is the one it pretrained: re-read from its directory, it scores the same
-  mesh = jobs.build_mesh(cfg)
-  data = jobs.load_data(cfg, mesh=mesh)
-  _, teacher = jobs.run_teacher(cfg, {"teacher_dir": summary["teacher_dir"]}, mesh, data.teacher_tokenizer)
-  d = jobs.make_distiller(cfg, teacher, mesh, data.tokenizer, data.teacher_tokenizer)
-  assert d.strategy.tables is not None and d.strategy.tables.teacher_prefix.shape[0] == 280
-  got = Evaluator.for_trainer(d)(d.unreplicate(d.init_state().params)["student"], data.val_batches(
-      max_batches=cfg.train.eval_batches))
-  np.testing.assert_allclose(got["teacher_bpb"], summary["teacher"]["bpb"], rtol=1e-6)
+  train = [m for m in metrics if m["split"] == "train"]
+  evals = [m for m in metrics if m["split"] == "val"]
+  assert all(m["byte_kl"] > 0 and m["byte_positions"] > 0 for m in train), train
+  # the teacher never moves: its bits per byte on the validation bytes after every step are the same number
+  assert [m["step"] for m in evals] == [1, 2] and evals[0]["bpb"] != evals[1]["bpb"]  # the student does move
+  assert evals[0]["teacher_bpb"] == evals[1]["teacher_bpb"] == summary["teacher"]["bpb"]

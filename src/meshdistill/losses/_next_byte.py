@@ -20,8 +20,8 @@ whose target token covers ``o``, at DEPTH ``d`` (``o`` minus the offset where th
 its own distribution, exactly; for a student with multi-byte tokens the marginal of its token's first byte, so
 only the first byte of each of its tokens is compared: the deeper bytes of a student token are not trained).
 `byte_offsets` gives the byte offset where each target starts, from the targets' byte lengths. All of it is sums
-over the vocabulary (a scatter-add into 257 buckets), no sort, so a vocabulary split over ``tensor`` stays split
-up to the ``[T, 257]`` result.
+over the vocabulary (a comparison with each of the 257 buckets, reduced over the vocabulary), no sort or
+scatter, so a vocabulary split over ``tensor`` stays split up to the ``[T, 257]`` result.
 """
 
 from __future__ import annotations
@@ -112,14 +112,18 @@ def byte_offsets(targets_T: jax.Array, lengths_V) -> tuple[jax.Array, jax.Array]
 
 
 def _bucket_logprobs(logp_NxV: jax.Array, keep_NxV: jax.Array, bucket_NxV: jax.Array) -> jax.Array:
-  """``[N, BUCKETS]``: per row, log of the probability mass of the kept ids in each bucket, over the kept mass."""
-  N = logp_NxV.shape[0]
+  """``[N, BUCKETS]``: per row, log of the probability mass of the kept ids in each bucket, over the kept mass.
+
+  A sum over the vocabulary of the mass times a comparison with each bucket (fused into one reduction, never an
+  ``[N, V, BUCKETS]`` array): with V split over ``tensor`` it is partial sums and one all-reduce of ``[N, BUCKETS]``
+  (a scatter-add into the buckets made the compiler gather the vocabulary first).
+  """
   kept = jnp.where(keep_NxV, logp_NxV, -jnp.inf)
   top_N = jax.lax.stop_gradient(jnp.max(kept, axis=-1, keepdims=True))
   top_N = jnp.where(jnp.isfinite(top_N), top_N, 0.0)
   mass_NxV = jnp.where(keep_NxV, jnp.exp(kept - top_N), 0.0)
-  seg = (jnp.arange(N)[:, None] * BUCKETS + bucket_NxV).reshape(-1)
-  q_NxB = jax.ops.segment_sum(mass_NxV.reshape(-1), seg, N * BUCKETS).reshape(N, BUCKETS)
+  onehot_NxVxB = bucket_NxV[..., None] == jnp.arange(BUCKETS, dtype=bucket_NxV.dtype)
+  q_NxB = jnp.sum(jnp.where(onehot_NxVxB, mass_NxV[..., None], 0.0), axis=1)
   total_N = jnp.sum(q_NxB, axis=-1, keepdims=True)
   return jnp.log(jnp.maximum(q_NxB, FLOOR)) - jnp.log(jnp.maximum(total_N, FLOOR))
 
