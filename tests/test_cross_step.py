@@ -145,12 +145,13 @@ def test_the_matched_kl_never_gathers_the_teachers_vocabulary_split_over_tensor(
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-  """A 2-step distill job through `meshdistill.jobs` on the 2x4 mesh: a BPE teacher (pretrained 1 step on its own
+  """A 2-step distill job through `meshdistill.jobs` on one device: a BPE teacher (pretrained 1 step on its own
   tokens) and a byte student, distill.kind byte_kl."""
   root = tmp_path_factory.mktemp("cross_job")
   sets = [
       f"data.source={write_corpus(root / 'c', n_docs=12)}", "data.max_chars=null", "data.val_fraction=0.25",
-      "data.seq_len=32", "data.teacher_tokenizer=bpe", "data.bpe_vocab_size=280", "data.teacher_seq_len=16",
+      "mesh.backend=single", "mesh.data=1", "mesh.tensor=1", "data.seq_len=32", "data.teacher_tokenizer=bpe",
+      "data.bpe_vocab_size=280", "data.teacher_seq_len=16",
       "teacher.vocab_size=280", "student.vocab_size=264", "distill.kind=byte_kl", "distill.alpha=0.5",
       "train.steps=2", "train.warmup=1", "train.eval_every=1", "train.log_every=1", "pretrain.steps=1",
       "pretrain.warmup=0", "pretrain.eval_every=0", f"pretrain.cache_dir={root / 'cache'}", "checkpoint.every=0",
