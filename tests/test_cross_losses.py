@@ -276,6 +276,10 @@ def test_byte_kl_refuses_missing_or_mismatched_tables(case):
     ByteKL().with_tables(tables)
   with pytest.raises(ValueError, match="vocabularies of 16"):
     run(ByteKL(max_depth=2).with_tables(tables), case)
+  with pytest.raises(ValueError, match="ByteKL.top_k=8 is not used"):
+    ByteKL(top_k=8)
+  with pytest.raises(ValueError, match="ByteKL.max_depth=-1"):
+    ByteKL(max_depth=-1)
 
 
 def test_byte_kl_keeps_both_vocabularies_split_over_tensor():

@@ -47,6 +47,9 @@ class ByteKL(ULD):
   def __post_init__(self):
     super().__post_init__()
     check_integer("ByteKL.max_depth", self.max_depth, 0, meaning=" (0: the first byte of each teacher token only)")
+    if self.top_k is not None:
+      raise ValueError(f"ByteKL.top_k={self.top_k} is not used: byte_kl projects the teacher's whole distribution onto "
+                       "bytes; drop distill.top_k (or use distill.kind: span_kl / uld, which take it)")
 
   def with_tables(self, tables: losses.ByteTables) -> ByteKL:
     """This strategy with the vocabulary tables of the teacher and student tokenizers."""
