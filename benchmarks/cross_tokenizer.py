@@ -18,9 +18,9 @@ import time
 
 import meshdistill as md
 from meshdistill.data import DataConfig, build_data
-from meshdistill.data.alignment import matched_vocabulary
+from meshdistill.data.alignment import byte_tables_of, matched_vocabulary
 from meshdistill.loop.evaluate import Evaluator
-from meshdistill.strategies import LogitKD, SpanKL, ULD
+from meshdistill.strategies import ByteKL, LogitKD, SpanKL, ULD
 from meshdistill.train.hardlabel import HardLabelTrainer
 from meshdistill.train.optimizers import default_optimizer
 
@@ -54,7 +54,12 @@ def main(argv=None) -> int:
   p.add_argument("--seq", type=int, default=64)
   p.add_argument("--bpe", type=int, default=512)
   p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--kinds", default="span_kl,uld", help="cross-tokenizer strategies to run (span_kl, uld)")
+  p.add_argument("--kinds", default="span_kl,uld,byte_kl",
+                 help="cross-tokenizer strategies to run (span_kl, uld, byte_kl)")
+  p.add_argument("--max-depth", type=int, default=16, help="byte_kl: deepest byte inside a teacher token compared")
+  p.add_argument("--keep", action="store_true",
+                 help="keep the rows of cross-tokenizer arms not run now from the results file's .json (its scratch "
+                      "and same-tokenizer rows must equal this run's: same seeds and data)")
   p.add_argument("--out", default=os.path.join(HERE, "results", "cross_tokenizer.md"))
   a = p.parse_args(argv)
   seeds = [int(s) for s in a.seeds.split(",")]
@@ -80,6 +85,7 @@ def main(argv=None) -> int:
     teachers[name] = (trainer.student_def, state.params["student"])
     print(f"teacher {name}: trained {a.teacher_steps} steps ({time.perf_counter() - t0:.0f} s)", flush=True)
   matched = matched_vocabulary(bpe_tok, byte_tok)
+  tables = byte_tables_of(bpe_tok, byte_tok, max_depth=a.max_depth)
   arms = {
       "scratch": lambda s: (HardLabelTrainer(md.init_model(student_cfg, seed=s), optimizer=opt()), byte_rows),
       "same-tokenizer KD (byte teacher, logit_kd)": lambda s: (md.Distiller(
@@ -91,6 +97,9 @@ def main(argv=None) -> int:
       "cross-tokenizer uld (BPE teacher)": lambda s: (md.Distiller(
           md.init_model(student_cfg, seed=s), _teacher(teachers["bpe"]),
           strategy=ULD(alpha=0.5, top_k=64), optimizer=opt()), cross),
+      "cross-tokenizer byte_kl (BPE teacher)": lambda s: (md.Distiller(
+          md.init_model(student_cfg, seed=s), _teacher(teachers["bpe"]),
+          strategy=ByteKL(alpha=0.5, max_depth=a.max_depth).with_tables(tables), optimizer=opt()), cross),
   }
   kinds = a.kinds.split(",")
   arms = {k: v for k, v in arms.items() if not k.startswith("cross") or k.split()[1] in kinds}
@@ -107,8 +116,21 @@ def main(argv=None) -> int:
         teacher_scores["bpe teacher"] = got["teacher_bpb"]
       print(f"seed {seed} {name}: {got['bpb']:.4f} bits/byte ({time.perf_counter() - t0:.0f} s)", flush=True)
   teacher_scores["byte teacher"] = bpb(teachers["byte"][0], teachers["byte"][1], val)["bpb"]
+  if a.keep:
+    results = _kept(a.out.replace(".md", ".json"), results)
   write(a, results, teacher_scores, time.perf_counter() - t0, cross, argv)
   return 0
+
+
+def _kept(path: str, results: dict) -> dict:
+  """``results`` with the arms of an earlier run (``path``) that this run did not repeat, after checking that the
+  arms both ran agree (the same seeds and data give the same numbers)."""
+  with open(path, encoding="utf-8") as f:
+    old = json.load(f)["results"]
+  for name in set(old) & set(results):
+    if [round(x, 4) for x in old[name]] != [round(x, 4) for x in results[name]]:
+      raise SystemExit(f"--keep: {name} gave {results[name]} now but {old[name]} in {path}; rerun every arm")
+  return {**results, **{k: v for k, v in old.items() if k not in results}}
 
 
 def _teacher(pair):

@@ -160,7 +160,7 @@ def test_the_config_refuses_one_vocabulary_strategies_with_two_tokenizers_and_na
   from meshdistill.config import ConfigError, load_config
 
   for kind in ("logit_kd", "attention_transfer"):
-    with pytest.raises(ConfigError, match=r"refused; choose distill.kind in \['span_kl', 'uld'\]"):
+    with pytest.raises(ConfigError, match=r"refused; choose distill.kind in \['byte_kl', 'span_kl', 'uld'\]"):
       load_config(None, ["data.teacher_tokenizer=bpe", f"distill.kind={kind}"])
   with pytest.raises(ConfigError, match="set data.teacher_tokenizer"):
     load_config(None, ["distill.kind=uld"])
@@ -169,4 +169,4 @@ def test_the_config_refuses_one_vocabulary_strategies_with_two_tokenizers_and_na
   with pytest.raises(ConfigError, match="teacher.max_len=128 is shorter"):
     load_config(None, ["data.teacher_tokenizer=bpe", "distill.kind=uld", "data.teacher_seq_len=256"])
   cfg = load_config(str(pathlib.Path(__file__).parents[1] / "configs" / "cross_tokenizer.yaml"))
-  assert cfg.distill.kind == "span_kl" and cfg.data.teacher_tokenizer == "bpe"
+  assert cfg.distill.kind == "byte_kl" and cfg.data.teacher_tokenizer == "bpe"

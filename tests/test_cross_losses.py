@@ -3,6 +3,7 @@ the hybrid matched-KL + unmatched-ULD loss), on fixed inputs."""
 
 import numpy as np
 import pytest
+from helpers import all_gather_shapes
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 from meshdistill import losses
 from meshdistill.data.alignment import row_alignment
 from meshdistill.models import ModelOutput
-from meshdistill.strategies import SpanKL, ULD
+from meshdistill.strategies import ByteKL, SpanKL, ULD
 
 EPS = 1e-8
 VS, VT, TS, TT = 12, 20, 7, 5
@@ -170,3 +171,132 @@ def test_strategies_refuse_a_teacher_of_the_same_tokenizer_and_a_missing_matched
     run(SpanKL(), case)
   with pytest.raises(ValueError, match="ULD.top_k=0"):
     ULD(top_k=0)
+
+
+# --------------------------------------------------------------------------- next-byte KL (byte_kl)
+T_VOCAB = [b"a", b"b", b"c", b" ", b"d", b"e", b"f", b"ab", b"abc", b" d", b"de", b"def", b"\xc3\xa9", None, None,
+           b"ac"]  # teacher: EOS 13, PAD 14
+S_BPE = [b"a", b"b", b"c", b" ", b"d", b"e", b"f", b"bc", b" de", None, None, b"\xc3", b"\xa9", b"c "]  # EOS 9, PAD 10
+S_BPE_PIECES = [b"a", b"b", b"c ", b"d", b"\xc3", b"\xa9", b"f"]  # "c " starts 2 bytes into the teacher's "abc"
+BYTE_VOCAB = [bytes([i]) if i < 256 else None for i in range(264)]  # the byte tokenizer: EOS 258, PAD 256
+TEXT = "abc déf"  # 8 bytes, then the end-of-text marker
+
+
+def n_bytes(v, vocab, eos):
+  return 1 if v == eos else len(vocab[v] or b"")
+
+
+def reference_byte_kl(t_logits, t_targets, s_logits, s_targets, counted, s_vocab, s_eos, max_depth, tau):
+  """Loops over the vocabularies: the teacher's tokens whose bytes start with the known prefix, by their next byte;
+  the student's tokens by their first byte; KL(teacher || student) at each counted student position."""
+  total, positions = 0.0, 0
+  for i, x in enumerate(s_targets):
+    o = sum(n_bytes(y, s_vocab, s_eos) for y in s_targets[:i])
+    start = 0
+    for j, y in enumerate(t_targets):
+      if start <= o < start + n_bytes(y, T_VOCAB, 13):
+        break
+      start += n_bytes(y, T_VOCAB, 13)
+    d = o - start
+    if not counted[i] or d > max_depth:
+      continue
+    prefix = (T_VOCAB[t_targets[j]] or b"")[:d]
+    p, q = softmax(t_logits[j].astype(np.float64), tau), np.zeros(257)
+    for v, b in enumerate(T_VOCAB):
+      if d == 0:
+        q[b[0] if b else 256] += p[v]
+      elif b is not None and len(b) > d and b.startswith(prefix):
+        q[b[d]] += p[v]
+    q /= q.sum()
+    ps, qs = softmax(s_logits[i].astype(np.float64), tau), np.zeros(257)
+    for v, b in enumerate(s_vocab):
+      qs[b[0] if b else 256] += ps[v]
+    total += sum(q[b] * np.log(q[b] / qs[b]) for b in range(257) if q[b] > 0)
+    positions += 1
+  return total, positions
+
+
+def byte_case(s_vocab, s_pieces, s_eos, s_pad):
+  t_pieces = [8, 9, 12, 6, 13]  # "abc" " d" "é" "f" EOS
+  t_text = b"".join(T_VOCAB[v] or b"" for v in t_pieces)
+  assert t_text == TEXT.encode()
+  s_ids = [s_vocab.index(p) for p in s_pieces] + [s_eos]
+  t_ends = np.cumsum([n_bytes(v, T_VOCAB, 13) for v in t_pieces])
+  s_ends = np.cumsum([n_bytes(v, s_vocab, s_eos) for v in s_ids])
+  ts, tt = len(s_ids) + 2, len(t_pieces) + 2
+  align = row_alignment(s_ends, t_ends, np.ones(len(s_ids)), np.ones(len(t_pieces)), student_len=ts, teacher_len=tt,
+                        spans=min(ts, tt))
+  rng = np.random.default_rng(5)
+  return {
+      "s_logits": rng.normal(size=(ts, len(s_vocab))).astype(np.float32) * 2,
+      "t_logits": rng.normal(size=(tt, len(T_VOCAB))).astype(np.float32) * 2,
+      "s_targets": np.asarray(s_ids + [s_pad] * 2, np.int32),
+      "t_targets": np.asarray(t_pieces + [14] * 2, np.int32),
+      "align": align,
+  }
+
+
+def run_byte_kl(case, s_vocab, s_eos, max_depth, tau):
+  tables = losses.byte_tables(T_VOCAB, s_vocab, teacher_eos=13, student_eos=s_eos, max_depth=max_depth)
+  strategy = ByteKL(alpha=1.0, temperature=tau, max_depth=max_depth).with_tables(tables)
+  student = ModelOutput(logits=jnp.asarray(case["s_logits"]))
+  mask = jnp.ones(case["s_targets"].shape, jnp.float32)
+  return jax.jit(lambda s, t: strategy.per_sequence({}, s, t, jnp.asarray(case["s_targets"]), mask, 0))(
+      student, aligned_teacher(case))
+
+
+@pytest.mark.parametrize("max_depth,tau", [(16, 1.0), (0, 1.0), (1, 2.0)])
+def test_byte_kl_of_a_byte_student_equals_the_projection_by_prefix(max_depth, tau):
+  case = byte_case(BYTE_VOCAB, [bytes([b]) for b in TEXT.encode()], 258, 256)
+  al = case["align"]
+  counted = (al.student_span >= 0) & (al.span_bytes[np.maximum(al.student_span, 0)] > 0)
+  want, positions = reference_byte_kl(case["t_logits"], case["t_targets"], case["s_logits"], case["s_targets"],
+                                      counted, BYTE_VOCAB, 258, max_depth, tau)
+  got = run_byte_kl(case, BYTE_VOCAB, 258, max_depth, tau)
+  np.testing.assert_allclose(got["byte_kl"], want, rtol=1e-5)
+  assert got["byte_positions"] == positions == {16: 9, 0: 5, 1: 8}[max_depth]  # 8 bytes and the end of text
+
+
+def test_byte_kl_of_a_student_with_multi_byte_tokens_compares_their_first_bytes():
+  case = byte_case(S_BPE, S_BPE_PIECES, 9, 10)
+  al = case["align"]
+  counted = (al.student_span >= 0) & (al.span_bytes[np.maximum(al.student_span, 0)] > 0)
+  want, positions = reference_byte_kl(case["t_logits"], case["t_targets"], case["s_logits"], case["s_targets"],
+                                      counted, S_BPE, 9, 16, 1.0)
+  got = run_byte_kl(case, S_BPE, 9, 16, 1.0)
+  np.testing.assert_allclose(got["byte_kl"], want, rtol=1e-5)
+  assert got["byte_positions"] == positions == 8
+
+
+def test_byte_kl_refuses_missing_or_mismatched_tables(case):
+  with pytest.raises(ValueError, match="byte_tables_of"):
+    run(ByteKL(), case)
+  tables = losses.byte_tables(T_VOCAB, S_BPE, teacher_eos=13, student_eos=9, max_depth=2)
+  with pytest.raises(ValueError, match="max_depth=2"):
+    ByteKL().with_tables(tables)
+  with pytest.raises(ValueError, match="vocabularies of 16"):
+    run(ByteKL(max_depth=2).with_tables(tables), case)
+  with pytest.raises(ValueError, match="ByteKL.top_k=8 is not used"):
+    ByteKL(top_k=8)
+  with pytest.raises(ValueError, match="ByteKL.max_depth=-1"):
+    ByteKL(max_depth=-1)
+
+
+def test_byte_kl_keeps_both_vocabularies_split_over_tensor():
+  """Compiled on a 2x4 mesh with both sides' logits split over tensor along the vocabulary, the loss and its
+  gradient hold no all-gather of a vocabulary (a scatter-add into the byte buckets once gathered the teacher's)."""
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  case = byte_case(S_BPE * 2 + [None] * 4, S_BPE_PIECES, 9, 10)  # 32 student ids, 16 teacher ids: split by 4
+  tables = losses.byte_tables(T_VOCAB, S_BPE * 2 + [None] * 4, teacher_eos=13, student_eos=9, max_depth=16)
+  strategy = ByteKL(alpha=1.0).with_tables(tables)
+  mask = jnp.ones(case["s_targets"].shape, jnp.float32)
+
+  def loss(s_logits, t_logits):
+    t = aligned_teacher(dict(case, t_logits=t_logits))
+    return strategy.per_sequence({}, ModelOutput(logits=s_logits), t, jnp.asarray(case["s_targets"]), mask, 0)["loss"]
+
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tensor"))
+  args = [jax.device_put(jnp.asarray(case[k]), split) for k in ("s_logits", "t_logits")]
+  hlo = jax.jit(jax.value_and_grad(loss)).lower(*args).compile().as_text()
+  assert "all-reduce" in hlo  # the sums over the split vocabularies
+  assert not [s for s in all_gather_shapes(hlo) if 32 in s or 16 in s], all_gather_shapes(hlo)

@@ -1,13 +1,17 @@
 """The cross-tokenizer step: a teacher on its own (BPE) tokens, a student on bytes; one device = 2x4, masked tokens
 and uncounted spans never count, clear errors for strategies that need one vocabulary."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close
+from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, assert_trees_close, write_corpus
 
 import meshdistill as md
+from meshdistill import jobs
+from meshdistill.config import load_config
 from meshdistill.data import ByteTokenizer, pack_texts, train_bpe
 from meshdistill.data.alignment import matched_vocabulary
 from meshdistill.loop.evaluate import Evaluator
@@ -100,7 +104,7 @@ def test_a_strategy_of_one_vocabulary_is_refused_with_two_tokenizations(setup):
 
 
 def test_different_vocabularies_with_logit_kd_name_the_cross_tokenizer_strategies(setup):
-  with pytest.raises(ValueError, match="uld or span_kl"):
+  with pytest.raises(ValueError, match="byte_kl, span_kl or uld"):
     md.Distiller(md.init_model(setup["student_cfg"], seed=1), md.init_model(setup["teacher_cfg"], seed=0))
 
 
@@ -126,3 +130,45 @@ def test_evaluation_gives_bits_per_byte_of_both_models_on_the_same_bytes(setup, 
                              nll(teacher_logits, batch["teacher_targets"], batch["teacher_span"]) / bits, rtol=1e-5)
   np.testing.assert_allclose(got["bpb"], m[0]["span_nll"] / m[0]["bytes"] / np.log(2), rtol=1e-5)  # the step's
   assert 7.0 < got["bpb"] < 10.0  # an untrained byte model: about log2(264) bits per byte
+
+
+def test_the_matched_kl_never_gathers_the_teachers_vocabulary_split_over_tensor(setup, runs):
+  d, state, _ = runs["2x4"]
+  W = setup["teacher_cfg"].vocab_size
+  assert W not in (8, 16, 264, d.student_cfg.d_model, d.teacher_cfg.d_model)  # a dimension no other array has
+  split = [x.sharding.spec for x in jax.tree.leaves(d.teacher_params) if W in x.shape]
+  assert split and all("tensor" in spec for spec in split), split  # the teacher's vocabulary is split over tensor
+  hlo = d.lower(state, setup["batches"][0]).compile().as_text()
+  assert "all-reduce" in hlo
+  assert not [shape for shape in all_gather_shapes(hlo) if W in shape], all_gather_shapes(hlo)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+  """A 2-step distill job through `meshdistill.jobs` on one device: a BPE teacher (pretrained 1 step on its own
+  tokens) and a byte student, distill.kind byte_kl."""
+  root = tmp_path_factory.mktemp("cross_job")
+  sets = [
+      f"data.source={write_corpus(root / 'c', n_docs=12)}", "data.max_chars=null", "data.val_fraction=0.25",
+      "mesh.backend=single", "mesh.data=1", "mesh.tensor=1", "data.seq_len=32", "data.teacher_tokenizer=bpe",
+      "data.bpe_vocab_size=280", "data.teacher_seq_len=16",
+      "teacher.vocab_size=280", "student.vocab_size=264", "distill.kind=byte_kl", "distill.alpha=0.5",
+      "train.steps=2", "train.warmup=1", "train.eval_every=1", "train.log_every=1", "pretrain.steps=1",
+      "pretrain.warmup=0", "pretrain.eval_every=0", f"pretrain.cache_dir={root / 'cache'}", "checkpoint.every=0",
+      f"run.run_dir={root / 'run'}",
+  ]
+  cfg = load_config("tiny", sets)
+  return cfg, jobs.distill(cfg)
+
+
+def test_a_distill_job_with_two_tokenizers_reports_bits_per_byte_and_keeps_its_teacher(job):
+  cfg, summary = job
+  assert summary["step"] == 2
+  assert 0 < summary["student"]["bpb"] < 10 and 0 < summary["teacher"]["bpb"] < 10
+  metrics = [json.loads(line) for line in open(f"{cfg.run.run_dir}/metrics.jsonl")]
+  train = [m for m in metrics if m["split"] == "train"]
+  evals = [m for m in metrics if m["split"] == "val"]
+  assert all(m["byte_kl"] > 0 and m["byte_positions"] > 0 for m in train), train
+  # the teacher never moves: its bits per byte on the validation bytes after every step are the same number
+  assert [m["step"] for m in evals] == [1, 2] and evals[0]["bpb"] != evals[1]["bpb"]  # the student does move
+  assert evals[0]["teacher_bpb"] == evals[1]["teacher_bpb"] == summary["teacher"]["bpb"]

@@ -170,7 +170,8 @@ class Config:
 
   def _check_tokenizers(self) -> None:
     """One tokenizer: equal vocabularies. A teacher of its own (``data.teacher_tokenizer``): a strategy that aligns
-    the two tokenizations (``cross_tokenizer``: uld, span_kl); the others are refused, naming those that work."""
+    the two tokenizations (``cross_tokenizer``: uld, span_kl, byte_kl); the others are refused, naming those that
+    work."""
     cross = sorted(n for n in strategies.names() if getattr(strategies.get(n), "cross_tokenizer", False))
     aligns = getattr(strategies.get(self.distill.kind), "cross_tokenizer", False)
     if self.data.teacher_tokenizer is None:

@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from meshdistill.losses import ByteTables, byte_tables
+
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -99,6 +101,13 @@ def matched_vocabulary(teacher_tokenizer, student_tokenizer) -> tuple[np.ndarray
   pairs = [(i, by_bytes[b]) for i, b in enumerate(token_bytes(teacher_tokenizer)) if b is not None and b in by_bytes]
   ids = np.asarray(pairs, np.int32).reshape(-1, 2)
   return ids[:, 0].copy(), ids[:, 1].copy()
+
+
+def byte_tables_of(teacher_tokenizer, student_tokenizer, *, max_depth: int) -> ByteTables:
+  """The next-byte tables (`meshdistill.losses.ByteTables`) of a teacher and a student tokenizer: each side's bytes
+  per id (`token_bytes`) and end-of-text id; teacher tokens read up to ``max_depth`` bytes deep."""
+  return byte_tables(token_bytes(teacher_tokenizer), token_bytes(student_tokenizer),
+                     teacher_eos=teacher_tokenizer.eos_id, student_eos=student_tokenizer.eos_id, max_depth=max_depth)
 
 
 def align_spans(student_ends: np.ndarray, teacher_ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ from meshdistill.config import Config, ConfigError
 from meshdistill.loop.guard import DivergenceGuard
 from meshdistill.strategies import ScaledLoss, fallback_strategy, label
 from meshdistill.teachers.sources import build_student, quantized_teacher
-from meshdistill.data.alignment import matched_vocabulary
+from meshdistill.data.alignment import byte_tables_of, matched_vocabulary
 from meshdistill.train.distiller import Distiller
 from meshdistill.train.onpolicy import OnPolicyDistiller
 from meshdistill.train.optimizers import lr_schedule, make_optimizer
@@ -73,12 +73,15 @@ def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
 def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_tokenizer: Any = None):
   """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.teachers.sources.build_student`); with
   ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS). With a teacher of
-  its own ``teacher_tokenizer``, a strategy that compares matched tokens (``span_kl``) gets the matched vocabulary."""
+  its own ``teacher_tokenizer``, a strategy that compares matched tokens (``span_kl``) gets the matched vocabulary
+  and one that compares next bytes (``byte_kl``) the vocabularies' byte tables."""
   student = build_student(cfg, teacher, mesh)
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize: after the student copied any float blocks
   strategy, optimizer = strategy_and_optimizer(cfg)
   if teacher_tokenizer is not None and hasattr(strategy, "with_matched"):
     strategy = strategy.with_matched(*matched_vocabulary(teacher_tokenizer, tokenizer))
+  if teacher_tokenizer is not None and hasattr(strategy, "with_tables"):
+    strategy = strategy.with_tables(byte_tables_of(teacher_tokenizer, tokenizer, max_depth=strategy.max_depth))
   extra, cls = {}, Distiller
   if cfg.distill.on_policy.active:
     cls = OnPolicyDistiller

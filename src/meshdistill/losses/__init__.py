@@ -7,7 +7,9 @@ Divergences (`DIVERGENCES`, `get_divergence`): ``forward_kl``, ``reverse_kl``, `
 (generalised, ``beta``), ``skew_kl`` / ``skew_reverse_kl`` (``skew``), ``tvd``, ``mse``
 (centred logits). `forward_kl_terms`: the default recipe's loss and metrics fused (one pass over V). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`; `TopK` (a teacher given by its
 top-k, e.g. an offline cache) and `narrow_topk`. A teacher of another tokenizer (`Aligned`): `span_logprobs`, `uld`,
-`matched_kl`, `hybrid_uld` on the spans both tokenizations agree on (per span ``[S]`` instead of per token).
+`matched_kl`, `hybrid_uld` on the spans both tokenizations agree on (per span ``[S]`` instead of per token); on the
+next byte of the text (`ByteTables`, `byte_tables`, `byte_offsets`, `next_byte_logprobs`, `first_byte_logprobs`,
+`byte_kl`: both sides' next-token distributions projected onto bytes).
 """
 
 from meshdistill.losses._chunked import (
@@ -42,6 +44,14 @@ from meshdistill.losses._divergences import (
     tvd,
 )
 from meshdistill.losses._fused import forward_kl_terms
+from meshdistill.losses._next_byte import (
+    ByteTables,
+    byte_kl,
+    byte_offsets,
+    byte_tables,
+    first_byte_logprobs,
+    next_byte_logprobs,
+)
 from meshdistill.losses._logits import cross_entropy, log_softmax, pearson, top1_agreement
 from meshdistill.losses._topk import (
     TopK,
@@ -55,6 +65,12 @@ from meshdistill.losses._topk import (
 
 __all__ = [
     "Aligned",
+    "ByteTables",
+    "byte_kl",
+    "byte_offsets",
+    "byte_tables",
+    "first_byte_logprobs",
+    "next_byte_logprobs",
     "hybrid_uld",
     "matched_kl",
     "span_logprobs",

@@ -66,6 +66,14 @@ class ULD(SequenceStrategy):
     d_S = losses.uld(student_SxV, teacher_SxW, span_mask_S, self.top_k)
     return {"term": d_S, "uld": d_S}
 
+  def terms(self, student: ModelOutput, teacher, targets_T, mask_T, tau) -> dict:
+    """The distillation term summed over the sequence (``"term"``) and its metrics, scalars."""
+    del mask_T
+    span_mask_S = (teacher.span_bytes > 0).astype(jnp.float32)
+    s_SxV = losses.span_logprobs(student.logits, targets_T, teacher.student_span, teacher.student_last, tau)
+    t_SxW = losses.span_logprobs(teacher.logits, teacher.targets, teacher.teacher_span, teacher.teacher_last, tau)
+    return {k: jnp.sum(v) for k, v in self.distance(s_SxV, t_SxW, span_mask_S).items()}
+
   def per_sequence(self, params, student: ModelOutput, teacher, targets_T, mask_T, step):
     del params
     if not isinstance(teacher, losses.Aligned):
@@ -74,13 +82,10 @@ class ULD(SequenceStrategy):
           "the alignment (set data.teacher_tokenizer); for a teacher of the student's tokenizer use logit_kd"
       )
     tau, alpha = value_at(self.temperature, step), value_at(self.alpha, step)
-    span_mask_S = (teacher.span_bytes > 0).astype(jnp.float32)
-    s_SxV = losses.span_logprobs(student.logits, targets_T, teacher.student_span, teacher.student_last, tau)
-    t_SxW = losses.span_logprobs(teacher.logits, teacher.targets, teacher.teacher_span, teacher.teacher_last, tau)
-    terms = {k: jnp.sum(v) for k, v in self.distance(s_SxV, t_SxW, span_mask_S).items()}
+    terms = self.terms(student, teacher, targets_T, mask_T, tau)
     ce = jnp.sum(losses.cross_entropy(student.logits, targets_T, mask_T))
     out = {"loss": alpha * terms.pop("term") + (1.0 - alpha) * ce, "ce": ce, **terms}
-    out["spans"] = jnp.sum(span_mask_S)
+    out["spans"] = jnp.sum((teacher.span_bytes > 0).astype(jnp.float32))
     out["bytes"] = jnp.sum(teacher.span_bytes.astype(jnp.float32))
     out["span_nll"] = losses.span_nll(student.logits, targets_T, teacher.student_span, teacher.span_bytes)
     out["teacher_span_nll"] = losses.span_nll(teacher.logits, teacher.targets, teacher.teacher_span, teacher.span_bytes)

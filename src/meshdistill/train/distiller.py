@@ -196,7 +196,7 @@ class Distiller:
           f"the batch carries a teacher of another tokenizer ({has[0]}, ...; data.teacher_tokenizer is set) but "
           f"strategy {name} compares the two models token by token over one vocabulary, so it is refused here "
           "(attention transfer and feature losses also need the same tokens on both sides); use distill.kind: "
-          "uld or span_kl, or drop data.teacher_tokenizer"
+          "byte_kl, span_kl or uld, or drop data.teacher_tokenizer"
       )
     if not self.cross_tokenizer:
       return
@@ -334,7 +334,7 @@ def resolve_shared_vocab(teacher_vocab: int, student_vocab: int, shared_vocab: i
         "distributions token by token, so both models need the same tokenizer (build the student with "
         f"vocab_size={teacher_vocab}); if they do share one and the larger is only padded, pass "
         f"shared_vocab=<tokenizer size, at most {small}>; if the tokenizers differ, set data.teacher_tokenizer and "
-        "distill.kind: uld or span_kl (they align the two tokenizations)"
+        "distill.kind: byte_kl, span_kl or uld (they align the two tokenizations)"
     )
   log.info(
       "teacher vocab_size=%d, student vocab_size=%d: treating the extra %d rows as padding of one tokenizer and "
