@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.parallel.mesh import DATA, TENSOR
+from meshdistill.parallel.mesh import DATA, EXPERT, TENSOR
 
 # The logical names model code may use (weights), plus ``batch`` (activations).
 LOGICAL = ("vocab", "embed", "heads", "kv_heads", "kv_replicated", "head_dim", "mlp", "layers", "experts")
@@ -80,7 +80,7 @@ TENSOR_PARALLEL = Rules("tensor", {
     "vocab": TENSOR, "embed": None, "heads": TENSOR, "kv_heads": TENSOR, "kv_replicated": None, "head_dim": None,
     "mlp": TENSOR,
     "layers": None,
-    "experts": None,  # expert parallelism: ("experts", "expert") and an `expert` mesh axis
+    "experts": EXPERT,  # expert parallelism: a mesh with an `expert` axis (`mesh.axes: {expert: n}`) splits experts
     "batch": DATA,
 })
 # Every dimension `tensor` leaves whole but `layers` over `data`; a weight with two such (a projection's D and its
