@@ -249,7 +249,8 @@ def exchanged_experts(x_nxD, experts_nxk, weights_nxk, w_gate_LxDxF, w_up_LxDxF,
   order_R = jnp.argsort(local_WxC.reshape(-1), stable=True)
   sizes_L = jnp.sum(recv_WxL, axis=0)
   x_sorted = recv_WxCxD.reshape(W * C, D)[order_R]
-  h = jax.nn.silu(jax.lax.ragged_dot(x_sorted, w_gate_LxDxF, sizes_L)) * jax.lax.ragged_dot(x_sorted, w_up_LxDxF, sizes_L)
+  h = jax.nn.silu(jax.lax.ragged_dot(x_sorted, w_gate_LxDxF, sizes_L))
+  h = h * jax.lax.ragged_dot(x_sorted, w_up_LxDxF, sizes_L)
   y_sorted = jax.lax.ragged_dot(h, w_down_LxFxD, sizes_L)
   y_WxCxD = jnp.zeros_like(y_sorted).at[order_R].set(y_sorted, unique_indices=True).reshape(W, C, -1)
   back_WxCxD = jax.lax.all_to_all(y_WxCxD, EXPERT, 0, 0)  # back_WxCxD[d]: my rows' results from device d
