@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from meshdistill.train.distiller import Distiller
 from meshdistill.parallel.backends import ShardMapLayout
+from meshdistill.parallel.collectives import replica_groups
 from meshdistill.train.memory import MemoryReport
 from meshdistill.parallel.mesh import TENSOR, batch_sharding
 from meshdistill.models._build import abstract_params
@@ -227,9 +228,8 @@ _OP = re.compile(r"=\s*(?P<type>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?P<
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,{} ]*\})\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-# XLA's named form: replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_0'} (a factoring of the device ids in
-# order; a group varies over the axes named in braces)
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS_MESH = re.compile(  # XLA's named form: mesh['axis_0'=4,'axis_1'=2] {'axis_0'} (`replica_groups` reads it)
+    r"replica_groups=(mesh\[[^\]]*\](?:, device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\))? \{[^}]*\})")
 _PAIRS = re.compile(r"source_target_pairs=\{(\{[\d,{} ]*\})\}")
 _BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
@@ -250,11 +250,7 @@ def _groups(line: str) -> list[list[int]] | None:
     return ids.reshape(g, s).tolist()
   m = _GROUPS_MESH.search(line)
   if m:
-    sizes = dict((k.strip(" '"), int(v)) for k, v in (kv.split("=") for kv in m.group(1).split(",")))
-    varying = [k.strip(" '") for k in m.group(2).split(",") if k.strip(" '")]
-    ids = np.arange(math.prod(sizes.values())).reshape(tuple(sizes.values()))
-    moved = np.moveaxis(ids, [list(sizes).index(k) for k in varying], list(range(-len(varying), 0)))
-    return moved.reshape(-1, math.prod(sizes[k] for k in varying)).tolist()
+    return [sorted(g) for g in replica_groups(m.group(1))]
   m = _GROUPS_LIST.search(line) or _PAIRS.search(line)
   if m:
     return [[int(v) for v in grp.split(",") if v.strip()] for grp in re.findall(r"\{([\d, ]*)\}", m.group(1))]
