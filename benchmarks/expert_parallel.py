@@ -40,7 +40,7 @@ def _args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--topology", default="v5e:2x2")
   p.add_argument("--batch", type=int, default=4)
-  p.add_argument("--seq", type=int, default=64)
+  p.add_argument("--seq", type=int, default=32)
   p.add_argument("--out", default=str(HERE / "results" / "expert_parallel.md"))
   return p.parse_args(argv)
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
   cfg = md.ModelConfig(vocab_size=1024, d_model=256, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=64,
                        mlp_hidden=512, max_len=args.seq, dtype="bfloat16", moe=moe)
   devices = planner.make_planner(cfg, cfg, topology=args.topology, seq=args.seq).target.devices
-  # every shape an expert weight (or a shard of one) can have here; the default batch's activations ([4, 64, 256])
+  # every shape an expert weight (or a shard of one) can have here; the default batch's activations ([4, 32, 256])
   # have none of them
   weights = {s for e in (8, 4) for f in (256, 128, 64) for s in ((e, 256, f), (e, f, 256))}
   rows = []
