@@ -55,6 +55,26 @@ def test_replica_groups_read_both_hlo_forms():
   assert mesh_axis_groups(mesh, ("tensor",)) == set(replica_groups("[2,4]<=[8]"))
 
 
+def test_the_planner_labels_collectives_by_every_axis_of_a_three_axis_mesh():
+  """XLA:CPU's named form without device ids (devices in order), and the axes a group varies over, on
+  data 2 x expert 2 x tensor 2 (device id = 4 * data + 2 * expert + tensor)."""
+  from meshdistill.planner._compile import collectives
+
+  assert replica_groups("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}") == [frozenset({0, 2, 4, 6}), frozenset({1, 3, 5, 7})]
+  shape = {"data": 2, "expert": 2, "tensor": 2}
+  hlo = "\n".join([
+      "%a = f32[8,4]{1,0} all-to-all(%x), replica_groups={{0,2},{1,3},{4,6},{5,7}}, dimensions={0}",
+      "%b = f32[64,4]{1,0} all-gather(%y), replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2] {'axis_1'}, "
+      "dimensions={0}",
+      "%c = f32[16]{0} all-reduce(%z), replica_groups=[2,4]<=[2,2,2]T(1,0,2), to_apply=%sum",
+      "%d = f32[16]{0} all-reduce(%w), replica_groups=[4,2]<=[8], to_apply=%sum",
+  ])
+  got = {(c["kind"], c["axis"]): c["count"] for c in collectives(hlo, shape)}
+  assert got == {("all-to-all", "expert"): 1, ("all-gather", "expert"): 1, ("all-reduce", "data+tensor"): 1,
+                 ("all-reduce", "tensor"): 1}
+  assert {c["axis"] for c in collectives(hlo, (4, 2))} == {"data", "data+tensor", "tensor"}  # (data, tensor) form
+
+
 def test_psum_bundled_sums_like_psum_with_one_all_reduce_per_scalar_dtype():
   mesh = md.make_mesh(8, 1)
 

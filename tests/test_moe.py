@@ -1,7 +1,10 @@
 """Mixture-of-experts blocks: routing, the grouped matmul, capacity, the router's loss terms against a plain formula,
-the Hugging Face MoE fixtures on one device, and MoE teacher / MoE student steps on 2x4 against one device."""
+the Hugging Face MoE fixtures on one device and with experts split over an ``expert`` axis, and MoE teacher / MoE
+student steps on 2x4 and on expert-split layouts (with fsdp) against one device, with the HLO audit of the token
+exchange."""
 
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +25,7 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 MOE_TEACHER = TEACHER_CFG.replace(moe=MoeConfig(n_experts=4, top_k=2, expert_hidden=16))
 # a student with a dense layer, a capacity that drops assignments and both router terms weighted
 MOE_STUDENT = STUDENT_CFG.replace(n_layers=2, moe=MoeConfig(
-    n_experts=4, top_k=2, expert_hidden=8, capacity_factor=1.0, dense_layers=(1,), aux_loss_weight=0.1,
+    n_experts=4, top_k=2, expert_hidden=12, capacity_factor=1.0, dense_layers=(1,), aux_loss_weight=0.1,
     z_loss_weight=0.01))
 
 
@@ -132,24 +135,57 @@ def test_one_device_loaded_moe_logits_and_load_balancing_loss_equal_transformers
   np.testing.assert_allclose(float(terms["moe_aux"]), float(ref["aux_loss"]), rtol=1e-5)
 
 
+@pytest.mark.parametrize("name, layout", [("hf_qwen3_moe", (1, 4, 2)), ("hf_mixtral", (2, 2, 2))])
+def test_expert_split_loaded_moe_logits_equal_transformers(name, layout):
+  """Qwen3-MoE's 8 experts over expert=4 x tensor=2, Mixtral's 4 over data 2 x expert 2 x tensor 2: each device
+  loads only its experts' shards, and the logits equal transformers' (the rows exchanged by all-to-all)."""
+  ref = np.load(FIXTURES / name / "reference.npz")
+  data, expert, tensor = layout
+  mesh = md.make_mesh(data, tensor, axes={"expert": expert})
+  model = load_hf(FIXTURES / name, mesh)
+  gate = model.blocks[0].mlp.gate.get_value()
+  assert tuple(gate.sharding.spec) == ("expert", None, "tensor")
+  assert gate.addressable_shards[0].data.shape[0] == model.cfg.moe.n_experts // expert
+  logits = jax.jit(lambda t: model(t).logits)(jnp.asarray(ref["tokens"]))
+  np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=1e-4, rtol=0)
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
+  model = md.init_model(MOE_TEACHER, 0)  # 4 experts
+  with jax.set_mesh(md.make_mesh(1, 1, devices=jax.devices()[:3], axes={"expert": 3})):
+    with pytest.raises(ValueError, match=r"mesh.axes.expert=3 does not divide the 4 experts .* choose expert in "
+                                         r"\[1, 2, 4\]"):
+      jax.eval_shape(lambda t: model(t).logits, jnp.zeros((2, 4), jnp.int32))
+
+
 def test_lora_on_expert_weights_is_refused_naming_what_works():
   with pytest.raises(ValueError, match=r"mixtures of experts .* target the attention projections only"):
     apply_lora(md.init_model(MOE_STUDENT, 1), LoraConfig(rank=2))
 
 
 SETUPS = {"moe_teacher": (MOE_TEACHER, STUDENT_CFG), "moe_student": (TEACHER_CFG, MOE_STUDENT)}
+# (data, expert, tensor, fsdp) of each layout; "ep4": the teacher's 4 experts one per device of expert=4, the dense
+# student replicated over expert; "ep2_fsdp": the MoE student's experts over expert=2, its weights over data too
+LAYOUTS = {"2x4": (2, 1, 4, False), "ep4": (1, 4, 2, False), "ep2_fsdp": (2, 2, 2, True)}
+RUN_LAYOUTS = {"moe_teacher": ("single", "ep4"), "moe_student": ("single", "2x4", "ep2_fsdp")}
+
+
+def _mesh(layout):
+  data, expert, tensor, _ = LAYOUTS[layout]
+  return md.make_mesh(data, tensor, axes={"expert": expert} if expert > 1 else None)
 
 
 @pytest.fixture(scope="module")
 def runs():
-  """Two steps of each setup on one device and on the 2x4 mesh, from the same weights and batches."""
+  """Two steps of each setup on one device and on the layouts of `RUN_LAYOUTS`, from the same weights and batches."""
   batches = [make_batch(seed=s) for s in range(2)]
   out = {}
   for setup, (t_cfg, s_cfg) in SETUPS.items():
-    for layout in ("single", "2x4"):
-      mesh = None if layout == "single" else md.make_mesh(2, 4)
+    for layout in RUN_LAYOUTS[setup]:
+      mesh = None if layout == "single" else _mesh(layout)
+      fsdp = layout != "single" and LAYOUTS[layout][3]
       d = md.Distiller(md.init_model(s_cfg, seed=1, mesh=mesh), md.init_model(t_cfg, seed=0, mesh=mesh), mesh=mesh,
-                       optimizer=optax.adam(1e-2))
+                       optimizer=optax.adam(1e-2), fsdp=fsdp)
       state, metrics = d.init_state(), []
       for b in batches:
         state, m = d.step(state, b)
@@ -158,15 +194,58 @@ def runs():
   return out
 
 
-@pytest.mark.parametrize("setup", list(SETUPS))
-def test_2x4_moe_steps_equal_one_device(runs, setup):
+@pytest.mark.parametrize("setup, layout", [(s, l) for s, ls in RUN_LAYOUTS.items() for l in ls if l != "single"])
+def test_moe_steps_on_tensor_and_expert_split_layouts_equal_one_device(runs, setup, layout):
+  """2x4 (experts' hidden units over tensor), the MoE teacher's experts over expert=4 beside a dense student, and the
+  MoE student's experts over expert=2 with fsdp: the same metrics and parameters as one device after 2 steps."""
   _, want_state, want = runs[setup, "single"]
-  d, state, got = runs[setup, "2x4"]
+  d, state, got = runs[setup, layout]
   for g, w in zip(got, want):
     assert g.keys() == w.keys()
     for k in w:
       np.testing.assert_allclose(g[k], w[k], rtol=1e-5, atol=1e-7, err_msg=k)
   assert_trees_close(jax.device_get(d.unreplicate(state.params)), jax.device_get(want_state.params))
+  if LAYOUTS[layout][1] > 1:  # the MoE model's experts really are split over expert (and data under fsdp)
+    moe_params = d.teacher_params if setup == "moe_teacher" else state.params["student"]
+    gate = moe_params["blocks"][0]["mlp"]["gate"].get_value()
+    assert tuple(gate.sharding.spec) == ("expert", "data" if LAYOUTS[layout][3] else None, "tensor")
+
+
+@pytest.mark.parametrize("setup, layout", [("moe_teacher", "ep4"), ("moe_student", "ep2_fsdp")])
+def test_expert_split_step_exchanges_tokens_over_expert_and_gathers_no_expert_weight(runs, setup, layout):
+  """The compiled step (CPU HLO, labelled by the planner's census): three all-to-alls over ``expert`` per MoE layer
+  forward (counts, tokens, results) and two more backward for a student, and no all-gather of an expert weight:
+  without fsdp none, with fsdp only the ZeRO-3 gather over ``data``, whose copy keeps E split over expert
+  (``[E / 2, D, F / 2]``). Activations are gathered over ``expert``: the MoE block's output rows (the rest of the
+  step is replicated over ``expert``) and what the compiler chose to split over it (router logits before top-k).
+  ``MOE_STUDENT``'s sizes keep its expert weights' shapes apart from its activations' ([4, 8, 16] rows)."""
+  from meshdistill.planner._compile import collectives
+
+  d, state, _ = runs[setup, layout]
+  mesh = d.layout.mesh
+  ep, tp, fsdp = mesh.shape["expert"], mesh.shape["tensor"], LAYOUTS[layout][3]
+  cfg = MOE_TEACHER if setup == "moe_teacher" else MOE_STUDENT
+  moe_layers = sum(cfg.moe.sparse(i) for i in range(cfg.n_layers))
+  hlo = d.lower(state, make_batch(seed=0)).compile().as_text()
+  census = collectives(hlo, mesh.shape)
+  a2a = sum(c["count"] for c in census if c["kind"] == "all-to-all" and c["axis"] == "expert")
+  assert a2a == moe_layers * (3 if setup == "moe_teacher" else 5), census
+  E, D, F = cfg.moe.n_experts, cfg.d_model, cfg.moe.expert_hidden
+  weights = {s for e in (E, E // ep) for f in (F, F // tp) for s in ((e, D, f), (e, f, D))}
+  gathered = [(shape, axis) for shape, axis in _gathers(hlo, mesh.shape) if shape in weights]
+  zero3 = [((E // ep, D, F // tp), "data")] * 2 + [((E // ep, F // tp, D), "data")]  # gate, up, down
+  assert sorted(gathered) == (sorted(zero3 * moe_layers) if fsdp else []), gathered
+
+
+def _gathers(hlo, mesh_shape):
+  """(result shape, mesh axes) of every all-gather of a compiled program."""
+  from meshdistill.planner._compile import _axis, _groups
+  out = []
+  for line in hlo.splitlines():
+    m = re.search(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", line)
+    if m:
+      out.append((tuple(int(v) for v in m.group(1).split(",") if v), _axis(_groups(line), mesh_shape)))
+  return out
 
 
 def test_moe_student_step_reports_router_terms_of_the_plain_formula(runs):
@@ -174,7 +253,7 @@ def test_moe_student_step_reports_router_terms_of_the_plain_formula(runs):
   first = metrics[0]
   assert {"moe_aux", "moe_z", "moe_load_max", "moe_load_min", "moe_dropped"} <= set(first)
   assert 0.0 < first["moe_dropped"] < 1.0  # capacity_factor=1.0 drops some of the uneven assignments
-  assert "moe_aux" not in runs["moe_teacher", "2x4"][2][0]  # a dense student has no router terms
+  assert "moe_aux" not in runs["moe_teacher", "ep4"][2][0]  # a dense student has no router terms
   batch = make_batch(seed=0)
   out = _forward(MOE_STUDENT, 1, batch["inputs"])
   logits = np.stack([np.asarray(r.logits_BxTxE).reshape(-1, 4) for r in out.router]).astype(np.float64)

@@ -119,9 +119,9 @@ def distill(mesh, fsdp=False):
   return d, state, losses
 
 
-def test_a_three_axis_mesh_with_an_unmapped_expert_axis_equals_one_device():
+def test_a_three_axis_mesh_whose_expert_axis_a_dense_model_does_not_use_equals_one_device():
   """data 2 x expert 2 x tensor 2 with fsdp: weights split over data and tensor by the rules, replicated over
-  expert (no table maps it); the same losses and weights as one device."""
+  expert (a dense model has no experts dimension); the same losses and weights as one device."""
   _, want_state, want = distill(None)
   mesh = md.make_mesh(2, 2, axes={"expert": 2})
   assert mesh.axis_names == ("data", "expert", "tensor")

@@ -30,7 +30,7 @@ COMMENTS = {
     "preference.pairs": "distill.kind preference: own (the run's text vs another place's) or a JSONL file",
     "mesh.data": "batch split over 2 devices",
     "mesh.tensor": "weights (heads, MLP units, vocabulary) split over 4 devices",
-    "mesh.axes": "more mesh axes between data and tensor, e.g. {expert: 2}; null: none",
+    "mesh.axes": "more mesh axes between data and tensor, e.g. {expert: 2}: MoE experts split over 2; null: none",
     "mesh.backend": "shard_map | single | pmap",
     "mesh.fsdp": "true: weights and optimizer moments split over data too (ZeRO-3; shard_map only)",
     "mesh.student_split": "tensor | batch: a replicated student on rows split over data x tensor",

@@ -41,7 +41,8 @@ class MeshSettings:
   replicated, run on the batch rows split over ``data`` x ``tensor``:
   `meshdistill.parallel.backends.ShardMapLayout`). ``axes``: more mesh axes and their sizes, between ``data`` and
   ``tensor`` (e.g. ``{expert: 2}``; `meshdistill.parallel.mesh.EXTRA_AXES`): the devices are the product of all
-  sizes; an axis no rules table maps (`meshdistill.parallel.rules`) holds replicas."""
+  sizes; ``expert`` splits the experts of mixture-of-experts models (expert parallelism, an all-to-all of the routed
+  tokens: `meshdistill.models.moe`), what no rule splits over an axis (`meshdistill.parallel.rules`) holds replicas."""
 
   data: int = 2
   tensor: int = 4

@@ -3,13 +3,13 @@
 `MoeConfig` holds the settings (``ModelConfig.moe``); `MoE` is the block the decoder's `Block` runs in place of
 its dense MLP on the layers `MoeConfig.sparse` names.
 
-==========================  ================  =====================
-weight                      shape             split over ``tensor``
-==========================  ================  =====================
-router                      [D, E]            replicated
-experts gate / up           [E, D, F]         F (each expert's hidden units, as the dense MLP)
-experts down                [E, F, D]         F
-==========================  ================  =====================
+==========================  ================  ===========================================================
+weight                      shape             split over ``tensor`` (and ``expert``, ``mesh.axes: {expert: n}``)
+==========================  ================  ===========================================================
+router                      [D, E]            replicated (every token scores every expert)
+experts gate / up           [E, D, F]         F (each expert's hidden units, as the dense MLP); E over ``expert``
+experts down                [E, F, D]         F; E over ``expert``
+==========================  ================  ===========================================================
 
 Routing (`route`): scores are ``softmax`` (Mixtral, Qwen3-MoE) or ``sigmoid`` of the float32 router logits; the
 ``top_k`` highest per token are chosen (equal scores: the lower expert index first, `jax.lax.top_k`'s rule), their
@@ -39,8 +39,9 @@ from flax import nnx
 
 from jax.sharding import PartitionSpec as P
 
-# The experts run per device in a shard_map over `tensor` (`experts_on_mesh`): the one place here that names axes.
-from meshdistill.parallel.mesh import DATA, TENSOR
+# The experts run per device in a shard_map over `expert` and `tensor` (`experts_on_mesh`): the one place here that
+# names axes.
+from meshdistill.parallel.mesh import DATA, EXPERT, TENSOR
 from meshdistill.parallel.rules import annotate
 
 SCORES = ("softmax", "sigmoid")
@@ -164,34 +165,99 @@ def dense_experts(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_d
 
 
 def experts_on_mesh(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk=None):
-  """`grouped_experts` placed for the mesh in context: each device runs its own slice of every expert's hidden units.
+  """`grouped_experts` placed for the mesh in context: the experts split over ``expert``, their hidden units over
+  ``tensor``.
 
   Left to the compiler, the sort, gather and ``ragged_dot`` of the grouped matmul with F split over ``tensor`` are
   not kept split: compiled for a TPU (v5e:2x2, tensor=4) the step gathered the sorted activations around every
   expert projection (dozens of all-gathers; none in the same step with dense MLPs). So the experts run in a nested
   ``shard_map`` manual over the compiler-managed axes, as the dense MLP is split by hand in Megatron: every device
   routes its rows (the same on every ``tensor`` device), runs gate / up on its ``F / tensor`` hidden units and down
-  from them, giving a partial ``[N, D]``; the partials are summed outside (one all-reduce over ``tensor``). Rows are
-  split over a compiler-managed ``data`` axis that divides them. Without a mesh in context (one device, a plain
-  ``jit``) or with every axis manual already, it is `grouped_experts` itself.
+  from them, giving a partial ``[N, D]``; the partials are summed outside (one all-reduce over ``tensor``).
+
+  With an ``expert`` axis (``mesh.axes: {expert: n}``; the rules split ``experts`` over it) each device holds
+  ``E / n`` experts, and the rows are split over ``expert`` as well (and over a compiler-managed ``data``): the
+  tokens go to their experts' devices and back by `exchanged_experts`. Rows are padded (weight 0, dropped) to a
+  multiple of the devices they are split over. Without a mesh in context (one device, a plain ``jit``) or with
+  every axis manual already, it is `grouped_experts` itself.
   """
   mesh = jax.sharding.get_abstract_mesh()
   manual = set(getattr(mesh, "manual_axes", ()))
   free = {a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1}
-  if TENSOR not in free:
+  E, ways = w_gate_ExDxF.shape[0], mesh.shape[EXPERT] if EXPERT in free else 1
+  if E % ways:
+    ok = [d for d in range(1, E + 1) if E % d == 0]
+    raise ValueError(f"mesh.axes.expert={ways} does not divide the {E} experts of a mixture-of-experts model; choose "
+                     f"expert in {ok} (or leave the axis out)")
+  if TENSOR not in free and ways == 1:
     return grouped_experts(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk)
-  rows = DATA if DATA in free and x_NxD.shape[0] % mesh.shape[DATA] == 0 else None
-  row_spec, keep_spec = P(rows, None), (None if keep_Nxk is None else P(rows, None))
+  rows = tuple(a for a in (DATA, EXPERT) if a in free)
+  N, split = x_NxD.shape[0], math.prod(mesh.shape[a] for a in rows)
+  pad = -N % split
+  if pad:  # padded rows: no expert's work (dropped), weight 0
+    keep_Nxk = jnp.ones(experts_Nxk.shape, bool) if keep_Nxk is None else keep_Nxk
+    x_NxD, experts_Nxk, weights_Nxk, keep_Nxk = (
+        jnp.pad(a, ((0, pad), (0, 0))) for a in (x_NxD, experts_Nxk, weights_Nxk, keep_Nxk))
+  row_spec = P(rows or None, None)
+  keep_spec = None if keep_Nxk is None else row_spec
+  e_axis, f_axis = (EXPERT if ways > 1 else None), (TENSOR if TENSOR in free else None)
 
-  def local(x, e, g, wg, wu, wd, keep):
-    return grouped_experts(x, e, g, wg, wu, wd, keep)[None]  # this device's partial sum over its hidden units
+  def local(x, e, g, wg, wu, wd, keep):  # this device's partial sum over its hidden units
+    if ways == 1:
+      return grouped_experts(x, e, g, wg, wu, wd, keep)[None]
+    return exchanged_experts(x, e, g, wg, wu, wd, keep, n_experts=E)[None]
 
   partial_TxNxD = jax.shard_map(
-      local, in_specs=(row_spec, row_spec, row_spec, P(None, None, TENSOR), P(None, None, TENSOR),
-                       P(None, TENSOR, None), keep_spec),
-      out_specs=P(TENSOR, rows, None), axis_names=free, check_vma=False,
+      local, in_specs=(row_spec, row_spec, row_spec, P(e_axis, None, f_axis), P(e_axis, None, f_axis),
+                       P(e_axis, f_axis, None), keep_spec),
+      out_specs=P(f_axis, rows or None, None), axis_names=free, check_vma=False,
   )(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk)
-  return jnp.sum(partial_TxNxD, axis=0)
+  return jnp.sum(partial_TxNxD, axis=0)[:N]
+
+
+def exchanged_experts(x_nxD, experts_nxk, weights_nxk, w_gate_LxDxF, w_up_LxDxF, w_down_LxFxD, keep_nxk=None, *,
+                      n_experts: int):
+  """`grouped_experts` of this device's rows with the experts split over the manual ``expert`` axis: device ``d``
+  of ``W`` holds experts ``[d * L, (d + 1) * L)`` (``L = E / W``, weights ``[L, ...]``).
+
+  1. The ``n * k`` assignments are sorted by expert (as `grouped_experts`), so each destination device's share is
+     one contiguous run; the per-expert counts ``[W, L]`` are exchanged with one `jax.lax.all_to_all`.
+  2. The tokens travel in one `jax.lax.all_to_all` of a ``[W, C, D]`` buffer, ``C = n * min(k, L)`` rows per
+     destination: a token's ``k`` experts are distinct, so at most ``min(k, L)`` of them live on one device and the
+     buffer cannot overflow (dropless stays exact). `jax.lax.ragged_all_to_all` would send only the filled rows, but
+     XLA:CPU does not implement it (jax 0.10.2: "HLO opcode ragged-all-to-all is not supported") and its receive
+     buffer needs the same worst-case size, so the fixed-capacity exchange is the one used on every platform.
+  3. The received rows are sorted by local expert (stable: by source device, then the source's order) and run
+     through one `jax.lax.ragged_dot` per projection; the results return by the reverse `jax.lax.all_to_all` to the
+     slots they came from and are summed per token with their weights. Dropped assignments (``keep_nxk`` false)
+     are never sent.
+  """
+  n, k = experts_nxk.shape
+  L, D = w_gate_LxDxF.shape[0], x_nxD.shape[1]
+  W, C = n_experts // L, n * min(k, L)
+  group_A = experts_nxk.reshape(-1) if keep_nxk is None else jnp.where(keep_nxk, experts_nxk, n_experts).reshape(-1)
+  order_A = jnp.argsort(group_A, stable=True)
+  dest_A = group_A[order_A] // L  # destination device of each sorted assignment (W: dropped)
+  sizes_WxL = jnp.bincount(group_A, length=n_experts + 1)[:n_experts].astype(jnp.int32).reshape(W, L)
+  send_W = jnp.sum(sizes_WxL, axis=1)
+  slot_A = jnp.arange(n * k) - jnp.take(jnp.cumsum(send_W) - send_W, dest_A, mode="clip")
+  send_WxCxD = jnp.zeros((W, C, D), x_nxD.dtype).at[dest_A, slot_A].set(x_nxD[order_A // k], mode="drop")
+  recv_WxL = jax.lax.all_to_all(sizes_WxL, EXPERT, 0, 0)  # [source, local expert]: rows each source sends me
+  recv_WxCxD = jax.lax.all_to_all(send_WxCxD, EXPERT, 0, 0)
+  # each received row's local expert (L: an unfilled slot), from its source's counts
+  local_WxC = jax.vmap(lambda c: jnp.searchsorted(c, jnp.arange(C), side="right"))(jnp.cumsum(recv_WxL, axis=1))
+  order_R = jnp.argsort(local_WxC.reshape(-1), stable=True)
+  sizes_L = jnp.sum(recv_WxL, axis=0)
+  x_sorted = recv_WxCxD.reshape(W * C, D)[order_R]
+  h = jax.nn.silu(jax.lax.ragged_dot(x_sorted, w_gate_LxDxF, sizes_L))
+  h = h * jax.lax.ragged_dot(x_sorted, w_up_LxDxF, sizes_L)
+  y_sorted = jax.lax.ragged_dot(h, w_down_LxFxD, sizes_L)
+  y_WxCxD = jnp.zeros_like(y_sorted).at[order_R].set(y_sorted, unique_indices=True).reshape(W, C, -1)
+  back_WxCxD = jax.lax.all_to_all(y_WxCxD, EXPERT, 0, 0)  # back_WxCxD[d]: my rows' results from device d
+  y_AxD = back_WxCxD.at[dest_A, slot_A].get(mode="fill", fill_value=0)
+  y_AxD = jnp.zeros_like(y_AxD).at[order_A].set(y_AxD, unique_indices=True)
+  weights_nxk = weights_nxk if keep_nxk is None else jnp.where(keep_nxk, weights_nxk, 0.0)
+  return jnp.sum(y_AxD.reshape(n, k, -1) * weights_nxk[..., None].astype(y_AxD.dtype), axis=1)
 
 
 class MoE(nnx.Module):
@@ -204,7 +270,7 @@ class MoE(nnx.Module):
     init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
     param = lambda init, shape, *names: nnx.Param(  # noqa: E731  (logical names: `meshdistill.parallel.rules`)
         annotate(init, *names)(rngs.params(), shape, cfg.weight_dtype))
-    self.router = param(nnx.initializers.lecun_normal(), (D, E), "embed", "experts")
+    self.router = param(nnx.initializers.lecun_normal(), (D, E), "embed", None)  # whole: every token scores all
     self.gate = param(init, (E, D, F), "experts", "embed", "mlp")
     self.up = param(init, (E, D, F), "experts", "embed", "mlp")
     self.down = param(init, (E, F, D), "experts", "mlp", "embed")

@@ -60,9 +60,10 @@ def psum_bundled(tree: Any, axis: str | None) -> Any:
 _ALL_REDUCE = re.compile(r"\ball-reduce(?:-start)?\(")
 _GROUPS = re.compile(
     r"replica_groups=(\{[\d,{} ]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
-    r"|mesh\[[^\]]*\], device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\) \{[^}]*\})"
+    r"|mesh\[[^\]]*\](?:, device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\))? \{[^}]*\})"
 )
-_MESH_FORM = re.compile(r"mesh\[([^\]]*)\], device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\) \{([^}]*)\}")
+# the device ids are optional: without them the devices are in order (XLA:CPU writes the form so)
+_MESH_FORM = re.compile(r"mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}")
 
 
 def _iota(dims: str, perm: str | None) -> np.ndarray:
@@ -74,11 +75,13 @@ def replica_groups(text: str) -> list[frozenset[int]]:
   """The device groups of an HLO ``replica_groups=`` value: ``{{0,4},{1,5}}``; the iota form
   ``[4,2]<=[2,2,2]T(0,2,1)`` (iota over the reshape dims, transposed, cut into groups); or the mesh form
   of programs partitioned outside a shard_map, ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}``
-  (the devices laid out on the named mesh axes, grouped along the axes in braces)."""
+  (the devices laid out on the named mesh axes, grouped along the axes in braces; without ``device_ids`` in
+  order)."""
   m = _MESH_FORM.fullmatch(text)
   if m:
     axes = [(name.strip("'"), int(size)) for name, size in (a.split("=") for a in m.group(1).split(","))]
-    ids = _iota(m.group(2), m.group(3)).reshape([size for _, size in axes])
+    sizes = [size for _, size in axes]
+    ids = (_iota(m.group(2), m.group(3)) if m.group(2) else np.arange(int(np.prod(sizes)))).reshape(sizes)
     reduced = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m.group(4)]
     kept = [i for i in range(len(axes)) if i not in reduced]
     moved = ids.transpose(kept + reduced)

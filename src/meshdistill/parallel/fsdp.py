@@ -54,7 +54,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.parallel import rules as rules_lib
-from meshdistill.parallel.mesh import DATA, TENSOR
+from meshdistill.parallel.mesh import DATA
 
 SETTING = "mesh.fsdp"
 
@@ -96,13 +96,14 @@ def _tensor_spec(v: nnx.Variable) -> P:
 
 
 def _over_tensor(fn, v: nnx.Variable):
-  """``fn`` with ``tensor`` manual as well when ``v`` is split over it: a collective over ``data`` then runs on the
-  local ``tensor`` block. (In a ``shard_map`` manual over ``data`` only, XLA first gathers the operand of such a
-  collective over ``tensor``: every device would hold whole weights.)"""
+  """``fn`` with ``tensor`` (and any other compiler-managed axis ``v`` is split over: ``expert``) manual as well: a
+  collective over ``data`` then runs on the local block. (In a ``shard_map`` manual over ``data`` only, XLA first
+  gathers the operand of such a collective over ``tensor``: every device would hold whole weights.)"""
   spec = _tensor_spec(v)
-  if TENSOR not in spec:
+  axes = {a for a in spec if a is not None}
+  if not axes:
     return fn
-  return jax.shard_map(fn, in_specs=spec, out_specs=spec, axis_names={TENSOR}, check_vma=False)
+  return jax.shard_map(fn, in_specs=spec, out_specs=spec, axis_names=axes, check_vma=False)
 
 
 def _gather(shard, v: nnx.Variable):

@@ -7,8 +7,8 @@ Every layout in meshdistill is a `jax.sharding.Mesh` with (at least) two named a
   MLP hidden units, vocabulary), so a teacher too large for one device still fits.
 
 A mesh may name more axes between them (``EXTRA_AXES``: ``expert``); the rules tables
-(`meshdistill.parallel.rules`) say which logical dimensions each axis splits, and an axis no table maps holds
-replicas. All axes use ``AxisType.Auto``: inside the train step ``data`` is made manual by
+(`meshdistill.parallel.rules`) say which logical dimensions each axis splits (``expert``: the experts of
+mixture-of-experts weights), and whatever no rule splits over an axis holds replicas on it. All axes use ``AxisType.Auto``: inside the train step ``data`` is made manual by
 `jax.shard_map` and ``tensor`` stays compiler-managed (see `meshdistill.train.step`).
 """
 
@@ -29,7 +29,7 @@ from meshdistill.distributed.platforms import backend_started
 DATA = "data"
 TENSOR = "tensor"
 AXES = (DATA, TENSOR)  # the axes every mesh has (size 1 where unused)
-EXPERT = "expert"  # mixture-of-experts weights split over it (a rule in `meshdistill.parallel.rules`)
+EXPERT = "expert"  # mixture-of-experts weights split over it (rule experts -> expert in `meshdistill.parallel.rules`)
 EXTRA_AXES = (EXPERT,)  # axes a mesh may add between `data` and `tensor` (`make_mesh(axes=...)`, `mesh.axes`)
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -73,8 +73,8 @@ def make_mesh(data: int = 2, tensor: int = 4, devices: Any = None, axes: dict[st
     tensor: size of the ``tensor`` axis (weights split).
     devices: optional sequence of devices; must hold exactly the product of all axis sizes.
     axes: more named axes and their sizes, between ``data`` and ``tensor`` (names from ``EXTRA_AXES``, e.g.
-      ``{"expert": 4}``). An axis no rules table maps (`meshdistill.parallel.rules`) holds replicas: one of size 1
-      costs nothing.
+      ``{"expert": 4}``: experts split over 4 devices). What no rule splits over an axis
+      (`meshdistill.parallel.rules`) holds replicas on it; an axis of size 1 costs nothing.
 
   Raises:
     ValueError: when a size is not positive, an axis name is unknown, or the product of the sizes differs from

@@ -5,10 +5,11 @@ Model code names the dimensions of its weights with logical names only (`annotat
 ``embed`` (the model dimension D), ``heads`` (query heads x head_dim), ``kv_heads`` (``kv_replicated`` where a
 model keeps its key/value heads whole: fewer of them than ``tensor``), ``head_dim`` (a per-head vector, the q/k
 norm scales), ``mlp`` (the MLP hidden units), ``layers`` (the stacked layer axis of scanned blocks)
-and ``experts`` (reserved for mixture-of-experts weights); activations name ``batch`` too. A `Rules` table maps
+and ``experts`` (the stacked experts of mixture-of-experts weights); activations name ``batch`` too. A `Rules` table maps
 each name to a mesh axis or None (not split):
 
-* `TENSOR_PARALLEL` -- Megatron-style over ``tensor``: vocabulary, heads, key/value heads, MLP units;
+* `TENSOR_PARALLEL` -- Megatron-style over ``tensor``: vocabulary, heads, key/value heads, MLP units; experts over
+  ``expert`` (expert parallelism on a mesh with that axis, ``mesh.axes: {expert: n}``; `meshdistill.models.moe`);
 * `FSDP` -- the same plus the model dimension (and a per-head vector) over ``data``: with ``mesh.fsdp`` every
   projection, embedding and norm scale is split over ``data`` on D (`meshdistill.parallel.fsdp` gathers them);
 * `REPLICATED` -- nothing split (one device; the pmap layout keeps whole replicas).
@@ -16,8 +17,8 @@ each name to a mesh axis or None (not split):
 A layout declares its table (`meshdistill.parallel.layout.Layout.rules`) and `apply` writes it into a model's
 variables once (`Layout.fit_model`); from then on placement, optimizer moments, checkpoint restore targets, the
 step's ``shard_map`` specs (`meshdistill.parallel.fsdp.data_specs`), the per-layer gathers and the planner read
-the resolved specs. Expert parallelism is one line: ``("experts", "expert")`` in a table, and a mesh with an
-``expert`` axis (`meshdistill.parallel.mesh.make_mesh`).
+the resolved specs. Expert parallelism is one rule, ``("experts", "expert")``, and a mesh with an ``expert`` axis
+(`meshdistill.parallel.mesh.make_mesh`); a mesh without one drops the rule.
 
 Mechanism: flax's own. Weights are annotated with ``nnx.with_partitioning(init, names)`` (logical names in the
 variable's ``out_sharding``), and the rules travel in each variable's ``sharding_rules`` metadata, which
@@ -39,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.parallel.mesh import DATA, TENSOR
+from meshdistill.parallel.mesh import DATA, EXPERT, TENSOR
 
 # The logical names model code may use (weights), plus ``batch`` (activations).
 LOGICAL = ("vocab", "embed", "heads", "kv_heads", "kv_replicated", "head_dim", "mlp", "layers", "experts")
@@ -80,7 +81,7 @@ TENSOR_PARALLEL = Rules("tensor", {
     "vocab": TENSOR, "embed": None, "heads": TENSOR, "kv_heads": TENSOR, "kv_replicated": None, "head_dim": None,
     "mlp": TENSOR,
     "layers": None,
-    "experts": None,  # expert parallelism: ("experts", "expert") and an `expert` mesh axis
+    "experts": EXPERT,  # expert parallelism: a mesh with an `expert` axis (`mesh.axes: {expert: n}`) splits experts
     "batch": DATA,
 })
 # Every dimension `tensor` leaves whole but `layers` over `data`; a weight with two such (a projection's D and its

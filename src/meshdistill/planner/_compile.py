@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from meshdistill.train.distiller import Distiller
 from meshdistill.parallel.backends import ShardMapLayout
+from meshdistill.parallel.collectives import replica_groups
 from meshdistill.train.memory import MemoryReport
 from meshdistill.parallel.mesh import TENSOR, batch_sharding
 from meshdistill.models._build import abstract_params
@@ -227,6 +228,8 @@ _OP = re.compile(r"=\s*(?P<type>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?P<
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,{} ]*\})\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GROUPS_MESH = re.compile(  # XLA's named form: mesh['axis_0'=4,'axis_1'=2] {'axis_0'} (`replica_groups` reads it)
+    r"replica_groups=(mesh\[[^\]]*\](?:, device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\))? \{[^}]*\})")
 _PAIRS = re.compile(r"source_target_pairs=\{(\{[\d,{} ]*\})\}")
 _BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
@@ -245,31 +248,42 @@ def _groups(line: str) -> list[list[int]] | None:
     if m.group(4):
       ids = ids.transpose([int(v) for v in m.group(4).split(",")])
     return ids.reshape(g, s).tolist()
+  m = _GROUPS_MESH.search(line)
+  if m:
+    return [sorted(g) for g in replica_groups(m.group(1))]
   m = _GROUPS_LIST.search(line) or _PAIRS.search(line)
   if m:
     return [[int(v) for v in grp.split(",") if v.strip()] for grp in re.findall(r"\{([\d, ]*)\}", m.group(1))]
   return None
 
 
-def _axis(groups: list[list[int]] | None, mesh_shape: tuple[int, int]) -> str:
-  """Which mesh axis a collective's device groups run over (ids are positions in the mesh's device order)."""
+def _mesh_axes(mesh_shape) -> dict[str, int]:
+  """``{axis: size}`` in mesh order from a ``(data, tensor)`` pair or a mapping (``mesh.shape``: more axes, e.g.
+  ``{"data": 2, "expert": 2, "tensor": 2}``)."""
+  if isinstance(mesh_shape, dict) or hasattr(mesh_shape, "items"):
+    return dict(mesh_shape.items())
   data, tensor = mesh_shape
+  return {"data": data, "tensor": tensor}
+
+
+def _axis(groups: list[list[int]] | None, mesh_shape) -> str:
+  """Which mesh axes a collective's device groups run over (ids are positions in the mesh's device order): the
+  axes along which a group's devices differ, joined by ``+`` in mesh order (``"none"``: one device per group)."""
+  axes = _mesh_axes(mesh_shape)
   if not groups or all(len(g) == 0 for g in groups):
-    return "data+tensor"
-  coords = [[divmod(i, tensor) for i in g] for g in groups if g]
-  same_row = all(len({r for r, _ in g}) == 1 for g in coords)
-  same_col = all(len({c for _, c in g}) == 1 for g in coords)
-  if same_row and same_col:
-    return "none"
-  if same_row:
-    return "tensor"
-  if same_col:
-    return "data"
-  return "data+tensor"
+    return "+".join(axes)
+  varying = set()
+  for g in groups:
+    if g:
+      coords = np.stack(np.unravel_index(np.asarray(g), tuple(axes.values())))  # [axes, devices]
+      varying |= {name for name, c in zip(axes, coords) if len(set(c.tolist())) > 1}
+  return "+".join(a for a in axes if a in varying) or "none"
 
 
-def collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[dict[str, Any]]:
-  """Collective ops of a compiled module's HLO text, grouped by (kind, mesh axis).
+def collectives(hlo: str, mesh_shape) -> list[dict[str, Any]]:
+  """Collective ops of a compiled module's HLO text, grouped by (kind, mesh axis). ``mesh_shape``: ``(data,
+  tensor)`` or the mesh's ``{axis: size}`` in order (``mesh.shape``), so a mesh with an ``expert`` axis gets
+  collectives labelled ``expert`` (the exchanges of `meshdistill.models.moe.exchanged_experts`).
 
   Each entry: ``kind``, ``axis``, ``count`` (ops in the program text; an op inside a loop body
   counts once), ``bytes`` (their result sizes per device; for an asynchronous all-gather or
@@ -288,7 +302,7 @@ def collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[dict[str, Any]]:
       continue
     size = max(shapes) if m.group("start") and kind in ("all-gather", "collective-permute") else sum(shapes)
     groups = _groups(line)
-    n = max((len(g) for g in groups), default=0) if groups else mesh_shape[0] * mesh_shape[1]
+    n = max((len(g) for g in groups), default=0) if groups else math.prod(_mesh_axes(mesh_shape).values())
     n = max(n, 1)
     wire = {
         "all-reduce": 2 * (n - 1) / n * size,
@@ -305,14 +319,8 @@ def collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[dict[str, Any]]:
   return sorted(out.values(), key=lambda e: -e["bytes"])
 
 
-def _permute_axis(pairs: list[list[int]] | None, mesh_shape: tuple[int, int]) -> str:
+def _permute_axis(pairs: list[list[int]] | None, mesh_shape) -> str:
+  """The mesh axes a permute's (source, target) pairs move along (as `_axis`: where source and target differ)."""
   if not pairs:
-    return "data+tensor"
-  tensor = mesh_shape[1]
-  rows = {divmod(a, tensor)[0] == divmod(b, tensor)[0] for a, b in (p for p in pairs if len(p) == 2)}
-  cols = {divmod(a, tensor)[1] == divmod(b, tensor)[1] for a, b in (p for p in pairs if len(p) == 2)}
-  if rows == {True}:
-    return "tensor"
-  if cols == {True}:
-    return "data"
-  return "data+tensor"
+    return "+".join(_mesh_axes(mesh_shape))
+  return _axis([p for p in pairs if len(p) == 2], mesh_shape)

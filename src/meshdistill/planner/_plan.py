@@ -169,7 +169,7 @@ class Planner:
     n_s = _matmul_params(self.student, c.params["student"])
     analytic = (2 * n_t + 6 * n_s) * tokens / n
     kernels = kernel_flops(self.teacher, self.student, k.remat, self.seq) * tokens / n  # not in XLA's count
-    colls = collectives(c.hlo, (k.data, k.tensor))
+    colls = collectives(c.hlo, d.mesh.shape)  # labels by every axis of the mesh (an `expert` axis too)
     counts, uncounted = None, None
     if c.flops is not None and self._scanned():
       try:
