@@ -8,6 +8,8 @@ Divergences (`DIVERGENCES`, `get_divergence`): ``forward_kl``, ``reverse_kl``, `
 (centred logits). `forward_kl_terms`: the default recipe's loss and metrics fused (one pass over V). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`; `TopK` (a teacher given by its
 top-k, e.g. an offline cache) and `narrow_topk`. A teacher of another tokenizer (`Aligned`): `span_logprobs`, `uld`,
 `matched_kl`, `hybrid_uld` on the spans both tokenizations agree on (per span ``[S]`` instead of per token).
+Several top-k teachers as one target: `route_topk` (a teacher per row), `mix_topk` (a weighted mixture over the union
+of their ids, with the tail bin); `teacher_terms` (one teacher's KL and agreement, per token).
 """
 
 from meshdistill.losses._chunked import (
@@ -43,6 +45,7 @@ from meshdistill.losses._divergences import (
 )
 from meshdistill.losses._fused import forward_kl_terms
 from meshdistill.losses._logits import cross_entropy, log_softmax, pearson, top1_agreement
+from meshdistill.losses._multi_teacher import mix_topk, route_topk, teacher_terms
 from meshdistill.losses._topk import (
     TopK,
     narrow_topk,
@@ -54,6 +57,9 @@ from meshdistill.losses._topk import (
 )
 
 __all__ = [
+    "mix_topk",
+    "route_topk",
+    "teacher_terms",
     "Aligned",
     "hybrid_uld",
     "matched_kl",
