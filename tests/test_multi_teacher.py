@@ -3,13 +3,16 @@ multi-teacher step on 2x4 against one device, and the ``teachers:`` config's ref
 
 import jax
 import optax
+from flax import nnx
 import numpy as np
 import pytest
 from helpers import STUDENT_CFG, TEACHER_CFG, VOCAB, assert_trees_close, make_batch, run_steps
 
 import meshdistill as md
 from meshdistill import losses
-from meshdistill.teachers.cache import TopKTeacher
+from meshdistill.data import DataConfig, build_data
+from meshdistill.teachers import multi
+from meshdistill.teachers.cache import TeacherTopK, TopKTeacher
 
 K, N, B, T = 4, 2, 8, 8
 TAU = 1.5
@@ -89,17 +92,9 @@ def multi_batch(combine: str, seed: int = 0):
   rng = np.random.default_rng(seed)
   batch = make_batch(seed, batch=B, seq=T)
   topks = [random_topk(rng) for _ in range(N)]
-  if combine == "route":
-    teacher_B = np.arange(B) % N
-    combined = losses.route_topk(topks, teacher_B)
-    rows = np.eye(N, dtype=np.float32)[teacher_B]
-  else:
-    combined = losses.mix_topk(topks, (2.0, 1.0))
-    rows = np.ones((B, N), np.float32)
-  batch.update(dict(zip(md.train.step.TOPK_KEYS, map(np.asarray, combined))))
-  each = [np.stack([np.asarray(t[f]) for t in topks], axis=1) for f in range(3)]
-  batch.update(dict(zip(md.train.step.MULTI_KEYS, (*each, rows))))
-  return batch, topks, rows
+  route = np.arange(B) % N if combine == "route" else None  # the data's `combine` (jitted): routed rows alternate
+  batch.update({k: np.asarray(v) for k, v in multi.combine(topks, route, k=K, weights=(2.0, 1.0)).items()})
+  return batch, topks, batch["teachers_rows"]
 
 
 def make_multi(mesh):
@@ -116,8 +111,9 @@ def runs():
   batches = [multi_batch("route", 0)[0], multi_batch("mix", 1)[0]]
   single, logits, metrics = make_multi(None), [], []
   state = single.init_state()
+  forward = jax.jit(lambda params, x: nnx.merge(single.student_def, params["student"])(x).logits)
   for b in batches:  # the student's logits before each step: what its loss and metrics are taken on
-    logits.append(np.asarray(single.student(state)(b["inputs"]).logits))
+    logits.append(np.asarray(forward(state.params, b["inputs"])))
     state, m = single.step(state, b)
     metrics.append(jax.device_get(m))
   return {"single": (jax.device_get(state.params), metrics), "logits": logits,
@@ -152,3 +148,110 @@ def test_loss_and_teacher_metrics_equal_numpy(runs, index, combine):
     agree = (np.take_along_axis(logits, top1[..., None], -1)[..., 0] >= logits.max(-1)) * served
     np.testing.assert_allclose(metrics[f"agreement/{name}"], agree.sum() / served.sum(), rtol=1e-6)
     np.testing.assert_allclose(metrics[f"tokens/{name}"], served.sum())
+
+
+# --------------------------------------------------------------------------- the data and the producers
+def two_corpora(tmp_path):
+  """Two tiny corpora whose bytes do not overlap: ``code`` (letters a-e) and ``prose`` (letters v-z)."""
+  rng = np.random.default_rng(0)
+  for name, letters in (("code", "abcde"), ("prose", "vwxyz")):
+    root = tmp_path / name
+    root.mkdir()
+    for i in range(12):
+      (root / f"d{i}.txt").write_text("".join(rng.choice(list(letters + " "), size=120 + 7 * i)))
+  return {"code": str(tmp_path / "code"), "prose": str(tmp_path / "prose")}
+
+
+def test_corpora_rows_carry_their_corpus_and_never_mix_two(tmp_path):
+  bundle = build_data(DataConfig(corpora=two_corpora(tmp_path), seq_len=16, val_fraction=0.2), 4)
+  assert bundle.domains == ("code", "prose")
+  rows = bundle.train.arrays()
+  for domain, letters in ((0, b"abcde "), (1, b"vwxyz ")):
+    text = rows["inputs"][rows["domain"] == domain]
+    assert text.size and set(np.unique(text)) <= set(letters) | {bundle.tokenizer.pad_id, bundle.tokenizer.eos_id,
+                                                                  bundle.tokenizer.bos_id}
+  batch = next(bundle.train_iterator())
+  assert batch["domain"].shape == (4,) and set(np.unique(rows["domain"])) == {0, 1}
+
+
+class TableTeacher:
+  """A stand-in teacher program: the top-k of a fixed random table of log-probabilities, row ``inputs[t]``."""
+
+  def __init__(self, seed, vocab):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(vocab, vocab)).astype(np.float32)
+    self.logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+
+  def __call__(self, inputs_BxT):
+    ids_BxTxK = np.argsort(-self.logp[inputs_BxT], axis=-1)[..., :K]
+    logp = np.take_along_axis(self.logp[inputs_BxT], ids_BxTxK, -1)
+    tail = np.log1p(-np.exp(logp).sum(-1))
+    return losses.TopK(ids_BxTxK.astype(np.int32), logp, tail.astype(np.float32))
+
+
+def test_route_data_gives_each_row_its_teachers_topk_and_resumes(tmp_path):
+  bundle = build_data(DataConfig(corpora=two_corpora(tmp_path), seq_len=8, val_fraction=0.2), 4)
+  programs = [TableTeacher(s, bundle.tokenizer.vocab_size) for s in (3, 4)]
+  data = multi.MultiTeacherData(bundle, [multi.Live(p) for p in programs], k=K, route=[1, 0],
+                                weights=[1.0, 1.0])  # code -> teacher 1, prose -> teacher 0
+  it = data.train_iterator()
+  batch = next(it)
+  own = [programs[n](batch["inputs"]) for n in range(2)]
+  assert set(batch["domain"]) == {0, 1}
+  for b, domain in enumerate(batch["domain"]):
+    n = 1 - domain
+    np.testing.assert_array_equal(batch["teacher_ids"][b], own[n].indices[b])
+    np.testing.assert_allclose(batch["teacher_logprobs"][b], own[n].logprobs[b], rtol=1e-6)
+    np.testing.assert_array_equal(batch["teachers_rows"][b], np.eye(2)[n])
+    np.testing.assert_array_equal(batch["teachers_ids"][b, 1 - n], own[1 - n].indices[b])
+  state = it.get_state()
+  again = data.train_iterator(state)
+  np.testing.assert_array_equal(next(again)["inputs"], next(it)["inputs"])  # resumes at the batch handed out next
+
+
+# --------------------------------------------------------------------------- the config
+def config_with(tmp_path, teachers, **data):
+  from meshdistill.config import load_config
+
+  corpora = {"python": str(tmp_path), "prose": str(tmp_path)}
+  overrides = [f"teachers={teachers}", f"data.corpora={data.get('corpora', corpora)}", "distill.top_k=8"]
+  return load_config(None, overrides + [f"{k}={v}" for k, v in data.items() if k != "corpora"])
+
+
+ROUTE = "{sources: [{name: a, source: pretrained, takes: [python]}, {name: b, source: pretrained, takes: [prose]}]}"
+
+
+@pytest.mark.parametrize("teachers, extra, message", [
+  ("{sources: [{name: a, source: nope, takes: [python]}, {name: b, source: pretrained, takes: [prose]}]}", {},
+   r"teachers.sources\[0\].source='nope' is not a teacher source"),
+  ("{sources: [{name: a, source: pretrained, takes: [python]}, {name: b, source: pretrained, takes: [poetry]}]}",
+   {}, "b takes domain 'poetry', which is not a corpus"),
+  (ROUTE, {"corpora": "{python: /a, prose: /b, poetry: /c}"}, r"data.corpora \['poetry'\] go to no teacher"),
+  ("{sources: [{name: a, source: pretrained, takes: [python]}, {name: b, source: pretrained, takes: [python]}]}",
+   {}, "domain 'python' is taken by a and b"),
+  ("{combine: mix, sources: [{name: a, source: pretrained, weight: 0}, {name: b, source: pretrained}]}", {},
+   r"teachers.sources\[0\].weight=0 must be a positive number"),
+  ("{sources: [{name: a, source: pretrained, takes: [python]}, {name: a, source: pretrained, takes: [prose]}]}",
+   {}, "two teachers are named 'a'"),
+  (ROUTE, {"teacher.source": "cache", "teacher.cache": "/x"}, "teachers and teacher.cache are both set"),
+  (ROUTE, {"distill.top_k": "null"}, "without distill.top_k"),
+  ("{sources: [{name: a, source: cache, takes: [python]}, {name: b, source: pretrained, takes: [prose]}]}", {},
+   r"teachers.sources\[0\].source=cache needs teachers.sources\[0\].cache"),
+  ("{combine: route, route_by: language, sources: []}", {}, "teachers.route_by='language' is not a field"),
+])
+def test_teachers_config_errors_name_the_setting(tmp_path, teachers, extra, message):
+  from meshdistill.config import ConfigError
+
+  with pytest.raises(ConfigError, match=message):
+    config_with(tmp_path, teachers, **extra)
+
+
+def test_route_needs_named_corpora_and_a_teacher_of_the_students_vocabulary(tmp_path):
+  from meshdistill.config import ConfigError, load_config
+
+  with pytest.raises(ConfigError, match="needs data.corpora"):
+    load_config(None, [f"teachers={ROUTE}", "distill.top_k=8"])
+  cfg = config_with(tmp_path, ROUTE)
+  assert [m.name for m in cfg.teachers.members()] == ["a", "b"] and cfg.teachers.members()[0].takes == ("python",)
+  with pytest.raises(ConfigError, match="teachers: b has another vocabulary than the student"):
+    multi._shared_vocab(cfg.teachers.members()[1], 512, 264)

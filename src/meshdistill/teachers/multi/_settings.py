@@ -52,7 +52,8 @@ def _member(i: int, raw: Any, combine: str) -> Member:
   try:
     get(kind).check_keys(settings)
   except ConfigError as e:
-    raise ConfigError(f"{where} ({name}): {str(e).replace('teacher.', f'{where}.')}") from None
+    said = str(e).replace("teacher.", f"{where}.")
+    raise ConfigError(said if where in said else f"{where} ({name}): {said}") from None
   tau, weight, takes = raw.get("temperature"), raw.get("weight", 1.0), raw.get("takes")
   if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or tau < 0.01):
     raise ConfigError(f"{where}.temperature={tau!r} must be a number >= 0.01, or null (distill.temperature)")
@@ -105,7 +106,7 @@ class TeachersSettings:
     for m in members:
       for value in m.takes:
         if value in owner:
-          raise ConfigError(f"teachers.sources: {route_by_text(self)}={value!r} is taken by {owner[value]} and "
+          raise ConfigError(f"teachers.sources: {self.route_by} {value!r} is taken by {owner[value]} and "
                             f"{m.name}; a row goes to one teacher (combine: mix blends them)")
         owner[value] = m.name
 
@@ -115,10 +116,6 @@ class TeachersSettings:
 
   def members(self) -> tuple[Member, ...]:
     return tuple(_member(i, raw, self.combine) for i, raw in enumerate(self.sources))
-
-
-def route_by_text(settings: TeachersSettings) -> str:
-  return f"route_by {settings.route_by}"
 
 
 def check_teachers(cfg) -> None:
