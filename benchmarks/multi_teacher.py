@@ -46,6 +46,8 @@ def write_docstrings(out: str, max_chars: int) -> int:
   root, total = stdlib_root(), 0
   for dirpath, dirnames, files in sorted(os.walk(root)):
     dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib", "__pycache__"))
+    if total >= max_chars:
+      break
     for f in sorted(files):
       if not f.endswith(".py") or total >= max_chars:
         continue
