@@ -2,7 +2,7 @@
 mixed) against students distilled from each alone and one trained from scratch; validation loss on each domain.
 
 Domains (`meshdistill.data.DataConfig.corpora`): ``python``, the standard library's source; ``prose``, the English
-docstrings of the same library (written to a temporary directory, one text file per module). Each teacher is
+docstrings of the same library (both written to temporary directories in documents of ~2,000 characters). Each teacher is
 trained on its own domain's rows only; every student sees the same batches of the union, in the same order, from
 the same initialisation (per seed), with the same optimizer and steps. The teachers' top-k of every training batch
 is computed once and given to every distilled arm (the route / mix targets from `meshdistill.teachers.multi.combine`,
@@ -41,33 +41,43 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DOMAINS = ("python", "prose")
 
 
-def write_docstrings(out: str, max_chars: int) -> int:
-  """The stdlib's module, class and function docstrings, one ``.txt`` per module, into ``out``; characters written."""
-  root, total = stdlib_root(), 0
+def _chunks(out: str, name: str, pieces, size: int = 2000) -> int:
+  """``pieces`` (texts) joined into files ``<name>.<i>.txt`` of about ``size`` characters in ``out``: documents of
+  similar size, so the split by document name gives each domain about ``val_fraction`` of its text."""
+  chunk, part, total = [], 0, 0
+  for piece in [*pieces, None]:
+    if piece is not None:
+      chunk.append(piece)
+    if chunk and (piece is None or sum(map(len, chunk)) >= size):
+      text = "".join(chunk)
+      with open(os.path.join(out, f"{name}.{part}.txt"), "w", encoding="utf-8") as g:
+        g.write(text)
+      total, part, chunk = total + len(text), part + 1, []
+  return total
+
+
+def write_domains(python_dir: str, prose_dir: str, max_chars: int) -> tuple[int, int]:
+  """The stdlib's source (by lines) and its module, class and function docstrings (by docstring) into documents of
+  ~2,000 characters, at most ``max_chars`` of each; characters written."""
+  root, code, prose = stdlib_root(), 0, 0
   for dirpath, dirnames, files in sorted(os.walk(root)):
     dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib", "__pycache__"))
-    if total >= max_chars:
-      break
     for f in sorted(files):
-      if not f.endswith(".py") or total >= max_chars:
+      if not f.endswith(".py") or (code >= max_chars and prose >= max_chars):
         continue
       try:
-        tree = ast.parse(open(os.path.join(dirpath, f), encoding="utf-8").read())
+        source = open(os.path.join(dirpath, f), encoding="utf-8").read()
+        tree = ast.parse(source)
       except (SyntaxError, UnicodeDecodeError, ValueError):
         continue
-      docs = [ast.get_docstring(n) for n in ast.walk(tree)
-              if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
       name = os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "_")
-      chunk, part = [], 0
-      for doc in [d for d in docs if d and len(d) > 40] + [None]:  # documents of ~2,000 characters: a fair split
-        if doc is not None:
-          chunk.append(doc)
-        if chunk and (doc is None or sum(map(len, chunk)) >= 2000):
-          text = "\n\n".join(chunk)
-          with open(os.path.join(out, f"{name}.{part}.txt"), "w", encoding="utf-8") as g:
-            g.write(text)
-          total, part, chunk = total + len(text), part + 1, []
-  return total
+      if code < max_chars:
+        code += _chunks(python_dir, name, source.splitlines(keepends=True))
+      if prose < max_chars:
+        docs = [ast.get_docstring(n) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        prose += _chunks(prose_dir, name, [d + "\n\n" for d in docs if d and len(d) > 40])
+  return code, prose
 
 
 class Rows:
@@ -126,10 +136,10 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   seeds = [int(s) for s in a.seeds.split(",")]
   t0, load_start = time.perf_counter(), load()
-  prose_dir = tempfile.mkdtemp(prefix="prose-")
-  prose_chars = write_docstrings(prose_dir, a.max_chars)
-  data = build_data(DataConfig(corpora={"python": "stdlib", "prose": prose_dir}, max_chars=a.max_chars, seq_len=a.seq,
-                               val_fraction=0.1), a.batch, process_index=0, process_count=1)
+  python_dir, prose_dir = tempfile.mkdtemp(prefix="python-"), tempfile.mkdtemp(prefix="prose-")
+  chars = write_domains(python_dir, prose_dir, a.max_chars)
+  data = build_data(DataConfig(corpora={"python": python_dir, "prose": prose_dir}, max_chars=a.max_chars,
+                               seq_len=a.seq, val_fraction=0.1), a.batch, process_index=0, process_count=1)
   vocab = data.tokenizer.vocab_size
   val = val_by_domain(data, a.batch, a.val_batches)
   teacher_cfg = md.ModelConfig(vocab_size=vocab, d_model=96, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden=384,
@@ -184,11 +194,11 @@ def main(argv=None) -> int:
       state = train(trainer, iter(arm_batches), a.steps)
       results[name].append(scores(trainer.student_def, state.params["student"], val))
       print(f"seed {seed} {name}: {results[name][-1]} ({time.perf_counter() - t0:.0f} s)", flush=True)
-  write(a, results, teacher_scores, time.perf_counter() - t0, data, prose_chars, argv, load_start)
+  write(a, results, teacher_scores, time.perf_counter() - t0, data, chars, argv, load_start)
   return 0
 
 
-def write(a, results, teacher_scores, seconds, data, prose_chars, argv, load_start) -> None:
+def write(a, results, teacher_scores, seconds, data, chars, argv, load_start) -> None:
   cols = ("python", "prose", "all")
   mean = {k: {c: statistics.mean(r[c] for r in v) for c in cols} for k, v in results.items()}
   sd = {k: {c: statistics.stdev([r[c] for r in v]) if len(v) > 1 else 0.0 for c in cols} for k, v in results.items()}
@@ -199,8 +209,9 @@ def write(a, results, teacher_scores, seconds, data, prose_chars, argv, load_sta
       f"Command: `python benchmarks/multi_teacher.py {' '.join(argv or sys.argv[1:])}` ({seconds:.0f} s; "
       f"{machine()}; load average {load_start[0]:.1f} at the start, {load()[0]:.1f} at the end: a shared machine).",
       "",
-      f"Data: `data.corpora` python (the stdlib's source) and prose (the stdlib's docstrings, {prose_chars:,} "
-      f"characters), at most {a.max_chars:,} characters each, byte tokens, rows of {a.seq}; training rows per domain "
+      f"Data: `data.corpora` python (the stdlib's source, {chars[0]:,} characters) and prose (the stdlib's "
+      f"docstrings, {chars[1]:,} characters), both cut into documents of ~2,000 characters (so the split by document "
+      f"holds out ~10% of each), byte tokens, rows of {a.seq}; training rows per domain "
       f"{data.stats['domains']}, validation rows python {int(np.sum(val_rows == 0))}, prose "
       f"{int(np.sum(val_rows == 1))} (scored: the first {a.val_batches} batches of {a.batch} rows of each; union: "
       "the token mean over both). Teachers: d=96, 3 layers, {a.teacher_steps} steps of hard labels on "
