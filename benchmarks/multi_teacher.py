@@ -2,11 +2,11 @@
 mixed) against students distilled from each alone and one trained from scratch; validation loss on each domain.
 
 Domains (`meshdistill.data.DataConfig.corpora`): ``python``, the standard library's source; ``prose``, the English
-docstrings of the same library (both written to temporary directories in documents of ~2,000 characters). Each teacher is
-trained on its own domain's rows only; every student sees the same batches of the union, in the same order, from
-the same initialisation (per seed), with the same optimizer and steps. The teachers' top-k of every training batch
-is computed once and given to every distilled arm (the route / mix targets from `meshdistill.teachers.multi.combine`,
-as a ``teachers:`` run builds them).
+docstrings of the same library (both written to temporary directories in documents of ~2,000 characters). Each
+teacher is trained on its own domain's rows only; every student sees the same batches of the union, in the same
+order, from the same initialisation (per seed), with the same optimizer and steps. The teachers' top-k of every
+training batch is computed once and given to every distilled arm (the route / mix targets from
+`meshdistill.teachers.multi.combine`, as a ``teachers:`` run builds them).
 
   python benchmarks/multi_teacher.py --seeds 0,1,2          # writes benchmarks/results/multi_teacher.md (+ .json)
 """
@@ -232,14 +232,15 @@ def write(a, results, teacher_scores, seconds, data, chars, argv, load_start) ->
     lines.append(f"- {k}: " + "; ".join(f"{r['python']:.4f} / {r['prose']:.4f} / {r['all']:.4f}" for r in v))
   route = mean["both, routed by domain"]
   py, pr = mean["python teacher alone"], mean["prose teacher alone"]
+  within = lambda a_, b_: "yes" if a_ <= 1.02 * b_ else "no"  # noqa: E731
   lines += [
       "",
       "The aim, checked on the means:",
       "",
       f"- routed student on python vs the python-teacher student: {route['python']:.4f} vs {py['python']:.4f} "
-      f"({route['python'] / py['python'] - 1:+.2%}; within 2%: {'yes' if route['python'] <= 1.02 * py['python'] else 'no'})",
+      f"({route['python'] / py['python'] - 1:+.2%}; within 2%: {within(route['python'], py['python'])})",
       f"- routed student on prose vs the prose-teacher student: {route['prose']:.4f} vs {pr['prose']:.4f} "
-      f"({route['prose'] / pr['prose'] - 1:+.2%}; within 2%: {'yes' if route['prose'] <= 1.02 * pr['prose'] else 'no'})",
+      f"({route['prose'] / pr['prose'] - 1:+.2%}; within 2%: {within(route['prose'], pr['prose'])})",
       f"- routed student on the union vs both single-teacher students: {route['all']:.4f} vs {py['all']:.4f} / "
       f"{pr['all']:.4f} (better than both: {'yes' if route['all'] < min(py['all'], pr['all']) else 'no'})",
   ]

@@ -68,8 +68,8 @@ def prepare(cfg, data, mesh, services: kinds.Services) -> kinds.Prepared:
       model_cfg = spec.cfg
     first_cfg, vocab = first_cfg or model_cfg, min(vocab, shared)
     identities.append(f"{m.name}={identity}")
-    services.report(f"teachers: {m.name} ({m.source}{', live on the student mesh' if isinstance(producers[-1], Live) else ''}, "
-                    f"temperature {m.temperature or tau})")
+    where = ", live on the student mesh" if isinstance(producers[-1], Live) else ""
+    services.report(f"teachers: {m.name} ({m.source}{where}, temperature {m.temperature or tau})")
   members = cfg.teachers.members()
   route = None
   if cfg.teachers.combine == "route":
