@@ -209,6 +209,38 @@ def test_route_data_gives_each_row_its_teachers_topk_and_resumes(tmp_path):
   np.testing.assert_array_equal(next(again)["inputs"], next(it)["inputs"])  # resumes at the batch handed out next
 
 
+class WithTopK:
+  """A data bundle whose batches carry ``program``'s top-k, as a top-k source's prepared data does (a cache)."""
+
+  def __init__(self, bundle, program):
+    self.bundle, self.program = bundle, program
+
+  def train_iterator(self, state=None, **kw):
+    return WithTopKIterator(self.bundle.train_iterator(state, **kw), self.program)
+
+
+class WithTopKIterator:
+  def __init__(self, it, program):
+    self.it, self.program = it, program
+    self.get_state, self.set_state, self.close = it.get_state, it.set_state, it.close
+
+  def __next__(self):
+    batch = next(self.it)
+    return {**batch, **dict(zip(md.train.step.TOPK_KEYS, self.program(batch["inputs"])))}
+
+
+def test_mix_of_a_topk_source_and_a_live_teacher_reads_both_side_by_side(tmp_path):
+  bundle = build_data(DataConfig(corpora=two_corpora(tmp_path), seq_len=8, val_fraction=0.2), 4)
+  programs = [TableTeacher(s, bundle.tokenizer.vocab_size) for s in (5, 6)]
+  data = multi.MultiTeacherData(bundle, [multi.FromBatches(WithTopK(bundle, programs[0])), multi.Live(programs[1])],
+                                k=K, route=None, weights=[3.0, 1.0])
+  batch = next(data.train_iterator())
+  want = multi.combine([p(batch["inputs"]) for p in programs], None, k=K, weights=(3.0, 1.0))  # the mix: tested above
+  for key in ("teacher_ids", "teacher_logprobs", "teacher_tail", "teachers_logprobs"):
+    np.testing.assert_allclose(batch[key], np.asarray(want[key]), rtol=1e-6, err_msg=key)
+  np.testing.assert_array_equal(batch["teachers_rows"], np.ones((4, 2)))
+
+
 # --------------------------------------------------------------------------- the config
 def config_with(tmp_path, teachers, **data):
   from meshdistill.config import load_config
