@@ -110,6 +110,9 @@ class _Iterator:
   def _read(self) -> dict:
     batches = [dict(next(r)) for r in self._readers]
     host = batches[0]
+    if any(not np.array_equal(b["inputs"], host["inputs"]) for b in batches[1:]):
+      raise ValueError("teachers: the top-k sources read different rows in the same step (their data differs); "
+                       "give every teacher's cache the run's data section")
     host["topk"] = [losses.TopK(*(b.pop(key) for key in TOPK_KEYS)) for b in batches if TOPK_KEYS[0] in b]
     for key in TOPK_KEYS:
       host.pop(key, None)
