@@ -1,7 +1,8 @@
 """Several teachers: two teachers trained here on two domains, a student distilled from both (routed by domain, and
 mixed) against students distilled from each alone and one trained from scratch; validation loss on each domain.
 
-Domains (`meshdistill.data.DataConfig.corpora`): ``python``, the standard library's source; ``prose``, the English
+Domains (`meshdistill.data.DataConfig.corpora`): ``python``, the standard library's source without its docstrings
+and comments (``--with-docstrings``: as written, so both domains hold the docstrings); ``prose``, the English
 docstrings of the same library (both written to temporary directories in documents of ~2,000 characters). Each
 teacher is trained on its own domain's rows only; every student sees the same batches of the union, in the same
 order, from the same initialisation (per seed), with the same optimizer and steps. The teachers' top-k of every
@@ -9,6 +10,7 @@ training batch is computed once and given to every distilled arm (the route / mi
 `meshdistill.teachers.multi.combine`, as a ``teachers:`` run builds them).
 
   python benchmarks/multi_teacher.py --seeds 0,1,2          # writes benchmarks/results/multi_teacher.md (+ .json)
+  python benchmarks/multi_teacher.py --seeds 0,1,2 --with-docstrings --out benchmarks/results/multi_teacher_shared.md
 """
 
 from __future__ import annotations
@@ -56,9 +58,18 @@ def _chunks(out: str, name: str, pieces, size: int = 2000) -> int:
   return total
 
 
-def write_domains(python_dir: str, prose_dir: str, max_chars: int) -> tuple[int, int]:
-  """The stdlib's source (by lines) and its module, class and function docstrings (by docstring) into documents of
-  ~2,000 characters, at most ``max_chars`` of each; characters written."""
+def _without_docstrings(tree: ast.Module) -> str:
+  """The module's code with its docstrings (and comments) left out (`ast.unparse`)."""
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+      node.body = node.body[1:] or [ast.Pass()]
+  return ast.unparse(tree)
+
+
+def write_domains(python_dir: str, prose_dir: str, max_chars: int, code_only: bool) -> tuple[int, int]:
+  """The stdlib's source (by lines; ``code_only``: without its docstrings and comments) and its module, class and
+  function docstrings (by docstring) into documents of ~2,000 characters, at most ``max_chars`` of each; characters
+  written."""
   root, code, prose = stdlib_root(), 0, 0
   for dirpath, dirnames, files in sorted(os.walk(root)):
     dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib", "__pycache__"))
@@ -71,11 +82,12 @@ def write_domains(python_dir: str, prose_dir: str, max_chars: int) -> tuple[int,
       except (SyntaxError, UnicodeDecodeError, ValueError):
         continue
       name = os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "_")
+      docs = [ast.get_docstring(n) for n in ast.walk(tree)
+              if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
       if code < max_chars:
-        code += _chunks(python_dir, name, source.splitlines(keepends=True))
+        text = _without_docstrings(tree) + "\n" if code_only else source
+        code += _chunks(python_dir, name, text.splitlines(keepends=True))
       if prose < max_chars:
-        docs = [ast.get_docstring(n) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
         prose += _chunks(prose_dir, name, [d + "\n\n" for d in docs if d and len(d) > 40])
   return code, prose
 
@@ -132,12 +144,14 @@ def main(argv=None) -> int:
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--alpha", type=float, default=0.5)
   p.add_argument("--val-batches", type=int, default=8, help="validation batches per domain")
+  p.add_argument("--with-docstrings", action="store_true",
+                 help="keep the docstrings in the python domain (the domains then share that text)")
   p.add_argument("--out", default=os.path.join(HERE, "results", "multi_teacher.md"))
   a = p.parse_args(argv)
   seeds = [int(s) for s in a.seeds.split(",")]
   t0, load_start = time.perf_counter(), load()
   python_dir, prose_dir = tempfile.mkdtemp(prefix="python-"), tempfile.mkdtemp(prefix="prose-")
-  chars = write_domains(python_dir, prose_dir, a.max_chars)
+  chars = write_domains(python_dir, prose_dir, a.max_chars, not a.with_docstrings)
   data = build_data(DataConfig(corpora={"python": python_dir, "prose": prose_dir}, max_chars=a.max_chars,
                                seq_len=a.seq, val_fraction=0.1), a.batch, process_index=0, process_count=1)
   vocab = data.tokenizer.vocab_size
@@ -209,12 +223,14 @@ def write(a, results, teacher_scores, seconds, data, chars, argv, load_start) ->
       f"Command: `python benchmarks/multi_teacher.py {' '.join(argv or sys.argv[1:])}` ({seconds:.0f} s; "
       f"{machine()}; load average {load_start[0]:.1f} at the start, {load()[0]:.1f} at the end: a shared machine).",
       "",
-      f"Data: `data.corpora` python (the stdlib's source, {chars[0]:,} characters) and prose (the stdlib's "
+      f"Data: `data.corpora` python (the stdlib's source, "
+      f"{'with' if a.with_docstrings else 'without'} its docstrings and comments, {chars[0]:,} characters) and prose "
+      "(the stdlib's "
       f"docstrings, {chars[1]:,} characters), both cut into documents of ~2,000 characters (so the split by document "
       f"holds out ~10% of each), byte tokens, rows of {a.seq}; training rows per domain "
       f"{data.stats['domains']}, validation rows python {int(np.sum(val_rows == 0))}, prose "
       f"{int(np.sum(val_rows == 1))} (scored: the first {a.val_batches} batches of {a.batch} rows of each; union: "
-      "the token mean over both). Teachers: d=96, 3 layers, {a.teacher_steps} steps of hard labels on "
+      f"the token mean over both). Teachers: d=96, 3 layers, {a.teacher_steps} steps of hard labels on "
       f"their own domain only. Students: d=48, 2 layers, {a.steps} steps of {a.batch} rows of the union (the same "
       f"batches for every arm), AdamW lr {a.lr}; distilled arms `logit_kd` top-{a.top_k}, temperature 1, alpha "
       f"{a.alpha}. Loss: cross-entropy in nats per token (lower is better); seeds {a.seeds}.",
