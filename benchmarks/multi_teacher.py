@@ -19,6 +19,7 @@ import argparse
 import ast
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -209,6 +210,8 @@ def main(argv=None) -> int:
       results[name].append(scores(trainer.student_def, state.params["student"], val))
       print(f"seed {seed} {name}: {results[name][-1]} ({time.perf_counter() - t0:.0f} s)", flush=True)
   write(a, results, teacher_scores, time.perf_counter() - t0, data, chars, argv, load_start)
+  for folder in (python_dir, prose_dir):
+    shutil.rmtree(folder, ignore_errors=True)
   return 0
 
 
