@@ -5,6 +5,7 @@ A run is described by `Config`, whose sections are frozen, keyword-only dataclas
   mesh        data x tensor layout, step backend, simulated CPU devices
   teacher     `ModelConfig` of the teacher, and ``source`` with that source's settings (``hf: PATH``, ``cache: PATH``,
               ``devices: {data, tensor}``, ``quantize``; see `meshdistill.teachers.kinds`)
+  teachers    several named teacher sources and how they combine (route / mix; `meshdistill.teachers.multi`)
   student     `ModelConfig` of the student, ``hf: PATH``, or ``init: {from_teacher: true, layers: [...]}``
   data        `meshdistill.data.DataConfig` (corpus, tokenizer, seq_len, ...)
   distill     the strategy (a registered name) and its recipe (temperature / alpha: numbers or schedule specs)
@@ -54,6 +55,7 @@ from meshdistill.data import DataConfig
 from meshdistill.train.freezing import check_stages
 from meshdistill.storage.fsutil import write_text_atomic
 from meshdistill.models import ModelConfig
+from meshdistill.teachers.multi._settings import TeachersSettings, check_teachers
 from meshdistill.teachers.sources import ModelSources, nest_sources, resolve, split_sources
 
 __all__ = [
@@ -111,6 +113,7 @@ class Config:
   checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
   run: RunSettings = dataclasses.field(default_factory=RunSettings)
   models: ModelSources = dataclasses.field(default_factory=ModelSources)  # teacher.hf / student.hf / student.init
+  teachers: TeachersSettings = dataclasses.field(default_factory=TeachersSettings)
 
   def __post_init__(self):
     for section, value in resolve(self).items():  # shapes (and tokenizer) derived from teacher.hf / student.*
@@ -138,6 +141,7 @@ class Config:
         "student.dtype=bfloat16 for bfloat16 compute (teacher.param_dtype may be bfloat16: the teacher is frozen)"
       )
     self._check_tokenizers()
+    check_teachers(self)
     n_new = self.distill.on_policy.max_new_tokens
     if self.distill.on_policy.active and n_new > self.data.seq_len:
       raise ConfigError(

@@ -22,6 +22,7 @@ import numpy as np
 
 from meshdistill.data._cross import PackedPairs, pack_texts
 from meshdistill.data._corpus import Document, cap_documents, load_documents, source_entries, split_documents
+from meshdistill.data._domains import PackedCorpora
 from meshdistill.data._loader import TrainIterator, process_slice, validation_batches
 from meshdistill.data._packing import PackedSequences, TokenStream, pack, tokenize_documents
 from meshdistill.data._tokenizer import VOCAB_MULTIPLE, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
@@ -54,6 +55,10 @@ class DataConfig:
       ``tokenizer``); None = the teacher shares ``tokenizer``. Set, every text is tokenized by both and the rows
       carry the teacher's tokens and the alignment (`meshdistill.data._cross`; cross-tokenizer strategies).
     teacher_seq_len: the teacher's tokens per row with ``teacher_tokenizer``; None = ``seq_len``.
+    corpora: several named corpora instead of ``source`` (``{python: stdlib, prose: /usr/share/common-licenses}``,
+      each value a source as ``source`` takes it; the caps apply to each): each is split and packed on its own,
+      one tokenizer over all, and every batch carries ``domain`` [B], its rows' corpus (index in this mapping's
+      order; `meshdistill.data._domains`). None = ``source``.
   """
 
   source: str | tuple[str, ...] = "stdlib"
@@ -70,6 +75,7 @@ class DataConfig:
   cache_dir: str | None = None
   teacher_tokenizer: str | None = None
   teacher_seq_len: int | None = None
+  corpora: dict | None = None
 
   def __post_init__(self):
     if isinstance(self.source, list):
@@ -107,6 +113,23 @@ class DataConfig:
       raise ValueError(f"data.teacher_seq_len={v!r} must be a positive integer or None (= data.seq_len)")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"data.seed={self.seed!r} must be an integer")
+    self._check_corpora()
+
+  def _check_corpora(self) -> None:
+    if self.corpora is None:
+      return
+    example = "e.g. {python: stdlib, prose: /usr/share/common-licenses}"
+    if not isinstance(self.corpora, dict) or not self.corpora:
+      raise ValueError(f"data.corpora={self.corpora!r} must map corpus names to sources, {example}")
+    for name, src in self.corpora.items():
+      if not isinstance(name, str) or not name:
+        raise ValueError(f"data.corpora: the corpus name {name!r} must be a non-empty string, {example}")
+      if not isinstance(src, (str, list, tuple)) or not source_entries(src):
+        raise ValueError(f"data.corpora.{name}={src!r} must name a corpus as data.source does ('stdlib', a file, a "
+                         "directory, a glob, 'hf:<path>')")
+    if self.teacher_tokenizer is not None:
+      raise ValueError("data.corpora and data.teacher_tokenizer exclude each other (rows of two tokenizations are "
+                       "not split by corpus yet); remove one of them")
 
   def replace(self, **kw) -> DataConfig:
     """A copy with ``kw`` changed (validated again)."""
@@ -137,6 +160,11 @@ class DataBundle:
   process_count: int
   stats: dict[str, Any]
   teacher_tokenizer: Tokenizer | None = None
+
+  @property
+  def domains(self) -> tuple[str, ...] | None:
+    """The corpus names of ``data.corpora`` (a batch's ``domain`` indexes them), or None for one corpus."""
+    return None if self.config.corpora is None else tuple(self.config.corpora)
 
   @property
   def local_batch_size(self) -> int:
@@ -276,6 +304,8 @@ def build_data(
   process_count = batch_size // (hi - lo)
   process_index = lo // (hi - lo)
   cache_dir = cache_dir if cache_dir is not None else cfg.cache_dir
+  if cfg.corpora is not None:
+    return _build_corpora(cfg, batch_size, tokenizer, cache_dir, process_index, process_count, t0)
   docs = load_documents(cfg.source, text_key=cfg.text_key)
   docs = cap_documents(docs, max_chars=cfg.max_chars, max_docs=cfg.max_docs)
   train_docs, val_docs = split_documents(docs, cfg.val_fraction)
@@ -323,3 +353,42 @@ def build_data(
       stats=stats,
       teacher_tokenizer=teacher_tok,
   )
+
+
+def _build_corpora(cfg: DataConfig, batch_size, tokenizer, cache_dir, process_index, process_count, t0) -> DataBundle:
+  """`build_data` of ``data.corpora``: each corpus read, capped, split and packed on its own (`PackedCorpora`)."""
+  splits = []
+  for name, src in cfg.corpora.items():
+    docs = cap_documents(load_documents(src, text_key=cfg.text_key), max_chars=cfg.max_chars, max_docs=cfg.max_docs)
+    splits.append(split_documents(docs, cfg.val_fraction))
+    log.info("data: corpus %s: %d documents -> %d train, %d validation", name, len(docs), *map(len, splits[-1]))
+  tok = tokenizer if tokenizer is not None else resolve_tokenizer(cfg, [d for tr, _ in splits for d in tr], cache_dir)
+
+  def packed(which: int) -> PackedCorpora | None:
+    parts, domains = [], []
+    for i, split in enumerate(splits):
+      stream = _stream(split[which], tok, cache_dir)[0] if split[which] else None
+      if stream is not None and stream.tokens.size >= 2:
+        parts.append(pack(stream, cfg.seq_len, tok.pad_id))
+        domains.append(i)
+    return PackedCorpora(parts, domains, tuple(cfg.corpora)) if parts else None
+
+  train, val = packed(0), packed(1)
+  if train is None:
+    raise ValueError(f"data.corpora={cfg.corpora!r} holds no training text; add text to the corpora")
+  missing = sorted(set(cfg.corpora) - {tuple(cfg.corpora)[d] for d in train.domains})
+  if missing:
+    raise ValueError(f"data.corpora: {missing} give no training rows (all their documents went to validation, or "
+                     "they are empty); add text or lower data.val_fraction")
+  stats = {
+      "train_docs": train.num_docs, "val_docs": 0 if val is None else val.num_docs,
+      "train_tokens": train.num_tokens, "val_tokens": 0 if val is None else val.num_tokens,
+      "train_rows": len(train), "val_rows": 0 if val is None else len(val),
+      "train_targets": train.num_targets, "val_targets": 0 if val is None else val.num_targets,
+      "batches_per_epoch": len(train) / batch_size, "vocab_size": tok.vocab_size,
+      "domains": {name: int(np.sum(train.domain_rows() == i)) for i, name in enumerate(cfg.corpora)},
+      "cache_hit": False, "seconds": round(time.perf_counter() - t0, 3),
+  }
+  log.info("data: %s", stats)
+  return DataBundle(config=cfg, tokenizer=tok, train=train, val=val, global_batch_size=batch_size,
+                    process_index=process_index, process_count=process_count, stats=stats)

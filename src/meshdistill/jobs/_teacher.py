@@ -25,7 +25,7 @@ from meshdistill.models import init_model, param_count
 from meshdistill.parallel.backends import make_layout
 from meshdistill.storage.fsutil import read_json
 from meshdistill.teachers import cache as tc
-from meshdistill.teachers import kinds
+from meshdistill.teachers import kinds, multi
 from meshdistill.teachers.kinds.pretrained import default_cache_dir, teacher_dir, teacher_key  # noqa: F401 (re-export)
 from meshdistill.teachers.sources import quantized_teacher
 from meshdistill.train.distiller import resolve_shared_vocab
@@ -120,7 +120,10 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
 
 
 def prepare_teacher(cfg: Config, data, mesh, teacher_mesh, *, stream: IO[str] | None = None, report=None):
-  """The chosen teacher source (`meshdistill.teachers.kinds.for_config`) prepared for the run: a `Prepared`."""
+  """The chosen teacher source (`meshdistill.teachers.kinds.for_config`), or the several of ``teachers``
+  (`meshdistill.teachers.multi`), prepared for the run: a `Prepared`."""
+  if cfg.teachers.active:
+    return multi.prepare(cfg, data, mesh, services(stream, report))
   return kinds.for_config(cfg).prepare(data, mesh, teacher_mesh, services(stream, report))
 
 

@@ -10,6 +10,8 @@ top-k, e.g. an offline cache) and `narrow_topk`. A teacher of another tokenizer 
 `matched_kl`, `hybrid_uld` on the spans both tokenizations agree on (per span ``[S]`` instead of per token); on the
 next byte of the text (`ByteTables`, `byte_tables`, `byte_offsets`, `next_byte_logprobs`, `first_byte_logprobs`,
 `byte_kl`: both sides' next-token distributions projected onto bytes).
+Several top-k teachers as one target: `route_topk` (a teacher per row), `mix_topk` (a weighted mixture over the union
+of their ids, with the tail bin); `teacher_terms` (one teacher's KL and agreement, per token).
 """
 
 from meshdistill.losses._chunked import (
@@ -53,6 +55,7 @@ from meshdistill.losses._next_byte import (
     next_byte_logprobs,
 )
 from meshdistill.losses._logits import cross_entropy, log_softmax, pearson, top1_agreement
+from meshdistill.losses._multi_teacher import mix_topk, route_topk, teacher_terms
 from meshdistill.losses._topk import (
     TopK,
     narrow_topk,
@@ -64,6 +67,9 @@ from meshdistill.losses._topk import (
 )
 
 __all__ = [
+    "mix_topk",
+    "route_topk",
+    "teacher_terms",
     "Aligned",
     "ByteTables",
     "byte_kl",

@@ -33,7 +33,7 @@ from meshdistill.models._build import abstract_params
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
 from meshdistill.train.optimizers import default_optimizer
-from meshdistill.train.step import BATCH_KEYS, CROSS_KEYS, TOPK_KEYS, TrainState, per_device_step
+from meshdistill.train.step import BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TOPK_KEYS, TrainState, per_device_step
 from meshdistill.strategies import LogitKD, label
 from meshdistill.teachers.cache import TopKTeacher
 
@@ -138,6 +138,7 @@ class Distiller:
         optimizer=self.optimizer,
         vocab=self.shared_vocab,
         trainable=trainable,
+        **self._teacher_names(),
     )
     self._compiled = None
     self._strategy_variants: dict = {}  # `with_strategy` results, reused
@@ -163,6 +164,11 @@ class Distiller:
     extra = self.strategy.init_params(self.student_cfg, self.teacher_cfg, jax.random.key(self.seed))
     return self.layout.fresh_state(self.optimizer, {"student": params, "strategy": extra}, self.trainable)
 
+  def _teacher_names(self) -> dict:
+    """The step's keywords for several teachers combined into one top-k (their per-teacher metrics)."""
+    names = () if self.topk_teacher is None else self.topk_teacher.names
+    return {"teacher_names": names, "teacher_temperature": self.topk_teacher.temperature} if names else {}
+
   # ---------------------------------------------------------------------- steps
   def check_batch(self, batch: dict) -> None:
     """Raises a clear error for a malformed batch (keys, shapes, length, divisibility)."""
@@ -183,6 +189,10 @@ class Distiller:
       k = self.topk_teacher.k
       want = {TOPK_KEYS[0]: (B, T, k), TOPK_KEYS[1]: (B, T, k), TOPK_KEYS[2]: (B, T)}
       got = {key: tuple(np.shape(batch[key])) if key in batch else None for key in TOPK_KEYS}
+      n = len(self.topk_teacher.names)
+      if n:  # several teachers: each one's own top-k too
+        want |= dict(zip(MULTI_KEYS, ((B, n, T, k), (B, n, T, k), (B, n, T), (B, n))))
+        got |= {key: tuple(np.shape(batch[key])) if key in batch else None for key in MULTI_KEYS}
       if got != want:
         raise ValueError(f"with {self.topk_teacher.source} every batch carries the teacher's top-k {want}, got {got}; "
                          "read the data through meshdistill.teachers.cache.CachedTeacherData (or a teacher_mesh source)")

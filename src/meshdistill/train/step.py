@@ -49,6 +49,10 @@ TOPK_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_tail")
 # Batch keys of a teacher with its own tokenizer (`meshdistill.data._cross`): its tokens [B, Tt] and the alignment
 # of the row's targets (span ids [B, Ts] / [B, Tt], last positions and bytes per span [B, S]); read when the
 # strategy declares ``cross_tokenizer`` (`meshdistill.strategies.ULD`), which then gets a `meshdistill.losses.Aligned`.
+# Batch keys of several teachers combined into the top-k above (`meshdistill.teachers.multi`): each teacher's own
+# top-k [B, N, T, K] / [B, N, T] and the rows each one serves [B, N] (1: the row counts in its metrics); read for the
+# per-teacher metrics ``kl/<name>`` and ``agreement/<name>`` (`meshdistill.losses.teacher_terms`) only.
+MULTI_KEYS = ("teachers_ids", "teachers_logprobs", "teachers_tail", "teachers_rows")
 CROSS_KEYS = (
     "teacher_inputs", "teacher_targets", "teacher_mask",
     "student_span", "teacher_span", "student_last", "teacher_last", "span_bytes",
@@ -87,6 +91,8 @@ def per_device_gradients(
     trainable: Any = None,
     light: bool = False,
     student_axis: str | None = None,
+    teacher_names: tuple[str, ...] = (),
+    teacher_temperature: float = 1.0,
     **_,
 ):
   """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
@@ -106,6 +112,10 @@ def per_device_gradients(
   are only ``loss``, ``grad_norm`` and ``tokens`` (what the divergence guard and the progress line
   read); the strategy's other metrics are not returned, so the compiler drops their work (their
   vocabulary-wide passes and reductions). The loop runs it on the steps it does not log.
+
+  ``teacher_names``: with several teachers (`MULTI_KEYS` in ``batch``), their names, in the batch's order: the
+  metrics then hold ``kl/<name>`` and ``agreement/<name>`` (token means over the rows each teacher serves, the
+  student at ``teacher_temperature``) and ``tokens/<name>``; the loss reads only the combined top-k.
 
   ``student_axis``: a compiler-managed mesh axis (``tensor``) over which the student is replicated and its rows
   split (`meshdistill.parallel.backends.ShardMapLayout` with ``student_split="batch"``): the teacher runs as usual on
@@ -136,9 +146,9 @@ def per_device_gradients(
 
   student_part = functools.partial(
       student_gradients, state.step, student_def=student_def, strategy=strategy, vocab=vocab, trainable=trainable,
-      light=light, teacher_softcap=teacher_cap,
+      light=light, teacher_softcap=teacher_cap, teachers=(tuple(teacher_names), teacher_temperature),
   )
-  rows = {k: batch[k] for k in ("inputs", "targets", "mask")}
+  rows = {k: batch[k] for k in ("inputs", "targets", "mask", *(MULTI_KEYS if teacher_names else ())) if k in batch}
   if student_axis is None:
     return student_part(state.params, rows, teacher_out, teacher_head, axes=data_axis)
   # The student on its rows: they (and the teacher's outputs, moved to rows) split over `student_axis`, its
@@ -192,10 +202,12 @@ def student_gradients(
     trainable: Any,
     light: bool,
     teacher_softcap: float | None = None,
+    teachers: tuple[tuple[str, ...], float] = ((), 1.0),
 ):
   """The student's part of `per_device_gradients` on the rows given, with the teacher's outputs for them:
   ``(grads, metrics)`` with gradients and token sums summed over the mesh axes ``axes`` (``None``: none).
-  ``teacher_softcap``: the teacher's final logit soft-cap, for a strategy that forms logits from the heads."""
+  ``teacher_softcap``: the teacher's final logit soft-cap, for a strategy that forms logits from the heads.
+  ``teachers``: ``(names, temperature)`` of several teachers whose own top-k the batch carries (`MULTI_KEYS`)."""
   capture = tuple(strategy.capture)
   with_logits, with_head = strategy.needs_logits, strategy.needs_head
   inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
@@ -226,6 +238,8 @@ def student_gradients(
       per_seq = jax.vmap(strategy.per_sequence, in_axes=(None, 0, 0, 0, 0, None))
       sums = jax.tree.map(jnp.sum, per_seq(params["strategy"], student_out, teacher_out, targets_BxT, mask_BxT, step))
     usage = {}
+    if teachers[0] and not light and MULTI_KEYS[0] in batch:  # each teacher's metrics: monitoring, no gradient
+      sums = {**sums, **_teacher_sums(jax.lax.stop_gradient(student_out.logits), batch, mask_BxT, *teachers)}
     if moe:  # the router's terms, as shares of global means (`router_losses`): scaled to the step's token sums
       terms, usage = router_losses.router_terms(router, mask_BxT, moe, axes)
       sums = {**sums, "loss": sums["loss"] + denom * router_losses.weighted(terms, moe),
@@ -237,8 +251,24 @@ def student_gradients(
     sums, usage = {"loss": sums["loss"]}, {}
   grads, sums = sum_over_data((grads, sums), axes)
   metrics = {k: v / denom for k, v in sums.items()} | usage
+  for name in (n for n in teachers[0] if f"tokens/{n}" in sums):  # means over the tokens of the rows it serves
+    served = jnp.maximum(sums[f"tokens/{name}"], 1.0)
+    metrics |= {f"{m}/{name}": sums[f"{m}/{name}"] / served for m in ("kl", "agreement")}
+    metrics[f"tokens/{name}"] = sums[f"tokens/{name}"]
   metrics["tokens"] = tokens
   return grads, metrics
+
+
+def _teacher_sums(logits_BxTxV, batch: dict, mask_BxT, names: tuple[str, ...], temperature: float) -> dict:
+  """Token sums of each teacher's ``kl`` / ``agreement`` (`meshdistill.losses.teacher_terms`) and ``tokens`` over the
+  rows it serves (``teachers_rows``)."""
+  out = {}
+  for n, name in enumerate(names):
+    topk = losses.TopK(*(batch[k][:, n] for k in MULTI_KEYS[:3]))
+    mask_n = mask_BxT * batch["teachers_rows"][:, n, None].astype(mask_BxT.dtype)
+    terms = jax.vmap(losses.teacher_terms, in_axes=(0, 0, 0, None))(logits_BxTxV, topk, mask_n, temperature)
+    out |= {f"{k}/{name}": jnp.sum(v) for k, v in terms.items()} | {f"tokens/{name}": jnp.sum(mask_n)}
+  return out
 
 
 def sum_over_data(tree: Any, data_axis: Any) -> Any:

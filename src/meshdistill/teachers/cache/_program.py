@@ -31,6 +31,8 @@ class TopKTeacher:
     temperature: the temperature its log-probabilities were taken at.
     vocab: the token range ``[0, vocab)`` the top-k was taken over.
     source: where it comes from (a cache directory, a sub-mesh), for messages.
+    names: several teachers combined into this top-k (`meshdistill.teachers.multi`), in the order their own
+      top-k come in every batch (`meshdistill.train.step.MULTI_KEYS`); () for one teacher.
   """
 
   cfg: Any
@@ -38,6 +40,7 @@ class TopKTeacher:
   temperature: float
   vocab: int
   source: str = "top-k teacher"
+  names: tuple[str, ...] = ()
 
   def check_strategy(self, strategy: Any) -> None:
     """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone: it declares

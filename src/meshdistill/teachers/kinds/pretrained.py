@@ -41,6 +41,8 @@ def teacher_key(cfg, tokenizer: Any) -> str:
     k: getattr(d, k)
     for k in ("source", "text_key", "val_fraction", "max_chars", "max_docs", "seq_len", "seed", "num_epochs")
   }
+  if getattr(d, "corpora", None) is not None:  # named corpora: absent, the key stays what it was before the setting
+    data["corpora"] = d.corpora
   # the teacher is pretrained and cached in float32 whatever teacher.param_dtype (the stored dtype, cast on load)
   model = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k != "param_dtype"}
   blob = json.dumps(

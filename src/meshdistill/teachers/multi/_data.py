@@ -1,0 +1,143 @@
+"""Training batches of several teachers: each teacher's top-k per batch, combined (`MultiTeacherData`).
+
+A teacher is one of two kinds of producer:
+
+* `FromBatches`: a source that gives `TOPK` (an offline cache, later a served teacher) prepared as it is for one
+  teacher: its data bundle yields the corpus batches with its top-k; the batches of all such bundles come from the
+  same rows in the same order (same data, same seed), so they are read side by side;
+* `Live`: a source that gives a model, run as `meshdistill.teachers.cache.TeacherTopK` on the student's mesh (the
+  program a live ``LogitKD(top_k=k)`` step runs for its teacher) at its own temperature. It runs on every row of
+  the batch, also under ``combine: route`` where only its rows are kept: its cost is a whole teacher forward pass
+  per batch whatever its share of the rows (running it on its rows alone would need a program per row count).
+  Its work for batch ``s + 1`` is issued before batch ``s`` is handed out (asynchronous dispatch).
+
+`combine` narrows every top-k to ``k``, routes or mixes them (`meshdistill.losses.route_topk` /
+`meshdistill.losses.mix_topk`) and adds each teacher's own top-k and the rows it serves (`MULTI_KEYS`) for the
+per-teacher metrics. The iterator's state is that of the plain data, so checkpoints and resume are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshdistill import losses
+from meshdistill.data._domains import DOMAIN_KEY
+from meshdistill.train.step import MULTI_KEYS, TOPK_KEYS
+
+
+class Live:
+  """A teacher model as a producer of top-k: ``program`` (a `TeacherTopK`) called on the batch's inputs."""
+
+  def __init__(self, program):
+    self.program = program
+
+  def __call__(self, batch: dict) -> losses.TopK:
+    return self.program(np.asarray(batch["inputs"]))
+
+
+class FromBatches:
+  """A `TOPK` source's prepared data bundle: its batches carry the teacher's top-k under `TOPK_KEYS`."""
+
+  def __init__(self, bundle):
+    self.bundle = bundle
+
+
+@functools.partial(jax.jit, static_argnames=("k", "weights"))
+def combine(topks: Sequence[losses.TopK], teacher_B: jax.Array | None, *, k: int, weights: tuple[float, ...] | None):
+  """The batch's target and each teacher's own top-k: ``teacher_B`` [B] routes rows (None: mix with ``weights``)."""
+  narrowed = [losses.narrow_topk(losses.TopK(t.indices.astype(jnp.int32), *(x.astype(jnp.float32) for x in t[1:])),
+                                 k) for t in topks]
+  n, b = len(narrowed), narrowed[0].tail.shape[0]
+  if teacher_B is None:
+    target, rows = losses.mix_topk(narrowed, weights), jnp.ones((b, n), jnp.float32)
+  else:
+    target, rows = losses.route_topk(narrowed, teacher_B), jax.nn.one_hot(teacher_B, n, dtype=jnp.float32)
+  each = [jnp.stack([getattr(t, f) for t in narrowed], axis=1) for f in losses.TopK._fields]
+  return dict(zip(TOPK_KEYS, target)) | dict(zip(MULTI_KEYS, (*each, rows)))
+
+
+class MultiTeacherData:
+  """A data bundle whose training batches carry several teachers' combined top-k (see the module docstring).
+
+  Args:
+    bundle: the plain data.
+    producers: one `Live` or `FromBatches` per teacher, in the order of ``names``.
+    k: tokens per position of the target.
+    route: ``[number of domains]`` teacher index of each domain (``combine: route``), or None (``combine: mix``).
+    weights: each teacher's share of a mix.
+  """
+
+  def __init__(self, bundle, producers: Sequence, *, k: int, route: Sequence[int] | None, weights: Sequence[float]):
+    self.bundle, self.producers, self.k = bundle, tuple(producers), k
+    self.route = None if route is None else np.asarray(route, np.int32)
+    self.weights = tuple(float(w) for w in weights)
+
+  def __getattr__(self, name):
+    return getattr(self.bundle, name)
+
+  def train_iterator(self, state: dict | None = None, **kw):
+    readers = [p.bundle.train_iterator(state, **kw) for p in self.producers if isinstance(p, FromBatches)]
+    return _Iterator(self, readers or [self.bundle.train_iterator(state, **kw)])
+
+  def with_teachers(self, host: dict) -> dict:
+    """``host`` (a batch with every `FromBatches` teacher's top-k, in order, under ``topk``) with the combined
+    target: issued asynchronously; `np.asarray` of its values waits."""
+    given = iter(host.pop("topk"))
+    topks = [p(host) if isinstance(p, Live) else next(given) for p in self.producers]
+    if self.route is None:
+      teacher_B = None
+    else:
+      if DOMAIN_KEY not in host:
+        raise ValueError("teachers.combine=route needs every batch to carry its rows' domain: set data.corpora")
+      teacher_B = jnp.asarray(self.route[np.asarray(host[DOMAIN_KEY])])
+    return host | combine(topks, teacher_B, k=self.k, weights=None if self.route is not None else self.weights)
+
+
+class _Iterator:
+  """The batches of ``data`` one ahead: batch ``s + 1``'s teacher work is issued before batch ``s`` is returned."""
+
+  def __init__(self, data: MultiTeacherData, readers: list):
+    self._data, self._readers, self._ahead = data, readers, None
+
+  def __iter__(self):
+    return self
+
+  def _read(self) -> dict:
+    batches = [dict(next(r)) for r in self._readers]
+    host = batches[0]
+    if any(not np.array_equal(b["inputs"], host["inputs"]) for b in batches[1:]):
+      raise ValueError("teachers: the top-k sources read different rows in the same step (their data differs); "
+                       "give every teacher's cache the run's data section")
+    host["topk"] = [losses.TopK(*(b.pop(key) for key in TOPK_KEYS)) for b in batches if TOPK_KEYS[0] in b]
+    for key in TOPK_KEYS:
+      host.pop(key, None)
+    return self._data.with_teachers(host)
+
+  def __next__(self) -> dict:
+    current = self._ahead if self._ahead is not None else self._read()
+    try:
+      self._ahead = self._read()
+    except StopIteration:
+      self._ahead = None
+    return {k: np.asarray(v) for k, v in current.items()}
+
+  def get_state(self):
+    # the position of the batch handed out next (one is read ahead): the readers' state minus that batch
+    state = dict(self._readers[0].get_state())
+    if self._ahead is not None and "next_batch" in state:
+      state["next_batch"] -= 1
+    return state
+
+  def set_state(self, state):
+    for r in self._readers:
+      r.set_state(state)
+    self._ahead = None
+
+  def close(self):
+    for r in self._readers:
+      r.close()
