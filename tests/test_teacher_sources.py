@@ -16,7 +16,7 @@ from helpers import STUDENT_CFG, TEACHER_CFG, write_corpus
 from meshdistill import jobs
 from meshdistill.config import ConfigError, load_config
 from meshdistill.jobs._training import _cache_safeguards
-from meshdistill.strategies import CONTRACT, ChunkedLogitKD, LogitKD, PreferenceLoss, ScaledLoss
+from meshdistill.strategies import ChunkedLogitKD, LogitKD
 from meshdistill.teachers import kinds
 from meshdistill.teachers.cache import TopKTeacher
 
@@ -84,7 +84,7 @@ def test_no_teacher_serves_only_strategies_that_declare_they_need_none():
 
 def test_a_top_k_teacher_reads_capabilities_not_the_strategy_class():
   """A strategy that declares ``accepts_topk`` trains from a top-k teacher whatever its class (before: only
-  ``type(s) is LogitKD``); one that needs the LM head is refused by name, wrapped or not."""
+  ``type(s) is LogitKD``); one that needs the LM head is refused by name."""
   @md.strategies.register("test_topk_kd")
   @dataclasses.dataclass(frozen=True, kw_only=True)
   class TopKOwn(LogitKD):  # pylint: disable=unused-variable
@@ -92,22 +92,12 @@ def test_a_top_k_teacher_reads_capabilities_not_the_strategy_class():
 
   spec = TopKTeacher(cfg=TEACHER_CFG, k=4, temperature=2.0, vocab=TEACHER_CFG.vocab_size, source="teacher.cache=c")
   spec.check_strategy(TopKOwn(top_k=4, temperature=2.0))
-  spec.check_strategy(ScaledLoss(TopKOwn(top_k=2, temperature=2.0), 8.0))
+  spec.check_strategy(TopKOwn(top_k=2, temperature=2.0))
   with pytest.raises(ValueError, match=r"teacher.cache=c gives the teacher's top-4 tokens only, but strategy "
                                        r"ChunkedLogitKD needs a live teacher"):
     spec.check_strategy(ChunkedLogitKD())
-  with pytest.raises(ValueError, match=r"ScaledLoss\(scale=8.0\) wrapping TopKOwn.top_k=5"):
-    spec.check_strategy(ScaledLoss(TopKOwn(top_k=5, temperature=2.0), 8.0))
-
-
-@pytest.mark.parametrize("strategy", [LogitKD(top_k=4), ChunkedLogitKD(), PreferenceLoss()])
-def test_scaled_loss_declares_the_capabilities_of_the_strategy_it_wraps_and_forwards_nothing_else(strategy):
-  scaled = ScaledLoss(strategy, 4.0)
-  for name in CONTRACT:
-    if name not in ("init_params", "fallback"):
-      assert getattr(scaled, name) == getattr(strategy, name), name
-  assert scaled.settings() == strategy.settings()
-  assert not hasattr(scaled, "alpha")  # no attribute forwarding: nothing needs to unwrap it
+  with pytest.raises(ValueError, match=r"but TopKOwn.top_k=5"):
+    spec.check_strategy(TopKOwn(top_k=5, temperature=2.0))
 
 
 # --------------------------------------------------------------------------- no teacher, end to end

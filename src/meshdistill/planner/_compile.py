@@ -73,13 +73,14 @@ class _AbstractDistiller(Distiller):
 
 def abstract_distiller(teacher: ModelConfig | None, student: ModelConfig, strategy, optimizer, mesh: Mesh,
                        compiler_options: dict | None = None, lora=None, teacher_quantize: str | None = None,
-                       fsdp: bool = False, student_split: str = "tensor") -> Distiller:
+                       fsdp: bool = False, student_split: str = "tensor", loss_scale: float | None = None) -> Distiller:
   """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays.
 
   ``lora``: the student's `meshdistill.models.lora.LoraConfig` (``student.lora``: adapters, only they train);
   ``teacher_quantize``: ``teacher.quantize`` (the teacher's projections stored int8 / int4 / nf4);
   ``fsdp``: weights and optimizer moments split over ``data`` too (``mesh.fsdp``); ``student_split``:
   ``mesh.student_split`` (``batch``: the student replicated, its weights and moments whole on every device).
+  ``loss_scale``: ``safeguards.loss_scale`` (the step's static loss scaling).
   ``teacher=None``: the student trained alone (its ``strategy`` a hard-label one, e.g. ``NextTokenCE``).
   """
   tensor = mesh.shape[TENSOR]
@@ -91,7 +92,7 @@ def abstract_distiller(teacher: ModelConfig | None, student: ModelConfig, strate
                          None if teacher is None else _abstract_model(teacher, None, teacher_quantize),
                          strategy=strategy, optimizer=optimizer, mesh=mesh,
                          backend=_AbstractLayout(mesh, fsdp=fsdp, student_split=student_split), fsdp=fsdp,
-                         student_split=student_split)
+                         student_split=student_split, loss_scale=loss_scale)
   return d.with_compiler_options(compiler_options) if compiler_options else d
 
 

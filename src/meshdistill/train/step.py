@@ -87,6 +87,7 @@ def per_device_gradients(
     trainable: Any = None,
     light: bool = False,
     student_axis: str | None = None,
+    loss_scale: float | None = None,
     **_,
 ):
   """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
@@ -106,6 +107,10 @@ def per_device_gradients(
   are only ``loss``, ``grad_norm`` and ``tokens`` (what the divergence guard and the progress line
   read); the strategy's other metrics are not returned, so the compiler drops their work (their
   vocabulary-wide passes and reductions). The loop runs it on the steps it does not log.
+
+  ``loss_scale``: static loss scaling (`scale_gradient`): the loss gradient multiplied by it, the loss value and
+  every metric unchanged; pair it with ``meshdistill.train.optimizers.safeguarded(..., loss_scale=S)``, which divides
+  the gradients by it first. ``None``: off.
 
   ``student_axis``: a compiler-managed mesh axis (``tensor``) over which the student is replicated and its rows
   split (`meshdistill.parallel.backends.ShardMapLayout` with ``student_split="batch"``): the teacher runs as usual on
@@ -136,7 +141,7 @@ def per_device_gradients(
 
   student_part = functools.partial(
       student_gradients, state.step, student_def=student_def, strategy=strategy, vocab=vocab, trainable=trainable,
-      light=light, teacher_softcap=teacher_cap,
+      light=light, teacher_softcap=teacher_cap, loss_scale=loss_scale,
   )
   rows = {k: batch[k] for k in ("inputs", "targets", "mask")}
   if student_axis is None:
@@ -192,10 +197,12 @@ def student_gradients(
     trainable: Any,
     light: bool,
     teacher_softcap: float | None = None,
+    loss_scale: float | None = None,
 ):
   """The student's part of `per_device_gradients` on the rows given, with the teacher's outputs for them:
   ``(grads, metrics)`` with gradients and token sums summed over the mesh axes ``axes`` (``None``: none).
-  ``teacher_softcap``: the teacher's final logit soft-cap, for a strategy that forms logits from the heads."""
+  ``teacher_softcap``: the teacher's final logit soft-cap, for a strategy that forms logits from the heads;
+  ``loss_scale``: the factor on the loss gradient (`scale_gradient`)."""
   capture = tuple(strategy.capture)
   with_logits, with_head = strategy.needs_logits, strategy.needs_head
   inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
@@ -230,7 +237,7 @@ def student_gradients(
       terms, usage = router_losses.router_terms(router, mask_BxT, moe, axes)
       sums = {**sums, "loss": sums["loss"] + denom * router_losses.weighted(terms, moe),
               **{k: denom * v for k, v in terms.items()}}
-    return sums["loss"] / denom, (sums, usage)
+    return scale_gradient(sums["loss"], loss_scale) / denom, (sums, usage)
 
   (_, (sums, usage)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
   if light:
@@ -239,6 +246,16 @@ def student_gradients(
   metrics = {k: v / denom for k, v in sums.items()} | usage
   metrics["tokens"] = tokens
   return grads, metrics
+
+
+def scale_gradient(loss: jax.Array, scale: float | None) -> jax.Array:
+  """``loss`` with the same value and its gradient multiplied by ``scale`` (static loss scaling; ``None``: ``loss``):
+  ``stop_gradient(l) + S * (l - stop_gradient(l))``. The step's whole loss is scaled (a mixture-of-experts student's
+  router terms too), so unscaling every gradient by ``S`` in the optimizer restores the update."""
+  if scale is None:
+    return loss
+  kept = jax.lax.stop_gradient(loss)
+  return kept + scale * (loss - kept)
 
 
 def sum_over_data(tree: Any, data_axis: Any) -> Any:
