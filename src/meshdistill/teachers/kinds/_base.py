@@ -13,6 +13,8 @@ one source key they set: `infer`). A source is a `TeacherSource` subclass regist
   ``accepts_topk``, ``top_k``, ``temperature``), checked from the config before any data or weights are read
   (`check`);
 * ``meshes``: where it runs -- the student's mesh, or a mesh of its own beside it (``teacher.devices``);
+* ``saved_model``: the teacher model of a finished run, for the jobs after training (evaluate, generate): read only,
+  never pretrained; a source without one (`NOTHING`, a top-k cache) refuses with `NoTeacherModel`, saying so;
 * ``prepare``: what it does before training -- obtain (load, pretrain) and place a model, open a cache, start a
   teacher on its sub-mesh -- returning a `Prepared`: the data (a source that gives `TOPK` wraps it), the teacher
   (a model, a `meshdistill.teachers.cache.TopKTeacher`, or None) and its identity (the ``teacher_dir`` a run's
@@ -49,6 +51,11 @@ class Prepared:
   data: Any
   teacher: Any
   identity: str | None
+
+
+class NoTeacherModel(ConfigError):
+  """The run's teacher source has no teacher model (`TeacherSource.saved_model`): nothing to evaluate or generate
+  with."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +142,22 @@ class TeacherSource:
   def prepare(self, data: Any, mesh: Any, teacher_mesh: Any, services: Services) -> Prepared:
     """The data, the teacher and its identity, ready for the `Distiller` on ``mesh``."""
     raise NotImplementedError(f"{type(self).__name__}.prepare")
+
+  # ------------------------------------------------------------------ after training (evaluate, generate)
+  def saved_tokenizer(self, identity: str | None) -> Any:
+    """The tokenizer kept with the teacher a run recorded as ``identity``, or None: the run's data settings name it."""
+    del identity
+    return None
+
+  def saved_model(self, identity: str | None, mesh: Any, tokenizer: Any) -> tuple[str | None, Any]:
+    """``(identity, teacher model on mesh)``: the teacher of a run whose checkpoints recorded ``identity`` (their
+    ``teacher_dir``; None before any), read only -- nothing is pretrained or written. By default there is none: a
+    `NoTeacherModel` error saying what the source gives instead."""
+    del identity, mesh, tokenizer
+    gives = "gives no teacher" if self.gives == NOTHING else "gives the teacher's top-k only (no teacher weights)"
+    raise NoTeacherModel(
+        f"teacher.source={self.name} {gives}: this run has no teacher model to evaluate or generate with; use its "
+        "student (--model student), or a source that loads a teacher (teacher.hf, or pretrain.teacher=DIR)")
 
 
 class ModelSource(TeacherSource):

@@ -62,8 +62,7 @@ class SubMesh(TeacherSource):
 
   def prepare(self, data, mesh, teacher_mesh, services):
     cfg, d = self.cfg, self.cfg.models.teacher_devices
-    runs = HuggingFace(cfg) if cfg.models.teacher_hf else Pretrained(cfg)
-    teacher, identity = runs.model(data, teacher_mesh, services)
+    teacher, identity = self._runs().model(data, teacher_mesh, services)
     teacher = quantized_teacher(cfg, teacher, teacher_mesh)  # teacher.quantize
     vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
     tau = float(cfg.distill.value("temperature"))  # constant: checked by `check`
@@ -71,3 +70,14 @@ class SubMesh(TeacherSource):
                             teacher_mesh=teacher_mesh, student_mesh=mesh)
     services.report(f"teacher: on its own {d['data']}x{d['tensor']} mesh, student on {cfg.mesh.data}x{cfg.mesh.tensor}")
     return Prepared(TeacherMeshData(data, on_mesh), on_mesh.spec(), identity)
+
+  def _runs(self):
+    """The source of the model it runs: ``teacher.hf`` when set, else the pretrained teacher."""
+    return HuggingFace(self.cfg) if self.cfg.models.teacher_hf else Pretrained(self.cfg)
+
+  def saved_tokenizer(self, identity):
+    return self._runs().saved_tokenizer(identity)
+
+  def saved_model(self, identity, mesh, tokenizer):
+    """The teacher it ran, read on ``mesh`` (the student's devices: after training they are free)."""
+    return self._runs().saved_model(identity, mesh, tokenizer)
