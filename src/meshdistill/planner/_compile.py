@@ -252,24 +252,33 @@ def _groups(line: str) -> list[list[int]] | None:
   return None
 
 
-def _axis(groups: list[list[int]] | None, mesh_shape: tuple[int, int]) -> str:
-  """Which mesh axis a collective's device groups run over (ids are positions in the mesh's device order)."""
-  data, tensor = mesh_shape
+def _named(mesh_shape: Any) -> dict[str, int]:
+  """``{axis: size}`` in mesh order of a mesh given as that mapping or as a ``(data, tensor)`` pair."""
+  return dict(mesh_shape) if isinstance(mesh_shape, dict) else {"data": mesh_shape[0], "tensor": mesh_shape[1]}
+
+
+def _spanned(ids_per_group: list[list[int]], shape: dict[str, int]) -> str:
+  """The mesh axes along which some group's devices differ, joined by ``+`` in mesh order (``none``: no axis);
+  axes of size 1 never differ."""
+  sizes = tuple(shape.values())
+  varying = set()
+  for g in ids_per_group:
+    coords = np.asarray(np.unravel_index(np.asarray(g, dtype=int), sizes)).T  # [members, axes]
+    varying |= {i for i in range(len(sizes)) if len(set(coords[:, i])) > 1}
+  return "+".join(name for i, name in enumerate(shape) if i in varying) or "none"
+
+
+def _axis(groups: list[list[int]] | None, mesh_shape: Any) -> str:
+  """Which mesh axes a collective's device groups run over (ids are positions in the mesh's device order): ``data``,
+  ``tensor``, ``data+tensor``, ``expert``, ...; ``mesh_shape``: ``{axis: size}`` in mesh order, or ``(data,
+  tensor)``. No groups: all devices, every axis (``data+tensor`` on a two-axis mesh)."""
+  shape = _named(mesh_shape)
   if not groups or all(len(g) == 0 for g in groups):
-    return "data+tensor"
-  coords = [[divmod(i, tensor) for i in g] for g in groups if g]
-  same_row = all(len({r for r, _ in g}) == 1 for g in coords)
-  same_col = all(len({c for _, c in g}) == 1 for g in coords)
-  if same_row and same_col:
-    return "none"
-  if same_row:
-    return "tensor"
-  if same_col:
-    return "data"
-  return "data+tensor"
+    return "+".join(shape)
+  return _spanned([g for g in groups if g], shape)
 
 
-def collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[dict[str, Any]]:
+def collectives(hlo: str, mesh_shape: Any) -> list[dict[str, Any]]:
   """Collective ops of a compiled module's HLO text, grouped by (kind, mesh axis).
 
   Each entry: ``kind``, ``axis``, ``count`` (ops in the program text; an op inside a loop body
@@ -289,7 +298,7 @@ def collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[dict[str, Any]]:
       continue
     size = max(shapes) if m.group("start") and kind in ("all-gather", "collective-permute") else sum(shapes)
     groups = _groups(line)
-    n = max((len(g) for g in groups), default=0) if groups else mesh_shape[0] * mesh_shape[1]
+    n = max((len(g) for g in groups), default=0) if groups else math.prod(_named(mesh_shape).values())
     n = max(n, 1)
     wire = {
         "all-reduce": 2 * (n - 1) / n * size,
@@ -306,14 +315,7 @@ def collectives(hlo: str, mesh_shape: tuple[int, int]) -> list[dict[str, Any]]:
   return sorted(out.values(), key=lambda e: -e["bytes"])
 
 
-def _permute_axis(pairs: list[list[int]] | None, mesh_shape: tuple[int, int]) -> str:
-  if not pairs:
-    return "data+tensor"
-  tensor = mesh_shape[1]
-  rows = {divmod(a, tensor)[0] == divmod(b, tensor)[0] for a, b in (p for p in pairs if len(p) == 2)}
-  cols = {divmod(a, tensor)[1] == divmod(b, tensor)[1] for a, b in (p for p in pairs if len(p) == 2)}
-  if rows == {True}:
-    return "tensor"
-  if cols == {True}:
-    return "data"
-  return "data+tensor"
+def _permute_axis(pairs: list[list[int]] | None, mesh_shape: Any) -> str:
+  """The mesh axes a collective permute's (source, target) pairs cross (as `_axis`)."""
+  shape, pairs = _named(mesh_shape), [p for p in pairs or () if len(p) == 2]
+  return _spanned(pairs, shape) if pairs else "+".join(shape)
