@@ -25,6 +25,7 @@ The jobs lend a source what it cannot own without importing them (`Services`: pr
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -67,7 +68,7 @@ class Services:
   report: Callable[[str], None]
 
 
-class TeacherSource:
+class TeacherSource(abc.ABC):
   """One way to get a run's teacher; subclass it, set the class attributes, decorate with `register`.
 
   Instances hold the run's `Config`; `prepare` may be called once per job.
@@ -139,9 +140,9 @@ class TeacherSource:
     """Devices this source takes beside the student's mesh (simulated CPU devices are counted with them)."""
     return 0
 
+  @abc.abstractmethod
   def prepare(self, data: Any, mesh: Any, teacher_mesh: Any, services: Services) -> Prepared:
     """The data, the teacher and its identity, ready for the `Distiller` on ``mesh``."""
-    raise NotImplementedError(f"{type(self).__name__}.prepare")
 
   # ------------------------------------------------------------------ after training (evaluate, generate)
   def saved_tokenizer(self, identity: str | None) -> Any:
@@ -165,9 +166,9 @@ class ModelSource(TeacherSource):
 
   gives: ClassVar[str] = MODEL
 
+  @abc.abstractmethod
   def model(self, data: Any, mesh: Any, services: Services) -> tuple[Any, str]:
     """``(teacher model on mesh, its identity)``."""
-    raise NotImplementedError(f"{type(self).__name__}.model")
 
   def prepare(self, data, mesh, teacher_mesh, services):
     del teacher_mesh
