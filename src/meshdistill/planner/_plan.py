@@ -168,7 +168,8 @@ class Planner:
     if k in self._plans:
       return self._plans[k]
     self.check_mesh(k.data, k.tensor, k.batch, dict(k.axes))
-    label = self.progress.start(f"{self.labels[0]} -> {self.labels[1]} for {self.target.name}: mesh {shape_label(k.shape)}"
+    label = self.progress.start(f"{self.labels[0]} -> {self.labels[1]} for {self.target.name}: mesh "
+                                f"{shape_label(k.shape)}"
                                 f", remat={k.remat}, chunk_size={k.chunk_size}, batch {k.batch}x{self.seq}")
     d = self._distiller(k)
     c = compile_step(d, k.batch, self.seq, report=lambda message: self.progress.step(label, message))
@@ -204,7 +205,8 @@ class Planner:
     p = Plan(
         teacher=self.labels[0], student=self.labels[1], params=c.params, target=self.target.name,
         device_kind=str(getattr(self.target.devices[0], "device_kind", self.target.platform)), devices=n,
-        devices_per_chip=self.target.devices_per_chip, mesh=(k.data, k.tensor), axes=k.shape, batch=k.batch, seq=self.seq,
+        devices_per_chip=self.target.devices_per_chip, mesh=(k.data, k.tensor), axes=k.shape, batch=k.batch,
+        seq=self.seq,
         remat=k.remat, chunk_size=k.chunk_size, dtype=self.student.dtype, strategy=type(d.strategy).__name__,
         memory=memory, budget_bytes=budget, headroom=self.headroom, fits=fits,
         flops={"compiled": c.flops, "counted": flops, "analytic": analytic,

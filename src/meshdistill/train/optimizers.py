@@ -5,8 +5,8 @@
   An update whose gradients hold a NaN/Inf is skipped: parameters and ``inner`` state stay as
   they were, and the skip is counted (`skipped_updates` reads the count for logging). With static
   loss scaling (the step's ``loss_scale``, `meshdistill.train.step.scale_gradient`, multiplies the loss
-  gradient by ``S``) the gradients are first divided by ``S`` (``optax.scale(1 / S)``); an overflowing backward pass gives
-  Inf gradients, which are then skipped;
+  gradient by ``S``) the gradients are first divided by ``S`` (``optax.scale(1 / S)``); an overflowing backward
+  pass gives Inf gradients, which are then skipped;
 * `lr_schedule` / `make_optimizer` -- what the CLI's ``train`` / ``pretrain`` sections build: AdamW
   on a warm-up + cosine schedule, or inside `meshdistill.train.freezing.progressive_freeze`.
 

@@ -42,8 +42,8 @@ class TopKTeacher:
   def check_strategy(self, strategy: Any) -> None:
     """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone: it declares
     ``accepts_topk`` (the strategy contract's capability) and reads a top-k of at most ``k`` tokens at this
-    teacher's temperature; messages name it by its ``label``. A strategy with a ``check_topk_teacher(teacher)`` method (`SampledTokenKD`: it needs only
-    the sampled token's log-probability) checks this teacher itself."""
+    teacher's temperature; messages name it by its ``label``. A strategy with a ``check_topk_teacher(teacher)``
+    method (`SampledTokenKD`: it needs only the sampled token's log-probability) checks this teacher itself."""
     name = label(strategy)
     if strategy.accepts_topk and hasattr(strategy, "check_topk_teacher"):
       strategy.check_topk_teacher(self)

@@ -1,5 +1,5 @@
-"""``teacher.source: submesh``: a live teacher on devices of its own (``teacher.devices: {data, tensor}``, other mesh axes
-by name: ``{data: 1, expert: 2, tensor: 2}``) beside the
+"""``teacher.source: submesh``: a live teacher on devices of its own (``teacher.devices: {data, tensor}``, other mesh
+axes by name: ``{data: 1, expert: 2, tensor: 2}``) beside the
 student's mesh, one batch ahead (`meshdistill.teachers.mesh`); the student receives its top-k per token. The teacher
 it runs is ``teacher.hf`` when set, else the pretrained one (`Pretrained`), optionally ``teacher.quantize``d; its
 identity is that teacher's."""
