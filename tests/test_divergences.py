@@ -460,3 +460,31 @@ def test_live_teacher_top_k_is_vocabulary_parallel_and_picks_the_same_tokens_as_
   np.testing.assert_array_equal(np.asarray(idx), np.asarray(one_idx))
   np.testing.assert_allclose(np.asarray(lp), np.asarray(one_lp), rtol=1e-6)
   assert list(np.asarray(idx)[1, 0, :10]) == list(range(10, 20))
+
+
+def test_a_new_divergence_is_one_entry_and_every_setting_then_takes_its_name(monkeypatch):
+  """CONTRIBUTING's recipe "A divergence": its two functions and one entry in `DIVERGENCES` and in
+  `DISTRIBUTION_DIVERGENCES`; `LogitKD` (full and top-k), ``distill.divergence`` and the guard's fallback then take
+  the name, and the strategy optimises it."""
+  from meshdistill.config import load_config
+  from meshdistill.losses import _divergences
+  from meshdistill.models import ModelOutput
+
+  def half_kl_logprobs(logp_s_TxN, logp_t_TxN):
+    return 0.5 * _divergences.forward_kl_logprobs(logp_s_TxN, logp_t_TxN)
+
+  def half_kl(student_TxV, teacher_TxV, mask_T=None, temperature=1.0):
+    return _divergences._on_logits(half_kl_logprobs, student_TxV, teacher_TxV, mask_T, temperature)
+
+  monkeypatch.setitem(losses.DIVERGENCES, "half_kl", half_kl)
+  monkeypatch.setitem(losses.DISTRIBUTION_DIVERGENCES, "half_kl", half_kl_logprobs)
+  cfg = load_config("tiny", ["distill.divergence=half_kl", "distill.top_k=4", "safeguards.guard.fallback=half_kl"])
+  chosen = cfg.distill.strategy()
+  assert (type(chosen), chosen.divergence, chosen.top_k) == (md.LogitKD, "half_kl", 4)
+  assert cfg.safeguards.guard.fallback == "half_kl"
+  rng = np.random.default_rng(0)
+  s, t = (jnp.asarray(rng.normal(size=(6, 8)), jnp.float32) for _ in range(2))
+  targets, mask = jnp.asarray(rng.integers(0, 8, 6)), jnp.asarray([1, 1, 1, 1, 0, 0], jnp.float32)
+  loss = lambda kd: float(kd.per_sequence({}, ModelOutput(s), ModelOutput(t), targets, mask, 0)["loss"])  # noqa: E731
+  half, full = (loss(md.LogitKD(divergence=d, alpha=1.0)) for d in ("half_kl", "forward_kl"))
+  assert full > 0 and half == pytest.approx(0.5 * full, rel=1e-6)

@@ -15,7 +15,7 @@ from meshdistill.config import ConfigError, load_config
 from meshdistill.data import DataConfig, build_data
 from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, step_memory
 from meshdistill.loop.monitor import Monitor, read_metrics
-from meshdistill.loop.safeguards import DivergenceGuard, LogitMSE, ScaledLoss
+from meshdistill.loop.safeguards import DivergenceGuard, LogitMSE
 from meshdistill.loop.trainer import fit, make_optimizer
 
 VOCAB = 264  # byte tokenizer
@@ -202,10 +202,10 @@ def test_safeguard_settings_build_the_guard_fallback_and_loss_scale(mesh):
                              "safeguards.remat.budget_mib=512"])
   teacher = md.init_model(cfg.teacher, seed=0, mesh=mesh)
   d = jobs.make_distiller(cfg, teacher, mesh)
-  assert isinstance(d.strategy, ScaledLoss) and d.strategy.scale == 1024.0
+  assert d.loss_scale == 1024.0 and d.strategy == cfg.distill.strategy()  # a step setting; the strategy unwrapped
   kw = jobs.safeguard_kwargs(cfg, d.strategy)
   assert kw["guard"].factor == 3.0 and kw["keep_every"] == 5 and kw["memory_budget_bytes"] == 512 * 2**20
-  assert isinstance(kw["fallback"], ScaledLoss) and kw["fallback"].strategy.divergence == "reverse_kl"
+  assert kw["fallback"].divergence == "reverse_kl" and d.with_strategy(kw["fallback"]).loss_scale == 1024.0
   assert jobs.safeguard_kwargs(load_config("tiny", ["safeguards.guard.enabled=false"])).get("guard") is None
   assert jobs.safeguard_kwargs(cfg)["fallback"] is None  # hard-label training: restore only
   with pytest.raises(ConfigError, match="needs a strategy with a divergence setting"):

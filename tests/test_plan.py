@@ -109,6 +109,31 @@ def test_cli_plan_json_parses(capsys):
   assert out["memory"]["total"] > 0 and out["flops"]["compiled"] > 0
 
 
+def test_a_plan_carries_every_mesh_axis_it_is_given_and_the_search_enumerates_the_declared_ones(capsys, monkeypatch):
+  rc = cli.main(["plan", "--devices", "cpu:8", "--config", "tiny", "--json", "--mesh", "data=2,expert=2,tensor=2",
+                 "--set", "train.batch_size=4"])
+  assert rc == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["mesh"] == {"data": 2, "expert": 2, "tensor": 2} and out["memory"]["total"] > 0
+  axes = {c["axis"] for c in out["collectives"]}
+  assert axes and axes <= {"data", "expert", "tensor", "data+tensor", "data+expert", "expert+tensor",
+                           "data+expert+tensor", "none"}, axes
+  knobs = planner.Knobs.on({"data": 2, "expert": 1, "tensor": 4}, "none", None, 4)
+  assert knobs == planner.Knobs(2, 4, "none", None, 4)  # an axis of size 1 changes nothing
+  with pytest.raises(ValueError, match=r"mesh data=2,expert=2,tensor=4 \(data x expert x tensor\) needs 16 devices "
+                                       r"but cpu:8 has 8; .*: 8x1, 4x2, 2x4, 1x8"):
+    md.plan(devices="cpu:8", mesh="data=2,expert=2,tensor=4")
+  with pytest.raises(ValueError, match=r"mesh: unknown mesh axis 'pipe'"):
+    md.plan(devices="cpu:8", mesh="data=2,pipe=2,tensor=2")
+  # a layout that declares the expert axis: the search enumerates it (the planner reads the layout's axes)
+  from meshdistill.parallel.backends import ShardMapLayout
+  monkeypatch.setattr(ShardMapLayout, "axes", ("data", "expert", "tensor"))
+  pl = planner.make_planner(config="tiny", devices="cpu:8")
+  shapes = pl.layouts(4)
+  assert {"data": 2, "expert": 2, "tensor": 2} in shapes and {"data": 2, "expert": 1, "tensor": 4} in shapes
+  assert len(shapes) == len({tuple(s.values()) for s in shapes})
+
+
 def test_unknown_topology_lists_the_families():
   with pytest.raises(ValueError, match=r"v5e.*v5p|v5p.*v5e") as e:
     md.plan(topology="v9z:2x2")

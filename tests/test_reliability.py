@@ -41,7 +41,7 @@ from meshdistill.storage.fsutil import LOCK_FILE, OutputExistsError, RunLock, Ru
 from meshdistill.models import export_hf, load_hf
 from meshdistill.loop.monitor import Monitor, plot_run, read_metrics
 from meshdistill.storage.ownership import MARKER, write_marker
-from meshdistill.loop.safeguards import DivergenceGuard, ScaledLoss, fit_guarded, safeguarded, skipped_updates
+from meshdistill.loop.safeguards import DivergenceGuard, fit_guarded, safeguarded, skipped_updates
 from meshdistill.loop.trainer import fit
 
 VOCAB = 264  # byte tokenizer
@@ -300,15 +300,14 @@ def test_guard_fires_when_every_update_is_skipped_and_names_the_loss_scale(kd, d
   # stayed finite and flat: the guard saw nothing.
   with pytest.raises(ConfigError, match="loss_scale=1e\\+38 overflows float32 gradients"):
     load_config("tiny", ["safeguards.loss_scale=1.0e+38"])
-  with pytest.raises(ValueError, match="overflows float32"):
-    ScaledLoss(md.LogitKD(), 1e38)
-  scaled = ScaledLoss(md.LogitKD(alpha=0.7), 1.0)
-  scaled.scale = 1e38  # as an older config let through
-  d = kd.with_strategy(scaled)
+  with pytest.raises(ValueError, match="loss_scale=1e\\+38 overflows float32"):
+    md.Distiller(md.init_model(STUDENT, seed=1), strategy=md.HardLabelCE(), loss_scale=1e38)
+  d = kd._variant(loss_scale=1e38)  # the step's loss scale as an older config let through (the check bypassed)
+  assert d.loss_scale == 1e38 and d.strategy == md.LogitKD(alpha=0.7)
   batches = [jax.tree.map(np.asarray, b) for b, _ in zip(data.train_iterator(), range(5))]
   guard = DivergenceGuard(max_skips=2, max_restores=1, min_history=2)
   with pytest.raises(RuntimeError) as e:
-    fit_guarded(d, d.init_state(), batches, guard, fallback=scaled)
+    fit_guarded(d, d.init_state(), batches, guard, fallback=d.strategy)  # the fallback keeps the step's scale
   msg = str(e.value)
   assert "updates stopped" in msg and "gradient norm was non-finite on the last 2 steps" in msg
   assert "No update has been applied since the run (re)started" in msg and "safeguards.loss_scale" in msg
@@ -947,13 +946,11 @@ def test_a_vanishing_distill_temperature_is_refused_naming_the_setting_and_what_
 
 
 def test_a_guard_that_gives_up_before_any_checkpoint_does_not_claim_one_is_kept(kd, data, tmp_path):
-  scaled = ScaledLoss(md.LogitKD(alpha=0.7), 1.0)
-  scaled.scale = 1e38  # every update overflows: the guard gives up at step 2, before the first checkpoint
-  d = kd.with_strategy(scaled)
+  d = kd._variant(loss_scale=1e38)  # every update overflows: the guard gives up at step 2, before the first checkpoint
   ckpt = Checkpointer(str(tmp_path / "ckpt"), every=100)
   guard = DivergenceGuard(max_skips=2, max_restores=0, min_history=2)
   with pytest.raises(RuntimeError, match="max_restores") as e:
-    fit(d, data, steps=6, checkpointer=ckpt, guard=guard, fallback=scaled)
+    fit(d, data, steps=6, checkpointer=ckpt, guard=guard, fallback=d.strategy)
   ckpt.close()
   assert "no checkpoint was written before it diverged" in str(e.value) and "checkpoint is kept" not in str(e.value)
   assert ckpt.all_steps() == []

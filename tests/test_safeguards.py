@@ -12,11 +12,11 @@ from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 import meshdistill as md
 from meshdistill.train.freezing import Stage, freeze_status, progressive_freeze
 from meshdistill.models import ModelOutput
+from meshdistill.train.step import scale_gradient
 from meshdistill.strategies import ChunkedLogitKD
 from meshdistill.loop.safeguards import (
     DivergenceGuard,
     LogitMSE,
-    ScaledLoss,
     copy_state,
     fallback_strategy,
     fit_guarded,
@@ -133,12 +133,12 @@ def test_static_loss_scaling_scales_gradients_not_the_loss_and_unscaling_restore
   teacher = ModelOutput(jnp.asarray(rng.normal(size=(6, 8)), jnp.float32))
   targets, mask = jnp.asarray(rng.integers(0, 8, 6)), jnp.ones(6, jnp.float32)
 
-  def loss(strategy, logits):
-    return strategy.per_sequence({}, ModelOutput(logits), teacher, targets, mask, 0)["loss"]
+  def loss(s, logits):  # the strategy's loss through the step's loss scaling (`Distiller(loss_scale=...)`)
+    return scale_gradient(kd.per_sequence({}, ModelOutput(logits), teacher, targets, mask, 0)["loss"], s)
 
   logits = jnp.asarray(rng.normal(size=(6, 8)), jnp.float32)
   kd = md.LogitKD()
-  (l1, g1), (l2, g2) = (jax.value_and_grad(lambda z, s=s: loss(s, z))(logits) for s in (kd, ScaledLoss(kd, scale)))
+  (l1, g1), (l2, g2) = (jax.value_and_grad(lambda z, s=s: loss(s, z))(logits) for s in (None, scale))
   assert float(l1) == float(l2)  # the reported loss is the true loss
   np.testing.assert_allclose(g2, scale * g1, rtol=1e-6)
   params = {"z": logits}
@@ -146,7 +146,8 @@ def test_static_loss_scaling_scales_gradients_not_the_loss_and_unscaling_restore
   tx = safeguarded(optax.sgd(0.5), loss_scale=scale)
   u2, _ = tx.update({"z": g2}, tx.init(params), params)
   np.testing.assert_allclose(u1["z"], u2["z"], rtol=1e-6)
-  assert ScaledLoss(kd, scale).capture == kd.capture  # everything else is the wrapped strategy's
+  with pytest.raises(AttributeError, match=r"meshdistill.ScaledLoss is gone: .*Distiller\(\.\.\., loss_scale=S\)"):
+    md.ScaledLoss  # noqa: B018
 
 
 def test_safeguarded_skips_nonfinite_and_clips_global_norm():
@@ -164,7 +165,6 @@ def test_fallback_strategy_is_logit_mse_and_mse_is_zero_on_matching_logits():
   assert fallback_strategy(md.LogitKD(alpha=0.3, top_k=4)) == md.LogitKD(alpha=0.3, divergence="mse")
   chunked = fallback_strategy(ChunkedLogitKD(alpha=0.3, chunk_size=16))  # stays chunked: no full logits
   assert chunked == ChunkedLogitKD(alpha=0.3, chunk_size=16, divergence="mse")
-  assert fallback_strategy(ScaledLoss(md.LogitKD(), 8.0)).scale == 8.0
 
   @dataclasses.dataclass(frozen=True)
   class Other:
@@ -189,7 +189,7 @@ def test_fallback_strategy_is_logit_mse_and_mse_is_zero_on_matching_logits():
         (lambda: DivergenceGuard(factor=0.5), "factor"),
         (lambda: DivergenceGuard(window=0), "window"),
         (lambda: safeguarded(optax.sgd(1.0), clip=0.0), "clip"),
-        (lambda: ScaledLoss(md.LogitKD(), -1.0), "loss_scale"),
+        (lambda: md.Distiller(md.init_model(STUDENT_CFG), strategy=md.HardLabelCE(), loss_scale=-1.0), "loss_scale"),
         (lambda: safeguarded(optax.sgd(1.0), loss_scale=float("inf")), "loss_scale"),
         (lambda: LogitMSE(alpha=2.0), "alpha"),
     ],

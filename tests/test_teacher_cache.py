@@ -13,7 +13,7 @@ import meshdistill as md
 from meshdistill.teachers import cache as tc
 from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._teacher import _open_teacher_cache
-from meshdistill.loop.safeguards import ScaledLoss, safeguarded
+from meshdistill.loop.safeguards import safeguarded
 from meshdistill.teachers.sources._settings import ModelSources
 from meshdistill.strategies import AttentionTransfer, LogitKD
 
@@ -160,23 +160,23 @@ def test_cache_for_other_settings_or_damaged_is_refused(setup, tmp_path):
       md.Distiller(student, cache.spec(), strategy=strategy)
 
 
-def test_scaled_loss_trains_from_a_cache_like_the_strategy_it_wraps(setup):
-  """`ScaledLoss` (static loss scaling) around a top-k `LogitKD`: the cache serves it; the loss values and, with the
-  optimizer unscaling by the same factor, the whole trajectory are the unscaled run's. Around a strategy that
-  needs a live teacher the error names both."""
+def test_a_loss_scaled_step_trains_from_a_cache_like_the_unscaled_one(setup):
+  """Static loss scaling (the step's ``loss_scale``) with a top-k `LogitKD`: the cache serves it; the loss values and,
+  with the optimizer unscaling by the same factor, the whole trajectory are the unscaled run's. A strategy that needs a
+  live teacher is refused by its own name (the scale does not wrap it)."""
   s = setup
   cache = tc.TeacherCache(s["caches"]["float32"])
   data = tc.CachedTeacherData(s["data"], cache)
   student = md.init_model(s["student_cfg"], seed=1)
   plain = md.Distiller(student, cache.spec(), strategy=STRATEGY, optimizer=safeguarded(optax.sgd(0.1)))
-  scaled = md.Distiller(student, cache.spec(), strategy=ScaledLoss(STRATEGY, 1024.0),
+  scaled = md.Distiller(student, cache.spec(), strategy=STRATEGY, loss_scale=1024.0,
                         optimizer=safeguarded(optax.sgd(0.1), loss_scale=1024.0))
   np.testing.assert_allclose(_losses(scaled, data, s["student_cfg"], None),
                              _losses(plain, data, s["student_cfg"], None), rtol=1e-5)
-  with pytest.raises(ValueError, match=r"ScaledLoss\(scale=8.0\) wrapping AttentionTransfer needs a live teacher"):
-    md.Distiller(student, cache.spec(), strategy=ScaledLoss(AttentionTransfer(), 8.0))
-  with pytest.raises(ValueError, match=r"ScaledLoss\(scale=8.0\) wrapping LogitKD.top_k=5"):
-    md.Distiller(student, cache.spec(), strategy=ScaledLoss(LogitKD(top_k=K + 1, temperature=TAU), 8.0))
+  with pytest.raises(ValueError, match=r"but strategy AttentionTransfer needs a live teacher"):
+    md.Distiller(student, cache.spec(), strategy=AttentionTransfer(), loss_scale=8.0)
+  with pytest.raises(ValueError, match=r"but LogitKD.top_k=5"):
+    md.Distiller(student, cache.spec(), strategy=LogitKD(top_k=K + 1, temperature=TAU), loss_scale=8.0)
 
 
 def test_a_config_naming_another_teacher_is_refused_and_an_older_cache_reads_as_float32(setup, tmp_path):

@@ -57,6 +57,23 @@ def test_teacher_devices_leaving_the_student_too_few_is_an_error():
     split_meshes(teacher=(1, 0), student=(2, 2))
 
 
+def test_teacher_devices_name_any_mesh_axis_and_the_pair_form_still_works():
+  from meshdistill.config import ConfigError, load_config
+  from meshdistill.teachers import kinds
+
+  teacher_mesh, student_mesh = split_meshes(teacher={"data": 1, "expert": 2, "tensor": 2}, student=(2, 2))
+  assert dict(teacher_mesh.shape) == {"data": 1, "expert": 2, "tensor": 2} and dict(student_mesh.shape) == {
+      "data": 2, "tensor": 2}
+  assert not set(teacher_mesh.devices.flat) & set(student_mesh.devices.flat)
+  with pytest.raises(ValueError, match=r"teacher.devices=data=2,expert=2,tensor=2 takes 8 of the 8 devices"):
+    split_meshes(teacher={"data": 2, "expert": 2, "tensor": 2}, student=(1, 1))
+  cfg = load_config("tiny", ["teacher.devices={data: 1, expert: 2, tensor: 2}", "mesh.data=2", "mesh.tensor=2"])
+  assert cfg.models.teacher_devices == {"data": 1, "expert": 2, "tensor": 2}
+  assert kinds.for_config(cfg).extra_devices() == 4
+  with pytest.raises(ConfigError, match=r"teacher.devices=.*unknown mesh axis 'pipe'"):
+    load_config("tiny", ["teacher.devices={data: 1, pipe: 2, tensor: 2}"])
+
+
 class _Batches:
   """A stand-in data bundle: ``make_batch(seed=i)`` for i = 0, 1, ... with a position state."""
 

@@ -16,7 +16,8 @@ from helpers import STUDENT_CFG, TEACHER_CFG, write_corpus
 from meshdistill import jobs
 from meshdistill.config import ConfigError, load_config
 from meshdistill.jobs._training import _cache_safeguards
-from meshdistill.strategies import CONTRACT, ChunkedLogitKD, LogitKD, PreferenceLoss, ScaledLoss
+from meshdistill.models.generate import SamplingConfig
+from meshdistill.strategies import ChunkedLogitKD, LogitKD
 from meshdistill.teachers import kinds
 from meshdistill.teachers.cache import TopKTeacher
 
@@ -88,7 +89,7 @@ def test_no_teacher_serves_only_strategies_that_declare_they_need_none():
 
 def test_a_top_k_teacher_reads_capabilities_not_the_strategy_class():
   """A strategy that declares ``accepts_topk`` trains from a top-k teacher whatever its class (before: only
-  ``type(s) is LogitKD``); one that needs the LM head is refused by name, wrapped or not."""
+  ``type(s) is LogitKD``); one that needs the LM head is refused by name."""
   @md.strategies.register("test_topk_kd")
   @dataclasses.dataclass(frozen=True, kw_only=True)
   class TopKOwn(LogitKD):  # pylint: disable=unused-variable
@@ -96,26 +97,18 @@ def test_a_top_k_teacher_reads_capabilities_not_the_strategy_class():
 
   spec = TopKTeacher(cfg=TEACHER_CFG, k=4, temperature=2.0, vocab=TEACHER_CFG.vocab_size, source="teacher.cache=c")
   spec.check_strategy(TopKOwn(top_k=4, temperature=2.0))
-  spec.check_strategy(ScaledLoss(TopKOwn(top_k=2, temperature=2.0), 8.0))
+  spec.check_strategy(TopKOwn(top_k=2, temperature=2.0))
   with pytest.raises(ValueError, match=r"teacher.cache=c gives the teacher's top-4 tokens only, but strategy "
                                        r"ChunkedLogitKD needs a live teacher"):
     spec.check_strategy(ChunkedLogitKD())
-  with pytest.raises(ValueError, match=r"ScaledLoss\(scale=8.0\) wrapping TopKOwn.top_k=5"):
-    spec.check_strategy(ScaledLoss(TopKOwn(top_k=5, temperature=2.0), 8.0))
-
-
-@pytest.mark.parametrize("strategy", [LogitKD(top_k=4), ChunkedLogitKD(), PreferenceLoss()])
-def test_scaled_loss_declares_the_capabilities_of_the_strategy_it_wraps_and_forwards_nothing_else(strategy):
-  scaled = ScaledLoss(strategy, 4.0)
-  for name in CONTRACT:
-    if name not in ("init_params", "fallback"):
-      assert getattr(scaled, name) == getattr(strategy, name), name
-  assert scaled.settings() == strategy.settings()
-  assert not hasattr(scaled, "alpha")  # no attribute forwarding: nothing needs to unwrap it
+  with pytest.raises(ValueError, match=r"but TopKOwn.top_k=5"):
+    spec.check_strategy(TopKOwn(top_k=5, temperature=2.0))
 
 
 # --------------------------------------------------------------------------- no teacher, end to end
 def test_distill_with_no_teacher_trains_the_student_on_the_data_alone(tmp_path):
+  """teacher.source=none end to end: distil, then evaluate and generate with the student alone; the teacher is
+  refused by name (generate --model teacher, cache-teacher), never pretrained."""
   corpus = write_corpus(tmp_path / "c")
   cfg = load_config("tiny", [
       f"data.source={corpus}", "data.seq_len=16", "data.val_fraction=0.25", "data.max_chars=null",
@@ -127,6 +120,22 @@ def test_distill_with_no_teacher_trains_the_student_on_the_data_alone(tmp_path):
   assert summary["teacher"] is None and summary["teacher_dir"] is None and summary["step"] == 2
   assert not (tmp_path / "cache").exists()  # no teacher was pretrained
   assert json.loads((tmp_path / "run" / "summary.json").read_text())["student"]["loss"] == summary["student"]["loss"]
+  assert jobs.summary_table(summary).endswith("(no teacher: the student alone)")
+  # the jobs after training go through the source: the student alone, the teacher refused by name
+  evaluated = jobs.evaluate(cfg)
+  assert evaluated["teacher"] is None and evaluated["step"] == 2
+  assert evaluated["student"]["loss"] == pytest.approx(summary["student"]["loss"], rel=1e-5)
+  assert len(jobs.generate(cfg, ["ab"], sampling=SamplingConfig(max_new_tokens=2))) == 1
+  no_model = r"teacher.source=none gives no teacher: this run has no teacher model to evaluate or generate with"
+  with pytest.raises(kinds.NoTeacherModel, match=no_model):
+    jobs.generate(cfg, ["ab"], model="teacher")
+  with pytest.raises(ConfigError, match=r"cache-teacher writes the top-k of the run's teacher, but teacher.source="
+                                        r"none gives no teacher"):
+    jobs.cache_teacher(cfg, str(tmp_path / "topk"))
+  assert not (tmp_path / "topk").exists() and not (tmp_path / "cache").exists()
+  cached = load_config("tiny", ["teacher.source=cache", f"teacher.cache={tmp_path / 'topk'}"])
+  with pytest.raises(kinds.NoTeacherModel, match=r"teacher.source=cache gives the teacher's top-k only"):
+    jobs.run_teacher(cached, {"teacher_dir": str(tmp_path / "topk")}, None, None)
 
 
 # --------------------------------------------------------------------------- the recipe: one new module

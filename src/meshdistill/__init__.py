@@ -77,7 +77,6 @@ _EXPORTS: dict[str, str] = {
     "HardLabelCE": "meshdistill.strategies",
     "LogitKD": "meshdistill.strategies",
     "LogitMSE": "meshdistill.strategies",
-    "ScaledLoss": "meshdistill.strategies",
     "fallback_strategy": "meshdistill.strategies",
     # runs on disk
     "LoadedRun": "meshdistill.jobs",
@@ -87,10 +86,19 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS, key=str.lower)
 
 
+# public names that became something else: name -> what to use instead (the AttributeError says it)
+_REPLACED: dict[str, str] = {
+    "ScaledLoss": "static loss scaling is a setting of the step: Distiller(..., loss_scale=S) with an optimizer "
+                  "safeguarded(..., loss_scale=S) (config: safeguards.loss_scale)",
+}
+
+
 def __getattr__(name: str) -> Any:
   """Imports the module behind a public name (or a submodule) on first use and caches the value."""
   where = _EXPORTS.get(name)
   if where is None:
+    if name in _REPLACED:
+      raise AttributeError(f"meshdistill.{name} is gone: {_REPLACED[name]}")
     if name.startswith("__"):
       raise AttributeError(f"module 'meshdistill' has no attribute {name!r}")
     try:  # any other subpackage: meshdistill.teachers, meshdistill.jobs, ...

@@ -27,6 +27,7 @@ from meshdistill.parallel.backends import BACKENDS, layout_class
 from meshdistill.parallel.layout import check_student_split
 from meshdistill.parallel.mesh import check_axes
 from meshdistill.losses import DIVERGENCES
+from meshdistill.loop import guard as guard_lib
 from meshdistill.train.onpolicy import OnPolicyConfig
 from meshdistill.train.optimizers import MAX_LOSS_SCALE
 
@@ -307,10 +308,10 @@ class GuardSettings:
   turns the guard off (and the per-step read of the loss it needs)."""
 
   enabled: bool = True
-  window: int = 50
-  factor: float = 4.0
-  min_history: int = 10
-  max_restores: int = 3
+  window: int = guard_lib.WINDOW  # the defaults are `DivergenceGuard`'s
+  factor: float = guard_lib.FACTOR
+  min_history: int = guard_lib.MIN_HISTORY
+  max_restores: int = guard_lib.MAX_RESTORES
   keep_every: int = 10
   fallback: str = "mse"
 

@@ -20,7 +20,7 @@ from meshdistill.data import PreferencePairs
 from meshdistill.data.prompts import PromptData, read_prompts
 from meshdistill.distributed import agree_on, is_primary
 from meshdistill.loop.evaluate import Evaluator
-from meshdistill.loop.trainer import _check_resumable, _meta, fit
+from meshdistill.loop.trainer import check_resumable, fit, run_meta
 from meshdistill.models import param_count
 from meshdistill.teachers import kinds
 
@@ -119,7 +119,7 @@ def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
   try:
     if ckpt.latest_step() is None:
       return
-    _check_resumable(ckpt.read_meta(), expected, ckpt.directory, cfg.train.steps)
+    check_resumable(ckpt.read_meta(), expected, ckpt.directory, cfg.train.steps)
     _changed_settings(cfg)
   finally:
     ckpt.close()
@@ -161,7 +161,7 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
     say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
   distiller = make_distiller(cfg, teacher, mesh, data.tokenizer, getattr(data, "teacher_tokenizer", None))
 
-  _check_against_checkpoint(cfg, _meta(distiller, "distill", {"teacher_dir": tdir}))
+  _check_against_checkpoint(cfg, run_meta(distiller, "distill", {"teacher_dir": tdir}))
   _write_config(cfg, run_dir)
   monitor = _monitor(run_dir, cfg.train.steps, stream, "distill")
   ckpt = Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)

@@ -1,7 +1,9 @@
 """Jobs on a finished (or running) distillation run: `evaluate` its latest checkpoint, `evaluate_task` (accuracy by
 generation on a task with checkable answers), `generate` with its
 student or teacher, `load_run` (its student in Python), `run_teacher` (the run's teacher) and the final
-`summary_table`."""
+`summary_table`. The teacher comes from the run's teacher source (`meshdistill.teachers.kinds`,
+`TeacherSource.saved_model`): a source without a teacher model (``none``, a top-k cache) evaluates and generates with
+the student alone, and says so when asked for the teacher."""
 
 from __future__ import annotations
 
@@ -9,19 +11,19 @@ import dataclasses
 import os
 from typing import IO, Any, NamedTuple
 
-from meshdistill.storage.checkpoint import Checkpointer, load_teacher, read_teacher_meta
+from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import Config
 from meshdistill.config import run_config
-from meshdistill.jobs._distill_job import _evaluate_pair
+from meshdistill.jobs._distill_job import _evaluate_pair, _evaluate_student
 from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
+from meshdistill.jobs._teacher import services
 from meshdistill.jobs._training import make_distiller
-from meshdistill.data import load_tokenizer
 from meshdistill.data.tasks import parse_task
 from meshdistill.loop.task_eval import task_accuracy
 from meshdistill.models import generate as generate_lib
 from meshdistill.models.generate import SamplingConfig, left_pad
-from meshdistill.parallel.backends import layout_class
-from meshdistill.teachers.sources import load_teacher_hf
+from meshdistill.parallel.backends import layout_class, make_layout
+from meshdistill.teachers import kinds
 
 
 def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
@@ -42,11 +44,16 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
       raise ValueError(f"{cfg.checkpoint_dir} holds a {meta.get('kind')!r} run, not a distillation run")
     mesh = build_mesh(cfg)
     data = load_data(cfg, mesh=mesh)
-    tdir, teacher = run_teacher(cfg, meta, mesh, data.tokenizer)
+    try:
+      tdir, teacher = run_teacher(cfg, meta, mesh, data.tokenizer)
+    except kinds.NoTeacherModel:  # no teacher, or its top-k only: the student is evaluated alone
+      prepared = kinds.for_config(cfg).prepare(data, mesh, None, services(report=say))
+      tdir, teacher = prepared.identity, prepared.teacher
     distiller = make_distiller(cfg, teacher, mesh)
     state, _, meta = ckpt.restore(distiller, distiller.init_state())  # meta: of the step restored
-    say(f"evaluating step {meta['step']} of {cfg.run.run_dir} (teacher {tdir})")
-    summary = _evaluate_pair(distiller, state, data.val_batches(max_batches=cfg.train.eval_batches))
+    say(f"evaluating step {meta['step']} of {cfg.run.run_dir} (teacher {tdir or 'none'})")
+    pair = _evaluate_pair if distiller.teacher_def is not None else _evaluate_student
+    summary = pair(distiller, state, data.val_batches(max_batches=cfg.train.eval_batches))
   finally:
     ckpt.close()
   summary.update({"step": int(meta["step"]), "teacher_dir": tdir, "run_dir": cfg.run.run_dir})
@@ -105,14 +112,21 @@ def _run_model(cfg: Config, model: str = "student"):
         f"no checkpoint in {cfg.checkpoint_dir}: run `meshdistill distill` with run.run_dir={cfg.run.run_dir} "
         "first, or generate with the teacher (--model teacher)"
       )
-    tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
-    if not tdir and not cfg.models.teacher_hf:
-      raise FileNotFoundError(f"{cfg.run.run_dir} names no teacher: set pretrain.teacher=DIR or distil first")
-    # A saved teacher carries its tokenizer; otherwise (a Hugging Face teacher) the run's data settings name it.
-    tokenizer = load_data(cfg).tokenizer if cfg.models.teacher_hf else load_tokenizer(os.path.join(tdir, "tokenizer"))
+    source = kinds.for_config(cfg)
+    # A saved teacher carries its tokenizer; otherwise (a Hugging Face teacher, none) the run's data settings name it.
+    tokenizer = source.saved_tokenizer(meta.get("teacher_dir")) or load_data(cfg).tokenizer
     mesh = build_mesh(cfg)
-    _, net = run_teacher(cfg, meta, mesh, tokenizer)
-    if model == "student":
+    try:
+      _, net = run_teacher(cfg, meta, mesh, tokenizer)
+    except kinds.NoTeacherModel:
+      if model == "teacher":
+        raise
+      net = None  # the student alone, read from the checkpoint as `load_run` does
+    if model == "student" and net is None:
+      mesh = make_layout(cfg.mesh.backend, mesh).eval_mesh
+      net = ckpt.restore_student(stored_student_config(cfg, mesh), mesh, lora=cfg.models.student_lora)
+      step = int(ckpt.restored_step)  # an older step when the newest is damaged
+    elif model == "student":
       distiller = make_distiller(cfg, net, mesh)
       state, _, restored = ckpt.restore(distiller, distiller.init_state())
       step = int(restored["step"])  # an older step when the newest is damaged
@@ -207,12 +221,10 @@ def stored_student_config(cfg: Config, mesh=None):
 
 
 def run_teacher(cfg: Config, meta: dict, mesh, tokenizer):
-  """``(teacher_dir, teacher)`` of a distillation run whose checkpoint ``meta`` is given."""
-  if cfg.models.teacher_hf:
-    return cfg.models.teacher_hf, load_teacher_hf(cfg, mesh)
-  tdir = meta.get("teacher_dir") or cfg.pretrain.teacher
-  read_teacher_meta(tdir)
-  return tdir, load_teacher(tdir, cfg.teacher, mesh, tokenizer)
+  """``(teacher_dir, teacher)`` of a distillation run whose checkpoint ``meta`` is given, from its teacher source
+  (`meshdistill.teachers.kinds.TeacherSource.saved_model`, read only); a source without a teacher model raises
+  `meshdistill.teachers.kinds.NoTeacherModel` saying so."""
+  return kinds.for_config(cfg).saved_model(meta.get("teacher_dir"), mesh, tokenizer)
 
 
 def summary_table(summary: dict) -> str:
@@ -234,6 +246,8 @@ def summary_table(summary: dict) -> str:
     rows = [r for r in rows if r is not None]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+    if summary.get("teacher_dir") is None:
+      return table + "\n(no teacher: the student alone)"
     return table + "\n(teacher given by its top-k only: not evaluated)"
   widths = [max(len(r[i]) for r in rows) for i in range(4)]
   line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

@@ -147,6 +147,10 @@ def cache_teacher(
   first (`CACHE_KIND`): new, empty, or a cache meshdistill started there (its owner marker; without one, an
   earlier version's cache files only); a directory of other files is refused before any work.
   """
+  if kinds.for_config(cfg).gives == kinds.NOTHING:  # obtain_teacher would pretrain a teacher to cache
+    raise ConfigError(f"cache-teacher writes the top-k of the run's teacher, but teacher.source="
+                      f"{cfg.models.teacher_kind} gives no teacher; set teacher.hf (a Hugging Face teacher) or "
+                      "teacher.source=pretrained (pretrain.teacher=DIR, or one pretrained for these settings)")
   tau = cfg.distill.value("temperature")  # the section's, or the strategy's default
   if callable(tau) or isinstance(tau, dict):
     raise ConfigError(f"distill.temperature={tau!r}: a teacher cache holds log-probabilities "

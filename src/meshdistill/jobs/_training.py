@@ -7,7 +7,7 @@ from typing import Any
 
 from meshdistill.config import Config, ConfigError
 from meshdistill.loop.guard import DivergenceGuard
-from meshdistill.strategies import ScaledLoss, fallback_strategy, label
+from meshdistill.strategies import fallback_strategy, label
 from meshdistill.teachers.sources import build_student, quantized_teacher
 from meshdistill.data.alignment import byte_tables_of, matched_vocabulary
 from meshdistill.train.distiller import Distiller
@@ -62,12 +62,11 @@ def _cache_safeguards(kwargs: dict, distiller) -> dict:
 
 def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
   """The distillation strategy and student optimizer of ``cfg`` (what `make_distiller` and ``meshdistill plan``
-  use); ``student_layers`` replaces ``cfg.student.n_layers`` for a freezing schedule."""
-  strategy, scale = cfg.distill.strategy(), cfg.safeguards.loss_scale
-  if scale is not None:
-    strategy = ScaledLoss(strategy, scale)
+  use); ``student_layers`` replaces ``cfg.student.n_layers`` for a freezing schedule. With
+  ``safeguards.loss_scale`` the optimizer unscales the gradients; the step scales them (the Distiller's
+  ``loss_scale``), and the strategy is the one configured."""
   layers = cfg.student.n_layers if student_layers is None else student_layers
-  return strategy, make_optimizer(cfg.train, layers, loss_scale=scale)
+  return cfg.distill.strategy(), make_optimizer(cfg.train, layers, loss_scale=cfg.safeguards.loss_scale)
 
 
 def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_tokenizer: Any = None):
@@ -96,6 +95,7 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_to
     backend=cfg.mesh.backend,
     fsdp=cfg.mesh.fsdp,
     student_split=cfg.mesh.student_split,
+    loss_scale=cfg.safeguards.loss_scale,
     seed=cfg.train.seed,
     **extra,
   )

@@ -65,6 +65,11 @@ class DivergenceEvent:
   strategy: str = ""
 
 
+# The guard's defaults, one home: `DivergenceGuard` and the config's ``safeguards.guard`` section
+# (`meshdistill.config.sections.GuardSettings`) both read them.
+WINDOW, FACTOR, MIN_HISTORY, MAX_RESTORES = 50, 4.0, 10, 3
+
+
 class DivergenceGuard:
   """Detects a diverging loss and keeps the last good train state.
 
@@ -80,8 +85,8 @@ class DivergenceGuard:
   call only ``observe`` and restore its own last checkpoint.
   """
 
-  def __init__(self, *, window: int = 50, factor: float = 4.0, min_history: int = 5, max_restores: int = 3,
-               max_skips: int = 8):
+  def __init__(self, *, window: int = WINDOW, factor: float = FACTOR, min_history: int = MIN_HISTORY,
+               max_restores: int = MAX_RESTORES, max_skips: int = 8):
     if not isinstance(window, int) or window < 1:
       raise ValueError(f"DivergenceGuard window={window!r} must be a positive integer (e.g. 50)")
     if not factor > 1.0:

@@ -1,9 +1,9 @@
 """Training safeguards, gathered under one name: each lives with its concern.
 
+* step side (`meshdistill.train.step`): static loss scaling, ``Distiller(..., loss_scale=S)`` (`scale_gradient`);
 * optimizer side (`meshdistill.train.optimizers`): `safeguarded` (unscale, skip non-finite, clip) and
   `skipped_updates`;
-* strategy side (`meshdistill.strategies`): `ScaledLoss` (static loss scaling), `LogitMSE` and
-  `fallback_strategy` (the loss after a divergence);
+* strategy side (`meshdistill.strategies`): `LogitMSE` and `fallback_strategy` (the loss after a divergence);
 * host side (`meshdistill.loop.guard`): `DivergenceGuard`, `Recovery`, `copy_state`;
 * the loop (`meshdistill.loop.trainer.fit`); `fit_guarded` is `fit` over a list of batches.
 """
@@ -19,7 +19,7 @@ from meshdistill.data import BatchList
 from meshdistill.loop.guard import DivergenceEvent, DivergenceGuard, NoRecovery, Recovery, copy_state  # noqa: F401
 from meshdistill.loop.hooks import Hook
 from meshdistill.train.optimizers import safeguarded, skipped_updates  # noqa: F401
-from meshdistill.strategies import LogitMSE, ScaledLoss, fallback_strategy  # noqa: F401
+from meshdistill.strategies import LogitMSE, fallback_strategy  # noqa: F401
 from meshdistill.loop.trainer import fit
 from meshdistill.train.freezing import freeze_status
 

@@ -115,7 +115,9 @@ class FitResult:
   events: list = dataclasses.field(default_factory=list)
 
 
-def _meta(trainer, kind: str, extra: dict | None) -> dict:
+def run_meta(trainer, kind: str, extra: dict | None = None) -> dict:
+  """What a checkpoint records about the run that wrote it: ``kind``, the layout, the mesh, both model configs and
+  ``extra`` (e.g. ``teacher_dir``); `check_resumable` compares a checkpoint's record with this run's."""
   meta = {"kind": kind, "backend": trainer.backend}
   if trainer.mesh is not None:
     meta["mesh"] = dict(trainer.mesh.shape)
@@ -126,7 +128,10 @@ def _meta(trainer, kind: str, extra: dict | None) -> dict:
   return meta
 
 
-def _check_resumable(meta: dict, expected: dict, directory: str, steps: int | None) -> None:
+def check_resumable(meta: dict, expected: dict, directory: str, steps: int | None) -> None:
+  """Raises unless the checkpoint in ``directory`` (its record ``meta``) can resume this run: at most ``steps`` steps,
+  and the same ``kind``, models and ``teacher_dir`` as ``expected`` (`run_meta`; settings that change no parameter
+  may differ)."""
   if steps is not None and int(meta["step"]) > steps:
     raise ValueError(
       f"the checkpoint in {directory} is at step {meta['step']}, past this run's {steps} steps; raise the number "
@@ -184,14 +189,14 @@ def fit(
   val = data.val_batches(max_batches=opts.eval_batches)
   if opts.eval_every and not val:
     raise ValueError("evaluation needs validation batches, but the data has none: set data.val_fraction > 0")
-  meta = _meta(trainer, opts.kind, opts.meta)
+  meta = run_meta(trainer, opts.kind, opts.meta)
 
   state = trainer.init_state() if state is None else state
   start = int(np.asarray(jax.device_get(trainer.unreplicate(state).step)))
   data_state, resumed, saved = None, None, {}
   latest = agree_on(checkpointer.intact_step(), "the latest checkpoint") if checkpointer is not None else None
   if latest is not None:
-    _check_resumable(checkpointer.read_meta(latest), meta, checkpointer.directory, opts.steps)
+    check_resumable(checkpointer.read_meta(latest), meta, checkpointer.directory, opts.steps)
     state, data_state, saved = checkpointer.restore(trainer, state)  # `latest`, or an older step if it fails
     start = resumed = int(saved["step"])
     got = int(np.asarray(jax.device_get(trainer.unreplicate(state).step)))

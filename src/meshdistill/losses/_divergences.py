@@ -189,7 +189,8 @@ HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
     name: {"jsd": ("beta",), "skew_kl": ("skew",), "skew_reverse_kl": ("skew",)}.get(name, ())
     for name in DIVERGENCES
 }
-"""The keyword hyper-parameters each divergence takes (``beta`` for jsd, ``skew`` for the skew KLs)."""
+"""The keyword hyper-parameters each divergence takes (``beta`` for jsd, ``skew`` for the skew KLs); a divergence
+with none needs no entry."""
 
 
 def _check_name(name: str, table: dict, what: str) -> None:

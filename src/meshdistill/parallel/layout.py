@@ -10,6 +10,7 @@ that picks one by name (`make_layout`, `layout_class`) are `meshdistill.parallel
 
 from __future__ import annotations
 
+import abc
 import functools
 from typing import Any, ClassVar
 
@@ -49,7 +50,7 @@ def stack_replicas(tree, n: int):
   return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))).copy(), tree)
 
 
-class Layout:
+class Layout(abc.ABC):
   """Where arrays live and how the step runs; subclasses are the layouts (`meshdistill.parallel.backends`)."""
 
   name: ClassVar[str]
@@ -119,17 +120,18 @@ class Layout:
   # ------------------------------------------------------------------ placement
   def _device_shardings(self, params):
     """Shardings of model parameters ``params`` (an ``nnx.State``, split as its partition metadata says)
-    and of replicated leaves."""
-    raise NotImplementedError
+    and of replicated leaves. A layout whose states are not plain global arrays overrides `place_params` and
+    `fresh_state` instead."""
+    raise NotImplementedError(f"{type(self).__name__} places no parameters by shardings; it overrides place_params")
 
   def place_params(self, params):
     """Puts model parameters (an ``nnx.State``) where the step reads them."""
     shardings, _ = self._device_shardings(params)
     return jax.device_put(params, shardings)
 
+  @abc.abstractmethod
   def place_batch(self, batch: dict) -> dict:
     """Puts a host batch ``{inputs, targets, mask}`` [B, T] where the step reads it."""
-    raise NotImplementedError
 
   def check_batch(self, batch_size: int) -> None:
     check_batch(batch_size, self.mesh)
@@ -172,13 +174,13 @@ class Layout:
     del state
     return None
 
+  @abc.abstractmethod
   def compile(self, step_fn, state_shardings: Any = None, compiler_options: dict | None = None):
     """``step_fn(state, teacher_params, batch, data_axis=...)`` compiled for this layout.
 
     ``state_shardings`` (`state_shardings` of a state) pin the output state to the input layout, so
     the step never recompiles and the state keeps its sharding. ``compiler_options``: XLA options.
     """
-    raise NotImplementedError
 
   def host_metrics(self, metrics: dict) -> dict:
     """The step's metrics as one value each (still on device)."""

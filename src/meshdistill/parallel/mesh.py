@@ -117,6 +117,54 @@ def check_axes(axes: dict, setting: str = "mesh.axes") -> None:
       raise ValueError(f"{setting}.{name}={v!r} must be a positive integer")
 
 
+def mesh_shape(spec: Any, setting: str = "mesh") -> dict[str, int]:
+  """``{axis: size}`` in mesh order (``data``, the `EXTRA_AXES`, ``tensor``; ``data`` / ``tensor`` 1 when left out,
+  an extra axis only when given) of a mesh written as ``"DATAxTENSOR"`` (``"2x4"``), ``"axis=size,..."``
+  (``"data=2,expert=2,tensor=2"``), a ``(data, tensor)`` pair or a mapping; a clear error naming ``setting``
+  otherwise."""
+  example = "e.g. 2x4 (data x tensor) or data=2,expert=2,tensor=2"
+  given = spec
+  if isinstance(spec, str):
+    text = spec.strip().lower()
+    if "=" in text:
+      try:
+        spec = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(",") if part.strip())}
+      except ValueError:
+        raise ValueError(f"{setting}={given!r}; give axis=size pairs joined by commas, {example}") from None
+    else:
+      parts = text.split("x")
+      if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"{setting}={given!r}; {example}")
+      spec = (int(parts[0]), int(parts[1]))
+  if isinstance(spec, (tuple, list)):
+    if len(spec) != 2:
+      raise ValueError(f"{setting}={given!r}; a pair is (data, tensor); name other axes: {example}")
+    spec = {DATA: spec[0], TENSOR: spec[1]}
+  if not isinstance(spec, dict):
+    raise ValueError(f"{setting}={given!r}; {example}")
+  unknown = [k for k in spec if k not in (*AXES, *EXTRA_AXES)]
+  if unknown:
+    raise ValueError(f"{setting}: unknown mesh axis {unknown[0]!r}; the axes are {[DATA, *EXTRA_AXES, TENSOR]}")
+  for name, v in spec.items():
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{setting}.{name}={v!r} must be a positive integer")
+  return {DATA: spec.get(DATA, 1), **{a: spec[a] for a in EXTRA_AXES if a in spec}, TENSOR: spec.get(TENSOR, 1)}
+
+
+def shape_label(shape: dict[str, int]) -> str:
+  """How messages and tables write a mesh `mesh_shape`: ``2x4`` (data x tensor) when it has no other axis of size
+  above 1, else every axis (``data=2,expert=2,tensor=2``)."""
+  if all(v == 1 for k, v in shape.items() if k not in AXES):
+    return f"{shape.get(DATA, 1)}x{shape.get(TENSOR, 1)}"
+  return ",".join(f"{k}={v}" for k, v in shape.items())
+
+
+def mesh_of(shape: dict[str, int], devices: Any = None) -> Mesh:
+  """`make_mesh` of a `mesh_shape` mapping."""
+  extra = {k: v for k, v in shape.items() if k not in AXES}
+  return make_mesh(shape.get(DATA, 1), shape.get(TENSOR, 1), devices, axes=extra or None)
+
+
 def check_batch(batch_size: int, mesh: Mesh | None, what: str = "batch") -> None:
   """Raises a clear error when ``batch_size`` cannot be split over the ``data`` axis."""
   if mesh is None:

@@ -74,13 +74,14 @@ class _AbstractDistiller(Distiller):
 
 def abstract_distiller(teacher: ModelConfig | None, student: ModelConfig, strategy, optimizer, mesh: Mesh,
                        compiler_options: dict | None = None, lora=None, teacher_quantize: str | None = None,
-                       fsdp: bool = False, student_split: str = "tensor") -> Distiller:
+                       fsdp: bool = False, student_split: str = "tensor", loss_scale: float | None = None) -> Distiller:
   """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays.
 
   ``lora``: the student's `meshdistill.models.lora.LoraConfig` (``student.lora``: adapters, only they train);
   ``teacher_quantize``: ``teacher.quantize`` (the teacher's projections stored int8 / int4 / nf4);
   ``fsdp``: weights and optimizer moments split over ``data`` too (``mesh.fsdp``); ``student_split``:
   ``mesh.student_split`` (``batch``: the student replicated, its weights and moments whole on every device).
+  ``loss_scale``: ``safeguards.loss_scale`` (the step's static loss scaling).
   ``teacher=None``: the student trained alone (its ``strategy`` a hard-label one, e.g. ``NextTokenCE``).
   """
   tensor = mesh.shape[TENSOR]
@@ -92,7 +93,7 @@ def abstract_distiller(teacher: ModelConfig | None, student: ModelConfig, strate
                          None if teacher is None else _abstract_model(teacher, None, teacher_quantize),
                          strategy=strategy, optimizer=optimizer, mesh=mesh,
                          backend=_AbstractLayout(mesh, fsdp=fsdp, student_split=student_split), fsdp=fsdp,
-                         student_split=student_split)
+                         student_split=student_split, loss_scale=loss_scale)
   return d.with_compiler_options(compiler_options) if compiler_options else d
 
 
@@ -257,33 +258,36 @@ def _groups(line: str) -> list[list[int]] | None:
   return None
 
 
-def _mesh_axes(mesh_shape) -> dict[str, int]:
-  """``{axis: size}`` in mesh order from a ``(data, tensor)`` pair or a mapping (``mesh.shape``: more axes, e.g.
-  ``{"data": 2, "expert": 2, "tensor": 2}``)."""
-  if isinstance(mesh_shape, dict) or hasattr(mesh_shape, "items"):
+def _named(mesh_shape: Any) -> dict[str, int]:
+  """``{axis: size}`` in mesh order of a mesh given as that mapping or as a ``(data, tensor)`` pair."""
+  if hasattr(mesh_shape, "items"):  # a dict or the mesh's own ``mesh.shape``
     return dict(mesh_shape.items())
-  data, tensor = mesh_shape
-  return {"data": data, "tensor": tensor}
+  return {"data": mesh_shape[0], "tensor": mesh_shape[1]}
 
 
-def _axis(groups: list[list[int]] | None, mesh_shape) -> str:
-  """Which mesh axes a collective's device groups run over (ids are positions in the mesh's device order): the
-  axes along which a group's devices differ, joined by ``+`` in mesh order (``"none"``: one device per group)."""
-  axes = _mesh_axes(mesh_shape)
-  if not groups or all(len(g) == 0 for g in groups):
-    return "+".join(axes)
+def _spanned(ids_per_group: list[list[int]], shape: dict[str, int]) -> str:
+  """The mesh axes along which some group's devices differ, joined by ``+`` in mesh order (``none``: no axis);
+  axes of size 1 never differ."""
+  sizes = tuple(shape.values())
   varying = set()
-  for g in groups:
-    if g:
-      coords = np.stack(np.unravel_index(np.asarray(g), tuple(axes.values())))  # [axes, devices]
-      varying |= {name for name, c in zip(axes, coords) if len(set(c.tolist())) > 1}
-  return "+".join(a for a in axes if a in varying) or "none"
+  for g in ids_per_group:
+    coords = np.asarray(np.unravel_index(np.asarray(g, dtype=int), sizes)).T  # [members, axes]
+    varying |= {i for i in range(len(sizes)) if len(set(coords[:, i])) > 1}
+  return "+".join(name for i, name in enumerate(shape) if i in varying) or "none"
 
 
-def collectives(hlo: str, mesh_shape) -> list[dict[str, Any]]:
-  """Collective ops of a compiled module's HLO text, grouped by (kind, mesh axis). ``mesh_shape``: ``(data,
-  tensor)`` or the mesh's ``{axis: size}`` in order (``mesh.shape``), so a mesh with an ``expert`` axis gets
-  collectives labelled ``expert`` (the exchanges of `meshdistill.models.moe.exchanged_experts`).
+def _axis(groups: list[list[int]] | None, mesh_shape: Any) -> str:
+  """Which mesh axes a collective's device groups run over (ids are positions in the mesh's device order): ``data``,
+  ``tensor``, ``data+tensor``, ``expert``, ...; ``mesh_shape``: ``{axis: size}`` in mesh order, or ``(data,
+  tensor)``. No groups: all devices, every axis (``data+tensor`` on a two-axis mesh)."""
+  shape = _named(mesh_shape)
+  if not groups or all(len(g) == 0 for g in groups):
+    return "+".join(shape)
+  return _spanned([g for g in groups if g], shape)
+
+
+def collectives(hlo: str, mesh_shape: Any) -> list[dict[str, Any]]:
+  """Collective ops of a compiled module's HLO text, grouped by (kind, mesh axis).
 
   Each entry: ``kind``, ``axis``, ``count`` (ops in the program text; an op inside a loop body
   counts once), ``bytes`` (their result sizes per device; for an asynchronous all-gather or
@@ -302,7 +306,7 @@ def collectives(hlo: str, mesh_shape) -> list[dict[str, Any]]:
       continue
     size = max(shapes) if m.group("start") and kind in ("all-gather", "collective-permute") else sum(shapes)
     groups = _groups(line)
-    n = max((len(g) for g in groups), default=0) if groups else math.prod(_mesh_axes(mesh_shape).values())
+    n = max((len(g) for g in groups), default=0) if groups else math.prod(_named(mesh_shape).values())
     n = max(n, 1)
     wire = {
         "all-reduce": 2 * (n - 1) / n * size,
@@ -319,8 +323,7 @@ def collectives(hlo: str, mesh_shape) -> list[dict[str, Any]]:
   return sorted(out.values(), key=lambda e: -e["bytes"])
 
 
-def _permute_axis(pairs: list[list[int]] | None, mesh_shape) -> str:
-  """The mesh axes a permute's (source, target) pairs move along (as `_axis`: where source and target differ)."""
-  if not pairs:
-    return "+".join(_mesh_axes(mesh_shape))
-  return _axis([p for p in pairs if len(p) == 2], mesh_shape)
+def _permute_axis(pairs: list[list[int]] | None, mesh_shape: Any) -> str:
+  """The mesh axes a collective permute's (source, target) pairs cross (as `_axis`)."""
+  shape, pairs = _named(mesh_shape), [p for p in pairs or () if len(p) == 2]
+  return _spanned(pairs, shape) if pairs else "+".join(shape)

@@ -40,12 +40,12 @@ def _linear(base: float, dt: float, ds: float, lt: int, ls: int) -> float:
   return base + (lt - 1) * dt + (ls - 1) * ds
 
 
-def _colls(c: CompiledStep, mesh_shape: tuple[int, int]) -> dict[tuple[str, str], dict[str, float]]:
+def _colls(c: CompiledStep, mesh_shape: Any) -> dict[tuple[str, str], dict[str, float]]:
   return {(e["kind"], e["axis"]): e for e in collectives(c.hlo, mesh_shape)}
 
 
 def layer_counts(compile_at: Callable[[int, int], CompiledStep], depths: tuple[int, int],
-                 mesh_shape: tuple[int, int]) -> LayerCounts:
+                 mesh_shape: Any) -> LayerCounts:
   """XLA's counts of a step whose teacher has ``depths[0]`` blocks (0: no teacher) and student ``depths[1]``.
 
   ``compile_at(l_t, l_s)`` compiles the step unrolled with ``l_t`` teacher and ``l_s`` student blocks (``l_t`` is

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from meshdistill.config import Config, DistillSettings, load_config
 from meshdistill.models.decoder import ModelConfig
+from meshdistill.parallel.mesh import mesh_shape
 from meshdistill.planner._hardware import parse_target
 from meshdistill.planner._placement import placements
 from meshdistill.planner._plan import _UNSET, GIB, Knobs, Planner
@@ -29,17 +30,15 @@ def _config(config: Config | str | None, overrides: Sequence[str]) -> Config:
   return load_config(config, overrides)
 
 
-def _mesh_arg(mesh: Any) -> tuple[int, int] | None:
+def _mesh_arg(mesh: Any) -> dict[str, int] | None:
+  """``--mesh``: None for ``auto``, else ``{axis: size}`` (`meshdistill.parallel.mesh.mesh_shape`: ``2x8``,
+  ``data=2,expert=2,tensor=2``, ``(data, tensor)`` or a mapping)."""
   if mesh is None or mesh == "auto":
     return None
-  if isinstance(mesh, str):
-    parts = mesh.lower().split("x")
-    if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
-      return int(parts[0]), int(parts[1])
-    raise ValueError(f"mesh={mesh!r}; give DATAxTENSOR (e.g. 2x8) or 'auto'")
-  if isinstance(mesh, (tuple, list)) and len(mesh) == 2:
-    return int(mesh[0]), int(mesh[1])
-  raise ValueError(f"mesh={mesh!r}; give (data, tensor), 'DATAxTENSOR' or 'auto'")
+  try:
+    return mesh_shape(mesh)
+  except ValueError as e:
+    raise ValueError(f"{e}, or 'auto'") from None
 
 
 def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq=None, config=None, overrides=(),
@@ -84,23 +83,26 @@ def _default_knobs(pl: Planner, mesh, batch: int, chunk_size) -> Knobs:
     DistillSettings(chunk_size=chunk)  # validates
   given = _mesh_arg(mesh)
   if given is not None:
-    pl.check_mesh(*given, batch)
-    return Knobs(*given, pl.student.remat, chunk, batch)
+    k = Knobs.on(given, pl.student.remat, chunk, batch)
+    pl.check_mesh(k.data, k.tensor, batch, dict(k.axes))
+    return k
   layouts = pl.layouts(batch)
   if not layouts:
     n = len(pl.target.devices)
     raise ValueError(f"no (data x tensor) layout of {n} devices splits both models with batch {batch}: "
                      f"{pl.split_error(n) or ''} (batch must be a multiple of data)")
-  cfg_mesh = (pl.cfg.mesh.data, pl.cfg.mesh.tensor)
+  m = pl.cfg.mesh
+  cfg_mesh = Knobs.on(mesh_shape({"data": m.data, **(m.axes or {}), "tensor": m.tensor}), pl.student.remat, chunk,
+                      batch)
+  knobs = [Knobs.on(s, pl.student.remat, chunk, batch) for s in layouts]
   if pl.target.budget_bytes is None:
-    return Knobs(*(cfg_mesh if cfg_mesh in layouts else layouts[0]), pl.student.remat, chunk, batch)
+    return cfg_mesh if cfg_mesh in knobs else knobs[0]
   # auto: the least tensor parallelism whose weights and optimizer state take at most half the limit
   limit = pl.headroom * pl.target.budget_bytes
-  for d, t in layouts:
-    k = Knobs(d, t, pl.student.remat, chunk, batch)
+  for k in knobs:
     if pl.static_bytes(k) <= 0.5 * limit:
       return k
-  return Knobs(*layouts[-1], pl.student.remat, chunk, batch)
+  return knobs[-1]
 
 
 def plan(teacher: Any = None, student: Any = None, *, topology: str | None = None, devices: str | None = None,
@@ -116,8 +118,9 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
       says otherwise; weights are stored as the config's ``teacher.param_dtype`` / ``student.param_dtype`` say.
     topology: a TPU topology (``v5e:4x4``, ``v5p:4x4x4``, ...; needs ``pip install 'meshdistill[tpu]'``),
       or ``devices="cpu:N"``: N CPU devices of this process.
-    mesh: ``(data, tensor)``, ``"DATAxTENSOR"`` or ``"auto"`` (the least ``tensor`` whose weights and optimizer
-      state take at most half the memory limit; on CPU without a budget the config's mesh).
+    mesh: ``(data, tensor)``, ``"DATAxTENSOR"``, every axis the layout declares by name (``"data=2,expert=2,tensor=2"``
+      or a mapping) or ``"auto"`` (the least ``tensor`` whose weights and optimizer state take at most half the memory
+      limit; on CPU without a budget the config's mesh).
     batch, seq: global batch and sequence length (default: ``train.batch_size``, ``data.seq_len``).
     config, overrides: the distillation config as for ``distill`` (a `Config`, or a YAML file / packaged name
       plus ``key=value`` overrides): strategy, chunk size, optimizer, freezing, loss scale, remat headroom.

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from meshdistill.parallel.mesh import shape_label
+
 GIB = 2**30
 
 
@@ -66,7 +68,7 @@ def placements(plan, *, vocab: int, k: int = 32, epochs: float = 1.0, network_gb
     return None if limit is None or b is None else b <= limit
 
   out["options"]["in_step"] = {"step_s": step, "memory_bytes": total, "fits": plan.fits,
-                               "how": f"teacher and student on all {chips} chips, mesh {plan.mesh[0]}x{plan.mesh[1]}"}
+                               "how": f"teacher and student on all {chips} chips, mesh {shape_label(plan.mesh_axes)}"}
   # sub-mesh: teacher on c_t chips, student on the rest; per-device FLOPs scale as chips / group size
   if chips >= 2:
     need = 1 if limit is None else max(1, math.ceil(teacher_mem * chips / plan.devices_per_chip / limit))

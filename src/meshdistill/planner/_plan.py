@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 from meshdistill.config import Config
 from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER
 from meshdistill.parallel.backends import layout_class
-from meshdistill.parallel.mesh import DATA, TENSOR, make_mesh
+from meshdistill.parallel.mesh import AXES, DATA, TENSOR, mesh_of, mesh_shape, shape_label
 from meshdistill.models.decoder import ModelConfig
 from meshdistill.models.moe import inactive_params
 from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, kernel_flops, shard_bytes
@@ -29,13 +30,28 @@ DEFAULT_CHUNK = 1024  # tokens per chunk of the chunked loss tried by `search` a
 
 @dataclasses.dataclass(frozen=True)
 class Knobs:
-  """What a search varies: the mesh, the student's remat policy, the loss's chunk size, the batch size."""
+  """What a search varies: the mesh, the student's remat policy, the loss's chunk size, the batch size.
+
+  The mesh is ``data`` x ``tensor`` and ``axes``: the layout's other declared axes above size 1, in mesh order (e.g.
+  ``(("expert", 2),)``); `shape` is the whole mesh."""
 
   data: int
   tensor: int
   remat: str
   chunk_size: int | None
   batch: int
+  axes: tuple[tuple[str, int], ...] = ()
+
+  @classmethod
+  def on(cls, shape: dict[str, int], remat: str, chunk_size: int | None, batch: int) -> Knobs:
+    """The knobs of a mesh ``shape`` (``{axis: size}``, `meshdistill.parallel.mesh.mesh_shape`)."""
+    axes = tuple((a, v) for a, v in shape.items() if a not in AXES and v != 1)
+    return cls(shape.get(DATA, 1), shape.get(TENSOR, 1), remat, chunk_size, batch, axes)
+
+  @property
+  def shape(self) -> dict[str, int]:
+    """The mesh, ``{axis: size}`` in mesh order."""
+    return {DATA: self.data, **dict(self.axes), TENSOR: self.tensor}
 
 
 def mesh_shapes(n: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
@@ -80,19 +96,17 @@ class Planner:
         return f"{who} ({self.labels[who == 'student']}): {e}"
     return None
 
-  def layouts(self, batch: int) -> list[tuple[int, int]]:
-    """``(data, tensor)`` layouts of the target's devices the models split over and ``batch`` divides: every
-    factorisation of the device count over the axes the layout declares (`meshdistill.parallel.layout.Layout.axes`;
-    ``data`` and ``tensor`` for every layout today), least ``tensor`` first. A plan's knobs carry ``data`` and
-    ``tensor``: another declared axis is enumerated at size 1 until they carry it too."""
+  def layouts(self, batch: int) -> list[dict[str, int]]:
+    """Mesh shapes (``{axis: size}``, `Knobs.on`) of the target's devices the models split over and ``batch``
+    divides: every factorisation of the device count over the axes the layout declares
+    (`meshdistill.parallel.layout.Layout.axes`, e.g. ``data``, ``expert``, ``tensor``), least ``tensor`` first."""
     n, axes = len(self.target.devices), layout_class(self.cfg.mesh.backend).axes
     out = []
     for shape in mesh_shapes(n, axes):
-      if any(v != 1 for a, v in shape.items() if a not in (DATA, TENSOR)):
-        continue
-      d, t = shape.get(DATA, 1), shape.get(TENSOR, 1)
-      if batch % self._row_split(d, t) == 0 and self.split_error(t) is None:
-        out.append((d, t))
+      shape = {DATA: shape.get(DATA, 1), **{a: v for a, v in shape.items() if a not in AXES},
+               TENSOR: shape.get(TENSOR, 1)}
+      if batch % self._row_split(shape[DATA], shape[TENSOR]) == 0 and self.split_error(shape[TENSOR]) is None:
+        out.append(shape)
     return out
 
   def _row_split(self, data: int, tensor: int) -> int:
@@ -100,15 +114,22 @@ class Planner:
     (the student on rows split over both axes)."""
     return data * tensor if self.cfg.mesh.student_split == "batch" else data
 
-  def check_mesh(self, data: int, tensor: int, batch: int) -> None:
+  def check_mesh(self, data: int, tensor: int, batch: int, axes: dict[str, int] | None = None) -> None:
+    """Raises a clear error for a mesh ``data`` x ``tensor`` (``axes``: its other axes) this target, these models or
+    ``batch`` cannot take, listing the layouts that can."""
     n = len(self.target.devices)
-    for name, v in (("data", data), ("tensor", tensor)):
+    for name, v in (("data", data), ("tensor", tensor), *(axes or {}).items()):
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"mesh {name}={v!r} must be a positive integer")
-    ok = ", ".join(f"{d}x{t}" for d, t in self.layouts(batch)) or "none"
-    if data * tensor != n:
-      raise ValueError(f"mesh {data}x{tensor} (data x tensor) needs {data * tensor} devices but {self.target.name} has "
-                       f"{n}; layouts of {n} devices that fit these models and batch {batch}: {ok}")
+    ok = ", ".join(shape_label(s) for s in self.layouts(batch)) or "none"
+    shape = {DATA: data, **(axes or {}), TENSOR: tensor}
+    refused = layout_class(self.cfg.mesh.backend).check_settings(data, tensor, axes)  # e.g. pmap: data only
+    if refused:
+      raise ValueError(f"mesh {shape_label(shape)}: {refused}")
+    need = math.prod(shape.values())
+    if need != n:
+      raise ValueError(f"mesh {shape_label(shape)} ({' x '.join(shape)}) needs {need} devices but {self.target.name} "
+                       f"has {n}; layouts of {n} devices that fit these models and batch {batch}: {ok}")
     err = self.split_error(tensor)
     if err:
       raise ValueError(f"mesh tensor={tensor}: {err}; layouts that split both models: {ok}")
@@ -122,7 +143,7 @@ class Planner:
   # ------------------------------------------------------------------- builds
   def _distiller(self, k: Knobs, teacher: ModelConfig | None = None, student: ModelConfig | None = None):
     """The abstract Distiller of ``k`` (``teacher`` / ``student``: other model configs, e.g. shallow copies)."""
-    mesh = make_mesh(data=k.data, tensor=k.tensor, devices=self.target.devices)
+    mesh = mesh_of(k.shape, self.target.devices)
     cfg = self.cfg.replace(distill=dataclasses.replace(self.cfg.distill, chunk_size=k.chunk_size)) \
         if k.chunk_size != self.cfg.distill.chunk_size else self.cfg
 
@@ -131,7 +152,8 @@ class Planner:
     student = student.replace(remat=k.remat) if k.remat != student.remat else student
     return abstract_distiller(teacher or self.teacher, student, strategy, optimizer, mesh, self.options,
                               lora=self.cfg.models.student_lora, teacher_quantize=self.cfg.models.teacher_quantize,
-                              fsdp=self.cfg.mesh.fsdp, student_split=self.cfg.mesh.student_split)
+                              fsdp=self.cfg.mesh.fsdp, student_split=self.cfg.mesh.student_split,
+                              loss_scale=self.cfg.safeguards.loss_scale)
 
   def static_bytes(self, k: Knobs) -> int:
     """Per-device bytes of the step's inputs (weights, optimizer state, batch): a lower bound, without compiling."""
@@ -145,8 +167,9 @@ class Planner:
     """Compiles configuration ``k`` (once) and returns its `Plan`."""
     if k in self._plans:
       return self._plans[k]
-    self.check_mesh(k.data, k.tensor, k.batch)
-    label = self.progress.start(f"{self.labels[0]} -> {self.labels[1]} for {self.target.name}: mesh {k.data}x{k.tensor}"
+    self.check_mesh(k.data, k.tensor, k.batch, dict(k.axes))
+    label = self.progress.start(f"{self.labels[0]} -> {self.labels[1]} for {self.target.name}: mesh "
+                                f"{shape_label(k.shape)}"
                                 f", remat={k.remat}, chunk_size={k.chunk_size}, batch {k.batch}x{self.seq}")
     d = self._distiller(k)
     c = compile_step(d, k.batch, self.seq, report=lambda message: self.progress.step(label, message))
@@ -169,7 +192,7 @@ class Planner:
     n_s = _matmul_params(self.student, c.params["student"])
     analytic = (2 * n_t + 6 * n_s) * tokens / n
     kernels = kernel_flops(self.teacher, self.student, k.remat, self.seq) * tokens / n  # not in XLA's count
-    colls = collectives(c.hlo, d.mesh.shape)  # labels by every axis of the mesh (an `expert` axis too)
+    colls = collectives(c.hlo, k.shape)
     counts, uncounted = None, None
     if c.flops is not None and self._scanned():
       try:
@@ -182,7 +205,8 @@ class Planner:
     p = Plan(
         teacher=self.labels[0], student=self.labels[1], params=c.params, target=self.target.name,
         device_kind=str(getattr(self.target.devices[0], "device_kind", self.target.platform)), devices=n,
-        devices_per_chip=self.target.devices_per_chip, mesh=(k.data, k.tensor), batch=k.batch, seq=self.seq,
+        devices_per_chip=self.target.devices_per_chip, mesh=(k.data, k.tensor), axes=k.shape, batch=k.batch,
+        seq=self.seq,
         remat=k.remat, chunk_size=k.chunk_size, dtype=self.student.dtype, strategy=type(d.strategy).__name__,
         memory=memory, budget_bytes=budget, headroom=self.headroom, fits=fits,
         flops={"compiled": c.flops, "counted": flops, "analytic": analytic,
@@ -242,7 +266,7 @@ class Planner:
       d = self._distiller(k, shallow(self.teacher, lt), shallow(self.student, ls))
       where = f"unrolled at {lt} teacher / {ls} student block(s), to count the scanned loops: "
       return compile_step(d, k.batch, self.seq, report=lambda m: report(where + m) if report else None)
-    return layer_counts(compile_at, (self.teacher.n_layers, self.student.n_layers), (k.data, k.tensor))
+    return layer_counts(compile_at, (self.teacher.n_layers, self.student.n_layers), k.shape)
 
   def _roofline(self, flops, bytes_accessed, colls, model_flops: float, tokens: int,
                 kernels: float) -> dict[str, float | str | None]:
@@ -272,15 +296,14 @@ class Planner:
     loss, more ``tensor``, then smaller batches, tried in that order (at most ``max_compiles`` compilations)."""
     leaner = list(REMAT_ORDER[REMAT_ORDER.index(k.remat) + 1:]) if k.remat in REMAT_ORDER else []
     chunk = k.chunk_size if k.chunk_size is not None else min(DEFAULT_CHUNK, k.batch * self.seq)
-    more_tensor = [(d, t) for d, t in self.layouts(k.batch) if t > k.tensor]
+    more_tensor = [s for s in self.layouts(k.batch) if s[TENSOR] > k.tensor]
     order: list[Knobs] = []
     # the leanest remat first (one knob, the largest saving), then the policies between
     order += [dataclasses.replace(k, remat=r) for r in leaner[::-1]]
     if k.chunk_size is None:
       order += [dataclasses.replace(k, chunk_size=chunk), dataclasses.replace(k, chunk_size=chunk, remat="full")]
-    for d, t in more_tensor:
-      order += [dataclasses.replace(k, data=d, tensor=t), dataclasses.replace(k, data=d, tensor=t, remat="full",
-                                                                             chunk_size=chunk)]
+    for s in more_tensor:
+      order += [Knobs.on(s, k.remat, k.chunk_size, k.batch), Knobs.on(s, "full", chunk, k.batch)]
     b = k.batch // 2
     while b >= 1 and b % k.data == 0:
       order.append(dataclasses.replace(k, batch=b, remat="full", chunk_size=chunk))
@@ -301,16 +324,18 @@ class Planner:
     return found
 
   def candidates(self, batch: int, meshes=None, remats=None, chunk_sizes=None, batches=None) -> list[Knobs]:
+    """Every combination of ``meshes`` (each a `mesh_shape` form: ``(data, tensor)``, ``"2x4"``, a mapping;
+    default `layouts`), remat policies, chunk sizes and ``batches``."""
     batches = list(batches or [batch])
     remats = list(remats or dict.fromkeys([self.student.remat, "full"]))
     chunks = list(chunk_sizes or dict.fromkeys([self.cfg.distill.chunk_size, DEFAULT_CHUNK]))
     out = []
     for b in batches:
-      layouts = meshes or self.layouts(b)
-      for d, t in layouts:
+      layouts = [mesh_shape(m, "meshes") for m in meshes] if meshes else self.layouts(b)
+      for shape in layouts:
         for r in remats:
           for c in chunks:
-            out.append(Knobs(d, t, r, c, b))
+            out.append(Knobs.on(shape, r, c, b))
     return out
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
+from meshdistill.parallel.mesh import shape_label
 from meshdistill.planner._placement import placement_table
 
 GIB = 2**30
@@ -58,6 +59,12 @@ class Plan:
   compiler_options: dict | None = None
   fsdp: bool = False  # weights and optimizer moments split over `data` too (`mesh.fsdp`)
   student_split: str = "tensor"  # `mesh.student_split`: "batch" = a replicated student on rows split over both axes
+  axes: dict[str, int] | None = None  # the whole mesh, {axis: size} in mesh order (None: data x tensor, `mesh`)
+
+  @property
+  def mesh_axes(self) -> dict[str, int]:
+    """Every mesh axis and its size, in mesh order (``mesh`` holds ``(data, tensor)`` only)."""
+    return dict(self.axes) if self.axes else {"data": self.mesh[0], "tensor": self.mesh[1]}
   attention: str = "auto"  # the models' `ModelConfig.attention` ("teacher X, student Y" when they differ)
   suggestions: list["Plan"] = dataclasses.field(default_factory=list)
   placement: dict | None = None  # where the teacher should live (`_placement.placements`), when asked
@@ -82,11 +89,12 @@ class Plan:
     """The knobs of this configuration in one line (what a suggestion changes)."""
     chunk = "full logits" if self.chunk_size is None else f"chunk_size={self.chunk_size}"
     fsdp = (" fsdp" if self.fsdp else "") + (" student over batch" if self.student_split == "batch" else "")
-    return f"mesh {self.mesh[0]}x{self.mesh[1]}{fsdp}, remat={self.remat}, {chunk}, batch {self.batch}x{self.seq}"
+    return f"mesh {shape_label(self.mesh_axes)}{fsdp}, remat={self.remat}, {chunk}, batch {self.batch}x{self.seq}"
 
   def to_dict(self) -> dict[str, Any]:
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "suggestions"}
-    out["mesh"] = {"data": self.mesh[0], "tensor": self.mesh[1]}
+    out["mesh"] = self.mesh_axes
+    del out["axes"]
     out["limit_bytes"] = self.limit_bytes
     out["over_bytes"] = self.over_bytes
     out["suggestions"] = [s.to_dict() for s in self.suggestions]
@@ -101,8 +109,8 @@ class Plan:
     per = "chip" if self.devices_per_chip == 1 else f"device ({self.devices_per_chip} per chip)"
     lines.append(f"plan: {self.teacher} ({self.params['teacher'] / 1e9:.2f} B params) -> {self.student} "
                  f"({self.params['student'] / 1e9:.2f} B params), {self.strategy}")
-    lines.append(f"target: {self.target} = {self.devices} x {self.device_kind}, mesh data={self.mesh[0]} x "
-                 f"tensor={self.mesh[1]}{' (fsdp: weights split over data too)' if self.fsdp else ''}{' (student replicated, on rows split over data x tensor)' if self.student_split == 'batch' else ''}; batch {self.batch} x seq {self.seq} = {self.batch * self.seq:,} tokens/step; "
+    lines.append(f"target: {self.target} = {self.devices} x {self.device_kind}, mesh "
+                 f"{' x '.join(f'{a}={v}' for a, v in self.mesh_axes.items())}{' (fsdp: weights split over data too)' if self.fsdp else ''}{' (student replicated, on rows split over data x tensor)' if self.student_split == 'batch' else ''}; batch {self.batch} x seq {self.seq} = {self.batch * self.seq:,} tokens/step; "
                  f"dtype {self.dtype}, remat {self.remat}, attention {self.attention}, "
                  + ("full logits" if self.chunk_size is None else f"chunk_size {self.chunk_size}"))
     lines.append("")
@@ -208,7 +216,8 @@ def search_table(plans: list[Plan]) -> str:
     mfu = "-" if p.time.get("mfu") is None else f"{100 * p.time['mfu']:.1f}%"
     fits = {True: "yes", False: "no", None: "?"}[p.fits]
     total = "oom" if p.memory.get("total") is None else f"{p.memory['total'] / GIB:.2f}"
-    rows.append(f"{i:>4}  {p.mesh[0]:>2}x{p.mesh[1]:<4} {p.remat:<14} {loss:<14} {p.batch:>4}x{p.seq:<5} "
+    mesh = f"{p.mesh[0]:>2}x{p.mesh[1]:<4}" if len(p.mesh_axes) == 2 else shape_label(p.mesh_axes)
+    rows.append(f"{i:>4}  {mesh} {p.remat:<14} {loss:<14} {p.batch:>4}x{p.seq:<5} "
                 f"{total:>8}  {fits:<5} {ms:>13} {mfu:>6} {p.compile_seconds:>10.1f}")
   return "\n".join(rows)
 

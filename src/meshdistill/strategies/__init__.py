@@ -78,7 +78,7 @@ from meshdistill.strategies._features import FeaturePooling, FeatureProjection, 
 from meshdistill.strategies._layer_map import default_layer_map
 from meshdistill.strategies._logit import LogitKD, LogitRecipe, logit_metrics, logit_token_metrics
 from meshdistill.strategies._preference import PreferenceLoss, preference_batch, read_preferences
-from meshdistill.strategies._wrappers import LogitMSE, ScaledLoss, fallback_strategy, label
+from meshdistill.strategies._wrappers import LogitMSE, fallback_strategy, label
 
 __all__ = [
     "AttentionTransfer",

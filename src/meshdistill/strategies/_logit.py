@@ -124,7 +124,7 @@ class LogitRecipe(Strategy):
 
   def hyperparameters(self) -> tuple[str, ...]:
     """The divergence's own settings (``beta``, ``skew``) it is called with."""
-    return () if callable(self.divergence) else losses.HYPERPARAMETERS[self.divergence]
+    return () if callable(self.divergence) else losses.HYPERPARAMETERS.get(self.divergence, ())
 
   def scalars(self, step) -> dict[str, jax.Array]:
     """Temperature, alpha and the divergence's hyper-parameters at ``step``."""

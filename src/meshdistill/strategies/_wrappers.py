@@ -1,11 +1,8 @@
-"""Strategy wrappers: static loss scaling, and the logit-MSE fallback a divergence switches to.
+"""The loss a divergence switches to (`LogitMSE`, `fallback_strategy`: the steadier loss
+`meshdistill.loop.guard.Recovery` distils with), and `label`, how messages name a strategy.
 
-* `ScaledLoss(strategy, S)` multiplies the gradient of the loss by ``S`` while leaving its VALUE
-  (and so every reported metric) unchanged; pair it with
-  ``meshdistill.train.optimizers.safeguarded(..., loss_scale=S)``, which divides the gradients by ``S``
-  first. The step needs no change: the loss is ``stop_gradient(l) + S * (l - stop_gradient(l))``.
-* `LogitMSE` and `fallback_strategy`: the steadier loss `meshdistill.loop.guard.Recovery` distils with
-  after a divergence.
+Static loss scaling is not a strategy: it is a setting of the step (``Distiller(..., loss_scale=S)``,
+`meshdistill.train.step.scale_gradient`), so every strategy reaches the step, a top-k teacher and the guard as itself.
 """
 
 from __future__ import annotations
@@ -13,67 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
-from meshdistill.train.optimizers import check_loss_scale
 from meshdistill.train.schedules import value_at
 from meshdistill.strategies._base import SequenceStrategy, Strategy
 from meshdistill.strategies._logit import logit_metrics
-
-
-class ScaledLoss(Strategy):
-  """``strategy`` whose loss gradient is multiplied by a static ``scale`` (value unchanged).
-
-  Use with ``safeguarded(..., loss_scale=scale)``. Its capabilities (the strategy contract's
-  `meshdistill.strategies.CONTRACT`) are the wrapped strategy's, each declared here; it forwards no other
-  attribute, so nothing needs to unwrap it: a top-k teacher reads ``accepts_topk`` / ``top_k`` /
-  ``temperature`` and names it by `label`.
-  """
-
-  def __init__(self, strategy: Any, scale: float):
-    check_loss_scale(scale)
-    self.strategy, self.scale = strategy, float(scale)
-
-  capture = property(lambda self: self.strategy.capture)
-  needs_logits = property(lambda self: self.strategy.needs_logits)
-  needs_head = property(lambda self: self.strategy.needs_head)
-  needs_teacher = property(lambda self: self.strategy.needs_teacher)
-  accepts_topk = property(lambda self: self.strategy.accepts_topk)
-  count = property(lambda self: self.strategy.count)
-  top_k = property(lambda self: getattr(self.strategy, "top_k", None))
-  temperature = property(lambda self: getattr(self.strategy, "temperature", None))
-
-  @property
-  def label(self) -> str:
-    """How messages name it: ``ScaledLoss(scale=S) wrapping <the wrapped strategy's label>``."""
-    return f"ScaledLoss(scale={self.scale}) wrapping {label(self.strategy)}"
-
-  def init_params(self, student_cfg, teacher_cfg, key):
-    return self.strategy.init_params(student_cfg, teacher_cfg, key)
-
-  def settings(self) -> tuple[str, ...]:
-    """The wrapped strategy's settings."""
-    return self.strategy.settings()
-
-  def replace(self, **changes) -> ScaledLoss:
-    """The wrapped strategy with ``changes`` (`Strategy.replace`), at the same scale."""
-    return ScaledLoss(self.strategy.replace(**changes), self.scale)
-
-  def _scaled(self, sums: dict) -> dict:
-    loss = sums["loss"]
-    kept = jax.lax.stop_gradient(loss)
-    return {**sums, "loss": kept + self.scale * (loss - kept)}
-
-  def per_sequence(self, *args):
-    return self._scaled(self.strategy.per_sequence(*args))
-
-  def per_batch(self, *args, **kw):
-    return self._scaled(self.strategy.per_batch(*args, **kw))
-
-  def fallback(self) -> ScaledLoss:
-    """The wrapped strategy's fallback, at the same scale."""
-    return ScaledLoss(fallback_strategy(self.strategy), self.scale)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,7 +57,7 @@ def fallback_strategy(strategy: Any) -> Any:
   `LogitKD` / `ChunkedLogitKD` keep their recipe with ``divergence="mse"`` (and no top-k): a
   chunked loss stays chunked, so the fallback needs no more memory than the loss it replaces. A
   strategy whose ``fallback()`` is None (or that does not derive from `Strategy`) becomes
-  `LogitMSE` with its ``alpha`` (0.5 when it has none). A `ScaledLoss` keeps its scale.
+  `LogitMSE` with its ``alpha`` (0.5 when it has none).
   """
   own = strategy.fallback() if isinstance(strategy, Strategy) else None
   if own is not None:

@@ -15,41 +15,41 @@ student's step is unchanged; ``dispatch_log`` records when each teacher call was
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.parallel.mesh import DATA, make_mesh
+from meshdistill.parallel.mesh import DATA, mesh_of, mesh_shape, shape_label
 from meshdistill.train.step import TOPK_KEYS
 from meshdistill.teachers.cache import TeacherTopK, TopKTeacher
 
 
-def split_meshes(teacher: tuple[int, int], student: tuple[int, int], devices=None) -> tuple[Mesh, Mesh]:
-  """Two meshes on disjoint devices: the first ``teacher = (data, tensor)`` devices for the teacher,
-  the next ``student = (data, tensor)`` for the student.
+def split_meshes(teacher: Any, student: Any, devices=None) -> tuple[Mesh, Mesh]:
+  """Two meshes on disjoint devices: the first devices for the teacher's mesh, the next for the student's. Each
+  mesh is a ``(data, tensor)`` pair or an ``{axis: size}`` mapping (`meshdistill.parallel.mesh.mesh_shape`: e.g.
+  ``{data: 1, expert: 2, tensor: 2}``).
 
   Raises:
     ValueError: naming ``teacher.devices`` when the split leaves the student too few devices.
   """
   devices = list(jax.devices() if devices is None else devices)
-  (td, tt), (sd, st) = teacher, student
-  for name, v in (("teacher.devices.data", td), ("teacher.devices.tensor", tt), ("mesh.data", sd), ("mesh.tensor", st)):
-    if not isinstance(v, int) or v < 1:
-      raise ValueError(f"{name}={v!r} must be a positive integer")
-  n_teacher, n_student = td * tt, sd * st
+  t, s = mesh_shape(teacher, "teacher.devices"), mesh_shape(student, "mesh")
+  n_teacher, n_student = math.prod(t.values()), math.prod(s.values())
   if n_teacher + n_student > len(devices):
     left = len(devices) - n_teacher
     raise ValueError(
-        f"teacher.devices={td}x{tt} takes {n_teacher} of the {len(devices)} devices and leaves the student "
+        f"teacher.devices={shape_label(t)} takes {n_teacher} of the {len(devices)} devices and leaves the student "
         f"{max(left, 0)}, "
-        f"but mesh {sd}x{st} (data x tensor) needs {n_student}; give the teacher at most "
+        f"but mesh {shape_label(s)} ({' x '.join(s)}) needs {n_student}; give the teacher at most "
         f"{len(devices) - n_student} devices, or the student a mesh of at most {max(left, 0)}"
     )
-  return (make_mesh(td, tt, devices[:n_teacher]), make_mesh(sd, st, devices[n_teacher:n_teacher + n_student]))
+  return mesh_of(t, devices[:n_teacher]), mesh_of(s, devices[n_teacher:n_teacher + n_student])
 
 
 class TeacherOnMesh:

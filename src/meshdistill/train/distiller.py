@@ -32,7 +32,7 @@ from meshdistill.models import Decoder
 from meshdistill.models._build import abstract_params
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
-from meshdistill.train.optimizers import default_optimizer
+from meshdistill.train.optimizers import check_loss_scale, default_optimizer
 from meshdistill.train.step import BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TOPK_KEYS, TrainState, per_device_step
 from meshdistill.strategies import LogitKD, label
 from meshdistill.teachers.cache import TopKTeacher
@@ -66,6 +66,11 @@ class Distiller:
       student replicated, run on the batch rows split over ``data`` x ``tensor`` (a student small enough to hold
       whole on each device then needs no collective in its forward and backward passes; see
       `meshdistill.parallel.backends.ShardMapLayout`). Same numbers either way; not with ``fsdp``.
+    loss_scale: static loss scaling, a setting of the step (`meshdistill.train.step.scale_gradient`): the loss
+      gradient is multiplied by it while the loss and every metric keep their values; pair it with an ``optimizer``
+      that divides the gradients by the same factor, ``safeguarded(..., loss_scale=S)`` (`make_optimizer` does
+      for ``safeguards.loss_scale``). ``None`` (default): off. The strategy stays as given, and `with_strategy`
+      (the guard's fallback) keeps the scale.
   """
 
   compiler_options: dict | None = None  # XLA options of the step (see `with_compiler_options`)
@@ -84,7 +89,10 @@ class Distiller:
       trainable: Any = None,
       fsdp: bool = False,
       student_split: str = "tensor",
+      loss_scale: float | None = None,
   ):
+    if loss_scale is not None:
+      check_loss_scale(loss_scale)
     if teacher is None and strategy is None:
       raise ValueError("Distiller without a teacher needs a strategy that uses none, e.g. strategy=HardLabelCE()")
     if getattr(getattr(student, "cfg", None), "param_dtype", "float32") != "float32":
@@ -139,6 +147,7 @@ class Distiller:
         vocab=self.shared_vocab,
         trainable=trainable,
         **self._teacher_names(),
+        loss_scale=None if loss_scale is None else float(loss_scale),
     )
     self._compiled = None
     self._strategy_variants: dict = {}  # `with_strategy` results, reused
@@ -153,6 +162,11 @@ class Distiller:
   def backend(self) -> str:
     """The layout's name (``single`` / ``shard_map`` / ``pmap``)."""
     return self.layout.name
+
+  @property
+  def loss_scale(self) -> float | None:
+    """The step's static loss scale (``None``: off)."""
+    return self._step_fn.keywords.get("loss_scale")
 
   @property
   def n_replicas(self) -> int:

@@ -4,9 +4,9 @@
 * `safeguarded(inner)` -- ``[unscale by S] -> skip if non-finite -> clip global norm -> inner``.
   An update whose gradients hold a NaN/Inf is skipped: parameters and ``inner`` state stay as
   they were, and the skip is counted (`skipped_updates` reads the count for logging). With static
-  loss scaling (`meshdistill.strategies.ScaledLoss` multiplies the loss gradient by ``S``) the
-  gradients are first divided by ``S`` (``optax.scale(1 / S)``); an overflowing backward pass gives
-  Inf gradients, which are then skipped;
+  loss scaling (the step's ``loss_scale``, `meshdistill.train.step.scale_gradient`, multiplies the loss
+  gradient by ``S``) the gradients are first divided by ``S`` (``optax.scale(1 / S)``); an overflowing backward
+  pass gives Inf gradients, which are then skipped;
 * `lr_schedule` / `make_optimizer` -- what the CLI's ``train`` / ``pretrain`` sections build: AdamW
   on a warm-up + cosine schedule, or inside `meshdistill.train.freezing.progressive_freeze`.
 
@@ -57,7 +57,8 @@ def safeguarded(
       trainable gradients only.
     skip_nonfinite: skip (and count) updates whose gradients hold NaN or Inf. Skips
       never give up: a run whose every gradient is non-finite is left to the divergence guard.
-    loss_scale: the static scale ``S`` of a `ScaledLoss` strategy (``None``: off).
+    loss_scale: the static scale ``S`` the step multiplies the loss gradient by (``Distiller(..., loss_scale=S)``;
+      ``None``: off).
   """
   if clip is not None and not clip > 0:
     raise ValueError(f"safeguarded clip={clip!r} must be > 0 or None (no clipping)")
@@ -158,7 +159,7 @@ def make_optimizer(
   (``settings.freeze``; needs the model's ``n_layers``) the AdamW runs inside
   `meshdistill.train.freezing.progressive_freeze`: each stage's blocks are frozen bit for bit and the
   stage's learning rate replaces the schedule; clipping then covers the trainable gradients only.
-  ``loss_scale`` divides the gradients first (pair it with `meshdistill.strategies.ScaledLoss`).
+  ``loss_scale`` divides the gradients first (pair it with the Distiller's ``loss_scale``).
   """
   stages = settings.stages() if hasattr(settings, "stages") else None
   if stages is not None:

@@ -93,6 +93,7 @@ def per_device_gradients(
     student_axis: str | None = None,
     teacher_names: tuple[str, ...] = (),
     teacher_temperature: float = 1.0,
+    loss_scale: float | None = None,
     **_,
 ):
   """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
@@ -116,6 +117,10 @@ def per_device_gradients(
   ``teacher_names``: with several teachers (`MULTI_KEYS` in ``batch``), their names, in the batch's order: the
   metrics then hold ``kl/<name>`` and ``agreement/<name>`` (token means over the rows each teacher serves, the
   student at ``teacher_temperature``) and ``tokens/<name>``; the loss reads only the combined top-k.
+
+  ``loss_scale``: static loss scaling (`scale_gradient`): the loss gradient multiplied by it, the loss value and
+  every metric unchanged; pair it with ``meshdistill.train.optimizers.safeguarded(..., loss_scale=S)``, which divides
+  the gradients by it first. ``None``: off.
 
   ``student_axis``: a compiler-managed mesh axis (``tensor``) over which the student is replicated and its rows
   split (`meshdistill.parallel.backends.ShardMapLayout` with ``student_split="batch"``): the teacher runs as usual on
@@ -147,6 +152,7 @@ def per_device_gradients(
   student_part = functools.partial(
       student_gradients, state.step, student_def=student_def, strategy=strategy, vocab=vocab, trainable=trainable,
       light=light, teacher_softcap=teacher_cap, teachers=(tuple(teacher_names), teacher_temperature),
+      loss_scale=loss_scale,
   )
   rows = {k: batch[k] for k in ("inputs", "targets", "mask", *(MULTI_KEYS if teacher_names else ())) if k in batch}
   if student_axis is None:
@@ -203,11 +209,13 @@ def student_gradients(
     light: bool,
     teacher_softcap: float | None = None,
     teachers: tuple[tuple[str, ...], float] = ((), 1.0),
+    loss_scale: float | None = None,
 ):
   """The student's part of `per_device_gradients` on the rows given, with the teacher's outputs for them:
   ``(grads, metrics)`` with gradients and token sums summed over the mesh axes ``axes`` (``None``: none).
   ``teacher_softcap``: the teacher's final logit soft-cap, for a strategy that forms logits from the heads.
-  ``teachers``: ``(names, temperature)`` of several teachers whose own top-k the batch carries (`MULTI_KEYS`)."""
+  ``teachers``: ``(names, temperature)`` of several teachers whose own top-k the batch carries (`MULTI_KEYS`).
+  ``loss_scale``: the factor on the loss gradient (`scale_gradient`)."""
   capture = tuple(strategy.capture)
   with_logits, with_head = strategy.needs_logits, strategy.needs_head
   inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
@@ -244,7 +252,7 @@ def student_gradients(
       terms, usage = router_losses.router_terms(router, mask_BxT, moe, axes)
       sums = {**sums, "loss": sums["loss"] + denom * router_losses.weighted(terms, moe),
               **{k: denom * v for k, v in terms.items()}}
-    return sums["loss"] / denom, (sums, usage)
+    return scale_gradient(sums["loss"], loss_scale) / denom, (sums, usage)
 
   (_, (sums, usage)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
   if light:
@@ -269,6 +277,16 @@ def _teacher_sums(logits_BxTxV, batch: dict, mask_BxT, names: tuple[str, ...], t
     terms = jax.vmap(losses.teacher_terms, in_axes=(0, 0, 0, None))(logits_BxTxV, topk, mask_n, temperature)
     out |= {f"{k}/{name}": jnp.sum(v) for k, v in terms.items()} | {f"tokens/{name}": jnp.sum(mask_n)}
   return out
+
+
+def scale_gradient(loss: jax.Array, scale: float | None) -> jax.Array:
+  """``loss`` with the same value and its gradient multiplied by ``scale`` (static loss scaling; ``None``: ``loss``):
+  ``stop_gradient(l) + S * (l - stop_gradient(l))``. The step's whole loss is scaled (a mixture-of-experts student's
+  router terms too), so unscaling every gradient by ``S`` in the optimizer restores the update."""
+  if scale is None:
+    return loss
+  kept = jax.lax.stop_gradient(loss)
+  return kept + scale * (loss - kept)
 
 
 def sum_over_data(tree: Any, data_axis: Any) -> Any:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from meshdistill import losses
 from meshdistill.parallel.fsdp import data_specs
 from meshdistill.parallel.mesh import DATA, TENSOR, host_to_global, param_shardings
-from meshdistill.strategies import ScaledLoss, label
+from meshdistill.strategies import label
 
 
 # --------------------------------------------------------------------------- the teacher as top-k
@@ -45,13 +45,11 @@ class TopKTeacher:
   def check_strategy(self, strategy: Any) -> None:
     """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone: it declares
     ``accepts_topk`` (the strategy contract's capability) and reads a top-k of at most ``k`` tokens at this
-    teacher's temperature. A wrapper (`ScaledLoss`) declares the strategy it wraps' capabilities, and is named
-    by its ``label``. A strategy with a ``check_topk_teacher(teacher)`` method (`SampledTokenKD`: it needs only
-    the sampled token's log-probability) checks this teacher itself."""
+    teacher's temperature; messages name it by its ``label``. A strategy with a ``check_topk_teacher(teacher)``
+    method (`SampledTokenKD`: it needs only the sampled token's log-probability) checks this teacher itself."""
     name = label(strategy)
-    inner = strategy.strategy if isinstance(strategy, ScaledLoss) else strategy
-    if strategy.accepts_topk and hasattr(inner, "check_topk_teacher"):
-      inner.check_topk_teacher(self)
+    if strategy.accepts_topk and hasattr(strategy, "check_topk_teacher"):
+      strategy.check_topk_teacher(self)
       return
     if not strategy.accepts_topk:
       raise ValueError(

@@ -13,6 +13,8 @@ one source key they set: `infer`). A source is a `TeacherSource` subclass regist
   ``accepts_topk``, ``top_k``, ``temperature``), checked from the config before any data or weights are read
   (`check`);
 * ``meshes``: where it runs -- the student's mesh, or a mesh of its own beside it (``teacher.devices``);
+* ``saved_model``: the teacher model of a finished run, for the jobs after training (evaluate, generate): read only,
+  never pretrained; a source without one (`NOTHING`, a top-k cache) refuses with `NoTeacherModel`, saying so;
 * ``prepare``: what it does before training -- obtain (load, pretrain) and place a model, open a cache, start a
   teacher on its sub-mesh -- returning a `Prepared`: the data (a source that gives `TOPK` wraps it), the teacher
   (a model, a `meshdistill.teachers.cache.TopKTeacher`, or None) and its identity (the ``teacher_dir`` a run's
@@ -23,6 +25,7 @@ The jobs lend a source what it cannot own without importing them (`Services`: pr
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -51,6 +54,11 @@ class Prepared:
   identity: str | None
 
 
+class NoTeacherModel(ConfigError):
+  """The run's teacher source has no teacher model (`TeacherSource.saved_model`): nothing to evaluate or generate
+  with."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Services:
   """What the jobs lend a source: ``pretrain(cfg, data=, mesh=, out=)`` trains a teacher from scratch into ``out``
@@ -60,7 +68,7 @@ class Services:
   report: Callable[[str], None]
 
 
-class TeacherSource:
+class TeacherSource(abc.ABC):
   """One way to get a run's teacher; subclass it, set the class attributes, decorate with `register`.
 
   Instances hold the run's `Config`; `prepare` may be called once per job.
@@ -132,9 +140,25 @@ class TeacherSource:
     """Devices this source takes beside the student's mesh (simulated CPU devices are counted with them)."""
     return 0
 
+  @abc.abstractmethod
   def prepare(self, data: Any, mesh: Any, teacher_mesh: Any, services: Services) -> Prepared:
     """The data, the teacher and its identity, ready for the `Distiller` on ``mesh``."""
-    raise NotImplementedError(f"{type(self).__name__}.prepare")
+
+  # ------------------------------------------------------------------ after training (evaluate, generate)
+  def saved_tokenizer(self, identity: str | None) -> Any:
+    """The tokenizer kept with the teacher a run recorded as ``identity``, or None: the run's data settings name it."""
+    del identity
+    return None
+
+  def saved_model(self, identity: str | None, mesh: Any, tokenizer: Any) -> tuple[str | None, Any]:
+    """``(identity, teacher model on mesh)``: the teacher of a run whose checkpoints recorded ``identity`` (their
+    ``teacher_dir``; None before any), read only -- nothing is pretrained or written. By default there is none: a
+    `NoTeacherModel` error saying what the source gives instead."""
+    del identity, mesh, tokenizer
+    gives = "gives no teacher" if self.gives == NOTHING else "gives the teacher's top-k only (no teacher weights)"
+    raise NoTeacherModel(
+        f"teacher.source={self.name} {gives}: this run has no teacher model to evaluate or generate with; use its "
+        "student (--model student), or a source that loads a teacher (teacher.hf, or pretrain.teacher=DIR)")
 
 
 class ModelSource(TeacherSource):
@@ -142,9 +166,9 @@ class ModelSource(TeacherSource):
 
   gives: ClassVar[str] = MODEL
 
+  @abc.abstractmethod
   def model(self, data: Any, mesh: Any, services: Services) -> tuple[Any, str]:
     """``(teacher model on mesh, its identity)``."""
-    raise NotImplementedError(f"{type(self).__name__}.model")
 
   def prepare(self, data, mesh, teacher_mesh, services):
     del teacher_mesh

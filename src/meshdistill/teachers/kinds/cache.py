@@ -11,7 +11,7 @@ from typing import ClassVar
 from meshdistill.config.typed_yaml import ConfigError
 from meshdistill.teachers import cache as tc
 from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, register
-from meshdistill.teachers.kinds.hf import check_hf_path
+from meshdistill.teachers.kinds.hf import HuggingFace, check_hf_path
 
 # How the teacher computes or is placed, not what: remat, stacked blocks, and the vocabulary padding and key/value
 # replication `ModelConfig.for_tensor` adds for the writer's mesh (the manifest holds the fitted config).
@@ -61,3 +61,9 @@ class Cached(TeacherSource):
                     f"{cache.bytes_per_token():.1f} bytes/token); no teacher weights loaded")
     return Prepared(tc.CachedTeacherData(data, cache), cache.spec(), cache.path)
 
+  def saved_model(self, identity, mesh, tokenizer):
+    """With ``teacher.hf`` (the teacher that wrote the cache) that model, read on ``mesh``; else none (the cache
+    holds its top-k only)."""
+    if self.cfg.models.teacher_hf:
+      return HuggingFace(self.cfg).saved_model(identity, mesh, tokenizer)
+    return super().saved_model(identity, mesh, tokenizer)

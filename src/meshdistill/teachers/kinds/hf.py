@@ -62,3 +62,8 @@ class HuggingFace(ModelSource):
     path = self.cfg.models.teacher_hf
     services.report(f"teacher: {path} (Hugging Face)")
     return load_teacher_hf(self.cfg, mesh), path
+
+  def saved_model(self, identity, mesh, tokenizer):
+    """``teacher.hf``, read again (its tokenizer is the data's)."""
+    del identity, tokenizer
+    return self.cfg.models.teacher_hf, load_teacher_hf(self.cfg, mesh)

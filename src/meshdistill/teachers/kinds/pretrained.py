@@ -12,7 +12,8 @@ import os
 from typing import Any, ClassVar
 
 from meshdistill.distributed import agree_on
-from meshdistill.storage.checkpoint import TeacherDamagedError, load_teacher
+from meshdistill.data import load_tokenizer
+from meshdistill.storage.checkpoint import TeacherDamagedError, load_teacher, read_teacher_meta
 from meshdistill.teachers.kinds._base import ModelSource, register
 from meshdistill.teachers.kinds._quantize import check_quantize
 
@@ -92,3 +93,19 @@ class Pretrained(ModelSource):
       report(f"teacher: none cached for these settings; pretraining one ({cfg.pretrain.steps} steps) -> {path}")
     services.pretrain(cfg, data=data, mesh=mesh, out=path)  # the cache is ours to replace
     return load_teacher(path, cfg.teacher, mesh, data.tokenizer), path
+
+  def _saved_dir(self, identity):
+    tdir = identity or self.cfg.pretrain.teacher
+    if not tdir:
+      raise FileNotFoundError(f"{self.cfg.run.run_dir} names no teacher: set pretrain.teacher=DIR or distil first")
+    return os.path.expanduser(tdir)
+
+  def saved_tokenizer(self, identity):
+    """The tokenizer saved in the teacher's directory."""
+    return load_tokenizer(os.path.join(self._saved_dir(identity), "tokenizer"))
+
+  def saved_model(self, identity, mesh, tokenizer):
+    """The teacher directory the run recorded (else ``pretrain.teacher``), read only."""
+    tdir = self._saved_dir(identity)
+    read_teacher_meta(tdir)
+    return tdir, load_teacher(tdir, self.cfg.teacher, mesh, tokenizer)

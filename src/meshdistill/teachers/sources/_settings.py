@@ -54,7 +54,7 @@ class ModelSources:
   student_hf: str | None = None
   student_init: StudentInit = dataclasses.field(default_factory=StudentInit)
   teacher_cache: str | None = None  # an offline top-k cache (`meshdistill.teachers.cache`): no teacher weights loaded
-  teacher_devices: dict | None = None  # the teacher's own mesh {data, tensor} (`meshdistill.teachers.mesh`)
+  teacher_devices: dict | None = None  # the teacher's own mesh {data, tensor, other axes} (`teachers.mesh`)
   student_lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank 0: no adapters
   teacher_quantize: str | None = None  # the teacher's projections stored int8 / int4 / nf4 (`models.quantize`)
   teacher_options: dict = dataclasses.field(default_factory=dict)  # other settings of the chosen source, by key
