@@ -38,25 +38,29 @@ PAIRS = [
     ("qwen3-4b", "qwen3-0.6b"),
     ("gemma-3-12b", "gemma-3-1b"),
     ("mistral-7b-v0.3", "mistral-7b-v0.3[0,10,21,31]"),
+    ("qwen3-30b-a3b", "qwen3-1.7b"),
+    ("qwen3-235b-a22b", "qwen3-8b"),
 ]
 # (topology name, what Google Cloud calls the slice)
 TOPOLOGIES = [("v5e:4x4", "v5e-16"), ("v5e:8x8", "v5e-64"), ("v5p:2x4x4", "v5p-64 (32 chips)")]
 ROWS = [(t, s, topo, label) for t, s in PAIRS for topo, label in TOPOLOGIES]
 
 
-def run_row(i: int, batch: int, seq: int, chunk: int) -> dict:
+def run_row(i: int, batch: int, seq: int, chunk: int, scan_layers: bool = False, overrides=()) -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import meshdistill as md  # pylint: disable=g-import-not-at-top
 
   teacher, student, topo, label = ROWS[i]
   t0 = time.perf_counter()
-  p = md.plan(teacher, _model(student), topology=topo, batch=batch, seq=seq, remat="full", chunk_size=chunk, suggest=0)
+  p = md.plan(teacher, _model(student, scan_layers), topology=topo, batch=batch, seq=seq, remat="full",
+              chunk_size=chunk, suggest=0, scan_layers=scan_layers or None, overrides=tuple(overrides))
   out = p.to_dict()
-  out.update(row=i, slice=label, wall_seconds=time.perf_counter() - t0, host=f"{os.cpu_count()} cores")
+  out.update(row=i, slice=label, wall_seconds=time.perf_counter() - t0, host=f"{os.cpu_count()} cores",
+             scan_layers=scan_layers, overrides=list(overrides))
   return out
 
 
-def _model(spec: str):
+def _model(spec: str, scan_layers: bool = False):
   """A preset name, or ``PRESET[i,j,...]``: that preset's blocks i, j, ... (a layer-subset student, as
   ``student.init.layers`` makes; e.g. a 1.1B student of Mistral-7B's blocks 0, 10, 21 and 31)."""
   if not spec.endswith("]"):
@@ -64,7 +68,8 @@ def _model(spec: str):
   from meshdistill.planner import resolve_model  # pylint: disable=g-import-not-at-top
 
   name, layers = spec[:-1].split("[")
-  return resolve_model(name, who="student")[0].with_layers([int(x) for x in layers.split(",")])
+  cfg = resolve_model(name, who="student")[0].with_layers([int(x) for x in layers.split(",")])
+  return cfg.replace(scan_layers=True) if scan_layers else cfg
 
 
 def _gib(x):
@@ -114,8 +119,8 @@ def report() -> str:
     m, f, tm = r["memory"], r["flops"], r["time"]
     fits = _fits(r)
     flops = "n/a" if f["compiled"] is None else f"{f['compiled'] / 1e12:.1f}"
-    if f.get("counted") not in (None, f["compiled"]):  # scanned blocks: the loops counted whole (`planner._cost`)
-      flops = f"{f['counted'] / 1e12:.1f} (scanned program's own count {f['compiled'] / 1e12:.1f})"
+    if f.get("counted") not in (None, f["compiled"]):  # loops (scanned blocks, chunked loss) counted whole
+      flops = f"{f['counted'] / 1e12:.1f} (program's own count {f['compiled'] / 1e12:.1f})"
     if f.get("kernels") and f["compiled"] is not None:  # attention inside Pallas kernels, counted analytically
       flops += f" + {f['kernels'] / 1e12:.1f} in kernels"
     step = "n/a" if tm["step_s"] is None else f"{tm['step_s']:.2f}"
@@ -125,6 +130,10 @@ def report() -> str:
         "" if cal["band"] is None else f" ({cal['low_s']:.2f}-{cal['high_s']:.2f})")
     cal_mfu = "n/a" if cal is None else f"{100 * cal['mfu']:.0f}%"
     loss = "full logits" if r.get("chunk_size") is None else f"chunk {r['chunk_size']}"
+    if r.get("scan_layers"):
+      loss += ", scan_layers"
+    if r.get("overrides"):
+      label += ", " + ", ".join(r["overrides"])
     lines.append(
         f"| {t} -> {s} | {label} | {r['mesh']['data']}x{r['mesh']['tensor']} | {r.get('remat')}, "
         f"{loss} | {r.get('attention', 'auto')} | {r['batch'] * r['seq']:,} "
@@ -211,6 +220,9 @@ def main() -> int:
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--chunk-size", type=int, default=1024)
+  ap.add_argument("--scan-layers", action="store_true", help="both models' blocks scanned (`scan_layers`)")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, e.g. "
+                  "mesh.fsdp=true (repeatable)")
   ap.add_argument("--report", action="store_true", help="only write results/plan.md")
   ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a row, in this process
   ap.add_argument("--add", nargs=2, metavar=("FILE", "ROW"), default=None, help="add a `plan --json` output")
@@ -224,7 +236,7 @@ def main() -> int:
         f.write(json.dumps({**r, "row": name, "suggestions": []}) + "\n")
     args.report = True
   if args.one is not None:
-    r = run_row(args.one, args.batch, args.seq, args.chunk_size)
+    r = run_row(args.one, args.batch, args.seq, args.chunk_size, args.scan_layers, args.set)
     with open(JSONL, "a", encoding="utf-8") as f:
       f.write(json.dumps(r) + "\n")
     print(f"row {args.one}: {r['teacher']} -> {r['student']} on {r['target']}: {_gib(r['memory']['total'])} GiB "
@@ -233,7 +245,8 @@ def main() -> int:
   if not args.report:
     for i in pending_rows(JSONL, args.rows, len(ROWS)):
       cmd = [sys.executable, __file__, "--one", str(i), "--batch", str(args.batch), "--seq", str(args.seq),
-             "--chunk-size", str(args.chunk_size)]
+             "--chunk-size", str(args.chunk_size)] + (["--scan-layers"] if args.scan_layers else []) \
+          + [x for kv in args.set for x in ("--set", kv)]
       print(f"row {i}: {ROWS[i]}", flush=True)
       subprocess.run(cmd, check=False)
   md = report()

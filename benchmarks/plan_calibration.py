@@ -58,13 +58,12 @@ def row_terms(i: int, small: bool = False) -> dict:
   mesh = make_mesh(data=n, tensor=1, devices=target.devices)
   _, optimizer = strategy_and_optimizer(load_config(None, ()), model.n_layers)  # the default AdamW
 
-  def compile_at(_, layers):
-    d = _compile.abstract_distiller(None, model.replace(n_layers=layers, scan_layers=False), NextTokenCE(),
-                                    optimizer, mesh, fsdp=True)
-    return _compile.compile_step(d, batch, pub.seq)
-
   t0 = time.perf_counter()
-  counts = _cost.layer_counts(compile_at, (0, model.n_layers), (n, 1))
+  d = _compile.abstract_distiller(None, model.replace(scan_layers=True), NextTokenCE(), optimizer, mesh, fsdp=True)
+  compiled = _compile.compile_step(d, batch, pub.seq)
+  if compiled.flops is None:
+    raise ValueError(f"row {i} ({pub.name}) did not fit {topology}: {compiled.oom}")
+  counts = _cost.loop_counts(compiled, (n, 1), (0, model.n_layers))  # the scanned blocks counted whole
   seconds = time.perf_counter() - t0
   tokens = batch * pub.seq
   kernels = 2.0 * pub.seq * model.n_heads * model.hd * model.n_layers * (3 + (REMAT != "none")) * tokens / n

@@ -24,15 +24,16 @@ STUDENT = TEACHER.replace(d_model=128, n_heads=2, n_kv_heads=2, mlp_hidden=512, 
 
 @pytest.fixture(scope="module")
 def scanned_and_unrolled():
-  """The same pair and configuration on v5e:2x2, planned with scanned blocks and with unrolled ones."""
+  """The same pair and configuration on v5e:2x2, planned with scanned blocks and with unrolled ones (the full-logits
+  loss), and scanned with the chunked loss (a loop of 4 chunks of 8 tokens per device)."""
   kw = dict(topology="v5e:2x2", mesh="2x2", batch=4, seq=16, remat="full")
-  return (md.plan(TEACHER.replace(scan_layers=True), STUDENT.replace(scan_layers=True), **kw),
-          md.plan(TEACHER, STUDENT, **kw))
+  scanned = dict(teacher=TEACHER.replace(scan_layers=True), student=STUDENT.replace(scan_layers=True))
+  return md.plan(**scanned, **kw), md.plan(TEACHER, STUDENT, **kw), md.plan(**scanned, chunk_size=8, **kw)
 
 
 @needs_libtpu
 def test_scanned_loops_are_counted_whole_as_the_unrolled_program_counts_them(scanned_and_unrolled):
-  scanned, unrolled = scanned_and_unrolled
+  scanned, unrolled, _ = scanned_and_unrolled
   # the scanned program's own count holds one block per loop: well under the whole step
   assert scanned.flops["compiled"] < 0.8 * unrolled.flops["compiled"]
   # counted whole (each loop body times its trip count) it equals the unrolled program's count within 0.5%
@@ -89,8 +90,19 @@ def test_a_plan_prints_the_calibrated_step_beside_the_roofline():
 
 
 @needs_libtpu
+def test_the_chunked_loss_loop_is_counted_whole(scanned_and_unrolled):
+  scanned, unrolled, chunked = scanned_and_unrolled
+  loss_loops = [lp for lp in chunked.flops["loops"] if lp["owner"] == "other"]
+  assert loss_loops and all(lp["trip"] == 4 for lp in loss_loops)
+  # XLA's own count sees one chunk of four; counted whole the step does the full-logits step's work (within 2%)
+  assert chunked.flops["compiled"] < 0.9 * unrolled.flops["compiled"]
+  assert chunked.flops["counted"] == pytest.approx(unrolled.flops["counted"], rel=2e-2)
+  assert chunked.flops["counted"] == pytest.approx(scanned.flops["counted"], rel=2e-2)
+
+
+@needs_libtpu
 def test_the_flops_split_by_model_adds_up_to_the_step(scanned_and_unrolled):
-  scanned, unrolled = scanned_and_unrolled
+  scanned, unrolled, _ = scanned_and_unrolled
   for p in (scanned, unrolled):
     split, shares = p.flops["split"], p.time["mfu_split"]
     assert split["teacher_forward"] + split["student_forward_backward"] == pytest.approx(p.flops["analytic"])
@@ -116,7 +128,7 @@ def test_on_policy_settings_add_the_sampling_flops():
 
 @needs_libtpu
 def test_placement_of_a_tiny_pair_returns_each_option_and_recommends_one(scanned_and_unrolled):
-  _, p = scanned_and_unrolled
+  p = scanned_and_unrolled[1]
   out = placements(p, vocab=TEACHER.vocab_size, k=8, ici_bytes_per_s=400e9)
   opts = out["options"]
   assert set(opts) == {"in_step", "sub_mesh", "offline_cache", "remote"}
