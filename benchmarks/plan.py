@@ -193,11 +193,17 @@ def report() -> str:
   lines.append("Scanned blocks (the row `--scan-layers`: `meshdistill plan --teacher llama3.1-8b --student "
                "llama3.2-1b --topology v5e:4x4 --batch 32 --seq 2048 --remat full --chunk-size 1024 --scan-layers "
                "--json`): the scanned program's memory (13.81 GiB per chip against 11.27 unrolled: the stacked "
-               "blocks' loop carries) and its FLOPs, bytes and collectives counted whole from the step compiled "
-               "unrolled at 1 and 2 blocks per model (`planner._cost`): 96.5 TFLOP per chip, the unrolled row's "
-               "count, against 4.4 TFLOP in the scanned program's own analysis (one block per loop). Its compile "
-               "time: 63 s for the scanned program and 854 s for the three shallow ones, 917 s in all on this "
-               "machine under a load average of 9-13 on 2 cores (340 s of CPU time), above the 120 s aimed at.")
+               "blocks' loop carries) and its FLOPs, bytes and collectives counted whole from the ONE compiled "
+               "program: each loop body (the teacher's 32 blocks, the student's 16 forward and 16 backward, the "
+               "chunked loss's 32 chunks of 1024 tokens per chip) cost-analysed on its own by XLA and multiplied by "
+               "its trip count (`planner._loops`, 7.0 s). 107.0 TFLOP per chip: the teacher's blocks 61.8, the "
+               "student's 34.4, the rest 10.8, against 4.4 in the program's own analysis (one iteration per loop) "
+               "and 96.5 in the unrolled row, whose count still sees one chunk of the loss (the 10.5 TFLOP between "
+               "them are the other 31 chunks' logits matmuls, forward and backward). Planning time: 517 s wall, 134 "
+               "CPU s (498.8 s of it the TPU compile, at a load average of 12-13 on the 2 cores), against 917 s wall "
+               "and 340 CPU s when the loops were counted from three more compiles unrolled at 1 and 2 blocks; still "
+               "above the 120 s aimed at: the 134 CPU s are almost all the one TPU compile of the step, which no way "
+               "of counting removes.")
   lines.append("")
   fitted = ("n/a: `planner._calibrate.CALIBRATION` holds no fit yet (too few published rows compiled; "
             "`plan_calibration.md`)" if CALIBRATION is None else
@@ -206,9 +212,11 @@ def report() -> str:
   lines.append("Calibrated columns: the roofline's terms of each row (stored in `plan.jsonl`, not recompiled) "
                "through the model fitted on MaxText's published pod measurements, max(compute / a, HBM) + k x "
                f"collectives, with its band (the largest leave-one-out error of that fit; {fitted}); "
-               "`plan_calibration.md` has the rows, the fit and its errors. The compiled counts of the rows with a "
-               "chunked loss (`chunk 1024`) see one chunk of the loss's token loop (XLA counts a loop body once), "
-               "so their logits matmuls are undercounted in both estimates.")
+               "`plan_calibration.md` has the rows, the fit and its errors. The rows compiled before the planner "
+               "counted loops whole (every row whose TFLOP column shows no `program's own count`) see one chunk of "
+               "the chunked loss's token loop (XLA counts a loop body once), so their logits matmuls are undercounted "
+               "in both estimates (about 10 TFLOP per chip of 8B -> 1B on v5e-16: 96.5 against 107.0 counted whole); "
+               "a re-run of those rows (`python benchmarks/plan.py --rows ...`) counts them.")
   lines.append("")
   lines.append(f"Measured with Python {platform.python_version()} on {os.cpu_count()} CPU cores.")
   return "\n".join(lines) + "\n"
