@@ -5,9 +5,11 @@ model under ``scan_layers`` (its blocks one loop) and the chunked loss (a ``lax.
 one iteration. The compiled program itself holds what is needed to count them whole: each loop's body computation
 and its trip count (``lax.scan``'s counter compared against a constant in the loop's condition). This module reads
 the compiled (optimised, partitioned, per-device) HLO text, cost-analyses each loop body on its own with XLA's
-``HloCostAnalysis`` (the module parsed back and each body made the entry of a module of its own; XLA's generic
-analysis run through the CPU client gives the TPU compiler's FLOP count of the same text, checked in
-tests/test_plan_cost.py) and adds ``(trip - 1)`` more copies of each body, nested loops multiplied through.
+``HloCostAnalysis`` (the module parsed back and each body made the entry of a module of its own, analysed through
+the CPU client: on the scanned tiny pair of tests/test_plan_cost.py, v5e:2x2, that analysis of the whole TPU
+program's text gave the TPU compiler's own FLOP count exactly and its bytes accessed 5% lower) and adds
+``(trip - 1)`` more copies of each body, nested loops multiplied through. The counted step then equals the
+unrolled program's count (tests/test_plan_cost.py: within 0.5%).
 
 No second compile: reading the text and analysing the bodies takes seconds even for pod-sized programs.
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
 
 _HEADER = re.compile(r"^(ENTRY )?%(\S+) \(.*\{\s*$")
 _WHILE = re.compile(r"\swhile\(.*?condition=%([^\s,]+), body=%([^\s,]+)")
@@ -152,4 +153,4 @@ def collectives_by_computation(prog: Program) -> list[tuple[str, int]]:
   return [(text, prog.times.get(name, 1)) for name, text in prog.computations.items()]
 
 
-__all__: list[Any] = ["Loop", "Program", "body_cost", "collectives_by_computation", "extra_iterations", "parse"]
+__all__ = ["Loop", "Program", "body_cost", "collectives_by_computation", "extra_iterations", "parse"]
