@@ -128,7 +128,12 @@ def _family_rows(rows: dict) -> list[str]:
           "compiled in the time available on the shared machine (`python benchmarks/plan.py --rows 12,14`). The "
           "MoE plans split each expert's hidden units over `tensor`, as a dense MLP's (the planner's meshes have `data` "
           "and `tensor` only), so their collectives are listed over those axes; a plan with experts over an `expert` "
-          "axis needs the planner's N-axis meshes.", ""]
+          "axis needs the planner's N-axis meshes. Qwen3-30B-A3B -> Qwen3-1.7B on v5e-64: mesh `auto` (the least "
+          "`tensor` whose weights and moments take at most half the limit) is 2x32, where the step's activations "
+          "leave it 2.88 GiB over the limit and 32-way all-reduces of every block's activations dominate the step "
+          "(its 6% MFU: 3 B active parameters of teacher compute against 88 GB per chip on the wire); "
+          "`--set mesh.fsdp=true` over a wider `data` axis is the layout to try next (not compiled in the time "
+          "available).", ""]
   return out
 
 def report() -> str:
