@@ -133,7 +133,12 @@ def _family_rows(rows: dict) -> list[str]:
           "leave it 2.88 GiB over the limit and 32-way all-reduces of every block's activations dominate the step "
           "(its 6% MFU: 3 B active parameters of teacher compute against 88 GB per chip on the wire); "
           "`--set mesh.fsdp=true` over a wider `data` axis is the layout to try next (not compiled in the time "
-          "available).", ""]
+          "available). Qwen3-235B-A22B -> Qwen3-8B: the smallest v5p slice found to fit is v5p-64 (32 chips, the row "
+          "above); on v5p-32 (the same command with `--topology v5p:2x2x4`, 16 chips, without `--max-compiles 0` "
+          "taking effect: 5 compiles, 11.1 min) mesh `auto` picks 1x16, where the teacher's float32 weights alone "
+          "take 56.29 GiB per chip and the compiler runs out of HBM at batch 32 x 2048 (102.58 GiB of temporaries "
+          "against 95.74) and at batches 16, 8, 4 and 2; a 16-chip plan with the teacher stored in bfloat16 "
+          "(`--set teacher.param_dtype=bfloat16`) and `data` over all 16 chips was not compiled.", ""]
   return out
 
 def report() -> str:
