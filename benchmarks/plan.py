@@ -38,25 +38,29 @@ PAIRS = [
     ("qwen3-4b", "qwen3-0.6b"),
     ("gemma-3-12b", "gemma-3-1b"),
     ("mistral-7b-v0.3", "mistral-7b-v0.3[0,10,21,31]"),
+    ("qwen3-30b-a3b", "qwen3-1.7b"),
+    ("qwen3-235b-a22b", "qwen3-8b"),
 ]
 # (topology name, what Google Cloud calls the slice)
 TOPOLOGIES = [("v5e:4x4", "v5e-16"), ("v5e:8x8", "v5e-64"), ("v5p:2x4x4", "v5p-64 (32 chips)")]
 ROWS = [(t, s, topo, label) for t, s in PAIRS for topo, label in TOPOLOGIES]
 
 
-def run_row(i: int, batch: int, seq: int, chunk: int) -> dict:
+def run_row(i: int, batch: int, seq: int, chunk: int, scan_layers: bool = False, overrides=()) -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import meshdistill as md  # pylint: disable=g-import-not-at-top
 
   teacher, student, topo, label = ROWS[i]
   t0 = time.perf_counter()
-  p = md.plan(teacher, _model(student), topology=topo, batch=batch, seq=seq, remat="full", chunk_size=chunk, suggest=0)
+  p = md.plan(teacher, _model(student, scan_layers), topology=topo, batch=batch, seq=seq, remat="full",
+              chunk_size=chunk, suggest=0, scan_layers=scan_layers or None, overrides=tuple(overrides))
   out = p.to_dict()
-  out.update(row=i, slice=label, wall_seconds=time.perf_counter() - t0, host=f"{os.cpu_count()} cores")
+  out.update(row=i, slice=label, wall_seconds=time.perf_counter() - t0, host=f"{os.cpu_count()} cores",
+             scan_layers=scan_layers, overrides=list(overrides))
   return out
 
 
-def _model(spec: str):
+def _model(spec: str, scan_layers: bool = False):
   """A preset name, or ``PRESET[i,j,...]``: that preset's blocks i, j, ... (a layer-subset student, as
   ``student.init.layers`` makes; e.g. a 1.1B student of Mistral-7B's blocks 0, 10, 21 and 31)."""
   if not spec.endswith("]"):
@@ -64,7 +68,8 @@ def _model(spec: str):
   from meshdistill.planner import resolve_model  # pylint: disable=g-import-not-at-top
 
   name, layers = spec[:-1].split("[")
-  return resolve_model(name, who="student")[0].with_layers([int(x) for x in layers.split(",")])
+  cfg = resolve_model(name, who="student")[0].with_layers([int(x) for x in layers.split(",")])
+  return cfg.replace(scan_layers=True) if scan_layers else cfg
 
 
 def _gib(x):
@@ -78,6 +83,63 @@ def _fits(r) -> str:
     return f"**no**: {_gib(r['over_bytes'])} GiB over the 90% limit"
   return "**no**: the compiler ran out of HBM"
 
+
+
+# the rows asked for by the model-family and mixture-of-experts work: (row, command that produced it)
+FAMILY_ROWS = [(15, "python benchmarks/plan.py --rows 15 --scan-layers"),
+               (17, "python benchmarks/plan.py --rows 17 --scan-layers"),
+               (19, "python benchmarks/plan.py --rows 19 --scan-layers"),
+               (20, "python benchmarks/plan.py --rows 20 --scan-layers"),
+               ("qwen3-235b-a22b, mesh.fsdp=true", "meshdistill plan --teacher qwen3-235b-a22b --student qwen3-8b "
+                "--topology v5p:2x4x4 --batch 32 --seq 2048 --remat full --chunk-size 1024 --scan-layers --set "
+                "mesh.fsdp=true --max-compiles 0 --json > p.json; python benchmarks/plan.py --add p.json "
+                "'qwen3-235b-a22b, mesh.fsdp=true'")]
+
+
+def _colls(r) -> str:
+  top = sorted(r.get("collectives") or [], key=lambda c: -c["wire_bytes"])[:3]
+  return "; ".join(f"{c['count']} {c['kind']} over {c['axis']} ({c['wire_bytes'] / 1e9:.2f} GB on the wire)"
+                   for c in top) or "none"
+
+
+def _family_rows(rows: dict) -> list[str]:
+  """Gemma 3, Mistral and Qwen3-MoE plans: fits / GiB per chip / MFU / collectives per chip and step, with the
+  command of each (rows not compiled are said so, with why)."""
+  out = ["Gemma 3, Mistral and Qwen3 mixture-of-experts pairs (scanned blocks, so that each compiles in minutes; "
+         "32 x 2048 tokens per step, student remat `full`, loss chunked over 1024 tokens, mesh `auto`):", ""]
+  for key, cmd in FAMILY_ROWS:
+    r = rows.get(key)
+    name = f"{ROWS[key][0]} -> {ROWS[key][1]} on {ROWS[key][3]}" if isinstance(key, int) else key
+    if r is None:
+      out.append(f"- {name}: not compiled yet (`{cmd}`; each took 10-17 minutes on the shared machine)")
+      continue
+    if isinstance(key, str):
+      name = f"{r['teacher']} -> {r['student']} on {r['target']} ({r['devices']} chips), mesh.fsdp=true"
+    tm = r["time"]
+    mfu = "n/a" if tm.get("mfu") is None else f"{100 * tm['mfu']:.0f}%"
+    cal = None if CALIBRATION is None or tm.get("step_s") is None else CALIBRATION.of(tm)
+    cal_mfu = "" if cal is None else f" (calibrated {100 * cal['mfu']:.0f}%)"
+    out.append(f"- {name}: fits: {_fits(r)}, {_gib(r['memory']['total'])} GiB per chip of "
+               f"{_gib(r['budget_bytes'])}, mesh {r['mesh']['data']}x{r['mesh']['tensor']}, estimated MFU {mfu}"
+               f"{cal_mfu}; collectives per chip and step: {_colls(r)}. `{cmd}`")
+  out += ["", "Gemma 3 (gemma-3-12b -> gemma-3-1b, rows 12-14) has no scanned plan: its blocks alternate local "
+          "(sliding-window) and global attention with different RoPE bases, and `scan_layers` runs one block body for "
+          "every layer, so the model refuses it (`use scan_layers=false`); its unrolled step (48 + 26 blocks) was not "
+          "compiled in the time available on the shared machine (`python benchmarks/plan.py --rows 12,14`). The "
+          "MoE plans split each expert's hidden units over `tensor`, as a dense MLP's (the planner's meshes have `data` "
+          "and `tensor` only), so their collectives are listed over those axes; a plan with experts over an `expert` "
+          "axis needs the planner's N-axis meshes. Qwen3-30B-A3B -> Qwen3-1.7B on v5e-64: mesh `auto` (the least "
+          "`tensor` whose weights and moments take at most half the limit) is 2x32, where the step's activations "
+          "leave it 2.88 GiB over the limit and 32-way all-reduces of every block's activations dominate the step "
+          "(its 6% MFU: 3 B active parameters of teacher compute against 88 GB per chip on the wire); "
+          "`--set mesh.fsdp=true` over a wider `data` axis is the layout to try next (not compiled in the time "
+          "available). Qwen3-235B-A22B -> Qwen3-8B: the smallest v5p slice found to fit is v5p-64 (32 chips, the row "
+          "above); on v5p-32 (the same command with `--topology v5p:2x2x4`, 16 chips, without `--max-compiles 0` "
+          "taking effect: 5 compiles, 11.1 min) mesh `auto` picks 1x16, where the teacher's float32 weights alone "
+          "take 56.29 GiB per chip and the compiler runs out of HBM at batch 32 x 2048 (102.58 GiB of temporaries "
+          "against 95.74) and at batches 16, 8, 4 and 2; a 16-chip plan with the teacher stored in bfloat16 "
+          "(`--set teacher.param_dtype=bfloat16`) and `data` over all 16 chips was not compiled.", ""]
+  return out
 
 def report() -> str:
   rows = {}
@@ -114,8 +176,8 @@ def report() -> str:
     m, f, tm = r["memory"], r["flops"], r["time"]
     fits = _fits(r)
     flops = "n/a" if f["compiled"] is None else f"{f['compiled'] / 1e12:.1f}"
-    if f.get("counted") not in (None, f["compiled"]):  # scanned blocks: the loops counted whole (`planner._cost`)
-      flops = f"{f['counted'] / 1e12:.1f} (scanned program's own count {f['compiled'] / 1e12:.1f})"
+    if f.get("counted") not in (None, f["compiled"]):  # loops (scanned blocks, chunked loss) counted whole
+      flops = f"{f['counted'] / 1e12:.1f} (program's own count {f['compiled'] / 1e12:.1f})"
     if f.get("kernels") and f["compiled"] is not None:  # attention inside Pallas kernels, counted analytically
       flops += f" + {f['kernels'] / 1e12:.1f} in kernels"
     step = "n/a" if tm["step_s"] is None else f"{tm['step_s']:.2f}"
@@ -125,6 +187,10 @@ def report() -> str:
         "" if cal["band"] is None else f" ({cal['low_s']:.2f}-{cal['high_s']:.2f})")
     cal_mfu = "n/a" if cal is None else f"{100 * cal['mfu']:.0f}%"
     loss = "full logits" if r.get("chunk_size") is None else f"chunk {r['chunk_size']}"
+    if r.get("scan_layers"):
+      loss += ", scan_layers"
+    if r.get("overrides"):
+      label += ", " + ", ".join(r["overrides"])
     lines.append(
         f"| {t} -> {s} | {label} | {r['mesh']['data']}x{r['mesh']['tensor']} | {r.get('remat')}, "
         f"{loss} | {r.get('attention', 'auto')} | {r['batch'] * r['seq']:,} "
@@ -181,14 +247,21 @@ def report() -> str:
                "every step in this layout (198 all-gathers over `tensor`, 2.58 GB on the wire; "
                "`throughput_notes.md`).")
   lines.append("")
+  lines += _family_rows(rows)
   lines.append("Scanned blocks (the row `--scan-layers`: `meshdistill plan --teacher llama3.1-8b --student "
                "llama3.2-1b --topology v5e:4x4 --batch 32 --seq 2048 --remat full --chunk-size 1024 --scan-layers "
                "--json`): the scanned program's memory (13.81 GiB per chip against 11.27 unrolled: the stacked "
-               "blocks' loop carries) and its FLOPs, bytes and collectives counted whole from the step compiled "
-               "unrolled at 1 and 2 blocks per model (`planner._cost`): 96.5 TFLOP per chip, the unrolled row's "
-               "count, against 4.4 TFLOP in the scanned program's own analysis (one block per loop). Its compile "
-               "time: 63 s for the scanned program and 854 s for the three shallow ones, 917 s in all on this "
-               "machine under a load average of 9-13 on 2 cores (340 s of CPU time), above the 120 s aimed at.")
+               "blocks' loop carries) and its FLOPs, bytes and collectives counted whole from the ONE compiled "
+               "program: each loop body (the teacher's 32 blocks, the student's 16 forward and 16 backward, the "
+               "chunked loss's 32 chunks of 1024 tokens per chip) cost-analysed on its own by XLA and multiplied by "
+               "its trip count (`planner._loops`, 7.0 s). 107.0 TFLOP per chip: the teacher's blocks 61.8, the "
+               "student's 34.4, the rest 10.8, against 4.4 in the program's own analysis (one iteration per loop) "
+               "and 96.5 in the unrolled row, whose count still sees one chunk of the loss (the 10.5 TFLOP between "
+               "them are the other 31 chunks' logits matmuls, forward and backward). Planning time: 517 s wall, 134 "
+               "CPU s (498.8 s of it the TPU compile, at a load average of 12-13 on the 2 cores), against 917 s wall "
+               "and 340 CPU s when the loops were counted from three more compiles unrolled at 1 and 2 blocks; still "
+               "above the 120 s aimed at: the 134 CPU s are almost all the one TPU compile of the step, which no way "
+               "of counting removes.")
   lines.append("")
   fitted = ("n/a: `planner._calibrate.CALIBRATION` holds no fit yet (too few published rows compiled; "
             "`plan_calibration.md`)" if CALIBRATION is None else
@@ -197,9 +270,11 @@ def report() -> str:
   lines.append("Calibrated columns: the roofline's terms of each row (stored in `plan.jsonl`, not recompiled) "
                "through the model fitted on MaxText's published pod measurements, max(compute / a, HBM) + k x "
                f"collectives, with its band (the largest leave-one-out error of that fit; {fitted}); "
-               "`plan_calibration.md` has the rows, the fit and its errors. The compiled counts of the rows with a "
-               "chunked loss (`chunk 1024`) see one chunk of the loss's token loop (XLA counts a loop body once), "
-               "so their logits matmuls are undercounted in both estimates.")
+               "`plan_calibration.md` has the rows, the fit and its errors. The rows compiled before the planner "
+               "counted loops whole (every row whose TFLOP column shows no `program's own count`) see one chunk of "
+               "the chunked loss's token loop (XLA counts a loop body once), so their logits matmuls are undercounted "
+               "in both estimates (about 10 TFLOP per chip of 8B -> 1B on v5e-16: 96.5 against 107.0 counted whole); "
+               "a re-run of those rows (`python benchmarks/plan.py --rows ...`) counts them.")
   lines.append("")
   lines.append(f"Measured with Python {platform.python_version()} on {os.cpu_count()} CPU cores.")
   return "\n".join(lines) + "\n"
@@ -211,6 +286,9 @@ def main() -> int:
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--chunk-size", type=int, default=1024)
+  ap.add_argument("--scan-layers", action="store_true", help="both models' blocks scanned (`scan_layers`)")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, e.g. "
+                  "mesh.fsdp=true (repeatable)")
   ap.add_argument("--report", action="store_true", help="only write results/plan.md")
   ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a row, in this process
   ap.add_argument("--add", nargs=2, metavar=("FILE", "ROW"), default=None, help="add a `plan --json` output")
@@ -224,7 +302,7 @@ def main() -> int:
         f.write(json.dumps({**r, "row": name, "suggestions": []}) + "\n")
     args.report = True
   if args.one is not None:
-    r = run_row(args.one, args.batch, args.seq, args.chunk_size)
+    r = run_row(args.one, args.batch, args.seq, args.chunk_size, args.scan_layers, args.set)
     with open(JSONL, "a", encoding="utf-8") as f:
       f.write(json.dumps(r) + "\n")
     print(f"row {args.one}: {r['teacher']} -> {r['student']} on {r['target']}: {_gib(r['memory']['total'])} GiB "
@@ -233,7 +311,8 @@ def main() -> int:
   if not args.report:
     for i in pending_rows(JSONL, args.rows, len(ROWS)):
       cmd = [sys.executable, __file__, "--one", str(i), "--batch", str(args.batch), "--seq", str(args.seq),
-             "--chunk-size", str(args.chunk_size)]
+             "--chunk-size", str(args.chunk_size)] + (["--scan-layers"] if args.scan_layers else []) \
+          + [x for kv in args.set for x in ("--set", kv)]
       print(f"row {i}: {ROWS[i]}", flush=True)
       subprocess.run(cmd, check=False)
   md = report()

@@ -3,9 +3,11 @@
 For each `meshdistill.planner._calibrate.PUBLISHED` row: the plain training step (teacher-less `Distiller`,
 `NextTokenCE`, AdamW, bfloat16 compute, the Pallas splash attention as MaxText's ``attention: flash``) compiled with
 libtpu for the row's slice at its sequence and global batch, weights and moments split over every chip
-(``mesh.fsdp``, mesh ``chips x 1``). Its FLOPs, bytes and collectives come from the step compiled unrolled at 1 and
-2 blocks and extended to the model's depth (`meshdistill.planner._cost`), so a 512-chip slice compiles two shallow
-programs. Then the roofline terms, the fit over every row and each row left out.
+(``mesh.fsdp``, mesh ``chips x 1``). Its FLOPs, bytes and collectives come from the step compiled once with scanned
+blocks, each loop of the program counted whole (body x trip count, `meshdistill.planner._cost`); the two rows stored
+so far were counted by the earlier way (the step compiled unrolled at 1 and 2 blocks, extended linearly to the
+depth), which gives the same count on the pair of tests/test_plan_cost.py. Then the roofline terms, the fit over
+every row and each row left out.
 
   python benchmarks/plan_calibration.py                # compile the rows (minutes each), fit, write the report
   python benchmarks/plan_calibration.py --render       # refit and rewrite the report from the stored .json
@@ -58,13 +60,12 @@ def row_terms(i: int, small: bool = False) -> dict:
   mesh = make_mesh(data=n, tensor=1, devices=target.devices)
   _, optimizer = strategy_and_optimizer(load_config(None, ()), model.n_layers)  # the default AdamW
 
-  def compile_at(_, layers):
-    d = _compile.abstract_distiller(None, model.replace(n_layers=layers, scan_layers=False), NextTokenCE(),
-                                    optimizer, mesh, fsdp=True)
-    return _compile.compile_step(d, batch, pub.seq)
-
   t0 = time.perf_counter()
-  counts = _cost.layer_counts(compile_at, (0, model.n_layers), (n, 1))
+  d = _compile.abstract_distiller(None, model.replace(scan_layers=True), NextTokenCE(), optimizer, mesh, fsdp=True)
+  compiled = _compile.compile_step(d, batch, pub.seq)
+  if compiled.flops is None:
+    raise ValueError(f"row {i} ({pub.name}) did not fit {topology}: {compiled.oom}")
+  counts = _cost.loop_counts(compiled, (n, 1), (0, model.n_layers))  # the scanned blocks counted whole
   seconds = time.perf_counter() - t0
   tokens = batch * pub.seq
   kernels = 2.0 * pub.seq * model.n_heads * model.hd * model.n_layers * (3 + (REMAT != "none")) * tokens / n
@@ -156,8 +157,8 @@ def render(rows: list[dict], command: str) -> str:
   missing = [i for i in range(len(_calibrate.PUBLISHED)) if i not in by_row]
   if missing:
     out += ["", f"Not compiled: rows {', '.join(map(str, missing))} (numbered from 0 in the table's order): their "
-            "two shallow programs each did not finish in the time this shared 2-core machine gave (a compiled row "
-            "took 1,000-1,100 s at a load average of 12-22); `python benchmarks/plan_calibration.py --small --rows "
+            "programs (two shallow compiles each, the earlier counting) did not finish in the time this shared 2-core "
+            "machine gave (a compiled row took 1,000-1,100 s at a load average of 12-22); `python benchmarks/plan_calibration.py --small --rows "
             f"{','.join(map(str, missing))}` compiles them (the Llama 3.1 rows' float32 logits over 128,256 words, "
             "16.8-21 GiB per chip alone, leave a v6e chip's 32 GiB too little room: they are counted on v5p chips "
             "and timed at v6e's rates, `PROXY`; a first attempt on v6e was stopped unfinished after 20 minutes)."]
@@ -188,7 +189,7 @@ def main() -> int:
     for i in wanted:
       try:
         r = row_terms(i, args.small)
-      except ValueError as e:  # e.g. a shallow program out of HBM: no counts for this row
+      except ValueError as e:  # e.g. the program out of HBM: no counts for this row
         print(f"row {i}: {e}", flush=True)
         continue
       print(json.dumps({k: v for k, v in r.items() if k != "collectives"}), flush=True)

@@ -24,23 +24,24 @@ STUDENT = TEACHER.replace(d_model=128, n_heads=2, n_kv_heads=2, mlp_hidden=512, 
 
 @pytest.fixture(scope="module")
 def scanned_and_unrolled():
-  """The same pair and configuration on v5e:2x2, planned with scanned blocks and with unrolled ones."""
+  """The same pair and configuration on v5e:2x2, planned with scanned blocks and with unrolled ones (the full-logits
+  loss), and scanned with the chunked loss (a loop of 4 chunks of 8 tokens per device)."""
   kw = dict(topology="v5e:2x2", mesh="2x2", batch=4, seq=16, remat="full")
-  return (md.plan(TEACHER.replace(scan_layers=True), STUDENT.replace(scan_layers=True), **kw),
-          md.plan(TEACHER, STUDENT, **kw))
+  scanned = dict(teacher=TEACHER.replace(scan_layers=True), student=STUDENT.replace(scan_layers=True))
+  return md.plan(**scanned, **kw), md.plan(TEACHER, STUDENT, **kw), md.plan(**scanned, chunk_size=8, **kw)
 
 
 @needs_libtpu
 def test_scanned_loops_are_counted_whole_as_the_unrolled_program_counts_them(scanned_and_unrolled):
-  scanned, unrolled = scanned_and_unrolled
+  scanned, unrolled, _ = scanned_and_unrolled
   # the scanned program's own count holds one block per loop: well under the whole step
   assert scanned.flops["compiled"] < 0.8 * unrolled.flops["compiled"]
-  # counted whole (extended from 1- and 2-block compiles) it equals the unrolled program's count within 0.5%
+  # counted whole (each loop body times its trip count) it equals the unrolled program's count within 0.5%
   assert scanned.flops["counted"] == pytest.approx(unrolled.flops["compiled"], rel=5e-3)
   wire = lambda p: sum(c["wire_bytes"] for c in p.collectives)  # noqa: E731
   assert wire(scanned) == pytest.approx(wire(unrolled), rel=1e-2)
   assert scanned.step_seconds is not None and scanned.step_seconds == pytest.approx(unrolled.step_seconds, rel=0.2)
-  assert "scanned loops counted whole" in scanned.table()
+  assert "loops counted whole" in scanned.table()
   # memory is the scanned program's own (its stacked blocks' loop carries), and it fits as the unrolled one does
   assert scanned.memory["total"] > 0 and scanned.fits == unrolled.fits is True
 
@@ -89,8 +90,19 @@ def test_a_plan_prints_the_calibrated_step_beside_the_roofline():
 
 
 @needs_libtpu
+def test_the_chunked_loss_loop_is_counted_whole(scanned_and_unrolled):
+  scanned, unrolled, chunked = scanned_and_unrolled
+  loss_loops = [lp for lp in chunked.flops["loops"] if lp["owner"] == "other"]
+  assert loss_loops and all(lp["trip"] == 4 for lp in loss_loops)
+  # XLA's own count sees one chunk of four; counted whole the step does the full-logits step's work (within 2%)
+  assert chunked.flops["compiled"] < 0.9 * unrolled.flops["compiled"]
+  assert chunked.flops["counted"] == pytest.approx(unrolled.flops["counted"], rel=2e-2)
+  assert chunked.flops["counted"] == pytest.approx(scanned.flops["counted"], rel=2e-2)
+
+
+@needs_libtpu
 def test_the_flops_split_by_model_adds_up_to_the_step(scanned_and_unrolled):
-  scanned, unrolled = scanned_and_unrolled
+  scanned, unrolled, _ = scanned_and_unrolled
   for p in (scanned, unrolled):
     split, shares = p.flops["split"], p.time["mfu_split"]
     assert split["teacher_forward"] + split["student_forward_backward"] == pytest.approx(p.flops["analytic"])
@@ -116,7 +128,7 @@ def test_on_policy_settings_add_the_sampling_flops():
 
 @needs_libtpu
 def test_placement_of_a_tiny_pair_returns_each_option_and_recommends_one(scanned_and_unrolled):
-  _, p = scanned_and_unrolled
+  p = scanned_and_unrolled[1]
   out = placements(p, vocab=TEACHER.vocab_size, k=8, ici_bytes_per_s=400e9)
   opts = out["options"]
   assert set(opts) == {"in_step", "sub_mesh", "offline_cache", "remote"}
@@ -137,3 +149,40 @@ def test_cli_plan_placement_on_cpu_devices_lists_each_option(capsys):
   out = json.loads(capsys.readouterr().out)["placement"]
   assert set(out["options"]) == {"in_step", "sub_mesh", "offline_cache", "remote"} and out["k"] == 4
   assert out["options"]["remote"]["network_bytes_per_step"] > 0
+
+
+def test_loop_counts_multiply_each_loop_body_and_its_collectives_by_the_trip_counts():
+  """A nested scan of matmuls with an all-reduce per inner iteration, compiled for 8 CPU devices: counted whole,
+  the FLOPs are outer x inner matmuls and the all-reduces outer x inner (the flat analysis sees one of each)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from meshdistill.planner._compile import CompiledStep
+  from meshdistill.planner._cost import loop_counts
+
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  outer, inner, n = 5, 7, 32
+
+  def per_device(w, x):
+    def inner_body(h, _):
+      return jax.lax.psum(jnp.tanh(h @ w), "tensor"), None
+
+    def outer_body(h, _):
+      return jax.lax.scan(inner_body, h, None, length=inner)[0], None
+    return jax.lax.scan(outer_body, x, None, length=outer)[0]
+
+  f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data")))
+  w = jax.ShapeDtypeStruct((n, n), jnp.float32, sharding=NamedSharding(mesh, P()))
+  x = jax.ShapeDtypeStruct((2 * n, n), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+  compiled = f.lower(w, x).compile()
+  flat = compiled.cost_analysis()
+  flat = flat[0] if isinstance(flat, (list, tuple)) else flat
+  step = CompiledStep(None, float(flat["flops"]), float(flat["bytes accessed"]), compiled.as_text(), 0.0, 0.0, {}, {})
+  counts = loop_counts(step, (2, 4), (0, 0))
+  matmul = 2 * n * n * n  # one [n, n] @ [n, n] per device and iteration
+  assert sorted((lp["trip"], lp["times"]) for lp in counts.loops) == [(outer, 1), (inner, outer)]
+  assert counts.flops == pytest.approx(outer * inner * matmul, rel=0.05)
+  assert float(flat["flops"]) < 0.1 * counts.flops  # XLA's own count: one iteration of each loop
+  reduces = [e for e in counts.collectives if e["kind"] == "all-reduce" and e["axis"] == "tensor"]
+  assert len(reduces) == 1 and reduces[0]["count"] == outer * inner
+  assert reduces[0]["bytes"] == outer * inner * n * n * 4

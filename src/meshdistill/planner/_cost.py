@@ -1,30 +1,32 @@
-"""What one step costs when its blocks are scanned: XLA's counts of the whole loop, from two-depth compiles.
+"""What one step costs with its loops counted whole, and the step's FLOPs split by model.
 
 XLA's cost analysis (FLOPs, bytes accessed) and the program text (collectives) count a ``while`` body once, so a
-model under ``scan_layers`` (its blocks one loop) reports the cost of one block. The compiled TPU program names no
-trip count and prints its matmuls (``convolution``s inside fusions) without operand shapes, so counting the body
-again from the text would re-implement XLA's cost model. Instead the same step is compiled *unrolled* at one and two
-blocks per model and XLA's own counts are extended linearly: every block of a decoder is the same program, so a
-count is ``c + L_t * b_t + L_s * b_s`` in the teacher's and student's depths, and three shallow compiles,
-``(1, 1)``, ``(2, 1)`` and ``(1, 2)``, give ``c``, ``b_t`` and ``b_s`` exactly (two without a teacher). Shallow
-programs compile in seconds even for 70 B-wide blocks on a pod; the scanned program itself still gives the memory.
+model under ``scan_layers`` (its blocks one loop) reports the cost of one block, and the chunked loss (a
+``lax.scan`` over token chunks) the cost of one chunk. `loop_counts` reads the ONE compiled program's text
+(`meshdistill.planner._loops`): each loop's body is cost-analysed on its own and counted ``trip`` times (its
+condition's bound), its collectives too; memory stays the compiled program's own. An earlier version compiled the
+step again unrolled at one and two blocks per model and extended XLA's counts linearly (exact, but three more
+compiles: 854 s of a 917 s 8B -> 1B plan on v5e-16 on a 2-core machine); the loop count needs no compile, and it
+also counts the chunked loss's loop, which the linear extension left at one chunk.
 
-`layer_counts` does this for FLOPs, bytes accessed and collectives (count, bytes and wire bytes per kind and axis),
-and also returns the per-block FLOPs of each model (``b_t``, ``b_s``) and the rest (``c``: embeddings, logits, loss,
-optimizer), from which the report splits the step's FLOPs between teacher and student.
+`loop_counts` also returns the per-block FLOPs of each model's block loop (``b_t``, ``b_s``: a loop of the model's
+depth carrying its stacked weights; the student's forward and backward loops together) and the rest (``c``:
+embeddings, logits and loss, optimizer), from which the report splits the step's FLOPs between teacher and student.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import time
+from typing import Any
 
+from meshdistill.planner import _loops
 from meshdistill.planner._compile import CompiledStep, collectives
 
 
 @dataclasses.dataclass
 class LayerCounts:
-  """A step's XLA counts at its full depths, extended from shallow unrolled compiles (per device, per step)."""
+  """A step's XLA counts with every loop counted whole (per device, per step)."""
 
   flops: float
   bytes_accessed: float
@@ -32,59 +34,64 @@ class LayerCounts:
   teacher_block_flops: float  # b_t: one teacher block (forward)
   student_block_flops: float  # b_s: one student block (forward, backward and recomputation)
   rest_flops: float  # c: outside the blocks (embeddings, logits and loss, optimizer update)
-  compile_seconds: float  # the shallow compiles together
-  depths: tuple[int, int]  # (L_t, L_s) the counts are extended to (L_t = 0 without a teacher)
+  compile_seconds: float  # reading the text and analysing the loop bodies (no compile)
+  depths: tuple[int, int]  # (L_t, L_s) (L_t = 0 without a teacher)
+  loops: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # each loop: trip, per-iteration FLOPs
 
 
-def _linear(base: float, dt: float, ds: float, lt: int, ls: int) -> float:
-  return base + (lt - 1) * dt + (ls - 1) * ds
+def _stacked(lp: _loops.Loop) -> int:
+  return sum(1 for d in lp.carry_dims if len(d) >= 2 and d[0] == lp.trip)
 
 
-def _colls(c: CompiledStep, mesh_shape: Any) -> dict[tuple[str, str], dict[str, float]]:
-  return {(e["kind"], e["axis"]): e for e in collectives(c.hlo, mesh_shape)}
-
-
-def layer_counts(compile_at: Callable[[int, int], CompiledStep], depths: tuple[int, int],
-                 mesh_shape: Any) -> LayerCounts:
-  """XLA's counts of a step whose teacher has ``depths[0]`` blocks (0: no teacher) and student ``depths[1]``.
-
-  ``compile_at(l_t, l_s)`` compiles the step unrolled with ``l_t`` teacher and ``l_s`` student blocks (``l_t`` is
-  ignored without a teacher). Raises ``ValueError`` when a shallow program does not fit the chip (the compiler gave
-  no counts): plan that configuration unrolled, or with more devices.
-  """
+def _owner(lp: _loops.Loop, depths: tuple[int, int]) -> str:
+  """``teacher`` / ``student``: a loop of the model's depth carrying its stacked block weights (the teacher's runs
+  forward only, outside any ``jvp``); ``other`` (e.g. the chunked loss's loop)."""
   lt, ls = depths
-  points = [(1, 1), (1, 2)] + ([(2, 1)] if lt else [])
-  compiled = {p: compile_at(*p) for p in points}
-  for p, c in compiled.items():
-    if c.flops is None:
-      raise ValueError(f"the step unrolled at {p[0]} teacher / {p[1]} student block(s) gave no cost counts "
-                       f"({c.oom or 'no analysis'}); the scanned step's time cannot be extended from it")
-  base, more_s = compiled[(1, 1)], compiled[(1, 2)]
-  more_t = compiled.get((2, 1), base)
+  if _stacked(lp) < 6 or lp.times != 1:
+    return "other"
+  differentiated = "jvp(" in lp.op_name
+  if lt and lp.trip == lt and not differentiated:
+    return "teacher"
+  if lp.trip == ls and (differentiated or not lt):
+    return "student"
+  return "other"
 
-  def extend(get: Callable[[CompiledStep], float]) -> tuple[float, float, float]:
-    b, dt, ds = get(base), get(more_t) - get(base), get(more_s) - get(base)
-    return _linear(b, dt, ds, max(lt, 1), ls), dt, ds
 
-  flops, dt, ds = extend(lambda c: c.flops)
-  bytes_accessed, _, _ = extend(lambda c: c.bytes_accessed or 0.0)
-  cb, ct, cs = (_colls(c, mesh_shape) for c in (base, more_t, more_s))
-  colls = []
-  for key in sorted(set(cb) | set(ct) | set(cs)):
-    entry = {"kind": key[0], "axis": key[1]}
-    for field in ("count", "bytes", "wire_bytes"):
-      b = cb.get(key, {}).get(field, 0)
-      entry[field] = max(0.0, _linear(b, ct.get(key, {}).get(field, 0) - b, cs.get(key, {}).get(field, 0) - b,
-                                      max(lt, 1), ls))
-    entry["count"] = int(round(entry["count"]))
-    entry["bytes"] = int(round(entry["bytes"]))
-    colls.append(entry)
-  colls.sort(key=lambda e: -e["bytes"])
-  rest = base.flops - (dt if lt else 0.0) - ds
-  return LayerCounts(flops=flops, bytes_accessed=bytes_accessed, collectives=colls,
-                     teacher_block_flops=dt if lt else 0.0, student_block_flops=ds, rest_flops=rest,
-                     compile_seconds=sum(c.compile_seconds + c.lower_seconds for c in compiled.values()),
-                     depths=(lt, ls))
+def loop_counts(c: CompiledStep, mesh_shape: Any, depths: tuple[int, int]) -> LayerCounts | None:
+  """XLA's counts of compiled step ``c`` with each loop counted whole; None when the program has no loop.
+
+  ``depths``: the teacher's and student's block counts (``L_t = 0`` without a teacher), to name their loops.
+  Raises ``ValueError`` when a loop has no trip count in its condition (not a counted ``lax.scan`` loop).
+  """
+  if c.flops is None or " while(" not in c.hlo:
+    return None
+  t0 = time.perf_counter()
+  prog = _loops.parse(c.hlo)
+  flops, bytes_accessed = c.flops, c.bytes_accessed or 0.0
+  per_block = {"teacher": 0.0, "student": 0.0}
+  loops = []
+  for lp, cost, extra in _loops.extra_iterations(prog):
+    flops += extra * cost["flops"]
+    bytes_accessed += extra * cost["bytes accessed"]
+    owner = _owner(lp, depths)
+    if owner in per_block:
+      per_block[owner] += cost["flops"]
+    loops.append({"op_name": lp.op_name, "trip": lp.trip, "times": lp.times, "flops_per_iteration": cost["flops"],
+                  "owner": owner})
+  merged: dict[tuple[str, str], dict[str, Any]] = {}
+  for text, times in _loops.collectives_by_computation(prog):
+    for e in collectives(text, mesh_shape):
+      m = merged.setdefault((e["kind"], e["axis"]),
+                            {"kind": e["kind"], "axis": e["axis"], "count": 0, "bytes": 0, "wire_bytes": 0.0})
+      m["count"] += e["count"] * times
+      m["bytes"] += e["bytes"] * times
+      m["wire_bytes"] += e["wire_bytes"] * times
+  lt, ls = depths
+  rest = flops - lt * per_block["teacher"] - ls * per_block["student"]
+  return LayerCounts(flops=flops, bytes_accessed=bytes_accessed,
+                     collectives=sorted(merged.values(), key=lambda e: -e["bytes"]),
+                     teacher_block_flops=per_block["teacher"], student_block_flops=per_block["student"],
+                     rest_flops=rest, compile_seconds=time.perf_counter() - t0, depths=depths, loops=loops)
 
 
 def flops_split(n_t: int, n_s: int, batch: int, seq: int, devices: int, on_policy=None,
@@ -93,14 +100,15 @@ def flops_split(n_t: int, n_s: int, batch: int, seq: int, devices: int, on_polic
   ``student_forward_backward`` (6 N_s per token); with ``on_policy`` (`OnPolicySettings`, active) ``generation``:
   the expected sampling FLOPs of a step (``lambda`` of the batches, all with ``seq_kd``), 2 N per prompt token
   (prefill) and per new token (KV-cached decode), N the sampler's (the student's, the teacher's with ``seq_kd``),
-  which the train step's time does not include. With ``counts`` (scanned models) also XLA's own split:
+  which the train step's time does not include. With ``counts`` holding block loops (scanned models) also XLA's
+  own split:
   ``compiled_teacher_blocks`` (L_t b_t), ``compiled_student_blocks`` (L_s b_s) and ``compiled_rest``."""
   tokens = batch * seq
   out = {"teacher_forward": 2.0 * n_t * tokens / devices, "student_forward_backward": 6.0 * n_s * tokens / devices}
   if on_policy is not None and getattr(on_policy, "active", False):
     rows = batch * (1.0 if on_policy.seq_kd else on_policy.lmbda)
     out["generation"] = 2.0 * (n_t if on_policy.seq_kd else n_s) * rows * (seq + 1) / devices
-  if counts is not None:
+  if counts is not None and (counts.teacher_block_flops or counts.student_block_flops):
     lt, ls = counts.depths
     out.update(compiled_teacher_blocks=lt * counts.teacher_block_flops,
                compiled_student_blocks=ls * counts.student_block_flops, compiled_rest=counts.rest_flops)
@@ -115,4 +123,4 @@ def mfu_split(split: dict[str, float], step_s: float | None, peak_per_device: fl
           if k in ("teacher_forward", "student_forward_backward", "generation")}
 
 
-__all__ = ["LayerCounts", "flops_split", "layer_counts", "mfu_split"]
+__all__ = ["LayerCounts", "flops_split", "loop_counts", "mfu_split"]

@@ -14,7 +14,7 @@ from meshdistill.models.decoder import ModelConfig
 from meshdistill.models.moe import inactive_params
 from meshdistill.planner._compile import abstract_distiller, collectives, compile_step, kernel_flops, shard_bytes
 from meshdistill.planner._calibrate import CALIBRATION
-from meshdistill.planner._cost import LayerCounts, flops_split, layer_counts, mfu_split
+from meshdistill.planner._cost import flops_split, loop_counts, mfu_split
 from meshdistill.planner._hardware import Target
 from meshdistill.planner._presets import PRESETS
 from meshdistill.planner._progress import Progress
@@ -194,11 +194,11 @@ class Planner:
     kernels = kernel_flops(self.teacher, self.student, k.remat, self.seq) * tokens / n  # not in XLA's count
     colls = collectives(c.hlo, k.shape)
     counts, uncounted = None, None
-    if c.flops is not None and self._scanned():
-      try:
-        counts = self._layer_counts(k, report=lambda message: self.progress.step(label, message))
-      except ValueError as e:  # a shallow program did not fit: memory stands, no step time
-        uncounted = str(e)
+    try:  # scanned blocks and the chunked loss are loops: counted whole from the program's text (`_cost`)
+      counts = loop_counts(c, k.shape, (self.teacher.n_layers if d.teacher_cfg else 0,
+                                                   self.student.n_layers))
+    except ValueError as e:  # a loop without a trip count: memory stands, no step time
+      uncounted = str(e)
     flops, bytes_accessed = (None, None) if uncounted else (c.flops, c.bytes_accessed)
     if counts is not None:  # the scanned loops counted whole (see `_cost`)
       flops, bytes_accessed, colls = counts.flops, counts.bytes_accessed, counts.collectives
@@ -224,12 +224,13 @@ class Planner:
     p.time["mfu_split"] = mfu_split(p.flops["split"], p.time.get("step_s"), peak)
     p.time["calibrated"] = None if chip is None or CALIBRATION is None else CALIBRATION.of(p.time)
     if uncounted:
-      p.time["why"] = f"scan_layers: {uncounted}"
+      p.time["why"] = f"loops: {uncounted}"
     if counts is not None:
-      p.notes.append("scan_layers: FLOPs, bytes and collectives of the whole loops, extended from the step compiled "
-                     "unrolled at 1 and 2 blocks per model (XLA's counts, linear in depth; "
-                     f"{counts.compile_seconds:.0f} s of the compile time); flops['compiled'] is the scanned "
-                     "program's own count (one block per loop)")
+      p.notes.append("loops (scanned blocks, the chunked loss): FLOPs, bytes and collectives counted whole, each loop "
+                     "body's XLA count times its trip count, read from the compiled program "
+                     f"({counts.compile_seconds:.1f} s); flops['compiled'] is the program's own count (one "
+                     "iteration per loop)")
+      p.flops["loops"] = counts.loops
     if c.oom:
       p.notes.append(f"the TPU compiler stopped: {c.oom} (the memory above: the step's inputs plus the temporaries "
                      "it names; FLOPs and collectives need a program that fits)")
@@ -255,18 +256,6 @@ class Planner:
   def _attention(self) -> str:
     t, s = self.teacher.attention, self.student.attention
     return t if t == s else f"teacher {t}, student {s}"
-
-  def _scanned(self) -> bool:
-    return self.teacher.scan_layers or self.student.scan_layers
-
-  def _layer_counts(self, k: Knobs, report=None) -> LayerCounts:
-    """The step's counts with its scanned loops counted whole, from shallow unrolled compiles (`_cost`)."""
-    def compile_at(lt: int, ls: int):
-      shallow = lambda m, n: m.replace(n_layers=n, scan_layers=False)  # noqa: E731
-      d = self._distiller(k, shallow(self.teacher, lt), shallow(self.student, ls))
-      where = f"unrolled at {lt} teacher / {ls} student block(s), to count the scanned loops: "
-      return compile_step(d, k.batch, self.seq, report=lambda m: report(where + m) if report else None)
-    return layer_counts(compile_at, (self.teacher.n_layers, self.student.n_layers), k.shape)
 
   def _roofline(self, flops, bytes_accessed, colls, model_flops: float, tokens: int,
                 kernels: float) -> dict[str, float | str | None]:

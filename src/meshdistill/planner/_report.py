@@ -134,7 +134,7 @@ class Plan:
     lines.append("FLOPs per step, per device:")
     lines.append(f"  compiled (XLA cost analysis)   {_e(f['compiled'])}")
     if f.get("counted") is not None and f["counted"] != f["compiled"]:
-      lines.append(f"  scanned loops counted whole    {_e(f['counted'])}   (from 1- and 2-block unrolled compiles)")
+      lines.append(f"  loops counted whole            {_e(f['counted'])}   (scanned blocks, chunked loss: body x trips)")
     if f.get("kernels"):
       lines.append(f"  + Pallas kernels (analytic)    {_e(f['kernels'])}   (attention inside the splash kernel)")
     lines.append(f"  analytic 2*N_t + 6*N_s /token  {_e(f['analytic'])}   (compiled / analytic = "
