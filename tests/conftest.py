@@ -4,6 +4,8 @@ Shared configs and helpers live in ``tests/helpers.py`` (``from helpers import .
 """
 
 import os
+import shutil
+import tempfile
 
 # CPU only: with libtpu installed (the `tpu` extra) JAX would otherwise probe for a TPU at start-up
 # (seconds, and log noise); the planner's TPU topologies need no TPU backend. Set before JAX is imported.
@@ -17,6 +19,16 @@ import chex  # noqa: E402
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 ).strip()
+# One persistent compilation cache per test run, shared by the xdist workers and every process a test starts (they
+# inherit the environment): the tiny programs the suite compiles again and again (the one-device reference steps,
+# the same job in many CLI runs) compile once. Entries are the compiled executables themselves, so a hit changes no
+# value; the folder goes when the run ends (`pytest_sessionfinish`).
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+_XLA_CACHE = os.path.join(tempfile.gettempdir(), f"meshdistill-tests-xla-{_RUN}")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 chex.set_n_cpu_devices(8)
 
 import pytest  # noqa: E402
@@ -26,3 +38,10 @@ from helpers import STUDENT_CFG, TEACHER_CFG  # noqa: E402  (after the devices a
 @pytest.fixture
 def tiny_cfgs():
   return TEACHER_CFG, STUDENT_CFG
+
+
+def pytest_sessionfinish(session):
+  """The run's compilation cache goes with the run (the controller, after every worker has finished)."""
+  if not hasattr(session.config, "workerinput"):
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+
