@@ -13,12 +13,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import chex  # noqa: E402
 
-# The test models are tiny and compiling dominates the suite: skipping LLVM's optimisation passes halves compile
-# time, and XLA's older elemental emitters compile the tiny fusions in about two thirds of the time of its fusion
-# emitters (same values). Every layout compiles with the same flags; subprocesses inherit them.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-).strip()
+# The test models are tiny: skipping LLVM's optimisation passes halves compile time,
+# which dominates the suite. Every layout compiles with the same flags.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 # One persistent compilation cache per test run, shared by the xdist workers and every process a test starts (they
 # inherit the environment): the tiny programs the suite compiles again and again (the one-device reference steps,
 # the same job in many CLI runs) compile once. Entries are the compiled executables themselves, so a hit changes no
