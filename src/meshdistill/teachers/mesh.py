@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill.parallel.mesh import DATA, mesh_of, mesh_shape, shape_label
 from meshdistill.train.step import TOPK_KEYS
+from meshdistill.teachers.ahead import AheadIterator
 from meshdistill.teachers.cache import TeacherTopK, TopKTeacher
 
 
@@ -123,35 +124,13 @@ class TeacherMeshData:
     return _AheadIterator(self.bundle.train_iterator(state, **kw), self.on_mesh)
 
 
-class _AheadIterator:
+class _AheadIterator(AheadIterator):
   def __init__(self, it, on_mesh: TeacherOnMesh):
-    self._it, self._on, self._ahead, self._index = it, on_mesh, None, 0
+    super().__init__(it)
+    self._on = on_mesh
 
-  def _read(self):
-    position = self._it.get_state()
-    try:
-      batch = next(self._it)
-    except StopIteration:
-      return None
-    self._index += 1
-    return position, batch, self._on.dispatch(batch, self._index - 1)
+  def dispatch(self, batch: dict, index: int) -> dict:
+    return self._on.dispatch(batch, index)
 
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict:
-    current = self._ahead if self._ahead is not None else self._read()
-    if current is None:
-      raise StopIteration
-    self._ahead = self._read()  # batch s+1's teacher work is issued before batch s is handed out
-    return {**current[1], **current[2]}
-
-  def get_state(self):
-    return self._ahead[0] if self._ahead is not None else self._it.get_state()
-
-  def set_state(self, state):
-    self._ahead = None
-    self._it.set_state(state)
-
-  def close(self):
-    self._it.close()
+  def collect(self, batch: dict, work: dict, index: int) -> dict:
+    return {**batch, **work}

@@ -19,9 +19,10 @@ import time
 from typing import ClassVar
 
 from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.teachers.ahead import AheadIterator
 from meshdistill.teachers.cache import TopKTeacher
 from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, option, register, topk_refusal
-from meshdistill.teachers.service.client import RemoteTeacherError, TeacherClient
+from meshdistill.teachers.service.client import TeacherClient
 from meshdistill.train.distiller import resolve_shared_vocab
 from meshdistill.train.step import TOPK_KEYS
 
@@ -150,45 +151,21 @@ class RemoteTeacherData:
     return _FetchAheadIterator(self.bundle.train_iterator(state, **kw), self)
 
 
-class _FetchAheadIterator:
+class _FetchAheadIterator(AheadIterator):
   def __init__(self, it, owner: RemoteTeacherData):
-    self._it, self._owner, self._ahead, self._index = it, owner, None, 0
+    super().__init__(it)
+    self._owner = owner
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote-teacher")
 
-  def _read(self):
-    position = self._it.get_state()
-    try:
-      batch = next(self._it)
-    except StopIteration:
-      return None
-    self._index += 1
-    return self._index - 1, position, batch, self._pool.submit(self._owner.fetch, batch)
+  def dispatch(self, batch: dict, index: int) -> concurrent.futures.Future:
+    return self._pool.submit(self._owner.fetch, batch)
 
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict:
-    current = self._ahead if self._ahead is not None else self._read()
-    if current is None:
-      raise StopIteration
-    self._ahead = self._read()  # batch s+1's answer is asked for now, fetched while step s runs
-    index, _, batch, future = current
+  def collect(self, batch: dict, work: concurrent.futures.Future, index: int) -> dict:
     t0 = time.perf_counter()
-    try:
-      topk = future.result()  # raises the client's error: the batch is never handed out without its answer
-    except RemoteTeacherError:
-      self._ahead = current  # the state stays this batch's: it is the next one to hand out
-      raise
+    topk = work.result()  # raises the client's error: the batch is never handed out without its answer
     self._owner.wait_log.append((index, time.perf_counter() - t0))
     return {**batch, **topk}
 
-  def get_state(self):
-    return self._ahead[1] if self._ahead is not None else self._it.get_state()
-
-  def set_state(self, state):
-    self._ahead = None
-    self._it.set_state(state)
-
   def close(self):
     self._pool.shutdown(wait=False, cancel_futures=True)
-    self._it.close()
+    super().close()
