@@ -10,6 +10,7 @@ tensors it stands for, each device only the experts and the window of its shard.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, ClassVar
 
 from meshdistill.models._config import ModelConfig
@@ -19,7 +20,7 @@ from meshdistill.models.moe import MoeConfig
 EXPERT = "{e}"  # the expert-index placeholder in a stacked expert weight's Hugging Face name
 
 
-class ExpertFamily(Family):
+class ExpertFamily(Family, abc.ABC):
   """A family with mixture-of-experts blocks. Subclasses name ``moe_module`` (the block's MLP module in the
   checkpoint: ``mlp`` or ``block_sparse_moe``) and ``projections`` (the decoder's ``gate`` / ``up`` / ``down`` ->
   the checkpoint's expert projection names), and map the config in `moe_from_hf` / `moe_fields`."""
@@ -28,11 +29,13 @@ class ExpertFamily(Family):
   moe_module: ClassVar[str] = "mlp"
   projections: ClassVar[dict[str, str]] = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
+  @abc.abstractmethod
   def moe_from_hf(self, hf: dict[str, Any], n_layers: int) -> MoeConfig:
-    raise NotImplementedError
+    """The `MoeConfig` of a checkpoint's ``config.json`` (``n_layers`` blocks)."""
 
+  @abc.abstractmethod
   def moe_fields(self, cfg: ModelConfig) -> dict[str, Any]:
-    raise NotImplementedError
+    """The ``config.json`` fields of ``cfg.moe``."""
 
   def check_hf(self, hf: dict[str, Any], where: str) -> None:
     super().check_hf(hf, where)
