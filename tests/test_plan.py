@@ -146,6 +146,26 @@ def test_missing_libtpu_names_the_extra(monkeypatch):
     md.plan(topology="v5e:2x2")
 
 
+@pytest.mark.parametrize("argv, want", [([], 4), (["--max-compiles", "0"], 0), (["--max-compiles", "2"], 2),
+                                         (["--search"], 12), (["--search", "--max-compiles", "0"], 0)])
+def test_max_compiles_reaches_the_planner_and_zero_compiles_no_suggestion(monkeypatch, argv, want):
+  seen = {}
+
+  class Stub:
+    def table(self):
+      return ""
+
+  def fake(*args, max_compiles, **kwargs):
+    seen["max_compiles"] = max_compiles
+    return [] if "batches" in kwargs else Stub()
+
+  monkeypatch.setattr(planner, "plan", fake)
+  monkeypatch.setattr(planner, "search", fake)
+  monkeypatch.setattr(planner, "search_table", lambda plans: "")
+  assert cli.main(["plan", "--devices", "cpu:8", *argv]) == 0
+  assert seen["max_compiles"] == want
+
+
 def test_mesh_not_matching_the_device_count_lists_layouts_that_do():
   with pytest.raises(ValueError, match=r"mesh 3x3 .* needs 9 devices but cpu:8 has 8; .*: 8x1, 4x2, 2x4, 1x8"):
     md.plan(devices="cpu:8", mesh="3x3")

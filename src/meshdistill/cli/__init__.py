@@ -71,12 +71,13 @@ def _plan(args) -> int:
                 overrides=args.overrides, dtype=args.dtype, hbm_gib=args.hbm_gib, scan_layers=args.scan_layers,
                 attention=args.attention)
   t0 = time.perf_counter()
+  allowed = args.max_compiles  # None: the default of each mode; 0 compiles no suggestion
   if args.search:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else None
     chunks = None if args.chunk_size is None else [args.chunk_size]
     remats = None if args.remat is None else [args.remat]
     plans = planner.search(args.teacher, args.student, batch=args.batch, batches=batches, remats=remats,
-                           chunk_sizes=chunks, max_compiles=args.max_compiles or 12, **common)
+                           chunk_sizes=chunks, max_compiles=12 if allowed is None else allowed, **common)
     if args.json:
       print(json.dumps([p.to_dict() for p in plans], indent=1))
     else:
@@ -86,7 +87,7 @@ def _plan(args) -> int:
   else:
     extra = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
     p = planner.plan(args.teacher, args.student, mesh=args.mesh, batch=args.batch, remat=args.remat,
-                     max_compiles=args.max_compiles or 4, placement=args.placement, **extra, **common)
+                     max_compiles=4 if allowed is None else allowed, placement=args.placement, **extra, **common)
     print(p.to_json(indent=1) if args.json else p.table())
   print(f"planned in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
   return 0
