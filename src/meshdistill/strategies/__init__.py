@@ -30,21 +30,11 @@ Built in (registered name in brackets, for configs' ``distill.kind`` and `get`):
                                        teacher as the frozen reference (a mean over pairs)
 `SampledTokenKD` (sampled_token)       on-policy REINFORCE on the student's sampled tokens, advantage
                                        ``log p_teacher - log p_student`` (any teacher giving one log-prob)
+`ULD` / `SpanKL` (uld, span_kl)        a teacher of another tokenizer: ULD on aligned spans, span-merged
+                                       KL over the matched vocabulary
+`ByteKL` (byte_kl)                     a teacher of another tokenizer: KL on the student's next byte
 =====================================  ===========================================================
 
-`LogitKD`             a divergence (KL, reverse KL, JSD, ...) between temperature-softened
-                      logits, mixed with hard-label CE
-`ChunkedLogitKD`      logit KD without ``[B, T, V]`` logits (token chunks, vocabulary-parallel)
-`HardLabelCE`         cross-entropy on the targets only
-`AttentionTransfer`   KL / MSE between attention probability maps of mapped layers
-`FeaturePooling`      cosine / MSE to the teacher's width-pooled hidden states
-`FeatureProjection`   cosine / MSE through a learned ``[D_s, D_t]`` map per mapped layer
-`PreferenceLoss`      DPO / IPO / DPO + KL on (chosen, rejected) row pairs, the teacher as the
-                      frozen reference (per batch: the loss is a mean over pairs)
-`Composite`           a weighted sum of per-sequence strategies (all above but `ChunkedLogitKD`);
-                      weights may be schedules
-====================  ==========================================================================
-=======
 A new strategy is one module in this package: a class deriving from `SequenceStrategy` or
 `BatchStrategy`, decorated with ``@register("name")``. Every module of the package is
 imported here, so the decorator runs and the class is exported under its own name.
