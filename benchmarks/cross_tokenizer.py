@@ -2,7 +2,7 @@
 scratch and distilled from a byte-level teacher of the same size (same data, steps and batch rows).
 
 Every model is scored on the same validation bytes: bits per byte over the counted spans of the two-tokenization
-validation rows (`meshdistill.loop.evaluate`), so the BPE teacher and the byte models compare.
+validation rows (`meshdistill.train.loop.evaluate`), so the BPE teacher and the byte models compare.
 
   python benchmarks/cross_tokenizer.py --seeds 0,1,2        # writes benchmarks/results/cross_tokenizer.md
 """
@@ -19,7 +19,7 @@ import time
 import meshdistill as md
 from meshdistill.data import DataConfig, build_data
 from meshdistill.data.alignment import byte_tables_of, matched_vocabulary
-from meshdistill.loop.evaluate import Evaluator
+from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.strategies import ByteKL, LogitKD, SpanKL, ULD
 from meshdistill.train.hardlabel import HardLabelTrainer
 from meshdistill.train.optimizers import default_optimizer

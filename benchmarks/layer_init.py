@@ -60,7 +60,7 @@ def main(argv=None) -> int:
   jobs.prepare_devices(cfg_init)
   import jax
 
-  from meshdistill.loop.evaluate import Evaluator
+  from meshdistill.train.loop.evaluate import Evaluator
   from meshdistill.models import param_count
 
   results = {}

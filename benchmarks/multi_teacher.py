@@ -32,7 +32,7 @@ from bench.harness import load, machine
 import meshdistill as md
 from meshdistill.data import DataConfig, build_data
 from meshdistill.data._corpus import stdlib_root
-from meshdistill.loop.evaluate import Evaluator
+from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.strategies import LogitKD
 from meshdistill.teachers.cache import TeacherTopK, TopKTeacher
 from meshdistill.teachers.multi import combine

@@ -218,13 +218,13 @@ def _arms(args):
 def quality(cfg, teacher, data, mesh, args, keep_models=False):
   """One seed (``cfg.train.seed``): the optional shared warm start, then every arm; returns (results, models)."""
   from meshdistill.train.distiller import Distiller
-  from meshdistill.loop.evaluate import Evaluator
-  from meshdistill.loop.guard import copy_state
+  from meshdistill.train.loop.evaluate import Evaluator
+  from meshdistill.train.loop.guard import copy_state
   from meshdistill.models import init_model
-  from meshdistill.loop.monitor import Monitor
+  from meshdistill.train.loop.monitor import Monitor
   from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller
   from meshdistill.strategies import LogitKD
-  from meshdistill.loop.trainer import fit, make_optimizer
+  from meshdistill.train.loop.trainer import fit, make_optimizer
 
   tok = data.tokenizer
   pad = getattr(tok, "pad_id", 0) or 0

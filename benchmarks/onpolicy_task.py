@@ -41,7 +41,7 @@ import meshdistill as md  # noqa: E402
 from meshdistill.data import ByteTokenizer  # noqa: E402
 from meshdistill.data.prompts import PromptData  # noqa: E402
 from meshdistill.data.tasks import parse_task  # noqa: E402
-from meshdistill.loop.task_eval import task_accuracy  # noqa: E402
+from meshdistill.train.loop.task_eval import task_accuracy  # noqa: E402
 from meshdistill.strategies import HardLabelCE, LogitKD, SampledTokenKD  # noqa: E402
 from meshdistill.train.hardlabel import HardLabelTrainer  # noqa: E402
 from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller  # noqa: E402

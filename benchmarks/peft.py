@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from meshdistill.config import Config  # noqa: E402
 from meshdistill.train.memory import step_memory  # noqa: E402
 from meshdistill.models.lora import LoraConfig, adapter_count, apply_lora  # noqa: E402
-from meshdistill.loop.trainer import make_optimizer  # noqa: E402
+from meshdistill.train.loop.trainer import make_optimizer  # noqa: E402
 
 RESULT = pathlib.Path(__file__).parent / "results" / "peft.md"
 

@@ -57,8 +57,8 @@ def _args(argv):
 def _fit(trainer, data, cfg, run_dir, name):
   from meshdistill.storage.checkpoint import Checkpointer
   from meshdistill.jobs import loop_kwargs
-  from meshdistill.loop.monitor import Monitor
-  from meshdistill.loop.trainer import fit
+  from meshdistill.train.loop.monitor import Monitor
+  from meshdistill.train.loop.trainer import fit
 
   monitor = Monitor(run_dir, cfg.train.steps, stream=sys.stderr, name=name)
   ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
@@ -125,7 +125,7 @@ def run_once(args, overrides: list[str], run_root: str) -> dict:
   jobs.prepare_devices(cfg)
   import jax
 
-  from meshdistill.loop.evaluate import Evaluator
+  from meshdistill.train.loop.evaluate import Evaluator
   from meshdistill.train.hardlabel import HardLabelTrainer
   from meshdistill.models import init_model, param_count
   from meshdistill.train.optimizers import make_optimizer

@@ -1,7 +1,7 @@
 """What the training loop's safeguards cost: the divergence guard's step time and memory, remat's trade.
 
 The main job's models, batch and 2x4 mesh (`meshdistill.config.Config` defaults) go through
-`meshdistill.loop.trainer.fit`:
+`meshdistill.train.loop.trainer.fit`:
 
 * guard: the same `Distiller` trains ``--steps`` steps without the guard and with it, the default
   (lagged check, ``keep_every=10``: step ``s``'s loss is read after step ``s + 1`` is dispatched,
@@ -40,9 +40,9 @@ import jax  # noqa: E402
 from meshdistill.config import Config  # noqa: E402
 from meshdistill.data import build_data  # noqa: E402
 from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER, step_memory  # noqa: E402
-from meshdistill.loop.guard import DivergenceGuard  # noqa: E402
+from meshdistill.train.loop.guard import DivergenceGuard  # noqa: E402
 from meshdistill.train.optimizers import make_optimizer  # noqa: E402
-from meshdistill.loop.trainer import fit  # noqa: E402
+from meshdistill.train.loop.trainer import fit  # noqa: E402
 
 RESULT = pathlib.Path(__file__).parent / "results" / "safeguards.md"
 

@@ -8,7 +8,7 @@ that the work really is the same.
 
 Timing (`bench.harness.interleave`): after warm-up steps, the steps of all systems (of each process) are
 interleaved round by round, each timed to completion; then each system's own training loop over blocks of
-``--loop-steps`` batches (ours: `meshdistill.loop.trainer.fit`, one logged step and the rest metrics-light per
+``--loop-steps`` batches (ours: `meshdistill.train.loop.trainer.fit`, one logged step and the rest metrics-light per
 block; tunix: one ``train()`` call per block; the bare programs dispatched back to back), interleaved block by
 block. Medians and paired (within-round) ratios are reported against each row's analytic FLOPs and the matmul
 rate measured in the same rounds; the compiled steps' ``cost_analysis()`` FLOPs and all-reduces beside them.
@@ -49,7 +49,7 @@ def run_loops(loops: dict, vocab: int, rounds: int, k: int) -> dict[str, list[fl
   """Each system's own training loop over the same ``k`` batches, round after round (``rounds`` timed, after a
   warm-up block): seconds per step of each block (the block's wall time / ``k``).
 
-  Our loops (`Ours.loop`, `meshdistill.loop.trainer.fit` with ``log_every=k``) are first brought to a step
+  Our loops (`Ours.loop`, `meshdistill.train.loop.trainer.fit` with ``log_every=k``) are first brought to a step
   count of ``k - 1`` modulo ``k`` so that every timed block is one logged (full) step and ``k - 1``
   metrics-light ones, the steady state of a run (a fit call runs full steps until its first log)."""
   batches = make_batches(k * (rounds + 2), vocab, seed=1)

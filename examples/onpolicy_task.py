@@ -12,7 +12,7 @@
    log-probabilities of its own answers -- ``--form sampled`` (REINFORCE with the advantage ``log p_teacher -
    log p_student`` per token, `meshdistill.strategies.SampledTokenKD`) or ``--form gkd`` (reverse KL on its samples).
    Held-out accuracy by generation (greedy, sampled, pass@4) is logged as eval metrics while it trains
-   (`meshdistill.loop.task_eval.TaskAccuracy`).
+   (`meshdistill.train.loop.task_eval.TaskAccuracy`).
 
 Measured on a shared 2-core machine (about 65 CPU-seconds; 2.5 min of wall time under load): teacher 1.000 held-out
 greedy accuracy; student 0.598 after its warm start, 0.793 after 200 sampled-token steps (greedy; sampled 0.553,
@@ -51,9 +51,9 @@ def main():
   from meshdistill.data import ByteTokenizer
   from meshdistill.data.prompts import PromptData
   from meshdistill.data.tasks import parse_task
-  from meshdistill.loop.monitor import Monitor
-  from meshdistill.loop.task_eval import TaskAccuracy, task_accuracy
-  from meshdistill.loop.trainer import fit
+  from meshdistill.train.loop.monitor import Monitor
+  from meshdistill.train.loop.task_eval import TaskAccuracy, task_accuracy
+  from meshdistill.train.loop.trainer import fit
   from meshdistill.train.hardlabel import HardLabelTrainer
   from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller
   from meshdistill.train.optimizers import default_optimizer

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from meshdistill.train.freezing import describe_stages, freeze_status, progressive_freeze, Stage  # noqa: E402
-from meshdistill.loop.safeguards import safeguarded, skipped_updates  # noqa: E402
+from meshdistill.train.loop.safeguards import safeguarded, skipped_updates  # noqa: E402
 
 STEPS_PER_STAGE = 3
 N_LAYERS = 5

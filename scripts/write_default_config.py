@@ -3,7 +3,7 @@
 The dataclass defaults are the one source of the main job's settings; run this after changing
 one of them (``tests/test_config.py`` fails until the file matches):
 
-    python scripts/write_default_config.py          # rewrites src/meshdistill/configs/default.yaml
+    python scripts/write_default_config.py          # rewrites src/meshdistill/config/presets/default.yaml
     python scripts/write_default_config.py --check  # exit status 1 when the file is out of date
 """
 
@@ -16,7 +16,7 @@ import sys
 from meshdistill.config import Config
 from meshdistill.config.files import default_yaml
 
-PATH = pathlib.Path(__file__).resolve().parents[1] / "src" / "meshdistill" / "configs" / "default.yaml"
+PATH = pathlib.Path(__file__).resolve().parents[1] / "src" / "meshdistill" / "config" / "presets" / "default.yaml"
 
 
 def main() -> int:

@@ -172,7 +172,7 @@ def test_splash_settings_are_checked_with_the_setting_named():
 def test_splash_evaluation_on_a_mesh_equals_explicit_on_one_device():
   """Evaluation runs its plain jit under the mesh (`jax.set_mesh`): the kernel then goes in a shard_map manual over
   both axes (rows over data, heads over tensor), as the TPU compiler requires of a Mosaic kernel."""
-  from meshdistill.loop.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
+  from meshdistill.train.loop.evaluate import Evaluator  # pylint: disable=g-import-not-at-top
 
   def metrics(attention, mesh):
     (gs, ps), (gt, pt) = (nnx.split(md.init_model(cfg.replace(attention=attention), seed=seed, mesh=mesh))

@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
 from meshdistill.parallel.collectives import all_reduce_census, mesh_axis_groups, psum_bundled, replica_groups
-from meshdistill.loop.monitor import Monitor, read_metrics
-from meshdistill.loop.trainer import fit
+from meshdistill.train.loop.monitor import Monitor, read_metrics
+from meshdistill.train.loop.trainer import fit
 
 
 def _distiller(mesh, **kw):

@@ -14,7 +14,7 @@ from meshdistill import jobs
 from meshdistill.config import load_config
 from meshdistill.data import ByteTokenizer, pack_texts, train_bpe
 from meshdistill.data.alignment import matched_vocabulary
-from meshdistill.loop.evaluate import Evaluator
+from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.strategies import SpanKL, ULD
 
 TEXTS = ["the cat sat on the mat; the dog sat on the log. " * 2, "héllo wörld 日本 ok", "def f(x): return x + 1\n"]

@@ -13,9 +13,9 @@ from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.models.lora import LoraConfig, apply_lora
 from meshdistill.config import ConfigError, load_config
 from meshdistill.planner._compile import collectives
-from meshdistill.loop.safeguards import DivergenceGuard, fit_guarded
+from meshdistill.train.loop.safeguards import DivergenceGuard, fit_guarded
 from meshdistill.train.step import step_halves
-from meshdistill.loop.trainer import make_optimizer
+from meshdistill.train.loop.trainer import make_optimizer
 
 # Two blocks (the bottom one frozen in the first stage), an untied head (gathered for the chunked loss), remat
 # full (the per-block gathers run inside the remat region and again in the backward pass).

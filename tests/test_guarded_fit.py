@@ -14,9 +14,9 @@ from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import ConfigError, load_config
 from meshdistill.data import DataConfig, build_data
 from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, step_memory
-from meshdistill.loop.monitor import Monitor, read_metrics
-from meshdistill.loop.safeguards import DivergenceGuard, LogitMSE
-from meshdistill.loop.trainer import fit, make_optimizer
+from meshdistill.train.loop.monitor import Monitor, read_metrics
+from meshdistill.train.loop.safeguards import DivergenceGuard, LogitMSE
+from meshdistill.train.loop.trainer import fit, make_optimizer
 
 VOCAB = 264  # byte tokenizer
 TEACHER = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)

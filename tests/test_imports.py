@@ -22,7 +22,7 @@ PACKAGE = "meshdistill"
 # were broken and the config's checks and the models' builders were imported at the top; 132 with the command's
 # lazy start-up (`meshdistill.cli` imports each job's modules inside its command, so `--help` loads no JAX); 22 once
 # every import that closes no cycle and costs the command's start-up nothing went to the top of its module (and
-# `distributed.platforms` got the "has JAX started" check it needs from `parallel.mesh`). What stays local is the
+# `parallel.distributed.platforms` got the "has JAX started" check it needs from `parallel.mesh`). What stays local is the
 # command's lazy start-up (20, in `meshdistill.cli`). A new one needs a reason on its line (`# lazy: ...`: a heavy or
 # optional part, e.g. the planner or qwix), never a cycle.
 MAX_LOCAL_IMPORTS = 20
@@ -206,3 +206,11 @@ def test_every_function_local_import_of_the_package_says_why_it_is_local():
 
 if __name__ == "__main__":
   pytest.main([__file__, "-q", "-s"])
+
+
+def test_the_package_has_at_most_14_top_level_entries():
+  """Modules, packages and data folders directly under ``meshdistill/`` (``__init__`` and ``__main__`` included):
+  a new concept goes into the package it belongs to (CONTRIBUTING.md's code map), not beside them."""
+  entries = sorted(p.name for p in (SRC / PACKAGE).iterdir()
+                   if p.name != "__pycache__" and (p.is_dir() or p.suffix == ".py"))
+  assert len(entries) <= 14, entries

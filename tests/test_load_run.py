@@ -12,7 +12,7 @@ import meshdistill as md
 from meshdistill import jobs
 from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import load_config
-from meshdistill.loop.evaluate import Evaluator
+from meshdistill.train.loop.evaluate import Evaluator
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_load_run_of_a_missing_empty_or_checkpointless_directory_is_named(tmp_pa
   run_dir = tmp_path / "fresh"
   cfg = load_config("tiny", [f"run.run_dir={run_dir}"])
   os.makedirs(run_dir)
-  (run_dir / "config.yaml").write_text(open(os.path.join(os.path.dirname(md.__file__), "configs", "tiny.yaml")).read())
+  (run_dir / "config.yaml").write_text(open(os.path.join(os.path.dirname(md.__file__), "config", "presets", "tiny.yaml")).read())
   with pytest.raises(FileNotFoundError, match="no finished checkpoint") as e:
     md.load_run(str(run_dir))
   assert cfg.checkpoint_dir in str(e.value)

@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import meshdistill as md
-from meshdistill import distributed
+from meshdistill.parallel import distributed
 from meshdistill.storage.checkpoint import save_teacher
 from meshdistill.config import load_config
 from meshdistill.teachers.cache import TeacherCache

@@ -14,10 +14,10 @@ import meshdistill as md
 from meshdistill import cli, jobs
 from meshdistill.config import ConfigError, load_config
 from meshdistill.models.generate import SamplingConfig, generate, left_pad
-from meshdistill.loop.monitor import Monitor
+from meshdistill.train.loop.monitor import Monitor
 from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller
 from meshdistill.data.prompts import completion_batch, cut_prompts, pair_batch, read_prompts
-from meshdistill.loop.trainer import fit
+from meshdistill.train.loop.trainer import fit
 
 SEQ, NEW = 12, 5  # prompts: the first SEQ + 1 - NEW = 8 tokens of each row
 GKD = md.LogitKD(temperature=1.0, alpha=0.5, divergence="jsd", beta=0.5)

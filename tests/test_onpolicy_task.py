@@ -13,7 +13,7 @@ from meshdistill import losses
 from meshdistill.data import ByteTokenizer
 from meshdistill.data.prompts import PromptData
 from meshdistill.data.tasks import ArithmeticTask, parse_task
-from meshdistill.loop.task_eval import complete, task_accuracy
+from meshdistill.train.loop.task_eval import complete, task_accuracy
 from meshdistill.models import ModelOutput
 from meshdistill.strategies import LogitKD, SampledTokenKD
 from meshdistill.teachers.cache import TeacherCache, TeacherTopK, TopKTeacher, teacher_identity, write_cache

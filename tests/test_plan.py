@@ -17,7 +17,7 @@ import meshdistill as md
 from meshdistill import cli, jobs, planner
 from meshdistill.config import load_config
 from meshdistill.train.memory import step_memory
-from meshdistill.loop.evaluate import Evaluator
+from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.planner._compile import abstract_batch, compile_step
 
 needs_libtpu = pytest.mark.skipif(not planner.libtpu_available(),

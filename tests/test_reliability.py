@@ -39,10 +39,10 @@ from meshdistill.data import DataConfig, build_data
 from meshdistill.teachers.cache import TeacherCache
 from meshdistill.storage.fsutil import LOCK_FILE, OutputExistsError, RunLock, RunLockedError
 from meshdistill.models import export_hf, load_hf
-from meshdistill.loop.monitor import Monitor, plot_run, read_metrics
+from meshdistill.train.loop.monitor import Monitor, plot_run, read_metrics
 from meshdistill.storage.ownership import MARKER, write_marker
-from meshdistill.loop.safeguards import DivergenceGuard, fit_guarded, safeguarded, skipped_updates
-from meshdistill.loop.trainer import fit
+from meshdistill.train.loop.safeguards import DivergenceGuard, fit_guarded, safeguarded, skipped_updates
+from meshdistill.train.loop.trainer import fit
 
 VOCAB = 264  # byte tokenizer
 TEACHER = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)

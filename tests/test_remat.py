@@ -17,7 +17,7 @@ from meshdistill.train.memory import (
     rebuild_with_remat,
     with_remat,
 )
-from meshdistill.loop.safeguards import copy_state
+from meshdistill.train.loop.safeguards import copy_state
 
 SEQ = 64
 # Activations dominate: thin blocks, long sequence (attention maps [B, H, T, T] per block).

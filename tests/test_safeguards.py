@@ -14,7 +14,7 @@ from meshdistill.train.freezing import Stage, freeze_status, progressive_freeze
 from meshdistill.models import ModelOutput
 from meshdistill.train.step import scale_gradient
 from meshdistill.strategies import ChunkedLogitKD
-from meshdistill.loop.safeguards import (
+from meshdistill.train.loop.safeguards import (
     DivergenceGuard,
     LogitMSE,
     copy_state,

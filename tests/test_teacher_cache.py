@@ -13,7 +13,7 @@ import meshdistill as md
 from meshdistill.teachers import cache as tc
 from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._teacher import _open_teacher_cache
-from meshdistill.loop.safeguards import safeguarded
+from meshdistill.train.loop.safeguards import safeguarded
 from meshdistill.teachers.sources._settings import ModelSources
 from meshdistill.strategies import AttentionTransfer, LogitKD
 

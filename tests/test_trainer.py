@@ -16,12 +16,12 @@ from meshdistill import jobs
 from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import ConfigError, load_config
 from meshdistill.data import DataConfig, build_data
-from meshdistill.loop.evaluate import Evaluator
+from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.train.hardlabel import HardLabelTrainer
-from meshdistill.loop.monitor import Monitor, ProfileWindow, plot_run
-from meshdistill.loop import run as run_lib
-from meshdistill.loop.stopping import Stopped
-from meshdistill.loop.trainer import fit, lr_schedule, make_optimizer
+from meshdistill.train.loop.monitor import Monitor, ProfileWindow, plot_run
+from meshdistill.train.loop import run as run_lib
+from meshdistill.train.loop.stopping import Stopped
+from meshdistill.train.loop.trainer import fit, lr_schedule, make_optimizer
 
 VOCAB = 264  # byte tokenizer
 TEACHER = md.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=16)
@@ -312,7 +312,7 @@ def test_fresh_state_moments_take_their_parameters_sharding_on_every_trainer(kd,
 
 def test_tokens_per_s_keeps_the_flushs_wait_and_drops_the_time_set_aside(monkeypatch):
   """A flush waits for its window's steps (step time); evaluation after it is set aside (not step time)."""
-  import meshdistill.loop.monitor as monitor_lib
+  import meshdistill.train.loop.monitor as monitor_lib
 
   clock = [0.0]
   monkeypatch.setattr(monitor_lib.time, "perf_counter", lambda: clock[0])

@@ -34,7 +34,7 @@ from tunix.distillation.strategies import logit as tunix_logit
 from bench import matmuls
 from meshdistill import losses
 from meshdistill.parallel.collectives import all_reduce_census, all_reduce_instructions, mesh_axis_groups
-from meshdistill.loop.trainer import fit
+from meshdistill.train.loop.trainer import fit
 
 B, T = 8, 128  # rows per batch, tokens per row
 TAU, ALPHA, LR = 2.0, 0.5, 1e-3  # the KD recipe every system runs, and the learning rate
@@ -92,7 +92,7 @@ class Ours:
     return float(cost.get("flops", float("nan"))), census
 
   def loop(self, xs, log_every: int):
-    """Our training loop (`meshdistill.loop.trainer.fit`, default options, no checkpoints or evaluation) over
+    """Our training loop (`meshdistill.train.loop.trainer.fit`, default options, no checkpoints or evaluation) over
     ``xs``, continuing this system's state; returns once the state after the last step is computed (fit itself
     returns with that step possibly in flight: it reads losses only where a hook needs them)."""
     data = md.data.BatchList(ours_batch(x) for x in xs)

@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
     "layout": "meshdistill.parallel.layout",
     "losses": "meshdistill.losses",
     "memory": "meshdistill.train.memory",
-    "safeguards": "meshdistill.loop.safeguards",
+    "safeguards": "meshdistill.train.loop.safeguards",
     "schedules": "meshdistill.train.schedules",
     "strategies": "meshdistill.strategies",
     # data
@@ -47,11 +47,11 @@ _EXPORTS: dict[str, str] = {
     "Plan": "meshdistill.planner",
     "plan": "meshdistill.planner",
     # safeguards and optimizers
-    "DivergenceGuard": "meshdistill.loop.guard",
+    "DivergenceGuard": "meshdistill.train.loop.guard",
     "default_optimizer": "meshdistill.train.optimizers",
     "safeguarded": "meshdistill.train.optimizers",
     "skipped_updates": "meshdistill.train.optimizers",
-    "fit_guarded": "meshdistill.loop.safeguards",
+    "fit_guarded": "meshdistill.train.loop.safeguards",
     # mesh
     "AXES": "meshdistill.parallel.mesh",
     "DATA": "meshdistill.parallel.mesh",

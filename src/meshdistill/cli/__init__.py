@@ -17,13 +17,13 @@
 slice or GPU cluster) with ``--coordinator HOST:PORT --num-processes N --process-id I``, the
 ``MESHDISTILL_COORDINATOR`` / ``_NUM_PROCESSES`` / ``_PROCESS_ID`` variables, or ``--coordinator auto``
 (JAX's cluster auto-detection, also used when a cluster launcher's variables are found); see
-`meshdistill.distributed`.
+`meshdistill.parallel.distributed`.
 
 ``--config`` takes a YAML file or the name of a packaged config (``default``, ``tiny``);
 ``--set key.path=value`` (repeatable) overrides one setting, the value parsed as YAML. Bad
 keys or values are reported before anything runs. On a machine without an accelerator the
 mesh runs on simulated CPU devices (``mesh.simulate_cpu_devices: auto``), and JAX does not probe
-for a TPU (``JAX_PLATFORMS=cpu`` unless set; see `meshdistill.distributed.platforms`).
+for a TPU (``JAX_PLATFORMS=cpu`` unless set; see `meshdistill.parallel.distributed.platforms`).
 
 Only this module prints; the library logs (``-v``, before or after the command, shows its INFO
 messages; ``plan`` shows its progress without it). Job modules (JAX, the data pipeline) are imported
@@ -34,7 +34,7 @@ would replace files, a run directory in use) -- nothing was lost; 1 training fai
 divergence guard gave up, a checkpoint could not be written) -- the last checkpoint is kept;
 143 stopped by SIGTERM and 130 stopped by SIGINT (Ctrl-C): ``distill`` and ``pretrain`` after
 writing a checkpoint of the step in flight, ``cache-teacher`` after recording the shard in flight
-(`meshdistill.loop.stopping`); a second signal ends the process at once. Rerunning the same command
+(`meshdistill.train.loop.stopping`); a second signal ends the process at once. Rerunning the same command
 resumes after 1, 130 and 143. ``launch`` forwards SIGTERM and SIGINT to its processes and exits
 with the first failing process's code (128 + N for one ended by signal N).
 """
@@ -49,7 +49,7 @@ import time
 from meshdistill.cli.parser import parser as _parser
 from meshdistill.config.typed_yaml import ConfigError  # light (no JAX): job modules are imported inside each command
 
-# commands whose loops honour a stop request (`meshdistill.loop.stopping`): SIGTERM / SIGINT end them at a step or
+# commands whose loops honour a stop request (`meshdistill.train.loop.stopping`): SIGTERM / SIGINT end them at a step or
 # shard boundary with their progress saved (exit 143 / 130)
 STOPPABLE = ("distill", "pretrain", "cache-teacher")
 
@@ -159,11 +159,11 @@ def _main(argv: list[str] | None) -> int:
   args = _parser().parse_args(argv)
   _setup_logging(args.verbose, args.command)
   if args.command != "launch":  # the launcher starts no JAX; its processes get JAX_PLATFORMS=cpu from it
-    from meshdistill.distributed.platforms import select_platform  # lazy: --help loads the parser only
+    from meshdistill.parallel.distributed.platforms import select_platform  # lazy: --help loads the parser only
 
     select_platform(force_cpu=args.command == "plan")  # CPU unless an accelerator is present or JAX_PLATFORMS set
   if args.command == "launch":
-    from meshdistill import distributed  # lazy: --help loads the parser only
+    from meshdistill.parallel import distributed  # lazy: --help loads the parser only
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     try:
@@ -171,7 +171,7 @@ def _main(argv: list[str] | None) -> int:
     except distributed.DistributedError as e:
       return _err(str(e))
   if args.command == "plot":
-    from meshdistill.loop.monitor import plot_run  # lazy: JAX
+    from meshdistill.train.loop.monitor import plot_run  # lazy: JAX
 
     try:
       for path in plot_run(args.run_dir, args.out):
@@ -207,15 +207,15 @@ def _main(argv: list[str] | None) -> int:
 
   from meshdistill import jobs  # lazy: JAX
   from meshdistill.storage.fsutil import RunLockedError  # lazy: --help loads the parser only
-  from meshdistill.loop.monitor import ProfileWindow  # lazy: JAX
-  from meshdistill.loop.stopping import STOP_SIGNALS, Stopped, stop_on_signals  # lazy: --help loads the parser only
+  from meshdistill.train.loop.monitor import ProfileWindow  # lazy: JAX
+  from meshdistill.train.loop.stopping import STOP_SIGNALS, Stopped, stop_on_signals  # lazy: --help loads the parser only
 
   try:
     ProfileWindow.parse(getattr(args, "profile", None), "")
   except ValueError as e:
     return _err(str(e))
 
-  from meshdistill import distributed  # lazy: --help loads the parser only
+  from meshdistill.parallel import distributed  # lazy: --help loads the parser only
 
   try:  # before JAX starts a backend
     # (`generate` runs as one process: it takes no process flags)

@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     return sp
 
   def with_processes(sp):
-    g = sp.add_argument_group("several processes (one per host; see meshdistill.distributed)")
+    g = sp.add_argument_group("several processes (one per host; see meshdistill.parallel.distributed)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's address, the same on every process, or 'auto' (cluster auto-detection)")
     g.add_argument("--num-processes", default=None, type=int, metavar="N", help="processes in the job")

@@ -100,8 +100,8 @@ def default_yaml(settings: dict) -> str:
 
 
 def packaged_dir():
-  """The folder of the packaged configs (``meshdistill/configs``)."""
-  return importlib.resources.files("meshdistill") / "configs"
+  """The folder of the packaged configs (``meshdistill/config/presets``)."""
+  return importlib.resources.files("meshdistill.config") / "presets"
 
 
 def config_path(name_or_path: str) -> str:

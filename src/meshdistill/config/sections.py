@@ -27,7 +27,7 @@ from meshdistill.parallel.backends import BACKENDS, layout_class
 from meshdistill.parallel.layout import check_student_split
 from meshdistill.parallel.mesh import check_axes
 from meshdistill.losses import DIVERGENCES
-from meshdistill.loop import guard as guard_lib
+from meshdistill.train.loop import guard as guard_lib
 from meshdistill.train.onpolicy import OnPolicyConfig
 from meshdistill.train.optimizers import MAX_LOSS_SCALE
 
@@ -296,7 +296,7 @@ class PretrainSettings(TrainSettings):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GuardSettings:
-  """The divergence guard (`meshdistill.loop.safeguards.DivergenceGuard`) of the training loop.
+  """The divergence guard (`meshdistill.train.loop.safeguards.DivergenceGuard`) of the training loop.
 
   A step diverges when its loss is non-finite or above ``factor`` times the median of the last
   ``window`` good losses (once ``min_history`` are known). The loop then restores the last good

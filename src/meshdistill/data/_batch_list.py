@@ -1,4 +1,4 @@
-"""`BatchList`: batches already in memory, as `meshdistill.loop.trainer.fit` reads its data."""
+"""`BatchList`: batches already in memory, as `meshdistill.train.loop.trainer.fit` reads its data."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Preference pairs for the training loop: from a JSONL file, or built from the run's own text.
 
-`PreferencePairs` wraps a `DataBundle` so that `meshdistill.loop.trainer.fit` reads preference batches:
+`PreferencePairs` wraps a `DataBundle` so that `meshdistill.train.loop.trainer.fit` reads preference batches:
 every training batch of ``B`` rows holds ``B / 2`` (chosen, rejected) pairs, interleaved (row ``2i``
 chosen, ``2i + 1`` rejected), masks on the completion targets only (`PreferenceLoss`).
 Validation batches stay the bundle's own text, so evaluation measures the student's language model.

@@ -149,7 +149,7 @@ def completion_batch(prompts_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN, seq_len
 
 
 class PromptData:
-  """Prompt/completion pairs as a training source for `meshdistill.loop.trainer.fit` (a single-process stand-in
+  """Prompt/completion pairs as a training source for `meshdistill.train.loop.trainer.fit` (a single-process stand-in
   for `meshdistill.data.DataBundle`): shuffled batches per epoch with a resumable position, fixed
   validation batches. Completions end with the tokenizer's EOS, so a student learns to stop.
 

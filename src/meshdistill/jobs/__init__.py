@@ -12,7 +12,7 @@ Order of work in `distill` (the main job):
    devices, or none;
 4. the student, directly on the mesh: ``student.hf``, copied from the teacher's blocks
    (``student.init``), or initialised from ``train.seed`` (`meshdistill.teachers.sources.build_student`);
-5. `meshdistill.loop.trainer.fit` with a `Distiller`, checkpoints and monitoring in ``run.run_dir``;
+5. `meshdistill.train.loop.trainer.fit` with a `Distiller`, checkpoints and monitoring in ``run.run_dir``;
 6. the final evaluation of teacher and student on the validation batches (``summary.json``).
 
 The jobs live in private modules by concept; import them from here (``meshdistill.jobs.<name>``):

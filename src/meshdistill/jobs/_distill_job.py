@@ -15,12 +15,12 @@ from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_me
 from meshdistill.jobs._setup import teacher_side_data, with_batch_size
 from meshdistill.jobs._teacher import obtain_teacher, prepare_teacher
 from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
-from meshdistill.loop.monitor import ProfileWindow
+from meshdistill.train.loop.monitor import ProfileWindow
 from meshdistill.data import PreferencePairs
 from meshdistill.data.prompts import PromptData, read_prompts
-from meshdistill.distributed import agree_on, is_primary
-from meshdistill.loop.evaluate import Evaluator
-from meshdistill.loop.trainer import check_resumable, fit, run_meta
+from meshdistill.parallel.distributed import agree_on, is_primary
+from meshdistill.train.loop.evaluate import Evaluator
+from meshdistill.train.loop.trainer import check_resumable, fit, run_meta
 from meshdistill.models import param_count
 from meshdistill.teachers import kinds
 
@@ -110,7 +110,7 @@ def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
   """Raises when the run directory's checkpoint was written by another run (``expected``: facts of this one),
   or by this run with other settings that change what is trained (`_changed_settings`).
 
-  The same check as `meshdistill.loop.trainer.fit`'s on resume, made before ``config.yaml`` is written.
+  The same check as `meshdistill.train.loop.trainer.fit`'s on resume, made before ``config.yaml`` is written.
   """
   # Opening a checkpoint manager is a collective: every process takes process 0's answer.
   if not agree_on(int(os.path.isdir(cfg.checkpoint_dir)), "whether the run has a checkpoint directory"):

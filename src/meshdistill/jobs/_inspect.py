@@ -19,7 +19,7 @@ from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
 from meshdistill.jobs._teacher import services
 from meshdistill.jobs._training import make_distiller
 from meshdistill.data.tasks import parse_task
-from meshdistill.loop.task_eval import task_accuracy
+from meshdistill.train.loop.task_eval import task_accuracy
 from meshdistill.models import generate as generate_lib
 from meshdistill.models.generate import SamplingConfig, left_pad
 from meshdistill.parallel.backends import layout_class, make_layout
@@ -142,7 +142,7 @@ def evaluate_task(cfg: Config, task: str, *, model: str = "student", prompts: in
                   temperature: float = 1.0, seed: int = 0, stream: IO[str] | None = None) -> dict:
   """Accuracy by generation of the run's ``model`` on ``prompts`` held-out problems of ``task`` (a name of
   `meshdistill.data.tasks.parse_task`, e.g. ``add3``): greedy, and with ``samples = k > 0`` sampled accuracy and
-  pass@k at ``temperature`` (`meshdistill.loop.task_eval.task_accuracy`), on the run's layout."""
+  pass@k at ``temperature`` (`meshdistill.train.loop.task_eval.task_accuracy`), on the run's layout."""
   if model not in ("student", "teacher"):
     raise ValueError(f"model={model!r}; choose student or teacher")
   spec = parse_task(task)

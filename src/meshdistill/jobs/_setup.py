@@ -10,10 +10,10 @@ from typing import IO
 
 from meshdistill.config import Config, ConfigError, dump_config
 from meshdistill.storage.fsutil import LOCK_FILE, RunLock
-from meshdistill.loop.monitor import Monitor
+from meshdistill.train.loop.monitor import Monitor
 from meshdistill.storage.ownership import MARKER, OutputKind, check_owned, read_marker, refuse_links, write_marker
 from meshdistill.data import build_data
-from meshdistill.distributed import data_shard, is_primary, local_device_share, process_count
+from meshdistill.parallel.distributed import data_shard, is_primary, local_device_share, process_count
 from meshdistill.parallel.backends import BACKENDS, layout_class
 from meshdistill.parallel.mesh import make_mesh, simulate_cpu_devices
 from meshdistill.teachers import kinds
@@ -27,7 +27,7 @@ def prepare_devices(cfg: Config) -> None:
   ``mesh.simulate_cpu_devices``: ``auto`` asks the CPU platform for ``data * tensor`` devices
   (it only affects the CPU platform: on a GPU/TPU machine JAX still uses the accelerators);
   ``true`` also forces the CPU platform; ``false`` leaves devices as they are. In a job of several
-  processes (`meshdistill.distributed.initialize` first) each process simulates its share.
+  processes (`meshdistill.parallel.distributed.initialize` first) each process simulates its share.
   """
   sim = cfg.mesh.simulate_cpu_devices
   if sim is False:
@@ -66,7 +66,7 @@ def load_data(cfg: Config, batch_size: int | None = None, mesh=None):
   """The data bundle of ``cfg`` for the distillation batch size; checks the vocabulary fits the models.
 
   In a job of several processes each process reads the rows of every batch its devices of ``mesh``
-  hold (`meshdistill.distributed.data_shard`).
+  hold (`meshdistill.parallel.distributed.data_shard`).
   """
   index, count = data_shard(mesh)
   data = build_data(

@@ -16,11 +16,11 @@ from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
 from meshdistill.jobs._setup import with_batch_size
 from meshdistill.jobs._training import loop_kwargs, safeguard_kwargs
-from meshdistill.loop.monitor import ProfileWindow
+from meshdistill.train.loop.monitor import ProfileWindow
 from meshdistill.storage.ownership import OutputKind, check_owned, read_marker, write_marker
-from meshdistill import distributed
-from meshdistill.loop.evaluate import Evaluator
-from meshdistill.loop.trainer import fit
+from meshdistill.parallel import distributed
+from meshdistill.train.loop.evaluate import Evaluator
+from meshdistill.train.loop.trainer import fit
 from meshdistill.models import init_model, param_count
 from meshdistill.parallel.backends import make_layout
 from meshdistill.storage.fsutil import read_json

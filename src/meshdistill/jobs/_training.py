@@ -1,4 +1,4 @@
-"""What `meshdistill.loop.trainer.fit` is given from a `Config`: the loop and safeguard keywords, the
+"""What `meshdistill.train.loop.trainer.fit` is given from a `Config`: the loop and safeguard keywords, the
 distillation strategy and optimizer, and the `Distiller` itself."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshdistill.config import Config, ConfigError
-from meshdistill.loop.guard import DivergenceGuard
+from meshdistill.train.loop.guard import DivergenceGuard
 from meshdistill.strategies import fallback_strategy, label
 from meshdistill.teachers.sources import build_student, quantized_teacher
 from meshdistill.data.alignment import byte_tables_of, matched_vocabulary
@@ -16,7 +16,7 @@ from meshdistill.train.optimizers import lr_schedule, make_optimizer
 
 
 def loop_kwargs(settings) -> dict:
-  """`meshdistill.loop.trainer.fit` keywords a `TrainSettings` section (``train`` / ``pretrain``) decides: the
+  """`meshdistill.train.loop.trainer.fit` keywords a `TrainSettings` section (``train`` / ``pretrain``) decides: the
   number of steps, the evaluation and logging cadence, and the logged learning-rate schedule (None with
   progressive freezing, whose stages set the rate)."""
   return {
@@ -29,7 +29,7 @@ def loop_kwargs(settings) -> dict:
 
 
 def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
-  """`meshdistill.loop.trainer.fit` keywords for ``cfg.safeguards``: the divergence guard and automatic remat.
+  """`meshdistill.train.loop.trainer.fit` keywords for ``cfg.safeguards``: the divergence guard and automatic remat.
 
   ``strategy``: the run's distillation strategy, whose fallback is built from
   ``safeguards.guard.fallback`` (None for hard-label training: the guard then only restores).

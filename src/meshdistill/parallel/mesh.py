@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.distributed.platforms import backend_started
+from meshdistill.parallel.distributed.platforms import backend_started
 
 DATA = "data"
 TENSOR = "tensor"

@@ -1,5 +1,5 @@
 """The loss a divergence switches to (`LogitMSE`, `fallback_strategy`: the steadier loss
-`meshdistill.loop.guard.Recovery` distils with), and `label`, how messages name a strategy.
+`meshdistill.train.loop.guard.Recovery` distils with), and `label`, how messages name a strategy.
 
 Static loss scaling is not a strategy: it is a setting of the step (``Distiller(..., loss_scale=S)``,
 `meshdistill.train.step.scale_gradient`), so every strategy reaches the step, a top-k teacher and the guard as itself.

@@ -31,7 +31,7 @@ from meshdistill.storage.fsutil import (
 from meshdistill.models import Decoder, ModelConfig
 from meshdistill.models._build import abstract_params
 from meshdistill.storage.ownership import OutputKind, check_owned, write_marker
-from meshdistill.distributed import barrier, is_primary
+from meshdistill.parallel.distributed import barrier, is_primary
 from meshdistill.models.stacking import to_scanned, to_unrolled
 
 log = logging.getLogger("meshdistill.storage.checkpoint")

@@ -269,7 +269,7 @@ class Distiller:
   def metrics_light(self) -> "Distiller":
     """This Distiller with the metrics-light step (`meshdistill.train.step.per_device_step`'s ``light``): the same
     update, bit for bit, with only ``loss``, ``grad_norm`` and ``tokens`` as metrics. Compiled once, on first
-    use; `meshdistill.loop.trainer.fit` runs it on the steps whose metrics it does not log."""
+    use; `meshdistill.train.loop.trainer.fit` runs it on the steps whose metrics it does not log."""
     if self._step_fn.keywords.get("light"):
       return self
     if self._light is None:
@@ -283,7 +283,7 @@ class Distiller:
     for an equal (hashable) strategy returns the same Distiller, compiled step included. Train
     states carry over: ``params["strategy"]`` of a state made for the old strategy is handed to
     the new one, which must accept it (a strategy without parameters of its own ignores it).
-    Used to switch to a fallback loss after a divergence (`meshdistill.loop.guard`).
+    Used to switch to a fallback loss after a divergence (`meshdistill.train.loop.guard`).
     """
     try:
       known = self._strategy_variants.get(strategy)

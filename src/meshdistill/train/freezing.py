@@ -44,7 +44,7 @@ AdamW this is exactly ``adamw(lr, weight_decay)``: the decay step scales with th
 stage lr as usual. (A schedule inside ``inner`` then acts as a multiplier of the stage lr.)
 
 The stage clock is the number of updates this transformation has applied. Wrapped in
-`meshdistill.loop.safeguards.safeguarded`, steps skipped for non-finite gradients do not
+`meshdistill.train.loop.safeguards.safeguarded`, steps skipped for non-finite gradients do not
 advance it, so each stage gets its full number of real updates. `freeze_status` reads
 the stage, learning rate and clock out of an optimizer state for logging.
 """

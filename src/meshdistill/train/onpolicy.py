@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from meshdistill.train.distiller import Distiller
-from meshdistill.distributed import process_count
+from meshdistill.parallel.distributed import process_count
 from meshdistill.models.generate import SamplingConfig, generate
 from meshdistill.data.prompts import completion_batch, cut_prompts, prompts_of
 

@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 
 from meshdistill import losses
-from meshdistill.distributed import agree_on
-from meshdistill.loop.stopping import Stopped, requested
+from meshdistill.parallel.distributed import agree_on
+from meshdistill.train.loop.stopping import Stopped, requested
 from meshdistill.teachers.cache._format import (
     FORMAT_VERSION,
     CacheError,
@@ -95,9 +95,9 @@ def write_cache(
       ``progress-<process_index>.json``. A rerun skips every shard any progress file lists (whatever the
       process count that wrote it), so a cache resumes on another number of processes too.
     stop_after_shards: stop after writing this many shards (as if killed; for tests). A stop request
-      (`meshdistill.loop.stopping.requested`, SIGTERM or SIGINT under `stop_on_signals`) is honoured between shards:
-      `meshdistill.loop.stopping.Stopped` is raised with every finished shard recorded, so a rerun resumes.
-    barrier: with several processes, ``barrier(name)`` waits for every process (`meshdistill.distributed.barrier`):
+      (`meshdistill.train.loop.stopping.requested`, SIGTERM or SIGINT under `stop_on_signals`) is honoured between shards:
+      `meshdistill.train.loop.stopping.Stopped` is raised with every finished shard recorded, so a rerun resumes.
+    barrier: with several processes, ``barrier(name)`` waits for every process (`meshdistill.parallel.distributed.barrier`):
       after the shards (then process 0 merges the progress files into the manifest) and after the manifest.
 
   Returns:

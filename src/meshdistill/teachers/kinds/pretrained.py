@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any, ClassVar
 
-from meshdistill.distributed import agree_on
+from meshdistill.parallel.distributed import agree_on
 from meshdistill.data import load_tokenizer
 from meshdistill.storage.checkpoint import TeacherDamagedError, load_teacher, read_teacher_meta
 from meshdistill.teachers.kinds._base import ModelSource, register

@@ -3,7 +3,7 @@
 * `DivergenceGuard` -- the settings and the test: ``observe(step, loss)`` says whether the run
   diverged (non-finite loss, or loss above ``factor`` times the median of the last ``window`` good
   losses) and keeps a copy of the last state whose loss was good; ``events`` records what happened.
-* `Recovery` -- the host side of a guarded loop (`meshdistill.loop.trainer.fit`): good-state copies,
+* `Recovery` -- the host side of a guarded loop (`meshdistill.train.loop.trainer.fit`): good-state copies,
   restores, the switch to the fallback strategy (`meshdistill.strategies.fallback_strategy`: logit
   MSE) for the rest of the freezing stage, events, and a JSON snapshot for checkpoints.
 * `NoRecovery` -- the same interface when the guard is off: it never reads a loss, copies nothing
@@ -176,7 +176,7 @@ class DivergenceGuard:
 class Recovery:
   """The host side of a guarded training loop: good-state copies, restores, the fallback strategy.
 
-  Used by `meshdistill.loop.trainer.fit`. Per step the loop calls ``before_step`` (ends the fallback
+  Used by `meshdistill.train.loop.trainer.fit`. Per step the loop calls ``before_step`` (ends the fallback
   when a new freezing stage begins), takes a copy of the state when ``wants_copy``, runs
   ``runner.step``, then -- at once or one step later -- ``diverged(step, loss)``: on a reason it
   calls ``recover`` (restored state and its step), otherwise ``keep`` on the copy. While the
@@ -273,7 +273,7 @@ class Recovery:
     """Why ``loss`` (a device scalar or float; read here) counts as divergence, or None (then it joins the
     guard's history). With ``grad_norm`` (the step's metric) updates that stopped count too
     (`DivergenceGuard.check_updates`)."""
-    # Replicated outputs: every process reads the same bits (see meshdistill.distributed).
+    # Replicated outputs: every process reads the same bits (see meshdistill.parallel.distributed).
     loss, norm = jax.device_get((loss, grad_norm))
     loss = self.last_loss = float(np.asarray(loss).reshape(-1)[0])
     reason = self.guard.check(loss)

@@ -11,7 +11,7 @@ TPU programs with libtpu's compiler from the host and needs no TPU backend. Proc
 ``meshdistill launch`` get ``JAX_PLATFORMS=cpu`` from the launcher.
 
 Library users: on a machine without an accelerator but with libtpu installed, set ``JAX_PLATFORMS=cpu``
-in the environment (or call ``meshdistill.distributed.platforms.select_platform()``) before the first JAX computation,
+in the environment (or call ``meshdistill.parallel.distributed.platforms.select_platform()``) before the first JAX computation,
 as the command does; JAX reads the setting when its first backend starts, so it cannot be changed after
 that. On TPU or GPU machines leave it unset, or set it to the platform you want.
 """

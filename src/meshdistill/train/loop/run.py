@@ -1,19 +1,19 @@
-"""One training run's loop, step by step: `Run` is what `meshdistill.loop.trainer.fit` sets up and runs, and what
-the hooks (`meshdistill.loop.hooks`) see (``run.state``, ``run.step``, ``run.trainer``, ...).
+"""One training run's loop, step by step: `Run` is what `meshdistill.train.loop.trainer.fit` sets up and runs, and what
+the hooks (`meshdistill.train.loop.hooks`) see (``run.state``, ``run.step``, ``run.trainer``, ...).
 
 One step, in order: read the next host batch; dispatch the compiled step (metrics stay on
 device); judge the previous step's loss (the divergence guard); every ``log_every`` steps
 fetch and average the metrics (`Monitor`); every ``eval_every`` steps (and at the end)
 evaluate on the fixed validation batches; every ``checkpoint.every`` steps (and at the end) save.
 After the first logged step, steps whose metrics nothing reads run the trainer's metrics-light step
-(same update; `meshdistill.loop.trainer.FitOptions.metrics_light`).
+(same update; `meshdistill.train.loop.trainer.FitOptions.metrics_light`).
 
-With a `meshdistill.loop.guard.DivergenceGuard` (``FitOptions.guard``) the loop reads every step's loss. A
+With a `meshdistill.train.loop.guard.DivergenceGuard` (``FitOptions.guard``) the loop reads every step's loss. A
 non-finite loss, or one far above its running median, restores the last good train state and, for distillation,
 switches to the fallback loss (logit MSE by default) for the rest of the freezing stage; both
 are ``event`` rows. The good state is a device copy of the state before step ``s + 1``, taken
 when ``s`` is a multiple of ``keep_every`` or a checkpoint step, and kept once step ``s + 1``'s
-loss is good; checkpoints are written from such copies (`meshdistill.loop.hooks.Checkpoint`). The
+loss is good; checkpoints are written from such copies (`meshdistill.train.loop.hooks.Checkpoint`). The
 guard's history, restore count and fallback state travel in the checkpoint, so resuming is exact.
 
 Lagged check (``guard_lag=1``, the default): the loss of step ``s`` is read after step ``s + 1``
@@ -23,7 +23,7 @@ the batches of the diverged step AND of the one after it are spent (never retrie
 the loss happened to be read at once (before logging, evaluating or saving at ``s``, the loop
 reads it first) or one step later, so a run's numbers do not depend on those cadences.
 ``guard_lag=0`` reads each loss right after its step and spends only the diverged batch.
-With no guard the loop reads no loss at all (`meshdistill.loop.guard.NoRecovery`).
+With no guard the loop reads no loss at all (`meshdistill.train.loop.guard.NoRecovery`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from meshdistill.distributed import any_process, process_count
-from meshdistill.loop import hooks as hooks_lib
-from meshdistill.loop.guard import NoRecovery, Recovery, copy_state
-from meshdistill.loop.monitor import Monitor
-from meshdistill.loop.stopping import Stopped, requested
+from meshdistill.parallel.distributed import any_process, process_count
+from meshdistill.train.loop import hooks as hooks_lib
+from meshdistill.train.loop.guard import NoRecovery, Recovery, copy_state
+from meshdistill.train.loop.monitor import Monitor
+from meshdistill.train.loop.stopping import Stopped, requested
 
 # With several processes a stop request is agreed (`any_process`) where a hook is due and at least this often:
 # one small host collective, at the same steps on every process.
@@ -180,7 +180,7 @@ class Run:
     return any_process(requested() is not None, "a stop request")
 
   def _stop(self) -> None:
-    """A SIGTERM (`meshdistill.loop.stopping`): the step in flight is judged (restored if it diverged), then
+    """A SIGTERM (`meshdistill.train.loop.stopping`): the step in flight is judged (restored if it diverged), then
     the hooks checkpoint and log the state, and `Stopped` ends the run."""
     if self.pending is not None:
       self._settle()

@@ -3,16 +3,16 @@
 `fit` drives a `meshdistill.Distiller` -- with a teacher for distillation, without one
 (`meshdistill.train.hardlabel.HardLabelTrainer`) for teacher pretraining and hard-label baselines.
 Its settings are one `FitOptions`; what happens besides the step is a list of hooks
-(`meshdistill.loop.hooks`: train metrics, evaluation, checkpoints, profiling, the memory check), like
-nanodo's periodic actions. The loop itself, step by step, is `meshdistill.loop.run.Run`.
+(`meshdistill.train.loop.hooks`: train metrics, evaluation, checkpoints, profiling, the memory check), like
+nanodo's periodic actions. The loop itself, step by step, is `meshdistill.train.loop.run.Run`.
 
 Resume is exact: when the checkpoint directory holds a finished checkpoint, `fit` restores
 the train state (parameters, optimizer state, step) onto the current layout and the data
 iterator's position, then continues. The run's step and data order from there are those
 of an uninterrupted run, so the result is bitwise identical (tested).
 
-Under `meshdistill.loop.stopping.stop_on_signals` (the CLI), a SIGTERM lets the step in flight finish, checkpoints
-it and raises `meshdistill.loop.stopping.Stopped`. A (re)started run first drops the ``metrics.jsonl`` rows past its
+Under `meshdistill.train.loop.stopping.stop_on_signals` (the CLI), a SIGTERM lets the step in flight finish, checkpoints
+it and raises `meshdistill.train.loop.stopping.Stopped`. A (re)started run first drops the ``metrics.jsonl`` rows past its
 start step (`Monitor.rewind`), so a resumed run logs each step once. It resumes from the newest checkpoint whose
 checksums hold (damaged newer ones are named in a warning and set aside on restore).
 """
@@ -28,13 +28,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshdistill.loop import hooks as hooks_lib
+from meshdistill.train.loop import hooks as hooks_lib
 from meshdistill.storage.checkpoint import COMPUTE_FIELDS, Checkpointer
-from meshdistill.distributed import agree_on
-from meshdistill.loop.evaluate import Evaluator
-from meshdistill.loop.guard import DivergenceGuard, Recovery
-from meshdistill.loop.monitor import Monitor, ProfileWindow
-from meshdistill.loop.run import Run
+from meshdistill.parallel.distributed import agree_on
+from meshdistill.train.loop.evaluate import Evaluator
+from meshdistill.train.loop.guard import DivergenceGuard, Recovery
+from meshdistill.train.loop.monitor import Monitor, ProfileWindow
+from meshdistill.train.loop.run import Run
 from meshdistill.train.optimizers import lr_schedule, make_optimizer  # noqa: F401 -- re-exported
 from meshdistill.train.step import TrainState
 
@@ -55,7 +55,7 @@ class FitOptions:
     lr: the learning-rate schedule, logged with the train metrics.
     stop_after: stop (as if interrupted) once this step is done, without the final evaluation.
     meta: extra JSON-serializable facts stored in every checkpoint.
-    guard: a `DivergenceGuard` to run under (None: no guard; see `meshdistill.loop.run`).
+    guard: a `DivergenceGuard` to run under (None: no guard; see `meshdistill.train.loop.run`).
     keep_every: with a guard, steps between copies of the good state.
     fallback: the strategy after a divergence (default `fallback_strategy(trainer.strategy)`);
       a trainer without a teacher (hard labels) only restores.
@@ -67,7 +67,7 @@ class FitOptions:
     memory_headroom: fraction of the budget the step may use.
     metrics_light: after the first logged step, run the trainer's metrics-light step
       (`meshdistill.Distiller.metrics_light`: the same update, only ``loss``, ``grad_norm`` and ``tokens``)
-      on the steps whose metrics no hook reads (`meshdistill.loop.hooks.Hook.wants_metrics`: the train log
+      on the steps whose metrics no hook reads (`meshdistill.train.loop.hooks.Hook.wants_metrics`: the train log
       reads every ``log_every``-th). The logged means of the other metrics are then over the logged
       steps (all steps in the first window). A run that never gets past its first log compiles one
       step. False: every step computes every metric.
@@ -176,7 +176,7 @@ def fit(
     monitor: metrics writer and progress line (default: one that only logs).
     evaluator: validation metrics (default: `Evaluator.for_trainer`).
     profile: a profiler window over some steps.
-    hooks: more `meshdistill.loop.hooks.Hook`s, run after the built-in ones.
+    hooks: more `meshdistill.train.loop.hooks.Hook`s, run after the built-in ones.
     state: the state to start from (default ``trainer.init_state()``; a checkpoint overrides both).
 
   Returns:

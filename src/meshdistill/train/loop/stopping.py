@@ -1,7 +1,7 @@
 """Stopping a run cleanly on SIGTERM (a scheduler's preemption, ``kill``, ``docker stop``) or SIGINT (Ctrl-C).
 
 `stop_on_signals()` (the CLI wraps ``distill``, ``pretrain`` and ``cache-teacher`` in it) turns each of
-its signals into a request that the long loops read at safe points: `meshdistill.loop.trainer.fit` between
+its signals into a request that the long loops read at safe points: `meshdistill.train.loop.trainer.fit` between
 steps (it finishes the step in flight, writes a checkpoint of it and raises `Stopped`) and the teacher
 cache writer between shards (it finishes the shard in flight, records it in its progress file and raises
 `Stopped`). Rerunning the same command resumes exactly there. The command exits ``128 + signal``

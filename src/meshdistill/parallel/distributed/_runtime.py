@@ -1,6 +1,6 @@
 """Multi-process runtime: start-up settings (`resolve`, `initialize`), process queries, `agree_on`, `data_shard`.
 
-Part of `meshdistill.distributed` (see its docstring for what each process does in a run); import the
+Part of `meshdistill.parallel.distributed` (see its docstring for what each process does in a run); import the
 names from there.
 """
 
@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-log = logging.getLogger("meshdistill.distributed")
+log = logging.getLogger("meshdistill.parallel.distributed")
 
 ENV = {
     "coordinator": "MESHDISTILL_COORDINATOR",
@@ -162,7 +162,7 @@ def initialize(settings: Settings) -> bool:
   if xla_bridge.backends_are_initialized():
     raise DistributedError(
         "the multi-process runtime must start before JAX starts a backend (before any array or jax.devices()); "
-        "call meshdistill.distributed.initialize first thing in the program"
+        "call meshdistill.parallel.distributed.initialize first thing in the program"
     )
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   kwargs = {}

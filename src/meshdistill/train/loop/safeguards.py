@@ -4,8 +4,8 @@
 * optimizer side (`meshdistill.train.optimizers`): `safeguarded` (unscale, skip non-finite, clip) and
   `skipped_updates`;
 * strategy side (`meshdistill.strategies`): `LogitMSE` and `fallback_strategy` (the loss after a divergence);
-* host side (`meshdistill.loop.guard`): `DivergenceGuard`, `Recovery`, `copy_state`;
-* the loop (`meshdistill.loop.trainer.fit`); `fit_guarded` is `fit` over a list of batches.
+* host side (`meshdistill.train.loop.guard`): `DivergenceGuard`, `Recovery`, `copy_state`;
+* the loop (`meshdistill.train.loop.trainer.fit`); `fit_guarded` is `fit` over a list of batches.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import jax
 import numpy as np
 
 from meshdistill.data import BatchList
-from meshdistill.loop.guard import DivergenceEvent, DivergenceGuard, NoRecovery, Recovery, copy_state  # noqa: F401
-from meshdistill.loop.hooks import Hook
+from meshdistill.train.loop.guard import DivergenceEvent, DivergenceGuard, NoRecovery, Recovery, copy_state  # noqa: F401
+from meshdistill.train.loop.hooks import Hook
 from meshdistill.train.optimizers import safeguarded, skipped_updates  # noqa: F401
 from meshdistill.strategies import LogitMSE, fallback_strategy  # noqa: F401
-from meshdistill.loop.trainer import fit
+from meshdistill.train.loop.trainer import fit
 from meshdistill.train.freezing import freeze_status
 
 
@@ -59,7 +59,7 @@ def fit_guarded(
     keep_every: int = 1,
     on_step: Callable[[dict], None] | None = None,
 ):
-  """`meshdistill.loop.trainer.fit` over ``batches`` from ``state`` under ``guard``, reading each loss at once
+  """`meshdistill.train.loop.trainer.fit` over ``batches`` from ``state`` under ``guard``, reading each loss at once
   (``guard_lag=0``); returns ``(state, records)``, one record per batch (see `_Records`).
 
   On divergence the good state is restored and the strategy switches to ``fallback`` (default

@@ -17,8 +17,8 @@ collectives cross the processes. This module
   starting a backend, `barrier`, `data_shard` (which rows of each batch this process reads).
 
 The runtime (settings, `initialize`, process queries, `agree_on`, `data_shard`) is in
-``distributed/_runtime.py``, the local launcher in ``distributed/_launch.py``; every name is imported
-from here (``meshdistill.distributed.X``).
+``parallel/distributed/_runtime.py``, the local launcher in ``parallel/distributed/_launch.py``; every name is imported
+from here (``meshdistill.parallel.distributed.X``).
 
 What each process does in a run (see also README.md, "Several hosts"):
 
@@ -60,8 +60,8 @@ The run directory must be on a file system every process sees (NFS, GCS through 
 ...): every process reads the configuration, the teacher and the checkpoints from it.
 """
 
-from meshdistill.distributed._launch import command_line, free_port, launch, local_env
-from meshdistill.distributed._runtime import (
+from meshdistill.parallel.distributed._launch import command_line, free_port, launch, local_env
+from meshdistill.parallel.distributed._runtime import (
   AUTO,
   ENV,
   LOCAL_HEARTBEAT_TIMEOUT,

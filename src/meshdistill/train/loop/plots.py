@@ -15,7 +15,7 @@ from typing import Any
 from meshdistill.storage.fsutil import OutputExistsError, SymlinkError
 from meshdistill.storage.ownership import OutputKind, read_marker, write_marker
 
-log = logging.getLogger("meshdistill.loop.monitor")  # the records keep the name they always had
+log = logging.getLogger("meshdistill.train.loop.monitor")  # the records keep the name they always had
 
 # plot name -> curves (split, metric key, label). Validation "loss" is the model's cross-entropy.
 PLOTS = {

@@ -1,7 +1,7 @@
-"""Periodic actions of the training loop (`meshdistill.loop.trainer.fit`): logging, evaluation, checkpoints,
+"""Periodic actions of the training loop (`meshdistill.train.loop.trainer.fit`): logging, evaluation, checkpoints,
 profiling and the memory check, each a `Hook`.
 
-A hook sees the loop's `meshdistill.loop.run.Run` (``run.state``, ``run.step``, ``run.trainer``,
+A hook sees the loop's `meshdistill.train.loop.run.Run` (``run.state``, ``run.step``, ``run.trainer``,
 ``run.monitor``, ``run.recovery``, ...) at fixed points:
 
 * ``before_loop(run)`` -- once, before the first step (may replace ``run.trainer``);
@@ -68,7 +68,7 @@ class Hook:
     del run, info, state_after, reason
 
   def on_stop(self, run, step: int) -> None:
-    """The run stops after ``step`` on a signal (SIGTERM; `meshdistill.loop.stopping`); its loss is judged."""
+    """The run stops after ``step`` on a signal (SIGTERM; `meshdistill.train.loop.stopping`); its loss is judged."""
     del run, step
 
   def close(self) -> None:
@@ -156,7 +156,7 @@ class Checkpoint(Hook):
 
 
 class Profile(Hook):
-  """A profiler trace of the steps of a `meshdistill.loop.monitor.ProfileWindow`."""
+  """A profiler trace of the steps of a `meshdistill.train.loop.monitor.ProfileWindow`."""
 
   def __init__(self, window):
     self.window = window

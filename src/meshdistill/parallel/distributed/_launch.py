@@ -1,6 +1,6 @@
 """The local launcher: N local CPU processes as one job (`launch`, `local_env`, ``[pN]``-prefixed output).
 
-Part of `meshdistill.distributed`; import the names from there.
+Part of `meshdistill.parallel.distributed`; import the names from there.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from meshdistill.distributed._runtime import ENV, LOCAL_HEARTBEAT_TIMEOUT, DistributedError
+from meshdistill.parallel.distributed._runtime import ENV, LOCAL_HEARTBEAT_TIMEOUT, DistributedError
 
 
 def free_port() -> int:
@@ -66,7 +66,7 @@ def launch(
   session; its stdout and stderr are forwarded line by line to ``out`` (default stdout) prefixed with
   ``[pN] ``. When a process exits non-zero the others are sent SIGTERM, then SIGKILL after ``grace_s``
   seconds. A SIGTERM or SIGINT to the launcher (called from the main thread) is forwarded to every
-  process's group (each then finishes its step or shard and saves it, `meshdistill.loop.stopping`); those
+  process's group (each then finishes its step or shard and saves it, `meshdistill.train.loop.stopping`); those
   still running ``stop_grace_s`` seconds later are killed; a second signal kills them at once.
 
   Returns:

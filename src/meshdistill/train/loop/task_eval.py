@@ -12,7 +12,7 @@ Generation is `meshdistill.models.generate.generate`: one compiled program, rows
 fixed by ``seed``; row ``r``'s noise does not depend on the batch it is in). The prompt list is padded with
 copies of its last prompt to a multiple of ``data``; those rows are not scored.
 
-`TaskAccuracy` is the `meshdistill.loop.hooks.Hook` that logs these numbers as eval metrics during training
+`TaskAccuracy` is the `meshdistill.train.loop.hooks.Hook` that logs these numbers as eval metrics during training
 (``task_greedy``, ``task_sampled``, ``task_pass@k``).
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshdistill.data.tasks import ArithmeticTask
-from meshdistill.loop.hooks import Hook
+from meshdistill.train.loop.hooks import Hook
 from meshdistill.models.generate import SamplingConfig, generate, left_pad
 from meshdistill.parallel.mesh import DATA
 

@@ -7,7 +7,7 @@ Everything lands in the run directory:
   ``step_s``;
 * ``tb/`` -- TensorBoard event files (``tensorboardX``; skipped with a warning when it is not
   installed), scalars named ``train/loss``, ``val/ppl``, ...;
-* ``plots/*.png`` -- from `plot_run` (``meshdistill plot RUN_DIR``; in `meshdistill.loop.plots`);
+* ``plots/*.png`` -- from `plot_run` (``meshdistill plot RUN_DIR``; in `meshdistill.train.loop.plots`);
 * ``profile/`` -- a JAX profiler trace of the steps chosen with `ProfileWindow`.
 
 The progress line (step, loss, tokens/s, ETA) goes to a stream the caller passes (the CLI
@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from meshdistill.storage.fsutil import open_append, write_text_atomic
-from meshdistill.loop.plots import PLOTS, plot_run, read_metrics  # noqa: F401 -- re-exported: plots live in plots.py
+from meshdistill.train.loop.plots import PLOTS, plot_run, read_metrics  # noqa: F401 -- re-exported: plots live in plots.py
 
 log = logging.getLogger(__name__)
 
