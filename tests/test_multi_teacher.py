@@ -97,27 +97,55 @@ def multi_batch(combine: str, seed: int = 0):
   return batch, topks, batch["teachers_rows"]
 
 
-def make_multi(mesh):
+NEW = 3  # on-policy: tokens the student generates per row (prompts: the first T + 1 - NEW tokens)
+ON_POLICY = [make_batch(s, batch=B, seq=T, pad_from=None) | {"domain": (np.arange(B) + s) % 2} for s in (0, 1)]
+
+
+def make_multi(mesh, teachers):
+  """The distiller of every step here: two teachers combined into one top-k, on-policy (lambda=1) with
+  ``teachers`` (two models: their top-k programs on ``mesh``) scoring the generated rows, routed by domain (0 ->
+  the second teacher, 1 -> the first). Its plain step (`md.Distiller.step`) is the multi-teacher step on given
+  batches: one compiled step per layout serves both."""
+  from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller
+
   teacher = TopKTeacher(cfg=TEACHER_CFG, k=K, temperature=TAU, vocab=VOCAB, source="two teachers",
                         names=("python", "prose"))
+  programs = [TeacherTopK(t, k=K, temperature=TAU, mesh=mesh) for t in teachers]
+  data = multi.MultiTeacherData(None, [multi.Live(p) for p in programs], k=K, route=[1, 0], weights=[1.0, 1.0])
   student = md.init_model(STUDENT_CFG, seed=1)
   strategy = md.strategies.LogitKD(temperature=TAU, alpha=0.7, top_k=K)
-  return md.Distiller(student, teacher, strategy=strategy, mesh=mesh, optimizer=optax.adam(1e-2))
+  d = OnPolicyDistiller(student, teacher, strategy=strategy, mesh=mesh, optimizer=optax.adam(1e-2), seed=3,
+                        topk_of=data.score,
+                        on_policy=OnPolicyConfig(lmbda=1.0, max_new_tokens=NEW, temperature=1.0, eos_id=7))
+  return d, programs
+
+
+def plain_steps(trainer, batches):
+  """`run_steps` with the plain step (given top-k batches, no generation)."""
+  state, out = trainer.init_state(), []
+  for b in batches:
+    state, m = md.Distiller.step(trainer, state, b)
+    out.append(jax.device_get(m))
+  return jax.device_get(trainer.unreplicate(state.params)), out
 
 
 @pytest.fixture(scope="module")
 def runs():
-  """Two steps of a routed and a mixed batch on one device and on 2x4 (one compiled step per layout)."""
+  """Two steps of a routed and a mixed batch on one device and on 2x4 (one compiled step per layout), and two
+  on-policy steps (generated rows scored by two model teachers) on each."""
   batches = [multi_batch("route", 0)[0], multi_batch("mix", 1)[0]]
-  single, logits, metrics = make_multi(None), [], []
+  teachers = [md.init_model(TEACHER_CFG, seed=s) for s in (0, 2)]
+  (single, programs), logits, metrics = make_multi(None, teachers), [], []
   state = single.init_state()
   forward = jax.jit(lambda params, x: nnx.merge(single.student_def, params["student"])(x).logits)
   for b in batches:  # the student's logits before each step: what its loss and metrics are taken on
     logits.append(np.asarray(forward(state.params, b["inputs"])))
-    state, m = single.step(state, b)
+    state, m = md.Distiller.step(single, state, b)
     metrics.append(jax.device_get(m))
+  on_mesh = make_multi(md.make_mesh(data=2, tensor=4), teachers)[0]
   return {"single": (jax.device_get(state.params), metrics), "logits": logits,
-          "2x4": run_steps(make_multi(md.make_mesh(data=2, tensor=4)), batches)}
+          "2x4": plain_steps(on_mesh, batches), "on_policy": (single, programs, run_steps(single, ON_POLICY)),
+          "on_policy 2x4": run_steps(on_mesh, ON_POLICY)}
 
 
 def test_multi_teacher_step_on_2x4_equals_one_device(runs):
@@ -287,3 +315,56 @@ def test_route_needs_named_corpora_and_a_teacher_of_the_students_vocabulary(tmp_
   assert [m.name for m in cfg.teachers.members()] == ["a", "b"] and cfg.teachers.members()[0].takes == ("python",)
   with pytest.raises(ConfigError, match="teachers: b has another vocabulary than the student"):
     multi._shared_vocab(cfg.teachers.members()[1], 512, 264)
+
+
+# --------------------------------------------------------------------------- on-policy: the student's own rows
+def test_on_policy_with_two_model_teachers_on_2x4_equals_one_device(runs):
+  (_, _, (p1, m1)), (p8, m8) = runs["on_policy"], runs["on_policy 2x4"]
+  assert all(m["on_policy"] == 1 and 0 < m["sample_len"] <= NEW for m in m1)
+  assert_trees_close(p8, p1, rtol=1e-5, atol=1e-6)
+  for a, b in zip(m1, m8):
+    assert {"kl/python", "kl/prose", "tokens/python", "tokens/prose"} <= set(a)
+    for k in ("loss", "kl/python", "kl/prose", "agreement/prose", "tokens/python", "sample_len", "tokens"):
+      np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_generated_rows_get_their_own_teachers_topk_and_prompt_tokens_never_count(runs):
+  d, programs, _ = runs["on_policy"]
+  state = d.init_state()
+  sampled = d.sample_batch(state, d.as_prompt_batch(ON_POLICY[0]), step=0)
+  np.testing.assert_array_equal(sampled["domain"], ON_POLICY[0]["domain"])  # a generated row keeps its corpus
+  assert not sampled["mask"][:, : T - NEW].any() and (sampled["mask"].sum(1) >= 1).all()
+  scored = d.topk_of(sampled)
+  own = [jax.device_get(p(sampled["inputs"])) for p in programs]  # each teacher on the generated rows
+  for b, domain in enumerate(sampled["domain"]):
+    n = 1 - domain
+    np.testing.assert_array_equal(scored["teacher_ids"][b], own[n].indices[b])
+    np.testing.assert_allclose(scored["teacher_logprobs"][b], own[n].logprobs[b], rtol=1e-6)
+    np.testing.assert_array_equal(scored["teachers_rows"][b], np.eye(2)[n])
+  # Scrambling the targets and the teachers' top-k wherever the mask is 0 (prompts, padding) changes no number.
+  off = sampled["mask"] == 0
+  scrambled = dict(scored, targets=np.where(off, (scored["targets"] + 11) % VOCAB, scored["targets"]))
+  for key in ("teacher_logprobs", "teachers_logprobs"):
+    where = off[..., None] if key == "teacher_logprobs" else off[:, None, :, None]
+    scrambled[key] = np.where(where, scored[key] - 3.0, scored[key])
+  base = md.Distiller.step(d, d.init_state(), scored)[1]
+  other = md.Distiller.step(d, d.init_state(), scrambled)[1]
+  for k in ("loss", "kl/python", "kl/prose", "agreement/python", "tokens/prose"):
+    assert float(base[k]) == float(other[k]), k
+  # the teachers are data to the step (their top-k under stop_gradient): no teacher in the state, weights unchanged
+  assert "teacher" not in set(jax.device_get(d.unreplicate(state.params))) and d.teacher_def is None
+  before = jax.device_get(programs[0].params)
+  d.step(d.init_state(), ON_POLICY[1])
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(programs[0].params), before)
+
+
+def test_on_policy_refuses_a_teacher_that_cannot_score_generated_rows(tmp_path):
+  from meshdistill.config import ConfigError
+
+  cached = "{sources: [{name: a, source: cache, cache: /c, takes: [python]}, {name: b, source: pretrained, takes: [prose]}]}"
+  with pytest.raises(ConfigError, match=r"sources\[0\] \(a, source: cache\) cannot score the rows the student "
+                                        "generates .*a cache holds the top-k of the corpus rows"):
+    config_with(tmp_path, cached, **{"distill.on_policy.lambda": 1.0})
+  with pytest.raises(ConfigError, match="seq_kd=true lets the teacher sample, but teachers lists several"):
+    config_with(tmp_path, ROUTE, **{"distill.on_policy.seq_kd": "true"})
+  assert config_with(tmp_path, ROUTE, **{"distill.on_policy.lambda": 1.0}).distill.on_policy.active
