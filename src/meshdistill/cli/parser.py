@@ -127,6 +127,8 @@ def _serve_parser(sp) -> None:
   sp.add_argument("--max-bytes", type=int, default=64 << 20, help="request body bytes at most")
   sp.add_argument("--graceful-s", type=float, default=30.0, help="on SIGTERM, seconds to finish requests in flight")
   sp.add_argument("--served-name", default="meshdistill-teacher", help="the model name /v1/models reports")
+  # testing only: while this file exists a teacher call waits before it runs (a request provably in flight)
+  sp.add_argument("--hold-file", default=None, help=argparse.SUPPRESS)
 
 
 def _plan_parser(sp) -> None:
