@@ -368,3 +368,42 @@ def test_on_policy_refuses_a_teacher_that_cannot_score_generated_rows(tmp_path):
   with pytest.raises(ConfigError, match="seq_kd=true lets the teacher sample, but teachers lists several"):
     config_with(tmp_path, ROUTE, **{"distill.on_policy.seq_kd": "true"})
   assert config_with(tmp_path, ROUTE, **{"distill.on_policy.lambda": 1.0}).distill.on_policy.active
+
+
+# --------------------------------------------------------------------------- one member's cache
+def test_cache_teacher_writes_one_members_cache_which_a_run_reads_as_that_teacher(tmp_path):
+  from meshdistill import jobs
+  from meshdistill.config import ConfigError, load_config
+  from meshdistill.teachers.checkpoint import save_teacher
+
+  corpora = two_corpora(tmp_path)
+  sets = [f"data.corpora={{python: {corpora['code']}, prose: {corpora['prose']}}}", "data.seq_len=8",
+          "data.val_fraction=0.2", "data.max_chars=null", "teacher.max_len=16", "student.max_len=16",
+          f"distill.top_k={K}", "distill.temperature=1.0", "train.batch_size=4", "mesh.backend=single",
+          "mesh.data=1", "mesh.tensor=1", f"pretrain.cache_dir={tmp_path / 'cache'}"]
+  plain = load_config("tiny", sets)
+  tokenizer = jobs.load_data(plain).tokenizer
+  one = md.init_model(plain.teacher, seed=0)
+  graphdef, params = nnx.split(one)
+  other = nnx.merge(graphdef, jax.tree.map(lambda x: 1.5 * x, params))  # another teacher (no second init: seconds)
+  dirs = [save_teacher(str(tmp_path / f"t{n}"), t, tokenizer) for n, t in enumerate((one, other))]
+  a_live = f"{{name: a, source: pretrained, dir: {dirs[0]}, temperature: {TAU}}}"
+  b_live = f"{{name: b, source: pretrained, dir: {dirs[1]}, temperature: {TAU}}}"  # one top-k program for both
+  live = load_config("tiny", [*sets, f"teachers={{combine: mix, sources: [{a_live}, {b_live}]}}"])
+  with pytest.raises(ConfigError, match=r"several teachers \(\['a', 'b'\]\); pick one with --teacher NAME"):
+    jobs.cache_teacher(live, str(tmp_path / "a_cache"))
+  with pytest.raises(ConfigError, match=r"--teacher c is not in teachers.sources; choose one of \['a', 'b'\]"):
+    jobs.cache_teacher(live, str(tmp_path / "a_cache"), teacher="c")
+  manifest = jobs.cache_teacher(live, str(tmp_path / "a_cache"), k=K, precision="float32", teacher="a")
+  assert manifest["temperature"] == TAU and manifest["k"] == K  # at the member's own temperature
+  a_cached = f"{{name: a, source: cache, cache: {tmp_path / 'a_cache'}}}"
+  cached = load_config("tiny", [*sets, f"teachers={{combine: mix, sources: [{a_cached}, {b_live}]}}"])
+  batches = []
+  for cfg in (live, cached):
+    mesh = jobs.build_mesh(cfg)
+    data = jobs.load_data(cfg, mesh=mesh)
+    batches.append(next(jobs.prepare_teacher(cfg, data, mesh, None).data.train_iterator()))
+  np.testing.assert_array_equal(batches[1]["inputs"], batches[0]["inputs"])
+  np.testing.assert_array_equal(batches[1]["teachers_ids"], batches[0]["teachers_ids"])
+  for key in ("teachers_logprobs", "teachers_tail", "teacher_logprobs"):  # float32 cache: the live numbers
+    np.testing.assert_allclose(batches[1][key], batches[0][key], rtol=1e-5, atol=1e-6, err_msg=key)

@@ -256,7 +256,7 @@ def _main(argv: list[str] | None) -> int:
         from meshdistill.teachers.cache import TeacherCache  # lazy: JAX
 
         m = jobs.cache_teacher(cfg, args.out, k=args.k, precision=args.precision,
-                               rows_per_shard=args.rows_per_shard, stream=sys.stderr)
+                               rows_per_shard=args.rows_per_shard, stream=sys.stderr, teacher=args.teacher)
         if m:
           cache = TeacherCache(args.out)
           print(f"teacher cache {cache.path}: {m['rows']} rows x {m['seq_len']} tokens, top-{m['k']} at temperature "

@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
   ct.add_argument("--k", type=int, default=32, help="tokens kept per position")
   ct.add_argument("--precision", default="float16", help="log-probabilities as float16 (compact) or float32 (exact)")
   ct.add_argument("--rows-per-shard", type=int, default=1024, help="packed rows per shard file")
+  ct.add_argument("--teacher", default=None, metavar="NAME", help="with several teachers (teachers.sources): the one "
+                  "whose cache to write (then list it as source: cache, cache: OUT)")
   _serve_parser(with_config(command("serve-teacher", help="serve the teacher's top-k over HTTP (vLLM /v1/completions "
                                     "subset) to students elsewhere (teacher.source: remote)")))
   with_config(command("config", help="print the effective configuration as YAML"))

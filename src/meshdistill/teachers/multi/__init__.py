@@ -30,11 +30,11 @@ from meshdistill.teachers import kinds
 from meshdistill.teachers.cache import TeacherTopK, TopKTeacher
 from meshdistill.teachers.kinds._quantize import quantized_teacher
 from meshdistill.teachers.multi._data import FromBatches, Live, MultiTeacherData, combine
-from meshdistill.teachers.multi._settings import Member, TeachersSettings, check_teachers, member_config
+from meshdistill.teachers.multi._settings import Member, TeachersSettings, check_teachers, member_config, one_teacher
 from meshdistill.train.distiller import resolve_shared_vocab
 
 __all__ = ["FromBatches", "Live", "Member", "MultiTeacherData", "TeachersSettings", "check_teachers", "combine",
-           "member_config", "prepare"]
+           "member_config", "one_teacher", "prepare"]
 
 
 def prepare(cfg, data, mesh, services: kinds.Services) -> kinds.Prepared:

@@ -193,3 +193,29 @@ def member_config(cfg, member: Member):
     return dataclasses.replace(cfg, models=models, pretrain=pretrain, teachers=TeachersSettings())
   except ConfigError as e:
     raise ConfigError(f"teachers: {member.name}: {e}") from None
+
+
+def one_teacher(cfg, name: str | None, what: str = "cache-teacher"):
+  """The run config ``cfg`` as the one teacher ``what`` (a job that runs one teacher model) works on: ``cfg`` itself
+  without ``teachers``, else the member ``name`` (`member_config`) at its own temperature (``distill.temperature``
+  the member's ``temperature`` when set). Raises `ConfigError` naming ``--teacher`` and the choices."""
+  if not cfg.teachers.active:
+    if name is not None:
+      raise ConfigError(f"--teacher {name} picks one of teachers.sources, but this config lists no teachers; remove "
+                        "--teacher (the teacher section's teacher is the one)")
+    return cfg
+  members = cfg.teachers.members()
+  runs_model = [m.name for m in members if get(m.source).gives == MODEL]
+  if name is None:
+    raise ConfigError(f"{what}: this config lists several teachers ({[m.name for m in members]}); pick one with "
+                      f"--teacher NAME (one that runs a model: {runs_model})")
+  member = next((m for m in members if m.name == name), None)
+  if member is None:
+    raise ConfigError(f"--teacher {name} is not in teachers.sources; choose one of {[m.name for m in members]}")
+  if member.name not in runs_model:
+    raise ConfigError(f"--teacher {name} is source: {member.source}, which runs no teacher model here for {what}; "
+                      f"choose one that does: {runs_model}")
+  sub = member_config(cfg, member)
+  if member.temperature is not None:
+    sub = dataclasses.replace(sub, distill=dataclasses.replace(sub.distill, temperature=member.temperature))
+  return sub
