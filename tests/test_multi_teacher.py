@@ -361,7 +361,8 @@ def test_generated_rows_get_their_own_teachers_topk_and_prompt_tokens_never_coun
 def test_on_policy_refuses_a_teacher_that_cannot_score_generated_rows(tmp_path):
   from meshdistill.config import ConfigError
 
-  cached = "{sources: [{name: a, source: cache, cache: /c, takes: [python]}, {name: b, source: pretrained, takes: [prose]}]}"
+  cached = ("{sources: [{name: a, source: cache, cache: /c, takes: [python]}, "
+            "{name: b, source: pretrained, takes: [prose]}]}")
   with pytest.raises(ConfigError, match=r"sources\[0\] \(a, source: cache\) cannot score the rows the student "
                                         "generates .*a cache holds the top-k of the corpus rows"):
     config_with(tmp_path, cached, **{"distill.on_policy.lambda": 1.0})

@@ -15,8 +15,11 @@ They combine (`_data.combine`) by
 The student trains from the combined target as from any top-k teacher (``distill.kind: logit_kd`` with
 ``distill.top_k``), compared at ``distill.temperature``; the step also reports ``kl/<name>``,
 ``agreement/<name>`` and ``tokens/<name>`` per teacher over the rows it serves. Caches: one per teacher (each
-written by ``meshdistill cache-teacher`` for its teacher alone): the combination is made when batches are read, so
-the same caches serve any routing or weights, and a cache stays the record of one teacher.
+written by ``meshdistill cache-teacher --teacher NAME``, `one_teacher`): the combination is made when batches are
+read, so the same caches serve any routing or weights, and a cache stays the record of one teacher.
+
+On-policy (``distill.on_policy``): every teacher runs a model, and `MultiTeacherData.score` gives the rows the
+student generates their target (`meshdistill.train.onpolicy.OnPolicyDistiller`'s ``topk_of``).
 
 Modules: `_settings` (the ``teachers`` section, a member's own config, the checks across sections), `_data` (the
 producers, `combine`, `MultiTeacherData`).
