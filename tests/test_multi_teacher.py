@@ -209,21 +209,24 @@ class TableTeacher:
     rng = np.random.default_rng(seed)
     logits = rng.normal(size=(vocab, vocab)).astype(np.float32)
     self.logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    self.calls = []  # the rows of each call
 
   def __call__(self, inputs_BxT):
+    self.calls.append(np.asarray(inputs_BxT))
     ids_BxTxK = np.argsort(-self.logp[inputs_BxT], axis=-1)[..., :K]
     logp = np.take_along_axis(self.logp[inputs_BxT], ids_BxTxK, -1)
     tail = np.log1p(-np.exp(logp).sum(-1))
     return losses.TopK(ids_BxTxK.astype(np.int32), logp, tail.astype(np.float32))
 
 
-def test_route_data_gives_each_row_its_teachers_topk_and_resumes(tmp_path):
+def test_route_data_gives_each_row_its_teachers_topk_from_its_rows_alone_and_resumes(tmp_path):
   bundle = build_data(DataConfig(corpora=two_corpora(tmp_path), seq_len=8, val_fraction=0.2), 4)
   programs = [TableTeacher(s, bundle.tokenizer.vocab_size) for s in (3, 4)]
   data = multi.MultiTeacherData(bundle, [multi.Live(p) for p in programs], k=K, route=[1, 0],
                                 weights=[1.0, 1.0])  # code -> teacher 1, prose -> teacher 0
   it = data.train_iterator()
   batch = next(it)
+  first_calls = [p.calls[0] for p in programs]  # batch 0's (the iterator has read one batch ahead since)
   own = [programs[n](batch["inputs"]) for n in range(2)]
   assert set(batch["domain"]) == {0, 1}
   for b, domain in enumerate(batch["domain"]):
@@ -231,7 +234,14 @@ def test_route_data_gives_each_row_its_teachers_topk_and_resumes(tmp_path):
     np.testing.assert_array_equal(batch["teacher_ids"][b], own[n].indices[b])
     np.testing.assert_allclose(batch["teacher_logprobs"][b], own[n].logprobs[b], rtol=1e-6)
     np.testing.assert_array_equal(batch["teachers_rows"][b], np.eye(2)[n])
-    np.testing.assert_array_equal(batch["teachers_ids"][b, 1 - n], own[1 - n].indices[b])
+    np.testing.assert_array_equal(batch["teachers_ids"][b, n], own[n].indices[b])
+  for n in range(2):  # each teacher ran on its own rows (padded to a power of two), or on all 4 when that is as many
+    mine, call = batch["inputs"][batch["domain"] == 1 - n], first_calls[n]
+    if multi.Live(programs[n]).block_rows(len(mine), 4) < 4:
+      np.testing.assert_array_equal(call[:len(mine)], mine)
+    else:
+      np.testing.assert_array_equal(call, batch["inputs"])
+  assert min(len(c) for c in first_calls) < 4  # one of two teachers serves at most half the rows
   state = it.get_state()
   again = data.train_iterator(state)
   np.testing.assert_array_equal(next(again)["inputs"], next(it)["inputs"])  # resumes at the batch handed out next
