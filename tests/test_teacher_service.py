@@ -282,6 +282,32 @@ def test_a_vllm_answer_is_read_as_its_top_k_with_the_tail_derived():
     read_completion(nan, rows=1, length=2, k=3, vocab=16)
 
 
+def test_served_teachers_score_the_rows_a_student_generates_for_several_teachers(served):
+  """On-policy with several teachers, a served one is asked for each batch's rows (`MultiTeacherData.score`): a
+  route over two members served here gives each row the server's own answer for it."""
+  from meshdistill.teachers import multi
+  from meshdistill.teachers.kinds.remote import RemoteTeacherData
+
+  server, cfg, data, inputs, last = served["server"], served["cfg"], served["data"], served["inputs"], served["last"]
+  client = TeacherClient(server.url, timeout_s=30, retries=0, token=TOKEN)
+  try:
+    spec, _ = check_identity(client.identity(), cfg, data.tokenizer, server.url)
+    remote = multi.FromBatches(RemoteTeacherData(None, client, spec))
+    both = multi.MultiTeacherData(None, [remote, remote], k=K, route=[1, 0], weights=[1.0, 1.0])
+    rows = {"inputs": inputs, "targets": np.concatenate([inputs[:, 1:], last[:, None]], 1),
+            "mask": np.ones(inputs.shape, np.float32), "domain": np.arange(len(inputs)) % 2}
+    scored = both.score(rows)
+  finally:
+    client.close()
+  _check_answer(tuple(scored[key] for key in ("teacher_ids", "teacher_logprobs", "teacher_tail")), served["want"])
+  np.testing.assert_array_equal(scored["teachers_rows"], np.eye(2)[1 - rows["domain"]])
+  sets = [*served["common"], "data.corpora={a: /a, b: /b}", "distill.on_policy.lambda=1.0",
+          "distill.on_policy.max_new_tokens=4",
+          f"teachers={{sources: [{{name: r, source: remote, url: {server.url}, takes: [a]}}, "
+          "{name: p, source: pretrained, takes: [b]}]}"]
+  assert load_config("tiny", [s for s in sets if not s.startswith("pretrain.teacher")]).teachers.active
+
+
 # --------------------------------------------------------------------------- last: it stops the server
 def test_sigterm_answers_the_request_in_flight_then_exits_0(served):
   """A request held inside the server's batching loop (its test hook, --hold-file) when SIGTERM arrives is still

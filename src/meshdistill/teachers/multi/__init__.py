@@ -18,8 +18,9 @@ The student trains from the combined target as from any top-k teacher (``distill
 written by ``meshdistill cache-teacher --teacher NAME``, `one_teacher`): the combination is made when batches are
 read, so the same caches serve any routing or weights, and a cache stays the record of one teacher.
 
-On-policy (``distill.on_policy``): every teacher runs a model, and `MultiTeacherData.score` gives the rows the
-student generates their target (`meshdistill.train.onpolicy.OnPolicyDistiller`'s ``topk_of``).
+On-policy (``distill.on_policy``): every teacher runs a model or is served (not a cache), and
+`MultiTeacherData.score` gives the rows the student generates their target
+(`meshdistill.train.onpolicy.OnPolicyDistiller`'s ``topk_of``).
 
 Modules: `_settings` (the ``teachers`` section, a member's own config, the checks across sections), `_data` (the
 producers, `combine`, `MultiTeacherData`).

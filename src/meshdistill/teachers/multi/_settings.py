@@ -16,10 +16,10 @@ ROUTE_FIELDS = ("domain",)  # the per-row fields of the data a route can read (`
 MEMBER_KEYS = ("name", "source", "temperature", "weight", "takes", "dir")  # beside the source's own settings
 # Sources that cannot be one of several yet, and why.
 _REFUSED = {"submesh": "runs on devices of its own beside the student's mesh; give it as teacher.devices alone"}
-# Top-k sources that cannot score rows the student generates (on-policy), and why.
-_NO_NEW_ROWS = {"cache": "a cache holds the top-k of the corpus rows it was written over, and generated rows are new",
-                "remote": "the served teacher is asked one batch ahead for the data's rows; asking it for generated "
-                          "rows within the step is not wired yet"}
+# Top-k sources that answer for any rows (so for the rows the student generates, on-policy), and why the others
+# cannot.
+_SCORES_NEW_ROWS = ("remote",)  # asked for each batch's rows in its step's turn (`RemoteTeacherData.fetch`)
+_NO_NEW_ROWS = {"cache": "a cache holds the top-k of the corpus rows it was written over, and generated rows are new"}
 _EXAMPLE = ("e.g. teachers: {combine: route, route_by: domain, sources: [{name: code, source: cache, cache: PATH, "
             "takes: [python]}, {name: prose, source: hf, hf: PATH, takes: [prose]}]}")
 
@@ -161,14 +161,14 @@ def check_teachers(cfg) -> None:
 
 
 def _check_on_policy(t: TeachersSettings, on_policy) -> None:
-  """Several teachers on the on-policy path: every one runs a model (generated rows are new: no cache holds
-  them), the student samples, and a route has the corpus of every row."""
+  """Several teachers on the on-policy path: every one runs a model or is served (generated rows are new: no cache
+  holds them), the student samples, and a route has the corpus of every row."""
   for i, m in enumerate(t.members()):
-    if get(m.source).gives != MODEL:
+    if get(m.source).gives != MODEL and m.source not in _SCORES_NEW_ROWS:
       why = _NO_NEW_ROWS.get(m.source, "it gives the top-k of the data's rows only")
       raise ConfigError(f"teachers.sources[{i}] ({m.name}, source: {m.source}) cannot score the rows the student "
                         f"generates (distill.on_policy): {why}; give it as a model teacher (source: pretrained or "
-                        "hf), or set distill.on_policy.lambda=0")
+                        "hf) or a served one (remote), or set distill.on_policy.lambda=0")
   if on_policy.seq_kd:
     raise ConfigError("distill.on_policy.seq_kd=true lets the teacher sample, but teachers lists several: set "
                       "seq_kd=false (the student samples and every teacher scores its rows), or use one teacher")
