@@ -15,7 +15,8 @@ A teacher is one of two kinds of producer:
 `combine` narrows every top-k to ``k``, routes or mixes them (`meshdistill.losses.route_topk` /
 `meshdistill.losses.mix_topk`) and adds each teacher's own top-k and the rows it serves (`MULTI_KEYS`) for the
 per-teacher metrics (under route a live teacher's entries on rows it does not serve are another row's top-k, a
-placeholder: those rows weigh 0 in its metrics). The iterator's state is that of the plain data, so checkpoints and resume are unchanged.
+placeholder: those rows weigh 0 in its metrics). The iterator's state is that of the plain data, so checkpoints and
+resume are unchanged. `MultiTeacherData.score` gives rows no data source holds (generated on-policy) their target.
 """
 
 from __future__ import annotations
