@@ -41,9 +41,11 @@ class Server:
 
   def __init__(self, overrides, port, cache):
     self.port, self.url, self.proc, self.cache = port, f"http://127.0.0.1:{port}", None, cache
+    self.hold = os.path.join(cache, os.pardir, "hold")  # while it exists, a teacher call waits (--hold-file)
     self.cmd = [sys.executable, "-m", "meshdistill", "serve-teacher", "--config", "tiny",
                 *[a for o in overrides for a in ("--set", o)], "--port", str(port), "--k", str(K),
-                "--token", TOKEN, "--max-rows", "16", "--max-wait-ms", "30", "--lengths", "8", "--max-bytes", "20000"]
+                "--token", TOKEN, "--max-rows", "16", "--max-wait-ms", "30", "--lengths", "8", "--max-bytes", "20000",
+                "--hold-file", self.hold]
 
   def launch(self):
     env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC), "JAX_PLATFORMS": "cpu",
@@ -99,8 +101,9 @@ def served(tmp_path_factory):
   yield dict(root=root, common=common, server=server, data=data, live=live, cfg=load_config("tiny", common),
              inputs=inputs, last=last, want=want)
   os.environ.pop("MESHDISTILL_TEACHER_TOKEN") if old is None else os.environ.update(MESHDISTILL_TEACHER_TOKEN=old)
-  server.proc.send_signal(signal.SIGTERM)
-  assert server.proc.wait(timeout=30) == 0  # graceful stop
+  if server.proc.poll() is None:  # still serving (the SIGTERM test below stops it when it runs)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=30) == 0  # graceful stop
 
 
 def _rows(n, seed):
@@ -277,3 +280,64 @@ def test_a_vllm_answer_is_read_as_its_top_k_with_the_tail_derived():
                                                            entry]}]}
   with pytest.raises(AnswerError, match="not finite"):
     read_completion(nan, rows=1, length=2, k=3, vocab=16)
+
+
+def test_served_teachers_score_the_rows_a_student_generates_for_several_teachers(served):
+  """On-policy with several teachers, a served one is asked for each batch's rows (`MultiTeacherData.score`): a
+  route over two members served here gives each row the server's own answer for it."""
+  from meshdistill.teachers import multi
+  from meshdistill.teachers.kinds.remote import RemoteTeacherData
+
+  server, cfg, data, inputs, last = served["server"], served["cfg"], served["data"], served["inputs"], served["last"]
+  client = TeacherClient(server.url, timeout_s=30, retries=0, token=TOKEN)
+  try:
+    spec, _ = check_identity(client.identity(), cfg, data.tokenizer, server.url)
+    remote = multi.FromBatches(RemoteTeacherData(None, client, spec))
+    both = multi.MultiTeacherData(None, [remote, remote], k=K, route=[1, 0], weights=[1.0, 1.0])
+    rows = {"inputs": inputs, "targets": np.concatenate([inputs[:, 1:], last[:, None]], 1),
+            "mask": np.ones(inputs.shape, np.float32), "domain": np.arange(len(inputs)) % 2}
+    scored = both.score(rows)
+  finally:
+    client.close()
+  _check_answer(tuple(scored[key] for key in ("teacher_ids", "teacher_logprobs", "teacher_tail")), served["want"])
+  np.testing.assert_array_equal(scored["teachers_rows"], np.eye(2)[1 - rows["domain"]])
+  sets = [*served["common"], "data.corpora={a: /a, b: /b}", "distill.on_policy.lambda=1.0",
+          "distill.on_policy.max_new_tokens=4",
+          f"teachers={{sources: [{{name: r, source: remote, url: {server.url}, takes: [a]}}, "
+          "{name: p, source: pretrained, takes: [b]}]}"]
+  assert load_config("tiny", [s for s in sets if not s.startswith("pretrain.teacher")]).teachers.active
+
+
+# --------------------------------------------------------------------------- last: it stops the server
+def test_sigterm_answers_the_request_in_flight_then_exits_0(served):
+  """A request held inside the server's batching loop (its test hook, --hold-file) when SIGTERM arrives is still
+  answered, right, and the server then exits with status 0."""
+  server, inputs, last = served["server"], served["inputs"][:4], served["last"][:4]
+  open(server.hold, "w").close()
+  got, errors = [], []
+
+  def ask():
+    client = TeacherClient(server.url, timeout_s=60, retries=0, token=TOKEN)
+    try:
+      got.append(client.topk(inputs, last, k=K, vocab=VOCAB))
+    except Exception as e:  # noqa: BLE001 -- reported below
+      errors.append(e)
+    finally:
+      client.close()
+
+  asking = threading.Thread(target=ask)
+  try:
+    asking.start()
+    deadline = time.monotonic() + 30
+    while server.health()["held"] == 0:  # the request has reached the teacher call, which waits
+      assert time.monotonic() < deadline, "the request never reached the batching loop"
+      time.sleep(0.05)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert server.proc.poll() is None and not got  # still finishing the held request
+  finally:
+    os.remove(server.hold)  # the call runs
+  asking.join(timeout=60)
+  assert not errors, errors
+  _check_answer(got[0], tuple(w[:4] for w in served["want"]))
+  assert server.proc.wait(timeout=30) == 0

@@ -257,7 +257,7 @@ def _main(argv: list[str] | None) -> int:
         from meshdistill.teachers.cache import TeacherCache  # lazy: JAX
 
         m = jobs.cache_teacher(cfg, args.out, k=args.k, precision=args.precision,
-                               rows_per_shard=args.rows_per_shard, stream=sys.stderr)
+                               rows_per_shard=args.rows_per_shard, stream=sys.stderr, teacher=args.teacher)
         if m:
           cache = TeacherCache(args.out)
           print(f"teacher cache {cache.path}: {m['rows']} rows x {m['seq_len']} tokens, top-{m['k']} at temperature "
@@ -270,7 +270,7 @@ def _main(argv: list[str] | None) -> int:
         stats = jobs.serve_teacher(cfg, jobs.ServeSettings(
             host=args.host, port=args.port, k=args.k, token=token, max_rows=args.max_rows,
             max_wait_ms=args.max_wait_ms, lengths=lengths, max_tokens=args.max_tokens, max_bytes=args.max_bytes,
-            graceful_s=args.graceful_s, served_name=args.served_name), stream=sys.stderr)
+            graceful_s=args.graceful_s, served_name=args.served_name, hold_file=args.hold_file), stream=sys.stderr)
         print(f"teacher server stopped: {stats['requests']} requests in {stats['calls']} teacher calls, "
               f"{stats['tokens']} tokens")
       elif args.command == "eval" and args.task:

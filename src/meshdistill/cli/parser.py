@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
   ct.add_argument("--k", type=int, default=32, help="tokens kept per position")
   ct.add_argument("--precision", default="float16", help="log-probabilities as float16 (compact) or float32 (exact)")
   ct.add_argument("--rows-per-shard", type=int, default=1024, help="packed rows per shard file")
+  ct.add_argument("--teacher", default=None, metavar="NAME", help="with several teachers (teachers.sources): the one "
+                  "whose cache to write (then list it as source: cache, cache: OUT)")
   _serve_parser(with_config(command("serve-teacher", help="serve the teacher's top-k over HTTP (vLLM /v1/completions "
                                     "subset) to students elsewhere (teacher.source: remote)")))
   with_config(command("config", help="print the effective configuration as YAML"))
@@ -127,6 +129,8 @@ def _serve_parser(sp) -> None:
   sp.add_argument("--max-bytes", type=int, default=64 << 20, help="request body bytes at most")
   sp.add_argument("--graceful-s", type=float, default=30.0, help="on SIGTERM, seconds to finish requests in flight")
   sp.add_argument("--served-name", default="meshdistill-teacher", help="the model name /v1/models reports")
+  # testing only: while this file exists a teacher call waits before it runs (a request provably in flight)
+  sp.add_argument("--hold-file", default=None, help=argparse.SUPPRESS)
 
 
 def _plan_parser(sp) -> None:

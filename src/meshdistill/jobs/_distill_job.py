@@ -154,12 +154,18 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   else:
     prepared = prepare_teacher(cfg, data, mesh, teacher_mesh, stream=stream, report=say)
     data, teacher, tdir = prepared.data, prepared.teacher, prepared.identity
+  topk_of = None
+  if cfg.teachers.active and cfg.distill.on_policy.active:
+    # several teachers on the on-policy path: their programs score each batch in its step's turn (a generated batch
+    # replaces the data's rows, so nothing is run ahead on rows that would not be trained on)
+    topk_of, data = data.score, data.bundle
   if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
     rows = read_prompts(os.path.expanduser(cfg.distill.on_policy.prompts_file), need_completion=True)
     data = PromptData(rows, data.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
                       val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
     say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
-  distiller = make_distiller(cfg, teacher, mesh, data.tokenizer, getattr(data, "teacher_tokenizer", None))
+  distiller = make_distiller(cfg, teacher, mesh, data.tokenizer, getattr(data, "teacher_tokenizer", None),
+                             topk_of=topk_of)
 
   _check_against_checkpoint(cfg, run_meta(distiller, "distill", {"teacher_dir": tdir}))
   _write_config(cfg, run_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import IO
 
 import numpy as np
@@ -38,6 +39,7 @@ class ServeSettings:
   graceful_s: float = 30.0
   served_name: str = "meshdistill-teacher"
   warm_up: bool = True
+  hold_file: str | None = None  # testing: while this file exists a teacher call waits before it runs
 
 
 def build_server(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None = None):
@@ -69,8 +71,9 @@ def build_server(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None
   def run(tokens_BxL: np.ndarray):
     return tuple(np.asarray(x) for x in program(tokens_BxL))
 
+  hold = None if settings.hold_file is None else (lambda: os.path.exists(settings.hold_file))
   batcher = Batcher(run, max_rows=settings.max_rows, max_wait_ms=settings.max_wait_ms, row_multiple=rows,
-                    lengths=lengths)
+                    lengths=lengths, hold=hold)
   if settings.warm_up:
     batcher.warm_up()
   identity = protocol.identity_of(tokenizer=data.tokenizer.fingerprint, vocab=vocab, temperature=float(tau),

@@ -135,7 +135,7 @@ def _open_teacher_cache(cfg: Config, data, say):
 
 def cache_teacher(
   cfg: Config, out: str, *, k: int = 32, precision: str = "float16", rows_per_shard: int = 1024,
-  stream: IO[str] | None = None, stop_after_shards: int | None = None,
+  stream: IO[str] | None = None, stop_after_shards: int | None = None, teacher: str | None = None,
 ) -> dict:
   """Writes the top-``k`` cache of the run's teacher over its training rows into ``out`` (resumable).
 
@@ -146,7 +146,11 @@ def cache_teacher(
   shard; every process returns the manifest process 0 writes once all shards are there. ``out`` is checked
   first (`CACHE_KIND`): new, empty, or a cache meshdistill started there (its owner marker; without one, an
   earlier version's cache files only); a directory of other files is refused before any work.
+
+  With several teachers (``teachers:``) ``teacher`` names the one to cache (a member that runs a model), at its own
+  ``temperature``: the cache is then that member's, for a run that lists it as ``source: cache``.
   """
+  cfg = multi.one_teacher(cfg, teacher)
   if kinds.for_config(cfg).gives == kinds.NOTHING:  # obtain_teacher would pretrain a teacher to cache
     raise ConfigError(f"cache-teacher writes the top-k of the run's teacher, but teacher.source="
                       f"{cfg.models.teacher_kind} gives no teacher; set teacher.hf (a Hugging Face teacher) or "

@@ -69,11 +69,12 @@ def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
   return cfg.distill.strategy(), make_optimizer(cfg.train, layers, loss_scale=cfg.safeguards.loss_scale)
 
 
-def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_tokenizer: Any = None):
+def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_tokenizer: Any = None, topk_of=None):
   """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.teachers.sources.build_student`); with
   ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS). With a teacher of
   its own ``teacher_tokenizer``, a strategy that compares matched tokens (``span_kl``) gets the matched vocabulary
-  and one that compares next bytes (``byte_kl``) the vocabularies' byte tables."""
+  and one that compares next bytes (``byte_kl``) the vocabularies' byte tables. ``topk_of``: with several teachers
+  on the on-policy path, what gives a generated batch their top-k (`OnPolicyDistiller`)."""
   student = build_student(cfg, teacher, mesh)
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize: after the student copied any float blocks
   strategy, optimizer = strategy_and_optimizer(cfg)
@@ -86,6 +87,8 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_to
     cls = OnPolicyDistiller
     eos, pad = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "pad_id", None)
     extra["on_policy"] = cfg.distill.on_policy.config(eos_id=eos, pad_id=pad or 0)
+    if topk_of is not None:
+      extra["topk_of"] = topk_of
   return cls(
     student,
     teacher,

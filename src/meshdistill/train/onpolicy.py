@@ -30,6 +30,12 @@ the training rows): the batches whose coin says "data" read the teacher's top-k 
 ``row_ids`` (the data iterator yields them) and the step runs no teacher; the generated batches, which no cache
 can hold, run the teacher live. The strategy must then train from a top-k teacher (`LogitKD` with
 ``top_k <= k``, the same top-k loss the live teacher's share computes from its logits, or `SampledTokenKD`).
+
+Several teachers (``teachers:``, `meshdistill.teachers.multi`): the distiller's teacher is their combined top-k
+(a `meshdistill.teachers.cache.TopKTeacher` with names), which the data's batches carry; a batch without it (a
+generated one, or a prompt/completion pair) is given it by ``topk_of`` (the teachers' programs run on its rows:
+each row's own teacher by its ``domain`` under ``combine: route``, their mixture under ``mix``), so the step is the
+same for both kinds. A generated row keeps its prompt's ``domain``.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ import numpy as np
 from meshdistill.train.distiller import Distiller
 from meshdistill.parallel.distributed import process_count
 from meshdistill.models.generate import SamplingConfig, generate
+from meshdistill.data._domains import DOMAIN_KEY
 from meshdistill.data.prompts import completion_batch, cut_prompts, prompts_of
+from meshdistill.train.step import TOPK_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +82,16 @@ class OnPolicyDistiller(Distiller):
 
   Takes the `Distiller` arguments plus ``on_policy`` (an `OnPolicyConfig`) and ``cache`` (a
   `meshdistill.teachers.cache.TeacherCache` over the training rows, or None: the off-policy batches' teacher; see
-  the module docstring). ``step`` returns the step's
+  the module docstring) or ``topk_of`` (with a top-k teacher of several, ``teacher`` a `TopKTeacher`: a batch
+  without the teachers' top-k -> the batch with it, e.g. `meshdistill.teachers.multi.MultiTeacherData.score`).
+  ``step`` returns the step's
   metrics (``tokens``: the completion tokens trained on, a host number) plus ``on_policy`` (1 for a
   generated batch, else 0) and, for generated batches,
   ``sample_len`` (mean completion length) and ``sample_nll`` (the teacher's per-token NLL of the
   generated completions: the step's ``teacher_ce`` on them).
   """
 
-  def __init__(self, student, teacher, *, on_policy: OnPolicyConfig, cache=None, **kwargs):
+  def __init__(self, student, teacher, *, on_policy: OnPolicyConfig, cache=None, topk_of=None, **kwargs):
     if process_count() > 1:  # the sampled batch is built on the host from the whole batch's completions
       raise ValueError(
           f"on-policy distillation (distill.on_policy.lambda={on_policy.lmbda}, seq_kd={on_policy.seq_kd}) runs as "
@@ -91,6 +101,17 @@ class OnPolicyDistiller(Distiller):
     super().__init__(student, teacher, **kwargs)
     self.on_policy = on_policy
     self.cache = cache
+    self.topk_of = topk_of
+    if self.topk_teacher is not None:
+      if cache is not None or topk_of is None:
+        raise ValueError(f"{self.topk_teacher.source} gives the teacher's top-k of the data's rows; the generated rows "
+                         "need their own: pass topk_of (the teachers' programs on a batch's rows), or a teacher model")
+      if on_policy.seq_kd:
+        raise ValueError(f"distill.on_policy.seq_kd: the teacher samples, but {self.topk_teacher.source} has no one "
+                         "teacher model to sample from; set seq_kd=false (the student samples) or use one teacher")
+    elif topk_of is not None:
+      raise ValueError("topk_of scores generated rows for a top-k teacher (several teachers); this distiller runs its "
+                       "teacher model in the step: leave topk_of out")
     if cache is not None:
       if self.teacher_def is None:
         raise ValueError(f"an off-policy cache ({cache.path}) serves the data's batches; the generated ones need a "
@@ -135,7 +156,10 @@ class OnPolicyDistiller(Distiller):
     mesh = self.layout.eval_mesh
     key = jax.random.fold_in(jax.random.key(self.seed), step)
     gen = jax.device_get(generate(model, prompts, prompt_mask, key, self.on_policy.sampling(), mesh=mesh))
-    return completion_batch(prompts, prompt_mask, gen.tokens_BxN, gen.mask_BxN, seq_len, self.on_policy.pad_id)
+    out = completion_batch(prompts, prompt_mask, gen.tokens_BxN, gen.mask_BxN, seq_len, self.on_policy.pad_id)
+    if DOMAIN_KEY in batch:  # a row's corpus is its prompt's (several teachers route by it)
+      out[DOMAIN_KEY] = np.asarray(batch[DOMAIN_KEY])
+    return out
 
   def step(self, state, batch: dict):
     step = int(np.asarray(jax.device_get(self.unreplicate(state).step)))
@@ -149,6 +173,8 @@ class OnPolicyDistiller(Distiller):
         raise ValueError(f"with the off-policy cache {self.cache.path} every batch carries row_ids (its rows in the "
                          "cache); read the data with train_iterator(row_ids=True)")
       batch = {**batch, **self.cache.rows(row_ids)}
+    if self.topk_of is not None and TOPK_KEYS[0] not in batch:  # generated rows (or prompt pairs): scored now
+      batch = self.topk_of(batch)
     new_state, metrics = super().step(state, batch)
     metrics = dict(metrics)
     # The tokens trained on (completion targets; sampled ones for a generated batch), counted on the host:

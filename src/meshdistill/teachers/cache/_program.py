@@ -83,6 +83,18 @@ def _topk_rows(teacher_params, inputs_BxT, *, teacher_def, k, temperature, vocab
   return jax.vmap(one)(logits_BxTxV)
 
 
+@functools.lru_cache(maxsize=64)
+def _program(graphdef, k, temperature, vocab, mesh, spec_leaves, spec_tree):
+  """The jitted top-k program of a teacher of ``graphdef`` on ``mesh``: one per architecture and settings, so
+  several teachers of one shape (`meshdistill.teachers.multi`) compile it once."""
+  fn = functools.partial(_topk_rows, teacher_def=graphdef, k=k, temperature=temperature, vocab=vocab)
+  if mesh is None:
+    return jax.jit(fn)
+  specs = jax.tree_util.tree_unflatten(spec_tree, spec_leaves)
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P(DATA)), out_specs=P(DATA), axis_names={DATA},
+                               check_vma=False))
+
+
 class TeacherTopK:
   """A teacher placed on ``mesh`` (or one device) and compiled to return its `TopK` for a batch of rows.
 
@@ -103,12 +115,9 @@ class TeacherTopK:
     else:
       teacher.cfg.check_tensor_split(mesh.shape["tensor"])
       self.params = jax.device_put(params, param_shardings(nnx.get_partition_spec(params), mesh))
-    fn = functools.partial(_topk_rows, teacher_def=graphdef, k=k, temperature=self.temperature, vocab=vocab)
-    if mesh is None:
-      self._fn = jax.jit(fn)
-    else:
-      self._fn = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(data_specs(self.params), P(DATA)), out_specs=P(DATA),
-                                       axis_names={DATA}, check_vma=False))
+    specs = None if mesh is None else jax.tree_util.tree_flatten(data_specs(self.params))
+    self._fn = _program(graphdef, k, self.temperature, vocab, mesh, None if specs is None else tuple(specs[0]),
+                        None if specs is None else specs[1])
 
   def __call__(self, inputs_BxT) -> losses.TopK:
     """The teacher's top-k of host or device rows ``[B, T]`` (B a multiple of the mesh's ``data``)."""

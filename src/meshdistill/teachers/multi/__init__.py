@@ -15,8 +15,12 @@ They combine (`_data.combine`) by
 The student trains from the combined target as from any top-k teacher (``distill.kind: logit_kd`` with
 ``distill.top_k``), compared at ``distill.temperature``; the step also reports ``kl/<name>``,
 ``agreement/<name>`` and ``tokens/<name>`` per teacher over the rows it serves. Caches: one per teacher (each
-written by ``meshdistill cache-teacher`` for its teacher alone): the combination is made when batches are read, so
-the same caches serve any routing or weights, and a cache stays the record of one teacher.
+written by ``meshdistill cache-teacher --teacher NAME``, `one_teacher`): the combination is made when batches are
+read, so the same caches serve any routing or weights, and a cache stays the record of one teacher.
+
+On-policy (``distill.on_policy``): every teacher runs a model or is served (not a cache), and
+`MultiTeacherData.score` gives the rows the student generates their target
+(`meshdistill.train.onpolicy.OnPolicyDistiller`'s ``topk_of``).
 
 Modules: `_settings` (the ``teachers`` section, a member's own config, the checks across sections), `_data` (the
 producers, `combine`, `MultiTeacherData`).
@@ -30,11 +34,11 @@ from meshdistill.teachers import kinds
 from meshdistill.teachers.cache import TeacherTopK, TopKTeacher
 from meshdistill.teachers.kinds._quantize import quantized_teacher
 from meshdistill.teachers.multi._data import FromBatches, Live, MultiTeacherData, combine
-from meshdistill.teachers.multi._settings import Member, TeachersSettings, check_teachers, member_config
+from meshdistill.teachers.multi._settings import Member, TeachersSettings, check_teachers, member_config, one_teacher
 from meshdistill.train.distiller import resolve_shared_vocab
 
 __all__ = ["FromBatches", "Live", "Member", "MultiTeacherData", "TeachersSettings", "check_teachers", "combine",
-           "member_config", "prepare"]
+           "member_config", "one_teacher", "prepare"]
 
 
 def prepare(cfg, data, mesh, services: kinds.Services) -> kinds.Prepared:

@@ -8,7 +8,7 @@ from typing import Any
 
 from meshdistill.config.typed_yaml import ConfigError
 from meshdistill.strategies import get as strategy_class
-from meshdistill.teachers.kinds._base import NOTHING, TEACHER_KEYS, get, names, topk_refusal
+from meshdistill.teachers.kinds._base import MODEL, NOTHING, TEACHER_KEYS, get, names, topk_refusal
 from meshdistill.teachers.sources._settings import ModelSources
 
 COMBINES = ("route", "mix")
@@ -16,6 +16,10 @@ ROUTE_FIELDS = ("domain",)  # the per-row fields of the data a route can read (`
 MEMBER_KEYS = ("name", "source", "temperature", "weight", "takes", "dir")  # beside the source's own settings
 # Sources that cannot be one of several yet, and why.
 _REFUSED = {"submesh": "runs on devices of its own beside the student's mesh; give it as teacher.devices alone"}
+# Top-k sources that answer for any rows (so for the rows the student generates, on-policy), and why the others
+# cannot.
+_SCORES_NEW_ROWS = ("remote",)  # asked for each batch's rows in its step's turn (`RemoteTeacherData.fetch`)
+_NO_NEW_ROWS = {"cache": "a cache holds the top-k of the corpus rows it was written over, and generated rows are new"}
 _EXAMPLE = ("e.g. teachers: {combine: route, route_by: domain, sources: [{name: code, source: cache, cache: PATH, "
             "takes: [python]}, {name: prose, source: hf, hf: PATH, takes: [prose]}]}")
 
@@ -151,9 +155,27 @@ def check_teachers(cfg) -> None:
   tau = cfg.distill.value("temperature")
   if callable(tau) or isinstance(tau, dict):
     raise ConfigError("teachers needs a constant distill.temperature (each teacher's top-k is taken at one)")
-  if cfg.distill.on_policy.active or cfg.distill.on_policy.prompts_file:
-    raise ConfigError("teachers (several teachers) and distill.on_policy do not go together yet: generated rows "
-                      "have no domain to route by and no cache holds them; use one teacher for on-policy runs")
+  on_policy = cfg.distill.on_policy
+  if on_policy.active or on_policy.prompts_file:
+    _check_on_policy(t, on_policy)
+
+
+def _check_on_policy(t: TeachersSettings, on_policy) -> None:
+  """Several teachers on the on-policy path: every one runs a model or is served (generated rows are new: no cache
+  holds them), the student samples, and a route has the corpus of every row."""
+  for i, m in enumerate(t.members()):
+    if get(m.source).gives != MODEL and m.source not in _SCORES_NEW_ROWS:
+      why = _NO_NEW_ROWS.get(m.source, "it gives the top-k of the data's rows only")
+      raise ConfigError(f"teachers.sources[{i}] ({m.name}, source: {m.source}) cannot score the rows the student "
+                        f"generates (distill.on_policy): {why}; give it as a model teacher (source: pretrained or "
+                        "hf) or a served one (remote), or set distill.on_policy.lambda=0")
+  if on_policy.seq_kd:
+    raise ConfigError("distill.on_policy.seq_kd=true lets the teacher sample, but teachers lists several: set "
+                      "seq_kd=false (the student samples and every teacher scores its rows), or use one teacher")
+  if on_policy.prompts_file and t.combine == "route":
+    raise ConfigError(f"distill.on_policy.prompts_file={on_policy.prompts_file} gives prompt pairs without a corpus, "
+                      "so teachers.combine=route has no domain to route them by: use combine: mix, or train on the "
+                      "rows of data.corpora (no prompts_file)")
 
 
 def member_config(cfg, member: Member):
@@ -171,3 +193,29 @@ def member_config(cfg, member: Member):
     return dataclasses.replace(cfg, models=models, pretrain=pretrain, teachers=TeachersSettings())
   except ConfigError as e:
     raise ConfigError(f"teachers: {member.name}: {e}") from None
+
+
+def one_teacher(cfg, name: str | None, what: str = "cache-teacher"):
+  """The run config ``cfg`` as the one teacher ``what`` (a job that runs one teacher model) works on: ``cfg`` itself
+  without ``teachers``, else the member ``name`` (`member_config`) at its own temperature (``distill.temperature``
+  the member's ``temperature`` when set). Raises `ConfigError` naming ``--teacher`` and the choices."""
+  if not cfg.teachers.active:
+    if name is not None:
+      raise ConfigError(f"--teacher {name} picks one of teachers.sources, but this config lists no teachers; remove "
+                        "--teacher (the teacher section's teacher is the one)")
+    return cfg
+  members = cfg.teachers.members()
+  runs_model = [m.name for m in members if get(m.source).gives == MODEL]
+  if name is None:
+    raise ConfigError(f"{what}: this config lists several teachers ({[m.name for m in members]}); pick one with "
+                      f"--teacher NAME (one that runs a model: {runs_model})")
+  member = next((m for m in members if m.name == name), None)
+  if member is None:
+    raise ConfigError(f"--teacher {name} is not in teachers.sources; choose one of {[m.name for m in members]}")
+  if member.name not in runs_model:
+    raise ConfigError(f"--teacher {name} is source: {member.source}, which runs no teacher model here for {what}; "
+                      f"choose one that does: {runs_model}")
+  sub = member_config(cfg, member)
+  if member.temperature is not None:
+    sub = dataclasses.replace(sub, distill=dataclasses.replace(sub.distill, temperature=member.temperature))
+  return sub

@@ -35,17 +35,19 @@ def length_buckets(max_len: int, smallest: int = 64) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class Stats:
-  """What the server reports on ``/health``: requests answered, program calls, rows and real tokens computed."""
+  """What the server reports on ``/health``: requests answered, program calls, rows and real tokens computed, and
+  the requests of a call held before it runs (``held``: the test hook of `Batcher`)."""
 
   requests: int = 0
   calls: int = 0
   rows: int = 0
   tokens: int = 0
   shapes: set = dataclasses.field(default_factory=set)
+  held: int = 0
 
   def as_dict(self) -> dict:
     return {"requests": self.requests, "calls": self.calls, "rows": self.rows, "tokens": self.tokens,
-            "shapes": sorted(self.shapes)}
+            "shapes": sorted(self.shapes), "held": self.held}
 
 
 class Batcher:
@@ -58,12 +60,15 @@ class Batcher:
     max_wait_ms: how long the first request of a call waits for others.
     row_multiple: B is a multiple of it (the mesh's ``data`` size).
     lengths: the length buckets, increasing; the last is the longest prompt (less its last id) accepted.
+    hold: testing only: while it returns True, a gathered call waits before it runs (its requests counted in
+      ``stats.held``), so a test can hold a request in flight (e.g. across a SIGTERM).
   """
 
-  def __init__(self, fn: Callable, *, max_rows: int, max_wait_ms: float, row_multiple: int, lengths: tuple[int, ...]):
+  def __init__(self, fn: Callable, *, max_rows: int, max_wait_ms: float, row_multiple: int, lengths: tuple[int, ...],
+               hold: Callable[[], bool] | None = None):
     if max_rows < 1 or row_multiple < 1 or not lengths:
       raise ValueError(f"max_rows={max_rows}, row_multiple={row_multiple}, lengths={lengths}: need positive sizes")
-    self.fn, self.max_rows, self.max_wait = fn, max_rows, max_wait_ms / 1000.0
+    self.fn, self.max_rows, self.max_wait, self.hold = fn, max_rows, max_wait_ms / 1000.0, hold
     self.lengths = tuple(sorted(lengths))
     rows, n = [], row_multiple * max(1, 8 // row_multiple)  # from 8 rows: a smaller call saves little
     n = min(n, -(-max_rows // row_multiple) * row_multiple)
@@ -131,6 +136,11 @@ class Batcher:
       taken = self._take()
       if taken is None:
         return
+      if self.hold is not None and self.hold():
+        self.stats.held = len(taken)
+        while self.hold():
+          time.sleep(0.01)
+        self.stats.held = 0
       try:
         answers = self._call([p for prompts, _ in taken for p in prompts])
       except Exception as e:  # noqa: BLE001 -- handed to each waiting request
