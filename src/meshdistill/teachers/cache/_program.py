@@ -33,6 +33,8 @@ class TopKTeacher:
     source: where it comes from (a cache directory, a sub-mesh), for messages.
     names: several teachers combined into this top-k (`meshdistill.teachers.multi`), in the order their own
       top-k come in every batch (`meshdistill.train.step.MULTI_KEYS`); () for one teacher.
+    cross: the top-k is per TEACHER token of the teacher's own tokenizer (a cross-tokenizer cache): only a
+      ``cross_tokenizer`` strategy reads it (over the teacher's whole vocabulary, `meshdistill.losses.topk_logprobs`).
   """
 
   cfg: Any
@@ -41,6 +43,7 @@ class TopKTeacher:
   vocab: int
   source: str = "top-k teacher"
   names: tuple[str, ...] = ()
+  cross: bool = False
 
   def check_strategy(self, strategy: Any) -> None:
     """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone: it declares
@@ -48,6 +51,17 @@ class TopKTeacher:
     teacher's temperature; messages name it by its ``label``. A strategy with a ``check_topk_teacher(teacher)``
     method (`SampledTokenKD`: it needs only the sampled token's log-probability) checks this teacher itself."""
     name = label(strategy)
+    aligns = getattr(strategy, "cross_tokenizer", False)
+    if aligns and not self.cross:
+      raise ValueError(f"{self.source} holds the teacher's top-{self.k} per token of the student's own tokenizer, but "
+                       f"strategy {name} distils a teacher of another tokenizer; write the cache with "
+                       "data.teacher_tokenizer set (`meshdistill cache-teacher`), or use distill.kind=logit_kd")
+    if self.cross and not aligns:
+      raise ValueError(f"{self.source} holds the top-{self.k} of a teacher of another tokenizer, per teacher token, "
+                       f"but strategy {name} compares the models token by token over one vocabulary; use "
+                       "distill.kind: byte_kl, span_kl or uld")
+    if aligns:  # reads the top-k spread over the teacher's vocabulary, at any temperature and top_k of its own
+      return
     if strategy.accepts_topk and hasattr(strategy, "check_topk_teacher"):
       strategy.check_topk_teacher(self)
       return
@@ -83,6 +97,19 @@ def _topk_rows(teacher_params, inputs_BxT, *, teacher_def, k, temperature, vocab
   return jax.vmap(one)(logits_BxTxV)
 
 
+def _topk_rows_targets(teacher_params, inputs_BxT, targets_BxT, *, teacher_def, k, temperature, vocab):
+  """Per-device: `_topk_rows` and the log-probability of each position's target ``[B, T]`` (at ``temperature``)."""
+  teacher = nnx.merge(teacher_def, teacher_params)
+  logits_BxTxV = jax.lax.stop_gradient(teacher(inputs_BxT).logits)[..., :vocab]
+
+  def one(logits_TxV, targets_T):
+    ids_TxK, logprobs_TxK = losses.teacher_topk(logits_TxV, k, temperature)
+    own_T = losses.target_logprobs(losses.log_softmax(logits_TxV, temperature), targets_T)
+    return losses.TopK(ids_TxK, logprobs_TxK, losses.topk_tail(logits_TxV, ids_TxK, temperature)), own_T
+
+  return jax.vmap(one)(logits_BxTxV, targets_BxT)
+
+
 class TeacherTopK:
   """A teacher placed on ``mesh`` (or one device) and compiled to return its `TopK` for a batch of rows.
 
@@ -103,20 +130,30 @@ class TeacherTopK:
     else:
       teacher.cfg.check_tensor_split(mesh.shape["tensor"])
       self.params = jax.device_put(params, param_shardings(nnx.get_partition_spec(params), mesh))
-    fn = functools.partial(_topk_rows, teacher_def=graphdef, k=k, temperature=self.temperature, vocab=vocab)
-    if mesh is None:
-      self._fn = jax.jit(fn)
-    else:
-      self._fn = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(data_specs(self.params), P(DATA)), out_specs=P(DATA),
-                                       axis_names={DATA}, check_vma=False))
+    settings = {"teacher_def": graphdef, "k": k, "temperature": self.temperature, "vocab": vocab}
+    self._fn = self._compile(functools.partial(_topk_rows, **settings), 1)
+    self._with_targets = self._compile(functools.partial(_topk_rows_targets, **settings), 2)
+
+  def _compile(self, fn, n_rows: int):
+    if self.mesh is None:
+      return jax.jit(fn)
+    return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=(data_specs(self.params), *(P(DATA),) * n_rows),
+                                 out_specs=P(DATA), axis_names={DATA}, check_vma=False))
+
+  def _place(self, rows_BxT):
+    if self.mesh is None:
+      return jax.device_put(rows_BxT, jax.devices()[0])
+    if not isinstance(rows_BxT, jax.Array) or rows_BxT.sharding.mesh != self.mesh:
+      return host_to_global(np.asarray(rows_BxT), self.mesh)
+    return rows_BxT
+
+  def with_targets(self, inputs_BxT, targets_BxT) -> tuple[losses.TopK, jax.Array]:
+    """``(TopK, log-probability of each target [B, T])``: what a cross-tokenizer cache stores per teacher token."""
+    return self._with_targets(self.params, self._place(inputs_BxT), self._place(targets_BxT))
 
   def __call__(self, inputs_BxT) -> losses.TopK:
     """The teacher's top-k of host or device rows ``[B, T]`` (B a multiple of the mesh's ``data``)."""
-    if self.mesh is None:
-      inputs_BxT = jax.device_put(inputs_BxT, jax.devices()[0])
-    elif not isinstance(inputs_BxT, jax.Array) or inputs_BxT.sharding.mesh != self.mesh:
-      inputs_BxT = host_to_global(np.asarray(inputs_BxT), self.mesh)
-    return self._fn(self.params, inputs_BxT)
+    return self._fn(self.params, self._place(inputs_BxT))
 
   def spec(self, source: str) -> TopKTeacher:
     return TopKTeacher(cfg=self.cfg, k=self.k, temperature=self.temperature, vocab=self.vocab, source=source)
