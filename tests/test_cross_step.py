@@ -2,20 +2,30 @@
 and uncounted spans never count, clear errors for strategies that need one vocabulary."""
 
 import json
+import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, assert_trees_close, write_corpus
 
 import meshdistill as md
-from meshdistill import jobs
+from meshdistill import jobs, losses
 from meshdistill.config import load_config
 from meshdistill.data import ByteTokenizer, pack_texts, train_bpe
-from meshdistill.data.alignment import matched_vocabulary
+from meshdistill.data._cross import tokenize_side
+from meshdistill.data._teacher_rows import StudentRows, cut_teacher_rows
+from meshdistill.data.alignment import byte_tables_of, matched_vocabulary
 from meshdistill.loop.evaluate import Evaluator
-from meshdistill.strategies import SpanKL, ULD
+from meshdistill.strategies import ByteKL, SpanKL, ULD
+from meshdistill.teachers import cache as tc
+from meshdistill.models import ModelOutput
+from meshdistill.teachers.cache._cross import CachedCrossRows
+from meshdistill.train.step import TARGET_LOGPROB_KEY, TOPK_KEYS
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
 TEXTS = ["the cat sat on the mat; the dog sat on the log. " * 2, "héllo wörld 日本 ok", "def f(x): return x + 1\n"]
 
@@ -172,3 +182,112 @@ def test_a_distill_job_with_two_tokenizers_reports_bits_per_byte_and_keeps_its_t
   # the teacher never moves: its bits per byte on the validation bytes after every step are the same number
   assert [m["step"] for m in evals] == [1, 2] and evals[0]["bpb"] != evals[1]["bpb"]  # the student does move
   assert evals[0]["teacher_bpb"] == evals[1]["teacher_bpb"] == summary["teacher"]["bpb"]
+
+
+# --------------------------------------------------------------------------- the cross-tokenizer teacher cache
+@pytest.fixture(scope="module")
+def cached(setup, tmp_path_factory):
+  """The BPE teacher of `setup` cached over rows cut on its own tokens (float32): k = its whole vocabulary, and
+  k = 16; the same 8 rows read through each for a byte student (the shapes of `setup`'s batches: Ts 16, Tt 8)."""
+  bpe, byte = setup["bpe"], setup["byte"]
+  rows = cut_teacher_rows(tokenize_side(TEXTS, bpe), bpe, 8)
+  teacher = md.init_model(setup["teacher_cfg"], seed=0)  # the teacher of `runs`
+  identity = {"teacher": tc.teacher_identity(teacher), "cross": True, "data": tc.teacher_rows_identity(rows, bpe),
+              "teacher_tokenizer": tc.tokenizer_identity(bpe, "bpe")}
+  root, W = tmp_path_factory.mktemp("xcache"), setup["teacher_cfg"].vocab_size
+  out = {}
+  for k in (W, 16):
+    tc.write_cache(tc.TeacherTopK(teacher, k=k), rows, str(root / f"k{k}"), identity=identity, precision="float32",
+                   rows_per_shard=4, batch_size=4)
+    cache = tc.TeacherCache(str(root / f"k{k}"))
+    out[k] = (cache, CachedCrossRows(cache, StudentRows(bpe, byte, 16)).rows(np.arange(8) % len(rows)))
+  return teacher, out
+
+
+def live_part(batch):
+  """The batch without the cached teacher (what a live teacher's step reads)."""
+  return {k: v for k, v in batch.items() if k not in (*TOPK_KEYS, TARGET_LOGPROB_KEY)}
+
+
+def test_the_cache_path_equals_the_live_path_in_float32(setup, runs, cached):
+  """The same rows through the live teacher (`runs`' span_kl step) and through a cache of its whole vocabulary:
+  every metric and the student after one step agree to float32 rounding."""
+  live, _, _ = runs["single"]
+  W = setup["teacher_cfg"].vocab_size
+  cache, batch = cached[1][W]
+  assert cache.cross and cache.manifest["format"] == tc.FORMAT_VERSION == 2
+  assert cache.teacher_tokenizer == {"setting": "bpe", "fingerprint": setup["bpe"].fingerprint, "vocab_size": W}
+  student = md.init_model(setup["student_cfg"], seed=1)
+  from_cache = md.Distiller(student, cache.spec(), strategy=live.strategy, mesh=None)
+  s_live, m_live = live.step(live.init_state(), live_part(batch))
+  s_cache, m_cache = from_cache.step(from_cache.init_state(), batch)
+  assert m_live["spans"] > 0 and m_live["matched_kl"] > 0 and set(m_cache) == set(m_live)
+  for k in m_live:
+    np.testing.assert_allclose(float(m_cache[k]), float(m_live[k]), rtol=2e-6, atol=1e-7, err_msg=k)
+  assert_trees_close(jax.device_get(s_cache.params), jax.device_get(s_live.params), rtol=1e-6, atol=1e-7)
+
+
+def test_every_cross_tokenizer_loss_reads_the_cache_as_the_live_teacher_and_a_small_k_stays_close(setup, cached):
+  """The cached top-k spread over the teacher's vocabulary is its log-softmax at k = its vocabulary, so byte_kl,
+  span_kl and uld (and their gradients) are the live ones; at k = 16 byte_kl is finite and close."""
+  teacher, out = cached
+  W = setup["teacher_cfg"].vocab_size
+  batch = out[W][1]
+  live = jax.jit(lambda x: teacher(x).logits)(batch["teacher_inputs"])
+  keys = (*TOPK_KEYS, "teacher_targets", TARGET_LOGPROB_KEY)
+  spread = jax.jit(jax.vmap(lambda i, lp, tail, tgt, own: losses.topk_logprobs(i, lp, tail, W, tgt, own)))
+  dense = {k: spread(*(b[key] for key in keys)) for k, (_, b) in out.items()}
+  np.testing.assert_allclose(dense[W], jax.nn.log_softmax(live), atol=2e-6)
+  rest = out[16][1]  # k = 16: the kept ids and the targets exact, the rest of the tail spread evenly
+  np.testing.assert_allclose(np.exp(dense[16]).sum(-1), 1.0, atol=1e-5)
+  np.testing.assert_allclose(np.take_along_axis(dense[16], rest["teacher_targets"][..., None], -1)[..., 0],
+                             np.take_along_axis(dense[W], rest["teacher_targets"][..., None], -1)[..., 0], atol=1e-6)
+  student = jax.random.normal(jax.random.key(0), (*batch["inputs"].shape, setup["student_cfg"].vocab_size))
+  aligned = lambda t, b: losses.Aligned(t, *(b[k] for k in (  # noqa: E731
+      "teacher_targets", "teacher_span", "student_span", "teacher_last", "student_last", "span_bytes")))
+  byte_kl = ByteKL(max_depth=4).with_tables(byte_tables_of(setup["bpe"], setup["byte"], max_depth=4))
+
+  @jax.jit
+  def loss_and_grad(teacher_logits, b):
+    def total(s):
+      per = jax.vmap(lambda *a: byte_kl.per_sequence({}, *a, 0))(ModelOutput(logits=s),
+                                                              aligned(teacher_logits, b), b["targets"], b["mask"])
+      return jnp.sum(per["loss"]), per
+    return jax.value_and_grad(total, has_aux=True)(student)
+
+  (l_live, m_live), g_live = loss_and_grad(live, batch)
+  (l_full, m_full), g_full = loss_and_grad(dense[W], batch)
+  (l_16, m_16), _ = loss_and_grad(dense[16], rest)
+  assert float(m_live["byte_positions"].sum()) > 0 and float(m_live["byte_kl"].sum()) > 0
+  np.testing.assert_allclose(l_full, l_live, rtol=1e-6)
+  np.testing.assert_allclose(g_full, g_live, rtol=1e-5, atol=1e-8)
+  assert np.isfinite(float(l_16)) and abs(float(l_16) / float(l_live) - 1) < 0.05, (l_16, l_live)
+
+
+def test_an_old_cache_still_loads(setup):
+  """A format-1 cache (written before the manifest named a teacher tokenizer, tests/fixtures/teacher_cache_v1) reads
+  as it was written: its rows are the top-k the same teacher gives today; with a student of another tokenizer it
+  is refused, naming what to do."""
+  cache = tc.TeacherCache(str(FIXTURES / "teacher_cache_v1"), verify=True)
+  assert cache.manifest["format"] == 1 and not cache.cross and cache.teacher_tokenizer is None
+  tokens = np.load(FIXTURES / "teacher_cache_v1" / "tokens.npy")
+  got = cache.rows(np.arange(cache.num_rows))
+  inputs = tokens[: cache.num_rows * cache.seq_len].reshape(cache.num_rows, cache.seq_len)
+  now = tc.TeacherTopK(md.init_model(TEACHER_CFG, seed=0), k=cache.k)(inputs)
+  np.testing.assert_array_equal(got["teacher_ids"], np.asarray(now.indices))
+  np.testing.assert_allclose(got["teacher_logprobs"], np.asarray(now.logprobs), atol=1e-5)
+  with pytest.raises(tc.CacheError, match="no byte offsets.*data.teacher_tokenizer set"):
+    tc.check_cross(cache, setup["bpe"], "bpe")
+
+
+def test_a_cross_tokenizer_cache_refuses_another_teacher_tokenizer_and_one_vocabulary_strategies(setup, cached):
+  cache = cached[1][16][0]
+  other = train_bpe(TEXTS * 10, 280)
+  with pytest.raises(tc.CacheError, match="written for the teacher tokenizer 'bpe'.*set data.teacher_tokenizer"):
+    tc.check_cross(cache, other, "other.json")
+  tc.check_cross(cache, setup["bpe"], "bpe")  # its own: accepted
+  with pytest.raises(tc.CacheError, match="set data.teacher_tokenizer='bpe' and distill.kind"):
+    tc.check_not_cross(cache)
+  student = md.init_model(setup["student_cfg"], seed=1)
+  with pytest.raises(ValueError, match="byte_kl, span_kl or uld"):
+    md.Distiller(student, cache.spec(), strategy=md.strategies.LogitKD(top_k=8))

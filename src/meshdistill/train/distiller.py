@@ -108,6 +108,8 @@ class Distiller:
     if self.topk_teacher is not None and self.cross_tokenizer:
       pass  # a cross-tokenizer cache: its top-k is over the teacher's own vocabulary (the step spreads it there)
     elif self.topk_teacher is not None:
+      if teacher.cross:  # a cross-tokenizer cache with a strategy of one vocabulary: that is the error to name
+        teacher.check_strategy(strategy if strategy is not None else LogitKD())
       if teacher.vocab > student.cfg.vocab_size:
         raise ValueError(f"{teacher.source} has token ids up to {teacher.vocab} but the student's vocab_size is "
                          f"{student.cfg.vocab_size}; use a student of the teacher's tokenizer")

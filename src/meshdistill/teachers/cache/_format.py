@@ -258,7 +258,8 @@ class TeacherCache:
 
   def rows(self, row_ids: np.ndarray) -> dict[str, np.ndarray]:
     """The teacher top-k of packed rows ``row_ids`` [N]: `TOPK_KEYS` -> ids / log-probs ``[N, T, K]``
-    (int32 / float32) and tail ``[N, T]`` float32."""
+    (int32 / float32) and tail ``[N, T]`` float32; a cross-tokenizer cache adds ``teacher_tokens`` [N, 1 + T],
+    ``teacher_ends`` [N, T] (int32) and ``teacher_target_logprobs`` [N, T] float32 (`CROSS_ARRAYS`)."""
     row_ids = np.asarray(row_ids, np.int64).reshape(-1)
     if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= self.num_rows):
       raise CacheError(f"rows {row_ids.min()}..{row_ids.max()} asked of teacher cache {self.path}, which holds "
