@@ -26,6 +26,7 @@ from meshdistill.teachers.cache._cross import CachedCrossRows
 from meshdistill.train.step import TARGET_LOGPROB_KEY, TOPK_KEYS
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+ALIGN_KEYS = ("teacher_targets", "teacher_span", "student_span", "teacher_last", "student_last", "span_bytes")
 
 TEXTS = ["the cat sat on the mat; the dog sat on the log. " * 2, "héllo wörld 日本 ok", "def f(x): return x + 1\n"]
 
@@ -229,7 +230,7 @@ def test_the_cache_path_equals_the_live_path_in_float32(setup, runs, cached):
 
 def test_every_cross_tokenizer_loss_reads_the_cache_as_the_live_teacher_and_a_small_k_stays_close(setup, cached):
   """The cached top-k spread over the teacher's vocabulary is its log-softmax at k = its vocabulary, so byte_kl,
-  span_kl and uld (and their gradients) are the live ones; at k = 16 byte_kl is finite and close."""
+  span_kl and uld read the live teacher (byte_kl's loss computed both ways); at k = 16 byte_kl is finite and close."""
   teacher, out = cached
   W = setup["teacher_cfg"].vocab_size
   batch = out[W][1]
@@ -243,24 +244,20 @@ def test_every_cross_tokenizer_loss_reads_the_cache_as_the_live_teacher_and_a_sm
   np.testing.assert_allclose(np.take_along_axis(dense[16], rest["teacher_targets"][..., None], -1)[..., 0],
                              np.take_along_axis(dense[W], rest["teacher_targets"][..., None], -1)[..., 0], atol=1e-6)
   student = jax.random.normal(jax.random.key(0), (*batch["inputs"].shape, setup["student_cfg"].vocab_size))
-  aligned = lambda t, b: losses.Aligned(t, *(b[k] for k in (  # noqa: E731
-      "teacher_targets", "teacher_span", "student_span", "teacher_last", "student_last", "span_bytes")))
+  aligned = lambda t, b: losses.Aligned(t, *(b[k] for k in ALIGN_KEYS))  # noqa: E731
   byte_kl = ByteKL(max_depth=4).with_tables(byte_tables_of(setup["bpe"], setup["byte"], max_depth=4))
 
   @jax.jit
-  def loss_and_grad(teacher_logits, b):
-    def total(s):
-      per = jax.vmap(lambda *a: byte_kl.per_sequence({}, *a, 0))(ModelOutput(logits=s),
+  def byte_loss(teacher_logits, b):
+    per = jax.vmap(lambda *a: byte_kl.per_sequence({}, *a, 0))(ModelOutput(logits=student),
                                                               aligned(teacher_logits, b), b["targets"], b["mask"])
-      return jnp.sum(per["loss"]), per
-    return jax.value_and_grad(total, has_aux=True)(student)
+    return jnp.sum(per["loss"]), jnp.sum(per["byte_positions"])
 
-  (l_live, m_live), g_live = loss_and_grad(live, batch)
-  (l_full, m_full), g_full = loss_and_grad(dense[W], batch)
-  (l_16, m_16), _ = loss_and_grad(dense[16], rest)
-  assert float(m_live["byte_positions"].sum()) > 0 and float(m_live["byte_kl"].sum()) > 0
+  part = lambda b: {k: b[k] for k in (*ALIGN_KEYS, "targets", "mask")}  # noqa: E731 (the same shapes: one compile)
+  (l_live, counted), (l_full, _), (l_16, _) = (byte_loss(t, part(b)) for t, b in ((live, batch), (dense[W], batch),
+                                                                                (dense[16], rest)))
+  assert float(counted) > 0 and float(l_live) > 0
   np.testing.assert_allclose(l_full, l_live, rtol=1e-6)
-  np.testing.assert_allclose(g_full, g_live, rtol=1e-5, atol=1e-8)
   assert np.isfinite(float(l_16)) and abs(float(l_16) / float(l_live) - 1) < 0.05, (l_16, l_live)
 
 
@@ -282,9 +279,8 @@ def test_an_old_cache_still_loads(setup):
 
 def test_a_cross_tokenizer_cache_refuses_another_teacher_tokenizer_and_one_vocabulary_strategies(setup, cached):
   cache = cached[1][16][0]
-  other = train_bpe(TEXTS * 10, 280)
   with pytest.raises(tc.CacheError, match="written for the teacher tokenizer 'bpe'.*set data.teacher_tokenizer"):
-    tc.check_cross(cache, other, "other.json")
+    tc.check_cross(cache, setup["byte"], "byte")
   tc.check_cross(cache, setup["bpe"], "bpe")  # its own: accepted
   with pytest.raises(tc.CacheError, match="set data.teacher_tokenizer='bpe' and distill.kind"):
     tc.check_not_cross(cache)
