@@ -33,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshdistill import jobs, losses  # noqa: E402
+from meshdistill.jobs._setup import teacher_side_data  # noqa: E402
 from meshdistill.config import load_config  # noqa: E402
 from meshdistill.data._teacher_rows import StudentRows  # noqa: E402
 from meshdistill.data.alignment import byte_tables_of, matched_vocabulary  # noqa: E402
@@ -58,7 +59,7 @@ def main() -> None:
   cfg = load_config(str(ROOT.parent / "configs" / "cross_tokenizer.yaml"), sets)
   t0 = time.perf_counter()
   data = jobs.load_data(cfg)
-  teacher, _ = jobs.obtain_teacher(cfg, jobs.teacher_side_data(cfg, data), None)
+  teacher, _ = jobs.obtain_teacher(cfg, teacher_side_data(cfg, data), None)
   W = teacher.cfg.vocab_size
   rows = tc.teacher_rows_of(data, cfg.data.teacher_seq_len)
   part = rows.rows(np.arange(min(args.rows, len(rows))))
@@ -74,8 +75,10 @@ def main() -> None:
       "uld": ULD(top_k=8),
   }
 
+  arrays = {k: jnp.asarray(batch[k]) for k in (*ALIGN, "targets", "mask")}
+
   @jax.jit
-  def terms(t_logits):
+  def terms(t_logits, batch, s_logits):  # arrays as arguments: constants would be folded at compile time
     aligned = losses.Aligned(t_logits, *(batch[k] for k in ALIGN))
     out = {}
     for name, s in strategies.items():
@@ -91,14 +94,14 @@ def main() -> None:
                                  batch["span_bytes"])
     return out
 
-  ref = terms(live)
+  ref = terms(live, arrays, s_logits)
   live_q, counted = ref.pop("bytes")
   lines = []
   for k in [int(x) for x in args.ks.split(",")] + [W]:
     topk, own = tc.TeacherTopK(teacher, k=k).with_targets(batch["teacher_inputs"], batch["teacher_targets"])
     dense = jax.vmap(lambda i, lp, tail, y, o: losses.topk_logprobs(i, lp, tail, W, y, o))(
         topk.indices, topk.logprobs, topk.tail, jnp.asarray(batch["teacher_targets"]), own)
-    got = terms(dense)
+    got = terms(dense, arrays, s_logits)
     q, _ = got.pop("bytes")
     kl = jnp.sum(jnp.where(jnp.exp(live_q) > 0, jnp.exp(live_q) * (live_q - q), 0.0), -1)
     mean_kl = float(jnp.sum(jnp.where(counted, kl, 0.0)) / jnp.maximum(jnp.sum(counted), 1))
