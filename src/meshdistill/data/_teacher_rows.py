@@ -192,7 +192,8 @@ class StudentRows:
     ends_s = np.cumsum(self.student_lengths[ids_s])
     if ends_s.size and ends_s[-1] != (ends[n_t - 1] if n_t else 0):
       raise ValueError(f"data.tokenizer ({self.student!r}) gives tokens of {int(ends_s[-1])} bytes for a row of "
-                       f"{int(ends[n_t - 1])}; cross-tokenizer rows need a tokenizer whose tokens spell the text's bytes")
+                       f"{int(ends[n_t - 1])}; cross-tokenizer rows need a tokenizer whose tokens spell the text's "
+                       "bytes: use 'byte', 'bpe' or a byte-level tokenizer.json")
     ids_s, first_s, ends_s = ids_s[:Ts], first_s[:Ts], ends_s[:Ts]
     n_s = ids_s.size
     inputs = np.full(Ts, self.student.pad_id, np.int32)

@@ -32,7 +32,8 @@ def check_cross(cache: TeacherCache, teacher_tokenizer, setting: str | None) -> 
         f"{where} holds the teacher's top-k per token of one tokenizer (format {cache.manifest['format']}, no byte "
         f"offsets), but data.teacher_tokenizer={setting!r} gives the student another tokenizer than the teacher; "
         "rewrite the cache with `meshdistill cache-teacher` and data.teacher_tokenizer set (its rows then carry the "
-        "teacher's tokens and byte offsets), or drop data.teacher_tokenizer to distil a student of the cache's tokenizer"
+        "teacher's tokens and byte offsets), or drop data.teacher_tokenizer to distil a student of the cache's "
+        "tokenizer"
     )
   saved = cache.teacher_tokenizer or {}
   if saved.get("fingerprint") != teacher_tokenizer.fingerprint:

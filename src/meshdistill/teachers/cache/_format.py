@@ -55,7 +55,8 @@ def unpack_ids(packed_NxB: np.ndarray, bits: int, m: int) -> np.ndarray:
   return np.packbits(full, axis=-1).view(">u4").reshape(n, m).astype(np.int32)
 
 
-def encode_rows(topk: losses.TopK, bits: int, precision: str, teacher_rows: dict | None = None) -> dict[str, np.ndarray]:
+def encode_rows(topk: losses.TopK, bits: int, precision: str,
+                teacher_rows: dict | None = None) -> dict[str, np.ndarray]:
   """Host arrays of one shard: packed ids, log-probs and tail in ``precision``; with ``teacher_rows`` (a
   cross-tokenizer cache) also `CROSS_ARRAYS`: the rows' teacher tokens and byte end offsets (int32) and each
   position's target log-probability (``precision``)."""
