@@ -287,3 +287,26 @@ def test_a_cross_tokenizer_cache_refuses_another_teacher_tokenizer_and_one_vocab
   student = md.init_model(setup["student_cfg"], seed=1)
   with pytest.raises(ValueError, match="byte_kl, span_kl or uld"):
     md.Distiller(student, cache.spec(), strategy=md.strategies.LogitKD(top_k=8))
+
+
+def test_cache_teacher_then_distill_from_the_cache_with_two_tokenizers(job, tmp_path):
+  """`jobs.cache_teacher` with data.teacher_tokenizer writes a cross-tokenizer cache (the job's pretrained teacher,
+  rows of its own tokens); `jobs.distill` with teacher.cache reads it for the byte student: byte_kl trains, no
+  teacher weights are loaded, the student's bits per byte are reported."""
+  cfg, _ = job
+  out = str(tmp_path / "xcache")
+  manifest = jobs.cache_teacher(cfg, out, k=16, precision="float32")
+  assert manifest["cross"] and manifest["format"] == 2 and manifest["seq_len"] == cfg.data.teacher_seq_len
+  assert manifest["teacher_tokenizer"]["setting"] == "bpe" and manifest["vocab"] == cfg.teacher.vocab_size
+  run = tmp_path / "run"
+  cached = load_config(f"{cfg.run.run_dir}/config.yaml",
+                       [f"teacher.cache={out}", f"run.run_dir={run}", "train.steps=1", "train.warmup=0", "train.eval_every=0"])
+  summary = jobs.distill(cached)
+  assert summary["teacher"] is None and summary["teacher_dir"] == out and 0 < summary["student"]["bpb"] < 10
+  train = [json.loads(line) for line in open(run / "metrics.jsonl") if '"train"' in line]
+  assert train and train[0]["byte_kl"] > 0 and train[0]["byte_positions"] > 0
+  # the same cache for a run whose teacher tokenizer is another: refused before any step, naming the setting
+  other = load_config(f"{cfg.run.run_dir}/config.yaml", [f"teacher.cache={out}", f"run.run_dir={tmp_path / 'run2'}",
+                                                         "data.teacher_tokenizer=byte"])
+  with pytest.raises(tc.CacheError, match="teacher tokenizer 'bpe'.*data.teacher_tokenizer='byte'"):
+    jobs.distill(other)
