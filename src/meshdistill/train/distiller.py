@@ -105,16 +105,16 @@ class Distiller:
     self.topk_teacher = teacher if isinstance(teacher, TopKTeacher) else None
     self.shared_vocab = None
     self.cross_tokenizer = teacher is not None and getattr(strategy, "cross_tokenizer", False)
-    if self.topk_teacher is not None and self.cross_tokenizer:
-      pass  # a cross-tokenizer cache: its top-k is over the teacher's own vocabulary (the step spreads it there)
-    elif self.topk_teacher is not None:
+    # A teacher of another tokenizer (live, or a cross-tokenizer cache whose top-k is over the teacher's own
+    # vocabulary, spread there by the step) shares no vocabulary with the student.
+    if self.topk_teacher is not None and not self.cross_tokenizer:
       if teacher.cross:  # a cross-tokenizer cache with a strategy of one vocabulary: that is the error to name
         teacher.check_strategy(strategy if strategy is not None else LogitKD())
       if teacher.vocab > student.cfg.vocab_size:
         raise ValueError(f"{teacher.source} has token ids up to {teacher.vocab} but the student's vocab_size is "
                          f"{student.cfg.vocab_size}; use a student of the teacher's tokenizer")
       self.shared_vocab = resolve_shared_vocab(teacher.vocab, student.cfg.vocab_size, shared_vocab)
-    elif teacher is not None and not getattr(strategy, "cross_tokenizer", False):
+    elif self.topk_teacher is None and teacher is not None and not self.cross_tokenizer:
       self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
     self.layout = make_layout(backend, mesh, fsdp, student_split)
     # pads a vocabulary / replicates key/value heads where the mesh's `tensor` needs it
