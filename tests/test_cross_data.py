@@ -170,3 +170,35 @@ def test_the_config_refuses_one_vocabulary_strategies_with_two_tokenizers_and_na
     load_config(None, ["data.teacher_tokenizer=bpe", "distill.kind=uld", "data.teacher_seq_len=256"])
   cfg = load_config(str(pathlib.Path(__file__).parents[1] / "configs" / "cross_tokenizer.yaml"))
   assert cfg.distill.kind == "byte_kl" and cfg.data.teacher_tokenizer == "bpe"
+
+
+def test_teacher_rows_rebuilt_for_any_student_cover_the_same_bytes_and_cut_at_characters(bpe):
+  """A cross-tokenizer cache's rows: cut on the teacher's tokens alone (at character starts), the student's side
+  re-tokenized from the row's bytes; every byte a target once, both sides spelling the same bytes."""
+  from meshdistill.data._teacher_rows import StudentRows, cut_teacher_rows  # noqa: PLC0415
+
+  stream = tokenize_side(TEXTS, bpe)
+  rows = cut_teacher_rows(stream, bpe, 6)
+  assert rows.bounds[0, 0] == 1 and (rows.bounds[1:, 0] == rows.bounds[:-1, 1]).all()  # no gap, no overlap
+  assert rows.bounds[-1, 1] == stream.tokens.size
+  spelled = token_bytes(bpe)
+  for lo in rows.bounds[1:, 0]:  # a row starts where a character starts
+    assert not 0x80 <= spelled[stream.tokens[lo]][0] < 0xC0 or stream.tokens[lo] == bpe.eos_id
+  part = rows.rows(np.arange(len(rows)))
+  for student in (ByteTokenizer(), train_bpe(TEXTS * 10, 280)):
+    batch = StudentRows(bpe, student, 24).batch(part)
+    assert set(CROSS_KEYS) <= set(batch) and batch["inputs"].shape == (len(rows), 24)
+    s_bytes, eos = token_bytes(student), student.eos_id
+    spell = lambda ids, table, end: b"".join(b"|" if t == end else table[t] or b"" for t in ids)  # noqa: E731
+    for r in range(len(rows)):
+      t_text = spell(batch["teacher_targets"][r], spelled, bpe.eos_id)
+      s_text = spell(batch["targets"][r], s_bytes, eos)
+      assert s_text and t_text.startswith(s_text), r  # the student spells the row's bytes (cut at its own length)
+      assert batch["span_bytes"][r].sum() <= len(s_text)
+      # the first input: the student's token of the character before the row (end of text after a document)
+      prev = batch["teacher_inputs"][r][0]
+      assert (batch["inputs"][r][0] == eos) == (prev == bpe.eos_id)
+      assert (batch["mask"][r][0] == 0) == (prev == bpe.eos_id)  # a document's first token is masked
+    assert batch["span_bytes"].sum() > 0.5 * sum(len(spell(t, spelled, bpe.eos_id)) for t in batch["teacher_targets"])
+  with pytest.raises(ValueError, match="data.teacher_seq_len"):
+    cut_teacher_rows(stream, bpe, 0)

@@ -2,20 +2,31 @@
 and uncounted spans never count, clear errors for strategies that need one vocabulary."""
 
 import json
+import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, assert_trees_close, write_corpus
 
 import meshdistill as md
-from meshdistill import jobs
+from meshdistill import jobs, losses
 from meshdistill.config import load_config
 from meshdistill.data import ByteTokenizer, pack_texts, train_bpe
-from meshdistill.data.alignment import matched_vocabulary
+from meshdistill.data._cross import tokenize_side
+from meshdistill.data._teacher_rows import StudentRows, cut_teacher_rows
+from meshdistill.data.alignment import byte_tables_of, matched_vocabulary
 from meshdistill.train.loop.evaluate import Evaluator
-from meshdistill.strategies import SpanKL, ULD
+from meshdistill.strategies import ByteKL, SpanKL, ULD
+from meshdistill.teachers import cache as tc
+from meshdistill.models import ModelOutput
+from meshdistill.teachers.cache._cross import CachedCrossRows
+from meshdistill.train.step import TARGET_LOGPROB_KEY, TOPK_KEYS
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+ALIGN_KEYS = ("teacher_targets", "teacher_span", "student_span", "teacher_last", "student_last", "span_bytes")
 
 TEXTS = ["the cat sat on the mat; the dog sat on the log. " * 2, "héllo wörld 日本 ok", "def f(x): return x + 1\n"]
 
@@ -172,3 +183,130 @@ def test_a_distill_job_with_two_tokenizers_reports_bits_per_byte_and_keeps_its_t
   # the teacher never moves: its bits per byte on the validation bytes after every step are the same number
   assert [m["step"] for m in evals] == [1, 2] and evals[0]["bpb"] != evals[1]["bpb"]  # the student does move
   assert evals[0]["teacher_bpb"] == evals[1]["teacher_bpb"] == summary["teacher"]["bpb"]
+
+
+# --------------------------------------------------------------------------- the cross-tokenizer teacher cache
+@pytest.fixture(scope="module")
+def cached(setup, tmp_path_factory):
+  """The BPE teacher of `setup` cached over rows cut on its own tokens (float32): k = its whole vocabulary, and
+  k = 16; the same 8 rows read through each for a byte student (the shapes of `setup`'s batches: Ts 16, Tt 8)."""
+  bpe, byte = setup["bpe"], setup["byte"]
+  rows = cut_teacher_rows(tokenize_side(TEXTS, bpe), bpe, 8)
+  teacher = md.init_model(setup["teacher_cfg"], seed=0)  # the teacher of `runs`
+  identity = {"teacher": tc.teacher_identity(teacher), "cross": True, "data": tc.teacher_rows_identity(rows, bpe),
+              "teacher_tokenizer": tc.tokenizer_identity(bpe, "bpe")}
+  root, W = tmp_path_factory.mktemp("xcache"), setup["teacher_cfg"].vocab_size
+  out = {}
+  for k in (W, 16):
+    tc.write_cache(tc.TeacherTopK(teacher, k=k), rows, str(root / f"k{k}"), identity=identity, precision="float32",
+                   rows_per_shard=4, batch_size=4)
+    cache = tc.TeacherCache(str(root / f"k{k}"))
+    out[k] = (cache, CachedCrossRows(cache, StudentRows(bpe, byte, 16)).rows(np.arange(8) % len(rows)))
+  return teacher, out
+
+
+def live_part(batch):
+  """The batch without the cached teacher (what a live teacher's step reads)."""
+  return {k: v for k, v in batch.items() if k not in (*TOPK_KEYS, TARGET_LOGPROB_KEY)}
+
+
+def test_the_cache_path_equals_the_live_path_in_float32(setup, runs, cached):
+  """The same rows through the live teacher (`runs`' span_kl step) and through a cache of its whole vocabulary:
+  every metric and the student after one step agree to float32 rounding."""
+  live, _, _ = runs["single"]
+  W = setup["teacher_cfg"].vocab_size
+  cache, batch = cached[1][W]
+  assert cache.cross and cache.manifest["format"] == tc.FORMAT_VERSION == 2
+  assert cache.teacher_tokenizer == {"setting": "bpe", "fingerprint": setup["bpe"].fingerprint, "vocab_size": W}
+  student = md.init_model(setup["student_cfg"], seed=1)
+  from_cache = md.Distiller(student, cache.spec(), strategy=live.strategy, mesh=None)
+  s_live, m_live = live.step(live.init_state(), live_part(batch))
+  s_cache, m_cache = from_cache.step(from_cache.init_state(), batch)
+  assert m_live["spans"] > 0 and m_live["matched_kl"] > 0 and set(m_cache) == set(m_live)
+  for k in m_live:
+    np.testing.assert_allclose(float(m_cache[k]), float(m_live[k]), rtol=2e-6, atol=1e-7, err_msg=k)
+  assert_trees_close(jax.device_get(s_cache.params), jax.device_get(s_live.params), rtol=1e-6, atol=1e-7)
+
+
+def test_every_cross_tokenizer_loss_reads_the_cache_as_the_live_teacher_and_a_small_k_stays_close(setup, cached):
+  """The cached top-k spread over the teacher's vocabulary is its log-softmax at k = its vocabulary, so byte_kl,
+  span_kl and uld read the live teacher (byte_kl's loss computed both ways); at k = 16 byte_kl is finite and close."""
+  teacher, out = cached
+  W = setup["teacher_cfg"].vocab_size
+  batch = out[W][1]
+  live = jax.jit(lambda x: teacher(x).logits)(batch["teacher_inputs"])
+  keys = (*TOPK_KEYS, "teacher_targets", TARGET_LOGPROB_KEY)
+  spread = jax.jit(jax.vmap(lambda i, lp, tail, tgt, own: losses.topk_logprobs(i, lp, tail, W, tgt, own)))
+  dense = {k: spread(*(b[key] for key in keys)) for k, (_, b) in out.items()}
+  np.testing.assert_allclose(dense[W], jax.nn.log_softmax(live), atol=2e-6)
+  rest = out[16][1]  # k = 16: the kept ids and the targets exact, the rest of the tail spread evenly
+  np.testing.assert_allclose(np.exp(dense[16]).sum(-1), 1.0, atol=1e-5)
+  np.testing.assert_allclose(np.take_along_axis(dense[16], rest["teacher_targets"][..., None], -1)[..., 0],
+                             np.take_along_axis(dense[W], rest["teacher_targets"][..., None], -1)[..., 0], atol=1e-6)
+  student = jax.random.normal(jax.random.key(0), (*batch["inputs"].shape, setup["student_cfg"].vocab_size))
+  aligned = lambda t, b: losses.Aligned(t, *(b[k] for k in ALIGN_KEYS))  # noqa: E731
+  byte_kl = ByteKL(max_depth=4).with_tables(byte_tables_of(setup["bpe"], setup["byte"], max_depth=4))
+
+  @jax.jit
+  def byte_loss(teacher_logits, b):
+    per = jax.vmap(lambda *a: byte_kl.per_sequence({}, *a, 0))(ModelOutput(logits=student),
+                                                              aligned(teacher_logits, b), b["targets"], b["mask"])
+    return jnp.sum(per["loss"]), jnp.sum(per["byte_positions"])
+
+  part = lambda b: {k: b[k] for k in (*ALIGN_KEYS, "targets", "mask")}  # noqa: E731 (the same shapes: one compile)
+  (l_live, counted), (l_full, _), (l_16, _) = (byte_loss(t, part(b)) for t, b in ((live, batch), (dense[W], batch),
+                                                                                (dense[16], rest)))
+  assert float(counted) > 0 and float(l_live) > 0
+  np.testing.assert_allclose(l_full, l_live, rtol=1e-6)
+  assert np.isfinite(float(l_16)) and abs(float(l_16) / float(l_live) - 1) < 0.05, (l_16, l_live)
+
+
+def test_an_old_cache_still_loads(setup):
+  """A format-1 cache (written before the manifest named a teacher tokenizer, tests/fixtures/teacher_cache_v1) reads
+  as it was written: its rows are the top-k the same teacher gives today; with a student of another tokenizer it
+  is refused, naming what to do."""
+  cache = tc.TeacherCache(str(FIXTURES / "teacher_cache_v1"), verify=True)
+  assert cache.manifest["format"] == 1 and not cache.cross and cache.teacher_tokenizer is None
+  tokens = np.load(FIXTURES / "teacher_cache_v1" / "tokens.npy")
+  got = cache.rows(np.arange(cache.num_rows))
+  inputs = tokens[: cache.num_rows * cache.seq_len].reshape(cache.num_rows, cache.seq_len)
+  now = tc.TeacherTopK(md.init_model(TEACHER_CFG, seed=0), k=cache.k)(inputs)
+  np.testing.assert_array_equal(got["teacher_ids"], np.asarray(now.indices))
+  np.testing.assert_allclose(got["teacher_logprobs"], np.asarray(now.logprobs), atol=1e-5)
+  with pytest.raises(tc.CacheError, match="no byte offsets.*data.teacher_tokenizer set"):
+    tc.check_cross(cache, setup["bpe"], "bpe")
+
+
+def test_a_cross_tokenizer_cache_refuses_another_teacher_tokenizer_and_one_vocabulary_strategies(setup, cached):
+  cache = cached[1][16][0]
+  with pytest.raises(tc.CacheError, match="written for the teacher tokenizer 'bpe'.*set data.teacher_tokenizer"):
+    tc.check_cross(cache, setup["byte"], "byte")
+  tc.check_cross(cache, setup["bpe"], "bpe")  # its own: accepted
+  with pytest.raises(tc.CacheError, match="set data.teacher_tokenizer='bpe' and distill.kind"):
+    tc.check_not_cross(cache)
+  student = md.init_model(setup["student_cfg"], seed=1)
+  with pytest.raises(ValueError, match="byte_kl, span_kl or uld"):
+    md.Distiller(student, cache.spec(), strategy=md.strategies.LogitKD(top_k=8))
+
+
+def test_cache_teacher_then_distill_from_the_cache_with_two_tokenizers(job, tmp_path):
+  """`jobs.cache_teacher` with data.teacher_tokenizer writes a cross-tokenizer cache (the job's pretrained teacher,
+  rows of its own tokens); `jobs.distill` with teacher.cache reads it for the byte student: byte_kl trains, no
+  teacher weights are loaded, the student's bits per byte are reported."""
+  cfg, _ = job
+  out = str(tmp_path / "xcache")
+  manifest = jobs.cache_teacher(cfg, out, k=16, precision="float32")
+  assert manifest["cross"] and manifest["format"] == 2 and manifest["seq_len"] == cfg.data.teacher_seq_len
+  assert manifest["teacher_tokenizer"]["setting"] == "bpe" and manifest["vocab"] == cfg.teacher.vocab_size
+  run = tmp_path / "run"
+  cached = load_config(f"{cfg.run.run_dir}/config.yaml",
+                       [f"teacher.cache={out}", f"run.run_dir={run}", "train.steps=1", "train.warmup=0", "train.eval_every=0"])
+  summary = jobs.distill(cached)
+  assert summary["teacher"] is None and summary["teacher_dir"] == out and 0 < summary["student"]["bpb"] < 10
+  train = [json.loads(line) for line in open(run / "metrics.jsonl") if '"train"' in line]
+  assert train and train[0]["byte_kl"] > 0 and train[0]["byte_positions"] > 0
+  # the same cache for a run whose teacher tokenizer is another: refused before any step, naming the setting
+  other = load_config(f"{cfg.run.run_dir}/config.yaml", [f"teacher.cache={out}", f"run.run_dir={tmp_path / 'run2'}",
+                                                         "data.teacher_tokenizer=byte"])
+  with pytest.raises(tc.CacheError, match="teacher tokenizer 'bpe'.*data.teacher_tokenizer='byte'"):
+    jobs.distill(other)

@@ -263,7 +263,12 @@ def _main(argv: list[str] | None) -> int:
           print(f"teacher cache {cache.path}: {m['rows']} rows x {m['seq_len']} tokens, top-{m['k']} at temperature "
                 f"{m['temperature']}, {m['precision']}, {cache.bytes_per_token():.1f} bytes/token, "
                 f"content {m['content_sha256'][:16]}")
-          print(f"distil from it with: --set teacher.cache={cache.path} --set distill.top_k={m['k']}")
+          if cache.cross:  # rows of the teacher's tokens: any student tokenizer, a cross-tokenizer strategy
+            print(f"a cross-tokenizer cache of teacher tokenizer {cache.teacher_tokenizer['setting']!r}: distil from it "
+                  f"with: --set teacher.cache={cache.path} (data.teacher_tokenizer as now, distill.kind byte_kl, "
+                  "span_kl or uld; any data.tokenizer for the student)")
+          else:
+            print(f"distil from it with: --set teacher.cache={cache.path} --set distill.top_k={m['k']}")
       elif args.command == "serve-teacher":
         token = args.token or os.environ.get("MESHDISTILL_TEACHER_TOKEN") or None
         lengths = tuple(int(v) for v in args.lengths.split(",")) if args.lengths else None

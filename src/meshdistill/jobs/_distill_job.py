@@ -146,10 +146,12 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
     + ("" if getattr(data, "teacher_tokenizer", None) is None else
        f" (the teacher's own tokenizer: {data.teacher_tokenizer.vocab_size})")
   )
-  if getattr(data, "teacher_tokenizer", None) is not None:  # a teacher of its own tokenizer: pretrained on its own tokens, run live
-    if cfg.models.teacher_cache or teacher_mesh is not None or cfg.distill.on_policy.active:
+  cross = getattr(data, "teacher_tokenizer", None) is not None
+  if cross and not cfg.models.teacher_cache:  # a teacher of its own tokenizer: pretrained on its own tokens, run live
+    if teacher_mesh is not None or cfg.distill.on_policy.active:
       raise ConfigError("data.teacher_tokenizer (a teacher of its own tokenizer) runs the teacher live in the step on "
-                        "its own tokens; teacher.cache, teacher.devices and distill.on_policy do not take it yet")
+                        "its own tokens, or reads a cross-tokenizer teacher.cache; teacher.devices and "
+                        "distill.on_policy do not take it yet")
     teacher, tdir = obtain_teacher(cfg, teacher_side_data(cfg, data, mesh), mesh, stream=stream, report=say)
   else:
     prepared = prepare_teacher(cfg, data, mesh, teacher_mesh, stream=stream, report=say)
@@ -233,11 +235,10 @@ def _evaluate_pair(distiller, state, val) -> dict:
 
 def _evaluate_student(distiller, state, val) -> dict:
   student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
-  return {
-    "teacher": None,
-    "student": {"loss": student["loss"], "ppl": student["ppl"], "params": param_count(distiller.student(state))},
-    "val_tokens": student["tokens"],
-  }
+  out = {"loss": student["loss"], "ppl": student["ppl"], "params": param_count(distiller.student(state))}
+  if "bpb" in student:  # batches of two tokenizations (a cross-tokenizer cache): bits per byte too
+    out["bpb"] = student["bpb"]
+  return {"teacher": None, "student": out, "val_tokens": student["tokens"]}
 
 
 def _evaluate_cross(distiller, state, student: dict) -> dict:

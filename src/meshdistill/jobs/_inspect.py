@@ -231,12 +231,15 @@ def summary_table(summary: dict) -> str:
   """The final teacher / student table as text."""
   t, s = summary["teacher"], summary["student"]
   if "bpb" in s:  # a teacher of another tokenizer: losses per token do not compare, bits per byte do
-    rows = [("model", "params", "val bits/byte"), ("teacher", f"{t['params']:,}", f"{t['bpb']:.4f}"),
+    rows = [("model", "params", "val bits/byte"),
+            ("teacher", f"{t['params']:,}", f"{t['bpb']:.4f}") if t else None,
             ("distilled student", f"{s['params']:,}", f"{s['bpb']:.4f}")]
+    rows = [r for r in rows if r is not None]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return "\n".join([line(rows[0]), "  ".join("-" * w for w in widths), *map(line, rows[1:]),
-                      f"student/teacher params {summary['param_ratio']:.1%}; two tokenizers: compared per byte"])
+    last = (f"student/teacher params {summary['param_ratio']:.1%}; two tokenizers: compared per byte" if t else
+            "(teacher given by its cross-tokenizer top-k cache only: not evaluated)")
+    return "\n".join([line(rows[0]), "  ".join("-" * w for w in widths), *map(line, rows[1:]), last])
   rows = [
     ("model", "params", "val loss", "val ppl"),
     ("teacher", f"{t['params']:,}", f"{t['loss']:.4f}", f"{t['ppl']:.3f}") if t else None,

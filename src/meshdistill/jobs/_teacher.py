@@ -14,7 +14,7 @@ from typing import IO
 from meshdistill.storage.checkpoint import Checkpointer, check_teacher_target, save_teacher
 from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
-from meshdistill.jobs._setup import with_batch_size
+from meshdistill.jobs._setup import teacher_side_data, with_batch_size
 from meshdistill.jobs._training import loop_kwargs, safeguard_kwargs
 from meshdistill.train.loop.monitor import ProfileWindow
 from meshdistill.storage.ownership import OutputKind, check_owned, read_marker, write_marker
@@ -166,10 +166,15 @@ def cache_teacher(
   mesh = build_mesh(cfg)
   data = load_data(cfg, mesh=mesh)
   say = stream_reporter(stream)
-  teacher, _ = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
+  cross = getattr(data, "teacher_tokenizer", None) is not None  # a teacher of its own tokenizer: rows of its tokens
+  teacher, _ = obtain_teacher(cfg, teacher_side_data(cfg, data, mesh) if cross else data, mesh, stream=stream,
+                              report=say)
 
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize
-  vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
+  if cross:  # the teacher's whole vocabulary: any student tokenizer reads the cache
+    vocab = teacher.cfg.vocab_size
+  else:
+    vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
   program_mesh, batch_size = make_layout(cfg.mesh.backend, mesh).eval_mesh, data.global_batch_size
   if distributed.process_count() > 1:
     # One writer per process: each runs the teacher alone on its own rows of the mesh (the same per-device
@@ -181,14 +186,22 @@ def cache_teacher(
       raise ConfigError(f"cache-teacher as {distributed.process_count()} processes: {e}") from None
     batch_size = batch_size * program_mesh.shape["data"] // mesh.shape["data"]
   program = tc.TeacherTopK(teacher, k=k, temperature=float(tau), vocab=vocab, mesh=program_mesh)
-  identity = {"teacher": tc.teacher_identity(teacher),
-              "data": tc.data_identity(data.train, data.tokenizer, cfg.data.source)}
+  rows = data.train
+  if cross:  # rows cut on the teacher's tokens alone (data.teacher_seq_len of them): no student in the cache
+    rows = tc.teacher_rows_of(data, cfg.data.teacher_seq_len or cfg.data.seq_len)
+    identity = {"teacher": tc.teacher_identity(teacher), "cross": True,
+                "teacher_tokenizer": tc.tokenizer_identity(data.teacher_tokenizer, cfg.data.teacher_tokenizer),
+                "data": tc.teacher_rows_identity(rows, data.teacher_tokenizer, cfg.data.source)}
+  else:
+    identity = {"teacher": tc.teacher_identity(teacher), "cross": False,
+                "teacher_tokenizer": tc.tokenizer_identity(data.tokenizer, cfg.data.tokenizer),
+                "data": tc.data_identity(data.train, data.tokenizer, cfg.data.source)}
   t0 = time.perf_counter()
-  manifest = tc.write_cache(program, data.train, out, identity=identity, precision=precision,
+  manifest = tc.write_cache(program, rows, out, identity=identity, precision=precision,
                             rows_per_shard=rows_per_shard, batch_size=batch_size,
                             process_index=distributed.process_index(), process_count=distributed.process_count(),
                             stop_after_shards=stop_after_shards, barrier=_barrier)
-  say(f"teacher cache: {len(data.train)} rows x {data.train.seq_len} tokens -> {out} in "
+  say(f"teacher cache: {len(rows)} rows x {rows.seq_len} {'teacher ' if cross else ''}tokens -> {out} in "
       f"{time.perf_counter() - t0:.1f}s" + (f" ({distributed.process_count()} writers)"
                                              if distributed.process_count() > 1 else ""))
   return manifest

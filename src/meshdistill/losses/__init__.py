@@ -9,7 +9,8 @@ Divergences (`DIVERGENCES`, `get_divergence`): ``forward_kl``, ``reverse_kl``, `
 top-k, e.g. an offline cache) and `narrow_topk`. A teacher of another tokenizer (`Aligned`): `span_logprobs`, `uld`,
 `matched_kl`, `hybrid_uld` on the spans both tokenizations agree on (per span ``[S]`` instead of per token); on the
 next byte of the text (`ByteTables`, `byte_tables`, `byte_offsets`, `next_byte_logprobs`, `first_byte_logprobs`,
-`byte_kl`: both sides' next-token distributions projected onto bytes).
+`byte_kl`: both sides' next-token distributions projected onto bytes); `topk_logprobs` (a cached top-k teacher of
+another tokenizer as log-probabilities over its vocabulary, for all of these).
 Several top-k teachers as one target: `route_topk` (a teacher per row), `mix_topk` (a weighted mixture over the union
 of their ids, with the tail bin); `teacher_terms` (one teacher's KL and agreement, per token).
 """
@@ -28,6 +29,7 @@ from meshdistill.losses._cross_tokenizer import (
     span_logprobs,
     span_nll,
     target_logprobs,
+    topk_logprobs,
     uld,
 )
 from meshdistill.losses._divergences import (
@@ -71,6 +73,7 @@ __all__ = [
     "route_topk",
     "teacher_terms",
     "Aligned",
+    "topk_logprobs",
     "ByteTables",
     "byte_kl",
     "byte_offsets",

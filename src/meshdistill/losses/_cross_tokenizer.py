@@ -37,6 +37,7 @@ from meshdistill.losses._logits import log_softmax
 from meshdistill.losses._topk import vocab_topk
 
 CLAMP = 1e-8  # TRL clamps probabilities at this before taking logs in the matched KL
+DENSE_FLOOR = -1e4  # `topk_logprobs` of ids with no mass: exp() is 0 in float32, products with 0 stay finite
 
 
 class Aligned(NamedTuple):
@@ -52,6 +53,38 @@ class Aligned(NamedTuple):
   teacher_last: jax.Array
   student_last: jax.Array
   span_bytes: jax.Array
+
+
+def topk_logprobs(
+    indices_TxK: jax.Array, logprobs_TxK: jax.Array, tail_T: jax.Array, vocab: int,
+    targets_T: jax.Array | None = None, target_logprobs_T: jax.Array | None = None,
+) -> jax.Array:
+  """A top-k teacher (an offline cache) as log-probabilities over its whole vocabulary ``[T, vocab]``.
+
+  The ``K`` kept ids get their log-probabilities; with ``targets_T`` / ``target_logprobs_T`` (the log-probability
+  of each position's actual next token, which a cross-tokenizer cache stores) the target id gets its own too;
+  the tail mass ``exp(tail_T)`` (the rest, `meshdistill.losses.topk_tail`) is spread evenly over the other ids. At
+  ``K = vocab`` nothing is spread and the result is the teacher's log-softmax itself, so every cross-tokenizer loss
+  reads a cached teacher as the live one; below it the kept ids, the span merge's earlier tokens and the tail's
+  total are exact and only how the tail splits among the other ids is assumed. Ids of no mass get a finite floor
+  (`DENSE_FLOOR`, probability 0 in float32) so that products with one-hot vectors stay finite.
+  """
+  T, K = indices_TxK.shape
+  rows = jnp.arange(T)[:, None]
+  dense = jnp.full((T, vocab), -jnp.inf, jnp.float32).at[rows, indices_TxK].set(logprobs_TxK.astype(jnp.float32))
+  known = jnp.zeros((T, vocab), bool).at[rows, indices_TxK].set(True)
+  tail = tail_T.astype(jnp.float32)
+  if targets_T is not None:
+    listed = jnp.any(indices_TxK == targets_T[:, None], axis=-1)
+    own = target_logprobs_T.astype(jnp.float32)
+    # the target's mass leaves the tail when it was not among the kept ids: log(exp(tail) - exp(own))
+    rest = tail + jnp.log1p(-jnp.minimum(jnp.exp(own - jnp.maximum(tail, -1e30)), 1.0))
+    tail = jnp.where(listed, tail, rest)
+    dense = dense.at[jnp.arange(T), targets_T].set(jnp.where(listed, dense[jnp.arange(T), targets_T], own))
+    known = known.at[jnp.arange(T), targets_T].set(True)
+  others = vocab - jnp.sum(known, axis=-1)
+  spread = tail - jnp.log(jnp.maximum(others, 1).astype(jnp.float32))
+  return jnp.maximum(jnp.where(known, dense, spread[:, None]), DENSE_FLOOR)
 
 
 def target_logprobs(logp_TxV: jax.Array, targets_T: jax.Array) -> jax.Array:

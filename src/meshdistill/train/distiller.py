@@ -33,7 +33,9 @@ from meshdistill.models._build import abstract_params
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
 from meshdistill.train.optimizers import check_loss_scale, default_optimizer
-from meshdistill.train.step import BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TOPK_KEYS, TrainState, per_device_step
+from meshdistill.train.step import (
+    BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS, TrainState, per_device_step,
+)
 from meshdistill.strategies import LogitKD, label
 from meshdistill.teachers.cache import TopKTeacher
 
@@ -102,18 +104,18 @@ class Distiller:
     # brings the teacher's top-k (`TOPK_KEYS`) and the step runs no teacher.
     self.topk_teacher = teacher if isinstance(teacher, TopKTeacher) else None
     self.shared_vocab = None
-    if self.topk_teacher is not None:
+    self.cross_tokenizer = teacher is not None and getattr(strategy, "cross_tokenizer", False)
+    # A teacher of another tokenizer (live, or a cross-tokenizer cache whose top-k is over the teacher's own
+    # vocabulary, spread there by the step) shares no vocabulary with the student.
+    if self.topk_teacher is not None and not self.cross_tokenizer:
+      if teacher.cross:  # a cross-tokenizer cache with a strategy of one vocabulary: that is the error to name
+        teacher.check_strategy(strategy if strategy is not None else LogitKD())
       if teacher.vocab > student.cfg.vocab_size:
         raise ValueError(f"{teacher.source} has token ids up to {teacher.vocab} but the student's vocab_size is "
                          f"{student.cfg.vocab_size}; use a student of the teacher's tokenizer")
       self.shared_vocab = resolve_shared_vocab(teacher.vocab, student.cfg.vocab_size, shared_vocab)
-    elif teacher is not None and not getattr(strategy, "cross_tokenizer", False):
+    elif self.topk_teacher is None and teacher is not None and not self.cross_tokenizer:
       self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
-    self.cross_tokenizer = teacher is not None and getattr(strategy, "cross_tokenizer", False)
-    if self.cross_tokenizer and self.topk_teacher is not None:
-      raise ValueError(f"strategy {type(strategy).__name__} runs a teacher of another tokenizer on its own tokens; "
-                       f"{teacher.source} gives a top-k per student token (a cross-tokenizer cache is not built yet): "
-                       "use a live teacher")
     self.layout = make_layout(backend, mesh, fsdp, student_split)
     # pads a vocabulary / replicates key/value heads where the mesh's `tensor` needs it
     student = self.layout.fit_model(student)
@@ -181,6 +183,8 @@ class Distiller:
   def _teacher_names(self) -> dict:
     """The step's keywords for several teachers combined into one top-k (their per-teacher metrics)."""
     names = () if self.topk_teacher is None else self.topk_teacher.names
+    if self.topk_teacher is not None and self.cross_tokenizer:  # a cross-tokenizer cache, spread over its vocabulary
+      return {"topk_vocab": self.topk_teacher.vocab, "teacher_temperature": self.topk_teacher.temperature}
     return {"teacher_names": names, "teacher_temperature": self.topk_teacher.temperature} if names else {}
 
   # ---------------------------------------------------------------------- steps
@@ -201,8 +205,12 @@ class Distiller:
     self._check_cross_batch(batch, B)
     if self.topk_teacher is not None:
       k = self.topk_teacher.k
-      want = {TOPK_KEYS[0]: (B, T, k), TOPK_KEYS[1]: (B, T, k), TOPK_KEYS[2]: (B, T)}
-      got = {key: tuple(np.shape(batch[key])) if key in batch else None for key in TOPK_KEYS}
+      if self.cross_tokenizer:  # a cross-tokenizer cache: per teacher token, with the target's log-probability
+        Tt = np.shape(batch["teacher_inputs"])[1]
+        want = {TOPK_KEYS[0]: (B, Tt, k), TOPK_KEYS[1]: (B, Tt, k), TOPK_KEYS[2]: (B, Tt), TARGET_LOGPROB_KEY: (B, Tt)}
+      else:
+        want = {TOPK_KEYS[0]: (B, T, k), TOPK_KEYS[1]: (B, T, k), TOPK_KEYS[2]: (B, T)}
+      got = {key: tuple(np.shape(batch[key])) if key in batch else None for key in want}
       n = len(self.topk_teacher.names)
       if n:  # several teachers: each one's own top-k too
         want |= dict(zip(MULTI_KEYS, ((B, n, T, k), (B, n, T, k), (B, n, T), (B, n))))

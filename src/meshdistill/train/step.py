@@ -57,6 +57,9 @@ CROSS_KEYS = (
     "teacher_inputs", "teacher_targets", "teacher_mask",
     "student_span", "teacher_span", "student_last", "teacher_last", "span_bytes",
 )
+# A cross-tokenizer cache's top-k (`TOPK_KEYS` per TEACHER token, [B, Tt, K]) comes with the log-probability of each
+# teacher position's actual next token [B, Tt] (`meshdistill.losses.topk_logprobs`).
+TARGET_LOGPROB_KEY = "teacher_target_logprobs"
 
 
 class TrainState(NamedTuple):
@@ -94,6 +97,7 @@ def per_device_gradients(
     teacher_names: tuple[str, ...] = (),
     teacher_temperature: float = 1.0,
     loss_scale: float | None = None,
+    topk_vocab: int | None = None,
     **_,
 ):
   """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
@@ -118,6 +122,11 @@ def per_device_gradients(
   metrics then hold ``kl/<name>`` and ``agreement/<name>`` (token means over the rows each teacher serves, the
   student at ``teacher_temperature``) and ``tokens/<name>``; the loss reads only the combined top-k.
 
+  ``topk_vocab``: a top-k teacher of another tokenizer (a cross-tokenizer cache, read by a ``cross_tokenizer``
+  strategy): its vocabulary size; its top-k, spread over that vocabulary (`meshdistill.losses.topk_logprobs`), is
+  handed to the strategy as the `meshdistill.losses.Aligned` teacher's logits, at ``teacher_temperature`` (the
+  cache's: the strategy's own temperature then applies as to live logits).
+
   ``loss_scale``: static loss scaling (`scale_gradient`): the loss gradient multiplied by it, the loss value and
   every metric unchanged; pair it with ``meshdistill.train.optimizers.safeguarded(..., loss_scale=S)``, which divides
   the gradients by it first. ``None``: off.
@@ -138,7 +147,9 @@ def per_device_gradients(
   with_logits, with_head = strategy.needs_logits, strategy.needs_head
 
   teacher_out = teacher_head = teacher_cap = None
-  if TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
+  if TOPK_KEYS[0] in batch and getattr(strategy, "cross_tokenizer", False):  # a cross-tokenizer cache
+    teacher_out = _aligned_topk(batch, topk_vocab, teacher_temperature)
+  elif TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
     teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
   elif teacher_def is not None and getattr(strategy, "cross_tokenizer", False):  # a teacher of another tokenizer
     teacher_out = _aligned_teacher(nnx.merge(teacher_def, teacher_params), batch, student_axis)
@@ -174,6 +185,22 @@ def _aligned_teacher(teacher, batch: dict[str, jax.Array], student_axis: str | N
   inputs_BxT = batch["teacher_inputs"] if student_axis is None else _rows_whole(batch["teacher_inputs"])
   logits = jax.lax.stop_gradient(teacher(inputs_BxT).logits)
   return losses.Aligned(logits, *(batch[k] for k in (
+      "teacher_targets", "teacher_span", "student_span", "teacher_last", "student_last", "span_bytes")))
+
+
+def _aligned_topk(batch: dict[str, jax.Array], vocab: int | None, temperature: float) -> losses.Aligned:
+  """A cached teacher of another tokenizer (`TOPK_KEYS` and `TARGET_LOGPROB_KEY` per teacher token) with the row
+  alignment of `CROSS_KEYS`: its top-k spread over its vocabulary as logits (log-probabilities times the cache's
+  temperature: equal to the live teacher's logits up to a constant per position when the top-k is the whole
+  vocabulary)."""
+  if vocab is None:
+    raise ValueError("a top-k teacher of another tokenizer needs its vocabulary size (the step's topk_vocab)")
+  topk = [jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS]
+  own = batch.get(TARGET_LOGPROB_KEY)
+  targets = batch["teacher_targets"] if own is not None else None
+  spread = lambda i, lp, tail, tgt, tgt_lp: losses.topk_logprobs(i, lp, tail, vocab, tgt, tgt_lp)  # noqa: E731
+  dense = jax.vmap(spread)(*topk, targets, own)
+  return losses.Aligned(jax.lax.stop_gradient(dense * temperature), *(batch[k] for k in (
       "teacher_targets", "teacher_span", "student_span", "teacher_last", "student_last", "span_bytes")))
 
 

@@ -33,14 +33,23 @@ alone on its own rows of the mesh (`process_mesh`; the teacher's parameters ther
 `on_process_mesh`), with the same per-device program and rows per device as one process on the
 whole mesh, so the shards -- and the manifest's content hash -- are those of a one-process cache.
 
+A cross-tokenizer cache (``cache-teacher`` with ``data.teacher_tokenizer``; format 2, manifest ``cross: true``,
+``teacher_tokenizer``: its setting, fingerprint and vocabulary size) cuts its rows on the teacher's tokens alone
+(`meshdistill.data._teacher_rows`) and stores per TEACHER token the top-k, the tail and the actual next token's
+log-probability, plus each row's teacher tokens and byte end offsets (``tokens`` ``[rows, 1 + T]``, ``ends``
+``[rows, T]`` int32, ``target_logprobs`` ``[rows, T]``), so students of any tokenizer read it (`_cross`). Every
+manifest written now is format 2 and names the teacher tokenizer; format 1 caches (one tokenizer) still load.
+
 Modules: `_program` (the teacher as top-k: `TopKTeacher`, `TeacherTopK`), `_format` (the storage
 format: bit-packed ids, shard and JSON files, settings checks, the `TeacherCache` reader and
-`CachedTeacherData`), `_write` (identity hashes and `write_cache`).
+`CachedTeacherData`), `_write` (identity hashes and `write_cache`), `_cross` (a cross-tokenizer cache's rows rebuilt
+for a student tokenizer: `CachedCrossData`, its checks).
 """
 
 from meshdistill.teachers.cache._format import (
     FORMAT_VERSION,
     MANIFEST,
+    READABLE_FORMATS,
     PRECISIONS,
     CacheError,
     CachedTeacherData,
@@ -51,13 +60,35 @@ from meshdistill.teachers.cache._format import (
     unpack_ids,
 )
 from meshdistill.teachers.cache._program import TeacherTopK, TopKTeacher, on_process_mesh, process_mesh
-from meshdistill.teachers.cache._write import data_identity, teacher_identity, weights_hash, write_cache
+from meshdistill.teachers.cache._write import (
+    data_identity,
+    teacher_identity,
+    teacher_rows_identity,
+    weights_hash,
+    write_cache,
+)
+from meshdistill.teachers.cache._cross import (
+    CachedCrossData,
+    check_cross,
+    check_not_cross,
+    open_cross,
+    teacher_rows_of,
+    tokenizer_identity,
+)
 
 __all__ = [
     "CacheError",
+    "CachedCrossData",
     "CachedTeacherData",
     "FORMAT_VERSION",
     "MANIFEST",
+    "READABLE_FORMATS",
+    "check_cross",
+    "check_not_cross",
+    "open_cross",
+    "teacher_rows_identity",
+    "teacher_rows_of",
+    "tokenizer_identity",
     "PRECISIONS",
     "TeacherCache",
     "TeacherTopK",

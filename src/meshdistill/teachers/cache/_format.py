@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 
 from meshdistill import losses
-from meshdistill.train.step import TOPK_KEYS
+from meshdistill.train.step import TARGET_LOGPROB_KEY, TOPK_KEYS
 from meshdistill.teachers.cache._program import TopKTeacher
 from meshdistill.models import ModelConfig
 from meshdistill.storage.fsutil import current_umask, write_text_atomic
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest names the teacher tokenizer; a cross-tokenizer cache's rows (``cross``)
+READABLE_FORMATS = (1, 2)  # 1: a cache of one tokenizer's rows, written before the teacher tokenizer was named
 PRECISIONS = {"float16": np.float16, "float32": np.float32}
 MANIFEST = "manifest.json"
 
@@ -54,16 +55,28 @@ def unpack_ids(packed_NxB: np.ndarray, bits: int, m: int) -> np.ndarray:
   return np.packbits(full, axis=-1).view(">u4").reshape(n, m).astype(np.int32)
 
 
-def encode_rows(topk: losses.TopK, bits: int, precision: str) -> dict[str, np.ndarray]:
-  """Host arrays of one shard: packed ids, log-probs and tail in ``precision``."""
+def encode_rows(topk: losses.TopK, bits: int, precision: str,
+                teacher_rows: dict | None = None) -> dict[str, np.ndarray]:
+  """Host arrays of one shard: packed ids, log-probs and tail in ``precision``; with ``teacher_rows`` (a
+  cross-tokenizer cache) also `CROSS_ARRAYS`: the rows' teacher tokens and byte end offsets (int32) and each
+  position's target log-probability (``precision``)."""
   ids_NxTxK = np.asarray(topk.indices)
   n, t, k = ids_NxTxK.shape
   dtype = PRECISIONS[precision]
-  return {
+  out = {
       "ids": pack_ids(ids_NxTxK.reshape(n, t * k), bits),
       "logprobs": np.asarray(topk.logprobs, np.float32).astype(dtype),
       "tail": np.asarray(topk.tail, np.float32).astype(dtype),
   }
+  if teacher_rows is not None:
+    out |= {"tokens": np.asarray(teacher_rows["teacher_tokens"], np.int32),
+            "ends": np.asarray(teacher_rows["teacher_ends"], np.int32),
+            "target_logprobs": np.asarray(teacher_rows[TARGET_LOGPROB_KEY], np.float32).astype(dtype)}
+  return out
+
+
+# A cross-tokenizer shard's arrays beside the top-k, and the batch keys they are read into.
+CROSS_ARRAYS = {"tokens": "teacher_tokens", "ends": "teacher_ends", "target_logprobs": TARGET_LOGPROB_KEY}
 
 
 # --------------------------------------------------------------------------- files
@@ -140,9 +153,9 @@ def _read_manifest(path: str, given: str) -> dict | None:
   if not isinstance(manifest, dict):
     raise CacheError(f"teacher.cache={given!r}: {file} holds a {type(manifest).__name__}, not the JSON object of a "
                      f"teacher cache manifest; {_REBUILD}")
-  if manifest.get("format") != FORMAT_VERSION:
+  if manifest.get("format") not in READABLE_FORMATS:
     raise CacheError(f"teacher.cache={given!r} has format {manifest.get('format')!r}; this version reads "
-                     f"{FORMAT_VERSION}: rewrite it with `meshdistill cache-teacher`")
+                     f"{list(READABLE_FORMATS)}: rewrite it with `meshdistill cache-teacher`")
   for key, kind in _MANIFEST_KEYS.items():
     if not isinstance(manifest.get(key), kind):
       what = "has no" if key not in manifest else f"has a {type(manifest[key]).__name__} as its"
@@ -190,6 +203,9 @@ class TeacherCache:
         raise CacheError(f"teacher cache shard {file} {what}; rerun `meshdistill cache-teacher` into a fresh "
                          "directory (or restore the file)")
     self.k, self.seq_len, self.num_rows = manifest["k"], manifest["seq_len"], manifest["rows"]
+    # a cross-tokenizer cache: rows cut on the teacher's tokens, with their tokens and byte offsets (format 2)
+    self.cross = bool(manifest.get("cross", False))
+    self.teacher_tokenizer = manifest.get("teacher_tokenizer")  # {"setting", "fingerprint", "vocab_size"}; v1: None
     self._handles: dict[int, Any] = {}
     self._verified: set[int] = set()  # shards whose SHA-256 matched
     if verify:
@@ -210,7 +226,7 @@ class TeacherCache:
     """The teacher as a `TopKTeacher` (for `meshdistill.Distiller`)."""
     m = self.manifest
     return TopKTeacher(cfg=ModelConfig(**m["teacher"]["config"]), k=m["k"], temperature=m["temperature"],
-                       vocab=m["vocab"], source=f"teacher cache {self.path}")
+                       vocab=m["vocab"], source=f"teacher cache {self.path}", cross=self.cross)
 
   def check(self, *, data: dict | None = None, teacher: dict | None = None, vocab: int | None = None) -> None:
     """Raises `CacheError` naming the setting when the cache was made for other data, teacher or vocabulary.
@@ -243,19 +259,26 @@ class TeacherCache:
 
   def rows(self, row_ids: np.ndarray) -> dict[str, np.ndarray]:
     """The teacher top-k of packed rows ``row_ids`` [N]: `TOPK_KEYS` -> ids / log-probs ``[N, T, K]``
-    (int32 / float32) and tail ``[N, T]`` float32."""
+    (int32 / float32) and tail ``[N, T]`` float32; a cross-tokenizer cache adds ``teacher_tokens`` [N, 1 + T],
+    ``teacher_ends`` [N, T] (int32) and ``teacher_target_logprobs`` [N, T] float32 (`CROSS_ARRAYS`)."""
     row_ids = np.asarray(row_ids, np.int64).reshape(-1)
     if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= self.num_rows):
       raise CacheError(f"rows {row_ids.min()}..{row_ids.max()} asked of teacher cache {self.path}, which holds "
                        f"{self.num_rows} rows; the data is not the data the cache was made from")
     r, t, k, bits = self.manifest["rows_per_shard"], self.seq_len, self.k, self.manifest["id_bits"]
     ids, logprobs, tail = [], [], []
+    extra = {key: [] for key in (CROSS_ARRAYS if self.cross else ())}
     for row in row_ids:
       f, j = self._shard(int(row) // r), int(row) % r
       ids.append(unpack_ids(f.get_slice("ids")[j:j + 1], bits, t * k).reshape(t, k))
       logprobs.append(f.get_slice("logprobs")[j:j + 1][0].astype(np.float32))
       tail.append(f.get_slice("tail")[j:j + 1][0].astype(np.float32))
-    return dict(zip(TOPK_KEYS, (np.stack(ids), np.stack(logprobs), np.stack(tail))))
+      for name, got in extra.items():
+        got.append(f.get_slice(name)[j:j + 1][0])
+    out = dict(zip(TOPK_KEYS, (np.stack(ids), np.stack(logprobs), np.stack(tail))))
+    for name, got in extra.items():  # a cross-tokenizer cache: the rows' teacher tokens, offsets, target log-probs
+      out[CROSS_ARRAYS[name]] = np.stack(got).astype(np.float32 if name == "target_logprobs" else np.int32)
+    return out
 
   def bytes_per_token(self) -> float:
     """Bytes of shard files per cached token (headers included)."""

@@ -33,6 +33,8 @@ class TopKTeacher:
     source: where it comes from (a cache directory, a sub-mesh), for messages.
     names: several teachers combined into this top-k (`meshdistill.teachers.multi`), in the order their own
       top-k come in every batch (`meshdistill.train.step.MULTI_KEYS`); () for one teacher.
+    cross: the top-k is per TEACHER token of the teacher's own tokenizer (a cross-tokenizer cache): only a
+      ``cross_tokenizer`` strategy reads it (over the teacher's whole vocabulary, `meshdistill.losses.topk_logprobs`).
   """
 
   cfg: Any
@@ -41,6 +43,7 @@ class TopKTeacher:
   vocab: int
   source: str = "top-k teacher"
   names: tuple[str, ...] = ()
+  cross: bool = False
 
   def check_strategy(self, strategy: Any) -> None:
     """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone: it declares
@@ -48,6 +51,17 @@ class TopKTeacher:
     teacher's temperature; messages name it by its ``label``. A strategy with a ``check_topk_teacher(teacher)``
     method (`SampledTokenKD`: it needs only the sampled token's log-probability) checks this teacher itself."""
     name = label(strategy)
+    aligns = getattr(strategy, "cross_tokenizer", False)
+    if aligns and not self.cross:
+      raise ValueError(f"{self.source} holds the teacher's top-{self.k} per token of the student's own tokenizer, but "
+                       f"strategy {name} distils a teacher of another tokenizer; write the cache with "
+                       "data.teacher_tokenizer set (`meshdistill cache-teacher`), or use distill.kind=logit_kd")
+    if self.cross and not aligns:
+      raise ValueError(f"{self.source} holds the top-{self.k} of a teacher of another tokenizer, per teacher token, "
+                       f"but strategy {name} compares the models token by token over one vocabulary; use "
+                       "distill.kind: byte_kl, span_kl or uld")
+    if aligns:  # reads the top-k spread over the teacher's vocabulary, at any temperature and top_k of its own
+      return
     if strategy.accepts_topk and hasattr(strategy, "check_topk_teacher"):
       strategy.check_topk_teacher(self)
       return
@@ -83,16 +97,31 @@ def _topk_rows(teacher_params, inputs_BxT, *, teacher_def, k, temperature, vocab
   return jax.vmap(one)(logits_BxTxV)
 
 
+def _topk_rows_targets(teacher_params, inputs_BxT, targets_BxT, *, teacher_def, k, temperature, vocab):
+  """Per-device: `_topk_rows` and the log-probability of each position's target ``[B, T]`` (at ``temperature``)."""
+  teacher = nnx.merge(teacher_def, teacher_params)
+  logits_BxTxV = jax.lax.stop_gradient(teacher(inputs_BxT).logits)[..., :vocab]
+
+  def one(logits_TxV, targets_T):
+    ids_TxK, logprobs_TxK = losses.teacher_topk(logits_TxV, k, temperature)
+    own_T = losses.target_logprobs(losses.log_softmax(logits_TxV, temperature), targets_T)
+    return losses.TopK(ids_TxK, logprobs_TxK, losses.topk_tail(logits_TxV, ids_TxK, temperature)), own_T
+
+  return jax.vmap(one)(logits_BxTxV, targets_BxT)
+
+
 @functools.lru_cache(maxsize=64)
-def _program(graphdef, k, temperature, vocab, mesh, spec_leaves, spec_tree):
-  """The jitted top-k program of a teacher of ``graphdef`` on ``mesh``: one per architecture and settings, so
-  several teachers of one shape (`meshdistill.teachers.multi`) compile it once."""
-  fn = functools.partial(_topk_rows, teacher_def=graphdef, k=k, temperature=temperature, vocab=vocab)
+def _program(rows_fn, graphdef, k, temperature, vocab, mesh, spec_leaves, spec_tree):
+  """The jitted program ``rows_fn`` (`_topk_rows` or `_topk_rows_targets`) of a teacher of ``graphdef`` on ``mesh``:
+  one per architecture and settings, so several teachers of one shape (`meshdistill.teachers.multi`) compile it
+  once."""
+  fn = functools.partial(rows_fn, teacher_def=graphdef, k=k, temperature=temperature, vocab=vocab)
   if mesh is None:
     return jax.jit(fn)
   specs = jax.tree_util.tree_unflatten(spec_tree, spec_leaves)
-  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P(DATA)), out_specs=P(DATA), axis_names={DATA},
-                               check_vma=False))
+  n_rows = 2 if rows_fn is _topk_rows_targets else 1
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, *(P(DATA),) * n_rows), out_specs=P(DATA),
+                               axis_names={DATA}, check_vma=False))
 
 
 class TeacherTopK:
@@ -115,17 +144,25 @@ class TeacherTopK:
     else:
       teacher.cfg.check_tensor_split(mesh.shape["tensor"])
       self.params = jax.device_put(params, param_shardings(nnx.get_partition_spec(params), mesh))
-    specs = None if mesh is None else jax.tree_util.tree_flatten(data_specs(self.params))
-    self._fn = _program(graphdef, k, self.temperature, vocab, mesh, None if specs is None else tuple(specs[0]),
-                        None if specs is None else specs[1])
+    specs = (None, None) if mesh is None else jax.tree_util.tree_flatten(data_specs(self.params))
+    settings = (graphdef, k, self.temperature, vocab, mesh, None if mesh is None else tuple(specs[0]), specs[1])
+    self._fn = _program(_topk_rows, *settings)
+    self._with_targets = _program(_topk_rows_targets, *settings)
+
+  def _place(self, rows_BxT):
+    if self.mesh is None:
+      return jax.device_put(rows_BxT, jax.devices()[0])
+    if not isinstance(rows_BxT, jax.Array) or rows_BxT.sharding.mesh != self.mesh:
+      return host_to_global(np.asarray(rows_BxT), self.mesh)
+    return rows_BxT
+
+  def with_targets(self, inputs_BxT, targets_BxT) -> tuple[losses.TopK, jax.Array]:
+    """``(TopK, log-probability of each target [B, T])``: what a cross-tokenizer cache stores per teacher token."""
+    return self._with_targets(self.params, self._place(inputs_BxT), self._place(targets_BxT))
 
   def __call__(self, inputs_BxT) -> losses.TopK:
     """The teacher's top-k of host or device rows ``[B, T]`` (B a multiple of the mesh's ``data``)."""
-    if self.mesh is None:
-      inputs_BxT = jax.device_put(inputs_BxT, jax.devices()[0])
-    elif not isinstance(inputs_BxT, jax.Array) or inputs_BxT.sharding.mesh != self.mesh:
-      inputs_BxT = host_to_global(np.asarray(inputs_BxT), self.mesh)
-    return self._fn(self.params, inputs_BxT)
+    return self._fn(self.params, self._place(inputs_BxT))
 
   def spec(self, source: str) -> TopKTeacher:
     return TopKTeacher(cfg=self.cfg, k=self.k, temperature=self.temperature, vocab=self.vocab, source=source)

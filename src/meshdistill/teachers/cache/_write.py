@@ -32,6 +32,7 @@ from meshdistill.teachers.cache._format import (
     id_bits,
 )
 from meshdistill.teachers.cache._program import TeacherTopK
+from meshdistill.train.step import TARGET_LOGPROB_KEY
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,21 @@ def data_identity(packed, tokenizer, sources: Any = None) -> dict:
   }
 
 
+def teacher_rows_identity(rows, tokenizer, sources: Any = None) -> dict:
+  """What names a cross-tokenizer cache's rows (`meshdistill.data._teacher_rows.TeacherRows`): the teacher stream's
+  tokens and the row bounds hashed, ``seq_len``, row count, the teacher tokenizer's fingerprint, sources."""
+  h = hashlib.sha256(np.ascontiguousarray(rows.stream.tokens).tobytes())
+  h.update(np.ascontiguousarray(rows.bounds).tobytes())
+  h.update(f"{rows.seq_len}:{rows.pad_id}".encode())
+  return {
+      "tokens_sha256": h.hexdigest(),
+      "seq_len": int(rows.seq_len),
+      "rows": len(rows),
+      "tokenizer": tokenizer.fingerprint,
+      "sources": None if sources is None else list(sources) if isinstance(sources, (list, tuple)) else [sources],
+  }
+
+
 # --------------------------------------------------------------------------- writing
 def write_cache(
     teacher_topk: TeacherTopK,
@@ -87,7 +103,10 @@ def write_cache(
     packed: the training rows (`meshdistill.data.PackedSequences`).
     out: the cache directory (created).
     identity: ``{"teacher": ..., "data": ...}`` naming the teacher (`weights_hash`, config) and the
-      data (`data_identity`); stored in the manifest, and a rerun must match it.
+      data (`data_identity`); stored in the manifest, and a rerun must match it. A cross-tokenizer cache adds
+      ``"cross": True`` and ``"teacher_tokenizer"`` (`meshdistill.teachers.cache.tokenizer_identity`); ``packed`` is
+      then `meshdistill.data._teacher_rows.TeacherRows` (rows of teacher tokens, `teacher_rows_identity`) and every
+      shard also holds the rows' teacher tokens, byte offsets and target log-probabilities.
     precision: ``float16`` (compact) or ``float32`` (exact log-probabilities).
     rows_per_shard: rows per shard file; batch_size: rows per teacher call (a multiple of ``data``).
     process_index, process_count: this writer's shards (``i % process_count == process_index``); each writer
@@ -154,7 +173,8 @@ def write_cache(
       log.info("teacher cache: stopping after %d shards (as asked)", written)
       return {}
     lo, hi = i * rows_per_shard, min((i + 1) * rows_per_shard, n)
-    arrays = encode_rows(_teacher_rows(teacher_topk, packed, lo, hi, batch_size), bits, precision)
+    topk, extra = _teacher_rows(teacher_topk, packed, lo, hi, batch_size, bool(settings.get("cross")))
+    arrays = encode_rows(topk, bits, precision, extra)
     _save_shard(path, arrays)
     progress["shards"][name] = {"rows": [lo, hi], "bytes": os.path.getsize(path), "sha256": _file_sha256(path)}
     _write_json(progress_path, progress)
@@ -202,13 +222,23 @@ def _write_manifest(out: str, settings: dict, n_shards: int) -> None:
     os.remove(path)
 
 
-def _teacher_rows(teacher_topk: TeacherTopK, packed, lo: int, hi: int, batch_size: int) -> losses.TopK:
-  """The teacher's top-k of rows ``[lo, hi)``, host arrays; the last batch is filled with repeated rows."""
-  parts = []
+def _teacher_rows(teacher_topk: TeacherTopK, packed, lo: int, hi: int, batch_size: int,
+                  cross: bool = False) -> tuple[losses.TopK, dict | None]:
+  """The teacher's top-k of rows ``[lo, hi)``, host arrays; the last batch is filled with repeated rows. ``cross``:
+  also the rows' teacher tokens, byte offsets and target log-probabilities (else None)."""
+  parts, extra = [], []
   for a in range(lo, hi, batch_size):
     idx = np.arange(a, a + batch_size)
     idx = np.minimum(idx, hi - 1)
-    out = teacher_topk(packed.rows(idx)["inputs"])
-    parts.append(jax.tree.map(lambda x, m=min(batch_size, hi - a): np.asarray(jax.device_get(x))[:m], out))
-  return losses.TopK(*(np.concatenate(xs) for xs in zip(*parts)))
+    rows, m = packed.rows(idx), min(batch_size, hi - a)
+    host = lambda x, m=m: np.asarray(jax.device_get(x))[:m]  # noqa: E731
+    if cross:
+      out, own = teacher_topk.with_targets(rows["inputs"], rows["targets"])
+      extra.append({"teacher_tokens": rows["teacher_tokens"][:m], "teacher_ends": rows["teacher_ends"][:m],
+                    TARGET_LOGPROB_KEY: host(own)})
+    else:
+      out = teacher_topk(rows["inputs"])
+    parts.append(jax.tree.map(host, out))
+  topk = losses.TopK(*(np.concatenate(xs) for xs in zip(*parts)))
+  return topk, ({k: np.concatenate([e[k] for e in extra]) for k in extra[0]} if cross else None)
 

@@ -1,6 +1,8 @@
 """``teacher.source: cache``: an offline top-k cache (``teacher.cache``, written by ``meshdistill cache-teacher``):
 no teacher weights are loaded; every training batch carries the teacher's top-k. The cache is checked against the
-run's data, tokenizer, teacher config and student vocabulary; its identity is its directory. With ``teacher.hf``
+run's data, tokenizer, teacher config and student vocabulary; its identity is its directory. With
+``data.teacher_tokenizer`` the cache must be a cross-tokenizer one of that teacher tokenizer: its rows are
+re-tokenized for the student and aligned on the fly (`meshdistill.teachers.cache.CachedCrossData`). With ``teacher.hf``
 the teacher's shape and tokenizer are those of the Hugging Face teacher that wrote it (its weights are not read)."""
 
 from __future__ import annotations
@@ -56,9 +58,18 @@ class Cached(TeacherSource):
         f"teacher.cache={cache.path} was made by another teacher (teacher.{diff[0]}: cache "
         f"{saved_cfg.get(diff[0])!r}, this config {teacher_cfg.get(diff[0])!r}); use the config that wrote the cache"
       )
+    what = f"({cache.manifest['precision']}, {cache.bytes_per_token():.1f} bytes/token); no teacher weights loaded"
+    if getattr(data, "teacher_tokenizer", None) is not None:  # a student of another tokenizer: aligned on the fly
+      setting = cfg.data.teacher_tokenizer
+      tc.check_cross(cache, data.teacher_tokenizer, setting)
+      rows = tc.teacher_rows_of(data, cache.seq_len)
+      got = tc.open_cross(data, cache, setting, tc.teacher_rows_identity(rows, data.teacher_tokenizer))
+      services.report(f"teacher: top-{cache.k} cross-tokenizer cache {cache.path} of teacher tokenizer {setting!r}, "
+                      f"{cache.num_rows} rows of {cache.seq_len} teacher tokens re-tokenized for the student {what}")
+      return Prepared(got, cache.spec(), cache.path)
+    tc.check_not_cross(cache)
     cache.check(data=tc.data_identity(data.train, data.tokenizer), vocab=cfg.student.vocab_size)
-    services.report(f"teacher: top-{cache.k} cache {cache.path} ({cache.manifest['precision']}, "
-                    f"{cache.bytes_per_token():.1f} bytes/token); no teacher weights loaded")
+    services.report(f"teacher: top-{cache.k} cache {cache.path} {what}")
     return Prepared(tc.CachedTeacherData(data, cache), cache.spec(), cache.path)
 
   def saved_model(self, identity, mesh, tokenizer):
