@@ -102,7 +102,15 @@ FAMILY_ROWS = [(12, "python benchmarks/plan.py --rows 12 --scan-layers"),
 GEMMA3_NOTE = ("Gemma 3 (gemma-3-12b -> gemma-3-1b) is scanned in groups: its five local (sliding-window 1024 / 512, "
                "RoPE base 10k) and one global layer (RoPE base 1M) repeat, so `scan_layers` runs one loop body of 6 "
                "blocks, 8 times for the 12B teacher's 48 layers and 4 times for the 1B student's 26, whose last 2 "
-               "layers run after the loop (`ModelConfig.scan_period`, `docs/models.md`).")
+               "layers run after the loop (`ModelConfig.scan_period`, `docs/models.md`): the compiled step holds 6 "
+               "teacher and 8 student blocks instead of 48 + 26. Its loops as the planner counted them (v5e-16): the "
+               "teacher's 8 trips of 11.9 TFLOP per chip, the student's 4 forward and 4 backward trips, the loss's 32 "
+               "chunks. On v5e-16 mesh `auto` is 2x8, where the teacher's float32 weights take 5.48 GiB per chip (its "
+               "262k x 3840 embedding split 8 ways) and the step's temporaries 8.37 GiB: 1.00 GiB over the 90% limit; "
+               "a teacher stored in bfloat16 (`--set teacher.param_dtype=bfloat16`) halves its 5.48 GiB (that plan was "
+               "not compiled in the time available). On v5p-64 mesh `auto` is 16x2 and the pair fits with 41.31 GiB "
+               "per chip of 95.00 (teacher 21.92, temporaries 13.72). Compile times on the shared 2-core machine, "
+               "under a load average of 6-18 from other jobs: 1678 s (v5e-16) and 839 s (v5p-64).")
 
 
 def _colls(r) -> str:
