@@ -140,17 +140,32 @@ def test_export_round_trip_keeps_family_options_and_logits(name, loaded, tmp_pat
   np.testing.assert_allclose(np.asarray(back(tokens).logits), np.asarray(model(tokens).logits), atol=1e-5, rtol=0)
 
 
-def test_layer_subset_keeps_layer_types_and_mixed_layers_refuse_scanning(loaded):
+def test_layer_subset_keeps_layer_types_and_scan_groups(loaded):
   cfg = loaded["hf_gemma3"].cfg
   sub = cfg.with_layers([1, 2])
   assert sub.layer_types == ("sliding_attention", "full_attention") and sub.layer_attention(1) == (None, 1e6,
                                                                                                   cfg.rope_scaling)
   assert sub.layer_attention(0) == (4, 10_000.0, None)
-  with pytest.raises(ValueError, match="scan_layers=True runs one block body .* use scan_layers=false"):
-    cfg.replace(scan_layers=True)
+  # scanned in groups of layers that repeat: local, local, global | local; local, global; every Mistral layer alike
+  assert (cfg.scan_period, sub.scan_period, loaded["hf_gemma2"].cfg.scan_period) == (3, 2, 2)
+  assert loaded["hf_mistral"].cfg.scan_period == 1
   with pytest.raises(ValueError, match=r"family 'llama' cannot write \['sliding_window'\].*families that can: "
                      r"\['mistral'\]"):
     export_hf(md.init_model(md.ModelConfig(sliding_window=8)), "unused", family="llama")
+
+
+def test_scanned_gemma3_fixture_equals_transformers_and_exports_as_unscanned(loaded, tmp_path):
+  """The fixture's local, local, global, local layers scanned as one group of 3 and one layer after the loop."""
+  from safetensors.numpy import load_file
+
+  scanned = load_hf(FIXTURES / "hf_gemma3", scan_layers=True)
+  assert scanned.cfg.scan_layers and scanned.blocks.attn.q.kernel.shape[0] == 4
+  tokens, want = _reference("hf_gemma3")
+  np.testing.assert_allclose(np.asarray(scanned(tokens).logits), want, atol=1e-4, rtol=0)
+  a, b = export_hf(scanned, tmp_path / "scanned"), export_hf(loaded["hf_gemma3"], tmp_path / "unscanned")
+  assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
+  got, exp = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+  assert got.keys() == exp.keys() and all(np.array_equal(got[k], exp[k]) for k in exp)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])

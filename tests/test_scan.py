@@ -25,6 +25,12 @@ from test_hf import FIXTURES
 
 TEACHER = TEACHER_CFG.replace(n_layers=3)
 STUDENT = STUDENT_CFG.replace(n_layers=2)
+# A tiny Gemma 3: local (sliding, own RoPE base) and global layers alternating (the real one: 5 local, 1 global;
+# tests/test_family_blocks.py scans the 4-layer fixture, local, local, global, local), 5 layers = 2 groups of 2 + 1
+GROUPED = TEACHER_CFG.replace(
+    n_layers=5, sliding_window=3, layer_types=("sliding_attention", "full_attention") * 2 + ("sliding_attention",),
+    rope_theta=1e6, rope_local_theta=1e4, qk_norm=True, post_norms=True, norm_offset=True, geglu=True,
+    embed_scale=True, query_scale=0.3)
 
 
 def _strategy():
@@ -56,12 +62,9 @@ def test_stacked_weights_have_an_unsplit_layer_axis_and_convert_back_exactly():
   assert direct.blocks.attn.q.kernel.get_value().sharding.spec == P(None, None, "tensor")
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_scanned_forward_captures_and_grads_equal_unrolled(remat):
-  cfg = TEACHER.replace(remat=remat)
-  unrolled = md.init_model(cfg, seed=3)
-  scanned = to_scanned(unrolled)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8)))
+def _captured_value_and_grad(cfg, tokens):
+  """``value_and_grad(model) -> ((loss, ModelOutput), grads)`` of a loss on the logits, attention maps and hidden
+  states of ``tokens``, so every layer's captures reach the gradient."""
 
   def value_and_grad(model):
     graphdef, state = nnx.split(model)
@@ -74,6 +77,16 @@ def test_scanned_forward_captures_and_grads_equal_unrolled(remat):
 
     return jax.jit(jax.value_and_grad(f, has_aux=True))(state)
 
+  return value_and_grad
+
+
+def test_scanned_forward_captures_and_grads_equal_unrolled():
+  """remat none here; remat full: the grouped test below and the distiller steps (captures through scanned remat)."""
+  cfg = TEACHER
+  unrolled = md.init_model(cfg, seed=3)
+  scanned = to_scanned(unrolled)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8)))
+  value_and_grad = _captured_value_and_grad(cfg, tokens)
   (l0, out0), g0 = value_and_grad(unrolled)
   (l1, out1), g1 = value_and_grad(scanned)
   assert float(l1) == pytest.approx(float(l0), rel=1e-5)
@@ -81,6 +94,35 @@ def test_scanned_forward_captures_and_grads_equal_unrolled(remat):
   # float32 sums in another order: elements near zero in a gradient of scale ~100 differ by ~1e-7 of that scale
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b)))),
                unstack_layers(g1, cfg), g0)
+
+
+def test_layers_of_several_kinds_scan_in_groups_equal_unrolled_and_freeze_by_layer():
+  """Gemma 3's local / global layers scanned as groups of ``scan_period`` layers (the last layer after the loop):
+  logits, captures and gradients equal the unrolled model's; progressive freezing of the stacked weights moves the
+  same layers as per-layer blocks, the frozen ones not at all."""
+  cfg = GROUPED.replace(remat="full")
+  assert cfg.scan_period == 2 and cfg.replace(layer_types=None).scan_period == 1
+  assert cfg.with_layers([0, 2, 1, 4]).scan_period == 3  # a layer subset: sliding, sliding, global, sliding
+  unrolled = md.init_model(cfg, seed=3)
+  scanned = to_scanned(unrolled)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 10)))  # 10 > the window 3
+  value_and_grad = _captured_value_and_grad(cfg, tokens)
+  (l0, out0), g0 = value_and_grad(unrolled)
+  (l1, out1), g1 = value_and_grad(scanned)
+  assert len(out1.attn) == cfg.n_layers and float(l1) == pytest.approx(float(l0), rel=1e-5)
+  assert_trees_close((out1.logits, out1.hidden, out1.attn), (out0.logits, out0.hidden, out0.attn), atol=1e-5)
+  band = np.tril(np.triu(np.ones((10, 10)), -2))  # a sliding layer's query sees itself and the 2 tokens before
+  assert not np.any(np.asarray(out1.attn[4]) * (1 - band)) and np.any(np.asarray(out1.attn[3]) * (1 - band))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b)))),
+               unstack_layers(g1, cfg), g0)
+  tx = progressive_freeze([Stage(start_step=0, freeze=0.5, lr=1e-2)], cfg.n_layers, optax.sgd(1.0), clip=None)
+  params = {"student": nnx.state(scanned, nnx.Param)}
+  updates = jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])({"student": g1}, params)["student"]
+  moved = [i for i in range(cfg.n_layers) if np.any(np.asarray(updates.blocks.attn.q.kernel[i]))]
+  assert moved == list(range(cfg.n_layers - len(moved), cfg.n_layers)) and 0 < len(moved) < cfg.n_layers
+  for u, g in zip(jax.tree.leaves(updates.blocks), jax.tree.leaves(g1.blocks)):  # plain SGD on the layers that move
+    np.testing.assert_array_equal(np.asarray(u[: -len(moved)]), 0.0)
+    np.testing.assert_allclose(np.asarray(u[-len(moved):]), -1e-2 * np.asarray(g[-len(moved):]), rtol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [None, (2, 4)], ids=["1dev", "2x4"])
@@ -115,9 +157,12 @@ def test_hf_import_export_round_trip_with_scanned_blocks(tmp_path):
   assert _state_equal(again, unrolled)  # the written tensors are the per-layer checkpoint's
 
 
-def test_scanned_generation_equals_unrolled():
-  model = md.init_model(TEACHER, seed=0)
-  prompts = np.random.default_rng(1).integers(0, TEACHER.vocab_size, (2, 4)).astype(np.int32)
+@pytest.mark.parametrize("cfg", [TEACHER, GROUPED], ids=["one-kind", "groups"])
+def test_scanned_generation_equals_unrolled(cfg):
+  """Cached decoding over stacked blocks; with layers of several kinds (2 groups of 2 + 1, sliding window 3) past
+  the window, each layer's cache seen through its own window."""
+  model = md.init_model(cfg, seed=0)
+  prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 4)).astype(np.int32)
   mask = np.ones_like(prompts, bool)
   mask[0, 0] = False  # a left-padded row
   cfg = SamplingConfig(max_new_tokens=5, temperature=0.0)

@@ -90,9 +90,11 @@ class ModelConfig:
   ``scan_layers``: the blocks' weights are stacked along a leading layer axis (``blocks/attn/q/kernel``
   is ``[L, D, H*Hd]``, the layer axis never split) and the forward pass runs them under ``nnx.scan``,
   so the compiled program holds ONE block body however deep the model is (compile time stops growing
-  with ``n_layers``); ``remat`` applies per scanned block. Values, gradients and captures equal the
-  unrolled model's for the same weights; `meshdistill.models.stacking` converts between the two
-  layouts (``to_scanned`` / ``to_unrolled``, ``stack_layers`` / ``unstack_layers``).
+  with ``n_layers``); ``remat`` applies per scanned block. Layers that attend differently (``layer_types``: Gemma 2
+  / 3's local and global layers) keep the same stacked weights and are scanned in groups of `scan_period`
+  consecutive layers, one body of that many blocks, the ``n_layers % scan_period`` last layers after the loop.
+  Values, gradients and captures equal the unrolled model's for the same weights; `meshdistill.models.stacking`
+  converts between the two layouts (``to_scanned`` / ``to_unrolled``, ``stack_layers`` / ``unstack_layers``).
   """
 
   vocab_size: int = 256
@@ -188,9 +190,6 @@ class ModelConfig:
                        f"n_layers={self.n_layers} layers")
     if "sliding_attention" in types and w is None:
       raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window=None; set the window")
-    if self.scan_layers and len(set(types)) > 1:
-      raise ValueError(f"ModelConfig.scan_layers=True runs one block body for every layer, but layer_types mixes "
-                       f"{sorted(set(types))} (their windows and RoPE bases differ); use scan_layers=false")
 
   def layer_attention(self, layer: int) -> tuple[int | None, float, RopeScaling | None]:
     """``(window or None, RoPE base, RoPE scaling or None)`` of block ``layer``."""
@@ -201,6 +200,14 @@ class ModelConfig:
     if self.rope_local_theta is not None:
       return self.sliding_window, self.rope_local_theta, None
     return self.sliding_window, self.rope_theta, self.rope_scaling
+
+  @property
+  def scan_period(self) -> int:
+    """Layers per scanned group: the least ``p`` such that every layer attends as layer ``i % p`` does (its window,
+    RoPE base and scaling; `layer_attention`). 1 for a model whose layers all attend alike (Llama); 2 for Gemma 2's
+    alternating local / global layers; 6 for Gemma 3's five local then one global."""
+    kinds = [self.layer_attention(i) for i in range(self.n_layers)]
+    return next(p for p in range(1, self.n_layers + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
 
   def with_layers(self, layers) -> "ModelConfig":
     """This config for a model of the blocks ``layers`` (indices into this one's), their layer types kept."""

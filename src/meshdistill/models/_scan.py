@@ -8,6 +8,12 @@ and run under ``nnx.scan``, so XLA compiles one block body instead of ``n_layers
   and attention probabilities come out of the scan stacked and are returned as the unrolled model's tuples.
 * `scan_blocks_cached` is the decoding form: the key/value caches are stacked ``[L, ...]`` and scanned
   alongside the weights (`Decoder.decode_step`, which `meshdistill.models.generate` runs).
+* Layers that attend differently (``ModelConfig.scan_period`` ``P > 1``: Gemma 2's local / global pairs, Gemma
+  3's five local and one global) share the weights' structure, so they stay stacked ``[L, ...]`` as above; only
+  the run differs: the first ``G * P`` layers are viewed as ``[G, P, ...]`` (a reshape) and scanned ``G`` times
+  over a body of ``P`` blocks, block ``j`` of a group attending as layer ``j`` (``place(block, j)`` sets its
+  window and RoPE, static values); the ``R = L - G * P`` last layers run after the loop as one more group of
+  ``R``. The compiled program holds ``P + R`` blocks (Gemma 3 1B: 6 + 2, against 26 unrolled).
 
 Conversions between stacked and per-layer weights live in `meshdistill.models.stacking`.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from meshdistill.models._attention import KVCache
@@ -46,12 +53,16 @@ def stacked_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], n_layers: int, 
 
 
 def scan_blocks(blocks: nnx.Module, x_BxTxD: jax.Array, run_block, want_hidden: bool, want_attn: bool,
-                want_router: bool = False):
+                want_router: bool = False, period: int = 1, place=None):
   """``(x after the last block, hidden L x [B, T, D] or (), attn L x [B, H, T, T] or (), router L x Routing or
   ())``.
 
   ``run_block(block, x, want_probs) -> (x, probs, routing)`` runs one (sliced) block, as in the unrolled loop.
+  ``period`` > 1: groups of that many layers per iteration, ``place(block, j)`` making a block attend as the
+  group's ``j``-th layer (see the module docstring).
   """
+  if period > 1:
+    return _scan_groups(blocks, x_BxTxD, run_block, (want_hidden, want_attn, want_router), period, place)
 
   @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=LAYER_AXIS)
   def body(x, block):
@@ -62,6 +73,42 @@ def scan_blocks(blocks: nnx.Module, x_BxTxD: jax.Array, run_block, want_hidden: 
   return x_BxTxD, _layers(hidden_LxBxTxD), _layers(attn_LxBxHxTxT), _layers(router_L)
 
 
+def _view(state, start: int, groups: int, size: int):
+  """Layers ``start .. start + groups * size`` of stacked ``[L, ...]`` leaves as ``[groups, size, ...]``."""
+  return jax.tree.map(lambda a: a[start:start + groups * size].reshape(groups, size, *a.shape[1:]), state)
+
+
+def _scan_groups(blocks: nnx.Module, x_BxTxD: jax.Array, run_block, wants, period: int, place):
+  """`scan_blocks` over groups of ``period`` layers (and the remainder as one more group)."""
+  want_hidden, want_attn, want_router = wants
+  graphdef, state = nnx.split(blocks)
+  n_layers = jax.tree.leaves(state)[0].shape[0]
+  groups, rest = divmod(n_layers, period)
+
+  @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=LAYER_AXIS)
+  def body(x, group):
+    group_def, group_state = nnx.split(group)
+    outs = []
+    for j in range(jax.tree.leaves(group_state)[0].shape[0]):
+      block = nnx.merge(group_def, jax.tree.map(lambda a, j=j: a[j], group_state))
+      place(block, j)
+      x, probs, routing = run_block(block, x, want_attn)
+      outs.append((x if want_hidden else None, probs if want_attn else None, routing if want_router else None))
+    return x, tuple(outs)
+
+  runs = [(0, groups, period)] + ([(groups * period, 1, rest)] if rest else [])
+  hidden, attn, router = [], [], []
+  for start, count, size in runs:
+    x_BxTxD, outs = body(x_BxTxD, nnx.merge(graphdef, _view(state, start, count, size)))
+    for g in range(count):  # [count] x size entries -> layer order
+      for j in range(size):
+        h, p, r = jax.tree.map(lambda a, g=g: a[g], outs[j])
+        hidden += [h] if want_hidden else []
+        attn += [p] if want_attn else []
+        router += [r] if want_router else []
+  return x_BxTxD, tuple(hidden), tuple(attn), tuple(router)
+
+
 def _layers(stacked) -> tuple:
   """The per-layer entries of a scan's stacked output (an array or a pytree of arrays [L, ...]), or ()."""
   if stacked is None:
@@ -70,18 +117,40 @@ def _layers(stacked) -> tuple:
   return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
 
 
-def scan_blocks_cached(blocks: nnx.Module, x_BxTxD: jax.Array, kv, valid_BxS, index, positions_BxT):
+def scan_blocks_cached(blocks: nnx.Module, x_BxTxD: jax.Array, kv, valid_BxS, index, positions_BxT,
+                       period: int = 1, place=None):
   """The decoding pass over stacked blocks: ``(x, (k_LxBxSxGxK, v_LxBxSxGxK))`` with this call's keys/values
-  written at ``index`` (``kv``: the stacked caches, see `KVCache`).
+  written at ``index`` (``kv``: the stacked caches, see `KVCache`); ``period`` / ``place`` as in `scan_blocks`.
 
   A plain ``jax.lax.scan`` over the blocks' state: decoding runs inside a ``while_loop``, whose body may not
   hand the outer trace's modules to ``nnx.scan``.
   """
   graphdef, state = nnx.split(blocks)
+  if period == 1:
 
-  def body(x, layer):
-    state_l, kv_l = layer
-    x, cache = nnx.merge(graphdef, state_l)(x, False, KVCache(*kv_l, valid_BxS, index, positions_BxT))
-    return x, (cache.k_BxSxGxK, cache.v_BxSxGxK)
+    def layer_body(x, layer):
+      state_l, kv_l = layer
+      x, cache = nnx.merge(graphdef, state_l)(x, False, KVCache(*kv_l, valid_BxS, index, positions_BxT))
+      return x, (cache.k_BxSxGxK, cache.v_BxSxGxK)
 
-  return jax.lax.scan(body, x_BxTxD, (state, tuple(kv)))
+    return jax.lax.scan(layer_body, x_BxTxD, (state, tuple(kv)))
+  groups, rest = divmod(jax.tree.leaves(state)[0].shape[0], period)
+
+  def body(x, group):
+    state_g, kv_g = group
+    new_kv = []
+    for j in range(jax.tree.leaves(state_g)[0].shape[0]):
+      block = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state_g))
+      place(block, j)
+      x, cache = block(x, False, KVCache(*(c[j] for c in kv_g), valid_BxS, index, positions_BxT))
+      new_kv.append((cache.k_BxSxGxK, cache.v_BxSxGxK))
+    return x, tuple(jnp.stack(c, axis=0) for c in zip(*new_kv))
+
+  ks, vs = [], []
+  for start, count, size in [(0, groups, period)] + ([(groups * period, 1, rest)] if rest else []):
+    x_BxTxD, (k, v) = jax.lax.scan(body, x_BxTxD, (_view(state, start, count, size), _view(tuple(kv), start, count,
+                                                                                             size)))
+    ks.append(k.reshape(count * size, *k.shape[2:]))
+    vs.append(v.reshape(count * size, *v.shape[2:]))
+  cat = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(parts)  # noqa: E731
+  return x_BxTxD, (cat(ks), cat(vs))

@@ -243,7 +243,8 @@ class Decoder(nnx.Module):
     hidden, attn, router = [x] if want_hidden else [], [], []
     run_block = _block_runner(cfg.remat, cfg.scan_layers)
     if cfg.scan_layers:  # the same run_block on each layer's slice of the stacked blocks
-      x, hidden_L, attn_L, router_L = scan_blocks(self.blocks, x, run_block, want_hidden, want_attn, want_router)
+      x, hidden_L, attn_L, router_L = scan_blocks(self.blocks, x, run_block, want_hidden, want_attn, want_router,
+                                                  cfg.scan_period, _place)
       hidden, attn, router = hidden + list(hidden_L), list(attn_L), list(router_L)
     else:
       for block in self.blocks:
@@ -289,7 +290,8 @@ class Decoder(nnx.Module):
     """
     x = scale_embed(self.cfg, gathered(self.embed)(tokens_BxT))
     if self.cfg.scan_layers:  # stacked blocks: kv is (k_LxBxSxGxK, v_LxBxSxGxK), scanned with them
-      x, new_kv = scan_blocks_cached(self.blocks, x, kv, valid_BxS, index, positions_BxT)
+      x, new_kv = scan_blocks_cached(self.blocks, x, kv, valid_BxS, index, positions_BxT, self.cfg.scan_period,
+                                     _place)
     else:
       new_kv = []
       for block, (k, v) in zip(self.blocks, kv):
@@ -307,6 +309,13 @@ class Decoder(nnx.Module):
 def _sparse(cfg: ModelConfig, layer: int) -> bool:
   """Whether layer ``layer`` of a decoder of ``cfg`` is a mixture-of-experts block."""
   return cfg.moe is not None and cfg.moe.sparse(layer)
+
+
+def _place(block: Block, layer: int) -> None:
+  """Makes ``block`` (a slice of scanned blocks, built as layer 0) attend as layer ``layer``: its sliding window and
+  RoPE, static values (`ModelConfig.layer_attention`; the weights of every layer have one structure)."""
+  attn = block.attn
+  attn.window, attn.theta, attn.scaling = attn.cfg.layer_attention(layer)
 
 
 def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool):

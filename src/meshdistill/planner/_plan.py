@@ -67,6 +67,15 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _block_trips(cfg: ModelConfig) -> int:
+  """Trips of a model's block loop (`_cost.loop_counts` names the loops by it): one per ``scan_period`` layers when
+  scanned (groups of layers that attend differently: `meshdistill.models._scan`; the layers after the last whole
+  group run outside that loop, so their FLOPs count as the rest), ``n_layers`` otherwise."""
+  if not getattr(cfg, "scan_layers", False):
+    return cfg.n_layers
+  return cfg.n_layers // cfg.scan_period
+
+
 def _matmul_params(cfg: ModelConfig, total: int) -> int:
   """Parameters that take part in a token's matmuls: all but an untied input embedding (a lookup) and the experts a
   token is not routed to (a mixture of experts counts its active parameters: `meshdistill.models.moe.inactive_params`)."""
@@ -195,8 +204,8 @@ class Planner:
     colls = collectives(c.hlo, k.shape)
     counts, uncounted = None, None
     try:  # scanned blocks and the chunked loss are loops: counted whole from the program's text (`_cost`)
-      counts = loop_counts(c, k.shape, (self.teacher.n_layers if d.teacher_cfg else 0,
-                                                   self.student.n_layers))
+      counts = loop_counts(c, k.shape, (_block_trips(self.teacher) if d.teacher_cfg else 0,
+                                        _block_trips(self.student)))
     except ValueError as e:  # a loop without a trip count: memory stands, no step time
       uncounted = str(e)
     flops, bytes_accessed = (None, None) if uncounted else (c.flops, c.bytes_accessed)

@@ -22,8 +22,17 @@ _SECONDS = {"tpu": (10.0, 4.0), "cpu": (6.0, 1.0)}
 def rough_compile_seconds(teacher, student, platform: str) -> float:
   """A rough guess of one compilation's seconds for ``teacher`` / ``student`` (`ModelConfig`) on ``platform``."""
   fixed, per_block = _SECONDS.get(platform, _SECONDS["tpu"])
-  blocks = sum(1 if m.scan_layers else m.n_layers for m in (teacher, student))
+  blocks = sum(_compiled_blocks(m) for m in (teacher, student))
   return fixed + per_block * blocks
+
+
+def _compiled_blocks(cfg) -> int:
+  """Blocks in the compiled program: every layer unrolled; scanned, one group of ``scan_period`` layers and the
+  layers after the last whole group (`meshdistill.models._scan`)."""
+  if not cfg.scan_layers:
+    return cfg.n_layers
+  period = getattr(cfg, "scan_period", 1)
+  return period + cfg.n_layers % period
 
 
 def rough_params(cfg) -> int:
