@@ -37,7 +37,7 @@ SMALL = {"v6e": "v6e:4x4", "v5p": "v5p:2x2x4", "v5e": "v5e:4x4"}
 PROXY = {0: "v5p:2x2x4", 1: "v5p:2x2x4"}
 
 
-def row_terms(i: int, small: bool = False) -> dict:
+def row_terms(i: int, small: bool = False, fast: bool = False) -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from meshdistill.config import load_config
   from meshdistill.jobs import strategy_and_optimizer
@@ -61,7 +61,8 @@ def row_terms(i: int, small: bool = False) -> dict:
   _, optimizer = strategy_and_optimizer(load_config(None, ()), model.n_layers)  # the default AdamW
 
   t0 = time.perf_counter()
-  d = _compile.abstract_distiller(None, model.replace(scan_layers=True), NextTokenCE(), optimizer, mesh, fsdp=True)
+  d = _compile.abstract_distiller(None, model.replace(scan_layers=True), NextTokenCE(), optimizer, mesh, fsdp=True,
+                                  compiler_options=_compile.FAST_COMPILE if fast else None)
   compiled = _compile.compile_step(d, batch, pub.seq)
   if compiled.flops is None:
     raise ValueError(f"row {i} ({pub.name}) did not fit {topology}: {compiled.oom}")
@@ -80,7 +81,7 @@ def row_terms(i: int, small: bool = False) -> dict:
           "wire_bytes_per_chip": sum(c["wire_bytes"] for c in counts.collectives),
           "collectives": counts.collectives, "matmul_params": n_params,
           "compute_s": compute, "hbm_s": hbm, "comm_s": comm, "roofline_s": max(compute, hbm) + comm,
-          "compile_s": seconds}
+          "compile_s": seconds, "fast_compile": fast}
 
 
 def _compute_bound(pub, model) -> float:
@@ -138,7 +139,8 @@ def render(rows: list[dict], command: str) -> str:
     fit_s = "n/a" if i not in fitted else f"{per_chip(fitted[i]):,.0f}"
     loo_s = "n/a" if i not in loo else f"{per_chip(loo[i]):,.0f}"
     err = "n/a" if i not in loo else f"{100 * (per_chip(loo[i]) / p.tokens_per_chip - 1):+.1f}%"
-    out.append(head + f"{r['compiled_for']} ({r['chips']} chips, batch {r['batch']}) | "
+    fast = ", --fast-compile" if r.get("fast_compile") else ""
+    out.append(head + f"{r['compiled_for']} ({r['chips']} chips, batch {r['batch']}{fast}) | "
                f"{per_chip(r['roofline_s']):,.0f} | {fit_s} | {loo_s} | {err} | {r['compile_s']:.0f} | "
                f"{p.source} |")
   out.append("")
@@ -162,6 +164,12 @@ def render(rows: list[dict], command: str) -> str:
             f"{','.join(map(str, missing))}` compiles them (the Llama 3.1 rows' float32 logits over 128,256 words, "
             "16.8-21 GiB per chip alone, leave a v6e chip's 32 GiB too little room: they are counted on v5p chips "
             "and timed at v6e's rates, `PROXY`; a first attempt on v6e was stopped unfinished after 20 minutes)."]
+  if any(r.get("fast_compile") for r in done):
+    out += ["", "Rows marked `--fast-compile` were compiled with XLA's least execution-time effort "
+            "(`planner._compile.FAST_COMPILE`, about 3x less compile time): their FLOPs and collectives are within "
+            "0.5% of the default compile's (`benchmarks/results/plan_speed.md`), their HBM bytes another program's "
+            "(up to -41% on the pairs measured); the calibration's rows are compute-bound, where the HBM term does "
+            "not enter max(compute / a, HBM)."]
   if done:
     out += ["", "Roofline terms per compiled row (seconds per step): " + "; ".join(
         f"{_calibrate.PUBLISHED[r['row']].name} on {r['topology']}: compute {r['compute_s']:.2f} (splash "
@@ -177,6 +185,8 @@ def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--render", action="store_true", help="refit and rewrite the report from the stored .json")
   ap.add_argument("--rows", default=None, help="comma-separated row numbers to compile (default: all)")
+  ap.add_argument("--fast-compile", action="store_true", help="compile with XLA's least execution-time effort "
+                  "(planner._compile.FAST_COMPILE): FLOPs and collectives as the default compile's, about 3x faster")
   ap.add_argument("--small", action="store_true", help="compile each row for a 16-chip slice of its generation at "
                   "the published batch per chip (the 256 / 512-chip compiles take too long on a small machine)")
   args = ap.parse_args()
@@ -188,7 +198,7 @@ def main() -> int:
     wanted = range(len(_calibrate.PUBLISHED)) if args.rows is None else [int(x) for x in args.rows.split(",")]
     for i in wanted:
       try:
-        r = row_terms(i, args.small)
+        r = row_terms(i, args.small, args.fast_compile)
       except ValueError as e:  # e.g. the program out of HBM: no counts for this row
         print(f"row {i}: {e}", flush=True)
         continue
@@ -198,7 +208,12 @@ def main() -> int:
       with open(JSON, "w") as f:
         json.dump(stored, f, indent=1)
   with open(MD, "w") as f:
-    f.write(render(stored, "python benchmarks/plan_calibration.py --small --rows 3,2,0,1"))
+    fast = [str(r["row"]) for r in stored if r.get("fast_compile")]
+    full = [str(r["row"]) for r in stored if not r.get("fast_compile")]
+    command = "python benchmarks/plan_calibration.py --small --rows " + ",".join(full or ["0"])
+    if fast:
+      command += "; python benchmarks/plan_calibration.py --small --fast-compile --rows " + ",".join(fast)
+    f.write(render(stored, command))
   print(open(MD).read())
   return 0
 
