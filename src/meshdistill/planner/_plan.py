@@ -239,7 +239,8 @@ class Planner:
       p.notes.append("--fast-compile: compiled with XLA's least execution-time effort (2-3x less compile time); its "
                      "program is not the one distill runs: per-chip memory moved by -13% to +3% and bytes accessed "
                      "by up to -41% against the default compile on the pairs measured, FLOPs and collectives within "
-                     "0.5% (benchmarks/results/plan_speed.md); plan without it before renting")
+                     "0.5%; it may run out of HBM where the default compile would not "
+                     "(benchmarks/results/plan_speed.md); plan without it before renting")
     if c.oom:
       p.notes.append(f"the TPU compiler stopped: {c.oom} (the memory above: the step's inputs plus the temporaries "
                      "it names; FLOPs and collectives need a program that fits)")
