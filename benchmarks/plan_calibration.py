@@ -47,11 +47,12 @@ def row_terms(i: int, small: bool = False, fast: bool = False) -> dict:
   from meshdistill.train.hardlabel import NextTokenCE
 
   pub = _calibrate.PUBLISHED[i]
-  if pub.model == "llama2-70b":
-    model = config_from_hf(_calibrate.LLAMA2_70B, where="Llama-2-70b config.json")
+  if pub.model in _calibrate.MODELS:
+    model = config_from_hf(_calibrate.MODELS[pub.model], where=f"{pub.model} config.json")
   else:
     model, _ = _presets.resolve_model(pub.model, who="student")
-  model = model.replace(dtype="bfloat16", attention="splash", remat=REMAT, max_len=max(model.max_len, pub.seq))
+  remat = "full" if pub.remat == "full" else REMAT  # MaxText's full remat is ours
+  model = model.replace(dtype="bfloat16", attention="splash", remat=remat, max_len=max(model.max_len, pub.seq))
   topology = PROXY.get(i) or (SMALL[pub.topology.split(":")[0]] if small else pub.topology)
   target = _hardware.tpu_target(topology)
   chip = _hardware.TPU_CHIPS[pub.topology.split(":")[0]]  # the row's chip: its rates time the counts
@@ -69,7 +70,7 @@ def row_terms(i: int, small: bool = False, fast: bool = False) -> dict:
   counts = _cost.loop_counts(compiled, (n, 1), (0, model.n_layers))  # the scanned blocks counted whole
   seconds = time.perf_counter() - t0
   tokens = batch * pub.seq
-  kernels = 2.0 * pub.seq * model.n_heads * model.hd * model.n_layers * (3 + (REMAT != "none")) * tokens / n
+  kernels = 2.0 * pub.seq * model.n_heads * model.hd * model.n_layers * (3 + (remat != "none")) * tokens / n
   n_params = model.n_layers * (model.d_model * model.hd * (2 * model.n_heads + 2 * model.n_kv_heads)
                                + 3 * model.d_model * model.mlp_hidden) + model.vocab_size * model.d_model
   compute = (counts.flops + kernels) / chip.peak_bf16_flops
@@ -111,9 +112,9 @@ def render(rows: list[dict], command: str) -> str:
          "recipe's configuration, commit pinned, in the last column) and the planner's plan of the same step: "
          "the teacher-less `Distiller` with `NextTokenCE`, AdamW, bfloat16 compute, splash attention, weights and "
          f"moments split over every chip (`mesh.fsdp`, mesh chips x 1), remat `{REMAT}` (ours closest to "
-         "the recipes' host-offloading policies), compiled with libtpu's compiler on this CPU host as 1- and "
-         "2-block programs extended to the depth (`planner._cost`), on a 16-chip slice at the published batch per "
-         "chip (`--small`; a 256 / 512-chip compile is slower still).", "",
+         "the recipes' host-offloading policies; `full` where the recipe says `full`), compiled with libtpu's "
+         "compiler on this CPU host with its loops counted whole (`planner._cost`), on the published slice or, "
+         "with `--small`, a 16-chip slice at the published batch per chip (the 70B rows).", "",
          "Compute bound: tokens/s/chip at the chip's peak for 6 N + causal attention FLOPs per token, no memory or "
          "collectives (analytic, no compile). Roofline: the compiled step's max(compute at peak, HBM) + "
          "collectives at full ICI bandwidth, an upper bound on speed. Calibrated: max(compute / a, HBM) + k x "
@@ -124,8 +125,8 @@ def render(rows: list[dict], command: str) -> str:
          "compile s | source |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for i, p in enumerate(_calibrate.PUBLISHED):
-    if p.model == "llama2-70b":
-      model = config_from_hf(_calibrate.LLAMA2_70B, where="Llama-2-70b config.json")
+    if p.model in _calibrate.MODELS:
+      model = config_from_hf(_calibrate.MODELS[p.model], where=f"{p.model} config.json")
     else:
       model, _ = _presets.resolve_model(p.model, who="student")
     bound = f"{_compute_bound(p, model):,.0f}"
@@ -156,6 +157,12 @@ def render(rows: list[dict], command: str) -> str:
                f"largest leave-one-out error of step time): {100 * cal.band:.1f}%, against the 15% aimed at. "
                "`planner._calibrate.CALIBRATION` holds this fit; plans print its estimate with this band beside the "
                "roofline.")
+  if done:
+    out += ["", "Roofline over published step time per row (how close each measured run came to the roofline): " + "; ".join(
+        f"{_calibrate.PUBLISHED[r['row']].name} on {r['topology']}: "
+        f"{100 * r['roofline_s'] / _calibrate.PUBLISHED[r['row']].step_seconds:.0f}%" for r in done) + ". One `a` "
+        "for every generation cannot hold rows this far apart; a fraction of peak per generation needs more rows "
+        "of each than are compiled here."]
   missing = [i for i in range(len(_calibrate.PUBLISHED)) if i not in by_row]
   if missing:
     out += ["", f"Not compiled: rows {', '.join(map(str, missing))} (numbered from 0 in the table's order): their "
@@ -177,7 +184,7 @@ def render(rows: list[dict], command: str) -> str:
         f" of it), HBM {r['hbm_s']:.2f}, collectives {r['comm_s']:.2f}, published step "
         f"{_calibrate.PUBLISHED[r['row']].step_seconds:.2f}" for r in done) + "."]
   out += ["", f"Compiled with Python {platform.python_version()} on {os.cpu_count()} CPU cores shared with other "
-          "jobs (load average 9-22 while these ran)."]
+          "jobs (load average 9-22 while the 70B rows ran, 2-4 while the v5e rows did: 92-142 s each for 256 chips)."]
   return "\n".join(out) + "\n"
 
 
@@ -208,11 +215,18 @@ def main() -> int:
       with open(JSON, "w") as f:
         json.dump(stored, f, indent=1)
   with open(MD, "w") as f:
-    fast = [str(r["row"]) for r in stored if r.get("fast_compile")]
-    full = [str(r["row"]) for r in stored if not r.get("fast_compile")]
-    command = "python benchmarks/plan_calibration.py --small --rows " + ",".join(full or ["0"])
-    if fast:
-      command += "; python benchmarks/plan_calibration.py --small --fast-compile --rows " + ",".join(fast)
+    def rows_of(fast: bool, small: bool) -> list[str]:
+      return [str(r["row"]) for r in stored if bool(r.get("fast_compile")) == fast
+              and (r["compiled_for"] != r["topology"]) == small]
+
+    commands = []
+    for fast in (False, True):
+      for small in (True, False):
+        rows = rows_of(fast, small)
+        if rows:
+          flags = (" --small" if small else "") + (" --fast-compile" if fast else "")
+          commands.append(f"python benchmarks/plan_calibration.py{flags} --rows " + ",".join(rows))
+    command = "`; `".join(commands) or "python benchmarks/plan_calibration.py"
     f.write(render(stored, command))
   print(open(MD).read())
   return 0
