@@ -37,7 +37,7 @@ SMALL = {"v6e": "v6e:4x4", "v5p": "v5p:2x2x4", "v5e": "v5e:4x4"}
 PROXY = {0: "v5p:2x2x4", 1: "v5p:2x2x4"}
 
 
-def row_terms(i: int, small: bool = False) -> dict:
+def row_terms(i: int, small: bool = False, fast: bool = False) -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from meshdistill.config import load_config
   from meshdistill.jobs import strategy_and_optimizer
@@ -47,11 +47,12 @@ def row_terms(i: int, small: bool = False) -> dict:
   from meshdistill.train.hardlabel import NextTokenCE
 
   pub = _calibrate.PUBLISHED[i]
-  if pub.model == "llama2-70b":
-    model = config_from_hf(_calibrate.LLAMA2_70B, where="Llama-2-70b config.json")
+  if pub.model in _calibrate.MODELS:
+    model = config_from_hf(_calibrate.MODELS[pub.model], where=f"{pub.model} config.json")
   else:
     model, _ = _presets.resolve_model(pub.model, who="student")
-  model = model.replace(dtype="bfloat16", attention="splash", remat=REMAT, max_len=max(model.max_len, pub.seq))
+  remat = "full" if pub.remat == "full" else REMAT  # MaxText's full remat is ours
+  model = model.replace(dtype="bfloat16", attention="splash", remat=remat, max_len=max(model.max_len, pub.seq))
   topology = PROXY.get(i) or (SMALL[pub.topology.split(":")[0]] if small else pub.topology)
   target = _hardware.tpu_target(topology)
   chip = _hardware.TPU_CHIPS[pub.topology.split(":")[0]]  # the row's chip: its rates time the counts
@@ -61,14 +62,15 @@ def row_terms(i: int, small: bool = False) -> dict:
   _, optimizer = strategy_and_optimizer(load_config(None, ()), model.n_layers)  # the default AdamW
 
   t0 = time.perf_counter()
-  d = _compile.abstract_distiller(None, model.replace(scan_layers=True), NextTokenCE(), optimizer, mesh, fsdp=True)
+  d = _compile.abstract_distiller(None, model.replace(scan_layers=True), NextTokenCE(), optimizer, mesh, fsdp=True,
+                                  compiler_options=_compile.FAST_COMPILE if fast else None)
   compiled = _compile.compile_step(d, batch, pub.seq)
   if compiled.flops is None:
     raise ValueError(f"row {i} ({pub.name}) did not fit {topology}: {compiled.oom}")
   counts = _cost.loop_counts(compiled, (n, 1), (0, model.n_layers))  # the scanned blocks counted whole
   seconds = time.perf_counter() - t0
   tokens = batch * pub.seq
-  kernels = 2.0 * pub.seq * model.n_heads * model.hd * model.n_layers * (3 + (REMAT != "none")) * tokens / n
+  kernels = 2.0 * pub.seq * model.n_heads * model.hd * model.n_layers * (3 + (remat != "none")) * tokens / n
   n_params = model.n_layers * (model.d_model * model.hd * (2 * model.n_heads + 2 * model.n_kv_heads)
                                + 3 * model.d_model * model.mlp_hidden) + model.vocab_size * model.d_model
   compute = (counts.flops + kernels) / chip.peak_bf16_flops
@@ -80,7 +82,7 @@ def row_terms(i: int, small: bool = False) -> dict:
           "wire_bytes_per_chip": sum(c["wire_bytes"] for c in counts.collectives),
           "collectives": counts.collectives, "matmul_params": n_params,
           "compute_s": compute, "hbm_s": hbm, "comm_s": comm, "roofline_s": max(compute, hbm) + comm,
-          "compile_s": seconds}
+          "compile_s": seconds, "fast_compile": fast}
 
 
 def _compute_bound(pub, model) -> float:
@@ -110,9 +112,9 @@ def render(rows: list[dict], command: str) -> str:
          "recipe's configuration, commit pinned, in the last column) and the planner's plan of the same step: "
          "the teacher-less `Distiller` with `NextTokenCE`, AdamW, bfloat16 compute, splash attention, weights and "
          f"moments split over every chip (`mesh.fsdp`, mesh chips x 1), remat `{REMAT}` (ours closest to "
-         "the recipes' host-offloading policies), compiled with libtpu's compiler on this CPU host as 1- and "
-         "2-block programs extended to the depth (`planner._cost`), on a 16-chip slice at the published batch per "
-         "chip (`--small`; a 256 / 512-chip compile is slower still).", "",
+         "the recipes' host-offloading policies; `full` where the recipe says `full`), compiled with libtpu's "
+         "compiler on this CPU host with its loops counted whole (`planner._cost`), on the published slice or, "
+         "with `--small`, a 16-chip slice at the published batch per chip (the 70B rows).", "",
          "Compute bound: tokens/s/chip at the chip's peak for 6 N + causal attention FLOPs per token, no memory or "
          "collectives (analytic, no compile). Roofline: the compiled step's max(compute at peak, HBM) + "
          "collectives at full ICI bandwidth, an upper bound on speed. Calibrated: max(compute / a, HBM) + k x "
@@ -123,8 +125,8 @@ def render(rows: list[dict], command: str) -> str:
          "compile s | source |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for i, p in enumerate(_calibrate.PUBLISHED):
-    if p.model == "llama2-70b":
-      model = config_from_hf(_calibrate.LLAMA2_70B, where="Llama-2-70b config.json")
+    if p.model in _calibrate.MODELS:
+      model = config_from_hf(_calibrate.MODELS[p.model], where=f"{p.model} config.json")
     else:
       model, _ = _presets.resolve_model(p.model, who="student")
     bound = f"{_compute_bound(p, model):,.0f}"
@@ -138,7 +140,8 @@ def render(rows: list[dict], command: str) -> str:
     fit_s = "n/a" if i not in fitted else f"{per_chip(fitted[i]):,.0f}"
     loo_s = "n/a" if i not in loo else f"{per_chip(loo[i]):,.0f}"
     err = "n/a" if i not in loo else f"{100 * (per_chip(loo[i]) / p.tokens_per_chip - 1):+.1f}%"
-    out.append(head + f"{r['compiled_for']} ({r['chips']} chips, batch {r['batch']}) | "
+    fast = ", --fast-compile" if r.get("fast_compile") else ""
+    out.append(head + f"{r['compiled_for']} ({r['chips']} chips, batch {r['batch']}{fast}) | "
                f"{per_chip(r['roofline_s']):,.0f} | {fit_s} | {loo_s} | {err} | {r['compile_s']:.0f} | "
                f"{p.source} |")
   out.append("")
@@ -154,6 +157,12 @@ def render(rows: list[dict], command: str) -> str:
                f"largest leave-one-out error of step time): {100 * cal.band:.1f}%, against the 15% aimed at. "
                "`planner._calibrate.CALIBRATION` holds this fit; plans print its estimate with this band beside the "
                "roofline.")
+  if done:
+    out += ["", "Roofline over published step time per row (how close each measured run came to the roofline): " + "; ".join(
+        f"{_calibrate.PUBLISHED[r['row']].name} on {r['topology']}: "
+        f"{100 * r['roofline_s'] / _calibrate.PUBLISHED[r['row']].step_seconds:.0f}%" for r in done) + ". One `a` "
+        "for every generation cannot hold rows this far apart; a fraction of peak per generation needs more rows "
+        "of each than are compiled here."]
   missing = [i for i in range(len(_calibrate.PUBLISHED)) if i not in by_row]
   if missing:
     out += ["", f"Not compiled: rows {', '.join(map(str, missing))} (numbered from 0 in the table's order): their "
@@ -162,6 +171,12 @@ def render(rows: list[dict], command: str) -> str:
             f"{','.join(map(str, missing))}` compiles them (the Llama 3.1 rows' float32 logits over 128,256 words, "
             "16.8-21 GiB per chip alone, leave a v6e chip's 32 GiB too little room: they are counted on v5p chips "
             "and timed at v6e's rates, `PROXY`; a first attempt on v6e was stopped unfinished after 20 minutes)."]
+  if any(r.get("fast_compile") for r in done):
+    out += ["", "Rows marked `--fast-compile` were compiled with XLA's least execution-time effort "
+            "(`planner._compile.FAST_COMPILE`, about 3x less compile time): their FLOPs and collectives are within "
+            "0.5% of the default compile's (`benchmarks/results/plan_speed.md`), their HBM bytes another program's "
+            "(up to -41% on the pairs measured); the calibration's rows are compute-bound, where the HBM term does "
+            "not enter max(compute / a, HBM)."]
   if done:
     out += ["", "Roofline terms per compiled row (seconds per step): " + "; ".join(
         f"{_calibrate.PUBLISHED[r['row']].name} on {r['topology']}: compute {r['compute_s']:.2f} (splash "
@@ -169,7 +184,7 @@ def render(rows: list[dict], command: str) -> str:
         f" of it), HBM {r['hbm_s']:.2f}, collectives {r['comm_s']:.2f}, published step "
         f"{_calibrate.PUBLISHED[r['row']].step_seconds:.2f}" for r in done) + "."]
   out += ["", f"Compiled with Python {platform.python_version()} on {os.cpu_count()} CPU cores shared with other "
-          "jobs (load average 9-22 while these ran)."]
+          "jobs (load average 9-22 while the 70B rows ran, 2-4 while the v5e rows did: 92-142 s each for 256 chips)."]
   return "\n".join(out) + "\n"
 
 
@@ -177,6 +192,8 @@ def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--render", action="store_true", help="refit and rewrite the report from the stored .json")
   ap.add_argument("--rows", default=None, help="comma-separated row numbers to compile (default: all)")
+  ap.add_argument("--fast-compile", action="store_true", help="compile with XLA's least execution-time effort "
+                  "(planner._compile.FAST_COMPILE): FLOPs and collectives as the default compile's, about 3x faster")
   ap.add_argument("--small", action="store_true", help="compile each row for a 16-chip slice of its generation at "
                   "the published batch per chip (the 256 / 512-chip compiles take too long on a small machine)")
   args = ap.parse_args()
@@ -188,7 +205,7 @@ def main() -> int:
     wanted = range(len(_calibrate.PUBLISHED)) if args.rows is None else [int(x) for x in args.rows.split(",")]
     for i in wanted:
       try:
-        r = row_terms(i, args.small)
+        r = row_terms(i, args.small, args.fast_compile)
       except ValueError as e:  # e.g. the program out of HBM: no counts for this row
         print(f"row {i}: {e}", flush=True)
         continue
@@ -198,7 +215,19 @@ def main() -> int:
       with open(JSON, "w") as f:
         json.dump(stored, f, indent=1)
   with open(MD, "w") as f:
-    f.write(render(stored, "python benchmarks/plan_calibration.py --small --rows 3,2,0,1"))
+    def rows_of(fast: bool, small: bool) -> list[str]:
+      return [str(r["row"]) for r in stored if bool(r.get("fast_compile")) == fast
+              and (r["compiled_for"] != r["topology"]) == small]
+
+    commands = []
+    for fast in (False, True):
+      for small in (True, False):
+        rows = rows_of(fast, small)
+        if rows:
+          flags = (" --small" if small else "") + (" --fast-compile" if fast else "")
+          commands.append(f"python benchmarks/plan_calibration.py{flags} --rows " + ",".join(rows))
+    command = "`; `".join(commands) or "python benchmarks/plan_calibration.py"
+    f.write(render(stored, command))
   print(open(MD).read())
   return 0
 

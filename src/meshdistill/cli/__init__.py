@@ -69,7 +69,7 @@ def _plan(args) -> int:
 
   common = dict(topology=args.topology, devices=args.devices, seq=args.seq, config=args.config,
                 overrides=args.overrides, dtype=args.dtype, hbm_gib=args.hbm_gib, scan_layers=args.scan_layers,
-                attention=args.attention)
+                attention=args.attention, fast_compile=args.fast_compile)
   t0 = time.perf_counter()
   allowed = args.max_compiles  # None: the default of each mode; 0 compiles no suggestion
   if args.search:

@@ -156,6 +156,9 @@ def _plan_parser(sp) -> None:
   sp.add_argument("--batches", default=None, help="with --search: comma-separated batch sizes (default: --batch)")
   sp.add_argument("--max-compiles", type=int, default=None, help="compilations allowed for suggestions / --search (default: 4 / 12)")
   sp.add_argument("--json", action="store_true", help="print JSON instead of the table")
+  sp.add_argument("--fast-compile", action="store_true", help="XLA's least execution-time effort: 2-3x less compile "
+                  "time, but memory and bytes accessed of another program (about -13%% to +3%% memory); for a first "
+                  "look, not for renting")
   sp.add_argument("--placement", type=int, nargs="?", const=32, default=None, metavar="K",
                   help="also compare where the teacher lives (in the step, a sub-mesh, an offline top-K cache, a "
                   "remote teacher) and recommend one (K: top-k kept per token, default 32)")

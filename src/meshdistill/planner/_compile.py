@@ -72,6 +72,14 @@ class _AbstractDistiller(Distiller):
     return self.layout.fresh_state(self.optimizer, {"student": self._student_init, "strategy": extra}, self.trainable)
 
 
+# `plan --fast-compile`: XLA's least effort on the program's execution time (an `ExecutableBuildOptions` field; jax
+# passes it from `compiler_options`). On libtpu 0.0.42.1 it cut the TPU compile of the scanned Llama-3.1-8B ->
+# Llama-3.2-1B step on v5e:4x4 from 89.5 to 29.7 CPU seconds, but the program it makes is another one: per-chip memory
+# moved by -13% to +3% and XLA's bytes accessed by up to -41% on the pairs measured (FLOPs and collectives within
+# 0.5%): benchmarks/results/plan_speed.md. The default compile is the program `distill` runs.
+FAST_COMPILE = {"exec_time_optimization_effort": -1.0}
+
+
 def abstract_distiller(teacher: ModelConfig | None, student: ModelConfig, strategy, optimizer, mesh: Mesh,
                        compiler_options: dict | None = None, lora=None, teacher_quantize: str | None = None,
                        fsdp: bool = False, student_split: str = "tensor", loss_scale: float | None = None) -> Distiller:
