@@ -281,7 +281,10 @@ def report() -> str:
                "CPU s (498.8 s of it the TPU compile, at a load average of 12-13 on the 2 cores), against 917 s wall "
                "and 340 CPU s when the loops were counted from three more compiles unrolled at 1 and 2 blocks; still "
                "above the 120 s aimed at: the 134 CPU s are almost all the one TPU compile of the step, which no way "
-               "of counting removes.")
+               "of counting removes. Re-measured (`benchmarks/results/plan_speed.md`): 94.6 s wall, 89.5 CPU s on a "
+               "quiet machine (load 3), 137.3 s at load 5.5, so the 517 s were other jobs on the two cores; 78% of "
+               "the CPU is libtpu's code generation; `--fast-compile` takes 31 CPU s (31.6 s wall) but plans another "
+               "program (memory 11.96 GiB against 13.81).")
   lines.append("")
   fitted = ("n/a: `planner._calibrate.CALIBRATION` holds no fit yet (too few published rows compiled; "
             "`plan_calibration.md`)" if CALIBRATION is None else
