@@ -57,10 +57,15 @@ def data_identity(packed, tokenizer, sources: Any = None) -> dict:
   """What names the training rows: their packed tokens' hash, ``seq_len``, row count, tokenizer, sources."""
   h = hashlib.sha256(np.ascontiguousarray(packed.tokens).tobytes())
   h.update(f"{packed.seq_len}:{packed.pad_id}".encode())
+  return _identity(h, packed, tokenizer, sources)
+
+
+def _identity(h, rows, tokenizer, sources: Any) -> dict:
+  """The identity dict of ``rows`` (anything with ``seq_len`` and a length) whose tokens ``h`` has hashed."""
   return {
       "tokens_sha256": h.hexdigest(),
-      "seq_len": int(packed.seq_len),
-      "rows": len(packed),
+      "seq_len": int(rows.seq_len),
+      "rows": len(rows),
       "tokenizer": tokenizer.fingerprint,
       "sources": None if sources is None else list(sources) if isinstance(sources, (list, tuple)) else [sources],
   }
@@ -72,13 +77,7 @@ def teacher_rows_identity(rows, tokenizer, sources: Any = None) -> dict:
   h = hashlib.sha256(np.ascontiguousarray(rows.stream.tokens).tobytes())
   h.update(np.ascontiguousarray(rows.bounds).tobytes())
   h.update(f"{rows.seq_len}:{rows.pad_id}".encode())
-  return {
-      "tokens_sha256": h.hexdigest(),
-      "seq_len": int(rows.seq_len),
-      "rows": len(rows),
-      "tokenizer": tokenizer.fingerprint,
-      "sources": None if sources is None else list(sources) if isinstance(sources, (list, tuple)) else [sources],
-  }
+  return _identity(h, rows, tokenizer, sources)
 
 
 # --------------------------------------------------------------------------- writing
