@@ -225,8 +225,10 @@ def test_2x4_chunked_step_matches_single_device_naive_logit_kd(chunked_2x4):
     # so a relative bound would test rounding. 1e-6 absolute is still 1e-5 of the scale of a correlation.
     assert abs(o["corr"] - r["corr"]) < 1e-6, (o["corr"], r["corr"])
   assert ours[1]["loss"] != ours[0]["loss"]  # the first update changed the student
+  # after two AdamW steps (lr 1e-3): Adam divides by sqrt(nu), so on a coordinate whose gradient is near zero the
+  # rounding of the gradient moves the update by a few percent of a step; 1e-4 is a tenth of one step
   for a, b in zip(jax.tree.leaves(d.student(state)), jax.tree.leaves(ref_d.student(ref_state))):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
 def test_2x4_chunked_step_never_gathers_the_vocabulary(chunked_2x4):

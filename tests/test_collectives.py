@@ -143,9 +143,11 @@ def test_metrics_light_step_gives_the_same_update_with_fewer_collectives(mesh_st
   light_state, light_metrics = _run(light, light_compiled, range(2))
   assert set(light_metrics) == {"loss", "grad_norm", "tokens"} < set(full_metrics)
   for k in light_metrics:
-    assert float(light_metrics[k]) == float(full_metrics[k]), k
+    np.testing.assert_allclose(float(light_metrics[k]), float(full_metrics[k]), rtol=1e-6, err_msg=k)
+  # the same update from another program: the compiler may fuse (and so round) the two differently, by an ulp;
+  # a resumed run never mixes them differently from the uninterrupted one (tests/test_trainer.py)
   for a, b in zip(jax.tree.leaves(full_state), jax.tree.leaves(light_state)):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
   assert all_reduce_census(light_compiled.as_text())["total"] < all_reduce_census(hlo)["total"]
 
 
@@ -163,7 +165,7 @@ def test_fit_runs_metrics_light_steps_between_logs(tmp_path):
     state, metrics = d.step(state, b)
     losses.append(float(metrics["loss"]))
   for a, b in zip(jax.tree.leaves(jax.device_get(res.state)), jax.tree.leaves(jax.device_get(state))):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)  # two programs' updates: equal up to rounding
   # steps 1-2 full (the first window), then light between the logged steps 4 and 6, which computed every metric;
   # the loss means are over every step
   assert [r["step"] for r in rows] == [2, 4, 6] and all("kl" in r and "agree" in r for r in rows)

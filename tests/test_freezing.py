@@ -287,9 +287,6 @@ def test_stacked_blocks_freeze_like_per_layer_blocks(scan_runs):
   adam, params = scanned["state"].opt_state.inner[0], scanned["state"].params
   for m, p in zip(jax.tree.leaves((adam.mu, adam.nu)), 2 * jax.tree.leaves(params)):  # stacked moments shard like
     assert m.shape == p.shape and m.sharding.is_equivalent_to(p.sharding, p.ndim)   # their params (fsdp included)
-  if scanned["mesh"] is None:  # one device: the same gradients, clipped and stepped in the same order, bit for bit
-    assert all(np.array_equal(_bits(a), _bits(b))
-               for a, b in zip(jax.tree.leaves(scanned["student"]), jax.tree.leaves(unrolled["student"])))
   assert scanned["state"].opt_state.inner[0].count.shape == (SCAN_LAYERS + 2,)  # per block, embedding, final norm
   np.testing.assert_array_equal(scanned["state"].opt_state.inner[0].count, unrolled["state"].opt_state.inner[0].count)
 

@@ -63,7 +63,9 @@ def test_dots_policies_keep_forward_and_gradients():  # "full" is checked throug
   for remat in ("dots", "dots_no_batch"):
     l1, g1 = value_and_grad(with_remat(base, remat))
     assert float(l0) == pytest.approx(float(l1), rel=1e-6), remat
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g0, g1)
+    # remat recomputes the forward in another program: float32 rounding, relative to each gradient's scale
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b)))),
+                 g0, g1)
 
 
 def test_fit_remat_turns_remat_on_when_the_step_exceeds_a_tiny_budget():

@@ -8,7 +8,9 @@ A hook sees the loop's `meshdistill.train.loop.run.Run` (``run.state``, ``run.st
 * ``before_step(run, step)`` -- before step ``step`` (1-based) is dispatched;
 * ``after_dispatch(run, step, metrics)`` -- right after dispatch, without waiting for the result;
 * ``wants_metrics(run, step)`` -- whether step ``step`` must report all its metrics (else it may run
-  metrics-light: ``loss``, ``grad_norm``, ``tokens`` only);
+  metrics-light: ``loss``, ``grad_norm``, ``tokens`` only); a function of the step and the run's settings alone, not
+  of where the run was interrupted or resumed, so that a resumed run runs the same program at each step as the
+  uninterrupted one;
 * ``due(run, step)`` / ``after_step(run, step)`` -- an action on the state after ``step``. Before it
   runs, the loop reads the divergence guard's verdict on that step, so a hook never acts on a
   state the guard would throw away;
@@ -86,7 +88,9 @@ class LogTrain(Hook):
     return step % self.every == 0 or step == run.last
 
   def wants_metrics(self, run, step):
-    return self.due(run, step)
+    # every ``every``-th step and the run's last: not the step an interrupted run stops at (its log holds what that
+    # step computed), so which steps compute every metric does not depend on where a run is interrupted
+    return step % self.every == 0 or step == run.steps
 
   def after_step(self, run, step):
     status = freeze_status(run.state.opt_state)

@@ -74,8 +74,8 @@ class Run:
                hooks: Sequence[hooks_lib.Hook], lag: int, light: bool = False):
     self.trainer, self.state, self.it, self.monitor, self.hooks, self.lag = trainer, state, it, monitor, hooks, lag
     self.light = light  # metrics-light steps where no hook reads the metrics, once one step was logged
-    self._logged = False
     self.start, self.step, self.last, self.steps = start, start, last, steps
+    self._logged = light and self._logged_before(start)
     self.recovery: Any = NoRecovery(trainer)
     self.pending: StepInfo | None = None
     self.ahead = None  # a batch read before the loop (for the memory check) and the data position before it
@@ -83,6 +83,12 @@ class Run:
     self.last_eval: dict[str, float] = {}
     self.remat = None
     self._guard_snapshot = None
+
+  def _logged_before(self, start: int) -> bool:
+    """Whether a step up to ``start`` read every metric: a resumed run then goes on with light steps where the
+    uninterrupted run would, so both run the same program at every step (exact resume does not rest on the full and
+    the light program rounding alike). Stops at the first such step (the first train log)."""
+    return any(h.wants_metrics(self, n) for n in range(1, start + 1) for h in self.hooks)
 
   def read_ahead(self) -> dict:
     """The first batch of the loop, read now (it is still the first step's batch)."""

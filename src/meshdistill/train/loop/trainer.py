@@ -70,7 +70,9 @@ class FitOptions:
       on the steps whose metrics no hook reads (`meshdistill.train.loop.hooks.Hook.wants_metrics`: the train log
       reads every ``log_every``-th). The logged means of the other metrics are then over the logged
       steps (all steps in the first window). A run that never gets past its first log compiles one
-      step. False: every step computes every metric.
+      step. Which steps run light depends on the step number and the settings only, so a resumed run
+      runs the same program as the uninterrupted one at every step and resumes bit for bit whether or
+      not a compiler rounds the two programs' updates alike. False: every step computes every metric.
   """
 
   steps: int | None
