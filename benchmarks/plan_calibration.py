@@ -46,6 +46,12 @@ SMALL_ROW = {10: "v5p:2x4x4"}
 # 36.1 GiB with remat "full"): their counts are compiled for as many v5p chips (95 GiB) and timed at v6e's rates
 PROXY = {0: "v5p:2x2x4", 1: "v5p:2x2x4", 11: "v5p:2x2x2", 12: "v5p:2x2x4", 13: "v5p:2x2x2"}
 
+# rows whose program at the published batch does not fit their chips as we compile it (the v5p rows at MaxText's
+# "minimal" remat asked 193-221 GiB of HLO temporaries of 95.7): compiled at two smaller batches, ``rows`` and 2 x
+# ``rows`` per data shard, and every count (FLOPs, HBM bytes, collective bytes) extended linearly to the published
+# batch (each is affine in the batch: the per-token work, plus the weights' and optimizer's per step)
+EXTRAPOLATED = {8: 4, 9: 1, 10: 1}
+
 
 def remat_of(maxtext: str) -> str:
   """Our remat policy for MaxText's ``remat_policy`` ``maxtext`` (`REMAT`, else `REMAT_OTHER`)."""
@@ -87,23 +93,39 @@ def row_terms(i: int, small: bool = False, fast: bool = False) -> dict:
   t0 = time.perf_counter()
   d = _compile.abstract_distiller(None, model.replace(scan_layers=True), NextTokenCE(), optimizer, mesh, fsdp=True,
                                   compiler_options=_compile.FAST_COMPILE if fast else None)
-  compiled = _compile.compile_step(d, batch, pub.seq)
-  if compiled.flops is None:
-    raise ValueError(f"row {i} ({pub.name}) did not fit {topology}: {compiled.oom}")
-  counts = _cost.loop_counts(compiled, (n // pub.tensor, pub.tensor), (0, model.n_layers))  # scanned blocks whole
+
+  def counts_at(b: int) -> tuple[float, float, list[dict]]:
+    compiled = _compile.compile_step(d, b, pub.seq)
+    if compiled.flops is None:
+      raise ValueError(f"row {i} ({pub.name}) did not fit {topology} at batch {b}: {compiled.oom}")
+    c = _cost.loop_counts(compiled, (n // pub.tensor, pub.tensor), (0, model.n_layers))  # scanned blocks whole
+    return c.flops, c.bytes_accessed, c.collectives
+
+  shard_rows = EXTRAPOLATED.get(i)
+  if shard_rows is None:
+    flops, bytes_accessed, collectives = counts_at(batch)
+    wire = sum(c["wire_bytes"] for c in collectives)
+    compiled_batches = [batch]
+  else:  # two smaller batches, every count extended linearly to the published one
+    b1, b2 = shard_rows * (n // pub.tensor), 2 * shard_rows * (n // pub.tensor)
+    (f1, y1, c1), (f2, y2, collectives) = counts_at(b1), counts_at(b2)
+    line = lambda q1, q2: q1 + (q2 - q1) * (batch - b1) / (b2 - b1)  # noqa: E731
+    flops, bytes_accessed = line(f1, f2), line(y1, y2)
+    wire = line(sum(c["wire_bytes"] for c in c1), sum(c["wire_bytes"] for c in collectives))
+    compiled_batches = [b1, b2]
   seconds = time.perf_counter() - t0
   tokens = batch * pub.seq
   kernels = 2.0 * pub.seq * model.n_heads * model.hd * model.n_layers * (3 + (remat != "none")) * tokens / n
   n_params = model.n_layers * (model.d_model * model.hd * (2 * model.n_heads + 2 * model.n_kv_heads)
                                + 3 * model.d_model * model.mlp_hidden) + model.vocab_size * model.d_model
-  compute = (counts.flops + kernels) / chip.peak_bf16_flops
-  hbm = counts.bytes_accessed / chip.hbm_bandwidth
-  comm = sum(c["wire_bytes"] for c in counts.collectives) / chip.ici_bandwidth
+  compute = (flops + kernels) / chip.peak_bf16_flops
+  hbm = bytes_accessed / chip.hbm_bandwidth
+  comm = wire / chip.ici_bandwidth
   return {"row": i, "name": pub.name, "topology": pub.topology, "compiled_for": topology, "chips": n,
           "mesh": [n // pub.tensor, pub.tensor], "seq": pub.seq, "batch": batch, "remat": remat,
-          "flops_per_chip": counts.flops, "kernel_flops_per_chip": kernels, "bytes_per_chip": counts.bytes_accessed,
-          "wire_bytes_per_chip": sum(c["wire_bytes"] for c in counts.collectives),
-          "collectives": counts.collectives, "matmul_params": n_params,
+          "compiled_batches": compiled_batches,
+          "flops_per_chip": flops, "kernel_flops_per_chip": kernels, "bytes_per_chip": bytes_accessed,
+          "wire_bytes_per_chip": wire, "collectives": collectives, "matmul_params": n_params,
           "compute_s": compute, "hbm_s": hbm, "comm_s": comm, "roofline_s": max(compute, hbm) + comm,
           "compile_s": seconds, "fast_compile": fast, "load_average": os.getloadavg()[0]}
 
@@ -171,6 +193,8 @@ def render(rows: list[dict], command: str) -> str:
     err = lambda s: per_chip(s) / p.tokens_per_chip - 1  # noqa: E731
     num = lambda s: "n/a" if s != s else f"{per_chip(s):,.0f}"  # noqa: E731
     fast = ", --fast-compile" if r.get("fast_compile") else ""
+    if len(r.get("compiled_batches", [])) == 2:
+      fast += ", counts compiled at batch {} and {}, extended linearly (`EXTRAPOLATED`)".format(*r["compiled_batches"])
     mesh = r.get("mesh", [r["chips"], 1])
     out.append(head + f"{r['compiled_for']} ({r['chips']} chips, mesh {mesh[0]}x{mesh[1]}, batch {r['batch']}, "
                f"remat {r.get('remat', remat_of(p.remat))}{fast}) | {per_chip(r['roofline_s']):,.0f} | "
@@ -214,9 +238,14 @@ def render(rows: list[dict], command: str) -> str:
                       for r, m in zip(rows, measured)) + "."]
   missing = [i for i in range(len(_published.PUBLISHED)) if i not in by_row]
   if missing:
-    out += ["", f"Not compiled: rows {', '.join(map(str, missing))}: `python benchmarks/plan_calibration.py --small "
-            f"--rows {','.join(map(str, missing))}` compiles them (the Llama 3.1 v6e-256 rows took longer than this "
-            "shared 2-core machine gave; rows 0 and 1 are counted on v5p chips, `PROXY`)."]
+    v5e = [str(i) for i in missing if _published.PUBLISHED[i].generation == "v5e"]
+    other = [str(i) for i in missing if _published.PUBLISHED[i].generation != "v5e"]
+    cmds = ([f"`python benchmarks/plan_calibration.py --small --rows {','.join(other)}`"] if other else []) + (
+        [f"`python benchmarks/plan_calibration.py --rows {','.join(v5e)}`"] if v5e else [])
+    out += ["", f"Not compiled: rows {', '.join(map(str, missing))}, for lack of time on this shared 2-core machine "
+            "(rows 0 and 1, Llama 3.1 on v6e-256, were left for last: 8B at 4 x 8192 and 70B at 5 x 8192 tokens "
+            f"per chip are the longest compiles of the table); {' and '.join(cmds)} compile them (v5e rows on the "
+            "published 256-chip slice: 16 v5e chips hold too little of these models' weights and moments)."]
   if any(r.get("fast_compile") for r in rows):
     out += ["", "Rows marked `--fast-compile` were compiled with XLA's least execution-time effort "
             "(`planner._compile.FAST_COMPILE`): FLOPs and collectives within 0.5% of the default compile's "
