@@ -24,7 +24,7 @@ from typing import Any
 MAXTEXT = "https://github.com/AI-Hypercomputer/maxtext/blob"
 RECIPES = "https://github.com/AI-Hypercomputer/tpu-recipes/blob"
 TIERING = f"{MAXTEXT}/66266787a6ca847790a3b36f90d8e5338af656f5/docs/reference/models/tiering.md"
-# the commit that wrote both READMEs' tables and the configurations they were measured with
+# the commit that wrote both READMEs' tables, and the configurations and base shape of that commit
 CONFIGS = f"{MAXTEXT}/76bd53b0f44caf989c88189afadeb1062f9254f0/MaxText/configs"
 BASE_YML = f"{CONFIGS}/base.yml"
 
