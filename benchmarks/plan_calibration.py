@@ -45,8 +45,8 @@ SMALL_ROW = {10: "v5p:2x4x4"}
 # v6e rows that do not fit a v6e chip's 31.25 GiB as we compile them (MaxText offloads activations to host; the Llama
 # 3.1 rows' float32 logits over 128,256 words alone take 12.6-21 GiB per chip; Mistral 7B at 6 x 8192 tokens asked
 # 36.1 GiB with remat "full", Llama 2 70B at 3 x 4096 91.6 GiB): their counts are compiled for v5p chips (95 GiB; as
-# many as the row's, or 32 for Llama 2 70B, whose weights and moments need them) and timed at v6e's rates
-PROXY = {0: "v5p:2x2x4", 1: "v5p:2x2x4", 2: "v5p:2x4x4", 11: "v5p:2x2x2", 12: "v5p:2x2x4", 13: "v5p:2x2x2"}
+# many as the row's, or 32 for the 70B models, whose weights and moments need them) and timed at v6e's rates
+PROXY = {0: "v5p:2x2x4", 1: "v5p:2x4x4", 2: "v5p:2x4x4", 11: "v5p:2x2x2", 12: "v5p:2x2x4", 13: "v5p:2x2x2"}
 
 # rows whose program at the published batch does not fit their chips as we compile it (the v5p rows at MaxText's
 # "minimal" remat asked 193-221 GiB of HLO temporaries of 95.7 per chip; the v5e 128B row, 16 rows per data shard,
@@ -54,7 +54,7 @@ PROXY = {0: "v5p:2x2x4", 1: "v5p:2x2x4", 2: "v5p:2x4x4", 11: "v5p:2x2x2", 12: "v
 # at two smaller batches, ``rows`` and 2 x ``rows`` per data shard, and
 # every count (FLOPs, HBM bytes, collective bytes) extended linearly to the published batch (each is affine in the
 # batch: the per-token work, plus the weights' and the optimizer's once per step)
-EXTRAPOLATED = {2: 1, 7: 1, 8: 4, 9: 1, 10: 1}
+EXTRAPOLATED = {1: 1, 2: 1, 7: 1, 8: 4, 9: 1, 10: 1}
 
 
 def remat_of(maxtext: str) -> str:
@@ -173,7 +173,9 @@ def render(rows: list[dict], command: str) -> str:
          "in the script). Planned on: the published slice, or with "
          "`--small` a smaller slice of the generation at the published batch per chip (FLOPs and bytes per chip "
          "the same; the FSDP collectives per chip within (n-1)/n of the published slice's); rows that do not fit a "
-         "v6e chip as compiled here are compiled for as many v5p chips and timed at v6e's rates (`PROXY`).", "",
+         "v6e chip as compiled here are compiled for v5p chips (as many, or 32 for the 70B rows) and timed at v6e's "
+         "rates (`PROXY`); rows that do not fit at the published batch are compiled at two smaller batches and every "
+         "count extended linearly to it (`EXTRAPOLATED`, said in the row).", "",
          "Roofline: the compiled step's max(compute at peak, HBM) + collectives at full ICI bandwidth, an upper "
          "bound on speed. Calibrated: max(compute / a[generation], HBM) + k x collectives, a fraction of peak per "
          "TPU generation and one k, fitted by least squares on log step time (scipy `least_squares`; "
@@ -242,7 +244,7 @@ def render(rows: list[dict], command: str) -> str:
   out += ["", "The remat mapping matters at this band: row 2 as stored before with `dots` (nothing recomputed; compute "
           "5.81 s, roofline 6.78 s per step, `git show 894b35b:benchmarks/results/plan_calibration.json`) reaches 50% "
           "of the published speed at the roofline, as compiled now with `full` (MaxText's `qkv_proj_offloaded` "
-          "recomputes the MLP and the output projection) 60%, beside the other v6e rows' 53-54%."]
+          "recomputes the MLP and the output projection) 60%, beside the other v6e rows' 53-61%."]
   old = [r["row"] for r in rows if "mesh" not in r]
   if old:
     out += ["", f"Row(s) {', '.join(map(str, old))}: stored from the earlier counting (the step compiled unrolled at 1 "

@@ -2,8 +2,8 @@
 
 The roofline (`Planner._roofline`) takes the step as ``max(compute, hbm) + collectives`` at the chip's peak matmul
 rate and full link bandwidth. Measured steps are slower, and by how much depends on the TPU generation (MaxText's
-best runs reach 81-96% of the roofline on v5e, 68% on v5p and 50% on v6e: a v6e chip has 4.7x v5e's peak FLOP/s but
-only 2x its HBM bandwidth and ICI). The rows are `meshdistill.planner._published.PUBLISHED`; the planner compiles
+published runs reach 79-98% of the roofline's speed on v5e, 68-75% on v5p and 53-61% on v6e: a v6e chip has 4.7x
+v5e's peak FLOP/s but 2x its HBM bandwidth and ICI). The rows are `meshdistill.planner._published.PUBLISHED`; the planner compiles
 their plain training step and takes its roofline terms (``benchmarks/plan_calibration.py``). The calibrated step is
 
     step = max(compute / a[generation], hbm) + k * collectives
@@ -171,8 +171,8 @@ def calibrate(terms: Sequence[Sequence[float]], measured: Sequence[float], gener
 # the fit over every row of benchmarks/results/plan_calibration.json (plan_calibration.md; tests/test_plan_cost.py
 # refits it from the json)
 CALIBRATION: Calibration | None = Calibration(
-    a={"v5e": 0.767189, "v5p": 0.692903, "v6e": 0.509601}, a_pooled=0.635269, k=0.000000,
-    band={"v5e": 0.132703, "v5p": 0.073638, "v6e": 0.040492}, band_unseen=0.441955, rows=13)
+    a={"v5e": 0.769585, "v5p": 0.693404, "v6e": 0.521888}, a_pooled=0.632342, k=0.024404,
+    band={"v5e": 0.132703, "v5p": 0.073663, "v6e": 0.148041}, band_unseen=0.470161, rows=14)
 
 
 __all__ = ["A_BOUNDS", "CALIBRATION", "Calibration", "Fit", "HELD_K", "K_BOUNDS", "calibrate", "fit",
