@@ -200,6 +200,8 @@ def render(rows: list[dict], command: str) -> str:
     err = lambda s: per_chip(s) / p.tokens_per_chip - 1  # noqa: E731
     num = lambda s: "n/a" if s != s else f"{per_chip(s):,.0f}"  # noqa: E731
     fast = ", --fast-compile" if r.get("fast_compile") else ""
+    if r["compiled_for"].split(":")[0] != p.generation:
+      fast += f", timed at {p.generation} rates (`PROXY`)"
     if len(r.get("compiled_batches", [])) == 2:
       fast += ", counts compiled at batch {} and {}, extended linearly (`EXTRAPOLATED`)".format(*r["compiled_batches"])
     mesh = r.get("mesh", [r["chips"], 1])
@@ -247,9 +249,11 @@ def render(rows: list[dict], command: str) -> str:
           "recomputes the MLP and the output projection) 60%, beside the other v6e rows' 53-61%."]
   old = [r["row"] for r in rows if "mesh" not in r]
   if old:
-    out += ["", f"Row(s) {', '.join(map(str, old))}: stored from the earlier counting (the step compiled unrolled at 1 "
-            "and 2 blocks, extended linearly to the depth; the same count as the scanned one on the pair of "
-            "tests/test_plan_cost.py), not recompiled here."]
+    out += ["", f"Row(s) {', '.join(map(str, old))}: stored from the earlier counting of this script (commit 8e98687: "
+            "the step compiled unrolled at 1 and 2 blocks, extended linearly to the depth; the same count as the "
+            "scanned one on the pair of tests/test_plan_cost.py), not in the commands above: the scanned compile of "
+            "row 3 at its published batch (4 rows per chip, remat `dots`) asks 284.35 GiB of HLO temporaries of "
+            "95.74 on 16 v5p chips, about 71 GiB per row, so `EXTRAPOLATED` has no two batches that fit."]
   out += ["", "Roofline over published step time per row (how close each measured run came to the roofline): "
           + "; ".join(f"{r['row']} ({pub_of(r).name}, {r['topology']}): {100 * r['roofline_s'] / m:.0f}%"
                       for r, m in zip(rows, measured)) + "."]
@@ -319,7 +323,7 @@ def main() -> int:
         json.dump(stored, f, indent=1)
   with open(MD, "w") as f:
     def rows_of(fast: bool, small: bool) -> list[str]:
-      return [str(r["row"]) for r in stored if bool(r.get("fast_compile")) == fast
+      return [str(r["row"]) for r in stored if bool(r.get("fast_compile")) == fast and "mesh" in r
               and (r["compiled_for"] != r["topology"]) == small]
 
     commands = []
