@@ -293,7 +293,8 @@ def report() -> str:
             + f", k = {CALIBRATION.k:.3f} from {CALIBRATION.rows} rows")
   lines.append("Calibrated columns: the roofline's terms of each row (stored in `plan.jsonl`, not recompiled) "
                "through the model fitted on MaxText's published pod measurements, max(compute / a[generation], HBM) "
-               f"+ k x collectives, with its generation's band (the largest leave-one-out error of that fit; {fitted}); "
+               "+ k x collectives, with its generation's band (the largest leave-one-out error of that fit; "
+               f"{fitted}); "
                "`plan_calibration.md` has the rows, the fit and its errors. The rows compiled before the planner "
                "counted loops whole (every row whose TFLOP column shows no `program's own count`) see one chunk of "
                "the chunked loss's token loop (XLA counts a loop body once), so their logits matmuls are undercounted "

@@ -3,8 +3,9 @@
 The roofline (`Planner._roofline`) takes the step as ``max(compute, hbm) + collectives`` at the chip's peak matmul
 rate and full link bandwidth. Measured steps are slower, and by how much depends on the TPU generation (MaxText's
 published runs reach 79-98% of the roofline's speed on v5e, 68-75% on v5p and 53-61% on v6e: a v6e chip has 4.7x
-v5e's peak FLOP/s but 2x its HBM bandwidth and ICI). The rows are `meshdistill.planner._published.PUBLISHED`; the planner compiles
-their plain training step and takes its roofline terms (``benchmarks/plan_calibration.py``). The calibrated step is
+v5e's peak FLOP/s but 2x its HBM bandwidth and ICI). The rows are `meshdistill.planner._published.PUBLISHED`; the
+planner compiles their plain training step and takes its roofline terms (``benchmarks/plan_calibration.py``). The
+calibrated step is
 
     step = max(compute / a[generation], hbm) + k * collectives
 
