@@ -140,7 +140,7 @@ def _family_rows(rows: dict) -> list[str]:
       name = f"{r['teacher']} -> {r['student']} on {r['target']} ({r['devices']} chips), {key.split(', ', 1)[1]}"
     tm = r["time"]
     mfu = "n/a" if tm.get("mfu") is None else f"{100 * tm['mfu']:.0f}%"
-    cal = None if CALIBRATION is None or tm.get("step_s") is None else CALIBRATION.of(tm)
+    cal = None if CALIBRATION is None or tm.get("step_s") is None else CALIBRATION.of(tm, r["target"].split(":")[0])
     cal_mfu = "" if cal is None else f" (calibrated {100 * cal['mfu']:.0f}%)"
     out.append(f"- {name}: fits: {_fits(r)}, {_gib(r['memory']['total'])} GiB per chip of "
                f"{_gib(r['budget_bytes'])}, mesh {r['mesh']['data']}x{r['mesh']['tensor']}, estimated MFU {mfu}"
@@ -202,7 +202,8 @@ def report() -> str:
       flops += f" + {f['kernels'] / 1e12:.1f} in kernels"
     step = "n/a" if tm["step_s"] is None else f"{tm['step_s']:.2f}"
     mfu = "n/a" if tm["mfu"] is None else f"{100 * tm['mfu']:.0f}%"
-    cal = None if CALIBRATION is None or r.get("budget_bytes") is None else CALIBRATION.of(tm)
+    cal = (None if CALIBRATION is None or r.get("budget_bytes") is None
+           else CALIBRATION.of(tm, r["target"].split(":")[0]))
     cal_step = "n/a" if cal is None else f"{cal['step_s']:.2f}" + (
         "" if cal["band"] is None else f" ({cal['low_s']:.2f}-{cal['high_s']:.2f})")
     cal_mfu = "n/a" if cal is None else f"{100 * cal['mfu']:.0f}%"
@@ -288,11 +289,12 @@ def report() -> str:
   lines.append("")
   fitted = ("n/a: `planner._calibrate.CALIBRATION` holds no fit yet (too few published rows compiled; "
             "`plan_calibration.md`)" if CALIBRATION is None else
-            f"a = {CALIBRATION.a:.3f}, k = {CALIBRATION.k:.3f} from {CALIBRATION.rows} rows, band "
-            f"+-{100 * CALIBRATION.band:.0f}%")
+            ", ".join(f"a[{g}] = {a:.3f} (band +-{100 * CALIBRATION.band[g]:.0f}%)" for g, a in CALIBRATION.a.items())
+            + f", k = {CALIBRATION.k:.3f} from {CALIBRATION.rows} rows")
   lines.append("Calibrated columns: the roofline's terms of each row (stored in `plan.jsonl`, not recompiled) "
-               "through the model fitted on MaxText's published pod measurements, max(compute / a, HBM) + k x "
-               f"collectives, with its band (the largest leave-one-out error of that fit; {fitted}); "
+               "through the model fitted on MaxText's published pod measurements, max(compute / a[generation], HBM) "
+               "+ k x collectives, with its generation's band (the largest leave-one-out error of that fit; "
+               f"{fitted}); "
                "`plan_calibration.md` has the rows, the fit and its errors. The rows compiled before the planner "
                "counted loops whole (every row whose TFLOP column shows no `program's own count`) see one chunk of "
                "the chunked loss's token loop (XLA counts a loop body once), so their logits matmuls are undercounted "

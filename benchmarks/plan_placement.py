@@ -39,7 +39,7 @@ def plan_of(r: dict):
   p.flops = {**f, "split": flops_split(f["matmul_params_teacher"], f["matmul_params_student"], p.batch, p.seq,
                                        p.devices)}
   if _calibrate.CALIBRATION is not None and p.time.get("step_s") is not None:
-    p.time = {**p.time, "calibrated": _calibrate.CALIBRATION.of(p.time)}
+    p.time = {**p.time, "calibrated": _calibrate.CALIBRATION.of(p.time, p.target.split(":")[0])}
   return p
 
 

@@ -9,7 +9,7 @@ import pytest
 import meshdistill as md
 from meshdistill import cli, planner
 from meshdistill.config.sections import OnPolicySettings
-from meshdistill.planner import _calibrate
+from meshdistill.planner import _calibrate, _published
 from meshdistill.planner._cost import flops_split
 from meshdistill.planner._placement import placements
 
@@ -64,47 +64,81 @@ def test_fast_compile_counts_the_flops_and_collectives_of_the_full_compile_and_s
   assert not any(n.startswith("--fast-compile") for n in full.notes)
 
 
-def test_the_fit_recovers_the_parameters_that_made_its_rows_and_reproduces_them():
+def test_the_fit_recovers_a_fraction_of_peak_per_generation_and_the_shared_collective_cost():
   rng = np.random.default_rng(0)
-  terms = np.column_stack([rng.uniform(1, 40, 6), rng.uniform(0.1, 2, 6), rng.uniform(0.5, 10, 6)])
-  measured = _calibrate.predict((0.55, 0.3), terms)
-  a, k = _calibrate.fit(terms, measured)
-  assert (a, k) == pytest.approx((0.55, 0.3), rel=1e-4)
-  assert np.allclose(_calibrate.predict((a, k), terms), measured, rtol=1e-5)
-  assert np.allclose(_calibrate.leave_one_out(terms, measured), measured, rtol=1e-4)
+  terms = np.column_stack([rng.uniform(1, 40, 9), rng.uniform(0.1, 2, 9), rng.uniform(0.5, 10, 9)])
+  gens = ["v5e"] * 3 + ["v5p"] * 3 + ["v6e"] * 3
+  true = _calibrate.Fit(a={"v5e": 0.8, "v5p": 0.65, "v6e": 0.5}, a_pooled=0.6, k=0.3)
+  measured = true.predict(terms, gens)
+  f = _calibrate.fit(terms, measured, gens)
+  assert f.a == pytest.approx(true.a, rel=1e-4) and f.k == pytest.approx(0.3, rel=1e-4)
+  assert np.allclose(f.predict(terms, gens), measured, rtol=1e-5)
+  assert np.allclose(_calibrate.leave_one_out(terms, measured, gens), measured, rtol=1e-4)
+  # a generation left out gets the pooled fraction of the others: v6e (0.5) predicted from 0.65-0.8 is too fast
+  lgo = np.array(_calibrate.leave_generation_out(terms, measured, gens))
+  assert np.all(lgo[6:] < measured[6:] * 0.9)
   # a row off the model: its leave-one-out error shows it, the others stay close
   off = measured.copy()
   off[0] *= 1.5
-  loo = np.array(_calibrate.leave_one_out(terms, off))
-  assert abs(loo[0] / off[0] - 1) > 0.2 and np.all(np.abs(loo[1:] / off[1:] - 1) < 0.2)
+  loo = np.array(_calibrate.leave_one_out(terms, off, gens))
+  assert abs(loo[0] / off[0] - 1) > 0.2 and np.all(np.abs(loo[3:] / off[3:] - 1) < 0.2)
+  # no generation with two rows: k cannot be told from the fractions and is held
+  assert _calibrate.fit(terms[[0, 3, 6]], measured[[0, 3, 6]], ["v5e", "v5p", "v6e"]).k == _calibrate.HELD_K
+  with pytest.raises(ValueError, match="one length"):
+    _calibrate.fit(terms, measured, gens[:-1])
 
 
 def test_the_stored_calibration_is_the_fit_of_the_published_rows_and_reproduces_them():
+  """Refits from the stored json (no compile): the constants in `_calibrate.CALIBRATION` are that fit's, and its
+  predictions on the fitted rows are the refit's."""
   with open(RESULTS) as f:
     rows = json.load(f)
+  pubs = [_published.PUBLISHED[r["row"]] for r in rows]
   terms = [(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in rows]
-  measured = [_calibrate.PUBLISHED[r["row"]].step_seconds for r in rows]
+  measured = [p.step_seconds for p in pubs]
+  gens = [p.generation for p in pubs]
+  assert all(r["topology"] == p.topology and r["seq"] == p.seq for r, p in zip(rows, pubs))
   # the roofline is an upper bound on speed: every published step is slower than its roofline
   assert rows and all(max(c, h) + m < s for (c, h, m), s in zip(terms, measured))
   stored = _calibrate.CALIBRATION
-  if len(rows) < 2:  # no fit to check: plans print the roofline only
-    assert stored is None
-    return
-  cal = _calibrate.calibrate(terms, measured)
-  assert stored.rows == len(rows) and (cal.a, cal.k, cal.band) == pytest.approx((stored.a, stored.k, stored.band),
-                                                                                rel=1e-3, abs=1e-4)
-  fitted = _calibrate.predict((stored.a, stored.k), terms)
-  # every fitted row within the band the planner prints (the largest leave-one-out error bounds the in-sample ones)
-  assert np.all(np.abs(fitted / np.array(measured) - 1) <= stored.band + 1e-9)
+  cal = _calibrate.calibrate(terms, measured, gens)
+  assert stored.rows == len(rows) and stored.a.keys() == cal.a.keys() and stored.band.keys() == cal.band.keys()
+  assert stored.a == pytest.approx(cal.a, rel=1e-3) and stored.band == pytest.approx(cal.band, rel=1e-3, abs=1e-4)
+  assert (stored.a_pooled, stored.k, stored.band_unseen) == pytest.approx((cal.a_pooled, cal.k, cal.band_unseen),
+                                                                           rel=1e-3, abs=1e-4)
+  fitted = stored.predict(terms, gens)
+  assert np.allclose(fitted, cal.predict(terms, gens), rtol=2e-3)
+  # every fitted row within its generation's band (the largest leave-one-out error bounds the in-sample ones)
+  assert all(abs(p / m - 1) <= stored.band[g] + 1e-3 for p, m, g in zip(fitted, measured, gens))
+
+
+def test_the_published_rows_are_consistent_with_their_sources_arithmetic():
+  from meshdistill.planner import TPU_CHIPS  # pylint: disable=g-import-not-at-top
+
+  assert {g: TPU_CHIPS[g].peak_bf16_flops for g in _published.PEAK_FLOPS} == _published.PEAK_FLOPS
+  # MaxText's global_parameter_scale 128 (December 2023): heads and MLP x8, embedding and layers x4
+  assert _published.maxtext_2023_shape(128) == {"emb": 10240, "heads": 64, "head_dim": 256, "mlp": 65536,
+                                                "layers": 64, "vocab": 32768}
+  for s in (16, 32, 64, 128):  # "16B" ... "128B": the parameter counts the names say
+    assert _published.maxtext_2023_params(s) / 1e9 == pytest.approx(s, rel=0.03)
+  for p in _published.PUBLISHED:  # tokens/s x chips x step time = the global batch's tokens
+    assert p.tokens_per_chip * p.chips * p.step_seconds == pytest.approx(p.batch * p.seq)
+    assert 0.3 < p.mfu < 0.75 and p.generation in _published.PEAK_FLOPS
+  with pytest.raises(ValueError, match="topology"):
+    _published.Published("x", "llama2-70b", "v9z:2x2", 4, 2048, 8, "full", 1.0, 0.5, "")
 
 
 def test_a_plan_prints_the_calibrated_step_beside_the_roofline():
-  cal = _calibrate.Calibration(a=0.5, k=0.25, band=0.1, rows=4)
+  cal = _calibrate.Calibration(a={"v5e": 0.5}, a_pooled=0.4, k=0.25, band={"v5e": 0.1}, band_unseen=0.3, rows=4)
   time = {"compute_s": 1.0, "hbm_s": 0.5, "comm_s": 0.4, "step_s": 1.4, "mfu": 0.7, "tokens_per_s": 1000.0}
-  out = cal.of(time)
+  out = cal.of(time, "v5e")
   assert out["step_s"] == pytest.approx(2.0 + 0.1) and out["low_s"] == pytest.approx(0.9 * 2.1)
   assert out["mfu"] == pytest.approx(0.7 * 1.4 / 2.1) and out["tokens_per_s"] == pytest.approx(1000 * 1.4 / 2.1)
-  assert cal.of({"step_s": None}) is None
+  assert not out["pooled"]
+  # a generation without published rows: the pooled fraction and the leave-generation-out band
+  unseen = cal.of(time, "tpu7x")
+  assert unseen["step_s"] == pytest.approx(2.5 + 0.1) and unseen["band"] == 0.3 and unseen["pooled"]
+  assert cal.of({"step_s": None}, "v5e") is None
 
 
 @needs_libtpu

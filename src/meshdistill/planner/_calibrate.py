@@ -1,19 +1,25 @@
-"""The roofline held against published pod measurements: a step-time model with two fitted parameters.
+"""The roofline held against published pod measurements: a fraction of peak per TPU generation and one collective cost.
 
 The roofline (`Planner._roofline`) takes the step as ``max(compute, hbm) + collectives`` at the chip's peak matmul
-rate and full link bandwidth. Measured steps are slower. `PUBLISHED` holds MaxText's published pretraining
-measurements on TPU pods (model, slice, sequence, global batch and remat as its recipes state them); the planner
-compiles the same plain training step (the teacher-less `Distiller` with `NextTokenCE`, weights and moments split
-over every chip as MaxText's FSDP does) and takes its roofline terms. The calibrated step is
+rate and full link bandwidth. Measured steps are slower, and by how much depends on the TPU generation (MaxText's
+published runs reach 79-98% of the roofline's speed on v5e, 68-75% on v5p and 53-61% on v6e: a v6e chip has 4.7x
+v5e's peak FLOP/s but 2x its HBM bandwidth and ICI). The rows are `meshdistill.planner._published.PUBLISHED`; the
+planner compiles their plain training step and takes its roofline terms (``benchmarks/plan_calibration.py``). The
+calibrated step is
 
-    step = max(compute / a, hbm) + k * collectives
+    step = max(compute / a[generation], hbm) + k * collectives
 
-``a``: the fraction of peak the step's matmuls reach; ``k``: the collectives' cost per second of ideal ring traffic
-(``(1 - overlap) / link efficiency``: 0 when fully hidden behind compute). Both are fitted by least squares on the
-log of the measured / estimated step time (`fit`), checked by leaving each row out (`leave_one_out`); with only
-two rows ``k`` is held at 1 (no overlap) and ``a`` alone fitted, so a row can still be left out. `CALIBRATION`
-holds the fit over every row, with its leave-one-out errors as the band the planner prints beside the estimate;
-``benchmarks/plan_calibration.py`` recomputes the rows and the fit.
+``a[g]``: the fraction of peak the step's matmuls reach on generation ``g``; ``k``: the collectives' cost per second
+of ideal ring traffic (``(1 - overlap) / link efficiency``: 0 when fully hidden behind compute), one for every
+generation. All are fitted together by least squares on the log of the predicted / measured step time (`fit`). A
+generation without rows takes ``a_pooled``, one fraction fitted over every row (with the same ``k``). While no
+generation has two rows ``k`` cannot be told from the fractions: it is held at `HELD_K` (collectives not hidden).
+
+Checks: `leave_one_out` predicts each row from the fit over the others (a row alone in its generation is then
+predicted with the pooled fraction); `leave_generation_out` predicts every row of a generation from the other
+generations' rows (what a plan on a generation without published rows, e.g. tpu7x, can expect). `CALIBRATION` holds
+the fit over every stored row with, per generation, its largest leave-one-out error as the band the planner prints
+beside the estimate, and the largest leave-generation-out error as the band of a generation without rows.
 """
 
 from __future__ import annotations
@@ -25,164 +31,150 @@ from typing import Sequence
 import numpy as np
 from scipy.optimize import least_squares
 
-MAXTEXT = "https://github.com/AI-Hypercomputer/maxtext/blob"
-RECIPES = "https://github.com/AI-Hypercomputer/tpu-recipes/blob"
-TIERING = f"{MAXTEXT}/66266787a6ca847790a3b36f90d8e5338af656f5/docs/reference/models/tiering.md"
-
-# Llama-2-70b-hf's config.json (the shape fields); MaxText's llama2-70b model_type is this shape
-LLAMA2_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 8192,
-              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-              "num_key_value_heads": 8, "hidden_act": "silu", "max_position_embeddings": 4096,
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
-
-# MaxText's synthetic 16B model (MaxText/configs/v5e/16b.sh: global_parameter_scale=16 over base.yml's base_emb_dim
-# 2048, base_num_query_heads = base_num_kv_heads = 16, base_mlp_dim 7168, base_num_decoder_layers 16, head_dim 128:
-# embedding x2, heads and MLP x4, layers x2), vocabulary 32,000, untied, as a config.json
-MAXTEXT_16B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
-               "intermediate_size": 28672, "num_hidden_layers": 32, "num_attention_heads": 64,
-               "num_key_value_heads": 64, "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 2048,
-               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
-# global_parameter_scale 32: embedding, heads and MLP x4, layers x2; 64: the same, layers x4
-MAXTEXT_32B = {**MAXTEXT_16B, "hidden_size": 8192}
-MAXTEXT_64B = {**MAXTEXT_32B, "num_hidden_layers": 64}
-MODELS = {"llama2-70b": LLAMA2_70B, "maxtext-16b": MAXTEXT_16B, "maxtext-32b": MAXTEXT_32B,
-          "maxtext-64b": MAXTEXT_64B}  # models of the rows that are not planner presets
-V5E_README = f"{MAXTEXT}/0ed7bd529b9d690570473c3525d1efeda6b6c944/MaxText/configs/v5e/README.md"
+# while no generation has two rows, ``k`` is held here: collectives not hidden at all
+HELD_K = 1.0
+A_BOUNDS = (0.05, 1.0)
+K_BOUNDS = (0.0, 10.0)
 
 
 @dataclasses.dataclass(frozen=True)
-class Published:
-  """One published measurement: plain pretraining of ``model`` on ``topology`` (all chips FSDP), as stated."""
+class Fit:
+  """``step = max(compute / a[generation], hbm) + k * collectives``; ``a_pooled`` for a generation not in ``a``."""
 
-  name: str
-  model: str  # a planner preset, or "llama2-70b" (`LLAMA2_70B`)
-  topology: str  # libtpu's name of the slice
-  chips: int
-  seq: int
-  batch: int  # global: per_device_batch_size x chips
-  remat: str  # MaxText's remat_policy in the recipe
-  tokens_per_chip: float  # tokens / s / chip
-  mfu: float  # as published (MaxText's FLOPs count)
-  source: str  # the page the numbers are from and the file the configuration is from (commit pinned)
-
-  @property
-  def step_seconds(self) -> float:
-    return self.batch * self.seq / (self.tokens_per_chip * self.chips)
-
-
-PUBLISHED: tuple[Published, ...] = (
-    Published("Llama 3.1 8B", "llama3.1-8b", "v6e:16x16", 256, 8192, 4 * 256, "custom (decoder input, q/k/v/out "
-              "projections offloaded to host)", 7207.336, 0.4546,
-              f"{TIERING} (Trillium gold); {RECIPES}/a9e09290174425595a0ef6ec5f765d5f04360423/training/trillium/"
-              "Llama3.1-8B-MaxText/v6e-256/README.md (llama3_1_8b_8192: per_device_batch_size 4, log line "
-              "4.546 s/step)"),
-    Published("Llama 3.1 70B", "llama3.1-70b", "v6e:16x16", 256, 8192, 5 * 256, "custom (decoder input, q/k/v "
-              "projections offloaded to host)", 960.0, 0.5033,
-              f"{TIERING} (Trillium gold); {MAXTEXT}/92e59fdf547421f647590087f50fea5729da42d8/benchmarks/"
-              "maxtext_trillium_model_configs.py#L959 (llama3_1-70b-8192: per_device_batch_size 5)"),
-    Published("Llama 2 70B", "llama2-70b", "v6e:16x16", 256, 4096, 3 * 256, "qkv_proj_offloaded", 905.021, 0.438,
-              f"{TIERING} (Trillium gold, 900 tokens/s); {RECIPES}/9e458c71883a862cb3ba0cd466a223b8a9cba426/"
-              "training/trillium/Llama2-70B-MaxText/README.md (llama2_70b_4096_sc: per_device_batch_size 3, log "
-              "line 9.052 s/step, 905.021 tokens/s/device; its total_weights 2,097,152 = 512 x 4096 says the "
-              "logged run had 2 rows per chip: the stated 3 are planned, compared at the published tokens/s/chip)"),
-    Published("Llama 2 70B", "llama2-70b", "v5p:8x8x8", 512, 4096, 4 * 512, "save_dot_except_mlpwi", 692.0, 0.654,
-              f"{TIERING} (v5p gold, 512 chips); {MAXTEXT}/92e59fdf547421f647590087f50fea5729da42d8/benchmarks/"
-              "maxtext_v5p_model_configs.py#L156 (llama2_70b_v5p_128: per_device_batch_size 4)"),
-    Published("MaxText 16B", "maxtext-16b", "v5e:16x16", 256, 2048, 6 * 256, "full", 1186.67, 0.611,
-              f"{V5E_README} (1x v5e-256: 120 "
-              "TFLOP/s/chip, 61.10% MFU; tokens/s/chip = 0.611 x 197 TFLOP/s over MaxText's training FLOPs per "
-              "token, 6 N + 12 L H hd T with N = 15,831,666,688 (its non-causal attention count; the causal one "
-              f"gives 3.3% more)); {MAXTEXT}/07775101f8aa8329d71765c5633d980bf6b3afac/MaxText/configs/v5e/16b.sh "
-              "(per_device_batch_size 6, remat_policy full, max_target_length 2048, attention flash); "
-              f"{MAXTEXT}/315ebb593a8ef40f4dfff2534238c0beb9402f9d/MaxText/configs/base.yml (the base shape)"),
-    Published("MaxText 32B", "maxtext-32b", "v5e:16x16", 256, 2048, 4 * 256, "full", 670.57, 0.6686,
-              f"{V5E_README} (1x v5e-256: 132 TFLOP/s/chip, 66.86% MFU; tokens/s/chip as the 16B row's, N = "
-              f"31,663,333,376; causal: 1.7% more); {MAXTEXT}/07775101f8aa8329d71765c5633d980bf6b3afac/MaxText/"
-              "configs/v5e/32b.sh (global_parameter_scale 32, per_device_batch_size 4, remat_policy full)"),
-    Published("MaxText 64B", "maxtext-64b", "v5e:16x16", 256, 2048, 2 * 256, "full", 302.81, 0.599,
-              f"{V5E_README} (1x v5e-256: 118 TFLOP/s/chip, 59.90% MFU; tokens/s/chip as the 16B row's, N = "
-              f"62,802,370,560; causal: 1.7% more); {MAXTEXT}/0ea0637a218e5c77ec7adc5c90725df35d227b1c/MaxText/"
-              "configs/v5e/64b.sh (global_parameter_scale 64, per_device_batch_size 2, remat_policy full)"),
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-  """``step = max(compute / a, hbm) + k * collectives`` and the relative error band of its estimates."""
-
-  a: float  # achieved fraction of peak matmul rate
+  a: dict[str, float]  # TPU generation (e.g. "v5e") -> achieved fraction of peak matmul rate
+  a_pooled: float  # one fraction over every row: a generation without rows
   k: float  # seconds per second of ideal collective time (not hidden behind compute)
-  band: float  # leave-one-out: the largest relative error of a row's step time predicted without that row
-  rows: int  # published rows fitted
 
-  def step_seconds(self, compute_s: float, hbm_s: float, comm_s: float | None) -> float:
-    return max(compute_s / self.a, hbm_s) + self.k * (comm_s or 0.0)
+  def fraction(self, generation: str) -> float:
+    return self.a.get(generation, self.a_pooled)
 
-  def of(self, time: dict) -> dict | None:
-    """The calibrated figures of a plan's roofline ``time`` (None when it has no step time)."""
+  def step_seconds(self, compute_s: float, hbm_s: float, comm_s: float | None, generation: str) -> float:
+    return max(compute_s / self.fraction(generation), hbm_s) + self.k * (comm_s or 0.0)
+
+  def predict(self, terms: Sequence[Sequence[float]], generations: Sequence[str]) -> np.ndarray:
+    """Step seconds of rows of roofline ``(compute_s, hbm_s, comm_s)`` on ``generations``."""
+    return np.array([self.step_seconds(*t, g) for t, g in zip(np.asarray(terms, float), generations)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration(Fit):
+  """The fit over every published row and its error bands (relative, on step time)."""
+
+  band: dict[str, float] = dataclasses.field(default_factory=dict)  # generation -> largest leave-one-out error
+  band_unseen: float = math.nan  # largest leave-generation-out error: the band of a generation without rows
+  rows: int = 0  # published rows fitted
+
+  def band_of(self, generation: str) -> float | None:
+    """The relative error band of an estimate on ``generation`` (None when too few rows to tell)."""
+    band = self.band.get(generation, self.band_unseen)
+    return None if math.isnan(band) else band
+
+  def of(self, time: dict, generation: str) -> dict | None:
+    """The calibrated figures of a plan's roofline ``time`` on TPU ``generation`` (None when it has no step time)."""
     if time.get("step_s") is None:
       return None
-    step = self.step_seconds(time["compute_s"], time["hbm_s"], time["comm_s"])
+    step = self.step_seconds(time["compute_s"], time["hbm_s"], time["comm_s"], generation)
     scale = time["step_s"] / step
-    band = None if math.isnan(self.band) else self.band  # no leave-one-out with fewer than 3 rows
+    band = self.band_of(generation)
     return {"step_s": step, "low_s": None if band is None else step * (1 - band),
             "high_s": None if band is None else step * (1 + band),
-            "mfu": time["mfu"] * scale, "tokens_per_s": time["tokens_per_s"] * scale, "band": band}
+            "mfu": time["mfu"] * scale, "tokens_per_s": time["tokens_per_s"] * scale, "band": band,
+            "generation": generation, "a": self.fraction(generation), "pooled": generation not in self.a,
+            "k": self.k}
 
 
-def _predict(params: np.ndarray, terms: np.ndarray) -> np.ndarray:
-  a, k = params
+def _step(a: np.ndarray, k: float, terms: np.ndarray) -> np.ndarray:
   return np.maximum(terms[:, 0] / a, terms[:, 1]) + k * terms[:, 2]
 
 
-def fit(terms: Sequence[Sequence[float]], measured: Sequence[float], k: float | None = None) -> tuple[float, float]:
-  """Least squares of ``log(predicted / measured)`` over rows of roofline ``(compute_s, hbm_s, comm_s)``:
-  ``(a, k)`` with ``0.05 <= a <= 1`` and ``0 <= k <= 10``; a given ``k`` is held and ``a`` alone fitted."""
-  terms, measured = np.asarray(terms, float), np.asarray(measured, float)
-  need = 1 if k is not None else 2
-  if len(terms) < need:
-    raise ValueError(f"fit needs at least {need} measured row(s) for its {need} parameter(s), got {len(terms)}")
-  if k is not None:
-    res = least_squares(lambda p: np.log(_predict(np.array([p[0], k]), terms) / measured), x0=[0.6],
-                        bounds=([0.05], [1.0]))
-    return float(res.x[0]), float(k)
-  res = least_squares(lambda p: np.log(_predict(p, terms) / measured), x0=[0.6, 0.5],
-                      bounds=([0.05, 0.0], [1.0, 10.0]))
-  return float(res.x[0]), float(res.x[1])
+def _solve(residual, x0s: Sequence[Sequence[float]], lower: Sequence[float], upper: Sequence[float]) -> np.ndarray:
+  """`least_squares` from each start in ``x0s`` (the max() makes the cost piecewise): the lowest cost's solution."""
+  best = None
+  for x0 in x0s:
+    res = least_squares(residual, x0=x0, bounds=(lower, upper))
+    if best is None or res.cost < best.cost - 1e-12:
+      best = res
+  return best.x
 
 
-def predict(params: tuple[float, float], terms: Sequence[Sequence[float]]) -> np.ndarray:
-  return _predict(np.asarray(params, float), np.asarray(terms, float))
+def fit(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
+        k: float | None = None) -> Fit:
+  """Least squares of ``log(predicted / measured)`` over rows of roofline ``(compute_s, hbm_s, comm_s)`` measured on
+  TPU ``generations``: one ``a`` per generation in ``A_BOUNDS``, a shared ``k`` in ``K_BOUNDS`` (a given ``k`` is
+  held; `HELD_K` while no generation has two rows), and ``a_pooled``, one ``a`` for every row at that ``k``."""
+  terms, measured = np.asarray(terms, float).reshape(-1, 3), np.asarray(measured, float)
+  if len(terms) == 0 or len(terms) != len(measured) or len(terms) != len(generations):
+    raise ValueError(f"fit needs rows of terms, measured step times and generations of one length, got "
+                     f"{len(terms)}, {len(measured)}, {len(generations)}")
+  if np.any(measured <= 0) or np.any(terms[:, 0] <= 0):
+    raise ValueError("fit needs positive measured step times and compute terms")
+  gens = sorted(set(generations))
+  idx = np.array([gens.index(g) for g in generations])
+  if k is None and len(terms) <= len(gens):
+    k = HELD_K
+  n = len(gens)
+
+  def residual(p):
+    return np.log(_step(p[idx], p[n] if k is None else k, terms) / measured)
+
+  lower, upper = [A_BOUNDS[0]] * n, [A_BOUNDS[1]] * n
+  if k is None:
+    x = _solve(residual, [[0.6] * n + [k0] for k0 in (0.0, 0.5, 2.0)], lower + [K_BOUNDS[0]], upper + [K_BOUNDS[1]])
+    k = float(x[n])
+  else:
+    x = _solve(residual, [[0.6] * n], lower, upper)
+  pooled = _solve(lambda p: np.log(_step(p[0], k, terms) / measured), [[0.6]], [A_BOUNDS[0]], [A_BOUNDS[1]])
+  return Fit(a={g: float(x[i]) for i, g in enumerate(gens)}, a_pooled=float(pooled[0]), k=float(k))
 
 
-def leave_one_out(terms: Sequence[Sequence[float]], measured: Sequence[float], k: float | None = None) -> list[float]:
-  """Each row's step time predicted by the fit over the other rows (``k`` as in `fit`)."""
+def leave_one_out(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
+                  k: float | None = None) -> list[float]:
+  """Each row's step time predicted by the fit over the other rows (its generation's ``a`` from that generation's
+  other rows; the pooled one when it is the only row of its generation)."""
   terms, measured = np.asarray(terms, float), np.asarray(measured, float)
   out = []
   for i in range(len(terms)):
     keep = np.arange(len(terms)) != i
-    out.append(float(predict(fit(terms[keep], measured[keep], k), terms[i:i + 1])[0]))
+    f = fit(terms[keep], measured[keep], [g for j, g in enumerate(generations) if j != i], k)
+    out.append(float(f.predict(terms[i:i + 1], [generations[i]])[0]))
   return out
 
 
-# with fewer rows than 3 (two parameters and one left out) ``k`` is held at 1: collectives not hidden at all
-HELD_K = 1.0
+def leave_generation_out(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
+                         k: float | None = None) -> list[float]:
+  """Each row's step time predicted by the fit over the rows of the OTHER generations (the pooled ``a``): how far
+  off a plan on a generation without published rows can be. NaN for every row when there is one generation."""
+  terms, measured = np.asarray(terms, float), np.asarray(measured, float)
+  gens = np.asarray(generations)
+  out = []
+  for i in range(len(terms)):
+    keep = gens != gens[i]
+    if not keep.any():
+      out.append(math.nan)
+      continue
+    f = fit(terms[keep], measured[keep], list(gens[keep]), k)
+    out.append(float(f.predict(terms[i:i + 1], [generations[i]])[0]))
+  return out
 
 
-def calibrate(terms: Sequence[Sequence[float]], measured: Sequence[float]) -> Calibration:
-  """The fit over every row, its band the largest leave-one-out relative error; with 2 rows ``a`` alone is fitted
-  (``k = HELD_K``) so that one row can still be left out."""
-  k = None if len(terms) >= 3 else HELD_K
-  a, k = fit(terms, measured, k)
-  loo = leave_one_out(terms, measured, None if len(terms) >= 3 else HELD_K) if len(terms) >= 2 else []
-  band = max((abs(p / m - 1) for p, m in zip(loo, measured)), default=math.nan)
-  return Calibration(a=a, k=k, band=band, rows=len(terms))
+def calibrate(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str]) -> Calibration:
+  """The fit over every row; per generation, the band is its rows' largest leave-one-out error, and a generation
+  without rows takes the largest leave-generation-out error (NaN where rows are too few to leave one out)."""
+  f = fit(terms, measured, generations)
+  loo = leave_one_out(terms, measured, generations) if len(terms) >= 2 else [math.nan] * len(terms)
+  lgo = leave_generation_out(terms, measured, generations)
+  err = lambda p, m: float(abs(p / m - 1))  # noqa: E731
+  band = {g: max(err(p, m) for p, m, h in zip(loo, measured, generations) if h == g) for g in f.a}
+  unseen = max((err(p, m) for p, m in zip(lgo, measured) if not math.isnan(p)), default=math.nan)
+  return Calibration(a=f.a, a_pooled=f.a_pooled, k=f.k, band=band, band_unseen=unseen, rows=len(measured))
 
 
-# the fit over every `PUBLISHED` row (benchmarks/results/plan_calibration.md; tests/test_plan_cost.py refits it)
-CALIBRATION: Calibration | None = Calibration(a=0.658556, k=0.000000, band=0.463442, rows=5)
+# the fit over every row of benchmarks/results/plan_calibration.json (plan_calibration.md; tests/test_plan_cost.py
+# refits it from the json)
+CALIBRATION: Calibration | None = Calibration(
+    a={"v5e": 0.769585, "v5p": 0.693404, "v6e": 0.521888}, a_pooled=0.632342, k=0.024404,
+    band={"v5e": 0.132703, "v5p": 0.073663, "v6e": 0.148041}, band_unseen=0.470161, rows=14)
 
 
-__all__ = ["CALIBRATION", "Calibration", "LLAMA2_70B", "MAXTEXT_16B", "MAXTEXT_32B", "MAXTEXT_64B",
-           "MODELS", "PUBLISHED", "Published", "calibrate", "fit",
-           "HELD_K", "leave_one_out", "predict"]
+__all__ = ["A_BOUNDS", "CALIBRATION", "Calibration", "Fit", "HELD_K", "K_BOUNDS", "calibrate", "fit",
+           "leave_generation_out", "leave_one_out"]

@@ -235,7 +235,7 @@ class Planner:
     chip = self.target.chip
     peak = None if chip is None else self.target.per_device(chip.peak_bf16_flops)
     p.time["mfu_split"] = mfu_split(p.flops["split"], p.time.get("step_s"), peak)
-    p.time["calibrated"] = None if chip is None or CALIBRATION is None else CALIBRATION.of(p.time)
+    p.time["calibrated"] = None if chip is None or CALIBRATION is None else CALIBRATION.of(p.time, chip.family)
     if uncounted:
       p.time["why"] = f"loops: {uncounted}"
     if counts is not None:

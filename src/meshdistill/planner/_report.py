@@ -169,9 +169,11 @@ class Plan:
       comm = "n/a (no ICI bandwidth known)" if t["comm_s"] is None else f"{1e3 * t['comm_s']:.1f} ms"
       cal = t.get("calibrated")
       if cal:
-        band = ("no band: fewer than 3 published rows" if cal["band"] is None else
-                f"band {1e3 * cal['low_s']:.1f}-{1e3 * cal['high_s']:.1f} ms: +-{100 * cal['band']:.0f}%, the largest "
-                "leave-one-out error on published pod runs")
+        what = (f"no published {cal['generation']} rows: the pooled fraction of peak, the band the largest "
+                "leave-generation-out error" if cal.get("pooled") else "the largest leave-one-out error on "
+                f"published {cal.get('generation', '')} pod runs")
+        band = ("no band: too few published rows" if cal["band"] is None else
+                f"band {1e3 * cal['low_s']:.1f}-{1e3 * cal['high_s']:.1f} ms: +-{100 * cal['band']:.0f}%, {what}")
         lines.append(f"calibrated step time {1e3 * cal['step_s']:.1f} ms ({band}); MFU {100 * cal['mfu']:.1f}%, "
                      f"{cal['tokens_per_s']:,.0f} tokens/s")
       lines.append(f"roofline step time {1e3 * t['step_s']:.1f} ms (an upper bound on speed) = max(compute "
