@@ -292,8 +292,8 @@ def report() -> str:
             ", ".join(f"a[{g}] = {a:.3f} (band +-{100 * CALIBRATION.band[g]:.0f}%)" for g, a in CALIBRATION.a.items())
             + f", k = {CALIBRATION.k:.3f} from {CALIBRATION.rows} rows")
   lines.append("Calibrated columns: the roofline's terms of each row (stored in `plan.jsonl`, not recompiled) "
-               "through the model fitted on MaxText's published pod measurements, max(compute / a[generation], HBM) "
-               "+ k x collectives, with its generation's band (the largest leave-one-out error of that fit; "
+               "through the model fitted on MaxText's published pod measurements, max(compute / a[generation], HBM, "
+               "collectives) + k x collectives, with its generation's band (the largest leave-one-out error of that fit; "
                f"{fitted}); "
                "`plan_calibration.md` has the rows, the fit and its errors. The rows compiled before the planner "
                "counted loops whole (every row whose TFLOP column shows no `program's own count`) see one chunk of "

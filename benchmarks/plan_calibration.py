@@ -177,7 +177,7 @@ def render(rows: list[dict], command: str) -> str:
          "rates (`PROXY`); rows that do not fit at the published batch are compiled at two smaller batches and every "
          "count extended linearly to it (`EXTRAPOLATED`, said in the row).", "",
          "Roofline: the compiled step's max(compute at peak, HBM) + collectives at full ICI bandwidth, an upper "
-         "bound on speed. Calibrated: max(compute / a[generation], HBM) + k x collectives, a fraction of peak per "
+         "bound on speed. Calibrated: max(compute / a[generation], HBM, collectives) + k x collectives, a fraction of peak per "
          "TPU generation and one k, fitted by least squares on log step time (scipy `least_squares`; "
          "`planner._calibrate`). *Fit*: every row in the fit. *Leave-one-out* (LOO): each row predicted by the fit "
          "over the others (a row alone in its generation then gets the pooled fraction, one `a` over the other "

@@ -64,6 +64,15 @@ def test_fast_compile_counts_the_flops_and_collectives_of_the_full_compile_and_s
   assert not any(n.startswith("--fast-compile") for n in full.notes)
 
 
+def test_a_calibrated_step_is_never_shorter_than_its_collectives_at_full_bandwidth():
+  f = _calibrate.Fit(a={"v5e": 0.8}, a_pooled=0.6, k=0.02)
+  # collectives mostly hidden where compute dominates, as the published rows showed
+  assert f.step_seconds(8.0, 1.0, 0.5, "v5e") == pytest.approx(8.0 / 0.8 + 0.02 * 0.5)
+  # where they outweigh compute and HBM (a large teacher gathered under FSDP) the step takes at least their time
+  assert f.step_seconds(1.0, 2.0, 6.0, "v5e") == pytest.approx(6.0 + 0.02 * 6.0)
+  assert f.predict([[1.0, 2.0, 6.0]], ["tpu7x"])[0] == pytest.approx(6.0 + 0.02 * 6.0)
+
+
 def test_the_fit_recovers_a_fraction_of_peak_per_generation_and_the_shared_collective_cost():
   rng = np.random.default_rng(0)
   terms = np.column_stack([rng.uniform(1, 40, 9), rng.uniform(0.1, 2, 9), rng.uniform(0.5, 10, 9)])
