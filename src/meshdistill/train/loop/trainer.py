@@ -72,7 +72,9 @@ class FitOptions:
       steps (all steps in the first window). A run that never gets past its first log compiles one
       step. Which steps run light depends on the step number and the settings only, so a resumed run
       runs the same program as the uninterrupted one at every step and resumes bit for bit whether or
-      not a compiler rounds the two programs' updates alike. False: every step computes every metric.
+      not a compiler rounds the two programs' updates alike (a run stopped between two logs, by
+      ``stop_after`` or a signal, logs what its light steps computed: ``loss``, ``grad_norm``, ``tokens``).
+      False: every step computes every metric.
   """
 
   steps: int | None
