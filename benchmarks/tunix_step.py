@@ -195,13 +195,14 @@ class TunixPair:
   fsdp: int
   tp: int
   student_remat: str = "decoder"
-  flash: bool = False
+  flash: bool = False  # splash attention in the models whose tunix family offers it (Qwen3)
   tiny: bool = False
 
   def __post_init__(self):
     self.mesh = tunix_mesh(self.devices, self.fsdp, self.tp)
-    self.t_cfg = model_config(self.teacher, "none", self.flash, self.tiny)
-    self.s_cfg = model_config(self.student, self.student_remat, self.flash, self.tiny)
+    has_flash = lambda name: self.flash and MODELS[name][0] == "qwen3"  # noqa: E731 -- Llama3 has no splash option
+    self.t_cfg = model_config(self.teacher, "none", has_flash(self.teacher), self.tiny)
+    self.s_cfg = model_config(self.student, self.student_remat, has_flash(self.student), self.tiny)
     if self.t_cfg.vocab_size != self.s_cfg.vocab_size:
       raise ValueError(f"teacher vocab {self.t_cfg.vocab_size} != student vocab {self.s_cfg.vocab_size}")
     self.vocab = self.s_cfg.vocab_size

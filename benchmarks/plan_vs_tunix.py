@@ -1,0 +1,279 @@
+"""Per-chip memory of tunix's distillation and meshdistill's at real sizes, compiled for one TPU slice on this host.
+
+For each pair (Llama-3.1-8B -> Llama-3.2-1B, Qwen3-4B -> Qwen3-0.6B), sequence length and global batch, two systems
+are compiled for the same TPU topology (default ``v5e:4x4``: 16 chips of 16 GiB) with libtpu's compiler, on abstract
+arrays (nothing is allocated, no TPU is needed):
+
+* **tunix** (`benchmarks/tunix_step.py`): its teacher program (the teacher forward whose ``[B, T-1, V]`` logits it
+  keeps) and its train step (its trainer's ``_train_step``: `LogitStrategy` loss, one-hot float32 labels, adamw on
+  the student's ``nnx.Optimizer``), on a ``fsdp x tp`` mesh. Per chip: each program's arguments + outputs + temp
+  (less aliased) and the peak of the pair: the teacher program with the student and its optimizer state resident,
+  the train step with the teacher's weights resident (the logits live between them).
+* **meshdistill**: ``meshdistill.plan`` (the planner compiles the one program ``meshdistill distill`` runs: teacher
+  forward, chunked loss, student backward and update) for the same pair, topology, batch and sequence.
+
+Both are held to the same limit: 90% of the chip's HBM (the planner's headroom); a compile that runs out of HBM does
+not fit either. Every compiled point is appended to ``results/plan_vs_tunix.jsonl`` (a rerun skips it);
+``--render`` writes ``results/plan_vs_tunix.md`` from that file alone.
+
+  python benchmarks/plan_vs_tunix.py --search tunix qwen3 2048      # batch search for one system / pair / seq
+  python benchmarks/plan_vs_tunix.py --search meshdistill qwen3 2048
+  python benchmarks/plan_vs_tunix.py --render
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+JSONL = os.path.join(RESULTS, "plan_vs_tunix.jsonl")
+MD = os.path.join(RESULTS, "plan_vs_tunix.md")
+GIB = 2**30
+HBM = 16 * GIB  # v5e
+HEADROOM = 0.9  # the planner's (and `distill`'s) limit: 90% of the chip's HBM
+TOPOLOGY = "v5e:4x4"
+
+PAIRS = {"llama": ("llama3.1-8b", "llama3.2-1b"), "qwen3": ("qwen3-4b", "qwen3-0.6b")}
+SYSTEMS = ("tunix", "meshdistill")
+# what each side is given (the render prints these)
+TUNIX_MESH = (16, 1)  # fsdp x tp: every weight, moment and sequence split over all 16 chips
+TUNIX_REMAT = "decoder"  # the student's `RematConfig.DECODER`: the leanest of tunix's remat options
+MD_OVERRIDES = ("mesh.fsdp=true",)  # weights and moments split over `data` too, as tunix's fsdp does
+MD_REMAT, MD_CHUNK = "full", 1024
+
+
+def _key(r: dict) -> tuple:
+  return (r["system"], r["pair"], r["seq"], r["batch"])
+
+
+def load() -> dict[tuple, dict]:
+  rows = {}
+  if os.path.isfile(JSONL):
+    with open(JSONL, encoding="utf-8") as f:
+      for line in f:
+        r = json.loads(line)
+        rows[_key(r)] = r
+  return rows
+
+
+def compile_point(system: str, pair: str, seq: int, batch: int, topology: str = TOPOLOGY) -> dict:
+  """Compiles one (system, pair, seq, batch) in this process and returns its record."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from meshdistill.planner._hardware import tpu_target  # pylint: disable=g-import-not-at-top
+
+  teacher, student = PAIRS[pair]
+  t0 = time.perf_counter()
+  rec = {"system": system, "pair": pair, "teacher": teacher, "student": student, "seq": seq, "batch": batch,
+         "topology": topology, "limit_bytes": int(HEADROOM * HBM)}
+  if system == "tunix":
+    import tunix_step  # pylint: disable=g-import-not-at-top
+
+    fsdp, tp = TUNIX_MESH
+    flash = seq >= 1024  # Qwen3's splash attention (tunix's block is 1024 tokens); Llama3 has none
+    p = tunix_step.TunixPair(teacher, student, tpu_target(topology).devices, fsdp=fsdp, tp=tp,
+                             student_remat=TUNIX_REMAT, flash=flash)
+    out = p.compile(batch, seq)
+    rec.update(out, mesh={"fsdp": fsdp, "tp": tp}, remat=TUNIX_REMAT, flash=flash and pair == "qwen3")
+    rec["fits"] = out["peak"] is not None and out["peak"] <= rec["limit_bytes"]
+    rec["total"] = out["peak"]
+  elif system == "meshdistill":
+    import meshdistill as md  # pylint: disable=g-import-not-at-top
+
+    p = md.plan(teacher, student, topology=topology, batch=batch, seq=seq, remat=MD_REMAT, chunk_size=MD_CHUNK,
+                suggest=0, overrides=MD_OVERRIDES)
+    d = p.to_dict()
+    rec.update(memory=d["memory"], mesh=d["mesh"], remat=MD_REMAT, chunk_size=MD_CHUNK, overrides=list(MD_OVERRIDES),
+               attention=d.get("attention"), oom=d.get("oom"), compile_seconds=d.get("compile_seconds"))
+    rec["total"] = d["memory"]["total"]
+    rec["fits"] = bool(d["fits"]) and rec["total"] is not None and rec["total"] <= rec["limit_bytes"]
+  else:
+    raise ValueError(f"system={system!r}; choose one of {SYSTEMS}")
+  rec["wall_seconds"] = time.perf_counter() - t0
+  rec["host"] = f"{os.cpu_count()} cores, Python {platform.python_version()}"
+  return rec
+
+
+def _run_point(system: str, pair: str, seq: int, batch: int) -> dict | None:
+  """One point in a fresh process (each 8B compile holds GBs of host memory), appended to the jsonl."""
+  cmd = [sys.executable, __file__, "--one", system, pair, str(seq), str(batch)]
+  print(f"compiling {system} {pair} seq {seq} batch {batch}", flush=True)
+  subprocess.run(cmd, check=False)
+  return load().get((system, pair, seq, batch))
+
+
+def search(system: str, pair: str, seq: int, start: int, step: int, max_points: int) -> None:
+  """The largest fitting batch among multiples of ``step``: doubling from ``start`` until one does not fit, then
+  halving the gap; stored points are reused, at most ``max_points`` new compiles."""
+  done = load()
+  compiled = 0
+
+  def fits(batch: int) -> bool | None:
+    nonlocal compiled
+    r = done.get((system, pair, seq, batch))
+    if r is None:
+      if compiled >= max_points:
+        return None
+      compiled += 1
+      r = _run_point(system, pair, seq, batch)
+      if r is None:
+        print(f"  {system} {pair} seq {seq} batch {batch}: no record (the compile failed)", flush=True)
+        return None
+      done[_key(r)] = r
+    print(f"  {system} {pair} seq {seq} batch {batch}: total {_gib(r['total'])} GiB, fits {r['fits']}", flush=True)
+    return r["fits"]
+
+  lo, hi, b = None, None, start
+  while True:
+    f = fits(b)
+    if f is None:
+      return
+    if f:
+      lo, b = b, b * 2
+    else:
+      hi = b
+      break
+  if lo is None:
+    return
+  while hi - lo > step:
+    mid = (lo + hi) // 2 // step * step
+    f = fits(mid)
+    if f is None:
+      return
+    lo, hi = (mid, hi) if f else (lo, mid)
+
+
+def _gib(x) -> str:
+  return "n/a" if x is None else f"{x / GIB:.2f}"
+
+
+def largest(rows: dict, system: str, pair: str, seq: int, step: int) -> str:
+  """The largest batch measured to fit, with the smallest measured not to (and whether the gap is closed)."""
+  pts = sorted((r["batch"], r["fits"]) for k, r in rows.items() if k[:3] == (system, pair, seq))
+  ok = [b for b, f in pts if f]
+  bad = [b for b, f in pts if not f and (not ok or b > max(ok))]
+  if not pts:
+    return "not compiled"
+  if not ok:
+    return f"none (the smallest compiled, {min(b for b, _ in pts)}, does not fit)"
+  best = max(ok)
+  if not bad:
+    return f">= {best} (no larger batch compiled)"
+  first_bad = min(bad)
+  return f"{best}" if first_bad - best <= step else f"{best} (<{first_bad}; batches between not compiled)"
+
+
+def _tunix_cell(r: dict, prog: str) -> str:
+  m = r[prog]
+  return "out of HBM" if "oom" in m else _gib(m["total"])
+
+
+def render() -> str:
+  rows = load()
+  lines = [
+      "# tunix vs meshdistill: per-chip memory at real sizes (v5e-16, compiled on a CPU host)",
+      "",
+      "Made by `python benchmarks/plan_vs_tunix.py --search SYSTEM PAIR SEQ` (one compile per batch, each in its own "
+      "process, appended to `plan_vs_tunix.jsonl`) and `python benchmarks/plan_vs_tunix.py --render` (this file, "
+      "from the jsonl alone). Every number below is libtpu's compiler's `memory_analysis()` of a program compiled for "
+      f"the TPU topology `{TOPOLOGY}` (16 v5e chips, 16 GiB HBM each) on abstract arrays: nothing ran on a TPU.",
+      "",
+      "## What each side compiled",
+      "",
+      "**tunix 0.1.7** (`benchmarks/tunix_step.py`), as its trainer runs logit distillation and as its documented "
+      "example (`examples/logit_distillation.ipynb`) sets it up: its own `Llama3` / `Qwen3` models (`ModelConfig."
+      "llama3p1_8b()`, `llama3p2_1b()`, `qwen3_4b()`, `qwen3_0p6b()`), weights stored in bfloat16 as the example "
+      "restores them, placed by the models' own sharding annotations on a `(fsdp, tp)` = "
+      f"{TUNIX_MESH[0]} x {TUNIX_MESH[1]} mesh (every weight, optimizer moment and sequence split over all 16 chips: "
+      "the layout of its configs that holds the least per chip; with `tp` > 1 its `shard_input` still splits the "
+      "batch over `fsdp` only, so the teacher logits per chip grow), the student with `RematConfig.DECODER` (its "
+      "leanest remat), Qwen3 with its splash attention (`use_flash_attention`, Llama3 has no such option) and bfloat16 "
+      "compute. Two programs, each tunix's own code: (a) the teacher program, `LogitStrategy.get_teacher_outputs` "
+      "(its `nnx.jit` teacher forward, `logits[:, :-1, :]`), its inputs the `gen_model_input_fn` outputs (tokens, "
+      "mask, positions, a `[B, T, T]` causal mask) split over `fsdp`; (b) the train step, the trainer's own "
+      "`_train_step` under `nnx.jit(..., donate_argnames=('optimizer',))` with the trainer's `nnx.Optimizer` "
+      "(`optax.adamw`, moments in the weights' bfloat16), the teacher logits an argument, labels one-hot float32 "
+      "`[B, T-1, V]` (its `labels_fn`). The model's activation constraints (`shard`) are applied as on a TPU host "
+      "(on a CPU host tunix skips them). Pair peak = max(teacher program + student weights and moments resident, "
+      "train step + teacher weights resident); the teacher logits are the teacher program's output and the train "
+      "step's argument.",
+      "",
+      "**meshdistill**: `meshdistill.plan(teacher, student, topology=..., batch=..., seq=..., remat='full', "
+      f"chunk_size={MD_CHUNK}, overrides={list(MD_OVERRIDES)})`: the one program `meshdistill distill` runs (teacher "
+      "forward under `stop_gradient`, the LogitKD loss chunked over 1024 tokens, the student's backward and AdamW "
+      "update), student weights and moments float32, teacher weights float32 (the planner's default "
+      "`teacher.param_dtype`), compute bfloat16, XLA attention, the planner's mesh (`auto`) with weights and moments "
+      "split over `data` too (`mesh.fsdp=true`, as tunix's `fsdp`). Its total is that one program's arguments + "
+      "outputs + temp - aliased.",
+      "",
+      f"Fits: total (tunix: the pair's peak) <= {HEADROOM:.0%} of 16 GiB = {HEADROOM * 16:.1f} GiB per chip, and the "
+      "compile did not run out of HBM. GiB per chip.",
+      "",
+  ]
+  for pair, (teacher, student) in PAIRS.items():
+    for seq in sorted({k[2] for k in rows if k[1] == pair}):
+      lines += [f"## {teacher} -> {student}, T = {seq}", "",
+                "| global batch | tunix teacher program | tunix train step | tunix teacher logits (resident) "
+                "| tunix peak | tunix fits | meshdistill (mesh) | meshdistill fits |",
+                "|---:|---:|---:|---:|---:|---|---:|---|"]
+      for batch in sorted({k[3] for k in rows if k[1] == pair and k[2] == seq}):
+        t, m = rows.get(("tunix", pair, seq, batch)), rows.get(("meshdistill", pair, seq, batch))
+        tc = ["-"] * 5 if t is None else [
+            _tunix_cell(t, "teacher_program"), _tunix_cell(t, "train_step"), _gib(t["resident"]["teacher_logits"]),
+            _gib(t["peak"]), "yes" if t["fits"] else "**no**"]
+        if m is None:
+          mc = ["-", "-"]
+        else:
+          mesh = "x".join(str(v) for v in m["mesh"].values())
+          mc = [("out of HBM" if m["total"] is None else _gib(m["total"])) + f" ({mesh})",
+                "yes" if m["fits"] else "**no**"]
+        lines.append(f"| {batch} | " + " | ".join(tc + mc) + " |")
+      lines += ["", f"Largest batch that fits: tunix {largest(rows, 'tunix', pair, seq, 16)}; meshdistill "
+                    f"{largest(rows, 'meshdistill', pair, seq, 8)}.", ""]
+  lines += ["## Where the difference comes from", "", "(see below)", ""]
+  lines.append(f"Compiled with Python {platform.python_version()} on {os.cpu_count()} CPU cores.")
+  return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--search", nargs=3, metavar=("SYSTEM", "PAIR", "SEQ"), help=f"systems {SYSTEMS}, pairs "
+                  f"{sorted(PAIRS)}")
+  ap.add_argument("--start", type=int, default=16, help="first global batch of --search")
+  ap.add_argument("--step", type=int, default=16, help="batch granularity of --search (the data-parallel size)")
+  ap.add_argument("--max-points", type=int, default=4, help="new compiles --search may make")
+  ap.add_argument("--render", action="store_true", help=f"write {os.path.relpath(MD, HERE)} from the jsonl")
+  ap.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # SYSTEM PAIR SEQ BATCH, in this process
+  args = ap.parse_args()
+  os.makedirs(RESULTS, exist_ok=True)
+  if args.one:
+    system, pair, seq, batch = args.one
+    if pair not in PAIRS:
+      raise SystemExit(f"pair={pair!r}; choose one of {sorted(PAIRS)}")
+    r = compile_point(system, pair, int(seq), int(batch))
+    with open(JSONL, "a", encoding="utf-8") as f:
+      f.write(json.dumps(r) + "\n")
+    print(f"{system} {pair} T={seq} B={batch}: {_gib(r['total'])} GiB per chip, fits={r['fits']}, "
+          f"{r['wall_seconds']:.0f} s", flush=True)
+    return 0
+  if args.search:
+    system, pair, seq = args.search
+    if system not in SYSTEMS or pair not in PAIRS:
+      raise SystemExit(f"--search {system} {pair}: systems {SYSTEMS}, pairs {sorted(PAIRS)}")
+    search(system, pair, int(seq), args.start, args.step, args.max_points)
+  if args.render or not args.search:
+    text = render()
+    with open(MD, "w", encoding="utf-8") as f:
+      f.write(text)
+    print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
