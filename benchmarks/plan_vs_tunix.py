@@ -45,7 +45,8 @@ SYSTEMS = ("tunix", "meshdistill")
 # what each side is given (the render prints these)
 TUNIX_MESH = (16, 1)  # fsdp x tp: every weight, moment and sequence split over all 16 chips
 TUNIX_REMAT = "decoder"  # the student's `RematConfig.DECODER`: the leanest of tunix's remat options
-MD_OVERRIDES = ("mesh.fsdp=true",)  # weights and moments split over `data` too, as tunix's fsdp does
+# weights and moments split over `data` too, as tunix's fsdp does; the teacher stored in bfloat16, as tunix's is
+MD_OVERRIDES = ("mesh.fsdp=true", "teacher.param_dtype=bfloat16")
 MD_REMAT, MD_CHUNK = "full", 1024
 
 
@@ -174,6 +175,46 @@ def _tunix_cell(r: dict, prog: str) -> str:
   return "out of HBM" if "oom" in m else _gib(m["total"])
 
 
+def _why(rows: dict) -> list[str]:
+  """One paragraph per pair / seq, from the largest batch both sides compiled: what tunix holds per chip that
+  meshdistill does not (its numbers from the records; the one-hot labels' size from their shape)."""
+  out = []
+  for pair, (teacher, student) in PAIRS.items():
+    for seq in sorted({k[2] for k in rows if k[1] == pair}):
+      both = [b for (s, p, q, b) in rows if s == "tunix" and p == pair and q == seq
+              and ("meshdistill", pair, seq, b) in rows]
+      if not both:
+        continue
+      batch = max(both)
+      t, m = rows[("tunix", pair, seq, batch)], rows[("meshdistill", pair, seq, batch)]
+      per_chip = batch // t["mesh"]["fsdp"]
+      b, length, vocab = t["logits_shape"]
+      labels = per_chip * length * vocab * 4
+      step = t["train_step"]
+      text = (f"{teacher} -> {student}, T = {seq}, batch {batch} ({per_chip} sequence(s) per chip): tunix's teacher "
+              f"program returns its logits [{b}, {length}, {vocab}] in {t['logits_dtype']}, "
+              f"{_gib(t['resident']['teacher_logits'])} GiB per chip, which the train step then takes as an argument; "
+              f"inside the train step its `labels_fn` builds one-hot float32 labels of the same shape "
+              f"({_gib(labels)} GiB per chip) and `LogitStrategy.compute_loss` casts both logits to float32 and takes "
+              f"full-vocabulary softmaxes of each")
+      if "oom" in step:
+        text += f"; the train step ran out of HBM ({step['oom'][:160]})"
+      else:
+        text += (f" (train step temp {_gib(step['temp'])} GiB, arguments {_gib(step['arguments'])} GiB, of which "
+                 f"weights and moments {_gib(t['resident']['student_weights'] + t['resident']['optimizer_state'])})")
+      mm = m["memory"]
+      if m["total"] is None:
+        text += "; meshdistill's step ran out of HBM at this batch."
+      else:
+        text += (f". meshdistill's one program holds no [B, T, V] array: the teacher's logits are made and consumed "
+                 f"{MD_CHUNK} tokens at a time inside the loss, with the labels as int32 ids; its whole step is "
+                 f"{_gib(m['total'])} GiB per chip (temp {_gib(mm['temp'])}, teacher weights "
+                 f"{_gib(mm['teacher_weights'])}, student weights {_gib(mm['student_weights'])} and moments "
+                 f"{_gib(mm['optimizer_state'])} in float32) against tunix's peak of {_gib(t['peak'])}.")
+      out += [text, ""]
+  return out or ["(no batch compiled by both sides yet)"]
+
+
 def render() -> str:
   rows = load()
   lines = [
@@ -207,9 +248,10 @@ def render() -> str:
       "**meshdistill**: `meshdistill.plan(teacher, student, topology=..., batch=..., seq=..., remat='full', "
       f"chunk_size={MD_CHUNK}, overrides={list(MD_OVERRIDES)})`: the one program `meshdistill distill` runs (teacher "
       "forward under `stop_gradient`, the LogitKD loss chunked over 1024 tokens, the student's backward and AdamW "
-      "update), student weights and moments float32, teacher weights float32 (the planner's default "
-      "`teacher.param_dtype`), compute bfloat16, XLA attention, the planner's mesh (`auto`) with weights and moments "
-      "split over `data` too (`mesh.fsdp=true`, as tunix's `fsdp`). Its total is that one program's arguments + "
+      "update), student weights and AdamW moments float32 (mixed precision: tunix's student and moments are "
+      "bfloat16, half the bytes), teacher weights bfloat16 as tunix's (`teacher.param_dtype=bfloat16`), compute "
+      "bfloat16, XLA attention, the planner's mesh (`auto`) with weights and moments split over `data` too "
+      "(`mesh.fsdp=true`, as tunix's `fsdp`). Its total is that one program's arguments + "
       "outputs + temp - aliased.",
       "",
       f"Fits: total (tunix: the pair's peak) <= {HEADROOM:.0%} of 16 GiB = {HEADROOM * 16:.1f} GiB per chip, and the "
@@ -236,7 +278,7 @@ def render() -> str:
         lines.append(f"| {batch} | " + " | ".join(tc + mc) + " |")
       lines += ["", f"Largest batch that fits: tunix {largest(rows, 'tunix', pair, seq, 16)}; meshdistill "
                     f"{largest(rows, 'meshdistill', pair, seq, 8)}.", ""]
-  lines += ["## Where the difference comes from", "", "(see below)", ""]
+  lines += ["## Where the difference comes from", ""] + _why(rows) + [""]
   lines.append(f"Compiled with Python {platform.python_version()} on {os.cpu_count()} CPU cores.")
   return "\n".join(lines) + "\n"
 
