@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 JSONL = os.path.join(RESULTS, "plan_vs_tunix.jsonl")
@@ -170,6 +172,22 @@ def largest(rows: dict, system: str, pair: str, seq: int, step: int) -> str:
   return f"{best}" if first_bad - best <= step else f"{best} (<{first_bad}; batches between not compiled)"
 
 
+def linear_estimate(rows: dict, system: str, pair: str, seq: int, step: int) -> str:
+  """The largest multiple of ``step`` whose memory, on the straight line through the compiled points that have a
+  total (least squares in batch), stays under the limit: an estimate where the search's gap is not closed."""
+  pts = sorted((r["batch"], r["total"]) for k, r in rows.items() if k[:3] == (system, pair, seq) and r["total"])
+  if len(pts) < 2:
+    return "n/a (fewer than two compiled points)"
+  xs, ys = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
+  slope, intercept = np.polyfit(xs, ys, 1)
+  limit = HEADROOM * HBM
+  if slope <= 0:
+    return "n/a (memory does not grow with batch on the compiled points)"
+  batch = int((limit - intercept) / slope) // step * step
+  return f"~{batch} ({_gib(intercept)} GiB + {slope * step / GIB:.3f} GiB per {step} sequences, from batches " \
+         f"{', '.join(str(int(x)) for x in xs)})"
+
+
 def _tunix_cell(r: dict, prog: str) -> str:
   m = r[prog]
   return "out of HBM" if "oom" in m else _gib(m["total"])
@@ -194,9 +212,10 @@ def _why(rows: dict) -> list[str]:
       text = (f"{teacher} -> {student}, T = {seq}, batch {batch} ({per_chip} sequence(s) per chip): tunix's teacher "
               f"program returns its logits [{b}, {length}, {vocab}] in {t['logits_dtype']}, "
               f"{_gib(t['resident']['teacher_logits'])} GiB per chip, which the train step then takes as an argument; "
-              f"inside the train step its `labels_fn` builds one-hot float32 labels of the same shape "
-              f"({_gib(labels)} GiB per chip) and `LogitStrategy.compute_loss` casts both logits to float32 and takes "
-              f"full-vocabulary softmaxes of each")
+              f"inside the train step its `labels_fn` returns one-hot float32 labels of the same shape "
+              f"({_gib(labels)} GiB per chip where materialised; XLA may fuse them into the loss) and "
+              f"`LogitStrategy.compute_loss` casts both logits to float32 and takes full-vocabulary softmaxes of "
+              f"each")
       if "oom" in step:
         text += f"; the train step ran out of HBM ({step['oom'][:160]})"
       else:
@@ -276,8 +295,10 @@ def render() -> str:
           mc = [("out of HBM" if m["total"] is None else _gib(m["total"])) + f" ({mesh})",
                 "yes" if m["fits"] else "**no**"]
         lines.append(f"| {batch} | " + " | ".join(tc + mc) + " |")
-      lines += ["", f"Largest batch that fits: tunix {largest(rows, 'tunix', pair, seq, 16)}; meshdistill "
-                    f"{largest(rows, 'meshdistill', pair, seq, 8)}.", ""]
+      lines += ["", f"Largest batch compiled that fits: tunix {largest(rows, 'tunix', pair, seq, 16)}; meshdistill "
+                    f"{largest(rows, 'meshdistill', pair, seq, 16)}.", "",
+                f"Straight-line estimate (not compiled): tunix {linear_estimate(rows, 'tunix', pair, seq, 16)}; "
+                f"meshdistill {linear_estimate(rows, 'meshdistill', pair, seq, 16)}.", ""]
   lines += ["## Where the difference comes from", ""] + _why(rows) + [""]
   lines.append(f"Compiled with Python {platform.python_version()} on {os.cpu_count()} CPU cores.")
   return "\n".join(lines) + "\n"
