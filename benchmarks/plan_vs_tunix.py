@@ -50,18 +50,22 @@ TUNIX_REMAT = "decoder"  # the student's `RematConfig.DECODER`: the leanest of t
 # weights and moments split over `data` too, as tunix's fsdp does; the teacher stored in bfloat16, as tunix's is
 MD_OVERRIDES = ("mesh.fsdp=true", "teacher.param_dtype=bfloat16")
 MD_REMAT, MD_CHUNK = "full", 1024
+MD_SPLASH_FROM = 8192  # from this length meshdistill is given its splash attention (tunix's Qwen3 has its own)
 
 
 def _key(r: dict) -> tuple:
   return (r["system"], r["pair"], r["seq"], r["batch"])
 
 
-def load() -> dict[tuple, dict]:
+def load(superseded: list | None = None) -> dict[tuple, dict]:
+  """The newest record of each (system, pair, seq, batch); older ones of the same key go to ``superseded``."""
   rows = {}
   if os.path.isfile(JSONL):
     with open(JSONL, encoding="utf-8") as f:
       for line in f:
         r = json.loads(line)
+        if _key(r) in rows and superseded is not None:
+          superseded.append(rows[_key(r)])
         rows[_key(r)] = r
   return rows
 
@@ -89,8 +93,9 @@ def compile_point(system: str, pair: str, seq: int, batch: int, topology: str = 
   elif system == "meshdistill":
     import meshdistill as md  # pylint: disable=g-import-not-at-top
 
+    attention = "splash" if seq >= MD_SPLASH_FROM else None
     p = md.plan(teacher, student, topology=topology, batch=batch, seq=seq, remat=MD_REMAT, chunk_size=MD_CHUNK,
-                suggest=0, overrides=MD_OVERRIDES)
+                suggest=0, overrides=MD_OVERRIDES, attention=attention)
     d = p.to_dict()
     rec.update(memory=d["memory"], mesh=d["mesh"], remat=MD_REMAT, chunk_size=MD_CHUNK, overrides=list(MD_OVERRIDES),
                attention=d.get("attention"), oom=d.get("oom"), compile_seconds=d.get("compile_seconds"))
@@ -235,7 +240,8 @@ def _why(rows: dict) -> list[str]:
 
 
 def render() -> str:
-  rows = load()
+  older = []
+  rows = load(older)
   lines = [
       "# tunix vs meshdistill: per-chip memory at real sizes (v5e-16, compiled on a CPU host)",
       "",
@@ -270,7 +276,8 @@ def render() -> str:
       "update), student weights and AdamW moments float32 (mixed precision: tunix's student and moments are "
       "bfloat16, half the bytes), teacher weights bfloat16 as tunix's (`teacher.param_dtype=bfloat16`), compute "
       "bfloat16, XLA attention, the planner's mesh (`auto`) with weights and moments split over `data` too "
-      "(`mesh.fsdp=true`, as tunix's `fsdp`). Its total is that one program's arguments + "
+      "(`mesh.fsdp=true`, as tunix's `fsdp`), XLA attention at T < " f"{MD_SPLASH_FROM} and its splash attention "
+      f"(`attention='splash'`) at T >= {MD_SPLASH_FROM}. Its total is that one program's arguments + "
       "outputs + temp - aliased.",
       "",
       f"Fits: total (tunix: the pair's peak) <= {HEADROOM:.0%} of 16 GiB = {HEADROOM * 16:.1f} GiB per chip, and the "
@@ -300,6 +307,12 @@ def render() -> str:
                 f"Straight-line estimate (not compiled): tunix {linear_estimate(rows, 'tunix', pair, seq, 16)}; "
                 f"meshdistill {linear_estimate(rows, 'meshdistill', pair, seq, 16)}.", ""]
   lines += ["## Where the difference comes from", ""] + _why(rows) + [""]
+  if older:
+    lines += ["Points compiled earlier with other settings (replaced above by a later compile of the same system, "
+              "pair, T and batch):", ""]
+    lines += [f"- {r['system']} {r['teacher']} -> {r['student']}, T = {r['seq']}, batch {r['batch']}, attention "
+              f"{r.get('attention') or 'auto'}: {_gib(r['total'])} GiB per chip" for r in older]
+    lines.append("")
   lines.append(f"Compiled with Python {platform.python_version()} on {os.cpu_count()} CPU cores.")
   return "\n".join(lines) + "\n"
 
