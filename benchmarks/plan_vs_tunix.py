@@ -275,7 +275,7 @@ def render() -> str:
       "forward under `stop_gradient`, the LogitKD loss chunked over 1024 tokens, the student's backward and AdamW "
       "update), student weights and AdamW moments float32 (mixed precision: tunix's student and moments are "
       "bfloat16, half the bytes), teacher weights bfloat16 as tunix's (`teacher.param_dtype=bfloat16`), compute "
-      "bfloat16, XLA attention, the planner's mesh (`auto`) with weights and moments split over `data` too "
+      "bfloat16, the planner's mesh (`auto`) with weights and moments split over `data` too "
       "(`mesh.fsdp=true`, as tunix's `fsdp`), XLA attention at T < " f"{MD_SPLASH_FROM} and its splash attention "
       f"(`attention='splash'`) at T >= {MD_SPLASH_FROM}. Its total is that one program's arguments + "
       "outputs + temp - aliased.",
