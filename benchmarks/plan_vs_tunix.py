@@ -307,6 +307,14 @@ def render() -> str:
                 f"Straight-line estimate (not compiled): tunix {linear_estimate(rows, 'tunix', pair, seq, 16)}; "
                 f"meshdistill {linear_estimate(rows, 'meshdistill', pair, seq, 16)}.", ""]
   lines += ["## Where the difference comes from", ""] + _why(rows) + [""]
+  lines += [
+      "What the per-chip figures leave out, each in tunix's favour: its trainer keeps up to "
+      "`max_inflight_computations=2` steps in flight, so the next batch's teacher logits can be alive during a train "
+      "step (one more logits array per chip than counted here); its `_prepare_inputs` builds the teacher's inputs "
+      "before `shard_input`, so on a pod they arrive unplaced, while here they are given split over `fsdp`; its "
+      "student and AdamW moments are bfloat16 (meshdistill's float32: 0.3-0.9 GiB per chip more on its side for "
+      "these students). The pair's peak also assumes nothing else of the teacher program's output stays alive.",
+      ""]
   if older:
     lines += ["Points compiled earlier with other settings (replaced above by a later compile of the same system, "
               "pair, T and batch):", ""]
