@@ -268,7 +268,8 @@ def render() -> str:
       "`[B, T-1, V]` (its `labels_fn`). The model's activation constraints (`shard`) are applied as on a TPU host "
       "(on a CPU host tunix skips them). Pair peak = max(teacher program + student weights and moments resident, "
       "train step + teacher weights resident); the teacher logits are the teacher program's output and the train "
-      "step's argument.",
+      "step's argument. On 16 chips tunix's smallest useful batch is 16, one sequence per chip: `shard_input` "
+      "replicates a batch that `fsdp` does not divide on every chip.",
       "",
       "**meshdistill**: `meshdistill.plan(teacher, student, topology=..., batch=..., seq=..., remat='full', "
       f"chunk_size={MD_CHUNK}, overrides={list(MD_OVERRIDES)})`: the one program `meshdistill distill` runs (teacher "
