@@ -309,6 +309,15 @@ def render() -> str:
                 f"meshdistill {linear_estimate(rows, 'meshdistill', pair, seq, 16)}.", ""]
   lines += ["## Where the difference comes from", ""] + _why(rows) + [""]
   lines += [
+      "Reading the tables: at T = 2048 and a small batch the two are close (tunix's bfloat16 student and moments and "
+      "its teacher forward in a program of its own keep its fixed part small); what separates them is the growth per "
+      "sequence (the straight-line slopes above), where tunix pays for `[B, T-1, V]` arrays -- the teacher logits kept "
+      "between its programs (float32 for Qwen3, whose head returns float32; bfloat16 for Llama3), the float32 casts "
+      "and softmaxes of both logits and the one-hot float32 labels in the train step -- and meshdistill for one "
+      "chunk of them. At T = 8192 Llama3's tunix model has no splash option, so part of that pair's gap is "
+      "attention (XLA's `[b, H, T, T]` scores in the student's backward) and not logits; the Qwen3 pair, splash on "
+      "both sides, isolates the logits.",
+      "",
       "What the per-chip figures leave out, each in tunix's favour: its trainer keeps up to "
       "`max_inflight_computations=2` steps in flight, so the next batch's teacher logits can be alive during a train "
       "step (one more logits array per chip than counted here); its `_prepare_inputs` builds the teacher's inputs "
