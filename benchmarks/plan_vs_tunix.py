@@ -4,7 +4,7 @@ For each pair (Llama-3.1-8B -> Llama-3.2-1B, Qwen3-4B -> Qwen3-0.6B), sequence l
 are compiled for the same TPU topology (default ``v5e:4x4``: 16 chips of 16 GiB) with libtpu's compiler, on abstract
 arrays (nothing is allocated, no TPU is needed):
 
-* **tunix** (`benchmarks/tunix_step.py`): its teacher program (the teacher forward whose ``[B, T-1, V]`` logits it
+* **tunix** (`benchmarks/bench/tunix_step.py`): its teacher program (the teacher forward whose ``[B, T-1, V]`` logits it
   keeps) and its train step (its trainer's ``_train_step``: `LogitStrategy` loss, one-hot float32 labels, adamw on
   the student's ``nnx.Optimizer``), on a ``fsdp x tp`` mesh. Per chip: each program's arguments + outputs + temp
   (less aliased) and the peak of the pair: the teacher program with the student and its optimizer state resident,
@@ -80,7 +80,7 @@ def compile_point(system: str, pair: str, seq: int, batch: int, topology: str = 
   rec = {"system": system, "pair": pair, "teacher": teacher, "student": student, "seq": seq, "batch": batch,
          "topology": topology, "limit_bytes": int(HEADROOM * HBM)}
   if system == "tunix":
-    import tunix_step  # pylint: disable=g-import-not-at-top
+    from bench import tunix_step  # pylint: disable=g-import-not-at-top
 
     fsdp, tp = TUNIX_MESH
     flash = seq >= 1024  # Qwen3's splash attention (tunix's block is 1024 tokens); Llama3 has none
@@ -252,7 +252,7 @@ def render() -> str:
       "",
       "## What each side compiled",
       "",
-      "**tunix 0.1.7** (`benchmarks/tunix_step.py`), as its trainer runs logit distillation and as its documented "
+      "**tunix 0.1.7** (`benchmarks/bench/tunix_step.py`), as its trainer runs logit distillation and as its documented "
       "example (`examples/logit_distillation.ipynb`) sets it up: its own `Llama3` / `Qwen3` models (`ModelConfig."
       "llama3p1_8b()`, `llama3p2_1b()`, `qwen3_4b()`, `qwen3_0p6b()`), weights stored in bfloat16 as the example "
       "restores them, placed by the models' own sharding annotations on a `(fsdp, tp)` = "
