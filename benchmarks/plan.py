@@ -161,6 +161,9 @@ def _family_rows(rows: dict) -> list[str]:
           "(`--set teacher.param_dtype=bfloat16`) and `data` over all 16 chips was not compiled.", ""]
   return out
 
+PLACEMENT_K = 32  # top-k a cache / remote teacher keeps per token in plan.md's placement section
+
+
 def report() -> str:
   rows = {}
   if os.path.isfile(JSONL):
@@ -300,7 +303,12 @@ def report() -> str:
                "the chunked loss's token loop (XLA counts a loop body once), so their logits matmuls are undercounted "
                "in both estimates (about 10 TFLOP per chip of 8B -> 1B on v5e-16: 96.5 against 107.0 counted whole); "
                "a re-run of those rows (`python benchmarks/plan.py --rows ...`) counts them.")
-  lines.append("")
+  from bench import placement  # pylint: disable=g-import-not-at-top
+
+  lines += ["", f"## Where the teacher should live (`--placement {PLACEMENT_K}`)", "",
+            f"`python benchmarks/plan.py --report` (also `python benchmarks/plan_placement.py --k {PLACEMENT_K}`): "
+            + placement.INTRO.format(k=PLACEMENT_K), ""]
+  lines += placement.sections(rows, PLACEMENT_K, level="###")
   lines.append(f"Measured with Python {platform.python_version()} on {os.cpu_count()} CPU cores.")
   return "\n".join(lines) + "\n"
 
