@@ -39,26 +39,19 @@ from flax import nnx
 from jax.interpreters import pxla
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from meshdistill.models.tunix_adapter import _tunix_module  # tunix's model module of a family
+
 GIB = 2**30
 
-# name -> (tunix model module, ModelConfig constructor); the pairs of issue 37's item 5
+# name -> (tunix family as `meshdistill.models.tunix_adapter` names it, ModelConfig constructor); the pairs of
+# issue 37's item 5
 MODELS = {
-    "llama3.1-8b": ("llama3", "llama3p1_8b"),
-    "llama3.2-1b": ("llama3", "llama3p2_1b"),
+    "llama3.1-8b": ("llama", "llama3p1_8b"),
+    "llama3.2-1b": ("llama", "llama3p2_1b"),
     "qwen3-4b": ("qwen3", "qwen3_4b"),
     "qwen3-0.6b": ("qwen3", "qwen3_0p6b"),
 }
 TEMPERATURE, ALPHA, LEARNING_RATE = 2.0, 0.5, 1e-4  # values of tunix's example (its alpha 0.7 changes nothing here)
-
-
-def _module(family: str):
-  if family == "llama3":
-    from tunix.models.llama3 import model  # pylint: disable=g-import-not-at-top
-  elif family == "qwen3":
-    from tunix.models.qwen3 import model  # pylint: disable=g-import-not-at-top
-  else:
-    raise ValueError(f"family={family!r}; tunix families here: llama3, qwen3")
-  return model
 
 
 def model_config(name: str, remat: str = "none", flash: bool = False, tiny: bool = False):
@@ -68,7 +61,7 @@ def model_config(name: str, remat: str = "none", flash: bool = False, tiny: bool
   if name not in MODELS:
     raise ValueError(f"model={name!r}; choose one of {sorted(MODELS)}")
   family, ctor = MODELS[name]
-  mod = _module(family)
+  mod = _tunix_module(family)
   cfg = getattr(mod.ModelConfig, ctor)()
   fields = {"remat_config": getattr(mod.RematConfig, remat.upper())}
   if family == "qwen3":
@@ -82,8 +75,8 @@ def model_config(name: str, remat: str = "none", flash: bool = False, tiny: bool
 
 def _model_class(name: str):
   family = MODELS[name][0]
-  mod = _module(family)
-  return mod.Llama3 if family == "llama3" else mod.Qwen3
+  mod = _tunix_module(family)
+  return mod.Llama3 if family == "llama" else mod.Qwen3
 
 
 def abstract_model(name: str, cfg, mesh: Mesh):
@@ -108,7 +101,7 @@ def tpu_shard(x, s):
 @contextlib.contextmanager
 def tunix_on_tpu(mesh: Mesh, names):
   """``with mesh:`` (tunix reads its mesh from there) and tunix's activation constraints applied as on a TPU host."""
-  mods = {_module(MODELS[n][0]) for n in names}
+  mods = {_tunix_module(MODELS[n][0]) for n in names}
   saved = {m: m.shard for m in mods}
   try:
     for m in mods:
