@@ -54,8 +54,8 @@ class Fit:
     return self.a.get(generation, self.a_pooled)
 
   def step_seconds(self, compute_s: float, hbm_s: float, comm_s: float | None, generation: str) -> float:
-    comm = comm_s or 0.0
-    return max(compute_s / self.fraction(generation), hbm_s, comm) + self.k * comm
+    terms = np.array([[compute_s, hbm_s, comm_s or 0.0]])
+    return float(_step(np.array([self.fraction(generation)]), self.k, terms)[0])
 
   def predict(self, terms: Sequence[Sequence[float]], generations: Sequence[str]) -> np.ndarray:
     """Step seconds of rows of roofline ``(compute_s, hbm_s, comm_s)`` on ``generations``."""
