@@ -118,7 +118,8 @@ def _run_point(system: str, pair: str, seq: int, batch: int) -> dict | None:
 
 def search(system: str, pair: str, seq: int, start: int, step: int, max_points: int) -> None:
   """The largest fitting batch among multiples of ``step``: doubling from ``start`` until one does not fit, then
-  halving the gap; stored points are reused, at most ``max_points`` new compiles."""
+  halving the gap; stored points are reused (a stored batch that does not fit ends the doubling), at most
+  ``max_points`` new compiles."""
   done = load()
   compiled = 0
 
@@ -137,8 +138,13 @@ def search(system: str, pair: str, seq: int, start: int, step: int, max_points: 
     print(f"  {system} {pair} seq {seq} batch {batch}: total {_gib(r['total'])} GiB, fits {r['fits']}", flush=True)
     return r["fits"]
 
+  stored_bad = [k[3] for k, r in done.items() if k[:3] == (system, pair, seq) and not r["fits"]]
   lo, hi, b = None, None, start
   while True:
+    known = [x for x in stored_bad if x <= b and (lo is None or x > lo)]
+    if known:  # a stored point already does not fit at or below the next batch: bisect below it
+      hi = min(known)
+      break
     f = fits(b)
     if f is None:
       return
@@ -161,20 +167,42 @@ def _gib(x) -> str:
   return "n/a" if x is None else f"{x / GIB:.2f}"
 
 
-def largest(rows: dict, system: str, pair: str, seq: int, step: int) -> str:
-  """The largest batch measured to fit, with the smallest measured not to (and whether the gap is closed)."""
+def _bracket(rows: dict, system: str, pair: str, seq: int) -> tuple[int | None, int | None, int | None]:
+  """(largest batch compiled that fits, smallest larger batch compiled that does not, smallest batch compiled)."""
   pts = sorted((r["batch"], r["fits"]) for k, r in rows.items() if k[:3] == (system, pair, seq))
   ok = [b for b, f in pts if f]
   bad = [b for b, f in pts if not f and (not ok or b > max(ok))]
-  if not pts:
+  return (max(ok) if ok else None), (min(bad) if bad else None), (pts[0][0] if pts else None)
+
+
+def largest(rows: dict, system: str, pair: str, seq: int, step: int) -> str:
+  """The largest batch measured to fit, with the smallest measured not to (and whether the gap is closed)."""
+  best, first_bad, smallest = _bracket(rows, system, pair, seq)
+  if smallest is None:
     return "not compiled"
-  if not ok:
-    return f"none (the smallest compiled, {min(b for b, _ in pts)}, does not fit)"
-  best = max(ok)
-  if not bad:
+  if best is None:
+    return f"none (the smallest compiled, {smallest}, does not fit)"
+  if first_bad is None:
     return f">= {best} (no larger batch compiled)"
-  first_bad = min(bad)
   return f"{best}" if first_bad - best <= step else f"{best} (<{first_bad}; batches between not compiled)"
+
+
+def summary(rows: dict, step: int) -> list[str]:
+  """One row per pair and T: the largest batch each side fits, and meshdistill's over tunix's where both are exact."""
+  out = ["| pair | T | tunix | meshdistill | meshdistill / tunix |", "|---|---:|---:|---:|---:|"]
+  for pair, (teacher, student) in PAIRS.items():
+    for seq in sorted({k[2] for k in rows if k[1] == pair}):
+      t, m = _bracket(rows, "tunix", pair, seq), _bracket(rows, "meshdistill", pair, seq)
+      exact = all(b is not None and bad is not None and bad - b <= step for b, bad, _ in (t, m))
+      if exact:
+        ratio = f"{m[0] / t[0]:.1f}x"
+      elif t[0] is None and t[2] is not None and m[0] is not None:
+        ratio = "tunix fits no batch"
+      else:
+        ratio = "-"
+      out.append(f"| {teacher} -> {student} | {seq} | {largest(rows, 'tunix', pair, seq, step)} "
+                 f"| {largest(rows, 'meshdistill', pair, seq, step)} | {ratio} |")
+  return out
 
 
 def linear_estimate(rows: dict, system: str, pair: str, seq: int, step: int) -> str:
@@ -239,6 +267,19 @@ def _why(rows: dict) -> list[str]:
   return out or ["(no batch compiled by both sides yet)"]
 
 
+def _not_monotonic(rows: dict) -> list[str]:
+  """Where a larger batch compiled to a smaller total than a smaller one of the same system, pair and T."""
+  out = []
+  for system in SYSTEMS:
+    for pair, (teacher, student) in PAIRS.items():
+      for seq in sorted({k[2] for k in rows if k[1] == pair}):
+        pts = sorted((k[3], r["total"]) for k, r in rows.items() if k[:3] == (system, pair, seq) and r["total"])
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+          if t1 < t0:
+            out.append(f"{system} {teacher} -> {student} at T = {seq}: {_gib(t0)} GiB at batch {b0}, {_gib(t1)} at {b1}")
+  return out
+
+
 def render() -> str:
   older = []
   rows = load(older)
@@ -249,6 +290,11 @@ def render() -> str:
       "process, appended to `plan_vs_tunix.jsonl`) and `python benchmarks/plan_vs_tunix.py --render` (this file, "
       "from the jsonl alone). Every number below is libtpu's compiler's `memory_analysis()` of a program compiled for "
       f"the TPU topology `{TOPOLOGY}` (16 v5e chips, 16 GiB HBM each) on abstract arrays: nothing ran on a TPU.",
+      "",
+      f"Largest global batch each fits in {HEADROOM:.0%} of a chip's HBM (multiples of 16, one sequence per chip and "
+      "up; the sections below hold every compiled point):",
+      "",
+      *summary(rows, 16),
       "",
       "## What each side compiled",
       "",
@@ -279,7 +325,9 @@ def render() -> str:
       "bfloat16, the planner's mesh (`auto`) with weights and moments split over `data` too "
       "(`mesh.fsdp=true`, as tunix's `fsdp`), XLA attention at T < " f"{MD_SPLASH_FROM} and its splash attention "
       f"(`attention='splash'`) at T >= {MD_SPLASH_FROM}. Its total is that one program's arguments + "
-      "outputs + temp - aliased.",
+      "outputs + temp - aliased. The planner gives libtpu 16 MiB fiber stacks on a CPU host (`LIBTPU_INIT_ARGS`): "
+      "with its defaults libtpu 0.0.42 overflows a stack and dies (SIGSEGV) compiling Qwen3-4B -> 0.6B at T = 2048, "
+      "batch 192 and up.",
       "",
       f"Fits: total (tunix: the pair's peak) <= {HEADROOM:.0%} of 16 GiB = {HEADROOM * 16:.1f} GiB per chip, and the "
       "compile did not run out of HBM. GiB per chip.",
@@ -325,6 +373,11 @@ def render() -> str:
       "student and AdamW moments are bfloat16 (meshdistill's float32: 0.3-0.9 GiB per chip more on its side for "
       "these students). The pair's peak also assumes nothing else of the teacher program's output stays alive.",
       ""]
+  dips = _not_monotonic(rows)
+  if dips:
+    lines += ["The compiled totals are not always monotonic in the batch (" + "; ".join(dips) + "): the compiler "
+              "chooses its fusions and rematerialisation per program, so a largest batch above is one that fits with "
+              "the next multiple of 16 compiled and not fitting, not a bound read off a straight line.", ""]
   if older:
     lines += ["Points compiled earlier with other settings (replaced above by a later compile of the same system, "
               "pair, T and batch):", ""]

@@ -8,6 +8,7 @@ a 2x2 mesh while fitting on 1x4.
 
 import json
 import math
+import os
 import re
 
 import numpy as np
@@ -144,6 +145,18 @@ def test_missing_libtpu_names_the_extra(monkeypatch):
   monkeypatch.setattr(planner._hardware, "libtpu_available", lambda: False)
   with pytest.raises(ValueError, match=r"meshdistill\[tpu\]"):
     md.plan(topology="v5e:2x2")
+
+
+def test_compile_only_libtpu_gets_deep_fiber_stacks_and_keeps_the_users_flags(monkeypatch):
+  """libtpu's default fiber stacks overflow on some real steps (a SIGSEGV, no error): a planning process asks for
+  larger ones, after whatever the user passed, and a stack size the user chose stays theirs."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_flag_of_mine=1 --default_thread_stack_size=1234")
+  planner._hardware._quiet_libtpu()
+  planner._hardware._quiet_libtpu()  # idempotent: the planner calls it per target
+  args = os.environ["LIBTPU_INIT_ARGS"].split()
+  assert args == ["--xla_tpu_flag_of_mine=1", "--default_thread_stack_size=1234",
+                  f"--fibers_default_thread_stack_size={16 * 2**20}"]
 
 
 @pytest.mark.parametrize("argv, want", [([], 4), (["--max-compiles", "0"], 0), (["--max-compiles", "2"], 2),

@@ -74,6 +74,10 @@ def libtpu_available() -> bool:
   return importlib.util.find_spec("libtpu") is not None
 
 
+_STACK_FLAGS = ("fibers_default_thread_stack_size", "default_thread_stack_size")
+_STACK_BYTES = 16 * 2**20
+
+
 def _quiet_libtpu() -> None:
   """Tells libtpu it runs on no TPU VM (it otherwise queries metadata and logs errors) and only compiles;
   in CPU-only processes (``JAX_PLATFORMS=cpu``, as the CLI and the tests set) only."""
@@ -84,6 +88,14 @@ def _quiet_libtpu() -> None:
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
   # compiling only: several planning processes may load libtpu at once (it otherwise takes a machine-wide lock)
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  # libtpu 0.0.42 lowers on fibers whose default stack its convolution-window search can overflow (SIGSEGV
+  # "STACK OVERFLOW" in FusedSpatialMajorConvolution::MakeConvWindows: Qwen3-4B -> 0.6B on v5e:4x4 at T=2048,
+  # batch 192); 16 MiB stacks (reserved, touched only as deep as used) compile it. A value the user set is kept.
+  args = os.environ.get("LIBTPU_INIT_ARGS", "")
+  for flag in _STACK_FLAGS:
+    if f"--{flag}=" not in args:
+      args = f"{args} --{flag}={_STACK_BYTES}".strip()
+  os.environ["LIBTPU_INIT_ARGS"] = args
 
 
 def tpu_target(topology: str, hbm_budget_bytes: int | None = None) -> Target:
