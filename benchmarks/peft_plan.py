@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from bench.results import pending_rows, replace_section
+from bench.results import append_row, newest_rows, pending_rows, replace_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -86,18 +86,8 @@ def _gib(x) -> str:
   return "n/a" if x is None else f"{x / 2**30:.2f}"
 
 
-def _read(path: str) -> dict:
-  rows = {}
-  if os.path.isfile(path):
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        r = json.loads(line)
-        rows[r["row"]] = r
-  return rows
-
-
 def report() -> str:
-  rows, static = _read(JSONL), _read(STATIC_JSONL)
+  rows, static = newest_rows(JSONL), newest_rows(STATIC_JSONL)
   lines = [
       SECTION.strip(),
       "",
@@ -164,8 +154,7 @@ def main() -> int:
   os.makedirs(RESULTS, exist_ok=True)
   if args.one is not None:
     r = run_row(args.one, args.mesh, args.batch, args.seq, args.chunk_size)
-    with open(JSONL, "a", encoding="utf-8") as f:
-      f.write(json.dumps(r) + "\n")
+    append_row(JSONL, r)
     print(f"row {args.one}: {r['name']}: {_gib(r['memory']['total'])} GiB per chip, fits={r['fits']}, "
           f"compile {r['compile_seconds']:.0f} s", flush=True)
     return 0

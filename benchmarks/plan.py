@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from bench.results import pending_rows
+from bench.results import append_row, newest_rows, pending_rows
 from meshdistill.planner._calibrate import CALIBRATION  # numpy / scipy only: the fit of plan_calibration.md
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -165,12 +165,7 @@ PLACEMENT_K = 32  # top-k a cache / remote teacher keeps per token in plan.md's 
 
 
 def report() -> str:
-  rows = {}
-  if os.path.isfile(JSONL):
-    with open(JSONL, encoding="utf-8") as f:
-      for line in f:
-        r = json.loads(line)
-        rows[r["row"]] = r
+  rows = newest_rows(JSONL)
   lines = [
       "# Plans of real pairs on TPU slices (compiled on a CPU machine)",
       "",
@@ -330,14 +325,12 @@ def main() -> int:
   if args.add:
     with open(args.add[0], encoding="utf-8") as f:
       p = json.load(f)
-    with open(JSONL, "a", encoding="utf-8") as f:
-      for name, r in [(args.add[1], p)] + [(f"{args.add[1]} suggestion", x) for x in p.get("suggestions", [])]:
-        f.write(json.dumps({**r, "row": name, "suggestions": []}) + "\n")
+    for name, r in [(args.add[1], p)] + [(f"{args.add[1]} suggestion", x) for x in p.get("suggestions", [])]:
+      append_row(JSONL, {**r, "row": name, "suggestions": []})
     args.report = True
   if args.one is not None:
     r = run_row(args.one, args.batch, args.seq, args.chunk_size, args.scan_layers, args.set)
-    with open(JSONL, "a", encoding="utf-8") as f:
-      f.write(json.dumps(r) + "\n")
+    append_row(JSONL, r)
     print(f"row {args.one}: {r['teacher']} -> {r['student']} on {r['target']}: {_gib(r['memory']['total'])} GiB "
           f"per chip, fits={r['fits']}, compile {r['compile_seconds']:.0f} s", flush=True)
     return 0

@@ -11,10 +11,11 @@ its step time (calibrated where the plan has the calibration's terms) and memory
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
+
+from bench.results import newest_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JSONL = os.path.join(HERE, "results", "plan.jsonl")
@@ -27,11 +28,9 @@ def main() -> int:
   args = ap.parse_args()
   from bench import placement  # pylint: disable=g-import-not-at-top
 
-  rows = {}
-  with open(JSONL, encoding="utf-8") as f:
-    for line in f:
-      r = json.loads(line)
-      rows[r["row"]] = r
+  rows = newest_rows(JSONL)
+  if not rows:
+    raise SystemExit(f"no plans in {JSONL}: run `python benchmarks/plan.py` first")
   intro = placement.INTRO.format(k=args.k)
   out = ["# Where the teacher should live: placement of compiled plans", "",
          f"`python benchmarks/plan_placement.py --k {args.k}`: {intro}", ""]

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from bench.results import append_row
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "results", "plan_speed.jsonl")
 PAIRS = {
@@ -112,8 +114,7 @@ def main() -> None:
     args = PAIRS[a.pair] + (["--fast-compile"] if mode == "fast" else [])
     r = row(a.pair, mode, run(args, a.nice))
     print(json.dumps(r), flush=True)
-    with open(OUT, "a", encoding="utf-8") as f:
-      f.write(json.dumps(r) + "\n")
+    append_row(OUT, r)
 
 
 if __name__ == "__main__":

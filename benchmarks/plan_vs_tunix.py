@@ -24,7 +24,6 @@ not fit either. Every compiled point is appended to ``results/plan_vs_tunix.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -32,6 +31,8 @@ import sys
 import time
 
 import numpy as np
+
+from bench.results import append_row, newest_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -59,15 +60,7 @@ def _key(r: dict) -> tuple:
 
 def load(superseded: list | None = None) -> dict[tuple, dict]:
   """The newest record of each (system, pair, seq, batch); older ones of the same key go to ``superseded``."""
-  rows = {}
-  if os.path.isfile(JSONL):
-    with open(JSONL, encoding="utf-8") as f:
-      for line in f:
-        r = json.loads(line)
-        if _key(r) in rows and superseded is not None:
-          superseded.append(rows[_key(r)])
-        rows[_key(r)] = r
-  return rows
+  return newest_rows(JSONL, _key, superseded)
 
 
 def compile_point(system: str, pair: str, seq: int, batch: int, topology: str = TOPOLOGY) -> dict:
@@ -404,8 +397,7 @@ def main() -> int:
     if pair not in PAIRS:
       raise SystemExit(f"pair={pair!r}; choose one of {sorted(PAIRS)}")
     r = compile_point(system, pair, int(seq), int(batch))
-    with open(JSONL, "a", encoding="utf-8") as f:
-      f.write(json.dumps(r) + "\n")
+    append_row(JSONL, r)
     print(f"{system} {pair} T={seq} B={batch}: {_gib(r['total'])} GiB per chip, fits={r['fits']}, "
           f"{r['wall_seconds']:.0f} s", flush=True)
     return 0

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
 import time
 
 from bench.render_quality import history, render, render_seeds
+from bench.results import append_row
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -97,18 +97,14 @@ def main(argv=None) -> int:
     for seed in range(1, args.seeds + 1):
       row = run_once(args, [*args.overrides, f"train.seed={seed}"], os.path.join(args.run_root, f"seed{seed}"))
       row["seed"] = seed
-      os.makedirs(results, exist_ok=True)
-      with open(seeds_path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+      append_row(seeds_path, row)
       print(f"seed {seed}: distilled {row['distilled']['loss']:.4f} scratch {row['scratch']['loss']:.4f} "
             f"ratio {row['loss_ratio']:.4f}", flush=True)
       head = history(os.path.join(results, "quality_runs.jsonl"))[-1]  # the headline run stays on top
       write_report(args.out, head, head.get("teacher_dir", ""))
     return 0
   row = run_once(args, args.overrides, args.run_root)
-  os.makedirs(results, exist_ok=True)
-  with open(os.path.join(results, "quality_runs.jsonl"), "a", encoding="utf-8") as f:
-    f.write(json.dumps(row) + "\n")
+  append_row(os.path.join(results, "quality_runs.jsonl"), row)
   write_report(args.out, row, row["teacher_dir"])
   print(render(row, row["teacher_dir"], []))
   return 0

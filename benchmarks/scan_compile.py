@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+from bench.results import append_row
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 JSONL = os.path.join(RESULTS, "scan_compile.jsonl")
@@ -159,8 +161,7 @@ def main() -> int:
           print(out.stderr[-3000:], file=sys.stderr)
           return out.returncode
         row = json.loads(out.stdout.strip().splitlines()[-1])
-        with open(JSONL, "a", encoding="utf-8") as f:
-          f.write(json.dumps(row) + "\n")
+        append_row(JSONL, row)
         print(f"{row['label']}, {'scanned' if scan else 'unrolled'}: compile {row['compile_seconds']:.1f} s, "
               f"whole call {row['wall_seconds']:.1f} s", flush=True)
         with open(os.path.join(RESULTS, "scan_compile.md"), "w", encoding="utf-8") as f:

@@ -76,3 +76,19 @@ def test_no_benchmark_script_imports_another_script():
           [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
       found += [f"{path.name} imports {n}" for n in names if n.split(".")[0] in scripts]
   assert not found
+
+
+def test_result_rows_append_and_read_back_the_newest_of_each_key(tmp_path):
+  results = bench_module("results")
+  path = str(tmp_path / "new" / "rows.jsonl")  # the folder does not exist yet
+  assert results.newest_rows(path) == {}
+  for row in ({"row": 0, "v": 1}, {"row": 1, "v": 2}, {"row": 0, "v": 3}):
+    results.append_row(path, row)
+  with open(path, "a", encoding="utf-8") as f:
+    f.write("\n")  # a blank line (a hand edit) is passed over
+  older = []
+  assert results.newest_rows(path, superseded=older) == {0: {"row": 0, "v": 3}, 1: {"row": 1, "v": 2}}
+  assert older == [{"row": 0, "v": 1}]
+  by_value = results.newest_rows(path, key=lambda r: r["v"] % 2)
+  assert by_value == {1: {"row": 0, "v": 3}, 0: {"row": 1, "v": 2}}
+  assert results.pending_rows(path, None, 3) == [2]

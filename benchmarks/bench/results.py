@@ -1,12 +1,39 @@
-"""What the benchmarks share for their result files: which rows of a ``.jsonl`` still need measuring, and
-replacing one ``## ...`` section of a Markdown file that several benchmarks write into."""
+"""What the benchmarks share for their result files: appending a measured row to a ``.jsonl``, reading back the
+newest row of each key, which rows still need measuring, and replacing one ``## ...`` section of a Markdown file
+that several benchmarks write into."""
 
 from __future__ import annotations
 
 import json
 import os
+from typing import Any, Callable
 
 NOTES = "\n<!-- notes -->\n"  # notes written by hand below a generated table are kept
+
+
+def append_row(jsonl: str, row: dict) -> None:
+  """Appends ``row`` as one line of ``jsonl`` (its folder made if missing): results only grow, a rerun adds."""
+  os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
+  with open(jsonl, "a", encoding="utf-8") as f:
+    f.write(json.dumps(row) + "\n")
+
+
+def newest_rows(jsonl: str, key: Callable[[dict], Any] = lambda r: r["row"],
+                superseded: list | None = None) -> dict[Any, dict]:
+  """The last row of each ``key(row)`` in ``jsonl`` (empty if the file does not exist); the rows a later one of the
+  same key replaced go to ``superseded`` when it is given."""
+  rows: dict[Any, dict] = {}
+  if os.path.isfile(jsonl):
+    with open(jsonl, encoding="utf-8") as f:
+      for line in f:
+        if not line.strip():
+          continue
+        r = json.loads(line)
+        k = key(r)
+        if k in rows and superseded is not None:
+          superseded.append(rows[k])
+        rows[k] = r
+  return rows
 
 
 def pending_rows(jsonl: str, rows: str | None, n_rows: int) -> list[int]:
@@ -14,10 +41,7 @@ def pending_rows(jsonl: str, rows: str | None, n_rows: int) -> list[int]:
   ``jsonl`` holds no ``"row"`` for."""
   if rows:
     return [int(x) for x in rows.split(",")]
-  done = set()
-  if os.path.isfile(jsonl):
-    with open(jsonl, encoding="utf-8") as f:
-      done = {json.loads(line)["row"] for line in f}
+  done = newest_rows(jsonl)
   return [i for i in range(n_rows) if i not in done]
 
 
