@@ -205,6 +205,8 @@ def report() -> str:
     cal_step = "n/a" if cal is None else f"{cal['step_s']:.2f}" + (
         "" if cal["band"] is None else f" ({cal['low_s']:.2f}-{cal['high_s']:.2f})")
     cal_mfu = "n/a" if cal is None else f"{100 * cal['mfu']:.0f}%"
+    if cal is not None and cal.get("extrapolated"):  # collectives a larger share than on any published run
+      cal_step += f" (collectives {100 * cal['comm_share']:.0f}%: extrapolated)"
     loss = "full logits" if r.get("chunk_size") is None else f"chunk {r['chunk_size']}"
     if r.get("scan_layers"):
       loss += ", scan_layers"
@@ -293,6 +295,10 @@ def report() -> str:
                "through the model fitted on MaxText's published pod measurements, max(compute / a[generation], HBM, "
                "collectives) + k x collectives, with its generation's band (the largest leave-one-out error of that fit; "
                f"{fitted}); "
+               "where collectives are a larger share of the roofline step than on any published run "
+               f"({'n/a' if CALIBRATION is None else f'{100 * CALIBRATION.comm_share:.0f}%'}) the calibrated "
+               "column names their share and says *extrapolated*: how far they hide behind compute there is beyond "
+               "what the fit saw, and the estimate can be shorter than the roofline, which counts them on top. "
                "`plan_calibration.md` has the rows, the fit and its errors. The rows compiled before the planner "
                "counted loops whole (every row whose TFLOP column shows no `program's own count`) see one chunk of "
                "the chunked loss's token loop (XLA counts a loop body once), so their logits matmuls are undercounted "

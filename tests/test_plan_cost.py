@@ -9,7 +9,7 @@ import pytest
 import meshdistill as md
 from meshdistill import cli, planner
 from meshdistill.config.sections import OnPolicySettings
-from meshdistill.planner import _calibrate, _published
+from meshdistill.planner import _calibrate, _published, _report
 from meshdistill.planner._cost import flops_split
 from meshdistill.planner._placement import placements
 
@@ -115,6 +115,7 @@ def test_the_stored_calibration_is_the_fit_of_the_published_rows_and_reproduces_
   assert stored.a == pytest.approx(cal.a, rel=1e-3) and stored.band == pytest.approx(cal.band, rel=1e-3, abs=1e-4)
   assert (stored.a_pooled, stored.k, stored.band_unseen) == pytest.approx((cal.a_pooled, cal.k, cal.band_unseen),
                                                                            rel=1e-3, abs=1e-4)
+  assert stored.comm_share == pytest.approx(cal.comm_share, abs=1e-6) and 0 < stored.comm_share < 1
   fitted = stored.predict(terms, gens)
   assert np.allclose(fitted, cal.predict(terms, gens), rtol=2e-3)
   # every fitted row within its generation's band (the largest leave-one-out error bounds the in-sample ones)
@@ -148,6 +149,29 @@ def test_a_plan_prints_the_calibrated_step_beside_the_roofline():
   unseen = cal.of(time, "tpu7x")
   assert unseen["step_s"] == pytest.approx(2.5 + 0.1) and unseen["band"] == 0.3 and unseen["pooled"]
   assert cal.of({"step_s": None}, "v5e") is None
+
+
+def test_the_roofline_is_called_an_upper_bound_only_where_the_calibrated_step_is_not_shorter():
+  cal = _calibrate.Calibration(a={"v5e": 0.5}, a_pooled=0.4, k=0.25, band={"v5e": 0.1}, band_unseen=0.3, rows=4,
+                               comm_share=0.3)
+  # compute-bound, collectives 29% of the roofline step (within the published rows' 30%): roofline 1.4 s, calibrated 2.1
+  t = {"compute_s": 1.0, "hbm_s": 0.5, "comm_s": 0.4, "step_s": 1.4, "mfu": 0.7, "tokens_per_s": 1000.0}
+  t["calibrated"] = cal.of(t, "v5e")
+  lines = _report.step_time_lines(t)
+  assert t["calibrated"]["extrapolated"] is False and t["calibrated"]["comm_share"] == pytest.approx(0.4 / 1.4)
+  assert "(an upper bound on speed)" in lines[1] and "extrapolated" not in lines[0]
+  # collective-heavy (a teacher gathered under FSDP): roofline 1.0 + 3.0 = 4.0 s, calibrated max(2, 3) + 0.75 = 3.75
+  t = {"compute_s": 1.0, "hbm_s": 0.2, "comm_s": 3.0, "step_s": 4.0, "mfu": 0.25, "tokens_per_s": 1000.0}
+  t["calibrated"] = cal.of(t, "v5e")
+  assert t["calibrated"]["step_s"] == pytest.approx(3.75) and t["calibrated"]["extrapolated"] is True
+  lines = _report.step_time_lines(t)
+  assert lines[0].startswith("calibrated step time 3750.0 ms") and "collectives are 75% of the roofline step" in lines[0]
+  assert "more than on any published run (30%)" in lines[0]
+  assert lines[1].startswith("roofline step time 4000.0 ms") and "upper bound on speed)" not in lines[1]
+  assert "not an upper bound" in lines[1]
+  # without a calibration (CPU devices, or no published rows) only the roofline line
+  assert _report.step_time_lines({**t, "calibrated": None})[0].startswith("roofline step time 4000.0 ms")
+  assert _report.step_time_lines({"step_s": None, "why": "no peak"}) == ["step time: no estimate (no peak)"]
 
 
 @needs_libtpu

@@ -69,6 +69,8 @@ class Calibration(Fit):
   band: dict[str, float] = dataclasses.field(default_factory=dict)  # generation -> largest leave-one-out error
   band_unseen: float = math.nan  # largest leave-generation-out error: the band of a generation without rows
   rows: int = 0  # published rows fitted
+  # the largest share of collectives in a fitted row's roofline step: a plan above it extrapolates their overlap
+  comm_share: float = math.nan
 
   def band_of(self, generation: str) -> float | None:
     """The relative error band of an estimate on ``generation`` (None when too few rows to tell)."""
@@ -82,11 +84,19 @@ class Calibration(Fit):
     step = self.step_seconds(time["compute_s"], time["hbm_s"], time["comm_s"], generation)
     scale = time["step_s"] / step
     band = self.band_of(generation)
+    share = _comm_share(np.array([[time["compute_s"], time["hbm_s"], time["comm_s"] or 0.0]]))[0]
     return {"step_s": step, "low_s": None if band is None else step * (1 - band),
             "high_s": None if band is None else step * (1 + band),
             "mfu": time["mfu"] * scale, "tokens_per_s": time["tokens_per_s"] * scale, "band": band,
             "generation": generation, "a": self.fraction(generation), "pooled": generation not in self.a,
-            "k": self.k}
+            "k": self.k, "comm_share": float(share), "published_comm_share": None if math.isnan(self.comm_share) else self.comm_share,
+            "extrapolated": bool(share > self.comm_share) if not math.isnan(self.comm_share) else None}
+
+
+def _comm_share(terms: np.ndarray) -> np.ndarray:
+  """The collectives' share of each row's roofline step ``max(compute, hbm) + collectives``."""
+  roofline = np.maximum(terms[:, 0], terms[:, 1]) + terms[:, 2]
+  return np.divide(terms[:, 2], roofline, out=np.zeros(len(terms)), where=roofline > 0)
 
 
 def _step(a: np.ndarray, k: float, terms: np.ndarray) -> np.ndarray:
@@ -172,14 +182,17 @@ def calibrate(terms: Sequence[Sequence[float]], measured: Sequence[float], gener
   err = lambda p, m: float(abs(p / m - 1))  # noqa: E731
   band = {g: max(err(p, m) for p, m, h in zip(loo, measured, generations) if h == g) for g in f.a}
   unseen = max((err(p, m) for p, m in zip(lgo, measured) if not math.isnan(p)), default=math.nan)
-  return Calibration(a=f.a, a_pooled=f.a_pooled, k=f.k, band=band, band_unseen=unseen, rows=len(measured))
+  share = float(_comm_share(np.asarray(terms, float)).max()) if len(terms) else math.nan
+  return Calibration(a=f.a, a_pooled=f.a_pooled, k=f.k, band=band, band_unseen=unseen, rows=len(measured),
+                     comm_share=share)
 
 
 # the fit over every row of benchmarks/results/plan_calibration.json (plan_calibration.md; tests/test_plan_cost.py
 # refits it from the json)
 CALIBRATION: Calibration | None = Calibration(
     a={"v5e": 0.769585, "v5p": 0.693404, "v6e": 0.521888}, a_pooled=0.632342, k=0.024404,
-    band={"v5e": 0.132703, "v5p": 0.073663, "v6e": 0.148041}, band_unseen=0.470161, rows=14)
+    band={"v5e": 0.132703, "v5p": 0.073663, "v6e": 0.148041}, band_unseen=0.470161, rows=14,
+    comm_share=0.231630)
 
 
 __all__ = ["A_BOUNDS", "CALIBRATION", "Calibration", "Fit", "HELD_K", "K_BOUNDS", "calibrate", "fit",

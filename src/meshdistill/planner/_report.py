@@ -160,25 +160,7 @@ class Plan:
     for c in self.collectives:
       lines.append(f"  {c['kind']:<19} over {c['axis']:<12} {c['count']:>5} ops  {_gib(c['bytes']):>11}")
     lines.append("")
-    t = self.time
-    if t.get("step_s") is None:
-      why = t.get("why") or ("the compiler produced no program" if m.get("output") is None
-                             else "no peak FLOP/s / bandwidth known for this device")
-      lines.append(f"step time: no estimate ({why})")
-    else:
-      comm = "n/a (no ICI bandwidth known)" if t["comm_s"] is None else f"{1e3 * t['comm_s']:.1f} ms"
-      cal = t.get("calibrated")
-      if cal:
-        what = (f"no published {cal['generation']} rows: the pooled fraction of peak, the band the largest "
-                "leave-generation-out error" if cal.get("pooled") else "the largest leave-one-out error on "
-                f"published {cal.get('generation', '')} pod runs")
-        band = ("no band: too few published rows" if cal["band"] is None else
-                f"band {1e3 * cal['low_s']:.1f}-{1e3 * cal['high_s']:.1f} ms: +-{100 * cal['band']:.0f}%, {what}")
-        lines.append(f"calibrated step time {1e3 * cal['step_s']:.1f} ms ({band}); MFU {100 * cal['mfu']:.1f}%, "
-                     f"{cal['tokens_per_s']:,.0f} tokens/s")
-      lines.append(f"roofline step time {1e3 * t['step_s']:.1f} ms (an upper bound on speed) = max(compute "
-                   f"{1e3 * t['compute_s']:.1f} ms, HBM {1e3 * t['hbm_s']:.1f} ms) + collectives {comm}; MFU "
-                   f"{100 * t['mfu']:.1f}%, {t['tokens_per_s']:,.0f} tokens/s")
+    lines += step_time_lines(self.time, m)
     lines.append(f"compile time on this machine: {self.compile_seconds:.1f} s")
     for note in self.notes:
       lines.append(f"note: {note}")
@@ -234,3 +216,38 @@ def _gib(n: float | None) -> str:
 
 def _e(x: float | None) -> str:
   return "n/a" if x is None else f"{x:.3e}"
+
+
+def step_time_lines(t: dict, memory: dict | None = None) -> list[str]:
+  """The report's step-time lines of a plan's ``time``: the calibrated estimate (with its band) above the roofline.
+
+  The roofline counts collectives on top of compute, none hidden; the calibrated model hides them as far as the
+  published pod runs did. So the roofline is an upper bound on speed unless collectives are a large share of the step,
+  where the calibrated estimate can be the shorter one: the roofline line then says why, and the calibrated line
+  says when the collectives' share is beyond every published run's (an extrapolation)."""
+  if t.get("step_s") is None:
+    why = t.get("why") or ("the compiler produced no program" if (memory or {}).get("output") is None
+                           else "no peak FLOP/s / bandwidth known for this device")
+    return [f"step time: no estimate ({why})"]
+  lines = []
+  comm = "n/a (no ICI bandwidth known)" if t["comm_s"] is None else f"{1e3 * t['comm_s']:.1f} ms"
+  cal = t.get("calibrated")
+  if cal:
+    what = (f"no published {cal['generation']} rows: the pooled fraction of peak, the band the largest "
+            "leave-generation-out error" if cal.get("pooled") else "the largest leave-one-out error on "
+            f"published {cal.get('generation', '')} pod runs")
+    band = ("no band: too few published rows" if cal["band"] is None else
+            f"band {1e3 * cal['low_s']:.1f}-{1e3 * cal['high_s']:.1f} ms: +-{100 * cal['band']:.0f}%, {what}")
+    if cal.get("extrapolated"):
+      band += (f"; collectives are {100 * cal['comm_share']:.0f}% of the roofline step, more than on any published "
+               f"run ({100 * cal['published_comm_share']:.0f}%): how far they hide behind compute is extrapolated")
+    lines.append(f"calibrated step time {1e3 * cal['step_s']:.1f} ms ({band}); MFU {100 * cal['mfu']:.1f}%, "
+                 f"{cal['tokens_per_s']:,.0f} tokens/s")
+  bound = "an upper bound on speed"
+  if cal and cal["step_s"] < t["step_s"]:
+    bound = ("peak rates, collectives on top of compute: here not an upper bound, the calibrated estimate hides "
+             "collectives behind compute and is shorter")
+  lines.append(f"roofline step time {1e3 * t['step_s']:.1f} ms ({bound}) = max(compute {1e3 * t['compute_s']:.1f} ms, "
+               f"HBM {1e3 * t['hbm_s']:.1f} ms) + collectives {comm}; MFU {100 * t['mfu']:.1f}%, "
+               f"{t['tokens_per_s']:,.0f} tokens/s")
+  return lines
