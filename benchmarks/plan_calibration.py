@@ -292,8 +292,8 @@ def calibration_literal(rows: list[dict]) -> str:
   a = ", ".join(f'"{g}": {v:.6f}' for g, v in cal.a.items())
   band = ", ".join(f'"{g}": {v:.6f}' for g, v in cal.band.items())
   return (f"CALIBRATION: Calibration | None = Calibration(\n    a={{{a}}}, a_pooled={cal.a_pooled:.6f}, "
-          f"k={cal.k:.6f},\n    band={{{band}}}, band_unseen={cal.band_unseen:.6f}, rows={cal.rows},
-    comm_share={cal.comm_share:.6f})")
+          f"k={cal.k:.6f},\n    band={{{band}}}, band_unseen={cal.band_unseen:.6f}, rows={cal.rows},\n"
+          f"    comm_share={cal.comm_share:.6f})")
 
 
 def main() -> int:
