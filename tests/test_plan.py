@@ -149,14 +149,24 @@ def test_missing_libtpu_names_the_extra(monkeypatch):
 
 def test_compile_only_libtpu_gets_deep_fiber_stacks_and_keeps_the_users_flags(monkeypatch):
   """libtpu's default fiber stacks overflow on some real steps (a SIGSEGV, no error): a planning process asks for
-  larger ones, after whatever the user passed, and a stack size the user chose stays theirs."""
+  larger ones after whatever the user passed, names them in ``--undefok`` (libtpu exits on a flag it does not define,
+  and a later libtpu may not define these), and a stack size the user chose stays theirs."""
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_flag_of_mine=1 --default_thread_stack_size=1234")
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_flag_of_mine=1 --undefok=a")
   planner._hardware._quiet_libtpu()
   planner._hardware._quiet_libtpu()  # idempotent: the planner calls it per target
-  args = os.environ["LIBTPU_INIT_ARGS"].split()
-  assert args == ["--xla_tpu_flag_of_mine=1", "--default_thread_stack_size=1234",
-                  f"--fibers_default_thread_stack_size={16 * 2**20}"]
+  assert os.environ["LIBTPU_INIT_ARGS"].split() == [
+      "--xla_tpu_flag_of_mine=1", "--undefok=a,fibers_default_thread_stack_size",
+      f"--fibers_default_thread_stack_size={16 * 2**20}"]
+  with_stack = planner._hardware._with_stack_flags
+  assert with_stack("").split() == [f"--fibers_default_thread_stack_size={16 * 2**20}",
+                                    "--undefok=fibers_default_thread_stack_size"]
+  assert with_stack("--fibers_default_thread_stack_size=1234") == "--fibers_default_thread_stack_size=1234"
+  # a process that runs on an accelerator (no JAX_PLATFORMS=cpu) is left alone
+  monkeypatch.setenv("JAX_PLATFORMS", "")
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--mine=1")
+  planner._hardware._quiet_libtpu()
+  assert os.environ["LIBTPU_INIT_ARGS"] == "--mine=1"
 
 
 @pytest.mark.parametrize("argv, want", [([], 4), (["--max-compiles", "0"], 0), (["--max-compiles", "2"], 2),

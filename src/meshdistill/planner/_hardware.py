@@ -74,7 +74,8 @@ def libtpu_available() -> bool:
   return importlib.util.find_spec("libtpu") is not None
 
 
-_STACK_FLAGS = ("fibers_default_thread_stack_size", "default_thread_stack_size")
+# the stack of libtpu's fibers (its `default_thread_stack_size`, the threads' own, does not stop the overflow below)
+_STACK_FLAGS = ("fibers_default_thread_stack_size",)
 _STACK_BYTES = 16 * 2**20
 
 
@@ -88,14 +89,28 @@ def _quiet_libtpu() -> None:
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
   # compiling only: several planning processes may load libtpu at once (it otherwise takes a machine-wide lock)
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  # libtpu 0.0.42 lowers on fibers whose default stack its convolution-window search can overflow (SIGSEGV
-  # "STACK OVERFLOW" in FusedSpatialMajorConvolution::MakeConvWindows: Qwen3-4B -> 0.6B on v5e:4x4 at T=2048,
-  # batch 192); 16 MiB stacks (reserved, touched only as deep as used) compile it. A value the user set is kept.
-  args = os.environ.get("LIBTPU_INIT_ARGS", "")
-  for flag in _STACK_FLAGS:
-    if f"--{flag}=" not in args:
-      args = f"{args} --{flag}={_STACK_BYTES}".strip()
-  os.environ["LIBTPU_INIT_ARGS"] = args
+  os.environ["LIBTPU_INIT_ARGS"] = _with_stack_flags(os.environ.get("LIBTPU_INIT_ARGS", ""))
+
+
+def _with_stack_flags(args: str) -> str:
+  """``args`` with libtpu's fiber stacks set to `_STACK_BYTES` where the user did not set them.
+
+  libtpu 0.0.42 lowers on fibers whose default stack its convolution-window search can overflow (SIGSEGV "STACK
+  OVERFLOW" in FusedSpatialMajorConvolution::MakeConvWindows: Qwen3-4B -> 0.6B on v5e:4x4 at T=2048, batch 192);
+  16 MiB stacks (reserved, touched only as deep as used) compile it. libtpu exits on a flag it does not define, so
+  the flags are also named in ``--undefok`` (merged into the user's own): a libtpu without them ignores them."""
+  tokens = args.split()
+  added = [f for f in _STACK_FLAGS if not any(t.startswith(f"--{f}=") for t in tokens)]
+  if not added:
+    return args
+  tokens += [f"--{f}={_STACK_BYTES}" for f in added]
+  undefok = [i for i, t in enumerate(tokens) if t.startswith("--undefok=")]
+  if undefok:
+    i = undefok[-1]
+    tokens[i] = ",".join([tokens[i].rstrip(",")] + added)
+  else:
+    tokens.append("--undefok=" + ",".join(added))
+  return " ".join(tokens)
 
 
 def tpu_target(topology: str, hbm_budget_bytes: int | None = None) -> Target:
