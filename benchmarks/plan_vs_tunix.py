@@ -269,7 +269,8 @@ def _not_monotonic(rows: dict) -> list[str]:
         pts = sorted((k[3], r["total"]) for k, r in rows.items() if k[:3] == (system, pair, seq) and r["total"])
         for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
           if t1 < t0:
-            out.append(f"{system} {teacher} -> {student} at T = {seq}: {_gib(t0)} GiB at batch {b0}, {_gib(t1)} at {b1}")
+            out.append(f"{system} {teacher} -> {student} at T = {seq}: {_gib(t0)} GiB at batch {b0}, "
+                       f"{_gib(t1)} at {b1}")
   return out
 
 
@@ -319,8 +320,8 @@ def render() -> str:
       "(`mesh.fsdp=true`, as tunix's `fsdp`), XLA attention at T < " f"{MD_SPLASH_FROM} and its splash attention "
       f"(`attention='splash'`) at T >= {MD_SPLASH_FROM}. Its total is that one program's arguments + "
       "outputs + temp - aliased. The planner gives libtpu 16 MiB fiber stacks on a CPU host (`LIBTPU_INIT_ARGS`): "
-      "with its defaults libtpu 0.0.42 overflows a stack and dies (SIGSEGV) compiling Qwen3-4B -> 0.6B at T = 2048, "
-      "batch 192 and up.",
+      "with its defaults libtpu 0.0.42 overflows a fiber stack and dies (SIGSEGV) compiling Qwen3-4B -> 0.6B at "
+      "T = 2048, batches 192, 224 and 256.",
       "",
       f"Fits: total (tunix: the pair's peak) <= {HEADROOM:.0%} of 16 GiB = {HEADROOM * 16:.1f} GiB per chip, and the "
       "compile did not run out of HBM. GiB per chip.",

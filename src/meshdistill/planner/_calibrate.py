@@ -89,7 +89,8 @@ class Calibration(Fit):
             "high_s": None if band is None else step * (1 + band),
             "mfu": time["mfu"] * scale, "tokens_per_s": time["tokens_per_s"] * scale, "band": band,
             "generation": generation, "a": self.fraction(generation), "pooled": generation not in self.a,
-            "k": self.k, "comm_share": float(share), "published_comm_share": None if math.isnan(self.comm_share) else self.comm_share,
+            "k": self.k, "comm_share": float(share),
+            "published_comm_share": None if math.isnan(self.comm_share) else self.comm_share,
             "extrapolated": bool(share > self.comm_share) if not math.isnan(self.comm_share) else None}
 
 
