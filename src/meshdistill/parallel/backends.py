@@ -29,14 +29,16 @@ from jax.sharding import PartitionSpec as P
 from meshdistill.models._build import fit_model
 from meshdistill.models.quantize import fitted_shardings
 from meshdistill.parallel import fsdp as fsdp_lib
-from meshdistill.parallel.layout import STUDENT_SPLIT_SETTING, Layout, fresh_train_state, host_batch, stack_replicas
+from meshdistill.parallel.layout import (
+    STUDENT_SPLIT_SETTING, GlobalArrayLayout, Layout, fresh_train_state, host_batch, stack_replicas,
+)
 from meshdistill.parallel.mesh import DATA, TENSOR, host_to_global, make_mesh
 from meshdistill.parallel import rules as rules_lib
 from meshdistill.parallel.rules import split_ways
 from meshdistill.train.step import TrainState, split_trainable, step_halves
 
 
-class SingleLayout(Layout):
+class SingleLayout(GlobalArrayLayout):
   """One device, plain `jax.jit`."""
 
   name = "single"
@@ -75,7 +77,7 @@ class SingleLayout(Layout):
     return jax.jit(functools.partial(step_fn, data_axis=None), donate_argnums=0, compiler_options=compiler_options)
 
 
-class ShardMapLayout(Layout):
+class ShardMapLayout(GlobalArrayLayout):
   """A ``(data, tensor)`` mesh: manual over ``data`` (`jax.shard_map`), compiler-managed over ``tensor``.
 
   ``student_split="tensor"`` (default): both models split Megatron-style over ``tensor``. ``"batch"``: the

@@ -3,8 +3,8 @@
 A `Layout` places parameters and host batches, builds a fresh `TrainState` (optimizer moments take their
 parameter's sharding), compiles the per-device step, and converts between its state form and one replica
 (`unreplicate` / `replicate`). Trainers, checkpoints, evaluation and jobs ask it; none of them tests a backend
-name. This module holds the base class and what every layout shares (the ``mesh.student_split`` values, the
-batch's step keys, a step-0 state); the layouts themselves (``single``, ``shard_map``, ``pmap``) and the registry
+name. This module holds the base class, `GlobalArrayLayout` (the layouts whose states are global arrays placed by
+shardings) and what every layout shares (the ``mesh.student_split`` values, the batch's step keys, a step-0 state); the layouts themselves (``single``, ``shard_map``, ``pmap``) and the registry
 that picks one by name (`make_layout`, `layout_class`) are `meshdistill.parallel.backends`.
 """
 
@@ -120,16 +120,9 @@ class Layout(abc.ABC):
     return None
 
   # ------------------------------------------------------------------ placement
-  def _device_shardings(self, params):
-    """Shardings of model parameters ``params`` (an ``nnx.State``, split as its partition metadata says)
-    and of replicated leaves. A layout whose states are not plain global arrays overrides `place_params` and
-    `fresh_state` instead."""
-    raise NotImplementedError(f"{type(self).__name__} places no parameters by shardings; it overrides place_params")
-
+  @abc.abstractmethod
   def place_params(self, params):
     """Puts model parameters (an ``nnx.State``) where the step reads them."""
-    shardings, _ = self._device_shardings(params)
-    return jax.device_put(params, shardings)
 
   @abc.abstractmethod
   def place_batch(self, batch: dict) -> dict:
@@ -148,27 +141,9 @@ class Layout(abc.ABC):
             "'tensor'"
         )
 
+  @abc.abstractmethod
   def fresh_state(self, optimizer, params: dict, trainable=None):
-    """A step-0 `TrainState` of ``params = {"student": ..., "strategy": ...}``: the student split as its
-    partition metadata says, strategy parameters replicated, optimizer moments (of the ``trainable``
-    parameters only) sharded as their parameters."""
-    fresh, shardings, out_shardings = self.state_plan(optimizer, params, trainable)
-    return jax.jit(fresh, out_shardings=out_shardings)(jax.device_put(params, shardings))
-
-  def state_plan(self, optimizer, params: dict, trainable=None):
-    """``(fresh, param_shardings, state_shardings)`` of `fresh_state`: the function making a step-0 state
-    from ``params``, where the params go and where each leaf of the state goes (``params`` may be abstract)."""
-    student_sh, replicated = self._device_shardings(params["student"])
-    if self.student_rows:  # a replica of the student on every device (`meshdistill.parallel.backends.ShardMapLayout`)
-      student_sh = jax.tree.map(lambda _: replicated, student_sh)
-    shardings = {"student": student_sh, "strategy": jax.tree.map(lambda _: replicated, params["strategy"])}
-    fresh = functools.partial(fresh_train_state, optimizer, trainable)
-    abstract = jax.eval_shape(fresh, params)
-    opt = optax.tree_utils.tree_map_params(
-        optimizer, lambda _, sharding: sharding, abstract.opt_state, split_trainable(shardings, trainable)[0],
-        transform_non_params=lambda _: replicated,
-    )
-    return fresh, shardings, type(abstract)(replicated, shardings, opt)
+    """A step-0 `TrainState` of ``params = {"student": ..., "strategy": ...}`` in this layout's state form."""
 
   # ------------------------------------------------------------------ the step
   def state_shardings(self, state) -> Any:
@@ -200,6 +175,42 @@ class Layout(abc.ABC):
   def checkpoint_target(self, state):
     """Abstract leaves (shape, dtype, sharding) a checkpoint of ``state`` is restored onto."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+class GlobalArrayLayout(Layout):
+  """A layout whose states are plain global arrays placed by shardings (``single``, ``shard_map``): it says where
+  parameters go (`_device_shardings`); placement and fresh states follow from that."""
+
+  @abc.abstractmethod
+  def _device_shardings(self, params):
+    """Shardings of model parameters ``params`` (an ``nnx.State``, split as its partition metadata says)
+    and of replicated leaves."""
+
+  def place_params(self, params):
+    shardings, _ = self._device_shardings(params)
+    return jax.device_put(params, shardings)
+
+  def fresh_state(self, optimizer, params: dict, trainable=None):
+    """A step-0 `TrainState` of ``params = {"student": ..., "strategy": ...}``: the student split as its
+    partition metadata says, strategy parameters replicated, optimizer moments (of the ``trainable``
+    parameters only) sharded as their parameters."""
+    fresh, shardings, out_shardings = self.state_plan(optimizer, params, trainable)
+    return jax.jit(fresh, out_shardings=out_shardings)(jax.device_put(params, shardings))
+
+  def state_plan(self, optimizer, params: dict, trainable=None):
+    """``(fresh, param_shardings, state_shardings)`` of `fresh_state`: the function making a step-0 state
+    from ``params``, where the params go and where each leaf of the state goes (``params`` may be abstract)."""
+    student_sh, replicated = self._device_shardings(params["student"])
+    if self.student_rows:  # a replica of the student on every device (`meshdistill.parallel.backends.ShardMapLayout`)
+      student_sh = jax.tree.map(lambda _: replicated, student_sh)
+    shardings = {"student": student_sh, "strategy": jax.tree.map(lambda _: replicated, params["strategy"])}
+    fresh = functools.partial(fresh_train_state, optimizer, trainable)
+    abstract = jax.eval_shape(fresh, params)
+    opt = optax.tree_utils.tree_map_params(
+        optimizer, lambda _, sharding: sharding, abstract.opt_state, split_trainable(shardings, trainable)[0],
+        transform_non_params=lambda _: replicated,
+    )
+    return fresh, shardings, type(abstract)(replicated, shardings, opt)
 
 
 def check_student_split(student_split: str, fsdp: bool = False) -> None:

@@ -38,6 +38,7 @@ step reads them directly. `register` makes a strategy available by name to confi
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -81,7 +82,7 @@ class PerBatch(_Common, Protocol):
   ) -> dict: ...
 
 
-class Strategy:
+class Strategy(abc.ABC):
   """Defaults of the contract; subclass `SequenceStrategy` or `BatchStrategy` instead of this."""
 
   capture: tuple[str, ...] = ()  # a dataclass field or a property in subclasses
@@ -130,8 +131,9 @@ class Strategy:
 class SequenceStrategy(Strategy):
   """A strategy the step vmaps over sequences: implement `per_sequence`."""
 
+  @abc.abstractmethod
   def per_sequence(self, params, student: ModelOutput, teacher: ModelOutput, targets_T, mask_T, step):
-    raise NotImplementedError(f"{type(self).__name__}.per_sequence")
+    """The loss terms of one sequence (the step vmaps this over the local rows): ``{"loss": ..., ...}``."""
 
 
 class BatchStrategy(Strategy):
@@ -140,11 +142,12 @@ class BatchStrategy(Strategy):
   needs_logits: ClassVar[bool] = False
   needs_head: ClassVar[bool] = True
 
+  @abc.abstractmethod
   def per_batch(
       self, params, student: ModelOutput, teacher: ModelOutput, heads, targets_BxT, mask_BxT, step,
       softcaps=(None, None),
   ) -> dict[str, jax.Array]:
-    raise NotImplementedError(f"{type(self).__name__}.per_batch")
+    """The loss terms of all local rows at once, with the LM ``heads``: ``{"loss": ..., ...}``."""
 
 
 # --------------------------------------------------------------------------- registry
