@@ -177,7 +177,14 @@ def largest(rows: dict, system: str, pair: str, seq: int, step: int) -> str:
     return f"none (the smallest compiled, {smallest}, does not fit)"
   if first_bad is None:
     return f">= {best} (no larger batch compiled)"
-  return f"{best}" if first_bad - best <= step else f"{best} (<{first_bad}; batches between not compiled)"
+  return f"{best}" if _exact((best, first_bad, smallest), step) else \
+      f"{best} (<{first_bad}; batches between not compiled)"
+
+
+def _exact(bracket: tuple, step: int) -> bool:
+  """Whether a `_bracket` pins the largest batch to ``step``: one fits and the next multiple does not."""
+  best, first_bad, _ = bracket
+  return best is not None and first_bad is not None and first_bad - best <= step
 
 
 def summary(rows: dict, step: int) -> list[str]:
@@ -186,8 +193,7 @@ def summary(rows: dict, step: int) -> list[str]:
   for pair, (teacher, student) in PAIRS.items():
     for seq in sorted({k[2] for k in rows if k[1] == pair}):
       t, m = _bracket(rows, "tunix", pair, seq), _bracket(rows, "meshdistill", pair, seq)
-      exact = all(b is not None and bad is not None and bad - b <= step for b, bad, _ in (t, m))
-      if exact:
+      if _exact(t, step) and _exact(m, step):
         ratio = f"{m[0] / t[0]:.1f}x"
       elif t[0] is None and t[2] is not None and m[0] is not None:
         ratio = "tunix fits no batch"

@@ -50,7 +50,6 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.parallel import rules as rules_lib

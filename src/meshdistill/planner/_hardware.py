@@ -74,8 +74,8 @@ def libtpu_available() -> bool:
   return importlib.util.find_spec("libtpu") is not None
 
 
-# the stack of libtpu's fibers (its `default_thread_stack_size`, the threads' own, does not stop the overflow below)
-_STACK_FLAGS = ("fibers_default_thread_stack_size",)
+# the stack size of libtpu's fibers (its `default_thread_stack_size`, the threads' own, does not stop the overflow)
+_STACK_FLAG = "fibers_default_thread_stack_size"
 _STACK_BYTES = 16 * 2**20
 
 
@@ -93,23 +93,21 @@ def _quiet_libtpu() -> None:
 
 
 def _with_stack_flags(args: str) -> str:
-  """``args`` with libtpu's fiber stacks set to `_STACK_BYTES` where the user did not set them.
+  """``args`` with libtpu's fiber stacks set to `_STACK_BYTES` unless the user set them.
 
   libtpu 0.0.42 lowers on fibers whose default stack its convolution-window search can overflow (SIGSEGV "STACK
   OVERFLOW" in FusedSpatialMajorConvolution::MakeConvWindows: Qwen3-4B -> 0.6B on v5e:4x4 at T=2048, batch 192);
   16 MiB stacks (reserved, touched only as deep as used) compile it. libtpu exits on a flag it does not define, so
-  the flags are also named in ``--undefok`` (merged into the user's own): a libtpu without them ignores them."""
+  the flag is also named in ``--undefok`` (merged into the user's own): a libtpu without it ignores it."""
   tokens = args.split()
-  added = [f for f in _STACK_FLAGS if not any(t.startswith(f"--{f}=") for t in tokens)]
-  if not added:
+  if any(t.startswith(f"--{_STACK_FLAG}=") for t in tokens):
     return args
-  tokens += [f"--{f}={_STACK_BYTES}" for f in added]
+  tokens.append(f"--{_STACK_FLAG}={_STACK_BYTES}")
   undefok = [i for i, t in enumerate(tokens) if t.startswith("--undefok=")]
   if undefok:
-    i = undefok[-1]
-    tokens[i] = ",".join([tokens[i].rstrip(",")] + added)
+    tokens[undefok[-1]] = f"{tokens[undefok[-1]].rstrip(',')},{_STACK_FLAG}"
   else:
-    tokens.append("--undefok=" + ",".join(added))
+    tokens.append(f"--undefok={_STACK_FLAG}")
   return " ".join(tokens)
 
 
