@@ -24,6 +24,7 @@ not fit either. Every compiled point is appended to ``results/plan_vs_tunix.json
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import platform
 import subprocess
@@ -52,6 +53,7 @@ TUNIX_REMAT = "decoder"  # the student's `RematConfig.DECODER`: the leanest of t
 MD_OVERRIDES = ("mesh.fsdp=true", "teacher.param_dtype=bfloat16")
 MD_REMAT, MD_CHUNK = "full", 1024
 MD_SPLASH_FROM = 8192  # from this length meshdistill is given its splash attention (tunix's Qwen3 has its own)
+VERSIONED = ("jax", "jaxlib", "libtpu", "google-tunix")  # what a compiled figure depends on, kept with each point
 
 
 def _key(r: dict) -> tuple:
@@ -98,6 +100,7 @@ def compile_point(system: str, pair: str, seq: int, batch: int, topology: str = 
     raise ValueError(f"system={system!r}; choose one of {SYSTEMS}")
   rec["wall_seconds"] = time.perf_counter() - t0
   rec["host"] = f"{os.cpu_count()} cores, Python {platform.python_version()}"
+  rec["versions"] = {name: importlib.metadata.version(name) for name in VERSIONED}
   return rec
 
 
@@ -280,6 +283,16 @@ def _not_monotonic(rows: dict) -> list[str]:
   return out
 
 
+def _settings(r: dict) -> tuple:
+  """What a point was compiled with, beyond its system, pair, T and batch."""
+  return tuple(str(r.get(k)) for k in ("topology", "mesh", "remat", "chunk_size", "overrides", "attention", "flash"))
+
+
+def _memory(r: dict):
+  """Every memory figure of a point: the one program's (meshdistill) or each of tunix's two programs'."""
+  return r.get("memory") if r["system"] == "meshdistill" else (r.get("teacher_program"), r.get("train_step"))
+
+
 def render() -> str:
   older = []
   rows = load(older)
@@ -292,7 +305,8 @@ def render() -> str:
       f"the TPU topology `{TOPOLOGY}` (16 v5e chips, 16 GiB HBM each) on abstract arrays: nothing ran on a TPU.",
       "",
       f"Largest global batch each fits in {HEADROOM:.0%} of a chip's HBM (multiples of 16, one sequence per chip and "
-      "up; the sections below hold every compiled point):",
+      "up; the sections below hold every compiled point; each figure is one compile, and a point compiled again gives "
+      "the same bytes, the last section):",
       "",
       *summary(rows, 16),
       "",
@@ -378,12 +392,27 @@ def render() -> str:
     lines += ["The compiled totals are not always monotonic in the batch (" + "; ".join(dips) + "): the compiler "
               "chooses its fusions and rematerialisation per program, so a largest batch above is one that fits with "
               "the next multiple of 16 compiled and not fitting, not a bound read off a straight line.", ""]
-  if older:
+  same = [(r, rows[_key(r)]) for r in older if _settings(r) == _settings(rows[_key(r)])]
+  other = [r for r in older if _settings(r) != _settings(rows[_key(r)])]
+  if same:
+    lines += ["Recompiled with the same settings (the compiler's memory analysis is deterministic for one set of "
+              "versions, so each figure above is one compile and has no run-to-run spread):", ""]
+    lines += [f"- {r['system']} {r['teacher']} -> {r['student']}, T = {r['seq']}, batch {r['batch']}: "
+              f"{r['total']:,} B before, {n['total']:,} B again"
+              + (" (every program's memory figures identical)" if _memory(r) == _memory(n) else " (**differs**)")
+              for r, n in same]
+    lines.append("")
+  if other:
     lines += ["Points compiled earlier with other settings (replaced above by a later compile of the same system, "
               "pair, T and batch):", ""]
     lines += [f"- {r['system']} {r['teacher']} -> {r['student']}, T = {r['seq']}, batch {r['batch']}, attention "
-              f"{r.get('attention') or 'auto'}: {_gib(r['total'])} GiB per chip" for r in older]
+              f"{r.get('attention') or 'auto'}: {_gib(r['total'])} GiB per chip" for r in other]
     lines.append("")
+  versions = sorted({tuple(sorted(r["versions"].items())) for r in rows.values() if r.get("versions")})
+  dated = sum(1 for r in rows.values() if r.get("versions"))
+  if versions:
+    lines.append(f"Versions recorded with {dated} of the {len(rows)} points above (earlier points carry none): "
+                 + "; ".join(", ".join(f"{k} {v}" for k, v in vs) for vs in versions) + ".")
   lines.append(f"Compiled with Python {platform.python_version()} on {os.cpu_count()} CPU cores.")
   return "\n".join(lines) + "\n"
 
