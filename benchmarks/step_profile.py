@@ -34,7 +34,6 @@ import gzip
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ if __name__ == "__main__" and "--mesh" not in sys.argv[1:]:
   os.environ.setdefault(ONE_DEVICE_ENV, "1")
 from bench import devices  # noqa: E402  (8 simulated CPU devices, unless the one-device switch is on)
 from bench import systems  # noqa: E402
+from bench.op_kinds import KINDS, hlo_kinds  # noqa: E402
 
 import jax  # noqa: E402
 import meshdistill as md  # noqa: E402
@@ -51,55 +51,6 @@ from meshdistill.strategies import LogitKD  # noqa: E402
 from meshdistill.strategies._chunked import ChunkedLogitKD  # noqa: E402
 
 RESULT = pathlib.Path(__file__).parent / "results" / "step_profile.jsonl"
-KINDS = ("matmul", "collective", "reduction", "copy/transpose", "elementwise")
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_CONTAINERS = ("while", "conditional", "call")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\(")
-_COMP = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
-
-
-def hlo_kinds(hlo: str) -> dict[str, str]:
-  """Instruction name -> kind (see the module docstring) for every non-container instruction of ``hlo``."""
-  comps: dict[str, list[tuple[str, str, str]]] = collections.defaultdict(list)  # computation -> (name, op, line)
-  current = None
-  for line in hlo.splitlines():
-    m = _COMP.match(line)
-    if m and line.rstrip().endswith("{"):
-      current = m.group(1)
-      continue
-    m = _INSTR.match(line)
-    if m and current is not None:
-      comps[current].append((m.group(1), m.group(2), line))
-
-  def ops_of(comp: str, seen=()) -> set[str]:
-    out = set()
-    for _, op, line in comps.get(comp, ()):
-      out.add(op)
-      for called in re.findall(r"calls=%([\w.\-]+)", line):
-        if called not in seen:
-          out |= ops_of(called, (*seen, comp))
-    return out
-
-  kinds = {}
-  for comp in comps.values():
-    for name, op, line in comp:
-      if op in _CONTAINERS or op in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
-        continue
-      ops = {op}
-      for called in re.findall(r"calls=%([\w.\-]+)", line):
-        ops |= ops_of(called)
-      if ops & {"dot", "convolution"}:
-        kind = "matmul"
-      elif any(o.startswith(_COLLECTIVES) for o in ops):
-        kind = "collective"
-      elif ops & {"reduce", "reduce-window"}:
-        kind = "reduction"
-      elif ops & {"copy", "transpose"}:
-        kind = "copy/transpose"
-      else:
-        kind = "elementwise"
-      kinds[name] = kind
-  return kinds
 
 
 def profile(distiller, batches, steps: int) -> dict[str, float]:

@@ -274,3 +274,56 @@ class TunixPair:
         "compile_seconds": {"teacher_program": t_seconds, "train_step": s_seconds},
         "lower_seconds": {"teacher_program": t_lower, "train_step": s_lower},
     }
+
+
+def run_steps(teacher: str, student: str, batch: int, seq: int, steps: int, *, student_layers: int | None = None,
+              student_remat: str = "decoder", flash: bool = True) -> dict[str, Any]:
+  """tunix's two programs RUN on this process's first device (the chip): random bfloat16 weights made by tunix's own
+  model classes, tunix's trainer and optimizer, and ``steps`` timed steps (the teacher program, then the train step
+  on its logits, as the trainer's loop calls them). Returns step seconds (median), peak bytes of the device where it
+  reports them, or ``{"error": ...}`` (out of memory is a result: that batch does not fit)."""
+  from tunix.distillation import distillation_trainer as dt  # pylint: disable=g-import-not-at-top
+
+  mesh = tunix_mesh(jax.devices()[:1], 1, 1)
+  has_flash = lambda name: flash and MODELS[name][0] == "qwen3"  # noqa: E731
+  t_cfg = model_config(teacher, "none", has_flash(teacher))
+  s_cfg = model_config(student, student_remat, has_flash(student))
+  if student_layers is not None:
+    s_cfg = dataclasses.replace(s_cfg, num_layers=student_layers)
+  out: dict[str, Any] = {"batch": batch, "seq": seq}
+  try:
+    with tunix_on_tpu(mesh, (teacher, student)):
+      t_model = _model_class(teacher)(t_cfg, rngs=nnx.Rngs(params=0))
+      s_model = _model_class(student)(s_cfg, rngs=nnx.Rngs(params=1))
+      # tunix's example restores bfloat16 weights into both models
+      for m in (t_model, s_model):
+        state = nnx.state(m)
+        nnx.update(m, jax.tree.map(lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                                   state))
+      strategy, gen_inputs = strategy_for(s_cfg.vocab_size)
+      trainer = dt.DistillationTrainer(student_model=s_model, teacher_model=t_model, strategy=strategy,
+                                       optimizer=optax.adamw(LEARNING_RATE),
+                                       training_config=dt.TrainingConfig(eval_every_n_steps=1000, max_steps=steps + 2))
+      trainer = trainer.with_gen_model_input_fn(gen_inputs)
+      rng = np.random.default_rng(0)
+      tokens = jnp.asarray(rng.integers(0, s_cfg.vocab_size, (batch, seq)), jnp.int32)
+      data = dt.TrainingInput(input_tokens=tokens, input_mask=jnp.ones((batch, seq), jnp.bool_))
+      inputs = gen_inputs(data)
+      t_graph, t_state = nnx.split(t_model)
+      teacher_program = jax.jit(lambda state, x: strategy.get_teacher_outputs(nnx.merge(t_graph, state), x))
+      train_step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
+      times = []
+      for i in range(steps + 2):
+        t0 = time.perf_counter()
+        logits = teacher_program(t_state, inputs)
+        result = train_step(s_model, trainer.optimizer,
+                            dt.TrainingInput(input_tokens=tokens, input_mask=data.input_mask, teacher_output=logits))
+        jax.block_until_ready(result)
+        if i >= 2:
+          times.append(time.perf_counter() - t0)
+    out["step_s"] = float(np.median(times))
+    stats = jax.devices()[0].memory_stats() or {}
+    out["peak_bytes"] = stats.get("peak_bytes_in_use")
+  except Exception as e:  # noqa: BLE001 -- out of memory is a result
+    out["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+  return out

@@ -161,7 +161,9 @@ def _main(argv: list[str] | None) -> int:
   if args.command != "launch":  # the launcher starts no JAX; its processes get JAX_PLATFORMS=cpu from it
     from meshdistill.parallel.distributed.platforms import select_platform  # lazy: --help loads the parser only
 
-    select_platform(force_cpu=args.command == "plan")  # CPU unless an accelerator is present or JAX_PLATFORMS set
+    # `plan` compiles for a topology from the host's CPU, except `--devices local`: the chips of this machine
+    local = str(getattr(args, "devices", None) or "").strip().lower() in ("local", "tpu")
+    select_platform(force_cpu=args.command == "plan" and not local)  # CPU unless an accelerator is present
   if args.command == "launch":
     from meshdistill.parallel import distributed  # lazy: --help loads the parser only
 

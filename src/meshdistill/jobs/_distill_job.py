@@ -11,7 +11,8 @@ from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import Config, ConfigError
 from meshdistill.config.sections import strategy_defaults
 from meshdistill.storage.fsutil import write_text_atomic
-from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
+from meshdistill.jobs._setup import (_monitor, _run_lock, _write_config, build_mesh, describe_devices, load_data,
+                                     stream_reporter)
 from meshdistill.jobs._setup import teacher_side_data, with_batch_size
 from meshdistill.jobs._teacher import obtain_teacher, prepare_teacher
 from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
@@ -140,6 +141,7 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
                            source="own" if pairs == "own" else os.path.expanduser(pairs),
                            prompt_fraction=cfg.preference.prompt_fraction)
   say = stream_reporter(stream)
+  say(describe_devices(mesh, teacher_mesh))
   say(
     f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
     f"vocabulary {data.tokenizer.vocab_size}"

@@ -180,6 +180,15 @@ def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, **options):
                        check_vma=False)(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK)
 
 
+def _splash_block_sizes(splash, T: int):
+  """The splash kernel's blocks for sequence length ``T``: ``gcd(T, 512)`` tokens in every pass."""
+  block = math.gcd(T, 512)
+  return splash.BlockSizes(
+      block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
+      block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+  )
+
+
 def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret: bool | None = None, *, window: int | None = None,
                       scale: float | None = None, cap: float | None = None):
   """Causal grouped-query attention with the Pallas splash kernel on the heads given: ``out [B, T, H, K]``.
@@ -203,11 +212,7 @@ def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret: bool | None = 
     )
   if interpret is None:
     interpret = target_platform() != "tpu"
-  block = math.gcd(T, 512)
-  sizes = splash.BlockSizes(
-      block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
-      block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
-  )
+  sizes = _splash_block_sizes(splash, T)
   one = splash.CausalMask((T, T)) if window is None else splash.LocalMask((T, T), (window - 1, 0), offset=0)
   mask = splash.MultiHeadMask([one for _ in range(H // G)])
   kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret,

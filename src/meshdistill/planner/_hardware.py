@@ -152,15 +152,34 @@ def cpu_target(n: int, hbm_budget_bytes: int | None = None) -> Target:
   return Target(f"cpu:{n}", tuple(have[:n]), None, 1, hbm_budget_bytes)
 
 
+def local_target(hbm_budget_bytes: int | None = None) -> Target:
+  """The TPU chips this process has (``jax.devices()``): a plan compiled for, and runnable on, this machine."""
+  have = jax.devices()
+  kind, platform = have[0].device_kind, have[0].platform
+  chip = next((c for c in TPU_CHIPS.values() if c.device_kind == kind), None)
+  if platform != "tpu" or chip is None:
+    raise ValueError(
+        f"devices=local plans for the TPU chips of this machine, but its devices are {len(have)} x {kind!r} "
+        f"({platform}); use devices=cpu:N here, or a TPU topology such as v5e:4x4 (libtpu compiles for it)"
+    )
+  chips = len({tuple(getattr(d, "coords", (i,))) for i, d in enumerate(have)})
+  return Target(f"local:{chip.family}x{chips}", tuple(have), chip, max(1, len(have) // max(chips, 1)),
+                hbm_budget_bytes)
+
+
 def parse_target(topology: str | None, devices: str | None, hbm_budget_bytes: int | None = None) -> Target:
-  """The `Target` of ``topology`` (a TPU topology name) or ``devices`` (``cpu:N``); exactly one is given."""
+  """The `Target` of ``topology`` (a TPU topology name) or ``devices`` (``cpu:N``, or ``local``: this machine's
+  TPU chips); exactly one is given."""
   if (topology is None) == (devices is None):
-    raise ValueError("give exactly one target: topology (e.g. 'v5e:4x4') or devices (e.g. 'cpu:8')")
+    raise ValueError("give exactly one target: topology (e.g. 'v5e:4x4') or devices (e.g. 'cpu:8', 'local')")
   if topology is not None:
     return tpu_target(topology, hbm_budget_bytes)
+  if isinstance(devices, str) and devices.strip().lower() in ("local", "tpu"):
+    return local_target(hbm_budget_bytes)
   m = re.fullmatch(r"cpu:(\d+)", devices.strip().lower()) if isinstance(devices, str) else None
   if m is None:
-    raise ValueError(f"devices={devices!r}; use cpu:N (N simulated CPU devices), or a TPU topology such as v5e:4x4")
+    raise ValueError(f"devices={devices!r}; use cpu:N (N simulated CPU devices), local (this machine's TPU chips), "
+                     "or a TPU topology such as v5e:4x4")
   return cpu_target(int(m.group(1)), hbm_budget_bytes)
 
 

@@ -1,0 +1,137 @@
+"""What each instruction of a compiled step is, read from its HLO text, for the profile benchmarks.
+
+`hlo_kinds` puts every instruction in one kind by the ops it (or the fused computation it calls) holds;
+`hlo_sources` names, for each instruction, the source file its metadata points at, so that a TPU trace can be
+split by what the code was doing (the loss, the optimizer, the attention kernel) and not only by op kind.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+KINDS = ("matmul", "collective", "reduction", "copy/transpose", "elementwise")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_CONTAINERS = ("while", "conditional", "call")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\(")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
+_SOURCE = re.compile(r'source_file="([^"]+)"')
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+
+
+def _stack_files(hlo: str) -> dict[int, list[str]]:
+  """Stack frame id -> the source files of its call stack, innermost first, from the module's ``FileNames`` /
+  ``FileLocations`` / ``StackFrames`` tables (how newer XLA writes source locations; older text has
+  ``source_file=`` in each instruction's metadata instead)."""
+  tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
+  section = None
+  for line in hlo.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      section = line
+      continue
+    if not line.strip() or line.startswith(("%", "ENTRY", "HloModule", " ")):
+      section = None if not line.strip() else section
+      continue
+    if section:
+      key, _, rest = line.partition(" ")
+      if key.isdigit():
+        tables[section][int(key)] = rest
+  files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
+  loc_file = {k: files.get(int(m.group(1)), "") for k, v in tables["FileLocations"].items()
+              if (m := re.search(r"file_name_id=(\d+)", v))}
+  frames = {}
+  for k, v in tables["StackFrames"].items():
+    loc = re.search(r"file_location_id=(\d+)", v)
+    parent = re.search(r"parent_frame_id=(\d+)", v)
+    frames[k] = (loc_file.get(int(loc.group(1)), "") if loc else "", int(parent.group(1)) if parent else 0)
+  out = {}
+  for k in frames:
+    chain, seen, cur = [], set(), k
+    while cur in frames and cur not in seen:
+      seen.add(cur)
+      chain.append(frames[cur][0])
+      cur = frames[cur][1]
+    out[k] = chain
+  return out
+
+
+def _computations(hlo: str) -> dict[str, list[tuple[str, str, str]]]:
+  """computation -> its instructions as ``(name, op, line)``."""
+  comps: dict[str, list[tuple[str, str, str]]] = collections.defaultdict(list)
+  current = None
+  for line in hlo.splitlines():
+    m = _COMP.match(line)
+    if m and line.rstrip().endswith("{"):
+      current = m.group(1)
+      continue
+    m = _INSTR.match(line)
+    if m and current is not None:
+      comps[current].append((m.group(1), m.group(2), line))
+  return comps
+
+
+def _called_ops(comps, comp: str, seen=()) -> tuple[set[str], list[str]]:
+  """The ops of ``comp`` and of what it calls, and their lines."""
+  ops, lines = set(), []
+  for _, op, line in comps.get(comp, ()):
+    ops.add(op)
+    lines.append(line)
+    for called in re.findall(r"calls=%([\w.\-]+)", line):
+      if called not in seen:
+        o, ls = _called_ops(comps, called, (*seen, comp))
+        ops |= o
+        lines += ls
+  return ops, lines
+
+
+def _leaves(hlo: str):
+  """``(name, ops, lines)`` of every instruction that does work (no containers, parameters or tuples)."""
+  comps = _computations(hlo)
+  for comp in comps.values():
+    for name, op, line in comp:
+      if op in _CONTAINERS or op in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
+        continue
+      ops, lines = {op}, [line]
+      for called in re.findall(r"calls=%([\w.\-]+)", line):
+        o, ls = _called_ops(comps, called)
+        ops |= o
+        lines += ls
+      yield name, ops, lines
+
+
+def hlo_kinds(hlo: str) -> dict[str, str]:
+  """Instruction name -> kind (`KINDS`, first match wins) for every non-container instruction of ``hlo``:
+  a ``dot`` / ``convolution`` is a matmul (with what is fused into it), then collectives, reductions, copies and
+  transposes, and everything else elementwise."""
+  kinds = {}
+  for name, ops, _ in _leaves(hlo):
+    if ops & {"dot", "convolution"}:
+      kind = "matmul"
+    elif any(o.startswith(COLLECTIVES) for o in ops):
+      kind = "collective"
+    elif ops & {"reduce", "reduce-window"}:
+      kind = "reduction"
+    elif ops & {"copy", "transpose"}:
+      kind = "copy/transpose"
+    else:
+      kind = "elementwise"
+    kinds[name] = kind
+  return kinds
+
+
+def hlo_roles(hlo: str, rules: tuple[tuple[str, str], ...]) -> dict[str, str]:
+  """Instruction name -> role: a custom call (a Pallas kernel) is ``"attention kernel"``; otherwise the role of the
+  first ``(substring, role)`` of ``rules`` found in the source files of the instruction's call stack (innermost
+  frame first; its fused computation's instructions after its own), else its `hlo_kinds` kind."""
+  kinds = hlo_kinds(hlo)
+  stacks = _stack_files(hlo)
+  roles = {}
+  for name, ops, lines in _leaves(hlo):
+    if "custom-call" in ops:
+      roles[name] = "attention kernel"
+      continue
+    sources = [s for line in lines for s in _SOURCE.findall(line)]
+    sources += [f for line in lines for fid in _FRAME.findall(line) for f in stacks.get(int(fid), ())]
+    role = next((r for src in sources for sub, r in rules if sub in src), None)
+    roles[name] = role or kinds.get(name, "elementwise")
+  return roles

@@ -1,0 +1,458 @@
+"""The distillation step on a real TPU chip: tokens/s, step time, MFU, HBM, and a profile of where the time goes.
+
+Each pair is built as a user of the Python API would build it: preset shapes with random weights
+(`meshdistill.planner.resolve_model`), ``md.init_model`` on a 1x1 mesh, the teacher's weights stored in bfloat16,
+the student's in float32 (AdamW, ``md.default_optimizer``), both computing in bfloat16 with scanned layers, and
+``md.Distiller`` with ``ChunkedLogitKD`` (forward KL at temperature 2, alpha 0.5). The batch is random tokens.
+
+Model FLOPs (the MFU numerator) per token: ``2 N_teacher + 6 N_student`` (N: the parameters that take part in a
+token's matmuls, the LM head included, the input embedding lookup not: `meshdistill.planner._plan._matmul_params`)
+plus causal attention, ``2 T H K`` per layer forward (``q.k`` and ``p.v`` over ``T / 2`` keys on average; a sliding
+layer over ``min(window, T / 2)``), once for the teacher and three times for the student. Rematerialised work is
+not counted (it is not model FLOPs). Peak: 197 TFLOP/s bf16 per v5e chip.
+
+Memory: ``peak`` is the process's ``peak_bytes_in_use`` on the chip after the configuration ran (a process
+measures its configurations in order, so a later, smaller one shows the earlier peak; each row also carries
+``program``, the compiled step's own arguments + outputs + temporaries, its donated buffers counted once).
+
+Run on a TPU machine (docs/tpu.md says how to install there)::
+
+    python benchmarks/tpu_step.py --pair qwen3 --config b=8,remat=full,chunk=1024,attn=splash --profile
+    python benchmarks/tpu_step.py --pair qwen3 --config b=8,remat=full --config b=16,remat=dots_no_batch ...
+    python benchmarks/tpu_step.py --render     # benchmarks/results/tpu_step.md from the stored rows
+
+Rows are appended to ``--out`` (default ``benchmarks/results/tpu_step.jsonl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gc
+import glob
+import gzip
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+JSONL = RESULTS / "tpu_step.jsonl"
+PEAK_FLOPS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v6 lite": 918e12, "TPU v5p": 459e12, "TPU v4": 275e12}
+
+# name -> (teacher preset, student preset, student layers)
+PAIRS = {
+    "qwen3": ("qwen3-1.7b", "qwen3-0.6b", 14),
+    "llama": ("llama3.2-1b", "llama3.2-1b", 8),
+    "gemma3": ("gemma-3-1b", "gemma-3-1b", 13),
+    "tiny": ("tiny", "tiny", 1),  # a smoke test of this script on any machine
+}
+TINY = dict(vocab_size=512, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128, mlp_hidden=512,
+            max_len=4096, qk_norm=True)
+# where the profile's time went: the first source-file substring of an instruction's metadata names its role
+ROLES = (("/losses/", "loss"), ("_chunked.py", "loss"), ("strategies/", "loss"), ("optax/", "optimizer"),
+         ("train/optimizers.py", "optimizer"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """One configuration of a pair: batch, sequence, remat policy, loss chunk, attention kernel."""
+
+  b: int = 8
+  t: int = 2048
+  remat: str = "full"
+  chunk: int = 1024
+  attn: str = "splash"
+  blocks: str = "default"  # splash blocks: "default" (512 everywhere) or e.g. "q512-kv1024-c512-fused"
+
+  @classmethod
+  def parse(cls, text: str) -> "Setting":
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    kw = {}
+    for part in filter(None, text.split(",")):
+      k, _, v = part.partition("=")
+      if k not in fields:
+        raise SystemExit(f"--config {text!r}: unknown key {k!r}; keys: {sorted(fields)}")
+      kw[k] = int(v) if fields[k] in ("int", int) else v
+    return cls(**kw)
+
+  def label(self) -> str:
+    return f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}"
+
+
+def use_splash_blocks(spec: str) -> None:
+  """Sets the splash kernel's block sizes for the models built after this call: ``default`` (the package's own), or
+  ``q<N>-kv<N>-c<N>[-fused]``: query / key-value / key-value compute blocks of every pass, and the fused backward
+  kernel (dq computed in the dkv pass)."""
+  import math
+
+  from meshdistill.models import _attention
+
+  if not hasattr(use_splash_blocks, "default"):
+    use_splash_blocks.default = _attention._splash_block_sizes
+  if spec == "default":
+    _attention._splash_block_sizes = use_splash_blocks.default
+    return
+  parts = dict((p[0] if p[0] != "k" else "kv", p.lstrip("qkvc")) for p in spec.split("-") if p != "fused")
+  q, kv, c = int(parts["q"]), int(parts["kv"]), int(parts.get("c", parts["kv"]))
+  fused = spec.endswith("fused")
+
+  def sizes(splash, T):
+    bq, bkv, bc = math.gcd(T, q), math.gcd(T, kv), math.gcd(T, c)
+    return splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bc, block_q_dkv=bq, block_kv_dkv=bkv,
+                             block_kv_dkv_compute=bc, block_q_dq=None if fused else bq,
+                             block_kv_dq=None if fused else bkv, use_fused_bwd_kernel=fused)
+
+  _attention._splash_block_sizes = sizes
+
+
+def model_configs(pair: str, s: Setting):
+  from meshdistill.models import ModelConfig
+  from meshdistill.planner import resolve_model
+
+  tname, sname, layers = PAIRS[pair]
+  if pair == "tiny":
+    tname = sname = ModelConfig(**TINY)
+  teacher, _ = resolve_model(tname, who="teacher", dtype="bfloat16", param_dtype="bfloat16", scan_layers=True,
+                             attention=s.attn, remat="none")
+  student, _ = resolve_model(sname, who="student", dtype="bfloat16", param_dtype="float32", scan_layers=True,
+                             attention=s.attn, remat=s.remat)
+  student = student.with_layers(range(layers))
+  return teacher, student
+
+
+def model_flops_per_token(cfg, seq: int, passes: int) -> float:
+  """``passes`` x (2 N + causal attention) per token: the forward's model FLOPs once (teacher) or three times
+  (student: forward, backward)."""
+  import math
+
+  import jax
+
+  from meshdistill.models._build import abstract_params
+  from meshdistill.planner._plan import _matmul_params
+
+  _, target, _ = abstract_params(cfg.replace(scan_layers=False))
+  total = sum(math.prod(x.shape) for x in jax.tree.leaves(target))
+  n = _matmul_params(cfg, total)
+  attn = 0.0
+  for layer in range(cfg.n_layers):
+    window = cfg.layer_attention(layer)[0]
+    keys = seq / 2 if window is None else min(window, seq / 2)
+    attn += 4.0 * keys * cfg.n_heads * cfg.hd
+  return passes * (2.0 * n + attn), n
+
+
+def _random_batch(rng, b: int, t: int, vocab: int) -> dict:
+  import numpy as np
+
+  x = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
+  return {"inputs": x[:, :-1], "targets": x[:, 1:], "mask": np.ones((b, t), np.float32)}
+
+
+def _trace_roles(d, state, batch, steps: int, out_dir: str | None) -> dict:
+  """Milliseconds per step by role (`ROLES`, the attention kernel, then op kinds) from a profiler trace of
+  ``steps`` steps, and the 25 slowest instructions; ``state`` is consumed."""
+  import jax
+
+  from bench.op_kinds import hlo_roles
+
+  hlo = d.lower(state, batch).compile().as_text()
+  roles = hlo_roles(hlo, ROLES)
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(steps):
+        state, metrics = d.step(state, batch)
+      jax.block_until_ready(metrics)
+    paths = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
+    if not paths:
+      return {"error": f"no trace.json.gz under the profile directory ({os.listdir(tmp)})"}
+    trace = json.load(gzip.open(paths[0]))
+    if out_dir:
+      import shutil
+      shutil.copy(paths[0], os.path.join(out_dir, "trace.json.gz"))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  # device ops: the TPU's process (its pid's name names the TPU), events named after HLO instructions
+  pids = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
+          and e.get("name") == "process_name"}
+  tpu = {p for p, n in pids.items() if "TPU" in n or "/device:" in n}
+  per_role = collections.Counter()
+  per_op = collections.Counter()
+  unknown = collections.Counter()
+  for e in events:
+    if e.get("ph") != "X" or (tpu and e.get("pid") not in tpu):
+      continue
+    name, ms = e.get("name", ""), e.get("dur", 0.0) / 1e3 / steps
+    if name in roles:
+      per_role[roles[name]] += ms
+      per_op[name] += ms
+    else:
+      unknown[name] += ms
+  return {"ms": dict(per_role), "top": per_op.most_common(25), "unmatched": unknown.most_common(10),
+          "device_processes": sorted(set(pids.values()))[:10]}
+
+
+def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | None) -> dict:
+  import jax
+  import numpy as np
+
+  import meshdistill as md
+
+  dev = jax.devices()[0]
+  row = {"pair": pair, "setting": dataclasses.asdict(s), "label": s.label(), "device": dev.device_kind,
+         "jax": jax.__version__, "steps": steps}
+  try:
+    import libtpu  # noqa: F401
+    from importlib.metadata import version
+    row["libtpu"] = version("libtpu")
+  except Exception:  # noqa: BLE001
+    row["libtpu"] = None
+  use_splash_blocks(s.blocks)
+  tcfg, scfg = model_configs(pair, s)
+  mesh = md.make_mesh(data=1, tensor=1)
+  t0 = time.perf_counter()
+  teacher = md.init_model(tcfg, seed=0, mesh=mesh)
+  student = md.init_model(scfg, seed=1, mesh=mesh)
+  strategy = md.ChunkedLogitKD(temperature=2.0, alpha=0.5, chunk_size=s.chunk)
+  d = md.Distiller(student, teacher, mesh=mesh, strategy=strategy, optimizer=md.default_optimizer(1e-4))
+  del teacher, student
+  state = d.init_state()
+  jax.block_until_ready(state)
+  row["build_s"] = time.perf_counter() - t0
+  rng = np.random.default_rng(0)
+  batch = _random_batch(rng, s.b, s.t, min(tcfg.vocab_size, scfg.vocab_size))
+  try:
+    t0 = time.perf_counter()
+    compiled = d.lower(state, batch).compile()
+    row["compile_s"] = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    row["program_bytes"] = int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                               + m.temp_size_in_bytes)
+    row["temp_bytes"] = int(m.temp_size_in_bytes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    row["xla_flops"] = float(cost.get("flops", -1)) if cost else None
+    del compiled
+    for _ in range(2):  # the jitted step compiles here (the persistent cache holds the program above)
+      state, metrics = d.step(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+      t0 = time.perf_counter()
+      state, metrics = d.step(state, batch)
+      jax.block_until_ready(metrics)
+      times.append(time.perf_counter() - t0)
+    row["step_times"] = times
+    row["loss"] = float(metrics["loss"])
+  except Exception as e:  # noqa: BLE001 -- out of memory and other compile failures are results too
+    row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+    del state, d
+    gc.collect()
+    return row
+  step_s = float(np.median(times))
+  tokens = s.b * s.t
+  ft, nt = model_flops_per_token(tcfg, s.t, 1)
+  fs, ns = model_flops_per_token(scfg, s.t, 3)
+  peak = PEAK_FLOPS.get(dev.device_kind)
+  row.update(step_s=step_s, tokens_per_s=tokens / step_s, n_teacher=nt, n_student=ns,
+             model_flops_per_token=ft + fs, mfu=None if peak is None else (ft + fs) * tokens / step_s / peak)
+  stats = dev.memory_stats() or {}
+  row["peak_bytes"] = stats.get("peak_bytes_in_use")
+  row["bytes_limit"] = stats.get("bytes_limit")
+  if profile:
+    try:
+      row["profile"] = _trace_roles(d, state, batch, 3, out_dir)
+    except Exception as e:  # noqa: BLE001
+      row["profile"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+  del state, d
+  gc.collect()
+  return row
+
+
+def measure_plain(pair: str, s: Setting, steps: int) -> dict:
+  """The hand-written step (`bench.plain_step`) on the same models and batch: step time and peak."""
+  import jax
+  import numpy as np
+
+  import meshdistill as md
+  from bench.plain_step import make_plain_step
+
+  use_splash_blocks(s.blocks)
+  tcfg, scfg = model_configs(pair, s)
+  row = {"pair": pair, "system": "plain", "setting": dataclasses.asdict(s), "label": s.label(), "steps": steps}
+  teacher, student = md.init_model(tcfg, seed=0), md.init_model(scfg, seed=1)
+  step, params, opt_state, t_params = make_plain_step(teacher, student, md.default_optimizer(1e-4), temperature=2.0,
+                                                      alpha=0.5, chunk=s.chunk)
+  del teacher, student
+  batch = {k: jax.numpy.asarray(v) for k, v in _random_batch(np.random.default_rng(0), s.b, s.t,
+                                                             min(tcfg.vocab_size, scfg.vocab_size)).items()}
+  try:
+    times = []
+    for i in range(steps + 2):
+      t0 = time.perf_counter()
+      params, opt_state, loss = step(params, opt_state, t_params, batch)
+      jax.block_until_ready(loss)
+      if i >= 2:
+        times.append(time.perf_counter() - t0)
+    row.update(step_s=float(np.median(times)), step_times=times, loss=float(loss),
+               tokens_per_s=s.b * s.t / float(np.median(times)))
+  except Exception as e:  # noqa: BLE001
+    row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+  row["peak_bytes"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+  del params, opt_state, t_params
+  gc.collect()
+  return row
+
+
+def measure_tunix(pair: str, s: Setting, steps: int) -> dict:
+  """tunix's DistillationTrainer (its two programs) on the pair's tunix models, bfloat16 weights, splash attention
+  where tunix offers it (Qwen3)."""
+  from bench import tunix_step
+
+  names = {"qwen3": ("qwen3-1.7b", "qwen3-0.6b"), "llama": ("llama3.2-1b", "llama3.2-1b")}
+  if pair not in names:
+    return {"pair": pair, "system": "tunix", "label": s.label(), "error": f"no tunix model pair for {pair!r}"}
+  tunix_step.MODELS.setdefault("qwen3-1.7b", ("qwen3", "qwen3_1p7b"))
+  layers = PAIRS[pair][2]
+  out = tunix_step.run_steps(*names[pair], s.b, s.t, steps, student_layers=layers, student_remat="decoder",
+                             flash=s.attn == "splash")
+  return {"pair": pair, "system": "tunix", "setting": dataclasses.asdict(s), "label": s.label(), "steps": steps,
+          **out, **({"tokens_per_s": s.b * s.t / out["step_s"]} if "step_s" in out else {})}
+
+
+def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: int) -> list[dict]:
+  """Cached sampling (`meshdistill.models.generate`, the on-policy path's sampler) with the pair's student as it
+  trains (float32 weights, bfloat16 compute): tokens/s per batch size beside the HBM-bandwidth limit (weights and
+  the KV cache read once per decoded token)."""
+  import jax
+  import numpy as np
+
+  import meshdistill as md
+  from meshdistill.models.generate import SamplingConfig, generate
+
+  dev = jax.devices()[0]
+  bandwidth = {"TPU v5 lite": 819e9}.get(dev.device_kind)
+  _, scfg = model_configs(pair, Setting(attn="xla", remat="none"))
+  scfg = scfg.replace(max_len=prompt + new)
+  model = md.init_model(scfg, seed=1)
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx_state(model)))
+  rows = []
+  for b in batches:
+    cfg = SamplingConfig(max_new_tokens=new, temperature=1.0)
+    rng = np.random.default_rng(b)
+    prompts = rng.integers(0, scfg.vocab_size, (b, prompt)).astype(np.int32)
+    mask = np.ones((b, prompt), bool)
+    try:
+      out = generate(model, prompts, mask, jax.random.key(0), cfg)
+      jax.block_until_ready(out)
+      t0 = time.perf_counter()
+      out = generate(model, prompts, mask, jax.random.key(1), cfg)
+      jax.block_until_ready(out)
+      seconds = time.perf_counter() - t0
+      kv_per_token = 2 * scfg.n_layers * scfg.n_kv_heads * scfg.hd * 2  # k and v, bfloat16, per cached position
+      mean_len = prompt + new / 2
+      bytes_per_step = weights + b * kv_per_token * mean_len
+      limit = None if bandwidth is None else b * bandwidth / bytes_per_step
+      rows.append({"pair": pair, "system": "generate", "batch": b, "prompt": prompt, "new": new, "seconds": seconds,
+                   "tokens_per_s": b * new / seconds, "bandwidth_limit_tokens_per_s": limit,
+                   "weight_bytes": weights, "device": dev.device_kind})
+    except Exception as e:  # noqa: BLE001
+      rows.append({"pair": pair, "system": "generate", "batch": b, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+  return rows
+
+
+def nnx_state(model):
+  from flax import nnx
+
+  return nnx.state(model)
+
+
+def measure_plan(pair: str, s: Setting) -> dict:
+  """``md.plan`` for this machine's chips (``devices="local"``) at the setting: estimated step and memory."""
+  import meshdistill as md
+
+  tcfg, scfg = model_configs(pair, s)
+  t0 = time.perf_counter()
+  try:
+    p = md.plan(tcfg, scfg, devices="local", mesh=(1, 1), batch=s.b, seq=s.t, chunk_size=s.chunk, remat=s.remat,
+                suggest=0, overrides=["distill.temperature=2.0", "distill.alpha=0.5"])
+    d = p.to_dict() if hasattr(p, "to_dict") else {}
+  except Exception as e:  # noqa: BLE001
+    return {"pair": pair, "system": "plan", "label": s.label(), "error": f"{type(e).__name__}: {str(e)[:600]}"}
+  return {"pair": pair, "system": "plan", "label": s.label(), "setting": dataclasses.asdict(s),
+          "plan": d, "text": str(p)[:4000], "plan_seconds": time.perf_counter() - t0}
+
+
+def summary(row: dict) -> str:
+  if "error" in row:
+    return f"{row['pair']} {row.get('system', 'meshdistill')} {row.get('label', '')}: {row['error'][:300]}"
+  if row.get("system") in ("plain", "tunix"):
+    return (f"{row['pair']} {row['system']} {row['label']}: {row['step_s'] * 1e3:.0f} ms/step, "
+            f"{row['tokens_per_s']:.0f} tok/s, peak {(row.get('peak_bytes') or 0) / 2**30:.2f} GiB")
+  if row.get("system") == "generate":
+    return (f"{row['pair']} generate batch {row['batch']}: {row['tokens_per_s']:.0f} tok/s (bandwidth limit "
+            f"{row['bandwidth_limit_tokens_per_s'] or 0:.0f})")
+  if row.get("system") == "plan":
+    return f"{row['pair']} plan {row['label']}: {row['text'][:1500]}"
+  gib = 2**30
+  return (f"{row['pair']} {row['label']}: {row['step_s'] * 1e3:.0f} ms/step, {row['tokens_per_s']:.0f} tok/s, "
+          f"MFU {100 * (row['mfu'] or 0):.1f}%, program {row['program_bytes'] / gib:.2f} GiB, peak "
+          f"{(row['peak_bytes'] or 0) / gib:.2f} GiB, compile {row['compile_s']:.0f} s")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--pair", choices=sorted(PAIRS), default="qwen3")
+  parser.add_argument("--config", action="append", default=[],
+                      help="b=8,t=2048,remat=full,chunk=1024,attn=splash (repeatable; defaults for missing keys)")
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--profile", action="store_true", help="trace 3 more steps and split their time by role")
+  parser.add_argument("--trace-dir", default=None, help="copy the trace of the last profiled config here")
+  parser.add_argument("--out", default=str(JSONL))
+  parser.add_argument("--tag", default="", help="a label stored with every row (e.g. the run's purpose)")
+  parser.add_argument("--systems", default="meshdistill",
+                      help="comma-separated: meshdistill, plain (the hand-written step), tunix, plan (md.plan for this "
+                           "machine's chips), generate (cached sampling with the student)")
+  parser.add_argument("--gen-batches", default="1,8,64")
+  args = parser.parse_args(argv)
+  import jax
+
+  cache = os.environ.get("MESHDISTILL_BENCH_CACHE", os.path.join(tempfile.gettempdir(), "meshdistill-jax-cache"))
+  jax.config.update("jax_compilation_cache_dir", cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  print(f"devices: {jax.devices()}", flush=True)
+  from bench.results import append_row
+
+  systems = args.systems.split(",")
+
+  def keep(row):
+    row["tag"] = args.tag
+    row.setdefault("system", "meshdistill")
+    print(summary(row), flush=True)
+    if "profile" in row:
+      print(json.dumps(row["profile"])[:2000], flush=True)
+    append_row(args.out, row)
+
+  for text in args.config or [""]:
+    setting = Setting.parse(text)
+    for system in systems:
+      if system == "meshdistill":
+        keep(measure(args.pair, setting, args.steps, args.profile, args.trace_dir))
+      elif system == "plain":
+        keep(measure_plain(args.pair, setting, args.steps))
+      elif system == "tunix":
+        keep(measure_tunix(args.pair, setting, args.steps))
+      elif system == "plan":
+        keep(measure_plan(args.pair, setting))
+  if "generate" in systems:
+    for row in measure_generation(args.pair, tuple(int(b) for b in args.gen_batches.split(",")), 128, 256):
+      keep(row)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
