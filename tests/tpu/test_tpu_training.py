@@ -24,14 +24,22 @@ int8 teacher: chip vs CPU              1e-3 per-    differs is summation order a
                                        weight       (4-5 digits); a small weight's gradient (a norm scale, a
                                        gradient     LoRA B) is a sum with cancellation, 10x looser. A real
                                                     fault (a mask, a term, a kernel's block) moves them O(1)
-bfloat16 step (the production mix:    3x the       both sides round activations to bfloat16 (8 bits) in
+bfloat16 step (the production mix:    4x the       both sides round activations to bfloat16 (8 bits) in
 bfloat16 compute and teacher weights,  bfloat16-vs- different places (the MXU accumulates in float32; the CPU
-float32 student, splash, chunked       float32 gap  may upcast element-wise ops), so chip and CPU differ by
-loss): chip vs CPU                     measured in  about as much as either differs from float32: the test
-                                       the test     measures that gap on the CPU and allows 3x it
+float32 student, splash, chunked       float32 gap  may upcast element-wise ops the TPU keeps in bfloat16), so
+loss): chip vs CPU                     measured in  chip and CPU differ by about as much as either differs
+                                       the test     from float32: if the chip's own gap is twice the CPU's,
+                                       (5e-4 loss   about sqrt(2^2 + 1) = 2.2x the CPU's gap; 4x leaves margin.
+                                       and metrics, On the CPU, splash and xla attention in bfloat16 differ
+                                       1.7e-2 the   by 0.3-1.2x that gap
+                                       gradient)
+counted metrics (tokens, top-1         tokens       the same tokens; a token whose top two logits are within
+agreement)                             equal,       rounding may change its top-1 choice
+                                       agreement
+                                       +-2 tokens
 int8 teacher's logits vs its bfloat16  5e-2 (chip   per-channel int8 (steps of a channel's largest weight /
 weights, float32 compute at 'highest'  vs CPU: the  127) through 2 blocks: 2.0e-2 seen on the CPU. The same
-                                       float32      teacher in bfloat16 compute: 3x its bfloat16-vs-float32
+                                       float32      teacher in bfloat16 compute: 4x its bfloat16-vs-float32
                                        bound)       gap, as the bfloat16 step (2.7e-2 on the CPU)
 =====================================  ===========  =========================================================
 """
@@ -56,6 +64,7 @@ pytestmark = pytest.mark.tpu
 HIGHEST = "highest"
 LOSS_TOL, GRAD_TOL = 1e-4, 1e-3  # float32 at 'highest': see the table above
 LR = 0.1
+COUNTS = {"tokens", "agree"}  # metrics that count tokens: compared as counts, not to a rounding bound
 VOCAB = 1024
 # chip shapes: head_dim 128, sequences of 256 (one splash block per row), vocabulary and hidden sizes multiples of 128;
 # a batch is 4 x 256 = 1024 tokens, in chunks of 384 for the chunked loss (the last one padded)
@@ -95,14 +104,23 @@ def _steps(student, teacher, device, strategy=None):
 
 
 def _metric_errors(got, want) -> dict:
-  """Per step and metric: the relative error (a correlation near 0: the absolute one)."""
+  """Per step and metric: the relative error (a correlation near 0: the absolute one). The counts are checked apart
+  (`_check_counts`)."""
   out = {}
   for i, (g, w) in enumerate(zip(got, want)):
     assert g.keys() == w.keys()
-    for k in w:
+    for k in set(w) - COUNTS:
       err = abs(g[k] - w[k])
       out[i, k] = err if k == "corr" else err / max(abs(w[k]), 1e-30)
   return out
+
+
+def _check_counts(got, want):
+  """The same tokens counted; top-1 agreement (a fraction of them) differs by at most 2 tokens whose top two logits
+  are within rounding of each other."""
+  for g, w in zip(got, want):
+    assert g["tokens"] == w["tokens"] > 0
+    assert abs(g["agree"] - w["agree"]) * w["tokens"] <= 2 + 1e-3, (g["agree"], w["agree"])
 
 
 def _grad_errors(got, want) -> dict:
@@ -124,6 +142,7 @@ def test_float32_distillation_step_on_the_chip_equals_the_step_on_the_cpu(chip, 
     got, got_grads = _steps(student, teacher, chip, kd)
     want, want_grads = _steps(student, teacher, host, kd)
   assert {"loss", "kl", "ce", "grad_norm", "tokens"} <= set(want[0]) and want[1]["loss"] != want[0]["loss"]
+  _check_counts(got, want)
   errors = _metric_errors(got, want)
   assert max(errors.values()) < LOSS_TOL, {k: e for k, e in errors.items() if e >= LOSS_TOL}
   errors = _grad_errors(got_grads, want_grads)
@@ -134,8 +153,9 @@ def test_float32_distillation_step_on_the_chip_equals_the_step_on_the_cpu(chip, 
 
 def test_bfloat16_distillation_step_on_the_chip_equals_the_cpu_within_bfloat16_rounding(chip, host):
   """The production mix: bfloat16 compute, a teacher stored in bfloat16, a float32 student, default precision. The
-  bound is 3x the gap between the bfloat16 and the float32 step on the CPU, measured here: loss and metrics, and
-  the whole gradient (one norm over every weight: a single small weight's gradient is mostly rounding in bfloat16)."""
+  bound is 4x the gap between the bfloat16 and the float32 step on the CPU, measured here: for the metrics the
+  largest gap of any (one metric's own gap is itself a sample of rounding: it can be 10x smaller than another's),
+  for the gradient one norm over every weight (a single small weight's gradient is mostly rounding in bfloat16)."""
   kd = ChunkedLogitKD(chunk_size=384, temperature=2.0, alpha=0.5)
   bf16_student, bf16_teacher = _models(STUDENT.replace(dtype="bfloat16"),
                                        TEACHER.replace(dtype="bfloat16", param_dtype="bfloat16"), host)
@@ -148,16 +168,13 @@ def test_bfloat16_distillation_step_on_the_chip_equals_the_cpu_within_bfloat16_r
   def whole(grads):
     return np.concatenate([g.ravel() for _, g in sorted(grads.items())])
 
-  gap = _metric_errors(want, exact)
+  gap = max(_metric_errors(want, exact).values())  # 5e-4 on the CPU (grad_norm of step 2; the loss: 5e-5 to 1e-4)
+  grad_gap = rel_err(whole(want_grads), whole(exact_grads))  # 1.7e-2 on the CPU
+  assert 0 < gap < 1e-2 and 0 < grad_gap < 0.1, (gap, grad_gap)  # bfloat16 is really used; the gaps are rounding
+  _check_counts(got, want)
   errors = _metric_errors(got, want)
-  for key, err in errors.items():
-    if key[1] != "tokens":
-      assert err <= 3 * gap[key] + LOSS_TOL, (key, err, gap[key])
-    else:
-      assert err == 0
-  grad_gap = rel_err(whole(want_grads), whole(exact_grads))
-  assert 0 < grad_gap < 0.1, grad_gap  # bfloat16 is really used, and the gap is a rounding gap
-  assert rel_err(whole(got_grads), whole(want_grads)) <= 3 * grad_gap
+  assert max(errors.values()) <= 4 * gap, ({k: e for k, e in errors.items() if e > 4 * gap}, gap)
+  assert rel_err(whole(got_grads), whole(want_grads)) <= 4 * grad_gap, grad_gap
 
 
 @pytest.mark.parametrize("quantize", [None, "nf4"], ids=["lora", "qlora-nf4-int8-teacher"])
@@ -174,6 +191,7 @@ def test_lora_student_step_on_the_chip_equals_the_step_on_the_cpu(chip, host, qu
   with jax.default_matmul_precision(HIGHEST):
     got, got_grads = _steps(student, teacher, chip)
     want, want_grads = _steps(student, teacher, host)
+  _check_counts(got, want)
   errors = _metric_errors(got, want)
   assert max(errors.values()) < LOSS_TOL, {k: e for k, e in errors.items() if e >= LOSS_TOL}
   moved = {k for k, g in want_grads.items() if np.any(g)}
@@ -193,7 +211,7 @@ def test_int8_teacher_is_within_quantization_error_of_its_bfloat16_weights_and_t
   """A teacher stored in bfloat16 (the production teacher) and its int8 copy (`quantize_model`), in float32 at
   'highest': the int8 logits are within int8's error of the bfloat16-weight ones, and the chip's logits (so the
   quantization error too) equal the CPU's. Computing in bfloat16 (the production mix), chip and CPU differ by at most
-  3x the gap between bfloat16 and float32 compute of the int8 teacher on the CPU, measured here."""
+  4x the gap between bfloat16 and float32 compute of the int8 teacher on the CPU, measured here."""
   cfg = TEACHER.replace(param_dtype="bfloat16", attention="xla")
   with jax.default_device(host):
     mesh = _mesh(host)
@@ -209,4 +227,4 @@ def test_int8_teacher_is_within_quantization_error_of_its_bfloat16_weights_and_t
   assert abs(quantization - rel_err(int8_cpu, bf16_cpu)) < LOSS_TOL
   bf16_compute_chip, bf16_compute_cpu = (_logits(int8["bfloat16"], tokens, d) for d in (chip, host))
   gap = rel_err(bf16_compute_cpu, int8_cpu)  # 2.7e-2 on the CPU
-  assert 0 < gap < 0.1 and rel_err(bf16_compute_chip, bf16_compute_cpu) <= 3 * gap
+  assert 0 < gap < 0.1 and rel_err(bf16_compute_chip, bf16_compute_cpu) <= 4 * gap
