@@ -4,11 +4,16 @@ Shared configs and helpers live in ``tests/helpers.py`` (``from helpers import .
 """
 
 import os
+import re
 import shutil
 import tempfile
 
 # CPU only: with libtpu installed (the `tpu` extra) JAX would otherwise probe for a TPU at start-up
 # (seconds, and log noise); the planner's TPU topologies need no TPU backend. Set before JAX is imported.
+# One exception, decided in `pytest_configure` before any backend starts: a run that selects the chip's tests
+# (`-m tpu`, tests/tpu) leaves the platform to JAX, which then picks the TPU where there is one.
+_PLATFORM_GIVEN = "JAX_PLATFORMS" in os.environ
+_XLA_FLAGS_GIVEN = os.environ.get("XLA_FLAGS")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import chex  # noqa: E402
@@ -44,6 +49,28 @@ from helpers import STUDENT_CFG, TEACHER_CFG  # noqa: E402  (after the devices a
 # collections is small next to a worker's memory. Reference counting frees everything else as before.
 gc.freeze()
 gc.set_threshold(50_000, 20, 20)
+
+
+def wants_the_chip(config) -> bool:
+  """Whether this run is the chip's test set on a TPU: ``-m`` selects the ``tpu`` marker, the user set no
+  ``JAX_PLATFORMS``, ``MESHDISTILL_TPU_TESTS_ON`` is unset or ``tpu`` (``cpu``: the same tests on the CPU) and this is
+  no pytest-xdist worker (one process at a time can hold the chip)."""
+  selects = re.search(r"(?<!not )\btpu\b", config.option.markexpr or "")
+  return bool(selects and not _PLATFORM_GIVEN and not hasattr(config, "workerinput")
+              and os.environ.get("MESHDISTILL_TPU_TESTS_ON", "tpu") == "tpu")
+
+
+def pytest_configure(config):
+  """A run of the chip's tests leaves the platform to JAX (TPU first, the CPU beside it) and drops the CPU compile
+  flags above; nothing has started a backend yet, so JAX reads the change when the first test asks for a device."""
+  if wants_the_chip(config):
+    import jax  # pylint: disable=g-import-not-at-top  (already imported by chex)
+
+    del os.environ["JAX_PLATFORMS"]
+    jax.config.update("jax_platforms", None)
+    os.environ["XLA_FLAGS"] = " ".join(
+        f for f in os.environ["XLA_FLAGS"].split()
+        if f.startswith("--xla_force_host_platform_device_count") or f in (_XLA_FLAGS_GIVEN or "").split())
 
 
 @pytest.fixture

@@ -41,6 +41,13 @@ def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
     np.testing.assert_allclose(g[k], w[k], rtol=rtol, atol=atol, err_msg=k)
 
 
+def rel_err(a, b) -> float:
+  """``|a - b| / |b|`` in the Frobenius norm, in float64: one number for a whole array (rounding spread over many
+  elements stays small where elementwise bounds would test the smallest ones)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
 def all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
   """Output shapes (dims) of every all-gather in an HLO module text."""
   shapes = []

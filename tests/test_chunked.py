@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -20,11 +20,6 @@ N, D, E, V = 37, 16, 24, 200  # 37 tokens: prime, so most chunk sizes leave a pa
 DIVERGENCES = sorted(md.losses.DIVERGENCES)
 TOKEN_FNS = {name: divergence_token_fn(fn) for name, fn in md.losses.DIVERGENCES.items()}
 TOKEN_FNS["cross_entropy"] = cross_entropy_token_fn
-
-
-def rel_err(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,14 @@ def test_lora_student_starts_exactly_at_its_base_model():
   np.testing.assert_array_equal(_logits(adapted, tokens), _logits(base, tokens))
 
 
+def test_lora_and_quantized_copies_of_a_splash_model_build():
+  """qwix runs the model once to find its projections: for attention='splash' on a sequence the kernel takes (128;
+  one token failed its length check)."""
+  model = md.init_model(STUDENT_CFG.replace(attention="splash", max_len=128), seed=1)
+  assert is_lora(apply_lora(model, LoraConfig(rank=2), seed=2))
+  assert is_quantized(quantize_model(model, "int8"))
+
+
 @pytest.mark.parametrize("quantize", [None, "int4", "nf4"])
 def test_only_adapters_move_and_only_adapters_have_optimizer_state(runs, quantize):
   d, before, state, _ = runs[("single", quantize)]

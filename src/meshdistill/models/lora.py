@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from meshdistill.models._build import _create, abstract_params
 from meshdistill.models.decoder import Decoder, ModelConfig
-from meshdistill.models.quantize import QUANTIZE, fitted_shardings, placed, projection_pattern, qtype
+from meshdistill.models.quantize import QUANTIZE, fitted_shardings, init_tokens, placed, projection_pattern, qtype
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +161,7 @@ def apply_lora(model: Decoder, lora: LoraConfig, *, seed: int = 0, mesh: Mesh | 
       alpha=lora.scale_alpha,
       weight_qtype=_qtype(lora.quantize),
   )
-  tokens = jnp.zeros((1, 1), jnp.int32)
-  adapted = qwix.apply_lora_to_model(model, provider, tokens, rngs=nnx.Rngs(params=seed))
+  adapted = qwix.apply_lora_to_model(model, provider, init_tokens(model.cfg), rngs=nnx.Rngs(params=seed))
   adapted.lora = lora  # a static attribute: part of the graph definition, read by `merge_lora`
   if mesh is not None:  # quantized storage is computed eagerly; pin every leaf to its split
     adapted = placed(adapted, mesh)

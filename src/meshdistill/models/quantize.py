@@ -50,6 +50,12 @@ def qtype(name: str | None, setting: str = "quantize"):
   return {None: None, "int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}[name]
 
 
+def init_tokens(cfg) -> jax.Array:
+  """The tokens qwix runs a decoder of ``cfg`` on once to find and convert its projections: one token, or 128 for
+  ``attention='splash'`` (the kernel's shortest sequence)."""
+  return jnp.zeros((1, 128 if getattr(cfg, "attention", None) == "splash" else 1), jnp.int32)
+
+
 def is_quantized(model_or_state: Any) -> bool:
   """Whether a decoder (or its state) holds quantized (``qvalue`` / ``scale``) weights."""
   state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
@@ -92,7 +98,7 @@ def quantize_model(model, quantize: str, *, mesh: Mesh | None = None, setting: s
     raise ValueError(f"{setting}: the model holds LoRA adapters; quantize its base with student.lora.quantize "
                      "(`apply_lora`), or merge the adapters first (`merge_lora`)")
   provider = qwix.PtqProvider([qwix.QuantizationRule(module_path=projection_pattern(), weight_qtype=weight_qtype)])
-  quantized = qwix.quantize_model(model, provider, jnp.zeros((1, 1), jnp.int32))
+  quantized = qwix.quantize_model(model, provider, init_tokens(model.cfg))
   if mesh is not None:  # quantized storage is computed eagerly; pin every leaf to its split
     quantized = placed(quantized, mesh)
   log.info("quantized %s projections to %s: %.1f MiB of weights (was %.1f MiB)", type(model).__name__, quantize,

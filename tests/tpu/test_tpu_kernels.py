@@ -1,0 +1,263 @@
+"""On the chip: the TPU's own kernels and the model's fast paths against their reference forms, values and gradients.
+
+Run on a TPU machine, in one process (see tests/tpu/conftest.py; skipped with the reason elsewhere):
+
+  python -m pytest -o addopts= -m tpu tests/tpu -q -ra
+  MESHDISTILL_TPU_TESTS_ON=cpu python -m pytest -n 0 tests/tpu -q   # the same tests on the CPU (splash interpreted)
+
+Both sides of every comparison run on the chip; tests/tpu/test_tpu_training.py compares the chip with the CPU. Shapes
+are the chip's: head_dim 128 (the MXU and the kernel's lane width), sequences a multiple of 128 (the splash kernel's
+blocks), vocabularies and hidden sizes multiples of 128.
+
+Tolerances (errors are `helpers.rel_err`, one Frobenius-norm ratio per array, unless said otherwise):
+
+==========================================  ==============  ====================================================
+comparison                                  bound           why
+==========================================  ==============  ====================================================
+float32 under ``default_matmul_precision``  1e-4            'highest' makes every float32 product (XLA's and the
+('highest'): splash vs explicit scores,                     Pallas kernel's: Mosaic's fp32 contract precision) a
+chunked vs full logits, scanned vs                          float32 one; what is left is summation order (blocks,
+unrolled, ragged_dot vs the loop, cached                    chunks, groups: ~sqrt(n) * 6e-8) and the TPU's own
+vs full forward                                             exp / log / tanh, which agree with the CPU's to 4-5
+                                                            digits only (10x the suite's CPU bound of 1e-5)
+splash kernel in bfloat16 vs explicit       1e-2 values,    the kernel rounds the scaled queries, the
+float32 scores on the same inputs           2e-2 grads      probabilities before their product with the values
+                                                            and its outputs to bfloat16 (8 bits: 2^-9 = 2e-3
+                                                            each); the backward pass rounds twice more and
+                                                            subtracts (dS = P (dP - delta)). Seen in interpret
+                                                            mode, the same roundings: 2.4-3.4e-3 values,
+                                                            3.7-5.3e-3 grads; the bounds are 3-4x that
+==========================================  ==============  ====================================================
+
+At the TPU's default precision a float32 matrix product runs as one bfloat16 pass (about 3 digits), which would hide
+any real error under rounding; so the float32 comparisons set 'highest' and the bfloat16 one states bfloat16's
+bound. Every comparison also checks that what it compares is not trivially equal (a window or a soft-cap changes the
+output, a dropped assignment changes the experts' sum).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import rel_err
+
+import meshdistill as md
+from meshdistill.models._attention import _explicit_attention, splash_attention
+from meshdistill.models.generate import SamplingConfig, generate, left_pad
+from meshdistill.models.moe import MoeConfig, dense_experts, grouped_experts, route
+from meshdistill.models.stacking import to_scanned
+from meshdistill.strategies import LogitKD
+from meshdistill.strategies._chunked import ChunkedLogitKD
+
+pytestmark = pytest.mark.tpu
+
+F32_TOL = 1e-4  # float32 at 'highest' precision: see the table above
+HIGHEST = "highest"
+
+# A decoder of chip-friendly shapes: 2 query heads of 128 sharing one key/value head, every block option of the
+# Gemma 2 family that changes attention (local and global layers, soft-capped scores and logits, a query scale).
+CHIP_CFG = md.ModelConfig(
+    vocab_size=512, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128, mlp_hidden=512, max_len=256,
+    sliding_window=96, layer_types=("sliding_attention", "full_attention"), attn_softcap=20.0, final_softcap=30.0,
+    query_scale=0.1)
+
+
+def _tokens(shape, vocab, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), jnp.int32)
+
+
+def _qkv(dtype, T=1024, seed=0):
+  """Queries (scaled up: scores of a few units, so a soft-cap of 5 bends them), keys, values ``[1, T, H|G, 128]`` and a
+  random cotangent ``w`` for a scalar loss ``sum(out * w)``."""
+  rng = np.random.default_rng(seed)
+  q, k, v = (rng.normal(size=(1, T, h, 128)) for h in (4, 2, 2))
+  w = jnp.asarray(rng.normal(size=(1, T, 4, 128)), jnp.float32)
+  return (jnp.asarray(3.0 * q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype)), w
+
+
+def _attention_and_grads(attn, qkv, w):
+  """``(out, (dq, dk, dv))`` of ``sum(attn(q, k, v) * w)``, compiled."""
+  def loss(q, k, v):
+    out = attn(q, k, v)
+    return jnp.sum(out.astype(jnp.float32) * w), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*qkv)
+  return out, grads
+
+
+@pytest.mark.parametrize("window, cap", [(None, None), (384, None), (None, 5.0), (384, 5.0)],
+                         ids=["causal", "window", "softcap", "window+softcap"])
+def test_splash_kernel_in_bfloat16_gives_the_explicit_attention_and_its_gradients(window, cap):
+  """T = 1024: blocks of 512, so the causal and local masks skip whole blocks and cut others."""
+  qkv, w = _qkv(jnp.bfloat16)
+  out, grads = _attention_and_grads(lambda *a: splash_attention(*a, window=window, cap=cap), qkv, w)
+  with jax.default_matmul_precision(HIGHEST):  # the reference: float32 scores of the same bfloat16 inputs
+    want, want_grads = _attention_and_grads(
+        lambda *a: _explicit_attention(*(x.astype(jnp.float32) for x in a), window=window, cap=cap)[0], qkv, w)
+  assert out.dtype == jnp.bfloat16
+  assert rel_err(out, want) < 1e-2, rel_err(out, want)
+  for name, g, r in zip("qkv", grads, want_grads):
+    assert rel_err(g, r) < 2e-2, (name, rel_err(g, r))
+  if window or cap:  # the option is not a no-op at these shapes: the plain causal reference is far from it
+    with jax.default_matmul_precision(HIGHEST):
+      plain, _ = _attention_and_grads(lambda *a: _explicit_attention(*(x.astype(jnp.float32) for x in a))[0], qkv, w)
+    assert rel_err(plain, want) > 0.1
+
+
+def test_splash_kernel_in_float32_at_highest_precision_equals_the_explicit_attention():
+  qkv, w = _qkv(jnp.float32, seed=1)
+  with jax.default_matmul_precision(HIGHEST):
+    out, grads = _attention_and_grads(lambda *a: splash_attention(*a, window=384, cap=5.0, scale=0.05), qkv, w)
+    want, want_grads = _attention_and_grads(
+        lambda *a: _explicit_attention(*a, window=384, cap=5.0, scale=0.05)[0], qkv, w)
+  assert rel_err(out, want) < F32_TOL, rel_err(out, want)
+  for name, g, r in zip("qkv", grads, want_grads):
+    assert rel_err(g, r) < F32_TOL, (name, rel_err(g, r))
+
+
+def _nll_and_grads(model, tokens):
+  """Mean next-token loss of ``model`` on ``tokens`` and its gradients (a pure dict), compiled."""
+  graphdef, params = nnx.split(model)
+
+  def loss(params):
+    logp = jax.nn.log_softmax(nnx.merge(graphdef, params)(tokens[:, :-1]).logits.astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+  value, grads = jax.jit(jax.value_and_grad(loss))(params)
+  return value, nnx.to_pure_dict(grads)
+
+
+def _trees_rel_err(got, want) -> dict:
+  flat = lambda tree: {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}  # noqa: E731
+  g, w = flat(jax.device_get(got)), flat(jax.device_get(want))
+  assert g.keys() == w.keys(), sorted(set(g) ^ set(w))
+  return {k: rel_err(g[k], w[k]) for k in w}
+
+
+def test_splash_decoder_with_local_layers_and_softcaps_equals_explicit_attention():
+  """The whole decoder (a local and a global layer, soft-caps, query scale, grouped heads) with attention='splash'
+  and with 'explicit': loss and every weight's gradient, float32 at 'highest'."""
+  tokens = _tokens((2, 257), CHIP_CFG.vocab_size)  # 256 positions after the shift
+  with jax.default_matmul_precision(HIGHEST):
+    got, got_grads = _nll_and_grads(md.init_model(CHIP_CFG.replace(attention="splash"), seed=0), tokens)
+    want, want_grads = _nll_and_grads(md.init_model(CHIP_CFG.replace(attention="explicit"), seed=0), tokens)
+  assert abs(float(got) / float(want) - 1) < F32_TOL, (float(got), float(want))
+  errors = _trees_rel_err(got_grads, want_grads)
+  assert max(errors.values()) < F32_TOL, {k: e for k, e in errors.items() if e >= F32_TOL}
+
+
+def test_chunked_logit_kd_loss_metrics_and_grads_equal_full_logit_kd():
+  """`ChunkedLogitKD` (vocabulary projections chunk by chunk from the final hidden states, never the [N, V] logits)
+  against `LogitKD` on the full logits: every reported sum and the gradients of the student's hidden states and head.
+  4 x 256 tokens, D 256, V 2048, chunks of 384 (the last one padded)."""
+  B, T, D, E, V = 4, 256, 256, 384, 2048
+  k = jax.random.split(jax.random.key(0), 6)
+  s, t = jax.random.normal(k[0], (B, T, D)), jax.random.normal(k[1], (B, T, E))
+  w, wt = 0.1 * jax.random.normal(k[2], (D, V)), 0.1 * jax.random.normal(k[3], (E, V))
+  targets, mask = jax.random.randint(k[4], (B, T), 0, V), (jax.random.uniform(k[5], (B, T)) > 0.2).astype(jnp.float32)
+  recipe = {"temperature": 2.0, "alpha": 0.5}
+  plain, chunked = LogitKD(**recipe), ChunkedLogitKD(chunk_size=384, **recipe)
+
+  def full(s, w, t, wt, targets, mask):
+    per_seq = jax.vmap(plain.per_sequence, in_axes=(None, 0, 0, 0, 0, None))
+    sums = per_seq({}, md.ModelOutput(logits=s @ w), md.ModelOutput(logits=t @ wt), targets, mask, 0)
+    sums = {name: jnp.sum(v) for name, v in sums.items()}
+    return sums["loss"], sums
+
+  def by_chunks(s, w, t, wt, targets, mask):
+    sums = chunked.per_batch({}, md.ModelOutput(logits=None, final=s), md.ModelOutput(logits=None, final=t),
+                             (w, wt), targets, mask, 0)
+    return sums["loss"], sums
+
+  inputs = (s, w, t, wt, targets, mask)  # arguments, not constants of the program (XLA would fold them)
+  with jax.default_matmul_precision(HIGHEST):
+    (_, want), want_grads = jax.jit(jax.value_and_grad(full, argnums=(0, 1), has_aux=True))(*inputs)
+    (_, got), grads = jax.jit(jax.value_and_grad(by_chunks, argnums=(0, 1), has_aux=True))(*inputs)
+  assert set(got) == set(want) >= {"loss", "kl", "ce", "teacher_ce", "agree"}
+  for name in want:
+    if name == "corr":  # a correlation near 0: its rounding is absolute
+      assert abs(float(got[name]) - float(want[name])) < F32_TOL * float(jnp.sum(mask)), name
+    else:
+      assert rel_err(got[name], want[name]) < F32_TOL, (name, float(got[name]), float(want[name]))
+  for name, g, r in zip(("hidden", "head"), grads, want_grads):
+    assert rel_err(g, r) < F32_TOL, (name, rel_err(g, r))
+
+
+def test_scanned_blocks_equal_unrolled_blocks_with_the_same_weights():
+  """`to_scanned` of a decoder (local and global layers scanned in groups, remat full) against the unrolled
+  decoder: loss and gradients, float32 at 'highest'."""
+  cfg = CHIP_CFG.replace(n_layers=5, layer_types=("sliding_attention", "full_attention") * 2 + ("sliding_attention",),
+                         remat="full")
+  unrolled = md.init_model(cfg, seed=2)
+  scanned = to_scanned(unrolled)
+  assert scanned.cfg.scan_layers and scanned.blocks.attn.q.kernel.shape[0] == cfg.n_layers
+  tokens = _tokens((2, 257), cfg.vocab_size, seed=1)
+  with jax.default_matmul_precision(HIGHEST):
+    want, want_grads = _nll_and_grads(unrolled, tokens)
+    got, got_grads = _nll_and_grads(scanned, tokens)
+  assert abs(float(got) / float(want) - 1) < F32_TOL, (float(got), float(want))
+  stacked = {k: np.stack([want_grads["blocks"][i][part][name]["kernel"] for i in range(cfg.n_layers)])
+             for k, (part, name) in {"q": ("attn", "q"), "down": ("mlp", "down")}.items()}
+  for k, (part, name) in {"q": ("attn", "q"), "down": ("mlp", "down")}.items():
+    got_k = got_grads["blocks"][part][name]["kernel"]
+    assert rel_err(got_k, stacked[k]) < F32_TOL, (k, rel_err(got_k, stacked[k]))
+  assert rel_err(got_grads["embed"]["embedding"], want_grads["embed"]["embedding"]) < F32_TOL
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["dropless", "capacity-drops"])
+def test_moe_ragged_dot_experts_equal_a_loop_over_experts(drop):
+  """`grouped_experts` (one `jax.lax.ragged_dot` per projection: the TPU's grouped matmul) against `dense_experts`
+  (every expert on every token, the routed outputs kept): outputs and the gradients of the tokens and of the three
+  stacked expert weights. 1024 tokens, D 256, F 512, 8 experts, top 2; with drops a third of the assignments
+  carry no weight."""
+  N, D, F, E = 1024, 256, 512, 8
+  keys = jax.random.split(jax.random.key(3), 5)
+  x = jax.random.normal(keys[0], (N, D))
+  weights, experts = route(jax.random.normal(keys[1], (N, E)), MoeConfig(n_experts=E, top_k=2))
+  w = [jax.random.normal(kk, s) / s[1] ** 0.5 for kk, s in zip(keys[2:], [(E, D, F), (E, D, F), (E, F, D)])]
+  keep = (jnp.arange(2 * N).reshape(N, 2) % 3 != 0) if drop else None
+
+  def loss(fn):
+    def f(x, w):
+      y = fn(x, experts, weights, *w, keep)
+      return jnp.sum(y * y), y
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+  with jax.default_matmul_precision(HIGHEST):
+    (_, got), (gx, gw) = loss(grouped_experts)(x, w)
+    (_, want), (wx, ww) = loss(dense_experts)(x, w)
+  assert rel_err(got, want) < F32_TOL, rel_err(got, want)
+  assert rel_err(gx, wx) < F32_TOL, rel_err(gx, wx)
+  for name, g, r in zip(("gate", "up", "down"), gw, ww):
+    assert rel_err(g, r) < F32_TOL, (name, rel_err(g, r))
+  if drop:  # the dropped assignments are really left out: the dropless sum differs
+    with jax.default_matmul_precision(HIGHEST):
+      everything = jax.jit(lambda x: grouped_experts(x, experts, weights, *w))(x)
+    assert rel_err(everything, want) > 0.1
+
+
+def test_cached_generation_logits_equal_the_full_forward_at_every_generated_position():
+  """Greedy decoding with the KV cache (left-padded prompts of 7 and 12 tokens, 8 new tokens, a sliding window of 6
+  that the cache must apply) against one full forward pass per row over its prompt and generated tokens."""
+  cfg = CHIP_CFG.replace(sliding_window=6, attn_softcap=None, qk_norm=True)
+  model = md.init_model(cfg, seed=4)
+  rng = np.random.default_rng(5)
+  prompts = [list(rng.integers(1, cfg.vocab_size, n)) for n in (7, 12)]
+  tokens, mask = left_pad(prompts)
+  N = 8
+  graphdef, params = nnx.split(model)
+  forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x).logits)
+  with jax.default_matmul_precision(HIGHEST):
+    gen = generate(model, tokens, mask, None, SamplingConfig(max_new_tokens=N, temperature=0.0), return_logits=True)
+    for r, prompt in enumerate(prompts):
+      new = [int(t) for t in np.asarray(gen.tokens_BxN[r])]
+      seq = jnp.asarray([prompt + new[:-1]], jnp.int32)
+      want = np.asarray(forward(params, seq)[0, len(prompt) - 1:])  # the logits each new token was drawn from
+      got = np.asarray(gen.logits_BxNxV[r])
+      assert got.shape == want.shape == (N, cfg.vocab_size)
+      assert rel_err(got, want) < F32_TOL, (r, rel_err(got, want))
+      top2 = np.sort(want, -1)[:, -2:]
+      clear = top2[:, 1] - top2[:, 0] > 1e-3 * np.abs(want).max()  # no near-tie the rounding could flip
+      np.testing.assert_array_equal(np.asarray(new)[clear], want.argmax(-1)[clear])
+  assert np.asarray(gen.mask_BxN).all()
