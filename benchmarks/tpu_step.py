@@ -404,6 +404,106 @@ def summary(row: dict) -> str:
           f"{(row['peak_bytes'] or 0) / gib:.2f} GiB, compile {row['compile_s']:.0f} s")
 
 
+GIB = 2**30
+
+
+def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md")) -> str:
+  """The tables of ``tpu_step.md`` from the stored rows (the newest row of each pair, system and setting); the notes
+  written below the tables' marker are kept."""
+  from bench.results import NOTES, newest_rows
+
+  rows = list(newest_rows(jsonl, key=lambda r: (r["pair"], r.get("system", "meshdistill"), r.get("label"),
+                                                  r.get("batch"))).values())
+  steps = [r for r in rows if r.get("system", "meshdistill") == "meshdistill"]
+  first = next((r for r in steps if r.get("jax")), {})
+  out = ["# The distillation step on a TPU v5e chip", "",
+         f"Measured by `benchmarks/tpu_step.py` on one {first.get('device', 'TPU')} chip (jax {first.get('jax')}, "
+         f"libtpu {first.get('libtpu')}); the rows are in `tpu_step.jsonl`, this file is "
+         "`python benchmarks/tpu_step.py --render`. Model FLOPs and the memory columns are defined in the script's "
+         "docstring (MFU against 197 TFLOP/s bf16).", "",
+         "## Steps", "",
+         "| pair | batch x seq | student remat | loss chunk | attention (splash blocks) | ms / step | tokens/s | MFU | "
+         "program GiB | result |",
+         "|---|---|---|---:|---|---:|---:|---:|---:|---|"]
+  for r in steps:
+    s = r["setting"]
+    attn = s["attn"] + (f" ({s.get('blocks')})" if s["attn"] == "splash" else "")
+    if "error" in r:
+      why = "out of HBM" if "RESOURCE_EXHAUSTED" in r["error"] else r["error"][:60]
+      prog = f"{r['program_bytes'] / GIB:.2f}" if r.get("program_bytes") else ""
+      out.append(f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | | | | {prog} | {why} |")
+      continue
+    out.append(f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | {r['step_s'] * 1e3:.0f} "
+               f"| {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['program_bytes'] / GIB:.2f} | ran |")
+  side = [r for r in rows if r.get("system") in ("plain", "tunix")]
+  if side:
+    out += ["", "## Side by side (one process each, the same chip)", "",
+            "| pair | system | batch x seq | ms / step | tokens/s | result |", "|---|---|---|---:|---:|---|"]
+    for r in side:
+      s = r["setting"]
+      if "error" in r:
+        why = "out of HBM" if "RESOURCE_EXHAUSTED" in r["error"] else r["error"][:80]
+        out.append(f"| {r['pair']} | {r['system']} | {s['b']} x {s['t']} | | | {why} |")
+      else:
+        out.append(f"| {r['pair']} | {r['system']} | {s['b']} x {s['t']} | {r['step_s'] * 1e3:.0f} | "
+                   f"{r['tokens_per_s']:,.0f} | ran |")
+  profiled = [r for r in steps if isinstance(r.get("profile"), dict) and "ms" in r["profile"]]
+  if profiled:
+    out += ["", "## Where the step's time goes (device time per step, from a `jax.profiler` trace)", "",
+            "| pair | setting | " + " | ".join(PROFILE_ROLES) + " |", "|---|---|" + "---:|" * len(PROFILE_ROLES)]
+    for r in profiled:
+      ms = r["profile"]["ms"]
+      total = sum(ms.values())
+      cells = " | ".join(f"{ms.get(k, 0):.0f} ({100 * ms.get(k, 0) / total:.0f}%)" for k in PROFILE_ROLES)
+      out.append(f"| {r['pair']} | {r['label']} | {cells} |")
+  gen = [r for r in rows if r.get("system") == "generate" and "error" not in r]
+  if gen:
+    out += ["", "## Cached sampling (the on-policy sampler) with the student", "",
+            "| pair | batch | prompt + new tokens | tokens/s | HBM-bandwidth limit (tokens/s) | share of the limit |",
+            "|---|---:|---|---:|---:|---:|"]
+    for r in sorted(gen, key=lambda r: r["batch"]):
+      limit = generation_limit(r)
+      out.append(f"| {r['pair']} | {r['batch']} | {r['prompt']} + {r['new']} | {r['tokens_per_s']:,.0f} | "
+                 f"{limit:,.0f} | {100 * r['tokens_per_s'] / limit:.0f}% |")
+  plans = [r for r in rows if r.get("system") == "plan" and "plan" in r]
+  if plans:
+    out += ["", "## The planner against the chip (`md.plan(..., devices=\"local\")`)", "",
+            "| pair | setting | measured ms | roofline ms | calibrated ms (band) | measured / calibrated | "
+            "measured program GiB | planned GiB |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in plans:
+      t = r["plan"]["time"]
+      cal = t.get("calibrated") or {}
+      meas = next((m for m in steps if m.get("label", "").rsplit(",blocks=", 1)[0] == r["label"].rsplit(",blocks=", 1)[0]
+                   and m.get("tag") == "explore1" and "step_s" in m), None)
+      if meas is None:
+        continue
+      out.append(f"| {r['pair']} | {r['label']} | {meas['step_s'] * 1e3:.0f} | {t['step_s'] * 1e3:.0f} | "
+                 f"{cal.get('step_s', 0) * 1e3:.0f} ({cal.get('low_s', 0) * 1e3:.0f}-{cal.get('high_s', 0) * 1e3:.0f}) | "
+                 f"{meas['step_s'] / cal['step_s']:.2f} | {meas['program_bytes'] / GIB:.2f} | "
+                 f"{r['plan']['memory']['total'] / GIB:.2f} |")
+  text = "\n".join(out) + "\n"
+  notes = ""
+  if os.path.exists(md_path):
+    old = open(md_path, encoding="utf-8").read()
+    notes = old[old.index(NOTES):] if NOTES in old else ""
+  with open(md_path, "w", encoding="utf-8") as f:
+    f.write(text + notes)
+  return text
+
+
+PROFILE_ROLES = ("matmul", "attention kernel", "loss", "optimizer", "copy/transpose", "elementwise", "reduction")
+
+
+def generation_limit(r: dict) -> float:
+  """Tokens/s if every decoded token read the student's weights once in bfloat16 (the compute dtype: the cast of
+  the float32 weights does not depend on the token, and batch 1 runs faster than a float32 read would allow) and
+  each row's KV cache at its mean length, at 819 GB/s."""
+  weights = r["weight_bytes"] / 2
+  tcfg, scfg = model_configs(r["pair"], Setting(attn="xla", remat="none"))
+  kv = 2 * scfg.n_layers * scfg.n_kv_heads * scfg.hd * 2 * (r["prompt"] + r["new"] / 2)
+  return r["batch"] * 819e9 / (weights + r["batch"] * kv)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--pair", choices=sorted(PAIRS), default="qwen3")
@@ -418,7 +518,11 @@ def main(argv=None) -> int:
                       help="comma-separated: meshdistill, plain (the hand-written step), tunix, plan (md.plan for this "
                            "machine's chips), generate (cached sampling with the student)")
   parser.add_argument("--gen-batches", default="1,8,64")
+  parser.add_argument("--render", action="store_true", help="only rewrite tpu_step.md from the stored rows")
   args = parser.parse_args(argv)
+  if args.render:
+    print(render(args.out))
+    return 0
   import jax
 
   cache = os.environ.get("MESHDISTILL_BENCH_CACHE", os.path.join(tempfile.gettempdir(), "meshdistill-jax-cache"))
