@@ -144,8 +144,16 @@ def grouped_experts(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w
   order_NK = jnp.argsort(group_NK, stable=True)
   sizes_E = jnp.bincount(group_NK, length=E + 1)[:E].astype(jnp.int32)
   x_sorted = x_NxD[order_NK // k]
+  kept_NK = None if keep_Nxk is None else jnp.arange(group_NK.shape[0]) < jnp.sum(sizes_E)
+  if kept_NK is not None:
+    # `ragged_dot` leaves the rows past its last group unspecified (zeros on the CPU, whatever HBM held on a TPU),
+    # in its output and in its gradients: the dropped assignments' rows are selected away on the way in (their
+    # gradient) and on the way out (their value; NaN times a dropped assignment's weight 0 would still be NaN)
+    x_sorted = jnp.where(kept_NK[:, None], x_sorted, jnp.zeros((), x_sorted.dtype))
   h = jax.nn.silu(jax.lax.ragged_dot(x_sorted, w_gate_ExDxF, sizes_E)) * jax.lax.ragged_dot(x_sorted, w_up_ExDxF, sizes_E)
   y_sorted = jax.lax.ragged_dot(h, w_down_ExFxD, sizes_E)
+  if kept_NK is not None:
+    y_sorted = jnp.where(kept_NK[:, None], y_sorted, jnp.zeros((), y_sorted.dtype))
   y_NKxD = jnp.zeros_like(y_sorted).at[order_NK].set(y_sorted, unique_indices=True)
   weights_Nxk = weights_Nxk if keep_Nxk is None else jnp.where(keep_Nxk, weights_Nxk, 0.0)
   y_NxkxD = y_NKxD.reshape(N, k, -1) * weights_Nxk[..., None].astype(y_NKxD.dtype)
