@@ -276,8 +276,20 @@ class TunixPair:
     }
 
 
+def _bf16_model(cls, cfg, seed: int):
+  """``cls(cfg)`` with random bfloat16 weights, initialised inside one ``nnx.jit``."""
+  @nnx.jit
+  def make():
+    model = cls(cfg, rngs=nnx.Rngs(params=seed))
+    state = nnx.state(model)
+    nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                                   state))
+    return model
+  return make()
+
+
 def run_steps(teacher: str, student: str, batch: int, seq: int, steps: int, *, student_layers: int | None = None,
-              student_remat: str = "decoder", flash: bool = True) -> dict[str, Any]:
+              student_remat: str = "decoder", flash: bool = True, tiny: bool = False) -> dict[str, Any]:
   """tunix's two programs RUN on this process's first device (the chip): random bfloat16 weights made by tunix's own
   model classes, tunix's trainer and optimizer, and ``steps`` timed steps (the teacher program, then the train step
   on its logits, as the trainer's loop calls them). Returns step seconds (median), peak bytes of the device where it
@@ -286,20 +298,17 @@ def run_steps(teacher: str, student: str, batch: int, seq: int, steps: int, *, s
 
   mesh = tunix_mesh(jax.devices()[:1], 1, 1)
   has_flash = lambda name: flash and MODELS[name][0] == "qwen3"  # noqa: E731
-  t_cfg = model_config(teacher, "none", has_flash(teacher))
-  s_cfg = model_config(student, student_remat, has_flash(student))
+  t_cfg = model_config(teacher, "none", has_flash(teacher), tiny)
+  s_cfg = model_config(student, student_remat, has_flash(student), tiny)
   if student_layers is not None:
     s_cfg = dataclasses.replace(s_cfg, num_layers=student_layers)
   out: dict[str, Any] = {"batch": batch, "seq": seq}
   try:
     with tunix_on_tpu(mesh, (teacher, student)):
-      t_model = _model_class(teacher)(t_cfg, rngs=nnx.Rngs(params=0))
-      s_model = _model_class(student)(s_cfg, rngs=nnx.Rngs(params=1))
-      # tunix's example restores bfloat16 weights into both models
-      for m in (t_model, s_model):
-        state = nnx.state(m)
-        nnx.update(m, jax.tree.map(lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a,
-                                   state))
+      # tunix's example restores bfloat16 weights into both models; random ones are made in one compiled program
+      # per model (built eagerly, op by op, a 1.7 B model takes minutes on the chip's host)
+      t_model = _bf16_model(_model_class(teacher), t_cfg, 0)
+      s_model = _bf16_model(_model_class(student), s_cfg, 1)
       strategy, gen_inputs = strategy_for(s_cfg.vocab_size)
       trainer = dt.DistillationTrainer(student_model=s_model, teacher_model=t_model, strategy=strategy,
                                        optimizer=optax.adamw(LEARNING_RATE),
