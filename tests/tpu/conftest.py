@@ -41,8 +41,9 @@ def skip_reason(config) -> str | None:
   if hasattr(config, "workerinput"):
     return (f"no TPU: this is a pytest-xdist worker and one process at a time can hold the chip; run {_COMMAND} "
             f"(or set {_ON}=cpu)")
-  if jax.config.jax_platforms:  # the user chose the platform
-    return f"no TPU: JAX_PLATFORMS={jax.config.jax_platforms}; unset it (or include tpu) to run these tests on the chip"
+  chosen = jax.config.jax_platforms  # the user's JAX_PLATFORMS, if any (tests/conftest.py left it alone)
+  if chosen and "tpu" not in chosen.split(","):
+    return f"no TPU: JAX_PLATFORMS={chosen}; unset it (or set tpu,cpu) to run these tests on the chip"
   platforms = sorted({d.platform for d in jax.devices()})
   if "tpu" not in platforms:
     return f"no TPU: JAX sees only {', '.join(platforms)} devices; set {_ON}=cpu to run these tests on the CPU"
@@ -66,7 +67,10 @@ def chip():
 @pytest.fixture(scope="session")
 def host():
   """The CPU device of a chip-against-CPU comparison (another device than ``chip`` in the CPU mode too)."""
-  return jax.devices("cpu")[1 if _mode() == "cpu" else 0]
+  try:
+    return jax.devices("cpu")[1 if _mode() == "cpu" else 0]
+  except RuntimeError:  # JAX_PLATFORMS=tpu: no CPU backend in this process
+    pytest.skip(f"no CPU backend beside the chip (JAX_PLATFORMS={jax.config.jax_platforms}); unset it or set tpu,cpu")
 
 
 @pytest.fixture(autouse=True)

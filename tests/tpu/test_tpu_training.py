@@ -180,8 +180,10 @@ def test_bfloat16_distillation_step_on_the_chip_equals_the_cpu_within_bfloat16_r
 @pytest.mark.parametrize("quantize", [None, "nf4"], ids=["lora", "qlora-nf4-int8-teacher"])
 def test_lora_student_step_on_the_chip_equals_the_step_on_the_cpu(chip, host, quantize):
   """Adapters of rank 8 on every projection of a float (LoRA) or an nf4-quantized base (QLoRA, which distils from an
-  int8 teacher, as the QLoRA recipe does): two steps, float32 at 'highest'. Only the adapters move, on both."""
-  base_student, teacher = _models(STUDENT.replace(scan_layers=False), TEACHER, host)
+  int8 teacher, as the QLoRA recipe does): two steps, float32 at 'highest'. Only the adapters move, on both. XLA's
+  attention: the subject here is the adapters and the quantized weights (the splash kernel is the float32 step's)."""
+  base_student, teacher = _models(STUDENT.replace(scan_layers=False, attention="xla"), TEACHER.replace(attention="xla"),
+                                  host)
   with jax.default_device(host):
     mesh = _mesh(host)
     student = apply_lora(base_student, LoraConfig(rank=8, quantize=quantize), seed=2, mesh=mesh)
