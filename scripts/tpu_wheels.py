@@ -41,7 +41,7 @@ import meshdistill as m
 m.Distiller; m.ChunkedLogitKD; m.init_model
 for name in ("meshdistill.cli", "meshdistill.jobs._distill_job", "meshdistill.jobs._inspect", "meshdistill.jobs._teacher",
              "meshdistill.models.lora", "meshdistill.models.quantize", "meshdistill.models.moe",
-             "meshdistill.planner", "meshdistill.train.onpolicy", "chex", "tokenizers", "tensorboardX",
+             "meshdistill.planner", "meshdistill.train.onpolicy", "chex", "qwix", "tokenizers", "tensorboardX",
              "matplotlib.pyplot"):
   importlib.import_module(name)
 if %(tunix)r:
