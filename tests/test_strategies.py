@@ -376,7 +376,7 @@ def test_a_new_strategy_is_one_new_module(tmp_path):
       import dataclasses
       import jax.numpy as jnp
       from meshdistill import losses
-      from meshdistill.train.schedules import check_scalar
+      from meshdistill.losses.schedules import check_scalar
       from meshdistill.strategies._base import SequenceStrategy, register
 
       @register("mine")

@@ -146,7 +146,7 @@ def test_a_new_teacher_source_is_one_new_module(tmp_path):
   shutil.copytree(os.path.join(src, "meshdistill"), tmp_path / "meshdistill",
                   ignore=shutil.ignore_patterns("__pycache__"))
   (tmp_path / "meshdistill" / "teachers" / "kinds" / "seeded.py").write_text(textwrap.dedent('''
-      from meshdistill.config.typed_yaml import ConfigError
+      from meshdistill.core.typed_yaml import ConfigError
       from meshdistill.models import init_model
       from meshdistill.teachers.kinds._base import ModelSource, option, register
 

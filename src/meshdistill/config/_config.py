@@ -36,7 +36,7 @@ import yaml
 
 from meshdistill import strategies
 from meshdistill.config import files as config_files
-from meshdistill.config.typed_yaml import ConfigError, from_dict, to_plain
+from meshdistill.core.typed_yaml import ConfigError, from_dict, to_plain
 from meshdistill.config.files import config_path  # noqa: F401  (part of this module's API)
 from meshdistill.config.sections import (
   CheckpointSettings,
@@ -53,7 +53,7 @@ from meshdistill.config.sections import (
 )
 from meshdistill.data import DataConfig
 from meshdistill.train.freezing import check_stages
-from meshdistill.storage.fsutil import write_text_atomic
+from meshdistill.core.fsutil import write_text_atomic
 from meshdistill.models import ModelConfig
 from meshdistill.teachers.multi._settings import TeachersSettings, check_teachers
 from meshdistill.teachers.sources import ModelSources, nest_sources, resolve, split_sources

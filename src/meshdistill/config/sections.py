@@ -20,7 +20,7 @@ import math
 import os
 
 from meshdistill import strategies
-from meshdistill.config.typed_yaml import ConfigError, api_to_config, in_range, nonneg_int, positive_int, unknown_key
+from meshdistill.core.typed_yaml import ConfigError, api_to_config, in_range, nonneg_int, positive_int, unknown_key
 from meshdistill.train.freezing import Stage
 from meshdistill.parallel.fsdp import unsupported as fsdp_unsupported
 from meshdistill.parallel.backends import BACKENDS, layout_class
@@ -129,7 +129,7 @@ class DistillSettings:
   main job's ``distill`` section (`meshdistill.config.Config`: ``logit_kd`` at temperature 1.0, alpha 1.0).
 
   For ``logit_kd``: ``temperature`` and ``alpha`` are numbers or schedule specs
-  (`meshdistill.train.schedules.from_spec`), e.g. ``{kind: linear, start: 3.0, end: 1.0, steps: 300}``;
+  (`meshdistill.losses.schedules.from_spec`), e.g. ``{kind: linear, start: 3.0, end: 1.0, steps: 300}``;
   ``chunk_size`` selects `ChunkedLogitKD` (the loss from final hidden states and LM heads,
   ``chunk_size`` tokens at a time, without ``[batch, seq, vocab]`` logits; ``0`` = all at once)."""
 
@@ -149,7 +149,7 @@ class DistillSettings:
 
   @classmethod
   def section_base(cls, raw: dict, base: DistillSettings) -> DistillSettings:
-    """What a config's ``distill`` mapping ``raw`` overlays (`meshdistill.config.typed_yaml.from_dict`): ``base``, or,
+    """What a config's ``distill`` mapping ``raw`` overlays (`meshdistill.core.typed_yaml.from_dict`): ``base``, or,
     when ``raw`` names a ``kind``, ``base`` without strategy settings (they belong to ``base``'s strategy)."""
     if "kind" not in raw:
       return base

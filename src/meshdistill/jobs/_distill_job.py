@@ -10,7 +10,7 @@ from typing import IO
 from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import Config, ConfigError
 from meshdistill.config.sections import strategy_defaults
-from meshdistill.storage.fsutil import write_text_atomic
+from meshdistill.core.fsutil import write_text_atomic
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
 from meshdistill.jobs._setup import teacher_side_data, with_batch_size
 from meshdistill.jobs._teacher import obtain_teacher, prepare_teacher
@@ -32,7 +32,7 @@ def distill(
 
   Writes ``config.yaml``, ``metrics.jsonl``, ``tb/``, ``checkpoints/`` and ``summary.json`` into
   ``run.run_dir`` and returns the summary (teacher / student validation loss and perplexity).
-  Holds the run directory's lock (`meshdistill.storage.fsutil.RunLock`) throughout; ``config.yaml`` is
+  Holds the run directory's lock (`meshdistill.core.fsutil.RunLock`) throughout; ``config.yaml`` is
   written only once the settings are known to fit the checkpoint the run resumes from.
   """
   with _run_lock(cfg.run.run_dir, "distillation run", cfg.checkpoint_dir):

@@ -18,7 +18,7 @@ from meshdistill.teachers import cache as tc
 from meshdistill.teachers.service import protocol, server
 from meshdistill.teachers.service.batching import Batcher, length_buckets
 from meshdistill.teachers.sources import quantized_teacher
-from meshdistill.train.distiller import resolve_shared_vocab
+from meshdistill.core.vocab import resolve_shared_vocab
 
 log = logging.getLogger("meshdistill.jobs")
 

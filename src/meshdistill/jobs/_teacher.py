@@ -11,24 +11,25 @@ import os
 import time
 from typing import IO
 
-from meshdistill.storage.checkpoint import Checkpointer, check_teacher_target, save_teacher
+from meshdistill.storage.checkpoint import Checkpointer
+from meshdistill.teachers.checkpoint import check_teacher_target, save_teacher
 from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
 from meshdistill.jobs._setup import teacher_side_data, with_batch_size
 from meshdistill.jobs._training import loop_kwargs, safeguard_kwargs
 from meshdistill.train.loop.monitor import ProfileWindow
-from meshdistill.storage.ownership import OutputKind, check_owned, read_marker, write_marker
+from meshdistill.core.ownership import OutputKind, check_owned, read_marker, write_marker
 from meshdistill.parallel import distributed
 from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.train.loop.trainer import fit
 from meshdistill.models import init_model, param_count
 from meshdistill.parallel.backends import make_layout
-from meshdistill.storage.fsutil import read_json
+from meshdistill.core.fsutil import read_json
 from meshdistill.teachers import cache as tc
 from meshdistill.teachers import kinds, multi
 from meshdistill.teachers.kinds.pretrained import default_cache_dir, teacher_dir, teacher_key  # noqa: F401 (re-export)
 from meshdistill.teachers.sources import quantized_teacher
-from meshdistill.train.distiller import resolve_shared_vocab
+from meshdistill.core.vocab import resolve_shared_vocab
 from meshdistill.train.hardlabel import HardLabelTrainer
 from meshdistill.train.optimizers import make_optimizer
 
@@ -50,7 +51,7 @@ def pretrain(
 
   ``out`` defaults to the teacher cache (`teacher_dir`), where `distill` looks for it. An existing
   non-empty ``out`` is refused before any training unless ``overwrite`` (the cache always may be
-  replaced), and only a teacher directory is ever replaced (`meshdistill.storage.checkpoint.save_teacher`).
+  replaced), and only a teacher directory is ever replaced (`meshdistill.teachers.checkpoint.save_teacher`).
   Training state is checkpointed in ``run_dir`` (default ``<run.run_dir>/teacher-<key>``, the key
   of `teacher_key`, so pretraining with other settings never resumes this one), and an interrupted
   pretraining resumes. Returns a summary with the teacher's validation metrics.

@@ -41,13 +41,13 @@ imported here, so the decorator runs and the class is exported under its own nam
 
 Layer maps (`default_layer_map`) pair student with teacher layers; weights and other
 scalars may be schedules, evaluated with `value_at` and checked with
-`meshdistill.train.schedules.check_scalar`.
+`meshdistill.losses.schedules.check_scalar`.
 """
 
 import importlib
 import pkgutil
 
-from meshdistill.train.schedules import Scalar, value_at
+from meshdistill.losses.schedules import Scalar, value_at
 from meshdistill.strategies._attention import AttentionTransfer, attention_map_loss, group_heads
 from meshdistill.strategies._base import (
     BatchStrategy,

@@ -26,7 +26,7 @@ from meshdistill import losses
 from meshdistill.models import ModelOutput
 from meshdistill.strategies._base import register
 from meshdistill.strategies._cross_tokenizer import ULD
-from meshdistill.train.schedules import check_integer
+from meshdistill.losses.schedules import check_integer
 
 
 @register("byte_kl")

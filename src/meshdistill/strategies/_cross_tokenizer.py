@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from meshdistill import losses
 from meshdistill.models import ModelOutput
 from meshdistill.strategies._base import SequenceStrategy, register
-from meshdistill.train.schedules import Scalar, check_integer, check_scalar, value_at
+from meshdistill.losses.schedules import Scalar, check_integer, check_scalar, value_at
 
 
 @register("uld")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from meshdistill import losses
 from meshdistill.models import ModelOutput
-from meshdistill.train.schedules import Scalar, check_integer, check_scalar, value_at, value_range
+from meshdistill.losses.schedules import Scalar, check_integer, check_scalar, value_at, value_range
 from meshdistill.strategies._base import SequenceStrategy, Strategy, get, register
 
 Divergence = Callable[..., jax.Array]
@@ -83,9 +83,9 @@ class LogitRecipe(Strategy):
     skew: ``skew_kl`` / ``skew_reverse_kl`` only: mixture weight in [0, 1) (DistiLLM: 0.1).
 
   ``temperature``, ``alpha``, ``beta`` and ``skew`` are each a number, a schedule (a
-  function of the step, see `meshdistill.train.schedules`) or a schedule spec dict such as
+  function of the step, see `meshdistill.losses.schedules`) or a schedule spec dict such as
   ``{"kind": "linear", "start": 3.0, "end": 1.0, "steps": 1000}``, checked by
-  `meshdistill.train.schedules.check_scalar`; schedules are evaluated on the traced step inside
+  `meshdistill.losses.schedules.check_scalar`; schedules are evaluated on the traced step inside
   the compiled step (no recompilation).
 
   Metrics (token means): ``loss``, ``kl`` (forward KL at tau over the full vocabulary,

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from meshdistill.train.schedules import value_at
+from meshdistill.losses.schedules import value_at
 from meshdistill.strategies._base import SequenceStrategy, Strategy
 from meshdistill.strategies._logit import logit_metrics
 

@@ -51,7 +51,7 @@ from meshdistill.parallel.distributed import process_count
 from meshdistill.models.generate import SamplingConfig, generate
 from meshdistill.data._domains import DOMAIN_KEY
 from meshdistill.data.prompts import completion_batch, cut_prompts, prompts_of
-from meshdistill.train.step import TOPK_KEYS
+from meshdistill.core.batch import TOPK_KEYS
 
 log = logging.getLogger(__name__)
 

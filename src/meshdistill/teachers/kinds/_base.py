@@ -28,15 +28,16 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.models import ModelConfig
 from meshdistill.strategies import get as strategy_class
 from meshdistill.strategies import names as strategy_names
 
-if TYPE_CHECKING:
-  from meshdistill.config import Config
+# The run's `meshdistill.config.Config`. Named, not imported: the config package sits above the teacher sources (it
+# checks its sections with them), so a source reads the config it is handed and never imports the package.
+Config = Any
 
 MODEL, TOPK, NOTHING = "model", "topk", "nothing"
 # The teacher.<key>s the config keeps in fields of their own (`meshdistill.teachers.sources.ModelSources`); a

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.parallel.backends import layout_class
 from meshdistill.parallel.mesh import DATA, TENSOR, mesh_shape, shape_label
 from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, register, topk_refusal
@@ -18,7 +18,7 @@ from meshdistill.teachers.kinds._quantize import check_quantize
 from meshdistill.teachers.kinds.pretrained import Pretrained
 from meshdistill.teachers.mesh import TeacherMeshData, TeacherOnMesh, split_meshes
 from meshdistill.teachers.kinds._quantize import quantized_teacher
-from meshdistill.train.distiller import resolve_shared_vocab
+from meshdistill.core.vocab import resolve_shared_vocab
 
 
 @register

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.strategies import get as strategy_class
 from meshdistill.teachers.kinds._base import MODEL, NOTHING, TEACHER_KEYS, get, names, topk_refusal
 from meshdistill.teachers.sources._settings import ModelSources
