@@ -58,25 +58,7 @@ from meshdistill.models import ModelConfig
 from meshdistill.teachers.multi._settings import TeachersSettings, check_teachers
 from meshdistill.teachers.sources import ModelSources, nest_sources, resolve, split_sources
 
-__all__ = [
-  "CheckpointSettings",
-  "Config",
-  "ConfigError",
-  "DistillSettings",
-  "GuardSettings",
-  "MeshSettings",
-  "OnPolicySettings",
-  "PreferenceSettings",
-  "PretrainSettings",
-  "RematSettings",
-  "RunSettings",
-  "SafeguardSettings",
-  "TrainSettings",
-  "config_path",
-  "dump_config",
-  "load_config",
-  "run_config",
-]
+# The package's names: `meshdistill.config.__all__` (the one list).
 
 
 def _default_teacher() -> ModelConfig:
@@ -176,8 +158,8 @@ class Config:
     """One tokenizer: equal vocabularies. A teacher of its own (``data.teacher_tokenizer``): a strategy that aligns
     the two tokenizations (``cross_tokenizer``: uld, span_kl, byte_kl); the others are refused, naming those that
     work."""
-    cross = sorted(n for n in strategies.names() if getattr(strategies.get(n), "cross_tokenizer", False))
-    aligns = getattr(strategies.get(self.distill.kind), "cross_tokenizer", False)
+    cross = sorted(n for n in strategies.names() if strategies.get(n).cross_tokenizer)
+    aligns = strategies.get(self.distill.kind).cross_tokenizer
     if self.data.teacher_tokenizer is None:
       if aligns:
         raise ConfigError(f"distill.kind={self.distill.kind} distils a teacher of another tokenizer: set "

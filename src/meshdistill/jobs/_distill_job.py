@@ -210,7 +210,7 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
 
 def _evaluate_pair(distiller, state, val) -> dict:
   student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
-  if getattr(distiller, "cross_tokenizer", False):
+  if distiller.cross_tokenizer:
     return _evaluate_cross(distiller, state, student)
   teacher_eval = Evaluator(distiller.teacher_def, mesh=distiller.layout.eval_mesh)
   teacher = teacher_eval(distiller.unreplicate(distiller.teacher_params), val)

@@ -113,11 +113,10 @@ def services(stream: IO[str] | None = None, report=None) -> kinds.Services:
 
 
 def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, report=None):
-  """``(teacher model on mesh, its identity)``: the model the run's settings name -- ``teacher.hf``, else the
-  pretrained one (``pretrain.teacher``, cached, or pretrained now). ``report(text)`` receives one line saying where
-  the teacher came from."""
-  source = kinds.get("hf" if cfg.models.teacher_hf else "pretrained")(cfg)
-  return source.model(data, mesh, services(stream, report))
+  """``(teacher model on mesh, its identity)``: the model of the run's teacher source (`TeacherSource.runs`: the
+  source itself when it runs a model -- ``teacher.hf``, the pretrained one, or any other `ModelSource` -- else the
+  model whose top-k it gives). ``report(text)`` receives one line saying where the teacher came from."""
+  return kinds.for_config(cfg).runs().model(data, mesh, services(stream, report))
 
 
 def prepare_teacher(cfg: Config, data, mesh, teacher_mesh, *, stream: IO[str] | None = None, report=None):
@@ -156,10 +155,10 @@ def cache_teacher(
     raise ConfigError(f"cache-teacher writes the top-k of the run's teacher, but teacher.source="
                       f"{cfg.models.teacher_kind} gives no teacher; set teacher.hf (a Hugging Face teacher) or "
                       "teacher.source=pretrained (pretrain.teacher=DIR, or one pretrained for these settings)")
+  reason = kinds.temperature_refusal(cfg.distill, "a teacher cache holds the teacher's log-probabilities")
+  if reason:
+    raise ConfigError(reason)
   tau = cfg.distill.value("temperature")  # the section's, or the strategy's default
-  if callable(tau) or isinstance(tau, dict):
-    raise ConfigError(f"distill.temperature={tau!r}: a teacher cache holds log-probabilities "
-                      "at one temperature; set a constant distill.temperature")
 
   if distributed.is_primary():  # before any teacher is loaded or pretrained: a refused --out costs nothing
     if not check_owned(out, CACHE_KIND, overwrite=None) or read_marker(out) is None:

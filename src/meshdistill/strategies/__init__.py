@@ -8,8 +8,8 @@ the step divides by the global count of unmasked tokens, so every value is a tok
 Every strategy has ``capture`` (extra model outputs: ``"hidden"``, ``"attn"``, ``"final"``),
 ``needs_logits`` / ``needs_head``, ``init_params(student_cfg, teacher_cfg, key)`` (extra
 trainable parameters, and the check of settings against model sizes) and ``fallback()``
-(its replacement after a divergence, or None); the base classes give the defaults, and
-`PerSequence` / `PerBatch` state the contract as `typing.Protocol` classes.
+(its replacement after a divergence, or None); the base classes give the defaults (the contract is written once,
+in `_base`), and `PerSequence` / `PerBatch` name the two kinds (`SequenceStrategy` / `BatchStrategy`).
 
 Built in (registered name in brackets, for configs' ``distill.kind`` and `get`):
 

@@ -60,6 +60,10 @@ class ByteKL(ULD):
     object.__setattr__(new, "tables", tables)
     return new
 
+  def with_tokenizers(self, tokenizers) -> ByteKL:
+    """This strategy with the next-byte tables of the two tokenizers, ``max_depth`` bytes deep (`with_tables`)."""
+    return self.with_tables(tokenizers.byte_tables(max_depth=self.max_depth))
+
   def fallback(self) -> ByteKL:
     return super().fallback().with_tables(self.tables)
 

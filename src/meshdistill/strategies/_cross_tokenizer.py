@@ -122,6 +122,10 @@ class SpanKL(ULD):
     object.__setattr__(new, "matched", (tuple(int(i) for i in teacher_ids), tuple(int(i) for i in student_ids)))
     return new
 
+  def with_tokenizers(self, tokenizers) -> SpanKL:
+    """This strategy with the matched vocabulary of the two tokenizers (`with_matched`)."""
+    return self.with_matched(*tokenizers.matched())
+
   def fallback(self) -> SpanKL:
     return super().fallback().with_matched(*self.matched)
 

@@ -38,7 +38,7 @@ from meshdistill.train.step import (
     BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS, TrainState, per_device_step,
 )
 from meshdistill.strategies import LogitKD, label
-from meshdistill.train.teacher import TopKTeacher
+from meshdistill.train.teacher import TeacherOutput, TopKTeacher, decide  # noqa: F401 -- TopKTeacher: the API's
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +101,13 @@ class Distiller:
     if getattr(getattr(student, "cfg", None), "param_dtype", "float32") != "float32":
       raise ValueError(f"student.param_dtype={student.cfg.param_dtype!r}: the student trains with float32 weights; "
                        "build it with param_dtype='float32' (dtype='bfloat16' computes in bfloat16)")
-    # A `TopKTeacher` (an offline cache, a teacher on other devices) has no weights here: every batch
-    # brings the teacher's top-k (`TOPK_KEYS`) and the step runs no teacher.
-    self.topk_teacher = teacher if isinstance(teacher, TopKTeacher) else None
+    # What the teacher gives the step, decided once (`meshdistill.train.teacher.decide`): a model, or a `TopKTeacher`
+    # (an offline cache, a teacher on other devices: no weights here, every batch brings the teacher's top-k under
+    # `TOPK_KEYS` and the step runs no teacher), or none; on the student's tokens or on its own.
+    self.teacher_output = self._decide_teacher(teacher, strategy)
+    self.topk_teacher = self.teacher_output.topk
+    self.cross_tokenizer = self.teacher_output.own_tokenizer
     self.shared_vocab = None
-    self.cross_tokenizer = teacher is not None and getattr(strategy, "cross_tokenizer", False)
     # A teacher of another tokenizer (live, or a cross-tokenizer cache whose top-k is over the teacher's own
     # vocabulary, spread there by the step) shares no vocabulary with the student.
     if self.topk_teacher is not None and not self.cross_tokenizer:
@@ -149,6 +151,7 @@ class Distiller:
         optimizer=self.optimizer,
         vocab=self.shared_vocab,
         trainable=trainable,
+        teacher_output=self.teacher_output,
         **self._teacher_names(),
         loss_scale=None if loss_scale is None else float(loss_scale),
     )
@@ -180,6 +183,10 @@ class Distiller:
     params = self._student_init if student is None else nnx.state(self._fit(student))
     extra = self.strategy.init_params(self.student_cfg, self.teacher_cfg, jax.random.key(self.seed))
     return self.layout.fresh_state(self.optimizer, {"student": params, "strategy": extra}, self.trainable)
+
+  def _decide_teacher(self, teacher: Any, strategy: Any) -> TeacherOutput:
+    """What ``teacher`` gives the step for ``strategy`` (`meshdistill.train.teacher.decide`)."""
+    return decide(teacher, strategy)
 
   def _teacher_names(self) -> dict:
     """The step's keywords for several teachers combined into one top-k (their per-teacher metrics)."""
@@ -306,7 +313,7 @@ class Distiller:
       known = None
     if known is not None:
       return known
-    new = self._variant(strategy=strategy)
+    new = self._variant(strategy=strategy, teacher_output=self.teacher_output.for_strategy(strategy))
     new.strategy = strategy
     try:
       self._strategy_variants[strategy] = new

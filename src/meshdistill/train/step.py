@@ -44,6 +44,7 @@ from meshdistill.core.state import SplitStep, TrainState, join_trainable, split_
 from meshdistill.parallel import fsdp
 from meshdistill.parallel.collectives import psum_bundled
 from meshdistill.train import router_losses
+from meshdistill.train.teacher import MODEL, NONE, TeacherOutput
 
 # One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``: `per_device_gradients` then
 # `apply_gradients` (see them for the keywords), defined below as the `SplitStep` of the two. Returns
@@ -68,13 +69,17 @@ def per_device_gradients(
     teacher_temperature: float = 1.0,
     loss_scale: float | None = None,
     topk_vocab: int | None = None,
+    teacher_output: TeacherOutput | None = None,
     **_,
 ):
   """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
 
-  With `TOPK_KEYS` in ``batch`` the teacher is not run: its top-k from the batch (an offline cache,
-  `meshdistill.teachers.cache`, or a teacher on its own devices, `meshdistill.teachers.mesh`) is
-  handed to the strategy as a `meshdistill.losses.TopK`.
+  ``teacher_output``: what the teacher gives (`meshdistill.train.teacher.TeacherOutput`, decided when the `Distiller`
+  is built); the step reads it, and nothing else, to choose the teacher's part. A top-k teacher (an offline cache,
+  `meshdistill.teachers.cache`, or a teacher on its own devices, `meshdistill.teachers.mesh`) is not run: its top-k
+  from the batch (`TOPK_KEYS`) is handed to the strategy as a `meshdistill.losses.TopK`. A teacher of its own
+  tokenizer runs on its own tokens and its output is aligned on spans (`meshdistill.losses.Aligned`). ``None``: the
+  teacher's weights when ``teacher_def`` is given (else no teacher), on the student's tokens.
 
   ``trainable``: an nnx filter of the student parameters that train (e.g. ``nnx.LoRAParam``); the
   others are inputs of the step only: no gradient, no optimizer state, never moved (`split_trainable`).
@@ -116,14 +121,16 @@ def per_device_gradients(
   # LM heads (e.g. chunked over tokens); the models then skip their heads (`needs_logits`).
   with_logits, with_head = strategy.needs_logits, strategy.needs_head
 
+  source = teacher_output if teacher_output is not None else TeacherOutput(NONE if teacher_def is None else MODEL)
   teacher_out = teacher_head = teacher_cap = None
-  if TOPK_KEYS[0] in batch and getattr(strategy, "cross_tokenizer", False):  # a cross-tokenizer cache
+  reads_topk = source.reads_topk(batch)
+  if reads_topk and source.own_tokenizer:  # a cross-tokenizer cache
     teacher_out = _aligned_topk(batch, topk_vocab, teacher_temperature)
-  elif TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
+  elif reads_topk:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
     teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
-  elif teacher_def is not None and getattr(strategy, "cross_tokenizer", False):  # a teacher of another tokenizer
+  elif source.gives == MODEL and source.own_tokenizer:  # a teacher of another tokenizer
     teacher_out = _aligned_teacher(nnx.merge(teacher_def, teacher_params), batch, student_axis)
-  elif teacher_def is not None:
+  elif source.gives == MODEL:
     teacher = nnx.merge(teacher_def, teacher_params)
     inputs_BxT = batch["inputs"] if student_axis is None else _rows_whole(batch["inputs"])
     teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)

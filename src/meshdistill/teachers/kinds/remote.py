@@ -62,10 +62,6 @@ class Remote(TeacherSource):
 
   def check(self):
     super().check()
-    tau = self.cfg.distill.value("temperature")
-    if callable(tau) or isinstance(tau, dict):
-      raise ConfigError("teacher.source=remote needs a constant distill.temperature (the server's top-k is taken "
-                        "at it)")
     if self.cfg.data.teacher_tokenizer is not None:
       raise ConfigError("data.teacher_tokenizer runs a teacher of its own tokenizer live in the step; "
                         "teacher.source=remote serves top-k over the run's tokens: remove one of them")

@@ -152,9 +152,6 @@ def check_teachers(cfg) -> None:
   if reason:
     raise ConfigError(reason.replace("choose a teacher.source that runs the teacher on the student's mesh",
                                      "use one teacher"))
-  tau = cfg.distill.value("temperature")
-  if callable(tau) or isinstance(tau, dict):
-    raise ConfigError("teachers needs a constant distill.temperature (each teacher's top-k is taken at one)")
   on_policy = cfg.distill.on_policy
   if on_policy.active or on_policy.prompts_file:
     _check_on_policy(t, on_policy)
