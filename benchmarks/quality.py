@@ -135,7 +135,7 @@ def run_once(args, overrides: list[str], run_root: str) -> dict:
   t0 = time.perf_counter()
   teacher, tdir = jobs.obtain_teacher(cfg, data, mesh, stream=sys.stderr, report=say)
   teacher_seconds = time.perf_counter() - t0
-  from meshdistill.storage.checkpoint import read_teacher_meta
+  from meshdistill.teachers.checkpoint import read_teacher_meta
 
   teacher_pretrain_seconds = read_teacher_meta(tdir)["info"].get("seconds")
 

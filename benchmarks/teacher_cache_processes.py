@@ -38,7 +38,7 @@ MESHES = ((2, 4), (8, 1))
 
 def write_teacher(path: str) -> None:
   import meshdistill as md  # pylint: disable=g-import-not-at-top
-  from meshdistill.storage.checkpoint import save_teacher  # pylint: disable=g-import-not-at-top
+  from meshdistill.teachers.checkpoint import save_teacher  # pylint: disable=g-import-not-at-top
   from meshdistill.config import load_config  # pylint: disable=g-import-not-at-top
 
   cfg = load_config("tiny")

@@ -16,7 +16,8 @@ from helpers import make_batch
 from flax import nnx
 
 import meshdistill as md
-from meshdistill.storage.checkpoint import Checkpointer, check_teacher_architecture, load_teacher, save_teacher
+from meshdistill.storage.checkpoint import Checkpointer
+from meshdistill.teachers.checkpoint import check_teacher_architecture, load_teacher, save_teacher
 from meshdistill.config import load_config
 from meshdistill.data import ByteTokenizer
 from meshdistill.parallel.backends import make_layout

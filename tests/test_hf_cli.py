@@ -23,7 +23,7 @@ from meshdistill import cli, jobs
 from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import ConfigError, dump_config, load_config
 from meshdistill.config import run_config
-from meshdistill.models.export import export_run
+from meshdistill.jobs.export import export_run
 from meshdistill.models.hf import load_hf
 from meshdistill.teachers.sources import build_student, load_teacher_hf, student_from_teacher
 

@@ -208,9 +208,10 @@ if __name__ == "__main__":
   pytest.main([__file__, "-q", "-s"])
 
 
-def test_the_package_has_at_most_14_top_level_entries():
+def test_the_package_has_at_most_15_top_level_entries():
   """Modules, packages and data folders directly under ``meshdistill/`` (``__init__`` and ``__main__`` included):
-  a new concept goes into the package it belongs to (CONTRIBUTING.md's code map), not beside them."""
+  a new concept goes into the package it belongs to (CONTRIBUTING.md's code map), not beside them. 14 until the
+  names every layer shares (the batch schema, the train state, ...) left ``train/`` for ``core/``, below all."""
   entries = sorted(p.name for p in (SRC / PACKAGE).iterdir()
                    if p.name != "__pycache__" and (p.is_dir() or p.suffix == ".py"))
-  assert len(entries) <= 14, entries
+  assert len(entries) <= 15, entries

@@ -116,7 +116,7 @@ def test_load_run_of_a_run_with_a_padded_vocabulary_gives_its_logits(tmp_path):
     got = md.load_run(str(run_dir), mesh=mesh).student(tokens).logits
     np.testing.assert_allclose(np.asarray(jax.device_get(got)), want, rtol=1e-5, atol=1e-6)
   # `meshdistill export` reads the student the same way: the export holds the 265 real rows
-  from meshdistill.models.export import export_run
+  from meshdistill.jobs.export import export_run
 
   export_run(str(run_dir), str(tmp_path / "hf"))
   reloaded = md.load_hf(str(tmp_path / "hf"))

@@ -14,8 +14,8 @@ import meshdistill as md
 from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import ConfigError, dump_config, load_config
 from meshdistill.models.hf import export_hf, load_hf
-from meshdistill.models.export import export_run
-from meshdistill.storage.fsutil import OutputExistsError
+from meshdistill.jobs.export import export_run
+from meshdistill.core.fsutil import OutputExistsError
 from meshdistill.models.lora import QUANTIZE, LoraConfig, adapter_count, apply_lora, is_lora, merge_lora
 from meshdistill.models.peft import export_adapter
 from meshdistill.planner import Knobs, make_planner

@@ -25,7 +25,7 @@ import pytest
 
 import meshdistill as md
 from meshdistill.parallel import distributed
-from meshdistill.storage.checkpoint import save_teacher
+from meshdistill.teachers.checkpoint import save_teacher
 from meshdistill.config import load_config
 from meshdistill.teachers.cache import TeacherCache
 

@@ -218,7 +218,7 @@ def test_on_policy_settings_are_checked_and_named():
 
 
 def test_generate_job_prints_the_teachers_greedy_completion(tmp_path, capsys):
-  from meshdistill.storage.checkpoint import save_teacher
+  from meshdistill.teachers.checkpoint import save_teacher
   from meshdistill.data import ByteTokenizer
 
   where = [f"run.run_dir={tmp_path / 'run'}", f"pretrain.teacher={tmp_path / 'teacher'}"]

@@ -226,7 +226,7 @@ def test_task_accuracy_is_the_scorers_on_every_layout():
 def test_eval_task_command_scores_a_runs_model(tmp_path, capsys):
   from meshdistill import cli, jobs
   from meshdistill.config import load_config
-  from meshdistill.storage.checkpoint import save_teacher
+  from meshdistill.teachers.checkpoint import save_teacher
 
   where = [f"run.run_dir={tmp_path / 'run'}", f"pretrain.teacher={tmp_path / 'teacher'}", "mesh.backend=single",
            "mesh.data=1", "mesh.tensor=1"]

@@ -12,7 +12,7 @@ from flax import nnx
 from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 
 import meshdistill as md
-from meshdistill.storage.checkpoint import load_teacher, save_teacher
+from meshdistill.teachers.checkpoint import load_teacher, save_teacher
 from meshdistill.config import ConfigError, load_config
 from meshdistill.data import ByteTokenizer
 from meshdistill.models.quantize import quantize_model

@@ -27,20 +27,15 @@ from flax import nnx
 
 import meshdistill as md
 from meshdistill import cli, jobs
-from meshdistill.storage.checkpoint import (
-  Checkpointer,
-  CheckpointError,
-  TeacherDamagedError,
-  load_teacher,
-  save_teacher,
-)
+from meshdistill.storage.checkpoint import Checkpointer, CheckpointError
+from meshdistill.teachers.checkpoint import TeacherDamagedError, load_teacher, save_teacher
 from meshdistill.config import ConfigError, load_config
 from meshdistill.data import DataConfig, build_data
 from meshdistill.teachers.cache import TeacherCache
-from meshdistill.storage.fsutil import LOCK_FILE, OutputExistsError, RunLock, RunLockedError
+from meshdistill.core.fsutil import LOCK_FILE, OutputExistsError, RunLock, RunLockedError
 from meshdistill.models import export_hf, load_hf
 from meshdistill.train.loop.monitor import Monitor, plot_run, read_metrics
-from meshdistill.storage.ownership import MARKER, write_marker
+from meshdistill.core.ownership import MARKER, write_marker
 from meshdistill.train.loop.safeguards import DivergenceGuard, fit_guarded, safeguarded, skipped_updates
 from meshdistill.train.loop.trainer import fit
 
@@ -174,7 +169,7 @@ def test_export_replaces_an_old_sharded_checkpoint_whole_and_never_writes_throug
   again = load_hf(out)
   assert leaves_equal(nnx.state(again, nnx.Param), nnx.state(new, nnx.Param))  # the NEW weights
   # `meshdistill export RUN_DIR OUT_DIR --overwrite` follows the same rule
-  from meshdistill.models.export import check_out_dir
+  from meshdistill.jobs.export import check_out_dir
 
   (out / "notes.txt").write_text("mine")
   with pytest.raises(OutputExistsError, match="did not write \\(notes.txt\\)"):
@@ -260,7 +255,7 @@ def test_one_run_per_run_directory_and_stale_locks_are_taken_over(tmp_path, corp
   # a lock file left by a process that died (kill -9): the OS released its lock; it is taken over
   dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
   (run / LOCK_FILE).write_text(dead.stdout)
-  with caplog.at_level(logging.WARNING, logger="meshdistill.storage.fsutil"), RunLock(str(run)):
+  with caplog.at_level(logging.WARNING, logger="meshdistill.core.fsutil"), RunLock(str(run)):
     pass
   assert f"stale lock of pid {int(dead.stdout)} (no longer running) taken over" in caplog.text
 
@@ -723,7 +718,7 @@ def test_r2_overwrite_replaces_only_what_an_owner_marker_proves_ours(tmp_path, c
   downloaded = tmp_path / "model"
   shutil.copytree(FIXTURES / "hf_llama", downloaded, ignore=shutil.ignore_patterns("*.npz"))
   before = tree_of(downloaded)
-  from meshdistill.models.export import check_out_dir
+  from meshdistill.jobs.export import check_out_dir
 
   with pytest.raises(OutputExistsError, match="looks like a downloaded model"):
     check_out_dir(str(downloaded), overwrite=True)  # `meshdistill export RUN model --overwrite`

@@ -9,7 +9,7 @@ import pytest
 from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 
 import meshdistill as md
-from meshdistill.train import schedules
+from meshdistill.losses import schedules
 
 
 def values(schedule, steps):

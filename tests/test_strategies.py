@@ -346,7 +346,9 @@ def test_a_registered_strategy_is_found_by_name_with_its_settings():
     md.strategies.from_settings("test_scaled_ce", {"temperature": 2.0})  # never silently dropped
   kd = md.strategies.from_settings("logit_kd", {"temperature": 3.0, "alpha": 0.2, "top_k": None, "chunk_size": None})
   assert kd == LogitKD(temperature=3.0, alpha=0.2)
-  assert md.strategies.from_settings("logit_kd", {"chunk_size": 8}) == ChunkedLogitKD(chunk_size=8)
+  assert md.strategies.from_settings("chunked_logit_kd", {"chunk_size": 8}) == ChunkedLogitKD(chunk_size=8)
+  with pytest.raises(ValueError, match=r"LogitKD.chunk_size=8 is not a setting of LogitKD"):  # never another class
+    md.strategies.from_settings("logit_kd", {"chunk_size": 8})
   with pytest.raises(ValueError, match=r"strategy 'no_such' is not registered; choose one of \[.*'logit_kd'"):
     md.strategies.from_settings("no_such", {})
   with pytest.raises(ValueError, match="name 'logit_kd' is taken by LogitKD"):
@@ -376,7 +378,7 @@ def test_a_new_strategy_is_one_new_module(tmp_path):
       import dataclasses
       import jax.numpy as jnp
       from meshdistill import losses
-      from meshdistill.train.schedules import check_scalar
+      from meshdistill.losses.schedules import check_scalar
       from meshdistill.strategies._base import SequenceStrategy, register
 
       @register("mine")

@@ -169,7 +169,8 @@ def test_settings_that_do_not_combine_are_refused():
     load_config("tiny", ["mesh.student_split=rows"])
   assert load_config("tiny", ["mesh.student_split=batch"]).mesh.student_split == "batch"
   step = lambda state, teacher, batch, data_axis: (state, {})  # noqa: E731
-  with pytest.raises(ValueError, match=r"mesh.student_split='batch' needs the step of meshdistill.train.step"):
+  halves = r"mesh.student_split='batch' needs a step given as its gradient and update halves"
+  with pytest.raises(ValueError, match=halves):
     layout_lib.make_layout("shard_map", mesh, student_split="batch").compile(step)
   # without a `tensor` axis both splits are one layout
   assert not layout_lib.make_layout("shard_map", md.make_mesh(8, 1), student_split="batch").student_rows

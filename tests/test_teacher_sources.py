@@ -141,12 +141,14 @@ def test_distill_with_no_teacher_trains_the_student_on_the_data_alone(tmp_path):
 # --------------------------------------------------------------------------- the recipe: one new module
 def test_a_new_teacher_source_is_one_new_module(tmp_path):
   """Copy the package, add one file to teachers/kinds/, and choose the source from a config: its own setting is
-  checked by its own class, a setting of another source beside it is refused, and the job prepares it."""
+  checked by its own class, a setting of another source beside it is refused, and every job that takes a teacher
+  runs it: distill (prepared, and as the model a teacher of its own tokenizer or a cache runs), serve-teacher and a
+  member of several teachers."""
   src = os.path.dirname(os.path.dirname(os.path.abspath(md.__file__)))
   shutil.copytree(os.path.join(src, "meshdistill"), tmp_path / "meshdistill",
                   ignore=shutil.ignore_patterns("__pycache__"))
   (tmp_path / "meshdistill" / "teachers" / "kinds" / "seeded.py").write_text(textwrap.dedent('''
-      from meshdistill.config.typed_yaml import ConfigError
+      from meshdistill.core.typed_yaml import ConfigError
       from meshdistill.models import init_model
       from meshdistill.teachers.kinds._base import ModelSource, option, register
 
@@ -184,6 +186,25 @@ def test_a_new_teacher_source_is_one_new_module(tmp_path):
       want = init_model(cfg.teacher, seed=3)
       assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), nnx.state(got.teacher),
                                               nnx.state(want))))
+      lines.clear()
+      # the model cache-teacher and a teacher of its own tokenizer (data.teacher_tokenizer) run
+      model, identity = jobs.obtain_teacher(cfg, None, None, report=lines.append)
+      assert identity == "seeded:3" and lines == ["teacher: seeded 3"], (identity, lines)
+      import io
+      said = io.StringIO()
+      app, batcher, served = jobs.build_server(cfg, jobs.ServeSettings(k=4, warm_up=False), stream=said)
+      batcher.close()
+      assert "teacher: seeded 3" in said.getvalue() and served["k"] == 4, said.getvalue()
+      corpora = "{a: CORPUS_DIR, b: CORPUS_DIR}"
+      members = [f"{{name: {n}, source: seeded, seed: {seed}, takes: [{c}]}}" for n, seed, c in (("s", 3, "a"),
+                                                                                                ("t", 4, "b"))]
+      several = load_config("tiny", [f"data.corpora={corpora}", "data.max_chars=null", "distill.top_k=4",
+                                     "distill.temperature=1.0", f"teachers={{sources: [{', '.join(members)}]}}"])
+      lines.clear()
+      mesh = jobs.build_mesh(several)
+      got = jobs.prepare_teacher(several, jobs.load_data(several, mesh=mesh), mesh, None, report=lines.append)
+      assert "teacher: seeded 3" in lines and "teacher: seeded 4" in lines, lines
+      assert "seeded:3" in got.identity and "seeded:4" in got.identity, got.identity
       for sets in (["teacher.source=seeded", "teacher.seed=-1"],
                    ["teacher.source=hf", "teacher.hf=x", "teacher.seed=3"]):
         try:
@@ -193,8 +214,13 @@ def test_a_new_teacher_source_is_one_new_module(tmp_path):
         else:
           raise SystemExit(f"{sets} was accepted")
   ''')
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  for n in range(6):
+    (corpus / f"d{n}.txt").write_text(f"def f{n}(x):\n  return x + {n}\n" * 40)
+  probe = probe.replace("CORPUS_DIR", str(corpus))
   env = dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu")
-  run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+  run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr
   assert "teacher.seed=-1 must be an integer >= 0" in run.stdout
   assert ("teacher.seed is not a setting of teacher.source=hf; its settings: ['teacher.hf', 'teacher.quantize'] "

@@ -23,7 +23,7 @@ _EXPORTS: dict[str, str] = {
     "losses": "meshdistill.losses",
     "memory": "meshdistill.train.memory",
     "safeguards": "meshdistill.train.loop.safeguards",
-    "schedules": "meshdistill.train.schedules",
+    "schedules": "meshdistill.losses.schedules",
     "strategies": "meshdistill.strategies",
     # data
     "DataConfig": "meshdistill.data",

@@ -47,7 +47,7 @@ import sys
 import time
 
 from meshdistill.cli.parser import parser as _parser
-from meshdistill.config.typed_yaml import ConfigError  # light (no JAX): job modules are imported inside each command
+from meshdistill.core.typed_yaml import ConfigError  # light (no JAX): job modules are imported inside each command
 
 # commands whose loops honour a stop request (`meshdistill.train.loop.stopping`): SIGTERM / SIGINT end them at a step or
 # shard boundary with their progress saved (exit 143 / 130)
@@ -120,7 +120,7 @@ def _err(msg: str, code: int = 2) -> int:
 
 
 def _export(args) -> int:
-  from meshdistill.models import export  # lazy: JAX
+  from meshdistill.jobs import export  # lazy: JAX
   from meshdistill.config import run_config  # lazy: the config's sections load JAX
 
   try:  # settings, run directory and OUT_DIR are checked before JAX starts
@@ -191,7 +191,7 @@ def _main(argv: list[str] | None) -> int:
   try:  # every setting is checked here, before JAX starts or any data is read
     cfg = _load(args, run_dir)
     if args.command == "pretrain" and args.out is not None:
-      from meshdistill.storage.checkpoint import check_teacher_target  # lazy: JAX, orbax
+      from meshdistill.teachers.checkpoint import check_teacher_target  # lazy: JAX, orbax
 
       check_teacher_target(args.out, overwrite=args.overwrite)  # again before saving; here to fail fast
   except (ConfigError, FileNotFoundError, FileExistsError) as e:
@@ -208,7 +208,7 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
   from meshdistill import jobs  # lazy: JAX
-  from meshdistill.storage.fsutil import RunLockedError  # lazy: --help loads the parser only
+  from meshdistill.core.fsutil import RunLockedError  # lazy: --help loads the parser only
   from meshdistill.train.loop.monitor import ProfileWindow  # lazy: JAX
   from meshdistill.train.loop.stopping import STOP_SIGNALS, Stopped, stop_on_signals  # lazy: --help loads the parser only
 

@@ -1,9 +1,9 @@
 """The run configuration: typed sections from YAML files and ``--set`` overrides (`Config`, `load_config`).
 
-The names below live in ``config/_config.py`` (loading), ``sections.py`` (the section dataclasses),
-``files.py`` (packaged configs, YAML with overrides) and ``typed_yaml.py`` (dataclasses from nested YAML,
-`ConfigError`). They resolve on first use, so that a light importer (the command's parser, which only needs
-`ConfigError` from ``typed_yaml``) does not load the sections and, through them, JAX.
+`__all__` is the one list of the package's names; each is the name of that object in ``config/_config.py``
+(loading; it imports them from ``sections.py``, the section dataclasses, ``files.py``, packaged configs and YAML with
+overrides, and `meshdistill.core.typed_yaml`, dataclasses from nested YAML and `ConfigError`). They resolve on first
+use, so that importing the package (or ``config.files``) does not load the sections and, through them, JAX.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_NAMES = frozenset({
+__all__ = [
     "CheckpointSettings",
     "Config",
     "ConfigError",
@@ -29,11 +29,11 @@ _NAMES = frozenset({
     "dump_config",
     "load_config",
     "run_config",
-})
+]
 
 
 def __getattr__(name: str) -> Any:
-  if name not in _NAMES:
+  if name not in __all__:
     raise AttributeError(f"module 'meshdistill.config' has no attribute {name!r}")
   value = getattr(importlib.import_module("meshdistill.config._config"), name)
   globals()[name] = value
@@ -41,7 +41,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-  return sorted(set(globals()) | _NAMES)
+  return sorted(set(globals()) | set(__all__))
 
-
-__all__ = sorted(_NAMES)

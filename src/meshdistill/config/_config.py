@@ -36,7 +36,7 @@ import yaml
 
 from meshdistill import strategies
 from meshdistill.config import files as config_files
-from meshdistill.config.typed_yaml import ConfigError, from_dict, to_plain
+from meshdistill.core.typed_yaml import ConfigError, from_dict, to_plain
 from meshdistill.config.files import config_path  # noqa: F401  (part of this module's API)
 from meshdistill.config.sections import (
   CheckpointSettings,
@@ -53,30 +53,12 @@ from meshdistill.config.sections import (
 )
 from meshdistill.data import DataConfig
 from meshdistill.train.freezing import check_stages
-from meshdistill.storage.fsutil import write_text_atomic
+from meshdistill.core.fsutil import write_text_atomic
 from meshdistill.models import ModelConfig
 from meshdistill.teachers.multi._settings import TeachersSettings, check_teachers
 from meshdistill.teachers.sources import ModelSources, nest_sources, resolve, split_sources
 
-__all__ = [
-  "CheckpointSettings",
-  "Config",
-  "ConfigError",
-  "DistillSettings",
-  "GuardSettings",
-  "MeshSettings",
-  "OnPolicySettings",
-  "PreferenceSettings",
-  "PretrainSettings",
-  "RematSettings",
-  "RunSettings",
-  "SafeguardSettings",
-  "TrainSettings",
-  "config_path",
-  "dump_config",
-  "load_config",
-  "run_config",
-]
+# The package's names: `meshdistill.config.__all__` (the one list).
 
 
 def _default_teacher() -> ModelConfig:
@@ -176,8 +158,8 @@ class Config:
     """One tokenizer: equal vocabularies. A teacher of its own (``data.teacher_tokenizer``): a strategy that aligns
     the two tokenizations (``cross_tokenizer``: uld, span_kl, byte_kl); the others are refused, naming those that
     work."""
-    cross = sorted(n for n in strategies.names() if getattr(strategies.get(n), "cross_tokenizer", False))
-    aligns = getattr(strategies.get(self.distill.kind), "cross_tokenizer", False)
+    cross = sorted(n for n in strategies.names() if strategies.get(n).cross_tokenizer)
+    aligns = strategies.get(self.distill.kind).cross_tokenizer
     if self.data.teacher_tokenizer is None:
       if aligns:
         raise ConfigError(f"distill.kind={self.distill.kind} distils a teacher of another tokenizer: set "

@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 import yaml
 
-from meshdistill.config.typed_yaml import ConfigError, load_yaml, parse_override, set_path
+from meshdistill.core.typed_yaml import ConfigError, load_yaml, parse_override, set_path
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
 

@@ -20,7 +20,7 @@ import math
 import os
 
 from meshdistill import strategies
-from meshdistill.config.typed_yaml import ConfigError, api_to_config, in_range, nonneg_int, positive_int, unknown_key
+from meshdistill.core.typed_yaml import ConfigError, api_to_config, in_range, nonneg_int, positive_int, unknown_key
 from meshdistill.train.freezing import Stage
 from meshdistill.parallel.fsdp import unsupported as fsdp_unsupported
 from meshdistill.parallel.backends import BACKENDS, layout_class
@@ -129,7 +129,7 @@ class DistillSettings:
   main job's ``distill`` section (`meshdistill.config.Config`: ``logit_kd`` at temperature 1.0, alpha 1.0).
 
   For ``logit_kd``: ``temperature`` and ``alpha`` are numbers or schedule specs
-  (`meshdistill.train.schedules.from_spec`), e.g. ``{kind: linear, start: 3.0, end: 1.0, steps: 300}``;
+  (`meshdistill.losses.schedules.from_spec`), e.g. ``{kind: linear, start: 3.0, end: 1.0, steps: 300}``;
   ``chunk_size`` selects `ChunkedLogitKD` (the loss from final hidden states and LM heads,
   ``chunk_size`` tokens at a time, without ``[batch, seq, vocab]`` logits; ``0`` = all at once)."""
 
@@ -149,7 +149,7 @@ class DistillSettings:
 
   @classmethod
   def section_base(cls, raw: dict, base: DistillSettings) -> DistillSettings:
-    """What a config's ``distill`` mapping ``raw`` overlays (`meshdistill.config.typed_yaml.from_dict`): ``base``, or,
+    """What a config's ``distill`` mapping ``raw`` overlays (`meshdistill.core.typed_yaml.from_dict`): ``base``, or,
     when ``raw`` names a ``kind``, ``base`` without strategy settings (they belong to ``base``'s strategy)."""
     if "kind" not in raw:
       return base
@@ -168,12 +168,27 @@ class DistillSettings:
     flat = setting in self.FLAT and setting not in self.options
     return f"distill.{setting}" if flat else f"distill.options.{setting}"
 
+  def chosen_kind(self) -> str:
+    """The strategy these settings build: ``kind``, except that ``logit_kd`` with ``chunk_size`` set is
+    ``chunked_logit_kd`` (the same recipe from final hidden states and LM heads): the config's choice, made here and
+    said in ``distill.chunk_size``'s description; the strategies themselves never turn into one another."""
+    if self.kind == "logit_kd" and self.settings().get("chunk_size") is not None:
+      top_k = self.settings().get("top_k")
+      if top_k is not None:
+        raise ConfigError(
+            f"{self.key('chunk_size')}={self.settings()['chunk_size']} and {self.key('top_k')}={top_k} exclude each "
+            f"other: the chunked loss has no top-k form; set {self.key('chunk_size')}=null for a top-k teacher, or "
+            f"{self.key('top_k')}=null")
+      return "chunked_logit_kd"
+    return self.kind
+
   def strategy(self):
     """The strategy these settings describe (raises `ConfigError` naming the ``distill.`` key)."""
     if self.kind not in strategies.names():
       raise ConfigError(f"distill.kind={self.kind!r} is not a registered strategy; choose one of {strategies.names()}")
+    kind = self.chosen_kind()
     try:
-      return strategies.from_settings(self.kind, self.settings())
+      return strategies.from_settings(kind, self.settings())
     except (TypeError, ValueError) as e:  # the strategies name <Class>.<setting>
       owners = [strategies.get(name).__name__ for name in strategies.names()]
       raise ConfigError(api_to_config(str(e), owners, self.key)) from None

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshdistill.data.alignment import row_alignment, token_byte_lengths
-from meshdistill.train.step import CROSS_KEYS
+from meshdistill.core.batch import CROSS_KEYS
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

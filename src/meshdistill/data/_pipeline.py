@@ -26,7 +26,7 @@ from meshdistill.data._domains import PackedCorpora
 from meshdistill.data._loader import TrainIterator, process_slice, validation_batches
 from meshdistill.data._packing import PackedSequences, TokenStream, pack, tokenize_documents
 from meshdistill.data._tokenizer import VOCAB_MULTIPLE, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
-from meshdistill.storage.fsutil import current_umask
+from meshdistill.core.fsutil import current_umask
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from meshdistill.data._cross import CrossStream
 from meshdistill.data.alignment import row_alignment, token_bytes
-from meshdistill.train.step import CROSS_KEYS
+from meshdistill.core.batch import CROSS_KEYS
 
 # The teacher's part of a cached row: ids of the token before the row and of its targets [B, 1 + Tt], and the
 # targets' byte END offsets from the row's first byte [B, Tt] (padding: the row's last offset).

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -108,6 +108,22 @@ def byte_tables_of(teacher_tokenizer, student_tokenizer, *, max_depth: int) -> B
   per id (`token_bytes`) and end-of-text id; teacher tokens read up to ``max_depth`` bytes deep."""
   return byte_tables(token_bytes(teacher_tokenizer), token_bytes(student_tokenizer),
                      teacher_eos=teacher_tokenizer.eos_id, student_eos=student_tokenizer.eos_id, max_depth=max_depth)
+
+
+class TokenizerPair(NamedTuple):
+  """A teacher's and a student's tokenizer, as a strategy of two tokenizers is given them
+  (`meshdistill.strategies.Strategy.with_tokenizers`): what it needs of them, computed on demand."""
+
+  teacher: Any
+  student: Any
+
+  def matched(self) -> tuple[np.ndarray, np.ndarray]:
+    """`matched_vocabulary` of the two."""
+    return matched_vocabulary(self.teacher, self.student)
+
+  def byte_tables(self, *, max_depth: int) -> ByteTables:
+    """`byte_tables_of` the two, ``max_depth`` bytes deep."""
+    return byte_tables_of(self.teacher, self.student, max_depth=max_depth)
 
 
 def align_spans(student_ends: np.ndarray, teacher_ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ from typing import IO
 from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import Config, ConfigError
 from meshdistill.config.sections import strategy_defaults
-from meshdistill.storage.fsutil import write_text_atomic
+from meshdistill.core.fsutil import write_text_atomic
 from meshdistill.jobs._setup import (_monitor, _run_lock, _write_config, build_mesh, describe_devices, load_data,
                                      stream_reporter)
 from meshdistill.jobs._setup import teacher_side_data, with_batch_size
@@ -33,7 +33,7 @@ def distill(
 
   Writes ``config.yaml``, ``metrics.jsonl``, ``tb/``, ``checkpoints/`` and ``summary.json`` into
   ``run.run_dir`` and returns the summary (teacher / student validation loss and perplexity).
-  Holds the run directory's lock (`meshdistill.storage.fsutil.RunLock`) throughout; ``config.yaml`` is
+  Holds the run directory's lock (`meshdistill.core.fsutil.RunLock`) throughout; ``config.yaml`` is
   written only once the settings are known to fit the checkpoint the run resumes from.
   """
   with _run_lock(cfg.run.run_dir, "distillation run", cfg.checkpoint_dir):
@@ -212,7 +212,7 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
 
 def _evaluate_pair(distiller, state, val) -> dict:
   student = Evaluator.for_trainer(distiller)(distiller.unreplicate(state.params)["student"], val)
-  if getattr(distiller, "cross_tokenizer", False):
+  if distiller.cross_tokenizer:
     return _evaluate_cross(distiller, state, student)
   teacher_eval = Evaluator(distiller.teacher_def, mesh=distiller.layout.eval_mesh)
   teacher = teacher_eval(distiller.unreplicate(distiller.teacher_params), val)

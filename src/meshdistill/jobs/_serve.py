@@ -1,4 +1,4 @@
-"""The ``serve-teacher`` job: the run's teacher (``teacher.hf``, else the pretrained one; ``teacher.quantize``d) on
+"""The ``serve-teacher`` job: the run's teacher (the model its ``teacher.source`` runs; ``teacher.quantize``d) on
 this host's mesh, answering top-k requests over HTTP (`meshdistill.teachers.service`) until SIGTERM / SIGINT."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
 from meshdistill.jobs._teacher import obtain_teacher
 from meshdistill.parallel.backends import make_layout
 from meshdistill.teachers import cache as tc
+from meshdistill.teachers import kinds
 from meshdistill.teachers.service import protocol, server
 from meshdistill.teachers.service.batching import Batcher, length_buckets
 from meshdistill.teachers.sources import quantized_teacher
-from meshdistill.train.distiller import resolve_shared_vocab
+from meshdistill.core.vocab import resolve_shared_vocab
 
 log = logging.getLogger("meshdistill.jobs")
 
@@ -46,12 +47,15 @@ def build_server(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None
   """``(app, batcher, identity)``: the teacher of ``cfg`` placed on its mesh behind a `Batcher`, and the Starlette
   application answering with it."""
   server.require()  # before any teacher is loaded
-  if cfg.models.teacher_kind not in ("pretrained", "hf"):
-    raise ConfigError(f"serve-teacher runs a teacher model (teacher.source pretrained or hf, optionally "
-                      f"teacher.quantize); teacher.source={cfg.models.teacher_kind} runs none here")
+  source = kinds.for_config(cfg)  # teacher.source, as in every job
+  if source.gives != kinds.MODEL:
+    runs = sorted(n for n in kinds.names() if kinds.get(n).gives == kinds.MODEL)
+    raise ConfigError(f"serve-teacher runs a teacher model (a teacher.source that runs one: {runs}, optionally "
+                      f"teacher.quantize); teacher.source={source.name} runs none here")
+  reason = kinds.temperature_refusal(cfg.distill, "a served teacher answers with its log-probabilities")
+  if reason:
+    raise ConfigError(reason)
   tau = cfg.distill.value("temperature")
-  if callable(tau) or isinstance(tau, dict):
-    raise ConfigError(f"distill.temperature={tau!r}: a served teacher answers at one temperature; set a constant")
   say = stream_reporter(stream)
   mesh = build_mesh(cfg)
   data = load_data(cfg, mesh=mesh)  # the tokenizer (its fingerprint is the identity's) and a teacher to pretrain on

@@ -9,9 +9,9 @@ import os
 from typing import IO
 
 from meshdistill.config import Config, ConfigError, dump_config
-from meshdistill.storage.fsutil import LOCK_FILE, RunLock
+from meshdistill.core.fsutil import LOCK_FILE, RunLock
 from meshdistill.train.loop.monitor import Monitor
-from meshdistill.storage.ownership import MARKER, OutputKind, check_owned, read_marker, refuse_links, write_marker
+from meshdistill.core.ownership import MARKER, OutputKind, check_owned, read_marker, refuse_links, write_marker
 from meshdistill.data import build_data
 from meshdistill.parallel.distributed import data_shard, is_primary, local_device_share, process_count
 from meshdistill.parallel.backends import BACKENDS, layout_class
@@ -170,7 +170,7 @@ RUN_KIND = OutputKind("run", "run directory", _is_run_entry, _earlier_run)
 
 def claim_run_dir(run_dir: str) -> None:
   """Raises unless ``run_dir`` may hold this run: new, empty, or a meshdistill run directory (its owner marker,
-  or an earlier version's run) with no symlink where the run writes a file (`meshdistill.storage.ownership`)."""
+  or an earlier version's run) with no symlink where the run writes a file (`meshdistill.core.ownership`)."""
   check_owned(run_dir, RUN_KIND, overwrite=None)
   if os.path.isdir(run_dir):
     refuse_links(run_dir, RUN_FILES)

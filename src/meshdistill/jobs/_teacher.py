@@ -11,24 +11,25 @@ import os
 import time
 from typing import IO
 
-from meshdistill.storage.checkpoint import Checkpointer, check_teacher_target, save_teacher
+from meshdistill.storage.checkpoint import Checkpointer
+from meshdistill.teachers.checkpoint import check_teacher_target, save_teacher
 from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
 from meshdistill.jobs._setup import teacher_side_data, with_batch_size
 from meshdistill.jobs._training import loop_kwargs, safeguard_kwargs
 from meshdistill.train.loop.monitor import ProfileWindow
-from meshdistill.storage.ownership import OutputKind, check_owned, read_marker, write_marker
+from meshdistill.core.ownership import OutputKind, check_owned, read_marker, write_marker
 from meshdistill.parallel import distributed
 from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.train.loop.trainer import fit
 from meshdistill.models import init_model, param_count
 from meshdistill.parallel.backends import make_layout
-from meshdistill.storage.fsutil import read_json
+from meshdistill.core.fsutil import read_json
 from meshdistill.teachers import cache as tc
 from meshdistill.teachers import kinds, multi
 from meshdistill.teachers.kinds.pretrained import default_cache_dir, teacher_dir, teacher_key  # noqa: F401 (re-export)
 from meshdistill.teachers.sources import quantized_teacher
-from meshdistill.train.distiller import resolve_shared_vocab
+from meshdistill.core.vocab import resolve_shared_vocab
 from meshdistill.train.hardlabel import HardLabelTrainer
 from meshdistill.train.optimizers import make_optimizer
 
@@ -50,7 +51,7 @@ def pretrain(
 
   ``out`` defaults to the teacher cache (`teacher_dir`), where `distill` looks for it. An existing
   non-empty ``out`` is refused before any training unless ``overwrite`` (the cache always may be
-  replaced), and only a teacher directory is ever replaced (`meshdistill.storage.checkpoint.save_teacher`).
+  replaced), and only a teacher directory is ever replaced (`meshdistill.teachers.checkpoint.save_teacher`).
   Training state is checkpointed in ``run_dir`` (default ``<run.run_dir>/teacher-<key>``, the key
   of `teacher_key`, so pretraining with other settings never resumes this one), and an interrupted
   pretraining resumes. Returns a summary with the teacher's validation metrics.
@@ -112,11 +113,10 @@ def services(stream: IO[str] | None = None, report=None) -> kinds.Services:
 
 
 def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, report=None):
-  """``(teacher model on mesh, its identity)``: the model the run's settings name -- ``teacher.hf``, else the
-  pretrained one (``pretrain.teacher``, cached, or pretrained now). ``report(text)`` receives one line saying where
-  the teacher came from."""
-  source = kinds.get("hf" if cfg.models.teacher_hf else "pretrained")(cfg)
-  return source.model(data, mesh, services(stream, report))
+  """``(teacher model on mesh, its identity)``: the model of the run's teacher source (`TeacherSource.runs`: the
+  source itself when it runs a model -- ``teacher.hf``, the pretrained one, or any other `ModelSource` -- else the
+  model whose top-k it gives). ``report(text)`` receives one line saying where the teacher came from."""
+  return kinds.for_config(cfg).runs().model(data, mesh, services(stream, report))
 
 
 def prepare_teacher(cfg: Config, data, mesh, teacher_mesh, *, stream: IO[str] | None = None, report=None):
@@ -155,10 +155,10 @@ def cache_teacher(
     raise ConfigError(f"cache-teacher writes the top-k of the run's teacher, but teacher.source="
                       f"{cfg.models.teacher_kind} gives no teacher; set teacher.hf (a Hugging Face teacher) or "
                       "teacher.source=pretrained (pretrain.teacher=DIR, or one pretrained for these settings)")
+  reason = kinds.temperature_refusal(cfg.distill, "a teacher cache holds the teacher's log-probabilities")
+  if reason:
+    raise ConfigError(reason)
   tau = cfg.distill.value("temperature")  # the section's, or the strategy's default
-  if callable(tau) or isinstance(tau, dict):
-    raise ConfigError(f"distill.temperature={tau!r}: a teacher cache holds log-probabilities "
-                      "at one temperature; set a constant distill.temperature")
 
   if distributed.is_primary():  # before any teacher is loaded or pretrained: a refused --out costs nothing
     if not check_owned(out, CACHE_KIND, overwrite=None) or read_marker(out) is None:

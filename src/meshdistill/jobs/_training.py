@@ -9,7 +9,7 @@ from meshdistill.config import Config, ConfigError
 from meshdistill.train.loop.guard import DivergenceGuard
 from meshdistill.strategies import fallback_strategy, label
 from meshdistill.teachers.sources import build_student, quantized_teacher
-from meshdistill.data.alignment import byte_tables_of, matched_vocabulary
+from meshdistill.data.alignment import TokenizerPair
 from meshdistill.train.distiller import Distiller
 from meshdistill.train.onpolicy import OnPolicyDistiller
 from meshdistill.train.optimizers import lr_schedule, make_optimizer
@@ -78,10 +78,8 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_to
   student = build_student(cfg, teacher, mesh)
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize: after the student copied any float blocks
   strategy, optimizer = strategy_and_optimizer(cfg)
-  if teacher_tokenizer is not None and hasattr(strategy, "with_matched"):
-    strategy = strategy.with_matched(*matched_vocabulary(teacher_tokenizer, tokenizer))
-  if teacher_tokenizer is not None and hasattr(strategy, "with_tables"):
-    strategy = strategy.with_tables(byte_tables_of(teacher_tokenizer, tokenizer, max_depth=strategy.max_depth))
+  if teacher_tokenizer is not None:  # what the strategy needs of the two tokenizers (the contract's with_tokenizers)
+    strategy = strategy.with_tokenizers(TokenizerPair(teacher_tokenizer, tokenizer))
   extra, cls = {}, Distiller
   if cfg.distill.on_policy.active:
     cls = OnPolicyDistiller

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from meshdistill.storage.fsutil import read_json
+from meshdistill.core.fsutil import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -11,7 +11,7 @@ tensor-split weight.
 
 `export_hf(model, out_dir)` writes a decoder as a checkpoint that transformers (and so
 vLLM) loads: ``config.json``, ``model.safetensors`` and, when given, tokenizer files. It writes
-into a fresh temporary sibling and renames it into place (`meshdistill.storage.fsutil.atomic_output_dir`):
+into a fresh temporary sibling and renames it into place (`meshdistill.core.fsutil.atomic_output_dir`):
 no old shard or index survives next to the new weights, no symlink in the old directory is
 written through, and a failure (a bad tokenizer) leaves the old directory as it was. A non-empty
 ``out_dir`` is replaced only with ``overwrite=True`` and only when it holds nothing but
@@ -51,8 +51,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshdistill.storage.fsutil import atomic_output_dir, read_json
-from meshdistill.storage.ownership import OutputKind, check_owned, write_marker
+from meshdistill.core.fsutil import atomic_output_dir, read_json
+from meshdistill.core.ownership import OutputKind, check_owned, write_marker
 from meshdistill.parallel.rules import split_ways
 from meshdistill.models._build import abstract_params
 from meshdistill.models import families

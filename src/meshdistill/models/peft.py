@@ -28,12 +28,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshdistill.storage.fsutil import atomic_output_dir
+from meshdistill.core.fsutil import atomic_output_dir
 from meshdistill.models._hf_config import weight_names
 from meshdistill.models._build import abstract_params
 from meshdistill.models.hf import export_hf
 from meshdistill.models.lora import is_lora, merge_lora
-from meshdistill.storage.ownership import OutputKind, check_owned, write_marker
+from meshdistill.core.ownership import OutputKind, check_owned, write_marker
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.models._build import _create
+from meshdistill.parallel.rules import fitted_shardings  # noqa: F401 -- also read here (placed, lora)
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +61,6 @@ def is_quantized(model_or_state: Any) -> bool:
   """Whether a decoder (or its state) holds quantized (``qvalue`` / ``scale``) weights."""
   state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
   return any("qvalue" in map(str, k) for k, _ in nnx.to_flat_state(state))
-
-
-def fitted_shardings(state: Any, mesh: Mesh) -> Any:
-  """Shardings from the partition metadata of ``state``, dropping a mesh axis on dimensions it does not
-  divide (per-channel quantization scales have a size-1 dimension where their weight is split)."""
-  specs = nnx.get_partition_spec(state)
-
-  def fit(spec, x):
-    spec = spec if isinstance(spec, P) else P()
-    dims = tuple(a if a is None or jnp.shape(x)[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec))
-    return NamedSharding(mesh, P(*dims))
-
-  return jax.tree.map(fit, specs, state, is_leaf=lambda x: isinstance(x, P) or x is None)
 
 
 def placed(model, mesh: Mesh):

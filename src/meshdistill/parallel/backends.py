@@ -26,16 +26,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from meshdistill.models._build import fit_model
-from meshdistill.models.quantize import fitted_shardings
+from meshdistill.core.state import SplitStep, TrainState, split_trainable
 from meshdistill.parallel import fsdp as fsdp_lib
 from meshdistill.parallel.layout import (
     STUDENT_SPLIT_SETTING, GlobalArrayLayout, Layout, fresh_train_state, host_batch, stack_replicas,
 )
 from meshdistill.parallel.mesh import DATA, TENSOR, host_to_global, make_mesh
 from meshdistill.parallel import rules as rules_lib
-from meshdistill.parallel.rules import split_ways
-from meshdistill.train.step import TrainState, split_trainable, step_halves
+from meshdistill.parallel.rules import fitted_shardings, split_ways
 
 
 class SingleLayout(GlobalArrayLayout):
@@ -102,9 +100,8 @@ class ShardMapLayout(GlobalArrayLayout):
 
   supports_fsdp = True
 
-  def fit_model(self, model):
-    model = fit_model(model, split_ways(self.mesh, "vocab", self.rules))
-    return rules_lib.apply(model, self.rules, self.mesh)
+  def vocab_ways(self):
+    return split_ways(self.mesh, "vocab", self.rules)
 
   @property
   def rules(self):
@@ -130,14 +127,16 @@ class ShardMapLayout(GlobalArrayLayout):
     data_axis = DATA if self.mesh.shape[DATA] > 1 else None
     out_shardings = None if state_shardings is None else (state_shardings, NamedSharding(self.mesh, P()))
     jit = functools.partial(jax.jit, donate_argnums=0, out_shardings=out_shardings, compiler_options=compiler_options)
-    halves = step_halves(step_fn)
-    if halves is None:  # another step function (`wrap_step`): the whole step per device
+    halves = SplitStep.halves(step_fn)
+    if halves is None:  # a step that is not a `SplitStep` (`wrap_step`): the whole step per device
       if self.fsdp:
-        raise ValueError(f"{fsdp_lib.SETTING}=true needs the step of meshdistill.train.step.per_device_step (its gradient "
-                         "and update halves); wrap_step of another function runs with mesh.fsdp=false")
+        raise ValueError(f"{fsdp_lib.SETTING}=true needs a step given as its gradient and update halves (a partial of a "
+                         "meshdistill.core.state.SplitStep, e.g. meshdistill.train.step.per_device_step); wrap_step of "
+                         "another function runs with mesh.fsdp=false")
       if self.student_rows:
-        raise ValueError(f"{STUDENT_SPLIT_SETTING}='batch' needs the step of meshdistill.train.step.per_device_step (it "
-                         f"runs the student on rows split over tensor); wrap_step of another function runs with "
+        raise ValueError(f"{STUDENT_SPLIT_SETTING}='batch' needs a step given as its gradient and update halves (a "
+                         "partial of a meshdistill.core.state.SplitStep, e.g. meshdistill.train.step.per_device_step: it runs "
+                         f"the student on rows split over tensor); wrap_step of another function runs with "
                          f"{STUDENT_SPLIT_SETTING}='tensor'")
       return jit(self._whole_step(step_fn, data_axis, state_shardings))
     gradients, update = halves

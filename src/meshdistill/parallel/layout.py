@@ -23,9 +23,8 @@ from jax.sharding import Mesh
 from meshdistill.parallel import fsdp as fsdp_lib
 from meshdistill.parallel import rules as rules_lib
 from meshdistill.parallel.mesh import DATA, TENSOR, check_batch, global_batch_size
-from meshdistill.train.step import (
-    BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS, TrainState, split_trainable,
-)
+from meshdistill.core.batch import BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS
+from meshdistill.core.state import TrainState, split_trainable
 
 # How the student is laid out over `tensor` (`mesh.student_split`): split like the teacher, or replicated with
 # the batch rows split over `tensor` as well (`meshdistill.parallel.backends.ShardMapLayout`).
@@ -109,10 +108,15 @@ class Layout(abc.ABC):
     return 1 if self.mesh is None else self.mesh.shape[DATA]
 
   def fit_model(self, model):
-    """``model`` ready for this layout: itself, or a copy padded / re-partitioned for the mesh (a vocabulary or
-    key/value head count that ``tensor`` does not divide; weights split over ``data`` or not, `fsdp`); raises
-    when it cannot be laid out here."""
+    """``model`` with this layout's rules applied (weights split over ``data`` or not, `fsdp`); raises when it cannot
+    be laid out here. A model whose vocabulary or key/value head count ``tensor`` does not divide is first padded /
+    re-partitioned for `vocab_ways` (`meshdistill.models.fit_model`, which the `Distiller` applies before this)."""
     return rules_lib.apply(model, self.rules, self.mesh)
+
+  def vocab_ways(self) -> int | None:
+    """The number of ways this layout splits a model's vocabulary (a model is padded for it first), or None: it
+    takes a model as it is."""
+    return None
 
   @property
   def eval_mesh(self) -> Mesh | None:

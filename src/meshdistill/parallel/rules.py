@@ -36,8 +36,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.parallel.mesh import DATA, EXPERT, TENSOR
@@ -167,3 +168,16 @@ def split_ways(mesh: Mesh | None, logical: str, rules: Rules = DEFAULT) -> int:
   """Into how many parts ``rules`` split dimension ``logical`` on ``mesh`` (1 with no mesh, or not split)."""
   axis = rules.axis(logical)
   return 1 if mesh is None or axis is None or axis not in mesh.shape else mesh.shape[axis]
+
+
+def fitted_shardings(state: Any, mesh: Mesh) -> Any:
+  """Shardings from the partition metadata of ``state``, dropping a mesh axis on dimensions it does not
+  divide (per-channel quantization scales have a size-1 dimension where their weight is split)."""
+  specs = nnx.get_partition_spec(state)
+
+  def fit(spec, x):
+    spec = spec if isinstance(spec, P) else P()
+    dims = tuple(a if a is None or jnp.shape(x)[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec))
+    return NamedSharding(mesh, P(*dims))
+
+  return jax.tree.map(fit, specs, state, is_leaf=lambda x: isinstance(x, P) or x is None)

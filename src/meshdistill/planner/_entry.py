@@ -16,7 +16,7 @@ from meshdistill.planner._placement import placements
 from meshdistill.planner._plan import _UNSET, GIB, Knobs, Planner
 from meshdistill.planner._presets import resolve_model
 from meshdistill.planner._report import Plan
-from meshdistill.train.distiller import resolve_shared_vocab
+from meshdistill.core.vocab import resolve_shared_vocab
 
 log = logging.getLogger("meshdistill.planner._plan")  # the name its records always had
 

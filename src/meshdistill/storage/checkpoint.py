@@ -36,8 +36,8 @@ straight into place.
 The teacher cache (`save_teacher` / `load_teacher`): a directory with ``params/`` (orbax),
 ``teacher.json`` (its `ModelConfig`, the tokenizer's identity, how it was trained) and the
 tokenizer itself. Loading checks the architecture field by field against the configured
-teacher and the tokenizer against the run's. Those functions live in `meshdistill.teachers.checkpoint`
-and are importable from here.
+teacher and the tokenizer against the run's. Those functions live in `meshdistill.teachers.checkpoint` (import them
+from there: this module, below the teachers, does not re-export them).
 """
 
 from __future__ import annotations
@@ -53,44 +53,26 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from meshdistill.storage.checkpoint_steps import CHECKSUM_FILE, first_line, narrow_uint4, verify_complete, widen_uint4
-from meshdistill.storage.fsutil import file_digests, read_json, write_text_atomic
+from meshdistill.core.fsutil import file_digests, read_json, write_text_atomic
 from meshdistill.models import Decoder, ModelConfig
 from meshdistill.models._build import abstract_params
-from meshdistill.train.step import TrainState
-from meshdistill.teachers.checkpoint import (  # re-exported (__all__): meshdistill.storage.checkpoint.X
-  COMPUTE_FIELDS,
-  TEACHER_ENTRIES,
-  TEACHER_FORMAT,
-  TeacherDamagedError,
-  check_teacher_architecture,
-  check_teacher_target,
-  load_teacher,
-  read_teacher_meta,
-  save_teacher,
-  verify_teacher,
-)
+from meshdistill.core.state import TrainState
 from meshdistill.models.lora import abstract_lora
 from meshdistill.models.stacking import to_scanned, to_unrolled
 
 log = logging.getLogger(__name__)
 
 ITEMS = ("state", "data", "meta")
+# `ModelConfig` fields that change no parameter (how it computes; how a mesh pads / partitions it)
+# (``scan_layers``, stacked vs per-layer blocks, is converted on load; the weights are cast to ``param_dtype`` on load)
+COMPUTE_FIELDS = ("remat", "dtype", "attention", "vocab_multiple", "replicate_kv", "scan_layers", "param_dtype")
 
 __all__ = [
   "CHECKSUM_FILE",
   "COMPUTE_FIELDS",
   "ITEMS",
-  "TEACHER_ENTRIES",
-  "TEACHER_FORMAT",
   "CheckpointError",
   "Checkpointer",
-  "TeacherDamagedError",
-  "check_teacher_architecture",
-  "check_teacher_target",
-  "load_teacher",
-  "read_teacher_meta",
-  "save_teacher",
-  "verify_teacher",
 ]
 
 

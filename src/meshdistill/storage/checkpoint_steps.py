@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 
-from meshdistill.storage.fsutil import file_digests
+from meshdistill.core.fsutil import file_digests
 
 CHECKSUM_FILE = "checksums.json"
 

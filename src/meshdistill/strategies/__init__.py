@@ -8,8 +8,8 @@ the step divides by the global count of unmasked tokens, so every value is a tok
 Every strategy has ``capture`` (extra model outputs: ``"hidden"``, ``"attn"``, ``"final"``),
 ``needs_logits`` / ``needs_head``, ``init_params(student_cfg, teacher_cfg, key)`` (extra
 trainable parameters, and the check of settings against model sizes) and ``fallback()``
-(its replacement after a divergence, or None); the base classes give the defaults, and
-`PerSequence` / `PerBatch` state the contract as `typing.Protocol` classes.
+(its replacement after a divergence, or None); the base classes give the defaults (the contract is written once,
+in `_base`), and `PerSequence` / `PerBatch` name the two kinds (`SequenceStrategy` / `BatchStrategy`).
 
 Built in (registered name in brackets, for configs' ``distill.kind`` and `get`):
 
@@ -41,13 +41,13 @@ imported here, so the decorator runs and the class is exported under its own nam
 
 Layer maps (`default_layer_map`) pair student with teacher layers; weights and other
 scalars may be schedules, evaluated with `value_at` and checked with
-`meshdistill.train.schedules.check_scalar`.
+`meshdistill.losses.schedules.check_scalar`.
 """
 
 import importlib
 import pkgutil
 
-from meshdistill.train.schedules import Scalar, value_at
+from meshdistill.losses.schedules import Scalar, value_at
 from meshdistill.strategies._attention import AttentionTransfer, attention_map_loss, group_heads
 from meshdistill.strategies._base import (
     BatchStrategy,

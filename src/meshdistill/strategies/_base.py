@@ -25,11 +25,16 @@ of unmasked tokens. Every strategy also has
   against the model sizes (raising ``ValueError``);
 * ``fallback()``: the strategy that replaces it after a divergence (`DivergenceGuard`), or
   None for the guard's generic logit-MSE fallback;
-* its capabilities, read by the step and by the teacher sources (`meshdistill.teachers.kinds`):
+* its capabilities, read by the step, the `Distiller`, the jobs and the teacher sources (`meshdistill.teachers.kinds`):
   ``needs_teacher`` (False: trains on the data alone, e.g. `HardLabelCE`), ``accepts_topk`` (True: trains
   from a teacher given by its top-k per token -- an offline cache, a teacher on other devices -- with the
-  ``top_k`` and ``temperature`` it then reads), ``count`` (None: the loss is a mean over unmasked tokens;
-  else ``count(mask_BxT)``, how many of what it averages over the local rows hold, e.g. pairs of rows).
+  ``top_k`` and ``temperature`` it then reads; `check_topk_teacher` checks one such teacher), ``cross_tokenizer``
+  (True: distils a teacher of another tokenizer, on the teacher's own tokens; `with_tokenizers` hands it what it needs
+  of the two tokenizers), ``count`` (None: the loss is a mean over unmasked tokens; else ``count(mask_BxT)``, how many
+  of what it averages over the local rows hold, e.g. pairs of rows).
+
+Nothing outside this package probes a strategy for an attribute: every capability is declared here, with its
+default, and read directly.
 
 Subclassing `SequenceStrategy` / `BatchStrategy` gives every attribute its default, so the
 step reads them directly. `register` makes a strategy available by name to configs
@@ -41,45 +46,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 import jax
 
 from meshdistill.models import ModelOutput
 
 CAPTURES = ("hidden", "attn", "final")
-# What every strategy has (`Strategy` supplies the defaults); the step and the teacher sources read them directly.
-CONTRACT = ("capture", "needs_logits", "needs_head", "needs_teacher", "accepts_topk", "count", "init_params",
-            "fallback")
-
-
-class _Common(Protocol):
-  capture: tuple[str, ...]
-  needs_logits: bool
-  needs_head: bool
-  needs_teacher: bool
-  accepts_topk: bool
-  count: Any
-
-  def init_params(self, student_cfg, teacher_cfg, key) -> Any: ...
-
-  def fallback(self) -> Any: ...
-
-
-@runtime_checkable
-class PerSequence(_Common, Protocol):
-  """What the step needs of a per-sequence strategy (see the module docstring)."""
-
-  def per_sequence(self, params, student: ModelOutput, teacher: ModelOutput, targets_T, mask_T, step) -> dict: ...
-
-
-@runtime_checkable
-class PerBatch(_Common, Protocol):
-  """What the step needs of a per-batch strategy (``needs_head = True``)."""
-
-  def per_batch(
-      self, params, student: ModelOutput, teacher: ModelOutput, heads, targets_BxT, mask_BxT, step
-  ) -> dict: ...
 
 
 class Strategy(abc.ABC):
@@ -90,6 +63,7 @@ class Strategy(abc.ABC):
   needs_head: ClassVar[bool] = False
   needs_teacher: ClassVar[bool] = True  # False: trains on the data alone (no teacher source needed)
   accepts_topk: ClassVar[bool] = False  # True: trains from a teacher's top-k per token (reads top_k, temperature)
+  cross_tokenizer: ClassVar[bool] = False  # True: the teacher runs on its own tokens (`meshdistill.losses.Aligned`)
   count: ClassVar[Any] = None  # None: a mean over unmasked tokens; else count(mask_BxT) -> what the loss averages over
 
   def init_params(self, student_cfg, teacher_cfg, key) -> Any:
@@ -100,6 +74,31 @@ class Strategy(abc.ABC):
   def fallback(self) -> Any:
     """The strategy to switch to after a divergence; None: the guard's generic fallback."""
     return None
+
+  def check_topk_teacher(self, teacher) -> None:
+    """Raises unless this strategy (one that ``accepts_topk``) trains from ``teacher``'s top-k alone: a
+    `meshdistill.train.teacher.TopKTeacher` (its ``k``, ``temperature`` and ``source``). By default it reads a
+    top-k of at most ``teacher.k`` tokens (``top_k``) at the teacher's temperature (a constant ``temperature``)."""
+    name = label(self)
+    if self.top_k is None or self.top_k > teacher.k:
+      raise ValueError(
+          f"{teacher.source} holds the teacher's top-{teacher.k}, but {name}.top_k={self.top_k}; set "
+          f"distill.top_k to an integer in [1, {teacher.k}] (the full-vocabulary loss needs a live teacher)"
+      )
+    tau = self.temperature
+    if callable(tau) or float(tau) != float(teacher.temperature):
+      raise ValueError(
+          f"{teacher.source} holds log-probabilities at temperature {teacher.temperature}, but {name}.temperature="
+          f"{tau!r}; set distill.temperature={teacher.temperature} (a constant), or write a cache at "
+          "the temperature you want"
+      )
+
+  def with_tokenizers(self, tokenizers) -> Strategy:
+    """This strategy given what it needs of the two tokenizers of a teacher of another tokenizer: ``tokenizers``
+    (`meshdistill.data.alignment.TokenizerPair`) gives the matched vocabulary (``matched()``) and the next-byte tables
+    (``byte_tables(max_depth=...)``) on demand. By default it needs nothing: itself."""
+    del tokenizers
+    return self
 
   def replace(self, **changes) -> Strategy:
     """This strategy with the settings ``changes`` (a dataclass strategy: `dataclasses.replace`)."""
@@ -148,6 +147,19 @@ class BatchStrategy(Strategy):
       softcaps=(None, None),
   ) -> dict[str, jax.Array]:
     """The loss terms of all local rows at once, with the LM ``heads``: ``{"loss": ..., ...}``."""
+
+
+def label(strategy: Any) -> str:
+  """How messages name ``strategy``: its own ``label`` when it has one, else its class name."""
+  return getattr(strategy, "label", None) or type(strategy).__name__
+
+
+# The contract is written once, above: `Strategy` declares every attribute the step, the Distiller, the jobs and
+# the teacher sources read, with its default. `CONTRACT` is that list (what `check` asks of a strategy that does
+# not derive from `Strategy`); `PerSequence` / `PerBatch` are the two kinds' names as the contract's types.
+CONTRACT = tuple(n for n in vars(Strategy) if not n.startswith("_") and n not in ("replace", "settings", "from_settings"))
+PerSequence = SequenceStrategy
+PerBatch = BatchStrategy
 
 
 # --------------------------------------------------------------------------- registry

@@ -26,7 +26,7 @@ from meshdistill import losses
 from meshdistill.models import ModelOutput
 from meshdistill.strategies._base import register
 from meshdistill.strategies._cross_tokenizer import ULD
-from meshdistill.train.schedules import check_integer
+from meshdistill.losses.schedules import check_integer
 
 
 @register("byte_kl")
@@ -59,6 +59,10 @@ class ByteKL(ULD):
     new = dataclasses.replace(self)
     object.__setattr__(new, "tables", tables)
     return new
+
+  def with_tokenizers(self, tokenizers) -> ByteKL:
+    """This strategy with the next-byte tables of the two tokenizers, ``max_depth`` bytes deep (`with_tables`)."""
+    return self.with_tables(tokenizers.byte_tables(max_depth=self.max_depth))
 
   def fallback(self) -> ByteKL:
     return super().fallback().with_tables(self.tables)

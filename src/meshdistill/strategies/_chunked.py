@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from meshdistill.losses._chunked import chunked_token_sums
 from meshdistill.models import ModelOutput
 from meshdistill.models._variants import softcap
-from meshdistill.train.schedules import check_integer
+from meshdistill.losses.schedules import check_integer
 from meshdistill.strategies._base import BatchStrategy, register
 from meshdistill.strategies._logit import LogitRecipe
 

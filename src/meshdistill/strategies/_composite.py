@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from meshdistill import losses
 from meshdistill.models import ModelOutput
-from meshdistill.train.schedules import Scalar, check_scalar, value_at
+from meshdistill.losses.schedules import Scalar, check_scalar, value_at
 from meshdistill.strategies._base import SequenceStrategy, check, register
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from meshdistill import losses
 from meshdistill.models import ModelOutput
 from meshdistill.strategies._base import SequenceStrategy, register
-from meshdistill.train.schedules import Scalar, check_integer, check_scalar, value_at
+from meshdistill.losses.schedules import Scalar, check_integer, check_scalar, value_at
 
 
 @register("uld")
@@ -121,6 +121,10 @@ class SpanKL(ULD):
     new = dataclasses.replace(self)
     object.__setattr__(new, "matched", (tuple(int(i) for i in teacher_ids), tuple(int(i) for i in student_ids)))
     return new
+
+  def with_tokenizers(self, tokenizers) -> SpanKL:
+    """This strategy with the matched vocabulary of the two tokenizers (`with_matched`)."""
+    return self.with_matched(*tokenizers.matched())
 
   def fallback(self) -> SpanKL:
     return super().fallback().with_matched(*self.matched)

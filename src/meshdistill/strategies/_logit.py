@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from meshdistill import losses
 from meshdistill.models import ModelOutput
-from meshdistill.train.schedules import Scalar, check_integer, check_scalar, value_at, value_range
-from meshdistill.strategies._base import SequenceStrategy, Strategy, get, register
+from meshdistill.losses.schedules import Scalar, check_integer, check_scalar, value_at, value_range
+from meshdistill.strategies._base import SequenceStrategy, Strategy, register
 
 Divergence = Callable[..., jax.Array]
 
@@ -83,9 +83,9 @@ class LogitRecipe(Strategy):
     skew: ``skew_kl`` / ``skew_reverse_kl`` only: mixture weight in [0, 1) (DistiLLM: 0.1).
 
   ``temperature``, ``alpha``, ``beta`` and ``skew`` are each a number, a schedule (a
-  function of the step, see `meshdistill.train.schedules`) or a schedule spec dict such as
+  function of the step, see `meshdistill.losses.schedules`) or a schedule spec dict such as
   ``{"kind": "linear", "start": 3.0, "end": 1.0, "steps": 1000}``, checked by
-  `meshdistill.train.schedules.check_scalar`; schedules are evaluated on the traced step inside
+  `meshdistill.losses.schedules.check_scalar`; schedules are evaluated on the traced step inside
   the compiled step (no recompilation).
 
   Metrics (token means): ``loss``, ``kl`` (forward KL at tau over the full vocabulary,
@@ -181,23 +181,6 @@ class LogitKD(LogitRecipe, SequenceStrategy):
           f"LogitKD.top_k={self.top_k} needs a divergence of distributions, but divergence={self.divergence!r} "
           f"compares logits; choose one of {sorted(losses.DISTRIBUTION_DIVERGENCES)} or top_k=None"
       )
-
-  @classmethod
-  def settings(cls) -> tuple[str, ...]:
-    """`LogitRecipe`'s settings, ``top_k``, ``capture`` and ``chunk_size`` (set: `ChunkedLogitKD`)."""
-    return (*super().settings(), "chunk_size")
-
-  @classmethod
-  def from_settings(cls, settings) -> LogitRecipe:
-    """`LogitKD`, or `ChunkedLogitKD` with the same recipe when ``chunk_size`` is set (not None)."""
-    if settings.get("chunk_size") is not None:
-      if settings.get("top_k") is not None:
-        raise ValueError(
-            f"LogitKD.chunk_size={settings['chunk_size']} and LogitKD.top_k={settings['top_k']} exclude each other: "
-            "the chunked loss has no top-k form; set LogitKD.chunk_size=null for a top-k teacher, or LogitKD.top_k=null"
-        )
-      return get("chunked_logit_kd").from_settings(settings)  # by name: `_chunked` builds on this module
-    return super().from_settings({k: v for k, v in settings.items() if k != "chunk_size"})
 
   @property
   def term_name(self) -> str:

@@ -12,8 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from meshdistill.train.schedules import value_at
-from meshdistill.strategies._base import SequenceStrategy, Strategy
+from meshdistill.losses.schedules import value_at
+from meshdistill.strategies._base import SequenceStrategy, Strategy, label  # noqa: F401 -- label: also read here
 from meshdistill.strategies._logit import logit_metrics
 
 
@@ -44,11 +44,6 @@ class LogitMSE(SequenceStrategy):
     out["mse"] = jnp.sum(jnp.mean(d_TxV * d_TxV, axis=-1) * mask_T)
     out["loss"] = alpha * out["mse"] + (1.0 - alpha) * out["ce"]
     return out
-
-
-def label(strategy: Any) -> str:
-  """How messages name ``strategy``: its own ``label`` when it has one, else its class name."""
-  return getattr(strategy, "label", None) or type(strategy).__name__
 
 
 def fallback_strategy(strategy: Any) -> Any:

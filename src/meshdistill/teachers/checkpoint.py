@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from meshdistill.storage.fsutil import (
+from meshdistill.core.fsutil import (
   atomic_output_dir,
   file_digests,
   read_json,
@@ -30,17 +30,15 @@ from meshdistill.storage.fsutil import (
 )
 from meshdistill.models import Decoder, ModelConfig
 from meshdistill.models._build import abstract_params
-from meshdistill.storage.ownership import OutputKind, check_owned, write_marker
+from meshdistill.core.ownership import OutputKind, check_owned, write_marker
 from meshdistill.parallel.distributed import barrier, is_primary
 from meshdistill.models.stacking import to_scanned, to_unrolled
+from meshdistill.storage.checkpoint import COMPUTE_FIELDS
 
 log = logging.getLogger("meshdistill.storage.checkpoint")
 
 TEACHER_FORMAT = "meshdistill.teacher/1"
 
-# `ModelConfig` fields that change no parameter (how it computes; how a mesh pads / partitions it)
-# (``scan_layers``, stacked vs per-layer blocks, is converted on load; the weights are cast to ``param_dtype`` on load)
-COMPUTE_FIELDS = ("remat", "dtype", "attention", "vocab_multiple", "replicate_kv", "scan_layers", "param_dtype")
 
 
 def _model_fields(cfg: ModelConfig) -> dict:
@@ -83,7 +81,7 @@ def save_teacher(
   complete, so a reader never sees a half-written teacher. ``teacher.json`` records the SHA-256
   of every parameter and tokenizer file (`load_teacher` checks them). An existing non-empty
   ``directory`` is an error unless ``overwrite``, and even then only a teacher directory is
-  replaced (`meshdistill.storage.ownership.check_owned`: its owner marker, written here, proves it). In a job of
+  replaced (`meshdistill.core.ownership.check_owned`: its owner marker, written here, proves it). In a job of
   several processes every process writes its shards of the parameters and process 0 the rest (call it on
   every process).
   """

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.parallel.mesh import DATA, mesh_of, mesh_shape, shape_label
-from meshdistill.train.step import TOPK_KEYS
+from meshdistill.core.batch import TOPK_KEYS
 from meshdistill.teachers.ahead import AheadIterator
 from meshdistill.teachers.cache import TeacherTopK, TopKTeacher
 

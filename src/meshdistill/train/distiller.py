@@ -29,15 +29,16 @@ from jax.sharding import Mesh
 
 from meshdistill.parallel.backends import make_layout
 from meshdistill.models import Decoder
-from meshdistill.models._build import abstract_params
+from meshdistill.models._build import abstract_params, fit_model
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
 from meshdistill.train.optimizers import check_loss_scale, default_optimizer
+from meshdistill.core.vocab import PADDING_TOLERANCE, resolve_shared_vocab  # noqa: F401 -- also read from here
 from meshdistill.train.step import (
     BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS, TrainState, per_device_step,
 )
 from meshdistill.strategies import LogitKD, label
-from meshdistill.teachers.cache import TopKTeacher
+from meshdistill.train.teacher import TeacherOutput, TopKTeacher, decide  # noqa: F401 -- TopKTeacher: the API's
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +101,13 @@ class Distiller:
     if getattr(getattr(student, "cfg", None), "param_dtype", "float32") != "float32":
       raise ValueError(f"student.param_dtype={student.cfg.param_dtype!r}: the student trains with float32 weights; "
                        "build it with param_dtype='float32' (dtype='bfloat16' computes in bfloat16)")
-    # A `TopKTeacher` (an offline cache, a teacher on other devices) has no weights here: every batch
-    # brings the teacher's top-k (`TOPK_KEYS`) and the step runs no teacher.
-    self.topk_teacher = teacher if isinstance(teacher, TopKTeacher) else None
+    # What the teacher gives the step, decided once (`meshdistill.train.teacher.decide`): a model, or a `TopKTeacher`
+    # (an offline cache, a teacher on other devices: no weights here, every batch brings the teacher's top-k under
+    # `TOPK_KEYS` and the step runs no teacher), or none; on the student's tokens or on its own.
+    self.teacher_output = self._decide_teacher(teacher, strategy)
+    self.topk_teacher = self.teacher_output.topk
+    self.cross_tokenizer = self.teacher_output.own_tokenizer
     self.shared_vocab = None
-    self.cross_tokenizer = teacher is not None and getattr(strategy, "cross_tokenizer", False)
     # A teacher of another tokenizer (live, or a cross-tokenizer cache whose top-k is over the teacher's own
     # vocabulary, spread there by the step) shares no vocabulary with the student.
     if self.topk_teacher is not None and not self.cross_tokenizer:
@@ -118,9 +121,9 @@ class Distiller:
       self.shared_vocab = resolve_shared_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size, shared_vocab)
     self.layout = make_layout(backend, mesh, fsdp, student_split)
     # pads a vocabulary / replicates key/value heads where the mesh's `tensor` needs it
-    student = self.layout.fit_model(student)
+    student = self._fit(student)
     if teacher is not None and self.topk_teacher is None:
-      teacher = self.layout.fit_model(teacher)
+      teacher = self._fit(teacher)
     self.strategy = strategy if strategy is not None else LogitKD()
     if teacher is None and self.strategy.needs_teacher:  # the strategy contract's capability
       raise ValueError(f"Distiller without a teacher needs a strategy that uses none (needs_teacher = False, e.g. "
@@ -148,6 +151,7 @@ class Distiller:
         optimizer=self.optimizer,
         vocab=self.shared_vocab,
         trainable=trainable,
+        teacher_output=self.teacher_output,
         **self._teacher_names(),
         loss_scale=None if loss_scale is None else float(loss_scale),
     )
@@ -176,9 +180,13 @@ class Distiller:
 
   def init_state(self, student: Decoder | None = None) -> TrainState:
     """A fresh train state from ``student`` (default: the student given at construction)."""
-    params = self._student_init if student is None else nnx.state(self.layout.fit_model(student))
+    params = self._student_init if student is None else nnx.state(self._fit(student))
     extra = self.strategy.init_params(self.student_cfg, self.teacher_cfg, jax.random.key(self.seed))
     return self.layout.fresh_state(self.optimizer, {"student": params, "strategy": extra}, self.trainable)
+
+  def _decide_teacher(self, teacher: Any, strategy: Any) -> TeacherOutput:
+    """What ``teacher`` gives the step for ``strategy`` (`meshdistill.train.teacher.decide`)."""
+    return decide(teacher, strategy)
 
   def _teacher_names(self) -> dict:
     """The step's keywords for several teachers combined into one top-k (their per-teacher metrics)."""
@@ -265,6 +273,12 @@ class Distiller:
     self.check_batch(batch)
     return self.compiled_step(state).lower(state, self.teacher_params, self.layout.place_batch(batch))
 
+  def _fit(self, model):
+    """``model`` ready for the layout: padded / re-partitioned for the ways it splits the vocabulary (a vocabulary
+    or key/value head count that ``tensor`` does not divide), then laid out by its rules."""
+    ways = self.layout.vocab_ways()
+    return self.layout.fit_model(model if ways is None else fit_model(model, ways))
+
   # ------------------------------------------------------------------ variants
   def _variant(self, **step_keywords):
     new = copy.copy(self)
@@ -299,7 +313,7 @@ class Distiller:
       known = None
     if known is not None:
       return known
-    new = self._variant(strategy=strategy)
+    new = self._variant(strategy=strategy, teacher_output=self.teacher_output.for_strategy(strategy))
     new.strategy = strategy
     try:
       self._strategy_variants[strategy] = new
@@ -334,43 +348,3 @@ class Distiller:
   def student(self, state: TrainState) -> Decoder:
     """The student module holding the parameters of ``state``."""
     return nnx.merge(self.student_def, self.unreplicate(state.params)["student"])
-
-
-PADDING_TOLERANCE = 0.01  # vocabularies this close (relative to the larger) differ by padding rows
-
-
-def resolve_shared_vocab(teacher_vocab: int, student_vocab: int, shared_vocab: int | None = None) -> int | None:
-  """The token range both models are compared on, or ``None`` when their vocabularies are equal.
-
-  One tokenizer's models often pad the embedding to different sizes (Qwen2.5: 152064 for 7B,
-  151936 for 0.5B); the rows past the tokenizer are never produced by it. Sizes within
-  ``PADDING_TOLERANCE`` (1 %) of each other are taken as such padding and compared on
-  ``[0, min(sizes))``, with a logged note. Other differences mean different tokenizers and
-  raise, unless ``shared_vocab`` names the range explicitly (then 1 <= shared_vocab <= both).
-  Inside the step both models' logits are sliced ``logits[..., :shared]``; keep it a
-  multiple of the ``tensor`` size so the slice stays vocabulary-parallel.
-  """
-  small, large = sorted((teacher_vocab, student_vocab))
-  if shared_vocab is not None:
-    if not isinstance(shared_vocab, int) or not 1 <= shared_vocab <= small:
-      raise ValueError(
-          f"shared_vocab={shared_vocab!r} must be an integer in [1, {small}] (teacher vocab_size={teacher_vocab}, "
-          f"student vocab_size={student_vocab})"
-      )
-    return None if shared_vocab == large else shared_vocab
-  if small == large:
-    return None
-  if large - small > PADDING_TOLERANCE * large:
-    raise ValueError(
-        f"teacher vocab_size={teacher_vocab} != student vocab_size={student_vocab}; distillation compares "
-        "distributions token by token, so both models need the same tokenizer (build the student with "
-        f"vocab_size={teacher_vocab}); if they do share one and the larger is only padded, pass "
-        f"shared_vocab=<tokenizer size, at most {small}>; if the tokenizers differ, set data.teacher_tokenizer and "
-        "distill.kind: byte_kl, span_kl or uld (they align the two tokenizations)"
-    )
-  log.info(
-      "teacher vocab_size=%d, student vocab_size=%d: treating the extra %d rows as padding of one tokenizer and "
-      "distilling over token ids [0, %d)", teacher_vocab, student_vocab, large - small, small,
-  )
-  return small
-

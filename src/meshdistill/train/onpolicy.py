@@ -47,11 +47,12 @@ import jax
 import numpy as np
 
 from meshdistill.train.distiller import Distiller
+from meshdistill.train.teacher import decide
 from meshdistill.parallel.distributed import process_count
 from meshdistill.models.generate import SamplingConfig, generate
 from meshdistill.data._domains import DOMAIN_KEY
 from meshdistill.data.prompts import completion_batch, cut_prompts, prompts_of
-from meshdistill.train.step import TOPK_KEYS
+from meshdistill.core.batch import TOPK_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +99,9 @@ class OnPolicyDistiller(Distiller):
           f"one process, but this job has {process_count()}; run it on one host (its devices as mesh.data x "
           "mesh.tensor), or set distill.on_policy.lambda=0 and seq_kd=false for off-policy KD across processes"
       )
+    self.cache = cache  # read by `_decide_teacher` while the Distiller is built
     super().__init__(student, teacher, **kwargs)
     self.on_policy = on_policy
-    self.cache = cache
     self.topk_of = topk_of
     if self.topk_teacher is not None:
       if cache is not None or topk_of is None:
@@ -121,6 +122,10 @@ class OnPolicyDistiller(Distiller):
       if cache_vocab > self.student_cfg.vocab_size:
         raise ValueError(f"teacher cache {cache.path} has token ids up to {cache_vocab} but the student's vocab_size "
                          f"is {self.student_cfg.vocab_size}; use the cache of this teacher and tokenizer")
+
+  def _decide_teacher(self, teacher, strategy):
+    """A teacher model whose off-policy batches bring its top-k from ``cache`` (`decide`'s ``cache_rows``)."""
+    return decide(teacher, strategy, cache_rows=self.cache is not None)
 
   def prompt_width(self, seq_len: int) -> int:
     """Room for a prompt in a row of ``seq_len`` positions when ``max_new_tokens`` are generated."""

@@ -28,7 +28,7 @@ a ``(data, tensor)`` mesh, or ``pmap`` -- is `meshdistill.parallel.layout`'s bus
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,48 +37,19 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from meshdistill import losses
+from meshdistill.core.batch import (  # noqa: F401 -- the step's batch keys, read here
+    BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS,
+)
+from meshdistill.core.state import SplitStep, TrainState, join_trainable, split_trainable  # noqa: F401
 from meshdistill.parallel import fsdp
 from meshdistill.parallel.collectives import psum_bundled
 from meshdistill.train import router_losses
+from meshdistill.train.teacher import MODEL, NONE, TeacherOutput
 
-# The keys of a batch the step reads: token ids and targets [B, T], the loss mask [B, T].
-BATCH_KEYS = ("inputs", "targets", "mask")
-# Batch keys of a teacher given by its top-k instead of its weights (`meshdistill.losses.TopK`):
-# ids and log-probs [B, T, K], tail log-mass [B, T]; see `meshdistill.teachers.cache`.
-TOPK_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_tail")
-# Batch keys of a teacher with its own tokenizer (`meshdistill.data._cross`): its tokens [B, Tt] and the alignment
-# of the row's targets (span ids [B, Ts] / [B, Tt], last positions and bytes per span [B, S]); read when the
-# strategy declares ``cross_tokenizer`` (`meshdistill.strategies.ULD`), which then gets a `meshdistill.losses.Aligned`.
-# Batch keys of several teachers combined into the top-k above (`meshdistill.teachers.multi`): each teacher's own
-# top-k [B, N, T, K] / [B, N, T] and the rows each one serves [B, N] (1: the row counts in its metrics); read for the
-# per-teacher metrics ``kl/<name>`` and ``agreement/<name>`` (`meshdistill.losses.teacher_terms`) only.
-MULTI_KEYS = ("teachers_ids", "teachers_logprobs", "teachers_tail", "teachers_rows")
-CROSS_KEYS = (
-    "teacher_inputs", "teacher_targets", "teacher_mask",
-    "student_span", "teacher_span", "student_last", "teacher_last", "span_bytes",
-)
-# A cross-tokenizer cache's top-k (`TOPK_KEYS` per TEACHER token, [B, Tt, K]) comes with the log-probability of each
-# teacher position's actual next token [B, Tt] (`meshdistill.losses.topk_logprobs`).
-TARGET_LOGPROB_KEY = "teacher_target_logprobs"
-
-
-class TrainState(NamedTuple):
-  """Everything a step updates. ``params = {"student": nnx.State, "strategy": pytree}``."""
-
-  step: jax.Array  # int32 scalar
-  params: Any
-  opt_state: Any
-
-
-def per_device_step(state: TrainState, teacher_params: Any, batch: dict[str, jax.Array], **keywords):
-  """One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``: `per_device_gradients` then
-  `apply_gradients` (see them for the keywords).
-
-  Returns ``(new_state, metrics)``; metrics are token means over the global batch
-  (plus ``grad_norm`` and ``tokens``), identical on every device.
-  """
-  grads, metrics = per_device_gradients(state, teacher_params, batch, **keywords)
-  return apply_gradients(state, grads, metrics, **keywords)
+# One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``: `per_device_gradients` then
+# `apply_gradients` (see them for the keywords), defined below as the `SplitStep` of the two. Returns
+# ``(new_state, metrics)``; metrics are token means over the global batch (plus ``grad_norm`` and ``tokens``),
+# identical on every device.
 
 
 def per_device_gradients(
@@ -98,13 +69,17 @@ def per_device_gradients(
     teacher_temperature: float = 1.0,
     loss_scale: float | None = None,
     topk_vocab: int | None = None,
+    teacher_output: TeacherOutput | None = None,
     **_,
 ):
   """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
 
-  With `TOPK_KEYS` in ``batch`` the teacher is not run: its top-k from the batch (an offline cache,
-  `meshdistill.teachers.cache`, or a teacher on its own devices, `meshdistill.teachers.mesh`) is
-  handed to the strategy as a `meshdistill.losses.TopK`.
+  ``teacher_output``: what the teacher gives (`meshdistill.train.teacher.TeacherOutput`, decided when the `Distiller`
+  is built); the step reads it, and nothing else, to choose the teacher's part. A top-k teacher (an offline cache,
+  `meshdistill.teachers.cache`, or a teacher on its own devices, `meshdistill.teachers.mesh`) is not run: its top-k
+  from the batch (`TOPK_KEYS`) is handed to the strategy as a `meshdistill.losses.TopK`. A teacher of its own
+  tokenizer runs on its own tokens and its output is aligned on spans (`meshdistill.losses.Aligned`). ``None``: the
+  teacher's weights when ``teacher_def`` is given (else no teacher), on the student's tokens.
 
   ``trainable``: an nnx filter of the student parameters that train (e.g. ``nnx.LoRAParam``); the
   others are inputs of the step only: no gradient, no optimizer state, never moved (`split_trainable`).
@@ -146,14 +121,16 @@ def per_device_gradients(
   # LM heads (e.g. chunked over tokens); the models then skip their heads (`needs_logits`).
   with_logits, with_head = strategy.needs_logits, strategy.needs_head
 
+  source = teacher_output if teacher_output is not None else TeacherOutput(NONE if teacher_def is None else MODEL)
   teacher_out = teacher_head = teacher_cap = None
-  if TOPK_KEYS[0] in batch and getattr(strategy, "cross_tokenizer", False):  # a cross-tokenizer cache
+  reads_topk = source.reads_topk(batch)
+  if reads_topk and source.own_tokenizer:  # a cross-tokenizer cache
     teacher_out = _aligned_topk(batch, topk_vocab, teacher_temperature)
-  elif TOPK_KEYS[0] in batch:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
+  elif reads_topk:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
     teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
-  elif teacher_def is not None and getattr(strategy, "cross_tokenizer", False):  # a teacher of another tokenizer
+  elif source.gives == MODEL and source.own_tokenizer:  # a teacher of another tokenizer
     teacher_out = _aligned_teacher(nnx.merge(teacher_def, teacher_params), batch, student_axis)
-  elif teacher_def is not None:
+  elif source.gives == MODEL:
     teacher = nnx.merge(teacher_def, teacher_params)
     inputs_BxT = batch["inputs"] if student_axis is None else _rows_whole(batch["inputs"])
     teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
@@ -345,34 +322,12 @@ def apply_gradients(
   return TrainState(state.step + 1, params, opt_state), metrics
 
 
-def step_halves(step_fn) -> tuple[Any, Any] | None:
-  """``(gradients, update)`` halves of a `per_device_step` partial (its keywords bound to both), or None for
-  another function."""
-  if not isinstance(step_fn, functools.partial) or step_fn.func is not per_device_step or step_fn.args:
-    return None
-  kw = step_fn.keywords
-  return functools.partial(per_device_gradients, **kw), functools.partial(apply_gradients, **kw)
-
-
-def split_trainable(params: dict, trainable: Any) -> tuple[dict, Any]:
-  """``(trained, frozen)``: ``params`` with only the student parameters matching the nnx filter
-  ``trainable`` (strategy parameters always train), and the rest of the student; ``trainable=None``:
-  ``(params, None)``. The optimizer sees ``trained`` only."""
-  if trainable is None:
-    return params, None
-  trained, frozen = nnx.split_state(params["student"], trainable, ...)
-  return {**params, "student": trained}, frozen
-
-
-def join_trainable(trained: dict, frozen: Any) -> dict:
-  """The inverse of `split_trainable`."""
-  if frozen is None:
-    return trained
-  return {**trained, "student": nnx.merge_state(trained["student"], frozen)}
-
-
 def _vocab_slice(out, vocab: int | None):
   """``out`` with logits [B, T, V] cut to [B, T, vocab] (still split over ``tensor``); ``vocab=None`` keeps all."""
   if vocab is None or out.logits is None or out.logits.shape[-1] == vocab:
     return out
   return out._replace(logits=out.logits[..., :vocab])
+
+
+per_device_step = SplitStep(per_device_gradients, apply_gradients)
+step_halves = SplitStep.halves  # the halves of a `per_device_step` partial

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from meshdistill import losses
-from meshdistill.train.step import TARGET_LOGPROB_KEY, TOPK_KEYS
+from meshdistill.core.batch import TARGET_LOGPROB_KEY, TOPK_KEYS
 from meshdistill.teachers.cache._program import TopKTeacher
 from meshdistill.models import ModelConfig
-from meshdistill.storage.fsutil import current_umask, write_text_atomic
+from meshdistill.core.fsutil import current_umask, write_text_atomic
 
 FORMAT_VERSION = 2  # 2: the manifest names the teacher tokenizer; a cross-tokenizer cache's rows (``cross``)
 READABLE_FORMATS = (1, 2)  # 1: a cache of one tokenizer's rows, written before the teacher tokenizer was named

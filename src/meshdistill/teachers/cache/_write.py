@@ -32,7 +32,7 @@ from meshdistill.teachers.cache._format import (
     id_bits,
 )
 from meshdistill.teachers.cache._program import TeacherTopK
-from meshdistill.train.step import TARGET_LOGPROB_KEY
+from meshdistill.core.batch import TARGET_LOGPROB_KEY
 
 log = logging.getLogger(__name__)
 

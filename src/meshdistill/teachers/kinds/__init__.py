@@ -36,6 +36,7 @@ from meshdistill.teachers.kinds._base import (
   register,
   resolve,
   teacher_keys,
+  temperature_refusal,
   topk_refusal,
 )
 
@@ -57,6 +58,7 @@ __all__ = [
   "register",
   "resolve",
   "teacher_keys",
+  "temperature_refusal",
   "topk_refusal",
 ]
 

@@ -28,15 +28,16 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.models import ModelConfig
 from meshdistill.strategies import get as strategy_class
 from meshdistill.strategies import names as strategy_names
 
-if TYPE_CHECKING:
-  from meshdistill.config import Config
+# The run's `meshdistill.config.Config`. Named, not imported: the config package sits above the teacher sources (it
+# checks its sections with them), so a source reads the config it is handed and never imports the package.
+Config = Any
 
 MODEL, TOPK, NOTHING = "model", "topk", "nothing"
 # The teacher.<key>s the config keeps in fields of their own (`meshdistill.teachers.sources.ModelSources`); a
@@ -144,6 +145,16 @@ class TeacherSource(abc.ABC):
   def prepare(self, data: Any, mesh: Any, teacher_mesh: Any, services: Services) -> Prepared:
     """The data, the teacher and its identity, ready for the `Distiller` on ``mesh``."""
 
+  def runs(self) -> ModelSource:
+    """The source of the teacher model behind this one, for the jobs that run the model itself (``cache-teacher``,
+    ``serve-teacher``, a teacher of its own tokenizer in ``distill``): a `ModelSource` is itself; a source whose
+    teacher is the top-k of a model (a cache, a sub-mesh or a served teacher) names that model by its settings:
+    ``teacher.hf`` when set, else the pretrained teacher. A source of `NOTHING` has none (`NoTeacherModel`)."""
+    if self.gives == NOTHING:
+      raise NoTeacherModel(f"teacher.source={self.name} gives no teacher: there is no teacher model to run; set "
+                           "teacher.hf (a Hugging Face teacher) or teacher.source=pretrained")
+    return get("hf" if self.cfg.models.teacher_hf else "pretrained")(self.cfg)
+
   # ------------------------------------------------------------------ after training (evaluate, generate)
   def saved_tokenizer(self, identity: str | None) -> Any:
     """The tokenizer kept with the teacher a run recorded as ``identity``, or None: the run's data settings name it."""
@@ -166,6 +177,9 @@ class ModelSource(TeacherSource):
 
   gives: ClassVar[str] = MODEL
 
+  def runs(self) -> ModelSource:
+    return self
+
   @abc.abstractmethod
   def model(self, data: Any, mesh: Any, services: Services) -> tuple[Any, str]:
     """``(teacher model on mesh, its identity)``."""
@@ -179,16 +193,28 @@ class ModelSource(TeacherSource):
 def topk_refusal(name: str, strategy: type, distill: Any, what: str) -> str | None:
   """Why a source that gives `TOPK` cannot train ``strategy`` (its config settings ``distill``), or None.
 
-  Read from its declared capabilities: ``accepts_topk`` and, for those that do, a ``top_k`` set. ``what`` names
-  the source as the message starts (e.g. ``"teacher.devices sends the student the teacher's top-k only"``)."""
+  Read from its declared capabilities: ``accepts_topk`` and, for those that do, a ``top_k`` set; and the one rule of
+  every teacher whose top-k is taken for this run: at one temperature, so ``distill.temperature`` is a constant (not a
+  schedule). ``what`` names the source as the message starts (e.g. ``"teacher.devices sends the student the
+  teacher's top-k only"``)."""
   top_k = distill.value("top_k") if "top_k" in strategy.settings() else None
   if strategy.accepts_topk and top_k is not None:
-    return None
+    return temperature_refusal(distill, what)
   needs = f"distill.kind={distill.kind}" + (" without distill.top_k" if strategy.accepts_topk else "")
   takes = [n for n in strategy_names() if strategy_class(n).accepts_topk]
   return (f"{what} (not its logits, hidden states or attention maps), but {needs} needs more: set distill.kind to one "
           f"of {takes} with distill.top_k (e.g. 32), or choose a teacher.source that runs the teacher on the "
           f"student's mesh (teacher.source={name} gives top-k per token)")
+
+
+def temperature_refusal(distill: Any, what: str) -> str | None:
+  """Why ``distill.temperature`` (the section's, or the strategy's default) cannot be the one temperature a teacher's
+  top-k is taken at, or None: the one rule of every teacher whose top-k is taken for a run (a sub-mesh, served or
+  combined teacher, a cache being written, a teacher served). ``what`` starts the message."""
+  tau = distill.value("temperature")
+  if callable(tau) or isinstance(tau, dict):
+    return f"{what}, taken at one temperature: distill.temperature={tau!r} must be a constant (a number, e.g. 1.0)"
+  return None
 
 
 # --------------------------------------------------------------------------- registry

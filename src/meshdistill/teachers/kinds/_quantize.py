@@ -3,7 +3,7 @@ int4 / nf4 for inference, `meshdistill.models.quantize`); its one rule lives her
 
 from __future__ import annotations
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.models.quantize import QUANTIZE, quantize_model
 
 

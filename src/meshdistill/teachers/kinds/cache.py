@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.teachers import cache as tc
 from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, register
 from meshdistill.teachers.kinds.hf import HuggingFace, check_hf_path

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from flax import nnx
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.teachers.kinds._base import ModelSource, register
 from meshdistill.teachers.kinds._quantize import check_quantize
 from meshdistill.models import abstract_params

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.teachers.kinds._base import NOTHING, Prepared, TeacherSource, register
 
 

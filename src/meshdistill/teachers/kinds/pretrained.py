@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from meshdistill.parallel.distributed import agree_on
 from meshdistill.data import load_tokenizer
-from meshdistill.storage.checkpoint import TeacherDamagedError, load_teacher, read_teacher_meta
+from meshdistill.teachers.checkpoint import TeacherDamagedError, load_teacher, read_teacher_meta
 from meshdistill.teachers.kinds._base import ModelSource, register
 from meshdistill.teachers.kinds._quantize import check_quantize
 

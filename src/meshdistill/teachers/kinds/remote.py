@@ -18,13 +18,13 @@ import os
 import time
 from typing import ClassVar
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.teachers.ahead import AheadIterator
 from meshdistill.teachers.cache import TopKTeacher
 from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, option, register, topk_refusal
 from meshdistill.teachers.service.client import TeacherClient
-from meshdistill.train.distiller import resolve_shared_vocab
-from meshdistill.train.step import TOPK_KEYS
+from meshdistill.core.vocab import resolve_shared_vocab
+from meshdistill.core.batch import TOPK_KEYS
 
 TOKEN_ENV = "MESHDISTILL_TEACHER_TOKEN"
 
@@ -62,10 +62,6 @@ class Remote(TeacherSource):
 
   def check(self):
     super().check()
-    tau = self.cfg.distill.value("temperature")
-    if callable(tau) or isinstance(tau, dict):
-      raise ConfigError("teacher.source=remote needs a constant distill.temperature (the server's top-k is taken "
-                        "at it)")
     if self.cfg.data.teacher_tokenizer is not None:
       raise ConfigError("data.teacher_tokenizer runs a teacher of its own tokenizer live in the step; "
                         "teacher.source=remote serves top-k over the run's tokens: remove one of them")

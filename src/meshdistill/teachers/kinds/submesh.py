@@ -9,16 +9,15 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.parallel.backends import layout_class
 from meshdistill.parallel.mesh import DATA, TENSOR, mesh_shape, shape_label
 from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, register, topk_refusal
-from meshdistill.teachers.kinds.hf import HuggingFace, check_hf_path
+from meshdistill.teachers.kinds.hf import check_hf_path
 from meshdistill.teachers.kinds._quantize import check_quantize
-from meshdistill.teachers.kinds.pretrained import Pretrained
 from meshdistill.teachers.mesh import TeacherMeshData, TeacherOnMesh, split_meshes
 from meshdistill.teachers.kinds._quantize import quantized_teacher
-from meshdistill.train.distiller import resolve_shared_vocab
+from meshdistill.core.vocab import resolve_shared_vocab
 
 
 @register
@@ -50,9 +49,6 @@ class SubMesh(TeacherSource):
 
   def check(self):
     super().check()  # the strategy first: the sub-mesh teacher sends the student its top-k only
-    tau = self.cfg.distill.value("temperature")  # the section's, or the strategy's default
-    if callable(tau) or isinstance(tau, dict):
-      raise ConfigError("teacher.devices needs a constant distill.temperature (the top-k is taken at it)")
     if not layout_class(self.cfg.mesh.backend).spans_processes:  # a mesh split over devices of its own
       raise ConfigError(f"teacher.devices needs mesh.backend=shard_map (got {self.cfg.mesh.backend!r})")
 
@@ -71,7 +67,7 @@ class SubMesh(TeacherSource):
 
   def prepare(self, data, mesh, teacher_mesh, services):
     cfg, d = self.cfg, self.cfg.models.teacher_devices
-    teacher, identity = self._runs().model(data, teacher_mesh, services)
+    teacher, identity = self.runs().model(data, teacher_mesh, services)
     teacher = quantized_teacher(cfg, teacher, teacher_mesh)  # teacher.quantize
     vocab = resolve_shared_vocab(teacher.cfg.vocab_size, cfg.student.vocab_size) or teacher.cfg.vocab_size
     tau = float(cfg.distill.value("temperature"))  # constant: checked by `check`
@@ -81,13 +77,9 @@ class SubMesh(TeacherSource):
                     f"{shape_label(self._student_shape())}")
     return Prepared(TeacherMeshData(data, on_mesh), on_mesh.spec(), identity)
 
-  def _runs(self):
-    """The source of the model it runs: ``teacher.hf`` when set, else the pretrained teacher."""
-    return HuggingFace(self.cfg) if self.cfg.models.teacher_hf else Pretrained(self.cfg)
-
   def saved_tokenizer(self, identity):
-    return self._runs().saved_tokenizer(identity)
+    return self.runs().saved_tokenizer(identity)
 
   def saved_model(self, identity, mesh, tokenizer):
     """The teacher it ran, read on ``mesh`` (the student's devices: after training they are free)."""
-    return self._runs().saved_model(identity, mesh, tokenizer)
+    return self.runs().saved_model(identity, mesh, tokenizer)

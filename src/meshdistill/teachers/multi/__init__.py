@@ -28,14 +28,14 @@ producers, `combine`, `MultiTeacherData`).
 
 from __future__ import annotations
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.parallel.backends import make_layout
 from meshdistill.teachers import kinds
 from meshdistill.teachers.cache import TeacherTopK, TopKTeacher
 from meshdistill.teachers.kinds._quantize import quantized_teacher
 from meshdistill.teachers.multi._data import FromBatches, Live, MultiTeacherData, combine
 from meshdistill.teachers.multi._settings import Member, TeachersSettings, check_teachers, member_config, one_teacher
-from meshdistill.train.distiller import resolve_shared_vocab
+from meshdistill.core.vocab import resolve_shared_vocab
 
 __all__ = ["FromBatches", "Live", "Member", "MultiTeacherData", "TeachersSettings", "check_teachers", "combine",
            "member_config", "one_teacher", "prepare"]

@@ -30,7 +30,7 @@ import numpy as np
 
 from meshdistill import losses
 from meshdistill.data._domains import DOMAIN_KEY
-from meshdistill.train.step import MULTI_KEYS, TOPK_KEYS
+from meshdistill.core.batch import MULTI_KEYS, TOPK_KEYS
 
 
 class Live:

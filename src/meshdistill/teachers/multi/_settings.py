@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.strategies import get as strategy_class
 from meshdistill.teachers.kinds._base import MODEL, NOTHING, TEACHER_KEYS, get, names, topk_refusal
 from meshdistill.teachers.sources._settings import ModelSources
@@ -152,9 +152,6 @@ def check_teachers(cfg) -> None:
   if reason:
     raise ConfigError(reason.replace("choose a teacher.source that runs the teacher on the student's mesh",
                                      "use one teacher"))
-  tau = cfg.distill.value("temperature")
-  if callable(tau) or isinstance(tau, dict):
-    raise ConfigError("teachers needs a constant distill.temperature (each teacher's top-k is taken at one)")
   on_policy = cfg.distill.on_policy
   if on_policy.active or on_policy.prompts_file:
     _check_on_policy(t, on_policy)

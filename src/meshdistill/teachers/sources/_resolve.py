@@ -9,11 +9,11 @@ import logging
 import os
 from typing import Any
 
-from meshdistill.config.typed_yaml import ConfigError
+from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.teachers.sources._settings import ModelSources
 from meshdistill.data._tokenizer import _json_path
 from meshdistill.models._hf_config import config_from_hf, default_family
-from meshdistill.train.distiller import PADDING_TOLERANCE
+from meshdistill.core.vocab import PADDING_TOLERANCE
 
 log = logging.getLogger(__name__)
 

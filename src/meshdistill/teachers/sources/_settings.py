@@ -8,7 +8,7 @@ import dataclasses
 import os
 from typing import Any
 
-from meshdistill.config.typed_yaml import ConfigError, unknown_key
+from meshdistill.core.typed_yaml import ConfigError, unknown_key
 from meshdistill.models.lora import LoraConfig
 from meshdistill.teachers.kinds._base import TEACHER_KEYS, teacher_keys
 from meshdistill.teachers.kinds._base import resolve as resolve_teacher

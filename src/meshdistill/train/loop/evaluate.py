@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from meshdistill import losses
 from meshdistill.parallel.mesh import host_to_global
-from meshdistill.train.step import BATCH_KEYS, CROSS_KEYS
+from meshdistill.core.batch import BATCH_KEYS, CROSS_KEYS
 
 
 @functools.partial(jax.jit, static_argnames=("model_def", "teacher_def"))

@@ -26,7 +26,7 @@ from typing import IO, Any
 import jax
 import numpy as np
 
-from meshdistill.storage.fsutil import open_append, write_text_atomic
+from meshdistill.core.fsutil import open_append, write_text_atomic
 from meshdistill.train.loop.plots import PLOTS, plot_run, read_metrics  # noqa: F401 -- re-exported: plots live in plots.py
 
 log = logging.getLogger(__name__)

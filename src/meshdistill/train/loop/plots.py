@@ -1,7 +1,7 @@
 """Plots of a run's ``metrics.jsonl`` (``meshdistill plot RUN_DIR``): `read_metrics`, `plot_run`.
 
 PNGs go to ``RUN_DIR/plots`` or ``--out``; a PNG is replaced only in a plot directory meshdistill made
-(`meshdistill.storage.ownership`), and never through a symlink.
+(`meshdistill.core.ownership`), and never through a symlink.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from meshdistill.storage.fsutil import OutputExistsError, SymlinkError
-from meshdistill.storage.ownership import OutputKind, read_marker, write_marker
+from meshdistill.core.fsutil import OutputExistsError, SymlinkError
+from meshdistill.core.ownership import OutputKind, read_marker, write_marker
 
 log = logging.getLogger("meshdistill.train.loop.monitor")  # the records keep the name they always had
 

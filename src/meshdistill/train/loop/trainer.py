@@ -36,7 +36,7 @@ from meshdistill.train.loop.guard import DivergenceGuard, Recovery
 from meshdistill.train.loop.monitor import Monitor, ProfileWindow
 from meshdistill.train.loop.run import Run
 from meshdistill.train.optimizers import lr_schedule, make_optimizer  # noqa: F401 -- re-exported
-from meshdistill.train.step import TrainState
+from meshdistill.core.state import TrainState
 
 log = logging.getLogger(__name__)
 

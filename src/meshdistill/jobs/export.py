@@ -29,7 +29,7 @@ from meshdistill.models.hf import export_hf, export_kind
 from meshdistill.models.lora import adapter_count, merge_lora
 from meshdistill.models.peft import adapter_kind, export_adapter
 from meshdistill.storage.checkpoint import Checkpointer
-from meshdistill.storage.ownership import check_owned
+from meshdistill.core.ownership import check_owned
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def check_out_dir(out_dir: str, overwrite: bool, adapter: bool = False) -> None:
 
   Even with ``overwrite`` only a directory an earlier export wrote (its owner marker proves it) holding
   nothing but checkpoint files (``config.json``, ``*.safetensors``, the index, tokenizer files; with
-  ``adapter`` the adapter files and ``base/``) is replaced (`meshdistill.storage.ownership.check_owned`): a
+  ``adapter`` the adapter files and ``base/``) is replaced (`meshdistill.core.ownership.check_owned`): a
   downloaded model holds the same files and is never deleted.
   """
   import dataclasses  # pylint: disable=g-import-not-at-top
