@@ -14,8 +14,8 @@ from meshdistill.teachers.sources._settings import ModelSources
 
 
 def build_student(cfg, teacher, mesh):
-  """The run's student on ``mesh``: loaded (``student.hf``), copied from ``teacher`` (``student.init``),
-  or initialised from ``train.seed``."""
+  """The run's student on ``mesh``: loaded (``student.hf``), copied from ``teacher`` (``student.init``), the
+  pruned student of ``student.init.pruned``, or initialised from ``train.seed``."""
   src: ModelSources = cfg.models
   if src.student_hf:
     model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, param_dtype=cfg.student.param_dtype,
@@ -23,9 +23,29 @@ def build_student(cfg, teacher, mesh):
     model = with_config(model, cfg.student)
   elif src.student_init.from_teacher:
     model = student_from_teacher(teacher, src.student_init.layers, cfg.student, mesh)
+  elif src.student_init.pruned:
+    model = pruned_student(src.student_init.pruned, cfg.student, mesh)
   else:
     model = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
   return with_lora(model, src.student_lora, seed=cfg.train.seed, mesh=mesh)
+
+
+def pruned_student(path: str, student_cfg, mesh=None):
+  """The student ``meshdistill prune --out path`` wrote (``path/student``, the model-directory format) on ``mesh``,
+  with the configured ``max_len`` (a bound on the sequence length: no weight depends on it)."""
+  import os  # pylint: disable=g-import-not-at-top
+
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.teachers.checkpoint import load_teacher, read_teacher_meta  # pylint: disable=g-import-not-at-top
+
+  directory = os.path.join(path, "student")
+  saved = read_teacher_meta(directory)["model"]["max_len"]
+  model = load_teacher(directory, student_cfg.replace(max_len=saved), mesh)
+  if saved == student_cfg.max_len:
+    return model
+  graphdef, _, _ = abstract_params(model.cfg.replace(max_len=student_cfg.max_len))
+  return nnx.merge(graphdef, nnx.state(model))
 
 
 def with_lora(model, lora: LoraConfig, *, seed: int, mesh):
