@@ -234,7 +234,7 @@ def make_pruned(names=()) -> int:
   import transformers
 
   sys.path.insert(0, str(ROOT / "src"))
-  from meshdistill.compress import Kept, prune_weights
+  from meshdistill.models.compress import Kept, prune_weights
   from meshdistill.models.hf import export_hf, load_hf
 
   for i, name in enumerate(names or PRUNABLE):

@@ -1,4 +1,4 @@
-"""Pruning by importance (`meshdistill.compress`): known-answer scores, the pruned student equals the teacher with the
+"""Pruning by importance (`meshdistill.models.compress`): known-answer scores, the pruned student equals the teacher with the
 pruned units zeroed (every dense family), layouts equal one device, the exported student equals transformers'
 logits of it, and the errors of bad targets."""
 
@@ -13,7 +13,7 @@ from flax import nnx
 from helpers import VOCAB, make_batch
 
 import meshdistill as md
-from meshdistill.compress import Importance, Kept, PruneTargets, prune, prune_weights, score, zeroed
+from meshdistill.models.compress import Importance, Kept, PruneTargets, prune, prune_weights, score, zeroed
 from meshdistill.models.hf import export_hf, load_hf, read_hf_config
 from meshdistill.parallel.backends import make_layout
 
@@ -187,3 +187,56 @@ def test_bad_targets_name_the_flag_and_what_would_work(targets, match):
 def test_a_mixture_of_experts_teacher_is_refused():
   with pytest.raises(ValueError, match="mixture-of-experts"):
     prune(load_hf(FIXTURES / "hf_qwen3_moe"), _calibration(1), mlp=8)
+
+
+def test_prune_command_writes_the_student_that_student_init_pruned_starts_from(tmp_path, capsys):
+  from meshdistill import cli
+  from meshdistill.config import load_config
+  from meshdistill.data import ByteTokenizer
+  from meshdistill.storage.checkpoint import save_teacher
+  from meshdistill.teachers.sources import build_student
+
+  where = [f"run.run_dir={tmp_path / 'run'}", f"pretrain.teacher={tmp_path / 'teacher'}", "data.max_chars=20000"]
+  cfg = load_config("tiny", where)
+  teacher = md.init_model(cfg.teacher, seed=0)
+  save_teacher(str(tmp_path / "teacher"), teacher, ByteTokenizer(), {})
+  out = tmp_path / "pruned"
+  argv = ["prune", "--config", "tiny", *[x for w in where for x in ("--set", w)], "--out", str(out), "--mlp", "32",
+          "--heads", "2", "--embed", "24", "--layers", "1", "--batches", "1"]
+  assert cli.main(argv) == 0
+  printed = capsys.readouterr().out
+  report = json.loads((out / "report.json").read_text())
+  assert f"student: {report['student']['params']:,} params, d_model 24, 1 blocks, 2 heads (1 key/value), mlp 32" in printed
+  assert report["teacher"]["params"] == md.param_count(teacher) and len(report["removed"]["layers"]) == 1
+  assert Importance.load(str(out / "scores.npz")).mlp.shape == (2, 64)
+  assert cli.main(argv) == 2 and "--overwrite" in capsys.readouterr().err  # an existing OUT is kept
+
+  config = tmp_path / "distil.yaml"
+  tiny = (pathlib.Path(md.config.__file__).parent / "presets" / "tiny.yaml").read_text()
+  config.write_text(tiny.replace("student: {d_model: 16, n_layers: 1, n_heads: 4, n_kv_heads: 2, mlp_hidden: 32, "
+                                 "max_len: 32}", f"student: {{init: {{pruned: {out}}}, max_len: 32}}"))
+  run = load_config(str(config), where)
+  student = build_student(run, None, None)
+  assert (student.cfg.d_model, student.cfg.n_layers, student.cfg.mlp_hidden) == (24, 1, 32)
+  exported = load_hf(out / "hf")
+  tokens = jnp.asarray(make_batch(batch=2, vocab=256)["inputs"])
+  np.testing.assert_allclose(np.asarray(student(tokens).logits), np.asarray(exported(tokens).logits), rtol=1e-5,
+                             atol=1e-5)
+  kept = Kept.from_dict(report["kept"])
+  np.testing.assert_allclose(np.asarray(student(tokens).logits), np.asarray(zeroed(teacher, kept)(tokens).logits),
+                             rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("student, match", [
+    ({"init": {"pruned": "/x", "from_teacher": True, "layers": [0]}}, "student.init.pruned and student.init.from_teacher"),
+    ({"init": {"pruned": "/x"}, "d_model": 8}, r"student.d_model is set, but with student.init.pruned .*derived \(the "
+                                               r"pruned student\)"),
+    ({"init": {"pruned": "/nowhere"}}, "student.init.pruned='/nowhere' holds no student/teacher.json"),
+])
+def test_student_init_pruned_errors_name_the_setting(student, match, tmp_path):
+  from meshdistill.config import ConfigError, load_config
+
+  config = tmp_path / "c.yaml"
+  config.write_text(json.dumps({"student": student}))
+  with pytest.raises(ConfigError, match=match):
+    load_config(str(config))

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it ("" : the name is itself a submodule of meshdistill)
 _EXPORTS: dict[str, str] = {
     # submodules
-    "compress": "meshdistill.compress",
+    "compress": "meshdistill.models.compress",
     "data": "meshdistill.data",
     "freezing": "meshdistill.train.freezing",
     "fsdp": "meshdistill.parallel.fsdp",
@@ -70,8 +70,8 @@ _EXPORTS: dict[str, str] = {
     "param_count": "meshdistill.models",
     "shard_model": "meshdistill.models",
     # compression (pruning, quantization-aware students)
-    "PruneTargets": "meshdistill.compress",
-    "prune": "meshdistill.compress",
+    "PruneTargets": "meshdistill.models.compress",
+    "prune": "meshdistill.models.compress",
     # strategies
     "AttentionTransfer": "meshdistill.strategies",
     "ChunkedLogitKD": "meshdistill.strategies",

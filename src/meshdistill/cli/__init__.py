@@ -191,18 +191,11 @@ def _main(argv: list[str] | None) -> int:
     return _err(f"run directory {run_dir} does not exist; give the run.run_dir of a `meshdistill distill` run")
   try:  # every setting is checked here, before JAX starts or any data is read
     cfg = _load(args, run_dir)
-    if args.command == "prune":
-      from meshdistill.compress import PruneTargets  # lazy: JAX
-      from meshdistill.jobs import check_prune_target  # lazy: JAX
-
-      targets = PruneTargets(mlp=args.mlp, heads=args.heads, embed=args.embed, layers=args.layers, depth=args.depth)
-      targets.check(cfg.teacher)
-      check_prune_target(args.out, overwrite=args.overwrite)  # again before writing; here to fail fast
     if args.command == "pretrain" and args.out is not None:
       from meshdistill.teachers.checkpoint import check_teacher_target  # lazy: JAX, orbax
 
       check_teacher_target(args.out, overwrite=args.overwrite)  # again before saving; here to fail fast
-  except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+  except (ConfigError, FileNotFoundError, FileExistsError) as e:
     return _err(str(e))
   if args.command == "plan":
     try:
@@ -245,6 +238,8 @@ def _main(argv: list[str] | None) -> int:
         if ev:
           print(f"validation loss {ev['loss']:.4f}, perplexity {ev['ppl']:.3f}")
       elif args.command == "prune":
+        targets = jobs.PruneTargets(mlp=args.mlp, heads=args.heads, embed=args.embed, layers=args.layers,
+                                    depth=args.depth)
         r = jobs.prune(cfg, args.out, targets, batches=args.batches, overwrite=args.overwrite, stream=sys.stderr)
         t, s = r["teacher"], r["student"]
         for who, m in (("teacher", t), ("student", s)):

@@ -1,5 +1,5 @@
 """``meshdistill prune``: the run's teacher scored on the run's own training batches and cut to a smaller student
-(`meshdistill.compress`), written where ``student.init: {pruned: OUT}`` of a distillation config reads it.
+(`meshdistill.models.compress`), written where ``student.init: {pruned: OUT}`` of a distillation config reads it.
 
 ``OUT`` receives, atomically (a temporary sibling renamed into place) and with an owner marker:
 
@@ -7,7 +7,7 @@
   ``teacher.json`` with its `ModelConfig` and checksums, the run's tokenizer), its ``info`` naming the teacher;
 * ``hf/`` -- the same student as a Hugging Face checkpoint of the teacher's family (`export_hf`), with the
   teacher's tokenizer files when the teacher is ``teacher.hf``;
-* ``scores.npz`` -- every importance score (`meshdistill.compress.Importance`);
+* ``scores.npz`` -- every importance score (`meshdistill.models.compress.Importance`);
 * ``report.json`` -- the targets, both models' sizes and parameter counts, the aggregation, the calibration size,
   the units kept and the units removed.
 """
@@ -20,12 +20,17 @@ import logging
 import os
 from typing import IO
 
-from meshdistill.compress import PruneTargets, prune as prune_model
+from flax import nnx
+
+from meshdistill.models.compress import PruneTargets, prune as prune_model
 from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
 from meshdistill.jobs._teacher import obtain_teacher
+from meshdistill.models import families
+from meshdistill.models.hf import export_hf, read_hf_config
 from meshdistill.parallel import distributed
 from meshdistill.parallel.backends import make_layout
+from meshdistill.storage.checkpoint import save_teacher
 from meshdistill.storage.fsutil import atomic_output_dir
 from meshdistill.storage.ownership import OutputKind, check_owned, write_marker
 
@@ -46,9 +51,6 @@ def _family(cfg: Config) -> str | None:
   """The teacher's family name when it is a Hugging Face checkpoint (the student is exported as the same family)."""
   if not cfg.models.teacher_hf:
     return None
-  from meshdistill.models import families  # pylint: disable=g-import-not-at-top
-  from meshdistill.models.hf import read_hf_config  # pylint: disable=g-import-not-at-top
-
   return families.family_for(read_hf_config(cfg.models.teacher_hf)).name
 
 
@@ -77,8 +79,6 @@ def prune(cfg: Config, out: str, targets: PruneTargets, *, batches: int = 8, ove
   teacher, identity = obtain_teacher(cfg, data, mesh, stream=stream, report=say)
   layout = make_layout(cfg.mesh.backend, mesh, fsdp=cfg.mesh.fsdp)
   if layout.fsdp:  # the teacher split as the run splits it (over data too)
-    from flax import nnx  # pylint: disable=g-import-not-at-top
-
     graphdef, state = nnx.split(layout.fit_model(teacher))
     teacher = nnx.merge(graphdef, layout.place_params(state))
   it = data.train_iterator()
@@ -100,9 +100,6 @@ def prune(cfg: Config, out: str, targets: PruneTargets, *, batches: int = 8, ove
 
 
 def _write(out: str, result, report: dict, data, cfg: Config) -> None:
-  from meshdistill.models.hf import export_hf  # pylint: disable=g-import-not-at-top
-  from meshdistill.storage.checkpoint import save_teacher  # pylint: disable=g-import-not-at-top
-
   tokenizer = cfg.models.teacher_hf or (None if cfg.data.tokenizer == "byte" else data.tokenizer)
   with atomic_output_dir(out) as tmp:
     save_teacher(os.path.join(tmp, STUDENT_DIR), result.student, data.tokenizer,

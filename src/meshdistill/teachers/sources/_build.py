@@ -4,11 +4,16 @@
 
 from __future__ import annotations
 
+import os
+
+from flax import nnx
+
 from meshdistill.models import abstract_params, init_model
 from meshdistill.models.hf import load_hf
 from meshdistill.models.lora import LoraConfig, apply_lora
 from meshdistill.models.stacking import to_scanned
 from meshdistill.teachers.kinds._quantize import quantized_teacher  # noqa: F401 -- re-exported
+from meshdistill.teachers.checkpoint import load_teacher, read_teacher_meta
 from meshdistill.teachers.kinds.hf import load_teacher_hf, with_config
 from meshdistill.teachers.sources._settings import ModelSources
 
@@ -33,12 +38,6 @@ def build_student(cfg, teacher, mesh):
 def pruned_student(path: str, student_cfg, mesh=None):
   """The student ``meshdistill prune --out path`` wrote (``path/student``, the model-directory format) on ``mesh``,
   with the configured ``max_len`` (a bound on the sequence length: no weight depends on it)."""
-  import os  # pylint: disable=g-import-not-at-top
-
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  from meshdistill.teachers.checkpoint import load_teacher, read_teacher_meta  # pylint: disable=g-import-not-at-top
-
   directory = os.path.join(path, "student")
   saved = read_teacher_meta(directory)["model"]["max_len"]
   model = load_teacher(directory, student_cfg.replace(max_len=saved), mesh)

@@ -4,6 +4,7 @@ files are read."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ from typing import Any
 from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.teachers.sources._settings import ModelSources
 from meshdistill.data._tokenizer import _json_path
+from meshdistill.models._config import ModelConfig
 from meshdistill.models._hf_config import config_from_hf, default_family
 from meshdistill.core.vocab import PADDING_TOLERANCE
 
@@ -122,10 +124,6 @@ def resolve(cfg) -> dict:
 def _pruned_config(path: str, teacher, section):
   """The `ModelConfig` of the student ``meshdistill prune --out path`` wrote (its ``FREE_KEYS`` from ``section``),
   checked against the run's teacher (one vocabulary, one family)."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-
-  from meshdistill.models._config import ModelConfig  # pylint: disable=g-import-not-at-top
-
   meta_file = os.path.join(path, "student", "teacher.json")
   if not os.path.isfile(meta_file):
     raise ConfigError(f"student.init.pruned={path!r} holds no student/teacher.json; give the --out directory of "

@@ -3,7 +3,7 @@
 `PruneTargets` says what the student keeps: ``mlp`` hidden units per block, ``heads`` query heads per block
 (whole query groups: ``heads`` must be a multiple of ``n_heads / n_kv_heads``, and ``head_dim`` is kept),
 ``embed`` embedding channels (the model dimension) and ``layers`` blocks. `select` turns an
-`meshdistill.compress.importance.Importance` into the `Kept` units (the most important, in their original order);
+`meshdistill.models.compress.importance.Importance` into the `Kept` units (the most important, in their original order);
 `prune_weights` cuts them out of the teacher's weights into a smaller `Decoder` whose config is a valid config of
 the teacher's family (a Hugging Face export of it loads in transformers).
 
@@ -25,8 +25,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshdistill.compress.importance import DEPTH, Importance, check_prunable, score
-from meshdistill.models._build import abstract_params
+from meshdistill.models.compress.importance import DEPTH, Importance, check_prunable, score
+from meshdistill.models._build import abstract_params, shard_model
 from meshdistill.models.decoder import Decoder, ModelConfig, param_count
 
 log = logging.getLogger(__name__)
@@ -256,8 +256,6 @@ def prune(teacher, batches, targets: PruneTargets | None = None, *, mesh=None, i
   the host and, with ``mesh``, placed on it split as `meshdistill.models.shard_model` splits a model.
   ``importance``: scores measured before (no batch is run).
   """
-  from meshdistill.models import shard_model  # pylint: disable=g-import-not-at-top
-
   if targets is not None and sizes:
     raise ValueError(f"prune: give the targets either as PruneTargets or as keywords ({sorted(sizes)}), not both")
   targets = targets or PruneTargets(**sizes)

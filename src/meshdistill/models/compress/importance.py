@@ -38,7 +38,9 @@ from flax import nnx
 
 from meshdistill.models.decoder import Attention, Decoder
 from meshdistill.models._variants import softcap
+from meshdistill.models.quantize import is_quantized
 from meshdistill.models.stacking import to_unrolled
+from meshdistill.parallel.mesh import host_to_global
 
 DEPTH = ("loss", "cosine")  # how layers are ranked (`Importance.layers`)
 
@@ -95,8 +97,6 @@ class Importance:
 
 def check_prunable(model) -> Decoder:
   """``model`` with unrolled float blocks, or a ValueError saying why it cannot be scored or pruned."""
-  from meshdistill.models.quantize import is_quantized  # pylint: disable=g-import-not-at-top
-
   if not isinstance(model, Decoder):
     raise ValueError(f"prune: the teacher is a {type(model).__name__}; importance and pruning need the built-in "
                      "Decoder (load it with load_hf / teacher.hf or a pretrained teacher)")
@@ -194,12 +194,7 @@ def score(model, batches, *, mesh=None, depth: str = "loss") -> Importance:
   for batch in batches:
     host = {k: np.asarray(batch[k]) for k in ("inputs", "targets", "mask")}
     sequences += host["inputs"].shape[0]
-    if mesh is not None:
-      from meshdistill.parallel.mesh import host_to_global  # pylint: disable=g-import-not-at-top
-
-      placed = host_to_global(host, mesh)
-    else:
-      placed = host
+    placed = host if mesh is None else host_to_global(host, mesh)
     for k, v in jax.device_get(program(state, placed)).items():
       total[k] = total.get(k, 0.0) + np.asarray(v, np.float64)
   if not total:
