@@ -121,13 +121,17 @@ def dequantized(model, settings: QuantizeAware):
   import qwix  # pylint: disable=g-import-not-at-top
 
   settings.check(model.cfg)
+  quantized = post_training(model, settings)
+  dequant = {}
+  for path, module in nnx.iter_graph(quantized):
+    kernel = getattr(module, "kernel", None) if isinstance(module, nnx.Module) else None
+    value = getattr(kernel, "array", None)
+    value = value.get_value() if isinstance(value, nnx.Variable) else value
+    if isinstance(value, qwix.QArray):  # a quantized projection's weight (qwix's WithAux around a QArray)
+      dequant[(*path, "kernel")] = qwix.dequantize(value)
   graphdef, state = nnx.split(model)
-  quantized = dict(nnx.to_flat_state(nnx.state(post_training(model, settings))))
-  leaves = []
-  for key, var in nnx.to_flat_state(state):
-    q = quantized.get(key)
-    value = q.get_value() if q is not None else var.get_value()
-    if isinstance(value, qwix.QArray):
-      value = qwix.dequantize(value).astype(var.get_value().dtype)
-    leaves.append((key, var.replace(value)))
+  leaves = [(k, v.replace(dequant[k].astype(v.get_value().dtype)) if k in dequant else v)
+            for k, v in nnx.to_flat_state(state)]
+  if not dequant:
+    raise AssertionError(f"{SETTING}: no projection was quantized (qwix rule {projection_pattern()!r})")
   return nnx.merge(graphdef, nnx.from_flat_state(leaves))

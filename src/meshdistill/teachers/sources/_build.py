@@ -9,6 +9,7 @@ import os
 from flax import nnx
 
 from meshdistill.models import abstract_params, init_model
+from meshdistill.models.compress.qat import quantize_aware
 from meshdistill.models.hf import load_hf
 from meshdistill.models.lora import LoraConfig, apply_lora
 from meshdistill.models.stacking import to_scanned
@@ -32,7 +33,7 @@ def build_student(cfg, teacher, mesh):
     model = pruned_student(src.student_init.pruned, cfg.student, mesh)
   else:
     model = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
-  return with_lora(model, src.student_lora, seed=cfg.train.seed, mesh=mesh)
+  return quantize_aware(with_lora(model, src.student_lora, seed=cfg.train.seed, mesh=mesh), src.student_quantize_aware)
 
 
 def pruned_student(path: str, student_cfg, mesh=None):

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from meshdistill.core.typed_yaml import ConfigError, unknown_key
+from meshdistill.models.compress.qat import QuantizeAware
 from meshdistill.models.lora import LoraConfig
 from meshdistill.teachers.kinds._base import TEACHER_KEYS, teacher_keys
 from meshdistill.teachers.kinds._base import resolve as resolve_teacher
@@ -66,6 +67,7 @@ class ModelSources:
   teacher_devices: dict | None = None  # the teacher's own mesh {data, tensor, other axes} (`teachers.mesh`)
   student_lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank 0: no adapters
   teacher_quantize: str | None = None  # the teacher's projections stored int8 / int4 / nf4 (`models.quantize`)
+  student_quantize_aware: QuantizeAware = dataclasses.field(default_factory=QuantizeAware)  # weights null: off
   teacher_options: dict = dataclasses.field(default_factory=dict)  # other settings of the chosen source, by key
 
   def __post_init__(self):
@@ -82,6 +84,10 @@ class ModelSources:
           "student.hf and student.init exclude each other: start the student from a pretrained "
           "checkpoint (student.hf) or from the teacher's blocks (student.init), not both"
       )
+    if self.student_quantize_aware.enabled and self.student_lora.enabled:
+      raise ConfigError("student.quantize_aware and student.lora exclude each other: LoRA trains adapters on a "
+                        "frozen base (quantize the base with student.lora.quantize), quantization-aware training "
+                        "trains the whole student through fake quantization; choose one")
     if self.student_hf and not self.teacher_hf:
       raise ConfigError(
           "student.hf needs teacher.hf: a Hugging Face student is distilled from a Hugging Face teacher with the "
@@ -126,6 +132,21 @@ def split_sources(raw: dict) -> dict:
     except (TypeError, ValueError) as e:
       raise ConfigError(str(e)) from None
     models["student_lora"] = dict(lora or {})
+    raw["student"] = student
+  if isinstance(student, dict) and "quantize_aware" in student:  # how the student trains, not its shape
+    student = dict(student)
+    qa = student.pop("quantize_aware")
+    if qa is not None and not isinstance(qa, dict):
+      raise ConfigError(f"student.quantize_aware={qa!r} must be a mapping, e.g. {{weights: int4, group_size: 32}}")
+    allowed = [f.name for f in dataclasses.fields(QuantizeAware)]
+    for k in qa or {}:
+      if k not in allowed:
+        raise unknown_key("student.quantize_aware.", k, allowed)
+    try:
+      QuantizeAware(**(qa or {}))  # checked here, so errors name student.quantize_aware.*
+    except (TypeError, ValueError) as e:
+      raise ConfigError(str(e)) from None
+    models["student_quantize_aware"] = dict(qa or {})
     raw["student"] = student
   for who, keys in (("teacher", teacher_keys()), ("student", ("hf", "init"))):
     section = raw.get(who)
@@ -218,4 +239,6 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
     plain["teacher"] = {**plain["teacher"], **sources.teacher_options}
   if lora.enabled:
     plain["student"] = {**plain["student"], "lora": {**dataclasses.asdict(lora), "targets": list(lora.targets)}}
+  if sources.student_quantize_aware.enabled:
+    plain["student"] = {**plain["student"], "quantize_aware": dataclasses.asdict(sources.student_quantize_aware)}
   return plain
