@@ -76,3 +76,17 @@ def test_config_section_round_trips_and_excludes_lora():
 def test_a_group_size_that_does_not_divide_a_projection_is_named():
   with pytest.raises(ValueError, match=r"group_size=12 does not divide .*'d_model': 16"):
     quantize_aware(md.init_model(STUDENT_CFG, seed=1), QuantizeAware(weights="int4", group_size=12))
+
+
+def test_the_export_holds_the_quantized_weights_and_gives_the_quantization_aware_logits(tmp_path):
+  from meshdistill.models.hf import export_hf, load_hf
+
+  model = md.init_model(STUDENT_CFG, seed=1)
+  settings = QuantizeAware(weights="int4")  # one scale per output channel: at most 16 values in each column
+  out = export_hf(dequantized(model, settings), tmp_path / "hf")
+  again = load_hf(out)
+  kernel = np.asarray(again.blocks[0].mlp.up.kernel.get_value())
+  assert max(len(np.unique(kernel[:, j])) for j in range(kernel.shape[1])) <= 16
+  tokens = jnp.asarray(make_batch()["inputs"])
+  np.testing.assert_allclose(np.asarray(again(tokens).logits),
+                             np.asarray(quantize_aware(model, settings)(tokens).logits), rtol=1e-5, atol=1e-5)
