@@ -14,6 +14,8 @@ with model.safetensors.index.json) and ``reference.npz`` = {tokens [2, 12] int32
 [2, 12, V] float32} computed by transformers in float32 from exactly the stored weights (mixture-of-experts
 fixtures also ``aux_mask`` [2, 12] and ``aux_loss``: transformers' load-balancing loss with that attention mask).
 Norm scales and biases are randomised too, so a mis-mapped norm or bias changes the logits.
+``--pruned`` adds to each dense fixture ``pruned.json`` (the units a pruned student keeps) and
+``pruned_reference.npz`` (transformers' logits of that student as meshdistill exports it; tests/test_compress.py).
 
 ``--tokenizer`` writes ``tests/fixtures/hf_text.jsonl`` (a small JSONL corpus, ``text`` field) and a
 ``tokenizer.json`` for the Qwen3 fixture: a BPE of at most 128 tokens (the fixture's vocabulary)

@@ -92,6 +92,7 @@ def test_pruning_one_of_each_removes_exactly_the_known_units(known):
   cfg = out.student.cfg
   assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.mlp_hidden, cfg.hd) == (2, 31, 3, 3, 63, 8)
   assert out.report["student"]["params"] == md.param_count(out.student) < out.report["teacher"]["params"]
+  assert md.prune is prune and md.PruneTargets is PruneTargets  # the public names
 
 
 @pytest.mark.parametrize("name", DENSE)

@@ -85,15 +85,6 @@ class Importance:
       values = {k: z[k] for k in z.files}
     return cls(**{k: (v.item() if v.ndim == 0 else v) for k, v in values.items()})
 
-  def summary(self) -> dict:
-    """A JSON-able digest: the calibration size and, per kind, the least and most important units."""
-    def ends(x):
-      order = np.argsort(x, kind="stable")
-      return {"least": [int(i) for i in order[:4]], "most": [int(i) for i in order[::-1][:4]]}
-
-    return {"sequences": self.sequences, "tokens": self.tokens, "loss": self.loss, "embed": ends(self.embed),
-            "layer_loss": [float(v) for v in self.layer_loss], "layer_cosine": [float(v) for v in self.layer_cosine]}
-
 
 def check_prunable(model) -> Decoder:
   """``model`` with unrolled float blocks, or a ValueError saying why it cannot be scored or pruned."""
