@@ -4,7 +4,8 @@ quantization-aware distillation vs post-training quantization.
 The main job's data, teacher (cached or pretrained by the main job's settings) and distillation recipe; the
 scale is set by ``--steps`` / ``--eval-every`` and ``--set`` (the defaults below are smaller than the main job's
 300 steps and run on one device: ``mesh.backend=single``). Arms, each for every seed in ``--seeds`` (the seed is
-``train.seed`` and ``data.seed``: the data order and a fresh student's initialisation), equal steps and tokens:
+``train.seed`` and ``data.seed``: the data order and a fresh student's initialisation; the teacher is the main
+job's for every seed, ``pretrain.teacher``), equal steps and tokens:
 
   (a) pruned   -- ``meshdistill prune --embed E --mlp F`` (width pruning, Minitron) to about the size of (b),
                   then distilled (``student.init.pruned``);
@@ -89,6 +90,11 @@ def run(args) -> dict:
   from meshdistill.train.loop.evaluate import Evaluator
 
   t0 = time.perf_counter()
+  data = jobs.load_data(base)  # the main job's teacher (pretrained now if not cached), then the same one for every seed
+  jobs.obtain_teacher(base, data, None, stream=sys.stderr)
+  teacher_path = jobs.teacher_dir(base, data.tokenizer)
+  args.overrides = [*args.overrides, f"pretrain.teacher={teacher_path}"]
+  base = load_config(args.config, _overrides(args, seeds[0]) + [f"run.run_dir={root}/prune"])
   report = jobs.prune(base, pruned_dir, jobs.PruneTargets(embed=args.embed, mlp=args.mlp), batches=args.batches,
                       overwrite=True, stream=sys.stderr)
   prune_s = time.perf_counter() - t0
@@ -132,7 +138,8 @@ def run(args) -> dict:
                  "steps": args.steps, "eval_every": args.eval_every, "batch_size": base.train.batch_size,
                  "seq_len": base.data.seq_len, "lr": base.train.lr, "temperature": base.distill.value("temperature"),
                  "alpha": base.distill.value("alpha"), "layers": args.layers, "quantize": qa.describe(),
-                 "argv": sys.argv[1:], "total_seconds": time.perf_counter() - t0}
+                 "argv": [a for a in sys.argv[1:] if not a.startswith("pretrain.teacher=")],
+                 "total_seconds": time.perf_counter() - t0}
   return out
 
 
@@ -163,7 +170,8 @@ def render(out: dict, path: str) -> str:
       f"data (byte-level, Python standard library source), teacher and recipe (lr {meta['lr']}, tau "
       f"{meta['temperature']}, alpha {meta['alpha']}, batch {meta['batch_size']} x {meta['seq_len']} tokens) at a "
       f"smaller scale than the main job: {meta['steps']} steps instead of 300, one device (`mesh.backend=single`). "
-      f"Every arm: the same steps, tokens and data order per seed; seeds {seeds} (`train.seed` = `data.seed`). "
+      f"Every arm: the same steps, tokens and data order per seed; seeds {seeds} (`train.seed` = `data.seed`; one "
+      "teacher, the main job's, for every seed). "
       "Validation loss is the student's cross-entropy (nats/token) on the main job's validation batches, mean ± "
       "standard deviation over the seeds.",
       "",

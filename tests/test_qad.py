@@ -90,3 +90,20 @@ def test_the_export_holds_the_quantized_weights_and_gives_the_quantization_aware
   tokens = jnp.asarray(make_batch()["inputs"])
   np.testing.assert_allclose(np.asarray(again(tokens).logits),
                              np.asarray(quantize_aware(model, settings)(tokens).logits), rtol=1e-5, atol=1e-5)
+
+
+def test_the_planner_builds_the_quantization_aware_student_the_config_asks_for():
+  from flax import nnx
+
+  from meshdistill.planner import Knobs, make_planner
+
+  overrides = ["student.quantize_aware={weights: int4}", "train.batch_size=8", "data.seq_len=16",
+               "teacher.d_model=32", "teacher.mlp_hidden=64", "student.d_model=16", "student.mlp_hidden=32",
+               "teacher.n_layers=2", "student.n_layers=1"]
+  d = make_planner(devices="cpu:8", overrides=overrides)._distiller(Knobs(2, 4, "none", None, 8))
+  model = md.init_model(load_config(None, overrides).student.for_tensor(4), seed=1)
+  planned = nnx.merge(d.student_def, nnx.state(model))  # the planner's student program on real weights
+  tokens = jnp.asarray(make_batch()["inputs"])
+  np.testing.assert_allclose(np.asarray(planned(tokens).logits),
+                             np.asarray(post_training(model, QuantizeAware(weights="int4"))(tokens).logits),
+                             rtol=1e-6, atol=1e-6)

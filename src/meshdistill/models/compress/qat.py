@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshdistill.models._build import _create
 from meshdistill.models.quantize import projection_pattern
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,9 @@ def _sample_input():
 
 def quantize_aware(model, settings: QuantizeAware):
   """``model`` training through ``settings``' fake quantization (qwix quantized training: straight-through
-  gradients); ``model`` itself is unchanged and shares its weights with the result."""
+  gradients); ``model`` itself is unchanged and shares its weights with the result. Wrap a model already built for
+  its mesh (``init_model(cfg, mesh=...)``, ``load_hf(path, mesh)``): re-partitioning a wrapped model for another
+  ``tensor`` size rebuilds it without the wrapper."""
   import qwix  # pylint: disable=g-import-not-at-top
 
   if not settings.enabled:
@@ -104,6 +107,12 @@ def quantize_aware(model, settings: QuantizeAware):
     raise ValueError(f"{SETTING} with student.lora: adapters train on a frozen base; choose one of the two")
   log.info("student: quantization-aware training with %s", settings.describe())
   return qwix.quantize_model(model, qwix.QtProvider([settings.rule("qt")]), _sample_input())
+
+
+def abstract_quantize_aware(cfg, settings: QuantizeAware):
+  """(graphdef, abstract state) of a `Decoder` of ``cfg`` training through ``settings``, without allocating it (the
+  planner's student: the float parameters, the fake-quantizing program)."""
+  return nnx.split(nnx.eval_shape(lambda: quantize_aware(_create(cfg, 0), settings)))
 
 
 def post_training(model, settings: QuantizeAware):
