@@ -194,7 +194,7 @@ def test_prune_command_writes_the_student_that_student_init_pruned_starts_from(t
   from meshdistill import cli
   from meshdistill.config import load_config
   from meshdistill.data import ByteTokenizer
-  from meshdistill.storage.checkpoint import save_teacher
+  from meshdistill.teachers.checkpoint import save_teacher
   from meshdistill.teachers.sources import build_student
 
   where = [f"run.run_dir={tmp_path / 'run'}", f"pretrain.teacher={tmp_path / 'teacher'}", "data.max_chars=20000"]

@@ -30,9 +30,9 @@ from meshdistill.models import families
 from meshdistill.models.hf import export_hf, read_hf_config
 from meshdistill.parallel import distributed
 from meshdistill.parallel.backends import make_layout
-from meshdistill.storage.checkpoint import save_teacher
-from meshdistill.storage.fsutil import atomic_output_dir
-from meshdistill.storage.ownership import OutputKind, check_owned, write_marker
+from meshdistill.teachers.checkpoint import save_teacher
+from meshdistill.core.fsutil import atomic_output_dir
+from meshdistill.core.ownership import OutputKind, check_owned, write_marker
 
 log = logging.getLogger("meshdistill.jobs")
 
