@@ -14,8 +14,9 @@ with model.safetensors.index.json) and ``reference.npz`` = {tokens [2, 12] int32
 [2, 12, V] float32} computed by transformers in float32 from exactly the stored weights (mixture-of-experts
 fixtures also ``aux_mask`` [2, 12] and ``aux_loss``: transformers' load-balancing loss with that attention mask).
 Norm scales and biases are randomised too, so a mis-mapped norm or bias changes the logits.
-``--pruned`` adds to each dense fixture ``pruned.json`` (the units a pruned student keeps) and
-``pruned_reference.npz`` (transformers' logits of that student as meshdistill exports it; tests/test_compress.py).
+``--pruned`` writes, for each dense fixture NAME, ``tests/fixtures/pruned/NAME.json`` (the units a pruned student
+keeps) and ``NAME.npz`` (transformers' logits of that student as meshdistill exports it; tests/test_compress.py),
+outside the checkpoint directories, which hold only what a Hugging Face checkpoint holds.
 
 ``--tokenizer`` writes ``tests/fixtures/hf_text.jsonl`` (a small JSONL corpus, ``text`` field) and a
 ``tokenizer.json`` for the Qwen3 fixture: a BPE of at most 128 tokens (the fixture's vocabulary)
@@ -230,8 +231,8 @@ PRUNABLE = ("hf_llama", "hf_qwen3", "hf_qwen2", "hf_mistral", "hf_gemma2", "hf_g
 
 def make_pruned(names=()) -> int:
   """Cuts each dense fixture to a random half of its MLP units and query groups, three quarters of its embedding
-  channels and all but one block (``pruned.json``), exports the pruned student with meshdistill and writes
-  transformers' logits of that export (``pruned_reference.npz``) for tests/test_compress.py."""
+  channels and all but one block (``pruned/NAME.json``), exports the pruned student with meshdistill and writes
+  transformers' logits of that export (``pruned/NAME.npz``) for tests/test_compress.py."""
   import torch
   import transformers
 
@@ -254,8 +255,9 @@ def make_pruned(names=()) -> int:
       export_hf(prune_weights(teacher, kept), tmp, family=family)
       model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
       logits = logits_of(model, TOKENS)
-    (path / "pruned.json").write_text(json.dumps(kept.to_dict()) + "\n")
-    np.savez(path / "pruned_reference.npz", tokens=TOKENS, logits=logits)
+    (FIXTURES / "pruned").mkdir(exist_ok=True)
+    (FIXTURES / "pruned" / f"{name}.json").write_text(json.dumps(kept.to_dict()) + "\n")
+    np.savez(FIXTURES / "pruned" / f"{name}.npz", tokens=TOKENS, logits=logits)
     print(f"{name}: pruned to {len(kept.layers)} blocks, d_model {len(kept.embed)}, "
           f"{len(kept.groups[0])} query groups, mlp {len(kept.mlp[0])}; transformers logits written")
   return 0

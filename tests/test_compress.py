@@ -152,10 +152,10 @@ def test_pruning_on_a_mesh_equals_one_device(layout):
 
 @pytest.mark.parametrize("name", DENSE)
 def test_exported_pruned_student_gives_transformers_logits(name, tmp_path):
-  """scripts/make_hf_fixtures.py --pruned cut each fixture to the units in pruned.json, exported it and had
-  transformers compute its logits (pruned_reference.npz): the same cut here, exported and read back, gives them."""
+  """scripts/make_hf_fixtures.py --pruned cut each fixture to the units in pruned/NAME.json, exported it and had
+  transformers compute its logits (pruned/NAME.npz): the same cut here, exported and read back, gives them."""
   path = FIXTURES / name
-  kept = Kept.from_dict(json.loads((path / "pruned.json").read_text()))
+  kept = Kept.from_dict(json.loads((FIXTURES / "pruned" / f"{name}.json").read_text()))
   student = prune_weights(load_hf(path), kept)
   out = export_hf(student, tmp_path / "out", family=read_hf_config(path)["model_type"].removesuffix("_text"))
   hf = read_hf_config(out)
@@ -163,7 +163,7 @@ def test_exported_pruned_student_gives_transformers_logits(name, tmp_path):
   assert (hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"]) == (
       len(kept.embed), len(kept.layers), len(kept.mlp[0]))
   assert hf["num_key_value_heads"] == len(kept.groups[0]) and hf["head_dim"] == load_hf(path).cfg.hd
-  ref = np.load(path / "pruned_reference.npz")
+  ref = np.load(FIXTURES / "pruned" / f"{name}.npz")
   np.testing.assert_allclose(np.asarray(load_hf(out)(jnp.asarray(ref["tokens"])).logits), ref["logits"], atol=1e-4,
                              rtol=0)
 
