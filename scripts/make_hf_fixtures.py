@@ -7,12 +7,16 @@ Run by hand (needs torch and transformers, which the test suite itself does not)
     python scripts/make_hf_fixtures.py --check-export   # meshdistill export -> transformers logits
     python scripts/make_hf_fixtures.py --tokenizer      # only the text and tokenizer (needs `tokenizers` only)
     python scripts/make_hf_fixtures.py hf_gemma3        # only the fixtures named (also with --check-export)
+    python scripts/make_hf_fixtures.py --pruned         # each dense fixture pruned, exported, run by transformers
 
 Each fixture directory holds config.json, bfloat16 safetensors weights (the Llama one sharded,
 with model.safetensors.index.json) and ``reference.npz`` = {tokens [2, 12] int32, logits
 [2, 12, V] float32} computed by transformers in float32 from exactly the stored weights (mixture-of-experts
 fixtures also ``aux_mask`` [2, 12] and ``aux_loss``: transformers' load-balancing loss with that attention mask).
 Norm scales and biases are randomised too, so a mis-mapped norm or bias changes the logits.
+``--pruned`` writes, for each dense fixture NAME, ``tests/fixtures/pruned/NAME.json`` (the units a pruned student
+keeps) and ``NAME.npz`` (transformers' logits of that student as meshdistill exports it; tests/test_compress.py),
+outside the checkpoint directories, which hold only what a Hugging Face checkpoint holds.
 
 ``--tokenizer`` writes ``tests/fixtures/hf_text.jsonl`` (a small JSONL corpus, ``text`` field) and a
 ``tokenizer.json`` for the Qwen3 fixture: a BPE of at most 128 tokens (the fixture's vocabulary)
@@ -131,6 +135,8 @@ def _models() -> dict:
                query_pre_attn_scalar=16,
                attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=10_000.0),
           transformers.Gemma2ForCausalLM,
+          None,
+      ),
       # Qwen3-MoE: 8 experts, top-2, no renormalisation of the top-2 weights; layer 1 keeps a dense MLP of another
       # width (mlp_only_layers), so both block kinds and both hidden sizes are read.
       "hf_qwen3_moe": (
@@ -220,14 +226,54 @@ def check_export(names=()) -> int:
   return 0 if worst < 1e-4 else 1
 
 
+PRUNABLE = ("hf_llama", "hf_qwen3", "hf_qwen2", "hf_mistral", "hf_gemma2", "hf_gemma3")
+
+
+def make_pruned(names=()) -> int:
+  """Cuts each dense fixture to a random half of its MLP units and query groups, three quarters of its embedding
+  channels and all but one block (``pruned/NAME.json``), exports the pruned student with meshdistill and writes
+  transformers' logits of that export (``pruned/NAME.npz``) for tests/test_compress.py."""
+  import torch
+  import transformers
+
+  sys.path.insert(0, str(ROOT / "src"))
+  from meshdistill.models.compress import Kept, prune_weights
+  from meshdistill.models.hf import export_hf, load_hf
+
+  for i, name in enumerate(names or PRUNABLE):
+    path = FIXTURES / name
+    teacher = load_hf(path)
+    cfg = teacher.cfg
+    rng = np.random.default_rng(100 + i)
+    pick = lambda n, k: tuple(sorted(int(v) for v in rng.choice(n, k, replace=False)))  # noqa: E731
+    layers = pick(cfg.n_layers, max(1, cfg.n_layers - 1))
+    kept = Kept(layers=layers, mlp=tuple(pick(cfg.mlp_hidden, cfg.mlp_hidden // 2) for _ in layers),
+                groups=tuple(pick(cfg.n_kv_heads, cfg.n_kv_heads // 2) for _ in layers),
+                embed=pick(cfg.d_model, cfg.d_model * 3 // 4))
+    family = json.loads((path / "config.json").read_text())["model_type"].removesuffix("_text")
+    with tempfile.TemporaryDirectory() as tmp:
+      export_hf(prune_weights(teacher, kept), tmp, family=family)
+      model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+      logits = logits_of(model, TOKENS)
+    (FIXTURES / "pruned").mkdir(exist_ok=True)
+    (FIXTURES / "pruned" / f"{name}.json").write_text(json.dumps(kept.to_dict()) + "\n")
+    np.savez(FIXTURES / "pruned" / f"{name}.npz", tokens=TOKENS, logits=logits)
+    print(f"{name}: pruned to {len(kept.layers)} blocks, d_model {len(kept.embed)}, "
+          f"{len(kept.groups[0])} query groups, mlp {len(kept.mlp[0])}; transformers logits written")
+  return 0
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--check-export", action="store_true", help="verify meshdistill exports with transformers")
+  parser.add_argument("--pruned", action="store_true", help="write the pruned students' transformers logits")
   parser.add_argument("--tokenizer", action="store_true", help="write only the text corpus and the Qwen3 tokenizer")
   parser.add_argument("names", nargs="*", help="only these fixtures (e.g. hf_gemma3); default all")
   args = parser.parse_args()
   if args.check_export:
     return check_export(args.names)
+  if args.pruned:
+    return make_pruned(args.names)
   if args.tokenizer:
     make_text_and_tokenizer()
     return 0

@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it ("" : the name is itself a submodule of meshdistill)
 _EXPORTS: dict[str, str] = {
     # submodules
+    "compress": "meshdistill.models.compress",
     "data": "meshdistill.data",
     "freezing": "meshdistill.train.freezing",
     "fsdp": "meshdistill.parallel.fsdp",
@@ -68,6 +69,9 @@ _EXPORTS: dict[str, str] = {
     "load_hf": "meshdistill.models",
     "param_count": "meshdistill.models",
     "shard_model": "meshdistill.models",
+    # compression (pruning, quantization-aware students)
+    "PruneTargets": "meshdistill.models.compress",
+    "prune": "meshdistill.models.compress",
     # strategies
     "AttentionTransfer": "meshdistill.strategies",
     "ChunkedLogitKD": "meshdistill.strategies",

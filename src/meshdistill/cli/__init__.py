@@ -9,6 +9,7 @@
   meshdistill export RUN_DIR OUT_DIR [--dtype bfloat16] [--step N] [--overwrite]   # the student as a HF checkpoint
   meshdistill export RUN_DIR OUT_DIR --adapter      # a LoRA student's adapters as a PEFT adapter directory
   meshdistill config [--config ...] [--set ...]   # print the effective configuration
+  meshdistill prune --out DIR --mlp 256 --heads 4 --embed 128 --layers 2   # a student cut from the teacher
   meshdistill plan --teacher llama3.1-8b --student llama3.2-1b --topology v5e:4x4 --batch 16 --seq 2048
   meshdistill launch --processes 2 -- meshdistill distill --config tiny   # N local processes, one job
   meshdistill serve-teacher --config tiny --port 8000 --k 32   # the teacher's top-k over HTTP (teacher.source: remote)
@@ -236,6 +237,17 @@ def _main(argv: list[str] | None) -> int:
         print(f"teacher ({out['params']:,} params) -> {out['teacher_dir']}")
         if ev:
           print(f"validation loss {ev['loss']:.4f}, perplexity {ev['ppl']:.3f}")
+      elif args.command == "prune":
+        targets = jobs.PruneTargets(mlp=args.mlp, heads=args.heads, embed=args.embed, layers=args.layers,
+                                    depth=args.depth)
+        r = jobs.prune(cfg, args.out, targets, batches=args.batches, overwrite=args.overwrite, stream=sys.stderr)
+        t, s = r["teacher"], r["student"]
+        for who, m in (("teacher", t), ("student", s)):
+          print(f"{who}: {m['params']:,} params, d_model {m['d_model']}, {m['n_layers']} blocks, {m['n_heads']} heads "
+                f"({m['n_kv_heads']} key/value), mlp {m['mlp_hidden']}")
+        print(f"kept {100 * r['fraction_kept']:.1f}% of the parameters; removed blocks {r['removed']['layers']}")
+        print(f"student -> {r['out']}/student (distil it with --set student.init.pruned={r['out']}), "
+              f"Hugging Face export -> {r['out']}/hf")
       elif args.command == "distill":
         import jax  # pylint: disable=g-import-not-at-top
 

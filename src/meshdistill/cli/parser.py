@@ -110,6 +110,8 @@ def parser() -> argparse.ArgumentParser:
   ex.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty OUT_DIR")
   ex.add_argument("--adapter", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter directory "
                   "(adapter_config.json, adapter_model.safetensors, and the base in base/) instead of merged weights")
+  _prune_parser(with_config(command("prune", help="score the teacher's units on the run's data and write a "
+                                    "smaller student cut from it (Minitron width / depth pruning)")))
   _plan_parser(with_config(command("plan", help="compile the distillation step for a TPU slice or CPU devices "
                                           "and report whether and how it fits (no accelerator needed)")))
   return p
@@ -131,6 +133,20 @@ def _serve_parser(sp) -> None:
   sp.add_argument("--served-name", default="meshdistill-teacher", help="the model name /v1/models reports")
   # testing only: while this file exists a teacher call waits before it runs (a request provably in flight)
   sp.add_argument("--hold-file", default=None, help=argparse.SUPPRESS)
+
+
+def _prune_parser(sp) -> None:
+  sp.add_argument("--out", required=True, help="directory to write: student/ (then student.init.pruned=OUT), hf/, "
+                  "scores.npz, report.json")
+  sp.add_argument("--mlp", type=int, default=None, help="MLP hidden units kept per block (default: all)")
+  sp.add_argument("--heads", type=int, default=None, help="query heads kept per block, whole query groups (default: "
+                  "all)")
+  sp.add_argument("--embed", type=int, default=None, help="embedding channels (d_model) kept (default: all)")
+  sp.add_argument("--layers", type=int, default=None, help="blocks kept (default: all)")
+  sp.add_argument("--depth", default="loss", help="how blocks are ranked: loss (loss rise when skipped) or cosine "
+                  "(1 - cos of a block's input and output)")
+  sp.add_argument("--batches", type=int, default=8, help="calibration batches of train.batch_size rows")
+  sp.add_argument("--overwrite", action="store_true", help="replace an OUT an earlier meshdistill prune wrote")
 
 
 def _plan_parser(sp) -> None:

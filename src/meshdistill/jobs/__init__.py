@@ -24,6 +24,7 @@ The jobs live in private modules by concept; import them from here (``meshdistil
   `obtain_teacher`; the sources are `meshdistill.teachers.kinds`, which also hold the pretrained teacher's cache:
   `default_cache_dir`, `teacher_key`, `teacher_dir`);
 - ``_distill_job``: `distill` and its final evaluation;
+- ``_prune_job``: `prune` (``meshdistill prune``: the teacher scored and cut to a smaller student, `meshdistill.models.compress`);
 - ``_serve``: `serve_teacher` (``meshdistill serve-teacher``: the teacher behind an HTTP server), `build_server`;
 - ``_inspect``: `evaluate`, `evaluate_task` (accuracy by generation on a task), `generate`, `load_run` (a run's student
   in Python), `stored_student_config`, `run_teacher`, `summary_table`.
@@ -34,6 +35,7 @@ from meshdistill.jobs._training import loop_kwargs, make_distiller, safeguard_kw
 from meshdistill.jobs._teacher import cache_teacher, default_cache_dir, obtain_teacher, pretrain, teacher_dir
 from meshdistill.jobs._teacher import prepare_teacher, teacher_key
 from meshdistill.jobs._distill_job import distill
+from meshdistill.jobs._prune_job import PruneTargets, check_prune_target, prune
 from meshdistill.jobs._serve import ServeSettings, build_server, serve_teacher
 from meshdistill.jobs._inspect import (
     LoadedRun,
@@ -50,6 +52,7 @@ __all__ = [
   "build_mesh",
   "build_server",
   "cache_teacher",
+  "check_prune_target",
   "default_cache_dir",
   "distill",
   "evaluate",
@@ -64,6 +67,8 @@ __all__ = [
   "prepare_devices",
   "prepare_teacher",
   "pretrain",
+  "prune",
+  "PruneTargets",
   "run_teacher",
   "safeguard_kwargs",
   "serve_teacher",

@@ -25,6 +25,7 @@ from meshdistill import jobs
 from meshdistill.jobs import load_data
 from meshdistill.models import param_count
 from meshdistill.models._hf_config import default_family
+from meshdistill.models.compress.qat import dequantized
 from meshdistill.models.hf import export_hf, export_kind
 from meshdistill.models.lora import adapter_count, merge_lora
 from meshdistill.models.peft import adapter_kind, export_adapter
@@ -131,6 +132,8 @@ def export_run(
               "base": base or os.path.join(written, "base")}
     if lora.enabled:  # adapters folded into the (dequantised) base weights
       student = merge_lora(student)
+    if cfg.models.student_quantize_aware.enabled:  # the weights it trained through: on the quantization grid
+      student = dequantized(student, cfg.models.student_quantize_aware)
   finally:
     ckpt.close()
   written = _write_atomically(out_dir, student, tokenizer, dtype)

@@ -30,15 +30,19 @@ from meshdistill.parallel.mesh import TENSOR, batch_sharding
 from meshdistill.models._build import abstract_params
 from meshdistill.models.decoder import ModelConfig
 from meshdistill.models.lora import abstract_lora
+from meshdistill.models.compress.qat import abstract_quantize_aware
 from meshdistill.models.quantize import abstract_quantized
 
 
 @functools.lru_cache(maxsize=8)
-def _abstract_model(cfg: ModelConfig, lora=None, quantize: str | None = None):
+def _abstract_model(cfg: ModelConfig, lora=None, quantize: str | None = None, quantize_aware=None):
   """An abstract decoder of ``cfg``; with ``lora`` (a `LoraConfig`) holding adapters (and its quantized base), with
-  ``quantize`` its projections stored quantized (a quantized teacher, `meshdistill.models.quantize`)."""
+  ``quantize`` its projections stored quantized (a quantized teacher, `meshdistill.models.quantize`), with
+  ``quantize_aware`` (a `QuantizeAware`) training through fake quantization (`meshdistill.models.compress.qat`)."""
   if lora is not None and lora.enabled:
     graphdef, state, _ = abstract_lora(cfg, lora)
+  elif quantize_aware is not None and quantize_aware.enabled:
+    graphdef, state = abstract_quantize_aware(cfg, quantize_aware)
   elif quantize is not None:
     graphdef, state = abstract_quantized(cfg, quantize)
   else:
@@ -82,22 +86,25 @@ FAST_COMPILE = {"exec_time_optimization_effort": -1.0}
 
 def abstract_distiller(teacher: ModelConfig | None, student: ModelConfig, strategy, optimizer, mesh: Mesh,
                        compiler_options: dict | None = None, lora=None, teacher_quantize: str | None = None,
-                       fsdp: bool = False, student_split: str = "tensor", loss_scale: float | None = None) -> Distiller:
+                       fsdp: bool = False, student_split: str = "tensor", loss_scale: float | None = None,
+                       quantize_aware=None) -> Distiller:
   """The Distiller ``meshdistill distill`` would build for these models on ``mesh``, on abstract arrays.
 
   ``lora``: the student's `meshdistill.models.lora.LoraConfig` (``student.lora``: adapters, only they train);
   ``teacher_quantize``: ``teacher.quantize`` (the teacher's projections stored int8 / int4 / nf4);
   ``fsdp``: weights and optimizer moments split over ``data`` too (``mesh.fsdp``); ``student_split``:
   ``mesh.student_split`` (``batch``: the student replicated, its weights and moments whole on every device).
-  ``loss_scale``: ``safeguards.loss_scale`` (the step's static loss scaling).
+  ``loss_scale``: ``safeguards.loss_scale`` (the step's static loss scaling). ``quantize_aware``:
+  ``student.quantize_aware`` (a `meshdistill.models.compress.QuantizeAware`: the student's fake-quantized forward).
   ``teacher=None``: the student trained alone (its ``strategy`` a hard-label one, e.g. ``NextTokenCE``).
   """
   tensor = mesh.shape[TENSOR]
-  if lora is not None and lora.enabled:  # adapters are applied to a student already fitted to the mesh
+  qat = quantize_aware is not None and quantize_aware.enabled
+  if (lora is not None and lora.enabled) or qat:  # adapters / fake quantization wrap a student fitted to the mesh
     student = student.for_tensor(tensor)
   if teacher_quantize is not None and teacher is not None:
     teacher = teacher.for_tensor(tensor)
-  d = _AbstractDistiller(_abstract_model(student, lora),
+  d = _AbstractDistiller(_abstract_model(student, lora, None, quantize_aware),
                          None if teacher is None else _abstract_model(teacher, None, teacher_quantize),
                          strategy=strategy, optimizer=optimizer, mesh=mesh,
                          backend=_AbstractLayout(mesh, fsdp=fsdp, student_split=student_split), fsdp=fsdp,

@@ -166,7 +166,8 @@ class Planner:
     return abstract_distiller(teacher or self.teacher, student, strategy, optimizer, mesh, self.options,
                               lora=self.cfg.models.student_lora, teacher_quantize=self.cfg.models.teacher_quantize,
                               fsdp=self.cfg.mesh.fsdp, student_split=self.cfg.mesh.student_split,
-                              loss_scale=self.cfg.safeguards.loss_scale)
+                              loss_scale=self.cfg.safeguards.loss_scale,
+                              quantize_aware=self.cfg.models.student_quantize_aware)
 
   def static_bytes(self, k: Knobs) -> int:
     """Per-device bytes of the step's inputs (weights, optimizer state, batch): a lower bound, without compiling."""

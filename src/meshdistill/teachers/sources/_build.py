@@ -4,18 +4,24 @@
 
 from __future__ import annotations
 
+import os
+
+from flax import nnx
+
 from meshdistill.models import abstract_params, init_model
+from meshdistill.models.compress.qat import quantize_aware
 from meshdistill.models.hf import load_hf
 from meshdistill.models.lora import LoraConfig, apply_lora
 from meshdistill.models.stacking import to_scanned
 from meshdistill.teachers.kinds._quantize import quantized_teacher  # noqa: F401 -- re-exported
+from meshdistill.teachers.checkpoint import load_teacher, read_teacher_meta
 from meshdistill.teachers.kinds.hf import load_teacher_hf, with_config
 from meshdistill.teachers.sources._settings import ModelSources
 
 
 def build_student(cfg, teacher, mesh):
-  """The run's student on ``mesh``: loaded (``student.hf``), copied from ``teacher`` (``student.init``),
-  or initialised from ``train.seed``."""
+  """The run's student on ``mesh``: loaded (``student.hf``), copied from ``teacher`` (``student.init``), the
+  pruned student of ``student.init.pruned``, or initialised from ``train.seed``."""
   src: ModelSources = cfg.models
   if src.student_hf:
     model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, param_dtype=cfg.student.param_dtype,
@@ -23,9 +29,23 @@ def build_student(cfg, teacher, mesh):
     model = with_config(model, cfg.student)
   elif src.student_init.from_teacher:
     model = student_from_teacher(teacher, src.student_init.layers, cfg.student, mesh)
+  elif src.student_init.pruned:
+    model = pruned_student(src.student_init.pruned, cfg.student, mesh)
   else:
     model = init_model(cfg.student, seed=cfg.train.seed, mesh=mesh)
-  return with_lora(model, src.student_lora, seed=cfg.train.seed, mesh=mesh)
+  return quantize_aware(with_lora(model, src.student_lora, seed=cfg.train.seed, mesh=mesh), src.student_quantize_aware)
+
+
+def pruned_student(path: str, student_cfg, mesh=None):
+  """The student ``meshdistill prune --out path`` wrote (``path/student``, the model-directory format) on ``mesh``,
+  with the configured ``max_len`` (a bound on the sequence length: no weight depends on it)."""
+  directory = os.path.join(path, "student")
+  saved = read_teacher_meta(directory)["model"]["max_len"]
+  model = load_teacher(directory, student_cfg.replace(max_len=saved), mesh)
+  if saved == student_cfg.max_len:
+    return model
+  graphdef, _, _ = abstract_params(model.cfg.replace(max_len=student_cfg.max_len))
+  return nnx.merge(graphdef, nnx.state(model))
 
 
 def with_lora(model, lora: LoraConfig, *, seed: int, mesh):

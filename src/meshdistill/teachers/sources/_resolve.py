@@ -4,6 +4,7 @@ files are read."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ from typing import Any
 from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.teachers.sources._settings import ModelSources
 from meshdistill.data._tokenizer import _json_path
+from meshdistill.models._config import ModelConfig
 from meshdistill.models._hf_config import config_from_hf, default_family
 from meshdistill.core.vocab import PADDING_TOLERANCE
 
@@ -114,7 +116,30 @@ def resolve(cfg) -> dict:
     s = cfg.student
     out["student"] = teacher.with_layers(layers).replace(max_len=s.max_len, dtype=s.dtype, remat=s.remat,
                                      scan_layers=s.scan_layers, attention=s.attention, param_dtype=s.param_dtype)
+  elif src.student_init.pruned:
+    out["student"] = _pruned_config(src.student_init.pruned, teacher, cfg.student)
   return out
+
+
+def _pruned_config(path: str, teacher, section):
+  """The `ModelConfig` of the student ``meshdistill prune --out path`` wrote (its ``FREE_KEYS`` from ``section``),
+  checked against the run's teacher (one vocabulary, one family)."""
+  meta_file = os.path.join(path, "student", "teacher.json")
+  if not os.path.isfile(meta_file):
+    raise ConfigError(f"student.init.pruned={path!r} holds no student/teacher.json; give the --out directory of "
+                      "`meshdistill prune`")
+  with open(meta_file, encoding="utf-8") as f:
+    fields = json.load(f)["model"]
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  cfg = ModelConfig(**{k: v for k, v in fields.items() if k in known})
+  same = ("vocab_size", "qk_norm", "qkv_bias", "geglu", "norm_offset", "embed_scale", "post_norms", "tie_embeddings")
+  diff = [k for k in same if getattr(cfg, k) != getattr(teacher, k)]
+  if diff:
+    raise ConfigError(f"student.init.pruned={path!r} was cut from another teacher (it differs from this run's "
+                      f"teacher in {diff}); prune this run's teacher with `meshdistill prune`")
+  return cfg.replace(max_len=section.max_len, dtype=section.dtype, remat=section.remat, scan_layers=section.scan_layers,
+                     attention=section.attention, param_dtype=section.param_dtype, vocab_multiple=1,
+                     replicate_kv=False)
 
 
 def _teacher_tokenizer(cfg, path: str):

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from meshdistill.core.typed_yaml import ConfigError, unknown_key
+from meshdistill.models.compress.qat import QuantizeAware
 from meshdistill.models.lora import LoraConfig
 from meshdistill.teachers.kinds._base import TEACHER_KEYS, teacher_keys
 from meshdistill.teachers.kinds._base import resolve as resolve_teacher
@@ -19,12 +20,21 @@ FREE_KEYS = ("max_len", "dtype", "param_dtype", "remat", "scan_layers", "attenti
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StudentInit:
   """``student.init``: ``from_teacher: true`` copies the teacher's embeddings, LM head, final norm and
-  the blocks ``layers`` (teacher block indices, in the student's order) into the student."""
+  the blocks ``layers`` (teacher block indices, in the student's order) into the student; ``pruned: DIR`` starts
+  from the student ``meshdistill prune --out DIR`` cut from the teacher (its shape from ``DIR/student``)."""
 
   from_teacher: bool = False
   layers: tuple[int, ...] | None = None
+  pruned: str | None = None
 
   def __post_init__(self):
+    if self.pruned is not None:
+      if not isinstance(self.pruned, str) or not self.pruned:
+        raise ConfigError(f"student.init.pruned={self.pruned!r} must be the --out directory of `meshdistill prune`")
+      if self.from_teacher:
+        raise ConfigError("student.init.pruned and student.init.from_teacher exclude each other: start the student "
+                          "from a pruned teacher or from a subset of its blocks, not both")
+      object.__setattr__(self, "pruned", os.path.abspath(os.path.expanduser(self.pruned)))
     if self.layers is not None and not self.from_teacher:
       raise ConfigError(
           f"student.init.layers={list(self.layers)} is set but student.init.from_teacher is false; "
@@ -57,6 +67,7 @@ class ModelSources:
   teacher_devices: dict | None = None  # the teacher's own mesh {data, tensor, other axes} (`teachers.mesh`)
   student_lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # rank 0: no adapters
   teacher_quantize: str | None = None  # the teacher's projections stored int8 / int4 / nf4 (`models.quantize`)
+  student_quantize_aware: QuantizeAware = dataclasses.field(default_factory=QuantizeAware)  # weights null: off
   teacher_options: dict = dataclasses.field(default_factory=dict)  # other settings of the chosen source, by key
 
   def __post_init__(self):
@@ -68,11 +79,15 @@ class ModelSources:
     for who in ("teacher", "student"):  # teacher.hf: checked by its source (above)
       if getattr(self, f"{who}_hf") is not None:
         object.__setattr__(self, f"{who}_hf", os.path.abspath(os.path.expanduser(getattr(self, f"{who}_hf"))))
-    if self.student_hf and self.student_init.from_teacher:
+    if self.student_hf and (self.student_init.from_teacher or self.student_init.pruned):
       raise ConfigError(
-          "student.hf and student.init.from_teacher exclude each other: start the student from a pretrained "
+          "student.hf and student.init exclude each other: start the student from a pretrained "
           "checkpoint (student.hf) or from the teacher's blocks (student.init), not both"
       )
+    if self.student_quantize_aware.enabled and self.student_lora.enabled:
+      raise ConfigError("student.quantize_aware and student.lora exclude each other: LoRA trains adapters on a "
+                        "frozen base (quantize the base with student.lora.quantize), quantization-aware training "
+                        "trains the whole student through fake quantization; choose one")
     if self.student_hf and not self.teacher_hf:
       raise ConfigError(
           "student.hf needs teacher.hf: a Hugging Face student is distilled from a Hugging Face teacher with the "
@@ -91,7 +106,7 @@ class ModelSources:
 
   @property
   def any(self) -> bool:
-    return bool(self.teacher_hf or self.student_hf or self.student_init.from_teacher)
+    return bool(self.teacher_hf or self.student_hf or self.student_init.from_teacher or self.student_init.pruned)
 
 
 def split_sources(raw: dict) -> dict:
@@ -118,6 +133,21 @@ def split_sources(raw: dict) -> dict:
       raise ConfigError(str(e)) from None
     models["student_lora"] = dict(lora or {})
     raw["student"] = student
+  if isinstance(student, dict) and "quantize_aware" in student:  # how the student trains, not its shape
+    student = dict(student)
+    qa = student.pop("quantize_aware")
+    if qa is not None and not isinstance(qa, dict):
+      raise ConfigError(f"student.quantize_aware={qa!r} must be a mapping, e.g. {{weights: int4, group_size: 32}}")
+    allowed = [f.name for f in dataclasses.fields(QuantizeAware)]
+    for k in qa or {}:
+      if k not in allowed:
+        raise unknown_key("student.quantize_aware.", k, allowed)
+    try:
+      QuantizeAware(**(qa or {}))  # checked here, so errors name student.quantize_aware.*
+    except (TypeError, ValueError) as e:
+      raise ConfigError(str(e)) from None
+    models["student_quantize_aware"] = dict(qa or {})
+    raw["student"] = student
   for who, keys in (("teacher", teacher_keys()), ("student", ("hf", "init"))):
     section = raw.get(who)
     if not isinstance(section, dict) or not any(k in section for k in keys):
@@ -135,13 +165,14 @@ def split_sources(raw: dict) -> dict:
     if who == "teacher":  # checked as written, by the source they belong to
       resolve_teacher({**{k: models[f"teacher_{k}"] for k in TEACHER_KEYS if f"teacher_{k}" in models},
                        **models.get("teacher_options", {})})
-    derived = models.get(f"{who}_hf") is not None or (
-        isinstance(models.get("student_init"), dict) and models["student_init"].get("from_teacher") and who == "student"
-    )
+    init = models.get("student_init") if who == "student" else None
+    init = init if isinstance(init, dict) else {}
+    derived = models.get(f"{who}_hf") is not None or bool(init.get("from_teacher") or init.get("pruned"))
     typed = sorted(k for k in section if k not in FREE_KEYS)
     if derived and typed:
-      how = f"{who}.hf" if models.get(f"{who}_hf") is not None else "student.init.from_teacher"
-      origin = "config.json" if "hf" in how else "the teacher"
+      how = f"{who}.hf" if models.get(f"{who}_hf") is not None else (
+          "student.init.pruned" if init.get("pruned") else "student.init.from_teacher")
+      origin = {"hf": "config.json", "pruned": "the pruned student"}.get(how.rsplit(".", 1)[-1], "the teacher")
       raise ConfigError(
           f"{who}.{typed[0]} is set, but with {how} the {who}'s shape is derived ({origin}); "
           f"remove {[f'{who}.{k}' for k in typed]} (beside it only {[f'{who}.{k}' for k in FREE_KEYS]} may be set)"
@@ -166,7 +197,8 @@ def _checked(key: str, value: Any) -> Any:
     return value
   allowed = [f.name for f in dataclasses.fields(StudentInit)]
   if not isinstance(value, dict):
-    raise ConfigError(f"{key}={value!r} must be a mapping, e.g. {{from_teacher: true, layers: [0, 2]}}")
+    raise ConfigError(f"{key}={value!r} must be a mapping, e.g. {{from_teacher: true, layers: [0, 2]}} or "
+                      "{pruned: DIR}")
   for k in value:
     if k not in allowed:
       raise unknown_key(f"{key}.", k, allowed)
@@ -193,6 +225,8 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
   elif sources.student_init.from_teacher:
     init = {"from_teacher": True, "layers": list(sources.student_init.layers)}
     plain["student"] = {"init": init, **{k: plain["student"][k] for k in FREE_KEYS}}
+  elif sources.student_init.pruned:
+    plain["student"] = {"init": {"pruned": sources.student_init.pruned}, **{k: plain["student"][k] for k in FREE_KEYS}}
   if sources.teacher_source:
     plain["teacher"] = {**plain["teacher"], "source": sources.teacher_source}
   if sources.teacher_cache:
@@ -205,4 +239,6 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
     plain["teacher"] = {**plain["teacher"], **sources.teacher_options}
   if lora.enabled:
     plain["student"] = {**plain["student"], "lora": {**dataclasses.asdict(lora), "targets": list(lora.targets)}}
+  if sources.student_quantize_aware.enabled:
+    plain["student"] = {**plain["student"], "quantize_aware": dataclasses.asdict(sources.student_quantize_aware)}
   return plain

@@ -1,0 +1,109 @@
+"""Quantization-aware students (`student.quantize_aware`, `meshdistill.models.compress.qat`): the forward pass is the
+post-training-quantized student's, gradients reach the float weights, a distillation step on 2x4 equals one device,
+and the config section checks its values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch, run_steps
+
+import meshdistill as md
+from meshdistill.config import ConfigError, load_config
+from meshdistill.models.compress import QuantizeAware, dequantized, post_training, quantize_aware
+
+INT4 = QuantizeAware(weights="int4", group_size=8)
+
+
+@pytest.mark.parametrize("settings", [INT4, QuantizeAware(weights="int8"), QuantizeAware(weights="fp8")])
+def test_the_quantization_aware_forward_is_the_post_training_quantized_one(settings):
+  model = md.init_model(STUDENT_CFG, seed=1)
+  tokens = jnp.asarray(make_batch()["inputs"])
+  qat = np.asarray(quantize_aware(model, settings)(tokens).logits)
+  np.testing.assert_allclose(qat, np.asarray(post_training(model, settings)(tokens).logits), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(qat, np.asarray(dequantized(model, settings)(tokens).logits), rtol=1e-5, atol=1e-5)
+  assert np.abs(qat - np.asarray(model(tokens).logits)).max() > 1e-4  # the quantization is really in the forward
+
+
+def test_gradients_go_straight_through_to_the_float_weights():
+  from flax import nnx
+
+  model = md.init_model(STUDENT_CFG, seed=1)
+  tokens = jnp.asarray(make_batch()["inputs"])
+  grads = nnx.grad(lambda m: jnp.mean(m(tokens).logits ** 2))(quantize_aware(model, INT4))
+  kernel = grads.blocks[0].mlp.up.kernel.get_value()
+  assert kernel.shape == (STUDENT_CFG.d_model, STUDENT_CFG.mlp_hidden) and float(jnp.abs(kernel).sum()) > 0
+
+
+def _qad_run(mesh):
+  student = quantize_aware(md.init_model(STUDENT_CFG, seed=1, mesh=mesh), INT4)
+  d = md.Distiller(student, md.init_model(TEACHER_CFG, seed=0, mesh=mesh), mesh=mesh)
+  return run_steps(d, [make_batch(seed=s) for s in range(2)])
+
+
+def test_a_quantization_aware_distillation_step_on_2x4_equals_one_device():
+  params, metrics = _qad_run(md.make_mesh(data=2, tensor=4))
+  want_params, want_metrics = _qad_run(None)
+  assert_trees_close(params, want_params)
+  for got, want in zip(metrics, want_metrics):
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+  plain = md.Distiller(md.init_model(STUDENT_CFG, seed=1), md.init_model(TEACHER_CFG, seed=0))
+  _, float_metrics = run_steps(plain, [make_batch(seed=0)])
+  assert abs(float(float_metrics[0]["loss"]) - float(want_metrics[0]["loss"])) > 1e-5  # not the float student
+
+
+@pytest.mark.parametrize("override, match", [
+    ("student.quantize_aware={weights: int3}", r"student.quantize_aware.weights='int3'; choose one of \['int8', "
+                                                r"'int4', 'fp8'\]"),
+    ("student.quantize_aware={weights: int4, bits: 4}", "student.quantize_aware.bits"),
+    ("student.quantize_aware={group_size: 32}", "group_size are set but weights is null"),
+    ("student.quantize_aware={weights: int8, activations: int4}", r"activations='int4'; choose one of \['none', "
+                                                                   r"'int8'\]"),
+])
+def test_config_errors_name_the_setting(override, match):
+  with pytest.raises(ConfigError, match=match):
+    load_config("tiny", [override])
+
+
+def test_config_section_round_trips_and_excludes_lora():
+  cfg = load_config("tiny", ["student.quantize_aware={weights: int4, group_size: 16}"])
+  assert cfg.models.student_quantize_aware == QuantizeAware(weights="int4", group_size=16)
+  assert cfg.to_dict()["student"]["quantize_aware"] == {"weights": "int4", "activations": "none", "group_size": 16}
+  with pytest.raises(ConfigError, match="student.quantize_aware and student.lora exclude each other"):
+    load_config("tiny", ["student.quantize_aware={weights: int4}", "student.lora.rank=4"])
+
+
+def test_a_group_size_that_does_not_divide_a_projection_is_named():
+  with pytest.raises(ValueError, match=r"group_size=12 does not divide .*'d_model': 16"):
+    quantize_aware(md.init_model(STUDENT_CFG, seed=1), QuantizeAware(weights="int4", group_size=12))
+
+
+def test_the_export_holds_the_quantized_weights_and_gives_the_quantization_aware_logits(tmp_path):
+  from meshdistill.models.hf import export_hf, load_hf
+
+  model = md.init_model(STUDENT_CFG, seed=1)
+  settings = QuantizeAware(weights="int4")  # one scale per output channel: at most 16 values in each column
+  out = export_hf(dequantized(model, settings), tmp_path / "hf")
+  again = load_hf(out)
+  kernel = np.asarray(again.blocks[0].mlp.up.kernel.get_value())
+  assert max(len(np.unique(kernel[:, j])) for j in range(kernel.shape[1])) <= 16
+  tokens = jnp.asarray(make_batch()["inputs"])
+  np.testing.assert_allclose(np.asarray(again(tokens).logits),
+                             np.asarray(quantize_aware(model, settings)(tokens).logits), rtol=1e-5, atol=1e-5)
+
+
+def test_the_planner_builds_the_quantization_aware_student_the_config_asks_for():
+  from flax import nnx
+
+  from meshdistill.planner import Knobs, make_planner
+
+  overrides = ["student.quantize_aware={weights: int4}", "train.batch_size=8", "data.seq_len=16",
+               "teacher.d_model=32", "teacher.mlp_hidden=64", "student.d_model=16", "student.mlp_hidden=32",
+               "teacher.n_layers=2", "student.n_layers=1"]
+  d = make_planner(devices="cpu:8", overrides=overrides)._distiller(Knobs(2, 4, "none", None, 8))
+  model = md.init_model(load_config(None, overrides).student.for_tensor(4), seed=1)
+  planned = nnx.merge(d.student_def, nnx.state(model))  # the planner's student program on real weights
+  tokens = jnp.asarray(make_batch()["inputs"])
+  np.testing.assert_allclose(np.asarray(planned(tokens).logits),
+                             np.asarray(post_training(model, QuantizeAware(weights="int4"))(tokens).logits),
+                             rtol=1e-6, atol=1e-6)
