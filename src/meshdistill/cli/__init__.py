@@ -319,6 +319,8 @@ def _main(argv: list[str] | None) -> int:
           file=sys.stderr,
         )
         return 1
+      if getattr(e, "exit_code", None) in (1, 2):  # a served teacher: 2 refused the request, 1 failed (a rerun resumes)
+        return _err(str(e), code=e.exit_code)
       return _err(str(e), code=1)  # the guard gave up, no intact checkpoint (CheckpointError): last checkpoint kept
     except OSError as e:  # a checkpoint or output that could not be written (a full disk)
       return _err(str(e), code=1)
