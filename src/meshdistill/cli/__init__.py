@@ -114,6 +114,49 @@ def _load(args, run_dir: str | None = None):
   return load_config(config, overrides)
 
 
+def _serve_settings(args, settings_class):
+  """``serve-teacher``'s flags as `ServeSettings` (each checked, `ConfigError` naming the flag), the token from
+  ``--token-file`` (owner-only), ``--token`` (with a warning: the process list shows it) or the environment."""
+  if args.token is not None and args.token_file is not None:
+    raise ConfigError("--token and --token-file both give the bearer token; keep --token-file")
+  token = args.token
+  if args.token is not None:
+    print("meshdistill: warning: --token puts the secret in the process list (ps, /proc/PID/cmdline) of every local "
+          "user; use --token-file PATH (chmod 600) or $MESHDISTILL_TEACHER_TOKEN", file=sys.stderr)
+  elif args.token_file is not None:
+    token = read_token_file(args.token_file)
+  else:
+    token = os.environ.get("MESHDISTILL_TEACHER_TOKEN") or None
+  lengths = None
+  if args.lengths:
+    try:
+      lengths = tuple(int(v) for v in args.lengths.split(","))
+    except ValueError:
+      raise ConfigError(f"--lengths {args.lengths!r} must be comma-separated integers >= 1, e.g. 64,128") from None
+  return settings_class(
+      host=args.host, port=args.port, k=args.k, token=token, max_rows=args.max_rows, max_wait_ms=args.max_wait_ms,
+      lengths=lengths, max_tokens=args.max_tokens, max_bytes=args.max_bytes, graceful_s=args.graceful_s,
+      served_name=args.served_name, hold_file=args.hold_file)
+
+
+def read_token_file(path: str) -> str:
+  """The token in ``path`` (surrounding whitespace stripped); `ConfigError` when the file is missing, empty, or
+  readable or writable by anyone but its owner (as ssh refuses such a key)."""
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError as e:
+    raise ConfigError(f"--token-file {path}: cannot read it ({e.strerror})") from None
+  with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+    mode = os.fstat(f.fileno()).st_mode
+    if mode & 0o077:
+      raise ConfigError(f"--token-file {path} has mode {mode & 0o777:o}: others may read or change the token; "
+                        f"chmod 600 {path}")
+    token = f.read().strip()
+  if not token:
+    raise ConfigError(f"--token-file {path} is empty; write the token in it (e.g. openssl rand -hex 16 > {path})")
+  return token
+
+
 def _err(msg: str, code: int = 2) -> int:
   print(f"meshdistill: error: {msg}", file=sys.stderr)
   return code
@@ -272,12 +315,7 @@ def _main(argv: list[str] | None) -> int:
           else:
             print(f"distil from it with: --set teacher.cache={cache.path} --set distill.top_k={m['k']}")
       elif args.command == "serve-teacher":
-        token = args.token or os.environ.get("MESHDISTILL_TEACHER_TOKEN") or None
-        lengths = tuple(int(v) for v in args.lengths.split(",")) if args.lengths else None
-        stats = jobs.serve_teacher(cfg, jobs.ServeSettings(
-            host=args.host, port=args.port, k=args.k, token=token, max_rows=args.max_rows,
-            max_wait_ms=args.max_wait_ms, lengths=lengths, max_tokens=args.max_tokens, max_bytes=args.max_bytes,
-            graceful_s=args.graceful_s, served_name=args.served_name, hold_file=args.hold_file), stream=sys.stderr)
+        stats = jobs.serve_teacher(cfg, _serve_settings(args, jobs.ServeSettings), stream=sys.stderr)
         print(f"teacher server stopped: {stats['requests']} requests in {stats['calls']} teacher calls, "
               f"{stats['tokens']} tokens")
       elif args.command == "eval" and args.task:
