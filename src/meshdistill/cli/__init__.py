@@ -114,6 +114,24 @@ def _load(args, run_dir: str | None = None):
   return load_config(config, overrides)
 
 
+def _next_steps(run_dir: str) -> str:
+  """Where a finished ``distill`` run's outputs are and the commands that read them."""
+  import json  # pylint: disable=g-import-not-at-top
+  import shlex  # pylint: disable=g-import-not-at-top
+
+  here = shlex.quote(run_dir)
+  kept = [label for name, label in (("checkpoints", "checkpoints/"), ("metrics.jsonl", "metrics.jsonl"),
+                                    ("tb", "tb/ (TensorBoard)"), ("summary.json", "summary.json"),
+                                    ("config.yaml", "config.yaml")) if os.path.exists(os.path.join(run_dir, name))]
+  steps = [(f"meshdistill eval {here}", "validation loss, perplexity, agreement"),
+           (f"meshdistill plot {here}", "PNG curves of the losses"),
+           (f"meshdistill export {here} OUT_DIR", "the student as a Hugging Face checkpoint")]
+  width = max(len(c) for c, _ in steps)
+  return "\n".join([f"outputs in {run_dir}: {', '.join(kept)}", "next:",
+                    *(f"  {c.ljust(width)}  # {w}" for c, w in steps),
+                    f"  python: student, config, step = md.load_run({json.dumps(run_dir)})"])
+
+
 def _serve_settings(args, settings_class):
   """``serve-teacher``'s flags as `ServeSettings` (each checked, `ConfigError` naming the flag), the token from
   ``--token-file`` (owner-only), ``--token`` (with a warning: the process list shows it) or the environment."""
@@ -298,6 +316,7 @@ def _main(argv: list[str] | None) -> int:
         )
         summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
         print(jobs.summary_table(summary))
+        print(_next_steps(cfg.run.run_dir))
       elif args.command == "cache-teacher":
         from meshdistill.teachers.cache import TeacherCache  # lazy: JAX
 
