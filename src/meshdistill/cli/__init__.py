@@ -30,8 +30,10 @@ messages; ``plan`` shows its progress without it). Job modules (JAX, the data pi
 inside the chosen command, so ``--help`` and ``--version`` answer at once.
 
 Exit codes: 0 done; 2 refused (a bad setting, a missing or damaged input, an output that
-would replace files, a run directory in use) -- nothing was lost; 1 training failed (the
-divergence guard gave up, a checkpoint could not be written) -- the last checkpoint is kept;
+would replace files, a run directory in use, a served teacher that refused the request (4xx) or tells
+an identity a client cannot read, a ``serve-teacher`` flag or port that cannot work) -- nothing was
+lost; 1 training failed (the divergence guard gave up, a checkpoint could not be written, a served
+teacher that stayed down or kept answering unusably) -- the last checkpoint is kept;
 143 stopped by SIGTERM and 130 stopped by SIGINT (Ctrl-C): ``distill`` and ``pretrain`` after
 writing a checkpoint of the step in flight, ``cache-teacher`` after recording the shard in flight
 (`meshdistill.train.loop.stopping`); a second signal ends the process at once. Rerunning the same command
