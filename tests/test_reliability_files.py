@@ -48,3 +48,86 @@ def test_r3_every_manifest_value_is_checked_with_a_named_cache_error(tmp_path, c
 
 def test_r3_a_hand_written_manifest_with_sound_values_opens(tmp_path):
   assert tc.TeacherCache(_manifest(tmp_path)).num_rows == 4
+
+
+# ----------------------------------------------------------------------------------------------- item 11: user files
+def _user_dir(path, **files):
+  path.mkdir()
+  for name, text in files.items():
+    (path / name).write_text(text)
+  return path
+
+
+def test_r3_an_owner_marker_copied_into_a_users_directory_proves_nothing_there(tmp_path):
+  """Item 11: a run's `.meshdistill-owner.json` copied into a directory of the user's files let `distill` reuse it
+  and write over the user's own config.yaml; a marker now names the directory it was written in."""
+  import shutil
+
+  from meshdistill.jobs._setup import claim_run_dir
+  from meshdistill.storage.fsutil import OutputExistsError
+  from meshdistill.storage.ownership import MARKER, write_marker
+  from meshdistill.jobs._setup import RUN_KIND
+
+  run = tmp_path / "run"
+  write_marker(str(run), RUN_KIND)
+  claim_run_dir(str(run))  # its own directory: fine
+  user = _user_dir(tmp_path / "user", **{"config.yaml": "my settings\n", "notes.txt": "mine\n"})
+  shutil.copy(run / MARKER, user / MARKER)
+  with pytest.raises(OutputExistsError, match="holds files this command did not write"):
+    claim_run_dir(str(user))
+  only_ours = _user_dir(tmp_path / "only_ours", **{"config.yaml": "my settings\n"})  # names a run writes, not a run
+  shutil.copy(run / MARKER, only_ours / MARKER)
+  with pytest.raises(OutputExistsError, match="nothing proves meshdistill wrote it"):
+    claim_run_dir(str(only_ours))
+  assert (user / "config.yaml").read_text() == "my settings\n" and (only_ours / "config.yaml").exists()
+
+
+def test_r3_a_hand_written_marker_does_not_let_overwrite_replace_a_downloaded_model(tmp_path):
+  """Item 11: a hand-written export marker over a downloaded model (config.json, model.safetensors: every name one an
+  export writes) let `export --overwrite` delete it; such a marker proves nothing now."""
+  from meshdistill.models.hf import export_kind
+  from meshdistill.storage.fsutil import OutputExistsError
+  from meshdistill.storage.ownership import MARKER, check_owned
+
+  model = _user_dir(tmp_path / "model", **{"config.json": "{}", "model.safetensors": "weights"})
+  (model / MARKER).write_text(json.dumps({"format": "meshdistill.owner/1", "kind": "export"}))
+  with pytest.raises(OutputExistsError, match="looks like a downloaded model"):
+    check_owned(str(model), export_kind(), overwrite=True)
+  assert sorted(p.name for p in model.iterdir()) == [MARKER, "config.json", "model.safetensors"]
+
+
+def test_r3_a_run_directory_moved_elsewhere_still_resumes_and_gets_its_own_marker(tmp_path):
+  from meshdistill.jobs._setup import RUN_KIND, claim_run_dir
+  from meshdistill.storage.ownership import read_marker, write_marker
+
+  old = tmp_path / "old"
+  write_marker(str(old), RUN_KIND)
+  (old / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 1.0}\n{"step": 2, "split": "train"}\n')
+  new = tmp_path / "new"
+  old.rename(new)
+  assert read_marker(str(new)) is None  # written for the old path
+  claim_run_dir(str(new))  # an earlier run by its structure: reused
+
+
+@pytest.mark.parametrize("entry", ["tb", "checkpoints", "plots"])
+def test_r3_a_symlinked_directory_in_a_run_directory_is_refused_not_written_through(tmp_path, entry):
+  """Item 11: a symlinked tb/ received the run's event files and a symlinked checkpoints/ its steps, written through
+  the link into the directory it points at."""
+  from meshdistill.jobs._setup import RUN_KIND, claim_run_dir
+  from meshdistill.storage.fsutil import SymlinkError
+  from meshdistill.storage.ownership import write_marker
+
+  run = tmp_path / "run"
+  write_marker(str(run), RUN_KIND)
+  elsewhere = _user_dir(tmp_path / "elsewhere", **{"keep.txt": "x"})
+  (run / entry).symlink_to(elsewhere)
+  with pytest.raises(SymlinkError, match=f"{entry} is a symbolic link"):
+    claim_run_dir(str(run))
+
+
+def test_r3_run_dir_tilde_alone_names_yamls_null_reading():
+  """Item 11: `--set run.run_dir=~` (YAML reads a bare ~ as null) said only "has the wrong type"."""
+  from meshdistill.config import ConfigError, load_config
+
+  with pytest.raises(ConfigError, match=r"run.run_dir=None has the wrong type: expected str \(YAML reads a bare ~"):
+    load_config("tiny", ["run.run_dir=~"])
