@@ -96,17 +96,22 @@ def test_r3_a_hand_written_marker_does_not_let_overwrite_replace_a_downloaded_mo
   assert sorted(p.name for p in model.iterdir()) == [MARKER, "config.json", "model.safetensors"]
 
 
-def test_r3_a_run_directory_moved_elsewhere_still_resumes_and_gets_its_own_marker(tmp_path):
+def test_r3_a_run_directory_moved_keeps_its_marker_and_a_copied_one_resumes_by_its_structure(tmp_path):
+  import shutil
+
   from meshdistill.jobs._setup import RUN_KIND, claim_run_dir
   from meshdistill.storage.ownership import read_marker, write_marker
 
   old = tmp_path / "old"
   write_marker(str(old), RUN_KIND)
   (old / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 1.0}\n{"step": 2, "split": "train"}\n')
-  new = tmp_path / "new"
-  old.rename(new)
-  assert read_marker(str(new)) is None  # written for the old path
-  claim_run_dir(str(new))  # an earlier run by its structure: reused
+  moved = tmp_path / "moved"
+  old.rename(moved)
+  assert read_marker(str(moved))["kind"] == "run"  # a rename keeps the directory (its inode)
+  copied = tmp_path / "copied"
+  shutil.copytree(moved, copied)
+  assert read_marker(str(copied)) is None  # written for another directory
+  claim_run_dir(str(copied))  # an earlier run by its structure (metrics.jsonl of meshdistill rows): reused
 
 
 @pytest.mark.parametrize("entry", ["tb", "checkpoints", "plots"])
@@ -131,3 +136,13 @@ def test_r3_run_dir_tilde_alone_names_yamls_null_reading():
 
   with pytest.raises(ConfigError, match=r"run.run_dir=None has the wrong type: expected str \(YAML reads a bare ~"):
     load_config("tiny", ["run.run_dir=~"])
+
+
+def test_r3_a_missing_teacher_tokenizer_file_is_named_as_data_teacher_tokenizer(tmp_path):
+  """Item 11 (cross-tokenizer settings): a missing `data.teacher_tokenizer` file was reported as `data.tokenizer`."""
+  from meshdistill.data import DataConfig, build_data
+
+  (tmp_path / "doc.txt").write_text("def f(x): return x\n" * 50)
+  cfg = DataConfig(source=str(tmp_path / "doc.txt"), seq_len=16, val_fraction=0.0, teacher_tokenizer="/nope/tok.json")
+  with pytest.raises(FileNotFoundError, match="data.teacher_tokenizer: no tokenizer file at '/nope/tok.json'"):
+    build_data(cfg, batch_size=2)

@@ -2,7 +2,7 @@
 
 Every command that creates an output directory (a run directory, a saved teacher, an export, an
 adapter directory, a teacher cache, a plot directory) writes ``.meshdistill-owner.json`` into it:
-``{"format", "kind", "identity", "dir", "created"}``. A later command replaces (``--overwrite``) or reuses
+``{"format", "kind", "identity", "inode", "dir", "created"}``. A later command replaces (``--overwrite``) or reuses
 (resume, rerun) a directory only when that marker proves it holds this kind of output:
 
 * a missing or empty directory is always fine (the marker is written when it is created);
@@ -17,10 +17,12 @@ adapter directory, a teacher cache, a plot directory) writes ``.meshdistill-owne
   files) has no such content -- a downloaded model looks the same -- so a marker-less export is never
   replaced: remove it yourself or export to a new directory.
 
-A marker names the directory it was written in (``dir``, the real path): a marker copied into (or written by hand
-for) another directory proves nothing there, and that directory is judged as one without a marker. A genuine output
-moved elsewhere is judged the same way (by its structure, `OutputKind.legacy`) and gets a marker of its own when
-reused.
+A marker names the directory it was written in (``inode``: the directory's inode number, which a rename keeps, so an
+output written to a temporary sibling and renamed into place, or moved with ``mv`` on one file system, keeps its
+marker; ``dir``: its path then, for messages): a marker copied into (or written by hand for) another directory
+proves nothing there, and that directory is judged as one without a marker. A genuine output copied elsewhere (or
+on a file system whose inode numbers change across mounts) is judged the same way, by its structure
+(`OutputKind.legacy`), and gets a marker of its own when reused.
 
 A symlink where meshdistill would write (the directory itself, or a file of a reused directory) is an
 error naming it (`meshdistill.core.fsutil.SymlinkError`), never written through.
@@ -76,12 +78,12 @@ def read_marker(path: str) -> dict | None:
     return None
   if value.get("format") != OWNER_FORMAT or not isinstance(value.get("kind"), str):
     return None
-  written_for = value.get("dir")
-  if written_for is not None and written_for != os.path.realpath(path):
-    log.info("%s was written for %s, not this directory: it proves nothing here", marker, written_for)
+  inode = value.get("inode")
+  if inode is not None and inode != os.stat(path).st_ino:
+    log.info("%s was written for another directory (%s): it proves nothing here", marker, value.get("dir"))
     return None
   identity = value.get("identity")
-  if written_for is None and not (isinstance(identity, dict) and isinstance(identity.get("id"), str)):
+  if inode is None and not (isinstance(identity, dict) and isinstance(identity.get("id"), str)):
     return None  # not written by `write_marker` (a hand-written marker has neither its directory nor its id)
   return value
 
@@ -91,7 +93,7 @@ def write_marker(path: str, kind: OutputKind | str, identity: dict | None = None
   os.makedirs(path, exist_ok=True)
   name = kind.name if isinstance(kind, OutputKind) else kind
   record = {"format": OWNER_FORMAT, "kind": name, "identity": {"id": uuid.uuid4().hex, **(identity or {})},
-            "dir": os.path.realpath(path), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "inode": os.stat(path).st_ino, "dir": os.path.realpath(path), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
   write_text_atomic(os.path.join(path, MARKER), json.dumps(record, indent=1, default=str) + "\n")
 
 
