@@ -93,7 +93,8 @@ def write_marker(path: str, kind: OutputKind | str, identity: dict | None = None
   os.makedirs(path, exist_ok=True)
   name = kind.name if isinstance(kind, OutputKind) else kind
   record = {"format": OWNER_FORMAT, "kind": name, "identity": {"id": uuid.uuid4().hex, **(identity or {})},
-            "inode": os.stat(path).st_ino, "dir": os.path.realpath(path), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "inode": os.stat(path).st_ino, "dir": os.path.realpath(path),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
   write_text_atomic(os.path.join(path, MARKER), json.dumps(record, indent=1, default=str) + "\n")
 
 

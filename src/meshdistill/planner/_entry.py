@@ -102,7 +102,8 @@ def _with_set(model: ModelConfig, label: str, cfg: Config, overrides: Sequence[s
   try:
     model = model.replace(**changes)
   except ValueError as e:
-    raise ValueError(f"{who} {label} with --set {', '.join(f'{who}.{k}={v}' for k, v in changes.items())}: {e}") from None
+    given = ", ".join(f"{who}.{k}={v}" for k, v in changes.items())
+    raise ValueError(f"{who} {label} with --set {given}: {e}") from None
   return model, f"{label} with {', '.join(f'{k}={v}' for k, v in changes.items())}"
 
 

@@ -13,8 +13,9 @@ Endpoints (`meshdistill.teachers.service.protocol` holds the formats):
 With a token every endpoint but ``/health`` needs ``Authorization: Bearer <token>`` (401 otherwise). Bodies over
 ``Limits.bytes`` are refused (413) before they are read whole; bad JSON, fields or ids are 400, too many rows or
 tokens 413 (JSON nested too deep to read is bad JSON). A request whose client hung up before its answer is dropped
-(never computed once the client is gone), with one log line. SIGTERM / SIGINT: uvicorn stops accepting connections and finishes the requests in flight (at most
-``graceful_s`` seconds), then the batcher answers what it holds and stops.
+(never computed once the client is gone), with one log line. SIGTERM / SIGINT: uvicorn stops accepting connections
+and finishes the requests in flight (at most ``graceful_s`` seconds), then the batcher answers what it holds and
+stops.
 """
 
 from __future__ import annotations
