@@ -31,8 +31,10 @@ messages; ``plan`` shows its progress without it). Job modules (JAX, the data pi
 inside the chosen command, so ``--help`` and ``--version`` answer at once.
 
 Exit codes: 0 done; 2 refused (a bad setting, a missing or damaged input, an output that
-would replace files, a run directory in use) -- nothing was lost; 1 training failed (the
-divergence guard gave up, a checkpoint could not be written) -- the last checkpoint is kept;
+would replace files, a run directory in use, a served teacher that refused the request (4xx) or tells
+an identity a client cannot read, a ``serve-teacher`` flag or port that cannot work) -- nothing was
+lost; 1 training failed (the divergence guard gave up, a checkpoint could not be written, a served
+teacher that stayed down or kept answering unusably) -- the last checkpoint is kept;
 143 stopped by SIGTERM and 130 stopped by SIGINT (Ctrl-C): ``distill`` and ``pretrain`` after
 writing a checkpoint of the step in flight, ``cache-teacher`` after recording the shard in flight
 (`meshdistill.train.loop.stopping`); a second signal ends the process at once. Rerunning the same command
@@ -113,6 +115,67 @@ def _load(args, run_dir: str | None = None):
   from meshdistill.config import load_config  # lazy: the config's sections load JAX
 
   return load_config(config, overrides)
+
+
+def _next_steps(run_dir: str) -> str:
+  """Where a finished ``distill`` run's outputs are and the commands that read them."""
+  import json  # pylint: disable=g-import-not-at-top
+  import shlex  # pylint: disable=g-import-not-at-top
+
+  here = shlex.quote(run_dir)
+  kept = [label for name, label in (("checkpoints", "checkpoints/"), ("metrics.jsonl", "metrics.jsonl"),
+                                    ("tb", "tb/ (TensorBoard)"), ("summary.json", "summary.json"),
+                                    ("config.yaml", "config.yaml")) if os.path.exists(os.path.join(run_dir, name))]
+  steps = [(f"meshdistill eval {here}", "validation loss, perplexity, agreement"),
+           (f"meshdistill plot {here}", "PNG curves of the losses"),
+           (f"meshdistill export {here} OUT_DIR", "the student as a Hugging Face checkpoint")]
+  width = max(len(c) for c, _ in steps)
+  return "\n".join([f"outputs in {run_dir}: {', '.join(kept)}", "next:",
+                    *(f"  {c.ljust(width)}  # {w}" for c, w in steps),
+                    f"  python: student, config, step = md.load_run({json.dumps(run_dir)})"])
+
+
+def _serve_settings(args, settings_class):
+  """``serve-teacher``'s flags as `ServeSettings` (each checked, `ConfigError` naming the flag), the token from
+  ``--token-file`` (owner-only), ``--token`` (with a warning: the process list shows it) or the environment."""
+  if args.token is not None and args.token_file is not None:
+    raise ConfigError("--token and --token-file both give the bearer token; keep --token-file")
+  token = args.token
+  if args.token is not None:
+    print("meshdistill: warning: --token puts the secret in the process list (ps, /proc/PID/cmdline) of every local "
+          "user; use --token-file PATH (chmod 600) or $MESHDISTILL_TEACHER_TOKEN", file=sys.stderr)
+  elif args.token_file is not None:
+    token = read_token_file(args.token_file)
+  else:
+    token = os.environ.get("MESHDISTILL_TEACHER_TOKEN") or None
+  lengths = None
+  if args.lengths:
+    try:
+      lengths = tuple(int(v) for v in args.lengths.split(","))
+    except ValueError:
+      raise ConfigError(f"--lengths {args.lengths!r} must be comma-separated integers >= 1, e.g. 64,128") from None
+  return settings_class(
+      host=args.host, port=args.port, k=args.k, token=token, max_rows=args.max_rows, max_wait_ms=args.max_wait_ms,
+      lengths=lengths, max_tokens=args.max_tokens, max_bytes=args.max_bytes, graceful_s=args.graceful_s,
+      served_name=args.served_name, hold_file=args.hold_file)
+
+
+def read_token_file(path: str) -> str:
+  """The token in ``path`` (surrounding whitespace stripped); `ConfigError` when the file is missing, empty, or
+  readable or writable by anyone but its owner (as ssh refuses such a key)."""
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError as e:
+    raise ConfigError(f"--token-file {path}: cannot read it ({e.strerror})") from None
+  with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+    mode = os.fstat(f.fileno()).st_mode
+    if mode & 0o077:
+      raise ConfigError(f"--token-file {path} has mode {mode & 0o777:o}: others may read or change the token; "
+                        f"chmod 600 {path}")
+    token = f.read().strip()
+  if not token:
+    raise ConfigError(f"--token-file {path} is empty; write the token in it (e.g. openssl rand -hex 16 > {path})")
+  return token
 
 
 def _err(msg: str, code: int = 2) -> int:
@@ -267,6 +330,7 @@ def _main(argv: list[str] | None) -> int:
         )
         summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
         print(jobs.summary_table(summary))
+        print(_next_steps(cfg.run.run_dir))
       elif args.command == "cache-teacher":
         from meshdistill.teachers.cache import TeacherCache  # lazy: JAX
 
@@ -284,12 +348,7 @@ def _main(argv: list[str] | None) -> int:
           else:
             print(f"distil from it with: --set teacher.cache={cache.path} --set distill.top_k={m['k']}")
       elif args.command == "serve-teacher":
-        token = args.token or os.environ.get("MESHDISTILL_TEACHER_TOKEN") or None
-        lengths = tuple(int(v) for v in args.lengths.split(",")) if args.lengths else None
-        stats = jobs.serve_teacher(cfg, jobs.ServeSettings(
-            host=args.host, port=args.port, k=args.k, token=token, max_rows=args.max_rows,
-            max_wait_ms=args.max_wait_ms, lengths=lengths, max_tokens=args.max_tokens, max_bytes=args.max_bytes,
-            graceful_s=args.graceful_s, served_name=args.served_name, hold_file=args.hold_file), stream=sys.stderr)
+        stats = jobs.serve_teacher(cfg, _serve_settings(args, jobs.ServeSettings), stream=sys.stderr)
         print(f"teacher server stopped: {stats['requests']} requests in {stats['calls']} teacher calls, "
               f"{stats['tokens']} tokens")
       elif args.command == "eval" and args.task:
@@ -331,6 +390,8 @@ def _main(argv: list[str] | None) -> int:
           file=sys.stderr,
         )
         return 1
+      if getattr(e, "exit_code", None) in (1, 2):  # a served teacher: 2 refused the request, 1 failed (a rerun resumes)
+        return _err(str(e), code=e.exit_code)
       return _err(str(e), code=1)  # the guard gave up, no intact checkpoint (CheckpointError): last checkpoint kept
     except OSError as e:  # a checkpoint or output that could not be written (a full disk)
       return _err(str(e), code=1)

@@ -121,8 +121,10 @@ def _serve_parser(sp) -> None:
   sp.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
   sp.add_argument("--port", type=int, default=8000, help="port to listen on")
   sp.add_argument("--k", type=int, default=32, help="the most top-k log-probabilities a request may ask for")
-  sp.add_argument("--token", default=None, help="bearer token clients must send (default: $MESHDISTILL_TEACHER_TOKEN; "
-                  "none: no token checked)")
+  sp.add_argument("--token-file", default=None, metavar="PATH", help="file holding the bearer token clients must "
+                  "send (readable by its owner only, like an ssh key: chmod 600)")
+  sp.add_argument("--token", default=None, help="bearer token clients must send; on the command line every local user "
+                  "sees it (ps): prefer --token-file or $MESHDISTILL_TEACHER_TOKEN (none of them: no token checked)")
   sp.add_argument("--max-rows", type=int, default=64, help="prompts per teacher call (and per request) at most")
   sp.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with")
   sp.add_argument("--lengths", default=None, help="comma-separated padded lengths the program compiles for "

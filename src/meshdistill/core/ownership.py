@@ -2,7 +2,7 @@
 
 Every command that creates an output directory (a run directory, a saved teacher, an export, an
 adapter directory, a teacher cache, a plot directory) writes ``.meshdistill-owner.json`` into it:
-``{"format", "kind", "identity", "created"}``. A later command replaces (``--overwrite``) or reuses
+``{"format", "kind", "identity", "inode", "dir", "created"}``. A later command replaces (``--overwrite``) or reuses
 (resume, rerun) a directory only when that marker proves it holds this kind of output:
 
 * a missing or empty directory is always fine (the marker is written when it is created);
@@ -17,6 +17,13 @@ adapter directory, a teacher cache, a plot directory) writes ``.meshdistill-owne
   files) has no such content -- a downloaded model looks the same -- so a marker-less export is never
   replaced: remove it yourself or export to a new directory.
 
+A marker names the directory it was written in (``inode``: the directory's inode number, which a rename keeps, so an
+output written to a temporary sibling and renamed into place, or moved with ``mv`` on one file system, keeps its
+marker; ``dir``: its path then, for messages): a marker copied into (or written by hand for) another directory
+proves nothing there, and that directory is judged as one without a marker. A genuine output copied elsewhere (or
+on a file system whose inode numbers change across mounts) is judged the same way, by its structure
+(`OutputKind.legacy`), and gets a marker of its own when reused.
+
 A symlink where meshdistill would write (the directory itself, or a file of a reused directory) is an
 error naming it (`meshdistill.core.fsutil.SymlinkError`), never written through.
 """
@@ -25,12 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 import uuid
 from collections.abc import Callable
 
 from meshdistill.core.fsutil import OutputExistsError, SymlinkError, read_json, write_text_atomic
+
+log = logging.getLogger(__name__)
 
 MARKER = ".meshdistill-owner.json"
 OWNER_FORMAT = "meshdistill.owner/1"
@@ -55,7 +65,8 @@ class OutputKind:
 
 
 def read_marker(path: str) -> dict | None:
-  """The owner marker of directory ``path`` (None: none, or not a readable marker)."""
+  """The owner marker of directory ``path`` (None: none, not a readable marker, or a marker written for another
+  directory: copied or moved here)."""
   marker = os.path.join(path, MARKER)
   if os.path.islink(marker):
     raise SymlinkError(marker)
@@ -65,7 +76,16 @@ def read_marker(path: str) -> dict | None:
     value = read_json(marker, "owner marker")
   except (OSError, ValueError):
     return None
-  return value if value.get("format") == OWNER_FORMAT and isinstance(value.get("kind"), str) else None
+  if value.get("format") != OWNER_FORMAT or not isinstance(value.get("kind"), str):
+    return None
+  inode = value.get("inode")
+  if inode is not None and inode != os.stat(path).st_ino:
+    log.info("%s was written for another directory (%s): it proves nothing here", marker, value.get("dir"))
+    return None
+  identity = value.get("identity")
+  if inode is None and not (isinstance(identity, dict) and isinstance(identity.get("id"), str)):
+    return None  # not written by `write_marker` (a hand-written marker has neither its directory nor its id)
+  return value
 
 
 def write_marker(path: str, kind: OutputKind | str, identity: dict | None = None) -> None:
@@ -73,6 +93,7 @@ def write_marker(path: str, kind: OutputKind | str, identity: dict | None = None
   os.makedirs(path, exist_ok=True)
   name = kind.name if isinstance(kind, OutputKind) else kind
   record = {"format": OWNER_FORMAT, "kind": name, "identity": {"id": uuid.uuid4().hex, **(identity or {})},
+            "inode": os.stat(path).st_ino, "dir": os.path.realpath(path),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
   write_text_atomic(os.path.join(path, MARKER), json.dumps(record, indent=1, default=str) + "\n")
 

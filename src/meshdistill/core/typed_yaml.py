@@ -200,7 +200,9 @@ def from_dict(cls: type, raw: Any, where: str = "", base: Any = None) -> Any:
       continue
     ok, conv = _matches(t, value)
     if not ok:
-      raise ConfigError(f"{where}{key}={value!r} has the wrong type: expected {_type_name(t)}")
+      null = (" (YAML reads a bare ~ or null as None: write a path such as '~/runs/x' or quote it)"
+              if value is None else "")
+      raise ConfigError(f"{where}{key}={value!r} has the wrong type: expected {_type_name(t)}{null}")
     kwargs[key] = conv
   try:
     return cls(**kwargs)

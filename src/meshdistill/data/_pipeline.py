@@ -323,7 +323,11 @@ def build_data(
   val = pack(val_stream, cfg.seq_len, tok.pad_id) if val_stream is not None and val_stream.tokens.size >= 2 else None
   teacher_tok = None
   if cfg.teacher_tokenizer is not None:  # two tokenizations of the same texts, cut where both agree
-    teacher_tok = resolve_tokenizer(cfg.replace(tokenizer=cfg.teacher_tokenizer), train_docs, cache_dir)
+    try:
+      teacher_tok = resolve_tokenizer(cfg.replace(tokenizer=cfg.teacher_tokenizer), train_docs, cache_dir)
+    except (FileNotFoundError, ValueError) as e:  # named for the setting that gave the path
+      said = str(e).replace("data.tokenizer", "data.teacher_tokenizer")
+      raise (FileNotFoundError(said) if isinstance(e, FileNotFoundError) else ValueError(said)) from None
     pair = lambda docs: pack_texts([d.text for d in docs], tok, teacher_tok, cfg.seq_len, cfg.teacher_seq_len)  # noqa: E731
     train = pair(train_docs)
     val = pair(val_docs) if val is not None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from typing import IO
 
@@ -41,6 +42,46 @@ class ServeSettings:
   served_name: str = "meshdistill-teacher"
   warm_up: bool = True
   hold_file: str | None = None  # testing: while this file exists a teacher call waits before it runs
+
+  def __post_init__(self):
+    check_serve_settings(self)
+
+
+# the largest --max-wait-ms: a request held longer than a minute outlives a client's default timeout (60 s)
+MAX_WAIT_MS = 60_000.0
+
+
+def check_serve_settings(s: ServeSettings) -> None:
+  """A `ConfigError` naming the first ``serve-teacher`` flag whose value cannot work (a port outside 0..65535, a
+  wait that is not a finite number of milliseconds, a size below 1), before anything is loaded or bound."""
+
+  def integer(flag: str, v, low: int, high: int | None = None, hint: str = ""):
+    if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+      where = f"in [{low}, {high}]" if high is not None else f">= {low}"
+      raise ConfigError(f"{flag} {v!r} must be an integer {where}{hint}")
+
+  def seconds(flag: str, v, high: float, unit: str):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= high:
+      raise ConfigError(f"{flag} {v!r} must be a finite number of {unit} in [0, {high:g}]")
+
+  if not isinstance(s.host, str) or not s.host:
+    raise ConfigError(f"--host {s.host!r} must be an address to bind, e.g. 127.0.0.1 or 0.0.0.0")
+  integer("--port", s.port, 0, 65535, " (0: any free port, the one bound is printed)")
+  integer("--k", s.k, 1)
+  integer("--max-rows", s.max_rows, 1)
+  integer("--max-tokens", s.max_tokens, 1)
+  integer("--max-bytes", s.max_bytes, 1)
+  seconds("--max-wait-ms", s.max_wait_ms, MAX_WAIT_MS, "milliseconds")
+  seconds("--graceful-s", s.graceful_s, 24 * 3600.0, "seconds")
+  if s.lengths is not None:
+    if not s.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in s.lengths):
+      raise ConfigError(f"--lengths {','.join(map(str, s.lengths))}: each padded length must be an integer >= 1, "
+                        "e.g. --lengths 64,128 (default: powers of two from 64 up to the teacher's max_len)")
+  if s.token is not None and (not isinstance(s.token, str) or not s.token.strip()):
+    raise ConfigError("the bearer token is empty; give a non-empty one (--token-file, $MESHDISTILL_TEACHER_TOKEN) "
+                      "or none")
+  if not isinstance(s.served_name, str) or not s.served_name:
+    raise ConfigError(f"--served-name {s.served_name!r} must be a non-empty name")
 
 
 def build_server(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None = None):
@@ -93,12 +134,20 @@ def build_server(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None
 
 
 def serve_teacher(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None = None) -> dict:
-  """Serves the teacher of ``cfg`` until SIGTERM / SIGINT (requests in flight are answered); returns its stats."""
+  """Serves the teacher of ``cfg`` until SIGTERM / SIGINT (requests in flight are answered); returns its stats.
+  "listening" is reported once the port is bound; a port that cannot be bound (in use, not allowed) is a
+  `ConfigError` naming it, and nothing was served."""
   app, batcher, _ = build_server(cfg, settings, stream=stream)
-  stream_reporter(stream)(f"teacher server: listening on http://{settings.host}:{settings.port}"
-                          + (" (bearer token required)" if settings.token else ""))
+  say = stream_reporter(stream)
+
+  def ready(port: int) -> None:
+    say(f"teacher server: listening on http://{settings.host}:{port}"
+        + (" (bearer token required)" if settings.token else ""))
+
   try:
-    server.serve(app, host=settings.host, port=settings.port, graceful_s=settings.graceful_s)
+    server.serve(app, host=settings.host, port=settings.port, graceful_s=settings.graceful_s, ready=ready)
+  except server.BindError as e:
+    raise ConfigError(str(e)) from None
   finally:
     batcher.close()
   return batcher.stats.as_dict()

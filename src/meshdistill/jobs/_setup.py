@@ -170,10 +170,11 @@ RUN_KIND = OutputKind("run", "run directory", _is_run_entry, _earlier_run)
 
 def claim_run_dir(run_dir: str) -> None:
   """Raises unless ``run_dir`` may hold this run: new, empty, or a meshdistill run directory (its owner marker,
-  or an earlier version's run) with no symlink where the run writes a file (`meshdistill.core.ownership`)."""
+  or an earlier version's run) with no symlink where the run writes a file or a directory (`checkpoints/`, `tb/`,
+  ...) (`meshdistill.core.ownership`)."""
   check_owned(run_dir, RUN_KIND, overwrite=None)
-  if os.path.isdir(run_dir):
-    refuse_links(run_dir, RUN_FILES)
+  if os.path.isdir(run_dir):  # files and directories (checkpoints/, tb/, teacher-<key>/ ...): never written through
+    refuse_links(run_dir, tuple(sorted(n for n in os.listdir(run_dir) if _is_run_entry(n))))
 
 
 def _clean_interrupted_saves(checkpoint_dir: str) -> None:

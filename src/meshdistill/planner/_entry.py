@@ -5,6 +5,7 @@ Part of `meshdistill.planner`; import the names from there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Sequence
 
@@ -54,10 +55,15 @@ def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq
   s_cfg, s_label = resolve_model(cfg.student if student is None else student, who="student", remat=remat,
                                  scan_layers=scan_layers, attention=attention,
                                  dtype=dtype if student is None or isinstance(student, ModelConfig) else default_dtype)
+  flags = {"dtype": dtype, "remat": remat, "scan_layers": scan_layers, "attention": attention}
   if teacher is None:
     t_label = "config teacher"
+  else:
+    t_cfg, t_label = _with_set(t_cfg, t_label, cfg, overrides, "teacher", flags)
   if student is None:
     s_label = "config student"
+  else:
+    s_cfg, s_label = _with_set(s_cfg, s_label, cfg, overrides, "student", flags)
 
   resolve_shared_vocab(t_cfg.vocab_size, s_cfg.vocab_size)  # different tokenizers raise here
   if hbm_gib is not None and not hbm_gib > 0:
@@ -76,6 +82,29 @@ def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq
       raise ValueError(f"the {who}'s attention='splash' needs seq a multiple of 128 (the kernel's block width), got "
                        f"{seq}; use seq={max(128, seq // 128 * 128)} or attention='xla'")
   return Planner(cfg, t_cfg, s_cfg, (t_label, s_label), target, seq, fast_compile=fast_compile)
+
+
+def _with_set(model: ModelConfig, label: str, cfg: Config, overrides: Sequence[str], who: str,
+              flags: dict) -> tuple[ModelConfig, str]:
+  """``model`` (a preset or config.json named by ``--teacher`` / ``--student``) with the shape settings that
+  ``--set who.<field>=...`` gave (their values as the config read them), and its label saying so; a field a flag
+  (``--dtype``, ``--remat``, ...) also sets keeps the flag's value. Without this a preset silently ignored them."""
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  changes = {}
+  for o in overrides:
+    key = str(o).split("=", 1)[0].strip()
+    if key.startswith(f"{who}."):
+      field = key[len(who) + 1:].split(".", 1)[0]
+      if field in fields and flags.get(field) is None:
+        changes[field] = getattr(getattr(cfg, who), field)
+  if not changes:
+    return model, label
+  try:
+    model = model.replace(**changes)
+  except ValueError as e:
+    given = ", ".join(f"{who}.{k}={v}" for k, v in changes.items())
+    raise ValueError(f"{who} {label} with --set {given}: {e}") from None
+  return model, f"{label} with {', '.join(f'{k}={v}' for k, v in changes.items())}"
 
 
 def _default_knobs(pl: Planner, mesh, batch: int, chunk_size) -> Knobs:

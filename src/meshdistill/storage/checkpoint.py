@@ -90,6 +90,21 @@ def _not_damage(e: BaseException) -> bool:
   return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
 
 
+class _ReadOnlyNotes(logging.Filter):
+  """Drops orbax's notes that a read-only manager is read-only (``read_only=True, setting save_interval_steps=0``,
+  ``Given directory is read only``): a `Checkpointer` opened read-only asked for exactly that, so they tell a user of
+  ``eval`` / ``export`` / ``md.load_run`` nothing. Every other absl record passes."""
+
+  NOTES = ("read_only=True, setting save_interval_steps", "Given directory is read only")
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not any(note in message for note in self.NOTES)
+
+
+_READ_ONLY_NOTES = _ReadOnlyNotes()
+
+
 class Checkpointer:
   """Saves and restores train states under ``directory`` (every ``every`` steps, newest ``keep`` kept).
 
@@ -107,6 +122,8 @@ class Checkpointer:
     self.read_only = read_only
     if read_only and not os.path.isdir(self.directory):
       raise FileNotFoundError(f"no checkpoint directory {self.directory}")
+    if read_only and _READ_ONLY_NOTES not in logging.getLogger("absl").filters:
+      logging.getLogger("absl").addFilter(_READ_ONLY_NOTES)
     options = ocp.CheckpointManagerOptions(
       max_to_keep=None if read_only else keep, create=not read_only, enable_async_checkpointing=False, read_only=read_only
     )

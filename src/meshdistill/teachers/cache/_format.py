@@ -157,18 +157,47 @@ def _read_manifest(path: str, given: str) -> dict | None:
     raise CacheError(f"teacher.cache={given!r} has format {manifest.get('format')!r}; this version reads "
                      f"{list(READABLE_FORMATS)}: rewrite it with `meshdistill cache-teacher`")
   for key, kind in _MANIFEST_KEYS.items():
-    if not isinstance(manifest.get(key), kind):
+    if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
       what = "has no" if key not in manifest else f"has a {type(manifest[key]).__name__} as its"
       raise CacheError(f"teacher.cache={given!r}: {file} {what} {key!r} entry (damaged or not written by "
                        f"`meshdistill cache-teacher`); {_REBUILD}")
+  problem = _manifest_values(manifest)
+  if problem:
+    raise CacheError(f"teacher.cache={given!r}: {file} has {problem} (damaged or not written by `meshdistill "
+                     f"cache-teacher`); {_REBUILD}")
   for shard in manifest["shards"]:
     name = shard.get("name") if isinstance(shard, dict) else None
     if not (isinstance(name, str) and name and name == os.path.basename(name) and name not in (".", "..")):
       raise CacheError(f"teacher.cache={given!r}: {file} lists shard {name if name is not None else shard!r}, "
                        f"which is not a file name inside {path} (shards are plain file names there); {_REBUILD}")
-    if not (isinstance(shard.get("bytes"), int) and isinstance(shard.get("sha256"), str)):
+    if not (isinstance(shard.get("bytes"), int) and shard["bytes"] >= 0 and isinstance(shard.get("sha256"), str)):
       raise CacheError(f"teacher.cache={given!r}: {file} gives shard {name!r} no bytes / sha256 entry; {_REBUILD}")
   return manifest
+
+
+def _manifest_values(m: dict) -> str | None:
+  """What is wrong with the values of a manifest whose entries have their types (None: nothing): each entry in its
+  range, the ids' bits enough for the vocabulary, one shard per ``rows_per_shard`` rows."""
+  for key, low in (("k", 1), ("seq_len", 1), ("rows", 1), ("rows_per_shard", 1), ("vocab", 1)):
+    if m[key] < low:
+      return f"{key}: {m[key]}, where an integer >= {low} is expected"
+  if not 1 <= m["id_bits"] <= 32 or 2 ** m["id_bits"] < m["vocab"]:
+    return (f"id_bits: {m['id_bits']}, where {id_bits(m['vocab'])} to 32 bits are expected (ids over a vocabulary "
+            f"of {m['vocab']})")
+  if m["k"] > m["vocab"]:
+    return f"k: {m['k']}, more than its vocab of {m['vocab']} tokens"
+  if not (math.isfinite(m["temperature"]) and m["temperature"] > 0):
+    return f"temperature: {m['temperature']}, where a finite number > 0 is expected"
+  if m["precision"] not in PRECISIONS:
+    return f"precision: {m['precision']!r}, where one of {sorted(PRECISIONS)} is expected"
+  shards = -(-m["rows"] // m["rows_per_shard"])
+  if len(m["shards"]) != shards:
+    return (f"{len(m['shards'])} shards listed for {m['rows']} rows of {m['rows_per_shard']} per shard ({shards} "
+            "expected)")
+  config = m["teacher"].get("config")
+  if not isinstance(config, dict):
+    return f"teacher.config: {config!r}, where the teacher's model config (an object) is expected"
+  return None
 
 
 class TeacherCache:
@@ -225,8 +254,13 @@ class TeacherCache:
   def spec(self) -> TopKTeacher:
     """The teacher as a `TopKTeacher` (for `meshdistill.Distiller`)."""
     m = self.manifest
-    return TopKTeacher(cfg=ModelConfig(**m["teacher"]["config"]), k=m["k"], temperature=m["temperature"],
-                       vocab=m["vocab"], source=f"teacher cache {self.path}", cross=self.cross)
+    try:
+      cfg = ModelConfig(**m["teacher"]["config"])
+    except (TypeError, ValueError) as e:
+      raise CacheError(f"teacher cache {self.path}: {MANIFEST} holds a teacher.config that is not a model config "
+                       f"({e}); {_REBUILD}") from None
+    return TopKTeacher(cfg=cfg, k=m["k"], temperature=m["temperature"], vocab=m["vocab"],
+                       source=f"teacher cache {self.path}", cross=self.cross)
 
   def check(self, *, data: dict | None = None, teacher: dict | None = None, vocab: int | None = None) -> None:
     """Raises `CacheError` naming the setting when the cache was made for other data, teacher or vocabulary.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import time
 from typing import ClassVar
 
@@ -138,9 +139,10 @@ class RemoteTeacherData:
   def __getattr__(self, name):
     return getattr(self.bundle, name)
 
-  def fetch(self, batch: dict) -> dict:
-    """The top-k of ``batch``'s rows under `TOPK_KEYS` (blocking)."""
-    got = self.client.topk(batch["inputs"], batch["targets"][:, -1], k=self.spec.k, vocab=self.spec.vocab)
+  def fetch(self, batch: dict, cancel: threading.Event | None = None) -> dict:
+    """The top-k of ``batch``'s rows under `TOPK_KEYS` (blocking; ``cancel`` set: no further try)."""
+    got = self.client.topk(batch["inputs"], batch["targets"][:, -1], k=self.spec.k, vocab=self.spec.vocab,
+                           cancel=cancel)
     return dict(zip(TOPK_KEYS, got))
 
   def train_iterator(self, state: dict | None = None, **kw) -> _FetchAheadIterator:
@@ -148,13 +150,32 @@ class RemoteTeacherData:
 
 
 class _FetchAheadIterator(AheadIterator):
+  """Each batch's fetch runs in a daemon thread of its own, after the fetch before it has ended (one request at a
+  time, in order); `close` cancels them, so a fetch still retrying after the run stopped (a fatal error, a
+  signal) ends at once and never holds the process open."""
+
   def __init__(self, it, owner: RemoteTeacherData):
     super().__init__(it)
     self._owner = owner
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote-teacher")
+    self._stop = threading.Event()
+    self._last: concurrent.futures.Future | None = None
 
   def dispatch(self, batch: dict, index: int) -> concurrent.futures.Future:
-    return self._pool.submit(self._owner.fetch, batch)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    before, self._last = self._last, future
+
+    def fetch():
+      if before is not None:
+        concurrent.futures.wait([before])
+      if not future.set_running_or_notify_cancel():
+        return
+      try:
+        future.set_result(self._owner.fetch(batch, self._stop))
+      except BaseException as e:  # noqa: BLE001 -- handed to `collect`
+        future.set_exception(e)
+
+    threading.Thread(target=fetch, name=f"remote-teacher-{index}", daemon=True).start()
+    return future
 
   def collect(self, batch: dict, work: concurrent.futures.Future, index: int) -> dict:
     t0 = time.perf_counter()
@@ -163,5 +184,7 @@ class _FetchAheadIterator(AheadIterator):
     return {**batch, **topk}
 
   def close(self):
-    self._pool.shutdown(wait=False, cancel_futures=True)
+    self._stop.set()
+    if self._ahead is not None:
+      self._ahead[3].cancel()
     super().close()

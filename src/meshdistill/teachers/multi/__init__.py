@@ -28,6 +28,8 @@ producers, `combine`, `MultiTeacherData`).
 
 from __future__ import annotations
 
+import contextlib
+
 from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.parallel.backends import make_layout
 from meshdistill.teachers import kinds
@@ -51,14 +53,16 @@ def prepare(cfg, data, mesh, services: kinds.Services) -> kinds.Prepared:
     sub = member_config(cfg, m)
     source = kinds.get(m.source)(sub)
     if source.gives == kinds.MODEL:
-      teacher, identity = source.model(data, mesh, services)
-      teacher = quantized_teacher(sub, teacher, mesh)
+      with _naming(m):
+        teacher, identity = source.model(data, mesh, services)
+        teacher = quantized_teacher(sub, teacher, mesh)
       shared = _shared_vocab(m, teacher.cfg.vocab_size, cfg.student.vocab_size)
       producers.append(Live(TeacherTopK(teacher, k=k, temperature=m.temperature or tau, vocab=shared,
                                         mesh=program_mesh)))
       model_cfg = teacher.cfg
     else:
-      got = source.prepare(data, mesh, None, services)
+      with _naming(m):
+        got = source.prepare(data, mesh, None, services)
       spec, identity = got.teacher, got.identity
       shared = _shared_vocab(m, spec.vocab, cfg.student.vocab_size)
       if spec.k < k:
@@ -83,6 +87,21 @@ def prepare(cfg, data, mesh, services: kinds.Services) -> kinds.Prepared:
   spec = TopKTeacher(cfg=first_cfg, k=k, temperature=tau, vocab=vocab, names=tuple(m.name for m in members),
                      source=f"teachers ({cfg.teachers.combine} of {', '.join(m.name for m in members)})")
   return kinds.Prepared(bundle, spec, "; ".join(identities))
+
+
+@contextlib.contextmanager
+def _naming(member: Member):
+  """Errors of obtaining ``member`` (a refused setting, a teacher directory of another shape, a missing file) name it:
+  ``teachers: <name> (source: <source>): <error>``."""
+  prefix = f"teachers: {member.name} (source: {member.source}): "
+  try:
+    yield
+  except ConfigError as e:
+    raise ConfigError(prefix + str(e)) from None
+  except FileNotFoundError as e:
+    raise FileNotFoundError(prefix + str(e)) from None
+  except ValueError as e:  # a damaged teacher directory, a checkpoint of another shape
+    raise ConfigError(prefix + str(e)) from None
 
 
 def _shared_vocab(member: Member, teacher_vocab: int, student_vocab: int) -> int:

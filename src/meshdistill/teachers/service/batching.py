@@ -7,6 +7,10 @@ that holds the longest prompt, ``B`` the smallest row bucket (8 rows or ``row_mu
 at most ``max_rows`` rounded up) that holds them. Padding (id 0) goes after a prompt's ids and in rows of its own: the
 teacher is causal, so a position's top-k never sees it. A few fixed shapes mean the program compiles a few times,
 never per request (`warm_up` compiles them all before the first request).
+
+A request whose future is cancelled before a call takes it (its client hung up) is dropped, never computed
+(``stats.dropped``). Should the worker thread die (any error outside a teacher call), ``failed`` says why, every queued
+request fails at once and later ones are refused (`BatcherFailed`): nothing waits for a thread that is gone.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +27,10 @@ from collections.abc import Callable
 import numpy as np
 
 log = logging.getLogger(__name__)
+
+
+class BatcherFailed(RuntimeError):
+  """The batching thread has died or the server is shutting down: the request is not answered (503)."""
 
 
 def length_buckets(max_len: int, smallest: int = 64) -> tuple[int, ...]:
@@ -36,7 +45,8 @@ def length_buckets(max_len: int, smallest: int = 64) -> tuple[int, ...]:
 @dataclasses.dataclass
 class Stats:
   """What the server reports on ``/health``: requests answered, program calls, rows and real tokens computed, and
-  the requests of a call held before it runs (``held``: the test hook of `Batcher`)."""
+  the requests of a call held before it runs (``held``: the test hook of `Batcher`), requests dropped because their
+  client hung up before a call took them (``dropped``)."""
 
   requests: int = 0
   calls: int = 0
@@ -44,10 +54,11 @@ class Stats:
   tokens: int = 0
   shapes: set = dataclasses.field(default_factory=set)
   held: int = 0
+  dropped: int = 0
 
   def as_dict(self) -> dict:
     return {"requests": self.requests, "calls": self.calls, "rows": self.rows, "tokens": self.tokens,
-            "shapes": sorted(self.shapes), "held": self.held}
+            "shapes": sorted(self.shapes), "held": self.held, "dropped": self.dropped}
 
 
 class Batcher:
@@ -66,8 +77,10 @@ class Batcher:
 
   def __init__(self, fn: Callable, *, max_rows: int, max_wait_ms: float, row_multiple: int, lengths: tuple[int, ...],
                hold: Callable[[], bool] | None = None):
-    if max_rows < 1 or row_multiple < 1 or not lengths:
+    if max_rows < 1 or row_multiple < 1 or not lengths or min(lengths) < 1:
       raise ValueError(f"max_rows={max_rows}, row_multiple={row_multiple}, lengths={lengths}: need positive sizes")
+    if not (math.isfinite(max_wait_ms) and max_wait_ms >= 0):
+      raise ValueError(f"max_wait_ms={max_wait_ms} must be a finite number >= 0")
     self.fn, self.max_rows, self.max_wait, self.hold = fn, max_rows, max_wait_ms / 1000.0, hold
     self.lengths = tuple(sorted(lengths))
     rows, n = [], row_multiple * max(1, 8 // row_multiple)  # from 8 rows: a smaller call saves little
@@ -80,6 +93,8 @@ class Batcher:
     self._queue: collections.deque = collections.deque()
     self._cond = threading.Condition()
     self._closed = False
+    self.failed: str | None = None  # why the worker thread died (None while it runs)
+    self._inflight: list = []  # the requests of the call being computed
     self._worker = threading.Thread(target=self._run, name="teacher-batcher", daemon=True)
     self._worker.start()
 
@@ -94,8 +109,10 @@ class Batcher:
     logprobs [n - 1, K], tail [n - 1])`` per prompt of ``n`` ids."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     with self._cond:
+      if self.failed is not None:
+        raise BatcherFailed(f"the teacher server's batching stopped ({self.failed}); restart the server")
       if self._closed:
-        raise RuntimeError("the teacher server is shutting down")
+        raise BatcherFailed("the teacher server is shutting down")
       self._queue.append((prompts, future))
       self._cond.notify()
     return future
@@ -108,22 +125,39 @@ class Batcher:
     self._worker.join()
 
   # ------------------------------------------------------------------ the worker
+  def _pop(self):
+    """The oldest queued request its client still waits for (marked running: no longer cancellable), or None when
+    the queue holds none; requests cancelled before are dropped."""
+    while self._queue:
+      item = self._queue.popleft()
+      if item[1].set_running_or_notify_cancel():
+        return item
+      self.stats.dropped += 1
+    return None
+
   def _take(self) -> list | None:
     with self._cond:
-      while not self._queue and not self._closed:
-        self._cond.wait()
-      if not self._queue:
-        return None
-      taken = [self._queue.popleft()]
-      rows = len(taken[0][0])
+      first = None
+      while first is None:
+        while not self._queue and not self._closed:
+          self._cond.wait()
+        if not self._queue:
+          return None
+        first = self._pop()
+      taken, rows = [first], len(first[0])
+      self._inflight = taken  # failed with the rest should the thread die before the call
       deadline = time.monotonic() + self.max_wait
       while rows < self.max_rows and not self._closed:
+        while self._queue and self._queue[0][1].cancelled():  # a client gone while it waited
+          self._queue.popleft()
+          self.stats.dropped += 1
         if self._queue:
           if rows + len(self._queue[0][0]) > self.max_rows:
             break
-          item = self._queue.popleft()
-          taken.append(item)
-          rows += len(item[0])
+          item = self._pop()
+          if item is not None:
+            taken.append(item)
+            rows += len(item[0])
           continue
         left = deadline - time.monotonic()
         if left <= 0:
@@ -132,7 +166,24 @@ class Batcher:
       return taken
 
   def _run(self) -> None:
+    try:
+      self._serve()
+    except BaseException as e:  # noqa: BLE001 -- the thread is gone: say so, and let no request wait for it
+      log.exception("the teacher server's batching thread died")
+      with self._cond:
+        self.failed = f"{type(e).__name__}: {e}"
+        waiting, self._queue = list(self._queue), collections.deque()
+      error = BatcherFailed(f"the teacher server's batching stopped ({self.failed}); restart the server")
+      for _, future in self._inflight:
+        if not future.done():
+          future.set_exception(error)
+      for _, future in waiting:
+        if future.set_running_or_notify_cancel():
+          future.set_exception(error)
+
+  def _serve(self) -> None:
     while True:
+      self._inflight = []
       taken = self._take()
       if taken is None:
         return

@@ -141,11 +141,19 @@ def completion(prompts: list[list[int]], k: int, ids: list[np.ndarray], logprobs
           "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
 
 
+# How far an answer may stray from a distribution before it is refused (float32 rounding and a bfloat16 teacher's
+# log-softmax stay far inside both): a log-probability above ``LOGPROB_SLACK``, top-k mass plus tail off 1 by more than
+# ``MASS_TOLERANCE``, or a log-probability above its predecessor's by more than ``LOGPROB_SLACK`` (not sorted).
+LOGPROB_SLACK = 1e-3
+MASS_TOLERANCE = 1e-2
+
+
 def read_completion(answer: Any, rows: int, length: int, k: int,
                     vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """``(ids [rows, length, k] int32, logprobs [rows, length, k] float32, tail [rows, length] float32)`` of a
-  completion answering ``rows`` prompts of ``length + 1`` ids each; `AnswerError` unless every row, position and
-  top-k entry is there, ids lie in ``[0, vocab)`` and every value is finite (a step never trains on less)."""
+  completion answering ``rows`` prompts of ``length + 1`` ids each; `AnswerError` unless the choices' indices are
+  exactly ``0 .. rows - 1``, every row, position and top-k entry is there and every position is a distribution
+  (`check_distribution`): a step never trains on less."""
   choices = answer.get("choices") if isinstance(answer, dict) else None
   if not isinstance(choices, list) or len(choices) != rows:
     got = len(choices) if isinstance(choices, list) else "no"
@@ -153,17 +161,25 @@ def read_completion(answer: Any, rows: int, length: int, k: int,
   ids = np.zeros((rows, length, k), np.int32)
   logprobs = np.zeros((rows, length, k), np.float32)
   tail = np.zeros((rows, length), np.float32)
-  for choice in choices:
+  seen: dict[int, int] = {}
+  for n, choice in enumerate(choices):
     i = choice.get("index") if isinstance(choice, dict) else None
-    packed = choice.get("prompt_topk") if isinstance(choice, dict) else None
-    if isinstance(packed, dict) and isinstance(i, int) and 0 <= i < rows:
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < rows:
+      raise AnswerError(f"choices[{n}] has index {i!r}; each of the {rows} choices must have a distinct index in "
+                        f"[0, {rows}) (choice i answers prompt i)")
+    if i in seen:
+      raise AnswerError(f"choices[{n}] and choices[{seen[i]}] both have index {i}; each of the {rows} choices must "
+                        f"have a distinct index in [0, {rows}) (choice i answers prompt i)")
+    seen[i] = n
+    packed = choice.get("prompt_topk")
+    if isinstance(packed, dict):
       where = f"choice {i}: prompt_topk"
       ids[i] = _unb64(packed.get("ids"), np.int32, (length, k), f"{where}.ids")
       logprobs[i] = _unb64(packed.get("logprobs"), np.float32, (length, k), f"{where}.logprobs")
       tail[i] = _unb64(packed.get("tail"), np.float32, (length,), f"{where}.tail")
       continue
-    entries = choice.get("prompt_logprobs") if isinstance(choice, dict) else None
-    if not isinstance(i, int) or not 0 <= i < rows or not isinstance(entries, list) or len(entries) != length + 1:
+    entries = choice.get("prompt_logprobs")
+    if not isinstance(entries, list) or len(entries) != length + 1:
       raise AnswerError(f"choice {i!r}: prompt_logprobs of {len(entries) if isinstance(entries, list) else 'no'} "
                         f"entries for a prompt of {length + 1} ids")
     tails = choice.get("prompt_logprobs_tail")
@@ -184,11 +200,94 @@ def read_completion(answer: Any, rows: int, length: int, k: int,
       else:
         mass = float(np.sum(np.exp(np.asarray(logprobs[i, j], np.float64))))
         tail[i, j] = math.log(max(1.0 - mass, 1e-30))
-  if not (np.isfinite(logprobs).all() and np.isfinite(tail).all()):
-    raise AnswerError("the answer holds log-probabilities that are not finite")
-  if ids.min() < 0 or ids.max() >= vocab:
-    raise AnswerError(f"the answer holds token ids outside [0, {vocab})")
+  check_distribution(ids, logprobs, tail, vocab)
   return ids, logprobs, tail
+
+
+def check_distribution(ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray, vocab: int) -> None:
+  """`AnswerError` naming the first row (choice) and prompt position whose top-k is not a distribution: values not
+  finite, ids outside ``[0, vocab)`` or repeated within a position, a log-probability above 0 (beyond
+  ``LOGPROB_SLACK``), log-probabilities not sorted most likely first, or top-k mass plus tail mass off 1 by more than
+  ``MASS_TOLERANCE``. ``ids`` / ``logprobs [rows, length, k]``, ``tail [rows, length]``; position ``j`` of a row is
+  prompt position ``j + 1``."""
+  lp = np.asarray(logprobs, np.float64)
+  tl = np.asarray(tail, np.float64)
+
+  def refuse(bad_RxL: np.ndarray, what: str) -> None:
+    if bad_RxL.any():
+      i, j = (int(v) for v in np.argwhere(bad_RxL)[0])
+      raise AnswerError(f"choice {i}, position {j + 1}: {what(i, j)}; a teacher's answer must be a distribution "
+                        f"(log-probabilities <= 0, most likely first, distinct ids in [0, {vocab}), top-k mass plus "
+                        f"tail within {MASS_TOLERANCE} of 1)")
+
+  refuse(~(np.isfinite(lp).all(-1) & np.isfinite(tl)), lambda i, j: "log-probabilities that are not finite "
+         f"({lp[i, j].tolist()}, tail {tl[i, j]})")
+  refuse(((ids < 0) | (ids >= vocab)).any(-1), lambda i, j: f"token ids {ids[i, j].tolist()} outside [0, {vocab})")
+  ordered = np.sort(ids, axis=-1)
+  refuse((ordered[..., 1:] == ordered[..., :-1]).any(-1), lambda i, j: f"token ids {ids[i, j].tolist()} repeat one")
+  refuse((lp > LOGPROB_SLACK).any(-1) | (tl > LOGPROB_SLACK),
+         lambda i, j: f"log-probabilities above 0 ({lp[i, j].tolist()}, tail {tl[i, j]})")
+  refuse((lp[..., 1:] > lp[..., :-1] + LOGPROB_SLACK).any(-1),
+         lambda i, j: f"log-probabilities not sorted most likely first ({lp[i, j].tolist()})")
+  mass = np.exp(lp).sum(-1) + np.exp(tl)
+  refuse(np.abs(mass - 1.0) > MASS_TOLERANCE,
+         lambda i, j: f"top-k mass plus tail {mass[i, j]:.6f} ({lp[i, j].tolist()}, tail {tl[i, j]})")
+
+
+# ``GET /v1/teacher``'s fields a client reads, each with the types it may have and what it is
+IDENTITY_FIELDS = {
+    "server": ((str,), "a string (\"meshdistill\")"),
+    "model": ((str,), "the served name, a string"),
+    "tokenizer": ((str,), "the tokenizer's fingerprint, a string"),
+    "vocab": ((int,), "the vocabulary range, an integer >= 1"),
+    "temperature": ((int, float), "a number > 0"),
+    "k": ((int,), "the largest top-k served, an integer >= 1"),
+    "max_len": ((int,), "the longest row in tokens, an integer >= 1"),
+    "teacher": ((dict,), "an object with the teacher's config and weights_sha256"),
+}
+
+
+def check_identity(ident: Any) -> dict:
+  """``ident`` (a decoded ``/v1/teacher`` answer) when every field a client reads is there with its type and range;
+  `AnswerError` naming the first field that is not and what was expected."""
+  if not isinstance(ident, dict):
+    raise AnswerError(f"the identity is a JSON {type(ident).__name__}, an object with the fields "
+                      f"{', '.join(IDENTITY_FIELDS)} expected")
+  for key, (types, expected) in IDENTITY_FIELDS.items():
+    v = ident.get(key)
+    ok = isinstance(v, types) and not isinstance(v, bool)
+    if ok and key in ("vocab", "k", "max_len"):
+      ok = v >= 1
+    if ok and key == "temperature":
+      ok = math.isfinite(v) and v > 0
+    if not ok:
+      raise AnswerError(f"field {key!r} is {v!r}; expected {expected}")
+  teacher = ident["teacher"]
+  if not isinstance(teacher.get("weights_sha256"), str):
+    raise AnswerError(f"field 'teacher.weights_sha256' is {teacher.get('weights_sha256')!r}; expected the teacher's "
+                      "weights hash, a hex string")
+  config = teacher.get("config")
+  if config is not None and not isinstance(config, dict):
+    raise AnswerError(f"field 'teacher.config' is {config!r}; expected an object (the teacher's ModelConfig)")
+  t_vocab = (config or {}).get("vocab_size", 0)
+  if isinstance(t_vocab, bool) or not isinstance(t_vocab, int) or t_vocab < 0:
+    raise AnswerError(f"field 'teacher.config.vocab_size' is {t_vocab!r}; expected an integer >= 1")
+  return ident
+
+
+def check_models(listing: Any) -> list[dict]:
+  """The model entries of a ``/v1/models`` answer (vLLM), each with a string ``id`` and an integer
+  ``max_model_len`` >= 2; `AnswerError` naming the field otherwise."""
+  data = listing.get("data") if isinstance(listing, dict) else None
+  if not isinstance(data, list):
+    raise AnswerError(f"field 'data' is {data!r}; expected the list of served models")
+  for n, m in enumerate(data):
+    if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+      raise AnswerError(f"field 'data[{n}]' is {m!r}; expected an object with the model's name in 'id'")
+    size = m.get("max_model_len")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+      raise AnswerError(f"field 'data[{n}].max_model_len' is {size!r}; expected an integer >= 2 (the longest prompt)")
+  return data
 
 
 def identity_of(*, tokenizer: str, vocab: int, temperature: float, k: int, teacher: dict, max_len: int,
