@@ -1,7 +1,7 @@
 """On-policy distillation on tasks with checkable answers: held-out accuracy vs steps and vs compute, fair arms.
 
 Tasks (`meshdistill.data.tasks`, byte tokenizer): ``add5`` (5-digit addition, every number least significant digit
-first) and ``chain8`` (running sums of 8 digits: every answer digit is the previous one plus a prompt digit, so one
+first) and ``chain12`` (running sums of 12 digits: every answer digit is the previous one plus a prompt digit, so one
 wrong early digit ruins the rest). Per task a teacher is trained (next-token CE) and saved; per seed a smaller
 student is trained by SFT on the data until its held-out greedy accuracy first reaches ``--warm-band`` (e.g. 30-60%):
 that state (parameters and data position) is SAVED ONCE and LOADED by every arm, so every arm of a seed starts from
@@ -23,10 +23,10 @@ matmul parameters (``2 N`` per token forward, ``6 N`` forward and backward; atte
 rows of at most 18 tokens): student forward + backward and teacher forward on every row position of the step, plus,
 for a generated batch, the student's prompt pass and one decode step per new token for every row.
 
-  nice -n 10 python benchmarks/onpolicy_task.py --task add5 --out benchmarks/results/on_policy_task_add5.json
-  nice -n 10 python benchmarks/onpolicy_task.py --task chain8 --out benchmarks/results/on_policy_task_chain8.json
+  nice -n 10 python benchmarks/onpolicy_task.py --task add5                  # results/on_policy_task_add5.json
+  nice -n 10 python benchmarks/onpolicy_task.py --task chain12 --student 16,1 --teacher-steps 1500
   python benchmarks/onpolicy_task.py --render benchmarks/results/on_policy_task_add5.json \\
-      benchmarks/results/on_policy_task_chain8.json   # writes results/on_policy_task.{md,png}
+      benchmarks/results/on_policy_task_chain12.json   # writes results/on_policy_task.{md,png}
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from meshdistill.data.prompts import PromptData  # noqa: E402
 from meshdistill.data.tasks import parse_task  # noqa: E402
 from meshdistill.strategies import HardLabelCE, LogitKD, SampledTokenKD  # noqa: E402
 from meshdistill.train.hardlabel import HardLabelTrainer  # noqa: E402
-from meshdistill.train.loop.task_eval import task_accuracy  # noqa: E402
+from meshdistill.train.loop.task_eval import complete, task_accuracy  # noqa: E402
 from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller  # noqa: E402
 from meshdistill.train.optimizers import default_optimizer  # noqa: E402
 
@@ -64,18 +64,19 @@ def _args(argv):
   p.add_argument("--task", default="add5")
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--train-problems", type=int, default=20000)
-  p.add_argument("--eval-prompts", type=int, default=128)
+  p.add_argument("--eval-prompts", type=int, default=256)
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--teacher", default="64,2", help="d_model,n_layers of the teacher")
   p.add_argument("--student", default="32,1", help="d_model,n_layers of the student")
   p.add_argument("--teacher-steps", type=int, default=1000)
   p.add_argument("--teacher-lr", type=float, default=3e-3)
   p.add_argument("--warm-lr", type=float, default=3e-3)
-  p.add_argument("--warm-band", default="0.3,0.6", help="held-out accuracy a warm start stops in (checked every 25 "
-                                                           "steps; the first check at or above the lower end)")
+  p.add_argument("--warm-band", default="0.3,0.6", help="held-out accuracy a warm start stops in (the first check at "
+                                                           "or above the lower end)")
+  p.add_argument("--warm-check", type=int, default=5, help="SFT steps between the warm start's accuracy checks")
   p.add_argument("--warm-max", type=int, default=1500, help="SFT steps at most for a warm start")
-  p.add_argument("--steps", type=int, default=150)
-  p.add_argument("--lrs", default="1e-3,3e-3", help="learning rates swept on the first seed, per arm")
+  p.add_argument("--steps", type=int, default=200)
+  p.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="learning rates swept on the first seed, per arm")
   p.add_argument("--eval-every", type=int, default=25)
   p.add_argument("--arms", default="offpolicy,gkd,gkd_rkl,sampled")
   p.add_argument("--state-dir", default=None, help="where the teacher and warm starts are saved (default: "
@@ -143,6 +144,22 @@ def run(a, argv) -> dict:
   def acc(graphdef, params):
     return task_accuracy((graphdef, params), task, prompts, tok)["greedy"]
 
+  answers = [r["completion"] for r in held]
+
+  def off_path(graphdef, params, seed):
+    """The share of a student's sampled completion tokens (temperature 1, the held-out prompts) that come after its
+    first wrong token: tokens an on-policy batch trains on whose prefix no exact-match answer can follow."""
+    n_new = task.answer_width + 1
+    texts = complete((graphdef, params), prompts, tok, max_new_tokens=n_new, temperature=1.0, seed=seed)
+    after = total = 0
+    for text, answer in zip(texts, answers):
+      gen = text + "\0" if len(text) < n_new else text  # "\0": the EOS it stopped at
+      want = answer + "\0"
+      first = next((i for i, (x, y) in enumerate(zip(gen, want)) if x != y), min(len(gen), len(want)))
+      total += len(gen)
+      after += max(0, len(gen) - first - 1)
+    return after / total
+
   # the teacher: trained once, saved, loaded by every later run
   teacher_path = os.path.join(state_dir, f"teacher_{a.teacher}_{a.teacher_steps}.pkl")
   teacher = md.init_model(t_cfg, seed=100)
@@ -165,24 +182,25 @@ def run(a, argv) -> dict:
   warm_def = nnx.split(md.init_model(s_cfg, seed=0))[0]
   warm = {}
   for seed in seeds:
-    path = os.path.join(state_dir, f"warm_{a.student}_seed{seed}_{a.warm_band}_{a.warm_lr}.pkl")
+    path = os.path.join(state_dir, f"warm_{a.student}_seed{seed}_{a.warm_band}_{a.warm_lr}_{a.warm_check}.pkl")
     if not os.path.exists(path):
       trainer = HardLabelTrainer(md.init_model(s_cfg, seed=seed), optimizer=default_optimizer(a.warm_lr))
       data = data_for(seed)
       state, it, steps, w_acc = trainer.init_state(), data.train_iterator(), 0, 0.0
       while steps < a.warm_max:
-        for _ in range(25):
+        for _ in range(a.warm_check):
           state, _ = trainer.step(state, next(it))
-        steps += 25
+        steps += a.warm_check
         w_acc = acc(trainer.student_def, jax.device_get(state.params["student"]))
         if w_acc >= lo:
           break
       _save(path, {"params": jax.device_get(state.params["student"]), "position": it.get_state(), "acc": w_acc,
                    "steps": steps})
     warm[seed] = _load(path)
+    warm[seed]["off_path"] = off_path(warm_def, warm[seed]["params"], seed)
     note = "" if lo <= warm[seed]["acc"] <= hi else f" (outside the band {a.warm_band})"
     print(f"  seed {seed}: warm start {warm[seed]['steps']} SFT steps, held-out greedy {warm[seed]['acc']:.3f}{note} "
-          f"-> {path}", flush=True)
+          f"; {warm[seed]['off_path']:.3f} of its sampled tokens follow its first wrong one -> {path}", flush=True)
 
   n_s, n_t = matmul_params(md.init_model(s_cfg, seed=0)), matmul_params(teacher)
   train_flops = (6 * n_s + 2 * n_t) * a.batch * seq
@@ -190,7 +208,8 @@ def run(a, argv) -> dict:
 
   table = arms(task.answer_width + 1, tok.eos_id, tok.pad_id)
   keys = a.arms.split(",")
-  results = {k: {"sweep": {}, "curves": [], "flops": [], "seconds": 0.0, "lr": None} for k in keys}
+  results = {k: {"sweep": {}, "curves": [], "flops": [], "seconds": 0.0, "lr": None, "off_path": []} for k in keys}
+  curve_off_path = []
 
   def run_arm(k, lr, seed, d):
     label, _, _ = table[k]
@@ -206,9 +225,10 @@ def run(a, argv) -> dict:
         curve.append((step, acc(d.student_def, jax.device_get(state.params["student"]))))
         flops.append(spent)
     seconds = time.time() - start
-    print(f"  {label:40s} lr {lr:g} seed {seed}: " + " ".join(f"{s}:{v:.3f}" for s, v in curve) + f"  ({seconds:.0f}s)",
-          flush=True)
-    return curve, flops, seconds
+    curve_off_path.append(off_path(d.student_def, jax.device_get(state.params["student"]), seed))
+    print(f"  {label:40s} lr {lr:g} seed {seed}: " + " ".join(f"{s}:{v:.3f}" for s, v in curve)
+          + f"  off-path {curve_off_path[-1]:.3f} ({seconds:.0f}s)", flush=True)
+    return curve, flops, seconds, curve_off_path[-1]
 
   def distiller(k, lr):
     _, strategy, on_policy = table[k]
@@ -219,9 +239,10 @@ def run(a, argv) -> dict:
   for k in keys:  # the sweep on the first seed
     best = None
     for lr in lrs:
-      curve, flops, seconds = run_arm(k, lr, first, distiller(k, lr))
+      curve, flops, seconds, off = run_arm(k, lr, first, distiller(k, lr))
       score = float(np.mean([v for _, v in curve[1:]]))
-      results[k]["sweep"][str(lr)] = {"curve": curve, "flops": flops, "seconds": seconds, "score": score}
+      results[k]["sweep"][str(lr)] = {"curve": curve, "flops": flops, "seconds": seconds, "score": score,
+                                      "off_path": off}
       if best is None or score > best[0]:
         best = (score, lr)
     results[k]["lr"] = best[1]
@@ -231,16 +252,18 @@ def run(a, argv) -> dict:
     results[k]["curves"].append(chosen["curve"])
     results[k]["flops"].append(chosen["flops"])
     results[k]["seconds"] += chosen["seconds"]
+    results[k]["off_path"].append(chosen["off_path"])
     d = distiller(k, lr)
     for seed in seeds[1:]:
-      curve, flops, seconds = run_arm(k, lr, seed, d)
+      curve, flops, seconds, off = run_arm(k, lr, seed, d)
       results[k]["curves"].append(curve)
       results[k]["flops"].append(flops)
       results[k]["seconds"] += seconds
+      results[k]["off_path"].append(off)
 
   return {"command": "python benchmarks/onpolicy_task.py " + " ".join(argv if argv is not None else sys.argv[1:]),
           "args": vars(a), "teacher_acc": teacher_acc, "seeds": seeds,
-          "warm": {str(s): {k: warm[s][k] for k in ("acc", "steps")} for s in seeds},
+          "warm": {str(s): {k: warm[s][k] for k in ("acc", "steps", "off_path")} for s in seeds},
           "labels": {k: table[k][0] for k in keys}, "results": results,
           "params": {"student_matmul": n_s, "teacher_matmul": n_t},
           "flops_per_step": {"train": train_flops, "sample": sample_flops},
@@ -339,7 +362,8 @@ def render(raws: list[dict], out: str, png: str) -> None:
   for raw in raws:
     a, res = raw["args"], raw["results"]
     fl = raw["flops_per_step"]
-    warm = ", ".join(f"seed {s}: {w['acc']:.3f} after {w['steps']} SFT steps" for s, w in raw["warm"].items())
+    warm = ", ".join(f"seed {s}: {w['acc']:.3f} after {w['steps']} SFT steps ({w['off_path']:.3f} of its sampled "
+                     "tokens after its first wrong one)" for s, w in raw["warm"].items())
     lines += [
         f"## `{a['task']}`", "",
         f"{raw['machine']}; {raw['total_seconds'] / 60:.1f} min. {a['train_problems']} train problems, "
@@ -358,15 +382,16 @@ def render(raws: list[dict], out: str, png: str) -> None:
       cells = [f"{s['score']:.3f} / {s['curve'][-1][1]:.3f}" for s in r["sweep"].values()]
       lines.append(f"| {raw['labels'][k]} | " + " | ".join(cells) + f" | {r['lr']:g} |")
     steps = _stats(next(iter(res.values()))["curves"])[0]
-    lines += ["", "Accuracy against steps, mean +- sd over seeds [min, max], and the compute of the last step "
-              "(TFLOP, mean over seeds):", "",
-              "| arm | lr | " + " | ".join(f"step {s}" for s in steps) + " | TFLOP |",
-              "|---|---|" + "---|" * (len(steps) + 1)]
+    lines += ["", "Accuracy against steps, mean +- sd over seeds [min, max]; the compute of the last step (TFLOP, mean "
+              "over seeds); off-path: the share of the final student's sampled completion tokens (temperature 1, the "
+              "held-out prompts) that follow its first wrong token (mean over seeds):", "",
+              "| arm | lr | " + " | ".join(f"step {s}" for s in steps) + " | TFLOP | off-path |",
+              "|---|---|" + "---|" * (len(steps) + 2)]
     for k, r in res.items():
       _, mean, sd, lo, hi = _stats(r["curves"])
       cells = [f"{m:.3f} +- {s:.3f} [{x:.3f}, {y:.3f}]" for m, s, x, y in zip(mean, sd, lo, hi)]
       lines.append(f"| {raw['labels'][k]} | {r['lr']:g} | " + " | ".join(cells)
-                   + f" | {np.mean([f[-1] for f in r['flops']]) / 1e12:.2f} |")
+                   + f" | {np.mean([f[-1] for f in r['flops']]) / 1e12:.2f} | {np.mean(r['off_path']):.3f} |")
     rows = aim(raw)
     if rows:
       lines += ["", "Against off-policy KD of the same seed (the aim: +0.05 at equal compute, or its final accuracy "
@@ -403,7 +428,8 @@ def render(raws: list[dict], out: str, png: str) -> None:
         line, = ax.plot(x, mean, marker=".", label=f"{raw['labels'][k]} (lr {r['lr']:g})")
         ax.fill_between(x, mean - sd, mean + sd, color=line.get_color(), alpha=0.15)
     warm = np.mean([w["acc"] for w in raw["warm"].values()])
-    row[0].set_title(f"{raw['args']['task']}: accuracy vs steps (mean +- sd, {len(raw['seeds'])} seeds; warm {warm:.2f})")
+    task = raw["args"]["task"]
+    row[0].set_title(f"{task}: accuracy vs steps (mean +- sd, {len(raw['seeds'])} seeds; warm {warm:.2f})")
     row[1].set_title(f"{raw['args']['task']}: accuracy vs compute (sampling counted)")
     row[0].set_xlabel("steps after the shared warm start")
     row[1].set_xlabel("TFLOP (student fwd+bwd, teacher fwd, sampling)")

@@ -327,8 +327,8 @@ def test_distill_job_reads_the_data_share_from_a_teacher_cache_and_runs_the_teac
   other = tmp_path / "other"
   save_teacher(str(other), md.init_model(cfg.teacher, seed=1), data.tokenizer)
   with pytest.raises(ConfigError, match=r"written by another teacher.*pretrain.teacher=DIR"):
-    jobs.distill(load_config("tiny", base + [f"run.run_dir={tmp_path / 'other_run'}", f"teacher.cache={tmp_path / 'tc'}",
-                                             f"pretrain.teacher={other}"]))
+    jobs.distill(load_config("tiny", base + [f"run.run_dir={tmp_path / 'other_run'}",
+                                             f"teacher.cache={tmp_path / 'tc'}", f"pretrain.teacher={other}"]))
   with pytest.raises(ConfigError, match=r"prompts_file.*teacher.cache"):
     jobs.distill(load_config("tiny", base + [f"run.run_dir={tmp_path / 'p'}", f"teacher.cache={tmp_path / 'tc'}",
                                              f"distill.on_policy.prompts_file={tmp_path / 'x.jsonl'}"]))

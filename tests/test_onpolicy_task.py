@@ -13,7 +13,7 @@ import meshdistill as md
 from meshdistill import losses
 from meshdistill.data import ByteTokenizer
 from meshdistill.data.prompts import PromptData
-from meshdistill.data.tasks import ArithmeticTask, parse_task
+from meshdistill.data.tasks import ArithmeticTask, ChainTask, parse_task
 from meshdistill.train.loop.task_eval import complete, task_accuracy
 from meshdistill.models import ModelOutput
 from meshdistill.strategies import LogitKD, SampledTokenKD
@@ -50,6 +50,29 @@ def test_train_and_held_out_splits_never_share_a_problem():
     ArithmeticTask(digits=0)
   with pytest.raises(ValueError, match="add<digits>"):
     parse_task("sub3")
+
+
+def test_chain_task_answers_are_running_sums_and_one_early_error_ruins_the_rest():
+  task = parse_task("chain8")
+  assert task == ChainTask(length=8) and (task.prompt_len, task.answer_width) == (9, 8)
+  assert (task.prompt(38205716), task.answer(38205716)) == ("38205716=", "31338562")
+  assert task.prompt(5) == "00000005=" and task.answer(5) == "00000005"
+  assert task.score("38205716=", "31338562") and task.score("38205716=", "31338562 more")
+  # a wrong first digit, continued the short way (previous digit + prompt digit), makes every later digit wrong
+  wrong, s = [], 4
+  for d in "8205716":
+    s = (s + int(d)) % 10
+    wrong.append(str(s))
+  continued = "4" + "".join(wrong)
+  assert all(a != b for a, b in zip(continued, "31338562")) and not task.score("38205716=", continued)
+  assert not task.score("38205716=", "3133856") and not task.score("38205716=", "313385620")
+  train, held = task.problems("train", 2000, seed=1), task.problems("held_out", 300, seed=2)
+  assert len(set(train)) == 2000 and len(set(held)) == 300 and not set(train) & set(held)
+  assert all(task.score(r["prompt"], r["completion"]) for r in task.rows("held_out", 20))
+  with pytest.raises(ValueError, match="not a prompt of this task"):
+    task.score("740+589=", "2301")
+  with pytest.raises(ValueError, match="length=1"):
+    ChainTask(length=1)
 
 
 # ---------------------------------------------------------------------------------- the sampled-token loss
