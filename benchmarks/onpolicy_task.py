@@ -82,6 +82,10 @@ def _args(argv):
   p.add_argument("--state-dir", default=None, help="where the teacher and warm starts are saved (default: "
                                                    "/tmp/meshdistill_onpolicy_task/<task>)")
   p.add_argument("--out", default=None, help="raw results (.json; default results/on_policy_task_<task>.json)")
+  p.add_argument("--gradient-check", action="store_true",
+                 help="train nothing: at the saved warm starts, the cosine between the sampled-token gradient and the "
+                      "reverse-KL GKD gradient on the same samples (and each against itself on other samples); added "
+                      "to --out")
   p.add_argument("--render", nargs="+", default=None, metavar="JSON",
                  help="train nothing: write results/on_policy_task.{md,png} from these raw results (one per task)")
   return p.parse_args(argv)
@@ -202,6 +206,10 @@ def run(a, argv) -> dict:
     print(f"  seed {seed}: warm start {warm[seed]['steps']} SFT steps, held-out greedy {warm[seed]['acc']:.3f}{note} "
           f"; {warm[seed]['off_path']:.3f} of its sampled tokens follow its first wrong one -> {path}", flush=True)
 
+  if a.gradient_check:
+    return {"gradient_check": gradient_check(s_cfg, teacher, warm_def, warm, data_for, table_of=arms(
+        task.answer_width + 1, tok.eos_id, tok.pad_id))}
+
   n_s, n_t = matmul_params(md.init_model(s_cfg, seed=0)), matmul_params(teacher)
   train_flops = (6 * n_s + 2 * n_t) * a.batch * seq
   sample_flops = 2 * n_s * a.batch * (task.prompt_len + task.answer_width + 1)  # prompt pass + one step per new token
@@ -270,6 +278,50 @@ def run(a, argv) -> dict:
           "total_seconds": time.time() - t0, "machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__}"}
 
 
+def gradient_check(s_cfg, teacher, warm_def, warm, data_for, table_of, batches: int = 4) -> dict:
+  """Per seed, at its warm start: over ``batches`` batches of the student's samples, the cosine between the gradient
+  of the sampled-token loss and the gradient of reverse-KL GKD on the SAME samples (the latter is the exact
+  expectation over each position's next token of the former: `tests/test_onpolicy_identities.py`), and, as the
+  sampling noise of each, the cosine between two gradients of the same loss on two sample sets of the same prompts."""
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.train.distiller import Distiller  # pylint: disable=g-import-not-at-top
+
+  def grad_of(d, params, batch):  # plain SGD at rate 1: the parameter change is minus the gradient
+    state = d.init_state(nnx.merge(warm_def, params))
+    new, _ = Distiller.step(d, state, batch)
+    before = jax.tree.leaves(params)
+    after = jax.tree.leaves(jax.device_get(new.params["student"]))
+    return np.concatenate([(np.asarray(b) - np.asarray(x)).ravel() for b, x in zip(before, after)])
+
+  def cos(x, y):
+    return float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
+
+  out = {}
+  for seed, w in warm.items():
+    ds = {}
+    for k in ("sampled", "gkd_rkl"):
+      _, strategy, on_policy = table_of[k]
+      ds[k] = OnPolicyDistiller(md.init_model(s_cfg, seed=0), teacher, strategy=strategy, on_policy=on_policy,
+                                optimizer=optax.sgd(1.0), seed=seed)
+    it = data_for(seed).train_iterator(dict(w["position"]))
+    rows = {"st_vs_rkl": [], "st_vs_st": [], "rkl_vs_rkl": []}
+    for b in range(batches):
+      prompts = ds["sampled"].as_prompt_batch(next(it))
+      state = ds["sampled"].init_state(nnx.merge(warm_def, w["params"]))
+      one, two = (ds["sampled"].sample_batch(state, prompts, step) for step in (b, 1000 + b))
+      st1, st2 = grad_of(ds["sampled"], w["params"], one), grad_of(ds["sampled"], w["params"], two)
+      rkl1, rkl2 = grad_of(ds["gkd_rkl"], w["params"], one), grad_of(ds["gkd_rkl"], w["params"], two)
+      rows["st_vs_rkl"] += [cos(st1, rkl1), cos(st2, rkl2)]
+      rows["st_vs_st"].append(cos(st1, st2))
+      rows["rkl_vs_rkl"].append(cos(rkl1, rkl2))
+    out[str(seed)] = {k: float(np.mean(v)) for k, v in rows.items()}
+    print(f"  seed {seed}: cosine sampled-token vs reverse-KL gradient on the same samples "
+          f"{out[str(seed)]['st_vs_rkl']:.3f}; across two sample sets: sampled-token {out[str(seed)]['st_vs_st']:.3f}, "
+          f"reverse KL {out[str(seed)]['rkl_vs_rkl']:.3f}", flush=True)
+  return out
+
+
 def main(argv=None):
   a = _args(argv)
   if a.render:
@@ -283,6 +335,16 @@ def main(argv=None):
     return
   raw = run(a, argv)
   out = a.out or os.path.join(RESULTS, f"on_policy_task_{a.task}.json")
+  if a.gradient_check:  # added to the results of the same task and warm starts
+    with open(out) as f:
+      full = json.load(f)
+    full["gradient_check"] = raw["gradient_check"]
+    full["gradient_check_command"] = "python benchmarks/onpolicy_task.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    with open(out, "w") as f:
+      json.dump(full, f, indent=1)
+    print(f"added the gradient check to {out}")
+    return
   with open(out, "w") as f:
     json.dump(raw, f, indent=1)
   for line in summary_lines(raw):
@@ -408,6 +470,15 @@ def render(raws: list[dict], out: str, png: str) -> None:
                        + ("n/a" if base is None else f"{base:.3f}") + " | "
                        + ("n/a" if row["gap_at_equal_compute"] is None else f"{row['gap_at_equal_compute']:+.3f}")
                        + " | " + ("never" if share is None else f"{share:.2f}") + " |")
+    check = raw.get("gradient_check")
+    if check:
+      lines += ["", f"Gradient noise at the warm starts (`{raw['gradient_check_command']}`; cosines, mean over 4 "
+                "batches of samples): the sampled-token gradient against the reverse-KL GKD gradient on the same "
+                "samples (its exact per-position expectation), and each loss's gradient on two sample sets of the "
+                "same prompts:", "", "| seed | sampled-token vs reverse KL, same samples | sampled-token, two sample "
+                "sets | reverse KL, two sample sets |", "|---|---|---|---|"]
+      for seed, c in check.items():
+        lines.append(f"| {seed} | {c['st_vs_rkl']:.3f} | {c['st_vs_st']:.3f} | {c['rkl_vs_rkl']:.3f} |")
     lines.append("")
   lines += [f"![accuracy vs compute]({os.path.basename(png)})", ""]
   with open(out, "w") as f:

@@ -259,3 +259,26 @@ def test_lambda_zero_and_one_train_on_the_same_token_mean():
   _, off_m = off.step(off.init_state(), BATCHES[0])
   assert off_m["tokens"] == len(BATCHES[0]["mask"]) * NEW  # every data completion token
   assert on_m["tokens"] == on_m["sample_len"] * len(BATCHES[0]["mask"])  # every sampled token, EOS included
+
+
+def test_the_expected_sampled_token_gradient_is_the_reverse_kl_gradient():
+  """Averaged over the student's own distribution at a position (every token y weighted by p_s(y), exactly), the
+  sampled-token gradient (discount 0) is the gradient of that position's reverse KL(p_s || p_t): the form is an
+  unbiased one-sample estimate of reverse-KL GKD, and only its variance differs."""
+  V = 11
+  k1, k2 = jax.random.split(jax.random.key(4))
+  student, teacher = jax.random.normal(k1, (1, V)), 3 * jax.random.normal(k2, (1, V))
+  mask = np.ones((1,), np.float32)
+  strategy = SampledTokenKD()
+  from meshdistill.models import ModelOutput
+
+  def sampled_loss(s, y):
+    return strategy.per_sequence({}, ModelOutput(logits=s), ModelOutput(logits=teacher), np.array([y]), mask, 0)["loss"]
+
+  p_s = np.asarray(jax.nn.softmax(student[0]))
+  expected = sum(p_s[y] * np.asarray(jax.grad(sampled_loss)(student, y)) for y in range(V))
+  want = jax.grad(lambda s: REVERSE.per_sequence({}, ModelOutput(logits=s), ModelOutput(logits=teacher),
+                                                 np.array([0]), mask, 0)["loss"])(student)
+  np.testing.assert_allclose(expected, np.asarray(want), rtol=1e-4, atol=1e-6)
+  one = np.asarray(jax.grad(sampled_loss)(student, int(np.argmax(p_s))))
+  assert not np.allclose(one, want, atol=1e-3)  # a single sample is not the expectation
