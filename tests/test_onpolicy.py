@@ -288,8 +288,8 @@ def test_distill_job_reads_the_data_share_from_a_teacher_cache_and_runs_the_teac
   live teacher, step by step."""
   from helpers import write_corpus
 
-  from meshdistill.storage.checkpoint import save_teacher
   from meshdistill.teachers import cache as tc
+  from meshdistill.teachers.checkpoint import save_teacher
 
   corpus = write_corpus(tmp_path / "c")
   base = [f"data.source={corpus}", "data.seq_len=16", "data.val_fraction=0.25", "data.max_chars=null",
