@@ -1,31 +1,40 @@
-"""On-policy distillation on a task with checkable answers: held-out exact-match accuracy vs steps.
+"""On-policy distillation on tasks with checkable answers: held-out accuracy vs steps and vs compute, fair arms.
 
-The task is multi-digit arithmetic (`meshdistill.data.tasks`, every number least significant digit first) on
-the byte tokenizer. A teacher is trained here on the task's train split (next-token CE) until its held-out
-greedy accuracy is high; a smaller student is warm-started with ``--warm-steps`` of SFT on the data (per
-seed), then every arm trains ``--steps`` more steps from that same state (fresh Adam, the same learning
-rate, batch size and data order, so equal steps means equal prompts and about equal student tokens):
+Tasks (`meshdistill.data.tasks`, byte tokenizer): ``add5`` (5-digit addition, every number least significant digit
+first) and ``chain12`` (running sums of 12 digits: every answer digit is the previous one plus a prompt digit, so one
+wrong early digit ruins the rest). Per task a teacher is trained (next-token CE) and saved; per seed a smaller
+student is trained by SFT on the data until its held-out greedy accuracy first reaches ``--warm-band`` (e.g. 30-60%):
+that state (parameters and data position) is SAVED ONCE and LOADED by every arm, so every arm of a seed starts from
+the same student, at the same point of the same data order, with fresh Adam.
 
-* ``SFT (data)``          next-token CE on the data's answers;
-* ``SFT (teacher)``       sequence-level KD: CE on the teacher's greedy answers to the same prompts;
-* ``off-policy KD``       forward KL to the teacher on the data's answers (temperature 1);
-* ``GKD lambda 0.5/1.0``  the divergence (``--gkd-divergence``) on the student's own samples with that
-                          probability, else on the data's answers;
-* ``sampled-token``       REINFORCE on the student's own samples, advantage ``log p_t - log p_s`` per token
-                          (`meshdistill.strategies.SampledTokenKD`, discount 0).
+Arms (each an `OnPolicyDistiller` on the same batches of ``--batch`` prompts):
 
-Held-out greedy exact-match accuracy is measured every ``--eval-every`` steps on ``--eval-prompts`` held-out
-problems; ``--seeds`` repeats the warm start and every arm (student init, data order, sampling keys).
+* ``offpolicy``  off-policy KD: forward KL to the teacher on the data's answers (lambda 0);
+* ``gkd``        GKD with its published defaults: generalized JSD beta 0.5 (TRL's convention and default), lambda 0.5
+                 (TRL's default), student samples at temperature 1 (the GKD paper's);
+* ``gkd_rkl``    GKD lambda 1 with reverse KL (every batch the student's own samples, the full-distribution form);
+* ``sampled``    the sampled-token form (`meshdistill.strategies.SampledTokenKD`, discount 0: each token's advantage
+                 its own ``log p_teacher - log p_student``, the teacher's exact log-probability over its whole
+                 vocabulary, samples from the current parameters: no importance weights, no reference penalty).
 
-  nice -n 10 python benchmarks/onpolicy_task.py --seeds 0,1,2   # writes results/on_policy_task.{md,json,png}
+Learning rate: every arm's is chosen from ``--lrs`` on the first seed (the one with the best mean accuracy over the
+curve's evaluations after step 0); the other seeds run at that rate. Compute: FLOPs per step counted from the models'
+matmul parameters (``2 N`` per token forward, ``6 N`` forward and backward; attention's ``T x T`` terms left out,
+rows of at most 18 tokens): student forward + backward and teacher forward on every row position of the step, plus,
+for a generated batch, the student's prompt pass and one decode step per new token for every row.
+
+  nice -n 10 python benchmarks/onpolicy_task.py --task add5                  # results/on_policy_task_add5.json
+  nice -n 10 python benchmarks/onpolicy_task.py --task chain12 --student 16,1 --teacher-steps 1500
+  python benchmarks/onpolicy_task.py --render benchmarks/results/on_policy_task_add5.json \\
+      benchmarks/results/on_policy_task_chain12.json   # writes results/on_policy_task.{md,png}
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
+import pickle
 import sys
 import time
 
@@ -41,34 +50,44 @@ import meshdistill as md  # noqa: E402
 from meshdistill.data import ByteTokenizer  # noqa: E402
 from meshdistill.data.prompts import PromptData  # noqa: E402
 from meshdistill.data.tasks import parse_task  # noqa: E402
-from meshdistill.train.loop.task_eval import task_accuracy  # noqa: E402
 from meshdistill.strategies import HardLabelCE, LogitKD, SampledTokenKD  # noqa: E402
 from meshdistill.train.hardlabel import HardLabelTrainer  # noqa: E402
+from meshdistill.train.loop.task_eval import complete, task_accuracy  # noqa: E402
 from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller  # noqa: E402
 from meshdistill.train.optimizers import default_optimizer  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
 
 
 def _args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--task", default="add6")
+  p.add_argument("--task", default="add5")
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--train-problems", type=int, default=20000)
   p.add_argument("--eval-prompts", type=int, default=256)
-  p.add_argument("--batch", type=int, default=32)
+  p.add_argument("--batch", type=int, default=64)
   p.add_argument("--teacher", default="64,2", help="d_model,n_layers of the teacher")
   p.add_argument("--student", default="32,1", help="d_model,n_layers of the student")
-  p.add_argument("--teacher-steps", type=int, default=1500)
+  p.add_argument("--teacher-steps", type=int, default=1000)
   p.add_argument("--teacher-lr", type=float, default=3e-3)
-  p.add_argument("--warm-steps", type=int, default=300)
-  p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--lr", type=float, default=1e-3)
-  p.add_argument("--eval-every", type=int, default=50)
-  p.add_argument("--gkd-divergence", default="reverse_kl")
-  p.add_argument("--arms", default=None, help="comma-separated arm keys (default: all)")
-  p.add_argument("--out", default=os.path.join(HERE, "results", "on_policy_task.md"))
+  p.add_argument("--warm-lr", type=float, default=3e-3)
+  p.add_argument("--warm-band", default="0.3,0.6", help="held-out accuracy a warm start stops in (the first check at "
+                                                           "or above the lower end)")
+  p.add_argument("--warm-check", type=int, default=5, help="SFT steps between the warm start's accuracy checks")
+  p.add_argument("--warm-max", type=int, default=1500, help="SFT steps at most for a warm start")
+  p.add_argument("--steps", type=int, default=200)
+  p.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="learning rates swept on the first seed, per arm")
+  p.add_argument("--eval-every", type=int, default=25)
+  p.add_argument("--arms", default="offpolicy,gkd,gkd_rkl,sampled")
+  p.add_argument("--state-dir", default=None, help="where the teacher and warm starts are saved (default: "
+                                                   "/tmp/meshdistill_onpolicy_task/<task>)")
+  p.add_argument("--out", default=None, help="raw results (.json; default results/on_policy_task_<task>.json)")
+  p.add_argument("--gradient-check", action="store_true",
+                 help="train nothing: at the saved warm starts, the cosine between the sampled-token gradient and the "
+                      "reverse-KL GKD gradient on the same samples (and each against itself on other samples); added "
+                      "to --out")
   p.add_argument("--render", nargs="+", default=None, metavar="JSON",
-                 help="train nothing: write --out from these raw results (runs of the same task, seeds and warm start, "
-                      "e.g. one with other --arms / --gkd-divergence), their arms side by side")
+                 help="train nothing: write results/on_policy_task.{md,png} from these raw results (one per task)")
   return p.parse_args(argv)
 
 
@@ -78,39 +97,228 @@ def _model_cfg(spec: str, vocab: int, seq: int) -> md.ModelConfig:
                         max_len=seq)
 
 
-def arms(gkd_divergence: str, new_tokens: int, eos: int, pad: int) -> dict:
-  """key -> (label, strategy, OnPolicyConfig): every arm an `OnPolicyDistiller` on the same batches."""
-  def on(lmbda, **kw):
-    return OnPolicyConfig(lmbda=lmbda, max_new_tokens=new_tokens, temperature=1.0, eos_id=eos, pad_id=pad, **kw)
+def arms(new_tokens: int, eos: int, pad: int) -> dict:
+  """key -> (label, strategy, OnPolicyConfig)."""
+  def on(lmbda):
+    return OnPolicyConfig(lmbda=lmbda, max_new_tokens=new_tokens, temperature=1.0, eos_id=eos, pad_id=pad)
 
-  kd = LogitKD(temperature=1.0, alpha=1.0)
-  gkd = LogitKD(temperature=1.0, alpha=1.0, divergence=gkd_divergence)
   return {
-      "sft": ("SFT (data)", HardLabelCE(), on(0.0)),
-      "seqkd": ("SFT (teacher outputs, seq-KD)", HardLabelCE(), OnPolicyConfig(
-          lmbda=1.0, seq_kd=True, max_new_tokens=new_tokens, temperature=0.0, eos_id=eos, pad_id=pad)),
-      "offpolicy": ("off-policy KD (forward KL)", kd, on(0.0)),
-      "gkd05": (f"GKD lambda 0.5 ({gkd_divergence})", gkd, on(0.5)),
-      "gkd10": (f"GKD lambda 1.0 ({gkd_divergence})", gkd, on(1.0)),
-      "sampled": ("sampled-token on-policy", SampledTokenKD(), on(1.0)),
+      "offpolicy": ("off-policy KD (forward KL, lambda 0)", LogitKD(temperature=1.0, alpha=1.0), on(0.0)),
+      "gkd": ("GKD (JSD beta 0.5, lambda 0.5)", LogitKD(temperature=1.0, alpha=1.0, divergence="jsd", beta=0.5),
+              on(0.5)),
+      "gkd_rkl": ("GKD (reverse KL, lambda 1)", LogitKD(temperature=1.0, alpha=1.0, divergence="reverse_kl"), on(1.0)),
+      "sampled": ("sampled-token (discount 0, lambda 1)", SampledTokenKD(), on(1.0)),
+      "sft": ("SFT on the data", HardLabelCE(), on(0.0)),
   }
 
 
-def merge(raws: list[dict]) -> dict:
-  """One result of several runs from the same warm start (same task, seeds, teacher and warm-start settings)."""
-  out = json.loads(json.dumps(raws[0]))
-  same = ("task", "seeds", "batch", "teacher", "student", "teacher_steps", "warm_steps", "steps", "lr", "eval_every")
-  for raw in raws[1:]:
-    differ = [k for k in same if raw["args"][k] != out["args"][k]]
-    if differ or raw["warm_acc"] != out["warm_acc"]:
-      raise ValueError(f"results differ in {differ or 'the warm start'}: not from the same warm start")
-    out["command"] += "`; `" + raw["command"]
-    out["total_seconds"] += raw["total_seconds"]
-    for k, label in raw["labels"].items():
-      key = k if k not in out["labels"] else f"{k}:{raw['args']['gkd_divergence']}"
-      out["labels"][key] = label
-      for field in ("curves", "tokens", "seconds"):
-        out[field][key] = raw[field][k]
+def matmul_params(model) -> int:
+  """Parameters that are matmul weights (2-D: projections, and the tied embedding as the LM head)."""
+  return int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if x.ndim == 2))
+
+
+def _save(path, obj):
+  with open(path + ".tmp", "wb") as f:
+    pickle.dump(obj, f)
+  os.replace(path + ".tmp", path)
+
+
+def _load(path):
+  with open(path, "rb") as f:
+    return pickle.load(f)
+
+
+def run(a, argv) -> dict:
+  task, tok = parse_task(a.task), ByteTokenizer()
+  seq = task.prompt_len + task.answer_width  # prompt + answer + EOS = seq + 1 tokens a row
+  held = task.rows("held_out", a.eval_prompts, seed=0)
+  prompts = [r["prompt"] for r in held]
+  t_cfg, s_cfg = _model_cfg(a.teacher, tok.vocab_size, seq), _model_cfg(a.student, tok.vocab_size, seq)
+  seeds = [int(s) for s in a.seeds.split(",")]
+  lrs = [float(x) for x in a.lrs.split(",")]
+  lo, hi = (float(x) for x in a.warm_band.split(","))
+  state_dir = a.state_dir or os.path.join("/tmp/meshdistill_onpolicy_task", a.task)
+  os.makedirs(state_dir, exist_ok=True)
+  t0 = time.time()
+
+  def data_for(seed):
+    return PromptData(task.rows("train", a.train_problems, seed=0), tok, seq_len=seq, batch_size=a.batch, seed=seed,
+                      val_rows=held)
+
+  def acc(graphdef, params):
+    return task_accuracy((graphdef, params), task, prompts, tok)["greedy"]
+
+  answers = [r["completion"] for r in held]
+
+  def off_path(graphdef, params, seed):
+    """The share of a student's sampled completion tokens (temperature 1, the held-out prompts) that come after its
+    first wrong token: tokens an on-policy batch trains on whose prefix no exact-match answer can follow."""
+    n_new = task.answer_width + 1
+    texts = complete((graphdef, params), prompts, tok, max_new_tokens=n_new, temperature=1.0, seed=seed)
+    after = total = 0
+    for text, answer in zip(texts, answers):
+      gen = text + "\0" if len(text) < n_new else text  # "\0": the EOS it stopped at
+      want = answer + "\0"
+      first = next((i for i, (x, y) in enumerate(zip(gen, want)) if x != y), min(len(gen), len(want)))
+      total += len(gen)
+      after += max(0, len(gen) - first - 1)
+    return after / total
+
+  # the teacher: trained once, saved, loaded by every later run
+  teacher_path = os.path.join(state_dir, f"teacher_{a.teacher}_{a.teacher_steps}.pkl")
+  teacher = md.init_model(t_cfg, seed=100)
+  t_def = nnx.split(teacher)[0]
+  if os.path.exists(teacher_path):
+    saved = _load(teacher_path)
+    teacher = nnx.merge(t_def, saved["params"])
+    teacher_acc = saved["acc"]
+  else:
+    tt = HardLabelTrainer(teacher, optimizer=default_optimizer(a.teacher_lr))
+    state, it = tt.init_state(), data_for(100).train_iterator()
+    for _ in range(a.teacher_steps):
+      state, _ = tt.step(state, next(it))
+    teacher = tt.student(state)
+    teacher_acc = acc(*nnx.split(teacher))
+    _save(teacher_path, {"params": jax.device_get(nnx.split(teacher)[1]), "acc": teacher_acc})
+  print(f"{a.task}: teacher {a.teacher}: held-out greedy {teacher_acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
+
+  # per seed: the warm start, saved once
+  warm_def = nnx.split(md.init_model(s_cfg, seed=0))[0]
+  warm = {}
+  for seed in seeds:
+    path = os.path.join(state_dir, f"warm_{a.student}_seed{seed}_{a.warm_band}_{a.warm_lr}_{a.warm_check}.pkl")
+    if not os.path.exists(path):
+      trainer = HardLabelTrainer(md.init_model(s_cfg, seed=seed), optimizer=default_optimizer(a.warm_lr))
+      data = data_for(seed)
+      state, it, steps, w_acc = trainer.init_state(), data.train_iterator(), 0, 0.0
+      while steps < a.warm_max:
+        for _ in range(a.warm_check):
+          state, _ = trainer.step(state, next(it))
+        steps += a.warm_check
+        w_acc = acc(trainer.student_def, jax.device_get(state.params["student"]))
+        if w_acc >= lo:
+          break
+      _save(path, {"params": jax.device_get(state.params["student"]), "position": it.get_state(), "acc": w_acc,
+                   "steps": steps})
+    warm[seed] = _load(path)
+    warm[seed]["off_path"] = off_path(warm_def, warm[seed]["params"], seed)
+    note = "" if lo <= warm[seed]["acc"] <= hi else f" (outside the band {a.warm_band})"
+    print(f"  seed {seed}: warm start {warm[seed]['steps']} SFT steps, held-out greedy {warm[seed]['acc']:.3f}{note} "
+          f"; {warm[seed]['off_path']:.3f} of its sampled tokens follow its first wrong one -> {path}", flush=True)
+
+  if a.gradient_check:
+    return {"gradient_check": gradient_check(s_cfg, teacher, warm_def, warm, data_for, table_of=arms(
+        task.answer_width + 1, tok.eos_id, tok.pad_id))}
+
+  n_s, n_t = matmul_params(md.init_model(s_cfg, seed=0)), matmul_params(teacher)
+  train_flops = (6 * n_s + 2 * n_t) * a.batch * seq
+  sample_flops = 2 * n_s * a.batch * (task.prompt_len + task.answer_width + 1)  # prompt pass + one step per new token
+
+  table = arms(task.answer_width + 1, tok.eos_id, tok.pad_id)
+  keys = a.arms.split(",")
+  results = {k: {"sweep": {}, "curves": [], "flops": [], "seconds": 0.0, "lr": None, "off_path": []} for k in keys}
+  curve_off_path = []
+
+  def run_arm(k, lr, seed, d):
+    label, _, _ = table[k]
+    d.seed = seed
+    start = time.time()
+    state = d.init_state(nnx.merge(warm_def, warm[seed]["params"]))
+    it = data_for(seed).train_iterator(dict(warm[seed]["position"]))
+    curve, flops, spent = [(0, warm[seed]["acc"])], [0.0], 0.0
+    for step in range(1, a.steps + 1):
+      state, m = d.step(state, next(it))
+      spent += train_flops + (sample_flops if float(m["on_policy"]) else 0.0)
+      if step % a.eval_every == 0 or step == a.steps:
+        curve.append((step, acc(d.student_def, jax.device_get(state.params["student"]))))
+        flops.append(spent)
+    seconds = time.time() - start
+    curve_off_path.append(off_path(d.student_def, jax.device_get(state.params["student"]), seed))
+    print(f"  {label:40s} lr {lr:g} seed {seed}: " + " ".join(f"{s}:{v:.3f}" for s, v in curve)
+          + f"  off-path {curve_off_path[-1]:.3f} ({seconds:.0f}s)", flush=True)
+    return curve, flops, seconds, curve_off_path[-1]
+
+  def distiller(k, lr):
+    _, strategy, on_policy = table[k]
+    return OnPolicyDistiller(md.init_model(s_cfg, seed=0), teacher, strategy=strategy, on_policy=on_policy,
+                             optimizer=default_optimizer(lr), seed=seeds[0])
+
+  first = seeds[0]
+  for k in keys:  # the sweep on the first seed
+    best = None
+    for lr in lrs:
+      curve, flops, seconds, off = run_arm(k, lr, first, distiller(k, lr))
+      score = float(np.mean([v for _, v in curve[1:]]))
+      results[k]["sweep"][str(lr)] = {"curve": curve, "flops": flops, "seconds": seconds, "score": score,
+                                      "off_path": off}
+      if best is None or score > best[0]:
+        best = (score, lr)
+    results[k]["lr"] = best[1]
+  for k in keys:  # the other seeds at each arm's best rate
+    lr = results[k]["lr"]
+    chosen = results[k]["sweep"][str(lr)]
+    results[k]["curves"].append(chosen["curve"])
+    results[k]["flops"].append(chosen["flops"])
+    results[k]["seconds"] += chosen["seconds"]
+    results[k]["off_path"].append(chosen["off_path"])
+    d = distiller(k, lr)
+    for seed in seeds[1:]:
+      curve, flops, seconds, off = run_arm(k, lr, seed, d)
+      results[k]["curves"].append(curve)
+      results[k]["flops"].append(flops)
+      results[k]["seconds"] += seconds
+      results[k]["off_path"].append(off)
+
+  return {"command": "python benchmarks/onpolicy_task.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+          "args": vars(a), "teacher_acc": teacher_acc, "seeds": seeds,
+          "warm": {str(s): {k: warm[s][k] for k in ("acc", "steps", "off_path")} for s in seeds},
+          "labels": {k: table[k][0] for k in keys}, "results": results,
+          "params": {"student_matmul": n_s, "teacher_matmul": n_t},
+          "flops_per_step": {"train": train_flops, "sample": sample_flops},
+          "total_seconds": time.time() - t0, "machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__}"}
+
+
+def gradient_check(s_cfg, teacher, warm_def, warm, data_for, table_of, batches: int = 4) -> dict:
+  """Per seed, at its warm start: over ``batches`` batches of the student's samples, the cosine between the gradient
+  of the sampled-token loss and the gradient of reverse-KL GKD on the SAME samples (the latter is the exact
+  expectation over each position's next token of the former: `tests/test_onpolicy_identities.py`), and, as the
+  sampling noise of each, the cosine between two gradients of the same loss on two sample sets of the same prompts."""
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.train.distiller import Distiller  # pylint: disable=g-import-not-at-top
+
+  def grad_of(d, params, batch):  # plain SGD at rate 1: the parameter change is minus the gradient
+    state = d.init_state(nnx.merge(warm_def, params))
+    new, _ = Distiller.step(d, state, batch)
+    before = jax.tree.leaves(params)
+    after = jax.tree.leaves(jax.device_get(new.params["student"]))
+    return np.concatenate([(np.asarray(b) - np.asarray(x)).ravel() for b, x in zip(before, after)])
+
+  def cos(x, y):
+    return float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
+
+  out = {}
+  for seed, w in warm.items():
+    ds = {}
+    for k in ("sampled", "gkd_rkl"):
+      _, strategy, on_policy = table_of[k]
+      ds[k] = OnPolicyDistiller(md.init_model(s_cfg, seed=0), teacher, strategy=strategy, on_policy=on_policy,
+                                optimizer=optax.sgd(1.0), seed=seed)
+    it = data_for(seed).train_iterator(dict(w["position"]))
+    rows = {"st_vs_rkl": [], "st_vs_st": [], "rkl_vs_rkl": []}
+    for b in range(batches):
+      prompts = ds["sampled"].as_prompt_batch(next(it))
+      state = ds["sampled"].init_state(nnx.merge(warm_def, w["params"]))
+      one, two = (ds["sampled"].sample_batch(state, prompts, step) for step in (b, 1000 + b))
+      st1, st2 = grad_of(ds["sampled"], w["params"], one), grad_of(ds["sampled"], w["params"], two)
+      rkl1, rkl2 = grad_of(ds["gkd_rkl"], w["params"], one), grad_of(ds["gkd_rkl"], w["params"], two)
+      rows["st_vs_rkl"] += [cos(st1, rkl1), cos(st2, rkl2)]
+      rows["st_vs_st"].append(cos(st1, st2))
+      rows["rkl_vs_rkl"].append(cos(rkl1, rkl2))
+    out[str(seed)] = {k: float(np.mean(v)) for k, v in rows.items()}
+    print(f"  seed {seed}: cosine sampled-token vs reverse-KL gradient on the same samples "
+          f"{out[str(seed)]['st_vs_rkl']:.3f}; across two sample sets: sampled-token {out[str(seed)]['st_vs_st']:.3f}, "
+          f"reverse KL {out[str(seed)]['rkl_vs_rkl']:.3f}", flush=True)
   return out
 
 
@@ -121,122 +329,159 @@ def main(argv=None):
     for path in a.render:
       with open(path) as f:
         raws.append(json.load(f))
-    raw = merge(raws)
-    base = os.path.splitext(a.out)[0]
-    with open(base + ".json", "w") as f:
-      json.dump(raw, f, indent=1)
-    render(raw, a.out, base + ".png")
-    print(f"wrote {a.out}")
+    out = os.path.join(RESULTS, "on_policy_task.md")
+    render(raws, out, os.path.join(RESULTS, "on_policy_task.png"))
+    print(f"wrote {out}")
     return
-  task, tok = parse_task(a.task), ByteTokenizer()
-  seq = task.prompt_len + task.answer_width  # prompt + answer + EOS = seq + 1 tokens a row
-  held = task.rows("held_out", a.eval_prompts, seed=0)
-  prompts = [r["prompt"] for r in held]
-  t_cfg, s_cfg = _model_cfg(a.teacher, tok.vocab_size, seq), _model_cfg(a.student, tok.vocab_size, seq)
-  seeds = [int(s) for s in a.seeds.split(",")]
-  t0 = time.time()
-
-  def data_for(seed):
-    return PromptData(task.rows("train", a.train_problems, seed=0), tok, seq_len=seq, batch_size=a.batch, seed=seed,
-                      val_rows=held)
-
-  def acc(graphdef, params):
-    return task_accuracy((graphdef, params), task, prompts, tok)["greedy"]
-
-  # the teacher
-  teacher = md.init_model(t_cfg, seed=100)
-  tt = HardLabelTrainer(teacher, optimizer=default_optimizer(a.teacher_lr))
-  state, it = tt.init_state(), data_for(100).train_iterator()
-  for _ in range(a.teacher_steps):
-    state, _ = tt.step(state, next(it))
-  teacher = tt.student(state)
-  teacher_acc = acc(*nnx.split(teacher))
-  print(f"teacher {a.teacher}: held-out greedy {teacher_acc:.3f} after {a.teacher_steps} steps "
-        f"({time.time() - t0:.0f}s)", flush=True)
-
-  table = arms(a.gkd_divergence, task.answer_width + 1, tok.eos_id, tok.pad_id)
-  keys = list(table) if a.arms is None else a.arms.split(",")
-  distillers = {}
-  curves = {k: [] for k in keys}  # per seed: [(step, acc)], plus tokens
-  tokens = {k: [] for k in keys}
-  warm_acc, seconds = [], {k: 0.0 for k in keys}
-  warm = HardLabelTrainer(md.init_model(s_cfg, seed=0), optimizer=default_optimizer(a.lr))
-  for seed in seeds:
-    data = data_for(seed)
-    state, it = warm.init_state(md.init_model(s_cfg, seed=seed)), data.train_iterator()
-    for _ in range(a.warm_steps):
-      state, _ = warm.step(state, next(it))
-    warm_params = jax.device_get(state.params["student"])
-    position = it.get_state()
-    warm_acc.append(acc(warm.student_def, warm_params))
-    print(f"seed {seed}: warm start ({a.warm_steps} SFT steps) held-out greedy {warm_acc[-1]:.3f}", flush=True)
-    for k in keys:
-      label, strategy, on_policy = table[k]
-      if k not in distillers:
-        distillers[k] = OnPolicyDistiller(md.init_model(s_cfg, seed=0), teacher, strategy=strategy, on_policy=on_policy,
-                                          optimizer=default_optimizer(a.lr), seed=seed)
-      d = copy.copy(distillers[k])  # the same compiled step and sampler; this seed's sampling keys
-      d.seed = seed
-      start = time.time()
-      state = d.init_state(nnx.merge(warm.student_def, warm_params))
-      it = data.train_iterator(dict(position))
-      curve, n_tok = [(0, warm_acc[-1])], 0.0
-      for step in range(1, a.steps + 1):
-        state, m = d.step(state, next(it))
-        n_tok += float(m["tokens"])
-        if step % a.eval_every == 0 or step == a.steps:
-          curve.append((step, acc(d.student_def, jax.device_get(state.params["student"]))))
-      seconds[k] += time.time() - start
-      curves[k].append(curve)
-      tokens[k].append(n_tok)
-      print(f"  {label:38s} " + " ".join(f"{s}:{v:.3f}" for s, v in curve) + f"  ({time.time() - start:.0f}s)",
-            flush=True)
-
-  raw = {"command": "python benchmarks/onpolicy_task.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-         "args": vars(a), "teacher_acc": teacher_acc, "warm_acc": warm_acc, "seeds": seeds,
-         "labels": {k: table[k][0] for k in keys}, "curves": curves, "tokens": tokens, "seconds": seconds,
-         "total_seconds": time.time() - t0, "machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__}"}
-  base = os.path.splitext(a.out)[0]
-  with open(base + ".json", "w") as f:
+  raw = run(a, argv)
+  out = a.out or os.path.join(RESULTS, f"on_policy_task_{a.task}.json")
+  if a.gradient_check:  # added to the results of the same task and warm starts
+    with open(out) as f:
+      full = json.load(f)
+    full["gradient_check"] = raw["gradient_check"]
+    full["gradient_check_command"] = "python benchmarks/onpolicy_task.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    with open(out, "w") as f:
+      json.dump(full, f, indent=1)
+    print(f"added the gradient check to {out}")
+    return
+  with open(out, "w") as f:
     json.dump(raw, f, indent=1)
-  render(raw, a.out, base + ".png")
-  print(f"wrote {a.out} ({time.time() - t0:.0f}s)")
+  for line in summary_lines(raw):
+    print(line)
+  print(f"wrote {out} ({raw['total_seconds'] / 60:.1f} min)")
+
+
+# ------------------------------------------------------------------------------------------ reading
+def _reach(curve, flops, target):
+  """The compute at which ``curve`` first reaches ``target`` (None if never)."""
+  for (_, v), f in zip(curve, flops):
+    if v >= target - 1e-9:
+      return f
+  return None
+
+
+def _at(curve, flops, f):
+  """Accuracy of ``curve`` at compute ``f`` (linear between evaluations; None past its end)."""
+  xs, ys = np.asarray(flops), np.asarray([v for _, v in curve])
+  return None if f > xs[-1] + 1e-6 else float(np.interp(f, xs, ys))
+
+
+def aim(raw) -> dict:
+  """Per on-policy arm and seed, against off-policy KD of the same seed: the accuracy gap at equal compute (at the
+  smaller of the two arms' final compute, each curve interpolated there) and the compute the arm needs to first reach
+  off-policy KD's final accuracy, as a share of the compute off-policy KD needed to first reach it (at the
+  evaluations: every ``--eval-every`` steps)."""
+  res = raw["results"]
+  base = res.get("offpolicy")
+  out = {}
+  if base is None:
+    return out
+  for k in res:
+    if k == "offpolicy":
+      continue
+    rows = []
+    for i, _ in enumerate(raw["seeds"]):
+      c, f = res[k]["curves"][i], res[k]["flops"][i]
+      bc, bf = base["curves"][i], base["flops"][i]
+      equal = min(f[-1], bf[-1])  # the compute both arms reached
+      gap = _at(c, f, equal) - _at(bc, bf, equal)
+      need, base_need = _reach(c, f, bc[-1][1]), _reach(bc, bf, bc[-1][1])
+      share = None if need is None else need / max(base_need, 1.0)
+      rows.append({"gap_at_equal_compute": gap, "compute_share_to_reach_offpolicy_final": share})
+    out[k] = rows
+  return out
+
+
+def summary_lines(raw) -> list[str]:
+  a, res = raw["args"], raw["results"]
+  lines = [f"{a['task']}: final held-out greedy accuracy per seed (lr chosen from {a['lrs']}):"]
+  for k, r in res.items():
+    finals = [c[-1][1] for c in r["curves"]]
+    lines.append(f"  {raw['labels'][k]:40s} lr {r['lr']:g}: " + ", ".join(f"{x:.3f}" for x in finals)
+                 + f"  mean {np.mean(finals):.3f} sd {np.std(finals):.3f}; TFLOP {r['flops'][0][-1] / 1e12:.2f}")
+  for k, rows in aim(raw).items():
+    gaps = [r["gap_at_equal_compute"] for r in rows]
+    shares = [r["compute_share_to_reach_offpolicy_final"] for r in rows]
+    lines.append(f"  vs off-policy KD, {k}: gap at equal compute " + ", ".join("n/a" if g is None else f"{g:+.3f}"
+                 for g in gaps) + "; compute to reach its final (share of its own) " + ", ".join("never" if s is None else
+                 f"{s:.2f}" for s in shares))
+  return lines
 
 
 def _stats(curves):
-  steps = [s for s, _ in curves[0]]
   vals = np.array([[v for _, v in c] for c in curves])  # [seeds, evals]
-  return steps, vals.mean(0), vals.std(0), vals.min(0), vals.max(0)
+  return [s for s, _ in curves[0]], vals.mean(0), vals.std(0), vals.min(0), vals.max(0)
 
 
-def render(raw: dict, out: str, png: str) -> None:
-  """The Markdown report (and the plot) from the raw results."""
-  a = raw["args"]
-  lines = [
-      "# On-policy distillation on a task with checkable answers",
-      "",
-      f"Command: `{raw['command']}` ({raw['machine']}; {raw['total_seconds'] / 60:.1f} min in all).",
-      "",
-      f"Task `{a['task']}` (every number least significant digit first, byte tokenizer), {a['train_problems']} "
-      f"train problems, {a['eval_prompts']} held-out problems (disjoint by construction). Teacher d,L="
-      f"{a['teacher']} trained {a['teacher_steps']} steps: held-out greedy accuracy **{raw['teacher_acc']:.3f}**. "
-      f"Student d,L={a['student']}, warm start {a['warm_steps']} SFT steps per seed: "
-      f"{np.mean(raw['warm_acc']):.3f} (seeds {raw['seeds']}: {', '.join(f'{x:.3f}' for x in raw['warm_acc'])}). "
-      f"Each arm: {a['steps']} steps of {a['batch']} prompts from that state, learning rate {a['lr']}, fresh Adam.",
-      "",
-      "Held-out greedy exact-match accuracy, mean +- sd over seeds [min, max]:",
-      "",
-  ]
-  keys = list(raw["labels"])
-  steps = _stats(raw["curves"][keys[0]])[0]
-  lines.append("| arm | " + " | ".join(f"step {s}" for s in steps) + " | student tokens | seconds |")
-  lines.append("|---|" + "---|" * (len(steps) + 2))
-  for k in keys:
-    _, mean, sd, lo, hi = _stats(raw["curves"][k])
-    cells = [f"{m:.3f} +- {s:.3f} [{x:.3f}, {y:.3f}]" for m, s, x, y in zip(mean, sd, lo, hi)]
-    lines.append(f"| {raw['labels'][k]} | " + " | ".join(cells) + f" | {np.mean(raw['tokens'][k]):.0f} | "
-                 f"{raw['seconds'][k]:.0f} |")
-  lines += ["", f"![accuracy vs steps]({os.path.basename(png)})", ""]
+def render(raws: list[dict], out: str, png: str) -> None:
+  """The Markdown report (and the plot) from the raw results of one or more tasks."""
+  lines = ["# On-policy distillation on tasks with checkable answers", "",
+           "Written by `benchmarks/onpolicy_task.py` (read `on_policy_task_notes.md` beside it for what it shows). "
+           "Commands:", ""]
+  lines += [f"    {raw['command']}" for raw in raws]
+  lines += ["    python benchmarks/onpolicy_task.py --render " + " ".join(
+      f"benchmarks/results/on_policy_task_{raw['args']['task']}.json" for raw in raws), ""]
+  for raw in raws:
+    a, res = raw["args"], raw["results"]
+    fl = raw["flops_per_step"]
+    warm = ", ".join(f"seed {s}: {w['acc']:.3f} after {w['steps']} SFT steps ({w['off_path']:.3f} of its sampled "
+                     "tokens after its first wrong one)" for s, w in raw["warm"].items())
+    lines += [
+        f"## `{a['task']}`", "",
+        f"{raw['machine']}; {raw['total_seconds'] / 60:.1f} min. {a['train_problems']} train problems, "
+        f"{a['eval_prompts']} held-out problems (disjoint by construction), held-out greedy exact match. Teacher d,L="
+        f"{a['teacher']} ({raw['params']['teacher_matmul']:,} matmul parameters), {a['teacher_steps']} steps: "
+        f"**{raw['teacher_acc']:.3f}**. Student d,L={a['student']} ({raw['params']['student_matmul']:,}). Shared warm "
+        f"starts (SFT at lr {a['warm_lr']} until the first check at or above {a['warm_band'].split(',')[0]}; saved "
+        f"once, loaded by every arm): {warm}. Each arm: {a['steps']} steps of {a['batch']} prompts, fresh Adam, its "
+        f"learning rate the best of {a['lrs']} on seed {raw['seeds'][0]} (mean accuracy over its evaluations). "
+        f"Compute per step: {fl['train'] / 1e9:.2f} GFLOP of training (student forward and backward, teacher "
+        f"forward), plus {fl['sample'] / 1e9:.2f} GFLOP of sampling when the batch is generated.", "",
+        "Learning-rate sweep (seed %d; mean accuracy over the evaluations after step 0 / final):" % raw["seeds"][0], "",
+        "| arm | " + " | ".join(f"lr {x}" for x in a["lrs"].split(",")) + " | chosen |",
+        "|---|" + "---|" * (len(a["lrs"].split(",")) + 1)]
+    for k, r in res.items():
+      cells = [f"{s['score']:.3f} / {s['curve'][-1][1]:.3f}" for s in r["sweep"].values()]
+      lines.append(f"| {raw['labels'][k]} | " + " | ".join(cells) + f" | {r['lr']:g} |")
+    steps = _stats(next(iter(res.values()))["curves"])[0]
+    lines += ["", "Accuracy against steps, mean +- sd over seeds [min, max]; the compute of the last step (TFLOP, mean "
+              "over seeds); off-path: the share of the final student's sampled completion tokens (temperature 1, the "
+              "held-out prompts) that follow its first wrong token (mean over seeds):", "",
+              "| arm | lr | " + " | ".join(f"step {s}" for s in steps) + " | TFLOP | off-path |",
+              "|---|---|" + "---|" * (len(steps) + 2)]
+    for k, r in res.items():
+      _, mean, sd, lo, hi = _stats(r["curves"])
+      cells = [f"{m:.3f} +- {s:.3f} [{x:.3f}, {y:.3f}]" for m, s, x, y in zip(mean, sd, lo, hi)]
+      lines.append(f"| {raw['labels'][k]} | {r['lr']:g} | " + " | ".join(cells)
+                   + f" | {np.mean([f[-1] for f in r['flops']]) / 1e12:.2f} | {np.mean(r['off_path']):.3f} |")
+    rows = aim(raw)
+    if rows:
+      lines += ["", "Against off-policy KD of the same seed (the aim: +0.05 at equal compute, or off-policy KD's "
+                "final accuracy in at most half the compute off-policy KD needs to reach it):", "",
+                "| arm | seed | final | off-policy KD at equal compute | gap at equal compute | compute to reach "
+                "off-policy KD's final, share of off-policy KD's own |", "|---|---|---|---|---|---|"]
+      for k, per_seed in rows.items():
+        for i, row in enumerate(per_seed):
+          c, f = res[k]["curves"][i], res[k]["flops"][i]
+          bf = res["offpolicy"]["flops"][i]
+          base = _at(res["offpolicy"]["curves"][i], bf, min(f[-1], bf[-1]))
+          share = row["compute_share_to_reach_offpolicy_final"]
+          lines.append(f"| {raw['labels'][k]} | {raw['seeds'][i]} | {c[-1][1]:.3f} | "
+                       + ("n/a" if base is None else f"{base:.3f}") + " | "
+                       + ("n/a" if row["gap_at_equal_compute"] is None else f"{row['gap_at_equal_compute']:+.3f}")
+                       + " | " + ("never" if share is None else f"{share:.2f}") + " |")
+    check = raw.get("gradient_check")
+    if check:
+      lines += ["", f"Gradient noise at the warm starts (`{raw['gradient_check_command']}`; cosines, mean over 4 "
+                "batches of samples): the sampled-token gradient against the reverse-KL GKD gradient on the same "
+                "samples (its exact per-position expectation), and each loss's gradient on two sample sets of the "
+                "same prompts:", "", "| seed | sampled-token vs reverse KL, same samples | sampled-token, two sample "
+                "sets | reverse KL, two sample sets |", "|---|---|---|---|"]
+      for seed, c in check.items():
+        lines.append(f"| {seed} | {c['st_vs_rkl']:.3f} | {c['st_vs_st']:.3f} | {c['rkl_vs_rkl']:.3f} |")
+    lines.append("")
+  lines += [f"![accuracy vs compute]({os.path.basename(png)})", ""]
   with open(out, "w") as f:
     f.write("\n".join(lines))
   try:
@@ -246,18 +491,24 @@ def render(raw: dict, out: str, png: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  seeds = raw["seeds"]  # one panel per seed: the warm starts differ too much for a mean to show the arms apart
-  fig, axes = plt.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 4.2), sharey=True, squeeze=False)
-  for i, (ax, seed) in enumerate(zip(axes[0], seeds)):
-    for k in keys:
-      curve = raw["curves"][k][i]
-      style = "--" if "forward_kl" in raw["labels"][k] and k.startswith("gkd") else "-"
-      ax.plot([c[0] for c in curve], [c[1] for c in curve], style, marker=".", label=raw["labels"][k])
-    ax.set_title(f"{a['task']}, seed {seed} (warm start {raw['warm_acc'][i]:.3f})")
-    ax.set_xlabel("steps after the warm start")
-    ax.grid(alpha=0.3)
-  axes[0][0].set_ylabel("held-out greedy exact match")
-  axes[0][-1].legend(fontsize=7)
+  fig, axes = plt.subplots(len(raws), 2, figsize=(11, 4.2 * len(raws)), squeeze=False)
+  for row, raw in zip(axes, raws):
+    for k, r in raw["results"].items():
+      steps, mean, sd, _, _ = _stats(r["curves"])
+      flops = np.mean(np.asarray(r["flops"]), axis=0) / 1e12
+      for ax, x in ((row[0], steps), (row[1], flops)):
+        line, = ax.plot(x, mean, marker=".", label=f"{raw['labels'][k]} (lr {r['lr']:g})")
+        ax.fill_between(x, mean - sd, mean + sd, color=line.get_color(), alpha=0.15)
+    warm = np.mean([w["acc"] for w in raw["warm"].values()])
+    task = raw["args"]["task"]
+    row[0].set_title(f"{task}: accuracy vs steps (mean +- sd, {len(raw['seeds'])} seeds; warm {warm:.2f})")
+    row[1].set_title(f"{raw['args']['task']}: accuracy vs compute (sampling counted)")
+    row[0].set_xlabel("steps after the shared warm start")
+    row[1].set_xlabel("TFLOP (student fwd+bwd, teacher fwd, sampling)")
+    for ax in row:
+      ax.set_ylabel("held-out greedy exact match")
+      ax.grid(alpha=0.3)
+    row[0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(png, dpi=110)
 

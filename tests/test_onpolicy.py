@@ -279,3 +279,56 @@ def test_on_policy_samples_of_a_student_padded_for_the_tensor_axis_stay_in_the_v
   sampled = np.concatenate([np.asarray(d.sample_batch(state, batch, step=s)["targets"])[:, width - 1:]
                             for s in range(12)])
   assert sampled.size == 12 * 8 * NEW and sampled.max() < 10, np.unique(sampled)
+
+
+def test_distill_job_reads_the_data_share_from_a_teacher_cache_and_runs_the_teacher_live_on_samples(tmp_path,
+                                                                                                      monkeypatch):
+  """``teacher.cache`` with ``distill.on_policy`` through the `distill` job: the batches of the data's completions read
+  the cache (by their rows), the generated ones run the teacher that wrote it live; a float32 cache gives the run of a
+  live teacher, step by step."""
+  from helpers import write_corpus
+
+  from meshdistill.teachers import cache as tc
+  from meshdistill.teachers.checkpoint import save_teacher
+
+  corpus = write_corpus(tmp_path / "c")
+  base = [f"data.source={corpus}", "data.seq_len=16", "data.val_fraction=0.25", "data.max_chars=null",
+          "teacher.max_len=16", "student.max_len=16", "train.warmup=1", "train.eval_every=0", "train.log_every=1",
+          "checkpoint.every=0", f"pretrain.cache_dir={tmp_path / 'cache'}", "mesh.backend=single", "mesh.data=1",
+          "mesh.tensor=1", "train.steps=6", "distill.top_k=2", "distill.temperature=1.0", "distill.alpha=1.0",
+          "distill.on_policy.lambda=0.5", "distill.on_policy.max_new_tokens=4"]
+  cfg = load_config("tiny", base + [f"run.run_dir={tmp_path / 'live'}"])
+  data = jobs.load_data(cfg)
+  save_teacher(jobs.teacher_dir(cfg, data.tokenizer), md.init_model(cfg.teacher, seed=0), data.tokenizer)
+  jobs.cache_teacher(cfg, str(tmp_path / "tc"), k=2, precision="float32", rows_per_shard=8)
+  live = jobs.distill(cfg)
+
+  reads = []
+  rows = tc.TeacherCache.rows
+  monkeypatch.setattr(tc.TeacherCache, "rows", lambda self, ids: reads.append(len(ids)) or rows(self, ids))
+  cached_cfg = load_config("tiny", base + [f"run.run_dir={tmp_path / 'cached'}", f"teacher.cache={tmp_path / 'tc'}"])
+  cached = jobs.distill(cached_cfg)
+
+  def steps(run):
+    lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if m.get("kind") == "train" or "on_policy" in m]
+
+  live_steps, cached_steps = steps("live"), steps("cached")
+  assert len(cached_steps) == 6 and [m["on_policy"] for m in cached_steps] == [m["on_policy"] for m in live_steps]
+  off = sum(1 for m in cached_steps if m["on_policy"] == 0)
+  assert 0 < off < 6  # both shares ran
+  assert reads == [cfg.train.batch_size] * off  # the cache was read for the data's batches only
+  for a, b in zip(live_steps, cached_steps):
+    np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
+  assert cached["teacher_dir"] == str(tmp_path / "tc") and cached["teacher"] is not None  # the live teacher evaluated
+  np.testing.assert_allclose(cached["student"]["loss"], live["student"]["loss"], rtol=1e-5)
+
+  # a cache written by another teacher than the one that would run live is refused, naming both settings
+  other = tmp_path / "other"
+  save_teacher(str(other), md.init_model(cfg.teacher, seed=1), data.tokenizer)
+  with pytest.raises(ConfigError, match=r"written by another teacher.*pretrain.teacher=DIR"):
+    jobs.distill(load_config("tiny", base + [f"run.run_dir={tmp_path / 'other_run'}",
+                                             f"teacher.cache={tmp_path / 'tc'}", f"pretrain.teacher={other}"]))
+  with pytest.raises(ConfigError, match=r"prompts_file.*teacher.cache"):
+    jobs.distill(load_config("tiny", base + [f"run.run_dir={tmp_path / 'p'}", f"teacher.cache={tmp_path / 'tc'}",
+                                             f"distill.on_policy.prompts_file={tmp_path / 'x.jsonl'}"]))

@@ -148,11 +148,96 @@ class ArithmeticTask:
     return self.final_answer(completion) == self.answer(*self.operands(prompt))
 
 
-def parse_task(spec: str) -> ArithmeticTask:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChainTask:
+  """Running sums: a prompt of ``length`` digits ``d_1 .. d_n`` and ``=``, the answer ``s_1 .. s_n`` with
+  ``s_i = (s_{i-1} + d_i) mod 10`` (``s_0 = 0``): ``"38205716="`` -> ``"31338562"``.
+
+  Every answer digit is the previous answer digit plus one prompt digit, so a model that reads its own previous digit
+  (the short way, which a small model learns) carries an early wrong digit into every later one: one mistake at
+  ``s_1`` makes the whole rest wrong. The same interface and scorer (exact match of the final answer) as
+  `ArithmeticTask`; the held-out split is a fixed hash of the prompt's digits.
+
+  Args:
+    length: digits of every prompt and answer, 2 to 18.
+    held_out: the share of all problems kept for the held-out split, in (0, 1).
+  """
+
+  length: int = 8
+  held_out: float = 0.1
+
+  def __post_init__(self):
+    if isinstance(self.length, bool) or not isinstance(self.length, int) or not 2 <= self.length <= 18:
+      raise ValueError(f"chain task length={self.length!r} must be an integer in [2, 18] (digits per prompt, e.g. 8)")
+    if not isinstance(self.held_out, (int, float)) or isinstance(self.held_out, bool) or not 0 < self.held_out < 1:
+      raise ValueError(f"task held_out={self.held_out!r} must be a share in (0, 1) of all problems, e.g. 0.1")
+
+  @property
+  def answer_width(self) -> int:
+    return self.length
+
+  @property
+  def prompt_len(self) -> int:
+    return self.length + 1
+
+  def _digits(self, x: int) -> str:
+    return f"{x:0{self.length}d}"
+
+  def prompt(self, x: int) -> str:
+    return self._digits(x) + "="
+
+  def answer(self, x: int) -> str:
+    out, s = [], 0
+    for d in self._digits(x):
+      s = (s + int(d)) % 10
+      out.append(str(s))
+    return "".join(out)
+
+  def operand(self, prompt: str) -> int:
+    text = prompt.strip()
+    if len(text) != self.length + 1 or not text.endswith("=") or not text[:-1].isdigit():
+      raise ValueError(f"{prompt!r} is not a prompt of this task (like {self.prompt(38205716 % 10**self.length)!r})")
+    return int(text[:-1])
+
+  def split_of(self, x) -> np.ndarray:
+    """True where problem ``x`` (the prompt's digits as a number) is held out."""
+    return _held_out_hash(np.asarray(x), np.zeros_like(np.asarray(x))) < self.held_out
+
+  def problems(self, split: str, n: int, seed: int = 0) -> list[int]:
+    """``n`` distinct problems of ``split`` (``"train"`` or ``"held_out"``), drawn with ``seed``."""
+    if split not in SPLITS:
+      raise ValueError(f"split={split!r} is unknown; choose one of {SPLITS}")
+    share = self.held_out if split == "held_out" else 1 - self.held_out
+    if n > 0.9 * share * 10**self.length:
+      raise ValueError(f"{n} distinct {split} problems asked of chain length {self.length}, whose {split} split holds "
+                       f"about {int(share * 10**self.length)}; ask for fewer or raise length")
+    rng = np.random.default_rng([seed, SPLITS.index(split), 7])
+    out: dict[int, None] = {}
+    while len(out) < n:
+      x = rng.integers(0, 10**self.length, size=2 * (n - len(out)) + 16)
+      for v in x[self.split_of(x) == (split == "held_out")].tolist():
+        out.setdefault(v)
+        if len(out) == n:
+          break
+    return list(out)
+
+  def rows(self, split: str, n: int, seed: int = 0) -> list[dict]:
+    return [{"prompt": self.prompt(x), "completion": self.answer(x)} for x in self.problems(split, n, seed)]
+
+  final_answer = staticmethod(ArithmeticTask.final_answer)
+
+  def score(self, prompt: str, completion: str) -> bool:
+    return self.final_answer(completion) == self.answer(self.operand(prompt))
+
+
+def parse_task(spec: str) -> ArithmeticTask | ChainTask:
   """A task from its name: ``add<digits>`` or ``mul<digits>`` (``add3``: 3-digit addition), with an optional
-  ``-fwd`` for answers in the usual digit order (``add3-fwd``)."""
+  ``-fwd`` for answers in the usual digit order (``add3-fwd``); ``chain<length>`` (`ChainTask`, e.g. ``chain8``)."""
+  chain = re.fullmatch(r"chain(\d+)", str(spec).strip())
+  if chain is not None:
+    return ChainTask(length=int(chain.group(1)))
   m = re.fullmatch(r"(add|mul)(\d)(-fwd)?", str(spec).strip())
   if m is None:
     raise ValueError(f"task {spec!r} is unknown; use add<digits> or mul<digits> (e.g. add3, mul2; -fwd for answers "
-                     "most significant digit first, e.g. add3-fwd)")
+                     "most significant digit first, e.g. add3-fwd), or chain<length> (running sums, e.g. chain8)")
   return ArithmeticTask(digits=int(m.group(2)), op="+" if m.group(1) == "add" else "*", reverse=m.group(3) is None)

@@ -155,9 +155,10 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
                         "its own tokens, or reads a cross-tokenizer teacher.cache; teacher.devices and "
                         "distill.on_policy do not take it yet")
     teacher, tdir = obtain_teacher(cfg, teacher_side_data(cfg, data, mesh), mesh, stream=stream, report=say)
+    cache = None
   else:
     prepared = prepare_teacher(cfg, data, mesh, teacher_mesh, stream=stream, report=say)
-    data, teacher, tdir = prepared.data, prepared.teacher, prepared.identity
+    data, teacher, tdir, cache = prepared.data, prepared.teacher, prepared.identity, prepared.cache
   topk_of = None
   if cfg.teachers.active and cfg.distill.on_policy.active:
     # several teachers on the on-policy path: their programs score each batch in its step's turn (a generated batch
@@ -169,7 +170,7 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
                       val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
     say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
   distiller = make_distiller(cfg, teacher, mesh, data.tokenizer, getattr(data, "teacher_tokenizer", None),
-                             topk_of=topk_of)
+                             topk_of=topk_of, cache=cache)
 
   _check_against_checkpoint(cfg, run_meta(distiller, "distill", {"teacher_dir": tdir}))
   _write_config(cfg, run_dir)

@@ -69,12 +69,14 @@ def strategy_and_optimizer(cfg: Config, student_layers: int | None = None):
   return cfg.distill.strategy(), make_optimizer(cfg.train, layers, loss_scale=cfg.safeguards.loss_scale)
 
 
-def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_tokenizer: Any = None, topk_of=None):
+def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_tokenizer: Any = None, topk_of=None,
+                   cache=None):
   """The `Distiller` of ``cfg`` for ``teacher`` (student from `meshdistill.teachers.sources.build_student`); with
   ``distill.on_policy`` active an `OnPolicyDistiller` (completions end at ``tokenizer``'s EOS). With a teacher of
   its own ``teacher_tokenizer``, a strategy that compares matched tokens (``span_kl``) gets the matched vocabulary
   and one that compares next bytes (``byte_kl``) the vocabularies' byte tables. ``topk_of``: with several teachers
-  on the on-policy path, what gives a generated batch their top-k (`OnPolicyDistiller`)."""
+  on the on-policy path, what gives a generated batch their top-k (`OnPolicyDistiller`). ``cache``: on the on-policy
+  path, the offline cache that serves the batches of the data's completions (the teacher runs live on the others)."""
   student = build_student(cfg, teacher, mesh)
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize: after the student copied any float blocks
   strategy, optimizer = strategy_and_optimizer(cfg)
@@ -87,6 +89,8 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_to
     extra["on_policy"] = cfg.distill.on_policy.config(eos_id=eos, pad_id=pad or 0)
     if topk_of is not None:
       extra["topk_of"] = topk_of
+    if cache is not None:
+      extra["cache"] = cache
   return cls(
     student,
     teacher,

@@ -19,6 +19,17 @@ when the teacher's tail is flat, never more than the tail's whole mass). Every t
 clipped below at ``floor`` (default -20), so a token the teacher gives (numerically) no mass has a bounded
 advantage instead of ``-inf``.
 
+As its authors do it (tinker-cookbook's ``distillation/train_on_policy.py``: advantage ``-kl_penalty_coef (log p_s -
+log p_t)`` per sampled token, ``kl_penalty_coef=1``, ``kl_discount_factor=0``): discount 0 by default, no baseline;
+a live teacher's log-probability of the sampled token is exact (its whole vocabulary, vocabulary-parallel); the
+samples come from the parameters of the step that trains on them (`meshdistill.train.onpolicy.OnPolicyDistiller`
+samples just before the step, so the importance ratio ``p_theta / p_sampler`` of their loss is 1 and is left out);
+there is no KL penalty towards a separate reference model (off: the teacher term is the only one). One difference:
+the loss is divided by the global count of sampled tokens (every strategy's token mean), where tinker sums over
+tokens; per batch that is a constant factor, taken up by the learning rate. `tests/test_onpolicy_identities.py`
+pins these: a teacher equal to the student gives zero advantages, a hand-built teacher shows where each reward
+lands, prompt and padding positions never count.
+
 Metrics (token means): ``loss`` (the surrogate; its value is not a divergence), ``reverse_kl`` (the sample
 estimate ``log p_student - log p_teacher`` on the sampled tokens), ``teacher_ce`` / ``ce`` (the teacher's /
 student's NLL of them), ``advantage``, ``in_topk`` (a top-k teacher: the share of sampled tokens in its ``k``).

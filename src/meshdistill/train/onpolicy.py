@@ -61,6 +61,12 @@ log = logging.getLogger(__name__)
 class OnPolicyConfig(SamplingConfig):
   """GKD settings: ``lmbda`` = probability that a batch is generated; ``seq_kd``: the teacher generates.
 
+  Defaults: ``lmbda=0.5`` (TRL's GKD default) and sampling at ``temperature=1`` (the GKD paper's; TRL's default is
+  0.9). GKD's loss is ``LogitKD(divergence="jsd", beta=0.5, temperature=1.0, alpha=1.0)`` (``beta`` in TRL's
+  convention, 0.5 its default; ``alpha=1``: the divergence alone). Every arm's loss is the token mean over the
+  completion tokens of the global batch (sampled ones, EOS included, for a generated batch; the data's for the
+  others); prompt and padding positions never count.
+
   The sampler's settings (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``eos_id`` ending a
   completion, ``pad_id`` filling rows) are those of `SamplingConfig`, checked there.
   """

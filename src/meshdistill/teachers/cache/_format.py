@@ -336,6 +336,21 @@ class CachedTeacherData:
     return _CachedIterator(self.bundle.train_iterator(state, row_ids=True, **kw), self.cache)
 
 
+class RowIdData:
+  """A `meshdistill.data.DataBundle` whose training batches carry their packed rows' ids (``row_ids`` [B]) instead
+  of their top-k: the on-policy path reads a cache by them only for the batches it trains on as they are
+  (`meshdistill.train.onpolicy.OnPolicyDistiller` with ``cache``). Everything else is the bundle's."""
+
+  def __init__(self, bundle, cache: TeacherCache):
+    self.bundle, self.cache = bundle, cache
+
+  def __getattr__(self, name):
+    return getattr(self.bundle, name)
+
+  def train_iterator(self, state: dict | None = None, **kw):
+    return self.bundle.train_iterator(state, row_ids=True, **kw)
+
+
 class _CachedIterator:
   def __init__(self, it, cache: TeacherCache):
     self._it, self._cache = it, cache

@@ -48,11 +48,17 @@ TEACHER_KEYS = ("source", "hf", "cache", "devices", "quantize")
 @dataclasses.dataclass(frozen=True)
 class Prepared:
   """What a source hands the job: the data (with the teacher's top-k in every training batch when it gives
-  `TOPK`), the teacher (a model, a `TopKTeacher`, or None) and its identity (recorded in checkpoints)."""
+  `TOPK`), the teacher (a model, a `TopKTeacher`, or None) and its identity (recorded in checkpoints).
+
+  ``cache``: on the on-policy path (``distill.on_policy``), an offline cache over the data's rows
+  (`meshdistill.teachers.cache.TeacherCache`) that serves the batches of the data's completions, the teacher (then a
+  model) running live on the generated ones only (`meshdistill.train.onpolicy.OnPolicyDistiller`); the data then
+  yields each batch's ``row_ids``. None otherwise."""
 
   data: Any
   teacher: Any
   identity: str | None
+  cache: Any = None
 
 
 class NoTeacherModel(ConfigError):
