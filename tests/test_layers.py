@@ -149,3 +149,24 @@ def test_importing_the_package_and_building_a_distiller_loads_no_http_stack_and_
   after_import, after_build = json.loads(out.stdout.strip().splitlines()[-1])
   assert after_import == [], f"import meshdistill; md.Distiller loaded {after_import}"
   assert after_build == [], f"building a Distiller loaded {after_build}"
+
+
+def test_the_jobs_and_the_remote_teacher_source_load_no_http_stack_until_one_serves_or_calls_a_teacher():
+  """``import meshdistill.jobs`` (every command's job: distill, eval, ...) and the remote source's module leave
+  starlette, uvicorn and httpx unloaded; the server and the client import them on first use."""
+  code = textwrap.dedent("""
+      import json, sys
+      import meshdistill.jobs, meshdistill.teachers.kinds.remote
+      before = sorted({m.split(".")[0] for m in sys.modules} & {"starlette", "uvicorn", "httpx"})
+      from meshdistill.teachers.service import client, server
+      server.require()
+      client.TeacherClient("http://127.0.0.1:9", timeout_s=1.0)
+      after = sorted({m.split(".")[0] for m in sys.modules} & {"starlette", "uvicorn", "httpx"})
+      print(json.dumps([before, after]))
+  """)
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=True)
+  before, after = json.loads(out.stdout.strip().splitlines()[-1])
+  assert before == [], f"importing the jobs loaded {before}"
+  assert after == ["httpx", "starlette", "uvicorn"], after

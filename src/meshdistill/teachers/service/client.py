@@ -19,10 +19,19 @@ import numpy as np
 
 from meshdistill.teachers.service import protocol
 
-try:  # the `serve` extra
-  import httpx
-except ImportError:  # pragma: no cover - reported by `TeacherClient`
-  httpx = None
+httpx = None  # the `serve` extra, imported by the first `TeacherClient` (`_load_httpx`): importing this module does not
+
+
+def _load_httpx() -> bool:
+  """Imports httpx into this module once; False when the `serve` extra is missing."""
+  global httpx  # pylint: disable=global-statement
+  if httpx is None:
+    try:
+      import httpx as _httpx  # pylint: disable=g-import-not-at-top
+    except ImportError:  # pragma: no cover - reported by `TeacherClient`
+      return False
+    httpx = _httpx
+  return True
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +71,7 @@ class TeacherClient:
 
   def __init__(self, url: str, *, timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5,
                token: str | None = None, model: str | None = None, arrays: bool | None = None):
-    if httpx is None:
+    if not _load_httpx():
       raise RemoteTeacherError("teacher.source=remote needs httpx: pip install 'meshdistill[serve]'")
     self.url, self.retries, self.backoff_s, self.model = url.rstrip("/"), retries, backoff_s, model
     headers = {"Authorization": f"Bearer {token}"} if token else {}

@@ -32,14 +32,24 @@ from collections.abc import Callable
 from meshdistill.teachers.service import protocol
 from meshdistill.teachers.service.batching import Batcher, BatcherFailed
 
-try:  # the `serve` extra
-  import uvicorn
-  from starlette.applications import Starlette
-  from starlette.requests import ClientDisconnect, Request
-  from starlette.responses import JSONResponse, Response
-  from starlette.routing import Route
-except ImportError:  # pragma: no cover - reported by `serve`
-  uvicorn = Starlette = None
+# starlette and uvicorn (the `serve` extra), imported by `require` on first use: a job that serves nothing (distill,
+# eval, ...) never loads the HTTP stack
+uvicorn = Starlette = ClientDisconnect = Request = JSONResponse = Response = Route = None
+
+
+def _load_web() -> bool:
+  """Imports starlette and uvicorn into this module once; False when the `serve` extra is missing."""
+  global uvicorn, Starlette, ClientDisconnect, Request, JSONResponse, Response, Route  # pylint: disable=global-statement
+  if Starlette is None:
+    try:
+      import uvicorn as _uvicorn  # pylint: disable=g-import-not-at-top
+      from starlette import applications, requests, responses, routing  # pylint: disable=g-import-not-at-top
+    except ImportError:  # pragma: no cover - reported by `require`
+      return False
+    uvicorn, Starlette, Route = _uvicorn, applications.Starlette, routing.Route
+    ClientDisconnect, Request = requests.ClientDisconnect, requests.Request
+    JSONResponse, Response = responses.JSONResponse, responses.Response
+  return True
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +66,7 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def require() -> None:
   """Raises, naming the extra to install, when starlette or uvicorn is missing."""
-  if Starlette is None:
+  if not _load_web():
     raise RuntimeError("the teacher server needs starlette and uvicorn: pip install 'meshdistill[serve]'")
 
 
@@ -170,6 +180,7 @@ def serve(app, *, host: str, port: int, graceful_s: float = 30.0, ready: Callabl
   """Runs ``app`` until SIGTERM / SIGINT; the requests in flight are answered first (up to ``graceful_s``), then it
   returns (call from the main thread). The port is bound first (`BindError` when it cannot be); ``ready(port)`` is
   called once it is, with the port bound (the one chosen when ``port`` is 0)."""
+  require()
   sock = bind(host, port)
   if ready is not None:
     ready(sock.getsockname()[1])
