@@ -129,6 +129,14 @@ def test_core_imports_nothing_else_of_the_package():
 HEAVY = ("starlette", "uvicorn", "httpx", "grain")
 
 
+def fresh_interpreter(code: str):
+  """The JSON ``code`` prints last, run in a new interpreter on this checkout's sources (on the CPU)."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_importing_the_package_and_building_a_distiller_loads_no_http_stack_and_no_grain():
   """In a fresh interpreter (this one has imported everything): ``import meshdistill as md; md.Distiller`` and a tiny
   Distiller built and initialised; only the commands that serve a teacher or load data import these."""
@@ -143,10 +151,7 @@ def test_importing_the_package_and_building_a_distiller_loads_no_http_stack_and_
       after_build = sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY))
       print(json.dumps([after_import, after_build]))
   """).replace("HEAVY", repr(HEAVY))
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=True)
-  after_import, after_build = json.loads(out.stdout.strip().splitlines()[-1])
+  after_import, after_build = fresh_interpreter(code)
   assert after_import == [], f"import meshdistill; md.Distiller loaded {after_import}"
   assert after_build == [], f"building a Distiller loaded {after_build}"
 
@@ -164,9 +169,6 @@ def test_the_jobs_and_the_remote_teacher_source_load_no_http_stack_until_one_ser
       after = sorted({m.split(".")[0] for m in sys.modules} & {"starlette", "uvicorn", "httpx"})
       print(json.dumps([before, after]))
   """)
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=True)
-  before, after = json.loads(out.stdout.strip().splitlines()[-1])
+  before, after = fresh_interpreter(code)
   assert before == [], f"importing the jobs loaded {before}"
   assert after == ["httpx", "starlette", "uvicorn"], after

@@ -109,6 +109,21 @@ class ModelSources:
     return bool(self.teacher_hf or self.student_hf or self.student_init.from_teacher or self.student_init.pruned)
 
 
+def _student_subsection(key: str, value, cls, example: str) -> dict:
+  """``student.<key>`` checked against the dataclass ``cls`` (errors name ``student.<key>.*``), as a plain dict."""
+  if value is not None and not isinstance(value, dict):
+    raise ConfigError(f"student.{key}={value!r} must be a mapping, e.g. {example}")
+  allowed = [f.name for f in dataclasses.fields(cls)]
+  for k in value or {}:
+    if k not in allowed:
+      raise unknown_key(f"student.{key}.", k, allowed)
+  try:
+    cls(**(value or {}))
+  except (TypeError, ValueError) as e:
+    raise ConfigError(str(e)) from None
+  return dict(value or {})
+
+
 def split_sources(raw: dict) -> dict:
   """Moves ``teacher.hf``, ``student.hf`` and ``student.init`` of a raw config into ``raw["models"]``.
 
@@ -118,36 +133,12 @@ def split_sources(raw: dict) -> dict:
   raw = dict(raw)
   models: dict[str, Any] = {}
   student = raw.get("student")
-  if isinstance(student, dict) and "lora" in student:  # not a source of the shape: taken out before the checks
-    student = dict(student)
-    lora = student.pop("lora")
-    if lora is not None and not isinstance(lora, dict):
-      raise ConfigError(f"student.lora={lora!r} must be a mapping, e.g. {{rank: 8, alpha: 16}}")
-    allowed = [f.name for f in dataclasses.fields(LoraConfig)]
-    for k in lora or {}:
-      if k not in allowed:
-        raise unknown_key("student.lora.", k, allowed)
-    try:
-      LoraConfig(**(lora or {}))  # checked here, so errors name student.lora.*
-    except (TypeError, ValueError) as e:
-      raise ConfigError(str(e)) from None
-    models["student_lora"] = dict(lora or {})
-    raw["student"] = student
-  if isinstance(student, dict) and "quantize_aware" in student:  # how the student trains, not its shape
-    student = dict(student)
-    qa = student.pop("quantize_aware")
-    if qa is not None and not isinstance(qa, dict):
-      raise ConfigError(f"student.quantize_aware={qa!r} must be a mapping, e.g. {{weights: int4, group_size: 32}}")
-    allowed = [f.name for f in dataclasses.fields(QuantizeAware)]
-    for k in qa or {}:
-      if k not in allowed:
-        raise unknown_key("student.quantize_aware.", k, allowed)
-    try:
-      QuantizeAware(**(qa or {}))  # checked here, so errors name student.quantize_aware.*
-    except (TypeError, ValueError) as e:
-      raise ConfigError(str(e)) from None
-    models["student_quantize_aware"] = dict(qa or {})
-    raw["student"] = student
+  for key, cls, example in (("lora", LoraConfig, "{rank: 8, alpha: 16}"),  # not sources of the shape: how the
+                            ("quantize_aware", QuantizeAware, "{weights: int4, group_size: 32}")):  # student trains
+    if isinstance(student, dict) and key in student:
+      student = dict(student)
+      models[f"student_{key}"] = _student_subsection(key, student.pop(key), cls, example)
+      raw["student"] = student
   for who, keys in (("teacher", teacher_keys()), ("student", ("hf", "init"))):
     section = raw.get(who)
     if not isinstance(section, dict) or not any(k in section for k in keys):
