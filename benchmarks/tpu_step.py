@@ -69,6 +69,7 @@ class Setting:
   chunk: int = 1024
   attn: str = "splash"
   blocks: str = "default"  # splash blocks: "default" (512 everywhere) or e.g. "q512-kv1024-c512-fused"
+  mu: str = "float32"  # AdamW's first moment (`train.mu_dtype`): float32 or bfloat16
 
   @classmethod
   def parse(cls, text: str) -> "Setting":
@@ -82,7 +83,14 @@ class Setting:
     return cls(**kw)
 
   def label(self) -> str:
-    return f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}"
+    mu = "" if self.mu == "float32" else f",mu={self.mu}"  # the rows measured before the setting keep their label
+    return f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}{mu}"
+
+  def optimizer(self):
+    """The student's optimizer: ``md.default_optimizer(1e-4)``, AdamW's first moment in ``mu``."""
+    import meshdistill as md
+
+    return md.default_optimizer(1e-4, mu_dtype=None if self.mu == "float32" else self.mu)
 
 
 def use_splash_blocks(spec: str) -> None:
@@ -218,7 +226,7 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   teacher = md.init_model(tcfg, seed=0, mesh=mesh)
   student = md.init_model(scfg, seed=1, mesh=mesh)
   strategy = md.ChunkedLogitKD(temperature=2.0, alpha=0.5, chunk_size=s.chunk)
-  d = md.Distiller(student, teacher, mesh=mesh, strategy=strategy, optimizer=md.default_optimizer(1e-4))
+  d = md.Distiller(student, teacher, mesh=mesh, strategy=strategy, optimizer=s.optimizer())
   del teacher, student
   state = d.init_state()
   jax.block_until_ready(state)
@@ -285,7 +293,7 @@ def measure_plain(pair: str, s: Setting, steps: int) -> dict:
   tcfg, scfg = model_configs(pair, s)
   row = {"pair": pair, "system": "plain", "setting": dataclasses.asdict(s), "label": s.label(), "steps": steps}
   teacher, student = md.init_model(tcfg, seed=0), md.init_model(scfg, seed=1)
-  step, params, opt_state, t_params = make_plain_step(teacher, student, md.default_optimizer(1e-4), temperature=2.0,
+  step, params, opt_state, t_params = make_plain_step(teacher, student, s.optimizer(), temperature=2.0,
                                                       alpha=0.5, chunk=s.chunk)
   del teacher, student
   batch = {k: jax.numpy.asarray(v) for k, v in _random_batch(np.random.default_rng(0), s.b, s.t,
@@ -379,7 +387,7 @@ def measure_plan(pair: str, s: Setting) -> dict:
   t0 = time.perf_counter()
   try:
     p = md.plan(tcfg, scfg, devices="local", mesh=(1, 1), batch=s.b, seq=s.t, chunk_size=s.chunk, remat=s.remat,
-                suggest=0, overrides=["distill.temperature=2.0", "distill.alpha=0.5"])
+                suggest=0, overrides=["distill.temperature=2.0", "distill.alpha=0.5", f"train.mu_dtype={s.mu}"])
     d = p.to_dict() if hasattr(p, "to_dict") else {}
   except Exception as e:  # noqa: BLE001
     return {"pair": pair, "system": "plan", "label": s.label(), "error": f"{type(e).__name__}: {str(e)[:600]}"}

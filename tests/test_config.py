@@ -270,3 +270,22 @@ def test_the_config_package_lists_exactly_the_names_its_loader_exports():
   own = {n for n, v in vars(_config).items() if not n.startswith("_") and (inspect.isclass(v) or inspect.isfunction(v))
          and v.__module__ == _config.__name__}
   assert settings | own <= set(config_pkg.__all__), sorted((settings | own) - set(config_pkg.__all__))
+
+
+def test_train_mu_dtype_sets_adamws_first_moment_and_refuses_other_dtypes():
+  import jax.numpy as jnp
+  import optax
+
+  from meshdistill.train.optimizers import make_optimizer
+
+  params = {"w": jnp.ones((4, 3), jnp.float32)}
+  for name, want in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+    settings = load_config(None, [f"train.mu_dtype={name}"]).train
+    state = make_optimizer(settings).init(params)
+    mus = [s.mu["w"].dtype for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+           if isinstance(s, optax.ScaleByAdamState)]
+    nus = [s.nu["w"].dtype for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+           if isinstance(s, optax.ScaleByAdamState)]
+    assert mus == [want] and nus == [jnp.float32], (name, mus, nus)
+  with pytest.raises(ConfigError, match=r"train.mu_dtype='float16'.*bfloat16"):
+    load_config(None, ["train.mu_dtype=float16"])

@@ -238,6 +238,7 @@ class TrainSettings:
   final_lr_fraction: float = 0.1
   weight_decay: float = 0.01
   clip: float = 1.0
+  mu_dtype: str = "float32"  # AdamW's first moment: float32, or bfloat16 (half its memory)
   seed: int = 1
   eval_every: int = 100
   eval_batches: int = 8
@@ -254,6 +255,9 @@ class TrainSettings:
     in_range(f"{prefix}.final_lr_fraction", self.final_lr_fraction, 0.0, 1.0)
     in_range(f"{prefix}.weight_decay", self.weight_decay, 0.0, 1.0)
     in_range(f"{prefix}.clip", self.clip, 0.0, float("inf"), lo_open=True, example=" (e.g. 1.0)")
+    if self.mu_dtype not in ("float32", "bfloat16"):
+      raise ConfigError(f"{prefix}.mu_dtype={self.mu_dtype!r}: AdamW's first moment is float32 (the default) or "
+                        "bfloat16 (half its memory)")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ConfigError(f"{prefix}.seed={self.seed!r} must be an integer")
     nonneg_int(f"{prefix}.eval_every", self.eval_every)
