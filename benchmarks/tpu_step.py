@@ -316,20 +316,30 @@ def measure_plain(pair: str, s: Setting, steps: int) -> dict:
   return row
 
 
-def measure_tunix(pair: str, s: Setting, steps: int) -> dict:
+def measure_tunix(pair: str, settings: list[Setting], steps: int) -> list[dict]:
   """tunix's DistillationTrainer (its two programs) on the pair's tunix models, bfloat16 weights, splash attention
-  where tunix offers it (Qwen3)."""
+  where tunix offers it (Qwen3). Settings that differ only in batch share one build of the models (minutes on the
+  chip's host); each batch gets its own trainer."""
   from bench import tunix_step
 
   names = {"qwen3": ("qwen3-1.7b", "qwen3-0.6b"), "llama": ("llama3.2-1b", "llama3.2-1b")}
   if pair not in names:
-    return {"pair": pair, "system": "tunix", "label": s.label(), "error": f"no tunix model pair for {pair!r}"}
+    return [{"pair": pair, "system": "tunix", "label": s.label(), "error": f"no tunix model pair for {pair!r}"}
+            for s in settings]
   tunix_step.MODELS.setdefault("qwen3-1.7b", ("qwen3", "qwen3_1p7b"))
   layers = PAIRS[pair][2]
-  out = tunix_step.run_steps(*names[pair], s.b, s.t, steps, student_layers=layers, student_remat="decoder",
-                             flash=s.attn == "splash")
-  return {"pair": pair, "system": "tunix", "setting": dataclasses.asdict(s), "label": s.label(), "steps": steps,
-          **out, **({"tokens_per_s": s.b * s.t / out["step_s"]} if "step_s" in out else {})}
+  groups: dict[Setting, list[Setting]] = {}
+  for s in settings:
+    groups.setdefault(dataclasses.replace(s, b=0), []).append(s)
+  rows = []
+  for group in groups.values():
+    s0 = group[0]
+    outs = tunix_step.run_steps(*names[pair], tuple(s.b for s in group), s0.t, steps, student_layers=layers,
+                                student_remat="decoder", flash=s0.attn == "splash")
+    for s, out in zip(group, outs):
+      rows.append({"pair": pair, "system": "tunix", "setting": dataclasses.asdict(s), "label": s.label(),
+                   "steps": steps, **out, **({"tokens_per_s": s.b * s.t / out["step_s"]} if "step_s" in out else {})})
+  return rows
 
 
 def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: int) -> list[dict]:
@@ -556,10 +566,11 @@ def main(argv=None) -> int:
         keep(measure(args.pair, setting, args.steps, args.profile, args.trace_dir))
       elif system == "plain":
         keep(measure_plain(args.pair, setting, args.steps))
-      elif system == "tunix":
-        keep(measure_tunix(args.pair, setting, args.steps))
       elif system == "plan":
         keep(measure_plan(args.pair, setting))
+  if "tunix" in systems:  # after the others: one build of tunix's models serves every batch
+    for row in measure_tunix(args.pair, [Setting.parse(text) for text in args.config or [""]], args.steps):
+      keep(row)
   if "generate" in systems:
     for row in measure_generation(args.pair, tuple(int(b) for b in args.gen_batches.split(",")), 128, 256):
       keep(row)

@@ -288,51 +288,70 @@ def _bf16_model(cls, cfg, seed: int):
   return make()
 
 
-def run_steps(teacher: str, student: str, batch: int, seq: int, steps: int, *, student_layers: int | None = None,
-              student_remat: str = "decoder", flash: bool = True, tiny: bool = False) -> dict[str, Any]:
+def run_steps(teacher: str, student: str, batch: int | tuple[int, ...], seq: int, steps: int, *,
+              student_layers: int | None = None, student_remat: str = "decoder", flash: bool = True,
+              tiny: bool = False) -> dict[str, Any] | list[dict[str, Any]]:
   """tunix's two programs RUN on this process's first device (the chip): random bfloat16 weights made by tunix's own
   model classes, tunix's trainer and optimizer, and ``steps`` timed steps (the teacher program, then the train step
   on its logits, as the trainer's loop calls them). Returns step seconds (median), peak bytes of the device where it
-  reports them, or ``{"error": ...}`` (out of memory is a result: that batch does not fit)."""
+  reports them, or ``{"error": ...}`` (out of memory is a result: that batch does not fit).
+
+  ``batch`` may be several batch sizes: the models are built once (minutes on a chip's host for a 1.7 B teacher)
+  and each batch gets a fresh trainer (its own optimizer state) on them; one row per batch, in order, each with
+  ``build_s`` (the models, shared) and ``first_step_s`` (compiles and the first step)."""
   from tunix.distillation import distillation_trainer as dt  # pylint: disable=g-import-not-at-top
 
+  batches = (batch,) if isinstance(batch, int) else tuple(batch)
   mesh = tunix_mesh(jax.devices()[:1], 1, 1)
   has_flash = lambda name: flash and MODELS[name][0] == "qwen3"  # noqa: E731
   t_cfg = model_config(teacher, "none", has_flash(teacher), tiny)
   s_cfg = model_config(student, student_remat, has_flash(student), tiny)
   if student_layers is not None:
     s_cfg = dataclasses.replace(s_cfg, num_layers=student_layers)
-  out: dict[str, Any] = {"batch": batch, "seq": seq}
-  try:
-    with tunix_on_tpu(mesh, (teacher, student)):
+  rows: list[dict[str, Any]] = []
+  with tunix_on_tpu(mesh, (teacher, student)):
+    t0 = time.perf_counter()
+    try:
       # tunix's example restores bfloat16 weights into both models; random ones are made in one compiled program
       # per model (built eagerly, op by op, a 1.7 B model takes minutes on the chip's host)
       t_model = _bf16_model(_model_class(teacher), t_cfg, 0)
       s_model = _bf16_model(_model_class(student), s_cfg, 1)
-      strategy, gen_inputs = strategy_for(s_cfg.vocab_size)
-      trainer = dt.DistillationTrainer(student_model=s_model, teacher_model=t_model, strategy=strategy,
-                                       optimizer=optax.adamw(LEARNING_RATE),
-                                       training_config=dt.TrainingConfig(eval_every_n_steps=1000, max_steps=steps + 2))
-      trainer = trainer.with_gen_model_input_fn(gen_inputs)
-      rng = np.random.default_rng(0)
-      tokens = jnp.asarray(rng.integers(0, s_cfg.vocab_size, (batch, seq)), jnp.int32)
-      data = dt.TrainingInput(input_tokens=tokens, input_mask=jnp.ones((batch, seq), jnp.bool_))
-      inputs = gen_inputs(data)
-      t_graph, t_state = nnx.split(t_model)
-      teacher_program = jax.jit(lambda state, x: strategy.get_teacher_outputs(nnx.merge(t_graph, state), x))
-      train_step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
-      times = []
-      for i in range(steps + 2):
-        t0 = time.perf_counter()
-        logits = teacher_program(t_state, inputs)
-        result = train_step(s_model, trainer.optimizer,
-                            dt.TrainingInput(input_tokens=tokens, input_mask=data.input_mask, teacher_output=logits))
-        jax.block_until_ready(result)
-        if i >= 2:
-          times.append(time.perf_counter() - t0)
-    out["step_s"] = float(np.median(times))
-    stats = jax.devices()[0].memory_stats() or {}
-    out["peak_bytes"] = stats.get("peak_bytes_in_use")
-  except Exception as e:  # noqa: BLE001 -- out of memory is a result
-    out["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-  return out
+    except Exception as e:  # noqa: BLE001
+      return [{"batch": b, "seq": seq, "error": f"{type(e).__name__}: {str(e)[:400]}"} for b in batches]
+    build_s = time.perf_counter() - t0
+    strategy, gen_inputs = strategy_for(s_cfg.vocab_size)
+    t_graph, t_state = nnx.split(t_model)
+    teacher_program = jax.jit(lambda state, x: strategy.get_teacher_outputs(nnx.merge(t_graph, state), x))
+    for b in batches:
+      out: dict[str, Any] = {"batch": b, "seq": seq, "build_s": build_s}
+      try:
+        trainer = dt.DistillationTrainer(student_model=s_model, teacher_model=t_model, strategy=strategy,
+                                         optimizer=optax.adamw(LEARNING_RATE),
+                                         training_config=dt.TrainingConfig(eval_every_n_steps=1000,
+                                                                           max_steps=steps + 2))
+        trainer = trainer.with_gen_model_input_fn(gen_inputs)
+        rng = np.random.default_rng(0)
+        tokens = jnp.asarray(rng.integers(0, s_cfg.vocab_size, (b, seq)), jnp.int32)
+        data = dt.TrainingInput(input_tokens=tokens, input_mask=jnp.ones((b, seq), jnp.bool_))
+        inputs = gen_inputs(data)
+        train_step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
+        times = []
+        for i in range(steps + 2):
+          t0 = time.perf_counter()
+          logits = teacher_program(t_state, inputs)
+          result = train_step(s_model, trainer.optimizer,
+                              dt.TrainingInput(input_tokens=tokens, input_mask=data.input_mask, teacher_output=logits))
+          jax.block_until_ready(result)
+          if i == 0:
+            out["first_step_s"] = time.perf_counter() - t0
+          if i >= 2:
+            times.append(time.perf_counter() - t0)
+        out["step_s"] = float(np.median(times))
+        stats = jax.devices()[0].memory_stats() or {}
+        out["peak_bytes"] = stats.get("peak_bytes_in_use")
+      except Exception as e:  # noqa: BLE001 -- out of memory is a result
+        out["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+      finally:
+        trainer = logits = result = inputs = None  # noqa: F841 -- free this batch's buffers before the next
+      rows.append(out)
+  return rows[0] if isinstance(batch, int) else rows
