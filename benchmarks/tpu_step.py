@@ -19,7 +19,13 @@ Run on a TPU machine (docs/tpu.md says how to install there)::
 
     python benchmarks/tpu_step.py --pair qwen3 --config b=8,remat=full,chunk=1024,attn=splash --profile
     python benchmarks/tpu_step.py --pair qwen3 --config b=8,remat=full --config b=16,remat=dots_no_batch ...
+    python benchmarks/tpu_step.py --pair qwen3 --systems generate,tunix-generate --gen-batches 1,8,64
     python benchmarks/tpu_step.py --render     # benchmarks/results/tpu_step.md from the stored rows
+
+Sampling (``--systems generate,tunix-generate``): meshdistill's cached sampler and tunix's ``Sampler``
+(`bench.tunix_generate`) with the pair's student shape, float32 weights computing in bfloat16, temperature 1; each
+batch's first call compiles (``first_call_s``), its tokens/s is ``batch * new`` over the median of `GEN_CALLS`
+calls after it.
 
 Rows are appended to ``--out`` (default ``benchmarks/results/tpu_step.jsonl``).
 """
@@ -533,7 +539,9 @@ def generation_section(gen: list[dict]) -> list[str]:
   sampler or a row that did not run, each row names its sampler, its first call's seconds and its result."""
   if not gen:
     return []
-  order = lambda r: (r["prompt"], r["new"], r["batch"], list(GEN_SYSTEMS).index(r["system"]))  # noqa: E731
+  def order(r):
+    return r.get("prompt", 0), r.get("new", 0), r["batch"], list(GEN_SYSTEMS).index(r["system"])
+
   if not any(r["system"] == "tunix-generate" or "error" in r for r in gen):
     out = ["", "## Cached sampling (the on-policy sampler) with the student", "",
            "| pair | batch | prompt + new tokens | tokens/s | HBM-bandwidth limit (tokens/s) | share of the limit |",
@@ -552,7 +560,8 @@ def generation_section(gen: list[dict]) -> list[str]:
          "share of the limit | first call (s) | result |",
          "|---|---|---:|---|---:|---:|---:|---:|---|"]
   for r in sorted(gen, key=order):
-    head = f"| {r['pair']} | {GEN_SYSTEMS[r['system']]} | {r['batch']} | {r['prompt']} + {r['new']} |"
+    lengths = f"{r.get('prompt', '?')} + {r.get('new', '?')}"
+    head = f"| {r['pair']} | {GEN_SYSTEMS[r['system']]} | {r['batch']} | {lengths} |"
     if "error" in r:
       out.append(f"{head} | | | | {_did_not_run(r['error'])} |")
       continue
