@@ -109,10 +109,9 @@ def sample_rows(cfg, batches, prompt: int, new: int, *, calls: int = 3, dtype: s
   """One row per batch size: tunix's sampler on tunix's Qwen3 at ``cfg``'s shape, ``prompt`` prompt tokens and
   ``new`` sampled ones per row. Each row: ``first_call_s`` (the first call: compiles its prefill and decode
   programs), ``times`` (``calls`` calls after it, same shapes, other seeds), ``seconds`` (their median),
-  ``tokens_per_s = batch * new / seconds``,
-  ``weight_bytes`` (the model's weights as stored), ``tokens_out`` (the fewest tokens a row got back: ``new``) and
-  the dtypes; ``{"error": ...}`` in place of the timings where tunix could not run the batch (the other batches
-  still run). A model tunix cannot build gives one error row per batch."""
+  ``tokens_per_s = batch * new / seconds``, ``weight_bytes`` (the model's weights as stored), ``tokens_out`` (the
+  fewest tokens a row got back: ``new``) and the dtypes; ``{"error": ...}`` in place of the timings where tunix could
+  not run the batch (the other batches still run). A model tunix cannot build gives one error row per batch."""
   base = {"prompt": prompt, "new": new, "dtype": dtype, "param_dtype": param_dtype,
           "sampling": "temperature 1, top_p 1 (full vocabulary)"}
   try:
