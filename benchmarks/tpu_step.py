@@ -19,7 +19,13 @@ Run on a TPU machine (docs/tpu.md says how to install there)::
 
     python benchmarks/tpu_step.py --pair qwen3 --config b=8,remat=full,chunk=1024,attn=splash --profile
     python benchmarks/tpu_step.py --pair qwen3 --config b=8,remat=full --config b=16,remat=dots_no_batch ...
+    python benchmarks/tpu_step.py --pair qwen3 --systems generate,tunix-generate --gen-batches 1,8,64
     python benchmarks/tpu_step.py --render     # benchmarks/results/tpu_step.md from the stored rows
+
+Sampling (``--systems generate,tunix-generate``): meshdistill's cached sampler and tunix's ``Sampler``
+(`bench.tunix_generate`) with the pair's student shape, float32 weights computing in bfloat16, temperature 1; each
+batch's first call compiles (``first_call_s``), its tokens/s is ``batch * new`` over the median of `GEN_CALLS`
+calls after it.
 
 Rows are appended to ``--out`` (default ``benchmarks/results/tpu_step.jsonl``).
 """
@@ -342,10 +348,18 @@ def measure_tunix(pair: str, settings: list[Setting], steps: int) -> list[dict]:
   return rows
 
 
+GEN_CALLS = 3  # timed calls of each sampler per batch, after the first (compiling) call; the row keeps the median
+
+
+def _gen_row(pair: str, system: str, b: int, prompt: int, new: int) -> dict:
+  return {"pair": pair, "system": system, "batch": b, "prompt": prompt, "new": new}
+
+
 def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: int) -> list[dict]:
   """Cached sampling (`meshdistill.models.generate`, the on-policy path's sampler) with the pair's student as it
-  trains (float32 weights, bfloat16 compute): tokens/s per batch size beside the HBM-bandwidth limit (weights and
-  the KV cache read once per decoded token)."""
+  trains (float32 weights, bfloat16 compute, temperature 1, no filters): tokens/s per batch size beside the
+  HBM-bandwidth limit (weights and the KV cache read once per decoded token). ``first_call_s``: the first call
+  (compiles); ``seconds``: the median of `GEN_CALLS` calls after it."""
   import jax
   import numpy as np
 
@@ -364,23 +378,41 @@ def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: in
     rng = np.random.default_rng(b)
     prompts = rng.integers(0, scfg.vocab_size, (b, prompt)).astype(np.int32)
     mask = np.ones((b, prompt), bool)
+    row = _gen_row(pair, "generate", b, prompt, new)
     try:
-      out = generate(model, prompts, mask, jax.random.key(0), cfg)
-      jax.block_until_ready(out)
       t0 = time.perf_counter()
-      out = generate(model, prompts, mask, jax.random.key(1), cfg)
-      jax.block_until_ready(out)
-      seconds = time.perf_counter() - t0
+      jax.block_until_ready(generate(model, prompts, mask, jax.random.key(0), cfg))
+      first = time.perf_counter() - t0
+      times = []
+      for call in range(GEN_CALLS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(generate(model, prompts, mask, jax.random.key(call + 1), cfg))
+        times.append(time.perf_counter() - t0)
+      seconds = float(np.median(times))
       kv_per_token = 2 * scfg.n_layers * scfg.n_kv_heads * scfg.hd * 2  # k and v, bfloat16, per cached position
       mean_len = prompt + new / 2
       bytes_per_step = weights + b * kv_per_token * mean_len
       limit = None if bandwidth is None else b * bandwidth / bytes_per_step
-      rows.append({"pair": pair, "system": "generate", "batch": b, "prompt": prompt, "new": new, "seconds": seconds,
-                   "tokens_per_s": b * new / seconds, "bandwidth_limit_tokens_per_s": limit,
-                   "weight_bytes": weights, "device": dev.device_kind})
+      row.update(seconds=seconds, times=times, first_call_s=first, tokens_per_s=b * new / seconds,
+                 bandwidth_limit_tokens_per_s=limit, weight_bytes=weights, device=dev.device_kind,
+                 dtype="bfloat16", param_dtype="float32")
     except Exception as e:  # noqa: BLE001
-      rows.append({"pair": pair, "system": "generate", "batch": b, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+      row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    rows.append(row)
   return rows
+
+
+def measure_tunix_generation(pair: str, batches: tuple[int, ...], prompt: int, new: int) -> list[dict]:
+  """tunix's sampler (`bench.tunix_generate`) on tunix's Qwen3 at the shape of the pair's student, with the dtype
+  policy, sampling, lengths and timing of `measure_generation`; a batch tunix cannot run is a row with its error."""
+  import jax
+
+  from bench import tunix_generate
+
+  _, scfg = model_configs(pair, Setting(attn="xla", remat="none"))
+  rows = tunix_generate.sample_rows(scfg, batches, prompt, new, calls=GEN_CALLS)
+  device = jax.devices()[0].device_kind
+  return [{**_gen_row(pair, "tunix-generate", r["batch"], prompt, new), "device": device, **r} for r in rows]
 
 
 def nnx_state(model):
@@ -407,13 +439,15 @@ def measure_plan(pair: str, s: Setting) -> dict:
 
 def summary(row: dict) -> str:
   if "error" in row:
-    return f"{row['pair']} {row.get('system', 'meshdistill')} {row.get('label', '')}: {row['error'][:300]}"
+    what = row.get("label") or (f"batch {row['batch']}" if "batch" in row else "")
+    return f"{row['pair']} {row.get('system', 'meshdistill')} {what}: {row['error'][:300]}"
   if row.get("system") in ("plain", "tunix"):
     return (f"{row['pair']} {row['system']} {row['label']}: {row['step_s'] * 1e3:.0f} ms/step, "
             f"{row['tokens_per_s']:.0f} tok/s, peak {(row.get('peak_bytes') or 0) / 2**30:.2f} GiB")
-  if row.get("system") == "generate":
-    return (f"{row['pair']} generate batch {row['batch']}: {row['tokens_per_s']:.0f} tok/s (bandwidth limit "
-            f"{row['bandwidth_limit_tokens_per_s'] or 0:.0f})")
+  if row.get("system") in GEN_SYSTEMS:
+    return (f"{row['pair']} {row['system']} batch {row['batch']} ({row['prompt']} + {row['new']} tokens): "
+            f"{row['tokens_per_s']:.0f} tok/s, first call {row['first_call_s']:.1f} s (bandwidth limit "
+            f"{generation_limit(row):.0f} tok/s at 819 GB/s)")
   if row.get("system") == "plan":
     return f"{row['pair']} plan {row['label']}: {row['text'][:1500]}"
   gib = 2**30
@@ -431,7 +465,7 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
   from bench.results import NOTES, newest_rows
 
   rows = list(newest_rows(jsonl, key=lambda r: (r["pair"], r.get("system", "meshdistill"), r.get("label"),
-                                                  r.get("batch"))).values())
+                                                  r.get("batch"), r.get("prompt"), r.get("new"))).values())
   steps = [r for r in rows if r.get("system", "meshdistill") == "meshdistill"]
   first = next((r for r in steps if r.get("jax")), {})
   out = ["# The distillation step on a TPU v5e chip", "",
@@ -474,15 +508,7 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
       total = sum(ms.values())
       cells = " | ".join(f"{ms.get(k, 0):.0f} ({100 * ms.get(k, 0) / total:.0f}%)" for k in PROFILE_ROLES)
       out.append(f"| {r['pair']} | {r['label']} | {cells} |")
-  gen = [r for r in rows if r.get("system") == "generate" and "error" not in r]
-  if gen:
-    out += ["", "## Cached sampling (the on-policy sampler) with the student", "",
-            "| pair | batch | prompt + new tokens | tokens/s | HBM-bandwidth limit (tokens/s) | share of the limit |",
-            "|---|---:|---|---:|---:|---:|"]
-    for r in sorted(gen, key=lambda r: r["batch"]):
-      limit = generation_limit(r)
-      out.append(f"| {r['pair']} | {r['batch']} | {r['prompt']} + {r['new']} | {r['tokens_per_s']:,.0f} | "
-                 f"{limit:,.0f} | {100 * r['tokens_per_s'] / limit:.0f}% |")
+  out += generation_section([r for r in rows if r.get("system") in GEN_SYSTEMS])
   plans = [r for r in rows if r.get("system") == "plan" and "plan" in r]
   if plans:
     out += ["", "## The planner against the chip (`md.plan(..., devices=\"local\")`)", "",
@@ -507,6 +533,53 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
   with open(md_path, "w", encoding="utf-8") as f:
     f.write(text + notes)
   return text
+
+
+GEN_SYSTEMS = {"generate": "meshdistill", "tunix-generate": "tunix"}  # system -> the sampler's name in the table
+
+
+def _did_not_run(error: str) -> str:
+  why = "out of HBM" if "RESOURCE_EXHAUSTED" in error else error[:120]
+  return "did not run: " + " ".join(why.replace("|", "/").split())
+
+
+def generation_section(gen: list[dict]) -> list[str]:
+  """The cached-sampling table: one row per sampler, batch and lengths, tokens/s beside `generation_limit`. Rows of
+  meshdistill's sampler alone, all of which ran, keep the table's first form (no sampler column); with tunix's
+  sampler or a row that did not run, each row names its sampler, its first call's seconds and its result."""
+  if not gen:
+    return []
+  def order(r):
+    return r.get("prompt", 0), r.get("new", 0), r["batch"], list(GEN_SYSTEMS).index(r["system"])
+
+  if not any(r["system"] == "tunix-generate" or "error" in r for r in gen):
+    out = ["", "## Cached sampling (the on-policy sampler) with the student", "",
+           "| pair | batch | prompt + new tokens | tokens/s | HBM-bandwidth limit (tokens/s) | share of the limit |",
+           "|---|---:|---|---:|---:|---:|"]
+    for r in sorted(gen, key=order):
+      limit = generation_limit(r)
+      out.append(f"| {r['pair']} | {r['batch']} | {r['prompt']} + {r['new']} | {r['tokens_per_s']:,.0f} | "
+                 f"{limit:,.0f} | {100 * r['tokens_per_s'] / limit:.0f}% |")
+    return out
+  out = ["", "## Cached sampling with the student: meshdistill's sampler (the on-policy path's) and tunix's", "",
+         "Both on the same student shape with random weights stored in float32, computing in bfloat16 (bfloat16 KV "
+         "cache), temperature 1 over the whole vocabulary; tokens/s = batch x new tokens / the median of the calls "
+         "after the first; *first call*: the first call's seconds (it compiles). tunix: `tunix.generate.sampler."
+         "Sampler` on tunix's Qwen3 (`benchmarks/bench/tunix_generate.py` says what each sampler does per call).", "",
+         "| pair | sampler | batch | prompt + new tokens | tokens/s | HBM-bandwidth limit (tokens/s) | "
+         "share of the limit | first call (s) | result |",
+         "|---|---|---:|---|---:|---:|---:|---:|---|"]
+  for r in sorted(gen, key=order):
+    lengths = f"{r.get('prompt', '?')} + {r.get('new', '?')}"
+    head = f"| {r['pair']} | {GEN_SYSTEMS[r['system']]} | {r['batch']} | {lengths} |"
+    if "error" in r:
+      out.append(f"{head} | | | | {_did_not_run(r['error'])} |")
+      continue
+    limit = generation_limit(r)
+    first = f"{r['first_call_s']:.1f}" if r.get("first_call_s") is not None else ""
+    out.append(f"{head} {r['tokens_per_s']:,.0f} | {limit:,.0f} | {100 * r['tokens_per_s'] / limit:.0f}% | {first} "
+               "| ran |")
+  return out
 
 
 PROFILE_ROLES = ("matmul", "attention kernel", "loss", "optimizer", "copy/transpose", "elementwise", "reduction")
@@ -534,8 +607,11 @@ def main(argv=None) -> int:
   parser.add_argument("--tag", default="", help="a label stored with every row (e.g. the run's purpose)")
   parser.add_argument("--systems", default="meshdistill",
                       help="comma-separated: meshdistill, plain (the hand-written step), tunix, plan (md.plan for this "
-                           "machine's chips), generate (cached sampling with the student)")
-  parser.add_argument("--gen-batches", default="1,8,64")
+                           "machine's chips), generate (cached sampling with the student), tunix-generate (tunix's "
+                           "sampler on tunix's Qwen3 at the student's shape)")
+  parser.add_argument("--gen-batches", default="1,8,64", help="batch sizes of the generate systems")
+  parser.add_argument("--gen-lengths", default="128,256", metavar="PROMPT,NEW",
+                      help="prompt tokens and new tokens per row of the generate systems")
   parser.add_argument("--render", action="store_true", help="only rewrite tpu_step.md from the stored rows")
   args = parser.parse_args(argv)
   if args.render:
@@ -550,6 +626,15 @@ def main(argv=None) -> int:
   from bench.results import append_row
 
   systems = args.systems.split(",")
+  unknown = sorted(set(systems) - {"meshdistill", "plain", "tunix", "plan", *GEN_SYSTEMS})
+  if unknown:
+    parser.error(f"--systems: unknown {', '.join(unknown)}; choose from meshdistill, plain, tunix, plan, "
+                 f"{', '.join(GEN_SYSTEMS)}")
+  batches = tuple(int(b) for b in args.gen_batches.split(","))
+  try:
+    prompt, new = (int(x) for x in args.gen_lengths.split(","))
+  except ValueError:
+    parser.error(f"--gen-lengths {args.gen_lengths!r}: give PROMPT,NEW token counts, e.g. 128,256")
 
   def keep(row):
     row["tag"] = args.tag
@@ -572,7 +657,10 @@ def main(argv=None) -> int:
     for row in measure_tunix(args.pair, [Setting.parse(text) for text in args.config or [""]], args.steps):
       keep(row)
   if "generate" in systems:
-    for row in measure_generation(args.pair, tuple(int(b) for b in args.gen_batches.split(",")), 128, 256):
+    for row in measure_generation(args.pair, batches, prompt, new):
+      keep(row)
+  if "tunix-generate" in systems:
+    for row in measure_tunix_generation(args.pair, batches, prompt, new):
       keep(row)
   return 0
 

@@ -2,6 +2,7 @@
 from its stored raw results, and scripts that import the package, not each other."""
 
 import ast
+import importlib
 import pathlib
 
 import pytest
@@ -92,3 +93,64 @@ def test_result_rows_append_and_read_back_the_newest_of_each_key(tmp_path):
   by_value = results.newest_rows(path, key=lambda r: r["v"] % 2)
   assert by_value == {1: {"row": 0, "v": 3}, 0: {"row": 1, "v": 2}}
   assert results.pending_rows(path, None, 3) == [2]
+
+
+@pytest.fixture(scope="module")
+def tpu_step():
+  bench_module("results")  # puts benchmarks/ on the path, as the script runs
+  return importlib.import_module("tpu_step")
+
+
+def _gen(system, batch, tokens_per_s=None, error=None):
+  row = {"pair": "qwen3", "system": system, "batch": batch, "prompt": 128, "new": 256, "tag": "t"}
+  if error:
+    return {**row, "error": error}
+  return {**row, "tokens_per_s": tokens_per_s, "seconds": batch * 256 / tokens_per_s, "first_call_s": 12.5,
+          "weight_bytes": 1503266816}
+
+
+def test_rendering_the_stored_rows_again_changes_nothing_in_tpu_step_md(tpu_step, tmp_path):
+  md = tmp_path / "tpu_step.md"
+  committed = (BENCHMARKS / "results" / "tpu_step.md").read_text()
+  md.write_text(committed)  # its hand-written notes are kept from the file rendered into
+  tpu_step.render(str(BENCHMARKS / "results" / "tpu_step.jsonl"), str(md))
+  assert md.read_text() == committed
+
+
+def test_generation_table_puts_tunix_rows_beside_meshdistill_with_their_share_and_says_what_did_not_run(
+    tpu_step, tmp_path):
+  results = bench_module("results")
+  jsonl = str(tmp_path / "rows.jsonl")
+  for row in (_gen("generate", 1, 800.0), _gen("generate", 64, 6000.0), _gen("tunix-generate", 1, 400.0),
+              _gen("tunix-generate", 64, error="XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory | 5 GiB"),
+              _gen("tunix-generate", 8, error="ValueError: Total sampling steps 384 must be\nless than the cache")):
+    results.append_row(jsonl, row)
+  text = tpu_step.render(jsonl, str(tmp_path / "out.md"))
+  table = [line for line in text.splitlines() if line.startswith("| qwen3 |")]
+  limit1 = tpu_step.generation_limit(_gen("generate", 1, 800.0))
+  assert limit1 == pytest.approx(1069, abs=1)  # the stored table's limit at batch 1
+  assert table == [
+      f"| qwen3 | meshdistill | 1 | 128 + 256 | 800 | {limit1:,.0f} | {100 * 800 / limit1:.0f}% | 12.5 | ran |",
+      f"| qwen3 | tunix | 1 | 128 + 256 | 400 | {limit1:,.0f} | {100 * 400 / limit1:.0f}% | 12.5 | ran |",
+      "| qwen3 | tunix | 8 | 128 + 256 | | | | | did not run: ValueError: Total sampling steps 384 must be less "
+      "than the cache |",
+      table[3],
+      "| qwen3 | tunix | 64 | 128 + 256 | | | | | did not run: out of HBM |",
+  ]
+  assert table[3].startswith("| qwen3 | meshdistill | 64 | 128 + 256 | 6,000 |")
+
+
+def test_tunix_sampler_on_the_tiny_student_returns_rows_of_new_tokens_and_refuses_a_shape_it_lacks(tpu_step):
+  tunix_generate = bench_module("tunix_generate")
+  _, student = tpu_step.model_configs("tiny", tpu_step.Setting(attn="xla", remat="none"))
+  rows = tpu_step.measure_tunix_generation("tiny", (2,), 4, 3)
+  assert [r["batch"] for r in rows] == [2] and "error" not in rows[0], rows
+  row = rows[0]
+  assert set(tunix_generate.FIELDS) | {"pair", "system", "device"} <= set(row)
+  assert (row["system"], row["tokens_out"], row["dtype"], row["param_dtype"]) == ("tunix-generate", 3, "bfloat16",
+                                                                                  "float32")
+  assert row["tokens_per_s"] == pytest.approx(2 * 3 / row["seconds"])
+  assert len(row["times"]) == tpu_step.GEN_CALLS and row["first_call_s"] > 0
+  bad = tunix_generate.sample_rows(student.replace(sliding_window=4), (1, 2), 4, 3)
+  assert [(r["batch"], r["error"].split(":")[0]) for r in bad] == [(1, "ValueError"), (2, "ValueError")]
+  assert "sliding_window=4" in bad[0]["error"]
