@@ -41,6 +41,8 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+if HERE not in sys.path:  # imported rather than run (the tests): the benchmarks' package `bench`
+  sys.path.append(HERE)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -55,6 +57,8 @@ from meshdistill.train.hardlabel import HardLabelTrainer  # noqa: E402
 from meshdistill.train.loop.task_eval import complete, task_accuracy  # noqa: E402
 from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller  # noqa: E402
 from meshdistill.train.optimizers import default_optimizer  # noqa: E402
+
+from bench.render_onpolicy_task import render, summary_lines  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 
@@ -330,7 +334,7 @@ def main(argv=None):
       with open(path) as f:
         raws.append(json.load(f))
     out = os.path.join(RESULTS, "on_policy_task.md")
-    render(raws, out, os.path.join(RESULTS, "on_policy_task.png"))
+    render(raws, out, os.path.join(RESULTS, "on_policy_task.png"), paths=a.render)
     print(f"wrote {out}")
     return
   raw = run(a, argv)
@@ -350,167 +354,6 @@ def main(argv=None):
   for line in summary_lines(raw):
     print(line)
   print(f"wrote {out} ({raw['total_seconds'] / 60:.1f} min)")
-
-
-# ------------------------------------------------------------------------------------------ reading
-def _reach(curve, flops, target):
-  """The compute at which ``curve`` first reaches ``target`` (None if never)."""
-  for (_, v), f in zip(curve, flops):
-    if v >= target - 1e-9:
-      return f
-  return None
-
-
-def _at(curve, flops, f):
-  """Accuracy of ``curve`` at compute ``f`` (linear between evaluations; None past its end)."""
-  xs, ys = np.asarray(flops), np.asarray([v for _, v in curve])
-  return None if f > xs[-1] + 1e-6 else float(np.interp(f, xs, ys))
-
-
-def aim(raw) -> dict:
-  """Per on-policy arm and seed, against off-policy KD of the same seed: the accuracy gap at equal compute (at the
-  smaller of the two arms' final compute, each curve interpolated there) and the compute the arm needs to first reach
-  off-policy KD's final accuracy, as a share of the compute off-policy KD needed to first reach it (at the
-  evaluations: every ``--eval-every`` steps)."""
-  res = raw["results"]
-  base = res.get("offpolicy")
-  out = {}
-  if base is None:
-    return out
-  for k in res:
-    if k == "offpolicy":
-      continue
-    rows = []
-    for i, _ in enumerate(raw["seeds"]):
-      c, f = res[k]["curves"][i], res[k]["flops"][i]
-      bc, bf = base["curves"][i], base["flops"][i]
-      equal = min(f[-1], bf[-1])  # the compute both arms reached
-      gap = _at(c, f, equal) - _at(bc, bf, equal)
-      need, base_need = _reach(c, f, bc[-1][1]), _reach(bc, bf, bc[-1][1])
-      share = None if need is None else need / max(base_need, 1.0)
-      rows.append({"gap_at_equal_compute": gap, "compute_share_to_reach_offpolicy_final": share})
-    out[k] = rows
-  return out
-
-
-def summary_lines(raw) -> list[str]:
-  a, res = raw["args"], raw["results"]
-  lines = [f"{a['task']}: final held-out greedy accuracy per seed (lr chosen from {a['lrs']}):"]
-  for k, r in res.items():
-    finals = [c[-1][1] for c in r["curves"]]
-    lines.append(f"  {raw['labels'][k]:40s} lr {r['lr']:g}: " + ", ".join(f"{x:.3f}" for x in finals)
-                 + f"  mean {np.mean(finals):.3f} sd {np.std(finals):.3f}; TFLOP {r['flops'][0][-1] / 1e12:.2f}")
-  for k, rows in aim(raw).items():
-    gaps = [r["gap_at_equal_compute"] for r in rows]
-    shares = [r["compute_share_to_reach_offpolicy_final"] for r in rows]
-    lines.append(f"  vs off-policy KD, {k}: gap at equal compute " + ", ".join("n/a" if g is None else f"{g:+.3f}"
-                 for g in gaps) + "; compute to reach its final (share of its own) " + ", ".join("never" if s is None else
-                 f"{s:.2f}" for s in shares))
-  return lines
-
-
-def _stats(curves):
-  vals = np.array([[v for _, v in c] for c in curves])  # [seeds, evals]
-  return [s for s, _ in curves[0]], vals.mean(0), vals.std(0), vals.min(0), vals.max(0)
-
-
-def render(raws: list[dict], out: str, png: str) -> None:
-  """The Markdown report (and the plot) from the raw results of one or more tasks."""
-  lines = ["# On-policy distillation on tasks with checkable answers", "",
-           "Written by `benchmarks/onpolicy_task.py` (read `on_policy_task_notes.md` beside it for what it shows). "
-           "Commands:", ""]
-  lines += [f"    {raw['command']}" for raw in raws]
-  lines += ["    python benchmarks/onpolicy_task.py --render " + " ".join(
-      f"benchmarks/results/on_policy_task_{raw['args']['task']}.json" for raw in raws), ""]
-  for raw in raws:
-    a, res = raw["args"], raw["results"]
-    fl = raw["flops_per_step"]
-    warm = ", ".join(f"seed {s}: {w['acc']:.3f} after {w['steps']} SFT steps ({w['off_path']:.3f} of its sampled "
-                     "tokens after its first wrong one)" for s, w in raw["warm"].items())
-    lines += [
-        f"## `{a['task']}`", "",
-        f"{raw['machine']}; {raw['total_seconds'] / 60:.1f} min. {a['train_problems']} train problems, "
-        f"{a['eval_prompts']} held-out problems (disjoint by construction), held-out greedy exact match. Teacher d,L="
-        f"{a['teacher']} ({raw['params']['teacher_matmul']:,} matmul parameters), {a['teacher_steps']} steps: "
-        f"**{raw['teacher_acc']:.3f}**. Student d,L={a['student']} ({raw['params']['student_matmul']:,}). Shared warm "
-        f"starts (SFT at lr {a['warm_lr']} until the first check at or above {a['warm_band'].split(',')[0]}; saved "
-        f"once, loaded by every arm): {warm}. Each arm: {a['steps']} steps of {a['batch']} prompts, fresh Adam, its "
-        f"learning rate the best of {a['lrs']} on seed {raw['seeds'][0]} (mean accuracy over its evaluations). "
-        f"Compute per step: {fl['train'] / 1e9:.2f} GFLOP of training (student forward and backward, teacher "
-        f"forward), plus {fl['sample'] / 1e9:.2f} GFLOP of sampling when the batch is generated.", "",
-        "Learning-rate sweep (seed %d; mean accuracy over the evaluations after step 0 / final):" % raw["seeds"][0], "",
-        "| arm | " + " | ".join(f"lr {x}" for x in a["lrs"].split(",")) + " | chosen |",
-        "|---|" + "---|" * (len(a["lrs"].split(",")) + 1)]
-    for k, r in res.items():
-      cells = [f"{s['score']:.3f} / {s['curve'][-1][1]:.3f}" for s in r["sweep"].values()]
-      lines.append(f"| {raw['labels'][k]} | " + " | ".join(cells) + f" | {r['lr']:g} |")
-    steps = _stats(next(iter(res.values()))["curves"])[0]
-    lines += ["", "Accuracy against steps, mean +- sd over seeds [min, max]; the compute of the last step (TFLOP, mean "
-              "over seeds); off-path: the share of the final student's sampled completion tokens (temperature 1, the "
-              "held-out prompts) that follow its first wrong token (mean over seeds):", "",
-              "| arm | lr | " + " | ".join(f"step {s}" for s in steps) + " | TFLOP | off-path |",
-              "|---|---|" + "---|" * (len(steps) + 2)]
-    for k, r in res.items():
-      _, mean, sd, lo, hi = _stats(r["curves"])
-      cells = [f"{m:.3f} +- {s:.3f} [{x:.3f}, {y:.3f}]" for m, s, x, y in zip(mean, sd, lo, hi)]
-      lines.append(f"| {raw['labels'][k]} | {r['lr']:g} | " + " | ".join(cells)
-                   + f" | {np.mean([f[-1] for f in r['flops']]) / 1e12:.2f} | {np.mean(r['off_path']):.3f} |")
-    rows = aim(raw)
-    if rows:
-      lines += ["", "Against off-policy KD of the same seed (the aim: +0.05 at equal compute, or off-policy KD's "
-                "final accuracy in at most half the compute off-policy KD needs to reach it):", "",
-                "| arm | seed | final | off-policy KD at equal compute | gap at equal compute | compute to reach "
-                "off-policy KD's final, share of off-policy KD's own |", "|---|---|---|---|---|---|"]
-      for k, per_seed in rows.items():
-        for i, row in enumerate(per_seed):
-          c, f = res[k]["curves"][i], res[k]["flops"][i]
-          bf = res["offpolicy"]["flops"][i]
-          base = _at(res["offpolicy"]["curves"][i], bf, min(f[-1], bf[-1]))
-          share = row["compute_share_to_reach_offpolicy_final"]
-          lines.append(f"| {raw['labels'][k]} | {raw['seeds'][i]} | {c[-1][1]:.3f} | "
-                       + ("n/a" if base is None else f"{base:.3f}") + " | "
-                       + ("n/a" if row["gap_at_equal_compute"] is None else f"{row['gap_at_equal_compute']:+.3f}")
-                       + " | " + ("never" if share is None else f"{share:.2f}") + " |")
-    check = raw.get("gradient_check")
-    if check:
-      lines += ["", f"Gradient noise at the warm starts (`{raw['gradient_check_command']}`; cosines, mean over 4 "
-                "batches of samples): the sampled-token gradient against the reverse-KL GKD gradient on the same "
-                "samples (its exact per-position expectation), and each loss's gradient on two sample sets of the "
-                "same prompts:", "", "| seed | sampled-token vs reverse KL, same samples | sampled-token, two sample "
-                "sets | reverse KL, two sample sets |", "|---|---|---|---|"]
-      for seed, c in check.items():
-        lines.append(f"| {seed} | {c['st_vs_rkl']:.3f} | {c['st_vs_st']:.3f} | {c['rkl_vs_rkl']:.3f} |")
-    lines.append("")
-  lines += [f"![accuracy vs compute]({os.path.basename(png)})", ""]
-  with open(out, "w") as f:
-    f.write("\n".join(lines))
-  try:
-    import matplotlib
-  except ImportError:
-    return
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(len(raws), 2, figsize=(11, 4.2 * len(raws)), squeeze=False)
-  for row, raw in zip(axes, raws):
-    for k, r in raw["results"].items():
-      steps, mean, sd, _, _ = _stats(r["curves"])
-      flops = np.mean(np.asarray(r["flops"]), axis=0) / 1e12
-      for ax, x in ((row[0], steps), (row[1], flops)):
-        line, = ax.plot(x, mean, marker=".", label=f"{raw['labels'][k]} (lr {r['lr']:g})")
-        ax.fill_between(x, mean - sd, mean + sd, color=line.get_color(), alpha=0.15)
-    warm = np.mean([w["acc"] for w in raw["warm"].values()])
-    task = raw["args"]["task"]
-    row[0].set_title(f"{task}: accuracy vs steps (mean +- sd, {len(raw['seeds'])} seeds; warm {warm:.2f})")
-    row[1].set_title(f"{raw['args']['task']}: accuracy vs compute (sampling counted)")
-    row[0].set_xlabel("steps after the shared warm start")
-    row[1].set_xlabel("TFLOP (student fwd+bwd, teacher fwd, sampling)")
-    for ax in row:
-      ax.set_ylabel("held-out greedy exact match")
-      ax.grid(alpha=0.3)
-    row[0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(png, dpi=110)
 
 
 if __name__ == "__main__":
