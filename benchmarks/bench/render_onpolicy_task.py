@@ -58,7 +58,9 @@ def aim(raw) -> dict:
 
 def summary_lines(raw) -> list[str]:
   a, res = raw["args"], raw["results"]
-  lines = [f"{a['task']}: final held-out greedy accuracy per seed (lr chosen from {a['lrs']}):"]
+  how = (f"lr {raw['lr_choice']['mode']}, {raw['lockstep']['steps_reached']} steps in lockstep" if is_lockstep(raw)
+         else f"lr chosen from {a['lrs']}")
+  lines = [f"{a['task']}: final held-out greedy accuracy per seed ({how}):"]
   for k, r in res.items():
     finals = [c[-1][1] for c in r["curves"]]
     lines.append(f"  {raw['labels'][k]:40s} lr {r['lr']:g}: " + ", ".join(f"{x:.3f}" for x in finals)
@@ -201,8 +203,15 @@ def same_order_pairs(first: dict[str, float], second: dict[str, float]) -> tuple
 
 
 _STOPPED = {"steps": "the step cap (--steps)", "budget": "the arms' budget (--budget)",
-            "deadline": "the run's deadline (--deadline)", "target": "its target accuracy (--teacher-target)",
-            "time": "its share of the deadline"}
+            "deadline": "the run's deadline (--deadline)"}
+_TEACHER_STOPPED = {"steps": "its step cap (--teacher-steps)", "target": "its target accuracy (--teacher-target)",
+                    "time": "its share of the deadline"}
+
+
+def _nearest_eval(raw, step: int) -> int:
+  """The index of ``raw``'s last evaluation at or before ``step`` (its first after step 0 when none)."""
+  steps = [s for s, _ in next(iter(raw["results"].values()))["curves"][0]]
+  return max([1] + [i for i, s in enumerate(steps) if s <= step])
 
 
 def chip_section(chip: list[tuple[dict, str | None]], cpu_raws: list[dict]) -> list[str]:
@@ -219,20 +228,20 @@ def chip_section(chip: list[tuple[dict, str | None]], cpu_raws: list[dict]) -> l
     a, res, lock = raw["args"], raw["results"], raw["lockstep"]
     ph, teacher, choice = raw["phase_seconds"], raw["teacher"], raw["lr_choice"]
     warm = ", ".join(f"seed {s}: {w['acc']:.3f} after {w['steps']} SFT steps" for s, w in raw["warm"].items())
-    source = {"cpu": f"each arm's rate chosen by the CPU sweep (`{choice.get('source')}`)",
-              "fixed": "rates given on the command line"}[choice["mode"]]
+    source = {"cpu": f"each arm's rate the one the CPU run's sweep chose (`{choice.get('source')}`)",
+              "fixed": "each arm's rate given on the command line"}[choice["mode"]]
     lines += [
         f"### `{a['task']}` on the chip", "",
         f"Backend `{raw['backend']}` ({raw['device_kind']}), jax {raw['jax']}; {raw['total_seconds']:.0f} s in all "
         f"(teacher {ph['teacher']:.0f} s, warm starts {ph['warm']:.0f} s, arms {ph['arms']:.0f} s, final evaluation "
         f"{ph['final_eval']:.0f} s; compiles included). Teacher d,L={a['teacher']} "
         f"({raw['params']['teacher_matmul']:,} matmul parameters), {teacher['steps']} steps at batch {a['batch']}, "
-        f"stopped by {_STOPPED[teacher['stopped_by']]}: **{raw['teacher_acc']:.3f}**. Student d,L={a['student']} "
+        f"stopped by {_TEACHER_STOPPED[teacher['stopped_by']]}: **{raw['teacher_acc']:.3f}**. Student d,L={a['student']} "
         f"({raw['params']['student_matmul']:,}). Warm starts: {warm}. Arms: **{lock['steps_reached']} steps reached** "
         f"of at most {lock['max_steps']} (stopped by {_STOPPED[lock['stopped_by']]}; budget "
         + ("none" if lock["budget_s"] is None else f"{lock['budget_s']:g} s") + ", deadline "
         + ("none" if lock["deadline_s"] is None else f"{lock['deadline_s']:g} s") + f"), {a['batch']} prompts a "
-        f"step, fresh Adam, learning rates {choice['mode']} ({source}). Compute per step: "
+        f"step, fresh Adam, {source}. Compute per step: "
         f"{raw['flops_per_step']['train'] / 1e9:.2f} GFLOP of training, plus "
         f"{raw['flops_per_step']['sample'] / 1e9:.2f} GFLOP of sampling when the batch is generated.", "",
         f"Held-out greedy accuracy at step {lock['steps_reached']}, per seed (off-path: the share of the final "
@@ -255,13 +264,15 @@ def chip_section(chip: list[tuple[dict, str | None]], cpu_raws: list[dict]) -> l
     if cpu is None:
       lines.append("No CPU run of this task was rendered with it: no ranking to compare.")
     else:
-      cpu_means = {k: v for k, v in final_means(cpu).items() if k in chip_means}
-      steps_cpu = next(iter(cpu["results"].values()))["curves"][0][-1][0]
-      alike, pairs = same_order_pairs(chip_means, cpu_means)
-      verdict = ("the same order" if ranking(chip_means) == ranking(cpu_means)
-                 else f"a different order ({alike} of {pairs} pairs of arms ordered alike)")
-      lines.append(f"On the CPU (student d,L={cpu['args']['student']}, step {steps_cpu}): "
-                   + " > ".join(f"{k} {cpu_means[k]:.3f}" for k in ranking(cpu_means)) + f". The chip's ranking is "
-                   f"{verdict}.")
+      near = _nearest_eval(cpu, lock["steps_reached"])
+      for i in dict.fromkeys([-1, near]):  # its final evaluation, then the one nearest the chip's steps
+        cpu_means = {k: float(np.mean([c[i][1] for c in r["curves"]])) for k, r in cpu["results"].items()
+                     if k in chip_means}
+        at = next(iter(cpu["results"].values()))["curves"][0][i][0]
+        alike, pairs = same_order_pairs(chip_means, cpu_means)
+        verdict = "the same order" if alike == pairs else f"a different order ({alike} of {pairs} pairs ordered alike)"
+        lines.append(f"On the CPU (student d,L={cpu['args']['student']}, its swept rates) at step {at}: "
+                     + " > ".join(f"{k} {cpu_means[k]:.3f}" for k in ranking(cpu_means))
+                     + f"; the chip's ranking: {verdict}.")
     lines.append("")
   return lines
