@@ -66,6 +66,7 @@ RESULTS = os.path.join(HERE, "results")
 REPO = os.path.dirname(HERE)
 DEFAULT_BATCH = 64
 _LOG = []  # --log: the file progress lines are also appended to
+_now = time.time  # the clock --budget is read on (a test hands in its own)
 
 
 def say(line: str) -> None:
@@ -353,7 +354,7 @@ def run(a, argv, task_name: str | None = None, share_end: float = math.inf) -> d
     choice = chosen_lrs(a, a.task, keys)
     # the arms stop in time for their final evaluation: an accuracy and an off-path share per arm and seed
     reserve = 2 * timing["eval"] * len(keys) * len(seeds) + 1.0
-    budget_end = math.inf if a.budget is None else time.time() + a.budget
+    budget_end = math.inf if a.budget is None else _now() + a.budget
     stop_at = min(budget_end, share_end - reserve)
     results, lock, seconds = lockstep({k: distiller(k, choice["lrs"][k]) for k in keys}, seeds, warm, warm_def,
                                       data_for, a, stop_at, acc, off_path, train_flops, sample_flops)
@@ -368,7 +369,8 @@ def run(a, argv, task_name: str | None = None, share_end: float = math.inf) -> d
             "teacher": {"steps": t_steps, "stopped_by": t_stopped},
             "phase_seconds": {"teacher": t_teacher - t0, "warm": t_warm - t_teacher, **seconds},
             "total_seconds": time.time() - t0}
-  results = {k: {"sweep": {}, "curves": [], "flops": [], "seconds": 0.0, "lr": None, "off_path": []} for k in keys}
+  results = {k: {"sweep": {}, "curves": [], "flops": [], "seconds": 0.0, "lr": None, "off_path": [], "losses": []}
+             for k in keys}
   curve_off_path = []
 
   def run_arm(k, lr, seed, d):
@@ -377,10 +379,11 @@ def run(a, argv, task_name: str | None = None, share_end: float = math.inf) -> d
     start = time.time()
     state = d.init_state(nnx.merge(warm_def, warm[seed]["params"]))
     it = data_for(seed).train_iterator(dict(warm[seed]["position"]))
-    curve, flops, spent = [(0, warm[seed]["acc"])], [0.0], 0.0
+    curve, flops, spent, losses = [(0, warm[seed]["acc"])], [0.0], 0.0, []
     for step in range(1, a.steps + 1):
       state, m = d.step(state, next(it))
       spent += train_flops + (sample_flops if float(m["on_policy"]) else 0.0)
+      losses.append(float(m["loss"]))
       if step % a.eval_every == 0 or step == a.steps:
         curve.append((step, acc(d.student_def, jax.device_get(state.params["student"]))))
         flops.append(spent)
@@ -388,16 +391,16 @@ def run(a, argv, task_name: str | None = None, share_end: float = math.inf) -> d
     curve_off_path.append(off_path(d.student_def, jax.device_get(state.params["student"]), seed))
     say(f"  {label:40s} lr {lr:g} seed {seed}: " + " ".join(f"{s}:{v:.3f}" for s, v in curve)
         + f"  off-path {curve_off_path[-1]:.3f} ({seconds:.0f}s)")
-    return curve, flops, seconds, curve_off_path[-1]
+    return curve, flops, seconds, curve_off_path[-1], losses
 
   first = seeds[0]
   for k in keys:  # the sweep on the first seed
     best = None
     for lr in lrs:
-      curve, flops, seconds, off = run_arm(k, lr, first, distiller(k, lr))
+      curve, flops, seconds, off, losses = run_arm(k, lr, first, distiller(k, lr))
       score = float(np.mean([v for _, v in curve[1:]]))
       results[k]["sweep"][str(lr)] = {"curve": curve, "flops": flops, "seconds": seconds, "score": score,
-                                      "off_path": off}
+                                      "off_path": off, "losses": losses}
       if best is None or score > best[0]:
         best = (score, lr)
     results[k]["lr"] = best[1]
@@ -408,13 +411,15 @@ def run(a, argv, task_name: str | None = None, share_end: float = math.inf) -> d
     results[k]["flops"].append(chosen["flops"])
     results[k]["seconds"] += chosen["seconds"]
     results[k]["off_path"].append(chosen["off_path"])
+    results[k]["losses"].append(chosen["losses"])
     d = distiller(k, lr)
     for seed in seeds[1:]:
-      curve, flops, seconds, off = run_arm(k, lr, seed, d)
+      curve, flops, seconds, off, losses = run_arm(k, lr, seed, d)
       results[k]["curves"].append(curve)
       results[k]["flops"].append(flops)
       results[k]["seconds"] += seconds
       results[k]["off_path"].append(off)
+      results[k]["losses"].append(losses)
 
   return {**common, "warm": {str(s): {k: warm[s][k] for k in ("acc", "steps", "off_path")} for s in seeds},
           "results": results, "total_seconds": time.time() - t0}
@@ -438,10 +443,10 @@ def lockstep(distillers, seeds, warm, warm_def, data_for, a, stop_at, acc, off_p
     for seed in seeds:
       runs.append({"arm": k, "seed": seed, "d": d, "state": d.init_state(nnx.merge(warm_def, warm[seed]["params"])),
                    "it": data_for(seed).train_iterator(dict(warm[seed]["position"])),
-                   "curve": [(0, warm[seed]["acc"])], "flops": [0.0], "spent": 0.0, "seconds": 0.0})
+                   "curve": [(0, warm[seed]["acc"])], "flops": [0.0], "spent": 0.0, "seconds": 0.0, "losses": []})
   start, step, stopped = time.time(), 0, "steps"
   while step < a.steps:
-    if time.time() >= stop_at:
+    if _now() >= stop_at:
       stopped = "clock"
       break
     step += 1
@@ -450,6 +455,7 @@ def lockstep(distillers, seeds, warm, warm_def, data_for, a, stop_at, acc, off_p
       r["d"].seed = r["seed"]  # the sampling keys of this seed (the distiller is shared by an arm's seeds)
       r["state"], m = r["d"].step(r["state"], next(r["it"]))
       r["spent"] += train_flops + (sample_flops if float(m["on_policy"]) else 0.0)
+      r["losses"].append(float(m["loss"]))
       if step % a.eval_every == 0:
         r["curve"].append((step, acc(r["d"].student_def, jax.device_get(r["state"].params["student"]))))
         r["flops"].append(r["spent"])
@@ -458,7 +464,7 @@ def lockstep(distillers, seeds, warm, warm_def, data_for, a, stop_at, acc, off_p
       say(f"  step {step}: " + ", ".join(f"{r['arm']}/{r['seed']} {r['curve'][-1][1]:.3f}" for r in runs)
           + f" ({time.time() - start:.0f}s)")
   arms_done = time.time()
-  results = {k: {"sweep": {}, "curves": [], "flops": [], "seconds": 0.0, "lr": None, "off_path": []}
+  results = {k: {"sweep": {}, "curves": [], "flops": [], "seconds": 0.0, "lr": None, "off_path": [], "losses": []}
              for k in distillers}
   for r in runs:
     params = jax.device_get(r["state"].params["student"])
@@ -470,6 +476,7 @@ def lockstep(distillers, seeds, warm, warm_def, data_for, a, stop_at, acc, off_p
     res["flops"].append(r["flops"])
     res["seconds"] += r["seconds"]
     res["off_path"].append(off_path(r["d"].student_def, params, r["seed"]))
+    res["losses"].append(r["losses"])
   say(f"  lockstep: {step} steps of at most {a.steps} ({stopped}), {arms_done - start:.0f}s")
   lock = {"steps_reached": step, "max_steps": a.steps, "stopped_by": stopped, "runs": len(runs)}
   return results, lock, {"arms": arms_done - start, "final_eval": time.time() - arms_done}
