@@ -27,6 +27,18 @@ for a generated batch, the student's prompt pass and one decode step per new tok
   nice -n 10 python benchmarks/onpolicy_task.py --task chain12 --student 16,1 --teacher-steps 1500
   python benchmarks/onpolicy_task.py --render benchmarks/results/on_policy_task_add5.json \\
       benchmarks/results/on_policy_task_chain12.json   # writes results/on_policy_task.{md,png}
+
+The chip's run (larger models in a few minutes): ``--arm-lrs cpu`` (each arm at the rate the CPU run's sweep chose)
+or ``--arm-lrs arm=lr,...`` runs the arms in LOCKSTEP -- step k of every arm and seed before step k + 1, so every arm
+has the same steps, batches and samples whenever the run stops -- and ``--budget`` (seconds for the arms) /
+``--deadline`` (seconds for the whole command, compiles, teacher and warm starts included) stop them cleanly, the
+results saying the steps reached. ``--require-backend tpu`` refuses (exit 2) anywhere JAX's backend is not the TPU, so
+CPU numbers are never written as the chip's. ``--render`` puts such runs in the section "On the chip, larger student",
+their ranking beside the CPU run's of the same task:
+
+  python benchmarks/onpolicy_task.py --require-backend tpu --task add5 --teacher 512,4 --student 256,4 --batch 256 \\
+      --teacher-lr 1e-3 --teacher-steps 1500 --teacher-target 0.98 --warm-lr 1e-3 --arm-lrs cpu --budget 120 \\
+      --deadline 215 --out 'benchmarks/results/on_policy_task_chip_{task}.json'
 """
 
 from __future__ import annotations
@@ -39,7 +51,19 @@ import pickle
 import sys
 import time
 
-if not any(x.startswith("--require-backend") for x in sys.argv):  # a chip run leaves the platform to JAX
+
+def _required_backend(argv: list[str]) -> str | None:
+  """``--require-backend``'s value in ``argv`` (the last one given; read before JAX starts), None without one."""
+  found = None
+  for i, x in enumerate(argv):
+    if x == "--require-backend" and i + 1 < len(argv):
+      found = argv[i + 1]
+    elif x.startswith("--require-backend="):
+      found = x.split("=", 1)[1]
+  return found
+
+
+if _required_backend(sys.argv) in (None, "cpu"):  # a run that requires an accelerator leaves the platform to JAX
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))

@@ -37,8 +37,9 @@ def state_dir(tmp_path_factory):
 def tiny(state_dir, out, *more):
   """A run of seconds: teacher and student of one block, 2 seeds, 2 arms (one of them sampling)."""
   return ["--task", "add5", "--seeds", "0,1", "--train-problems", "300", "--eval-prompts", "16", "--batch", "8",
-          "--teacher", "16,1", "--student", "8,1", "--teacher-steps", "4", "--warm-band", "0.0,1.0", "--warm-check", "2",
-          "--eval-every", "2", "--arms", "offpolicy,sampled", "--state-dir", str(state_dir), "--out", str(out), *more]
+          "--teacher", "16,1", "--student", "8,1", "--teacher-steps", "4", "--warm-band", "0.0,1.0",
+          "--warm-check", "2", "--eval-every", "2", "--arms", "offpolicy,sampled", "--state-dir", str(state_dir),
+          "--out", str(out), *more]
 
 
 @pytest.mark.parametrize("flags, says", [

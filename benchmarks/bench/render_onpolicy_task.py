@@ -227,7 +227,10 @@ def chip_section(chip: list[tuple[dict, str | None]], cpu_raws: list[dict]) -> l
   for raw, _ in chip:
     a, res, lock = raw["args"], raw["results"], raw["lockstep"]
     ph, teacher, choice = raw["phase_seconds"], raw["teacher"], raw["lr_choice"]
-    warm = ", ".join(f"seed {s}: {w['acc']:.3f} after {w['steps']} SFT steps" for s, w in raw["warm"].items())
+    lo, hi = (float(x) for x in a["warm_band"].split(","))
+    warm = ", ".join(f"seed {s}: {w['acc']:.3f} after {w['steps']} SFT steps"
+                     + ("" if lo <= w["acc"] <= hi else f" (outside the band {a['warm_band']})")
+                     for s, w in raw["warm"].items())
     source = {"cpu": f"each arm's rate the one the CPU run's sweep chose (`{choice.get('source')}`)",
               "fixed": "each arm's rate given on the command line"}[choice["mode"]]
     lines += [
@@ -236,7 +239,8 @@ def chip_section(chip: list[tuple[dict, str | None]], cpu_raws: list[dict]) -> l
         f"(teacher {ph['teacher']:.0f} s, warm starts {ph['warm']:.0f} s, arms {ph['arms']:.0f} s, final evaluation "
         f"{ph['final_eval']:.0f} s; compiles included). Teacher d,L={a['teacher']} "
         f"({raw['params']['teacher_matmul']:,} matmul parameters), {teacher['steps']} steps at batch {a['batch']}, "
-        f"stopped by {_TEACHER_STOPPED[teacher['stopped_by']]}: **{raw['teacher_acc']:.3f}**. Student d,L={a['student']} "
+        f"stopped by {_TEACHER_STOPPED[teacher['stopped_by']]}: **{raw['teacher_acc']:.3f}**. "
+        f"Student d,L={a['student']} "
         f"({raw['params']['student_matmul']:,}). Warm starts: {warm}. Arms: **{lock['steps_reached']} steps reached** "
         f"of at most {lock['max_steps']} (stopped by {_STOPPED[lock['stopped_by']]}; budget "
         + ("none" if lock["budget_s"] is None else f"{lock['budget_s']:g} s") + ", deadline "
