@@ -27,20 +27,48 @@ for a generated batch, the student's prompt pass and one decode step per new tok
   nice -n 10 python benchmarks/onpolicy_task.py --task chain12 --student 16,1 --teacher-steps 1500
   python benchmarks/onpolicy_task.py --render benchmarks/results/on_policy_task_add5.json \\
       benchmarks/results/on_policy_task_chain12.json   # writes results/on_policy_task.{md,png}
+
+The chip's run (larger models in a few minutes): ``--arm-lrs cpu`` (each arm at the rate the CPU run's sweep chose)
+or ``--arm-lrs arm=lr,...`` runs the arms in LOCKSTEP -- step k of every arm and seed before step k + 1, so every arm
+has the same steps, batches and samples whenever the run stops -- and ``--budget`` (seconds for the arms) /
+``--deadline`` (seconds for the whole command, compiles, teacher and warm starts included) stop them cleanly, the
+results saying the steps reached. ``--require-backend tpu`` refuses (exit 2) anywhere JAX's backend is not the TPU, so
+CPU numbers are never written as the chip's. ``--render`` puts such runs in the section "On the chip, larger student",
+their ranking beside the CPU run's of the same task:
+
+  python benchmarks/onpolicy_task.py --require-backend tpu --task add5 --teacher 512,4 --student 256,4 --batch 256 \\
+      --teacher-lr 1e-3 --teacher-steps 1500 --teacher-target 0.98 --warm-lr 1e-3 --arm-lrs cpu --budget 120 \\
+      --deadline 215 --out 'benchmarks/results/on_policy_task_chip_{task}.json'
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+def _required_backend(argv: list[str]) -> str | None:
+  """``--require-backend``'s value in ``argv`` (the last one given; read before JAX starts), None without one."""
+  found = None
+  for i, x in enumerate(argv):
+    if x == "--require-backend" and i + 1 < len(argv):
+      found = argv[i + 1]
+    elif x.startswith("--require-backend="):
+      found = x.split("=", 1)[1]
+  return found
+
+
+if _required_backend(sys.argv) in (None, "cpu"):  # a run that requires an accelerator leaves the platform to JAX
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+if HERE not in sys.path:  # imported rather than run (the tests): the benchmarks' package `bench`
+  sys.path.append(HERE)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -56,19 +84,45 @@ from meshdistill.train.loop.task_eval import complete, task_accuracy  # noqa: E4
 from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller  # noqa: E402
 from meshdistill.train.optimizers import default_optimizer  # noqa: E402
 
+from bench.render_onpolicy_task import render, summary_lines  # noqa: E402
+
 RESULTS = os.path.join(HERE, "results")
+REPO = os.path.dirname(HERE)
+DEFAULT_BATCH = 64
+_LOG = []  # --log: the file progress lines are also appended to
+_now = time.time  # the clock --budget is read on (a test hands in its own)
+
+
+def say(line: str) -> None:
+  """A progress line: printed, and appended to ``--log`` when given."""
+  print(line, flush=True)
+  for path in _LOG:
+    with open(path, "a") as f:
+      f.write(line + "\n")
+
+
+def refuse(message: str):
+  """Stop the command before it runs anything: ``message`` on stderr, exit status 2."""
+  print(f"onpolicy_task.py: {message}", file=sys.stderr, flush=True)
+  raise SystemExit(2)
 
 
 def _args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--task", default="add5")
+  p.add_argument("--task", default="add5", help="a task, or several separated by commas (then --out holds {task})")
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--train-problems", type=int, default=20000)
   p.add_argument("--eval-prompts", type=int, default=256)
-  p.add_argument("--batch", type=int, default=64)
+  p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="prompts (rows) a step, every model")
   p.add_argument("--teacher", default="64,2", help="d_model,n_layers of the teacher")
   p.add_argument("--student", default="32,1", help="d_model,n_layers of the student")
-  p.add_argument("--teacher-steps", type=int, default=1000)
+  p.add_argument("--teacher-steps", type=int, default=1000, help="the teacher's training steps (at most, with "
+                                                                  "--teacher-target)")
+  p.add_argument("--teacher-target", type=float, default=None,
+                 help="stop the teacher's training at the first check (every --teacher-check steps) at or above this "
+                      "held-out greedy accuracy (default: train exactly --teacher-steps steps)")
+  p.add_argument("--teacher-check", type=int, default=100, help="teacher steps between checks of its accuracy (with "
+                                                                "--teacher-target) or of the clock (with --deadline)")
   p.add_argument("--teacher-lr", type=float, default=3e-3)
   p.add_argument("--warm-lr", type=float, default=3e-3)
   p.add_argument("--warm-band", default="0.3,0.6", help="held-out accuracy a warm start stops in (the first check at "
@@ -77,17 +131,37 @@ def _args(argv):
   p.add_argument("--warm-max", type=int, default=1500, help="SFT steps at most for a warm start")
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="learning rates swept on the first seed, per arm")
+  p.add_argument("--arm-lrs", default="sweep",
+                 help="sweep: each arm's rate the best of --lrs on the first seed (one arm after the other); cpu: each "
+                      "arm's rate chosen by the CPU run's sweep (--cpu-results); or arm=lr,... for every arm. Other "
+                      "than sweep the arms run in lockstep: step k of every arm and seed before step k + 1")
+  p.add_argument("--cpu-results", default=None, help="the CPU run whose chosen rates --arm-lrs cpu takes (default "
+                                                     "results/on_policy_task_{task}.json)")
+  p.add_argument("--budget", type=float, default=None,
+                 help="wall-clock seconds for each task's arms (in lockstep): they stop after the step at which it is "
+                      "spent, every arm at the same step, and the results say the steps reached")
+  p.add_argument("--deadline", type=float, default=None,
+                 help="wall-clock seconds for the whole command, compiles, teachers and warm starts included, shared "
+                      "evenly over the tasks left; in a task's share the teacher stops training at 30%%, the warm "
+                      "starts at 55%%, the arms in time for their final evaluation (needs lockstep arms)")
+  p.add_argument("--require-backend", default=None, metavar="BACKEND",
+                 help="refuse to run (exit 2) unless JAX's default backend is BACKEND (tpu: numbers from anything "
+                      "else are never written as the chip's)")
+  p.add_argument("--log", default=None, help="also append the progress lines to this file")
   p.add_argument("--eval-every", type=int, default=25)
   p.add_argument("--arms", default="offpolicy,gkd,gkd_rkl,sampled")
-  p.add_argument("--state-dir", default=None, help="where the teacher and warm starts are saved (default: "
-                                                   "/tmp/meshdistill_onpolicy_task/<task>)")
-  p.add_argument("--out", default=None, help="raw results (.json; default results/on_policy_task_<task>.json)")
+  p.add_argument("--state-dir", default=None, help="where the teacher and warm starts are saved ({task}: the task's "
+                                                   "name; default /tmp/meshdistill_onpolicy_task/{task})")
+  p.add_argument("--out", default=None, help="raw results (.json; default results/on_policy_task_{task}.json; {task} "
+                                             "is each task's name)")
   p.add_argument("--gradient-check", action="store_true",
                  help="train nothing: at the saved warm starts, the cosine between the sampled-token gradient and the "
                       "reverse-KL GKD gradient on the same samples (and each against itself on other samples); added "
                       "to --out")
   p.add_argument("--render", nargs="+", default=None, metavar="JSON",
-                 help="train nothing: write results/on_policy_task.{md,png} from these raw results (one per task)")
+                 help="train nothing: write results/on_policy_task.{md,png} from these raw results (one per task; "
+                      "those of lockstep runs make the section 'On the chip, larger student')")
+  p.add_argument("--render-dir", default=RESULTS, help="where --render writes (default benchmarks/results)")
   return p.parse_args(argv)
 
 
@@ -128,7 +202,46 @@ def _load(path):
     return pickle.load(f)
 
 
-def run(a, argv) -> dict:
+def _suffix(a) -> str:
+  """What a saved teacher's or warm start's file name adds for settings other than the CPU run's (its files keep
+  their names)."""
+  return ("" if a.batch == DEFAULT_BATCH else f"_b{a.batch}") + (
+      "" if a.teacher_target is None else f"_to{a.teacher_target}_{a.teacher_check}")
+
+
+def chosen_lrs(a, task_name: str, keys: list[str]) -> dict:
+  """``--arm-lrs`` other than sweep: ``{"mode", "source", "lrs": {arm: rate}}``."""
+  if a.arm_lrs == "cpu":
+    path = (a.cpu_results or os.path.join(RESULTS, "on_policy_task_{task}.json")).replace("{task}", task_name)
+    if not os.path.exists(path):
+      refuse(f"--arm-lrs cpu reads the CPU run's chosen rates from {path}, which does not exist; give --cpu-results "
+             "or the rates themselves (--arm-lrs offpolicy=3e-3,gkd=3e-3,...)")
+    with open(path) as f:
+      cpu = json.load(f)["results"]
+    missing = [k for k in keys if k not in cpu]
+    if missing:
+      refuse(f"--arm-lrs cpu: {path} has no rate for {','.join(missing)} (it holds {','.join(cpu)})")
+    return {"mode": "cpu", "source": _shown(path), "lrs": {k: float(cpu[k]["lr"]) for k in keys}}
+  try:
+    given = {k: float(v) for k, v in (x.split("=") for x in a.arm_lrs.split(","))}
+  except ValueError:
+    refuse(f"--arm-lrs {a.arm_lrs}: expected sweep, cpu or arm=lr,... (e.g. offpolicy=3e-3,gkd=3e-3)")
+  if sorted(given) != sorted(keys):
+    refuse(f"--arm-lrs {a.arm_lrs} names {','.join(sorted(given))}; give one rate for each arm of --arms: "
+           f"{','.join(keys)}")
+  return {"mode": "fixed", "source": None, "lrs": given}
+
+
+def _shown(path: str) -> str:
+  """``path`` relative to the repository when inside it (as the report shows it)."""
+  full = os.path.abspath(path)
+  return os.path.relpath(full, REPO) if full.startswith(REPO + os.sep) else path
+
+
+def run(a, argv, task_name: str | None = None, share_end: float = math.inf) -> dict:
+  """One task's benchmark (``task_name``, default ``--task``); ``share_end``: the wall-clock time (``time.time()``)
+  by which this task's part of ``--deadline`` ends (its phases' limits are shares of the time until then)."""
+  a = argparse.Namespace(**dict(vars(a), task=task_name or a.task))
   task, tok = parse_task(a.task), ByteTokenizer()
   seq = task.prompt_len + task.answer_width  # prompt + answer + EOS = seq + 1 tokens a row
   held = task.rows("held_out", a.eval_prompts, seed=0)
@@ -137,16 +250,21 @@ def run(a, argv) -> dict:
   seeds = [int(s) for s in a.seeds.split(",")]
   lrs = [float(x) for x in a.lrs.split(",")]
   lo, hi = (float(x) for x in a.warm_band.split(","))
-  state_dir = a.state_dir or os.path.join("/tmp/meshdistill_onpolicy_task", a.task)
+  state_dir = (a.state_dir or "/tmp/meshdistill_onpolicy_task/{task}").replace("{task}", a.task)
   os.makedirs(state_dir, exist_ok=True)
   t0 = time.time()
+  span = share_end - t0  # inf without a deadline
+  timing = {"eval": 0.0}  # seconds of the latest accuracy evaluation
 
   def data_for(seed):
     return PromptData(task.rows("train", a.train_problems, seed=0), tok, seq_len=seq, batch_size=a.batch, seed=seed,
                       val_rows=held)
 
   def acc(graphdef, params):
-    return task_accuracy((graphdef, params), task, prompts, tok)["greedy"]
+    start = time.time()
+    out = task_accuracy((graphdef, params), task, prompts, tok)["greedy"]
+    timing["eval"] = time.time() - start
+    return out
 
   answers = [r["completion"] for r in held]
 
@@ -165,32 +283,54 @@ def run(a, argv) -> dict:
     return after / total
 
   # the teacher: trained once, saved, loaded by every later run
-  teacher_path = os.path.join(state_dir, f"teacher_{a.teacher}_{a.teacher_steps}.pkl")
+  teacher_path = os.path.join(state_dir, f"teacher_{a.teacher}_{a.teacher_steps}{_suffix(a)}.pkl")
   teacher = md.init_model(t_cfg, seed=100)
   t_def = nnx.split(teacher)[0]
   if os.path.exists(teacher_path):
     saved = _load(teacher_path)
     teacher = nnx.merge(t_def, saved["params"])
     teacher_acc = saved["acc"]
+    t_steps, t_stopped = saved.get("steps", a.teacher_steps), saved.get("stopped_by", "steps")
   else:
     tt = HardLabelTrainer(teacher, optimizer=default_optimizer(a.teacher_lr))
     state, it = tt.init_state(), data_for(100).train_iterator()
-    for _ in range(a.teacher_steps):
-      state, _ = tt.step(state, next(it))
+    # in chunks only where something is checked between them: the CPU run trains its teacher in one stretch
+    chunk = a.teacher_steps if a.teacher_target is None and math.isinf(span) else a.teacher_check
+    t_steps, t_stopped, teacher_acc = 0, "steps", None
+    while t_steps < a.teacher_steps:
+      for _ in range(min(chunk, a.teacher_steps - t_steps)):
+        state, m = tt.step(state, next(it))
+      t_steps, teacher_acc = min(t_steps + chunk, a.teacher_steps), None
+      if a.teacher_target is not None:
+        teacher_acc = acc(*nnx.split(tt.student(state)))
+        if teacher_acc >= a.teacher_target:
+          t_stopped = "target"
+          break
+      jax.block_until_ready(m)
+      if t_steps < a.teacher_steps and time.time() > t0 + 0.3 * span:
+        t_stopped = "time"
+        break
     teacher = tt.student(state)
-    teacher_acc = acc(*nnx.split(teacher))
-    _save(teacher_path, {"params": jax.device_get(nnx.split(teacher)[1]), "acc": teacher_acc})
-  print(f"{a.task}: teacher {a.teacher}: held-out greedy {teacher_acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
+    if teacher_acc is None:
+      teacher_acc = acc(*nnx.split(teacher))
+    if t_stopped != "time":  # a teacher cut short by the clock is not the one these settings name
+      _save(teacher_path, {"params": jax.device_get(nnx.split(teacher)[1]), "acc": teacher_acc, "steps": t_steps,
+                           "stopped_by": t_stopped})
+  t_teacher = time.time()
+  say(f"{a.task}: teacher {a.teacher}: {t_steps} steps ({t_stopped}), held-out greedy {teacher_acc:.3f} "
+      f"({t_teacher - t0:.0f}s)")
 
   # per seed: the warm start, saved once
   warm_def = nnx.split(md.init_model(s_cfg, seed=0))[0]
   warm = {}
-  for seed in seeds:
-    path = os.path.join(state_dir, f"warm_{a.student}_seed{seed}_{a.warm_band}_{a.warm_lr}_{a.warm_check}.pkl")
+  for i, seed in enumerate(seeds):
+    path = os.path.join(state_dir, f"warm_{a.student}_seed{seed}_{a.warm_band}_{a.warm_lr}_{a.warm_check}"
+                                   f"{_suffix(a)}.pkl")
+    seed_end = time.time() + (t0 + 0.55 * span - time.time()) / (len(seeds) - i)  # the warm starts' time, shared out
     if not os.path.exists(path):
       trainer = HardLabelTrainer(md.init_model(s_cfg, seed=seed), optimizer=default_optimizer(a.warm_lr))
       data = data_for(seed)
-      state, it, steps, w_acc = trainer.init_state(), data.train_iterator(), 0, 0.0
+      state, it, steps, w_acc, by_clock = trainer.init_state(), data.train_iterator(), 0, 0.0, False
       while steps < a.warm_max:
         for _ in range(a.warm_check):
           state, _ = trainer.step(state, next(it))
@@ -198,13 +338,21 @@ def run(a, argv) -> dict:
         w_acc = acc(trainer.student_def, jax.device_get(state.params["student"]))
         if w_acc >= lo:
           break
-      _save(path, {"params": jax.device_get(state.params["student"]), "position": it.get_state(), "acc": w_acc,
-                   "steps": steps})
-    warm[seed] = _load(path)
+        if time.time() > seed_end:
+          by_clock = True
+          break
+      got = {"params": jax.device_get(state.params["student"]), "position": it.get_state(), "acc": w_acc,
+             "steps": steps}
+      if not by_clock:  # one cut short by the clock is not the one these settings name
+        _save(path, got)
+      warm[seed] = dict(got, stopped_by="time" if by_clock else "band")
+    else:
+      warm[seed] = _load(path)
     warm[seed]["off_path"] = off_path(warm_def, warm[seed]["params"], seed)
     note = "" if lo <= warm[seed]["acc"] <= hi else f" (outside the band {a.warm_band})"
-    print(f"  seed {seed}: warm start {warm[seed]['steps']} SFT steps, held-out greedy {warm[seed]['acc']:.3f}{note} "
-          f"; {warm[seed]['off_path']:.3f} of its sampled tokens follow its first wrong one -> {path}", flush=True)
+    say(f"  seed {seed}: warm start {warm[seed]['steps']} SFT steps, held-out greedy {warm[seed]['acc']:.3f}{note} "
+        f"; {warm[seed]['off_path']:.3f} of its sampled tokens follow its first wrong one -> {path}")
+  t_warm = time.time()
 
   if a.gradient_check:
     return {"gradient_check": gradient_check(s_cfg, teacher, warm_def, warm, data_for, table_of=arms(
@@ -216,7 +364,37 @@ def run(a, argv) -> dict:
 
   table = arms(task.answer_width + 1, tok.eos_id, tok.pad_id)
   keys = a.arms.split(",")
-  results = {k: {"sweep": {}, "curves": [], "flops": [], "seconds": 0.0, "lr": None, "off_path": []} for k in keys}
+  common = {"command": "python benchmarks/onpolicy_task.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "args": vars(a), "teacher_acc": teacher_acc, "seeds": seeds,
+            "labels": {k: table[k][0] for k in keys}, "params": {"student_matmul": n_s, "teacher_matmul": n_t},
+            "flops_per_step": {"train": train_flops, "sample": sample_flops}, **machine()}
+
+  def distiller(k, lr):
+    _, strategy, on_policy = table[k]
+    return OnPolicyDistiller(md.init_model(s_cfg, seed=0), teacher, strategy=strategy, on_policy=on_policy,
+                             optimizer=default_optimizer(lr), seed=seeds[0])
+
+  if a.arm_lrs != "sweep":
+    choice = chosen_lrs(a, a.task, keys)
+    # the arms stop in time for their final evaluation: an accuracy and an off-path share per arm and seed
+    reserve = 2 * timing["eval"] * len(keys) * len(seeds) + 1.0
+    budget_end = math.inf if a.budget is None else _now() + a.budget
+    stop_at = min(budget_end, share_end - reserve)
+    results, lock, seconds = lockstep({k: distiller(k, choice["lrs"][k]) for k in keys}, seeds, warm, warm_def,
+                                      data_for, a, stop_at, acc, off_path, train_flops, sample_flops)
+    lock.update(stopped_by=lock["stopped_by"] if lock["stopped_by"] == "steps" else (
+        "budget" if budget_end <= share_end - reserve else "deadline"), budget_s=a.budget, deadline_s=a.deadline)
+    for k in keys:
+      results[k]["lr"] = choice["lrs"][k]
+      say(f"  {table[k][0]:40s} lr {choice['lrs'][k]:g}: final "
+          + ", ".join(f"{c[-1][1]:.3f}" for c in results[k]["curves"]))
+    return {**common, "warm": {str(s): {k: warm[s][k] for k in ("acc", "steps", "off_path")} for s in seeds},
+            "results": results, "lockstep": lock, "lr_choice": choice,
+            "teacher": {"steps": t_steps, "stopped_by": t_stopped},
+            "phase_seconds": {"teacher": t_teacher - t0, "warm": t_warm - t_teacher, **seconds},
+            "total_seconds": time.time() - t0}
+  results = {k: {"sweep": {}, "curves": [], "flops": [], "seconds": 0.0, "lr": None, "off_path": [], "losses": []}
+             for k in keys}
   curve_off_path = []
 
   def run_arm(k, lr, seed, d):
@@ -225,32 +403,28 @@ def run(a, argv) -> dict:
     start = time.time()
     state = d.init_state(nnx.merge(warm_def, warm[seed]["params"]))
     it = data_for(seed).train_iterator(dict(warm[seed]["position"]))
-    curve, flops, spent = [(0, warm[seed]["acc"])], [0.0], 0.0
+    curve, flops, spent, losses = [(0, warm[seed]["acc"])], [0.0], 0.0, []
     for step in range(1, a.steps + 1):
       state, m = d.step(state, next(it))
       spent += train_flops + (sample_flops if float(m["on_policy"]) else 0.0)
+      losses.append(float(m["loss"]))
       if step % a.eval_every == 0 or step == a.steps:
         curve.append((step, acc(d.student_def, jax.device_get(state.params["student"]))))
         flops.append(spent)
     seconds = time.time() - start
     curve_off_path.append(off_path(d.student_def, jax.device_get(state.params["student"]), seed))
-    print(f"  {label:40s} lr {lr:g} seed {seed}: " + " ".join(f"{s}:{v:.3f}" for s, v in curve)
-          + f"  off-path {curve_off_path[-1]:.3f} ({seconds:.0f}s)", flush=True)
-    return curve, flops, seconds, curve_off_path[-1]
-
-  def distiller(k, lr):
-    _, strategy, on_policy = table[k]
-    return OnPolicyDistiller(md.init_model(s_cfg, seed=0), teacher, strategy=strategy, on_policy=on_policy,
-                             optimizer=default_optimizer(lr), seed=seeds[0])
+    say(f"  {label:40s} lr {lr:g} seed {seed}: " + " ".join(f"{s}:{v:.3f}" for s, v in curve)
+        + f"  off-path {curve_off_path[-1]:.3f} ({seconds:.0f}s)")
+    return curve, flops, seconds, curve_off_path[-1], losses
 
   first = seeds[0]
   for k in keys:  # the sweep on the first seed
     best = None
     for lr in lrs:
-      curve, flops, seconds, off = run_arm(k, lr, first, distiller(k, lr))
+      curve, flops, seconds, off, losses = run_arm(k, lr, first, distiller(k, lr))
       score = float(np.mean([v for _, v in curve[1:]]))
       results[k]["sweep"][str(lr)] = {"curve": curve, "flops": flops, "seconds": seconds, "score": score,
-                                      "off_path": off}
+                                      "off_path": off, "losses": losses}
       if best is None or score > best[0]:
         best = (score, lr)
     results[k]["lr"] = best[1]
@@ -261,21 +435,75 @@ def run(a, argv) -> dict:
     results[k]["flops"].append(chosen["flops"])
     results[k]["seconds"] += chosen["seconds"]
     results[k]["off_path"].append(chosen["off_path"])
+    results[k]["losses"].append(chosen["losses"])
     d = distiller(k, lr)
     for seed in seeds[1:]:
-      curve, flops, seconds, off = run_arm(k, lr, seed, d)
+      curve, flops, seconds, off, losses = run_arm(k, lr, seed, d)
       results[k]["curves"].append(curve)
       results[k]["flops"].append(flops)
       results[k]["seconds"] += seconds
       results[k]["off_path"].append(off)
+      results[k]["losses"].append(losses)
 
-  return {"command": "python benchmarks/onpolicy_task.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-          "args": vars(a), "teacher_acc": teacher_acc, "seeds": seeds,
-          "warm": {str(s): {k: warm[s][k] for k in ("acc", "steps", "off_path")} for s in seeds},
-          "labels": {k: table[k][0] for k in keys}, "results": results,
-          "params": {"student_matmul": n_s, "teacher_matmul": n_t},
-          "flops_per_step": {"train": train_flops, "sample": sample_flops},
-          "total_seconds": time.time() - t0, "machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__}"}
+  return {**common, "warm": {str(s): {k: warm[s][k] for k in ("acc", "steps", "off_path")} for s in seeds},
+          "results": results, "total_seconds": time.time() - t0}
+
+
+def machine() -> dict:
+  """Where the numbers were measured: JAX's backend, its first device's kind, jax's version."""
+  backend, kind = jax.default_backend(), jax.devices()[0].device_kind
+  where = f"{os.cpu_count()} CPU cores" if backend == "cpu" else f"{jax.device_count()} x {kind}"
+  return {"machine": f"{where}, jax {jax.__version__}", "backend": backend, "device_kind": kind,
+          "jax": jax.__version__}
+
+
+def lockstep(distillers, seeds, warm, warm_def, data_for, a, stop_at, acc, off_path, train_flops, sample_flops):
+  """Every arm (``distillers``: arm -> its `OnPolicyDistiller`) on every seed from the seed's saved warm start, in
+  lockstep: step k of every (arm, seed) before step k + 1, until ``--steps`` or until ``stop_at`` (``time.time()``)
+  has passed at the end of a step: every arm then has the same steps, batches and samples. Evaluated every
+  ``--eval-every`` steps and at the last step. ``(results per arm, the lockstep record, phase seconds)``."""
+  runs = []
+  for k, d in distillers.items():
+    for seed in seeds:
+      runs.append({"arm": k, "seed": seed, "d": d, "state": d.init_state(nnx.merge(warm_def, warm[seed]["params"])),
+                   "it": data_for(seed).train_iterator(dict(warm[seed]["position"])),
+                   "curve": [(0, warm[seed]["acc"])], "flops": [0.0], "spent": 0.0, "seconds": 0.0, "losses": []})
+  start, step, stopped = time.time(), 0, "steps"
+  while step < a.steps:
+    if _now() >= stop_at:
+      stopped = "clock"
+      break
+    step += 1
+    for r in runs:
+      t = time.time()
+      r["d"].seed = r["seed"]  # the sampling keys of this seed (the distiller is shared by an arm's seeds)
+      r["state"], m = r["d"].step(r["state"], next(r["it"]))
+      r["spent"] += train_flops + (sample_flops if float(m["on_policy"]) else 0.0)
+      r["losses"].append(float(m["loss"]))
+      if step % a.eval_every == 0:
+        r["curve"].append((step, acc(r["d"].student_def, jax.device_get(r["state"].params["student"]))))
+        r["flops"].append(r["spent"])
+      r["seconds"] += time.time() - t
+    if step % a.eval_every == 0:
+      say(f"  step {step}: " + ", ".join(f"{r['arm']}/{r['seed']} {r['curve'][-1][1]:.3f}" for r in runs)
+          + f" ({time.time() - start:.0f}s)")
+  arms_done = time.time()
+  results = {k: {"sweep": {}, "curves": [], "flops": [], "seconds": 0.0, "lr": None, "off_path": [], "losses": []}
+             for k in distillers}
+  for r in runs:
+    params = jax.device_get(r["state"].params["student"])
+    if r["curve"][-1][0] != step:
+      r["curve"].append((step, acc(r["d"].student_def, params)))
+      r["flops"].append(r["spent"])
+    res = results[r["arm"]]
+    res["curves"].append(r["curve"])
+    res["flops"].append(r["flops"])
+    res["seconds"] += r["seconds"]
+    res["off_path"].append(off_path(r["d"].student_def, params, r["seed"]))
+    res["losses"].append(r["losses"])
+  say(f"  lockstep: {step} steps of at most {a.steps} ({stopped}), {arms_done - start:.0f}s")
+  lock = {"steps_reached": step, "max_steps": a.steps, "stopped_by": stopped, "runs": len(runs)}
+  return results, lock, {"arms": arms_done - start, "final_eval": time.time() - arms_done}
 
 
 def gradient_check(s_cfg, teacher, warm_def, warm, data_for, table_of, batches: int = 4) -> dict:
@@ -316,201 +544,63 @@ def gradient_check(s_cfg, teacher, warm_def, warm, data_for, table_of, batches: 
       rows["st_vs_st"].append(cos(st1, st2))
       rows["rkl_vs_rkl"].append(cos(rkl1, rkl2))
     out[str(seed)] = {k: float(np.mean(v)) for k, v in rows.items()}
-    print(f"  seed {seed}: cosine sampled-token vs reverse-KL gradient on the same samples "
-          f"{out[str(seed)]['st_vs_rkl']:.3f}; across two sample sets: sampled-token {out[str(seed)]['st_vs_st']:.3f}, "
-          f"reverse KL {out[str(seed)]['rkl_vs_rkl']:.3f}", flush=True)
+    say(f"  seed {seed}: cosine sampled-token vs reverse-KL gradient on the same samples "
+        f"{out[str(seed)]['st_vs_rkl']:.3f}; across two sample sets: sampled-token {out[str(seed)]['st_vs_st']:.3f}, "
+        f"reverse KL {out[str(seed)]['rkl_vs_rkl']:.3f}")
   return out
 
 
 def main(argv=None):
   a = _args(argv)
+  _LOG[:] = [a.log] if a.log else []
   if a.render:
     raws = []
     for path in a.render:
       with open(path) as f:
         raws.append(json.load(f))
-    out = os.path.join(RESULTS, "on_policy_task.md")
-    render(raws, out, os.path.join(RESULTS, "on_policy_task.png"))
+    out = os.path.join(a.render_dir, "on_policy_task.md")
+    render(raws, out, os.path.join(a.render_dir, "on_policy_task.png"), paths=[_shown(p) for p in a.render])
     print(f"wrote {out}")
     return
-  raw = run(a, argv)
-  out = a.out or os.path.join(RESULTS, f"on_policy_task_{a.task}.json")
-  if a.gradient_check:  # added to the results of the same task and warm starts
-    with open(out) as f:
-      full = json.load(f)
-    full["gradient_check"] = raw["gradient_check"]
-    full["gradient_check_command"] = "python benchmarks/onpolicy_task.py " + " ".join(
-        argv if argv is not None else sys.argv[1:])
-    with open(out, "w") as f:
-      json.dump(full, f, indent=1)
-    print(f"added the gradient check to {out}")
-    return
-  with open(out, "w") as f:
-    json.dump(raw, f, indent=1)
-  for line in summary_lines(raw):
-    print(line)
-  print(f"wrote {out} ({raw['total_seconds'] / 60:.1f} min)")
-
-
-# ------------------------------------------------------------------------------------------ reading
-def _reach(curve, flops, target):
-  """The compute at which ``curve`` first reaches ``target`` (None if never)."""
-  for (_, v), f in zip(curve, flops):
-    if v >= target - 1e-9:
-      return f
-  return None
-
-
-def _at(curve, flops, f):
-  """Accuracy of ``curve`` at compute ``f`` (linear between evaluations; None past its end)."""
-  xs, ys = np.asarray(flops), np.asarray([v for _, v in curve])
-  return None if f > xs[-1] + 1e-6 else float(np.interp(f, xs, ys))
-
-
-def aim(raw) -> dict:
-  """Per on-policy arm and seed, against off-policy KD of the same seed: the accuracy gap at equal compute (at the
-  smaller of the two arms' final compute, each curve interpolated there) and the compute the arm needs to first reach
-  off-policy KD's final accuracy, as a share of the compute off-policy KD needed to first reach it (at the
-  evaluations: every ``--eval-every`` steps)."""
-  res = raw["results"]
-  base = res.get("offpolicy")
-  out = {}
-  if base is None:
-    return out
-  for k in res:
-    if k == "offpolicy":
+  if a.require_backend and jax.default_backend() != a.require_backend:
+    refuse(f"--require-backend {a.require_backend}: JAX's default backend is {jax.default_backend()} "
+           f"({jax.devices()[0].device_kind}); nothing was run. On the chip's machine leave JAX_PLATFORMS unset "
+           f"(or set it to {a.require_backend}).")
+  tasks = a.task.split(",")
+  if len(tasks) > 1 and "{task}" not in (a.out or "{task}"):
+    refuse(f"--task {a.task} runs {len(tasks)} tasks: --out {a.out} must hold {{task}} (one file per task)")
+  if len(tasks) > 1 and "{task}" not in (a.state_dir or "{task}"):
+    refuse(f"--task {a.task} runs {len(tasks)} tasks: --state-dir {a.state_dir} must hold {{task}} (each task's "
+           "teacher and warm starts apart)")
+  if a.arm_lrs == "sweep" and (a.budget is not None or a.deadline is not None):
+    refuse("--budget and --deadline stop arms that run in lockstep at one rate each: add --arm-lrs cpu (the CPU "
+           "sweep's choices) or --arm-lrs offpolicy=3e-3,gkd=3e-3,... (a sweep does not fit a budget)")
+  if a.arm_lrs != "sweep":
+    for name in tasks:  # checked before anything trains
+      chosen_lrs(a, name, a.arms.split(","))
+  start = time.time()
+  for i, name in enumerate(tasks):
+    share_end = math.inf if a.deadline is None else time.time() + (start + a.deadline - time.time()) / (len(tasks) - i)
+    raw = run(a, argv, name, share_end)
+    out = (a.out or os.path.join(RESULTS, "on_policy_task_{task}.json")).replace("{task}", name)
+    if a.gradient_check:  # added to the results of the same task and warm starts
+      with open(out) as f:
+        full = json.load(f)
+      full["gradient_check"] = raw["gradient_check"]
+      full["gradient_check_command"] = "python benchmarks/onpolicy_task.py " + " ".join(
+          argv if argv is not None else sys.argv[1:])
+      with open(out, "w") as f:
+        json.dump(full, f, indent=1)
+      say(f"added the gradient check to {out}")
       continue
-    rows = []
-    for i, _ in enumerate(raw["seeds"]):
-      c, f = res[k]["curves"][i], res[k]["flops"][i]
-      bc, bf = base["curves"][i], base["flops"][i]
-      equal = min(f[-1], bf[-1])  # the compute both arms reached
-      gap = _at(c, f, equal) - _at(bc, bf, equal)
-      need, base_need = _reach(c, f, bc[-1][1]), _reach(bc, bf, bc[-1][1])
-      share = None if need is None else need / max(base_need, 1.0)
-      rows.append({"gap_at_equal_compute": gap, "compute_share_to_reach_offpolicy_final": share})
-    out[k] = rows
-  return out
-
-
-def summary_lines(raw) -> list[str]:
-  a, res = raw["args"], raw["results"]
-  lines = [f"{a['task']}: final held-out greedy accuracy per seed (lr chosen from {a['lrs']}):"]
-  for k, r in res.items():
-    finals = [c[-1][1] for c in r["curves"]]
-    lines.append(f"  {raw['labels'][k]:40s} lr {r['lr']:g}: " + ", ".join(f"{x:.3f}" for x in finals)
-                 + f"  mean {np.mean(finals):.3f} sd {np.std(finals):.3f}; TFLOP {r['flops'][0][-1] / 1e12:.2f}")
-  for k, rows in aim(raw).items():
-    gaps = [r["gap_at_equal_compute"] for r in rows]
-    shares = [r["compute_share_to_reach_offpolicy_final"] for r in rows]
-    lines.append(f"  vs off-policy KD, {k}: gap at equal compute " + ", ".join("n/a" if g is None else f"{g:+.3f}"
-                 for g in gaps) + "; compute to reach its final (share of its own) " + ", ".join("never" if s is None else
-                 f"{s:.2f}" for s in shares))
-  return lines
-
-
-def _stats(curves):
-  vals = np.array([[v for _, v in c] for c in curves])  # [seeds, evals]
-  return [s for s, _ in curves[0]], vals.mean(0), vals.std(0), vals.min(0), vals.max(0)
-
-
-def render(raws: list[dict], out: str, png: str) -> None:
-  """The Markdown report (and the plot) from the raw results of one or more tasks."""
-  lines = ["# On-policy distillation on tasks with checkable answers", "",
-           "Written by `benchmarks/onpolicy_task.py` (read `on_policy_task_notes.md` beside it for what it shows). "
-           "Commands:", ""]
-  lines += [f"    {raw['command']}" for raw in raws]
-  lines += ["    python benchmarks/onpolicy_task.py --render " + " ".join(
-      f"benchmarks/results/on_policy_task_{raw['args']['task']}.json" for raw in raws), ""]
-  for raw in raws:
-    a, res = raw["args"], raw["results"]
-    fl = raw["flops_per_step"]
-    warm = ", ".join(f"seed {s}: {w['acc']:.3f} after {w['steps']} SFT steps ({w['off_path']:.3f} of its sampled "
-                     "tokens after its first wrong one)" for s, w in raw["warm"].items())
-    lines += [
-        f"## `{a['task']}`", "",
-        f"{raw['machine']}; {raw['total_seconds'] / 60:.1f} min. {a['train_problems']} train problems, "
-        f"{a['eval_prompts']} held-out problems (disjoint by construction), held-out greedy exact match. Teacher d,L="
-        f"{a['teacher']} ({raw['params']['teacher_matmul']:,} matmul parameters), {a['teacher_steps']} steps: "
-        f"**{raw['teacher_acc']:.3f}**. Student d,L={a['student']} ({raw['params']['student_matmul']:,}). Shared warm "
-        f"starts (SFT at lr {a['warm_lr']} until the first check at or above {a['warm_band'].split(',')[0]}; saved "
-        f"once, loaded by every arm): {warm}. Each arm: {a['steps']} steps of {a['batch']} prompts, fresh Adam, its "
-        f"learning rate the best of {a['lrs']} on seed {raw['seeds'][0]} (mean accuracy over its evaluations). "
-        f"Compute per step: {fl['train'] / 1e9:.2f} GFLOP of training (student forward and backward, teacher "
-        f"forward), plus {fl['sample'] / 1e9:.2f} GFLOP of sampling when the batch is generated.", "",
-        "Learning-rate sweep (seed %d; mean accuracy over the evaluations after step 0 / final):" % raw["seeds"][0], "",
-        "| arm | " + " | ".join(f"lr {x}" for x in a["lrs"].split(",")) + " | chosen |",
-        "|---|" + "---|" * (len(a["lrs"].split(",")) + 1)]
-    for k, r in res.items():
-      cells = [f"{s['score']:.3f} / {s['curve'][-1][1]:.3f}" for s in r["sweep"].values()]
-      lines.append(f"| {raw['labels'][k]} | " + " | ".join(cells) + f" | {r['lr']:g} |")
-    steps = _stats(next(iter(res.values()))["curves"])[0]
-    lines += ["", "Accuracy against steps, mean +- sd over seeds [min, max]; the compute of the last step (TFLOP, mean "
-              "over seeds); off-path: the share of the final student's sampled completion tokens (temperature 1, the "
-              "held-out prompts) that follow its first wrong token (mean over seeds):", "",
-              "| arm | lr | " + " | ".join(f"step {s}" for s in steps) + " | TFLOP | off-path |",
-              "|---|---|" + "---|" * (len(steps) + 2)]
-    for k, r in res.items():
-      _, mean, sd, lo, hi = _stats(r["curves"])
-      cells = [f"{m:.3f} +- {s:.3f} [{x:.3f}, {y:.3f}]" for m, s, x, y in zip(mean, sd, lo, hi)]
-      lines.append(f"| {raw['labels'][k]} | {r['lr']:g} | " + " | ".join(cells)
-                   + f" | {np.mean([f[-1] for f in r['flops']]) / 1e12:.2f} | {np.mean(r['off_path']):.3f} |")
-    rows = aim(raw)
-    if rows:
-      lines += ["", "Against off-policy KD of the same seed (the aim: +0.05 at equal compute, or off-policy KD's "
-                "final accuracy in at most half the compute off-policy KD needs to reach it):", "",
-                "| arm | seed | final | off-policy KD at equal compute | gap at equal compute | compute to reach "
-                "off-policy KD's final, share of off-policy KD's own |", "|---|---|---|---|---|---|"]
-      for k, per_seed in rows.items():
-        for i, row in enumerate(per_seed):
-          c, f = res[k]["curves"][i], res[k]["flops"][i]
-          bf = res["offpolicy"]["flops"][i]
-          base = _at(res["offpolicy"]["curves"][i], bf, min(f[-1], bf[-1]))
-          share = row["compute_share_to_reach_offpolicy_final"]
-          lines.append(f"| {raw['labels'][k]} | {raw['seeds'][i]} | {c[-1][1]:.3f} | "
-                       + ("n/a" if base is None else f"{base:.3f}") + " | "
-                       + ("n/a" if row["gap_at_equal_compute"] is None else f"{row['gap_at_equal_compute']:+.3f}")
-                       + " | " + ("never" if share is None else f"{share:.2f}") + " |")
-    check = raw.get("gradient_check")
-    if check:
-      lines += ["", f"Gradient noise at the warm starts (`{raw['gradient_check_command']}`; cosines, mean over 4 "
-                "batches of samples): the sampled-token gradient against the reverse-KL GKD gradient on the same "
-                "samples (its exact per-position expectation), and each loss's gradient on two sample sets of the "
-                "same prompts:", "", "| seed | sampled-token vs reverse KL, same samples | sampled-token, two sample "
-                "sets | reverse KL, two sample sets |", "|---|---|---|---|"]
-      for seed, c in check.items():
-        lines.append(f"| {seed} | {c['st_vs_rkl']:.3f} | {c['st_vs_st']:.3f} | {c['rkl_vs_rkl']:.3f} |")
-    lines.append("")
-  lines += [f"![accuracy vs compute]({os.path.basename(png)})", ""]
-  with open(out, "w") as f:
-    f.write("\n".join(lines))
-  try:
-    import matplotlib
-  except ImportError:
-    return
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(len(raws), 2, figsize=(11, 4.2 * len(raws)), squeeze=False)
-  for row, raw in zip(axes, raws):
-    for k, r in raw["results"].items():
-      steps, mean, sd, _, _ = _stats(r["curves"])
-      flops = np.mean(np.asarray(r["flops"]), axis=0) / 1e12
-      for ax, x in ((row[0], steps), (row[1], flops)):
-        line, = ax.plot(x, mean, marker=".", label=f"{raw['labels'][k]} (lr {r['lr']:g})")
-        ax.fill_between(x, mean - sd, mean + sd, color=line.get_color(), alpha=0.15)
-    warm = np.mean([w["acc"] for w in raw["warm"].values()])
-    task = raw["args"]["task"]
-    row[0].set_title(f"{task}: accuracy vs steps (mean +- sd, {len(raw['seeds'])} seeds; warm {warm:.2f})")
-    row[1].set_title(f"{raw['args']['task']}: accuracy vs compute (sampling counted)")
-    row[0].set_xlabel("steps after the shared warm start")
-    row[1].set_xlabel("TFLOP (student fwd+bwd, teacher fwd, sampling)")
-    for ax in row:
-      ax.set_ylabel("held-out greedy exact match")
-      ax.grid(alpha=0.3)
-    row[0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(png, dpi=110)
+    if "lockstep" in raw:
+      raw["out"] = _shown(out)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(raw, f, indent=1)
+    for line in summary_lines(raw):
+      say(line)
+    say(f"wrote {out} ({raw['total_seconds'] / 60:.1f} min)")
 
 
 if __name__ == "__main__":

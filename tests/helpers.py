@@ -1,5 +1,5 @@
-"""Shared test configs and helpers: tiny models, host batches, an HLO all-gather parser, a small corpus,
-a module of the benchmarks' package.
+"""Shared test configs and helpers: tiny models, host batches, steps run and compared across layouts, an HLO
+all-gather parser, a small corpus, a module of the benchmarks' package.
 
 Imported by the tests as ``from helpers import ...``; `conftest.py` sets up the simulated
 devices before any test module (and so this one) is imported.
@@ -11,6 +11,7 @@ import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import meshdistill as md
@@ -85,3 +86,37 @@ def run_steps(trainer, batches):
     state, m = trainer.step(state, b)
     out.append(jax.device_get(m))
   return jax.device_get(trainer.unreplicate(state.params)), out
+
+
+def _assert_plain_sgd(optimizer):
+  """``optimizer`` moves parameters by exactly minus the gradient (``optax.sgd(1.0)``)."""
+  params, grads = {"w": jnp.ones(3)}, {"w": jnp.asarray([1.0, -2.0, 0.5])}
+  updates, _ = optimizer.update(grads, optimizer.init(params), params)
+  np.testing.assert_array_equal(updates["w"], -grads["w"], err_msg="build both trainers with optax.sgd(1.0)")
+
+
+def assert_sgd_steps_agree(one, other, batches, keys, moved=1e-3):
+  """``other`` (a mesh) steps like ``one`` (one device) from a fresh state over ``batches``; returns ``one``'s metrics.
+
+  What the layout invariant is about: the loss and metrics of each step, and the gradients. Both trainers are built
+  with plain SGD at rate 1 (``optax.sgd(1.0)``, checked here), so each step moves the parameters by exactly minus the
+  gradient and the parameters after the steps compare the layouts' gradients (and the samples a later step draws
+  depend on them). Under Adam an element whose gradient is tiny is divided by a tiny second moment, and a last-bit
+  difference of the summation order (another SIMD width, e.g. AVX2 vs AVX-512) becomes a relative difference of ~1e-5
+  in the update: the optimizer's conditioning, not a layout's numbers.
+
+  At rtol 1e-5 (atol 1e-6): the metrics named in ``keys`` and ``grad_norm`` at every step, and the parameters after the
+  steps, which must have moved by more than ``moved`` somewhere (the comparison is of real updates).
+  """
+  for trainer in (one, other):
+    _assert_plain_sgd(trainer.optimizer)
+  start = jax.device_get(one.init_state().params["student"])
+  params, metrics = run_steps(one, batches)
+  got_params, got = run_steps(other, batches)
+  for step, (m, g) in enumerate(zip(metrics, got)):
+    for key in (*keys, "grad_norm"):
+      np.testing.assert_allclose(g[key], m[key], rtol=1e-5, atol=1e-6, err_msg=f"{key} at step {step}")
+  change = jax.tree.map(lambda a, b: np.max(np.abs(np.asarray(a) - np.asarray(b))), params["student"], start)
+  assert max(jax.tree.leaves(change)) > moved
+  assert_trees_close(got_params, params, rtol=1e-5, atol=1e-6)
+  return metrics
