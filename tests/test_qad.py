@@ -52,6 +52,43 @@ def test_a_quantization_aware_distillation_step_on_2x4_equals_one_device():
   assert abs(float(float_metrics[0]["loss"]) - float(want_metrics[0]["loss"])) > 1e-5  # not the float student
 
 
+def _scanned_and_unrolled():
+  from meshdistill.models.stacking import to_unrolled
+
+  scanned = md.init_model(STUDENT_CFG.replace(n_layers=2, scan_layers=True), seed=1)
+  return scanned, to_unrolled(scanned)
+
+
+def test_a_scanned_quantization_aware_student_quantizes_as_the_unrolled_one():
+  scanned, unrolled = _scanned_and_unrolled()  # qwix sees blocks/attn/q in one, blocks/0/attn/q in the other
+  tokens = jnp.asarray(make_batch()["inputs"])
+  qat = np.asarray(quantize_aware(scanned, INT4)(tokens).logits)
+  assert np.abs(qat - np.asarray(scanned(tokens).logits)).max() > 1e-3  # not the float student's logits
+  np.testing.assert_allclose(qat, np.asarray(quantize_aware(unrolled, INT4)(tokens).logits), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(qat, np.asarray(post_training(scanned, INT4)(tokens).logits), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(qat, np.asarray(dequantized(scanned, INT4)(tokens).logits), rtol=1e-5, atol=1e-5)
+
+
+def test_a_scanned_quantization_aware_distillation_step_equals_the_unrolled_one():
+  losses = []
+  for student in _scanned_and_unrolled():
+    d = md.Distiller(quantize_aware(student, INT4), md.init_model(TEACHER_CFG, seed=0))
+    _, metrics = run_steps(d, [make_batch(seed=s) for s in range(2)])
+    losses.append([float(m["loss"]) for m in metrics])
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
+def test_a_quantization_rule_that_matches_no_projection_is_an_error():
+  import qwix
+
+  from meshdistill.models.quantize import check_applied
+
+  provider = qwix.QtProvider([qwix.QtRule(module_path="nowhere/q", weight_qtype=jnp.int8)])
+  qwix.quantize_model(md.init_model(STUDENT_CFG, seed=1), provider, jnp.zeros((1, 1), jnp.int32))
+  with pytest.raises(ValueError, match="student.quantize_aware: no projection of the model matched"):
+    check_applied(provider, "student.quantize_aware")
+
+
 @pytest.mark.parametrize("override, match", [
     ("student.quantize_aware={weights: int3}", r"student.quantize_aware.weights='int3'; choose one of \['int8', "
                                                 r"'int4', 'fp8'\]"),
