@@ -130,20 +130,29 @@ def post_training(model, settings: QuantizeAware):
   return quantized
 
 
+def quantized_weights(quantized) -> dict:
+  """``{kernel path: qwix QArray}`` of a post-training-quantized decoder (`post_training`): each quantized
+  projection's integer (or float8) ``qvalue`` and float ``scale``, in the model's layout (``[in, out]`` and
+  ``[in / group_size or 1, out]``; a scanned decoder's with a leading layer axis)."""
+  import qwix  # pylint: disable=g-import-not-at-top
+
+  found = {}
+  for path, module in nnx.iter_graph(quantized):
+    kernel = getattr(module, "kernel", None) if isinstance(module, nnx.Module) else None
+    value = getattr(kernel, "array", None)
+    value = value.get_value() if isinstance(value, nnx.Variable) else value
+    if isinstance(value, qwix.QArray):  # a quantized projection's weight (qwix's WithAux around a QArray)
+      found[(*path, "kernel")] = value
+  return found
+
+
 def dequantized(model, settings: QuantizeAware):
   """A float decoder of ``model``'s config whose projection weights are the quantized-then-dequantized weights of
   ``settings`` (what the quantized student computes with, up to activation quantization)."""
   import qwix  # pylint: disable=g-import-not-at-top
 
   settings.check(model.cfg)
-  quantized = post_training(model, settings)
-  dequant = {}
-  for path, module in nnx.iter_graph(quantized):
-    kernel = getattr(module, "kernel", None) if isinstance(module, nnx.Module) else None
-    value = getattr(kernel, "array", None)
-    value = value.get_value() if isinstance(value, nnx.Variable) else value
-    if isinstance(value, qwix.QArray):  # a quantized projection's weight (qwix's WithAux around a QArray)
-      dequant[(*path, "kernel")] = qwix.dequantize(value)
+  dequant = {k: qwix.dequantize(v) for k, v in quantized_weights(post_training(model, settings)).items()}
   graphdef, state = nnx.split(model)
   leaves = [(k, v.replace(dequant[k].astype(v.get_value().dtype)) if k in dequant else v)
             for k, v in nnx.to_flat_state(state)]
