@@ -129,7 +129,7 @@ def run(args) -> dict:
       "qad": [f"student.init={{pruned: {pruned_dir}}}",
               f"student.quantize_aware={{weights: {args.weights}, group_size: {'null' if group is None else group}}}"],
   }
-  arm_sets["qad_after"] = arm_sets["qad"]
+  arm_sets["qad_after"] = arm_sets["qad"] + [f"checkpoint.every={qad_from}"]  # a checkpoint where phase 1 stops
   out = {"seeds": seeds, "prune": report, "prune_seconds": prune_s, "runs": {}, "ptq": {}, "float_eval": {},
          "qad_from": qad_from, "rerun": arms}
   for seed in seeds:
@@ -142,8 +142,16 @@ def run(args) -> dict:
       cfg = load_config(args.config, _overrides(args, seed) + arm_sets[arm] + [f"run.run_dir={run_dir}"])
       t = time.perf_counter()
       if arm == "qad_after":  # (a)'s run to qad_from, then the same run continued quantization-aware
-        first = load_config(args.config, _overrides(args, seed) + arm_sets["pruned"] + [f"run.run_dir={run_dir}"])
+        first = load_config(args.config, _overrides(args, seed) + arm_sets["pruned"]
+                            + [f"checkpoint.every={qad_from}", f"run.run_dir={run_dir}"])
         jobs.distill(first, stream=sys.stderr, stop_after=qad_from)
+        from meshdistill.storage.checkpoint import Checkpointer
+
+        ckpt = Checkpointer(first.checkpoint_dir, every=0, read_only=True)
+        saved = ckpt.all_steps()
+        ckpt.close()
+        if qad_from not in saved:  # else the second phase would start again from step 0
+          raise SystemExit(f"(r): no checkpoint at step {qad_from} in {first.checkpoint_dir} (steps {saved})")
         from meshdistill.config import dump_config
 
         dump_config(cfg, os.path.join(run_dir, "config.yaml"))  # the run now trains through fake quantization
