@@ -173,6 +173,17 @@ def test_int8_teacher_logits_are_close_to_the_float_teachers():
   assert 0 < errors["int8"] < 0.02 < errors["int4"] and errors["nf4"] < 0.5, errors
 
 
+def test_a_scanned_teacher_is_quantized_as_the_unrolled_one():
+  from meshdistill.models.stacking import to_unrolled
+
+  scanned = md.init_model(TEACHER_CFG.replace(scan_layers=True), seed=0)  # qwix sees blocks/attn/q, no layer index
+  quantized = quantize_model(scanned, "int4")
+  tokens = jnp.asarray(make_batch(4)["inputs"])
+  assert is_quantized(quantized)
+  np.testing.assert_allclose(_logits(quantized, tokens), _logits(quantize_model(to_unrolled(scanned), "int4"), tokens),
+                             rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("quantize", [None, "nf4"])  # nf4 weights (uint4) are stored widened to uint8
 def test_lora_checkpoint_resumes_exactly(tmp_path, runs, quantize):
   d, _, state, _ = runs[("single", quantize)]

@@ -2,10 +2,14 @@
 post-training-quantized student's, gradients reach the float weights, a distillation step on 2x4 equals one device,
 and the config section checks its values."""
 
+import json
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch, run_steps
 
 import meshdistill as md
@@ -50,6 +54,43 @@ def test_a_quantization_aware_distillation_step_on_2x4_equals_one_device():
   plain = md.Distiller(md.init_model(STUDENT_CFG, seed=1), md.init_model(TEACHER_CFG, seed=0))
   _, float_metrics = run_steps(plain, [make_batch(seed=0)])
   assert abs(float(float_metrics[0]["loss"]) - float(want_metrics[0]["loss"])) > 1e-5  # not the float student
+
+
+def _scanned_and_unrolled():
+  from meshdistill.models.stacking import to_unrolled
+
+  scanned = md.init_model(STUDENT_CFG.replace(n_layers=2, scan_layers=True), seed=1)
+  return scanned, to_unrolled(scanned)
+
+
+def test_a_scanned_quantization_aware_student_quantizes_as_the_unrolled_one():
+  scanned, unrolled = _scanned_and_unrolled()  # qwix sees blocks/attn/q in one, blocks/0/attn/q in the other
+  tokens = jnp.asarray(make_batch()["inputs"])
+  qat = np.asarray(quantize_aware(scanned, INT4)(tokens).logits)
+  assert np.abs(qat - np.asarray(scanned(tokens).logits)).max() > 1e-3  # not the float student's logits
+  np.testing.assert_allclose(qat, np.asarray(quantize_aware(unrolled, INT4)(tokens).logits), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(qat, np.asarray(post_training(scanned, INT4)(tokens).logits), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(qat, np.asarray(dequantized(scanned, INT4)(tokens).logits), rtol=1e-5, atol=1e-5)
+
+
+def test_a_scanned_quantization_aware_distillation_step_equals_the_unrolled_one():
+  losses = []
+  for student in _scanned_and_unrolled():
+    d = md.Distiller(quantize_aware(student, INT4), md.init_model(TEACHER_CFG, seed=0))
+    _, metrics = run_steps(d, [make_batch(seed=s) for s in range(2)])
+    losses.append([float(m["loss"]) for m in metrics])
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
+def test_a_quantization_rule_that_matches_no_projection_is_an_error():
+  import qwix
+
+  from meshdistill.models.quantize import check_applied
+
+  provider = qwix.QtProvider([qwix.QtRule(module_path="nowhere/q", weight_qtype=jnp.int8)])
+  qwix.quantize_model(md.init_model(STUDENT_CFG, seed=1), provider, jnp.zeros((1, 1), jnp.int32))
+  with pytest.raises(ValueError, match="student.quantize_aware: no projection of the model matched"):
+    check_applied(provider, "student.quantize_aware")
 
 
 @pytest.mark.parametrize("override, match", [
@@ -107,3 +148,121 @@ def test_the_planner_builds_the_quantization_aware_student_the_config_asks_for()
   np.testing.assert_allclose(np.asarray(planned(tokens).logits),
                              np.asarray(post_training(model, QuantizeAware(weights="int4"))(tokens).logits),
                              rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the quantized export
+QUANTIZED = [INT4, QuantizeAware(weights="int8", activations="int8")]
+
+
+@pytest.mark.parametrize("settings", QUANTIZED, ids=["int4-g8", "int8-int8-activations"])
+def test_the_quantized_export_loads_to_the_quantization_aware_forward(settings, tmp_path):
+  from safetensors import safe_open
+
+  from meshdistill.models.compress.qat import quantized_weights
+
+  model = md.init_model(STUDENT_CFG.replace(n_layers=2), seed=1)
+  out = md.export_quantized(model, settings, tmp_path / "q")
+  tokens = jnp.asarray(make_batch()["inputs"])
+  loaded = md.load_quantized(out)
+  np.testing.assert_array_equal(np.asarray(loaded(tokens).logits), np.asarray(quantize_aware(model, settings)(tokens).logits))
+  got, want = quantized_weights(loaded), quantized_weights(post_training(model, settings))
+  assert len(got) == 14 and got.keys() == want.keys()  # 7 projections in each of 2 blocks
+  for k in want:  # the same integers, the same scales, the same integer type
+    assert got[k].qvalue.dtype == want[k].qvalue.dtype
+    np.testing.assert_array_equal(np.asarray(got[k].qvalue, np.float32), np.asarray(want[k].qvalue, np.float32))
+    np.testing.assert_array_equal(np.asarray(got[k].scale), np.asarray(want[k].scale))
+  floats = md.load_quantized(out, dequantize=True)  # exactly the grid the student trained through
+  assert_trees_close(nnx.state(floats, nnx.Param), nnx.state(dequantized(model, settings), nnx.Param), rtol=0, atol=0)
+  bits = {"int4": 4, "int8": 8}[settings.weights]
+  with safe_open(str(out / "quantized.safetensors"), "numpy") as f:
+    meta = f.metadata()
+    values, scales = f.get_tensor("model.layers.1.mlp.down_proj.weight"), f.get_tensor("model.layers.1.mlp.down_proj.weight_scale")
+  assert meta["format"] == "meshdistill.quantized/1" and len(json.loads(meta["quantized"])) == 14
+  assert json.loads(meta["quantization"]) == {"weights": settings.weights, "activations": settings.activations,
+                                              "group_size": settings.group_size}
+  groups = STUDENT_CFG.mlp_hidden // (settings.group_size or STUDENT_CFG.mlp_hidden)
+  assert values.dtype == np.int8 and values.shape == (STUDENT_CFG.d_model, STUDENT_CFG.mlp_hidden)  # [out, in]
+  assert scales.dtype == np.float32 and scales.shape == (STUDENT_CFG.d_model, groups)
+  assert -(2 ** (bits - 1)) <= values.min() and values.max() <= 2 ** (bits - 1) - 1  # int4: -8..7 in int8 bytes
+  assert np.abs(values).max() >= 2 ** (bits - 1) - 1  # the whole range is used (absmax scales)
+
+
+def test_the_quantized_export_refuses_fp8_and_a_float_student(tmp_path):
+  model = md.init_model(STUDENT_CFG, seed=1)
+  with pytest.raises(ValueError, match=r"weights='fp8': the quantized export holds integer weights"):
+    md.export_quantized(model, QuantizeAware(weights="fp8"), tmp_path / "fp8")
+  with pytest.raises(ValueError, match="weights is null: the student is not quantized"):
+    md.export_quantized(model, QuantizeAware(), tmp_path / "float")
+  with pytest.raises(ValueError, match=r"has format 'pt'; this version reads 'meshdistill.quantized/1'"):
+    md.export_hf(model, tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").rename(tmp_path / "hf" / "quantized.safetensors")
+    md.load_quantized(tmp_path / "hf")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing written for the refused exports
+
+
+def _hf_example(run_dir, *overrides):
+  root = pathlib.Path(__file__).resolve().parents[1]
+  fixtures = root / "tests" / "fixtures"
+  sets = [f"teacher.hf={fixtures / 'hf_qwen3'}", f"data.source={fixtures / 'hf_text.jsonl'}", f"run.run_dir={run_dir}",
+          *overrides]
+  return ["--config", str(root / "configs" / "hf_example.yaml"), *[a for s in sets for a in ("--set", s)]]
+
+
+@pytest.fixture(scope="module")
+def qad_run(tmp_path_factory):
+  """A 2-step quantization-aware run (int4, groups of 16) of a scanned 2-block student of the Qwen3 fixture."""
+  from meshdistill import cli
+
+  run_dir = tmp_path_factory.mktemp("qad") / "run"
+  args = _hf_example(run_dir, "student.init={from_teacher: true, layers: [0, 1]}", "student.scan_layers=true",
+                     "student.quantize_aware={weights: int4, group_size: 16}", "train.steps=2", "train.warmup=1",
+                     "train.eval_every=0", "checkpoint.every=2", "mesh.backend=single", "mesh.data=1", "mesh.tensor=1")
+  assert cli.main(["distill", *args]) == 0
+  return run_dir
+
+
+def _run_student(run_dir):
+  from meshdistill import jobs
+  from meshdistill.config import run_config
+  from meshdistill.storage.checkpoint import Checkpointer
+
+  cfg = run_config(str(run_dir))
+  mesh = jobs.build_mesh(cfg)
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0)
+  _, teacher = jobs.run_teacher(cfg, ckpt.read_meta(None), mesh, None)
+  distiller = jobs.make_distiller(cfg, teacher, mesh)
+  state, _, _ = ckpt.restore(distiller, distiller.init_state(), None)
+  ckpt.close()
+  return distiller.student(state)
+
+
+def test_meshdistill_export_quantized_writes_the_runs_integer_student(qad_run, tmp_path, capsys):
+  from meshdistill import cli
+
+  out = tmp_path / "q"
+  assert cli.main(["export", str(qad_run), str(out), "--quantized"]) == 0
+  assert "int4 weights in groups of 16" in capsys.readouterr().out
+  assert {"config.json", "quantized.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+  assert not (out / "model.safetensors").exists()  # no float loader takes the integers for weights
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)), jnp.int32)
+  student = _run_student(qad_run)  # the run's scanned student, through its fake quantization (scan vs loop: 1e-6)
+  np.testing.assert_allclose(np.asarray(md.load_quantized(out)(tokens).logits), np.asarray(student(tokens).logits),
+                             rtol=1e-5, atol=1e-5)
+  before = {p.name: p.read_bytes() for p in out.iterdir()}
+  assert cli.main(["export", str(qad_run), str(out), "--quantized"]) == 2  # a non-empty OUT_DIR: refused, untouched
+  assert "--overwrite" in capsys.readouterr().err
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+  assert cli.main(["export", str(qad_run), str(out), "--quantized", "--overwrite"]) == 0  # an export's: replaced
+
+
+def test_meshdistill_export_quantized_refuses_a_float_run_before_writing(tmp_path, capsys):
+  from meshdistill import cli
+  from meshdistill.config import dump_config, load_config
+
+  run_dir, out = tmp_path / "run", tmp_path / "out"
+  run_dir.mkdir()
+  dump_config(load_config(_hf_example(run_dir)[1], [a for a in _hf_example(run_dir)[3::2]]), run_dir / "config.yaml")
+  assert cli.main(["export", str(run_dir), str(out), "--quantized"]) == 2
+  assert "trained a float student (student.quantize_aware.weights is null); export it without --quantized" in (
+      capsys.readouterr().err)
+  assert not out.exists()

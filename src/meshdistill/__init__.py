@@ -71,6 +71,9 @@ _EXPORTS: dict[str, str] = {
     "shard_model": "meshdistill.models",
     # compression (pruning, quantization-aware students)
     "PruneTargets": "meshdistill.models.compress",
+    "QuantizeAware": "meshdistill.models.compress",
+    "export_quantized": "meshdistill.models.compress",
+    "load_quantized": "meshdistill.models.compress",
     "prune": "meshdistill.models.compress",
     # strategies
     "AttentionTransfer": "meshdistill.strategies",

@@ -8,6 +8,7 @@
   meshdistill plot RUN_DIR                  # PNG curves of loss, KL, CE and correlation
   meshdistill export RUN_DIR OUT_DIR [--dtype bfloat16] [--step N] [--overwrite]   # the student as a HF checkpoint
   meshdistill export RUN_DIR OUT_DIR --adapter      # a LoRA student's adapters as a PEFT adapter directory
+  meshdistill export RUN_DIR OUT_DIR --quantized    # a quantization-aware student's integer weights and scales
   meshdistill config [--config ...] [--set ...]   # print the effective configuration
   meshdistill prune --out DIR --mlp 256 --heads 4 --embed 128 --layers 2   # a student cut from the teacher
   meshdistill plan --teacher llama3.1-8b --student llama3.2-1b --topology v5e:4x4 --batch 16 --seq 2048
@@ -191,13 +192,15 @@ def _export(args) -> int:
     cfg = run_config(args.run_dir)
     if args.dtype not in export.DTYPES:
       raise ValueError(f"--dtype={args.dtype!r}; choose one of {list(export.DTYPES)}")
+    if args.quantized:
+      export.check_quantized(cfg, args.run_dir, args.adapter)
     export.check_out_dir(args.out_dir, args.overwrite, args.adapter)
     from meshdistill import jobs  # lazy: JAX
 
     jobs.prepare_devices(cfg)
     out = export.export_run(
       args.run_dir, args.out_dir, dtype=args.dtype, step=args.step, overwrite=args.overwrite, cfg=cfg,
-      adapter=args.adapter,
+      adapter=args.adapter, quantized=args.quantized,
     )
   except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
     return _err(str(e))
@@ -208,6 +211,8 @@ def _export(args) -> int:
   print(f"tokenizer: {out['tokenizer']}")
   if "base" in out:
     print(f"adapters apply to the base {out['base']}")
+  if "quantization" in out:
+    print(f"quantized: {out['quantization']} (integer weights and float32 scales, meshdistill.quantized/1)")
   return 0
 
 

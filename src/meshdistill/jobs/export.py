@@ -5,7 +5,9 @@ latest, or ``step``; no optimizer state, no teacher) onto the run's mesh, each d
 own shards, and writes it with `meshdistill.models.export_hf`:
 ``config.json``, ``model.safetensors`` and the tokenizer files -- those of ``teacher.hf`` (or of
 ``data.tokenizer`` when it is a path), a ``tokenizer.json`` for a trained BPE; a byte-level run
-has no Hugging Face tokenizer, which the returned record says.
+has no Hugging Face tokenizer, which the returned record says. With ``quantized`` (a quantization-aware run) the
+student is written with its integer weights and scales instead (`meshdistill.models.compress.export_quantized`:
+``config.json``, ``quantized.safetensors``, the tokenizer files; layout ``meshdistill.quantized/1``).
 
 Every check (run directory, checkpoint step, dtype, output directory) runs before anything is
 written. The checkpoint is written to a temporary sibling of ``OUT_DIR`` and renamed into place,
@@ -26,6 +28,7 @@ from meshdistill.jobs import load_data
 from meshdistill.models import param_count
 from meshdistill.models._hf_config import default_family
 from meshdistill.models.compress.qat import dequantized
+from meshdistill.models.compress.quantized_export import STORED, export_quantized
 from meshdistill.models.hf import export_hf, export_kind
 from meshdistill.models.lora import adapter_count, merge_lora
 from meshdistill.models.peft import adapter_kind, export_adapter
@@ -53,6 +56,23 @@ def check_out_dir(out_dir: str, overwrite: bool, adapter: bool = False) -> None:
   check_owned(out_dir, kind, overwrite=overwrite, flag="--overwrite")
 
 
+def check_quantized(cfg: Config, run_dir: str, adapter: bool = False) -> None:
+  """Raises ValueError unless ``run_dir``'s student can be written with ``--quantized``: a quantization-aware run
+  (``student.quantize_aware.weights`` int8 or int4), not with ``--adapter``."""
+  settings = cfg.models.student_quantize_aware
+  if adapter:
+    raise ValueError("--quantized and --adapter exclude each other: --adapter writes a LoRA run's adapters, "
+                     "--quantized a quantization-aware student's integer weights")
+  if not settings.enabled:
+    raise ValueError(f"--quantized writes a quantization-aware student's integer weights, but RUN_DIR={run_dir!r} "
+                     "trained a float student (student.quantize_aware.weights is null); export it without "
+                     "--quantized")
+  if settings.weights not in STORED:
+    raise ValueError(f"--quantized writes integer weights ({list(STORED)}), but RUN_DIR={run_dir!r} trained "
+                     f"through student.quantize_aware.weights={settings.weights!r}; export it without --quantized "
+                     "(its dequantized float8 grid is exact in float32)")
+
+
 def _tokenizer_source(cfg: Config):
   """(what export_hf takes as ``tokenizer``, a description), without building the data when avoidable."""
   if cfg.models.teacher_hf:
@@ -75,23 +95,30 @@ def export_run(
     overwrite: bool = False,
     cfg: Config | None = None,
     adapter: bool = False,
+    quantized: bool = False,
 ) -> dict:
   """Writes the student of ``run_dir``'s checkpoint (latest, or ``step``) to ``out_dir`` as a Hugging Face model.
 
   With ``adapter`` (a LoRA run) ``out_dir`` instead receives the adapters as a PEFT adapter directory
   (`meshdistill.models.peft.export_adapter`): ``adapter_config.json`` and ``adapter_model.safetensors``,
   plus the frozen base in ``base/`` unless the run's ``student.hf`` is that base exactly (a float base).
+  With ``quantized`` (a quantization-aware run) ``out_dir`` receives the integer weights and scales
+  (`export_quantized`); ``dtype`` is then that of the tensors that stay float (embedding, norms, LM head).
 
-  Returns ``{"out_dir", "step", "family", "dtype", "params", "tokenizer"}`` (with ``adapter``: ``"base"``).
+  Returns ``{"out_dir", "step", "family", "dtype", "params", "tokenizer"}`` (with ``adapter``: ``"base"``; with
+  ``quantized``: ``"quantization"``, the settings described).
 
   Raises:
     FileNotFoundError: no config.yaml or no checkpoint in ``run_dir``.
     FileExistsError: ``out_dir`` is non-empty (without ``overwrite``) or a file.
-    ValueError: a bad ``dtype`` or ``step``, or a run that is not a distillation run.
+    ValueError: a bad ``dtype`` or ``step``, a run that is not a distillation run, or ``quantized`` for a run
+      that is not quantization-aware.
   """
   if dtype not in DTYPES:
     raise ValueError(f"--dtype={dtype!r}; choose one of {list(DTYPES)}")
   cfg = cfg or run_config(run_dir)
+  if quantized:
+    check_quantized(cfg, run_dir, adapter)
   out_dir = os.path.abspath(out_dir)
   lora = cfg.models.student_lora
   if adapter and not lora.enabled:
@@ -132,10 +159,16 @@ def export_run(
               "base": base or os.path.join(written, "base")}
     if lora.enabled:  # adapters folded into the (dequantised) base weights
       student = merge_lora(student)
-    if cfg.models.student_quantize_aware.enabled:  # the weights it trained through: on the quantization grid
+    if cfg.models.student_quantize_aware.enabled and not quantized:  # the weights it trained through: on the grid
       student = dequantized(student, cfg.models.student_quantize_aware)
   finally:
     ckpt.close()
+  if quantized:
+    settings = cfg.models.student_quantize_aware
+    written = str(export_quantized(student, settings, out_dir, tokenizer, dtype=dtype, overwrite=overwrite))
+    log.info("exported step %d of %s to %s (%s)", step, run_dir, written, settings.describe())
+    return {"out_dir": written, "step": int(step), "family": default_family(student.cfg), "dtype": dtype,
+            "params": param_count(student), "tokenizer": tok_note, "quantization": settings.describe()}
   written = _write_atomically(out_dir, student, tokenizer, dtype)
 
   log.info("exported step %d of %s to %s", step, run_dir, written)
@@ -168,4 +201,4 @@ def _write_atomically(out_dir: str, model, tokenizer, dtype: str) -> str:
   return out_dir
 
 
-__all__ = ["DTYPES", "check_out_dir", "export_run"]
+__all__ = ["DTYPES", "check_out_dir", "check_quantized", "export_run"]

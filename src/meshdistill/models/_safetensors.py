@@ -47,8 +47,8 @@ def _inside(path: Path, name: Any, index: Path) -> Path:
   return path / name
 
 
-def weight_map(path: Path) -> dict[str, Path]:
-  """Tensor name -> safetensors file, from the index or the single file."""
+def weight_map(path: Path, file: str = SINGLE_FILE) -> dict[str, Path]:
+  """Tensor name -> safetensors file, from the index or the single ``file``."""
   index = path / INDEX_FILE
   if index.is_file():
     names = read_json(str(index), "safetensors index").get("weight_map")
@@ -60,11 +60,11 @@ def weight_map(path: Path) -> dict[str, Path]:
       raise FileNotFoundError(f"{index} lists {missing} but {'it is' if len(missing) == 1 else 'they are'} "
                               f"missing from {path}; download the complete checkpoint")
     return {n: files[f] for n, f in names.items()}
-  single = path / SINGLE_FILE
+  single = path / file
   if single.is_file():
     with _safe_open(single) as f:
       return {n: single for n in f.keys()}
-  raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+  raise FileNotFoundError(f"{path} holds neither {file} nor {INDEX_FILE}")
 
 
 def _hf_shape(shape: tuple, layout: str) -> tuple:
@@ -98,7 +98,7 @@ def _window(index: tuple, shape: tuple, layout: str):
 
 
 def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any, names, param_dtype: str = "float32",
-                   real_shapes: dict | None = None):
+                   real_shapes: dict | None = None, file: str = SINGLE_FILE):
   """Fills an abstract NNX state from a Hugging Face directory, each device reading only its window.
 
   ``names(key) -> (hf_name, layout)`` for every parameter path; layout ``"same"``, ``"T"``
@@ -106,11 +106,12 @@ def read_onto_mesh(path: str | os.PathLike, abstract: nnx.State, shardings: Any,
   (HF [D, N*H] -> [N, H, D]), or ``"experts_same"`` / ``"experts_T"``: a stacked ``[E, ...]`` weight whose
   ``hf_name`` holds ``{e}`` for the expert index, each expert a tensor of its own in the first two layouts. ``shardings``: a state of `NamedSharding` like ``abstract``
   or ``None`` (one device). ``real_shapes``: parameter path -> the checkpoint's shape (in our
-  layout) where ``abstract`` is larger (vocabulary padding): the extra rows are zeros, never read.
+  layout) where ``abstract`` is larger (vocabulary padding): the extra rows are zeros, never read. ``file``: the
+  single safetensors file read when there is no index.
   Returns ``(state, weight_map, used_names)``.
   """
   path = Path(path)
-  where = weight_map(path)
+  where = weight_map(path, file)
   flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
   target = np.dtype(jax.numpy.dtype(param_dtype))
   used = set()

@@ -119,6 +119,22 @@ def load_hf(
       ``config.json`` (names the tensor, the file and both shapes), or a missing tensor.
   """
   path = Path(path)
+  model, extra = read_checkpoint(path, mesh, dtype=dtype, param_dtype=param_dtype, max_len=max_len)
+  if extra:
+    ignorable = {"lm_head.weight"} if model.cfg.tie_embeddings else set()
+    odd = [n for n in extra if n not in ignorable and not n.endswith("rotary_emb.inv_freq")]
+    if odd:
+      log.warning("%s: %d tensors not used by the decoder: %s", path, len(odd), odd[:8])
+  return to_scanned(model) if scan_layers else model
+
+
+def read_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *, dtype: str = "float32",
+                    param_dtype: str = "float32", max_len: int | None = None,
+                    file: str = SINGLE_FILE) -> tuple[Decoder, list[str]]:
+  """(the unrolled `Decoder` of the checkpoint at ``path``, the names of its tensors no parameter read) -- `load_hf`
+  without its warnings; ``file``: the single safetensors file (when there is no index). Every tensor is read as
+  ``param_dtype``, whatever its stored dtype."""
+  path = Path(path)
   if param_dtype not in _DTYPES:
     raise ValueError(f"param_dtype={param_dtype!r}; choose one of {_DTYPES}")
   hf, config_file = read_hf_config(path), str(path / "config.json")
@@ -132,16 +148,9 @@ def load_hf(
       real_shapes = {k: tuple(v.get_value().shape) for k, v in nnx.to_flat_state(abstract_params(cfg)[1])}
     cfg = fitted
   graphdef, abstract, shardings = abstract_params(cfg, mesh)
-  state, where, used = read_onto_mesh(path, abstract, shardings, _layouts(family), param_dtype, real_shapes)
-  extra = sorted(set(where) - used)
-  if extra:
-    ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    odd = [n for n in extra if n not in ignorable and not n.endswith("rotary_emb.inv_freq")]
-    if odd:
-      log.warning("%s: %d tensors not used by the decoder: %s", path, len(odd), odd[:8])
+  state, where, used = read_onto_mesh(path, abstract, shardings, _layouts(family), param_dtype, real_shapes, file)
   log.info("loaded %d layers, d_model=%d, vocab %d from %s", cfg.n_layers, cfg.d_model, cfg.vocab_size, path)
-  model = nnx.merge(graphdef, state)
-  return to_scanned(model) if scan_layers else model
+  return nnx.merge(graphdef, state), sorted(set(where) - used)
 
 
 def _layouts(family: families.Family):
@@ -168,7 +177,8 @@ def export_kind():
                     lambda path: "an export without an owner marker looks like a downloaded model")
 
 
-def _host_value(x: jax.Array) -> np.ndarray:
+def host_value(x: jax.Array) -> np.ndarray:
+  """``x`` whole on the host (gathered from every process in a multi-process run)."""
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
 
@@ -229,19 +239,26 @@ def export_hf(
   Returns the output directory. In a multi-process run every process must call it; only
   process 0 writes.
   """
-  from safetensors.numpy import save_file
-
   if dtype not in _DTYPES:
     raise ValueError(f"dtype={dtype!r}; choose one of {_DTYPES}")
+  fam = families.default_for(model.cfg) if family is None else families.get(family)
+  config = fam.to_hf(model.cfg, torch_dtype=dtype)
+  tensors = hf_tensors(model, fam, dtype)
+  return write_checkpoint(out_dir, tensors, config, tokenizer, overwrite=overwrite,
+                          identity={"architecture": config["architectures"][0], "dtype": dtype})
+
+
+def hf_tensors(model: Decoder, fam: families.Family, dtype: str = "float32") -> dict[str, np.ndarray]:
+  """``{Hugging Face name: host array in dtype}`` of every parameter of ``model`` as ``fam`` names it: scanned
+  blocks one tensor per layer, stacked experts one per expert, vocabulary padding and replicated key/value heads
+  cut off (the checkpoint's shapes)."""
   cfg: ModelConfig = model.cfg
-  fam = families.default_for(cfg) if family is None else families.get(family)
-  config = fam.to_hf(cfg, torch_dtype=dtype)
   target = np.dtype(jax.numpy.dtype(dtype))
   tensors = {}
   real = cfg.replace(vocab_multiple=1, replicate_kv=False, scan_layers=False)  # padding rows are not exported
   real_shapes = {k: tuple(v.get_value().shape) for k, v in nnx.to_flat_state(abstract_params(real)[1])}
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    stacked = _host_value(var.get_value())
+    stacked = host_value(var.get_value())
     # scanned blocks: one stacked [L, ...] weight -> L per-layer tensors
     layers = [(("blocks", i, *key[1:]), stacked[i]) for i in range(cfg.n_layers)] if (
         cfg.scan_layers and key[0] == "blocks") else [(key, stacked)]
@@ -252,6 +269,17 @@ def export_hf(
       per_tensor = [(name.format(e=e), value[e]) for e in range(value.shape[0])] if EXPERT in name else [(name, value)]
       for one, v in per_tensor:
         tensors[one] = np.ascontiguousarray(v.T if transposed else v, dtype=target)
+  return tensors
+
+
+def write_checkpoint(out_dir: str | os.PathLike, tensors: dict[str, np.ndarray], config: dict, tokenizer: Any = None,
+                     *, overwrite: bool = False, identity: dict | None = None, file: str = SINGLE_FILE,
+                     metadata: dict[str, str] | None = None) -> Path:
+  """Writes ``config.json``, ``tensors`` into ``file`` (safetensors, with ``metadata``; default ``{"format": "pt"}``)
+  and the tokenizer files into ``out_dir``, atomically, with an export's owner marker (``identity`` in it); a
+  non-empty ``out_dir`` only with ``overwrite`` and only when an export wrote it. Only process 0 writes."""
+  from safetensors.numpy import save_file
+
   out = Path(out_dir)
   if jax.process_index() != 0:
     return out
@@ -259,8 +287,8 @@ def export_hf(
   check_owned(str(out), export_kind(), overwrite=overwrite, flag="overwrite=True")
   with atomic_output_dir(str(out)) as tmp:  # a tokenizer read from out_dir is copied before out_dir is replaced
     tmp = Path(tmp)
-    write_marker(str(tmp), export_kind(), {"architecture": config["architectures"][0], "dtype": dtype})
-    save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+    write_marker(str(tmp), export_kind(), identity)
+    save_file(tensors, str(tmp / file), metadata=metadata or {"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     written = [] if tokenizer is None else _write_tokenizer(tokenizer, tmp)
   log.info("exported %s (%d tensors%s) to %s", config["architectures"][0], len(tensors),

@@ -40,8 +40,17 @@ PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # the decoder's block 
 
 
 def projection_pattern(targets=PROJECTIONS) -> str:
-  """The qwix ``module_path`` regex of the decoder's block projections named ``targets``."""
-  return r"blocks/\d+/(attn|mlp)/(" + "|".join(map(re.escape, targets)) + ")"
+  """The qwix ``module_path`` regex of the decoder's block projections named ``targets``: ``blocks/0/attn/q`` in an
+  unrolled decoder, ``blocks/attn/q`` in a scanned one (``scan_layers``: one stacked block, no layer index)."""
+  return r"blocks/(?:\d+/)?(attn|mlp)/(" + "|".join(map(re.escape, targets)) + ")"
+
+
+def check_applied(provider, setting: str) -> None:
+  """Raises ValueError when a qwix ``provider`` that has run its model once matched no projection (its rule unused):
+  a quantization that would silently leave the model float."""
+  if provider.get_unused_rules():
+    raise ValueError(f"{setting}: no projection of the model matched qwix rule {projection_pattern()!r}; nothing "
+                     "would be quantized")
 
 
 def qtype(name: str | None, setting: str = "quantize"):
@@ -87,6 +96,7 @@ def quantize_model(model, quantize: str, *, mesh: Mesh | None = None, setting: s
                      "(`apply_lora`), or merge the adapters first (`merge_lora`)")
   provider = qwix.PtqProvider([qwix.QuantizationRule(module_path=projection_pattern(), weight_qtype=weight_qtype)])
   quantized = qwix.quantize_model(model, provider, init_tokens(model.cfg))
+  check_applied(provider, setting)
   if mesh is not None:  # quantized storage is computed eagerly; pin every leaf to its split
     quantized = placed(quantized, mesh)
   log.info("quantized %s projections to %s: %.1f MiB of weights (was %.1f MiB)", type(model).__name__, quantize,

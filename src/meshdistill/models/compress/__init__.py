@@ -5,7 +5,9 @@
 * `prune` -- width (``mlp``, ``heads``, ``embed``) and depth (``layers``) pruning by those scores into a smaller
   decoder of the same family (`prune`, ``md.prune``; `PruneTargets`, `Kept`, `prune_weights`, `zeroed`);
 * `qat` -- a student that trains through fake quantization (``student.quantize_aware``: `QuantizeAware`,
-  `quantize_aware`), and the same quantization applied after training (`post_training`, `dequantized`).
+  `quantize_aware`), and the same quantization applied after training (`post_training`, `dequantized`);
+* `quantized_export` -- that student on disk with its integer weights and scales (``meshdistill.quantized/1``:
+  `export_quantized`, `load_quantized`, `quantized_settings`).
 
 ``meshdistill prune`` (`meshdistill.jobs.prune`) runs the first two on a run's own data and writes the student in
 the project's model-directory format and as a Hugging Face checkpoint, beside the scores and a report.
@@ -14,6 +16,8 @@ the project's model-directory format and as a Hugging Face checkpoint, beside th
 from meshdistill.models.compress.importance import DEPTH, Importance, score
 from meshdistill.models.compress.prune import Kept, PruneTargets, Pruned, prune, prune_weights, select, zeroed
 from meshdistill.models.compress.qat import QuantizeAware, dequantized, post_training, quantize_aware
+from meshdistill.models.compress.quantized_export import export_quantized, load_quantized, quantized_settings
 
-__all__ = ["DEPTH", "Importance", "Kept", "PruneTargets", "Pruned", "QuantizeAware", "dequantized", "post_training",
-           "prune", "prune_weights", "quantize_aware", "score", "select", "zeroed"]
+__all__ = ["DEPTH", "Importance", "Kept", "PruneTargets", "Pruned", "QuantizeAware", "dequantized", "export_quantized",
+           "load_quantized", "post_training", "prune", "prune_weights", "quantize_aware", "quantized_settings", "score",
+           "select", "zeroed"]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshdistill.models._build import _create
-from meshdistill.models.quantize import projection_pattern
+from meshdistill.models.quantize import check_applied, projection_pattern
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,10 @@ def quantize_aware(model, settings: QuantizeAware):
   if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
     raise ValueError(f"{SETTING} with student.lora: adapters train on a frozen base; choose one of the two")
   log.info("student: quantization-aware training with %s", settings.describe())
-  return qwix.quantize_model(model, qwix.QtProvider([settings.rule("qt")]), _sample_input())
+  provider = qwix.QtProvider([settings.rule("qt")])
+  wrapped = qwix.quantize_model(model, provider, _sample_input())
+  check_applied(provider, SETTING)
+  return wrapped
 
 
 def abstract_quantize_aware(cfg, settings: QuantizeAware):
@@ -121,7 +124,26 @@ def post_training(model, settings: QuantizeAware):
   import qwix  # pylint: disable=g-import-not-at-top
 
   settings.check(model.cfg)
-  return qwix.quantize_model(model, qwix.PtqProvider([settings.rule("ptq")]), _sample_input())
+  provider = qwix.PtqProvider([settings.rule("ptq")])
+  quantized = qwix.quantize_model(model, provider, _sample_input())
+  check_applied(provider, SETTING)
+  return quantized
+
+
+def quantized_weights(quantized) -> dict:
+  """``{kernel path: qwix QArray}`` of a post-training-quantized decoder (`post_training`): each quantized
+  projection's integer (or float8) ``qvalue`` and float ``scale``, in the model's layout (``[in, out]`` and
+  ``[in / group_size or 1, out]``; a scanned decoder's with a leading layer axis)."""
+  import qwix  # pylint: disable=g-import-not-at-top
+
+  found = {}
+  for path, module in nnx.iter_graph(quantized):
+    kernel = getattr(module, "kernel", None) if isinstance(module, nnx.Module) else None
+    value = getattr(kernel, "array", None)
+    value = value.get_value() if isinstance(value, nnx.Variable) else value
+    if isinstance(value, qwix.QArray):  # a quantized projection's weight (qwix's WithAux around a QArray)
+      found[(*path, "kernel")] = value
+  return found
 
 
 def dequantized(model, settings: QuantizeAware):
@@ -130,14 +152,7 @@ def dequantized(model, settings: QuantizeAware):
   import qwix  # pylint: disable=g-import-not-at-top
 
   settings.check(model.cfg)
-  quantized = post_training(model, settings)
-  dequant = {}
-  for path, module in nnx.iter_graph(quantized):
-    kernel = getattr(module, "kernel", None) if isinstance(module, nnx.Module) else None
-    value = getattr(kernel, "array", None)
-    value = value.get_value() if isinstance(value, nnx.Variable) else value
-    if isinstance(value, qwix.QArray):  # a quantized projection's weight (qwix's WithAux around a QArray)
-      dequant[(*path, "kernel")] = qwix.dequantize(value)
+  dequant = {k: qwix.dequantize(v) for k, v in quantized_weights(post_training(model, settings)).items()}
   graphdef, state = nnx.split(model)
   leaves = [(k, v.replace(dequant[k].astype(v.get_value().dtype)) if k in dequant else v)
             for k, v in nnx.to_flat_state(state)]

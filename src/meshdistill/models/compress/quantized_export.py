@@ -1,0 +1,181 @@
+"""A quantization-aware student on disk with its integer weights and scales (``meshdistill export --quantized``).
+
+`export_quantized(model, settings, out_dir)` writes the weights the student computes with -- the integers and scales
+of ``settings``' rule (`meshdistill.models.compress.qat.post_training`, the rule the student trained through) --
+and `load_quantized(out_dir)` reads them back as the quantized decoder (qwix ``QArray`` weights: the same integers,
+the same scales) or, with ``dequantize=True``, as a float decoder of the dequantized weights.
+
+Layout ``meshdistill.quantized/1`` (an export directory: its owner marker is an export's):
+
+* ``config.json`` -- the float student's Hugging Face config, as `meshdistill.models.export_hf` writes it;
+* ``quantized.safetensors`` -- named so that no loader of float checkpoints takes the integers for weights:
+
+  - every block projection (attention q / k / v / o, MLP gate / up / down) as two tensors, under its Hugging Face
+    name ``N`` (``model.layers.0.self_attn.q_proj.weight``) in that tensor's layout (``[out, in]``):
+    ``N`` the quantized values -- ``int8`` for ``weights: int8`` and for ``weights: int4`` (int4 values, -8..7,
+    stored UNPACKED, one per int8 byte) -- and ``N_scale``, float32 ``[out, in / group_size]`` (``[out, 1]``: one scale per output channel). The weight is
+    ``N[o, i] * N_scale[o, i // group_size]``: symmetric, no zero point;
+  - every other tensor (embedding, norms, LM head) as `export_hf` writes it, in ``dtype``;
+  - header metadata (strings): ``format`` = ``meshdistill.quantized/1``, ``quantization`` = JSON of the
+    ``student.quantize_aware`` section (``{"weights", "activations", "group_size"}``; activations are quantized
+    at run time, nothing of them is stored), ``quantized`` = JSON list of the names ``N``, ``int4`` =
+    ``unpacked int8``;
+* the tokenizer files, when given.
+
+``weights: fp8`` is refused: its values are floats (safetensors' numpy reader has no ``F8_E4M3``); its plain export
+(``export_hf`` of `dequantized`) holds them exactly in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshdistill.models import families
+from meshdistill.models.compress.qat import SETTING, WEIGHTS, QuantizeAware, post_training, quantized_weights
+from meshdistill.models.hf import hf_tensors, host_value, read_checkpoint, read_hf_config, write_checkpoint
+from meshdistill.models.quantize import placed
+from meshdistill.models.stacking import to_unrolled
+
+log = logging.getLogger(__name__)
+
+FORMAT = "meshdistill.quantized/1"
+FILE = "quantized.safetensors"
+SCALE = "_scale"  # the scales of tensor N are N + SCALE
+STORED = {"int8": np.int8, "int4": np.int8}  # the file's dtype of the values, per ``weights``
+
+
+def export_quantized(model, settings: QuantizeAware, out_dir: str | os.PathLike, tokenizer: Any = None, *,
+                     family: str | None = None, dtype: str = "float32", overwrite: bool = False) -> Path:
+  """Writes the float decoder ``model`` quantized by ``settings`` in the ``meshdistill.quantized/1`` layout (module
+  docstring). ``tokenizer``, ``family``, ``dtype`` (of the tensors that stay float) and ``overwrite`` as in
+  `export_hf`: a non-empty ``out_dir`` is refused unless ``overwrite`` and an earlier export wrote it.
+
+  Raises ValueError when ``settings.weights`` is null (nothing to quantize) or ``fp8`` (not integers)."""
+  if not settings.enabled:
+    raise ValueError(f"{SETTING}.weights is null: the student is not quantized; write it with export_hf, or choose "
+                     f"weights from {list(WEIGHTS)}")
+  if settings.weights not in STORED:
+    raise ValueError(f"{SETTING}.weights={settings.weights!r}: the quantized export holds integer weights "
+                     f"({list(STORED)}); export this student without --quantized (its float8 grid, dequantized, is "
+                     "exact in float32)")
+  unrolled = to_unrolled(model) if model.cfg.scan_layers else model
+  fam = families.default_for(model.cfg) if family is None else families.get(family)
+  config = fam.to_hf(model.cfg, torch_dtype=dtype)
+  tensors = hf_tensors(unrolled, fam, dtype)
+  names = []
+  for key, qarray in quantized_weights(post_training(unrolled, settings)).items():
+    name, transposed = fam.weight_name(key)
+    values, scales = host_value(qarray.qvalue.astype(STORED[settings.weights])), host_value(qarray.scale)
+    if transposed:
+      values, scales = values.T, scales.T
+    real = tensors[name].shape  # the checkpoint's shape (replicated key / value heads cut off)
+    scales = scales[tuple(slice(0, -(-n * s // v)) for n, s, v in zip(real, scales.shape, values.shape))]
+    values = values[tuple(slice(0, n) for n in real)]
+    tensors[name] = np.ascontiguousarray(values.astype(STORED[settings.weights]))
+    tensors[name + SCALE] = np.ascontiguousarray(scales, dtype=np.float32)
+    names.append(name)
+  metadata = {"format": FORMAT, "quantization": json.dumps(_section(settings)), "quantized": json.dumps(names),
+              "int4": "unpacked int8"}
+  out = write_checkpoint(out_dir, tensors, config, tokenizer, overwrite=overwrite, file=FILE, metadata=metadata,
+                         identity={"architecture": config["architectures"][0], "format": FORMAT,
+                                   "quantization": _section(settings)})
+  log.info("wrote %d quantized projections (%s) to %s", len(names), settings.describe(), out)
+  return out
+
+
+def _section(settings: QuantizeAware) -> dict:
+  return {"weights": settings.weights, "activations": settings.activations, "group_size": settings.group_size}
+
+
+def _header(path: Path) -> dict[str, str]:
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+
+  file = path / FILE
+  if not file.is_file():
+    raise FileNotFoundError(f"{path} holds no {FILE}: not a {FORMAT} export (write one with `meshdistill export "
+                            "RUN_DIR OUT_DIR --quantized` or export_quantized)")
+  with safe_open(str(file), "numpy") as f:
+    meta = f.metadata() or {}
+  if meta.get("format") != FORMAT:
+    raise ValueError(f"{file} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
+  return meta
+
+
+def quantized_settings(path: str | os.PathLike) -> QuantizeAware:
+  """The ``student.quantize_aware`` settings a ``meshdistill.quantized/1`` export at ``path`` was written with."""
+  return QuantizeAware(**json.loads(_header(Path(path))["quantization"]))
+
+
+def load_quantized(path: str | os.PathLike, mesh=None, *, dequantize: bool = False, dtype: str = "float32"):
+  """The student of a ``meshdistill.quantized/1`` export at ``path``.
+
+  Default: the quantized decoder -- its projections hold qwix ``QArray`` weights whose ``qvalue`` and ``scale``
+  are the file's integers and scales exactly (int4 back to ``int4``), with the file's activation quantization --
+  which computes what the quantization-aware student computed. ``dequantize=True``: a float `Decoder` whose
+  projection weights are ``N * N_scale`` (the form `export_hf` writes). ``mesh``: weights split over ``tensor`` as
+  `load_hf` splits them. ``dtype``: the compute dtype."""
+  path = Path(path)
+  meta = _header(path)
+  settings = QuantizeAware(**json.loads(meta["quantization"]))
+  names = set(json.loads(meta["quantized"]))
+  model, unused = read_checkpoint(path, mesh, dtype=dtype, file=FILE)  # a quantized N read as its values in float
+  missing = sorted(n + SCALE for n in names if n + SCALE not in unused)
+  if missing:
+    raise ValueError(f"{path / FILE} lacks the scales {missing[:4]} of its quantized tensors; the file is damaged")
+  fam = families.family_for(read_hf_config(path), str(path / "config.json"))
+  codes, scales = {}, {}
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+
+  with safe_open(str(path / FILE), "numpy") as f:
+    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+      name, transposed = fam.weight_name(key)
+      if name in names:
+        scale = f.get_tensor(name + SCALE)
+        codes[key], scales[key] = var.get_value(), scale.T if transposed else scale
+  if len(codes) != len(names):
+    raise ValueError(f"{path / FILE} lists {len(names)} quantized tensors but the model of its config.json has "
+                     f"{len(codes)} of them")
+  graphdef, state = nnx.split(model)
+  float_leaves = [(k, v.replace(_dequantize(codes[k], scales[k])) if k in codes else v)
+                  for k, v in nnx.to_flat_state(state)]
+  floats = nnx.merge(graphdef, nnx.from_flat_state(float_leaves))
+  log.info("loaded %d quantized projections (%s) from %s", len(codes), settings.describe(), path)
+  if dequantize:
+    return floats
+  quantized = post_training(floats, settings)  # the structure; its integers and scales replaced by the file's
+  graphdef, state = nnx.split(quantized)
+  leaves = []
+  for k, v in nnx.to_flat_state(state):
+    where, leaf = k[:-2], k[-1]
+    if k[-2] == "array" and where in codes and leaf in ("qvalue", "scale"):
+      stored = codes[where] if leaf == "qvalue" else scales[where]
+      if tuple(stored.shape) != tuple(v.get_value().shape):
+        raise ValueError(f"{path / FILE}: {'.'.join(map(str, where))} {leaf} has shape {list(stored.shape)}; the "
+                         f"quantization {settings.describe()} gives {list(v.get_value().shape)}")
+      v = v.replace(jnp.asarray(stored).astype(v.get_value().dtype))
+    leaves.append((k, v))
+  quantized = nnx.merge(graphdef, nnx.from_flat_state(leaves))
+  return placed(quantized, mesh) if mesh is not None else quantized
+
+
+def _dequantize(codes, scales_np: np.ndarray) -> jax.Array:
+  """``codes * scales`` with each scale repeated over its group (``codes``: the values read as float, in the
+  model's layout; ``scales_np``: ``[in / group_size or 1, out]``)."""
+  expanded = scales_np
+  for axis, (n, s) in enumerate(zip(codes.shape, scales_np.shape)):
+    if n % s:
+      raise ValueError(f"scales of shape {list(scales_np.shape)} do not tile a weight of shape {list(codes.shape)}")
+    expanded = np.repeat(expanded, n // s, axis=axis)
+  return codes * jax.device_put(jnp.asarray(expanded, codes.dtype), codes.sharding)
+
+
+__all__ = ["FILE", "FORMAT", "export_quantized", "load_quantized", "quantized_settings"]
