@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import time
 from typing import Any
 
@@ -319,6 +320,7 @@ def run_steps(teacher: str, student: str, batch: int | tuple[int, ...], seq: int
     except Exception as e:  # noqa: BLE001
       return [{"batch": b, "seq": seq, "error": f"{type(e).__name__}: {str(e)[:400]}"} for b in batches]
     build_s = time.perf_counter() - t0
+    print(f"tunix: models built in {build_s:.1f} s", file=sys.stderr, flush=True)
     strategy, gen_inputs = strategy_for(s_cfg.vocab_size)
     t_graph, t_state = nnx.split(t_model)
     teacher_program = jax.jit(lambda state, x: strategy.get_teacher_outputs(nnx.merge(t_graph, state), x))
@@ -344,6 +346,7 @@ def run_steps(teacher: str, student: str, batch: int | tuple[int, ...], seq: int
           jax.block_until_ready(result)
           if i == 0:
             out["first_step_s"] = time.perf_counter() - t0
+            print(f"tunix: batch {b}: first step (compiles) {out['first_step_s']:.1f} s", file=sys.stderr, flush=True)
           if i >= 2:
             times.append(time.perf_counter() - t0)
         out["step_s"] = float(np.median(times))
