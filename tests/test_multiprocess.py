@@ -104,7 +104,7 @@ def runs(tmp_path_factory, teacher):
 
 def test_two_processes_match_one_process(runs):
   two, one, out2 = runs["two"], runs["one"], runs["out2"]
-  assert "on 8 cpu device(s) in 2 processes" in out2
+  assert "devices: 8 x cpu (cpu) in 2 processes" in out2
   # Every process read the same loss at every step: the guard's decisions cannot differ.
   seen = [_progress_losses(out2, f"[p{i}] ") for i in range(2)]
   assert sorted(seen[0]) == list(range(1, STEPS + 1)) and seen[0] == seen[1]

@@ -317,22 +317,15 @@ def _main(argv: list[str] | None) -> int:
         print(f"student -> {r['out']}/student (distil it with --set student.init.pruned={r['out']}), "
               f"Hugging Face export -> {r['out']}/hf")
       elif args.command == "distill":
-        import jax  # pylint: disable=g-import-not-at-top
-
         from meshdistill.parallel.backends import layout_class  # lazy: JAX
 
-        mesh = layout_class(cfg.mesh.backend).describe(cfg.mesh.data, cfg.mesh.tensor)
+        layout = layout_class(cfg.mesh.backend).describe(cfg.mesh.data, cfg.mesh.tensor)
         if cfg.mesh.fsdp:
-          mesh += ", fsdp"
+          layout += ", fsdp"
         if cfg.mesh.student_split == "batch" and cfg.mesh.tensor > 1:
-          mesh += ", student replicated on rows split over data x tensor"
-        print(
-          f"meshdistill distill: mesh {mesh} on {jax.device_count()} {jax.default_backend()} device(s)"
-          + (f" in {jax.process_count()} processes (this is process {jax.process_index()})"
-             if jax.process_count() > 1 else "")
-          + f", run dir {cfg.run.run_dir}",
-          file=sys.stderr,
-        )
+          layout += ", student replicated on rows split over data x tensor"
+        # the devices, processes and mesh follow in the job's own "devices:" line
+        print(f"meshdistill distill: layout {layout}, run dir {cfg.run.run_dir}", file=sys.stderr)
         summary = jobs.distill(cfg, stream=sys.stderr, profile=args.profile)
         print(jobs.summary_table(summary))
         print(_next_steps(cfg.run.run_dir))

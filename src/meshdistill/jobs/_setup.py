@@ -63,13 +63,16 @@ def build_mesh(cfg: Config):
 
 
 def describe_devices(mesh, teacher_mesh=None) -> str:
-  """One line naming the devices a job runs on: their kind and platform, and the mesh the student's step uses."""
+  """One line naming the devices a job runs on: their kind and platform, the processes holding them (when several),
+  and the mesh the student's step uses."""
   import jax  # pylint: disable=g-import-not-at-top -- JAX starts after prepare_devices
 
   devs = jax.devices()
   kinds = sorted({f"{d.device_kind} ({d.platform})" for d in devs})
   where = "one device" if mesh is None else "mesh " + " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
-  line = f"devices: {len(devs)} x {', '.join(kinds)}; the step runs on {where}"
+  n = jax.process_count()
+  procs = "" if n == 1 else f" in {n} processes (this is process {jax.process_index()})"
+  line = f"devices: {len(devs)} x {', '.join(kinds)}{procs}; the step runs on {where}"
   if teacher_mesh is not None:
     line += ", the teacher on its own mesh " + " x ".join(f"{k}={v}" for k, v in teacher_mesh.shape.items())
   return line
