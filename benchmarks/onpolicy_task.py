@@ -323,19 +323,21 @@ def run(a, argv, task_name: str | None = None, share_end: float = math.inf) -> d
   # per seed: the warm start, saved once
   warm_def = nnx.split(md.init_model(s_cfg, seed=0))[0]
   warm = {}
+  sft = None  # one trainer for every seed's warm start: its step and fresh state compile once
   for i, seed in enumerate(seeds):
     path = os.path.join(state_dir, f"warm_{a.student}_seed{seed}_{a.warm_band}_{a.warm_lr}_{a.warm_check}"
                                    f"{_suffix(a)}.pkl")
     seed_end = time.time() + (t0 + 0.55 * span - time.time()) / (len(seeds) - i)  # the warm starts' time, shared out
     if not os.path.exists(path):
-      trainer = HardLabelTrainer(md.init_model(s_cfg, seed=seed), optimizer=default_optimizer(a.warm_lr))
+      sft = sft or HardLabelTrainer(md.init_model(s_cfg, seed=0), optimizer=default_optimizer(a.warm_lr))
       data = data_for(seed)
-      state, it, steps, w_acc, by_clock = trainer.init_state(), data.train_iterator(), 0, 0.0, False
+      state, it, steps, w_acc, by_clock = sft.init_state(md.init_model(s_cfg, seed=seed)), data.train_iterator(), 0, \
+          0.0, False
       while steps < a.warm_max:
         for _ in range(a.warm_check):
-          state, _ = trainer.step(state, next(it))
+          state, _ = sft.step(state, next(it))
         steps += a.warm_check
-        w_acc = acc(trainer.student_def, jax.device_get(state.params["student"]))
+        w_acc = acc(sft.student_def, jax.device_get(state.params["student"]))
         if w_acc >= lo:
           break
         if time.time() > seed_end:
