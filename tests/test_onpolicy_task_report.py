@@ -121,6 +121,18 @@ def test_the_compilations_of_a_lockstep_run_do_not_grow_with_its_seeds(bench, tm
   assert one > 0 and two == one, (one, two)
 
 
+def test_the_arms_warm_up_rises_linearly_to_the_rate_and_zero_keeps_it_constant(bench, report, tmp_path):
+  lr = bench.warmed_up(3e-3, 10)
+  assert [float(lr(c)) for c in (0, 4, 9, 50)] == pytest.approx([3e-4, 1.5e-3, 3e-3, 3e-3])
+  assert bench.warmed_up(3e-3, 0) == 3e-3  # the CPU runs' constant rate, as before
+  cpu = json.loads((RESULTS / "on_policy_task_add5.json").read_text())
+  chip = _chip_raw(cpu)
+  chip["args"]["arm_warmup"] = 10
+  report.render([cpu, chip], str(tmp_path / "r.md"), str(tmp_path / "r.png"))
+  assert "fresh Adam, each arm's rate the one the CPU run's sweep chose" in (tmp_path / "r.md").read_text()
+  assert "warmed up linearly over the first 10 steps (--arm-warmup)" in (tmp_path / "r.md").read_text()
+
+
 def _chip_raw(cpu):
   """A lockstep run's raw results made from ``cpu``'s (two arms, two seeds, 75 steps reached)."""
   raw = {k: copy.deepcopy(cpu[k]) for k in ("args", "seeds", "labels", "params", "flops_per_step", "warm")}
