@@ -37,8 +37,9 @@ CPU numbers are never written as the chip's. ``--render`` puts such runs in the 
 their ranking beside the CPU run's of the same task:
 
   python benchmarks/onpolicy_task.py --require-backend tpu --task add5 --teacher 512,4 --student 256,4 --batch 256 \\
-      --teacher-lr 1e-3 --teacher-steps 1500 --teacher-target 0.98 --warm-lr 1e-3 --arm-lrs cpu --budget 120 \\
-      --deadline 215 --out 'benchmarks/results/on_policy_task_chip_{task}.json'
+      --teacher-lr 1e-3 --teacher-steps 1500 --teacher-target 0.98 --teacher-check 100 --warm-lr 1e-3 \\
+      --warm-check 5 --warm-max 600 --arm-lrs cpu --arm-warmup 10 --steps 200 --eval-every 25 --budget 150 \\
+      --deadline 235 --out 'benchmarks/results/on_policy_task_chip_{task}.json'
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ if HERE not in sys.path:  # imported rather than run (the tests): the benchmarks
   sys.path.append(HERE)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -135,6 +137,10 @@ def _args(argv):
                  help="sweep: each arm's rate the best of --lrs on the first seed (one arm after the other); cpu: each "
                       "arm's rate chosen by the CPU run's sweep (--cpu-results); or arm=lr,... for every arm. Other "
                       "than sweep the arms run in lockstep: step k of every arm and seed before step k + 1")
+  p.add_argument("--arm-warmup", type=int, default=0,
+                 help="steps over which each arm's learning rate rises linearly to its value (step k of the first N at "
+                      "k/N of it); 0 (default, the CPU runs): the full rate from the first step. Fresh Adam's first "
+                      "step moves every weight by about the learning rate, whatever its gradient's size")
   p.add_argument("--cpu-results", default=None, help="the CPU run whose chosen rates --arm-lrs cpu takes (default "
                                                      "results/on_policy_task_{task}.json)")
   p.add_argument("--budget", type=float, default=None,
@@ -184,6 +190,16 @@ def arms(new_tokens: int, eos: int, pad: int) -> dict:
       "sampled": ("sampled-token (discount 0, lambda 1)", SampledTokenKD(), on(1.0)),
       "sft": ("SFT on the data", HardLabelCE(), on(0.0)),
   }
+
+
+def warmed_up(lr: float, steps: int):
+  """``lr`` (a constant rate, ``steps`` 0) or the schedule rising linearly to it: optimizer step ``c`` (0-based) at
+  ``lr * min(1, (c + 1) / steps)``, so the first step is ``lr / steps`` and step ``steps`` the full rate."""
+  if steps < 0:
+    refuse(f"--arm-warmup {steps}: give 0 (no warm-up) or a number of steps")
+  if steps == 0:
+    return lr
+  return lambda count: lr * jnp.minimum(1.0, (count + 1) / steps)
 
 
 def matmul_params(model) -> int:
@@ -323,19 +339,21 @@ def run(a, argv, task_name: str | None = None, share_end: float = math.inf) -> d
   # per seed: the warm start, saved once
   warm_def = nnx.split(md.init_model(s_cfg, seed=0))[0]
   warm = {}
+  sft = None  # one trainer for every seed's warm start: its step and fresh state compile once
   for i, seed in enumerate(seeds):
     path = os.path.join(state_dir, f"warm_{a.student}_seed{seed}_{a.warm_band}_{a.warm_lr}_{a.warm_check}"
                                    f"{_suffix(a)}.pkl")
     seed_end = time.time() + (t0 + 0.55 * span - time.time()) / (len(seeds) - i)  # the warm starts' time, shared out
     if not os.path.exists(path):
-      trainer = HardLabelTrainer(md.init_model(s_cfg, seed=seed), optimizer=default_optimizer(a.warm_lr))
+      sft = sft or HardLabelTrainer(md.init_model(s_cfg, seed=0), optimizer=default_optimizer(a.warm_lr))
       data = data_for(seed)
-      state, it, steps, w_acc, by_clock = trainer.init_state(), data.train_iterator(), 0, 0.0, False
+      state, it, steps, w_acc, by_clock = sft.init_state(md.init_model(s_cfg, seed=seed)), data.train_iterator(), 0, \
+          0.0, False
       while steps < a.warm_max:
         for _ in range(a.warm_check):
-          state, _ = trainer.step(state, next(it))
+          state, _ = sft.step(state, next(it))
         steps += a.warm_check
-        w_acc = acc(trainer.student_def, jax.device_get(state.params["student"]))
+        w_acc = acc(sft.student_def, jax.device_get(state.params["student"]))
         if w_acc >= lo:
           break
         if time.time() > seed_end:
@@ -369,10 +387,15 @@ def run(a, argv, task_name: str | None = None, share_end: float = math.inf) -> d
             "labels": {k: table[k][0] for k in keys}, "params": {"student_matmul": n_s, "teacher_matmul": n_t},
             "flops_per_step": {"train": train_flops, "sample": sample_flops}, **machine()}
 
+  distillers = {}  # (arm, lr) -> its distiller: the seeds of an arm at a rate share its compiled step
+
   def distiller(k, lr):
-    _, strategy, on_policy = table[k]
-    return OnPolicyDistiller(md.init_model(s_cfg, seed=0), teacher, strategy=strategy, on_policy=on_policy,
-                             optimizer=default_optimizer(lr), seed=seeds[0])
+    if (k, lr) not in distillers:
+      _, strategy, on_policy = table[k]
+      optimizer = default_optimizer(warmed_up(lr, a.arm_warmup))
+      distillers[k, lr] = OnPolicyDistiller(md.init_model(s_cfg, seed=0), teacher, strategy=strategy,
+                                            on_policy=on_policy, optimizer=optimizer, seed=seeds[0])
+    return distillers[k, lr]
 
   if a.arm_lrs != "sweep":
     choice = chosen_lrs(a, a.task, keys)

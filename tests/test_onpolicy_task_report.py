@@ -9,6 +9,7 @@ import itertools
 import json
 import pathlib
 
+import jax
 import pytest
 from helpers import bench_module
 
@@ -90,6 +91,46 @@ def test_lockstep_gives_each_arm_and_seed_the_numbers_it_gets_alone(bench, state
       assert lock[arm][key] == alone[arm][key], (arm, key)
     assert len(lock[arm]["losses"]) == 2 and lock[arm]["losses"][0] != lock[arm]["losses"][1]  # two seeds' own runs
   assert lock["sampled"]["flops"][0][-1] > lock["offpolicy"]["flops"][0][-1]  # the samples' compute is counted
+
+
+def test_the_compilations_of_a_lockstep_run_do_not_grow_with_its_seeds(bench, tmp_path):
+  """On the chip a run's time is its compilations: the seeds of an arm, and of the warm starts, share compiled
+  programs (the step, the fresh state, generation), so 2 seeds compile what 1 seed does. Counted as XLA backend
+  compilations of a whole run (teacher, warm starts, arms, evaluations) from empty in-memory caches (the event fires
+  for every executable asked of the compiler, a hit of the persistent compilation cache included)."""
+  compiles = []
+
+  def count(name, secs, **kwargs):
+    if name == "/jax/core/compile/backend_compile_duration":
+      compiles.append(secs)
+
+  def compilations(seeds):
+    jax.clear_caches()
+    compiles.clear()
+    bench.main(["--task", "add5", "--seeds", seeds, "--train-problems", "200", "--eval-prompts", "8", "--batch", "8",
+                "--teacher", "8,1", "--student", "8,1", "--teacher-steps", "2", "--warm-band", "0.0,1.0",
+                "--warm-check", "1", "--steps", "2", "--eval-every", "1", "--arms", "sampled",
+                "--arm-lrs", "sampled=1e-3", "--state-dir", str(tmp_path / seeds), "--out", str(tmp_path / "r.json")])
+    return len(compiles)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    one, two = compilations("0"), compilations("0,1")
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert one > 0 and two == one, (one, two)
+
+
+def test_the_arms_warm_up_rises_linearly_to_the_rate_and_zero_keeps_it_constant(bench, report, tmp_path):
+  lr = bench.warmed_up(3e-3, 10)
+  assert [float(lr(c)) for c in (0, 4, 9, 50)] == pytest.approx([3e-4, 1.5e-3, 3e-3, 3e-3])
+  assert bench.warmed_up(3e-3, 0) == 3e-3  # the CPU runs' constant rate, as before
+  cpu = json.loads((RESULTS / "on_policy_task_add5.json").read_text())
+  chip = _chip_raw(cpu)
+  chip["args"]["arm_warmup"] = 10
+  report.render([cpu, chip], str(tmp_path / "r.md"), str(tmp_path / "r.png"))
+  assert "fresh Adam, each arm's rate the one the CPU run's sweep chose" in (tmp_path / "r.md").read_text()
+  assert "warmed up linearly over the first 10 steps (--arm-warmup)" in (tmp_path / "r.md").read_text()
 
 
 def _chip_raw(cpu):

@@ -245,7 +245,9 @@ def chip_section(chip: list[tuple[dict, str | None]], cpu_raws: list[dict]) -> l
         f"of at most {lock['max_steps']} (stopped by {_STOPPED[lock['stopped_by']]}; budget "
         + ("none" if lock["budget_s"] is None else f"{lock['budget_s']:g} s") + ", deadline "
         + ("none" if lock["deadline_s"] is None else f"{lock['deadline_s']:g} s") + f"), {a['batch']} prompts a "
-        f"step, fresh Adam, {source}. Compute per step: "
+        f"step, fresh Adam, {source}"
+        + (f", warmed up linearly over the first {a['arm_warmup']} steps (--arm-warmup)" if a.get("arm_warmup") else "")
+        + ". Compute per step: "
         f"{raw['flops_per_step']['train'] / 1e9:.2f} GFLOP of training, plus "
         f"{raw['flops_per_step']['sample'] / 1e9:.2f} GFLOP of sampling when the batch is generated.", "",
         f"Held-out greedy accuracy at step {lock['steps_reached']}, per seed (off-path: the share of the final "

@@ -213,7 +213,9 @@ class PmapLayout(Layout):
 
   def fresh_state(self, optimizer, params, trainable=None):
     host = jax.device_get(params)
-    return self.replicate(jax.device_get(jax.jit(functools.partial(fresh_train_state, optimizer, trainable))(host)))
+    program = self.fresh_program((optimizer, trainable),
+                                 lambda: jax.jit(functools.partial(fresh_train_state, optimizer, trainable)))
+    return self.replicate(jax.device_get(program(host)))
 
   def compile(self, step_fn, state_shardings=None, compiler_options=None):
     del state_shardings

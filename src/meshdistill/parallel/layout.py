@@ -149,6 +149,19 @@ class Layout(abc.ABC):
   def fresh_state(self, optimizer, params: dict, trainable=None):
     """A step-0 `TrainState` of ``params = {"student": ..., "strategy": ...}`` in this layout's state form."""
 
+  def fresh_program(self, key, make):
+    """The jitted program that makes step-0 states, ``make()`` once per ``key`` (the optimizer, the trainable filter
+    and where the state's leaves go) and kept on this layout: the fresh states of several seeds or runs of one
+    trainer compile once (a new jit per call would compile each time). An unhashable key is not kept."""
+    try:
+      hash(key)
+    except TypeError:  # e.g. a trainable filter given as a list
+      return make()
+    programs = self.__dict__.setdefault("_fresh_programs", {})
+    if key not in programs:
+      programs[key] = make()
+    return programs[key]
+
   # ------------------------------------------------------------------ the step
   def state_shardings(self, state) -> Any:
     """The shardings `compile` pins a step's output state to (None: the layout needs no pinning)."""
@@ -199,7 +212,10 @@ class GlobalArrayLayout(Layout):
     partition metadata says, strategy parameters replicated, optimizer moments (of the ``trainable``
     parameters only) sharded as their parameters."""
     fresh, shardings, out_shardings = self.state_plan(optimizer, params, trainable)
-    return jax.jit(fresh, out_shardings=out_shardings)(jax.device_put(params, shardings))
+    leaves, tree = jax.tree.flatten(out_shardings)
+    program = self.fresh_program((optimizer, trainable, tree, tuple(leaves)),
+                                 lambda: jax.jit(fresh, out_shardings=out_shardings))
+    return program(jax.device_put(params, shardings))
 
   def state_plan(self, optimizer, params: dict, trainable=None):
     """``(fresh, param_shardings, state_shardings)`` of `fresh_state`: the function making a step-0 state
