@@ -13,8 +13,9 @@ one collective cost: `meshdistill.planner._calibrate`), each row left out, each 
 
 Writes benchmarks/results/plan_calibration.json (the rows' terms) and plan_calibration.md, and prints the
 `CALIBRATION` literal of the fit (`planner/_calibrate.py` holds it; tests/test_plan_cost.py refits it from the json).
-The report ends with the chip source's section (`plan_chip.section`, from plan_calibration_chip.json: steps measured
-on one TPU v5e chip, fitted apart from these rows) and prints its `CHIP_CALIBRATION` literal.
+The report ends with the chip source's section (`bench.chip_calibration.section`, from plan_calibration_chip.json:
+steps measured on one TPU v5e chip, fitted apart from these rows; `plan_chip.py` compiles them) and prints its
+`CHIP_CALIBRATION` literal.
 """
 
 from __future__ import annotations
@@ -315,7 +316,7 @@ def main() -> int:
                   "the published batch per chip (the 256 / 512-chip compiles take too long on a small machine)")
   args = ap.parse_args()
   sys.path.insert(0, os.path.join(HERE, "..", "src"))
-  import plan_chip  # pylint: disable=g-import-not-at-top
+  from bench import chip_calibration  # pylint: disable=g-import-not-at-top
   from meshdistill.planner import _published  # pylint: disable=g-import-not-at-top
 
   stored = json.load(open(JSON)) if os.path.exists(JSON) else []
@@ -345,10 +346,10 @@ def main() -> int:
           flags = (" --small" if small else "") + (" --fast-compile" if fast else "")
           commands.append(f"python benchmarks/plan_calibration.py{flags} --rows " + ",".join(rows))
     command = "`; `".join(commands) or "python benchmarks/plan_calibration.py"
-    f.write(render(stored, command) + "\n" + plan_chip.section(plan_chip.load()))
+    f.write(render(stored, command) + "\n" + chip_calibration.section(chip_calibration.load()))
   print(open(MD).read())
   print(calibration_literal(stored))
-  print(plan_chip.calibration_literal(plan_chip.load()))
+  print(chip_calibration.calibration_literal(chip_calibration.load()))
   return 0
 
 
