@@ -13,11 +13,15 @@ one collective cost: `meshdistill.planner._calibrate`), each row left out, each 
 
 Writes benchmarks/results/plan_calibration.json (the rows' terms) and plan_calibration.md, and prints the
 `CALIBRATION` literal of the fit (`planner/_calibrate.py` holds it; tests/test_plan_cost.py refits it from the json).
+The report ends with the chip source's section (`bench.chip_calibration.section`, from plan_calibration_chip.json:
+steps measured on one TPU v5e chip, fitted apart from these rows; `plan_chip.py` compiles them) and prints its
+`CHIP_CALIBRATION` literal.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -134,6 +138,11 @@ def row_terms(i: int, small: bool = False, fast: bool = False) -> dict:
           "compile_s": seconds, "fast_compile": fast, "load_average": os.getloadavg()[0]}
 
 
+def row_name(pub) -> str:
+  """A published row's name in `CALIBRATION.row_names`: the model and its slice."""
+  return f"{pub.name} on {pub.topology}"
+
+
 def fit_rows(rows: list[dict]):
   """The calibration over the stored ``rows`` and each row's leave-one-out and leave-generation-out step time."""
   from meshdistill.planner import _calibrate, _published  # pylint: disable=g-import-not-at-top
@@ -144,7 +153,7 @@ def fit_rows(rows: list[dict]):
   gens = [p.generation for p in pubs]
   if not rows:
     return None, [], [], terms, measured, gens
-  cal = _calibrate.calibrate(terms, measured, gens)
+  cal = dataclasses.replace(_calibrate.calibrate(terms, measured, gens), row_names=tuple(row_name(p) for p in pubs))
   loo = _calibrate.leave_one_out(terms, measured, gens) if len(rows) >= 2 else [float("nan")] * len(rows)
   lgo = _calibrate.leave_generation_out(terms, measured, gens)
   return cal, loo, lgo, terms, measured, gens
@@ -291,9 +300,10 @@ def calibration_literal(rows: list[dict]) -> str:
     return "CALIBRATION: Calibration | None = None"
   a = ", ".join(f'"{g}": {v:.6f}' for g, v in cal.a.items())
   band = ", ".join(f'"{g}": {v:.6f}' for g, v in cal.band.items())
+  names = ",\n        ".join(f'"{n}"' for n in cal.row_names)
   return (f"CALIBRATION: Calibration | None = Calibration(\n    a={{{a}}}, a_pooled={cal.a_pooled:.6f}, "
           f"k={cal.k:.6f},\n    band={{{band}}}, band_unseen={cal.band_unseen:.6f}, rows={cal.rows},\n"
-          f"    comm_share={cal.comm_share:.6f})")
+          f"    comm_share={cal.comm_share:.6f}, source=\"published\",\n    row_names=(\n        {names}))")
 
 
 def main() -> int:
@@ -306,6 +316,7 @@ def main() -> int:
                   "the published batch per chip (the 256 / 512-chip compiles take too long on a small machine)")
   args = ap.parse_args()
   sys.path.insert(0, os.path.join(HERE, "..", "src"))
+  from bench import chip_calibration  # pylint: disable=g-import-not-at-top
   from meshdistill.planner import _published  # pylint: disable=g-import-not-at-top
 
   stored = json.load(open(JSON)) if os.path.exists(JSON) else []
@@ -335,9 +346,10 @@ def main() -> int:
           flags = (" --small" if small else "") + (" --fast-compile" if fast else "")
           commands.append(f"python benchmarks/plan_calibration.py{flags} --rows " + ",".join(rows))
     command = "`; `".join(commands) or "python benchmarks/plan_calibration.py"
-    f.write(render(stored, command))
+    f.write(render(stored, command) + "\n" + chip_calibration.section(chip_calibration.load()))
   print(open(MD).read())
   print(calibration_literal(stored))
+  print(chip_calibration.calibration_literal(chip_calibration.load()))
   return 0
 
 

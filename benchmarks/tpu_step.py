@@ -47,56 +47,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench.chip_pairs import PAIRS, TINY, Setting, model_configs  # noqa: E402,F401 -- the measured pairs
+
 RESULTS = pathlib.Path(__file__).parent / "results"
 JSONL = RESULTS / "tpu_step.jsonl"
 PEAK_FLOPS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v6 lite": 918e12, "TPU v5p": 459e12, "TPU v4": 275e12}
 
-# name -> (teacher preset, student preset, student layers)
-PAIRS = {
-    "qwen3": ("qwen3-1.7b", "qwen3-0.6b", 14),
-    "llama": ("llama3.2-1b", "llama3.2-1b", 8),
-    "gemma3": ("gemma-3-1b", "gemma-3-1b", 13),
-    "tiny": ("tiny", "tiny", 1),  # a smoke test of this script on any machine
-}
-TINY = dict(vocab_size=512, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128, mlp_hidden=512,
-            max_len=4096, qk_norm=True)
 # where the profile's time went: the first source-file substring of an instruction's metadata names its role
 ROLES = (("/losses/", "loss"), ("_chunked.py", "loss"), ("strategies/", "loss"), ("optax/", "optimizer"),
          ("train/optimizers.py", "optimizer"))
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-  """One configuration of a pair: batch, sequence, remat policy, loss chunk, attention kernel."""
-
-  b: int = 8
-  t: int = 2048
-  remat: str = "full"
-  chunk: int = 1024
-  attn: str = "splash"
-  blocks: str = "default"  # splash blocks: "default" (512 everywhere) or e.g. "q512-kv1024-c512-fused"
-  mu: str = "float32"  # AdamW's first moment (`train.mu_dtype`): float32 or bfloat16
-
-  @classmethod
-  def parse(cls, text: str) -> "Setting":
-    fields = {f.name: f.type for f in dataclasses.fields(cls)}
-    kw = {}
-    for part in filter(None, text.split(",")):
-      k, _, v = part.partition("=")
-      if k not in fields:
-        raise SystemExit(f"--config {text!r}: unknown key {k!r}; keys: {sorted(fields)}")
-      kw[k] = int(v) if fields[k] in ("int", int) else v
-    return cls(**kw)
-
-  def label(self) -> str:
-    mu = "" if self.mu == "float32" else f",mu={self.mu}"  # the rows measured before the setting keep their label
-    return f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}{mu}"
-
-  def optimizer(self):
-    """The student's optimizer: ``md.default_optimizer(1e-4)``, AdamW's first moment in ``mu``."""
-    import meshdistill as md
-
-    return md.default_optimizer(1e-4, mu_dtype=None if self.mu == "float32" else self.mu)
 
 
 def use_splash_blocks(spec: str) -> None:
@@ -123,21 +82,6 @@ def use_splash_blocks(spec: str) -> None:
                              block_kv_dq=None if fused else bkv, use_fused_bwd_kernel=fused)
 
   _attention._splash_block_sizes = sizes
-
-
-def model_configs(pair: str, s: Setting):
-  from meshdistill.models import ModelConfig
-  from meshdistill.planner import resolve_model
-
-  tname, sname, layers = PAIRS[pair]
-  if pair == "tiny":
-    tname = sname = ModelConfig(**TINY)
-  teacher, _ = resolve_model(tname, who="teacher", dtype="bfloat16", param_dtype="bfloat16", scan_layers=True,
-                             attention=s.attn, remat="none")
-  student, _ = resolve_model(sname, who="student", dtype="bfloat16", param_dtype="float32", scan_layers=True,
-                             attention=s.attn, remat=s.remat)
-  student = student.with_layers(range(layers))
-  return teacher, student
 
 
 def model_flops_per_token(cfg, seq: int, passes: int) -> float:

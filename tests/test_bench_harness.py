@@ -154,3 +154,12 @@ def test_tunix_sampler_on_the_tiny_student_returns_rows_of_new_tokens_and_refuse
   bad = tunix_generate.sample_rows(student.replace(sliding_window=4), (1, 2), 4, 3)
   assert [(r["batch"], r["error"].split(":")[0]) for r in bad] == [(1, "ValueError"), (2, "ValueError")]
   assert "sliding_window=4" in bad[0]["error"]
+
+
+def test_the_chip_section_of_plan_calibration_md_is_the_render_of_its_stored_rows():
+  """``plan_calibration.py --render`` ends the report with `bench.chip_calibration.section` of
+  plan_calibration_chip.json: the committed report holds it as rendered now (no compile)."""
+  chip = bench_module("chip_calibration")
+  text = chip.section(chip.load())
+  assert text in (BENCHMARKS / "results" / "plan_calibration.md").read_text()
+  assert "a[v5e] = " in text and "cannot be checked yet" in text and "leave-one-config-out" in text

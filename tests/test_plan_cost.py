@@ -14,6 +14,7 @@ from meshdistill.planner._cost import flops_split
 from meshdistill.planner._placement import placements
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "plan_calibration.json")
+CHIP_RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "plan_calibration_chip.json")
 needs_libtpu = pytest.mark.skipif(not planner.libtpu_available(),
                                   reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
 
@@ -42,6 +43,8 @@ def test_scanned_loops_are_counted_whole_as_the_unrolled_program_counts_them(sca
   assert wire(scanned) == pytest.approx(wire(unrolled), rel=1e-2)
   assert scanned.step_seconds is not None and scanned.step_seconds == pytest.approx(unrolled.step_seconds, rel=0.2)
   assert "loops counted whole" in scanned.table()
+  # a pod topology's estimate comes from the published source
+  assert scanned.time["calibrated"]["source"] == "published"
   # memory is the scanned program's own (its stacked blocks' loop carries), and it fits as the unrolled one does
   assert scanned.memory["total"] > 0 and scanned.fits == unrolled.fits is True
 
@@ -116,10 +119,71 @@ def test_the_stored_calibration_is_the_fit_of_the_published_rows_and_reproduces_
   assert (stored.a_pooled, stored.k, stored.band_unseen) == pytest.approx((cal.a_pooled, cal.k, cal.band_unseen),
                                                                            rel=1e-3, abs=1e-4)
   assert stored.comm_share == pytest.approx(cal.comm_share, abs=1e-6) and 0 < stored.comm_share < 1
+  # the literal names its source and each fitted row (the model and its published slice)
+  assert stored.source == "published" and stored.row_names == tuple(f"{p.name} on {p.topology}" for p in pubs)
   fitted = stored.predict(terms, gens)
   assert np.allclose(fitted, cal.predict(terms, gens), rtol=2e-3)
   # every fitted row within its generation's band (the largest leave-one-out error bounds the in-sample ones)
   assert all(abs(p / m - 1) <= stored.band[g] + 1e-3 for p, m, g in zip(fitted, measured, gens))
+
+
+def test_the_stored_chip_calibration_is_the_fit_of_the_measured_chip_rows_and_kept_apart_from_the_published():
+  """Refits the chip source from its stored rows (no compile): steps measured on one TPU v5e chip, each with the
+  planner's terms of its one-chip program, fitted apart from the pod rows."""
+  with open(CHIP_RESULTS) as f:
+    rows = json.load(f)
+  stored = _calibrate.CHIP_CALIBRATION
+  assert rows and stored is not None and stored.source == "chip" and _calibrate.CALIBRATION.source == "published"
+  assert stored.row_names == tuple(r["config"] for r in rows) and stored.rows == len(rows)
+  assert len(set(stored.row_names)) == len(rows)  # one row per measured configuration
+  # the one-chip program (one device of v5e:2x2): no collectives; the data=4 stand-in, where compiled, has its
+  # gradient all-reduce
+  assert all(r["comm_s"] == 0 and "one device" in r["compiled_for"] and r["device"] == "TPU v5 lite" for r in rows)
+  assert all(r["stand_in"]["wire_bytes"] > 0 for r in rows if r.get("stand_in"))
+  terms = [(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in rows]
+  measured = [r["step_s"] for r in rows]
+  cal = _calibrate.calibrate_chip(terms, measured, [r["config"] for r in rows])
+  assert stored.a == pytest.approx(cal.a, rel=1e-3) and stored.k == cal.k == _calibrate.HELD_K
+  assert stored.band == pytest.approx(cal.band, rel=1e-3, abs=1e-4)
+  # every measured step is slower than its roofline, and within the band of the fit over every row
+  assert all(max(c, h) < m for (c, h, _), m in zip(terms, measured))
+  fitted = stored.predict(terms, ["v5e"] * len(rows))
+  assert all(abs(p / m - 1) <= stored.band["v5e"] + 1e-3 for p, m in zip(fitted, measured))
+
+
+def test_the_chip_fit_recovers_its_fraction_of_peak_and_refuses_collectives():
+  terms = [(1.0, 0.5, 0.0), (2.0, 3.0, 0.0), (4.0, 1.0, 0.0)]
+  measured = [1.0 / 0.6, 3.0, 4.0 / 0.6]  # the second HBM-bound: max(2 / 0.6, 3) = 3.33 predicted
+  cal = _calibrate.calibrate_chip(terms, measured, ["a", "b", "c"])
+  assert cal.source == "chip" and cal.row_names == ("a", "b", "c") and cal.comm_share == 0
+  assert cal.a["v5e"] == pytest.approx(0.6, rel=0.05) and cal.k == _calibrate.HELD_K and cal.band["v5e"] < 0.15
+  with pytest.raises(ValueError, match="no collective term"):
+    _calibrate.calibrate_chip([(1.0, 0.5, 0.1)], [2.0], ["a"])
+  with pytest.raises(ValueError, match="one name per row"):
+    _calibrate.calibrate_chip(terms, measured, ["a"])
+
+
+def test_one_local_chip_takes_the_chip_source_and_every_other_target_the_published(monkeypatch):
+  from meshdistill.config import load_config  # pylint: disable=g-import-not-at-top
+  from meshdistill.planner import TPU_CHIPS, Planner, Target  # pylint: disable=g-import-not-at-top
+
+  chip = _calibrate.Calibration(a={"v5e": 0.5}, a_pooled=0.5, k=1.0, band={"v5e": 0.05}, rows=3, source="chip")
+  monkeypatch.setattr(_calibrate, "CHIP_CALIBRATION", chip)
+  published = _calibrate.CALIBRATION
+  assert _calibrate.source_for(1, "v5e", local=True) is chip
+  for chips, gen, local in ((4, "v5e", True), (1, "v5e", False), (4, "v5e", False), (1, "v6e", True)):
+    assert _calibrate.source_for(chips, gen, local) is published  # a slice, a topology, a generation without rows
+
+  def planner(name, n):
+    return Planner(load_config(None, ()), TEACHER, STUDENT, ("t", "s"), Target(name, (object(),) * n,
+                                                                                 TPU_CHIPS["v5e"]), 16)
+
+  assert planner("local:v5ex1", 1).calibration() is chip and planner("local:v5ex4", 4).calibration() is published
+  assert planner("v5e:2x2", 4).calibration() is published
+  t = {"compute_s": 1.0, "hbm_s": 0.8, "comm_s": 0.0, "step_s": 1.0, "mfu": 0.5, "tokens_per_s": 100.0}
+  t["calibrated"] = chip.of(t, "v5e")
+  assert t["calibrated"]["source"] == "chip" and t["calibrated"]["step_s"] == pytest.approx(2.0)
+  assert "leave-one-config-out error on steps measured on one v5e chip" in _report.step_time_lines(t)[0]
 
 
 def test_the_published_rows_are_consistent_with_their_sources_arithmetic():

@@ -24,6 +24,13 @@ predicted with the pooled fraction); `leave_generation_out` predicts every row o
 generations' rows (what a plan on a generation without published rows, e.g. tpu7x, can expect). `CALIBRATION` holds
 the fit over every stored row with, per generation, its largest leave-one-out error as the band the planner prints
 beside the estimate, and the largest leave-generation-out error as the band of a generation without rows.
+
+Two sources, kept apart (`Calibration.source` names each, `Calibration.row_names` its rows): ``published``
+(`CALIBRATION`, the pod rows above) and ``chip`` (`CHIP_CALIBRATION`): distillation steps measured on one TPU v5e chip
+(``benchmarks/tpu_step.py``), each configuration planned for its per-chip program (``benchmarks/plan_chip.py``). One
+chip has no collectives, so the chip source fits one ``a`` (`calibrate_chip`); ``k`` is held at `HELD_K` and never
+enters a one-chip estimate (its collective term is 0). A plan for one local chip of a generation the chip source has
+rows for uses it (`source_for`); every other target, the published source.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ class Calibration(Fit):
   rows: int = 0  # published rows fitted
   # the largest share of collectives in a fitted row's roofline step: a plan above it extrapolates their overlap
   comm_share: float = math.nan
+  source: str = "published"  # which measurements: "published" (pod rows) or "chip" (steps measured on one chip)
+  row_names: tuple[str, ...] = ()  # the fitted rows, named (the chip source's configurations)
 
   def band_of(self, generation: str) -> float | None:
     """The relative error band of an estimate on ``generation`` (None when too few rows to tell)."""
@@ -88,7 +97,8 @@ class Calibration(Fit):
     return {"step_s": step, "low_s": None if band is None else step * (1 - band),
             "high_s": None if band is None else step * (1 + band),
             "mfu": time["mfu"] * scale, "tokens_per_s": time["tokens_per_s"] * scale, "band": band,
-            "generation": generation, "a": self.fraction(generation), "pooled": generation not in self.a,
+            "generation": generation, "source": self.source, "a": self.fraction(generation),
+            "pooled": generation not in self.a,
             "k": self.k, "comm_share": float(share),
             "published_comm_share": None if math.isnan(self.comm_share) else self.comm_share,
             "extrapolated": bool(share > self.comm_share) if not math.isnan(self.comm_share) else None}
@@ -188,13 +198,68 @@ def calibrate(terms: Sequence[Sequence[float]], measured: Sequence[float], gener
                      comm_share=share)
 
 
+def calibrate_chip(terms: Sequence[Sequence[float]], measured: Sequence[float], names: Sequence[str],
+                   generation: str = "v5e") -> Calibration:
+  """The chip source: one ``a`` over rows of one chip's roofline ``(compute_s, hbm_s, 0)`` measured on
+  ``generation`` (``names``: the configurations). ``k`` is held at `HELD_K`: without collectives nothing tells it;
+  the band is the largest leave-one-config-out error (NaN with one row)."""
+  terms = np.asarray(terms, float).reshape(-1, 3)
+  if np.any(terms[:, 2] != 0):
+    raise ValueError("the chip source is fitted on one chip's programs: its rows carry no collective term (comm_s 0)")
+  if len(names) != len(terms):
+    raise ValueError(f"calibrate_chip needs one name per row, got {len(names)} for {len(terms)} rows")
+  gens = [generation] * len(terms)
+  f = fit(terms, measured, gens, k=HELD_K)
+  loo = leave_one_out(terms, measured, gens, k=HELD_K) if len(terms) >= 2 else [math.nan]
+  band = max(float(abs(p / m - 1)) for p, m in zip(loo, measured)) if len(terms) >= 2 else math.nan
+  return Calibration(a=f.a, a_pooled=f.a_pooled, k=f.k, band={generation: band}, rows=len(terms), comm_share=0.0,
+                     source="chip", row_names=tuple(names))
+
+
+def source_for(chips: int, generation: str, local: bool) -> Calibration | None:
+  """The calibration a plan takes: the chip source for one ``local`` chip of a ``generation`` it has rows for (the
+  machine its rows were measured on), the published one for every other target (pod slices, a compiled-for
+  topology, a generation without chip rows)."""
+  if local and chips == 1 and CHIP_CALIBRATION is not None and generation in CHIP_CALIBRATION.a:
+    return CHIP_CALIBRATION
+  return CALIBRATION
+
+
 # the fit over every row of benchmarks/results/plan_calibration.json (plan_calibration.md; tests/test_plan_cost.py
 # refits it from the json)
 CALIBRATION: Calibration | None = Calibration(
     a={"v5e": 0.769585, "v5p": 0.693404, "v6e": 0.521888}, a_pooled=0.632342, k=0.024404,
     band={"v5e": 0.132703, "v5p": 0.073663, "v6e": 0.148041}, band_unseen=0.470161, rows=14,
-    comm_share=0.231630)
+    comm_share=0.231630, source="published",
+    row_names=(
+        "Llama 3.1 8B on v6e:16x16",
+        "Llama 3.1 70B on v6e:16x16",
+        "Llama 2 70B on v6e:16x16",
+        "Llama 2 70B on v5p:8x8x8",
+        "MaxText 16B (2023) on v5e:16x16",
+        "MaxText 32B (2023) on v5e:16x16",
+        "MaxText 64B (2023) on v5e:16x16",
+        "MaxText 128B (2023) on v5e:16x16",
+        "MaxText 32B (2023) on v5p:4x4x4",
+        "MaxText 64B (2023) on v5p:4x4x4",
+        "MaxText 128B (2023) on v5p:4x4x8",
+        "Llama 3.1 8B on v6e:2x4",
+        "Llama 3.1 8B on v6e:4x4",
+        "Mistral 7B on v6e:2x4"))
+
+# the fit over every row of benchmarks/results/plan_calibration_chip.json (steps measured on one TPU v5e chip;
+# plan_calibration.md's chip section; tests/test_plan_cost.py refits it from the json)
+CHIP_CALIBRATION: Calibration | None = Calibration(
+    a={"v5e": 0.515010}, a_pooled=0.515010, k=1.000000,
+    band={"v5e": 0.220132}, rows=6, comm_share=0.0, source="chip",
+    row_names=(
+        "b=2,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
+        "b=4,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
+        "b=8,t=2048,remat=full,chunk=1024,attn=splash",
+        "b=8,t=2048,remat=full,chunk=1024,attn=xla",
+        "b=8,t=2048,remat=full,chunk=2048,attn=splash",
+        "b=16,t=2048,remat=full,chunk=2048,attn=splash"))
 
 
-__all__ = ["A_BOUNDS", "CALIBRATION", "Calibration", "Fit", "HELD_K", "K_BOUNDS", "calibrate", "fit",
-           "leave_generation_out", "leave_one_out"]
+__all__ = ["A_BOUNDS", "CALIBRATION", "CHIP_CALIBRATION", "Calibration", "Fit", "HELD_K", "K_BOUNDS", "calibrate",
+           "calibrate_chip", "fit", "leave_generation_out", "leave_one_out", "source_for"]

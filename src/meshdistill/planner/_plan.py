@@ -14,7 +14,7 @@ from meshdistill.models.decoder import ModelConfig
 from meshdistill.models.moe import inactive_params
 from meshdistill.planner._compile import (FAST_COMPILE, abstract_distiller, collectives, compile_step, kernel_flops,
                                          shard_bytes)
-from meshdistill.planner._calibrate import CALIBRATION
+from meshdistill.planner import _calibrate
 from meshdistill.planner._cost import flops_split, loop_counts, mfu_split
 from meshdistill.planner._hardware import Target
 from meshdistill.planner._presets import PRESETS
@@ -236,7 +236,8 @@ class Planner:
     chip = self.target.chip
     peak = None if chip is None else self.target.per_device(chip.peak_bf16_flops)
     p.time["mfu_split"] = mfu_split(p.flops["split"], p.time.get("step_s"), peak)
-    p.time["calibrated"] = None if chip is None or CALIBRATION is None else CALIBRATION.of(p.time, chip.family)
+    cal = None if chip is None else self.calibration()
+    p.time["calibrated"] = None if cal is None else cal.of(p.time, chip.family)
     if uncounted:
       p.time["why"] = f"loops: {uncounted}"
     if counts is not None:
@@ -272,6 +273,13 @@ class Planner:
     p.notes += model_notes(self.teacher, self.student)
     self._plans[k] = p
     return p
+
+  def calibration(self) -> _calibrate.Calibration | None:
+    """The calibration source of this target's estimates (`_calibrate.source_for`): the chip source for one local
+    chip (``devices="local"``) of a generation it has rows for, else the published pod rows'."""
+    t = self.target
+    chips = len(t.devices) // max(t.devices_per_chip, 1)
+    return _calibrate.source_for(chips, t.chip.family, local=t.name.startswith("local:"))
 
   def _attention(self) -> str:
     t, s = self.teacher.attention, self.student.attention

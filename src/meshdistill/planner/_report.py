@@ -233,10 +233,12 @@ def step_time_lines(t: dict, memory: dict | None = None) -> list[str]:
   comm = "n/a (no ICI bandwidth known)" if t["comm_s"] is None else f"{1e3 * t['comm_s']:.1f} ms"
   cal = t.get("calibrated")
   if cal:
+    chip = cal.get("source") == "chip"
     what = (f"no published {cal['generation']} rows: the pooled fraction of peak, the band the largest "
-            "leave-generation-out error" if cal.get("pooled") else "the largest leave-one-out error on "
-            f"published {cal.get('generation', '')} pod runs")
-    band = ("no band: too few published rows" if cal["band"] is None else
+            "leave-generation-out error" if cal.get("pooled") else
+            f"the largest leave-one-config-out error on steps measured on one {cal.get('generation', '')} chip"
+            if chip else f"the largest leave-one-out error on published {cal.get('generation', '')} pod runs")
+    band = (f"no band: too few {'measured' if chip else 'published'} rows" if cal["band"] is None else
             f"band {1e3 * cal['low_s']:.1f}-{1e3 * cal['high_s']:.1f} ms: +-{100 * cal['band']:.0f}%, {what}")
     if cal.get("extrapolated"):
       band += (f"; collectives are {100 * cal['comm_share']:.0f}% of the roofline step, more than on any published "
