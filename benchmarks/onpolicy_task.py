@@ -38,8 +38,8 @@ their ranking beside the CPU run's of the same task:
 
   python benchmarks/onpolicy_task.py --require-backend tpu --task add5 --teacher 512,4 --student 256,4 --batch 256 \\
       --teacher-lr 1e-3 --teacher-steps 1500 --teacher-target 0.98 --teacher-check 100 --warm-lr 1e-3 \\
-      --warm-check 5 --warm-max 600 --arm-lrs cpu --arm-warmup 10 --steps 200 --eval-every 25 --budget 150 \\
-      --deadline 235 --out 'benchmarks/results/on_policy_task_chip_{task}.json'
+      --warm-check 5 --warm-max 600 --arm-lrs offpolicy=3e-4,gkd=3e-4,gkd_rkl=3e-4,sampled=3e-4 --arm-warmup 10 \\
+      --steps 200 --eval-every 25 --budget 150 --deadline 235 --out 'benchmarks/results/on_policy_task_chip_{task}.json'
 """
 
 from __future__ import annotations
