@@ -85,12 +85,11 @@ def test_a_scanned_quantization_aware_distillation_step_equals_the_unrolled_one(
 def test_a_quantization_rule_that_matches_no_projection_is_an_error():
   import qwix
 
-  from meshdistill.models.quantize import check_applied
+  from meshdistill.models.quantize import apply_rules
 
   provider = qwix.QtProvider([qwix.QtRule(module_path="nowhere/q", weight_qtype=jnp.int8)])
-  qwix.quantize_model(md.init_model(STUDENT_CFG, seed=1), provider, jnp.zeros((1, 1), jnp.int32))
   with pytest.raises(ValueError, match="student.quantize_aware: no projection of the model matched"):
-    check_applied(provider, "student.quantize_aware")
+    apply_rules(md.init_model(STUDENT_CFG, seed=1), provider, jnp.zeros((1, 1), jnp.int32), "student.quantize_aware")
 
 
 @pytest.mark.parametrize("override, match", [

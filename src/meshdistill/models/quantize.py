@@ -45,12 +45,16 @@ def projection_pattern(targets=PROJECTIONS) -> str:
   return r"blocks/(?:\d+/)?(attn|mlp)/(" + "|".join(map(re.escape, targets)) + ")"
 
 
-def check_applied(provider, setting: str) -> None:
-  """Raises ValueError when a qwix ``provider`` that has run its model once matched no projection (its rule unused):
-  a quantization that would silently leave the model float."""
+def apply_rules(model, provider, tokens, setting: str):
+  """``qwix.quantize_model(model, provider, tokens)``, refused (ValueError naming ``setting``) when the provider's rules
+  matched no projection: a quantization that would silently leave the model float."""
+  import qwix  # pylint: disable=g-import-not-at-top
+
+  quantized = qwix.quantize_model(model, provider, tokens)
   if provider.get_unused_rules():
     raise ValueError(f"{setting}: no projection of the model matched qwix rule {projection_pattern()!r}; nothing "
                      "would be quantized")
+  return quantized
 
 
 def qtype(name: str | None, setting: str = "quantize"):
@@ -95,8 +99,7 @@ def quantize_model(model, quantize: str, *, mesh: Mesh | None = None, setting: s
     raise ValueError(f"{setting}: the model holds LoRA adapters; quantize its base with student.lora.quantize "
                      "(`apply_lora`), or merge the adapters first (`merge_lora`)")
   provider = qwix.PtqProvider([qwix.QuantizationRule(module_path=projection_pattern(), weight_qtype=weight_qtype)])
-  quantized = qwix.quantize_model(model, provider, init_tokens(model.cfg))
-  check_applied(provider, setting)
+  quantized = apply_rules(model, provider, init_tokens(model.cfg), setting)
   if mesh is not None:  # quantized storage is computed eagerly; pin every leaf to its split
     quantized = placed(quantized, mesh)
   log.info("quantized %s projections to %s: %.1f MiB of weights (was %.1f MiB)", type(model).__name__, quantize,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshdistill.models._build import _create
-from meshdistill.models.quantize import check_applied, projection_pattern
+from meshdistill.models.quantize import apply_rules, projection_pattern
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +106,7 @@ def quantize_aware(model, settings: QuantizeAware):
   if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
     raise ValueError(f"{SETTING} with student.lora: adapters train on a frozen base; choose one of the two")
   log.info("student: quantization-aware training with %s", settings.describe())
-  provider = qwix.QtProvider([settings.rule("qt")])
-  wrapped = qwix.quantize_model(model, provider, _sample_input())
-  check_applied(provider, SETTING)
-  return wrapped
+  return apply_rules(model, qwix.QtProvider([settings.rule("qt")]), _sample_input(), SETTING)
 
 
 def abstract_quantize_aware(cfg, settings: QuantizeAware):
@@ -124,10 +121,7 @@ def post_training(model, settings: QuantizeAware):
   import qwix  # pylint: disable=g-import-not-at-top
 
   settings.check(model.cfg)
-  provider = qwix.PtqProvider([settings.rule("ptq")])
-  quantized = qwix.quantize_model(model, provider, _sample_input())
-  check_applied(provider, SETTING)
-  return quantized
+  return apply_rules(model, qwix.PtqProvider([settings.rule("ptq")]), _sample_input(), SETTING)
 
 
 def quantized_weights(quantized) -> dict:
