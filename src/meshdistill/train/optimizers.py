@@ -31,7 +31,7 @@ def default_optimizer(learning_rate: float | optax.Schedule = 1e-3, clip: float 
 
   ``mu_dtype``: the dtype of AdamW's first moment (optax's own ``mu_dtype``; ``None``: the parameters' dtype).
   ``"bfloat16"`` halves that moment's memory (2 of the 16 bytes per float32 parameter that weights, gradients
-  and both moments take), what lets a larger student fit one chip; the second moment stays float32.
+  and both moments take); the second moment stays float32.
   """
   return safeguarded(optax.adamw(learning_rate, weight_decay=weight_decay, mu_dtype=mu_dtype), clip=clip)
 
@@ -182,5 +182,4 @@ def make_optimizer(
 
 def _mu_dtype(settings):
   """``settings.mu_dtype`` ("float32": the parameters' own dtype, optax's default) as optax's ``mu_dtype``."""
-  name = getattr(settings, "mu_dtype", "float32")
-  return None if name == "float32" else jnp.dtype(name)
+  return None if settings.mu_dtype == "float32" else jnp.dtype(settings.mu_dtype)

@@ -37,7 +37,7 @@ def teacher_key(cfg, tokenizer: Any) -> str:
   }
   if p.freeze:  # a freezing schedule changes the teacher; absent, the key stays what it was before the setting counted
     recipe["freeze"] = p.freeze
-  if getattr(p, "mu_dtype", "float32") != "float32":  # likewise: the default keeps the key it had
+  if p.mu_dtype != "float32":  # likewise: the default keeps the key it had
     recipe["mu_dtype"] = p.mu_dtype
   d = cfg.data
   data = {
