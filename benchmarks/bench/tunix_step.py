@@ -289,20 +289,19 @@ def _bf16_model(cls, cfg, seed: int):
   return make()
 
 
-def run_steps(teacher: str, student: str, batch: int | tuple[int, ...], seq: int, steps: int, *,
+def run_steps(teacher: str, student: str, batches: tuple[int, ...], seq: int, steps: int, *,
               student_layers: int | None = None, student_remat: str = "decoder", flash: bool = True,
-              tiny: bool = False) -> dict[str, Any] | list[dict[str, Any]]:
+              tiny: bool = False) -> list[dict[str, Any]]:
   """tunix's two programs RUN on this process's first device (the chip): random bfloat16 weights made by tunix's own
   model classes, tunix's trainer and optimizer, and ``steps`` timed steps (the teacher program, then the train step
   on its logits, as the trainer's loop calls them). Returns step seconds (median), peak bytes of the device where it
   reports them, or ``{"error": ...}`` (out of memory is a result: that batch does not fit).
 
-  ``batch`` may be several batch sizes: the models are built once (minutes on a chip's host for a 1.7 B teacher)
-  and each batch gets a fresh trainer (its own optimizer state) on them; one row per batch, in order, each with
+  One row per batch of ``batches``, in order: the models are built once (minutes on a chip's host for a 1.7 B
+  teacher) and each batch gets a fresh trainer (its own optimizer state) on them; each row with
   ``build_s`` (the models, shared) and ``first_step_s`` (compiles and the first step)."""
   from tunix.distillation import distillation_trainer as dt  # pylint: disable=g-import-not-at-top
 
-  batches = (batch,) if isinstance(batch, int) else tuple(batch)
   mesh = tunix_mesh(jax.devices()[:1], 1, 1)
   has_flash = lambda name: flash and MODELS[name][0] == "qwen3"  # noqa: E731
   t_cfg = model_config(teacher, "none", has_flash(teacher), tiny)
@@ -357,4 +356,4 @@ def run_steps(teacher: str, student: str, batch: int | tuple[int, ...], seq: int
       finally:
         trainer = logits = result = inputs = None  # noqa: F841 -- free this batch's buffers before the next
       rows.append(out)
-  return rows[0] if isinstance(batch, int) else rows
+  return rows
