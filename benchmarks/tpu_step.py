@@ -44,6 +44,7 @@ import pathlib
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -266,30 +267,29 @@ def measure_plain(pair: str, s: Setting, steps: int) -> dict:
   return row
 
 
-def measure_tunix(pair: str, settings: list[Setting], steps: int) -> list[dict]:
+def measure_tunix(pair: str, settings: list[Setting], steps: int) -> Iterator[dict]:
   """tunix's DistillationTrainer (its two programs) on the pair's tunix models, bfloat16 weights, splash attention
   where tunix offers it (Qwen3). Settings that differ only in batch share one build of the models (minutes on the
-  chip's host); each batch gets its own trainer."""
+  chip's host); each batch gets its own trainer. Yields each row as it is measured."""
   from bench import tunix_step
 
   names = {"qwen3": ("qwen3-1.7b", "qwen3-0.6b"), "llama": ("llama3.2-1b", "llama3.2-1b")}
   if pair not in names:
-    return [{"pair": pair, "system": "tunix", "label": s.label(), "error": f"no tunix model pair for {pair!r}"}
-            for s in settings]
+    for s in settings:
+      yield {"pair": pair, "system": "tunix", "label": s.label(), "error": f"no tunix model pair for {pair!r}"}
+    return
   tunix_step.MODELS.setdefault("qwen3-1.7b", ("qwen3", "qwen3_1p7b"))
   layers = PAIRS[pair][2]
   groups: dict[Setting, list[Setting]] = {}
   for s in settings:
     groups.setdefault(dataclasses.replace(s, b=0), []).append(s)
-  rows = []
   for group in groups.values():
     s0 = group[0]
     outs = tunix_step.run_steps(*names[pair], tuple(s.b for s in group), s0.t, steps, student_layers=layers,
                                 student_remat="decoder", flash=s0.attn == "splash")
     for s, out in zip(group, outs):
-      rows.append({"pair": pair, "system": "tunix", "setting": dataclasses.asdict(s), "label": s.label(),
-                   "steps": steps, **out, **({"tokens_per_s": s.b * s.t / out["step_s"]} if "step_s" in out else {})})
-  return rows
+      yield {"pair": pair, "system": "tunix", "setting": dataclasses.asdict(s), "label": s.label(), "steps": steps,
+             **out, **({"tokens_per_s": s.b * s.t / out["step_s"]} if "step_s" in out else {})}
 
 
 GEN_CALLS = 3  # timed calls of each sampler per batch, after the first (compiling) call; the row keeps the median

@@ -30,7 +30,7 @@ import dataclasses
 import math
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -291,15 +291,17 @@ def _bf16_model(cls, cfg, seed: int):
 
 def run_steps(teacher: str, student: str, batches: tuple[int, ...], seq: int, steps: int, *,
               student_layers: int | None = None, student_remat: str = "decoder", flash: bool = True,
-              tiny: bool = False) -> list[dict[str, Any]]:
+              tiny: bool = False) -> Iterator[dict[str, Any]]:
   """tunix's two programs RUN on this process's first device (the chip): random bfloat16 weights made by tunix's own
   model classes, tunix's trainer and optimizer, and ``steps`` timed steps (the teacher program, then the train step
   on its logits, as the trainer's loop calls them). Returns step seconds (median), peak bytes of the device where it
   reports them, or ``{"error": ...}`` (out of memory is a result: that batch does not fit).
 
-  One row per batch of ``batches``, in order: the models are built once (minutes on a chip's host for a 1.7 B
-  teacher) and each batch gets a fresh trainer (its own optimizer state) on them; each row with
-  ``build_s`` (the models, shared) and ``first_step_s`` (compiles and the first step)."""
+  Yields one row per batch of ``batches``, in order, as soon as that batch is measured (a call stopped by its time
+  limit keeps the rows it finished): the models are built once (minutes on a chip's host for a 1.7 B teacher) and
+  each batch gets a fresh trainer (its own optimizer state) on them; each row with ``build_s`` (the models, shared),
+  ``teacher_first_s`` / ``train_first_s`` (each program's first call: its compile and one run) and
+  ``first_step_s`` (their sum)."""
   from tunix.distillation import distillation_trainer as dt  # pylint: disable=g-import-not-at-top
 
   mesh = tunix_mesh(jax.devices()[:1], 1, 1)
@@ -308,7 +310,6 @@ def run_steps(teacher: str, student: str, batches: tuple[int, ...], seq: int, st
   s_cfg = model_config(student, student_remat, has_flash(student), tiny)
   if student_layers is not None:
     s_cfg = dataclasses.replace(s_cfg, num_layers=student_layers)
-  rows: list[dict[str, Any]] = []
   with tunix_on_tpu(mesh, (teacher, student)):
     t0 = time.perf_counter()
     try:
@@ -317,7 +318,9 @@ def run_steps(teacher: str, student: str, batches: tuple[int, ...], seq: int, st
       t_model = _bf16_model(_model_class(teacher), t_cfg, 0)
       s_model = _bf16_model(_model_class(student), s_cfg, 1)
     except Exception as e:  # noqa: BLE001
-      return [{"batch": b, "seq": seq, "error": f"{type(e).__name__}: {str(e)[:400]}"} for b in batches]
+      for b in batches:
+        yield {"batch": b, "seq": seq, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+      return
     build_s = time.perf_counter() - t0
     print(f"tunix: models built in {build_s:.1f} s", file=sys.stderr, flush=True)
     strategy, gen_inputs = strategy_for(s_cfg.vocab_size)
@@ -339,13 +342,18 @@ def run_steps(teacher: str, student: str, batches: tuple[int, ...], seq: int, st
         times = []
         for i in range(steps + 2):
           t0 = time.perf_counter()
-          logits = teacher_program(t_state, inputs)
+          logits = jax.block_until_ready(teacher_program(t_state, inputs)) if i == 0 else teacher_program(
+              t_state, inputs)
+          t1 = time.perf_counter()
           result = train_step(s_model, trainer.optimizer,
                               dt.TrainingInput(input_tokens=tokens, input_mask=data.input_mask, teacher_output=logits))
           jax.block_until_ready(result)
           if i == 0:
-            out["first_step_s"] = time.perf_counter() - t0
-            print(f"tunix: batch {b}: first step (compiles) {out['first_step_s']:.1f} s", file=sys.stderr, flush=True)
+            out.update(teacher_first_s=t1 - t0, train_first_s=time.perf_counter() - t1,
+                       first_step_s=time.perf_counter() - t0)
+            print(f"tunix: batch {b}: first step {out['first_step_s']:.1f} s (teacher program "
+                  f"{out['teacher_first_s']:.1f} s, train step {out['train_first_s']:.1f} s, each compiling)",
+                  file=sys.stderr, flush=True)
           if i >= 2:
             times.append(time.perf_counter() - t0)
         out["step_s"] = float(np.median(times))
@@ -355,5 +363,4 @@ def run_steps(teacher: str, student: str, batches: tuple[int, ...], seq: int, st
         out["error"] = f"{type(e).__name__}: {str(e)[:400]}"
       finally:
         trainer = logits = result = inputs = None  # noqa: F841 -- free this batch's buffers before the next
-      rows.append(out)
-  return rows
+      yield out
