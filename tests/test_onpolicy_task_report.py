@@ -178,7 +178,18 @@ def test_the_chip_section_renders_from_a_lockstep_run_and_compares_the_ranking(r
           "benchmarks/results/on_policy_task_chip_add5.json\n") in text  # the CPU runs' files by their task
 
 
-def test_without_a_lockstep_run_the_report_renders_as_committed(report, tmp_path):
+def test_a_chip_run_that_reaches_the_cpu_runs_last_step_compares_the_ranking_once(report, tmp_path):
   cpu = [json.loads((RESULTS / f"on_policy_task_{t}.json").read_text()) for t in ("add5", "chain12")]
-  report.render(cpu, str(tmp_path / "on_policy_task.md"), str(tmp_path / "on_policy_task.png"))
+  chip = _chip_raw(cpu[0])
+  chip["lockstep"]["steps_reached"] = 200  # the CPU run's final evaluation is also the one nearest the chip's steps
+  report.render([*cpu, chip], str(tmp_path / "on_policy_task.md"), str(tmp_path / "on_policy_task.png"))
+  text = (tmp_path / "on_policy_task.md").read_text()
+  assert text.count("its swept rates) at step 200: offpolicy 0.953 > sampled 0.536") == 1
+
+
+def test_the_report_renders_as_committed_from_its_stored_runs(report, tmp_path):
+  names = ("on_policy_task_add5.json", "on_policy_task_chain12.json", "on_policy_task_chip_add5.json")
+  raws = [json.loads((RESULTS / n).read_text()) for n in names]
+  report.render(raws, str(tmp_path / "on_policy_task.md"), str(tmp_path / "on_policy_task.png"),
+                paths=[f"benchmarks/results/{n}" for n in names])
   assert (tmp_path / "on_policy_task.md").read_text() == (RESULTS / "on_policy_task.md").read_text()

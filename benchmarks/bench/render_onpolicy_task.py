@@ -271,7 +271,8 @@ def chip_section(chip: list[tuple[dict, str | None]], cpu_raws: list[dict]) -> l
       lines.append("No CPU run of this task was rendered with it: no ranking to compare.")
     else:
       near = _nearest_eval(cpu, lock["steps_reached"])
-      for i in dict.fromkeys([-1, near]):  # its final evaluation, then the one nearest the chip's steps
+      last = len(next(iter(cpu["results"].values()))["curves"][0]) - 1
+      for i in dict.fromkeys([last, near]):  # its final evaluation, then the one nearest the chip's steps (once)
         cpu_means = {k: float(np.mean([c[i][1] for c in r["curves"]])) for k, r in cpu["results"].items()
                      if k in chip_means}
         at = next(iter(cpu["results"].values()))["curves"][0][i][0]
