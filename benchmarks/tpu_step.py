@@ -13,7 +13,9 @@ not counted (it is not model FLOPs). Peak: 197 TFLOP/s bf16 per v5e chip.
 
 Memory: ``peak`` is the process's ``peak_bytes_in_use`` on the chip after the configuration ran (a process
 measures its configurations in order, so a later, smaller one shows the earlier peak; each row also carries
-``program``, the compiled step's own arguments + outputs + temporaries, its donated buffers counted once).
+``program``, the compiled step's own arguments + outputs + temporaries, its donated buffers counted once, and
+``resident_bytes``, what the chip holds before that program loads: the train state and the teacher's weights, which
+the program's arguments should account for in full).
 
 Run on a TPU machine (docs/tpu.md says how to install there)::
 
@@ -182,6 +184,9 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   state = d.init_state()
   jax.block_until_ready(state)
   row["build_s"] = time.perf_counter() - t0
+  gc.collect()
+  # what the chip holds before the step's program is loaded (the state and the teacher's weights, nothing else)
+  row["resident_bytes"] = (dev.memory_stats() or {}).get("bytes_in_use")
   rng = np.random.default_rng(0)
   batch = _random_batch(rng, s.b, s.t, min(tcfg.vocab_size, scfg.vocab_size))
   try:

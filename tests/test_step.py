@@ -79,6 +79,27 @@ def test_replicated_params_bitwise_identical_on_every_device(runs, layout):
       assert all(np.array_equal(copies[0], c) for c in copies[1:])
 
 
+@pytest.mark.parametrize("layout", ["single", "2x4", "pmap"])
+def test_the_trainer_keeps_no_device_copy_of_the_initial_student(layout):
+  """Once a state holds the student on the devices, the trainer's own reference to the initial student is in host
+  memory: the state and the trainer do not both hold its float32 weights there (on one chip that copy is what stops
+  a pair that fits), and a second ``init_state()`` still starts from the same weights."""
+  import gc
+
+  before = {id(x) for x in jax.live_arrays()}
+  d = build(layout)  # the models built here are dropped: the trainer holds the only references
+  state = d.init_state()
+  gc.collect()
+  held = {id(x) for x in jax.tree.leaves((state, d.teacher_params))}
+  stray = [x for x in jax.live_arrays() if id(x) not in before and id(x) not in held]
+  student_bytes = sum(x.nbytes for x in jax.tree.leaves(d.unreplicate(state.params)))
+  assert sum(x.nbytes for x in stray) < student_bytes / 10, [(x.shape, x.dtype) for x in stray]
+  again = d.init_state()
+  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert getattr(x, "sharding", None) == getattr(y, "sharding", None)
+
+
 def test_masked_tokens_change_nothing():
   a = make_batch(seed=3, pad_from=5)
   b = {k: v.copy() for k, v in a.items()}

@@ -179,10 +179,17 @@ class Distiller:
     return self.layout.n_replicas
 
   def init_state(self, student: Decoder | None = None) -> TrainState:
-    """A fresh train state from ``student`` (default: the student given at construction)."""
+    """A fresh train state from ``student`` (default: the student given at construction).
+
+    The student given at construction is kept for later calls in host memory once a state holds it on the
+    devices (`_keep_initial_student_on_host`): a state and the trainer would otherwise hold two device copies of the
+    student's float32 weights for the whole run."""
     params = self._student_init if student is None else nnx.state(self._fit(student))
     extra = self.strategy.init_params(self.student_cfg, self.teacher_cfg, jax.random.key(self.seed))
-    return self.layout.fresh_state(self.optimizer, {"student": params, "strategy": extra}, self.trainable)
+    state = self.layout.fresh_state(self.optimizer, {"student": params, "strategy": extra}, self.trainable)
+    if student is None:
+      self._student_init = _keep_initial_student_on_host(self._student_init)
+    return state
 
   def _decide_teacher(self, teacher: Any, strategy: Any) -> TeacherOutput:
     """What ``teacher`` gives the step for ``strategy`` (`meshdistill.train.teacher.decide`)."""
@@ -348,3 +355,15 @@ class Distiller:
   def student(self, state: TrainState) -> Decoder:
     """The student module holding the parameters of ``state``."""
     return nnx.merge(self.student_def, self.unreplicate(state.params)["student"])
+
+
+def _keep_initial_student_on_host(params):
+  """``params`` with their device arrays copied to host memory (numpy), so that the trainer's reference no longer keeps
+  the device buffers alive (a model the caller still holds keeps its own). Arrays of several processes (not fully
+  addressable here) stay as they are: each process could only copy its own shards."""
+  leaves = jax.tree.leaves(params)
+  if not any(isinstance(x, jax.Array) for x in leaves):
+    return params
+  if not all(isinstance(x, jax.Array) and x.is_fully_addressable for x in leaves if isinstance(x, jax.Array)):
+    return params
+  return jax.device_get(params)
