@@ -29,30 +29,41 @@ _warned_interpret = False
 class KVCache(NamedTuple):
   """One attention layer's key/value cache for decoding (`meshdistill.models.generate`).
 
-  ``k_BxSxGxK`` / ``v_BxSxGxK``: keys (after RoPE) and values of ``S`` slots (G = n_kv_heads, split
-  over ``tensor`` like the k/v projections); ``valid_BxS``: slots holding a real token (left padding
-  is never attended); ``index``: the slot of the first token of this call; ``positions_BxT``: the
-  RoPE positions of this call's tokens, per row.
+  ``k`` / ``v``: keys (after RoPE) and values of ``S`` slots, ``[B, S, G, K]`` (G = n_kv_heads, split over
+  ``tensor`` like the k/v projections), or every layer's stacked ``[L, B, S, G, K]`` with ``layer`` naming this
+  one (scanned blocks: the decoding loop carries the stacked caches, and `write` updates this layer's new slots in
+  place, so no step copies the caches); ``valid_BxS``: slots holding a real token (left padding is never
+  attended); ``index``: the slot of the first token of this call; ``positions_BxT``: the RoPE positions of this
+  call's tokens, per row.
   """
 
-  k_BxSxGxK: jax.Array
-  v_BxSxGxK: jax.Array
+  k: jax.Array
+  v: jax.Array
   valid_BxS: jax.Array
   index: jax.Array
   positions_BxT: jax.Array
+  layer: jax.Array | None = None
 
   def write(self, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array) -> "KVCache":
-    at = (0, self.index, 0, 0)
-    return self._replace(
-        k_BxSxGxK=jax.lax.dynamic_update_slice(self.k_BxSxGxK, k_BxTxGxK.astype(self.k_BxSxGxK.dtype), at),
-        v_BxSxGxK=jax.lax.dynamic_update_slice(self.v_BxSxGxK, v_BxTxGxK.astype(self.v_BxSxGxK.dtype), at),
-    )
+    """The cache with this call's keys and values in slots ``index ..`` (of layer ``layer`` when stacked)."""
+    if self.layer is None:
+      at, k_new, v_new = (0, self.index, 0, 0), k_BxTxGxK, v_BxTxGxK
+    else:
+      at, k_new, v_new = (self.layer, 0, self.index, 0, 0), k_BxTxGxK[None], v_BxTxGxK[None]
+    return self._replace(k=jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), at),
+                         v=jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), at))
+
+  def keys_values(self) -> tuple[jax.Array, jax.Array]:
+    """This layer's ``(k_BxSxGxK, v_BxSxGxK)``."""
+    if self.layer is None:
+      return self.k, self.v
+    return tuple(jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False) for a in (self.k, self.v))
 
   def visible(self, T: int, window: int | None = None) -> jax.Array:
     """``[B, 1, T, S]``: query ``t`` (slot ``index + t``) sees valid slots ``<= index + t`` (with a sliding
     ``window``: the last ``window`` of them; a row's slots and positions differ by its left padding only, so the
     band on slots is the band on positions)."""
-    S = self.k_BxSxGxK.shape[1]
+    S = self.valid_BxS.shape[1]
     rows_Tx1, cols_1xS = self.index + jnp.arange(T)[:, None], jnp.arange(S)[None, :]
     causal_TxS = (cols_1xS <= rows_Tx1) & band(rows_Tx1, cols_1xS, window)
     return causal_TxS[None, None] & self.valid_BxS[:, None, None, :]

@@ -123,34 +123,37 @@ def scan_blocks_cached(blocks: nnx.Module, x_BxTxD: jax.Array, kv, valid_BxS, in
   written at ``index`` (``kv``: the stacked caches, see `KVCache`); ``period`` / ``place`` as in `scan_blocks`.
 
   A plain ``jax.lax.scan`` over the blocks' state: decoding runs inside a ``while_loop``, whose body may not
-  hand the outer trace's modules to ``nnx.scan``.
+  hand the outer trace's modules to ``nnx.scan``. The stacked caches are the scan's carry and each layer writes
+  its new slots into them in place (`KVCache` with ``layer``): as the scan's stacked output they were a new
+  buffer, and the decoding loop copied the whole cache into it on every token.
   """
   graphdef, state = nnx.split(blocks)
+  n_layers = jax.tree.leaves(state)[0].shape[0]
+  layers = jnp.arange(n_layers, dtype=jnp.int32)
   if period == 1:
 
-    def layer_body(x, layer):
-      state_l, kv_l = layer
-      x, cache = nnx.merge(graphdef, state_l)(x, False, KVCache(*kv_l, valid_BxS, index, positions_BxT))
-      return x, (cache.k_BxSxGxK, cache.v_BxSxGxK)
+    def layer_body(carry, layer):
+      x, k, v = carry
+      state_l, l = layer
+      x, cache = nnx.merge(graphdef, state_l)(x, False, KVCache(k, v, valid_BxS, index, positions_BxT, l))
+      return (x, cache.k, cache.v), None
 
-    return jax.lax.scan(layer_body, x_BxTxD, (state, tuple(kv)))
-  groups, rest = divmod(jax.tree.leaves(state)[0].shape[0], period)
+    (x_BxTxD, k, v), _ = jax.lax.scan(layer_body, (x_BxTxD, *kv), (state, layers))
+    return x_BxTxD, (k, v)
+  groups, rest = divmod(n_layers, period)
 
-  def body(x, group):
-    state_g, kv_g = group
-    new_kv = []
+  def body(carry, group):
+    x, k, v = carry
+    state_g, first = group
     for j in range(jax.tree.leaves(state_g)[0].shape[0]):
       block = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state_g))
       place(block, j)
-      x, cache = block(x, False, KVCache(*(c[j] for c in kv_g), valid_BxS, index, positions_BxT))
-      new_kv.append((cache.k_BxSxGxK, cache.v_BxSxGxK))
-    return x, tuple(jnp.stack(c, axis=0) for c in zip(*new_kv))
+      x, cache = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT, first + j))
+      k, v = cache.k, cache.v
+    return (x, k, v), None
 
-  ks, vs = [], []
+  carry = (x_BxTxD, *kv)
   for start, count, size in [(0, groups, period)] + ([(groups * period, 1, rest)] if rest else []):
-    x_BxTxD, (k, v) = jax.lax.scan(body, x_BxTxD, (_view(state, start, count, size), _view(tuple(kv), start, count,
-                                                                                             size)))
-    ks.append(k.reshape(count * size, *k.shape[2:]))
-    vs.append(v.reshape(count * size, *v.shape[2:]))
-  cat = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(parts)  # noqa: E731
-  return x_BxTxD, (cat(ks), cat(vs))
+    carry, _ = jax.lax.scan(body, carry, (_view(state, start, count, size), start + size * jnp.arange(count)))
+  x_BxTxD, k, v = carry
+  return x_BxTxD, (k, v)

@@ -125,7 +125,7 @@ class Attention(nnx.Module):
     q, k = rope(q, self.theta, self.scaling, pos), rope(k, self.theta, self.scaling, pos)
     if cache is not None:
       cache = cache.write(k, v)
-      k, v = cache.k_BxSxGxK, cache.v_BxSxGxK
+      k, v = cache.keys_values()
     T = x_BxTxD.shape[1]
     visible = None if cache is None else cache.visible(T, self.window)  # [B, 1, T, S]
     kind = cfg.attention
@@ -296,7 +296,7 @@ class Decoder(nnx.Module):
       new_kv = []
       for block, (k, v) in zip(self.blocks, kv):
         x, cache = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT))
-        new_kv.append((cache.k_BxSxGxK, cache.v_BxSxGxK))
+        new_kv.append((cache.k, cache.v))
     final_norm, x = gathered_for(self.final_norm, x[:, -1:] if last_only else x)
     return self._logits(final_norm(x)), new_kv
 
