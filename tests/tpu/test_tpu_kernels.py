@@ -245,10 +245,12 @@ def test_moe_ragged_dot_experts_equal_a_loop_over_experts(dtype, drop):
     assert rel_err(everything, want) > 0.1
 
 
-def test_cached_generation_logits_equal_the_full_forward_at_every_generated_position():
+@pytest.mark.parametrize("scanned", [False, True], ids=["per-layer", "scanned"])
+def test_cached_generation_logits_equal_the_full_forward_at_every_generated_position(scanned):
   """Greedy decoding with the KV cache (left-padded prompts of 7 and 12 tokens, 8 new tokens, a sliding window of 6
-  that the cache must apply) against one full forward pass per row over its prompt and generated tokens."""
-  cfg = CHIP_CFG.replace(sliding_window=6, attn_softcap=None, qk_norm=True)
+  that the cache must apply) against one full forward pass per row over its prompt and generated tokens; per-layer
+  caches, and stacked caches written in place through the layer scan."""
+  cfg = CHIP_CFG.replace(sliding_window=6, attn_softcap=None, qk_norm=True, scan_layers=scanned)
   model = md.init_model(cfg, seed=4)
   rng = np.random.default_rng(5)
   prompts = [list(rng.integers(1, cfg.vocab_size, n)) for n in (7, 12)]
