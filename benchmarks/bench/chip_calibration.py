@@ -9,7 +9,6 @@ import json
 import math
 import os
 
-import numpy as np
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 JSON = os.path.join(RESULTS, "plan_calibration_chip.json")
@@ -65,18 +64,9 @@ def leave_one_pair_out(rows: list[dict]) -> list[float]:
   """Each row's step time predicted by the chip fit over the rows of the OTHER pairs (NaN with one pair)."""
   from meshdistill.planner import _calibrate  # pylint: disable=g-import-not-at-top
 
-  terms = np.asarray([(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in rows], float)
-  measured = np.asarray([r["step_s"] for r in rows], float)
-  pairs = np.asarray([r["pair"] for r in rows])
-  out = []
-  for i in range(len(rows)):
-    keep = pairs != pairs[i]
-    if not keep.any():
-      out.append(math.nan)
-      continue
-    f = _calibrate.fit(terms[keep], measured[keep], [GENERATION] * int(keep.sum()), _calibrate.HELD_K)
-    out.append(float(f.predict(terms[i:i + 1], [GENERATION])[0]))
-  return out
+  return _calibrate.leave_group_out([(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in rows],
+                                    [r["step_s"] for r in rows], [GENERATION] * len(rows),
+                                    [r["pair"] for r in rows], _calibrate.HELD_K)
 
 
 def lopo_a(rows: list[dict], pair: str) -> float:

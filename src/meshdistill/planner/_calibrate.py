@@ -167,21 +167,28 @@ def leave_one_out(terms: Sequence[Sequence[float]], measured: Sequence[float], g
   return out
 
 
-def leave_generation_out(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
-                         k: float | None = None) -> list[float]:
-  """Each row's step time predicted by the fit over the rows of the OTHER generations (the pooled ``a``): how far
-  off a plan on a generation without published rows can be. NaN for every row when there is one generation."""
+def leave_group_out(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
+                    groups: Sequence[str], k: float | None = None) -> list[float]:
+  """Each row's step time predicted by the fit over the rows of the OTHER ``groups`` (a generation, a model pair):
+  how far off a plan can be for a group the fit has not seen. NaN for every row when there is one group."""
   terms, measured = np.asarray(terms, float), np.asarray(measured, float)
-  gens = np.asarray(generations)
+  gens, groups = np.asarray(generations), np.asarray(groups)
   out = []
   for i in range(len(terms)):
-    keep = gens != gens[i]
+    keep = groups != groups[i]
     if not keep.any():
       out.append(math.nan)
       continue
     f = fit(terms[keep], measured[keep], list(gens[keep]), k)
     out.append(float(f.predict(terms[i:i + 1], [generations[i]])[0]))
   return out
+
+
+def leave_generation_out(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
+                         k: float | None = None) -> list[float]:
+  """Each row's step time predicted by the fit over the rows of the OTHER generations (the pooled ``a``): how far
+  off a plan on a generation without published rows can be. NaN for every row when there is one generation."""
+  return leave_group_out(terms, measured, generations, generations, k)
 
 
 def calibrate(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str]) -> Calibration:
@@ -263,4 +270,4 @@ CHIP_CALIBRATION: Calibration | None = Calibration(
 
 
 __all__ = ["A_BOUNDS", "CALIBRATION", "CHIP_CALIBRATION", "Calibration", "Fit", "HELD_K", "K_BOUNDS", "calibrate",
-           "calibrate_chip", "fit", "leave_generation_out", "leave_one_out", "source_for"]
+           "calibrate_chip", "fit", "leave_generation_out", "leave_group_out", "leave_one_out", "source_for"]
