@@ -134,7 +134,7 @@ def test_the_stored_chip_calibration_is_the_fit_of_the_measured_chip_rows_and_ke
     rows = json.load(f)
   stored = _calibrate.CHIP_CALIBRATION
   assert rows and stored is not None and stored.source == "chip" and _calibrate.CALIBRATION.source == "published"
-  assert stored.row_names == tuple(r["config"] for r in rows) and stored.rows == len(rows)
+  assert stored.row_names == tuple(f"{r['pair']} {r['config']}" for r in rows) and stored.rows == len(rows)
   assert len(set(stored.row_names)) == len(rows)  # one row per measured configuration
   # the one-chip program (one device of v5e:2x2): no collectives; the data=4 stand-in, where compiled, has its
   # gradient all-reduce

@@ -48,6 +48,11 @@ def measured_configs(path: str = MEASURED) -> dict[tuple[str, str], dict]:
   return out
 
 
+def row_name(row: dict) -> str:
+  """A measured configuration's name in `CHIP_CALIBRATION.row_names`: its pair and its configuration."""
+  return f"{row['pair']} {row['config']}"
+
+
 def fit_rows(rows: list[dict]):
   """The chip calibration over ``rows`` and each row's leave-one-config-out step time (NaN with one row)."""
   from meshdistill.planner import _calibrate  # pylint: disable=g-import-not-at-top
@@ -55,7 +60,7 @@ def fit_rows(rows: list[dict]):
   terms = [(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in rows]
   measured = [r["step_s"] for r in rows]
   gens = [GENERATION] * len(rows)
-  cal = _calibrate.calibrate_chip(terms, measured, [r["config"] for r in rows])
+  cal = _calibrate.calibrate_chip(terms, measured, [row_name(r) for r in rows])
   loo = (_calibrate.leave_one_out(terms, measured, gens, k=cal.k) if len(rows) >= 2 else [math.nan] * len(rows))
   return cal, loo, terms, measured
 

@@ -260,13 +260,13 @@ CHIP_CALIBRATION: Calibration | None = Calibration(
     a={"v5e": 0.503665}, a_pooled=0.503665, k=1.000000,
     band={"v5e": 0.220132}, rows=7, comm_share=0.0, source="chip",
     row_names=(
-        "b=2,t=2048,remat=full,chunk=512,attn=splash",
-        "b=2,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
-        "b=4,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
-        "b=8,t=2048,remat=full,chunk=1024,attn=splash",
-        "b=8,t=2048,remat=full,chunk=1024,attn=xla",
-        "b=8,t=2048,remat=full,chunk=2048,attn=splash",
-        "b=16,t=2048,remat=full,chunk=2048,attn=splash"))
+        "gemma3 b=2,t=2048,remat=full,chunk=512,attn=splash",
+        "qwen3 b=2,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
+        "qwen3 b=4,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
+        "qwen3 b=8,t=2048,remat=full,chunk=1024,attn=splash",
+        "qwen3 b=8,t=2048,remat=full,chunk=1024,attn=xla",
+        "qwen3 b=8,t=2048,remat=full,chunk=2048,attn=splash",
+        "qwen3 b=16,t=2048,remat=full,chunk=2048,attn=splash"))
 
 
 __all__ = ["A_BOUNDS", "CALIBRATION", "CHIP_CALIBRATION", "Calibration", "Fit", "HELD_K", "K_BOUNDS", "calibrate",
