@@ -361,9 +361,7 @@ def _keep_initial_student_on_host(params):
   """``params`` with their device arrays copied to host memory (numpy), so that the trainer's reference no longer keeps
   the device buffers alive (a model the caller still holds keeps its own). Arrays of several processes (not fully
   addressable here) stay as they are: each process could only copy its own shards."""
-  leaves = jax.tree.leaves(params)
-  if not any(isinstance(x, jax.Array) for x in leaves):
-    return params
-  if not all(isinstance(x, jax.Array) and x.is_fully_addressable for x in leaves if isinstance(x, jax.Array)):
+  arrays = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+  if not arrays or not all(x.is_fully_addressable for x in arrays):
     return params
   return jax.device_get(params)
