@@ -174,11 +174,12 @@ def test_one_local_chip_takes_the_chip_source_and_every_other_target_the_publish
   for chips, gen, local in ((4, "v5e", True), (1, "v5e", False), (4, "v5e", False), (1, "v6e", True)):
     assert _calibrate.source_for(chips, gen, local) is published  # a slice, a topology, a generation without rows
 
-  def planner(name, n):
+  def planner(name, n, local=False):
     return Planner(load_config(None, ()), TEACHER, STUDENT, ("t", "s"), Target(name, (object(),) * n,
-                                                                                 TPU_CHIPS["v5e"]), 16)
+                                                                                 TPU_CHIPS["v5e"], local=local), 16)
 
-  assert planner("local:v5ex1", 1).calibration() is chip and planner("local:v5ex4", 4).calibration() is published
+  assert planner("local:v5ex1", 1, True).calibration() is chip
+  assert planner("local:v5ex4", 4, True).calibration() is published
   assert planner("v5e:2x2", 4).calibration() is published
   t = {"compute_s": 1.0, "hbm_s": 0.8, "comm_s": 0.0, "step_s": 1.0, "mfu": 0.5, "tokens_per_s": 100.0}
   t["calibrated"] = chip.of(t, "v5e")

@@ -279,7 +279,7 @@ class Planner:
     chip (``devices="local"``) of a generation it has rows for, else the published pod rows'."""
     t = self.target
     chips = len(t.devices) // max(t.devices_per_chip, 1)
-    return _calibrate.source_for(chips, t.chip.family, local=t.name.startswith("local:"))
+    return _calibrate.source_for(chips, t.chip.family, local=t.local)
 
   def _attention(self) -> str:
     t, s = self.teacher.attention, self.student.attention
