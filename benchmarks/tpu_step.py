@@ -436,18 +436,7 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
       continue
     out.append(f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | {r['step_s'] * 1e3:.0f} "
                f"| {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['program_bytes'] / GIB:.2f} | ran |")
-  side = [r for r in rows if r.get("system") in ("plain", "tunix")]
-  if side:
-    out += ["", "## Side by side (one process each, the same chip)", "",
-            "| pair | system | batch x seq | ms / step | tokens/s | result |", "|---|---|---|---:|---:|---|"]
-    for r in side:
-      s = r["setting"]
-      if "error" in r:
-        why = "out of HBM" if "RESOURCE_EXHAUSTED" in r["error"] else r["error"][:80]
-        out.append(f"| {r['pair']} | {r['system']} | {s['b']} x {s['t']} | | | {why} |")
-      else:
-        out.append(f"| {r['pair']} | {r['system']} | {s['b']} x {s['t']} | {r['step_s'] * 1e3:.0f} | "
-                   f"{r['tokens_per_s']:,.0f} | ran |")
+  out += side_by_side_section(rows)
   profiled = [r for r in steps if isinstance(r.get("profile"), dict) and "ms" in r["profile"]]
   if profiled:
     out += ["", "## Where the step's time goes (device time per step, from a `jax.profiler` trace)", "",
@@ -482,6 +471,52 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
   with open(md_path, "w", encoding="utf-8") as f:
     f.write(text + notes)
   return text
+
+
+# what each system of the side by side ran (its configuration; tunix's is its logit-distillation example's)
+SIDE_CONFIG = {
+    "meshdistill": "`Distiller` + `ChunkedLogitKD` (T 2, alpha 0.5), scanned layers, the row's remat and chunk, "
+                   "splash attention, bf16 teacher, f32 student, AdamW",
+    "plain": "`bench/plain_step.py`: the same decoders, KL and AdamW in one `jax.jit`, the loss in a checkpointed "
+             "scan over 1024-token chunks",
+    "tunix": "tunix 0.1.7 `DistillationTrainer` + `LogitStrategy` (T 2, alpha 0.5), `tunix.models.qwen3` with "
+             "splash attention, bf16 weights, optax AdamW, student remat `decoder` (its example's configuration)",
+}
+
+
+def _spread(r: dict) -> str:
+  """(slowest - fastest) / fastest of a row's timed steps, or why there is none."""
+  t = r.get("step_times")
+  return f"{100 * (max(t) / min(t) - 1):.2f}%" if t else "not recorded"
+
+
+def side_by_side_section(rows: list[dict]) -> list[str]:
+  """One table per call that measured a peer (rows sharing a tag): the plain step and tunix at each setting, and
+  meshdistill where that call measured it at the same setting, each with the spread of its timed steps and its
+  tokens/s over meshdistill's in the same call (the systems' configurations above the table)."""
+  tags = list(dict.fromkeys(r.get("tag") for r in rows if r.get("system") in ("plain", "tunix")))
+  if not tags:
+    return []
+  out = ["", "## Side by side (one process, the same chip, systems in turn)", "",
+         "Configurations: " + "; ".join(f"**{k}**: {v}" for k, v in SIDE_CONFIG.items()) + ".", "",
+         "| call (tag) | pair | system | batch x seq | ms / step | tokens/s | spread of the timed steps | "
+         "tokens/s / meshdistill's | result |", "|---|---|---|---|---:|---:|---:|---:|---|"]
+  for tag in tags:
+    peers = {r.get("label") for r in rows if r.get("tag") == tag and r.get("system") in ("plain", "tunix")}
+    mine = [r for r in rows if r.get("tag") == tag and r.get("system", "meshdistill") in SIDE_CONFIG
+            and r.get("label") in peers]  # meshdistill only at a peer's exact setting
+    ours = {r["label"]: r for r in mine if r.get("system", "meshdistill") == "meshdistill" and "step_s" in r}
+    for r in sorted(mine, key=lambda r: (r["setting"]["b"], list(SIDE_CONFIG).index(r.get("system", "meshdistill")))):
+      s, system = r["setting"], r.get("system", "meshdistill")
+      head = f"| {tag} | {r['pair']} | {system} | {s['b']} x {s['t']} |"
+      if "error" in r or "step_s" not in r:
+        why = "out of HBM" if "RESOURCE_EXHAUSTED" in r.get("error", "") else r.get("error", "no time")[:80]
+        out.append(f"{head} | | | | {why} |")
+        continue
+      ref = ours.get(r["label"])
+      ratio = "" if ref is None or system == "meshdistill" else f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
+      out.append(f"{head} {r['step_s'] * 1e3:.0f} | {r['tokens_per_s']:,.0f} | {_spread(r)} | {ratio} | ran |")
+  return out
 
 
 GEN_SYSTEMS = {"generate": "meshdistill", "tunix-generate": "tunix"}  # system -> the sampler's name in the table

@@ -174,3 +174,22 @@ def test_the_chip_section_of_plan_calibration_md_is_the_render_of_its_stored_row
   assert [chip.leave_one_pair_out(rows)[i] for i in gemma3] == pytest.approx(list(want))
   one_pair = chip.section([r for r in rows if r["pair"] == "qwen3"])
   assert "cannot be checked yet" in one_pair and "Leave one pair out" not in one_pair
+
+
+def test_side_by_side_table_sets_each_peer_beside_meshdistill_of_the_same_call_and_setting(tpu_step):
+  setting = {"b": 2, "t": 2048, "remat": "full", "chunk": 1024, "attn": "splash", "blocks": "default"}
+  row = lambda system, step_s, tag="one-call", b=2, **kw: {  # noqa: E731
+      "pair": "qwen3", "system": system, "tag": tag, "setting": {**setting, "b": b}, "label": f"b={b}",
+      "step_s": step_s, "tokens_per_s": b * 2048 / step_s, **kw}
+  rows = [row("meshdistill", 0.25, step_times=[0.25, 0.26]), row("plain", 0.30, step_times=[0.30, 0.30]),
+          row("tunix", 0.20), row("meshdistill", 0.50, b=4),  # no peer at batch 4: not in the table
+          row("meshdistill", 0.10, tag="other-call")]  # another call's meshdistill: never the reference
+  table = [line for line in tpu_step.side_by_side_section(rows) if line.startswith("| one-call")]
+  assert table == [
+      "| one-call | qwen3 | meshdistill | 2 x 2048 | 250 | 16,384 | 4.00% |  | ran |",
+      "| one-call | qwen3 | plain | 2 x 2048 | 300 | 13,653 | 0.00% | 0.83x | ran |",
+      "| one-call | qwen3 | tunix | 2 x 2048 | 200 | 20,480 | not recorded | 1.25x | ran |",
+  ]
+  assert not any(line.startswith("| other-call") for line in tpu_step.side_by_side_section(rows))
+  text = "\n".join(tpu_step.side_by_side_section(rows))
+  assert all(config in text for config in tpu_step.SIDE_CONFIG.values())  # each system's configuration is stated

@@ -356,7 +356,7 @@ def run_steps(teacher: str, student: str, batches: tuple[int, ...], seq: int, st
                   file=sys.stderr, flush=True)
           if i >= 2:
             times.append(time.perf_counter() - t0)
-        out["step_s"] = float(np.median(times))
+        out["step_s"], out["step_times"] = float(np.median(times)), times
         stats = jax.devices()[0].memory_stats() or {}
         out["peak_bytes"] = stats.get("peak_bytes_in_use")
       except Exception as e:  # noqa: BLE001 -- out of memory is a result
