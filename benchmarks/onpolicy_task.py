@@ -87,6 +87,7 @@ from meshdistill.train.onpolicy import OnPolicyConfig, OnPolicyDistiller  # noqa
 from meshdistill.train.optimizers import default_optimizer  # noqa: E402
 
 from bench.render_onpolicy_task import render, summary_lines  # noqa: E402
+from bench.results import libtpu_version  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 REPO = os.path.dirname(HERE)
@@ -473,11 +474,15 @@ def run(a, argv, task_name: str | None = None, share_end: float = math.inf) -> d
 
 
 def machine() -> dict:
-  """Where the numbers were measured: JAX's backend, its first device's kind, jax's version."""
+  """Where the numbers were measured: JAX's backend, its first device's kind, jax's version (and libtpu's on a
+  TPU)."""
   backend, kind = jax.default_backend(), jax.devices()[0].device_kind
   where = f"{os.cpu_count()} CPU cores" if backend == "cpu" else f"{jax.device_count()} x {kind}"
-  return {"machine": f"{where}, jax {jax.__version__}", "backend": backend, "device_kind": kind,
-          "jax": jax.__version__}
+  out = {"machine": f"{where}, jax {jax.__version__}", "backend": backend, "device_kind": kind, "jax": jax.__version__}
+  if backend == "tpu":
+    out["libtpu"] = libtpu_version()
+    out["machine"] += f", libtpu {out['libtpu']}"
+  return out
 
 
 def lockstep(distillers, seeds, warm, warm_def, data_for, a, stop_at, acc, off_path, train_flops, sample_flops):

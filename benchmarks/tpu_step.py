@@ -51,6 +51,7 @@ from typing import Iterator
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench.chip_pairs import PAIRS, TINY, Setting, model_configs  # noqa: E402,F401 -- the measured pairs
+from bench.results import libtpu_version  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 JSONL = RESULTS / "tpu_step.jsonl"
@@ -166,12 +167,7 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   dev = jax.devices()[0]
   row = {"pair": pair, "setting": dataclasses.asdict(s), "label": s.label(), "device": dev.device_kind,
          "jax": jax.__version__, "steps": steps}
-  try:
-    import libtpu  # noqa: F401
-    from importlib.metadata import version
-    row["libtpu"] = version("libtpu")
-  except Exception:  # noqa: BLE001
-    row["libtpu"] = None
+  row["libtpu"] = libtpu_version()
   use_splash_blocks(s.blocks)
   tcfg, scfg = model_configs(pair, s)
   mesh = md.make_mesh(data=1, tensor=1)

@@ -193,3 +193,10 @@ def test_the_report_renders_as_committed_from_its_stored_runs(report, tmp_path):
   report.render(raws, str(tmp_path / "on_policy_task.md"), str(tmp_path / "on_policy_task.png"),
                 paths=[f"benchmarks/results/{n}" for n in names])
   assert (tmp_path / "on_policy_task.md").read_text() == (RESULTS / "on_policy_task.md").read_text()
+
+
+def test_the_chip_section_names_libtpu_when_the_run_recorded_it(report, tmp_path):
+  cpu = [json.loads((RESULTS / f"on_policy_task_{t}.json").read_text()) for t in ("add5", "chain12")]
+  chip = {**_chip_raw(cpu[0]), "libtpu": "0.0.42.1"}
+  report.render([*cpu, chip], str(tmp_path / "on_policy_task.md"), str(tmp_path / "on_policy_task.png"))
+  assert "Backend `tpu` (TPU v5 lite), jax 0.11.2, libtpu 0.0.42.1;" in (tmp_path / "on_policy_task.md").read_text()

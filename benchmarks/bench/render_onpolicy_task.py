@@ -235,7 +235,8 @@ def chip_section(chip: list[tuple[dict, str | None]], cpu_raws: list[dict]) -> l
               "fixed": "each arm's rate given on the command line"}[choice["mode"]]
     lines += [
         f"### `{a['task']}` on the chip", "",
-        f"Backend `{raw['backend']}` ({raw['device_kind']}), jax {raw['jax']}; {raw['total_seconds']:.0f} s in all "
+        f"Backend `{raw['backend']}` ({raw['device_kind']}), jax {raw['jax']}"
+        + (f", libtpu {raw['libtpu']}" if raw.get("libtpu") else "") + f"; {raw['total_seconds']:.0f} s in all "
         f"(teacher {ph['teacher']:.0f} s, warm starts {ph['warm']:.0f} s, arms {ph['arms']:.0f} s, final evaluation "
         f"{ph['final_eval']:.0f} s; compiles included). Teacher d,L={a['teacher']} "
         f"({raw['params']['teacher_matmul']:,} matmul parameters), {teacher['steps']} steps at batch {a['batch']}, "

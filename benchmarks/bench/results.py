@@ -11,6 +11,16 @@ from typing import Any, Callable
 NOTES = "\n<!-- notes -->\n"  # notes written by hand below a generated table are kept
 
 
+def libtpu_version() -> str | None:
+  """The installed libtpu's version (what a TPU row records beside jax's), None without one."""
+  from importlib.metadata import PackageNotFoundError, version  # pylint: disable=g-import-not-at-top
+
+  try:
+    return version("libtpu")
+  except PackageNotFoundError:
+    return None
+
+
 def append_row(jsonl: str, row: dict) -> None:
   """Appends ``row`` as one line of ``jsonl`` (its folder made if missing): results only grow, a rerun adds."""
   os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
