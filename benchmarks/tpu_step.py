@@ -121,10 +121,13 @@ def _trace_roles(d, state, batch, steps: int, out_dir: str | None) -> dict:
   ``steps`` steps, and the 25 slowest instructions; ``state`` is consumed."""
   import jax
 
-  from bench.op_kinds import hlo_roles
+  from bench.op_kinds import describe, hlo_roles
 
   hlo = d.lower(state, batch).compile().as_text()
   roles = hlo_roles(hlo, ROLES)
+  if out_dir:  # the profiled program's text: the trace's instruction names are this program's
+    with gzip.open(os.path.join(out_dir, "step.hlo.txt.gz"), "wt") as f:
+      f.write(hlo)
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp):
       for _ in range(steps):
@@ -154,7 +157,10 @@ def _trace_roles(d, state, batch, steps: int, out_dir: str | None) -> dict:
       per_op[name] += ms
     else:
       unknown[name] += ms
-  return {"ms": dict(per_role), "top": per_op.most_common(25), "unmatched": unknown.most_common(10),
+  top = per_op.most_common(25)
+  what = describe(hlo, [name for name, _ in top])
+  return {"ms": dict(per_role), "top": top, "top_roles": {n: roles[n] for n, _ in top},
+          "top_hlo": {n: what.get(n, "") for n, _ in top}, "unmatched": unknown.most_common(10),
           "device_processes": sorted(set(pids.values()))[:10]}
 
 

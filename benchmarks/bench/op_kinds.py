@@ -135,3 +135,22 @@ def hlo_roles(hlo: str, rules: tuple[tuple[str, str], ...]) -> dict[str, str]:
     role = next((r for src in sources for sub, r in rules if sub in src), None)
     roles[name] = role or kinds.get(name, "elementwise")
   return roles
+
+
+_SHAPE = re.compile(r"=\s*(\(?[a-z0-9]+\[[^\]]*\][^ ]*)")
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+
+
+def describe(hlo: str, names) -> dict[str, str]:
+  """``name`` -> its output shape and the ``op_name`` of its metadata (the JAX operation it came from), for each of
+  ``names`` found in ``hlo``: how a profile's slowest instructions are told apart without the program's text."""
+  want, out = set(names), {}
+  for comp in _computations(hlo).values():
+    for name, _, line in comp:
+      if name in want and name not in out:
+        shape = _SHAPE.search(line)
+        op = _OP_NAME.search(line)
+        out[name] = " ".join(x for x in (shape.group(1).split("{")[0] if shape else "",
+                                         op.group(1) if op else "") if x)
+  return out
+

@@ -70,24 +70,29 @@ def safeguarded(
     raise ValueError(f"safeguarded clip={clip!r} must be > 0 or None (no clipping)")
   body = inner if clip is None else optax.chain(optax.clip_by_global_norm(clip), inner)
   if skip_nonfinite:
-    body = _clip_if_finite(inner, clip) if clip is not None else optax.apply_if_finite(
-        body, max_consecutive_errors=_NEVER_GIVE_UP)
+    body = _skip_if_nonfinite(inner, clip)
   if loss_scale is None:
     return body
   check_loss_scale(loss_scale)
   return optax.chain(optax.scale(1.0 / loss_scale), body)
 
 
-def _clip_if_finite(inner: optax.GradientTransformation, clip: float) -> optax.GradientTransformation:
-  """``apply_if_finite(chain(clip_by_global_norm(clip), inner))`` -- the same state, the same numbers -- with the
-  gradients' global norm and their count of non-finite entries reduced in ONE pass, outside the skip's branch.
+def _skip_if_nonfinite(inner: optax.GradientTransformation, clip: float | None) -> optax.GradientTransformation:
+  """``apply_if_finite(chain(clip_by_global_norm(clip), inner))`` (``clip=None``: ``apply_if_finite(inner)``) -- the
+  same state, the same numbers -- in one pass over the gradients and without a branch.
 
-  optax's pair reduces the gradients twice (an ``and`` of ``isfinite`` per leaf, then the norm inside the
-  ``cond``), and on a mesh each reduction of a leaf split over ``tensor`` is an all-reduce; here both are sums
-  of the same leaves, which XLA combines into one all-reduce, and the step's ``grad_norm`` metric (the same
-  `optax.tree.norm`) is the same computation.
+  * optax's pair reduces the gradients twice (an ``and`` of ``isfinite`` per leaf, then the norm inside its
+    ``cond``), and on a mesh each reduction of a leaf split over ``tensor`` is an all-reduce; here the global
+    norm and the count of non-finite entries are sums of the same leaves, which XLA combines into one
+    all-reduce, and the step's ``grad_norm`` metric (the same `optax.tree.norm`) is the same computation.
+  * optax's ``cond`` returns the updates and the optimizer state as new buffers: a second float32 copy of every
+    gradient and moment beside the ones the step already holds (2.7 GiB for a 0.75 B-parameter student, measured
+    on the TPU compile). Here the update is computed whatever the gradients hold and kept or dropped by an
+    elementwise select, which XLA fuses into the in-place update of each weight and moment. A skipped step
+    still leaves the weights and the moments exactly as they were (the select takes the old values, never a
+    non-finite one).
   """
-  body = optax.chain(optax.clip_by_global_norm(clip), inner)
+  body = inner if clip is None else optax.chain(optax.clip_by_global_norm(clip), inner)
   inner = optax.with_extra_args_support(inner)
 
   def init(params):
@@ -98,19 +103,18 @@ def _clip_if_finite(inner: optax.GradientTransformation, clip: float) -> optax.G
     nonfinite = sum(jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in jax.tree.leaves(updates))
     isfinite = nonfinite == 0
     notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count))
-    clip_state, inner_state = state.inner_state
-
-    def do_update(_):
+    apply = jnp.logical_or(isfinite, notfinite_count > _NEVER_GIVE_UP)
+    if clip is None:
+      inner_state = state.inner_state
+      new_updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
+      new_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_inner, inner_state)
+    else:
+      clip_state, inner_state = state.inner_state
       trigger = jnp.squeeze(g_norm < clip)  # optax.clip_by_global_norm, on the norm computed above
       clipped = jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * clip), updates)
       new_updates, new_inner = inner.update(clipped, inner_state, params, **extra_args)
-      return new_updates, (clip_state, new_inner)
-
-    def reject_update(_):
-      return optax.tree.zeros_like(updates), (clip_state, inner_state)
-
-    new_updates, new_state = jax.lax.cond(
-        jnp.logical_or(isfinite, notfinite_count > _NEVER_GIVE_UP), do_update, reject_update, operand=None)
+      new_state = (clip_state, jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_inner, inner_state))
+    new_updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), new_updates)
     return new_updates, optax.ApplyIfFiniteState(
         notfinite_count=notfinite_count,
         last_finite=isfinite,
