@@ -199,6 +199,7 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
     row["program_bytes"] = int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                                + m.temp_size_in_bytes)
     row["temp_bytes"] = int(m.temp_size_in_bytes)
+    row["compiler_peak_bytes"] = int(getattr(m, "peak_memory_in_bytes", 0)) or None
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     row["xla_flops"] = float(cost.get("flops", -1)) if cost else None
@@ -425,20 +426,24 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
          "`python benchmarks/tpu_step.py --render`. Model FLOPs and the memory columns are defined in the script's "
          "docstring (MFU against 197 TFLOP/s bf16).", "",
          "## Steps", "",
-         "| pair | batch x seq | student remat | loss chunk | attention (splash blocks) | ms / step | tokens/s | MFU | "
-         "program GiB | result |",
-         "|---|---|---|---:|---|---:|---:|---:|---:|---|"]
+         "| pair | batch x seq | student remat | loss chunk | attention (splash blocks) | AdamW first moment | "
+         "ms / step | tokens/s | MFU | program GiB | call | result |",
+         "|---|---|---|---:|---|---|---:|---:|---:|---:|---|---|"]
   for r in steps:
     s = r["setting"]
     attn = s["attn"] + (f" ({s.get('blocks')})" if s["attn"] == "splash" else "")
+    head = f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | {s.get('mu', 'float32')}"
     if "error" in r:
       why = "out of HBM" if "RESOURCE_EXHAUSTED" in r["error"] else r["error"][:60]
       prog = f"{r['program_bytes'] / GIB:.2f}" if r.get("program_bytes") else ""
-      out.append(f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | | | | {prog} | {why} |")
+      out.append(f"{head} | | | | {prog} | {r.get('tag') or ''} | {why} |")
       continue
-    out.append(f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | {r['step_s'] * 1e3:.0f} "
-               f"| {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['program_bytes'] / GIB:.2f} | ran |")
-  out += side_by_side_section(rows)
+    out.append(f"{head} | {r['step_s'] * 1e3:.0f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+               f"{r['program_bytes'] / GIB:.2f} | {r.get('tag') or ''} | ran |")
+  # the side by side compares within a call: every call's own rows (a later call's row of a setting does not
+  # replace an earlier call's)
+  out += side_by_side_section(list(newest_rows(jsonl, key=lambda r: (
+      r.get("tag"), r["pair"], r.get("system", "meshdistill"), r.get("label"), r.get("batch"))).values()))
   profiled = [r for r in steps if isinstance(r.get("profile"), dict) and "ms" in r["profile"]]
   if profiled:
     out += ["", "## Where the step's time goes (device time per step, from a `jax.profiler` trace)", "",

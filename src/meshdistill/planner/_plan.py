@@ -194,10 +194,11 @@ class Planner:
       temp = c.oom_bytes[0]
       args = sum(c.parts.values())
       memory.update(temp=temp, outputs=None, total=None if temp is None else args + temp, arguments=args, output=None,
-                    alias=None)
+                    alias=None, compiler_peak=None)
       fits = False
     else:
       memory.update(temp=mem.temp_bytes, outputs=mem.output_bytes - mem.alias_bytes, total=mem.total_bytes,
+                    compiler_peak=mem.peak_bytes,
                     arguments=mem.argument_bytes, output=mem.output_bytes, alias=mem.alias_bytes)
       fits = None if budget is None else mem.total_bytes <= self.headroom * budget
     n = len(self.target.devices)
