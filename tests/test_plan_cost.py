@@ -144,6 +144,8 @@ def test_the_stored_chip_calibration_is_the_fit_of_the_measured_chip_rows_and_ke
   measured = [r["step_s"] for r in rows]
   cal = _calibrate.calibrate_chip(terms, measured, [r["config"] for r in rows])
   assert stored.a == pytest.approx(cal.a, rel=1e-3) and stored.k == cal.k == _calibrate.HELD_K
+  assert stored.h == pytest.approx(cal.h, rel=1e-3) and stored.h < 1  # its HBM-bound rows tell h
+  assert _calibrate.CALIBRATION.h == 1.0  # the published source's rows do not
   assert stored.band == pytest.approx(cal.band, rel=1e-3, abs=1e-4)
   # every measured step is slower than its roofline, and within the band of the fit over every row
   assert all(max(c, h) < m for (c, h, _), m in zip(terms, measured))
@@ -159,6 +161,19 @@ def test_the_chip_fit_recovers_its_fraction_of_peak_and_refuses_collectives():
   assert cal.a["v5e"] == pytest.approx(0.6, rel=0.05) and cal.k == _calibrate.HELD_K and cal.band["v5e"] < 0.15
   with pytest.raises(ValueError, match="no collective term"):
     _calibrate.calibrate_chip([(1.0, 0.5, 0.1)], [2.0], ["a"])
+  # rows bound by HBM traffic tell the bandwidth fraction: a = 0.5, h = 0.8 recovered from four exact rows
+  terms = [(1.0, 0.2, 0.0), (2.0, 0.5, 0.0), (0.5, 1.6, 0.0), (0.5, 2.4, 0.0)]
+  measured = [max(c / 0.5, h / 0.8) for c, h, _ in terms]
+  cal = _calibrate.calibrate_chip(terms, measured, ["a", "b", "c", "d"])
+  assert cal.a["v5e"] == pytest.approx(0.5, rel=1e-3) and cal.h == pytest.approx(0.8, rel=1e-3)
+  assert cal.band["v5e"] < 1e-3 and cal.step_seconds(0.5, 1.6, 0.0, "v5e") == pytest.approx(2.0, rel=1e-3)
+  # with h held at 1 the HBM-bound rows cannot be fitted: predicted short by 20% and more
+  held = _calibrate.fit(terms, measured, ["v5e"] * 4, _calibrate.HELD_K)
+  assert held.h == 1.0 and all(p / m - 1 < -0.19 for p, m in zip(held.predict(terms[2:], ["v5e"] * 2), measured[2:]))
+  # compute-bound rows alone leave h where it starts (1)
+  assert _calibrate.calibrate_chip(terms[:2], measured[:2], ["a", "b"]).h == pytest.approx(1.0)
+  with pytest.raises(ValueError, match="held k only"):
+    _calibrate.fit(terms, measured, ["v5e"] * 4, None, fit_h=True)
   with pytest.raises(ValueError, match="one name per row"):
     _calibrate.calibrate_chip(terms, measured, ["a"])
 

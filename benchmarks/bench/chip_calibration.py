@@ -61,7 +61,8 @@ def fit_rows(rows: list[dict]):
   measured = [r["step_s"] for r in rows]
   gens = [GENERATION] * len(rows)
   cal = _calibrate.calibrate_chip(terms, measured, [row_name(r) for r in rows])
-  loo = (_calibrate.leave_one_out(terms, measured, gens, k=cal.k) if len(rows) >= 2 else [math.nan] * len(rows))
+  loo = (_calibrate.leave_one_out(terms, measured, gens, k=cal.k, fit_h=True) if len(rows) >= 2
+         else [math.nan] * len(rows))
   return cal, loo, terms, measured
 
 
@@ -71,17 +72,21 @@ def leave_one_pair_out(rows: list[dict]) -> list[float]:
 
   return _calibrate.leave_group_out([(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in rows],
                                     [r["step_s"] for r in rows], [GENERATION] * len(rows),
-                                    [r["pair"] for r in rows], _calibrate.HELD_K)
+                                    [r["pair"] for r in rows], _calibrate.HELD_K, fit_h=True)
+
+
+def lopo_fit(rows: list[dict], pair: str):
+  """The chip fit (``a`` and ``h``) over the rows of every pair but ``pair``."""
+  from meshdistill.planner import _calibrate  # pylint: disable=g-import-not-at-top
+
+  other = [r for r in rows if r["pair"] != pair]
+  return _calibrate.fit([(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in other], [r["step_s"] for r in other],
+                        [GENERATION] * len(other), _calibrate.HELD_K, fit_h=len(other) >= 2)
 
 
 def lopo_a(rows: list[dict], pair: str) -> float:
   """``a`` of the chip fit over the rows of every pair but ``pair``."""
-  from meshdistill.planner import _calibrate  # pylint: disable=g-import-not-at-top
-
-  other = [r for r in rows if r["pair"] != pair]
-  f = _calibrate.fit([(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in other], [r["step_s"] for r in other],
-                     [GENERATION] * len(other), _calibrate.HELD_K)
-  return float(f.a[GENERATION])
+  return float(lopo_fit(rows, pair).a[GENERATION])
 
 
 def _pct(x: float) -> str:
@@ -110,8 +115,9 @@ def section(rows: list[dict]) -> str:
          "`plan_calibration.json`): `md.plan(..., devices=\"local\")` on one chip of a generation with chip rows "
          "takes the chip source, every other target the published one (`_calibrate.source_for`).", "",
          f"Fitted over {cal.rows} configurations of {len(pairs)} pair{'s' * (len(pairs) > 1)} ({', '.join(pairs)}): "
-         f"a[{GENERATION}] = {cal.a[GENERATION]:.3f} (published source: {pub.a[GENERATION]:.3f}). Only `a` is "
-         "fitted: one chip has no collectives, so `k` (held at "
+         f"a[{GENERATION}] = {cal.a[GENERATION]:.3f} of the peak matmul rate (published source: "
+         f"{pub.a[GENERATION]:.3f}) and h = {cal.h:.3f} of the HBM bandwidth (the published source holds it at 1): "
+         "step = max(compute / a, HBM / h). One chip has no collectives, so `k` (held at "
          f"{cal.k:g}) has nothing to be told from and does not enter a one-chip estimate, and the rows are one "
          f"generation's. Band (largest leave-one-config-out error): +-{100 * cal.band[GENERATION]:.1f}%.", "",
          "| pair | configuration | measured row (splash blocks; tag) | measured ms | roofline ms: max(compute, HBM) | "
@@ -140,15 +146,16 @@ def section(rows: list[dict]) -> str:
           + ("n/a" if worst is None else f"{_pct(loo[worst] / measured[worst] - 1)} ({rows[worst]['config']})")
           + f". Memory: planned per-chip bytes against the measured program's (arguments + outputs + temporaries, "
           f"donated buffers once), largest error {_pct(max(mem))}."]
-  bound = [r["config"] for r in rows if r["hbm_s"] > r["compute_s"] / cal.a[GENERATION]]
-  if bound:
-    out += ["", "HBM-bound under the fit (HBM at full bandwidth above compute / a): " + ", ".join(bound) + ". The "
-            "model takes HBM traffic at the chip's full bandwidth. A fraction of it (a parameter the published fit "
-            "does not have) would be told by these rows alone: left out, the others are compute-bound under the fit "
-            "or, where their HBM share below is as high, at the crossover of the two terms, which bounds the fraction "
-            "from one side only; so it is not fitted. HBM time at full bandwidth over the measured step, per "
-            "configuration: " + "; ".join(
-                f"{r['config']}: {100 * r['hbm_s'] / r['step_s']:.0f}%" for r in rows) + "."]
+  bound = [f"{r['pair']} {r['config']}" for r in rows if r["hbm_s"] / cal.h > r["compute_s"] / cal.a[GENERATION]]
+  a_only = _calibrate.fit(terms, measured, [GENERATION] * len(rows), _calibrate.HELD_K)  # h held at 1
+  plain = a_only.predict(terms, [GENERATION] * len(rows))
+  errs_a = [p / m - 1 for p, m, r in zip(plain, measured, rows) if r["hbm_s"] / cal.h > r["compute_s"] / cal.a[GENERATION]]
+  out += ["", "HBM-bound under the fit (HBM / h above compute / a): " + (", ".join(bound) or "none") + ". These rows "
+          "tell `h`, the others `a`. Fitted with `h` held at 1 (the roofline's full bandwidth, as the published "
+          f"source has it), a = {a_only.a[GENERATION]:.3f} and these rows' errors are "
+          + (", ".join(_pct(e) for e in errs_a) or "none") + ". HBM time at full bandwidth over the measured "
+          "step, per configuration: " + "; ".join(
+              f"{r['pair']} {r['config']}: {100 * r['hbm_s'] / r['step_s']:.0f}%" for r in rows) + "."]
   if len(pairs) < 2:
     out += ["", f"Pairs measured: {len(pairs)} ({', '.join(pairs)}). The target is every pair; with one pair, "
             "\"every pair\" cannot be checked yet, and the leave-one-config-out errors above are within one pair: "
@@ -159,11 +166,12 @@ def section(rows: list[dict]) -> str:
     for pair in pairs:
       idx = [i for i, r in enumerate(rows) if r["pair"] == pair]
       errs_p = [lopo[i] / measured[i] - 1 for i in idx]
-      a_other = lopo_a(rows, pair)
+      other = lopo_fit(rows, pair)
       span = _pct(errs_p[0]) if len(errs_p) == 1 else f"{_pct(min(errs_p))} to {_pct(max(errs_p))}"
       others, n_other = ("other pairs'" if len(pairs) > 2 else "other pair's"), len(rows) - len(idx)
-      per_pair.append(f"{pair} ({len(idx)} configuration{'s' * (len(idx) > 1)}) {span}, from a = {a_other:.3f} "
-                      f"fitted on the {others} {n_other} row{'s' * (n_other > 1)}")
+      per_pair.append(f"{pair} ({len(idx)} configuration{'s' * (len(idx) > 1)}) {span}, from a = "
+                      f"{other.a[GENERATION]:.3f}, h = {other.h:.3f} fitted on the {others} {n_other} "
+                      f"row{'s' * (n_other > 1)}")
     worst_pair = max(abs(lopo[i] / measured[i] - 1) for i in range(len(rows)))
     out += ["", f"Pairs measured: {len(pairs)} ({', '.join(pairs)}). Leave one pair out (the fit over the other "
             "pairs' rows predicting this pair's: how the chip source carries to shapes it was not fitted on): "
@@ -180,7 +188,7 @@ def calibration_literal(rows: list[dict]) -> str:
   cal = fit_rows(rows)[0]
   names = ",\n        ".join(f'"{n}"' for n in cal.row_names)
   return (f"CHIP_CALIBRATION = Calibration(\n    a={{\"{GENERATION}\": {cal.a[GENERATION]:.6f}}}, "
-          f"a_pooled={cal.a_pooled:.6f}, k={cal.k:.6f},\n    band={{\"{GENERATION}\": {cal.band[GENERATION]:.6f}}}, "
+          f"a_pooled={cal.a_pooled:.6f}, k={cal.k:.6f}, h={cal.h:.6f},\n    band={{\"{GENERATION}\": {cal.band[GENERATION]:.6f}}}, "
           f"rows={cal.rows}, comm_share=0.0, source=\"chip\",\n    row_names=(\n        {names}))")
 
 

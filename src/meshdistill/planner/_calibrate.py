@@ -7,11 +7,13 @@ v5e's peak FLOP/s but 2x its HBM bandwidth and ICI). The rows are `meshdistill.p
 planner compiles their plain training step and takes its roofline terms (``benchmarks/plan_calibration.py``). The
 calibrated step is
 
-    step = max(compute / a[generation], hbm, collectives) + k * collectives
+    step = max(compute / a[generation], hbm / h, collectives) + k * collectives
 
 ``a[g]``: the fraction of peak the step's matmuls reach on generation ``g``; ``k``: the collectives' cost per second
 of ideal ring traffic (``(1 - overlap) / link efficiency``: 0 when fully hidden behind compute), one for every
-generation. Collectives hidden behind compute still take their own time at full bandwidth, so a step is never
+generation; ``h``: the fraction of the HBM bandwidth the step's memory traffic reaches, 1 for the published source
+(its rows are compute-bound: nothing tells it), fitted by the chip source. Collectives hidden behind compute still
+take their own time at full bandwidth, so a step is never
 shorter than them. The published rows spend 3-23% of their roofline step in collectives, so ``k`` is fitted where
 they are a minor share: for a plan where they are a larger one (e.g. a large teacher's weights gathered under FSDP)
 the overlap is an extrapolation, bounded by the collectives' own time. All are fitted together by least squares on
@@ -28,8 +30,9 @@ beside the estimate, and the largest leave-generation-out error as the band of a
 Two sources, kept apart (`Calibration.source` names each, `Calibration.row_names` its rows): ``published``
 (`CALIBRATION`, the pod rows above) and ``chip`` (`CHIP_CALIBRATION`): distillation steps measured on one TPU v5e chip
 (``benchmarks/tpu_step.py``), each configuration planned for its per-chip program (``benchmarks/plan_chip.py``). One
-chip has no collectives, so the chip source fits one ``a`` (`calibrate_chip`); ``k`` is held at `HELD_K` and never
-enters a one-chip estimate (its collective term is 0). A plan for one local chip of a generation the chip source has
+chip has no collectives, so the chip source fits one ``a`` and one ``h`` (`calibrate_chip`: its rows include steps bound
+by HBM traffic, the vocabulary-wide loss of a 262k-word model, attention without a kernel); ``k`` is held at
+`HELD_K` and never enters a one-chip estimate (its collective term is 0). A plan for one local chip of a generation the chip source has
 rows for uses it (`source_for`); every other target, the published source.
 """
 
@@ -46,23 +49,25 @@ from scipy.optimize import least_squares
 HELD_K = 1.0
 A_BOUNDS = (0.05, 1.0)
 K_BOUNDS = (0.0, 10.0)
+H_BOUNDS = (0.05, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-  """``step = max(compute / a[generation], hbm, collectives) + k * collectives``; ``a_pooled`` for a generation not
-  in ``a``."""
+  """``step = max(compute / a[generation], hbm / h, collectives) + k * collectives``; ``a_pooled`` for a generation
+  not in ``a``."""
 
   a: dict[str, float]  # TPU generation (e.g. "v5e") -> achieved fraction of peak matmul rate
   a_pooled: float  # one fraction over every row: a generation without rows
   k: float  # seconds per second of ideal collective time (not hidden behind compute)
+  h: float = 1.0  # achieved fraction of the HBM bandwidth (1: the roofline's full bandwidth, not fitted)
 
   def fraction(self, generation: str) -> float:
     return self.a.get(generation, self.a_pooled)
 
   def step_seconds(self, compute_s: float, hbm_s: float, comm_s: float | None, generation: str) -> float:
     terms = np.array([[compute_s, hbm_s, comm_s or 0.0]])
-    return float(_step(np.array([self.fraction(generation)]), self.k, terms)[0])
+    return float(_step(np.array([self.fraction(generation)]), self.k, terms, self.h)[0])
 
   def predict(self, terms: Sequence[Sequence[float]], generations: Sequence[str]) -> np.ndarray:
     """Step seconds of rows of roofline ``(compute_s, hbm_s, comm_s)`` on ``generations``."""
@@ -99,7 +104,7 @@ class Calibration(Fit):
             "mfu": time["mfu"] * scale, "tokens_per_s": time["tokens_per_s"] * scale, "band": band,
             "generation": generation, "source": self.source, "a": self.fraction(generation),
             "pooled": generation not in self.a,
-            "k": self.k, "comm_share": float(share),
+            "k": self.k, "h": self.h, "comm_share": float(share),
             "published_comm_share": None if math.isnan(self.comm_share) else self.comm_share,
             "extrapolated": bool(share > self.comm_share) if not math.isnan(self.comm_share) else None}
 
@@ -110,8 +115,8 @@ def _comm_share(terms: np.ndarray) -> np.ndarray:
   return np.divide(terms[:, 2], roofline, out=np.zeros(len(terms)), where=roofline > 0)
 
 
-def _step(a: np.ndarray, k: float, terms: np.ndarray) -> np.ndarray:
-  return np.maximum(np.maximum(terms[:, 0] / a, terms[:, 1]), terms[:, 2]) + k * terms[:, 2]
+def _step(a: np.ndarray, k: float, terms: np.ndarray, h: float = 1.0) -> np.ndarray:
+  return np.maximum(np.maximum(terms[:, 0] / a, terms[:, 1] / h), terms[:, 2]) + k * terms[:, 2]
 
 
 def _solve(residual, x0s: Sequence[Sequence[float]], lower: Sequence[float], upper: Sequence[float]) -> np.ndarray:
@@ -125,10 +130,12 @@ def _solve(residual, x0s: Sequence[Sequence[float]], lower: Sequence[float], upp
 
 
 def fit(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
-        k: float | None = None) -> Fit:
+        k: float | None = None, fit_h: bool = False) -> Fit:
   """Least squares of ``log(predicted / measured)`` over rows of roofline ``(compute_s, hbm_s, comm_s)`` measured on
   TPU ``generations``: one ``a`` per generation in ``A_BOUNDS``, a shared ``k`` in ``K_BOUNDS`` (a given ``k`` is
-  held; `HELD_K` while no generation has two rows), and ``a_pooled``, one ``a`` for every row at that ``k``."""
+  held; `HELD_K` while no generation has two rows), and ``a_pooled``, one ``a`` for every row at that ``k``.
+  ``fit_h``: also the HBM bandwidth fraction ``h`` in ``H_BOUNDS`` (a held ``k`` only; else ``h`` is 1). Where no
+  row is bound by HBM traffic nothing moves ``h`` from its start, 1."""
   terms, measured = np.asarray(terms, float).reshape(-1, 3), np.asarray(measured, float)
   if len(terms) == 0 or len(terms) != len(measured) or len(terms) != len(generations):
     raise ValueError(f"fit needs rows of terms, measured step times and generations of one length, got "
@@ -139,36 +146,45 @@ def fit(terms: Sequence[Sequence[float]], measured: Sequence[float], generations
   idx = np.array([gens.index(g) for g in generations])
   if k is None and len(terms) <= len(gens):
     k = HELD_K
+  if fit_h and k is None:
+    raise ValueError("fit: the HBM fraction is fitted with a held k only (fit_h=True, k=None)")
   n = len(gens)
-
-  def residual(p):
-    return np.log(_step(p[idx], p[n] if k is None else k, terms) / measured)
-
   lower, upper = [A_BOUNDS[0]] * n, [A_BOUNDS[1]] * n
-  if k is None:
+  if fit_h:
+    def residual(p):
+      return np.log(_step(p[idx], k, terms, p[n]) / measured)
+
+    x = _solve(residual, [[a0] * n + [h0] for a0 in (0.6, 0.3) for h0 in (1.0, 0.7)], lower + [H_BOUNDS[0]],
+               upper + [H_BOUNDS[1]])
+    h = float(x[n])
+  elif k is None:
+    def residual(p):
+      return np.log(_step(p[idx], p[n], terms) / measured)
+
     x = _solve(residual, [[0.6] * n + [k0] for k0 in (0.0, 0.5, 2.0)], lower + [K_BOUNDS[0]], upper + [K_BOUNDS[1]])
-    k = float(x[n])
+    k, h = float(x[n]), 1.0
   else:
-    x = _solve(residual, [[0.6] * n], lower, upper)
-  pooled = _solve(lambda p: np.log(_step(p[0], k, terms) / measured), [[0.6]], [A_BOUNDS[0]], [A_BOUNDS[1]])
-  return Fit(a={g: float(x[i]) for i, g in enumerate(gens)}, a_pooled=float(pooled[0]), k=float(k))
+    x = _solve(lambda p: np.log(_step(p[idx], k, terms) / measured), [[0.6] * n], lower, upper)
+    h = 1.0
+  pooled = _solve(lambda p: np.log(_step(p[0], k, terms, h) / measured), [[0.6]], [A_BOUNDS[0]], [A_BOUNDS[1]])
+  return Fit(a={g: float(x[i]) for i, g in enumerate(gens)}, a_pooled=float(pooled[0]), k=float(k), h=h)
 
 
 def leave_one_out(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
-                  k: float | None = None) -> list[float]:
+                  k: float | None = None, fit_h: bool = False) -> list[float]:
   """Each row's step time predicted by the fit over the other rows (its generation's ``a`` from that generation's
   other rows; the pooled one when it is the only row of its generation)."""
   terms, measured = np.asarray(terms, float), np.asarray(measured, float)
   out = []
   for i in range(len(terms)):
     keep = np.arange(len(terms)) != i
-    f = fit(terms[keep], measured[keep], [g for j, g in enumerate(generations) if j != i], k)
+    f = fit(terms[keep], measured[keep], [g for j, g in enumerate(generations) if j != i], k, fit_h)
     out.append(float(f.predict(terms[i:i + 1], [generations[i]])[0]))
   return out
 
 
 def leave_group_out(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
-                    groups: Sequence[str], k: float | None = None) -> list[float]:
+                    groups: Sequence[str], k: float | None = None, fit_h: bool = False) -> list[float]:
   """Each row's step time predicted by the fit over the rows of the OTHER ``groups`` (a generation, a model pair):
   how far off a plan can be for a group the fit has not seen. NaN for every row when there is one group."""
   terms, measured = np.asarray(terms, float), np.asarray(measured, float)
@@ -179,7 +195,7 @@ def leave_group_out(terms: Sequence[Sequence[float]], measured: Sequence[float],
     if not keep.any():
       out.append(math.nan)
       continue
-    f = fit(terms[keep], measured[keep], list(gens[keep]), k)
+    f = fit(terms[keep], measured[keep], list(gens[keep]), k, fit_h)
     out.append(float(f.predict(terms[i:i + 1], [generations[i]])[0]))
   return out
 
@@ -207,20 +223,21 @@ def calibrate(terms: Sequence[Sequence[float]], measured: Sequence[float], gener
 
 def calibrate_chip(terms: Sequence[Sequence[float]], measured: Sequence[float], names: Sequence[str],
                    generation: str = "v5e") -> Calibration:
-  """The chip source: one ``a`` over rows of one chip's roofline ``(compute_s, hbm_s, 0)`` measured on
-  ``generation`` (``names``: the configurations). ``k`` is held at `HELD_K`: without collectives nothing tells it;
-  the band is the largest leave-one-config-out error (NaN with one row)."""
+  """The chip source: one ``a`` and one ``h`` over rows of one chip's roofline ``(compute_s, hbm_s, 0)`` measured on
+  ``generation`` (``names``: the configurations; with one row, ``a`` alone). ``k`` is held at `HELD_K`: without
+  collectives nothing tells it; the band is the largest leave-one-config-out error (NaN with one row)."""
   terms = np.asarray(terms, float).reshape(-1, 3)
   if np.any(terms[:, 2] != 0):
     raise ValueError("the chip source is fitted on one chip's programs: its rows carry no collective term (comm_s 0)")
   if len(names) != len(terms):
     raise ValueError(f"calibrate_chip needs one name per row, got {len(names)} for {len(terms)} rows")
   gens = [generation] * len(terms)
-  f = fit(terms, measured, gens, k=HELD_K)
-  loo = leave_one_out(terms, measured, gens, k=HELD_K) if len(terms) >= 2 else [math.nan]
+  fit_h = len(terms) >= 2
+  f = fit(terms, measured, gens, k=HELD_K, fit_h=fit_h)
+  loo = leave_one_out(terms, measured, gens, k=HELD_K, fit_h=fit_h) if len(terms) >= 2 else [math.nan]
   band = max(float(abs(p / m - 1)) for p, m in zip(loo, measured)) if len(terms) >= 2 else math.nan
-  return Calibration(a=f.a, a_pooled=f.a_pooled, k=f.k, band={generation: band}, rows=len(terms), comm_share=0.0,
-                     source="chip", row_names=tuple(names))
+  return Calibration(a=f.a, a_pooled=f.a_pooled, k=f.k, h=f.h, band={generation: band}, rows=len(terms),
+                     comm_share=0.0, source="chip", row_names=tuple(names))
 
 
 def source_for(chips: int, generation: str, local: bool) -> Calibration | None:
@@ -257,11 +274,15 @@ CALIBRATION: Calibration | None = Calibration(
 # the fit over every row of benchmarks/results/plan_calibration_chip.json (steps measured on one TPU v5e chip;
 # plan_calibration.md's chip section; tests/test_plan_cost.py refits it from the json)
 CHIP_CALIBRATION: Calibration | None = Calibration(
-    a={"v5e": 0.503665}, a_pooled=0.503665, k=1.000000,
-    band={"v5e": 0.220132}, rows=7, comm_share=0.0, source="chip",
+    a={"v5e": 0.517199}, a_pooled=0.517199, k=1.000000, h=0.815131,
+    band={"v5e": 0.057522}, rows=11, comm_share=0.0, source="chip",
     row_names=(
         "gemma3 b=2,t=2048,remat=full,chunk=512,attn=splash",
+        "llama b=2,t=2048,remat=full,chunk=1024,attn=splash,mu=bfloat16",
+        "llama b=2,t=2048,remat=full,chunk=512,attn=splash,mu=bfloat16",
         "qwen3 b=2,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
+        "qwen3 b=2,t=2048,remat=dots_no_batch,chunk=2048,attn=splash",
+        "qwen3 b=2,t=2048,remat=dots_no_batch,chunk=512,attn=splash",
         "qwen3 b=4,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
         "qwen3 b=8,t=2048,remat=full,chunk=1024,attn=splash",
         "qwen3 b=8,t=2048,remat=full,chunk=1024,attn=xla",
@@ -269,5 +290,5 @@ CHIP_CALIBRATION: Calibration | None = Calibration(
         "qwen3 b=16,t=2048,remat=full,chunk=2048,attn=splash"))
 
 
-__all__ = ["A_BOUNDS", "CALIBRATION", "CHIP_CALIBRATION", "Calibration", "Fit", "HELD_K", "K_BOUNDS", "calibrate",
-           "calibrate_chip", "fit", "leave_generation_out", "leave_group_out", "leave_one_out", "source_for"]
+__all__ = ["A_BOUNDS", "CALIBRATION", "CHIP_CALIBRATION", "Calibration", "Fit", "HELD_K", "H_BOUNDS", "K_BOUNDS",
+           "calibrate", "calibrate_chip", "fit", "leave_generation_out", "leave_group_out", "leave_one_out", "source_for"]
