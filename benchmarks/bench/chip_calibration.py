@@ -146,10 +146,11 @@ def section(rows: list[dict]) -> str:
           + ("n/a" if worst is None else f"{_pct(loo[worst] / measured[worst] - 1)} ({rows[worst]['config']})")
           + f". Memory: planned per-chip bytes against the measured program's (arguments + outputs + temporaries, "
           f"donated buffers once), largest error {_pct(max(mem))}."]
-  bound = [f"{r['pair']} {r['config']}" for r in rows if r["hbm_s"] / cal.h > r["compute_s"] / cal.a[GENERATION]]
+  hbm_bound = [r["hbm_s"] / cal.h > r["compute_s"] / cal.a[GENERATION] for r in rows]
+  bound = [f"{r['pair']} {r['config']}" for r, b in zip(rows, hbm_bound) if b]
   a_only = _calibrate.fit(terms, measured, [GENERATION] * len(rows), _calibrate.HELD_K)  # h held at 1
   plain = a_only.predict(terms, [GENERATION] * len(rows))
-  errs_a = [p / m - 1 for p, m, r in zip(plain, measured, rows) if r["hbm_s"] / cal.h > r["compute_s"] / cal.a[GENERATION]]
+  errs_a = [p / m - 1 for p, m, b in zip(plain, measured, hbm_bound) if b]
   out += ["", "HBM-bound under the fit (HBM / h above compute / a): " + (", ".join(bound) or "none") + ". These rows "
           "tell `h`, the others `a`. Fitted with `h` held at 1 (the roofline's full bandwidth, as the published "
           f"source has it), a = {a_only.a[GENERATION]:.3f} and these rows' errors are "
@@ -188,7 +189,8 @@ def calibration_literal(rows: list[dict]) -> str:
   cal = fit_rows(rows)[0]
   names = ",\n        ".join(f'"{n}"' for n in cal.row_names)
   return (f"CHIP_CALIBRATION = Calibration(\n    a={{\"{GENERATION}\": {cal.a[GENERATION]:.6f}}}, "
-          f"a_pooled={cal.a_pooled:.6f}, k={cal.k:.6f}, h={cal.h:.6f},\n    band={{\"{GENERATION}\": {cal.band[GENERATION]:.6f}}}, "
+          f"a_pooled={cal.a_pooled:.6f}, k={cal.k:.6f}, h={cal.h:.6f},\n"
+          f"    band={{\"{GENERATION}\": {cal.band[GENERATION]:.6f}}}, "
           f"rows={cal.rows}, comm_share=0.0, source=\"chip\",\n    row_names=(\n        {names}))")
 
 

@@ -13,13 +13,13 @@ calibrated step is
 of ideal ring traffic (``(1 - overlap) / link efficiency``: 0 when fully hidden behind compute), one for every
 generation; ``h``: the fraction of the HBM bandwidth the step's memory traffic reaches, 1 for the published source
 (its rows are compute-bound: nothing tells it), fitted by the chip source. Collectives hidden behind compute still
-take their own time at full bandwidth, so a step is never
-shorter than them. The published rows spend 3-23% of their roofline step in collectives, so ``k`` is fitted where
-they are a minor share: for a plan where they are a larger one (e.g. a large teacher's weights gathered under FSDP)
-the overlap is an extrapolation, bounded by the collectives' own time. All are fitted together by least squares on
-the log of the predicted / measured step time (`fit`). A generation without rows takes ``a_pooled``, one fraction
-fitted over every row (with the same ``k``). While no generation has two rows ``k`` cannot be told from the
-fractions: it is held at `HELD_K` (collectives not hidden).
+take their own time at full bandwidth, so a step is never shorter than them. The published rows spend 3-23% of
+their roofline step in collectives, so ``k`` is fitted where they are a minor share: for a plan where they are a
+larger one (e.g. a large teacher's weights gathered under FSDP) the overlap is an extrapolation, bounded by the
+collectives' own time. All are fitted together by least squares on the log of the predicted / measured step time
+(`fit`). A generation without rows takes ``a_pooled``, one fraction fitted over every row (with the same ``k``).
+While no generation has two rows ``k`` cannot be told from the fractions: it is held at `HELD_K` (collectives not
+hidden).
 
 Checks: `leave_one_out` predicts each row from the fit over the others (a row alone in its generation is then
 predicted with the pooled fraction); `leave_generation_out` predicts every row of a generation from the other
@@ -30,10 +30,10 @@ beside the estimate, and the largest leave-generation-out error as the band of a
 Two sources, kept apart (`Calibration.source` names each, `Calibration.row_names` its rows): ``published``
 (`CALIBRATION`, the pod rows above) and ``chip`` (`CHIP_CALIBRATION`): distillation steps measured on one TPU v5e chip
 (``benchmarks/tpu_step.py``), each configuration planned for its per-chip program (``benchmarks/plan_chip.py``). One
-chip has no collectives, so the chip source fits one ``a`` and one ``h`` (`calibrate_chip`: its rows include steps bound
-by HBM traffic, the vocabulary-wide loss of a 262k-word model, attention without a kernel); ``k`` is held at
-`HELD_K` and never enters a one-chip estimate (its collective term is 0). A plan for one local chip of a generation the chip source has
-rows for uses it (`source_for`); every other target, the published source.
+chip has no collectives, so the chip source fits one ``a`` and one ``h`` (`calibrate_chip`: its rows include steps
+bound by HBM traffic, the vocabulary-wide loss of a 262k-word model, attention without a kernel); ``k`` is held at
+`HELD_K` and never enters a one-chip estimate (its collective term is 0). A plan for one local chip of a generation
+the chip source has rows for uses it (`source_for`); every other target, the published source.
 """
 
 from __future__ import annotations
@@ -291,4 +291,5 @@ CHIP_CALIBRATION: Calibration | None = Calibration(
 
 
 __all__ = ["A_BOUNDS", "CALIBRATION", "CHIP_CALIBRATION", "Calibration", "Fit", "HELD_K", "H_BOUNDS", "K_BOUNDS",
-           "calibrate", "calibrate_chip", "fit", "leave_generation_out", "leave_group_out", "leave_one_out", "source_for"]
+           "calibrate", "calibrate_chip", "fit", "leave_generation_out", "leave_group_out", "leave_one_out",
+           "source_for"]
