@@ -169,6 +169,7 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   import numpy as np
 
   import meshdistill as md
+  from meshdistill.train.memory import MemoryReport
 
   dev = jax.devices()[0]
   row = {"pair": pair, "setting": dataclasses.asdict(s), "label": s.label(), "device": dev.device_kind,
@@ -195,11 +196,8 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
     t0 = time.perf_counter()
     compiled = d.lower(state, batch).compile()
     row["compile_s"] = time.perf_counter() - t0
-    m = compiled.memory_analysis()
-    row["program_bytes"] = int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                               + m.temp_size_in_bytes)
-    row["temp_bytes"] = int(m.temp_size_in_bytes)
-    row["compiler_peak_bytes"] = int(getattr(m, "peak_memory_in_bytes", 0)) or None
+    m = MemoryReport.of(compiled)
+    row["program_bytes"], row["temp_bytes"], row["compiler_peak_bytes"] = m.total_bytes, m.temp_bytes, m.peak_bytes
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     row["xla_flops"] = float(cost.get("flops", -1)) if cost else None
