@@ -104,16 +104,13 @@ def _skip_if_nonfinite(inner: optax.GradientTransformation, clip: float | None) 
     isfinite = nonfinite == 0
     notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count))
     apply = jnp.logical_or(isfinite, notfinite_count > _NEVER_GIVE_UP)
-    if clip is None:
-      inner_state = state.inner_state
-      new_updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
-      new_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_inner, inner_state)
-    else:
-      clip_state, inner_state = state.inner_state
+    inner_state = state.inner_state if clip is None else state.inner_state[1]  # chain(clip, inner): (clip's, inner's)
+    if clip is not None:
       trigger = jnp.squeeze(g_norm < clip)  # optax.clip_by_global_norm, on the norm computed above
-      clipped = jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * clip), updates)
-      new_updates, new_inner = inner.update(clipped, inner_state, params, **extra_args)
-      new_state = (clip_state, jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_inner, inner_state))
+      updates = jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * clip), updates)
+    new_updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
+    new_inner = jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_inner, inner_state)
+    new_state = new_inner if clip is None else (state.inner_state[0], new_inner)
     new_updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), new_updates)
     return new_updates, optax.ApplyIfFiniteState(
         notfinite_count=notfinite_count,
