@@ -184,7 +184,7 @@ def leave_one_out(terms: Sequence[Sequence[float]], measured: Sequence[float], g
 
 
 def leave_group_out(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
-                    groups: Sequence[str], k: float | None = None, fit_h: bool = False) -> list[float]:
+                    groups: Sequence[str], k: float | None = None) -> list[float]:
   """Each row's step time predicted by the fit over the rows of the OTHER ``groups`` (a generation, a model pair):
   how far off a plan can be for a group the fit has not seen. NaN for every row when there is one group."""
   terms, measured = np.asarray(terms, float), np.asarray(measured, float)
@@ -195,7 +195,7 @@ def leave_group_out(terms: Sequence[Sequence[float]], measured: Sequence[float],
     if not keep.any():
       out.append(math.nan)
       continue
-    f = fit(terms[keep], measured[keep], list(gens[keep]), k, fit_h)
+    f = fit(terms[keep], measured[keep], list(gens[keep]), k)
     out.append(float(f.predict(terms[i:i + 1], [generations[i]])[0]))
   return out
 
