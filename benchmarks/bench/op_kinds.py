@@ -153,4 +153,3 @@ def describe(hlo: str, names) -> dict[str, str]:
         out[name] = " ".join(x for x in (shape.group(1).split("{")[0] if shape else "",
                                          op.group(1) if op else "") if x)
   return out
-
