@@ -3,6 +3,7 @@
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,6 +71,40 @@ def test_any_chunk_size_gives_the_naive_loss_and_grads(inputs, name):
     assert rel_err(value, ref) < 1e-5, (chunk, float(value), float(ref))
     for g, ref_g in zip(grads, ref_grads):
       assert rel_err(g, ref_g) < 1e-5, chunk
+
+
+def _eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs its equations hold (scan bodies, custom rules, ...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _eqns(sub)
+
+
+def test_in_bfloat16_the_logits_gradient_is_formed_once_and_feeds_both_matmuls(inputs):
+  """With bfloat16 hidden states and heads (the models' compute dtype), each chunk's gradient with respect to its
+  logits is formed once, in bfloat16, and read by the ``d hidden`` and ``d head`` matmuls (left in float32, XLA
+  formed it again inside each matmul from both chunks' float32 logits: two more passes over them per chunk); the
+  gradients agree with the naive loss's to bfloat16 precision."""
+  fn = TOKEN_FNS["forward_kl"]
+  x = {k: v.astype(jnp.bfloat16) if k in ("s", "w", "t", "wt") else v for k, v in inputs.items()}
+
+  def grads(chunk):
+    def loss(s, w):
+      return chunked_token_sums(fn, {"temperature": 2.0}, s, w, x["t"], x["wt"], x["targets"], x["mask"],
+                                chunk_size=chunk)["loss"]
+    return jax.grad(loss, argnums=(0, 1))
+
+  jaxpr = jax.make_jaxpr(grads(8))(x["s"], x["w"]).jaxpr
+  barriers = [e for e in _eqns(jaxpr) if e.primitive.name == "optimization_barrier"]
+  formed = [v for e in barriers for v in e.outvars if v.aval.shape == (8, V) and v.aval.dtype == jnp.bfloat16]
+  assert len(formed) == 1, barriers
+  readers = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general" and formed[0] in e.invars]
+  assert len(readers) == 2, readers  # d hidden and d head
+  ref, out = grads(0)(x["s"], x["w"]), grads(8)(x["s"], x["w"])
+  for g, r in zip(out, ref):
+    assert g.dtype == jnp.bfloat16
+    assert rel_err(g.astype(jnp.float32), r.astype(jnp.float32)) < 2e-2
 
 
 def test_masked_tokens_get_no_gradient_and_do_not_change_the_loss(inputs):

@@ -119,6 +119,10 @@ def _scan(token_fn, chunk, grad_key, with_grad, params, s_NxD, s_head_DxV, t_NxE
       raise ValueError(f"token_fn returned {sorted(sums)}; the differentiated output {grad_key!r} is missing")
     return sums[grad_key], sums
 
+  def logit_sums(s_CxV, t_CxV, targets_C, mask_C):
+    sums = _sums(token_fn(params, s_CxV, t_CxV, targets_C, mask_C))
+    return sums[grad_key], sums
+
   def body(carry, x):
     s_CxD, t_CxE, targets_C, mask_C = x
     # The teacher chunk is a constant here: no gradient flows to the teacher.
@@ -127,10 +131,15 @@ def _scan(token_fn, chunk, grad_key, with_grad, params, s_NxD, s_head_DxV, t_NxE
       _, sums = chunk_sums(s_CxD, s_head_DxV, t_CxV, targets_C, mask_C)
       return jax.tree.map(jnp.add, carry, sums), None
     acc, d_head = carry
-    (_, sums), (d_CxD, d_head_c) = jax.value_and_grad(chunk_sums, argnums=(0, 1), has_aux=True)(
-        s_CxD, s_head_DxV, t_CxV, targets_C, mask_C
-    )
-    return (jax.tree.map(jnp.add, acc, sums), d_head + d_head_c.astype(jnp.float32)), d_CxD
+    s_CxV = head_logits(s_CxD, s_head_DxV)
+    (_, sums), d_CxV = jax.value_and_grad(logit_sums, has_aux=True)(s_CxV, t_CxV, targets_C, mask_C)
+    # The logits' gradient, formed once in the head's dtype (what the matrix unit reads: a float32 operand of a
+    # default-precision TPU matmul is rounded to bfloat16 all the same), feeds both matmuls below; left in float32,
+    # each matmul recomputes it from both chunks' float32 logits.
+    d_CxV = jax.lax.optimization_barrier(d_CxV.astype(s_head_DxV.dtype))
+    d_CxD = jnp.einsum("cv,dv->cd", d_CxV, s_head_DxV, preferred_element_type=jnp.float32).astype(s_CxD.dtype)
+    d_head_c = jnp.einsum("cd,cv->dv", s_CxD, d_CxV, preferred_element_type=jnp.float32)
+    return (jax.tree.map(jnp.add, acc, sums), d_head + d_head_c), d_CxD
 
   # Abstract evaluation of one chunk gives the output names without running anything.
   names = jax.eval_shape(
