@@ -99,12 +99,19 @@ def _forward(s, t, targets_T, keep_T, tau, alpha):
   )
   # metrics only: a stack of its own (independent of the loss's, so one combined all-reduce; dead when unused)
   both_top = jnp.logical_and(s >= m_s[..., None], t >= m_t[..., None]).astype(s.dtype)
-  z_t_1, t_target, sum_a, sum_b, n_top = _reduce(
-      jnp.sum, [jnp.exp(b_1), jnp.where(is_target, b_1, zero), a_1, b_1, both_top], stacked
-  )
+  if stacked:
+    z_t_1, t_target, sum_a, sum_b, n_top = _reduce(
+        jnp.sum, [jnp.exp(b_1), jnp.where(is_target, b_1, zero), a_1, b_1, both_top], stacked
+    )
+    mean_s, mean_t = m_s + sum_a / vocab, m_t + sum_b / vocab
+  else:
+    # the logit sums depend on nothing else: XLA reduces them in the pass that forms the logits and their maxima
+    # (summed after the shift by the maximum, they would need a pass over both chunks of their own)
+    z_t_1, t_target, n_top = _reduce(jnp.sum, [jnp.exp(b_1), jnp.where(is_target, b_1, zero), both_top], stacked)
+    mean_s, mean_t = jnp.sum(s, axis=-1) / vocab, jnp.sum(t, axis=-1) / vocab
   # the correlation's sums around the means, as `pearson` forms them (raw moments would cancel): a third
   # reduction, independent of the backward pass's (which the combiner then sends with it)
-  a_c, b_c = s - (m_s + sum_a / vocab)[..., None], t - (m_t + sum_b / vocab)[..., None]
+  a_c, b_c = s - mean_s[..., None], t - mean_t[..., None]
   cov, var_a, var_b = _reduce(jnp.sum, [a_c * b_c, a_c * a_c, b_c * b_c], stacked)
   log_z_s_tau, log_z_t_tau, log_z_s_1 = jnp.log(z_s_tau), jnp.log(z_t_tau), jnp.log(z_s_1)
   in_vocab = jnp.logical_and(targets_T >= 0, targets_T < vocab)  # `one_hot` of an id outside V is all zeros
