@@ -3,6 +3,7 @@ with the grouped explicit path, values and grads, alone and inside the Distiller
 
 import einops
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -91,6 +92,26 @@ def test_splash_interpreted_values_and_grads_equal_explicit():
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="attention='splash' needs a sequence length that is a multiple of 128"):
     _splash_attention(q[:, :8], k[:, :8], v[:, :8])
+
+
+def test_splash_swaps_heads_and_tokens_in_four_dimensions_forward_and_backward():
+  """Around the splash kernel the heads change places with the tokens as [B, T, H, K] <-> [B, H, T, K] (a grouped
+  view of the heads is a reshape of that); a transpose of the five-dimensional [B, T, G, R, K] view tiles its two
+  minor dimensions (R, K), R rows a tile on a TPU, a copy several times slower (measured on a v5e:
+  `benchmarks/results/tpu_step.md`)."""
+  q, k = jnp.zeros((1, 128, 4, 8), jnp.float32), jnp.zeros((1, 128, 2, 8), jnp.float32)
+  f = lambda q, k, v: jnp.sum(_splash_attention(q, k, v))  # noqa: E731
+
+  def eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield eqn
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from eqns(sub)
+
+  jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, k).jaxpr
+  swaps = [e for e in eqns(jaxpr) if e.primitive.name == "transpose" and e.invars[0].aval.ndim > 2]
+  assert len(swaps) >= 6, swaps  # q, k, v and the output, forward; their gradients, backward
+  assert all(e.params["permutation"] == (0, 2, 1, 3) for e in swaps), [(e.invars[0].aval.shape, e.params) for e in swaps]
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 4), (4, 2), (12, 6)])

@@ -232,11 +232,14 @@ def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret: bool | None = 
   mask = splash.MultiHeadMask([one for _ in range(H // G)])
   kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret,
                                                 attn_logits_soft_cap=cap)
-  q_BxGxRxTxK = einops.rearrange(q_BxTxHxK, "b t (g r) k -> b g r t k", g=G)
+  # Heads are swapped with tokens in four dimensions and split into groups after (a reshape of the minor-most
+  # [T, K] tiles, free): a transpose to or from [B, T, G, R, K] would tile its two minor dimensions (R, K), R
+  # rows a tile (2 for Qwen3), a copy several times slower than that of the [B, T, H, K] layout.
+  q_BxGxRxTxK = q_BxTxHxK.transpose(0, 2, 1, 3).reshape(B, G, H // G, T, K)
   if scale is None:
     q_BxGxRxTxK = q_BxGxRxTxK / jnp.sqrt(K).astype(q_BxTxHxK.dtype)
   else:
     q_BxGxRxTxK = q_BxGxRxTxK * jnp.asarray(scale, q_BxTxHxK.dtype)
   k_BxGxTxK, v_BxGxTxK = (einops.rearrange(a, "b t g k -> b g t k") for a in (k_BxTxGxK, v_BxTxGxK))
   out = jax.vmap(jax.vmap(kernel))(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK)
-  return einops.rearrange(out, "b g r t k -> b t (g r) k").astype(v_BxTxGxK.dtype)
+  return out.reshape(B, H, T, K).transpose(0, 2, 1, 3).astype(v_BxTxGxK.dtype)
