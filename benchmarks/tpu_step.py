@@ -62,6 +62,10 @@ ROLES = (("/losses/", "loss"), ("_chunked.py", "loss"), ("strategies/", "loss"),
          ("train/optimizers.py", "optimizer"))
 
 
+# the step a row measured (`Setting.metrics`): `Distiller.step`, or the one the training loop runs between logged steps
+STEP_KIND = {"full": "full metrics", "light": "metrics-light"}
+
+
 def use_splash_blocks(spec: str) -> None:
   """Sets the splash kernel's block sizes for the models built after this call: ``default`` (the package's own), or
   ``q<N>-kv<N>-c<N>[-fused]``: query / key-value / key-value compute blocks of every pass, and the fused backward
@@ -183,6 +187,8 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   student = md.init_model(scfg, seed=1, mesh=mesh)
   strategy = md.ChunkedLogitKD(temperature=2.0, alpha=0.5, chunk_size=s.chunk)
   d = md.Distiller(student, teacher, mesh=mesh, strategy=strategy, optimizer=s.optimizer())
+  if s.metrics == "light":  # the step the training loop runs on every step it does not log: the same update
+    d = d.metrics_light()
   del teacher, student
   state = d.init_state()
   jax.block_until_ready(state)
@@ -424,13 +430,14 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
          "`python benchmarks/tpu_step.py --render`. Model FLOPs and the memory columns are defined in the script's "
          "docstring (MFU against 197 TFLOP/s bf16).", "",
          "## Steps", "",
-         "| pair | batch x seq | student remat | loss chunk | attention (splash blocks) | AdamW first moment | "
+         "| pair | batch x seq | student remat | loss chunk | attention (splash blocks) | AdamW first moment | step | "
          "ms / step | tokens/s | MFU | program GiB | call | result |",
-         "|---|---|---|---:|---|---|---:|---:|---:|---:|---|---|"]
+         "|---|---|---|---:|---|---|---|---:|---:|---:|---:|---|---|"]
   for r in steps:
     s = r["setting"]
     attn = s["attn"] + (f" ({s.get('blocks')})" if s["attn"] == "splash" else "")
-    head = f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | {s.get('mu', 'float32')}"
+    head = (f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | {s.get('mu', 'float32')} | "
+            f"{STEP_KIND[s.get('metrics', 'full')]}")
     if "error" in r:
       why = "out of HBM" if "RESOURCE_EXHAUSTED" in r["error"] else r["error"][:60]
       prog = f"{r['program_bytes'] / GIB:.2f}" if r.get("program_bytes") else ""

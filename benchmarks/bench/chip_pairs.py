@@ -28,6 +28,7 @@ class Setting:
   attn: str = "splash"
   blocks: str = "default"  # splash blocks: "default" (512 everywhere) or e.g. "q512-kv1024-c512-fused"
   mu: str = "float32"  # AdamW's first moment (`train.mu_dtype`): float32 or bfloat16
+  metrics: str = "full"  # the step measured: "full" (`Distiller.step`) or "light" (its `metrics_light` step)
 
   @classmethod
   def parse(cls, text: str) -> "Setting":
@@ -38,11 +39,15 @@ class Setting:
       if k not in fields:
         raise SystemExit(f"--config {text!r}: unknown key {k!r}; keys: {sorted(fields)}")
       kw[k] = int(v) if fields[k] in ("int", int) else v
+    if kw.get("metrics", "full") not in ("full", "light"):
+      raise SystemExit(f"--config {text!r}: metrics={kw['metrics']!r}; choose full or light")
     return cls(**kw)
 
   def label(self) -> str:
-    mu = "" if self.mu == "float32" else f",mu={self.mu}"  # the rows measured before the setting keep their label
-    return f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}{mu}"
+    # the rows measured before a setting existed keep their label
+    mu = "" if self.mu == "float32" else f",mu={self.mu}"
+    light = "" if self.metrics == "full" else f",metrics={self.metrics}"
+    return f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}{mu}{light}"
 
   def optimizer(self):
     """The student's optimizer: ``md.default_optimizer(1e-4)``, AdamW's first moment in ``mu``."""
