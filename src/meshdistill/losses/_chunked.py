@@ -9,10 +9,11 @@ formed for more than ``chunk_size`` tokens at once:
   head_ExV`` are formed, a per-token function turns them into ``[C]`` values, and the token
   sums are accumulated;
 * the gradient of the ``"loss"`` sum with respect to the student's hidden states and head is
-  computed chunk by chunk IN THE SAME PASS (a `jax.custom_vjp` whose forward rule runs
-  `jax.value_and_grad` on each chunk): ``d hidden`` is stacked per chunk (``[N, D]``), ``d head``
-  is accumulated (``[D, V]``). The backward pass only scales these by the incoming cotangent,
-  so nothing is recomputed and no ``[N, V]`` residual is kept.
+  computed chunk by chunk IN THE SAME PASS (a `jax.custom_vjp` whose forward rule takes, with
+  `jax.value_and_grad`, each chunk's gradient with respect to its student logits, forms it once in
+  the head's dtype and feeds it to the two matmuls): ``d hidden`` is stacked per chunk (``[N, D]``),
+  ``d head`` is accumulated in float32 (``[D, V]``). The backward pass only scales these by the
+  incoming cotangent, so nothing is recomputed and no ``[N, V]`` residual is kept.
 
 Vocabulary parallelism: the heads are split over the mesh axis ``tensor`` along V. Every
 per-token function in `meshdistill.losses` reduces over V only with max and sum (log-sum-exp
@@ -113,15 +114,14 @@ def _scan(token_fn, chunk, grad_key, with_grad, params, s_NxD, s_head_DxV, t_NxE
       _chunks(mask_N, n_chunks, chunk),  # padded tokens carry mask 0: every term is 0 there
   )
 
-  def chunk_sums(s_CxD, s_head, t_CxV, targets_C, mask_C):
-    sums = _sums(token_fn(params, head_logits(s_CxD, s_head), t_CxV, targets_C, mask_C))
+  def logit_sums(s_CxV, t_CxV, targets_C, mask_C):
+    sums = _sums(token_fn(params, s_CxV, t_CxV, targets_C, mask_C))
     if grad_key not in sums:
       raise ValueError(f"token_fn returned {sorted(sums)}; the differentiated output {grad_key!r} is missing")
     return sums[grad_key], sums
 
-  def logit_sums(s_CxV, t_CxV, targets_C, mask_C):
-    sums = _sums(token_fn(params, s_CxV, t_CxV, targets_C, mask_C))
-    return sums[grad_key], sums
+  def chunk_sums(s_CxD, s_head, t_CxV, targets_C, mask_C):
+    return logit_sums(head_logits(s_CxD, s_head), t_CxV, targets_C, mask_C)
 
   def body(carry, x):
     s_CxD, t_CxE, targets_C, mask_C = x
