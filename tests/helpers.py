@@ -11,6 +11,7 @@ import re
 import sys
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -120,3 +121,11 @@ def assert_sgd_steps_agree(one, other, batches, keys, moved=1e-3):
   assert max(jax.tree.leaves(change)) > moved
   assert_trees_close(got_params, params, rtol=1e-5, atol=1e-6)
   return metrics
+
+
+def jaxpr_equations(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs its equations hold (scan bodies, custom rules, ...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from jaxpr_equations(sub)

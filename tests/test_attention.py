@@ -3,13 +3,12 @@ with the grouped explicit path, values and grads, alone and inside the Distiller
 
 import einops
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, jaxpr_equations, make_batch
 from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
@@ -102,16 +101,11 @@ def test_splash_swaps_heads_and_tokens_in_four_dimensions_forward_and_backward()
   q, k = jnp.zeros((1, 128, 4, 8), jnp.float32), jnp.zeros((1, 128, 2, 8), jnp.float32)
   f = lambda q, k, v: jnp.sum(_splash_attention(q, k, v))  # noqa: E731
 
-  def eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-      yield eqn
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        yield from eqns(sub)
-
   jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, k).jaxpr
-  swaps = [e for e in eqns(jaxpr) if e.primitive.name == "transpose" and e.invars[0].aval.ndim > 2]
+  swaps = [e for e in jaxpr_equations(jaxpr) if e.primitive.name == "transpose" and e.invars[0].aval.ndim > 2]
   assert len(swaps) >= 6, swaps  # q, k, v and the output, forward; their gradients, backward
-  assert all(e.params["permutation"] == (0, 2, 1, 3) for e in swaps), [(e.invars[0].aval.shape, e.params) for e in swaps]
+  assert all(e.params["permutation"] == (0, 2, 1, 3) for e in swaps), [
+      (e.invars[0].aval.shape, e.params) for e in swaps]
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 4), (4, 2), (12, 6)])

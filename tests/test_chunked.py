@@ -3,11 +3,10 @@
 import re
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, make_batch, rel_err
+from helpers import STUDENT_CFG, TEACHER_CFG, all_gather_shapes, jaxpr_equations, make_batch, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -73,14 +72,6 @@ def test_any_chunk_size_gives_the_naive_loss_and_grads(inputs, name):
       assert rel_err(g, ref_g) < 1e-5, chunk
 
 
-def _eqns(jaxpr):
-  """Every equation of ``jaxpr`` and of the jaxprs its equations hold (scan bodies, custom rules, ...)."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      yield from _eqns(sub)
-
-
 def test_in_bfloat16_the_logits_gradient_is_formed_once_and_feeds_both_matmuls(inputs):
   """With bfloat16 hidden states and heads (the models' compute dtype), each chunk's gradient with respect to its
   logits is formed once, in bfloat16, and read by the ``d hidden`` and ``d head`` matmuls (left in float32, XLA
@@ -96,10 +87,10 @@ def test_in_bfloat16_the_logits_gradient_is_formed_once_and_feeds_both_matmuls(i
     return jax.grad(loss, argnums=(0, 1))
 
   jaxpr = jax.make_jaxpr(grads(8))(x["s"], x["w"]).jaxpr
-  barriers = [e for e in _eqns(jaxpr) if e.primitive.name == "optimization_barrier"]
+  barriers = [e for e in jaxpr_equations(jaxpr) if e.primitive.name == "optimization_barrier"]
   formed = [v for e in barriers for v in e.outvars if v.aval.shape == (8, V) and v.aval.dtype == jnp.bfloat16]
   assert len(formed) == 1, barriers
-  readers = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general" and formed[0] in e.invars]
+  readers = [e for e in jaxpr_equations(jaxpr) if e.primitive.name == "dot_general" and formed[0] in e.invars]
   assert len(readers) == 2, readers  # d hidden and d head
   ref, out = grads(0)(x["s"], x["w"]), grads(8)(x["s"], x["w"])
   for g, r in zip(out, ref):

@@ -47,7 +47,8 @@ class Setting:
     # the rows measured before a setting existed keep their label
     mu = "" if self.mu == "float32" else f",mu={self.mu}"
     light = "" if self.metrics == "full" else f",metrics={self.metrics}"
-    return f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}{mu}{light}"
+    return (f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}"
+            f"{mu}{light}")
 
   def optimizer(self):
     """The student's optimizer: ``md.default_optimizer(1e-4)``, AdamW's first moment in ``mu``."""
