@@ -38,7 +38,7 @@ def main() -> int:
   devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
   mesh = Mesh(np.array(devices[:1]).reshape(1, 1), ("data", "tensor"))
   sharding = NamedSharding(mesh, P())
-  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in ((B, T, H, K), (B, T, G, K), (B, T, G, K))]
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in ((B, H, T, K), (B, G, T, K), (B, G, T, K))]
   print(f"| case (B={B}, T={T}, H={H}, G={G}, K={K}, bfloat16, values and gradients) | TPU kernels | compile s |")
   print("|---|---|---|")
   for name, opts in CASES:

@@ -129,3 +129,10 @@ def jaxpr_equations(jaxpr):
     yield eqn
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       yield from jaxpr_equations(sub)
+
+
+def token_major(attention):
+  """A head-major attention kernel (``q [B, H, T, K]``, ``k, v [B, G, T, K]``, as `splash_attention`) called on
+  token-major ``[B, T, H, K]`` arrays, as `_explicit_attention` takes them, its output token-major too."""
+  swap = lambda a: a.transpose(0, 2, 1, 3)  # noqa: E731
+  return lambda q, k, v, **options: swap(attention(swap(q), swap(k), swap(v), **options))

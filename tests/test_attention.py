@@ -8,12 +8,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, jaxpr_equations, make_batch
+from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, jaxpr_equations, make_batch, token_major
+from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
 from meshdistill.config import ConfigError, load_config
-from meshdistill.models._attention import _explicit_attention, _splash_attention, splash_attention
+from meshdistill.models._attention import _explicit_attention, _splash_attention, rope, splash_attention
+from meshdistill.models._variants import OffsetRMSNorm, head_norm
 
 CFG = TEACHER_CFG.replace(n_heads=4, n_kv_heads=2)
 
@@ -85,27 +87,24 @@ def test_splash_interpreted_values_and_grads_equal_explicit():
     return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v) * w), argnums=(0, 1, 2)))(q, k, v)
 
   want, want_grads = run(lambda *a: _explicit_attention(*a)[0])
-  got, got_grads = run(_splash_attention)
+  got, got_grads = run(token_major(_splash_attention))
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for g, r in zip(got_grads, want_grads):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="attention='splash' needs a sequence length that is a multiple of 128"):
-    _splash_attention(q[:, :8], k[:, :8], v[:, :8])
+    _splash_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8])
 
 
-def test_splash_swaps_heads_and_tokens_in_four_dimensions_forward_and_backward():
-  """Around the splash kernel the heads change places with the tokens as [B, T, H, K] <-> [B, H, T, K] (a grouped
-  view of the heads is a reshape of that); a transpose of the five-dimensional [B, T, G, R, K] view tiles its two
-  minor dimensions (R, K), R rows a tile on a TPU, a copy several times slower (measured on a v5e:
-  `benchmarks/results/tpu_step.md`)."""
-  q, k = jnp.zeros((1, 128, 4, 8), jnp.float32), jnp.zeros((1, 128, 2, 8), jnp.float32)
+def test_splash_runs_head_major_with_no_transposes_forward_and_backward():
+  """The splash kernel reads and writes ``[B, H, T, K]``: the decoder projects into that layout (XLA writes the
+  projection's matmul so), and nothing in the kernel's wrapper swaps heads and tokens, forward or backward (a
+  transpose there was a copy of q, k, v and the output per layer on a TPU: `benchmarks/results/tpu_step.md`)."""
+  q, k = jnp.zeros((1, 4, 128, 8), jnp.float32), jnp.zeros((1, 2, 128, 8), jnp.float32)
   f = lambda q, k, v: jnp.sum(_splash_attention(q, k, v))  # noqa: E731
-
   jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, k).jaxpr
   swaps = [e for e in jaxpr_equations(jaxpr) if e.primitive.name == "transpose" and e.invars[0].aval.ndim > 2]
-  assert len(swaps) >= 6, swaps  # q, k, v and the output, forward; their gradients, backward
-  assert all(e.params["permutation"] == (0, 2, 1, 3) for e in swaps), [
-      (e.invars[0].aval.shape, e.params) for e in swaps]
+  assert not swaps, [(e.invars[0].aval.shape, e.params) for e in swaps]
+  assert sum(e.primitive.name == "pallas_call" for e in jaxpr_equations(jaxpr)) >= 2  # the kernel ran, both ways
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 4), (4, 2), (12, 6)])
@@ -126,7 +125,7 @@ def test_splash_per_device_heads_on_a_tensor_split_mesh_equal_explicit(heads, kv
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
   want, want_grads = run(lambda *a: _explicit_attention(*a)[0])
-  got, got_grads = run(splash_attention)
+  got, got_grads = run(token_major(splash_attention))
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for g, r in zip(got_grads, want_grads):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
@@ -198,3 +197,69 @@ def test_splash_evaluation_on_a_mesh_equals_explicit_on_one_device():
   assert want.keys() == got.keys()
   for key in want:
     np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+
+
+def _rotate_half_rope(x, theta, positions=None, token_axis=1):
+  """RoPE as transformers writes it: the halves of the head sliced, rotated and concatenated, in float32."""
+  T, K = x.shape[token_axis], x.shape[-1]
+  inv = theta ** (-np.arange(0, K, 2, dtype=np.float32) / K)
+  pos = np.arange(T, dtype=np.float32)[None] if positions is None else np.asarray(positions, np.float32)
+  ang = np.concatenate([pos[..., None] * inv] * 2, -1)  # [1 or B, T, K]
+  ang = np.expand_dims(ang, 2 if token_axis == 1 else 1)
+  x32 = np.asarray(x.astype(jnp.float32))
+  x1, x2 = np.split(x32, 2, axis=-1)
+  return x32 * np.cos(ang) + np.concatenate([-x2, x1], -1) * np.sin(ang)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("token_axis", [1, 2])
+def test_rope_as_a_signed_permutation_matmul_equals_rotate_half(dtype, token_axis):
+  """`rope` forms rotate-half as a [K, K] matmul (lane-aligned on a TPU); it is the sliced form's value in either
+  layout, with each row's own positions too: exactly so from bfloat16 inputs (one +-1 per column, float32
+  accumulation, the output rounded once), to float32 rounding from float32 ones."""
+  rng = np.random.default_rng(0)
+  shape = (2, 16, 4, 8) if token_axis == 1 else (2, 4, 16, 8)
+  x = jnp.asarray(rng.normal(size=shape) * 3, dtype)
+  positions = rng.integers(0, 100, (2, 16))
+  for pos in (None, positions):
+    got = rope(x, 1e4, None, None if pos is None else jnp.asarray(pos), token_axis=token_axis)
+    want = _rotate_half_rope(x, 1e4, pos, token_axis)
+    assert got.dtype == dtype
+    if dtype == jnp.bfloat16:
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.asarray(want).astype(dtype)))
+    else:
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("offset", [False, True], ids=["RMSNorm", "OffsetRMSNorm"])
+def test_head_norm_by_matmul_equals_the_norm_module(offset):
+  """`head_norm` takes the mean square over a head from a [K, K] matmul at HIGH precision: the module's own value
+  to float32 rounding, and in a bfloat16 model (the module's input and output dtype) the same bfloat16 output."""
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 4, 16, 8)) * 5, jnp.float32)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    cfg = md.ModelConfig(vocab_size=32, d_model=16, n_layers=1, head_dim=8, qk_norm=True, norm_offset=offset,
+                         scan_layers=False, dtype=jnp.dtype(dtype).name)
+    module = md.init_model(cfg, seed=0).blocks[0].attn.q_norm
+    assert isinstance(module, OffsetRMSNorm) == offset
+    module.scale[...] = jnp.asarray(np.random.default_rng(1).normal(size=8), module.scale[...].dtype)
+    got, want = head_norm(module, x.astype(dtype)), module(x.astype(dtype))
+    assert got.dtype == want.dtype == dtype
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if dtype == jnp.float32:
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    else:  # the same float32 statistics rounded once: equal bfloat16 outputs
+      np.testing.assert_array_equal(got, want)
+
+
+def test_head_norm_and_rope_matmuls_are_formed_again_under_dots_no_batch(capsys):
+  """The remat policy ``dots_no_batch`` saves matmul outputs; the head norm's and RoPE's [K, K] matmuls are cheap to
+  form again and as large as q and k in float32, so they are written as dots with a unit batch axis, which the policy
+  leaves out: only the block's projections are saved."""
+  cfg = md.ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm=True,
+                       remat="dots_no_batch", attention="xla")
+  graphdef, state = nnx.split(md.init_model(cfg, seed=0))
+  tokens = jnp.zeros((2, 16), jnp.int32)
+  print_saved_residuals(lambda s: jnp.sum(nnx.merge(graphdef, s)(tokens).logits), state)
+  dots = [line for line in capsys.readouterr().out.splitlines() if "output of dot_general" in line]
+  assert len(dots) == 6, dots  # q, k, v, o; gate, up
+  assert all("Linear.__call__" in line for line in dots), dots

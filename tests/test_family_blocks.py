@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import make_batch
+from helpers import make_batch, token_major
 
 import meshdistill as md
 from meshdistill.models._attention import _explicit_attention, _splash_attention
@@ -71,7 +71,7 @@ def test_sliding_window_and_soft_cap_agree_in_explicit_xla_and_splash_kernels():
   q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((1, 128, 4, 8), (1, 128, 2, 8), (1, 128, 2, 8)))
   opts = {"window": 16, "scale": 24.0**-0.5}
   want, _ = _explicit_attention(q, k, v, cap=2.0, **opts)
-  np.testing.assert_allclose(_splash_attention(q, k, v, cap=2.0, **opts), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(token_major(_splash_attention)(q, k, v, cap=2.0, **opts), want, rtol=1e-5, atol=1e-6)
   plain, _ = _explicit_attention(q, k, v, **opts)
   xla = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=opts["scale"], local_window_size=(15, 0))
   np.testing.assert_allclose(xla, plain, rtol=1e-5, atol=1e-6)

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import rel_err
+from helpers import rel_err, token_major
 
 import meshdistill as md
 from meshdistill.models._attention import _explicit_attention, splash_attention
@@ -94,7 +94,7 @@ def _attention_and_grads(attn, qkv, w):
 def test_splash_kernel_in_bfloat16_gives_the_explicit_attention_and_its_gradients(window, cap):
   """T = 1024: blocks of 512, so the causal and local masks skip whole blocks and cut others."""
   qkv, w = _qkv(jnp.bfloat16)
-  out, grads = _attention_and_grads(lambda *a: splash_attention(*a, window=window, cap=cap), qkv, w)
+  out, grads = _attention_and_grads(lambda *a: token_major(splash_attention)(*a, window=window, cap=cap), qkv, w)
   with jax.default_matmul_precision(HIGHEST):  # the reference: float32 scores of the same bfloat16 inputs
     want, want_grads = _attention_and_grads(
         lambda *a: _explicit_attention(*(x.astype(jnp.float32) for x in a), window=window, cap=cap)[0], qkv, w)
@@ -111,7 +111,7 @@ def test_splash_kernel_in_bfloat16_gives_the_explicit_attention_and_its_gradient
 def test_splash_kernel_in_float32_at_highest_precision_equals_the_explicit_attention():
   qkv, w = _qkv(jnp.float32, seed=1)
   with jax.default_matmul_precision(HIGHEST):
-    out, grads = _attention_and_grads(lambda *a: splash_attention(*a, window=384, cap=5.0, scale=0.05), qkv, w)
+    out, grads = _attention_and_grads(lambda *a: token_major(splash_attention)(*a, window=384, cap=5.0, scale=0.05), qkv, w)
     want, want_grads = _attention_and_grads(
         lambda *a: _explicit_attention(*a, window=384, cap=5.0, scale=0.05)[0], qkv, w)
   assert rel_err(out, want) < F32_TOL, rel_err(out, want)

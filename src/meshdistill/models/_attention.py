@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 # `axis_index` over `tensor`: a collective over named mesh axes, the one place in models/ that names them.
 from meshdistill.parallel.mesh import DATA, TENSOR
 from meshdistill.models._config import RopeScaling
-from meshdistill.models._variants import band, softcap
+from meshdistill.models._variants import band, per_head_matmul, softcap
 
 log = logging.getLogger(__name__)
 _warned_interpret = False
@@ -70,27 +70,34 @@ class KVCache(NamedTuple):
 
 
 def rope(
-    x_BxTxHxK: jax.Array, theta: float, scaling: RopeScaling | None = None, positions_BxT: jax.Array | None = None
+    x: jax.Array, theta: float, scaling: RopeScaling | None = None, positions_BxT: jax.Array | None = None,
+    *, token_axis: int = 1,
 ) -> jax.Array:
-  """Rotary position embedding on the last axis (rotate-half convention).
+  """Rotary position embedding on the last axis (rotate-half convention) of ``x``: ``[B, T, H, K]``, or
+  ``[B, H, T, K]`` with ``token_axis=2`` (the splash kernel's head-major layout).
 
   Positions are ``0 .. T-1`` unless ``positions_BxT`` gives each row its own (left-padded decoding).
   """
-  T, K = x_BxTxHxK.shape[1], x_BxTxHxK.shape[-1]
+  T, K = x.shape[token_axis], x.shape[-1]
   inv = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)  # [K/2]
   if scaling is not None:
     inv = scaling.apply(inv)
   if positions_BxT is None:
-    ang_TxK2 = jnp.arange(T, dtype=jnp.float32)[:, None] * inv[None, :]
-    sin = jnp.sin(ang_TxK2)[None, :, None, :]
-    cos = jnp.cos(ang_TxK2)[None, :, None, :]
+    ang = (jnp.arange(T, dtype=jnp.float32)[:, None] * inv[None, :])[None]  # [1, T, K/2]
   else:
-    ang_BxTxK2 = positions_BxT.astype(jnp.float32)[..., None] * inv
-    sin, cos = jnp.sin(ang_BxTxK2)[:, :, None, :], jnp.cos(ang_BxTxK2)[:, :, None, :]
-  x = x_BxTxHxK.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxHxK.dtype)
+    ang = positions_BxT.astype(jnp.float32)[..., None] * inv  # [B, T, K/2]
+  ang = jnp.expand_dims(ang, 2 if token_axis == 1 else 1)  # a unit head axis where x has its heads
+  ang = jnp.concatenate([ang, ang], axis=-1)  # [.., K]: each frequency for both halves
+  sin, cos = jnp.sin(ang), jnp.cos(ang)
+  # rotate-half, [-x2, x1], as a signed [K, K] permutation on the MXU: exact (one +-1 per column, float32
+  # accumulation; float32 inputs at HIGHEST precision), and lane-aligned where slicing K in halves of 64 is not
+  # (XLA relaid every q and k out so on a TPU).
+  half = K // 2
+  rot = jnp.zeros((K, K), x.dtype).at[jnp.arange(half) + half, jnp.arange(half)].set(-1)
+  rot = rot.at[jnp.arange(half), jnp.arange(half) + half].set(1)
+  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  rotated = per_head_matmul(x, rot, precision)
+  return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
 def _explicit_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS=None, *, window=None, scale=None,
@@ -134,8 +141,9 @@ def target_platform() -> str:
   return jax.default_backend() if device is None else device.platform
 
 
-def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, **options):
-  """`_splash_attention` placed for the mesh in context: ``out [B, T, H, K]``.
+def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, **options):
+  """`_splash_attention` placed for the mesh in context: ``out [B, H, T, K]`` (head-major, as the kernel reads
+  and writes: a decoder projects into this layout, so no step swaps heads and tokens).
 
   The kernel is a Pallas custom call that XLA cannot partition (the TPU compiler refuses to: "Mosaic
   kernels cannot be automatically partitioned"), so it runs in a nested ``shard_map`` manual over every
@@ -162,9 +170,9 @@ def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, **options):
   # every compiler-managed axis, size 1 too: the TPU compiler refuses the kernel under any auto-partitioned axis
   free = {a for a in mesh.axis_names if a not in manual}
   if not free:
-    return _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret=interpret, **options)
-  B, _, H, _ = q_BxTxHxK.shape
-  G = k_BxTxGxK.shape[2]
+    return _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, interpret=interpret, **options)
+  B, H = q_BxHxTxK.shape[:2]
+  G = k_BxGxTxK.shape[1]
   t = mesh.shape[TENSOR] if TENSOR in free else 1
   if H % t:
     raise ValueError(
@@ -174,21 +182,21 @@ def splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, **options):
   heads, R = H // t, H // G  # query heads per device, query heads per key/value head
   kv_split = G % t == 0
   rows = DATA if DATA in free and B % mesh.shape[DATA] == 0 else None
-  q_spec = P(rows, None, TENSOR if t > 1 else None, None)
+  q_spec = P(rows, TENSOR if t > 1 else None)
   kv_spec = q_spec if kv_split else P(rows)
 
-  def local(q_BxTxHlxK, k_BxTxGxK, v_BxTxGxK):
+  def local(q_BxHlxTxK, k_BxGxTxK, v_BxGxTxK):
     if not kv_split:  # replicated keys/values: this device's query heads read groups (i*heads + j) // R
       first = jax.lax.axis_index(TENSOR) * heads
       if R % heads == 0:  # all of them in one group (G divides t): its key/value head
-        pick = lambda a: jax.lax.dynamic_slice_in_dim(a, first // R, 1, axis=2)  # noqa: E731
+        pick = lambda a: jax.lax.dynamic_slice_in_dim(a, first // R, 1, axis=1)  # noqa: E731
       else:  # groups cut by the split (t divides neither G nor H/G): one key/value head per query head
-        pick = lambda a: jnp.take(a, (first + jnp.arange(heads)) // R, axis=2)  # noqa: E731
-      k_BxTxGxK, v_BxTxGxK = pick(k_BxTxGxK), pick(v_BxTxGxK)
-    return _splash_attention(q_BxTxHlxK, k_BxTxGxK, v_BxTxGxK, interpret=interpret, **options)
+        pick = lambda a: jnp.take(a, (first + jnp.arange(heads)) // R, axis=1)  # noqa: E731
+      k_BxGxTxK, v_BxGxTxK = pick(k_BxGxTxK), pick(v_BxGxTxK)
+    return _splash_attention(q_BxHlxTxK, k_BxGxTxK, v_BxGxTxK, interpret=interpret, **options)
 
   return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=free,
-                       check_vma=False)(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK)
+                       check_vma=False)(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK)
 
 
 def _splash_block_sizes(splash, T: int):
@@ -204,9 +212,10 @@ def _splash_block_sizes(splash, T: int):
   )
 
 
-def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret: bool | None = None, *, window: int | None = None,
+def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, interpret: bool | None = None, *, window: int | None = None,
                       scale: float | None = None, cap: float | None = None):
-  """Causal grouped-query attention with the Pallas splash kernel on the heads given: ``out [B, T, H, K]``.
+  """Causal grouped-query attention with the Pallas splash kernel on the heads given, head-major:
+  ``out [B, H, T, K]`` from queries ``[B, H, T, K]`` and keys/values ``[B, G, T, K]``.
 
   The kernel's multi-query form (one key/value head shared by ``H / G`` query heads) is vmapped
   over batch and key/value groups, so key/value heads are never copied. ``interpret``: Pallas
@@ -218,8 +227,8 @@ def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret: bool | None = 
   """
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
 
-  B, T, H, K = q_BxTxHxK.shape
-  G = k_BxTxGxK.shape[2]
+  B, H, T, K = q_BxHxTxK.shape
+  G = k_BxGxTxK.shape[1]
   if T % 128:
     raise ValueError(
         f"ModelConfig.attention='splash' needs a sequence length that is a multiple of 128, got {T}; "
@@ -232,14 +241,10 @@ def _splash_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, interpret: bool | None = 
   mask = splash.MultiHeadMask([one for _ in range(H // G)])
   kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret,
                                                 attn_logits_soft_cap=cap)
-  # Heads are swapped with tokens in four dimensions and split into groups after (a reshape of the minor-most
-  # [T, K] tiles, free): a transpose to or from [B, T, G, R, K] would tile its two minor dimensions (R, K), R
-  # rows a tile (2 for Qwen3), a copy several times slower than that of the [B, T, H, K] layout.
-  q_BxGxRxTxK = q_BxTxHxK.transpose(0, 2, 1, 3).reshape(B, G, H // G, T, K)
+  q_BxGxRxTxK = q_BxHxTxK.reshape(B, G, H // G, T, K)  # query heads in their groups: a free reshape
   if scale is None:
-    q_BxGxRxTxK = q_BxGxRxTxK / jnp.sqrt(K).astype(q_BxTxHxK.dtype)
+    q_BxGxRxTxK = q_BxGxRxTxK / jnp.sqrt(K).astype(q_BxHxTxK.dtype)
   else:
-    q_BxGxRxTxK = q_BxGxRxTxK * jnp.asarray(scale, q_BxTxHxK.dtype)
-  k_BxGxTxK, v_BxGxTxK = (einops.rearrange(a, "b t g k -> b g t k") for a in (k_BxTxGxK, v_BxTxGxK))
+    q_BxGxRxTxK = q_BxGxRxTxK * jnp.asarray(scale, q_BxHxTxK.dtype)
   out = jax.vmap(jax.vmap(kernel))(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK)
-  return out.reshape(B, H, T, K).transpose(0, 2, 1, 3).astype(v_BxTxGxK.dtype)
+  return out.reshape(B, H, T, K).astype(v_BxGxTxK.dtype)

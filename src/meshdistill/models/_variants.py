@@ -44,6 +44,33 @@ class OffsetRMSNorm(nnx.Module):
     return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
 
 
+def per_head_matmul(x: jax.Array, m_KxK: jax.Array, precision=None) -> jax.Array:
+  """``x [..., K] @ m_KxK`` in float32, written as a dot with a unit batch dimension: the ``dots_no_batch`` remat
+  policy then does not save its output (cheap to form again), and XLA drops the unit dimension."""
+  y = jnp.einsum("z...k,zkj->z...j", x[None], m_KxK[None], precision=precision, preferred_element_type=jnp.float32)
+  return y[0]
+
+
+def head_norm(norm_module: nnx.Module, x: jax.Array) -> jax.Array:
+  """``norm_module`` (`nnx.RMSNorm` or `OffsetRMSNorm` over the last axis, a head's ``K`` features) applied to
+  ``x [..., K]``, its mean square formed by a ``[K, K]`` matmul instead of a reduction.
+
+  The same values (float32 statistics, output in ``x``'s dtype), laid out for a TPU: the mean square comes out
+  of the MXU already broadcast over the ``K`` lanes it scales, where a reduction's per-row result has to be
+  broadcast back, which made XLA relayout the heads of every projection (a copy of q and k per layer). The
+  matmul reads the squares at ``HIGH`` precision (three bfloat16 passes: float32's accuracy to about 2^-17).
+  """
+  K = x.shape[-1]
+  x32 = x.astype(jnp.float32)
+  mean_sq = per_head_matmul(x32 * x32, jnp.full((K, K), 1.0 / K, jnp.float32), jax.lax.Precision.HIGH)
+  scale = norm_module.scale[...]
+  if isinstance(norm_module, OffsetRMSNorm):  # 1 + w in float32, as the module
+    scale = 1.0 + scale.astype(jnp.float32)
+  else:  # nnx.RMSNorm rounds its scale to its compute dtype first
+    scale = scale.astype(norm_module.dtype or x.dtype).astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(mean_sq + norm_module.epsilon) * scale).astype(x.dtype)
+
+
 def norm(cfg: ModelConfig, dim: int, rngs: nnx.Rngs, name: str = "embed") -> nnx.Module:
   """The RMSNorm of ``cfg``'s blocks over ``dim`` features whose logical name is ``name``
   (`meshdistill.parallel.rules`): `OffsetRMSNorm` with ``norm_offset``, else `nnx.RMSNorm`."""

@@ -37,7 +37,7 @@ from meshdistill.parallel.rules import annotate
 from meshdistill.models._attention import KVCache, _explicit_attention, rope, splash_attention
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._scan import save_all_but_casts, scan_blocks, scan_blocks_cached, stacked_blocks
-from meshdistill.models._variants import gate_activation, norm, scale_embed, softcap
+from meshdistill.models._variants import gate_activation, head_norm, norm, scale_embed, softcap
 from meshdistill.models.moe import MoE, Routing
 
 __all__ = [
@@ -115,19 +115,6 @@ class Attention(nnx.Module):
     """``(output, attention probabilities or None)``; with a ``cache`` (decoding), ``(output, updated cache)``:
     the new keys/values are written at ``cache.index`` and the queries see the cache's valid slots up to their own."""
     cfg = self.cfg
-    K = cfg.hd
-    q = einops.rearrange(_per_token(self.q, x_BxTxD), "b t (h k) -> b t h k", k=K)
-    k = einops.rearrange(_per_token(self.k, x_BxTxD), "b t (h k) -> b t h k", k=K)
-    v = einops.rearrange(_per_token(self.v, x_BxTxD), "b t (h k) -> b t h k", k=K)
-    if cfg.qk_norm:
-      q, k = self.q_norm(q), self.k_norm(k)
-    pos = None if cache is None else cache.positions_BxT
-    q, k = rope(q, self.theta, self.scaling, pos), rope(k, self.theta, self.scaling, pos)
-    if cache is not None:
-      cache = cache.write(k, v)
-      k, v = cache.keys_values()
-    T = x_BxTxD.shape[1]
-    visible = None if cache is None else cache.visible(T, self.window)  # [B, 1, T, S]
     kind = cfg.attention
     if kind == "auto" or want_probs:
       kind = "explicit" if want_probs else "xla"
@@ -135,6 +122,21 @@ class Attention(nnx.Module):
       kind = "xla"  # decoding attends a few queries to a cache: nothing for a flash kernel to save
     if cfg.attn_softcap is not None and kind in ("xla", "cudnn"):
       kind = "explicit"  # jax.nn.dot_product_attention has no soft-cap of the scores
+    # The splash kernel reads and writes heads before tokens: the projections' outputs are laid out so from the
+    # start (XLA writes the matmul in that layout), their norms and RoPE computed there, and no copy swaps them.
+    heads = "b h t k" if kind == "splash" else "b t h k"
+    q, k, v = (einops.rearrange(_per_token(p, x_BxTxD), f"b t (h k) -> {heads}", k=cfg.hd)
+               for p in (self.q, self.k, self.v))
+    if cfg.qk_norm:
+      q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
+    pos = None if cache is None else cache.positions_BxT
+    axis = heads.split().index("t")
+    q, k = (rope(a, self.theta, self.scaling, pos, token_axis=axis) for a in (q, k))
+    if cache is not None:
+      cache = cache.write(k, v)
+      k, v = cache.keys_values()
+    T = x_BxTxD.shape[1]
+    visible = None if cache is None else cache.visible(T, self.window)  # [B, 1, T, S]
     options = {"window": self.window, "scale": cfg.query_scale, "cap": cfg.attn_softcap}
     if kind == "explicit":
       out, probs_BxHxTxS = _explicit_attention(q, k, v, visible, **options)
@@ -147,7 +149,7 @@ class Attention(nnx.Module):
           local_window_size=window,
       ).astype(v.dtype)
       probs_BxHxTxS = None
-    out = _per_token(self.o, einops.rearrange(out, "b t h k -> b t (h k)"))
+    out = _per_token(self.o, einops.rearrange(out, f"{heads} -> b t (h k)"))
     if cache is not None:
       return out, cache
     return out, (probs_BxHxTxS if want_probs else None)
