@@ -416,12 +416,14 @@ GIB = 2**30
 
 
 def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md")) -> str:
-  """The tables of ``tpu_step.md`` from the stored rows (the newest row of each pair, system and setting); the notes
-  written below the tables' marker are kept."""
+  """The tables of ``tpu_step.md`` from the stored rows (the newest row of each pair, system and setting, and of
+  each earlier checkout a row names); the notes written below the tables' marker are kept."""
   from bench.results import NOTES, newest_rows
 
+  # a row measured with an earlier checkout (``code``: its commit, for a same-call before/after) stands beside the
+  # current code's row of its setting instead of replacing it
   rows = list(newest_rows(jsonl, key=lambda r: (r["pair"], r.get("system", "meshdistill"), r.get("label"),
-                                                  r.get("batch"), r.get("prompt"), r.get("new"))).values())
+                                                  r.get("batch"), r.get("prompt"), r.get("new"), r.get("code"))).values())
   steps = [r for r in rows if r.get("system", "meshdistill") == "meshdistill"]
   first = next((r for r in steps if r.get("jax")), {})
   out = ["# The distillation step on a TPU v5e chip", "",
