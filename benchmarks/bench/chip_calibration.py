@@ -34,7 +34,8 @@ def package_blocks(setting: dict) -> bool:
 
 def measured_configs(path: str = MEASURED) -> dict[tuple[str, str], dict]:
   """One measured row per (pair, `config_key`) of the successful ``meshdistill`` rows at ``path``: the newest with
-  the package's splash blocks, else the newest measured with other blocks."""
+  the package's splash blocks, else the newest measured with other blocks; rows of an earlier checkout (``code``)
+  are left out."""
   out: dict[tuple[str, str], dict] = {}
   with open(path, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f if line.strip()]
@@ -42,6 +43,8 @@ def measured_configs(path: str = MEASURED) -> dict[tuple[str, str], dict]:
     if r.get("system", "meshdistill") != "meshdistill" or "step_s" not in r or "setting" not in r:
       continue
     if r["setting"].get("metrics", "full") != "full":  # the planner compiles the full step
+      continue
+    if r.get("code"):  # measured with an earlier checkout (a same-call before/after), not the code planned
       continue
     key = (r["pair"], config_key(r["setting"]))
     have = out.get(key)
