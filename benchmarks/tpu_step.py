@@ -423,7 +423,8 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
   # a row measured with an earlier checkout (``code``: its commit, for a same-call before/after) stands beside the
   # current code's row of its setting instead of replacing it
   rows = list(newest_rows(jsonl, key=lambda r: (r["pair"], r.get("system", "meshdistill"), r.get("label"),
-                                                  r.get("batch"), r.get("prompt"), r.get("new"), r.get("code"))).values())
+                                                  r.get("batch"), r.get("prompt"), r.get("new"),
+                                                  r.get("code"))).values())
   steps = [r for r in rows if r.get("system", "meshdistill") == "meshdistill"]
   first = next((r for r in steps if r.get("jax")), {})
   out = ["# The distillation step on a TPU v5e chip", "",

@@ -251,3 +251,33 @@ def test_splash_compiles_for_a_tpu_topology_to_the_mosaic_kernel_on_each_devices
   evaluator = Evaluator(d.student_def, mesh=d.mesh)
   hlo = evaluator.lower(params, abstract_batch(d.mesh, 4, 128)).compile().as_text()
   assert hlo.count('custom_call_target="tpu_custom_call"') == 1 and " while(" not in hlo
+
+
+@needs_libtpu
+def test_a_program_compiled_for_a_tpu_topology_is_not_written_to_the_persistent_cache():
+  """An executable compiled for abstract TPU devices cannot be read back from JAX's persistent cache on a machine
+  without that TPU (JAX warns and compiles again): the planner's compile writes none. The same program compiled for
+  this machine's CPU is written (the suite runs with a persistent cache and no minimum compile time)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+
+  from meshdistill.planner._compile import _compile  # pylint: disable=g-import-not-at-top
+  from meshdistill.planner._hardware import tpu_target  # pylint: disable=g-import-not-at-top
+
+  folder = jax.config.jax_compilation_cache_dir
+  assert folder, "the suite's conftest sets a persistent compilation cache"
+
+  def entries(name):
+    return [f for f in os.listdir(folder) if f.startswith(f"jit_{name}-")] if os.path.isdir(folder) else []
+
+  def probe_for_the_planners_cache_test(x):
+    return jnp.tanh(x) * 3.0
+
+  for devices, written in ((tpu_target("v5e:2x2").devices[:1], False), (jax.devices("cpu")[:1], True)):
+    mesh = Mesh(np.array(devices).reshape(1, 1), ("data", "tensor"))
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    before = entries(probe_for_the_planners_cache_test.__name__)
+    _compile(jax.jit(probe_for_the_planners_cache_test).trace(x).lower(), mesh)
+    after = entries(probe_for_the_planners_cache_test.__name__)
+    assert (len(after) > len(before)) == written, (devices[0].platform, before, after)

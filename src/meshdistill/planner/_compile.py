@@ -160,6 +160,23 @@ class CompiledStep:
   oom_bytes: tuple[int | None, int | None] = (None, None)
 
 
+def _compile(lowered, mesh: Mesh):
+  """``lowered.compile()``; for devices this process has no client for (a TPU topology compiled for from this host)
+  nothing is written to JAX's persistent compilation cache: such an executable can be written but never read back
+  without that client (JAX warns "PjRtCompiler must be constructed with a Client" and compiles again), so an entry
+  would only take disk space and warn on every later plan of the same program. JAX decides once per process whether
+  the cache is used; what it writes is decided per program by the minimum compile time, raised here for the call."""
+  local = {(d.platform, d.id) for d in jax.local_devices()}
+  if all((d.platform, d.id) in local for d in mesh.devices.flat):
+    return lowered.compile()
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+  try:
+    return lowered.compile()
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
 def compile_step(distiller: Distiller, batch: int, seq: int, report=None) -> CompiledStep:
   """Lowers and compiles ``distiller``'s step for a [batch, seq] batch; nothing runs, nothing is allocated.
 
@@ -186,7 +203,7 @@ def compile_step(distiller: Distiller, batch: int, seq: int, report=None) -> Com
   if distiller.trainable is not None:  # e.g. LoRA: only the adapters train
     params["student_trained"] = leaf_count(nnx.filter_state(state.params["student"], distiller.trainable))
   try:
-    compiled = lowered.compile()
+    compiled = _compile(lowered, distiller.mesh)
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
