@@ -16,6 +16,8 @@ option                 what it changes                                     famil
 ``attn_softcap``       ``cap * tanh(scores / cap)`` before the mask        Gemma 2
 ``final_softcap``      ``cap * tanh(logits / cap)`` on each vocabulary     Gemma 2
                        shard (`softcap`; the chunked loss applies it too)
+``qk_norm``            RMSNorm over each query / key head, its mean        Qwen3, Gemma 3
+                       square a [K, K] matmul (`head_norm`)
 =====================  ==================================================  ==============
 """
 
