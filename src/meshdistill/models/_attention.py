@@ -7,6 +7,7 @@ among them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import NamedTuple
@@ -14,6 +15,7 @@ from typing import NamedTuple
 import einops
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 # The splash kernel runs per device in a shard_map over the mesh's auto axes and reads its own query heads by
@@ -69,6 +71,17 @@ class KVCache(NamedTuple):
     return causal_TxS[None, None] & self.valid_BxS[:, None, None, :]
 
 
+@functools.lru_cache(maxsize=None)
+def _rotate_half_KxK(K: int) -> np.ndarray:
+  """The signed permutation ``m`` with ``x @ m = [-x2, x1]`` (``x1, x2`` the halves of ``x [.., K]``): built once
+  per head size on the host, so a traced step embeds it as a constant instead of forming it in every layer."""
+  half = K // 2
+  m = np.zeros((K, K), np.float32)
+  m[np.arange(half) + half, np.arange(half)] = -1.0
+  m[np.arange(half), np.arange(half) + half] = 1.0
+  return m
+
+
 def rope(
     x: jax.Array, theta: float, scaling: RopeScaling | None = None, positions_BxT: jax.Array | None = None,
     *, token_axis: int = 1,
@@ -92,11 +105,8 @@ def rope(
   # rotate-half, [-x2, x1], as a signed [K, K] permutation on the MXU: exact (one +-1 per column, float32
   # accumulation; float32 inputs at HIGHEST precision), and lane-aligned where slicing K in halves of 64 is not
   # (XLA relaid every q and k out so on a TPU).
-  half = K // 2
-  rot = jnp.zeros((K, K), x.dtype).at[jnp.arange(half) + half, jnp.arange(half)].set(-1)
-  rot = rot.at[jnp.arange(half), jnp.arange(half) + half].set(1)
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  rotated = per_head_matmul(x, rot, precision)
+  rotated = per_head_matmul(x, jnp.asarray(_rotate_half_KxK(K), x.dtype), precision)
   return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
