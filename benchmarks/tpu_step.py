@@ -2,7 +2,8 @@
 
 Each pair is built as a user of the Python API would build it: preset shapes with random weights
 (`meshdistill.planner.resolve_model`), ``md.init_model`` on a 1x1 mesh, the teacher's weights stored in bfloat16,
-the student's in float32 (AdamW, ``md.default_optimizer``), both computing in bfloat16 with scanned layers, and
+the student's in float32 (AdamW, ``md.default_optimizer``), both computing in bfloat16 with scanned layers (the
+setting's ``scan``: ``both``; ``teacher`` or ``student``: that model's only; ``none``: every layer unrolled), and
 ``md.Distiller`` with ``ChunkedLogitKD`` (forward KL at temperature 2, alpha 0.5). The batch is random tokens.
 
 Model FLOPs (the MFU numerator) per token: ``2 N_teacher + 6 N_student`` (N: the parameters that take part in a
@@ -433,14 +434,14 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
          "`python benchmarks/tpu_step.py --render`. Model FLOPs and the memory columns are defined in the script's "
          "docstring (MFU against 197 TFLOP/s bf16).", "",
          "## Steps", "",
-         "| pair | batch x seq | student remat | loss chunk | attention (splash blocks) | AdamW first moment | step | "
-         "ms / step | tokens/s | MFU | program GiB | call | result |",
-         "|---|---|---|---:|---|---|---|---:|---:|---:|---:|---|---|"]
+         "| pair | batch x seq | student remat | loss chunk | attention (splash blocks) | AdamW first moment | "
+         "scanned layers | step | ms / step | tokens/s | MFU | program GiB | call | result |",
+         "|---|---|---|---:|---|---|---|---|---:|---:|---:|---:|---|---|"]
   for r in steps:
     s = r["setting"]
     attn = s["attn"] + (f" ({s.get('blocks')})" if s["attn"] == "splash" else "")
     head = (f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | {s.get('mu', 'float32')} | "
-            f"{STEP_KIND[s.get('metrics', 'full')]}")
+            f"{s.get('scan', 'both')} | {STEP_KIND[s.get('metrics', 'full')]}")
     if "error" in r:
       why = "out of HBM" if "RESOURCE_EXHAUSTED" in r["error"] else r["error"][:60]
       prog = f"{r['program_bytes'] / GIB:.2f}" if r.get("program_bytes") else ""

@@ -194,3 +194,20 @@ def test_side_by_side_table_sets_each_peer_beside_meshdistill_of_the_same_call_a
   assert not any(line.startswith("| other-call") for line in tpu_step.side_by_side_section(rows))
   text = "\n".join(tpu_step.side_by_side_section(rows))
   assert all(config in text for config in tpu_step.SIDE_CONFIG.values())  # each system's configuration is stated
+
+
+def test_a_chip_setting_names_which_models_scan_their_layers_and_refuses_another_word(tpu_step):
+  """``--config ...,scan=none`` builds both models unrolled (``scan=student``: only the student scanned), the label
+  and the planner's configuration key say so (a scanned row of the same batch is another configuration), and a word
+  outside both / teacher / student / none is refused with the choices."""
+  calibration = bench_module("chip_calibration")
+  unrolled = tpu_step.Setting.parse("b=6,remat=dots_no_batch,attn=xla,scan=none")
+  teacher, student = tpu_step.model_configs("tiny", unrolled)
+  assert (teacher.scan_layers, student.scan_layers) == (False, False)
+  teacher, student = tpu_step.model_configs("tiny", tpu_step.Setting.parse("attn=xla,scan=student"))
+  assert (teacher.scan_layers, student.scan_layers) == (False, True)
+  assert unrolled.label().endswith(",scan=none") and "scan" not in tpu_step.Setting(b=6).label()
+  scanned = dict(vars(unrolled), scan="both")
+  assert calibration.config_key(vars(unrolled)) == calibration.config_key(scanned) + ",scan=none"
+  with pytest.raises(SystemExit, match="scan='some'.*both, teacher, student, none"):
+    tpu_step.Setting.parse("scan=some")

@@ -21,10 +21,11 @@ GIB = 2**30
 
 def config_key(setting: dict) -> str:
   """What the planner sees of a measured setting: pair-independent batch, sequence, remat, chunk, attention (the
-  splash blocks and AdamW's first-moment dtype of `tpu_step.Setting` besides)."""
-  mu = setting.get("mu", "float32")
+  splash blocks and AdamW's first-moment dtype of `tpu_step.Setting` besides, and which models scan their layers)."""
+  mu, scan = setting.get("mu", "float32"), setting.get("scan", "both")
   return (f"b={setting['b']},t={setting['t']},remat={setting['remat']},chunk={setting['chunk']},"
-          f"attn={setting['attn']}" + ("" if mu == "float32" else f",mu={mu}"))
+          f"attn={setting['attn']}" + ("" if mu == "float32" else f",mu={mu}")
+          + ("" if scan == "both" else f",scan={scan}"))
 
 
 def package_blocks(setting: dict) -> bool:

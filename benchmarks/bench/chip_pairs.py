@@ -13,6 +13,7 @@ PAIRS = {
     "gemma3": ("gemma-3-1b", "gemma-3-1b", 13),
     "tiny": ("tiny", "tiny", 1),  # a smoke test of tpu_step.py on any machine
 }
+SCAN = ("both", "teacher", "student", "none")  # `Setting.scan`: which models scan their layers
 TINY = dict(vocab_size=512, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128, mlp_hidden=512,
             max_len=4096, qk_norm=True)
 
@@ -29,6 +30,7 @@ class Setting:
   blocks: str = "default"  # splash blocks: "default" (512 everywhere) or e.g. "q512-kv1024-c512-fused"
   mu: str = "float32"  # AdamW's first moment (`train.mu_dtype`): float32 or bfloat16
   metrics: str = "full"  # the step measured: "full" (`Distiller.step`) or "light" (its `metrics_light` step)
+  scan: str = "both"  # the models whose layers are scanned (`ModelConfig.scan_layers`): both, teacher, student, none
 
   @classmethod
   def parse(cls, text: str) -> "Setting":
@@ -41,14 +43,17 @@ class Setting:
       kw[k] = int(v) if fields[k] in ("int", int) else v
     if kw.get("metrics", "full") not in ("full", "light"):
       raise SystemExit(f"--config {text!r}: metrics={kw['metrics']!r}; choose full or light")
+    if kw.get("scan", "both") not in SCAN:
+      raise SystemExit(f"--config {text!r}: scan={kw['scan']!r}; choose one of {', '.join(SCAN)}")
     return cls(**kw)
 
   def label(self) -> str:
     # the rows measured before a setting existed keep their label
     mu = "" if self.mu == "float32" else f",mu={self.mu}"
     light = "" if self.metrics == "full" else f",metrics={self.metrics}"
+    scan = "" if self.scan == "both" else f",scan={self.scan}"
     return (f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}"
-            f"{mu}{light}")
+            f"{mu}{light}{scan}")
 
   def optimizer(self):
     """The student's optimizer: ``md.default_optimizer(1e-4)``, AdamW's first moment in ``mu``."""
@@ -64,9 +69,9 @@ def model_configs(pair: str, s: Setting):
   tname, sname, layers = PAIRS[pair]
   if pair == "tiny":
     tname = sname = ModelConfig(**TINY)
-  teacher, _ = resolve_model(tname, who="teacher", dtype="bfloat16", param_dtype="bfloat16", scan_layers=True,
-                             attention=s.attn, remat="none")
-  student, _ = resolve_model(sname, who="student", dtype="bfloat16", param_dtype="float32", scan_layers=True,
-                             attention=s.attn, remat=s.remat)
+  teacher, _ = resolve_model(tname, who="teacher", dtype="bfloat16", param_dtype="bfloat16",
+                             scan_layers=s.scan in ("both", "teacher"), attention=s.attn, remat="none")
+  student, _ = resolve_model(sname, who="student", dtype="bfloat16", param_dtype="float32",
+                             scan_layers=s.scan in ("both", "student"), attention=s.attn, remat=s.remat)
   student = student.with_layers(range(layers))
   return teacher, student
