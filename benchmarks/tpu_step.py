@@ -199,19 +199,26 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   row["resident_bytes"] = (dev.memory_stats() or {}).get("bytes_in_use")
   rng = np.random.default_rng(0)
   batch = _random_batch(rng, s.b, s.t, min(tcfg.vocab_size, scfg.vocab_size))
+  # progress on stdout: a run stopped by a time limit shows how far it got
+  say = lambda what: print(f"{pair} {s.label()}: {what}", flush=True)  # noqa: E731
+  say(f"models and state built in {row['build_s']:.0f} s; compiling the step")
   try:
     t0 = time.perf_counter()
     compiled = d.lower(state, batch).compile()
     row["compile_s"] = time.perf_counter() - t0
+    say(f"compiled in {row['compile_s']:.0f} s; two warm-up steps")
     m = MemoryReport.of(compiled)
     row["program_bytes"], row["temp_bytes"], row["compiler_peak_bytes"] = m.total_bytes, m.temp_bytes, m.peak_bytes
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     row["xla_flops"] = float(cost.get("flops", -1)) if cost else None
     del compiled
+    t0 = time.perf_counter()
     for _ in range(2):  # the jitted step compiles here (the persistent cache holds the program above)
       state, metrics = d.step(state, batch)
     jax.block_until_ready(metrics)
+    row["warmup_s"] = time.perf_counter() - t0
+    say(f"warm-up steps in {row['warmup_s']:.0f} s; timing {steps} steps")
     times = []
     for _ in range(steps):
       t0 = time.perf_counter()
