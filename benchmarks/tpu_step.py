@@ -25,7 +25,8 @@ Run on a TPU machine (docs/tpu.md says how to install there)::
     python benchmarks/tpu_step.py --pair qwen3 --systems generate,tunix-generate --gen-batches 1,8,64
     python benchmarks/tpu_step.py --render     # benchmarks/results/tpu_step.md from the stored rows
 
-Sampling (``--systems generate,tunix-generate``): meshdistill's cached sampler and tunix's ``Sampler``
+Sampling (``--systems generate,generate-unrolled,tunix-generate``): meshdistill's cached sampler (over the student's
+scanned layers, or ``generate-unrolled``: its layers unrolled, one KV cache each) and tunix's ``Sampler``
 (`bench.tunix_generate`) with the pair's student shape, float32 weights computing in bfloat16, temperature 1; each
 batch's first call compiles (``first_call_s``), its tokens/s is ``batch * new`` over the median of `GEN_CALLS`
 calls after it.
@@ -319,11 +320,13 @@ def _gen_row(pair: str, system: str, b: int, prompt: int, new: int) -> dict:
   return {"pair": pair, "system": system, "batch": b, "prompt": prompt, "new": new}
 
 
-def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: int) -> list[dict]:
+def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: int,
+                       system: str = "generate") -> list[dict]:
   """Cached sampling (`meshdistill.models.generate`, the on-policy path's sampler) with the pair's student as it
   trains (float32 weights, bfloat16 compute, temperature 1, no filters): tokens/s per batch size beside the
   HBM-bandwidth limit (weights and the KV cache read once per decoded token). ``first_call_s``: the first call
-  (compiles); ``seconds``: the median of `GEN_CALLS` calls after it."""
+  (compiles); ``seconds``: the median of `GEN_CALLS` calls after it. ``system``: ``generate`` (the student's layers
+  scanned, as `tpu_step` trains it) or ``generate-unrolled`` (``scan_layers=False``: one KV cache per layer)."""
   import jax
   import numpy as np
 
@@ -332,7 +335,7 @@ def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: in
 
   dev = jax.devices()[0]
   bandwidth = {"TPU v5 lite": 819e9}.get(dev.device_kind)
-  _, scfg = model_configs(pair, Setting(attn="xla", remat="none"))
+  _, scfg = model_configs(pair, Setting(attn="xla", remat="none", scan=GEN_LAYERS[system]))
   scfg = scfg.replace(max_len=prompt + new)
   model = md.init_model(scfg, seed=1)
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx_state(model)))
@@ -342,7 +345,7 @@ def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: in
     rng = np.random.default_rng(b)
     prompts = rng.integers(0, scfg.vocab_size, (b, prompt)).astype(np.int32)
     mask = np.ones((b, prompt), bool)
-    row = _gen_row(pair, "generate", b, prompt, new)
+    row = _gen_row(pair, system, b, prompt, new)
     try:
       t0 = time.perf_counter()
       jax.block_until_ready(generate(model, prompts, mask, jax.random.key(0), cfg))
@@ -542,7 +545,9 @@ def side_by_side_section(rows: list[dict]) -> list[str]:
   return out
 
 
-GEN_SYSTEMS = {"generate": "meshdistill", "tunix-generate": "tunix"}  # system -> the sampler's name in the table
+# system -> the sampler's name in the table
+GEN_SYSTEMS = {"generate": "meshdistill", "generate-unrolled": "meshdistill, layers unrolled", "tunix-generate": "tunix"}
+GEN_LAYERS = {"generate": "both", "generate-unrolled": "none"}  # meshdistill's samplers: `Setting.scan` of the student
 
 
 def _did_not_run(error: str) -> str:
@@ -663,8 +668,8 @@ def main(argv=None) -> int:
   if "tunix" in systems:  # after the others: one build of tunix's models serves every batch
     for row in measure_tunix(args.pair, [Setting.parse(text) for text in args.config or [""]], args.steps):
       keep(row)
-  if "generate" in systems:
-    for row in measure_generation(args.pair, batches, prompt, new):
+  for system in (s for s in GEN_LAYERS if s in systems):
+    for row in measure_generation(args.pair, batches, prompt, new, system):
       keep(row)
   if "tunix-generate" in systems:
     for row in measure_tunix_generation(args.pair, batches, prompt, new):

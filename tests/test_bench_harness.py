@@ -211,3 +211,20 @@ def test_a_chip_setting_names_which_models_scan_their_layers_and_refuses_another
   assert calibration.config_key(vars(unrolled)) == calibration.config_key(scanned) + ",scan=none"
   with pytest.raises(SystemExit, match="scan='some'.*both, teacher, student, none"):
     tpu_step.Setting.parse("scan=some")
+
+
+def test_the_sampler_runs_over_scanned_or_unrolled_layers_and_the_table_names_which(tpu_step, monkeypatch):
+  """``--systems generate`` samples with the student's layers scanned (as it trains), ``generate-unrolled`` with them
+  unrolled (one KV cache per layer); each gives its own rows, and the sampling table names the unrolled sampler."""
+  built, real = [], tpu_step.model_configs
+  monkeypatch.setattr(tpu_step, "model_configs", lambda pair, s: (built.append(s.scan), real(pair, s))[1])
+  rows = [r for system in ("generate", "generate-unrolled") for r in tpu_step.measure_generation("tiny", (2,), 4, 3,
+                                                                                                  system)]
+  assert built == ["both", "none"]
+  assert [(r["system"], r["batch"]) for r in rows] == [("generate", 2), ("generate-unrolled", 2)], rows
+  assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+  failed = {"pair": "tiny", "system": "tunix-generate", "batch": 2, "prompt": 4, "new": 3, "error": "ValueError: no"}
+  for r in rows:  # a chip's bandwidth, so that the table has a limit to set them beside
+    r["bandwidth_limit_tokens_per_s"] = 1e4
+  table = [line for line in tpu_step.generation_section(rows + [failed]) if line.startswith("| tiny")]
+  assert [line.split(" | ")[1] for line in table] == ["meshdistill", "meshdistill, layers unrolled", "tunix"], table
