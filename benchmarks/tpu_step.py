@@ -546,7 +546,8 @@ def side_by_side_section(rows: list[dict]) -> list[str]:
 
 
 # system -> the sampler's name in the table
-GEN_SYSTEMS = {"generate": "meshdistill", "generate-unrolled": "meshdistill, layers unrolled", "tunix-generate": "tunix"}
+GEN_SYSTEMS = {"generate": "meshdistill", "generate-unrolled": "meshdistill, layers unrolled",
+               "tunix-generate": "tunix"}
 GEN_LAYERS = {"generate": "both", "generate-unrolled": "none"}  # meshdistill's samplers: `Setting.scan` of the student
 
 
