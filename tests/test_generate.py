@@ -165,10 +165,11 @@ def test_a_vocabulary_padded_for_the_tensor_axis_is_never_sampled_and_its_logits
 
 @pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
                     reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
-def test_decoding_over_scanned_blocks_copies_no_cache_on_a_tpu():
-  """Compiled for one v5e chip (libtpu here, nothing runs), the decoding loop over stacked blocks writes each
-  token's keys/values into the stacked caches in place: no copy of a whole cache, which as the layer scan's stacked
-  output it was on every token (a third of a batch-64 decode step on the chip)."""
+def test_decoding_over_scanned_blocks_stages_no_cache_on_a_tpu():
+  """Compiled for one v5e chip (libtpu here, nothing runs), the decoding loop over stacked blocks keeps one cache
+  per layer and attends to it in place: no stacked cache anywhere, and inside the loop no copy or slice of a whole
+  layer's cache. Through the layer scan each layer staged its slice of the stacked caches on every token (at batch
+  64 on the chip: 8,871 against 15,764 tokens/s unrolled)."""
   import re
 
   from jax.sharding import SingleDeviceSharding
@@ -185,12 +186,13 @@ def test_decoding_over_scanned_blocks_copies_no_cache_on_a_tpu():
           jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=device))
   hlo = _generate_jit.lower(state, *args, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=16), return_logits=False,
                             mesh=None).compile().as_text()
-  cache = rf"[a-z]+[0-9]+\[{cfg.n_layers},{B},{P + 16 - 1},{cfg.n_kv_heads},{cfg.hd}\]"
-  body, copies = None, []
+  layer = f"{B},{P + 16 - 1},{cfg.n_kv_heads},{cfg.hd}"
+  assert not re.search(rf"\[{cfg.n_layers},{layer}\]", hlo), "a stacked cache [L, B, S, G, K] in the program"
+  body, staged = None, []
   for line in hlo.splitlines():
     if not line.startswith(" "):
       body = line.split(" ")[0]
-    elif re.search(rf"= {cache}\S* copy\(", line):
-      copies.append(body)
-  assert len(re.findall(rf"{cache}", hlo)) > 0, "the stacked cache's shape was not found: the test reads nothing"
-  assert all(b.startswith("ENTRY") for b in copies), copies  # at most the initial caches, once, outside the loop
+    elif re.search(rf"= [a-z]+[0-9]+\[{layer}\]\S* (copy|dynamic-slice|slice)\(", line):
+      staged.append((body, line.strip()[:120]))
+  assert len(re.findall(rf"\[{layer}\]", hlo)) > 0, "the per-layer cache's shape was not found: the test reads nothing"
+  assert all(b.startswith("ENTRY") for b, _ in staged), staged  # at most the initial caches, outside the loop

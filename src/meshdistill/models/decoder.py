@@ -36,7 +36,7 @@ from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.parallel.rules import annotate
 from meshdistill.models._attention import KVCache, _explicit_attention, rope, splash_attention
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
-from meshdistill.models._scan import save_all_but_casts, scan_blocks, scan_blocks_cached, stacked_blocks
+from meshdistill.models._scan import decode_stacked_blocks, save_all_but_casts, scan_blocks, stacked_blocks
 from meshdistill.models._variants import gate_activation, head_norm, norm, scale_embed, softcap
 from meshdistill.models.moe import MoE, Routing
 
@@ -134,7 +134,7 @@ class Attention(nnx.Module):
     q, k = (rope(a, self.theta, self.scaling, pos, token_axis=axis) for a in (q, k))
     if cache is not None:
       cache = cache.write(k, v)
-      k, v = cache.keys_values()
+      k, v = cache.k, cache.v
     T = x_BxTxD.shape[1]
     visible = None if cache is None else cache.visible(T, self.window)  # [B, 1, T, S]
     options = {"window": self.window, "scale": cfg.query_scale, "cap": cfg.attn_softcap}
@@ -271,16 +271,16 @@ class Decoder(nnx.Module):
     return softcap(logits_BxTxV.astype(jnp.float32), self.cfg.final_softcap)  # elementwise: per vocabulary shard
 
   def empty_cache(self, batch: int, slots: int, sharding=None):
-    """Zero key/value caches for `decode_step`: per layer ``(k_BxSxGxK, v_BxSxGxK)`` (scanned blocks: one stacked
-    pair ``[L, B, S, G, K]``), each placed with ``sharding`` (e.g. rows over ``data``) when given."""
+    """Zero key/value caches for `decode_step`: one pair ``(k_BxSxGxK, v_BxSxGxK)`` per layer (scanned blocks
+    too: decoding runs their layers unrolled, `decode_stacked_blocks`), each placed with ``sharding`` (e.g. rows
+    over ``data``) when given."""
     cfg = self.cfg
-    lead = (cfg.n_layers,) if cfg.scan_layers else ()
 
     def zeros():
-      z = jnp.zeros((*lead, batch, slots, cfg.n_kv_heads, cfg.hd), cfg.compute_dtype)
+      z = jnp.zeros((batch, slots, cfg.n_kv_heads, cfg.hd), cfg.compute_dtype)
       return z if sharding is None else jax.lax.with_sharding_constraint(z, sharding)
 
-    return (zeros(), zeros()) if lead else [(zeros(), zeros()) for _ in range(cfg.n_layers)]
+    return [(zeros(), zeros()) for _ in range(cfg.n_layers)]
 
   def decode_step(self, tokens_BxT, kv, valid_BxS, index, positions_BxT, *, last_only: bool = False):
     """The forward pass of ``tokens_BxT`` against a key/value cache: ``(logits float32 [B, T or 1, V], new kv)``.
@@ -288,12 +288,12 @@ class Decoder(nnx.Module):
     The same blocks and LM head as `__call__` (and the same vocabulary cut: ids ``>= vocab_size`` never
     appear), with this call's keys/values written into cache slots ``index ..`` (`KVCache`). ``kv``: from
     `empty_cache` or the previous call; ``valid_BxS`` must already mark this call's slots; ``positions_BxT``:
-    each row's RoPE positions. ``last_only``: the logits of the last position only (``[B, 1, V]``).
+    each row's RoPE positions. ``last_only``: the logits of the last position only (``[B, 1, V]``). The layers run
+    unrolled, scanned blocks included (`decode_stacked_blocks`).
     """
     x = scale_embed(self.cfg, gathered(self.embed)(tokens_BxT))
-    if self.cfg.scan_layers:  # stacked blocks: kv is (k_LxBxSxGxK, v_LxBxSxGxK), scanned with them
-      x, new_kv = scan_blocks_cached(self.blocks, x, kv, valid_BxS, index, positions_BxT, self.cfg.scan_period,
-                                     _place)
+    if self.cfg.scan_layers:  # stacked blocks: one static slice of their weights per layer
+      x, new_kv = decode_stacked_blocks(self.blocks, x, kv, valid_BxS, index, positions_BxT, _place)
     else:
       new_kv = []
       for block, (k, v) in zip(self.blocks, kv):

@@ -176,7 +176,7 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   N, S = cfg.max_new_tokens, prompts_BxP.shape[1] + cfg.max_new_tokens - 1  # cache slots: the last token is not fed
   V = mcfg.vocab_size
   logit_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch", "vocab"), mesh=mesh))
-  kv_sharding = None if mesh is None else NamedSharding(mesh, spec((*(("layers",) if mcfg.scan_layers else ()), "batch"), mesh=mesh))
+  kv_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch",), mesh=mesh))
   kv = model.empty_cache(B, S, kv_sharding)
   lengths_B = jnp.sum(prompt_mask_BxP, axis=-1, dtype=jnp.int32)
   positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1, dtype=jnp.int32) - 1, 0)
