@@ -32,11 +32,9 @@ class KVCache(NamedTuple):
   """One attention layer's key/value cache for decoding (`meshdistill.models.generate`).
 
   ``k`` / ``v``: keys (after RoPE) and values of ``S`` slots, ``[B, S, G, K]`` (G = n_kv_heads, split over
-  ``tensor`` like the k/v projections), or every layer's stacked ``[L, B, S, G, K]`` with ``layer`` naming this
-  one (scanned blocks: the decoding loop carries the stacked caches, and `write` updates this layer's new slots in
-  place, so no step copies the caches); ``valid_BxS``: slots holding a real token (left padding is never
-  attended); ``index``: the slot of the first token of this call; ``positions_BxT``: the RoPE positions of this
-  call's tokens, per row.
+  ``tensor`` like the k/v projections), one pair per layer (scanned blocks too: `Decoder.decode_step`);
+  ``valid_BxS``: slots holding a real token (left padding is never attended); ``index``: the slot of the first
+  token of this call; ``positions_BxT``: the RoPE positions of this call's tokens, per row.
   """
 
   k: jax.Array
@@ -44,22 +42,12 @@ class KVCache(NamedTuple):
   valid_BxS: jax.Array
   index: jax.Array
   positions_BxT: jax.Array
-  layer: jax.Array | None = None
 
   def write(self, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array) -> "KVCache":
-    """The cache with this call's keys and values in slots ``index ..`` (of layer ``layer`` when stacked)."""
-    if self.layer is None:
-      at, k_new, v_new = (0, self.index, 0, 0), k_BxTxGxK, v_BxTxGxK
-    else:
-      at, k_new, v_new = (self.layer, 0, self.index, 0, 0), k_BxTxGxK[None], v_BxTxGxK[None]
-    return self._replace(k=jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), at),
-                         v=jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), at))
-
-  def keys_values(self) -> tuple[jax.Array, jax.Array]:
-    """This layer's ``(k_BxSxGxK, v_BxSxGxK)``."""
-    if self.layer is None:
-      return self.k, self.v
-    return tuple(jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False) for a in (self.k, self.v))
+    """The cache with this call's keys and values in slots ``index ..``."""
+    at = (0, self.index, 0, 0)
+    return self._replace(k=jax.lax.dynamic_update_slice(self.k, k_BxTxGxK.astype(self.k.dtype), at),
+                         v=jax.lax.dynamic_update_slice(self.v, v_BxTxGxK.astype(self.v.dtype), at))
 
   def visible(self, T: int, window: int | None = None) -> jax.Array:
     """``[B, 1, T, S]``: query ``t`` (slot ``index + t``) sees valid slots ``<= index + t`` (with a sliding
@@ -211,13 +199,16 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, **options):
 
 def _splash_block_sizes(splash, T: int):
   """The splash kernel's blocks for sequence length ``T``: queries in blocks of ``gcd(T, 512)`` tokens, keys and
-  values read in blocks of ``gcd(T, 1024)`` and computed ``gcd(T, 512)`` at a time, and the fused backward kernel
-  (dq accumulated in the dk/dv pass instead of a pass of its own). Measured on a TPU v5e (Qwen3-1.7B -> 14-layer
-  Qwen3-0.6B, 8 x 2048, `benchmarks/results/tpu_step.md`): 1063 ms per step against 1094 ms with 512-token blocks in
-  every pass and separate dq / dkv kernels."""
+  values read in blocks of ``gcd(T, 1024)`` and computed ``gcd(T, 512)`` at a time; the fused backward kernel (dq
+  accumulated in the dk/dv pass instead of a pass of its own) on blocks of ``gcd(T, 1024)`` queries and keys.
+  Measured on a TPU v5e (`benchmarks/results/tpu_step.md`): with separate dq / dkv kernels and 512-token blocks
+  everywhere a Qwen3-1.7B -> 14-layer Qwen3-0.6B step at 8 x 2048 took 1094 ms, 1063 ms so; alone, forward and
+  backward of one layer's attention at 2048 tokens took 2.69 ms with 1024-token backward blocks against 2.79 ms with
+  512-token ones (Qwen3 heads; Llama 3.2 1B's: 5.73 / 6.01 ms, Gemma 3 1B's: 0.62 / 0.64 ms); 1024-token forward
+  blocks were no faster, and 2048-token ones exceed the kernel's on-chip memory."""
   q, kv = math.gcd(T, 512), math.gcd(T, 1024)
   return splash.BlockSizes(
-      block_q=q, block_kv=kv, block_kv_compute=q, block_q_dkv=q, block_kv_dkv=kv, block_kv_dkv_compute=q,
+      block_q=q, block_kv=kv, block_kv_compute=q, block_q_dkv=kv, block_kv_dkv=kv, block_kv_dkv_compute=kv,
       use_fused_bwd_kernel=True,
   )
 
