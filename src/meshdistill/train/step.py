@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import PartitionSpec as P
 
 from meshdistill import losses
@@ -316,10 +317,22 @@ def apply_gradients(
   global arrays (outside the ``shard_map``), so norms and moments are those of whole gradients. Other keywords are
   ignored."""
   params_in, frozen = split_trainable(state.params, trainable)
+  grads = jax.tree.map(_row_major, grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, params_in)
   params = join_trainable(optax.apply_updates(params_in, updates), frozen)
   metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}  # the norm the optimizer clips with (CSE: once)
   return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def _row_major(grad: jax.Array) -> jax.Array:
+  """A gradient of three or more axes (stacked layers' weights ``[L, ...]``, experts) in row-major layout, the
+  layout its weight and optimizer moments are stored in, so that the update reads all three in place. Without it the
+  compiler may keep a stacked gradient in the layout its backward pass formed it in and copy the weight and both
+  moments into that layout and back every step: a Gemma 3 student whose 13 layers scan as two groups of six and one
+  left over, compiled for TPU v5e, copied 42 float32 stacks of its layers' weights so. Only the layout changes."""
+  if getattr(grad, "ndim", 0) < 3:
+    return grad
+  return with_layout_constraint(grad, Layout(major_to_minor=tuple(range(grad.ndim))))
 
 
 def _vocab_slice(out, vocab: int | None):
