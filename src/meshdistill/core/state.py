@@ -47,7 +47,8 @@ class SplitStep:
 
   ``gradients(state, teacher_params, batch, **keywords) -> (grads, metrics)``: the forward and backward passes and
   the sums over ``data`` (``keywords`` hold ``data_axis`` and, for a student on rows split over ``tensor``,
-  ``student_axis``); ``update(state, grads, metrics, **keywords) -> (new_state, metrics)``: the optimizer update.
+  ``student_axis``); ``update(state, grads, metrics, **keywords) -> (new_state, metrics)``: the optimizer update
+  (a layout that runs it on a mesh of one device passes ``one_device=True``).
   Called whole it runs one after the other. A layout given a `functools.partial` of one (its keywords bound) reads
   the halves with `halves` and may run them apart: the shard_map layout runs the first per ``data`` shard and the second
   on the global arrays (needed for ``mesh.fsdp`` and ``mesh.student_split: batch``); any other step function runs

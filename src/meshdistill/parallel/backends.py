@@ -158,7 +158,7 @@ class ShardMapLayout(GlobalArrayLayout):
       if state_shardings is not None:  # gradients laid out as their parameters
         grads = jax.lax.with_sharding_constraint(grads, split_trainable(state_shardings.params, trainable)[0])
       # The update on the global arrays (compiler-managed): global norms and moments of whole gradients.
-      new_state, metrics = update(state, grads, metrics)
+      new_state, metrics = update(state, grads, metrics, one_device=self.mesh.size == 1)
       if state_shardings is not None:
         new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
       return new_state, metrics

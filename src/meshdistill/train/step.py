@@ -310,14 +310,15 @@ def sum_over_data(tree: Any, data_axis: Any) -> Any:
 
 def apply_gradients(
     state: TrainState, grads: Any, metrics: dict, *, optimizer: optax.GradientTransformation, trainable: Any = None,
-    **_,
+    one_device: bool = False, **_,
 ):
   """The update half of the step: the optimizer on ``grads`` (of the trainable parameters, summed over ``data``);
   returns ``(new_state, metrics + grad_norm)``. Under `meshdistill.parallel.backends.ShardMapLayout` it runs on the
   global arrays (outside the ``shard_map``), so norms and moments are those of whole gradients. Other keywords are
   ignored."""
   params_in, frozen = split_trainable(state.params, trainable)
-  grads = jax.tree.map(_row_major, grads)
+  if one_device:  # whole arrays on one device: the stacked gradients in their weights' layout (`_row_major`)
+    grads = jax.tree.map(_row_major, grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, params_in)
   params = join_trainable(optax.apply_updates(params_in, updates), frozen)
   metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}  # the norm the optimizer clips with (CSE: once)
@@ -329,7 +330,8 @@ def _row_major(grad: jax.Array) -> jax.Array:
   layout its weight and optimizer moments are stored in, so that the update reads all three in place. Without it the
   compiler may keep a stacked gradient in the layout its backward pass formed it in and copy the weight and both
   moments into that layout and back every step: a Gemma 3 student whose 13 layers scan as two groups of six and one
-  left over, compiled for TPU v5e, copied 42 float32 stacks of its layers' weights so. Only the layout changes."""
+  left over, compiled for TPU v5e, copied 42 float32 stacks of its layers' weights so. Only the layout changes. On one
+  device only: over a mesh the constraint made XLA gather gradients split over ``data`` (``mesh.fsdp``) and experts."""
   if getattr(grad, "ndim", 0) < 3:
     return grad
   return with_layout_constraint(grad, Layout(major_to_minor=tuple(range(grad.ndim))))
