@@ -463,15 +463,21 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
   # replace an earlier call's)
   out += side_by_side_section(list(newest_rows(jsonl, key=lambda r: (
       r.get("tag"), r["pair"], r.get("system", "meshdistill"), r.get("label"), r.get("batch"))).values()))
-  profiled = [r for r in steps if isinstance(r.get("profile"), dict) and "ms" in r["profile"]]
+  # the newest traced row of each setting: a later untraced measurement of a setting keeps its trace in the table
+  def traced(r):
+    return r.get("system", "meshdistill") == "meshdistill" and isinstance(r.get("profile"), dict) and "ms" in r["profile"]
+
+  profiled = [r for r in newest_rows(jsonl, key=lambda r: (r["pair"], r.get("label"), r.get("code"), traced(r))).values()
+              if traced(r)]
   if profiled:
     out += ["", "## Where the step's time goes (device time per step, from a `jax.profiler` trace)", "",
-            "| pair | setting | " + " | ".join(PROFILE_ROLES) + " |", "|---|---|" + "---:|" * len(PROFILE_ROLES)]
+            "| pair | setting | call | " + " | ".join(PROFILE_ROLES) + " |",
+            "|---|---|---|" + "---:|" * len(PROFILE_ROLES)]
     for r in profiled:
       ms = r["profile"]["ms"]
       total = sum(ms.values())
       cells = " | ".join(f"{ms.get(k, 0):.0f} ({100 * ms.get(k, 0) / total:.0f}%)" for k in PROFILE_ROLES)
-      out.append(f"| {r['pair']} | {r['label']} | {cells} |")
+      out.append(f"| {r['pair']} | {r['label']} | {r.get('tag') or ''} | {cells} |")
   out += generation_section([r for r in rows if r.get("system") in GEN_SYSTEMS])
   plans = [r for r in rows if r.get("system") == "plan" and "plan" in r]
   if plans:
@@ -558,14 +564,15 @@ def _did_not_run(error: str) -> str:
 
 def generation_section(gen: list[dict]) -> list[str]:
   """The cached-sampling table: one row per sampler, batch and lengths, tokens/s beside `generation_limit`. Rows of
-  meshdistill's sampler alone, all of which ran, keep the table's first form (no sampler column); with tunix's
-  sampler or a row that did not run, each row names its sampler, its first call's seconds and its result."""
+  meshdistill's sampler alone, of the current checkout, all of which ran, keep the table's first form (no sampler
+  column); otherwise each row names its sampler (and the checkout it ran, ``code``), its first call's seconds and its
+  result."""
   if not gen:
     return []
   def order(r):
-    return r.get("prompt", 0), r.get("new", 0), r["batch"], list(GEN_SYSTEMS).index(r["system"])
+    return r.get("prompt", 0), r.get("new", 0), r["batch"], list(GEN_SYSTEMS).index(r["system"]), bool(r.get("code"))
 
-  if not any(r["system"] == "tunix-generate" or "error" in r for r in gen):
+  if all(r["system"] == "generate" and "error" not in r and not r.get("code") for r in gen):
     out = ["", "## Cached sampling (the on-policy sampler) with the student", "",
            "| pair | batch | prompt + new tokens | tokens/s | HBM-bandwidth limit (tokens/s) | share of the limit |",
            "|---|---:|---|---:|---:|---:|"]
@@ -584,7 +591,8 @@ def generation_section(gen: list[dict]) -> list[str]:
          "|---|---|---:|---|---:|---:|---:|---:|---|"]
   for r in sorted(gen, key=order):
     lengths = f"{r.get('prompt', '?')} + {r.get('new', '?')}"
-    head = f"| {r['pair']} | {GEN_SYSTEMS[r['system']]} | {r['batch']} | {lengths} |"
+    sampler = GEN_SYSTEMS[r["system"]] + (f" (checkout {r['code']})" if r.get("code") else "")
+    head = f"| {r['pair']} | {sampler} | {r['batch']} | {lengths} |"
     if "error" in r:
       out.append(f"{head} | | | | {_did_not_run(r['error'])} |")
       continue

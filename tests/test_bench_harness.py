@@ -213,6 +213,28 @@ def test_a_chip_setting_names_which_models_scan_their_layers_and_refuses_another
     tpu_step.Setting.parse("scan=some")
 
 
+def test_a_row_of_an_earlier_checkout_is_named_and_a_later_untraced_row_keeps_the_trace(tpu_step, tmp_path):
+  """A sampler row measured with an earlier checkout (``code``) stands beside the current one and names its commit;
+  a setting's trace stays in the profile table when a later call measured the setting again without one."""
+  results = bench_module("results")
+  jsonl = str(tmp_path / "rows.jsonl")
+  step = {"pair": "qwen3", "system": "meshdistill", "label": "b=4", "tag": "traced", "step_s": 0.5,
+          "tokens_per_s": 1.0, "mfu": 0.5, "program_bytes": 2**30,
+          "setting": {"b": 4, "t": 2048, "remat": "full", "chunk": 1024, "attn": "xla"},
+          "profile": {"ms": {"matmul": 300.0, "loss": 100.0}}}
+  for row in (step, {**step, "tag": "later", "profile": None}, {**_gen("generate", 64, 9000.0), "code": "abc1234"},
+              _gen("generate", 64, 16000.0)):
+    results.append_row(jsonl, row)
+  text = tpu_step.render(jsonl, str(tmp_path / "out.md"))
+  table = [line.split(" | ")[1:5] for line in text.splitlines() if line.startswith("| qwen3 | meshdistill")]
+  assert table == [["meshdistill", "64", "128 + 256", "16,000"], ["meshdistill (checkout abc1234)", "64",
+                                                                   "128 + 256", "9,000"]], table
+  section = text.split("## Where the step's time goes")[1].split("\n## ")[0]
+  traces = [line for line in section.splitlines() if line.startswith("| qwen3")]
+  assert traces == ["| qwen3 | b=4 | traced | 300 (75%) | 0 (0%) | 100 (25%) | 0 (0%) | 0 (0%) | 0 (0%) | 0 (0%) |"]
+  assert "| later | ran |" in text  # the steps table shows the newest row
+
+
 def test_the_sampler_runs_over_scanned_or_unrolled_layers_and_the_table_names_which(tpu_step, monkeypatch):
   """``--systems generate`` samples with the student's layers scanned (as it trains), ``generate-unrolled`` with them
   unrolled (one KV cache per layer); each gives its own rows, and the sampling table names the unrolled sampler."""
