@@ -25,8 +25,9 @@ Run on a TPU machine (docs/tpu.md says how to install there)::
     python benchmarks/tpu_step.py --pair qwen3 --systems generate,tunix-generate --gen-batches 1,8,64
     python benchmarks/tpu_step.py --render     # benchmarks/results/tpu_step.md from the stored rows
 
-Sampling (``--systems generate,generate-unrolled,tunix-generate``): meshdistill's cached sampler (over the student's
-scanned layers, or ``generate-unrolled``: its layers unrolled, one KV cache each) and tunix's ``Sampler``
+Sampling (``--systems generate,generate-unrolled,tunix-generate``): meshdistill's cached sampler (the student built
+with scanned layers as it trains, or ``generate-unrolled``: built unrolled; both decode the layers unrolled, one KV
+cache each) and tunix's ``Sampler``
 (`bench.tunix_generate`) with the pair's student shape, float32 weights computing in bfloat16, temperature 1; each
 batch's first call compiles (``first_call_s``), its tokens/s is ``batch * new`` over the median of `GEN_CALLS`
 calls after it.
@@ -326,7 +327,8 @@ def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: in
   trains (float32 weights, bfloat16 compute, temperature 1, no filters): tokens/s per batch size beside the
   HBM-bandwidth limit (weights and the KV cache read once per decoded token). ``first_call_s``: the first call
   (compiles); ``seconds``: the median of `GEN_CALLS` calls after it. ``system``: ``generate`` (the student's layers
-  scanned, as `tpu_step` trains it) or ``generate-unrolled`` (``scan_layers=False``: one KV cache per layer)."""
+  scanned, as `tpu_step` trains it) or ``generate-unrolled`` (``scan_layers=False``); both decode the layers unrolled
+  with one KV cache per layer (`meshdistill.models._scan.decode_stacked_blocks`)."""
   import jax
   import numpy as np
 
