@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from meshdistill.models._attention import KVCache
@@ -125,7 +124,7 @@ def decode_stacked_blocks(blocks: nnx.Module, x_BxTxD: jax.Array, kv, valid_BxS,
   each layer runs on a static slice ``[l]`` of the stacked weights (read in place) and on its own caches. Scanned
   with the weights, the caches were stacked ``[L, ...]`` and each layer staged its whole slice of them (every
   preallocated slot) before attending: on one TPU v5e chip the 14-layer Qwen3-0.6B shape sampled 8,871 tokens/s at
-  batch 64 so against 15,764 unrolled (`benchmarks/results/tpu_step.md`). ``place(block, l)``: as in `scan_blocks`.
+  batch 64 so, and 16,074 unrolled (`benchmarks/results/tpu_step.md`). ``place(block, l)``: as in `scan_blocks`.
   """
   graphdef, state = nnx.split(blocks)
   n_layers = jax.tree.leaves(state)[0].shape[0]
