@@ -328,7 +328,7 @@ def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: in
   HBM-bandwidth limit (weights and the KV cache read once per decoded token). ``first_call_s``: the first call
   (compiles); ``seconds``: the median of `GEN_CALLS` calls after it. ``system``: ``generate`` (the student's layers
   scanned, as `tpu_step` trains it) or ``generate-unrolled`` (``scan_layers=False``); both decode the layers unrolled
-  with one KV cache per layer (`meshdistill.models._scan.decode_stacked_blocks`)."""
+  with one KV cache per layer (`meshdistill.models._scan.layer_blocks`)."""
   import jax
   import numpy as np
 

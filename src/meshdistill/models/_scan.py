@@ -6,8 +6,8 @@ and run under ``nnx.scan``, so XLA compiles one block body instead of ``n_layers
 * `scan_blocks` runs them with the same ``run_block(block, x, want_probs)`` as the unrolled loop (so the
   per-block rematerialisation, and any per-block step inside it, is unchanged); the per-layer hidden states
   and attention probabilities come out of the scan stacked and are returned as the unrolled model's tuples.
-* `decode_stacked_blocks` is the decoding form (`Decoder.decode_step`, which `meshdistill.models.generate` runs):
-  not scanned but unrolled over static slices of the stacked weights, each layer with its own key/value cache.
+* `layer_blocks` is the decoding form (`Decoder.decode_step`, which `meshdistill.models.generate` runs): not
+  scanned but one block per layer on static slices of the stacked weights, each with its own key/value cache.
 * Layers that attend differently (``ModelConfig.scan_period`` ``P > 1``: Gemma 2's local / global pairs, Gemma
   3's five local and one global) share the weights' structure, so they stay stacked ``[L, ...]`` as above; only
   the run differs: the first ``G * P`` layers are viewed as ``[G, P, ...]`` (a reshape) and scanned ``G`` times
@@ -25,7 +25,6 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from meshdistill.models._attention import KVCache
 
 # The layer axis added in front of every block weight: the logical name ``layers`` (no rule splits it).
 LAYER_AXIS = {nnx.PARTITION_NAME: "layers"}
@@ -116,25 +115,18 @@ def _layers(stacked) -> tuple:
   return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
 
 
-def decode_stacked_blocks(blocks: nnx.Module, x_BxTxD: jax.Array, kv, valid_BxS, index, positions_BxT, place):
-  """The decoding pass over stacked blocks, unrolled: ``(x, [(k_BxSxGxK, v_BxSxGxK), ...])`` with this call's
-  keys/values written at ``index`` into each layer's own cache (``kv``: one pair per layer, see `KVCache`).
+def layer_blocks(blocks: nnx.Module, place) -> list[nnx.Module]:
+  """Stacked blocks as one block per layer, each on a static slice ``[l]`` of the stacked weights and attending as
+  layer ``l`` (``place(block, l)``, as in `scan_blocks`): the decoding form (`Decoder.decode_step`).
 
   Decoding reads every weight and cache once per token, so it is bound by memory, not by the size of the program:
-  each layer runs on a static slice ``[l]`` of the stacked weights (read in place) and on its own caches. Scanned
-  with the weights, the caches were stacked ``[L, ...]`` and each layer staged its whole slice of them (every
-  preallocated slot) before attending: on one TPU v5e chip the 14-layer Qwen3-0.6B shape sampled 8,871 tokens/s at
-  batch 64 so, and 16,074 unrolled (`benchmarks/results/tpu_step.md`). ``place(block, l)``: as in `scan_blocks`.
+  traced, each slice is read in place and each layer attends to its own caches. Scanned with the weights, the caches
+  were stacked ``[L, ...]`` and each layer staged its whole slice of them (every preallocated slot) before
+  attending: on one TPU v5e chip the 14-layer Qwen3-0.6B shape sampled 8,871 tokens/s at batch 64 so, and 16,074
+  unrolled (`benchmarks/results/tpu_step.md`).
   """
   graphdef, state = nnx.split(blocks)
-  n_layers = jax.tree.leaves(state)[0].shape[0]
-  if len(kv) != n_layers:
-    raise ValueError(f"{len(kv)} key/value caches for {n_layers} stacked blocks: one (k, v) pair per layer "
-                     "(Decoder.empty_cache)")
-  new_kv = []
-  for layer, (k, v) in enumerate(kv):
-    block = nnx.merge(graphdef, jax.tree.map(lambda a, layer=layer: a[layer], state))
+  out = [nnx.merge(graphdef, layer_state) for layer_state in _layers(state)]
+  for layer, block in enumerate(out):
     place(block, layer)
-    x_BxTxD, cache = block(x_BxTxD, False, KVCache(k, v, valid_BxS, index, positions_BxT))
-    new_kv.append((cache.k, cache.v))
-  return x_BxTxD, new_kv
+  return out

@@ -36,7 +36,7 @@ from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.parallel.rules import annotate
 from meshdistill.models._attention import KVCache, _explicit_attention, rope, splash_attention
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
-from meshdistill.models._scan import decode_stacked_blocks, save_all_but_casts, scan_blocks, stacked_blocks
+from meshdistill.models._scan import layer_blocks, save_all_but_casts, scan_blocks, stacked_blocks
 from meshdistill.models._variants import gate_activation, head_norm, norm, scale_embed, softcap
 from meshdistill.models.moe import MoE, Routing
 
@@ -272,7 +272,7 @@ class Decoder(nnx.Module):
 
   def empty_cache(self, batch: int, slots: int, sharding=None):
     """Zero key/value caches for `decode_step`: one pair ``(k_BxSxGxK, v_BxSxGxK)`` per layer (scanned blocks
-    too: decoding runs their layers unrolled, `decode_stacked_blocks`), each placed with ``sharding`` (e.g. rows
+    too: decoding runs their layers unrolled, `layer_blocks`), each placed with ``sharding`` (e.g. rows
     over ``data``) when given."""
     cfg = self.cfg
 
@@ -289,16 +289,17 @@ class Decoder(nnx.Module):
     appear), with this call's keys/values written into cache slots ``index ..`` (`KVCache`). ``kv``: from
     `empty_cache` or the previous call; ``valid_BxS`` must already mark this call's slots; ``positions_BxT``:
     each row's RoPE positions. ``last_only``: the logits of the last position only (``[B, 1, V]``). The layers run
-    unrolled, scanned blocks included (`decode_stacked_blocks`).
+    unrolled, scanned blocks included (`layer_blocks`).
     """
     x = scale_embed(self.cfg, gathered(self.embed)(tokens_BxT))
-    if self.cfg.scan_layers:  # stacked blocks: one static slice of their weights per layer
-      x, new_kv = decode_stacked_blocks(self.blocks, x, kv, valid_BxS, index, positions_BxT, _place)
-    else:
-      new_kv = []
-      for block, (k, v) in zip(self.blocks, kv):
-        x, cache = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT))
-        new_kv.append((cache.k, cache.v))
+    blocks = layer_blocks(self.blocks, _place) if self.cfg.scan_layers else self.blocks  # stacked: static slices
+    if len(kv) != len(blocks):
+      raise ValueError(f"{len(kv)} key/value caches for {len(blocks)} layers: one (k, v) pair per layer "
+                       "(Decoder.empty_cache)")
+    new_kv = []
+    for block, (k, v) in zip(blocks, kv):
+      x, cache = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT))
+      new_kv.append((cache.k, cache.v))
     final_norm, x = gathered_for(self.final_norm, x[:, -1:] if last_only else x)
     return self._logits(final_norm(x)), new_kv
 
