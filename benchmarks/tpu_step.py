@@ -86,7 +86,7 @@ def use_splash_blocks(spec: str) -> None:
   q, kv, c = int(parts["q"]), int(parts["kv"]), int(parts.get("c", parts["kv"]))
   fused = spec.endswith("fused")
 
-  def sizes(splash, T):
+  def sizes(splash, T, **_):
     bq, bkv, bc = math.gcd(T, q), math.gcd(T, kv), math.gcd(T, c)
     return splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bc, block_q_dkv=bq, block_kv_dkv=bkv,
                              block_kv_dkv_compute=bc, block_q_dq=None if fused else bq,

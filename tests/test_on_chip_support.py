@@ -23,6 +23,38 @@ def test_splash_blocks_divide_every_multiple_of_128_and_use_the_fused_backward_k
   assert sizes.use_fused_bwd_kernel and sizes.block_q_dq is None and sizes.block_kv_dq is None
 
 
+@pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
+                    reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+@pytest.mark.parametrize("dtype, head_dim, cap, precision, backward_block", [
+    ("bfloat16", 128, 5.0, None, 1024),  # the models' own case: the larger backward blocks
+    ("bfloat16", 256, None, None, 1024),  # Gemma 3's heads
+    ("bfloat16", 256, 5.0, None, 512),  # Gemma 2's heads (soft-capped scores): 17.4 MiB at 1024
+    ("float32", 128, 5.0, "highest", 512),  # the chip's float32 test: 23.2 MiB at 1024
+    ("float32", 256, 5.0, None, 512),
+], ids=["bf16-128-cap", "bf16-256", "bf16-256-cap", "f32-128-cap-highest", "f32-256-cap"])
+def test_splash_forward_and_backward_fit_a_v5e_chips_on_chip_memory(dtype, head_dim, cap, precision, backward_block):
+  """Compiled for one v5e chip (libtpu here, nothing runs): the kernel's blocks fit its 16 MiB of scoped on-chip memory
+  for every input dtype, head size and soft-cap (too large a block fails the compile: CompileTimeScopedVmemOom), and
+  the backward kernel takes the larger blocks where they fit."""
+  import contextlib
+  import re
+
+  from jax.sharding import SingleDeviceSharding
+
+  from meshdistill.planner._hardware import tpu_target
+
+  device = SingleDeviceSharding(tpu_target("v5e:2x2").devices[0])
+  shape = lambda heads: jax.ShapeDtypeStruct((1, heads, 2048, head_dim), jnp.dtype(dtype), sharding=device)  # noqa: E731
+
+  def loss(q, k, v):
+    return jnp.sum(_attention._splash_attention(q, k, v, interpret=False, cap=cap).astype(jnp.float32))
+
+  with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape(4), shape(2), shape(2)).compile().as_text()
+  blocks = re.findall(r"block_q_dkv\W+(\d+)", hlo)
+  assert blocks and {int(b) for b in blocks} == {backward_block}, blocks
+
+
 def test_plan_for_local_devices_off_a_tpu_is_refused_naming_what_would_work():
   with pytest.raises(ValueError, match=r"devices=local .*'cpu' \(cpu\).*devices=cpu:N.*v5e:4x4"):
     parse_target(None, "local")

@@ -197,10 +197,17 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, **options):
                        check_vma=False)(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK)
 
 
-def _splash_block_sizes(splash, T: int):
-  """The splash kernel's blocks for sequence length ``T``: queries in blocks of ``gcd(T, 512)`` tokens, keys and
-  values read in blocks of ``gcd(T, 1024)`` and computed ``gcd(T, 512)`` at a time; the fused backward kernel (dq
-  accumulated in the dk/dv pass instead of a pass of its own) on blocks of ``gcd(T, 1024)`` queries and keys.
+def _splash_block_sizes(splash, T: int, *, itemsize: int = 2, head_dim: int = 128, capped: bool = False):
+  """The splash kernel's blocks for sequence length ``T`` and inputs of ``itemsize`` bytes, ``head_dim`` and a
+  soft-cap of the scores or not: queries in blocks of ``gcd(T, 512)`` tokens, keys and values read in blocks of
+  ``gcd(T, 1024)`` and computed ``gcd(T, 512)`` at a time; the fused backward kernel (dq accumulated in the dk/dv
+  pass instead of a pass of its own) on blocks of ``gcd(T, 1024)`` queries and keys where they fit the kernel's
+  16 MiB of scoped on-chip memory on a v5e, ``gcd(T, 512)`` elsewhere.
+
+  Fit (compiled for a v5e with libtpu, T = 2048, `tests/test_on_chip_support.py`): 1024-token backward blocks
+  fit bfloat16 inputs of head_dim <= 128 and bfloat16 ones of head_dim 256 without a soft-cap; a soft-cap at
+  head_dim 256 needs 17.4 MiB, float32 inputs 17-42 MiB (at 'highest' matmul precision, or head_dim 256 with a
+  soft-cap). 512-token blocks fit all of these.
   Measured on a TPU v5e (`benchmarks/results/tpu_step.md`): with separate dq / dkv kernels and 512-token blocks
   everywhere a Qwen3-1.7B -> 14-layer Qwen3-0.6B step at 8 x 2048 took 1094 ms, 1063 ms so; alone, forward and
   backward of one layer's attention at 2048 tokens took 2.69 ms with 1024-token backward blocks against 2.79 ms with
@@ -208,8 +215,10 @@ def _splash_block_sizes(splash, T: int):
   1024-token query blocks computed 512 keys at a time took 0.90 against 0.93 ms on the Qwen3 heads (not measured on
   the others or in a step: not taken), computed 1024 at a time 0.98 ms; 2048-token ones exceed the on-chip memory."""
   q, kv = math.gcd(T, 512), math.gcd(T, 1024)
+  fits = itemsize <= 2 and (head_dim <= 128 or not capped)
+  bwd = kv if fits else q
   return splash.BlockSizes(
-      block_q=q, block_kv=kv, block_kv_compute=q, block_q_dkv=kv, block_kv_dkv=kv, block_kv_dkv_compute=kv,
+      block_q=q, block_kv=kv, block_kv_compute=q, block_q_dkv=bwd, block_kv_dkv=bwd, block_kv_dkv_compute=bwd,
       use_fused_bwd_kernel=True,
   )
 
@@ -238,7 +247,8 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, interpret: bool | None = 
     )
   if interpret is None:
     interpret = target_platform() != "tpu"
-  sizes = _splash_block_sizes(splash, T)
+  itemsize = max(jnp.dtype(x.dtype).itemsize for x in (q_BxHxTxK, k_BxGxTxK, v_BxGxTxK))
+  sizes = _splash_block_sizes(splash, T, itemsize=itemsize, head_dim=K, capped=cap is not None)
   one = splash.CausalMask((T, T)) if window is None else splash.LocalMask((T, T), (window - 1, 0), offset=0)
   mask = splash.MultiHeadMask([one for _ in range(H // G)])
   kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret,
