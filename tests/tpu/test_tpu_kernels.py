@@ -271,3 +271,45 @@ def test_cached_generation_logits_equal_the_full_forward_at_every_generated_posi
       clear = top2[:, 1] - top2[:, 0] > 1e-3 * np.abs(want).max()  # no near-tie the rounding could flip
       np.testing.assert_array_equal(np.asarray(new)[clear], want.argmax(-1)[clear])
   assert np.asarray(gen.mask_BxN).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_head_prep_kernel_gives_the_norm_and_rope_of_each_head_and_their_gradients(dtype):
+  """`_head_prep.norm_rope_heads` compiled against `head_norm` + `rope` in XLA on the same chip (float32 at 'highest';
+  bfloat16: the XLA form rounds the rotation's two gradient terms apart, the kernel once: 1e-2)."""
+  from meshdistill.models._attention import rope, rope_tables
+  from meshdistill.models._head_prep import norm_rope_heads
+  from meshdistill.models._variants import head_norm
+
+  B, T, H, K = 2, 1024, 4, 128
+  rng = np.random.default_rng(3)
+  y = jnp.asarray(2 * rng.normal(size=(B, T, H * K)), dtype)
+  g = jnp.asarray(rng.normal(size=(B, H, T, K)), jnp.float32)
+  w0 = jnp.asarray(rng.normal(size=K) + 1, jnp.float32)
+
+  class Norm:  # nnx.RMSNorm's attributes as head_norm reads them
+    epsilon, dtype = 1e-6, None
+
+    def __init__(self, w):
+      self.scale = w
+
+  def xla(y, w):
+    x = head_norm(Norm(w), y.reshape(B, T, H, K).transpose(0, 2, 1, 3))
+    return rope(x, 1e6, None, None, token_axis=2) * jnp.asarray(0.088, dtype)
+
+  post = float(np.asarray(0.088, np.dtype(dtype)))  # the query scale as the splash path rounds it
+
+  def kernel(y, w):
+    cos, sin = rope_tables(jnp.arange(T), K, 1e6)
+    return norm_rope_heads(y, H, cos, sin, w.astype(dtype).astype(jnp.float32), 1e-6, post,
+                           interpret=jax.default_backend() != "tpu")
+
+  def run(fn):
+    return jax.jit(jax.value_and_grad(lambda y, w: jnp.sum(fn(y, w).astype(jnp.float32) * g), argnums=(0, 1)))(y, w0)
+
+  with jax.default_matmul_precision(HIGHEST):
+    (want, want_grads), (got, got_grads) = run(xla), run(kernel)
+  tol = F32_TOL if dtype == jnp.float32 else 1e-2
+  assert abs(float(got) - float(want)) <= tol * abs(float(want)) + 1e-3, (got, want)
+  for name, a, b in zip(("y", "scale"), got_grads, want_grads):
+    assert rel_err(a, b) < tol, (name, rel_err(a, b))

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 # The splash kernel runs per device in a shard_map over the mesh's auto axes and reads its own query heads by
 # `axis_index` over `tensor`: a collective over named mesh axes, the one place in models/ that names them.
 from meshdistill.parallel.mesh import DATA, TENSOR
+from meshdistill.models import _head_prep
 from meshdistill.models._config import RopeScaling
 from meshdistill.models._variants import band, per_head_matmul, softcap
 
@@ -70,6 +71,16 @@ def _rotate_half_KxK(K: int) -> np.ndarray:
   return m
 
 
+def rope_tables(positions: jax.Array, K: int, theta: float, scaling: RopeScaling | None = None):
+  """RoPE's ``(cos, sin)`` at ``positions [...]``: ``[..., K]`` float32, each frequency for both halves of a head."""
+  inv = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)  # [K/2]
+  if scaling is not None:
+    inv = scaling.apply(inv)
+  ang = positions.astype(jnp.float32)[..., None] * inv
+  ang = jnp.concatenate([ang, ang], axis=-1)
+  return jnp.cos(ang), jnp.sin(ang)
+
+
 def rope(
     x: jax.Array, theta: float, scaling: RopeScaling | None = None, positions_BxT: jax.Array | None = None,
     *, token_axis: int = 1,
@@ -80,16 +91,10 @@ def rope(
   Positions are ``0 .. T-1`` unless ``positions_BxT`` gives each row its own (left-padded decoding).
   """
   T, K = x.shape[token_axis], x.shape[-1]
-  inv = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)  # [K/2]
-  if scaling is not None:
-    inv = scaling.apply(inv)
   if positions_BxT is None:
-    ang = (jnp.arange(T, dtype=jnp.float32)[:, None] * inv[None, :])[None]  # [1, T, K/2]
-  else:
-    ang = positions_BxT.astype(jnp.float32)[..., None] * inv  # [B, T, K/2]
-  ang = jnp.expand_dims(ang, 2 if token_axis == 1 else 1)  # a unit head axis where x has its heads
-  ang = jnp.concatenate([ang, ang], axis=-1)  # [.., K]: each frequency for both halves
-  sin, cos = jnp.sin(ang), jnp.cos(ang)
+    positions_BxT = jnp.arange(T, dtype=jnp.float32)[None]  # [1, T]
+  cos, sin = rope_tables(positions_BxT, K, theta, scaling)  # [B | 1, T, K]
+  cos, sin = (jnp.expand_dims(a, 2 if token_axis == 1 else 1) for a in (cos, sin))  # a unit head axis
   # rotate-half, [-x2, x1], as a signed [K, K] permutation on the MXU: exact (one +-1 per column, float32
   # accumulation; float32 inputs at HIGHEST precision), and lane-aligned where slicing K in halves of 64 is not
   # (XLA relaid every q and k out so on a TPU).
@@ -197,6 +202,31 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, **options):
                        check_vma=False)(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK)
 
 
+def prep_in_kernel(T: int, K: int) -> bool:
+  """Whether the splash path's queries and keys take `heads_in_kernel` (one Pallas kernel for their norm, RoPE and
+  head-major layout): compiled for a TPU, lane-wide heads, and no compiler-managed mesh axis of more than one
+  device (the kernel cannot be partitioned; there the XLA form stays)."""
+  if target_platform() != "tpu":
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(mesh, "manual_axes", ()))
+  return _head_prep.usable(T, K, tuple(mesh.shape[a] for a in mesh.axis_names if a not in manual))
+
+
+def heads_in_kernel(y_BxTxHK, n_heads: int, cos_TxK, sin_TxK, scale_K=None, eps: float = 0.0, post_scale=1.0):
+  """`_head_prep.norm_rope_heads` where `prep_in_kernel` said so: in a ``shard_map`` manual over the mesh's
+  compiler-managed axes (all of size 1 there; the TPU compiler refuses a Mosaic kernel under any of them)."""
+  fn = functools.partial(_head_prep.norm_rope_heads, n_heads=n_heads, eps=eps, post_scale=post_scale)
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(mesh, "manual_axes", ()))
+  free = {a for a in mesh.axis_names if a not in manual}
+  if not free:
+    return fn(y_BxTxHK, cos_TxK=cos_TxK, sin_TxK=sin_TxK, scale_K=scale_K)
+  args = (y_BxTxHK, cos_TxK, sin_TxK) + (() if scale_K is None else (scale_K,))
+  local = lambda y, c, s, *w: fn(y, cos_TxK=c, sin_TxK=s, scale_K=w[0] if w else None)  # noqa: E731
+  return jax.shard_map(local, in_specs=(P(),) * len(args), out_specs=P(), axis_names=free, check_vma=False)(*args)
+
+
 def _splash_block_sizes(splash, T: int, *, itemsize: int = 2, head_dim: int = 128, capped: bool = False):
   """The splash kernel's blocks for sequence length ``T`` and inputs of ``itemsize`` bytes, ``head_dim`` and a
   soft-cap of the scores or not: queries in blocks of ``gcd(T, 512)`` tokens, keys and values read in blocks of
@@ -256,7 +286,7 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, interpret: bool | None = 
   q_BxGxRxTxK = q_BxHxTxK.reshape(B, G, H // G, T, K)  # query heads in their groups: a free reshape
   if scale is None:
     q_BxGxRxTxK = q_BxGxRxTxK / jnp.sqrt(K).astype(q_BxHxTxK.dtype)
-  else:
+  elif not (isinstance(scale, (int, float)) and scale == 1.0):  # 1.0: queries scaled already (`heads_in_kernel`)
     q_BxGxRxTxK = q_BxGxRxTxK * jnp.asarray(scale, q_BxHxTxK.dtype)
   out = jax.vmap(jax.vmap(kernel))(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK)
   return out.reshape(B, H, T, K).astype(v_BxGxTxK.dtype)

@@ -65,12 +65,16 @@ def head_norm(norm_module: nnx.Module, x: jax.Array) -> jax.Array:
   K = x.shape[-1]
   x32 = x.astype(jnp.float32)
   mean_sq = per_head_matmul(x32 * x32, jnp.full((K, K), 1.0 / K, jnp.float32), jax.lax.Precision.HIGH)
+  return (x32 * jax.lax.rsqrt(mean_sq + norm_module.epsilon) * head_norm_scale(norm_module, x.dtype)).astype(x.dtype)
+
+
+def head_norm_scale(norm_module: nnx.Module, dtype) -> jax.Array:
+  """The float32 ``[K]`` factor ``norm_module`` multiplies the normalised features by, for inputs of ``dtype``:
+  ``1 + w`` of `OffsetRMSNorm`, the scale of `nnx.RMSNorm` rounded to its compute dtype (as the module does)."""
   scale = norm_module.scale[...]
   if isinstance(norm_module, OffsetRMSNorm):  # 1 + w in float32, as the module
-    scale = 1.0 + scale.astype(jnp.float32)
-  else:  # nnx.RMSNorm rounds its scale to its compute dtype first
-    scale = scale.astype(norm_module.dtype or x.dtype).astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(mean_sq + norm_module.epsilon) * scale).astype(x.dtype)
+    return 1.0 + scale.astype(jnp.float32)
+  return scale.astype(norm_module.dtype or dtype).astype(jnp.float32)
 
 
 def norm(cfg: ModelConfig, dim: int, rngs: nnx.Rngs, name: str = "embed") -> nnx.Module:

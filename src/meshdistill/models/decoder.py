@@ -30,14 +30,16 @@ from typing import NamedTuple
 import einops
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.parallel.rules import annotate
-from meshdistill.models._attention import KVCache, _explicit_attention, rope, splash_attention
+from meshdistill.models._attention import (KVCache, _explicit_attention, heads_in_kernel, prep_in_kernel, rope,
+                                          rope_tables, splash_attention)
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._scan import layer_blocks, save_all_but_casts, scan_blocks, stacked_blocks
-from meshdistill.models._variants import gate_activation, head_norm, norm, scale_embed, softcap
+from meshdistill.models._variants import gate_activation, head_norm, head_norm_scale, norm, scale_embed, softcap
 from meshdistill.models.moe import MoE, Routing
 
 __all__ = [
@@ -125,19 +127,34 @@ class Attention(nnx.Module):
     # The splash kernel reads and writes heads before tokens: the projections' outputs are laid out so from the
     # start (XLA writes the matmul in that layout), their norms and RoPE computed there, and no copy swaps them.
     heads = "b h t k" if kind == "splash" else "b t h k"
-    q, k, v = (einops.rearrange(_per_token(p, x_BxTxD), f"b t (h k) -> {heads}", k=cfg.hd)
-               for p in (self.q, self.k, self.v))
-    if cfg.qk_norm:
-      q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
-    pos = None if cache is None else cache.positions_BxT
-    axis = heads.split().index("t")
-    q, k = (rope(a, self.theta, self.scaling, pos, token_axis=axis) for a in (q, k))
+    T = x_BxTxD.shape[1]
+    query_scale = cfg.query_scale
+    if kind == "splash" and cache is None and prep_in_kernel(T, cfg.hd):  # one Pallas kernel each (`_head_prep`)
+      cos, sin = rope_tables(jnp.arange(T), cfg.hd, self.theta, self.scaling)
+      # the queries leave the kernel scaled as the splash path scales them (by the scale rounded to their dtype)
+      dtype = x_BxTxD.dtype
+      rounded = lambda c: float(np.asarray(c, np.dtype(dtype)))  # noqa: E731  (on the host: a constant)
+      scaled = 1.0 / rounded(np.sqrt(cfg.hd)) if query_scale is None else rounded(query_scale)
+      q, k = (
+          heads_in_kernel(_per_token(p, x_BxTxD), n, cos, sin, head_norm_scale(nm, dtype) if nm else None,
+                          nm.epsilon if nm else 0.0, post)
+          for p, n, nm, post in ((self.q, cfg.n_heads, getattr(self, "q_norm", None), scaled),
+                                 (self.k, cfg.n_kv_heads, getattr(self, "k_norm", None), 1.0)))
+      v = einops.rearrange(_per_token(self.v, x_BxTxD), f"b t (h k) -> {heads}", k=cfg.hd)
+      query_scale = 1.0  # applied above
+    else:
+      q, k, v = (einops.rearrange(_per_token(p, x_BxTxD), f"b t (h k) -> {heads}", k=cfg.hd)
+                 for p in (self.q, self.k, self.v))
+      if cfg.qk_norm:
+        q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
+      pos = None if cache is None else cache.positions_BxT
+      axis = heads.split().index("t")
+      q, k = (rope(a, self.theta, self.scaling, pos, token_axis=axis) for a in (q, k))
     if cache is not None:
       cache = cache.write(k, v)
       k, v = cache.k, cache.v
-    T = x_BxTxD.shape[1]
     visible = None if cache is None else cache.visible(T, self.window)  # [B, 1, T, S]
-    options = {"window": self.window, "scale": cfg.query_scale, "cap": cfg.attn_softcap}
+    options = {"window": self.window, "scale": query_scale, "cap": cfg.attn_softcap}
     if kind == "explicit":
       out, probs_BxHxTxS = _explicit_attention(q, k, v, visible, **options)
     elif kind == "splash":
