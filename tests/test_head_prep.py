@@ -107,3 +107,27 @@ def test_the_decoder_takes_the_kernel_where_it_runs_splash_on_a_tpu(head_dim, ke
   with jax.set_mesh(mesh):  # the mesh says the target: a TPU's (as a layout's step or the planner's)
     hlo = jax.jit(jax.grad(loss)).lower(state, tokens).compile().as_text()
   assert ("norm_rope_heads_bwd" in hlo) == kernels and ("norm_rope_heads" in hlo) == kernels
+
+
+@pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
+                    reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+@pytest.mark.parametrize("dtype, heads, head_dim", [("bfloat16", 32, 128), ("float32", 32, 128), ("bfloat16", 8, 256),
+                                                    ("float32", 8, 256)])
+def test_the_kernels_fit_a_v5e_chips_on_chip_memory(dtype, heads, head_dim):
+  """Compiled for one v5e chip: forward and backward fit its 16 MiB of scoped on-chip memory (too large a block fails
+  the compile) for wide projections in either dtype."""
+  from jax.sharding import SingleDeviceSharding
+
+  from meshdistill.planner._hardware import tpu_target
+
+  device = SingleDeviceSharding(tpu_target("v5e:2x2").devices[0])
+  T = 2048
+  y = jax.ShapeDtypeStruct((2, T, heads * head_dim), jnp.dtype(dtype), sharding=device)
+  table = jax.ShapeDtypeStruct((T, head_dim), jnp.float32, sharding=device)
+  scale = jax.ShapeDtypeStruct((head_dim,), jnp.float32, sharding=device)
+
+  def loss(y, cos, sin, w):
+    return jnp.sum(norm_rope_heads(y, heads, cos, sin, w, 1e-6, 0.1).astype(jnp.float32))
+
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 3))).lower(y, table, table, scale).compile().as_text()
+  assert "norm_rope_heads_bwd" in hlo

@@ -35,8 +35,13 @@ def usable(T: int, K: int, free_axis_sizes: tuple[int, ...]) -> bool:
   return K % 128 == 0 and T % 8 == 0 and all(n == 1 for n in free_axis_sizes)
 
 
-def _block_tokens(T: int) -> int:
-  return math.gcd(T, 512)
+def _blocks(T: int, H: int, K: int, itemsize: int) -> tuple[int, int]:
+  """Tokens and heads per grid step: ``gcd(T, 256)`` tokens and as many whole heads as fit 4 KiB of each row, so
+  that a step reads whole rows of the projection (contiguous, where one head's 128 lanes of each row were a strided
+  read at under half the chip's bandwidth) and the backward kernel's six buffers stay near 6 MiB of the 16 MiB of
+  scoped on-chip memory."""
+  heads = max(h for h in range(1, H + 1) if H % h == 0 and (h == 1 or h * K * itemsize <= 4096))
+  return math.gcd(T, 256), heads
 
 
 def _rotate_half(x, K: int):
@@ -48,45 +53,49 @@ def _rotate_half(x, K: int):
 
 
 def _forward_kernel(y_ref, s_ref, cos_ref, sin_ref, out_ref, *, K, eps, norm, dtype, post):
-  x = y_ref[0].astype(jnp.float32)  # [bt, K]: head h of bt tokens
-  if norm:
-    r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    x = (x * r * s_ref[...]).astype(dtype).astype(jnp.float32)  # `head_norm` returns the input's dtype
-  out = x * cos_ref[...] + _rotate_half(x, K) * sin_ref[...]
-  if post != 1.0:  # the queries' score scale, after `rope`'s rounding (as the splash path multiplies them)
-    out = out.astype(dtype).astype(jnp.float32) * post
-  out_ref[0, 0] = out.astype(out_ref.dtype)
+  cos, sin, s = cos_ref[...], sin_ref[...], s_ref[...]
+  for h in range(out_ref.shape[1]):  # the block's heads: lanes h K .. (h + 1) K of its rows
+    x = y_ref[0, :, h * K:(h + 1) * K].astype(jnp.float32)
+    if norm:
+      r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+      x = (x * r * s).astype(dtype).astype(jnp.float32)  # `head_norm` returns the input's dtype
+    out = x * cos + _rotate_half(x, K) * sin
+    if post != 1.0:  # the queries' score scale, after `rope`'s rounding (as the splash path multiplies them)
+      out = out.astype(dtype).astype(jnp.float32) * post
+    out_ref[0, h] = out.astype(out_ref.dtype)
 
 
 def _backward_kernel(y_ref, g_ref, s_ref, cos_ref, sin_ref, dy_ref, ds_ref, *, K, eps, norm, dtype, post):
-  g = g_ref[0, 0].astype(jnp.float32)
-  if post != 1.0:
-    g = (g * post).astype(dtype).astype(jnp.float32)
-  # the rotation's transpose: d n = g cos + R^T (g sin), R^T z = -R z for the signed permutation R
-  dn = g * cos_ref[...] - _rotate_half(g * sin_ref[...], K)
-  if norm:
-    dn = dn.astype(dtype).astype(jnp.float32)  # the gradient of `head_norm`'s output, in its dtype
-    x = y_ref[0].astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    ds_ref[0] = jnp.sum(dn * x * r, axis=0, keepdims=True)
-    dxs = dn * s_ref[...]
-    dn = r * dxs - x * (r * r * r) * jnp.mean(x * dxs, axis=-1, keepdims=True)
-  else:
-    ds_ref[0] = jnp.zeros((1, K), jnp.float32)
-  dy_ref[0] = dn.astype(dy_ref.dtype)
+  cos, sin, s = cos_ref[...], sin_ref[...], s_ref[...]
+  ds = jnp.zeros((1, K), jnp.float32)
+  for h in range(g_ref.shape[1]):
+    g = g_ref[0, h].astype(jnp.float32)
+    if post != 1.0:
+      g = (g * post).astype(dtype).astype(jnp.float32)
+    # the rotation's transpose: d n = g cos + R^T (g sin), R^T z = -R z for the signed permutation R
+    dn = g * cos - _rotate_half(g * sin, K)
+    if norm:
+      dn = dn.astype(dtype).astype(jnp.float32)  # the gradient of `head_norm`'s output, in its dtype
+      x = y_ref[0, :, h * K:(h + 1) * K].astype(jnp.float32)
+      r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+      ds = ds + jnp.sum(dn * x * r, axis=0, keepdims=True)
+      dxs = dn * s
+      dn = r * dxs - x * (r * r * r) * jnp.mean(x * dxs, axis=-1, keepdims=True)
+    dy_ref[0, :, h * K:(h + 1) * K] = dn.astype(dy_ref.dtype)
+  ds_ref[0] = ds
 
 
-def _specs(B, H, T, K):
+def _specs(B, H, T, K, itemsize):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
 
-  bt = _block_tokens(T)
-  token_major = pl.BlockSpec((1, bt, K), lambda b, h, t: (b, t, h))
-  head_major = pl.BlockSpec((1, 1, bt, K), lambda b, h, t: (b, h, t, 0))
-  table = pl.BlockSpec((bt, K), lambda b, h, t: (t, 0))
-  scale = pl.BlockSpec((1, K), lambda b, h, t: (0, 0))
-  n_t = T // bt
-  partial = pl.BlockSpec((1, 1, K), lambda b, h, t: ((b * H + h) * n_t + t, 0, 0))
-  return (B, H, n_t), token_major, head_major, table, scale, partial
+  bt, hb = _blocks(T, H, K, itemsize)
+  n_t, n_h = T // bt, H // hb
+  token_major = pl.BlockSpec((1, bt, hb * K), lambda b, t, g: (b, t, g))
+  head_major = pl.BlockSpec((1, hb, bt, K), lambda b, t, g: (b, g, t, 0))
+  table = pl.BlockSpec((bt, K), lambda b, t, g: (t, 0))
+  scale = pl.BlockSpec((1, K), lambda b, t, g: (0, 0))
+  partial = pl.BlockSpec((1, 1, K), lambda b, t, g: ((b * n_t + t) * n_h + g, 0, 0))
+  return (B, n_t, n_h), token_major, head_major, table, scale, partial
 
 
 def _forward(y, s, cos, sin, H, eps, norm, post, interpret):
@@ -94,7 +103,7 @@ def _forward(y, s, cos, sin, H, eps, norm, post, interpret):
 
   B, T, HK = y.shape
   K = HK // H
-  grid, token_major, head_major, table, scale, _ = _specs(B, H, T, K)
+  grid, token_major, head_major, table, scale, _ = _specs(B, H, T, K, y.dtype.itemsize)
   kernel = functools.partial(_forward_kernel, K=K, eps=eps, norm=norm, dtype=y.dtype, post=post)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[token_major, scale, table, table], out_specs=head_major,
@@ -107,11 +116,12 @@ def _backward(y, g, s, cos, sin, H, eps, norm, post, interpret):
 
   B, T, HK = y.shape
   K = HK // H
-  grid, token_major, head_major, table, scale, partial = _specs(B, H, T, K)
+  grid, token_major, head_major, table, scale, partial = _specs(B, H, T, K, y.dtype.itemsize)
   kernel = functools.partial(_backward_kernel, K=K, eps=eps, norm=norm, dtype=y.dtype, post=post)
+  n = grid[0] * grid[1] * grid[2]
   dy, ds = pl.pallas_call(
       kernel, grid=grid, in_specs=[token_major, head_major, scale, table, table], out_specs=[token_major, partial],
-      out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct((B * H * grid[2], 1, K), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct((n, 1, K), jnp.float32)],
       interpret=interpret, name="norm_rope_heads_bwd",
   )(y, g, s, cos, sin)
   return dy, ds.sum(axis=(0, 1))
