@@ -449,6 +449,9 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
          "| pair | batch x seq | student remat | loss chunk | attention (splash blocks) | AdamW first moment | "
          "scanned layers | step | ms / step | tokens/s | MFU | program GiB | call | result |",
          "|---|---|---|---:|---|---|---|---|---:|---:|---:|---:|---|---|"]
+  def call(r):  # the tag, and the checkout a row measured where it is not the code of its time
+    return (r.get("tag") or "") + (f" (checkout {r['code']})" if r.get("code") else "")
+
   for r in steps:
     s = r["setting"]
     attn = s["attn"] + (f" ({s.get('blocks')})" if s["attn"] == "splash" else "")
@@ -457,10 +460,10 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
     if "error" in r:
       why = "out of HBM" if "RESOURCE_EXHAUSTED" in r["error"] else r["error"][:60]
       prog = f"{r['program_bytes'] / GIB:.2f}" if r.get("program_bytes") else ""
-      out.append(f"{head} | | | | {prog} | {r.get('tag') or ''} | {why} |")
+      out.append(f"{head} | | | | {prog} | {call(r)} | {why} |")
       continue
     out.append(f"{head} | {r['step_s'] * 1e3:.0f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
-               f"{r['program_bytes'] / GIB:.2f} | {r.get('tag') or ''} | ran |")
+               f"{r['program_bytes'] / GIB:.2f} | {call(r)} | ran |")
   # the side by side compares within a call: every call's own rows (a later call's row of a setting does not
   # replace an earlier call's)
   out += side_by_side_section(list(newest_rows(jsonl, key=lambda r: (
