@@ -98,6 +98,18 @@ def _specs(B, H, T, K, itemsize):
   return (B, n_t, n_h), token_major, head_major, table, scale, partial
 
 
+def _cost(y, arrays: int, grid, T: int, K: int, norm: bool):
+  """What XLA's cost analysis (and the planner's HBM term, `meshdistill.planner`) counts for a kernel: ``arrays``
+  passes over the projection's bytes (forward: read, write; backward: two reads, a write) and the tables it reads
+  once per batch row and head group; about 12 elementwise operations per element, one square root per row with a
+  norm."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+
+  tables = 2 * T * K * 4 * grid[0] * grid[2]
+  return pl.CostEstimate(flops=12 * y.size, transcendentals=(y.size // K) if norm else 0,
+                         bytes_accessed=arrays * y.size * y.dtype.itemsize + tables)
+
+
 def _forward(y, s, cos, sin, H, eps, norm, post, interpret):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
 
@@ -108,6 +120,7 @@ def _forward(y, s, cos, sin, H, eps, norm, post, interpret):
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[token_major, scale, table, table], out_specs=head_major,
       out_shape=jax.ShapeDtypeStruct((B, H, T, K), y.dtype), interpret=interpret, name="norm_rope_heads",
+      cost_estimate=_cost(y, 2, grid, T, K, norm),
   )(y, s, cos, sin)
 
 
@@ -122,7 +135,7 @@ def _backward(y, g, s, cos, sin, H, eps, norm, post, interpret):
   dy, ds = pl.pallas_call(
       kernel, grid=grid, in_specs=[token_major, head_major, scale, table, table], out_specs=[token_major, partial],
       out_shape=[jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct((n, 1, K), jnp.float32)],
-      interpret=interpret, name="norm_rope_heads_bwd",
+      interpret=interpret, name="norm_rope_heads_bwd", cost_estimate=_cost(y, 3, grid, T, K, norm),
   )(y, g, s, cos, sin)
   return dy, ds.sum(axis=(0, 1))
 
