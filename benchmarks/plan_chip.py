@@ -16,6 +16,7 @@ chip (no collectives): it is held at `planner._calibrate.HELD_K` and does not en
   python benchmarks/plan_chip.py --stand-in            # compile every measured configuration not yet stored
   python benchmarks/plan_chip.py --jsonl PATH --only b=2  # measured rows from PATH; only configurations with b=2
   python benchmarks/plan_chip.py --recompile --pair gemma3  # compile that pair's stored configurations again
+  python benchmarks/plan_chip.py --recompile --pair qwen3 --config b=4,t=2048,remat=dots_no_batch,chunk=1024,attn=splash
   python benchmarks/plan_chip.py --render              # refit and print the section from the stored .json
 
 Writes ``benchmarks/results/plan_calibration_chip.json`` (per configuration: the measured step and program bytes,
@@ -115,6 +116,7 @@ def main() -> int:
   ap.add_argument("--jsonl", default=MEASURED, help="the measured rows (tpu_step.py's jsonl)")
   ap.add_argument("--only", default=None, help="compile only configurations whose key contains this text")
   ap.add_argument("--pair", default=None, help="compile only this pair's configurations (e.g. gemma3)")
+  ap.add_argument("--config", default=None, help="compile only the configuration of exactly this key")
   ap.add_argument("--recompile", action="store_true", help="compile configurations already stored too")
   ap.add_argument("--stand-in", action="store_true", help=f"also compile the stand-in over all of {TOPOLOGY} "
                   f"(data={STAND_IN}) where a row has none")
@@ -127,7 +129,7 @@ def main() -> int:
       old = have.get((pair, key))
       done = old is not None and "stand_in_wire_bytes" not in old and not args.recompile
       if (done and (old.get("stand_in") or not args.stand_in) or args.only and args.only not in key
-          or args.pair and args.pair != pair):
+          or args.pair and args.pair != pair or args.config and args.config != key):
         continue
       terms = ({k: old[k] for k in ONE_CHIP_FIELDS} if done else plan_terms(pair, r["setting"]))
       stand_in = None if old is None else _old_stand_in(old)
