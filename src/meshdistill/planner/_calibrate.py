@@ -274,8 +274,8 @@ CALIBRATION: Calibration | None = Calibration(
 # the fit over every row of benchmarks/results/plan_calibration_chip.json (steps measured on one TPU v5e chip;
 # plan_calibration.md's chip section; tests/test_plan_cost.py refits it from the json)
 CHIP_CALIBRATION: Calibration | None = Calibration(
-    a={"v5e": 0.546654}, a_pooled=0.546654, k=1.000000, h=0.785433,
-    band={"v5e": 0.141067}, rows=14, comm_share=0.0, source="chip",
+    a={"v5e": 0.560858}, a_pooled=0.560858, k=1.000000, h=0.773049,
+    band={"v5e": 0.180673}, rows=14, comm_share=0.0, source="chip",
     row_names=(
         "gemma3 b=2,t=2048,remat=full,chunk=512,attn=splash",
         "llama b=2,t=2048,remat=full,chunk=1024,attn=splash,mu=bfloat16",
