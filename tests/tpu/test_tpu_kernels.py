@@ -30,6 +30,9 @@ float32 scores on the same inputs           2e-2 grads      probabilities before
 ragged_dot vs the loop over experts in      2e-2            each of the three products and the gate's activation
 bfloat16                                                    round to bfloat16 (2^-9), in other orders on the two
                                                             paths: 3-6e-3 seen on the CPU (each 6-9e-3 from float32)
+query/key kernel (`_head_prep`) vs          1e-2            the XLA form rounds the rotation's two gradient terms
+`head_norm` + `rope` in bfloat16                            to bfloat16 apart and adds them there, the kernel adds
+                                                            in float32 and rounds once: 2.7-3.3e-3 seen on the CPU
 ==========================================  ==============  ====================================================
 
 At the TPU's default precision a float32 matrix product runs as one bfloat16 pass (about 3 digits), which would hide
