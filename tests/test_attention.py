@@ -95,6 +95,26 @@ def test_splash_interpreted_values_and_grads_equal_explicit():
     _splash_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8])
 
 
+def test_bfloat16_splash_under_a_higher_default_precision_runs_at_default_with_the_same_numbers():
+  """Mosaic refuses a bfloat16 product at 'highest' ("Bad lhs type"; compiled for v5e in test_on_chip_support), so
+  the kernel on bfloat16 inputs is traced at the default precision, forward and backward, whatever the context says:
+  the same values and gradients as without the context (interpret mode here)."""
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in ((1, 128, 4, 8), (1, 128, 2, 8), (1, 128, 2, 8)))
+  w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+  def run():
+    f = lambda q, k, v: jnp.sum(token_major(_splash_attention)(q, k, v).astype(jnp.float32) * w)  # noqa: E731
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
+
+  want, want_grads = run()
+  with jax.default_matmul_precision("highest"):
+    got, got_grads = run()
+  np.testing.assert_array_equal(got, want)
+  for g, r in zip(got_grads, want_grads):
+    np.testing.assert_array_equal(g, r)
+
+
 def test_splash_runs_head_major_with_no_transposes_forward_and_backward():
   """The splash kernel reads and writes ``[B, H, T, K]``: the decoder projects into that layout (XLA writes the
   projection's matmul so), and nothing in the kernel's wrapper swaps heads and tokens, forward or backward (a

@@ -288,5 +288,31 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, interpret: bool | None = 
     q_BxGxRxTxK = q_BxGxRxTxK / jnp.sqrt(K).astype(q_BxHxTxK.dtype)
   elif not (isinstance(scale, (int, float)) and scale == 1.0):  # 1.0: queries scaled already (`heads_in_kernel`)
     q_BxGxRxTxK = q_BxGxRxTxK * jnp.asarray(scale, q_BxHxTxK.dtype)
-  out = jax.vmap(jax.vmap(kernel))(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK)
+  run = jax.vmap(jax.vmap(kernel))
+  if itemsize <= 2 and jax.config.jax_default_matmul_precision not in (None, "default", "bfloat16", "fastest"):
+    run = _at_default_precision(run)
+  out = run(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK)
   return out.reshape(B, H, T, K).astype(v_BxGxTxK.dtype)
+
+
+def _at_default_precision(fn):
+  """``fn`` (the splash kernel on bfloat16 inputs) traced at the default matmul precision, its backward pass too
+  (`jax.vjp` in the forward rule, its function called in the backward one): under a higher
+  `jax.default_matmul_precision` Mosaic refuses a bfloat16 product ("Bad lhs type"; "Unsupported dot precision:
+  HIGH"), and for bfloat16 operands it would mean nothing more (their products are exact in the float32
+  accumulator)."""
+  @jax.custom_vjp
+  def run(*args):
+    with jax.default_matmul_precision("default"):
+      return fn(*args)
+
+  def forward(*args):
+    with jax.default_matmul_precision("default"):
+      return jax.vjp(fn, *args)
+
+  def backward(vjp_fn, g):
+    with jax.default_matmul_precision("default"):
+      return vjp_fn(g)
+
+  run.defvjp(forward, backward)
+  return run
