@@ -30,11 +30,12 @@ def _norm(kind, dtype, rng):
 
 
 def _with_scale(m, w):
+  """``m`` with its scale ``w`` (a traced value: the norm's gradient is taken with respect to it)."""
   if m is None:
     return None
-  m = m.__class__.__new__(m.__class__) if not isinstance(m, types.SimpleNamespace) else types.SimpleNamespace(**vars(m))
-  vars(m).update(epsilon=1e-6, scale=w, **({"dtype": vars(m).get("dtype")} if "dtype" in vars(m) else {}))
-  return m
+  new = OffsetRMSNorm.__new__(OffsetRMSNorm) if isinstance(m, OffsetRMSNorm) else types.SimpleNamespace()
+  vars(new).update(vars(m), scale=w)
+  return new
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

@@ -168,10 +168,7 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, **options):
         "attention='splash' on %s runs the Pallas kernel in interpret mode: slow, meant for numerics checks; "
         "use attention='auto' (or 'xla') off TPU", target_platform()
     )
-  mesh = jax.sharding.get_abstract_mesh()
-  manual = set(getattr(mesh, "manual_axes", ()))
-  # every compiler-managed axis, size 1 too: the TPU compiler refuses the kernel under any auto-partitioned axis
-  free = {a for a in mesh.axis_names if a not in manual}
+  mesh, free = _compiler_axes()
   if not free:
     return _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, interpret=interpret, **options)
   B, H = q_BxHxTxK.shape[:2]
@@ -202,24 +199,37 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, **options):
                        check_vma=False)(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK)
 
 
+def _compiler_axes():
+  """The mesh in context and its compiler-managed (not manual) axes, size 1 too: the TPU compiler refuses a Mosaic
+  kernel under any auto-partitioned axis, so the kernels here run in a ``shard_map`` manual over all of them."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(mesh, "manual_axes", ()))
+  return mesh, {a for a in mesh.axis_names if a not in manual}
+
+
+def query_prescale(K: int, scale: float | None, dtype) -> float:
+  """The factor `_splash_attention` scales the queries by (``1 / sqrt(K)``, or ``scale``, each rounded to the
+  queries' ``dtype`` as it rounds them), for a producer that applies it first (`heads_in_kernel`'s ``post_scale``);
+  the splash call then gets ``scale=1.0`` and applies nothing."""
+  rounded = lambda c: float(np.asarray(c, np.dtype(dtype)))  # noqa: E731  (on the host: a constant)
+  return 1.0 / rounded(np.sqrt(K)) if scale is None else rounded(scale)
+
+
 def prep_in_kernel(T: int, K: int) -> bool:
   """Whether the splash path's queries and keys take `heads_in_kernel` (one Pallas kernel for their norm, RoPE and
   head-major layout): compiled for a TPU, lane-wide heads, and no compiler-managed mesh axis of more than one
   device (the kernel cannot be partitioned; there the XLA form stays)."""
   if target_platform() != "tpu":
     return False
-  mesh = jax.sharding.get_abstract_mesh()
-  manual = set(getattr(mesh, "manual_axes", ()))
-  return _head_prep.usable(T, K, tuple(mesh.shape[a] for a in mesh.axis_names if a not in manual))
+  mesh, free = _compiler_axes()
+  return _head_prep.usable(T, K, tuple(mesh.shape[a] for a in free))
 
 
 def heads_in_kernel(y_BxTxHK, n_heads: int, cos_TxK, sin_TxK, scale_K=None, eps: float = 0.0, post_scale=1.0):
   """`_head_prep.norm_rope_heads` where `prep_in_kernel` said so: in a ``shard_map`` manual over the mesh's
   compiler-managed axes (all of size 1 there; the TPU compiler refuses a Mosaic kernel under any of them)."""
   fn = functools.partial(_head_prep.norm_rope_heads, n_heads=n_heads, eps=eps, post_scale=post_scale)
-  mesh = jax.sharding.get_abstract_mesh()
-  manual = set(getattr(mesh, "manual_axes", ()))
-  free = {a for a in mesh.axis_names if a not in manual}
+  _, free = _compiler_axes()
   if not free:
     return fn(y_BxTxHK, cos_TxK=cos_TxK, sin_TxK=sin_TxK, scale_K=scale_K)
   args = (y_BxTxHK, cos_TxK, sin_TxK) + (() if scale_K is None else (scale_K,))

@@ -30,13 +30,12 @@ from typing import NamedTuple
 import einops
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.parallel.rules import annotate
-from meshdistill.models._attention import (KVCache, _explicit_attention, heads_in_kernel, prep_in_kernel, rope,
-                                          rope_tables, splash_attention)
+from meshdistill.models._attention import (KVCache, _explicit_attention, heads_in_kernel, prep_in_kernel,
+                                          query_prescale, rope, rope_tables, splash_attention)
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._scan import layer_blocks, save_all_but_casts, scan_blocks, stacked_blocks
 from meshdistill.models._variants import gate_activation, head_norm, head_norm_scale, norm, scale_embed, softcap
@@ -131,17 +130,15 @@ class Attention(nnx.Module):
     query_scale = cfg.query_scale
     if kind == "splash" and cache is None and prep_in_kernel(T, cfg.hd):  # one Pallas kernel each (`_head_prep`)
       cos, sin = rope_tables(jnp.arange(T), cfg.hd, self.theta, self.scaling)
-      # the queries leave the kernel scaled as the splash path scales them (by the scale rounded to their dtype)
       dtype = x_BxTxD.dtype
-      rounded = lambda c: float(np.asarray(c, np.dtype(dtype)))  # noqa: E731  (on the host: a constant)
-      scaled = 1.0 / rounded(np.sqrt(cfg.hd)) if query_scale is None else rounded(query_scale)
       q, k = (
           heads_in_kernel(_per_token(p, x_BxTxD), n, cos, sin, head_norm_scale(nm, dtype) if nm else None,
                           nm.epsilon if nm else 0.0, post)
-          for p, n, nm, post in ((self.q, cfg.n_heads, getattr(self, "q_norm", None), scaled),
+          for p, n, nm, post in ((self.q, cfg.n_heads, getattr(self, "q_norm", None),
+                                  query_prescale(cfg.hd, query_scale, dtype)),
                                  (self.k, cfg.n_kv_heads, getattr(self, "k_norm", None), 1.0)))
       v = einops.rearrange(_per_token(self.v, x_BxTxD), f"b t (h k) -> {heads}", k=cfg.hd)
-      query_scale = 1.0  # applied above
+      query_scale = 1.0  # the queries left the kernel scaled as the splash path scales them
     else:
       q, k, v = (einops.rearrange(_per_token(p, x_BxTxD), f"b t (h k) -> {heads}", k=cfg.hd)
                  for p in (self.q, self.k, self.v))
