@@ -8,10 +8,10 @@ collectives, as ``md.plan(..., devices="local")`` compiles it on the chip. ``--s
 of ``v5e:2x2`` with mesh ``data=4`` at four times the batch (the same rows per chip, plus one gradient all-reduce the
 chip does not have), stored beside the row as a check of how far that stand-in moves the terms and the memory.
 
-The chip source fits ``a[v5e]``, the fraction of peak in ``max(compute / a, hbm)`` (`planner._calibrate`,
-`calibrate_chip`), over one row per configuration (the measurement with the package's splash blocks where there is
-one, else the row measured with other blocks, said in the row). The collective cost ``k`` cannot be fitted from one
-chip (no collectives): it is held at `planner._calibrate.HELD_K` and does not enter a one-chip estimate.
+The chip source (`planner._calibrate.ChipCalibration`, `calibrate_chip`) is fitted over one row per configuration
+(the measurement with the package's splash blocks where there is one, else the row measured with other blocks, said
+in the row): the TPU compiler's estimated cycles of the program (matmul fusions and the rest) and the attention
+kernels' executed FLOPs, against the measured step.
 
   python benchmarks/plan_chip.py --stand-in            # compile every measured configuration not yet stored
   python benchmarks/plan_chip.py --jsonl PATH --only b=2  # measured rows from PATH; only configurations with b=2
@@ -70,9 +70,13 @@ def plan_terms(pair: str, setting: dict) -> dict:
   seconds = time.perf_counter() - t0
   if p.collectives:
     raise ValueError(f"the one-chip program of {setting} has collectives: {p.collectives}")
+  if "cycles" not in p.time:
+    raise ValueError(f"the one-chip program of {setting} carries no estimated cycles of the TPU compiler")
   return {"compiled_for": f"{TOPOLOGY}, one device", "compute_s": p.time["compute_s"], "hbm_s": p.time["hbm_s"],
           "comm_s": 0.0, "flops_per_chip": p.flops["counted"], "kernel_flops_per_chip": p.flops["kernels"],
-          "planned_bytes": p.memory["total"], "planned_temp_bytes": p.memory["temp"], "fits": p.fits,
+          "cycles": p.time["cycles"], "kernel_s": p.time["kernel_s"],
+          "planned_bytes": p.memory["total"], "planned_temp_bytes": p.memory["temp"],
+          "planned_peak_bytes": p.memory["compiler_peak"], "fits": p.fits,
           "plan_seconds": seconds, "load_average": os.getloadavg()[0]}
 
 
@@ -91,14 +95,16 @@ def stand_in_terms(pair: str, setting: dict) -> dict:
 
 
 ONE_CHIP_FIELDS = ("compiled_for", "compute_s", "hbm_s", "comm_s", "flops_per_chip", "kernel_flops_per_chip",
-                   "planned_bytes", "planned_temp_bytes", "fits", "plan_seconds", "load_average")
+                   "cycles", "kernel_s", "planned_bytes", "planned_temp_bytes", "planned_peak_bytes", "fits",
+                   "plan_seconds", "load_average")
 
 
 def row_of(pair: str, r: dict, terms: dict, stand_in: dict | None) -> dict:
   s = r["setting"]
   return {"pair": pair, "config": config_key(s), "setting": s, "measured_label": r["label"], "tag": r.get("tag"),
           "device": r.get("device"), "package_blocks": package_blocks(s), "step_s": r["step_s"],
-          "program_bytes": r["program_bytes"], **terms, "stand_in": stand_in}
+          "program_bytes": r["program_bytes"], "measured_peak_bytes": r.get("compiler_peak_bytes"), **terms,
+          "stand_in": stand_in}
 
 
 def _old_stand_in(row: dict) -> dict | None:
@@ -127,7 +133,8 @@ def main() -> int:
     have = {(r["pair"], r["config"]): r for r in stored}
     for (pair, key), r in measured_configs(args.jsonl).items():
       old = have.get((pair, key))
-      done = old is not None and "stand_in_wire_bytes" not in old and not args.recompile
+      done = (old is not None and "stand_in_wire_bytes" not in old and "cycles" in old and not args.recompile
+              and old.get("step_s") == r["step_s"])  # a row measured again is planned again
       if (done and (old.get("stand_in") or not args.stand_in) or args.only and args.only not in key
           or args.pair and args.pair != pair or args.config and args.config != key):
         continue

@@ -133,6 +133,7 @@ def _trace_roles(d, state, batch, steps: int, out_dir: str | None) -> dict:
   hlo = d.lower(state, batch).compile().as_text()
   roles = hlo_roles(hlo, ROLES)
   if out_dir:  # the profiled program's text: the trace's instruction names are this program's
+    os.makedirs(out_dir, exist_ok=True)
     with gzip.open(os.path.join(out_dir, "step.hlo.txt.gz"), "wt") as f:
       f.write(hlo)
   with tempfile.TemporaryDirectory() as tmp:
@@ -486,20 +487,29 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
   out += generation_section([r for r in rows if r.get("system") in GEN_SYSTEMS])
   plans = [r for r in rows if r.get("system") == "plan" and "plan" in r]
   if plans:
-    out += ["", "## The planner against the chip (`md.plan(..., devices=\"local\")`)", "",
-            "| pair | setting | measured ms | roofline ms | calibrated ms (band) | measured / calibrated | "
-            "measured program GiB | planned GiB |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    out += ["", "## The planner on the chip (`md.plan(..., devices=\"local\")`, run there)", "",
+            "Each plan compiled the step on the chip itself, in the call (tag) named; its calibrated figure is the "
+            "chip source of that commit (`plan_calibration.md` holds the current source against every measured "
+            "configuration). Measured: the newest row of the same setting in the Steps table.", "",
+            "| pair | setting | call | measured ms | roofline ms | calibrated ms (band; source) | measured / "
+            "calibrated | measured program GiB | planned GiB | measured compiler peak GiB | planned compiler peak "
+            "GiB |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in plans:
-      t = r["plan"]["time"]
+      t, mem = r["plan"]["time"], r["plan"]["memory"]
       cal = t.get("calibrated") or {}
-      meas = next((m for m in steps if m.get("label", "").rsplit(",blocks=", 1)[0] == r["label"].rsplit(",blocks=", 1)[0]
-                   and m.get("tag") == "explore1" and "step_s" in m), None)
-      if meas is None:
+      label = r["label"].rsplit(",blocks=", 1)[0]
+      meas = [m for m in steps if m.get("label", "").rsplit(",blocks=", 1)[0] == label and "step_s" in m
+              and not m.get("code") and m["pair"] == r["pair"]]
+      if not meas:
         continue
-      out.append(f"| {r['pair']} | {r['label']} | {meas['step_s'] * 1e3:.0f} | {t['step_s'] * 1e3:.0f} | "
-                 f"{cal.get('step_s', 0) * 1e3:.0f} ({cal.get('low_s', 0) * 1e3:.0f}-{cal.get('high_s', 0) * 1e3:.0f}) | "
-                 f"{meas['step_s'] / cal['step_s']:.2f} | {meas['program_bytes'] / GIB:.2f} | "
-                 f"{r['plan']['memory']['total'] / GIB:.2f} |")
+      same = [x for x in meas if x.get("label") == r["label"]]  # the blocks too, else the package's
+      m = ([x for x in same if x.get("tag") == r.get("tag")] or same or meas)[-1]
+      peak, planned_peak = m.get("compiler_peak_bytes"), mem.get("compiler_peak")
+      peaks = " | ".join("n/a" if not x else f"{x / GIB:.2f}" for x in (peak, planned_peak))
+      out.append(f"| {r['pair']} | {r['label']} | {r.get('tag') or ''} | {m['step_s'] * 1e3:.0f} | "
+                 f"{t['step_s'] * 1e3:.0f} | {cal.get('step_s', 0) * 1e3:.0f} ({cal.get('low_s', 0) * 1e3:.0f}-"
+                 f"{cal.get('high_s', 0) * 1e3:.0f}; {cal.get('source', 'n/a')}) | {m['step_s'] / cal['step_s']:.2f} | "
+                 f"{m['program_bytes'] / GIB:.2f} | {mem['total'] / GIB:.2f} | {peaks} |")
   text = "\n".join(out) + "\n"
   notes = ""
   if os.path.exists(md_path):

@@ -162,19 +162,18 @@ def test_the_chip_section_of_plan_calibration_md_is_the_render_of_its_stored_row
   chip = bench_module("chip_calibration")
   text = chip.section(chip.load())
   assert text in (BENCHMARKS / "results" / "plan_calibration.md").read_text()
-  assert "a[v5e] = " in text and "leave-one-config-out" in text and "Leave one pair out" in text
+  assert "s_matmul = " in text and "leave-one-config-out" in text and "Leave one pair out" in text
   # each pair predicted from the other pairs' rows only: a fit that saw the pair would change its figure
-  rows = chip.load()
+  rows = chip.fitted(chip.load())
   others = [r for r in rows if r["pair"] != "gemma3"]
-  assert chip.lopo_a(rows, "gemma3") == pytest.approx(chip.fit_rows(others)[0].a[chip.GENERATION])
-  assert chip.lopo_fit(rows, "gemma3").h == pytest.approx(chip.fit_rows(others)[0].h)
-  assert chip.lopo_fit(rows, "gemma3").h != pytest.approx(chip.fit_rows(rows)[0].h)
   gemma3 = [i for i, r in enumerate(rows) if r["pair"] == "gemma3"]
-  want = chip.fit_rows(others)[0].predict([(rows[i]["compute_s"], rows[i]["hbm_s"], rows[i]["comm_s"]) for i in gemma3],
-                                         [chip.GENERATION] * len(gemma3))
+  want = chip.fit_rows(others)[0].predict([chip.chip_terms(rows[i]) for i in gemma3])
   assert [chip.leave_one_pair_out(rows)[i] for i in gemma3] == pytest.approx(list(want))
+  assert list(want) != pytest.approx(list(chip.fit_rows(rows)[0].predict([chip.chip_terms(rows[i]) for i in gemma3])))
+  assert len(rows) < len(chip.load()) and all(chip.earlier_code(r) for r in chip.load() if r not in rows)
+  assert "earlier code: not fitted" in text  # measured on an earlier program: shown, not fitted
   one_pair = chip.section([r for r in rows if r["pair"] == "qwen3"])
-  assert "cannot be checked yet" in one_pair and "Leave one pair out" not in one_pair
+  assert "leaving one pair out needs two" in one_pair and "Leave one pair out" not in one_pair
 
 
 def test_side_by_side_table_sets_each_peer_beside_meshdistill_of_the_same_call_and_setting(tpu_step):

@@ -43,6 +43,11 @@ def test_scanned_loops_are_counted_whole_as_the_unrolled_program_counts_them(sca
   assert wire(scanned) == pytest.approx(wire(unrolled), rel=1e-2)
   assert scanned.step_seconds is not None and scanned.step_seconds == pytest.approx(unrolled.step_seconds, rel=0.2)
   assert "loops counted whole" in scanned.table()
+  # the TPU compiler's own estimated cycles, loops counted whole: the matmul fusions' as the unrolled program's
+  # (the rest holds the scan's own slicing of the stacked weights)
+  cycles = scanned.time["cycles"], unrolled.time["cycles"]
+  assert cycles[0]["matmul"] == pytest.approx(cycles[1]["matmul"], rel=1e-2) and cycles[1]["other"] > 0
+  assert scanned.time["kernel_s"] == 0 and cycles[0]["kernel_calls"] == 0  # XLA attention: no Mosaic kernel
   # a pod topology's estimate comes from the published source
   assert scanned.time["calibrated"]["source"] == "published"
   # memory is the scanned program's own (its stacked blocks' loop carries), and it fits as the unrolled one does
@@ -128,53 +133,48 @@ def test_the_stored_calibration_is_the_fit_of_the_published_rows_and_reproduces_
 
 
 def test_the_stored_chip_calibration_is_the_fit_of_the_measured_chip_rows_and_kept_apart_from_the_published():
-  """Refits the chip source from its stored rows (no compile): steps measured on one TPU v5e chip, each with the
-  planner's terms of its one-chip program, fitted apart from the pod rows."""
+  """Refits the chip source from its stored rows (no compile): steps measured on one TPU v5e chip, each with the TPU
+  compiler's estimated cycles of its one-chip program and its attention kernels' FLOPs, fitted apart from the pod
+  rows."""
   with open(CHIP_RESULTS) as f:
-    rows = json.load(f)
+    rows = [r for r in json.load(f) if r["tag"].startswith(("s9-", "s10-"))]  # measured on the program planned
   stored = _calibrate.CHIP_CALIBRATION
   assert rows and stored is not None and stored.source == "chip" and _calibrate.CALIBRATION.source == "published"
   assert stored.row_names == tuple(f"{r['pair']} {r['config']}" for r in rows) and stored.rows == len(rows)
-  assert len(set(stored.row_names)) == len(rows)  # one row per measured configuration
+  assert len(set(stored.row_names)) == len(rows) and stored.generation == "v5e"  # one row per configuration
   # the one-chip program (one device of v5e:2x2): no collectives; the data=4 stand-in, where compiled, has its
   # gradient all-reduce
   assert all(r["comm_s"] == 0 and "one device" in r["compiled_for"] and r["device"] == "TPU v5 lite" for r in rows)
   assert all(r["stand_in"]["wire_bytes"] > 0 for r in rows if r.get("stand_in"))
-  terms = [(r["compute_s"], r["hbm_s"], r["comm_s"]) for r in rows]
+  terms = [(r["cycles"]["matmul"], r["cycles"]["other"], r["kernel_s"]) for r in rows]
   measured = [r["step_s"] for r in rows]
   cal = _calibrate.calibrate_chip(terms, measured, [r["config"] for r in rows])
-  assert stored.a == pytest.approx(cal.a, rel=1e-3) and stored.k == cal.k == _calibrate.HELD_K
-  assert stored.h == pytest.approx(cal.h, rel=1e-3) and stored.h < 1  # its HBM-bound rows tell h
-  assert _calibrate.CALIBRATION.h == 1.0  # the published source's rows do not
+  assert stored.s_matmul == pytest.approx(cal.s_matmul, rel=1e-3)
+  assert stored.s_other == pytest.approx(cal.s_other, rel=1e-3)
+  assert stored.kernel_fraction == pytest.approx(cal.kernel_fraction, rel=1e-3)
   assert stored.band == pytest.approx(cal.band, rel=1e-3, abs=1e-4)
-  # every measured step is slower than its roofline, and within the band of the fit over every row
-  assert all(max(c, h) < m for (c, h, _), m in zip(terms, measured))
-  fitted = stored.predict(terms, ["v5e"] * len(rows))
-  assert all(abs(p / m - 1) <= stored.band["v5e"] + 1e-3 for p, m in zip(fitted, measured))
+  # the splash rows run kernels the compiler does not estimate; XLA's attention runs none
+  assert all((r["kernel_s"] > 0) == (r["setting"]["attn"] == "splash") for r in rows)
+  # every fitted row within the band of the fit (the largest leave-one-config-out error bounds the in-sample ones)
+  fitted = stored.predict(terms)
+  assert all(abs(p / m - 1) <= stored.band + 1e-3 for p, m in zip(fitted, measured))
 
 
-def test_the_chip_fit_recovers_its_fraction_of_peak_and_refuses_collectives():
-  terms = [(1.0, 0.5, 0.0), (2.0, 3.0, 0.0), (4.0, 1.0, 0.0)]
-  measured = [1.0 / 0.6, 3.0, 4.0 / 0.6]  # the second HBM-bound: max(2 / 0.6, 3) = 3.33 predicted
-  cal = _calibrate.calibrate_chip(terms, measured, ["a", "b", "c"])
-  assert cal.source == "chip" and cal.row_names == ("a", "b", "c") and cal.comm_share == 0
-  assert cal.a["v5e"] == pytest.approx(0.6, rel=0.05) and cal.k == _calibrate.HELD_K and cal.band["v5e"] < 0.15
-  with pytest.raises(ValueError, match="no collective term"):
-    _calibrate.calibrate_chip([(1.0, 0.5, 0.1)], [2.0], ["a"])
-  # rows bound by HBM traffic tell the bandwidth fraction: a = 0.5, h = 0.8 recovered from four exact rows
-  terms = [(1.0, 0.2, 0.0), (2.0, 0.5, 0.0), (0.5, 1.6, 0.0), (0.5, 2.4, 0.0)]
-  measured = [max(c / 0.5, h / 0.8) for c, h, _ in terms]
-  cal = _calibrate.calibrate_chip(terms, measured, ["a", "b", "c", "d"])
-  assert cal.a["v5e"] == pytest.approx(0.5, rel=1e-3) and cal.h == pytest.approx(0.8, rel=1e-3)
-  assert cal.band["v5e"] < 1e-3 and cal.step_seconds(0.5, 1.6, 0.0, "v5e") == pytest.approx(2.0, rel=1e-3)
-  # with h held at 1 the HBM-bound rows cannot be fitted: predicted short by 20% and more
-  held = _calibrate.fit(terms, measured, ["v5e"] * 4, _calibrate.HELD_K)
-  assert held.h == 1.0 and all(p / m - 1 < -0.19 for p, m in zip(held.predict(terms[2:], ["v5e"] * 2), measured[2:]))
-  # compute-bound rows alone leave h where it starts (1)
-  assert _calibrate.calibrate_chip(terms[:2], measured[:2], ["a", "b"]).h == pytest.approx(1.0)
-  with pytest.raises(ValueError, match="held k only"):
-    _calibrate.fit(terms, measured, ["v5e"] * 4, None, fit_h=True)
-  with pytest.raises(ValueError, match="one name per row"):
+def test_the_chip_fit_recovers_its_rates_and_refuses_too_few_rows():
+  clock = 1.5e9
+  truth = (1.0 / clock, 0.5 / clock, 0.7)  # s_matmul, s_other, the kernels' fraction of peak
+  terms = [(3e8, 2e8, 0.03), (6e8, 3e8, 0.06), (2e8, 4e8, 0.0), (5e8, 1e8, 0.01), (1e8, 1e8, 0.02)]
+  measured = [m * truth[0] + o * truth[1] + k / truth[2] for m, o, k in terms]
+  cal = _calibrate.calibrate_chip(terms, measured, list("abcde"))
+  assert cal.source == "chip" and cal.row_names == tuple("abcde") and cal.rows == 5
+  assert (cal.s_matmul, cal.s_other, cal.kernel_fraction) == pytest.approx(truth, rel=1e-3)
+  assert cal.band < 1e-3 and cal.step_seconds(*terms[0]) == pytest.approx(measured[0], rel=1e-6)
+  # rows without a kernel say nothing of the kernels' fraction: held where it starts
+  assert _calibrate.calibrate_chip([(m, o, 0.0) for m, o, _ in terms], [m * truth[0] + o * truth[1] for m, o, _ in
+                                                                       terms], list("abcde")).kernel_fraction == 0.7
+  with pytest.raises(ValueError, match="at least 4"):
+    _calibrate.calibrate_chip(terms[:3], measured[:3], ["a", "b", "c"])
+  with pytest.raises(ValueError, match="one name and one measured step per row"):
     _calibrate.calibrate_chip(terms, measured, ["a"])
 
 
@@ -182,7 +182,8 @@ def test_one_local_chip_takes_the_chip_source_and_every_other_target_the_publish
   from meshdistill.config import load_config  # pylint: disable=g-import-not-at-top
   from meshdistill.planner import TPU_CHIPS, Planner, Target  # pylint: disable=g-import-not-at-top
 
-  chip = _calibrate.Calibration(a={"v5e": 0.5}, a_pooled=0.5, k=1.0, band={"v5e": 0.05}, rows=3, source="chip")
+  chip = _calibrate.ChipCalibration(generation="v5e", s_matmul=1 / 1.5e9, s_other=0.5 / 1.5e9, kernel_fraction=0.5,
+                                    band=0.05, rows=5)
   monkeypatch.setattr(_calibrate, "CHIP_CALIBRATION", chip)
   published = _calibrate.CALIBRATION
   assert _calibrate.source_for(1, "v5e", local=True) is chip
@@ -197,9 +198,14 @@ def test_one_local_chip_takes_the_chip_source_and_every_other_target_the_publish
   assert planner("local:v5ex4", 4, True).calibration() is published
   assert planner("v5e:2x2", 4).calibration() is published
   t = {"compute_s": 1.0, "hbm_s": 0.8, "comm_s": 0.0, "step_s": 1.0, "mfu": 0.5, "tokens_per_s": 100.0}
+  assert chip.of(t, "v5e") is None  # no cycles of the TPU compiler: the chip source has nothing to read
+  t.update(cycles={"matmul": 1.5e9, "other": 1.5e9, "kernel_calls": 4}, kernel_s=0.25)
+  assert chip.of(t, "v6e") is None  # measured on another generation
   t["calibrated"] = chip.of(t, "v5e")
-  assert t["calibrated"]["source"] == "chip" and t["calibrated"]["step_s"] == pytest.approx(2.0)
-  assert "leave-one-config-out error on steps measured on one v5e chip" in _report.step_time_lines(t)[0]
+  assert t["calibrated"]["source"] == "chip" and t["calibrated"]["step_s"] == pytest.approx(1.0 + 0.5 + 0.5)
+  lines = _report.step_time_lines(t)
+  assert "leave-one-config-out error on steps measured on one v5e chip" in lines[0]
+  assert "TPU compiler's estimate 1,500 + 1,500 M cycles" in lines[1] and "kernels 250.0 ms" in lines[1]
 
 
 def test_the_published_rows_are_consistent_with_their_sources_arithmetic():
@@ -301,7 +307,7 @@ def test_placement_of_a_tiny_pair_returns_each_option_and_recommends_one(scanned
   assert all(o["step_s"] is not None and o["step_s"] > 0 for o in opts.values())
   assert opts["sub_mesh"]["teacher_chips"] + opts["sub_mesh"]["student_chips"] == 4
   # without the teacher in the step a chip holds less; the student's steps alone are faster than the step with it
-  assert opts["offline_cache"]["memory_bytes"] == p.memory["total"] - p.memory["teacher_weights"]
+  assert opts["offline_cache"]["memory_bytes"] == p.need_bytes - p.memory["teacher_weights"]
   assert opts["offline_cache"]["step_s"] < opts["in_step"]["step_s"]
   # top-8 of V=2048: 8 ids of 11 bits (11 B), 8 float16 values and the tail
   assert out["topk_bytes_per_token"] == 11 + 16 + 2 and opts["remote"]["network_bytes_per_step"] == 29 * 4 * 16
@@ -352,3 +358,24 @@ def test_loop_counts_multiply_each_loop_body_and_its_collectives_by_the_trip_cou
   reduces = [e for e in counts.collectives if e["kind"] == "all-reduce" and e["axis"] == "tensor"]
   assert len(reduces) == 1 and reduces[0]["count"] == outer * inner
   assert reduces[0]["bytes"] == outer * inner * n * n * 4
+
+
+def test_the_attention_kernels_executed_flops_count_whole_blocks_and_pad_narrow_heads():
+  from meshdistill.planner._compile import _executed_keys, kernel_flops  # pylint: disable=g-import-not-at-top
+
+  # causal, 2048 tokens in blocks of 512: 10 of the 16 block pairs computed, 1280 keys per query (the model's 1024)
+  assert _executed_keys(2048, None, 512) == 1280 and _executed_keys(2048, None, 1024) == 1536
+  # a 512-token window touches its own block and the one before: 7 pairs; the first block of a short sequence, whole
+  assert _executed_keys(2048, 512, 512) == 896 and _executed_keys(128, None, 512) == 128
+  assert _executed_keys(2048, None, 2048) == 2048
+  splash = dict(attention="splash", n_layers=2, scan_layers=False)
+  wide = STUDENT.replace(**splash, n_heads=4, n_kv_heads=4, head_dim=128)
+  narrow = wide.replace(head_dim=64)
+  for cfg in (wide, narrow):  # the model's count is linear in the head width; executed, 64 lanes cost as 128
+    assert kernel_flops(cfg, cfg, "none", 2048) == pytest.approx(4 * 1024 * 4 * cfg.hd * 2 * (1 + 3))
+  assert kernel_flops(narrow, narrow, "none", 2048, executed=True) == kernel_flops(wide, wide, "none", 2048,
+                                                                                   executed=True)
+  # the student's forward again under a remat policy; XLA attention runs no kernel
+  assert kernel_flops(wide, wide, "full", 2048) == pytest.approx(kernel_flops(wide, wide, "none", 2048) * 5 / 4)
+  assert kernel_flops(wide.replace(attention="xla"), wide.replace(attention="xla"), "full", 2048,
+                      executed=True) == 0

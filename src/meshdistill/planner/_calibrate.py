@@ -27,13 +27,15 @@ generations' rows (what a plan on a generation without published rows, e.g. tpu7
 the fit over every stored row with, per generation, its largest leave-one-out error as the band the planner prints
 beside the estimate, and the largest leave-generation-out error as the band of a generation without rows.
 
-Two sources, kept apart (`Calibration.source` names each, `Calibration.row_names` its rows): ``published``
-(`CALIBRATION`, the pod rows above) and ``chip`` (`CHIP_CALIBRATION`): distillation steps measured on one TPU v5e chip
-(``benchmarks/tpu_step.py``), each configuration planned for its per-chip program (``benchmarks/plan_chip.py``). One
-chip has no collectives, so the chip source fits one ``a`` and one ``h`` (`calibrate_chip`: its rows include steps
-bound by HBM traffic, the vocabulary-wide loss of a 262k-word model, attention without a kernel); ``k`` is held at
-`HELD_K` and never enters a one-chip estimate (its collective term is 0). A plan for one local chip of a generation
-the chip source has rows for uses it (`source_for`); every other target, the published source.
+Two sources, kept apart (``source`` names each, ``row_names`` its rows): ``published`` (`CALIBRATION`, the pod rows
+above) and ``chip`` (`CHIP_CALIBRATION`, a `ChipCalibration`): distillation steps measured on one TPU v5e chip
+(``benchmarks/tpu_step.py``), each configuration planned for its per-chip program (``benchmarks/plan_chip.py``). The
+chip source does not scale the roofline: one fraction of peak and one of the HBM bandwidth for the whole program
+left Qwen3 steps (62-65% of peak by the roofline) and Llama ones (54%) 18-23% apart. It reads instead what the TPU
+compiler itself estimates for every instruction it schedules (``estimated_cycles``), split into matmul fusions and
+the rest, and adds the splash attention kernels it cannot see at the FLOPs they execute: three parameters, fitted on
+the measured steps (`calibrate_chip`). A plan for one local chip of the generation the chip source was measured on
+uses it (`source_for`); every other target, the published source.
 """
 
 from __future__ import annotations
@@ -221,30 +223,108 @@ def calibrate(terms: Sequence[Sequence[float]], measured: Sequence[float], gener
                      comm_share=share)
 
 
+@dataclasses.dataclass(frozen=True)
+class ChipCalibration:
+  """The chip source: steps measured on one chip of ``generation``, predicted from what the TPU compiler itself
+  estimates for the program and from the attention kernels it cannot see:
+
+      step = matmul_cycles * s_matmul + other_cycles * s_other + kernel_s / kernel_fraction
+
+  ``matmul_cycles`` / ``other_cycles``: the compiler's ``estimated_cycles`` of its matmul fusions and of the rest of
+  the program (elementwise work, reductions, copies), loops counted whole (`_loops.estimated_cycles`);
+  ``s_matmul`` / ``s_other``: the seconds one estimated cycle of each takes on the chip; ``kernel_s``: the Pallas
+  attention kernels' executed FLOPs at peak (`_compile.kernel_flops(executed=True)`), ``kernel_fraction`` the
+  share of peak they reach. Fitted by least squares on the log of predicted / measured step time (`calibrate_chip`);
+  ``band``: the largest leave-one-config-out error."""
+
+  generation: str
+  s_matmul: float
+  s_other: float
+  kernel_fraction: float
+  band: float = math.nan
+  rows: int = 0
+  row_names: tuple[str, ...] = ()
+  source: str = "chip"
+
+  def step_seconds(self, matmul_cycles: float, other_cycles: float, kernel_s: float) -> float:
+    return matmul_cycles * self.s_matmul + other_cycles * self.s_other + kernel_s / self.kernel_fraction
+
+  def predict(self, terms: Sequence[Sequence[float]]) -> np.ndarray:
+    """Step seconds of rows of ``(matmul_cycles, other_cycles, kernel_s)``."""
+    return np.array([self.step_seconds(*t) for t in np.asarray(terms, float).reshape(-1, 3)])
+
+  def of(self, time: dict, generation: str) -> dict | None:
+    """The calibrated figures of a plan's ``time``; None for a plan on another generation or without the compiler's
+    cycle estimates (a program not compiled for a TPU)."""
+    cycles = time.get("cycles")
+    if generation != self.generation or not cycles or time.get("step_s") is None:
+      return None
+    step = self.step_seconds(cycles["matmul"], cycles["other"], time.get("kernel_s") or 0.0)
+    scale = time["step_s"] / step
+    band = None if math.isnan(self.band) else self.band
+    return {"step_s": step, "low_s": None if band is None else step * (1 - band),
+            "high_s": None if band is None else step * (1 + band), "mfu": time["mfu"] * scale,
+            "tokens_per_s": time["tokens_per_s"] * scale, "band": band, "generation": generation,
+            "source": self.source, "s_matmul": self.s_matmul, "s_other": self.s_other,
+            "kernel_fraction": self.kernel_fraction, "pooled": False, "comm_share": 0.0,
+            "published_comm_share": None, "extrapolated": None}
+
+
+# the start of the chip fit: one second per cycle at v5e's 1.5 GHz, other work faster than estimated, the kernels
+_CHIP_START = (1.0, 0.6, 0.7)
+_CLOCK = 1.5e9  # the fit's unit of seconds per cycle (v5e's clock: 197 TFLOP/s / 4 matrix units of 128 x 128 x 2)
+
+
+def _fit_chip(terms: np.ndarray, measured: np.ndarray) -> np.ndarray:
+  """``(s_matmul, s_other, kernel_fraction)`` over rows of ``(matmul_cycles, other_cycles, kernel_s)``; where no row
+  runs a kernel nothing tells its fraction, held at its start."""
+  kernels = bool(np.any(terms[:, 2] > 0))
+
+  def params(p):
+    return p[0] / _CLOCK, p[1] / _CLOCK, p[2] if kernels else _CHIP_START[2]
+
+  def residual(p):
+    m, o, f = params(p)
+    return np.log((terms[:, 0] * m + terms[:, 1] * o + terms[:, 2] / f) / measured)
+
+  x0 = list(_CHIP_START[:3 if kernels else 2])
+  lower, upper = [0.01, 0.01, 0.05][:len(x0)], [10.0, 10.0, 1.0][:len(x0)]
+  return np.array(params(least_squares(residual, x0=x0, bounds=(lower, upper)).x))
+
+
 def calibrate_chip(terms: Sequence[Sequence[float]], measured: Sequence[float], names: Sequence[str],
-                   generation: str = "v5e") -> Calibration:
-  """The chip source: one ``a`` and one ``h`` over rows of one chip's roofline ``(compute_s, hbm_s, 0)`` measured on
-  ``generation`` (``names``: the configurations; with one row, ``a`` alone). ``k`` is held at `HELD_K`: without
-  collectives nothing tells it; the band is the largest leave-one-config-out error (NaN with one row)."""
+                   generation: str = "v5e") -> ChipCalibration:
+  """The chip source (`ChipCalibration`) fitted over rows of ``(matmul_cycles, other_cycles, kernel_s)`` of one
+  chip's programs and their measured step seconds (``names``: the configurations). Needs more rows than its three
+  parameters; the band is the largest leave-one-config-out error (NaN with four rows or fewer)."""
   terms = np.asarray(terms, float).reshape(-1, 3)
-  if np.any(terms[:, 2] != 0):
-    raise ValueError("the chip source is fitted on one chip's programs: its rows carry no collective term (comm_s 0)")
-  if len(names) != len(terms):
-    raise ValueError(f"calibrate_chip needs one name per row, got {len(names)} for {len(terms)} rows")
-  gens = [generation] * len(terms)
-  fit_h = len(terms) >= 2
-  f = fit(terms, measured, gens, k=HELD_K, fit_h=fit_h)
-  loo = leave_one_out(terms, measured, gens, k=HELD_K, fit_h=fit_h) if len(terms) >= 2 else [math.nan]
-  band = max(float(abs(p / m - 1)) for p, m in zip(loo, measured)) if len(terms) >= 2 else math.nan
-  return Calibration(a=f.a, a_pooled=f.a_pooled, k=f.k, h=f.h, band={generation: band}, rows=len(terms),
-                     comm_share=0.0, source="chip", row_names=tuple(names))
+  measured = np.asarray(measured, float)
+  if len(names) != len(terms) or len(measured) != len(terms):
+    raise ValueError(f"calibrate_chip needs one name and one measured step per row, got {len(names)} names and "
+                     f"{len(measured)} steps for {len(terms)} rows")
+  if len(terms) < 4:
+    raise ValueError(f"calibrate_chip fits 3 parameters: give at least 4 measured rows, got {len(terms)}")
+  if np.any(measured <= 0) or np.any(terms[:, :2] < 0) or np.any(terms[:, 0] + terms[:, 1] <= 0):
+    raise ValueError("calibrate_chip needs positive measured step times and cycle counts")
+  x = _fit_chip(terms, measured)
+  band = math.nan
+  if len(terms) > 4:
+    errors = []
+    for i in range(len(terms)):
+      keep = np.arange(len(terms)) != i
+      y = _fit_chip(terms[keep], measured[keep])
+      pred = terms[i, 0] * y[0] + terms[i, 1] * y[1] + terms[i, 2] / y[2]
+      errors.append(abs(pred / measured[i] - 1))
+    band = float(max(errors))
+  return ChipCalibration(generation=generation, s_matmul=float(x[0]), s_other=float(x[1]),
+                         kernel_fraction=float(x[2]), band=band, rows=len(terms), row_names=tuple(names))
 
 
-def source_for(chips: int, generation: str, local: bool) -> Calibration | None:
-  """The calibration a plan takes: the chip source for one ``local`` chip of a ``generation`` it has rows for (the
-  machine its rows were measured on), the published one for every other target (pod slices, a compiled-for
-  topology, a generation without chip rows)."""
-  if local and chips == 1 and CHIP_CALIBRATION is not None and generation in CHIP_CALIBRATION.a:
+def source_for(chips: int, generation: str, local: bool) -> Calibration | ChipCalibration | None:
+  """The calibration a plan takes: the chip source for one ``local`` chip of the generation its rows were measured
+  on, the published one for every other target (pod slices, a compiled-for topology, a generation without chip
+  rows)."""
+  if local and chips == 1 and CHIP_CALIBRATION is not None and generation == CHIP_CALIBRATION.generation:
     return CHIP_CALIBRATION
   return CALIBRATION
 
@@ -271,13 +351,16 @@ CALIBRATION: Calibration | None = Calibration(
         "Llama 3.1 8B on v6e:4x4",
         "Mistral 7B on v6e:2x4"))
 
-# the fit over every row of benchmarks/results/plan_calibration_chip.json (steps measured on one TPU v5e chip;
+# the fit over the fitted rows of benchmarks/results/plan_calibration_chip.json (steps measured on one TPU v5e chip;
 # plan_calibration.md's chip section; tests/test_plan_cost.py refits it from the json)
-CHIP_CALIBRATION: Calibration | None = Calibration(
-    a={"v5e": 0.560858}, a_pooled=0.560858, k=1.000000, h=0.773049,
-    band={"v5e": 0.180673}, rows=14, comm_share=0.0, source="chip",
+CHIP_CALIBRATION: ChipCalibration | None = ChipCalibration(
+    generation="v5e", s_matmul=5.253512e-10, s_other=4.575759e-10, kernel_fraction=0.495459,
+    band=0.061719, rows=15,
     row_names=(
+        "gemma3 b=1,t=2048,remat=dots_no_batch,chunk=512,attn=splash",
+        "gemma3 b=1,t=2048,remat=full,chunk=512,attn=splash",
         "gemma3 b=2,t=2048,remat=full,chunk=512,attn=splash",
+        "llama b=1,t=2048,remat=full,chunk=1024,attn=splash,mu=bfloat16",
         "llama b=2,t=2048,remat=full,chunk=1024,attn=splash,mu=bfloat16",
         "llama b=2,t=2048,remat=full,chunk=512,attn=splash,mu=bfloat16",
         "qwen3 b=2,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
@@ -286,13 +369,11 @@ CHIP_CALIBRATION: Calibration | None = Calibration(
         "qwen3 b=4,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
         "qwen3 b=4,t=2048,remat=dots_no_batch,chunk=1024,attn=splash,mu=bfloat16",
         "qwen3 b=4,t=2048,remat=dots_no_batch,chunk=2048,attn=splash",
-        "qwen3 b=6,t=2048,remat=dots_no_batch,chunk=1024,attn=splash,scan=none",
         "qwen3 b=8,t=2048,remat=full,chunk=1024,attn=splash",
-        "qwen3 b=8,t=2048,remat=full,chunk=1024,attn=xla",
         "qwen3 b=8,t=2048,remat=full,chunk=2048,attn=splash",
         "qwen3 b=16,t=2048,remat=full,chunk=2048,attn=splash"))
 
 
-__all__ = ["A_BOUNDS", "CALIBRATION", "CHIP_CALIBRATION", "Calibration", "Fit", "HELD_K", "H_BOUNDS", "K_BOUNDS",
-           "calibrate", "calibrate_chip", "fit", "leave_generation_out", "leave_group_out", "leave_one_out",
+__all__ = ["A_BOUNDS", "CALIBRATION", "CHIP_CALIBRATION", "Calibration", "ChipCalibration", "Fit", "HELD_K",
+           "H_BOUNDS", "K_BOUNDS", "calibrate", "calibrate_chip", "fit", "leave_generation_out", "leave_group_out", "leave_one_out",
            "source_for"]

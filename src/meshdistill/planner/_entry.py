@@ -215,7 +215,7 @@ def search(teacher: Any = None, student: Any = None, *, topology: str | None = N
 
   def rank(p: Plan):
     per_token = None if p.step_seconds is None else p.step_seconds / (p.batch * p.seq)
-    total = p.memory["total"] if p.memory["total"] is not None else float("inf")
+    total = p.need_bytes if p.need_bytes is not None else float("inf")
     return (p.fits is False, per_token if per_token is not None else total, total)
 
   return sorted(plans, key=rank)

@@ -153,4 +153,41 @@ def collectives_by_computation(prog: Program) -> list[tuple[str, int]]:
   return [(text, prog.times.get(name, 1)) for name, text in prog.computations.items()]
 
 
-__all__ = ["Loop", "Program", "body_cost", "collectives_by_computation", "extra_iterations", "parse"]
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+# instructions whose computations are part of their caller's cost (a fusion's, a reduction's combiner): the TPU
+# compiler estimates the caller; a loop body, a branch or a called computation runs its own instructions
+_INNER = re.compile(r"\s(?:fusion|reduce|reduce-window|scatter|sort|map|select-and-scatter|all-reduce|reduce-scatter|"
+                    r"all-reduce-start|reduce-scatter-start)\(.*?(?:calls|to_apply)=%([^\s,)]+)")
+_CALLS = re.compile(r"calls=%([^\s,)]+)")
+_MATMUL = (" convolution(", " dot(")
+
+
+def estimated_cycles(prog: Program) -> dict[str, int] | None:
+  """The TPU compiler's own estimate of the step: the ``estimated_cycles`` it writes on each instruction it
+  schedules (XLA:TPU's backend config; other backends write none), summed over every computation that runs its
+  own instructions, each times its runs per step (loops counted whole, as `parse` counts them), in two parts:
+  ``matmul`` (a dot or convolution, or a fusion around one) and ``other`` (elementwise work, reductions, copies,
+  layout changes). ``kernel_calls``: the runs of Mosaic kernels (``tpu_custom_call``: the splash attention kernel,
+  the package's Pallas kernels), which carry no estimate. None where no instruction carries one."""
+  inner = set()
+  for text in prog.computations.values():
+    inner.update(_INNER.findall(text))
+  out, seen = {"matmul": 0, "other": 0, "kernel_calls": 0}, False
+  for name, text in prog.computations.items():
+    runs = prog.times.get(name)
+    if runs is None or name in inner:
+      continue
+    for line in text.splitlines():
+      m = _CYCLES.search(line)
+      if m is None:
+        out["kernel_calls"] += runs * ('custom_call_target="tpu_custom_call"' in line)
+        continue
+      seen = True
+      called = _CALLS.search(line)
+      body = prog.computations.get(called.group(1), "") if called else line
+      out["matmul" if any(op in body for op in _MATMUL) else "other"] += int(m.group(1)) * runs
+  return out if seen else None
+
+
+__all__ = ["Loop", "Program", "body_cost", "collectives_by_computation", "estimated_cycles", "extra_iterations",
+           "parse"]

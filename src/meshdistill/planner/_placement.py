@@ -57,7 +57,7 @@ def placements(plan, *, vocab: int, k: int = 32, epochs: float = 1.0, network_gb
   step_bytes = per_token * tokens
   mem = plan.memory
   teacher_mem = mem.get("teacher_weights") or 0
-  total = mem.get("total")
+  total = plan.need_bytes  # what a chip must hold at once (the compiler's peak where it gives one)
   out: dict[str, Any] = {"k": k, "topk_bytes_per_token": per_token, "topk_bytes_per_step": step_bytes,
                          "chips": chips, "options": {}}
   share = None if step is None or not teacher + student else step / (teacher + student)  # s per FLOP per device

@@ -14,7 +14,7 @@ from meshdistill.models.decoder import ModelConfig
 from meshdistill.models.moe import inactive_params
 from meshdistill.planner._compile import (FAST_COMPILE, abstract_distiller, collectives, compile_step, kernel_flops,
                                          shard_bytes)
-from meshdistill.planner import _calibrate
+from meshdistill.planner import _calibrate, _loops
 from meshdistill.planner._cost import flops_split, loop_counts, mfu_split
 from meshdistill.planner._hardware import Target
 from meshdistill.planner._presets import PRESETS
@@ -193,14 +193,15 @@ class Planner:
     if mem is None:  # the TPU compiler refused: out of HBM
       temp = c.oom_bytes[0]
       args = sum(c.parts.values())
-      memory.update(temp=temp, outputs=None, total=None if temp is None else args + temp, arguments=args, output=None,
-                    alias=None, compiler_peak=None)
+      total = None if temp is None else args + temp
+      memory.update(temp=temp, outputs=None, total=total, arguments=args, output=None, alias=None,
+                    compiler_peak=None, need=total)
       fits = False
     else:
       memory.update(temp=mem.temp_bytes, outputs=mem.output_bytes - mem.alias_bytes, total=mem.total_bytes,
-                    compiler_peak=mem.peak_bytes,
+                    compiler_peak=mem.peak_bytes, need=mem.need_bytes,
                     arguments=mem.argument_bytes, output=mem.output_bytes, alias=mem.alias_bytes)
-      fits = None if budget is None else mem.total_bytes <= self.headroom * budget
+      fits = None if budget is None else mem.need_bytes <= self.headroom * budget
     n = len(self.target.devices)
     tokens = k.batch * self.seq
     n_t = _matmul_params(self.teacher, c.params["teacher"])
@@ -238,7 +239,15 @@ class Planner:
     peak = None if chip is None else self.target.per_device(chip.peak_bf16_flops)
     p.time["mfu_split"] = mfu_split(p.flops["split"], p.time.get("step_s"), peak)
     cal = None if chip is None else self.calibration()
+    if chip is not None and "estimated_cycles" in c.hlo:  # the TPU compiler's own per-instruction estimate
+      cycles = _loops.estimated_cycles(_loops.parse(c.hlo))
+      if cycles is not None and not uncounted:
+        executed = kernel_flops(self.teacher, self.student, k.remat, self.seq, executed=True) * tokens / n
+        p.time["cycles"] = cycles
+        p.time["kernel_s"] = executed / self.target.per_device(chip.peak_bf16_flops)
     p.time["calibrated"] = None if cal is None else cal.of(p.time, chip.family)
+    if p.time["calibrated"] is None and cal is not None and cal is not _calibrate.CALIBRATION:
+      p.time["calibrated"] = _calibrate.CALIBRATION.of(p.time, chip.family)  # a program without the chip's terms
     if uncounted:
       p.time["why"] = f"loops: {uncounted}"
     if counts is not None:

@@ -26,8 +26,9 @@ MEMORY_ROWS = (
 class Plan:
   """One configuration compiled for a target. Memory in bytes per device, FLOPs per device per step.
 
-  ``fits``: ``memory["total"] <= headroom * budget_bytes`` (the rule ``distill``'s automatic remat
-  uses); ``None`` without a budget (CPU devices without ``hbm_gib``). ``time`` (seconds, per step) is
+  ``fits``: ``memory["need"] <= headroom * budget_bytes`` (the rule ``distill``'s automatic remat
+  uses; ``need``: the compiler's peak of live buffers where the backend reports one, as libtpu does, else
+  ``total``, `MemoryReport.need_bytes`); ``None`` without a budget (CPU devices without ``hbm_gib``). ``time`` (seconds, per step) is
   a roofline estimate: ``max(compute, hbm) + communication`` with ``compute = flops / peak``,
   ``hbm = bytes accessed / HBM bandwidth``, ``communication = ring bytes sent / ICI bandwidth``;
   ``mfu`` = analytic model FLOPs / (step time * peak * chips). ``suggestions``: configurations that
@@ -76,10 +77,15 @@ class Plan:
 
   @property
   def over_bytes(self) -> float | None:
-    """Bytes per device above the limit (negative: room left); None without a budget or a known total."""
-    if self.limit_bytes is None or self.memory.get("total") is None:
+    """Bytes per device above the limit (negative: room left); None without a budget or a known need."""
+    if self.limit_bytes is None or self.need_bytes is None:
       return None
-    return self.memory["total"] - self.limit_bytes
+    return self.need_bytes - self.limit_bytes
+
+  @property
+  def need_bytes(self) -> float | None:
+    """What a device must hold at once (``memory["need"]``; plans stored before it: ``total``)."""
+    return self.memory.get("need", self.memory.get("total"))
 
   @property
   def step_seconds(self) -> float | None:
@@ -127,7 +133,10 @@ class Plan:
       if m.get("total") is None:
         lines.append(head + " (the compiler ran out of memory; see the note)")
       else:
-        lines.append(head + f" ({100 * m['total'] / self.budget_bytes:.0f}% of the budget; "
+        if m.get("compiler_peak") is not None:
+          lines.append(f"  {'compiler peak (live at once)':<30} {_gib(m['compiler_peak']):>11}   (what the fit is "
+                       "judged on)")
+        lines.append(head + f" ({100 * self.need_bytes / self.budget_bytes:.0f}% of the budget; "
                      + (f"{_gib(-self.over_bytes)} to spare)" if self.fits else f"{_gib(self.over_bytes)} over)"))
     lines.append("")
     f = self.flops
@@ -245,6 +254,11 @@ def step_time_lines(t: dict, memory: dict | None = None) -> list[str]:
                f"run ({100 * cal['published_comm_share']:.0f}%): how far they hide behind compute is extrapolated")
     lines.append(f"calibrated step time {1e3 * cal['step_s']:.1f} ms ({band}); MFU {100 * cal['mfu']:.1f}%, "
                  f"{cal['tokens_per_s']:,.0f} tokens/s")
+    if chip and t.get("cycles"):
+      c = t["cycles"]
+      lines.append(f"  = the TPU compiler's estimate {c['matmul'] / 1e6:,.0f} + {c['other'] / 1e6:,.0f} M cycles "
+                   f"(matmul fusions + the rest, at the chip source's measured rates) + attention kernels "
+                   f"{1e3 * t['kernel_s']:.1f} ms at peak / {cal['kernel_fraction']:.2f}")
   bound = "an upper bound on speed"
   if cal and cal["step_s"] < t["step_s"]:
     bound = ("peak rates, collectives on top of compute: here not an upper bound, the calibrated estimate hides "

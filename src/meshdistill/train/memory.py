@@ -11,8 +11,9 @@ that fits, logging the decision, instead of dying with out-of-memory at step 1.
 The teacher runs under ``stop_gradient``: none of its activations are kept for a backward
 pass, so only the student's remat setting matters.
 
-Estimate used: ``argument + output - alias + temp`` bytes per device (donated state
-buffers alias outputs). Measuring compiles the step once per tried policy; the chosen
+Estimate used: `MemoryReport.need_bytes`, the compiler's own peak of live buffers where the
+backend reports one (libtpu does), else ``argument + output - alias + temp`` bytes per device
+(donated state buffers alias outputs). Measuring compiles the step once per tried policy; the chosen
 distiller compiles its own step again on first use.
 
 On CPU, XLA's default scheduler optimises for concurrency and computes the recomputed
@@ -51,16 +52,24 @@ class MemoryReport:
   argument_bytes: int
   output_bytes: int
   alias_bytes: int
-  # the compiler's own peak of live buffers (``peak_memory_in_bytes``), where the backend gives one (libtpu does);
-  # None elsewhere. It is not `total_bytes`, which counts every temporary as live beside every argument, and the
-  # two differ either way: the Gemma-3 1B pair's step on one v5e chip 14.13 GiB against 16.83 (a program that ran
-  # on the chip's 15.75 GiB), a bare optimizer update above it. The planner's fit still reads `total_bytes`.
+  # the compiler's own peak of live buffers (``peak_memory_in_bytes``) of a program compiled for TPUs (libtpu's, its
+  # temporaries included); None elsewhere (XLA:CPU reports one without its temporaries). It is not `total_bytes`, which counts every temporary as live beside every argument, and the
+  # two differ either way: the Gemma-3 1B pair's step on one v5e chip 14.13 GiB against 16.83, a bare optimizer
+  # update above it. What a fit is judged on: `need_bytes`.
   peak_bytes: int | None = None
 
   @property
   def total_bytes(self) -> int:
     """Arguments + outputs + temporaries, counting donated (aliased) buffers once."""
     return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+  @property
+  def need_bytes(self) -> int:
+    """What the device must hold at once: the compiler's peak (`peak_bytes`) where the backend reports one, else
+    `total_bytes`. On one TPU v5e chip (15.75 GiB) every measured step whose total exceeded the chip ran, its
+    peak below it: Qwen3 1.7B -> 0.6B at 4 x 2048 with 2048-token loss chunks, a total of 18.09 GiB and a peak of
+    14.87 (benchmarks/results/tpu_step.md); libtpu refuses a program by its peak."""
+    return self.peak_bytes if self.peak_bytes is not None else self.total_bytes
 
   @classmethod
   def of(cls, compiled) -> "MemoryReport":
@@ -72,12 +81,22 @@ class MemoryReport:
         argument_bytes=int(m.argument_size_in_bytes),
         output_bytes=int(m.output_size_in_bytes),
         alias_bytes=int(m.alias_size_in_bytes),
-        peak_bytes=int(m.peak_memory_in_bytes) if getattr(m, "peak_memory_in_bytes", 0) else None,
+        peak_bytes=(int(m.peak_memory_in_bytes) if getattr(m, "peak_memory_in_bytes", 0)
+                    and _platform(compiled) == "tpu" else None),
     )
 
   def __str__(self) -> str:
-    return (f"{_mib(self.total_bytes)} per device (temp {_mib(self.temp_bytes)}, arguments "
+    peak = "" if self.peak_bytes is None else f"compiler's peak {_mib(self.peak_bytes)}; "
+    return (f"{_mib(self.total_bytes)} per device ({peak}temp {_mib(self.temp_bytes)}, arguments "
             f"{_mib(self.argument_bytes)}, outputs {_mib(self.output_bytes)}, aliased {_mib(self.alias_bytes)})")
+
+
+def _platform(compiled) -> str | None:
+  """The platform of the devices ``compiled`` runs on (abstract TPU devices of a topology included)."""
+  for sharding in jax.tree.leaves(compiled.input_shardings):
+    for device in getattr(sharding, "device_set", ()):
+      return device.platform
+  return None
 
 
 def _mib(n: int) -> str:
@@ -126,7 +145,7 @@ def choose_remat(
     candidates: Sequence[str] = REMAT_ORDER,
     headroom: float = 0.9,
 ) -> RematChoice:
-  """The first of ``candidates`` whose ``measure(remat).total_bytes <= headroom * budget_bytes``.
+  """The first of ``candidates`` whose ``measure(remat).need_bytes <= headroom * budget_bytes``.
 
   With ``budget_bytes=None`` (unknown) the first candidate is kept without measuring.
   When none fits, the leanest measured policy is returned with ``fits=False`` (logged).
@@ -143,14 +162,14 @@ def choose_remat(
   reports: dict[str, MemoryReport] = {}
   for name in candidates:
     reports[name] = report = measure(name)
-    if report.total_bytes <= limit:
+    if report.need_bytes <= limit:
       if name != candidates[0]:
         log.warning("step with remat=%r needs %s > %.0f%% of %s; turned on remat=%r: %s", candidates[0],
                     reports[candidates[0]], 100 * headroom, _mib(budget_bytes), name, report)
       else:
         log.info("step fits with remat=%r: %s (budget %s)", name, report, _mib(budget_bytes))
       return RematChoice(name, True, budget_bytes, reports)
-  best = min(reports, key=lambda k: reports[k].total_bytes)
+  best = min(reports, key=lambda k: reports[k].need_bytes)
   log.warning("no remat policy fits the step in %.0f%% of %s (leanest: remat=%r, %s); reduce the batch or "
               "sequence length, or split weights over more tensor devices", 100 * headroom, _mib(budget_bytes),
               best, reports[best])
