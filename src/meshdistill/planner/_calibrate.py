@@ -7,12 +7,11 @@ v5e's peak FLOP/s but 2x its HBM bandwidth and ICI). The rows are `meshdistill.p
 planner compiles their plain training step and takes its roofline terms (``benchmarks/plan_calibration.py``). The
 calibrated step is
 
-    step = max(compute / a[generation], hbm / h, collectives) + k * collectives
+    step = max(compute / a[generation], hbm, collectives) + k * collectives
 
 ``a[g]``: the fraction of peak the step's matmuls reach on generation ``g``; ``k``: the collectives' cost per second
 of ideal ring traffic (``(1 - overlap) / link efficiency``: 0 when fully hidden behind compute), one for every
-generation; ``h``: the fraction of the HBM bandwidth the step's memory traffic reaches, 1 for the published source
-(its rows are compute-bound: nothing tells it), fitted by the chip source. Collectives hidden behind compute still
+generation. Collectives hidden behind compute still
 take their own time at full bandwidth, so a step is never shorter than them. The published rows spend 3-23% of
 their roofline step in collectives, so ``k`` is fitted where they are a minor share: for a plan where they are a
 larger one (e.g. a large teacher's weights gathered under FSDP) the overlap is an extrapolation, bounded by the
@@ -51,25 +50,23 @@ from scipy.optimize import least_squares
 HELD_K = 1.0
 A_BOUNDS = (0.05, 1.0)
 K_BOUNDS = (0.0, 10.0)
-H_BOUNDS = (0.05, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-  """``step = max(compute / a[generation], hbm / h, collectives) + k * collectives``; ``a_pooled`` for a generation
+  """``step = max(compute / a[generation], hbm, collectives) + k * collectives``; ``a_pooled`` for a generation
   not in ``a``."""
 
   a: dict[str, float]  # TPU generation (e.g. "v5e") -> achieved fraction of peak matmul rate
   a_pooled: float  # one fraction over every row: a generation without rows
   k: float  # seconds per second of ideal collective time (not hidden behind compute)
-  h: float = 1.0  # achieved fraction of the HBM bandwidth (1: the roofline's full bandwidth, not fitted)
 
   def fraction(self, generation: str) -> float:
     return self.a.get(generation, self.a_pooled)
 
   def step_seconds(self, compute_s: float, hbm_s: float, comm_s: float | None, generation: str) -> float:
     terms = np.array([[compute_s, hbm_s, comm_s or 0.0]])
-    return float(_step(np.array([self.fraction(generation)]), self.k, terms, self.h)[0])
+    return float(_step(np.array([self.fraction(generation)]), self.k, terms)[0])
 
   def predict(self, terms: Sequence[Sequence[float]], generations: Sequence[str]) -> np.ndarray:
     """Step seconds of rows of roofline ``(compute_s, hbm_s, comm_s)`` on ``generations``."""
@@ -106,7 +103,7 @@ class Calibration(Fit):
             "mfu": time["mfu"] * scale, "tokens_per_s": time["tokens_per_s"] * scale, "band": band,
             "generation": generation, "source": self.source, "a": self.fraction(generation),
             "pooled": generation not in self.a,
-            "k": self.k, "h": self.h, "comm_share": float(share),
+            "k": self.k, "comm_share": float(share),
             "published_comm_share": None if math.isnan(self.comm_share) else self.comm_share,
             "extrapolated": bool(share > self.comm_share) if not math.isnan(self.comm_share) else None}
 
@@ -117,8 +114,8 @@ def _comm_share(terms: np.ndarray) -> np.ndarray:
   return np.divide(terms[:, 2], roofline, out=np.zeros(len(terms)), where=roofline > 0)
 
 
-def _step(a: np.ndarray, k: float, terms: np.ndarray, h: float = 1.0) -> np.ndarray:
-  return np.maximum(np.maximum(terms[:, 0] / a, terms[:, 1] / h), terms[:, 2]) + k * terms[:, 2]
+def _step(a: np.ndarray, k: float, terms: np.ndarray) -> np.ndarray:
+  return np.maximum(np.maximum(terms[:, 0] / a, terms[:, 1]), terms[:, 2]) + k * terms[:, 2]
 
 
 def _solve(residual, x0s: Sequence[Sequence[float]], lower: Sequence[float], upper: Sequence[float]) -> np.ndarray:
@@ -132,12 +129,10 @@ def _solve(residual, x0s: Sequence[Sequence[float]], lower: Sequence[float], upp
 
 
 def fit(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
-        k: float | None = None, fit_h: bool = False) -> Fit:
+        k: float | None = None) -> Fit:
   """Least squares of ``log(predicted / measured)`` over rows of roofline ``(compute_s, hbm_s, comm_s)`` measured on
   TPU ``generations``: one ``a`` per generation in ``A_BOUNDS``, a shared ``k`` in ``K_BOUNDS`` (a given ``k`` is
-  held; `HELD_K` while no generation has two rows), and ``a_pooled``, one ``a`` for every row at that ``k``.
-  ``fit_h``: also the HBM bandwidth fraction ``h`` in ``H_BOUNDS`` (a held ``k`` only; else ``h`` is 1). Where no
-  row is bound by HBM traffic nothing moves ``h`` from its start, 1."""
+  held; `HELD_K` while no generation has two rows), and ``a_pooled``, one ``a`` for every row at that ``k``."""
   terms, measured = np.asarray(terms, float).reshape(-1, 3), np.asarray(measured, float)
   if len(terms) == 0 or len(terms) != len(measured) or len(terms) != len(generations):
     raise ValueError(f"fit needs rows of terms, measured step times and generations of one length, got "
@@ -148,39 +143,29 @@ def fit(terms: Sequence[Sequence[float]], measured: Sequence[float], generations
   idx = np.array([gens.index(g) for g in generations])
   if k is None and len(terms) <= len(gens):
     k = HELD_K
-  if fit_h and k is None:
-    raise ValueError("fit: the HBM fraction is fitted with a held k only (fit_h=True, k=None)")
   n = len(gens)
   lower, upper = [A_BOUNDS[0]] * n, [A_BOUNDS[1]] * n
-  if fit_h:
-    def residual(p):
-      return np.log(_step(p[idx], k, terms, p[n]) / measured)
-
-    x = _solve(residual, [[a0] * n + [h0] for a0 in (0.6, 0.3) for h0 in (1.0, 0.7)], lower + [H_BOUNDS[0]],
-               upper + [H_BOUNDS[1]])
-    h = float(x[n])
-  elif k is None:
+  if k is None:
     def residual(p):
       return np.log(_step(p[idx], p[n], terms) / measured)
 
     x = _solve(residual, [[0.6] * n + [k0] for k0 in (0.0, 0.5, 2.0)], lower + [K_BOUNDS[0]], upper + [K_BOUNDS[1]])
-    k, h = float(x[n]), 1.0
+    k = float(x[n])
   else:
     x = _solve(lambda p: np.log(_step(p[idx], k, terms) / measured), [[0.6] * n], lower, upper)
-    h = 1.0
-  pooled = _solve(lambda p: np.log(_step(p[0], k, terms, h) / measured), [[0.6]], [A_BOUNDS[0]], [A_BOUNDS[1]])
-  return Fit(a={g: float(x[i]) for i, g in enumerate(gens)}, a_pooled=float(pooled[0]), k=float(k), h=h)
+  pooled = _solve(lambda p: np.log(_step(p[0], k, terms) / measured), [[0.6]], [A_BOUNDS[0]], [A_BOUNDS[1]])
+  return Fit(a={g: float(x[i]) for i, g in enumerate(gens)}, a_pooled=float(pooled[0]), k=float(k))
 
 
 def leave_one_out(terms: Sequence[Sequence[float]], measured: Sequence[float], generations: Sequence[str],
-                  k: float | None = None, fit_h: bool = False) -> list[float]:
+                  k: float | None = None) -> list[float]:
   """Each row's step time predicted by the fit over the other rows (its generation's ``a`` from that generation's
   other rows; the pooled one when it is the only row of its generation)."""
   terms, measured = np.asarray(terms, float), np.asarray(measured, float)
   out = []
   for i in range(len(terms)):
     keep = np.arange(len(terms)) != i
-    f = fit(terms[keep], measured[keep], [g for j, g in enumerate(generations) if j != i], k, fit_h)
+    f = fit(terms[keep], measured[keep], [g for j, g in enumerate(generations) if j != i], k)
     out.append(float(f.predict(terms[i:i + 1], [generations[i]])[0]))
   return out
 
@@ -375,5 +360,5 @@ CHIP_CALIBRATION: ChipCalibration | None = ChipCalibration(
 
 
 __all__ = ["A_BOUNDS", "CALIBRATION", "CHIP_CALIBRATION", "Calibration", "ChipCalibration", "Fit", "HELD_K",
-           "H_BOUNDS", "K_BOUNDS", "calibrate", "calibrate_chip", "fit", "leave_generation_out", "leave_group_out", "leave_one_out",
-           "source_for"]
+           "K_BOUNDS", "calibrate", "calibrate_chip", "fit", "leave_generation_out", "leave_group_out",
+           "leave_one_out", "source_for"]
