@@ -169,8 +169,8 @@ def section(rows: list[dict]) -> str:
          "fitted ones, marked, predicted by the whole fit and not in it: "
          + (", ".join(f"{r['pair']} {r['config']} ({r['tag']})" for r in earlier) or "none") + "): "
          f"s_matmul = {cal.s_matmul * clock:.3f} and s_other = {cal.s_other * clock:.3f} cycles of the chip's "
-         f"1.5 GHz per estimated cycle (the compiler's matmul estimates close to the chip, the rest of the program "
-         f"faster than it estimates), f = {cal.kernel_fraction:.3f} of peak in the attention kernels. Band (largest "
+         f"1.5 GHz per estimated cycle (the chip runs both faster than the compiler estimates, the work outside "
+         f"matmuls more so), f = {cal.kernel_fraction:.3f} of peak in the attention kernels. Band (largest "
          f"leave-one-config-out error): +-{100 * cal.band:.1f}%.", "",
          "| pair | configuration | measured row (splash blocks; tag) | measured ms | roofline ms: max(compute, HBM) | "
          "published source ms (error) | compiler's estimate at 1.5 GHz: matmul + other ms | kernels at peak ms | "
