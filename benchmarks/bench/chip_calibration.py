@@ -88,33 +88,21 @@ def fit_rows(rows: list[dict]):
   terms = [chip_terms(r) for r in rows]
   measured = [r["step_s"] for r in rows]
   cal = _calibrate.calibrate_chip(terms, measured, [row_name(r) for r in rows])
-  loo = []
-  for i in range(len(rows)):
-    keep = [j for j in range(len(rows)) if j != i]
-    loo.append(_refit(rows, keep).predict([terms[i]])[0] if len(keep) >= 4 else math.nan)
-  return cal, loo, terms, measured
-
-
-def _refit(rows: list[dict], keep: list[int]):
-  from meshdistill.planner import _calibrate  # pylint: disable=g-import-not-at-top
-
-  return _calibrate.calibrate_chip([chip_terms(rows[j]) for j in keep], [rows[j]["step_s"] for j in keep],
-                                   [row_name(rows[j]) for j in keep])
+  return cal, _calibrate.chip_leave_one_out(terms, measured), terms, measured
 
 
 def leave_one_pair_out(rows: list[dict], fit_on: list[dict] | None = None) -> list[float]:
   """Each row's step time predicted by the chip fit over the rows of ``fit_on`` (default ``rows``) of the OTHER
   pairs (NaN with one pair, or fewer than four other rows)."""
+  from meshdistill.planner import _calibrate  # pylint: disable=g-import-not-at-top
+
   fit_on = rows if fit_on is None else fit_on
-  out = []
   fits = {}
-  for r in rows:
-    if r["pair"] not in fits:
-      keep = [j for j, o in enumerate(fit_on) if o["pair"] != r["pair"]]
-      fits[r["pair"]] = _refit(fit_on, keep) if len(keep) >= 4 else None
-    f = fits[r["pair"]]
-    out.append(math.nan if f is None else float(f.predict([chip_terms(r)])[0]))
-  return out
+  for pair in {r["pair"] for r in rows}:
+    other = [o for o in fit_on if o["pair"] != pair]
+    fits[pair] = (_calibrate.fit_chip([chip_terms(o) for o in other], [o["step_s"] for o in other])
+                  if len(other) >= 4 else None)
+  return [math.nan if fits[r["pair"]] is None else float(fits[r["pair"]].predict([chip_terms(r)])[0]) for r in rows]
 
 
 def _pct(x: float) -> str:

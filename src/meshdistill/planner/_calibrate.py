@@ -255,14 +255,18 @@ class ChipCalibration:
             "published_comm_share": None, "extrapolated": None}
 
 
-# the start of the chip fit: one second per cycle at v5e's 1.5 GHz, other work faster than estimated, the kernels
+# the start of the chip fit, in cycles of v5e's clock per estimated cycle (the compiler's estimate as it stands, the
+# work outside matmuls faster) and the kernels' fraction of peak
 _CHIP_START = (1.0, 0.6, 0.7)
 _CLOCK = 1.5e9  # the fit's unit of seconds per cycle (v5e's clock: 197 TFLOP/s / 4 matrix units of 128 x 128 x 2)
 
 
-def _fit_chip(terms: np.ndarray, measured: np.ndarray) -> np.ndarray:
-  """``(s_matmul, s_other, kernel_fraction)`` over rows of ``(matmul_cycles, other_cycles, kernel_s)``; where no row
-  runs a kernel nothing tells its fraction, held at its start."""
+def fit_chip(terms: Sequence[Sequence[float]], measured: Sequence[float], names: Sequence[str] = (),
+             generation: str = "v5e") -> ChipCalibration:
+  """The least-squares fit of `ChipCalibration` over rows of ``(matmul_cycles, other_cycles, kernel_s)`` and their
+  measured step seconds, without a band (`calibrate_chip` adds it); where no row runs a kernel nothing tells its
+  fraction, held at its start."""
+  terms, measured = np.asarray(terms, float).reshape(-1, 3), np.asarray(measured, float)
   kernels = bool(np.any(terms[:, 2] > 0))
 
   def params(p):
@@ -274,14 +278,29 @@ def _fit_chip(terms: np.ndarray, measured: np.ndarray) -> np.ndarray:
 
   x0 = list(_CHIP_START[:3 if kernels else 2])
   lower, upper = [0.01, 0.01, 0.05][:len(x0)], [10.0, 10.0, 1.0][:len(x0)]
-  return np.array(params(least_squares(residual, x0=x0, bounds=(lower, upper)).x))
+  m, o, f = params(least_squares(residual, x0=x0, bounds=(lower, upper)).x)
+  return ChipCalibration(generation=generation, s_matmul=float(m), s_other=float(o), kernel_fraction=float(f),
+                         rows=len(terms), row_names=tuple(names))
+
+
+def chip_leave_one_out(terms: Sequence[Sequence[float]], measured: Sequence[float]) -> list[float]:
+  """Each row's step seconds predicted by `fit_chip` over the other rows (NaN with four rows or fewer: the other
+  rows would not outnumber the three parameters)."""
+  terms, measured = np.asarray(terms, float).reshape(-1, 3), np.asarray(measured, float)
+  if len(terms) <= 4:
+    return [math.nan] * len(terms)
+  out = []
+  for i in range(len(terms)):
+    keep = np.arange(len(terms)) != i
+    out.append(float(fit_chip(terms[keep], measured[keep]).predict(terms[i:i + 1])[0]))
+  return out
 
 
 def calibrate_chip(terms: Sequence[Sequence[float]], measured: Sequence[float], names: Sequence[str],
                    generation: str = "v5e") -> ChipCalibration:
   """The chip source (`ChipCalibration`) fitted over rows of ``(matmul_cycles, other_cycles, kernel_s)`` of one
   chip's programs and their measured step seconds (``names``: the configurations). Needs more rows than its three
-  parameters; the band is the largest leave-one-config-out error (NaN with four rows or fewer)."""
+  parameters; the band is the largest leave-one-config-out error (`chip_leave_one_out`; NaN with four rows)."""
   terms = np.asarray(terms, float).reshape(-1, 3)
   measured = np.asarray(measured, float)
   if len(names) != len(terms) or len(measured) != len(terms):
@@ -291,18 +310,9 @@ def calibrate_chip(terms: Sequence[Sequence[float]], measured: Sequence[float], 
     raise ValueError(f"calibrate_chip fits 3 parameters: give at least 4 measured rows, got {len(terms)}")
   if np.any(measured <= 0) or np.any(terms[:, :2] < 0) or np.any(terms[:, 0] + terms[:, 1] <= 0):
     raise ValueError("calibrate_chip needs positive measured step times and cycle counts")
-  x = _fit_chip(terms, measured)
-  band = math.nan
-  if len(terms) > 4:
-    errors = []
-    for i in range(len(terms)):
-      keep = np.arange(len(terms)) != i
-      y = _fit_chip(terms[keep], measured[keep])
-      pred = terms[i, 0] * y[0] + terms[i, 1] * y[1] + terms[i, 2] / y[2]
-      errors.append(abs(pred / measured[i] - 1))
-    band = float(max(errors))
-  return ChipCalibration(generation=generation, s_matmul=float(x[0]), s_other=float(x[1]),
-                         kernel_fraction=float(x[2]), band=band, rows=len(terms), row_names=tuple(names))
+  loo = chip_leave_one_out(terms, measured)
+  band = math.nan if len(terms) <= 4 else max(abs(p / m - 1) for p, m in zip(loo, measured))
+  return dataclasses.replace(fit_chip(terms, measured, names, generation), band=float(band))
 
 
 def source_for(chips: int, generation: str, local: bool) -> Calibration | ChipCalibration | None:
@@ -360,5 +370,5 @@ CHIP_CALIBRATION: ChipCalibration | None = ChipCalibration(
 
 
 __all__ = ["A_BOUNDS", "CALIBRATION", "CHIP_CALIBRATION", "Calibration", "ChipCalibration", "Fit", "HELD_K",
-           "K_BOUNDS", "calibrate", "calibrate_chip", "fit", "leave_generation_out", "leave_group_out",
+           "K_BOUNDS", "calibrate", "calibrate_chip", "chip_leave_one_out", "fit", "fit_chip", "leave_generation_out", "leave_group_out",
            "leave_one_out", "source_for"]

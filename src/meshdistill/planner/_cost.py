@@ -57,16 +57,18 @@ def _owner(lp: _loops.Loop, depths: tuple[int, int]) -> str:
   return "other"
 
 
-def loop_counts(c: CompiledStep, mesh_shape: Any, depths: tuple[int, int]) -> LayerCounts | None:
+def loop_counts(c: CompiledStep, mesh_shape: Any, depths: tuple[int, int],
+                prog: _loops.Program | None = None) -> LayerCounts | None:
   """XLA's counts of compiled step ``c`` with each loop counted whole; None when the program has no loop.
 
-  ``depths``: the teacher's and student's block counts (``L_t = 0`` without a teacher), to name their loops.
+  ``depths``: the teacher's and student's block counts (``L_t = 0`` without a teacher), to name their loops;
+  ``prog``: ``c``'s text parsed already (`_loops.parse`), else it is parsed here.
   Raises ``ValueError`` when a loop has no trip count in its condition (not a counted ``lax.scan`` loop).
   """
   if c.flops is None or " while(" not in c.hlo:
     return None
   t0 = time.perf_counter()
-  prog = _loops.parse(c.hlo)
+  prog = _loops.parse(c.hlo) if prog is None else prog
   flops, bytes_accessed = c.flops, c.bytes_accessed or 0.0
   per_block = {"teacher": 0.0, "student": 0.0}
   loops = []

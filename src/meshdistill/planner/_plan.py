@@ -209,12 +209,14 @@ class Planner:
     analytic = (2 * n_t + 6 * n_s) * tokens / n
     kernels = kernel_flops(self.teacher, self.student, k.remat, self.seq) * tokens / n  # not in XLA's count
     colls = collectives(c.hlo, k.shape)
-    counts, uncounted = None, None
+    counts, uncounted, prog = None, None, None
     try:  # scanned blocks and the chunked loss are loops: counted whole from the program's text (`_cost`)
+      if " while(" in c.hlo or "estimated_cycles" in c.hlo:
+        prog = _loops.parse(c.hlo)
       counts = loop_counts(c, k.shape, (_block_trips(self.teacher) if d.teacher_cfg else 0,
-                                        _block_trips(self.student)))
+                                        _block_trips(self.student)), prog)
     except ValueError as e:  # a loop without a trip count: memory stands, no step time
-      uncounted = str(e)
+      uncounted, prog = str(e), None
     flops, bytes_accessed = (None, None) if uncounted else (c.flops, c.bytes_accessed)
     if counts is not None:  # the scanned loops counted whole (see `_cost`)
       flops, bytes_accessed, colls = counts.flops, counts.bytes_accessed, counts.collectives
@@ -239,9 +241,9 @@ class Planner:
     peak = None if chip is None else self.target.per_device(chip.peak_bf16_flops)
     p.time["mfu_split"] = mfu_split(p.flops["split"], p.time.get("step_s"), peak)
     cal = None if chip is None else self.calibration()
-    if chip is not None and "estimated_cycles" in c.hlo:  # the TPU compiler's own per-instruction estimate
-      cycles = _loops.estimated_cycles(_loops.parse(c.hlo))
-      if cycles is not None and not uncounted:
+    if chip is not None and prog is not None:  # the TPU compiler's own per-instruction estimate
+      cycles = _loops.estimated_cycles(prog)
+      if cycles is not None:
         executed = kernel_flops(self.teacher, self.student, k.remat, self.seq, executed=True) * tokens / n
         p.time["cycles"] = cycles
         p.time["kernel_s"] = executed / self.target.per_device(chip.peak_bf16_flops)
