@@ -44,7 +44,9 @@ def test_repository_configs_named_like_packaged_ones_are_links_to_them_not_copie
 
 def test_main_job_is_a_2x4_mesh_with_student_under_30_percent_of_teacher():
   cfg = Config()
-  assert (cfg.mesh.data, cfg.mesh.tensor) == (2, 4)
+  assert (cfg.mesh.data, cfg.mesh.tensor) == ("auto", "auto")  # the devices present: 2x4 without an accelerator
+  mesh = cfg.mesh.resolved(None)
+  assert (mesh.data, mesh.tensor) == (2, 4)
 
   def count(model_cfg):  # parameter count from abstract shapes, nothing allocated
     return sum(x.size for x in jax.tree.leaves(abstract_params(model_cfg)[1]))

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
 import time
 
@@ -158,22 +159,30 @@ def _serve_settings(args, settings_class):
   return settings_class(
       host=args.host, port=args.port, k=args.k, token=token, max_rows=args.max_rows, max_wait_ms=args.max_wait_ms,
       lengths=lengths, max_tokens=args.max_tokens, max_bytes=args.max_bytes, graceful_s=args.graceful_s,
-      served_name=args.served_name, hold_file=args.hold_file)
+      max_connections=args.max_connections, read_timeout_s=args.read_timeout_s,
+      insecure_no_token=args.insecure_no_token, served_name=args.served_name, hold_file=args.hold_file)
 
 
 def read_token_file(path: str) -> str:
-  """The token in ``path`` (surrounding whitespace stripped); `ConfigError` when the file is missing, empty, or
-  readable or writable by anyone but its owner (as ssh refuses such a key)."""
-  try:
-    fd = os.open(path, os.O_RDONLY)
+  """The token in ``path`` (surrounding whitespace stripped); `ConfigError` when the file is missing, not a regular
+  file (a FIFO would wait for a writer for ever, a directory has no token), empty, or readable or writable by anyone
+  but its owner (as ssh refuses such a key)."""
+  try:  # non-blocking: opening a FIFO returns at once (and is refused below) instead of waiting for a writer
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
   except OSError as e:
     raise ConfigError(f"--token-file {path}: cannot read it ({e.strerror})") from None
-  with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
-    mode = os.fstat(f.fileno()).st_mode
+  mode = os.fstat(fd).st_mode
+  if not stat.S_ISREG(mode):
+    os.close(fd)
+    kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket",
+            stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), "not a file")
+    raise ConfigError(f"--token-file {path} is {kind}; give a regular file holding the token (e.g. openssl rand "
+                      f"-hex 16 > {path}, chmod 600)")
+  with os.fdopen(fd, "rb") as raw:
     if mode & 0o077:
       raise ConfigError(f"--token-file {path} has mode {mode & 0o777:o}: others may read or change the token; "
                         f"chmod 600 {path}")
-    token = f.read().strip()
+    token = raw.read().decode("utf-8", errors="replace").strip()
   if not token:
     raise ConfigError(f"--token-file {path} is empty; write the token in it (e.g. openssl rand -hex 16 > {path})")
   return token
@@ -197,7 +206,7 @@ def _export(args) -> int:
     export.check_out_dir(args.out_dir, args.overwrite, args.adapter)
     from meshdistill import jobs  # lazy: JAX
 
-    jobs.prepare_devices(cfg)
+    cfg = jobs.prepare_devices(cfg)
     out = export.export_run(
       args.run_dir, args.out_dir, dtype=args.dtype, step=args.step, overwrite=args.overwrite, cfg=cfg,
       adapter=args.adapter, quantized=args.quantized,
@@ -292,7 +301,7 @@ def _main(argv: list[str] | None) -> int:
     # (`generate` runs as one process: it takes no process flags)
     process_flags = (getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id"))
     distributed.initialize(distributed.resolve(*process_flags))
-    jobs.prepare_devices(cfg)
+    cfg = jobs.prepare_devices(cfg)
   except distributed.DistributedError as e:
     return _err(str(e))
   t0 = time.perf_counter()

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import yaml
 
 from meshdistill import strategies
+from meshdistill.parallel.distributed.platforms import cpu_only
 from meshdistill.config import files as config_files
 from meshdistill.core.typed_yaml import ConfigError, from_dict, to_plain
 from meshdistill.config.files import config_path  # noqa: F401  (part of this module's API)
@@ -100,6 +101,9 @@ class Config:
   def __post_init__(self):
     for section, value in resolve(self).items():  # shapes (and tokenizer) derived from teacher.hf / student.*
       object.__setattr__(self, section, value)
+    # the mesh the checks below hold against: an auto mesh as it resolves without an accelerator (known before JAX
+    # starts); on accelerators it is checked once the job has decided it (`MeshSettings.resolved`, `prepare_devices`)
+    mesh = self.mesh if not self.mesh.auto else self.mesh.resolved(None) if cpu_only() else None
     for who in ("teacher", "student"):
       m = getattr(self, who)
       if m.max_len < self.data.seq_len:
@@ -113,10 +117,11 @@ class Config:
           f"{self.data.seq_len}; set data.seq_len={max(128, self.data.seq_len // 128 * 128)} or {who}.attention=xla"
         )
       try:
-        m.check_tensor_split(self.mesh.tensor)
+        if mesh is not None:
+          m.check_tensor_split(mesh.tensor)
       except ValueError as e:
-        raise ConfigError(f"{who}: {e} (mesh.tensor={self.mesh.tensor})") from None
-    if self.student.param_dtype != "float32":
+        raise ConfigError(f"{who}: {e} (mesh.tensor={mesh.tensor})") from None
+    if self.student.param_dtype not in ("float32", "auto"):
       raise ConfigError(
         f"student.param_dtype={self.student.param_dtype!r}: the student trains with float32 weights (optimizer "
         "updates on bfloat16 / float16 weights are not supported); set student.param_dtype=float32 and use "
@@ -140,18 +145,20 @@ class Config:
     if self.student.scan_layers and self.models.student_lora.enabled:
       raise ConfigError("student.lora needs per-layer blocks (qwix adapts blocks/<i>/... by path): set "
                         "student.scan_layers=false for a LoRA student (the teacher may stay scanned)")
-    if self.distill.kind == "preference" and self.train.batch_size % (2 * self.mesh.data):
+    if mesh is None:
+      return
+    if self.distill.kind == "preference" and self.train.batch_size % (2 * mesh.data):
       raise ConfigError(
         f"train.batch_size={self.train.batch_size} with distill.kind=preference: rows come in (chosen, rejected) pairs "
-        f"that share a data shard, so use a multiple of 2 * mesh.data = {2 * self.mesh.data}"
+        f"that share a data shard, so use a multiple of 2 * mesh.data = {2 * mesh.data}"
       )
     for section in ("train", "pretrain"):
       b = getattr(self, section).batch_size
-      if b % self.mesh.data:
+      if b % mesh.data:
         ok = [d for d in range(1, b + 1) if b % d == 0]
         raise ConfigError(
-          f"{section}.batch_size={b} is not divisible by mesh.data={self.mesh.data}; use a multiple of "
-          f"{self.mesh.data} or mesh.data in {ok}"
+          f"{section}.batch_size={b} is not divisible by mesh.data={mesh.data}; use a multiple of "
+          f"{mesh.data} or mesh.data in {ok}"
         )
 
   def _check_tokenizers(self) -> None:

@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 import yaml
 
-from meshdistill.core.typed_yaml import ConfigError, load_yaml, parse_override, set_path
+from meshdistill.core.typed_yaml import ConfigError, YamlRefused, load_yaml, parse_override, set_path
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
 
@@ -28,8 +28,8 @@ HEADER = """\
 # dotted key -> the comment written after it in default.yaml
 COMMENTS = {
     "preference.pairs": "distill.kind preference: own (the run's text vs another place's) or a JSONL file",
-    "mesh.data": "batch split over 2 devices",
-    "mesh.tensor": "weights (heads, MLP units, vocabulary) split over 4 devices",
+    "mesh.data": "batch split over data devices; auto: the devices present (no accelerator: 2; one chip: 1)",
+    "mesh.tensor": "weights (heads, MLP units, vocabulary) split over tensor devices; auto: no accelerator: 4",
     "mesh.axes": "more mesh axes between data and tensor, e.g. {expert: 2}: MoE experts split over 2; null: none",
     "mesh.backend": "shard_map | single | pmap",
     "mesh.fsdp": "true: weights and optimizer moments split over data too (ZeRO-3; shard_map only)",
@@ -37,6 +37,12 @@ COMMENTS = {
     "mesh.simulate_cpu_devices": "without an accelerator: 8 simulated CPU devices",
     "teacher": "~1.05 M parameters",
     "teacher.vocab_size": "the byte tokenizer's vocabulary",
+    "teacher.dtype": "compute dtype; auto: bfloat16 on a TPU, float32 elsewhere",
+    "teacher.param_dtype": "stored weights; auto: the compute dtype (a frozen teacher)",
+    "teacher.attention": "auto: the splash kernel on a TPU (seq a multiple of 128), else xla",
+    "student.dtype": "compute dtype; auto: bfloat16 on a TPU, float32 elsewhere",
+    "student.param_dtype": "stored weights; auto: float32 (the student trains)",
+    "student.attention": "auto: the splash kernel on a TPU (seq a multiple of 128), else xla",
     "student": "~0.28 M parameters (27% of the teacher)",
     "data.source": "the Python standard library's source code",
     "data.val_fraction": "held-out documents",
@@ -128,7 +134,9 @@ def load_raw(name_or_path: str | None) -> dict:
                       "config name (default, tiny)")
   try:
     with open(path, encoding="utf-8") as f:
-      raw = load_yaml(f)  # YAML 1.2 floats (3e-4, 1e9) too
+      raw = load_yaml(f)  # YAML 1.2 floats (3e-4, 1e9) too; duplicated keys and alias bombs refused
+  except YamlRefused as e:
+    raise ConfigError(f"config {path}: {e}") from None
   except yaml.YAMLError as e:
     raise ConfigError(f"{path}: not valid YAML ({e})") from None
   except UnicodeDecodeError as e:

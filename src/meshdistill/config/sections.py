@@ -32,6 +32,9 @@ from meshdistill.train.onpolicy import OnPolicyConfig
 from meshdistill.train.optimizers import MAX_LOSS_SCALE
 
 
+CPU_MESH = (2, 4)  # `mesh` auto without an accelerator: data x tensor, the reference layout on 8 simulated devices
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshSettings:
   """``data`` x ``tensor`` devices; ``simulate_cpu_devices``: ``auto`` exposes data*tensor CPU
@@ -43,10 +46,15 @@ class MeshSettings:
   `meshdistill.parallel.backends.ShardMapLayout`). ``axes``: more mesh axes and their sizes, between ``data`` and
   ``tensor`` (e.g. ``{expert: 2}``; `meshdistill.parallel.mesh.EXTRA_AXES`): the devices are the product of all
   sizes; ``expert`` splits the experts of mixture-of-experts models (expert parallelism, an all-to-all of the routed
-  tokens: `meshdistill.models.moe`), what no rule splits over an axis (`meshdistill.parallel.rules`) holds replicas."""
+  tokens: `meshdistill.models.moe`), what no rule splits over an axis (`meshdistill.parallel.rules`) holds replicas.
 
-  data: int = 2
-  tensor: int = 4
+  ``data`` / ``tensor``: ``auto`` (the default) uses the devices present, decided when the job starts
+  (`resolved`): without an accelerator the reference layout 2 x 4 on 8 simulated CPU devices; on accelerators all of
+  them, ``data`` the largest divisor of their count that divides the batch and ``tensor`` the rest (one chip: 1 x 1);
+  a size given is kept and the other fills the devices."""
+
+  data: int | str = "auto"
+  tensor: int | str = "auto"
   axes: dict | None = None
   backend: str = "shard_map"
   simulate_cpu_devices: bool | str = "auto"
@@ -54,8 +62,9 @@ class MeshSettings:
   student_split: str = "tensor"
 
   def __post_init__(self):
-    positive_int("mesh.data", self.data)
-    positive_int("mesh.tensor", self.tensor)
+    for name in ("data", "tensor"):
+      if getattr(self, name) != "auto":
+        positive_int(f"mesh.{name}", getattr(self, name))
     try:
       check_axes(self.axes or {})
     except ValueError as e:
@@ -72,13 +81,51 @@ class MeshSettings:
       check_student_split(self.student_split, self.fsdp)
     except ValueError as e:
       raise ConfigError(str(e)) from None
-    problem = layout_class(self.backend).check_settings(self.data, self.tensor, self.axes)
-    if problem is not None:
-      raise ConfigError(problem)
+    if not self.auto:
+      problem = layout_class(self.backend).check_settings(self.data, self.tensor, self.axes)
+      if problem is not None:
+        raise ConfigError(problem)
+
+  @property
+  def auto(self) -> bool:
+    """Whether ``data`` or ``tensor`` is still ``auto`` (`resolved` makes them sizes)."""
+    return "auto" in (self.data, self.tensor)
 
   @property
   def devices(self) -> int:
-    return self.data * self.tensor * math.prod((self.axes or {}).values())
+    """The devices the mesh takes (``auto`` sizes as on a machine without an accelerator: `resolved`)."""
+    m = self.resolved(None) if self.auto else self
+    return m.data * m.tensor * math.prod((self.axes or {}).values())
+
+  def resolved(self, accelerators: int | None, batch: int = 1) -> "MeshSettings":
+    """These settings with ``auto`` sizes decided: ``accelerators`` None (the CPU platform) takes the reference
+    layout ``CPU_MESH`` (data 2 x tensor 4; the pmap layout, which needs tensor 1: 8 x 1; ``single``: 1 x 1);
+    otherwise the ``accelerators`` present (divided by the other axes' sizes): a size given is kept and the other
+    fills them, both ``auto`` take ``data`` = the largest divisor of their count that divides ``batch``."""
+    if not self.auto:
+      return self
+    layout = layout_class(self.backend)
+    given = {k: getattr(self, k) for k in ("data", "tensor") if getattr(self, k) != "auto"}
+    others = math.prod((self.axes or {}).values())
+    if layout.one_device:
+      data, tensor = 1, 1
+    elif accelerators is None:
+      data, tensor = CPU_MESH
+      if layout.check_settings(data, tensor, self.axes) is not None:  # pmap: no tensor axis
+        data, tensor = data * tensor, 1
+      data, tensor = given.get("data", data), given.get("tensor", tensor)
+    else:
+      n = max(accelerators // others, 1)
+      if "tensor" in given:
+        data, tensor = given.get("data", max(n // given["tensor"], 1)), given["tensor"]
+      elif "data" in given:
+        data, tensor = given["data"], max(n // given["data"], 1)
+      else:
+        data = math.gcd(n, batch)
+        tensor = n // data
+        if layout.check_settings(data, tensor, self.axes) is not None:  # pmap: data over every device
+          data, tensor = n, 1
+    return dataclasses.replace(self, data=data, tensor=tensor)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

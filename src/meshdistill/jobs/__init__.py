@@ -30,7 +30,7 @@ The jobs live in private modules by concept; import them from here (``meshdistil
   in Python), `stored_student_config`, `run_teacher`, `summary_table`.
 """
 
-from meshdistill.jobs._setup import build_mesh, load_data, prepare_devices, stream_reporter, with_batch_size
+from meshdistill.jobs._setup import build_mesh, load_data, prepare_devices, resolve_mesh, stream_reporter, with_batch_size
 from meshdistill.jobs._training import loop_kwargs, make_distiller, safeguard_kwargs, strategy_and_optimizer
 from meshdistill.jobs._teacher import cache_teacher, default_cache_dir, obtain_teacher, pretrain, teacher_dir
 from meshdistill.jobs._teacher import prepare_teacher, teacher_key
@@ -67,6 +67,7 @@ __all__ = [
   "prepare_devices",
   "prepare_teacher",
   "pretrain",
+  "resolve_mesh",
   "prune",
   "PruneTargets",
   "run_teacher",

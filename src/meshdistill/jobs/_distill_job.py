@@ -13,7 +13,7 @@ from meshdistill.config.sections import strategy_defaults
 from meshdistill.core.fsutil import write_text_atomic
 from meshdistill.jobs._setup import (_monitor, _run_lock, _write_config, build_mesh, describe_devices, load_data,
                                      stream_reporter)
-from meshdistill.jobs._setup import teacher_side_data, with_batch_size
+from meshdistill.jobs._setup import resolve_mesh, teacher_side_data, with_batch_size
 from meshdistill.jobs._teacher import obtain_teacher, prepare_teacher
 from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
 from meshdistill.train.loop.monitor import ProfileWindow
@@ -36,6 +36,7 @@ def distill(
   Holds the run directory's lock (`meshdistill.core.fsutil.RunLock`) throughout; ``config.yaml`` is
   written only once the settings are known to fit the checkpoint the run resumes from.
   """
+  cfg = resolve_mesh(cfg)  # `mesh` auto: the devices present, recorded so in the run's config.yaml
   with _run_lock(cfg.run.run_dir, "distillation run", cfg.checkpoint_dir):
     return _distill(cfg, stream=stream, profile=profile, stop_after=stop_after)
 

@@ -15,7 +15,7 @@ from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import Config
 from meshdistill.config import run_config
 from meshdistill.jobs._distill_job import _evaluate_pair, _evaluate_student
-from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
+from meshdistill.jobs._setup import build_mesh, load_data, resolve_mesh, stream_reporter
 from meshdistill.jobs._teacher import services
 from meshdistill.jobs._training import make_distiller
 from meshdistill.data.tasks import parse_task
@@ -214,7 +214,7 @@ def stored_student_config(cfg: Config, mesh=None):
   read with the same padding (the decoder cuts it off its logits) and then, on ``mesh``, fitted to its
   ``tensor`` too.
   """
-  student = cfg.student
+  student, cfg = cfg.student, resolve_mesh(cfg)
   if not layout_class(cfg.mesh.backend).one_device:
     student = student.for_tensor(cfg.mesh.tensor)
   return student if mesh is None else student.for_tensor(mesh.shape["tensor"])

@@ -24,7 +24,7 @@ from flax import nnx
 
 from meshdistill.models.compress import PruneTargets, prune as prune_model
 from meshdistill.config import Config, ConfigError
-from meshdistill.jobs._setup import build_mesh, load_data, stream_reporter
+from meshdistill.jobs._setup import build_mesh, load_data, resolve_mesh, stream_reporter
 from meshdistill.jobs._teacher import obtain_teacher
 from meshdistill.models import families
 from meshdistill.models.hf import export_hf, read_hf_config
@@ -65,6 +65,7 @@ def prune(cfg: Config, out: str, targets: PruneTargets, *, batches: int = 8, ove
     raise ConfigError("meshdistill prune: no target given; set at least one of --mlp, --heads, --embed, --layers")
   if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
     raise ConfigError(f"--batches={batches!r} must be a positive integer (calibration batches of train.batch_size)")
+  cfg = resolve_mesh(cfg)
   teacher_cfg = cfg.teacher.replace(vocab_multiple=1, replicate_kv=False)
   try:
     student_cfg = targets.student_config(teacher_cfg)

@@ -14,6 +14,7 @@ from meshdistill.train.loop.monitor import Monitor
 from meshdistill.core.ownership import MARKER, OutputKind, check_owned, read_marker, refuse_links, write_marker
 from meshdistill.data import build_data
 from meshdistill.parallel.distributed import data_shard, is_primary, local_device_share, process_count
+from meshdistill.parallel.distributed.platforms import cpu_only
 from meshdistill.parallel.backends import BACKENDS, layout_class
 from meshdistill.parallel.mesh import make_mesh, simulate_cpu_devices
 from meshdistill.teachers import kinds
@@ -21,8 +22,9 @@ from meshdistill.teachers import kinds
 log = logging.getLogger("meshdistill.jobs")  # the package's logger: records keep the name they always had
 
 
-def prepare_devices(cfg: Config) -> None:
-  """Makes the devices the mesh needs exist. Call before anything starts JAX.
+def prepare_devices(cfg: Config) -> Config:
+  """Makes the devices the mesh needs exist and returns ``cfg`` with its mesh decided (`resolve_mesh`). Call
+  before anything starts JAX.
 
   ``mesh.simulate_cpu_devices``: ``auto`` asks the CPU platform for ``data * tensor`` devices
   (it only affects the CPU platform: on a GPU/TPU machine JAX still uses the accelerators);
@@ -30,14 +32,33 @@ def prepare_devices(cfg: Config) -> None:
   processes (`meshdistill.parallel.distributed.initialize` first) each process simulates its share.
   """
   sim = cfg.mesh.simulate_cpu_devices
-  if sim is False:
-    return
   if sim is True:
     os.environ["JAX_PLATFORMS"] = "cpu"
-  n = cfg.mesh.devices
-  n += kinds.for_config(cfg).extra_devices()  # a teacher on its own mesh takes devices beside the student's
-  if n > 1 or sim is True:
-    simulate_cpu_devices(local_device_share(n))
+  if sim is not False and cpu_only():
+    cfg = resolve_mesh(cfg)  # no accelerator: decided without starting JAX, before the simulated devices exist
+    n = cfg.mesh.devices
+    n += kinds.for_config(cfg).extra_devices()  # a teacher on its own mesh takes devices beside the student's
+    if n > 1 or sim is True:
+      simulate_cpu_devices(local_device_share(n))
+  return resolve_mesh(cfg)
+
+
+def resolve_mesh(cfg: Config) -> Config:
+  """``cfg`` with ``mesh.data`` / ``mesh.tensor`` of ``auto`` decided for the devices present
+  (`meshdistill.config.MeshSettings.resolved`: without an accelerator the reference 2 x 4 on simulated CPU devices;
+  on accelerators all of them, less those a teacher on its own mesh takes); ``cfg`` itself when nothing is auto.
+  Starts JAX when accelerators are to be counted. The decision is logged in one line."""
+  if not cfg.mesh.auto:
+    return cfg
+  accelerators = None
+  if not cpu_only():
+    import jax  # pylint: disable=g-import-not-at-top -- JAX starts here, after prepare_devices / initialize
+
+    accelerators = jax.device_count() - kinds.for_config(cfg).extra_devices()
+  mesh = cfg.mesh.resolved(accelerators, cfg.train.batch_size)
+  where = "no accelerator: the reference layout" if accelerators is None else f"{accelerators} accelerator(s)"
+  log.info("mesh auto -> data=%s x tensor=%s (%s)", mesh.data, mesh.tensor, where)
+  return dataclasses.replace(cfg, mesh=mesh)
 
 
 def build_mesh(cfg: Config):
@@ -51,6 +72,7 @@ def build_mesh(cfg: Config):
     )
   if layout.one_device:
     return None
+  cfg = resolve_mesh(cfg)
   try:
     mesh = make_mesh(data=cfg.mesh.data, tensor=cfg.mesh.tensor, axes=cfg.mesh.axes)
     data_shard(mesh)  # each process's share of a batch is well defined

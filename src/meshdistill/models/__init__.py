@@ -7,7 +7,7 @@ module each in ``meshdistill.models.families``.
 ``meshdistill.models.tunix_adapter`` (tunix's Llama 3 / Qwen3 modules) is imported on use only.
 """
 
-from meshdistill.models._build import abstract_params, init_model, shard_model
+from meshdistill.models._build import abstract_params, frozen_model, init_model, shard_model
 from meshdistill.models.decoder import (
     CAPTURABLE,
     ATTENTION,
@@ -30,6 +30,7 @@ __all__ = [
     "RopeScaling",
     "abstract_params",
     "export_hf",
+    "frozen_model",
     "init_model",
     "load_hf",
     "param_count",

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 # The splash kernel runs per device in a shard_map over the mesh's auto axes and reads its own query heads by
 # `axis_index` over `tensor`: a collective over named mesh axes, the one place in models/ that names them.
-from meshdistill.parallel.mesh import DATA, TENSOR
+from meshdistill.parallel.mesh import DATA, TENSOR, target_platform  # noqa: F401  (target_platform: re-exported)
 from meshdistill.models import _head_prep
 from meshdistill.models._config import RopeScaling
 from meshdistill.models._variants import band, per_head_matmul, softcap
@@ -58,6 +58,49 @@ class KVCache(NamedTuple):
     rows_Tx1, cols_1xS = self.index + jnp.arange(T)[:, None], jnp.arange(S)[None, :]
     causal_TxS = (cols_1xS <= rows_Tx1) & band(rows_Tx1, cols_1xS, window)
     return causal_TxS[None, None] & self.valid_BxS[:, None, None, :]
+
+
+class Segments(NamedTuple):
+  """Rows packed from several documents (``data.packing: documents``): ``ids_BxT`` each token's document within its
+  row (1, 2, ...; 0 on padding), ``positions_BxT`` its RoPE position within that document (restarting at 0 where
+  the document starts). A query attends only to keys of its own document (`segment_mask`; the splash kernel's own
+  segment ids), so a packed row computes what its documents compute one by one."""
+
+  ids_BxT: jax.Array
+  positions_BxT: jax.Array
+
+  @classmethod
+  def of(cls, tokens_BxT: jax.Array, segment_ids_BxT=None, positions_BxT=None) -> "Segments | None":
+    """The segments of a forward pass over ``tokens_BxT`` (None without ``segment_ids_BxT``), shapes checked;
+    positions derived from the ids when not given (`segment_positions`)."""
+    if segment_ids_BxT is None:
+      if positions_BxT is not None:
+        raise ValueError("positions were given without segment_ids: positions restart per packed document, so pass "
+                         "both (the batch keys of data.packing: documents), or neither")
+      return None
+    for name, a in (("segment_ids", segment_ids_BxT), ("positions", positions_BxT)):
+      if a is not None and tuple(a.shape) != tuple(tokens_BxT.shape):
+        raise ValueError(f"{name} must be [batch, seq] like the tokens {tuple(tokens_BxT.shape)}, got "
+                         f"{tuple(a.shape)}")
+    ids_BxT = jnp.asarray(segment_ids_BxT, jnp.int32)
+    return cls(ids_BxT, segment_positions(ids_BxT) if positions_BxT is None else jnp.asarray(positions_BxT, jnp.int32))
+
+
+def segment_positions(segment_ids_BxT: jax.Array) -> jax.Array:
+  """``[B, T]`` int32: each token's index since the start of its segment (a token whose id differs from the one
+  before it, and the row's first token, start one): the positions `meshdistill.data._packing` writes for a
+  document's tokens."""
+  T = segment_ids_BxT.shape[1]
+  t_T = jnp.arange(T, dtype=jnp.int32)
+  starts_BxT = jnp.concatenate([jnp.ones_like(segment_ids_BxT[:, :1], bool),
+                                segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+  return t_T - jax.lax.cummax(jnp.where(starts_BxT, t_T, 0), axis=1)
+
+
+def segment_mask(segment_ids_BxT: jax.Array) -> jax.Array:
+  """``[B, 1, T, T]`` bool: query ``t`` and key ``s`` belong to one segment (the causal and window masks are the
+  kernels' own)."""
+  return (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])[:, None]
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,13 +147,14 @@ def rope(
 
 
 def _explicit_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS=None, *, window=None, scale=None,
-                        cap=None):
+                        cap=None, segment_ids_BxT=None):
   """Causal grouped-query attention with explicit float32 scores: ``(out [B, T, H, K], probs [B, H, T, S])``.
 
   Query head ``h`` reads key/value head ``h // (H / G)``; the einsums run over the groups, so
   key/value heads are never copied. ``scale``: of the scores (default ``K ** -0.5``); ``cap``: scores soft-capped
   (`meshdistill.models._variants.softcap`) before the mask; ``window``: a sliding window when ``visible`` is not
-  given (a cache's ``visible`` carries its own).
+  given (a cache's ``visible`` carries its own); ``segment_ids_BxT``: packed documents (`Segments`), each query
+  seeing keys of its own document only.
   """
   G, K = k_BxSxGxK.shape[2], q_BxTxHxK.shape[-1]
   T, S = q_BxTxHxK.shape[1], k_BxSxGxK.shape[1]
@@ -121,6 +165,8 @@ def _explicit_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS=None, *
   if visible_Bx1xTxS is None:
     rows_Tx1, cols_1xS = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
     visible = (cols_1xS <= rows_Tx1) & band(rows_Tx1, cols_1xS, window)
+    if segment_ids_BxT is not None:
+      visible = visible & segment_mask(segment_ids_BxT)
   else:
     visible = visible_Bx1xTxS
   scores_BxHxTxS = jnp.where(visible, scores_BxHxTxS, jnp.finfo(jnp.float32).min)
@@ -130,21 +176,7 @@ def _explicit_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS=None, *
   return einops.rearrange(out, "b t g r k -> b t (g r) k"), probs_BxHxTxS
 
 
-def target_platform() -> str:
-  """The platform the program being traced is compiled for.
-
-  Where there is a mesh in context, it says: the abstract mesh of a layout's ``shard_map`` (or of ``pmap``,
-  built on one, or of ``jax.set_mesh`` around evaluation) carries its devices' platform, which is ``tpu``
-  when the planner compiles for a TPU topology's abstract devices from a CPU host. Without one (the
-  single-device layout, a plain ``jit``) the program runs on the default device, so the default backend
-  is the target.
-  `jax.default_backend()` alone would be wrong while planning: it is ``cpu`` there.
-  """
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return jax.default_backend() if device is None else device.platform
-
-
-def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, **options):
+def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, **options):
   """`_splash_attention` placed for the mesh in context: ``out [B, H, T, K]`` (head-major, as the kernel reads
   and writes: a decoder projects into this layout, so no step swaps heads and tokens).
 
@@ -158,7 +190,8 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, **options):
   device slices its group out of the replicated keys and values. Rows are split over a
   compiler-managed ``data`` axis that divides them. Interpret mode follows `target_platform`.
   Without a mesh in context (one device, a plain ``jit``) or with every axis manual already (``pmap``) the
-  kernel runs as it is. ``options``: `_splash_attention`'s ``window``, ``scale`` and ``cap``.
+  kernel runs as it is. ``segment_ids_BxT``: packed documents (`Segments`), split over rows with the queries.
+  ``options``: `_splash_attention`'s ``window``, ``scale`` and ``cap``.
   """
   interpret = target_platform() != "tpu"
   global _warned_interpret
@@ -170,7 +203,7 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, **options):
     )
   mesh, free = _compiler_axes()
   if not free:
-    return _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, interpret=interpret, **options)
+    return _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT, interpret=interpret, **options)
   B, H = q_BxHxTxK.shape[:2]
   G = k_BxGxTxK.shape[1]
   t = mesh.shape[TENSOR] if TENSOR in free else 1
@@ -185,7 +218,7 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, **options):
   q_spec = P(rows, TENSOR if t > 1 else None)
   kv_spec = q_spec if kv_split else P(rows)
 
-  def local(q_BxHlxTxK, k_BxGxTxK, v_BxGxTxK):
+  def local(q_BxHlxTxK, k_BxGxTxK, v_BxGxTxK, *segment_ids_BxT):
     if not kv_split:  # replicated keys/values: this device's query heads read groups (i*heads + j) // R
       first = jax.lax.axis_index(TENSOR) * heads
       if R % heads == 0:  # all of them in one group (G divides t): its key/value head
@@ -193,10 +226,11 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, **options):
       else:  # groups cut by the split (t divides neither G nor H/G): one key/value head per query head
         pick = lambda a: jnp.take(a, (first + jnp.arange(heads)) // R, axis=1)  # noqa: E731
       k_BxGxTxK, v_BxGxTxK = pick(k_BxGxTxK), pick(v_BxGxTxK)
-    return _splash_attention(q_BxHlxTxK, k_BxGxTxK, v_BxGxTxK, interpret=interpret, **options)
+    return _splash_attention(q_BxHlxTxK, k_BxGxTxK, v_BxGxTxK, *segment_ids_BxT, interpret=interpret, **options)
 
-  return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=free,
-                       check_vma=False)(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK)
+  segments = () if segment_ids_BxT is None else (segment_ids_BxT,)
+  return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec) + (P(rows),) * len(segments), out_specs=q_spec,
+                       axis_names=free, check_vma=False)(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, *segments)
 
 
 def _compiler_axes():
@@ -263,8 +297,8 @@ def _splash_block_sizes(splash, T: int, *, itemsize: int = 2, head_dim: int = 12
   )
 
 
-def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, interpret: bool | None = None, *, window: int | None = None,
-                      scale: float | None = None, cap: float | None = None):
+def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, interpret: bool | None = None, *,
+                      window: int | None = None, scale: float | None = None, cap: float | None = None):
   """Causal grouped-query attention with the Pallas splash kernel on the heads given, head-major:
   ``out [B, H, T, K]`` from queries ``[B, H, T, K]`` and keys/values ``[B, G, T, K]``.
 
@@ -274,7 +308,8 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, interpret: bool | None = 
   `_splash_block_sizes`; ``T`` must be a multiple of 128 (the kernel's lane width). The decoder
   calls it through `splash_attention`, which splits heads over ``tensor``. ``window``: the kernel's local mask
   (a query sees itself and the ``window - 1`` keys before it); ``scale``: of the scores (default ``K ** -0.5``,
-  applied to the queries); ``cap``: the kernel's soft-cap of the scores.
+  applied to the queries); ``cap``: the kernel's soft-cap of the scores. ``segment_ids_BxT``: packed documents
+  (`Segments`): the kernel's own segment ids (a query sees keys of its segment only), one row's for all its heads.
   """
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
 
@@ -298,10 +333,15 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, interpret: bool | None = 
     q_BxGxRxTxK = q_BxGxRxTxK / jnp.sqrt(K).astype(q_BxHxTxK.dtype)
   elif not (isinstance(scale, (int, float)) and scale == 1.0):  # 1.0: queries scaled already (`heads_in_kernel`)
     q_BxGxRxTxK = q_BxGxRxTxK * jnp.asarray(scale, q_BxHxTxK.dtype)
-  run = jax.vmap(jax.vmap(kernel))
+  if segment_ids_BxT is None:
+    run = jax.vmap(jax.vmap(kernel))
+  else:  # each row's ids for every group of its heads
+    per_row = lambda q, k, v, ids: jax.vmap(  # noqa: E731
+        lambda q, k, v: kernel(q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids)))(q, k, v)
+    run = jax.vmap(per_row)
   if itemsize <= 2 and jax.config.jax_default_matmul_precision not in (None, "default", "bfloat16", "fastest"):
     run = _at_default_precision(run)
-  out = run(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK)
+  out = run(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK, *(() if segment_ids_BxT is None else (segment_ids_BxT,)))
   return out.reshape(B, H, T, K).astype(v_BxGxTxK.dtype)
 
 

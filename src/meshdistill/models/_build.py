@@ -78,6 +78,19 @@ def _initializer(cfg: ModelConfig, mesh: Mesh | None):
   return graphdef, jax.jit(lambda key: pad_state(nnx.state(_create(real, key)), target), **placement)
 
 
+def frozen_model(model: Decoder, platform: str | None = None) -> Decoder:
+  """``model`` with its weights stored as a frozen model's (`ModelConfig.frozen` on ``platform``): a teacher of
+  ``param_dtype="auto"`` computing in bfloat16 gets bfloat16 weights (each float32 weight rounded, as
+  `init_model` rounds); any other model is returned as it is."""
+  if not isinstance(model, Decoder):
+    return model
+  cfg = model.cfg.frozen(platform)
+  if cfg == model.cfg:
+    return model
+  graphdef, target, _ = abstract_params(cfg)
+  return nnx.merge(graphdef, pad_state(nnx.state(model), target))
+
+
 def fit_model(model: Decoder, tensor: int) -> Decoder:
   """``model`` itself when its config suits a ``tensor``-way split, else a copy padded / re-partitioned for it."""
   if not isinstance(model, Decoder):  # e.g. a tunix adapter: no padding, only the check

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from meshdistill.models.moe import MoeConfig
+from meshdistill.parallel.mesh import compiler_tensor_size, target_platform
 
 # Per-block rematerialisation (`jax.checkpoint`) policies, by `ModelConfig.remat` name:
 # "none" keeps every activation for the backward pass; "full" keeps only each block's
@@ -27,13 +28,24 @@ REMAT_POLICIES = {
 # Attention kernels, by `ModelConfig.attention` name. Every one is causal grouped-query attention
 # without copying key/value heads; capturing attention probabilities always uses "explicit".
 ATTENTION = {
-    "auto": "explicit scores when probabilities are captured, else xla",
+    "auto": "splash where it applies (a TPU target, sequence a multiple of 128, the tensor axis dividing n_heads, "
+            "not decoding), else xla; explicit scores when probabilities are captured (`ModelConfig.kernel`)",
     "explicit": "grouped einsums materialising [B, H, T, S] float32 scores and probabilities",
     "xla": "jax.nn.dot_product_attention(implementation='xla')",
     "cudnn": "jax.nn.dot_product_attention(implementation='cudnn'): cuDNN flash attention, GPU with bf16/fp16 only",
     "splash": "the Pallas TPU splash-attention kernel, per device on its heads of a tensor-split mesh (interpreted "
               "when the target is not a TPU; sequence length a multiple of 128)",
 }
+
+
+# `ModelConfig.dtype` / `param_dtype` values. ``auto``: compute in bfloat16 on a TPU, float32 elsewhere; store
+# weights in float32, except a frozen teacher's, stored in its compute dtype (`ModelConfig.frozen`).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _auto_compute(platform: str) -> str:
+  """``dtype="auto"`` on ``platform``: bfloat16 on a TPU (its matrix units' native input), float32 elsewhere."""
+  return "bfloat16" if platform == "tpu" else "float32"
 
 
 # `ModelConfig.layer_types` values (Hugging Face's names): what a layer's attention sees.
@@ -108,8 +120,8 @@ class ModelConfig:
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
-  dtype: str = "float32"  # compute dtype of activations (weights are cast to it where they are used)
-  param_dtype: str = "float32"  # dtype the weights are stored in: bfloat16 / float16 halve a frozen teacher's memory
+  dtype: str = "auto"  # compute dtype of activations (weights are cast to it where used); auto: see DTYPES
+  param_dtype: str = "auto"  # dtype the weights are stored in: bfloat16 / float16 halve a frozen teacher's memory
   remat: str = "none"  # per-block rematerialisation policy, a key of REMAT_POLICIES
   qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3)
   qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
@@ -156,11 +168,11 @@ class ModelConfig:
       )
     if self.head_dim is not None and self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (rotary embedding)")
-    if self.dtype not in ("float32", "bfloat16", "float16"):
-      raise ValueError(f"ModelConfig.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
-    if self.param_dtype not in ("float32", "bfloat16", "float16"):
-      raise ValueError(f"ModelConfig.param_dtype={self.param_dtype!r}; choose float32, bfloat16 or float16 (the "
-                       "dtype the weights are stored in; bfloat16 halves a frozen teacher's memory)")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"ModelConfig.dtype={self.dtype!r}; choose one of {DTYPES}")
+    if self.param_dtype not in DTYPES:
+      raise ValueError(f"ModelConfig.param_dtype={self.param_dtype!r}; choose one of {DTYPES} (the dtype the "
+                       "weights are stored in; bfloat16 halves a frozen teacher's memory)")
     if self.attention not in ATTENTION:
       raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {tuple(ATTENTION)}")
     if not isinstance(self.scan_layers, bool):
@@ -220,12 +232,52 @@ class ModelConfig:
 
   @property
   def compute_dtype(self):
-    return jnp.dtype(self.dtype)
+    """The dtype activations are computed in: ``dtype``, where ``auto`` is bfloat16 when the target is a TPU
+    (`meshdistill.parallel.mesh.target_platform`: the mesh in context, else the default backend) and float32
+    elsewhere."""
+    return jnp.dtype(_auto_compute(target_platform()) if self.dtype == "auto" else self.dtype)
 
   @property
   def weight_dtype(self):
-    """The dtype the weights are stored in (``param_dtype``)."""
-    return jnp.dtype(self.param_dtype)
+    """The dtype the weights are stored in: ``param_dtype``, where ``auto`` is float32 (the weights of a model that
+    trains; a frozen teacher's ``auto`` is its compute dtype: `frozen`)."""
+    return jnp.dtype("float32" if self.param_dtype == "auto" else self.param_dtype)
+
+  def frozen(self, platform: str | None = None) -> "ModelConfig":
+    """This config for a frozen model (a teacher): ``param_dtype="auto"`` becomes the compute dtype on ``platform``
+    (default: `target_platform`), so a teacher computing in bfloat16 is stored in bfloat16 (it gains nothing
+    from float32 storage: its weights are cast to bfloat16 where they are used). A ``param_dtype`` given stays."""
+    if self.param_dtype != "auto":
+      return self
+    platform = target_platform() if platform is None else platform
+    return self.replace(param_dtype=_auto_compute(platform) if self.dtype == "auto" else self.dtype)
+
+  def for_platform(self, platform: str) -> "ModelConfig":
+    """This config with ``dtype="auto"`` made concrete for ``platform`` (what `compute_dtype` gives there): for a
+    program compiled for another platform than this process's (the planner)."""
+    return self.replace(dtype=_auto_compute(platform)) if self.dtype == "auto" else self
+
+  def kernel(self, T: int, *, probs: bool = False, decoding: bool = False, platform: str | None = None,
+             tensor: int | None = None) -> str:
+    """The attention kernel a layer runs on ``T`` query tokens: ``explicit`` when probabilities are captured;
+    ``auto`` is ``splash`` where the kernel applies (``platform`` -- default `target_platform` -- is a TPU,
+    ``T`` a multiple of 128, the compiler-managed ``tensor`` axis -- default the mesh in context's -- divides
+    ``n_heads``, not ``decoding``), else ``xla``; ``splash`` decoding a few queries against a cache is ``xla``
+    (nothing for a flash kernel to save); ``xla`` / ``cudnn`` with a soft-capped score (Gemma 2) is ``explicit``
+    (`jax.nn.dot_product_attention` has no soft-cap)."""
+    if probs:
+      return "explicit"
+    kind = self.attention
+    if kind == "auto":
+      platform = target_platform() if platform is None else platform
+      tensor = compiler_tensor_size() if tensor is None else tensor
+      fits = platform == "tpu" and T % 128 == 0 and self.n_heads % tensor == 0
+      kind = "splash" if fits and not decoding else "xla"
+    if kind == "splash" and decoding:
+      kind = "xla"
+    if self.attn_softcap is not None and kind in ("xla", "cudnn"):
+      kind = "explicit"
+    return kind
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)

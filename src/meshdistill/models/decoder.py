@@ -34,8 +34,8 @@ from flax import nnx
 
 from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.parallel.rules import annotate
-from meshdistill.models._attention import (KVCache, _explicit_attention, heads_in_kernel, prep_in_kernel,
-                                          query_prescale, rope, rope_tables, splash_attention)
+from meshdistill.models._attention import (KVCache, Segments, _explicit_attention, heads_in_kernel, prep_in_kernel,
+                                          query_prescale, rope, rope_tables, segment_mask, splash_attention)
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._scan import layer_blocks, save_all_but_casts, scan_blocks, stacked_blocks
 from meshdistill.models._variants import gate_activation, head_norm, head_norm_scale, norm, scale_embed, softcap
@@ -53,6 +53,7 @@ __all__ = [
     "ModelConfig",
     "ModelOutput",
     "RopeScaling",
+    "Segments",
     "param_count",
     "rope",
 ]
@@ -112,24 +113,22 @@ class Attention(nnx.Module):
     if cfg.qk_norm:  # per-head RMSNorm over head_dim, scales [K] replicated
       self.q_norm, self.k_norm = norm(cfg, K, rngs, "head_dim"), norm(cfg, K, rngs, "head_dim")
 
-  def __call__(self, x_BxTxD: jax.Array, want_probs: bool, cache: KVCache | None = None):
+  def __call__(self, x_BxTxD: jax.Array, want_probs: bool, cache: KVCache | None = None,
+               segments: Segments | None = None):
     """``(output, attention probabilities or None)``; with a ``cache`` (decoding), ``(output, updated cache)``:
-    the new keys/values are written at ``cache.index`` and the queries see the cache's valid slots up to their own."""
+    the new keys/values are written at ``cache.index`` and the queries see the cache's valid slots up to their own.
+    ``segments``: rows packed from several documents (`Segments`): every kernel attends within a document only and
+    RoPE takes each token's position within its document."""
     cfg = self.cfg
-    kind = cfg.attention
-    if kind == "auto" or want_probs:
-      kind = "explicit" if want_probs else "xla"
-    if kind == "splash" and cache is not None:
-      kind = "xla"  # decoding attends a few queries to a cache: nothing for a flash kernel to save
-    if cfg.attn_softcap is not None and kind in ("xla", "cudnn"):
-      kind = "explicit"  # jax.nn.dot_product_attention has no soft-cap of the scores
+    kind = cfg.kernel(x_BxTxD.shape[1], probs=want_probs, decoding=cache is not None)  # `auto`: splash on a TPU
     # The splash kernel reads and writes heads before tokens: the projections' outputs are laid out so from the
     # start (XLA writes the matmul in that layout), their norms and RoPE computed there, and no copy swaps them.
     heads = "b h t k" if kind == "splash" else "b t h k"
     T = x_BxTxD.shape[1]
     query_scale = cfg.query_scale
     if kind == "splash" and cache is None and prep_in_kernel(T, cfg.hd):  # one Pallas kernel each (`_head_prep`)
-      cos, sin = rope_tables(jnp.arange(T), cfg.hd, self.theta, self.scaling)
+      cos, sin = rope_tables(jnp.arange(T) if segments is None else segments.positions_BxT, cfg.hd, self.theta,
+                             self.scaling)  # [T, K], or [B, T, K] for packed documents
       dtype = x_BxTxD.dtype
       q, k = (
           heads_in_kernel(_per_token(p, x_BxTxD), n, cos, sin, head_norm_scale(nm, dtype) if nm else None,
@@ -144,7 +143,7 @@ class Attention(nnx.Module):
                  for p in (self.q, self.k, self.v))
       if cfg.qk_norm:
         q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
-      pos = None if cache is None else cache.positions_BxT
+      pos = cache.positions_BxT if cache is not None else None if segments is None else segments.positions_BxT
       axis = heads.split().index("t")
       q, k = (rope(a, self.theta, self.scaling, pos, token_axis=axis) for a in (q, k))
     if cache is not None:
@@ -152,14 +151,16 @@ class Attention(nnx.Module):
       k, v = cache.k, cache.v
     visible = None if cache is None else cache.visible(T, self.window)  # [B, 1, T, S]
     options = {"window": self.window, "scale": query_scale, "cap": cfg.attn_softcap}
+    ids = None if segments is None or cache is not None else segments.ids_BxT  # packed documents: within one only
     if kind == "explicit":
-      out, probs_BxHxTxS = _explicit_attention(q, k, v, visible, **options)
+      out, probs_BxHxTxS = _explicit_attention(q, k, v, visible, segment_ids_BxT=ids, **options)
     elif kind == "splash":
-      out, probs_BxHxTxS = splash_attention(q, k, v, **options), None
-    else:
+      out, probs_BxHxTxS = splash_attention(q, k, v, ids, **options), None
+    else:  # the causal mask and window are the kernel's; packed documents add their [B, 1, T, T] mask
       window = None if self.window is None or visible is not None else (self.window - 1, 0)
+      mask = visible if ids is None else segment_mask(ids)
       out = jax.nn.dot_product_attention(
-          q, k, v, mask=visible, is_causal=visible is None, implementation=kind, scale=cfg.query_scale,
+          q, k, v, mask=mask, is_causal=visible is None, implementation=kind, scale=cfg.query_scale,
           local_window_size=window,
       ).astype(v.dtype)
       probs_BxHxTxS = None
@@ -199,8 +200,8 @@ class Block(nnx.Module):
     if cfg.post_norms:  # on each sublayer's output, before the residual add (Gemma 2 / 3)
       self.post_attn_norm, self.post_mlp_norm = norm(cfg, cfg.d_model, rngs), norm(cfg, cfg.d_model, rngs)
 
-  def __call__(self, x_BxTxD, want_probs: bool, cache: KVCache | None = None):
-    a, probs = self.attn(self.attn_norm(x_BxTxD), want_probs, cache)  # with a cache: (a, updated cache)
+  def __call__(self, x_BxTxD, want_probs: bool, cache: KVCache | None = None, segments: Segments | None = None):
+    a, probs = self.attn(self.attn_norm(x_BxTxD), want_probs, cache, segments)  # with a cache: (a, updated cache)
     x_BxTxD = x_BxTxD + (self.post_attn_norm(a) if hasattr(self, "post_attn_norm") else a)
     m, routing = self.mlp(self.mlp_norm(x_BxTxD)), None
     if isinstance(m, tuple):  # a mixture of experts: (output, Routing)
@@ -210,7 +211,13 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-  """Decoder-only LM. ``model(tokens_BxT, capture=("hidden", "attn")) -> ModelOutput``."""
+  """Decoder-only LM. ``model(tokens_BxT, capture=("hidden", "attn")) -> ModelOutput``.
+
+  Rows packed from several documents (``data.packing: documents``) pass ``segment_ids`` ``[B, T]`` (1, 2, ... per
+  document, 0 on padding) and optionally ``positions`` ``[B, T]`` (each token's index in its document; derived from
+  the ids when not given, `Segments.of`): attention then stays within a document and RoPE restarts at each,
+  so a packed row's logits are those of its documents run one by one.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -240,7 +247,8 @@ class Decoder(nnx.Module):
       )
 
   def __call__(
-      self, tokens_BxT: jax.Array, *, capture: tuple[str, ...] = (), logits: bool = True
+      self, tokens_BxT: jax.Array, *, capture: tuple[str, ...] = (), logits: bool = True,
+      segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
   ) -> ModelOutput:
     cfg = self.cfg
     unknown = set(capture) - set(CAPTURABLE)
@@ -254,10 +262,12 @@ class Decoder(nnx.Module):
           f"sequence length {T} exceeds the model's max_len={cfg.max_len}; "
           f"use seq_len <= {cfg.max_len} or build the model with a larger max_len"
       )
+    segments = Segments.of(tokens_BxT, segment_ids, positions)
     want_hidden, want_attn, want_router = "hidden" in capture, "attn" in capture, "router" in capture
     x = scale_embed(cfg, gathered(self.embed)(tokens_BxT))
     hidden, attn, router = [x] if want_hidden else [], [], []
-    run_block = _block_runner(cfg.remat, cfg.scan_layers)
+    runner = _block_runner(cfg.remat, cfg.scan_layers)
+    run_block = lambda block, x, want_probs: runner(block, x, want_probs, segments)  # noqa: E731
     if cfg.scan_layers:  # the same run_block on each layer's slice of the stacked blocks
       x, hidden_L, attn_L, router_L = scan_blocks(self.blocks, x, run_block, want_hidden, want_attn, want_router,
                                                   cfg.scan_period, _place)
@@ -335,14 +345,14 @@ def _place(block: Block, layer: int) -> None:
   attn.window, attn.theta, attn.scaling = attn.cfg.layer_attention(layer)
 
 
-def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool):
+def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool, segments: Segments | None = None):
   # Weights split over `data` (`meshdistill.parallel.fsdp`) are gathered here, inside the block's remat region.
   block, x_BxTxD = gathered_for(block, x_BxTxD)
-  return block(x_BxTxD, want_probs)
+  return block(x_BxTxD, want_probs, segments=segments)
 
 
 def _block_runner(remat: str, scanned: bool = False):
-  """``f(block, x, want_probs)`` running one block, under `nnx.remat` unless ``remat="none"``.
+  """``f(block, x, want_probs, segments)`` running one block, under `nnx.remat` unless ``remat="none"``.
 
   Rematerialisation changes what the backward pass stores, never the values. A scanned block with
   ``remat="none"`` keeps everything but its dtype casts (`save_all_but_casts`): what a scan keeps for the
@@ -356,15 +366,15 @@ def _block_runner(remat: str, scanned: bool = False):
   if remat != "full":
     return rematted
 
-  def run(block, x_BxTxD, want_probs):  # weights split over `data`: gathered again in the backward pass, in order
-    out = gathered_call(_plain_call, block, x_BxTxD, want_probs)
-    return rematted(block, x_BxTxD, want_probs) if out is None else out
+  def run(block, x_BxTxD, want_probs, segments=None):  # weights split over `data`: gathered again in the backward
+    out = gathered_call(_plain_call, block, x_BxTxD, want_probs, segments)  # pass, in order
+    return rematted(block, x_BxTxD, want_probs, segments) if out is None else out
 
   return run
 
 
-def _plain_call(block: Block, x_BxTxD: jax.Array, want_probs: bool):
-  return block(x_BxTxD, want_probs)
+def _plain_call(block: Block, x_BxTxD: jax.Array, want_probs: bool, segments: Segments | None = None):
+  return block(x_BxTxD, want_probs, segments=segments)
 
 
 def param_count(model: nnx.Module) -> int:

@@ -135,8 +135,8 @@ def read_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *, dtype:
   without its warnings; ``file``: the single safetensors file (when there is no index). Every tensor is read as
   ``param_dtype``, whatever its stored dtype."""
   path = Path(path)
-  if param_dtype not in _DTYPES:
-    raise ValueError(f"param_dtype={param_dtype!r}; choose one of {_DTYPES}")
+  if param_dtype not in _DTYPES + ("auto",):
+    raise ValueError(f"param_dtype={param_dtype!r}; choose one of {_DTYPES + ('auto',)}")
   hf, config_file = read_hf_config(path), str(path / "config.json")
   family = families.family_for(hf, config_file)
   cfg = family.from_hf(hf, max_len=max_len, dtype=dtype, where=config_file)
@@ -148,7 +148,8 @@ def read_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *, dtype:
       real_shapes = {k: tuple(v.get_value().shape) for k, v in nnx.to_flat_state(abstract_params(cfg)[1])}
     cfg = fitted
   graphdef, abstract, shardings = abstract_params(cfg, mesh)
-  state, where, used = read_onto_mesh(path, abstract, shardings, _layouts(family), param_dtype, real_shapes, file)
+  state, where, used = read_onto_mesh(path, abstract, shardings, _layouts(family), cfg.weight_dtype.name, real_shapes,
+                                      file)
   log.info("loaded %d layers, d_model=%d, vocab %d from %s", cfg.n_layers, cfg.d_model, cfg.vocab_size, path)
   return nnx.merge(graphdef, state), sorted(set(where) - used)
 

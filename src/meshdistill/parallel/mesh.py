@@ -35,6 +35,33 @@ EXTRA_AXES = (EXPERT,)  # axes a mesh may add between `data` and `tensor` (`make
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
+def target_platform() -> str:
+  """The platform the program being traced (or the model being built) is compiled for.
+
+  Where there is a mesh in context, it says: the abstract mesh of a layout's ``shard_map`` (or of ``pmap``,
+  built on one, or of ``jax.set_mesh`` around initialisation and evaluation) carries its devices' platform, which
+  is ``tpu`` when the planner compiles for a TPU topology's abstract devices from a CPU host. Without one (the
+  single-device layout, a plain ``jit``) the program runs on the default device, so the default backend is the
+  target. `jax.default_backend()` alone would be wrong while planning: it is ``cpu`` there.
+  """
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return jax.default_backend() if device is None else device.platform
+
+
+def platform_of(mesh: Mesh | None) -> str:
+  """The platform of ``mesh``'s devices (the default backend's without a mesh)."""
+  return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+
+
+def compiler_tensor_size() -> int:
+  """The size of the mesh's ``tensor`` axis in context where the compiler splits over it (1 where it is manual,
+  absent, or there is no mesh): how many ways a tensor-split weight is cut in the program being traced."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if TENSOR not in getattr(mesh, "axis_names", ()) or TENSOR in set(getattr(mesh, "manual_axes", ())):
+    return 1
+  return int(mesh.shape[TENSOR])
+
+
 def simulate_cpu_devices(n: int) -> None:
   """Makes the CPU platform expose ``n`` devices (for meshes on a machine without accelerators).
 

@@ -273,7 +273,7 @@ def _kernel_block(cfg: ModelConfig, seq: int, backward: bool) -> int:
   own (`models._attention._splash_block_sizes`)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
 
-  itemsize = jnp.dtype(cfg.dtype).itemsize
+  itemsize = cfg.compute_dtype.itemsize
   b = _attention._splash_block_sizes(splash, seq, itemsize=itemsize, head_dim=cfg.hd,
                                      capped=cfg.attn_softcap is not None)
   return b.block_kv_dkv_compute if backward else b.block_kv_compute

@@ -75,6 +75,11 @@ def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq
   seq = cfg.data.seq_len if seq is None else seq
   if not isinstance(seq, int) or seq < 1:
     raise ValueError(f"seq={seq!r} must be a positive integer")
+  # The defaults (`auto`) made concrete for the target as `distill` makes them on its devices: the compute dtype, a
+  # frozen teacher stored in it, the attention kernel (`ModelConfig.kernel`).
+  platform = target.platform
+  t_cfg = _concrete(t_cfg, platform, seq).frozen(platform)
+  s_cfg = _concrete(s_cfg, platform, seq)
   for who, m in (("teacher", t_cfg), ("student", s_cfg)):
     if seq > m.max_len:
       raise ValueError(f"seq={seq} exceeds the {who}'s max_len={m.max_len}; use seq <= {m.max_len}")
@@ -82,6 +87,14 @@ def make_planner(teacher=None, student=None, *, topology=None, devices=None, seq
       raise ValueError(f"the {who}'s attention='splash' needs seq a multiple of 128 (the kernel's block width), got "
                        f"{seq}; use seq={max(128, seq // 128 * 128)} or attention='xla'")
   return Planner(cfg, t_cfg, s_cfg, (t_label, s_label), target, seq, fast_compile=fast_compile)
+
+
+def _concrete(model: ModelConfig, platform: str, seq: int) -> ModelConfig:
+  """``model`` with ``dtype="auto"`` and ``attention="auto"`` as they resolve on ``platform`` at ``seq`` tokens."""
+  model = model.for_platform(platform)
+  if model.attention == "auto":
+    model = model.replace(attention=model.kernel(seq, platform=platform, tensor=1))
+  return model
 
 
 def _with_set(model: ModelConfig, label: str, cfg: Config, overrides: Sequence[str], who: str,
@@ -121,7 +134,7 @@ def _default_knobs(pl: Planner, mesh, batch: int, chunk_size) -> Knobs:
     n = len(pl.target.devices)
     raise ValueError(f"no (data x tensor) layout of {n} devices splits both models with batch {batch}: "
                      f"{pl.split_error(n) or ''} (batch must be a multiple of data)")
-  m = pl.cfg.mesh
+  m = pl.cfg.mesh.resolved(None) if pl.cfg.mesh.auto else pl.cfg.mesh  # auto: the CPU's reference layout
   cfg_mesh = Knobs.on(mesh_shape({"data": m.data, **(m.axes or {}), "tensor": m.tensor}), pl.student.remat, chunk,
                       batch)
   knobs = [Knobs.on(s, pl.student.remat, chunk, batch) for s in layouts]

@@ -28,14 +28,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshdistill.parallel.backends import make_layout
-from meshdistill.models import Decoder
+from meshdistill.parallel.mesh import platform_of
+from meshdistill.models import Decoder, frozen_model
 from meshdistill.models._build import abstract_params, fit_model
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
 from meshdistill.train.optimizers import check_loss_scale, default_optimizer
 from meshdistill.core.vocab import PADDING_TOLERANCE, resolve_shared_vocab  # noqa: F401 -- also read from here
 from meshdistill.train.step import (
-    BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS, TrainState, per_device_step,
+    BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, SEGMENT_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS, TrainState, per_device_step,
 )
 from meshdistill.strategies import LogitKD, label
 from meshdistill.train.teacher import TeacherOutput, TopKTeacher, decide  # noqa: F401 -- TopKTeacher: the API's
@@ -98,7 +99,7 @@ class Distiller:
       check_loss_scale(loss_scale)
     if teacher is None and strategy is None:
       raise ValueError("Distiller without a teacher needs a strategy that uses none, e.g. strategy=HardLabelCE()")
-    if getattr(getattr(student, "cfg", None), "param_dtype", "float32") != "float32":
+    if getattr(getattr(student, "cfg", None), "param_dtype", "float32") not in ("float32", "auto"):
       raise ValueError(f"student.param_dtype={student.cfg.param_dtype!r}: the student trains with float32 weights; "
                        "build it with param_dtype='float32' (dtype='bfloat16' computes in bfloat16)")
     # What the teacher gives the step, decided once (`meshdistill.train.teacher.decide`): a model, or a `TopKTeacher`
@@ -123,7 +124,8 @@ class Distiller:
     # pads a vocabulary / replicates key/value heads where the mesh's `tensor` needs it
     student = self._fit(student)
     if teacher is not None and self.topk_teacher is None:
-      teacher = self._fit(teacher)
+      # a frozen teacher of param_dtype "auto" is stored in its compute dtype (`ModelConfig.frozen`)
+      teacher = frozen_model(self._fit(teacher), platform_of(self.layout.mesh))
     self.strategy = strategy if strategy is not None else LogitKD()
     if teacher is None and self.strategy.needs_teacher:  # the strategy contract's capability
       raise ValueError(f"Distiller without a teacher needs a strategy that uses none (needs_teacher = False, e.g. "
@@ -218,6 +220,7 @@ class Distiller:
       raise ValueError(f"sequence length {T} exceeds max_len={self.max_len} ({models}); use seq_len <= {self.max_len}")
     self.layout.check_batch(B)
     self._check_cross_batch(batch, B)
+    self._check_segments(batch, B, T)
     if self.topk_teacher is not None:
       k = self.topk_teacher.k
       if self.cross_tokenizer:  # a cross-tokenizer cache: per teacher token, with the target's log-probability
@@ -233,6 +236,23 @@ class Distiller:
       if got != want:
         raise ValueError(f"with {self.topk_teacher.source} every batch carries the teacher's top-k {want}, got {got}; "
                          "read the data through meshdistill.teachers.cache.CachedTeacherData (or a teacher_mesh source)")
+
+  def _check_segments(self, batch: dict, B: int, T: int) -> None:
+    """Rows packed from several documents (`SEGMENT_KEYS`, ``data.packing: documents``) carry both keys at the
+    tokens' shape, and go to models that run in the step (a top-k teacher's was computed without them)."""
+    has = [k for k in SEGMENT_KEYS if k in batch]
+    if not has:
+      return
+    if len(has) != len(SEGMENT_KEYS):
+      raise ValueError(f"a batch of packed documents carries both {list(SEGMENT_KEYS)} (data.packing: documents), "
+                       f"this one only {has}")
+    shapes = {k: tuple(np.shape(batch[k])) for k in SEGMENT_KEYS}
+    if set(shapes.values()) != {(B, T)}:
+      raise ValueError(f"{list(SEGMENT_KEYS)} must be [batch, seq] = {(B, T)} like inputs, got {shapes}")
+    if self.topk_teacher is not None:
+      raise ValueError(f"data.packing=documents with {self.topk_teacher.source}: the teacher's top-k was computed on "
+                       "rows whose documents attend to each other, so it would not match the student's; use "
+                       "data.packing=stream with it, or a teacher that runs in the step (its weights)")
 
   def _check_cross_batch(self, batch: dict, B: int) -> None:
     """A batch of two tokenizations goes with a cross-tokenizer strategy, and only with one."""

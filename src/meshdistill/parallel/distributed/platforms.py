@@ -56,6 +56,19 @@ def select_platform(force_cpu: bool = False) -> str:
   return "cpu"
 
 
+def cpu_only() -> bool:
+  """Whether this process's JAX runs (or will run) on the CPU platform: the backend it started, else the
+  ``JAX_PLATFORMS`` chosen, else no accelerator's device files (nothing probed, JAX not started)."""
+  if backend_started():
+    import jax  # pylint: disable=g-import-not-at-top
+
+    return jax.default_backend() == "cpu"
+  chosen = os.environ.get("JAX_PLATFORMS", "").strip()
+  if chosen:
+    return chosen.split(",")[0] == "cpu"
+  return not accelerator_present()
+
+
 def backend_started() -> bool:
   """Whether JAX has started a backend (from then on its platform and CPU device count are fixed); False while
   nothing has imported JAX."""

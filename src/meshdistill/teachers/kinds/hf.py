@@ -13,6 +13,7 @@ from meshdistill.teachers.kinds._base import ModelSource, register
 from meshdistill.teachers.kinds._quantize import check_quantize
 from meshdistill.models import abstract_params
 from meshdistill.models.hf import load_hf
+from meshdistill.parallel.mesh import platform_of
 from meshdistill.models.stacking import to_scanned, to_unrolled
 
 
@@ -25,9 +26,10 @@ def check_hf_path(values: dict) -> None:
 
 def load_teacher_hf(cfg, mesh):
   """The teacher of ``teacher.hf`` on ``mesh`` (each device reading only its slices)."""
-  model = load_hf(cfg.models.teacher_hf, mesh, dtype=cfg.teacher.dtype, param_dtype=cfg.teacher.param_dtype,
-                  max_len=cfg.teacher.max_len, scan_layers=cfg.teacher.scan_layers)
-  return with_config(model, cfg.teacher)
+  want = cfg.teacher.frozen(platform_of(mesh))  # param_dtype auto: stored in its compute dtype, read so from disk
+  model = load_hf(cfg.models.teacher_hf, mesh, dtype=want.dtype, param_dtype=want.param_dtype,
+                  max_len=want.max_len, scan_layers=want.scan_layers)
+  return with_config(model, want)
 
 
 def with_config(model, want):

@@ -48,6 +48,7 @@ def teacher_key(cfg, tokenizer: Any) -> str:
     data["corpora"] = d.corpora
   # the teacher is pretrained and cached in float32 whatever teacher.param_dtype (the stored dtype, cast on load)
   model = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k != "param_dtype"}
+  model["dtype"] = cfg.teacher.compute_dtype.name  # dtype auto: the dtype it resolves to (the key it always had)
   blob = json.dumps(
     {"model": model, "tokenizer": tokenizer.fingerprint, "data": data, "recipe": recipe},
     sort_keys=True,

@@ -1,0 +1,89 @@
+"""The defaults are the fast path where the job runs: `auto` attention, dtypes and mesh, each decided for the
+target (a TPU's choices are checked here on the CPU by naming the platform, as the planner does)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshdistill.config import Config, MeshSettings
+from meshdistill.models import ModelConfig, frozen_model, init_model
+from meshdistill.planner._entry import _concrete
+
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_len=256)
+
+
+def test_auto_attention_is_splash_on_a_tpu_where_it_applies_and_xla_elsewhere():
+  assert CFG.kernel(2048, platform="tpu", tensor=1) == "splash"
+  assert CFG.kernel(2048, platform="tpu", tensor=4) == "splash"  # 4 divides n_heads: each device its heads
+  assert CFG.kernel(2048, platform="tpu", tensor=8) == "xla"  # the kernel cannot split a head
+  assert CFG.kernel(2000, platform="tpu", tensor=1) == "xla"  # not a multiple of the kernel's 128 lanes
+  assert CFG.kernel(2048, platform="tpu", tensor=1, decoding=True) == "xla"
+  assert CFG.kernel(2048, platform="tpu", tensor=1, probs=True) == "explicit"
+  assert CFG.kernel(2048, platform="cpu", tensor=1) == "xla"
+  assert CFG.kernel(2048, platform="gpu", tensor=1) == "xla"
+  capped = CFG.replace(attn_softcap=50.0)
+  assert capped.kernel(2048, platform="tpu", tensor=1) == "splash"  # the kernel soft-caps
+  assert capped.kernel(2048, platform="cpu", tensor=1) == "explicit"  # dot_product_attention cannot
+  assert CFG.replace(attention="xla").kernel(2048, platform="tpu", tensor=1) == "xla"  # a choice given stays
+
+
+def test_auto_dtypes_compute_bfloat16_on_a_tpu_and_store_a_frozen_teacher_so():
+  assert CFG.dtype == CFG.param_dtype == "auto"
+  assert CFG.for_platform("tpu").compute_dtype == jnp.bfloat16
+  assert CFG.for_platform("cpu").compute_dtype == jnp.float32
+  assert CFG.weight_dtype == jnp.float32  # a model that trains keeps float32 weights
+  assert CFG.frozen("tpu").param_dtype == "bfloat16"
+  assert CFG.frozen("cpu").param_dtype == "float32"
+  assert CFG.replace(param_dtype="float32").frozen("tpu").param_dtype == "float32"  # given: kept
+  assert CFG.replace(dtype="float16").frozen("tpu").param_dtype == "float16"
+  # this process runs on the CPU: auto computes in float32, the main job's numbers as before
+  assert CFG.compute_dtype == jnp.float32
+
+
+def test_a_frozen_teacher_is_stored_in_its_compute_dtype_by_rounding_each_weight():
+  bf16 = CFG.replace(dtype="bfloat16")
+  teacher = init_model(bf16, seed=0)
+  stored = frozen_model(teacher, "cpu")
+  leaves = jax.tree.leaves(jax.tree.map(lambda x: x, __import__("flax").nnx.state(stored)))
+  assert stored.cfg.param_dtype == "bfloat16" and {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+  before = jax.tree.leaves(__import__("flax").nnx.state(teacher))
+  for a, b in zip(before, leaves):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16), np.float32), np.asarray(b, np.float32))
+  x = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+  # bfloat16 compute casts float32 weights to bfloat16 where they are used: the same logits either way
+  np.testing.assert_array_equal(np.asarray(teacher(x).logits, np.float32), np.asarray(stored(x).logits, np.float32))
+  assert frozen_model(init_model(CFG, seed=0), "cpu").cfg.param_dtype == "float32"
+
+
+def test_the_planner_makes_auto_concrete_for_its_target():
+  tpu = _concrete(CFG, "tpu", 2048).frozen("tpu")
+  assert (tpu.dtype, tpu.param_dtype, tpu.attention) == ("bfloat16", "bfloat16", "splash")
+  cpu = _concrete(CFG, "cpu", 2048)
+  assert (cpu.dtype, cpu.param_dtype, cpu.attention) == ("float32", "auto", "xla")
+
+
+@pytest.mark.parametrize("backend, accelerators, batch, want", [
+    ("shard_map", None, 8, (2, 4)),  # no accelerator: the reference layout on 8 simulated devices
+    ("shard_map", 1, 4, (1, 1)),  # one chip
+    ("shard_map", 8, 8, (8, 1)),
+    ("shard_map", 8, 4, (4, 2)),  # data divides the batch; the rest splits weights
+    ("pmap", None, 8, (8, 1)),  # pmap has no tensor axis
+    ("pmap", 8, 4, (8, 1)),
+    ("single", None, 8, (1, 1)),
+])
+def test_an_auto_mesh_uses_the_devices_present(backend, accelerators, batch, want):
+  m = MeshSettings(backend=backend).resolved(accelerators, batch)
+  assert (m.data, m.tensor) == want
+
+
+def test_a_mesh_size_given_is_kept_and_the_other_fills_the_devices():
+  assert MeshSettings(data=1).resolved(8, 8).tensor == 8
+  assert MeshSettings(tensor=2).resolved(8, 8).data == 4
+  assert MeshSettings(tensor=2).resolved(None, 8).data == 2  # CPU: the reference layout's data
+
+
+def test_the_config_checks_an_auto_mesh_as_it_resolves_here():
+  with pytest.raises(Exception, match="mesh.data=2"):
+    Config().replace(train=Config().train.__class__(batch_size=3))
