@@ -9,6 +9,12 @@ against the vocabulary. Every answer is checked whole (rows, positions, k entrie
 use it; a server that stays down stops the run with an error naming the url (a rerun resumes from the last
 checkpoint). The identity checkpoints record names the teacher's weights, not the url: a restarted server, at any
 address, resumes the run.
+
+``teacher.timeout`` is the deadline of one try of a request (`meshdistill.teachers.service.client`); a stop request
+(SIGTERM / SIGINT) while the loop waits for an answer ends the wait at once (`_FetchAheadIterator.ready`): the run
+checkpoints its last finished step and the fetch under way is cancelled, its connection shut. A ``teacher.url`` that
+holds credentials (``http://user:secret@host``) is refused before anything is written: the url is recorded in
+config.yaml and the logs; the token travels through ``teacher.token_env``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import concurrent.futures
 import os
 import threading
 import time
+import urllib.parse
 from typing import ClassVar
 
 from meshdistill.core.typed_yaml import ConfigError
@@ -38,8 +45,9 @@ class Remote(TeacherSource):
   gives: ClassVar[str] = TOPK
   # url: the server; k: top-k asked for (default distill.top_k); timeout: seconds a request may take; retries:
   # tries after a failure (exponential backoff); token_env: the environment variable holding the bearer token
-  # (default MESHDISTILL_TEACHER_TOKEN; the token itself never enters config.yaml); model: the served model name
-  settings: ClassVar[tuple[str, ...]] = ("url", "k", "timeout", "retries", "token_env", "model")
+  # (default MESHDISTILL_TEACHER_TOKEN; the token itself never enters config.yaml); model: the served model name;
+  # require_digest: refuse answers without the server's answer digest (and a server that sends none)
+  settings: ClassVar[tuple[str, ...]] = ("url", "k", "timeout", "retries", "token_env", "model", "require_digest")
   required: ClassVar[tuple[str, ...]] = ("url",)
 
   @classmethod
@@ -47,6 +55,7 @@ class Remote(TeacherSource):
     url = values.get("url")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
       raise ConfigError(f"teacher.url={url!r} must be the server's address, e.g. http://127.0.0.1:8000")
+    check_no_credentials(url)
     for key, low in (("k", 1), ("retries", 0)):
       v = values.get(key)
       if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
@@ -57,6 +66,8 @@ class Remote(TeacherSource):
     for key in ("token_env", "model"):
       if values.get(key) is not None and not isinstance(values[key], str):
         raise ConfigError(f"teacher.{key}={values[key]!r} must be a string")
+    if values.get("require_digest") is not None and not isinstance(values["require_digest"], bool):
+      raise ConfigError(f"teacher.require_digest={values['require_digest']!r} must be true or false")
 
   def accepts(self, strategy, distill):
     return topk_refusal(self.name, strategy, distill, "teacher.url sends the student the teacher's top-k only")
@@ -74,7 +85,8 @@ class Remote(TeacherSource):
     cfg = self.cfg
     token = os.environ.get(option(cfg, "token_env") or TOKEN_ENV) or None
     return TeacherClient(option(cfg, "url"), timeout_s=float(option(cfg, "timeout", 60.0)),
-                         retries=int(option(cfg, "retries", 3)), token=token, model=option(cfg, "model"))
+                         retries=int(option(cfg, "retries", 3)), token=token, model=option(cfg, "model"),
+                         require_digest=bool(option(cfg, "require_digest", False)))
 
   def prepare(self, data, mesh, teacher_mesh, services):
     del mesh, teacher_mesh
@@ -82,6 +94,18 @@ class Remote(TeacherSource):
     spec, identity = check_identity(client.identity(), self.cfg, data.tokenizer, client.url)
     services.report(f"teacher: {identity} served at {client.url}, top-{spec.k} at temperature {spec.temperature}")
     return Prepared(RemoteTeacherData(data, client, spec), spec, identity)
+
+
+def check_no_credentials(url: str) -> None:
+  """`ConfigError` when ``url`` holds a user or password (``http://user:secret@host``), quoting it without them: a
+  run writes its url into config.yaml and its logs, so a secret in it would be kept in both."""
+  parts = urllib.parse.urlsplit(url)
+  if "@" in parts.netloc:
+    shown = urllib.parse.urlunsplit(parts._replace(netloc="<credentials>@" + parts.netloc.rpartition("@")[2]))
+    raise ConfigError(f"teacher.url={shown} holds credentials; they would be written to the run's config.yaml and "
+                      "logs. Give the url without them, and the token through the environment: start the server "
+                      f"with serve-teacher --token-file FILE and set ${TOKEN_ENV} (or the variable teacher.token_env "
+                      "names) to the file's content here")
 
 
 def check_identity(ident: dict, cfg, tokenizer, url: str) -> tuple[TopKTeacher, str]:
@@ -176,6 +200,16 @@ class _FetchAheadIterator(AheadIterator):
 
     threading.Thread(target=fetch, name=f"remote-teacher-{index}", daemon=True).start()
     return future
+
+  def ready(self, timeout_s: float) -> bool:
+    """Whether the next batch's answer is there, waiting at most ``timeout_s`` for it (the loop asks between its
+    stop checks, `meshdistill.train.loop.stopping.wait_for`: a stop request while a fetch is blocked is seen at
+    once); the first call reads that batch and starts its fetch."""
+    if self._ahead is None:
+      self._ahead = self._read()
+      if self._ahead is None:  # the data has ended
+        return True
+    return not concurrent.futures.wait([self._ahead[3]], timeout=timeout_s).not_done
 
   def collect(self, batch: dict, work: concurrent.futures.Future, index: int) -> dict:
     t0 = time.perf_counter()

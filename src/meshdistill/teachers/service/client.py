@@ -8,12 +8,23 @@ the request's fault: no retry, `TeacherRefused` with the server's message; an id
 reads is `TeacherRefused` naming the field. Each error carries the command's exit code (``exit_code``: 1 for a server
 that failed, 2 for a refusal). A request given a ``cancel`` event ends its retries as soon as the event is set (the
 prefetch of a run that stops).
+
+``timeout_s`` is a deadline for the whole of one try -- connecting, sending, waiting and reading every byte -- not a
+bound on each read: a watcher shuts the try's connection when the deadline passes (or ``cancel`` is set), so a read
+blocked on a peer that sends one byte a second returns at once. Each try opens its own connection (no keep-alive),
+so the connection shut is that try's alone. An answer is read as it arrives and refused once it passes
+`protocol.answer_bytes` of the rows, positions and k asked for (an identity: `protocol.IDENTITY_BYTES`), never read
+whole first. When the server's identity names the answer digest (`protocol.answer_digest`), or ``require_digest``,
+every choice's digest is checked against the ids sent.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
 import threading
+import time
 
 import numpy as np
 
@@ -57,36 +68,104 @@ class Cancelled(RemoteTeacherError):
   """The request was cancelled (`TeacherClient.cancel`): the run that asked for it stops."""
 
 
+class _Watch:
+  """One try of a request, watched: once ``deadline`` (`time.monotonic`) passes or ``cancel`` is set, the try's
+  connection is shut down (`socket.SHUT_RDWR`): a read blocked on it returns at once, whatever the peer does.
+  ``trace`` is the request's httpx ``trace`` extension, through which the connection is learnt when it is made."""
+
+  POLL_S = 0.05
+
+  def __init__(self, deadline: float, cancel: threading.Event):
+    self.deadline, self.cancel, self.why = deadline, cancel, None
+    self._stream, self._lock, self._done = None, threading.Lock(), threading.Event()
+    threading.Thread(target=self._watch, name="teacher-request-watch", daemon=True).start()
+
+  def trace(self, event: str, info: dict) -> None:
+    if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+      with self._lock:
+        self._stream = info.get("return_value")
+        if self.why is not None:
+          self._shut()
+
+  def _watch(self) -> None:
+    while not self._done.wait(self.POLL_S):
+      why = "cancelled" if self.cancel.is_set() else "deadline" if time.monotonic() >= self.deadline else None
+      if why is not None:
+        with self._lock:
+          self.why = why
+          self._shut()
+        return
+
+  def _shut(self) -> None:
+    sock = self._stream.get_extra_info("socket") if self._stream is not None else None
+    if sock is not None:
+      try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the plain socket's: a TLS one's reader then sees its end
+      except OSError:  # already closed
+        pass
+
+  def close(self) -> None:
+    self._done.set()
+
+
+class _TooLarge(Exception):
+  """An answer past the bytes this client reads of it."""
+
+
+def _read_body(r, cap: int) -> bytes:
+  """The body of response ``r``, read as it arrives; `_TooLarge` as soon as it (or its Content-Length) passes
+  ``cap`` bytes."""
+  size = r.headers.get("content-length", "")
+  if size.isdigit() and int(size) > cap:
+    raise _TooLarge(f"its Content-Length is {int(size)} bytes")
+  body = bytearray()
+  for chunk in r.iter_bytes():
+    body += chunk
+    if len(body) > cap:
+      raise _TooLarge(f"more than {cap} bytes came")
+  return bytes(body)
+
+
 class TeacherClient:
   """Talks to the teacher server at ``url`` (``http://host:port``).
 
   Args:
-    timeout_s: seconds one request may take (connect, send, answer).
+    timeout_s: the deadline of one try of a request, in seconds: connecting, sending, waiting for and reading the
+      whole answer.
     retries: tries after the first one fails; ``backoff_s``: the first wait, doubled each time.
     token: sent as ``Authorization: Bearer <token>`` when given.
     model: the served model name (vLLM: which of its models); None: the server's only one.
     arrays: ask for the answer as base64 arrays (``meshdistill_arrays``); None: once `identity` has found a
       meshdistill server. False: vLLM's ``prompt_logprobs`` form always.
+    require_digest: refuse every answer whose choices hold no answer digest (`protocol.answer_digest`), and a server
+      whose identity names none; without it the digests are checked once the identity names them.
   """
 
+  # bytes read of an error's body (a 4xx / 5xx), of which the first 500 characters are quoted
+  ERROR_BYTES = 1 << 16
+
   def __init__(self, url: str, *, timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5,
-               token: str | None = None, model: str | None = None, arrays: bool | None = None):
+               token: str | None = None, model: str | None = None, arrays: bool | None = None,
+               require_digest: bool = False):
     if not _load_httpx():
       raise RemoteTeacherError("teacher.source=remote needs httpx: pip install 'meshdistill[serve]'")
     self.url, self.retries, self.backoff_s, self.model = url.rstrip("/"), retries, backoff_s, model
+    self.timeout_s, self.require_digest = float(timeout_s), require_digest
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
+    self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers,
+                              limits=httpx.Limits(max_keepalive_connections=0))  # a connection per try: see _Watch
     self.failures = 0  # requests tried again (for the logs and tests)
     self.arrays = arrays
+    self.digests = require_digest  # whether every answer's choices must hold a digest (the identity may say so)
 
   def close(self) -> None:
     self._http.close()
 
-
   def _request(self, method: str, path: str, body: dict | None = None, read=None,
-               cancel: threading.Event | None = None):
-    """The decoded answer of ``path`` (``read(answer)`` applied), tried again on network or server failure; once
-    ``cancel`` is set no try follows (`Cancelled`)."""
+               cancel: threading.Event | None = None, cap: int = protocol.IDENTITY_BYTES):
+    """The decoded answer of ``path`` (``read(answer)`` applied), tried again on network or server failure, each try
+    within the deadline ``timeout_s`` and its answer within ``cap`` bytes; once ``cancel`` is set no try follows
+    (`Cancelled`) and the one under way ends at once."""
     cancel = cancel or threading.Event()
     last, unusable = "no answer", False
     for attempt in range(self.retries + 1):
@@ -94,22 +173,42 @@ class TeacherClient:
         break
       if cancel.is_set():
         break
+      watch = _Watch(time.monotonic() + self.timeout_s, cancel)
+      status, text, last = None, b"", None
       try:
-        r = self._http.request(method, path, json=body)
-      except httpx.TransportError as e:  # connection refused or reset, timeouts
-        last, unusable = f"{type(e).__name__}: {e}", False
-      else:
-        if r.status_code < 400:
-          try:
-            answer = r.json()
-            return answer if read is None else read(answer)
-          except (ValueError, protocol.AnswerError) as e:  # a partial or damaged answer is never trained on
-            last, unusable = f"an unusable answer: {e}", True
-        elif r.status_code in (429,) or r.status_code >= 500:
-          last, unusable = f"HTTP {r.status_code}: {r.text[:200]}", False
-        else:
-          raise TeacherRefused(f"teacher server {self.url}{path} refused the request (HTTP {r.status_code}): "
-                               f"{_message(r)}")
+        with self._http.stream(method, path, json=body, timeout=self.timeout_s,
+                               extensions={"trace": watch.trace}) as r:
+          status = r.status_code
+          if status < 400:
+            text = _read_body(r, cap)
+          else:  # an error's message: its first bytes
+            for chunk in r.iter_bytes():
+              text += chunk
+              if len(text) >= self.ERROR_BYTES:
+                break
+      except httpx.TransportError as e:  # connection refused or reset, timeouts, a connection the watch shut
+        status, last, unusable = None, f"{type(e).__name__}: {e}", False
+      except _TooLarge as e:  # never read whole: refused as it passes the cap
+        status, last, unusable = None, (f"an answer over {cap} bytes, the most an answer to this request takes "
+                                        f"(protocol.answer_bytes): {e}"), True
+      finally:
+        watch.close()
+      if status is not None and status < 400:
+        try:
+          answer = json.loads(text)
+          return answer if read is None else read(answer)
+        except (ValueError, protocol.AnswerError) as e:  # a partial or damaged answer is never trained on
+          last, unusable = f"an unusable answer: {e}", True
+      elif status in (429,) or (status is not None and status >= 500):
+        last, unusable = f"HTTP {status}: {text[:200].decode(errors='replace')}", False
+      elif status is not None:
+        raise TeacherRefused(f"teacher server {self.url}{path} refused the request (HTTP {status}): "
+                             f"{_message(text)}")
+      if watch.why == "cancelled":
+        break
+      if watch.why == "deadline" and not (unusable and status is None):  # a connection the watch shut, or cut short
+        last, unusable = (f"no whole answer within teacher.timeout={self.timeout_s:g} s, the deadline of one try "
+                          f"(connecting, sending, waiting and reading; {last})"), False
       self.failures += 1
       log.warning("teacher server %s%s: %s (try %d of %d)", self.url, path, last, attempt + 1, self.retries + 1)
     if cancel.is_set():
@@ -130,10 +229,21 @@ class TeacherClient:
     try:
       ident = self._identity("/v1/teacher", protocol.check_identity)
       self.arrays = True if self.arrays is None else self.arrays
+      if ident.get("answer_digest") == protocol.DIGEST:
+        self.digests = True
+      elif self.require_digest:
+        raise TeacherRefused(f"teacher server {self.url} names no answer digest this client checks (its identity's "
+                             f"answer_digest is {ident.get('answer_digest')!r}, {protocol.DIGEST!r} expected), and "
+                             "teacher.require_digest is set: serve the teacher with this version of meshdistill "
+                             "serve-teacher, or leave teacher.require_digest out")
       return ident
     except TeacherRefused as e:
       if "HTTP 404" not in str(e):
         raise
+    if self.require_digest:
+      raise TeacherRefused(f"teacher server {self.url} is not a meshdistill server (no /v1/teacher): it sends no "
+                           "answer digest, and teacher.require_digest is set; leave teacher.require_digest out to "
+                           "use it")
     listed = self._identity("/v1/models", protocol.check_models)
     names = [m["id"] for m in listed]
     model = self.model if self.model is not None else (names[0] if len(names) == 1 else None)
@@ -161,14 +271,18 @@ class TeacherClient:
       body["model"] = self.model
     if self.arrays:
       body["meshdistill_arrays"] = True
-    return self._request("POST", "/v1/completions", body,
-                         read=lambda a: protocol.read_completion(a, rows, length, k, vocab), cancel=cancel)
+    sent = np.asarray(prompts, np.int64)
+    return self._request("POST", "/v1/completions", body, cancel=cancel,
+                         read=lambda a: protocol.read_completion(a, rows, length, k, vocab, prompts=sent,
+                                                                 require_digest=self.digests),
+                         cap=protocol.answer_bytes(rows, length, k))
 
 
-def _message(r) -> str:
-  """The server's error message (vLLM's ``{"message": ...}``), else the body's first 500 characters."""
+def _message(text: bytes) -> str:
+  """The server's error message (vLLM's ``{"message": ...}``) of a body ``text``, else its first 500 characters."""
   try:
-    body = r.json()
+    body = json.loads(text)
   except ValueError:
-    return r.text[:500]
-  return str(body["message"] if isinstance(body, dict) and "message" in body else r.text)[:500]
+    return text[:500].decode(errors="replace")
+  return str(body["message"] if isinstance(body, dict) and "message" in body
+             else text.decode(errors="replace"))[:500]

@@ -17,6 +17,11 @@ vLLM ignores unknown ones): each choice then holds ``prompt_topk`` -- ``ids`` (i
 (float32 ``[n - 1, K]``) and ``tail`` (float32 ``[n - 1]``), each the base64 of its little-endian bytes -- in place
 of ``prompt_logprobs`` (``null``): the same numbers, bit for bit, at a fraction of the JSON's size and time.
 
+A meshdistill server also adds ``meshdistill_digest`` to each choice (in both forms; another client ignores it):
+`answer_digest` of the prompt's token ids as the server read them and the numbers it answers. Its identity says so
+(``answer_digest: "sha256/1"``); a client then recomputes it from the ids it sent and the numbers it read, and
+refuses a choice that does not match (an answer for other ids: rows or ids permuted or changed on the way).
+
 A training row ``inputs [T]`` is sent as the prompt ``inputs + [targets[-1]]`` (``T + 1`` ids): its entries
 ``1..T`` are the teacher's top-K at the row's positions ``0..T-1``, what the step trains on.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import math
 import time
 import uuid
@@ -116,6 +122,43 @@ def _unb64(text: Any, dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
   return x.reshape(shape)
 
 
+# The answer digest a meshdistill server sends (`answer_digest`), as its identity names it (``answer_digest``)
+DIGEST = "sha256/1"
+
+
+def answer_digest(prompt, ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray) -> str:
+  """The hex SHA-256 of one choice: its prompt's ``n`` token ids as the server read them, then the answer's ``ids
+  [n - 1, k]``, ``logprobs [n - 1, k]`` and ``tail [n - 1]`` as sent (int32 / float32, little-endian, after their
+  shape). A client recomputes it from the ids it sent and the numbers it read: an answer computed for other ids (rows
+  or ids permuted, changed or mixed with another request's on the way), or numbers moved between positions, does not
+  match. It is a check value, not a signature: whatever can rewrite the traffic can recompute it."""
+  digest = hashlib.sha256(b"meshdistill.answer/1")
+  ids = np.asarray(ids)
+  digest.update(np.asarray([len(prompt), ids.shape[-1]], np.dtype("<i4")).tobytes())
+  for x, dtype in ((prompt, np.int32), (ids, np.int32), (logprobs, np.float32), (tail, np.float32)):
+    digest.update(np.ascontiguousarray(x, dtype=np.dtype(dtype).newbyteorder("<")).tobytes())
+  return digest.hexdigest()
+
+
+# The most bytes a client reads of an answer (`answer_bytes`): per top-k entry of a position (vLLM's JSON form takes
+# about 76 bytes an entry with ``decoded_token`` null; 192 leaves a decoded token of 100 bytes), per position (its
+# null or tail, brackets), per choice (index, text, finish_reason, digest ...) and for the rest (id, model, usage).
+ENTRY_BYTES = 192
+POSITION_BYTES = 64
+CHOICE_BYTES = 4096
+ANSWER_BYTES = 1 << 20
+# The most bytes a client reads of an identity (``/v1/teacher``, ``/v1/models``)
+IDENTITY_BYTES = 1 << 20
+
+
+def answer_bytes(rows: int, length: int, k: int) -> int:
+  """The most bytes of an answer to ``rows`` prompts of ``length + 1`` ids with ``k`` log-probabilities asked at each
+  position, in either form: ``k + 1`` entries of ``ENTRY_BYTES`` per position (vLLM adds the prompt token's own entry
+  when it is outside the top-k) plus ``POSITION_BYTES``, ``CHOICE_BYTES`` per choice, ``ANSWER_BYTES`` in all. A
+  base64 answer takes about a tenth of it."""
+  return ANSWER_BYTES + rows * (CHOICE_BYTES + (length + 1) * (POSITION_BYTES + (k + 1) * ENTRY_BYTES))
+
+
 def completion(prompts: list[list[int]], k: int, ids: list[np.ndarray], logprobs: list[np.ndarray],
                tails: list[np.ndarray], served_name: str, arrays: bool = False) -> dict:
   """vLLM's completion object for ``prompts``: ``ids[i] [n_i - 1, K]`` (int), ``logprobs[i]`` the same shape and
@@ -127,14 +170,16 @@ def completion(prompts: list[list[int]], k: int, ids: list[np.ndarray], logprobs
       topk = {"ids": _b64(ids[i][:, :k], np.int32), "logprobs": _b64(logprobs[i][:, :k], np.float32),
               "tail": _b64(tails[i], np.float32)}
       choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                      "prompt_logprobs": None, "prompt_topk": topk})
+                      "prompt_logprobs": None, "prompt_topk": topk,
+                      "meshdistill_digest": answer_digest(prompt, ids[i][:, :k], logprobs[i][:, :k], tails[i])})
       continue
     entries: list[dict | None] = [None]
     for ids_K, lp_K in zip(ids[i][:, :k].tolist(), logprobs[i][:, :k].tolist()):
       entries.append({str(t): {"logprob": lp, "rank": r + 1, "decoded_token": None}
                       for r, (t, lp) in enumerate(zip(ids_K, lp_K))})
     choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                    "prompt_logprobs": entries, "prompt_logprobs_tail": [None, *tails[i].tolist()]})
+                    "prompt_logprobs": entries, "prompt_logprobs_tail": [None, *tails[i].tolist()],
+                    "meshdistill_digest": answer_digest(prompt, ids[i][:, :k], logprobs[i][:, :k], tails[i])})
   n = sum(len(p) for p in prompts)
   return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
           "model": served_name, "choices": choices,
@@ -148,12 +193,14 @@ LOGPROB_SLACK = 1e-3
 MASS_TOLERANCE = 1e-2
 
 
-def read_completion(answer: Any, rows: int, length: int, k: int,
-                    vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def read_completion(answer: Any, rows: int, length: int, k: int, vocab: int, prompts: np.ndarray | None = None,
+                    require_digest: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """``(ids [rows, length, k] int32, logprobs [rows, length, k] float32, tail [rows, length] float32)`` of a
   completion answering ``rows`` prompts of ``length + 1`` ids each; `AnswerError` unless the choices' indices are
   exactly ``0 .. rows - 1``, every row, position and top-k entry is there and every position is a distribution
-  (`check_distribution`): a step never trains on less."""
+  (`check_distribution`): a step never trains on less. With ``prompts [rows, length + 1]`` (the ids sent), a choice's
+  ``meshdistill_digest`` must be `answer_digest` of its prompt and what was read (`AnswerError` naming the row
+  otherwise); with ``require_digest`` also, a choice without one is refused."""
   choices = answer.get("choices") if isinstance(answer, dict) else None
   if not isinstance(choices, list) or len(choices) != rows:
     got = len(choices) if isinstance(choices, list) else "no"
@@ -201,7 +248,29 @@ def read_completion(answer: Any, rows: int, length: int, k: int,
         mass = float(np.sum(np.exp(np.asarray(logprobs[i, j], np.float64))))
         tail[i, j] = math.log(max(1.0 - mass, 1e-30))
   check_distribution(ids, logprobs, tail, vocab)
+  if prompts is not None:
+    check_digests(choices, prompts, ids, logprobs, tail, require_digest)
   return ids, logprobs, tail
+
+
+def check_digests(choices: list, prompts: np.ndarray, ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray,
+                  require: bool) -> None:
+  """`AnswerError` naming the first choice (row) whose ``meshdistill_digest`` is not `answer_digest` of ``prompts[i]``
+  (the ids sent) and the numbers read for it, or (``require``) that holds none."""
+  for n, choice in enumerate(choices):
+    i, sent = choice["index"], choice.get("meshdistill_digest")
+    if sent is None:
+      if require:
+        raise AnswerError(f"choice {i} holds no meshdistill_digest, and this client requires one (teacher."
+                          "require_digest, or a server whose identity says it sends them): a proxy that drops it "
+                          "cannot be told from one that changed the rows")
+      continue
+    if sent != answer_digest(prompts[i], ids[i], logprobs[i], tail[i]):
+      raise AnswerError(f"choice {i} (choices[{n}]): its meshdistill_digest does not match row {i} as sent (its "
+                        f"{len(prompts[i])} token ids) and the answer read for it: "
+                        "the answer is for other ids (rows or ids permuted or changed between this client and the "
+                        "server, or another request's answer)")
+
 
 
 def check_distribution(ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray, vocab: int) -> None:
@@ -294,4 +363,5 @@ def identity_of(*, tokenizer: str, vocab: int, temperature: float, k: int, teach
                 served_name: str) -> dict:
   """What ``GET /v1/teacher`` answers: the facts a client checks before its first step."""
   return {"server": "meshdistill", "model": served_name, "tokenizer": tokenizer, "vocab": int(vocab),
-          "temperature": float(temperature), "k": int(k), "max_len": int(max_len), "teacher": teacher}
+          "temperature": float(temperature), "k": int(k), "max_len": int(max_len), "teacher": teacher,
+          "answer_digest": DIGEST}

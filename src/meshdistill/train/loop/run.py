@@ -38,7 +38,7 @@ from meshdistill.parallel.distributed import any_process, process_count
 from meshdistill.train.loop import hooks as hooks_lib
 from meshdistill.train.loop.guard import NoRecovery, Recovery, copy_state
 from meshdistill.train.loop.monitor import Monitor
-from meshdistill.train.loop.stopping import Stopped, requested
+from meshdistill.train.loop.stopping import Stopped, requested, wait_for
 
 # With several processes a stop request is agreed (`any_process`) where a hook is due and at least this often:
 # one small host collective, at the same steps on every process.
@@ -131,6 +131,9 @@ class Run:
     if self.ahead is not None:
       (batch, position), self.ahead = self.ahead, None
       return batch, position
+    ready = getattr(self.it, "ready", None)  # an iterator that waits for a teacher: a stop is not held up by it
+    if ready is not None and process_count() == 1 and not wait_for(ready):
+      self._stop()
     position = self.it.get_state() if self.recovery.guarded else None
     return next(self.it), position
 

@@ -13,6 +13,11 @@ callback whose exceptions are printed and dropped (JAX's garbage-collection call
 ignored" and the run goes on), or a ``finally`` block half-way through a save. A flag read by the loop at
 a step or shard boundary is seen every time and leaves the files consistent.
 
+A loop blocked waiting for its data (a served teacher's answer that does not come) would see the request only when
+the answer comes: an iterator that can wait in slices offers ``ready(seconds)``, and the loop waits through
+`wait_for`, which returns as soon as a stop is requested (within `POLL_S`); the loop then stops after its last
+finished step as above, and the iterator's ``close`` cancels what it waited for.
+
 A second signal while the first is being handled gets the default action (the process ends at once;
 the previous checkpoint and the finished shards are intact, since their writes are atomic). Library
 code installs no handler itself: without `stop_on_signals`, `requested()` is always None.
@@ -23,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,19 @@ class Stopped(Exception):
 def requested() -> str | None:
   """The name of the signal that asked the run to stop (``"SIGTERM"``, ``"SIGINT"``), or None."""
   return _requested
+
+
+# seconds between two looks at a stop request while `wait_for` waits
+POLL_S = 0.1
+
+
+def wait_for(ready: Callable[[float], bool]) -> bool:
+  """Waits until ``ready(seconds)`` (which waits at most that long) says the awaited thing is there: True; False as
+  soon as a stop is requested first (seen within `POLL_S`)."""
+  while not ready(POLL_S):
+    if _requested is not None:
+      return False
+  return True
 
 
 @contextlib.contextmanager
