@@ -11,6 +11,13 @@ dataclass's own validation are re-raised naming the dotted key. `parse_override`
 YAML is read with `load_yaml` / `Loader`: PyYAML's safe loader with YAML 1.2's float syntax added
 to its implicit resolver. PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent
 (``3.0e-4``), so ``3e-4``, ``1e9`` and ``1.0e9`` would load as strings and be rejected as "wrong type".
+Before anything is built from a document, `Loader` refuses (`YamlRefused`, naming the lines):
+
+* a key given twice in one mapping, at any depth (PyYAML keeps the last silently: a second ``train:`` would drop
+  the whole first one); a merge key ``<<: *base`` is not a duplicate, the keys written beside it win as YAML says;
+* aliases (``*name``) that expand the document by more than `ALIAS_EXPANSION_LIMIT` values beyond those it writes
+  (nested aliases grow exponentially, "billion laughs": a few lines expand to billions of values), and an alias
+  inside the value it names (a document that contains itself).
 """
 
 from __future__ import annotations
@@ -26,8 +33,79 @@ from typing import Any, Union
 import yaml
 
 
+ALIAS_EXPANSION_LIMIT = 100_000  # values aliases may add to a document (a config writes a few hundred)
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class YamlRefused(yaml.YAMLError):
+  """A YAML document that parses but is refused: a duplicated key, or aliases that expand it beyond
+  `ALIAS_EXPANSION_LIMIT` (or into itself). The message names the lines; a reader prefixes the file."""
+
+
 class Loader(yaml.SafeLoader):
-  """`yaml.SafeLoader` that also resolves YAML 1.2 floats (``3e-4``, ``1e9``, ``1.0e9``, ``.5``) as floats."""
+  """`yaml.SafeLoader` that also resolves YAML 1.2 floats (``3e-4``, ``1e9``, ``1.0e9``, ``.5``) as floats, and
+  refuses duplicated keys and alias bombs before building anything (`YamlRefused`)."""
+
+  def compose_document(self):
+    node = super().compose_document()
+    _check_document(self, node)
+    return node
+
+
+def _line(node) -> int:
+  return node.start_mark.line + 1
+
+
+def _places(first, second) -> tuple[str, str]:
+  """``("line 3", "line 7")`` of two nodes; with their columns when they share a line."""
+  if _line(first) != _line(second):
+    return f"line {_line(first)}", f"line {_line(second)}"
+  return tuple(f"line {_line(n)}, column {n.start_mark.column + 1}" for n in (first, second))
+
+
+def _check_document(loader: Loader, root) -> None:
+  """Raises `YamlRefused` for a duplicated key anywhere in the composed document ``root`` or for aliases that
+  expand it by more than `ALIAS_EXPANSION_LIMIT` values. Each node is visited once (an alias is the node it names),
+  so the check costs what the written document costs, however far its aliases would expand."""
+  sizes: dict[int, int] = {}  # id(node) -> values under it with every alias expanded
+  open_nodes: set[int] = set()  # the nodes on the way from the root (an alias to one of them: a cycle)
+
+  def size(node, where: str) -> int:
+    key = id(node)
+    if key in sizes:
+      return sizes[key]
+    if key in open_nodes:
+      raise YamlRefused(f"the value at line {_line(node)} ({where.rstrip('.') or 'the document'}) contains an alias "
+                        "to itself: it would never end; write the value out")
+    open_nodes.add(key)
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+      total += sum(size(item, f"{where.rstrip('.')}[{i}].") for i, item in enumerate(node.value))
+    elif isinstance(node, yaml.MappingNode):
+      seen: dict[Any, Any] = {}
+      for key_node, value_node in node.value:
+        name = None
+        if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _MERGE_TAG:
+          name = loader.construct_object(key_node)
+          if isinstance(name, typing.Hashable):
+            if name in seen:
+              (first_key, first_value), second_key = seen[name], key_node
+              first, second = _places(first_key, second_key)
+              lost = "the whole first section" if isinstance(first_value, yaml.MappingNode) else "the first"
+              raise YamlRefused(f"key '{where}{name}' is given twice, at {first} and at {second}: YAML would keep "
+                                f"only the second and silently drop {lost}; write each key once (merge the two)")
+            seen[name] = (key_node, value_node)
+        total += size(key_node, where) + size(value_node, f"{where}{name}." if name is not None else where)
+    open_nodes.discard(key)
+    sizes[key] = total
+    return total
+
+  expanded = size(root, "")
+  if expanded - len(sizes) > ALIAS_EXPANSION_LIMIT:
+    raise YamlRefused(
+      f"its aliases (*name) expand {len(sizes):,} written values to {expanded:,} (more than "
+      f"{ALIAS_EXPANSION_LIMIT:,} added: nested aliases grow exponentially, a \"billion laughs\" document); write "
+      "the values out, or use fewer nested aliases")
 
 
 Loader.add_implicit_resolver(
@@ -228,6 +306,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     raise ConfigError(f"override {item!r} has an empty key; write e.g. train.steps=200")
   try:
     value = load_yaml(text) if text.strip() else None
+  except YamlRefused as e:
+    raise ConfigError(f"override {item!r}: {e}") from None
   except yaml.YAMLError as e:
     raise ConfigError(f"override {item!r}: the value is not valid YAML ({e})") from None
   return key.split("."), value
