@@ -4,6 +4,7 @@ settings (`Member`), its own run config (`member_config`) and the checks across 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from meshdistill.core.typed_yaml import ConfigError
@@ -59,10 +60,12 @@ def _member(i: int, raw: Any, combine: str) -> Member:
     said = str(e).replace("teacher.", f"{where}.")
     raise ConfigError(said if where in said else f"{where} ({name}): {said}") from None
   tau, weight, takes = raw.get("temperature"), raw.get("weight", 1.0), raw.get("takes")
-  if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or tau < 0.01):
-    raise ConfigError(f"{where}.temperature={tau!r} must be a number >= 0.01, or null (distill.temperature)")
-  if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-    raise ConfigError(f"{where}.weight={weight!r} must be a positive number (its share of a mix), e.g. 1.0")
+  if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.01 <= tau < math.inf):
+    raise ConfigError(f"{where}.temperature={tau!r} ({name}) must be a finite number >= 0.01, or null "
+                      "(distill.temperature)")
+  if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+    raise ConfigError(f"{where}.weight={weight!r} ({name}) must be a finite positive number (its share of a mix), "
+                      "e.g. 1.0")
   if combine == "route":
     if not isinstance(takes, (list, tuple)) or not takes or not all(isinstance(t, str) and t for t in takes):
       raise ConfigError(f"{where}.takes={takes!r} must list the route values whose rows go to {name} (with "
@@ -106,6 +109,8 @@ class TeachersSettings:
       if m.name in seen:
         raise ConfigError(f"teachers.sources: two teachers are named {m.name!r}; give each its own name")
       seen[m.name] = m.name
+    if self.combine == "mix":
+      _check_shares(members)
     owner: dict[str, str] = {}
     for m in members:
       for value in m.takes:
@@ -120,6 +125,24 @@ class TeachersSettings:
 
   def members(self) -> tuple[Member, ...]:
     return tuple(_member(i, raw, self.combine) for i, raw in enumerate(self.sources))
+
+
+_F32_MAX, _F32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38  # numpy.finfo(float32): max, smallest normal
+
+
+def _check_shares(members: tuple[Member, ...]) -> None:
+  """Raises unless the weights of a mix, normalised in float32 as the step does (`meshdistill.losses.mix_topk`), give
+  each teacher a share float32 holds: weights whose sum passes float32's largest number (``1e38`` twice) would make
+  every share NaN, and a share below its smallest normal number would give its teacher nothing."""
+  weights = [m.weight for m in members]
+  total = math.fsum(weights)
+  for i, m in enumerate(members):
+    share = m.weight / total
+    if total > _F32_MAX or share < _F32_TINY:
+      raise ConfigError(
+        f"teachers.sources[{i}].weight={m.weight!r} ({m.name}): the weights {weights} sum to {total:.4g} and give it "
+        f"the share {share:.4g}, outside float32 (the step's precision: sums up to {_F32_MAX:.4g}, shares from "
+        f"{_F32_TINY:.4g}); give weights of comparable size, e.g. 1.0 each (only their ratios matter)")
 
 
 def check_teachers(cfg) -> None:
