@@ -18,10 +18,13 @@ Norm scales and biases are randomised too, so a mis-mapped norm or bias changes 
 keeps) and ``NAME.npz`` (transformers' logits of that student as meshdistill exports it; tests/test_compress.py),
 outside the checkpoint directories, which hold only what a Hugging Face checkpoint holds.
 
-``--tokenizer`` writes ``tests/fixtures/hf_text.jsonl`` (a small JSONL corpus, ``text`` field) and a
-``tokenizer.json`` for the Qwen3 fixture: a BPE of at most 128 tokens (the fixture's vocabulary)
-trained on that text, with ``<|endoftext|>`` as its end-of-text token, so the CLI can distil the
-fixture on real text (configs/hf_example.yaml).
+``--tokenizer`` writes ``tests/fixtures/hf_text.jsonl`` (a small JSONL corpus, ``text`` field),
+``examples/data/chat.jsonl`` (short conversations, ``messages`` field) and a ``tokenizer.json`` for the Qwen3
+fixture: a BPE of at most 128 tokens (the fixture's vocabulary) trained on that text and the conversations'
+turns, with ``<|endoftext|>`` as its end-of-text token and the ChatML turn markers ``<|im_start|>`` /
+``<|im_end|>`` as special tokens, so the CLI can distil the fixture on real text (configs/hf_example.yaml).
+Beside it ``tokenizer_config.json`` and ``chat_template.jinja``: a ChatML template in Qwen's form (no
+``{% generation %}`` markers, as Qwen's own), for chat distillation (configs/chat.yaml, tests/test_chat.py).
 """
 
 from __future__ import annotations
@@ -40,6 +43,16 @@ TOKENS = np.random.default_rng(0).integers(0, 128, (2, 12)).astype(np.int32)
 
 TOKENIZER_FIXTURE = "hf_qwen3"
 TEXT_FILE = FIXTURES / "hf_text.jsonl"
+CHAT_FILE = ROOT / "examples" / "data" / "chat.jsonl"
+CHAT_SPECIAL = ["<|im_start|>", "<|im_end|>"]  # ChatML's turn markers, Qwen's end of turn
+# ChatML as Qwen writes it (without Qwen3's reasoning-block handling): every turn
+# "<|im_start|>ROLE\nCONTENT<|im_end|>\n", the generation prompt "<|im_start|>assistant\n".
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 WORDS = (
     "the teacher model writes a distribution over the next token and the student learns to match it "
     "a small model trained on soft targets sees how likely every other token was not only the right one "
@@ -49,24 +62,54 @@ WORDS = (
 ).split()
 
 
+def make_conversations(rng) -> list[dict]:
+  """Short conversations over `WORDS` (``{"messages": [{role, content}, ...]}``), one to three exchanges, some with a
+  system turn: the assistant repeats, reverses or counts the words it is given."""
+  tasks = (
+      ("Repeat", lambda w: " ".join(w)),
+      ("Reverse", lambda w: " ".join(reversed(w))),
+      ("Count", lambda w: f"{len(w)} words"),
+  )
+  out = []
+  for _ in range(96):
+    turns = [{"role": "system", "content": "Answer briefly."}] if rng.random() < 0.3 else []
+    for _ in range(int(rng.choice([1, 1, 2, 3]))):
+      name, answer = tasks[int(rng.integers(len(tasks)))]
+      words = [str(w) for w in rng.choice(WORDS, size=int(rng.integers(2, 5)))]
+      turns += [{"role": "user", "content": f"{name}: {' '.join(words)}"},
+                {"role": "assistant", "content": answer(words)}]
+    out.append({"messages": turns})
+  return out
+
+
 def make_text_and_tokenizer() -> None:
-  """Writes the JSONL corpus and the Qwen3 fixture's tokenizer.json (deterministic)."""
+  """Writes the JSONL corpus, the conversations and the Qwen3 fixture's tokenizer files (deterministic)."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
   rng = np.random.default_rng(0)
   docs = [" ".join(rng.choice(WORDS, size=int(rng.integers(20, 60)))).capitalize() + "." for _ in range(120)]
   TEXT_FILE.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+  chats = make_conversations(rng)
+  CHAT_FILE.parent.mkdir(parents=True, exist_ok=True)
+  CHAT_FILE.write_text("".join(json.dumps(c) + "\n" for c in chats))
+  turns = [f"{m['role']}\n{m['content']}\n" for c in chats for m in c["messages"]]  # the template's text, no markers
   tok = Tokenizer(models.BPE(unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.Metaspace()
   tok.decoder = decoders.Metaspace()
-  trainer = trainers.BpeTrainer(vocab_size=128, special_tokens=["<|endoftext|>", "<unk>"], show_progress=False)
-  tok.train_from_iterator(docs, trainer)
+  trainer = trainers.BpeTrainer(vocab_size=128, special_tokens=["<|endoftext|>", "<unk>", *CHAT_SPECIAL],
+                                show_progress=False)
+  tok.train_from_iterator(docs + turns, trainer)
   out = FIXTURES / TOKENIZER_FIXTURE / "tokenizer.json"
   tok.save(str(out))
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+            "unk_token": "<unk>", "bos_token": None, "model_max_length": 64, "clean_up_tokenization_spaces": False}
+  (out.parent / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+  (out.parent / "chat_template.jinja").write_text(CHAT_TEMPLATE)
   for other in ("hf_gemma3",):  # the Gemma 3 fixture's CLI run (configs/gemma3_example.yaml) reads the same text
     if (FIXTURES / other).is_dir():
       tok.save(str(FIXTURES / other / "tokenizer.json"))
   print(f"{TEXT_FILE.name}: {len(docs)} documents, {TEXT_FILE.stat().st_size / 1024:.0f} KiB; "
+        f"{CHAT_FILE.name}: {len(chats)} conversations; "
         f"{out.relative_to(FIXTURES)}: {tok.get_vocab_size()} tokens, {out.stat().st_size / 1024:.0f} KiB")
 
 

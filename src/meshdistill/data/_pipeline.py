@@ -10,6 +10,7 @@ BPE training + tokenizing ~20 s on two cores, a cache hit ~1 s.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -23,6 +24,8 @@ import numpy as np
 from meshdistill.data._cross import PackedPairs, pack_texts
 from meshdistill.data._corpus import Document, cap_documents, load_documents, source_entries, split_documents
 from meshdistill.data._domains import PackedCorpora
+from meshdistill.data._records import FORMATS, RecordRows, cap_records, load_records, needs_template, record_rows
+from meshdistill.data._records import record_text, resolve_format, split_records
 from meshdistill.data._loader import TrainIterator, process_slice, validation_batches
 from meshdistill.data._packing import PackedSequences, TokenStream, pack, tokenize_documents
 from meshdistill.data._tokenizer import VOCAB_MULTIPLE, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
@@ -41,6 +44,12 @@ class DataConfig:
     source: ``"stdlib"`` (the Python standard library's source), a ``.txt``/``.jsonl`` file, a
       directory, a glob, or ``"hf:<local dataset path>"``; several joined by commas (or a tuple).
     text_key: JSONL field / dataset column holding the text.
+    format: what a record of ``source`` holds (`meshdistill.data._records`): ``text`` (``text_key``, packed),
+      ``prompt_completion`` (``prompt`` / ``completion``: strings, or conversations rendered with the chat template),
+      ``messages`` (conversations; the loss on every assistant turn, `meshdistill.data.chat`), or ``auto`` (by the
+      fields of the first record, as TRL detects them). Records are one row each, never packed together.
+    chat_template: a ``.jinja`` file whose chat template replaces the tokenizer's (e.g. one with ``{% generation %}``
+      markers); None = the template in ``tokenizer``'s directory (``tokenizer_config.json`` / ``chat_template.jinja``).
     val_fraction: share of documents held out for validation, by a hash of their names; 0 = none.
     max_chars, max_docs: cap the corpus (a deterministic sample) for quick runs; None = all.
     tokenizer: ``"byte"`` (264 ids), ``"bpe"`` (byte-level BPE trained on the training split), or
@@ -63,6 +72,8 @@ class DataConfig:
 
   source: str | tuple[str, ...] = "stdlib"
   text_key: str = "text"
+  format: str = "auto"
+  chat_template: str | None = None
   val_fraction: float = 0.05
   max_chars: int | None = None
   max_docs: int | None = None
@@ -87,6 +98,11 @@ class DataConfig:
       )
     if not isinstance(self.text_key, str) or not self.text_key:
       raise ValueError(f"data.text_key={self.text_key!r} must be a non-empty string, e.g. 'text'")
+    if self.format not in FORMATS:
+      raise ValueError(f"data.format={self.format!r}; choose one of {list(FORMATS)}")
+    if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
+      raise ValueError(f"data.chat_template={self.chat_template!r} must be the path of a .jinja file, or None (the "
+                       "tokenizer's own template)")
     if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float)) or not (
         0.0 <= self.val_fraction < 1.0
     ):
@@ -127,6 +143,9 @@ class DataConfig:
       if not isinstance(src, (str, list, tuple)) or not source_entries(src):
         raise ValueError(f"data.corpora.{name}={src!r} must name a corpus as data.source does ('stdlib', a file, a "
                          "directory, a glob, 'hf:<path>')")
+    if self.format not in ("auto", "text"):
+      raise ValueError(f"data.corpora takes text corpora; data.format={self.format!r} reads records from data.source: "
+                       "set data.format=text or drop data.corpora")
     if self.teacher_tokenizer is not None:
       raise ValueError("data.corpora and data.teacher_tokenizer exclude each other (rows of two tokenizations are "
                        "not split by corpus yet); remove one of them")
@@ -153,8 +172,8 @@ class DataBundle:
 
   config: DataConfig
   tokenizer: Tokenizer
-  train: PackedSequences | PackedPairs
-  val: PackedSequences | PackedPairs | None
+  train: PackedSequences | PackedPairs | RecordRows
+  val: PackedSequences | PackedPairs | RecordRows | None
   global_batch_size: int
   process_index: int
   process_count: int
@@ -306,6 +325,9 @@ def build_data(
   cache_dir = cache_dir if cache_dir is not None else cfg.cache_dir
   if cfg.corpora is not None:
     return _build_corpora(cfg, batch_size, tokenizer, cache_dir, process_index, process_count, t0)
+  fmt = resolve_format(cfg.format, cfg.source, cfg.text_key)
+  if fmt != "text":
+    return _build_records(cfg, fmt, batch_size, tokenizer, cache_dir, process_index, process_count, t0)
   docs = load_documents(cfg.source, text_key=cfg.text_key)
   docs = cap_documents(docs, max_chars=cfg.max_chars, max_docs=cfg.max_docs)
   train_docs, val_docs = split_documents(docs, cfg.val_fraction)
@@ -391,6 +413,46 @@ def _build_corpora(cfg: DataConfig, batch_size, tokenizer, cache_dir, process_in
       "train_targets": train.num_targets, "val_targets": 0 if val is None else val.num_targets,
       "batches_per_epoch": len(train) / batch_size, "vocab_size": tok.vocab_size,
       "domains": {name: int(np.sum(train.domain_rows() == i)) for i, name in enumerate(cfg.corpora)},
+      "cache_hit": False, "seconds": round(time.perf_counter() - t0, 3),
+  }
+  log.info("data: %s", stats)
+  return DataBundle(config=cfg, tokenizer=tok, train=train, val=val, global_batch_size=batch_size,
+                    process_index=process_index, process_count=process_count, stats=stats)
+
+
+def _build_records(cfg: DataConfig, fmt: str, batch_size, tokenizer, cache_dir, process_index, process_count,
+                   t0) -> DataBundle:
+  """`build_data` of prompt/completion or conversation records: one record a row (`meshdistill.data._records`)."""
+  if cfg.teacher_tokenizer is not None:
+    raise ValueError(f"data.format={fmt!r} with data.teacher_tokenizer (a teacher of another tokenizer) is not "
+                     "supported: its rows are cut from packed text; use data.format=text or drop data.teacher_tokenizer")
+  records = cap_records(load_records(cfg.source, fmt), cfg.max_chars, cfg.max_docs)
+  train_r, val_r = split_records(records, cfg.val_fraction)
+  log.info("data: %d %s records -> %d train, %d validation", len(records), fmt, len(train_r), len(val_r))
+  tok = tokenizer if tokenizer is not None else resolve_tokenizer(
+      cfg, [Document(r.key, record_text(r)) for r in train_r], cache_dir)
+  chat_tok = None
+  if needs_template(records, fmt):
+    from meshdistill.data import chat  # pylint: disable=g-import-not-at-top
+
+    try:
+      chat_tok = chat.load_chat_tokenizer(cfg.tokenizer, cfg.chat_template)
+    except chat.NoChatTemplate as e:
+      chat_tok = e  # raised by the first record that needs a template
+    eos = getattr(chat_tok, "eos_token_id", None)
+    if eos is not None and eos != tok.eos_id:  # conversations end with the end-of-turn token: generation stops there
+      tok = copy.copy(tok)
+      tok.eos_id = int(eos)
+      log.info("data: end of a conversation (the sampler's stop token) = the chat tokenizer's eos %r (id %d)",
+               chat_tok.eos_token, eos)
+  train = record_rows(train_r, fmt, tok, chat_tok, cfg.seq_len, split="train")
+  val = record_rows(val_r, fmt, tok, chat_tok, cfg.seq_len, split="validation") if val_r else None
+  stats = {
+      "format": fmt, "train_docs": train.num_docs, "val_docs": 0 if val is None else val.num_docs,
+      "train_tokens": train.num_tokens, "val_tokens": 0 if val is None else val.num_tokens,
+      "train_rows": len(train), "val_rows": 0 if val is None else len(val),
+      "train_targets": train.num_targets, "val_targets": 0 if val is None else val.num_targets,
+      "batches_per_epoch": len(train) / batch_size, "vocab_size": tok.vocab_size,
       "cache_hit": False, "seconds": round(time.perf_counter() - t0, 3),
   }
   log.info("data: %s", stats)
