@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from meshdistill.config import Config, MeshSettings
 from meshdistill.models import ModelConfig, frozen_model, init_model
@@ -45,15 +46,18 @@ def test_auto_dtypes_compute_bfloat16_on_a_tpu_and_store_a_frozen_teacher_so():
 def test_a_frozen_teacher_is_stored_in_its_compute_dtype_by_rounding_each_weight():
   bf16 = CFG.replace(dtype="bfloat16")
   teacher = init_model(bf16, seed=0)
-  stored = frozen_model(teacher, "cpu")
-  leaves = jax.tree.leaves(jax.tree.map(lambda x: x, __import__("flax").nnx.state(stored)))
-  assert stored.cfg.param_dtype == "bfloat16" and {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
-  before = jax.tree.leaves(__import__("flax").nnx.state(teacher))
-  for a, b in zip(before, leaves):
-    np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16), np.float32), np.asarray(b, np.float32))
   x = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+  logits = np.asarray(teacher(x).logits, np.float32)
+  before = [np.asarray(a) for a in jax.tree.leaves(nnx.state(teacher))]
+  stored = frozen_model(teacher, "cpu")
+  leaves = jax.tree.leaves(nnx.state(stored))
+  assert stored is teacher  # in place: the float32 arrays are not kept beside the rounded ones
+  assert stored.cfg.param_dtype == "bfloat16" and {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+  for a, b in zip(before, leaves):
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float32),
+                                  np.asarray(b, np.float32))
   # bfloat16 compute casts float32 weights to bfloat16 where they are used: the same logits either way
-  np.testing.assert_array_equal(np.asarray(teacher(x).logits, np.float32), np.asarray(stored(x).logits, np.float32))
+  np.testing.assert_array_equal(logits, np.asarray(stored(x).logits, np.float32))
   assert frozen_model(init_model(CFG, seed=0), "cpu").cfg.param_dtype == "float32"
 
 

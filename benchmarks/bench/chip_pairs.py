@@ -31,6 +31,7 @@ class Setting:
   mu: str = "float32"  # AdamW's first moment (`train.mu_dtype`): float32 or bfloat16
   metrics: str = "full"  # the step measured: "full" (`Distiller.step`) or "light" (its `metrics_light` step)
   scan: str = "both"  # the models whose layers are scanned (`ModelConfig.scan_layers`): both, teacher, student, none
+  dtypes: str = "bf16"  # "bf16": both compute in bfloat16, the teacher stored so (named); "auto": the defaults
 
   @classmethod
   def parse(cls, text: str) -> "Setting":
@@ -52,8 +53,9 @@ class Setting:
     mu = "" if self.mu == "float32" else f",mu={self.mu}"
     light = "" if self.metrics == "full" else f",metrics={self.metrics}"
     scan = "" if self.scan == "both" else f",scan={self.scan}"
+    dtypes = "" if self.dtypes == "bf16" else f",dtypes={self.dtypes}"
     return (f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}"
-            f"{mu}{light}{scan}")
+            f"{mu}{light}{scan}{dtypes}")
 
   def optimizer(self):
     """The student's optimizer: ``md.default_optimizer(1e-4)``, AdamW's first moment in ``mu``."""
@@ -69,9 +71,12 @@ def model_configs(pair: str, s: Setting):
   tname, sname, layers = PAIRS[pair]
   if pair == "tiny":
     tname = sname = ModelConfig(**TINY)
-  teacher, _ = resolve_model(tname, who="teacher", dtype="bfloat16", param_dtype="bfloat16",
+  named = s.dtypes != "auto"  # "auto": the models' defaults (`ModelConfig.dtype` / `param_dtype` auto)
+  teacher, _ = resolve_model(tname, who="teacher", dtype="bfloat16" if named else None,
+                             param_dtype="bfloat16" if named else None,
                              scan_layers=s.scan in ("both", "teacher"), attention=s.attn, remat="none")
-  student, _ = resolve_model(sname, who="student", dtype="bfloat16", param_dtype="float32",
+  student, _ = resolve_model(sname, who="student", dtype="bfloat16" if named else None,
+                             param_dtype="float32" if named else None,
                              scan_layers=s.scan in ("both", "student"), attention=s.attn, remat=s.remat)
   student = student.with_layers(range(layers))
   return teacher, student

@@ -81,14 +81,17 @@ def _initializer(cfg: ModelConfig, mesh: Mesh | None):
 def frozen_model(model: Decoder, platform: str | None = None) -> Decoder:
   """``model`` with its weights stored as a frozen model's (`ModelConfig.frozen` on ``platform``): a teacher of
   ``param_dtype="auto"`` computing in bfloat16 gets bfloat16 weights (each float32 weight rounded, as
-  `init_model` rounds); any other model is returned as it is."""
+  `init_model` rounds). In place: the module's variables take the rounded arrays, so the float32 ones are freed
+  (a caller holding the teacher does not keep a second copy on the device). Any other model is returned as it is."""
   if not isinstance(model, Decoder):
     return model
   cfg = model.cfg.frozen(platform)
   if cfg == model.cfg:
     return model
-  graphdef, target, _ = abstract_params(cfg)
-  return nnx.merge(graphdef, pad_state(nnx.state(model), target))
+  _, target, _ = abstract_params(cfg)
+  nnx.update(model, pad_state(nnx.state(model), target))
+  model.cfg = cfg
+  return model
 
 
 def fit_model(model: Decoder, tensor: int) -> Decoder:

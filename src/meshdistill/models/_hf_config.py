@@ -22,7 +22,7 @@ def hf_family(hf: dict[str, Any], where: str = "config.json") -> str:
   return families.family_for(hf, where).name
 
 
-def config_from_hf(hf: dict[str, Any], *, max_len: int | None = None, dtype: str = "float32",
+def config_from_hf(hf: dict[str, Any], *, max_len: int | None = None, dtype: str = "auto",
                    where: str = "config.json") -> ModelConfig:
   """A `ModelConfig` equal to the Hugging Face config ``hf`` (a parsed ``config.json``).
 

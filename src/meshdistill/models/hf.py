@@ -92,8 +92,8 @@ def load_hf(
     path: str | os.PathLike,
     mesh: Mesh | None = None,
     *,
-    dtype: str = "float32",
-    param_dtype: str = "float32",
+    dtype: str = "auto",
+    param_dtype: str = "auto",
     max_len: int | None = None,
     scan_layers: bool = False,
 ) -> Decoder:
@@ -106,9 +106,10 @@ def load_hf(
     mesh: a ``(data, tensor)`` mesh; each weight is created split over ``tensor`` and
       replicated over ``data``, each device reading only its slice from disk. ``None``:
       one device.
-    dtype: compute dtype of activations (`ModelConfig.dtype`).
+    dtype: compute dtype of activations (`ModelConfig.dtype`; ``auto``: bfloat16 on a TPU, float32 elsewhere).
     param_dtype: dtype the weights are stored in on device (`ModelConfig.param_dtype` of the returned model):
-      ``"float32"``, or ``"bfloat16"`` / ``"float16"`` for a frozen teacher (half the memory).
+      ``"float32"``, or ``"bfloat16"`` / ``"float16"`` for a frozen teacher (half the memory); ``auto``: float32,
+      and a `Distiller` stores its teacher in the teacher's compute dtype (`ModelConfig.frozen`).
     max_len: longest sequence the model accepts (default ``max_position_embeddings``).
     scan_layers: stack the blocks for ``nnx.scan`` (`ModelConfig.scan_layers`); the layers are read one by
       one as usual and then stacked, so the device briefly holds the block weights twice.
@@ -128,8 +129,8 @@ def load_hf(
   return to_scanned(model) if scan_layers else model
 
 
-def read_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *, dtype: str = "float32",
-                    param_dtype: str = "float32", max_len: int | None = None,
+def read_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *, dtype: str = "auto",
+                    param_dtype: str = "auto", max_len: int | None = None,
                     file: str = SINGLE_FILE) -> tuple[Decoder, list[str]]:
   """(the unrolled `Decoder` of the checkpoint at ``path``, the names of its tensors no parameter read) -- `load_hf`
   without its warnings; ``file``: the single safetensors file (when there is no index). Every tensor is read as

@@ -93,7 +93,7 @@ class Family:
       raise ValueError(f"{where}: use_sliding_window=true is not supported; the decoder attends over the whole "
                        "sequence")
 
-  def from_hf(self, hf: dict[str, Any], *, max_len: int | None = None, dtype: str = "float32",
+  def from_hf(self, hf: dict[str, Any], *, max_len: int | None = None, dtype: str = "auto",
               where: str = "config.json") -> ModelConfig:
     """A `ModelConfig` equal to the Hugging Face config ``hf`` (a parsed ``config.json``).
 
