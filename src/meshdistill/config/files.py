@@ -47,6 +47,7 @@ COMMENTS = {
     "data.source": "the Python standard library's source code",
     "data.val_fraction": "held-out documents",
     "data.max_chars": "a deterministic 3 M-character sample",
+    "data.packing": "stream: a row's documents attend to each other; documents: each to itself (segment ids)",
     "distill.kind": "a registered strategy: meshdistill.strategies.names(); null settings: its defaults",
     "distill.temperature": "a number or a schedule, e.g. {kind: linear, start: 3.0, end: 1.0, steps: 300}",
     "distill.alpha": "weight of the KL term; 1 - alpha on the hard labels",

@@ -7,6 +7,11 @@ these keys, so they live here, below all of them.
 
 # The keys of a batch the step reads: token ids and targets [B, T], the loss mask [B, T].
 BATCH_KEYS = ("inputs", "targets", "mask")
+# Batch keys of rows packed without crossing documents (``data.packing: documents``, `meshdistill.data._packing`):
+# each token's document within its row, 1, 2, ... (0: padding) [B, T], and its position within that document's part of
+# the row [B, T] (RoPE restarts there). The step hands both to the teacher and the student: attention then stays
+# within a document (`meshdistill.models.decoder.Decoder`).
+SEGMENT_KEYS = ("segment_ids", "positions")
 # Batch keys of a teacher given by its top-k instead of its weights (`meshdistill.losses.TopK`):
 # ids and log-probs [B, T, K], tail log-mass [B, T]; see `meshdistill.teachers.cache`.
 TOPK_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_tail")

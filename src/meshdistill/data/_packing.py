@@ -19,11 +19,13 @@ window is filled with ``pad_id``; ``N = ceil((L - 1) / T)``.
 So the trained targets are exactly the real tokens that are not a document's first token
 (see `PackedSequences.num_targets`).
 
-Attention is NOT blocked between documents packed into one row (the model has no segment
-masking): a token may attend to the end of the previous document, as in standard causal-LM
-packing; only the loss mask above knows the boundaries. ``segment_ids`` (1, 2, ... per document
-within the row, 0 for padding) and ``positions`` (index within its document's part of the row)
-are produced on request for models that can use them.
+``segment_ids`` (1, 2, ... per document within the row, 0 for padding) and ``positions`` (index
+within its document's part of the row: a row that starts inside a document starts it at 0) are
+produced on request (``rows(..., segments=True)``; ``data.packing: documents`` asks for them in
+every batch). With them the models keep each document to itself: attention within a document,
+RoPE restarting at each (`meshdistill.models.decoder.Decoder`). Without them (``data.packing:
+stream``) a token may attend to the end of the previous document in its row, as in standard
+causal-LM packing, and only the loss mask above knows the boundaries.
 """
 
 from __future__ import annotations

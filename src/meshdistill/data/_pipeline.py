@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 _CACHE_VERSION = "1"
 
 
+# `DataConfig.packing` values: how the documents packed into one row see each other.
+PACKING = {
+    "stream": "rows cut from one stream; a token attends to the earlier documents of its row",
+    "documents": "rows carry segment ids and positions; attention stays within a document, RoPE restarts at each",
+}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
   """Where the text comes from and how it becomes training rows.
@@ -68,6 +75,11 @@ class DataConfig:
       each value a source as ``source`` takes it; the caps apply to each): each is split and packed on its own,
       one tokenizer over all, and every batch carries ``domain`` [B], its rows' corpus (index in this mapping's
       order; `meshdistill.data._domains`). None = ``source``.
+    packing: how documents share a row (`PACKING`). ``"stream"`` (default): rows are cut from one stream of
+      documents and a token attends to the documents before it in its row (standard causal-LM packing; the
+      target after a document's end is still masked). ``"documents"``: every batch also carries ``segment_ids`` and
+      ``positions`` (`meshdistill.core.batch.SEGMENT_KEYS`): both models attend within a document only and RoPE
+      restarts at each, so a row computes what its documents compute one by one (docs/training.md).
   """
 
   source: str | tuple[str, ...] = "stdlib"
@@ -87,6 +99,7 @@ class DataConfig:
   teacher_tokenizer: str | None = None
   teacher_seq_len: int | None = None
   corpora: dict | None = None
+  packing: str = "stream"
 
   def __post_init__(self):
     if isinstance(self.source, list):
@@ -130,6 +143,13 @@ class DataConfig:
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"data.seed={self.seed!r} must be an integer")
     self._check_corpora()
+    if self.packing not in PACKING:
+      raise ValueError(f"data.packing={self.packing!r}; choose one of {tuple(PACKING)}: "
+                       + "; ".join(f"{k}: {v}" for k, v in PACKING.items()))
+    if self.packing == "documents" and self.teacher_tokenizer is not None:
+      raise ValueError("data.packing=documents and data.teacher_tokenizer exclude each other (rows of two "
+                       "tokenizations carry no segment ids yet); use data.packing=stream, or drop "
+                       "data.teacher_tokenizer")
 
   def _check_corpora(self) -> None:
     if self.corpora is None:
@@ -190,10 +210,16 @@ class DataBundle:
     """Rows per batch on this process: ``global_batch_size / process_count``."""
     return self.global_batch_size // self.process_count
 
+  @property
+  def segments(self) -> bool:
+    """Whether batches carry ``segment_ids`` and ``positions`` (``data.packing: documents``)."""
+    return self.config.packing == "documents"
+
   def train_iterator(
-      self, state: dict[str, Any] | None = None, *, segments: bool = False, row_ids: bool = False
+      self, state: dict[str, Any] | None = None, *, segments: bool | None = None, row_ids: bool = False
   ) -> TrainIterator:
-    """A fresh training iterator, positioned at ``state`` (from ``TrainIterator.get_state``) if given."""
+    """A fresh training iterator, positioned at ``state`` (from ``TrainIterator.get_state``) if given; ``segments``
+    (batches carry ``segment_ids`` and ``positions``) defaults to ``data.packing: documents``."""
     it = TrainIterator(
         self.train,
         global_batch_size=self.global_batch_size,
@@ -201,15 +227,18 @@ class DataBundle:
         num_epochs=self.config.num_epochs,
         process_index=self.process_index,
         process_count=self.process_count,
-        segments=segments,
+        segments=self.segments if segments is None else segments,
         row_ids=row_ids,
     )
     if state is not None:
       it.set_state(state)
     return it
 
-  def val_batches(self, max_batches: int | None = None, *, segments: bool = False) -> list[dict[str, np.ndarray]]:
-    """The fixed validation batches (this process's rows); ``[]`` when there is no validation split."""
+  def val_batches(
+      self, max_batches: int | None = None, *, segments: bool | None = None
+  ) -> list[dict[str, np.ndarray]]:
+    """The fixed validation batches (this process's rows); ``[]`` when there is no validation split. ``segments`` as
+    in `train_iterator`."""
     if self.val is None:
       return []
     return validation_batches(
@@ -218,7 +247,7 @@ class DataBundle:
         process_index=self.process_index,
         process_count=self.process_count,
         max_batches=max_batches,
-        segments=segments,
+        segments=self.segments if segments is None else segments,
     )
 
 

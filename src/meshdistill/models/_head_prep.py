@@ -52,8 +52,14 @@ def _rotate_half(x, K: int):
   return jnp.where(lane < K // 2, -1.0, 1.0) * pltpu.roll(x, K // 2, 1)
 
 
+def _table(ref):
+  """A block of RoPE's table, ``[tokens, K]``: shared by the rows, or this row's (``[1, tokens, K]`` blocks of
+  packed documents' per-row positions)."""
+  return ref[0] if len(ref.shape) == 3 else ref[...]
+
+
 def _forward_kernel(y_ref, s_ref, cos_ref, sin_ref, out_ref, *, K, eps, norm, dtype, post):
-  cos, sin, s = cos_ref[...], sin_ref[...], s_ref[...]
+  cos, sin, s = _table(cos_ref), _table(sin_ref), s_ref[...]
   for h in range(out_ref.shape[1]):  # the block's heads: lanes h K .. (h + 1) K of its rows
     x = y_ref[0, :, h * K:(h + 1) * K].astype(jnp.float32)
     if norm:
@@ -66,7 +72,7 @@ def _forward_kernel(y_ref, s_ref, cos_ref, sin_ref, out_ref, *, K, eps, norm, dt
 
 
 def _backward_kernel(y_ref, g_ref, s_ref, cos_ref, sin_ref, dy_ref, ds_ref, *, K, eps, norm, dtype, post):
-  cos, sin, s = cos_ref[...], sin_ref[...], s_ref[...]
+  cos, sin, s = _table(cos_ref), _table(sin_ref), s_ref[...]
   ds = jnp.zeros((1, K), jnp.float32)
   for h in range(g_ref.shape[1]):
     g = g_ref[0, h].astype(jnp.float32)
@@ -85,14 +91,15 @@ def _backward_kernel(y_ref, g_ref, s_ref, cos_ref, sin_ref, dy_ref, ds_ref, *, K
   ds_ref[0] = ds
 
 
-def _specs(B, H, T, K, itemsize):
+def _specs(B, H, T, K, itemsize, per_row: bool = False):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
 
   bt, hb = _blocks(T, H, K, itemsize)
   n_t, n_h = T // bt, H // hb
   token_major = pl.BlockSpec((1, bt, hb * K), lambda b, t, g: (b, t, g))
   head_major = pl.BlockSpec((1, hb, bt, K), lambda b, t, g: (b, g, t, 0))
-  table = pl.BlockSpec((bt, K), lambda b, t, g: (t, 0))
+  table = (pl.BlockSpec((1, bt, K), lambda b, t, g: (b, t, 0)) if per_row  # each row's positions (packed documents)
+           else pl.BlockSpec((bt, K), lambda b, t, g: (t, 0)))
   scale = pl.BlockSpec((1, K), lambda b, t, g: (0, 0))
   partial = pl.BlockSpec((1, 1, K), lambda b, t, g: ((b * n_t + t) * n_h + g, 0, 0))
   return (B, n_t, n_h), token_major, head_major, table, scale, partial
@@ -115,7 +122,7 @@ def _forward(y, s, cos, sin, H, eps, norm, post, interpret):
 
   B, T, HK = y.shape
   K = HK // H
-  grid, token_major, head_major, table, scale, _ = _specs(B, H, T, K, y.dtype.itemsize)
+  grid, token_major, head_major, table, scale, _ = _specs(B, H, T, K, y.dtype.itemsize, cos.ndim == 3)
   kernel = functools.partial(_forward_kernel, K=K, eps=eps, norm=norm, dtype=y.dtype, post=post)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[token_major, scale, table, table], out_specs=head_major,
@@ -129,7 +136,7 @@ def _backward(y, g, s, cos, sin, H, eps, norm, post, interpret):
 
   B, T, HK = y.shape
   K = HK // H
-  grid, token_major, head_major, table, scale, partial = _specs(B, H, T, K, y.dtype.itemsize)
+  grid, token_major, head_major, table, scale, partial = _specs(B, H, T, K, y.dtype.itemsize, cos.ndim == 3)
   kernel = functools.partial(_backward_kernel, K=K, eps=eps, norm=norm, dtype=y.dtype, post=post)
   n = grid[0] * grid[1] * grid[2]
   dy, ds = pl.pallas_call(
@@ -164,7 +171,9 @@ def norm_rope_heads(y_BxTxHK: jax.Array, n_heads: int, cos_TxK: jax.Array, sin_T
   """``rope(head_norm(q))`` (or ``rope(q)`` without ``scale_K``) of the projection ``y [B, T, H * K]``, as
   ``[B, H, T, K]`` in ``y``'s dtype.
 
-  ``cos_TxK``, ``sin_TxK``: RoPE's tables (`meshdistill.models._attention.rope_tables`; constants: no gradient);
+  ``cos_TxK``, ``sin_TxK``: RoPE's tables (`meshdistill.models._attention.rope_tables`; constants: no gradient),
+  ``[T, K]`` for every row or ``[B, T, K]``, each row's own (rows packed from several documents: RoPE restarts at
+  each, `meshdistill.models._attention.Segments`);
   ``scale_K``: the norm's float32 scale as it multiplies (`meshdistill.models._variants.head_norm_scale`), None for
   no norm; ``eps``: the norm's epsilon; ``post_scale``: a factor applied last, to the result rounded to ``y``'s
   dtype (the queries' score scale, which the splash kernel then need not apply). Gradients flow to ``y`` and ``scale_K``. ``interpret``: Pallas interpret

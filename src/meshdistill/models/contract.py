@@ -14,8 +14,10 @@ Three protocols, each the exact surface its callers use (`typing.Protocol`, runt
   ``cfg`` (a `ModelSpec`); ``model(tokens_BxT, capture=(...), logits=True) -> ModelOutput`` with
   ``logits`` float32 ``[B, T, V]`` (``None`` with ``logits=False``) and, on request, ``hidden`` (L+1) x
   ``[B, T, D]``, ``attn`` L x ``[B, H, T, T]`` and ``final`` ``[B, T, D]`` (a model that cannot give an
-  entry raises a ValueError naming it); ``head_weight() -> [D, V]``, the LM head that maps ``final`` to
-  the logits (chunked losses never build ``[B, T, V]``).
+  entry raises a ValueError naming it); with ``segment_ids`` / ``positions`` ``[B, T]`` (rows packed from several
+  documents, ``data.packing: documents``) attention stays within a document and RoPE restarts at each;
+  ``head_weight() -> [D, V]``, the LM head that maps ``final`` to the logits (chunked losses never build
+  ``[B, T, V]``).
 
 `DecodingModel` (generation, `meshdistill.models.generate`; on-policy distillation)
   a `LanguageModel` with a cached decode step that is the model's own forward pass, not a second copy:
@@ -65,8 +67,10 @@ class LanguageModel(Protocol):
 
   cfg: ModelSpec
 
-  def __call__(self, tokens_BxT: jax.Array, *, capture: tuple[str, ...] = (), logits: bool = True) -> ModelOutput:
-    """Logits ``[B, T, V]`` (float32) and the captured entries (``"hidden"``, ``"attn"``, ``"final"``)."""
+  def __call__(self, tokens_BxT: jax.Array, *, capture: tuple[str, ...] = (), logits: bool = True,
+               segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> ModelOutput:
+    """Logits ``[B, T, V]`` (float32) and the captured entries (``"hidden"``, ``"attn"``, ``"final"``); packed
+    documents' ``segment_ids`` / ``positions`` ``[B, T]`` keep each document's tokens to themselves."""
     ...
 
   def head_weight(self) -> jax.Array:

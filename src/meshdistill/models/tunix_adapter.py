@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from meshdistill.parallel.mesh import param_shardings
 from meshdistill.parallel.rules import DEFAULT, split_ways
 from meshdistill.models import families
+from meshdistill.models._attention import Segments, segment_mask
 from meshdistill.models.decoder import ModelOutput
 from meshdistill.models.hf import read_hf_config, read_onto_mesh
 
@@ -109,7 +110,10 @@ class TunixLM(nnx.Module):
     self.cfg = cfg
     self.inner = inner
 
-  def __call__(self, tokens_BxT: jax.Array, *, capture: tuple[str, ...] = (), logits: bool = True) -> ModelOutput:
+  def __call__(self, tokens_BxT: jax.Array, *, capture: tuple[str, ...] = (), logits: bool = True,
+               segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> ModelOutput:
+    """As `meshdistill.models.Decoder`: ``segment_ids`` / ``positions`` [B, T] of rows packed from several documents
+    (attention within a document, RoPE restarting at each), given to tunix's layers as their positions and mask."""
     unknown = set(capture) - set(_CAPTURABLE)
     if unknown:
       raise ValueError(f"capture={capture!r}: a tunix model can give {_CAPTURABLE}, not {sorted(unknown)} "
@@ -120,6 +124,9 @@ class TunixLM(nnx.Module):
     m = self.inner
     positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     causal_BxTxT = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), dtype=bool)), (B, T, T))
+    segments = Segments.of(tokens_BxT, segment_ids, positions)
+    if segments is not None:
+      positions_BxT, causal_BxTxT = segments.positions_BxT, causal_BxTxT & segment_mask(segments.ids_BxT)[:, 0]
     x = m.embedder.encode(tokens_BxT)
     hidden = [x] if "hidden" in capture else []
     for layer in m.layers:

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from meshdistill.parallel import fsdp as fsdp_lib
 from meshdistill.parallel import rules as rules_lib
 from meshdistill.parallel.mesh import DATA, TENSOR, check_batch, global_batch_size
-from meshdistill.core.batch import BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS
+from meshdistill.core.batch import BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, SEGMENT_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS
 from meshdistill.core.state import TrainState, split_trainable
 
 # How the student is laid out over `tensor` (`mesh.student_split`): split like the teacher, or replicated with
@@ -33,9 +33,10 @@ STUDENT_SPLIT_SETTING = "mesh.student_split"
 
 
 def host_batch(batch: dict) -> dict:
-  """The step's keys of a batch (a teacher's top-k, several teachers' own top-k, or a teacher's own tokens, when they
-  come with the batch, included); device arrays kept."""
-  keys = BATCH_KEYS + tuple(k for k in TOPK_KEYS + MULTI_KEYS + CROSS_KEYS + (TARGET_LOGPROB_KEY,) if k in batch)
+  """The step's keys of a batch (a teacher's top-k, several teachers' own top-k, a teacher's own tokens, or packed
+  documents' segment ids and positions, when they come with the batch, included); device arrays kept."""
+  extra = TOPK_KEYS + MULTI_KEYS + CROSS_KEYS + (TARGET_LOGPROB_KEY,) + SEGMENT_KEYS
+  keys = BATCH_KEYS + tuple(k for k in extra if k in batch)
   return {k: batch[k] if isinstance(batch[k], jax.Array) else np.asarray(batch[k]) for k in keys}
 
 

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill import losses
 from meshdistill.core.batch import (  # noqa: F401 -- the step's batch keys, read here
-    BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS,
+    BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, SEGMENT_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS,
 )
 from meshdistill.core.state import SplitStep, TrainState, join_trainable, split_trainable  # noqa: F401
 from meshdistill.parallel import fsdp
@@ -94,6 +94,9 @@ def per_device_gradients(
   read); the strategy's other metrics are not returned, so the compiler drops their work (their
   vocabulary-wide passes and reductions). The loop runs it on the steps it does not log.
 
+  Rows packed from several documents (``data.packing: documents``) carry `SEGMENT_KEYS`: both models get them
+  (``segment_ids``, ``positions``), so each attends within a document and RoPE restarts at each.
+
   ``teacher_names``: with several teachers (`MULTI_KEYS` in ``batch``), their names, in the batch's order: the
   metrics then hold ``kl/<name>`` and ``agreement/<name>`` (token means over the rows each teacher serves, the
   student at ``teacher_temperature``) and ``tokens/<name>``; the loss reads only the combined top-k.
@@ -133,8 +136,11 @@ def per_device_gradients(
     teacher_out = _aligned_teacher(nnx.merge(teacher_def, teacher_params), batch, student_axis)
   elif source.gives == MODEL:
     teacher = nnx.merge(teacher_def, teacher_params)
-    inputs_BxT = batch["inputs"] if student_axis is None else _rows_whole(batch["inputs"])
-    teacher_out = _vocab_slice(jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits)), vocab)
+    inputs_BxT, segments = batch["inputs"], _segments(batch)
+    if student_axis is not None:
+      inputs_BxT, segments = _rows_whole((inputs_BxT, segments))
+    teacher_out = _vocab_slice(
+        jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits, **segments)), vocab)
     teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
     teacher_cap = getattr(teacher.cfg, "final_softcap", None)
 
@@ -143,7 +149,8 @@ def per_device_gradients(
       light=light, teacher_softcap=teacher_cap, teachers=(tuple(teacher_names), teacher_temperature),
       loss_scale=loss_scale,
   )
-  rows = {k: batch[k] for k in ("inputs", "targets", "mask", *(MULTI_KEYS if teacher_names else ())) if k in batch}
+  rows = {k: batch[k] for k in ("inputs", "targets", "mask", *SEGMENT_KEYS, *(MULTI_KEYS if teacher_names else ()))
+          if k in batch}
   if student_axis is None:
     return student_part(state.params, rows, teacher_out, teacher_head, axes=data_axis)
   # The student on its rows: they (and the teacher's outputs, moved to rows) split over `student_axis`, its
@@ -155,6 +162,11 @@ def per_device_gradients(
       out_specs=P(), axis_names={student_axis}, check_vma=False,
   )
   return split(state.params, rows, teacher_out, teacher_head)
+
+
+def _segments(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The model keywords of rows packed from several documents (`SEGMENT_KEYS`); ``{}`` for rows of one stream."""
+  return {k: batch[k] for k in SEGMENT_KEYS if k in batch}
 
 
 def _aligned_teacher(teacher, batch: dict[str, jax.Array], student_axis: str | None) -> losses.Aligned:
@@ -239,7 +251,8 @@ def student_gradients(
     params = join_trainable(params, jax.lax.stop_gradient(frozen))
     student = nnx.merge(student_def, params["student"])
     moe = getattr(getattr(student, "cfg", None), "moe", None)  # a mixture-of-experts student reports its routing
-    student_out = student(inputs_BxT, capture=capture + (("router",) if moe else ()), logits=with_logits)
+    student_out = student(inputs_BxT, capture=capture + (("router",) if moe else ()), logits=with_logits,
+                          **_segments(batch))
     router, student_out = student_out.router, _vocab_slice(student_out._replace(router=()), vocab)
     if with_head:  # token sums over all local rows; heads [D, V] with V split over `tensor`
       heads = (student.head_weight()[:, :vocab], teacher_head)

@@ -32,18 +32,19 @@ from jax.sharding import Mesh
 
 from meshdistill import losses
 from meshdistill.parallel.mesh import host_to_global
-from meshdistill.core.batch import BATCH_KEYS, CROSS_KEYS
+from meshdistill.core.batch import BATCH_KEYS, CROSS_KEYS, SEGMENT_KEYS
 
 
 @functools.partial(jax.jit, static_argnames=("model_def", "teacher_def"))
 def _sums(params, teacher_params, batch, *, model_def, teacher_def):
   mask_BxT = batch["mask"].astype(jnp.float32)
   targets_BxT = batch["targets"]
-  logits = nnx.merge(model_def, params)(batch["inputs"]).logits
+  segments = {k: batch[k] for k in SEGMENT_KEYS if k in batch}  # packed documents: each attended on its own
+  logits = nnx.merge(model_def, params)(batch["inputs"], **segments).logits
   per_seq = lambda f: jax.vmap(lambda *a: jnp.sum(f(*a)))
   out = {"tokens": jnp.sum(mask_BxT), "ce": jnp.sum(per_seq(losses.cross_entropy)(logits, targets_BxT, mask_BxT))}
   if teacher_def is not None:
-    t_logits = nnx.merge(teacher_def, teacher_params)(batch["inputs"]).logits
+    t_logits = nnx.merge(teacher_def, teacher_params)(batch["inputs"], **segments).logits
     out["teacher_ce"] = jnp.sum(per_seq(losses.cross_entropy)(t_logits, targets_BxT, mask_BxT))
     out["kl"] = jnp.sum(per_seq(losses.forward_kl)(logits, t_logits, mask_BxT))
     out["agree"] = jnp.sum(per_seq(losses.top1_agreement)(logits, t_logits, mask_BxT))
@@ -112,7 +113,7 @@ class Evaluator:
     return cls(trainer.student_def, teacher_def=teacher_def, teacher_params=teacher_params, mesh=trainer.layout.eval_mesh)
 
   def _place(self, batch):
-    batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS + CROSS_KEYS if k in batch}
+    batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS + CROSS_KEYS + SEGMENT_KEYS if k in batch}
     if self.mesh is None:
       return batch
     return host_to_global(batch, self.mesh)
