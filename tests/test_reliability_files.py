@@ -91,7 +91,7 @@ def test_r3_a_hand_written_marker_does_not_let_overwrite_replace_a_downloaded_mo
 
   model = _user_dir(tmp_path / "model", **{"config.json": "{}", "model.safetensors": "weights"})
   (model / MARKER).write_text(json.dumps({"format": "meshdistill.owner/1", "kind": "export"}))
-  with pytest.raises(OutputExistsError, match="looks like a downloaded model"):
+  with pytest.raises(OutputExistsError, match="is not an owner marker meshdistill wrote"):  # round four: named
     check_owned(str(model), export_kind(), overwrite=True)
   assert sorted(p.name for p in model.iterdir()) == [MARKER, "config.json", "model.safetensors"]
 

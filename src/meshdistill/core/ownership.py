@@ -17,12 +17,17 @@ adapter directory, a teacher cache, a plot directory) writes ``.meshdistill-owne
   files) has no such content -- a downloaded model looks the same -- so a marker-less export is never
   replaced: remove it yourself or export to a new directory.
 
-A marker names the directory it was written in (``inode``: the directory's inode number, which a rename keeps, so an
-output written to a temporary sibling and renamed into place, or moved with ``mv`` on one file system, keeps its
-marker; ``dir``: its path then, for messages): a marker copied into (or written by hand for) another directory
-proves nothing there, and that directory is judged as one without a marker. A genuine output copied elsewhere (or
-on a file system whose inode numbers change across mounts) is judged the same way, by its structure
-(`OutputKind.legacy`), and gets a marker of its own when reused.
+A marker names the directory it was written in (``inode`` and ``device``: the directory's inode number and the
+device of its file system, which a rename keeps, so an output written to a temporary sibling and renamed into place,
+or moved with ``mv`` on one file system, keeps its marker; ``dir``: its path then, for messages): a marker copied into
+another directory proves nothing there, and that directory is judged as one without a marker. A genuine output copied
+elsewhere (or on a file system whose inode or device numbers change across mounts, or a marker of a version before
+``device`` was recorded) is judged the same way, by its structure (`OutputKind.legacy`), and gets a marker of its own
+when reused.
+
+A marker proves ownership only with every field `write_marker` writes, each of its type (`MARKER_FIELDS`); a file of
+that name that is not such a record (hand-written, missing the inode, another format, not JSON) is refused with
+`MarkerError`, naming the file and what it lacks: nothing is judged, replaced or reused while it is there.
 
 A symlink where meshdistill would write (the directory itself, or a file of a reused directory) is an
 error naming it (`meshdistill.core.fsutil.SymlinkError`), never written through.
@@ -44,6 +49,13 @@ log = logging.getLogger(__name__)
 
 MARKER = ".meshdistill-owner.json"
 OWNER_FORMAT = "meshdistill.owner/1"
+# What `write_marker` writes, and the type of each (``identity`` holds at least a string ``id``)
+MARKER_FIELDS = {"format": str, "kind": str, "identity": dict, "inode": int, "device": int, "dir": str, "created": str}
+
+
+class MarkerError(OutputExistsError):
+  """A file named `MARKER` that `write_marker` did not write (fields missing or of another type): it proves nothing,
+  and the directory is left alone until it is removed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,35 +77,58 @@ class OutputKind:
 
 
 def read_marker(path: str) -> dict | None:
-  """The owner marker of directory ``path`` (None: none, not a readable marker, or a marker written for another
-  directory: copied or moved here)."""
+  """The owner marker of directory ``path``; None when there is none or it was written for another directory (copied
+  or moved here; one of a version that did not record the directory's device).
+
+  Raises `MarkerError` naming the file when it is not a marker `write_marker` wrote (not JSON, another format, a
+  field of `MARKER_FIELDS` missing or of another type), `SymlinkError` when it is a link."""
   marker = os.path.join(path, MARKER)
   if os.path.islink(marker):
     raise SymlinkError(marker)
-  if not os.path.isfile(marker):
+  if not os.path.lexists(marker):
     return None
   try:
     value = read_json(marker, "owner marker")
-  except (OSError, ValueError):
+  except (OSError, ValueError) as e:
+    raise MarkerError(_not_a_marker(marker, f"it cannot be read as JSON ({e})")) from None
+  if not isinstance(value, dict):
+    raise MarkerError(_not_a_marker(marker, "it is not a JSON object"))
+  legacy_device = "device" not in value and all(k in value for k in MARKER_FIELDS if k != "device")
+  wrong = [f"{k} (missing)" if k not in value else f"{k}={value[k]!r} (not a {t.__name__})"
+           for k, t in MARKER_FIELDS.items()
+           if not (k == "device" and legacy_device)
+           and (k not in value or isinstance(value[k], bool) or not isinstance(value[k], t))]
+  if value.get("format", OWNER_FORMAT) != OWNER_FORMAT:
+    wrong.insert(0, f"format={value['format']!r} (not {OWNER_FORMAT!r})")
+  identity = value.get("identity")
+  if isinstance(identity, dict) and not (isinstance(identity.get("id"), str) and identity["id"]):
+    wrong.append("identity.id (missing)")
+  if wrong:
+    raise MarkerError(_not_a_marker(marker, "; ".join(wrong)))
+  st = os.stat(path)
+  if legacy_device:
+    log.info("%s records no device (an earlier meshdistill): the directory is judged by its files", marker)
     return None
-  if value.get("format") != OWNER_FORMAT or not isinstance(value.get("kind"), str):
-    return None
-  inode = value.get("inode")
-  if inode is not None and inode != os.stat(path).st_ino:
+  if (value["inode"], value["device"]) != (st.st_ino, st.st_dev):
     log.info("%s was written for another directory (%s): it proves nothing here", marker, value.get("dir"))
     return None
-  identity = value.get("identity")
-  if inode is None and not (isinstance(identity, dict) and isinstance(identity.get("id"), str)):
-    return None  # not written by `write_marker` (a hand-written marker has neither its directory nor its id)
   return value
+
+
+def _not_a_marker(marker: str, why: str) -> str:
+  return (f"{marker} is not an owner marker meshdistill wrote ({why}); it proves nothing, so nothing was changed. "
+          f"Every field a command writes is needed ({', '.join(MARKER_FIELDS)}). Remove the file: the directory is "
+          "then judged by its files (an earlier meshdistill's output is still recognised), or choose a new or empty "
+          "directory")
 
 
 def write_marker(path: str, kind: OutputKind | str, identity: dict | None = None) -> None:
   """Writes the owner marker of ``kind`` into directory ``path`` (created), atomically."""
   os.makedirs(path, exist_ok=True)
   name = kind.name if isinstance(kind, OutputKind) else kind
+  st = os.stat(path)
   record = {"format": OWNER_FORMAT, "kind": name, "identity": {"id": uuid.uuid4().hex, **(identity or {})},
-            "inode": os.stat(path).st_ino, "dir": os.path.realpath(path),
+            "inode": st.st_ino, "device": st.st_dev, "dir": os.path.realpath(path),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
   write_text_atomic(os.path.join(path, MARKER), json.dumps(record, indent=1, default=str) + "\n")
 
@@ -133,8 +168,8 @@ def check_owned(path: str, kind: OutputKind, *, overwrite: bool | None, flag: st
   marker = read_marker(path)
   if marker is not None and marker["kind"] != kind.name:
     raise OutputExistsError(
-      f"{kind.what} {path} holds a meshdistill {marker['kind']} output, not a {kind.name} output; nothing was "
-      "changed. Choose a new or empty directory"
+      f"{kind.what} {path} holds a meshdistill {marker['kind']} output ({os.path.join(path, MARKER)} says kind "
+      f"{marker['kind']!r}), not a {kind.name} output; nothing was changed. Choose a new or empty directory"
     )
   foreign = [n for n in entries if n != MARKER and not kind.ours(n)]
   if foreign and (overwrite is not None or marker is None):
@@ -166,4 +201,5 @@ def refuse_links(path: str, names: tuple[str, ...]) -> None:
       raise SymlinkError(full)
 
 
-__all__ = ["MARKER", "OutputKind", "check_owned", "read_marker", "refuse_links", "write_marker"]
+__all__ = ["MARKER", "MARKER_FIELDS", "MarkerError", "OutputKind", "check_owned", "read_marker", "refuse_links",
+           "write_marker"]

@@ -21,6 +21,7 @@ from meshdistill.jobs._training import make_distiller
 from meshdistill.data.tasks import parse_task
 from meshdistill.train.loop.task_eval import task_accuracy
 from meshdistill.models import generate as generate_lib
+from meshdistill.models.compress.qat import quantize_aware
 from meshdistill.models.generate import SamplingConfig, left_pad
 from meshdistill.parallel.backends import layout_class, make_layout
 from meshdistill.teachers import kinds
@@ -125,6 +126,7 @@ def _run_model(cfg: Config, model: str = "student"):
     if model == "student" and net is None:
       mesh = make_layout(cfg.mesh.backend, mesh).eval_mesh
       net = ckpt.restore_student(stored_student_config(cfg, mesh), mesh, lora=cfg.models.student_lora)
+      net = as_trained(cfg, net)  # a quantization-aware student: its quantized forward, as the distiller runs it
       step = int(ckpt.restored_step)  # an older step when the newest is damaged
     elif model == "student":
       distiller = make_distiller(cfg, net, mesh)
@@ -161,7 +163,7 @@ def evaluate_task(cfg: Config, task: str, *, model: str = "student", prompts: in
 class LoadedRun(NamedTuple):
   """What `load_run` returns: ``student, config, step = md.load_run("runs/default")``."""
 
-  student: Any  # a `meshdistill.Decoder` holding the checkpoint's weights
+  student: Any  # a `meshdistill.Decoder` holding the checkpoint's weights, computing as the run trained it
   config: Config  # the run's own config.yaml, with run.run_dir pointing at the directory loaded
   step: int  # the checkpoint step the weights come from
 
@@ -176,6 +178,11 @@ def load_run(run_dir: str, step: int | None = None, *, mesh=None) -> LoadedRun:
   padded for the run's ``tensor`` needs a ``tensor`` that divides the padded size). A LoRA
   run's student holds its adapters (`meshdistill.models.lora.merge_lora` folds them in). Nothing in
   ``run_dir`` is created or changed.
+
+  The student computes what the run trained and validated (`as_trained`): for a quantization-aware run
+  (``student.quantize_aware``) that is its quantized forward pass -- the float weights of the checkpoint through
+  the run's fake quantization, whose logits are those of ``meshdistill export`` (weights on the quantization grid)
+  and of ``meshdistill export --quantized`` -- not the float student, which no step ever ran.
 
   Raises:
     FileNotFoundError: ``run_dir`` is missing, holds no ``config.yaml`` or no finished checkpoint.
@@ -203,7 +210,17 @@ def load_run(run_dir: str, step: int | None = None, *, mesh=None) -> LoadedRun:
   finally:
     if ckpt is not None:
       ckpt.close()
-  return LoadedRun(student, cfg, int(step))
+  return LoadedRun(as_trained(cfg, student), cfg, int(step))
+
+
+def as_trained(cfg: Config, student):
+  """The checkpoint's ``student`` (its stored float weights) computing as the run's distiller ran it: through
+  ``student.quantize_aware``'s fake quantization when the run trained quantization-aware
+  (`meshdistill.models.compress.quantize_aware`: the weights stay float and shared, the forward is quantized), else
+  unchanged. The float forward of a quantization-aware student is never what was trained or validated: its float
+  weights are `meshdistill.models.compress.qat.dequantized`'s input, not the model."""
+  settings = cfg.models.student_quantize_aware
+  return quantize_aware(student, settings) if settings.enabled else student
 
 
 def stored_student_config(cfg: Config, mesh=None):

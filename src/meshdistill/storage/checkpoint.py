@@ -28,6 +28,11 @@ named in a warning and the next older intact step is used. A resuming run moves 
 steps aside to ``damaged-<step>-<time>`` (never trained on); with no intact step left,
 `CheckpointError` lists every step and what is wrong with it.
 
+Only steps the run wrote are read: a step directory that is a symbolic link (``checkpoints/6 -> another run's step
+8``), a link anywhere inside a step, or a step whose ``meta`` records another step number (a step copied or renamed
+into place) is refused with `CheckpointError` naming the path, before anything is restored, moved aside or saved.
+Restoring (or resuming from) another run's state is a choice the user makes by copying it in whole, not by a link.
+
 Restoring onto a different mesh (saved on 2x4, resumed on 4x2 or 1x8): the caller passes a
 freshly initialised state on the NEW layout as a template; every leaf becomes an abstract
 ``jax.ShapeDtypeStruct(shape, dtype, sharding=<new sharding>)`` and orbax reads each shard
@@ -52,7 +57,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from meshdistill.storage.checkpoint_steps import CHECKSUM_FILE, first_line, narrow_uint4, verify_complete, widen_uint4
+from meshdistill.storage.checkpoint_steps import (CHECKSUM_FILE, first_line, links_in, narrow_uint4, recorded_step,
+                                                 verify_complete, widen_uint4)
 from meshdistill.core.fsutil import file_digests, read_json, write_text_atomic
 from meshdistill.models import Decoder, ModelConfig
 from meshdistill.models._build import abstract_params
@@ -209,16 +215,45 @@ class Checkpointer:
       self._damaged[step] = problem
     return problem
 
+  def refuse_foreign(self) -> None:
+    """Raises `CheckpointError` naming the first link in a step (the step directory itself, or an entry inside it):
+    orbax follows links, so one to another run's step would restore that run's state as this run's. Nothing is read,
+    moved or deleted."""
+    for s in sorted(self.all_steps()):
+      links = links_in(self.step_dir(s))
+      if links:
+        raise CheckpointError(
+          f"checkpoint step {s} in {self.directory}: {links[0]} is a symbolic link (to {os.readlink(links[0])}); a "
+          "run reads only the steps it wrote itself, so nothing was restored, moved or saved. Remove the link (to "
+          "start from another run's weights, give them as the student: student.hf, student.init), or give another "
+          "checkpoint.dir / run.run_dir"
+        )
+
+  def _refuse_renumbered(self, step: int) -> None:
+    """Raises `CheckpointError` when ``step``'s ``meta`` records another step number: a step directory copied or
+    renamed into place, not one this run saved as ``step``."""
+    recorded = recorded_step(self.step_dir(step))
+    if recorded is not None and recorded != step:
+      raise CheckpointError(
+        f"checkpoint step {step} in {self.directory}: {os.path.join(self.step_dir(step), 'meta', 'metadata')} "
+        f"records step {recorded!r}, so {self.step_dir(step)} was copied or renamed there, not saved as step {step} "
+        "by this run; nothing was restored, moved or saved. Move it out of the checkpoint directory (or give another "
+        "checkpoint.dir / run.run_dir)"
+      )
+
   def intact_step(self) -> int | None:
     """The newest step that passes `verify` (a warning names each damaged newer one), or None if no step exists.
 
-    Raises `CheckpointError` when steps exist but none is intact.
+    Raises `CheckpointError` when steps exist but none is intact, or when a step is not one this run wrote
+    (`refuse_foreign`; a step whose ``meta`` records another step number).
     """
+    self.refuse_foreign()
     steps = sorted(self.all_steps(), reverse=True)
     if not steps:
       return None
     for s in steps:
       if self.verify(s) is None:
+        self._refuse_renumbered(s)
         return s
       if s not in self._warned:
         self._warned.add(s)
@@ -263,8 +298,11 @@ class Checkpointer:
       step = self.intact_step()
       if step is None:
         raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
-    elif self.verify(step) is not None:
-      raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
+    else:
+      self.refuse_foreign()
+      if self.verify(step) is not None:
+        raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({self._damaged[step]})")
+      self._refuse_renumbered(step)
     return step
 
   def _read_intact(self, step: int | None, read):

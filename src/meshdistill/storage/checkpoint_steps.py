@@ -1,7 +1,11 @@
 """One checkpoint step directory, below `meshdistill.storage.checkpoint.Checkpointer`: the check of its
-``checksums.json`` (complete and matching), the uint4 leaves tensorstore cannot store, and short error lines."""
+``checksums.json`` (complete and matching), what shows a step the run did not write (links, another step number in
+its ``meta``), the uint4 leaves tensorstore cannot store, and short error lines."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import jax
 
@@ -43,6 +47,28 @@ def verify_complete(step_dir: str, expected: dict) -> str | None:
   }
   return "; ".join(f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
                    for what, names in found.items() if names) or None
+
+
+def links_in(step_dir: str) -> list[str]:
+  """``[step_dir]`` when the step directory is a symbolic link, else every link inside it (sorted by directory):
+  orbax and tensorstore follow them, so a link would restore what another run wrote."""
+  if os.path.islink(step_dir):
+    return [step_dir]
+  found = []
+  for d, dirs, files in os.walk(step_dir):
+    found += [os.path.join(d, n) for n in sorted(dirs + files) if os.path.islink(os.path.join(d, n))]
+  return found
+
+
+def recorded_step(step_dir: str):
+  """The step number a step's ``meta`` item records (``meta/metadata``, written with the step), or None when it
+  cannot be read (damage, which the checksums report)."""
+  try:
+    with open(os.path.join(step_dir, "meta", "metadata"), encoding="utf-8") as f:
+      value = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return value.get("step") if isinstance(value, dict) else None
 
 
 def narrow_uint4(tree, like):
