@@ -121,19 +121,28 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _serve_parser(sp) -> None:
-  sp.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+  sp.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; an address other "
+                  "machines reach needs a token, or --insecure-no-token)")
   sp.add_argument("--port", type=int, default=8000, help="port to listen on")
   sp.add_argument("--k", type=int, default=32, help="the most top-k log-probabilities a request may ask for")
   sp.add_argument("--token-file", default=None, metavar="PATH", help="file holding the bearer token clients must "
                   "send (readable by its owner only, like an ssh key: chmod 600)")
   sp.add_argument("--token", default=None, help="bearer token clients must send; on the command line every local user "
                   "sees it (ps): prefer --token-file or $MESHDISTILL_TEACHER_TOKEN (none of them: no token checked)")
-  sp.add_argument("--max-rows", type=int, default=64, help="prompts per teacher call (and per request) at most")
+  sp.add_argument("--insecure-no-token", action="store_true", help="serve a --host other machines reach without a "
+                  "bearer token: anyone who reaches it is answered")
+  sp.add_argument("--max-rows", type=int, default=64, help="prompts per teacher call (and per request) at most "
+                  "(up to 4096)")
   sp.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with")
   sp.add_argument("--lengths", default=None, help="comma-separated padded lengths the program compiles for "
                   "(default: powers of two from 64 up to the teacher's max_len)")
   sp.add_argument("--max-tokens", type=int, default=1 << 20, help="token ids per request at most")
-  sp.add_argument("--max-bytes", type=int, default=64 << 20, help="request body bytes at most")
+  sp.add_argument("--max-bytes", type=int, default=64 << 20, help="request body bytes at most (also bounded by "
+                  "what --max-rows prompts of the longest row take as JSON)")
+  sp.add_argument("--max-connections", type=int, default=256, help="open connections at most (beyond: the idle ones "
+                  "are closed first)")
+  sp.add_argument("--read-timeout-s", type=float, default=30.0, help="seconds a client has to send a request's head, "
+                  "and again its body")
   sp.add_argument("--graceful-s", type=float, default=30.0, help="on SIGTERM, seconds to finish requests in flight")
   sp.add_argument("--served-name", default="meshdistill-teacher", help="the model name /v1/models reports")
   # testing only: while this file exists a teacher call waits before it runs (a request provably in flight)

@@ -4,9 +4,11 @@ this host's mesh, answering top-k requests over HTTP (`meshdistill.teachers.serv
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import math
 import os
+import socket
 from typing import IO
 
 import numpy as np
@@ -39,6 +41,9 @@ class ServeSettings:
   max_tokens: int = 1 << 20
   max_bytes: int = 64 << 20
   graceful_s: float = 30.0
+  max_connections: int = 256
+  read_timeout_s: float = 30.0
+  insecure_no_token: bool = False  # serve a non-loopback --host without a token (anyone reaching it is answered)
   served_name: str = "meshdistill-teacher"
   warm_up: bool = True
   hold_file: str | None = None  # testing: while this file exists a teacher call waits before it runs
@@ -49,11 +54,33 @@ class ServeSettings:
 
 # the largest --max-wait-ms: a request held longer than a minute outlives a client's default timeout (60 s)
 MAX_WAIT_MS = 60_000.0
+# the most rows one teacher call is compiled for (--max-rows): the batcher compiles every row bucket up to it before
+# the first request, and one call holds [rows, length, vocab] logits -- 100,000 rows of the tiny config's 32 tokens
+# already failed inside XLA's CPU kernels (YNNPACK) at warm-up
+MAX_ROWS = 4096
+# the most open connections (--max-connections): each holds a file descriptor, and a process may open 1024 by default
+MAX_CONNECTIONS = 100_000
+
+
+def is_loopback(host: str) -> bool:
+  """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1, localhost): only this machine's
+  processes reach it. `ConfigError` when ``host`` names no address (a name that does not resolve)."""
+  try:
+    return ipaddress.ip_address(host.strip("[]")).is_loopback
+  except ValueError:
+    pass
+  try:
+    found = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+  except (OSError, UnicodeError) as e:
+    raise ConfigError(f"--host {host!r} is not an address of this host ({e}); give one, e.g. 127.0.0.1 (this "
+                      "machine only) or 0.0.0.0 (every interface)") from None
+  return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found)
 
 
 def check_serve_settings(s: ServeSettings) -> None:
   """A `ConfigError` naming the first ``serve-teacher`` flag whose value cannot work (a port outside 0..65535, a
-  wait that is not a finite number of milliseconds, a size below 1), before anything is loaded or bound."""
+  wait that is not a finite number of milliseconds, a size below 1 or above its bound, a non-loopback ``--host``
+  without a token or ``--insecure-no-token``), before anything is loaded or bound."""
 
   def integer(flag: str, v, low: int, high: int | None = None, hint: str = ""):
     if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
@@ -68,11 +95,15 @@ def check_serve_settings(s: ServeSettings) -> None:
     raise ConfigError(f"--host {s.host!r} must be an address to bind, e.g. 127.0.0.1 or 0.0.0.0")
   integer("--port", s.port, 0, 65535, " (0: any free port, the one bound is printed)")
   integer("--k", s.k, 1)
-  integer("--max-rows", s.max_rows, 1)
+  integer("--max-rows", s.max_rows, 1, MAX_ROWS, " (the most rows one teacher call is compiled for)")
+  integer("--max-connections", s.max_connections, 1, MAX_CONNECTIONS)
   integer("--max-tokens", s.max_tokens, 1)
   integer("--max-bytes", s.max_bytes, 1)
   seconds("--max-wait-ms", s.max_wait_ms, MAX_WAIT_MS, "milliseconds")
   seconds("--graceful-s", s.graceful_s, 24 * 3600.0, "seconds")
+  seconds("--read-timeout-s", s.read_timeout_s, 3600.0, "seconds")
+  if s.read_timeout_s <= 0:
+    raise ConfigError(f"--read-timeout-s {s.read_timeout_s!r} must be > 0: a client needs time to send its request")
   if s.lengths is not None:
     if not s.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in s.lengths):
       raise ConfigError(f"--lengths {','.join(map(str, s.lengths))}: each padded length must be an integer >= 1, "
@@ -82,6 +113,10 @@ def check_serve_settings(s: ServeSettings) -> None:
                       "or none")
   if not isinstance(s.served_name, str) or not s.served_name:
     raise ConfigError(f"--served-name {s.served_name!r} must be a non-empty name")
+  if s.token is None and not s.insecure_no_token and not is_loopback(s.host):
+    raise ConfigError(f"--host {s.host} serves every machine that reaches it, and no bearer token is set: give one "
+                      "(--token-file PATH, chmod 600, or $MESHDISTILL_TEACHER_TOKEN), bind 127.0.0.1, or pass "
+                      "--insecure-no-token to serve anyone without one")
 
 
 def build_server(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None = None):
@@ -126,7 +161,7 @@ def build_server(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None
                                   served_name=settings.served_name)
   limits = protocol.Limits(rows=settings.max_rows, tokens=settings.max_tokens, bytes=settings.max_bytes, vocab=vocab,
                            max_len=lengths[-1], k=settings.k)
-  app = server.make_app(batcher, identity, limits, token=settings.token)
+  app = server.make_app(batcher, identity, limits, token=settings.token, read_timeout_s=settings.read_timeout_s)
   say(f"teacher server: top-{settings.k} at temperature {float(tau)}, vocabulary {vocab}, rows up to "
       f"{lengths[-1]} tokens, batches of up to {settings.max_rows} rows (wait {settings.max_wait_ms} ms), buckets "
       f"{batcher.row_buckets} x {lengths}; weights sha256 {identity['teacher']['weights_sha256'][:16]}")
@@ -135,9 +170,18 @@ def build_server(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None
 
 def serve_teacher(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None = None) -> dict:
   """Serves the teacher of ``cfg`` until SIGTERM / SIGINT (requests in flight are answered); returns its stats.
-  "listening" is reported once the port is bound; a port that cannot be bound (in use, not allowed) is a
-  `ConfigError` naming it, and nothing was served."""
-  app, batcher, _ = build_server(cfg, settings, stream=stream)
+  The address is bound first, before the teacher is loaded and compiled: a port that cannot be bound (in use, an
+  address not of this host) is a `ConfigError` naming it at once, and nothing was loaded or served. "listening" is
+  reported once the socket listens, after every flag was checked and the teacher compiled."""
+  try:
+    sock = server.bind(settings.host, settings.port)
+  except server.BindError as e:
+    raise ConfigError(str(e)) from None
+  try:
+    app, batcher, _ = build_server(cfg, settings, stream=stream)
+  except BaseException:
+    sock.close()
+    raise
   say = stream_reporter(stream)
 
   def ready(port: int) -> None:
@@ -145,7 +189,8 @@ def serve_teacher(cfg: Config, settings: ServeSettings, *, stream: IO[str] | Non
         + (" (bearer token required)" if settings.token else ""))
 
   try:
-    server.serve(app, host=settings.host, port=settings.port, graceful_s=settings.graceful_s, ready=ready)
+    server.serve(app, host=settings.host, port=settings.port, sock=sock, graceful_s=settings.graceful_s,
+                 max_connections=settings.max_connections, read_timeout_s=settings.read_timeout_s, ready=ready)
   except server.BindError as e:
     raise ConfigError(str(e)) from None
   finally:

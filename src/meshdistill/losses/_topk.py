@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import scipy.special
 from jax.sharding import PartitionSpec as P
 
 from meshdistill.losses._divergences import Scalar, get_distribution_divergence
@@ -191,11 +193,16 @@ class TopK(NamedTuple):
 
 
 def narrow_topk(topk: TopK, k: int) -> TopK:
-  """The first ``k`` of ``K >= k`` kept tokens; the other ``K - k`` join the tail bin (exact)."""
+  """The first ``k`` of ``K >= k`` kept tokens; the other ``K - k`` join the tail bin (exact).
+
+  Host arrays (numpy: the teacher server narrowing an answer to the ``prompt_logprobs`` asked) are narrowed on the
+  host with numpy and scipy, no JAX program per shape; anything else (traced, device arrays) with jax.numpy."""
   K = topk.indices.shape[-1]
   if k == K:
     return topk
   if k > K:
     raise ValueError(f"a top-k teacher with k={K} cannot give its top {k}; use top_k <= {K}")
-  rest = jnp.concatenate([topk.logprobs[..., k:].astype(jnp.float32), topk.tail[..., None].astype(jnp.float32)], -1)
-  return TopK(topk.indices[..., :k], topk.logprobs[..., :k], jax.nn.logsumexp(rest, axis=-1))
+  host = all(isinstance(x, np.ndarray) for x in topk)
+  xp, logsumexp = (np, scipy.special.logsumexp) if host else (jnp, jax.nn.logsumexp)
+  rest = xp.concatenate([topk.logprobs[..., k:].astype(xp.float32), topk.tail[..., None].astype(xp.float32)], -1)
+  return TopK(topk.indices[..., :k], topk.logprobs[..., :k], logsumexp(rest, axis=-1))

@@ -67,6 +67,30 @@ class Limits:
   max_len: int = 0
   k: int = 1
 
+  @property
+  def body_bytes(self) -> int:
+    """The most bytes of body a request may send, known before any of it is parsed: what the largest request these
+    limits accept takes as JSON -- ``min(rows x (max_len + 1), tokens)`` ids, each at most ``ID_BYTES`` more than the
+    digits of ``vocab - 1`` (its separator and white space), ``PROMPT_BYTES`` per prompt, ``OTHER_BYTES`` for the
+    other fields -- or ``bytes`` (``--max-bytes``) when less."""
+    ids = min(self.rows * (self.max_len + 1), self.tokens)
+    digits = len(str(max(self.vocab - 1, 0)))
+    return min(self.bytes, ids * (digits + ID_BYTES) + self.rows * PROMPT_BYTES + OTHER_BYTES)
+
+  def describe_body_bytes(self) -> str:
+    """Where `body_bytes` comes from, for a refusal."""
+    if self.body_bytes == self.bytes:
+      return "the server's --max-bytes"
+    return (f"the largest request the server accepts: --max-rows {self.rows} prompts of up to {self.max_len + 1} ids "
+            f"below {self.vocab}, as JSON")
+
+
+# What `Limits.body_bytes` allows beyond the ids' digits: per id (a separator and white space), per prompt (its
+# brackets and separator) and for the other fields (model, prompt_logprobs, ... and any white space around them).
+ID_BYTES = 3
+PROMPT_BYTES = 8
+OTHER_BYTES = 1 << 20
+
 
 def parse_request(body: Any, limits: Limits, served_name: str) -> tuple[list[list[int]], int, bool]:
   """``(prompts, k, arrays)`` of a decoded JSON ``body``, or `RequestError` naming the field and what would work."""
@@ -161,20 +185,26 @@ def answer_bytes(rows: int, length: int, k: int) -> int:
 
 def completion(prompts: list[list[int]], k: int, ids: list[np.ndarray], logprobs: list[np.ndarray],
                tails: list[np.ndarray], served_name: str, arrays: bool = False) -> dict:
-  """vLLM's completion object for ``prompts``: ``ids[i] [n_i - 1, K]`` (int), ``logprobs[i]`` the same shape and
-  ``tails[i] [n_i - 1]`` -- the teacher's top-K after each prefix of prompt ``i``, most likely first. ``arrays``:
-  each choice holds ``prompt_topk`` (base64 arrays) instead of ``prompt_logprobs``."""
+  """vLLM's completion object for ``prompts``: ``ids[i] [n_i - 1, k]`` (int), ``logprobs[i]`` the same shape and
+  ``tails[i] [n_i - 1]`` -- the teacher's top-k after each prefix of prompt ``i``, most likely first, and the mass
+  of every other token (a top-K with K > k is narrowed first: the tail of K tokens is not the tail of k; the
+  server's `narrow`). ``arrays``: each choice holds ``prompt_topk`` (base64 arrays) instead of
+  ``prompt_logprobs``."""
+  shapes = {x.shape[-1] for x in (*ids, *logprobs)}
+  if shapes != {k}:
+    raise ValueError(f"an answer for prompt_logprobs={k} holds top-{sorted(shapes)} arrays; narrow them to {k} first "
+                     "(their tail must hold the mass of every token outside the k)")
   choices = []
   for i, prompt in enumerate(prompts):
     if arrays:
-      topk = {"ids": _b64(ids[i][:, :k], np.int32), "logprobs": _b64(logprobs[i][:, :k], np.float32),
+      topk = {"ids": _b64(ids[i], np.int32), "logprobs": _b64(logprobs[i], np.float32),
               "tail": _b64(tails[i], np.float32)}
       choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
                       "prompt_logprobs": None, "prompt_topk": topk,
                       "meshdistill_digest": answer_digest(prompt, ids[i][:, :k], logprobs[i][:, :k], tails[i])})
       continue
     entries: list[dict | None] = [None]
-    for ids_K, lp_K in zip(ids[i][:, :k].tolist(), logprobs[i][:, :k].tolist()):
+    for ids_K, lp_K in zip(ids[i].tolist(), logprobs[i].tolist()):
       entries.append({str(t): {"logprob": lp, "rank": r + 1, "decoded_token": None}
                       for r, (t, lp) in enumerate(zip(ids_K, lp_K))})
     choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
@@ -270,7 +300,6 @@ def check_digests(choices: list, prompts: np.ndarray, ids: np.ndarray, logprobs:
                         f"{len(prompts[i])} token ids) and the answer read for it: "
                         "the answer is for other ids (rows or ids permuted or changed between this client and the "
                         "server, or another request's answer)")
-
 
 
 def check_distribution(ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray, vocab: int) -> None:
