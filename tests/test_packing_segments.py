@@ -221,3 +221,32 @@ def test_segment_ids_of_the_wrong_shape_are_refused_with_their_name():
     model(jnp.asarray(ROWS["inputs"]), segment_ids=ROWS["segment_ids"][:, :-1])
   with pytest.raises(ValueError, match=r"positions were given without segment_ids"):
     model(jnp.asarray(ROWS["inputs"]), positions=ROWS["positions"])
+
+
+@pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
+                    reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+def test_the_packed_splash_path_compiles_for_a_tpu_with_the_query_key_kernel():
+  """Compiled for one v5e chip (nothing runs): a qk-norm decoder on packed rows runs the splash kernel with segment ids
+  and forms its queries and keys with the `_head_prep` kernel on each row's RoPE tables, forward and backward (the
+  chip's own test, tests/tpu/test_tpu_kernels.py, compares the numbers)."""
+  from flax import nnx
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from meshdistill.models._build import abstract_params
+  from meshdistill.planner._hardware import tpu_target
+
+  cfg = md.ModelConfig(vocab_size=256, d_model=256, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=128,
+                       mlp_hidden=512, max_len=256, qk_norm=True, attention="splash", dtype="bfloat16")
+  mesh = Mesh(np.array(tpu_target("v5e:2x2").devices[:1]).reshape(1, 1), ("data", "tensor"))
+  placed = NamedSharding(mesh, PartitionSpec())
+  graphdef, state, _ = abstract_params(cfg)
+  state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), state)
+  tokens, ids, pos = (jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=placed) for _ in range(3))
+
+  def loss(state, tokens, ids, pos):
+    out = nnx.merge(graphdef, state)(tokens, segment_ids=ids, positions=pos)
+    return jnp.sum(out.logits.astype(jnp.float32))
+
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(jax.grad(loss)).lower(state, tokens, ids, pos).compile().as_text()
+  assert "norm_rope_heads_bwd" in hlo and "norm_rope_heads" in hlo

@@ -316,3 +316,72 @@ def test_head_prep_kernel_gives_the_norm_and_rope_of_each_head_and_their_gradien
   assert abs(float(got) - float(want)) <= tol * abs(float(want)) + 1e-3, (got, want)
   for name, a, b in zip(("y", "scale"), got_grads, want_grads):
     assert rel_err(a, b) < tol, (name, rel_err(a, b))
+
+
+def _segment_ids(B: int, T: int, seed: int) -> np.ndarray:
+  """``[B, T]`` int32 ids of rows packed from documents (``data.packing: documents``): documents of 5-400 tokens
+  numbered 1, 2, ... and the last 0-99 positions padding (0)."""
+  rng = np.random.default_rng(seed)
+  out = np.zeros((B, T), np.int32)
+  for b in range(B):
+    end, t, s = T - int(rng.integers(0, 100)), 0, 1
+    while t < end:
+      n = int(rng.integers(5, 400))
+      out[b, t:min(t + n, end)] = s
+      t, s = t + n, s + 1
+  return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_splash_kernel_with_segment_ids_gives_the_xla_attention_within_each_document(dtype):
+  """Packed documents: the splash kernel with its segment ids against `jax.nn.dot_product_attention` (xla) given the
+  same documents as a mask, on the same chip, values and gradients. T = 1024 with documents of 5-400 tokens: they cut
+  the kernel's 512-token blocks. Float32 at 'highest' (1e-4); bfloat16 against float32 scores of the same inputs
+  (1e-2 values, 2e-2 grads: the kernel's roundings, as for the causal mask alone)."""
+  from meshdistill.models._attention import segment_mask
+
+  qkv, w = _qkv(dtype, seed=2)
+  ids = jnp.asarray(_segment_ids(1, 1024, 0))
+  out, grads = _attention_and_grads(lambda *a: token_major(splash_attention)(*a, segment_ids_BxT=ids), qkv, w)
+
+  def xla(q, k, v, mask=segment_mask(ids)):
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
+
+  with jax.default_matmul_precision(HIGHEST):
+    want, want_grads = _attention_and_grads(xla, qkv, w)
+    across, _ = _attention_and_grads(lambda q, k, v: xla(q, k, v, mask=None), qkv, w)
+  value_tol, grad_tol = (F32_TOL, F32_TOL) if dtype == jnp.float32 else (1e-2, 2e-2)
+  assert rel_err(out, want) < value_tol, rel_err(out, want)
+  for name, g, r in zip("qkv", grads, want_grads):
+    assert rel_err(g, r) < grad_tol, (name, rel_err(g, r))
+  assert rel_err(across, want) > 0.1  # the documents matter at these shapes
+
+
+def test_splash_decoder_on_packed_rows_equals_the_xla_decoder():
+  """The whole decoder on rows packed from documents (segment ids and positions as the data pipeline writes them):
+  attention='splash' (on the chip its queries and keys take the `_head_prep` kernel with each row's RoPE positions)
+  against 'xla': loss and every weight's gradient, float32 at 'highest'."""
+  from meshdistill.models._attention import segment_positions
+
+  cfg = CHIP_CFG.replace(attn_softcap=None, qk_norm=True, dtype="float32", param_dtype="float32")
+  tokens = _tokens((2, 257), cfg.vocab_size, seed=4)  # 256 positions after the shift
+  ids = jnp.asarray(_segment_ids(2, 256, 1))
+  segments = {"segment_ids": ids, "positions": segment_positions(ids)}
+
+  def nll_and_grads(attention):
+    graphdef, params = nnx.split(md.init_model(cfg.replace(attention=attention), seed=0))
+
+    def loss(params):
+      logits = nnx.merge(graphdef, params)(tokens[:, :-1], **segments).logits.astype(jnp.float32)
+      nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
+      return jnp.sum(jnp.where(ids > 0, nll, 0.0)) / jnp.sum(ids > 0)
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    return value, nnx.to_pure_dict(grads)
+
+  with jax.default_matmul_precision(HIGHEST):
+    (got, got_grads), (want, want_grads) = nll_and_grads("splash"), nll_and_grads("xla")
+  assert abs(float(got) / float(want) - 1) < F32_TOL, (float(got), float(want))
+  errors = _trees_rel_err(got_grads, want_grads)
+  assert max(errors.values()) < F32_TOL, {k: e for k, e in errors.items() if e >= F32_TOL}
