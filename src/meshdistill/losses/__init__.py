@@ -6,11 +6,12 @@ values ``[T]`` with masked tokens exactly 0; `jax.vmap` lifts them over a batch.
 Divergences (`DIVERGENCES`, `get_divergence`): ``forward_kl``, ``reverse_kl``, ``jsd``
 (generalised, ``beta``), ``skew_kl`` / ``skew_reverse_kl`` (``skew``), ``tvd``, ``mse``
 (centred logits). `forward_kl_terms`: the default recipe's loss and metrics fused (one pass over V). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`; `TopK` (a teacher given by its
-top-k, e.g. an offline cache) and `narrow_topk`. A teacher of another tokenizer (`Aligned`): `span_logprobs`, `uld`,
-`matched_kl`, `hybrid_uld` on the spans both tokenizations agree on (per span ``[S]`` instead of per token); on the
-next byte of the text (`ByteTables`, `byte_tables`, `byte_offsets`, `next_byte_logprobs`, `first_byte_logprobs`,
-`byte_kl`: both sides' next-token distributions projected onto bytes); `topk_logprobs` (a cached top-k teacher of
-another tokenizer as log-probabilities over its vocabulary, for all of these).
+top-k, e.g. an offline cache) and `narrow_topk`. A teacher of another tokenizer (`Aligned`): `span_logprobs` (merged
+``bayesian`` or ``observed``, `observed_spans`), `uld`, `matched_divergence` (GOLD's ``beta``), `matched_kl`,
+`hybrid_uld` on the spans both tokenizations agree on (per span ``[S]`` instead of per token); on the next byte of
+the text (`ByteTables`, `byte_tables`, `byte_offsets`, `next_byte_logprobs`, `first_byte_logprobs`, `byte_kl`: both
+sides' next-token distributions projected onto bytes); `topk_logprobs` (a cached top-k teacher of another tokenizer
+as log-probabilities over its vocabulary, for all of these).
 Several top-k teachers as one target: `route_topk` (a teacher per row), `mix_topk` (a weighted mixture over the union
 of their ids, with the tail bin); `teacher_terms` (one teacher's KL and agreement, per token).
 """
@@ -23,9 +24,12 @@ from meshdistill.losses._chunked import (
     head_logits,
 )
 from meshdistill.losses._cross_tokenizer import (
+    MERGES,
     Aligned,
     hybrid_uld,
+    matched_divergence,
     matched_kl,
+    observed_spans,
     span_logprobs,
     span_nll,
     target_logprobs,
@@ -73,6 +77,7 @@ __all__ = [
     "route_topk",
     "teacher_terms",
     "Aligned",
+    "MERGES",
     "topk_logprobs",
     "ByteTables",
     "byte_kl",
@@ -81,7 +86,9 @@ __all__ = [
     "first_byte_logprobs",
     "next_byte_logprobs",
     "hybrid_uld",
+    "matched_divergence",
     "matched_kl",
+    "observed_spans",
     "span_logprobs",
     "span_nll",
     "target_logprobs",

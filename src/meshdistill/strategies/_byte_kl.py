@@ -50,13 +50,17 @@ class ByteKL(ULD):
     if self.top_k is not None:
       raise ValueError(f"ByteKL.top_k={self.top_k} is not used: byte_kl projects the teacher's whole distribution onto "
                        "bytes; drop distill.top_k (or use distill.kind: span_kl / uld, which take it)")
+    for key, default in (("merge", "bayesian"), ("teacher_temperature", None), ("skip_eos", False)):
+      if getattr(self, key) != default:
+        raise ValueError(f"ByteKL.{key}={getattr(self, key)!r} is not used: byte_kl compares next bytes, not merged "
+                         f"spans; drop distill.options.{key} (or use distill.kind: span_kl / uld, which take it)")
 
   def with_tables(self, tables: losses.ByteTables) -> ByteKL:
     """This strategy with the vocabulary tables of the teacher and student tokenizers."""
     if tables.max_depth != self.max_depth:
       raise ValueError(f"ByteKL(max_depth={self.max_depth}) got tables built for max_depth={tables.max_depth}; build "
                        f"them with byte_tables_of(..., max_depth={self.max_depth})")
-    new = dataclasses.replace(self)
+    new = self.replace()
     object.__setattr__(new, "tables", tables)
     return new
 
@@ -64,10 +68,7 @@ class ByteKL(ULD):
     """This strategy with the next-byte tables of the two tokenizers, ``max_depth`` bytes deep (`with_tables`)."""
     return self.with_tables(tokenizers.byte_tables(max_depth=self.max_depth))
 
-  def fallback(self) -> ByteKL:
-    return super().fallback().with_tables(self.tables)
-
-  def terms(self, student: ModelOutput, teacher, targets_T, mask_T, tau) -> dict:
+  def terms(self, student: ModelOutput, teacher, targets_T, mask_T, tau, teacher_tau=None) -> dict:
     tables = self.tables
     if tables is None:
       raise ValueError("ByteKL has no vocabulary tables: give them with ByteKL(...).with_tables(byte_tables_of("
