@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from meshdistill.data import chat
 from meshdistill.data._cross import PackedPairs, pack_texts
 from meshdistill.data._corpus import Document, cap_documents, load_documents, source_entries, split_documents
 from meshdistill.data._domains import PackedCorpora
@@ -462,8 +463,6 @@ def _build_records(cfg: DataConfig, fmt: str, batch_size, tokenizer, cache_dir, 
       cfg, [Document(r.key, record_text(r)) for r in train_r], cache_dir)
   chat_tok = None
   if needs_template(records, fmt):
-    from meshdistill.data import chat  # pylint: disable=g-import-not-at-top
-
     try:
       chat_tok = chat.load_chat_tokenizer(cfg.tokenizer, cfg.chat_template)
     except chat.NoChatTemplate as e:
