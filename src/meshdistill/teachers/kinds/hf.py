@@ -21,7 +21,8 @@ def check_hf_path(values: dict) -> None:
   """``teacher.hf``: a non-empty path (what it holds is checked when the config resolves the teacher's shape)."""
   path = values.get("hf")
   if path is not None and (not isinstance(path, str) or not path):
-    raise ConfigError(f"teacher.hf={path!r} must be the path of a local Hugging Face model directory")
+    raise ConfigError(f"teacher.hf={path!r} must be the path of a local Hugging Face model directory or a Hub id "
+                      "org/name[@revision]")
 
 
 def load_teacher_hf(cfg, mesh):

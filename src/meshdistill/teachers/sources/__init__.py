@@ -12,6 +12,9 @@ In a config these are keys of the ``teacher`` and ``student`` sections (the teac
   teacher: {quantize: int8}                # with any teacher source: its projections stored int8 / int4 / nf4
                                            # for inference (`meshdistill.models.quantize`)
 
+``hf`` and ``init.pruned`` also take a Hugging Face Hub id, ``org/name[@revision]`` (`_hub`: the local cache first,
+downloading only where allowed; the run's config names the id pinned to its commit).
+
 With ``hf`` or ``init.from_teacher`` a section's shape is derived -- from ``config.json``, or the
 teacher's shape with ``len(layers)`` blocks -- and only `FREE_KEYS` (``max_len``, ``dtype``, ``param_dtype``,
 ``remat``, ``scan_layers``, ``attention``) may be set beside it (a shape key typed again is an error, unless it
@@ -26,8 +29,8 @@ config is written, so ``config.yaml`` reads as it was written. `resolve` derives
 `load_teacher_hf` (from `meshdistill.teachers.kinds.hf`) and `build_student` build the models at run time.
 
 Modules: `_settings` (`ModelSources`, `StudentInit`, `split_sources`, `nest_sources`: the config
-keys), `_resolve` (`resolve`: shapes from ``config.json`` or the teacher, and the checks on the
-Hugging Face directories and tokenizers), `_build` (`load_teacher_hf`, `build_student`,
+keys), `_hub` (Hub ids to local snapshot directories), `_resolve` (`resolve`: shapes from ``config.json`` or the
+teacher, and the checks on the Hugging Face directories and tokenizers), `_build` (`load_teacher_hf`, `build_student`,
 `student_from_teacher`, `with_lora`, `quantized_teacher`: the models at run time).
 """
 

@@ -1,6 +1,7 @@
 """Deriving a config's shapes from its sources (`resolve`), with the checks on Hugging Face directories
 (``config.json``, weights) and tokenizers (teacher vs ``data.tokenizer``, teacher vs student); only JSON
-files are read."""
+files are read. Hugging Face Hub ids among the sources become local snapshot directories first
+(`meshdistill.teachers.sources._hub`: the local cache, downloading only where allowed)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 from typing import Any
 
 from meshdistill.core.typed_yaml import ConfigError
+from meshdistill.teachers.sources._hub import hub_id, resolve_hub
 from meshdistill.teachers.sources._settings import ModelSources
 from meshdistill.data._tokenizer import _json_path
 from meshdistill.models._config import ModelConfig
@@ -78,12 +80,13 @@ def tokenizer_difference(file_a: str, file_b: str) -> list[str]:
 def resolve(cfg) -> dict:
   """The derived ``teacher`` / ``student`` `ModelConfig` and ``data`` settings of a `Config` with sources.
 
-  Returns a dict of the sections to replace (possibly empty). Raises `ConfigError` naming the setting.
+  Returns a dict of the sections to replace (possibly empty; ``models`` when a Hub id was resolved to a local
+  directory). Raises `ConfigError` naming the setting.
   """
-  src: ModelSources = cfg.models
+  src: ModelSources = local_sources(cfg.models)
+  out: dict[str, Any] = {} if src is cfg.models else {"models": src}
   if not src.any:
-    return {}
-  out: dict[str, Any] = {}
+    return out
   teacher = cfg.teacher
   if src.teacher_hf:
     if cfg.pretrain.teacher:
@@ -119,6 +122,21 @@ def resolve(cfg) -> dict:
   elif src.student_init.pruned:
     out["student"] = _pruned_config(src.student_init.pruned, teacher, cfg.student)
   return out
+
+
+def local_sources(src: ModelSources) -> ModelSources:
+  """``src`` with each Hugging Face Hub id (``teacher.hf``, ``student.hf``, ``student.init.pruned``) replaced by its
+  local snapshot directory, the pinned ids kept in ``hub`` (``src`` itself when it names none)."""
+  changes, pinned = {}, dict(src.hub)
+  for setting, field in (("teacher.hf", "teacher_hf"), ("student.hf", "student_hf")):
+    value = getattr(src, field)
+    if value and hub_id(value):
+      changes[field], pinned[setting] = resolve_hub(value, setting)
+  pruned = src.student_init.pruned
+  if pruned and hub_id(pruned):  # a `meshdistill prune` directory: every file
+    path, pinned["student.init.pruned"] = resolve_hub(pruned, "student.init.pruned", patterns=None)
+    changes["student_init"] = dataclasses.replace(src.student_init, pruned=path)
+  return dataclasses.replace(src, **changes, hub=pinned) if changes else src
 
 
 def _pruned_config(path: str, teacher, section):

@@ -13,6 +13,7 @@ from meshdistill.models.compress.qat import QuantizeAware
 from meshdistill.models.lora import LoraConfig
 from meshdistill.teachers.kinds._base import TEACHER_KEYS, teacher_keys
 from meshdistill.teachers.kinds._base import resolve as resolve_teacher
+from meshdistill.teachers.sources._hub import local_or_id
 
 FREE_KEYS = ("max_len", "dtype", "param_dtype", "remat", "scan_layers", "attention")  # settable beside a derived shape
 
@@ -30,11 +31,12 @@ class StudentInit:
   def __post_init__(self):
     if self.pruned is not None:
       if not isinstance(self.pruned, str) or not self.pruned:
-        raise ConfigError(f"student.init.pruned={self.pruned!r} must be the --out directory of `meshdistill prune`")
+        raise ConfigError(f"student.init.pruned={self.pruned!r} must be the --out directory of `meshdistill prune` "
+                          "(or a Hugging Face Hub id org/name[@revision] of one)")
       if self.from_teacher:
         raise ConfigError("student.init.pruned and student.init.from_teacher exclude each other: start the student "
                           "from a pruned teacher or from a subset of its blocks, not both")
-      object.__setattr__(self, "pruned", os.path.abspath(os.path.expanduser(self.pruned)))
+      object.__setattr__(self, "pruned", local_or_id(self.pruned))  # a Hub id: resolved with the shapes
     if self.layers is not None and not self.from_teacher:
       raise ConfigError(
           f"student.init.layers={list(self.layers)} is set but student.init.from_teacher is false; "
@@ -69,16 +71,18 @@ class ModelSources:
   teacher_quantize: str | None = None  # the teacher's projections stored int8 / int4 / nf4 (`models.quantize`)
   student_quantize_aware: QuantizeAware = dataclasses.field(default_factory=QuantizeAware)  # weights null: off
   teacher_options: dict = dataclasses.field(default_factory=dict)  # other settings of the chosen source, by key
+  hub: dict = dataclasses.field(default_factory=dict)  # {setting: "org/name@commit"}: Hub ids resolved to the paths
 
   def __post_init__(self):
     resolve_teacher(self.teacher_values())  # the chosen source checks its own settings
     if self.teacher_cache is not None:
       object.__setattr__(self, "teacher_cache", os.path.abspath(os.path.expanduser(self.teacher_cache)))
     if self.student_hf is not None and (not isinstance(self.student_hf, str) or not self.student_hf):
-      raise ConfigError(f"student.hf={self.student_hf!r} must be the path of a local Hugging Face model directory")
-    for who in ("teacher", "student"):  # teacher.hf: checked by its source (above)
+      raise ConfigError(f"student.hf={self.student_hf!r} must be the path of a local Hugging Face model directory "
+                        "or a Hub id org/name[@revision]")
+    for who in ("teacher", "student"):  # teacher.hf: checked by its source (above); a Hub id: resolved with the shapes
       if getattr(self, f"{who}_hf") is not None:
-        object.__setattr__(self, f"{who}_hf", os.path.abspath(os.path.expanduser(getattr(self, f"{who}_hf"))))
+        object.__setattr__(self, f"{who}_hf", local_or_id(getattr(self, f"{who}_hf")))
     if self.student_hf and (self.student_init.from_teacher or self.student_init.pruned):
       raise ConfigError(
           "student.hf and student.init exclude each other: start the student from a pretrained "
@@ -182,7 +186,8 @@ def _checked(key: str, value: Any) -> Any:
   """Type checks of the raw source keys, named as the user wrote them (not as ``models.*``)."""
   if key.endswith(".hf"):
     if value is not None and (not isinstance(value, str) or not value):
-      raise ConfigError(f"{key}={value!r} must be the path of a local Hugging Face model directory")
+      raise ConfigError(f"{key}={value!r} must be the path of a local Hugging Face model directory or a Hub id "
+                        "org/name[@revision]")
     return value
   if value is None:
     return value
@@ -209,15 +214,17 @@ def nest_sources(plain: dict, sources: ModelSources) -> dict:
   plain = dict(plain)
   plain.pop("models", None)
   lora = sources.student_lora
+  hub = sources.hub  # a Hub id is written as given, pinned to the commit it resolved to
   if sources.teacher_hf:
-    plain["teacher"] = {"hf": sources.teacher_hf, **{k: plain["teacher"][k] for k in FREE_KEYS}}
+    plain["teacher"] = {"hf": hub.get("teacher.hf", sources.teacher_hf), **{k: plain["teacher"][k] for k in FREE_KEYS}}
   if sources.student_hf:
-    plain["student"] = {"hf": sources.student_hf, **{k: plain["student"][k] for k in FREE_KEYS}}
+    plain["student"] = {"hf": hub.get("student.hf", sources.student_hf), **{k: plain["student"][k] for k in FREE_KEYS}}
   elif sources.student_init.from_teacher:
     init = {"from_teacher": True, "layers": list(sources.student_init.layers)}
     plain["student"] = {"init": init, **{k: plain["student"][k] for k in FREE_KEYS}}
   elif sources.student_init.pruned:
-    plain["student"] = {"init": {"pruned": sources.student_init.pruned}, **{k: plain["student"][k] for k in FREE_KEYS}}
+    pruned = hub.get("student.init.pruned", sources.student_init.pruned)
+    plain["student"] = {"init": {"pruned": pruned}, **{k: plain["student"][k] for k in FREE_KEYS}}
   if sources.teacher_source:
     plain["teacher"] = {**plain["teacher"], "source": sources.teacher_source}
   if sources.teacher_cache:
