@@ -45,6 +45,8 @@ COMMENTS = {
     "student.attention": "auto: the splash kernel on a TPU (seq a multiple of 128), else xla",
     "student": "~0.28 M parameters (27% of the teacher)",
     "data.source": "the Python standard library's source code",
+    "data.format": "auto | text | prompt_completion | messages: conversations in the teacher's chat template",
+    "data.chat_template": "a .jinja file in place of the tokenizer's chat template; null: the tokenizer's own",
     "data.val_fraction": "held-out documents",
     "data.max_chars": "a deterministic 3 M-character sample",
     "data.packing": "stream: a row's documents attend to each other; documents: each to itself (segment ids)",
