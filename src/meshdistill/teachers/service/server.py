@@ -17,10 +17,10 @@ is refused (413) by its Content-Length, or once that many bytes have come, befor
 to a few kB). Bad JSON, fields or ids are 400, too many rows or tokens 413 (JSON nested too deep to read is bad
 JSON). An answer holds the ``k`` a request asked for, the teacher's other ``--k - k`` joined to the tail (`narrow`).
 
-Connections (`Connections`): a client has ``read_timeout_s`` to send a request's head (from its connection, or the
-end of its previous answer) and as long again for its body, or the connection is closed (408 for a late body); at
-most ``max_connections`` are open, a new one closing the longest-idle one that has not sent a head (or, with every
-one busy with a request, itself). A request whose client hung up before its answer is dropped
+Connections (`connections`): a client has ``read_timeout_s`` to send a request's head (from its connection, or the
+end of its previous answer) or the connection is closed, and as long again for its body once it is read (408
+otherwise); at most ``max_connections`` are open, a new one closing the longest-idle one that has not sent a head
+(or, with every one busy with a request, itself). A request whose client hung up before its answer is dropped
 (never computed once the client is gone), with one log line. SIGTERM / SIGINT: uvicorn stops accepting connections
 and finishes the requests in flight (at most ``graceful_s`` seconds), then the batcher answers what it holds and
 stops.
@@ -154,8 +154,8 @@ def make_app(batcher: Batcher, identity: dict, limits: protocol.Limits, token: s
         log.info("a client hung up while sending its request (%d bytes read); nothing computed", len(body))
         return Response(status_code=499)
       except TimeoutError:
-        log.info("a client sent %d bytes of its body in %g s (the server's --read-timeout-s); closed", len(body),
-                 read_timeout_s)
+        log.info("a client sent %d bytes of its body in %g s (the server's --read-timeout-s); answered 408",
+                 len(body), read_timeout_s)
         return _error(408, f"the body did not arrive within {read_timeout_s:g} s (the server's --read-timeout-s)")
       try:
         prompts, k, arrays = await asyncio.to_thread(
