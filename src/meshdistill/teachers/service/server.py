@@ -45,21 +45,21 @@ from meshdistill.teachers.service.batching import Batcher, BatcherFailed
 
 # starlette and uvicorn (the `serve` extra), imported by `require` on first use: a job that serves nothing (distill,
 # eval, ...) never loads the HTTP stack
-uvicorn = h11 = H11Protocol = Starlette = ClientDisconnect = Request = JSONResponse = Response = Route = None
+uvicorn = H11Protocol = Starlette = ClientDisconnect = Request = JSONResponse = Response = Route = None
 
 
 def _load_web() -> bool:
   """Imports starlette and uvicorn into this module once; False when the `serve` extra is missing."""
-  global uvicorn, h11, H11Protocol, Starlette, ClientDisconnect, Request, JSONResponse, Response, Route  # pylint: disable=global-statement
+  global uvicorn, H11Protocol, Starlette, Route  # pylint: disable=global-statement
+  global ClientDisconnect, Request, JSONResponse, Response  # pylint: disable=global-statement
   if Starlette is None:
     try:
-      import h11 as _h11  # pylint: disable=g-import-not-at-top
       import uvicorn as _uvicorn  # pylint: disable=g-import-not-at-top
       from starlette import applications, requests, responses, routing  # pylint: disable=g-import-not-at-top
       from uvicorn.protocols.http.h11_impl import H11Protocol as _H11Protocol  # pylint: disable=g-import-not-at-top
     except ImportError:  # pragma: no cover - reported by `require`
       return False
-    uvicorn, h11, H11Protocol, Starlette, Route = _uvicorn, _h11, _H11Protocol, applications.Starlette, routing.Route
+    uvicorn, H11Protocol, Starlette, Route = _uvicorn, _H11Protocol, applications.Starlette, routing.Route
     ClientDisconnect, Request = requests.ClientDisconnect, requests.Request
     JSONResponse, Response = responses.JSONResponse, responses.Response
   return True
