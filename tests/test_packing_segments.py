@@ -272,3 +272,19 @@ def test_the_tunix_adapter_keeps_packed_documents_apart():
     np.testing.assert_allclose(packed[b, lo:hi], alone, rtol=1e-5, atol=1e-5)
     if lo > 0:
       assert rel_err(streamed[b, lo:hi], alone) > 1e-3
+
+
+def test_a_top_k_teacher_with_packed_documents_is_refused_naming_the_setting():
+  """A teacher given by its top-k computed it on rows whose documents see each other: with segment ids in the batch
+  the `Distiller` refuses it, naming data.packing; a batch with only one of the two keys is refused too."""
+  from meshdistill.strategies import LogitKD
+  from meshdistill.train.teacher import TopKTeacher
+
+  live = md.Distiller(_model(STUDENT, "xla", seed=1), _model(TEACHER, "xla"), optimizer=optax.sgd(1.0))
+  with pytest.raises(ValueError, match=r"both \['segment_ids', 'positions'\].*only \['segment_ids'\]"):
+    live.check_batch({k: v for k, v in _batch(2).items() if k != "positions"})
+  cache = TopKTeacher(cfg=TEACHER, k=4, temperature=1.0, vocab=TEACHER.vocab_size, source="teacher.cache=c")
+  d = md.Distiller(_model(STUDENT, "xla", seed=1), cache, strategy=LogitKD(top_k=4, temperature=1.0),
+                   optimizer=optax.sgd(1.0))
+  with pytest.raises(ValueError, match=r"data.packing=documents with teacher.cache=c.*use data.packing=stream"):
+    d.check_batch(_batch(2))
