@@ -272,7 +272,10 @@ def test_r4_at_most_bodies_at_once_are_read_the_others_wait_unread(batcher, monk
     clients = [_send_head(port, len(payload)) for _ in range(n)]
     for s in clients:
       s.sendall(payload[:len(payload) // 2])  # every body half sent: a server reading them all holds them all
-    time.sleep(1.0)
+    deadline = time.monotonic() + 20
+    while peak[0] < 1 and time.monotonic() < deadline:  # reading has started ...
+      time.sleep(0.05)
+    time.sleep(1.0)  # ... and every other body had time to be started on
     seen = peak[0]
     for s in clients:
       s.sendall(payload[len(payload) // 2:])
