@@ -146,10 +146,10 @@ def _teachers(weight_b, weight_a=1.0):
 
 
 @pytest.mark.parametrize("weight_b,says", [
-    (".inf", r"teachers.sources\[1\].weight=inf \(b\) must be a finite positive number"),
-    ("-.inf", r"teachers.sources\[1\].weight=-inf \(b\) must be a finite positive number"),
-    (".nan", r"teachers.sources\[1\].weight=nan \(b\) must be a finite positive number"),
-    ("0", r"teachers.sources\[1\].weight=0 \(b\) must be a finite positive number"),
+    (".inf", r"teachers.sources\[1\].weight=inf must be a positive number, finite \(b's share"),
+    ("-.inf", r"teachers.sources\[1\].weight=-inf must be a positive number, finite \(b's share"),
+    (".nan", r"teachers.sources\[1\].weight=nan must be a positive number, finite \(b's share"),
+    ("0", r"teachers.sources\[1\].weight=0 must be a positive number, finite \(b's share"),
     ("1.0e-40", r"sources\[1\].weight=1e-40 \(b\): the weights \[1.0, 1e-40\] .* share 1e-40, outside float32"),
 ])
 def test_r4_teacher_weights_are_finite_positive_shares_named_at_start(weight_b, says):
@@ -161,7 +161,7 @@ def test_r4_teacher_weights_are_finite_positive_shares_named_at_start(weight_b, 
 def test_r4_weights_whose_sum_overflows_float32_are_refused_and_sound_ones_load():
   with pytest.raises(ConfigError, match=r"teachers.sources\[0\].weight=3e\+38 \(a\): the weights .* sum to 6e\+38"):
     load_config("tiny", _teachers("3.0e+38", "3.0e+38"))  # each finite, their float32 sum inf: every share NaN
-  with pytest.raises(ConfigError, match=r"teachers.sources\[0\].temperature=inf \(a\) must be a finite number"):
+  with pytest.raises(ConfigError, match=r"sources\[0\].temperature=inf must be a number >= 0.01, finite \(a's"):
     load_config("tiny", [_teachers(1)[0].replace("weight: 1.0}", "weight: 1.0, temperature: .inf}"), *_teachers(1)[1:]])
   cfg = load_config("tiny", _teachers("3"))
   assert [m.weight for m in cfg.teachers.members()] == [1.0, 3.0]

@@ -61,10 +61,10 @@ def _member(i: int, raw: Any, combine: str) -> Member:
     raise ConfigError(said if where in said else f"{where} ({name}): {said}") from None
   tau, weight, takes = raw.get("temperature"), raw.get("weight", 1.0), raw.get("takes")
   if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.01 <= tau < math.inf):
-    raise ConfigError(f"{where}.temperature={tau!r} ({name}) must be a finite number >= 0.01, or null "
-                      "(distill.temperature)")
+    raise ConfigError(f"{where}.temperature={tau!r} must be a number >= 0.01, finite ({name}'s log-probabilities), "
+                      "or null (distill.temperature)")
   if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
-    raise ConfigError(f"{where}.weight={weight!r} ({name}) must be a finite positive number (its share of a mix), "
+    raise ConfigError(f"{where}.weight={weight!r} must be a positive number, finite ({name}'s share of a mix), "
                       "e.g. 1.0")
   if combine == "route":
     if not isinstance(takes, (list, tuple)) or not takes or not all(isinstance(t, str) and t for t in takes):
