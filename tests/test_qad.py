@@ -15,6 +15,7 @@ from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch, ru
 import meshdistill as md
 from meshdistill.config import ConfigError, load_config
 from meshdistill.models.compress import QuantizeAware, dequantized, post_training, quantize_aware
+from meshdistill.models.compress.quantized_export import FORMAT
 
 INT4 = QuantizeAware(weights="int4", group_size=8)
 
@@ -160,7 +161,7 @@ def test_the_quantized_export_loads_to_the_quantization_aware_forward(settings, 
   from meshdistill.models.compress.qat import quantized_weights
 
   model = md.init_model(STUDENT_CFG.replace(n_layers=2), seed=1)
-  out = md.export_quantized(model, settings, tmp_path / "q")
+  out = md.export_quantized(model, settings, tmp_path / "q", layout=FORMAT)  # the earlier layout: read as before
   tokens = jnp.asarray(make_batch()["inputs"])
   loaded = md.load_quantized(out)
   np.testing.assert_array_equal(np.asarray(loaded(tokens).logits), np.asarray(quantize_aware(model, settings)(tokens).logits))
@@ -205,53 +206,6 @@ def _hf_example(run_dir, *overrides):
   sets = [f"teacher.hf={fixtures / 'hf_qwen3'}", f"data.source={fixtures / 'hf_text.jsonl'}", f"run.run_dir={run_dir}",
           *overrides]
   return ["--config", str(root / "configs" / "hf_example.yaml"), *[a for s in sets for a in ("--set", s)]]
-
-
-@pytest.fixture(scope="module")
-def qad_run(tmp_path_factory):
-  """A 2-step quantization-aware run (int4, groups of 16) of a scanned 2-block student of the Qwen3 fixture."""
-  from meshdistill import cli
-
-  run_dir = tmp_path_factory.mktemp("qad") / "run"
-  args = _hf_example(run_dir, "student.init={from_teacher: true, layers: [0, 1]}", "student.scan_layers=true",
-                     "student.quantize_aware={weights: int4, group_size: 16}", "train.steps=2", "train.warmup=1",
-                     "train.eval_every=0", "checkpoint.every=2", "mesh.backend=single", "mesh.data=1", "mesh.tensor=1")
-  assert cli.main(["distill", *args]) == 0
-  return run_dir
-
-
-def _run_student(run_dir):
-  from meshdistill import jobs
-  from meshdistill.config import run_config
-  from meshdistill.storage.checkpoint import Checkpointer
-
-  cfg = run_config(str(run_dir))
-  mesh = jobs.build_mesh(cfg)
-  ckpt = Checkpointer(cfg.checkpoint_dir, every=0)
-  _, teacher = jobs.run_teacher(cfg, ckpt.read_meta(None), mesh, None)
-  distiller = jobs.make_distiller(cfg, teacher, mesh)
-  state, _, _ = ckpt.restore(distiller, distiller.init_state(), None)
-  ckpt.close()
-  return distiller.student(state)
-
-
-def test_meshdistill_export_quantized_writes_the_runs_integer_student(qad_run, tmp_path, capsys):
-  from meshdistill import cli
-
-  out = tmp_path / "q"
-  assert cli.main(["export", str(qad_run), str(out), "--quantized"]) == 0
-  assert "int4 weights in groups of 16" in capsys.readouterr().out
-  assert {"config.json", "quantized.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
-  assert not (out / "model.safetensors").exists()  # no float loader takes the integers for weights
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)), jnp.int32)
-  student = _run_student(qad_run)  # the run's scanned student, through its fake quantization (scan vs loop: 1e-6)
-  np.testing.assert_allclose(np.asarray(md.load_quantized(out)(tokens).logits), np.asarray(student(tokens).logits),
-                             rtol=1e-5, atol=1e-5)
-  before = {p.name: p.read_bytes() for p in out.iterdir()}
-  assert cli.main(["export", str(qad_run), str(out), "--quantized"]) == 2  # a non-empty OUT_DIR: refused, untouched
-  assert "--overwrite" in capsys.readouterr().err
-  assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-  assert cli.main(["export", str(qad_run), str(out), "--quantized", "--overwrite"]) == 0  # an export's: replaced
 
 
 def test_meshdistill_export_quantized_refuses_a_float_run_before_writing(tmp_path, capsys):

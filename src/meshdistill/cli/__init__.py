@@ -8,7 +8,7 @@
   meshdistill plot RUN_DIR                  # PNG curves of loss, KL, CE and correlation
   meshdistill export RUN_DIR OUT_DIR [--dtype bfloat16] [--step N] [--overwrite]   # the student as a HF checkpoint
   meshdistill export RUN_DIR OUT_DIR --adapter      # a LoRA student's adapters as a PEFT adapter directory
-  meshdistill export RUN_DIR OUT_DIR --quantized    # a quantization-aware student's integer weights and scales
+  meshdistill export RUN_DIR OUT_DIR --quantized    # a quantization-aware student, compressed-tensors format
   meshdistill config [--config ...] [--set ...]   # print the effective configuration
   meshdistill prune --out DIR --mlp 256 --heads 4 --embed 128 --layers 2   # a student cut from the teacher
   meshdistill plan --teacher llama3.1-8b --student llama3.2-1b --topology v5e:4x4 --batch 16 --seq 2048
@@ -221,7 +221,7 @@ def _export(args) -> int:
   if "base" in out:
     print(f"adapters apply to the base {out['base']}")
   if "quantization" in out:
-    print(f"quantized: {out['quantization']} (integer weights and float32 scales, meshdistill.quantized/1)")
+    print(f"quantized: {out['quantization']}")
   return 0
 
 

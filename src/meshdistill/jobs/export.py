@@ -6,8 +6,9 @@ own shards, and writes it with `meshdistill.models.export_hf`:
 ``config.json``, ``model.safetensors`` and the tokenizer files -- those of ``teacher.hf`` (or of
 ``data.tokenizer`` when it is a path), a ``tokenizer.json`` for a trained BPE; a byte-level run
 has no Hugging Face tokenizer, which the returned record says. With ``quantized`` (a quantization-aware run) the
-student is written with its integer weights and scales instead (`meshdistill.models.compress.export_quantized`:
-``config.json``, ``quantized.safetensors``, the tokenizer files; layout ``meshdistill.quantized/1``).
+student is written with its integer weights and scales instead, in the compressed-tensors format
+(`meshdistill.models.compress.export_quantized`: ``config.json`` with its ``quantization_config``,
+``model.safetensors`` with the packed integers and the scales, the tokenizer files; the ``compress`` extra).
 
 Every check (run directory, checkpoint step, dtype, output directory) runs before anything is
 written. The checkpoint is written to a temporary sibling of ``OUT_DIR`` and renamed into place,
@@ -28,8 +29,9 @@ from meshdistill.jobs import load_data
 from meshdistill.models import param_count
 from meshdistill.models._hf_config import default_family
 from meshdistill.models.compress.qat import dequantized
+from meshdistill.models.compress import compressed_export
 from meshdistill.models.compress.quantized_export import STORED, export_quantized
-from meshdistill.models.hf import export_hf, export_kind
+from meshdistill.models.hf import export_hf, export_kind, read_hf_config
 from meshdistill.models.lora import adapter_count, merge_lora
 from meshdistill.models.peft import adapter_kind, export_adapter
 from meshdistill.storage.checkpoint import Checkpointer
@@ -58,7 +60,8 @@ def check_out_dir(out_dir: str, overwrite: bool, adapter: bool = False) -> None:
 
 def check_quantized(cfg: Config, run_dir: str, adapter: bool = False) -> None:
   """Raises ValueError unless ``run_dir``'s student can be written with ``--quantized``: a quantization-aware run
-  (``student.quantize_aware.weights`` int8 or int4), not with ``--adapter``."""
+  (``student.quantize_aware.weights`` int8 or int4), not with ``--adapter``, the ``compressed-tensors`` package
+  installed (the ``compress`` extra)."""
   settings = cfg.models.student_quantize_aware
   if adapter:
     raise ValueError("--quantized and --adapter exclude each other: --adapter writes a LoRA run's adapters, "
@@ -71,6 +74,11 @@ def check_quantized(cfg: Config, run_dir: str, adapter: bool = False) -> None:
     raise ValueError(f"--quantized writes integer weights ({list(STORED)}), but RUN_DIR={run_dir!r} trained "
                      f"through student.quantize_aware.weights={settings.weights!r}; export it without --quantized "
                      "(its dequantized float8 grid is exact in float32)")
+  try:
+    compressed_export.require()
+  except ImportError as e:
+    raise ValueError(f"--quantized: {e}; or export without --quantized (the dequantized float weights, on the "
+                     "quantization grid, which any transformers loads)") from None
 
 
 def _tokenizer_source(cfg: Config):
@@ -102,17 +110,18 @@ def export_run(
   With ``adapter`` (a LoRA run) ``out_dir`` instead receives the adapters as a PEFT adapter directory
   (`meshdistill.models.peft.export_adapter`): ``adapter_config.json`` and ``adapter_model.safetensors``,
   plus the frozen base in ``base/`` unless the run's ``student.hf`` is that base exactly (a float base).
-  With ``quantized`` (a quantization-aware run) ``out_dir`` receives the integer weights and scales
-  (`export_quantized`); ``dtype`` is then that of the tensors that stay float (embedding, norms, LM head).
+  With ``quantized`` (a quantization-aware run) ``out_dir`` receives the integer weights and scales in the
+  compressed-tensors format (`export_quantized`); ``dtype`` is then that of the tensors that stay float (embedding,
+  norms, LM head).
 
   Returns ``{"out_dir", "step", "family", "dtype", "params", "tokenizer"}`` (with ``adapter``: ``"base"``; with
-  ``quantized``: ``"quantization"``, the settings described).
+  ``quantized``: ``"quantization"``, the settings and the compressed-tensors format described).
 
   Raises:
     FileNotFoundError: no config.yaml or no checkpoint in ``run_dir``.
     FileExistsError: ``out_dir`` is non-empty (without ``overwrite``) or a file.
     ValueError: a bad ``dtype`` or ``step``, a run that is not a distillation run, or ``quantized`` for a run
-      that is not quantization-aware.
+      that is not quantization-aware or without the ``compressed-tensors`` package.
   """
   if dtype not in DTYPES:
     raise ValueError(f"--dtype={dtype!r}; choose one of {list(DTYPES)}")
@@ -167,8 +176,10 @@ def export_run(
     settings = cfg.models.student_quantize_aware
     written = str(export_quantized(student, settings, out_dir, tokenizer, dtype=dtype, overwrite=overwrite))
     log.info("exported step %d of %s to %s (%s)", step, run_dir, written, settings.describe())
+    fmt = read_hf_config(written)["quantization_config"]["format"]
     return {"out_dir": written, "step": int(step), "family": default_family(student.cfg), "dtype": dtype,
-            "params": param_count(student), "tokenizer": tok_note, "quantization": settings.describe()}
+            "params": param_count(student), "tokenizer": tok_note,
+            "quantization": f"{settings.describe()} (compressed-tensors, {fmt})"}
   written = _write_atomically(out_dir, student, tokenizer, dtype)
 
   log.info("exported step %d of %s to %s", step, run_dir, written)

@@ -1,9 +1,18 @@
 """A quantization-aware student on disk with its integer weights and scales (``meshdistill export --quantized``).
 
 `export_quantized(model, settings, out_dir)` writes the weights the student computes with -- the integers and scales
-of ``settings``' rule (`meshdistill.models.compress.qat.post_training`, the rule the student trained through) --
-and `load_quantized(out_dir)` reads them back as the quantized decoder (qwix ``QArray`` weights: the same integers,
-the same scales) or, with ``dequantize=True``, as a float decoder of the dequantized weights.
+of ``settings``' rule (`meshdistill.models.compress.qat.post_training`, the rule the student trained through) -- in
+one of two layouts:
+
+* ``compressed-tensors`` (the default): what llm-compressor writes and vLLM and transformers load -- ``config.json``
+  with a ``quantization_config`` (``quant_method: compressed-tensors``), ``model.safetensors`` with each block
+  projection's integers packed by the compressed-tensors package and its scales (`compressed_export`; the
+  ``compress`` extra);
+* ``meshdistill.quantized/1`` (below): the integers unpacked, in a file no float loader reads.
+
+`load_quantized(out_dir)` reads a ``meshdistill.quantized/1`` export back as the quantized decoder (qwix ``QArray``
+weights: the same integers, the same scales) or, with ``dequantize=True``, as a float decoder of the dequantized
+weights.
 
 Layout ``meshdistill.quantized/1`` (an export directory: its owner marker is an export's):
 
@@ -40,6 +49,7 @@ import numpy as np
 from flax import nnx
 
 from meshdistill.models import families
+from meshdistill.models.compress import compressed_export
 from meshdistill.models.compress.qat import SETTING, WEIGHTS, QuantizeAware, post_training, quantized_weights
 from meshdistill.models.hf import hf_tensors, host_value, read_checkpoint, read_hf_config, write_checkpoint
 from meshdistill.models.quantize import placed
@@ -48,18 +58,26 @@ from meshdistill.models.stacking import to_unrolled
 log = logging.getLogger(__name__)
 
 FORMAT = "meshdistill.quantized/1"
+COMPRESSED = "compressed-tensors"
+LAYOUTS = (COMPRESSED, FORMAT)
 FILE = "quantized.safetensors"
 SCALE = "_scale"  # the scales of tensor N are N + SCALE
 STORED = {"int8": np.int8, "int4": np.int8}  # the file's dtype of the values, per ``weights``
 
 
 def export_quantized(model, settings: QuantizeAware, out_dir: str | os.PathLike, tokenizer: Any = None, *,
-                     family: str | None = None, dtype: str = "float32", overwrite: bool = False) -> Path:
-  """Writes the float decoder ``model`` quantized by ``settings`` in the ``meshdistill.quantized/1`` layout (module
-  docstring). ``tokenizer``, ``family``, ``dtype`` (of the tensors that stay float) and ``overwrite`` as in
-  `export_hf`: a non-empty ``out_dir`` is refused unless ``overwrite`` and an earlier export wrote it.
+                     family: str | None = None, dtype: str = "float32", overwrite: bool = False,
+                     layout: str = COMPRESSED) -> Path:
+  """Writes the float decoder ``model`` quantized by ``settings``: ``layout`` ``compressed-tensors`` (the default:
+  ``config.json`` with its ``quantization_config``, ``model.safetensors``; module docstring) or
+  ``meshdistill.quantized/1`` (``quantized.safetensors``, values unpacked). ``tokenizer``, ``family``, ``dtype`` (of the
+  tensors that stay float) and ``overwrite`` as in `export_hf`: a non-empty ``out_dir`` is refused unless
+  ``overwrite`` and an earlier export wrote it.
 
-  Raises ValueError when ``settings.weights`` is null (nothing to quantize) or ``fp8`` (not integers)."""
+  Raises ValueError when ``settings.weights`` is null (nothing to quantize) or ``fp8`` (not integers), or for another
+  ``layout``; ImportError when ``compressed-tensors`` is not installed (the ``compress`` extra)."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r}; choose one of {list(LAYOUTS)}")
   if not settings.enabled:
     raise ValueError(f"{SETTING}.weights is null: the student is not quantized; write it with export_hf, or choose "
                      f"weights from {list(WEIGHTS)}")
@@ -67,11 +85,13 @@ def export_quantized(model, settings: QuantizeAware, out_dir: str | os.PathLike,
     raise ValueError(f"{SETTING}.weights={settings.weights!r}: the quantized export holds integer weights "
                      f"({list(STORED)}); export this student without --quantized (its float8 grid, dequantized, is "
                      "exact in float32)")
+  if layout == COMPRESSED:
+    compressed_export.require()
   unrolled = to_unrolled(model) if model.cfg.scan_layers else model
   fam = families.default_for(model.cfg) if family is None else families.get(family)
   config = fam.to_hf(model.cfg, torch_dtype=dtype)
   tensors = hf_tensors(unrolled, fam, dtype)
-  names = []
+  quantized = {}  # {Hugging Face name: (values [out, in] int8, scales [out, in / group_size or 1] float32)}
   for key, qarray in quantized_weights(post_training(unrolled, settings)).items():
     name, transposed = fam.weight_name(key)
     values, scales = host_value(qarray.qvalue.astype(STORED[settings.weights])), host_value(qarray.scale)
@@ -80,16 +100,36 @@ def export_quantized(model, settings: QuantizeAware, out_dir: str | os.PathLike,
     real = tensors[name].shape  # the checkpoint's shape (replicated key / value heads cut off)
     scales = scales[tuple(slice(0, -(-n * s // v)) for n, s, v in zip(real, scales.shape, values.shape))]
     values = values[tuple(slice(0, n) for n in real)]
-    tensors[name] = np.ascontiguousarray(values.astype(STORED[settings.weights]))
-    tensors[name + SCALE] = np.ascontiguousarray(scales, dtype=np.float32)
-    names.append(name)
-  metadata = {"format": FORMAT, "quantization": json.dumps(_section(settings)), "quantized": json.dumps(names),
-              "int4": "unpacked int8"}
-  out = write_checkpoint(out_dir, tensors, config, tokenizer, overwrite=overwrite, file=FILE, metadata=metadata,
-                         identity={"architecture": config["architectures"][0], "format": FORMAT,
-                                   "quantization": _section(settings)})
-  log.info("wrote %d quantized projections (%s) to %s", len(names), settings.describe(), out)
+    quantized[name] = (np.ascontiguousarray(values, dtype=STORED[settings.weights]),
+                       np.ascontiguousarray(scales, dtype=np.float32))
+  identity = {"architecture": config["architectures"][0], "format": layout, "quantization": _section(settings)}
+  if layout == COMPRESSED:
+    out = _write_compressed(out_dir, tensors, quantized, config, settings, tokenizer, overwrite, identity)
+  else:
+    for name, (values, scales) in quantized.items():
+      tensors[name], tensors[name + SCALE] = values, scales
+    metadata = {"format": FORMAT, "quantization": json.dumps(_section(settings)),
+                "quantized": json.dumps(list(quantized)), "int4": "unpacked int8"}
+    out = write_checkpoint(out_dir, tensors, config, tokenizer, overwrite=overwrite, file=FILE, metadata=metadata,
+                           identity=identity)
+  log.info("wrote %d quantized projections (%s, %s) to %s", len(quantized), settings.describe(), layout, out)
   return out
+
+
+def _write_compressed(out_dir, tensors: dict, quantized: dict, config: dict, settings: QuantizeAware, tokenizer,
+                      overwrite: bool, identity: dict) -> Path:
+  """The compressed-tensors export: each quantized ``N`` (``...q_proj.weight``) replaced by its module's compressed
+  tensors, ``config.json`` with the ``quantization_config``."""
+  bad = [name for name in quantized if not name.endswith(".weight")]
+  if bad:
+    raise ValueError(f"{SETTING}: the compressed-tensors export holds linear layers' weights; {bad[:4]} are not")
+  modules = [name.removesuffix(".weight") for name in quantized]
+  found = compressed_export.scheme(settings, modules)
+  config = {**config, "quantization_config": compressed_export.compressed_config(found)}
+  packed = compressed_export.compress_tensors(
+      {name.removesuffix(".weight"): arrays for name, arrays in quantized.items()}, found)
+  floats = {k: v for k, v in tensors.items() if k not in quantized}
+  return write_checkpoint(out_dir, {**floats, **packed}, config, tokenizer, overwrite=overwrite, identity=identity)
 
 
 def _section(settings: QuantizeAware) -> dict:
@@ -178,4 +218,4 @@ def _dequantize(codes, scales_np: np.ndarray) -> jax.Array:
   return codes * jax.device_put(jnp.asarray(expanded, codes.dtype), codes.sharding)
 
 
-__all__ = ["FILE", "FORMAT", "export_quantized", "load_quantized", "quantized_settings"]
+__all__ = ["COMPRESSED", "FILE", "FORMAT", "LAYOUTS", "export_quantized", "load_quantized", "quantized_settings"]
