@@ -23,7 +23,7 @@ from meshdistill.parallel.distributed import agree_on, is_primary
 from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.train.loop.trainer import check_resumable, fit, run_meta
 from meshdistill.models import param_count
-from meshdistill.teachers import kinds
+from meshdistill.teachers import kinds, multi
 
 
 def distill(
@@ -160,6 +160,7 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   else:
     prepared = prepare_teacher(cfg, data, mesh, teacher_mesh, stream=stream, report=say)
     data, teacher, tdir, cache = prepared.data, prepared.teacher, prepared.identity, prepared.cache
+  teachers_data = data if isinstance(data, multi.MultiTeacherData) else None  # several teachers: each evaluated
   topk_of = None
   if cfg.teachers.active and cfg.distill.on_policy.active:
     # several teachers on the on-policy path: their programs score each batch in its step's turn (a generated batch
@@ -197,7 +198,13 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
     monitor.close()
   distiller = result.trainer
   if distiller.teacher_def is None:  # a teacher given by its top-k, or none: no teacher weights to evaluate
-    summary = _evaluate_student(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
+    val = data.val_batches(max_batches=t.eval_batches)
+    summary = _evaluate_student(distiller, result.state, val)
+    if teachers_data is not None and val:  # several teachers: each one's loss and the student against each
+      summary["teachers"] = multi.evaluate_teachers(
+          distiller, distiller.unreplicate(result.state.params)["student"], teachers_data, val,
+          cfg.teachers.members(), combine_name=cfg.teachers.combine,
+          temperature=float(cfg.distill.value("temperature")))
   else:
     summary = _evaluate_pair(distiller, result.state, data.val_batches(max_batches=t.eval_batches))
   summary.update({"step": result.step, "teacher_dir": tdir, "run_dir": run_dir, "train_seconds": result.seconds})

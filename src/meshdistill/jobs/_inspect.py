@@ -24,7 +24,7 @@ from meshdistill.models import generate as generate_lib
 from meshdistill.models.compress.qat import quantize_aware
 from meshdistill.models.generate import SamplingConfig, left_pad
 from meshdistill.parallel.backends import layout_class, make_layout
-from meshdistill.teachers import kinds
+from meshdistill.teachers import kinds, multi
 
 
 def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
@@ -246,6 +246,8 @@ def run_teacher(cfg: Config, meta: dict, mesh, tokenizer):
 
 def summary_table(summary: dict) -> str:
   """The final teacher / student table as text."""
+  if summary.get("teachers"):  # several teachers: each one's loss and the student against each
+    return multi.summary_table(summary)
   t, s = summary["teacher"], summary["student"]
   if "bpb" in s:  # a teacher of another tokenizer: losses per token do not compare, bits per byte do
     rows = [("model", "params", "val bits/byte"),

@@ -73,6 +73,7 @@ class TeacherTopK:
       raise ValueError(f"k={k} must be in [1, {vocab}] (the teacher's vocabulary range)")
     self.cfg, self.k, self.temperature, self.vocab, self.mesh = teacher.cfg, k, float(temperature), vocab, mesh
     graphdef, params = nnx.split(teacher)
+    self.graphdef = graphdef  # with ``params``: the teacher model itself (its validation loss, its size)
     if mesh is None:
       self.params = jax.device_put(params, jax.devices()[0])
     else:

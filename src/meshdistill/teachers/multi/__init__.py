@@ -22,8 +22,11 @@ On-policy (``distill.on_policy``): every teacher runs a model or is served (not 
 `MultiTeacherData.score` gives the rows the student generates their target
 (`meshdistill.train.onpolicy.OnPolicyDistiller`'s ``topk_of``).
 
+After training, `evaluate_teachers` reports each teacher's validation loss and the student's KL / agreement against
+each teacher's top-k and against the combined target, and `summary_table` prints them as the run's final table.
+
 Modules: `_settings` (the ``teachers`` section, a member's own config, the checks across sections), `_data` (the
-producers, `combine`, `MultiTeacherData`).
+producers, `combine`, `MultiTeacherData`), `_evaluate` (the final evaluation and its table).
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ from meshdistill.teachers import kinds
 from meshdistill.teachers.cache import TeacherTopK, TopKTeacher
 from meshdistill.teachers.kinds._quantize import quantized_teacher
 from meshdistill.teachers.multi._data import FromBatches, Live, MultiTeacherData, combine
+from meshdistill.teachers.multi._evaluate import evaluate_teachers, summary_table
 from meshdistill.teachers.multi._settings import Member, TeachersSettings, check_teachers, member_config, one_teacher
 from meshdistill.core.vocab import resolve_shared_vocab
 
 __all__ = ["FromBatches", "Live", "Member", "MultiTeacherData", "TeachersSettings", "check_teachers", "combine",
-           "member_config", "one_teacher", "prepare"]
+           "evaluate_teachers", "member_config", "one_teacher", "prepare", "summary_table"]
 
 
 def prepare(cfg, data, mesh, services: kinds.Services) -> kinds.Prepared:

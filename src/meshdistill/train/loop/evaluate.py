@@ -10,7 +10,12 @@ result does not depend on how the rows are batched:
   Pearson correlation of the two logit vectors;
 * with batches of two tokenizations (``data.teacher_tokenizer``): ``bpb``, the model's bits per byte on the
   counted spans (text both tokenizations cover alike, `meshdistill.losses.span_nll`), and ``teacher_bpb``, the
-  teacher's on the same bytes, run on its own tokens: models of different vocabularies compare.
+  teacher's on the same bytes, run on its own tokens: models of different vocabularies compare;
+* against teachers given by their top-k (`Evaluator.against_topk`: several teachers' own top-k, `MULTI_KEYS`, and
+  their combined target, `TOPK_KEYS`): per teacher ``kl`` (forward KL from its K+1 bins to the model's at the
+  given temperature, `meshdistill.losses.teacher_terms`, the step's ``kl/<name>``) and ``agreement`` (the model's
+  arg-max is the teacher's first id) over the rows that teacher serves, and the same against the combined target
+  over every row.
 
 The forward passes run as one jitted program per batch on the layout the parameters
 live on (batch split over ``data``; weights split over ``tensor``).
@@ -32,7 +37,7 @@ from jax.sharding import Mesh
 
 from meshdistill import losses
 from meshdistill.parallel.mesh import host_to_global
-from meshdistill.core.batch import BATCH_KEYS, CROSS_KEYS, SEGMENT_KEYS
+from meshdistill.core.batch import BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, SEGMENT_KEYS, TOPK_KEYS
 
 
 @functools.partial(jax.jit, static_argnames=("model_def", "teacher_def"))
@@ -68,6 +73,26 @@ def _cross_sums(params, teacher_params, batch, *, model_def, teacher_def):
     t_logits = nnx.merge(teacher_def, teacher_params)(batch["teacher_inputs"]).logits
     out["teacher_span_nll"] = jnp.sum(jax.vmap(losses.span_nll)(
         t_logits, batch["teacher_targets"], batch["teacher_span"], batch["span_bytes"]))
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("model_def", "temperature"))
+def _topk_sums(params, batch, *, model_def, temperature):
+  """Token sums of the model against top-k teachers: ``kl/<n>``, ``agreement/<n>``, ``tokens/<n>`` per teacher ``n``
+  (`MULTI_KEYS`, over the rows it serves) and ``kl``, ``agreement``, ``tokens`` against the target (`TOPK_KEYS`)."""
+  mask_BxT = batch["mask"].astype(jnp.float32)
+  segments = {k: batch[k] for k in SEGMENT_KEYS if k in batch}
+  logits = nnx.merge(model_def, params)(batch["inputs"], **segments).logits
+  terms = jax.vmap(losses.teacher_terms, in_axes=(0, 0, 0, None))
+  out = {}
+  if MULTI_KEYS[0] in batch:
+    for n in range(batch[MULTI_KEYS[0]].shape[1]):
+      mask_n = mask_BxT * batch["teachers_rows"][:, n, None].astype(jnp.float32)
+      got = terms(logits, losses.TopK(*(batch[k][:, n] for k in MULTI_KEYS[:3])), mask_n, temperature)
+      out |= {f"{k}/{n}": jnp.sum(v) for k, v in got.items()} | {f"tokens/{n}": jnp.sum(mask_n)}
+  if TOPK_KEYS[0] in batch:
+    got = terms(logits, losses.TopK(*(batch[k] for k in TOPK_KEYS)), mask_BxT, temperature)
+    out |= {k: jnp.sum(v) for k, v in got.items()} | {"tokens": jnp.sum(mask_BxT)}
   return out
 
 
@@ -112,8 +137,8 @@ class Evaluator:
     teacher_params = trainer.unreplicate(trainer.teacher_params) if teacher_def is not None else None
     return cls(trainer.student_def, teacher_def=teacher_def, teacher_params=teacher_params, mesh=trainer.layout.eval_mesh)
 
-  def _place(self, batch):
-    batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS + CROSS_KEYS + SEGMENT_KEYS if k in batch}
+  def _place(self, batch, keys=()):
+    batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS + CROSS_KEYS + SEGMENT_KEYS + tuple(keys) if k in batch}
     if self.mesh is None:
       return batch
     return host_to_global(batch, self.mesh)
@@ -142,3 +167,24 @@ class Evaluator:
         for k, v in sums.items():
           total[k] = total.get(k, 0.0) + float(v)
     return finish(total)
+
+  def against_topk(self, params: Any, batches: Sequence[dict], temperature: float) -> dict:
+    """The model against top-k teachers on ``batches`` carrying them (see the module docstring):
+    ``{"teachers": [{"kl", "agreement", "tokens"} per teacher, in the batches' order], "target": {...} or None}``,
+    token means; the student at ``temperature``."""
+    total: dict[str, float] = {}
+    with self._in_mesh():
+      for batch in batches:
+        placed = self._place(batch, MULTI_KEYS + TOPK_KEYS)
+        sums = jax.device_get(_topk_sums(params, placed, model_def=self._fn.keywords["model_def"],
+                                         temperature=float(temperature)))
+        for k, v in sums.items():
+          total[k] = total.get(k, 0.0) + float(v)
+
+    def means(suffix=""):
+      n = total[f"tokens{suffix}"]
+      return {"kl": total[f"kl{suffix}"] / max(n, 1.0), "agreement": total[f"agreement{suffix}"] / max(n, 1.0),
+              "tokens": n}
+
+    count = sum(k.startswith("tokens/") for k in total)
+    return {"teachers": [means(f"/{n}") for n in range(count)], "target": means() if "tokens" in total else None}
