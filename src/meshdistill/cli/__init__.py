@@ -367,17 +367,23 @@ def _main(argv: list[str] | None) -> int:
         print(jobs.summary_table(jobs.evaluate(cfg, stream=sys.stderr)))
       elif args.command == "generate":
         from meshdistill.models.generate import SamplingConfig  # lazy: JAX
-        from meshdistill.data.prompts import read_prompts  # lazy: JAX
+        from meshdistill.data.chat import read_chat_prompts  # lazy: JAX
 
         prompts = list(args.prompt)
-        if args.prompts_file:
-          prompts += [r["prompt"] for r in read_prompts(args.prompts_file)]
+        if args.prompts_file:  # strings, or conversations (JSONL `messages`) rendered with the chat template
+          prompts += read_chat_prompts(args.prompts_file)
         sampling = SamplingConfig(
           max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
         )
-        texts = jobs.generate(cfg, prompts, model=args.model, sampling=sampling, seed=args.seed, stream=sys.stderr)
-        for prompt, text in zip(prompts, texts):
-          print(f"--- {prompt!r}\n{prompt}{text}")
+        gen = dict(model=args.model, sampling=sampling, seed=args.seed, stream=sys.stderr)
+        if args.out:  # training records: conversations with the reply as the assistant's turn, or prompt/completion
+          records = jobs.generate_records(cfg, prompts, out=args.out, **gen)
+          done = sum(r["finished"] for r in records)
+          print(f"wrote {len(records)} records to {args.out} ({done} ended before --max-new-tokens; train on them "
+                f"with --set data.source={args.out})")
+        else:
+          for prompt, text in zip(prompts, jobs.generate(cfg, prompts, **gen)):
+            print(f"--- {prompt!r}\n{prompt}{text}" if isinstance(prompt, str) else f"--- {prompt!r}\n{text}")
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError, RunLockedError) as e:
       return _err(str(e))
     except Stopped as e:

@@ -76,13 +76,16 @@ def parser() -> argparse.ArgumentParser:
   g = with_config(command("generate", help="print samples of a run's student or teacher"))
   g.add_argument("run_dir", nargs="?", default=None, help="run directory (default: run.run_dir of the config)")
   g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-  g.add_argument("--prompts-file", default=None, help="a text file (one prompt a line) or JSONL with a 'prompt' field")
+  g.add_argument("--prompts-file", default=None, help="a text file (one prompt a line) or JSONL with a 'prompt' field, "
+                 "or 'messages': conversations rendered with the chat template of data.tokenizer (docs/chat.md)")
   g.add_argument("--model", choices=("student", "teacher"), default="student", help="which model samples")
   g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample after each prompt")
   g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
   g.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
   g.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus filter")
   g.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same samples)")
+  g.add_argument("--out", default=None, help="write the completions as training records to this JSONL (conversations "
+                 "with the reply as the assistant's turn, or prompt/completion pairs) instead of printing them")
   pl = command("plot", help="write PNG curves of a run's metrics")
   pl.add_argument("run_dir", help="run directory holding metrics.jsonl")
   pl.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")

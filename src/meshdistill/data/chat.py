@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import re
@@ -34,6 +35,8 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
+
+from meshdistill.data.prompts import read_prompts
 
 log = logging.getLogger(__name__)
 
@@ -223,3 +226,52 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
   """``[start, end)`` of each stretch of ones in ``mask``."""
   edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
   return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+
+
+def prompt_ids(tok, messages, *, where: str = "prompt") -> list[int]:
+  """The token ids that ask the model for the next assistant turn of ``messages`` (a conversation ending with a user
+  turn): the rendering with the template's generation prompt (the assistant's header), as transformers gives it."""
+  if not isinstance(messages, (list, tuple)) or not messages:
+    raise ValueError(f"{where}: a conversation prompt is a non-empty list of {{role, content}} turns")
+  for i, turn in enumerate(messages):
+    if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or "content" not in turn:
+      raise ValueError(f"{where}: turn {i} is {turn!r}; each turn needs a 'role' string and a 'content'")
+  if messages[-1]["role"] == "assistant":
+    raise ValueError(f"{where}: the conversation already ends with the assistant; a prompt ends with the turn the "
+                     "assistant answers (drop the last turn to have it written again)")
+  out = tok.apply_chat_template(list(messages), tokenize=True, return_dict=True, add_generation_prompt=True)
+  return list(out["input_ids"])
+
+
+def read_chat_prompts(path: str) -> list[list[dict] | str]:
+  """The prompts of a file for `meshdistill generate`: of a JSONL file each line's ``messages`` (or ``prompt``) -- a
+  list of turns (a conversation to continue) or a string (plain text); of a text file each line
+  (`meshdistill.data.prompts.read_prompts`).
+
+  Raises:
+    FileNotFoundError, ValueError: no file; a line that is not a JSON object with either field (named by line).
+  """
+  if not os.path.isfile(path) or not _is_json_lines(path):
+    return [r["prompt"] for r in read_prompts(path)]  # its errors: no file, not UTF-8, no prompts
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"prompts file {path!r} line {n}: not JSON ({e.msg})") from None
+      value = obj.get("messages", obj.get("prompt")) if isinstance(obj, dict) else None
+      if not isinstance(value, (str, list)):
+        raise ValueError(f"prompts file {path!r} line {n} has no 'messages' (a list of turns) or 'prompt' field, "
+                         'e.g. {"messages": [{"role": "user", "content": "What is 2 + 3?"}]}')
+      out.append(value)
+  if not out:
+    raise ValueError(f"prompts file {path!r} has no prompts")
+  return out
+
+
+def _is_json_lines(path: str) -> bool:
+  with open(path, encoding="utf-8", errors="replace") as f:
+    return next((line for line in f if line.strip()), "").lstrip().startswith("{")

@@ -26,8 +26,9 @@ The jobs live in private modules by concept; import them from here (``meshdistil
 - ``_distill_job``: `distill` and its final evaluation;
 - ``_prune_job``: `prune` (``meshdistill prune``: the teacher scored and cut to a smaller student, `meshdistill.models.compress`);
 - ``_serve``: `serve_teacher` (``meshdistill serve-teacher``: the teacher behind an HTTP server), `build_server`;
-- ``_inspect``: `evaluate`, `evaluate_task` (accuracy by generation on a task), `generate`, `load_run` (a run's student
-  in Python), `stored_student_config`, `run_teacher`, `summary_table`.
+- ``_inspect``: `evaluate`, `evaluate_task` (accuracy by generation on a task), `generate`, `generate_records` (its
+  completions as training records: conversations or prompt/completion pairs), `load_run` (a run's student in Python),
+  `stored_student_config`, `run_teacher`, `summary_table`.
 """
 
 from meshdistill.jobs._setup import build_mesh, load_data, prepare_devices, resolve_mesh, stream_reporter, with_batch_size
@@ -42,6 +43,7 @@ from meshdistill.jobs._inspect import (
     evaluate,
     evaluate_task,
     generate,
+    generate_records,
     load_run,
     run_teacher,
     stored_student_config,
@@ -58,6 +60,7 @@ __all__ = [
   "evaluate",
   "evaluate_task",
   "generate",
+  "generate_records",
   "load_data",
   "load_run",
   "LoadedRun",

@@ -8,16 +8,19 @@ the student alone, and says so when asked for the teacher."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import IO, Any, NamedTuple
 
 from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.config import Config
 from meshdistill.config import run_config
+from meshdistill.core.fsutil import write_text_atomic
 from meshdistill.jobs._distill_job import _evaluate_pair, _evaluate_student
 from meshdistill.jobs._setup import build_mesh, load_data, resolve_mesh, stream_reporter
 from meshdistill.jobs._teacher import services
 from meshdistill.jobs._training import make_distiller
+from meshdistill.data import chat
 from meshdistill.data.tasks import parse_task
 from meshdistill.train.loop.task_eval import task_accuracy
 from meshdistill.models import generate as generate_lib
@@ -63,7 +66,7 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
 
 def generate(
   cfg: Config,
-  prompts: list[str],
+  prompts: list,
   *,
   model: str = "student",
   sampling: Any = None,
@@ -72,7 +75,35 @@ def generate(
 ) -> list[str]:
   """Completions of ``prompts`` by the ``model`` (``student``: the run's latest checkpoint; ``teacher``: its
   teacher) of the run in ``run.run_dir``, decoded with ``sampling`` (a `meshdistill.models.generate.SamplingConfig`;
-  its ``eos_id`` defaults to the tokenizer's) from ``jax.random.key(seed)`` on the run's layout."""
+  its ``eos_id`` defaults to the tokenizer's) from ``jax.random.key(seed)`` on the run's layout.
+
+  A prompt is a string (its tokens as they are) or a conversation (a list of ``{role, content}`` turns ending with the
+  turn the assistant answers): rendered with the chat template of ``data.tokenizer`` (or ``data.chat_template``) and
+  its generation prompt (`meshdistill.data.chat.prompt_ids`); the reply then ends at the template tokenizer's end of
+  turn (its ``eos_token``) unless ``sampling`` names another ``eos_id``."""
+  return [r["text"] for r in _completions(cfg, prompts, model=model, sampling=sampling, seed=seed, stream=stream)]
+
+
+def generate_records(cfg: Config, prompts: list, *, out: str | None = None, **kwargs) -> list[dict]:
+  """`generate` as training records (`meshdistill.data._records`), written as JSONL to ``out`` when given (through a
+  rename: never half written): a conversation's as ``{"messages": turns + [the reply as an assistant turn],
+  "finished": ...}``, a string's as ``{"prompt", "completion", "finished"}``; ``finished`` is false for a completion
+  cut at ``max_new_tokens`` before its end (drop those, or keep them: the template closes them as if the model had
+  stopped)."""
+  records = []
+  for prompt, r in zip(prompts, _completions(cfg, prompts, **kwargs)):
+    if isinstance(prompt, str):
+      records.append({"prompt": prompt, "completion": r["text"], "finished": r["finished"]})
+    else:
+      records.append({"messages": [*prompt, {"role": "assistant", "content": r["text"]}], "finished": r["finished"]})
+  if out is not None:
+    write_text_atomic(out, "".join(json.dumps(r) + "\n" for r in records))
+  return records
+
+
+def _completions(cfg: Config, prompts: list, *, model: str = "student", sampling: Any = None, seed: int = 0,
+                 stream: IO[str] | None = None) -> list[dict]:
+  """``[{"text", "finished"}]`` per prompt: `generate`'s work."""
   import jax  # pylint: disable=g-import-not-at-top
 
   if model not in ("student", "teacher"):
@@ -83,9 +114,15 @@ def generate(
   net, mesh, tokenizer, step = _run_model(cfg, model)
   say(f"generating with the {model} of {cfg.run.run_dir}" + (f" (step {step})" if model == "student" else ""))
   sampling = sampling or SamplingConfig()
+  template = None
+  if any(not isinstance(p, str) for p in prompts):  # conversations: the chat template's rendering and end of turn
+    template = chat.load_chat_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
+    if sampling.eos_id is None and template.eos_token_id is not None:
+      sampling = dataclasses.replace(sampling, eos_id=int(template.eos_token_id))
   if sampling.eos_id is None:
     sampling = dataclasses.replace(sampling, eos_id=tokenizer.eos_id)
-  ids = [tokenizer.encode(p) for p in prompts]
+  ids = [tokenizer.encode(p) if isinstance(p, str) else chat.prompt_ids(template, p, where=f"prompt {i}")
+         for i, p in enumerate(prompts)]
   rows = len(ids)
   if mesh is not None and rows % mesh.shape["data"]:  # fill the batch up to a multiple of the data axis
     ids += [ids[-1]] * (mesh.shape["data"] - rows % mesh.shape["data"])
@@ -93,8 +130,9 @@ def generate(
   gen = jax.device_get(generate_lib.generate(net, tokens, mask, jax.random.key(seed), sampling, mesh=mesh))
   out = []
   for r in range(rows):
-    row = [int(t) for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m and t != sampling.eos_id]
-    out.append(tokenizer.decode(row))
+    kept = [int(t) for t, m in zip(gen.tokens_BxN[r], gen.mask_BxN[r]) if m]
+    row = [t for t in kept if t != sampling.eos_id]
+    out.append({"text": tokenizer.decode(row), "finished": len(row) < len(kept)})
   return out
 
 
