@@ -12,7 +12,9 @@ Modules: `_corpus` (sources and the split by document), `_tokenizer` (byte-level
 `_packing` (rows, targets and the loss mask), `alignment` (token bytes, spans two tokenizations agree on),
 `_cross` (rows of two tokenizations of one text, for a teacher with its own tokenizer), `_teacher_rows`
 (rows cut on a teacher's tokens alone, a student's side rebuilt from their bytes: a cross-tokenizer cache's), `_loader` (grain: shuffling, epochs, process
-shards, state), `_pipeline` (config and `build_data`), `_batch_list` (batches already in memory).
+shards, state), `_pipeline` (config and `build_data`), `_batch_list` (batches already in memory), `_records`
+(``data.format``: prompt/completion and conversation records, one a row), `chat` (conversations in a chat template,
+the loss on the assistant's tokens).
 """
 
 from meshdistill.data._batch_list import BatchList, BatchListIterator
