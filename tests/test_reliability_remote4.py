@@ -244,20 +244,23 @@ def test_r4_cancel_ends_a_blocked_read_at_once():
 
 
 class TeacherPeer(http.server.ThreadingHTTPServer):
-  """A meshdistill-like teacher server on localhost: its identity, then answers (`_served`) to the first ``answer``
-  completion requests; later ones wait, unanswered, until `release` (or the client hangs up)."""
+  """A meshdistill-like teacher server on localhost that keeps connections open (HTTP/1.1): its identity, then
+  answers (`_served`) to the first ``answer`` completion requests; a later one is sent a byte every 0.1 s of a head
+  that never ends, until `release` or until the client hangs up (`hung_up`)."""
 
   daemon_threads = True
 
   def __init__(self, identity: dict, answer: int):
     self.identity, self.answer, self.asked = identity, answer, 0
-    self.waiting, self.release = threading.Event(), threading.Event()
+    self.waiting, self.release, self.hung_up = threading.Event(), threading.Event(), threading.Event()
     super().__init__(("127.0.0.1", 0), _Handler)
     self.url = f"http://127.0.0.1:{self.server_address[1]}"
     threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
+  protocol_version = "HTTP/1.1"
+
   def log_message(self, *args):
     pass
 
@@ -277,9 +280,36 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     self.server.asked += 1
     if self.server.asked > self.server.answer:
       self.server.waiting.set()
-      self.server.release.wait(120)
+      try:
+        while not self.server.release.wait(0.1):
+          self.wfile.write(b"H")
+          self.wfile.flush()
+      except OSError:
+        self.server.hung_up.set()
+      self.close_connection = True
       return
     self._send(_served(body, vocab=self.server.identity["vocab"]))
+
+
+def test_r4_the_deadline_holds_where_the_server_keeps_connections_open():
+  """Item 8: after an answered request, the next trickles a head on a server that keeps connections open; each try
+  has its own connection, so the one the watcher shuts is that try's: abandoned at the deadline (1 s, plus the
+  watcher's poll and unwinding)."""
+  peer = TeacherPeer(IDENTITY, answer=1)
+  client = TeacherClient(peer.url, timeout_s=1.0, retries=0)
+  try:
+    client.identity()
+    client.topk(*_rows(), k=K, vocab=VOCAB)
+    t0 = time.monotonic()
+    with pytest.raises(TeacherDown, match=r"no whole answer within teacher.timeout=1 s"):
+      client.topk(*_rows(1), k=K, vocab=VOCAB)
+    took = time.monotonic() - t0
+    assert peer.hung_up.wait(2)
+  finally:
+    peer.release.set()
+    peer.shutdown()
+    client.close()
+  assert 1.0 <= took < 2.0, took
 
 
 def test_r4_one_sigterm_while_a_fetch_is_blocked_checkpoints_the_last_step_and_stops(tmp_path):
@@ -316,11 +346,13 @@ def test_r4_one_sigterm_while_a_fetch_is_blocked_checkpoints_the_last_step_and_s
       with pytest.raises(stopping.Stopped) as e:
         jobs.distill(cfg)
     took = time.monotonic() - sent["at"]
+    peer.hung_up.wait(5)
   finally:
     peer.release.set()
     peer.shutdown()
   assert e.value.step == 3 and e.value.exit_code == 143
   assert "3" in os.listdir(e.value.checkpoint_dir)
+  assert peer.hung_up.is_set()  # the fetch of step 4's batch was cancelled: its connection shut
   assert took < 10, took  # the wait ends within 0.1 s; the rest is writing the checkpoint
 
 
