@@ -600,10 +600,10 @@ def test_plan_shows_an_estimate_then_each_compilation_on_stderr():
   assert r.returncode == 0, r.stderr[-2000:]
   assert json.loads(r.stdout)["fits"] is True
   err = r.stderr
-  assert "rough estimate" in err and "1 compilation(s)" in err, err
+  assert "planning for" in err and "1 compilation(s)" in err, err
   for phase in ("compilation 1 of up to", "lowering the step", "lowered in", "compiled in"):
     assert phase in err, (phase, err)
-  assert err.index("rough estimate") < err.index("lowering the step") < err.index("compiled in")
+  assert err.index("planning for") < err.index("lowering the step") < err.index("compiled in")
 
 
 def test_help_and_import_start_neither_jax_nor_grain():

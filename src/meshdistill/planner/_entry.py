@@ -140,8 +140,10 @@ def _default_knobs(pl: Planner, mesh, batch: int, chunk_size) -> Knobs:
   knobs = [Knobs.on(s, pl.student.remat, chunk, batch) for s in layouts]
   if pl.target.budget_bytes is None:
     return cfg_mesh if cfg_mesh in knobs else knobs[0]
-  # auto: the least tensor parallelism whose weights and optimizer state take at most half the limit
   limit = pl.headroom * pl.target.budget_bytes
+  if pl.target.platform == "cpu" and cfg_mesh in knobs and pl.static_bytes(cfg_mesh) <= 0.5 * limit:
+    return cfg_mesh  # CPU devices: the mesh the configured job runs on them, where it fits the budget
+  # auto: the least tensor parallelism whose weights and optimizer state take at most half the limit
   for k in knobs:
     if pl.static_bytes(k) <= 0.5 * limit:
       return k
@@ -161,10 +163,11 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
       `ModelConfig`; default: the config's models. Presets and config files compute in ``bfloat16`` unless ``dtype``
       says otherwise; weights are stored as the config's ``teacher.param_dtype`` / ``student.param_dtype`` say.
     topology: a TPU topology (``v5e:4x4``, ``v5p:4x4x4``, ...; needs ``pip install 'meshdistill[tpu]'``),
-      or ``devices="cpu:N"``: N CPU devices of this process.
+      or ``devices="cpu:N"``: N CPU devices of this process (at most what this machine can simulate,
+      `meshdistill.planner._hardware.max_cpu_devices`).
     mesh: ``(data, tensor)``, ``"DATAxTENSOR"``, every axis the layout declares by name (``"data=2,expert=2,tensor=2"``
-      or a mapping) or ``"auto"`` (the least ``tensor`` whose weights and optimizer state take at most half the memory
-      limit; on CPU without a budget the config's mesh).
+      or a mapping) or ``"auto"`` (on CPU devices the config's mesh, where its weights and optimizer state take at
+      most half the memory limit or no budget is given; else the least ``tensor`` that does).
     batch, seq: global batch and sequence length (default: ``train.batch_size``, ``data.seq_len``).
     config, overrides: the distillation config as for ``distill`` (a `Config`, or a YAML file / packaged name
       plus ``key=value`` overrides): strategy, chunk size, optimizer, freezing, loss scale, remat headroom.

@@ -140,10 +140,59 @@ def tpu_target(topology: str, hbm_budget_bytes: int | None = None) -> Target:
   return Target(name, devices, chip, max(1, len(devices) // max(chips, 1)), hbm_budget_bytes)
 
 
-def cpu_target(n: int, hbm_budget_bytes: int | None = None) -> Target:
-  """``n`` of this process's CPU devices (see `meshdistill.simulate_cpu_devices`)."""
+# The most CPU devices one process simulates. XLA's CPU client (jax 0.10.2) ran a program sharded over 2048 of them
+# (17 s, 2.5 GB of host memory) and failed one over 4096 ("Multiprocess computations aren't implemented on the CPU
+# backend", after 100 s and 4 GB); the largest TPU slice the planner compiles for from this host has 512 chips
+# (v5p:8x8x8), so a larger CPU plan has nothing to stand for.
+MAX_CPU_DEVICES = 2048
+# Host memory each simulated device takes for even a trivial sharded program: 1.24 GB for 1024 devices, 2.52 GB for
+# 2048 (the process's peak resident memory, measured); a plan's program takes more.
+CPU_DEVICE_BYTES = 1.25e6
+
+
+def _available_bytes() -> float | None:
+  """Memory the kernel says a new process can take (``MemAvailable`` of ``/proc/meminfo``, else the free pages);
+  None where neither is known."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return float(line.split()[1]) * 1024
+  except OSError:
+    pass
+  try:
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def max_cpu_devices() -> int:
+  """How many CPU devices this machine can simulate: `MAX_CPU_DEVICES`, fewer where the memory available now holds
+  fewer at `CPU_DEVICE_BYTES` each."""
+  free = _available_bytes()
+  return MAX_CPU_DEVICES if free is None else max(1, min(MAX_CPU_DEVICES, int(free // CPU_DEVICE_BYTES)))
+
+
+def check_cpu_count(n: int) -> int:
+  """``n`` when this machine can simulate ``n`` CPU devices (`max_cpu_devices`); a `ValueError` naming the bound
+  otherwise, raised before any device exists (asking XLA for 100,000 devices takes minutes and gigabytes before it
+  fails)."""
   if not isinstance(n, int) or n < 1:
     raise ValueError(f"devices=cpu:{n!r}: the device count must be a positive integer")
+  bound = max_cpu_devices()
+  if n > bound:
+    free = _available_bytes()
+    why = ("XLA's CPU client ran programs over 2048 devices and failed them over 4096" if bound == MAX_CPU_DEVICES else
+           f"each takes about {CPU_DEVICE_BYTES / 1e6:.2f} MB and {free / GIB:.1f} GiB of memory is available")
+    raise ValueError(f"devices=cpu:{n}: this machine can simulate at most {bound} CPU devices ({why}); use cpu:N with "
+                     f"N <= {bound}, or a TPU topology (e.g. --topology v5e:16x16, 256 chips: libtpu compiles for it "
+                     "without simulating devices)")
+  return n
+
+
+def cpu_target(n: int, hbm_budget_bytes: int | None = None) -> Target:
+  """``n`` of this process's CPU devices (see `meshdistill.simulate_cpu_devices`); at most `max_cpu_devices`."""
+  check_cpu_count(n)
   have = jax.devices("cpu")
   if len(have) < n:
     raise ValueError(
@@ -185,6 +234,7 @@ def parse_target(topology: str | None, devices: str | None, hbm_budget_bytes: in
 
 
 def cpu_count_of(devices: str | None) -> int | None:
-  """N of a ``cpu:N`` devices argument (None otherwise); the CLI simulates that many devices before JAX starts."""
+  """N of a ``cpu:N`` devices argument (None otherwise); the CLI simulates that many devices before JAX starts, so
+  an N beyond what this machine can simulate (`check_cpu_count`) is refused here, at once."""
   m = re.fullmatch(r"cpu:(\d+)", devices.strip().lower()) if isinstance(devices, str) else None
-  return int(m.group(1)) if m else None
+  return check_cpu_count(int(m.group(1))) if m else None

@@ -187,6 +187,7 @@ class Planner:
                                 f", remat={k.remat}, chunk_size={k.chunk_size}, batch {k.batch}x{self.seq}")
     d = self._distiller(k)
     c = compile_step(d, k.batch, self.seq, report=lambda message: self.progress.step(label, message))
+    self.progress.finished(c.compile_seconds)
     mem = c.memory
     memory = dict(c.parts)
     budget = self.target.budget_bytes

@@ -113,8 +113,8 @@ class Plan:
     """A readable report (what ``meshdistill plan`` prints)."""
     m, lines = self.memory, []
     per = "chip" if self.devices_per_chip == 1 else f"device ({self.devices_per_chip} per chip)"
-    lines.append(f"plan: {self.teacher} ({self.params['teacher'] / 1e9:.2f} B params) -> {self.student} "
-                 f"({self.params['student'] / 1e9:.2f} B params), {self.strategy}")
+    lines.append(f"plan: {self.teacher} ({count_label(self.params['teacher'])} params) -> {self.student} "
+                 f"({count_label(self.params['student'])} params), {self.strategy}")
     lines.append(f"target: {self.target} = {self.devices} x {self.device_kind}, mesh "
                  f"{' x '.join(f'{a}={v}' for a, v in self.mesh_axes.items())}{' (fsdp: weights split over data too)' if self.fsdp else ''}{' (student replicated, on rows split over data x tensor)' if self.student_split == 'batch' else ''}; batch {self.batch} x seq {self.seq} = {self.batch * self.seq:,} tokens/step; "
                  f"dtype {self.dtype}, remat {self.remat}, attention {self.attention}, "
@@ -150,7 +150,7 @@ class Plan:
                  + (f"{_counted(f) / f['analytic']:.3f})" if _counted(f) and f["analytic"] else "n/a)"))
     if f.get("analytic_per_token"):
       lines.append(f"  analytic per token             {_e(f['analytic_per_token'])}   (N_t = "
-                   f"{f['matmul_params_teacher'] / 1e9:.3f} B, N_s = {f['matmul_params_student'] / 1e9:.3f} B "
+                   f"{count_label(f['matmul_params_teacher'])}, N_s = {count_label(f['matmul_params_student'])} "
                    "matmul parameters)")
     split, shares = f.get("split") or {}, self.time.get("mfu_split") or {}
     names = (("teacher_forward", "teacher forward"), ("student_forward_backward", "student forward+backward"),
@@ -217,6 +217,17 @@ def search_table(plans: list[Plan]) -> str:
 
 def _counted(f: dict) -> float | None:
   return f.get("counted") if f.get("counted") is not None else f.get("compiled")
+
+
+def count_label(n: float | None) -> str:
+  """A count in the unit that keeps three significant digits: ``8.03 B``, ``1.05 M``, ``280 K``, ``96``."""
+  if n is None:
+    return "n/a"
+  n = float(f"{n:.3g}")  # rounded first: 999,999 is 1 M, not 1e+03 K
+  for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(n) >= size:
+      return f"{n / size:.3g} {unit}"
+  return f"{n:.0f}"
 
 
 def _gib(n: float | None) -> str:
