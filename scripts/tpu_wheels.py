@@ -4,8 +4,10 @@ A TPU VM that reaches PyPI needs none of this (``pip install -e ".[tpu]"``; docs
 (an air-gapped VM, or a machine whose only package index is a local mirror) gets the project's Python
 dependencies as wheels, downloaded here, on a machine where ``pip install -e ".[test]"`` was run:
 
-    python scripts/tpu_wheels.py                 # -> .whl-tpu/ (about 35 MB) + .whl-tpu/from_index.txt
-    python scripts/tpu_wheels.py --with-tunix    # also what tunix's distillation trainer and sampler import
+    python scripts/tpu_wheels.py                 # -> .whl-tpu/ (34 wheels, 19.1 MiB) + .whl-tpu/from_index.txt
+    python scripts/tpu_wheels.py --with-tunix    # also what tunix's distillation trainer and sampler import (45, 21.9 MiB)
+
+(Sizes measured with the versions installed in a venv that also holds torch, left out.)
 
 The set is what the package imports, measured rather than listed: a child process (``JAX_PLATFORMS=cpu``) imports
 the ``meshdistill`` command, the ``Distiller``, every job and the test helpers (and, with ``--with-tunix``, tunix's
@@ -13,7 +15,9 @@ trainer, models and sampler), and each imported module is mapped to the distribu
 are of the versions installed here, so the chip runs what CI tests. Left out: what the chip's JAX install brings
 (jax, jaxlib, libtpu, numpy, scipy, ml_dtypes, opt_einsum), which must stay first on its path, and the large
 packages named by ``--from-index`` (pandas, pyarrow, ...), written to ``from_index.txt`` for the chip to take
-from its own package index. `scripts/tpu_setup.sh` installs the bundle there.
+from its own package index, and what the chip's run does not need though a package imports it where installed
+(``NOT_NEEDED``: tensorboardX imports torch, a 192 MiB wheel, when it is there; the probe imports as if it were not,
+as on the chip). `scripts/tpu_setup.sh` installs the bundle there.
 """
 
 from __future__ import annotations
@@ -33,9 +37,20 @@ CHIP_OWN = ("jax", "jaxlib", "libtpu", "numpy", "scipy", "ml-dtypes", "opt-einsu
 # large wheels that a TPU VM's package index (or PyPI) serves; installed there by name, not carried
 FROM_INDEX = ("pandas", "pyarrow", "tensorstore", "sentencepiece", "pillow", "matplotlib", "fonttools", "contourpy",
               "kiwisolver")
+# what a run on the chip does not need, though a package imports it where it is installed (tensorboardX takes torch,
+# a 192 MiB wheel, for its tensor type): the probe imports as if these were absent, as they are on the chip
+NOT_NEEDED = ("torch", "torchvision", "tensorflow", "tensorflow-cpu", "tf-keras", "keras")
 # what a run on the chip imports: the command, the trainer, the jobs, the tests' helpers
 PROBE = """
-import importlib, importlib.metadata as md, json, sys
+import importlib, importlib.abc, importlib.metadata as md, json, sys
+
+class Absent(importlib.abc.MetaPathFinder):  # a package the chip's run does not need imports as if not installed
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in %(absent)r:
+      raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    return None
+
+sys.meta_path.insert(0, Absent())
 before = set(sys.modules)
 import meshdistill as m
 m.Distiller; m.ChunkedLogitKD; m.init_model
@@ -59,10 +74,12 @@ def _norm(name: str) -> str:
 
 
 def imported_distributions(with_tunix: bool) -> list[tuple[str, str]]:
-  """``(distribution, version)`` of everything the probe imports, in a child process on the CPU."""
+  """``(distribution, version)`` of everything the probe imports, in a child process on the CPU, with the modules
+  of `NOT_NEEDED` made to look absent (a package that takes one where installed then runs without it)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run([sys.executable, "-c", PROBE % {"tunix": with_tunix}], check=True, capture_output=True,
-                       text=True, env=env)
+  absent = tuple(sorted({n.replace("-", "_") for n in NOT_NEEDED}))
+  out = subprocess.run([sys.executable, "-c", PROBE % {"tunix": with_tunix, "absent": absent}], check=True,
+                       capture_output=True, text=True, env=env)
   return [tuple(x) for x in json.loads(out.stdout.strip().splitlines()[-1])]
 
 

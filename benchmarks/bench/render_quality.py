@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
 TARGET_RATIO = 0.97  # distilled / scratch validation loss
@@ -76,6 +77,20 @@ def _timing(sec: dict) -> str:
   )
 
 
+def _main_job_sample(r) -> str:
+  """Why the main job's final table shows other losses for the same recipe: it evaluates fewer batches of the split."""
+  s = r["settings"]
+  batch, seq = s["train"]["batch_size"], s["data"]["seq_len"]
+  ours = r.get("eval_batches") or math.ceil(r["val_tokens"] / (batch * seq))  # rows written before it was stored
+  main = s["train"]["eval_batches"]
+  if main >= ours:
+    return ""
+  return (f"These are the first {ours} validation batches (`--eval-batches`); `meshdistill distill` trains the same "
+          f"recipe and evaluates on the first `train.eval_batches` = {main} ({main * batch * seq:,} positions), so "
+          "its final table shows other losses: another sample of the same held-out documents (its start-up line "
+          "counts the whole split).")
+
+
 def _row(name: str, m: dict) -> str:
   return f"| {name} | {m['params']:,} | {m['loss']:.4f} | {m['ppl']:.3f} | {m['kl']:.4f} | {m['agree']:.1%} |"
 
@@ -97,7 +112,7 @@ def render(r, tdir, runs) -> str:
     (
       f"Corpus: `{s['data']['source']}` (max_chars {s['data']['max_chars']}), tokenizer "
       f"`{s['data']['tokenizer']}`, seq_len {s['data']['seq_len']}; validation: {int(r['val_tokens']):,} tokens "
-      "(held-out documents)."
+      f"(held-out documents). {_main_job_sample(r)}"
     ),
     (
       "Both students: same architecture, initialisation seed, steps, batch size, data order and learning-rate "
