@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import os
 import re
 import sys
@@ -38,7 +37,6 @@ import numpy as np
 
 from meshdistill.data.prompts import read_prompts
 
-log = logging.getLogger(__name__)
 
 _MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
@@ -114,6 +112,8 @@ def load_chat_tokenizer(tokenizer: str, chat_template: str | None = None):
   tok.model_max_length = sys.maxsize  # rows are cut to data.seq_len by the data pipeline, not warned about here
   if chat_template is not None:
     tok.chat_template = _template_text(os.path.expanduser(chat_template))
+  if isinstance(tok.chat_template, dict):  # named templates (e.g. "default", "tool_use"): transformers' default one
+    tok.chat_template = tok.chat_template.get("default")
   if not tok.chat_template:
     raise NoChatTemplate(
         f"the tokenizer of data.tokenizer={tokenizer!r} has no chat template (none of {list(TEMPLATE_FILES)} in "
@@ -165,6 +165,10 @@ def _assistant_spans(tok, messages, full: str, where: str) -> list[tuple[int, in
   for i, turn in enumerate(messages):
     if turn["role"] != "assistant":
       continue
+    if i == 0:  # nothing to render before it (transformers renders no empty conversation)
+      raise ValueError(f"{where}: the conversation opens with the assistant's turn, whose tokens rendering prefixes "
+                       "cannot find; start it with a system or user turn, or give the template {% generation %} "
+                       "markers (data.chat_template)")
     before = render(list(messages[:i]), add_generation_prompt=True)
     upto = render(list(messages[: i + 1]))
     for name, text, whole in (("with the generation prompt", before, upto), ("", upto, full)):
@@ -203,9 +207,12 @@ def render(tok, messages, *, train_from: int = 0, where: str = "conversation") -
     enc = tok(full, add_special_tokens=False)
     ids, mask = list(enc["input_ids"]), np.zeros(len(enc["input_ids"]), np.int8)
     for start, end in _assistant_spans(tok, messages, full, where):
-      first, last = enc.char_to_token(start), enc.char_to_token(end - 1) if end > start else None
+      # the tokens holding the span's first and last characters (a character no token holds, e.g. one a normalizer
+      # dropped, gives way to its nearest neighbour inside the span)
+      first = next((t for c in range(start, end) if (t := enc.char_to_token(c)) is not None), None)
+      last = next((t for c in range(end - 1, start - 1, -1) if (t := enc.char_to_token(c)) is not None), None)
       if first is not None:
-        mask[first : (last + 1 if last is not None else len(ids))] = 1
+        mask[first : last + 1] = 1
   runs = _runs(mask)
   turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
   if len(runs) != len(turns):
