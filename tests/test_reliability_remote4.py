@@ -57,7 +57,9 @@ def _client(completions, identity=IDENTITY, **kw) -> TeacherClient:
 
   def handler(request):
     if request.url.path == "/v1/teacher":
-      return httpx.Response(404, json={"detail": "Not Found"}) if identity is None else httpx.Response(200, json=identity)
+      if identity is None:  # a vLLM server
+        return httpx.Response(404, json={"detail": "Not Found"})
+      return httpx.Response(200, json=identity)
     if request.url.path == "/v1/models":
       return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 64}]})
     return httpx.Response(200, json=completions(json.loads(request.content)))
@@ -327,8 +329,9 @@ def test_r4_one_sigterm_while_a_fetch_is_blocked_checkpoints_the_last_step_and_s
             f"pretrain.cache_dir={tmp_path / 'cache'}"]
   tokenizer = jobs.load_data(load_config("tiny", common)).tokenizer
   vocab = load_config("tiny", common).student.vocab_size
+  teacher = {"config": {"vocab_size": vocab}, "weights_sha256": "cd" * 32}
   identity = protocol.identity_of(tokenizer=tokenizer.fingerprint, vocab=vocab, temperature=1.0, k=K, max_len=16,
-                                  served_name="t", teacher={"config": {"vocab_size": vocab}, "weights_sha256": "cd" * 32})
+                                  served_name="t", teacher=teacher)
   peer = TeacherPeer(identity, answer=3)
   cfg = load_config("tiny", [*common, "teacher.source=remote", f"teacher.url={peer.url}", "teacher.timeout=30",
                              "teacher.retries=0", f"run.run_dir={tmp_path / 'run'}"])
