@@ -31,7 +31,8 @@ steps aside to ``damaged-<step>-<time>`` (never trained on); with no intact step
 Only steps the run wrote are read: a step directory that is a symbolic link (``checkpoints/6 -> another run's step
 8``), a link anywhere inside a step, or a step whose ``meta`` records another step number (a step copied or renamed
 into place) is refused with `CheckpointError` naming the path, before anything is restored, moved aside or saved.
-Restoring (or resuming from) another run's state is a choice the user makes by copying it in whole, not by a link.
+What this cannot see: a real copy of another run's step under its own number (its checksums and ``meta`` are its
+own); `meshdistill.train.loop.trainer.check_resumable` still refuses one written by a run of other settings.
 
 Restoring onto a different mesh (saved on 2x4, resumed on 4x2 or 1x8): the caller passes a
 freshly initialised state on the NEW layout as a template; every leaf becomes an abstract
