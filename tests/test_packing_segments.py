@@ -288,3 +288,24 @@ def test_a_top_k_teacher_with_packed_documents_is_refused_naming_the_setting():
                    optimizer=optax.sgd(1.0))
   with pytest.raises(ValueError, match=r"data.packing=documents with teacher.cache=c.*use data.packing=stream"):
     d.check_batch(_batch(2))
+
+
+def test_packed_rows_with_the_student_on_rows_split_over_tensor_equal_one_by_one():
+  """``mesh.student_split: batch`` (the student on rows split over data x tensor, the teacher's inputs pinned whole
+  over rows): the segment ids travel with both models' rows; loss and gradient norm of two steps equal the documents
+  in rows of their own on one device."""
+  idx = [0, 1, 2, 0, 1, 2, 0, 1]  # a multiple of data x tensor = 8 rows
+  packed = {k: ROWS[k][idx] for k in ("inputs", "targets", "mask", *SEGMENT_KEYS)}
+  n = len(_parts(packed))
+  alone = _one_by_one(packed, rows=-(-n // 8) * 8)
+
+  def records(batch, mesh=None, **kw):
+    d = md.Distiller(_model(STUDENT, "xla", seed=1, mesh=mesh), _model(TEACHER, "xla", mesh=mesh),
+                     optimizer=optax.sgd(1.0), mesh=mesh, **kw)
+    state, out = d.init_state(), []
+    for _ in range(2):
+      state, metrics = d.step(state, batch)
+      out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    return np.asarray(out)
+
+  np.testing.assert_allclose(records(packed, md.make_mesh(2, 4), student_split="batch"), records(alone), rtol=1e-5)
