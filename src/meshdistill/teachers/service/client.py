@@ -271,7 +271,7 @@ class TeacherClient:
       body["model"] = self.model
     if self.arrays:
       body["meshdistill_arrays"] = True
-    sent = np.asarray(prompts, np.int64)
+    sent = np.asarray(prompts, np.int64) if self.digests else None  # digests of another scheme are not read
     return self._request("POST", "/v1/completions", body, cancel=cancel,
                          read=lambda a: protocol.read_completion(a, rows, length, k, vocab, prompts=sent,
                                                                  require_digest=self.digests),
