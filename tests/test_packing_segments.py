@@ -82,11 +82,17 @@ def test_packed_rows_never_train_a_target_across_documents():
   np.testing.assert_array_equal(np.asarray(segment_positions(jnp.asarray(seg)))[real], pos[real])
 
 
-@pytest.mark.parametrize("attention", ["explicit", "xla", "splash"])
-def test_a_packed_rows_logits_equal_its_documents_run_one_by_one(attention):
-  """Each kernel (splash interpreted on the CPU) with the rows' segment ids: the logits of every document's tokens
-  equal those of the document alone; without them (documents attending to each other) they do not."""
-  model = _model(TEACHER, attention)
+LOCAL = {"scan_layers": True, "n_layers": 3, "sliding_window": 16,
+         "layer_types": ("sliding_attention", "full_attention", "sliding_attention")}
+
+
+@pytest.mark.parametrize("attention, options", [("explicit", {}), ("xla", {}), ("splash", {}), ("xla", LOCAL)],
+                         ids=["explicit", "xla", "splash", "xla-scanned-local-layers"])
+def test_a_packed_rows_logits_equal_its_documents_run_one_by_one(attention, options):
+  """Each kernel (splash interpreted on the CPU; xla also with scanned blocks and sliding-window layers) with the
+  rows' segment ids: the logits of every document's tokens equal those of the document alone; without them (documents
+  attending to each other) they do not."""
+  model = _model(TEACHER.replace(**options), attention)
   inputs = jnp.asarray(ROWS["inputs"])
   packed = np.asarray(model(inputs, segment_ids=ROWS["segment_ids"], positions=ROWS["positions"]).logits)
   derived = np.asarray(model(inputs, segment_ids=ROWS["segment_ids"]).logits)  # positions from the ids
