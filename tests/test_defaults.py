@@ -91,3 +91,16 @@ def test_a_mesh_size_given_is_kept_and_the_other_fills_the_devices():
 def test_the_config_checks_an_auto_mesh_as_it_resolves_here():
   with pytest.raises(Exception, match="mesh.data=2"):
     Config().replace(train=Config().train.__class__(batch_size=3))
+
+
+def test_bfloat16_splash_under_highest_precision_and_remat_traces_each_kernel_in_its_own_trace():
+  # bfloat16 is the default compute dtype on a TPU; there the splash kernel runs at the default precision under a
+  # higher one (a custom_vjp) and a remat policy traces it again: a kernel made outside those traces leaked its mask
+  cfg = ModelConfig(vocab_size=64, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128, mlp_hidden=128,
+                    max_len=128, attention="splash", dtype="bfloat16", remat="full", scan_layers=True)
+  graphdef, params = nnx.split(init_model(cfg, seed=0))
+  x = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 128)), jnp.int32)
+  loss = lambda p: nnx.merge(graphdef, p)(x).logits.astype(jnp.float32).mean()  # noqa: E731
+  with jax.default_matmul_precision("highest"):
+    grads = jax.jit(jax.grad(loss))(params)
+  assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))

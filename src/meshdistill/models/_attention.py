@@ -326,19 +326,24 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, int
   sizes = _splash_block_sizes(splash, T, itemsize=itemsize, head_dim=K, capped=cap is not None)
   one = splash.CausalMask((T, T)) if window is None else splash.LocalMask((T, T), (window - 1, 0), offset=0)
   mask = splash.MultiHeadMask([one for _ in range(H // G)])
-  kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret,
-                                                attn_logits_soft_cap=cap)
   q_BxGxRxTxK = q_BxHxTxK.reshape(B, G, H // G, T, K)  # query heads in their groups: a free reshape
   if scale is None:
     q_BxGxRxTxK = q_BxGxRxTxK / jnp.sqrt(K).astype(q_BxHxTxK.dtype)
   elif not (isinstance(scale, (int, float)) and scale == 1.0):  # 1.0: queries scaled already (`heads_in_kernel`)
     q_BxGxRxTxK = q_BxGxRxTxK * jnp.asarray(scale, q_BxHxTxK.dtype)
-  if segment_ids_BxT is None:
-    run = jax.vmap(jax.vmap(kernel))
-  else:  # each row's ids for every group of its heads
-    per_row = lambda q, k, v, ids: jax.vmap(  # noqa: E731
+
+  def run(q, k, v, *ids):
+    # The kernel is made inside the function that runs it: it holds its mask's block tables as arrays, created in
+    # the trace that makes it, so each trace (the custom_vjp of `_at_default_precision`, a remat's recomputation)
+    # gets its own instead of reading another's (an escaped tracer).
+    kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret,
+                                                  attn_logits_soft_cap=cap)
+    if not ids:
+      return jax.vmap(jax.vmap(kernel))(q, k, v)
+    per_row = lambda q, k, v, ids: jax.vmap(  # noqa: E731  (each row's ids for every group of its heads)
         lambda q, k, v: kernel(q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids)))(q, k, v)
-    run = jax.vmap(per_row)
+    return jax.vmap(per_row)(q, k, v, ids[0])
+
   if itemsize <= 2 and jax.config.jax_default_matmul_precision not in (None, "default", "bfloat16", "fastest"):
     run = _at_default_precision(run)
   out = run(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK, *(() if segment_ids_BxT is None else (segment_ids_BxT,)))

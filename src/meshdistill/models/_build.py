@@ -82,14 +82,18 @@ def frozen_model(model: Decoder, platform: str | None = None) -> Decoder:
   """``model`` with its weights stored as a frozen model's (`ModelConfig.frozen` on ``platform``): a teacher of
   ``param_dtype="auto"`` computing in bfloat16 gets bfloat16 weights (each float32 weight rounded, as
   `init_model` rounds). In place: the module's variables take the rounded arrays, so the float32 ones are freed
-  (a caller holding the teacher does not keep a second copy on the device). Any other model is returned as it is."""
+  (a caller holding the teacher does not keep a second copy on the device). Any other model (a quantized or adapted
+  one too) is returned as it is."""
   if not isinstance(model, Decoder):
     return model
   cfg = model.cfg.frozen(platform)
   if cfg == model.cfg:
     return model
   _, target, _ = abstract_params(cfg)
-  nnx.update(model, pad_state(nnx.state(model), target))
+  state = nnx.state(model)
+  if {k for k, _ in nnx.to_flat_state(state)} != {k for k, _ in nnx.to_flat_state(target)}:
+    return model  # quantized or adapted weights (qwix, LoRA): stored as their wrapper chose
+  nnx.update(model, pad_state(state, target))
   model.cfg = cfg
   return model
 
