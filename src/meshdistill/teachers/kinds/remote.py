@@ -43,7 +43,7 @@ class Remote(TeacherSource):
 
   name: ClassVar[str] = "remote"
   gives: ClassVar[str] = TOPK
-  # url: the server; k: top-k asked for (default distill.top_k); timeout: seconds a request may take; retries:
+  # url: the server; k: top-k asked for (default distill.top_k); timeout: the deadline of one try, seconds; retries:
   # tries after a failure (exponential backoff); token_env: the environment variable holding the bearer token
   # (default MESHDISTILL_TEACHER_TOKEN; the token itself never enters config.yaml); model: the served model name;
   # require_digest: refuse answers without the server's answer digest (and a server that sends none)
