@@ -30,8 +30,8 @@ CHATML_MARKED = (
 )
 # Llama 3's template (BOS, role headers, `| trim`, <|eot_id|> ends a turn), and the same with markers.
 LLAMA3 = (
-    "{%- for message in messages %}{%- set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-    " + message['content'] | trim + '<|eot_id|>' %}{%- if loop.index0 == 0 %}{%- set content = bos_token + content %}"
+    "{%- for message in messages %}{%- set content = '<|start_header_id|>' + message['role']"
+    " + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' %}{%- if loop.index0 == 0 %}{%- set content = bos_token + content %}"
     "{%- endif %}{{- content }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )

@@ -131,7 +131,8 @@ def check_conversation(messages, where: str) -> None:
                      f"{type(messages).__name__}")
   for i, turn in enumerate(messages):
     if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or "content" not in turn:
-      raise ValueError(f"{where}: turn {i} is {turn!r}; each turn needs a 'role' string and a 'content', like {example}")
+      raise ValueError(f"{where}: turn {i} is {turn!r}; each turn needs a 'role' string and a 'content', like "
+                       f"{example}")
   last = messages[-1]["role"]
   if last != "assistant":
     raise LastTurnNotAssistant(
