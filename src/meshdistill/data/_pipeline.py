@@ -183,7 +183,8 @@ class DataBundle:
   Attributes:
     config: the settings it was built from.
     tokenizer: the `Tokenizer`; the models' ``vocab_size`` must equal ``tokenizer.vocab_size``.
-    train, val: packed rows (``val`` is None when ``val_fraction`` is 0).
+    train, val: packed rows, or one record a row (`RecordRows`, ``data.format`` other than text); ``val`` is None
+      when ``val_fraction`` is 0.
     global_batch_size: B, rows per step over all processes.
     process_index, process_count: which slice of every batch this process reads.
     stats: counts (documents, tokens, rows, trained targets per split, batches per epoch, seconds).
