@@ -97,6 +97,8 @@ def test_a_packed_rows_logits_equal_its_documents_run_one_by_one(attention, opti
   packed = np.asarray(model(inputs, segment_ids=ROWS["segment_ids"], positions=ROWS["positions"]).logits)
   derived = np.asarray(model(inputs, segment_ids=ROWS["segment_ids"]).logits)  # positions from the ids
   streamed = np.asarray(model(inputs).logits)
+  # RoPE reads the positions given: twice them (other distances between tokens) changes the logits
+  stretched = np.asarray(model(inputs, segment_ids=ROWS["segment_ids"], positions=2 * ROWS["positions"]).logits)
   alone = np.asarray(model(jnp.asarray(_one_by_one(ROWS)["inputs"])).logits)
   later = 0
   for i, (b, lo, hi) in enumerate(_parts(ROWS)):
@@ -106,6 +108,8 @@ def test_a_packed_rows_logits_equal_its_documents_run_one_by_one(attention, opti
       later += 1
       assert rel_err(streamed[b, lo:hi], alone[i, : hi - lo]) > 1e-3
   assert later >= 4
+  real = ROWS["segment_ids"] > 0
+  assert rel_err(stretched[real], packed[real]) > 1e-3
 
 
 @pytest.mark.parametrize("attention", ["explicit", "xla"])
