@@ -192,18 +192,23 @@ def test_prompt_completion_records_train_on_the_completion_only(tmp_path):
   assert 0 < last.sum() < full.mask.sum()
 
 
-def test_parquet_records_through_hf_source(tmp_path):
-  pa = pytest.importorskip("pyarrow")
-  import pyarrow.parquet as pq
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk"])
+def test_dataset_records_through_an_hf_source(tmp_path, kind):
+  """A parquet file and a `datasets` directory (auto-detected as messages) give the rows of their conversations."""
+  datasets = pytest.importorskip("datasets")
 
-  path = tmp_path / "chat.parquet"
-  pq.write_table(pa.Table.from_pylist([{"messages": m} for m in CONVERSATIONS]), str(path))
+  table = datasets.Dataset.from_list([{"messages": m} for m in CONVERSATIONS])
+  path = tmp_path / ("chat.parquet" if kind == "parquet" else "chat_ds")
+  table.to_parquet(str(path)) if kind == "parquet" else table.save_to_disk(str(path))
   cfg = DataConfig(source=f"hf:{path}", tokenizer=str(QWEN3), val_fraction=0.0, seq_len=128)
-  rows = build_data(cfg, 1, process_index=0, process_count=1).train
+  bundle = build_data(cfg, 1, process_index=0, process_count=1)
+  assert bundle.stats["format"] == "messages"
   tok = chat.load_chat_tokenizer(str(QWEN3))
   for i, m in enumerate(CONVERSATIONS):
     want = chat.render(tok, m)
-    np.testing.assert_array_equal(rows.tokens[i, : len(want.ids)], want.ids)
+    n = len(want.ids)
+    np.testing.assert_array_equal(bundle.train.tokens[i, :n], want.ids)
+    np.testing.assert_array_equal(bundle.train.loss[i, :n], want.mask)
 
 
 def test_data_format_is_checked_and_detected():
