@@ -28,6 +28,7 @@ from meshdistill.parallel.layout import check_student_split
 from meshdistill.parallel.mesh import check_axes
 from meshdistill.losses import DIVERGENCES
 from meshdistill.train.loop import guard as guard_lib
+from meshdistill.train.loop.loggers import check_loggers
 from meshdistill.train.onpolicy import OnPolicyConfig
 from meshdistill.train.optimizers import MAX_LOSS_SCALE
 
@@ -456,11 +457,15 @@ class CheckpointSettings:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSettings:
-  """``run_dir`` receives metrics.jsonl, TensorBoard events, checkpoints, plots and the config."""
+  """``run_dir`` receives metrics.jsonl, TensorBoard events, checkpoints, plots and the config; ``loggers``: where
+  metrics go besides metrics.jsonl and the progress line (``tensorboard``, ``wandb``:
+  `meshdistill.train.loop.loggers`)."""
 
   run_dir: str = "runs/default"
+  loggers: tuple[str, ...] = ("tensorboard",)
 
   def __post_init__(self):
     if not isinstance(self.run_dir, str) or not self.run_dir:
       raise ConfigError(f"run.run_dir={self.run_dir!r} must be a non-empty path")
+    object.__setattr__(self, "loggers", check_loggers(self.loggers))
     object.__setattr__(self, "run_dir", os.path.expanduser(self.run_dir))  # run.run_dir=~/x: the home directory

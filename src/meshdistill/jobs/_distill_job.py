@@ -176,7 +176,19 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
 
   _check_against_checkpoint(cfg, run_meta(distiller, "distill", {"teacher_dir": tdir}))
   _write_config(cfg, run_dir)
-  monitor = _monitor(run_dir, cfg.train.steps, stream, "distill")
+  monitor = _monitor(run_dir, cfg.train.steps, stream, "distill", cfg)
+  try:
+    summary = _train_and_evaluate(cfg, distiller, data, teachers_data, monitor, tdir, run_dir, profile, stop_after)
+    monitor.summary(summary)  # loggers that keep one (W&B)
+  finally:
+    monitor.close()
+  if is_primary():  # through a rename: a link put there is replaced, never written through
+    write_text_atomic(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
+  return summary
+
+
+def _train_and_evaluate(cfg, distiller, data, teachers_data, monitor, tdir, run_dir, profile, stop_after) -> dict:
+  """`fit` the distiller, then the run's summary: the student (and teachers) on the validation batches."""
   ckpt = Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
   t = cfg.train
   try:
@@ -195,7 +207,6 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
     )
   finally:
     ckpt.close()
-    monitor.close()
   distiller = result.trainer
   if distiller.teacher_def is None:  # a teacher given by its top-k, or none: no teacher weights to evaluate
     val = data.val_batches(max_batches=t.eval_batches)
@@ -213,9 +224,6 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
     "divergences": sum(e["kind"] == "diverged" for e in result.events),
     "events": result.events,
   }
-
-  if is_primary():  # through a rename: a link put there is replaced, never written through
-    write_text_atomic(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
   return summary
 
 

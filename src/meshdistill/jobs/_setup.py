@@ -10,6 +10,7 @@ from typing import IO
 
 from meshdistill.config import Config, ConfigError, dump_config
 from meshdistill.core.fsutil import LOCK_FILE, RunLock
+from meshdistill.train.loop.loggers import WANDB_DIR, WANDB_ID_FILE
 from meshdistill.train.loop.monitor import Monitor
 from meshdistill.core.ownership import MARKER, OutputKind, check_owned, read_marker, refuse_links, write_marker
 from meshdistill.data import build_data
@@ -145,13 +146,19 @@ def with_batch_size(data, batch_size: int):
   return dataclasses.replace(data, global_batch_size=batch_size)
 
 
-def _monitor(run_dir: str, steps: int, stream, name: str) -> Monitor:
-  """The run's monitor; only process 0 writes ``metrics.jsonl`` and ``tb/`` (every process shows progress)."""
-  return Monitor(run_dir if is_primary() else None, steps, stream=stream, name=name)
+def _monitor(run_dir: str, steps: int, stream, name: str, cfg: Config | None = None) -> Monitor:
+  """The run's monitor; only process 0 writes ``metrics.jsonl``, ``tb/`` and the other ``run.loggers`` of ``cfg``
+  (W&B: with the config; every process shows progress)."""
+  if cfg is None:
+    return Monitor(run_dir if is_primary() else None, steps, stream=stream, name=name)
+  return Monitor(run_dir if is_primary() else None, steps, stream=stream, name=name, loggers=cfg.run.loggers,
+                 config=cfg.to_dict() if "wandb" in cfg.run.loggers else None)
 
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", LOCK_FILE, MARKER)  # files a run writes (never links)
-RUN_ENTRIES = (*RUN_FILES, "checkpoints", "tb", "plots", "profile")  # and directories; teacher-<key>: pretraining
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", LOCK_FILE, MARKER,  # files a run writes (never links)
+             WANDB_ID_FILE)
+RUN_ENTRIES = (*RUN_FILES, "checkpoints", "tb", "plots", "profile", WANDB_DIR)  # and directories; teacher-<key>:
+                                                                                # pretraining
 
 
 def _is_run_entry(name: str) -> bool:

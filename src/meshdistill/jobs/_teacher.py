@@ -74,7 +74,7 @@ def pretrain(
   trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend, fsdp=cfg.mesh.fsdp)
   with _run_lock(run_dir, "pretraining"):  # one run per run directory
     _write_config(cfg, run_dir)
-    monitor = _monitor(run_dir, p.steps, stream, "pretrain")
+    monitor = _monitor(run_dir, p.steps, stream, "pretrain", cfg)
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
     try:
       result = fit(

@@ -7,6 +7,8 @@ Everything lands in the run directory:
   ``step_s``;
 * ``tb/`` -- TensorBoard event files (``tensorboardX``; skipped with a warning when it is not
   installed), scalars named ``train/loss``, ``val/ppl``, ...;
+* with ``wandb`` among the loggers (``run.loggers``): a Weights & Biases run of the same rows, the run's config
+  and its final summary (`meshdistill.train.loop.loggers`);
 * ``plots/*.png`` -- from `plot_run` (``meshdistill plot RUN_DIR``; in `meshdistill.train.loop.plots`);
 * ``profile/`` -- a JAX profiler trace of the steps chosen with `ProfileWindow`.
 
@@ -27,6 +29,7 @@ import jax
 import numpy as np
 
 from meshdistill.core.fsutil import open_append, write_text_atomic
+from meshdistill.train.loop.loggers import WandbLogger, check_loggers
 from meshdistill.train.loop.plots import PLOTS, plot_run, read_metrics  # noqa: F401 -- re-exported: plots live in plots.py
 
 log = logging.getLogger(__name__)
@@ -117,12 +120,17 @@ class Monitor:
     total_steps: the run's last step (for the progress line and the ETA).
     stream: where the progress line goes (None: `logging`).
     name: a label shown in the progress line (``pretrain``, ``distill``).
-    tensorboard: write TensorBoard events.
+    tensorboard: write TensorBoard events (when ``loggers`` is None).
+    loggers: the loggers besides ``metrics.jsonl`` (``run.loggers``: ``tensorboard``, ``wandb``); None:
+      TensorBoard as ``tensorboard`` says.
+    config: the run's config as a plain dict, for loggers that record it (W&B).
   """
 
   def __init__(
-    self, run_dir: str | None, total_steps: int, *, stream: IO[str] | None = None, name: str = "", tensorboard=True
+    self, run_dir: str | None, total_steps: int, *, stream: IO[str] | None = None, name: str = "", tensorboard=True,
+    loggers=None, config: dict | None = None,
   ):
+    loggers = ("tensorboard",) * bool(tensorboard) if loggers is None else check_loggers(loggers)
     self.run_dir = run_dir
     self.bar = ProgressBar(total_steps, stream, name)
     self.total = total_steps
@@ -134,8 +142,15 @@ class Monitor:
       os.makedirs(run_dir, exist_ok=True)
       self._jsonl_path = os.path.join(run_dir, "metrics.jsonl")
       self._jsonl = open_append(self._jsonl_path)  # a link there is refused; closed in close()
-      if tensorboard:
+      if "tensorboard" in loggers:
         self._tb_dir = os.path.join(run_dir, "tb")
+    self._wandb = None
+    if run_dir is not None and "wandb" in loggers:
+      try:
+        self._wandb = WandbLogger(run_dir, config=config, job=name)
+      except BaseException:
+        self.close()
+        raise
     self._window: list[dict[str, Any]] = []
     self._window_tokens = 0.0
     self._t_window = None
@@ -208,6 +223,13 @@ class Monitor:
       for k, v in metrics.items():
         if math.isfinite(float(v)):
           self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+    if self._wandb is not None:
+      self._wandb.log(step, split, metrics)
+
+  def summary(self, summary: dict) -> None:
+    """The run's final summary (``summary.json``), for loggers that keep one (W&B's run summary)."""
+    if self._wandb is not None:
+      self._wandb.summary(summary)
 
   def event(self, step: int, kind: str, **fields: Any) -> None:
     """Writes one event row ``{"step", "split": "event", "event": kind, **fields}`` to ``metrics.jsonl``
@@ -263,6 +285,9 @@ class Monitor:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+    if getattr(self, "_wandb", None) is not None:
+      self._wandb.close()
+      self._wandb = None
 
 
 class ProfileWindow:
