@@ -13,7 +13,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it ("" : the name is itself a submodule of meshdistill)
+# public name -> the module that defines it (the name is that module itself when it is the module's last part, e.g.
+# "compress"), or "module:attribute" where the public name differs from what the module calls it or the module's own
+# name would shadow it ("generate" is both a module and its sampler)
 _EXPORTS: dict[str, str] = {
     # submodules
     "compress": "meshdistill.models.compress",
@@ -69,6 +71,11 @@ _EXPORTS: dict[str, str] = {
     "load_hf": "meshdistill.models",
     "param_count": "meshdistill.models",
     "shard_model": "meshdistill.models",
+    # generation (the sampler: KV cache, greedy / temperature / top-k / top-p)
+    "Generation": "meshdistill.models.generate",
+    "SamplingConfig": "meshdistill.models.generate",
+    "generate": "meshdistill.models.generate:generate",
+    "left_pad": "meshdistill.models.generate",
     # compression (pruning, quantization-aware students)
     "PruneTargets": "meshdistill.models.compress",
     "QuantizeAware": "meshdistill.models.compress",
@@ -87,6 +94,7 @@ _EXPORTS: dict[str, str] = {
     "fallback_strategy": "meshdistill.strategies",
     # runs on disk
     "LoadedRun": "meshdistill.jobs",
+    "export": "meshdistill.jobs.export:export_run",
     "load_run": "meshdistill.jobs",
 }
 
@@ -114,8 +122,12 @@ def __getattr__(name: str) -> Any:
       if e.name != f"meshdistill.{name}":
         raise
       raise AttributeError(f"module 'meshdistill' has no attribute {name!r}") from None
+  where, _, attribute = where.partition(":")
   module = importlib.import_module(where)
-  value = module if module.__name__.rsplit(".", 1)[-1] == name else getattr(module, name)
+  if attribute:
+    value = getattr(module, attribute)
+  else:
+    value = module if module.__name__.rsplit(".", 1)[-1] == name else getattr(module, name)
   globals()[name] = value
   return value
 
