@@ -201,7 +201,7 @@ def completion(prompts: list[list[int]], k: int, ids: list[np.ndarray], logprobs
               "tail": _b64(tails[i], np.float32)}
       choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
                       "prompt_logprobs": None, "prompt_topk": topk,
-                      "meshdistill_digest": answer_digest(prompt, ids[i][:, :k], logprobs[i][:, :k], tails[i])})
+                      "meshdistill_digest": answer_digest(prompt, ids[i], logprobs[i], tails[i])})
       continue
     entries: list[dict | None] = [None]
     for ids_K, lp_K in zip(ids[i].tolist(), logprobs[i].tolist()):
@@ -209,7 +209,7 @@ def completion(prompts: list[list[int]], k: int, ids: list[np.ndarray], logprobs
                       for r, (t, lp) in enumerate(zip(ids_K, lp_K))})
     choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
                     "prompt_logprobs": entries, "prompt_logprobs_tail": [None, *tails[i].tolist()],
-                    "meshdistill_digest": answer_digest(prompt, ids[i][:, :k], logprobs[i][:, :k], tails[i])})
+                    "meshdistill_digest": answer_digest(prompt, ids[i], logprobs[i], tails[i])})
   n = sum(len(p) for p in prompts)
   return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
           "model": served_name, "choices": choices,
