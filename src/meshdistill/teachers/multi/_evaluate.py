@@ -50,7 +50,8 @@ def with_topk(data: MultiTeacherData, host: dict) -> tuple[dict, list[bool]] | N
   elif any(given):
     kept = [t for t in topks if t is not None]
     out = {k: v for k, v in combine(kept, None, k=data.k, weights=(1.0,) * len(kept)).items() if k in MULTI_KEYS}
-    rows = np.ones((B, len(topks)), np.float32) if teacher_B is None else np.eye(len(topks), dtype=np.float32)[teacher_B]
+    n = len(topks)
+    rows = np.ones((B, n), np.float32) if teacher_B is None else np.eye(n, dtype=np.float32)[teacher_B]
     out["teachers_rows"] = rows[:, np.asarray(given)]
   else:
     return {**host}, given
@@ -115,7 +116,9 @@ def summary_table(summary: dict) -> str:
       rows.append((f"teacher {e['name']} ({e['source']})", f"{e['params']:,}" if e["params"] else "-", "-", "-"))
   rows.append(("distilled student", f"{s['params']:,}", f"{s['loss']:.4f}", f"{s['ppl']:.3f}"))
   widths = [max(len(r[i]) for r in rows) for i in range(4)]
-  line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+  def line(r):
+    return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
   out = [line(rows[0]), "  ".join("-" * w for w in widths), *map(line, rows[1:])]
   out.append(f"student vs each teacher's top-k (forward KL on its k+1 bins at temperature "
              f"{teachers['temperature']:g}; teacher losses on {where}):")
