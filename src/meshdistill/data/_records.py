@@ -149,9 +149,9 @@ def load_records(source, fmt: str) -> list[Record]:
         prefix = f"{entry}#{split}/" if split else f"{entry}#"
         records += [Record(f"{prefix}{i}", row) for i, row in enumerate(ds)]
       continue
-    paths = _jsonl_paths(entry)
+    paths = [] if entry == "stdlib" else _jsonl_paths(entry)
     if not paths:
-      if not os.path.exists(os.path.expanduser(entry)) and not any(c in entry for c in "*?["):
+      if entry != "stdlib" and not os.path.exists(os.path.expanduser(entry)) and not any(c in entry for c in "*?["):
         raise FileNotFoundError(f"data.source: no file or directory at {entry!r}")
       raise ValueError(f"data.format={fmt!r} reads records (JSONL, or 'hf:<dataset path>'), but data.source entry "
                        f"{entry!r} holds no .jsonl file; use data.format=text for plain text")
