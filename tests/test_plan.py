@@ -25,7 +25,7 @@ needs_libtpu = pytest.mark.skipif(not planner.libtpu_available(),
                                   reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
 
 TEACHER = md.ModelConfig(vocab_size=8192, d_model=512, n_layers=2, n_heads=8, n_kv_heads=4, mlp_hidden=2048,
-                         max_len=16, tie_embeddings=False)
+                         max_len=16, tie_embeddings=False, dtype="float32", param_dtype="float32")  # counted as f32
 # key/value heads divide tensor=4 on both models, so every split weight halves (fewer are replicated)
 STUDENT = TEACHER.replace(d_model=256, n_heads=4, n_kv_heads=4, mlp_hidden=1024)
 BATCH, SEQ = 4, 16
@@ -56,6 +56,10 @@ def test_a_budget_too_small_does_not_fit_and_the_suggestion_replanned_fits(tpu_p
   s = a.suggestions[0]
   assert s.fits and s.need_bytes <= s.limit_bytes and s.mesh == (1, 4)
   assert s.memory == b.memory  # the suggestion and the same configuration planned on its own: one program
+  # one truth: the suggestion's step time is that plan's calibrated estimate, printed as the plan prints it
+  assert b.time["calibrated"] is not None and s.estimate_seconds == b.estimate_seconds == b.time["calibrated"]["step_s"]
+  assert b.estimate_label().startswith("est. ") and b.estimate_label() in a.table()
+  assert b.estimate_seconds != b.step_seconds  # the roofline is another figure
   # libtpu gives its own peak of live buffers: the fit is judged on it, and the table says so
   assert b.memory["need"] == b.memory["compiler_peak"] > 0 and "compiler peak (live at once)" in b.table()
 
@@ -84,7 +88,7 @@ def test_compiled_flops_match_the_analytic_count_within_15_percent(tpu_plans):
 def test_cpu_plan_of_the_main_job_equals_the_memory_of_the_step_distill_runs():
   cfg = load_config(None)  # the main job: default config, 2x4 mesh on 8 devices
   p = md.plan(devices="cpu:8")
-  assert p.mesh == (cfg.mesh.data, cfg.mesh.tensor) and (p.batch, p.seq) == (cfg.train.batch_size, cfg.data.seq_len)
+  assert cfg.mesh.auto and p.mesh == (cfg.mesh.resolved(None).data, cfg.mesh.resolved(None).tensor) == (2, 4) and (p.batch, p.seq) == (cfg.train.batch_size, cfg.data.seq_len)
 
   mesh = jobs.build_mesh(cfg)
   teacher = md.init_model(cfg.teacher, seed=0, mesh=mesh)

@@ -230,7 +230,7 @@ def search(teacher: Any = None, student: Any = None, *, topology: str | None = N
     plans.append(pl.plan(k))
 
   def rank(p: Plan):
-    per_token = None if p.step_seconds is None else p.step_seconds / (p.batch * p.seq)
+    per_token = None if p.estimate_seconds is None else p.estimate_seconds / (p.batch * p.seq)
     total = p.need_bytes if p.need_bytes is not None else float("inf")
     return (p.fits is False, per_token if per_token is not None else total, total)
 

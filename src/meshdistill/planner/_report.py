@@ -89,7 +89,25 @@ class Plan:
 
   @property
   def step_seconds(self) -> float | None:
+    """The roofline step time (peak rates; `estimate_seconds` is the figure to compare configurations by)."""
     return self.time.get("step_s")
+
+  @property
+  def estimate_seconds(self) -> float | None:
+    """The step time the plan stands behind: the calibrated estimate where a calibration covers this target,
+    else the roofline (`estimate_label` says which)."""
+    cal = self.time.get("calibrated")
+    return cal["step_s"] if cal else self.step_seconds
+
+  def estimate_label(self) -> str:
+    """``est. X ms/step`` (calibrated, with its band) or ``roofline X ms/step``; empty without an estimate."""
+    cal, step = self.time.get("calibrated"), self.estimate_seconds
+    if step is None:
+      return ""
+    if not cal:
+      return f"roofline {1e3 * step:.1f} ms/step"
+    band = "" if cal.get("band") is None else f" (band {1e3 * cal['low_s']:.1f}-{1e3 * cal['high_s']:.1f})"
+    return f"est. {1e3 * step:.1f} ms/step{band}"
 
   def describe(self) -> str:
     """The knobs of this configuration in one line (what a suggestion changes)."""
@@ -180,8 +198,9 @@ class Plan:
       lines.append("")
       lines.append("nearest configurations that fit (each compiled):")
       for s in self.suggestions:
-        step = "" if s.step_seconds is None else f", est. {1e3 * s.step_seconds:.1f} ms/step"
-        lines.append(f"  {s.describe()}: {_gib(s.memory['total'])} per device{step}, compiled in "
+        step = s.estimate_label()
+        need = s.need_bytes if s.need_bytes is not None else s.memory["total"]
+        lines.append(f"  {s.describe()}: {_gib(need)} per device{', ' + step if step else ''}, compiled in "
                      f"{s.compile_seconds:.0f} s")
     elif self.fits is False:
       lines.append("")
@@ -203,15 +222,21 @@ def model_notes(teacher, student) -> list[str]:
 def search_table(plans: list[Plan]) -> str:
   """Ranked configurations of a search, one row each."""
   rows = ["rank  mesh     remat          loss           batch      GiB/dev  fits   est. ms/step   MFU   compile s"]
+  roofline_only = False
   for i, p in enumerate(plans, 1):
     loss = "full logits" if p.chunk_size is None else f"chunk {p.chunk_size}"
-    ms = "-" if p.step_seconds is None else f"{1e3 * p.step_seconds:.1f}"
-    mfu = "-" if p.time.get("mfu") is None else f"{100 * p.time['mfu']:.1f}%"
+    cal = p.time.get("calibrated")
+    roofline_only |= p.estimate_seconds is not None and not cal
+    ms = "-" if p.estimate_seconds is None else f"{1e3 * p.estimate_seconds:.1f}" + ("" if cal else "*")
+    mfu = cal["mfu"] if cal else p.time.get("mfu")
+    mfu = "-" if mfu is None else f"{100 * mfu:.1f}%"
     fits = {True: "yes", False: "no", None: "?"}[p.fits]
-    total = "oom" if p.memory.get("total") is None else f"{p.memory['total'] / GIB:.2f}"
+    total = "oom" if p.need_bytes is None else f"{p.need_bytes / GIB:.2f}"
     mesh = f"{p.mesh[0]:>2}x{p.mesh[1]:<4}" if len(p.mesh_axes) == 2 else shape_label(p.mesh_axes)
     rows.append(f"{i:>4}  {mesh} {p.remat:<14} {loss:<14} {p.batch:>4}x{p.seq:<5} "
                 f"{total:>8}  {fits:<5} {ms:>13} {mfu:>6} {p.compile_seconds:>10.1f}")
+  if roofline_only:
+    rows.append("* the roofline (no calibration covers this target); the others are calibrated estimates")
   return "\n".join(rows)
 
 
