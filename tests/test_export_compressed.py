@@ -28,7 +28,8 @@ needs_extra = pytest.mark.skipif(not HAVE_EXTRA, reason="needs the compress extr
                                  "pip install 'meshdistill[compress]'), which the test extra does not install")
 TOL = 1e-5  # float32 sums in another order (module docstring)
 INT4 = QuantizeAware(weights="int4", group_size=8)
-WEIGHT_ONLY = [INT4, QuantizeAware(weights="int8")]
+FP8 = QuantizeAware(weights="fp8")
+WEIGHT_ONLY = [INT4, QuantizeAware(weights="int8"), FP8, QuantizeAware(weights="fp8", group_size=8)]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 
@@ -69,7 +70,7 @@ def test_the_quantized_export_without_compressed_tensors_names_the_extra(monkeyp
 
 
 @needs_extra
-@pytest.mark.parametrize("settings", WEIGHT_ONLY, ids=["int4-g8", "int8-channel"])
+@pytest.mark.parametrize("settings", WEIGHT_ONLY, ids=["int4-g8", "int8-channel", "fp8-channel", "fp8-g8"])
 def test_transformers_loads_the_export_to_the_quantization_aware_logits(settings, tmp_path):
   model = md.init_model(STUDENT_CFG.replace(n_layers=2), seed=1)
   out = md.export_quantized(model, settings, tmp_path / "q")
@@ -92,8 +93,8 @@ def test_transformers_loads_the_export_to_the_quantization_aware_logits(settings
 
 @needs_extra
 @pytest.mark.parametrize("settings", [INT4, QuantizeAware(weights="int8"),
-                                      QuantizeAware(weights="int8", activations="int8")],
-                         ids=["int4-g8", "int8-channel", "int8-int8-activations"])
+                                      QuantizeAware(weights="int8", activations="int8"), FP8],
+                         ids=["int4-g8", "int8-channel", "int8-int8-activations", "fp8-channel"])
 def test_the_export_is_the_format_compressed_tensors_infers(settings, tmp_path):
   from compressed_tensors.quantization import QuantizationConfig
   from safetensors import safe_open
@@ -105,11 +106,13 @@ def test_the_export_is_the_format_compressed_tensors_infers(settings, tmp_path):
   parsed = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k != "version"})
   assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
   (scheme,) = parsed.config_groups.values()
-  bits = {"int4": 4, "int8": 8}[settings.weights]
+  kind, bits = {"int4": ("int", 4), "int8": ("int", 8), "fp8": ("float", 8)}[settings.weights]
   w = scheme.weights
-  assert (w.num_bits, w.type, w.symmetric, w.group_size) == (bits, "int", True, settings.group_size)
+  assert (w.num_bits, w.type, w.symmetric, w.group_size) == (bits, kind, True, settings.group_size)
   assert w.strategy == ("group" if settings.group_size else "channel")
-  fmt = "int-quantized" if settings.activations == "int8" else "pack-quantized"  # what llm-compressor writes
+  # what compressed-tensors infers for a linear layer, as llm-compressor writes it
+  fmt = ("naive-quantized" if kind == "float" else "int-quantized" if settings.activations == "int8"
+         else "pack-quantized")
   assert qc["format"] == scheme.format == fmt
   if settings.activations == "int8":
     a = scheme.input_activations
@@ -121,18 +124,20 @@ def test_the_export_is_the_format_compressed_tensors_infers(settings, tmp_path):
                                     r"re:.*self_attn\.v_proj$"]
   d, h = STUDENT_CFG.d_model, STUDENT_CFG.mlp_hidden
   down = "model.layers.1.mlp.down_proj"
-  with safe_open(str(out / "model.safetensors"), "numpy") as f:
+  with safe_open(str(out / "model.safetensors"), "pt") as f:  # numpy has no float8
     names = set(f.keys())
-    scale = f.get_tensor(down + ".weight_scale")
+    scale = f.get_tensor(down + ".weight_scale").numpy()
     assert scale.dtype == np.float32 and scale.shape == (d, h // (settings.group_size or h))
     if fmt == "pack-quantized":
-      packed = f.get_tensor(down + ".weight_packed")
+      packed = f.get_tensor(down + ".weight_packed").numpy()
       assert packed.dtype == np.int32 and packed.shape == (d, h * bits // 32)  # [out, in * bits / 32]
-      assert list(f.get_tensor(down + ".weight_shape")) == [d, h]
+      assert list(f.get_tensor(down + ".weight_shape").numpy()) == [d, h]
       assert down + ".weight" not in names
     else:
+      import torch
+
       values = f.get_tensor(down + ".weight")
-      assert values.dtype == np.int8 and values.shape == (d, h)
+      assert values.dtype == (torch.float8_e4m3fn if kind == "float" else torch.int8) and values.shape == (d, h)
   from safetensors.numpy import load_file
 
   plain = load_file(str(md.export_hf(model, tmp_path / "plain") / "model.safetensors"))

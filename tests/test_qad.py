@@ -189,8 +189,8 @@ def test_the_quantized_export_loads_to_the_quantization_aware_forward(settings, 
 
 def test_the_quantized_export_refuses_fp8_and_a_float_student(tmp_path):
   model = md.init_model(STUDENT_CFG, seed=1)
-  with pytest.raises(ValueError, match=r"weights='fp8': the quantized export holds integer weights"):
-    md.export_quantized(model, QuantizeAware(weights="fp8"), tmp_path / "fp8")
+  with pytest.raises(ValueError, match=r"weights='fp8': the meshdistill.quantized/1 layout holds integer weights"):
+    md.export_quantized(model, QuantizeAware(weights="fp8"), tmp_path / "fp8", layout=FORMAT)
   with pytest.raises(ValueError, match="weights is null: the student is not quantized"):
     md.export_quantized(model, QuantizeAware(), tmp_path / "float")
   with pytest.raises(ValueError, match=r"has format 'pt'; this version reads 'meshdistill.quantized/1'"):

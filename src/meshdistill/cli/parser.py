@@ -113,10 +113,10 @@ def parser() -> argparse.ArgumentParser:
   ex.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty OUT_DIR")
   ex.add_argument("--adapter", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter directory "
                   "(adapter_config.json, adapter_model.safetensors, and the base in base/) instead of merged weights")
-  ex.add_argument("--quantized", action="store_true", help="a quantization-aware run (student.quantize_aware: int8 "
-                  "or int4): write its integer weights and scales in the compressed-tensors format (config.json's "
-                  "quantization_config, model.safetensors: what vLLM and transformers load; the compress extra; "
-                  "docs/compress.md) instead of the dequantized float weights")
+  ex.add_argument("--quantized", action="store_true", help="a quantization-aware run (student.quantize_aware: int8, "
+                  "int4 or fp8): write its quantized weights and scales in the compressed-tensors format "
+                  "(config.json's quantization_config, model.safetensors: what vLLM and transformers load; the "
+                  "compress extra; docs/compress.md) instead of the dequantized float weights")
   _prune_parser(with_config(command("prune", help="score the teacher's units on the run's data and write a "
                                     "smaller student cut from it (Minitron width / depth pruning)")))
   _plan_parser(with_config(command("plan", help="compile the distillation step for a TPU slice or CPU devices "

@@ -30,7 +30,7 @@ from meshdistill.models import param_count
 from meshdistill.models._hf_config import default_family
 from meshdistill.models.compress.qat import dequantized
 from meshdistill.models.compress import compressed_export
-from meshdistill.models.compress.quantized_export import STORED, export_quantized
+from meshdistill.models.compress.quantized_export import export_quantized
 from meshdistill.models.hf import export_hf, export_kind, read_hf_config
 from meshdistill.models.lora import adapter_count, merge_lora
 from meshdistill.models.peft import adapter_kind, export_adapter
@@ -60,20 +60,16 @@ def check_out_dir(out_dir: str, overwrite: bool, adapter: bool = False) -> None:
 
 def check_quantized(cfg: Config, run_dir: str, adapter: bool = False) -> None:
   """Raises ValueError unless ``run_dir``'s student can be written with ``--quantized``: a quantization-aware run
-  (``student.quantize_aware.weights`` int8 or int4), not with ``--adapter``, the ``compressed-tensors`` package
+  (``student.quantize_aware.weights`` int8, int4 or fp8), not with ``--adapter``, the ``compressed-tensors`` package
   installed (the ``compress`` extra)."""
   settings = cfg.models.student_quantize_aware
   if adapter:
     raise ValueError("--quantized and --adapter exclude each other: --adapter writes a LoRA run's adapters, "
                      "--quantized a quantization-aware student's integer weights")
   if not settings.enabled:
-    raise ValueError(f"--quantized writes a quantization-aware student's integer weights, but RUN_DIR={run_dir!r} "
+    raise ValueError(f"--quantized writes a quantization-aware student's quantized weights, but RUN_DIR={run_dir!r} "
                      "trained a float student (student.quantize_aware.weights is null); export it without "
                      "--quantized")
-  if settings.weights not in STORED:
-    raise ValueError(f"--quantized writes integer weights ({list(STORED)}), but RUN_DIR={run_dir!r} trained "
-                     f"through student.quantize_aware.weights={settings.weights!r}; export it without --quantized "
-                     "(its dequantized float8 grid is exact in float32)")
   try:
     compressed_export.require()
   except ImportError as e:

@@ -276,11 +276,14 @@ def hf_tensors(model: Decoder, fam: families.Family, dtype: str = "float32") -> 
 
 def write_checkpoint(out_dir: str | os.PathLike, tensors: dict[str, np.ndarray], config: dict, tokenizer: Any = None,
                      *, overwrite: bool = False, identity: dict | None = None, file: str = SINGLE_FILE,
-                     metadata: dict[str, str] | None = None) -> Path:
+                     metadata: dict[str, str] | None = None, save_file=None) -> Path:
   """Writes ``config.json``, ``tensors`` into ``file`` (safetensors, with ``metadata``; default ``{"format": "pt"}``)
   and the tokenizer files into ``out_dir``, atomically, with an export's owner marker (``identity`` in it); a
-  non-empty ``out_dir`` only with ``overwrite`` and only when an export wrote it. Only process 0 writes."""
-  from safetensors.numpy import save_file
+  non-empty ``out_dir`` only with ``overwrite`` and only when an export wrote it. Only process 0 writes.
+  ``save_file(tensors, path, metadata=)``: the safetensors writer (default: safetensors' numpy one; tensors of a
+  dtype numpy lacks, float8, need safetensors' torch one)."""
+  if save_file is None:
+    from safetensors.numpy import save_file
 
   out = Path(out_dir)
   if jax.process_index() != 0:

@@ -8,7 +8,8 @@ no zero point), ``strategy: group`` with the run's ``group_size`` (``channel`` w
 ``activations: int8``, dynamic int8 input activations scaled as qwix scales them (per token, and per ``group_size``
 features of a token where the group size is set). The format is the one compressed-tensors infers for that scheme on
 a linear layer (as llm-compressor does): ``pack-quantized`` for weight-only int4 / int8 (eight int4 or four int8
-values in each int32), ``int-quantized`` with int8 activations (the values one per int8).
+values in each int32), ``int-quantized`` with int8 activations (the values one per int8); ``weights: fp8`` (``type:
+float``, float8_e4m3fn values) is ``naive-quantized`` (``float-quantized`` with int8 activations).
 
 `compress_tensors(quantized, scheme)` turns each projection's integer values and scales (the student's own, from
 `meshdistill.models.compress.qat.post_training`) into the tensors of that format through the format's compressor
@@ -25,7 +26,7 @@ import numpy as np
 
 EXTRA = "compress"
 INSTALL = f"pip install 'meshdistill[{EXTRA}]'"
-BITS = {"int4": 4, "int8": 8}
+TYPES = {"int4": ("int", 4), "int8": ("int", 8), "fp8": ("float", 8)}  # weights -> compressed-tensors' type, bits
 
 
 def require() -> None:
@@ -55,8 +56,9 @@ def scheme(settings, modules: list[str]):
   from compressed_tensors.quantization import QuantizationScheme  # pylint: disable=g-import-not-at-top
 
   g = settings.group_size
-  weights = QuantizationArgs(num_bits=BITS[settings.weights], type="int", symmetric=True,
-                             strategy="group" if g else "channel", group_size=g)
+  kind, bits = TYPES[settings.weights]
+  weights = QuantizationArgs(num_bits=bits, type=kind, symmetric=True, strategy="group" if g else "channel",
+                             group_size=g)
   acts = None
   if settings.activations == "int8":  # qwix scales an input per token, and per group of its features with a group size
     acts = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="group" if g else "token",
@@ -77,10 +79,10 @@ def compressed_config(found) -> dict:
   return {**config.model_dump(), COMPRESSION_VERSION_NAME: compressed_tensors.__version__}
 
 
-def compress_tensors(quantized: dict[str, tuple[np.ndarray, np.ndarray]], found) -> dict[str, np.ndarray]:
-  """``{module name: (values [out, in] int8, scales [out, in / group_size or 1] float32)}`` -> the tensors of
-  ``found``'s format (``{module}.weight_packed``, ``.weight_shape``, ``.weight_scale`` or ``{module}.weight``,
-  ``.weight_scale``), as numpy arrays."""
+def compress_tensors(quantized: dict[str, tuple[np.ndarray, np.ndarray]], found) -> dict:
+  """``{module name: (values [out, in] int8, or float32 on the float8 grid, scales [out, in / group_size or 1]
+  float32)}`` -> the tensors of ``found``'s format (``{module}.weight_packed``, ``.weight_shape``, ``.weight_scale``,
+  or ``{module}.weight`` (int8, float8_e4m3fn), ``.weight_scale``), as torch tensors (numpy has no float8)."""
   import torch  # pylint: disable=g-import-not-at-top
   from compressed_tensors.compressors import BaseCompressor  # pylint: disable=g-import-not-at-top
 
@@ -91,8 +93,25 @@ def compress_tensors(quantized: dict[str, tuple[np.ndarray, np.ndarray]], found)
     weight = values.astype(np.float32) * np.repeat(scales.astype(np.float32), group, axis=1)
     state = compressor.compress({"weight": torch.from_numpy(weight), "weight_scale": torch.tensor(scales)}, found)
     for local, tensor in state.items():
-      out[f"{module}.{local}"] = np.ascontiguousarray(tensor.numpy())
+      out[f"{module}.{local}"] = tensor.contiguous()
   return out
 
 
-__all__ = ["EXTRA", "INSTALL", "compress_tensors", "compressed_config", "require", "scheme", "targets"]
+def save_file(tensors: dict, path: str, metadata: dict[str, str] | None = None) -> None:
+  """safetensors' torch writer for ``tensors`` of numpy arrays (float32, float16, ml_dtypes' bfloat16) and torch
+  tensors (the compressed ones, float8 among them)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from safetensors.torch import save_file as save  # pylint: disable=g-import-not-at-top
+
+  def as_torch(x):
+    if isinstance(x, torch.Tensor):
+      return x
+    if x.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: the same bits
+      return torch.from_numpy(np.ascontiguousarray(x).view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(x))
+
+  save({k: as_torch(v) for k, v in tensors.items()}, path, metadata=metadata)
+
+
+__all__ = ["EXTRA", "INSTALL", "TYPES", "compress_tensors", "compressed_config", "require", "save_file", "scheme",
+           "targets"]

@@ -6,8 +6,8 @@ one of two layouts:
 
 * ``compressed-tensors`` (the default): what llm-compressor writes and vLLM and transformers load -- ``config.json``
   with a ``quantization_config`` (``quant_method: compressed-tensors``), ``model.safetensors`` with each block
-  projection's integers packed by the compressed-tensors package and its scales (`compressed_export`; the
-  ``compress`` extra);
+  projection's integers (packed) or float8 values compressed by the compressed-tensors package, and its scales
+  (`compressed_export`; the ``compress`` extra);
 * ``meshdistill.quantized/1`` (below): the integers unpacked, in a file no float loader reads.
 
 `load_quantized(out_dir)` reads a ``meshdistill.quantized/1`` export back as the quantized decoder (qwix ``QArray``
@@ -31,8 +31,9 @@ Layout ``meshdistill.quantized/1`` (an export directory: its owner marker is an 
     ``unpacked int8``;
 * the tokenizer files, when given.
 
-``weights: fp8`` is refused: its values are floats (safetensors' numpy reader has no ``F8_E4M3``); its plain export
-(``export_hf`` of `dequantized`) holds them exactly in float32.
+``weights: fp8`` is written in the compressed-tensors layout only (float8_e4m3fn values and float32 scales; the
+torch writer of safetensors: numpy has no float8); ``meshdistill.quantized/1`` refuses it (its plain export,
+``export_hf`` of `dequantized`, holds the float8 grid exactly in float32).
 """
 
 from __future__ import annotations
@@ -74,33 +75,36 @@ def export_quantized(model, settings: QuantizeAware, out_dir: str | os.PathLike,
   tensors that stay float) and ``overwrite`` as in `export_hf`: a non-empty ``out_dir`` is refused unless
   ``overwrite`` and an earlier export wrote it.
 
-  Raises ValueError when ``settings.weights`` is null (nothing to quantize) or ``fp8`` (not integers), or for another
-  ``layout``; ImportError when ``compressed-tensors`` is not installed (the ``compress`` extra)."""
+  Raises ValueError when ``settings.weights`` is null (nothing to quantize), ``fp8`` in ``meshdistill.quantized/1``
+  (integers only), or for another ``layout``; ImportError when ``compressed-tensors`` is not installed (the
+  ``compress`` extra)."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r}; choose one of {list(LAYOUTS)}")
   if not settings.enabled:
     raise ValueError(f"{SETTING}.weights is null: the student is not quantized; write it with export_hf, or choose "
                      f"weights from {list(WEIGHTS)}")
-  if settings.weights not in STORED:
-    raise ValueError(f"{SETTING}.weights={settings.weights!r}: the quantized export holds integer weights "
-                     f"({list(STORED)}); export this student without --quantized (its float8 grid, dequantized, is "
-                     "exact in float32)")
+  if layout == FORMAT and settings.weights not in STORED:
+    raise ValueError(f"{SETTING}.weights={settings.weights!r}: the {FORMAT} layout holds integer weights "
+                     f"({list(STORED)}); write it with layout={COMPRESSED!r} (float8 values and their scales), or "
+                     "export it with export_hf (its float8 grid, dequantized, is exact in float32)")
   if layout == COMPRESSED:
     compressed_export.require()
   unrolled = to_unrolled(model) if model.cfg.scan_layers else model
   fam = families.default_for(model.cfg) if family is None else families.get(family)
   config = fam.to_hf(model.cfg, torch_dtype=dtype)
   tensors = hf_tensors(unrolled, fam, dtype)
-  quantized = {}  # {Hugging Face name: (values [out, in] int8, scales [out, in / group_size or 1] float32)}
+  quantized = {}  # {Hugging Face name: (values [out, in] int8 / float32, scales [out, in / group_size or 1] float32)}
   for key, qarray in quantized_weights(post_training(unrolled, settings)).items():
     name, transposed = fam.weight_name(key)
-    values, scales = host_value(qarray.qvalue.astype(STORED[settings.weights])), host_value(qarray.scale)
+    # fp8 values as float32 (exact: every float8_e4m3fn value is a float32 one); the compressor casts them back
+    values = host_value(qarray.qvalue.astype(STORED.get(settings.weights, np.float32)))
+    scales = host_value(qarray.scale)
     if transposed:
       values, scales = values.T, scales.T
     real = tensors[name].shape  # the checkpoint's shape (replicated key / value heads cut off)
     scales = scales[tuple(slice(0, -(-n * s // v)) for n, s, v in zip(real, scales.shape, values.shape))]
     values = values[tuple(slice(0, n) for n in real)]
-    quantized[name] = (np.ascontiguousarray(values, dtype=STORED[settings.weights]),
+    quantized[name] = (np.ascontiguousarray(values, dtype=STORED.get(settings.weights, values.dtype)),
                        np.ascontiguousarray(scales, dtype=np.float32))
   identity = {"architecture": config["architectures"][0], "format": layout, "quantization": _section(settings)}
   if layout == COMPRESSED:
@@ -129,7 +133,8 @@ def _write_compressed(out_dir, tensors: dict, quantized: dict, config: dict, set
   packed = compressed_export.compress_tensors(
       {name.removesuffix(".weight"): arrays for name, arrays in quantized.items()}, found)
   floats = {k: v for k, v in tensors.items() if k not in quantized}
-  return write_checkpoint(out_dir, {**floats, **packed}, config, tokenizer, overwrite=overwrite, identity=identity)
+  return write_checkpoint(out_dir, {**floats, **packed}, config, tokenizer, overwrite=overwrite, identity=identity,
+                          save_file=compressed_export.save_file)
 
 
 def _section(settings: QuantizeAware) -> dict:
