@@ -32,7 +32,10 @@ cache each) and tunix's ``Sampler``
 batch's first call compiles (``first_call_s``), its tokens/s is ``batch * new`` over the median of `GEN_CALLS`
 calls after it.
 
-Rows are appended to ``--out`` (default ``benchmarks/results/tpu_step.jsonl``).
+Rows are appended to ``--out`` (default ``benchmarks/results/tpu_step.jsonl``), each with its date, the commit of the
+code measured (``--commit``, default this checkout's HEAD: a run without either is refused before anything is
+measured), its command, and the chip, jax and libtpu versions; ``--render`` prints them beside every row of
+``tpu_step.md`` and moves a configuration's older rows to its appendix.
 """
 
 from __future__ import annotations
@@ -40,12 +43,16 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import datetime
 import gc
 import glob
 import gzip
 import json
 import os
 import pathlib
+import re
+import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -407,6 +414,16 @@ def measure_plan(pair: str, s: Setting) -> dict:
           "plan": d, "text": str(p)[:4000], "plan_seconds": time.perf_counter() - t0}
 
 
+def checkout_commit() -> str | None:
+  """This checkout's HEAD commit (None where the folder is no git checkout or git is missing)."""
+  try:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                         capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip() if out.returncode == 0 else None
+
+
 def summary(row: dict) -> str:
   if "error" in row:
     what = row.get("label") or (f"batch {row['batch']}" if "batch" in row else "")
@@ -428,93 +445,206 @@ def summary(row: dict) -> str:
 
 GIB = 2**30
 
+# the columns every table row ends with: where it comes from (the script stores them in each row it appends)
+PROVENANCE = ("date", "commit", "chip", "jax", "libtpu", "command")
 
-def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md")) -> str:
-  """The tables of ``tpu_step.md`` from the stored rows (the newest row of each pair, system and setting, and of
-  each earlier checkout a row names); the notes written below the tables' marker are kept."""
-  from bench.results import NOTES, newest_rows
 
-  # a row measured with an earlier checkout (``code``: its commit, for a same-call before/after) stands beside the
-  # current code's row of its setting instead of replacing it
-  rows = list(newest_rows(jsonl, key=lambda r: (r["pair"], r.get("system", "meshdistill"), r.get("label"),
-                                                  r.get("batch"), r.get("prompt"), r.get("new"),
-                                                  r.get("code"))).values())
-  steps = [r for r in rows if r.get("system", "meshdistill") == "meshdistill"]
-  first = next((r for r in steps if r.get("jax")), {})
-  out = ["# The distillation step on a TPU v5e chip", "",
-         f"Measured by `benchmarks/tpu_step.py` on one {first.get('device', 'TPU')} chip (jax {first.get('jax')}, "
-         f"libtpu {first.get('libtpu')}); the rows are in `tpu_step.jsonl`, this file is "
-         "`python benchmarks/tpu_step.py --render`. Model FLOPs and the memory columns are defined in the script's "
-         "docstring (MFU against 197 TFLOP/s bf16).", "",
-         "## Steps", "",
-         "| pair | batch x seq | student remat | loss chunk | attention (splash blocks) | AdamW first moment | "
-         "scanned layers | step | ms / step | tokens/s | MFU | program GiB | call | result |",
-         "|---|---|---|---:|---|---|---|---|---:|---:|---:|---:|---|---|"]
-  def call(r):  # the tag, and the checkout a row measured where it is not the code of its time
-    return (r.get("tag") or "") + (f" (checkout {r['code']})" if r.get("code") else "")
+def provenance(r: dict) -> str:
+  """The cells of `PROVENANCE` for row ``r`` (empty where the row lacks a field, which the results test refuses)."""
+  command = r.get("command") or ""
+  cells = (r.get("date"), r.get("commit") or r.get("code"), r.get("device"), r.get("jax"), r.get("libtpu"),
+           f"`{command}`".replace("|", "\\|") if command else "")
+  return " | ".join(str(c or "") for c in cells) + " |"
 
-  for r in steps:
+
+def _head(*columns: str, right: int = 0) -> list[str]:
+  """A table's header and separator: ``columns`` (the last ``right`` of them right-aligned), then `PROVENANCE`."""
+  aligns = ["---"] * (len(columns) - right) + ["---:"] * right + ["---"] * len(PROVENANCE)
+  return ["| " + " | ".join((*columns, *PROVENANCE)) + " |", "|" + "|".join(aligns) + "|"]
+
+
+def config_key(r: dict) -> tuple:
+  """What a row measured, without its splash blocks: a later row of the same key supersedes it (blocks tried at one
+  configuration are variants of it, superseded together)."""
+  s = dict(r.get("setting") or {})
+  s.pop("blocks", None)
+  defaults = {"mu": "float32", "metrics": "full", "scan": "both", "dtypes": "bf16"}
+  return (r["pair"], r.get("system", "meshdistill"), r.get("batch"), r.get("prompt"), r.get("new"),
+          tuple(sorted({**defaults, **s}.items())))
+
+
+def current_and_superseded(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+  """``rows`` (in file order) split into the current ones and the superseded: a configuration's current rows are
+  those its newest command measured (its newest row and the variants of other splash blocks that command measured
+  beside it); every older row of it is superseded (a retry of the same setting too), and so is every row of an
+  earlier checkout kept for a before/after (``code``)."""
+  newest = {}
+  for r in rows:
+    if not r.get("code"):
+      newest[config_key(r)] = r
+  current, superseded = [], []
+  for r in rows:
+    last = newest.get(config_key(r))
+    same = last is not None and not r.get("code") and (r is last or (
+        r.get("label") != last.get("label") and all(r.get(k) == last.get(k) for k in ("commit", "command", "tag"))))
+    (current if same else superseded).append(r)
+  return current, superseded
+
+
+def _order(r: dict) -> tuple:
+  s = r.get("setting") or {}
+  return (list(PAIRS).index(r["pair"]) if r["pair"] in PAIRS else 99, s.get("b", r.get("batch", 0)), s.get("t", 0),
+          s.get("scan", "both"), s.get("remat", ""), s.get("chunk", 0), s.get("mu", ""), s.get("metrics", ""),
+          s.get("attn", ""), s.get("blocks", ""), r.get("date", ""))
+
+
+def _why(error: str) -> str:
+  return "out of HBM" if "RESOURCE_EXHAUSTED" in error else " ".join(error[:60].replace("|", "/").split())
+
+
+def steps_table(steps: list[dict], key=_order) -> list[str]:
+  """One row per step measured (or refused), in ``key``'s order."""
+  out = _head("pair", "batch x seq", "student remat", "loss chunk", "attention (splash blocks)", "AdamW first moment",
+              "scanned layers", "step", "ms / step", "tokens/s", "MFU", "program GiB", "result")
+  # right-aligned: the numbers (the loss chunk and the four measured columns)
+  out[1] = "|---|---|---|---:|---|---|---|---|---:|---:|---:|---:|---|" + "---|" * len(PROVENANCE)
+  for r in sorted(steps, key=key):
     s = r["setting"]
     attn = s["attn"] + (f" ({s.get('blocks')})" if s["attn"] == "splash" else "")
     head = (f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | {s.get('mu', 'float32')} | "
             f"{s.get('scan', 'both')} | {STEP_KIND[s.get('metrics', 'full')]}")
     if "error" in r:
-      why = "out of HBM" if "RESOURCE_EXHAUSTED" in r["error"] else r["error"][:60]
       prog = f"{r['program_bytes'] / GIB:.2f}" if r.get("program_bytes") else ""
-      out.append(f"{head} | | | | {prog} | {call(r)} | {why} |")
+      out.append(f"{head} | | | | {prog} | {_why(r['error'])} | {provenance(r)}")
       continue
     out.append(f"{head} | {r['step_s'] * 1e3:.0f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
-               f"{r['program_bytes'] / GIB:.2f} | {call(r)} | ran |")
-  # the side by side compares within a call: every call's own rows (a later call's row of a setting does not
-  # replace an earlier call's)
-  out += side_by_side_section(list(newest_rows(jsonl, key=lambda r: (
-      r.get("tag"), r["pair"], r.get("system", "meshdistill"), r.get("label"), r.get("batch"))).values()))
-  # the newest traced row of each setting: a later untraced measurement of a setting keeps its trace in the table
-  def traced(r):
-    return r.get("system", "meshdistill") == "meshdistill" and isinstance(r.get("profile"), dict) and "ms" in r["profile"]
+               f"{r['program_bytes'] / GIB:.2f} | ran | {provenance(r)}")
+  return out
 
-  profiled = [r for r in newest_rows(jsonl, key=lambda r: (r["pair"], r.get("label"), r.get("code"), traced(r))).values()
-              if traced(r)]
+
+def pairs_table(steps: list[dict]) -> list[str]:
+  """Each pair's fastest current configuration (tokens/s) and what the pair is."""
+  best = {}
+  for r in steps:
+    if "step_s" in r and (r["pair"] not in best or r["tokens_per_s"] > best[r["pair"]]["tokens_per_s"]):
+      best[r["pair"]] = r
+  out = _head("pair", "teacher -> student", "matmul parameters (teacher, student)", "fastest configuration",
+              "ms / step", "tokens/s", "MFU", right=3)
+  for pair, r in sorted(best.items(), key=lambda kv: _order(kv[1])):
+    teacher, student, layers = PAIRS[pair]
+    s = r["setting"]
+    what = (f"{s['b']} x {s['t']}, remat {s['remat']}, chunk {s['chunk']}, AdamW first moment {s.get('mu', 'float32')}"
+            f", layers scanned: {s.get('scan', 'both')}")
+    params = ("n/a" if r.get("n_teacher") is None else
+              f"{r['n_teacher'] / 1e9:.2f} B, {r['n_student'] / 1e9:.3f} B")
+    out.append(f"| {pair} | {teacher} -> {layers}-layer {student} | {params} | {what} | {r['step_s'] * 1e3:.0f} | "
+               f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {provenance(r)}")
+  return out
+
+
+def profile_table(rows: list[dict], key=_order) -> list[str]:
+  out = _head("pair", "setting", *PROFILE_ROLES, right=len(PROFILE_ROLES))
+  for r in sorted(rows, key=key):
+    ms = r["profile"]["ms"]
+    total = sum(ms.values())
+    cells = " | ".join(f"{ms.get(k, 0):.0f} ({100 * ms.get(k, 0) / total:.0f}%)" for k in PROFILE_ROLES)
+    out.append(f"| {r['pair']} | {r['label']} | {cells} | {provenance(r)}")
+  return out
+
+
+def plan_table(plans: list[dict], steps: list[dict]) -> list[str]:
+  """Each plan on the chip beside the step measured at its setting (``steps`` in file order: the newest row of the
+  plan's commit and setting, else of its setting on any commit; the package's splash blocks where the plan's were not
+  measured)."""
+  out = _head("pair", "setting", "measured ms", "roofline ms", "calibrated ms (band; source)", "measured / calibrated",
+              "measured program GiB", "planned GiB", "measured compiler peak GiB", "planned compiler peak GiB",
+              right=8)
+  for r in plans:
+    t, mem = r["plan"]["time"], r["plan"]["memory"]
+    cal = t.get("calibrated") or {}
+    label = r["label"].rsplit(",blocks=", 1)[0]
+    meas = [m for m in steps if m.get("label", "").rsplit(",blocks=", 1)[0] == label and "step_s" in m
+            and m["pair"] == r["pair"]]
+    if not meas:
+      continue
+    exact = [x for x in meas if x.get("label") == r["label"]]
+    m = ([x for x in exact if x.get("commit") == r.get("commit")] or exact or meas)[-1]
+    peak, planned_peak = m.get("compiler_peak_bytes"), mem.get("compiler_peak")
+    peaks = " | ".join("n/a" if not x else f"{x / GIB:.2f}" for x in (peak, planned_peak))
+    out.append(f"| {r['pair']} | {r['label']} | {m['step_s'] * 1e3:.0f} | "
+               f"{t['step_s'] * 1e3:.0f} | {cal.get('step_s', 0) * 1e3:.0f} ({cal.get('low_s', 0) * 1e3:.0f}-"
+               f"{cal.get('high_s', 0) * 1e3:.0f}; {cal.get('source', 'n/a')}) | {m['step_s'] / cal['step_s']:.2f} | "
+               f"{m['program_bytes'] / GIB:.2f} | {mem['total'] / GIB:.2f} | {peaks} | {provenance(r)}")
+  return out
+
+
+def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md")) -> str:
+  """``tpu_step.md``'s tables from the stored rows: one table per question (steps, pairs, side by side, profiles,
+  sampling, the planner), each row ending with its date, commit, chip, jax, libtpu and command; a configuration's
+  older rows (`current_and_superseded`) in an appendix by date. The notes written below the tables' marker are
+  kept."""
+  from bench.results import NOTES
+
+  rows = []
+  if os.path.isfile(jsonl):
+    with open(jsonl, encoding="utf-8") as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  current, superseded = current_and_superseded(rows)
+
+  def kind(rs, *systems):
+    return [r for r in rs if r.get("system", "meshdistill") in systems]
+
+  def traced(r):
+    return isinstance(r.get("profile"), dict) and "ms" in r["profile"]
+
+  steps = kind(current, "meshdistill")
+  out = ["# The distillation step on a TPU v5e chip", "",
+         "Measured by `benchmarks/tpu_step.py` on one TPU chip; the rows are in `tpu_step.jsonl`, the tables are "
+         "`python benchmarks/tpu_step.py --render`. Every row ends with the date it was measured, the commit of the "
+         "code it ran, the chip, the jax and libtpu versions and the command (run from the checkout's root on the "
+         "chip; `$OLD`: a checkout of the row's commit, `$OUT`: a folder for traces). Each table holds the newest "
+         "measurement of each configuration; older ones are in the appendix, by date. Model FLOPs and the memory "
+         "columns are defined in the script's docstring (MFU against 197 TFLOP/s bf16); the notes below the tables "
+         "say what the rows show.", "",
+         "## Steps: time, throughput and memory of each configuration", ""]
+  out += steps_table(steps)
+  out += ["", "## Pairs: each pair's fastest configuration", ""]
+  out += pairs_table(steps)
+  out += side_by_side_section(kind(rows, "meshdistill", "plain", "tunix"), peers=kind(current, "plain", "tunix"))
+  # a configuration's newest trace stays while later rows of it went untraced
+  profiled, old_profiles = current_and_superseded([r for r in kind(rows, "meshdistill") if traced(r)])
   if profiled:
-    out += ["", "## Where the step's time goes (device time per step, from a `jax.profiler` trace)", "",
-            "| pair | setting | call | " + " | ".join(PROFILE_ROLES) + " |",
-            "|---|---|---|" + "---:|" * len(PROFILE_ROLES)]
-    for r in profiled:
-      ms = r["profile"]["ms"]
-      total = sum(ms.values())
-      cells = " | ".join(f"{ms.get(k, 0):.0f} ({100 * ms.get(k, 0) / total:.0f}%)" for k in PROFILE_ROLES)
-      out.append(f"| {r['pair']} | {r['label']} | {r.get('tag') or ''} | {cells} |")
-  out += generation_section([r for r in rows if r.get("system") in GEN_SYSTEMS])
-  plans = [r for r in rows if r.get("system") == "plan" and "plan" in r]
+    out += ["", "## Profiles: device time per step by role (ms, from a `jax.profiler` trace)", ""]
+    out += profile_table(profiled)
+  out += generation_section(kind(current, *GEN_SYSTEMS))
+  plans = [r for r in kind(current, "plan") if "plan" in r]
   if plans:
     out += ["", "## The planner on the chip (`md.plan(..., devices=\"local\")`, run there)", "",
-            "Each plan compiled the step on the chip itself, in the call (tag) named; its calibrated figure is the "
-            "chip source of that commit (`plan_calibration.md` holds the current source against every measured "
-            "configuration). Measured: the newest row of the same setting in the Steps table.", "",
-            "| pair | setting | call | measured ms | roofline ms | calibrated ms (band; source) | measured / "
-            "calibrated | measured program GiB | planned GiB | measured compiler peak GiB | planned compiler peak "
-            "GiB |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in plans:
-      t, mem = r["plan"]["time"], r["plan"]["memory"]
-      cal = t.get("calibrated") or {}
-      label = r["label"].rsplit(",blocks=", 1)[0]
-      meas = [m for m in steps if m.get("label", "").rsplit(",blocks=", 1)[0] == label and "step_s" in m
-              and not m.get("code") and m["pair"] == r["pair"]]
-      if not meas:
-        continue
-      same = [x for x in meas if x.get("label") == r["label"]]  # the blocks too, else the package's
-      m = ([x for x in same if x.get("tag") == r.get("tag")] or same or meas)[-1]
-      peak, planned_peak = m.get("compiler_peak_bytes"), mem.get("compiler_peak")
-      peaks = " | ".join("n/a" if not x else f"{x / GIB:.2f}" for x in (peak, planned_peak))
-      out.append(f"| {r['pair']} | {r['label']} | {r.get('tag') or ''} | {m['step_s'] * 1e3:.0f} | "
-                 f"{t['step_s'] * 1e3:.0f} | {cal.get('step_s', 0) * 1e3:.0f} ({cal.get('low_s', 0) * 1e3:.0f}-"
-                 f"{cal.get('high_s', 0) * 1e3:.0f}; {cal.get('source', 'n/a')}) | {m['step_s'] / cal['step_s']:.2f} | "
-                 f"{m['program_bytes'] / GIB:.2f} | {mem['total'] / GIB:.2f} | {peaks} |")
+            "Each plan compiled the step on the chip itself; its calibrated figure is the chip source of the row's "
+            "commit (`plan_calibration.md` holds the current source against every measured configuration). "
+            "Measured: the newest row of the same setting in the steps table.", ""]
+    out += plan_table(plans, kind(rows, "meshdistill"))
+  if superseded or old_profiles:
+    out += ["", "## Appendix: superseded rows, by date", "",
+            "Rows a newer measurement of the same configuration replaced, and rows of a checkout without a change, "
+            "measured beside the change for a before / after (their commit is that checkout).", ""]
+    old = sorted(superseded, key=lambda r: r.get("date", ""))  # stable: the file's order within a day
+    old_steps = kind(old, "meshdistill")
+    if old_steps:
+      out += ["### Steps", ""] + steps_table(old_steps, key=lambda r: r.get("date", ""))
+    out += side_by_side_section(kind(rows, "meshdistill", "plain", "tunix"), superseded=True,
+                                peers=kind(old, "plain", "tunix"))
+    if old_profiles:
+      out += ["", "### Profiles", ""] + profile_table(old_profiles, key=lambda r: r.get("date", ""))
+    out += generation_section(kind(old, *GEN_SYSTEMS), heading="### Sampling")
+    old_plans = [r for r in kind(old, "plan") if "plan" in r]
+    if old_plans:
+      out += ["", "### The planner on the chip", ""] + plan_table(old_plans, kind(rows, "meshdistill"))
   text = "\n".join(out) + "\n"
   notes = ""
   if os.path.exists(md_path):
-    old = open(md_path, encoding="utf-8").read()
-    notes = old[old.index(NOTES):] if NOTES in old else ""
+    old_text = open(md_path, encoding="utf-8").read()
+    notes = old_text[old_text.index(NOTES):] if NOTES in old_text else ""
   with open(md_path, "w", encoding="utf-8") as f:
     f.write(text + notes)
   return text
@@ -537,32 +667,44 @@ def _spread(r: dict) -> str:
   return f"{100 * (max(t) / min(t) - 1):.2f}%" if t else "not recorded"
 
 
-def side_by_side_section(rows: list[dict]) -> list[str]:
-  """One table per call that measured a peer (rows sharing a tag): the plain step and tunix at each setting, and
-  meshdistill where that call measured it at the same setting, each with the spread of its timed steps and its
-  tokens/s over meshdistill's in the same call (the systems' configurations above the table)."""
-  tags = list(dict.fromkeys(r.get("tag") for r in rows if r.get("system") in ("plain", "tunix")))
-  if not tags:
+def side_by_side_section(rows: list[dict], superseded: bool = False, peers: list[dict] | None = None) -> list[str]:
+  """The peers' table: the plain step and tunix (``peers``, default: those in ``rows``) at each setting, each after
+  meshdistill's row of the same command and setting (from ``rows``: the systems ran one after another in one
+  process, and the ratio is taken within it; another command's meshdistill row is never the reference), with the
+  spread of its timed steps. ``superseded``: the appendix's form (a sub-heading, no configurations)."""
+  peers = [r for r in rows if r.get("system") in ("plain", "tunix")] if peers is None else peers
+  if not peers:
     return []
-  out = ["", "## Side by side (one process, the same chip, systems in turn)", "",
-         "Configurations: " + "; ".join(f"**{k}**: {v}" for k, v in SIDE_CONFIG.items()) + ".", "",
-         "| call (tag) | pair | system | batch x seq | ms / step | tokens/s | spread of the timed steps | "
-         "tokens/s / meshdistill's | result |", "|---|---|---|---|---:|---:|---:|---:|---|"]
-  for tag in tags:
-    peers = {r.get("label") for r in rows if r.get("tag") == tag and r.get("system") in ("plain", "tunix")}
-    mine = [r for r in rows if r.get("tag") == tag and r.get("system", "meshdistill") in SIDE_CONFIG
-            and r.get("label") in peers]  # meshdistill only at a peer's exact setting
-    ours = {r["label"]: r for r in mine if r.get("system", "meshdistill") == "meshdistill" and "step_s" in r}
-    for r in sorted(mine, key=lambda r: (r["setting"]["b"], list(SIDE_CONFIG).index(r.get("system", "meshdistill")))):
+  same = lambda a, b: all(a.get(k) == b.get(k) for k in ("tag", "command", "commit", "label"))  # noqa: E731
+  groups: list[list[dict]] = []
+  for p in peers:
+    group = next((g for g in groups if same(g[0], p)), None)
+    if group is None:
+      ours = [r for r in rows if r.get("system", "meshdistill") == "meshdistill" and same(r, p)]
+      groups.append([*ours[-1:], p])
+    else:
+      group.append(p)
+  if superseded:
+    out = ["", "### Side by side", ""]
+  else:
+    out = ["", "## Side by side: meshdistill, the plain `jax.jit` step and tunix in one process", "",
+           "Configurations: " + "; ".join(f"**{k}**: {v}" for k, v in SIDE_CONFIG.items()) + ". The systems of one "
+           "command ran one after another in one process on the chip; each peer's ratio is to meshdistill's row "
+           "of that command.", ""]
+  out += _head("pair", "system", "batch x seq", "ms / step", "tokens/s", "spread of the timed steps",
+               "tokens/s / meshdistill's", "result")
+  out[-1] = "|---|---|---|---:|---:|---:|---:|---|" + "---|" * len(PROVENANCE)
+  for group in sorted(groups, key=lambda g: (g[-1].get("date", ""), g[-1]["setting"]["b"])):
+    ref = group[0] if group[0].get("system", "meshdistill") == "meshdistill" and "step_s" in group[0] else None
+    for r in sorted(group, key=lambda r: list(SIDE_CONFIG).index(r.get("system", "meshdistill"))):
       s, system = r["setting"], r.get("system", "meshdistill")
-      head = f"| {tag} | {r['pair']} | {system} | {s['b']} x {s['t']} |"
+      head = f"| {r['pair']} | {system} | {s['b']} x {s['t']} |"
       if "error" in r or "step_s" not in r:
-        why = "out of HBM" if "RESOURCE_EXHAUSTED" in r.get("error", "") else r.get("error", "no time")[:80]
-        out.append(f"{head} | | | | {why} |")
+        out.append(f"{head} | | | | {_why(r.get('error', 'no time'))} | {provenance(r)}")
         continue
-      ref = ours.get(r["label"])
       ratio = "" if ref is None or system == "meshdistill" else f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
-      out.append(f"{head} {r['step_s'] * 1e3:.0f} | {r['tokens_per_s']:,.0f} | {_spread(r)} | {ratio} | ran |")
+      out.append(f"{head} {r['step_s'] * 1e3:.0f} | {r['tokens_per_s']:,.0f} | {_spread(r)} | {ratio} | ran | "
+                 f"{provenance(r)}")
   return out
 
 
@@ -577,44 +719,36 @@ def _did_not_run(error: str) -> str:
   return "did not run: " + " ".join(why.replace("|", "/").split())
 
 
-def generation_section(gen: list[dict]) -> list[str]:
-  """The cached-sampling table: one row per sampler, batch and lengths, tokens/s beside `generation_limit`. Rows of
-  meshdistill's sampler alone, of the current checkout, all of which ran, keep the table's first form (no sampler
-  column); otherwise each row names its sampler (and the checkout it ran, ``code``), its first call's seconds and its
-  result."""
+def generation_section(gen: list[dict], heading: str | None = None) -> list[str]:
+  """The cached-sampling table: one row per sampler, batch and lengths, tokens/s beside `generation_limit`, its first
+  run's seconds (``first_call_s``) and its result. ``heading``: the appendix's sub-heading instead of the section's."""
   if not gen:
     return []
-  def order(r):
-    return r.get("prompt", 0), r.get("new", 0), r["batch"], list(GEN_SYSTEMS).index(r["system"]), bool(r.get("code"))
 
-  if all(r["system"] == "generate" and "error" not in r and not r.get("code") for r in gen):
-    out = ["", "## Cached sampling (the on-policy sampler) with the student", "",
-           "| pair | batch | prompt + new tokens | tokens/s | HBM-bandwidth limit (tokens/s) | share of the limit |",
-           "|---|---:|---|---:|---:|---:|"]
-    for r in sorted(gen, key=order):
-      limit = generation_limit(r)
-      out.append(f"| {r['pair']} | {r['batch']} | {r['prompt']} + {r['new']} | {r['tokens_per_s']:,.0f} | "
-                 f"{limit:,.0f} | {100 * r['tokens_per_s'] / limit:.0f}% |")
-    return out
-  out = ["", "## Cached sampling with the student: meshdistill's sampler (the on-policy path's) and tunix's", "",
-         "Both on the same student shape with random weights stored in float32, computing in bfloat16 (bfloat16 KV "
-         "cache), temperature 1 over the whole vocabulary; tokens/s = batch x new tokens / the median of the calls "
-         "after the first; *first call*: the first call's seconds (it compiles). tunix: `tunix.generate.sampler."
-         "Sampler` on tunix's Qwen3 (`benchmarks/bench/tunix_generate.py` says what each sampler does per call).", "",
-         "| pair | sampler | batch | prompt + new tokens | tokens/s | HBM-bandwidth limit (tokens/s) | "
-         "share of the limit | first call (s) | result |",
-         "|---|---|---:|---|---:|---:|---:|---:|---|"]
-  for r in sorted(gen, key=order):
+  def order(r):
+    return r.get("prompt", 0), r.get("new", 0), r["batch"], list(GEN_SYSTEMS).index(r["system"]), r.get("date", "")
+
+  if heading:
+    out = ["", heading, ""]
+  else:
+    out = ["", "## Sampling: meshdistill's cached sampler (the on-policy path's) and tunix's", "",
+           "Both on the same student shape with random weights stored in float32, computing in bfloat16 (bfloat16 KV "
+           "cache), temperature 1 over the whole vocabulary; tokens/s = batch x new tokens / the median of the timed "
+           "runs after the first; *first run*: the first run's seconds (it compiles). tunix: `tunix.generate.sampler."
+           "Sampler` on tunix's Qwen3 (`benchmarks/bench/tunix_generate.py` says what each sampler does per run).", ""]
+  out += _head("pair", "sampler", "batch", "prompt + new tokens", "tokens/s", "HBM-bandwidth limit (tokens/s)",
+               "share of the limit", "first run (s)", "result")
+  out[-1] = "|---|---|---:|---|---:|---:|---:|---:|---|" + "---|" * len(PROVENANCE)
+  for r in sorted(gen, key=(lambda r: r.get("date", "")) if heading else order):  # the appendix: by date
     lengths = f"{r.get('prompt', '?')} + {r.get('new', '?')}"
-    sampler = GEN_SYSTEMS[r["system"]] + (f" (checkout {r['code']})" if r.get("code") else "")
-    head = f"| {r['pair']} | {sampler} | {r['batch']} | {lengths} |"
+    head = f"| {r['pair']} | {GEN_SYSTEMS[r['system']]} | {r['batch']} | {lengths} |"
     if "error" in r:
-      out.append(f"{head} | | | | {_did_not_run(r['error'])} |")
+      out.append(f"{head} | | | | {_did_not_run(r['error'])} | {provenance(r)}")
       continue
     limit = generation_limit(r)
     first = f"{r['first_call_s']:.1f}" if r.get("first_call_s") is not None else ""
     out.append(f"{head} {r['tokens_per_s']:,.0f} | {limit:,.0f} | {100 * r['tokens_per_s'] / limit:.0f}% | {first} "
-               "| ran |")
+               f"| ran | {provenance(r)}")
   return out
 
 
@@ -648,11 +782,19 @@ def main(argv=None) -> int:
   parser.add_argument("--gen-batches", default="1,8,64", help="batch sizes of the generate systems")
   parser.add_argument("--gen-lengths", default="128,256", metavar="PROMPT,NEW",
                       help="prompt tokens and new tokens per row of the generate systems")
+  parser.add_argument("--commit", default=None,
+                      help="the commit of the code measured, stored with every row (default: this checkout's HEAD; "
+                           "name it where the checkout has no .git, or where PYTHONPATH runs another checkout)")
   parser.add_argument("--render", action="store_true", help="only rewrite tpu_step.md from the stored rows")
   args = parser.parse_args(argv)
   if args.render:
     print(render(args.out))
     return 0
+  commit = args.commit or checkout_commit()
+  if not commit or not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+    parser.error(f"--commit {commit!r}: every row names the commit of the code it measured (7 to 40 hex digits); "
+                 "this is no git checkout, so give --commit SHA")
+  command = " ".join(["python3 benchmarks/tpu_step.py", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
   import jax
 
   cache = os.environ.get("MESHDISTILL_BENCH_CACHE", os.path.join(tempfile.gettempdir(), "meshdistill-jax-cache"))
@@ -675,6 +817,12 @@ def main(argv=None) -> int:
   def keep(row):
     row["tag"] = args.tag
     row.setdefault("system", "meshdistill")
+    # where the row comes from: what tpu_step.md prints beside every row
+    row.update(date=datetime.datetime.now(datetime.timezone.utc).date().isoformat(), commit=commit[:7],
+               command=command)
+    row.setdefault("device", jax.devices()[0].device_kind)
+    row.setdefault("jax", jax.__version__)
+    row.setdefault("libtpu", libtpu_version())
     print(summary(row), flush=True)
     if "profile" in row:
       print(json.dumps(row["profile"])[:2000], flush=True)

@@ -121,21 +121,26 @@ def test_generation_table_puts_tunix_rows_beside_meshdistill_with_their_share_an
     tpu_step, tmp_path):
   results = bench_module("results")
   jsonl = str(tmp_path / "rows.jsonl")
+  where = {"date": "2026-12-06", "commit": "c09a527", "device": "TPU v5 lite", "jax": "0.10.2", "libtpu": "0.0.42.1",
+           "command": "python3 benchmarks/tpu_step.py --systems generate,tunix-generate"}
   for row in (_gen("generate", 1, 800.0), _gen("generate", 64, 6000.0), _gen("tunix-generate", 1, 400.0),
               _gen("tunix-generate", 64, error="XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory | 5 GiB"),
               _gen("tunix-generate", 8, error="ValueError: Total sampling steps 384 must be\nless than the cache")):
-    results.append_row(jsonl, row)
+    results.append_row(jsonl, {**row, **where})
   text = tpu_step.render(jsonl, str(tmp_path / "out.md"))
   table = [line for line in text.splitlines() if line.startswith("| qwen3 |")]
   limit1 = tpu_step.generation_limit(_gen("generate", 1, 800.0))
   assert limit1 == pytest.approx(1069, abs=1)  # the stored table's limit at batch 1
+  tail = ("2026-12-06 | c09a527 | TPU v5 lite | 0.10.2 | 0.0.42.1 | `python3 benchmarks/tpu_step.py --systems "
+          "generate,tunix-generate` |")
+  assert tpu_step.provenance(where) == tail
   assert table == [
-      f"| qwen3 | meshdistill | 1 | 128 + 256 | 800 | {limit1:,.0f} | {100 * 800 / limit1:.0f}% | 12.5 | ran |",
-      f"| qwen3 | tunix | 1 | 128 + 256 | 400 | {limit1:,.0f} | {100 * 400 / limit1:.0f}% | 12.5 | ran |",
+      f"| qwen3 | meshdistill | 1 | 128 + 256 | 800 | {limit1:,.0f} | {100 * 800 / limit1:.0f}% | 12.5 | ran | {tail}",
+      f"| qwen3 | tunix | 1 | 128 + 256 | 400 | {limit1:,.0f} | {100 * 400 / limit1:.0f}% | 12.5 | ran | {tail}",
       "| qwen3 | tunix | 8 | 128 + 256 | | | | | did not run: ValueError: Total sampling steps 384 must be less "
-      "than the cache |",
+      f"than the cache | {tail}",
       table[3],
-      "| qwen3 | tunix | 64 | 128 + 256 | | | | | did not run: out of HBM |",
+      f"| qwen3 | tunix | 64 | 128 + 256 | | | | | did not run: out of HBM | {tail}",
   ]
   assert table[3].startswith("| qwen3 | meshdistill | 64 | 128 + 256 | 6,000 |")
 
@@ -176,21 +181,21 @@ def test_the_chip_section_of_plan_calibration_md_is_the_render_of_its_stored_row
   assert "leaving one pair out needs two" in one_pair and "Leave one pair out" not in one_pair
 
 
-def test_side_by_side_table_sets_each_peer_beside_meshdistill_of_the_same_call_and_setting(tpu_step):
+def test_side_by_side_table_sets_each_peer_beside_meshdistill_of_the_same_command_and_setting(tpu_step):
   setting = {"b": 2, "t": 2048, "remat": "full", "chunk": 1024, "attn": "splash", "blocks": "default"}
-  row = lambda system, step_s, tag="one-call", b=2, **kw: {  # noqa: E731
+  row = lambda system, step_s, tag="one-run", b=2, **kw: {  # noqa: E731
       "pair": "qwen3", "system": system, "tag": tag, "setting": {**setting, "b": b}, "label": f"b={b}",
-      "step_s": step_s, "tokens_per_s": b * 2048 / step_s, **kw}
+      "step_s": step_s, "tokens_per_s": b * 2048 / step_s, "commit": "abc1234", "command": f"run {tag}", **kw}
   rows = [row("meshdistill", 0.25, step_times=[0.25, 0.26]), row("plain", 0.30, step_times=[0.30, 0.30]),
           row("tunix", 0.20), row("meshdistill", 0.50, b=4),  # no peer at batch 4: not in the table
-          row("meshdistill", 0.10, tag="other-call")]  # another call's meshdistill: never the reference
-  table = [line for line in tpu_step.side_by_side_section(rows) if line.startswith("| one-call")]
-  assert table == [
-      "| one-call | qwen3 | meshdistill | 2 x 2048 | 250 | 16,384 | 4.00% |  | ran |",
-      "| one-call | qwen3 | plain | 2 x 2048 | 300 | 13,653 | 0.00% | 0.83x | ran |",
-      "| one-call | qwen3 | tunix | 2 x 2048 | 200 | 20,480 | not recorded | 1.25x | ran |",
+          row("meshdistill", 0.10, tag="other-run")]  # another command's meshdistill: never the reference
+  lines = [line for line in tpu_step.side_by_side_section(rows) if line.startswith("| qwen3")]
+  where = " |  | abc1234 |  |  |  | `run one-run` |"
+  assert lines == [
+      "| qwen3 | meshdistill | 2 x 2048 | 250 | 16,384 | 4.00% |  | ran" + where,
+      "| qwen3 | plain | 2 x 2048 | 300 | 13,653 | 0.00% | 0.83x | ran" + where,
+      "| qwen3 | tunix | 2 x 2048 | 200 | 20,480 | not recorded | 1.25x | ran" + where,
   ]
-  assert not any(line.startswith("| other-call") for line in tpu_step.side_by_side_section(rows))
   text = "\n".join(tpu_step.side_by_side_section(rows))
   assert all(config in text for config in tpu_step.SIDE_CONFIG.values())  # each system's configuration is stated
 
@@ -212,27 +217,31 @@ def test_a_chip_setting_names_which_models_scan_their_layers_and_refuses_another
     tpu_step.Setting.parse("scan=some")
 
 
-def test_a_row_of_an_earlier_checkout_is_named_and_a_later_untraced_row_keeps_the_trace(tpu_step, tmp_path):
-  """A sampler row measured with an earlier checkout (``code``) stands beside the current one and names its commit;
-  a setting's trace stays in the profile table when a later call measured the setting again without one."""
+def test_an_earlier_checkouts_row_goes_to_the_appendix_and_a_later_untraced_row_keeps_the_trace(tpu_step, tmp_path):
+  """A sampler row measured with an earlier checkout (``code``) is in the appendix under that commit, the current
+  row in the table; a setting's trace stays in the profile table when a later row of the setting has none, while the
+  steps table shows that later row and puts the traced one in the appendix."""
   results = bench_module("results")
   jsonl = str(tmp_path / "rows.jsonl")
   step = {"pair": "qwen3", "system": "meshdistill", "label": "b=4", "tag": "traced", "step_s": 0.5,
-          "tokens_per_s": 1.0, "mfu": 0.5, "program_bytes": 2**30,
+          "tokens_per_s": 1.0, "mfu": 0.5, "program_bytes": 2**30, "commit": "1111111",
           "setting": {"b": 4, "t": 2048, "remat": "full", "chunk": 1024, "attn": "xla"},
           "profile": {"ms": {"matmul": 300.0, "loss": 100.0}}}
-  for row in (step, {**step, "tag": "later", "profile": None}, {**_gen("generate", 64, 9000.0), "code": "abc1234"},
-              _gen("generate", 64, 16000.0)):
+  for row in (step, {**step, "tag": "later", "profile": None, "commit": "2222222"},
+              {**_gen("generate", 64, 9000.0), "code": "abc1234"}, _gen("generate", 64, 16000.0)):
     results.append_row(jsonl, row)
   text = tpu_step.render(jsonl, str(tmp_path / "out.md"))
-  table = [line.split(" | ")[1:5] for line in text.splitlines() if line.startswith("| qwen3 | meshdistill")]
-  assert table == [["meshdistill", "64", "128 + 256", "16,000"], ["meshdistill (checkout abc1234)", "64",
-                                                                   "128 + 256", "9,000"]], table
-  section = text.split("## Where the step's time goes")[1].split("\n## ")[0]
+  main, appendix = text.split("## Appendix")
+  rows = lambda part, start: [ln.split(" | ")[:6] for ln in part.splitlines() if ln.startswith(start)]  # noqa: E731
+  assert rows(main, "| qwen3 | meshdistill | 64") == [["| qwen3", "meshdistill", "64", "128 + 256", "16,000", "30,994"]]
+  assert [ln for ln in appendix.splitlines() if ln.startswith("| qwen3 | meshdistill | 64")][0].split(" | ")[4:5] == [
+      "9,000"] and "| abc1234 |" in appendix
+  section = main.split("## Profiles")[1].split("\n## ")[0]
   traces = [line for line in section.splitlines() if line.startswith("| qwen3")]
-  assert traces == ["| qwen3 | b=4 | traced | 300 (75%) | 0 (0%) | 100 (25%) | 0 (0%) | 0 (0%) | 0 (0%) | 0 (0%) |"]
-  assert "| later | ran |" in text  # the steps table shows the newest row
-
+  assert traces == ["| qwen3 | b=4 | 300 (75%) | 0 (0%) | 100 (25%) | 0 (0%) | 0 (0%) | 0 (0%) | 0 (0%) |  | 1111111 |"
+                    "  |  |  |  |"]
+  steps = main.split("## Steps")[1].split("\n## ")[0]
+  assert "| 2222222 |" in steps and "| 1111111 |" not in steps and "| 1111111 |" in appendix.split("### Steps")[1]
 
 def test_the_sampler_runs_over_scanned_or_unrolled_layers_and_the_table_names_which(tpu_step, monkeypatch):
   """``--systems generate`` samples with the student's layers scanned (as it trains), ``generate-unrolled`` with them

@@ -41,8 +41,8 @@ elementwise input as XLA fuses it in, while XLA:CPU writes a stack out before re
 ``[B, T, V]`` logits several times their size (one-device cost of the chunked loss: 10.9 ms
 stacked, 10.1 ms separate, 12.3 ms term by term). There the correlation's means come from plain sums of the
 logits, which depend on nothing else, so XLA reduces them in the pass that forms the logits and their maxima; sums
-after the shift by the maximum waited for it, a pass of their own over both chunks' logits (13 ms of a 498 ms step
-of the Qwen3 pair on a TPU v5e, `benchmarks/results/tpu_step.md`).
+after the shift by the maximum waited for it, a pass of their own over both chunks' logits (what that pass cost on a
+TPU: `benchmarks/results/tpu_step.md`, "Changes to the code").
 
 What the unfused functions guarantee holds: float32 (float64 for float64 logits; bfloat16 is widened),
 masked tokens exactly 0 (values and gradients), only max and sum reductions over V (a vocabulary split over

@@ -282,12 +282,9 @@ def _splash_block_sizes(splash, T: int, *, itemsize: int = 2, head_dim: int = 12
   fit bfloat16 inputs of head_dim <= 128 and bfloat16 ones of head_dim 256 without a soft-cap; a soft-cap at
   head_dim 256 needs 17.4 MiB, float32 inputs 17-42 MiB (at 'highest' matmul precision, or head_dim 256 with a
   soft-cap). 512-token blocks fit all of these.
-  Measured on a TPU v5e (`benchmarks/results/tpu_step.md`): with separate dq / dkv kernels and 512-token blocks
-  everywhere a Qwen3-1.7B -> 14-layer Qwen3-0.6B step at 8 x 2048 took 1094 ms, 1063 ms so; alone, forward and
-  backward of one layer's attention at 2048 tokens took 2.69 ms with 1024-token backward blocks against 2.79 ms with
-  512-token ones (Qwen3 heads; Llama 3.2 1B's: 5.73 / 6.01 ms, Gemma 3 1B's: 0.62 / 0.64 ms). In the forward,
-  1024-token query blocks computed 512 keys at a time took 0.90 against 0.93 ms on the Qwen3 heads (not measured on
-  the others or in a step: not taken), computed 1024 at a time 0.98 ms; 2048-token ones exceed the on-chip memory."""
+  Why these: on a v5e the fused backward kernel on 1024-token blocks was the fastest backward timed on the heads of
+  Qwen3, Llama 3.2 and Gemma 3, and the forward blocks tried gained too little to take (the timings:
+  `benchmarks/results/tpu_step.md`, "Changes to the code")."""
   q, kv = math.gcd(T, 512), math.gcd(T, 1024)
   fits = itemsize <= 2 and (head_dim <= 128 or not capped)
   bwd = kv if fits else q

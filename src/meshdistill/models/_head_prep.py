@@ -4,13 +4,13 @@ one Pallas kernel (`norm_rope_heads`), its backward pass in another.
 The splash kernel reads ``[B, H, T, K]`` (each head's tokens contiguous), a projection writes ``[B, T, H * K]``
 (each token's heads contiguous). Written in XLA (`einops.rearrange`, `head_norm`, `rope`), the TPU compiler formed
 the projection token-major and copied it twice to reach the kernel's layout, with the norm's and RoPE's float32
-products between the copies, in the forward pass and again in the backward one: on a TPU v5e, 13 of the 161 ms a
-Qwen3-1.7B teacher's forward pass took at 4 x 2048 tokens, about 27 of the 124 ms of a 14-layer student's backward
-pass (`benchmarks/results/tpu_step.md`). Here a kernel reads whole rows of the projection (head ``h`` in lanes
-``h K .. (h + 1) K``), normalises and rotates each head in on-chip memory, scales the queries for the scores, and
-writes each head where the splash kernel reads it; the backward kernel reads the incoming gradient head-major and
-writes the projection's gradient token-major, where its weight-gradient matmul reads it. That step: 463 -> 442 ms in one
-call with a first form of the kernel, 433 ms in a later call with this one.
+products between the copies, in the forward pass and again in the backward one (what those copies cost, and what
+this kernel saves, on a TPU v5e: `benchmarks/results/tpu_step.md`, "Changes to the code"). Here a kernel reads whole
+rows of the projection (head ``h`` in lanes ``h K .. (h + 1) K``), normalises and rotates each head in on-chip
+memory, scales the queries for the scores, and writes each head where the splash kernel reads it; the backward kernel
+reads the incoming gradient head-major and writes the projection's gradient token-major, where its weight-gradient
+matmul reads it. A grid step takes whole rows (as many heads as fit 4 KiB of a row) rather than one head's 128 lanes,
+which would be a strided read.
 
 The values are `head_norm` then `rope`'s, roundings included: the normalised heads are rounded to the input's dtype
 before the rotation (as `head_norm` returns them), and in the backward pass the rotation's gradient is rounded so

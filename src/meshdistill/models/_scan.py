@@ -122,8 +122,8 @@ def layer_blocks(blocks: nnx.Module, place) -> list[nnx.Module]:
   Decoding reads every weight and cache once per token, so it is bound by memory, not by the size of the program:
   traced, each slice is read in place and each layer attends to its own caches. Scanned with the weights, the caches
   were stacked ``[L, ...]`` and each layer staged its whole slice of them (every preallocated slot) before
-  attending: on one TPU v5e chip the 14-layer Qwen3-0.6B shape sampled 8,871 tokens/s at batch 64 so, and 16,074
-  unrolled (`benchmarks/results/tpu_step.md`).
+  attending, traffic the unrolled form does not have (what it cost on a TPU v5e: `benchmarks/results/tpu_step.md`,
+  "Changes to the code").
   """
   graphdef, state = nnx.split(blocks)
   out = [nnx.merge(graphdef, layer_state) for layer_state in _layers(state)]

@@ -343,10 +343,9 @@ def _row_major(grad: jax.Array) -> jax.Array:
   layout its weight and optimizer moments are stored in, so that the update reads all three in place. Without it the
   compiler may keep a stacked gradient in the layout its backward pass formed it in and copy the weight and both
   moments into that layout and back every step: a Gemma 3 student whose 13 layers scan as two groups of six and one
-  left over, compiled for TPU v5e, copied 42 float32 stacks of its layers' weights so (measured on one v5e chip:
-  303 ms per step with the constraint, 320-321 ms without; the Qwen3 and Llama pairs unchanged, 463 / 311 ms).
-  Only the layout changes. On one device only: over a mesh the constraint made XLA gather gradients split over
-  ``data`` (``mesh.fsdp``) and experts."""
+  left over, compiled for TPU v5e, copied 42 float32 stacks of its layers' weights so (what it cost on the chip:
+  `benchmarks/results/tpu_step.md`, "Changes to the code"). Only the layout changes. On one device only: over a
+  mesh the constraint made XLA gather gradients split over ``data`` (``mesh.fsdp``) and experts."""
   if getattr(grad, "ndim", 0) < 3:
     return grad
   return with_layout_constraint(grad, Layout(major_to_minor=tuple(range(grad.ndim))))
