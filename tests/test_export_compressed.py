@@ -217,3 +217,34 @@ def test_meshdistill_export_quantized_writes_what_transformers_loads_to_the_runs
   assert "--overwrite" in capsys.readouterr().err
   assert {p.name: p.read_bytes() for p in out.iterdir()} == before
   assert cli.main(["export", str(qad_run), str(out), "--quantized", "--overwrite"]) == 0  # an export's: replaced
+
+
+@needs_extra
+@pytest.mark.parametrize("settings", [INT4, QuantizeAware(weights="int8", activations="int8")],
+                         ids=["int4-g8", "int8-int8-activations"])
+def test_an_earlier_export_converts_to_what_the_export_writes_now(settings, tmp_path):
+  """`md.convert_quantized`: a meshdistill.quantized/1 export becomes, tensor for tensor, the compressed-tensors export
+  of the same student (the earlier layout stays readable by `md.load_quantized` too: tests/test_qad.py)."""
+  from meshdistill.models.compress.quantized_export import FORMAT
+  from safetensors import safe_open
+
+  model = md.init_model(STUDENT_CFG.replace(n_layers=2), seed=1)
+  old = md.export_quantized(model, settings, tmp_path / "old", tokenizer=str(FIXTURES / "hf_qwen3"), layout=FORMAT)
+  converted = md.compress.convert_quantized(old, tmp_path / "converted")
+  direct = md.export_quantized(model, settings, tmp_path / "direct", tokenizer=str(FIXTURES / "hf_qwen3"))
+
+  def tensors(out):
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+      return {k: f.get_tensor(k) for k in f.keys()}
+
+  got, want = tensors(converted), tensors(direct)
+  assert got.keys() == want.keys()
+  for k in want:
+    assert got[k].dtype == want[k].dtype and bool((got[k] == want[k]).all()), k
+  assert json.loads((converted / "config.json").read_text()) == json.loads((direct / "config.json").read_text())
+  assert (converted / "tokenizer.json").read_bytes() == (FIXTURES / "hf_qwen3" / "tokenizer.json").read_bytes()
+  with pytest.raises(ValueError, match="is a compressed-tensors export .* load it with transformers"):
+    md.compress.convert_quantized(direct, tmp_path / "again")  # a compressed-tensors export is not an earlier one
+  with pytest.raises(ValueError, match="is a compressed-tensors export"):
+    md.load_quantized(direct)
+  assert not (tmp_path / "again").exists()

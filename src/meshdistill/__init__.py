@@ -79,6 +79,7 @@ _EXPORTS: dict[str, str] = {
     # compression (pruning, quantization-aware students)
     "PruneTargets": "meshdistill.models.compress",
     "QuantizeAware": "meshdistill.models.compress",
+    "convert_quantized": "meshdistill.models.compress",
     "export_quantized": "meshdistill.models.compress",
     "load_quantized": "meshdistill.models.compress",
     "prune": "meshdistill.models.compress",

@@ -12,7 +12,7 @@ one of two layouts:
 
 `load_quantized(out_dir)` reads a ``meshdistill.quantized/1`` export back as the quantized decoder (qwix ``QArray``
 weights: the same integers, the same scales) or, with ``dequantize=True``, as a float decoder of the dequantized
-weights.
+weights; `convert_quantized(out_dir, new_dir)` rewrites one in the compressed-tensors layout.
 
 Layout ``meshdistill.quantized/1`` (an export directory: its owner marker is an export's):
 
@@ -52,7 +52,8 @@ from flax import nnx
 from meshdistill.models import families
 from meshdistill.models.compress import compressed_export
 from meshdistill.models.compress.qat import SETTING, WEIGHTS, QuantizeAware, post_training, quantized_weights
-from meshdistill.models.hf import hf_tensors, host_value, read_checkpoint, read_hf_config, write_checkpoint
+from meshdistill.models.hf import TOKENIZER_FILES, hf_tensors, host_value, read_checkpoint, read_hf_config
+from meshdistill.models.hf import write_checkpoint
 from meshdistill.models.quantize import placed
 from meshdistill.models.stacking import to_unrolled
 
@@ -146,13 +147,44 @@ def _header(path: Path) -> dict[str, str]:
 
   file = path / FILE
   if not file.is_file():
-    raise FileNotFoundError(f"{path} holds no {FILE}: not a {FORMAT} export (write one with `meshdistill export "
-                            "RUN_DIR OUT_DIR --quantized` or export_quantized)")
+    config = read_hf_config(path) if (path / "config.json").is_file() else {}
+    if (config.get("quantization_config") or {}).get("quant_method") == COMPRESSED:
+      raise ValueError(f"{path} is a compressed-tensors export (config.json's quantization_config), not a {FORMAT} "
+                       "one: load it with transformers (AutoModelForCausalLM.from_pretrained) or vLLM")
+    raise FileNotFoundError(f"{path} holds no {FILE}: not a {FORMAT} export (write one with "
+                            f"export_quantized(..., layout={FORMAT!r}))")
   with safe_open(str(file), "numpy") as f:
     meta = f.metadata() or {}
   if meta.get("format") != FORMAT:
     raise ValueError(f"{file} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
   return meta
+
+
+def convert_quantized(path: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+  """The ``meshdistill.quantized/1`` export at ``path`` rewritten at ``out_dir`` in the compressed-tensors layout --
+  the same integers, the same scales, the same float tensors and tokenizer files: what `export_quantized` writes
+  for the student it was written from. ``overwrite`` as in `export_quantized`.
+
+  Raises FileNotFoundError / ValueError for a ``path`` that is not such an export (`load_quantized`'s errors),
+  ImportError without ``compressed-tensors`` (the ``compress`` extra)."""
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+
+  path = Path(path)
+  meta = _header(path)
+  compressed_export.require()
+  settings = QuantizeAware(**json.loads(meta["quantization"]))
+  with safe_open(str(path / FILE), "numpy") as f:
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+  missing = [n for n in json.loads(meta["quantized"]) if n not in tensors or n + SCALE not in tensors]
+  if missing:
+    raise ValueError(f"{path / FILE} lacks the values or scales of {missing[:4]}; the file is damaged")
+  quantized = {n: (tensors.pop(n), tensors.pop(n + SCALE)) for n in json.loads(meta["quantized"])}
+  config = read_hf_config(path)
+  tokenizer = path if any((path / n).is_file() for n in TOKENIZER_FILES) else None
+  identity = {"architecture": config["architectures"][0], "format": COMPRESSED, "quantization": _section(settings)}
+  out = _write_compressed(out_dir, tensors, quantized, config, settings, tokenizer, overwrite, identity)
+  log.info("converted %s (%s) to the compressed-tensors layout at %s", path, FORMAT, out)
+  return out
 
 
 def quantized_settings(path: str | os.PathLike) -> QuantizeAware:
@@ -223,4 +255,4 @@ def _dequantize(codes, scales_np: np.ndarray) -> jax.Array:
   return codes * jax.device_put(jnp.asarray(expanded, codes.dtype), codes.sharding)
 
 
-__all__ = ["COMPRESSED", "FILE", "FORMAT", "LAYOUTS", "export_quantized", "load_quantized", "quantized_settings"]
+__all__ = ["COMPRESSED", "FILE", "FORMAT", "LAYOUTS", "convert_quantized", "export_quantized", "load_quantized", "quantized_settings"]
