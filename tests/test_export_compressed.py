@@ -248,3 +248,22 @@ def test_an_earlier_export_converts_to_what_the_export_writes_now(settings, tmp_
   with pytest.raises(ValueError, match="is a compressed-tensors export"):
     md.load_quantized(direct)
   assert not (tmp_path / "again").exists()
+
+
+@needs_extra
+def test_a_bfloat16_export_holds_the_float_tensors_of_the_plain_bfloat16_export(tmp_path):
+  """``dtype``: the tensors that stay float (embedding, norms) are those `md.export_hf` writes in that dtype; the scales
+  stay float32."""
+  from safetensors import safe_open
+
+  model = md.init_model(STUDENT_CFG, seed=1)
+  out = md.export_quantized(model, INT4, tmp_path / "q", dtype="bfloat16")
+  plain = md.export_hf(model, tmp_path / "plain", dtype="bfloat16")
+  with safe_open(str(out / "model.safetensors"), "pt") as f, safe_open(str(plain / "model.safetensors"), "pt") as g:
+    floats = [k for k in g.keys() if not k.endswith("_proj.weight")]
+    assert "model.embed_tokens.weight" in floats
+    for k in floats:
+      a, b = f.get_tensor(k), g.get_tensor(k)
+      assert a.dtype == b.dtype and bool((a == b).all()), k
+    assert str(f.get_tensor("model.layers.0.mlp.down_proj.weight_scale").dtype) == "torch.float32"
+  assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
