@@ -6,10 +6,10 @@ quantized block projections (``targets``: one ``re:`` pattern per projection kin
 ``quant_method: compressed-tensors``, weights ``int`` of 4 or 8 bits (``float`` of 8 for fp8), ``symmetric: true``
 (qwix's scales are absmax, no zero point), ``strategy: group`` with the run's ``group_size`` (``channel`` where it is
 null) and, for ``activations: int8``, dynamic int8 input activations scaled as qwix scales them (per token, and per
-``group_size`` features of a token where the group size is set). The format is the one compressed-tensors infers for that scheme on
-a linear layer (as llm-compressor does): ``pack-quantized`` for weight-only int4 / int8 (eight int4 or four int8
-values in each int32), ``int-quantized`` with int8 activations (the values one per int8); ``weights: fp8`` (``type:
-float``, float8_e4m3fn values) is ``naive-quantized`` (``float-quantized`` with int8 activations).
+``group_size`` features of a token where the group size is set). The format is the one compressed-tensors infers for
+that scheme on a linear layer (as llm-compressor does): ``pack-quantized`` for weight-only int4 / int8 (eight int4 or
+four int8 values in each int32), ``int-quantized`` with int8 activations (the values one per int8); ``weights: fp8``
+(``type: float``, float8_e4m3fn values) is ``naive-quantized`` (``float-quantized`` with int8 activations).
 
 `compress_tensors(quantized, scheme)` turns each projection's integer values and scales (the student's own, from
 `meshdistill.models.compress.qat.post_training`) into the tensors of that format through the format's compressor
