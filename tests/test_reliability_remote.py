@@ -222,7 +222,7 @@ def test_r3_cli_exit_codes_of_a_remote_teacher_agree_with_the_docs(monkeypatch, 
     def fail(*a, error=error, **kw):
       raise error
     monkeypatch.setattr(jobs, "distill", fail)
-    monkeypatch.setattr(jobs, "prepare_devices", lambda cfg: None)
+    monkeypatch.setattr(jobs, "prepare_devices", lambda cfg: cfg)
     assert cli.main(["distill", "--config", "tiny", "--set", "mesh.backend=single", "--set", "mesh.data=1",
                      "--set", "mesh.tensor=1"]) == code
     assert URL in capsys.readouterr().err
