@@ -511,6 +511,8 @@ def steps_table(steps: list[dict], key=_order) -> list[str]:
   for r in sorted(steps, key=key):
     s = r["setting"]
     attn = s["attn"] + (f" ({s.get('blocks')})" if s["attn"] == "splash" else "")
+    if s.get("dtypes") == "auto":  # the models' defaults: dtype and param_dtype auto too
+      attn += ", dtypes auto"
     head = (f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | {s.get('mu', 'float32')} | "
             f"{s.get('scan', 'both')} | {STEP_KIND[s.get('metrics', 'full')]}")
     if "error" in r:
