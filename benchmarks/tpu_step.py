@@ -213,6 +213,11 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   say = lambda what: print(f"{pair} {s.label()}: {what}", flush=True)  # noqa: E731
   say(f"models and state built in {row['build_s']:.0f} s; compiling the step")
   try:
+    if scfg.remat == "auto":  # the Distiller decides on its first step; here before the measured compile
+      t0 = time.perf_counter()
+      row["remat_chosen"] = d.decide_remat(state, batch)
+      row["decide_s"] = time.perf_counter() - t0
+      say(f"remat auto -> {row['remat_chosen']} in {row['decide_s']:.0f} s")
     t0 = time.perf_counter()
     compiled = d.lower(state, batch).compile()
     row["compile_s"] = time.perf_counter() - t0

@@ -104,3 +104,46 @@ def test_bfloat16_splash_under_highest_precision_and_remat_traces_each_kernel_in
   with jax.default_matmul_precision("highest"):
     grads = jax.jit(jax.grad(loss))(params)
   assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+
+
+def test_remat_auto_keeps_none_without_a_memory_limit_and_the_same_numbers():
+  from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
+
+  import meshdistill as md
+
+  assert STUDENT_CFG.remat == "auto"
+  runs = {}
+  for remat in ("auto", "none"):
+    d = md.Distiller(init_model(STUDENT_CFG.replace(remat=remat), seed=1), init_model(TEACHER_CFG, seed=0))
+    state = d.init_state()
+    state, metrics = d.step(state, make_batch())
+    runs[remat] = (d.student_cfg.remat, float(metrics["loss"]))
+  assert runs["auto"] == runs["none"] and runs["auto"][0] == "none"  # a CPU reports no memory limit
+
+
+def test_remat_auto_takes_the_first_policy_that_fits_and_keeps_the_choice_by_program(tmp_path, monkeypatch):
+  from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
+
+  import meshdistill as md
+  from meshdistill.train import memory
+
+  monkeypatch.setenv("MESHDISTILL_TUNING", str(tmp_path / "remat.json"))
+  d = md.Distiller(init_model(STUDENT_CFG, seed=1), init_model(TEACHER_CFG, seed=0))
+  state, batch = d.init_state(), make_batch()
+  need = memory.step_memory(d.with_remat("none"), state, batch).need_bytes
+  chosen, choice, cached = memory.auto_remat(d, state, batch, budget_bytes=2 * need)
+  assert (chosen.student_cfg.remat, choice.fits, cached) == ("none", True, False)
+  assert list(__import__("json").loads((tmp_path / "remat.json").read_text()).values()) == ["none"]
+
+  def no_compiling(*a, **k):
+    raise AssertionError("a known program must not be measured again")
+
+  monkeypatch.setattr(memory, "fit_remat", no_compiling)
+  again, choice, cached = memory.auto_remat(d, state, batch, budget_bytes=2 * need)
+  assert (again.student_cfg.remat, cached) == ("none", True)
+  with pytest.raises(AssertionError, match="measured again"):  # another program (batch) is measured
+    memory.auto_remat(d, state, make_batch(batch=4), budget_bytes=2 * need)
+  monkeypatch.undo()
+  # a budget no policy meets: the leanest measured, reported as not fitting, not kept
+  _, choice, _ = memory.auto_remat(d, state, batch, budget_bytes=need // 100)
+  assert not choice.fits and choice.remat in memory.REMAT_ORDER

@@ -63,7 +63,7 @@ def _plan(args) -> int:
   """``meshdistill plan``: JAX starts here on CPU devices only; TPU programs are compiled, never run."""
   import json  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.planner._hardware import cpu_count_of  # lazy: the planner, for plan only
+  from meshdistill.planner import cpu_count_of  # lazy: the planner, for plan only
 
   n = cpu_count_of(args.devices)
   if n is not None and n > 1:

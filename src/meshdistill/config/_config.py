@@ -56,7 +56,7 @@ from meshdistill.data import DataConfig
 from meshdistill.train.freezing import check_stages
 from meshdistill.core.fsutil import write_text_atomic
 from meshdistill.models import ModelConfig
-from meshdistill.teachers.multi._settings import TeachersSettings, check_teachers
+from meshdistill.teachers.multi import TeachersSettings, check_teachers
 from meshdistill.teachers.sources import ModelSources, nest_sources, resolve, split_sources
 
 # The package's names: `meshdistill.config.__all__` (the one list).

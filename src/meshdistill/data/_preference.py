@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from meshdistill.strategies._preference import preference_batch, read_preferences
+from meshdistill.strategies import preference_batch, read_preferences
 
 
 def own_pairs(batch: dict[str, np.ndarray], prompt_fraction: float) -> dict[str, np.ndarray]:

@@ -26,8 +26,7 @@ import uuid
 from meshdistill.config import Config, run_config
 from meshdistill import jobs
 from meshdistill.jobs import load_data
-from meshdistill.models import param_count
-from meshdistill.models._hf_config import default_family
+from meshdistill.models import default_family, param_count
 from meshdistill.models.compress.qat import dequantized
 from meshdistill.models.compress import compressed_export
 from meshdistill.models.compress.quantized_export import export_quantized

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from meshdistill.models.moe import MoeConfig
 from meshdistill.parallel.mesh import compiler_tensor_size, target_platform
 
-# Per-block rematerialisation (`jax.checkpoint`) policies, by `ModelConfig.remat` name:
+# Per-block rematerialisation (`jax.checkpoint`) policies, by `ModelConfig.remat` name ("auto", the default: the
+# `Distiller` compiles its first step with the policies in the order of `train.memory.REMAT_ORDER` and keeps the first
+# whose memory fits the device, `train.memory.auto_remat`; a model run outside one computes as "none"):
 # "none" keeps every activation for the backward pass; "full" keeps only each block's
 # input and recomputes the block; "dots" keeps matmul outputs; "dots_no_batch" keeps
 # only matmuls without batch dimensions (the weight projections, not attention scores).
@@ -122,7 +124,7 @@ class ModelConfig:
   tie_embeddings: bool = True
   dtype: str = "auto"  # compute dtype of activations (weights are cast to it where used); auto: see DTYPES
   param_dtype: str = "auto"  # dtype the weights are stored in: bfloat16 / float16 halve a frozen teacher's memory
-  remat: str = "none"  # per-block rematerialisation policy, a key of REMAT_POLICIES
+  remat: str = "auto"  # per-block rematerialisation policy, a key of REMAT_POLICIES; auto: chosen by memory (below)
   qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3)
   qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
   rope_scaling: RopeScaling | None = None  # Llama-3 frequency scaling (a dict of its fields also works)
@@ -177,8 +179,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {tuple(ATTENTION)}")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"ModelConfig.scan_layers={self.scan_layers!r} must be true or false")
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {tuple(REMAT_POLICIES)}")
+    if self.remat not in REMAT_POLICIES and self.remat != "auto":
+      raise ValueError(f"ModelConfig.remat={self.remat!r}; choose auto or one of {tuple(REMAT_POLICIES)}")
     if self.moe is not None and self.scan_layers and len({self.moe.sparse(i) for i in range(self.n_layers)}) > 1:
       raise ValueError(
           f"ModelConfig.scan_layers=true stacks identical blocks, but moe.dense_layers={list(self.moe.dense_layers)} "

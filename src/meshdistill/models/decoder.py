@@ -266,7 +266,7 @@ class Decoder(nnx.Module):
     want_hidden, want_attn, want_router = "hidden" in capture, "attn" in capture, "router" in capture
     x = scale_embed(cfg, gathered(self.embed)(tokens_BxT))
     hidden, attn, router = [x] if want_hidden else [], [], []
-    runner = _block_runner(cfg.remat, cfg.scan_layers)
+    runner = _block_runner("none" if cfg.remat == "auto" else cfg.remat, cfg.scan_layers)  # auto: the Distiller's
     run_block = lambda block, x, want_probs: runner(block, x, want_probs, segments)  # noqa: E731
     if cfg.scan_layers:  # the same run_block on each layer's slice of the stacked blocks
       x, hidden_L, attn_L, router_L = scan_blocks(self.blocks, x, run_block, want_hidden, want_attn, want_router,

@@ -27,8 +27,7 @@ from meshdistill.parallel.backends import ShardMapLayout
 from meshdistill.parallel.collectives import replica_groups
 from meshdistill.train.memory import MemoryReport
 from meshdistill.parallel.mesh import TENSOR, batch_sharding
-from meshdistill.models import _attention
-from meshdistill.models._build import abstract_params
+from meshdistill.models import abstract_params, splash_block_sizes
 from meshdistill.models.decoder import ModelConfig
 from meshdistill.models.lora import abstract_lora
 from meshdistill.models.compress.qat import abstract_quantize_aware
@@ -270,12 +269,9 @@ def kernel_flops(teacher: ModelConfig, student: ModelConfig, remat: str, seq: in
 
 def _kernel_block(cfg: ModelConfig, seq: int, backward: bool) -> int:
   """The splash kernel's compute block over keys (queries and keys alike) for ``cfg`` at ``seq``: the package's
-  own (`models._attention._splash_block_sizes`)."""
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
-
+  own (`meshdistill.models.splash_block_sizes`)."""
   itemsize = cfg.compute_dtype.itemsize
-  b = _attention._splash_block_sizes(splash, seq, itemsize=itemsize, head_dim=cfg.hd,
-                                     capped=cfg.attn_softcap is not None)
+  b = splash_block_sizes(seq, itemsize=itemsize, head_dim=cfg.hd, capped=cfg.attn_softcap is not None)
   return b.block_kv_dkv_compute if backward else b.block_kv_compute
 
 

@@ -17,6 +17,7 @@ from meshdistill.planner._placement import placements
 from meshdistill.planner._plan import _UNSET, GIB, Knobs, Planner
 from meshdistill.planner._presets import resolve_model
 from meshdistill.planner._report import Plan
+from meshdistill.train.memory import REMAT_ORDER
 from meshdistill.core.vocab import resolve_shared_vocab
 
 log = logging.getLogger("meshdistill.planner._plan")  # the name its records always had
@@ -192,7 +193,16 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
     raise ValueError(f"batch={batch!r} must be a positive integer")
   k = _default_knobs(pl, mesh, batch, chunk_size)
   pl.announce(1, more=max_compiles if suggest > 0 else 0)
-  p = pl.plan(k)
+  if k.remat == "auto":  # as `distill` decides it (`train.memory.auto_remat`): the first policy that fits
+    for remat in REMAT_ORDER:
+      k = dataclasses.replace(k, remat=remat)
+      p = pl.plan(k)
+      if p.fits is not False:
+        break
+    p.notes.append(f"remat auto: {k.remat}, the first of {', '.join(REMAT_ORDER)} whose step fits (as distill "
+                   "chooses it on the device)")
+  else:
+    p = pl.plan(k)
   if p.fits is False and suggest > 0:
     p.suggestions = pl.nearest(k, suggest, max_compiles)
   if placement is not None:

@@ -357,7 +357,7 @@ class Planner:
     """Every combination of ``meshes`` (each a `mesh_shape` form: ``(data, tensor)``, ``"2x4"``, a mapping;
     default `layouts`), remat policies, chunk sizes and ``batches``."""
     batches = list(batches or [batch])
-    remats = list(remats or dict.fromkeys([self.student.remat, "full"]))
+    remats = list(remats or dict.fromkeys(["none" if self.student.remat == "auto" else self.student.remat, "full"]))
     chunks = list(chunk_sizes or dict.fromkeys([self.cfg.distill.chunk_size, DEFAULT_CHUNK]))
     out = []
     for b in batches:

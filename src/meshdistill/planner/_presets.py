@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from meshdistill.models import families
-from meshdistill.models._hf_config import config_from_hf
+from meshdistill.models import config_from_hf
 from meshdistill.models.decoder import ModelConfig
 
 

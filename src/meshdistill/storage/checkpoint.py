@@ -61,8 +61,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from meshdistill.storage.checkpoint_steps import (CHECKSUM_FILE, first_line, links_in, narrow_uint4, recorded_step,
                                                  verify_complete, widen_uint4)
 from meshdistill.core.fsutil import file_digests, read_json, write_text_atomic
-from meshdistill.models import Decoder, ModelConfig
-from meshdistill.models._build import abstract_params
+from meshdistill.models import Decoder, ModelConfig, abstract_params
 from meshdistill.core.state import TrainState
 from meshdistill.models.lora import abstract_lora
 from meshdistill.models.stacking import to_scanned, to_unrolled

@@ -8,9 +8,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from meshdistill.losses._chunked import chunked_token_sums
+from meshdistill.losses import chunked_token_sums
 from meshdistill.models import ModelOutput
-from meshdistill.models._variants import softcap
+from meshdistill.models import softcap
 from meshdistill.losses.schedules import check_integer
 from meshdistill.strategies._base import BatchStrategy, register
 from meshdistill.strategies._logit import LogitRecipe

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshdistill.losses import cross_entropy
-from meshdistill.models._variants import softcap
+from meshdistill.models import softcap
 from meshdistill.strategies._base import BatchStrategy, register
 
 LOSSES = ("sigmoid", "ipo", "sigmoid_kl")

@@ -28,8 +28,7 @@ from meshdistill.core.fsutil import (
   read_json,
   verify_digests,
 )
-from meshdistill.models import Decoder, ModelConfig
-from meshdistill.models._build import abstract_params
+from meshdistill.models import Decoder, ModelConfig, abstract_params
 from meshdistill.core.ownership import OutputKind, check_owned, write_marker
 from meshdistill.parallel.distributed import barrier, is_primary
 from meshdistill.models.stacking import to_scanned, to_unrolled

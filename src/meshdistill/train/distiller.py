@@ -29,10 +29,10 @@ from jax.sharding import Mesh
 
 from meshdistill.parallel.backends import make_layout
 from meshdistill.parallel.mesh import platform_of
-from meshdistill.models import Decoder, frozen_model
-from meshdistill.models._build import abstract_params, fit_model
+from meshdistill.models import Decoder, abstract_params, fit_model, frozen_model
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
+from meshdistill.train.memory import auto_remat
 from meshdistill.train.optimizers import check_loss_scale, default_optimizer
 from meshdistill.core.vocab import PADDING_TOLERANCE, resolve_shared_vocab  # noqa: F401 -- also read from here
 from meshdistill.train.step import (
@@ -289,11 +289,24 @@ class Distiller:
   def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
     """One train step on a host batch ``{inputs, targets, mask}`` of shape [B, T].
 
-    ``state`` is consumed (its buffers are donated); use the returned one.
+    ``state`` is consumed (its buffers are donated); use the returned one. A student of ``remat="auto"`` gets its
+    policy on the first call (`meshdistill.train.memory.auto_remat`: the first policy whose step fits the device).
     """
     self.check_batch(batch)
+    if self.student_cfg.remat == "auto":
+      self.decide_remat(state, batch)
     new_state, metrics = self.compiled_step(state)(state, self.teacher_params, self.layout.place_batch(batch))
     return new_state, self.layout.host_metrics(metrics)
+
+  def decide_remat(self, state: TrainState, batch: dict) -> str:
+    """Makes a student remat of ``auto`` a policy for this step on these devices (`auto_remat`; compiles candidates
+    unless the choice is known for this program) and returns it; this Distiller then runs that policy."""
+    if self.student_cfg.remat != "auto":
+      return self.student_cfg.remat
+    chosen, choice, _ = auto_remat(self, state, batch)
+    self.student_cfg, self.student_def, self._step_fn = chosen.student_cfg, chosen.student_def, chosen._step_fn
+    self._compiled, self._light, self._strategy_variants = None, None, {}
+    return choice.remat
 
   def lower(self, state: TrainState, batch: dict):
     """The lowered step for ``batch`` (``.compile().as_text()`` gives its HLO)."""

@@ -50,7 +50,7 @@ from meshdistill.train.distiller import Distiller
 from meshdistill.train.teacher import decide
 from meshdistill.parallel.distributed import process_count
 from meshdistill.models.generate import SamplingConfig, generate
-from meshdistill.data._domains import DOMAIN_KEY
+from meshdistill.data import DOMAIN_KEY
 from meshdistill.data.prompts import completion_batch, cut_prompts, prompts_of
 from meshdistill.core.batch import TOPK_KEYS
 

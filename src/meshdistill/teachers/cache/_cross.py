@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshdistill.data import TrainIterator
-from meshdistill.data._teacher_rows import StudentRows, TeacherRows, cut_teacher_rows
+from meshdistill.data import StudentRows, TeacherRows, TrainIterator, cut_teacher_rows
 from meshdistill.teachers.cache._format import CacheError, TeacherCache, _check_same
 
 

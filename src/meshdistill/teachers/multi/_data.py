@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshdistill import losses
-from meshdistill.data._domains import DOMAIN_KEY
+from meshdistill.data import DOMAIN_KEY
 from meshdistill.core.batch import MULTI_KEYS, TOPK_KEYS
 
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 from meshdistill import losses
 from meshdistill.core.batch import MULTI_KEYS, TOPK_KEYS
-from meshdistill.data._domains import DOMAIN_KEY
+from meshdistill.data import DOMAIN_KEY
 from meshdistill.models.decoder import param_count
 from meshdistill.teachers.multi._data import Live, MultiTeacherData, combine
 from meshdistill.train.loop.evaluate import Evaluator

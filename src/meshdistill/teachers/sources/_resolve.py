@@ -14,9 +14,8 @@ from typing import Any
 from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.teachers.sources._hub import hub_id, resolve_hub
 from meshdistill.teachers.sources._settings import ModelSources
-from meshdistill.data._tokenizer import _json_path
-from meshdistill.models._config import ModelConfig
-from meshdistill.models._hf_config import config_from_hf, default_family
+from meshdistill.data import tokenizer_file
+from meshdistill.models import ModelConfig, config_from_hf, default_family
 from meshdistill.core.vocab import PADDING_TOLERANCE
 
 log = logging.getLogger(__name__)
@@ -177,7 +176,7 @@ def _teacher_tokenizer(cfg, path: str):
         "(the teacher's tokenizer.json is used)"
     )
 
-  other = _json_path(os.path.expanduser(given))
+  other = tokenizer_file(os.path.expanduser(given))
   if not os.path.isfile(other):
     raise ConfigError(f"data.tokenizer={given!r}: no tokenizer file at {other!r}")
   if file is not None:

@@ -194,6 +194,8 @@ class AutoRemat(Hook):
                jax.default_backend())
       return
     before = trainer.student_cfg.remat
+    if before == "auto":  # measured from the cheapest policy on (`fit_remat`)
+      before = "none"
     options = None
     if jax.default_backend() == "cpu" and trainer.layout.takes_compiler_options:
       # XLA's default CPU scheduler favours concurrency and hides what remat saves; with a memory
