@@ -147,3 +147,27 @@ def test_remat_auto_takes_the_first_policy_that_fits_and_keeps_the_choice_by_pro
   # a budget no policy meets: the leanest measured, reported as not fitting, not kept
   _, choice, _ = memory.auto_remat(d, state, batch, budget_bytes=need // 100)
   assert not choice.fits and choice.remat in memory.REMAT_ORDER
+
+
+def test_the_default_loss_is_chunked_on_a_large_vocabulary_and_gives_the_full_logit_numbers():
+  import meshdistill as md
+  from meshdistill.strategies import CHUNKED_FROM_VOCAB, default_recipe
+
+  kd = md.LogitKD(temperature=2.0, alpha=0.5)
+  big = default_recipe(kd, CHUNKED_FROM_VOCAB, model_teacher=True)
+  assert isinstance(big, md.ChunkedLogitKD) and (big.temperature, big.alpha, big.chunk_size) == (2.0, 0.5, 1024)
+  assert default_recipe(kd, CHUNKED_FROM_VOCAB - 1, model_teacher=True) is kd  # the main job's 264: as before
+  assert default_recipe(kd, CHUNKED_FROM_VOCAB, model_teacher=False) is kd  # a top-k teacher has no LM head
+  assert default_recipe(md.LogitKD(top_k=8), CHUNKED_FROM_VOCAB, model_teacher=True).top_k == 8  # named: kept
+
+  from helpers import make_batch
+  cfg = CFG.replace(vocab_size=CHUNKED_FROM_VOCAB, d_model=16, n_heads=2, n_kv_heads=1, mlp_hidden=32, max_len=8)
+  student, teacher = init_model(cfg, seed=1), init_model(cfg.replace(n_layers=2), seed=0)
+  auto = md.Distiller(student, teacher, optimizer=__import__("optax").sgd(0.1))
+  named = md.Distiller(student, teacher, strategy=md.LogitKD(), optimizer=__import__("optax").sgd(0.1))
+  assert isinstance(auto.strategy, md.ChunkedLogitKD) and isinstance(named.strategy, md.LogitKD)
+  batch = make_batch(batch=2, seq=8, vocab=CHUNKED_FROM_VOCAB)
+  _, got = auto.step(auto.init_state(), batch)
+  _, want = named.step(named.init_state(), batch)
+  for key in ("loss", "kl", "ce"):  # float32 sums over 32k logits in another order: a few ulps of the loss
+    np.testing.assert_allclose(float(got[key]), float(want[key]), rtol=2e-5)

@@ -62,7 +62,7 @@ from meshdistill.strategies._base import (
     names,
     register,
 )
-from meshdistill.strategies._chunked import ChunkedLogitKD
+from meshdistill.strategies._chunked import CHUNKED_FROM_VOCAB, ChunkedLogitKD, default_recipe
 from meshdistill.strategies._composite import Composite, HardLabelCE
 from meshdistill.strategies._features import FeaturePooling, FeatureProjection, feature_loss, pool_features
 from meshdistill.strategies._layer_map import default_layer_map
@@ -73,6 +73,7 @@ from meshdistill.strategies._wrappers import LogitMSE, fallback_strategy, label
 __all__ = [
     "AttentionTransfer",
     "BatchStrategy",
+    "CHUNKED_FROM_VOCAB",
     "ChunkedLogitKD",
     "Composite",
     "FeaturePooling",
@@ -103,6 +104,7 @@ __all__ = [
     "read_preferences",
     "register",
     "value_at",
+    "default_recipe",
 ]
 
 # Modules added to this package register their strategies on import; export those by class name.

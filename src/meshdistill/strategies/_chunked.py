@@ -13,7 +13,7 @@ from meshdistill.models import ModelOutput
 from meshdistill.models import softcap
 from meshdistill.losses.schedules import check_integer
 from meshdistill.strategies._base import BatchStrategy, register
-from meshdistill.strategies._logit import LogitRecipe
+from meshdistill.strategies._logit import LogitKD, LogitRecipe
 
 
 @register("chunked_logit_kd")
@@ -83,3 +83,23 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
 def _capped(token_fn, student_cap, teacher_cap, params, student_CxV, teacher_CxV, targets_C, mask_C):
   """``token_fn`` on soft-capped logits (`meshdistill.models._variants.softcap`; None leaves a model's as they are)."""
   return token_fn(params, softcap(student_CxV, student_cap), softcap(teacher_CxV, teacher_cap), targets_C, mask_C)
+
+
+# `default_recipe`: from this vocabulary size on, the recipe's default is the chunked form. At 32k tokens a
+# [B, T, V] float32 logit tensor is 128 KiB per token per model (with its gradient and the softmaxes several times
+# that); below it (the main job's 264 bytes) the full logits are small and the step keeps `LogitKD`.
+CHUNKED_FROM_VOCAB = 32768
+DEFAULT_CHUNK = 1024  # tokens per chunk (the planner's and the measured chip steps' choice)
+
+
+def default_recipe(recipe: LogitRecipe, vocab: int, model_teacher: bool) -> LogitRecipe:
+  """``recipe`` as the step should run it when the user named no loss form: a full-vocabulary `LogitKD` (no
+  top-k, no captured outputs) becomes the `ChunkedLogitKD` of the same settings (the same numbers, without
+  ``[B, T, V]`` logits) where the vocabulary has at least `CHUNKED_FROM_VOCAB` tokens and the teacher is a model
+  the step runs (``model_teacher``; a top-k teacher gives no LM head); anything else is returned as it is."""
+  if type(recipe) is not LogitKD or recipe.top_k is not None or recipe.capture or not model_teacher:
+    return recipe
+  if vocab < CHUNKED_FROM_VOCAB:
+    return recipe
+  fields = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(LogitRecipe) if f.init}
+  return ChunkedLogitKD(**fields, chunk_size=DEFAULT_CHUNK)

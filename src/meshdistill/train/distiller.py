@@ -38,7 +38,7 @@ from meshdistill.core.vocab import PADDING_TOLERANCE, resolve_shared_vocab  # no
 from meshdistill.train.step import (
     BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, SEGMENT_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS, TrainState, per_device_step,
 )
-from meshdistill.strategies import LogitKD, label
+from meshdistill.strategies import LogitKD, default_recipe, label
 from meshdistill.train.teacher import TeacherOutput, TopKTeacher, decide  # noqa: F401 -- TopKTeacher: the API's
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,9 @@ class Distiller:
     if teacher is not None and self.topk_teacher is None:
       # a frozen teacher of param_dtype "auto" is stored in its compute dtype (`ModelConfig.frozen`)
       teacher = frozen_model(self._fit(teacher), platform_of(self.layout.mesh))
-    self.strategy = strategy if strategy is not None else LogitKD()
+    # none named: LogitKD, as its chunked form on a large vocabulary (`strategies.default_recipe`: same numbers)
+    self.strategy = strategy if strategy is not None else default_recipe(
+        LogitKD(), student.cfg.vocab_size, teacher is not None and self.topk_teacher is None)
     if teacher is None and self.strategy.needs_teacher:  # the strategy contract's capability
       raise ValueError(f"Distiller without a teacher needs a strategy that uses none (needs_teacher = False, e.g. "
                        f"strategy=HardLabelCE()); {label(self.strategy)} needs a teacher")
