@@ -76,30 +76,30 @@ ROLES = (("/losses/", "loss"), ("_chunked.py", "loss"), ("strategies/", "loss"),
 STEP_KIND = {"full": "full metrics", "light": "metrics-light"}
 
 
-def use_splash_blocks(spec: str) -> None:
-  """Sets the splash kernel's block sizes for the models built after this call: ``default`` (the package's own), or
-  ``q<N>-kv<N>-c<N>[-fused]``: query / key-value / key-value compute blocks of every pass, and the fused backward
-  kernel (dq computed in the dkv pass)."""
+def use_splash_blocks(spec: str):
+  """A context in which the splash kernel's blocks are ``spec`` for every program traced inside it
+  (`meshdistill.models.splash_blocks`): ``default`` (the package's own), or ``q<N>-kv<N>-c<N>[-fused]``: query /
+  key-value / key-value compute blocks of every pass, and the fused backward kernel (dq computed in the dkv pass)."""
+  import contextlib
   import math
 
-  from meshdistill.models import _attention
+  from meshdistill.models import splash_blocks
 
-  if not hasattr(use_splash_blocks, "default"):
-    use_splash_blocks.default = _attention._splash_block_sizes
   if spec == "default":
-    _attention._splash_block_sizes = use_splash_blocks.default
-    return
+    return contextlib.nullcontext()
   parts = dict((p[0] if p[0] != "k" else "kv", p.lstrip("qkvc")) for p in spec.split("-") if p != "fused")
   q, kv, c = int(parts["q"]), int(parts["kv"]), int(parts.get("c", parts["kv"]))
   fused = spec.endswith("fused")
 
-  def sizes(splash, T, **_):
+  def sizes(T, **_):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
     bq, bkv, bc = math.gcd(T, q), math.gcd(T, kv), math.gcd(T, c)
     return splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bc, block_q_dkv=bq, block_kv_dkv=bkv,
                              block_kv_dkv_compute=bc, block_q_dq=None if fused else bq,
                              block_kv_dq=None if fused else bkv, use_fused_bwd_kernel=fused)
 
-  _attention._splash_block_sizes = sizes
+  return splash_blocks(sizes)
 
 
 def model_flops_per_token(cfg, seq: int, passes: int) -> float:
@@ -190,7 +190,6 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   row = {"pair": pair, "setting": dataclasses.asdict(s), "label": s.label(), "device": dev.device_kind,
          "jax": jax.__version__, "steps": steps}
   row["libtpu"] = libtpu_version()
-  use_splash_blocks(s.blocks)
   tcfg, scfg = model_configs(pair, s)
   mesh = md.make_mesh(data=1, tensor=1)
   t0 = time.perf_counter()
@@ -275,7 +274,6 @@ def measure_plain(pair: str, s: Setting, steps: int) -> dict:
   import meshdistill as md
   from bench.plain_step import make_plain_step
 
-  use_splash_blocks(s.blocks)
   tcfg, scfg = model_configs(pair, s)
   row = {"pair": pair, "system": "plain", "setting": dataclasses.asdict(s), "label": s.label(), "steps": steps}
   teacher, student = md.init_model(tcfg, seed=0), md.init_model(scfg, seed=1)
@@ -837,13 +835,14 @@ def main(argv=None) -> int:
 
   for text in args.config or [""]:
     setting = Setting.parse(text)
-    for system in systems:
-      if system == "meshdistill":
-        keep(measure(args.pair, setting, args.steps, args.profile, args.trace_dir))
-      elif system == "plain":
-        keep(measure_plain(args.pair, setting, args.steps))
-      elif system == "plan":
-        keep(measure_plan(args.pair, setting))
+    with use_splash_blocks(setting.blocks):  # every program of this setting is traced with its blocks
+      for system in systems:
+        if system == "meshdistill":
+          keep(measure(args.pair, setting, args.steps, args.profile, args.trace_dir))
+        elif system == "plain":
+          keep(measure_plain(args.pair, setting, args.steps))
+        elif system == "plan":
+          keep(measure_plan(args.pair, setting))
   if "tunix" in systems:  # after the others: one build of tunix's models serves every batch
     for row in measure_tunix(args.pair, [Setting.parse(text) for text in args.config or [""]], args.steps):
       keep(row)

@@ -8,15 +8,13 @@ from helpers import bench_module
 
 import meshdistill as md
 from meshdistill.jobs._setup import describe_devices
-from meshdistill.models import _attention
-from meshdistill.planner._hardware import parse_target
+from meshdistill.models import _attention, splash_block_sizes
+from meshdistill.planner import parse_target
 
 
 @pytest.mark.parametrize("T", [128, 384, 1536, 2048, 8192])
 def test_splash_blocks_divide_every_multiple_of_128_and_use_the_fused_backward_kernel(T):
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-  sizes = _attention._splash_block_sizes(splash, T)
+  sizes = splash_block_sizes(T)
   for name in ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute"):
     assert T % getattr(sizes, name) == 0, (name, getattr(sizes, name))
   assert sizes.block_kv % sizes.block_kv_compute == 0

@@ -241,7 +241,7 @@ def test_splash_compiles_for_a_tpu_topology_to_the_mosaic_kernel_on_each_devices
   pl = planner.make_planner(cfg, cfg.replace(remat="full"), topology="v5e:2x2", seq=128)
   hlo = compile_step(pl._distiller(planner.Knobs(2, 2, "full", None, 4)), 4, 128).hlo
   kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
-  # the backward is the fused kernel (dq accumulated in the dk/dv pass: `_splash_block_sizes`), no dq kernel of its own
+  # the backward is the fused kernel (dq accumulated in the dk/dv pass: `splash_block_sizes`), no dq kernel of its own
   assert {re.search(r"%(splash_mqa_\w+?)(_no)?_residuals", k).group(1) for k in kernels} == {
       "splash_mqa_fwd", "splash_mqa_dkv"}
   assert " while(" not in hlo  # an interpreted kernel is a while loop over its grid

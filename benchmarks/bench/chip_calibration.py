@@ -29,7 +29,7 @@ def config_key(setting: dict) -> str:
 
 
 def package_blocks(setting: dict) -> bool:
-  """Whether a row was measured with the package's own splash blocks (`_attention._splash_block_sizes`)."""
+  """Whether a row was measured with the package's own splash blocks (`meshdistill.models.splash_block_sizes`)."""
   return setting.get("attn") != "splash" or setting.get("blocks") in ("default", "q512-kv1024-c512-fused")
 
 

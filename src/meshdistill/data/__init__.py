@@ -20,6 +20,7 @@ the loss on the assistant's tokens).
 from meshdistill.data._batch_list import BatchList, BatchListIterator
 from meshdistill.data._cross import CROSS_KEYS, PackedPairs, pack_texts
 from meshdistill.data._corpus import Document, cap_documents, load_documents, split_documents, stdlib_documents
+from meshdistill.data._domains import DOMAIN_KEY
 from meshdistill.data._loader import TrainIterator, process_slice, validation_batches
 from meshdistill.data._packing import (
     PackedSequences,
@@ -31,17 +32,24 @@ from meshdistill.data._packing import (
 )
 from meshdistill.data._pipeline import DataBundle, DataConfig, build_data, resolve_tokenizer
 from meshdistill.data._preference import PreferencePairs, own_pairs
+from meshdistill.data._teacher_rows import StudentRows, TeacherRows, cut_teacher_rows
 from meshdistill.data._tokenizer import (
     VOCAB_MULTIPLE,
     ByteTokenizer,
     HFTokenizer,
     Tokenizer,
     load_tokenizer,
+    tokenizer_file,
     train_bpe,
 )
 
 __all__ = [
     "CROSS_KEYS",
+    "DOMAIN_KEY",
+    "StudentRows",
+    "TeacherRows",
+    "cut_teacher_rows",
+    "tokenizer_file",
     "PackedPairs",
     "pack_texts",
     "BatchList",

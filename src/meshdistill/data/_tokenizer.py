@@ -75,7 +75,9 @@ class Tokenizer(Protocol):
     """A digest that changes whenever encoding would change (used as a cache key)."""
 
 
-def _json_path(path: str | os.PathLike) -> str:
+def tokenizer_file(path: str | os.PathLike) -> str:
+  """The ``tokenizer.json`` a path names: the path itself if it names a ``.json`` file, else that file in the
+  directory."""
   path = os.fspath(path)
   if os.path.isdir(path) or not path.endswith(".json"):
     return os.path.join(path, "tokenizer.json")
@@ -100,7 +102,7 @@ class ByteTokenizer:
     return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
   def save(self, path: str | os.PathLike) -> str:
-    out = _json_path(path)
+    out = tokenizer_file(path)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
       json.dump({"format": BYTE_FORMAT, "version": 1, "vocab_size": self.vocab_size}, f, indent=2)
@@ -161,7 +163,7 @@ class HFTokenizer:
     return self._tok.decode(ids, skip_special_tokens=True)
 
   def save(self, path: str | os.PathLike) -> str:
-    out = _json_path(path)
+    out = tokenizer_file(path)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     self._tok.save(out)
     return out
@@ -227,7 +229,7 @@ def load_tokenizer(path: str | os.PathLike, *, vocab_multiple: int = VOCAB_MULTI
     FileNotFoundError: nothing at ``path``.
     ValueError: the file is not a tokenizer.
   """
-  file = _json_path(path)
+  file = tokenizer_file(path)
   if not os.path.isfile(file):
     raise FileNotFoundError(f"data.tokenizer: no tokenizer file at {file!r} (give a tokenizer.json or its directory)")
   with open(file, encoding="utf-8") as f:

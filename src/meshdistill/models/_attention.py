@@ -7,6 +7,8 @@ among them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import math
@@ -271,7 +273,27 @@ def heads_in_kernel(y_BxTxHK, n_heads: int, cos_TxK, sin_TxK, scale_K=None, eps:
   return jax.shard_map(local, in_specs=(P(),) * len(args), out_specs=P(), axis_names=free, check_vma=False)(*args)
 
 
-def _splash_block_sizes(splash, T: int, *, itemsize: int = 2, head_dim: int = 128, capped: bool = False):
+# the blocks `splash_blocks` puts in place of `splash_block_sizes` while a program is traced inside it (None: the
+# package's own)
+_BLOCKS: contextvars.ContextVar = contextvars.ContextVar("splash_blocks", default=None)
+
+
+@contextlib.contextmanager
+def splash_blocks(sizes):
+  """The splash kernel's blocks for the attention traced inside this context: ``sizes(T, *, itemsize, head_dim,
+  capped)`` returns the kernel's ``BlockSizes`` (as `splash_block_sizes`, which it replaces). A program traced
+  before, or after the context ends, keeps the package's own. For timing other blocks on a chip
+  (`benchmarks/tpu_step.py`'s ``blocks=`` setting); the package's blocks are the ones its tests check."""
+  if not callable(sizes):
+    raise TypeError(f"splash_blocks takes a function (T, *, itemsize, head_dim, capped) -> BlockSizes, got {sizes!r}")
+  token = _BLOCKS.set(sizes)
+  try:
+    yield
+  finally:
+    _BLOCKS.reset(token)
+
+
+def splash_block_sizes(T: int, *, itemsize: int = 2, head_dim: int = 128, capped: bool = False):
   """The splash kernel's blocks for sequence length ``T`` and inputs of ``itemsize`` bytes, ``head_dim`` and a
   soft-cap of the scores or not: queries in blocks of ``gcd(T, 512)`` tokens, keys and values read in blocks of
   ``gcd(T, 1024)`` and computed ``gcd(T, 512)`` at a time; the fused backward kernel (dq accumulated in the dk/dv
@@ -285,6 +307,8 @@ def _splash_block_sizes(splash, T: int, *, itemsize: int = 2, head_dim: int = 12
   Why these: on a v5e the fused backward kernel on 1024-token blocks was the fastest backward timed on the heads of
   Qwen3, Llama 3.2 and Gemma 3, and the forward blocks tried gained too little to take (the timings:
   `benchmarks/results/tpu_step.md`, "Changes to the code")."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
+
   q, kv = math.gcd(T, 512), math.gcd(T, 1024)
   fits = itemsize <= 2 and (head_dim <= 128 or not capped)
   bwd = kv if fits else q
@@ -301,12 +325,12 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, int
 
   The kernel's multi-query form (one key/value head shared by ``H / G`` query heads) is vmapped
   over batch and key/value groups, so key/value heads are never copied. ``interpret``: Pallas
-  interpret mode (slow: for numerics checks off TPU); None follows `target_platform`. Blocks:
-  `_splash_block_sizes`; ``T`` must be a multiple of 128 (the kernel's lane width). The decoder
-  calls it through `splash_attention`, which splits heads over ``tensor``. ``window``: the kernel's local mask
-  (a query sees itself and the ``window - 1`` keys before it); ``scale``: of the scores (default ``K ** -0.5``,
-  applied to the queries); ``cap``: the kernel's soft-cap of the scores. ``segment_ids_BxT``: packed documents
-  (`Segments`): the kernel's own segment ids (a query sees keys of its segment only), one row's for all its heads.
+  interpret mode (slow: for numerics checks off TPU); None follows `target_platform`. Blocks: `splash_block_sizes` (or
+  those of `splash_blocks`); ``T`` must be a multiple of 128 (the kernel's lane width). The decoder calls it through
+  `splash_attention`, which splits heads over ``tensor``. ``window``: the kernel's local mask (a query sees itself and
+  the ``window - 1`` keys before it); ``scale``: of the scores (default ``K ** -0.5``, applied to the queries); ``cap``:
+  the kernel's soft-cap of the scores. ``segment_ids_BxT``: packed documents (`Segments`): the kernel's own segment ids
+  (a query sees keys of its segment only), one row's for all its heads.
   """
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
 
@@ -320,7 +344,7 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, int
   if interpret is None:
     interpret = target_platform() != "tpu"
   itemsize = max(jnp.dtype(x.dtype).itemsize for x in (q_BxHxTxK, k_BxGxTxK, v_BxGxTxK))
-  sizes = _splash_block_sizes(splash, T, itemsize=itemsize, head_dim=K, capped=cap is not None)
+  sizes = (_BLOCKS.get() or splash_block_sizes)(T, itemsize=itemsize, head_dim=K, capped=cap is not None)
   one = splash.CausalMask((T, T)) if window is None else splash.LocalMask((T, T), (window - 1, 0), offset=0)
   mask = splash.MultiHeadMask([one for _ in range(H // G)])
   q_BxGxRxTxK = q_BxHxTxK.reshape(B, G, H // G, T, K)  # query heads in their groups: a free reshape
