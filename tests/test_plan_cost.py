@@ -20,7 +20,7 @@ needs_libtpu = pytest.mark.skipif(not planner.libtpu_available(),
                                   reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
 
 TEACHER = md.ModelConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=1024,
-                         max_len=16, tie_embeddings=False, dtype="bfloat16")
+                         max_len=16, tie_embeddings=False, dtype="bfloat16", param_dtype="float32")
 STUDENT = TEACHER.replace(d_model=128, n_heads=2, n_kv_heads=2, mlp_hidden=512, n_layers=3)
 
 
