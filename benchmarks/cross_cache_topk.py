@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from meshdistill import jobs, losses  # noqa: E402
 from meshdistill.jobs._setup import teacher_side_data  # noqa: E402
 from meshdistill.config import load_config  # noqa: E402
-from meshdistill.data._teacher_rows import StudentRows  # noqa: E402
+from meshdistill.data import StudentRows  # noqa: E402
 from meshdistill.data.alignment import byte_tables_of, matched_vocabulary  # noqa: E402
 from meshdistill.models import ModelOutput  # noqa: E402
 from meshdistill.strategies import ByteKL, SpanKL, ULD  # noqa: E402

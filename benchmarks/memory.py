@@ -46,9 +46,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from tunix.distillation.strategies import logit as tunix_logit  # noqa: E402
 
-from meshdistill.losses._chunked import chunked_token_sums  # noqa: E402
+from meshdistill.losses import chunked_token_sums  # noqa: E402
 from meshdistill.strategies import LogitKD  # noqa: E402
-from meshdistill.strategies._chunked import ChunkedLogitKD  # noqa: E402
+from meshdistill.strategies import ChunkedLogitKD  # noqa: E402
 
 DATA, TENSOR = md.DATA, md.TENSOR
 GIB = 1024**3

@@ -68,7 +68,7 @@ def remat_of(maxtext: str) -> str:
 
 def model_of(pub):
   """The `ModelConfig` of a published row: `_published.MODELS`' config.json, else a planner preset."""
-  from meshdistill.models._hf_config import config_from_hf  # pylint: disable=g-import-not-at-top
+  from meshdistill.models import config_from_hf  # pylint: disable=g-import-not-at-top
   from meshdistill.planner import _presets, _published  # pylint: disable=g-import-not-at-top
 
   if pub.model in _published.MODELS:

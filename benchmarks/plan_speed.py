@@ -73,7 +73,8 @@ def sweep(pair: str, seq: int | None, options: list[str]) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, os.path.join(HERE, "..", "src"))
   from meshdistill.planner._compile import abstract_batch  # pylint: disable=g-import-not-at-top
-  from meshdistill.planner._entry import _default_knobs, make_planner  # pylint: disable=g-import-not-at-top
+  from meshdistill.planner import make_planner  # pylint: disable=g-import-not-at-top
+  from meshdistill.planner._entry import _default_knobs
 
   if pair == "d512":
     (teacher, student), topology, batch, mesh = _d512(), "v5e:2x2", 8, "2x2"

@@ -48,7 +48,7 @@ from bench.op_kinds import KINDS, hlo_kinds  # noqa: E402
 import jax  # noqa: E402
 import meshdistill as md  # noqa: E402
 from meshdistill.strategies import LogitKD  # noqa: E402
-from meshdistill.strategies._chunked import ChunkedLogitKD  # noqa: E402
+from meshdistill.strategies import ChunkedLogitKD  # noqa: E402
 
 RESULT = pathlib.Path(__file__).parent / "results" / "step_profile.jsonl"
 

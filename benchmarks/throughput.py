@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import meshdistill as md  # noqa: E402
 import numpy as np  # noqa: E402
 from meshdistill.strategies import HardLabelCE, LogitKD  # noqa: E402
-from meshdistill.strategies._chunked import ChunkedLogitKD  # noqa: E402
+from meshdistill.strategies import ChunkedLogitKD  # noqa: E402
 
 RESULT = pathlib.Path(__file__).parent / "results" / "throughput.md"
 

@@ -109,7 +109,7 @@ def model_flops_per_token(cfg, seq: int, passes: int) -> float:
 
   import jax
 
-  from meshdistill.models._build import abstract_params
+  from meshdistill.models import abstract_params
   from meshdistill.planner._plan import _matmul_params
 
   _, target, _ = abstract_params(cfg.replace(scan_layers=False))

@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
 from meshdistill.parallel.collectives import all_reduce_census
-from meshdistill.losses._chunked import chunked_token_sums, cross_entropy_token_fn, divergence_token_fn
+from meshdistill.losses import chunked_token_sums, cross_entropy_token_fn, divergence_token_fn
 from meshdistill.strategies import LogitKD
-from meshdistill.strategies._chunked import ChunkedLogitKD
+from meshdistill.strategies import ChunkedLogitKD
 
 N, D, E, V = 37, 16, 24, 200  # 37 tokens: prime, so most chunk sizes leave a padded tail
 DIVERGENCES = sorted(md.losses.DIVERGENCES)

@@ -180,7 +180,7 @@ def test_freezing_schedule_is_checked_against_the_student():
 
 
 def test_teacher_cache_key_counts_a_pretrain_freezing_schedule():
-  from meshdistill.jobs._teacher import teacher_key  # pylint: disable=g-import-not-at-top
+  from meshdistill.jobs import teacher_key  # pylint: disable=g-import-not-at-top
 
   class Tokenizer:
     fingerprint = "bytes"

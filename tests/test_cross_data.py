@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from meshdistill.data import ByteTokenizer, train_bpe
-from meshdistill.data._cross import CROSS_KEYS, pack_texts, tokenize_side
+from meshdistill.data import CROSS_KEYS, pack_texts
+from meshdistill.data._cross import tokenize_side
 from meshdistill.data.alignment import align_spans, matched_vocabulary, row_alignment, token_bytes
 
 TEXTS = [
@@ -175,7 +176,7 @@ def test_the_config_refuses_one_vocabulary_strategies_with_two_tokenizers_and_na
 def test_teacher_rows_rebuilt_for_any_student_cover_the_same_bytes_and_cut_at_characters(bpe):
   """A cross-tokenizer cache's rows: cut on the teacher's tokens alone (at character starts), the student's side
   re-tokenized from the row's bytes; every byte a target once, both sides spelling the same bytes."""
-  from meshdistill.data._teacher_rows import StudentRows, cut_teacher_rows  # noqa: PLC0415
+  from meshdistill.data import StudentRows, cut_teacher_rows  # noqa: PLC0415
 
   stream = tokenize_side(TEXTS, bpe)
   rows = cut_teacher_rows(stream, bpe, 6)

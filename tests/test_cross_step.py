@@ -16,7 +16,7 @@ from meshdistill import jobs, losses
 from meshdistill.config import load_config
 from meshdistill.data import ByteTokenizer, pack_texts, train_bpe
 from meshdistill.data._cross import tokenize_side
-from meshdistill.data._teacher_rows import StudentRows, cut_teacher_rows
+from meshdistill.data import StudentRows, cut_teacher_rows
 from meshdistill.data.alignment import byte_tables_of, matched_vocabulary
 from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.strategies import ByteKL, SpanKL, ULD

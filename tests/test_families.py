@@ -84,7 +84,7 @@ MOE = {"n_experts": 4, "top_k": 2, "expert_hidden": 16}
                                    {"qk_norm": True, "moe": dict(MOE, dense_layers=(1,))}])
 def test_weight_names_map_both_ways_for_every_parameter(block):
   from meshdistill.models import families
-  from meshdistill.models._build import abstract_params
+  from meshdistill.models import abstract_params
 
   cfg = TINY.replace(tie_embeddings=False, **block)
   fam = families.default_for(cfg)

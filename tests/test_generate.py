@@ -174,7 +174,7 @@ def test_decoding_over_scanned_blocks_stages_no_cache_on_a_tpu():
 
   from jax.sharding import SingleDeviceSharding
 
-  from meshdistill.models._build import abstract_params
+  from meshdistill.models import abstract_params
   from meshdistill.planner._hardware import tpu_target
 
   cfg = CFG.replace(scan_layers=True, n_layers=3, max_len=32)

@@ -91,7 +91,7 @@ def test_the_decoder_takes_the_kernel_where_it_runs_splash_on_a_tpu(head_dim, ke
   from flax import nnx
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-  from meshdistill.models._build import abstract_params
+  from meshdistill.models import abstract_params
   from meshdistill.planner._hardware import tpu_target
 
   cfg = md.ModelConfig(vocab_size=256, d_model=256, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=head_dim,

@@ -274,7 +274,7 @@ def _count(c: md.ModelConfig) -> int:
 def test_moe_presets_have_their_published_total_and_active_sizes():
   """Total and active parameters of the presets against the model cards (Qwen3-30B-A3B: 30.5B / 3.3B, Qwen3-235B-A22B:
   235B / 22B, Mixtral-8x7B: 46.7B / 12.9B); the planner's analytic FLOPs count the active ones."""
-  from meshdistill.models._build import abstract_params
+  from meshdistill.models import abstract_params
   from meshdistill.models.moe import inactive_params
   from meshdistill.planner import resolve_model
   from meshdistill.planner._plan import _matmul_params

@@ -121,6 +121,12 @@ def test_no_package_imports_another_packages_private_names():
                      "import it from there):\n" + "\n".join(found))
 
 
+@pytest.mark.parametrize("folder", ["benchmarks", "tests"])
+def test_benchmarks_and_tests_import_an_exported_name_by_its_public_path(folder):
+  found = private_paths_to_public_names(ROOT / folder)
+  assert not found, "\n".join(found)
+
+
 def test_splash_blocks_sets_the_kernels_blocks_for_what_is_traced_inside_it_only():
   from meshdistill.models._attention import _splash_attention  # the kernel itself: no public path
 

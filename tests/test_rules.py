@@ -13,8 +13,8 @@ from helpers import STUDENT_CFG, TEACHER_CFG, assert_trees_close, make_batch
 
 import meshdistill as md
 from meshdistill.config import ConfigError, load_config
-from meshdistill.jobs._setup import build_mesh
-from meshdistill.models._build import abstract_params
+from meshdistill.jobs import build_mesh
+from meshdistill.models import abstract_params
 from meshdistill.parallel import rules
 from meshdistill.parallel.backends import make_layout
 

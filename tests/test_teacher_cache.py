@@ -14,7 +14,7 @@ from meshdistill.teachers import cache as tc
 from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._teacher import _open_teacher_cache
 from meshdistill.train.loop.safeguards import safeguarded
-from meshdistill.teachers.sources._settings import ModelSources
+from meshdistill.teachers.sources import ModelSources
 from meshdistill.strategies import AttentionTransfer, LogitKD
 
 K, TAU = 4, 2.0

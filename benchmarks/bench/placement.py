@@ -23,7 +23,7 @@ def plan_of(r: dict):
   """The `Plan` of a stored row, its FLOPs split and calibrated time filled in as the planner fills them now."""
   from meshdistill.planner import _calibrate  # pylint: disable=g-import-not-at-top
   from meshdistill.planner._cost import flops_split  # pylint: disable=g-import-not-at-top
-  from meshdistill.planner._report import Plan  # pylint: disable=g-import-not-at-top
+  from meshdistill.planner import Plan  # pylint: disable=g-import-not-at-top
 
   fields = {f.name for f in dataclasses.fields(Plan)}
   kw = {k: v for k, v in r.items() if k in fields and k != "suggestions"}
@@ -40,7 +40,7 @@ def plan_of(r: dict):
 def sections(rows: dict, k: int, level: str = "##") -> list[str]:
   """Markdown lines: for each of `ROWS`, its heading and the placement table of its stored plan."""
   from meshdistill.planner import resolve_model  # pylint: disable=g-import-not-at-top
-  from meshdistill.planner._hardware import TPU_CHIPS  # pylint: disable=g-import-not-at-top
+  from meshdistill.planner import TPU_CHIPS  # pylint: disable=g-import-not-at-top
   from meshdistill.planner._placement import placement_table, placements  # pylint: disable=g-import-not-at-top
 
   out = []

@@ -54,7 +54,7 @@ from meshdistill.models.generate import SamplingConfig, generate, left_pad
 from meshdistill.models.moe import MoeConfig, dense_experts, grouped_experts, route
 from meshdistill.models.stacking import to_scanned
 from meshdistill.strategies import LogitKD
-from meshdistill.strategies._chunked import ChunkedLogitKD
+from meshdistill.strategies import ChunkedLogitKD
 
 pytestmark = pytest.mark.tpu
 

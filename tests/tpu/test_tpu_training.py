@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 import meshdistill as md
 from meshdistill.models.lora import LoraConfig, apply_lora
 from meshdistill.models.quantize import is_quantized, quantize_model
-from meshdistill.strategies._chunked import ChunkedLogitKD
+from meshdistill.strategies import ChunkedLogitKD
 
 pytestmark = pytest.mark.tpu
 
