@@ -24,6 +24,7 @@ from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.train.loop.trainer import check_resumable, fit, run_meta
 from meshdistill.models import param_count
 from meshdistill.teachers import kinds, multi
+from meshdistill.train.teacher import TeacherKind
 
 
 def distill(
@@ -208,7 +209,7 @@ def _train_and_evaluate(cfg, distiller, data, teachers_data, monitor, tdir, run_
   finally:
     ckpt.close()
   distiller = result.trainer
-  if distiller.teacher_def is None:  # a teacher given by its top-k, or none: no teacher weights to evaluate
+  if distiller.teacher_output.kind is not TeacherKind.MODEL:  # top-k only, or no teacher: no weights to evaluate
     val = data.val_batches(max_batches=t.eval_batches)
     summary = _evaluate_student(distiller, result.state, val)
     if teachers_data is not None and val:  # several teachers: each one's loss and the student against each

@@ -28,6 +28,7 @@ from meshdistill.models.compress.qat import quantize_aware
 from meshdistill.models.generate import SamplingConfig, left_pad
 from meshdistill.parallel.backends import layout_class, make_layout
 from meshdistill.teachers import kinds, multi
+from meshdistill.train.teacher import TeacherKind
 
 
 def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
@@ -56,7 +57,7 @@ def evaluate(cfg: Config, *, stream: IO[str] | None = None) -> dict:
     distiller = make_distiller(cfg, teacher, mesh)
     state, _, meta = ckpt.restore(distiller, distiller.init_state())  # meta: of the step restored
     say(f"evaluating step {meta['step']} of {cfg.run.run_dir} (teacher {tdir or 'none'})")
-    pair = _evaluate_pair if distiller.teacher_def is not None else _evaluate_student
+    pair = _evaluate_pair if distiller.teacher_output.kind is TeacherKind.MODEL else _evaluate_student
     summary = pair(distiller, state, data.val_batches(max_batches=cfg.train.eval_batches))
   finally:
     ckpt.close()

@@ -14,6 +14,7 @@ from meshdistill.data.alignment import TokenizerPair
 from meshdistill.train.distiller import Distiller
 from meshdistill.train.onpolicy import OnPolicyDistiller
 from meshdistill.train.optimizers import lr_schedule, make_optimizer
+from meshdistill.train.teacher import TeacherKind
 
 
 def loop_kwargs(settings) -> dict:
@@ -56,7 +57,7 @@ def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
 def _cache_safeguards(kwargs: dict, distiller) -> dict:
   """With a top-k teacher, or none, the guard only restores: its fallback loss (logit MSE) needs the teacher's
   logits."""
-  if distiller.teacher_def is None and kwargs.get("fallback") is not None:
+  if distiller.teacher_output.kind is not TeacherKind.MODEL and kwargs.get("fallback") is not None:
     kwargs = {**kwargs, "fallback": distiller.strategy}
   return kwargs
 

@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from meshdistill.train.distiller import Distiller
-from meshdistill.train.teacher import decide
+from meshdistill.train.teacher import TeacherKind, decide
 from meshdistill.parallel.distributed import process_count
 from meshdistill.models.generate import SamplingConfig, generate
 from meshdistill.data import DOMAIN_KEY
@@ -109,7 +109,7 @@ class OnPolicyDistiller(Distiller):
     super().__init__(student, teacher, **kwargs)
     self.on_policy = on_policy
     self.topk_of = topk_of
-    if self.topk_teacher is not None:
+    if self.teacher_output.kind is TeacherKind.TOPK:
       if cache is not None or topk_of is None:
         raise ValueError(f"{self.topk_teacher.source} gives the teacher's top-k of the data's rows; the generated rows "
                          "need their own: pass topk_of (the teachers' programs on a batch's rows), or a teacher model")
@@ -120,7 +120,7 @@ class OnPolicyDistiller(Distiller):
       raise ValueError("topk_of scores generated rows for a top-k teacher (several teachers); this distiller runs its "
                        "teacher model in the step: leave topk_of out")
     if cache is not None:
-      if self.teacher_def is None:
+      if self.teacher_output.kind is not TeacherKind.MODEL:
         raise ValueError(f"an off-policy cache ({cache.path}) serves the data's batches; the generated ones need a "
                          "live teacher, but this distiller has none: pass the teacher model")
       cache.spec().check_strategy(self.strategy)

@@ -6,13 +6,28 @@ teacher sources (`meshdistill.teachers`) build a `TopKTeacher`; the `Distiller` 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 from meshdistill.core.batch import TOPK_KEYS
-from meshdistill.strategies import label
+from meshdistill.strategies import Strategy, label
 
-# What a teacher gives the step (`TeacherOutput.gives`).
-MODEL, TOPK, NONE = "model", "topk", "none"
+
+class TeacherKind(enum.StrEnum):
+  """What a teacher gives the step: THE one set of teacher kinds, asked of the decided teacher
+  (``distiller.teacher_output.kind is TeacherKind.TOPK``) and declared by every teacher source
+  (`meshdistill.teachers.kinds.TeacherSource.gives`); never worked out from which attributes happen to be set.
+
+  ``MODEL``: the step runs the teacher's weights; ``TOPK``: every batch brings the teacher's top-k
+  (`meshdistill.core.batch.TOPK_KEYS`), no weights; ``NONE``: no teacher (the strategy needs none)."""
+
+  MODEL = "model"
+  TOPK = "topk"
+  NONE = "none"
+
+
+# The kinds under their short names (``teachers.kinds`` names ``NONE`` ``NOTHING``: the same member).
+MODEL, TOPK, NONE = TeacherKind.MODEL, TeacherKind.TOPK, TeacherKind.NONE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,7 +54,7 @@ class TopKTeacher:
   names: tuple[str, ...] = ()
   cross: bool = False
 
-  def check_strategy(self, strategy: Any) -> None:
+  def check_strategy(self, strategy: Strategy) -> None:
     """Raises a clear error unless ``strategy`` can train from this teacher's top-k alone: a strategy of another
     tokenizer (``cross_tokenizer``) from a cache of the teacher's own tokens and any other one from a top-k of the
     student's tokens; one that declares ``accepts_topk`` then checks this teacher itself (`check_topk_teacher`: by
@@ -71,32 +86,41 @@ class TeacherOutput:
   step (its ``teacher_output`` keyword), which reads it and nothing else to choose the teacher's part.
 
   Attributes:
-    gives: `MODEL` (the step runs the teacher's weights), `TOPK` (every batch brings the teacher's top-k,
-      `meshdistill.core.batch.TOPK_KEYS`; no weights) or `NONE` (no teacher: the strategy needs none).
+    kind: a `TeacherKind`: `MODEL` (the step runs the teacher's weights), `TOPK` (every batch brings the teacher's
+      top-k, `meshdistill.core.batch.TOPK_KEYS`; no weights) or `NONE` (no teacher: the strategy needs none). The
+      jobs, the evaluation, the guard and the loop ask it (``teacher_output.kind is TeacherKind.MODEL``).
     own_tokenizer: the teacher reads its own tokens (a strategy with ``cross_tokenizer``): a model teacher runs on
       the batch's `meshdistill.core.batch.CROSS_KEYS` and its output is aligned on spans; a top-k teacher is a
       cross-tokenizer cache, spread over its vocabulary.
-    topk: the `TopKTeacher` when ``gives == TOPK``.
+    topk: the `TopKTeacher` when ``kind is TOPK``.
     cache_rows: a `MODEL` teacher some of whose batches bring its top-k instead (an off-policy cache of
       `meshdistill.train.onpolicy.OnPolicyDistiller`): the step reads the top-k of a batch that carries it
       (`TOPK_KEYS`) and runs the teacher on the others.
   """
 
-  gives: str
+  kind: TeacherKind
   own_tokenizer: bool = False
   topk: TopKTeacher | None = None
   cache_rows: bool = False
 
+  def __post_init__(self):
+    object.__setattr__(self, "kind", TeacherKind(self.kind))  # "model" -> TeacherKind.MODEL; a wrong name raises
+
+  @property
+  def gives(self) -> TeacherKind:
+    """The former name of ``kind``."""
+    return self.kind
+
   def reads_topk(self, batch: dict) -> bool:
     """Whether the step reads the teacher's top-k from ``batch`` (and runs no teacher on it)."""
-    return self.gives == TOPK or (self.cache_rows and TOPK_KEYS[0] in batch)
+    return self.kind is TeacherKind.TOPK or (self.cache_rows and TOPK_KEYS[0] in batch)
 
-  def for_strategy(self, strategy: Any) -> TeacherOutput:
+  def for_strategy(self, strategy: Strategy | None) -> TeacherOutput:
     """The same teacher for another strategy (a `Distiller.with_strategy` variant): `decide` again."""
-    return _decided(self.gives, self.topk, strategy, self.cache_rows)
+    return _decided(self.kind, self.topk, strategy, self.cache_rows)
 
 
-def decide(teacher: Any, strategy: Any, *, cache_rows: bool = False) -> TeacherOutput:
+def decide(teacher: Any, strategy: Strategy | None, *, cache_rows: bool = False) -> TeacherOutput:
   """THE place that decides what a teacher gives the step: ``teacher`` (a model, a `TopKTeacher` or None) for
   ``strategy`` (None: the default `LogitKD`; its declared ``cross_tokenizer``); ``cache_rows``: a model teacher
   whose off-policy batches bring its top-k from a cache. No check here: the `Distiller` checks the pair."""
@@ -107,6 +131,7 @@ def decide(teacher: Any, strategy: Any, *, cache_rows: bool = False) -> TeacherO
   return _decided(MODEL, None, strategy, cache_rows)
 
 
-def _decided(gives: str, topk: TopKTeacher | None, strategy: Any, cache_rows: bool) -> TeacherOutput:
-  own = gives != NONE and strategy is not None and strategy.cross_tokenizer
-  return TeacherOutput(gives, bool(own), topk, cache_rows)
+def _decided(kind: TeacherKind, topk: TopKTeacher | None, strategy: Strategy | None,
+             cache_rows: bool) -> TeacherOutput:
+  own = kind is not TeacherKind.NONE and strategy is not None and strategy.cross_tokenizer
+  return TeacherOutput(kind, bool(own), topk, cache_rows)

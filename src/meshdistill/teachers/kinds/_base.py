@@ -3,9 +3,10 @@
 A run's teacher comes from exactly one source, chosen by ``teacher.source`` (or, for configs that name none, by the
 one source key they set: `infer`). A source is a `TeacherSource` subclass registered by name (`register`):
 
-* ``gives``: what reaches the step -- `MODEL` (a teacher model the step runs on every batch), `TOPK` (the teacher's
-  top-k log-probabilities per token, delivered with the batch under `meshdistill.train.step.TOPK_KEYS`; no teacher
-  weights on the student's devices) or `NOTHING` (no teacher: the strategy must not need one);
+* ``gives``: what reaches the step, a `meshdistill.train.teacher.TeacherKind` -- `MODEL` (a teacher model the step
+  runs on every batch), `TOPK` (the teacher's top-k log-probabilities per token, delivered with the batch under
+  `meshdistill.core.batch.TOPK_KEYS`; no teacher weights on the student's devices) or `NOTHING` (``TeacherKind.NONE``:
+  no teacher, the strategy must not need one);
 * ``settings``: the ``teacher.<key>`` keys it takes beside the teacher's shape (``required``: those it cannot do
   without); `check_settings` is the one home of their rules. A key of another source is an error naming it, the
   chosen source and that source's settings (`check_keys`);
@@ -34,12 +35,14 @@ from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.models import ModelConfig
 from meshdistill.strategies import get as strategy_class
 from meshdistill.strategies import names as strategy_names
+from meshdistill.train.teacher import TeacherKind
 
 # The run's `meshdistill.config.Config`. Named, not imported: the config package sits above the teacher sources (it
 # checks its sections with them), so a source reads the config it is handed and never imports the package.
 Config = Any
 
-MODEL, TOPK, NOTHING = "model", "topk", "nothing"
+# The teacher kinds: the one set (`TeacherKind`) the step's decision uses too; ``NOTHING`` is ``TeacherKind.NONE``.
+MODEL, TOPK, NOTHING = TeacherKind.MODEL, TeacherKind.TOPK, TeacherKind.NONE
 # The teacher.<key>s the config keeps in fields of their own (`meshdistill.teachers.sources.ModelSources`); a
 # source's other settings are kept by name in ``ModelSources.teacher_options``.
 TEACHER_KEYS = ("source", "hf", "cache", "devices", "quantize")
@@ -82,7 +85,7 @@ class TeacherSource(abc.ABC):
   """
 
   name: ClassVar[str] = ""
-  gives: ClassVar[str] = MODEL
+  gives: ClassVar[TeacherKind] = MODEL
   settings: ClassVar[tuple[str, ...]] = ()  # the teacher.<key>s this source takes (besides "source")
   required: ClassVar[tuple[str, ...]] = ()  # of those, the ones it needs
 
@@ -181,7 +184,7 @@ class TeacherSource(abc.ABC):
 class ModelSource(TeacherSource):
   """A source that runs a teacher model: `model` obtains it on a mesh; `prepare` places it on the student's."""
 
-  gives: ClassVar[str] = MODEL
+  gives: ClassVar[TeacherKind] = MODEL
 
   def runs(self) -> ModelSource:
     return self
@@ -235,6 +238,9 @@ def register(cls: type[TeacherSource]) -> type[TeacherSource]:
   if shape:
     raise ValueError(f"{cls.__name__}.settings names {shape}, keys of the teacher's shape (ModelConfig); "
                      "give the source's settings other names")
+  if not isinstance(cls.gives, TeacherKind):
+    raise ValueError(f"{cls.__name__}.gives={cls.gives!r} is not a TeacherKind; choose one of "
+                     f"{[f'TeacherKind.{k.name}' for k in TeacherKind]} (meshdistill.train.teacher)")
   if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
     raise ValueError(f"teacher source {cls.name!r} is taken by {_REGISTRY[cls.name].__name__}; choose another")
   _REGISTRY[cls.name] = cls

@@ -38,6 +38,7 @@ from jax.sharding import Mesh
 from meshdistill import losses
 from meshdistill.parallel.mesh import host_to_global
 from meshdistill.core.batch import BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, SEGMENT_KEYS, TOPK_KEYS
+from meshdistill.train.teacher import TeacherKind
 
 
 @functools.partial(jax.jit, static_argnames=("model_def", "teacher_def"))
@@ -132,10 +133,12 @@ class Evaluator:
 
   @classmethod
   def for_trainer(cls, trainer: Any, with_teacher: bool = True) -> Evaluator:
-    """An evaluator of ``trainer``'s student (a `Distiller` or `HardLabelTrainer`) on its layout."""
-    teacher_def = getattr(trainer, "teacher_def", None) if with_teacher else None
-    teacher_params = trainer.unreplicate(trainer.teacher_params) if teacher_def is not None else None
-    return cls(trainer.student_def, teacher_def=teacher_def, teacher_params=teacher_params, mesh=trainer.layout.eval_mesh)
+    """An evaluator of ``trainer``'s student (a `Distiller` or `HardLabelTrainer`) on its layout, against its teacher
+    when ``with_teacher`` and the step runs a teacher model (``trainer.teacher_output.kind is TeacherKind.MODEL``)."""
+    if not (with_teacher and trainer.teacher_output.kind is TeacherKind.MODEL):
+      return cls(trainer.student_def, mesh=trainer.layout.eval_mesh)
+    return cls(trainer.student_def, teacher_def=trainer.teacher_def,
+               teacher_params=trainer.unreplicate(trainer.teacher_params), mesh=trainer.layout.eval_mesh)
 
   def _place(self, batch, keys=()):
     batch = {k: np.asarray(batch[k]) for k in BATCH_KEYS + CROSS_KEYS + SEGMENT_KEYS + tuple(keys) if k in batch}

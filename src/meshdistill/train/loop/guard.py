@@ -24,6 +24,7 @@ import numpy as np
 from meshdistill.train.freezing import freeze_status
 from meshdistill.train.optimizers import consecutive_skips
 from meshdistill.strategies import fallback_strategy
+from meshdistill.train.teacher import TeacherKind
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class Recovery:
     self.guard, self.keep_every = guard, keep_every
     self.runners = {"primary": trainer, "fallback": None}
     self.fallback = fallback
-    self.can_fall_back = fallback is not None or getattr(trainer, "teacher_cfg", None) is not None
+    self.can_fall_back = fallback is not None or trainer.teacher_output.kind is not TeacherKind.NONE
     self.active, self.stage = "primary", None
     self.restores, self.last_loss = 0, None
     self.events: list[dict] = []

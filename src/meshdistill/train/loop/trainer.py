@@ -37,6 +37,7 @@ from meshdistill.train.loop.monitor import Monitor, ProfileWindow
 from meshdistill.train.loop.run import Run
 from meshdistill.train.optimizers import lr_schedule, make_optimizer  # noqa: F401 -- re-exported
 from meshdistill.core.state import TrainState
+from meshdistill.train.teacher import TeacherKind
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def run_meta(trainer, kind: str, extra: dict | None = None) -> dict:
   if trainer.mesh is not None:
     meta["mesh"] = dict(trainer.mesh.shape)
   meta["student"] = dataclasses.asdict(trainer.student_cfg)
-  if getattr(trainer, "teacher_cfg", None) is not None:
+  if trainer.teacher_output.kind is not TeacherKind.NONE:  # a model, or its top-k: the teacher's config
     meta["teacher"] = dataclasses.asdict(trainer.teacher_cfg)
   meta.update(extra or {})
   return meta
