@@ -7,7 +7,24 @@ head.
 Weights carry logical dimension names (`meshdistill.parallel.rules`); the layout's rules table maps them to mesh
 axes (the tensor-parallel table's axis in the last column):
 
-==========================  ================  ======================  ============
+==========================  ================  ======================  ===================
+weight                      shape             logical names           ``tensor`` splits
+==========================  ================  ======================  ===================
+embedding                   [V', D]           vocab, embed            V' (padded to a multiple of tensor)
+attention q                 [D, H*Hd]         embed, heads            heads
+attention k / v             [D, G*Hd]         embed, kv_heads         heads (``kv_replicated``: G < tensor)
+attention out               [H*Hd, D]         heads, embed            heads
+q / k / v biases            [H*Hd] / [G*Hd]   heads / kv_heads        heads
+q / k norm scales           [Hd]              head_dim                --
+MLP gate / up               [D, F]            embed, mlp              F (hidden units)
+MLP down                    [F, D]            mlp, embed              F
+MoE router                  [D, E]            embed, --               --
+MoE experts gate / up       [E, D, F]         experts, embed, mlp     F (E over ``expert``)
+MoE experts down            [E, F, D]         experts, mlp, embed     F (E over ``expert``)
+untied LM head              [D, V']           embed, vocab            V'
+norm scales                 [D]               embed                   --
+==========================  ================  ======================  ===================
+
 (``ModelConfig.for_tensor`` pads and replicates; the decoder cuts the padding off its outputs, in the full
 forward pass and in `Decoder.decode_step`, the cached decoding pass `meshdistill.models.generate` runs.)
 With ``mesh.fsdp`` the layout's table splits ``embed`` over ``data`` as well and the decoder
