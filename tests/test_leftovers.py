@@ -1,6 +1,7 @@
 """What merges and moves leave behind: the decoder's weight table has a row for every weight a model holds, and a
 name has one home (old module paths kept only for tests are gone)."""
 
+import ast
 import importlib
 
 import pytest
@@ -48,3 +49,25 @@ def test_the_decoders_weight_table_has_a_row_for_every_weight_a_model_holds():
   held = {tuple(v.out_sharding) for _, v in nnx.to_flat_state(state)}
   rows = set(weight_table(decoder.__doc__))
   assert len(held) >= 10 and held <= rows, f"weights without a row in models/decoder.py's table: {held - rows}"
+
+
+def aliases() -> list[str]:
+  """The package's modules that put another module in their own place (``sys.modules[__name__] = ...``): an old
+  path kept importing after its module moved."""
+  from test_imports import modules
+
+  out = []
+  for name, path in modules().items():
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+      targets = node.targets if isinstance(node, ast.Assign) else []
+      if any(isinstance(t, ast.Subscript) and ast.unparse(t.value) == "sys.modules" for t in targets):
+        out.append(name)
+  return out
+
+
+def test_a_moved_module_lives_at_its_new_path_only():
+  assert not aliases(), f"modules that alias another in sys.modules (import the real home instead): {aliases()}"
+  for old in ("meshdistill.storage.fsutil", "meshdistill.storage.ownership", "meshdistill.config.typed_yaml",
+              "meshdistill.train.schedules"):
+    with pytest.raises(ModuleNotFoundError):
+      importlib.import_module(old)

@@ -64,8 +64,8 @@ def test_r3_an_owner_marker_copied_into_a_users_directory_proves_nothing_there(t
   import shutil
 
   from meshdistill.jobs._setup import claim_run_dir
-  from meshdistill.storage.fsutil import OutputExistsError
-  from meshdistill.storage.ownership import MARKER, write_marker
+  from meshdistill.core.fsutil import OutputExistsError
+  from meshdistill.core.ownership import MARKER, write_marker
   from meshdistill.jobs._setup import RUN_KIND
 
   run = tmp_path / "run"
@@ -86,8 +86,8 @@ def test_r3_a_hand_written_marker_does_not_let_overwrite_replace_a_downloaded_mo
   """Item 11: a hand-written export marker over a downloaded model (config.json, model.safetensors: every name one an
   export writes) let `export --overwrite` delete it; such a marker proves nothing now."""
   from meshdistill.models.hf import export_kind
-  from meshdistill.storage.fsutil import OutputExistsError
-  from meshdistill.storage.ownership import MARKER, check_owned
+  from meshdistill.core.fsutil import OutputExistsError
+  from meshdistill.core.ownership import MARKER, check_owned
 
   model = _user_dir(tmp_path / "model", **{"config.json": "{}", "model.safetensors": "weights"})
   (model / MARKER).write_text(json.dumps({"format": "meshdistill.owner/1", "kind": "export"}))
@@ -100,7 +100,7 @@ def test_r3_a_run_directory_moved_keeps_its_marker_and_a_copied_one_resumes_by_i
   import shutil
 
   from meshdistill.jobs._setup import RUN_KIND, claim_run_dir
-  from meshdistill.storage.ownership import read_marker, write_marker
+  from meshdistill.core.ownership import read_marker, write_marker
 
   old = tmp_path / "old"
   write_marker(str(old), RUN_KIND)
@@ -119,8 +119,8 @@ def test_r3_a_symlinked_directory_in_a_run_directory_is_refused_not_written_thro
   """Item 11: a symlinked tb/ received the run's event files and a symlinked checkpoints/ its steps, written through
   the link into the directory it points at."""
   from meshdistill.jobs._setup import RUN_KIND, claim_run_dir
-  from meshdistill.storage.fsutil import SymlinkError
-  from meshdistill.storage.ownership import write_marker
+  from meshdistill.core.fsutil import SymlinkError
+  from meshdistill.core.ownership import write_marker
 
   run = tmp_path / "run"
   write_marker(str(run), RUN_KIND)

@@ -1,1 +1,2 @@
-"""What a run keeps on disk: atomic outputs, owner markers, the run lock, checksummed checkpoints."""
+"""What a run keeps on disk: checksummed checkpoints (written with `meshdistill.core.fsutil`'s atomic outputs and run
+lock, and `meshdistill.core.ownership`'s owner markers)."""

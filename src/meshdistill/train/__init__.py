@@ -1,2 +1,2 @@
-"""Training: what one step does (the train state, the step, the Distiller, optimizers, schedules, freezing) and, in
-``loop/``, the loop around it (fit, resume, hooks, guard, safeguards, monitor, evaluation, stopping)."""
+"""Training: what one step does (the train state, the step, the Distiller, optimizers, freezing; the schedules it reads
+are `meshdistill.losses.schedules`) and, in ``loop/``, the loop around it (fit, resume, hooks, guard, safeguards, monitor, evaluation, stopping)."""
