@@ -3,6 +3,8 @@ name has one home (old module paths kept only for tests are gone)."""
 
 import ast
 import importlib
+import pathlib
+import re
 
 import pytest
 from flax import nnx
@@ -71,3 +73,46 @@ def test_a_moved_module_lives_at_its_new_path_only():
               "meshdistill.train.schedules"):
     with pytest.raises(ModuleNotFoundError):
       importlib.import_module(old)
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+REFERENCE = re.compile(r"(?<!`)`(meshdistill(?:\.\w+)+)`(?!`)")  # `meshdistill.a.b` (a ``literal`` is not a name)
+
+
+def resolves(dotted: str) -> bool:
+  """Whether ``dotted`` names a module of the package or an attribute reached from one."""
+  parts = dotted.split(".")
+  for i in range(len(parts), 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:i]))
+    except ModuleNotFoundError:
+      continue
+    return all((obj := getattr(obj, p, None)) is not None for p in parts[i:])
+  return False
+
+
+def test_every_name_the_docstrings_and_docs_point_at_is_where_they_say():
+  assert resolves("meshdistill.core.batch.MULTI_KEYS") and resolves("meshdistill.train.router_losses")
+  assert not resolves("meshdistill.losses.router") and not resolves("meshdistill.parallel.layout.ShardMapLayout")
+  files = sorted((REPO / "src").rglob("*.py")) + sorted((REPO / "docs").glob("*.md")) + [
+      REPO / "CONTRIBUTING.md", REPO / "README.md"] + sorted((REPO / "benchmarks" / "results").glob("*_notes.md"))
+  stale = [f"{path.relative_to(REPO)}:{n}: {m.group(1)}" for path in files
+           for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+           for m in REFERENCE.finditer(line) if not resolves(m.group(1))]
+  assert not stale, "names pointed at where they no longer are:\n" + "\n".join(stale)
+
+
+def test_top_k_teacher_has_one_home_and_one_public_name():
+  """`TopKTeacher` is defined in `meshdistill.train.teacher` (below the teachers, which give it) and public as
+  `meshdistill.teachers.cache.TopKTeacher`: every import of it names one of the two."""
+  from meshdistill.teachers.cache import TopKTeacher
+  from meshdistill.train import teacher
+
+  assert TopKTeacher is teacher.TopKTeacher and TopKTeacher.__module__ == "meshdistill.train.teacher"
+  sources = set()
+  for folder in ("src", "tests", "benchmarks", "examples"):
+    for path in (REPO / folder).rglob("*.py"):
+      for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "TopKTeacher" for a in node.names):
+          sources.add(node.module)
+  assert sources <= {"meshdistill.train.teacher", "meshdistill.teachers.cache"}, sources

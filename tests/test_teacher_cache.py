@@ -12,7 +12,7 @@ from helpers import STUDENT_CFG, TEACHER_CFG, write_corpus
 import meshdistill as md
 from meshdistill.teachers import cache as tc
 from meshdistill.config import Config, ConfigError
-from meshdistill.jobs._teacher import _open_teacher_cache
+from meshdistill.jobs import prepare_teacher
 from meshdistill.train.loop.safeguards import safeguarded
 from meshdistill.teachers.sources import ModelSources
 from meshdistill.strategies import AttentionTransfer, LogitKD
@@ -189,11 +189,11 @@ def test_a_config_naming_another_teacher_is_refused_and_an_older_cache_reads_as_
   def open_with(path, **teacher):
     cfg = Config(teacher=teacher_cfg.replace(**teacher), student=s["student_cfg"],
                  models=ModelSources(teacher_cache=path), data=md.data.DataConfig(seq_len=s["data"].train.seq_len))
-    return _open_teacher_cache(cfg, s["data"], lambda *_: None)
+    return prepare_teacher(cfg, s["data"], None, None, report=lambda *_: None)
 
   path = s["caches"]["float32"]
-  assert open_with(path)[2] == path
-  assert open_with(path, remat="full")[2] == path  # how the teacher computes, not what
+  assert open_with(path).identity == path
+  assert open_with(path, remat="full").identity == path  # how the teacher computes, not what
   for key, value in (("n_layers", teacher_cfg.n_layers + 1), ("param_dtype", "bfloat16")):
     with pytest.raises(ConfigError, match=f"teacher.{key}: cache .*, this config {value!r}"):
       open_with(path, **{key: value})
@@ -204,7 +204,7 @@ def test_a_config_naming_another_teacher_is_refused_and_an_older_cache_reads_as_
   manifest = json.loads((old / tc.MANIFEST).read_text())
   del manifest["teacher"]["config"]["param_dtype"]
   (old / tc.MANIFEST).write_text(json.dumps(manifest))
-  assert open_with(str(old))[2] == str(old)
+  assert open_with(str(old)).identity == str(old)
   with pytest.raises(ConfigError, match="teacher.param_dtype: cache 'float32', this config 'bfloat16'"):
     open_with(str(old), param_dtype="bfloat16")
 
@@ -219,4 +219,4 @@ def test_a_cache_written_on_a_mesh_opens_with_the_teacher_config_as_written(setu
   written = fitted.replace(replicate_kv=False, vocab_multiple=1)
   cfg = Config(teacher=written, student=s["student_cfg"], models=ModelSources(teacher_cache=s["caches"]["float32"]),
                data=md.data.DataConfig(seq_len=s["data"].train.seq_len))
-  assert _open_teacher_cache(cfg, s["data"], lambda *_: None)[2] == s["caches"]["float32"]
+  assert prepare_teacher(cfg, s["data"], None, None, report=lambda *_: None).identity == s["caches"]["float32"]

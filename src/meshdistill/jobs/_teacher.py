@@ -127,12 +127,6 @@ def prepare_teacher(cfg: Config, data, mesh, teacher_mesh, *, stream: IO[str] | 
   return kinds.for_config(cfg).prepare(data, mesh, teacher_mesh, services(stream, report))
 
 
-def _open_teacher_cache(cfg: Config, data, say):
-  """``teacher.source: cache`` prepared: ``(data with the top-k, the teacher as a TopKTeacher, the cache path)``."""
-  got = kinds.get("cache")(cfg).prepare(data, None, None, services(report=say))
-  return got.data, got.teacher, got.identity
-
-
 def cache_teacher(
   cfg: Config, out: str, *, k: int = 32, precision: str = "float16", rows_per_shard: int = 1024,
   stream: IO[str] | None = None, stop_after_shards: int | None = None, teacher: str | None = None,

@@ -17,11 +17,6 @@ from meshdistill.models.decoder import ModelConfig
 SUPPORTED = families.supported()
 
 
-def hf_family(hf: dict[str, Any], where: str = "config.json") -> str:
-  """The family name of a Hugging Face config, or a ValueError naming both fields and the supported ones."""
-  return families.family_for(hf, where).name
-
-
 def config_from_hf(hf: dict[str, Any], *, max_len: int | None = None, dtype: str = "auto",
                    where: str = "config.json") -> ModelConfig:
   """A `ModelConfig` equal to the Hugging Face config ``hf`` (a parsed ``config.json``).

@@ -54,7 +54,7 @@ class MoeConfig:
   ``dense_layers``: layer indices that keep the dense MLP (``ModelConfig.mlp_hidden``); every other layer is an
   `MoE` block of ``n_experts`` experts with ``expert_hidden`` hidden units each. ``aux_loss_weight`` and
   ``z_loss_weight`` weigh a student's load-balancing and router z-losses in the train step
-  (`meshdistill.losses.router`); they change nothing in the forward pass.
+  (`meshdistill.train.router_losses`); they change nothing in the forward pass.
   """
 
   n_experts: int = 8

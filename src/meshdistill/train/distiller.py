@@ -39,7 +39,7 @@ from meshdistill.train.step import (
     BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, SEGMENT_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS, TrainState, per_device_step,
 )
 from meshdistill.strategies import LogitKD, default_recipe, label
-from meshdistill.train.teacher import TeacherOutput, TopKTeacher, decide  # noqa: F401 -- TopKTeacher: the API's
+from meshdistill.train.teacher import TeacherOutput, decide
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ class TopKTeacher:
     vocab: the token range ``[0, vocab)`` the top-k was taken over.
     source: where it comes from (a cache directory, a sub-mesh), for messages.
     names: several teachers combined into this top-k (`meshdistill.teachers.multi`), in the order their own
-      top-k come in every batch (`meshdistill.train.step.MULTI_KEYS`); () for one teacher.
+      top-k come in every batch (`meshdistill.core.batch.MULTI_KEYS`); () for one teacher.
     cross: the top-k is per TEACHER token of the teacher's own tokenizer (a cross-tokenizer cache): only a
       ``cross_tokenizer`` strategy reads it (over the teacher's whole vocabulary, `meshdistill.losses.topk_logprobs`).
   """

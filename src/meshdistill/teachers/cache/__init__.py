@@ -40,7 +40,8 @@ log-probability, plus each row's teacher tokens and byte end offsets (``tokens``
 ``[rows, T]`` int32, ``target_logprobs`` ``[rows, T]``), so students of any tokenizer read it (`_cross`). Every
 manifest written now is format 2 and names the teacher tokenizer; format 1 caches (one tokenizer) still load.
 
-Modules: `_program` (the teacher as top-k: `TopKTeacher`, `TeacherTopK`), `_format` (the storage
+Modules: `_program` (the teacher model as a top-k program: `TeacherTopK`; the top-k teacher it gives, `TopKTeacher`, is
+`meshdistill.train.teacher`'s, public here), `_format` (the storage
 format: bit-packed ids, shard and JSON files, settings checks, the `TeacherCache` reader and
 `CachedTeacherData`), `_write` (identity hashes and `write_cache`), `_cross` (a cross-tokenizer cache's rows rebuilt
 for a student tokenizer: `CachedCrossData`, its checks).
@@ -60,7 +61,7 @@ from meshdistill.teachers.cache._format import (
     pack_ids,
     unpack_ids,
 )
-from meshdistill.teachers.cache._program import TeacherTopK, TopKTeacher, on_process_mesh, process_mesh
+from meshdistill.teachers.cache._program import TeacherTopK, on_process_mesh, process_mesh
 from meshdistill.teachers.cache._write import (
     data_identity,
     teacher_identity,
@@ -76,6 +77,7 @@ from meshdistill.teachers.cache._cross import (
     teacher_rows_of,
     tokenizer_identity,
 )
+from meshdistill.train.teacher import TopKTeacher  # defined below the teachers, in train; its public name is here
 
 __all__ = [
     "CacheError",

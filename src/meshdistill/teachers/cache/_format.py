@@ -15,7 +15,7 @@ import numpy as np
 
 from meshdistill import losses
 from meshdistill.core.batch import TARGET_LOGPROB_KEY, TOPK_KEYS
-from meshdistill.teachers.cache._program import TopKTeacher
+from meshdistill.train.teacher import TopKTeacher
 from meshdistill.models import ModelConfig
 from meshdistill.core.fsutil import current_umask, write_text_atomic
 

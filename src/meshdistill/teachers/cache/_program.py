@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from meshdistill import losses
 from meshdistill.parallel.fsdp import data_specs
 from meshdistill.parallel.mesh import DATA, TENSOR, host_to_global, param_shardings
-from meshdistill.train.teacher import TopKTeacher  # noqa: F401 -- the teacher this program gives
+from meshdistill.train.teacher import TopKTeacher
 
 
 def _topk_rows(teacher_params, inputs_BxT, *, teacher_def, k, temperature, vocab):
