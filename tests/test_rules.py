@@ -149,7 +149,7 @@ def test_an_unmapped_axis_of_size_one_costs_nothing():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["mesh.axes={pipeline: 2}"], r"mesh.axes: unknown mesh axis 'pipeline'; choose from \['expert'\]"),
+    (["mesh.axes={pipeline: 2}"], r"mesh.axes: unknown mesh axis 'pipeline'; choose from \['expert', 'context'\]"),
     (["mesh.axes={tensor: 2}"], r"mesh.axes names 'tensor'; set its size with mesh.tensor"),
     (["mesh.axes={expert: 0}"], r"mesh.axes.expert=0 must be a positive integer"),
     (["mesh.backend=single", "mesh.data=1", "mesh.tensor=1", "mesh.axes={expert: 2}"],

@@ -51,7 +51,7 @@ from flax import nnx
 
 from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.parallel.rules import annotate
-from meshdistill.models._attention import (KVCache, Segments, _explicit_attention, heads_in_kernel, prep_in_kernel,
+from meshdistill.models._attention import (ContextShard, KVCache, Segments, _explicit_attention, heads_in_kernel, prep_in_kernel,
                                           query_prescale, rope, rope_tables, segment_mask, splash_attention)
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._scan import layer_blocks, save_all_but_casts, scan_blocks, stacked_blocks
@@ -135,9 +135,19 @@ class Attention(nnx.Module):
     """``(output, attention probabilities or None)``; with a ``cache`` (decoding), ``(output, updated cache)``:
     the new keys/values are written at ``cache.index`` and the queries see the cache's valid slots up to their own.
     ``segments``: rows packed from several documents (`Segments`): every kernel attends within a document only and
-    RoPE takes each token's position within its document."""
+    RoPE takes each token's position within its document. Under context parallelism (the step's rows split over
+    the mesh's ``context`` axis, `ContextShard`) the keys and values of the whole row are gathered first and every
+    mask compares global token indices."""
     cfg = self.cfg
     kind = cfg.kernel(x_BxTxD.shape[1], probs=want_probs, decoding=cache is not None)  # `auto`: splash on a TPU
+    shard = ContextShard.here(x_BxTxD.shape[1]) if cache is None else None  # this device's slice of the sequence
+    if shard is not None and kind == "splash":
+      if cfg.attention == "splash":
+        raise ValueError(
+            f"ModelConfig.attention='splash' with the sequence split over mesh.axes.context={shard.ways}: the splash "
+            "kernel's causal mask is a static block pattern and cannot take each device's token offset; use "
+            "attention='xla' (or 'auto', which picks it there) or 'explicit', or mesh.axes.context=1")
+      kind = "explicit" if cfg.attn_softcap is not None else "xla"  # `auto`: the kernel it picks off a TPU
     # The splash kernel reads and writes heads before tokens: the projections' outputs are laid out so from the
     # start (XLA writes the matmul in that layout), their norms and RoPE computed there, and no copy swaps them.
     heads = "b h t k" if kind == "splash" else "b t h k"
@@ -161,6 +171,8 @@ class Attention(nnx.Module):
       if cfg.qk_norm:
         q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
       pos = cache.positions_BxT if cache is not None else None if segments is None else segments.positions_BxT
+      if pos is None and shard is not None:  # one stream's slice: its tokens' global positions
+        pos = shard.positions(T)
       axis = heads.split().index("t")
       q, k = (rope(a, self.theta, self.scaling, pos, token_axis=axis) for a in (q, k))
     if cache is not None:
@@ -169,7 +181,15 @@ class Attention(nnx.Module):
     visible = None if cache is None else cache.visible(T, self.window)  # [B, 1, T, S]
     options = {"window": self.window, "scale": query_scale, "cap": cfg.attn_softcap}
     ids = None if segments is None or cache is not None else segments.ids_BxT  # packed documents: within one only
-    if kind == "explicit":
+    if shard is not None:  # the whole row's keys and values; causal mask, window and documents on global indices
+      k, v = shard.gather(k, axis=1), shard.gather(v, axis=1)
+    if shard is not None and kind != "explicit":  # in blocks of queries: never the slice's whole scores
+      attend = lambda q_b, visible_b: jax.nn.dot_product_attention(  # noqa: E731
+          q_b, k, v, mask=visible_b, implementation=kind, scale=cfg.query_scale).astype(v.dtype)
+      out, probs_BxHxTxS = shard.attend(attend, q, self.window, ids), None
+    elif kind == "explicit":
+      if shard is not None:
+        visible, ids = shard.visible(T, self.window, ids), None
       out, probs_BxHxTxS = _explicit_attention(q, k, v, visible, segment_ids_BxT=ids, **options)
     elif kind == "splash":
       out, probs_BxHxTxS = splash_attention(q, k, v, ids, **options), None

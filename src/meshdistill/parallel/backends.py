@@ -9,7 +9,9 @@ that picks one by name. This is the only module that knows the layouts.
   With ``fsdp`` (``mesh.fsdp``) weights are split over ``data`` too (`meshdistill.parallel.fsdp`): the step's
   gradient half runs under the ``shard_map``, the optimizer update on the global arrays.
   With ``student_split="batch"`` (``mesh.student_split``) only the teacher is split over ``tensor``; the
-  student is replicated and runs on rows split over ``data`` x ``tensor`` (see `ShardMapLayout`);
+  student is replicated and runs on rows split over ``data`` x ``tensor`` (see `ShardMapLayout`).
+  With a ``context`` axis (``mesh.axes: {context: n}``) the step is manual over it too and each device runs on a
+  slice of its rows' tokens (context parallelism, see `ShardMapLayout`);
 * ``pmap`` (`PmapLayout`) -- the classic `jax.pmap(axis_name="data")` path, data-parallel only. The
   state is stacked with one replica per device.
 
@@ -26,12 +28,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from meshdistill.core.batch import CROSS_KEYS, MULTI_KEYS
 from meshdistill.core.state import SplitStep, TrainState, split_trainable
 from meshdistill.parallel import fsdp as fsdp_lib
 from meshdistill.parallel.layout import (
     STUDENT_SPLIT_SETTING, GlobalArrayLayout, Layout, fresh_train_state, host_batch, stack_replicas,
 )
-from meshdistill.parallel.mesh import DATA, TENSOR, host_to_global, make_mesh
+from meshdistill.parallel.mesh import CONTEXT, DATA, TENSOR, host_to_global, make_mesh
 from meshdistill.parallel import rules as rules_lib
 from meshdistill.parallel.rules import fitted_shardings, split_ways
 
@@ -87,10 +90,60 @@ class ShardMapLayout(GlobalArrayLayout):
   enough to hold whole on each device then spends no all-reduce on its activations: on the 2x4 benchmark step
   (`benchmarks/throughput.py`) that is most of the step's collectives. The batch must be a multiple of
   ``data * tensor``; the student's optimizer moments are replicated as well (memory: `meshdistill.planner`).
+
+  Context parallelism: a mesh with a ``context`` axis (``mesh.axes: {context: n}``, e.g. ``data=2 x context=2 x
+  tensor=2``) runs the step manual over ``data`` and ``context``: the batch is placed split over ``data`` only and
+  the ``shard_map`` hands each device its slice of ``seq_len / n`` tokens of every row (a local slice, no transfer).
+  Both models run on the slice, attention gathering the whole row's keys and values over ``context``
+  (`meshdistill.models._attention.ContextShard`: causal mask, window and packed documents on global token indices);
+  the loss, chunked or not, and the teacher's logits are the slice's; gradients and token sums are summed over
+  ``data`` and ``context`` (the step's ``data_axis`` names both). Weights are replicated over ``context`` (no rule
+  splits over it): the axis trades activation memory, which grows with the sequence, for the gathers of keys and
+  values. Same numbers as one device. Not with ``student_split="batch"``, several teachers' own top-k or a teacher
+  of another tokenizer (their batch keys are laid out otherwise), nor a strategy whose loss is a mean over whole
+  rows (preference pairs); the splash kernel is refused there (`meshdistill.models.decoder.Attention`).
   """
 
   name = "shard_map"
   spans_processes = True
+
+  def __init__(self, mesh, fsdp: bool = False, student_split: str = "tensor"):
+    super().__init__(mesh, fsdp, student_split)
+    if self.context_ways > 1 and self.student_rows:
+      raise ValueError(
+          f"mesh.student_split='batch' with mesh.axes.context={self.context_ways}: the student would run on rows split "
+          "over tensor while its tokens are split over context; use mesh.student_split='tensor' with context "
+          "parallelism, or mesh.axes.context=1")
+
+  @property
+  def context_ways(self) -> int:
+    """Into how many slices the step splits each row's tokens (the mesh's ``context`` axis; 1 without one)."""
+    return 1 if self.mesh is None else int(dict(self.mesh.shape).get(CONTEXT, 1))
+
+  def _row_axes(self) -> tuple[str, ...]:
+    """The axes the step's rows and tokens are split over that need sums (size above 1): ``data``, ``context``."""
+    return tuple(a for a in (DATA, CONTEXT) if dict(self.mesh.shape).get(a, 1) > 1)
+
+  def _batch_specs(self, batch: dict):
+    """The step's ``shard_map`` specs of ``batch``: rows over ``data``; with ``context``, tokens (the second
+    dimension of every [B, T, ...] key) over it as well. Raises for keys laid out otherwise and a length ``context``
+    does not divide."""
+    n = self.context_ways
+    if n == 1:
+      return P(DATA)
+    refused = [k for k in (*MULTI_KEYS, *CROSS_KEYS) if k in batch]
+    if refused:
+      raise ValueError(
+          f"mesh.axes.context={n} splits each row's tokens, but the batch carries {refused[0]!r} (several teachers' "
+          "own top-k, or a teacher of another tokenizer), whose second dimension is not the row's tokens; use "
+          "mesh.axes.context=1 with them")
+    T = np.shape(batch["inputs"])[1]
+    if T % n:
+      ok = [d for d in range(1, T + 1) if T % d == 0 and d <= self.mesh.size]
+      raise ValueError(
+          f"sequence length {T} (data.seq_len) is not divisible by mesh.axes.context={n}: each device holds seq_len / "
+          f"context tokens of every row; use a seq_len that is a multiple of {n}, or mesh.axes.context in {ok}")
+    return {k: P(DATA, CONTEXT) if np.ndim(x) >= 2 else P(DATA) for k, x in batch.items()}
 
   @classmethod
   def resolve_mesh(cls, mesh):
@@ -124,7 +177,9 @@ class ShardMapLayout(GlobalArrayLayout):
   def compile(self, step_fn, state_shardings=None, compiler_options=None):
     # A size-1 `data` axis needs no collective (and XLA rejects an all-reduce over a
     # trivial manual axis), so the sum over `data` is dropped there.
-    data_axis = DATA if self.mesh.shape[DATA] > 1 else None
+    # With context parallelism the sums cover `context` too (each device held a slice of its rows' tokens).
+    row_axes = self._row_axes()
+    data_axis = None if not row_axes else row_axes[0] if len(row_axes) == 1 else row_axes
     out_shardings = None if state_shardings is None else (state_shardings, NamedSharding(self.mesh, P()))
     jit = functools.partial(jax.jit, donate_argnums=0, out_shardings=out_shardings, compiler_options=compiler_options)
     halves = SplitStep.halves(step_fn)
@@ -150,9 +205,9 @@ class ShardMapLayout(GlobalArrayLayout):
       inputs = TrainState(state.step, state.params, None)  # no optimizer state: it never needs gathering
       body = jax.shard_map(
           functools.partial(gradients, data_axis=data_axis), mesh=self.mesh,
-          in_specs=(specs(inputs), specs(teacher_params), P(DATA)),
+          in_specs=(specs(inputs), specs(teacher_params), self._batch_specs(batch)),
           out_specs=(specs(split_trainable(state.params, trainable)[0]), P()),
-          axis_names={DATA}, check_vma=False,  # gradients are summed over `data` explicitly, as in pmap
+          axis_names=self._manual_axes(), check_vma=False,  # gradients are summed over `data` explicitly, as in pmap
       )
       grads, metrics = body(inputs, teacher_params, batch)
       if state_shardings is not None:  # gradients laid out as their parameters
@@ -172,8 +227,16 @@ class ShardMapLayout(GlobalArrayLayout):
         new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
       return new_state, metrics
 
-    return jax.shard_map(pinned_step, mesh=self.mesh, in_specs=(P(), P(), P(DATA)), out_specs=(P(), P()),
-                         axis_names={DATA}, check_vma=False)
+    def program(state, teacher_params, batch):
+      return jax.shard_map(pinned_step, mesh=self.mesh, in_specs=(P(), P(), self._batch_specs(batch)),
+                           out_specs=(P(), P()), axis_names=self._manual_axes(), check_vma=False)(
+                               state, teacher_params, batch)
+
+    return program
+
+  def _manual_axes(self) -> set[str]:
+    """The axes the step runs manual over: ``data``, and ``context`` where it splits the sequence."""
+    return {DATA, CONTEXT} if self.context_ways > 1 else {DATA}
 
 
 class PmapLayout(Layout):

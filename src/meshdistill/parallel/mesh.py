@@ -6,9 +6,11 @@ Every layout in meshdistill is a `jax.sharding.Mesh` with (at least) two named a
 * ``tensor`` -- weights of teacher and student are split across it (attention heads,
   MLP hidden units, vocabulary), so a teacher too large for one device still fits.
 
-A mesh may name more axes between them (``EXTRA_AXES``: ``expert``); the rules tables
+A mesh may name more axes between them (``EXTRA_AXES``: ``expert``, ``context``); the rules tables
 (`meshdistill.parallel.rules`) say which logical dimensions each axis splits (``expert``: the experts of
-mixture-of-experts weights), and whatever no rule splits over an axis holds replicas on it. All axes use ``AxisType.Auto``: inside the train step ``data`` is made manual by
+mixture-of-experts weights), and whatever no rule splits over an axis holds replicas on it. ``context`` splits no
+weight: the step splits each row's tokens over it (context parallelism, `context_ways`;
+`meshdistill.parallel.backends.ShardMapLayout`). All axes use ``AxisType.Auto``: inside the train step ``data`` is made manual by
 `jax.shard_map` and ``tensor`` stays compiler-managed (see `meshdistill.train.step`).
 """
 
@@ -30,7 +32,10 @@ DATA = "data"
 TENSOR = "tensor"
 AXES = (DATA, TENSOR)  # the axes every mesh has (size 1 where unused)
 EXPERT = "expert"  # mixture-of-experts weights split over it (rule experts -> expert in `meshdistill.parallel.rules`)
-EXTRA_AXES = (EXPERT,)  # axes a mesh may add between `data` and `tensor` (`make_mesh(axes=...)`, `mesh.axes`)
+# The sequence split over it: each device holds a slice of every row's tokens, attention gathers keys and values over it
+# (context parallelism: `context_ways`, `meshdistill.models._attention.ContextShard`).
+CONTEXT = "context"
+EXTRA_AXES = (EXPERT, CONTEXT)  # axes a mesh may add between `data` and `tensor` (`make_mesh(axes=...)`, `mesh.axes`)
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
@@ -60,6 +65,16 @@ def compiler_tensor_size() -> int:
   if TENSOR not in getattr(mesh, "axis_names", ()) or TENSOR in set(getattr(mesh, "manual_axes", ())):
     return 1
   return int(mesh.shape[TENSOR])
+
+
+def context_ways() -> int:
+  """Into how many slices the tokens of a row are split in the program being traced: the size of the mesh's
+  ``context`` axis where it is manual (inside the step's ``shard_map``, which hands each device its slice), else 1
+  (no mesh, no such axis, or the axis compiler-managed: evaluation and generation see whole rows)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if CONTEXT not in getattr(mesh, "axis_names", ()) or CONTEXT not in set(getattr(mesh, "manual_axes", ())):
+    return 1
+  return int(mesh.shape[CONTEXT])
 
 
 def simulate_cpu_devices(n: int) -> None:

@@ -16,7 +16,10 @@ shard_map layout runs the first under its ``shard_map`` and the second on the gl
 
 The loss is the token mean over unmasked tokens of the GLOBAL batch: numerator and
 denominator are summed over ``data`` (``psum``), so every layout computes the same
-number as one device.
+number as one device. Under context parallelism (``mesh.axes: {context: n}``) each device holds a slice of its rows'
+tokens: both models run on the slice (attention gathers keys and values over ``context``,
+`meshdistill.models._attention.ContextShard`), the loss (chunked or not) and the teacher's logits are those of the
+slice, and ``data_axis`` names ``data`` and ``context``: gradients and token sums are summed over both.
 
 With no teacher (``teacher_def=None``) step 1 is skipped and the strategy sees
 ``teacher=None``: teacher pretraining and hard-label baselines run this same step.
@@ -44,6 +47,7 @@ from meshdistill.core.batch import (  # noqa: F401 -- the step's batch keys, rea
 from meshdistill.core.state import SplitStep, TrainState, join_trainable, split_trainable  # noqa: F401
 from meshdistill.parallel import fsdp
 from meshdistill.parallel.collectives import psum_bundled
+from meshdistill.parallel.mesh import DATA, context_ways
 from meshdistill.train import router_losses
 from meshdistill.train.teacher import MODEL, NONE, TeacherOutput
 
@@ -241,6 +245,11 @@ def student_gradients(
   # A strategy whose loss is a mean over something else than tokens (pairs of rows: preference
   # losses) says how many of those its local rows hold (`count`); the step sums that over `data`.
   count = strategy.count
+  if count is not None and context_ways() > 1:
+    raise ValueError(
+        f"strategy {type(strategy).__name__} is a mean over whole rows (its count: pairs of rows), but the sequence "
+        f"is split over mesh.axes.context={context_ways()}, so each device holds a slice of every row; use "
+        "mesh.axes.context=1 with it (context parallelism takes strategies whose loss is a sum over tokens)")
   tokens, counted = psum_bundled((jnp.sum(mask_BxT), None if count is None else count(mask_BxT)), axes)
   denom = jnp.maximum(tokens if count is None else counted, 1.0)
 
@@ -310,7 +319,8 @@ def scale_gradient(loss: jax.Array, scale: float | None) -> jax.Array:
 def sum_over_data(tree: Any, data_axis: Any) -> Any:
   """``tree`` (gradients, token sums) summed over ``data`` in few all-reduces (`psum_bundled`: one of the scalars,
   one combined of the arrays), except the gradients of weights split over ``data`` (`meshdistill.parallel.fsdp`): the
-  backward pass of their all-gather already reduce-scattered them."""
+  backward pass of their all-gather already reduce-scattered them over ``data``, so they are summed over the other
+  axes of ``data_axis`` only (``context``: each device held a slice of the rows' tokens)."""
   if data_axis is None:
     return tree
   is_split = lambda x: fsdp.data_dim(x) is not None  # noqa: E731
@@ -318,6 +328,11 @@ def sum_over_data(tree: Any, data_axis: Any) -> Any:
   summed = [i for i, x in enumerate(leaves) if not is_split(x)]
   for i, x in zip(summed, psum_bundled([leaves[i] for i in summed], data_axis)):
     leaves[i] = x
+  others = tuple(a for a in (data_axis if isinstance(data_axis, tuple) else (data_axis,)) if a != DATA)
+  split = [i for i in range(len(leaves)) if i not in set(summed)]
+  if others and split:
+    for i, x in zip(split, psum_bundled([leaves[i] for i in split], others)):
+      leaves[i] = x
   return jax.tree.unflatten(treedef, leaves)
 
 
