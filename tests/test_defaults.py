@@ -171,3 +171,18 @@ def test_the_default_loss_is_chunked_on_a_large_vocabulary_and_gives_the_full_lo
   _, want = named.step(named.init_state(), batch)
   for key in ("loss", "kl", "ce"):  # float32 sums over 32k logits in another order: a few ulps of the loss
     np.testing.assert_allclose(float(got[key]), float(want[key]), rtol=2e-5)
+
+
+def test_a_compilers_out_of_memory_refusal_is_a_measurement_that_does_not_fit():
+  from meshdistill.train import memory
+
+  # libtpu refuses to compile a step larger than the chip (remat none at 4 x 2048 on a v5e): that is a size, not an
+  # error, for the choice of remat
+  said = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (20.22G) "
+          "exceeds available HBM (15.75G).")
+  report = memory.out_of_memory_report(said)
+  assert report is not None and report.need_bytes == int(20.22 * 2**30)
+  assert memory.out_of_memory_report("INVALID_ARGUMENT: something else") is None
+  choice = memory.choose_remat(lambda r: report if r == "none" else memory.MemoryReport(1, 1, 1, 0),
+                               budget_bytes=int(15.75 * 2**30))
+  assert (choice.remat, choice.fits) == ("dots", True)

@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from typing import Callable, Sequence
 
 import jax
@@ -108,9 +109,28 @@ def _mib(n: int) -> str:
 def step_memory(distiller, state, batch, compiler_options: dict | None = None) -> MemoryReport:
   """Per-device memory of ``distiller``'s step on ``batch`` (compiles; runs nothing; ``state`` is not consumed).
 
-  ``compiler_options``: XLA options for this compilation (e.g. `CPU_MEMORY_SCHEDULER`).
+  ``compiler_options``: XLA options for this compilation (e.g. `CPU_MEMORY_SCHEDULER`). A compiler that refuses
+  the program for the device's memory (libtpu: ``RESOURCE_EXHAUSTED ... required for HLO temporaries (20.22G)
+  exceeds available HBM``) gives a report of what it said it needed (`out_of_memory_report`).
   """
-  return MemoryReport.of(distiller.lower(state, batch).compile(compiler_options=compiler_options))
+  lowered = distiller.lower(state, batch)
+  try:
+    return MemoryReport.of(lowered.compile(compiler_options=compiler_options))
+  except jax.errors.JaxRuntimeError as e:
+    report = out_of_memory_report(str(e))
+    if report is None:
+      raise
+    return report
+
+
+def out_of_memory_report(message: str) -> MemoryReport | None:
+  """A `MemoryReport` of a compiler's out-of-memory refusal (its temporaries as the message states them, in
+  ``G`` / ``M`` / ``K`` units, else more than any device holds); None for any other error."""
+  if "RESOURCE_EXHAUSTED" not in message and "Ran out of memory" not in message:
+    return None
+  found = re.search(r"required for HLO temporaries \(([\d.]+)([KMG])", message)
+  need = int(float(found.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30}[found.group(2)]) if found else 2**62
+  return MemoryReport(temp_bytes=need, argument_bytes=0, output_bytes=0, alias_bytes=0)
 
 
 def device_memory_limit(device: jax.Device | None = None) -> int | None:
