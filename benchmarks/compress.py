@@ -33,11 +33,12 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import time
+
+from bench import harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -175,7 +176,7 @@ def run(args) -> dict:
       m = Evaluator(graphdef, teacher_def=t_def, teacher_params=t_params)(params, val)
       out[name][f"s{seed}"] = {"loss": m["loss"], "agree": m["agree"]}
   out["meta"] = {"written": datetime.datetime.now().isoformat(timespec="seconds"), "devices": jax.device_count(),
-                 "backend": jax.default_backend(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                 "backend": jax.default_backend(), "machine": harness.machine(), "cpus": os.cpu_count(),
                  "steps": args.steps, "eval_every": args.eval_every, "batch_size": base.train.batch_size,
                  "seq_len": base.data.seq_len, "lr": base.train.lr, "temperature": base.distill.value("temperature"),
                  "alpha": base.distill.value("alpha"), "layers": args.layers, "quantize": qa.describe(),
@@ -209,7 +210,7 @@ def render(out: dict, path: str) -> str:
       "# Compress, then distil: pruned vs layer-subset vs random students; QAD vs PTQ",
       "",
       f"Written by `benchmarks/compress.py` on {meta['written']} ({meta['devices']} x {meta['backend']} device, "
-      f"{meta['machine']}, {meta['cpus']} CPUs), arguments `{' '.join(meta['argv']) or '(defaults)'}`. The main job's "
+      f"{meta['machine']}" + ("" if "CPU cores" in meta["machine"] else f", {meta['cpus']} CPUs") + "), arguments `{' '.join(meta['argv']) or '(defaults)'}`. The main job's "
       f"data (byte-level, Python standard library source), teacher and recipe (lr {meta['lr']}, tau "
       f"{meta['temperature']}, alpha {meta['alpha']}, batch {meta['batch_size']} x {meta['seq_len']} tokens) at a "
       f"smaller scale than the main job: {meta['steps']} steps instead of 300, one device (`mesh.backend=single`). "

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import platform
 import tempfile
 import time
 
 import meshdistill as md
+from bench import harness
 
 md.simulate_cpu_devices(8)
 
@@ -115,7 +115,7 @@ def main() -> None:
       "",
       f"`python benchmarks/cross_cache_topk.py --rows {args.rows}"
       + (f" --teacher-cache {args.teacher_cache}`" if args.teacher_cache else "`")
-      + f" ({platform.machine()}, {seconds:.0f} s with the teacher as found).",
+      + f" ({harness.machine()}, {seconds:.0f} s with the teacher as found).",
       "",
       f"`configs/cross_tokenizer.yaml`: a BPE teacher of {W} ids (pretrained {cfg.pretrain.steps} steps on its own "
       f"tokens), rows of {cfg.data.teacher_seq_len} teacher tokens, a byte student of {cfg.data.seq_len}; "

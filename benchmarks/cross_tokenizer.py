@@ -17,6 +17,7 @@ import sys
 import time
 
 import meshdistill as md
+from bench import harness
 from meshdistill.data import DataConfig, build_data
 from meshdistill.data.alignment import byte_tables_of, matched_vocabulary
 from meshdistill.train.loop.evaluate import Evaluator
@@ -146,8 +147,8 @@ def write(a, results, teacher_scores, seconds, cross, argv) -> None:
   lines = [
       "# Cross-tokenizer distillation: validation bits per byte",
       "",
-      f"Command: `python benchmarks/cross_tokenizer.py {' '.join(argv or sys.argv[1:])}` ({seconds:.0f} s on this "
-      f"machine, {os.cpu_count()} cores, shared).",
+      f"Command: `python benchmarks/cross_tokenizer.py {' '.join(argv or sys.argv[1:])}` ({seconds:.0f} s on "
+      f"{harness.machine()}, shared).",
       "",
       f"Data: the stdlib corpus, {a.max_chars:,} characters ({cross.stats['train_docs']} train documents); teacher "
       f"BPE of {cross.teacher_tokenizer.base_vocab_size} tokens trained here on the training split, student bytes. "

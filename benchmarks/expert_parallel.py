@@ -20,7 +20,6 @@ import os
 import pathlib
 import re
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -28,6 +27,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import optax  # noqa: E402
 
 import meshdistill as md  # noqa: E402
+from bench import harness  # noqa: E402
 from meshdistill import planner  # noqa: E402
 from meshdistill.models.moe import MoeConfig  # noqa: E402
 from meshdistill.planner._compile import abstract_distiller, collectives, compile_step  # noqa: E402
@@ -58,9 +58,9 @@ def main(argv=None) -> int:
   for name, (data, expert, tensor) in LAYOUTS.items():
     mesh = md.make_mesh(data, tensor, devices=devices, axes={"expert": expert} if expert > 1 else None)
     d = abstract_distiller(cfg, cfg, md.strategies.LogitKD(), optax.adam(1e-3), mesh)
-    t0 = time.perf_counter()
-    c = compile_step(d, args.batch, args.seq)
-    seconds = time.perf_counter() - t0
+    compiled = []
+    seconds, _ = harness.timed(lambda: compiled.append(compile_step(d, args.batch, args.seq)))  # noqa: B023
+    c = compiled[0]
     gathered = [tuple(int(v) for v in m.group(1).split(",") if v) for m in
                 re.finditer(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", c.hlo)]
     rows.append((name, dict(mesh.shape), c, collectives(c.hlo, mesh.shape), sum(s in weights for s in gathered),

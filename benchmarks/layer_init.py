@@ -19,9 +19,10 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 import time
+
+from bench import harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
       "",
       f"Written by `benchmarks/layer_init.py` on {datetime.datetime.now().isoformat(timespec='seconds')} "
       f"({jax.device_count()} x {jax.default_backend()} devices, mesh {c.mesh.data}x{c.mesh.tensor}, "
-      f"{platform.machine()}, {os.cpu_count()} CPUs); the main job's data, teacher and recipe.",
+      f"{harness.machine()}); the main job's data, teacher and recipe.",
       "",
       f"Teacher d{c.teacher.d_model}xL{c.teacher.n_layers} (validation loss {results['fresh']['teacher']:.4f}). "
       f"Student: the teacher's shape with {len(layers)} blocks ({results['fresh']['params']:,} params); "

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import platform
 import sys
 import time
 
 import meshdistill as md
+from bench import harness
 
 md.simulate_cpu_devices(8)
 
@@ -335,7 +335,7 @@ def write(path: pathlib.Path, rows, chunk: int, sweep, gathers, seconds: float) 
   lines += [
       f"HLO audit of ours at V=128k, B*T=16k: all-gathers carrying the vocabulary dimension: {gathers or 'none'}.",
       "",
-      f"Environment: jax {jax.__version__}, {platform.python_version()}, {jax.device_count()} simulated CPU devices.",
+      f"Environment: {harness.machine()}, {jax.device_count()} simulated CPU devices.",
   ]
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text("\n".join(lines) + "\n")

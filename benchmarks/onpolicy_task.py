@@ -67,9 +67,6 @@ def _required_backend(argv: list[str]) -> str | None:
 if _required_backend(sys.argv) in (None, "cpu"):  # a run that requires an accelerator leaves the platform to JAX
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
-if HERE not in sys.path:  # imported rather than run (the tests): the benchmarks' package `bench`
-  sys.path.append(HERE)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

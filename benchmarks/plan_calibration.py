@@ -315,7 +315,6 @@ def main() -> int:
   ap.add_argument("--small", action="store_true", help="compile each row for a 16-chip slice of its generation at "
                   "the published batch per chip (the 256 / 512-chip compiles take too long on a small machine)")
   args = ap.parse_args()
-  sys.path.insert(0, os.path.join(HERE, "..", "src"))
   from bench import chip_calibration  # pylint: disable=g-import-not-at-top
   from meshdistill.planner import _published  # pylint: disable=g-import-not-at-top
 

@@ -33,10 +33,7 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from bench.chip_calibration import (JSON, MEASURED, STAND_IN, TOPOLOGY, calibration_literal,  # noqa: E402
+from bench.chip_calibration import (JSON, MEASURED, STAND_IN, TOPOLOGY, calibration_literal,
                                     config_key, load, measured_configs, package_blocks, section)
 
 
@@ -127,7 +124,6 @@ def main() -> int:
   ap.add_argument("--stand-in", action="store_true", help=f"also compile the stand-in over all of {TOPOLOGY} "
                   f"(data={STAND_IN}) where a row has none")
   args = ap.parse_args()
-  sys.path.insert(0, os.path.join(HERE, "..", "src"))
   stored = load()
   if not args.render:
     have = {(r["pair"], r["config"]): r for r in stored}

@@ -71,7 +71,6 @@ def _d512():
 def sweep(pair: str, seq: int | None, options: list[str]) -> None:
   """Compiles the pair's lowered step with each option set (see the module's docstring)."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  sys.path.insert(0, os.path.join(HERE, "..", "src"))
   from meshdistill.planner._compile import abstract_batch  # pylint: disable=g-import-not-at-top
   from meshdistill.planner import make_planner  # pylint: disable=g-import-not-at-top
   from meshdistill.planner._entry import _default_knobs

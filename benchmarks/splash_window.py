@@ -13,7 +13,6 @@ causal kernel for comparison. Prints one Markdown row per case. Needs libtpu (``
 from __future__ import annotations
 
 import os
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -24,6 +23,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from bench import harness  # noqa: E402
 from meshdistill.models._attention import splash_attention  # noqa: E402
 
 B, T, H, G, K = 1, 1024, 8, 4, 128
@@ -41,15 +41,18 @@ def main() -> int:
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in ((B, H, T, K), (B, G, T, K), (B, G, T, K))]
   print(f"| case (B={B}, T={T}, H={H}, G={G}, K={K}, bfloat16, values and gradients) | TPU kernels | compile s |")
   print("|---|---|---|")
+  out = []
   for name, opts in CASES:
     def loss(q, k, v, opts=opts):
       return jnp.sum(splash_attention(q, k, v, **opts).astype(jnp.float32))
 
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-      compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
-    kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"')
-    print(f"| {name} | {kernels} | {time.perf_counter() - t0:.1f} |", flush=True)
+    def compile_it(loss=loss):
+      with jax.set_mesh(mesh):
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+
+    seconds, _ = harness.timed(lambda: out.append(compile_it()))  # noqa: B023
+    kernels = out.pop().as_text().count('custom_call_target="tpu_custom_call"')
+    print(f"| {name} | {kernels} | {seconds:.1f} |", flush=True)
   return 0
 
 

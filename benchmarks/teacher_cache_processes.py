@@ -24,13 +24,14 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from bench import harness
 
 RESULT = pathlib.Path(__file__).parent / "results" / "teacher_cache_processes.md"
 MESHES = ((2, 4), (8, 1))
@@ -90,8 +91,8 @@ def main() -> None:
       "# `cache-teacher` as 2 processes vs 1",
       "",
       f"`python benchmarks/teacher_cache_processes.py --max-chars {args.max_chars} --rounds {args.rounds}` on "
-      f"{platform.machine()} ({os.cpu_count()} CPU cores shared by both processes, 8 simulated devices; load average "
-      f"{os.getloadavg()[0]:.1f} at the end: a shared machine). Tiny config, random teacher of its shape, "
+      f"{harness.machine()} (the cores shared by both processes, 8 simulated devices; load average "
+      f"{harness.load()[0]:.1f} at the end: a shared machine). Tiny config, random teacher of its shape, "
       f"{first['rows']} rows x 32 tokens, k=32, float16, {first['shards']} shards of 256 rows.",
       "",
       "Write seconds: the job's own time (teacher compile, teacher, top-k, encoding, files; with 2 processes the "

@@ -58,14 +58,11 @@ import tempfile
 import time
 from typing import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench.chip_pairs import PAIRS, TINY, Setting, model_configs  # noqa: E402,F401 -- the measured pairs
-from bench.results import libtpu_version  # noqa: E402
+from bench.chip_pairs import PAIRS, TINY, Setting, model_configs  # noqa: F401 -- the measured pairs
+from bench.results import libtpu_version
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 JSONL = RESULTS / "tpu_step.jsonl"
-PEAK_FLOPS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v6 lite": 918e12, "TPU v5p": 459e12, "TPU v4": 275e12}
 
 # where the profile's time went: the first source-file substring of an instruction's metadata names its role
 ROLES = (("/losses/", "loss"), ("_chunked.py", "loss"), ("strategies/", "loss"), ("optax/", "optimizer"),
@@ -100,6 +97,15 @@ def use_splash_blocks(spec: str):
                              block_kv_dq=None if fused else bkv, use_fused_bwd_kernel=fused)
 
   return splash_blocks(sizes)
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """The chip's peak bf16 FLOP/s, MFU's denominator: the planner's chip table (`meshdistill.planner.TPU_CHIPS`), the
+  one copy of these numbers; None on a device it does not list."""
+  from meshdistill.planner import chip_of_kind
+
+  chip = chip_of_kind(device_kind)
+  return None if chip is None else chip.peak_bf16_flops
 
 
 def model_flops_per_token(cfg, seq: int, passes: int) -> float:
@@ -250,7 +256,7 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   tokens = s.b * s.t
   ft, nt = model_flops_per_token(tcfg, s.t, 1)
   fs, ns = model_flops_per_token(scfg, s.t, 3)
-  peak = PEAK_FLOPS.get(dev.device_kind)
+  peak = peak_flops(dev.device_kind)
   row.update(step_s=step_s, tokens_per_s=tokens / step_s, n_teacher=nt, n_student=ns,
              model_flops_per_token=ft + fs, mfu=None if peak is None else (ft + fs) * tokens / step_s / peak)
   stats = dev.memory_stats() or {}

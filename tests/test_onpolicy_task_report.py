@@ -19,6 +19,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 @pytest.fixture(scope="module")
 def bench():
+  bench_module("results")  # puts benchmarks/ on the path, as running the script does
   spec = importlib.util.spec_from_file_location("onpolicy_task_script", ROOT / "benchmarks" / "onpolicy_task.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

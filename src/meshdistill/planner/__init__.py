@@ -10,7 +10,8 @@ report gives per-device memory by kind against the chip's HBM, compiled and anal
 collectives by kind and mesh axis, a roofline step time and MFU, and the compile time.
 """
 
-from meshdistill.planner._hardware import TPU_CHIPS, Chip, Target, cpu_count_of, libtpu_available, parse_target
+from meshdistill.planner._hardware import (TPU_CHIPS, Chip, Target, chip_of_kind, cpu_count_of, libtpu_available,
+                                           parse_target)
 from meshdistill.planner._entry import make_planner, plan, search
 from meshdistill.planner._plan import Knobs, Planner
 from meshdistill.planner._presets import PRESETS, resolve_model
@@ -18,6 +19,7 @@ from meshdistill.planner._report import Plan, search_table
 
 __all__ = [
     "Chip",
+    "chip_of_kind",
     "cpu_count_of",
     "Knobs",
     "libtpu_available",

@@ -202,11 +202,17 @@ def cpu_target(n: int, hbm_budget_bytes: int | None = None) -> Target:
   return Target(f"cpu:{n}", tuple(have[:n]), None, 1, hbm_budget_bytes)
 
 
+def chip_of_kind(device_kind: str) -> Chip | None:
+  """The TPU generation whose chips JAX reports as ``device_kind`` (``jax.devices()[0].device_kind``, e.g. "TPU v5
+  lite"), or None (not a TPU chip of the table)."""
+  return next((c for c in TPU_CHIPS.values() if c.device_kind == device_kind), None)
+
+
 def local_target(hbm_budget_bytes: int | None = None) -> Target:
   """The TPU chips this process has (``jax.devices()``): a plan compiled for, and runnable on, this machine."""
   have = jax.devices()
   kind, platform = have[0].device_kind, have[0].platform
-  chip = next((c for c in TPU_CHIPS.values() if c.device_kind == kind), None)
+  chip = chip_of_kind(kind)
   if platform != "tpu" or chip is None:
     raise ValueError(
         f"devices=local plans for the TPU chips of this machine, but its devices are {len(have)} x {kind!r} "
