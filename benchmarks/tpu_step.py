@@ -522,7 +522,8 @@ def steps_table(steps: list[dict], key=_order) -> list[str]:
     attn = s["attn"] + (f" ({s.get('blocks')})" if s["attn"] == "splash" else "")
     if s.get("dtypes") == "auto":  # the models' defaults: dtype and param_dtype auto too
       attn += ", dtypes auto"
-    head = (f"| {r['pair']} | {s['b']} x {s['t']} | {s['remat']} | {s['chunk']} | {attn} | {s.get('mu', 'float32')} | "
+    remat = s['remat'] + (f" -> {r['remat_chosen']}" if r.get('remat_chosen') else '')  # auto: what it chose
+    head = (f"| {r['pair']} | {s['b']} x {s['t']} | {remat} | {s['chunk']} | {attn} | {s.get('mu', 'float32')} | "
             f"{s.get('scan', 'both')} | {STEP_KIND[s.get('metrics', 'full')]}")
     if "error" in r:
       prog = f"{r['program_bytes'] / GIB:.2f}" if r.get("program_bytes") else ""
