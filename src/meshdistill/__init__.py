@@ -4,12 +4,15 @@ The public names below are resolved lazily (PEP 562 module ``__getattr__``): ``i
 imports neither JAX nor the data pipeline, so the ``meshdistill`` command starts in a fraction of a
 second; ``meshdistill.Distiller`` (or ``from meshdistill import Distiller``) imports its module on first
 use. Subpackages (``meshdistill.teachers.cache``, ``meshdistill.jobs``, ...) resolve the same way.
+
+Type checkers read the same names from the ``if TYPE_CHECKING:`` imports below (never run); ``tests/test_typed_seams.py``
+holds them equal to ``_EXPORTS``.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -100,6 +103,38 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS, key=str.lower)
+
+if TYPE_CHECKING:  # the public names of `_EXPORTS`, as a type checker sees them (nothing here runs)
+  from meshdistill import data, losses, strategies
+  from meshdistill.data import DataConfig, build_data
+  from meshdistill.jobs import LoadedRun, load_run
+  from meshdistill.jobs.export import export_run as export
+  from meshdistill.losses import schedules
+  from meshdistill.models import (
+      Decoder, ModelConfig, ModelOutput, compress, export_hf, init_model, load_hf, param_count, shard_model,
+  )
+  from meshdistill.models.compress import (
+      PruneTargets, QuantizeAware, convert_quantized, export_quantized, load_quantized, prune,
+  )
+  from meshdistill.models.generate import Generation, SamplingConfig, generate, left_pad
+  from meshdistill.parallel import fsdp, layout
+  from meshdistill.parallel.backends import make_layout, wrap_step
+  from meshdistill.parallel.layout import Layout
+  from meshdistill.parallel.mesh import AXES, DATA, TENSOR, host_to_global, make_mesh, simulate_cpu_devices
+  from meshdistill.planner import Plan, plan
+  from meshdistill.strategies import (
+      AttentionTransfer, ChunkedLogitKD, Composite, FeaturePooling, FeatureProjection, HardLabelCE, LogitKD, LogitMSE,
+      fallback_strategy,
+  )
+  from meshdistill.train import freezing, memory
+  from meshdistill.train.distiller import Distiller
+  from meshdistill.train.freezing import Stage, default_stages, freeze_status, progressive_freeze
+  from meshdistill.train.loop import safeguards
+  from meshdistill.train.loop.guard import DivergenceGuard
+  from meshdistill.train.loop.safeguards import fit_guarded
+  from meshdistill.train.memory import MemoryReport, fit_remat, step_memory
+  from meshdistill.train.optimizers import default_optimizer, safeguarded, skipped_updates
+  from meshdistill.train.step import TrainState, per_device_step
 
 
 # public names that became something else: name -> what to use instead (the AttributeError says it)

@@ -8,7 +8,7 @@ from typing import Any
 from meshdistill.config import Config, ConfigError
 from meshdistill.train.loop.guard import DivergenceGuard
 from meshdistill.models import Decoder
-from meshdistill.strategies import default_recipe, fallback_strategy, label
+from meshdistill.strategies import Strategy, default_recipe, fallback_strategy, label
 from meshdistill.teachers.sources import build_student, quantized_teacher
 from meshdistill.data.alignment import TokenizerPair
 from meshdistill.train.distiller import Distiller
@@ -30,7 +30,7 @@ def loop_kwargs(settings) -> dict:
   }
 
 
-def safeguard_kwargs(cfg: Config, strategy: Any = None) -> dict:
+def safeguard_kwargs(cfg: Config, strategy: Strategy | None = None) -> dict:
   """`meshdistill.train.loop.trainer.fit` keywords for ``cfg.safeguards``: the divergence guard and automatic remat.
 
   ``strategy``: the run's distillation strategy, whose fallback is built from

@@ -71,7 +71,7 @@ class Strategy(abc.ABC):
     del student_cfg, teacher_cfg, key
     return {}
 
-  def fallback(self) -> Any:
+  def fallback(self) -> Strategy | None:
     """The strategy to switch to after a divergence; None: the guard's generic fallback."""
     return None
 
@@ -80,12 +80,12 @@ class Strategy(abc.ABC):
     `meshdistill.train.teacher.TopKTeacher` (its ``k``, ``temperature`` and ``source``). By default it reads a
     top-k of at most ``teacher.k`` tokens (``top_k``) at the teacher's temperature (a constant ``temperature``)."""
     name = label(self)
-    if self.top_k is None or self.top_k > teacher.k:
+    top_k, tau = self.top_k, self.temperature  # type: ignore[attr-defined]  # the settings of one that accepts_topk
+    if top_k is None or top_k > teacher.k:
       raise ValueError(
-          f"{teacher.source} holds the teacher's top-{teacher.k}, but {name}.top_k={self.top_k}; set "
+          f"{teacher.source} holds the teacher's top-{teacher.k}, but {name}.top_k={top_k}; set "
           f"distill.top_k to an integer in [1, {teacher.k}] (the full-vocabulary loss needs a live teacher)"
       )
-    tau = self.temperature
     if callable(tau) or float(tau) != float(teacher.temperature):
       raise ValueError(
           f"{teacher.source} holds log-probabilities at temperature {teacher.temperature}, but {name}.temperature="
@@ -102,7 +102,7 @@ class Strategy(abc.ABC):
 
   def replace(self, **changes) -> Strategy:
     """This strategy with the settings ``changes`` (a dataclass strategy: `dataclasses.replace`)."""
-    return dataclasses.replace(self, **changes)
+    return dataclasses.replace(self, **changes)  # type: ignore[type-var]  # subclasses are dataclasses
 
   @classmethod
   def settings(cls) -> tuple[str, ...]:
@@ -149,7 +149,7 @@ class BatchStrategy(Strategy):
     """The loss terms of all local rows at once, with the LM ``heads``: ``{"loss": ..., ...}``."""
 
 
-def label(strategy: Any) -> str:
+def label(strategy: Strategy) -> str:
   """How messages name ``strategy``: its own ``label`` when it has one, else its class name."""
   return getattr(strategy, "label", None) or type(strategy).__name__
 
@@ -188,19 +188,19 @@ def name_of(cls: type) -> str | None:
   return next((name for name, c in _REGISTRY.items() if c is cls), None)
 
 
-def get(name: str) -> type:
+def get(name: str) -> type[Strategy]:
   """The strategy class registered as ``name``."""
   if name not in _REGISTRY:
     raise ValueError(f"strategy {name!r} is not registered; choose one of {names()}")
   return _REGISTRY[name]
 
 
-def from_settings(name: str, settings: Mapping[str, Any]) -> Any:
+def from_settings(name: str, settings: Mapping[str, Any]) -> Strategy:
   """The strategy registered as ``name``, built from a config section (see `Strategy.from_settings`)."""
   return get(name).from_settings(settings)
 
 
-def check(strategy: Any, where: str = "strategy") -> str:
+def check(strategy: Any, where: str = "strategy") -> str:  # Any: it checks what may not be a `Strategy`
   """The kind of ``strategy`` (``"per_sequence"`` or ``"per_batch"``), checked against the contract.
 
   Raises:

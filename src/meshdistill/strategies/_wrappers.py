@@ -46,7 +46,7 @@ class LogitMSE(SequenceStrategy):
     return out
 
 
-def fallback_strategy(strategy: Any) -> Any:
+def fallback_strategy(strategy: Strategy) -> Strategy:
   """The strategy that replaces ``strategy`` after a divergence: its own ``fallback()``, else logit MSE.
 
   `LogitKD` / `ChunkedLogitKD` keep their recipe with ``divergence="mse"`` (and no top-k): a

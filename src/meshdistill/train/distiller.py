@@ -38,8 +38,8 @@ from meshdistill.core.vocab import PADDING_TOLERANCE, resolve_shared_vocab  # no
 from meshdistill.train.step import (
     BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, SEGMENT_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS, TrainState, per_device_step,
 )
-from meshdistill.strategies import LogitKD, default_recipe, label
-from meshdistill.train.teacher import TeacherOutput, decide
+from meshdistill.strategies import LogitKD, Strategy, default_recipe, label
+from meshdistill.train.teacher import TeacherOutput, TopKTeacher, decide
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,9 @@ class Distiller:
   def __init__(
       self,
       student: Decoder,
-      teacher: Decoder | None = None,
+      teacher: Decoder | TopKTeacher | None = None,
       *,
-      strategy: Any = None,
+      strategy: Strategy | None = None,
       optimizer: optax.GradientTransformation | None = None,
       mesh: Mesh | None = None,
       backend: str | None = None,
@@ -195,7 +195,7 @@ class Distiller:
       self._student_init = _keep_initial_student_on_host(self._student_init)
     return state
 
-  def _decide_teacher(self, teacher: Any, strategy: Any) -> TeacherOutput:
+  def _decide_teacher(self, teacher: Decoder | TopKTeacher | None, strategy: Strategy | None) -> TeacherOutput:
     """What ``teacher`` gives the step for ``strategy`` (`meshdistill.train.teacher.decide`)."""
     return decide(teacher, strategy)
 
@@ -340,7 +340,7 @@ class Distiller:
       self._light = self._variant(light=True)
     return self._light
 
-  def with_strategy(self, strategy: Any) -> "Distiller":
+  def with_strategy(self, strategy: Strategy) -> "Distiller":
     """A Distiller like this one (same models, layout, placed teacher, optimizer) distilling with ``strategy``.
 
     Nothing is copied or re-placed; the new step compiles once, on first use, and asking again

@@ -42,14 +42,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import jax
 import numpy as np
 
 from meshdistill.train.distiller import Distiller
-from meshdistill.train.teacher import TeacherKind, decide
+from meshdistill.train.teacher import TeacherKind, TeacherOutput, decide
 from meshdistill.parallel.distributed import process_count
 from meshdistill.models.generate import SamplingConfig, generate
+from meshdistill.strategies import Strategy
 from meshdistill.data import DOMAIN_KEY
 from meshdistill.data.prompts import completion_batch, cut_prompts, prompts_of
 from meshdistill.core.batch import TOPK_KEYS
@@ -110,11 +112,13 @@ class OnPolicyDistiller(Distiller):
     self.on_policy = on_policy
     self.topk_of = topk_of
     if self.teacher_output.kind is TeacherKind.TOPK:
+      topk = self.topk_teacher
+      assert topk is not None  # `decide`: a TOPK teacher carries its TopKTeacher
       if cache is not None or topk_of is None:
-        raise ValueError(f"{self.topk_teacher.source} gives the teacher's top-k of the data's rows; the generated rows "
+        raise ValueError(f"{topk.source} gives the teacher's top-k of the data's rows; the generated rows "
                          "need their own: pass topk_of (the teachers' programs on a batch's rows), or a teacher model")
       if on_policy.seq_kd:
-        raise ValueError(f"distill.on_policy.seq_kd: the teacher samples, but {self.topk_teacher.source} has no one "
+        raise ValueError(f"distill.on_policy.seq_kd: the teacher samples, but {topk.source} has no one "
                          "teacher model to sample from; set seq_kd=false (the student samples) or use one teacher")
     elif topk_of is not None:
       raise ValueError("topk_of scores generated rows for a top-k teacher (several teachers); this distiller runs its "
@@ -129,7 +133,7 @@ class OnPolicyDistiller(Distiller):
         raise ValueError(f"teacher cache {cache.path} has token ids up to {cache_vocab} but the student's vocab_size "
                          f"is {self.student_cfg.vocab_size}; use the cache of this teacher and tokenizer")
 
-  def _decide_teacher(self, teacher, strategy):
+  def _decide_teacher(self, teacher: Any, strategy: Strategy | None) -> TeacherOutput:
     """A teacher model whose off-policy batches bring its top-k from ``cache`` (`decide`'s ``cache_rows``)."""
     return decide(teacher, strategy, cache_rows=self.cache is not None)
 

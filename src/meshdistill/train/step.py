@@ -48,6 +48,7 @@ from meshdistill.core.state import SplitStep, TrainState, join_trainable, split_
 from meshdistill.parallel import fsdp
 from meshdistill.parallel.collectives import psum_bundled
 from meshdistill.parallel.mesh import DATA, context_ways
+from meshdistill.strategies import Strategy
 from meshdistill.train import router_losses
 from meshdistill.train.teacher import MODEL, NONE, TeacherOutput
 
@@ -64,7 +65,7 @@ def per_device_gradients(
     *,
     student_def: nnx.GraphDef,
     teacher_def: nnx.GraphDef | None,
-    strategy: Any,
+    strategy: Strategy,
     data_axis: str | None,
     vocab: int | None = None,
     trainable: Any = None,
@@ -75,7 +76,6 @@ def per_device_gradients(
     loss_scale: float | None = None,
     topk_vocab: int | None = None,
     teacher_output: TeacherOutput | None = None,
-    **_,
 ):
   """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
 
@@ -121,8 +121,8 @@ def per_device_gradients(
   ``data`` and that axis. Same numbers as one device.
 
   Only ``state.step`` and ``state.params`` are read. Weights split over ``data`` (`meshdistill.parallel.fsdp`) arrive as
-  shards and their gradients leave as shards, already summed over ``data``. Other keywords (the whole step's)
-  are ignored.
+  shards and their gradients leave as shards, already summed over ``data``. The whole step's keywords reach each
+  half as its signature names them (`meshdistill.core.state.SplitStep.split_keywords`); any other is an error.
   """
   capture = tuple(strategy.capture)
   # A strategy with `needs_head` forms logits itself from the final hidden states and the
@@ -130,15 +130,16 @@ def per_device_gradients(
   with_logits, with_head = strategy.needs_logits, strategy.needs_head
 
   source = teacher_output if teacher_output is not None else TeacherOutput(NONE if teacher_def is None else MODEL)
-  teacher_out = teacher_head = teacher_cap = None
+  teacher_out: Any = None  # what the strategy reads: a ModelOutput, a losses.TopK or a losses.Aligned
+  teacher_head = teacher_cap = None
   reads_topk = source.reads_topk(batch)
   if reads_topk and source.own_tokenizer:  # a cross-tokenizer cache
     teacher_out = _aligned_topk(batch, topk_vocab, teacher_temperature)
   elif reads_topk:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
     teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
-  elif source.gives == MODEL and source.own_tokenizer:  # a teacher of another tokenizer
+  elif source.kind is MODEL and source.own_tokenizer:  # a teacher of another tokenizer
     teacher_out = _aligned_teacher(nnx.merge(teacher_def, teacher_params), batch, student_axis)
-  elif source.gives == MODEL:
+  elif source.kind is MODEL:
     teacher = nnx.merge(teacher_def, teacher_params)
     inputs_BxT, segments = batch["inputs"], _segments(batch)
     if student_axis is not None:
@@ -224,7 +225,7 @@ def student_gradients(
     *,
     axes: Any,
     student_def: nnx.GraphDef,
-    strategy: Any,
+    strategy: Strategy,
     vocab: int | None,
     trainable: Any,
     light: bool,
@@ -297,7 +298,7 @@ def student_gradients(
 def _teacher_sums(logits_BxTxV, batch: dict, mask_BxT, names: tuple[str, ...], temperature: float) -> dict:
   """Token sums of each teacher's ``kl`` / ``agreement`` (`meshdistill.losses.teacher_terms`) and ``tokens`` over the
   rows it serves (``teachers_rows``)."""
-  out = {}
+  out: dict[str, jax.Array] = {}
   for n, name in enumerate(names):
     topk = losses.TopK(*(batch[k][:, n] for k in MULTI_KEYS[:3]))
     mask_n = mask_BxT * batch["teachers_rows"][:, n, None].astype(mask_BxT.dtype)
@@ -338,12 +339,11 @@ def sum_over_data(tree: Any, data_axis: Any) -> Any:
 
 def apply_gradients(
     state: TrainState, grads: Any, metrics: dict, *, optimizer: optax.GradientTransformation, trainable: Any = None,
-    one_device: bool = False, **_,
+    one_device: bool = False,
 ):
   """The update half of the step: the optimizer on ``grads`` (of the trainable parameters, summed over ``data``);
   returns ``(new_state, metrics + grad_norm)``. Under `meshdistill.parallel.backends.ShardMapLayout` it runs on the
-  global arrays (outside the ``shard_map``), so norms and moments are those of whole gradients. Other keywords are
-  ignored."""
+  global arrays (outside the ``shard_map``), so norms and moments are those of whole gradients."""
   params_in, frozen = split_trainable(state.params, trainable)
   if one_device:  # whole arrays on one device: the stacked gradients in their weights' layout (`_row_major`)
     grads = jax.tree.map(_row_major, grads)

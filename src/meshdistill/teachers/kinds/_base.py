@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import typing
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.models import ModelConfig
+from meshdistill.strategies import Strategy
 from meshdistill.strategies import get as strategy_class
 from meshdistill.strategies import names as strategy_names
 from meshdistill.train.teacher import TeacherKind
@@ -126,11 +128,11 @@ class TeacherSource(abc.ABC):
     if reason:
       raise ConfigError(reason)
     on_policy = self.cfg.distill.on_policy
-    if self.gives == TOPK and (on_policy.active or on_policy.prompts_file):
+    if self.gives is TOPK and (on_policy.active or on_policy.prompts_file):
       raise ConfigError(f"distill.on_policy trains on prompts and sampled completions, but teacher.source={self.name} "
                         "feeds the teacher's top-k of the corpus rows; remove one of them")
 
-  def accepts(self, strategy: type, distill: Any) -> str | None:
+  def accepts(self, strategy: type[Strategy], distill: Any) -> str | None:
     """None when ``strategy`` (a strategy class, its settings in ``distill``) trains from this source, else why not.
 
     By default: a source that gives a teacher serves every strategy that needs one; one that gives `NOTHING`,
@@ -162,7 +164,7 @@ class TeacherSource(abc.ABC):
     if self.gives == NOTHING:
       raise NoTeacherModel(f"teacher.source={self.name} gives no teacher: there is no teacher model to run; set "
                            "teacher.hf (a Hugging Face teacher) or teacher.source=pretrained")
-    return get("hf" if self.cfg.models.teacher_hf else "pretrained")(self.cfg)
+    return typing.cast(ModelSource, get("hf" if self.cfg.models.teacher_hf else "pretrained")(self.cfg))
 
   # ------------------------------------------------------------------ after training (evaluate, generate)
   def saved_tokenizer(self, identity: str | None) -> Any:
@@ -199,7 +201,7 @@ class ModelSource(TeacherSource):
     return Prepared(data, teacher, identity)
 
 
-def topk_refusal(name: str, strategy: type, distill: Any, what: str) -> str | None:
+def topk_refusal(name: str, strategy: type[Strategy], distill: Any, what: str) -> str | None:
   """Why a source that gives `TOPK` cannot train ``strategy`` (its config settings ``distill``), or None.
 
   Read from its declared capabilities: ``accepts_topk`` and, for those that do, a ``top_k`` set; and the one rule of

@@ -17,6 +17,7 @@ from flax import nnx
 from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.teachers import cache as tc
 from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, register
+from meshdistill.train.teacher import TeacherKind
 from meshdistill.teachers.kinds.hf import HuggingFace, check_hf_path
 from meshdistill.teachers.kinds.pretrained import Pretrained
 
@@ -30,7 +31,7 @@ class Cached(TeacherSource):
   """an offline top-k cache, e.g. teacher.cache: path/to/cache (meshdistill cache-teacher --out)"""
 
   name: ClassVar[str] = "cache"
-  gives: ClassVar[str] = TOPK
+  gives: ClassVar[TeacherKind] = TOPK
   # teacher.hf: the Hugging Face teacher that wrote the cache, for its shape and tokenizer (no weights are read)
   settings: ClassVar[tuple[str, ...]] = ("cache", "hf")
   required: ClassVar[tuple[str, ...]] = ("cache",)

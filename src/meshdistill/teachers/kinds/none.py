@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.teachers.kinds._base import NOTHING, Prepared, TeacherSource, register
+from meshdistill.train.teacher import TeacherKind
 
 
 @register
@@ -14,7 +15,7 @@ class NoTeacher(TeacherSource):
   """no teacher: train on the data alone (distill.kind=hard_label_ce)"""
 
   name: ClassVar[str] = "none"
-  gives: ClassVar[str] = NOTHING
+  gives: ClassVar[TeacherKind] = NOTHING
 
   def check(self):
     super().check()

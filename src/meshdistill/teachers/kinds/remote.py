@@ -24,12 +24,14 @@ import os
 import threading
 import time
 import urllib.parse
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from meshdistill.core.typed_yaml import ConfigError
+from meshdistill.strategies import Strategy
 from meshdistill.teachers.ahead import AheadIterator
 from meshdistill.teachers.cache import TopKTeacher
 from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, option, register, topk_refusal
+from meshdistill.train.teacher import TeacherKind
 from meshdistill.teachers.service.client import TeacherClient
 from meshdistill.core.vocab import resolve_shared_vocab
 from meshdistill.core.batch import TOPK_KEYS
@@ -42,7 +44,7 @@ class Remote(TeacherSource):
   """a teacher served over the network, e.g. teacher.url: http://teacher-host:8000 (meshdistill serve-teacher)"""
 
   name: ClassVar[str] = "remote"
-  gives: ClassVar[str] = TOPK
+  gives: ClassVar[TeacherKind] = TOPK
   # url: the server; k: top-k asked for (default distill.top_k); timeout: the deadline of one try, seconds; retries:
   # tries after a failure (exponential backoff); token_env: the environment variable holding the bearer token
   # (default MESHDISTILL_TEACHER_TOKEN; the token itself never enters config.yaml); model: the served model name;
@@ -69,7 +71,7 @@ class Remote(TeacherSource):
     if values.get("require_digest") is not None and not isinstance(values["require_digest"], bool):
       raise ConfigError(f"teacher.require_digest={values['require_digest']!r} must be true or false")
 
-  def accepts(self, strategy, distill):
+  def accepts(self, strategy: type[Strategy], distill: Any) -> str | None:
     return topk_refusal(self.name, strategy, distill, "teacher.url sends the student the teacher's top-k only")
 
   def check(self):

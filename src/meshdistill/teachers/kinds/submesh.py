@@ -7,12 +7,14 @@ identity is that teacher's."""
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from meshdistill.core.typed_yaml import ConfigError
+from meshdistill.strategies import Strategy
 from meshdistill.parallel.backends import layout_class
 from meshdistill.parallel.mesh import DATA, TENSOR, mesh_shape, shape_label
 from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, register, topk_refusal
+from meshdistill.train.teacher import TeacherKind
 from meshdistill.teachers.kinds.hf import check_hf_path
 from meshdistill.teachers.kinds._quantize import check_quantize
 from meshdistill.teachers.mesh import TeacherMeshData, TeacherOnMesh, split_meshes
@@ -25,7 +27,7 @@ class SubMesh(TeacherSource):
   """a live teacher on its own devices, e.g. teacher.devices: {data: 1, tensor: 4}"""
 
   name: ClassVar[str] = "submesh"
-  gives: ClassVar[str] = TOPK
+  gives: ClassVar[TeacherKind] = TOPK
   settings: ClassVar[tuple[str, ...]] = ("devices", "hf", "quantize")
   required: ClassVar[tuple[str, ...]] = ("devices",)
 
@@ -44,7 +46,7 @@ class SubMesh(TeacherSource):
     check_hf_path(values)
     check_quantize(values)
 
-  def accepts(self, strategy, distill):
+  def accepts(self, strategy: type[Strategy], distill: Any) -> str | None:
     return topk_refusal(self.name, strategy, distill, "teacher.devices sends the student the teacher's top-k only")
 
   def check(self):

@@ -128,7 +128,7 @@ class Evaluator:
     self.mesh = mesh
     self.teacher_def, self.teacher_params = teacher_def, teacher_params
     # One compiled program per (graph definitions, shapes, layout), shared by every Evaluator.
-    self._fn = functools.partial(_sums, model_def=model_def, teacher_def=teacher_def)
+    self._fn: Any = functools.partial(_sums, model_def=model_def, teacher_def=teacher_def)  # of a jitted function
     self._cross = functools.partial(_cross_sums, model_def=model_def, teacher_def=teacher_def)
 
   @classmethod

@@ -23,7 +23,7 @@ import numpy as np
 
 from meshdistill.train.freezing import freeze_status
 from meshdistill.train.optimizers import consecutive_skips
-from meshdistill.strategies import fallback_strategy
+from meshdistill.strategies import Strategy, fallback_strategy
 from meshdistill.train.teacher import TeacherKind
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class Recovery:
       for the final error to say which is kept; None: the run writes no checkpoints.
   """
 
-  def __init__(self, trainer, guard: DivergenceGuard, keep_every: int = 1, fallback: Any = None, *,
+  def __init__(self, trainer, guard: DivergenceGuard, keep_every: int = 1, fallback: Strategy | None = None, *,
                on_event: Callable[[int, str, dict], None] | None = None, say: Callable[[str], None] | None = None,
                checkpoints: Callable[[], list[int]] | None = None):
     if not isinstance(keep_every, int) or isinstance(keep_every, bool) or keep_every < 1:

@@ -19,7 +19,7 @@ from meshdistill.data import BatchList
 from meshdistill.train.loop.guard import DivergenceEvent, DivergenceGuard, NoRecovery, Recovery, copy_state  # noqa: F401
 from meshdistill.train.loop.hooks import Hook
 from meshdistill.train.optimizers import safeguarded, skipped_updates  # noqa: F401
-from meshdistill.strategies import LogitMSE, fallback_strategy  # noqa: F401
+from meshdistill.strategies import LogitMSE, Strategy, fallback_strategy  # noqa: F401
 from meshdistill.train.loop.trainer import fit
 from meshdistill.train.freezing import freeze_status
 
@@ -55,7 +55,7 @@ def fit_guarded(
     batches: Iterable[dict],
     guard: DivergenceGuard | None = None,
     *,
-    fallback: Any = None,
+    fallback: Strategy | None = None,
     keep_every: int = 1,
     on_step: Callable[[dict], None] | None = None,
 ):
