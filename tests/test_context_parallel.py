@@ -8,6 +8,7 @@ Tolerances: `helpers.assert_sgd_steps_agree` (float32 models, plain SGD at rate 
 compare the gradients), each bound derived from the number of summands and the magnitudes compared.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -130,6 +131,17 @@ def test_bad_context_settings_name_the_setting():
     d.step(d.init_state(), make_batch(batch=4, seq=15))
   with pytest.raises(ValueError, match=r"mesh.student_split='batch' with mesh.axes.context=2"):
     make_layout("shard_map", _mesh(), student_split="batch")
+  d = _distiller(_mesh(), strategy=_RowMean())
+  with pytest.raises(ValueError, match=r"strategy _RowMean is a mean over whole rows .* mesh.axes.context=2"):
+    d.step(d.init_state(), _plain_batches()[0])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RowMean(LogitKD):
+  """A strategy whose loss is a mean over rows (`count`, as the preference losses'): a row's slice is not a row."""
+
+  def count(self, mask_BxT):
+    return jnp.sum(mask_BxT[:, 0])
 
 
 def test_the_planner_compiles_a_context_parallel_mesh(capsys):
