@@ -60,7 +60,8 @@ def _places(first, second) -> tuple[str, str]:
   """``("line 3", "line 7")`` of two nodes; with their columns when they share a line."""
   if _line(first) != _line(second):
     return f"line {_line(first)}", f"line {_line(second)}"
-  return tuple(f"line {_line(n)}, column {n.start_mark.column + 1}" for n in (first, second))
+  at = [f"line {_line(n)}, column {n.start_mark.column + 1}" for n in (first, second)]
+  return at[0], at[1]
 
 
 def _check_document(loader: Loader, root) -> None:
@@ -218,7 +219,7 @@ def _matches(t: Any, v: Any) -> tuple[bool, Any]:
   return True, v
 
 
-def _optional_dataclass(t: Any) -> type | None:
+def _optional_dataclass(t: Any) -> Any:
   """The dataclass of an annotation ``SomeDataclass | None``, else None."""
   if typing.get_origin(t) not in (Union, types.UnionType):
     return None
@@ -268,7 +269,7 @@ def from_dict(cls: type, raw: Any, where: str = "", base: Any = None) -> Any:
     if key not in fields or yaml_key in yaml_names(cls):
       raise unknown_key(where, yaml_key, [yaml_names(cls).get(f, f) for f in fields])
     t = hints[key]
-    if dataclasses.is_dataclass(t):
+    if isinstance(t, type) and dataclasses.is_dataclass(t):
       kwargs[key] = from_dict(t, value, f"{where}{key}.", getattr(base, key))
       continue
     optional = _optional_dataclass(t)

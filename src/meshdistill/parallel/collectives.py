@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def psum_bundled(tree: Any, axis: str | None) -> Any:
+def psum_bundled(tree: Any, axis: str | tuple[str, ...] | None) -> Any:
   """``jax.lax.psum(tree, axis)`` in at most one all-reduce for all scalars of a dtype plus one for the arrays.
 
   ``tree``: the leaves to sum (the caller selects them: e.g. leaves already reduce-scattered are not
