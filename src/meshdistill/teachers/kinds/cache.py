@@ -15,6 +15,8 @@ from typing import ClassVar
 from flax import nnx
 
 from meshdistill.core.typed_yaml import ConfigError
+from meshdistill.models import ModelConfig
+from meshdistill.parallel.mesh import platform_of
 from meshdistill.teachers import cache as tc
 from meshdistill.teachers.kinds._base import TOPK, Prepared, TeacherSource, register
 from meshdistill.train.teacher import TeacherKind
@@ -24,6 +26,16 @@ from meshdistill.teachers.kinds.pretrained import Pretrained
 # How the teacher computes or is placed, not what: remat, stacked blocks, and the vocabulary padding and key/value
 # replication `ModelConfig.for_tensor` adds for the writer's mesh (the manifest holds the fitted config).
 _PLACEMENT = ("remat", "scan_layers", "vocab_multiple", "replicate_kv")
+
+
+def _dtypes_as_run(fields: dict, platform: str) -> dict:
+  """A teacher's config fields as they compare between a cache and a run: without `_PLACEMENT`, and ``dtype`` /
+  ``param_dtype`` of ``auto`` as they resolve on ``platform`` for a frozen teacher (`ModelConfig.frozen`), so a
+  cache written under float32 settings is this config's on a CPU."""
+  out = {k: v for k, v in fields.items() if k not in _PLACEMENT}
+  run = ModelConfig(dtype=out.get("dtype", "float32"), param_dtype=out["param_dtype"]).for_platform(platform)
+  out["dtype"], out["param_dtype"] = run.dtype, run.frozen(platform).param_dtype
+  return out
 
 
 @register
@@ -63,10 +75,10 @@ class Cached(TeacherSource):
     del teacher_mesh
     cfg = self.cfg
     cache = tc.TeacherCache(cfg.models.teacher_cache)
-    teacher_cfg = {k: v for k, v in dataclasses.asdict(cfg.teacher).items() if k not in _PLACEMENT}
+    platform = platform_of(mesh)
+    teacher_cfg = _dtypes_as_run(dataclasses.asdict(cfg.teacher), platform)
     # a cache written before param_dtype was a setting: float32 weights
-    saved_cfg = {"param_dtype": "float32", **{k: v for k, v in cache.manifest["teacher"]["config"].items()
-                                               if k not in _PLACEMENT}}
+    saved_cfg = _dtypes_as_run({"param_dtype": "float32", **cache.manifest["teacher"]["config"]}, platform)
     if saved_cfg != teacher_cfg:
       diff = sorted(k for k in set(saved_cfg) | set(teacher_cfg) if saved_cfg.get(k) != teacher_cfg.get(k))
       raise ConfigError(
