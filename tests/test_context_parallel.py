@@ -1,8 +1,9 @@
 """Context parallelism (``mesh.axes: {context: n}``): each device holds a slice of every row's tokens, attention
 gathers the whole row's keys and values over ``context``, and the step sums gradients and token sums over ``data``
 and ``context``. A step on ``data=2 x context=2 x tensor=2`` equals the same step on one device, for rows of one
-stream and for rows packed from several documents (documents crossing the slices' boundary), with the ``xla`` and
-``explicit`` kernels, the chunked loss and weights split over ``data`` (fsdp).
+stream and for rows packed from several documents (documents crossing the slices' boundary), with the ``xla`` (whole and
+in query blocks), ``explicit`` and ``splash`` (interpreted) kernels, the chunked loss and weights split over ``data``
+(fsdp).
 
 Tolerances: `helpers.assert_sgd_steps_agree` (float32 models, plain SGD at rate 1: the parameters after the steps
 compare the gradients), each bound derived from the number of summands and the magnitudes compared.
@@ -40,10 +41,11 @@ def _mesh():
   return md.make_mesh(data=2, tensor=2, axes={"context": 2})
 
 
-def _distiller(mesh, attention="xla", strategy=None, fsdp=False, **kw):
+def _distiller(mesh, attention="xla", strategy=None, fsdp=False, window=None, **kw):
+  """A float32 pair on ``mesh``; ``window``: the teacher's sliding window (its logits enter the loss)."""
   return md.Distiller(md.init_model(STUDENT.replace(attention=attention), seed=1),
-                      md.init_model(TEACHER.replace(attention=attention), seed=0), strategy=strategy,
-                      optimizer=optax.sgd(1.0), mesh=mesh, fsdp=fsdp, **kw)
+                      md.init_model(TEACHER.replace(attention=attention, sliding_window=window), seed=0),
+                      strategy=strategy, optimizer=optax.sgd(1.0), mesh=mesh, fsdp=fsdp, **kw)
 
 
 def _plain_batches():
@@ -63,22 +65,24 @@ def _packed_batches():
   return [{k: rows[k][4 * i: 4 * i + 4] for k in keys} for i in range(2)]
 
 
-@pytest.mark.parametrize("rows, attention, strategy, fsdp, block", [
-    ("plain", "xla", LogitKD(), False, None),
-    ("packed", "explicit", LogitKD(), False, None),
-    ("plain", "xla", ChunkedLogitKD(chunk_size=4), True, 4),
-    ("packed", "xla", ChunkedLogitKD(chunk_size=4), True, 4),
-], ids=["plain-xla", "packed-explicit", "plain-xla-query-blocks-chunked-fsdp", "packed-xla-query-blocks-chunked-fsdp"])
-def test_a_step_on_data_context_tensor_equals_one_device(rows, attention, strategy, fsdp, block, monkeypatch):
+@pytest.mark.parametrize("rows, attention, strategy, fsdp, block, window", [
+    ("plain", "xla", LogitKD(), False, None, None),
+    ("packed", "explicit", LogitKD(), False, None, 6),
+    ("plain", "xla", ChunkedLogitKD(chunk_size=4), True, 4, 6),
+    ("packed", "xla", ChunkedLogitKD(chunk_size=4), True, 4, None),
+], ids=["plain-xla", "packed-explicit-window", "plain-xla-query-blocks-window-chunked-fsdp",
+        "packed-xla-query-blocks-chunked-fsdp"])
+def test_a_step_on_data_context_tensor_equals_one_device(rows, attention, strategy, fsdp, block, window, monkeypatch):
   """Two SGD steps on data=2 x context=2 x tensor=2: loss, KL, CE, gradient norm and the parameters after them equal
   one device's. The positions and masks are the row's: a slice that used its own (local RoPE positions, a causal
   mask from its first token, documents cut at the boundary) would differ from the first step. ``block``: the xla
   kernel's queries in blocks of 4 (two per slice of 8, `ContextShard.attend`), each block's mask from its own
-  global rows."""
+  global rows; ``window``: the teacher's sliding window of 6, which reaches across the slices' boundary."""
   if block is not None:
     monkeypatch.setattr(_attention, "QUERY_BLOCK", block)
   batches = _plain_batches() if rows == "plain" else _packed_batches()
-  metrics = assert_sgd_steps_agree(_distiller(None, attention, strategy), _distiller(_mesh(), attention, strategy, fsdp),
+  metrics = assert_sgd_steps_agree(_distiller(None, attention, strategy, window=window),
+                                   _distiller(_mesh(), attention, strategy, fsdp, window=window),
                                    batches, ("loss", "kl", "ce"))
   assert metrics[0]["tokens"] == sum(b["mask"].sum() for b in batches[:1])
 
@@ -117,11 +121,25 @@ def test_a_packed_slice_counts_positions_from_its_documents_start_on_another_dev
   assert int(got[0, 12]) == 7  # the second document began 7 tokens earlier, on the second slice
 
 
-def test_splash_is_refused_under_context_parallelism_naming_the_settings():
-  d = _distiller(_mesh(), attention="splash")
-  with pytest.raises(ValueError, match=r"ModelConfig.attention='splash' with the sequence split over "
-                                       r"mesh.axes.context=2: .*use attention='xla'"):
-    d.step(d.init_state(), _plain_batches()[0])
+def test_splash_under_context_parallelism_equals_one_device():
+  """The splash kernel (interpreted on CPU) on data=2 x context=2 x tensor=2, rows of 256 tokens packed from documents
+  that cross the slices' boundary at 128: each device runs the kernel whose causal mask starts at its offset, with the
+  row's segment ids for the keys (the teacher's with a sliding window of 100, reaching across the boundary: the
+  kernel's local mask shifted likewise); two steps equal one device's (the ``xla`` kernel on whole rows)."""
+  long = {"max_len": 256}
+  rng = np.random.default_rng(1)
+  docs = [rng.integers(3, TEACHER.vocab_size, n) for n in (90, 70, 120, 40, 100, 60, 150, 80, 110, 50, 95, 130)]
+  rows = pack_documents(docs, 256, eos_id=2, pad_id=0).arrays(segments=True)
+  seg = rows["segment_ids"][:4]
+  assert np.sum((seg[:, 127] == seg[:, 128]) & (seg[:, 128] > 0)) >= 2  # documents on both slices
+  batches = [{k: rows[k][:4] for k in ("inputs", "targets", "mask", *SEGMENT_KEYS)}]
+
+  def distiller(mesh, attention):
+    return md.Distiller(md.init_model(STUDENT.replace(attention=attention, **long), seed=1),
+                        md.init_model(TEACHER.replace(attention=attention, sliding_window=100, **long), seed=0),
+                        optimizer=optax.sgd(1.0), mesh=mesh)
+
+  assert_sgd_steps_agree(distiller(None, "xla"), distiller(_mesh(), "splash"), batches, ("loss", "kl", "ce"))
 
 
 def test_bad_context_settings_name_the_setting():

@@ -106,9 +106,11 @@ class ContextShard(NamedTuple):
   sliding window and packed documents' segment ids compare global token indices (`visible`); RoPE takes each token's
   global position (`positions`; packed rows bring their own). The transpose of the gather is a reduce-scatter: a
   device's keys and values receive the gradient of every query that read them, on whichever device it is. The
-  ``xla`` and ``explicit`` kernels take the mask as it is (dense ``T x ways*T`` scores per device: every device does
-  the same work, the causal half of it masked); the splash kernel's mask is a static block pattern whose offset here
-  is the device's index, so it is refused under context parallelism (``attention='auto'`` picks ``xla`` there).
+  ``xla`` kernel runs the device's queries in blocks (`attend`) and ``explicit`` whole, each with the mask as it is
+  (dense scores: every device does the same work, the causal part of it masked); the splash kernel takes a causal mask
+  shifted by the device's offset (its masks are static block patterns, so one kernel per position on the axis, the
+  device's chosen by ``lax.switch``, `splash_attention`), and skips the blocks it masks whole: the last device of the
+  axis computes the most (contiguous slices are not load-balanced).
 
   Why an all-gather first and not a ring (ring attention: key/value blocks passed round the axis by
   ``ppermute``, a running softmax per block): the gather is one collective per layer that the compiler can issue
@@ -142,9 +144,10 @@ class ContextShard(NamedTuple):
     gather = functools.partial(jax.lax.all_gather, axis_name=CONTEXT, axis=axis, tiled=True)
     mesh, free = _compiler_axes()
     t = mesh.shape[TENSOR] if TENSOR in free else 1
-    if x.ndim != 4 or t == 1 or x.shape[2] % t:
+    heads = 2 if axis == 1 else 1  # [B, T, G, K], or head-major [B, G, T, K] (the splash path)
+    if x.ndim != 4 or t == 1 or x.shape[heads] % t:
       return gather(x)
-    spec = P(None, None, TENSOR)
+    spec = P(*(TENSOR if i == heads else None for i in range(heads + 1)))
     return jax.shard_map(gather, in_specs=spec, out_specs=spec, axis_names={TENSOR}, check_vma=False)(x)
 
   def positions(self, T: int) -> jax.Array:
@@ -284,7 +287,8 @@ def _explicit_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS=None, *
   return einops.rearrange(out, "b t g r k -> b t (g r) k"), probs_BxHxTxS
 
 
-def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, **options):
+def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, context: ContextShard | None = None,
+                     **options):
   """`_splash_attention` placed for the mesh in context: ``out [B, H, T, K]`` (head-major, as the kernel reads
   and writes: a decoder projects into this layout, so no step swaps heads and tokens).
 
@@ -299,7 +303,10 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, **op
   compiler-managed ``data`` axis that divides them. Interpret mode follows `target_platform`.
   Without a mesh in context (one device, a plain ``jit``) or with every axis manual already (``pmap``) the
   kernel runs as it is. ``segment_ids_BxT``: packed documents (`Segments`), split over rows with the queries.
-  ``options``: `_splash_attention`'s ``window``, ``scale`` and ``cap``.
+  ``options``: `_splash_attention`'s ``window``, ``scale`` and ``cap``. ``context``: this device's slice of the
+  sequence (`ContextShard`): the keys and values are the whole row's (gathered), and the device runs the kernel whose
+  causal mask starts at its offset, chosen by ``lax.switch`` on its index along ``context`` (one compiled kernel per
+  position on the axis: a mask is a static block pattern); the row's segment ids are gathered for the keys.
   """
   interpret = target_platform() != "tpu"
   global _warned_interpret
@@ -309,9 +316,20 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, **op
         "attention='splash' on %s runs the Pallas kernel in interpret mode: slow, meant for numerics checks; "
         "use attention='auto' (or 'xla') off TPU", target_platform()
     )
+  segments = () if segment_ids_BxT is None else (segment_ids_BxT,)
+  attend = functools.partial(_splash_attention, interpret=interpret, **options)
+  if context is not None:  # the kernel of this device's offset; the keys' ids are the row's
+    segments += () if segment_ids_BxT is None else (context.gather(segment_ids_BxT, axis=1),)
+    T = q_BxHxTxK.shape[2]
+
+    def attend(q, k, v, *ids):  # noqa: F811
+      branches = [functools.partial(_shifted_splash, offset=i * T, interpret=interpret, **options)
+                  for i in range(context.ways)]
+      return jax.lax.switch(jax.lax.axis_index(CONTEXT), branches, q, k, v, *ids)
+
   mesh, free = _compiler_axes()
   if not free:
-    return _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT, interpret=interpret, **options)
+    return attend(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, *segments)
   B, H = q_BxHxTxK.shape[:2]
   G = k_BxGxTxK.shape[1]
   t = mesh.shape[TENSOR] if TENSOR in free else 1
@@ -334,11 +352,16 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, **op
       else:  # groups cut by the split (t divides neither G nor H/G): one key/value head per query head
         pick = lambda a: jnp.take(a, (first + jnp.arange(heads)) // R, axis=1)  # noqa: E731
       k_BxGxTxK, v_BxGxTxK = pick(k_BxGxTxK), pick(v_BxGxTxK)
-    return _splash_attention(q_BxHlxTxK, k_BxGxTxK, v_BxGxTxK, *segment_ids_BxT, interpret=interpret, **options)
+    return attend(q_BxHlxTxK, k_BxGxTxK, v_BxGxTxK, *segment_ids_BxT)
 
-  segments = () if segment_ids_BxT is None else (segment_ids_BxT,)
   return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec) + (P(rows),) * len(segments), out_specs=q_spec,
                        axis_names=free, check_vma=False)(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, *segments)
+
+
+def _shifted_splash(q, k, v, *ids, offset: int, **options):
+  """`_splash_attention` of queries starting at token ``offset`` of the row (``ids``: the queries' and the row's
+  segment ids, or none)."""
+  return _splash_attention(q, k, v, *ids[:1], offset=offset, kv_segment_ids_BxS=ids[1] if ids else None, **options)
 
 
 def _compiler_axes():
@@ -425,7 +448,8 @@ def splash_block_sizes(T: int, *, itemsize: int = 2, head_dim: int = 128, capped
 
 
 def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, interpret: bool | None = None, *,
-                      window: int | None = None, scale: float | None = None, cap: float | None = None):
+                      window: int | None = None, scale: float | None = None, cap: float | None = None,
+                      offset: int = 0, kv_segment_ids_BxS=None):
   """Causal grouped-query attention with the Pallas splash kernel on the heads given, head-major:
   ``out [B, H, T, K]`` from queries ``[B, H, T, K]`` and keys/values ``[B, G, T, K]``.
 
@@ -436,12 +460,14 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, int
   `splash_attention`, which splits heads over ``tensor``. ``window``: the kernel's local mask (a query sees itself and
   the ``window - 1`` keys before it); ``scale``: of the scores (default ``K ** -0.5``, applied to the queries); ``cap``:
   the kernel's soft-cap of the scores. ``segment_ids_BxT``: packed documents (`Segments`): the kernel's own segment ids
-  (a query sees keys of its segment only), one row's for all its heads.
+  (a query sees keys of its segment only), one row's for all its heads. Context parallelism (`ContextShard`): keys
+  and values of the whole row ``[B, G, S, K]``, the queries those of tokens ``offset .. offset + T`` of it (the mask
+  shifted so), ``kv_segment_ids_BxS`` the row's segment ids (default: ``segment_ids_BxT``, keys and queries alike).
   """
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
 
   B, H, T, K = q_BxHxTxK.shape
-  G = k_BxGxTxK.shape[1]
+  G, S = k_BxGxTxK.shape[1], k_BxGxTxK.shape[2]
   if T % 128:
     raise ValueError(
         f"ModelConfig.attention='splash' needs a sequence length that is a multiple of 128, got {T}; "
@@ -451,7 +477,8 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, int
     interpret = target_platform() != "tpu"
   itemsize = max(jnp.dtype(x.dtype).itemsize for x in (q_BxHxTxK, k_BxGxTxK, v_BxGxTxK))
   sizes = (_BLOCKS.get() or splash_block_sizes)(T, itemsize=itemsize, head_dim=K, capped=cap is not None)
-  one = splash.CausalMask((T, T)) if window is None else splash.LocalMask((T, T), (window - 1, 0), offset=0)
+  one = (splash.CausalMask((T, S), offset=offset) if window is None
+         else splash.LocalMask((T, S), (window - 1, 0), offset=offset))
   mask = splash.MultiHeadMask([one for _ in range(H // G)])
   q_BxGxRxTxK = q_BxHxTxK.reshape(B, G, H // G, T, K)  # query heads in their groups: a free reshape
   if scale is None:
@@ -467,13 +494,15 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, int
                                                   attn_logits_soft_cap=cap)
     if not ids:
       return jax.vmap(jax.vmap(kernel))(q, k, v)
-    per_row = lambda q, k, v, ids: jax.vmap(  # noqa: E731  (each row's ids for every group of its heads)
-        lambda q, k, v: kernel(q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids)))(q, k, v)
-    return jax.vmap(per_row)(q, k, v, ids[0])
+    per_row = lambda q, k, v, ids, kv_ids: jax.vmap(  # noqa: E731  (each row's ids for every group of its heads)
+        lambda q, k, v: kernel(q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=kv_ids)))(q, k, v)
+    return jax.vmap(per_row)(q, k, v, ids[0], ids[-1])
 
   if itemsize <= 2 and jax.config.jax_default_matmul_precision not in (None, "default", "bfloat16", "fastest"):
     run = _at_default_precision(run)
-  out = run(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK, *(() if segment_ids_BxT is None else (segment_ids_BxT,)))
+  ids = () if segment_ids_BxT is None else (segment_ids_BxT,) + (() if kv_segment_ids_BxS is None else
+                                                                  (kv_segment_ids_BxS,))
+  out = run(q_BxGxRxTxK, k_BxGxTxK, v_BxGxTxK, *ids)
   return out.reshape(B, H, T, K).astype(v_BxGxTxK.dtype)
 
 

@@ -141,20 +141,14 @@ class Attention(nnx.Module):
     cfg = self.cfg
     kind = cfg.kernel(x_BxTxD.shape[1], probs=want_probs, decoding=cache is not None)  # `auto`: splash on a TPU
     shard = ContextShard.here(x_BxTxD.shape[1]) if cache is None else None  # this device's slice of the sequence
-    if shard is not None and kind == "splash":
-      if cfg.attention == "splash":
-        raise ValueError(
-            f"ModelConfig.attention='splash' with the sequence split over mesh.axes.context={shard.ways}: the splash "
-            "kernel's causal mask is a static block pattern and cannot take each device's token offset; use "
-            "attention='xla' (or 'auto', which picks it there) or 'explicit', or mesh.axes.context=1")
-      kind = "explicit" if cfg.attn_softcap is not None else "xla"  # `auto`: the kernel it picks off a TPU
     # The splash kernel reads and writes heads before tokens: the projections' outputs are laid out so from the
     # start (XLA writes the matmul in that layout), their norms and RoPE computed there, and no copy swaps them.
     heads = "b h t k" if kind == "splash" else "b t h k"
     T = x_BxTxD.shape[1]
     query_scale = cfg.query_scale
     if kind == "splash" and cache is None and prep_in_kernel(T, cfg.hd):  # one Pallas kernel each (`_head_prep`)
-      cos, sin = rope_tables(jnp.arange(T) if segments is None else segments.positions_BxT, cfg.hd, self.theta,
+      stream = jnp.arange(T) if shard is None else shard.positions(T)[0]  # a slice's: its global positions
+      cos, sin = rope_tables(stream if segments is None else segments.positions_BxT, cfg.hd, self.theta,
                              self.scaling)  # [T, K], or [B, T, K] for packed documents
       dtype = x_BxTxD.dtype
       q, k = (
@@ -182,8 +176,8 @@ class Attention(nnx.Module):
     options = {"window": self.window, "scale": query_scale, "cap": cfg.attn_softcap}
     ids = None if segments is None or cache is not None else segments.ids_BxT  # packed documents: within one only
     if shard is not None:  # the whole row's keys and values; causal mask, window and documents on global indices
-      k, v = shard.gather(k, axis=1), shard.gather(v, axis=1)
-    if shard is not None and kind != "explicit":  # in blocks of queries: never the slice's whole scores
+      k, v = (shard.gather(a, axis=heads.split().index("t")) for a in (k, v))
+    if shard is not None and kind not in ("explicit", "splash"):  # in blocks of queries: never the whole scores
       attend = lambda q_b, visible_b: jax.nn.dot_product_attention(  # noqa: E731
           q_b, k, v, mask=visible_b, implementation=kind, scale=cfg.query_scale).astype(v.dtype)
       out, probs_BxHxTxS = shard.attend(attend, q, self.window, ids), None
@@ -192,7 +186,7 @@ class Attention(nnx.Module):
         visible, ids = shard.visible(T, self.window, ids), None
       out, probs_BxHxTxS = _explicit_attention(q, k, v, visible, segment_ids_BxT=ids, **options)
     elif kind == "splash":
-      out, probs_BxHxTxS = splash_attention(q, k, v, ids, **options), None
+      out, probs_BxHxTxS = splash_attention(q, k, v, ids, context=shard, **options), None
     else:  # the causal mask and window are the kernel's; packed documents add their [B, 1, T, T] mask
       window = None if self.window is None or visible is not None else (self.window - 1, 0)
       mask = visible if ids is None else segment_mask(ids)

@@ -101,7 +101,7 @@ class ShardMapLayout(GlobalArrayLayout):
   splits over it): the axis trades activation memory, which grows with the sequence, for the gathers of keys and
   values. Same numbers as one device. Not with ``student_split="batch"``, several teachers' own top-k or a teacher
   of another tokenizer (their batch keys are laid out otherwise), nor a strategy whose loss is a mean over whole
-  rows (preference pairs); the splash kernel is refused there (`meshdistill.models.decoder.Attention`).
+  rows (preference pairs).
   """
 
   name = "shard_map"
