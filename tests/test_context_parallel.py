@@ -22,9 +22,11 @@ from jax.sharding import PartitionSpec as P
 
 import meshdistill as md
 from meshdistill import cli
+from meshdistill.config import load_config
 from meshdistill.core.batch import SEGMENT_KEYS
 from meshdistill.data import pack_documents
-from meshdistill.models import _attention
+from meshdistill.jobs import build_mesh
+from meshdistill.models import _context
 from meshdistill.models._attention import Segments, segment_positions
 from meshdistill.parallel.backends import make_layout
 from meshdistill.planner._compile import collectives
@@ -79,7 +81,7 @@ def test_a_step_on_data_context_tensor_equals_one_device(rows, attention, strate
   kernel's queries in blocks of 4 (two per slice of 8, `ContextShard.attend`), each block's mask from its own
   global rows; ``window``: the teacher's sliding window of 6, which reaches across the slices' boundary."""
   if block is not None:
-    monkeypatch.setattr(_attention, "QUERY_BLOCK", block)
+    monkeypatch.setattr(_context, "QUERY_BLOCK", block)
   batches = _plain_batches() if rows == "plain" else _packed_batches()
   metrics = assert_sgd_steps_agree(_distiller(None, attention, strategy, window=window),
                                    _distiller(_mesh(), attention, strategy, fsdp, window=window),
@@ -160,6 +162,11 @@ class _RowMean(LogitKD):
 
   def count(self, mask_BxT):
     return jnp.sum(mask_BxT[:, 0])
+
+
+def test_mesh_axes_context_in_a_config_builds_the_mesh():
+  cfg = load_config("tiny", ["mesh.data=2", "mesh.tensor=2", "mesh.axes={context: 2}"])
+  assert build_mesh(cfg).shape == SHAPE
 
 
 def test_the_planner_compiles_a_context_parallel_mesh(capsys):

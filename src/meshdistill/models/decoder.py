@@ -51,9 +51,10 @@ from flax import nnx
 
 from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.parallel.rules import annotate
-from meshdistill.models._attention import (ContextShard, KVCache, Segments, _explicit_attention, heads_in_kernel, prep_in_kernel,
+from meshdistill.models._attention import (KVCache, Segments, _explicit_attention, heads_in_kernel, prep_in_kernel,
                                           query_prescale, rope, rope_tables, segment_mask, splash_attention)
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
+from meshdistill.models._context import ContextShard
 from meshdistill.models._scan import layer_blocks, save_all_but_casts, scan_blocks, stacked_blocks
 from meshdistill.models._variants import gate_activation, head_norm, head_norm_scale, norm, scale_embed, softcap
 from meshdistill.models.moe import MoE, Routing

@@ -95,7 +95,7 @@ class ShardMapLayout(GlobalArrayLayout):
   tensor=2``) runs the step manual over ``data`` and ``context``: the batch is placed split over ``data`` only and
   the ``shard_map`` hands each device its slice of ``seq_len / n`` tokens of every row (a local slice, no transfer).
   Both models run on the slice, attention gathering the whole row's keys and values over ``context``
-  (`meshdistill.models._attention.ContextShard`: causal mask, window and packed documents on global token indices);
+  (`meshdistill.models._context.ContextShard`: causal mask, window and packed documents on global token indices);
   the loss, chunked or not, and the teacher's logits are the slice's; gradients and token sums are summed over
   ``data`` and ``context`` (the step's ``data_axis`` names both). Weights are replicated over ``context`` (no rule
   splits over it): the axis trades activation memory, which grows with the sequence, for the gathers of keys and

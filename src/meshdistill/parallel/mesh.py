@@ -33,7 +33,7 @@ TENSOR = "tensor"
 AXES = (DATA, TENSOR)  # the axes every mesh has (size 1 where unused)
 EXPERT = "expert"  # mixture-of-experts weights split over it (rule experts -> expert in `meshdistill.parallel.rules`)
 # The sequence split over it: each device holds a slice of every row's tokens, attention gathers keys and values over it
-# (context parallelism: `context_ways`, `meshdistill.models._attention.ContextShard`).
+# (context parallelism: `context_ways`, `meshdistill.models._context.ContextShard`).
 CONTEXT = "context"
 EXTRA_AXES = (EXPERT, CONTEXT)  # axes a mesh may add between `data` and `tensor` (`make_mesh(axes=...)`, `mesh.axes`)
 

@@ -18,7 +18,7 @@ The loss is the token mean over unmasked tokens of the GLOBAL batch: numerator a
 denominator are summed over ``data`` (``psum``), so every layout computes the same
 number as one device. Under context parallelism (``mesh.axes: {context: n}``) each device holds a slice of its rows'
 tokens: both models run on the slice (attention gathers keys and values over ``context``,
-`meshdistill.models._attention.ContextShard`), the loss (chunked or not) and the teacher's logits are those of the
+`meshdistill.models._context.ContextShard`), the loss (chunked or not) and the teacher's logits are those of the
 slice, and ``data_axis`` names ``data`` and ``context``: gradients and token sums are summed over both.
 
 With no teacher (``teacher_def=None``) step 1 is skipped and the strategy sees
