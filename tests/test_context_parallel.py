@@ -28,6 +28,7 @@ from meshdistill.data import pack_documents
 from meshdistill.jobs import build_mesh
 from meshdistill.models import _context
 from meshdistill.models._attention import Segments, segment_positions
+from meshdistill.models.moe import MoeConfig
 from meshdistill.parallel.backends import make_layout
 from meshdistill.planner._compile import collectives
 from meshdistill.strategies import ChunkedLogitKD, LogitKD
@@ -162,6 +163,25 @@ class _RowMean(LogitKD):
 
   def count(self, mask_BxT):
     return jnp.sum(mask_BxT[:, 0])
+
+
+def test_a_dropless_moe_student_on_data_context_tensor_equals_one_device():
+  """A mixture-of-experts student (dropless, with a dense layer and both router terms weighted) on data=2 x context=2
+  x tensor=2: its routing is per token and its router terms global means, so two steps equal one device's. A
+  per-sequence capacity is refused: a device holds a slice of each sequence, not the group the capacity is of."""
+  moe = STUDENT.replace(moe=MoeConfig(n_experts=4, top_k=2, expert_hidden=12, dense_layers=(1,),
+                                       aux_loss_weight=0.1, z_loss_weight=0.01))
+
+  def distiller(mesh, capacity=None):
+    student = moe.replace(moe=dataclasses.replace(moe.moe, capacity_factor=capacity))
+    return md.Distiller(md.init_model(student, seed=1), md.init_model(TEACHER, seed=0), optimizer=optax.sgd(1.0),
+                        mesh=mesh)
+
+  assert_sgd_steps_agree(distiller(None), distiller(_mesh()), _plain_batches(), ("loss", "kl", "ce"))
+  d = distiller(_mesh(), capacity=1.0)
+  with pytest.raises(ValueError, match=r"MoeConfig.capacity_factor=1.0 caps each expert per sequence, but the "
+                                       r"sequence is split over mesh.axes.context=2"):
+    d.step(d.init_state(), _plain_batches()[0])
 
 
 def test_mesh_axes_context_in_a_config_builds_the_mesh():

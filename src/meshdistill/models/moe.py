@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 # The experts run per device in a shard_map over `expert` and `tensor` (`experts_on_mesh`): the one place here that
 # names axes.
-from meshdistill.parallel.mesh import DATA, EXPERT, TENSOR
+from meshdistill.parallel.mesh import DATA, EXPERT, TENSOR, context_ways
 from meshdistill.parallel.rules import annotate
 
 SCORES = ("softmax", "sigmoid")
@@ -290,6 +290,11 @@ class MoE(nnx.Module):
     weights_Nxk, experts_Nxk = route(logits_NxE, self.moe)
     k = self.moe.top_k
     capacity = self.moe.capacity(T)
+    if capacity is not None and context_ways() > 1:  # a device holds a slice of each sequence: not its group
+      raise ValueError(
+          f"MoeConfig.capacity_factor={self.moe.capacity_factor} caps each expert per sequence, but the sequence is "
+          f"split over mesh.axes.context={context_ways()} and a device sees a slice of it; use capacity_factor=null "
+          "(dropless, exact under context parallelism) or mesh.axes.context=1")
     keep_Nxk = None
     dropped_BxT = jnp.zeros((B, T), jnp.float32)
     if capacity is not None:
