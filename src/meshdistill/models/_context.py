@@ -90,13 +90,12 @@ class ContextShard(NamedTuple):
     """``[B | 1, 1, T, S]`` bool (``S``: the row's tokens): this device's queries ``start .. start + T`` (global
     ``offset + start + t``) see the row's keys at or before them (within the sliding ``window``, and of their own
     document with ``segment_ids_BxT``, their ids; ``keys_BxS``: the row's, gathered when not given)."""
-    if segment_ids_BxT is not None and keys_BxS is None:
-      keys_BxS = self.gather(segment_ids_BxT, axis=1)
     S = self.tokens * self.ways
     rows_Tx1, cols_1xS = self.offset + start + jnp.arange(T)[:, None], jnp.arange(S)[None, :]
     visible = ((cols_1xS <= rows_Tx1) & band(rows_Tx1, cols_1xS, window))[None, None]
     if segment_ids_BxT is not None:
-      visible = visible & (segment_ids_BxT[:, :, None] == keys_BxS[:, None, :])[:, None]
+      keys = self.gather(segment_ids_BxT, axis=1) if keys_BxS is None else keys_BxS
+      visible = visible & (segment_ids_BxT[:, :, None] == keys[:, None, :])[:, None]
     return visible
 
   def attend(self, attend, q_BxTxHxK: jax.Array, window: int | None = None,
