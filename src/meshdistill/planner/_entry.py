@@ -194,13 +194,18 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
   k = _default_knobs(pl, mesh, batch, chunk_size)
   pl.announce(1, more=max_compiles if suggest > 0 else 0)
   if k.remat == "auto":  # as `distill` decides it (`train.memory.auto_remat`): the first policy that fits
-    for remat in REMAT_ORDER:
-      k = dataclasses.replace(k, remat=remat)
-      p = pl.plan(k)
-      if p.fits is not False:
-        break
-    p.notes.append(f"remat auto: {k.remat}, the first of {', '.join(REMAT_ORDER)} whose step fits (as distill "
-                   "chooses it on the device)")
+    first, p, tried = dataclasses.replace(k, remat=REMAT_ORDER[0]), None, {}
+    if pl.fits_statically(first):  # weights and optimizer state alone over the limit: no policy can help
+      for remat in REMAT_ORDER:
+        tried[remat] = pl.plan(dataclasses.replace(k, remat=remat))
+        if tried[remat].fits is not False:
+          k, p = dataclasses.replace(k, remat=remat), tried[remat]
+          p.notes.append(f"remat auto: {remat}, the first of {', '.join(REMAT_ORDER)} whose step fits (as distill "
+                         "chooses it on the device)")
+          break
+    if p is None:  # none fits: the cheapest policy's plan, its suggestions the nearest that fit
+      k = first
+      p = tried.get(first.remat) or pl.plan(k)
   else:
     p = pl.plan(k)
   if p.fits is False and suggest > 0:
