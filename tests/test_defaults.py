@@ -58,7 +58,8 @@ def test_a_frozen_teacher_is_stored_in_its_compute_dtype_by_rounding_each_weight
                                   np.asarray(b, np.float32))
   # bfloat16 compute casts float32 weights to bfloat16 where they are used: the same logits either way
   np.testing.assert_array_equal(logits, np.asarray(stored(x).logits, np.float32))
-  assert frozen_model(init_model(CFG, seed=0), "cpu").cfg.param_dtype == "float32"
+  float_teacher = init_model(CFG, seed=0)
+  assert frozen_model(float_teacher, "cpu") is float_teacher and float_teacher.cfg.weight_dtype == jnp.float32
 
 
 def test_the_planner_makes_auto_concrete_for_its_target():

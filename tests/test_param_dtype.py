@@ -90,7 +90,7 @@ def test_student_weights_other_than_float32_are_refused():
     md.Distiller(student, md.init_model(TEACHER_CFG))
   with pytest.raises(ConfigError, match=r"student.param_dtype='bfloat16'.*set student.param_dtype=float32"):
     load_config(overrides=["student.param_dtype=bfloat16"])
-  with pytest.raises(ConfigError, match=r"teacher.param_dtype='int8'; choose float32, bfloat16 or float16"):
+  with pytest.raises(ConfigError, match=r"teacher.param_dtype='int8'; choose one of \('auto', 'float32', 'bfloat16', 'float16'\)"):
     load_config(overrides=["teacher.param_dtype=int8"])
   with pytest.raises(ValueError, match=r"ModelConfig.param_dtype='float64'"):
     md.ModelConfig(param_dtype="float64")
@@ -105,7 +105,7 @@ def test_teacher_hf_with_param_dtype_loads_bf16_weights_and_copies_float32_stude
   cfg = load_config(str(ROOT / "configs" / "hf_example.yaml"),
                     [f"teacher.hf={QWEN3}", f"data.source={QWEN3.parent / 'hf_text.jsonl'}", "teacher.dtype=bfloat16",
                      "teacher.param_dtype=bfloat16", "student.init={from_teacher: true, layers: [1]}"])
-  assert cfg.teacher.param_dtype == "bfloat16" and cfg.student.param_dtype == "float32"
+  assert cfg.teacher.param_dtype == "bfloat16" and cfg.student.param_dtype == "auto"  # auto: float32 for a student
   assert cfg.to_dict()["teacher"]["param_dtype"] == "bfloat16"  # written back beside teacher.hf
   teacher = jobs.obtain_teacher(cfg, None, mesh)[0]
   assert {x.dtype for x in jax.tree.leaves(nnx.state(teacher))} == {jnp.dtype(jnp.bfloat16)}
@@ -138,7 +138,7 @@ def test_planner_keeps_teacher_param_dtype_for_presets_and_halves_teacher_weight
 
   pl = planner.make_planner("qwen3-1.7b", "qwen3-0.6b", devices="cpu:8", seq=16,
                             overrides=["teacher.param_dtype=bfloat16"])
-  assert (pl.teacher.param_dtype, pl.student.param_dtype) == ("bfloat16", "float32")
+  assert (pl.teacher.param_dtype, pl.student.weight_dtype.name) == ("bfloat16", "float32")
   a = md.plan(devices="cpu:8", mesh="2x4")
   b = md.plan(devices="cpu:8", mesh="2x4", overrides=["teacher.param_dtype=bfloat16"])
   assert a.memory["teacher_weights"] == 2 * b.memory["teacher_weights"] > 0

@@ -87,7 +87,7 @@ def frozen_model(model: Decoder, platform: str | None = None) -> Decoder:
   if not isinstance(model, Decoder):
     return model
   cfg = model.cfg.frozen(platform)
-  if cfg == model.cfg:
+  if cfg.weight_dtype == model.cfg.weight_dtype:  # stored as it would be already (auto on a CPU: float32)
     return model
   _, target, _ = abstract_params(cfg)
   state = nnx.state(model)

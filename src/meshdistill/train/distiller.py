@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from meshdistill.parallel.backends import make_layout
 from meshdistill.parallel.mesh import platform_of
-from meshdistill.models import Decoder, abstract_params, fit_model, frozen_model
+from meshdistill.models import Decoder, fit_model, frozen_model
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
 from meshdistill.train.memory import auto_remat
@@ -373,11 +373,11 @@ class Distiller:
     """A copy whose student recomputes activations with policy ``remat`` (it changes no parameter,
     so ``init_state()`` still starts from the same student)."""
     cfg = self.student_cfg.replace(remat=remat)  # validates the name
-    graphdef = abstract_params(cfg)[0]
-    if self.trainable is not None:  # a student beyond the plain decoder (LoRA): keep its graph
-      model = nnx.merge(self.student_def, self._student_init)
-      model.cfg = cfg
-      graphdef = nnx.split(model)[0]
+    # the student's own graph with the new config: a student beyond the plain decoder (LoRA adapters, a
+    # quantization-aware wrapper) keeps what wraps it
+    model = nnx.merge(self.student_def, self._student_init)
+    model.cfg = cfg
+    graphdef = nnx.split(model)[0]
     new = self._variant(student_def=graphdef)
     new.student_cfg, new.student_def = cfg, graphdef
     return new

@@ -229,16 +229,15 @@ def fit_remat(
     compiler_options: XLA options of the measured steps (e.g. `CPU_MEMORY_SCHEDULER`); the
       returned trainer's step compiles with them too, so it runs the program that was measured.
   """
-  current = distiller.student_cfg.remat
-  if current == "auto":  # not chosen yet: from the cheapest policy on
-    distiller, current = distiller.with_remat(REMAT_ORDER[0]), REMAT_ORDER[0]
+  given = distiller.student_cfg.remat
+  current = REMAT_ORDER[0] if given == "auto" else given  # auto, not chosen yet: from the cheapest policy on
   if candidates is None:
     candidates = (current,) + tuple(r for r in REMAT_ORDER[REMAT_ORDER.index(current) + 1:])
   if budget_bytes is None:
     devices = distiller.mesh.devices.flat if distiller.mesh is not None else jax.devices()[:1]
     budget_bytes = device_memory_limit(next(iter(devices)))
   base = distiller.with_compiler_options(compiler_options) if compiler_options else distiller
-  built = {current: base}
+  built = {} if given == "auto" else {current: base}
 
   def measure(remat: str) -> MemoryReport:
     if remat not in built:
