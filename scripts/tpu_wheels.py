@@ -4,7 +4,7 @@ A TPU VM that reaches PyPI needs none of this (``pip install -e ".[tpu]"``; docs
 (an air-gapped VM, or a machine whose only package index is a local mirror) gets the project's Python
 dependencies as wheels, downloaded here, on a machine where ``pip install -e ".[test]"`` was run:
 
-    python scripts/tpu_wheels.py                 # -> .whl-tpu/ (34 wheels, 19.1 MiB) + .whl-tpu/from_index.txt
+    python scripts/tpu_wheels.py                 # -> .whl-tpu/ (35 wheels, 19.5 MiB) + .whl-tpu/from_index.txt
     python scripts/tpu_wheels.py --with-tunix    # also what tunix's distillation trainer and sampler import (45, 21.9 MiB)
 
 (Sizes measured with the versions installed in a venv that also holds torch, left out.)
@@ -57,7 +57,7 @@ m.Distiller; m.ChunkedLogitKD; m.init_model
 for name in ("meshdistill.cli", "meshdistill.jobs._distill_job", "meshdistill.jobs._inspect", "meshdistill.jobs._teacher",
              "meshdistill.models.lora", "meshdistill.models.quantize", "meshdistill.models.moe",
              "meshdistill.planner", "meshdistill.train.onpolicy", "chex", "qwix", "tokenizers", "tensorboardX",
-             "matplotlib.pyplot"):
+             "matplotlib.pyplot", "safetensors.numpy"):  # safetensors: imported by export_hf / load_hf on use
   importlib.import_module(name)
 if %(tunix)r:
   for name in ("tunix.distillation", "tunix.distillation.distillation_trainer", "tunix.models.qwen3.model",
