@@ -408,3 +408,17 @@ def test_a_new_strategy_is_one_new_module(tmp_path):
   run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr
   assert "distill.temperature=0.0 must be > 0.0" in run.stdout
+
+
+def test_a_strategy_declares_that_it_reads_row_pairs_and_the_jobs_ask_it_not_its_name():
+  """Capabilities are asked of the strategy (issue: `kind == "preference"` tests in the jobs and the config)."""
+  import pathlib
+  import re
+
+  from meshdistill import strategies
+
+  assert [n for n in strategies.names() if strategies.get(n).needs_pairs] == ["preference"]
+  src = pathlib.Path(__file__).resolve().parents[1] / "src" / "meshdistill"
+  named = [str(p.relative_to(src)) for p in src.rglob("*.py")
+           if re.search(r"kind\s*==\s*[\"']preference[\"']", p.read_text(encoding="utf-8"))]
+  assert named == []

@@ -147,7 +147,7 @@ class Config:
                         "student.scan_layers=false for a LoRA student (the teacher may stay scanned)")
     if mesh is None:
       return
-    if self.distill.kind == "preference" and self.train.batch_size % (2 * mesh.data):
+    if strategies.get(self.distill.kind).needs_pairs and self.train.batch_size % (2 * mesh.data):
       raise ConfigError(
         f"train.batch_size={self.train.batch_size} with distill.kind=preference: rows come in (chosen, rejected) pairs "
         f"that share a data shard, so use a multiple of 2 * mesh.data = {2 * mesh.data}"

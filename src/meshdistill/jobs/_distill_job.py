@@ -22,6 +22,7 @@ from meshdistill.data.prompts import PromptData, read_prompts
 from meshdistill.parallel.distributed import agree_on, is_primary
 from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.train.loop.trainer import check_resumable, fit, run_meta
+from meshdistill import strategies
 from meshdistill.models import param_count
 from meshdistill.teachers import kinds, multi
 from meshdistill.train.teacher import TeacherKind
@@ -137,7 +138,7 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   # Checked before the teacher is built (kind, steps), and again with the models and teacher before config.yaml is
   # written: a rejected resume changes nothing in the run directory.
   _check_against_checkpoint(cfg, {"kind": "distill"})
-  if cfg.distill.kind == "preference":  # batches of (chosen, rejected) row pairs; validation stays plain text
+  if strategies.get(cfg.distill.kind).needs_pairs:  # (chosen, rejected) row pairs; validation stays plain text
     pairs = cfg.preference.pairs
     data = PreferencePairs(with_batch_size(data, cfg.train.batch_size // 2),
                            source="own" if pairs == "own" else os.path.expanduser(pairs),

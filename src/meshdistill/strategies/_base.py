@@ -64,6 +64,7 @@ class Strategy(abc.ABC):
   needs_teacher: ClassVar[bool] = True  # False: trains on the data alone (no teacher source needed)
   accepts_topk: ClassVar[bool] = False  # True: trains from a teacher's top-k per token (reads top_k, temperature)
   cross_tokenizer: ClassVar[bool] = False  # True: the teacher runs on its own tokens (`meshdistill.losses.Aligned`)
+  needs_pairs: ClassVar[bool] = False  # True: batches of (chosen, rejected) row pairs sharing a data shard
   count: ClassVar[Any] = None  # None: a mean over unmasked tokens; else count(mask_BxT) -> what the loss averages over
 
   def init_params(self, student_cfg, teacher_cfg, key) -> Any:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +64,7 @@ class PreferenceLoss(BatchStrategy):
   beta: float = 0.1
   loss: str = "sigmoid"
   kl_weight: float = 0.1
+  needs_pairs: ClassVar[bool] = True  # the jobs read its batches as (chosen, rejected) row pairs
 
   # The models skip their heads; logits are formed here from the final hidden states and the LM
   # heads (V split over `tensor`), the same product the models' heads compute.
