@@ -187,3 +187,22 @@ def test_a_compilers_out_of_memory_refusal_is_a_measurement_that_does_not_fit():
   choice = memory.choose_remat(lambda r: report if r == "none" else memory.MemoryReport(1, 1, 1, 0),
                                budget_bytes=int(15.75 * 2**30))
   assert (choice.remat, choice.fits) == ("dots", True)
+
+
+def test_a_run_written_with_float32_before_auto_existed_resumes_under_the_auto_defaults(tmp_path):
+  import yaml
+
+  from meshdistill.config import load_config
+  from meshdistill.jobs._distill_job import _changed_settings
+
+  run = tmp_path / "run"
+  run.mkdir()
+  old = Config().to_dict()
+  for who in ("teacher", "student"):  # what config.yaml held before the auto defaults
+    old[who].update(dtype="float32", param_dtype="float32", attention="auto", remat="none")
+  old["mesh"].update(data=2, tensor=4)
+  (run / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+  cfg = load_config(None, [f"run.run_dir={run}"])
+  _changed_settings(cfg)  # on this CPU auto is float32: the same run
+  with pytest.raises(Exception, match="student.dtype: trained with 'float32', now 'bfloat16'"):
+    _changed_settings(load_config(None, [f"run.run_dir={run}", "student.dtype=bfloat16"]))

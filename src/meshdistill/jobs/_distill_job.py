@@ -49,7 +49,7 @@ def distill(
 UNTRAINED_SETTINGS = (
   "run.", "checkpoint.", "mesh.", "safeguards.remat.", "data.cache_dir", "train.steps", "train.log_every",
   "train.eval_every", "train.eval_batches", "pretrain.log_every", "pretrain.eval_every", "pretrain.eval_batches",
-  "teacher.remat", "student.remat",
+  "teacher.remat", "student.remat", "teacher.attention", "student.attention",  # how it computes, not what
   # where and how a served teacher is reached (its identity, which checkpoints record, names what is trained)
   "teacher.url", "teacher.timeout", "teacher.retries", "teacher.token_env",
 )
@@ -80,6 +80,19 @@ def _strategy_defaults_filled(flat: dict) -> dict:
   return out
 
 
+def _dtypes_resolved(flat: dict, cfg: Config) -> dict:
+  """``flat`` settings with the models' ``dtype`` / ``param_dtype`` of ``auto`` as they resolve here (a frozen teacher
+  stored in its compute dtype): a run written with ``float32`` before ``auto`` existed is the same run on a CPU."""
+  out = dict(flat)
+  for who in ("teacher", "student"):
+    model = getattr(cfg, who)
+    stored = model.frozen().param_dtype if who == "teacher" else "float32"
+    for key, value in ((f"{who}.dtype", model.compute_dtype.name), (f"{who}.param_dtype", stored)):
+      if out.get(key) == "auto":
+        out[key] = value
+  return out
+
+
 def _changed_settings(cfg: Config) -> None:
   """Raises `ConfigError` when a setting that changes what is trained differs from the run's ``config.yaml``
   (the settings its checkpoint was trained with), naming each key with the old and the new value.
@@ -98,6 +111,7 @@ def _changed_settings(cfg: Config) -> None:
   saved = _flat(saved) if isinstance(saved, dict) else {}
   now = _flat(yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False)))  # as config.yaml would hold it
   saved, now = _strategy_defaults_filled(saved), _strategy_defaults_filled(now)
+  saved, now = _dtypes_resolved(saved, cfg), _dtypes_resolved(now, cfg)
   changed = [k for k in now if k in saved and saved[k] != now[k] and not k.startswith(UNTRAINED_SETTINGS)
              and k not in UNTRAINED_SETTINGS]
   if agree_on(int(bool(changed)), "whether the run's settings changed"):  # process 0 decides for the job
