@@ -88,8 +88,9 @@ def stdlib_documents(root: str | None = None) -> list[Document]:
   return docs
 
 
-def _jsonl_documents(path: str, key: str, text_key: str) -> list[Document]:
-  docs = []
+def json_lines(path: str):
+  """``(line number, value)`` of each non-blank line of the JSONL file ``data.source`` names, each line checked to
+  be UTF-8 and JSON (a `ValueError` naming the file and line otherwise)."""
   with open(path, "rb") as f:
     for lineno, raw in enumerate(f, 1):
       try:
@@ -100,19 +101,25 @@ def _jsonl_documents(path: str, key: str, text_key: str) -> list[Document]:
       if not line.strip():
         continue
       try:
-        obj = json.loads(line)
+        value = json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f"data.source: {path}:{lineno} is not valid JSON ({e})") from None
-      if not isinstance(obj, dict) or text_key not in obj:
-        have = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-        raise ValueError(
-            f"data.source: {path}:{lineno} has no field data.text_key={text_key!r} (it has {have}); "
-            "set data.text_key to the field holding the text"
-        )
-      text = obj[text_key]
-      if not isinstance(text, str):
-        raise ValueError(f"data.source: {path}:{lineno} field {text_key!r} is {type(text).__name__}, not a string")
-      docs.append(Document(f"{key}:{lineno}", text))
+      yield lineno, value
+
+
+def _jsonl_documents(path: str, key: str, text_key: str) -> list[Document]:
+  docs = []
+  for lineno, obj in json_lines(path):
+    if not isinstance(obj, dict) or text_key not in obj:
+      have = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+      raise ValueError(
+          f"data.source: {path}:{lineno} has no field data.text_key={text_key!r} (it has {have}); "
+          "set data.text_key to the field holding the text"
+      )
+    text = obj[text_key]
+    if not isinstance(text, str):
+      raise ValueError(f"data.source: {path}:{lineno} field {text_key!r} is {type(text).__name__}, not a string")
+    docs.append(Document(f"{key}:{lineno}", text))
   return docs
 
 

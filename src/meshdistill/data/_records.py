@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshdistill.data import chat
-from meshdistill.data._corpus import _HF_FILE_BUILDERS, Document, _unit, cap_documents, source_entries
+from meshdistill.data._corpus import _HF_FILE_BUILDERS, Document, _unit, cap_documents, json_lines, source_entries
 
 log = logging.getLogger(__name__)
 
@@ -117,21 +117,10 @@ def _hf_datasets(entry: str) -> list:
 
 def _jsonl_records(path: str, key: str) -> list[Record]:
   out = []
-  with open(path, "rb") as f:
-    for n, raw in enumerate(f, 1):
-      try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        raise ValueError(f"data.source: {path}:{n} is not UTF-8 text ({e.reason}); re-encode it as UTF-8") from None
-      if not line.strip():
-        continue
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"data.source: {path}:{n} is not valid JSON ({e})") from None
-      if not isinstance(obj, dict):
-        raise ValueError(f"data.source: {path}:{n} is a JSON {type(obj).__name__}; each line must be an object")
-      out.append(Record(f"{key}:{n}", obj))
+  for n, obj in json_lines(path):
+    if not isinstance(obj, dict):
+      raise ValueError(f"data.source: {path}:{n} is a JSON {type(obj).__name__}; each line must be an object")
+    out.append(Record(f"{key}:{n}", obj))
   return out
 
 
