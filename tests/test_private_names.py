@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from test_imports import PACKAGE, SRC, modules
+from test_layers import _write_package
 
 import meshdistill.models as models
 
@@ -91,17 +92,10 @@ def private_paths_to_public_names(folder: pathlib.Path) -> list[str]:
   return out
 
 
-def _write(root: pathlib.Path, files: dict[str, str]):
-  for name, text in files.items():
-    path = root / PACKAGE / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def test_the_finder_names_private_imports_across_packages_and_leaves_a_packages_own_alone(tmp_path, monkeypatch):
   import test_imports
 
-  _write(tmp_path, {
+  _write_package(tmp_path, {
       "__init__.py": "from meshdistill.a._x import f\n",  # the package's public face may read anything
       "a/__init__.py": "from meshdistill.a._x import f\n", "a/_x.py": "def f(): pass\ndef _g(): pass\n",
       "a/y.py": "from meshdistill.a._x import _g\nfrom . import _x\n",  # its own package: allowed
