@@ -86,8 +86,8 @@ def _dtypes_resolved(flat: dict, cfg: Config) -> dict:
   out = dict(flat)
   for who in ("teacher", "student"):
     model = getattr(cfg, who)
-    stored = model.frozen().param_dtype if who == "teacher" else "float32"
-    for key, value in ((f"{who}.dtype", model.compute_dtype.name), (f"{who}.param_dtype", stored)):
+    stored = model.frozen() if who == "teacher" else model  # a frozen teacher is stored in its compute dtype
+    for key, value in ((f"{who}.dtype", model.compute_dtype.name), (f"{who}.param_dtype", stored.weight_dtype.name)):
       if out.get(key) == "auto":
         out[key] = value
   return out

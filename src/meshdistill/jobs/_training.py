@@ -82,9 +82,8 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_to
   student = build_student(cfg, teacher, mesh)
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize: after the student copied any float blocks
   strategy, optimizer = strategy_and_optimizer(cfg)
-  if cfg.distill.kind == "logit_kd" and cfg.distill.chunk_size is None and teacher_tokenizer is None:
-    # no loss form named: the chunked one on a large vocabulary (`strategies.default_recipe`; the same numbers)
-    strategy = default_recipe(strategy, student.cfg.vocab_size, isinstance(teacher, Decoder))
+  # a full-vocabulary LogitKD (no loss form named) runs its chunked form on a large vocabulary (the same numbers)
+  strategy = default_recipe(strategy, student.cfg.vocab_size, isinstance(teacher, Decoder))
   if teacher_tokenizer is not None:  # what the strategy needs of the two tokenizers (the contract's with_tokenizers)
     strategy = strategy.with_tokenizers(TokenizerPair(teacher_tokenizer, tokenizer))
   extra, cls = {}, Distiller
