@@ -59,6 +59,7 @@ import time
 from typing import Iterator
 
 from bench.chip_pairs import PAIRS, TINY, Setting, model_configs  # noqa: F401 -- the measured pairs
+from bench.cli_run import measure_cli
 from bench.results import libtpu_version
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -444,6 +445,9 @@ def summary(row: dict) -> str:
     return (f"{row['pair']} {row['system']} batch {row['batch']} ({row['prompt']} + {row['new']} tokens): "
             f"{row['tokens_per_s']:.0f} tok/s, first call {row['first_call_s']:.1f} s (bandwidth limit "
             f"{generation_limit(row):.0f} tok/s at 819 GB/s)")
+  if row.get("system") in ("cli", "cli-scan"):
+    return (f"{row['pair']} cli {row['label']}: {row['tokens_per_s']:.0f} tok/s, {row['command_s']:.0f} s in all; "
+            f"{' | '.join(row.get('log_tail', []))[:1500]}")
   if row.get("system") == "plan":
     return f"{row['pair']} plan {row['label']}: {row['text'][:1500]}"
   gib = 2**30
@@ -622,6 +626,7 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
   out += steps_table(steps)
   out += ["", "## Pairs: each pair's fastest configuration", ""]
   out += pairs_table(steps)
+  out += cli_section(kind(current, "cli", "cli-scan"), steps)
   out += side_by_side_section(kind(rows, "meshdistill", "plain", "tunix"), peers=kind(current, "plain", "tunix"))
   # a configuration's newest trace stays while later rows of it went untraced
   profiled, old_profiles = current_and_superseded([r for r in kind(rows, "meshdistill") if traced(r)])
@@ -660,6 +665,31 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
   with open(md_path, "w", encoding="utf-8") as f:
     f.write(text + notes)
   return text
+
+
+def cli_section(cli: list[dict], steps: list[dict]) -> list[str]:
+  """The command line's rows (`bench.cli_run`) beside the fastest `Distiller` row of their pair (tokens/s)."""
+  if not cli:
+    return []
+  out = ["", "## Through the command line: `meshdistill distill` with shapes, batch and sequence only", "",
+         "The teacher a Hugging Face directory (the pair's teacher with random weights, bfloat16), the student given "
+         "by its shape keys, the setting's batch and sequence, everything else at the config's defaults "
+         "(`bench/cli_run.py` writes the config); tokens/s: the training loop's own, the median of its logged "
+         "windows after the two that compile. *fastest step row*: the steps table's fastest row of the pair.", ""]
+  out += _head("pair", "batch x seq", "named besides shapes", "tokens/s", "fastest step row (tokens/s)",
+               "of the fastest", "command s", "result")
+  for r in sorted(cli, key=lambda r: (r["pair"], r["label"], r["system"])):
+    best = max((x["tokens_per_s"] for x in steps if x["pair"] == r["pair"] and x.get("tokens_per_s")), default=None)
+    named = "scan_layers" if r["system"] == "cli-scan" else "nothing"
+    shape = f"{r['setting']['b']} x {r['setting']['t']}"
+    if "error" in r:
+      out.append(f"| {r['pair']} | {shape} | {named} | | | | | {_why(r['error'])} | {provenance(r)}")
+      continue
+    share = f"{100 * r['tokens_per_s'] / best:.1f}%" if best else ""
+    fastest = f"{best:,.0f}" if best else ""
+    out.append(f"| {r['pair']} | {shape} | {named} | {r['tokens_per_s']:,.0f} | {fastest} | {share} | "
+               f"{r['command_s']:.0f} | ran | {provenance(r)}")
+  return out
 
 
 # what each system of the side by side ran (its configuration; tunix's is its logit-distillation example's)
@@ -790,7 +820,12 @@ def main(argv=None) -> int:
   parser.add_argument("--systems", default="meshdistill",
                       help="comma-separated: meshdistill, plain (the hand-written step), tunix, plan (md.plan for this "
                            "machine's chips), generate (cached sampling with the student), tunix-generate (tunix's "
-                           "sampler on tunix's Qwen3 at the student's shape)")
+                           "sampler on tunix's Qwen3 at the student's shape), cli (`meshdistill distill` with the "
+                           "teacher a Hugging Face directory and the student's shape, batch and sequence only: "
+                           "`bench.cli_run`), cli-scan (the same with scan_layers named)")
+  parser.add_argument("--cli-steps", type=int, default=40, help="steps of each `meshdistill distill` run (cli)")
+  parser.add_argument("--cli-dir", default=os.path.join(tempfile.gettempdir(), "meshdistill-cli"),
+                      help="where the cli systems write the teacher's directory, configs and runs")
   parser.add_argument("--gen-batches", default="1,8,64", help="batch sizes of the generate systems")
   parser.add_argument("--gen-lengths", default="128,256", metavar="PROMPT,NEW",
                       help="prompt tokens and new tokens per row of the generate systems")
@@ -816,10 +851,10 @@ def main(argv=None) -> int:
   from bench.results import append_row
 
   systems = args.systems.split(",")
-  unknown = sorted(set(systems) - {"meshdistill", "plain", "tunix", "plan", *GEN_SYSTEMS})
+  unknown = sorted(set(systems) - {"meshdistill", "plain", "tunix", "plan", "cli", "cli-scan", *GEN_SYSTEMS})
   if unknown:
-    parser.error(f"--systems: unknown {', '.join(unknown)}; choose from meshdistill, plain, tunix, plan, "
-                 f"{', '.join(GEN_SYSTEMS)}")
+    parser.error(f"--systems: unknown {', '.join(unknown)}; choose from meshdistill, plain, tunix, plan, cli, "
+                 f"cli-scan, {', '.join(GEN_SYSTEMS)}")
   batches = tuple(int(b) for b in args.gen_batches.split(","))
   try:
     prompt, new = (int(x) for x in args.gen_lengths.split(","))
@@ -850,6 +885,8 @@ def main(argv=None) -> int:
           keep(measure_plain(args.pair, setting, args.steps))
         elif system == "plan":
           keep(measure_plan(args.pair, setting))
+        elif system in ("cli", "cli-scan"):
+          keep(measure_cli(args.pair, setting, args.cli_steps, args.cli_dir, scan=system == "cli-scan"))
   if "tunix" in systems:  # after the others: one build of tunix's models serves every batch
     for row in measure_tunix(args.pair, [Setting.parse(text) for text in args.config or [""]], args.steps):
       keep(row)
