@@ -28,14 +28,16 @@ TOKENIZER = ROOT / "tests" / "fixtures" / "hf_qwen3"  # 128 tokens: every id fit
 NOT_SHAPE = ("dtype", "param_dtype", "remat", "attention", "scan_layers")
 
 
-def teacher_directory(pair: str, out: pathlib.Path) -> pathlib.Path:
-  """The pair's teacher with random weights as a Hugging Face directory (made once per folder)."""
+def teacher_directory(pair: str, out: pathlib.Path, max_len: int) -> pathlib.Path:
+  """The pair's teacher with random weights as a Hugging Face directory of positions up to ``max_len`` (made once per
+  folder)."""
   import meshdistill as md
 
   if (out / "config.json").exists():
     return out
   tcfg, _ = model_configs(pair, Setting(attn="xla", remat="none", dtypes="auto"))
-  model = md.init_model(tcfg.replace(param_dtype="bfloat16", dtype="bfloat16", scan_layers=False), seed=0)
+  tcfg = tcfg.replace(param_dtype="bfloat16", dtype="bfloat16", scan_layers=False, max_len=max(tcfg.max_len, max_len))
+  model = md.init_model(tcfg, seed=0)
   md.export_hf(model, out, tokenizer=str(TOKENIZER), dtype="bfloat16")
   return out
 
@@ -69,7 +71,7 @@ def measure_cli(pair: str, s: Setting, steps: int, workdir: str, scan: bool = Fa
   row = {"pair": pair, "system": "cli-scan" if scan else "cli", "label": f"b={s.b},t={s.t}",
          "setting": dataclasses.asdict(s), "steps": steps}
   t0 = time.perf_counter()
-  teacher = teacher_directory(pair, work / f"{pair}-teacher-hf")
+  teacher = teacher_directory(pair, work / f"{pair}-teacher-hf-{s.t}", s.t)
   row["teacher_dir_s"] = time.perf_counter() - t0
   run_dir = work / f"run-{row['system']}-{row['label'].replace(',', '-').replace('=', '')}"
   path = work / f"{run_dir.name}.yaml"
