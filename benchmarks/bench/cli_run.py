@@ -50,7 +50,7 @@ def config(pair: str, s: Setting, teacher_dir: pathlib.Path, run_dir: pathlib.Pa
   student = {k: v for k, v in dataclasses.asdict(scfg).items() if k not in NOT_SHAPE}
   student["max_len"] = max(student["max_len"], s.t)
   cfg = {
-      "teacher": {"hf": str(teacher_dir)},
+      "teacher": {"hf": str(teacher_dir), "max_len": s.t},  # the sequence bound (config.json's is not read)
       "student": student,
       "data": {"source": "stdlib", "seq_len": s.t, "val_fraction": 0.01},
       "distill": {"temperature": 2.0, "alpha": 0.5},
