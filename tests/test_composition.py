@@ -11,7 +11,6 @@ find them), each finder first shown to find what it looks for in a small package
 import ast
 import dataclasses
 import json
-import pathlib
 import sys
 import types
 
@@ -115,8 +114,8 @@ def config_key_reads(sections, keys, packages=HANDED_SETTINGS) -> list[str]:
         on, key = node.value, node.attr
       elif isinstance(node, ast.Subscript):
         on, key = node.value, _first_string(node.slice)
-      elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
-        on, key = node.func.value, _first_string(node.args[0])
+      elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+        on, key = node.func.value, _first_string(node.args[0]) if node.args else None
       elif isinstance(node, ast.Call) and _receiver(node.func) == "getattr" and len(node.args) > 1:
         on, key = node.args[0], _first_string(node.args[1])
       if key is not None and (key in keys or _receiver(on) in CONFIG_NAMES):
@@ -155,7 +154,7 @@ def test_the_finders_find_forwards_kind_names_and_config_reads_and_leave_the_res
       "strategies/__init__.py": "",
       "strategies/s.py": ("def f(cfg, settings, params, mesh):\n  a = cfg.train.steps\n  b = settings['mesh.data']\n"
                           "  c = getattr(self_cfg, 'x')\n  d = params['student']\n  e = mesh.shape['data']\n"
-                          "  g = settings.get('train.batch_size')\n  h = config['whatever']\n  return a, b, c, d, e, g\n"),
+                          "  g = settings.get('train.batch_size')\n  h = config['whatever']\n  return a\n"),
   })
   monkeypatch.setattr(test_imports, "SRC", tmp_path)
   assert attribute_forwards() == ["meshdistill.jobs.plain:1", "meshdistill.jobs.run:2"]
@@ -219,8 +218,8 @@ def test_every_kind_of_training_data_is_a_training_data_and_a_wrapper_answers_wi
     assert [b["inputs"].tolist() for b in d.val_batches()] == [b["inputs"].tolist() for b in bundle.val_batches()]
     assert not hasattr(d, "config"), f"{type(d).__name__} reads the inner bundle's config through itself"
   assert wrapped[0].global_batch_size == 2 * bundle.global_batch_size  # pairs: two rows of each inner row
-  assert {c.__name__ for c in _subclasses(data_lib.WrappedData)} == {type(d).__name__ for d in wrapped} | {
-      "CachedCrossData"}
+  ours = {c.__name__ for c in _subclasses(data_lib.WrappedData) if c.__module__.startswith(f"{PACKAGE}.")}
+  assert ours == {type(d).__name__ for d in wrapped} | {"CachedCrossData"}  # every wrapper of the package
 
 
 def _subclasses(cls):
