@@ -33,7 +33,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshdistill import jobs, losses  # noqa: E402
-from meshdistill.jobs._setup import teacher_side_data  # noqa: E402
 from meshdistill.config import load_config  # noqa: E402
 from meshdistill.data import StudentRows  # noqa: E402
 from meshdistill.data.alignment import byte_tables_of, matched_vocabulary  # noqa: E402
@@ -59,7 +58,7 @@ def main() -> None:
   cfg = load_config(str(ROOT.parent / "configs" / "cross_tokenizer.yaml"), sets)
   t0 = time.perf_counter()
   data = jobs.load_data(cfg)
-  teacher, _ = jobs.obtain_teacher(cfg, teacher_side_data(cfg, data), None)
+  teacher, _ = jobs.obtain_teacher(cfg, data.teacher_side(), None)
   W = teacher.cfg.vocab_size
   rows = tc.teacher_rows_of(data, cfg.data.teacher_seq_len)
   part = rows.rows(np.arange(min(args.rows, len(rows))))

@@ -22,8 +22,8 @@ STACK = (
     "core",                    # names every layer shares; imports nothing of the package
     "parallel",                # mesh, rules, layouts
     ("models", "losses"),      # the decoder and its families; per-sequence losses and schedules
-    "strategies",              # what to distil
-    "data",                    # corpora, tokenizers, packing, the loader
+    "data",                    # corpora, tokenizers, packing, the loader, preference rows
+    "strategies",              # what to distil (its losses only; the preference names alias data's)
     "storage",                 # checkpoints of a run
     "train",                   # the step, the Distiller, the loop
     "teachers",                # where teacher outputs come from

@@ -10,7 +10,8 @@ from helpers import STUDENT_CFG, TEACHER_CFG, VOCAB, assert_trees_close
 
 import meshdistill as md
 from meshdistill.models import ModelOutput
-from meshdistill.strategies import PreferenceLoss, preference_batch, read_preferences
+from meshdistill.data import preference_batch, read_preferences
+from meshdistill.strategies import PreferenceLoss
 from meshdistill.strategies._preference import pair_loss
 
 ROWS = [

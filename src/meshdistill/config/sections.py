@@ -119,15 +119,17 @@ class DistillSettings:
   def chosen_kind(self) -> str:
     """The strategy these settings build: ``kind``, except that ``logit_kd`` with ``chunk_size`` set is
     ``chunked_logit_kd`` (the same recipe from final hidden states and LM heads): the config's choice, made here and
-    said in ``distill.chunk_size``'s description; the strategies themselves never turn into one another."""
-    if self.kind == "logit_kd" and self.settings().get("chunk_size") is not None:
+    said in ``distill.chunk_size``'s description; the strategies themselves never turn into one another. Which
+    strategy has a chunked form, and its name, the strategy declares (``chunked_form``)."""
+    chunked = strategies.get(self.kind).chunked_form
+    if chunked is not None and self.settings().get("chunk_size") is not None:
       top_k = self.settings().get("top_k")
       if top_k is not None:
         raise ConfigError(
             f"{self.key('chunk_size')}={self.settings()['chunk_size']} and {self.key('top_k')}={top_k} exclude each "
             f"other: the chunked loss has no top-k form; set {self.key('chunk_size')}=null for a top-k teacher, or "
             f"{self.key('top_k')}=null")
-      return "chunked_logit_kd"
+      return chunked
     return self.kind
 
   def strategy(self):

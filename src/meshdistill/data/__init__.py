@@ -14,7 +14,8 @@ Modules: `_corpus` (sources and the split by document), `_tokenizer` (byte-level
 (rows cut on a teacher's tokens alone, a student's side rebuilt from their bytes: a cross-tokenizer cache's), `_loader` (grain: shuffling, epochs, process
 shards, state), `_pipeline` (config and `build_data`), `_batch_list` (batches already in memory), `_records`
 (``data.format``: prompt/completion and conversation records, one a row), `chat` (conversations in a chat template,
-the loss on the assistant's tokens).
+the loss on the assistant's tokens), `_preference` (preference rows and pairs), `_wrapped` (`TrainingData`: what a run
+trains from, one Protocol; `WrappedData`: a bundle whose batches are another's with something added).
 """
 
 from meshdistill.data._batch_list import BatchList, BatchListIterator
@@ -31,7 +32,7 @@ from meshdistill.data._packing import (
     tokenize_documents,
 )
 from meshdistill.data._pipeline import DataBundle, DataConfig, build_data, resolve_tokenizer
-from meshdistill.data._preference import PreferencePairs, own_pairs
+from meshdistill.data._preference import PreferencePairs, own_pairs, preference_batch, read_preferences
 from meshdistill.data._teacher_rows import StudentRows, TeacherRows, cut_teacher_rows
 from meshdistill.data._tokenizer import (
     VOCAB_MULTIPLE,
@@ -42,6 +43,7 @@ from meshdistill.data._tokenizer import (
     tokenizer_file,
     train_bpe,
 )
+from meshdistill.data._wrapped import TrainingData, WrappedData
 
 __all__ = [
     "CROSS_KEYS",
@@ -56,6 +58,10 @@ __all__ = [
     "BatchListIterator",
     "PreferencePairs",
     "own_pairs",
+    "preference_batch",
+    "read_preferences",
+    "TrainingData",
+    "WrappedData",
     "VOCAB_MULTIPLE",
     "ByteTokenizer",
     "DataBundle",

@@ -236,6 +236,16 @@ class DataBundle:
       it.set_state(state)
     return it
 
+  def teacher_side(self) -> DataBundle:
+    """The data a teacher of its own tokenizer is obtained (pretrained) on: the same documents through
+    ``teacher_tokenizer`` alone (single-tokenizer rows), at this bundle's batch size and process slice; the bundle
+    itself when the teacher shares the tokenizer."""
+    if self.teacher_tokenizer is None:
+      return self
+    own = self.config.replace(tokenizer=self.config.teacher_tokenizer, teacher_tokenizer=None, teacher_seq_len=None)
+    return build_data(own, self.global_batch_size, tokenizer=self.teacher_tokenizer, process_index=self.process_index,
+                      process_count=self.process_count)
+
   def val_batches(
       self, max_batches: int | None = None, *, segments: bool | None = None
   ) -> list[dict[str, np.ndarray]]:

@@ -163,6 +163,8 @@ class PromptData:
       train and ``val_fraction`` is not used.
   """
 
+  teacher_tokenizer = None  # one tokenizer (`meshdistill.data.TrainingData`)
+
   def __init__(self, rows, tokenizer, *, seq_len: int, batch_size: int, val_fraction: float = 0.1, seed: int = 0,
                val_rows=None):
     pad = getattr(tokenizer, "pad_id", None) or 0

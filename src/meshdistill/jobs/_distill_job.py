@@ -3,6 +3,7 @@ with the check against the run's checkpoint and the final teacher / student eval
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import IO
@@ -13,18 +14,18 @@ from meshdistill.config.sections import strategy_defaults
 from meshdistill.core.fsutil import write_text_atomic
 from meshdistill.jobs._setup import (_monitor, _run_lock, _write_config, build_mesh, describe_devices, load_data,
                                      stream_reporter)
-from meshdistill.jobs._setup import resolve_mesh, teacher_side_data, with_batch_size
-from meshdistill.jobs._teacher import obtain_teacher, prepare_teacher
+from meshdistill.jobs._setup import resolve_mesh, with_batch_size
+from meshdistill.jobs._teacher import services, teacher_source
 from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
 from meshdistill.train.loop.monitor import ProfileWindow
-from meshdistill.data import PreferencePairs
+from meshdistill.data import PreferencePairs, TrainingData, read_preferences
 from meshdistill.data.prompts import PromptData, read_prompts
 from meshdistill.parallel.distributed import agree_on, is_primary
 from meshdistill.train.loop.evaluate import Evaluator
 from meshdistill.train.loop.trainer import check_resumable, fit, run_meta
 from meshdistill import strategies
 from meshdistill.models import param_count
-from meshdistill.teachers import kinds, multi
+from meshdistill.teachers import multi
 from meshdistill.train.teacher import TeacherKind
 
 
@@ -68,9 +69,12 @@ def _flat(d, prefix: str = "") -> dict:
 def _strategy_defaults_filled(flat: dict) -> dict:
   """``flat`` with each null ``distill.<setting>`` replaced by the value the strategy trains with (its default), so a
   config.yaml that left a setting to the strategy compares equal to one that states the same value."""
+  kind = flat.get("distill.kind")
   try:
-    defaults = strategy_defaults(flat.get("distill.kind"))
-  except (KeyError, ValueError, TypeError):  # no or an unknown kind: the kind itself differs or is refused elsewhere
+    defaults = strategy_defaults(kind) if isinstance(kind, str) else None
+  except (KeyError, ValueError, TypeError):  # an unknown kind: the kind itself differs or is refused elsewhere
+    defaults = None
+  if defaults is None:  # no kind, or an unknown one
     return flat
   out = dict(flat)
   for key, value in flat.items():
@@ -144,63 +148,83 @@ def _check_against_checkpoint(cfg: Config, expected: dict) -> None:
 
 
 def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
+  """The run composed from its parts, the same steps whatever they are: the teacher source (`teacher_source`: one
+  source or several, each a `meshdistill.teachers.kinds.Source`) checked and given its meshes; the files of the
+  batches the student trains on read (`TrainingBatches`); the data loaded and handed to the source, which returns it
+  prepared with the teacher (a `Prepared`); the `Distiller`; the student's batches made from the prepared data (a
+  `meshdistill.data.TrainingData`); then training and the final evaluation."""
   run_dir = cfg.run.run_dir
-  source = kinds.for_config(cfg)  # teacher.source
+  source = teacher_source(cfg)
   source.check()  # what the config alone decides (the strategy's capabilities), before any data or weights
   teacher_mesh, mesh = source.meshes(build_mesh)  # a source with devices of its own: the student's are the others
+  batches = TrainingBatches.read(cfg)  # a bad preference or prompts file stops the run before any teacher work
   data = load_data(cfg, mesh=mesh)
   # Checked before the teacher is built (kind, steps), and again with the models and teacher before config.yaml is
   # written: a rejected resume changes nothing in the run directory.
   _check_against_checkpoint(cfg, {"kind": "distill"})
-  if strategies.get(cfg.distill.kind).needs_pairs:  # (chosen, rejected) row pairs; validation stays plain text
-    pairs = cfg.preference.pairs
-    data = PreferencePairs(with_batch_size(data, cfg.train.batch_size // 2),
-                           source="own" if pairs == "own" else os.path.expanduser(pairs),
-                           prompt_fraction=cfg.preference.prompt_fraction)
   say = stream_reporter(stream)
   say(describe_devices(mesh, teacher_mesh))
-  say(
-    f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
-    f"vocabulary {data.tokenizer.vocab_size}"
-    + ("" if getattr(data, "teacher_tokenizer", None) is None else
-       f" (the teacher's own tokenizer: {data.teacher_tokenizer.vocab_size})")
-  )
-  cross = getattr(data, "teacher_tokenizer", None) is not None
-  if cross and not cfg.models.teacher_cache:  # a teacher of its own tokenizer: pretrained on its own tokens, run live
-    if teacher_mesh is not None or cfg.distill.on_policy.active:
-      raise ConfigError("data.teacher_tokenizer (a teacher of its own tokenizer) runs the teacher live in the step on "
-                        "its own tokens, or reads a cross-tokenizer teacher.cache; teacher.devices and "
-                        "distill.on_policy do not take it yet")
-    teacher, tdir = obtain_teacher(cfg, teacher_side_data(cfg, data, mesh), mesh, stream=stream, report=say)
-    cache = None
-  else:
-    prepared = prepare_teacher(cfg, data, mesh, teacher_mesh, stream=stream, report=say)
-    data, teacher, tdir, cache = prepared.data, prepared.teacher, prepared.identity, prepared.cache
-  teachers_data = data if isinstance(data, multi.MultiTeacherData) else None  # several teachers: each evaluated
-  topk_of = None
-  if cfg.teachers.active and cfg.distill.on_policy.active:
-    # several teachers on the on-policy path: their programs score each batch in its step's turn (a generated batch
-    # replaces the data's rows, so nothing is run ahead on rows that would not be trained on)
-    topk_of, data = data.score, data.bundle
-  if cfg.distill.on_policy.prompts_file:  # train on prompt/completion pairs instead of the corpus rows
-    rows = read_prompts(os.path.expanduser(cfg.distill.on_policy.prompts_file), need_completion=True)
-    data = PromptData(rows, data.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
-                      val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
-    say(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
-  distiller = make_distiller(cfg, teacher, mesh, data.tokenizer, getattr(data, "teacher_tokenizer", None),
-                             topk_of=topk_of, cache=cache)
+  say(_describe_data(data))
+  prepared = source.prepare(data, mesh, teacher_mesh, services(stream, say))
+  distiller = make_distiller(cfg, prepared.teacher, mesh, prepared.data.tokenizer, prepared.data.teacher_tokenizer,
+                             topk_of=prepared.topk_of, cache=prepared.cache)
+  data = batches.of(prepared.data, say)
+  tdir = prepared.identity
 
   _check_against_checkpoint(cfg, run_meta(distiller, "distill", {"teacher_dir": tdir}))
   _write_config(cfg, run_dir)
   monitor = _monitor(run_dir, cfg.train.steps, stream, "distill", cfg)
   try:
-    summary = _train_and_evaluate(cfg, distiller, data, teachers_data, monitor, tdir, run_dir, profile, stop_after)
+    summary = _train_and_evaluate(cfg, distiller, data, prepared.teachers, monitor, tdir, run_dir, profile, stop_after)
     monitor.summary(summary)  # loggers that keep one (W&B)
   finally:
     monitor.close()
   if is_primary():  # through a rename: a link put there is replaced, never written through
     write_text_atomic(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2))
   return summary
+
+
+def _describe_data(data: TrainingData) -> str:
+  """One line: the data's tokens and vocabulary (and the teacher's own tokenizer's)."""
+  own = data.teacher_tokenizer
+  return (f"data: {data.stats['train_tokens']:,} train / {data.stats['val_tokens']:,} validation tokens, "
+          f"vocabulary {data.tokenizer.vocab_size}"
+          + ("" if own is None else f" (the teacher's own tokenizer: {own.vocab_size})"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingBatches:
+  """What the student trains on, made from the prepared data (`of`): (chosen, rejected) row pairs for a strategy that
+  reads them (its ``needs_pairs``: `meshdistill.data.PreferencePairs`, from the run's text or the rows of the
+  ``preference.pairs`` file; validation stays plain text), then, with ``distill.on_policy.prompts_file``, that file's
+  prompt / completion pairs instead of the corpus rows (`meshdistill.data.prompts.PromptData`); else the data itself.
+  The files are read first (`read`), before any teacher work."""
+
+  cfg: Config
+  preference_rows: list | None = None  # the rows of preference.pairs (a file); None: the run's own text, or no pairs
+  prompt_rows: list | None = None  # the pairs of distill.on_policy.prompts_file
+
+  @classmethod
+  def read(cls, cfg: Config) -> TrainingBatches:
+    pairs, prompts_file = cfg.preference.pairs, cfg.distill.on_policy.prompts_file
+    reads_pairs = strategies.get(cfg.distill.kind).needs_pairs
+    return cls(cfg,
+               read_preferences(os.path.expanduser(pairs)) if reads_pairs and pairs != "own" else None,
+               read_prompts(os.path.expanduser(prompts_file), need_completion=True) if prompts_file else None)
+
+  def of(self, data: TrainingData, report) -> TrainingData:
+    """The student's batches made from ``data``; a line through ``report`` says what prompt pairs it trains on."""
+    cfg = self.cfg
+    if strategies.get(cfg.distill.kind).needs_pairs:
+      pairs = cfg.preference.pairs
+      data = PreferencePairs(with_batch_size(data, cfg.train.batch_size // 2),
+                             source="own" if pairs == "own" else os.path.expanduser(pairs),
+                             prompt_fraction=cfg.preference.prompt_fraction, rows=self.preference_rows)
+    if self.prompt_rows is not None:
+      data = PromptData(self.prompt_rows, data.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                        val_fraction=cfg.data.val_fraction, seed=cfg.data.seed)
+      report(f"prompts: {data.stats['pairs']} pairs from {cfg.distill.on_policy.prompts_file}")
+    return data
 
 
 def _train_and_evaluate(cfg, distiller, data, teachers_data, monitor, tdir, run_dir, profile, stop_after) -> dict:

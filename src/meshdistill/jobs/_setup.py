@@ -130,17 +130,6 @@ def load_data(cfg: Config, batch_size: int | None = None, mesh=None):
   return data
 
 
-def teacher_side_data(cfg: Config, data, mesh=None):
-  """The data a teacher of its own tokenizer is pretrained on: the same documents through
-  ``data.teacher_tokenizer`` alone (single-tokenizer rows); ``data`` itself when the teacher shares the tokenizer."""
-  if data.teacher_tokenizer is None:
-    return data
-  index, count = data_shard(mesh)
-  own = cfg.data.replace(tokenizer=cfg.data.teacher_tokenizer, teacher_tokenizer=None, teacher_seq_len=None)
-  return build_data(own, data.global_batch_size, tokenizer=data.teacher_tokenizer, process_index=index,
-                    process_count=count)
-
-
 def with_batch_size(data, batch_size: int):
   """The same data bundle with another global batch size (no re-reading)."""
   return dataclasses.replace(data, global_batch_size=batch_size)

@@ -15,7 +15,7 @@ from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.teachers.checkpoint import check_teacher_target, save_teacher
 from meshdistill.config import Config, ConfigError
 from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
-from meshdistill.jobs._setup import teacher_side_data, with_batch_size
+from meshdistill.jobs._setup import with_batch_size
 from meshdistill.jobs._training import loop_kwargs, safeguard_kwargs
 from meshdistill.train.loop.monitor import ProfileWindow
 from meshdistill.core.ownership import OutputKind, check_owned, read_marker, write_marker
@@ -119,12 +119,17 @@ def obtain_teacher(cfg: Config, data, mesh, *, stream: IO[str] | None = None, re
   return kinds.for_config(cfg).runs().model(data, mesh, services(stream, report))
 
 
+def teacher_source(cfg: Config) -> kinds.Source:
+  """The run's teacher as the distill job composes it (a `meshdistill.teachers.kinds.Source`): the several of
+  ``teachers`` as one (`meshdistill.teachers.multi.Teachers`), else the source ``teacher.source`` chose
+  (`meshdistill.teachers.kinds.for_config`)."""
+  return multi.Teachers(cfg) if cfg.teachers.active else kinds.for_config(cfg)
+
+
 def prepare_teacher(cfg: Config, data, mesh, teacher_mesh, *, stream: IO[str] | None = None, report=None):
-  """The chosen teacher source (`meshdistill.teachers.kinds.for_config`), or the several of ``teachers``
-  (`meshdistill.teachers.multi`), prepared for the run: a `Prepared`."""
-  if cfg.teachers.active:
-    return multi.prepare(cfg, data, mesh, services(stream, report))
-  return kinds.for_config(cfg).prepare(data, mesh, teacher_mesh, services(stream, report))
+  """The run's teacher source (`teacher_source`: the chosen one, or the several of ``teachers``) prepared for the
+  run: a `Prepared`."""
+  return teacher_source(cfg).prepare(data, mesh, teacher_mesh, services(stream, report))
 
 
 def cache_teacher(
@@ -160,9 +165,8 @@ def cache_teacher(
   mesh = build_mesh(cfg)
   data = load_data(cfg, mesh=mesh)
   say = stream_reporter(stream)
-  cross = getattr(data, "teacher_tokenizer", None) is not None  # a teacher of its own tokenizer: rows of its tokens
-  teacher, _ = obtain_teacher(cfg, teacher_side_data(cfg, data, mesh) if cross else data, mesh, stream=stream,
-                              report=say)
+  cross = data.teacher_tokenizer is not None  # a teacher of its own tokenizer: rows of its tokens
+  teacher, _ = obtain_teacher(cfg, data.teacher_side(), mesh, stream=stream, report=say)
 
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize
   if cross:  # the teacher's whole vocabulary: any student tokenizer reads the cache

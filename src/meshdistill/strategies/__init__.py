@@ -42,6 +42,10 @@ imported here, so the decorator runs and the class is exported under its own nam
 Layer maps (`default_layer_map`) pair student with teacher layers; weights and other
 scalars may be schedules, evaluated with `value_at` and checked with
 `meshdistill.losses.schedules.check_scalar`.
+
+Strategies hold losses only: the preference rows and batches a `PreferenceLoss` trains on are the data package's
+(`meshdistill.data.read_preferences`, `meshdistill.data.preference_batch`); the two names stay here as aliases of
+those functions.
 """
 
 import importlib
@@ -67,7 +71,7 @@ from meshdistill.strategies._composite import Composite, HardLabelCE
 from meshdistill.strategies._features import FeaturePooling, FeatureProjection, feature_loss, pool_features
 from meshdistill.strategies._layer_map import default_layer_map
 from meshdistill.strategies._logit import LogitKD, LogitRecipe, logit_metrics, logit_token_metrics
-from meshdistill.strategies._preference import PreferenceLoss, preference_batch, read_preferences
+from meshdistill.strategies._preference import PreferenceLoss
 from meshdistill.strategies._wrappers import LogitMSE, fallback_strategy, label
 
 __all__ = [
@@ -106,6 +110,25 @@ __all__ = [
     "value_at",
     "default_recipe",
 ]
+
+
+def _data():
+  """The data package, imported on first use of the aliases below."""
+  from meshdistill import data  # lazy: the data package loads grain, which building a Distiller must not
+
+  return data
+
+
+def read_preferences(path: str) -> list[dict[str, str]]:
+  """Alias of `meshdistill.data.read_preferences` (the rows of a preference JSONL file), kept under this name."""
+  return _data().read_preferences(path)
+
+
+def preference_batch(rows, encode, seq_len: int, pad_id: int = 0):
+  """Alias of `meshdistill.data.preference_batch` (a host batch of (chosen, rejected) row pairs), kept under this
+  name."""
+  return _data().preference_batch(rows, encode, seq_len, pad_id)
+
 
 # Modules added to this package register their strategies on import; export those by class name.
 for _module in pkgutil.iter_modules(__path__):

@@ -25,13 +25,16 @@ of unmasked tokens. Every strategy also has
   against the model sizes (raising ``ValueError``);
 * ``fallback()``: the strategy that replaces it after a divergence (`DivergenceGuard`), or
   None for the guard's generic logit-MSE fallback;
-* its capabilities, read by the step, the `Distiller`, the jobs and the teacher sources (`meshdistill.teachers.kinds`):
-  ``needs_teacher`` (False: trains on the data alone, e.g. `HardLabelCE`), ``accepts_topk`` (True: trains
-  from a teacher given by its top-k per token -- an offline cache, a teacher on other devices -- with the
-  ``top_k`` and ``temperature`` it then reads; `check_topk_teacher` checks one such teacher), ``cross_tokenizer``
+* its capabilities, read by the step, the `Distiller`, the config, the jobs and the teacher sources
+  (`meshdistill.teachers.kinds`): ``needs_teacher`` (False: trains on the data alone, e.g. `HardLabelCE`),
+  ``accepts_topk`` (True: trains from a teacher given by its top-k per token -- an offline cache, a teacher on other
+  devices -- with the ``top_k`` and ``temperature`` it then reads; `check_topk_teacher` checks one such teacher),
+  ``cross_tokenizer``
   (True: distils a teacher of another tokenizer, on the teacher's own tokens; `with_tokenizers` hands it what it needs
-  of the two tokenizers), ``count`` (None: the loss is a mean over unmasked tokens; else ``count(mask_BxT)``, how many
-  of what it averages over the local rows hold, e.g. pairs of rows).
+  of the two tokenizers), ``needs_pairs`` (True: its batches are (chosen, rejected) row pairs), ``chunked_form`` (the
+  registered name of its token-chunked form, which a config's ``distill.chunk_size`` chooses), ``count`` (None: the
+  loss is a mean over unmasked tokens; else ``count(mask_BxT)``, how many of what it averages over the local rows
+  hold, e.g. pairs of rows).
 
 Nothing outside this package probes a strategy for an attribute: every capability is declared here, with its
 default, and read directly.
@@ -65,6 +68,9 @@ class Strategy(abc.ABC):
   accepts_topk: ClassVar[bool] = False  # True: trains from a teacher's top-k per token (reads top_k, temperature)
   cross_tokenizer: ClassVar[bool] = False  # True: the teacher runs on its own tokens (`meshdistill.losses.Aligned`)
   needs_pairs: ClassVar[bool] = False  # True: batches of (chosen, rejected) row pairs sharing a data shard
+  # the registered name of the same loss computed in token chunks from final hidden states and LM heads, which a
+  # config's distill.chunk_size chooses (None: no such form)
+  chunked_form: ClassVar[str | None] = None
   count: ClassVar[Any] = None  # None: a mean over unmasked tokens; else count(mask_BxT) -> what the loss averages over
 
   def init_params(self, student_cfg, teacher_cfg, key) -> Any:

@@ -172,6 +172,7 @@ class LogitKD(LogitRecipe, SequenceStrategy):
   top_k: int | None = None
   capture: tuple[str, ...] = ()
   accepts_topk: ClassVar[bool] = True  # with top_k set, the teacher's top-k per token is all it reads
+  chunked_form: ClassVar[str | None] = "chunked_logit_kd"  # `ChunkedLogitKD`, the same recipe (distill.chunk_size)
 
   def __post_init__(self):
     super().__post_init__()

@@ -1,7 +1,8 @@
 """Preference optimisation with the teacher slot as the frozen reference model: DPO, IPO and DPO + KL.
 
 A preference batch holds PAIRS of rows: row ``2i`` is prompt + chosen completion, row ``2i + 1``
-the same prompt + rejected completion (`preference_batch` builds it from `read_preferences` rows).
+the same prompt + rejected completion (the data package builds it: `meshdistill.data.preference_batch` from
+`meshdistill.data.read_preferences` rows, `meshdistill.data.PreferencePairs` for a run); this module is the loss alone.
 The mask covers the completion's target tokens only, so prompt tokens never count. For each row
 the policy (student) and the reference (teacher, under ``stop_gradient`` in the step) give the
 completion log-probability ``log pi(y | x) = sum_t mask_t log p(y_t | y_<t, x)``, and
@@ -26,19 +27,16 @@ single sequences. Rows of one pair must sit on one ``data`` shard: the local bat
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Callable, Sequence
 from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from meshdistill.losses import cross_entropy
 from meshdistill.models import softcap
 from meshdistill.strategies._base import BatchStrategy, register
 
 LOSSES = ("sigmoid", "ipo", "sigmoid_kl")
-FIELDS = ("prompt", "chosen", "rejected")
 
 
 def pair_loss(margin_P: jax.Array, beta: float, loss: str = "sigmoid") -> jax.Array:
@@ -133,61 +131,3 @@ def _reverse_kl(student_TxV, teacher_TxV, mask_T):
   lp = jax.nn.log_softmax(student_TxV.astype(jnp.float32), axis=-1)
   lq = jax.nn.log_softmax(teacher_TxV.astype(jnp.float32), axis=-1)
   return jnp.where(mask_T > 0, jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1), 0.0)
-
-
-# --------------------------------------------------------------------------- data
-def read_preferences(path: str) -> list[dict[str, str]]:
-  """Rows of a preference JSONL file: one object per line with string fields ``prompt``, ``chosen``, ``rejected``.
-
-  Raises:
-    ValueError: a line that is not a JSON object, or lacks a field (named, with the line number).
-  """
-  rows = []
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{n}: not valid JSON ({e}); each line is {{prompt, chosen, rejected}}") from None
-      if not isinstance(row, dict):
-        raise ValueError(f"{path}:{n}: a preference row is a JSON object with keys {list(FIELDS)}")
-      missing = [k for k in FIELDS if not isinstance(row.get(k), str)]
-      if missing:
-        raise ValueError(
-            f"{path}:{n}: preference row lacks {missing} (each row needs string fields {list(FIELDS)}: the prompt, "
-            "the preferred completion and the dispreferred one)"
-        )
-      rows.append({k: row[k] for k in FIELDS})
-  if not rows:
-    raise ValueError(f"{path}: no preference rows; each line is a JSON object {{prompt, chosen, rejected}}")
-  return rows
-
-
-def preference_batch(
-    rows: Sequence[dict[str, str]], encode: Callable[[str], Sequence[int]], seq_len: int, pad_id: int = 0
-) -> dict[str, np.ndarray]:
-  """A host batch ``{inputs, targets, mask}: [2 * len(rows), seq_len]``, chosen then rejected per row.
-
-  Each sequence is ``encode(prompt) + encode(completion)``, cut to ``seq_len + 1`` tokens; the mask
-  is 1 on the targets that are completion tokens, 0 on prompt tokens and padding.
-  """
-  B = 2 * len(rows)
-  inputs = np.full((B, seq_len), pad_id, np.int32)
-  targets = np.full((B, seq_len), pad_id, np.int32)
-  mask = np.zeros((B, seq_len), np.float32)
-  for i, row in enumerate(rows):
-    prompt = list(encode(row["prompt"]))
-    for j, key in enumerate(("chosen", "rejected")):
-      seq = (prompt + list(encode(row[key])))[: seq_len + 1]
-      n = len(seq) - 1
-      if not prompt or n < 1 or len(prompt) >= len(seq):
-        raise ValueError(
-            f"preference row {i}: prompt ({len(prompt)} tokens) leaves no {key} token within data.seq_len={seq_len}; "
-            "shorten the prompt or raise data.seq_len"
-        )
-      r = 2 * i + j
-      inputs[r, :n], targets[r, :n] = seq[:-1], seq[1:]
-      mask[r, len(prompt) - 1 : n] = 1.0  # target t is token t + 1: completion tokens start at len(prompt)
-  return {"inputs": inputs, "targets": targets, "mask": mask}

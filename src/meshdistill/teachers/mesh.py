@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshdistill.parallel.mesh import DATA, mesh_of, mesh_shape, shape_label
 from meshdistill.core.batch import TOPK_KEYS
+from meshdistill.data import WrappedData
 from meshdistill.teachers.ahead import AheadIterator
 from meshdistill.teachers.cache import TeacherTopK, TopKTeacher
 
@@ -109,16 +110,15 @@ def addressable_bytes(tree, devices) -> dict:
   return out
 
 
-class TeacherMeshData:
+class TeacherMeshData(WrappedData):
   """A `meshdistill.data.DataBundle` whose training batches carry the top-k of a `TeacherOnMesh`, the
   teacher working one batch ahead; the iterator's state is the position of the next batch it hands out,
-  so checkpoints and resume are those of the plain data."""
+  so checkpoints and resume are those of the plain data. Validation batches, tokenizers and stats are the bundle's
+  (`meshdistill.data.WrappedData`)."""
 
   def __init__(self, bundle, on_mesh: TeacherOnMesh):
-    self.bundle, self.on_mesh = bundle, on_mesh
-
-  def __getattr__(self, name):
-    return getattr(self.bundle, name)
+    super().__init__(bundle)
+    self.on_mesh = on_mesh
 
   def train_iterator(self, state: dict | None = None, **kw) -> _AheadIterator:
     return _AheadIterator(self.bundle.train_iterator(state, **kw), self.on_mesh)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshdistill.data import StudentRows, TeacherRows, TrainIterator, cut_teacher_rows
+from meshdistill.data import StudentRows, TeacherRows, TrainIterator, WrappedData, cut_teacher_rows
 from meshdistill.teachers.cache._format import CacheError, TeacherCache, _check_same
 
 
@@ -79,17 +79,16 @@ class CachedCrossRows:
     return batch
 
 
-class CachedCrossData:
+class CachedCrossData(WrappedData):
   """A `meshdistill.data.DataBundle` (of two tokenizations) whose training batches are a cross-tokenizer cache's rows
-  rebuilt for the bundle's student tokenizer (`CachedCrossRows`); validation, tokenizers and stats are the bundle's.
-  Iterator state is a `TrainIterator`'s over the cache's rows (resume works as with packed rows)."""
+  rebuilt for the bundle's student tokenizer (`CachedCrossRows`); validation, tokenizers and stats are the bundle's
+  (`meshdistill.data.WrappedData`). Iterator state is a `TrainIterator`'s over the cache's rows (resume works as with
+  packed rows)."""
 
   def __init__(self, bundle, cache: TeacherCache):
-    self.bundle, self.cache = bundle, cache
+    super().__init__(bundle)
+    self.cache = cache
     self.rows = CachedCrossRows(cache, StudentRows(bundle.teacher_tokenizer, bundle.tokenizer, bundle.config.seq_len))
-
-  def __getattr__(self, name):
-    return getattr(self.bundle, name)
 
   def train_iterator(self, state: dict | None = None, **kw) -> TrainIterator:
     del kw

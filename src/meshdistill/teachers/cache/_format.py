@@ -15,6 +15,7 @@ import numpy as np
 
 from meshdistill import losses
 from meshdistill.core.batch import TARGET_LOGPROB_KEY, TOPK_KEYS
+from meshdistill.data import WrappedData
 from meshdistill.train.teacher import TopKTeacher
 from meshdistill.models import ModelConfig
 from meshdistill.core.fsutil import current_umask, write_text_atomic
@@ -319,33 +320,30 @@ class TeacherCache:
     return sum(s["bytes"] for s in self.manifest["shards"]) / (self.num_rows * self.seq_len)
 
 
-class CachedTeacherData:
+class CachedTeacherData(WrappedData):
   """A `meshdistill.data.DataBundle` whose training batches also carry the teacher's top-k from a cache.
 
-  Everything else (validation batches, tokenizer, stats, iterator state) is the bundle's; the iterator's
+  Validation batches, tokenizers and stats are the bundle's (`meshdistill.data.WrappedData`); the iterator's
   state is the bundle iterator's, so checkpoints and resume work unchanged.
   """
 
   def __init__(self, bundle, cache: TeacherCache):
-    self.bundle, self.cache = bundle, cache
-
-  def __getattr__(self, name):
-    return getattr(self.bundle, name)
+    super().__init__(bundle)
+    self.cache = cache
 
   def train_iterator(self, state: dict | None = None, **kw) -> _CachedIterator:
     return _CachedIterator(self.bundle.train_iterator(state, row_ids=True, **kw), self.cache)
 
 
-class RowIdData:
+class RowIdData(WrappedData):
   """A `meshdistill.data.DataBundle` whose training batches carry their packed rows' ids (``row_ids`` [B]) instead
   of their top-k: the on-policy path reads a cache by them only for the batches it trains on as they are
-  (`meshdistill.train.onpolicy.OnPolicyDistiller` with ``cache``). Everything else is the bundle's."""
+  (`meshdistill.train.onpolicy.OnPolicyDistiller` with ``cache``). Validation batches, tokenizers and stats are the
+  bundle's (`meshdistill.data.WrappedData`)."""
 
   def __init__(self, bundle, cache: TeacherCache):
-    self.bundle, self.cache = bundle, cache
-
-  def __getattr__(self, name):
-    return getattr(self.bundle, name)
+    super().__init__(bundle)
+    self.cache = cache
 
   def train_iterator(self, state: dict | None = None, **kw):
     return self.bundle.train_iterator(state, row_ids=True, **kw)

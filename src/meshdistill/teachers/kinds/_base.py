@@ -19,7 +19,12 @@ one source key they set: `infer`). A source is a `TeacherSource` subclass regist
 * ``prepare``: what it does before training -- obtain (load, pretrain) and place a model, open a cache, start a
   teacher on its sub-mesh -- returning a `Prepared`: the data (a source that gives `TOPK` wraps it), the teacher
   (a model, a `meshdistill.teachers.cache.TopKTeacher`, or None) and its identity (the ``teacher_dir`` a run's
-  checkpoints record: a directory, a cache path, a Hugging Face directory).
+  checkpoints record: a directory, a cache path, a Hugging Face directory). A source that runs a model obtains it on
+  the data of the teacher's own tokens when the teacher has its own tokenizer (`ModelSource.teacher_data`).
+
+`Source` is what the distill job asks of a run's teacher (`check`, `meshes`, `prepare`): every `TeacherSource`, and
+the several teachers of ``teachers:`` combined (`meshdistill.teachers.multi.Teachers`), implement it, so the job
+composes a run from one source and its data without asking which kind it has.
 
 The jobs lend a source what it cannot own without importing them (`Services`: pretraining a teacher is a job).
 """
@@ -30,7 +35,7 @@ import abc
 import dataclasses
 import typing
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from meshdistill.core.typed_yaml import ConfigError
 from meshdistill.models import ModelConfig
@@ -58,12 +63,35 @@ class Prepared:
   ``cache``: on the on-policy path (``distill.on_policy``), an offline cache over the data's rows
   (`meshdistill.teachers.cache.TeacherCache`) that serves the batches of the data's completions, the teacher (then a
   model) running live on the generated ones only (`meshdistill.train.onpolicy.OnPolicyDistiller`); the data then
-  yields each batch's ``row_ids``. None otherwise."""
+  yields each batch's ``row_ids``. None otherwise.
+
+  ``topk_of``: several teachers on the on-policy path, what gives a generated batch their target
+  (`meshdistill.teachers.multi.MultiTeacherData.score`, the `OnPolicyDistiller`'s ``topk_of``); the data is then the
+  plain corpus (a generated batch replaces its rows, so nothing is run ahead on rows that would not be trained on).
+  ``teachers``: several teachers, their `meshdistill.teachers.multi.MultiTeacherData`, each one evaluated at the end
+  (`meshdistill.teachers.multi.evaluate_teachers`). Both None for one teacher."""
 
   data: Any
   teacher: Any
   identity: str | None
   cache: Any = None
+  topk_of: Callable[[dict], dict] | None = None
+  teachers: Any = None
+
+
+@runtime_checkable
+class Source(Protocol):
+  """What the distill job asks of a run's teacher: a `TeacherSource`, or several combined
+  (`meshdistill.teachers.multi.Teachers`)."""
+
+  def check(self) -> None:
+    """Refuses, from the config alone, what this teacher cannot train; before any data, meshes or weights."""
+
+  def meshes(self, build_mesh: Callable[[Config], Any]) -> tuple[Any, Any]:
+    """``(teacher_mesh, student_mesh)``: the teacher's own mesh (None: it shares the student's) and the student's."""
+
+  def prepare(self, data: Any, mesh: Any, teacher_mesh: Any, services: Services) -> Prepared:
+    """The data, the teacher and its identity, ready for the `Distiller` on ``mesh``."""
 
 
 class NoTeacherModel(ConfigError):
@@ -184,20 +212,34 @@ class TeacherSource(abc.ABC):
 
 
 class ModelSource(TeacherSource):
-  """A source that runs a teacher model: `model` obtains it on a mesh; `prepare` places it on the student's."""
+  """A source that runs a teacher model: `model` obtains it on a mesh; `prepare` places it on the student's (a
+  teacher of its own tokenizer obtained on the data of its own tokens, `teacher_data`)."""
 
   gives: ClassVar[TeacherKind] = MODEL
 
   def runs(self) -> ModelSource:
     return self
 
+  def check(self) -> None:
+    super().check()
+    if self.cfg.data.teacher_tokenizer is not None and self.cfg.distill.on_policy.active:
+      raise ConfigError("data.teacher_tokenizer (a teacher of its own tokenizer) runs the teacher live in the step on "
+                        "its own tokens, or reads a cross-tokenizer teacher.cache; teacher.devices and "
+                        "distill.on_policy do not take it yet")
+
   @abc.abstractmethod
   def model(self, data: Any, mesh: Any, services: Services) -> tuple[Any, str]:
     """``(teacher model on mesh, its identity)``."""
 
+  def teacher_data(self, data: Any) -> Any:
+    """The data the teacher model is obtained (pretrained) on: ``data``, or for a teacher of its own tokenizer
+    (``data.teacher_tokenizer``) the same documents through that tokenizer alone
+    (`meshdistill.data.DataBundle.teacher_side`)."""
+    return data if self.cfg.data.teacher_tokenizer is None else data.teacher_side()
+
   def prepare(self, data, mesh, teacher_mesh, services):
     del teacher_mesh
-    teacher, identity = self.model(data, mesh, services)
+    teacher, identity = self.model(self.teacher_data(data), mesh, services)
     return Prepared(data, teacher, identity)
 
 

@@ -86,7 +86,7 @@ class Cached(TeacherSource):
         f"{saved_cfg.get(diff[0])!r}, this config {teacher_cfg.get(diff[0])!r}); use the config that wrote the cache"
       )
     what = f"({cache.manifest['precision']}, {cache.bytes_per_token():.1f} bytes/token); no teacher weights loaded"
-    if getattr(data, "teacher_tokenizer", None) is not None:  # a student of another tokenizer: aligned on the fly
+    if data.teacher_tokenizer is not None:  # a student of another tokenizer: aligned on the fly
       setting = cfg.data.teacher_tokenizer
       tc.check_cross(cache, data.teacher_tokenizer, setting)
       rows = tc.teacher_rows_of(data, cache.seq_len)

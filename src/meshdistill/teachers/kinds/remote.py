@@ -27,6 +27,7 @@ import urllib.parse
 from typing import Any, ClassVar
 
 from meshdistill.core.typed_yaml import ConfigError
+from meshdistill.data import WrappedData
 from meshdistill.strategies import Strategy
 from meshdistill.teachers.ahead import AheadIterator
 from meshdistill.teachers.cache import TopKTeacher
@@ -154,16 +155,16 @@ def check_identity(ident: dict, cfg, tokenizer, url: str) -> tuple[TopKTeacher, 
   return spec, identity
 
 
-class RemoteTeacherData:
+class RemoteTeacherData(WrappedData):
   """A `meshdistill.data.DataBundle` whose training batches carry a served teacher's top-k, fetched one batch
-  ahead; the iterator's state is the position of the next batch it hands out (resume as with the plain data)."""
+  ahead; the iterator's state is the position of the next batch it hands out (resume as with the plain data).
+  Validation batches, tokenizers and statistics are the bundle's (`meshdistill.data.WrappedData`); `fetch` asks the
+  teacher for any rows."""
 
   def __init__(self, bundle, client: TeacherClient, spec: TopKTeacher):
-    self.bundle, self.client, self.spec = bundle, client, spec
+    super().__init__(bundle)
+    self.client, self.spec = client, spec
     self.wait_log: list[tuple[int, float]] = []  # (batch index, seconds the loop waited for its answer)
-
-  def __getattr__(self, name):
-    return getattr(self.bundle, name)
 
   def fetch(self, batch: dict, cancel: threading.Event | None = None) -> dict:
     """The top-k of ``batch``'s rows under `TOPK_KEYS` (blocking; ``cancel`` set: no further try)."""

@@ -20,7 +20,10 @@ read, so the same caches serve any routing or weights, and a cache stays the rec
 
 On-policy (``distill.on_policy``): every teacher runs a model or is served (not a cache), and
 `MultiTeacherData.score` gives the rows the student generates their target
-(`meshdistill.train.onpolicy.OnPolicyDistiller`'s ``topk_of``).
+(`meshdistill.train.onpolicy.OnPolicyDistiller`'s ``topk_of``, the `Prepared`'s).
+
+`Teachers` is the several teachers as the run's one teacher source (the `meshdistill.teachers.kinds.Source` the
+distill job asks: ``check``, ``meshes``, ``prepare``).
 
 After training, `evaluate_teachers` reports each teacher's validation loss and the student's KL / agreement against
 each teacher's top-k and against the combined target, and `summary_table` prints them as the run's final table.
@@ -43,13 +46,34 @@ from meshdistill.teachers.multi._evaluate import evaluate_teachers, summary_tabl
 from meshdistill.teachers.multi._settings import Member, TeachersSettings, check_teachers, member_config, one_teacher
 from meshdistill.core.vocab import resolve_shared_vocab
 
-__all__ = ["FromBatches", "Live", "Member", "MultiTeacherData", "TeachersSettings", "check_teachers", "combine",
-           "evaluate_teachers", "member_config", "one_teacher", "prepare", "summary_table"]
+__all__ = ["FromBatches", "Live", "Member", "MultiTeacherData", "Teachers", "TeachersSettings", "check_teachers",
+           "combine", "evaluate_teachers", "member_config", "one_teacher", "prepare", "summary_table"]
+
+
+class Teachers:
+  """The teachers of ``cfg.teachers`` as the run's one teacher source (`meshdistill.teachers.kinds.Source`): checked
+  across the config's sections (`check_teachers`), on the student's mesh, prepared by `prepare`."""
+
+  def __init__(self, cfg):
+    self.cfg = cfg
+
+  def check(self) -> None:
+    check_teachers(self.cfg)
+
+  def meshes(self, build_mesh):
+    return None, build_mesh(self.cfg)
+
+  def prepare(self, data, mesh, teacher_mesh, services: kinds.Services) -> kinds.Prepared:
+    del teacher_mesh  # every teacher runs on the student's mesh, or elsewhere by its own source's settings
+    return prepare(self.cfg, data, mesh, services)
 
 
 def prepare(cfg, data, mesh, services: kinds.Services) -> kinds.Prepared:
   """The teachers of ``cfg.teachers`` ready for the run on ``mesh``: ``Prepared(data with the combined top-k, the
-  teachers as one `TopKTeacher` (with their names), their identities)``."""
+  teachers as one `TopKTeacher` (with their names), their identities)``, the `MultiTeacherData` its ``teachers``. On
+  the on-policy path (``distill.on_policy``) the teachers score each batch in its step's turn instead (the
+  `Prepared`'s ``topk_of``) and the data is the plain ``data``: a generated batch replaces its rows, so nothing is run
+  ahead on rows that would not be trained on."""
   k, tau = int(cfg.distill.value("top_k")), float(cfg.distill.value("temperature"))
   program_mesh = make_layout(cfg.mesh.backend, mesh).eval_mesh
   producers, identities, first_cfg, vocab = [], [], None, cfg.student.vocab_size
@@ -90,7 +114,9 @@ def prepare(cfg, data, mesh, services: kinds.Services) -> kinds.Prepared:
   bundle = MultiTeacherData(data, producers, k=k, route=route, weights=[m.weight for m in members])
   spec = TopKTeacher(cfg=first_cfg, k=k, temperature=tau, vocab=vocab, names=tuple(m.name for m in members),
                      source=f"teachers ({cfg.teachers.combine} of {', '.join(m.name for m in members)})")
-  return kinds.Prepared(bundle, spec, "; ".join(identities))
+  if cfg.distill.on_policy.active:
+    return kinds.Prepared(data, spec, "; ".join(identities), topk_of=bundle.score, teachers=bundle)
+  return kinds.Prepared(bundle, spec, "; ".join(identities), teachers=bundle)
 
 
 @contextlib.contextmanager

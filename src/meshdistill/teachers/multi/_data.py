@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshdistill import losses
-from meshdistill.data import DOMAIN_KEY
+from meshdistill.data import DOMAIN_KEY, WrappedData
 from meshdistill.core.batch import MULTI_KEYS, TOPK_KEYS
 
 
@@ -88,8 +88,9 @@ def combine(topks: Sequence[losses.TopK], teacher_B: jax.Array | None, *, k: int
   return dict(zip(TOPK_KEYS, target)) | dict(zip(MULTI_KEYS, (*each, rows)))
 
 
-class MultiTeacherData:
-  """A data bundle whose training batches carry several teachers' combined top-k (see the module docstring).
+class MultiTeacherData(WrappedData):
+  """A data bundle whose training batches carry several teachers' combined top-k (see the module docstring);
+  validation batches, tokenizers and stats are the plain data's (`meshdistill.data.WrappedData`).
 
   Args:
     bundle: the plain data.
@@ -100,12 +101,10 @@ class MultiTeacherData:
   """
 
   def __init__(self, bundle, producers: Sequence, *, k: int, route: Sequence[int] | None, weights: Sequence[float]):
-    self.bundle, self.producers, self.k = bundle, tuple(producers), k
+    super().__init__(bundle)
+    self.producers, self.k = tuple(producers), k
     self.route = None if route is None else np.asarray(route, np.int32)
     self.weights = tuple(float(w) for w in weights)
-
-  def __getattr__(self, name):
-    return getattr(self.bundle, name)
 
   def train_iterator(self, state: dict | None = None, **kw):
     readers = [p.bundle.train_iterator(state, **kw) for p in self.producers if isinstance(p, FromBatches)]
