@@ -67,6 +67,7 @@ COMMENTS = {
     "distill.on_policy.seq_kd": "the teacher samples instead (sequence-level KD)",
     "distill.on_policy.prompts_file": "JSONL {prompt, completion} pairs instead of the corpus rows",
     "train": "the student",
+    "train.micro_batch": "rows per device per forward/backward (gradient accumulation); auto: fit the device",
     "train.mu_dtype": "AdamW's first moment: float32, or bfloat16 (half its memory)",
     "train.freeze": "progressive freezing, e.g. [{start_step: 0, freeze: 0.5, lr: 3.0e-3}, {start_step: 150, lr: 1.0e-3}]",
     "pretrain": "the teacher: loaded from `teacher`, else pretrained once and cached",

@@ -106,5 +106,6 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_to
     student_split=cfg.mesh.student_split,
     loss_scale=cfg.safeguards.loss_scale,
     seed=cfg.train.seed,
+    micro_batch=cfg.train.micro_batch,
     **extra,
   )

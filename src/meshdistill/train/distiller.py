@@ -32,6 +32,7 @@ from meshdistill.parallel.mesh import platform_of
 from meshdistill.models import Decoder, fit_model, frozen_model
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
+from meshdistill.train.accumulate import check_micro_batch
 from meshdistill.train.memory import auto_remat
 from meshdistill.train.optimizers import check_loss_scale, default_optimizer
 from meshdistill.core.vocab import PADDING_TOLERANCE, resolve_shared_vocab  # noqa: F401 -- also read from here
@@ -75,6 +76,12 @@ class Distiller:
       that divides the gradients by the same factor, ``safeguarded(..., loss_scale=S)`` (`make_optimizer` does
       for ``safeguards.loss_scale``). ``None`` (default): off. The strategy stays as given, and `with_strategy`
       (the guard's fallback) keeps the scale.
+    micro_batch: rows each device runs through one forward and backward pass (gradient accumulation,
+      `meshdistill.train.accumulate`: the device's rows of a step as micro-batches in one program, the same loss,
+      gradients and metrics); it must divide the rows each device holds per step. ``None`` (default): the whole
+      local batch at once. ``"auto"``: chosen on the first step with the student's remat ``auto``: the whole batch
+      where it fits the device's memory (and where no memory limit is known, as on a CPU), else micro-batches that
+      do.
   """
 
   compiler_options: dict | None = None  # XLA options of the step (see `with_compiler_options`)
@@ -94,7 +101,9 @@ class Distiller:
       fsdp: bool = False,
       student_split: str = "tensor",
       loss_scale: float | None = None,
+      micro_batch: int | str | None = None,
   ):
+    check_micro_batch(micro_batch)
     if loss_scale is not None:
       check_loss_scale(loss_scale)
     if teacher is None and strategy is None:
@@ -158,7 +167,9 @@ class Distiller:
         teacher_output=self.teacher_output,
         **self._teacher_names(),
         loss_scale=None if loss_scale is None else float(loss_scale),
+        micro_batch=None if micro_batch == "auto" else micro_batch,  # auto: the whole batch until decided
     )
+    self.micro_batch = micro_batch
     self._compiled = None
     self._strategy_variants: dict = {}  # `with_strategy` results, reused
     self._light = None  # the `metrics_light` variant, once asked for
@@ -367,6 +378,14 @@ class Distiller:
     """A copy whose step compiles with the XLA ``options`` (e.g. `meshdistill.train.memory.CPU_MEMORY_SCHEDULER`)."""
     new = self._variant()
     new.compiler_options = dict(options) if options else None
+    return new
+
+  def with_micro_batch(self, micro_batch: int | None):
+    """A copy whose step runs each device's rows as micro-batches of ``micro_batch`` rows (``None``: the whole local
+    batch at once; `meshdistill.train.accumulate`); the same training, another program."""
+    check_micro_batch(micro_batch, auto=False)
+    new = self._variant(micro_batch=micro_batch)
+    new.micro_batch = micro_batch
     return new
 
   def with_remat(self, remat: str):
