@@ -62,7 +62,7 @@ def test_uneven_masks_make_a_mean_per_micro_batch_differ_from_the_step_loss(whol
     ((2, 4), "tensor", False, 4),  # 2x4: 8 rows per data shard as 2 micro-batches
     ((2, 4), "tensor", False, 2),  # ... as 4
     ((2, 4), "batch", False, 4),  # the student on rows split over tensor too: 2 micro-batches of 4 rows, 1 per device
-    ((2, 4), "tensor", True, 4),  # weights split over data too: gathered, and their gradients scattered, per micro-batch
+    ((2, 4), "tensor", True, 4),  # weights split over data too: gathered and their gradients scattered per micro-batch
 ], ids=["1-device-k2", "1-device-k4", "2x4-k2", "2x4-k4", "2x4-student-split-k2", "2x4-fsdp-k2"])
 def test_an_accumulated_step_gives_the_whole_batch_step(whole, shape, split, fsdp, micro_batch):
   """The same new parameters and metrics as one device running the whole batch at once, within float32 summation

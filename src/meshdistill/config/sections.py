@@ -181,7 +181,7 @@ class TrainSettings:
   ``micro_batch``: rows each device runs through one forward and backward pass (gradient accumulation,
   `meshdistill.train.accumulate`: the same loss, gradients and metrics as the whole batch at once); it must divide
   the rows each device holds per step (``batch_size`` over the mesh's data devices). ``auto`` (the default): decided
-  at start-up with the student's remat: the whole batch where it fits the device's
+  at start-up with the student's remat (`meshdistill.train.tuning`): the whole batch where it fits the device's
   memory and where no memory limit is known (a CPU), else micro-batches that fit."""
 
   SECTION = "train"  # the config section, for messages
@@ -318,7 +318,9 @@ class RematSettings:
   ``headroom`` times the device's memory (``budget_mib`` MiB when set; a CPU device has no known
   limit, so there the check runs only with ``budget_mib``) and, if it would not fit, turns on the
   first of the student's leaner remat policies that fits (logged, and written to
-  ``metrics.jsonl`` as an ``event`` row). Measuring compiles the step once more."""
+  ``metrics.jsonl`` as an ``event`` row). Measuring compiles the step once more. Settings left at ``auto``
+  (``student.remat``, ``train.micro_batch``, the chunk of a chunked loss the config did not name) are decided there
+  together, against the same budget (`meshdistill.train.tuning`: one line, an ``auto`` event row)."""
 
   auto: bool = True
   budget_mib: float | None = None

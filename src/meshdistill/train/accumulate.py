@@ -53,8 +53,9 @@ def micro_batches(rows: int, micro_batch: int | None, multiple: int = 1, why: st
   check_micro_batch(micro_batch, auto=False)
   if rows % micro_batch or micro_batch % multiple:
     need = f" and a multiple of {multiple}{why}" if multiple > 1 else ""
-    raise ValueError(f"{SETTING}={micro_batch} must divide the {rows} rows each device holds per step (train.batch_size "
-                     f"over the mesh's data devices){need}; use one of {divisors(rows, multiple)}, or auto")
+    raise ValueError(f"{SETTING}={micro_batch} must divide the {rows} rows each device holds per step "
+                     f"(train.batch_size over the mesh's data devices){need}; use one of {divisors(rows, multiple)}, "
+                     "or auto")
   return rows // micro_batch
 
 
