@@ -42,7 +42,7 @@ COMMENTS = {
     "teacher.attention": "auto: the splash kernel on a TPU (seq a multiple of 128), else xla",
     "student.dtype": "compute dtype; auto: bfloat16 on a TPU, float32 elsewhere",
     "student.param_dtype": "stored weights; auto: float32 (the student trains)",
-    "student.remat": "auto: the first of none, dots, dots_no_batch, full whose step fits the device (none on a CPU)",
+    "student.remat": "auto: with train.micro_batch, the cheapest that fits the device (none on a CPU)",
     "student.attention": "auto: the splash kernel on a TPU (seq a multiple of 128), else xla",
     "student": "~0.28 M parameters (27% of the teacher)",
     "data.source": "the Python standard library's source code",
