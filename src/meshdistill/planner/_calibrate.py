@@ -28,8 +28,9 @@ beside the estimate, and the largest leave-generation-out error as the band of a
 
 Two sources, kept apart (``source`` names each, ``row_names`` its rows): ``published`` (`CALIBRATION`, the pod rows
 above) and ``chip`` (`meshdistill.train.cost.CHIP_CALIBRATION`, a `ChipCalibration`: its constants and arithmetic
-live there, below the planner, for the start-up tuning to read too; its fit is here): distillation steps measured on one TPU v5e chip
-(``benchmarks/tpu_step.py``), each configuration planned for its per-chip program (``benchmarks/plan_chip.py``). The
+live there, below the planner, for the start-up tuning to read too; its fit is here): distillation steps measured on
+one TPU v5e chip (``benchmarks/tpu_step.py``), each configuration planned for its per-chip program
+(``benchmarks/plan_chip.py``). The
 chip source does not scale the roofline: one fraction of peak and one of the HBM bandwidth for the whole program
 left Qwen3 steps (62-65% of peak by the roofline) and Llama ones (54%) 18-23% apart. It reads instead what the TPU
 compiler itself estimates for every instruction it schedules (``estimated_cycles``), split into matmul fusions and

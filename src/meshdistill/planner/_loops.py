@@ -4,12 +4,12 @@ XLA's cost analysis (FLOPs, bytes accessed) and the program text (collectives) c
 model under ``scan_layers`` (its blocks one loop) and the chunked loss (a ``lax.scan`` over token chunks) report
 one iteration. The compiled program itself holds what is needed to count them whole: each loop's body computation
 and its trip count (``lax.scan``'s counter compared against a constant in the loop's condition). This module takes
-the compiled (optimised, partitioned, per-device) HLO text as `meshdistill.train.cost.parse` reads it, cost-analyses each loop body on its own with XLA's
-``HloCostAnalysis`` (the module parsed back and each body made the entry of a module of its own, analysed through
-the CPU client: on the scanned tiny pair of tests/test_plan_cost.py, v5e:2x2, that analysis of the whole TPU
-program's text gave the TPU compiler's own FLOP count exactly and its bytes accessed 5% lower) and adds
-``(trip - 1)`` more copies of each body, nested loops multiplied through. The counted step then equals the
-unrolled program's count (tests/test_plan_cost.py: within 0.5%).
+the compiled (optimised, partitioned, per-device) HLO text as `meshdistill.train.cost.parse` reads it, cost-analyses
+each loop body on its own with XLA's ``HloCostAnalysis`` (the module parsed back and each body made the entry of a
+module of its own, analysed through the CPU client: on the scanned tiny pair of tests/test_plan_cost.py, v5e:2x2,
+that analysis of the whole TPU program's text gave the TPU compiler's own FLOP count exactly and its bytes accessed
+5% lower) and adds ``(trip - 1)`` more copies of each body, nested loops multiplied through. The counted step then
+equals the unrolled program's count (tests/test_plan_cost.py: within 0.5%).
 
 No second compile: reading the text and analysing the bodies takes seconds even for pod-sized programs.
 """
