@@ -82,6 +82,7 @@ def row_terms(i: int, small: bool = False, fast: bool = False) -> dict:
   from meshdistill.config import load_config
   from meshdistill.jobs import strategy_and_optimizer
   from meshdistill.parallel.mesh import make_mesh
+  from meshdistill.core.chips import TPU_CHIPS
   from meshdistill.planner import _compile, _cost, _hardware, _published
   from meshdistill.train.hardlabel import NextTokenCE
 
@@ -92,7 +93,7 @@ def row_terms(i: int, small: bool = False, fast: bool = False) -> dict:
   small = small and pub.chips > 16  # a slice of 16 chips or fewer is compiled as published
   topology = PROXY.get(i) or ((SMALL_ROW.get(i) or SMALL[pub.generation]) if small else pub.topology)
   target = _hardware.tpu_target(topology)
-  chip = _hardware.TPU_CHIPS[pub.generation]  # the row's chip: its rates time the counts
+  chip = TPU_CHIPS[pub.generation]  # the row's chip: its rates time the counts
   n = len(target.devices)
   batch = pub.batch // pub.chips * n  # the published batch per chip
   mesh = make_mesh(data=n // pub.tensor, tensor=pub.tensor, devices=target.devices)
@@ -294,7 +295,7 @@ def render(rows: list[dict], command: str) -> str:
 
 
 def calibration_literal(rows: list[dict]) -> str:
-  """`planner._calibrate.CALIBRATION`'s source for the stored rows (printed; pasted into `_calibrate.py`)."""
+  """`planner._calibrate.CALIBRATION`'s source for the stored rows (printed; pasted into `train/cost.py`)."""
   cal = fit_rows(rows)[0]
   if cal is None:
     return "CALIBRATION: Calibration | None = None"

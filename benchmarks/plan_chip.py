@@ -8,7 +8,7 @@ collectives, as ``md.plan(..., devices="local")`` compiles it on the chip. ``--s
 of ``v5e:2x2`` with mesh ``data=4`` at four times the batch (the same rows per chip, plus one gradient all-reduce the
 chip does not have), stored beside the row as a check of how far that stand-in moves the terms and the memory.
 
-The chip source (`planner._calibrate.ChipCalibration`, `calibrate_chip`) is fitted over one row per configuration
+The chip source (`train.cost.ChipCalibration`, `calibrate_chip`) is fitted over one row per configuration
 (the measurement with the package's splash blocks where there is one, else the row measured with other blocks, said
 in the row): the TPU compiler's estimated cycles of the program (matmul fusions and the rest) and the attention
 kernels' executed FLOPs, against the measured step.
@@ -20,7 +20,7 @@ kernels' executed FLOPs, against the measured step.
   python benchmarks/plan_chip.py --render              # refit and print the section from the stored .json
 
 Writes ``benchmarks/results/plan_calibration_chip.json`` (per configuration: the measured step and program bytes,
-the planner's terms and memory) and prints the `CHIP_CALIBRATION` literal (`planner/_calibrate.py` holds it;
+the planner's terms and memory) and prints the `CHIP_CALIBRATION` literal (`train/cost.py` holds it;
 tests/test_plan_cost.py refits it from the json). ``plan_calibration.py --render`` writes its section into
 ``plan_calibration.md`` (`bench.chip_calibration.section`).
 """
@@ -63,7 +63,7 @@ def plan_terms(pair: str, setting: dict) -> dict:
   pl, s = _planner(pair, setting)
   pl.target = dataclasses.replace(pl.target, name=f"{TOPOLOGY}, one chip", devices=pl.target.devices[:1])
   t0 = time.perf_counter()
-  p = pl.plan(Knobs(1, 1, s.remat, s.chunk, s.b))
+  p = pl.plan(Knobs(1, 1, s.remat, s.chunk_size, s.b))
   seconds = time.perf_counter() - t0
   if p.collectives:
     raise ValueError(f"the one-chip program of {setting} has collectives: {p.collectives}")
@@ -84,7 +84,7 @@ def stand_in_terms(pair: str, setting: dict) -> dict:
 
   pl, s = _planner(pair, setting)
   t0 = time.perf_counter()
-  p = pl.plan(Knobs(STAND_IN, 1, s.remat, s.chunk, STAND_IN * s.b))
+  p = pl.plan(Knobs(STAND_IN, 1, s.remat, s.chunk_size, STAND_IN * s.b))
   return {"mesh": [STAND_IN, 1], "global_batch": STAND_IN * s.b, "compute_s": p.time["compute_s"],
           "hbm_s": p.time["hbm_s"], "comm_s": p.time["comm_s"],
           "wire_bytes": sum(c["wire_bytes"] for c in p.collectives), "planned_bytes": p.memory["total"],

@@ -202,8 +202,9 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   t0 = time.perf_counter()
   teacher = md.init_model(tcfg, seed=0, mesh=mesh)
   student = md.init_model(scfg, seed=1, mesh=mesh)
-  strategy = md.ChunkedLogitKD(temperature=2.0, alpha=0.5, chunk_size=s.chunk)
-  d = md.Distiller(student, teacher, mesh=mesh, strategy=strategy, optimizer=s.optimizer())
+  strategy = md.ChunkedLogitKD(temperature=2.0, alpha=0.5, chunk_size=s.chunk_size)
+  d = md.Distiller(student, teacher, mesh=mesh, strategy=strategy, optimizer=s.optimizer(), micro_batch=s.micro_batch,
+                   chunk_size="auto" if s.chunk == "auto" else None)
   if s.metrics == "light":  # the step the training loop runs on every step it does not log: the same update
     d = d.metrics_light()
   del teacher, student
@@ -219,11 +220,14 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   say = lambda what: print(f"{pair} {s.label()}: {what}", flush=True)  # noqa: E731
   say(f"models and state built in {row['build_s']:.0f} s; compiling the step")
   try:
-    if scfg.remat == "auto":  # the Distiller decides on its first step; here before the measured compile
-      t0 = time.perf_counter()
-      row["remat_chosen"] = d.decide_remat(state, batch)
+    if "auto" in (scfg.remat, s.chunk, s.mb):  # the Distiller decides on its first step; here before the measured
+      t0 = time.perf_counter()                  # compile (`train.tuning`)
+      tuned = d.decide_auto(state, batch)
       row["decide_s"] = time.perf_counter() - t0
-      say(f"remat auto -> {row['remat_chosen']} in {row['decide_s']:.0f} s")
+      row["remat_chosen"] = d.student_cfg.remat
+      row["auto"] = {"remat": tuned.chosen.remat, "micro_batch": tuned.chosen.micro_batch, "chunk": tuned.chosen.chunk,
+                     "line": tuned.line(), "compiled": len(tuned.measured), "cached": tuned.cached}
+      say(f"{tuned.line()} in {row['decide_s']:.0f} s")
     t0 = time.perf_counter()
     compiled = d.lower(state, batch).compile()
     row["compile_s"] = time.perf_counter() - t0
@@ -285,7 +289,7 @@ def measure_plain(pair: str, s: Setting, steps: int) -> dict:
   row = {"pair": pair, "system": "plain", "setting": dataclasses.asdict(s), "label": s.label(), "steps": steps}
   teacher, student = md.init_model(tcfg, seed=0), md.init_model(scfg, seed=1)
   step, params, opt_state, t_params = make_plain_step(teacher, student, s.optimizer(), temperature=2.0,
-                                                      alpha=0.5, chunk=s.chunk)
+                                                      alpha=0.5, chunk=s.chunk_size)
   del teacher, student
   batch = {k: jax.numpy.asarray(v) for k, v in _random_batch(np.random.default_rng(0), s.b, s.t,
                                                              min(tcfg.vocab_size, scfg.vocab_size)).items()}
@@ -415,7 +419,7 @@ def measure_plan(pair: str, s: Setting) -> dict:
   tcfg, scfg = model_configs(pair, s)
   t0 = time.perf_counter()
   try:
-    p = md.plan(tcfg, scfg, devices="local", mesh=(1, 1), batch=s.b, seq=s.t, chunk_size=s.chunk, remat=s.remat,
+    p = md.plan(tcfg, scfg, devices="local", mesh=(1, 1), batch=s.b, seq=s.t, chunk_size=s.chunk_size, remat=s.remat,
                 suggest=0, overrides=["distill.temperature=2.0", "distill.alpha=0.5", f"train.mu_dtype={s.mu}"])
     d = p.to_dict() if hasattr(p, "to_dict") else {}
   except Exception as e:  # noqa: BLE001
@@ -507,7 +511,8 @@ def current_and_superseded(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 def _order(r: dict) -> tuple:
   s = r.get("setting") or {}
   return (list(PAIRS).index(r["pair"]) if r["pair"] in PAIRS else 99, s.get("b", r.get("batch", 0)), s.get("t", 0),
-          s.get("scan", "both"), s.get("remat", ""), s.get("chunk", 0), s.get("mu", ""), s.get("metrics", ""),
+          s.get("scan", "both"), s.get("remat", ""), str(s.get("chunk", 0)).zfill(5), s.get("mu", ""),
+          s.get("metrics", ""),
           s.get("attn", ""), s.get("blocks", ""), r.get("date", ""))
 
 
@@ -527,7 +532,12 @@ def steps_table(steps: list[dict], key=_order) -> list[str]:
     if s.get("dtypes") == "auto":  # the models' defaults: dtype and param_dtype auto too
       attn += ", dtypes auto"
     remat = s['remat'] + (f" -> {r['remat_chosen']}" if r.get('remat_chosen') else '')  # auto: what it chose
-    head = (f"| {r['pair']} | {s['b']} x {s['t']} | {remat} | {s['chunk']} | {attn} | {s.get('mu', 'float32')} | "
+    chunk = s['chunk'] if s['chunk'] != "auto" else f"auto -> {(r.get('auto') or {}).get('chunk', '?')}"
+    rows = f"{s['b']} x {s['t']}"
+    if s.get("mb", "whole") != "whole":  # micro-batches (gradient accumulation): rows per forward and backward
+      rows += f" ({s['mb']}" + (f" -> {r['auto']['micro_batch']}" if s["mb"] == "auto" and r.get("auto") else "") + \
+          " rows a pass)"
+    head = (f"| {r['pair']} | {rows} | {remat} | {chunk} | {attn} | {s.get('mu', 'float32')} | "
             f"{s.get('scan', 'both')} | {STEP_KIND[s.get('metrics', 'full')]}")
     if "error" in r:
       prog = f"{r['program_bytes'] / GIB:.2f}" if r.get("program_bytes") else ""

@@ -73,13 +73,26 @@ def pytest_configure(config):
         if f.startswith("--xla_force_host_platform_device_count") or f in (_XLA_FLAGS_GIVEN or "").split())
 
 
+# Where `meshdistill.train.tuning` keeps its choices (``$MESHDISTILL_TUNING``): a file of each test's own, in a
+# folder of the run, so no test reads a choice another made nor writes the user's ``~/.cache``.
+_TUNING = os.path.join(tempfile.gettempdir(), f"meshdistill-tests-tuning-{_RUN}")
+
+
+@pytest.fixture(autouse=True)
+def _own_tuning_file(request, monkeypatch):
+  name = re.sub(r"[^\w.-]", "_", request.node.nodeid)[-150:]
+  monkeypatch.setenv("MESHDISTILL_TUNING", os.path.join(_TUNING, f"{os.getpid()}-{name}.json"))
+
+
 @pytest.fixture
 def tiny_cfgs():
   return TEACHER_CFG, STUDENT_CFG
 
 
 def pytest_sessionfinish(session):
-  """The run's compilation cache goes with the run (the controller, after every worker has finished)."""
+  """The run's compilation cache and tuning choices go with the run (the controller, after every worker has
+  finished)."""
   if not hasattr(session.config, "workerinput"):
     shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+    shutil.rmtree(_TUNING, ignore_errors=True)
 

@@ -77,14 +77,15 @@ def test_contributing_lists_every_script_of_the_folder():
 
 def test_a_chips_peak_flops_has_one_table():
   """No benchmark holds a FLOP/s-sized number of its own (a peak is 1e14 and more), a chip's peak is written once in
-  the package (the chip table, `planner/_hardware.py`), and `tpu_step`'s MFU divides by that table's."""
+  the package (the chip table, `core/chips.py`: the planner's and the chip calibration's), and `tpu_step`'s MFU
+  divides by that table's."""
   big = [f"{p.relative_to(ROOT)}:{n.lineno}: {n.value}" for p in sorted(BENCHMARKS.rglob("*.py"))
          for n in ast.walk(_tree(p)) if isinstance(n, ast.Constant) and isinstance(n.value, float) and n.value >= 1e13]
   assert not big, big
   peaks = {c.peak_bf16_flops for c in TPU_CHIPS.values()}
   written = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "src").rglob("*.py") for n in ast.walk(_tree(p))
                    if isinstance(n, ast.Constant) and n.value in peaks and isinstance(n.value, float))
-  assert set(written) == {"src/meshdistill/planner/_hardware.py"}, written
+  assert set(written) == {"src/meshdistill/core/chips.py"}, written
   bench_module("results")  # puts benchmarks/ on the path, as running the script does
   tpu_step = importlib.import_module("tpu_step")
   for chip in TPU_CHIPS.values():

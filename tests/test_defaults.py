@@ -126,27 +126,29 @@ def test_remat_auto_takes_the_first_policy_that_fits_and_keeps_the_choice_by_pro
   from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
 
   import meshdistill as md
-  from meshdistill.train import memory
+  from meshdistill.train import memory, tuning
 
-  monkeypatch.setenv("MESHDISTILL_TUNING", str(tmp_path / "remat.json"))
+  monkeypatch.setenv("MESHDISTILL_TUNING", str(tmp_path / "tuning.json"))
   d = md.Distiller(init_model(STUDENT_CFG, seed=1), init_model(TEACHER_CFG, seed=0))
   state, batch = d.init_state(), make_batch()
   need = memory.step_memory(d.with_remat("none"), state, batch).need_bytes
-  chosen, choice, cached = memory.auto_remat(d, state, batch, budget_bytes=2 * need)
-  assert (chosen.student_cfg.remat, choice.fits, cached) == ("none", True, False)
-  assert list(__import__("json").loads((tmp_path / "remat.json").read_text()).values()) == ["none"]
+  chosen, choice = tuning.auto_tune(d, state, batch, budget_bytes=2 * need)
+  assert (chosen.student_cfg.remat, choice.fits, choice.cached) == ("none", True, False)
+  kept = list(__import__("json").loads((tmp_path / "tuning.json").read_text()).values())
+  assert kept == [{"remat": "none", "micro_batch": 8, "chunk": None}]
 
   def no_compiling(*a, **k):
     raise AssertionError("a known program must not be measured again")
 
-  monkeypatch.setattr(memory, "fit_remat", no_compiling)
-  again, choice, cached = memory.auto_remat(d, state, batch, budget_bytes=2 * need)
-  assert (again.student_cfg.remat, cached) == ("none", True)
+  measure_step = tuning.measure_step
+  monkeypatch.setattr(tuning, "measure_step", no_compiling)
+  again, choice = tuning.auto_tune(d, state, batch, budget_bytes=2 * need)
+  assert (again.student_cfg.remat, choice.cached) == ("none", True)
   with pytest.raises(AssertionError, match="measured again"):  # another program (batch) is measured
-    memory.auto_remat(d, state, make_batch(batch=4), budget_bytes=2 * need)
-  monkeypatch.undo()
+    tuning.auto_tune(d, state, make_batch(batch=4), budget_bytes=2 * need)
+  monkeypatch.setattr(tuning, "measure_step", measure_step)
   # a budget no policy meets: the leanest measured, reported as not fitting, not kept
-  _, choice, _ = memory.auto_remat(d, state, batch, budget_bytes=need // 100)
+  _, choice = tuning.auto_tune(d, state, batch, budget_bytes=need // 100)
   assert not choice.fits and choice.remat in memory.REMAT_ORDER
 
 
@@ -167,8 +169,10 @@ def test_the_default_loss_is_chunked_on_a_large_vocabulary_and_gives_the_full_lo
   auto = md.Distiller(student, teacher, optimizer=__import__("optax").sgd(0.1))
   named = md.Distiller(student, teacher, strategy=md.LogitKD(), optimizer=__import__("optax").sgd(0.1))
   assert isinstance(auto.strategy, md.ChunkedLogitKD) and isinstance(named.strategy, md.LogitKD)
+  assert (auto.chunk_size, named.chunk_size) == ("auto", None)  # the loss the Distiller chose: its chunk is tuned
   batch = make_batch(batch=2, seq=8, vocab=CHUNKED_FROM_VOCAB)
   _, got = auto.step(auto.init_state(), batch)
+  assert auto.chunk_size == auto.strategy.chunk_size == 1024  # nothing measured on a CPU: the default chunk
   _, want = named.step(named.init_state(), batch)
   for key in ("loss", "kl", "ce"):  # float32 sums over 32k logits in another order: a few ulps of the loss
     np.testing.assert_allclose(float(got[key]), float(want[key]), rtol=2e-5)

@@ -182,9 +182,10 @@ def test_fit_turns_remat_on_when_the_step_exceeds_the_memory_budget(data, tmp_pa
   assert choice.reports["none"].total_bytes == none
   assert choice.remat != "none" and choice.fits and choice.reports[choice.remat].total_bytes < none
   assert result.trainer.student_cfg.remat == choice.remat and d.student_cfg.remat == "none"
-  assert f"turned on remat={choice.remat!r}" in stream.getvalue()
+  # remat auto: decided with the other auto settings, in one line (`train.tuning`)
+  assert f"auto: remat={choice.remat}, micro_batch=8, chunk=n/a (the first of" in stream.getvalue()
   (event,) = [r for r in read_metrics(str(tmp_path)) if r["split"] == "event"]
-  assert event["event"] == "remat" and event["remat"] == choice.remat and event["previous"] == "none"
+  assert event["event"] == "auto" and event["remat"] == choice.remat and event["micro_batch"] == 8
   assert event["step_mib"]["none"] > event["budget_mib"] * event["headroom"]
   # the remat run trains the same model: equal to a plain run up to float rounding
   plain = fit(d, data, steps=2)

@@ -11,6 +11,7 @@ import meshdistill as md
 from meshdistill import cli, planner
 from meshdistill.config.sections import OnPolicySettings
 from meshdistill.planner import _calibrate, _published, _report
+from meshdistill.train import cost
 from meshdistill.planner._cost import flops_split
 from meshdistill.planner._placement import placements
 
@@ -139,7 +140,7 @@ def test_the_stored_chip_calibration_is_the_fit_of_the_measured_chip_rows_and_ke
   rows."""
   with open(CHIP_RESULTS) as f:
     rows = bench_module("chip_calibration").fitted(json.load(f))  # measured on the program the planner compiles
-  stored = _calibrate.CHIP_CALIBRATION
+  stored = cost.CHIP_CALIBRATION
   assert rows and stored is not None and stored.source == "chip" and _calibrate.CALIBRATION.source == "published"
   assert stored.row_names == tuple(f"{r['pair']} {r['config']}" for r in rows) and stored.rows == len(rows)
   assert len(set(stored.row_names)) == len(rows) and stored.generation == "v5e"  # one row per configuration
@@ -183,9 +184,9 @@ def test_one_local_chip_takes_the_chip_source_and_every_other_target_the_publish
   from meshdistill.config import load_config  # pylint: disable=g-import-not-at-top
   from meshdistill.planner import TPU_CHIPS, Planner, Target  # pylint: disable=g-import-not-at-top
 
-  chip = _calibrate.ChipCalibration(generation="v5e", s_matmul=1 / 1.5e9, s_other=0.5 / 1.5e9, kernel_fraction=0.5,
+  chip = cost.ChipCalibration(generation="v5e", s_matmul=1 / 1.5e9, s_other=0.5 / 1.5e9, kernel_fraction=0.5,
                                     band=0.05, rows=5)
-  monkeypatch.setattr(_calibrate, "CHIP_CALIBRATION", chip)
+  monkeypatch.setattr(cost, "CHIP_CALIBRATION", chip)
   published = _calibrate.CALIBRATION
   assert _calibrate.source_for(1, "v5e", local=True) is chip
   for chips, gen, local in ((4, "v5e", True), (1, "v5e", False), (4, "v5e", False), (1, "v6e", True)):
@@ -362,7 +363,7 @@ def test_loop_counts_multiply_each_loop_body_and_its_collectives_by_the_trip_cou
 
 
 def test_the_attention_kernels_executed_flops_count_whole_blocks_and_pad_narrow_heads():
-  from meshdistill.planner._compile import _executed_keys, kernel_flops  # pylint: disable=g-import-not-at-top
+  from meshdistill.train.cost import _executed_keys, kernel_flops  # pylint: disable=g-import-not-at-top
 
   # causal, 2048 tokens in blocks of 512: 10 of the 16 block pairs computed, 1280 keys per query (the model's 1024)
   assert _executed_keys(2048, None, 512) == 1280 and _executed_keys(2048, None, 1024) == 1536

@@ -139,17 +139,17 @@ def section(rows: list[dict]) -> str:
          f"{TOPOLOGY}: the one-chip program, without collectives, as `md.plan(..., devices=\"local\")` compiles it "
          f"on the chip. As a check, each is also compiled for all of {TOPOLOGY} with mesh data={STAND_IN} at "
          f"{STAND_IN}x the batch (the same rows per chip; its one gradient all-reduce is the stand-in's own): the "
-         "*stand-in* columns. These rows are their own source (`planner._calibrate.CHIP_CALIBRATION`, "
+         "*stand-in* columns. These rows are their own source (`train.cost.CHIP_CALIBRATION`, "
          "`plan_calibration_chip.json`), kept apart from the published pod rows above (`CALIBRATION`, "
          "`plan_calibration.json`): `md.plan(..., devices=\"local\")` on one chip of the generation the chip rows "
          "were measured on takes the chip source, every other target the published one (`_calibrate.source_for`).",
          "",
          "The chip source's model (`ChipCalibration`): step = matmul cycles x s_matmul + other cycles x s_other + "
          "kernels / f. The cycles are the TPU compiler's own `estimated_cycles` of each instruction it schedules, "
-         "loops counted whole, split into matmul fusions and the rest (`planner._loops.estimated_cycles`); the "
+         "loops counted whole, split into matmul fusions and the rest (`train.cost.estimated_cycles`); the "
          "kernels are the splash attention kernels the compiler does not estimate, at the FLOPs they execute (every "
          "block the causal or sliding mask touches computed whole, heads narrower than 128 lanes padded: "
-         "`planner._compile.kernel_flops(executed=True)`) at peak. A roofline scaled by one fraction of peak and "
+         "`train.cost.kernel_flops(executed=True)`) at peak. A roofline scaled by one fraction of peak and "
          "one of the HBM bandwidth (the published source's form, this source's until now) left Llama and Qwen3 "
          "steps up to 23% apart left one pair out.", "",
          f"Fitted over {cal.rows} configurations of {len(pairs)} pair{'s' * (len(pairs) > 1)} ({', '.join(pairs)}), "
@@ -228,7 +228,7 @@ def section(rows: list[dict]) -> str:
 
 
 def calibration_literal(rows: list[dict]) -> str:
-  """`planner._calibrate.CHIP_CALIBRATION`'s source for the stored rows (printed; pasted into `_calibrate.py`)."""
+  """`train.cost.CHIP_CALIBRATION`'s source for the stored rows (printed; pasted into `train/cost.py`)."""
   cal = fit_rows(fitted(rows))[0]
   names = ",\n        ".join(f'"{n}"' for n in cal.row_names)
   return (f"CHIP_CALIBRATION: ChipCalibration | None = ChipCalibration(\n    generation=\"{GENERATION}\", "

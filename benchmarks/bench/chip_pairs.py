@@ -1,6 +1,6 @@
 """The pairs and settings `tpu_step.py` measures on a TPU chip, shared with the scripts that plan them
 (`plan_chip.py`): the teacher / student presets of each pair and a `Setting` (batch, sequence, remat, loss chunk,
-attention kernel, splash blocks, AdamW's first moment), and the model configs of both."""
+micro-batch, attention kernel, splash blocks, AdamW's first moment), and the model configs of both."""
 
 from __future__ import annotations
 
@@ -20,12 +20,15 @@ TINY = dict(vocab_size=512, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, he
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """One configuration of a pair: batch, sequence, remat policy, loss chunk, attention kernel."""
+  """One configuration of a pair: batch, sequence, remat policy, loss chunk, micro-batch, attention kernel.
+  ``remat``, ``chunk`` and ``mb`` take ``auto``: the `Distiller` decides them before the step is measured
+  (`meshdistill.train.tuning`)."""
 
   b: int = 8
   t: int = 2048
   remat: str = "full"
-  chunk: int = 1024
+  chunk: int | str = 1024  # tokens per chunk of the loss, or "auto" (the Distiller's `chunk_size="auto"`)
+  mb: str = "whole"  # rows per forward and backward pass (`train.micro_batch`): "whole", a number, or "auto"
   attn: str = "splash"
   blocks: str = "default"  # splash blocks: "default" (512 everywhere) or e.g. "q512-kv1024-c512-fused"
   mu: str = "float32"  # AdamW's first moment (`train.mu_dtype`): float32 or bfloat16
@@ -41,7 +44,9 @@ class Setting:
       k, _, v = part.partition("=")
       if k not in fields:
         raise SystemExit(f"--config {text!r}: unknown key {k!r}; keys: {sorted(fields)}")
-      kw[k] = int(v) if fields[k] in ("int", int) else v
+      kw[k] = int(v) if fields[k] in ("int", int) or (k == "chunk" and v != "auto") else v
+    if not (kw.get("mb", "whole") in ("whole", "auto") or str(kw["mb"]).isdigit()):
+      raise SystemExit(f"--config {text!r}: mb={kw['mb']!r}; choose whole, auto or a number of rows")
     if kw.get("metrics", "full") not in ("full", "light"):
       raise SystemExit(f"--config {text!r}: metrics={kw['metrics']!r}; choose full or light")
     if kw.get("scan", "both") not in SCAN:
@@ -54,8 +59,19 @@ class Setting:
     light = "" if self.metrics == "full" else f",metrics={self.metrics}"
     scan = "" if self.scan == "both" else f",scan={self.scan}"
     dtypes = "" if self.dtypes == "bf16" else f",dtypes={self.dtypes}"
+    mb = "" if self.mb == "whole" else f",mb={self.mb}"
     return (f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}"
-            f"{mu}{light}{scan}{dtypes}")
+            f"{mu}{light}{scan}{dtypes}{mb}")
+
+  @property
+  def chunk_size(self) -> int:
+    """The loss chunk as a number: ``auto``'s outcome where nothing is measured (1024) until the Distiller decides."""
+    return 1024 if self.chunk == "auto" else int(self.chunk)
+
+  @property
+  def micro_batch(self) -> int | str | None:
+    """The `Distiller`'s ``micro_batch``: None (the whole batch), ``"auto"`` or rows."""
+    return None if self.mb == "whole" else "auto" if self.mb == "auto" else int(self.mb)
 
   def optimizer(self):
     """The student's optimizer: ``md.default_optimizer(1e-4)``, AdamW's first moment in ``mu``."""

@@ -178,11 +178,18 @@ class PreferenceSettings:
 class TrainSettings:
   """Optimizer (AdamW with linear warm-up then cosine decay to ``lr * final_lr_fraction``, global-norm
   clipping), batch size, the evaluation / logging cadence (in steps), and an optional progressive
-  freezing schedule (``freeze``, see `stages`)."""
+  freezing schedule (``freeze``, see `stages`).
+
+  ``micro_batch``: rows each device runs through one forward and backward pass (gradient accumulation,
+  `meshdistill.train.accumulate`: the same loss, gradients and metrics as the whole batch at once); it must divide
+  the rows each device holds per step (``batch_size`` over the mesh's data devices). ``auto`` (the default): decided
+  at start-up with the student's remat (`meshdistill.train.tuning`): the whole batch where it fits the device's
+  memory and where no memory limit is known (a CPU), else micro-batches that fit."""
 
   SECTION = "train"  # the config section, for messages
   steps: int = 300
   batch_size: int = 16
+  micro_batch: int | str = "auto"
   lr: float = 3e-3
   warmup: int = 30
   final_lr_fraction: float = 0.1
@@ -200,6 +207,13 @@ class TrainSettings:
     self.stages()  # checks the freezing schedule
     positive_int(f"{prefix}.steps", self.steps)
     positive_int(f"{prefix}.batch_size", self.batch_size)
+    if self.micro_batch != "auto":
+      positive_int(f"{prefix}.micro_batch", self.micro_batch)
+      if self.batch_size % self.micro_batch:
+        raise ConfigError(f"{prefix}.micro_batch={self.micro_batch} must divide {prefix}.batch_size={self.batch_size} "
+                          f"(rows per device per forward and backward pass; it must also divide the rows each device "
+                          f"holds); use one of {[m for m in range(self.batch_size, 0, -1) if self.batch_size % m == 0]}"
+                          ", or auto")
     in_range(f"{prefix}.lr", self.lr, 0.0, 1.0, lo_open=True, example=" (e.g. 3e-3)")
     nonneg_int(f"{prefix}.warmup", self.warmup)
     in_range(f"{prefix}.final_lr_fraction", self.final_lr_fraction, 0.0, 1.0)
@@ -306,7 +320,9 @@ class RematSettings:
   ``headroom`` times the device's memory (``budget_mib`` MiB when set; a CPU device has no known
   limit, so there the check runs only with ``budget_mib``) and, if it would not fit, turns on the
   first of the student's leaner remat policies that fits (logged, and written to
-  ``metrics.jsonl`` as an ``event`` row). Measuring compiles the step once more."""
+  ``metrics.jsonl`` as an ``event`` row). Measuring compiles the step once more. Settings left at ``auto``
+  (``student.remat``, ``train.micro_batch``, the chunk of a chunked loss the config did not name) are decided there
+  together, against the same budget (`meshdistill.train.tuning`: one line, an ``auto`` event row)."""
 
   auto: bool = True
   budget_mib: float | None = None

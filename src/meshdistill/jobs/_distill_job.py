@@ -51,6 +51,7 @@ UNTRAINED_SETTINGS = (
   "run.", "checkpoint.", "mesh.", "safeguards.remat.", "data.cache_dir", "train.steps", "train.log_every",
   "train.eval_every", "train.eval_batches", "pretrain.log_every", "pretrain.eval_every", "pretrain.eval_batches",
   "teacher.remat", "student.remat", "teacher.attention", "student.attention",  # how it computes, not what
+  "train.micro_batch", "pretrain.micro_batch",
   # where and how a served teacher is reached (its identity, which checkpoints record, names what is trained)
   "teacher.url", "teacher.timeout", "teacher.retries", "teacher.token_env",
 )

@@ -71,7 +71,8 @@ def pretrain(
   # trained (and saved) with float32 weights; `load_teacher` stores them in teacher.param_dtype
   model = init_model(cfg.teacher.replace(param_dtype="float32"), seed=p.seed, mesh=mesh)
   optimizer = make_optimizer(p, cfg.teacher.n_layers)
-  trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend, fsdp=cfg.mesh.fsdp)
+  trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend, fsdp=cfg.mesh.fsdp,
+                             micro_batch=cfg.pretrain.micro_batch)
   with _run_lock(run_dir, "pretraining"):  # one run per run directory
     _write_config(cfg, run_dir)
     monitor = _monitor(run_dir, p.steps, stream, "pretrain", cfg)

@@ -83,7 +83,9 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_to
   teacher = quantized_teacher(cfg, teacher, mesh)  # teacher.quantize: after the student copied any float blocks
   strategy, optimizer = strategy_and_optimizer(cfg)
   # a full-vocabulary LogitKD (no loss form named) runs its chunked form on a large vocabulary (the same numbers)
+  named = strategy
   strategy = default_recipe(strategy, student.cfg.vocab_size, isinstance(teacher, Decoder))
+  chunk = "auto" if strategy is not named else None  # the chunked form the config did not name: its chunk is tuned
   if teacher_tokenizer is not None:  # what the strategy needs of the two tokenizers (the contract's with_tokenizers)
     strategy = strategy.with_tokenizers(TokenizerPair(teacher_tokenizer, tokenizer))
   extra, cls = {}, Distiller
@@ -106,5 +108,7 @@ def make_distiller(cfg: Config, teacher, mesh, tokenizer: Any = None, teacher_to
     student_split=cfg.mesh.student_split,
     loss_scale=cfg.safeguards.loss_scale,
     seed=cfg.train.seed,
+    micro_batch=cfg.train.micro_batch,
+    chunk_size=chunk,
     **extra,
   )

@@ -15,8 +15,9 @@ from meshdistill.models.moe import MoeConfig
 from meshdistill.parallel.mesh import compiler_tensor_size, target_platform
 
 # Per-block rematerialisation (`jax.checkpoint`) policies, by `ModelConfig.remat` name ("auto", the default: the
-# `Distiller` compiles its first step with the policies in the order of `train.memory.REMAT_ORDER` and keeps the first
-# whose memory fits the device, `train.memory.auto_remat`; a model run outside one computes as "none"):
+# `Distiller` compiles its first step with the policies in the order of `train.memory.REMAT_ORDER` and keeps the best
+# whose memory fits the device, with the micro-batch, `train.tuning.auto_tune`; a model run outside one computes as
+# "none"):
 # "none" keeps every activation for the backward pass; "full" keeps only each block's
 # input and recomputes the block; "dots" keeps matmul outputs; "dots_no_batch" keeps
 # only matmuls without batch dimensions (the weight projections, not attention scores).

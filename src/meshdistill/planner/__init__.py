@@ -10,8 +10,8 @@ report gives per-device memory by kind against the chip's HBM, compiled and anal
 collectives by kind and mesh axis, a roofline step time and MFU, and the compile time.
 """
 
-from meshdistill.planner._hardware import (TPU_CHIPS, Chip, Target, chip_of_kind, cpu_count_of, libtpu_available,
-                                           parse_target)
+from meshdistill.core.chips import TPU_CHIPS, Chip, chip_of_kind
+from meshdistill.planner._hardware import Target, cpu_count_of, libtpu_available, parse_target
 from meshdistill.planner._entry import make_planner, plan, search
 from meshdistill.planner._plan import Knobs, Planner
 from meshdistill.planner._presets import PRESETS, resolve_model

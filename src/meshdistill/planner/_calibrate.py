@@ -27,8 +27,10 @@ the fit over every stored row with, per generation, its largest leave-one-out er
 beside the estimate, and the largest leave-generation-out error as the band of a generation without rows.
 
 Two sources, kept apart (``source`` names each, ``row_names`` its rows): ``published`` (`CALIBRATION`, the pod rows
-above) and ``chip`` (`CHIP_CALIBRATION`, a `ChipCalibration`): distillation steps measured on one TPU v5e chip
-(``benchmarks/tpu_step.py``), each configuration planned for its per-chip program (``benchmarks/plan_chip.py``). The
+above) and ``chip`` (`meshdistill.train.cost.CHIP_CALIBRATION`, a `ChipCalibration`: its constants and arithmetic
+live there, below the planner, for the start-up tuning to read too; its fit is here): distillation steps measured on
+one TPU v5e chip (``benchmarks/tpu_step.py``), each configuration planned for its per-chip program
+(``benchmarks/plan_chip.py``). The
 chip source does not scale the roofline: one fraction of peak and one of the HBM bandwidth for the whole program
 left Qwen3 steps (62-65% of peak by the roofline) and Llama ones (54%) 18-23% apart. It reads instead what the TPU
 compiler itself estimates for every instruction it schedules (``estimated_cycles``), split into matmul fusions and
@@ -45,6 +47,9 @@ from typing import Sequence
 
 import numpy as np
 from scipy.optimize import least_squares
+
+from meshdistill.train import cost
+from meshdistill.train.cost import ChipCalibration
 
 # while no generation has two rows, ``k`` is held here: collectives not hidden at all
 HELD_K = 1.0
@@ -208,53 +213,6 @@ def calibrate(terms: Sequence[Sequence[float]], measured: Sequence[float], gener
                      comm_share=share)
 
 
-@dataclasses.dataclass(frozen=True)
-class ChipCalibration:
-  """The chip source: steps measured on one chip of ``generation``, predicted from what the TPU compiler itself
-  estimates for the program and from the attention kernels it cannot see:
-
-      step = matmul_cycles * s_matmul + other_cycles * s_other + kernel_s / kernel_fraction
-
-  ``matmul_cycles`` / ``other_cycles``: the compiler's ``estimated_cycles`` of its matmul fusions and of the rest of
-  the program (elementwise work, reductions, copies), loops counted whole (`_loops.estimated_cycles`);
-  ``s_matmul`` / ``s_other``: the seconds one estimated cycle of each takes on the chip; ``kernel_s``: the Pallas
-  attention kernels' executed FLOPs at peak (`_compile.kernel_flops(executed=True)`), ``kernel_fraction`` the
-  share of peak they reach. Fitted by least squares on the log of predicted / measured step time (`calibrate_chip`);
-  ``band``: the largest leave-one-config-out error."""
-
-  generation: str
-  s_matmul: float
-  s_other: float
-  kernel_fraction: float
-  band: float = math.nan
-  rows: int = 0
-  row_names: tuple[str, ...] = ()
-  source: str = "chip"
-
-  def step_seconds(self, matmul_cycles: float, other_cycles: float, kernel_s: float) -> float:
-    return matmul_cycles * self.s_matmul + other_cycles * self.s_other + kernel_s / self.kernel_fraction
-
-  def predict(self, terms: Sequence[Sequence[float]]) -> np.ndarray:
-    """Step seconds of rows of ``(matmul_cycles, other_cycles, kernel_s)``."""
-    return np.array([self.step_seconds(*t) for t in np.asarray(terms, float).reshape(-1, 3)])
-
-  def of(self, time: dict, generation: str) -> dict | None:
-    """The calibrated figures of a plan's ``time``; None for a plan on another generation or without the compiler's
-    cycle estimates (a program not compiled for a TPU)."""
-    cycles = time.get("cycles")
-    if generation != self.generation or not cycles or time.get("step_s") is None:
-      return None
-    step = self.step_seconds(cycles["matmul"], cycles["other"], time.get("kernel_s") or 0.0)
-    scale = time["step_s"] / step
-    band = None if math.isnan(self.band) else self.band
-    return {"step_s": step, "low_s": None if band is None else step * (1 - band),
-            "high_s": None if band is None else step * (1 + band), "mfu": time["mfu"] * scale,
-            "tokens_per_s": time["tokens_per_s"] * scale, "band": band, "generation": generation,
-            "source": self.source, "s_matmul": self.s_matmul, "s_other": self.s_other,
-            "kernel_fraction": self.kernel_fraction, "pooled": False, "comm_share": 0.0,
-            "published_comm_share": None, "extrapolated": None}
-
-
 # the start of the chip fit, in cycles of v5e's clock per estimated cycle (the compiler's estimate as it stands, the
 # work outside matmuls faster) and the kernels' fraction of peak
 _CHIP_START = (1.0, 0.6, 0.7)
@@ -319,8 +277,9 @@ def source_for(chips: int, generation: str, local: bool) -> Calibration | ChipCa
   """The calibration a plan takes: the chip source for one ``local`` chip of the generation its rows were measured
   on, the published one for every other target (pod slices, a compiled-for topology, a generation without chip
   rows)."""
-  if local and chips == 1 and CHIP_CALIBRATION is not None and generation == CHIP_CALIBRATION.generation:
-    return CHIP_CALIBRATION
+  chip = cost.CHIP_CALIBRATION
+  if local and chips == 1 and chip is not None and generation == chip.generation:
+    return chip
   return CALIBRATION
 
 
@@ -346,29 +305,6 @@ CALIBRATION: Calibration | None = Calibration(
         "Llama 3.1 8B on v6e:4x4",
         "Mistral 7B on v6e:2x4"))
 
-# the fit over the fitted rows of benchmarks/results/plan_calibration_chip.json (steps measured on one TPU v5e chip;
-# plan_calibration.md's chip section; tests/test_plan_cost.py refits it from the json)
-CHIP_CALIBRATION: ChipCalibration | None = ChipCalibration(
-    generation="v5e", s_matmul=5.253512e-10, s_other=4.575759e-10, kernel_fraction=0.495459,
-    band=0.061719, rows=15,
-    row_names=(
-        "gemma3 b=1,t=2048,remat=dots_no_batch,chunk=512,attn=splash",
-        "gemma3 b=1,t=2048,remat=full,chunk=512,attn=splash",
-        "gemma3 b=2,t=2048,remat=full,chunk=512,attn=splash",
-        "llama b=1,t=2048,remat=full,chunk=1024,attn=splash,mu=bfloat16",
-        "llama b=2,t=2048,remat=full,chunk=1024,attn=splash,mu=bfloat16",
-        "llama b=2,t=2048,remat=full,chunk=512,attn=splash,mu=bfloat16",
-        "qwen3 b=2,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
-        "qwen3 b=2,t=2048,remat=dots_no_batch,chunk=2048,attn=splash",
-        "qwen3 b=2,t=2048,remat=dots_no_batch,chunk=512,attn=splash",
-        "qwen3 b=4,t=2048,remat=dots_no_batch,chunk=1024,attn=splash",
-        "qwen3 b=4,t=2048,remat=dots_no_batch,chunk=1024,attn=splash,mu=bfloat16",
-        "qwen3 b=4,t=2048,remat=dots_no_batch,chunk=2048,attn=splash",
-        "qwen3 b=8,t=2048,remat=full,chunk=1024,attn=splash",
-        "qwen3 b=8,t=2048,remat=full,chunk=2048,attn=splash",
-        "qwen3 b=16,t=2048,remat=full,chunk=2048,attn=splash"))
-
-
-__all__ = ["A_BOUNDS", "CALIBRATION", "CHIP_CALIBRATION", "Calibration", "ChipCalibration", "Fit", "HELD_K",
+__all__ = ["A_BOUNDS", "CALIBRATION", "Calibration", "Fit", "HELD_K",
            "K_BOUNDS", "calibrate", "calibrate_chip", "chip_leave_one_out", "fit", "fit_chip", "leave_generation_out", "leave_group_out",
            "leave_one_out", "source_for"]

@@ -27,7 +27,7 @@ from meshdistill.parallel.backends import ShardMapLayout
 from meshdistill.parallel.collectives import replica_groups
 from meshdistill.train.memory import MemoryReport
 from meshdistill.parallel.mesh import TENSOR, batch_sharding
-from meshdistill.models import abstract_params, splash_block_sizes
+from meshdistill.models import abstract_params
 from meshdistill.models.decoder import ModelConfig
 from meshdistill.models.lora import abstract_lora
 from meshdistill.models.compress.qat import abstract_quantize_aware
@@ -239,52 +239,6 @@ def _oom_sizes(message: str) -> tuple[int | None, int | None]:
     m = re.search(pattern + r"\s*\(([\d.]+)\s*([KMGT]?)i?B?\)", message)
     return None if m is None else int(float(m.group(1)) * _SIZE[m.group(2)])
   return find(r"HLO temporaries"), find(r"available HBM")
-
-
-def kernel_flops(teacher: ModelConfig, student: ModelConfig, remat: str, seq: int, executed: bool = False) -> float:
-  """FLOPs per token of the attention matmuls that run inside Pallas kernels (``attention='splash'``), which XLA's
-  cost analysis cannot see. Causal attention of one layer: ``4 * keys * n_heads * head_dim`` per token forward
-  (q.k and p.v over ``keys = seq / 2`` on average; a sliding layer's ``min(window, seq / 2)``, as
-  ``benchmarks/tpu_step.py`` counts model FLOPs); the student adds its backward (twice the forward) and, under a
-  remat policy, the forward again (a custom call's outputs are never saved). The teacher runs forward only.
-
-  ``executed``: what the kernel computes rather than what the model needs: every block of queries x keys that the
-  causal (and sliding) mask touches is computed whole, at the kernel's blocks (`_executed_keys`: the forward's
-  compute blocks, the backward's own), and a head narrower than the matrix unit's 128 lanes costs as one of 128
-  (Llama 3.2 1B's 64-wide heads: twice their FLOPs). The chip source of the planner's calibration times these."""
-  def forward(cfg: ModelConfig, backward: bool = False) -> float:
-    if cfg.attention != "splash":
-      return 0.0
-    windows = [cfg.layer_attention(layer)[0] for layer in range(cfg.n_layers)]
-    if not executed:
-      keys = sum(seq / 2 if w is None else min(w, seq / 2) for w in windows)
-      return 4.0 * keys * cfg.n_heads * cfg.hd
-    block = _kernel_block(cfg, seq, backward)
-    keys = sum(_executed_keys(seq, w, block) for w in windows)
-    return 4.0 * keys * cfg.n_heads * max(cfg.hd, 128)
-  if not executed:
-    return forward(teacher) + forward(student) * (3 + (remat != "none"))
-  return forward(teacher) + forward(student) * (1 + (remat != "none")) + 2 * forward(student, backward=True)
-
-
-def _kernel_block(cfg: ModelConfig, seq: int, backward: bool) -> int:
-  """The splash kernel's compute block over keys (queries and keys alike) for ``cfg`` at ``seq``: the package's
-  own (`meshdistill.models.splash_block_sizes`)."""
-  itemsize = cfg.compute_dtype.itemsize
-  b = splash_block_sizes(seq, itemsize=itemsize, head_dim=cfg.hd, capped=cfg.attn_softcap is not None)
-  return b.block_kv_dkv_compute if backward else b.block_kv_compute
-
-
-def _executed_keys(seq: int, window: int | None, block: int) -> float:
-  """Keys per query the kernel computes: the (query block, key block) pairs of ``block`` tokens that hold at least
-  one pair the causal mask (and a ``window``) lets through, each computed whole."""
-  block = min(block, seq)
-  n, pairs = seq // block, 0
-  for i in range(n):
-    for j in range(i + 1):
-      nearest = (i - j - 1) * block + 1 if i > j else 0  # the closest query-key distance of the pair of blocks
-      pairs += window is None or nearest < window
-  return pairs * block * block / seq
 
 
 def _num(x) -> float | None:

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from meshdistill.planner import _loops
+from meshdistill.train.cost import Loop, Program, parse
 from meshdistill.planner._compile import CompiledStep, collectives
 
 
@@ -39,11 +40,11 @@ class LayerCounts:
   loops: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # each loop: trip, per-iteration FLOPs
 
 
-def _stacked(lp: _loops.Loop) -> int:
+def _stacked(lp: Loop) -> int:
   return sum(1 for d in lp.carry_dims if len(d) >= 2 and d[0] == lp.trip)
 
 
-def _owner(lp: _loops.Loop, depths: tuple[int, int]) -> str:
+def _owner(lp: Loop, depths: tuple[int, int]) -> str:
   """``teacher`` / ``student``: a loop of the model's depth carrying its stacked block weights (the teacher's runs
   forward only, outside any ``jvp``); ``other`` (e.g. the chunked loss's loop)."""
   lt, ls = depths
@@ -58,17 +59,17 @@ def _owner(lp: _loops.Loop, depths: tuple[int, int]) -> str:
 
 
 def loop_counts(c: CompiledStep, mesh_shape: Any, depths: tuple[int, int],
-                prog: _loops.Program | None = None) -> LayerCounts | None:
+                prog: Program | None = None) -> LayerCounts | None:
   """XLA's counts of compiled step ``c`` with each loop counted whole; None when the program has no loop.
 
   ``depths``: the teacher's and student's block counts (``L_t = 0`` without a teacher), to name their loops;
-  ``prog``: ``c``'s text parsed already (`_loops.parse`), else it is parsed here.
+  ``prog``: ``c``'s text parsed already (`meshdistill.train.cost.parse`), else it is parsed here.
   Raises ``ValueError`` when a loop has no trip count in its condition (not a counted ``lax.scan`` loop).
   """
   if c.flops is None or " while(" not in c.hlo:
     return None
   t0 = time.perf_counter()
-  prog = _loops.parse(c.hlo) if prog is None else prog
+  prog = parse(c.hlo) if prog is None else prog
   flops, bytes_accessed = c.flops, c.bytes_accessed or 0.0
   per_block = {"teacher": 0.0, "student": 0.0}
   loops = []

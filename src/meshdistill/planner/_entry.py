@@ -193,7 +193,9 @@ def plan(teacher: Any = None, student: Any = None, *, topology: str | None = Non
     raise ValueError(f"batch={batch!r} must be a positive integer")
   k = _default_knobs(pl, mesh, batch, chunk_size)
   pl.announce(1, more=max_compiles if suggest > 0 else 0)
-  if k.remat == "auto":  # as `distill` decides it (`train.memory.auto_remat`): the first policy that fits
+  # as `distill` decides it without a step-time estimate (`train.tuning.auto_tune`): the first policy that fits the
+  # whole batch (the plan is of the whole batch at once; `distill` may run micro-batches where none fits)
+  if k.remat == "auto":
     first, p, tried = dataclasses.replace(k, remat=REMAT_ORDER[0]), None, {}
     if pl.fits_statically(first):  # weights and optimizer state alone over the limit: no policy can help
       for remat in REMAT_ORDER:

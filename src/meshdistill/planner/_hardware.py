@@ -1,9 +1,8 @@
 """Target devices of a plan: abstract TPU devices of a libtpu topology, or this machine's CPU devices.
 
-``TPU_CHIPS`` holds, per TPU generation, the per-chip numbers the report compares against:
-HBM capacity, peak bf16 FLOP/s, HBM bandwidth and bidirectional inter-chip interconnect (ICI)
-bandwidth, from Google Cloud's TPU documentation (``SOURCE``). Compiling for a topology needs no
-TPU: libtpu's compiler runs on the CPU host (``pip install 'meshdistill[tpu]'``).
+Each target's chip is a row of the chip table, `meshdistill.core.chips.TPU_CHIPS` (HBM capacity, peak bf16 FLOP/s,
+HBM bandwidth, ICI bandwidth: the numbers the report compares against). Compiling for a topology needs no TPU:
+libtpu's compiler runs on the CPU host (``pip install 'meshdistill[tpu]'``).
 """
 
 from __future__ import annotations
@@ -15,33 +14,8 @@ import re
 
 import jax
 
-SOURCE = ("Google Cloud TPU documentation, system architecture pages: cloud.google.com/tpu/docs/v5e, /v5p, /v6e, "
-          "/v4, /system-architecture-tpu-vm (per-chip values)")
+from meshdistill.core.chips import GIB, TPU_CHIPS, Chip, chip_of_kind
 
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  """Per-chip numbers of one TPU generation (``None``: not published / not known)."""
-
-  family: str  # the topology prefix, e.g. "v5e"
-  device_kind: str  # jax's device_kind
-  hbm_bytes: int
-  peak_bf16_flops: float
-  hbm_bandwidth: float  # bytes/s
-  ici_bandwidth: float | None  # bytes/s, bidirectional, per chip
-
-
-GIB = 2**30
-TPU_CHIPS = {
-    c.family: c
-    for c in (
-        Chip("v5e", "TPU v5 lite", 16 * GIB, 197e12, 819e9, 400e9),
-        Chip("v5p", "TPU v5", 95 * GIB, 459e12, 2765e9, 1200e9),
-        Chip("v6e", "TPU v6 lite", 32 * GIB, 918e12, 1638e9, 800e9),
-        Chip("v4", "TPU v4", 32 * GIB, 275e12, 1200e9, None),
-        Chip("v3", "TPU v3", 32 * GIB, 123e12, 900e9, None),
-    )
-}
 _TOPOLOGY = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)+)$")
 EXAMPLES = "v5e:2x2, v5e:4x4, v5e:8x8, v5e:16x16, v5p:2x2x1, v5p:4x4x4, v6e:4x4, v4:2x2x1, v3:4x4"
 
@@ -200,12 +174,6 @@ def cpu_target(n: int, hbm_budget_bytes: int | None = None) -> Target:
         "before JAX starts (the CLI does), or plan for fewer devices"
     )
   return Target(f"cpu:{n}", tuple(have[:n]), None, 1, hbm_budget_bytes)
-
-
-def chip_of_kind(device_kind: str) -> Chip | None:
-  """The TPU generation whose chips JAX reports as ``device_kind`` (``jax.devices()[0].device_kind``, e.g. "TPU v5
-  lite"), or None (not a TPU chip of the table)."""
-  return next((c for c in TPU_CHIPS.values() if c.device_kind == device_kind), None)
 
 
 def local_target(hbm_budget_bytes: int | None = None) -> Target:

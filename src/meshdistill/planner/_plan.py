@@ -7,14 +7,17 @@ import logging
 import math
 
 from meshdistill.config import Config
+from meshdistill.train import cost
+from meshdistill.train.cost import kernel_flops
 from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER
 from meshdistill.parallel.backends import layout_class
 from meshdistill.parallel.mesh import AXES, DATA, TENSOR, mesh_of, mesh_shape, shape_label
 from meshdistill.models.decoder import ModelConfig
 from meshdistill.models.moe import inactive_params
-from meshdistill.planner._compile import (FAST_COMPILE, abstract_distiller, collectives, compile_step, kernel_flops,
+from meshdistill.strategies import DEFAULT_CHUNK  # tokens per chunk tried by `search` and the suggestions
+from meshdistill.planner._compile import (FAST_COMPILE, abstract_distiller, collectives, compile_step,
                                          shard_bytes)
-from meshdistill.planner import _calibrate, _loops
+from meshdistill.planner import _calibrate
 from meshdistill.planner._cost import flops_split, loop_counts, mfu_split
 from meshdistill.planner._hardware import Target
 from meshdistill.planner._presets import PRESETS
@@ -26,7 +29,6 @@ log = logging.getLogger(__name__)
 
 GIB = 2**30
 _UNSET = object()
-DEFAULT_CHUNK = 1024  # tokens per chunk of the chunked loss tried by `search` and the suggestions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +215,7 @@ class Planner:
     counts, uncounted, prog = None, None, None
     try:  # scanned blocks and the chunked loss are loops: counted whole from the program's text (`_cost`)
       if " while(" in c.hlo or "estimated_cycles" in c.hlo:
-        prog = _loops.parse(c.hlo)
+        prog = cost.parse(c.hlo)
       counts = loop_counts(c, k.shape, (_block_trips(self.teacher) if d.teacher_cfg else 0,
                                         _block_trips(self.student)), prog)
     except ValueError as e:  # a loop without a trip count: memory stands, no step time
@@ -243,7 +245,7 @@ class Planner:
     p.time["mfu_split"] = mfu_split(p.flops["split"], p.time.get("step_s"), peak)
     cal = None if chip is None else self.calibration()
     if chip is not None and prog is not None:  # the TPU compiler's own per-instruction estimate
-      cycles = _loops.estimated_cycles(prog)
+      cycles = cost.estimated_cycles(prog)
       if cycles is not None:
         executed = kernel_flops(self.teacher, self.student, k.remat, self.seq, executed=True) * tokens / n
         p.time["cycles"] = cycles

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from meshdistill.planner._hardware import TPU_CHIPS
+from meshdistill.core.chips import TPU_CHIPS
 
 MAXTEXT = "https://github.com/AI-Hypercomputer/maxtext/blob"
 RECIPES = "https://github.com/AI-Hypercomputer/tpu-recipes/blob"
@@ -30,7 +30,7 @@ TIERING = f"{MAXTEXT}/66266787a6ca847790a3b36f90d8e5338af656f5/docs/reference/mo
 CONFIGS = f"{MAXTEXT}/76bd53b0f44caf989c88189afadeb1062f9254f0/MaxText/configs"
 BASE_YML = f"{CONFIGS}/base.yml"
 
-# peak bf16 FLOP/s per chip of the generations measured here: the chip table's (`planner._hardware.TPU_CHIPS`)
+# peak bf16 FLOP/s per chip of the generations measured here: the chip table's (`meshdistill.core.chips.TPU_CHIPS`)
 PEAK_FLOPS = {g: TPU_CHIPS[g].peak_bf16_flops for g in ("v5e", "v5p", "v6e")}
 
 # Llama-2-70b-hf's config.json (the shape fields); MaxText's llama2-70b model_type is this shape

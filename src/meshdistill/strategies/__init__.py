@@ -66,7 +66,7 @@ from meshdistill.strategies._base import (
     names,
     register,
 )
-from meshdistill.strategies._chunked import CHUNKED_FROM_VOCAB, ChunkedLogitKD, default_recipe
+from meshdistill.strategies._chunked import CHUNKED_FROM_VOCAB, DEFAULT_CHUNK, ChunkedLogitKD, default_recipe
 from meshdistill.strategies._composite import Composite, HardLabelCE
 from meshdistill.strategies._features import FeaturePooling, FeatureProjection, feature_loss, pool_features
 from meshdistill.strategies._layer_map import default_layer_map
@@ -79,6 +79,7 @@ __all__ = [
     "BatchStrategy",
     "CHUNKED_FROM_VOCAB",
     "ChunkedLogitKD",
+    "DEFAULT_CHUNK",
     "Composite",
     "FeaturePooling",
     "FeatureProjection",

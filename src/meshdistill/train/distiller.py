@@ -22,7 +22,6 @@ import logging
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
@@ -32,13 +31,13 @@ from meshdistill.parallel.mesh import platform_of
 from meshdistill.models import Decoder, fit_model, frozen_model
 from meshdistill.models.lora import TRAINABLE as LORA_TRAINABLE
 from meshdistill.models.lora import is_lora
-from meshdistill.train.memory import auto_remat
+from meshdistill.train.accumulate import check_micro_batch
+from meshdistill.train.batch_checks import check_batch
+from meshdistill.train.tuning import Tuning, auto_tune, pending
 from meshdistill.train.optimizers import check_loss_scale, default_optimizer
 from meshdistill.core.vocab import PADDING_TOLERANCE, resolve_shared_vocab  # noqa: F401 -- also read from here
-from meshdistill.train.step import (
-    BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, SEGMENT_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS, TrainState, per_device_step,
-)
-from meshdistill.strategies import LogitKD, Strategy, default_recipe, label
+from meshdistill.train.step import TrainState, per_device_step
+from meshdistill.strategies import ChunkedLogitKD, LogitKD, Strategy, default_recipe, label
 from meshdistill.train.teacher import TeacherOutput, TopKTeacher, decide
 
 log = logging.getLogger(__name__)
@@ -75,6 +74,16 @@ class Distiller:
       that divides the gradients by the same factor, ``safeguarded(..., loss_scale=S)`` (`make_optimizer` does
       for ``safeguards.loss_scale``). ``None`` (default): off. The strategy stays as given, and `with_strategy`
       (the guard's fallback) keeps the scale.
+    micro_batch: rows each device runs through one forward and backward pass (gradient accumulation,
+      `meshdistill.train.accumulate`: the device's rows of a step as micro-batches in one program, the same loss,
+      gradients and metrics); it must divide the rows each device holds per step. ``None`` (default): the whole
+      local batch at once. ``"auto"``: chosen on the first step with the student's remat ``auto``: the whole batch
+      where it fits the device's memory (and where no memory limit is known, as on a CPU), else micro-batches that
+      do (`meshdistill.train.tuning`).
+    chunk_size: ``"auto"``: a `ChunkedLogitKD` strategy's chunk size is chosen on the first step with the remat and
+      micro-batch (the fastest estimated where the device has an estimate, `meshdistill.train.cost`; else its own);
+      the strategy computes with its own until then. ``None`` (default): the strategy's own. With no ``strategy``
+      given, the default loss's chunked form (`meshdistill.strategies.default_recipe`) takes ``"auto"``.
   """
 
   compiler_options: dict | None = None  # XLA options of the step (see `with_compiler_options`)
@@ -94,7 +103,13 @@ class Distiller:
       fsdp: bool = False,
       student_split: str = "tensor",
       loss_scale: float | None = None,
+      micro_batch: int | str | None = None,
+      chunk_size: str | None = None,
   ):
+    check_micro_batch(micro_batch)
+    if chunk_size not in (None, "auto"):
+      raise ValueError(f"chunk_size={chunk_size!r}: None (the strategy's own) or 'auto' (chosen at start-up); name a "
+                       "chunk size on the strategy, ChunkedLogitKD(chunk_size=...)")
     if loss_scale is not None:
       check_loss_scale(loss_scale)
     if teacher is None and strategy is None:
@@ -126,9 +141,11 @@ class Distiller:
     if teacher is not None and self.topk_teacher is None:
       # a frozen teacher of param_dtype "auto" is stored in its compute dtype (`ModelConfig.frozen`)
       teacher = frozen_model(self._fit(teacher), platform_of(self.layout.mesh))
-    # none named: LogitKD, as its chunked form on a large vocabulary (`strategies.default_recipe`: same numbers)
+    # none named: LogitKD, as its chunked form on a large vocabulary (`strategies.default_recipe`: same numbers),
+    # whose chunk size is then the start-up tuning's
     self.strategy = strategy if strategy is not None else default_recipe(
         LogitKD(), student.cfg.vocab_size, teacher is not None and self.topk_teacher is None)
+    self.chunk_size = "auto" if strategy is None and isinstance(self.strategy, ChunkedLogitKD) else chunk_size
     if teacher is None and self.strategy.needs_teacher:  # the strategy contract's capability
       raise ValueError(f"Distiller without a teacher needs a strategy that uses none (needs_teacher = False, e.g. "
                        f"strategy=HardLabelCE()); {label(self.strategy)} needs a teacher")
@@ -158,7 +175,9 @@ class Distiller:
         teacher_output=self.teacher_output,
         **self._teacher_names(),
         loss_scale=None if loss_scale is None else float(loss_scale),
+        micro_batch=None if micro_batch == "auto" else micro_batch,  # auto: the whole batch until decided
     )
+    self.micro_batch = micro_batch
     self._compiled = None
     self._strategy_variants: dict = {}  # `with_strategy` results, reused
     self._light = None  # the `metrics_light` variant, once asked for
@@ -208,78 +227,8 @@ class Distiller:
 
   # ---------------------------------------------------------------------- steps
   def check_batch(self, batch: dict) -> None:
-    """Raises a clear error for a malformed batch (keys, shapes, length, divisibility)."""
-    missing = [k for k in BATCH_KEYS if k not in batch]
-    if missing:
-      raise ValueError(f"batch is missing {missing}; a batch is a dict with {BATCH_KEYS}, each [batch, seq]")
-    shapes = {k: tuple(np.shape(batch[k])) for k in BATCH_KEYS}
-    if len(set(shapes.values())) != 1 or len(shapes["inputs"]) != 2:
-      raise ValueError(f"batch arrays must share one [batch, seq] shape, got {shapes}")
-    B, T = shapes["inputs"]
-    if T > self.max_len:
-      models = f"student {self.student_cfg.max_len}" + (
-          "" if self.teacher_cfg is None else f", teacher {self.teacher_cfg.max_len}")
-      raise ValueError(f"sequence length {T} exceeds max_len={self.max_len} ({models}); use seq_len <= {self.max_len}")
-    self.layout.check_batch(B)
-    self._check_cross_batch(batch, B)
-    self._check_segments(batch, B, T)
-    if self.topk_teacher is not None:
-      k = self.topk_teacher.k
-      if self.cross_tokenizer:  # a cross-tokenizer cache: per teacher token, with the target's log-probability
-        Tt = np.shape(batch["teacher_inputs"])[1]
-        want = {TOPK_KEYS[0]: (B, Tt, k), TOPK_KEYS[1]: (B, Tt, k), TOPK_KEYS[2]: (B, Tt), TARGET_LOGPROB_KEY: (B, Tt)}
-      else:
-        want = {TOPK_KEYS[0]: (B, T, k), TOPK_KEYS[1]: (B, T, k), TOPK_KEYS[2]: (B, T)}
-      got = {key: tuple(np.shape(batch[key])) if key in batch else None for key in want}
-      n = len(self.topk_teacher.names)
-      if n:  # several teachers: each one's own top-k too
-        want |= dict(zip(MULTI_KEYS, ((B, n, T, k), (B, n, T, k), (B, n, T), (B, n))))
-        got |= {key: tuple(np.shape(batch[key])) if key in batch else None for key in MULTI_KEYS}
-      if got != want:
-        raise ValueError(f"with {self.topk_teacher.source} every batch carries the teacher's top-k {want}, got {got}; "
-                         "read the data through meshdistill.teachers.cache.CachedTeacherData (or a teacher_mesh source)")
-
-  def _check_segments(self, batch: dict, B: int, T: int) -> None:
-    """Rows packed from several documents (`SEGMENT_KEYS`, ``data.packing: documents``) carry both keys at the
-    tokens' shape, and go to models that run in the step (a top-k teacher's was computed without them)."""
-    has = [k for k in SEGMENT_KEYS if k in batch]
-    if not has:
-      return
-    if len(has) != len(SEGMENT_KEYS):
-      raise ValueError(f"a batch of packed documents carries both {list(SEGMENT_KEYS)} (data.packing: documents), "
-                       f"this one only {has}")
-    shapes = {k: tuple(np.shape(batch[k])) for k in SEGMENT_KEYS}
-    if set(shapes.values()) != {(B, T)}:
-      raise ValueError(f"{list(SEGMENT_KEYS)} must be [batch, seq] = {(B, T)} like inputs, got {shapes}")
-    if self.topk_teacher is not None:
-      raise ValueError(f"data.packing=documents with {self.topk_teacher.source}: the teacher's top-k was computed on "
-                       "rows whose documents attend to each other, so it would not match the student's; use "
-                       "data.packing=stream with it, or a teacher that runs in the step (its weights)")
-
-  def _check_cross_batch(self, batch: dict, B: int) -> None:
-    """A batch of two tokenizations goes with a cross-tokenizer strategy, and only with one."""
-    has = [k for k in CROSS_KEYS if k in batch]
-    name = type(self.strategy).__name__
-    if has and not self.cross_tokenizer:
-      raise ValueError(
-          f"the batch carries a teacher of another tokenizer ({has[0]}, ...; data.teacher_tokenizer is set) but "
-          f"strategy {name} compares the two models token by token over one vocabulary, so it is refused here "
-          "(attention transfer and feature losses also need the same tokens on both sides); use distill.kind: "
-          "byte_kl, span_kl or uld, or drop data.teacher_tokenizer"
-      )
-    if not self.cross_tokenizer:
-      return
-    if len(has) != len(CROSS_KEYS):
-      raise ValueError(f"strategy {name} needs the teacher's own tokens and the alignment in every batch "
-                       f"({list(CROSS_KEYS)}); set data.teacher_tokenizer (missing: "
-                       f"{[k for k in CROSS_KEYS if k not in batch]})")
-    Tt = np.shape(batch["teacher_inputs"])[1]
-    if Tt > self.teacher_cfg.max_len:
-      raise ValueError(f"teacher sequence length {Tt} exceeds the teacher's max_len={self.teacher_cfg.max_len}; "
-                       f"use data.teacher_seq_len <= {self.teacher_cfg.max_len}")
-    rows = {k: tuple(np.shape(batch[k]))[:1] for k in CROSS_KEYS}
-    if set(rows.values()) != {(B,)}:
-      raise ValueError(f"cross-tokenizer batch arrays must have {B} rows like inputs, got {rows}")
+    """Raises a clear error for a malformed batch (keys, shapes, length, divisibility; `batch_checks`)."""
+    check_batch(self, batch)
 
   def compiled_step(self, state: TrainState):
     """The step compiled for ``state``'s layout (its output state pinned to it where the layout needs that)."""
@@ -291,24 +240,32 @@ class Distiller:
   def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict[str, jax.Array]]:
     """One train step on a host batch ``{inputs, targets, mask}`` of shape [B, T].
 
-    ``state`` is consumed (its buffers are donated); use the returned one. A student of ``remat="auto"`` gets its
-    policy on the first call (`meshdistill.train.memory.auto_remat`: the first policy whose step fits the device).
+    ``state`` is consumed (its buffers are donated); use the returned one. Settings left at ``auto`` (the student's
+    remat, ``micro_batch``, ``chunk_size``) are decided on the first call (`decide_auto`).
     """
     self.check_batch(batch)
-    if self.student_cfg.remat == "auto":
-      self.decide_remat(state, batch)
+    if pending(self):
+      self.decide_auto(state, batch)
     new_state, metrics = self.compiled_step(state)(state, self.teacher_params, self.layout.place_batch(batch))
     return new_state, self.layout.host_metrics(metrics)
 
-  def decide_remat(self, state: TrainState, batch: dict) -> str:
-    """Makes a student remat of ``auto`` a policy for this step on these devices (`auto_remat`; compiles candidates
-    unless the choice is known for this program) and returns it; this Distiller then runs that policy."""
-    if self.student_cfg.remat != "auto":
-      return self.student_cfg.remat
-    chosen, choice, _ = auto_remat(self, state, batch)
-    self.student_cfg, self.student_def, self._step_fn = chosen.student_cfg, chosen.student_def, chosen._step_fn
+  def decide_auto(self, state: TrainState, batch: dict, **tune) -> Tuning | None:
+    """Decides this Distiller's settings left at ``auto`` -- the student's remat, ``micro_batch``, ``chunk_size`` --
+    for the step on ``batch`` on these devices (`meshdistill.train.tuning.auto_tune`, keywords ``tune``: compiles
+    candidates unless the choice is kept for this program; nothing runs, ``state`` is kept) and returns the
+    `Tuning` (None: nothing was ``auto``); this Distiller then runs the choice."""
+    if not pending(self):
+      return None
+    chosen, tuning = auto_tune(self, state, batch, **tune)
+    self.__dict__.update(chosen.__dict__)
     self._compiled, self._light, self._strategy_variants = None, None, {}
-    return choice.remat
+    return tuning
+
+  def decide_remat(self, state: TrainState, batch: dict) -> str:
+    """The student's remat policy once `decide_auto` has made every ``auto`` setting a choice (compiles candidates
+    unless the choice is kept for this program); this Distiller then runs it."""
+    self.decide_auto(state, batch)
+    return self.student_cfg.remat
 
   def lower(self, state: TrainState, batch: dict):
     """The lowered step for ``batch`` (``.compile().as_text()`` gives its HLO)."""
@@ -367,6 +324,24 @@ class Distiller:
     """A copy whose step compiles with the XLA ``options`` (e.g. `meshdistill.train.memory.CPU_MEMORY_SCHEDULER`)."""
     new = self._variant()
     new.compiler_options = dict(options) if options else None
+    return new
+
+  def with_micro_batch(self, micro_batch: int | None):
+    """A copy whose step runs each device's rows as micro-batches of ``micro_batch`` rows (``None``: the whole local
+    batch at once; `meshdistill.train.accumulate`); the same training, another program."""
+    check_micro_batch(micro_batch, auto=False)
+    new = self._variant(micro_batch=micro_batch)
+    new.micro_batch = micro_batch
+    return new
+
+  def with_chunk_size(self, chunk_size: int):
+    """A copy whose `ChunkedLogitKD` loss forms ``chunk_size`` tokens of logits at a time (`with_strategy`); the
+    same numbers, another program."""
+    if not isinstance(self.strategy, ChunkedLogitKD):
+      raise ValueError(f"with_chunk_size({chunk_size!r}): {label(self.strategy)} is not a chunked loss "
+                       "(ChunkedLogitKD)")
+    new = self.with_strategy(self.strategy.replace(chunk_size=chunk_size))
+    new.chunk_size = chunk_size
     return new
 
   def with_remat(self, remat: str):

@@ -36,7 +36,10 @@ def HardLabelTrainer(  # pylint: disable=invalid-name -- a class name kept for t
     mesh: Mesh | None = None,
     backend: str | None = None,
     fsdp: bool = False,
+    micro_batch: int | str | None = None,
 ) -> Distiller:
   """A `Distiller` training ``model`` alone on next-token cross-entropy (``teacher_def`` / ``teacher_params``
-  / ``teacher_cfg`` are None; a divergence guard over it restores but has no fallback loss)."""
-  return Distiller(model, None, strategy=NextTokenCE(), optimizer=optimizer, mesh=mesh, backend=backend, fsdp=fsdp)
+  / ``teacher_cfg`` are None; a divergence guard over it restores but has no fallback loss). ``micro_batch``: the
+  `Distiller`'s (gradient accumulation)."""
+  return Distiller(model, None, strategy=NextTokenCE(), optimizer=optimizer, mesh=mesh, backend=backend, fsdp=fsdp,
+                   micro_batch=micro_batch)

@@ -25,10 +25,7 @@ saving (a 8-layer student: temp 46 -> 24 MB). GPU and TPU schedulers are memory-
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
-import os
 import re
 from typing import Callable, Sequence
 
@@ -249,74 +246,3 @@ def fit_remat(
     return distiller, choice
   chosen = built.get(choice.remat) or rebuild_with_remat(base, choice.remat)
   return chosen, choice
-
-
-def _tuning_file() -> str:
-  """Where `auto_remat` keeps its choices: ``$MESHDISTILL_TUNING`` or ``$XDG_CACHE_HOME/meshdistill/remat.json``
-  (``~/.cache`` by default)."""
-  if os.environ.get("MESHDISTILL_TUNING"):
-    return os.environ["MESHDISTILL_TUNING"]
-  cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(cache, "meshdistill", "remat.json")
-
-
-def program_key(distiller, state, batch, budget_bytes: int | None, headroom: float) -> str:
-  """A fingerprint of the step `auto_remat` chose for: both models' configs, the strategy, the optimizer state's and
-  the batch's shapes and dtypes, the layout and its devices, the memory budget, the JAX version."""
-  shapes = lambda tree: [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(tree)]  # noqa: E731
-  devices = distiller.mesh.devices.flat if distiller.mesh is not None else jax.devices()[:1]
-  what = {
-      "student": repr(distiller.student_cfg), "teacher": repr(distiller.teacher_cfg),
-      "strategy": repr(distiller.strategy), "state": shapes(state), "batch": shapes(batch),
-      "layout": distiller.backend, "mesh": None if distiller.mesh is None else dict(distiller.mesh.shape),
-      "device": next(iter(devices)).device_kind, "budget": budget_bytes, "headroom": headroom, "jax": jax.__version__,
-  }
-  return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
-def auto_remat(distiller, state, batch, *, headroom: float = 0.9, budget_bytes: int | None = None):
-  """``(distiller with its student's remat="auto" decided, RematChoice, cached)``: `fit_remat` from the cheapest
-  policy (`REMAT_ORDER`), the first whose compiled step fits ``headroom`` of the device's memory. The choice is kept
-  by program fingerprint (`program_key`, in `_tuning_file`), so a restart of the same step compiles no candidates
-  (``cached`` True). A device with no known memory limit (a CPU) keeps ``none``, as before ``auto`` existed."""
-  if budget_bytes is None:
-    devices = distiller.mesh.devices.flat if distiller.mesh is not None else jax.devices()[:1]
-    budget_bytes = device_memory_limit(next(iter(devices)))
-  if budget_bytes is None:
-    return distiller.with_remat(REMAT_ORDER[0]), RematChoice(REMAT_ORDER[0], True, None, {}), False
-  key, path = program_key(distiller, state, batch, budget_bytes, headroom), _tuning_file()
-  known = _read_choices(path)
-  if key in known and known[key] in REMAT_POLICIES:
-    remat = known[key]
-    log.info("remat auto: %r, chosen before for this step (%s)", remat, path)
-    return distiller.with_remat(remat), RematChoice(remat, True, budget_bytes, {}), True
-  chosen, choice = fit_remat(distiller, state, batch, budget_bytes=budget_bytes, headroom=headroom)
-  log.info("remat auto: %r (the first of %s whose step fits %.0f%% of %s; %s)", choice.remat, REMAT_ORDER,
-           100 * headroom, _mib(budget_bytes), ", ".join(f"{k}: {r}" for k, r in choice.reports.items()))
-  if choice.fits:
-    _write_choice(path, key, choice.remat)
-  return chosen, choice, False
-
-
-def _read_choices(path: str) -> dict:
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-    return data if isinstance(data, dict) else {}
-  except (OSError, ValueError):
-    return {}
-
-
-def _write_choice(path: str, key: str, remat: str) -> None:
-  """Adds one choice to the file (written whole through a temporary sibling; a failure to write is logged, the
-  choice is then made again next time)."""
-  try:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    data = _read_choices(path)
-    data[key] = remat
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(data, f, indent=0, sort_keys=True)
-    os.replace(tmp, path)
-  except OSError as e:
-    log.warning("remat auto: could not keep the choice in %s (%s)", path, e)

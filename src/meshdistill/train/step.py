@@ -50,7 +50,10 @@ from meshdistill.parallel.collectives import psum_bundled
 from meshdistill.parallel.mesh import DATA, context_ways
 from meshdistill.strategies import Strategy
 from meshdistill.train import router_losses
+from meshdistill.train.accumulate import SETTING as MICRO_BATCH_SETTING
+from meshdistill.train.accumulate import accumulate, micro_batches, split_rows
 from meshdistill.train.teacher import MODEL, NONE, TeacherOutput
+from meshdistill.train.teacher_part import rows_whole, segments, teacher_outputs, vocab_slice
 
 # One step on this device's rows ``batch = {inputs, targets, mask}: [b, T]``: `per_device_gradients` then
 # `apply_gradients` (see them for the keywords), defined below as the `SplitStep` of the two. Returns
@@ -76,6 +79,7 @@ def per_device_gradients(
     loss_scale: float | None = None,
     topk_vocab: int | None = None,
     teacher_output: TeacherOutput | None = None,
+    micro_batch: int | None = None,
 ):
   """The gradient half of the step on this device's rows: ``(grads summed over data, metrics without grad_norm)``.
 
@@ -116,104 +120,80 @@ def per_device_gradients(
 
   ``student_axis``: a compiler-managed mesh axis (``tensor``) over which the student is replicated and its rows
   split (`meshdistill.parallel.backends.ShardMapLayout` with ``student_split="batch"``): the teacher runs as usual on
-  this device's rows (its inputs and outputs pinned whole over rows, `_rows_whole`), the student's part
+  this device's rows (its inputs and outputs pinned whole over rows, `rows_whole`), the student's part
   (`student_gradients`) in a nested ``shard_map`` manual over that axis on its slice of them, and the sums cover
   ``data`` and that axis. Same numbers as one device.
+
+  ``micro_batch``: rows per forward and backward pass (gradient accumulation, `meshdistill.train.accumulate`): this
+  device's rows run as ``rows / micro_batch`` micro-batches in a ``lax.scan``, each the teacher's forward and the
+  student's gradient, added in float32 over the whole batch's denominator (computed and summed over ``data`` first)
+  and summed over ``data`` once after the loop: the same loss, gradients and metrics as the whole batch at once.
+  ``None``: the whole batch at once. A size that does not divide the rows is an error naming ``train.micro_batch``.
 
   Only ``state.step`` and ``state.params`` are read. Weights split over ``data`` (`meshdistill.parallel.fsdp`) arrive as
   shards and their gradients leave as shards, already summed over ``data``. The whole step's keywords reach each
   half as its signature names them (`meshdistill.core.state.SplitStep.split_keywords`); any other is an error.
   """
-  capture = tuple(strategy.capture)
-  # A strategy with `needs_head` forms logits itself from the final hidden states and the
-  # LM heads (e.g. chunked over tokens); the models then skip their heads (`needs_logits`).
-  with_logits, with_head = strategy.needs_logits, strategy.needs_head
-
-  source = teacher_output if teacher_output is not None else TeacherOutput(NONE if teacher_def is None else MODEL)
-  teacher_out: Any = None  # what the strategy reads: a ModelOutput, a losses.TopK or a losses.Aligned
-  teacher_head = teacher_cap = None
-  reads_topk = source.reads_topk(batch)
-  if reads_topk and source.own_tokenizer:  # a cross-tokenizer cache
-    teacher_out = _aligned_topk(batch, topk_vocab, teacher_temperature)
-  elif reads_topk:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
-    teacher_out = losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS))
-  elif source.kind is MODEL and source.own_tokenizer:  # a teacher of another tokenizer
-    teacher_out = _aligned_teacher(nnx.merge(teacher_def, teacher_params), batch, student_axis)
-  elif source.kind is MODEL:
-    teacher = nnx.merge(teacher_def, teacher_params)
-    inputs_BxT, segments = batch["inputs"], _segments(batch)
-    if student_axis is not None:
-      inputs_BxT, segments = _rows_whole((inputs_BxT, segments))
-    teacher_out = _vocab_slice(
-        jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits, **segments)), vocab)
-    teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
-    teacher_cap = getattr(teacher.cfg, "final_softcap", None)
-
+  rows = batch["inputs"].shape[0]
+  multiple, why = 2 if strategy.needs_pairs else 1, " (the strategy pairs rows: chosen, rejected)"
+  if student_axis is not None:  # each micro-batch's rows split over `student_axis` as well
+    multiple, why = multiple * _axis_size(student_axis), f" (rows split over {student_axis} too: mesh.student_split)"
+  k = micro_batches(rows, micro_batch, multiple, why)
+  teacher_part = functools.partial(
+      teacher_outputs, teacher_output if teacher_output is not None else TeacherOutput(NONE if teacher_def is None
+                                                                                      else MODEL),
+      teacher_def, teacher_params, strategy, vocab=vocab, topk_vocab=topk_vocab, temperature=teacher_temperature,
+      student_axis=student_axis)
   student_part = functools.partial(
-      student_gradients, state.step, student_def=student_def, strategy=strategy, vocab=vocab, trainable=trainable,
-      light=light, teacher_softcap=teacher_cap, teachers=(tuple(teacher_names), teacher_temperature),
-      loss_scale=loss_scale,
+      _student_local, state.step, student_def=student_def, strategy=strategy, vocab=vocab, trainable=trainable,
+      light=light, teachers=(tuple(teacher_names), teacher_temperature), loss_scale=loss_scale, micro_batches=k,
   )
-  rows = {k: batch[k] for k in ("inputs", "targets", "mask", *SEGMENT_KEYS, *(MULTI_KEYS if teacher_names else ()))
-          if k in batch}
+  keys = ("inputs", "targets", "mask", *SEGMENT_KEYS, *(MULTI_KEYS if teacher_names else ()))
   if student_axis is None:
-    return student_part(state.params, rows, teacher_out, teacher_head, axes=data_axis)
-  # The student on its rows: they (and the teacher's outputs, moved to rows) split over `student_axis`, its
-  # weights and the teacher's LM head whole; gradients and sums over both axes inside, so they leave replicated.
-  axes = student_axis if data_axis is None else (data_axis, student_axis)
-  teacher_out = _rows_whole(teacher_out)
-  split = jax.shard_map(
-      functools.partial(student_part, axes=axes), in_specs=(P(), P(student_axis), P(student_axis), P()),
-      out_specs=P(), axis_names={student_axis}, check_vma=False,
-  )
-  return split(state.params, rows, teacher_out, teacher_head)
+    tokens, denom = _denominators(strategy, batch["mask"], data_axis)
+  else:  # summed where the student's rows are split: over `data` and `student_axis` at once
+    tokens, denom = jax.shard_map(
+        functools.partial(_denominators, strategy, axes=student_axis if data_axis is None else (data_axis,
+                                                                                                  student_axis)),
+        in_specs=P(student_axis), out_specs=P(), axis_names={student_axis}, check_vma=False)(batch["mask"])
+
+  # Under `student_axis` the student's part sums over that axis inside its nested `shard_map` (its outputs leave
+  # whole): over `data` too when the rows run at once, only over it per micro-batch (`data` once, after the loop).
+  inner = (student_axis if data_axis is None or k > 1 else (data_axis, student_axis)) if student_axis else None
+
+  def gradients(part: dict) -> tuple[Any, dict, dict]:
+    """The gradients and token sums of the rows ``part`` (the whole local batch, or one micro-batch) over the whole
+    batch's ``denom``, summed over no axis but ``inner``."""
+    teacher_out, teacher_head, teacher_cap = teacher_part(part)
+    rows_in = {key: part[key] for key in keys if key in part}
+    run = functools.partial(student_part, teacher_softcap=teacher_cap)
+    if student_axis is None:
+      return run(state.params, rows_in, teacher_out, teacher_head, axes=data_axis, denom=denom)
+    # The student on its rows: they (and the teacher's outputs, moved to rows) split over `student_axis`, its
+    # weights, the teacher's LM head and the denominator whole; gradients and sums over that axis inside, so they
+    # leave replicated.
+    axes = student_axis if data_axis is None else (data_axis, student_axis)
+
+    def on_rows(params, rows_in, teacher_out, teacher_head, denom):
+      grads, sums, usage = run(params, rows_in, teacher_out, teacher_head, axes=axes, denom=denom)
+      return (*sum_over_data((grads, sums), inner), usage)
+
+    split = jax.shard_map(on_rows, in_specs=(P(), P(student_axis), P(student_axis), P(), P()), out_specs=P(),
+                          axis_names={student_axis}, check_vma=False)
+    return split(state.params, rows_in, rows_whole(teacher_out), teacher_head, denom)
+
+  if k == 1:
+    grads, sums, usage = gradients(batch)
+  else:  # micro-batches one after another, their gradients and token sums added in float32 (`accumulate`)
+    grads, sums = accumulate(lambda part: gradients(part)[:2], split_rows(batch, k))
+    usage = {}
+  outer = None if student_axis is not None and k == 1 else data_axis  # what `inner` left to sum
+  return _summed_metrics(grads, sums, usage, tokens, denom, outer, teacher_names)
 
 
-def _segments(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """The model keywords of rows packed from several documents (`SEGMENT_KEYS`); ``{}`` for rows of one stream."""
-  return {k: batch[k] for k in SEGMENT_KEYS if k in batch}
-
-
-def _aligned_teacher(teacher, batch: dict[str, jax.Array], student_axis: str | None) -> losses.Aligned:
-  """The teacher run on its own tokens (``teacher_inputs`` [b, Tt], under ``stop_gradient``) with the row alignment
-  of `CROSS_KEYS`, for a strategy with ``cross_tokenizer``."""
-  inputs_BxT = batch["teacher_inputs"] if student_axis is None else _rows_whole(batch["teacher_inputs"])
-  logits = jax.lax.stop_gradient(teacher(inputs_BxT).logits)
-  return losses.Aligned(logits, *(batch[k] for k in (
-      "teacher_targets", "teacher_span", "student_span", "teacher_last", "student_last", "span_bytes")))
-
-
-def _aligned_topk(batch: dict[str, jax.Array], vocab: int | None, temperature: float) -> losses.Aligned:
-  """A cached teacher of another tokenizer (`TOPK_KEYS` and `TARGET_LOGPROB_KEY` per teacher token) with the row
-  alignment of `CROSS_KEYS`: its top-k spread over its vocabulary as logits (log-probabilities times the cache's
-  temperature: equal to the live teacher's logits up to a constant per position when the top-k is the whole
-  vocabulary)."""
-  if vocab is None:
-    raise ValueError("a top-k teacher of another tokenizer needs its vocabulary size (the step's topk_vocab)")
-  topk = [jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS]
-  own = batch.get(TARGET_LOGPROB_KEY)
-  targets = batch["teacher_targets"] if own is not None else None
-  spread = lambda i, lp, tail, tgt, tgt_lp: losses.topk_logprobs(i, lp, tail, vocab, tgt, tgt_lp)  # noqa: E731
-  dense = jax.vmap(spread)(*topk, targets, own)
-  return losses.Aligned(jax.lax.stop_gradient(dense * temperature), *(batch[k] for k in (
-      "teacher_targets", "teacher_span", "student_span", "teacher_last", "student_last", "span_bytes")))
-
-
-def _rows_whole(tree: Any) -> Any:
-  """``tree``'s arrays pinned whole along their first (row) axis, their other axes left to the compiler.
-
-  The teacher's inputs and outputs under ``student_axis``. Unpinned, the compiler sees them consumed split over
-  rows (the student's nested ``shard_map``) and carries that split back into the teacher, whose weights are split
-  over the same axis: on the 2x4 benchmark step it gathered every layer's attention weights and gathered the
-  activations back before each MLP (a planned Qwen3-1.7B teacher on 2x4: 198 all-gathers, its whole bfloat16
-  weights, 3.44 GB per device, every step). Pinned, the teacher runs split over ``tensor`` as in the default
-  split, and its outputs reach the student's rows once (an all-to-all of the logits)."""
-  def pin(x):
-    if not isinstance(x, jax.Array) or x.ndim == 0:
-      return x
-    return jax.lax.with_sharding_constraint(x, P(None, *([P.UNCONSTRAINED] * (x.ndim - 1))))
-
-  return jax.tree.map(pin, tree)
+def _axis_size(axis: str) -> int:
+  """The size of mesh axis ``axis`` of the mesh being traced under."""
+  return int(dict(jax.sharding.get_abstract_mesh().shape).get(axis, 1))
 
 
 def student_gradients(
@@ -238,11 +218,18 @@ def student_gradients(
   ``teacher_softcap``: the teacher's final logit soft-cap, for a strategy that forms logits from the heads.
   ``teachers``: ``(names, temperature)`` of several teachers whose own top-k the batch carries (`MULTI_KEYS`).
   ``loss_scale``: the factor on the loss gradient (`scale_gradient`)."""
-  capture = tuple(strategy.capture)
-  with_logits, with_head = strategy.needs_logits, strategy.needs_head
-  inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
-  mask_BxT = batch["mask"].astype(jnp.float32)
+  tokens, denom = _denominators(strategy, batch["mask"], axes)
+  grads, sums, usage = _student_local(
+      step, params, batch, teacher_out, teacher_head, axes=axes, student_def=student_def, strategy=strategy,
+      vocab=vocab, trainable=trainable, light=light, teacher_softcap=teacher_softcap, teachers=teachers,
+      loss_scale=loss_scale, denom=denom)
+  return _summed_metrics(grads, sums, usage, tokens, denom, axes, teachers[0])
 
+
+def _denominators(strategy: Strategy, mask_BxT: jax.Array, axes: Any) -> tuple[jax.Array, jax.Array]:
+  """``(tokens, denom)``: the unmasked tokens of the rows of ``mask_BxT`` and what the loss divides by (those tokens,
+  or the strategy's ``count``), both summed over ``axes``: the global batch's."""
+  mask_BxT = mask_BxT.astype(jnp.float32)
   # A strategy whose loss is a mean over something else than tokens (pairs of rows: preference
   # losses) says how many of those its local rows hold (`count`); the step sums that over `data`.
   count = strategy.count
@@ -252,8 +239,35 @@ def student_gradients(
         f"is split over mesh.axes.context={context_ways()}, so each device holds a slice of every row; use "
         "mesh.axes.context=1 with it (context parallelism takes strategies whose loss is a sum over tokens)")
   tokens, counted = psum_bundled((jnp.sum(mask_BxT), None if count is None else count(mask_BxT)), axes)
-  denom = jnp.maximum(tokens if count is None else counted, 1.0)
+  return tokens, jnp.maximum(tokens if count is None else counted, 1.0)
 
+
+def _student_local(
+    step: jax.Array,
+    params: Any,
+    batch: dict[str, jax.Array],
+    teacher_out: Any,
+    teacher_head: jax.Array | None,
+    *,
+    axes: Any,
+    student_def: nnx.GraphDef,
+    strategy: Strategy,
+    vocab: int | None,
+    trainable: Any,
+    light: bool,
+    denom: jax.Array,
+    teacher_softcap: float | None = None,
+    teachers: tuple[tuple[str, ...], float] = ((), 1.0),
+    loss_scale: float | None = None,
+    micro_batches: int = 1,
+):
+  """``(grads, token sums, usage)`` of the student on the rows given, summed over no device: the gradient of this
+  rows' token sums over ``denom`` (the global batch's, `_denominators`), and an MoE student's utilisation metrics.
+  ``axes``: the mesh axes the step's rows are split over (an MoE student's routing counts are summed over them)."""
+  capture = tuple(strategy.capture)
+  with_logits, with_head = strategy.needs_logits, strategy.needs_head
+  inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
+  mask_BxT = batch["mask"].astype(jnp.float32)
   params_in, frozen = split_trainable(params, trainable)
 
   def loss_fn(params):
@@ -261,9 +275,15 @@ def student_gradients(
     params = join_trainable(params, jax.lax.stop_gradient(frozen))
     student = nnx.merge(student_def, params["student"])
     moe = getattr(getattr(student, "cfg", None), "moe", None)  # a mixture-of-experts student reports its routing
+    if moe and micro_batches > 1:
+      raise ValueError(
+          f"{MICRO_BATCH_SETTING}: a mixture-of-experts student's load-balancing loss multiplies each expert's "
+          f"assignments over the whole batch by its router probabilities, so the step cannot run its rows as "
+          f"{micro_batches} micro-batches; leave {MICRO_BATCH_SETTING} at auto or set it to the rows each device "
+          "holds per step")
     student_out = student(inputs_BxT, capture=capture + (("router",) if moe else ()), logits=with_logits,
-                          **_segments(batch))
-    router, student_out = student_out.router, _vocab_slice(student_out._replace(router=()), vocab)
+                          **segments(batch))
+    router, student_out = student_out.router, vocab_slice(student_out._replace(router=()), vocab)
     if with_head:  # token sums over all local rows; heads [D, V] with V split over `tensor`
       heads = (student.head_weight()[:, :vocab], teacher_head)
       caps = (getattr(student.cfg, "final_softcap", None), teacher_softcap)  # elementwise: applied per shard
@@ -285,9 +305,16 @@ def student_gradients(
   (_, (sums, usage)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_in)
   if light:
     sums, usage = {"loss": sums["loss"]}, {}
+  return grads, sums, usage
+
+
+def _summed_metrics(grads: Any, sums: dict, usage: dict, tokens: jax.Array, denom: jax.Array, axes: Any,
+                    teacher_names: tuple[str, ...]) -> tuple[Any, dict]:
+  """``(grads, metrics)``: gradients and token sums summed over ``axes`` (`sum_over_data`), the sums divided by the
+  global ``denom`` (each teacher's by the tokens of the rows it serves), with ``usage`` and ``tokens``."""
   grads, sums = sum_over_data((grads, sums), axes)
   metrics = {k: v / denom for k, v in sums.items()} | usage
-  for name in (n for n in teachers[0] if f"tokens/{n}" in sums):  # means over the tokens of the rows it serves
+  for name in (n for n in teacher_names if f"tokens/{n}" in sums):  # means over the tokens of the rows it serves
     served = jnp.maximum(sums[f"tokens/{name}"], 1.0)
     metrics |= {f"{m}/{name}": sums[f"{m}/{name}"] / served for m in ("kl", "agreement")}
     metrics[f"tokens/{name}"] = sums[f"tokens/{name}"]
@@ -364,13 +391,6 @@ def _row_major(grad: jax.Array) -> jax.Array:
   if getattr(grad, "ndim", 0) < 3:
     return grad
   return with_layout_constraint(grad, Layout(major_to_minor=tuple(range(grad.ndim))))
-
-
-def _vocab_slice(out, vocab: int | None):
-  """``out`` with logits [B, T, V] cut to [B, T, vocab] (still split over ``tensor``); ``vocab=None`` keeps all."""
-  if vocab is None or out.logits is None or out.logits.shape[-1] == vocab:
-    return out
-  return out._replace(logits=out.logits[..., :vocab])
 
 
 per_device_step = SplitStep(per_device_gradients, apply_gradients)

@@ -28,7 +28,8 @@ from typing import Any
 
 import jax
 from meshdistill.train.freezing import freeze_status
-from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, device_memory_limit, fit_remat
+from meshdistill.train.memory import CPU_MEMORY_SCHEDULER, REMAT_ORDER, device_memory_limit, fit_remat
+from meshdistill.train.tuning import auto_tune, pending
 from meshdistill.train.optimizers import skipped_updates
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,9 @@ class Profile(Hook):
 class AutoRemat(Hook):
   """Before the first step: compiles the step once, compares its per-device memory with the device's (or
   ``budget_bytes``) and, when it would not fit, turns the student's rematerialisation on
-  (`meshdistill.train.memory.fit_remat`); reported on the progress line and as an ``event`` row."""
+  (`meshdistill.train.memory.fit_remat`); reported on the progress line and as an ``event`` row. A trainer with
+  settings left at ``auto`` (remat, micro-batch, chunk) has them decided here instead, with the same budget
+  (`meshdistill.train.tuning.auto_tune`: its one line on the progress line, an ``auto`` event row)."""
 
   def __init__(self, budget_bytes: int | None, headroom: float):
     self.budget_bytes, self.headroom = budget_bytes, headroom
@@ -194,13 +197,25 @@ class AutoRemat(Hook):
                jax.default_backend())
       return
     before = trainer.student_cfg.remat
-    if before == "auto":  # measured from the cheapest policy on (`fit_remat`)
-      before = "none"
     options = None
     if jax.default_backend() == "cpu" and trainer.layout.takes_compiler_options:
       # XLA's default CPU scheduler favours concurrency and hides what remat saves; with a memory
       # budget asked for on CPU, measure and run the step under the memory-optimised scheduler.
       options = CPU_MEMORY_SCHEDULER
+    if pending(trainer):  # settings left at auto: decided together (`tuning.auto_tune`), said in one line
+      # a remat given explicitly may still be made leaner where the step would not fit (as `fit_remat` would)
+      remats = None if before == "auto" else REMAT_ORDER[REMAT_ORDER.index(before):] if before in REMAT_ORDER \
+          else (before,)
+      chosen, tuning = auto_tune(trainer, run.state, run.read_ahead(), budget_bytes=self.budget_bytes,
+                                 headroom=self.headroom, compiler_options=options, remats=remats,
+                                 say=monitor.message)
+      c = tuning.chosen
+      monitor.event(run.start, "auto", remat=c.remat, micro_batch=c.micro_batch, chunk=c.chunk, fits=tuning.fits,
+                    cached=tuning.cached, compiled=len(tuning.measured), headroom=self.headroom,
+                    budget_mib=None if tuning.budget_bytes is None else round(tuning.budget_bytes / 2**20, 3),
+                    step_mib={name: round(r.need_bytes / 2**20, 3) for name, r in tuning.reports.items()})
+      run.trainer, run.remat = chosen, tuning
+      return
     chosen, choice = fit_remat(trainer, run.state, run.read_ahead(), budget_bytes=self.budget_bytes,
                                headroom=self.headroom, compiler_options=options)
     mib = {name: round(r.total_bytes / 2**20, 3) for name, r in choice.reports.items()}

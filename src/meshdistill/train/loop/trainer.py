@@ -62,7 +62,8 @@ class FitOptions:
       a trainer without a teacher (hard labels) only restores.
     guard_lag: 1 reads step ``s``'s loss after dispatching step ``s + 1`` (one more step is
       thrown away after a divergence); 0 reads it right after step ``s``.
-    auto_remat: measure the step's memory before the first step and turn remat on if needed.
+    auto_remat: measure the step's memory before the first step and turn remat on if needed (settings the trainer
+      leaves at ``auto``: decided there, `meshdistill.train.tuning`).
     memory_budget_bytes: per-device budget for ``auto_remat`` (default: the device's memory;
       without either -- a CPU device -- nothing is measured).
     memory_headroom: fraction of the budget the step may use.
@@ -105,7 +106,8 @@ class FitResult:
   """What `fit` returns: the final state, its step, the last validation metrics and timing.
 
   ``trainer`` is the trainer that ran (another object than the one given when ``auto_remat``
-  turned remat on); ``remat`` the `meshdistill.train.memory.RematChoice` (None when not measured);
+  turned remat on); ``remat`` the `meshdistill.train.memory.RematChoice`, or the `meshdistill.train.tuning.Tuning`
+  of settings left at ``auto`` (None when not measured);
   ``events`` the divergence-guard events (`DivergenceEvent` as dicts) of this call.
   """
 
