@@ -834,6 +834,7 @@ def main(argv=None) -> int:
                            "teacher a Hugging Face directory and the student's shape, batch and sequence only: "
                            "`bench.cli_run`), cli-scan (the same with scan_layers named)")
   parser.add_argument("--cli-steps", type=int, default=40, help="steps of each `meshdistill distill` run (cli)")
+  parser.add_argument("--cli-timeout", type=float, default=300, help="seconds one cli run may take")
   parser.add_argument("--cli-dir", default=os.path.join(tempfile.gettempdir(), "meshdistill-cli"),
                       help="where the cli systems write the teacher's directory, configs and runs")
   parser.add_argument("--gen-batches", default="1,8,64", help="batch sizes of the generate systems")
@@ -896,7 +897,8 @@ def main(argv=None) -> int:
         elif system == "plan":
           keep(measure_plan(args.pair, setting))
         elif system in ("cli", "cli-scan"):
-          keep(measure_cli(args.pair, setting, args.cli_steps, args.cli_dir, scan=system == "cli-scan"))
+          keep(measure_cli(args.pair, setting, args.cli_steps, args.cli_dir, scan=system == "cli-scan",
+                           timeout_s=args.cli_timeout))
   if "tunix" in systems:  # after the others: one build of tunix's models serves every batch
     for row in measure_tunix(args.pair, [Setting.parse(text) for text in args.config or [""]], args.steps):
       keep(row)

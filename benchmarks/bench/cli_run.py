@@ -63,7 +63,7 @@ def config(pair: str, s: Setting, teacher_dir: pathlib.Path, run_dir: pathlib.Pa
   return cfg
 
 
-def measure_cli(pair: str, s: Setting, steps: int, workdir: str, scan: bool = False) -> dict:
+def measure_cli(pair: str, s: Setting, steps: int, workdir: str, scan: bool = False, timeout_s: float = 300) -> dict:
   """One `meshdistill distill` run of the setting's batch and sequence in a subprocess: its tokens/s (median of the
   logged windows after the first two), the seconds of the whole command, and the tail of its output on failure."""
   work = pathlib.Path(workdir)
@@ -78,8 +78,12 @@ def measure_cli(pair: str, s: Setting, steps: int, workdir: str, scan: bool = Fa
   path.write_text(yaml.safe_dump(config(pair, s, teacher, run_dir, steps, scan)), encoding="utf-8")
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
   t0 = time.perf_counter()
-  out = subprocess.run([sys.executable, "-m", "meshdistill", "distill", "--config", str(path)], env=env,
-                       capture_output=True, text=True)
+  try:
+    out = subprocess.run([sys.executable, "-m", "meshdistill", "distill", "--config", str(path)], env=env,
+                         capture_output=True, text=True, timeout=timeout_s)
+  except subprocess.TimeoutExpired as e:
+    row["error"] = f"TimeoutExpired: the run took over {timeout_s:.0f} s; {str(e.stderr or '')[-1200:]}"
+    return row
   row["command_s"] = time.perf_counter() - t0
   row["cli_command"] = f"meshdistill distill --config {path.name}"
   row["config"] = json.loads(json.dumps(config(pair, s, pathlib.Path("TEACHER_DIR"), pathlib.Path("RUN_DIR"), steps,
