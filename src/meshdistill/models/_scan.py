@@ -4,9 +4,9 @@ and run under ``nnx.scan``, so XLA compiles one block body instead of ``n_layers
 * `stacked_blocks` creates ``n_layers`` blocks under ``nnx.vmap`` (one RNG stream split per layer): every
   weight becomes ``[L, ...]`` and its partitioning ``("layers", *per-layer)``: no rules table splits the layer axis.
 * `scan_blocks` runs them with the same ``run_block(block, x, want_probs) -> BlockOutput`` as the unrolled loop
-  (so the
-  per-block rematerialisation, and any per-block step inside it, is unchanged); the per-layer hidden states
-  and attention probabilities come out of the scan stacked and are returned as the unrolled model's tuples.
+  (so the per-block rematerialisation, and any per-block step inside it, is unchanged); the per-layer hidden
+  states, attention probabilities and routing come out of the scan stacked and are returned as the unrolled
+  model's tuples.
 * `layer_blocks` is the decoding form (`Decoder.decode_step`, which `meshdistill.models.generate` runs): not
   scanned but one block per layer on static slices of the stacked weights, each with its own key/value cache.
 * Layers that attend differently (``ModelConfig.scan_period`` ``P > 1``: Gemma 2's local / global pairs, Gemma
