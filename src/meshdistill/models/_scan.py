@@ -3,9 +3,10 @@ and run under ``nnx.scan``, so XLA compiles one block body instead of ``n_layers
 
 * `stacked_blocks` creates ``n_layers`` blocks under ``nnx.vmap`` (one RNG stream split per layer): every
   weight becomes ``[L, ...]`` and its partitioning ``("layers", *per-layer)``: no rules table splits the layer axis.
-* `scan_blocks` runs them with the same ``run_block(block, x, want_probs)`` as the unrolled loop (so the
-  per-block rematerialisation, and any per-block step inside it, is unchanged); the per-layer hidden states
-  and attention probabilities come out of the scan stacked and are returned as the unrolled model's tuples.
+* `scan_blocks` runs them with the same ``run_block(block, x, want_probs) -> BlockOutput`` as the unrolled loop
+  (so the per-block rematerialisation, and any per-block step inside it, is unchanged); the per-layer hidden
+  states, attention probabilities and routing come out of the scan stacked and are returned as the unrolled
+  model's tuples.
 * `layer_blocks` is the decoding form (`Decoder.decode_step`, which `meshdistill.models.generate` runs): not
   scanned but one block per layer on static slices of the stacked weights, each with its own key/value cache.
 * Layers that attend differently (``ModelConfig.scan_period`` ``P > 1``: Gemma 2's local / global pairs, Gemma
@@ -24,6 +25,8 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
+
+from meshdistill.models._output import BlockOutput
 
 
 # The layer axis added in front of every block weight: the logical name ``layers`` (no rule splits it).
@@ -55,7 +58,8 @@ def scan_blocks(blocks: nnx.Module, x_BxTxD: jax.Array, run_block, want_hidden: 
   """``(x after the last block, hidden L x [B, T, D] or (), attn L x [B, H, T, T] or (), router L x Routing or
   ())``.
 
-  ``run_block(block, x, want_probs) -> (x, probs, routing)`` runs one (sliced) block, as in the unrolled loop.
+  ``run_block(block, x, want_probs) -> BlockOutput`` runs one (sliced) block, as in the unrolled loop; a dense
+  block's routing (None) is not in ``router``.
   ``period`` > 1: groups of that many layers per iteration, ``place(block, j)`` making a block attend as the
   group's ``j``-th layer (see the module docstring).
   """
@@ -64,11 +68,17 @@ def scan_blocks(blocks: nnx.Module, x_BxTxD: jax.Array, run_block, want_hidden: 
 
   @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=LAYER_AXIS)
   def body(x, block):
-    x, probs, routing = run_block(block, x, want_attn)
-    return x, (x if want_hidden else None, probs if want_attn else None, routing if want_router else None)
+    out = run_block(block, x, want_attn)
+    return out.x, _kept(out, want_hidden, want_router)
 
   x_BxTxD, (hidden_LxBxTxD, attn_LxBxHxTxT, router_L) = body(x_BxTxD, blocks)
   return x_BxTxD, _layers(hidden_LxBxTxD), _layers(attn_LxBxHxTxT), _layers(router_L)
+
+
+def _kept(out: BlockOutput, want_hidden: bool, want_router: bool) -> tuple:
+  """What a scan stacks of one block's `BlockOutput`: ``(hidden, probs, routing)``, None where not asked for (the
+  probabilities are None unless asked for already)."""
+  return out.x if want_hidden else None, out.probs, out.aux if want_router else None
 
 
 def _view(state, start: int, groups: int, size: int):
@@ -90,8 +100,9 @@ def _scan_groups(blocks: nnx.Module, x_BxTxD: jax.Array, run_block, wants, perio
     for j in range(jax.tree.leaves(group_state)[0].shape[0]):
       block = nnx.merge(group_def, jax.tree.map(lambda a, j=j: a[j], group_state))
       place(block, j)
-      x, probs, routing = run_block(block, x, want_attn)
-      outs.append((x if want_hidden else None, probs if want_attn else None, routing if want_router else None))
+      out = run_block(block, x, want_attn)
+      x = out.x
+      outs.append(_kept(out, want_hidden, want_router))
     return x, tuple(outs)
 
   runs = [(0, groups, period)] + ([(groups * period, 1, rest)] if rest else [])
@@ -103,7 +114,7 @@ def _scan_groups(blocks: nnx.Module, x_BxTxD: jax.Array, run_block, wants, perio
         h, p, r = jax.tree.map(lambda a, g=g: a[g], outs[j])
         hidden += [h] if want_hidden else []
         attn += [p] if want_attn else []
-        router += [r] if want_router else []
+        router += [r] if r is not None else []  # a dense block reports no routing
   return x_BxTxD, tuple(hidden), tuple(attn), tuple(router)
 
 

@@ -86,6 +86,12 @@ def norm(cfg: ModelConfig, dim: int, rngs: nnx.Rngs, name: str = "embed") -> nnx
                      scale_init=annotate(nnx.initializers.ones, name), rngs=rngs)
 
 
+def post_norm(module: nnx.Module | None, y: jax.Array) -> jax.Array:
+  """A sublayer's output as the residual adds it: through ``module``, the block's norm of that output (``post_norms``:
+  Gemma 2 / 3), or as it is where the block has none (``module`` None: the attribute is declared either way)."""
+  return y if module is None else module(y)
+
+
 def gelu_tanh(x: jax.Array) -> jax.Array:
   """GELU with the tanh approximation (transformers' ``gelu_pytorch_tanh``)."""
   return jax.nn.gelu(x, approximate=True)

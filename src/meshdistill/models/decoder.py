@@ -35,29 +35,28 @@ probabilities; capturing never changes parameters or module state. With ``ModelC
 ``blocks`` is one `Block` whose weights are stacked ``[L, ...]`` (logical name ``layers``, unsplit), run under
 ``nnx.scan`` (`meshdistill.models._scan`) with the same per-block runner as the unrolled loop.
 
-This module holds the modules (`Decoder`, `Block`, `Attention`, `MLP`) and `ModelOutput`;
-`ModelConfig`, `RopeScaling`, `ATTENTION` and `REMAT_POLICIES` live in `meshdistill.models._config`,
-the attention kernels, `rope` and `KVCache` in `meshdistill.models._attention` (all importable from here).
+This module holds `Decoder`, the runners of its blocks and `ModelOutput`; the block and its sublayers (`Block`,
+`Attention`, `MLP`) live in `meshdistill.models._block`, what each returns (`BlockOutput`) in
+`meshdistill.models._output`, `ModelConfig`, `RopeScaling`, `ATTENTION` and `REMAT_POLICIES` in
+`meshdistill.models._config`, the attention kernels, `rope` and `KVCache` in `meshdistill.models._attention` (all
+importable from here).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import einops
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
-from meshdistill.parallel.rules import annotate
-from meshdistill.models._attention import (KVCache, Segments, _explicit_attention, heads_in_kernel, prep_in_kernel,
-                                          query_prescale, rope, rope_tables, segment_mask, splash_attention)
+from meshdistill.models._attention import KVCache, Segments, rope
+from meshdistill.models._block import MLP, Attention, Block, _dtypes, _part, _per_token
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
-from meshdistill.models._context import ContextShard
+from meshdistill.models._output import BlockOutput
 from meshdistill.models._scan import layer_blocks, save_all_but_casts, scan_blocks, stacked_blocks
-from meshdistill.models._variants import gate_activation, head_norm, head_norm_scale, norm, scale_embed, softcap
-from meshdistill.models.moe import MoE, Routing
+from meshdistill.models._variants import norm, scale_embed, softcap
 
 __all__ = [
     "ATTENTION",
@@ -65,6 +64,7 @@ __all__ = [
     "REMAT_POLICIES",
     "Attention",
     "Block",
+    "BlockOutput",
     "Decoder",
     "KVCache",
     "MLP",
@@ -94,152 +94,6 @@ class ModelOutput(NamedTuple):
   attn: tuple = ()
   final: jax.Array | None = None
   router: tuple = ()
-
-
-def _per_token(layer, x_BxTxD: jax.Array) -> jax.Array:
-  """``layer`` (a Linear, or the tied head's ``attend``) on ``[..., D]`` as ONE ``[N, D]`` matmul. Its weight
-  gradient then contracts one token axis; contracting ``[B, T]`` makes XLA's CPU dot copy the activation
-  gradient into a transposed layout first (a third of the one-device step's time went to such copies)."""
-  return layer(x_BxTxD.reshape(-1, x_BxTxD.shape[-1])).reshape(*x_BxTxD.shape[:-1], -1)
-
-
-def _dtypes(cfg: ModelConfig) -> dict:
-  """The nnx layers' dtypes: compute in ``cfg.dtype``, weights stored in ``cfg.param_dtype`` (cast where used)."""
-  return {"dtype": cfg.compute_dtype, "param_dtype": cfg.weight_dtype}
-
-
-def _part(init, *names):
-  """``init`` with logical dimension names (`meshdistill.parallel.rules`: the layout maps them to mesh axes)."""
-  return annotate(init, *names)
-
-
-class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
-    self.cfg = cfg
-    self.window, self.theta, self.scaling = cfg.layer_attention(layer)  # sliding window, RoPE of this layer
-    init = nnx.initializers.lecun_normal()
-    D, H, KV, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd
-    lin = lambda i, o, names, bias=False: nnx.Linear(  # noqa: E731
-        i, o, use_bias=bias, kernel_init=_part(init, *names), bias_init=_part(nnx.initializers.zeros, names[1]),
-        **_dtypes(cfg), rngs=rngs
-    )
-    self.q = lin(D, H * K, ("embed", "heads"), cfg.qkv_bias)
-    kv_split = ("embed", "kv_replicated") if cfg.replicate_kv else ("embed", "kv_heads")
-    self.k = lin(D, KV * K, kv_split, cfg.qkv_bias)
-    self.v = lin(D, KV * K, kv_split, cfg.qkv_bias)
-    self.o = lin(H * K, D, ("heads", "embed"))
-    if cfg.qk_norm:  # per-head RMSNorm over head_dim, scales [K] replicated
-      self.q_norm, self.k_norm = norm(cfg, K, rngs, "head_dim"), norm(cfg, K, rngs, "head_dim")
-
-  def __call__(self, x_BxTxD: jax.Array, want_probs: bool, cache: KVCache | None = None,
-               segments: Segments | None = None):
-    """``(output, attention probabilities or None)``; with a ``cache`` (decoding), ``(output, updated cache)``:
-    the new keys/values are written at ``cache.index`` and the queries see the cache's valid slots up to their own.
-    ``segments``: rows packed from several documents (`Segments`): every kernel attends within a document only and
-    RoPE takes each token's position within its document. Under context parallelism (the step's rows split over
-    the mesh's ``context`` axis, `ContextShard`) the keys and values of the whole row are gathered first and every
-    mask compares global token indices."""
-    cfg = self.cfg
-    kind = cfg.kernel(x_BxTxD.shape[1], probs=want_probs, decoding=cache is not None)  # `auto`: splash on a TPU
-    shard = ContextShard.here(x_BxTxD.shape[1]) if cache is None else None  # this device's slice of the sequence
-    # The splash kernel reads and writes heads before tokens: the projections' outputs are laid out so from the
-    # start (XLA writes the matmul in that layout), their norms and RoPE computed there, and no copy swaps them.
-    heads = "b h t k" if kind == "splash" else "b t h k"
-    T = x_BxTxD.shape[1]
-    query_scale = cfg.query_scale
-    if kind == "splash" and cache is None and prep_in_kernel(T, cfg.hd):  # one Pallas kernel each (`_head_prep`)
-      stream = jnp.arange(T) if shard is None else shard.positions(T)[0]  # a slice's: its global positions
-      cos, sin = rope_tables(stream if segments is None else segments.positions_BxT, cfg.hd, self.theta,
-                             self.scaling)  # [T, K], or [B, T, K] for packed documents
-      dtype = x_BxTxD.dtype
-      q, k = (
-          heads_in_kernel(_per_token(p, x_BxTxD), n, cos, sin, head_norm_scale(nm, dtype) if nm else None,
-                          nm.epsilon if nm else 0.0, post)
-          for p, n, nm, post in ((self.q, cfg.n_heads, getattr(self, "q_norm", None),
-                                  query_prescale(cfg.hd, query_scale, dtype)),
-                                 (self.k, cfg.n_kv_heads, getattr(self, "k_norm", None), 1.0)))
-      v = einops.rearrange(_per_token(self.v, x_BxTxD), f"b t (h k) -> {heads}", k=cfg.hd)
-      query_scale = 1.0  # the queries left the kernel scaled as the splash path scales them
-    else:
-      q, k, v = (einops.rearrange(_per_token(p, x_BxTxD), f"b t (h k) -> {heads}", k=cfg.hd)
-                 for p in (self.q, self.k, self.v))
-      if cfg.qk_norm:
-        q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
-      pos = cache.positions_BxT if cache is not None else None if segments is None else segments.positions_BxT
-      if pos is None and shard is not None:  # one stream's slice: its tokens' global positions
-        pos = shard.positions(T)
-      axis = heads.split().index("t")
-      q, k = (rope(a, self.theta, self.scaling, pos, token_axis=axis) for a in (q, k))
-    if cache is not None:
-      cache = cache.write(k, v)
-      k, v = cache.k, cache.v
-    visible = None if cache is None else cache.visible(T, self.window)  # [B, 1, T, S]
-    options = {"window": self.window, "scale": query_scale, "cap": cfg.attn_softcap}
-    ids = None if segments is None or cache is not None else segments.ids_BxT  # packed documents: within one only
-    if shard is not None:  # the whole row's keys and values; causal mask, window and documents on global indices
-      k, v = (shard.gather(a, axis=heads.split().index("t")) for a in (k, v))
-    if shard is not None and kind not in ("explicit", "splash"):  # in blocks of queries: never the whole scores
-      attend = lambda q_b, visible_b: jax.nn.dot_product_attention(  # noqa: E731
-          q_b, k, v, mask=visible_b, implementation=kind, scale=cfg.query_scale).astype(v.dtype)
-      out, probs_BxHxTxS = shard.attend(attend, q, self.window, ids), None
-    elif kind == "explicit":
-      if shard is not None:
-        visible, ids = shard.visible(T, self.window, ids), None
-      out, probs_BxHxTxS = _explicit_attention(q, k, v, visible, segment_ids_BxT=ids, **options)
-    elif kind == "splash":
-      out, probs_BxHxTxS = splash_attention(q, k, v, ids, context=shard, **options), None
-    else:  # the causal mask and window are the kernel's; packed documents add their [B, 1, T, T] mask
-      window = None if self.window is None or visible is not None else (self.window - 1, 0)
-      mask = visible if ids is None else segment_mask(ids)
-      out = jax.nn.dot_product_attention(
-          q, k, v, mask=mask, is_causal=visible is None, implementation=kind, scale=cfg.query_scale,
-          local_window_size=window,
-      ).astype(v.dtype)
-      probs_BxHxTxS = None
-    out = _per_token(self.o, einops.rearrange(out, f"{heads} -> b t (h k)"))
-    if cache is not None:
-      return out, cache
-    return out, (probs_BxHxTxS if want_probs else None)
-
-
-class MLP(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    init = nnx.initializers.lecun_normal()
-    D, F = cfg.d_model, cfg.mlp_hidden
-    lin = lambda i, o, names: nnx.Linear(  # noqa: E731
-        i, o, use_bias=False, kernel_init=_part(init, *names), **_dtypes(cfg), rngs=rngs
-    )
-    self.gate = lin(D, F, ("embed", "mlp"))
-    self.up = lin(D, F, ("embed", "mlp"))
-    self.down = lin(F, D, ("mlp", "embed"))
-    self.act = gate_activation(cfg)
-
-  def __call__(self, x_BxTxD):
-    x_NxD = x_BxTxD.reshape(-1, x_BxTxD.shape[-1])  # one token axis: see `_per_token`
-    return self.down(self.act(self.gate(x_NxD)) * self.up(x_NxD)).reshape(x_BxTxD.shape)
-
-
-class Block(nnx.Module):
-  """``block(x, want_probs) -> (x, attention probabilities or None, Routing or None)``; with a ``cache``
-  (decoding) ``(x, updated cache)``. ``layer``: its index (its window and RoPE); ``sparse``: the MLP is a mixture of
-  experts (`meshdistill.models.moe.MoE`)."""
-
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0, sparse: bool = False):
-    self.attn_norm = norm(cfg, cfg.d_model, rngs)
-    self.attn = Attention(cfg, rngs=rngs, layer=layer)
-    self.mlp_norm = norm(cfg, cfg.d_model, rngs)
-    self.mlp = MoE(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
-    if cfg.post_norms:  # on each sublayer's output, before the residual add (Gemma 2 / 3)
-      self.post_attn_norm, self.post_mlp_norm = norm(cfg, cfg.d_model, rngs), norm(cfg, cfg.d_model, rngs)
-
-  def __call__(self, x_BxTxD, want_probs: bool, cache: KVCache | None = None, segments: Segments | None = None):
-    a, probs = self.attn(self.attn_norm(x_BxTxD), want_probs, cache, segments)  # with a cache: (a, updated cache)
-    x_BxTxD = x_BxTxD + (self.post_attn_norm(a) if hasattr(self, "post_attn_norm") else a)
-    m, routing = self.mlp(self.mlp_norm(x_BxTxD)), None
-    if isinstance(m, tuple):  # a mixture of experts: (output, Routing)
-      m, routing = m
-    x_BxTxD = x_BxTxD + (self.post_mlp_norm(m) if hasattr(self, "post_mlp_norm") else m)
-    return (x_BxTxD, probs) if cache is not None else (x_BxTxD, probs, routing)
 
 
 class Decoder(nnx.Module):
@@ -306,13 +160,14 @@ class Decoder(nnx.Module):
       hidden, attn, router = hidden + list(hidden_L), list(attn_L), list(router_L)
     else:
       for block in self.blocks:
-        x, probs, routing = run_block(block, x, want_attn)
+        out = run_block(block, x, want_attn)
+        x = out.x
         if want_hidden:
           hidden.append(x)
         if want_attn:
-          attn.append(probs)
-        if want_router and routing is not None:
-          router.append(routing)
+          attn.append(out.probs)
+        if want_router and out.aux is not None:  # a dense block reports no routing
+          router.append(out.aux)
     final_norm, x = gathered_for(self.final_norm, x)
     x = final_norm(x)
     final = x if "final" in capture else None
@@ -354,8 +209,9 @@ class Decoder(nnx.Module):
                        "(Decoder.empty_cache)")
     new_kv = []
     for block, (k, v) in zip(blocks, kv):
-      x, cache = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT))
-      new_kv.append((cache.k, cache.v))
+      out = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT))
+      x = out.x
+      new_kv.append((out.cache.k, out.cache.v))
     final_norm, x = gathered_for(self.final_norm, x[:, -1:] if last_only else x)
     return self._logits(final_norm(x)), new_kv
 
@@ -377,14 +233,16 @@ def _place(block: Block, layer: int) -> None:
   attn.window, attn.theta, attn.scaling = attn.cfg.layer_attention(layer)
 
 
-def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool, segments: Segments | None = None):
+def _call_block(block: Block, x_BxTxD: jax.Array, want_probs: bool,
+                segments: Segments | None = None) -> BlockOutput:
   # Weights split over `data` (`meshdistill.parallel.fsdp`) are gathered here, inside the block's remat region.
   block, x_BxTxD = gathered_for(block, x_BxTxD)
   return block(x_BxTxD, want_probs, segments=segments)
 
 
 def _block_runner(remat: str, scanned: bool = False):
-  """``f(block, x, want_probs, segments)`` running one block, under `nnx.remat` unless ``remat="none"``.
+  """``f(block, x, want_probs, segments) -> BlockOutput`` running one block, under `nnx.remat` unless
+  ``remat="none"``.
 
   Rematerialisation changes what the backward pass stores, never the values. A scanned block with
   ``remat="none"`` keeps everything but its dtype casts (`save_all_but_casts`): what a scan keeps for the
@@ -405,7 +263,8 @@ def _block_runner(remat: str, scanned: bool = False):
   return run
 
 
-def _plain_call(block: Block, x_BxTxD: jax.Array, want_probs: bool, segments: Segments | None = None):
+def _plain_call(block: Block, x_BxTxD: jax.Array, want_probs: bool,
+                segments: Segments | None = None) -> BlockOutput:
   return block(x_BxTxD, want_probs, segments=segments)
 
 

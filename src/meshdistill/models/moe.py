@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 # names axes.
 from meshdistill.parallel.mesh import DATA, EXPERT, TENSOR, context_ways
 from meshdistill.parallel.rules import annotate
+from meshdistill.models._output import BlockOutput
 
 SCORES = ("softmax", "sigmoid")
 
@@ -269,7 +270,8 @@ def exchanged_experts(x_nxD, experts_nxk, weights_nxk, w_gate_LxDxF, w_up_LxDxF,
 
 
 class MoE(nnx.Module):
-  """``moe(x_BxTxD) -> (y_BxTxD, Routing)``: the routed SwiGLU experts of one layer (see the module doc)."""
+  """``moe(x_BxTxD) -> BlockOutput(y_BxTxD, aux=Routing)``: the routed SwiGLU experts of one layer (see the module
+  doc)."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):  # cfg: the decoder's ModelConfig, with cfg.moe set
     self.moe: MoeConfig = cfg.moe
@@ -283,7 +285,7 @@ class MoE(nnx.Module):
     self.up = param(init, (E, D, F), "experts", "embed", "mlp")
     self.down = param(init, (E, F, D), "experts", "mlp", "embed")
 
-  def __call__(self, x_BxTxD: jax.Array) -> tuple[jax.Array, Routing]:
+  def __call__(self, x_BxTxD: jax.Array) -> BlockOutput:
     B, T, D = x_BxTxD.shape
     x_NxD = x_BxTxD.reshape(-1, D)
     logits_NxE = jnp.dot(x_NxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
@@ -302,4 +304,4 @@ class MoE(nnx.Module):
       dropped_BxT = jnp.sum(~keep_Nxk, axis=-1).astype(jnp.float32).reshape(B, T)
     w = [v[...].astype(self.dtype) for v in (self.gate, self.up, self.down)]
     y_NxD = experts_on_mesh(x_NxD.astype(self.dtype), experts_Nxk, weights_Nxk, *w, keep_Nxk)
-    return y_NxD.reshape(B, T, D), Routing(logits_NxE.reshape(B, T, -1), dropped_BxT)
+    return BlockOutput(y_NxD.reshape(B, T, D), aux=Routing(logits_NxE.reshape(B, T, -1), dropped_BxT))

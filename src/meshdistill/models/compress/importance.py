@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from meshdistill.models.decoder import Attention, Decoder
-from meshdistill.models._variants import softcap
+from meshdistill.models._variants import post_norm, softcap
 from meshdistill.models.quantize import is_quantized
 from meshdistill.models.stacking import to_unrolled
 from meshdistill.parallel.mesh import host_to_global
@@ -103,11 +103,10 @@ def check_prunable(model) -> Decoder:
 def _head_outputs(attn: Attention, x_BxTxD: jax.Array) -> jax.Array:
   """``[B, T, H, K]``: each query head's attention output before the output projection -- the attention's own
   forward (RoPE, window, soft-cap, kernel as configured) with an identity in place of ``o``."""
-  probe = types.SimpleNamespace(**{k: getattr(attn, k) for k in ("cfg", "q", "k", "v", "window", "theta", "scaling")})
-  if attn.cfg.qk_norm:
-    probe.q_norm, probe.k_norm = attn.q_norm, attn.k_norm
+  probe = types.SimpleNamespace(**{k: getattr(attn, k) for k in ("cfg", "q", "k", "v", "q_norm", "k_norm", "window",
+                                                                  "theta", "scaling")})
   probe.o = lambda y: y
-  out_BxTxHK, _ = Attention.__call__(probe, x_BxTxD, False)  # pylint: disable=unnecessary-dunder-call
+  out_BxTxHK = Attention.__call__(probe, x_BxTxD, False).x  # pylint: disable=unnecessary-dunder-call
   return out_BxTxHK.reshape(*out_BxTxHK.shape[:2], attn.cfg.n_heads, attn.cfg.hd)
 
 
@@ -145,8 +144,7 @@ def batch_sums(model: Decoder, batch: dict, layer_loss: bool = True) -> dict:
     h = hidden[i]
     n1 = block.attn_norm(h)
     heads.append(l2_of_means(jnp.linalg.norm(_head_outputs(block.attn, n1).astype(jnp.float32), axis=-1)))
-    a, _ = block.attn(n1, False)
-    x = h + (block.post_attn_norm(a) if hasattr(block, "post_attn_norm") else a)
+    x = h + post_norm(block.post_attn_norm, block.attn(n1, False).x)
     n2 = block.mlp_norm(x)
     mlp.append(l2_of_means(block.mlp.act(block.mlp.gate(n2)) * block.mlp.up(n2)))
     embed_BxTxD = embed_BxTxD + jnp.abs(n1).astype(jnp.float32) + jnp.abs(n2).astype(jnp.float32)
@@ -161,7 +159,7 @@ def batch_sums(model: Decoder, batch: dict, layer_loss: bool = True) -> dict:
     for i in range(cfg.n_layers):
       x = hidden[i]  # block i skipped: its input goes on to block i + 1
       for block in model.blocks[i + 1:]:
-        x, _, _ = block(x, False)
+        x = block(x, False).x
       skipped.append(_token_ce(_logits(model, x), targets, mask_BxT))
     sums["ce_skip"] = jnp.stack(skipped)
   return sums
