@@ -9,17 +9,21 @@ from short to long.
 
 Planned (default; a CPU host with libtpu, no chip): each configuration compiled for one v5e chip (one device of
 ``v5e:2x2``, `bench.chip_pairs.pair_planner`: the program ``md.plan(..., devices="local")`` compiles on the chip, its
-calibrated time from the chip source), one at a time; a ladder stops at its first configuration that does not fit
-(the compiler's peak over ``safeguards.remat.headroom`` x 15.75 GiB, or out of HBM at compile time). Configurations
-already stored are not planned again (``--replan``: they are). Each plan row keeps its compile's CPU seconds.
+calibrated time from the chip source), one at a time. A plan *fits* where the compiler's peak is at most
+``safeguards.remat.headroom`` (0.9) x the chip's 16 GiB, the rule ``distill``'s automatic remat uses; the compiler
+itself refuses a program over 15.75 GiB (out of HBM). A ladder is planned up to its first configuration the compiler
+refuses: between the two limits a configuration does not fit the plan's rule and may still run.
+Configurations already stored are not planned again (``--replan``: they are). Each plan row keeps its compile's wall
+and CPU seconds.
 
-Measured (``--measure``, on the chip): the configurations the stored plans say fit, and each ladder's first that does
-not (the limit, seen from both sides), in one process, shortest sequence first; a ladder stops at its first
-configuration that fails (out of HBM is a row with its error, not a crash). Each row: the step's median of 3 after
-one warm-up step (the first loads the program just compiled: `bench.chip_step.measure`), tokens/s, MFU, the
-compiler's peak (what a fit is judged on) and the process's peak HBM (`peak_bytes_in_use`, which keeps the largest
-configuration run so far: shortest first, it is the current one's while a ladder climbs). ``--config`` names the
-configurations instead (``t=32768,remat=full,chunk=1024``; batch 1 and splash unless given).
+Measured (``--measure``, on the chip): from the stored plans of ``--seqs`` / ``--remats`` / ``--chunks``, each
+ladder's configurations the compiler made (fitting or over the headroom) and the first it refused (the limit, seen
+from both sides), in one process, shortest sequence first; a ladder stops at its first configuration that fails on
+the chip (out of HBM is a row with its error, not a crash). Each row: the step's median of 3 after one warm-up step
+(the first loads the program just compiled: `bench.chip_step.measure`), tokens/s, MFU, the compiler's peak (what a
+fit is judged on) and the process's peak HBM (`peak_bytes_in_use`, which keeps the largest configuration run so far:
+shortest first, it is the current one's while a ladder climbs). ``--config`` names the configurations instead
+(``t=32768,remat=full,chunk=1024``; batch 1 and splash unless given); ``--budget S`` starts none after S seconds.
 
   python benchmarks/long_context.py                          # plan (minutes of CPU per configuration)
   python benchmarks/long_context.py --measure --commit SHA   # on the chip; rows appended to --out
@@ -107,9 +111,15 @@ def plan_row(s: Setting, pair: str = PAIR) -> dict:
   return row
 
 
+def compiled(row: dict) -> bool:
+  """Whether the TPU compiler made the row's program (it may still be over the headroom the plan's fit allows)."""
+  return "error" not in row and row.get("compiler_peak_bytes") is not None
+
+
 def plan_ladders(seqs, remats, chunks, stored: dict[tuple, dict], replan: bool, keep, pair: str = PAIR) -> None:
-  """Plans each ladder from its shortest sequence, stopping after its first configuration that does not fit (a
-  stored row counts as planned unless ``replan``); ``keep`` stores each new row."""
+  """Plans each ladder from its shortest sequence, stopping after its first configuration the TPU compiler refuses
+  (out of HBM: no longer sequence can fit; a stored row counts as planned unless ``replan``); ``keep`` stores each
+  new row."""
   for remat in remats:
     for chunk in chunks:
       for t in sorted(seqs):
@@ -117,29 +127,32 @@ def plan_ladders(seqs, remats, chunks, stored: dict[tuple, dict], replan: bool, 
         if row is None:
           print(f"planning t={t}, remat={remat}, chunk={chunk}", flush=True)
           row = keep(plan_row(setting_of(t, remat, chunk), pair))
-        if row.get("fits") is not True:
+        if not compiled(row):
           break
 
 
-def chip_list(plans: dict[tuple, dict], seqs=None) -> list[Setting]:
-  """The configurations to measure from the stored plans: in each ladder those that fit and the first that does not,
-  shortest sequence first across ladders (``seqs``: only these lengths)."""
+def chip_list(plans: dict[tuple, dict], seqs=None, remats=None, chunks=None) -> list[Setting]:
+  """The configurations to measure from the stored plans (``seqs``, ``remats``, ``chunks``: only these): in each
+  ladder every one the compiler made (those that fit, and those over the plan's headroom, which the chip may still
+  run) and the first it refused, shortest sequence first across ladders."""
   out = []
   ladders: dict[tuple, list[dict]] = {}
   for r in plans.values():
-    if seqs is None or r["setting"]["t"] in seqs:
-      ladders.setdefault(ladder_key(r["setting"]), []).append(r)
+    s = r["setting"]
+    if (seqs is None or s["t"] in seqs) and (remats is None or s["remat"] in remats) and (
+        chunks is None or s["chunk"] in chunks):
+      ladders.setdefault(ladder_key(s), []).append(r)
   for rows in ladders.values():
     for r in sorted(rows, key=lambda r: r["setting"]["t"]):
       out.append(setting_of(r["setting"]["t"], r["setting"]["remat"], r["setting"]["chunk"]))
-      if r.get("fits") is not True:
+      if not compiled(r):
         break
   return sorted(out, key=lambda s: (s.t, REMATS.index(s.remat) if s.remat in REMATS else 99, s.chunk))
 
 
 def measure_all(settings: list[Setting], keep, budget_s: float | None, pair: str = PAIR) -> None:
-  """Measures ``settings`` in order in this process; a ladder stops at its first failure, and no configuration starts
-  after ``budget_s`` seconds (its row says so)."""
+  """Measures ``settings`` in order in this process; a ladder stops at its first failure (its row keeps the error),
+  and no configuration starts after ``budget_s`` seconds (said on stdout; it has no row)."""
   from bench.chip_step import measure
 
   failed: set[tuple] = set()
@@ -169,8 +182,9 @@ def summary(r: dict) -> str:
         else "no step time"
     return (f"{head} fits={r['fits']}, compiler peak {peak / GIB:.2f} GiB, {step}; compiled in "
             f"{r['compile_seconds']:.0f} s ({r['cpu_seconds']:.0f} CPU s)")
+  peaks = [(r.get(k) or 0) / GIB for k in ("compiler_peak_bytes", "peak_bytes")]
   return (f"{head} {r['step_s'] * 1e3:.0f} ms, {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * (r['mfu'] or 0):.1f}%, "
-          f"compiler peak {(r.get('compiler_peak_bytes') or 0) / GIB:.2f} GiB, chip peak {(r.get('peak_bytes') or 0) / GIB:.2f} GiB")
+          f"compiler peak {peaks[0]:.2f} GiB, chip peak {peaks[1]:.2f} GiB")
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -202,7 +216,7 @@ def _planned(r: dict | None) -> str:
     return _result(r)
   if r.get("compiler_peak_bytes") is None:
     return "out of HBM (compile)"
-  return "fits" if r["fits"] else f"over {100 * r['headroom']:.0f}% of HBM"
+  return "fits" if r["fits"] else f"over {r['headroom'] * r['budget_bytes'] / GIB:.1f} GiB"
 
 
 def longest(rows: dict[tuple, dict], ok) -> dict[tuple, int]:
@@ -232,10 +246,13 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "long_context.m
          "Generated by `python benchmarks/long_context.py --render` from `long_context.jsonl` (the script's docstring "
          "says how each row is made). Qwen3-1.7B (bfloat16 weights) -> 14-layer Qwen3-0.6B-shaped student (float32, "
          "AdamW), batch 1, splash attention, scanned layers, `ChunkedLogitKD` (T 2, alpha 0.5). *Planned*: compiled "
-         "for one v5e chip on a CPU host (one device of v5e:2x2), fits = the compiler's peak at most the headroom "
-         "(90%) of 15.75 GiB, time from the chip calibration source. *Measured*: on one v5e chip, median of 3 steps "
-         "after one warm-up step; compiler peak = the chip's own compile, chip peak = the process's "
-         "`peak_bytes_in_use`.", "",
+         "for one v5e chip on a CPU host (one device of v5e:2x2); it fits where the compiler's peak is at most "
+         "`safeguards.remat.headroom` (0.9) x the chip's 16 GiB = 14.4 GiB (the rule `distill`'s automatic remat "
+         "uses; the compiler itself stops at 15.75 GiB, *out of HBM (compile)*); ms from the chip calibration "
+         "source, tokens/s = seq / ms. *Measured*: on one v5e chip, median of 3 steps after one warm-up step; "
+         "compiler peak = the chip's own compile, chip peak = the process's `peak_bytes_in_use` (it keeps the "
+         "largest configuration run before: the rows ran shortest first). MFU counts causal attention's FLOPs "
+         "(`tpu_step.py`'s docstring).", "",
          "## The longest sequence at batch 1", "",
          "| student remat | loss chunk | planned (fits) | measured (ran) |", "|---|---:|---:|---:|"]
   for key in sorted(set(fit) | set(ran) | {ladder_key(r["setting"]) for r in plans.values()},
@@ -320,8 +337,8 @@ def main(argv=None) -> int:
   if not args.measure:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the TPU is compiled for, not used
     t0 = time.perf_counter()
-    plan_ladders(seqs, args.remats.split(","), [int(x) for x in args.chunks.split(",")], newest(stored, "plan", args.pair),
-                 args.replan, keep, args.pair)
+    plan_ladders(seqs, args.remats.split(","), [int(x) for x in args.chunks.split(",")],
+                 newest(stored, "plan", args.pair), args.replan, keep, args.pair)
     print(f"planning took {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
   import jax
@@ -333,7 +350,8 @@ def main(argv=None) -> int:
   if args.config:
     settings = [Setting.parse("b=1,attn=splash," + text) for text in args.config]
   else:
-    settings = chip_list(newest(stored, "plan", args.pair), set(seqs) if args.seqs != parser.get_default("seqs") else None)
+    settings = chip_list(newest(stored, "plan", args.pair), set(seqs), set(args.remats.split(",")),
+                         {int(x) for x in args.chunks.split(",")})
     if not settings:
       parser.error(f"no stored plans in {args.jsonl} to measure; plan first (without --measure) or name --config")
   print("measuring, in order: " + "; ".join(f"t={s.t} {s.remat} chunk {s.chunk}" for s in settings), flush=True)

@@ -18,8 +18,9 @@ def long_context():
 
 def _plan(t, remat, fits, chunk=1024, peak=11.0, ms=600.0, **kw):
   s = {"b": 1, "t": t, "remat": remat, "chunk": chunk, "attn": "splash"}
-  row = {"kind": "plan", "pair": "qwen3", "setting": s, "fits": fits, "headroom": 0.9, "need_bytes": peak and peak * GIB,
-         "compiler_peak_bytes": peak and peak * GIB, "calibrated_s": ms / 1e3, "tokens_per_s": t / (ms / 1e3),
+  row = {"kind": "plan", "pair": "qwen3", "setting": s, "fits": fits, "headroom": 0.9, "budget_bytes": 16 * GIB,
+         "need_bytes": peak and peak * GIB, "compiler_peak_bytes": peak and peak * GIB, "calibrated_s": ms / 1e3,
+         "tokens_per_s": t / (ms / 1e3),
          "commit": "aaaaaaa", "date": "2026-12-07", "device": "TPU v5 lite (compiled for)", "jax": "0.10.2",
          "libtpu": "0.0.42.1", "command": "python3 benchmarks/long_context.py"}
   return {**row, **kw}
@@ -36,15 +37,21 @@ def _measured(t, remat, ms=None, error=None, chunk=1024):
           "peak_bytes": 13 * GIB}
 
 
-def test_the_chip_run_takes_each_ladders_fitting_plans_and_its_first_misfit_shortest_first(long_context):
-  plans = [_plan(8192, "full", True), _plan(16384, "full", True), _plan(32768, "full", False),
-           _plan(65536, "full", False), _plan(8192, "dots_no_batch", True), _plan(16384, "dots_no_batch", False),
-           _plan(8192, "full", True, chunk=512)]
-  got = long_context.chip_list(long_context.newest(plans, "plan"))
+def test_the_chip_run_takes_each_ladder_up_to_the_first_program_the_compiler_refused_shortest_first(long_context):
+  oom = dict(peak=None, need_bytes=17.5 * GIB, calibrated_s=None, tokens_per_s=None)
+  plans = [_plan(8192, "full", True), _plan(16384, "full", True), _plan(32768, "full", False, peak=14.84),
+           _plan(65536, "full", False, **oom), _plan(131072, "full", False, **oom),
+           _plan(8192, "dots_no_batch", True), _plan(16384, "dots_no_batch", False, **oom),
+           _plan(32768, "full", False, peak=14.84, chunk=512)]
+  stored = long_context.newest(plans, "plan")
+  got = long_context.chip_list(stored)
   assert [(s.t, s.remat, s.chunk) for s in got] == [
-      (8192, "dots_no_batch", 1024), (8192, "full", 512), (8192, "full", 1024), (16384, "dots_no_batch", 1024),
-      (16384, "full", 1024), (32768, "full", 1024)]
+      (8192, "dots_no_batch", 1024), (8192, "full", 1024), (16384, "dots_no_batch", 1024), (16384, "full", 1024),
+      (32768, "full", 512), (32768, "full", 1024), (65536, "full", 1024)]
   assert all(s.b == 1 and s.attn == "splash" for s in got)
+  only = long_context.chip_list(stored, seqs={8192, 16384, 32768, 65536}, remats={"full"}, chunks={1024})
+  assert [(s.t, s.remat, s.chunk) for s in only] == [(8192, "full", 1024), (16384, "full", 1024),
+                                                      (32768, "full", 1024), (65536, "full", 1024)]
   # a newer plan of the same configuration replaces the older
   newer = long_context.chip_list(long_context.newest(plans + [_plan(16384, "dots_no_batch", True)], "plan"))
   assert (16384, "dots_no_batch", 1024) in [(s.t, s.remat, s.chunk) for s in newer]
@@ -55,28 +62,31 @@ def test_the_report_sets_each_plan_beside_its_measurement_and_names_each_ladders
   jsonl = str(tmp_path / "rows.jsonl")
   oom = "XlaRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm | 17.1G"
   for row in (_plan(8192, "full", True, ms=594.0), _plan(16384, "full", True, peak=11.43, ms=1728.4),
-              _plan(32768, "full", False, peak=None, need_bytes=17.5 * GIB, calibrated_s=None, tokens_per_s=None),
-              _measured(8192, "full", ms=610.0), _measured(16384, "full", ms=1700.0),
-              _measured(32768, "full", error=oom)):
+              _plan(32768, "full", False, peak=14.84, ms=5604.6),
+              _plan(65536, "full", False, peak=None, need_bytes=17.5 * GIB, calibrated_s=None, tokens_per_s=None),
+              _measured(8192, "full", ms=610.0), _measured(16384, "full", ms=1700.0), _measured(32768, "full", ms=5500),
+              _measured(65536, "full", error=oom)):
     results.append_row(jsonl, row)
   md = tmp_path / "long_context.md"
   md.write_text("old tables\n<!-- notes -->\nhand-written notes\n")
   text = long_context.render(jsonl, str(md))
   assert md.read_text().endswith("<!-- notes -->\nhand-written notes\n") and "old tables" not in md.read_text()
   lines = text.splitlines()
-  assert "| `full` | 1024 | 16,384 | 16,384 |" in lines
-  table = [ln for ln in lines if ln.startswith("| 8,192") or ln.startswith("| 16,384") or ln.startswith("| 32,768")]
+  assert "| `full` | 1024 | 16,384 | 32,768 |" in lines  # planned within the headroom; ran on the chip
+  table = [ln for ln in lines if ln.split(" | ")[0] in ("| 8,192", "| 16,384", "| 32,768", "| 65,536")]
   assert table == [
       "| 8,192 | `full` | 1024 | fits | 11.00 | 594 | 13,791 | ran | 610 | 13,430 | 40.0% | 12.00 | 13.00 | aaaaaaa "
       "| bbbbbbb |",
       "| 16,384 | `full` | 1024 | fits | 11.43 | 1,728 | 9,479 | ran | 1,700 | 9,638 | 40.0% | 12.00 | 13.00 | "
       "aaaaaaa | bbbbbbb |",
-      "| 32,768 | `full` | 1024 | out of HBM (compile) | 17.50 (arguments + temporaries) |  |  | out of HBM |  |  |  |"
+      "| 32,768 | `full` | 1024 | over 14.4 GiB | 14.84 | 5,605 | 5,847 | ran | 5,500 | 5,958 | 40.0% | 12.00 | "
+      "13.00 | aaaaaaa | bbbbbbb |",
+      "| 65,536 | `full` | 1024 | out of HBM (compile) | 17.50 (arguments + temporaries) |  |  | out of HBM |  |  |  |"
       "  |  | aaaaaaa | bbbbbbb |"]
-  where = [ln for ln in lines if ln.startswith("| 3 ")]
-  assert where == ["| 3 plan | 2026-12-07 | aaaaaaa | TPU v5 lite (compiled for) | 0.10.2 | 0.0.42.1 | "
+  where = [ln for ln in lines if ln.startswith("| 4 ")]
+  assert where == ["| 4 plan | 2026-12-07 | aaaaaaa | TPU v5 lite (compiled for) | 0.10.2 | 0.0.42.1 | "
                    "`python3 benchmarks/long_context.py` |",
-                   "| 3 measured | 2026-12-08 | bbbbbbb | TPU v5 lite | 0.10.2 | 0.0.42.1 | "
+                   "| 4 measured | 2026-12-08 | bbbbbbb | TPU v5 lite | 0.10.2 | 0.0.42.1 | "
                    "`python3 benchmarks/long_context.py --measure --commit bbbbbbb` |"]
 
 

@@ -1,6 +1,7 @@
-"""The pairs and settings `tpu_step.py` measures on a TPU chip, shared with the scripts that plan them
-(`plan_chip.py`, `long_context.py`): the teacher / student presets of each pair and a `Setting` (batch, sequence, remat, loss chunk,
-attention kernel, splash blocks, AdamW's first moment), and the model configs of both."""
+"""The pairs and settings `tpu_step.py` and `long_context.py` measure on a TPU chip, shared with the scripts that plan
+them (`plan_chip.py`, `long_context.py`): the teacher / student presets of each pair, a `Setting` (batch, sequence,
+remat, loss chunk, attention kernel, splash blocks, AdamW's first moment), the model configs of both, and the planner
+of a pair at a setting (`pair_planner`: one chip of a v5e as the chip's own plan)."""
 
 from __future__ import annotations
 
