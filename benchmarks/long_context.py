@@ -3,9 +3,10 @@
 The pair is `tpu_step.py`'s ``qwen3``: Qwen3-1.7B (bfloat16 weights) distilled into a 14-layer Qwen3-0.6B-shaped
 student (float32 weights, AdamW), both computing in bfloat16 with scanned layers and splash attention,
 ``ChunkedLogitKD`` (forward KL at temperature 2, alpha 0.5), batch 1. A configuration is a sequence length, the
-student's remat policy and the loss chunk (`bench.chip_pairs.Setting`); a sequence past Qwen3's ``max_len`` (40,960)
-raises that bound (`bench.chip_pairs.model_configs`). Configurations form ladders, one per (remat, chunk), each
-from short to long.
+student's remat policy, the loss chunk and the splash kernel's blocks (`bench.chip_pairs.Setting`; `BLOCKS`: the
+package's, whose fused backward keeps a dq partial per key block, memory that grows as T^2, and the same blocks with a
+dq pass of its own); a sequence past Qwen3's ``max_len`` (40,960) raises that bound (`bench.chip_pairs.model_configs`).
+Configurations form ladders, one per (blocks, remat, chunk), each from short to long.
 
 Planned (default; a CPU host with libtpu, no chip): each configuration compiled for one v5e chip (one device of
 ``v5e:2x2``, `bench.chip_pairs.pair_planner`: the program ``md.plan(..., devices="local")`` compiles on the chip, its
@@ -16,14 +17,15 @@ refuses: between the two limits a configuration does not fit the plan's rule and
 Configurations already stored are not planned again (``--replan``: they are). Each plan row keeps its compile's wall
 and CPU seconds.
 
-Measured (``--measure``, on the chip): from the stored plans of ``--seqs`` / ``--remats`` / ``--chunks``, each
-ladder's configurations the compiler made (fitting or over the headroom) and the first it refused (the limit, seen
-from both sides), in one process, shortest sequence first; a ladder stops at its first configuration that fails on
-the chip (out of HBM is a row with its error, not a crash). Each row: the step's median of 3 after one warm-up step
-(the first loads the program just compiled: `bench.chip_step.measure`), tokens/s, MFU, the compiler's peak (what a
-fit is judged on) and the process's peak HBM (`peak_bytes_in_use`, which keeps the largest configuration run so far:
-shortest first, it is the current one's while a ladder climbs). ``--config`` names the configurations instead
-(``t=32768,remat=full,chunk=1024``; batch 1 and splash unless given); ``--budget S`` starts none after S seconds.
+Measured (``--measure``, on the chip): from the stored plans of ``--seqs`` / ``--remats`` / ``--chunks`` /
+``--blocks``, each ladder's configurations the compiler made (fitting or over the headroom) and the first it refused
+(the limit, seen from both sides), in one process, shortest sequence first; a ladder stops at its first configuration
+that fails on the chip (out of HBM is a row with its error, not a crash). Each row: the step's median of 3 after one
+warm-up step (the first loads the program just compiled: `bench.chip_step.measure`), tokens/s, MFU, the compiler's
+peak (what a fit is judged on) and the process's peak HBM (`peak_bytes_in_use`, which keeps the largest configuration
+run so far: shortest first, it is the current one's while a ladder climbs). ``--config`` names the configurations
+instead (``t=32768,remat=full,chunk=1024``; batch 1 and splash unless given); ``--budget S`` starts none after S
+seconds.
 
   python benchmarks/long_context.py                          # plan (minutes of CPU per configuration)
   python benchmarks/long_context.py --measure --commit SHA   # on the chip; rows appended to --out
@@ -56,21 +58,31 @@ TOPOLOGY = "v5e:2x2"  # one device of it: the one-chip program (libtpu compiles 
 SEQS = (8192, 16384, 32768, 65536, 131072)
 REMATS = ("dots_no_batch", "full")  # the least remat that fitted 2048-token rows, and the least memory
 CHUNKS = (1024,)
+# the splash kernel's blocks (`chip_step.use_splash_blocks`): the package's (its fused backward accumulates dq in the
+# dk/dv pass, one [T, head_dim] partial per key block of every head: memory that grows as T^2 / 1024), and the same
+# blocks with dq in a pass of its own (memory linear in T)
+BLOCKS = ("default", "q512-kv1024-c512")
+BLOCK_NAMES = {"default": "fused backward (the package's)", "q512-kv1024-c512": "dq pass of its own"}
 STEPS, WARMUP = 3, 1  # timed steps after the warm-up step that loads the compiled program
 GIB = 2**30
 
 
-def ladder_key(s: dict) -> tuple[str, int]:
-  """The ladder a setting belongs to: its remat policy and loss chunk."""
-  return s["remat"], s["chunk"]
+def ladder_key(s: dict) -> tuple[str, str, int]:
+  """The ladder a setting belongs to: its splash blocks, remat policy and loss chunk."""
+  return s.get("blocks", "default"), s["remat"], s["chunk"]
 
 
-def config_key(s: dict) -> tuple[str, int, int]:
-  return s["remat"], s["chunk"], s["t"]
+def config_key(s: dict) -> tuple[str, str, int, int]:
+  return (*ladder_key(s), s["t"])
 
 
-def setting_of(t: int, remat: str, chunk: int) -> Setting:
-  return Setting(b=1, t=t, remat=remat, chunk=chunk, attn="splash")
+def ladder_order(key: tuple) -> tuple:
+  blocks, remat, chunk, *t = key
+  return (BLOCKS.index(blocks) if blocks in BLOCKS else 99, REMATS.index(remat) if remat in REMATS else 99, chunk, *t)
+
+
+def setting_of(t: int, remat: str, chunk: int, blocks: str = "default") -> Setting:
+  return Setting(b=1, t=t, remat=remat, chunk=chunk, attn="splash", blocks=blocks)
 
 
 def load(path: str) -> list[dict]:
@@ -89,12 +101,15 @@ def plan_row(s: Setting, pair: str = PAIR) -> dict:
   """``s`` planned for one v5e chip: fits, memory, roofline and calibrated step, tokens/s, compile seconds."""
   from meshdistill.planner import Knobs
 
+  from bench.chip_step import use_splash_blocks
+
   row = {"kind": "plan", "pair": pair, "setting": dataclasses.asdict(s), "label": s.label(),
          "device": f"TPU v5 lite (compiled for one device of {TOPOLOGY} on a CPU host)"}
   cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
   try:
     pl = pair_planner(pair, s, TOPOLOGY, one_chip=True)
-    p = pl.plan(Knobs(1, 1, s.remat, s.chunk, s.b))
+    with use_splash_blocks(s.blocks):  # the step is traced with the setting's blocks
+      p = pl.plan(Knobs(1, 1, s.remat, s.chunk, s.b))
   except Exception as e:  # noqa: BLE001 -- a configuration the planner refuses is a result too
     row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
     return row
@@ -116,44 +131,47 @@ def compiled(row: dict) -> bool:
   return "error" not in row and row.get("compiler_peak_bytes") is not None
 
 
-def plan_ladders(seqs, remats, chunks, stored: dict[tuple, dict], replan: bool, keep, pair: str = PAIR) -> None:
+def plan_ladders(seqs, remats, chunks, blocks, stored: dict[tuple, dict], replan: bool, keep,
+                 pair: str = PAIR) -> None:
   """Plans each ladder from its shortest sequence, stopping after its first configuration the TPU compiler refuses
   (out of HBM: no longer sequence can fit; a stored row counts as planned unless ``replan``); ``keep`` stores each
   new row."""
-  for remat in remats:
-    for chunk in chunks:
-      for t in sorted(seqs):
-        row = None if replan else stored.get((remat, chunk, t))
-        if row is None:
-          print(f"planning t={t}, remat={remat}, chunk={chunk}", flush=True)
-          row = keep(plan_row(setting_of(t, remat, chunk), pair))
-        if not compiled(row):
-          break
+  for block in blocks:
+    for remat in remats:
+      for chunk in chunks:
+        for t in sorted(seqs):
+          row = None if replan else stored.get((block, remat, chunk, t))
+          if row is None:
+            print(f"planning t={t}, remat={remat}, chunk={chunk}, blocks={block}", flush=True)
+            row = keep(plan_row(setting_of(t, remat, chunk, block), pair))
+          if not compiled(row):
+            break
 
 
-def chip_list(plans: dict[tuple, dict], seqs=None, remats=None, chunks=None) -> list[Setting]:
-  """The configurations to measure from the stored plans (``seqs``, ``remats``, ``chunks``: only these): in each
-  ladder every one the compiler made (those that fit, and those over the plan's headroom, which the chip may still
-  run) and the first it refused, shortest sequence first across ladders."""
+def chip_list(plans: dict[tuple, dict], seqs=None, remats=None, chunks=None, blocks=None) -> list[Setting]:
+  """The configurations to measure from the stored plans (only those of ``seqs``, ``remats``, ``chunks``, ``blocks``
+  where given): in each ladder every one the compiler made (those that fit, and those over the plan's headroom,
+  which the chip may still run) and the first it refused, shortest sequence first across ladders."""
   out = []
   ladders: dict[tuple, list[dict]] = {}
   for r in plans.values():
     s = r["setting"]
     if (seqs is None or s["t"] in seqs) and (remats is None or s["remat"] in remats) and (
-        chunks is None or s["chunk"] in chunks):
+        chunks is None or s["chunk"] in chunks) and (blocks is None or s.get("blocks", "default") in blocks):
       ladders.setdefault(ladder_key(s), []).append(r)
   for rows in ladders.values():
     for r in sorted(rows, key=lambda r: r["setting"]["t"]):
-      out.append(setting_of(r["setting"]["t"], r["setting"]["remat"], r["setting"]["chunk"]))
+      out.append(setting_of(r["setting"]["t"], r["setting"]["remat"], r["setting"]["chunk"],
+                            r["setting"].get("blocks", "default")))
       if not compiled(r):
         break
-  return sorted(out, key=lambda s: (s.t, REMATS.index(s.remat) if s.remat in REMATS else 99, s.chunk))
+  return sorted(out, key=lambda s: (s.t, *ladder_order(ladder_key(vars(s)))))
 
 
 def measure_all(settings: list[Setting], keep, budget_s: float | None, pair: str = PAIR) -> None:
   """Measures ``settings`` in order in this process; a ladder stops at its first failure (its row keeps the error),
   and no configuration starts after ``budget_s`` seconds (said on stdout; it has no row)."""
-  from bench.chip_step import measure
+  from bench.chip_step import measure, use_splash_blocks
 
   failed: set[tuple] = set()
   t0 = time.perf_counter()
@@ -166,14 +184,15 @@ def measure_all(settings: list[Setting], keep, budget_s: float | None, pair: str
       print(f"{where} {s.label()}: not started, past the --budget of {budget_s:.0f} s", flush=True)
       continue
     print(f"{where} {s.label()}: starting", flush=True)
-    row = keep({"kind": "measured", **measure(pair, s, STEPS, False, None, warmup=WARMUP)})
+    with use_splash_blocks(s.blocks):  # every program of this setting is traced with its blocks
+      row = keep({"kind": "measured", **measure(pair, s, STEPS, False, None, warmup=WARMUP)})
     if "error" in row:
       failed.add(ladder_key(vars(s)))
 
 
 def summary(r: dict) -> str:
   s = r["setting"]
-  head = f"{r['kind']} t={s['t']}, remat={s['remat']}, chunk={s['chunk']}:"
+  head = f"{r['kind']} t={s['t']}, remat={s['remat']}, chunk={s['chunk']}, blocks={s.get('blocks', 'default')}:"
   if "error" in r:
     return f"{head} {r['error'][:300]}"
   if r["kind"] == "plan":
@@ -190,6 +209,10 @@ def summary(r: dict) -> str:
 # ------------------------------------------------------------------------------------------------ the report
 def _gib(x) -> str:
   return "" if not x else f"{x / GIB:.2f}"
+
+
+def _blocks(spec: str) -> str:
+  return f"{BLOCK_NAMES[spec]} (`{spec}`)" if spec in BLOCK_NAMES else f"`{spec}`"
 
 
 def _result(r: dict | None) -> str:
@@ -254,21 +277,25 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "long_context.m
          "largest configuration run before: the rows ran shortest first). MFU counts causal attention's FLOPs "
          "(`tpu_step.py`'s docstring).", "",
          "## The longest sequence at batch 1", "",
-         "| student remat | loss chunk | planned (fits) | measured (ran) |", "|---|---:|---:|---:|"]
-  for key in sorted(set(fit) | set(ran) | {ladder_key(r["setting"]) for r in plans.values()},
-                    key=lambda k: (REMATS.index(k[0]) if k[0] in REMATS else 99, k[1])):
-    cell = lambda d: f"{d[key]:,}" if key in d else "none"  # noqa: E731
-    meas = cell(ran) if any(ladder_key(r["setting"]) == key for r in measured.values()) else "not measured"
-    out.append(f"| `{key[0]}` | {key[1]} | {cell(fit)} | {meas} |")
+         "| splash backward (blocks) | student remat | loss chunk | planned (fits) | measured (ran) |",
+         "|---|---|---:|---:|---:|"]
+  for key in sorted(set(fit) | set(ran) | {ladder_key(r["setting"]) for r in plans.values()}, key=ladder_order):
+    def cell(longest_of: dict, rows: dict) -> str:
+      tried = [r["setting"]["t"] for r in rows.values() if ladder_key(r["setting"]) == key]
+      if not tried:
+        return "not measured" if rows is measured else "not planned"
+      return f"{longest_of[key]:,}" if key in longest_of else f"none of {min(tried):,} and up"
+
+    fit_cell, meas = cell(fit, plans), cell(ran, measured)
+    out.append(f"| {_blocks(key[0])} | `{key[1]}` | {key[2]} | {fit_cell} | {meas} |")
   out += ["", "## Each configuration, planned and measured", "",
-          "| seq | student remat | loss chunk | planned | planned compiler peak GiB | planned ms (calibrated) | "
-          "planned tokens/s | measured | ms / step | tokens/s | MFU | measured compiler peak GiB | chip peak GiB | "
-          "plan commit | chip commit |",
-          "|---:|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
-  for key in sorted(set(plans) | set(measured), key=lambda k: (REMATS.index(k[0]) if k[0] in REMATS else 99, k[1],
-                                                                 k[2])):
+          "| splash backward (blocks) | student remat | loss chunk | seq | planned | planned compiler peak GiB | "
+          "planned ms (calibrated) | planned tokens/s | measured | ms / step | tokens/s | MFU | measured compiler "
+          "peak GiB | chip peak GiB | plan commit | chip commit |",
+          "|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
+  for key in sorted(set(plans) | set(measured), key=ladder_order):
     p, m = plans.get(key), measured.get(key)
-    remat, chunk, t = key
+    blocks, remat, chunk, t = key
     planned_ms = planned_tps = ""
     if p is not None and p.get("calibrated_s"):
       planned_ms = f"{p['calibrated_s'] * 1e3:,.0f}"
@@ -276,7 +303,7 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "long_context.m
     ms = tps = mfu = ""
     if m is not None and "step_s" in m:
       ms, tps, mfu = f"{m['step_s'] * 1e3:,.0f}", f"{m['tokens_per_s']:,.0f}", f"{100 * (m.get('mfu') or 0):.1f}%"
-    out.append(f"| {t:,} | `{remat}` | {chunk} | {_planned(p)} | {_planned_peak(p)} | "
+    out.append(f"| {_blocks(blocks)} | `{remat}` | {chunk} | {t:,} | {_planned(p)} | {_planned_peak(p)} | "
                f"{planned_ms} | {planned_tps} | {_result(m)} | {ms} | {tps} | {mfu} | "
                f"{_gib(m and m.get('compiler_peak_bytes'))} | {_gib(m and m.get('peak_bytes'))} | "
                f"{(p or {}).get('commit', '')} | {(m or {}).get('commit', '')} |")
@@ -307,6 +334,8 @@ def main(argv=None) -> int:
   parser.add_argument("--seqs", default=",".join(map(str, SEQS)), help="sequence lengths (multiples of 128)")
   parser.add_argument("--remats", default=",".join(REMATS), help="the student's remat policies")
   parser.add_argument("--chunks", default=",".join(map(str, CHUNKS)), help="loss chunk sizes")
+  parser.add_argument("--blocks", default=",".join(BLOCKS),
+                      help="the splash kernel's blocks (tpu_step.py's form: default, q512-kv1024-c512[-fused])")
   parser.add_argument("--replan", action="store_true", help="plan configurations already stored again")
   parser.add_argument("--config", action="append", default=[],
                       help="--measure: this configuration instead of the plans' list (repeatable), e.g. "
@@ -337,7 +366,7 @@ def main(argv=None) -> int:
   if not args.measure:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the TPU is compiled for, not used
     t0 = time.perf_counter()
-    plan_ladders(seqs, args.remats.split(","), [int(x) for x in args.chunks.split(",")],
+    plan_ladders(seqs, args.remats.split(","), [int(x) for x in args.chunks.split(",")], args.blocks.split(","),
                  newest(stored, "plan", args.pair), args.replan, keep, args.pair)
     print(f"planning took {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
@@ -351,7 +380,7 @@ def main(argv=None) -> int:
     settings = [Setting.parse("b=1,attn=splash," + text) for text in args.config]
   else:
     settings = chip_list(newest(stored, "plan", args.pair), set(seqs), set(args.remats.split(",")),
-                         {int(x) for x in args.chunks.split(",")})
+                         {int(x) for x in args.chunks.split(",")}, set(args.blocks.split(",")))
     if not settings:
       parser.error(f"no stored plans in {args.jsonl} to measure; plan first (without --measure) or name --config")
   print("measuring, in order: " + "; ".join(f"t={s.t} {s.remat} chunk {s.chunk}" for s in settings), flush=True)

@@ -16,8 +16,8 @@ def long_context():
   return importlib.import_module("long_context")
 
 
-def _plan(t, remat, fits, chunk=1024, peak=11.0, ms=600.0, **kw):
-  s = {"b": 1, "t": t, "remat": remat, "chunk": chunk, "attn": "splash"}
+def _plan(t, remat, fits, chunk=1024, peak=11.0, ms=600.0, blocks="default", **kw):
+  s = {"b": 1, "t": t, "remat": remat, "chunk": chunk, "attn": "splash", "blocks": blocks}
   row = {"kind": "plan", "pair": "qwen3", "setting": s, "fits": fits, "headroom": 0.9, "budget_bytes": 16 * GIB,
          "need_bytes": peak and peak * GIB, "compiler_peak_bytes": peak and peak * GIB, "calibrated_s": ms / 1e3,
          "tokens_per_s": t / (ms / 1e3),
@@ -26,8 +26,8 @@ def _plan(t, remat, fits, chunk=1024, peak=11.0, ms=600.0, **kw):
   return {**row, **kw}
 
 
-def _measured(t, remat, ms=None, error=None, chunk=1024):
-  s = {"b": 1, "t": t, "remat": remat, "chunk": chunk, "attn": "splash"}
+def _measured(t, remat, ms=None, error=None, chunk=1024, blocks="default"):
+  s = {"b": 1, "t": t, "remat": remat, "chunk": chunk, "attn": "splash", "blocks": blocks}
   row = {"kind": "measured", "pair": "qwen3", "setting": s, "commit": "bbbbbbb", "date": "2026-12-08",
          "device": "TPU v5 lite", "jax": "0.10.2", "libtpu": "0.0.42.1",
          "command": "python3 benchmarks/long_context.py --measure --commit bbbbbbb"}
@@ -42,14 +42,16 @@ def test_the_chip_run_takes_each_ladder_up_to_the_first_program_the_compiler_ref
   plans = [_plan(8192, "full", True), _plan(16384, "full", True), _plan(32768, "full", False, peak=14.84),
            _plan(65536, "full", False, **oom), _plan(131072, "full", False, **oom),
            _plan(8192, "dots_no_batch", True), _plan(16384, "dots_no_batch", False, **oom),
-           _plan(32768, "full", False, peak=14.84, chunk=512)]
+           _plan(32768, "full", False, peak=14.84, chunk=512), _plan(65536, "full", True, blocks="q512-kv1024-c512")]
   stored = long_context.newest(plans, "plan")
   got = long_context.chip_list(stored)
-  assert [(s.t, s.remat, s.chunk) for s in got] == [
-      (8192, "dots_no_batch", 1024), (8192, "full", 1024), (16384, "dots_no_batch", 1024), (16384, "full", 1024),
-      (32768, "full", 512), (32768, "full", 1024), (65536, "full", 1024)]
+  assert [(s.t, s.remat, s.chunk, s.blocks) for s in got] == [
+      (8192, "dots_no_batch", 1024, "default"), (8192, "full", 1024, "default"),
+      (16384, "dots_no_batch", 1024, "default"), (16384, "full", 1024, "default"), (32768, "full", 512, "default"),
+      (32768, "full", 1024, "default"), (65536, "full", 1024, "default"), (65536, "full", 1024, "q512-kv1024-c512")]
   assert all(s.b == 1 and s.attn == "splash" for s in got)
-  only = long_context.chip_list(stored, seqs={8192, 16384, 32768, 65536}, remats={"full"}, chunks={1024})
+  only = long_context.chip_list(stored, seqs={8192, 16384, 32768, 65536}, remats={"full"}, chunks={1024},
+                                blocks={"default"})
   assert [(s.t, s.remat, s.chunk) for s in only] == [(8192, "full", 1024), (16384, "full", 1024),
                                                       (32768, "full", 1024), (65536, "full", 1024)]
   # a newer plan of the same configuration replaces the older
@@ -72,17 +74,17 @@ def test_the_report_sets_each_plan_beside_its_measurement_and_names_each_ladders
   text = long_context.render(jsonl, str(md))
   assert md.read_text().endswith("<!-- notes -->\nhand-written notes\n") and "old tables" not in md.read_text()
   lines = text.splitlines()
-  assert "| `full` | 1024 | 16,384 | 32,768 |" in lines  # planned within the headroom; ran on the chip
-  table = [ln for ln in lines if ln.split(" | ")[0] in ("| 8,192", "| 16,384", "| 32,768", "| 65,536")]
+  fused = "fused backward (the package's) (`default`)"
+  assert f"| {fused} | `full` | 1024 | 16,384 | 32,768 |" in lines  # planned within the headroom; ran on the chip
+  table = [ln[len(f"| {fused} | `full` | 1024 "):] for ln in lines if ln.startswith(f"| {fused} | `full` | 1024 | ")
+           and ln.count("|") > 8]
   assert table == [
-      "| 8,192 | `full` | 1024 | fits | 11.00 | 594 | 13,791 | ran | 610 | 13,430 | 40.0% | 12.00 | 13.00 | aaaaaaa "
-      "| bbbbbbb |",
-      "| 16,384 | `full` | 1024 | fits | 11.43 | 1,728 | 9,479 | ran | 1,700 | 9,638 | 40.0% | 12.00 | 13.00 | "
-      "aaaaaaa | bbbbbbb |",
-      "| 32,768 | `full` | 1024 | over 14.4 GiB | 14.84 | 5,605 | 5,847 | ran | 5,500 | 5,958 | 40.0% | 12.00 | "
-      "13.00 | aaaaaaa | bbbbbbb |",
-      "| 65,536 | `full` | 1024 | out of HBM (compile) | 17.50 (arguments + temporaries) |  |  | out of HBM |  |  |  |"
-      "  |  | aaaaaaa | bbbbbbb |"]
+      "| 8,192 | fits | 11.00 | 594 | 13,791 | ran | 610 | 13,430 | 40.0% | 12.00 | 13.00 | aaaaaaa | bbbbbbb |",
+      "| 16,384 | fits | 11.43 | 1,728 | 9,479 | ran | 1,700 | 9,638 | 40.0% | 12.00 | 13.00 | aaaaaaa | bbbbbbb |",
+      "| 32,768 | over 14.4 GiB | 14.84 | 5,605 | 5,847 | ran | 5,500 | 5,958 | 40.0% | 12.00 | 13.00 | aaaaaaa | "
+      "bbbbbbb |",
+      "| 65,536 | out of HBM (compile) | 17.50 (arguments + temporaries) |  |  | out of HBM |  |  |  |  |  | aaaaaaa | "
+      "bbbbbbb |"]
   where = [ln for ln in lines if ln.startswith("| 4 ")]
   assert where == ["| 4 plan | 2026-12-07 | aaaaaaa | TPU v5 lite (compiled for) | 0.10.2 | 0.0.42.1 | "
                    "`python3 benchmarks/long_context.py` |",
