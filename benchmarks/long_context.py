@@ -4,8 +4,8 @@ The pair is `tpu_step.py`'s ``qwen3``: Qwen3-1.7B (bfloat16 weights) distilled i
 student (float32 weights, AdamW), both computing in bfloat16 with scanned layers and splash attention,
 ``ChunkedLogitKD`` (forward KL at temperature 2, alpha 0.5), batch 1. A configuration is a sequence length, the
 student's remat policy, the loss chunk and the splash kernel's blocks (`bench.chip_pairs.Setting`; `BLOCKS`: the
-package's, whose fused backward keeps a dq partial per key block, memory that grows as T^2, and the same blocks with a
-dq pass of its own); a sequence past Qwen3's ``max_len`` (40,960) raises that bound (`bench.chip_pairs.model_configs`).
+package's, whose fused backward keeps a dq partial per key block, memory that grows as T^2, and its forward blocks
+with a dq pass of its own); a sequence past Qwen3's ``max_len`` (40,960) raises that bound (`bench.chip_pairs.model_configs`).
 Configurations form ladders, one per (blocks, remat, chunk), each from short to long.
 
 Planned (default; a CPU host with libtpu, no chip): each configuration compiled for one v5e chip (one device of
@@ -59,10 +59,11 @@ SEQS = (8192, 16384, 32768, 65536, 131072)
 REMATS = ("dots_no_batch", "full")  # the least remat that fitted 2048-token rows, and the least memory
 CHUNKS = (1024,)
 # the splash kernel's blocks (`chip_step.use_splash_blocks`): the package's (its fused backward accumulates dq in the
-# dk/dv pass, one [T, head_dim] partial per key block of every head: memory that grows as T^2 / 1024), and the same
-# blocks with dq in a pass of its own (memory linear in T)
+# dk/dv pass, one [T, head_dim] partial per 1024-token key block of every head, summed after: memory that grows as
+# T^2), and its forward blocks with the backward in two passes, dq in one of its own (512-token query and 1024-token
+# key blocks; memory linear in T)
 BLOCKS = ("default", "q512-kv1024-c512")
-BLOCK_NAMES = {"default": "fused backward (the package's)", "q512-kv1024-c512": "dq pass of its own"}
+BLOCK_NAMES = {"default": "fused backward (the package's)", "q512-kv1024-c512": "separate dq pass"}
 STEPS, WARMUP = 3, 1  # timed steps after the warm-up step that loads the compiled program
 GIB = 2**30
 
