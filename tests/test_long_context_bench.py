@@ -2,12 +2,14 @@
 plans, the report it renders from stored rows, and a run refused before anything is measured without a commit."""
 
 import importlib
+import pathlib
 
 import pytest
 
 from helpers import bench_module
 
 GIB = 2**30
+RESULTS = pathlib.Path(__file__).parents[1] / "benchmarks" / "results"
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +99,11 @@ def test_a_run_without_a_commit_is_refused_before_anything_is_measured(long_cont
     long_context.main(["--measure", "--commit", "not-a-sha", "--jsonl", str(tmp_path / "rows.jsonl")])
   assert "7 to 40 hex digits" in capsys.readouterr().err
   assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_rendering_the_stored_rows_again_changes_nothing_in_long_context_md(long_context, tmp_path):
+  md = tmp_path / "long_context.md"
+  committed = (RESULTS / "long_context.md").read_text()
+  md.write_text(committed)  # its hand-written notes are kept from the file rendered into
+  long_context.render(str(RESULTS / "long_context.jsonl"), str(md))
+  assert md.read_text() == committed
