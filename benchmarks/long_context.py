@@ -5,8 +5,8 @@ student (float32 weights, AdamW), both computing in bfloat16 with scanned layers
 ``ChunkedLogitKD`` (forward KL at temperature 2, alpha 0.5), batch 1. A configuration is a sequence length, the
 student's remat policy, the loss chunk and the splash kernel's blocks (`bench.chip_pairs.Setting`; `BLOCKS`: the
 package's, whose fused backward keeps a dq partial per key block, memory that grows as T^2, and its forward blocks
-with a dq pass of its own); a sequence past Qwen3's ``max_len`` (40,960) raises that bound (`bench.chip_pairs.model_configs`).
-Configurations form ladders, one per (blocks, remat, chunk), each from short to long.
+with a dq pass of its own); a sequence past Qwen3's ``max_len`` (40,960) raises that bound
+(`bench.chip_pairs.model_configs`). Configurations form ladders, one per (blocks, remat, chunk), short to long.
 
 Planned (default; a CPU host with libtpu, no chip): each configuration compiled for one v5e chip (one device of
 ``v5e:2x2``, `bench.chip_pairs.pair_planner`: the program ``md.plan(..., devices="local")`` compiles on the chip, its
@@ -18,14 +18,14 @@ Configurations already stored are not planned again (``--replan``: they are). Ea
 and CPU seconds.
 
 Measured (``--measure``, on the chip): from the stored plans of ``--seqs`` / ``--remats`` / ``--chunks`` /
-``--blocks``, each ladder's configurations the compiler made (fitting or over the headroom) and the first it refused
-(the limit, seen from both sides), in one process, shortest sequence first; a ladder stops at its first configuration
-that fails on the chip (out of HBM is a row with its error, not a crash). Each row: the step's median of 3 after one
-warm-up step (the first loads the program just compiled: `bench.chip_step.measure`), tokens/s, MFU, the compiler's
-peak (what a fit is judged on) and the process's peak HBM (`peak_bytes_in_use`, which keeps the largest configuration
-run so far: shortest first, it is the current one's while a ladder climbs). ``--config`` names the configurations
-instead (``t=32768,remat=full,chunk=1024``; batch 1 and splash unless given); ``--budget S`` starts none after S
-seconds.
+``--blocks``, each ladder's longest configuration that fits (``--every-fit``: every one), the longer ones the compiler
+made (over the headroom) and the first it refused (the limit, seen from both sides), in one process, shortest
+sequence first; a ladder stops at its first configuration that fails on the chip (out of HBM is a row with its error,
+not a crash). Each row: the step's median of 3 after one warm-up step (the first loads the program just compiled:
+`bench.chip_step.measure`), tokens/s, MFU, the compiler's peak (what a fit is judged on) and the process's peak HBM
+(`peak_bytes_in_use`, which keeps the largest configuration run so far: shortest first, it is the current one's while
+a ladder climbs). ``--config`` names the configurations instead (``t=32768,remat=full,chunk=1024``; batch 1 and
+splash unless given); ``--budget S`` starts none after S seconds.
 
   python benchmarks/long_context.py                          # plan (minutes of CPU per configuration)
   python benchmarks/long_context.py --measure --commit SHA   # on the chip; rows appended to --out
@@ -149,10 +149,12 @@ def plan_ladders(seqs, remats, chunks, blocks, stored: dict[tuple, dict], replan
             break
 
 
-def chip_list(plans: dict[tuple, dict], seqs=None, remats=None, chunks=None, blocks=None) -> list[Setting]:
+def chip_list(plans: dict[tuple, dict], seqs=None, remats=None, chunks=None, blocks=None,
+              every_fit: bool = False) -> list[Setting]:
   """The configurations to measure from the stored plans (only those of ``seqs``, ``remats``, ``chunks``, ``blocks``
-  where given): in each ladder every one the compiler made (those that fit, and those over the plan's headroom,
-  which the chip may still run) and the first it refused, shortest sequence first across ladders."""
+  where given): in each ladder its longest that fits (``every_fit``: every one that fits; the ladder's shortest where
+  none does), every longer one the compiler made (over the plan's headroom, which the chip may still run) and the
+  first it refused: each limit seen from both sides. Shortest sequence first across ladders."""
   out = []
   ladders: dict[tuple, list[dict]] = {}
   for r in plans.values():
@@ -161,7 +163,10 @@ def chip_list(plans: dict[tuple, dict], seqs=None, remats=None, chunks=None, blo
         chunks is None or s["chunk"] in chunks) and (blocks is None or s.get("blocks", "default") in blocks):
       ladders.setdefault(ladder_key(s), []).append(r)
   for rows in ladders.values():
-    for r in sorted(rows, key=lambda r: r["setting"]["t"]):
+    rows = sorted(rows, key=lambda r: r["setting"]["t"])
+    fitting = [i for i, r in enumerate(rows) if r.get("fits") is True]
+    start = 0 if every_fit or not fitting else fitting[-1]
+    for r in rows[start:]:
       out.append(setting_of(r["setting"]["t"], r["setting"]["remat"], r["setting"]["chunk"],
                             r["setting"].get("blocks", "default")))
       if not compiled(r):
@@ -341,6 +346,8 @@ def main(argv=None) -> int:
   parser.add_argument("--config", action="append", default=[],
                       help="--measure: this configuration instead of the plans' list (repeatable), e.g. "
                            "t=32768,remat=full,chunk=1024")
+  parser.add_argument("--every-fit", action="store_true",
+                      help="--measure: every configuration that fits, not only each ladder's longest")
   parser.add_argument("--budget", type=float, default=None,
                       help="--measure: start no configuration after this many seconds")
   parser.add_argument("--jsonl", default=str(JSONL), help="the stored rows (plans read from here)")
@@ -381,10 +388,11 @@ def main(argv=None) -> int:
     settings = [Setting.parse("b=1,attn=splash," + text) for text in args.config]
   else:
     settings = chip_list(newest(stored, "plan", args.pair), set(seqs), set(args.remats.split(",")),
-                         {int(x) for x in args.chunks.split(",")}, set(args.blocks.split(",")))
+                         {int(x) for x in args.chunks.split(",")}, set(args.blocks.split(",")), args.every_fit)
     if not settings:
       parser.error(f"no stored plans in {args.jsonl} to measure; plan first (without --measure) or name --config")
-  print("measuring, in order: " + "; ".join(f"t={s.t} {s.remat} chunk {s.chunk}" for s in settings), flush=True)
+  print("measuring, in order: " + "; ".join(f"t={s.t} {s.remat} chunk {s.chunk} blocks {s.blocks}" for s in settings),
+        flush=True)
   measure_all(settings, keep, args.budget, args.pair)
   return 0
 

@@ -39,7 +39,8 @@ def _measured(t, remat, ms=None, error=None, chunk=1024, blocks="default"):
           "peak_bytes": 13 * GIB}
 
 
-def test_the_chip_run_takes_each_ladder_up_to_the_first_program_the_compiler_refused_shortest_first(long_context):
+def test_the_chip_run_takes_each_ladders_longest_fit_and_what_follows_up_to_the_first_refusal_shortest_first(
+    long_context):
   oom = dict(peak=None, need_bytes=17.5 * GIB, calibrated_s=None, tokens_per_s=None)
   plans = [_plan(8192, "full", True), _plan(16384, "full", True), _plan(32768, "full", False, peak=14.84),
            _plan(65536, "full", False, **oom), _plan(131072, "full", False, **oom),
@@ -48,17 +49,17 @@ def test_the_chip_run_takes_each_ladder_up_to_the_first_program_the_compiler_ref
   stored = long_context.newest(plans, "plan")
   got = long_context.chip_list(stored)
   assert [(s.t, s.remat, s.chunk, s.blocks) for s in got] == [
-      (8192, "dots_no_batch", 1024, "default"), (8192, "full", 1024, "default"),
-      (16384, "dots_no_batch", 1024, "default"), (16384, "full", 1024, "default"), (32768, "full", 512, "default"),
-      (32768, "full", 1024, "default"), (65536, "full", 1024, "default"), (65536, "full", 1024, "q512-kv1024-c512")]
+      (8192, "dots_no_batch", 1024, "default"), (16384, "dots_no_batch", 1024, "default"),
+      (16384, "full", 1024, "default"), (32768, "full", 512, "default"), (32768, "full", 1024, "default"),
+      (65536, "full", 1024, "default"), (65536, "full", 1024, "q512-kv1024-c512")]
   assert all(s.b == 1 and s.attn == "splash" for s in got)
-  only = long_context.chip_list(stored, seqs={8192, 16384, 32768, 65536}, remats={"full"}, chunks={1024},
-                                blocks={"default"})
-  assert [(s.t, s.remat, s.chunk) for s in only] == [(8192, "full", 1024), (16384, "full", 1024),
-                                                      (32768, "full", 1024), (65536, "full", 1024)]
+  every = long_context.chip_list(stored, seqs={8192, 16384, 32768, 65536}, remats={"full"}, chunks={1024},
+                                 blocks={"default"}, every_fit=True)
+  assert [(s.t, s.remat, s.chunk) for s in every] == [(8192, "full", 1024), (16384, "full", 1024),
+                                                       (32768, "full", 1024), (65536, "full", 1024)]
   # a newer plan of the same configuration replaces the older
   newer = long_context.chip_list(long_context.newest(plans + [_plan(16384, "dots_no_batch", True)], "plan"))
-  assert (16384, "dots_no_batch", 1024) in [(s.t, s.remat, s.chunk) for s in newer]
+  assert (8192, "dots_no_batch", 1024) not in [(s.t, s.remat, s.chunk) for s in newer]
 
 
 def test_the_report_sets_each_plan_beside_its_measurement_and_names_each_ladders_longest(long_context, tmp_path):
