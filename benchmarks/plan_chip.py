@@ -37,31 +37,24 @@ from bench.chip_calibration import (JSON, MEASURED, STAND_IN, TOPOLOGY, calibrat
                                     config_key, load, measured_configs, package_blocks, section)
 
 
-def _planner(pair: str, setting: dict):
-  """The `Planner` of a measured setting for `TOPOLOGY` (the models and distillation settings of
-  `tpu_step.measure_plan`) and the setting."""
+def _planner(pair: str, setting: dict, one_chip: bool = False):
+  """The `Planner` of a measured setting for `TOPOLOGY` (``one_chip``: for one device of it; the models and
+  distillation settings of `tpu_step.measure_plan`: `bench.chip_pairs.pair_planner`) and the setting."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import dataclasses  # pylint: disable=g-import-not-at-top
 
-  from meshdistill.planner import make_planner  # pylint: disable=g-import-not-at-top
-  from bench.chip_pairs import Setting, model_configs  # pylint: disable=g-import-not-at-top
+  from bench.chip_pairs import Setting, pair_planner  # pylint: disable=g-import-not-at-top
 
   s = Setting(**{k: v for k, v in setting.items() if k in {f.name for f in dataclasses.fields(Setting)}})
-  tcfg, scfg = model_configs(pair, s)
-  pl = make_planner(tcfg, scfg, topology=TOPOLOGY, seq=s.t, remat=s.remat,
-                    overrides=["distill.temperature=2.0", "distill.alpha=0.5", f"train.mu_dtype={s.mu}"])
-  return pl, s
+  return pair_planner(pair, s, TOPOLOGY, one_chip=one_chip), s
 
 
 def plan_terms(pair: str, setting: dict) -> dict:
   """The planner's roofline terms and memory of the one-chip program at ``setting``: compiled for one device of
   `TOPOLOGY` (no collectives: the program `md.plan(..., devices="local")` compiles on one chip)."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-
   from meshdistill.planner import Knobs  # pylint: disable=g-import-not-at-top
 
-  pl, s = _planner(pair, setting)
-  pl.target = dataclasses.replace(pl.target, name=f"{TOPOLOGY}, one chip", devices=pl.target.devices[:1])
+  pl, s = _planner(pair, setting, one_chip=True)
   t0 = time.perf_counter()
   p = pl.plan(Knobs(1, 1, s.remat, s.chunk_size, s.b))
   seconds = time.perf_counter() - t0

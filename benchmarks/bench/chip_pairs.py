@@ -1,6 +1,7 @@
-"""The pairs and settings `tpu_step.py` measures on a TPU chip, shared with the scripts that plan them
-(`plan_chip.py`): the teacher / student presets of each pair and a `Setting` (batch, sequence, remat, loss chunk,
-micro-batch, attention kernel, splash blocks, AdamW's first moment), and the model configs of both."""
+"""The pairs and settings `tpu_step.py` and `long_context.py` measure on a TPU chip, shared with the scripts that plan
+them (`plan_chip.py`, `long_context.py`): the teacher / student presets of each pair, a `Setting` (batch, sequence,
+remat, loss chunk, micro-batch, attention kernel, splash blocks, AdamW's first moment), the model configs of both, and
+the planner of a pair at a setting (`pair_planner`: one chip of a v5e as the chip's own plan)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,10 @@ class Setting:
 
 
 def model_configs(pair: str, s: Setting):
+  """The teacher and student configs of ``pair`` at setting ``s``. A sequence longer than a preset's ``max_len``
+  (Qwen3's 40,960) raises that bound to ``s.t`` in both: ``max_len`` only bounds the sequence (positions are rotated
+  as they come, nothing is sized by it), so the step's shapes and memory are those of the model with its context
+  extended (as rope scaling extends Qwen3's to 131,072 tokens)."""
   from meshdistill.models import ModelConfig
   from meshdistill.planner import resolve_model
 
@@ -95,4 +100,27 @@ def model_configs(pair: str, s: Setting):
                              param_dtype="float32" if named else None,
                              scan_layers=s.scan in ("both", "student"), attention=s.attn, remat=s.remat)
   student = student.with_layers(range(layers))
+  if s.t > min(teacher.max_len, student.max_len):
+    teacher, student = (m.replace(max_len=max(m.max_len, s.t)) for m in (teacher, student))
   return teacher, student
+
+
+def plan_overrides(s: Setting) -> list[str]:
+  """The distillation settings a plan of ``s`` takes: those `tpu_step` measures (``ChunkedLogitKD`` at temperature 2,
+  alpha 0.5) and AdamW's first moment."""
+  return ["distill.temperature=2.0", "distill.alpha=0.5", f"train.mu_dtype={s.mu}"]
+
+
+def pair_planner(pair: str, s: Setting, topology: str, one_chip: bool = False):
+  """The `meshdistill.planner.Planner` of ``pair`` at ``s`` for ``topology`` (the models of `model_configs`, the
+  settings of `plan_overrides`). ``one_chip``: for ONE device of it (libtpu compiles for no one-chip v5e topology;
+  one device of ``v5e:2x2`` is the one-chip program, no collectives), marked as this machine's chip so that its
+  calibrated time is the chip source's, as ``md.plan(..., devices="local")`` plans it on one v5e chip."""
+  from meshdistill.planner import make_planner
+
+  tcfg, scfg = model_configs(pair, s)
+  pl = make_planner(tcfg, scfg, topology=topology, seq=s.t, remat=s.remat, overrides=plan_overrides(s))
+  if one_chip:
+    pl.target = dataclasses.replace(pl.target, name=f"{topology}, one chip", devices=pl.target.devices[:1],
+                                    local=True)
+  return pl
