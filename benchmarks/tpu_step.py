@@ -55,7 +55,7 @@ from typing import Iterator
 from bench.chip_pairs import PAIRS, TINY, Setting, model_configs, plan_overrides  # noqa: F401 -- the pairs
 from bench.chip_step import (ROLES, checkout_commit, commit_or_exit, measure, model_flops_per_token,  # noqa: F401
                              peak_flops, random_batch, stamp, use_compile_cache, use_splash_blocks)
-from bench.cli_run import measure_cli
+from bench.cli_run import CLI_SYSTEMS, measure_cli
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 JSONL = RESULTS / "tpu_step.jsonl"
@@ -227,7 +227,7 @@ def summary(row: dict) -> str:
             f"{row['tokens_per_s']:.0f} tok/s, first call {row['first_call_s']:.1f} s (bandwidth limit "
             f"{generation_limit(row):.0f} tok/s at 819 GB/s)")
   if row.get("system") in ("cli", "cli-scan"):
-    return (f"{row['pair']} cli {row['label']}: {row['tokens_per_s']:.0f} tok/s, {row['command_s']:.0f} s in all; "
+    return (f"{row['pair']} {row['system']} {row['label']}: {row['tokens_per_s']:.0f} tok/s, {row['command_s']:.0f} s in all; "
             f"{' | '.join(row.get('log_tail', []))[:1500]}")
   if row.get("system") == "plan":
     return f"{row['pair']} plan {row['label']}: {row['text'][:1500]}"
@@ -627,17 +627,22 @@ def main(argv=None) -> int:
     return 0
   commit = commit_or_exit(parser, args.commit)
   command = " ".join(["python3 benchmarks/tpu_step.py", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
-  import jax
-
-  use_compile_cache()
-  print(f"devices: {jax.devices()}", flush=True)
-  from bench.results import append_row
-
   systems = args.systems.split(",")
-  unknown = sorted(set(systems) - {"meshdistill", "plain", "tunix", "plan", "cli", "cli-scan", *GEN_SYSTEMS})
+  unknown = sorted(set(systems) - {"meshdistill", "plain", "tunix", "plan", *CLI_SYSTEMS, *GEN_SYSTEMS})
   if unknown:
     parser.error(f"--systems: unknown {', '.join(unknown)}; choose from meshdistill, plain, tunix, plan, cli, "
                  f"cli-scan, {', '.join(GEN_SYSTEMS)}")
+  if set(systems) & set(CLI_SYSTEMS) and set(systems) - set(CLI_SYSTEMS):
+    # the command line runs in a process of its own, which needs the chip that this process would hold
+    parser.error(f"--systems {args.systems}: run cli / cli-scan in a command of their own (each `meshdistill distill` "
+                 "is a process that needs the chip, which this process holds once it has measured anything else)")
+  from bench.results import append_row
+
+  if not set(systems) <= set(CLI_SYSTEMS):  # this process takes the chip
+    import jax
+
+    use_compile_cache()
+    print(f"devices: {jax.devices()}", flush=True)
   batches = tuple(int(b) for b in args.gen_batches.split(","))
   try:
     prompt, new = (int(x) for x in args.gen_lengths.split(","))

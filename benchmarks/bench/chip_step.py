@@ -269,7 +269,8 @@ def stamp(row: dict, commit: str, command: str) -> dict:
   import jax
 
   row.update(date=datetime.datetime.now(datetime.timezone.utc).date().isoformat(), commit=commit[:7], command=command)
-  row.setdefault("device", jax.devices()[0].device_kind)
+  if "device" not in row:  # asked only where missing: a row of the command line's runs names it (`bench.cli_run`)
+    row["device"] = jax.devices()[0].device_kind
   row.setdefault("jax", jax.__version__)
   row.setdefault("libtpu", libtpu_version())
   return row

@@ -24,22 +24,42 @@ from bench.chip_pairs import Setting, model_configs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "tests" / "fixtures" / "hf_qwen3"  # 128 tokens: every id fits the presets' vocabularies
+CLI_SYSTEMS = ("cli", "cli-scan")  # `tpu_step.py --systems`: the run's defaults; with scan_layers named
 # what a user leaves to the defaults: how the model computes, not what it is
 NOT_SHAPE = ("dtype", "param_dtype", "remat", "attention", "scan_layers")
+
+
+def device_info() -> dict:
+  """The chip, jax and libtpu of the runs, asked of a process of its own: the measuring process never takes the chip,
+  which each `meshdistill distill` process needs."""
+  probe = ("import json, jax; from bench.results import libtpu_version; "
+           "print(json.dumps({'device': jax.devices()[0].device_kind, 'jax': jax.__version__, "
+           "'libtpu': libtpu_version()}))")
+  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                       cwd=pathlib.Path(__file__).resolve().parents[1])
+  return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else {}
 
 
 def teacher_directory(pair: str, out: pathlib.Path, max_len: int) -> pathlib.Path:
   """The pair's teacher with random weights as a Hugging Face directory of positions up to ``max_len`` (made once per
   folder)."""
-  import meshdistill as md
-
   if (out / "config.json").exists():
     return out
+  code = (f"import pathlib; from bench.cli_run import write_teacher; "
+          f"write_teacher({pair!r}, pathlib.Path({str(out)!r}), {max_len})")
+  # in a process of its own: this one never takes the chip (see `device_info`)
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parents[1])
+  return out
+
+
+def write_teacher(pair: str, out: pathlib.Path, max_len: int) -> None:
+  """`teacher_directory`'s work: the random teacher written by `md.export_hf`."""
+  import meshdistill as md
+
   tcfg, _ = model_configs(pair, Setting(attn="xla", remat="none", dtypes="auto"))
   tcfg = tcfg.replace(param_dtype="bfloat16", dtype="bfloat16", scan_layers=False, max_len=max(tcfg.max_len, max_len))
   model = md.init_model(tcfg, seed=0)
   md.export_hf(model, out, tokenizer=str(TOKENIZER), dtype="bfloat16")
-  return out
 
 
 def config(pair: str, s: Setting, teacher_dir: pathlib.Path, run_dir: pathlib.Path, steps: int,
@@ -69,7 +89,7 @@ def measure_cli(pair: str, s: Setting, steps: int, workdir: str, scan: bool = Fa
   work = pathlib.Path(workdir)
   work.mkdir(parents=True, exist_ok=True)
   row = {"pair": pair, "system": "cli-scan" if scan else "cli", "label": f"b={s.b},t={s.t}",
-         "setting": dataclasses.asdict(s), "steps": steps}
+         "setting": dataclasses.asdict(s), "steps": steps, **device_info()}
   t0 = time.perf_counter()
   teacher = teacher_directory(pair, work / f"{pair}-teacher-hf-{s.t}", s.t)
   row["teacher_dir_s"] = time.perf_counter() - t0
