@@ -227,7 +227,8 @@ def summary(row: dict) -> str:
             f"{row['tokens_per_s']:.0f} tok/s, first call {row['first_call_s']:.1f} s (bandwidth limit "
             f"{generation_limit(row):.0f} tok/s at 819 GB/s)")
   if row.get("system") in ("cli", "cli-scan"):
-    return (f"{row['pair']} {row['system']} {row['label']}: {row['tokens_per_s']:.0f} tok/s, {row['command_s']:.0f} s in all; "
+    return (f"{row['pair']} {row['system']} {row['label']}: {row['tokens_per_s']:.0f} tok/s, "
+            f"{row['command_s']:.0f} s in all; "
             f"{' | '.join(row.get('log_tail', []))[:1500]}")
   if row.get("system") == "plan":
     return f"{row['pair']} plan {row['label']}: {row['text'][:1500]}"

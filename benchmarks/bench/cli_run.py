@@ -74,7 +74,8 @@ def config(pair: str, s: Setting, teacher_dir: pathlib.Path, run_dir: pathlib.Pa
       "student": student,
       "data": {"source": "stdlib", "seq_len": s.t, "val_fraction": 0.01},
       "distill": {"temperature": 2.0, "alpha": 0.5},
-      "train": {"steps": steps, "warmup": max(1, steps // 10), "batch_size": s.b, "eval_every": 10 * steps, "eval_batches": 1, "log_every": 5},
+      "train": {"steps": steps, "warmup": max(1, steps // 10), "batch_size": s.b, "eval_every": 10 * steps,
+                "eval_batches": 1, "log_every": 5},
       "checkpoint": {"every": 10 * steps},
       "run": {"run_dir": str(run_dir)},
   }
