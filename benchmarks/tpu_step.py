@@ -58,7 +58,7 @@ import tempfile
 import time
 from typing import Iterator
 
-from bench.chip_pairs import PAIRS, TINY, Setting, model_configs  # noqa: F401 -- the measured pairs
+from bench.chip_pairs import PAIRS, TINY, Setting, model_configs, use_splash_blocks  # noqa: F401 -- the measured pairs
 from bench.cli_run import measure_cli
 from bench.results import libtpu_version
 
@@ -72,32 +72,6 @@ ROLES = (("/losses/", "loss"), ("_chunked.py", "loss"), ("strategies/", "loss"),
 
 # the step a row measured (`Setting.metrics`): `Distiller.step`, or the one the training loop runs between logged steps
 STEP_KIND = {"full": "full metrics", "light": "metrics-light"}
-
-
-def use_splash_blocks(spec: str):
-  """A context in which the splash kernel's blocks are ``spec`` for every program traced inside it
-  (`meshdistill.models.splash_blocks`): ``default`` (the package's own), or ``q<N>-kv<N>-c<N>[-fused]``: query /
-  key-value / key-value compute blocks of every pass, and the fused backward kernel (dq computed in the dkv pass)."""
-  import contextlib
-  import math
-
-  from meshdistill.models import splash_blocks
-
-  if spec == "default":
-    return contextlib.nullcontext()
-  parts = dict((p[0] if p[0] != "k" else "kv", p.lstrip("qkvc")) for p in spec.split("-") if p != "fused")
-  q, kv, c = int(parts["q"]), int(parts["kv"]), int(parts.get("c", parts["kv"]))
-  fused = spec.endswith("fused")
-
-  def sizes(T, **_):
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    bq, bkv, bc = math.gcd(T, q), math.gcd(T, kv), math.gcd(T, c)
-    return splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bc, block_q_dkv=bq, block_kv_dkv=bkv,
-                             block_kv_dkv_compute=bc, block_q_dq=None if fused else bq,
-                             block_kv_dq=None if fused else bkv, use_fused_bwd_kernel=fused)
-
-  return splash_blocks(sizes)
 
 
 def peak_flops(device_kind: str) -> float | None:

@@ -1,6 +1,7 @@
 """The pairs and settings `tpu_step.py` measures on a TPU chip, shared with the scripts that plan them
 (`plan_chip.py`): the teacher / student presets of each pair and a `Setting` (batch, sequence, remat, loss chunk,
-attention kernel, splash blocks, AdamW's first moment), and the model configs of both."""
+attention kernel, splash blocks, AdamW's first moment), the model configs of both, and `use_splash_blocks` (the
+context a setting's splash blocks are traced in)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,29 @@ def model_configs(pair: str, s: Setting):
                              scan_layers=s.scan in ("both", "student"), attention=s.attn, remat=s.remat)
   student = student.with_layers(range(layers))
   return teacher, student
+
+
+def use_splash_blocks(spec: str):
+  """A context in which the splash kernel's blocks are ``spec`` for every program traced inside it
+  (`meshdistill.models.splash_blocks`): ``default`` (the package's own), or ``q<N>-kv<N>-c<N>[-fused]``: query /
+  key-value / key-value compute blocks of every pass, and the fused backward kernel (dq computed in the dkv pass)."""
+  import contextlib
+  import math
+
+  from meshdistill.models import splash_blocks
+
+  if spec == "default":
+    return contextlib.nullcontext()
+  parts = dict((p[0] if p[0] != "k" else "kv", p.lstrip("qkvc")) for p in spec.split("-") if p != "fused")
+  q, kv, c = int(parts["q"]), int(parts["kv"]), int(parts.get("c", parts["kv"]))
+  fused = spec.endswith("fused")
+
+  def sizes(T, **_):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    bq, bkv, bc = math.gcd(T, q), math.gcd(T, kv), math.gcd(T, c)
+    return splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bc, block_q_dkv=bq, block_kv_dkv=bkv,
+                             block_kv_dkv_compute=bc, block_q_dq=None if fused else bq,
+                             block_kv_dq=None if fused else bkv, use_fused_bwd_kernel=fused)
+
+  return splash_blocks(sizes)
