@@ -132,6 +132,7 @@ def per_device_gradients(
   source = teacher_output if teacher_output is not None else TeacherOutput(NONE if teacher_def is None else MODEL)
   teacher_out: Any = None  # what the strategy reads: a ModelOutput, a losses.TopK or a losses.Aligned
   teacher_head = teacher_cap = None
+  teacher_tied = False
   reads_topk = source.reads_topk(batch)
   if reads_topk and source.own_tokenizer:  # a cross-tokenizer cache
     teacher_out = _aligned_topk(batch, topk_vocab, teacher_temperature)
@@ -148,11 +149,12 @@ def per_device_gradients(
         jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits, **segments)), vocab)
     teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
     teacher_cap = getattr(teacher.cfg, "final_softcap", None)
+    teacher_tied = bool(teacher.cfg.tie_embeddings)
 
   student_part = functools.partial(
       student_gradients, state.step, student_def=student_def, strategy=strategy, vocab=vocab, trainable=trainable,
       light=light, teacher_softcap=teacher_cap, teachers=(tuple(teacher_names), teacher_temperature),
-      loss_scale=loss_scale,
+      loss_scale=loss_scale, teacher_tied=teacher_tied,
   )
   rows = {k: batch[k] for k in ("inputs", "targets", "mask", *SEGMENT_KEYS, *(MULTI_KEYS if teacher_names else ()))
           if k in batch}
@@ -232,12 +234,14 @@ def student_gradients(
     teacher_softcap: float | None = None,
     teachers: tuple[tuple[str, ...], float] = ((), 1.0),
     loss_scale: float | None = None,
+    teacher_tied: bool = False,
 ):
   """The student's part of `per_device_gradients` on the rows given, with the teacher's outputs for them:
   ``(grads, metrics)`` with gradients and token sums summed over the mesh axes ``axes`` (``None``: none).
   ``teacher_softcap``: the teacher's final logit soft-cap, for a strategy that forms logits from the heads.
   ``teachers``: ``(names, temperature)`` of several teachers whose own top-k the batch carries (`MULTI_KEYS`).
-  ``loss_scale``: the factor on the loss gradient (`scale_gradient`)."""
+  ``loss_scale``: the factor on the loss gradient (`scale_gradient`). ``teacher_tied``: the teacher's LM head is its
+  embedding table transposed (``cfg.tie_embeddings``), for a strategy that `reads_tied_heads`."""
   capture = tuple(strategy.capture)
   with_logits, with_head = strategy.needs_logits, strategy.needs_head
   inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
@@ -268,6 +272,8 @@ def student_gradients(
       heads = (student.head_weight()[:, :vocab], teacher_head)
       caps = (getattr(student.cfg, "final_softcap", None), teacher_softcap)  # elementwise: applied per shard
       capped = {"softcaps": caps} if any(c is not None for c in caps) else {}
+      if strategy.reads_tied_heads:  # which heads are tables transposed: a layout hint, the same values
+        capped["tied_heads"] = (bool(student.cfg.tie_embeddings), teacher_tied)
       sums = strategy.per_batch(params["strategy"], student_out, teacher_out, heads, targets_BxT, mask_BxT, step,
                                 **capped)
     else:
