@@ -30,7 +30,10 @@ the chip's own time. Compare two programs' estimates; measure the change on the 
   python benchmarks/step_cycles.py --hlo /tmp/q4.hlo.gz --top 50 --grep copy    # a saved program, no compile
   python benchmarks/step_cycles.py --hlo /tmp/after.hlo.gz --before /tmp/q4.hlo.gz   # the change, by kind and source
 
-Prints tables only (Markdown); compiling the headline pair's step takes one to a few minutes of CPU.
+Prints the tables (Markdown); ``--out FILE`` also writes them as the section of this pair and setting in FILE
+(`benchmarks/results/step_cycles.md`), under the commit of the program (``--commit``, default this checkout's HEAD;
+``--before-commit`` the other's), the date, the jax and libtpu versions and the command. Compiling the headline
+pair's step takes one to a few minutes of CPU.
 """
 
 from __future__ import annotations
@@ -38,13 +41,17 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import datetime
 import gzip
 import os
 import re
+import shlex
+import subprocess
 import sys
 import time
 
 from bench.chip_pairs import PAIRS, Setting, model_configs, use_splash_blocks
+from bench.results import libtpu_version, replace_section
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
@@ -345,6 +352,10 @@ def main() -> int:
   ap.add_argument("--hlo", default=None, help="read a saved program's text instead of compiling (give the --pair, "
                   "--config and --layers it was compiled with: they name its attention kernels)")
   ap.add_argument("--before", default=None, help="a saved program to compare with, group by group")
+  ap.add_argument("--out", default=None, help="also write the tables as this pair and setting's section of this "
+                  "Markdown file (e.g. benchmarks/results/step_cycles.md)")
+  ap.add_argument("--commit", default=None, help="the commit the program was compiled from (default: HEAD)")
+  ap.add_argument("--before-commit", default=None, help="the commit the --before program was compiled from")
   args = ap.parse_args()
   extra: dict = {}
   s = Setting.parse(args.config)
@@ -359,8 +370,24 @@ def main() -> int:
       with opener(args.save_hlo, "wt", encoding="utf-8") as f:
         f.write(hlo)
   extra["kernel_s"] = kernel_seconds(args.pair, s, args.topology, layers)
-  print(report(hlo, args.ghz, args.top, args.grep, _read(args.before) if args.before else None, extra,
-               args.topology))
+  text = report(hlo, args.ghz, args.top, args.grep, _read(args.before) if args.before else None, extra,
+                args.topology)
+  print(text)
+  if args.out:
+    import jax
+
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
+    title = f"## {args.pair} {s.label()}" + (f", layers {args.layers}" if layers else "") + f" on {args.topology}"
+    before = f"; before: commit {args.before_commit or '?'}" if args.before else ""
+    head = (f"{title}\n\nCompiled from commit {commit}{before}; {datetime.date.today()}, jax {jax.__version__}, "
+            f"libtpu {libtpu_version()}; `python benchmarks/step_cycles.py {shlex.join(sys.argv[1:])}`\n\n")
+    if not os.path.exists(args.out):
+      with open(args.out, "w", encoding="utf-8") as f:
+        f.write("# The distillation step's estimated cycles on a TPU, compiled without one\n\nWritten by "
+                "`benchmarks/step_cycles.py` (its docstring says what the tables count); one section per pair, "
+                "setting and topology, replaced when written again.\n")
+    replace_section(args.out, "\n" + title, head + text + "\n")
   return 0
 
 
