@@ -127,6 +127,75 @@ def test_splash_runs_head_major_with_no_transposes_forward_and_backward():
   assert sum(e.primitive.name == "pallas_call" for e in jaxpr_equations(jaxpr)) >= 2  # the kernel ran, both ways
 
 
+def _projections(bias: bool):
+  """A value projection [D, G * K] (with a bias or not) and an output projection [H * K, D] of float32 weights
+  computing in bfloat16, as the decoder builds them (`nnx.Linear`)."""
+  rngs = nnx.Rngs(0)
+  lin = lambda i, o, b: nnx.Linear(i, o, use_bias=b, dtype=jnp.bfloat16, param_dtype=jnp.float32,  # noqa: E731
+                                   bias_init=nnx.initializers.normal(1.0), rngs=rngs)
+  return lin(32, 2 * 8, bias), lin(4 * 8, 32, False)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_head_major_projections_give_the_rearranged_values_and_grads(bias):
+  """On the splash path the value projection writes ``[B, G, T, K]`` and the output projection reads ``[B, H, T, K]``
+  in ONE einsum each (the weight seen as ``[D, G, K]`` / ``[H, K, D]``), which the TPU compiler writes and reads
+  head-major in place (the rearranged form cost copies of a layer's values and output and of their gradients:
+  `benchmarks/step_cycles.py`; at these sizes both compile alike, so the check is there), with the rearranged form's
+  numbers (one ``[N, D]`` matmul, then a transpose): the
+  same bfloat16 products summed in float32, rounded to bfloat16 once (a bias added before or after that rounding:
+  one bfloat16 ulp), and gradients up to the float32 accumulator's rounding (32-term sums: 32 float32 ulps)."""
+  from meshdistill.models._block import _heads_in, _heads_out, _per_token
+
+  graphdef, params = nnx.split(_projections(bias))
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 16, 32)), jnp.bfloat16)
+  out = jnp.asarray(rng.normal(size=(2, 4, 16, 8)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(2, 2, 16, 8)), jnp.float32)
+
+  def project(params, x, out, rearranged):
+    v_proj, o_proj = nnx.merge(graphdef, params)
+    if rearranged:
+      return (einops.rearrange(_per_token(v_proj, x), "b t (h k) -> b h t k", k=8),
+              _per_token(o_proj, einops.rearrange(out, "b h t k -> b t (h k)")))
+    return _heads_in(v_proj, x, "b h t k", 8), _heads_out(o_proj, out, "b h t k")
+
+  def loss(params, x, out, rearranged):
+    v, y = project(params, x, out, rearranged)
+    return jnp.sum(v.astype(jnp.float32) * w) + jnp.sum(y.astype(jnp.float32) ** 2)
+
+  bf16_ulp = float(jnp.finfo(jnp.bfloat16).eps)
+  for got, want in zip(*(jax.jit(project, static_argnums=3)(params, x, out, r) for r in (False, True))):
+    assert got.shape == want.shape and got.dtype == want.dtype == jnp.bfloat16
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, rtol=bf16_ulp, atol=bf16_ulp * float(np.max(np.abs(want))))
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  tol = 32 * float(jnp.finfo(jnp.float32).eps)
+  got_grads, want_grads = (jax.jit(grad, static_argnums=3)(params, x, out, r) for r in (False, True))
+  for g, r in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    np.testing.assert_allclose(g, r, rtol=tol, atol=tol * float(np.max(np.abs(r))))
+
+
+def test_a_projection_qwix_rewrote_keeps_its_own_call():
+  """A projection qwix rewrote (LoRA adapters, quantized weights: it marks the module with ``qwix_path``) computes
+  through its own call, a ``[N, D]`` matmul on the rearranged heads, where qwix intercepts it: the head-major einsum
+  (one dot_general contracting two dimensions of ``[B, H, T, K]``) would bypass it."""
+  from meshdistill.models._block import _heads_in, _heads_out
+
+  def dots(rewritten):
+    v_proj, o_proj = _projections(False)
+    if rewritten:
+      v_proj.qwix_path, o_proj.qwix_path = ("blocks", 0, "attn", "v"), ("blocks", 0, "attn", "o")
+    x, out = jnp.zeros((1, 16, 32), jnp.bfloat16), jnp.zeros((1, 4, 16, 8), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x, out: (_heads_in(v_proj, x, "b h t k", 8), _heads_out(o_proj, out, "b h t k")))
+    return sorted(tuple(e.invars[0].aval.ndim for e in (eqn,)) + (len(eqn.params["dimension_numbers"][0][0]),)
+                  for eqn in jaxpr_equations(jaxpr(x, out).jaxpr) if eqn.primitive.name == "dot_general")
+
+  assert dots(False) == [(3, 1), (4, 2)]  # x [B, T, D] by [D, G, K]; out [B, H, T, K] by [H, K, D]
+  assert dots(True) == [(2, 1), (2, 1)]  # the Linear's own [N, D] matmuls
+
+
 @pytest.mark.parametrize("heads, kv_heads", [(8, 4), (4, 2), (12, 6)])
 def test_splash_per_device_heads_on_a_tensor_split_mesh_equal_explicit(heads, kv_heads):
   """`splash_attention` in a step manual over ``data`` on 2x4: key/value heads split with the query heads (8/4),

@@ -72,6 +72,37 @@ def test_any_chunk_size_gives_the_naive_loss_and_grads(inputs, name):
       assert rel_err(g, ref_g) < 1e-5, chunk
 
 
+def test_a_tied_head_is_read_as_its_table_with_the_same_loss_metrics_and_grads(inputs):
+  """A head that is a ``[V, D]`` table transposed (``tied_heads``: an LM head tied to the embedding) enters the chunk
+  loop as the table and its gradient is accumulated ``[V, D]`` (a transposed head would enter the loop as a copy,
+  once per step, and its gradient leave as another: `benchmarks/step_cycles.py`), with the numbers of the same head
+  given plainly."""
+  kd = ChunkedLogitKD(temperature=1.5, alpha=0.3)
+  s_tab, t_tab = inputs["w"].T, inputs["wt"].T  # [V, D], [V, E]
+
+  def loss(s, s_tab, tied):
+    sums = chunked_token_sums(kd.token_terms, kd.scalars(0), s, s_tab.T, inputs["t"], t_tab.T, inputs["targets"],
+                              inputs["mask"], chunk_size=8, tied_heads=tied)
+    return sums["loss"], sums
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+  (want, want_sums), want_grads = jax.jit(grad, static_argnums=2)(inputs["s"], s_tab, (False, False))
+  (got, got_sums), got_grads = jax.jit(grad, static_argnums=2)(inputs["s"], s_tab, (True, True))
+  assert float(jnp.abs(want)) > 0 and set(got_sums) == set(want_sums)
+  for k in want_sums:
+    assert rel_err(got_sums[k], want_sums[k]) < 1e-5, k
+  for g, ref_g in zip(got_grads, want_grads):
+    assert rel_err(g, ref_g) < 1e-5
+
+  def loop_inputs(tied):
+    jaxpr = jax.make_jaxpr(grad, static_argnums=2)(inputs["s"], s_tab, tied).jaxpr
+    scans = [e for e in jaxpr_equations(jaxpr) if e.primitive.name == "scan"]
+    return {tuple(v.aval.shape) for e in scans for v in e.invars} & {(V, D), (V, E), (D, V), (E, V)}
+
+  assert loop_inputs((True, True)) == {(V, D), (V, E)}  # both tables as stored, the accumulator [V, D] too
+  assert loop_inputs((False, False)) == {(D, V), (E, V)}
+
+
 def test_in_bfloat16_the_logits_gradient_is_formed_once_and_feeds_both_matmuls(inputs):
   """With bfloat16 hidden states and heads (the models' compute dtype), each chunk's gradient with respect to its
   logits is formed once, in bfloat16, and read by the ``d hidden`` and ``d head`` matmuls (left in float32, XLA
@@ -261,6 +292,21 @@ def test_2x4_chunked_step_never_gathers_the_vocabulary(chunked_2x4):
   probe = jax.jit(lambda x: x, out_shardings=NamedSharding(d.mesh, P()))
   x = jax.device_put(jnp.zeros((8, VOCAB)), NamedSharding(d.mesh, P(None, "tensor")))
   assert any(VOCAB in s for s in all_gather_shapes(probe.lower(x).compile().as_text()))
+
+
+def test_the_step_tells_the_chunked_loss_which_heads_are_embedding_tables():
+  """The student ties its LM head to its embedding table, the teacher here does not: the step says so to a strategy
+  that `reads_tied_heads` (the chunk loop then reads the student's table as stored), in every trace of the step."""
+  seen = []
+
+  class Recording(ChunkedLogitKD):
+    def per_batch(self, *args, tied_heads=(False, False), **kwargs):
+      seen.append(tied_heads)
+      return super().per_batch(*args, tied_heads=tied_heads, **kwargs)
+
+  assert Recording.reads_tied_heads and not LogitKD.reads_tied_heads
+  train(Recording(chunk_size=5), None, BATCHES[:1])
+  assert seen and set(seen) == {(STUDENT.tie_embeddings, TEACHER.tie_embeddings)} == {(True, False)}
 
 
 def loop_body_all_reduces(hlo: str) -> int:

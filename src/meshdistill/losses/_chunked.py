@@ -12,7 +12,8 @@ formed for more than ``chunk_size`` tokens at once:
   computed chunk by chunk IN THE SAME PASS (a `jax.custom_vjp` whose forward rule takes, with
   `jax.value_and_grad`, each chunk's gradient with respect to its student logits, forms it once in
   the head's dtype and feeds it to the two matmuls): ``d hidden`` is stacked per chunk (``[N, D]``),
-  ``d head`` is accumulated in float32 (``[D, V]``). The backward pass only scales these by the
+  ``d head`` is accumulated in float32 (``[D, V]``, or ``[V, D]`` for a head tied to its embedding table:
+  ``tied_heads``). The backward pass only scales these by the
   incoming cotangent, so nothing is recomputed and no ``[N, V]`` residual is kept.
 
 Vocabulary parallelism: the heads are split over the mesh axis ``tensor`` along V. Every
@@ -103,9 +104,18 @@ def _chunks(x, n_chunks: int, chunk: int):
   return x.reshape(n_chunks, chunk, *x.shape[1:])
 
 
-def _scan(token_fn, chunk, grad_key, with_grad, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N):
-  """Sums of ``token_fn`` over chunks; with ``with_grad`` also d sums[grad_key] / d (s_NxD, s_head_DxV)."""
+def _scan(token_fn, chunk, grad_key, tied, with_grad, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N):
+  """Sums of ``token_fn`` over chunks; with ``with_grad`` also d sums[grad_key] / d (s_NxD, s_head_DxV).
+
+  ``tied``: (student, teacher), whether each head is the transpose of a ``[V, D]`` table (`chunked_token_sums`'s
+  ``tied_heads``). The loop reads each head as the model stores it: the table of a tied head, transposed inside the
+  loop (where the transpose is the matmuls' own operand order), and the student's head gradient is accumulated in
+  that shape. A head transposed before the loop enters it as a copy made once per step (the loop's operands keep
+  their own layout), and the gradient leaves it as another: on a TPU v5e, the Qwen3 pair's 4 x 2048 step spent 9.8
+  ms of the compiler's estimate and 1.45 GiB of its memory on them (`benchmarks/step_cycles.py`)."""
   n = s_NxD.shape[0]
+  s_tab = s_head_DxV.T if tied[0] else s_head_DxV  # the tables as stored: transposes of transposes cancel
+  t_tab = t_head_ExV.T if tied[1] else t_head_ExV
   n_chunks = -(-n // chunk)
   xs = (
       _chunks(s_NxD, n_chunks, chunk),
@@ -125,20 +135,22 @@ def _scan(token_fn, chunk, grad_key, with_grad, params, s_NxD, s_head_DxV, t_NxE
 
   def body(carry, x):
     s_CxD, t_CxE, targets_C, mask_C = x
+    s_head, t_head = (s_tab.T if tied[0] else s_tab), (t_tab.T if tied[1] else t_tab)  # [D, V], [E, V]
     # The teacher chunk is a constant here: no gradient flows to the teacher.
-    t_CxV = head_logits(t_CxE, t_head_ExV)
+    t_CxV = head_logits(t_CxE, t_head)
     if not with_grad:
-      _, sums = chunk_sums(s_CxD, s_head_DxV, t_CxV, targets_C, mask_C)
+      _, sums = chunk_sums(s_CxD, s_head, t_CxV, targets_C, mask_C)
       return jax.tree.map(jnp.add, carry, sums), None
     acc, d_head = carry
-    s_CxV = head_logits(s_CxD, s_head_DxV)
+    s_CxV = head_logits(s_CxD, s_head)
     (_, sums), d_CxV = jax.value_and_grad(logit_sums, has_aux=True)(s_CxV, t_CxV, targets_C, mask_C)
     # The logits' gradient, formed once in the head's dtype (what the matrix unit reads: a float32 operand of a
     # default-precision TPU matmul is rounded to bfloat16 all the same), feeds both matmuls below; left in float32,
     # each matmul recomputes it from both chunks' float32 logits.
     d_CxV = jax.lax.optimization_barrier(d_CxV.astype(s_head_DxV.dtype))
-    d_CxD = jnp.einsum("cv,dv->cd", d_CxV, s_head_DxV, preferred_element_type=jnp.float32).astype(s_CxD.dtype)
-    d_head_c = jnp.einsum("cd,cv->dv", s_CxD, d_CxV, preferred_element_type=jnp.float32)
+    d_CxD = jnp.einsum("cv,dv->cd", d_CxV, s_head, preferred_element_type=jnp.float32).astype(s_CxD.dtype)
+    d_head_c = (jnp.einsum("cv,cd->vd", d_CxV, s_CxD, preferred_element_type=jnp.float32) if tied[0]
+                else jnp.einsum("cd,cv->dv", s_CxD, d_CxV, preferred_element_type=jnp.float32))  # as s_tab
     return (jax.tree.map(jnp.add, acc, sums), d_head + d_head_c), d_CxD
 
   # Abstract evaluation of one chunk gives the output names without running anything.
@@ -151,27 +163,29 @@ def _scan(token_fn, chunk, grad_key, with_grad, params, s_NxD, s_head_DxV, t_NxE
   if not with_grad:
     sums, _ = jax.lax.scan(body, zeros, xs)
     return sums, None
-  init = (zeros, jnp.zeros(s_head_DxV.shape, jnp.float32))
-  (sums, d_head_DxV), d_xCxD = jax.lax.scan(body, init, xs)
+  init = (zeros, jnp.zeros(s_tab.shape, jnp.float32))
+  (sums, d_tab), d_xCxD = jax.lax.scan(body, init, xs)
   d_NxD = d_xCxD.reshape(n_chunks * chunk, -1)[:n].astype(s_NxD.dtype)
-  return sums, (d_NxD, d_head_DxV.astype(s_head_DxV.dtype))
+  return sums, (d_NxD, (d_tab.T if tied[0] else d_tab).astype(s_head_DxV.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused(token_fn, chunk, grad_key, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N):
-  sums, _ = _scan(token_fn, chunk, grad_key, False, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fused(token_fn, chunk, grad_key, tied, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N):
+  sums, _ = _scan(token_fn, chunk, grad_key, tied, False, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N,
+                  mask_N)
   return sums
 
 
-def _fused_fwd(token_fn, chunk, grad_key, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N):
-  sums, grads = _scan(token_fn, chunk, grad_key, True, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N)
+def _fused_fwd(token_fn, chunk, grad_key, tied, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N):
+  sums, grads = _scan(token_fn, chunk, grad_key, tied, True, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N,
+                      mask_N)
   zero_like = lambda x: jnp.zeros(x.shape, x.dtype)  # noqa: E731
   zeros = (jax.tree.map(zero_like, params), zero_like(t_NxE), zero_like(t_head_ExV), zero_like(mask_N))
   return sums, (grads, zeros, targets_N)
 
 
-def _fused_bwd(token_fn, chunk, grad_key, res, g):
-  del token_fn, chunk
+def _fused_bwd(token_fn, chunk, grad_key, tied, res, g):
+  del token_fn, chunk, tied
   (d_NxD, d_head_DxV), (d_params, d_teacher, d_teacher_head, d_mask), targets_N = res
   scale = g[grad_key]
   d_targets = jnp.zeros(targets_N.shape, jax.dtypes.float0)
@@ -201,6 +215,7 @@ def chunked_token_sums(
     *,
     chunk_size: int,
     grad_key: str = "loss",
+    tied_heads: tuple[bool, bool] = (False, False),
 ) -> dict[str, jax.Array]:
   """Token sums of ``token_fn`` on logits formed ``chunk_size`` tokens at a time.
 
@@ -217,6 +232,10 @@ def chunked_token_sums(
       autodiff). A size that does not divide N pads the last chunk with masked tokens.
     grad_key: the output whose gradient flows to ``student_NxD`` and ``student_head_DxV`` when
       ``chunk_size > 0``; the other outputs are metrics and carry no gradient.
+    tied_heads: (student, teacher): True where that head is the transpose of a ``[V, D]`` table as the model
+      stores it (an LM head tied to the embedding, ``ModelConfig.tie_embeddings``). Where the loss does not know it,
+      the chunk loop carries the transposed table as a copy made once per step (and the student head's gradient is
+      transposed back); the values are the same either way.
 
   Returns:
     ``{name: scalar}``: the sum over the N tokens of each output of ``token_fn`` (float32).
@@ -227,8 +246,9 @@ def chunked_token_sums(
   if chunk_size == 0:
     return _naive(token_fn, params, student_NxD, student_head_DxV, teacher_NxE, teacher_head_ExV, targets_N, mask_N)
   chunk = min(chunk_size, student_NxD.shape[0])
-  return _fused(token_fn, chunk, grad_key, params, student_NxD, student_head_DxV, teacher_NxE, teacher_head_ExV,
-                targets_N, mask_N)
+  tied = tuple(bool(t) for t in tied_heads)
+  return _fused(token_fn, chunk, grad_key, tied, params, student_NxD, student_head_DxV, teacher_NxE,
+                teacher_head_ExV, targets_N, mask_N)
 
 
 def divergence_token_fn(divergence: Callable[..., jax.Array]) -> TokenFn:

@@ -29,6 +29,35 @@ def _per_token(layer, x_BxTxD: jax.Array) -> jax.Array:
   return layer(x_BxTxD.reshape(-1, x_BxTxD.shape[-1])).reshape(*x_BxTxD.shape[:-1], -1)
 
 
+def _heads_out(layer, out, heads: str) -> jax.Array:
+  """The attention's output projection ``layer`` (a Linear, weight ``[H * K, D]``) on its output ``out`` laid out as
+  ``heads`` (``"b h t k"`` or ``"b t h k"``): ``[B, T, D]``. Head-major (the splash kernel's layout), a plain
+  projection contracts heads and head_dim in ONE einsum with its weight seen as ``[H, K, D]``: the TPU compiler reads
+  the heads in place, where ``[B, H, T, K] -> [B, T, H * K]`` first would be a copy of the whole output (and another
+  of its gradient). A projection qwix rewrote (LoRA adapters, quantized or fake-quantized weights: it marks each
+  module it rewrites with ``qwix_path``) computes through its own call, on the rearranged output, as every layout
+  does. Same values either way (the same products, summed in the matmul's order)."""
+  if heads == "b h t k" and getattr(layer, "qwix_path", None) is None:
+    kernel = layer.kernel[...]
+    out, kernel, _ = layer.promote_dtype((out, kernel, None), dtype=layer.dtype)
+    return jnp.einsum("bhtk,hkd->btd", out, kernel.reshape(out.shape[1], out.shape[3], -1),
+                      precision=layer.precision, preferred_element_type=layer.preferred_element_type)
+  return _per_token(layer, einops.rearrange(out, f"{heads} -> b t (h k)"))
+
+
+def _heads_in(layer, x_BxTxD, heads: str, head_dim: int) -> jax.Array:
+  """A projection ``layer`` (weight ``[D, H * K]``) of ``x`` to heads laid out as ``heads``; head-major and plain (see
+  `_heads_out`), ONE einsum with the weight seen as ``[D, H, K]``, written head-major by the matmul."""
+  if heads == "b h t k" and getattr(layer, "qwix_path", None) is None:
+    kernel = layer.kernel[...]
+    bias = layer.bias[...] if layer.bias is not None else None
+    x_BxTxD, kernel, bias = layer.promote_dtype((x_BxTxD, kernel, bias), dtype=layer.dtype)
+    out = jnp.einsum("btd,dhk->bhtk", x_BxTxD, kernel.reshape(kernel.shape[0], -1, head_dim),
+                     precision=layer.precision, preferred_element_type=layer.preferred_element_type)
+    return out if bias is None else out + bias.reshape(-1, 1, head_dim)
+  return einops.rearrange(_per_token(layer, x_BxTxD), f"b t (h k) -> {heads}", k=head_dim)
+
+
 def _dtypes(cfg: ModelConfig) -> dict:
   """The nnx layers' dtypes: compute in ``cfg.dtype``, weights stored in ``cfg.param_dtype`` (cast where used)."""
   return {"dtype": cfg.compute_dtype, "param_dtype": cfg.weight_dtype}
@@ -86,7 +115,7 @@ class Attention(nnx.Module):
                           nm.epsilon if nm else 0.0, post)
           for p, n, nm, post in ((self.q, cfg.n_heads, self.q_norm, query_prescale(cfg.hd, query_scale, dtype)),
                                  (self.k, cfg.n_kv_heads, self.k_norm, 1.0)))
-      v = einops.rearrange(_per_token(self.v, x_BxTxD), f"b t (h k) -> {heads}", k=cfg.hd)
+      v = _heads_in(self.v, x_BxTxD, heads, cfg.hd)
       query_scale = 1.0  # the queries left the kernel scaled as the splash path scales them
     else:
       q, k, v = (einops.rearrange(_per_token(p, x_BxTxD), f"b t (h k) -> {heads}", k=cfg.hd)
@@ -124,7 +153,7 @@ class Attention(nnx.Module):
           local_window_size=window,
       ).astype(v.dtype)
       probs_BxHxTxS = None
-    out = _per_token(self.o, einops.rearrange(out, f"{heads} -> b t (h k)"))
+    out = _heads_out(self.o, out, heads)
     return BlockOutput(out, cache=cache, probs=probs_BxHxTxS if want_probs else None)
 
 

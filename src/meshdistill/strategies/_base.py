@@ -13,7 +13,9 @@ Two kinds of strategy, told apart by ``needs_head``:
   strategy forms logits itself (e.g. chunked over tokens, `ChunkedLogitKD`). A model with a final logit
   soft-cap (``ModelConfig.final_softcap``, Gemma 2) adds ``softcaps=(student, teacher)`` (each a float or
   None): logits formed from a head must go through `meshdistill.models._variants.softcap` with it, on each vocabulary
-  shard before any reduction;
+  shard before any reduction; a strategy that declares ``reads_tied_heads`` also gets ``tied_heads=(student,
+  teacher)``: True where that head is the model's ``[V, D]`` embedding table transposed (``cfg.tie_embeddings``), a
+  layout hint (`meshdistill.losses.chunked_token_sums` then reads the table as stored, not a transposed copy);
 
 Both return a dict of token SUMS over their rows: ``"loss"`` is required, every other entry
 is reported as a metric; the step sums over the global batch and divides by the global count
@@ -71,6 +73,7 @@ class Strategy(abc.ABC):
   # the registered name of the same loss computed in token chunks from final hidden states and LM heads, which a
   # config's distill.chunk_size chooses (None: no such form)
   chunked_form: ClassVar[str | None] = None
+  reads_tied_heads: ClassVar[bool] = False  # True: per_batch takes tied_heads=(student, teacher) (see the docstring)
   count: ClassVar[Any] = None  # None: a mean over unmasked tokens; else count(mask_BxT) -> what the loss averages over
 
   def init_params(self, student_cfg, teacher_cfg, key) -> Any:

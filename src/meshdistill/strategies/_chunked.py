@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
 
   chunk_size: int = 1024
   capture: tuple[str, ...] = ("final",)
+  reads_tied_heads: ClassVar[bool] = True  # the chunk loop reads a tied head's table as stored
 
   def __post_init__(self):
     super().__post_init__()
@@ -52,14 +54,15 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
 
   def per_batch(
       self, params, student: ModelOutput, teacher: ModelOutput, heads, targets_BxT, mask_BxT, step,
-      softcaps=(None, None),
+      softcaps=(None, None), tied_heads=(False, False),
   ) -> dict[str, jax.Array]:
     """Token sums over this device's rows.
 
     ``student.final``: [b, T, D], ``teacher.final``: [b, T, E]; ``heads = (student_DxV,
     teacher_ExV)`` with V split over ``tensor``; ``targets_BxT``, ``mask_BxT``: [b, T]; ``softcaps``: the
     models' final logit soft-caps, applied to each chunk's logits (elementwise, on each vocabulary shard) before
-    the loss reduces anything.
+    the loss reduces anything; ``tied_heads``: which head is its model's embedding table transposed
+    (`chunked_token_sums` reads those tables as stored).
     """
     del params
     student_head_DxV, teacher_head_ExV = heads
@@ -77,6 +80,7 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
         targets_BxT.reshape(-1),
         jnp.asarray(mask_BxT, jnp.float32).reshape(-1),
         chunk_size=self.chunk_size,
+        tied_heads=tied_heads,
     )
 
 

@@ -164,9 +164,9 @@ def per_device_gradients(
   def gradients(part: dict) -> tuple[Any, dict, dict]:
     """The gradients and token sums of the rows ``part`` (the whole local batch, or one micro-batch) over the whole
     batch's ``denom``, summed over no axis but ``inner``."""
-    teacher_out, teacher_head, teacher_cap = teacher_part(part)
+    teacher_out, teacher_head, teacher_cap, teacher_tied = teacher_part(part)
     rows_in = {key: part[key] for key in keys if key in part}
-    run = functools.partial(student_part, teacher_softcap=teacher_cap)
+    run = functools.partial(student_part, teacher_softcap=teacher_cap, teacher_tied=teacher_tied)
     if student_axis is None:
       return run(state.params, rows_in, teacher_out, teacher_head, axes=data_axis, denom=denom)
     # The student on its rows: they (and the teacher's outputs, moved to rows) split over `student_axis`, its
@@ -212,17 +212,19 @@ def student_gradients(
     teacher_softcap: float | None = None,
     teachers: tuple[tuple[str, ...], float] = ((), 1.0),
     loss_scale: float | None = None,
+    teacher_tied: bool = False,
 ):
   """The student's part of `per_device_gradients` on the rows given, with the teacher's outputs for them:
   ``(grads, metrics)`` with gradients and token sums summed over the mesh axes ``axes`` (``None``: none).
   ``teacher_softcap``: the teacher's final logit soft-cap, for a strategy that forms logits from the heads.
   ``teachers``: ``(names, temperature)`` of several teachers whose own top-k the batch carries (`MULTI_KEYS`).
-  ``loss_scale``: the factor on the loss gradient (`scale_gradient`)."""
+  ``loss_scale``: the factor on the loss gradient (`scale_gradient`). ``teacher_tied``: the teacher's LM head is its
+  embedding table transposed (``cfg.tie_embeddings``), for a strategy that `reads_tied_heads`."""
   tokens, denom = _denominators(strategy, batch["mask"], axes)
   grads, sums, usage = _student_local(
       step, params, batch, teacher_out, teacher_head, axes=axes, student_def=student_def, strategy=strategy,
       vocab=vocab, trainable=trainable, light=light, teacher_softcap=teacher_softcap, teachers=teachers,
-      loss_scale=loss_scale, denom=denom)
+      loss_scale=loss_scale, denom=denom, teacher_tied=teacher_tied)
   return _summed_metrics(grads, sums, usage, tokens, denom, axes, teachers[0])
 
 
@@ -260,6 +262,7 @@ def _student_local(
     teachers: tuple[tuple[str, ...], float] = ((), 1.0),
     loss_scale: float | None = None,
     micro_batches: int = 1,
+    teacher_tied: bool = False,
 ):
   """``(grads, token sums, usage)`` of the student on the rows given, summed over no device: the gradient of this
   rows' token sums over ``denom`` (the global batch's, `_denominators`), and an MoE student's utilisation metrics.
@@ -288,6 +291,8 @@ def _student_local(
       heads = (student.head_weight()[:, :vocab], teacher_head)
       caps = (getattr(student.cfg, "final_softcap", None), teacher_softcap)  # elementwise: applied per shard
       capped = {"softcaps": caps} if any(c is not None for c in caps) else {}
+      if strategy.reads_tied_heads:  # which heads are tables transposed: a layout hint, the same values
+        capped["tied_heads"] = (bool(student.cfg.tie_embeddings), teacher_tied)
       sums = strategy.per_batch(params["strategy"], student_out, teacher_out, heads, targets_BxT, mask_BxT, step,
                                 **capped)
     else:

@@ -20,22 +20,23 @@ from meshdistill.train.teacher import MODEL, TeacherOutput
 
 def teacher_outputs(source: TeacherOutput, teacher_def, teacher_params, strategy: Strategy, batch: dict, *,
                     vocab: int | None, topk_vocab: int | None, temperature: float, student_axis: str | None):
-  """``(teacher_out, teacher_head, teacher_softcap)`` for the rows of ``batch``: what the strategy reads of the
-  teacher (a ModelOutput, a losses.TopK or a losses.Aligned; None without a teacher), the teacher's LM head for a
-  strategy that forms logits from the heads, and its final logit soft-cap."""
+  """``(teacher_out, teacher_head, teacher_softcap, teacher_tied)`` for the rows of ``batch``: what the strategy reads
+  of the teacher (a ModelOutput, a losses.TopK or a losses.Aligned; None without a teacher), the teacher's LM head for
+  a strategy that forms logits from the heads, its final logit soft-cap, and whether that head is its embedding table
+  transposed (``cfg.tie_embeddings``: a layout hint for a strategy that `reads_tied_heads`)."""
   capture = tuple(strategy.capture)
   # A strategy with `needs_head` forms logits itself from the final hidden states and the
   # LM heads (e.g. chunked over tokens); the models then skip their heads (`needs_logits`).
   with_logits, with_head = strategy.needs_logits, strategy.needs_head
   reads_topk = source.reads_topk(batch)
   if reads_topk and source.own_tokenizer:  # a cross-tokenizer cache
-    return _aligned_topk(batch, topk_vocab, temperature), None, None
+    return _aligned_topk(batch, topk_vocab, temperature), None, None, False
   if reads_topk:  # a teacher given by its top-k (offline cache, or a teacher on other devices)
-    return losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS)), None, None
+    return losses.TopK(*(jax.lax.stop_gradient(batch[k]) for k in TOPK_KEYS)), None, None, False
   if source.kind is MODEL and source.own_tokenizer:  # a teacher of another tokenizer
-    return _aligned_teacher(nnx.merge(teacher_def, teacher_params), batch, student_axis), None, None
+    return _aligned_teacher(nnx.merge(teacher_def, teacher_params), batch, student_axis), None, None, False
   if source.kind is not MODEL:
-    return None, None, None
+    return None, None, None, False
   teacher = nnx.merge(teacher_def, teacher_params)
   inputs_BxT, segs = batch["inputs"], segments(batch)
   if student_axis is not None:
@@ -43,7 +44,8 @@ def teacher_outputs(source: TeacherOutput, teacher_def, teacher_params, strategy
   teacher_out = vocab_slice(
       jax.lax.stop_gradient(teacher(inputs_BxT, capture=capture, logits=with_logits, **segs)), vocab)
   teacher_head = jax.lax.stop_gradient(teacher.head_weight()[:, :vocab]) if with_head else None
-  return teacher_out, teacher_head, getattr(teacher.cfg, "final_softcap", None)
+  return (teacher_out, teacher_head, getattr(teacher.cfg, "final_softcap", None),
+          bool(getattr(teacher.cfg, "tie_embeddings", False)))
 
 
 def segments(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
