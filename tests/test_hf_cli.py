@@ -128,7 +128,7 @@ def _direct_forward(teacher, layers, tokens):
   """The teacher's own modules applied with only ``layers``: embed, those blocks, final norm, head."""
   x = teacher.embed(tokens)
   for i in layers:
-    x = teacher.blocks[i](x, False)[0]  # (x, attention probabilities, routing)
+    x = teacher.blocks[i](x, False).x  # a BlockOutput: the residual stream after the block
   x = teacher.final_norm(x)
   return teacher.embed.attend(x) if teacher.head is None else teacher.head(x)
 

@@ -6,12 +6,9 @@ its type or length."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-
-if TYPE_CHECKING:
-  from meshdistill.models._attention import KVCache
 
 
 @jax.tree_util.register_dataclass
@@ -30,6 +27,6 @@ class BlockOutput:
   """
 
   x: jax.Array
-  cache: KVCache | None = None
+  cache: Any = None  # a `KVCache` (the attention module imports this one: named by its doc, not its type)
   probs: jax.Array | None = None
   aux: Any = None  # a `Routing` (moe imports this module: named by its doc, not its type)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshdistill.core.batch import BATCH_KEYS, CROSS_KEYS, MULTI_KEYS, SEGMENT_KEYS, TARGET_LOGPROB_KEY, TOPK_KEYS
+from meshdistill.train.teacher import TeacherKind
 
 
 def check_batch(trainer, batch: dict) -> None:
@@ -27,7 +28,7 @@ def check_batch(trainer, batch: dict) -> None:
   trainer.layout.check_batch(B)
   _check_cross_batch(trainer, batch, B)
   _check_segments(trainer, batch, B, T)
-  if trainer.topk_teacher is not None:
+  if trainer.teacher_output.kind is TeacherKind.TOPK:  # the decided teacher gives its top-k
     k = trainer.topk_teacher.k
     if trainer.cross_tokenizer:  # a cross-tokenizer cache: per teacher token, with the target's log-probability
       Tt = np.shape(batch["teacher_inputs"])[1]
@@ -57,7 +58,7 @@ def _check_segments(trainer, batch: dict, B: int, T: int) -> None:
   shapes = {k: tuple(np.shape(batch[k])) for k in SEGMENT_KEYS}
   if set(shapes.values()) != {(B, T)}:
     raise ValueError(f"{list(SEGMENT_KEYS)} must be [batch, seq] = {(B, T)} like inputs, got {shapes}")
-  if trainer.topk_teacher is not None:
+  if trainer.teacher_output.kind is TeacherKind.TOPK:  # the decided teacher gives its top-k
     raise ValueError(f"data.packing=documents with {trainer.topk_teacher.source}: the teacher's top-k was computed on "
                      "rows whose documents attend to each other, so it would not match the student's; use "
                      "data.packing=stream with it, or a teacher that runs in the step (its weights)")
