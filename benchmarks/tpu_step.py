@@ -263,6 +263,7 @@ def config_key(r: dict) -> tuple:
   configuration are variants of it, superseded together)."""
   s = dict(r.get("setting") or {})
   s.pop("blocks", None)
+  s.pop("only", None)  # which systems measured a setting is not what they measured
   defaults = {"mu": "float32", "metrics": "full", "scan": "both", "dtypes": "bf16"}
   return (r["pair"], r.get("system", "meshdistill"), r.get("batch"), r.get("prompt"), r.get("new"),
           tuple(sorted({**defaults, **s}.items())))
@@ -497,42 +498,57 @@ def _spread(r: dict) -> str:
   return f"{100 * (max(t) / min(t) - 1):.2f}%" if t else "not recorded"
 
 
+def _side_setting(r: dict) -> str:
+  """A side-by-side row's configuration in a few words: remat, loss chunk, micro-batch, attention, and what ``auto``
+  chose where the row records it (tunix: its own configuration, `SIDE_CONFIG`)."""
+  s, auto = r["setting"], r.get("auto") or {}
+  if r.get("system") == "tunix":
+    return "its example's: student remat decoder, splash attention"
+  remat = s["remat"] + (f" -> {r['remat_chosen']}" if r.get("remat_chosen") else "")
+  chunk = str(s["chunk"]) + (f" -> {auto['chunk']}" if s["chunk"] == "auto" and "chunk" in auto else "")
+  words = [f"remat {remat}", f"chunk {chunk}"]
+  if s.get("mb", "whole") != "whole":
+    words.append(f"micro-batch {s['mb']}" + (f" -> {auto['micro_batch']}" if "micro_batch" in auto else ""))
+  words.append(f"attention {s['attn']}" + (", dtypes auto" if s.get("dtypes") == "auto" else ""))
+  return ", ".join(words)
+
+
 def side_by_side_section(rows: list[dict], superseded: bool = False, peers: list[dict] | None = None) -> list[str]:
-  """The peers' table: the plain step and tunix (``peers``, default: those in ``rows``) at each setting, each after
-  meshdistill's row of the same command and setting (from ``rows``: the systems ran one after another in one
-  process, and the ratio is taken within it; another command's meshdistill row is never the reference), with the
-  spread of its timed steps. ``superseded``: the appendix's form (a sub-heading, no configurations)."""
+  """The peers' table: each command that measured the plain step or tunix (``peers``, default: those in ``rows``),
+  with every meshdistill row of that command (from ``rows``: the systems ran one after another in one process) and
+  the spread of each row's timed steps. Each row's ratio is its tokens/s over the best meshdistill row of its command
+  (best against best; another command's meshdistill row is never the reference). ``superseded``: the appendix's form
+  (a sub-heading, no configurations)."""
   peers = [r for r in rows if r.get("system") in ("plain", "tunix")] if peers is None else peers
   if not peers:
     return []
-  same = lambda a, b: all(a.get(k) == b.get(k) for k in ("tag", "command", "commit", "label"))  # noqa: E731
-  groups: list[list[dict]] = []
+  run = lambda r: tuple(r.get(k) for k in ("tag", "command", "commit"))  # noqa: E731
+  groups: dict[tuple, list[dict]] = {}
   for p in peers:
-    group = next((g for g in groups if same(g[0], p)), None)
-    if group is None:
-      ours = [r for r in rows if r.get("system", "meshdistill") == "meshdistill" and same(r, p)]
-      groups.append([*ours[-1:], p])
-    else:
-      group.append(p)
+    groups.setdefault(run(p), []).append(p)
+  for key, group in groups.items():
+    group[:0] = [r for r in rows if r.get("system", "meshdistill") == "meshdistill" and run(r) == key]
   if superseded:
     out = ["", "### Side by side", ""]
   else:
     out = ["", "## Side by side: meshdistill, the plain `jax.jit` step and tunix in one process", "",
            "Configurations: " + "; ".join(f"**{k}**: {v}" for k, v in SIDE_CONFIG.items()) + ". The systems of one "
-           "command ran one after another in one process on the chip; each peer's ratio is to meshdistill's row "
-           "of that command.", ""]
-  out += _head("pair", "system", "batch x seq", "ms / step", "tokens/s", "spread of the timed steps",
-               "tokens/s / meshdistill's", "result")
-  out[-1] = "|---|---|---|---:|---:|---:|---:|---|" + "---|" * len(PROVENANCE)
-  for group in sorted(groups, key=lambda g: (g[-1].get("date", ""), g[-1]["setting"]["b"])):
-    ref = group[0] if group[0].get("system", "meshdistill") == "meshdistill" and "step_s" in group[0] else None
-    for r in sorted(group, key=lambda r: list(SIDE_CONFIG).index(r.get("system", "meshdistill"))):
+           "command ran one after another in one process on the chip; each row's ratio is to the fastest meshdistill "
+           "row of that command.", ""]
+  out += _head("pair", "system", "batch x seq", "setting", "ms / step", "tokens/s", "spread of the timed steps",
+               "tokens/s / meshdistill's best", "result")
+  out[-1] = "|---|---|---|---|---:|---:|---:|---:|---|" + "---|" * len(PROVENANCE)
+  order = lambda r: (list(SIDE_CONFIG).index(r.get("system", "meshdistill")), r["setting"]["b"])  # noqa: E731
+  for group in sorted(groups.values(), key=lambda g: (g[-1].get("date", ""), g[-1]["setting"]["b"])):
+    ours = [r for r in group if r.get("system", "meshdistill") == "meshdistill" and "step_s" in r]
+    ref = max(ours, key=lambda r: r["tokens_per_s"]) if ours else None
+    for r in sorted(group, key=order):
       s, system = r["setting"], r.get("system", "meshdistill")
-      head = f"| {r['pair']} | {system} | {s['b']} x {s['t']} |"
+      head = f"| {r['pair']} | {system} | {s['b']} x {s['t']} | {_side_setting(r)} |"
       if "error" in r or "step_s" not in r:
         out.append(f"{head} | | | | {_why(r.get('error', 'no time'))} | {provenance(r)}")
         continue
-      ratio = "" if ref is None or system == "meshdistill" else f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
+      ratio = "" if ref is None else f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
       out.append(f"{head} {r['step_s'] * 1e3:.0f} | {r['tokens_per_s']:,.0f} | {_spread(r)} | {ratio} | ran | "
                  f"{provenance(r)}")
   return out
@@ -599,7 +615,8 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--pair", choices=sorted(PAIRS), default="qwen3")
   parser.add_argument("--config", action="append", default=[],
-                      help="b=8,t=2048,remat=full,chunk=1024,attn=splash (repeatable; defaults for missing keys)")
+                      help="b=8,t=2048,remat=full,chunk=1024,attn=splash (repeatable; defaults for missing keys; "
+                           "only=tunix+plain: measured by those systems only)")
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--profile", action="store_true", help="trace 3 more steps and split their time by role")
   parser.add_argument("--trace-dir", default=None, help="copy the trace of the last profiled config here")
@@ -662,7 +679,7 @@ def main(argv=None) -> int:
   for text in args.config or [""]:
     setting = Setting.parse(text)
     with use_splash_blocks(setting.blocks):  # every program of this setting is traced with its blocks
-      for system in systems:
+      for system in (x for x in systems if setting.measured_by(x)):
         if system == "meshdistill":
           keep(measure(args.pair, setting, args.steps, args.profile, args.trace_dir))
         elif system == "plain":
@@ -673,7 +690,8 @@ def main(argv=None) -> int:
           keep(measure_cli(args.pair, setting, args.cli_steps, args.cli_dir, scan=system == "cli-scan",
                            timeout_s=args.cli_timeout))
   if "tunix" in systems:  # after the others: one build of tunix's models serves every batch
-    for row in measure_tunix(args.pair, [Setting.parse(text) for text in args.config or [""]], args.steps):
+    settings = [s for s in map(Setting.parse, args.config or [""]) if s.measured_by("tunix")]
+    for row in measure_tunix(args.pair, settings, args.steps):
       keep(row)
   for system in (s for s in GEN_LAYERS if s in systems):
     for row in measure_generation(args.pair, batches, prompt, new, system):

@@ -181,23 +181,42 @@ def test_the_chip_section_of_plan_calibration_md_is_the_render_of_its_stored_row
   assert "leaving one pair out needs two" in one_pair and "Leave one pair out" not in one_pair
 
 
-def test_side_by_side_table_sets_each_peer_beside_meshdistill_of_the_same_command_and_setting(tpu_step):
+def test_side_by_side_table_holds_each_command_with_peers_and_compares_best_against_best(tpu_step):
   setting = {"b": 2, "t": 2048, "remat": "full", "chunk": 1024, "attn": "splash", "blocks": "default"}
   row = lambda system, step_s, tag="one-run", b=2, **kw: {  # noqa: E731
-      "pair": "qwen3", "system": system, "tag": tag, "setting": {**setting, "b": b}, "label": f"b={b}",
-      "step_s": step_s, "tokens_per_s": b * 2048 / step_s, "commit": "abc1234", "command": f"run {tag}", **kw}
+      "pair": "qwen3", "system": system, "tag": tag, "setting": {**setting, "b": b, **kw.pop("setting", {})},
+      "label": f"b={b}", "step_s": step_s, "tokens_per_s": b * 2048 / step_s, "commit": "abc1234",
+      "command": f"run {tag}", **kw}
+  auto = {"remat": "auto", "chunk": "auto", "mb": "auto", "attn": "auto", "dtypes": "auto"}
   rows = [row("meshdistill", 0.25, step_times=[0.25, 0.26]), row("plain", 0.30, step_times=[0.30, 0.30]),
-          row("tunix", 0.20), row("meshdistill", 0.50, b=4),  # no peer at batch 4: not in the table
+          row("tunix", 0.20), row("meshdistill", 0.40, b=4, setting=auto, remat_chosen="dots",
+                                  auto={"chunk": 1024, "micro_batch": 4}),  # the command's best: the reference
           row("meshdistill", 0.10, tag="other-run")]  # another command's meshdistill: never the reference
   lines = [line for line in tpu_step.side_by_side_section(rows) if line.startswith("| qwen3")]
   where = " |  | abc1234 |  |  |  | `run one-run` |"
+  full = "remat full, chunk 1024, attention splash"
   assert lines == [
-      "| qwen3 | meshdistill | 2 x 2048 | 250 | 16,384 | 4.00% |  | ran" + where,
-      "| qwen3 | plain | 2 x 2048 | 300 | 13,653 | 0.00% | 0.83x | ran" + where,
-      "| qwen3 | tunix | 2 x 2048 | 200 | 20,480 | not recorded | 1.25x | ran" + where,
+      f"| qwen3 | meshdistill | 2 x 2048 | {full} | 250 | 16,384 | 4.00% | 0.80x | ran" + where,
+      "| qwen3 | meshdistill | 4 x 2048 | remat auto -> dots, chunk auto -> 1024, micro-batch auto -> 4, attention "
+      "auto, dtypes auto | 400 | 20,480 | not recorded | 1.00x | ran" + where,
+      f"| qwen3 | plain | 2 x 2048 | {full} | 300 | 13,653 | 0.00% | 0.67x | ran" + where,
+      "| qwen3 | tunix | 2 x 2048 | its example's: student remat decoder, splash attention | 200 | 20,480 | not recorded | 1.00x | ran" + where,
   ]
   text = "\n".join(tpu_step.side_by_side_section(rows))
   assert all(config in text for config in tpu_step.SIDE_CONFIG.values())  # each system's configuration is stated
+
+
+def test_a_setting_measured_by_some_systems_only_keeps_its_label_and_configuration(tpu_step):
+  """``only=tunix+plain`` limits who measures a setting; the row's label and configuration key are those of the same
+  setting without it (so it supersedes and is superseded as before), and an empty name is refused."""
+  only = tpu_step.Setting.parse("b=2,remat=dots_no_batch,only=tunix+plain")
+  plain = tpu_step.Setting.parse("b=2,remat=dots_no_batch")
+  assert only.measured_by("tunix") and only.measured_by("plain") and not only.measured_by("meshdistill")
+  assert plain.measured_by("meshdistill") and only.label() == plain.label()
+  key = lambda s: tpu_step.config_key({"pair": "qwen3", "setting": vars(s)})  # noqa: E731
+  assert key(only) == key(plain)
+  with pytest.raises(SystemExit, match="only=tunix"):
+    tpu_step.Setting.parse("b=2,only=tunix+")
 
 
 def test_a_chip_setting_names_which_models_scan_their_layers_and_refuses_another_word(tpu_step):

@@ -36,6 +36,7 @@ class Setting:
   metrics: str = "full"  # the step measured: "full" (`Distiller.step`) or "light" (its `metrics_light` step)
   scan: str = "both"  # the models whose layers are scanned (`ModelConfig.scan_layers`): both, teacher, student, none
   dtypes: str = "bf16"  # "bf16": both compute in bfloat16, the teacher stored so (named); "auto": the defaults
+  only: str = ""  # the systems of `tpu_step.py --systems` that measure this setting, joined by "+" ("": every one)
 
   @classmethod
   def parse(cls, text: str) -> "Setting":
@@ -50,12 +51,18 @@ class Setting:
       raise SystemExit(f"--config {text!r}: mb={kw['mb']!r}; choose whole, auto or a number of rows")
     if kw.get("metrics", "full") not in ("full", "light"):
       raise SystemExit(f"--config {text!r}: metrics={kw['metrics']!r}; choose full or light")
+    if "only" in kw and not all(kw["only"].split("+")):
+      raise SystemExit(f"--config {text!r}: only={kw['only']!r}; name systems joined by '+', e.g. only=tunix+plain")
     if kw.get("scan", "both") not in SCAN:
       raise SystemExit(f"--config {text!r}: scan={kw['scan']!r}; choose one of {', '.join(SCAN)}")
     return cls(**kw)
 
+  def measured_by(self, system: str) -> bool:
+    """Whether ``system`` measures this setting (``only`` names it, or names nothing)."""
+    return not self.only or system in self.only.split("+")
+
   def label(self) -> str:
-    # the rows measured before a setting existed keep their label
+    # the rows measured before a setting existed keep their label; ``only`` says who measures, not what
     mu = "" if self.mu == "float32" else f",mu={self.mu}"
     light = "" if self.metrics == "full" else f",metrics={self.metrics}"
     scan = "" if self.scan == "both" else f",scan={self.scan}"
