@@ -33,9 +33,10 @@ BATCHES = [uneven_batch(s) for s in range(2)]
 KEYS = ("loss", "kl", "ce", "teacher_ce", "agree")
 
 
-def distiller(shape=None, split="tensor", fsdp=False, **kw):
+def distiller(shape=None, split="tensor", fsdp=False, scan=False, **kw):
   mesh = None if shape is None else md.make_mesh(*shape)
-  teacher, student = md.init_model(TEACHER_CFG, seed=0, mesh=mesh), md.init_model(STUDENT_CFG, seed=1, mesh=mesh)
+  teacher = md.init_model(TEACHER_CFG.replace(scan_layers=scan), seed=0, mesh=mesh)
+  student = md.init_model(STUDENT_CFG.replace(scan_layers=scan), seed=1, mesh=mesh)
   return md.Distiller(student, teacher, mesh=mesh, optimizer=optax.sgd(1.0), student_split=split, fsdp=fsdp,
                       **kw)
 
@@ -56,19 +57,21 @@ def test_uneven_masks_make_a_mean_per_micro_batch_differ_from_the_step_loss(whol
   assert abs(np.mean(per_half) - float(metrics["loss"])) > 1e-3 * abs(float(metrics["loss"]))
 
 
-@pytest.mark.parametrize("shape, split, fsdp, micro_batch", [
-    (None, "tensor", False, 8),  # one device: 16 rows as 2 micro-batches
-    (None, "tensor", False, 4),  # ... as 4
-    ((2, 4), "tensor", False, 4),  # 2x4: 8 rows per data shard as 2 micro-batches
-    ((2, 4), "tensor", False, 2),  # ... as 4
-    ((2, 4), "batch", False, 4),  # the student on rows split over tensor too: 2 micro-batches of 4 rows, 1 per device
-    ((2, 4), "tensor", True, 4),  # weights split over data too: gathered and their gradients scattered per micro-batch
-], ids=["1-device-k2", "1-device-k4", "2x4-k2", "2x4-k4", "2x4-student-split-k2", "2x4-fsdp-k2"])
-def test_an_accumulated_step_gives_the_whole_batch_step(whole, shape, split, fsdp, micro_batch):
+@pytest.mark.parametrize("shape, split, fsdp, scan, micro_batch", [
+    (None, "tensor", False, False, 8),  # one device: 16 rows as 2 micro-batches
+    (None, "tensor", False, False, 4),  # ... as 4
+    (None, "tensor", False, True, 8),  # both models' layers scanned (`nnx.scan` inside the loop over micro-batches)
+    ((2, 4), "tensor", False, False, 4),  # 2x4: 8 rows per data shard as 2 micro-batches
+    ((2, 4), "tensor", False, False, 2),  # ... as 4
+    ((2, 4), "batch", False, False, 4),  # the student on rows split over tensor too: 2 micro-batches of 4 rows
+    ((2, 4), "tensor", True, False, 4),  # weights split over data too: gathered, gradients scattered per micro-batch
+], ids=["1-device-k2", "1-device-k4", "1-device-scanned-k2", "2x4-k2", "2x4-k4", "2x4-student-split-k2",
+        "2x4-fsdp-k2"])
+def test_an_accumulated_step_gives_the_whole_batch_step(whole, shape, split, fsdp, scan, micro_batch):
   """The same new parameters and metrics as one device running the whole batch at once, within float32 summation
   bounds (`assert_sgd_steps_agree`: the sums over the same tokens in another order)."""
-  accumulated = distiller(shape, split, fsdp, micro_batch=micro_batch)
-  assert_sgd_steps_agree(whole, accumulated, BATCHES, KEYS)
+  accumulated = distiller(shape, split, fsdp, scan, micro_batch=micro_batch)
+  assert_sgd_steps_agree(distiller(scan=True) if scan else whole, accumulated, BATCHES, KEYS)
 
 
 def test_the_metrics_light_step_accumulates_the_same_loss(whole):

@@ -69,16 +69,20 @@ def split_rows(tree: Any, k: int) -> Any:
   return jax.tree.map(cut, tree)
 
 
-def accumulate(fn: Callable[[Any], Any], micro: Any) -> Any:
-  """``sum_i fn(micro[i])`` over the leading axis of ``micro`` (from `split_rows`), in a ``jax.lax.scan``: the sum
-  kept in float32 (a bfloat16 or float16 output is added in float32), each leaf returned in its own dtype."""
+def accumulate(fn: Callable[[Any, Any], Any], micro: Any, operands: Any = None) -> Any:
+  """``sum_i fn(micro[i], operands)`` over the leading axis of ``micro`` (from `split_rows`), in a ``jax.lax.scan``:
+  the sum kept in float32 (a bfloat16 or float16 output is added in float32), each leaf returned in its own dtype.
+  ``operands`` (e.g. the models' weights) are the same for every micro-batch; they enter the loop as its operands,
+  carried unchanged, so ``fn`` sees them as values of the loop's own trace (a Flax model merged inside the loop from
+  weights it closed over would hold values of the enclosing trace, which a scanned model's ``nnx.scan`` refuses)."""
   first = jax.tree.map(lambda x: x[0], micro)
-  shapes = jax.eval_shape(fn, first)
+  shapes = jax.eval_shape(fn, first, operands)
   wide = lambda s: jnp.promote_types(s.dtype, jnp.float32)  # noqa: E731 -- float32 at least
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, wide(s)), shapes)
 
-  def body(total, x):
-    return jax.tree.map(lambda t, y: t + y.astype(t.dtype), total, fn(x)), None
+  def body(carry, x):
+    total, ops = carry
+    return (jax.tree.map(lambda t, y: t + y.astype(t.dtype), total, fn(x, ops)), ops), None
 
-  total, _ = jax.lax.scan(body, zeros, micro)
+  (total, _), _ = jax.lax.scan(body, (zeros, operands), micro)
   return jax.tree.map(lambda t, s: t.astype(s.dtype), total, shapes)

@@ -139,11 +139,9 @@ def per_device_gradients(
   if student_axis is not None:  # each micro-batch's rows split over `student_axis` as well
     multiple, why = multiple * _axis_size(student_axis), f" (rows split over {student_axis} too: mesh.student_split)"
   k = micro_batches(rows, micro_batch, multiple, why)
-  teacher_part = functools.partial(
-      teacher_outputs, teacher_output if teacher_output is not None else TeacherOutput(NONE if teacher_def is None
-                                                                                      else MODEL),
-      teacher_def, teacher_params, strategy, vocab=vocab, topk_vocab=topk_vocab, temperature=teacher_temperature,
-      student_axis=student_axis)
+  source = teacher_output if teacher_output is not None else TeacherOutput(NONE if teacher_def is None else MODEL)
+  teacher_part = functools.partial(teacher_outputs, source, teacher_def, vocab=vocab, topk_vocab=topk_vocab,
+                                   temperature=teacher_temperature, student_axis=student_axis)
   student_part = functools.partial(
       _student_local, state.step, student_def=student_def, strategy=strategy, vocab=vocab, trainable=trainable,
       light=light, teachers=(tuple(teacher_names), teacher_temperature), loss_scale=loss_scale, micro_batches=k,
@@ -161,14 +159,16 @@ def per_device_gradients(
   # whole): over `data` too when the rows run at once, only over it per micro-batch (`data` once, after the loop).
   inner = (student_axis if data_axis is None or k > 1 else (data_axis, student_axis)) if student_axis else None
 
-  def gradients(part: dict) -> tuple[Any, dict, dict]:
+  def gradients(part: dict, weights: tuple) -> tuple[Any, dict, dict]:
     """The gradients and token sums of the rows ``part`` (the whole local batch, or one micro-batch) over the whole
-    batch's ``denom``, summed over no axis but ``inner``."""
-    teacher_out, teacher_head, teacher_cap, teacher_tied = teacher_part(part)
+    batch's ``denom``, summed over no axis but ``inner``; ``weights``: (the student's, the teacher's), as the loop
+    running this hands them in."""
+    params, t_params = weights
+    teacher_out, teacher_head, teacher_cap, teacher_tied = teacher_part(t_params, strategy, part)
     rows_in = {key: part[key] for key in keys if key in part}
     run = functools.partial(student_part, teacher_softcap=teacher_cap, teacher_tied=teacher_tied)
     if student_axis is None:
-      return run(state.params, rows_in, teacher_out, teacher_head, axes=data_axis, denom=denom)
+      return run(params, rows_in, teacher_out, teacher_head, axes=data_axis, denom=denom)
     # The student on its rows: they (and the teacher's outputs, moved to rows) split over `student_axis`, its
     # weights, the teacher's LM head and the denominator whole; gradients and sums over that axis inside, so they
     # leave replicated.
@@ -180,12 +180,15 @@ def per_device_gradients(
 
     split = jax.shard_map(on_rows, in_specs=(P(), P(student_axis), P(student_axis), P(), P()), out_specs=P(),
                           axis_names={student_axis}, check_vma=False)
-    return split(state.params, rows_in, rows_whole(teacher_out), teacher_head, denom)
+    return split(params, rows_in, rows_whole(teacher_out), teacher_head, denom)
 
   if k == 1:
-    grads, sums, usage = gradients(batch)
-  else:  # micro-batches one after another, their gradients and token sums added in float32 (`accumulate`)
-    grads, sums = accumulate(lambda part: gradients(part)[:2], split_rows(batch, k))
+    grads, sums, usage = gradients(batch, (state.params, teacher_params))
+  else:  # micro-batches one after another, their gradients and token sums added in float32 (`accumulate`); the
+    # weights enter the loop as its operands (a model merged inside it from weights it closes over holds values of
+    # the enclosing trace, which a scanned model's own `nnx.scan` refuses)
+    grads, sums = accumulate(lambda part, weights: gradients(part, weights)[:2], split_rows(batch, k),
+                             (state.params, teacher_params))
     usage = {}
   outer = None if student_axis is not None and k == 1 else data_axis  # what `inner` left to sum
   return _summed_metrics(grads, sums, usage, tokens, denom, outer, teacher_names)
