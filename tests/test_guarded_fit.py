@@ -155,6 +155,38 @@ def test_resume_after_a_divergence_is_bitwise_identical(uninterrupted, data, mes
   assert leaves_equal(second.state.opt_state, full.state.opt_state)
 
 
+def test_good_states_kept_in_host_memory_restore_the_same_run_bit_for_bit(uninterrupted, data, mesh):
+  """``keep_in="host"`` (the default on an accelerator, where the devices' memory is the step's): the good states are
+  numpy copies, nothing of the devices' memory, and the divergence restores from them the same run as device copies
+  (``auto`` on a CPU: the devices)."""
+  from meshdistill.train.loop import guard as guard_lib
+
+  _, full, _, _, _ = uninterrupted
+  kept = []
+  real = guard_lib.Recovery.keep
+
+  def keep(self, state, step):
+    kept.append((self.place, guard_lib.on_host(state)))
+    return real(self, state, step)
+
+  guard_lib.Recovery.keep = keep
+  try:
+    host = fit(new_distiller(mesh), PoisonedData(data), steps=10, guard=guard(), keep_every=2, keep_in="host")
+  finally:
+    guard_lib.Recovery.keep = real
+  assert kept and all(k == ("host", True) for k in kept)
+  assert [(e["step"], e["kind"], e.get("restored_step")) for e in host.events] == [
+      (e["step"], e["kind"], e.get("restored_step")) for e in full.events]
+  assert leaves_equal(host.state.params, full.state.params) and leaves_equal(host.state.opt_state, full.state.opt_state)
+  state = full.state
+  assert guard_lib.keep_place("auto", state) == "device"  # a CPU device reports no memory limit
+  assert guard_lib.keep_place("host", state) == "host" and guard_lib.keep_place("device", state) == "device"
+  with pytest.raises(ValueError, match="safeguards.guard.keep_in='disk'; choose one of auto, device, host"):
+    guard_lib.keep_place("disk", state)
+  with pytest.raises(ConfigError, match="safeguards.guard.keep_in='gpu'"):
+    load_config("tiny", ["safeguards.guard.keep_in=gpu"])
+
+
 def test_repeated_divergence_stops_with_a_clear_error_and_keeps_the_checkpoint(uninterrupted, data, tmp_path):
   d = uninterrupted[0]
   ckpt = Checkpointer(str(tmp_path / "ckpt"), every=2)

@@ -143,3 +143,21 @@ def test_planner_keeps_teacher_param_dtype_for_presets_and_halves_teacher_weight
   b = md.plan(devices="cpu:8", mesh="2x4", overrides=["teacher.param_dtype=bfloat16"])
   assert a.memory["teacher_weights"] == 2 * b.memory["teacher_weights"] > 0
   assert a.memory["student_weights"] == b.memory["student_weights"]
+
+
+@pytest.mark.parametrize("shape", [None, (2, 4)], ids=["1-device", "2x4"])
+def test_the_callers_teacher_holds_the_weights_the_step_reads_so_no_second_copy_stays(shape):
+  """A teacher the caller keeps (a run keeps it for its final evaluation) holds the Distiller's placed weights
+  themselves, not its own copies beside them: frozen (``param_dtype`` auto computing in bfloat16: rounded) and laid
+  out as the step reads them, its values unchanged."""
+  mesh = None if shape is None else md.make_mesh(*shape)
+  cfg = TEACHER_CFG.replace(dtype="bfloat16", param_dtype="auto")
+  teacher = md.init_model(cfg, seed=0, mesh=mesh)
+  before = jax.tree.map(np.asarray, jax.device_get(nnx.state(teacher)))
+  d = md.Distiller(md.init_model(STUDENT_CFG, seed=1, mesh=mesh), teacher, mesh=mesh)
+  held = jax.tree.leaves(nnx.state(teacher))
+  placed = jax.tree.leaves(d.teacher_params)
+  assert len(held) == len(placed) and all(a is b for a, b in zip(held, placed))
+  assert teacher.cfg.weight_dtype == "bfloat16" and {x.dtype for x in held} == {jnp.dtype("bfloat16")}
+  for want, got in zip(jax.tree.leaves(before), held):  # the float32 weights rounded, nothing else changed
+    np.testing.assert_array_equal(np.asarray(got), want.astype(jnp.bfloat16))

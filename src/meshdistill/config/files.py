@@ -79,6 +79,7 @@ COMMENTS = {
     "safeguards.guard.min_history": "losses needed before the median test applies",
     "safeguards.guard.max_restores": "then stop with an error (the last checkpoint stays)",
     "safeguards.guard.keep_every": "steps between copies of the good state (one train state of memory)",
+    "safeguards.guard.keep_in": "auto: copies in host memory on an accelerator, on the devices on a CPU",
     "safeguards.guard.fallback": "the distillation term after a divergence, for the rest of the stage",
     "safeguards.remat.auto": "before step 1: turn remat on if the step would not fit in memory",
     "safeguards.remat.budget_mib": "per-device budget; null = the device's memory (CPU: none, no check)",

@@ -283,8 +283,9 @@ class GuardSettings:
 
   A step diverges when its loss is non-finite or above ``factor`` times the median of the last
   ``window`` good losses (once ``min_history`` are known). The loop then restores the last good
-  train state (a device copy taken every ``keep_every`` steps and at every checkpoint step: it
-  costs the memory of one train state) and, for distillation, switches the distillation term to
+  train state (a copy taken every ``keep_every`` steps and at every checkpoint step: the loop holds up to two,
+  each the memory of one train state, where ``keep_in`` says: ``device``, ``host`` memory, or ``auto``: host
+  memory on an accelerator, whose memory the step needs, the devices on a CPU) and, for distillation, switches the distillation term to
   the ``fallback`` divergence (``mse``: logit MSE) for the rest of the freezing stage (the whole
   run without a freezing schedule). After ``max_restores`` divergences the run stops with an
   error. Every restore is written to ``metrics.jsonl`` as an ``event`` row. ``enabled: false``
@@ -296,6 +297,7 @@ class GuardSettings:
   min_history: int = guard_lib.MIN_HISTORY
   max_restores: int = guard_lib.MAX_RESTORES
   keep_every: int = 10
+  keep_in: str = "auto"
   fallback: str = "mse"
 
   def __post_init__(self):
@@ -308,6 +310,9 @@ class GuardSettings:
       )
     positive_int("safeguards.guard.max_restores", self.max_restores)
     positive_int("safeguards.guard.keep_every", self.keep_every)
+    if self.keep_in not in guard_lib.KEEP_IN:
+      raise ConfigError(f"safeguards.guard.keep_in={self.keep_in!r}; choose one of {', '.join(guard_lib.KEEP_IN)} "
+                        "(auto: host memory on an accelerator, the devices on a CPU)")
     if self.fallback not in DIVERGENCES:
       raise ConfigError(f"safeguards.guard.fallback={self.fallback!r}; choose one of {sorted(DIVERGENCES)}")
 

@@ -51,7 +51,7 @@ def safeguard_kwargs(cfg: Config, strategy: Strategy | None = None) -> dict:
         )
       fallback = fallback.replace(divergence=g.fallback)
   guard = DivergenceGuard(window=g.window, factor=g.factor, min_history=g.min_history, max_restores=g.max_restores)
-  return {**kwargs, "guard": guard, "keep_every": g.keep_every, "fallback": fallback}
+  return {**kwargs, "guard": guard, "keep_every": g.keep_every, "keep_in": g.keep_in, "fallback": fallback}
 
 
 def _cache_safeguards(kwargs: dict, distiller) -> dict:

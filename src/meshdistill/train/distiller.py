@@ -138,6 +138,7 @@ class Distiller:
     self.layout = make_layout(backend, mesh, fsdp, student_split)
     # pads a vocabulary / replicates key/value heads where the mesh's `tensor` needs it
     student = self._fit(student)
+    given_teacher = teacher
     if teacher is not None and self.topk_teacher is None:
       # a frozen teacher of param_dtype "auto" is stored in its compute dtype (`ModelConfig.frozen`)
       teacher = frozen_model(self._fit(teacher), platform_of(self.layout.mesh))
@@ -164,6 +165,7 @@ class Distiller:
     if teacher is not None and self.topk_teacher is None:
       self.teacher_def, teacher_params = nnx.split(teacher)
       self.teacher_params = self.layout.place_params(teacher_params)
+      _share_placed(given_teacher, teacher.cfg, self.teacher_params)
     self._step_fn = functools.partial(
         per_device_step,
         student_def=self.student_def,
@@ -375,3 +377,21 @@ def _keep_initial_student_on_host(params):
   if not arrays or not all(x.is_fully_addressable for x in arrays):
     return params
   return jax.device_get(params)
+
+
+
+def _share_placed(model, cfg, placed) -> None:
+  """Makes ``model`` (the teacher as the caller gave it) hold ``placed`` -- its weights as the step reads them:
+  fitted to the layout, stored as a frozen teacher (``cfg``), placed on the devices -- in place of its own, so that
+  a caller that keeps the teacher (a run's job, for its final evaluation) holds no second copy of its weights on the
+  devices (a 1.7B teacher in bfloat16: 3.4 GB of a chip's memory). Where the layout changed the weights' shapes (a
+  padded vocabulary, ``pmap``'s per-device stacks) or their structure, the model keeps its own."""
+  if not isinstance(model, nnx.Module):
+    return
+  own = dict(nnx.to_flat_state(nnx.state(model)))
+  new = dict(nnx.to_flat_state(placed))
+  if own.keys() != new.keys() or any(own[k].get_value().shape != new[k].get_value().shape for k in own):
+    return
+  nnx.update(model, placed)
+  if hasattr(model, "cfg"):
+    model.cfg = cfg

@@ -32,14 +32,52 @@ log = logging.getLogger(__name__)
 _COPIERS: dict = {}  # one compiled copy per (tree structure, shardings)
 
 
-def copy_state(state):
-  """A device copy of ``state`` (same shardings), safe from the donation of the original.
+KEEP_IN = ("auto", "device", "host")  # where the good state's copies live (`Recovery`'s ``keep_in``)
+
+
+def keep_place(keep_in: str, state) -> str:
+  """Where copies of ``state`` go for ``keep_in``: ``device`` / ``host`` as named; ``auto``: host memory where the
+  state's devices report a memory limit (an accelerator, whose memory the step needs: on one v5e chip a 0.6B
+  student's float32 state with AdamW is 4.5 GB, and the loop holds up to two copies), the devices elsewhere (a CPU,
+  whose device memory is host memory)."""
+  if keep_in not in KEEP_IN:
+    raise ValueError(f"safeguards.guard.keep_in={keep_in!r}; choose one of {', '.join(KEEP_IN)}")
+  if keep_in != "auto":
+    return keep_in
+  from meshdistill.train.memory import device_memory_limit
+
+  leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+  device = next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
+  return "host" if device_memory_limit(device) is not None else "device"
+
+
+def on_host(state) -> bool:
+  """Whether ``state`` is a host copy (`copy_state` with ``where="host"``)."""
+  leaves = jax.tree.leaves(state)
+  return bool(leaves) and not any(isinstance(x, jax.Array) for x in leaves)
+
+
+def _on_cpu(x) -> bool:
+  return isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.devices())
+
+
+def copy_state(state, where: str = "device", shardings=None):
+  """A copy of ``state`` safe from the donation of the original: on the devices (same shardings; ``where="device"``)
+  or in host memory (``where="host"``: numpy arrays, read once; nothing of the devices' memory kept). A host copy
+  copied to the devices takes ``shardings`` (the original's, as `state_shardings` gave them).
 
   One compiled program copies every leaf (a train state has ~100 leaves: copying them one
   by one costs a dispatch each: 27 ms against 3.3 ms for the main job's state on 2 CPU cores). Leaves that are not
   `jax.Array`s with a mesh or single-device sharding (e.g. stacked ``pmap`` states) are copied
   one by one.
   """
+  if where not in ("device", "host"):
+    raise ValueError(f"copy_state(where={where!r}): choose device or host")
+  if on_host(state):
+    return state if where == "host" else jax.device_put(state, shardings)  # host copies are never written to
+  if where == "host":
+    # a CPU device's arrays read as numpy views of their buffers (which the donating step then writes): copied
+    return jax.tree.map(lambda h, x: np.array(h, copy=_on_cpu(x)), jax.device_get(state), state)
   leaves, treedef = jax.tree.flatten(state)
   shardings = tuple(getattr(x, "sharding", None) for x in leaves)
   if not leaves or not all(isinstance(sh, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding))
@@ -200,10 +238,13 @@ class Recovery:
 
   def __init__(self, trainer, guard: DivergenceGuard, keep_every: int = 1, fallback: Strategy | None = None, *,
                on_event: Callable[[int, str, dict], None] | None = None, say: Callable[[str], None] | None = None,
-               checkpoints: Callable[[], list[int]] | None = None):
+               checkpoints: Callable[[], list[int]] | None = None, keep_in: str = "auto"):
     if not isinstance(keep_every, int) or isinstance(keep_every, bool) or keep_every < 1:
       raise ValueError(f"keep_every={keep_every!r} must be a positive integer (steps between good-state copies)")
-    self.guard, self.keep_every = guard, keep_every
+    if keep_in not in KEEP_IN:
+      raise ValueError(f"safeguards.guard.keep_in={keep_in!r}; choose one of {', '.join(KEEP_IN)}")
+    self.guard, self.keep_every, self.keep_in = guard, keep_every, keep_in
+    self.place, self._shardings = "device", None  # where copies go and the state's shardings: set by `start`
     self.runners = {"primary": trainer, "fallback": None}
     self.fallback = fallback
     self.can_fall_back = fallback is not None or trainer.teacher_output.kind is not TeacherKind.NONE
@@ -267,8 +308,15 @@ class Recovery:
     return self.active == "fallback" and self.stage is not None
 
   def start(self, state, step: int) -> None:
-    """Keeps a copy of the state the loop starts from (restored from a checkpoint or given)."""
-    self.keep(copy_state(state), step)
+    """Keeps a copy of the state the loop starts from (restored from a checkpoint or given), where ``keep_in``
+    puts it (`keep_place`)."""
+    self.place = keep_place(self.keep_in, state)
+    self._shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
+    self.keep(self.copy(state), step)
+
+  def copy(self, state):
+    """A copy of ``state`` where this run keeps them (`start` decided: the devices or host memory)."""
+    return copy_state(state, self.place)
 
   def diverged(self, step: int, loss, grad_norm=None) -> str | None:
     """Why ``loss`` (a device scalar or float; read here) counts as divergence, or None (then it joins the
@@ -311,7 +359,7 @@ class Recovery:
     self._say(f"step {step}: divergence ({reason}); restored step {good}"
               + ("; distilling with the fallback loss" if self.active == "fallback" else ""))
     log.warning("step %d diverged (%s); restored the state of step %s, strategy %s", step, reason, good, self.active)
-    return copy_state(self.guard.good_state), good
+    return copy_state(self.guard.good_state, "device", self._shardings), good
 
   def _kept(self) -> str:
     """What a stopped run leaves to resume from, for its error."""
@@ -355,6 +403,9 @@ class NoRecovery:
 
   def before_step(self, step: int, state) -> None:
     del step, state
+
+  def copy(self, state):
+    return copy_state(state)
 
   def wants_copy(self, step: int, checkpoint_due: bool = False) -> bool:
     del step, checkpoint_due

@@ -36,7 +36,7 @@ import numpy as np
 
 from meshdistill.parallel.distributed import any_process, process_count
 from meshdistill.train.loop import hooks as hooks_lib
-from meshdistill.train.loop.guard import NoRecovery, Recovery, copy_state
+from meshdistill.train.loop.guard import NoRecovery, Recovery
 from meshdistill.train.loop.monitor import Monitor
 from meshdistill.train.loop.stopping import Stopped, requested, wait_for
 
@@ -152,7 +152,7 @@ class Run:
     rec.before_step(step, self.state)
     candidate = None
     if rec.wants_copy(step, any(h.wants_copy(step) for h in self.hooks)):
-      candidate = copy_state(self.state)  # the state is donated to the step
+      candidate = rec.copy(self.state)  # the state is donated to the step
     strategy = rec.active
     runner = rec.runner
     wanted = any(h.wants_metrics(self, step + 1) for h in self.hooks)

@@ -58,6 +58,7 @@ class FitOptions:
     meta: extra JSON-serializable facts stored in every checkpoint.
     guard: a `DivergenceGuard` to run under (None: no guard; see `meshdistill.train.loop.run`).
     keep_every: with a guard, steps between copies of the good state.
+    keep_in: with a guard, where those copies live: ``device``, ``host`` or ``auto`` (`guard.keep_place`).
     fallback: the strategy after a divergence (default `fallback_strategy(trainer.strategy)`);
       a trainer without a teacher (hard labels) only restores.
     guard_lag: 1 reads step ``s``'s loss after dispatching step ``s + 1`` (one more step is
@@ -89,6 +90,7 @@ class FitOptions:
   meta: dict | None = None
   guard: DivergenceGuard | None = None
   keep_every: int = 10
+  keep_in: str = "auto"
   fallback: Any = None
   guard_lag: int = 1
   auto_remat: bool = False
@@ -230,7 +232,8 @@ def fit(
     for h in actions:
       h.before_loop(run)
     if opts.guard is not None:
-      run.guard_with(Recovery(run.trainer, opts.guard, opts.keep_every, opts.fallback, say=monitor.message,
+      run.guard_with(Recovery(run.trainer, opts.guard, opts.keep_every, opts.fallback, keep_in=opts.keep_in,
+                              say=monitor.message,
                               on_event=lambda s, kind, fields: monitor.event(s, kind, **fields),
                               checkpoints=getattr(checkpointer, "all_steps", None)), saved.get("guard"))
     t_train = time.perf_counter()
