@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 
 import meshdistill as md
@@ -229,6 +230,44 @@ def test_config_with_sources_round_trips_through_config_yaml(tmp_path):
   text = (tmp_path / "config.yaml").read_text()
   assert "d_model" not in text and "from_teacher: true" in text
   assert load_config(str(tmp_path / "config.yaml")) == cfg
+
+
+def _with_positions(directory, positions):
+  """A copy of the Qwen3 fixture in ``directory`` whose config.json says ``max_position_embeddings: positions`` (the
+  fixture's own is 64; the weights, which do not depend on it, are the same)."""
+  shutil.copytree(QWEN3, directory)
+  hf = json.loads((directory / "config.json").read_text())
+  hf["max_position_embeddings"] = positions
+  (directory / "config.json").write_text(json.dumps(hf))
+  return directory
+
+
+def test_hf_models_are_bounded_by_config_json_unless_the_config_names_max_len(tmp_path, capsys):
+  long = _with_positions(tmp_path / "qwen3_512", 512)
+  base = [f"teacher.hf={long}", f"data.source={FIXTURES / 'hf_text.jsonl'}", "data.seq_len=256"]  # beyond 128
+  copied = [*base, "student.init={from_teacher: true, layers: [1]}"]
+  cfg = load_config(None, copied)  # no max_len named: the sections' 128 would refuse rows of 256
+  assert (cfg.teacher.max_len, cfg.student.max_len) == (512, 512)
+  teacher = load_teacher_hf(cfg, None)
+  assert (teacher.cfg.max_len, build_student(cfg, teacher, None).cfg.max_len) == (512, 512)
+  assert load_config(None, [*base, f"student.hf={long}"]).student.max_len == 512
+  # a named max_len wins, shorter or longer than config.json's
+  named = load_config(None, [*base, f"student.hf={long}", "teacher.max_len=300", "student.max_len=1024"])
+  assert (named.teacher.max_len, named.student.max_len) == (300, 1024)
+  assert load_teacher_hf(named, None).cfg.max_len == 300
+  with pytest.raises(ConfigError, match=r"teacher.max_len=128 is shorter than data.seq_len=256; set teacher.max_len"):
+    load_config(None, [*base, f"student.hf={long}", "teacher.max_len=128"])
+  with pytest.raises(ConfigError, match=r"student.max_len=512 \(config.json's max_position_embeddings\) is shorter "
+                                        r"than data.seq_len=1024"):
+    load_config(None, [*base, "data.seq_len=1024", f"student.hf={long}", "teacher.max_len=1024"])
+  # the bound got is printed by `meshdistill config` and named in a written config, which reloads equal
+  assert cli.main(["config", *[a for s in copied for a in ("--set", s)]]) == 0
+  printed = yaml.safe_load(capsys.readouterr().out)
+  assert (printed["teacher"]["max_len"], printed["student"]["max_len"]) == (512, 512)
+  dump_config(cfg, tmp_path / "config.yaml")
+  assert load_config(str(tmp_path / "config.yaml")) == cfg
+  assert cfg.replace(teacher=cfg.teacher.replace(max_len=1000)).teacher.max_len == 1000  # a replaced bound is kept
+  assert load_config(None).teacher.max_len == load_config(None).student.max_len == 128  # the main job: no config.json
 
 
 def test_export_of_a_run_without_checkpoint_writes_nothing(tmp_path, capsys):

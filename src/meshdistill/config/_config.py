@@ -4,9 +4,11 @@ A run is described by `Config`, whose sections are frozen, keyword-only dataclas
 
   mesh        data x tensor layout, step backend, simulated CPU devices
   teacher     `ModelConfig` of the teacher, and ``source`` with that source's settings (``hf: PATH``, ``cache: PATH``,
-              ``devices: {data, tensor}``, ``quantize``; see `meshdistill.teachers.kinds`)
+              ``devices: {data, tensor}``, ``quantize``; see `meshdistill.teachers.kinds`); with ``hf`` its
+              ``max_len`` is config.json's ``max_position_embeddings`` unless the config names one
   teachers    several named teacher sources and how they combine (route / mix; `meshdistill.teachers.multi`)
-  student     `ModelConfig` of the student, ``hf: PATH``, or ``init: {from_teacher: true, layers: [...]}``
+  student     `ModelConfig` of the student, ``hf: PATH``, or ``init: {from_teacher: true, layers: [...]}`` (``max_len``
+              from config.json too, the teacher's with ``teacher.hf``, unless named)
   data        `meshdistill.data.DataConfig` (corpus, tokenizer, seq_len, ...)
   distill     the strategy (a registered name) and its recipe (temperature / alpha: numbers or schedule specs)
   preference  how a ``distill.kind: preference`` run gets its (chosen, rejected) pairs
@@ -99,6 +101,7 @@ class Config:
   teachers: TeachersSettings = dataclasses.field(default_factory=TeachersSettings)
 
   def __post_init__(self):
+    from_hf = self.models.max_len_from_hf  # before `resolve` empties it: the bounds read from a config.json
     for section, value in resolve(self).items():  # shapes (and tokenizer) derived from teacher.hf / student.*
       object.__setattr__(self, section, value)
     # the mesh the checks below hold against: an auto mesh as it resolves without an accelerator (known before JAX
@@ -107,8 +110,9 @@ class Config:
     for who in ("teacher", "student"):
       m = getattr(self, who)
       if m.max_len < self.data.seq_len:
+        origin = " (config.json's max_position_embeddings)" if who in from_hf else ""
         raise ConfigError(
-          f"{who}.max_len={m.max_len} is shorter than data.seq_len={self.data.seq_len}; "
+          f"{who}.max_len={m.max_len}{origin} is shorter than data.seq_len={self.data.seq_len}; "
           f"set {who}.max_len >= {self.data.seq_len} or lower data.seq_len"
         )
       if m.attention == "splash" and self.data.seq_len % 128:

@@ -18,7 +18,10 @@ downloading only where allowed; the run's config names the id pinned to its comm
 With ``hf`` or ``init.from_teacher`` a section's shape is derived -- from ``config.json``, or the
 teacher's shape with ``len(layers)`` blocks -- and only `FREE_KEYS` (``max_len``, ``dtype``, ``param_dtype``,
 ``remat``, ``scan_layers``, ``attention``) may be set beside it (a shape key typed again is an error, unless it
-equals the derived value). With ``teacher.hf`` the data pipeline tokenizes with the teacher's
+equals the derived value). A shape read from a ``config.json`` (``hf``, and ``init.from_teacher`` with
+``teacher.hf``) is bounded by its ``max_position_embeddings`` (the sequence bound ``max_len``; no weight depends on
+it) unless the section names ``max_len``, which then wins, larger or smaller; the built-in shapes (no ``hf``) keep
+their own ``max_len`` (128 by default). With ``teacher.hf`` the data pipeline tokenizes with the teacher's
 ``tokenizer.json``; a ``student.hf`` whose tokenizer differs in anything but its ``padding`` /
 ``truncation`` settings is an error, as is a student of another family. Everything here is checked
 when the config is loaded (only JSON files are read), before any weights are touched.

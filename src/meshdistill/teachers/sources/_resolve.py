@@ -44,9 +44,11 @@ def check_hf_dir(path: str, setting: str) -> dict:
 
 
 def _hf_model_config(path: str, setting: str, section):
+  """The `ModelConfig` of ``path``'s config.json with ``section``'s `FREE_KEYS` but ``max_len``: its bound is
+  config.json's ``max_position_embeddings`` (`resolve` puts a ``max_len`` the config names in its place)."""
   hf = check_hf_dir(path, setting)
   try:
-    cfg = config_from_hf(hf, max_len=section.max_len, dtype=section.dtype, where=f"{setting}={path!r}: config.json")
+    cfg = config_from_hf(hf, max_len=None, dtype=section.dtype, where=f"{setting}={path!r}: config.json")
   except (KeyError, TypeError, ValueError) as e:
     raise ConfigError(f"{setting}={path!r}: {e if not isinstance(e, KeyError) else f'config.json lacks {e}'}") from None
   return cfg.replace(remat=section.remat, scan_layers=section.scan_layers, attention=section.attention,
@@ -80,13 +82,22 @@ def resolve(cfg) -> dict:
   """The derived ``teacher`` / ``student`` `ModelConfig` and ``data`` settings of a `Config` with sources.
 
   Returns a dict of the sections to replace (possibly empty; ``models`` when a Hub id was resolved to a local
-  directory). Raises `ConfigError` naming the setting.
+  directory, or ``max_len_from_hf`` was used). Raises `ConfigError` naming the setting.
+
+  A shape read from a config.json (``teacher.hf``, ``student.hf``, and ``student.init.from_teacher`` with
+  ``teacher.hf``) is bounded by its ``max_position_embeddings`` where the config named no ``max_len``
+  (``models.max_len_from_hf``), else by the named ``max_len``. ``max_len_from_hf`` is emptied here: the sections
+  now hold the bound, so resolving again (`Config.replace`) keeps it, and a written config names it.
   """
   src: ModelSources = local_sources(cfg.models)
+  follow = src.max_len_from_hf
+  if follow:
+    src = dataclasses.replace(src, max_len_from_hf=())
   out: dict[str, Any] = {} if src is cfg.models else {"models": src}
   if not src.any:
     return out
   teacher = cfg.teacher
+  positions = None  # max_position_embeddings of teacher.hf's config.json
   if src.teacher_hf:
     if cfg.pretrain.teacher:
       raise ConfigError(
@@ -94,10 +105,15 @@ def resolve(cfg) -> dict:
           "keep one of them"
       )
     teacher = _hf_model_config(src.teacher_hf, "teacher.hf", cfg.teacher)
+    positions = teacher.max_len
+    if "teacher" not in follow:
+      teacher = teacher.replace(max_len=cfg.teacher.max_len)
     out["teacher"] = teacher
     out["data"] = _teacher_tokenizer(cfg, src.teacher_hf)
   if src.student_hf:
     student = _hf_model_config(src.student_hf, "student.hf", cfg.student)
+    if "student" not in follow:
+      student = student.replace(max_len=cfg.student.max_len)
     tf, sf = _family(teacher), _family(student)
     if (tf, teacher.rope_scaling is None) != (sf, student.rope_scaling is None):
       raise ConfigError(
@@ -116,7 +132,8 @@ def resolve(cfg) -> dict:
           f"{teacher.n_layers} blocks: indices 0..{teacher.n_layers - 1})"
       )
     s = cfg.student
-    out["student"] = teacher.with_layers(layers).replace(max_len=s.max_len, dtype=s.dtype, remat=s.remat,
+    max_len = positions if positions is not None and "student" in follow else s.max_len
+    out["student"] = teacher.with_layers(layers).replace(max_len=max_len, dtype=s.dtype, remat=s.remat,
                                      scan_layers=s.scan_layers, attention=s.attention, param_dtype=s.param_dtype)
   elif src.student_init.pruned:
     out["student"] = _pruned_config(src.student_init.pruned, teacher, cfg.student)

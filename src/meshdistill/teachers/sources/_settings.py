@@ -72,6 +72,9 @@ class ModelSources:
   student_quantize_aware: QuantizeAware = dataclasses.field(default_factory=QuantizeAware)  # weights null: off
   teacher_options: dict = dataclasses.field(default_factory=dict)  # other settings of the chosen source, by key
   hub: dict = dataclasses.field(default_factory=dict)  # {setting: "org/name@commit"}: Hub ids resolved to the paths
+  # the sections ("teacher", "student") whose shape is read from a config.json and whose max_len the config did not
+  # name: their bound becomes config.json's max_position_embeddings (`split_sources` sets it, `resolve` empties it)
+  max_len_from_hf: tuple[str, ...] = ()
 
   def __post_init__(self):
     resolve_teacher(self.teacher_values())  # the chosen source checks its own settings
@@ -132,7 +135,10 @@ def split_sources(raw: dict) -> dict:
   """Moves ``teacher.hf``, ``student.hf`` and ``student.init`` of a raw config into ``raw["models"]``.
 
   Raises `ConfigError` when a section with a derived shape also sets a shape key (other than
-  `FREE_KEYS`): the shape is read from the checkpoint or the teacher, not typed twice.
+  `FREE_KEYS`): the shape is read from the checkpoint or the teacher, not typed twice. A section whose shape comes
+  from a ``config.json`` (``teacher.hf``, ``student.hf``, ``student.init.from_teacher`` with ``teacher.hf``) and
+  that names no ``max_len`` is listed in ``max_len_from_hf``: its bound is ``max_position_embeddings``, not the
+  section's default (only the raw mapping tells a named ``max_len`` from the default).
   """
   raw = dict(raw)
   models: dict[str, Any] = {}
@@ -172,6 +178,9 @@ def split_sources(raw: dict) -> dict:
           f"{who}.{typed[0]} is set, but with {how} the {who}'s shape is derived ({origin}); "
           f"remove {[f'{who}.{k}' for k in typed]} (beside it only {[f'{who}.{k}' for k in FREE_KEYS]} may be set)"
       )
+    from_hf = models.get(f"{who}_hf") is not None or (init.get("from_teacher") and models.get("teacher_hf"))
+    if from_hf and "max_len" not in section:
+      models["max_len_from_hf"] = (*models.get("max_len_from_hf", ()), who)
     raw[who] = section
   if "models" in raw:
     raise ConfigError(
