@@ -23,6 +23,7 @@ import numpy as np
 
 from meshdistill.train.freezing import freeze_status
 from meshdistill.train.optimizers import consecutive_skips
+from meshdistill.train.memory import device_memory_limit
 from meshdistill.strategies import Strategy, fallback_strategy
 from meshdistill.train.teacher import TeacherKind
 
@@ -44,8 +45,6 @@ def keep_place(keep_in: str, state) -> str:
     raise ValueError(f"safeguards.guard.keep_in={keep_in!r}; choose one of {', '.join(KEEP_IN)}")
   if keep_in != "auto":
     return keep_in
-  from meshdistill.train.memory import device_memory_limit
-
   leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
   device = next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
   return "host" if device_memory_limit(device) is not None else "device"
