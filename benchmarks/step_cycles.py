@@ -52,6 +52,7 @@ import time
 
 from bench.chip_pairs import PAIRS, Setting, model_configs
 from bench.chip_step import use_splash_blocks
+from bench.op_kinds import stack_frames
 from bench.results import libtpu_version, replace_section
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
@@ -82,42 +83,6 @@ class Instr:
   @property
   def total(self) -> int:
     return self.cycles * self.runs
-
-
-def _stack_frames(hlo: str) -> dict[int, list[tuple[str, int]]]:
-  """Stack frame id -> ``(file, line)`` of its call stack, innermost first (the module's ``FileNames`` /
-  ``FileLocations`` / ``StackFrames`` tables, where XLA writes them)."""
-  tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
-  section = None
-  for line in hlo.splitlines():
-    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-      section = line
-      continue
-    if not line.strip() or line.startswith(("%", "ENTRY", "HloModule", " ", "}")):
-      section = None
-      continue
-    if section:
-      key, _, rest = line.partition(" ")
-      if key.isdigit():
-        tables[section][int(key)] = rest
-  files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
-  locs = {}
-  for k, v in tables["FileLocations"].items():
-    f, ln = re.search(r"file_name_id=(\d+)", v), re.search(r"line=(\d+)", v)
-    locs[k] = (files.get(int(f.group(1)), "") if f else "", int(ln.group(1)) if ln else 0)
-  frames = {}
-  for k, v in tables["StackFrames"].items():
-    loc, parent = re.search(r"file_location_id=(\d+)", v), re.search(r"parent_frame_id=(\d+)", v)
-    frames[k] = (locs.get(int(loc.group(1)), ("", 0)) if loc else ("", 0), int(parent.group(1)) if parent else 0)
-  out = {}
-  for k in frames:
-    chain, seen, cur = [], set(), k
-    while cur in frames and cur not in seen:
-      seen.add(cur)
-      chain.append(frames[cur][0])
-      cur = frames[cur][1]
-    out[k] = chain
-  return out
 
 
 def _short(path: str) -> str:
@@ -160,7 +125,7 @@ def instructions(hlo: str) -> tuple[list[Instr], collections.Counter]:
   from meshdistill.planner import _loops  # the program's loops and their trip counts
 
   prog = _loops.parse(hlo)
-  stacks = _stack_frames(hlo)
+  stacks = stack_frames(hlo)
   comps = {name: text.splitlines() for name, text in prog.computations.items()}
   inner = set()
   for text in prog.computations.values():

@@ -19,8 +19,8 @@ _SOURCE = re.compile(r'source_file="([^"]+)"')
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 
 
-def _stack_files(hlo: str) -> dict[int, list[str]]:
-  """Stack frame id -> the source files of its call stack, innermost first, from the module's ``FileNames`` /
+def stack_frames(hlo: str) -> dict[int, list[tuple[str, int]]]:
+  """Stack frame id -> ``(source file, line)`` of its call stack, innermost first, from the module's ``FileNames`` /
   ``FileLocations`` / ``StackFrames`` tables (how newer XLA writes source locations; older text has
   ``source_file=`` in each instruction's metadata instead)."""
   tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
@@ -29,21 +29,22 @@ def _stack_files(hlo: str) -> dict[int, list[str]]:
     if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
       section = line
       continue
-    if not line.strip() or line.startswith(("%", "ENTRY", "HloModule", " ")):
-      section = None if not line.strip() else section
+    if not line.strip() or line.startswith(("%", "ENTRY", "HloModule", " ", "}")):
+      section = None
       continue
     if section:
       key, _, rest = line.partition(" ")
       if key.isdigit():
         tables[section][int(key)] = rest
   files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
-  loc_file = {k: files.get(int(m.group(1)), "") for k, v in tables["FileLocations"].items()
-              if (m := re.search(r"file_name_id=(\d+)", v))}
+  locs = {}
+  for k, v in tables["FileLocations"].items():
+    f, ln = re.search(r"file_name_id=(\d+)", v), re.search(r"line=(\d+)", v)
+    locs[k] = (files.get(int(f.group(1)), "") if f else "", int(ln.group(1)) if ln else 0)
   frames = {}
   for k, v in tables["StackFrames"].items():
-    loc = re.search(r"file_location_id=(\d+)", v)
-    parent = re.search(r"parent_frame_id=(\d+)", v)
-    frames[k] = (loc_file.get(int(loc.group(1)), "") if loc else "", int(parent.group(1)) if parent else 0)
+    loc, parent = re.search(r"file_location_id=(\d+)", v), re.search(r"parent_frame_id=(\d+)", v)
+    frames[k] = (locs.get(int(loc.group(1)), ("", 0)) if loc else ("", 0), int(parent.group(1)) if parent else 0)
   out = {}
   for k in frames:
     chain, seen, cur = [], set(), k
@@ -53,6 +54,11 @@ def _stack_files(hlo: str) -> dict[int, list[str]]:
       cur = frames[cur][1]
     out[k] = chain
   return out
+
+
+def _stack_files(hlo: str) -> dict[int, list[str]]:
+  """Stack frame id -> the source files of its call stack, innermost first (`stack_frames` without the lines)."""
+  return {k: [f for f, _ in chain] for k, chain in stack_frames(hlo).items()}
 
 
 def _computations(hlo: str) -> dict[str, list[tuple[str, str, str]]]:
