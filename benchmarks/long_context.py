@@ -49,7 +49,7 @@ import sys
 import time
 
 from bench.chip_pairs import PAIRS, Setting, pair_planner
-from bench.results import NOTES, append_row, libtpu_version
+from bench.results import append_row, libtpu_version, write_keeping_notes
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 JSONL = RESULTS / "long_context.jsonl"
@@ -323,12 +323,7 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "long_context.m
     cells[-1] = f"`{cells[-1]}`".replace("|", "\\|") if cells[-1] else ""
     out.append(f"| {n} {kind} | " + " | ".join(str(c or "") for c in cells) + " |")
   text = "\n".join(out) + "\n"
-  notes = ""
-  if os.path.exists(md_path):
-    old = open(md_path, encoding="utf-8").read()
-    notes = old[old.index(NOTES):] if NOTES in old else ""
-  with open(md_path, "w", encoding="utf-8") as f:
-    f.write(text + notes)
+  write_keeping_notes(md_path, text)
   return text
 
 

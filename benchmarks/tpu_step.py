@@ -388,7 +388,7 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
   sampling, the planner), each row ending with its date, commit, chip, jax, libtpu and command; a configuration's
   older rows (`current_and_superseded`) in an appendix by date. The notes written below the tables' marker are
   kept."""
-  from bench.results import NOTES
+  from bench.results import write_keeping_notes
 
   rows = []
   if os.path.isfile(jsonl):
@@ -447,12 +447,7 @@ def render(jsonl: str = str(JSONL), md_path: str = str(RESULTS / "tpu_step.md"))
     if old_plans:
       out += ["", "### The planner on the chip", ""] + plan_table(old_plans, kind(rows, "meshdistill"))
   text = "\n".join(out) + "\n"
-  notes = ""
-  if os.path.exists(md_path):
-    old_text = open(md_path, encoding="utf-8").read()
-    notes = old_text[old_text.index(NOTES):] if NOTES in old_text else ""
-  with open(md_path, "w", encoding="utf-8") as f:
-    f.write(text + notes)
+  write_keeping_notes(md_path, text)
   return text
 
 

@@ -55,6 +55,13 @@ def pending_rows(jsonl: str, rows: str | None, n_rows: int) -> list[int]:
   return [i for i in range(n_rows) if i not in done]
 
 
+def write_keeping_notes(path: str, text: str) -> None:
+  """Writes ``text`` (a generated file) to ``path``, keeping the hand-written notes below ``NOTES`` in the old one."""
+  old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text + (old[old.index(NOTES):] if NOTES in old else ""))
+
+
 def replace_section(path: str, marker: str, section: str) -> None:
   """Writes ``section`` into ``path`` in place of the section that starts with ``marker`` (``"\\n## Title"``),
   keeping the rest of the file, any section after it, and hand-written notes below ``NOTES`` in it."""
