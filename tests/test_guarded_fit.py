@@ -160,13 +160,14 @@ def test_good_states_kept_in_host_memory_restore_the_same_run_bit_for_bit(uninte
   numpy copies, nothing of the devices' memory, and the divergence restores from them the same run as device copies
   (``auto`` on a CPU: the devices)."""
   from meshdistill.train.loop import guard as guard_lib
+  from meshdistill.train.loop.state_copy import keep_place, on_host
 
   _, full, _, _, _ = uninterrupted
   kept = []
   real = guard_lib.Recovery.keep
 
   def keep(self, state, step):
-    kept.append((self.place, guard_lib.on_host(state)))
+    kept.append((self.place, on_host(state)))
     return real(self, state, step)
 
   guard_lib.Recovery.keep = keep
@@ -179,10 +180,10 @@ def test_good_states_kept_in_host_memory_restore_the_same_run_bit_for_bit(uninte
       (e["step"], e["kind"], e.get("restored_step")) for e in full.events]
   assert leaves_equal(host.state.params, full.state.params) and leaves_equal(host.state.opt_state, full.state.opt_state)
   state = full.state
-  assert guard_lib.keep_place("auto", state) == "device"  # a CPU device reports no memory limit
-  assert guard_lib.keep_place("host", state) == "host" and guard_lib.keep_place("device", state) == "device"
+  assert keep_place("auto", state) == "device"  # a CPU device reports no memory limit
+  assert keep_place("host", state) == "host" and keep_place("device", state) == "device"
   with pytest.raises(ValueError, match="safeguards.guard.keep_in='disk'; choose one of auto, device, host"):
-    guard_lib.keep_place("disk", state)
+    keep_place("disk", state)
   with pytest.raises(ConfigError, match="safeguards.guard.keep_in='gpu'"):
     load_config("tiny", ["safeguards.guard.keep_in=gpu"])
 

@@ -24,6 +24,7 @@ from meshdistill.train.freezing import Stage
 from meshdistill.config.mesh_settings import CPU_MESH, MeshSettings  # noqa: F401  (a section of the config)
 from meshdistill.losses import DIVERGENCES
 from meshdistill.train.loop import guard as guard_lib
+from meshdistill.train.loop import state_copy
 from meshdistill.train.loop.loggers import check_loggers
 from meshdistill.train.onpolicy import OnPolicyConfig
 from meshdistill.train.optimizers import MAX_LOSS_SCALE
@@ -310,8 +311,8 @@ class GuardSettings:
       )
     positive_int("safeguards.guard.max_restores", self.max_restores)
     positive_int("safeguards.guard.keep_every", self.keep_every)
-    if self.keep_in not in guard_lib.KEEP_IN:
-      raise ConfigError(f"safeguards.guard.keep_in={self.keep_in!r}; choose one of {', '.join(guard_lib.KEEP_IN)} "
+    if self.keep_in not in state_copy.KEEP_IN:
+      raise ConfigError(f"safeguards.guard.keep_in={self.keep_in!r}; choose one of {', '.join(state_copy.KEEP_IN)} "
                         "(auto: host memory on an accelerator, the devices on a CPU)")
     if self.fallback not in DIVERGENCES:
       raise ConfigError(f"safeguards.guard.fallback={self.fallback!r}; choose one of {sorted(DIVERGENCES)}")
