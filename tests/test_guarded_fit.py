@@ -182,6 +182,14 @@ def test_good_states_kept_in_host_memory_restore_the_same_run_bit_for_bit(uninte
   state = full.state
   assert keep_place("auto", state) == "device"  # a CPU device reports no memory limit
   assert keep_place("host", state) == "host" and keep_place("device", state) == "device"
+  # keep_every auto: a copy to host memory crosses the host link, so it is taken 10 times less often
+  recovery = guard_lib.Recovery(new_distiller(mesh), guard(), "auto", keep_in="host")
+  recovery.start(state, 0)
+  assert recovery.every == 100 and [s for s in range(250) if recovery.wants_copy(s)] == [0, 100, 200]
+  assert recovery.wants_copy(7, checkpoint_due=True)
+  recovery = guard_lib.Recovery(new_distiller(mesh), guard(), "auto", keep_in="auto")
+  recovery.start(state, 0)
+  assert recovery.every == 10 and recovery.place == "device"
   with pytest.raises(ValueError, match="safeguards.guard.keep_in='disk'; choose one of auto, device, host"):
     keep_place("disk", state)
   with pytest.raises(ConfigError, match="safeguards.guard.keep_in='gpu'"):
@@ -253,7 +261,8 @@ def test_safeguard_settings_build_the_guard_fallback_and_loss_scale(mesh):
     ("safeguards.guard.factor=1.0", "safeguards.guard.factor=1.0 must be a number > 1.0"),
     ("safeguards.guard.fallback=kl", "safeguards.guard.fallback='kl'; choose one of"),
     ("safeguards.guard.min_history=60", "min_history=60 must be <= safeguards.guard.window=50"),
-    ("safeguards.guard.keep_every=0", "safeguards.guard.keep_every"),
+    ("safeguards.guard.keep_every=0", "safeguards.guard.keep_every=0: give a positive integer"),
+    ("safeguards.guard.keep_every=often", "or auto (10 where the copies stay on the devices, 100 where they go to host"),
     ("safeguards.remat.headroom=0", "safeguards.remat.headroom=0.0 must be a number in (0.0, 1.0]"),
     ("safeguards.remat.budget_mib=-5", "safeguards.remat.budget_mib=-5.0 must be a number > 0"),
     ("safeguards.loss_scale=0", "safeguards.loss_scale=0.0 must be a number > 0"),

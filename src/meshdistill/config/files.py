@@ -80,7 +80,7 @@ COMMENTS = {
     "safeguards.guard.factor": "a loss above 4x that median (or non-finite) is a divergence",
     "safeguards.guard.min_history": "losses needed before the median test applies",
     "safeguards.guard.max_restores": "then stop with an error (the last checkpoint stays)",
-    "safeguards.guard.keep_every": "steps between copies of the good state (one train state of memory)",
+    "safeguards.guard.keep_every": "steps between copies of the good state (auto: 10 on the devices, 100 in host memory)",
     "safeguards.guard.keep_in": "auto: copies in host memory on an accelerator, on the devices on a CPU",
     "safeguards.guard.fallback": "the distillation term after a divergence, for the rest of the stage",
     "safeguards.remat.auto": "before step 1: turn remat on if the step would not fit in memory",

@@ -284,7 +284,8 @@ class GuardSettings:
 
   A step diverges when its loss is non-finite or above ``factor`` times the median of the last
   ``window`` good losses (once ``min_history`` are known). The loop then restores the last good
-  train state (a copy taken every ``keep_every`` steps and at every checkpoint step: the loop holds up to two,
+  train state (a copy taken every ``keep_every`` steps, ``auto``: 10 where the copies stay on the devices, 100 where
+  they go to host memory, whose link is slow; and at every checkpoint step: the loop holds up to two,
   each the memory of one train state, where ``keep_in`` says: ``device``, ``host`` memory, or ``auto``: host
   memory on an accelerator, whose memory the step needs, the devices on a CPU) and, for distillation, switches the distillation term to
   the ``fallback`` divergence (``mse``: logit MSE) for the rest of the freezing stage (the whole
@@ -297,7 +298,7 @@ class GuardSettings:
   factor: float = guard_lib.FACTOR
   min_history: int = guard_lib.MIN_HISTORY
   max_restores: int = guard_lib.MAX_RESTORES
-  keep_every: int = 10
+  keep_every: int | str = "auto"
   keep_in: str = "auto"
   fallback: str = "mse"
 
@@ -310,7 +311,10 @@ class GuardSettings:
         f"safeguards.guard.min_history={self.min_history} must be <= safeguards.guard.window={self.window}"
       )
     positive_int("safeguards.guard.max_restores", self.max_restores)
-    positive_int("safeguards.guard.keep_every", self.keep_every)
+    try:
+      state_copy.check_keep_every(self.keep_every)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
     if self.keep_in not in state_copy.KEEP_IN:
       raise ConfigError(f"safeguards.guard.keep_in={self.keep_in!r}; choose one of {', '.join(state_copy.KEEP_IN)} "
                         "(auto: host memory on an accelerator, the devices on a CPU)")

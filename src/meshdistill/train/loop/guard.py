@@ -25,7 +25,7 @@ from meshdistill.train.freezing import freeze_status
 from meshdistill.train.optimizers import consecutive_skips
 from meshdistill.strategies import Strategy, fallback_strategy
 from meshdistill.train.teacher import TeacherKind
-from meshdistill.train.loop.state_copy import check_keep_in, copy_state, keep_place
+from meshdistill.train.loop.state_copy import check_keep_every, check_keep_in, copy_state, keep_every_steps, keep_place
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,8 @@ class Recovery:
   Args:
     trainer: the primary runner (a `Distiller`, or any trainer with ``step``).
     guard: the `DivergenceGuard`.
-    keep_every: steps between good-state copies (each costs one train state of memory while kept).
+    keep_every: steps between good-state copies (each costs one train state of memory while kept), or ``"auto"``:
+      `state_copy.KEEP_EVERY` of where ``keep_in`` puts them (10 on the devices, 100 in host memory).
     fallback: the strategy after a divergence (default `fallback_strategy(trainer.strategy)`);
       a trainer without a teacher (hard labels) only restores.
     on_event: ``on_event(step, kind, fields)`` for each event (e.g. a metrics row).
@@ -174,13 +175,13 @@ class Recovery:
       for the final error to say which is kept; None: the run writes no checkpoints.
   """
 
-  def __init__(self, trainer, guard: DivergenceGuard, keep_every: int = 1, fallback: Strategy | None = None, *,
+  def __init__(self, trainer, guard: DivergenceGuard, keep_every: int | str = 1, fallback: Strategy | None = None, *,
                on_event: Callable[[int, str, dict], None] | None = None, say: Callable[[str], None] | None = None,
                checkpoints: Callable[[], list[int]] | None = None, keep_in: str = "auto"):
-    if not isinstance(keep_every, int) or isinstance(keep_every, bool) or keep_every < 1:
-      raise ValueError(f"keep_every={keep_every!r} must be a positive integer (steps between good-state copies)")
+    check_keep_every(keep_every)
     check_keep_in(keep_in)
     self.guard, self.keep_every, self.keep_in = guard, keep_every, keep_in
+    self.every = keep_every_steps(keep_every, "device")  # `start` decides for ``auto`` from where copies go
     self.place, self._shardings = "device", None  # where copies go and the state's shardings: set by `start`
     self.runners = {"primary": trainer, "fallback": None}
     self.fallback = fallback
@@ -234,7 +235,7 @@ class Recovery:
 
   def wants_copy(self, step: int, checkpoint_due: bool = False) -> bool:
     """Whether to copy the state before the step from ``step`` (every ``keep_every`` steps, checkpoint steps)."""
-    return step % self.keep_every == 0 or checkpoint_due
+    return step % self.every == 0 or checkpoint_due
 
   def keep(self, state, step: int) -> None:
     """``state`` (a copy, at ``step``) is good: the state a divergence returns to."""
@@ -248,6 +249,7 @@ class Recovery:
     """Keeps a copy of the state the loop starts from (restored from a checkpoint or given), where ``keep_in``
     puts it (`keep_place`)."""
     self.place = keep_place(self.keep_in, state)
+    self.every = keep_every_steps(self.keep_every, self.place)
     self._shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
     self.keep(self.copy(state), step)
 

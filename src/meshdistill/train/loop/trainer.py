@@ -57,7 +57,8 @@ class FitOptions:
     stop_after: stop (as if interrupted) once this step is done, without the final evaluation.
     meta: extra JSON-serializable facts stored in every checkpoint.
     guard: a `DivergenceGuard` to run under (None: no guard; see `meshdistill.train.loop.run`).
-    keep_every: with a guard, steps between copies of the good state.
+    keep_every: with a guard, steps between copies of the good state, or ``"auto"`` (`state_copy.KEEP_EVERY`: 10 on
+      the devices, 100 in host memory).
     keep_in: with a guard, where those copies live: ``device``, ``host`` or ``auto`` (`guard.keep_place`).
     fallback: the strategy after a divergence (default `fallback_strategy(trainer.strategy)`);
       a trainer without a teacher (hard labels) only restores.
@@ -89,7 +90,7 @@ class FitOptions:
   stop_after: int | None = None
   meta: dict | None = None
   guard: DivergenceGuard | None = None
-  keep_every: int = 10
+  keep_every: int | str = "auto"
   keep_in: str = "auto"
   fallback: Any = None
   guard_lag: int = 1
