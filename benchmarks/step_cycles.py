@@ -6,7 +6,7 @@ attention, splash blocks, AdamW's first moment, metrics-light) is built on abstr
 topology on this host (libtpu; ``v5e:2x2`` by default: libtpu refuses a one-chip topology, and one device of it is
 the one-chip program, with no collectives). XLA:TPU writes an ``estimated_cycles`` on every instruction it
 schedules; each is counted times its runs per step (loops whole: the scanned blocks, the chunked loss;
-`meshdistill.planner._loops.parse`) and grouped the ways a profile by op is read:
+`meshdistill.train.cost.parse`) and grouped the ways a profile by op is read:
 
 - by kind: a fusion by its XLA kind (``fusion:kLoop``, ``fusion:kOutput`` ...) with ``+dot`` when it holds a dot or
   convolution (a matmul), every other instruction by its op (``copy``, ``transpose``, ``add``, ``reduce`` ...);
@@ -20,7 +20,7 @@ step are listed by name, and the attention kernels' time is their executed FLOPs
 ``kernel_s``).
 
 Cycles are read at the chip's clock (``--ghz``, 1.5 for a v5e) as milliseconds. They are the compiler's cost model,
-not a measurement; the head line also gives the planner's chip-calibrated step (`meshdistill.planner._calibrate`
+not a measurement; the head line also gives the planner's chip-calibrated step (`meshdistill.train.cost`
 ``CHIP_CALIBRATION``, fitted by `plan_chip.py` on steps measured on a v5e: seconds per estimated cycle of matmul
 fusions and of the rest, plus the splash kernels at the share of peak they reach), the closest this host gets to
 the chip's own time. Compare two programs' estimates; measure the change on the chip (`tpu_step.py --profile`).
@@ -122,14 +122,14 @@ def instructions(hlo: str) -> tuple[list[Instr], collections.Counter]:
   """Every scheduled instruction carrying an estimate, with its runs per step; and the runs of each Mosaic kernel
   (``tpu_custom_call``: splash, the package's Pallas kernels), which carry none, by name. The compiler's own custom
   calls without an estimate (``ConcatBitcast``, ``AllocateBuffer``: buffer bookkeeping) are left out."""
-  from meshdistill.planner import _loops  # the program's loops and their trip counts
+  from meshdistill.train import cost  # the program's loops and their trip counts
 
-  prog = _loops.parse(hlo)
+  prog = cost.parse(hlo)
   stacks = stack_frames(hlo)
   comps = {name: text.splitlines() for name, text in prog.computations.items()}
   inner = set()
   for text in prog.computations.values():
-    inner.update(_loops._INNER.findall(text))
+    inner.update(cost._INNER.findall(text))
   out, kernels = [], collections.Counter()
   for comp, lines in comps.items():
     runs = prog.times.get(comp)
@@ -231,7 +231,7 @@ def kernel_seconds(pair: str, s: Setting, topology: str, layers: tuple[int, int]
   """The attention kernels' executed FLOPs of the step at the chip's peak (`meshdistill.planner._compile.kernel_flops`,
   the planner's ``kernel_s``): what the compiler's estimate leaves out. None off a TPU topology the planner knows."""
   from meshdistill.planner import TPU_CHIPS
-  from meshdistill.planner._compile import kernel_flops
+  from meshdistill.train.cost import kernel_flops
 
   tcfg, scfg = model_configs(pair, s)
   if layers is not None:
@@ -243,11 +243,11 @@ def kernel_seconds(pair: str, s: Setting, topology: str, layers: tuple[int, int]
 
 def calibrated_ms(hlo: str, kernel_s: float | None, topology: str) -> float | None:
   """The planner's chip-calibrated step of a program for ``topology`` (`ChipCalibration.step_seconds` of the
-  compiler's matmul / other cycles, `meshdistill.planner._loops.estimated_cycles`, and the kernels' executed-FLOP
+  compiler's matmul / other cycles, `meshdistill.train.cost.estimated_cycles`, and the kernels' executed-FLOP
   time), in ms; None for another generation than the one the chip source was measured on."""
-  from meshdistill.planner import _calibrate, _loops
+  from meshdistill.train import cost
 
-  cal, cycles = _calibrate.CHIP_CALIBRATION, _loops.estimated_cycles(_loops.parse(hlo))
+  cal, cycles = cost.CHIP_CALIBRATION, cost.estimated_cycles(cost.parse(hlo))
   if cal is None or cycles is None or kernel_s is None or topology.split(":")[0] != cal.generation:
     return None
   return 1e3 * cal.step_seconds(cycles["matmul"], cycles["other"], kernel_s)

@@ -1,11 +1,13 @@
 """`benchmarks/`: every script stands on the shared package `bench` and on no other script, none edits Python's
 import path (the package is installed; Python puts a script's own folder on the path), CONTRIBUTING.md lists every
-script of the folder, and a chip's peak FLOP/s comes from the planner's one table (`meshdistill.planner.TPU_CHIPS`).
+script of the folder, a chip's peak FLOP/s comes from the planner's one table (`meshdistill.planner.TPU_CHIPS`),
+and every package name a script reads exists.
 
 Read from the source with `ast`; only `tpu_step` is imported, as the tests of its rendering import it."""
 
 import ast
 import importlib
+import importlib.util
 import pathlib
 import re
 
@@ -91,3 +93,38 @@ def test_a_chips_peak_flops_has_one_table():
   for chip in TPU_CHIPS.values():
     assert tpu_step.peak_flops(chip.device_kind) == chip.peak_bf16_flops
   assert tpu_step.peak_flops("cpu") is None
+
+
+def package_names(path: pathlib.Path) -> list[tuple[int, str, str]]:
+  """``(line, module, name)`` for every name a file reads from the package: ``from meshdistill.m import name`` and,
+  where that name is a module, every ``name.attribute`` the file reads."""
+  out, modules = [], {}
+  tree = _tree(path)
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "meshdistill":
+      for a in node.names:
+        out.append((node.lineno, node.module, a.name))
+        full = f"{node.module}.{a.name}"
+        if importlib.util.find_spec(node.module) and _is_module(full):
+          modules[a.asname or a.name] = full
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+      out.append((node.lineno, modules[node.value.id], node.attr))
+  return out
+
+
+def _is_module(name: str) -> bool:
+  try:
+    return importlib.util.find_spec(name) is not None
+  except ModuleNotFoundError:
+    return False
+
+
+def test_every_package_name_a_benchmark_reads_exists():
+  """A benchmark that reads a name the package moved or renamed fails here, not on the chip."""
+  missing = []
+  for path in sorted(BENCHMARKS.rglob("*.py")):
+    for line, module, name in package_names(path):
+      if not hasattr(importlib.import_module(module), name) and not _is_module(f"{module}.{name}"):
+        missing.append(f"{path.relative_to(ROOT)}:{line}: {module}.{name}")
+  assert not missing, "benchmarks read names the package does not have:\n" + "\n".join(missing)
