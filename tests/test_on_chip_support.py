@@ -1,5 +1,9 @@
 """What the TPU support adds that a CPU can check: the splash kernel's block sizes, `plan --devices local` refused
-off a TPU, the devices line of a job, and the profile benchmarks' reading of a compiled step's HLO."""
+off a TPU, the devices line of a job, the profile benchmarks' reading of a compiled step's HLO, and the chip test
+run's check for a TPU that JAX could not take."""
+
+import importlib.util
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -121,3 +125,18 @@ def test_dropped_expert_assignments_stay_zero_whatever_ragged_dot_leaves_past_it
   assert bool(jnp.isfinite(got)) and jnp.allclose(got, want, rtol=1e-4)
   for g, r in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
     assert bool(jnp.all(jnp.isfinite(g))) and jnp.allclose(g, r, rtol=1e-3, atol=1e-3)
+
+
+def test_a_tpu_on_the_pci_bus_is_found_whatever_jax_makes_of_it(tmp_path):
+  """The chip's test run stops with an error, not a skip, where a TPU is on the machine but JAX cannot take it."""
+  spec = importlib.util.spec_from_file_location("tpu_conftest", pathlib.Path(__file__).parent / "tpu" / "conftest.py")
+  tpu_conftest = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tpu_conftest)
+  for name, vendor in [("0000:00:04.0", "0x8086\n"), ("0000:00:05.0", "0x1af4\n")]:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "vendor").write_text(vendor)
+  assert not tpu_conftest.tpu_on_this_machine(str(tmp_path))
+  (tmp_path / "0000:00:06.0").mkdir()
+  (tmp_path / "0000:00:06.0" / "vendor").write_text("0x1ae0\n")
+  assert tpu_conftest.tpu_on_this_machine(str(tmp_path))
+  assert not tpu_conftest.tpu_on_this_machine(str(tmp_path / "missing"))

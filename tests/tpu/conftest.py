@@ -11,8 +11,13 @@ compare the chip with the CPU in the same process). So:
 - ``MESHDISTILL_TPU_TESTS_ON=cpu python -m pytest -n 0 tests/tpu``: the same tests on the CPU (the splash kernel then
   runs in Pallas interpret mode), to check their logic where there is no chip. The "chip" is CPU device 0 and the
   CPU half of a chip-against-CPU test runs on CPU device 1.
+
+A machine whose PCI bus holds a TPU (`tpu_on_this_machine`) but whose JAX sees none (another process holds the chip,
+or libtpu failed to start) stops the ``-m tpu`` run with an error instead of skipping: a chip run that skipped every
+test would read as a pass.
 """
 
+import glob
 import os
 import re
 
@@ -28,6 +33,21 @@ def _mode() -> str:
   if mode not in ("tpu", "cpu"):
     raise pytest.UsageError(f"{_ON}={mode!r}; choose tpu (the chip, the default) or cpu (the same tests on the CPU)")
   return mode
+
+
+GOOGLE_PCI_VENDOR = "0x1ae0"  # the vendor id TPU chips report on the PCI bus
+
+
+def tpu_on_this_machine(pci_devices: str = "/sys/bus/pci/devices") -> bool:
+  """Whether a TPU chip is on this machine's PCI bus (a Google device), whatever JAX makes of it."""
+  for vendor in glob.glob(os.path.join(pci_devices, "*", "vendor")):
+    try:
+      with open(vendor, encoding="ascii") as f:
+        if f.read().strip().lower() == GOOGLE_PCI_VENDOR:
+          return True
+    except OSError:
+      continue
+  return False
 
 
 def skip_reason(config) -> str | None:
@@ -46,6 +66,11 @@ def skip_reason(config) -> str | None:
     return f"no TPU: JAX_PLATFORMS={chosen}; unset it (or set tpu,cpu) to run these tests on the chip"
   platforms = sorted({d.platform for d in jax.devices()})
   if "tpu" not in platforms:
+    if tpu_on_this_machine():
+      raise pytest.UsageError(
+          f"a TPU is on this machine's PCI bus but JAX sees only {', '.join(platforms)} devices: another process may "
+          f"hold the chip (one process at a time can; wait for it to end, e.g. `fuser /dev/vfio/* /dev/accel*`), or "
+          f"libtpu failed to start (JAX's warning above says why); these tests would all be skipped")
     return f"no TPU: JAX sees only {', '.join(platforms)} devices; set {_ON}=cpu to run these tests on the CPU"
   return None
 
