@@ -29,13 +29,30 @@ CLI_SYSTEMS = ("cli", "cli-scan")  # `tpu_step.py --systems`: the run's defaults
 NOT_SHAPE = ("dtype", "param_dtype", "remat", "attention", "scan_layers")
 
 
+def _die_with_parent() -> None:
+  """In a child before it runs: the kernel kills it when this process ends (Linux), so a measuring process stopped
+  by a time limit leaves no run behind holding the chip for the next command."""
+  try:
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    pass
+
+
+def _run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+  """`subprocess.run` of a child that ends with this process (`_die_with_parent`)."""
+  return subprocess.run(args, preexec_fn=_die_with_parent, **kwargs)  # noqa: PLW1509 (no threads started here)
+
+
 def device_info() -> dict:
   """The chip, jax and libtpu of the runs, asked of a process of its own: the measuring process never takes the chip,
   which each `meshdistill distill` process needs."""
   probe = ("import json, jax; from bench.results import libtpu_version; "
            "print(json.dumps({'device': jax.devices()[0].device_kind, 'jax': jax.__version__, "
            "'libtpu': libtpu_version()}))")
-  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+  out = _run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                        cwd=pathlib.Path(__file__).resolve().parents[1])
   return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else {}
 
@@ -48,7 +65,7 @@ def teacher_directory(pair: str, out: pathlib.Path, max_len: int) -> pathlib.Pat
   code = (f"import pathlib; from bench.cli_run import write_teacher; "
           f"write_teacher({pair!r}, pathlib.Path({str(out)!r}), {max_len})")
   # in a process of its own: this one never takes the chip (see `device_info`)
-  subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parents[1])
+  _run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parents[1])
   return out
 
 
@@ -100,7 +117,7 @@ def measure_cli(pair: str, s: Setting, steps: int, workdir: str, scan: bool = Fa
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
   t0 = time.perf_counter()
   try:
-    out = subprocess.run([sys.executable, "-m", "meshdistill", "distill", "--config", str(path)], env=env,
+    out = _run([sys.executable, "-m", "meshdistill", "distill", "--config", str(path)], env=env,
                          capture_output=True, text=True, timeout=timeout_s)
   except subprocess.TimeoutExpired as e:
     row["error"] = f"TimeoutExpired: the run took over {timeout_s:.0f} s; {str(e.stderr or '')[-1200:]}"
