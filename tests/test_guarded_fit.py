@@ -163,19 +163,27 @@ def test_good_states_kept_in_host_memory_restore_the_same_run_bit_for_bit(uninte
   from meshdistill.train.loop.state_copy import keep_place, on_host
 
   _, full, _, _, _ = uninterrupted
-  kept = []
-  real = guard_lib.Recovery.keep
+  kept, copied = [], []  # (place, on host, step, copy's identity); where each copy went
+  real_keep, real_copy = guard_lib.Recovery.keep, guard_lib.copy_state
 
   def keep(self, state, step):
-    kept.append((self.place, on_host(state)))
-    return real(self, state, step)
+    kept.append((self.place, on_host(state), step, id(state)))
+    return real_keep(self, state, step)
 
-  guard_lib.Recovery.keep = keep
+  def copy_state(state, where="device", shardings=None):
+    copied.append(where)
+    return real_copy(state, where, shardings)
+
+  guard_lib.Recovery.keep, guard_lib.copy_state = keep, copy_state
   try:
     host = fit(new_distiller(mesh), PoisonedData(data), steps=10, guard=guard(), keep_every=2, keep_in="host")
   finally:
-    guard_lib.Recovery.keep = real
-  assert kept and all(k == ("host", True) for k in kept)
+    guard_lib.Recovery.keep, guard_lib.copy_state = real_keep, real_copy
+  assert kept and all(k[:2] == ("host", True) for k in kept)
+  # the state of a step is copied to host memory once: at the start and after the restore the kept copy serves
+  first = {}
+  assert all(first.setdefault(step, i) == i for _, _, step, i in kept), kept
+  assert len(first) < len(kept) and copied.count("host") < len(kept), (copied, kept)
   assert [(e["step"], e["kind"], e.get("restored_step")) for e in host.events] == [
       (e["step"], e["kind"], e.get("restored_step")) for e in full.events]
   assert leaves_equal(host.state.params, full.state.params) and leaves_equal(host.state.opt_state, full.state.opt_state)

@@ -253,8 +253,12 @@ class Recovery:
     self._shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
     self.keep(self.copy(state), step)
 
-  def copy(self, state):
-    """A copy of ``state`` where this run keeps them (`start` decided: the devices or host memory)."""
+  def copy(self, state, step: int | None = None):
+    """A copy of ``state`` where this run keeps them (`start` decided: the devices or host memory). At ``step`` equal
+    to the kept state's (the loop's start, or the step a restore went back to) the loop's state is the kept one, and
+    the kept copy is the copy (never written to: no second copy taken, which in host memory costs seconds)."""
+    if step is not None and step == self.guard.good_step and self.guard.good_state is not None:
+      return self.guard.good_state
     return copy_state(state, self.place)
 
   def diverged(self, step: int, loss, grad_norm=None) -> str | None:
@@ -343,7 +347,8 @@ class NoRecovery:
   def before_step(self, step: int, state) -> None:
     del step, state
 
-  def copy(self, state):
+  def copy(self, state, step: int | None = None):
+    del step
     return copy_state(state)
 
   def wants_copy(self, step: int, checkpoint_due: bool = False) -> bool:

@@ -11,8 +11,9 @@ After the first logged step, steps whose metrics nothing reads run the trainer's
 With a `meshdistill.train.loop.guard.DivergenceGuard` (``FitOptions.guard``) the loop reads every step's loss. A
 non-finite loss, or one far above its running median, restores the last good train state and, for distillation,
 switches to the fallback loss (logit MSE by default) for the rest of the freezing stage; both
-are ``event`` rows. The good state is a device copy of the state before step ``s + 1``, taken
-when ``s`` is a multiple of ``keep_every`` or a checkpoint step, and kept once step ``s + 1``'s
+are ``event`` rows. The good state is a copy of the state before step ``s + 1`` (on the devices or in host
+memory: ``keep_in``), taken when ``s`` is a multiple of ``keep_every`` or a checkpoint step (where the state is
+the kept one, at the loop's start and after a restore, the kept copy serves), and kept once step ``s + 1``'s
 loss is good; checkpoints are written from such copies (`meshdistill.train.loop.hooks.Checkpoint`). The
 guard's history, restore count and fallback state travel in the checkpoint, so resuming is exact.
 
@@ -152,7 +153,7 @@ class Run:
     rec.before_step(step, self.state)
     candidate = None
     if rec.wants_copy(step, any(h.wants_copy(step) for h in self.hooks)):
-      candidate = rec.copy(self.state)  # the state is donated to the step
+      candidate = rec.copy(self.state, step)  # the state is donated to the step
     strategy = rec.active
     runner = rec.runner
     wanted = any(h.wants_metrics(self, step + 1) for h in self.hooks)
