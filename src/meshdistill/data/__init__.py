@@ -12,7 +12,8 @@ Modules: `_corpus` (sources and the split by document), `_tokenizer` (byte-level
 `_packing` (rows, targets and the loss mask), `alignment` (token bytes, spans two tokenizations agree on),
 `_cross` (rows of two tokenizations of one text, for a teacher with its own tokenizer), `_teacher_rows`
 (rows cut on a teacher's tokens alone, a student's side rebuilt from their bytes: a cross-tokenizer cache's), `_loader` (grain: shuffling, epochs, process
-shards, state), `_pipeline` (config and `build_data`), `_batch_list` (batches already in memory), `_records`
+shards, state), `_data_config` (`DataConfig`, the ``data`` section), `_pipeline` (`build_data`, `DataBundle`),
+`_token_cache` (the tokenizer and token streams cached in ``pretrain.cache_dir``), `_batch_list` (batches already in memory), `_records`
 (``data.format``: prompt/completion and conversation records, one a row), `chat` (conversations in a chat template,
 the loss on the assistant's tokens), `_preference` (preference rows and pairs), `_wrapped` (`TrainingData`: what a run
 trains from, one Protocol; `WrappedData`: a bundle whose batches are another's with something added).
@@ -31,9 +32,11 @@ from meshdistill.data._packing import (
     pack_documents,
     tokenize_documents,
 )
-from meshdistill.data._pipeline import DataBundle, DataConfig, build_data, resolve_tokenizer
+from meshdistill.data._data_config import DataConfig
+from meshdistill.data._pipeline import DataBundle, build_data
 from meshdistill.data._preference import PreferencePairs, own_pairs, preference_batch, read_preferences
 from meshdistill.data._teacher_rows import StudentRows, TeacherRows, cut_teacher_rows
+from meshdistill.data._token_cache import resolve_tokenizer
 from meshdistill.data._tokenizer import (
     VOCAB_MULTIPLE,
     ByteTokenizer,

@@ -2,8 +2,8 @@
 
 ``build_data`` reads the corpus, splits it by document, builds (or takes) the tokenizer,
 tokenizes both splits and packs them into rows of ``seq_len``. With a cache directory the
-trained BPE tokenizer and the token streams are stored there, keyed by a digest of the split's
-documents (keys and texts) and the tokenizer, so a cached result is reused only for identical
+trained BPE tokenizer and the token streams are stored there (`meshdistill.data._token_cache`), keyed by a digest of
+the split's documents (keys and texts) and the tokenizer, so a cached result is reused only for identical
 input; the stdlib corpus is ~12 M characters: byte-level tokenizing takes well under a second,
 BPE training + tokenizing ~20 s on two cores, a cache hit ~1 s.
 """
@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import logging
-import os
-import tempfile
 import time
 from typing import Any
 
@@ -23,157 +20,17 @@ import numpy as np
 
 from meshdistill.data import chat
 from meshdistill.data._cross import PackedPairs, pack_texts
-from meshdistill.data._corpus import Document, cap_documents, load_documents, source_entries, split_documents
+from meshdistill.data._corpus import Document, cap_documents, load_documents, split_documents
+from meshdistill.data._data_config import DataConfig
 from meshdistill.data._domains import PackedCorpora
-from meshdistill.data._records import FORMATS, RecordRows, cap_records, load_records, needs_template, record_rows
+from meshdistill.data._records import RecordRows, cap_records, load_records, needs_template, record_rows
 from meshdistill.data._records import record_text, resolve_format, split_records
 from meshdistill.data._loader import TrainIterator, process_slice, validation_batches
-from meshdistill.data._packing import PackedSequences, TokenStream, pack, tokenize_documents
-from meshdistill.data._tokenizer import VOCAB_MULTIPLE, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
-from meshdistill.core.fsutil import current_umask
+from meshdistill.data._packing import PackedSequences, pack
+from meshdistill.data._token_cache import cached_stream, resolve_tokenizer
+from meshdistill.data._tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-_CACHE_VERSION = "1"
-
-
-# `DataConfig.packing` values: how the documents packed into one row see each other.
-PACKING = {
-    "stream": "rows cut from one stream; a token attends to the earlier documents of its row",
-    "documents": "rows carry segment ids and positions; attention stays within a document, RoPE restarts at each",
-}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DataConfig:
-  """Where the text comes from and how it becomes training rows.
-
-  Attributes:
-    source: ``"stdlib"`` (the Python standard library's source), a ``.txt``/``.jsonl`` file, a
-      directory, a glob, or ``"hf:<local dataset path>"``; several joined by commas (or a tuple).
-    text_key: JSONL field / dataset column holding the text.
-    format: what a record of ``source`` holds (`meshdistill.data._records`): ``text`` (``text_key``, packed),
-      ``prompt_completion`` (``prompt`` / ``completion``: strings, or conversations rendered with the chat template),
-      ``messages`` (conversations; the loss on every assistant turn, `meshdistill.data.chat`), or ``auto`` (by the
-      fields of the first record, as TRL detects them). Records are one row each, never packed together.
-    chat_template: a ``.jinja`` file whose chat template replaces the tokenizer's (e.g. one with ``{% generation %}``
-      markers); None = the template in ``tokenizer``'s directory (``tokenizer_config.json`` / ``chat_template.jinja``).
-    val_fraction: share of documents held out for validation, by a hash of their names; 0 = none.
-    max_chars, max_docs: cap the corpus (a deterministic sample) for quick runs; None = all.
-    tokenizer: ``"byte"`` (264 ids), ``"bpe"`` (byte-level BPE trained on the training split), or
-      a path to a ``tokenizer.json`` (or its directory).
-    bpe_vocab_size: target vocabulary of ``"bpe"`` (>= 259).
-    vocab_multiple: the model vocabulary is the tokenizer's rounded up to this (divides ``tensor``).
-    seq_len: T, tokens per row (must not exceed the models' ``max_len``).
-    seed: shuffling seed of the training batches.
-    num_epochs: passes over the training rows; None = repeat forever (the trainer's step count ends it).
-    cache_dir: where tokenizers and token streams are cached; None = no cache.
-    teacher_tokenizer: a teacher with its own tokenizer (``"byte"``, ``"bpe"`` or a tokenizer.json path, as
-      ``tokenizer``); None = the teacher shares ``tokenizer``. Set, every text is tokenized by both and the rows
-      carry the teacher's tokens and the alignment (`meshdistill.data._cross`; cross-tokenizer strategies).
-    teacher_seq_len: the teacher's tokens per row with ``teacher_tokenizer``; None = ``seq_len``.
-    corpora: several named corpora instead of ``source`` (``{python: stdlib, prose: /usr/share/common-licenses}``,
-      each value a source as ``source`` takes it; the caps apply to each): each is split and packed on its own,
-      one tokenizer over all, and every batch carries ``domain`` [B], its rows' corpus (index in this mapping's
-      order; `meshdistill.data._domains`). None = ``source``.
-    packing: how documents share a row (`PACKING`). ``"stream"`` (default): rows are cut from one stream of
-      documents and a token attends to the documents before it in its row (standard causal-LM packing; the
-      target after a document's end is still masked). ``"documents"``: every batch also carries ``segment_ids`` and
-      ``positions`` (`meshdistill.core.batch.SEGMENT_KEYS`): both models attend within a document only and RoPE
-      restarts at each, so a row computes what its documents compute one by one (docs/training.md).
-  """
-
-  source: str | tuple[str, ...] = "stdlib"
-  text_key: str = "text"
-  format: str = "auto"
-  chat_template: str | None = None
-  val_fraction: float = 0.05
-  max_chars: int | None = None
-  max_docs: int | None = None
-  tokenizer: str = "byte"
-  bpe_vocab_size: int = 1024
-  vocab_multiple: int = VOCAB_MULTIPLE
-  seq_len: int = 128
-  seed: int = 0
-  num_epochs: int | None = None
-  cache_dir: str | None = None
-  teacher_tokenizer: str | None = None
-  teacher_seq_len: int | None = None
-  corpora: dict | None = None
-  packing: str = "stream"
-
-  def __post_init__(self):
-    if isinstance(self.source, list):
-      object.__setattr__(self, "source", tuple(self.source))
-    if not isinstance(self.source, (str, tuple)) or not source_entries(self.source):
-      raise ValueError(
-          f"data.source={self.source!r} must name a corpus: 'stdlib', a .txt/.jsonl file, a directory, a glob, "
-          "or 'hf:<local dataset path>' (several separated by commas)"
-      )
-    if not isinstance(self.text_key, str) or not self.text_key:
-      raise ValueError(f"data.text_key={self.text_key!r} must be a non-empty string, e.g. 'text'")
-    if self.format not in FORMATS:
-      raise ValueError(f"data.format={self.format!r}; choose one of {list(FORMATS)}")
-    if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
-      raise ValueError(f"data.chat_template={self.chat_template!r} must be the path of a .jinja file, or None (the "
-                       "tokenizer's own template)")
-    if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float)) or not (
-        0.0 <= self.val_fraction < 1.0
-    ):
-      raise ValueError(f"data.val_fraction={self.val_fraction!r} must be in [0, 1), e.g. 0.05 (0 = no validation)")
-    for name in ("max_chars", "max_docs", "num_epochs"):
-      v = getattr(self, name)
-      if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise ValueError(f"data.{name}={v!r} must be a positive integer or None (no limit)")
-    if not isinstance(self.tokenizer, str) or not self.tokenizer:
-      raise ValueError(f"data.tokenizer={self.tokenizer!r} must be 'byte', 'bpe' or a path to a tokenizer.json")
-    if isinstance(self.bpe_vocab_size, bool) or not isinstance(self.bpe_vocab_size, int) or self.bpe_vocab_size < 259:
-      raise ValueError(
-          f"data.bpe_vocab_size={self.bpe_vocab_size!r} must be an integer >= 259 (256 bytes + PAD/BOS/EOS), e.g. 1024"
-      )
-    for name in ("seq_len", "vocab_multiple"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"data.{name}={v!r} must be a positive integer" + (", e.g. 128" if name == "seq_len" else ""))
-    if self.teacher_tokenizer is not None and (not isinstance(self.teacher_tokenizer, str) or not self.teacher_tokenizer):
-      raise ValueError(f"data.teacher_tokenizer={self.teacher_tokenizer!r} must be 'byte', 'bpe', a path to a "
-                       "tokenizer.json, or None (the teacher shares data.tokenizer)")
-    v = self.teacher_seq_len
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-      raise ValueError(f"data.teacher_seq_len={v!r} must be a positive integer or None (= data.seq_len)")
-    if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-      raise ValueError(f"data.seed={self.seed!r} must be an integer")
-    self._check_corpora()
-    if self.packing not in PACKING:
-      raise ValueError(f"data.packing={self.packing!r}; choose one of {tuple(PACKING)}: "
-                       + "; ".join(f"{k}: {v}" for k, v in PACKING.items()))
-    if self.packing == "documents" and self.teacher_tokenizer is not None:
-      raise ValueError("data.packing=documents and data.teacher_tokenizer exclude each other (rows of two "
-                       "tokenizations carry no segment ids yet); use data.packing=stream, or drop "
-                       "data.teacher_tokenizer")
-
-  def _check_corpora(self) -> None:
-    if self.corpora is None:
-      return
-    example = "e.g. {python: stdlib, prose: /usr/share/common-licenses}"
-    if not isinstance(self.corpora, dict) or not self.corpora:
-      raise ValueError(f"data.corpora={self.corpora!r} must map corpus names to sources, {example}")
-    for name, src in self.corpora.items():
-      if not isinstance(name, str) or not name:
-        raise ValueError(f"data.corpora: the corpus name {name!r} must be a non-empty string, {example}")
-      if not isinstance(src, (str, list, tuple)) or not source_entries(src):
-        raise ValueError(f"data.corpora.{name}={src!r} must name a corpus as data.source does ('stdlib', a file, a "
-                         "directory, a glob, 'hf:<path>')")
-    if self.format not in ("auto", "text"):
-      raise ValueError(f"data.corpora takes text corpora; data.format={self.format!r} reads records from data.source: "
-                       "set data.format=text or drop data.corpora")
-    if self.teacher_tokenizer is not None:
-      raise ValueError("data.corpora and data.teacher_tokenizer exclude each other (rows of two tokenizations are "
-                       "not split by corpus yet); remove one of them")
-
-  def replace(self, **kw) -> DataConfig:
-    """A copy with ``kw`` changed (validated again)."""
-    return dataclasses.replace(self, **kw)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -263,78 +120,6 @@ class DataBundle:
     )
 
 
-def _digest(*parts: str) -> str:
-  h = hashlib.sha256()
-  for p in parts:
-    b = p.encode("utf-8")
-    h.update(len(b).to_bytes(8, "little"))
-    h.update(b)
-  return h.hexdigest()[:24]
-
-
-def documents_digest(docs: list[Document]) -> str:
-  """A digest of the documents' keys and texts (cache key)."""
-  return _digest(*(x for d in docs for x in (d.key, d.text)))
-
-
-def _atomic_write(path: str, write) -> None:
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-  os.close(fd)
-  try:
-    write(tmp)
-    os.chmod(tmp, 0o666 & ~current_umask())  # the mode any new file gets, not mkstemp's 0600
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-
-
-def resolve_tokenizer(cfg: DataConfig, train_docs: list[Document], cache_dir: str | None = None) -> Tokenizer:
-  """The tokenizer ``cfg.tokenizer`` names; ``"bpe"`` is trained on ``train_docs`` (cached)."""
-  if cfg.tokenizer == "byte":
-    return ByteTokenizer()
-  if cfg.tokenizer != "bpe":
-    return load_tokenizer(cfg.tokenizer, vocab_multiple=cfg.vocab_multiple)
-  import tokenizers  # pylint: disable=g-import-not-at-top
-
-  path = None
-  if cache_dir:
-    key = _digest(_CACHE_VERSION, documents_digest(train_docs), str(cfg.bpe_vocab_size), tokenizers.__version__)
-    path = os.path.join(cache_dir, f"bpe-{key}.json")
-    if os.path.isfile(path):
-      log.info("data: BPE tokenizer from cache %s", path)
-      return load_tokenizer(path, vocab_multiple=cfg.vocab_multiple)
-  t0 = time.perf_counter()
-  tok = train_bpe((d.text for d in train_docs), cfg.bpe_vocab_size, vocab_multiple=cfg.vocab_multiple)
-  log.info("data: trained BPE (%d tokens) in %.1fs", tok.base_vocab_size, time.perf_counter() - t0)
-  if path:
-    _atomic_write(path, lambda tmp: tok.hf_tokenizer.save(tmp))
-  return tok
-
-
-def _stream(docs: list[Document], tokenizer: Tokenizer, cache_dir: str | None) -> tuple[TokenStream, bool]:
-  path = None
-  if cache_dir:
-    key = _digest(_CACHE_VERSION, documents_digest(docs), tokenizer.fingerprint)
-    path = os.path.join(cache_dir, f"tokens-{key}.npz")
-    if os.path.isfile(path):
-      try:
-        with np.load(path) as z:
-          return TokenStream(z["tokens"], z["doc_lengths"]), True
-      except (OSError, ValueError, KeyError) as e:
-        log.warning("data: ignoring unreadable cache file %s (%s)", path, e)
-  stream = tokenize_documents([d.text for d in docs], tokenizer)
-  if path:
-
-    def write(tmp):
-      with open(tmp, "wb") as f:
-        np.savez(f, tokens=stream.tokens, doc_lengths=stream.doc_lengths)
-
-    _atomic_write(path, write)
-  return stream, False
-
-
 def build_data(
     cfg: DataConfig,
     batch_size: int,
@@ -374,8 +159,8 @@ def build_data(
   train_docs, val_docs = split_documents(docs, cfg.val_fraction)
   log.info("data: %d documents -> %d train, %d validation", len(docs), len(train_docs), len(val_docs))
   tok = tokenizer if tokenizer is not None else resolve_tokenizer(cfg, train_docs, cache_dir)
-  train_stream, hit_train = _stream(train_docs, tok, cache_dir)
-  val_stream, hit_val = _stream(val_docs, tok, cache_dir) if val_docs else (None, False)
+  train_stream, hit_train = cached_stream(train_docs, tok, cache_dir)
+  val_stream, hit_val = cached_stream(val_docs, tok, cache_dir) if val_docs else (None, False)
   for name, s in (("train", train_stream), ("validation", val_stream)):
     if s is not None and s.tokens.size and (s.tokens.min() < 0 or s.tokens.max() >= tok.vocab_size):
       raise ValueError(
@@ -434,7 +219,7 @@ def _build_corpora(cfg: DataConfig, batch_size, tokenizer, cache_dir, process_in
   def packed(which: int) -> PackedCorpora | None:
     parts, domains = [], []
     for i, split in enumerate(splits):
-      stream = _stream(split[which], tok, cache_dir)[0] if split[which] else None
+      stream = cached_stream(split[which], tok, cache_dir)[0] if split[which] else None
       if stream is not None and stream.tokens.size >= 2:
         parts.append(pack(stream, cfg.seq_len, tok.pad_id))
         domains.append(i)
