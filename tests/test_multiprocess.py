@@ -85,7 +85,9 @@ def teacher(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, teacher):
-  """The same 4-step job as 2 processes x 4 devices (``meshdistill launch``) and as 1 process x 8 devices."""
+  """The same 4-step job as 2 processes x 4 devices (``meshdistill launch``) and as 1 process x 8 devices; then the
+  2-process run's step-2 checkpoint resumed by 1 process, started here and read by its test after the 1 -> 2 process
+  one, so that it runs beside that test (which waits seconds for a killed peer's missed heartbeats)."""
   tmp = tmp_path_factory.mktemp("runs")
   env = _env(tmp)
   two, one = str(tmp / "two"), str(tmp / "one")
@@ -99,7 +101,18 @@ def runs(tmp_path_factory, teacher):
   out1, _ = p1.communicate(timeout=TIMEOUT_S)
   assert p2.returncode == 0, out2[-3000:]
   assert p1.returncode == 0, out1[-3000:]
-  return {"two": two, "one": one, "out2": out2, "env": env, "teacher": teacher}
+  resumed = str(tmp / "resumed")
+  shutil.copytree(os.path.join(two, "checkpoints", "2"), os.path.join(resumed, "checkpoints", "2"))
+  with open(tmp / "resumed.log", "w+", encoding="utf-8") as log:
+    proc = subprocess.Popen([sys.executable, "-m", "meshdistill", *_args(resumed, teacher)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+      yield {"two": two, "one": one, "out2": out2, "env": env, "teacher": teacher,
+             "resumed": (proc, log, resumed)}
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def test_two_processes_match_one_process(runs):
@@ -115,21 +128,6 @@ def test_two_processes_match_one_process(runs):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), _load_state(two, STEPS),
                _load_state(one, STEPS))
   assert os.path.isfile(os.path.join(two, "summary.json"))  # written once, by process 0
-
-
-def test_two_process_checkpoint_resumes_on_one_process(runs, tmp_path):
-  resumed = str(tmp_path / "resumed")
-  shutil.copytree(os.path.join(runs["two"], "checkpoints", "2"), os.path.join(resumed, "checkpoints", "2"))
-  out, _ = subprocess.Popen(
-      [sys.executable, "-m", "meshdistill", *_args(resumed, runs["teacher"])], env=runs["env"],
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-  ).communicate(timeout=TIMEOUT_S)
-  assert "resumed from step 2" in out, out[-3000:]
-  lr, l2 = _train_losses(resumed), _train_losses(runs["two"])
-  assert sorted(lr) == [3, 4]
-  np.testing.assert_allclose([lr[3], lr[4]], [l2[3], l2[4]], rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), _load_state(resumed, STEPS),
-               _load_state(runs["two"], STEPS))
 
 
 def test_one_process_checkpoint_resumes_on_two_and_a_killed_process_stops_the_other(runs, tmp_path):
@@ -175,6 +173,19 @@ def test_one_process_checkpoint_resumes_on_two_and_a_killed_process_stops_the_ot
   steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()]
   assert max(steps) < 500, "the run ended before the kill: nothing was tested"
   assert int(_load_state(run, max(steps))["step"]) == max(steps)
+
+
+def test_two_process_checkpoint_resumes_on_one_process(runs):
+  proc, log, resumed = runs["resumed"]
+  proc.wait(timeout=TIMEOUT_S)
+  log.seek(0)
+  out = log.read()
+  assert proc.returncode == 0 and "resumed from step 2" in out, out[-3000:]
+  lr, l2 = _train_losses(resumed), _train_losses(runs["two"])
+  assert sorted(lr) == [3, 4]
+  np.testing.assert_allclose([lr[3], lr[4]], [l2[3], l2[4]], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), _load_state(resumed, STEPS),
+               _load_state(runs["two"], STEPS))
 
 
 def test_two_process_teacher_cache_equals_one_process_cache(teacher, tmp_path):
