@@ -219,8 +219,10 @@ class TableTeacher:
     return losses.TopK(ids_BxTxK.astype(np.int32), logp, tail.astype(np.float32))
 
 
-def test_route_data_gives_each_row_its_teachers_topk_from_its_rows_alone_and_resumes(tmp_path):
-  bundle = build_data(DataConfig(corpora=two_corpora(tmp_path), seq_len=8, val_fraction=0.2), 4)
+def test_route_data_gives_each_row_its_teachers_topk_from_its_rows_alone_and_resumes(tmp_path, monkeypatch):
+  two_corpora(tmp_path)
+  monkeypatch.chdir(tmp_path)  # documents keyed by relative paths: the split and the order are the same in every run
+  bundle = build_data(DataConfig(corpora={"code": "code", "prose": "prose"}, seq_len=8, val_fraction=0.2), 4)
   programs = [TableTeacher(s, bundle.tokenizer.vocab_size) for s in (3, 4)]
   data = multi.MultiTeacherData(bundle, [multi.Live(p) for p in programs], k=K, route=[1, 0],
                                 weights=[1.0, 1.0])  # code -> teacher 1, prose -> teacher 0
