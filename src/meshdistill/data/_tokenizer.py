@@ -88,7 +88,7 @@ class ByteTokenizer:
   """UTF-8 bytes as ids 0..255, plus PAD=256, BOS=257, EOS=258; ``vocab_size`` = 264."""
 
   pad_id = 256
-  bos_id = 257
+  bos_id: int | None = 257  # the protocol's type: other tokenizers may have none
   eos_id = 258
   vocab_size = round_up(259, VOCAB_MULTIPLE)
 
