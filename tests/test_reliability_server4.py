@@ -395,3 +395,24 @@ def test_r4_a_port_in_use_or_an_address_not_of_this_host_is_reported_before_the_
   with pytest.raises(ConfigError, match="on 192.0.2.10 cannot be bound"):  # TEST-NET-1: no host's address
     jobs.serve_teacher(None, jobs.ServeSettings(host="192.0.2.10", port=0, token="s3cret"))
   assert not built
+
+
+def test_serve_teacher_buckets_reach_the_rows_the_config_sends_not_the_teachers_positional_bound(monkeypatch):
+  """A teacher whose ``max_len`` is far above the config's rows (a Hugging Face teacher's is its config.json's: 40,960
+  for Qwen3) is served, and warmed up, at the rows the students send; ``--lengths`` serves longer prompts."""
+  import io
+
+  import meshdistill as md
+  from meshdistill.config import load_config
+
+  cfg = load_config("tiny", ["teacher.max_len=256"])  # data.seq_len 32
+  monkeypatch.setattr(jobs._serve, "obtain_teacher",  # a random teacher of the config's shape: nothing pretrained
+                      lambda cfg, data, mesh, **kw: (md.init_model(cfg.teacher, seed=0, mesh=mesh), "random"))
+  assert cfg.data.seq_len == 32
+  for settings, lengths in ((jobs.ServeSettings(k=4, warm_up=False), (32,)),
+                            (jobs.ServeSettings(k=4, warm_up=False, lengths=(64, 256)), (64, 256))):
+    said = io.StringIO()
+    _, batcher, served = jobs.build_server(cfg, settings, stream=said)
+    batcher.close()
+    assert batcher.lengths == lengths and served["max_len"] == lengths[-1], (batcher.lengths, served)
+    assert f"x {lengths}" in said.getvalue(), said.getvalue()

@@ -139,7 +139,7 @@ def _serve_parser(sp) -> None:
                   "(up to 4096)")
   sp.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with")
   sp.add_argument("--lengths", default=None, help="comma-separated padded lengths the program compiles for "
-                  "(default: powers of two from 64 up to the teacher's max_len)")
+                  "(default: powers of two from 64 up to the config's data.seq_len, at most the teacher's max_len)")
   sp.add_argument("--max-tokens", type=int, default=1 << 20, help="token ids per request at most")
   sp.add_argument("--max-bytes", type=int, default=64 << 20, help="request body bytes at most (also bounded by "
                   "what --max-rows prompts of the longest row take as JSON)")

@@ -37,7 +37,7 @@ class ServeSettings:
   token: str | None = None
   max_rows: int = 64
   max_wait_ms: float = 5.0
-  lengths: tuple[int, ...] | None = None  # padded lengths; None: powers of two from 64 up to the teacher's max_len
+  lengths: tuple[int, ...] | None = None  # padded lengths; None: powers of two from 64 up to the run's rows (below)
   max_tokens: int = 1 << 20
   max_bytes: int = 64 << 20
   graceful_s: float = 30.0
@@ -107,7 +107,7 @@ def check_serve_settings(s: ServeSettings) -> None:
   if s.lengths is not None:
     if not s.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in s.lengths):
       raise ConfigError(f"--lengths {','.join(map(str, s.lengths))}: each padded length must be an integer >= 1, "
-                        "e.g. --lengths 64,128 (default: powers of two from 64 up to the teacher's max_len)")
+                        "e.g. --lengths 64,128 (default: powers of two from 64 up to data.seq_len)")
   if s.token is not None and (not isinstance(s.token, str) or not s.token.strip()):
     raise ConfigError("the bearer token is empty; give a non-empty one (--token-file, $MESHDISTILL_TEACHER_TOKEN) "
                       "or none")
@@ -143,7 +143,11 @@ def build_server(cfg: Config, settings: ServeSettings, *, stream: IO[str] | None
   program_mesh = make_layout(cfg.mesh.backend, mesh).eval_mesh
   program = tc.TeacherTopK(teacher, k=settings.k, temperature=float(tau), vocab=vocab, mesh=program_mesh)
   max_len = teacher.cfg.max_len
-  lengths = tuple(sorted(settings.lengths)) if settings.lengths else length_buckets(max_len)
+  # by default the rows the run's students send (data.seq_len, or data.teacher_seq_len with the teacher's own
+  # tokenizer), not the teacher's positional bound: a Hugging Face teacher's is its config.json's (40,960 for Qwen3),
+  # and warming every bucket up to it would run the teacher on max_rows x 40,960 tokens before the first request
+  rows_len = cfg.data.teacher_seq_len or cfg.data.seq_len
+  lengths = tuple(sorted(settings.lengths)) if settings.lengths else length_buckets(min(max_len, rows_len))
   if lengths[-1] > max_len:
     raise ConfigError(f"--lengths {','.join(map(str, lengths))}: the longest exceeds the teacher's max_len={max_len}")
   rows = 1 if program_mesh is None else program_mesh.shape["data"]
