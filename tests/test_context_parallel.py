@@ -27,7 +27,7 @@ from meshdistill.core.batch import SEGMENT_KEYS
 from meshdistill.data import pack_documents
 from meshdistill.jobs import build_mesh
 from meshdistill.models import _context
-from meshdistill.models._attention import Segments, segment_positions
+from meshdistill.models._visible import Segments, segment_positions
 from meshdistill.models.moe import MoeConfig
 from meshdistill.parallel.backends import make_layout
 from meshdistill.planner._compile import collectives

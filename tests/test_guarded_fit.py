@@ -270,7 +270,7 @@ def test_safeguard_settings_build_the_guard_fallback_and_loss_scale(mesh):
     ("safeguards.guard.fallback=kl", "safeguards.guard.fallback='kl'; choose one of"),
     ("safeguards.guard.min_history=60", "min_history=60 must be <= safeguards.guard.window=50"),
     ("safeguards.guard.keep_every=0", "safeguards.guard.keep_every=0: give a positive integer"),
-    ("safeguards.guard.keep_every=often", "or auto (10 where the copies stay on the devices, 100 where they go to host"),
+    ("safeguards.guard.keep_every=often", "or auto (10 where the copies stay on the devices, 100 where they go to"),
     ("safeguards.remat.headroom=0", "safeguards.remat.headroom=0.0 must be a number in (0.0, 1.0]"),
     ("safeguards.remat.budget_mib=-5", "safeguards.remat.budget_mib=-5.0 must be a number > 0"),
     ("safeguards.loss_scale=0", "safeguards.loss_scale=0.0 must be a number > 0"),

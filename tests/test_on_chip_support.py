@@ -129,7 +129,8 @@ def test_dropped_expert_assignments_stay_zero_whatever_ragged_dot_leaves_past_it
 
 def test_a_tpu_on_the_pci_bus_is_found_whatever_jax_makes_of_it(tmp_path):
   """The chip's test run stops with an error, not a skip, where a TPU is on the machine but JAX cannot take it."""
-  spec = importlib.util.spec_from_file_location("tpu_conftest", pathlib.Path(__file__).parent / "tpu" / "conftest.py")
+  path = pathlib.Path(__file__).parent / "tpu" / "conftest.py"
+  spec = importlib.util.spec_from_file_location("tpu_conftest", path)
   tpu_conftest = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(tpu_conftest)
   for name, vendor in [("0000:00:04.0", "0x8086\n"), ("0000:00:05.0", "0x1af4\n")]:

@@ -19,7 +19,8 @@ from helpers import STUDENT_CFG, TEACHER_CFG, rel_err
 import meshdistill as md
 from meshdistill.core.batch import SEGMENT_KEYS
 from meshdistill.data import DataConfig, build_data, pack_documents
-from meshdistill.models._attention import rope, rope_tables, segment_positions
+from meshdistill.models._attention import rope, rope_tables
+from meshdistill.models._visible import segment_positions
 from meshdistill.models._head_prep import norm_rope_heads
 
 T = 128  # the splash kernel's lane width: the shortest row it takes

@@ -338,7 +338,7 @@ def test_splash_kernel_with_segment_ids_gives_the_xla_attention_within_each_docu
   same documents as a mask, on the same chip, values and gradients. T = 1024 with documents of 5-400 tokens: they cut
   the kernel's 512-token blocks. Float32 at 'highest' (1e-4); bfloat16 against float32 scores of the same inputs
   (1e-2 values, 2e-2 grads: the kernel's roundings, as for the causal mask alone)."""
-  from meshdistill.models._attention import segment_mask
+  from meshdistill.models._visible import segment_mask
 
   qkv, w = _qkv(dtype, seed=2)
   ids = jnp.asarray(_segment_ids(1, 1024, 0))
@@ -363,7 +363,7 @@ def test_splash_decoder_on_packed_rows_equals_the_xla_decoder():
   """The whole decoder on rows packed from documents (segment ids and positions as the data pipeline writes them):
   attention='splash' (on the chip its queries and keys take the `_head_prep` kernel with each row's RoPE positions)
   against 'xla': loss and every weight's gradient, float32 at 'highest'."""
-  from meshdistill.models._attention import segment_positions
+  from meshdistill.models._visible import segment_positions
 
   cfg = CHIP_CFG.replace(attn_softcap=None, qk_norm=True, dtype="float32", param_dtype="float32")
   tokens = _tokens((2, 257), cfg.vocab_size, seed=4)  # 256 positions after the shift

@@ -8,14 +8,14 @@ The trainer's entry point::
   state = it.get_state()                     # JSON-serializable; store it with the checkpoint
   evals = bundle.val_batches(max_batches=8)  # fixed, finite list of batches
 
-Modules: `_corpus` (sources and the split by document), `_tokenizer` (byte-level and BPE),
-`_packing` (rows, targets and the loss mask), `alignment` (token bytes, spans two tokenizations agree on),
-`_cross` (rows of two tokenizations of one text, for a teacher with its own tokenizer), `_teacher_rows`
-(rows cut on a teacher's tokens alone, a student's side rebuilt from their bytes: a cross-tokenizer cache's), `_loader` (grain: shuffling, epochs, process
-shards, state), `_data_config` (`DataConfig`, the ``data`` section), `_pipeline` (`build_data`, `DataBundle`),
-`_token_cache` (the tokenizer and token streams cached in ``pretrain.cache_dir``), `_batch_list` (batches already in memory), `_records`
-(``data.format``: prompt/completion and conversation records, one a row), `chat` (conversations in a chat template,
-the loss on the assistant's tokens), `_preference` (preference rows and pairs), `_wrapped` (`TrainingData`: what a run
+Modules: `_corpus` (sources and the split by document), `_tokenizer` (byte-level and BPE), `_packing` (rows, targets and
+the loss mask), `alignment` (token bytes, spans two tokenizations agree on), `_cross` (rows of two tokenizations of one
+text, for a teacher with its own tokenizer), `_teacher_rows` (rows cut on a teacher's tokens alone, a student's side
+rebuilt from their bytes: a cross-tokenizer cache's), `_loader` (grain: shuffling, epochs, process shards, state),
+`_data_config` (`DataConfig`, the ``data`` section), `_pipeline` (`build_data`, `DataBundle`), `_token_cache` (the
+tokenizer and token streams cached in ``pretrain.cache_dir``), `_batch_list` (batches already in memory), `_records`
+(``data.format``: prompt/completion and conversation records, one a row), `chat` (conversations in a chat template, the
+loss on the assistant's tokens), `_preference` (preference rows and pairs), `_wrapped` (`TrainingData`: what a run
 trains from, one Protocol; `WrappedData`: a bundle whose batches are another's with something added).
 """
 

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshdistill.parallel.rules import annotate
-from meshdistill.models._attention import (KVCache, Segments, _explicit_attention, heads_in_kernel, prep_in_kernel,
-                                          query_prescale, rope, rope_tables, segment_mask, splash_attention)
+from meshdistill.models._attention import (_explicit_attention, heads_in_kernel, prep_in_kernel, query_prescale, rope,
+                                          rope_tables, splash_attention)
 from meshdistill.models._config import ModelConfig
 from meshdistill.models._context import ContextShard
 from meshdistill.models._output import BlockOutput
+from meshdistill.models._visible import KVCache, Segments, segment_mask
 from meshdistill.models._variants import gate_activation, head_norm, head_norm_scale, norm, post_norm
 from meshdistill.models.moe import MoE
 

@@ -173,7 +173,7 @@ def norm_rope_heads(y_BxTxHK: jax.Array, n_heads: int, cos_TxK: jax.Array, sin_T
 
   ``cos_TxK``, ``sin_TxK``: RoPE's tables (`meshdistill.models._attention.rope_tables`; constants: no gradient),
   ``[T, K]`` for every row or ``[B, T, K]``, each row's own (rows packed from several documents: RoPE restarts at
-  each, `meshdistill.models._attention.Segments`);
+  each, `meshdistill.models._visible.Segments`);
   ``scale_K``: the norm's float32 scale as it multiplies (`meshdistill.models._variants.head_norm_scale`), None for
   no norm; ``eps``: the norm's epsilon; ``post_scale``: a factor applied last, to the result rounded to ``y``'s
   dtype (the queries' score scale, which the splash kernel then need not apply). Gradients flow to ``y`` and ``scale_K``. ``interpret``: Pallas interpret

@@ -51,7 +51,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
-from meshdistill.models._attention import KVCache, Segments, rope
+from meshdistill.models._attention import rope
+from meshdistill.models._visible import KVCache, Segments
 from meshdistill.models._block import MLP, Attention, Block, _dtypes, _part, _per_token
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._output import BlockOutput

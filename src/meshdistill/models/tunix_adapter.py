@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from meshdistill.parallel.mesh import param_shardings
 from meshdistill.parallel.rules import DEFAULT, split_ways
 from meshdistill.models import families
-from meshdistill.models._attention import Segments, segment_mask
+from meshdistill.models._visible import Segments, segment_mask
 from meshdistill.models.decoder import ModelOutput
 from meshdistill.models.hf import read_hf_config, read_onto_mesh
 
