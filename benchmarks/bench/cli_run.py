@@ -74,7 +74,9 @@ def write_teacher(pair: str, out: pathlib.Path, max_len: int) -> None:
   import meshdistill as md
 
   tcfg, _ = model_configs(pair, Setting(attn="xla", remat="none", dtypes="auto"))
-  tcfg = tcfg.replace(param_dtype="bfloat16", dtype="bfloat16", scan_layers=False, max_len=max(tcfg.max_len, max_len))
+  # initialised scanned: one compiled block instead of 28 (on a CPU 1.9 s against 16.9); `export_hf` writes the
+  # checkpoint's per-layer tensors either way
+  tcfg = tcfg.replace(param_dtype="bfloat16", dtype="bfloat16", scan_layers=True, max_len=max(tcfg.max_len, max_len))
   model = md.init_model(tcfg, seed=0)
   md.export_hf(model, out, tokenizer=str(TOKENIZER), dtype="bfloat16")
 
