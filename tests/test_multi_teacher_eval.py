@@ -18,9 +18,16 @@ from meshdistill.teachers.cache import TeacherTopK
 from meshdistill.teachers.checkpoint import save_teacher
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+  """The corpora are named by relative paths (`sets_for`): documents are keyed by them, so the validation split (and
+  the corpora its batches hold) is the same in every run, not a matter of the temporary folder's name."""
+  monkeypatch.chdir(tmp_path)
+
+
 def sets_for(tmp_path):
-  corpora = two_corpora(tmp_path)
-  return [f"data.corpora={{python: {corpora['code']}, prose: {corpora['prose']}}}", "data.seq_len=8",
+  two_corpora(tmp_path)  # tmp_path/code, tmp_path/prose: the current folder's (`_in_tmp_path`)
+  return ["data.corpora={python: code, prose: prose}", "data.seq_len=8",
           "data.val_fraction=0.2", "data.max_chars=null", "teacher.max_len=16", "student.max_len=16",
           f"distill.top_k={K}", f"distill.temperature={TAU}", "train.batch_size=4", "train.steps=2", "train.warmup=0",
           "train.eval_every=0", "train.eval_batches=2", "checkpoint.every=0", "mesh.backend=single", "mesh.data=1",
