@@ -285,10 +285,10 @@ class GuardSettings:
   A step diverges when its loss is non-finite or above ``factor`` times the median of the last
   ``window`` good losses (once ``min_history`` are known). The loop then restores the last good
   train state (a copy taken every ``keep_every`` steps, ``auto``: 10 where the copies stay on the devices, 100 where
-  they go to host memory, whose link is slow; and at every checkpoint step: the loop holds up to two,
-  each the memory of one train state, where ``keep_in`` says: ``device``, ``host`` memory, or ``auto``: host
-  memory on an accelerator, whose memory the step needs, the devices on a CPU) and, for distillation, switches the distillation term to
-  the ``fallback`` divergence (``mse``: logit MSE) for the rest of the freezing stage (the whole
+  they go to host memory, whose link is slow; and at every checkpoint step: the loop holds up to two, each the
+  memory of one train state, where ``keep_in`` says: ``device``, ``host`` memory, or ``auto``: host memory on an
+  accelerator, whose memory the step needs, the devices on a CPU) and, for distillation, switches the distillation
+  term to the ``fallback`` divergence (``mse``: logit MSE) for the rest of the freezing stage (the whole
   run without a freezing schedule). After ``max_restores`` divergences the run stops with an
   error. Every restore is written to ``metrics.jsonl`` as an ``event`` row. ``enabled: false``
   turns the guard off (and the per-step read of the loss it needs)."""
@@ -311,13 +311,11 @@ class GuardSettings:
         f"safeguards.guard.min_history={self.min_history} must be <= safeguards.guard.window={self.window}"
       )
     positive_int("safeguards.guard.max_restores", self.max_restores)
-    try:
+    try:  # the loop's own checks (`train.loop.state_copy`), as config errors
       state_copy.check_keep_every(self.keep_every)
+      state_copy.check_keep_in(self.keep_in)
     except ValueError as e:
       raise ConfigError(str(e)) from None
-    if self.keep_in not in state_copy.KEEP_IN:
-      raise ConfigError(f"safeguards.guard.keep_in={self.keep_in!r}; choose one of {', '.join(state_copy.KEEP_IN)} "
-                        "(auto: host memory on an accelerator, the devices on a CPU)")
     if self.fallback not in DIVERGENCES:
       raise ConfigError(f"safeguards.guard.fallback={self.fallback!r}; choose one of {sorted(DIVERGENCES)}")
 

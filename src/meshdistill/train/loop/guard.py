@@ -25,7 +25,7 @@ from meshdistill.train.freezing import freeze_status
 from meshdistill.train.optimizers import consecutive_skips
 from meshdistill.strategies import Strategy, fallback_strategy
 from meshdistill.train.teacher import TeacherKind
-from meshdistill.train.loop.state_copy import check_keep_every, check_keep_in, copy_state, keep_every_steps, keep_place
+from meshdistill.train.loop.state_copy import check_keep_in, copy_state, keep_every_steps, keep_place
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,9 @@ class Recovery:
   def __init__(self, trainer, guard: DivergenceGuard, keep_every: int | str = 1, fallback: Strategy | None = None, *,
                on_event: Callable[[int, str, dict], None] | None = None, say: Callable[[str], None] | None = None,
                checkpoints: Callable[[], list[int]] | None = None, keep_in: str = "auto"):
-    check_keep_every(keep_every)
     check_keep_in(keep_in)
     self.guard, self.keep_every, self.keep_in = guard, keep_every, keep_in
-    self.every = keep_every_steps(keep_every, "device")  # `start` decides for ``auto`` from where copies go
+    self.every = keep_every_steps(keep_every, "device")  # checks it; `start` decides ``auto`` from where copies go
     self.place, self._shardings = "device", None  # where copies go and the state's shardings: set by `start`
     self.runners = {"primary": trainer, "fallback": None}
     self.fallback = fallback

@@ -38,7 +38,8 @@ def keep_every_steps(keep_every, place: str) -> int:
 def check_keep_in(keep_in: str) -> None:
   """Raises for a ``keep_in`` outside `KEEP_IN`, naming the setting."""
   if keep_in not in KEEP_IN:
-    raise ValueError(f"safeguards.guard.keep_in={keep_in!r}; choose one of {', '.join(KEEP_IN)}")
+    raise ValueError(f"safeguards.guard.keep_in={keep_in!r}; choose one of {', '.join(KEEP_IN)} (auto: host memory on "
+                     "an accelerator, the devices on a CPU)")
 
 
 def keep_place(keep_in: str, state) -> str:
