@@ -798,11 +798,11 @@ def test_r2_modes_honour_the_umask_home_is_expanded_and_interrupted_saves_are_cl
     monitor.write(1, "train", {"loss": 1.0})
     monitor.rewind(0)  # rewritten through a temporary file
     monitor.close()
-    from meshdistill.data import _token_cache
+    from meshdistill.core.fsutil import write_file_atomic
     from meshdistill.teachers.cache import _format
     _format._write_json(str(tmp_path / "manifest.json"), {"k": 1})  # the teacher cache's files
     _format._save_shard(str(tmp_path / "shard.safetensors"), {"x": np.zeros(2, np.float32)})
-    _token_cache._atomic_write(str(tmp_path / "tokens.npy"), lambda f: np.save(open(f, "wb"), np.zeros(2)))  # data cache
+    write_file_atomic(str(tmp_path / "tokens.npy"), lambda f: np.save(open(f, "wb"), np.zeros(2)))  # data cache
   finally:
     os.umask(old)
   for name in ("manifest.json", "shard.safetensors", "tokens.npy"):

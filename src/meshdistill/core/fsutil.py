@@ -31,7 +31,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,23 @@ def write_text_atomic(path: str, text: str) -> None:
     if os.path.exists(tmp):
       os.unlink(tmp)
 
+
+
+def write_file_atomic(path: str, write: Callable[[str], object]) -> None:
+  """``write(tmp)`` fills a temporary sibling of ``path`` (its folder made if missing), then a rename puts it at
+  ``path``: never a half-written file, whatever ``write`` is (a safetensors or numpy writer, a tokenizer's ``save``);
+  the file gets the mode any new file gets, not `tempfile.mkstemp`'s ``0o600``."""
+  parent = os.path.dirname(os.path.abspath(path))
+  os.makedirs(parent, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=parent, prefix=".tmp-")
+  os.close(fd)
+  try:
+    write(tmp)
+    os.chmod(tmp, 0o666 & ~current_umask())
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 # --------------------------------------------------------------------------- digests
 def file_digests(root: str, exclude: tuple[str, ...] = ()) -> dict[str, str]:

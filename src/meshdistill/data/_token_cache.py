@@ -8,12 +8,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 import time
 
 import numpy as np
 
-from meshdistill.core.fsutil import current_umask
+from meshdistill.core.fsutil import write_file_atomic
 from meshdistill.data._corpus import Document
 from meshdistill.data._data_config import DataConfig
 from meshdistill.data._packing import TokenStream, tokenize_documents
@@ -38,19 +37,6 @@ def documents_digest(docs: list[Document]) -> str:
   return _digest(*(x for d in docs for x in (d.key, d.text)))
 
 
-def _atomic_write(path: str, write) -> None:
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-  os.close(fd)
-  try:
-    write(tmp)
-    os.chmod(tmp, 0o666 & ~current_umask())  # the mode any new file gets, not mkstemp's 0600
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-
-
 def resolve_tokenizer(cfg: DataConfig, train_docs: list[Document], cache_dir: str | None = None) -> Tokenizer:
   """The tokenizer ``cfg.tokenizer`` names; ``"bpe"`` is trained on ``train_docs`` (cached)."""
   if cfg.tokenizer == "byte":
@@ -70,7 +56,7 @@ def resolve_tokenizer(cfg: DataConfig, train_docs: list[Document], cache_dir: st
   tok = train_bpe((d.text for d in train_docs), cfg.bpe_vocab_size, vocab_multiple=cfg.vocab_multiple)
   log.info("data: trained BPE (%d tokens) in %.1fs", tok.base_vocab_size, time.perf_counter() - t0)
   if path:
-    _atomic_write(path, lambda tmp: tok.hf_tokenizer.save(tmp))
+    write_file_atomic(path, lambda tmp: tok.hf_tokenizer.save(tmp))
   return tok
 
 
@@ -94,5 +80,5 @@ def cached_stream(docs: list[Document], tokenizer: Tokenizer, cache_dir: str | N
       with open(tmp, "wb") as f:
         np.savez(f, tokens=stream.tokens, doc_lengths=stream.doc_lengths)
 
-    _atomic_write(path, write)
+    write_file_atomic(path, write)
   return stream, False

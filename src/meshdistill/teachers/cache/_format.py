@@ -8,7 +8,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ from meshdistill.core.batch import TARGET_LOGPROB_KEY, TOPK_KEYS
 from meshdistill.data import WrappedData
 from meshdistill.train.teacher import TopKTeacher
 from meshdistill.models import ModelConfig
-from meshdistill.core.fsutil import current_umask, write_text_atomic
+from meshdistill.core.fsutil import write_file_atomic, write_text_atomic
 
 FORMAT_VERSION = 2  # 2: the manifest names the teacher tokenizer; a cross-tokenizer cache's rows (``cross``)
 READABLE_FORMATS = (1, 2)  # 1: a cache of one tokenizer's rows, written before the teacher tokenizer was named
@@ -103,15 +102,7 @@ def _read_json(path: str) -> dict | None:
 def _save_shard(path: str, arrays: dict[str, np.ndarray]) -> None:
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
 
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-  os.close(fd)
-  try:
-    save_file(arrays, tmp, metadata={"format": str(FORMAT_VERSION)})
-    os.chmod(tmp, 0o666 & ~current_umask())  # the mode any new file gets, not mkstemp's 0600
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  write_file_atomic(path, lambda tmp: save_file(arrays, tmp, metadata={"format": str(FORMAT_VERSION)}))
 
 
 def _check_same(saved: dict, now: dict, where: str) -> None:
