@@ -53,7 +53,7 @@ def device_info() -> dict:
            "print(json.dumps({'device': jax.devices()[0].device_kind, 'jax': jax.__version__, "
            "'libtpu': libtpu_version()}))")
   out = _run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
-                       cwd=pathlib.Path(__file__).resolve().parents[1])
+             cwd=pathlib.Path(__file__).resolve().parents[1])
   return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else {}
 
 
@@ -120,7 +120,7 @@ def measure_cli(pair: str, s: Setting, steps: int, workdir: str, scan: bool = Fa
   t0 = time.perf_counter()
   try:
     out = _run([sys.executable, "-m", "meshdistill", "distill", "--config", str(path)], env=env,
-                         capture_output=True, text=True, timeout=timeout_s)
+               capture_output=True, text=True, timeout=timeout_s)
   except subprocess.TimeoutExpired as e:
     row["error"] = f"TimeoutExpired: the run took over {timeout_s:.0f} s; {str(e.stderr or '')[-1200:]}"
     return row

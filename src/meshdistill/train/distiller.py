@@ -379,7 +379,6 @@ def _keep_initial_student_on_host(params):
   return jax.device_get(params)
 
 
-
 def _share_placed(model, cfg, placed) -> None:
   """Makes ``model`` (the teacher as the caller gave it) hold ``placed`` -- its weights as the step reads them:
   fitted to the layout, stored as a frozen teacher (``cfg``), placed on the devices -- in place of its own, so that
