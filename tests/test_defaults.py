@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshdistill.config import Config, MeshSettings
+from meshdistill.config import Config, ConfigError, MeshSettings, load_config
 from meshdistill.models import ModelConfig, frozen_model, init_model
 from meshdistill.planner._entry import _concrete
 
@@ -67,6 +67,31 @@ def test_the_planner_makes_auto_concrete_for_its_target():
   assert (tpu.dtype, tpu.param_dtype, tpu.attention) == ("bfloat16", "bfloat16", "splash")
   cpu = _concrete(CFG, "cpu", 2048)
   assert (cpu.dtype, cpu.param_dtype, cpu.attention) == ("float32", "auto", "xla")
+
+
+def test_auto_scan_layers_stacks_the_blocks_on_an_accelerator_where_they_stack():
+  assert CFG.scan_layers == "auto"
+  assert CFG.scanned_on("tpu") and CFG.scanned_on("gpu") and not CFG.scanned_on("cpu")
+  # weights split over tensor: per layer (a scanned step gathered them in every layer; the MoE test of
+  # tests/test_moe.py compiles the default pair at mesh 1x4 and counts no all-gather)
+  assert not CFG.scanned_on("tpu", tensor=4) and CFG.replace(scan_layers=True).scanned_on("tpu", tensor=4)
+  assert CFG.with_scan("tpu").scan_layers is True and CFG.with_scan("cpu").scan_layers is False
+  assert CFG.replace(scan_layers=False).scanned_on("tpu") is False  # a choice given stays
+  assert CFG.replace(scan_layers=True).scanned_on("cpu") is True
+  mixed = CFG.replace(n_layers=2, moe={"n_experts": 4, "top_k": 2, "dense_layers": (0,)})  # dense and expert blocks
+  assert mixed.scanned_on("tpu") is False
+  with pytest.raises(ValueError, match="mixes dense and expert layers"):
+    mixed.replace(scan_layers=True)
+  with pytest.raises(ValueError, match="must be true, false or auto"):
+    CFG.replace(scan_layers="yes")
+  built = init_model(CFG, seed=0)  # a built model's config says which layout it has
+  assert built.cfg.scan_layers is False and isinstance(built.blocks, nnx.List)
+
+
+def test_a_lora_student_keeps_per_layer_blocks_under_auto_and_names_the_setting_when_stacked():
+  assert load_config(None, ["student.lora.rank=4"]).student.scan_layers is False  # qwix adapts blocks/<i>/... by path
+  with pytest.raises(ConfigError, match="student.scan_layers=false or auto"):
+    load_config(None, ["student.lora.rank=4", "student.scan_layers=true"])
 
 
 @pytest.mark.parametrize("backend, accelerators, batch, want", [

@@ -193,7 +193,7 @@ with tempfile.TemporaryDirectory() as tmp:
     assert json.load(f)["architectures"] == ["ToyForCausalLM"]
   tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
   back = load_hf(os.path.join(tmp, "out"))
-  assert back.cfg == cfg, (back.cfg, cfg)
+  assert back.cfg == cfg.replace(scan_layers=False), (back.cfg, cfg)  # a built model says its layout
   np.testing.assert_allclose(back(tokens).logits, model(tokens).logits, atol=1e-6)
 try:
   fam.from_hf(dict(hf, sliding_window=4096), where="toy/config.json")

@@ -292,3 +292,43 @@ def test_remat_and_attention_beside_teacher_hf_are_kept_and_change_no_logits():
   tokens = jnp.asarray(_tokens())
   logits = nnx.jit(lambda m, t: m(t).logits)
   np.testing.assert_allclose(logits(teacher, tokens), logits(load_hf(QWEN3), tokens), rtol=1e-5, atol=1e-6)
+
+
+def _students_logits(run_dir):
+  """The logits of the student in ``run_dir``'s newest checkpoint, read in the layout ``auto`` means here."""
+  cfg = run_config(str(run_dir))
+  ckpt = Checkpointer(cfg.checkpoint_dir, every=0)
+  student = ckpt.restore_student(cfg.student, None)
+  ckpt.close()
+  return student.cfg.scan_layers, np.asarray(student(jnp.asarray(_tokens())).logits)
+
+
+def test_auto_stacks_the_blocks_on_an_accelerator_and_a_run_moves_between_layouts(tmp_path, monkeypatch):
+  """``scan_layers: auto`` (the default) decided as on an accelerator (`ModelConfig.scanned_on` told ``tpu``): the
+  teacher read from ``teacher.hf``, the student copied from its layers, trained and checkpointed, all with stacked
+  blocks; the same run decided as on a CPU keeps per-layer blocks and reaches the same student. Then the stacked run
+  resumes where ``auto`` means per layer (a run moved off the accelerator): in its checkpoint's layout, to the same
+  numbers as the run that stayed on the CPU."""
+  overrides = ("train.warmup=1", "train.eval_every=0", "checkpoint.every=2", "mesh.backend=single", "mesh.data=1",
+               "mesh.tensor=1", "student.init={from_teacher: true, layers: [1, 0]}")
+  run = lambda where, steps: cli.main(["distill", "--config", *_example(  # noqa: E731
+      *overrides, f"train.steps={steps}", run_dir=tmp_path / where)])
+  assert run("cpu", 2) == 0
+  decide = md.ModelConfig.scanned_on
+  with monkeypatch.context() as m:
+    m.setattr(md.ModelConfig, "scanned_on", lambda self, platform, tensor=1: decide(self, "tpu", tensor))
+    assert run("accelerator", 2) == 0
+    stacked, teacher = _run_student(tmp_path / "accelerator")
+    assert stacked.cfg.scan_layers is True and teacher.cfg.scan_layers is True
+    assert stacked.blocks.mlp.down.kernel[...].shape[0] == 2  # one weight per name, [layers, ...]
+    want = np.asarray(stacked(jnp.asarray(_tokens())).logits)
+  per_layer, teacher = _run_student(tmp_path / "cpu")
+  assert per_layer.cfg.scan_layers is False and teacher.cfg.scan_layers is False
+  # the same arithmetic in another program: float32 rounding apart (logits of order 1 after two AdamW steps)
+  np.testing.assert_allclose(np.asarray(per_layer(jnp.asarray(_tokens())).logits), want, rtol=1e-4, atol=1e-4)
+  assert run("accelerator", 3) == 0 and run("cpu", 3) == 0  # the moved run resumes, stacked, on the CPU
+  (moved_layout, moved), (cpu_layout, stayed) = _students_logits(tmp_path / "accelerator"), _students_logits(
+      tmp_path / "cpu")
+  assert moved_layout is cpu_layout is False  # read back per layer, as auto means here
+  np.testing.assert_allclose(moved, stayed, rtol=1e-4, atol=1e-4)
+  assert yaml.safe_load((tmp_path / "accelerator" / "config.yaml").read_text())["student"]["scan_layers"] == "auto"

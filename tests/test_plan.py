@@ -77,8 +77,8 @@ def test_weights_per_chip_halve_when_tensor_doubles(tpu_plans):
 @needs_libtpu
 def test_compiled_flops_match_the_analytic_count_within_15_percent(tpu_plans):
   for p in tpu_plans:
-    f = p.flops
-    assert abs(f["compiled"] / f["analytic"] - 1) < 0.15, f
+    f = p.flops  # counted: each loop body (scanned blocks, loss chunks) times its trips
+    assert abs(f["counted"] / f["analytic"] - 1) < 0.15, f
   a = tpu_plans[0]
   assert a.time["step_s"] > 0 and 0 < a.time["mfu"] < 1
   assert {c["kind"] for c in a.collectives} >= {"all-reduce"}

@@ -31,7 +31,8 @@ def scanned_and_unrolled():
   loss), and scanned with the chunked loss (a loop of 4 chunks of 8 tokens per device)."""
   kw = dict(topology="v5e:2x2", mesh="2x2", batch=4, seq=16, remat="full")
   scanned = dict(teacher=TEACHER.replace(scan_layers=True), student=STUDENT.replace(scan_layers=True))
-  return md.plan(**scanned, **kw), md.plan(TEACHER, STUDENT, **kw), md.plan(**scanned, chunk_size=8, **kw)
+  unrolled = dict(teacher=TEACHER.replace(scan_layers=False), student=STUDENT.replace(scan_layers=False))
+  return md.plan(**scanned, **kw), md.plan(**unrolled, **kw), md.plan(**scanned, chunk_size=8, **kw)
 
 
 @needs_libtpu

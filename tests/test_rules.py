@@ -65,7 +65,7 @@ def test_fsdp_table_gives_the_old_largest_free_dimension_rule_spec_by_spec(confi
   shapes = {k: tuple(v.get_value().shape) for k, v in nnx.to_flat_state(state)}
   # The tables leave a size-1 axis out (the same sharding; the old metadata named `tensor` at tensor=1).
   size_one = lambda names: tuple(None if a is None or mesh.shape[a] == 1 else a for a in names)  # noqa: E731
-  want = {k: size_one(old_fsdp_names(created[k], shapes[k], data, cfg.scan_layers and k[0] == "blocks"))
+  want = {k: size_one(old_fsdp_names(created[k], shapes[k], data, cfg.scanned and k[0] == "blocks"))
           for k in shapes}
   assert fsdp_specs == want
   split = [k for k, v in fsdp_specs.items() if "data" in v]

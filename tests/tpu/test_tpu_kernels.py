@@ -66,7 +66,8 @@ HIGHEST = "highest"
 CHIP_CFG = md.ModelConfig(
     vocab_size=512, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128, mlp_hidden=512, max_len=256,
     sliding_window=96, layer_types=("sliding_attention", "full_attention"), attn_softcap=20.0, final_softcap=30.0,
-    query_scale=0.1, attention="xla", dtype="float32", param_dtype="float32")  # named: the defaults differ on a TPU
+    query_scale=0.1, attention="xla", dtype="float32", param_dtype="float32",
+    scan_layers=False)  # named: the defaults differ on a TPU
 
 
 def _tokens(shape, vocab, seed=0):

@@ -181,7 +181,8 @@ def _plan_parser(sp) -> None:
   sp.add_argument("--remat", default=None, help="the student's remat policy: none, dots, dots_no_batch, full")
   sp.add_argument("--chunk-size", type=int, default=None, help="chunked loss with this many tokens per chunk")
   sp.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
-                  help="both models' blocks under nnx.scan (one compiled body) or unrolled (default: as configured)")
+                  help="both models' blocks under nnx.scan (one compiled body) or unrolled (default: as configured; "
+                       "auto: stacked on the target accelerator)")
   sp.add_argument("--attention", default=None, help="both models' attention kernel: auto, explicit, xla, cudnn, "
                   "splash (the Pallas TPU kernel; seq a multiple of 128) (default: as configured / auto for presets)")
   sp.add_argument("--hbm-gib", type=float, default=None, help="memory budget per device in GiB (replaces the chip's)")

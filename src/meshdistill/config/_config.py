@@ -146,9 +146,11 @@ class Config:
           check_stages(stages, model.n_layers)
         except ValueError as e:
           raise ConfigError(f"{section}.freeze: {e}".replace("Stage(", "stage(")) from None
-    if self.student.scan_layers and self.models.student_lora.enabled:
+    if self.models.student_lora.enabled and self.student.scan_layers is True:
       raise ConfigError("student.lora needs per-layer blocks (qwix adapts blocks/<i>/... by path): set "
-                        "student.scan_layers=false for a LoRA student (the teacher may stay scanned)")
+                        "student.scan_layers=false or auto for a LoRA student (the teacher may stay scanned)")
+    if self.models.student_lora.enabled and self.student.scan_layers == "auto":  # per layer on every platform
+      object.__setattr__(self, "student", self.student.replace(scan_layers=False))
     if mesh is None:
       return
     if strategies.get(self.distill.kind).needs_pairs and self.train.batch_size % (2 * mesh.data):

@@ -14,7 +14,7 @@ from meshdistill.config.sections import strategy_defaults
 from meshdistill.core.fsutil import write_text_atomic
 from meshdistill.jobs._setup import (_monitor, _run_lock, _write_config, build_mesh, describe_devices, load_data,
                                      stream_reporter)
-from meshdistill.jobs._setup import resolve_mesh, with_batch_size
+from meshdistill.jobs._setup import checkpoint_layout, resolve_mesh, with_batch_size
 from meshdistill.jobs._teacher import services, teacher_source
 from meshdistill.jobs._training import _cache_safeguards, loop_kwargs, make_distiller, safeguard_kwargs
 from meshdistill.train.loop.monitor import ProfileWindow
@@ -51,6 +51,7 @@ UNTRAINED_SETTINGS = (
   "run.", "checkpoint.", "mesh.", "safeguards.remat.", "data.cache_dir", "train.steps", "train.log_every",
   "train.eval_every", "train.eval_batches", "pretrain.log_every", "pretrain.eval_every", "pretrain.eval_batches",
   "teacher.remat", "student.remat", "teacher.attention", "student.attention",  # how it computes, not what
+  "teacher.scan_layers", "student.scan_layers",  # how the blocks are laid out (a student resumes in its own)
   "train.micro_batch", "pretrain.micro_batch",
   # where and how a served teacher is reached (its identity, which checkpoints record, names what is trained)
   "teacher.url", "teacher.timeout", "teacher.retries", "teacher.token_env",
@@ -163,6 +164,8 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   # Checked before the teacher is built (kind, steps), and again with the models and teacher before config.yaml is
   # written: a rejected resume changes nothing in the run directory.
   _check_against_checkpoint(cfg, {"kind": "distill"})
+  settings = cfg  # config.yaml keeps the settings as given; the student resumes in its checkpoint's layout
+  cfg = dataclasses.replace(cfg, student=checkpoint_layout(cfg.student, cfg.checkpoint_dir))
   say = stream_reporter(stream)
   say(describe_devices(mesh, teacher_mesh))
   say(_describe_data(data))
@@ -173,7 +176,7 @@ def _distill(cfg: Config, *, stream, profile, stop_after) -> dict:
   tdir = prepared.identity
 
   _check_against_checkpoint(cfg, run_meta(distiller, "distill", {"teacher_dir": tdir}))
-  _write_config(cfg, run_dir)
+  _write_config(settings, run_dir)
   monitor = _monitor(run_dir, cfg.train.steps, stream, "distill", cfg)
   try:
     summary = _train_and_evaluate(cfg, distiller, data, prepared.teachers, monitor, tdir, run_dir, profile, stop_after)

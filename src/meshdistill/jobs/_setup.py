@@ -14,10 +14,12 @@ from meshdistill.train.loop.loggers import WANDB_DIR, WANDB_ID_FILE
 from meshdistill.train.loop.monitor import Monitor
 from meshdistill.core.ownership import MARKER, OutputKind, check_owned, read_marker, refuse_links, write_marker
 from meshdistill.data import build_data
-from meshdistill.parallel.distributed import data_shard, is_primary, local_device_share, process_count
+from meshdistill.models import ModelConfig
+from meshdistill.parallel.distributed import agree_on, data_shard, is_primary, local_device_share, process_count
 from meshdistill.parallel.distributed.platforms import cpu_only
 from meshdistill.parallel.backends import BACKENDS, layout_class
 from meshdistill.parallel.mesh import make_mesh, simulate_cpu_devices
+from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.teachers import kinds
 
 log = logging.getLogger("meshdistill.jobs")  # the package's logger: records keep the name they always had
@@ -60,6 +62,24 @@ def resolve_mesh(cfg: Config) -> Config:
   where = "no accelerator: the reference layout" if accelerators is None else f"{accelerators} accelerator(s)"
   log.info("mesh auto -> data=%s x tensor=%s (%s)", mesh.data, mesh.tensor, where)
   return dataclasses.replace(cfg, mesh=mesh)
+
+
+def checkpoint_layout(model: ModelConfig, checkpoint_dir: str, who: str = "student") -> ModelConfig:
+  """``model`` with ``scan_layers: auto`` taken from the newest checkpoint in ``checkpoint_dir`` (its record of the
+  trained model, ``who``) when there is one: a train state resumes in the blocks layout it was written in, so a run
+  moved between an accelerator (where ``auto`` stacks the blocks) and a CPU resumes there. ``model`` itself when its
+  layout is given or nothing was written yet."""
+  if model.scan_layers != "auto":
+    return model
+  # Opening a checkpoint manager is a collective: every process takes process 0's answer on whether there is one.
+  if not agree_on(int(os.path.isdir(checkpoint_dir)), "whether the run has a checkpoint directory"):
+    return model
+  ckpt = Checkpointer(checkpoint_dir, every=0, read_only=True)
+  try:
+    stored = ckpt.read_meta().get(who, {}).get("scan_layers") if ckpt.latest_step() is not None else None
+  finally:
+    ckpt.close()
+  return model.replace(scan_layers=stored) if isinstance(stored, bool) else model
 
 
 def build_mesh(cfg: Config):

@@ -14,7 +14,8 @@ from typing import IO
 from meshdistill.storage.checkpoint import Checkpointer
 from meshdistill.teachers.checkpoint import check_teacher_target, save_teacher
 from meshdistill.config import Config, ConfigError
-from meshdistill.jobs._setup import _monitor, _run_lock, _write_config, build_mesh, load_data, stream_reporter
+from meshdistill.jobs._setup import (_monitor, _run_lock, _write_config, build_mesh, checkpoint_layout, load_data,
+                                     stream_reporter)
 from meshdistill.jobs._setup import with_batch_size
 from meshdistill.jobs._training import loop_kwargs, safeguard_kwargs
 from meshdistill.train.loop.monitor import ProfileWindow
@@ -69,7 +70,8 @@ def pretrain(
   run_dir = run_dir or os.path.join(cfg.run.run_dir, f"teacher-{teacher_key(cfg, data.tokenizer)}")
   p = cfg.pretrain
   # trained (and saved) with float32 weights; `load_teacher` stores them in teacher.param_dtype
-  model = init_model(cfg.teacher.replace(param_dtype="float32"), seed=p.seed, mesh=mesh)
+  shape = checkpoint_layout(cfg.teacher, os.path.join(run_dir, "checkpoints"))  # a resumed run: its blocks layout
+  model = init_model(shape.replace(param_dtype="float32"), seed=p.seed, mesh=mesh)
   optimizer = make_optimizer(p, cfg.teacher.n_layers)
   trainer = HardLabelTrainer(model, optimizer=optimizer, mesh=mesh, backend=cfg.mesh.backend, fsdp=cfg.mesh.fsdp,
                              micro_batch=cfg.pretrain.micro_batch)

@@ -107,6 +107,7 @@ class Decoder(nnx.Module):
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    cfg = cfg.with_scan()  # `scan_layers: auto` decided for the platform the model is built for
     self.cfg = cfg
     self.embed = nnx.Embed(
         cfg.padded_vocab,
@@ -116,7 +117,7 @@ class Decoder(nnx.Module):
         **_dtypes(cfg),
         rngs=rngs,
     )
-    if cfg.scan_layers:  # one Block whose weights are stacked [L, ...] (see `meshdistill.models._scan`)
+    if cfg.scanned:  # one Block whose weights are stacked [L, ...] (see `meshdistill.models._scan`)
       self.blocks = stacked_blocks(lambda r: Block(cfg, rngs=r, sparse=_sparse(cfg, 0)), cfg.n_layers, rngs)
     else:
       self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=i, sparse=_sparse(cfg, i)) for i in range(cfg.n_layers)])
@@ -153,9 +154,9 @@ class Decoder(nnx.Module):
     want_hidden, want_attn, want_router = "hidden" in capture, "attn" in capture, "router" in capture
     x = scale_embed(cfg, gathered(self.embed)(tokens_BxT))
     hidden, attn, router = [x] if want_hidden else [], [], []
-    runner = _block_runner("none" if cfg.remat == "auto" else cfg.remat, cfg.scan_layers)  # auto: the Distiller's
+    runner = _block_runner("none" if cfg.remat == "auto" else cfg.remat, cfg.scanned)  # auto: the Distiller's
     run_block = lambda block, x, want_probs: runner(block, x, want_probs, segments)  # noqa: E731
-    if cfg.scan_layers:  # the same run_block on each layer's slice of the stacked blocks
+    if cfg.scanned:  # the same run_block on each layer's slice of the stacked blocks
       x, hidden_L, attn_L, router_L = scan_blocks(self.blocks, x, run_block, want_hidden, want_attn, want_router,
                                                   cfg.scan_period, _place)
       hidden, attn, router = hidden + list(hidden_L), list(attn_L), list(router_L)
@@ -204,7 +205,7 @@ class Decoder(nnx.Module):
     unrolled, scanned blocks included (`layer_blocks`).
     """
     x = scale_embed(self.cfg, gathered(self.embed)(tokens_BxT))
-    blocks = layer_blocks(self.blocks, _place) if self.cfg.scan_layers else self.blocks  # stacked: static slices
+    blocks = layer_blocks(self.blocks, _place) if self.cfg.scanned else self.blocks  # stacked: static slices
     if len(kv) != len(blocks):
       raise ValueError(f"{len(kv)} key/value caches for {len(blocks)} layers: one (k, v) pair per layer "
                        "(Decoder.empty_cache)")

@@ -53,6 +53,7 @@ from jax.sharding import Mesh
 
 from meshdistill.core.fsutil import atomic_output_dir, read_json
 from meshdistill.core.ownership import OutputKind, check_owned, write_marker
+from meshdistill.parallel.mesh import platform_of, tensor_size
 from meshdistill.parallel.rules import split_ways
 from meshdistill.models._build import abstract_params
 from meshdistill.models import families
@@ -95,7 +96,7 @@ def load_hf(
     dtype: str = "auto",
     param_dtype: str = "auto",
     max_len: int | None = None,
-    scan_layers: bool = False,
+    scan_layers: bool | str = "auto",
 ) -> Decoder:
   """Loads a Hugging Face causal-LM directory of a registered family (Llama, Qwen3, Qwen2, Qwen3-MoE, Mixtral) into a
   `Decoder`.
@@ -111,8 +112,9 @@ def load_hf(
       ``"float32"``, or ``"bfloat16"`` / ``"float16"`` for a frozen teacher (half the memory); ``auto``: float32,
       and a `Distiller` stores its teacher in the teacher's compute dtype (`ModelConfig.frozen`).
     max_len: longest sequence the model accepts (default ``max_position_embeddings``).
-    scan_layers: stack the blocks for ``nnx.scan`` (`ModelConfig.scan_layers`); the layers are read one by
-      one as usual and then stacked, so the device briefly holds the block weights twice.
+    scan_layers: stack the blocks for ``nnx.scan`` (`ModelConfig.scan_layers`; ``auto``: on an accelerator, as
+      ``mesh``'s devices or the default backend say); the layers are read one by one as usual and then stacked, so
+      the device briefly holds the block weights twice.
 
   Raises:
     FileNotFoundError: a missing ``config.json`` or shard file (named).
@@ -126,7 +128,7 @@ def load_hf(
     odd = [n for n in extra if n not in ignorable and not n.endswith("rotary_emb.inv_freq")]
     if odd:
       log.warning("%s: %d tensors not used by the decoder: %s", path, len(odd), odd[:8])
-  return to_scanned(model) if scan_layers else model
+  return to_scanned(model) if model.cfg.replace(scan_layers=scan_layers).scanned_on(platform_of(mesh), tensor_size(mesh)) else model
 
 
 def read_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *, dtype: str = "auto",
@@ -141,7 +143,8 @@ def read_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *, dtype:
   hf, config_file = read_hf_config(path), str(path / "config.json")
   family = families.family_for(hf, config_file)
   cfg = family.from_hf(hf, max_len=max_len, dtype=dtype, where=config_file)
-  cfg = cfg.replace(param_dtype=param_dtype)  # the model's config says how its weights are stored
+  # the model's config says how its weights are stored; read per layer (`load_hf` stacks them when asked to)
+  cfg = cfg.replace(param_dtype=param_dtype, scan_layers=False)
   real_shapes = None
   if mesh is not None:  # a vocabulary `tensor` does not divide gets zero padding rows, not read from disk
     fitted = cfg.for_tensor(split_ways(mesh, "vocab"))

@@ -216,8 +216,8 @@ class Planner:
     try:  # scanned blocks and the chunked loss are loops: counted whole from the program's text (`_cost`)
       if " while(" in c.hlo or "estimated_cycles" in c.hlo:
         prog = cost.parse(c.hlo)
-      counts = loop_counts(c, k.shape, (_block_trips(self.teacher) if d.teacher_cfg else 0,
-                                        _block_trips(self.student)), prog)
+      counts = loop_counts(c, k.shape, (_block_trips(d.teacher_cfg) if d.teacher_cfg else 0,  # the built models'
+                                        _block_trips(d.student_cfg)), prog)  # layouts (`scan_layers: auto` decided)
     except ValueError as e:  # a loop without a trip count: memory stands, no step time
       uncounted, prog = str(e), None
     flops, bytes_accessed = (None, None) if uncounted else (c.flops, c.bytes_accessed)

@@ -13,6 +13,7 @@ from meshdistill.models.compress.qat import quantize_aware
 from meshdistill.models.hf import load_hf
 from meshdistill.models.lora import LoraConfig, apply_lora
 from meshdistill.models.stacking import to_scanned
+from meshdistill.parallel.mesh import platform_of, tensor_size
 from meshdistill.teachers.kinds._quantize import quantized_teacher  # noqa: F401 -- re-exported
 from meshdistill.teachers.checkpoint import load_teacher, read_teacher_meta
 from meshdistill.teachers.kinds.hf import load_teacher_hf, with_config
@@ -26,7 +27,7 @@ def build_student(cfg, teacher, mesh):
   if src.student_hf:
     model = load_hf(src.student_hf, mesh, dtype=cfg.student.dtype, param_dtype=cfg.student.param_dtype,
                     max_len=cfg.student.max_len, scan_layers=cfg.student.scan_layers)
-    model = with_config(model, cfg.student)
+    model = with_config(model, cfg.student, mesh)
   elif src.student_init.from_teacher:
     model = student_from_teacher(teacher, src.student_init.layers, cfg.student, mesh)
   elif src.student_init.pruned:
@@ -69,7 +70,7 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  scan = student_cfg.scan_layers
+  scan = student_cfg.scanned_on(platform_of(mesh), tensor_size(mesh))
   t = teacher.cfg.replace(scan_layers=False)
   student_cfg = student_cfg.replace(scan_layers=False)  # built per layer, stacked at the end when asked for
   # the copies keep the teacher's layout for the mesh (vocabulary padding, key/value replication)
