@@ -112,8 +112,9 @@ class ModelConfig:
   converts between the two layouts (``to_scanned`` / ``to_unrolled``, ``stack_layers`` / ``unstack_layers``).
   ``auto`` (the default) is decided where a model is built (`scanned_on`, `with_scan`): stacked on an accelerator
   (a TPU or GPU step compiles one block instead of every layer: 20 s against 81 s for the headline pair's step on a
-  v5e, at the same tokens/s), per layer on a CPU, and per layer wherever stacking does not apply (MoE blocks mixing
-  dense and expert layers). A built `Decoder`'s own config always says ``true`` or ``false``.
+  v5e, at the same tokens/s) whose mesh does not split the weights over ``tensor``, per layer on a CPU, and per layer
+  wherever stacking does not apply (MoE blocks mixing dense and expert layers). A built `Decoder`'s own config always
+  says ``true`` or ``false``.
   """
 
   vocab_size: int = 256
@@ -202,8 +203,9 @@ class ModelConfig:
     """Whether a model of this config built for ``platform``, its weights split ``tensor`` ways, stacks its blocks:
     ``scan_layers``, where ``auto`` is true on an accelerator (``tpu``, ``gpu``) with no ``tensor`` split, when the
     blocks can be stacked; false on a CPU (whose tests and main job compile small models unrolled) and where
-    ``tensor`` splits the weights: compiled for v5e at mesh 1x4, a scanned pair's step all-gathers weights and
-    activations in every layer (39 all-gathers; none unrolled, `tests/test_defaults.py`)."""
+    ``tensor`` splits the weights: compiled for v5e at mesh 1x4, a scanned pair's step all-gathers its activations in
+    every layer (a 4-layer pair: 135 all-gathers, 2.5 times the collective bytes of the unrolled step, which has none;
+    `tests/test_moe.py` counts none in the default MoE pair's step)."""
     if isinstance(self.scan_layers, bool):
       return self.scan_layers
     return platform != "cpu" and tensor == 1 and self._stackable()
