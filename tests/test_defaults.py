@@ -71,8 +71,8 @@ def test_the_planner_makes_auto_concrete_for_its_target():
 
 def test_auto_scan_layers_stacks_the_blocks_on_an_accelerator_where_they_stack():
   assert CFG.scan_layers == "auto"
+  assert CFG.scanned_on("tpu") and CFG.scanned_on("gpu") and not CFG.scanned_on("cpu")
   # weights split over tensor: per layer (a scanned step all-gathered its activations in every layer; the MoE test of
-  # weights split over tensor: per layer (a scanned step gathered them in every layer; the MoE test of
   # tests/test_moe.py compiles the default pair at mesh 1x4 and counts no all-gather)
   assert not CFG.scanned_on("tpu", tensor=4) and CFG.replace(scan_layers=True).scanned_on("tpu", tensor=4)
   assert CFG.with_scan("tpu").scan_layers is True and CFG.with_scan("cpu").scan_layers is False
