@@ -18,7 +18,7 @@ Order of work in `distill` (the main job):
 The jobs live in private modules by concept; import them from here (``meshdistill.jobs.<name>``):
 
 - ``_setup``: `prepare_devices`, `build_mesh`, `load_data`, `with_batch_size`, the run directory's lock, monitor
-  and ``config.yaml``, `stream_reporter`;
+  and ``config.yaml``, `stream_reporter`, `checkpoint_layout` (the blocks layout a resumed model keeps);
 - ``_training``: `loop_kwargs`, `safeguard_kwargs`, `strategy_and_optimizer`, `make_distiller`;
 - ``_teacher``: `pretrain`, `cache_teacher`, and the chosen teacher source run for a job (`prepare_teacher`,
   `obtain_teacher`; the sources are `meshdistill.teachers.kinds`, which also hold the pretrained teacher's cache:
