@@ -128,7 +128,8 @@ def load_hf(
     odd = [n for n in extra if n not in ignorable and not n.endswith("rotary_emb.inv_freq")]
     if odd:
       log.warning("%s: %d tensors not used by the decoder: %s", path, len(odd), odd[:8])
-  return to_scanned(model) if model.cfg.replace(scan_layers=scan_layers).scanned_on(platform_of(mesh), tensor_size(mesh)) else model
+  stacked = model.cfg.replace(scan_layers=scan_layers).scanned_on(platform_of(mesh), tensor_size(mesh))
+  return to_scanned(model) if stacked else model
 
 
 def read_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *, dtype: str = "auto",
