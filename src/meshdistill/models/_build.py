@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshdistill.parallel.mesh import param_shardings, platform_of, tensor_size
+from meshdistill.parallel.mesh import param_shardings
 from meshdistill.parallel.rules import split_ways
 from meshdistill.models.decoder import Decoder, ModelConfig
 
@@ -22,7 +22,7 @@ def _create(cfg: ModelConfig, seed: int | jax.Array) -> Decoder:
 
 def abstract_params(cfg: ModelConfig, mesh: Mesh | None = None):
   """(graphdef, abstract state, shardings or None) of a decoder, without allocating it."""
-  cfg = cfg.with_scan(platform_of(mesh), tensor_size(mesh)) if mesh is not None else cfg  # auto: for ``mesh``
+  cfg = cfg.with_scan_on(mesh) if mesh is not None else cfg  # `scan_layers: auto` decided for ``mesh``
   graphdef, state = nnx.split(nnx.eval_shape(lambda: _create(cfg, 0)))
   shardings = None if mesh is None else param_shardings(nnx.get_partition_spec(state), mesh)
   return graphdef, state, shardings
@@ -63,7 +63,7 @@ def init_model(cfg: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -> Dec
   float32 are the float32 initialisation rounded to it (the same seed, the same model).
   """
   if mesh is not None:
-    cfg = cfg.with_scan(platform_of(mesh), tensor_size(mesh))  # `scan_layers: auto` decided for ``mesh``
+    cfg = cfg.with_scan_on(mesh)  # `scan_layers: auto` decided for ``mesh``
   if mesh is None and cfg.param_dtype == "float32":
     return _create(cfg, seed)
   graphdef, initialise = _initializer(cfg, mesh)

@@ -53,7 +53,6 @@ from jax.sharding import Mesh
 
 from meshdistill.core.fsutil import atomic_output_dir, read_json
 from meshdistill.core.ownership import OutputKind, check_owned, write_marker
-from meshdistill.parallel.mesh import platform_of, tensor_size
 from meshdistill.parallel.rules import split_ways
 from meshdistill.models._build import abstract_params
 from meshdistill.models import families
@@ -128,8 +127,7 @@ def load_hf(
     odd = [n for n in extra if n not in ignorable and not n.endswith("rotary_emb.inv_freq")]
     if odd:
       log.warning("%s: %d tensors not used by the decoder: %s", path, len(odd), odd[:8])
-  stacked = model.cfg.replace(scan_layers=scan_layers).scanned_on(platform_of(mesh), tensor_size(mesh))
-  return to_scanned(model) if stacked else model
+  return to_scanned(model) if model.cfg.replace(scan_layers=scan_layers).with_scan_on(mesh).scan_layers else model
 
 
 def read_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *, dtype: str = "auto",

@@ -65,7 +65,6 @@ from meshdistill.models import Decoder, ModelConfig, abstract_params
 from meshdistill.core.state import TrainState
 from meshdistill.models.lora import abstract_lora
 from meshdistill.models.stacking import to_scanned, to_unrolled
-from meshdistill.parallel.mesh import platform_of, tensor_size
 
 log = logging.getLogger(__name__)
 
@@ -388,7 +387,7 @@ class Checkpointer:
     return self._read_intact(step, lambda s: self._read_student_any_layout(s, cfg, mesh, lora))
 
   def _read_student_any_layout(self, step: int, cfg: ModelConfig, mesh: Mesh | None, lora) -> Decoder:
-    cfg = cfg.with_scan(platform_of(mesh), tensor_size(mesh))
+    cfg = cfg.with_scan_on(mesh)
     try:
       return self._read_student(step, cfg, mesh, lora)
     except ValueError:

@@ -31,7 +31,6 @@ from meshdistill.core.fsutil import (
 from meshdistill.models import Decoder, ModelConfig, abstract_params
 from meshdistill.core.ownership import OutputKind, check_owned, write_marker
 from meshdistill.parallel.distributed import barrier, is_primary
-from meshdistill.parallel.mesh import platform_of, tensor_size
 from meshdistill.models.stacking import to_scanned, to_unrolled
 from meshdistill.storage.checkpoint import COMPUTE_FIELDS
 
@@ -215,7 +214,7 @@ def load_teacher(directory: str, expected: ModelConfig, mesh: Mesh | None, token
       "use the same data.tokenizer as the teacher"
     )
   # restored with its padding rows and its blocks layout, then converted to the configured layout
-  expected = expected.with_scan(platform_of(mesh), tensor_size(mesh))
+  expected = expected.with_scan_on(mesh)
   saved = expected.replace(vocab_multiple=meta["model"].get("vocab_multiple", 1),
                            scan_layers=meta["model"].get("scan_layers", False) is True)
   cfg = saved if mesh is None else saved.for_tensor(mesh.shape["tensor"])

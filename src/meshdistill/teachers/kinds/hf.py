@@ -13,7 +13,7 @@ from meshdistill.teachers.kinds._base import ModelSource, register
 from meshdistill.teachers.kinds._quantize import check_quantize
 from meshdistill.models import abstract_params
 from meshdistill.models.hf import load_hf
-from meshdistill.parallel.mesh import platform_of, tensor_size
+from meshdistill.parallel.mesh import platform_of
 from meshdistill.models.stacking import to_scanned, to_unrolled
 
 
@@ -27,8 +27,7 @@ def check_hf_path(values: dict) -> None:
 
 def load_teacher_hf(cfg, mesh):
   """The teacher of ``teacher.hf`` on ``mesh`` (each device reading only its slices)."""
-  # param_dtype auto: stored in its compute dtype, read so from disk; scan_layers auto: decided for the mesh's devices
-  want = cfg.teacher.frozen(platform_of(mesh)).with_scan(platform_of(mesh), tensor_size(mesh))
+  want = cfg.teacher.frozen(platform_of(mesh))  # param_dtype auto: stored in its compute dtype, read so from disk
   model = load_hf(cfg.models.teacher_hf, mesh, dtype=want.dtype, param_dtype=want.param_dtype,
                   max_len=want.max_len, scan_layers=want.scan_layers)
   return with_config(model, want, mesh)
@@ -38,7 +37,7 @@ def with_config(model, want, mesh=None):
   """``model`` with its `ModelConfig` set to ``want`` (equal up to the compute-only ``remat`` / ``attention`` and
   the weights' layout ``scan_layers``, converted here; the padding and key/value replication the mesh asked for at
   load time (`ModelConfig.for_tensor`) are kept)."""
-  want = want.with_scan(platform_of(mesh), tensor_size(mesh))  # `scan_layers: auto` decided for ``mesh``
+  want = want.with_scan_on(mesh)  # `scan_layers: auto` decided for ``mesh``
   model = to_scanned(model) if want.scan_layers else to_unrolled(model)
   want = want.replace(vocab_multiple=model.cfg.vocab_multiple, replicate_kv=model.cfg.replicate_kv)
   if model.cfg.replace(remat=want.remat, attention=want.attention) != want:

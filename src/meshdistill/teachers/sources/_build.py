@@ -13,7 +13,6 @@ from meshdistill.models.compress.qat import quantize_aware
 from meshdistill.models.hf import load_hf
 from meshdistill.models.lora import LoraConfig, apply_lora
 from meshdistill.models.stacking import to_scanned
-from meshdistill.parallel.mesh import platform_of, tensor_size
 from meshdistill.teachers.kinds._quantize import quantized_teacher  # noqa: F401 -- re-exported
 from meshdistill.teachers.checkpoint import load_teacher, read_teacher_meta
 from meshdistill.teachers.kinds.hf import load_teacher_hf, with_config
@@ -70,7 +69,7 @@ def student_from_teacher(teacher, layers, student_cfg, mesh=None):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  scan = student_cfg.scanned_on(platform_of(mesh), tensor_size(mesh))
+  scan = student_cfg.with_scan_on(mesh).scan_layers
   t = teacher.cfg.replace(scan_layers=False)
   student_cfg = student_cfg.replace(scan_layers=False)  # built per layer, stacked at the end when asked for
   # the copies keep the teacher's layout for the mesh (vocabulary padding, key/value replication)
