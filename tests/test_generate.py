@@ -1,6 +1,7 @@
 """KV-cache generation: cached logits equal full forwards, sampling is layout-independent and
 vocabulary-parallel, filters hold, rows are independent, bad settings are named."""
 
+import dataclasses
 import functools
 
 import jax
@@ -123,6 +124,35 @@ def test_padding_rows_and_finished_rows_do_not_change_other_rows(model):
     n = row.index(eos) + 1 if eos in row else N
     assert list(t[r, :n]) == row[:n] and (t[r, n:] == 63).all()
     assert m[r, :n].all() and not m[r, n:].any() and stopped.lengths_B[r] == n
+
+
+def test_decoding_in_growing_loops_gives_what_one_loop_over_the_whole_cache_gives(model, monkeypatch):
+  """`decode_stages` splits the new tokens into loops whose caches hold only the slots filled so far: the logits,
+  samples and EOS stops equal those of one loop over the whole cache (both programs compiled here)."""
+  from meshdistill.models import generate as gen_mod
+
+  n = 10  # 5 + 10 - 1 = 14 slots of max_len 16
+  tokens, mask = left_pad(PROMPTS)
+  cfg = SamplingConfig(max_new_tokens=n, temperature=0.9, top_k=12)
+  runs = {}
+  for stages, shortest in ((1, 32), (4, 2)):
+    monkeypatch.setattr(gen_mod, "DECODE_STAGES", stages)
+    monkeypatch.setattr(gen_mod, "MIN_STAGE_TOKENS", shortest)
+    assert len(gen_mod.decode_stages(tokens.shape[1], n)) == stages
+    _generate_jit.clear_cache()
+    runs[stages] = generate(model, tokens, mask, jax.random.key(5), cfg, return_logits=True)
+    stop_at = dataclasses.replace(cfg, eos_id=int(runs[stages].tokens_BxN[2, 4]))  # row 2 stops in the 2nd loop
+    runs[(stages, "eos")] = generate(model, tokens, mask, jax.random.key(5), stop_at)
+  _generate_jit.clear_cache()
+  assert gen_mod.decode_stages(tokens.shape[1], n) == ((3, 7), (5, 9), (8, 12), (10, 14))  # (stop, slots)
+  one, four = runs[1], runs[4]
+  want = np.asarray(one.logits_BxNxV)
+  np.testing.assert_allclose(np.asarray(four.logits_BxNxV), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  np.testing.assert_array_equal(four.tokens_BxN, one.tokens_BxN)
+  for field in ("tokens_BxN", "mask_BxN", "lengths_B"):
+    np.testing.assert_array_equal(getattr(runs[(4, "eos")], field), getattr(runs[(1, "eos")], field))
+  row = list(np.asarray(one.tokens_BxN[2]))
+  assert int(runs[(4, "eos")].lengths_B[2]) == row.index(row[4]) + 1 < n
 
 
 def test_bad_sampling_settings_and_long_prompts_are_named(model):

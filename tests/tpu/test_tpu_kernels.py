@@ -50,7 +50,7 @@ from helpers import rel_err, token_major
 
 import meshdistill as md
 from meshdistill.models._attention import _explicit_attention, splash_attention
-from meshdistill.models.generate import SamplingConfig, generate, left_pad
+from meshdistill.models.generate import SamplingConfig, decode_stages, generate, left_pad
 from meshdistill.models.moe import MoeConfig, dense_experts, grouped_experts, route
 from meshdistill.models.stacking import to_scanned
 from meshdistill.strategies import LogitKD
@@ -251,15 +251,17 @@ def test_moe_ragged_dot_experts_equal_a_loop_over_experts(dtype, drop):
 
 @pytest.mark.parametrize("scanned", [False, True], ids=["per-layer", "scanned"])
 def test_cached_generation_logits_equal_the_full_forward_at_every_generated_position(scanned):
-  """Greedy decoding with the KV cache (left-padded prompts of 7 and 12 tokens, 8 new tokens, a sliding window of 6
-  that the cache must apply) against one full forward pass per row over its prompt and generated tokens; per-layer
-  caches, and stacked caches written in place through the layer scan."""
+  """Greedy decoding with the KV cache (left-padded prompts of 7 and 12 tokens, 70 new tokens decoded in two loops
+  whose caches grow between them (`generate.decode_stages`), a sliding window of 6 that the cache must apply)
+  against one full forward pass per row over its prompt and generated tokens; per-layer caches, and stacked caches
+  written in place through the layer scan."""
   cfg = CHIP_CFG.replace(sliding_window=6, attn_softcap=None, qk_norm=True, scan_layers=scanned)
   model = md.init_model(cfg, seed=4)
   rng = np.random.default_rng(5)
   prompts = [list(rng.integers(1, cfg.vocab_size, n)) for n in (7, 12)]
   tokens, mask = left_pad(prompts)
-  N = 8
+  N = 70
+  assert len(decode_stages(tokens.shape[1], N)) == 2
   graphdef, params = nnx.split(model)
   forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x).logits)
   with jax.default_matmul_precision(HIGHEST):

@@ -8,8 +8,11 @@ rows decode in lockstep. Each row's RoPE positions count its own tokens only (``
 real token) and padding slots are never attended, so a row generates exactly what it would alone.
 
 The whole generation is ONE jitted program per (model, shapes, sampling settings): the prompt
-pass, then a `jax.lax.while_loop` that decodes one token for every row per iteration and stops
-when every row has emitted EOS or ``max_new_tokens`` tokens. No per-token recompilation.
+pass, then `jax.lax.while_loop`s that decode one token for every row per iteration and stop
+when every row has emitted EOS or ``max_new_tokens`` tokens. No per-token recompilation. The new
+tokens are split over up to `DECODE_STAGES` loops (`decode_stages`), each attending to a cache that
+holds only the slots filled by its last token; the caches grow between loops, so a decoded token
+reads about the slots filled so far rather than the whole preallocated cache.
 
 Sampling (`sample_tokens`) is vocabulary-parallel: logits ``[B, V]`` stay split over ``tensor``
 along V and every vocabulary reduction is a max, min or sum (XLA reduces partial results over
@@ -169,11 +172,40 @@ def sample_tokens(logits_BxV, row_keys_B, step, cfg: SamplingConfig, sharding=No
   return vocab_argmax(jnp.where(ok_BxV, scaled_BxV + gumbel_BxV, -jnp.inf))
 
 
+# Decoding runs in up to `DECODE_STAGES` loops, each attending to a cache just long enough for its last token (the
+# cache grows between loops), so a token reads the slots filled so far and not the whole preallocated cache; a loop
+# decodes at least `MIN_STAGE_TOKENS` tokens. Each loop compiles the decoding step once more and the caches are
+# copied into longer ones between loops, so past a few loops more save less than they cost (the sampling table of
+# benchmarks/results/tpu_step.md has the measured choice).
+DECODE_STAGES = 4
+MIN_STAGE_TOKENS = 32
+
+
+def decode_stages(prompt_len: int, max_new_tokens: int) -> tuple[tuple[int, int], ...]:
+  """``(stop, slots)`` per decoding loop: it decodes tokens ``n < stop`` (after the previous loop's) against a cache
+  of ``slots`` slots, the ones filled when its last token is fed; the last loop's cache holds every slot
+  (``prompt_len + max_new_tokens - 1``: the last new token is never fed back)."""
+  N = max_new_tokens
+  loops = max(1, min(DECODE_STAGES, N // MIN_STAGE_TOKENS))
+  stops = sorted({-(-(j + 1) * N // loops) for j in range(loops)})
+  return tuple((stop, prompt_len + stop - 1) for stop in stops)
+
+
+def _grow(x, axis: int, slots: int, sharding):
+  """``x`` zero-padded to ``slots`` along ``axis`` (a cache, or the valid-slot mask, entering a longer loop)."""
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, slots - x.shape[axis])
+  x = jnp.pad(x, pad)
+  return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
 def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: SamplingConfig, return_logits, mesh):
   model = nnx.merge(graphdef, params)
   mcfg = model.cfg
   B, Pn = prompts_BxP.shape
-  N, S = cfg.max_new_tokens, prompts_BxP.shape[1] + cfg.max_new_tokens - 1  # cache slots: the last token is not fed
+  N = cfg.max_new_tokens
+  stages = decode_stages(Pn, N)
+  S = stages[0][1]  # the first loop's cache
   V = mcfg.vocab_size
   logit_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch", "vocab"), mesh=mesh))
   kv_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch",), mesh=mesh))
@@ -195,10 +227,6 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   out_logits = jnp.zeros((B, N, V), jnp.float32).at[:, 0].set(logits_Bx1xV[:, 0]) if return_logits else None
   done_B = first_B == cfg.eos_id if cfg.eos_id is not None else jnp.zeros((B,), bool)
 
-  def cond(carry):
-    n, _, _, _, done_B, _, _, _ = carry
-    return (n < N) & ~jnp.all(done_B)
-
   def body(carry):
     n, kv, valid_BxS, last_B, done_B, tokens_BxN, mask_BxN, out_logits = carry
     slot = Pn + n - 1  # the slot of the token fed in (the previous step's)
@@ -215,7 +243,14 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
     return n + 1, kv, valid_BxS, new_B, done_B, tokens_BxN, mask_BxN, out_logits
 
   carry = (jnp.int32(1), kv, valid_BxS, first_B, done_B, tokens_BxN, mask_BxN, out_logits)
-  _, _, _, _, _, tokens_BxN, mask_BxN, out_logits = jax.lax.while_loop(cond, body, carry)
+  for stop, slots in stages:
+    n, kv, valid_BxS, *rest = carry
+    if slots > valid_BxS.shape[1]:
+      kv = [(_grow(k, 1, slots, kv_sharding), _grow(v, 1, slots, kv_sharding)) for k, v in kv]
+      valid_BxS = _grow(valid_BxS, 1, slots, kv_sharding)
+    cond = lambda c, stop=stop: (c[0] < stop) & ~jnp.all(c[4])  # noqa: E731
+    carry = jax.lax.while_loop(cond, body, (n, kv, valid_BxS, *rest))
+  _, _, _, _, _, tokens_BxN, mask_BxN, out_logits = carry
   return Generation(tokens_BxN, mask_BxN, jnp.sum(mask_BxN, axis=-1, dtype=jnp.int32), out_logits)
 
 
