@@ -175,6 +175,8 @@ def test_remat_auto_takes_the_first_policy_that_fits_and_keeps_the_choice_by_pro
   # a budget no policy meets: the leanest measured, reported as not fitting, not kept
   _, choice = tuning.auto_tune(d, state, batch, budget_bytes=need // 100)
   assert not choice.fits and choice.remat in memory.REMAT_ORDER
+  line = choice.line()
+  assert "; the leanest, which needs " in line and line.endswith(f"over 90% of {tuning.size(need // 100)})"), line
 
 
 def test_the_default_loss_is_chunked_on_a_large_vocabulary_and_gives_the_full_logit_numbers():

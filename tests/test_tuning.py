@@ -62,9 +62,10 @@ def test_micro_batches_are_taken_where_no_remat_fits_the_whole_batch_and_the_lea
   measure, calls = fake(need)
   chosen, fits, _, _ = tuning.search(REMATS, [8, 4, 2, 1], [None], measure, 500, estimated=False)
   assert (chosen, fits, len(calls)) == (Candidate("none", 2, None), True, 9)
-  measure, calls = fake({(r, m, None): 1000 - m for r in REMATS for m in (8, 4)})
-  chosen, fits, why, _ = tuning.search(REMATS, [8, 4], [None], measure, 500, estimated=False)
-  assert (chosen, fits, len(calls)) == (Candidate("none", 8, None), False, 8) and "none of 8 compiled fits" in why
+  measure, calls = fake({(r, m, None): (1000 - m) * 2**20 for r in REMATS for m in (8, 4)})
+  chosen, fits, why, _ = tuning.search(REMATS, [8, 4], [None], measure, 500 * 2**20, estimated=False)
+  assert (chosen, fits, len(calls)) == (Candidate("none", 8, None), False, 8)
+  assert why == "none of 8 compiled fits; the leanest, which needs 992.00 MiB"
   measure, calls = fake({})
   assert tuning.search(REMATS, [8, 4], [1024], measure, None, estimated=True)[:2] == (Candidate("none", 8, 1024), True)
   assert not calls  # no memory limit known: nothing compiled

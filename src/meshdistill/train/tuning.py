@@ -143,7 +143,8 @@ def search(remats: Sequence[str], micro_batches: Sequence[int], chunks: Sequence
   if not measured:
     raise ValueError("no candidate to measure")
   leanest = min(measured, key=lambda c: measured[c].report.need_bytes)
-  return leanest, False, f"none of {len(measured)} compiled fits; the leanest", measured
+  need = size(measured[leanest].report.need_bytes)
+  return leanest, False, f"none of {len(measured)} compiled fits; the leanest, which needs {need}", measured
 
 
 def _fastest(fitting: list[Candidate], measured: dict) -> Candidate:
@@ -264,7 +265,7 @@ def auto_tune(trainer, state, batch, *, budget_bytes: int | None = None, headroo
                                   lambda c: measure_step(variant(base, c, rows), state, batch, estimator), limit,
                                   estimated=estimator is not None)
   if budget_bytes is not None:
-    why += f", in {headroom:.0%} of {size(budget_bytes)}"
+    why += f", {'in' if fits else 'over'} {headroom:.0%} of {size(budget_bytes)}"
   tuning = Tuning(c, fits, why, rows, budget_bytes, measured)
   (say or log.info)(tuning.line())
   if fits and key is not None:
