@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshdistill as md
-from meshdistill.models.generate import SamplingConfig, _generate_jit, allowed_tokens, generate, left_pad, sample_tokens
+from meshdistill.models.generate import (SamplingConfig, _generate_jit, allowed_tokens, decode_stages, generate,
+                                         left_pad, sample_tokens)
 from meshdistill.parallel.mesh import batch_sharding
 
 CFG = TEACHER_CFG.replace(qk_norm=True, qkv_bias=True)  # every attention branch of the decoder
@@ -196,10 +197,10 @@ def test_a_vocabulary_padded_for_the_tensor_axis_is_never_sampled_and_its_logits
 @pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
                     reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
 def test_decoding_over_scanned_blocks_stages_no_cache_on_a_tpu():
-  """Compiled for one v5e chip (libtpu here, nothing runs), the decoding loop over stacked blocks keeps one cache
-  per layer and attends to it in place: no stacked cache anywhere, and inside the loop no copy or slice of a whole
-  layer's cache. Through the layer scan each layer staged its slice of the stacked caches on every token (at batch
-  64 on the chip: 8,871 against 15,764 tokens/s unrolled)."""
+  """Compiled for one v5e chip (libtpu here, nothing runs), the decoding loops over stacked blocks keep one cache
+  per layer and attend to it in place: no stacked cache anywhere, and inside a loop no copy or slice of a whole
+  layer's cache, in either of the two loops of 64 new tokens (`decode_stages`: each over a longer cache). Through
+  the layer scan each layer staged its slice of the stacked caches on every token."""
   import re
 
   from jax.sharding import SingleDeviceSharding
@@ -207,22 +208,26 @@ def test_decoding_over_scanned_blocks_stages_no_cache_on_a_tpu():
   from meshdistill.models import abstract_params
   from meshdistill.planner._hardware import tpu_target
 
-  cfg = CFG.replace(scan_layers=True, n_layers=3, max_len=32)
+  N = 64
+  cfg = CFG.replace(scan_layers=True, n_layers=3, max_len=8 + N)
   device = SingleDeviceSharding(tpu_target("v5e:2x2").devices[0])
   graphdef, state, _ = abstract_params(cfg)
   state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
   B, P = 8, 8
   args = (jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=device), jax.ShapeDtypeStruct((B, P), bool, sharding=device),
           jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=device))
-  hlo = _generate_jit.lower(state, *args, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=16), return_logits=False,
+  hlo = _generate_jit.lower(state, *args, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=N), return_logits=False,
                             mesh=None).compile().as_text()
-  layer = f"{B},{P + 16 - 1},{cfg.n_kv_heads},{cfg.hd}"
-  assert not re.search(rf"\[{cfg.n_layers},{layer}\]", hlo), "a stacked cache [L, B, S, G, K] in the program"
-  body, staged = None, []
-  for line in hlo.splitlines():
-    if not line.startswith(" "):
-      body = line.split(" ")[0]
-    elif re.search(rf"= [a-z]+[0-9]+\[{layer}\]\S* (copy|dynamic-slice|slice)\(", line):
-      staged.append((body, line.strip()[:120]))
-  assert len(re.findall(rf"\[{layer}\]", hlo)) > 0, "the per-layer cache's shape was not found: the test reads nothing"
-  assert all(b.startswith("ENTRY") for b, _ in staged), staged  # at most the initial caches, outside the loop
+  stages = decode_stages(P, N)
+  assert [slots for _, slots in stages] == [P + 32 - 1, P + N - 1]
+  for _, slots in stages:
+    layer = f"{B},{slots},{cfg.n_kv_heads},{cfg.hd}"
+    assert not re.search(rf"\[{cfg.n_layers},{layer}\]", hlo), "a stacked cache [L, B, S, G, K] in the program"
+    body, staged = None, []
+    for line in hlo.splitlines():
+      if not line.startswith(" "):
+        body = line.split(" ")[0]
+      elif re.search(rf"= [a-z]+[0-9]+\[{layer}\]\S* (copy|dynamic-slice|slice)\(", line):
+        staged.append((body, line.strip()[:120]))
+    assert re.findall(rf"\[{layer}\]", hlo), f"no per-layer cache of {slots} slots was found: the test reads nothing"
+    assert all(b.startswith("ENTRY") for b, _ in staged), staged  # at most the caches' growth, between the loops
