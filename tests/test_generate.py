@@ -129,7 +129,8 @@ def test_padding_rows_and_finished_rows_do_not_change_other_rows(model):
 
 def test_decoding_in_growing_loops_gives_what_one_loop_over_the_whole_cache_gives(model, monkeypatch):
   """`decode_stages` splits the new tokens into loops whose caches hold only the slots filled so far: the logits,
-  samples and EOS stops equal those of one loop over the whole cache (both programs compiled here)."""
+  samples and EOS stops equal those of one loop over the whole cache (both programs compiled here), on one device
+  and on a 2x4 mesh."""
   from meshdistill.models import generate as gen_mod
 
   n = 10  # 5 + 10 - 1 = 14 slots of max_len 16
@@ -144,7 +145,9 @@ def test_decoding_in_growing_loops_gives_what_one_loop_over_the_whole_cache_give
     runs[stages] = generate(model, tokens, mask, jax.random.key(5), cfg, return_logits=True)
     stop_at = dataclasses.replace(cfg, eos_id=int(runs[stages].tokens_BxN[2, 4]))  # row 2 stops in the 2nd loop
     runs[(stages, "eos")] = generate(model, tokens, mask, jax.random.key(5), stop_at)
-  _generate_jit.clear_cache()
+  mesh = md.make_mesh(data=2, tensor=4)  # the four loops with rows over data and the weights over tensor
+  sharded = generate(md.shard_model(model, mesh), tokens, mask, jax.random.key(5), cfg, mesh=mesh)
+  _generate_jit.clear_cache()  # no program of these loops left for the tests after this one
   assert gen_mod.decode_stages(tokens.shape[1], n) == ((3, 7), (5, 9), (8, 12), (10, 14))  # (stop, slots)
   one, four = runs[1], runs[4]
   want = np.asarray(one.logits_BxNxV)
@@ -152,6 +155,7 @@ def test_decoding_in_growing_loops_gives_what_one_loop_over_the_whole_cache_give
   np.testing.assert_array_equal(four.tokens_BxN, one.tokens_BxN)
   for field in ("tokens_BxN", "mask_BxN", "lengths_B"):
     np.testing.assert_array_equal(getattr(runs[(4, "eos")], field), getattr(runs[(1, "eos")], field))
+  np.testing.assert_array_equal(sharded.tokens_BxN, one.tokens_BxN)
   row = list(np.asarray(one.tokens_BxN[2]))
   assert int(runs[(4, "eos")].lengths_B[2]) == row.index(row[4]) + 1 < n
 
