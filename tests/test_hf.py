@@ -132,6 +132,20 @@ def test_each_device_reads_only_its_slice_from_disk(mesh, monkeypatch):
   assert head and all(got == (32, 64) for got in head), head
 
 
+@pytest.mark.parametrize("shape", [(600, 300), (1, 700), (513, 1), (256, 512), (0, 3)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_checkpoint_window_is_transposed_tile_by_tile_to_exactly_its_transpose(shape, dtype):
+  """`_safetensors.transposed` (the [out, in] -> [in, out] read of every projection): whole tiles, the ragged last
+  ones and single rows or columns; the fixtures' tensors fit one tile, these do not."""
+  from meshdistill.models._safetensors import TILE, transposed
+
+  assert max(shape) > TILE or 0 in shape
+  b = np.random.default_rng(0).standard_normal(shape).astype(jnp.dtype(dtype))
+  got = transposed(b[:, ::-1])  # a strided view, as a window of a wider tensor can be
+  assert got.dtype == b.dtype and got.flags.c_contiguous and got.shape == shape[::-1]
+  np.testing.assert_array_equal(got, b[:, ::-1].T)
+
+
 def test_export_then_reload_is_identical(mesh, tmp_path):
   model = load_hf(FIXTURES / "hf_llama", mesh)
   out = export_hf(model, tmp_path / "out", tokenizer=FIXTURES / "hf_llama")
