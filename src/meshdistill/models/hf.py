@@ -58,7 +58,7 @@ from meshdistill.models._build import abstract_params
 from meshdistill.models import families
 from meshdistill.models._hf_config import SUPPORTED, config_from_hf, hf_config
 from meshdistill.models.families._moe import EXPERT
-from meshdistill.models._safetensors import INDEX_FILE, SINGLE_FILE, read_onto_mesh
+from meshdistill.models._safetensors import INDEX_FILE, SINGLE_FILE, read_onto_mesh, transposed
 from meshdistill.models.decoder import Decoder, ModelConfig
 from meshdistill.models.stacking import to_scanned
 
@@ -267,12 +267,12 @@ def hf_tensors(model: Decoder, fam: families.Family, dtype: str = "float32") -> 
     layers = [(("blocks", i, *key[1:]), stacked[i]) for i in range(cfg.n_layers)] if (
         cfg.scan_layers and key[0] == "blocks") else [(key, stacked)]
     for k, value in layers:
-      name, transposed = fam.weight_name(k)
+      name, flip = fam.weight_name(k)
       value = value[tuple(slice(0, n) for n in real_shapes[k])]
       # a stacked expert weight [E, ...] -> one tensor per expert
       per_tensor = [(name.format(e=e), value[e]) for e in range(value.shape[0])] if EXPERT in name else [(name, value)]
       for one, v in per_tensor:
-        tensors[one] = np.ascontiguousarray(v.T if transposed else v, dtype=target)
+        tensors[one] = np.ascontiguousarray(transposed(v) if flip else v, dtype=target)
   return tensors
 
 
