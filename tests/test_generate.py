@@ -235,3 +235,37 @@ def test_decoding_over_scanned_blocks_stages_no_cache_on_a_tpu():
         staged.append((body, line.strip()[:120]))
     assert re.findall(rf"\[{layer}\]", hlo), f"no per-layer cache of {slots} slots was found: the test reads nothing"
     assert all(b.startswith("ENTRY") for b, _ in staged), staged  # at most the caches' growth, between the loops
+
+
+@pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
+                    reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+def test_growing_the_caches_between_loops_needs_no_more_memory_than_one_loop_on_a_tpu(monkeypatch):
+  """Compiled for one v5e chip (nothing runs): the compiler's peak of four growing loops is not above that of one
+  loop over the whole cache, where the caches are most of the memory (64 rows, 8 + 128 tokens): the shorter caches
+  die as the longer ones are made, never all of both at once."""
+  from jax.sharding import SingleDeviceSharding
+
+  from meshdistill.models import abstract_params
+  from meshdistill.models import generate as gen_mod
+  from meshdistill.planner._hardware import tpu_target
+
+  B, P, N = 64, 8, 128
+  cfg = CFG.replace(n_layers=3, max_len=P + N)
+  device = SingleDeviceSharding(tpu_target("v5e:2x2").devices[0])
+  graphdef, state, _ = abstract_params(cfg)
+  state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
+  args = (jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=device), jax.ShapeDtypeStruct((B, P), bool, sharding=device),
+          jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=device))
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  cache = 2 * cfg.n_layers * B * (P + N - 1) * cfg.n_kv_heads * cfg.hd * jnp.dtype(cfg.compute_dtype).itemsize
+  assert cache > weights  # the caches are what the loops could hold twice
+  peak = {}
+  for stages in (1, 4):
+    monkeypatch.setattr(gen_mod, "DECODE_STAGES", stages)
+    assert len(gen_mod.decode_stages(P, N)) == stages
+    _generate_jit.clear_cache()
+    compiled = _generate_jit.lower(state, *args, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=N),
+                                   return_logits=False, mesh=None).compile()
+    peak[stages] = compiled.memory_analysis().peak_memory_in_bytes
+  _generate_jit.clear_cache()
+  assert peak[4] <= peak[1], peak
