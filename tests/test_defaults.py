@@ -160,7 +160,7 @@ def test_remat_auto_takes_the_first_policy_that_fits_and_keeps_the_choice_by_pro
   chosen, choice = tuning.auto_tune(d, state, batch, budget_bytes=2 * need)
   assert (chosen.student_cfg.remat, choice.fits, choice.cached) == ("none", True, False)
   kept = list(__import__("json").loads((tmp_path / "tuning.json").read_text()).values())
-  assert kept == [{"remat": "none", "micro_batch": 8, "chunk": None}]
+  assert kept == [{"remat": "none", "micro_batch": 8, "chunk": None, "fits": True}]
 
   def no_compiling(*a, **k):
     raise AssertionError("a known program must not be measured again")
@@ -172,11 +172,15 @@ def test_remat_auto_takes_the_first_policy_that_fits_and_keeps_the_choice_by_pro
   with pytest.raises(AssertionError, match="measured again"):  # another program (batch) is measured
     tuning.auto_tune(d, state, make_batch(batch=4), budget_bytes=2 * need)
   monkeypatch.setattr(tuning, "measure_step", measure_step)
-  # a budget no policy meets: the leanest measured, reported as not fitting, not kept
+  # a budget no policy meets: the leanest measured, reported as not fitting, kept so a restart compiles nothing
   _, choice = tuning.auto_tune(d, state, batch, budget_bytes=need // 100)
-  assert not choice.fits and choice.remat in memory.REMAT_ORDER
+  assert not choice.fits and choice.remat in memory.REMAT_ORDER and not choice.cached
   line = choice.line()
   assert "; the leanest, which needs " in line and line.endswith(f"over 90% of {tuning.size(need // 100)})"), line
+  monkeypatch.setattr(tuning, "measure_step", no_compiling)
+  _, again = tuning.auto_tune(d, state, batch, budget_bytes=need // 100)
+  assert (again.chosen, again.fits, again.cached) == (choice.chosen, False, True)
+  assert again.line().endswith(f"; the leanest, none of the candidates fits 90% of {tuning.size(need // 100)})")
 
 
 def test_the_default_loss_is_chunked_on_a_large_vocabulary_and_gives_the_full_logit_numbers():

@@ -106,7 +106,7 @@ def test_the_real_step_falls_back_to_micro_batches_and_a_second_start_reads_the_
   assert lines == ["auto: remat=none, micro_batch=4, chunk=n/a (the fastest estimated of 1 that fit, 5 compiled: "
                    f"900 ms, in 90% of {budget / 2**20:.2f} MiB)"]
   assert list(json.loads((tmp_path / "tuning.json").read_text()).values()) == [
-      {"remat": "none", "micro_batch": 4, "chunk": None}]
+      {"remat": "none", "micro_batch": 4, "chunk": None, "fits": True}]
   compiles.clear()
   again, second = tuning.auto_tune(d, state, batch, budget_bytes=budget, estimate=estimate)
   assert not compiles and second.cached and second.chosen == first.chosen and again.micro_batch == 4

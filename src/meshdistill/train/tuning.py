@@ -17,8 +17,8 @@ refusal is a candidate that does not fit, `meshdistill.train.memory.out_of_memor
 * elsewhere the first candidate that fits in cost order: no remat, then ``dots``, ``dots_no_batch``, ``full``
   (`meshdistill.train.memory.REMAT_ORDER`), each at the whole local batch before any micro-batch, the default chunk.
 
-Nothing fits: the leanest candidate measured, said so (not kept). The choice is said in one line (`Tuning.line`)
-and kept by program fingerprint (`program_key`) in ``$MESHDISTILL_TUNING`` (default
+Nothing fits: the leanest candidate measured, said so. The choice is said in one line (`Tuning.line`)
+and kept by program fingerprint (`program_key`; whether it fits with it) in ``$MESHDISTILL_TUNING`` (default
 ``$XDG_CACHE_HOME/meshdistill/tuning.json``, ``~/.cache`` by default), so a restart of the same step compiles no
 candidate.
 """
@@ -257,8 +257,10 @@ def auto_tune(trainer, state, batch, *, budget_bytes: int | None = None, headroo
         "calibration": repr(cost.CHIP_CALIBRATION) if estimator is not None else None, "rules": RULES})
     known: Any = _read_choices(path).get(key)
     if _valid(known, rows, chunks):
-      c = Candidate(known["remat"], known["micro_batch"], known["chunk"])
-      tuning = Tuning(c, True, f"chosen before for this program, {path}", rows, budget_bytes, cached=True)
+      c, fits = Candidate(known["remat"], known["micro_batch"], known["chunk"]), known.get("fits") is not False
+      why = f"chosen before for this program, {path}" + (
+          "" if fits else f"; the leanest, none of the candidates fits {headroom:.0%} of {size(budget_bytes)}")
+      tuning = Tuning(c, fits, why, rows, budget_bytes, cached=True)
       (say or log.info)(tuning.line())
       return variant(base, c, rows), tuning
   c, fits, why, measured = search(remats, micro_batches, chunks,
@@ -268,8 +270,8 @@ def auto_tune(trainer, state, batch, *, budget_bytes: int | None = None, headroo
     why += f", {'in' if fits else 'over'} {headroom:.0%} of {size(budget_bytes)}"
   tuning = Tuning(c, fits, why, rows, budget_bytes, measured)
   (say or log.info)(tuning.line())
-  if fits and key is not None:
-    _write_choice(path, key, dataclasses.asdict(c))
+  if key is not None:  # a search where nothing fits is kept too: the same program and budget find the same leanest
+    _write_choice(path, key, {**dataclasses.asdict(c), "fits": fits})
   return variant(base, c, rows), tuning
 
 
@@ -281,7 +283,8 @@ def size(n: int) -> str:
 def _valid(known: Any, rows: int, chunks: Sequence[int | None]) -> bool:
   """Whether a kept choice still names a candidate of this search."""
   return (isinstance(known, dict) and known.get("remat") in REMAT_POLICIES and isinstance(known.get("micro_batch"),
-          int) and known["micro_batch"] > 0 and rows % known["micro_batch"] == 0 and known.get("chunk") in chunks)
+          int) and known["micro_batch"] > 0 and rows % known["micro_batch"] == 0 and known.get("chunk") in chunks
+          and known.get("fits", True) in (True, False))
 
 
 def _tuning_file() -> str:
