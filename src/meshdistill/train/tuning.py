@@ -259,7 +259,8 @@ def auto_tune(trainer, state, batch, *, budget_bytes: int | None = None, headroo
     if _valid(known, rows, chunks):
       c, fits = Candidate(known["remat"], known["micro_batch"], known["chunk"]), known.get("fits") is not False
       why = f"chosen before for this program, {path}" + (
-          "" if fits else f"; the leanest, none of the candidates fits {headroom:.0%} of {size(budget_bytes)}")
+          "" if fits or budget_bytes is None else
+          f"; the leanest, none of the candidates fits {headroom:.0%} of {size(budget_bytes)}")
       tuning = Tuning(c, fits, why, rows, budget_bytes, cached=True)
       (say or log.info)(tuning.line())
       return variant(base, c, rows), tuning
