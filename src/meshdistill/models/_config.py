@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from meshdistill.models.moe import MoeConfig
-from meshdistill.parallel.mesh import compiler_tensor_size, platform_of, target_platform, tensor_size
+from meshdistill.parallel.mesh import compiler_tensor_size, platform_of, target_platform
+from meshdistill.parallel.rules import split_ways
 
 # Per-block rematerialisation (`jax.checkpoint`) policies, by `ModelConfig.remat` name ("auto", the default: the
 # `Distiller` compiles its first step with the policies in the order of `train.memory.REMAT_ORDER` and keeps the best
@@ -227,7 +228,7 @@ class ModelConfig:
   def with_scan_on(self, mesh) -> "ModelConfig":
     """`with_scan` for the devices of ``mesh`` (None: one device of the default backend): their platform and the
     ``tensor`` split of its weights."""
-    return self.with_scan(platform_of(mesh), tensor_size(mesh))
+    return self.with_scan(platform_of(mesh), split_ways(mesh, "heads"))
 
   def _check_layer_options(self) -> None:
     w = self.sliding_window

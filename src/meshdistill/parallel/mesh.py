@@ -58,11 +58,6 @@ def platform_of(mesh: Mesh | None) -> str:
   return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
 
 
-def tensor_size(mesh: Mesh | None) -> int:
-  """How many ways ``mesh``'s ``tensor`` axis splits a tensor-split weight (1 without a mesh or the axis)."""
-  return 1 if mesh is None else int(dict(mesh.shape).get(TENSOR, 1))
-
-
 def compiler_tensor_size() -> int:
   """The size of the mesh's ``tensor`` axis in context where the compiler splits over it (1 where it is manual,
   absent, or there is no mesh): how many ways a tensor-split weight is cut in the program being traced."""
