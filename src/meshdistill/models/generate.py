@@ -191,11 +191,10 @@ def decode_stages(prompt_len: int, max_new_tokens: int) -> tuple[tuple[int, int]
   return tuple((stop, prompt_len + stop - 1) for stop in stops)
 
 
-def _grow(x, axis: int, slots: int, sharding):
-  """``x`` zero-padded to ``slots`` along ``axis`` (a cache, or the valid-slot mask, entering a longer loop)."""
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, slots - x.shape[axis])
-  x = jnp.pad(x, pad)
+def _grow(x, slots: int, sharding):
+  """``x`` ``[B, S, ...]`` zero-padded to ``slots`` along S (a cache, or the valid-slot mask, entering a longer
+  loop)."""
+  x = jnp.pad(x, [(0, 0), (0, slots - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
   return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
@@ -246,8 +245,8 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   for stop, slots in stages:
     n, kv, valid_BxS, *rest = carry
     if slots > valid_BxS.shape[1]:
-      kv = [(_grow(k, 1, slots, kv_sharding), _grow(v, 1, slots, kv_sharding)) for k, v in kv]
-      valid_BxS = _grow(valid_BxS, 1, slots, kv_sharding)
+      kv = [(_grow(k, slots, kv_sharding), _grow(v, slots, kv_sharding)) for k, v in kv]
+      valid_BxS = _grow(valid_BxS, slots, kv_sharding)
     cond = lambda c, stop=stop: (c[0] < stop) & ~jnp.all(c[4])  # noqa: E731
     carry = jax.lax.while_loop(cond, body, (n, kv, valid_BxS, *rest))
   _, _, _, _, _, tokens_BxN, mask_BxN, out_logits = carry
