@@ -147,6 +147,20 @@ def test_unknown_topology_lists_the_families():
   assert "topology='v9z:2x2'" in str(e.value)
 
 
+@needs_libtpu
+def test_a_slice_smaller_than_one_host_plans_its_own_chips_and_a_shape_no_host_holds_is_refused():
+  """libtpu refuses ``v5e:1x1`` as a topology (a v5e host has 2x2 chips); the planner describes it as a host of one
+  chip, so a one-chip plan compiles the program one chip runs: one device, no collective. A shape no host of the
+  family holds stays libtpu's refusal, named."""
+  assert [len(planner._hardware.tpu_target(t).devices) for t in ("v5e:1x1", "v5e:1x2", "v6e:1x1", "v5e:2x2")] == [1, 2, 1, 4]
+  p = md.plan(TEACHER, STUDENT, topology="v5e:1x1", mesh="1x1", batch=BATCH, seq=SEQ)
+  assert p.mesh == (1, 1) and p.collectives == [] and p.memory["need"] == p.memory["compiler_peak"] > 0
+  four = md.plan(TEACHER, STUDENT, topology="v5e:2x2", mesh="4x1", batch=4 * BATCH, seq=SEQ)
+  assert {c["kind"] for c in four.collectives} == {"all-reduce"}  # what planning one chip as a 2x2 slice added
+  with pytest.raises(ValueError, match=r"topology='v5e:3x3' was rejected by libtpu .*chips_per_host_bounds"):
+    planner._hardware.tpu_target("v5e:3x3")
+
+
 def test_missing_libtpu_names_the_extra(monkeypatch):
   monkeypatch.setattr(planner._hardware, "libtpu_available", lambda: False)
   with pytest.raises(ValueError, match=r"meshdistill\[tpu\]"):

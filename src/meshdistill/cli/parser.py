@@ -171,7 +171,7 @@ def _plan_parser(sp) -> None:
   sp.add_argument("--teacher", default=None, help="preset name, config.json path or directory (default: the config's)")
   sp.add_argument("--student", default=None, help="preset name, config.json path or directory (default: the config's)")
   target = sp.add_mutually_exclusive_group(required=True)
-  target.add_argument("--topology", default=None, help="TPU topology, e.g. v5e:4x4, v5p:4x4x4 (needs meshdistill[tpu])")
+  target.add_argument("--topology", default=None, help="TPU topology, e.g. v5e:1x1 (one chip), v5e:4x4, v5p:4x4x4 (needs meshdistill[tpu])")
   target.add_argument("--devices", default=None, help="cpu:N: N simulated CPU devices of this machine; local: the TPU chips of this machine")
   sp.add_argument("--mesh", default="auto", help="DATAxTENSOR, e.g. 2x8; every axis by name, e.g. "
                   "data=2,expert=2,tensor=2; or auto")

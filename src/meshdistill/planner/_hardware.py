@@ -17,7 +17,7 @@ import jax
 from meshdistill.core.chips import GIB, TPU_CHIPS, Chip, chip_of_kind
 
 _TOPOLOGY = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)+)$")
-EXAMPLES = "v5e:2x2, v5e:4x4, v5e:8x8, v5e:16x16, v5p:2x2x1, v5p:4x4x4, v6e:4x4, v4:2x2x1, v3:4x4"
+EXAMPLES = "v5e:1x1, v5e:2x2, v5e:4x4, v5e:8x8, v5e:16x16, v5p:2x2x1, v5p:4x4x4, v6e:4x4, v4:2x2x1, v3:4x4"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ def tpu_target(topology: str, hbm_budget_bytes: int | None = None) -> Target:
   _quiet_libtpu()
   name = f"{m.group(1)}:{m.group(2)}"
   try:
-    desc = topologies.get_topology_desc(platform="tpu", topology_name=name)
+    desc = _topology_desc(topologies, name, [int(d) for d in m.group(2).split("x")])
   except Exception as e:  # noqa: BLE001 -- libtpu raises JaxRuntimeError with its own text
     first = str(e).splitlines()[0]
     raise ValueError(f"topology={topology!r} was rejected by libtpu ({first}); e.g. {EXAMPLES}") from None
@@ -112,6 +112,24 @@ def tpu_target(topology: str, hbm_budget_bytes: int | None = None) -> Target:
   chip = TPU_CHIPS[m.group(1)]
   chips = len({tuple(getattr(d, "coords", (i,))) for i, d in enumerate(devices)})
   return Target(name, devices, chip, max(1, len(devices) // max(chips, 1)), hbm_budget_bytes)
+
+
+def _topology_desc(topologies, name: str, dims: list[int]):
+  """libtpu's description of slice ``name``. A slice smaller than one host of its family (``v5e:1x1``, a v5e host
+  having 2x2 chips) is refused as it stands ("not divisible by ... chips_per_host_bounds 2x2x1"); it is described as
+  a host of just those chips (``chips_per_host_bounds`` the slice's own shape), so a plan for one chip compiles the
+  program one chip runs (mesh 1x1), not that of a 2x2 slice with four times the rows and a gradient all-reduce."""
+  try:
+    return topologies.get_topology_desc(platform="tpu", topology_name=name)
+  except Exception as e:  # noqa: BLE001 -- libtpu raises JaxRuntimeError with its own text
+    host = re.search(r'chips_per_host_bounds "(\d+)x(\d+)x(\d+)"', str(e))
+    bounds = tuple(dims + [1] * (3 - len(dims)))
+    if host is None or len(bounds) != 3 or any(d > int(h) for d, h in zip(bounds, host.groups())):
+      raise  # not a slice within one host: the refusal stands
+    try:
+      return topologies.get_topology_desc(platform="tpu", topology_name=name, chips_per_host_bounds=bounds)
+    except Exception:  # noqa: BLE001 -- the first refusal says what is wrong with the name
+      raise e from None
 
 
 # The most CPU devices one process simulates. XLA's CPU client (jax 0.10.2) ran a program sharded over 2048 of them
