@@ -277,3 +277,26 @@ def test_the_sampler_runs_over_scanned_or_unrolled_layers_and_the_table_names_wh
     r["bandwidth_limit_tokens_per_s"] = 1e4
   table = [line for line in tpu_step.generation_section(rows + [failed]) if line.startswith("| tiny")]
   assert [line.split(" | ")[1] for line in table] == ["meshdistill", "meshdistill, layers unrolled", "tunix"], table
+
+
+def test_a_decoding_trace_s_instructions_fall_in_the_roles_their_descriptions_name():
+  """`decode_profile.role_of` on instructions as a v5e trace of cached sampling named and described them (batch 64,
+  8 key/value heads of 128): each role by what the instruction computes, whatever the cache's slots."""
+  bench_module("results")
+  role_of = importlib.import_module("decode_profile").role_of
+  dims = (64, 8, 128)
+  cases = {
+      ("bitcast_reduce_fusion.168", "(f32[2,64,8] jit(_generate)/while/body/vmap(BTNH,BSNH->BNTS)/dot_general"):
+          "attention",
+      ("fusion.9027", "bf16[64,1,8,2,128] jit(_generate)/while/body/vmap(BNTS,BSNH->BTNH)/dot_general"): "attention",
+      ("dynamic_update_slice.1237", "bf16[64,383,8,128] jit(_generate)/while/body/dynamic_update_slice"):
+          "cache writes",
+      ("dynamic_update_slice.1266", "s32[64,256] jit(_generate)/while/body/dynamic_update_slice"): "other",
+      ("copy-done.103", "bf16[64,383,8,128]"): "cache moves",
+      ("slice-done.279", "bf16[16,319,8,128]"): "cache moves",  # a piece of 16 of the 64 rows
+      ("copy-done.64", "bf16[1,1024,3072]"): "weights",
+      ("fusion.9030", "(f32[64] jit(_generate)/while/body/dot_general"): "weights",
+      ("convert.1284", "f32[1,1,1024] jit(_generate)/while/body/convert_element_type"): "other",
+      ("fusion.12", "bf16[64,128,1024] jit(_generate)/dot_general"): "prefill",
+  }
+  assert {k: role_of(*k, dims) for k in cases} == cases
