@@ -269,3 +269,60 @@ def test_growing_the_caches_between_loops_needs_no_more_memory_than_one_loop_on_
     peak[stages] = compiled.memory_analysis().peak_memory_in_bytes
   _generate_jit.clear_cache()
   assert peak[4] <= peak[1], peak
+
+
+def test_decoding_is_cache_bound_where_the_caches_outweigh_the_weights_and_the_cpu_keeps_the_default_program():
+  """`cache_bound` at the sampling benchmark's shapes (a 14-layer Qwen3-0.6B-shaped student, bfloat16, 128 + 256
+  tokens: 0.75 GB of weights): batch 64 reads 1.4 GB of cache a token, batch 8 0.18 GB. Off a TPU the program is the
+  default one whatever the shapes (`SELECTIVE_MSA` is a libtpu option)."""
+  from meshdistill.models import generate as gen_mod
+
+  qwen = md.ModelConfig(vocab_size=151936, d_model=1024, n_layers=14, n_heads=16, n_kv_heads=8, head_dim=128,
+                        mlp_hidden=3072, max_len=384, dtype="bfloat16")
+  weights = 375_000_000 * 2
+  assert gen_mod.cache_bound(qwen, 64, 383, weights) and not gen_mod.cache_bound(qwen, 8, 383, weights)
+  model = md.init_model(CFG, seed=0)
+  params = nnx.state(model)
+  assert gen_mod.decoding_program(params, CFG, 10_000, 10_000) is gen_mod._generate_jit
+
+
+@pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
+                    reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm():
+  """Compiled for one v5e chip (nothing runs), a 2-layer decoder with caches of the benchmark's shape (64 rows, 8
+  key/value heads of 128, bfloat16, 128 + 256 tokens): by default libtpu's memory-space assignment stages caches in
+  on-chip memory inside the decoding loops (copies of whole caches each token); the program `decoding_program`
+  picks there (`SELECTIVE_MSA`) copies none."""
+  import re
+
+  from jax.sharding import SingleDeviceSharding
+
+  from meshdistill.models import abstract_params
+  from meshdistill.models import generate as gen_mod
+  from meshdistill.planner._hardware import tpu_target
+
+  B, P, N = 64, 128, 256
+  cfg = CFG.replace(n_layers=2, max_len=P + N, d_model=256, n_heads=16, n_kv_heads=8, head_dim=128, mlp_hidden=512,
+                    dtype="bfloat16")
+  device = SingleDeviceSharding(tpu_target("v5e:1x1").devices[0])
+  graphdef, state, _ = abstract_params(cfg)
+  state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
+  args = (jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=device), jax.ShapeDtypeStruct((B, P), bool, sharding=device),
+          jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=device))
+  program = gen_mod.decoding_program(state, cfg, B, P + N - 1)
+  assert program is gen_mod._generate_jit_selective_msa
+
+  def cache_copies_in_loops(fn):
+    hlo = fn.lower(state, *args, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=N), return_logits=False,
+                   mesh=None).compile().as_text()
+    cache = rf"\[\d+,\d+,{cfg.n_kv_heads},{cfg.hd}\]"  # a cache [B, S, G, K], or a block of its rows
+    body, found = None, []
+    for line in hlo.splitlines():
+      if not line.startswith(" "):
+        body = line.split(" ")[0]
+      elif not body.startswith("ENTRY") and re.search(rf"= \(\w+{cache}.*(copy-start|slice-start)\(", line):
+        found.append(line.strip()[:100])
+    return found
+
+  assert cache_copies_in_loops(gen_mod._generate_jit), "the default no longer stages caches: the test shows nothing"
+  assert cache_copies_in_loops(program) == []

@@ -253,7 +253,39 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   return Generation(tokens_BxN, mask_BxN, jnp.sum(mask_BxN, axis=-1, dtype=jnp.int32), out_logits)
 
 
-_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "cfg", "return_logits", "mesh"))
+_STATIC = ("graphdef", "cfg", "return_logits", "mesh")
+_generate_jit = jax.jit(_generate, static_argnames=_STATIC)
+
+# Inside the decoding loops libtpu's memory-space assignment stages some layers' key/value caches in on-chip memory
+# and copies each one back to HBM after the token's slot is written: at batch 64 of a Qwen3-0.6B-shaped student
+# (128 + 256 tokens) 50 MB copied a layer and token, 0.29 of 3.22 ms a token (`benchmarks/decode_profile.py`).
+# Asked to skip placements whose uses are small against their copies, it leaves the caches in HBM (the compiled loops
+# keep 14 of 64 cache copies, and fewer of the weights' prefetches): 18,910 -> 20,314 tokens/s on a v5e
+# (benchmarks/results/tpu_step.md). Where the weights outweigh the caches (small batches, short sequences) the
+# default assignment, whose prefetches are then mostly of weights, is kept: the option is not measured there.
+SELECTIVE_MSA = {"xla_tpu_msa_inefficient_use_to_copy_ratio": 2.0}
+_generate_jit_selective_msa = jax.jit(_generate, static_argnames=_STATIC, compiler_options=SELECTIVE_MSA)
+
+
+def cache_bound(mcfg, batch: int, slots: int, weight_bytes: int) -> bool:
+  """Whether decoding ``batch`` rows against ``slots`` cached positions reads more cache than weights per token:
+  keys and values of every layer in the compute dtype against ``weight_bytes`` (the parameters in that dtype)."""
+  itemsize = jnp.dtype(mcfg.compute_dtype).itemsize
+  return batch * slots * mcfg.n_layers * 2 * mcfg.n_kv_heads * mcfg.hd * itemsize > weight_bytes
+
+
+def decoding_program(params, mcfg, batch: int, slots: int, mesh: Mesh | None = None):
+  """The jitted `_generate` for these parameters: with `SELECTIVE_MSA` on a TPU where decoding is `cache_bound`,
+  else the default compilation."""
+  leaves = jax.tree.leaves(params)
+  sharding = getattr(leaves[0], "sharding", None) if leaves else None
+  devices = mesh.devices.flat if mesh is not None else getattr(sharding, "device_set", ())
+  platform = next(iter(devices)).platform if len(devices) else jax.default_backend()
+  if platform != "tpu":
+    return _generate_jit
+  itemsize = jnp.dtype(mcfg.compute_dtype).itemsize
+  weight_bytes = sum(int(np.prod(x.shape)) for x in leaves) * itemsize
+  return _generate_jit_selective_msa if cache_bound(mcfg, batch, slots, weight_bytes) else _generate_jit
 
 
 def check_prompts(prompts_BxP, max_len: int, cfg: SamplingConfig, mesh: Mesh | None = None) -> None:
@@ -301,4 +333,5 @@ def generate(
   mask = jnp.asarray(prompt_mask_BxP, bool)
   if mesh is not None:
     tokens, mask = jax.device_put((tokens, mask), NamedSharding(mesh, spec(("batch",), mesh=mesh)))
-  return _generate_jit(params, tokens, mask, key, graphdef=graphdef, cfg=cfg, return_logits=return_logits, mesh=mesh)
+  program = decoding_program(params, merged.cfg, tokens.shape[0], tokens.shape[1] + cfg.max_new_tokens - 1, mesh)
+  return program(params, tokens, mask, key, graphdef=graphdef, cfg=cfg, return_logits=return_logits, mesh=mesh)
