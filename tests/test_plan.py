@@ -301,3 +301,20 @@ def test_a_program_compiled_for_a_tpu_topology_is_not_written_to_the_persistent_
     _compile(jax.jit(probe_for_the_planners_cache_test).trace(x).lower(), mesh)
     after = entries(probe_for_the_planners_cache_test.__name__)
     assert (len(after) > len(before)) == written, (devices[0].platform, before, after)
+
+
+def test_a_v5e_plan_budgets_what_the_chip_gives_a_program_as_every_chip_row_measured_it():
+  """The plan's budget for a v5e chip is the runtime's limit (``bytes_limit``), the number `distill`'s tuner reads
+  on the chip, not the 16 GiB of HBM: the same fit from a host's plan and on the chip. Every v5e row of the chip's
+  records measured that limit."""
+  import pathlib
+
+  from meshdistill.core.chips import TPU_CHIPS
+
+  rows = [json.loads(line) for line in
+          (pathlib.Path(__file__).parents[1] / "benchmarks/results/tpu_step.jsonl").read_text().splitlines() if line]
+  limits = {r["bytes_limit"] for r in rows if r.get("device") == "TPU v5 lite" and r.get("bytes_limit")}
+  assert limits == {TPU_CHIPS["v5e"].limit_bytes}
+  v5e = planner._hardware.Target("v5e:1x1", (), TPU_CHIPS["v5e"])
+  assert v5e.budget_bytes == TPU_CHIPS["v5e"].limit_bytes < TPU_CHIPS["v5e"].hbm_bytes
+  assert planner._hardware.Target("v6e:1x1", (), TPU_CHIPS["v6e"]).budget_bytes == TPU_CHIPS["v6e"].hbm_bytes

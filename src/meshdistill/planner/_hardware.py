@@ -28,7 +28,7 @@ class Target:
   devices: tuple
   chip: Chip | None  # None on CPU
   devices_per_chip: int = 1
-  hbm_budget_bytes: int | None = None  # per device; a given budget replaces the chip's HBM
+  hbm_budget_bytes: int | None = None  # per device; a given budget replaces the chip's usable HBM
   local: bool = False  # this process's own chips (`local_target`), not a slice compiled for from afar
 
   @property
@@ -39,7 +39,7 @@ class Target:
   def budget_bytes(self) -> int | None:
     if self.hbm_budget_bytes is not None:
       return self.hbm_budget_bytes
-    return None if self.chip is None else self.chip.hbm_bytes // self.devices_per_chip
+    return None if self.chip is None else self.chip.usable_bytes // self.devices_per_chip
 
   def per_device(self, value: float | None) -> float | None:
     return None if value is None else value / self.devices_per_chip
