@@ -326,3 +326,28 @@ def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm():
 
   assert cache_copies_in_loops(gen_mod._generate_jit), "the default no longer stages caches: the test shows nothing"
   assert cache_copies_in_loops(program) == []
+
+
+@pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
+                    reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+def test_on_a_mesh_decoding_is_cache_bound_by_the_rows_each_device_decodes():
+  """The benchmark's student (abstract, placed on TPU devices of a libtpu topology; nothing compiles): 64 rows on one
+  chip read more cache than weights a token, so they get `SELECTIVE_MSA`; split four ways over ``data`` each device
+  decodes 16 and keeps the default program."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+  from meshdistill.models import abstract_params
+  from meshdistill.models import generate as gen_mod
+  from meshdistill.planner._hardware import tpu_target
+
+  qwen = md.ModelConfig(vocab_size=151936, d_model=1024, n_layers=14, n_heads=16, n_kv_heads=8, head_dim=128,
+                        mlp_hidden=3072, max_len=384, dtype="bfloat16")
+  _, state, _ = abstract_params(qwen)
+  one = SingleDeviceSharding(tpu_target("v5e:1x1").devices[0])
+  on_one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), state)
+  assert gen_mod.decoding_program(on_one, qwen, 64, 383) is gen_mod._generate_jit_selective_msa
+  mesh = Mesh(np.array(tpu_target("v5e:2x2").devices).reshape(4, 1), ("data", "tensor"))
+  on_mesh = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec())),
+                         state)
+  assert gen_mod.decoding_program(on_mesh, qwen, 64, 383, mesh) is gen_mod._generate_jit
+  assert gen_mod.decoding_program(on_mesh, qwen, 256, 383, mesh) is gen_mod._generate_jit_selective_msa

@@ -46,7 +46,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from meshdistill.parallel.mesh import check_batch
-from meshdistill.parallel.rules import spec
+from meshdistill.parallel.rules import spec, split_ways
 from meshdistill.models.decoder import Decoder
 from meshdistill.models.contract import DecodingModel, check_model
 
@@ -276,7 +276,8 @@ def cache_bound(mcfg, batch: int, slots: int, weight_bytes: int) -> bool:
 
 def decoding_program(params, mcfg, batch: int, slots: int, mesh: Mesh | None = None):
   """The jitted `_generate` for these parameters: with `SELECTIVE_MSA` on a TPU where decoding is `cache_bound`,
-  else the default compilation."""
+  else the default compilation. On a mesh each device decodes its rows (``batch`` split as `generate` splits it)
+  against its share of the weights and key/value heads (both split over ``tensor``, so that split cancels)."""
   leaves = jax.tree.leaves(params)
   sharding = getattr(leaves[0], "sharding", None) if leaves else None
   devices = mesh.devices.flat if mesh is not None else getattr(sharding, "device_set", ())
@@ -285,7 +286,8 @@ def decoding_program(params, mcfg, batch: int, slots: int, mesh: Mesh | None = N
     return _generate_jit
   itemsize = jnp.dtype(mcfg.compute_dtype).itemsize
   weight_bytes = sum(int(np.prod(x.shape)) for x in leaves) * itemsize
-  return _generate_jit_selective_msa if cache_bound(mcfg, batch, slots, weight_bytes) else _generate_jit
+  rows = -(-batch // split_ways(mesh, "batch"))
+  return _generate_jit_selective_msa if cache_bound(mcfg, rows, slots, weight_bytes) else _generate_jit
 
 
 def check_prompts(prompts_BxP, max_len: int, cfg: SamplingConfig, mesh: Mesh | None = None) -> None:
