@@ -181,7 +181,7 @@ def test_the_chip_fit_recovers_its_rates_and_refuses_too_few_rows():
     _calibrate.calibrate_chip(terms, measured, ["a"])
 
 
-def test_one_local_chip_takes_the_chip_source_and_every_other_target_the_published(monkeypatch):
+def test_one_chip_takes_the_chip_source_and_every_other_target_the_published(monkeypatch):
   from meshdistill.config import load_config  # pylint: disable=g-import-not-at-top
   from meshdistill.planner import TPU_CHIPS, Planner, Target  # pylint: disable=g-import-not-at-top
 
@@ -190,8 +190,9 @@ def test_one_local_chip_takes_the_chip_source_and_every_other_target_the_publish
   monkeypatch.setattr(cost, "CHIP_CALIBRATION", chip)
   published = _calibrate.CALIBRATION
   assert _calibrate.source_for(1, "v5e", local=True) is chip
-  for chips, gen, local in ((4, "v5e", True), (1, "v5e", False), (4, "v5e", False), (1, "v6e", True)):
-    assert _calibrate.source_for(chips, gen, local) is published  # a slice, a topology, a generation without rows
+  assert _calibrate.source_for(1, "v5e", local=False) is chip  # one chip compiled for from a host (v5e:1x1)
+  for chips, gen, local in ((4, "v5e", True), (4, "v5e", False), (1, "v6e", True)):
+    assert _calibrate.source_for(chips, gen, local) is published  # a slice, a generation without rows
 
   def planner(name, n, local=False):
     return Planner(load_config(None, ()), TEACHER, STUDENT, ("t", "s"), Target(name, (object(),) * n,
@@ -200,6 +201,7 @@ def test_one_local_chip_takes_the_chip_source_and_every_other_target_the_publish
   assert planner("local:v5ex1", 1, True).calibration() is chip
   assert planner("local:v5ex4", 4, True).calibration() is published
   assert planner("v5e:2x2", 4).calibration() is published
+  assert planner("v5e:1x1", 1).calibration() is chip
   t = {"compute_s": 1.0, "hbm_s": 0.8, "comm_s": 0.0, "step_s": 1.0, "mfu": 0.5, "tokens_per_s": 100.0}
   assert chip.of(t, "v5e") is None  # no cycles of the TPU compiler: the chip source has nothing to read
   t.update(cycles={"matmul": 1.5e9, "other": 1.5e9, "kernel_calls": 4}, kernel_s=0.25)

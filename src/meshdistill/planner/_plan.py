@@ -290,8 +290,9 @@ class Planner:
     return p
 
   def calibration(self) -> _calibrate.Calibration | None:
-    """The calibration source of this target's estimates (`_calibrate.source_for`): the chip source for one local
-    chip (``devices="local"``) of a generation it has rows for, else the published pod rows'."""
+    """The calibration source of this target's estimates (`_calibrate.source_for`): the chip source for one chip
+    (``devices="local"`` on it, or a one-chip topology such as ``v5e:1x1``) of a generation it has rows for, else the
+    published pod rows'."""
     t = self.target
     chips = len(t.devices) // max(t.devices_per_chip, 1)
     return _calibrate.source_for(chips, t.chip.family, local=t.local)
