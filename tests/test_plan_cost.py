@@ -189,17 +189,16 @@ def test_one_chip_takes_the_chip_source_and_every_other_target_the_published(mon
                                     band=0.05, rows=5)
   monkeypatch.setattr(cost, "CHIP_CALIBRATION", chip)
   published = _calibrate.CALIBRATION
-  assert _calibrate.source_for(1, "v5e", local=True) is chip
-  assert _calibrate.source_for(1, "v5e", local=False) is chip  # one chip compiled for from a host (v5e:1x1)
-  for chips, gen, local in ((4, "v5e", True), (4, "v5e", False), (1, "v6e", True)):
-    assert _calibrate.source_for(chips, gen, local) is published  # a slice, a generation without rows
+  assert _calibrate.source_for(1, "v5e") is chip  # this machine's chip, or one compiled for from a host (v5e:1x1)
+  for chips, gen in ((4, "v5e"), (1, "v6e")):
+    assert _calibrate.source_for(chips, gen) is published  # a slice, a generation without rows
 
-  def planner(name, n, local=False):
+  def planner(name, n):
     return Planner(load_config(None, ()), TEACHER, STUDENT, ("t", "s"), Target(name, (object(),) * n,
-                                                                                 TPU_CHIPS["v5e"], local=local), 16)
+                                                                                 TPU_CHIPS["v5e"]), 16)
 
-  assert planner("local:v5ex1", 1, True).calibration() is chip
-  assert planner("local:v5ex4", 4, True).calibration() is published
+  assert planner("local:v5ex1", 1).calibration() is chip
+  assert planner("local:v5ex4", 4).calibration() is published
   assert planner("v5e:2x2", 4).calibration() is published
   assert planner("v5e:1x1", 1).calibration() is chip
   t = {"compute_s": 1.0, "hbm_s": 0.8, "comm_s": 0.0, "step_s": 1.0, "mfu": 0.5, "tokens_per_s": 100.0}

@@ -120,14 +120,13 @@ def plan_overrides(s: Setting) -> list[str]:
 
 def pair_planner(pair: str, s: Setting, topology: str, one_chip: bool = False):
   """The `meshdistill.planner.Planner` of ``pair`` at ``s`` for ``topology`` (the models of `model_configs`, the
-  settings of `plan_overrides`). ``one_chip``: for ONE device of it (libtpu compiles for no one-chip v5e topology;
-  one device of ``v5e:2x2`` is the one-chip program, no collectives), marked as this machine's chip so that its
-  calibrated time is the chip source's, as ``md.plan(..., devices="local")`` plans it on one v5e chip."""
+  settings of `plan_overrides`). ``one_chip``: for one chip of its family instead (``v5e:2x2`` -> ``v5e:1x1``): the
+  program one chip runs, whose calibrated time is the chip source's, as ``md.plan(..., devices="local")`` plans it
+  on one v5e chip."""
   from meshdistill.planner import make_planner
 
-  tcfg, scfg = model_configs(pair, s)
-  pl = make_planner(tcfg, scfg, topology=topology, seq=s.t, remat=s.remat, overrides=plan_overrides(s))
   if one_chip:
-    pl.target = dataclasses.replace(pl.target, name=f"{topology}, one chip", devices=pl.target.devices[:1],
-                                    local=True)
-  return pl
+    family, shape = topology.split(":")
+    topology = f"{family}:{'x'.join('1' for _ in shape.split('x'))}"
+  tcfg, scfg = model_configs(pair, s)
+  return make_planner(tcfg, scfg, topology=topology, seq=s.t, remat=s.remat, overrides=plan_overrides(s))

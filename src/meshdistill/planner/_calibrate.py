@@ -273,11 +273,10 @@ def calibrate_chip(terms: Sequence[Sequence[float]], measured: Sequence[float], 
   return dataclasses.replace(fit_chip(terms, measured, names, generation), band=float(band))
 
 
-def source_for(chips: int, generation: str, local: bool) -> Calibration | ChipCalibration | None:
+def source_for(chips: int, generation: str) -> Calibration | ChipCalibration | None:
   """The calibration a plan takes: the chip source for one chip of the generation its rows were measured on, this
-  machine's (``local``) or compiled for from a host (a one-chip topology, ``v5e:1x1``: the same program, the same
-  compiler's estimate), the published one for every other target (pod slices, a generation without chip rows)."""
-  del local  # one chip is one program wherever it is compiled (tests/test_plan.py: the chip's numbers to the byte)
+  machine's or compiled for from a host (a one-chip topology, ``v5e:1x1``: the same program, the same compiler's
+  estimate), the published one for every other target (pod slices, a generation without chip rows)."""
   chip = cost.CHIP_CALIBRATION
   if chips == 1 and chip is not None and generation == chip.generation:
     return chip

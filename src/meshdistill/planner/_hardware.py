@@ -29,7 +29,6 @@ class Target:
   chip: Chip | None  # None on CPU
   devices_per_chip: int = 1
   hbm_budget_bytes: int | None = None  # per device; a given budget replaces the chip's usable HBM
-  local: bool = False  # this process's own chips (`local_target`), not a slice compiled for from afar
 
   @property
   def platform(self) -> str:
@@ -206,7 +205,7 @@ def local_target(hbm_budget_bytes: int | None = None) -> Target:
     )
   chips = len({tuple(getattr(d, "coords", (i,))) for i, d in enumerate(have)})
   return Target(f"local:{chip.family}x{chips}", tuple(have), chip, max(1, len(have) // max(chips, 1)),
-                hbm_budget_bytes, local=True)
+                hbm_budget_bytes)
 
 
 def parse_target(topology: str | None, devices: str | None, hbm_budget_bytes: int | None = None) -> Target:

@@ -295,7 +295,7 @@ class Planner:
     published pod rows'."""
     t = self.target
     chips = len(t.devices) // max(t.devices_per_chip, 1)
-    return _calibrate.source_for(chips, t.chip.family, local=t.local)
+    return _calibrate.source_for(chips, t.chip.family)
 
   def _attention(self) -> str:
     t, s = self.teacher.attention, self.student.attention
