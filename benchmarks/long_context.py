@@ -54,7 +54,7 @@ from bench.results import append_row, libtpu_version, write_keeping_notes
 RESULTS = pathlib.Path(__file__).parent / "results"
 JSONL = RESULTS / "long_context.jsonl"
 PAIR = "qwen3"  # `--pair`: another of `bench.chip_pairs.PAIRS` (``tiny``: a smoke test on any machine)
-TOPOLOGY = "v5e:2x2"  # one device of it: the one-chip program (libtpu compiles for no one-chip v5e topology)
+TOPOLOGY = "v5e:2x2"  # planned as one chip of its family (v5e:1x1: `bench.chip_pairs.pair_planner`'s one_chip)
 SEQS = (8192, 16384, 32768, 65536, 131072)
 REMATS = ("dots_no_batch", "full")  # the least remat that fitted 2048-token rows, and the least memory
 CHUNKS = (1024,)
@@ -105,7 +105,7 @@ def plan_row(s: Setting, pair: str = PAIR) -> dict:
   from bench.chip_step import use_splash_blocks
 
   row = {"kind": "plan", "pair": pair, "setting": dataclasses.asdict(s), "label": s.label(),
-         "device": f"TPU v5 lite (compiled for one device of {TOPOLOGY} on a CPU host)"}
+         "device": "TPU v5 lite (compiled for v5e:1x1 on a CPU host)"}
   cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
   try:
     pl = pair_planner(pair, s, TOPOLOGY, one_chip=True)

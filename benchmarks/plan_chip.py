@@ -2,8 +2,8 @@
 
 Each measured configuration of `benchmarks/tpu_step.py` (its ``meshdistill`` rows in ``tpu_step.jsonl``: the pair,
 batch, remat policy, loss chunk and attention kernel of a `tpu_step.Setting`) is planned here with the same model
-configs (`tpu_step.model_configs`) and the same distillation settings as `tpu_step.measure_plan`. libtpu refuses a
-one-chip topology, so the step is compiled for one device of ``v5e:2x2`` (`TOPOLOGY`): the one-chip program, with no
+configs (`tpu_step.model_configs`) and the same distillation settings as `tpu_step.measure_plan`, compiled for the
+one-chip topology ``v5e:1x1`` (`bench.chip_pairs.pair_planner`'s ``one_chip``): the one-chip program, with no
 collectives, as ``md.plan(..., devices="local")`` compiles it on the chip. ``--stand-in`` also compiles each for all
 of ``v5e:2x2`` with mesh ``data=4`` at four times the batch (the same rows per chip, plus one gradient all-reduce the
 chip does not have), stored beside the row as a check of how far that stand-in moves the terms and the memory.
@@ -38,7 +38,7 @@ from bench.chip_calibration import (JSON, MEASURED, STAND_IN, TOPOLOGY, calibrat
 
 
 def _planner(pair: str, setting: dict, one_chip: bool = False):
-  """The `Planner` of a measured setting for `TOPOLOGY` (``one_chip``: for one device of it; the models and
+  """The `Planner` of a measured setting for `TOPOLOGY` (``one_chip``: for one chip of its family; the models and
   distillation settings of `tpu_step.measure_plan`: `bench.chip_pairs.pair_planner`) and the setting."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import dataclasses  # pylint: disable=g-import-not-at-top
@@ -50,8 +50,8 @@ def _planner(pair: str, setting: dict, one_chip: bool = False):
 
 
 def plan_terms(pair: str, setting: dict) -> dict:
-  """The planner's roofline terms and memory of the one-chip program at ``setting``: compiled for one device of
-  `TOPOLOGY` (no collectives: the program `md.plan(..., devices="local")` compiles on one chip)."""
+  """The planner's roofline terms and memory of the one-chip program at ``setting``: compiled for ``v5e:1x1`` (no
+  collectives: the program `md.plan(..., devices="local")` compiles on one chip)."""
   from meshdistill.planner import Knobs  # pylint: disable=g-import-not-at-top
 
   pl, s = _planner(pair, setting, one_chip=True)
@@ -62,7 +62,7 @@ def plan_terms(pair: str, setting: dict) -> dict:
     raise ValueError(f"the one-chip program of {setting} has collectives: {p.collectives}")
   if "cycles" not in p.time:
     raise ValueError(f"the one-chip program of {setting} carries no estimated cycles of the TPU compiler")
-  return {"compiled_for": f"{TOPOLOGY}, one device", "compute_s": p.time["compute_s"], "hbm_s": p.time["hbm_s"],
+  return {"compiled_for": pl.target.name, "compute_s": p.time["compute_s"], "hbm_s": p.time["hbm_s"],
           "comm_s": 0.0, "flops_per_chip": p.flops["counted"], "kernel_flops_per_chip": p.flops["kernels"],
           "cycles": p.time["cycles"], "kernel_s": p.time["kernel_s"],
           "planned_bytes": p.memory["total"], "planned_temp_bytes": p.memory["temp"],
