@@ -25,21 +25,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
-import os
 import re
-import tempfile
 import time
 
 ROLES = ("attention", "cache writes", "cache moves", "weights", "prefill", "other")
 
 
-def role_of(name: str, what: str, cache_dims: tuple[int, int, int]) -> str:
-  """The role of instruction ``name`` described as ``what`` (``"shape op_name"``); ``cache_dims``: (rows, kv heads,
-  head dim) of a layer's cache, whatever its slots (and the rows of a piece of it)."""
-  _, G, K = cache_dims
+def role_of(name: str, what: str, cache_dims: tuple[int, int]) -> str:
+  """The role of instruction ``name`` described as ``what`` (``"shape op_name"``); ``cache_dims``: (kv heads, head
+  dim) of a layer's cache, whatever its rows and slots (a piece of a cache is a block of its rows)."""
+  G, K = cache_dims
   # a cache [B, S, G, K] (or [B, G, S, K]), or the compiler's piece of one (a block of its rows)
   cache = re.search(rf"\[\d+,\d+,{G},{K}\]|\[\d+,{G},\d+,{K}\]", what) is not None
   if name.startswith(("copy-", "slice-")):  # asynchronous copies carry no operation name
@@ -71,6 +67,7 @@ def main(argv=None) -> dict:
 
   import meshdistill as md
   from bench.chip_pairs import Setting, model_configs
+  from bench.chip_step import device_ops
   from bench.op_kinds import describe
   from meshdistill.models import generate as gen
 
@@ -86,29 +83,20 @@ def main(argv=None) -> dict:
   t0 = time.perf_counter()
   call(1)
   wall = time.perf_counter() - t0
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      call(2)
-    trace = json.load(gzip.open(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)[0]))
+  ops, _ = device_ops(lambda: call(2))
   graphdef, params = nnx.split(model)
-  hlo = gen._generate_jit.lower(params, jnp.asarray(prompts), jnp.asarray(mask), jax.random.key(0), graphdef=graphdef,
-                                cfg=cfg, return_logits=False, mesh=None).compile().as_text()
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  pids = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-          if e.get("ph") == "M" and e.get("name") == "process_name"}
-  tpu = {p for p, n in pids.items() if "TPU" in n} or set(pids)  # elsewhere (a smoke test): every process
+  program = gen.decoding_program(params, scfg, B, args.prompt + N - 1)  # the one `generate` ran: its names
+  hlo = program.lower(params, jnp.asarray(prompts), jnp.asarray(mask), jax.random.key(0), graphdef=graphdef,
+                          cfg=cfg, return_logits=False, mesh=None).compile().as_text()
   per_op = collections.Counter()
   loops_ms = 0.0
-  for e in events:
-    if e.get("ph") != "X" or e.get("pid") not in tpu or "dur" not in e:
-      continue
-    name, ms = e.get("name", ""), e.get("dur", 0.0) / 1e3
+  for name, ms in ops:
     if name.startswith("while"):
       loops_ms += ms
     elif not name.startswith("jit_"):
       per_op[name] += ms
   what = describe(hlo, list(per_op))
-  dims = (B, scfg.n_kv_heads, scfg.hd)
+  dims = (scfg.n_kv_heads, scfg.hd)
   roles = collections.Counter()
   for name, ms in per_op.items():
     roles[role_of(name, what.get(name, ""), dims)] += ms

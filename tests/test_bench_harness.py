@@ -281,10 +281,10 @@ def test_the_sampler_runs_over_scanned_or_unrolled_layers_and_the_table_names_wh
 
 def test_a_decoding_trace_s_instructions_fall_in_the_roles_their_descriptions_name():
   """`decode_profile.role_of` on instructions as a v5e trace of cached sampling named and described them (batch 64,
-  8 key/value heads of 128): each role by what the instruction computes, whatever the cache's slots."""
+  8 key/value heads of 128): each role by what the instruction computes, whatever the cache's rows and slots."""
   bench_module("results")
   role_of = importlib.import_module("decode_profile").role_of
-  dims = (64, 8, 128)
+  dims = (8, 128)
   cases = {
       ("bitcast_reduce_fusion.168", "(f32[2,64,8] jit(_generate)/while/body/vmap(BTNH,BSNH->BNTS)/dot_general"):
           "attention",

@@ -102,30 +102,22 @@ def trace_roles(d, state, batch, steps: int, out_dir: str | None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     with gzip.open(os.path.join(out_dir, "step.hlo.txt.gz"), "wt") as f:
       f.write(hlo)
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      for _ in range(steps):
-        state, metrics = d.step(state, batch)
-      jax.block_until_ready(metrics)
-    paths = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
-    if not paths:
-      return {"error": f"no trace.json.gz under the profile directory ({os.listdir(tmp)})"}
-    trace = json.load(gzip.open(paths[0]))
-    if out_dir:
-      import shutil
-      shutil.copy(paths[0], os.path.join(out_dir, "trace.json.gz"))
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  # device ops: the TPU's process (its pid's name names the TPU), events named after HLO instructions
-  pids = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
-          and e.get("name") == "process_name"}
-  tpu = {p for p, n in pids.items() if "TPU" in n or "/device:" in n}
+
+  def run():
+    nonlocal state
+    for _ in range(steps):
+      state, metrics = d.step(state, batch)
+    jax.block_until_ready(metrics)
+
+  try:
+    ops, processes = device_ops(run, out_dir)
+  except FileNotFoundError as e:
+    return {"error": str(e)}
   per_role = collections.Counter()
   per_op = collections.Counter()
   unknown = collections.Counter()
-  for e in events:
-    if e.get("ph") != "X" or (tpu and e.get("pid") not in tpu):
-      continue
-    name, ms = e.get("name", ""), e.get("dur", 0.0) / 1e3 / steps
+  for name, dur_ms in ops:
+    ms = dur_ms / steps
     if name in roles:
       per_role[roles[name]] += ms
       per_op[name] += ms
@@ -135,7 +127,32 @@ def trace_roles(d, state, batch, steps: int, out_dir: str | None) -> dict:
   what = describe(hlo, [name for name, _ in top])
   return {"ms": dict(per_role), "top": top, "top_roles": {n: roles[n] for n, _ in top},
           "top_hlo": {n: what.get(n, "") for n, _ in top}, "unmatched": unknown.most_common(10),
-          "device_processes": sorted(set(pids.values()))[:10]}
+          "device_processes": processes[:10]}
+
+
+def device_ops(run, out_dir: str | None = None) -> tuple[list[tuple[str, float]], list[str]]:
+  """``(name, milliseconds)`` of every device op ``run()`` makes under `jax.profiler.trace` (the TPU's process: its
+  pid's name names the TPU; events named after HLO instructions; every process where none is a TPU's), and the
+  trace's process names. ``out_dir``: the trace is copied there as ``trace.json.gz``."""
+  import jax
+
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      run()
+    paths = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
+    if not paths:
+      raise FileNotFoundError(f"no trace.json.gz under the profile directory ({os.listdir(tmp)})")
+    trace = json.load(gzip.open(paths[0]))
+    if out_dir:
+      import shutil
+      shutil.copy(paths[0], os.path.join(out_dir, "trace.json.gz"))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  pids = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
+          and e.get("name") == "process_name"}
+  tpu = {p for p, n in pids.items() if "TPU" in n or "/device:" in n}
+  ops = [(e.get("name", ""), e.get("dur", 0.0) / 1e3) for e in events
+         if e.get("ph") == "X" and (not tpu or e.get("pid") in tpu)]
+  return ops, sorted(set(pids.values()))
 
 
 def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | None, warmup: int = 2) -> dict:
