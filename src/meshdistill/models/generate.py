@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from meshdistill.parallel.mesh import check_batch
+from meshdistill.parallel.mesh import check_batch, platform_of
 from meshdistill.parallel.rules import spec, split_ways
 from meshdistill.models.decoder import Decoder
 from meshdistill.models.contract import DecodingModel, check_model
@@ -280,8 +280,8 @@ def decoding_program(params, mcfg, batch: int, slots: int, mesh: Mesh | None = N
   against its share of the weights and key/value heads (both split over ``tensor``, so that split cancels)."""
   leaves = jax.tree.leaves(params)
   sharding = getattr(leaves[0], "sharding", None) if leaves else None
-  devices = mesh.devices.flat if mesh is not None else getattr(sharding, "device_set", ())
-  platform = next(iter(devices)).platform if len(devices) else jax.default_backend()
+  on_params = mesh is None and sharding is not None  # without a mesh, where the parameters are
+  platform = next(iter(sharding.device_set)).platform if on_params else platform_of(mesh)
   if platform != "tpu":
     return _generate_jit
   itemsize = jnp.dtype(mcfg.compute_dtype).itemsize
