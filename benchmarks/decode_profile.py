@@ -18,7 +18,8 @@ shape and the JAX operation it came from):
 * ``other``: the rest inside the loops (norms, RoPE, sampling, masks).
 
 Printed: per role the milliseconds of the call and microseconds per decoded token (the loops' time over the new
-tokens), beside the call's wall time. The JSON holds the same with the 40 slowest instructions.
+tokens), beside the call's wall time. The JSON holds the same with the slowest instructions (``--top``, 40 by
+default; each with its milliseconds in the call, description and role).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--prompt", type=int, default=128)
   parser.add_argument("--new", type=int, default=256)
   parser.add_argument("--out", default=None, help="write the result as JSON here")
+  parser.add_argument("--top", type=int, default=40, help="instructions listed in the JSON, slowest first")
   args = parser.parse_args(argv)
 
   import jax
@@ -106,7 +108,7 @@ def main(argv=None) -> dict:
       "us_per_token": {r: 1e3 * roles[r] / tokens for r in ROLES if r != "prefill"},
       "ms": {r: roles[r] for r in ROLES}, "loop_us_per_token": 1e3 * loops_ms / tokens,
       "top": [(n, round(ms, 3), what.get(n, "")[:120], role_of(n, what.get(n, ""), dims))
-              for n, ms in per_op.most_common(40)],
+              for n, ms in per_op.most_common(args.top)],
       "device": jax.devices()[0].device_kind, "jax": jax.__version__,
   }
   print(f"{args.pair} batch {B}, {args.prompt} + {N} tokens: call {wall * 1e3:.1f} ms, loops {loops_ms:.1f} ms "

@@ -127,8 +127,8 @@ def test_padding_rows_and_finished_rows_do_not_change_other_rows(model):
     assert m[r, :n].all() and not m[r, n:].any() and stopped.lengths_B[r] == n
 
 
-def test_decoding_in_growing_loops_gives_what_one_loop_over_the_whole_cache_gives(model, monkeypatch):
-  """`decode_stages` splits the new tokens into loops whose caches hold only the slots filled so far: the logits,
+def test_decoding_in_loops_over_prefixes_gives_what_one_loop_over_the_whole_cache_gives(model, monkeypatch):
+  """`decode_stages` splits the new tokens into loops that attend to the slots filled so far only: the logits,
   samples and EOS stops equal those of one loop over the whole cache (both programs compiled here), on one device
   and on a 2x4 mesh."""
   from meshdistill.models import generate as gen_mod
@@ -202,9 +202,10 @@ def test_a_vocabulary_padded_for_the_tensor_axis_is_never_sampled_and_its_logits
                     reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
 def test_decoding_over_scanned_blocks_stages_no_cache_on_a_tpu():
   """Compiled for one v5e chip (libtpu here, nothing runs), the decoding loops over stacked blocks keep one cache
-  per layer and attend to it in place: no stacked cache anywhere, and inside a loop no copy or slice of a whole
-  layer's cache, in either of the two loops of 64 new tokens (`decode_stages`: each over a longer cache). Through
-  the layer scan each layer staged its slice of the stacked caches on every token."""
+  per layer and attend to it in place: no stacked cache anywhere; one cache of every slot per layer, made once (no
+  cache of the first loop's length exists outside a fusion); and no loop copies or slices a cache itself: the first
+  loop reads its prefix (`decode_stages`: 39 of 71 slots) inside the fusions that attend to it. Through the layer scan
+  each layer staged its slice of the stacked caches on every token."""
   import re
 
   from jax.sharding import SingleDeviceSharding
@@ -214,7 +215,7 @@ def test_decoding_over_scanned_blocks_stages_no_cache_on_a_tpu():
 
   N = 64
   cfg = CFG.replace(scan_layers=True, n_layers=3, max_len=8 + N)
-  device = SingleDeviceSharding(tpu_target("v5e:2x2").devices[0])
+  device = SingleDeviceSharding(tpu_target("v5e:1x1").devices[0])
   graphdef, state, _ = abstract_params(cfg)
   state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
   B, P = 8, 8
@@ -223,26 +224,56 @@ def test_decoding_over_scanned_blocks_stages_no_cache_on_a_tpu():
   hlo = _generate_jit.lower(state, *args, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=N), return_logits=False,
                             mesh=None).compile().as_text()
   stages = decode_stages(P, N)
-  assert [slots for _, slots in stages] == [P + 32 - 1, P + N - 1]
-  for _, slots in stages:
-    layer = f"{B},{slots},{cfg.n_kv_heads},{cfg.hd}"
-    assert not re.search(rf"\[{cfg.n_layers},{layer}\]", hlo), "a stacked cache [L, B, S, G, K] in the program"
-    body, staged = None, []
-    for line in hlo.splitlines():
-      if not line.startswith(" "):
-        body = line.split(" ")[0]
-      elif re.search(rf"= [a-z]+[0-9]+\[{layer}\]\S* (copy|dynamic-slice|slice)\(", line):
-        staged.append((body, line.strip()[:120]))
-    assert re.findall(rf"\[{layer}\]", hlo), f"no per-layer cache of {slots} slots was found: the test reads nothing"
-    assert all(b.startswith("ENTRY") for b, _ in staged), staged  # at most the caches' growth, between the loops
+  (_, first), (_, every) = stages
+  assert (first, every) == (P + 32 - 1, P + N - 1)
+  computations, name = {}, None
+  for line in hlo.splitlines():
+    if line and not line.startswith(" "):
+      name = line.split(" ")[0].removeprefix("ENTRY ").split(" ")[0]
+      name = "ENTRY" if line.startswith("ENTRY") else name
+      computations[name] = []
+    elif name and line.strip():
+      computations[name].append(line.strip())
+  fused = {c for lines in computations.values() for line in lines if " fusion(" in line
+           for c in re.findall(r"calls=(%[\w.\-]+)", line)}
+  bodies = {b for lines in computations.values() for line in lines if " while(" in line
+            for b in re.findall(r"body=(%[\w.\-]+)", line)}
+  assert len(bodies) == len(stages) and not bodies & fused, (bodies, len(stages))
+  G, K = cfg.n_kv_heads, cfg.hd
+  assert not re.search(rf"\[{cfg.n_layers},{B},\d+,{G},{K}\]", hlo), "a stacked cache [L, B, S, G, K] in the program"
+  unfused = "\n".join(line for c, lines in computations.items() if c not in fused for line in lines)
+  assert re.search(rf"\[{B},{every},{G},{K}\]", unfused), "no per-layer cache of every slot: the test reads nothing"
+  assert not re.search(rf"\[{B},{first},{G},{K}\]", unfused), "a cache of the first loop's length was made"
+  staged = [line[:120] for b in bodies for line in computations[b]  # (a new slot's [B, 1, G, K] may be relaid)
+            for S in re.findall(rf"= [a-z]+[0-9]+\[{B},(\d+),{G},{K}\]\S* (?:copy|dynamic-slice|slice)\(", line)
+            if int(S) >= first]
+  assert not staged, staged
+  prefix = [line for c in fused for line in computations[c]
+            if re.search(rf"= [a-z]+[0-9]+\[{B},{first},{G},{K}\]\S* slice\(", line)]
+  assert prefix, "the first loop's prefix is not read inside a fusion"
+
+
+def test_a_cache_attends_to_the_slots_its_mask_covers_and_refuses_a_mask_longer_than_itself():
+  """`KVCache.attended`: the first ``valid_BxS.shape[1]`` slots of a longer cache (a decoding loop's prefix), the
+  whole cache where the mask covers it, and a clear error where the mask covers more slots than the cache holds."""
+  from meshdistill.models.decoder import KVCache
+
+  k = jnp.arange(2 * 6 * 1 * 2, dtype=jnp.float32).reshape(2, 6, 1, 2)
+  for S in (4, 6):
+    cache = KVCache(k, -k, jnp.ones((2, S), bool), 0, jnp.zeros((2, 1), jnp.int32))
+    got_k, got_v = cache.attended()
+    np.testing.assert_array_equal(got_k, k[:, :S])
+    np.testing.assert_array_equal(got_v, -k[:, :S])
+  with pytest.raises(ValueError, match="covers 7 slots of a cache of 6"):
+    KVCache(k, k, jnp.ones((2, 7), bool), 0, jnp.zeros((2, 1), jnp.int32)).attended()
 
 
 @pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
                     reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
-def test_growing_the_caches_between_loops_needs_no_more_memory_than_one_loop_on_a_tpu(monkeypatch):
-  """Compiled for one v5e chip (nothing runs): the compiler's peak of four growing loops is not above that of one
-  loop over the whole cache, where the caches are most of the memory (64 rows, 8 + 128 tokens): the shorter caches
-  die as the longer ones are made, never all of both at once."""
+def test_loops_over_prefixes_of_the_cache_need_no_more_memory_than_one_loop_on_a_tpu(monkeypatch):
+  """Compiled for one v5e chip (nothing runs): the compiler's peak of four loops, each attending to a longer prefix
+  of the caches, is not above that of one loop over the whole caches, where the caches are most of the memory (64
+  rows, 8 + 128 tokens): no loop copies the prefix it reads."""
   from jax.sharding import SingleDeviceSharding
 
   from meshdistill.models import abstract_params
@@ -268,7 +299,9 @@ def test_growing_the_caches_between_loops_needs_no_more_memory_than_one_loop_on_
                                    return_logits=False, mesh=None).compile()
     peak[stages] = compiled.memory_analysis().peak_memory_in_bytes
   _generate_jit.clear_cache()
-  assert peak[4] <= peak[1], peak
+  (_, first), *_ = gen_mod.decode_stages(P, N)
+  prefix_copy = B * first * cfg.n_kv_heads * cfg.hd * jnp.dtype(cfg.compute_dtype).itemsize  # one layer's keys
+  assert peak[4] - peak[1] < prefix_copy, (peak, prefix_copy)  # (the loops' own masks and counters aside)
 
 
 def test_decoding_is_cache_bound_where_the_caches_outweigh_the_weights_and_the_cpu_keeps_the_default_program():
@@ -289,10 +322,10 @@ def test_decoding_is_cache_bound_where_the_caches_outweigh_the_weights_and_the_c
 @pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
                     reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
 def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm():
-  """Compiled for one v5e chip (nothing runs), a 2-layer decoder with caches of the benchmark's shape (64 rows, 8
+  """Compiled for one v5e chip (nothing runs), an 8-layer decoder with caches of the benchmark's shape (64 rows, 8
   key/value heads of 128, bfloat16, 128 + 256 tokens): by default libtpu's memory-space assignment stages caches in
-  on-chip memory inside the decoding loops (copies of whole caches each token); the program `decoding_program`
-  picks there (`SELECTIVE_MSA`) copies none."""
+  on-chip memory inside the decoding loops (copies of whole caches each token: 10 of 16 here); the program
+  `decoding_program` picks there (`SELECTIVE_MSA`) copies none."""
   import re
 
   from jax.sharding import SingleDeviceSharding
@@ -302,7 +335,7 @@ def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm():
   from meshdistill.planner._hardware import tpu_target
 
   B, P, N = 64, 128, 256
-  cfg = CFG.replace(n_layers=2, max_len=P + N, d_model=256, n_heads=16, n_kv_heads=8, head_dim=128, mlp_hidden=512,
+  cfg = CFG.replace(n_layers=8, max_len=P + N, d_model=256, n_heads=16, n_kv_heads=8, head_dim=128, mlp_hidden=512,
                     dtype="bfloat16")
   device = SingleDeviceSharding(tpu_target("v5e:1x1").devices[0])
   graphdef, state, _ = abstract_params(cfg)

@@ -130,7 +130,7 @@ class Attention(nnx.Module):
       q, k = (rope(a, self.theta, self.scaling, pos, token_axis=axis) for a in (q, k))
     if cache is not None:
       cache = cache.write(k, v)
-      k, v = cache.k, cache.v
+      k, v = cache.attended()
     visible = None if cache is None else cache.visible(T, self.window)  # [B, 1, T, S]
     options = {"window": self.window, "scale": query_scale, "cap": cfg.attn_softcap}
     ids = None if segments is None or cache is not None else segments.ids_BxT  # packed documents: within one only

@@ -18,8 +18,10 @@ class KVCache(NamedTuple):
 
   ``k`` / ``v``: keys (after RoPE) and values of ``S`` slots, ``[B, S, G, K]`` (G = n_kv_heads, split over
   ``tensor`` like the k/v projections), one pair per layer (scanned blocks too: `Decoder.decode_step`);
-  ``valid_BxS``: slots holding a real token (left padding is never attended); ``index``: the slot of the first
-  token of this call; ``positions_BxT``: the RoPE positions of this call's tokens, per row.
+  ``valid_BxS``: slots holding a real token (left padding is never attended), over the first ``S`` slots of the
+  cache, the ones this call attends to (`attended`): the cache may hold more, not yet written, that it never reads;
+  ``index``: the slot of the first token of this call; ``positions_BxT``: the RoPE positions of this call's tokens,
+  per row.
   """
 
   k: jax.Array
@@ -33,6 +35,13 @@ class KVCache(NamedTuple):
     at = (0, self.index, 0, 0)
     return self._replace(k=jax.lax.dynamic_update_slice(self.k, k_BxTxGxK.astype(self.k.dtype), at),
                          v=jax.lax.dynamic_update_slice(self.v, v_BxTxGxK.astype(self.v.dtype), at))
+
+  def attended(self) -> tuple[jax.Array, jax.Array]:
+    """``(k, v)`` of the slots ``valid_BxS`` covers (a static prefix of the cache: read in place, not copied)."""
+    S = self.valid_BxS.shape[1]
+    if S > self.k.shape[1]:
+      raise ValueError(f"valid_BxS covers {S} slots of a cache of {self.k.shape[1]}")
+    return (self.k, self.v) if S == self.k.shape[1] else (self.k[:, :S], self.v[:, :S])
 
   def visible(self, T: int, window: int | None = None) -> jax.Array:
     """``[B, 1, T, S]``: query ``t`` (slot ``index + t``) sees valid slots ``<= index + t`` (with a sliding

@@ -88,7 +88,8 @@ class DecodingModel(LanguageModel, Protocol):
 
   def decode_step(self, tokens_BxT: jax.Array, kv: Any, valid_BxS: jax.Array, index: Any, positions_BxT: jax.Array,
                   *, last_only: bool = False) -> tuple[jax.Array, Any]:
-    """``(logits float32 [B, T or 1, V], new kv)`` of ``tokens_BxT`` written into cache slots ``index ..``."""
+    """``(logits float32 [B, T or 1, V], new kv)`` of ``tokens_BxT`` written into cache slots ``index ..``, attending
+    to the first ``valid_BxS.shape[1]`` slots (the cache may be longer)."""
     ...
 
 

@@ -200,7 +200,8 @@ class Decoder(nnx.Module):
 
     The same blocks and LM head as `__call__` (and the same vocabulary cut: ids ``>= vocab_size`` never
     appear), with this call's keys/values written into cache slots ``index ..`` (`KVCache`). ``kv``: from
-    `empty_cache` or the previous call; ``valid_BxS`` must already mark this call's slots; ``positions_BxT``:
+    `empty_cache` or the previous call; ``valid_BxS`` must already mark this call's slots, and the slots it covers
+    (the first ``valid_BxS.shape[1]``, a cache may hold more) are the ones attended to; ``positions_BxT``:
     each row's RoPE positions. ``last_only``: the logits of the last position only (``[B, 1, V]``). The layers run
     unrolled, scanned blocks included (`layer_blocks`).
     """

@@ -10,9 +10,10 @@ real token) and padding slots are never attended, so a row generates exactly wha
 The whole generation is ONE jitted program per (model, shapes, sampling settings): the prompt
 pass, then `jax.lax.while_loop`s that decode one token for every row per iteration and stop
 when every row has emitted EOS or ``max_new_tokens`` tokens. No per-token recompilation. The new
-tokens are split over up to `DECODE_STAGES` loops (`decode_stages`), each attending to a cache that
-holds only the slots filled by its last token; the caches grow between loops, so a decoded token
-reads about the slots filled so far rather than the whole preallocated cache.
+tokens are split over up to `DECODE_STAGES` loops (`decode_stages`), each attending to the first
+slots of the cache, those filled by its last token, so a decoded token reads about the slots filled
+so far rather than the whole preallocated cache (the cache is made once; a loop reads its prefix in
+place).
 
 Sampling (`sample_tokens`) is vocabulary-parallel: logits ``[B, V]`` stay split over ``tensor``
 along V and every vocabulary reduction is a max, min or sum (XLA reduces partial results over
@@ -36,6 +37,7 @@ Hugging Face checkpoints loaded into it) is supported; tunix's model zoo is not.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -172,30 +174,22 @@ def sample_tokens(logits_BxV, row_keys_B, step, cfg: SamplingConfig, sharding=No
   return vocab_argmax(jnp.where(ok_BxV, scaled_BxV + gumbel_BxV, -jnp.inf))
 
 
-# Decoding runs in up to `DECODE_STAGES` loops, each attending to a cache just long enough for its last token (the
-# cache grows between loops), so a token reads the slots filled so far and not the whole preallocated cache; a loop
-# decodes at least `MIN_STAGE_TOKENS` tokens. Each loop compiles the decoding step once more and the caches are
-# copied into longer ones between loops, so past a few loops more save less than they cost (the sampling table of
-# benchmarks/results/tpu_step.md has the measured choice).
+# Decoding runs in up to `DECODE_STAGES` loops, each attending to the prefix of the cache filled by its last token,
+# so a token reads the slots filled so far and not the whole preallocated cache; a loop decodes at least
+# `MIN_STAGE_TOKENS` tokens. Each loop compiles the decoding step once more, so past a few loops more save less
+# than their compile time costs (the sampling table of benchmarks/results/tpu_step.md has the measured choice).
 DECODE_STAGES = 4
 MIN_STAGE_TOKENS = 32
 
 
 def decode_stages(prompt_len: int, max_new_tokens: int) -> tuple[tuple[int, int], ...]:
-  """``(stop, slots)`` per decoding loop: it decodes tokens ``n < stop`` (after the previous loop's) against a cache
-  of ``slots`` slots, the ones filled when its last token is fed; the last loop's cache holds every slot
+  """``(stop, slots)`` per decoding loop: it decodes tokens ``n < stop`` (after the previous loop's) attending to the
+  first ``slots`` slots of the cache, the ones filled when its last token is fed; the last loop's are every slot
   (``prompt_len + max_new_tokens - 1``: the last new token is never fed back)."""
   N = max_new_tokens
   loops = max(1, min(DECODE_STAGES, N // MIN_STAGE_TOKENS))
   stops = sorted({-(-(j + 1) * N // loops) for j in range(loops)})
   return tuple((stop, prompt_len + stop - 1) for stop in stops)
-
-
-def _grow(x, slots: int, sharding):
-  """``x`` ``[B, S, ...]`` zero-padded to ``slots`` along S (a cache, or the valid-slot mask, entering a longer
-  loop)."""
-  x = jnp.pad(x, [(0, 0), (0, slots - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
-  return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
 def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: SamplingConfig, return_logits, mesh):
@@ -204,7 +198,7 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   B, Pn = prompts_BxP.shape
   N = cfg.max_new_tokens
   stages = decode_stages(Pn, N)
-  S = stages[0][1]  # the first loop's cache
+  S = stages[-1][1]  # every slot; each loop attends to its first `slots`
   V = mcfg.vocab_size
   logit_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch", "vocab"), mesh=mesh))
   kv_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch",), mesh=mesh))
@@ -219,19 +213,19 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
       logits_BxV = jax.lax.with_sharding_constraint(logits_BxV, logit_sharding)
     return sample_tokens(logits_BxV, row_keys_B, n, cfg, logit_sharding).astype(jnp.int32)
 
-  logits_Bx1xV, kv = model.decode_step(prompts_BxP, kv, valid_BxS, 0, positions_BxP, last_only=True)
+  logits_Bx1xV, kv = model.decode_step(prompts_BxP, kv, valid_BxS[:, :Pn], 0, positions_BxP, last_only=True)
   first_B = pick(logits_Bx1xV[:, 0], 0)
   tokens_BxN = jnp.full((B, N), cfg.pad_id, jnp.int32).at[:, 0].set(first_B)
   mask_BxN = jnp.zeros((B, N), bool).at[:, 0].set(True)
   out_logits = jnp.zeros((B, N, V), jnp.float32).at[:, 0].set(logits_Bx1xV[:, 0]) if return_logits else None
   done_B = first_B == cfg.eos_id if cfg.eos_id is not None else jnp.zeros((B,), bool)
 
-  def body(carry):
+  def body(carry, slots: int):
     n, kv, valid_BxS, last_B, done_B, tokens_BxN, mask_BxN, out_logits = carry
     slot = Pn + n - 1  # the slot of the token fed in (the previous step's)
     valid_BxS = jax.lax.dynamic_update_slice(valid_BxS, jnp.ones((B, 1), bool), (0, slot))
     positions_Bx1 = (lengths_B + n - 1)[:, None]
-    logits_Bx1xV, kv = model.decode_step(last_B[:, None], kv, valid_BxS, slot, positions_Bx1)
+    logits_Bx1xV, kv = model.decode_step(last_B[:, None], kv, valid_BxS[:, :slots], slot, positions_Bx1)
     new_B = jnp.where(done_B, cfg.pad_id, pick(logits_Bx1xV[:, 0], n))
     tokens_BxN = jax.lax.dynamic_update_slice(tokens_BxN, new_B[:, None], (0, n))
     mask_BxN = jax.lax.dynamic_update_slice(mask_BxN, ~done_B[:, None], (0, n))
@@ -243,12 +237,8 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
 
   carry = (jnp.int32(1), kv, valid_BxS, first_B, done_B, tokens_BxN, mask_BxN, out_logits)
   for stop, slots in stages:
-    n, kv, valid_BxS, *rest = carry
-    if slots > valid_BxS.shape[1]:
-      kv = [(_grow(k, slots, kv_sharding), _grow(v, slots, kv_sharding)) for k, v in kv]
-      valid_BxS = _grow(valid_BxS, slots, kv_sharding)
     cond = lambda c, stop=stop: (c[0] < stop) & ~jnp.all(c[4])  # noqa: E731
-    carry = jax.lax.while_loop(cond, body, (n, kv, valid_BxS, *rest))
+    carry = jax.lax.while_loop(cond, functools.partial(body, slots=slots), carry)
   _, _, _, _, _, tokens_BxN, mask_BxN, out_logits = carry
   return Generation(tokens_BxN, mask_BxN, jnp.sum(mask_BxN, axis=-1, dtype=jnp.int32), out_logits)
 
