@@ -30,7 +30,10 @@ with scanned layers as it trains, or ``generate-unrolled``: built unrolled; both
 cache each) and tunix's ``Sampler``
 (`bench.tunix_generate`) with the pair's student shape, float32 weights computing in bfloat16, temperature 1; each
 batch's first call compiles (``first_call_s``), its tokens/s is ``batch * new`` over the median of `GEN_CALLS`
-calls after it.
+calls after it. Variants of meshdistill's decoding, each measured in turn in the same process (rows say which):
+``--gen-loops 4,8`` the number of decoding loops (`meshdistill.models.generate.DECODE_STAGES`, replaced for the
+measurement), ``--gen-programs default,selective`` the compilation (`generate.decoding_program`'s choice by default;
+``selective``: `generate.SELECTIVE_MSA` at every batch, ``default``: at none; a TPU's).
 
 Rows are appended to ``--out`` (default ``benchmarks/results/tpu_step.jsonl``), each with its date, the commit of the
 code measured (``--commit``, default this checkout's HEAD: a run without either is refused before anything is
@@ -41,6 +44,7 @@ measured), its command, and the chip, jax and libtpu versions; ``--render`` prin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -130,14 +134,41 @@ def _gen_row(pair: str, system: str, b: int, prompt: int, new: int) -> dict:
   return {"pair": pair, "system": system, "batch": b, "prompt": prompt, "new": new}
 
 
+@contextlib.contextmanager
+def decoding_variant(loops: int | None = None, program: str = "auto"):
+  """`meshdistill.models.generate` decoding in ``loops`` loops (None: its `DECODE_STAGES`) with ``program``'s
+  compilation (``auto``: `decoding_program`'s choice; ``selective``: `SELECTIVE_MSA` at every batch; ``default``: at
+  none), the module as it was afterwards. The compiled programs are dropped on the way in and out: a program traced
+  under one variant is never run under another."""
+  from meshdistill.models import generate as gen
+
+  if program not in GEN_PROGRAMS:
+    raise ValueError(f"decoding program {program!r}: choose from {', '.join(GEN_PROGRAMS)}")
+  if loops is not None and (isinstance(loops, bool) or not isinstance(loops, int) or loops < 1):
+    raise ValueError(f"decoding loops {loops!r}: a positive integer (e.g. 4)")
+  saved = gen.DECODE_STAGES, gen.cache_bound
+  drop = lambda: [f.clear_cache() for f in (gen._generate_jit, gen._generate_jit_selective_msa)]  # noqa: E731
+  drop()
+  try:
+    if loops is not None:
+      gen.DECODE_STAGES = loops
+    if program != "auto":
+      gen.cache_bound = lambda *a, **k: program == "selective"
+    yield
+  finally:
+    gen.DECODE_STAGES, gen.cache_bound = saved
+    drop()
+
+
 def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: int,
-                       system: str = "generate") -> list[dict]:
+                       system: str = "generate", loops: int | None = None, program: str = "auto") -> list[dict]:
   """Cached sampling (`meshdistill.models.generate`, the on-policy path's sampler) with the pair's student as it
   trains (float32 weights, bfloat16 compute, temperature 1, no filters): tokens/s per batch size beside the
   HBM-bandwidth limit (weights and the KV cache read once per decoded token). ``first_call_s``: the first call
   (compiles); ``seconds``: the median of `GEN_CALLS` calls after it. ``system``: ``generate`` (the student's layers
   scanned, as `tpu_step` trains it) or ``generate-unrolled`` (``scan_layers=False``); both decode the layers unrolled
-  with one KV cache per layer (`meshdistill.models._scan.layer_blocks`)."""
+  with one KV cache per layer (`meshdistill.models._scan.layer_blocks`). ``loops`` / ``program``: a variant of the
+  decoding (`decoding_variant`), stored in each row where named."""
   import jax
   import numpy as np
 
@@ -145,38 +176,45 @@ def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: in
   from meshdistill.models.generate import SamplingConfig, generate
 
   dev = jax.devices()[0]
+  if program == "selective" and dev.platform != "tpu":
+    raise ValueError(f"decoding program 'selective' compiles with a libtpu option: a TPU's, not {dev.platform}'s")
   bandwidth = {"TPU v5 lite": 819e9}.get(dev.device_kind)
   _, scfg = model_configs(pair, Setting(attn="xla", remat="none", scan=GEN_LAYERS[system]))
   scfg = scfg.replace(max_len=prompt + new)
   model = md.init_model(scfg, seed=1)
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx_state(model)))
   rows = []
-  for b in batches:
-    cfg = SamplingConfig(max_new_tokens=new, temperature=1.0)
-    rng = np.random.default_rng(b)
-    prompts = rng.integers(0, scfg.vocab_size, (b, prompt)).astype(np.int32)
-    mask = np.ones((b, prompt), bool)
-    row = _gen_row(pair, system, b, prompt, new)
-    try:
-      t0 = time.perf_counter()
-      jax.block_until_ready(generate(model, prompts, mask, jax.random.key(0), cfg))
-      first = time.perf_counter() - t0
-      times = []
-      for call in range(GEN_CALLS):
+  with decoding_variant(loops, program):  # the variant named, if any
+    for b in batches:
+      cfg = SamplingConfig(max_new_tokens=new, temperature=1.0)
+      rng = np.random.default_rng(b)
+      prompts = rng.integers(0, scfg.vocab_size, (b, prompt)).astype(np.int32)
+      mask = np.ones((b, prompt), bool)
+      row = _gen_row(pair, system, b, prompt, new)
+      if loops is not None:
+        row["loops"] = loops
+      if program != "auto":
+        row["program"] = program
+      try:
         t0 = time.perf_counter()
-        jax.block_until_ready(generate(model, prompts, mask, jax.random.key(call + 1), cfg))
-        times.append(time.perf_counter() - t0)
-      seconds = float(np.median(times))
-      kv_per_token = 2 * scfg.n_layers * scfg.n_kv_heads * scfg.hd * 2  # k and v, bfloat16, per cached position
-      mean_len = prompt + new / 2
-      bytes_per_step = weights + b * kv_per_token * mean_len
-      limit = None if bandwidth is None else b * bandwidth / bytes_per_step
-      row.update(seconds=seconds, times=times, first_call_s=first, tokens_per_s=b * new / seconds,
-                 bandwidth_limit_tokens_per_s=limit, weight_bytes=weights, device=dev.device_kind,
-                 dtype="bfloat16", param_dtype="float32")
-    except Exception as e:  # noqa: BLE001
-      row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-    rows.append(row)
+        jax.block_until_ready(generate(model, prompts, mask, jax.random.key(0), cfg))
+        first = time.perf_counter() - t0
+        times = []
+        for call in range(GEN_CALLS):
+          t0 = time.perf_counter()
+          jax.block_until_ready(generate(model, prompts, mask, jax.random.key(call + 1), cfg))
+          times.append(time.perf_counter() - t0)
+        seconds = float(np.median(times))
+        kv_per_token = 2 * scfg.n_layers * scfg.n_kv_heads * scfg.hd * 2  # k and v, bfloat16, per cached position
+        mean_len = prompt + new / 2
+        bytes_per_step = weights + b * kv_per_token * mean_len
+        limit = None if bandwidth is None else b * bandwidth / bytes_per_step
+        row.update(seconds=seconds, times=times, first_call_s=first, tokens_per_s=b * new / seconds,
+                   bandwidth_limit_tokens_per_s=limit, weight_bytes=weights, device=dev.device_kind,
+                   dtype="bfloat16", param_dtype="float32")
+      except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+      rows.append(row)
   return rows
 
 
@@ -223,7 +261,7 @@ def summary(row: dict) -> str:
     return (f"{row['pair']} {row['system']} {row['label']}: {row['step_s'] * 1e3:.0f} ms/step, "
             f"{row['tokens_per_s']:.0f} tok/s, peak {(row.get('peak_bytes') or 0) / 2**30:.2f} GiB")
   if row.get("system") in GEN_SYSTEMS:
-    return (f"{row['pair']} {row['system']} batch {row['batch']} ({row['prompt']} + {row['new']} tokens): "
+    return (f"{row['pair']} {sampler_label(row)} batch {row['batch']} ({row['prompt']} + {row['new']} tokens): "
             f"{row['tokens_per_s']:.0f} tok/s, first call {row['first_call_s']:.1f} s (bandwidth limit "
             f"{generation_limit(row):.0f} tok/s at 819 GB/s)")
   if row.get("system") in ("cli", "cli-scan"):
@@ -553,6 +591,17 @@ def side_by_side_section(rows: list[dict], superseded: bool = False, peers: list
 GEN_SYSTEMS = {"generate": "meshdistill", "generate-unrolled": "meshdistill, layers unrolled",
                "tunix-generate": "tunix"}
 GEN_LAYERS = {"generate": "both", "generate-unrolled": "none"}  # meshdistill's samplers: `Setting.scan` of the student
+GEN_PROGRAMS = ("auto", "selective", "default")  # `decoding_variant`'s compilations
+
+
+def sampler_label(r: dict) -> str:
+  """The sampler's name in the table: the system's, with the decoding variant its row names (`decoding_variant`)."""
+  label = GEN_SYSTEMS[r["system"]]
+  if r.get("loops") is not None:
+    label += f", {r['loops']} decoding loop{'s' if r['loops'] != 1 else ''}"
+  if r.get("program", "auto") != "auto":
+    label += f", {r['program']} memory-space assignment at every batch"
+  return label
 
 
 def _did_not_run(error: str) -> str:
@@ -567,7 +616,8 @@ def generation_section(gen: list[dict], heading: str | None = None) -> list[str]
     return []
 
   def order(r):
-    return r.get("prompt", 0), r.get("new", 0), r["batch"], list(GEN_SYSTEMS).index(r["system"]), r.get("date", "")
+    return (r.get("prompt", 0), r.get("new", 0), r["batch"], list(GEN_SYSTEMS).index(r["system"]), sampler_label(r),
+            r.get("date", ""))
 
   if heading:
     out = ["", heading, ""]
@@ -582,7 +632,7 @@ def generation_section(gen: list[dict], heading: str | None = None) -> list[str]
   out[-1] = "|---|---|---:|---|---:|---:|---:|---:|---|" + "---|" * len(PROVENANCE)
   for r in sorted(gen, key=(lambda r: r.get("date", "")) if heading else order):  # the appendix: by date
     lengths = f"{r.get('prompt', '?')} + {r.get('new', '?')}"
-    head = f"| {r['pair']} | {GEN_SYSTEMS[r['system']]} | {r['batch']} | {lengths} |"
+    head = f"| {r['pair']} | {sampler_label(r)} | {r['batch']} | {lengths} |"
     if "error" in r:
       out.append(f"{head} | | | | {_did_not_run(r['error'])} | {provenance(r)}")
       continue
@@ -630,6 +680,11 @@ def main(argv=None) -> int:
   parser.add_argument("--gen-batches", default="1,8,64", help="batch sizes of the generate systems")
   parser.add_argument("--gen-lengths", default="128,256", metavar="PROMPT,NEW",
                       help="prompt tokens and new tokens per row of the generate systems")
+  parser.add_argument("--gen-loops", default=None, metavar="N,N",
+                      help="meshdistill's decoding in each of these numbers of loops, in turn (default: the package's)")
+  parser.add_argument("--gen-programs", default="auto", metavar="P,P",
+                      help="meshdistill's decoding compiled each of these ways, in turn: auto (the package's choice), "
+                           "selective (libtpu's selective memory-space assignment at every batch), default (at none)")
   parser.add_argument("--commit", default=None,
                       help="the commit of the code measured, stored with every row (default: this checkout's HEAD; "
                            "name it where the checkout has no .git, or where PYTHONPATH runs another checkout)")
@@ -657,6 +712,14 @@ def main(argv=None) -> int:
     use_compile_cache()
     print(f"devices: {jax.devices()}", flush=True)
   batches = tuple(int(b) for b in args.gen_batches.split(","))
+  try:
+    loops_list = [None] if args.gen_loops is None else [int(n) for n in args.gen_loops.split(",")]
+  except ValueError:
+    parser.error(f"--gen-loops {args.gen_loops!r}: give numbers of decoding loops, e.g. 4,8")
+  programs = args.gen_programs.split(",")
+  if any(n is not None and n < 1 for n in loops_list) or set(programs) - set(GEN_PROGRAMS):
+    parser.error(f"--gen-loops {args.gen_loops} / --gen-programs {args.gen_programs}: loops are positive integers "
+                 f"(e.g. 4,8), programs among {', '.join(GEN_PROGRAMS)}")
   try:
     prompt, new = (int(x) for x in args.gen_lengths.split(","))
   except ValueError:
@@ -689,8 +752,10 @@ def main(argv=None) -> int:
     for row in measure_tunix(args.pair, settings, args.steps):
       keep(row)
   for system in (s for s in GEN_LAYERS if s in systems):
-    for row in measure_generation(args.pair, batches, prompt, new, system):
-      keep(row)
+    for loops in loops_list:
+      for program in programs:
+        for row in measure_generation(args.pair, batches, prompt, new, system, loops, program):
+          keep(row)
   if "tunix-generate" in systems:
     for row in measure_tunix_generation(args.pair, batches, prompt, new):
       keep(row)

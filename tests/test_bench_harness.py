@@ -279,6 +279,38 @@ def test_the_sampler_runs_over_scanned_or_unrolled_layers_and_the_table_names_wh
   assert [line.split(" | ")[1] for line in table] == ["meshdistill", "meshdistill, layers unrolled", "tunix"], table
 
 
+def test_a_decoding_variant_is_measured_in_its_own_programs_named_in_its_rows_and_undone_after(tpu_step):
+  """``--gen-loops`` / ``--gen-programs``: `decoding_variant` replaces the package's number of decoding loops and its
+  choice of compilation while it measures (the loops a traced program holds are the variant's: the jitted programs
+  are dropped on the way in and out), then restores both; each row names its variant and the table says it; a
+  variant it cannot measure is refused by name."""
+  from meshdistill.models import generate as gen
+
+  saved = gen.DECODE_STAGES, gen.cache_bound
+  seen = []
+  real = gen.decode_stages
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(gen, "decode_stages", lambda p, n: (seen.append(gen.DECODE_STAGES), real(p, n))[1])
+    with tpu_step.decoding_variant(1, "default"):
+      assert gen.DECODE_STAGES == 1 and gen.cache_bound(None, 0, 0, 0) is False
+    rows = [r for loops in (1, 2) for r in tpu_step.measure_generation("tiny", (2,), 4, 64, loops=loops)]
+  assert (gen.DECODE_STAGES, gen.cache_bound) == saved
+  assert seen == [1, 2], seen  # each variant traced afresh, with its own loops
+  assert [(r["loops"], "program" in r, "error" in r) for r in rows] == [(1, False, False), (2, False, False)], rows
+  for r in rows:
+    r["bandwidth_limit_tokens_per_s"] = 1e4
+  variant = {**rows[1], "program": "selective"}
+  table = [line.split(" | ")[1] for line in tpu_step.generation_section(rows + [variant]) if line.startswith("| tiny")]
+  assert table == ["meshdistill, 1 decoding loop", "meshdistill, 2 decoding loops",
+                   "meshdistill, 2 decoding loops, selective memory-space assignment at every batch"], table
+  with pytest.raises(ValueError, match="decoding program 'fast': choose from auto, selective, default"):
+    with tpu_step.decoding_variant(None, "fast"):
+      pass
+  with pytest.raises(ValueError, match="a TPU's, not cpu's"):
+    tpu_step.measure_generation("tiny", (2,), 4, 3, program="selective")
+  assert (gen.DECODE_STAGES, gen.cache_bound) == saved
+
+
 def test_a_decoding_trace_s_instructions_fall_in_the_roles_their_descriptions_name():
   """`decode_profile.role_of` on instructions as a v5e trace of cached sampling named and described them (batch 64,
   8 key/value heads of 128): each role by what the instruction computes, whatever the cache's rows and slots."""
