@@ -251,8 +251,9 @@ def test_moe_ragged_dot_experts_equal_a_loop_over_experts(dtype, drop):
 
 @pytest.mark.parametrize("scanned", [False, True], ids=["per-layer", "scanned"])
 def test_cached_generation_logits_equal_the_full_forward_at_every_generated_position(scanned):
-  """Greedy decoding with the KV cache (left-padded prompts of 7 and 12 tokens, 70 new tokens decoded in two loops
-  whose caches grow between them (`generate.decode_stages`), a sliding window of 6 that the cache must apply)
+  """Greedy decoding with the KV cache (left-padded prompts of 7 and 12 tokens, 70 new tokens decoded in two loops,
+  each attending to the prefix of the cache filled so far (`generate.decode_stages`), a sliding window of 6 that the
+  cache must apply)
   against one full forward pass per row over its prompt and generated tokens; per-layer caches, and stacked caches
   written in place through the layer scan."""
   cfg = CHIP_CFG.replace(sliding_window=6, attn_softcap=None, qk_norm=True, scan_layers=scanned)
