@@ -264,7 +264,7 @@ def test_a_cache_attends_to_the_slots_its_mask_covers_and_refuses_a_mask_longer_
     got_k, got_v = cache.attended()
     np.testing.assert_array_equal(got_k, k[:, :S])
     np.testing.assert_array_equal(got_v, -k[:, :S])
-  with pytest.raises(ValueError, match="covers 7 slots of a cache of 6"):
+  with pytest.raises(ValueError, match="covers 7 slots but the cache holds 6"):
     KVCache(k, k, jnp.ones((2, 7), bool), 0, jnp.zeros((2, 1), jnp.int32)).attended()
 
 

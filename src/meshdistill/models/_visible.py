@@ -40,7 +40,8 @@ class KVCache(NamedTuple):
     """``(k, v)`` of the slots ``valid_BxS`` covers (a static prefix of the cache: read in place, not copied)."""
     S = self.valid_BxS.shape[1]
     if S > self.k.shape[1]:
-      raise ValueError(f"valid_BxS covers {S} slots of a cache of {self.k.shape[1]}")
+      raise ValueError(f"KVCache.valid_BxS covers {S} slots but the cache holds {self.k.shape[1]}: the mask marks the "
+                       f"slots to attend to, at most the cache's (Decoder.empty_cache(batch, slots))")
     return (self.k, self.v) if S == self.k.shape[1] else (self.k[:, :S], self.v[:, :S])
 
   def visible(self, T: int, window: int | None = None) -> jax.Array:
