@@ -45,10 +45,10 @@ CONFIGS = {
     "moe_scanned": BASE.replace(moe=MOE, scan_layers=True),
 }
 GENERATED = ("dense", "gemma_scanned", "moe_mixed_capacity")  # cached decoding: unrolled, scanned, experts
-# With an expert capacity the left-padded row's pad tokens take capacity in the prompt's pass (the experts see no
-# padding mask), so that row's generated logits also pin what a pad token's query, which sees no key, computes: the
-# mean of the values of the slots the prompt's pass attends to (its 4 slots; 7, the whole first loop's cache, before
-# ad5e07f, when this row's pinned logits were rewritten; the unpadded row's stayed equal to the bit).
+# The left-padded row of the expert-capacity case: its padding takes no expert's places (the prompt's pass tells
+# the experts which tokens are padding); its generated logits were pinned again when that began, and once before
+# when the prompt's pass began attending to the prompt's slots only (pad tokens then took capacity, and their
+# queries, which see no key, average the slots attended to). The unpadded row's stayed equal to the bit both times.
 
 
 def forward_outputs(name: str) -> dict[str, np.ndarray]:

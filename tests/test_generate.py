@@ -253,6 +253,23 @@ def test_decoding_over_scanned_blocks_stages_no_cache_on_a_tpu():
   assert prefix, "the first loop's prefix is not read inside a fusion"
 
 
+def test_with_an_expert_capacity_a_left_padded_prompt_generates_what_it_would_alone():
+  """A mixture of experts with a capacity (assignments dropped past it): a prompt's left padding takes no expert's
+  places in the prompt's pass and the prompt's capacity counts its real tokens, so a padded row's logits and tokens
+  are those of the row decoded alone, unpadded (before, its padding ranked first for every expert)."""
+  from meshdistill.models.moe import MoeConfig
+
+  cfg = CFG.replace(moe=MoeConfig(n_experts=4, top_k=2, expert_hidden=16, capacity_factor=1.0))
+  model = md.init_model(cfg, seed=2)
+  prompts = [[5, 9, 2, 7, 1, 8, 3], [3, 8, 12]]
+  tokens, mask = left_pad(prompts)
+  sc = SamplingConfig(max_new_tokens=6, temperature=0)
+  batch = generate(model, tokens, mask, None, sc, return_logits=True)
+  alone = generate(model, np.asarray([prompts[1]], np.int32), np.ones((1, 3), bool), None, sc, return_logits=True)
+  np.testing.assert_array_equal(batch.tokens_BxN[1], alone.tokens_BxN[0])
+  np.testing.assert_allclose(batch.logits_BxNxV[1], alone.logits_BxNxV[0], rtol=1e-5, atol=1e-5)
+
+
 def test_a_cache_attends_to_the_slots_its_mask_covers_and_refuses_a_mask_longer_than_itself():
   """`KVCache.attended`: the first ``valid_BxS.shape[1]`` slots of a longer cache (a decoding loop's prefix), the
   whole cache where the mask covers it, and a clear error where the mask covers more slots than the cache holds."""

@@ -3,6 +3,7 @@ the Hugging Face MoE fixtures on one device and with experts split over an ``exp
 student steps on 2x4 and on expert-split layouts (with fsdp) against one device, with the HLO audit of the token
 exchange."""
 
+import dataclasses
 import pathlib
 import re
 
@@ -74,6 +75,32 @@ def test_capacity_keeps_first_choices_then_earlier_tokens_and_counts_the_rest():
   assert MoeConfig(n_experts=4, top_k=2).capacity(8) is None
   (routing,) = _forward(MOE_STUDENT, 1, make_batch()["inputs"]).router  # layer 1 is dense
   assert routing.logits_BxTxE.shape == (8, 8, 4) and float(jnp.sum(routing.dropped_BxT)) > 0
+
+
+def test_padding_takes_no_expert_capacity_and_a_sequence_s_capacity_counts_its_real_tokens():
+  """`capacity_keep` with ``valid_BxT``: a padding token's assignments are never kept and displace none (the tokens
+  after it keep what they keep without it), with one capacity per sequence; `MoE` reads that capacity from the
+  sequence's real tokens, and its `Routing.dropped_BxT` counts no dropped assignment for padding. Packed documents
+  tell the block their padding (ids 0): a row with padding in front of its document routes the document's tokens as
+  the document alone (every capacity-bound layer), and the outputs are those of the document alone."""
+  experts = jnp.array([[[0, 1], [0, 2], [0, 1]], [[0, 1], [0, 2], [0, 1]]])  # two sequences of the test above
+  valid = jnp.array([[False, True, True], [True, True, True]])
+  keep = capacity_keep(experts, n_experts=3, capacity=jnp.array([2, 1]), valid_BxT=valid)
+  np.testing.assert_array_equal(keep[0], [[False, False], [True, True], [True, True]])  # as tokens 2, 3 alone
+  np.testing.assert_array_equal(keep[1], [[True, True], [False, True], [False, False]])  # capacity 1: firsts first
+  cfg = MOE_STUDENT.replace(moe=dataclasses.replace(MOE_STUDENT.moe, dense_layers=()))
+  model = md.init_model(cfg, seed=3)
+  doc = np.random.default_rng(4).integers(1, cfg.vocab_size, (1, 5)).astype(np.int32)
+  padded = np.concatenate([np.zeros((1, 3), np.int32), doc], axis=1)
+  run = jax.jit(lambda m, t, ids: m(t, capture=("router",), segment_ids=ids))
+  alone = run(model, jnp.asarray(doc), jnp.ones((1, 5), jnp.int32))
+  got = run(model, jnp.asarray(padded), jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1]], jnp.int32))
+  assert cfg.moe.capacity(5) < cfg.moe.capacity(8)  # the padded row's length would give the document more room
+  assert float(sum(jnp.sum(r.dropped_BxT) for r in alone.router)) > 0, "no assignment dropped: the test shows nothing"
+  for a, g in zip(alone.router, got.router):
+    np.testing.assert_array_equal(g.dropped_BxT[:, 3:], a.dropped_BxT)
+    assert not np.asarray(g.dropped_BxT[:, :3]).any()
+  np.testing.assert_allclose(got.logits[:, 3:], alone.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_scanned_moe_blocks_equal_unrolled_with_their_routing():

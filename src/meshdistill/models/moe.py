@@ -24,7 +24,9 @@ Dropless by default. With ``capacity_factor`` each expert takes at most
 ``ceil(capacity_factor * T * top_k / E)`` assignments of each sequence (a sequence is the group: the rule does not
 depend on how rows are spread over devices); first choices come before second choices, earlier tokens before later
 ones; the overflow is dropped (sorted past the last group, so `ragged_dot` computes nothing for it, and weighted 0;
-the token keeps its residual). `Routing.dropped_BxT` counts each token's dropped assignments.
+the token keeps its residual). `Routing.dropped_BxT` counts each token's dropped assignments. Where the block knows
+which tokens are padding (``valid_BxT``: a decoding call's prompt padding, the ids of packed documents) padding takes
+no capacity and ``T`` counts a sequence's real tokens, so a left-padded prompt routes as it would alone.
 """
 
 from __future__ import annotations
@@ -126,14 +128,21 @@ def route(logits_NxE: jax.Array, moe: MoeConfig) -> tuple[jax.Array, jax.Array]:
   return weights_Nxk, experts_Nxk
 
 
-def capacity_keep(experts_BxTxk: jax.Array, n_experts: int, capacity: int) -> jax.Array:
-  """bool ``[B, T, k]``: the assignments each expert takes within its sequence's ``capacity``, first choices of
-  all tokens before second choices, earlier tokens first."""
+def capacity_keep(experts_BxTxk: jax.Array, n_experts: int, capacity, valid_BxT: jax.Array | None = None) -> jax.Array:
+  """bool ``[B, T, k]``: the assignments each expert takes within its sequence's ``capacity`` (one for all, or one
+  per sequence ``[B]``), first choices of all tokens before second choices, earlier tokens first. A token
+  ``valid_BxT`` marks False (padding) takes none and is counted by none."""
   B, T, k = experts_BxTxk.shape
   order_BxKT = jnp.swapaxes(experts_BxTxk, 1, 2).reshape(B, k * T)  # choice-major priority
   onehot = jax.nn.one_hot(order_BxKT, n_experts, dtype=jnp.int32)  # [B, kT, E]
+  valid_BxKT = None if valid_BxT is None else jnp.tile(valid_BxT, (1, k))  # the same order: choice c of token t
+  if valid_BxKT is not None:
+    onehot = onehot * valid_BxKT[..., None]
   position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)  # rank within its expert
-  return jnp.swapaxes((position < capacity).reshape(B, k, T), 1, 2)
+  keep_BxKT = position < jnp.reshape(jnp.asarray(capacity), (-1, 1))
+  if valid_BxKT is not None:
+    keep_BxKT = keep_BxKT & valid_BxKT
+  return jnp.swapaxes(keep_BxKT.reshape(B, k, T), 1, 2)
 
 
 def grouped_experts(x_NxD, experts_Nxk, weights_Nxk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, keep_Nxk=None):
@@ -285,7 +294,9 @@ class MoE(nnx.Module):
     self.up = param(init, (E, D, F), "experts", "embed", "mlp")
     self.down = param(init, (E, F, D), "experts", "mlp", "embed")
 
-  def __call__(self, x_BxTxD: jax.Array) -> BlockOutput:
+  def __call__(self, x_BxTxD: jax.Array, valid_BxT: jax.Array | None = None) -> BlockOutput:
+    """``valid_BxT``: the tokens that are not padding, where known (None: all are); with a capacity, padding takes
+    none and a sequence's capacity counts its real tokens (see the module doc)."""
     B, T, D = x_BxTxD.shape
     x_NxD = x_BxTxD.reshape(-1, D)
     logits_NxE = jnp.dot(x_NxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
@@ -300,8 +311,13 @@ class MoE(nnx.Module):
     keep_Nxk = None
     dropped_BxT = jnp.zeros((B, T), jnp.float32)
     if capacity is not None:
-      keep_Nxk = capacity_keep(experts_Nxk.reshape(B, T, k), self.moe.n_experts, capacity).reshape(-1, k)
-      dropped_BxT = jnp.sum(~keep_Nxk, axis=-1).astype(jnp.float32).reshape(B, T)
+      if valid_BxT is not None:  # per sequence, of its real tokens: the same rule, read from a table of T + 1 counts
+        table = jnp.asarray([self.moe.capacity(n) for n in range(T + 1)], jnp.int32)
+        capacity = table[jnp.sum(valid_BxT, axis=1, dtype=jnp.int32)]
+      keep_BxTxk = capacity_keep(experts_Nxk.reshape(B, T, k), self.moe.n_experts, capacity, valid_BxT)
+      keep_Nxk = keep_BxTxk.reshape(-1, k)
+      dropped_BxTxk = ~keep_BxTxk if valid_BxT is None else ~keep_BxTxk & valid_BxT[..., None]  # padding: none
+      dropped_BxT = jnp.sum(dropped_BxTxk, axis=-1).astype(jnp.float32)
     w = [v[...].astype(self.dtype) for v in (self.gate, self.up, self.down)]
     y_NxD = experts_on_mesh(x_NxD.astype(self.dtype), experts_Nxk, weights_Nxk, *w, keep_Nxk)
     return BlockOutput(y_NxD.reshape(B, T, D), aux=Routing(logits_NxE.reshape(B, T, -1), dropped_BxT))
