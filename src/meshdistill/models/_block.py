@@ -196,15 +196,13 @@ class Block(nnx.Module):
                segments: Segments | None = None) -> BlockOutput:
     a = self.attn(self.attn_norm(x_BxTxD), want_probs, cache, segments)
     x_BxTxD = x_BxTxD + post_norm(self.post_attn_norm, a.x)
-    valid_BxT = _not_padding(cache, segments, x_BxTxD.shape[1]) if _capped(self.mlp) else None
-    m = self.mlp(self.mlp_norm(x_BxTxD)) if valid_BxT is None else self.mlp(self.mlp_norm(x_BxTxD), valid_BxT)
+    h_BxTxD = self.mlp_norm(x_BxTxD)
+    if isinstance(self.mlp, MoE) and self.mlp.moe.capacity_factor is not None:  # padding would take experts' places
+      m = self.mlp(h_BxTxD, _not_padding(cache, segments, x_BxTxD.shape[1]))
+    else:
+      m = self.mlp(h_BxTxD)
     x_BxTxD = x_BxTxD + post_norm(self.post_mlp_norm, m.x)
     return BlockOutput(x_BxTxD, cache=a.cache, probs=a.probs, aux=m.aux)
-
-
-def _capped(mlp) -> bool:
-  """Whether ``mlp`` is a mixture of experts with a capacity (where padding would take an expert's places)."""
-  return isinstance(mlp, MoE) and mlp.moe.capacity_factor is not None
 
 
 def _not_padding(cache: KVCache | None, segments: Segments | None, T: int) -> jax.Array | None:
