@@ -340,9 +340,10 @@ def test_decoding_is_cache_bound_where_the_caches_outweigh_the_weights_and_the_c
                     reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
 def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm():
   """Compiled for one v5e chip (nothing runs), an 8-layer decoder with caches of the benchmark's shape (64 rows, 8
-  key/value heads of 128, bfloat16, 128 + 256 tokens): by default libtpu's memory-space assignment stages caches in
-  on-chip memory inside the decoding loops (copies of whole caches each token: 10 of 16 here); the program
-  `decoding_program` picks there (`SELECTIVE_MSA`) copies none."""
+  key/value heads of 128, bfloat16, 128 + 256 tokens): the program `decoding_program` picks there (`SELECTIVE_MSA`)
+  copies no cache into on-chip memory inside the decoding loops. (libtpu's default memory-space assignment staged
+  10 of the 16 caches so, copies of whole caches each token, when this program was compiled with it at 3db1e63; the
+  default program is not compiled here, to keep the suite's time.)"""
   import re
 
   from jax.sharding import SingleDeviceSharding
@@ -362,20 +363,19 @@ def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm():
   program = gen_mod.decoding_program(state, cfg, B, P + N - 1)
   assert program is gen_mod._generate_jit_selective_msa
 
-  def cache_copies_in_loops(fn):
-    hlo = fn.lower(state, *args, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=N), return_logits=False,
-                   mesh=None).compile().as_text()
-    cache = rf"\[\d+,\d+,{cfg.n_kv_heads},{cfg.hd}\]"  # a cache [B, S, G, K], or a block of its rows
-    body, found = None, []
-    for line in hlo.splitlines():
-      if not line.startswith(" "):
-        body = line.split(" ")[0]
-      elif not body.startswith("ENTRY") and re.search(rf"= \(\w+{cache}.*(copy-start|slice-start)\(", line):
+  hlo = program.lower(state, *args, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=N), return_logits=False,
+                      mesh=None).compile().as_text()
+  cache = rf"\[\d+,\d+,{cfg.n_kv_heads},{cfg.hd}\]"  # a cache [B, S, G, K], or a block of its rows
+  body, found, reads = None, [], 0
+  for line in hlo.splitlines():
+    if not line.startswith(" "):
+      body = line.split(" ")[0]
+    elif not body.startswith("ENTRY"):
+      reads += bool(re.search(rf"{B},{P + N - 1},{cfg.n_kv_heads},{cfg.hd}\]", line))
+      if re.search(rf"= \(\w+{cache}.*(copy-start|slice-start)\(", line):
         found.append(line.strip()[:100])
-    return found
-
-  assert cache_copies_in_loops(gen_mod._generate_jit), "the default no longer stages caches: the test shows nothing"
-  assert cache_copies_in_loops(program) == []
+  assert reads, "no instruction outside the entry touches a whole cache: the test reads nothing"
+  assert found == []
 
 
 @pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
