@@ -247,12 +247,10 @@ _STATIC = ("graphdef", "cfg", "return_logits", "mesh")
 _generate_jit = jax.jit(_generate, static_argnames=_STATIC)
 
 # Inside the decoding loops libtpu's memory-space assignment stages some layers' key/value caches in on-chip memory
-# and copies each one back to HBM after the token's slot is written: at batch 64 of a Qwen3-0.6B-shaped student
-# (128 + 256 tokens) 50 MB copied a layer and token, 0.29 of 3.22 ms a token (`benchmarks/decode_profile.py`).
-# Asked to skip placements whose uses are small against their copies, it leaves the caches in HBM (the compiled loops
-# keep 14 of 64 cache copies, and fewer of the weights' prefetches): 18,910 -> 20,314 tokens/s on a v5e
-# (benchmarks/results/tpu_step.md). Where the weights outweigh the caches (small batches, short sequences) the
-# default assignment, whose prefetches are then mostly of weights, is kept: the option is not measured there.
+# and copies each one back to HBM after the token's slot is written: a whole cache moved per layer and token where
+# the loop needs one slot of it. Asked to skip placements whose uses are small against their copies, it leaves the
+# caches in HBM. Where the weights outweigh the caches (small batches, short sequences) the default assignment,
+# whose prefetches are then mostly of weights, is kept. Measurements: benchmarks/results/tpu_step.md (sampling).
 SELECTIVE_MSA = {"xla_tpu_msa_inefficient_use_to_copy_ratio": 2.0}
 _generate_jit_selective_msa = jax.jit(_generate, static_argnames=_STATIC, compiler_options=SELECTIVE_MSA)
 
