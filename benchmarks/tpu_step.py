@@ -31,9 +31,10 @@ cache each) and tunix's ``Sampler``
 (`bench.tunix_generate`) with the pair's student shape, float32 weights computing in bfloat16, temperature 1; each
 batch's first call compiles (``first_call_s``), its tokens/s is ``batch * new`` over the median of `GEN_CALLS`
 calls after it. Variants of meshdistill's decoding, each measured in turn in the same process (rows say which):
-``--gen-loops 4,8`` the number of decoding loops (`meshdistill.models.generate.DECODE_STAGES`, replaced for the
-measurement), ``--gen-programs default,selective`` the compilation (`generate.decoding_program`'s choice by default;
-``selective``: `generate.SELECTIVE_MSA` at every batch, ``default``: at none; a TPU's).
+``--gen-loops 4,8`` the number of decoding loops (`meshdistill.models.generate.DECODE_STAGES` and
+`CACHE_BOUND_STAGES`, both replaced for the measurement), ``--gen-programs default,selective`` the compilation
+(`generate.decoding_program`'s choice by default; ``selective``: the cache-bound program, `generate.SELECTIVE_MSA`,
+at every batch, ``default``: at none; a TPU's).
 
 Rows are appended to ``--out`` (default ``benchmarks/results/tpu_step.jsonl``), each with its date, the commit of the
 code measured (``--commit``, default this checkout's HEAD: a run without either is refused before anything is
@@ -136,8 +137,9 @@ def _gen_row(pair: str, system: str, b: int, prompt: int, new: int) -> dict:
 
 @contextlib.contextmanager
 def decoding_variant(loops: int | None = None, program: str = "auto"):
-  """`meshdistill.models.generate` decoding in ``loops`` loops (None: its `DECODE_STAGES`) with ``program``'s
-  compilation (``auto``: `decoding_program`'s choice; ``selective``: `SELECTIVE_MSA` at every batch; ``default``: at
+  """`meshdistill.models.generate` decoding in ``loops`` loops (None: its `DECODE_STAGES`, or `CACHE_BOUND_STAGES` in
+  the cache-bound program) with ``program``'s compilation (``auto``: `decoding_program`'s choice; ``selective``: the
+  cache-bound program, `SELECTIVE_MSA`, at every batch; ``default``: at
   none), the module as it was afterwards. The compiled programs are dropped on the way in and out: a program traced
   under one variant is never run under another."""
   from meshdistill.models import generate as gen
@@ -146,17 +148,17 @@ def decoding_variant(loops: int | None = None, program: str = "auto"):
     raise ValueError(f"decoding program {program!r}: choose from {', '.join(GEN_PROGRAMS)}")
   if loops is not None and (isinstance(loops, bool) or not isinstance(loops, int) or loops < 1):
     raise ValueError(f"decoding loops {loops!r}: a positive integer (e.g. 4)")
-  saved = gen.DECODE_STAGES, gen.cache_bound
-  drop = lambda: [f.clear_cache() for f in (gen._generate_jit, gen._generate_jit_selective_msa)]  # noqa: E731
+  saved = gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound
+  drop = lambda: [f.clear_cache() for f in (gen._generate_jit, gen._generate_jit_cache_bound)]  # noqa: E731
   drop()
   try:
     if loops is not None:
-      gen.DECODE_STAGES = loops
+      gen.DECODE_STAGES = gen.CACHE_BOUND_STAGES = loops
     if program != "auto":
       gen.cache_bound = lambda *a, **k: program == "selective"
     yield
   finally:
-    gen.DECODE_STAGES, gen.cache_bound = saved
+    gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound = saved
     drop()
 
 
@@ -684,7 +686,8 @@ def main(argv=None) -> int:
                       help="meshdistill's decoding in each of these numbers of loops, in turn (default: the package's)")
   parser.add_argument("--gen-programs", default="auto", metavar="P,P",
                       help="meshdistill's decoding compiled each of these ways, in turn: auto (the package's choice), "
-                           "selective (libtpu's selective memory-space assignment at every batch), default (at none)")
+                           "selective (the cache-bound program, libtpu's selective memory-space assignment, at every "
+                           "batch), default (at none)")
   parser.add_argument("--commit", default=None,
                       help="the commit of the code measured, stored with every row (default: this checkout's HEAD; "
                            "name it where the checkout has no .git, or where PYTHONPATH runs another checkout)")

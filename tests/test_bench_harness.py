@@ -286,15 +286,15 @@ def test_a_decoding_variant_is_measured_in_its_own_programs_named_in_its_rows_an
   variant it cannot measure is refused by name."""
   from meshdistill.models import generate as gen
 
-  saved = gen.DECODE_STAGES, gen.cache_bound
+  saved = gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound
   seen = []
   real = gen.decode_stages
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(gen, "decode_stages", lambda p, n: (seen.append(gen.DECODE_STAGES), real(p, n))[1])
+    mp.setattr(gen, "decode_stages", lambda p, n, loops=None: (seen.append(loops), real(p, n, loops))[1])
     with tpu_step.decoding_variant(1, "default"):
-      assert gen.DECODE_STAGES == 1 and gen.cache_bound(None, 0, 0, 0) is False
+      assert (gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound(None, 0, 0, 0)) == (1, 1, False)
     rows = [r for loops in (1, 2) for r in tpu_step.measure_generation("tiny", (2,), 4, 64, loops=loops)]
-  assert (gen.DECODE_STAGES, gen.cache_bound) == saved
+  assert (gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound) == saved
   assert seen == [1, 2], seen  # each variant traced afresh, with its own loops
   assert [(r["loops"], "program" in r, "error" in r) for r in rows] == [(1, False, False), (2, False, False)], rows
   for r in rows:
@@ -308,7 +308,7 @@ def test_a_decoding_variant_is_measured_in_its_own_programs_named_in_its_rows_an
       pass
   with pytest.raises(ValueError, match="a TPU's, not cpu's"):
     tpu_step.measure_generation("tiny", (2,), 4, 3, program="selective")
-  assert (gen.DECODE_STAGES, gen.cache_bound) == saved
+  assert (gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound) == saved
 
 
 def test_a_decoding_trace_s_instructions_fall_in_the_roles_their_descriptions_name():

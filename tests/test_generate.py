@@ -321,6 +321,25 @@ def test_loops_over_prefixes_of_the_cache_need_no_more_memory_than_one_loop_on_a
   assert peak[4] - peak[1] < prefix_copy, (peak, prefix_copy)  # (the loops' own masks and counters aside)
 
 
+def test_the_cache_bound_program_decodes_in_more_loops_than_the_default(model, monkeypatch):
+  """`_generate` traced as the cache-bound program (`decoding_program`'s choice on a TPU where the caches outweigh the
+  weights) holds `CACHE_BOUND_STAGES` decoding loops, the default program `DECODE_STAGES` (here 8 and 4, loops of
+  one token at least); traced only, nothing compiles."""
+  from meshdistill.models import generate as gen_mod
+
+  monkeypatch.setattr(gen_mod, "MIN_STAGE_TOKENS", 1)
+  tokens, mask = left_pad(PROMPTS)
+  graphdef, params = nnx.split(model)
+  loops = {}
+  for bound in (False, True):
+    run = functools.partial(gen_mod._generate, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=10),
+                            return_logits=False, mesh=None, cache_bound=bound)
+    jaxpr = jax.make_jaxpr(run)(params, tokens, mask, jax.random.key(0))
+    loops[bound] = sum(e.primitive.name == "while" for e in jaxpr.jaxpr.eqns)
+  assert (gen_mod.DECODE_STAGES, gen_mod.CACHE_BOUND_STAGES) == (4, 8)
+  assert loops == {False: 4, True: 8}, loops
+
+
 def test_decoding_is_cache_bound_where_the_caches_outweigh_the_weights_and_the_cpu_keeps_the_default_program():
   """`cache_bound` at the sampling benchmark's shapes (a 14-layer Qwen3-0.6B-shaped student, bfloat16, 128 + 256
   tokens: 0.75 GB of weights): batch 64 reads 1.4 GB of cache a token, batch 8 0.18 GB. Off a TPU the program is the
@@ -338,7 +357,7 @@ def test_decoding_is_cache_bound_where_the_caches_outweigh_the_weights_and_the_c
 
 @pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
                     reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
-def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm():
+def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm(monkeypatch):
   """Compiled for one v5e chip (nothing runs), an 8-layer decoder with caches of the benchmark's shape (64 rows, 8
   key/value heads of 128, bfloat16, 128 + 256 tokens): the program `decoding_program` picks there (`SELECTIVE_MSA`)
   copies no cache into on-chip memory inside the decoding loops. (libtpu's default memory-space assignment staged
@@ -361,10 +380,13 @@ def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm():
   args = (jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=device), jax.ShapeDtypeStruct((B, P), bool, sharding=device),
           jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=device))
   program = gen_mod.decoding_program(state, cfg, B, P + N - 1)
-  assert program is gen_mod._generate_jit_selective_msa
+  assert program is gen_mod._generate_jit_cache_bound
+  monkeypatch.setattr(gen_mod, "CACHE_BOUND_STAGES", 4)  # the loops are alike: half of them to keep the suite's time
+  program.clear_cache()
 
   hlo = program.lower(state, *args, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=N), return_logits=False,
                       mesh=None).compile().as_text()
+  program.clear_cache()
   cache = rf"\[\d+,\d+,{cfg.n_kv_heads},{cfg.hd}\]"  # a cache [B, S, G, K], or a block of its rows
   body, found, reads = None, [], 0
   for line in hlo.splitlines():
@@ -395,9 +417,9 @@ def test_on_a_mesh_decoding_is_cache_bound_by_the_rows_each_device_decodes():
   _, state, _ = abstract_params(qwen)
   one = SingleDeviceSharding(tpu_target("v5e:1x1").devices[0])
   on_one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), state)
-  assert gen_mod.decoding_program(on_one, qwen, 64, 383) is gen_mod._generate_jit_selective_msa
+  assert gen_mod.decoding_program(on_one, qwen, 64, 383) is gen_mod._generate_jit_cache_bound
   mesh = Mesh(np.array(tpu_target("v5e:2x2").devices).reshape(4, 1), ("data", "tensor"))
   on_mesh = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec())),
                          state)
   assert gen_mod.decoding_program(on_mesh, qwen, 64, 383, mesh) is gen_mod._generate_jit
-  assert gen_mod.decoding_program(on_mesh, qwen, 256, 383, mesh) is gen_mod._generate_jit_selective_msa
+  assert gen_mod.decoding_program(on_mesh, qwen, 256, 383, mesh) is gen_mod._generate_jit_cache_bound

@@ -10,7 +10,8 @@ real token) and padding slots are never attended, so a row generates exactly wha
 The whole generation is ONE jitted program per (model, shapes, sampling settings): the prompt
 pass, then `jax.lax.while_loop`s that decode one token for every row per iteration and stop
 when every row has emitted EOS or ``max_new_tokens`` tokens. No per-token recompilation. The new
-tokens are split over up to `DECODE_STAGES` loops (`decode_stages`), each attending to the first
+tokens are split over up to `DECODE_STAGES` loops (`decode_stages`; `CACHE_BOUND_STAGES` where the
+caches outweigh the weights on a TPU, `decoding_program`), each attending to the first
 slots of the cache, those filled by its last token, so a decoded token reads about the slots filled
 so far rather than the whole preallocated cache (the cache is made once; a loop reads its prefix in
 place).
@@ -176,28 +177,32 @@ def sample_tokens(logits_BxV, row_keys_B, step, cfg: SamplingConfig, sharding=No
 
 # Decoding runs in up to `DECODE_STAGES` loops, each attending to the prefix of the cache filled by its last token,
 # so a token reads the slots filled so far and not the whole preallocated cache; a loop decodes at least
-# `MIN_STAGE_TOKENS` tokens. Each loop compiles the decoding step once more, so past a few loops more save less
-# than their compile time costs (the sampling table of benchmarks/results/tpu_step.md has the measured choice).
+# `MIN_STAGE_TOKENS` tokens. Each loop compiles the decoding step once more, so more loops pay only where the caches
+# are most of what a token reads: there (`cache_bound`, on a TPU) decoding runs in up to `CACHE_BOUND_STAGES`
+# (the sampling table of benchmarks/results/tpu_step.md has the measured choice).
 DECODE_STAGES = 4
+CACHE_BOUND_STAGES = 8
 MIN_STAGE_TOKENS = 32
 
 
-def decode_stages(prompt_len: int, max_new_tokens: int) -> tuple[tuple[int, int], ...]:
+def decode_stages(prompt_len: int, max_new_tokens: int, loops: int | None = None) -> tuple[tuple[int, int], ...]:
   """``(stop, slots)`` per decoding loop: it decodes tokens ``n < stop`` (after the previous loop's) attending to the
   first ``slots`` slots of the cache, the ones filled when its last token is fed; the last loop's are every slot
-  (``prompt_len + max_new_tokens - 1``: the last new token is never fed back)."""
+  (``prompt_len + max_new_tokens - 1``: the last new token is never fed back). ``loops``: at most this many (None:
+  `DECODE_STAGES`)."""
   N = max_new_tokens
-  loops = max(1, min(DECODE_STAGES, N // MIN_STAGE_TOKENS))
+  loops = max(1, min(DECODE_STAGES if loops is None else loops, N // MIN_STAGE_TOKENS))
   stops = sorted({-(-(j + 1) * N // loops) for j in range(loops)})
   return tuple((stop, prompt_len + stop - 1) for stop in stops)
 
 
-def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: SamplingConfig, return_logits, mesh):
+def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: SamplingConfig, return_logits, mesh,
+              cache_bound: bool = False):
   model = nnx.merge(graphdef, params)
   mcfg = model.cfg
   B, Pn = prompts_BxP.shape
   N = cfg.max_new_tokens
-  stages = decode_stages(Pn, N)
+  stages = decode_stages(Pn, N, CACHE_BOUND_STAGES if cache_bound else DECODE_STAGES)
   S = stages[-1][1]  # every slot; each loop attends to its first `slots`
   V = mcfg.vocab_size
   logit_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch", "vocab"), mesh=mesh))
@@ -250,9 +255,11 @@ _generate_jit = jax.jit(_generate, static_argnames=_STATIC)
 # and copies each one back to HBM after the token's slot is written: a whole cache moved per layer and token where
 # the loop needs one slot of it. Asked to skip placements whose uses are small against their copies, it leaves the
 # caches in HBM. Where the weights outweigh the caches (small batches, short sequences) the default assignment,
-# whose prefetches are then mostly of weights, is kept. Measurements: benchmarks/results/tpu_step.md (sampling).
+# whose prefetches are then mostly of weights, is kept. The cache-bound program also decodes in up to
+# `CACHE_BOUND_STAGES` loops. Measurements: benchmarks/results/tpu_step.md (sampling).
 SELECTIVE_MSA = {"xla_tpu_msa_inefficient_use_to_copy_ratio": 2.0}
-_generate_jit_selective_msa = jax.jit(_generate, static_argnames=_STATIC, compiler_options=SELECTIVE_MSA)
+_generate_jit_cache_bound = jax.jit(functools.partial(_generate, cache_bound=True), static_argnames=_STATIC,
+                                    compiler_options=SELECTIVE_MSA)
 
 
 def cache_bound(mcfg, batch: int, slots: int, weight_bytes: int) -> bool:
@@ -263,8 +270,8 @@ def cache_bound(mcfg, batch: int, slots: int, weight_bytes: int) -> bool:
 
 
 def decoding_program(params, mcfg, batch: int, slots: int, mesh: Mesh | None = None):
-  """The jitted `_generate` for these parameters: with `SELECTIVE_MSA` on a TPU where decoding is `cache_bound`,
-  else the default compilation. On a mesh each device decodes its rows (``batch`` split as `generate` splits it)
+  """The jitted `_generate` for these parameters: on a TPU where decoding is `cache_bound`, compiled with
+  `SELECTIVE_MSA` and decoding in up to `CACHE_BOUND_STAGES` loops, else the default compilation and loops. On a mesh each device decodes its rows (``batch`` split as `generate` splits it)
   against its share of the weights and key/value heads (both split over ``tensor``, so that split cancels)."""
   leaves = jax.tree.leaves(params)
   sharding = getattr(leaves[0], "sharding", None) if leaves else None
@@ -275,7 +282,7 @@ def decoding_program(params, mcfg, batch: int, slots: int, mesh: Mesh | None = N
   itemsize = jnp.dtype(mcfg.compute_dtype).itemsize
   weight_bytes = sum(int(np.prod(x.shape)) for x in leaves) * itemsize
   rows = -(-batch // split_ways(mesh, "batch"))
-  return _generate_jit_selective_msa if cache_bound(mcfg, rows, slots, weight_bytes) else _generate_jit
+  return _generate_jit_cache_bound if cache_bound(mcfg, rows, slots, weight_bytes) else _generate_jit
 
 
 def check_prompts(prompts_BxP, max_len: int, cfg: SamplingConfig, mesh: Mesh | None = None) -> None:
