@@ -280,6 +280,36 @@ def test_cached_generation_logits_equal_the_full_forward_at_every_generated_posi
   assert np.asarray(gen.mask_BxN).all()
 
 
+def test_the_cache_bound_program_generates_what_the_default_program_generates(monkeypatch):
+  """The program `decoding_program` picks where the caches outweigh the weights (`SELECTIVE_MSA`, up to
+  `CACHE_BOUND_STAGES` loops: 8 here, the default 4) against the default program on the same prompts: greedy tokens
+  and the logits they were drawn from, on this chip (the option is libtpu's: no other platform compiles it)."""
+  from meshdistill.models import generate as gen_mod
+
+  monkeypatch.setattr(gen_mod, "MIN_STAGE_TOKENS", 8)  # 70 new tokens: 8 loops in the one program, 4 in the other
+  cfg = CHIP_CFG.replace(qk_norm=True)
+  model = md.init_model(cfg, seed=6)
+  rng = np.random.default_rng(7)
+  tokens, mask = left_pad([list(rng.integers(1, cfg.vocab_size, n)) for n in (9, 4, 13)])
+  N = 70
+  runs, loops = {}, {}
+  for bound in (False, True):
+    monkeypatch.setattr(gen_mod, "cache_bound", lambda *a, bound=bound: bound)
+    loops[bound] = len(decode_stages(tokens.shape[1], N, gen_mod.CACHE_BOUND_STAGES if bound else None))
+    program = gen_mod.decoding_program(nnx.state(model), cfg, tokens.shape[0], tokens.shape[1] + N - 1)
+    assert (program is gen_mod._generate_jit_cache_bound) == (bound and jax.default_backend() == "tpu")
+    with jax.default_matmul_precision(HIGHEST):
+      runs[bound] = generate(model, tokens, mask, None, SamplingConfig(max_new_tokens=N, temperature=0.0),
+                             return_logits=True)
+  assert loops == {False: 4, True: 8}, loops
+  want, got = np.asarray(runs[False].logits_BxNxV), np.asarray(runs[True].logits_BxNxV)
+  assert rel_err(got, want) < F32_TOL, rel_err(got, want)
+  top2 = np.sort(want, -1)[..., -2:]
+  clear = (top2[..., 1] - top2[..., 0] > 1e-3 * np.abs(want).max()).all(-1)  # rows no near-tie could fork
+  assert clear.any()
+  np.testing.assert_array_equal(np.asarray(runs[True].tokens_BxN)[clear], np.asarray(runs[False].tokens_BxN)[clear])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_head_prep_kernel_gives_the_norm_and_rope_of_each_head_and_their_gradients(dtype):
   """`_head_prep.norm_rope_heads` compiled against `head_norm` + `rope` in XLA on the same chip (float32 at 'highest';
