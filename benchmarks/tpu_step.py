@@ -32,7 +32,7 @@ cache each) and tunix's ``Sampler``
 batch's first call compiles (``first_call_s``), its tokens/s is ``batch * new`` over the median of `GEN_CALLS`
 calls after it. Variants of meshdistill's decoding, each measured in turn in the same process (rows say which):
 ``--gen-loops 4,8`` the number of decoding loops (`meshdistill.models.generate.DECODE_STAGES` and
-`CACHE_BOUND_STAGES`, both replaced for the measurement), ``--gen-programs default,selective`` the compilation
+`CACHE_BOUND_STAGES`, both replaced for the measurement, and `MIN_STAGE_TOKENS` lowered to one token), ``--gen-programs default,selective`` the compilation
 (`generate.decoding_program`'s choice by default; ``selective``: the cache-bound program, `generate.SELECTIVE_MSA`,
 at every batch, ``default``: at none; a TPU's).
 
@@ -137,8 +137,8 @@ def _gen_row(pair: str, system: str, b: int, prompt: int, new: int) -> dict:
 
 @contextlib.contextmanager
 def decoding_variant(loops: int | None = None, program: str = "auto"):
-  """`meshdistill.models.generate` decoding in ``loops`` loops (None: its `DECODE_STAGES`, or `CACHE_BOUND_STAGES` in
-  the cache-bound program) with ``program``'s compilation (``auto``: `decoding_program`'s choice; ``selective``: the
+  """`meshdistill.models.generate` decoding in ``loops`` loops (as many as there are new tokens at most; None: its
+  `DECODE_STAGES`, or `CACHE_BOUND_STAGES` in the cache-bound program, of `MIN_STAGE_TOKENS` tokens or more each) with ``program``'s compilation (``auto``: `decoding_program`'s choice; ``selective``: the
   cache-bound program, `SELECTIVE_MSA`, at every batch; ``default``: at
   none), the module as it was afterwards. The compiled programs are dropped on the way in and out: a program traced
   under one variant is never run under another."""
@@ -148,17 +148,18 @@ def decoding_variant(loops: int | None = None, program: str = "auto"):
     raise ValueError(f"decoding program {program!r}: choose from {', '.join(GEN_PROGRAMS)}")
   if loops is not None and (isinstance(loops, bool) or not isinstance(loops, int) or loops < 1):
     raise ValueError(f"decoding loops {loops!r}: a positive integer (e.g. 4)")
-  saved = gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound
+  saved = gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.MIN_STAGE_TOKENS, gen.cache_bound
   drop = lambda: [f.clear_cache() for f in (gen._generate_jit, gen._generate_jit_cache_bound)]  # noqa: E731
   drop()
   try:
     if loops is not None:
       gen.DECODE_STAGES = gen.CACHE_BOUND_STAGES = loops
+      gen.MIN_STAGE_TOKENS = 1  # the loops asked for, however few tokens each decodes
     if program != "auto":
       gen.cache_bound = lambda *a, **k: program == "selective"
     yield
   finally:
-    gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound = saved
+    gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.MIN_STAGE_TOKENS, gen.cache_bound = saved
     drop()
 
 

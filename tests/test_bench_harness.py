@@ -286,29 +286,30 @@ def test_a_decoding_variant_is_measured_in_its_own_programs_named_in_its_rows_an
   variant it cannot measure is refused by name."""
   from meshdistill.models import generate as gen
 
-  saved = gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound
+  saved = gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.MIN_STAGE_TOKENS, gen.cache_bound
   seen = []
   real = gen.decode_stages
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(gen, "decode_stages", lambda p, n, loops=None: (seen.append(loops), real(p, n, loops))[1])
+    mp.setattr(gen, "decode_stages", lambda p, n, loops=None: (seen.append(len(real(p, n, loops))), real(p, n, loops))[1])
     with tpu_step.decoding_variant(1, "default"):
-      assert (gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound(None, 0, 0, 0)) == (1, 1, False)
-    rows = [r for loops in (1, 2) for r in tpu_step.measure_generation("tiny", (2,), 4, 64, loops=loops)]
-  assert (gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound) == saved
-  assert seen == [1, 2], seen  # each variant traced afresh, with its own loops
-  assert [(r["loops"], "program" in r, "error" in r) for r in rows] == [(1, False, False), (2, False, False)], rows
+      assert (gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.MIN_STAGE_TOKENS, gen.cache_bound(None, 0, 0, 0)) == (
+          1, 1, 1, False)
+    rows = [r for loops in (1, 3) for r in tpu_step.measure_generation("tiny", (2,), 4, 64, loops=loops)]
+  assert (gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.MIN_STAGE_TOKENS, gen.cache_bound) == saved
+  assert seen == [1, 3], seen  # each variant traced afresh, in its own loops (3 of 21 tokens: fewer than 32 each)
+  assert [(r["loops"], "program" in r, "error" in r) for r in rows] == [(1, False, False), (3, False, False)], rows
   for r in rows:
     r["bandwidth_limit_tokens_per_s"] = 1e4
   variant = {**rows[1], "program": "selective"}
   table = [line.split(" | ")[1] for line in tpu_step.generation_section(rows + [variant]) if line.startswith("| tiny")]
-  assert table == ["meshdistill, 1 decoding loop", "meshdistill, 2 decoding loops",
-                   "meshdistill, 2 decoding loops, selective memory-space assignment at every batch"], table
+  assert table == ["meshdistill, 1 decoding loop", "meshdistill, 3 decoding loops",
+                   "meshdistill, 3 decoding loops, selective memory-space assignment at every batch"], table
   with pytest.raises(ValueError, match="decoding program 'fast': choose from auto, selective, default"):
     with tpu_step.decoding_variant(None, "fast"):
       pass
   with pytest.raises(ValueError, match="a TPU's, not cpu's"):
     tpu_step.measure_generation("tiny", (2,), 4, 3, program="selective")
-  assert (gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.cache_bound) == saved
+  assert (gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.MIN_STAGE_TOKENS, gen.cache_bound) == saved
 
 
 def test_a_decoding_trace_s_instructions_fall_in_the_roles_their_descriptions_name():
