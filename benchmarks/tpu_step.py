@@ -32,9 +32,9 @@ cache each) and tunix's ``Sampler``
 batch's first call compiles (``first_call_s``), its tokens/s is ``batch * new`` over the median of `GEN_CALLS`
 calls after it. Variants of meshdistill's decoding, each measured in turn in the same process (rows say which):
 ``--gen-loops 4,8`` the number of decoding loops (`meshdistill.models.generate.DECODE_STAGES` and
-`CACHE_BOUND_STAGES`, both replaced for the measurement, and `MIN_STAGE_TOKENS` lowered to one token), ``--gen-programs default,selective`` the compilation
-(`generate.decoding_program`'s choice by default; ``selective``: the cache-bound program, `generate.SELECTIVE_MSA`,
-at every batch, ``default``: at none; a TPU's).
+`CACHE_BOUND_STAGES`, both replaced for the measurement, and `MIN_STAGE_TOKENS` lowered to one token),
+``--gen-programs default,selective`` the compilation (`generate.decoding_program`'s choice by default;
+``selective``: the cache-bound program, `generate.SELECTIVE_MSA`, at every batch, ``default``: at none; a TPU's).
 
 Rows are appended to ``--out`` (default ``benchmarks/results/tpu_step.jsonl``), each with its date, the commit of the
 code measured (``--commit``, default this checkout's HEAD: a run without either is refused before anything is
@@ -138,10 +138,10 @@ def _gen_row(pair: str, system: str, b: int, prompt: int, new: int) -> dict:
 @contextlib.contextmanager
 def decoding_variant(loops: int | None = None, program: str = "auto"):
   """`meshdistill.models.generate` decoding in ``loops`` loops (as many as there are new tokens at most; None: its
-  `DECODE_STAGES`, or `CACHE_BOUND_STAGES` in the cache-bound program, of `MIN_STAGE_TOKENS` tokens or more each) with ``program``'s compilation (``auto``: `decoding_program`'s choice; ``selective``: the
-  cache-bound program, `SELECTIVE_MSA`, at every batch; ``default``: at
-  none), the module as it was afterwards. The compiled programs are dropped on the way in and out: a program traced
-  under one variant is never run under another."""
+  `DECODE_STAGES`, or `CACHE_BOUND_STAGES` in the cache-bound program, of `MIN_STAGE_TOKENS` tokens or more each)
+  with ``program``'s compilation (``auto``: `decoding_program`'s choice; ``selective``: the cache-bound program,
+  `SELECTIVE_MSA`, at every batch; ``default``: at none), the module as it was afterwards. The compiled programs are
+  dropped on the way in and out: a program traced under one variant is never run under another."""
   from meshdistill.models import generate as gen
 
   if program not in GEN_PROGRAMS:

@@ -290,7 +290,12 @@ def test_a_decoding_variant_is_measured_in_its_own_programs_named_in_its_rows_an
   seen = []
   real = gen.decode_stages
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(gen, "decode_stages", lambda p, n, loops=None: (seen.append(len(real(p, n, loops))), real(p, n, loops))[1])
+    def counted(p, n, loops=None):
+      stages = real(p, n, loops)
+      seen.append(len(stages))
+      return stages
+
+    mp.setattr(gen, "decode_stages", counted)
     with tpu_step.decoding_variant(1, "default"):
       assert (gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.MIN_STAGE_TOKENS, gen.cache_bound(None, 0, 0, 0)) == (
           1, 1, 1, False)

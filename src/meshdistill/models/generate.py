@@ -271,8 +271,9 @@ def cache_bound(mcfg, batch: int, slots: int, weight_bytes: int) -> bool:
 
 def decoding_program(params, mcfg, batch: int, slots: int, mesh: Mesh | None = None):
   """The jitted `_generate` for these parameters: on a TPU where decoding is `cache_bound`, compiled with
-  `SELECTIVE_MSA` and decoding in up to `CACHE_BOUND_STAGES` loops, else the default compilation and loops. On a mesh each device decodes its rows (``batch`` split as `generate` splits it)
-  against its share of the weights and key/value heads (both split over ``tensor``, so that split cancels)."""
+  `SELECTIVE_MSA` and decoding in up to `CACHE_BOUND_STAGES` loops, else the default compilation and loops. On a
+  mesh each device decodes its rows (``batch`` split as `generate` splits it) against its share of the weights and
+  key/value heads (both split over ``tensor``, so that split cancels)."""
   leaves = jax.tree.leaves(params)
   sharding = getattr(leaves[0], "sharding", None) if leaves else None
   on_params = mesh is None and sharding is not None  # without a mesh, where the parameters are
