@@ -333,7 +333,7 @@ def test_the_cache_bound_program_decodes_in_more_loops_than_the_default(model, m
   loops = {}
   for bound in (False, True):
     run = functools.partial(gen_mod._generate, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=10),
-                            return_logits=False, mesh=None, cache_bound=bound)
+                            return_logits=False, mesh=None, caches_dominate=bound)
     jaxpr = jax.make_jaxpr(run)(params, tokens, mask, jax.random.key(0))
     loops[bound] = sum(e.primitive.name == "while" for e in jaxpr.jaxpr.eqns)
   assert (gen_mod.DECODE_STAGES, gen_mod.CACHE_BOUND_STAGES) == (4, 8)

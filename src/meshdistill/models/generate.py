@@ -197,12 +197,12 @@ def decode_stages(prompt_len: int, max_new_tokens: int, loops: int | None = None
 
 
 def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: SamplingConfig, return_logits, mesh,
-              cache_bound: bool = False):
+              caches_dominate: bool = False):
   model = nnx.merge(graphdef, params)
   mcfg = model.cfg
   B, Pn = prompts_BxP.shape
   N = cfg.max_new_tokens
-  stages = decode_stages(Pn, N, CACHE_BOUND_STAGES if cache_bound else DECODE_STAGES)
+  stages = decode_stages(Pn, N, CACHE_BOUND_STAGES if caches_dominate else DECODE_STAGES)
   S = stages[-1][1]  # every slot; each loop attends to its first `slots`
   V = mcfg.vocab_size
   logit_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch", "vocab"), mesh=mesh))
@@ -258,7 +258,7 @@ _generate_jit = jax.jit(_generate, static_argnames=_STATIC)
 # whose prefetches are then mostly of weights, is kept. The cache-bound program also decodes in up to
 # `CACHE_BOUND_STAGES` loops. Measurements: benchmarks/results/tpu_step.md (sampling).
 SELECTIVE_MSA = {"xla_tpu_msa_inefficient_use_to_copy_ratio": 2.0}
-_generate_jit_cache_bound = jax.jit(functools.partial(_generate, cache_bound=True), static_argnames=_STATIC,
+_generate_jit_cache_bound = jax.jit(functools.partial(_generate, caches_dominate=True), static_argnames=_STATIC,
                                     compiler_options=SELECTIVE_MSA)
 
 
