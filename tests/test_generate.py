@@ -17,6 +17,7 @@ import meshdistill as md
 from meshdistill.models.generate import (SamplingConfig, _generate_jit, allowed_tokens, decode_stages, generate,
                                          left_pad, sample_tokens)
 from meshdistill.parallel.mesh import batch_sharding
+from meshdistill.train.cost import _split  # the compiled text split into its computations
 
 CFG = TEACHER_CFG.replace(qk_norm=True, qkv_bias=True)  # every attention branch of the decoder
 PROMPTS = [[5, 9, 2, 7, 1], [3, 8], [11, 4, 6], [60]]
@@ -226,18 +227,11 @@ def test_decoding_over_scanned_blocks_stages_no_cache_on_a_tpu():
   stages = decode_stages(P, N)
   (_, first), (_, every) = stages
   assert (first, every) == (P + 32 - 1, P + N - 1)
-  computations, name = {}, None
-  for line in hlo.splitlines():
-    if line and not line.startswith(" "):
-      name = line.split(" ")[0].removeprefix("ENTRY ").split(" ")[0]
-      name = "ENTRY" if line.startswith("ENTRY") else name
-      computations[name] = []
-    elif name and line.strip():
-      computations[name].append(line.strip())
+  computations = {name: [line.strip() for line in text.splitlines()[1:]] for name, text in _split(hlo)[1].items()}
   fused = {c for lines in computations.values() for line in lines if " fusion(" in line
-           for c in re.findall(r"calls=(%[\w.\-]+)", line)}
+           for c in re.findall(r"calls=%([\w.\-]+)", line)}
   bodies = {b for lines in computations.values() for line in lines if " while(" in line
-            for b in re.findall(r"body=(%[\w.\-]+)", line)}
+            for b in re.findall(r"body=%([\w.\-]+)", line)}
   assert len(bodies) == len(stages) and not bodies & fused, (bodies, len(stages))
   G, K = cfg.n_kv_heads, cfg.hd
   assert not re.search(rf"\[{cfg.n_layers},{B},\d+,{G},{K}\]", hlo), "a stacked cache [L, B, S, G, K] in the program"
@@ -389,14 +383,12 @@ def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm(monkeypatch):
                       mesh=None).compile().as_text()
   program.clear_cache()
   cache = rf"\[\d+,\d+,{cfg.n_kv_heads},{cfg.hd}\]"  # a cache [B, S, G, K], or a block of its rows
-  body, found, reads = None, [], 0
-  for line in hlo.splitlines():
-    if not line.startswith(" "):
-      body = line.split(" ")[0]
-    elif not body.startswith("ENTRY"):
-      reads += bool(re.search(rf"{B},{P + N - 1},{cfg.n_kv_heads},{cfg.hd}\]", line))
-      if re.search(rf"= \(\w+{cache}.*(copy-start|slice-start)\(", line):
-        found.append(line.strip()[:100])
+  _, computations, entry = _split(hlo)
+  found, reads = [], 0
+  for line in (ln for name, text in computations.items() if name != entry for ln in text.splitlines()[1:]):
+    reads += bool(re.search(rf"{B},{P + N - 1},{cfg.n_kv_heads},{cfg.hd}\]", line))
+    if re.search(rf"= \(\w+{cache}.*(copy-start|slice-start)\(", line):
+      found.append(line.strip()[:100])
   assert reads, "no instruction outside the entry touches a whole cache: the test reads nothing"
   assert found == []
 
