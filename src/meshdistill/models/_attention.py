@@ -117,20 +117,16 @@ def recent_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS, rk_WxBxGx
   S = k_BxSxGxK.shape[1]
   q = einops.rearrange(q_BxTxHxK, "b t (g r) k -> b g r t k", g=G)
   f32 = jnp.float32
-  # the recent slots as products and sums, not a matmul: a matmul's operand would be laid out with its batch axes
-  # (rows, heads) first, each slot inside tiles of 16 again, where a slot-major layout writes whole tiles
-  recent = jnp.sum(q.astype(f32) * rk_WxBxGxK[:, :, :, None, None, :].astype(f32), axis=-1)  # [W, B, G, R, T]
   scores = jnp.concatenate([jnp.einsum("bgrtk,bsgk->bgrts", q, k_BxSxGxK, preferred_element_type=f32),
-                            jnp.moveaxis(recent, 0, -1)], axis=-1)
+                            jnp.einsum("bgrtk,wbgk->bgrtw", q, rk_WxBxGxK, preferred_element_type=f32)], axis=-1)
   scores = softcap(scores / jnp.sqrt(K) if scale is None else scores * scale, cap)
   recent_Bx1xTxW = jnp.broadcast_to(visible_1x1xTxW, visible_Bx1xTxS.shape[:3] + visible_1x1xTxW.shape[3:])
   visible = jnp.concatenate([visible_Bx1xTxS, recent_Bx1xTxW], axis=-1)
   probs = jax.nn.softmax(jnp.where(visible[:, :, None], scores, jnp.finfo(f32).min), axis=-1)
   probs = probs.astype(v_BxSxGxK.dtype)
-  weights_WxBxGxRxT = jnp.moveaxis(probs[..., S:], -1, 0).astype(f32)
-  recent_out = jnp.sum(weights_WxBxGxRxT[..., None] * rv_WxBxGxK[:, :, :, None, None, :].astype(f32), axis=0)
-  out = jnp.einsum("bgrts,bsgk->bgrtk", probs[..., :S], v_BxSxGxK, preferred_element_type=f32) + recent_out
-  return einops.rearrange(out.astype(v_BxSxGxK.dtype), "b g r t k -> b t (g r) k")
+  out = (jnp.einsum("bgrts,bsgk->btgrk", probs[..., :S], v_BxSxGxK, preferred_element_type=f32)
+         + jnp.einsum("bgrtw,wbgk->btgrk", probs[..., S:], rv_WxBxGxK, preferred_element_type=f32))
+  return einops.rearrange(out.astype(v_BxSxGxK.dtype), "b t g r k -> b t (g r) k")
 
 
 def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, context: ContextShard | None = None,

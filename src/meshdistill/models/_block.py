@@ -216,8 +216,6 @@ class Block(nnx.Module):
 def _not_padding(cache: KVCache | None, segments: Segments | None, T: int) -> jax.Array | None:
   """``[B, T]``: this call's tokens that are not padding, where the block knows: a decoding call's slots
   (``cache.valid_BxS`` from ``cache.index``), packed documents' ids (0 on padding); else None."""
-  if cache is not None and cache.recent is not None:  # slots held apart: decoded tokens, none of them padding
-    return jnp.ones((cache.valid_BxS.shape[0], T), bool)
   if cache is not None:
     return jax.lax.dynamic_slice_in_dim(cache.valid_BxS, cache.index, T, axis=1)
   return None if segments is None else segments.ids_BxT > 0
