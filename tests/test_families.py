@@ -40,8 +40,7 @@ def test_built_in_decoder_and_tunix_adapter_satisfy_the_model_contract():
   tunix = _tunix_lm()
   assert isinstance(tunix, contract.LanguageModel) and isinstance(tunix.cfg, contract.ModelSpec)
   assert not isinstance(tunix, contract.DecodingModel)  # no cached decode step
-  assert contract.missing_members(tunix, contract.DecodingModel) == ["empty_cache", "decode_step", "hold_recent",
-                                                                     "settle_recent"]
+  assert contract.missing_members(tunix, contract.DecodingModel) == ["empty_cache", "decode_step"]
 
   class NoHead:
     cfg = TINY

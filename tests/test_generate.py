@@ -334,45 +334,6 @@ def test_the_cache_bound_program_decodes_in_more_loops_than_the_default(model, m
   assert loops == {False: 4, True: 8}, loops
 
 
-@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-3"])
-def test_the_cache_bound_program_holding_slots_apart_decodes_what_the_default_program_decodes(window, monkeypatch):
-  """The cache-bound program writes each group of `RECENT_SLOTS` tokens' keys and values apart from the caches
-  (`RecentSlots`) and into them after: here groups of 3 in two loops of 4 and 5 tokens (full groups, partial ones,
-  a group ended by its loop), on one device and on 2x4 with the rows split, a sliding window among them. Its logits
-  equal the default program's (float32: summed in another order, to a few ulps of the largest), its greedy and
-  sampled tokens (an end-of-sequence id among them) are the same."""
-  from meshdistill.models import generate as gen_mod
-
-  monkeypatch.setattr(gen_mod, "MIN_STAGE_TOKENS", 1)
-  monkeypatch.setattr(gen_mod, "CACHE_BOUND_STAGES", 2)
-  monkeypatch.setattr(gen_mod, "RECENT_SLOTS", 3)
-  model = md.init_model(CFG.replace(sliding_window=window), seed=5)
-  held = jax.jit(functools.partial(gen_mod._generate, caches_dominate=True), static_argnames=gen_mod._STATIC)
-  tokens, mask = left_pad(PROMPTS)
-  greedy = SamplingConfig(max_new_tokens=10, temperature=0.0)
-  want = generate(model, tokens, mask, None, greedy, return_logits=True)
-  sampled = dataclasses.replace(SAMPLED, max_new_tokens=10, eos_id=int(want.tokens_BxN[1, 4]))
-  want_sampled = generate(model, tokens, mask, jax.random.key(2), sampled)
-  assert not np.asarray(want_sampled.mask_BxN).all()  # some row ended early
-  monkeypatch.setattr(gen_mod, "decoding_program", lambda *a, **k: held)
-  for data, tensor in ((1, 1), (2, 4)):
-    mesh = None if data == 1 else md.make_mesh(data=data, tensor=tensor)
-    m = model if mesh is None else md.shard_model(model, mesh)
-    got = generate(m, tokens, mask, None, greedy, mesh=mesh, return_logits=True)
-    np.testing.assert_array_equal(got.tokens_BxN, want.tokens_BxN)
-    scale = np.abs(np.asarray(want.logits_BxNxV)).max()
-    np.testing.assert_allclose(got.logits_BxNxV, want.logits_BxNxV, rtol=0, atol=32 * np.finfo(np.float32).eps * scale)
-    got_sampled = generate(m, tokens, mask, jax.random.key(2), sampled, mesh=mesh)
-    np.testing.assert_array_equal(got_sampled.tokens_BxN, want_sampled.tokens_BxN)
-    np.testing.assert_array_equal(got_sampled.mask_BxN, want_sampled.mask_BxN)
-  assert held._cache_size() == 4  # the program run above: two layouts x two sampling configs
-  traced = jax.make_jaxpr(functools.partial(gen_mod._generate, graphdef=nnx.split(model)[0], cfg=greedy,
-                                            return_logits=False, mesh=None, caches_dominate=True))
-  loops = [e for e in traced(nnx.state(model), tokens, mask, jax.random.key(0)).jaxpr.eqns if e.primitive.name == "while"]
-  inner = [[e for e in w.params["body_jaxpr"].jaxpr.eqns if e.primitive.name == "while"] for w in loops]
-  assert len(loops) == 2 and all(len(i) == 1 for i in inner), "each decoding loop decodes its groups in a loop"
-
-
 def test_decoding_is_cache_bound_where_the_caches_outweigh_the_weights_and_the_cpu_keeps_the_default_program():
   """`cache_bound` at the sampling benchmark's shapes (a 14-layer Qwen3-0.6B-shaped student, bfloat16, 128 + 256
   tokens: 0.75 GB of weights): batch 64 reads 1.4 GB of cache a token, batch 8 0.18 GB. Off a TPU the program is the
@@ -422,12 +383,11 @@ def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm(monkeypatch):
                       mesh=None).compile().as_text()
   program.clear_cache()
   cache = rf"\[\d+,\d+,{cfg.n_kv_heads},{cfg.hd}\]"  # a cache [B, S, G, K], or a block of its rows
-  held = rf"\[{gen_mod.RECENT_SLOTS},{B},{cfg.n_kv_heads},{cfg.hd}\]"  # a group's slots held apart (RecentSlots)
   _, computations, entry = _split(hlo)
   found, reads = [], 0
   for line in (ln for name, text in computations.items() if name != entry for ln in text.splitlines()[1:]):
-    reads += bool(re.search(rf"{B},{P + N - 1 + gen_mod.RECENT_SLOTS},{cfg.n_kv_heads},{cfg.hd}\]", line))
-    if re.search(rf"= \(\w+{cache}.*(copy-start|slice-start)\(", line) and not re.search(rf"= \(\w+{held}", line):
+    reads += bool(re.search(rf"{B},{P + N - 1},{cfg.n_kv_heads},{cfg.hd}\]", line))
+    if re.search(rf"= \(\w+{cache}.*(copy-start|slice-start)\(", line):
       found.append(line.strip()[:100])
   assert reads, "no instruction outside the entry touches a whole cache: the test reads nothing"
   assert found == []

@@ -107,28 +107,6 @@ def _explicit_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS=None, *
   return einops.rearrange(out, "b t g r k -> b t (g r) k"), probs_BxHxTxS
 
 
-def recent_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, visible_Bx1xTxS, rk_WxBxGxK, rv_WxBxGxK, visible_1x1xTxW, *,
-                     scale=None, cap=None):
-  """Grouped-query attention of decoding queries over a cache's slots and its recent ones held apart
-  (`meshdistill.models._visible.RecentSlots`, slot-major ``[W, B, G, K]``): one softmax over both, each read in its
-  own layout (no copy joins them). Scores and both weighted sums in float32, as `jax.nn.dot_product_attention`'s
-  xla form forms its scores; ``scale`` / ``cap`` as in `_explicit_attention`. ``out [B, T, H, K]``."""
-  G, K = k_BxSxGxK.shape[2], q_BxTxHxK.shape[-1]
-  S = k_BxSxGxK.shape[1]
-  q = einops.rearrange(q_BxTxHxK, "b t (g r) k -> b g r t k", g=G)
-  f32 = jnp.float32
-  scores = jnp.concatenate([jnp.einsum("bgrtk,bsgk->bgrts", q, k_BxSxGxK, preferred_element_type=f32),
-                            jnp.einsum("bgrtk,wbgk->bgrtw", q, rk_WxBxGxK, preferred_element_type=f32)], axis=-1)
-  scores = softcap(scores / jnp.sqrt(K) if scale is None else scores * scale, cap)
-  recent_Bx1xTxW = jnp.broadcast_to(visible_1x1xTxW, visible_Bx1xTxS.shape[:3] + visible_1x1xTxW.shape[3:])
-  visible = jnp.concatenate([visible_Bx1xTxS, recent_Bx1xTxW], axis=-1)
-  probs = jax.nn.softmax(jnp.where(visible[:, :, None], scores, jnp.finfo(f32).min), axis=-1)
-  probs = probs.astype(v_BxSxGxK.dtype)
-  out = (jnp.einsum("bgrts,bsgk->btgrk", probs[..., :S], v_BxSxGxK, preferred_element_type=f32)
-         + jnp.einsum("bgrtw,wbgk->btgrk", probs[..., S:], rv_WxBxGxK, preferred_element_type=f32))
-  return einops.rearrange(out.astype(v_BxSxGxK.dtype), "b t g r k -> b t (g r) k")
-
-
 def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, context: ContextShard | None = None,
                      **options):
   """`_splash_attention` placed for the mesh in context: ``out [B, H, T, K]`` (head-major, as the kernel reads

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshdistill.parallel.rules import annotate
-from meshdistill.models._attention import (_explicit_attention, heads_in_kernel, prep_in_kernel, query_prescale,
-                                          recent_attention, rope, rope_tables, splash_attention)
+from meshdistill.models._attention import (_explicit_attention, heads_in_kernel, prep_in_kernel, query_prescale, rope,
+                                          rope_tables, splash_attention)
 from meshdistill.models._config import ModelConfig
 from meshdistill.models._context import ContextShard
 from meshdistill.models._output import BlockOutput
@@ -140,14 +140,6 @@ class Attention(nnx.Module):
       attend = lambda q_b, visible_b: jax.nn.dot_product_attention(  # noqa: E731
           q_b, k, v, mask=visible_b, implementation=kind, scale=cfg.query_scale).astype(v.dtype)
       out, probs_BxHxTxS = shard.attend(attend, q, self.window, ids), None
-    elif cache is not None and cache.recent is not None:  # decoding with the newest slots held apart
-      if want_probs:
-        raise ValueError("attention probabilities are not formed while decoding with RecentSlots: decode without them "
-                         "to capture probabilities")
-      recent = cache.recent
-      out = recent_attention(q, k, v, visible, recent.k, recent.v, cache.recent_visible(T, self.window),
-                             scale=query_scale, cap=cfg.attn_softcap)
-      probs_BxHxTxS = None
     elif kind == "explicit":
       if shard is not None:
         visible, ids = shard.visible(T, self.window, ids), None

@@ -21,8 +21,7 @@ class KVCache(NamedTuple):
   ``valid_BxS``: slots holding a real token (left padding is never attended), over the first ``S`` slots of the
   cache, the ones this call attends to (`attended`): the cache may hold more, not yet written, that it never reads;
   ``index``: the slot of the first token of this call; ``positions_BxT``: the RoPE positions of this call's tokens,
-  per row; ``recent``: where this call's keys and values go instead of the cache (`RecentSlots`), None to write them
-  into it.
+  per row.
   """
 
   k: jax.Array
@@ -30,12 +29,9 @@ class KVCache(NamedTuple):
   valid_BxS: jax.Array
   index: jax.Array
   positions_BxT: jax.Array
-  recent: "RecentSlots | None" = None
 
   def write(self, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array) -> "KVCache":
-    """The cache with this call's keys and values in slots ``index ..`` (of its `RecentSlots` when it has them)."""
-    if self.recent is not None:
-      return self._replace(recent=self.recent.write(k_BxTxGxK, v_BxTxGxK, self.index))
+    """The cache with this call's keys and values in slots ``index ..``."""
     at = (0, self.index, 0, 0)
     return self._replace(k=jax.lax.dynamic_update_slice(self.k, k_BxTxGxK.astype(self.k.dtype), at),
                          v=jax.lax.dynamic_update_slice(self.v, v_BxTxGxK.astype(self.v.dtype), at))
@@ -55,51 +51,7 @@ class KVCache(NamedTuple):
     S = self.valid_BxS.shape[1]
     rows_Tx1, cols_1xS = self.index + jnp.arange(T)[:, None], jnp.arange(S)[None, :]
     causal_TxS = (cols_1xS <= rows_Tx1) & band(rows_Tx1, cols_1xS, window)
-    if self.recent is not None:  # the slots from its base on are read from the recent ones
-      causal_TxS = causal_TxS & (cols_1xS < self.recent.base)
     return causal_TxS[None, None] & self.valid_BxS[:, None, None, :]
-
-  def recent_visible(self, T: int, window: int | None = None) -> jax.Array:
-    """``[1, 1, T, W]``: query ``t`` sees the recent slots up to its own (`RecentSlots`: every one a decoded token),
-    within the sliding ``window``."""
-    W = self.recent.k.shape[0]
-    rows_Tx1, cols_1xW = self.index + jnp.arange(T)[:, None], self.recent.base + jnp.arange(W)[None, :]
-    return ((cols_1xW <= rows_Tx1) & band(rows_Tx1, cols_1xW, window))[None, None]
-
-
-class RecentSlots(NamedTuple):
-  """The keys and values of the slots ``base ..  base + W - 1`` of a layer's `KVCache`, held apart from it while
-  they are decoded and written into it after (`settle`): ``k`` / ``v`` ``[W, B, G, K]``, slot-major, so that writing one
-  token's slot writes whole tiles of it. The cache lays a row's slots out ``[G, S, K]`` in tiles of several slots (16
-  in bfloat16 on a TPU), and a slot written there reads and writes back one tile per row and key/value head.
-  Every recent slot up to the decoded token's holds a token (`KVCache.recent_visible`)."""
-
-  k: jax.Array
-  v: jax.Array
-  base: jax.Array
-
-  @classmethod
-  def empty(cls, k_BxSxGxK: jax.Array, slots: int, base, sharding=None) -> "RecentSlots":
-    """``slots`` zero recent slots of a cache like ``k_BxSxGxK``, the first of them its slot ``base``; placed with
-    ``sharding`` (its rows are the second axis) when given."""
-    B, _, G, K = k_BxSxGxK.shape
-    z = jnp.zeros((slots, B, G, K), k_BxSxGxK.dtype)
-    z = z if sharding is None else jax.lax.with_sharding_constraint(z, sharding)
-    return cls(z, z, jnp.asarray(base, jnp.int32))
-
-  def write(self, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array, index) -> "RecentSlots":
-    """These slots with a call's keys and values for the cache's slots ``index ..``."""
-    at = (index - self.base, 0, 0, 0)
-    put = lambda r, x: jax.lax.dynamic_update_slice(r, jnp.swapaxes(x, 0, 1).astype(r.dtype), at)  # noqa: E731
-    return self._replace(k=put(self.k, k_BxTxGxK), v=put(self.v, v_BxTxGxK))
-
-  def settle(self, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The cache's ``(k, v)`` with these slots written from ``base`` on: every one, those not decoded too (slots
-    past the decoded ones, which no query sees until a later token's write); the cache must hold ``base + W``
-    slots (a ``dynamic_update_slice`` past its end would move back and overwrite earlier ones)."""
-    at = (0, self.base, 0, 0)
-    put = lambda c, r: jax.lax.dynamic_update_slice(c, jnp.swapaxes(r, 0, 1), at)  # noqa: E731
-    return put(k_BxSxGxK, self.k), put(v_BxSxGxK, self.v)
 
 
 class Segments(NamedTuple):

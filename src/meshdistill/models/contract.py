@@ -22,9 +22,7 @@ Three protocols, each the exact surface its callers use (`typing.Protocol`, runt
 `DecodingModel` (generation, `meshdistill.models.generate`; on-policy distillation)
   a `LanguageModel` with a cached decode step that is the model's own forward pass, not a second copy:
   ``empty_cache(batch, slots, sharding=None) -> kv`` and ``decode_step(tokens_BxT, kv, valid_BxS, index,
-  positions_BxT, last_only=False) -> (logits float32 [B, T or 1, V], kv)``; ``hold_recent(kv, slots, base,
-  sharding=None) -> kv`` and ``settle_recent(kv) -> kv`` around decoding steps that write their slots apart from the
-  caches and into them after (the cache-bound program of `meshdistill.models.generate`).
+  positions_BxT, last_only=False) -> (logits float32 [B, T or 1, V], kv)``.
 
 The built-in `meshdistill.models.decoder.Decoder` is a `DecodingModel`; the tunix adapter
 (`meshdistill.models.tunix_adapter.TunixLM`) is a `LanguageModel` (no cached decoding). Export to
@@ -94,20 +92,12 @@ class DecodingModel(LanguageModel, Protocol):
     to the first ``valid_BxS.shape[1]`` slots (the cache may be longer)."""
     ...
 
-  def hold_recent(self, kv: Any, slots: int, base: Any, sharding: Any = None) -> Any:
-    """``kv`` whose next ``slots`` slots from ``base`` on are written apart from the caches by the decoding steps."""
-    ...
-
-  def settle_recent(self, kv: Any) -> Any:
-    """``kv`` from `hold_recent` with the slots held apart written into the caches."""
-    ...
-
 
 _MEMBERS = {
     ModelSpec: ("vocab_size", "max_len", "d_model", "n_layers", "n_heads", "n_kv_heads", "tie_embeddings", "hd",
                 "check_tensor_split"),
     LanguageModel: ("cfg", "__call__", "head_weight"),
-    DecodingModel: ("cfg", "__call__", "head_weight", "empty_cache", "decode_step", "hold_recent", "settle_recent"),
+    DecodingModel: ("cfg", "__call__", "head_weight", "empty_cache", "decode_step"),
 }
 
 

@@ -52,7 +52,7 @@ from flax import nnx
 
 from meshdistill.parallel.fsdp import gathered, gathered_call, gathered_for
 from meshdistill.models._attention import rope
-from meshdistill.models._visible import KVCache, RecentSlots, Segments
+from meshdistill.models._visible import KVCache, Segments
 from meshdistill.models._block import MLP, Attention, Block, _dtypes, _part, _per_token
 from meshdistill.models._config import ATTENTION, REMAT_POLICIES, ModelConfig, RopeScaling
 from meshdistill.models._output import BlockOutput
@@ -211,23 +211,12 @@ class Decoder(nnx.Module):
       raise ValueError(f"{len(kv)} key/value caches for {len(blocks)} layers: one (k, v) pair per layer "
                        "(Decoder.empty_cache)")
     new_kv = []
-    for block, (k, v, *recent) in zip(blocks, kv):  # (k, v) or, between `hold_recent` and `settle_recent`, + recent
-      out = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT, *recent))
+    for block, (k, v) in zip(blocks, kv):
+      out = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT))
       x = out.x
-      new_kv.append((out.cache.k, out.cache.v, *((out.cache.recent,) if recent else ())))
+      new_kv.append((out.cache.k, out.cache.v))
     final_norm, x = gathered_for(self.final_norm, x[:, -1:] if last_only else x)
     return self._logits(final_norm(x)), new_kv
-
-  def hold_recent(self, kv, slots: int, base, sharding=None):
-    """``kv`` with its next ``slots`` slots, from slot ``base`` on, held apart (`RecentSlots`): the `decode_step`
-    calls after write their keys and values there, one slot each, and attend to the cache's slots before ``base``
-    and to those; `settle_recent` writes them into the caches, which must hold ``base + slots`` slots.
-    ``sharding``: of the held slots ``[slots, B, G, K]`` (rows on the second axis)."""
-    return [(k, v, RecentSlots.empty(k, slots, base, sharding)) for k, v in kv]
-
-  def settle_recent(self, kv):
-    """``kv`` from `hold_recent` (and the decoding steps after it) with its held slots written into the caches."""
-    return [recent.settle(k, v) for k, v, recent in kv]
 
   def head_weight(self) -> jax.Array:
     """The LM-head matrix as [D, V] (V split over ``tensor``; padding rows cut off)."""

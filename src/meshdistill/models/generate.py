@@ -183,10 +183,6 @@ def sample_tokens(logits_BxV, row_keys_B, step, cfg: SamplingConfig, sharding=No
 DECODE_STAGES = 4
 CACHE_BOUND_STAGES = 8
 MIN_STAGE_TOKENS = 32
-# The cache-bound program writes each group of `RECENT_SLOTS` decoded tokens' keys and values apart from the caches,
-# slot-major (`RecentSlots`: a token's slot written there is whole tiles, where written into a cache it rewrites one
-# tile of 16 slots per row and key/value head), and into the caches once per group (`Decoder.settle_recent`).
-RECENT_SLOTS = 16
 
 
 def decode_stages(prompt_len: int, max_new_tokens: int, loops: int | None = None) -> tuple[tuple[int, int], ...]:
@@ -208,12 +204,10 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   N = cfg.max_new_tokens
   stages = decode_stages(Pn, N, CACHE_BOUND_STAGES if caches_dominate else DECODE_STAGES)
   S = stages[-1][1]  # every slot; each loop attends to its first `slots`
-  held = RECENT_SLOTS if caches_dominate else 0
   V = mcfg.vocab_size
   logit_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch", "vocab"), mesh=mesh))
   kv_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch",), mesh=mesh))
-  held_sharding = None if mesh is None else NamedSharding(mesh, spec((None, "batch"), mesh=mesh))
-  kv = model.empty_cache(B, S + held, kv_sharding)  # the last group of held slots is settled whole
+  kv = model.empty_cache(B, S, kv_sharding)
   lengths_B = jnp.sum(prompt_mask_BxP, axis=-1, dtype=jnp.int32)
   positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1, dtype=jnp.int32) - 1, 0)
   valid_BxS = jnp.zeros((B, S), bool).at[:, :Pn].set(prompt_mask_BxP)
@@ -246,19 +240,10 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
       done_B = done_B | (new_B == cfg.eos_id)
     return n + 1, kv, valid_BxS, new_B, done_B, tokens_BxN, mask_BxN, out_logits
 
-  def group(carry, stop: int, slots: int):  # up to `held` tokens, their slots held apart, then settled
-    n0, kv = carry[0], carry[1]
-    kv = model.hold_recent(kv, held, Pn + n0 - 1, held_sharding)
-    end = jnp.minimum(n0 + held, stop)
-    carry = jax.lax.while_loop(lambda c: (c[0] < end) & ~jnp.all(c[4]), functools.partial(body, slots=slots),
-                               (n0, kv) + carry[2:])
-    return (carry[0], model.settle_recent(carry[1])) + carry[2:]
-
   carry = (jnp.int32(1), kv, valid_BxS, first_B, done_B, tokens_BxN, mask_BxN, out_logits)
   for stop, slots in stages:
     cond = lambda c, stop=stop: (c[0] < stop) & ~jnp.all(c[4])  # noqa: E731
-    step = functools.partial(group, stop=stop, slots=slots) if held else functools.partial(body, slots=slots)
-    carry = jax.lax.while_loop(cond, step, carry)
+    carry = jax.lax.while_loop(cond, functools.partial(body, slots=slots), carry)
   _, _, _, _, _, tokens_BxN, mask_BxN, out_logits = carry
   return Generation(tokens_BxN, mask_BxN, jnp.sum(mask_BxN, axis=-1, dtype=jnp.int32), out_logits)
 
