@@ -170,14 +170,20 @@ def test_missing_libtpu_names_the_extra(monkeypatch):
 def test_compile_only_libtpu_gets_deep_fiber_stacks_and_keeps_the_users_flags(monkeypatch):
   """libtpu's default fiber stacks overflow on some real steps (a SIGSEGV, no error): a planning process asks for
   larger ones after whatever the user passed, names them in ``--undefok`` (libtpu exits on a flag it does not define,
-  and a later libtpu may not define these), and a stack size the user chose stays theirs."""
+  and a later libtpu may not define these), and a stack size the user chose stays theirs. Set while libtpu loads
+  only: afterwards the environment is the user's (a subprocess started after planning, a job on this machine's TPU
+  say, inherits no made-up accelerator type)."""
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_flag_of_mine=1 --undefok=a")
-  planner._hardware._quiet_libtpu()
-  planner._hardware._quiet_libtpu()  # idempotent: the planner calls it per target
-  assert os.environ["LIBTPU_INIT_ARGS"].split() == [
-      "--xla_tpu_flag_of_mine=1", "--undefok=a,fibers_default_thread_stack_size",
-      f"--fibers_default_thread_stack_size={16 * 2**20}"]
+  monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "mine")
+  with planner._hardware._quiet_libtpu():
+    assert os.environ["LIBTPU_INIT_ARGS"].split() == [
+        "--xla_tpu_flag_of_mine=1", "--undefok=a,fibers_default_thread_stack_size",
+        f"--fibers_default_thread_stack_size={16 * 2**20}"]
+    assert os.environ["TPU_ACCELERATOR_TYPE"] == "v5litepod-4" and os.environ["TPU_WORKER_HOSTNAMES"] == "mine"
+  assert os.environ["LIBTPU_INIT_ARGS"] == "--xla_tpu_flag_of_mine=1 --undefok=a"
+  assert "TPU_ACCELERATOR_TYPE" not in os.environ and os.environ["TPU_WORKER_HOSTNAMES"] == "mine"
   with_stack = planner._hardware._with_stack_flags
   assert with_stack("").split() == [f"--fibers_default_thread_stack_size={16 * 2**20}",
                                     "--undefok=fibers_default_thread_stack_size"]
@@ -185,8 +191,18 @@ def test_compile_only_libtpu_gets_deep_fiber_stacks_and_keeps_the_users_flags(mo
   # a process that runs on an accelerator (no JAX_PLATFORMS=cpu) is left alone
   monkeypatch.setenv("JAX_PLATFORMS", "")
   monkeypatch.setenv("LIBTPU_INIT_ARGS", "--mine=1")
-  planner._hardware._quiet_libtpu()
-  assert os.environ["LIBTPU_INIT_ARGS"] == "--mine=1"
+  with planner._hardware._quiet_libtpu():
+    assert os.environ["LIBTPU_INIT_ARGS"] == "--mine=1" and "TPU_ACCELERATOR_TYPE" not in os.environ
+
+
+@pytest.mark.skipif(not planner.libtpu_available(), reason="needs libtpu: pip install 'meshdistill[tpu]'")
+def test_planning_for_a_tpu_leaves_the_environment_as_it_was(monkeypatch):
+  """After a TPU target is described (libtpu loaded for compiling only) the process's environment holds none of the
+  variables it was loaded with: a subprocess started after planning gets the user's environment."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  before = dict(os.environ)
+  planner._hardware.tpu_target("v5e:1x1")
+  assert dict(os.environ) == before
 
 
 @pytest.mark.parametrize("argv, want", [([], 4), (["--max-compiles", "0"], 0), (["--max-compiles", "2"], 2),

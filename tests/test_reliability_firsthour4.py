@@ -161,9 +161,8 @@ def test_r4_readme_load_run_snippet_prints_no_tpu_probe_lines():
       "  cfg = md.ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, mlp_hidden=16, "
       "max_len=8)\n"
       "  return md.init_model(cfg, seed=0), types.SimpleNamespace(student=cfg), 0\n")
-  # a user's shell: no platform or flags, none of the variables the planner's compile-only path sets in this process
-  # (`planner._hardware`: a test that compiled for a TPU topology earlier in this worker leaves them, and with them
-  # libtpu skips its probe); libtpu may load beside another test process that holds its lock
+  # a user's shell: no platform, flags or TPU settings (with TPU_* variables libtpu skips its probe); libtpu may load
+  # beside another test process that holds its lock
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "LIBTPU_INIT_ARGS") and not k.startswith("TPU_")}
   env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"

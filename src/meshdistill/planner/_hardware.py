@@ -7,6 +7,7 @@ libtpu's compiler runs on the CPU host (``pip install 'meshdistill[tpu]'``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -53,17 +54,33 @@ _STACK_FLAG = "fibers_default_thread_stack_size"
 _STACK_BYTES = 16 * 2**20
 
 
-def _quiet_libtpu() -> None:
-  """Tells libtpu it runs on no TPU VM (it otherwise queries metadata and logs errors) and only compiles;
-  in CPU-only processes (``JAX_PLATFORMS=cpu``, as the CLI and the tests set) only."""
+# What a compile-only libtpu is told while it loads (`_quiet_libtpu`).
+_QUIET_VARS = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
+               "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+@contextlib.contextmanager
+def _quiet_libtpu():
+  """While libtpu loads (it reads these then): tells it it runs on no TPU VM (it otherwise queries metadata and logs
+  errors) and only compiles, several planning processes at once (it otherwise takes a machine-wide lock), with deep
+  fiber stacks (`_with_stack_flags`); in CPU-only processes (``JAX_PLATFORMS=cpu``, as the CLI and the tests set)
+  only. Afterwards the environment is the process's own again: a subprocess it starts (a job on this machine's
+  real TPU, say) does not inherit a made-up accelerator type."""
   if os.environ.get("JAX_PLATFORMS", "").strip().lower() != "cpu":
+    yield
     return
-  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-  # compiling only: several planning processes may load libtpu at once (it otherwise takes a machine-wide lock)
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  saved = {k: os.environ.get(k) for k in (*_QUIET_VARS, "LIBTPU_INIT_ARGS")}
+  for k, v in _QUIET_VARS.items():
+    os.environ.setdefault(k, v)
   os.environ["LIBTPU_INIT_ARGS"] = _with_stack_flags(os.environ.get("LIBTPU_INIT_ARGS", ""))
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
 
 
 def _with_stack_flags(args: str) -> str:
@@ -100,10 +117,10 @@ def tpu_target(topology: str, hbm_budget_bytes: int | None = None) -> Target:
     )
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
 
-  _quiet_libtpu()
   name = f"{m.group(1)}:{m.group(2)}"
   try:
-    desc = _topology_desc(topologies, name, [int(d) for d in m.group(2).split("x")])
+    with _quiet_libtpu():
+      desc = _topology_desc(topologies, name, [int(d) for d in m.group(2).split("x")])
   except Exception as e:  # noqa: BLE001 -- libtpu raises JaxRuntimeError with its own text
     first = str(e).splitlines()[0]
     raise ValueError(f"topology={topology!r} was rejected by libtpu ({first}); e.g. {EXAMPLES}") from None
