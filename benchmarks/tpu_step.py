@@ -602,8 +602,9 @@ def sampler_label(r: dict) -> str:
   label = GEN_SYSTEMS[r["system"]]
   if r.get("loops") is not None:
     label += f", {r['loops']} decoding loop{'s' if r['loops'] != 1 else ''}"
-  if r.get("program", "auto") != "auto":
-    label += f", {r['program']} memory-space assignment at every batch"
+  if r.get("program", "auto") != "auto":  # `decoding_variant`'s: the cache-bound program (selective memory-space
+    # assignment, up to CACHE_BOUND_STAGES loops) or the default one, whatever the batch
+    label += f", the {'cache-bound' if r['program'] == 'selective' else 'default'} program at every batch"
   return label
 
 

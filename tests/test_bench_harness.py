@@ -308,7 +308,7 @@ def test_a_decoding_variant_is_measured_in_its_own_programs_named_in_its_rows_an
   variant = {**rows[1], "program": "selective"}
   table = [line.split(" | ")[1] for line in tpu_step.generation_section(rows + [variant]) if line.startswith("| tiny")]
   assert table == ["meshdistill, 1 decoding loop", "meshdistill, 3 decoding loops",
-                   "meshdistill, 3 decoding loops, selective memory-space assignment at every batch"], table
+                   "meshdistill, 3 decoding loops, the cache-bound program at every batch"], table
   with pytest.raises(ValueError, match="decoding program 'fast': choose from auto, selective, default"):
     with tpu_step.decoding_variant(None, "fast"):
       pass
