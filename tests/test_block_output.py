@@ -48,8 +48,8 @@ def _assert_fields(out, cfg, *, probs: bool, cache: bool, experts: bool):
     assert out.probs.shape == (B, cfg.n_heads, T, T)
     np.testing.assert_allclose(np.asarray(jnp.sum(out.probs, -1)), 1.0, rtol=1e-5)  # rows of a softmax
   if cache:
-    assert type(out.cache) is KVCache and out.cache.k.shape == (B, S, cfg.n_kv_heads, cfg.hd)
-    assert np.any(np.asarray(out.cache.k[:, :T])) and not np.any(np.asarray(out.cache.k[:, T:]))  # this call's
+    assert type(out.cache) is KVCache and out.cache.k.shape == (B, cfg.n_kv_heads, S, cfg.hd)
+    assert np.any(np.asarray(out.cache.k[:, :, :T])) and not np.any(np.asarray(out.cache.k[:, :, T:]))  # this call's
   assert isinstance(out.aux, Routing) if experts else out.aux is None
   if experts:
     assert out.aux.logits_BxTxE.shape == (B, T, cfg.moe.n_experts)

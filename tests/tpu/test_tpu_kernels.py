@@ -310,6 +310,68 @@ def test_the_cache_bound_program_generates_what_the_default_program_generates(mo
   np.testing.assert_array_equal(np.asarray(runs[True].tokens_BxN)[clear], np.asarray(runs[False].tokens_BxN)[clear])
 
 
+@pytest.mark.parametrize("window,cap", [(None, None), (40, 30.0)], ids=["full", "window-softcap"])
+def test_decoding_kernel_writes_the_new_slot_and_attends_as_the_explicit_scores_do(window, cap):
+  """`_decode_attention.decode_attention` compiled on the chip against `_explicit_attention` (float32 scores) on the
+  same bfloat16 inputs, the new key and value written into the reference's caches first: slots at a tile's first and
+  last row, a prefix that ends inside a tile, left padding. Values: both round the probabilities and the output to
+  bfloat16 and differ in summation order only (1e-2, the splash row of the table); the caches: bit for bit, the new
+  slot written and no other slot changed."""
+  from meshdistill.models._decode_attention import decode_attention
+
+  B, G, R, K, S = 16, 4, 2, 128, 256
+  rng = np.random.default_rng(11)
+  bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+  interpret = jax.default_backend() != "tpu"  # (MESHDISTILL_TPU_TESTS_ON=cpu)
+  run = jax.jit(lambda *a, index: decode_attention(*a, index, scale=K**-0.5, cap=cap, window=window,
+                                                   interpret=interpret))
+  for index, N in ((0, 16), (127, 128), (128, 201), (200, 201), (255, 256)):
+    q, kn, vn, k, v = bf(B, G, R, K), bf(B, G, K), bf(B, G, K), bf(B, G, S, K), bf(B, G, S, K)
+    valid = np.ones((B, N), bool)
+    valid[:, : min(index, 5)] = False  # left padding
+    out, k2, v2 = run(q, kn, vn, k, v, jnp.asarray(valid), index=jnp.int32(index))
+    want_k, want_v = k.at[:, :, index].set(kn), v.at[:, :, index].set(vn)
+    np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(want_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(want_v, np.float32))
+    cols = np.arange(N)
+    visible = valid & (cols <= index) & ((cols > index - window) if window else True)
+    want, _ = _explicit_attention(q.reshape(B, 1, G * R, K), jnp.swapaxes(want_k[:, :, :N], 1, 2),
+                                  jnp.swapaxes(want_v[:, :, :N], 1, 2), jnp.asarray(visible)[:, None, None],
+                                  scale=K**-0.5, cap=cap)
+    got = np.asarray(out, np.float32).reshape(B, 1, G * R, K)
+    assert rel_err(got, np.asarray(want, np.float32)) < 1e-2, (index, N, rel_err(got, want))
+
+
+def test_generation_through_the_decoding_kernel_equals_the_xla_path():
+  """A bfloat16 decoder generating with ``attention: auto`` on the chip decodes through the kernel (one call per layer
+  and decoding loop, traced) and gives the logits and greedy tokens of the same model with ``attention: xla``
+  (bfloat16 roundings in other orders: 1e-2; tokens on rows no near-tie could fork), a sliding window and
+  left-padded prompts of 9, 4 and 13 tokens."""
+  from meshdistill.models import _decode_attention
+
+  cfg = CHIP_CFG.replace(dtype="bfloat16", attn_softcap=None, qk_norm=True, sliding_window=24)
+  rng = np.random.default_rng(8)
+  tokens, mask = left_pad([list(rng.integers(1, cfg.vocab_size, n)) for n in (9, 4, 13)])
+  N, runs, calls = 70, {}, []
+  real = _decode_attention.decode_attention
+  spy = lambda *a, **kw: calls.append(1) or real(*a, **kw)  # noqa: E731
+  fast = "auto" if jax.default_backend() == "tpu" else "splash"  # (the kernel interpreted: MESHDISTILL_TPU_TESTS_ON)
+  for attention in ("xla", fast):
+    model = md.init_model(cfg.replace(attention=attention), seed=6)
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(_decode_attention, "decode_attention", spy)
+      runs[attention] = generate(model, tokens, mask, None, SamplingConfig(max_new_tokens=N, temperature=0.0),
+                                 return_logits=True)
+    if attention == "xla":
+      assert not calls
+  assert len(calls) == cfg.n_layers * len(decode_stages(tokens.shape[1], N)), len(calls)
+  want, got = np.asarray(runs["xla"].logits_BxNxV), np.asarray(runs[fast].logits_BxNxV)
+  assert rel_err(got, want) < 1e-2, rel_err(got, want)
+  top2 = np.sort(want, -1)[..., -2:]
+  clear = (top2[..., 1] - top2[..., 0] > 2e-2 * np.abs(want).max()).all(-1)
+  np.testing.assert_array_equal(np.asarray(runs[fast].tokens_BxN)[clear], np.asarray(runs["xla"].tokens_BxN)[clear])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_head_prep_kernel_gives_the_norm_and_rope_of_each_head_and_their_gradients(dtype):
   """`_head_prep.norm_rope_heads` compiled against `head_norm` + `rope` in XLA on the same chip (float32 at 'highest';

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from meshdistill.parallel.mesh import DATA, TENSOR, target_platform  # noqa: F401  (target_platform: re-exported)
 # Context parallelism: a device's slice of the sequence, its kernel chosen by its index along `context`.
 from meshdistill.models._context import CONTEXT, ContextShard
-from meshdistill.models import _head_prep
+from meshdistill.models import _decode_attention, _head_prep
 from meshdistill.models._config import RopeScaling
 from meshdistill.models._variants import band, per_head_matmul, softcap
 from meshdistill.models._visible import segment_mask
@@ -221,6 +221,39 @@ def heads_in_kernel(y_BxTxHK, n_heads: int, cos_TxK, sin_TxK, scale_K=None, eps:
   local = lambda y, c, s, *w: fn(y, cos_TxK=c, sin_TxK=s, scale_K=w[0] if w else None)  # noqa: E731
   return jax.shard_map(local, in_specs=(P(),) * len(args), out_specs=P(), axis_names=free, check_vma=False)(*args)
 
+
+
+def decodes_in_kernel(attention: str, cache, T: int, want_probs: bool) -> bool:
+  """Whether a decoding call writes its token's key and value and attends in one Pallas kernel
+  (`_decode_attention.decode_attention`): one token against a cache its caller keeps whole on one device
+  (``cache.kernel``) in the kernel's tiles (`_decode_attention.usable`), no probabilities captured, no
+  compiler-managed mesh axis of more than one device, and the model's ``attention`` ``auto`` compiled for a TPU or
+  ``splash`` (off a TPU interpreted, as the splash kernel is: for checks)."""
+  if not (cache.kernel and T == 1 and not want_probs) or attention not in ("auto", "splash"):
+    return False
+  if attention == "auto" and target_platform() != "tpu":
+    return False
+  mesh, free = _compiler_axes()
+  B, G, S, K = cache.k.shape
+  return all(mesh.shape[a] == 1 for a in free) and _decode_attention.usable(S, cache.k.dtype.itemsize, K)
+
+
+def decode_in_kernel(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, cache, *, window=None, scale=None, cap=None):
+  """``(out [B, 1, H, K], cache)``: `_decode_attention.decode_attention` where `decodes_in_kernel` said so, the
+  token's key and value written into ``cache`` (a `KVCache`) by the kernel; in a ``shard_map`` manual over the mesh's
+  compiler-managed axes (all of size 1 there)."""
+  B, _, H, K = q_BxTxHxK.shape
+  G = k_BxTxGxK.shape[2]
+  scale = K**-0.5 if scale is None else scale
+  fn = functools.partial(_decode_attention.decode_attention, scale=scale, cap=cap, window=window,
+                         interpret=target_platform() != "tpu")
+  args = (q_BxTxHxK.reshape(B, G, H // G, K), k_BxTxGxK.reshape(B, G, K), v_BxTxGxK.reshape(B, G, K), cache.k,
+          cache.v, cache.valid_BxS, jnp.asarray(cache.index, jnp.int32))
+  _, free = _compiler_axes()
+  if free:
+    fn = jax.shard_map(fn, in_specs=(P(),) * len(args), out_specs=(P(),) * 3, axis_names=free, check_vma=False)
+  out, k, v = fn(*args)
+  return out.reshape(B, 1, H, K), cache._replace(k=k, v=v)
 
 # the blocks `splash_blocks` puts in place of `splash_block_sizes` while a program is traced inside it (None: the
 # package's own)

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshdistill.parallel.rules import annotate
-from meshdistill.models._attention import (_explicit_attention, heads_in_kernel, prep_in_kernel, query_prescale, rope,
-                                          rope_tables, splash_attention)
+from meshdistill.models._attention import (_explicit_attention, decode_in_kernel, decodes_in_kernel, heads_in_kernel,
+                                          prep_in_kernel, query_prescale, rope, rope_tables, splash_attention)
 from meshdistill.models._config import ModelConfig
 from meshdistill.models._context import ContextShard
 from meshdistill.models._output import BlockOutput
@@ -128,6 +128,9 @@ class Attention(nnx.Module):
         pos = shard.positions(T)
       axis = heads.split().index("t")
       q, k = (rope(a, self.theta, self.scaling, pos, token_axis=axis) for a in (q, k))
+    if cache is not None and decodes_in_kernel(cfg.attention, cache, T, want_probs):  # write and attend at once
+      out, cache = decode_in_kernel(q, k, v, cache, window=self.window, scale=cfg.query_scale, cap=cfg.attn_softcap)
+      return BlockOutput(_heads_out(self.o, out, heads), cache=cache)
     if cache is not None:
       cache = cache.write(k, v)
       k, v = cache.attended()

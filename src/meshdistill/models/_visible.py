@@ -16,12 +16,14 @@ from meshdistill.models._variants import band
 class KVCache(NamedTuple):
   """One attention layer's key/value cache for decoding (`meshdistill.models.generate`).
 
-  ``k`` / ``v``: keys (after RoPE) and values of ``S`` slots, ``[B, S, G, K]`` (G = n_kv_heads, split over
-  ``tensor`` like the k/v projections), one pair per layer (scanned blocks too: `Decoder.decode_step`);
-  ``valid_BxS``: slots holding a real token (left padding is never attended), over the first ``S`` slots of the
-  cache, the ones this call attends to (`attended`): the cache may hold more, not yet written, that it never reads;
-  ``index``: the slot of the first token of this call; ``positions_BxT``: the RoPE positions of this call's tokens,
-  per row.
+  ``k`` / ``v``: keys (after RoPE) and values of ``S`` slots, ``[B, G, S, K]`` (G = n_kv_heads, split over
+  ``tensor`` like the k/v projections; each row and head's slots contiguous, as a TPU lays them out and as
+  `meshdistill.models._decode_attention` reads them), one pair per layer (scanned blocks too:
+  `Decoder.decode_step`); ``valid_BxS``: slots holding a real token (left padding is never attended), over the first
+  ``S`` slots of the cache, the ones this call attends to (`attended`): the cache may hold more, not yet written,
+  that it never reads; ``index``: the slot of the first token of this call; ``positions_BxT``: the RoPE positions of
+  this call's tokens, per row; ``kernel``: a one-token call may write and attend in one Pallas kernel (the caches are
+  whole on one device; `Decoder.decode_step`).
   """
 
   k: jax.Array
@@ -29,20 +31,26 @@ class KVCache(NamedTuple):
   valid_BxS: jax.Array
   index: jax.Array
   positions_BxT: jax.Array
+  kernel: bool = False
 
   def write(self, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array) -> "KVCache":
-    """The cache with this call's keys and values in slots ``index ..``."""
-    at = (0, self.index, 0, 0)
-    return self._replace(k=jax.lax.dynamic_update_slice(self.k, k_BxTxGxK.astype(self.k.dtype), at),
-                         v=jax.lax.dynamic_update_slice(self.v, v_BxTxGxK.astype(self.v.dtype), at))
+    """The cache with this call's keys and values (``[B, T, G, K]``) in slots ``index ..``."""
+    at = (0, 0, self.index, 0)
+
+    def put(cache, new_BxTxGxK):
+      return jax.lax.dynamic_update_slice(cache, jnp.swapaxes(new_BxTxGxK, 1, 2).astype(cache.dtype), at)
+
+    return self._replace(k=put(self.k, k_BxTxGxK), v=put(self.v, v_BxTxGxK))
 
   def attended(self) -> tuple[jax.Array, jax.Array]:
-    """``(k, v)`` of the slots ``valid_BxS`` covers (a static prefix of the cache: read in place, not copied)."""
+    """``(k, v)`` ``[B, S, G, K]`` of the slots ``valid_BxS`` covers (a static prefix of the cache, read in place
+    by the attention's fusions: the swap of axes is a view of the cache's own layout on a TPU)."""
     S = self.valid_BxS.shape[1]
-    if S > self.k.shape[1]:
-      raise ValueError(f"KVCache.valid_BxS covers {S} slots but the cache holds {self.k.shape[1]}: the mask marks the "
+    if S > self.k.shape[2]:
+      raise ValueError(f"KVCache.valid_BxS covers {S} slots but the cache holds {self.k.shape[2]}: the mask marks the "
                        f"slots to attend to, at most the cache's (Decoder.empty_cache(batch, slots))")
-    return (self.k, self.v) if S == self.k.shape[1] else (self.k[:, :S], self.v[:, :S])
+    k, v = (self.k, self.v) if S == self.k.shape[2] else (self.k[:, :, :S], self.v[:, :, :S])
+    return jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
   def visible(self, T: int, window: int | None = None) -> jax.Array:
     """``[B, 1, T, S]``: query ``t`` (slot ``index + t``) sees valid slots ``<= index + t`` (with a sliding

@@ -22,7 +22,7 @@ Three protocols, each the exact surface its callers use (`typing.Protocol`, runt
 `DecodingModel` (generation, `meshdistill.models.generate`; on-policy distillation)
   a `LanguageModel` with a cached decode step that is the model's own forward pass, not a second copy:
   ``empty_cache(batch, slots, sharding=None) -> kv`` and ``decode_step(tokens_BxT, kv, valid_BxS, index,
-  positions_BxT, last_only=False) -> (logits float32 [B, T or 1, V], kv)``.
+  positions_BxT, last_only=False, kernel=False) -> (logits float32 [B, T or 1, V], kv)``.
 
 The built-in `meshdistill.models.decoder.Decoder` is a `DecodingModel`; the tunix adapter
 (`meshdistill.models.tunix_adapter.TunixLM`) is a `LanguageModel` (no cached decoding). Export to
@@ -87,9 +87,10 @@ class DecodingModel(LanguageModel, Protocol):
     ...
 
   def decode_step(self, tokens_BxT: jax.Array, kv: Any, valid_BxS: jax.Array, index: Any, positions_BxT: jax.Array,
-                  *, last_only: bool = False) -> tuple[jax.Array, Any]:
+                  *, last_only: bool = False, kernel: bool = False) -> tuple[jax.Array, Any]:
     """``(logits float32 [B, T or 1, V], new kv)`` of ``tokens_BxT`` written into cache slots ``index ..``, attending
-    to the first ``valid_BxS.shape[1]`` slots (the cache may be longer)."""
+    to the first ``valid_BxS.shape[1]`` slots (the cache may be longer); ``kernel``: the caches are whole on one
+    device (a model may then write and attend in one kernel)."""
     ...
 
 

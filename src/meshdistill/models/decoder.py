@@ -184,26 +184,29 @@ class Decoder(nnx.Module):
     return softcap(logits_BxTxV.astype(jnp.float32), self.cfg.final_softcap)  # elementwise: per vocabulary shard
 
   def empty_cache(self, batch: int, slots: int, sharding=None):
-    """Zero key/value caches for `decode_step`: one pair ``(k_BxSxGxK, v_BxSxGxK)`` per layer (scanned blocks
-    too: decoding runs their layers unrolled, `layer_blocks`), each placed with ``sharding`` (e.g. rows
+    """Zero key/value caches for `decode_step`: one pair ``(k_BxGxSxK, v_BxGxSxK)`` per layer (`KVCache`; scanned
+    blocks too: decoding runs their layers unrolled, `layer_blocks`), each placed with ``sharding`` (e.g. rows
     over ``data``) when given."""
     cfg = self.cfg
 
     def zeros():
-      z = jnp.zeros((batch, slots, cfg.n_kv_heads, cfg.hd), cfg.compute_dtype)
+      z = jnp.zeros((batch, cfg.n_kv_heads, slots, cfg.hd), cfg.compute_dtype)
       return z if sharding is None else jax.lax.with_sharding_constraint(z, sharding)
 
     return [(zeros(), zeros()) for _ in range(cfg.n_layers)]
 
-  def decode_step(self, tokens_BxT, kv, valid_BxS, index, positions_BxT, *, last_only: bool = False):
+  def decode_step(self, tokens_BxT, kv, valid_BxS, index, positions_BxT, *, last_only: bool = False,
+                  kernel: bool = False):
     """The forward pass of ``tokens_BxT`` against a key/value cache: ``(logits float32 [B, T or 1, V], new kv)``.
 
     The same blocks and LM head as `__call__` (and the same vocabulary cut: ids ``>= vocab_size`` never
     appear), with this call's keys/values written into cache slots ``index ..`` (`KVCache`). ``kv``: from
     `empty_cache` or the previous call; ``valid_BxS`` must already mark this call's slots, and the slots it covers
     (the first ``valid_BxS.shape[1]``, a cache may hold more) are the ones attended to; ``positions_BxT``:
-    each row's RoPE positions. ``last_only``: the logits of the last position only (``[B, 1, V]``). The layers run
-    unrolled, scanned blocks included (`layer_blocks`).
+    each row's RoPE positions. ``last_only``: the logits of the last position only (``[B, 1, V]``). ``kernel``: the
+    caches are whole on one device, so a one-token call may write its keys and values and attend in one Pallas
+    kernel per layer (`meshdistill.models._attention.decodes_in_kernel`: with ``attention`` ``auto`` on a TPU). The
+    layers run unrolled, scanned blocks included (`layer_blocks`).
     """
     x = scale_embed(self.cfg, gathered(self.embed)(tokens_BxT))
     blocks = layer_blocks(self.blocks, _place) if self.cfg.scanned else self.blocks  # stacked: static slices
@@ -212,7 +215,7 @@ class Decoder(nnx.Module):
                        "(Decoder.empty_cache)")
     new_kv = []
     for block, (k, v) in zip(blocks, kv):
-      out = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT))
+      out = block(x, False, KVCache(k, v, valid_BxS, index, positions_BxT, kernel))
       x = out.x
       new_kv.append((out.cache.k, out.cache.v))
     final_norm, x = gathered_for(self.final_norm, x[:, -1:] if last_only else x)

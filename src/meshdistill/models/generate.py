@@ -50,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshdistill.parallel.mesh import check_batch, platform_of
 from meshdistill.parallel.rules import spec, split_ways
+from meshdistill.models._decode_attention import TILE
 from meshdistill.models.decoder import Decoder
 from meshdistill.models.contract import DecodingModel, check_model
 
@@ -207,7 +208,10 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   V = mcfg.vocab_size
   logit_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch", "vocab"), mesh=mesh))
   kv_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch",), mesh=mesh))
-  kv = model.empty_cache(B, S, kv_sharding)
+  # whole on-chip tiles of slots (`_decode_attention.TILE`): a decoded slot's write in the decoding kernel rewrites
+  # its tile; the slots past S are never valid, so never attended to
+  kv = model.empty_cache(B, -(-S // TILE) * TILE, kv_sharding)
+  kernel = mesh is None or mesh.devices.size == 1  # the caches whole on one device: a kernel may write and attend
   lengths_B = jnp.sum(prompt_mask_BxP, axis=-1, dtype=jnp.int32)
   positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1, dtype=jnp.int32) - 1, 0)
   valid_BxS = jnp.zeros((B, S), bool).at[:, :Pn].set(prompt_mask_BxP)
@@ -218,7 +222,8 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
       logits_BxV = jax.lax.with_sharding_constraint(logits_BxV, logit_sharding)
     return sample_tokens(logits_BxV, row_keys_B, n, cfg, logit_sharding).astype(jnp.int32)
 
-  logits_Bx1xV, kv = model.decode_step(prompts_BxP, kv, valid_BxS[:, :Pn], 0, positions_BxP, last_only=True)
+  logits_Bx1xV, kv = model.decode_step(prompts_BxP, kv, valid_BxS[:, :Pn], 0, positions_BxP, last_only=True,
+                                       kernel=kernel)
   first_B = pick(logits_Bx1xV[:, 0], 0)
   tokens_BxN = jnp.full((B, N), cfg.pad_id, jnp.int32).at[:, 0].set(first_B)
   mask_BxN = jnp.zeros((B, N), bool).at[:, 0].set(True)
@@ -230,7 +235,8 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
     slot = Pn + n - 1  # the slot of the token fed in (the previous step's)
     valid_BxS = jax.lax.dynamic_update_slice(valid_BxS, jnp.ones((B, 1), bool), (0, slot))
     positions_Bx1 = (lengths_B + n - 1)[:, None]
-    logits_Bx1xV, kv = model.decode_step(last_B[:, None], kv, valid_BxS[:, :slots], slot, positions_Bx1)
+    logits_Bx1xV, kv = model.decode_step(last_B[:, None], kv, valid_BxS[:, :slots], slot, positions_Bx1,
+                                         kernel=kernel)
     new_B = jnp.where(done_B, cfg.pad_id, pick(logits_Bx1xV[:, 0], n))
     tokens_BxN = jax.lax.dynamic_update_slice(tokens_BxN, new_B[:, None], (0, n))
     mask_BxN = jax.lax.dynamic_update_slice(mask_BxN, ~done_B[:, None], (0, n))
