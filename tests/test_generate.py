@@ -398,6 +398,49 @@ def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm(monkeypatch):
 
 @pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
                     reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+def test_on_a_tpu_a_decoded_token_writes_and_attends_in_one_kernel_per_layer_and_no_cache_is_copied(monkeypatch):
+  """Compiled for one v5e chip (nothing runs; the chip's mesh in context, as on the chip, where the default backend
+  names the platform) with the benchmark's cache shape (64 rows, 8 key/value heads of 128, bfloat16, 128 + 256
+  tokens): every decoded token's layer is one Mosaic call (`_decode_attention`, layers x loops of them) whose output
+  caches are its input ones, and no instruction copies, slices or updates a whole cache: its new slot is written by
+  the kernel, in place."""
+  import re
+
+  from jax.sharding import Mesh, SingleDeviceSharding
+
+  from meshdistill.models import abstract_params
+  from meshdistill.models import generate as gen_mod
+  from meshdistill.planner._hardware import tpu_target
+
+  B, P, N = 64, 128, 256
+  cfg = CFG.replace(n_layers=2, max_len=P + N, d_model=256, n_heads=16, n_kv_heads=8, head_dim=128, mlp_hidden=512,
+                    dtype="bfloat16")
+  chip = tpu_target("v5e:1x1").devices[0]
+  device = SingleDeviceSharding(chip)
+  graphdef, state, _ = abstract_params(cfg)
+  state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
+  args = (jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=device), jax.ShapeDtypeStruct((B, P), bool, sharding=device),
+          jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=device))
+  program = gen_mod.decoding_program(state, cfg, B, P + N - 1)
+  monkeypatch.setattr(gen_mod, "CACHE_BOUND_STAGES", 2)  # the loops are alike: two of them to keep the suite's time
+  program.clear_cache()
+  with jax.set_mesh(Mesh(np.array([chip]).reshape(1, 1), ("data", "tensor"))):
+    hlo = program.lower(state, *args, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=N), return_logits=False,
+                        mesh=None).compile().as_text()
+  program.clear_cache()
+  calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+  assert len(calls) == cfg.n_layers * 2, len(calls)
+  assert all("output_to_operand_aliasing={{1}: (5, {}), {2}: (6, {})}" in line for line in calls), calls[0][:400]
+  moves = "copy|copy-start|slice|dynamic-slice|dynamic-update-slice"
+  cache = rf"= \w+\[{B},{cfg.n_kv_heads},(\d+),{cfg.hd}\]\S* ({moves})\("
+  _, computations, entry = _split(hlo)
+  lines = [line for name, text in computations.items() if name != entry for line in text.splitlines()[1:]]
+  moved = [line.strip()[:120] for line in lines for S, _ in re.findall(cache, line) if int(S) >= P]  # (not queries)
+  assert moved == []
+
+
+@pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
+                    reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
 def test_on_a_mesh_decoding_is_cache_bound_by_the_rows_each_device_decodes():
   """The benchmark's student (abstract, placed on TPU devices of a libtpu topology; nothing compiles): 64 rows on one
   chip read more cache than weights a token, so they get `SELECTIVE_MSA`; split four ways over ``data`` each device

@@ -14,7 +14,9 @@ tokens are split over up to `DECODE_STAGES` loops (`decode_stages`; `CACHE_BOUND
 caches outweigh the weights on a TPU, `decoding_program`), each attending to the first
 slots of the cache, those filled by its last token, so a decoded token reads about the slots filled
 so far rather than the whole preallocated cache (the cache is made once; a loop reads its prefix in
-place).
+place). Where the caches are whole on one device (no mesh, or a mesh of one) a decoded token's cache write and
+attention may run as one Pallas kernel per layer (`Decoder.decode_step`'s ``kernel``; on a TPU with attention
+``auto``: `meshdistill.models._decode_attention`).
 
 Sampling (`sample_tokens`) is vocabulary-parallel: logits ``[B, V]`` stay split over ``tensor``
 along V and every vocabulary reduction is a max, min or sum (XLA reduces partial results over
