@@ -9,7 +9,8 @@ computing in bfloat16, prompt 128 + 256 new tokens, temperature 1): one call com
 traced. Each device op of the trace is put in one role by its HLO instruction (`bench.op_kinds.describe`: output
 shape and the JAX operation it came from):
 
-* ``attention``: the two products of a decoded token against the key/value cache (scores, weighted values);
+* ``attention``: the two products of a decoded token against the key/value cache (scores, weighted values), or
+  the decoding kernel (`meshdistill.models._decode_attention`: its slot write included);
 * ``cache writes``: the new token's keys and values written into their slot (``dynamic_update_slice`` of a cache);
 * ``cache moves``: whole caches (or pieces of them) copied between HBM and on-chip memory by the compiler's
   memory-space assignment (``copy-*`` / ``slice-*`` of cache-shaped arrays);
@@ -45,6 +46,8 @@ def role_of(name: str, what: str, cache_dims: tuple[int, int]) -> str:
     return "prefill"
   if "BNTS" in what:  # `jax.nn.dot_product_attention`'s einsums (vmap(BTNH,BSNH->BNTS), vmap(BNTS,BSNH->BTNH))
     return "attention"
+  if "decode_attention" in what or "decode_attention" in name:  # the kernel: slot write and attention in one
+    return "attention"
   if "dynamic_update_slice" in what and cache:
     return "cache writes"
   if "dot_general" in what:
@@ -73,7 +76,7 @@ def main(argv=None) -> dict:
   from bench.op_kinds import describe
   from meshdistill.models import generate as gen
 
-  _, scfg = model_configs(args.pair, Setting(attn="xla", remat="none", scan="both"))
+  _, scfg = model_configs(args.pair, Setting(attn="auto", remat="none", scan="both"))  # the model's default
   scfg = scfg.replace(max_len=args.prompt + args.new)
   model = md.init_model(scfg, seed=1)
   B, N = args.batch, args.new

@@ -182,7 +182,8 @@ def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: in
   if program == "selective" and dev.platform != "tpu":
     raise ValueError(f"decoding program 'selective' compiles with a libtpu option: a TPU's, not {dev.platform}'s")
   bandwidth = {"TPU v5 lite": 819e9}.get(dev.device_kind)
-  _, scfg = model_configs(pair, Setting(attn="xla", remat="none", scan=GEN_LAYERS[system]))
+  # attention `auto`, the model's default: decoding through `models._decode_attention` on a TPU
+  _, scfg = model_configs(pair, Setting(attn="auto", remat="none", scan=GEN_LAYERS[system]))
   scfg = scfg.replace(max_len=prompt + new)
   model = md.init_model(scfg, seed=1)
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx_state(model)))

@@ -336,5 +336,7 @@ def test_a_decoding_trace_s_instructions_fall_in_the_roles_their_descriptions_na
       ("fusion.9030", "(f32[64] jit(_generate)/while/body/dot_general"): "weights",
       ("convert.1284", "f32[1,1,1024] jit(_generate)/while/body/convert_element_type"): "other",
       ("fusion.12", "bf16[64,128,1024] jit(_generate)/dot_general"): "prefill",
+      ("decode_attention.1", "(bf16[64,8,2,128], bf16[64,8,384,128], bf16[64,8,384,128]) "
+       "jit(_generate)/while/body/decode_attention/pallas_call"): "attention",  # the kernel, its slot write within
   }
   assert {k: role_of(*k, dims) for k in cases} == cases
