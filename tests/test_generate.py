@@ -56,6 +56,18 @@ def test_cached_decode_logits_equal_full_forward_and_greedy_equals_argmax_rollou
   assert np.asarray(gen.mask_BxN).all() and list(np.asarray(gen.lengths_B)) == [N] * len(PROMPTS)
 
 
+def test_the_arg_max_of_a_row_is_its_first_maximum_and_always_a_vocabulary_index():
+  """`vocab_argmax`: the first index of the row's maximum (ties included), and an index in ``[0, V)`` for every row,
+  a row holding NaN too (a max then a min of the indices equal to it gave ``V``, an id outside the vocabulary, where
+  no value compared equal to the max: on a TPU, when the two reductions computed the logits' soft cap apart)."""
+  from meshdistill.models.generate import vocab_argmax
+
+  x = jnp.asarray([[1.0, 3.0, 3.0, -2.0], [-jnp.inf, -jnp.inf, 0.5, 0.5], [0.0, jnp.nan, 1.0, 2.0]], jnp.float32)
+  got = np.asarray(vocab_argmax(x))
+  np.testing.assert_array_equal(got[:2], [1, 2])
+  assert got.dtype == np.int32 and ((0 <= got) & (got < x.shape[-1])).all(), got
+
+
 def test_same_key_gives_the_same_samples_on_one_device_2x4_and_4x2(model):
   tokens, mask = left_pad(PROMPTS)
   key = jax.random.key(7)

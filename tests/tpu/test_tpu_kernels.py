@@ -345,8 +345,9 @@ def test_decoding_kernel_writes_the_new_slot_and_attends_as_the_explicit_scores_
 def test_generation_through_the_decoding_kernel_equals_the_xla_path():
   """A bfloat16 decoder generating with ``attention: auto`` on the chip decodes through the kernel (one call per layer
   and decoding loop, traced) and gives the logits and greedy tokens of the same model with ``attention: xla``
-  (bfloat16 roundings in other orders: 1e-2; tokens on rows no near-tie could fork), a sliding window and
-  left-padded prompts of 9, 4 and 13 tokens."""
+  (bfloat16 roundings in other orders: 1e-2; tokens on rows no near-tie could fork), a sliding window, a final soft
+  cap and left-padded prompts of 9, 4 and 13 tokens; every token an id of the vocabulary, every logit finite (with
+  the soft cap in bfloat16 the greedy pick was once the id ``V`` on this chip, then NaN: `vocab_argmax`)."""
   from meshdistill.models import _decode_attention
 
   cfg = CHIP_CFG.replace(dtype="bfloat16", attn_softcap=None, qk_norm=True, sliding_window=24)
@@ -366,6 +367,8 @@ def test_generation_through_the_decoding_kernel_equals_the_xla_path():
       assert not calls
   assert len(calls) == cfg.n_layers * len(decode_stages(tokens.shape[1], N)), len(calls)
   want, got = np.asarray(runs["xla"].logits_BxNxV), np.asarray(runs[fast].logits_BxNxV)
+  for run in runs.values():
+    assert np.isfinite(np.asarray(run.logits_BxNxV)).all() and (np.asarray(run.tokens_BxN) < cfg.vocab_size).all()
   assert rel_err(got, want) < 1e-2, rel_err(got, want)
   top2 = np.sort(want, -1)[..., -2:]
   clear = (top2[..., 1] - top2[..., 0] > 2e-2 * np.abs(want).max()).all(-1)

@@ -19,10 +19,11 @@ attention may run as one Pallas kernel per layer (`Decoder.decode_step`'s ``kern
 ``auto``: `meshdistill.models._decode_attention`).
 
 Sampling (`sample_tokens`) is vocabulary-parallel: logits ``[B, V]`` stay split over ``tensor``
-along V and every vocabulary reduction is a max, min or sum (XLA reduces partial results over
-``tensor``), with no sort, gather or arg-max primitive over V:
+along V and every vocabulary reduction is a max, min, sum or arg-max (XLA reduces partial results over
+``tensor``), with no sort or gather over V:
 
-* greedy (``temperature=0``): the first index holding the row maximum (a max, then a min of indices);
+* greedy (``temperature=0``): the first index holding the row maximum (`vocab_argmax`: one reduction of
+  (value, index) pairs);
 * otherwise Gumbel-max: the arg-max of ``logits / temperature + Gumbel noise`` is an exact sample
   of the softmax; the noise of row ``r`` at step ``n`` comes from
   ``fold_in(fold_in(key, r), n)``, so the same key gives the same text on every layout and batch;
@@ -122,10 +123,14 @@ def left_pad(prompts: Sequence[Sequence[int]], width: int | None = None, pad_id:
 
 # ----------------------------------------------------------------------------- sampling
 def vocab_argmax(x_BxV: jax.Array) -> jax.Array:
-  """The first index of each row's maximum, from a max and a min only (vocabulary-parallel)."""
-  m_Bx1 = jnp.max(x_BxV, axis=-1, keepdims=True)
-  iota = jax.lax.broadcasted_iota(jnp.int32, x_BxV.shape, x_BxV.ndim - 1)
-  return jnp.min(jnp.where(x_BxV == m_Bx1, iota, x_BxV.shape[-1]), axis=-1)
+  """The first index of each row's maximum, in ``[0, V)``: ONE reduction of (value, index) pairs (``jnp.argmax``;
+  XLA's partitioner reduces each ``tensor`` shard's pair, then the shards' pairs: no vocabulary is gathered).
+
+  A max, then a min of the indices where ``x == max``, is not that: XLA may fuse ``x``'s producers into each of the
+  two reductions and compute them twice, and on a TPU a transcendental (the soft cap's ``tanh``, the Gumbel noise's
+  logs) computed in two fusions need not give the same bits, so no index may match and the "token" was ``V``
+  (decoding a bfloat16 model with a final soft cap on a v5e chip: every row's second token, then NaN logits)."""
+  return jnp.argmax(x_BxV, axis=-1).astype(jnp.int32)
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
