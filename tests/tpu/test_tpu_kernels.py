@@ -366,13 +366,20 @@ def test_generation_through_the_decoding_kernel_equals_the_xla_path():
     if attention == "xla":
       assert not calls
   assert len(calls) == cfg.n_layers * len(decode_stages(tokens.shape[1], N)), len(calls)
-  want, got = np.asarray(runs["xla"].logits_BxNxV), np.asarray(runs[fast].logits_BxNxV)
   for run in runs.values():
     assert np.isfinite(np.asarray(run.logits_BxNxV)).all() and (np.asarray(run.tokens_BxN) < cfg.vocab_size).all()
-  assert rel_err(got, want) < 1e-2, rel_err(got, want)
-  top2 = np.sort(want, -1)[..., -2:]
-  clear = (top2[..., 1] - top2[..., 0] > 2e-2 * np.abs(want).max()).all(-1)
-  np.testing.assert_array_equal(np.asarray(runs[fast].tokens_BxN)[clear], np.asarray(runs["xla"].tokens_BxN)[clear])
+  want, got = np.asarray(runs["xla"].logits_BxNxV), np.asarray(runs[fast].logits_BxNxV)
+  tokens_want, tokens_got = np.asarray(runs["xla"].tokens_BxN), np.asarray(runs[fast].tokens_BxN)
+  compared = 0
+  for r in range(len(tokens_want)):  # logits of one context: up to and with the first token the two runs differ in
+    fork = next((n for n in range(N) if tokens_want[r, n] != tokens_got[r, n]), N - 1)
+    err = rel_err(got[r, : fork + 1], want[r, : fork + 1])
+    assert err < 1e-2, (r, fork, err)
+    if tokens_want[r, fork] != tokens_got[r, fork]:  # a fork only where the two best logits nearly tie
+      top2 = np.sort(want[r, fork])[-2:]
+      assert top2[1] - top2[0] < 2e-2 * np.abs(want[r, fork]).max(), (r, fork, top2)
+    compared += fork + 1
+  assert compared >= N, compared  # (at least one row's worth of positions)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

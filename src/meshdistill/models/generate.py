@@ -19,11 +19,11 @@ attention may run as one Pallas kernel per layer (`Decoder.decode_step`'s ``kern
 ``auto``: `meshdistill.models._decode_attention`).
 
 Sampling (`sample_tokens`) is vocabulary-parallel: logits ``[B, V]`` stay split over ``tensor``
-along V and every vocabulary reduction is a max, min, sum or arg-max (XLA reduces partial results over
+along V and every vocabulary reduction is a max, min or sum (XLA reduces partial results over
 ``tensor``), with no sort or gather over V:
 
-* greedy (``temperature=0``): the first index holding the row maximum (`vocab_argmax`: one reduction of
-  (value, index) pairs);
+* greedy (``temperature=0``): the first index holding the row maximum (`vocab_argmax`: a max, then a min of
+  indices);
 * otherwise Gumbel-max: the arg-max of ``logits / temperature + Gumbel noise`` is an exact sample
   of the softmax; the noise of row ``r`` at step ``n`` comes from
   ``fold_in(fold_in(key, r), n)``, so the same key gives the same text on every layout and batch;
@@ -123,14 +123,20 @@ def left_pad(prompts: Sequence[Sequence[int]], width: int | None = None, pad_id:
 
 # ----------------------------------------------------------------------------- sampling
 def vocab_argmax(x_BxV: jax.Array) -> jax.Array:
-  """The first index of each row's maximum, in ``[0, V)``: ONE reduction of (value, index) pairs (``jnp.argmax``;
-  XLA's partitioner reduces each ``tensor`` shard's pair, then the shards' pairs: no vocabulary is gathered).
+  """The first index of each row's maximum, in ``[0, V)``: a max, then a min of the indices where ``x`` equals it
+  (vocabulary-parallel: each reduces each ``tensor`` shard, then the shards' results).
 
-  A max, then a min of the indices where ``x == max``, is not that: XLA may fuse ``x``'s producers into each of the
-  two reductions and compute them twice, and on a TPU a transcendental (the soft cap's ``tanh``, the Gumbel noise's
-  logs) computed in two fusions need not give the same bits, so no index may match and the "token" was ``V``
-  (decoding a bfloat16 model with a final soft cap on a v5e chip: every row's second token, then NaN logits)."""
-  return jnp.argmax(x_BxV, axis=-1).astype(jnp.int32)
+  XLA may fuse ``x``'s producers into each of the two reductions and compute them twice, and on a TPU a
+  transcendental computed in two fusions need not give the same bits: then no index matches and the min is ``V``
+  (decoding a bfloat16 model with a final soft cap on a v5e chip, every row's second token: an id outside the
+  vocabulary, then NaN). Where that happens (a scalar test per step) the rows take ``jnp.argmax``, one reduction of
+  (value, index) pairs that cannot disagree with itself; elsewhere the two reductions stand (the sampling rows of
+  benchmarks/results/tpu_step.md measure them)."""
+  V = x_BxV.shape[-1]
+  m_Bx1 = jnp.max(x_BxV, axis=-1, keepdims=True)
+  iota = jax.lax.broadcasted_iota(jnp.int32, x_BxV.shape, x_BxV.ndim - 1)
+  first_B = jnp.min(jnp.where(x_BxV == m_Bx1, iota, V), axis=-1)
+  return jax.lax.cond(jnp.any(first_B >= V), lambda: jnp.argmax(x_BxV, axis=-1).astype(jnp.int32), lambda: first_B)
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
