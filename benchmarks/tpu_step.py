@@ -630,8 +630,10 @@ def generation_section(gen: list[dict], heading: str | None = None) -> list[str]
     out = ["", "## Sampling: meshdistill's cached sampler (the on-policy path's) and tunix's", "",
            "Both on the same student shape with random weights stored in float32, computing in bfloat16 (bfloat16 KV "
            "cache), temperature 1 over the whole vocabulary; tokens/s = batch x new tokens / the median of the timed "
-           "runs after the first; *first run*: the first run's seconds (it compiles). tunix: `tunix.generate.sampler."
-           "Sampler` on tunix's Qwen3 (`benchmarks/bench/tunix_generate.py` says what each sampler does per run).", ""]
+           "runs after the first; *first run*: the first run's seconds (it compiles). meshdistill: the student at its "
+           "default attention, `auto` (from 70e3685 a decoded token's cache write and attention are one Pallas kernel "
+           "per layer on a TPU, `models._decode_attention`). tunix: `tunix.generate.sampler.Sampler` on tunix's Qwen3 "
+           "(`benchmarks/bench/tunix_generate.py` says what each sampler does per run).", ""]
   out += _head("pair", "sampler", "batch", "prompt + new tokens", "tokens/s", "HBM-bandwidth limit (tokens/s)",
                "share of the limit", "first run (s)", "result")
   out[-1] = "|---|---|---:|---|---:|---:|---:|---:|---|" + "---|" * len(PROVENANCE)
