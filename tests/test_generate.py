@@ -68,6 +68,37 @@ def test_the_arg_max_of_a_row_is_its_first_maximum_and_always_a_vocabulary_index
   assert got.dtype == np.int32 and ((0 <= got) & (got < x.shape[-1])).all(), got
 
 
+def test_the_decoding_kernel_runs_where_the_caches_are_whole_on_one_device_and_decodes_what_xla_decodes(monkeypatch):
+  """With ``attention: splash`` (the decoding kernel, `_decode_attention`, interpreted off a TPU) a decoded token's
+  layer is one kernel call on one device (layers x loops of them, traced), none on a 2x4 mesh nor where the parameters
+  were placed over several devices without a mesh (a Mosaic kernel cannot be partitioned: XLA splits such caches as
+  it sees fit); the greedy tokens and logits are those of ``attention: xla`` in every case (bfloat16, left padding)."""
+  from meshdistill.models import _decode_attention
+  from meshdistill.models import generate as gen_mod
+
+  calls = []
+  real = _decode_attention.decode_attention
+  monkeypatch.setattr(_decode_attention, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  cfg = CFG.replace(dtype="bfloat16", max_len=48, head_dim=64)  # heads of 64 lanes at least (`usable`)
+  tokens, mask = left_pad(PROMPTS)
+  greedy = SamplingConfig(max_new_tokens=40, temperature=0.0)
+  want = generate(md.init_model(cfg.replace(attention="xla"), seed=3), tokens, mask, None, greedy, return_logits=True)
+  assert not calls
+  model = md.init_model(cfg.replace(attention="splash"), seed=3)
+  mesh = md.make_mesh(data=2, tensor=4)
+  found = {}
+  for name, m, kw in (("one device", model, {}), ("2x4", md.shard_model(model, mesh), {"mesh": mesh}),
+                      ("placed, no mesh", md.shard_model(model, mesh), {})):
+    calls.clear()
+    gen_mod._generate_jit.clear_cache()
+    got = generate(m, tokens, mask, None, greedy, return_logits=True, **kw)
+    found[name] = len(calls)
+    np.testing.assert_array_equal(got.tokens_BxN, want.tokens_BxN)
+    np.testing.assert_allclose(got.logits_BxNxV, want.logits_BxNxV, atol=1e-5, rtol=1e-5)
+  loops = len(decode_stages(tokens.shape[1], greedy.max_new_tokens))
+  assert found == {"one device": cfg.n_layers * loops, "2x4": 0, "placed, no mesh": 0}, found
+
+
 def test_same_key_gives_the_same_samples_on_one_device_2x4_and_4x2(model):
   tokens, mask = left_pad(PROMPTS)
   key = jax.random.key(7)

@@ -211,7 +211,7 @@ def decode_stages(prompt_len: int, max_new_tokens: int, loops: int | None = None
 
 
 def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: SamplingConfig, return_logits, mesh,
-              caches_dominate: bool = False):
+              caches_dominate: bool = False, kernel: bool | None = None):
   model = nnx.merge(graphdef, params)
   mcfg = model.cfg
   B, Pn = prompts_BxP.shape
@@ -224,7 +224,8 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   # whole on-chip tiles of slots (`_decode_attention.TILE`): a decoded slot's write in the decoding kernel rewrites
   # its tile; the slots past S are never valid, so never attended to
   kv = model.empty_cache(B, -(-S // TILE) * TILE, kv_sharding)
-  kernel = mesh is None or mesh.devices.size == 1  # the caches whole on one device: a kernel may write and attend
+  if kernel is None:  # the caches whole on one device: a kernel may write and attend (`Decoder.decode_step`)
+    kernel = mesh is None or mesh.devices.size == 1
   lengths_B = jnp.sum(prompt_mask_BxP, axis=-1, dtype=jnp.int32)
   positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1, dtype=jnp.int32) - 1, 0)
   valid_BxS = jnp.zeros((B, S), bool).at[:, :Pn].set(prompt_mask_BxP)
@@ -267,7 +268,7 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   return Generation(tokens_BxN, mask_BxN, jnp.sum(mask_BxN, axis=-1, dtype=jnp.int32), out_logits)
 
 
-_STATIC = ("graphdef", "cfg", "return_logits", "mesh")
+_STATIC = ("graphdef", "cfg", "return_logits", "mesh", "kernel")
 _generate_jit = jax.jit(_generate, static_argnames=_STATIC)
 
 # Inside the decoding loops libtpu's memory-space assignment stages some layers' key/value caches in on-chip memory
@@ -351,4 +352,9 @@ def generate(
   if mesh is not None:
     tokens, mask = jax.device_put((tokens, mask), NamedSharding(mesh, spec(("batch",), mesh=mesh)))
   program = decoding_program(params, merged.cfg, tokens.shape[0], tokens.shape[1] + cfg.max_new_tokens - 1, mesh)
-  return program(params, tokens, mask, key, graphdef=graphdef, cfg=cfg, return_logits=return_logits, mesh=mesh)
+  # the decoding kernel only where the caches are whole on one device: with the parameters placed over several devices
+  # and no mesh, XLA splits the caches as it sees fit, which a Mosaic kernel cannot follow
+  devices = {d for x in jax.tree.leaves(params) for d in getattr(getattr(x, "sharding", None), "device_set", ())}
+  kernel = (mesh is None or mesh.devices.size == 1) and len(devices) <= 1
+  return program(params, tokens, mask, key, graphdef=graphdef, cfg=cfg, return_logits=return_logits, mesh=mesh,
+                 kernel=kernel)
