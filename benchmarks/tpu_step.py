@@ -34,7 +34,9 @@ calls after it. Variants of meshdistill's decoding, each measured in turn in the
 ``--gen-loops 4,8`` the number of decoding loops (`meshdistill.models.generate.DECODE_STAGES` and
 `CACHE_BOUND_STAGES`, both replaced for the measurement, and `MIN_STAGE_TOKENS` lowered to one token),
 ``--gen-programs default,selective`` the compilation (`generate.decoding_program`'s choice by default;
-``selective``: the cache-bound program, `generate.SELECTIVE_MSA`, at every batch, ``default``: at none; a TPU's).
+``selective``: the cache-bound program, `generate.SELECTIVE_MSA`, at every batch, ``default``: at none; a TPU's),
+``--gen-kernels xla,1,2`` the decoding attention (``xla``: no decoding kernel; a number: the kernel's MiB of keys and
+values a grid step, `meshdistill.models._decode_attention.STEP_BYTES`).
 
 Rows are appended to ``--out`` (default ``benchmarks/results/tpu_step.jsonl``), each with its date, the commit of the
 code measured (``--commit``, default this checkout's HEAD: a run without either is refused before anything is
@@ -136,19 +138,24 @@ def _gen_row(pair: str, system: str, b: int, prompt: int, new: int) -> dict:
 
 
 @contextlib.contextmanager
-def decoding_variant(loops: int | None = None, program: str = "auto"):
+def decoding_variant(loops: int | None = None, program: str = "auto", kernel: str = "auto"):
   """`meshdistill.models.generate` decoding in ``loops`` loops (as many as there are new tokens at most; None: its
   `DECODE_STAGES`, or `CACHE_BOUND_STAGES` in the cache-bound program, of `MIN_STAGE_TOKENS` tokens or more each)
   with ``program``'s compilation (``auto``: `decoding_program`'s choice; ``selective``: the cache-bound program,
-  `SELECTIVE_MSA`, at every batch; ``default``: at none), the module as it was afterwards. The compiled programs are
-  dropped on the way in and out: a program traced under one variant is never run under another."""
+  `SELECTIVE_MSA`, at every batch; ``default``: at none) and ``kernel``'s attention (``auto``: the package's;
+  ``xla``: no decoding kernel, `_decode_attention.usable` false; a number: the kernel reading that many MiB of keys
+  and values a grid step, its `STEP_BYTES`), the modules as they were afterwards. The compiled programs are dropped
+  on the way in and out: a program traced under one variant is never run under another."""
+  from meshdistill.models import _decode_attention
   from meshdistill.models import generate as gen
 
   if program not in GEN_PROGRAMS:
     raise ValueError(f"decoding program {program!r}: choose from {', '.join(GEN_PROGRAMS)}")
   if loops is not None and (isinstance(loops, bool) or not isinstance(loops, int) or loops < 1):
     raise ValueError(f"decoding loops {loops!r}: a positive integer (e.g. 4)")
+  step_mib = kernel_mib(kernel)
   saved = gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.MIN_STAGE_TOKENS, gen.cache_bound
+  saved_kernel = _decode_attention.usable, _decode_attention.STEP_BYTES
   drop = lambda: [f.clear_cache() for f in (gen._generate_jit, gen._generate_jit_cache_bound)]  # noqa: E731
   drop()
   try:
@@ -157,21 +164,42 @@ def decoding_variant(loops: int | None = None, program: str = "auto"):
       gen.MIN_STAGE_TOKENS = 1  # the loops asked for, however few tokens each decodes
     if program != "auto":
       gen.cache_bound = lambda *a, **k: program == "selective"
+    if kernel == "xla":
+      _decode_attention.usable = lambda *a, **k: False
+    elif step_mib is not None:
+      _decode_attention.STEP_BYTES = int(step_mib * 2**20)
     yield
   finally:
     gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.MIN_STAGE_TOKENS, gen.cache_bound = saved
+    _decode_attention.usable, _decode_attention.STEP_BYTES = saved_kernel
     drop()
 
 
+def kernel_mib(kernel: str) -> float | None:
+  """The MiB a grid step of the decoding kernel reads in `decoding_variant`'s ``kernel`` (None for ``auto`` and
+  ``xla``); a ValueError naming what would do for anything else."""
+  if kernel in ("auto", "xla"):
+    return None
+  try:
+    mib = float(kernel)
+  except (TypeError, ValueError):
+    mib = 0.0
+  if not 0 < mib <= 8:
+    raise ValueError(f"decoding kernel {kernel!r}: auto, xla (no kernel) or the MiB of keys and values a grid step "
+                     "reads, in (0, 8] (e.g. 2)")
+  return mib
+
+
 def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: int,
-                       system: str = "generate", loops: int | None = None, program: str = "auto") -> list[dict]:
+                       system: str = "generate", loops: int | None = None, program: str = "auto",
+                       kernel: str = "auto") -> list[dict]:
   """Cached sampling (`meshdistill.models.generate`, the on-policy path's sampler) with the pair's student as it
   trains (float32 weights, bfloat16 compute, temperature 1, no filters): tokens/s per batch size beside the
   HBM-bandwidth limit (weights and the KV cache read once per decoded token). ``first_call_s``: the first call
   (compiles); ``seconds``: the median of `GEN_CALLS` calls after it. ``system``: ``generate`` (the student's layers
   scanned, as `tpu_step` trains it) or ``generate-unrolled`` (``scan_layers=False``); both decode the layers unrolled
-  with one KV cache per layer (`meshdistill.models._scan.layer_blocks`). ``loops`` / ``program``: a variant of the
-  decoding (`decoding_variant`), stored in each row where named."""
+  with one KV cache per layer (`meshdistill.models._scan.layer_blocks`). ``loops`` / ``program`` / ``kernel``: a
+  variant of the decoding (`decoding_variant`), stored in each row where named."""
   import jax
   import numpy as np
 
@@ -188,7 +216,7 @@ def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: in
   model = md.init_model(scfg, seed=1)
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx_state(model)))
   rows = []
-  with decoding_variant(loops, program):  # the variant named, if any
+  with decoding_variant(loops, program, kernel):  # the variant named, if any
     for b in batches:
       cfg = SamplingConfig(max_new_tokens=new, temperature=1.0)
       rng = np.random.default_rng(b)
@@ -199,6 +227,8 @@ def measure_generation(pair: str, batches: tuple[int, ...], prompt: int, new: in
         row["loops"] = loops
       if program != "auto":
         row["program"] = program
+      if kernel != "auto":
+        row["kernel"] = kernel
       try:
         t0 = time.perf_counter()
         jax.block_until_ready(generate(model, prompts, mask, jax.random.key(0), cfg))
@@ -606,6 +636,9 @@ def sampler_label(r: dict) -> str:
   if r.get("program", "auto") != "auto":  # `decoding_variant`'s: the cache-bound program (selective memory-space
     # assignment, up to CACHE_BOUND_STAGES loops) or the default one, whatever the batch
     label += f", the {'cache-bound' if r['program'] == 'selective' else 'default'} program at every batch"
+  if r.get("kernel", "auto") != "auto":  # `decoding_variant`'s attention
+    label += (", decoding attention in XLA" if r["kernel"] == "xla"
+              else f", decoding kernel reading {r['kernel']} MiB a step")
   return label
 
 
@@ -693,6 +726,10 @@ def main(argv=None) -> int:
                       help="meshdistill's decoding compiled each of these ways, in turn: auto (the package's choice), "
                            "selective (the cache-bound program, libtpu's selective memory-space assignment, at every "
                            "batch), default (at none)")
+  parser.add_argument("--gen-kernels", default="auto", metavar="K,K",
+                      help="meshdistill's decoding attention each of these ways, in turn: auto (the package's), xla "
+                           "(no decoding kernel), or the MiB of keys and values a grid step of the kernel reads "
+                           "(e.g. 2)")
   parser.add_argument("--commit", default=None,
                       help="the commit of the code measured, stored with every row (default: this checkout's HEAD; "
                            "name it where the checkout has no .git, or where PYTHONPATH runs another checkout)")
@@ -728,6 +765,11 @@ def main(argv=None) -> int:
   if any(n is not None and n < 1 for n in loops_list) or set(programs) - set(GEN_PROGRAMS):
     parser.error(f"--gen-loops {args.gen_loops} / --gen-programs {args.gen_programs}: loops are positive integers "
                  f"(e.g. 4,8), programs among {', '.join(GEN_PROGRAMS)}")
+  kernels = args.gen_kernels.split(",")
+  try:
+    [kernel_mib(k) for k in kernels]
+  except ValueError as e:
+    parser.error(f"--gen-kernels {args.gen_kernels}: {e}")
   try:
     prompt, new = (int(x) for x in args.gen_lengths.split(","))
   except ValueError:
@@ -762,8 +804,9 @@ def main(argv=None) -> int:
   for system in (s for s in GEN_LAYERS if s in systems):
     for loops in loops_list:
       for program in programs:
-        for row in measure_generation(args.pair, batches, prompt, new, system, loops, program):
-          keep(row)
+        for kernel in kernels:
+          for row in measure_generation(args.pair, batches, prompt, new, system, loops, program, kernel):
+            keep(row)
   if "tunix-generate" in systems:
     for row in measure_tunix_generation(args.pair, batches, prompt, new):
       keep(row)

@@ -280,10 +280,10 @@ def test_the_sampler_runs_over_scanned_or_unrolled_layers_and_the_table_names_wh
 
 
 def test_a_decoding_variant_is_measured_in_its_own_programs_named_in_its_rows_and_undone_after(tpu_step):
-  """``--gen-loops`` / ``--gen-programs``: `decoding_variant` replaces the package's number of decoding loops and its
-  choice of compilation while it measures (the loops a traced program holds are the variant's: the jitted programs
-  are dropped on the way in and out), then restores both; each row names its variant and the table says it; a
-  variant it cannot measure is refused by name."""
+  """``--gen-loops`` / ``--gen-programs`` / ``--gen-kernels``: `decoding_variant` replaces the package's number of
+  decoding loops, its choice of compilation and its decoding attention while it measures (the loops a traced program
+  holds are the variant's: the jitted programs are dropped on the way in and out), then restores them; each row names
+  its variant and the table says it; a variant it cannot measure is refused by name."""
   from meshdistill.models import generate as gen
 
   saved = gen.DECODE_STAGES, gen.CACHE_BOUND_STAGES, gen.MIN_STAGE_TOKENS, gen.cache_bound
@@ -311,6 +311,19 @@ def test_a_decoding_variant_is_measured_in_its_own_programs_named_in_its_rows_an
                    "meshdistill, 3 decoding loops, the cache-bound program at every batch"], table
   with pytest.raises(ValueError, match="decoding program 'fast': choose from auto, selective, default"):
     with tpu_step.decoding_variant(None, "fast"):
+      pass
+  from meshdistill.models import _decode_attention
+
+  kernel = _decode_attention.usable, _decode_attention.STEP_BYTES
+  with tpu_step.decoding_variant(None, "auto", "xla"):  # ``--gen-kernels``: no decoding kernel, or its block bytes
+    assert not _decode_attention.usable(384, 2, 128)
+  with tpu_step.decoding_variant(None, "auto", "0.5"):
+    assert _decode_attention.STEP_BYTES == 2**19 and _decode_attention.usable(384, 2, 128)
+  assert (_decode_attention.usable, _decode_attention.STEP_BYTES) == kernel
+  labels = [tpu_step.sampler_label({**rows[0], "loops": None, "kernel": k}) for k in ("xla", "2")]
+  assert labels == ["meshdistill, decoding attention in XLA", "meshdistill, decoding kernel reading 2 MiB a step"]
+  with pytest.raises(ValueError, match=r"decoding kernel 'fast': auto, xla \(no kernel\) or the MiB"):
+    with tpu_step.decoding_variant(None, "auto", "fast"):
       pass
   with pytest.raises(ValueError, match="a TPU's, not cpu's"):
     tpu_step.measure_generation("tiny", (2,), 4, 3, program="selective")
