@@ -1,6 +1,7 @@
 """Attention kernels of the decoder: rotary position embedding (`rope`) and causal grouped-query attention with explicit
 float32 scores (`_explicit_attention`) or the Pallas splash kernel (`splash_attention`: per device on its heads of a
-``tensor``-split mesh, compiled or interpreted as the target platform says, `target_platform`).
+``tensor``-split mesh, compiled or interpreted as the target platform says, `target_platform`); a decoded token's
+cache write and attention in one Pallas kernel (`decode_in_kernel`, `meshdistill.models._decode_attention`).
 `meshdistill.models.decoder.Attention` chooses among them. What a query may see besides causality (a decoding cache's
 slots, packed documents): `meshdistill.models._visible`.
 """
@@ -222,7 +223,6 @@ def heads_in_kernel(y_BxTxHK, n_heads: int, cos_TxK, sin_TxK, scale_K=None, eps:
   return jax.shard_map(local, in_specs=(P(),) * len(args), out_specs=P(), axis_names=free, check_vma=False)(*args)
 
 
-
 def decodes_in_kernel(attention: str, cache, T: int, want_probs: bool) -> bool:
   """Whether a decoding call writes its token's key and value and attends in one Pallas kernel
   (`_decode_attention.decode_attention`): one token against a cache its caller keeps whole on one device
@@ -234,7 +234,7 @@ def decodes_in_kernel(attention: str, cache, T: int, want_probs: bool) -> bool:
   if attention == "auto" and target_platform() != "tpu":
     return False
   mesh, free = _compiler_axes()
-  B, G, S, K = cache.k.shape
+  _, _, S, K = cache.k.shape
   return all(mesh.shape[a] == 1 for a in free) and _decode_attention.usable(S, cache.k.dtype.itemsize, K)
 
 
@@ -254,6 +254,7 @@ def decode_in_kernel(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, cache, *, window=None, sca
     fn = jax.shard_map(fn, in_specs=(P(),) * len(args), out_specs=(P(),) * 3, axis_names=free, check_vma=False)
   out, k, v = fn(*args)
   return out.reshape(B, 1, H, K), cache._replace(k=k, v=v)
+
 
 # the blocks `splash_blocks` puts in place of `splash_block_sizes` while a program is traced inside it (None: the
 # package's own)

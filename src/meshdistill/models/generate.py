@@ -124,7 +124,7 @@ def left_pad(prompts: Sequence[Sequence[int]], width: int | None = None, pad_id:
 # ----------------------------------------------------------------------------- sampling
 def vocab_argmax(x_BxV: jax.Array) -> jax.Array:
   """The first index of each row's maximum, in ``[0, V)``: a max, then a min of the indices where ``x`` equals it
-  (vocabulary-parallel: each reduces each ``tensor`` shard, then the shards' results).
+  (vocabulary-parallel: each reduction runs on every ``tensor`` shard, then over the shards' results).
 
   XLA may fuse ``x``'s producers into each of the two reductions and compute them twice, and on a TPU a
   transcendental computed in two fusions need not give the same bits: then no index matches and the min is ``V``
