@@ -24,9 +24,10 @@ import jax.numpy as jnp
 
 # the slots of one on-chip tile of a cache of 2-byte values (sublanes x packing): the unit a slot's write rewrites
 TILE = 16
-# the bytes of keys and values one grid step reads (both caches): large enough that a step's copy hides its fixed
-# cost, small enough that two steps' blocks (the pipeline's double buffer) stay within the 16 MiB of scoped on-chip
-# memory beside the scores
+# the bytes of keys and values one grid step reads (both caches): meant to be large enough that a step's copy hides
+# its fixed cost and small enough that two steps' blocks (the pipeline's double buffer) stay within the 16 MiB of
+# scoped on-chip memory beside the scores; not tuned on a chip yet (`benchmarks/tpu_step.py --gen-kernels` measures
+# others; 0.5 to 8 MiB compile for v5e at batch 64 and 384 slots)
 STEP_BYTES = 1 << 20
 
 
