@@ -22,6 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from meshdistill.models._variants import band, softcap
+
 # the slots of one on-chip tile of a cache of 2-byte values (sublanes x packing): the unit a slot's write rewrites
 TILE = 16
 # the bytes of keys and values one grid step reads (both caches): meant to be large enough that a step's copy hides
@@ -33,8 +35,7 @@ STEP_BYTES = 1 << 20
 
 def usable(S: int, itemsize: int, K: int) -> bool:
   """Whether `decode_attention` applies to a cache of ``S`` slots of ``itemsize``-byte values, heads ``K`` wide:
-  whole tiles of slots (a slot's write rewrites its tile: `TILE`), 2-byte values, heads of whole 128-lane rows or
-  the full lane dimension."""
+  whole tiles of slots (a slot's write rewrites its tile: `TILE`), 2-byte values, heads a multiple of 64 wide."""
   return itemsize == 2 and S % TILE == 0 and K % 64 == 0
 
 
@@ -62,13 +63,11 @@ def _kernel(index_ref, q_ref, kn_ref, vn_ref, valid_ref, k_ref, v_ref, o_ref, ko
   R = q_ref.shape[2]
   n = rows * heads
   q, k, v = q_ref[...].reshape(n, R, K), k_ref[...].reshape(n, S, K), v_ref[...].reshape(n, S, K)
-  s = jax.lax.dot_general(q, k, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32) * scale
-  if cap is not None:
-    s = cap * jnp.tanh(s / cap)
+  s = softcap(jax.lax.dot_general(q, k, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32) * scale,
+              cap)
   col = jax.lax.broadcasted_iota(jnp.int32, (rows, heads, R, S), 3)
-  ok = (jnp.broadcast_to(valid_ref[...][:, :, None, :], (rows, heads, R, S)) != 0) & (col <= index)
-  if window is not None:
-    ok = ok & (col > index - window)
+  visible = (col <= index) & band(index, col, window)  # causal, and the sliding window's band (`KVCache.visible`)
+  ok = (jnp.broadcast_to(valid_ref[...][:, :, None, :], (rows, heads, R, S)) != 0) & visible
   s = jnp.where(ok.reshape(n, R, S), s, jnp.finfo(jnp.float32).min)
   p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
   p = (p / jnp.sum(p, axis=-1, keepdims=True)).astype(v.dtype)
