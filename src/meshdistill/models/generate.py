@@ -211,7 +211,7 @@ def decode_stages(prompt_len: int, max_new_tokens: int, loops: int | None = None
 
 
 def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: SamplingConfig, return_logits, mesh,
-              caches_dominate: bool = False, kernel: bool | None = None):
+              caches_dominate: bool = False, kernel: bool = False):
   model = nnx.merge(graphdef, params)
   mcfg = model.cfg
   B, Pn = prompts_BxP.shape
@@ -224,8 +224,6 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   # whole on-chip tiles of slots (`_decode_attention.TILE`): a decoded slot's write in the decoding kernel rewrites
   # its tile; the slots past S are never valid, so never attended to
   kv = model.empty_cache(B, -(-S // TILE) * TILE, kv_sharding)
-  if kernel is None:  # the caches whole on one device: a kernel may write and attend (`Decoder.decode_step`)
-    kernel = mesh is None or mesh.devices.size == 1
   lengths_B = jnp.sum(prompt_mask_BxP, axis=-1, dtype=jnp.int32)
   positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1, dtype=jnp.int32) - 1, 0)
   valid_BxS = jnp.zeros((B, S), bool).at[:, :Pn].set(prompt_mask_BxP)
@@ -352,9 +350,13 @@ def generate(
   if mesh is not None:
     tokens, mask = jax.device_put((tokens, mask), NamedSharding(mesh, spec(("batch",), mesh=mesh)))
   program = decoding_program(params, merged.cfg, tokens.shape[0], tokens.shape[1] + cfg.max_new_tokens - 1, mesh)
-  # the decoding kernel only where the caches are whole on one device: with the parameters placed over several devices
-  # and no mesh, XLA splits the caches as it sees fit, which a Mosaic kernel cannot follow
-  devices = {d for x in jax.tree.leaves(params) for d in getattr(getattr(x, "sharding", None), "device_set", ())}
-  kernel = (mesh is None or mesh.devices.size == 1) and len(devices) <= 1
   return program(params, tokens, mask, key, graphdef=graphdef, cfg=cfg, return_logits=return_logits, mesh=mesh,
-                 kernel=kernel)
+                 kernel=caches_on_one_device(params, mesh))
+
+
+def caches_on_one_device(params, mesh: Mesh | None) -> bool:
+  """Whether the caches `_generate` makes are whole on one device, so that a decoded token may write and attend in
+  one Mosaic kernel (`Decoder.decode_step`'s ``kernel``): no mesh or a mesh of one, and the parameters not placed
+  over several devices (without a mesh XLA would split the caches as it splits them, which no kernel can follow)."""
+  devices = {d for x in jax.tree.leaves(params) for d in getattr(getattr(x, "sharding", None), "device_set", ())}
+  return (mesh is None or mesh.devices.size == 1) and len(devices) <= 1
