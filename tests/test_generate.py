@@ -484,6 +484,34 @@ def test_on_a_tpu_a_decoded_token_writes_and_attends_in_one_kernel_per_layer_and
 
 @pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
                     reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+def test_the_decoding_kernel_fits_a_chip_at_the_longest_caches_it_takes_and_longer_ones_keep_xla():
+  """Compiled for one v5e chip (nothing runs): the kernel at the longest caches `usable` admits (a grid step reads
+  every slot of its rows and heads) fits the chip's scoped on-chip memory, for 128- and 256-wide heads and for the
+  benchmark's batch; a cache twice as long is not usable (it would overflow that memory: a long reasoning trace
+  decodes through XLA), and `decode_attention` refuses it naming what it needs."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from meshdistill.models._decode_attention import STEP_BYTES, decode_attention, usable
+  from meshdistill.planner._hardware import tpu_target
+
+  mesh = Mesh(np.array(tpu_target("v5e:1x1").devices[:1]), ("x",))
+  on_chip = NamedSharding(mesh, PartitionSpec())
+  for B, G, R, K in ((1, 8, 2, 128), (1, 1, 4, 256), (64, 8, 2, 128)):
+    S = STEP_BYTES // (2 * K * 2)  # the longest usable cache of bfloat16 values
+    assert usable(S, 2, K) and not usable(2 * S, 2, K)
+    sd = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=on_chip)  # noqa: E731
+    fn = jax.jit(lambda q, kn, vn, k, v, valid, i: decode_attention(q, kn, vn, k, v, valid, i, scale=K**-0.5),
+                 donate_argnums=(3, 4))
+    fn.lower(sd((B, G, R, K)), sd((B, G, K)), sd((B, G, K)), sd((B, G, S, K)), sd((B, G, S, K)),
+             sd((B, S), jnp.bool_), sd((), jnp.int32)).compile()  # raises where the blocks do not fit
+  k = jnp.zeros((1, 1, 2 * S, K), jnp.bfloat16)
+  with pytest.raises(ValueError, match=rf"a \(row, head\)'s keys and values within {STEP_BYTES} bytes"):
+    decode_attention(jnp.zeros((1, 1, R, K), jnp.bfloat16), k[:, :, 0], k[:, :, 0], k, k,
+                     jnp.ones((1, 2 * S), bool), 0, scale=1.0, interpret=True)
+
+
+@pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
+                    reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
 def test_on_a_mesh_decoding_is_cache_bound_by_the_rows_each_device_decodes():
   """The benchmark's student (abstract, placed on TPU devices of a libtpu topology; nothing compiles): 64 rows on one
   chip read more cache than weights a token, so they get `SELECTIVE_MSA`; split four ways over ``data`` each device

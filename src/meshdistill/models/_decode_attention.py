@@ -26,17 +26,19 @@ from meshdistill.models._variants import band, softcap
 
 # the slots of one on-chip tile of a cache of 2-byte values (sublanes x packing): the unit a slot's write rewrites
 TILE = 16
-# the bytes of keys and values one grid step reads (both caches): meant to be large enough that a step's copy hides
-# its fixed cost and small enough that two steps' blocks (the pipeline's double buffer) stay within the 16 MiB of
-# scoped on-chip memory beside the scores; not tuned on a chip yet (`benchmarks/tpu_step.py --gen-kernels` measures
-# others; 0.5 to 8 MiB compile for v5e at batch 64 and 384 slots)
-STEP_BYTES = 1 << 20
+# the bytes of keys and values one grid step reads (both caches): large enough that a step's copy hides its fixed
+# cost, small enough that two steps' blocks (the pipeline's double buffer) stay within the 16 MiB of scoped on-chip
+# memory beside the scores (a cache whose one (row, head) would not fit keeps the XLA path: `usable`). Measured on a
+# v5e chip at batch 64 (`benchmarks/results/tpu_step.md`, sampling): 4 MiB the fastest of 0.5, 1, 2 and 4
+STEP_BYTES = 4 << 20
 
 
 def usable(S: int, itemsize: int, K: int) -> bool:
   """Whether `decode_attention` applies to a cache of ``S`` slots of ``itemsize``-byte values, heads ``K`` wide:
-  whole tiles of slots (a slot's write rewrites its tile: `TILE`), 2-byte values, heads a multiple of 64 wide."""
-  return itemsize == 2 and S % TILE == 0 and K % 64 == 0
+  whole tiles of slots (a slot's write rewrites its tile: `TILE`), 2-byte values, heads a multiple of 64 wide, and
+  one (row, key/value head)'s keys and values within a grid step's `STEP_BYTES` (a grid step reads every slot of its
+  rows and heads: 8,192 slots of 128-wide heads at 4 MiB; longer caches overflow the chip's scoped memory)."""
+  return itemsize == 2 and S % TILE == 0 and K % 64 == 0 and 2 * S * K * itemsize <= STEP_BYTES
 
 
 def _blocks(B: int, G: int, slots: int, K: int, itemsize: int) -> tuple[int, int]:
@@ -95,7 +97,8 @@ def decode_attention(q_BxGxRxK, k_new_BxGxK, v_new_BxGxK, k_BxGxSxK, v_BxGxSxK, 
   R, N = q_BxGxRxK.shape[2], valid_BxN.shape[1]
   if not usable(S, k_BxGxSxK.dtype.itemsize, K) or N > S:
     raise ValueError(f"decode_attention needs a cache of 2-byte values in whole {TILE}-slot tiles, heads a multiple "
-                     f"of 64 wide and at most S attended slots; got a {k_BxGxSxK.dtype} cache [B, G, S, K] = "
+                     f"of 64 wide, a (row, head)'s keys and values within {STEP_BYTES} bytes and at most S attended "
+                     f"slots; got a {k_BxGxSxK.dtype} cache [B, G, S, K] = "
                      f"{(B, G, S, K)} with {N} attended (keep the XLA path there)")
   slots = min(S, -(-N // TILE) * TILE)  # the tiles holding the attended slots
   valid = jnp.pad(valid_BxN.astype(jnp.int32), ((0, 0), (0, slots - N)))[:, None, :]  # [B, 1, slots]
