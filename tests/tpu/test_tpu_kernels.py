@@ -310,22 +310,27 @@ def test_the_cache_bound_program_generates_what_the_default_program_generates(mo
   np.testing.assert_array_equal(np.asarray(runs[True].tokens_BxN)[clear], np.asarray(runs[False].tokens_BxN)[clear])
 
 
-@pytest.mark.parametrize("window,cap", [(None, None), (40, 30.0)], ids=["full", "window-softcap"])
-def test_decoding_kernel_writes_the_new_slot_and_attends_as_the_explicit_scores_do(window, cap):
+@pytest.mark.parametrize("window,cap,shape", [(None, None, (16, 4, 2, 128, 256)), (40, 30.0, (16, 4, 2, 128, 256)),
+                                              (None, None, (2, 2, 2, 128, 8192))],
+                         ids=["full", "window-softcap", "longest-cache"])
+def test_decoding_kernel_writes_the_new_slot_and_attends_as_the_explicit_scores_do(window, cap, shape):
   """`_decode_attention.decode_attention` compiled on the chip against `_explicit_attention` (float32 scores) on the
   same bfloat16 inputs, the new key and value written into the reference's caches first: slots at a tile's first and
-  last row, a prefix that ends inside a tile, left padding. Values: both round the probabilities and the output to
+  last row, a prefix that ends inside a tile, left padding; blocks of several rows and heads, and the longest cache
+  the kernel takes (`usable`: one row and head a grid step). Values: both round the probabilities and the output to
   bfloat16 and differ in summation order only (1e-2, the splash row of the table); the caches: bit for bit, the new
   slot written and no other slot changed."""
-  from meshdistill.models._decode_attention import decode_attention
+  from meshdistill.models._decode_attention import STEP_BYTES, decode_attention, usable
 
-  B, G, R, K, S = 16, 4, 2, 128, 256
+  B, G, R, K, S = shape
+  assert usable(S, 2, K) and (S == 256 or not usable(S + 16, 2, K)), STEP_BYTES  # "longest-cache": no longer one
   rng = np.random.default_rng(11)
   bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
   interpret = jax.default_backend() != "tpu"  # (MESHDISTILL_TPU_TESTS_ON=cpu)
   run = jax.jit(lambda *a, index: decode_attention(*a, index, scale=K**-0.5, cap=cap, window=window,
                                                    interpret=interpret))
-  for index, N in ((0, 16), (127, 128), (128, 201), (200, 201), (255, 256)):
+  cases = ((0, 16), (127, 128), (128, 201), (200, 201), (255, 256)) if S == 256 else ((4000, 4001), (S - 1, S))
+  for index, N in cases:
     q, kn, vn, k, v = bf(B, G, R, K), bf(B, G, K), bf(B, G, K), bf(B, G, S, K), bf(B, G, S, K)
     valid = np.ones((B, N), bool)
     valid[:, : min(index, 5)] = False  # left padding
