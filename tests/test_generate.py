@@ -1,6 +1,7 @@
 """KV-cache generation: cached logits equal full forwards, sampling is layout-independent and
 vocabulary-parallel, filters hold, rows are independent, bad settings are named."""
 
+import contextlib
 import dataclasses
 import functools
 
@@ -68,11 +69,14 @@ def test_the_arg_max_of_a_row_is_its_first_maximum_and_always_a_vocabulary_index
   assert got.dtype == np.int32 and ((0 <= got) & (got < x.shape[-1])).all(), got
 
 
-def test_the_decoding_kernel_runs_where_the_caches_are_whole_on_one_device_and_decodes_what_xla_decodes(monkeypatch):
+def test_the_decoding_kernel_runs_per_device_where_the_caches_are_placed_for_it_and_decodes_what_xla_decodes(
+    monkeypatch):
   """With ``attention: splash`` (the decoding kernel, `_decode_attention`, interpreted off a TPU) a decoded token's
-  layer is one kernel call on one device (layers x loops of them, traced), none on a 2x4 mesh nor where the parameters
-  were placed over several devices without a mesh (a Mosaic kernel cannot be partitioned: XLA splits such caches as
-  it sees fit); the greedy tokens and logits are those of ``attention: xla`` in every case (bfloat16, left padding)."""
+  layer is one kernel call (layers x loops of them, traced) on one device and on a 4x2 mesh (each device its row and
+  its key/value head), none on 2x4 (``tensor`` 4 does not divide the 2 key/value heads: the projections replicate
+  them) nor where the parameters were placed over several devices without a mesh (a Mosaic kernel cannot be
+  partitioned: XLA splits such caches as it sees fit); the greedy tokens and logits are those of ``attention: xla`` in
+  every case (bfloat16, left padding)."""
   from meshdistill.models import _decode_attention
   from meshdistill.models import generate as gen_mod
 
@@ -85,9 +89,10 @@ def test_the_decoding_kernel_runs_where_the_caches_are_whole_on_one_device_and_d
   want = generate(md.init_model(cfg.replace(attention="xla"), seed=3), tokens, mask, None, greedy, return_logits=True)
   assert not calls
   model = md.init_model(cfg.replace(attention="splash"), seed=3)
-  mesh = md.make_mesh(data=2, tensor=4)
+  mesh, mesh_4x2 = md.make_mesh(data=2, tensor=4), md.make_mesh(data=4, tensor=2)
   found = {}
-  for name, m, kw in (("one device", model, {}), ("2x4", md.shard_model(model, mesh), {"mesh": mesh}),
+  for name, m, kw in (("one device", model, {}), ("4x2", md.shard_model(model, mesh_4x2), {"mesh": mesh_4x2}),
+                      ("2x4", md.shard_model(model, mesh), {"mesh": mesh}),
                       ("placed, no mesh", md.shard_model(model, mesh), {})):
     calls.clear()
     gen_mod._generate_jit.clear_cache()
@@ -96,7 +101,8 @@ def test_the_decoding_kernel_runs_where_the_caches_are_whole_on_one_device_and_d
     np.testing.assert_array_equal(got.tokens_BxN, want.tokens_BxN)
     np.testing.assert_allclose(got.logits_BxNxV, want.logits_BxNxV, atol=1e-5, rtol=1e-5)
   loops = len(decode_stages(tokens.shape[1], greedy.max_new_tokens))
-  assert found == {"one device": cfg.n_layers * loops, "2x4": 0, "placed, no mesh": 0}, found
+  per_device = cfg.n_layers * loops
+  assert found == {"one device": per_device, "4x2": per_device, "2x4": 0, "placed, no mesh": 0}, found
 
 
 def test_same_key_gives_the_same_samples_on_one_device_2x4_and_4x2(model):
@@ -441,44 +447,59 @@ def test_cache_bound_decoding_on_a_tpu_keeps_the_caches_in_hbm(monkeypatch):
 
 @pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
                     reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
-def test_on_a_tpu_a_decoded_token_writes_and_attends_in_one_kernel_per_layer_and_no_cache_is_copied(monkeypatch):
-  """Compiled for one v5e chip (nothing runs; the chip's mesh in context, as on the chip, where the default backend
+@pytest.mark.parametrize("layout", ["one chip", "2x2 mesh"])
+def test_on_a_tpu_a_decoded_token_writes_and_attends_in_one_kernel_per_layer_and_no_cache_is_copied(
+    monkeypatch, layout):
+  """Compiled for v5e chips (nothing runs; on one chip its mesh in context, as on the chip, where the default backend
   names the platform) with the benchmark's cache shape (64 rows, 8 key/value heads of 128, bfloat16, 128 + 256
   tokens): every decoded token's layer is one Mosaic call (`_decode_attention`, layers x loops of them) whose output
   caches are its input ones, and no instruction copies, slices or updates a whole cache: its new slot is written by
-  the kernel, in place."""
+  the kernel, in place. On a 2x2 mesh (parameters placed by their partitioning) each device holds its rows and
+  key/value heads ([32, 4, S, 128]) and runs the kernel on them: no collective moves a cache."""
   import re
 
-  from jax.sharding import Mesh, SingleDeviceSharding
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
   from meshdistill.models import abstract_params
   from meshdistill.models import generate as gen_mod
+  from meshdistill.parallel.rules import fitted_shardings
   from meshdistill.planner._hardware import tpu_target
 
   B, P, N = 64, 128, 256
   cfg = CFG.replace(n_layers=2, max_len=P + N, d_model=256, n_heads=16, n_kv_heads=8, head_dim=128, mlp_hidden=512,
                     dtype="bfloat16")
-  chip = tpu_target("v5e:1x1").devices[0]
-  device = SingleDeviceSharding(chip)
   graphdef, state, _ = abstract_params(cfg)
-  state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
-  args = (jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=device), jax.ShapeDtypeStruct((B, P), bool, sharding=device),
-          jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=device))
-  program = gen_mod.decoding_program(state, cfg, B, P + N - 1)
+  if layout == "one chip":
+    chip = tpu_target("v5e:1x1").devices[0]
+    mesh, rows, kv_heads = None, B, 8
+    chip_mesh = Mesh(np.array([chip]).reshape(1, 1), ("data", "tensor"))
+    shardings = jax.tree.map(lambda _: SingleDeviceSharding(chip), state)
+    inputs = replicated = SingleDeviceSharding(chip)
+  else:
+    mesh = Mesh(np.array(tpu_target("v5e:2x2").devices).reshape(2, 2), ("data", "tensor"))
+    rows, kv_heads = B // 2, 4
+    shardings = fitted_shardings(state, mesh)
+    inputs, replicated = NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec())
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+  args = (jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=inputs), jax.ShapeDtypeStruct((B, P), bool, sharding=inputs),
+          jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated))
+  program = gen_mod.decoding_program(state, cfg, B, P + N - 1, mesh)
   monkeypatch.setattr(gen_mod, "CACHE_BOUND_STAGES", 2)  # the loops are alike: two of them to keep the suite's time
+  monkeypatch.setattr(gen_mod, "DECODE_STAGES", 2)
   program.clear_cache()
-  with jax.set_mesh(Mesh(np.array([chip]).reshape(1, 1), ("data", "tensor"))):
+  with jax.set_mesh(chip_mesh) if mesh is None else contextlib.nullcontext():  # (a mesh: `generate` places the caches)
     hlo = program.lower(state, *args, graphdef=graphdef, cfg=SamplingConfig(max_new_tokens=N), return_logits=False,
-                        mesh=None, kernel=gen_mod.caches_on_one_device(state, None)).compile().as_text()
+                        mesh=mesh, kernel=gen_mod.caches_per_device(state, mesh)).compile().as_text()
   program.clear_cache()
   calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
   assert len(calls) == cfg.n_layers * 2, len(calls)
   assert all("output_to_operand_aliasing={{1}: (5, {}), {2}: (6, {})}" in line for line in calls), calls[0][:400]
-  moves = "copy|copy-start|slice|dynamic-slice|dynamic-update-slice"
-  cache = rf"= \w+\[{B},{cfg.n_kv_heads},(\d+),{cfg.hd}\]\S* ({moves})\("
+  assert all(f"bf16[{rows},{kv_heads},384,128]" in line for line in calls), calls[0][:400]  # this device's caches
+  moves = "copy|copy-start|slice|dynamic-slice|dynamic-update-slice|all-gather|all-to-all|collective-permute|all-reduce"
+  cache = rf"= \w+\[\d+,\d+,(\d+),{cfg.hd}\]\S* ({moves})(-start)?\("
   _, computations, entry = _split(hlo)
   lines = [line for name, text in computations.items() if name != entry for line in text.splitlines()[1:]]
-  moved = [line.strip()[:120] for line in lines for S, _ in re.findall(cache, line) if int(S) >= P]  # (not queries)
+  moved = [line.strip()[:120] for line in lines for S, *_ in re.findall(cache, line) if int(S) >= P]  # (not queries)
   assert moved == []
 
 

@@ -223,25 +223,41 @@ def heads_in_kernel(y_BxTxHK, n_heads: int, cos_TxK, sin_TxK, scale_K=None, eps:
   return jax.shard_map(local, in_specs=(P(),) * len(args), out_specs=P(), axis_names=free, check_vma=False)(*args)
 
 
+def _decode_split(mesh, free, B: int, G: int):
+  """``(rows, heads)``: the mesh axes a decoding kernel's rows and key/value heads are split over, per device, in the
+  ``shard_map`` of `decode_in_kernel` (``data`` where it divides the rows, ``tensor`` where it divides the heads, as
+  `meshdistill.models.generate` places the caches); None where another compiler-managed axis has more than one
+  device or ``data`` / ``tensor`` split what they do not divide (XLA's attention keeps such caches)."""
+  rows = DATA if DATA in free and mesh.shape[DATA] > 1 else None
+  heads = TENSOR if TENSOR in free and mesh.shape[TENSOR] > 1 else None
+  if any(mesh.shape[a] > 1 for a in free if a not in (rows, heads)):
+    return None
+  if (rows and B % mesh.shape[DATA]) or (heads and G % mesh.shape[TENSOR]):
+    return None
+  return rows, heads
+
+
 def decodes_in_kernel(attention: str, cache, T: int, want_probs: bool) -> bool:
   """Whether a decoding call writes its token's key and value and attends in one Pallas kernel
-  (`_decode_attention.decode_attention`): one token against a cache its caller keeps whole on one device
-  (``cache.kernel``) in the kernel's tiles (`_decode_attention.usable`), no probabilities captured, no
-  compiler-managed mesh axis of more than one device, and the model's ``attention`` ``auto`` compiled for a TPU or
-  ``splash`` (off a TPU interpreted, as the splash kernel is: for checks)."""
+  (`_decode_attention.decode_attention`): one token against caches its caller placed for a kernel per device
+  (``cache.kernel``: whole on one device, or rows over ``data`` and key/value heads over ``tensor`` of the mesh in
+  context, `_decode_split`) in the kernel's tiles (`_decode_attention.usable`), no probabilities captured, and the
+  model's ``attention`` ``auto`` compiled for a TPU or ``splash`` (off a TPU interpreted, as the splash kernel is:
+  for checks)."""
   if not (cache.kernel and T == 1 and not want_probs) or attention not in ("auto", "splash"):
     return False
   if attention == "auto" and target_platform() != "tpu":
     return False
   mesh, free = _compiler_axes()
-  _, _, S, K = cache.k.shape
-  return all(mesh.shape[a] == 1 for a in free) and _decode_attention.usable(S, cache.k.dtype.itemsize, K)
+  B, G, S, K = cache.k.shape
+  return _decode_split(mesh, free, B, G) is not None and _decode_attention.usable(S, cache.k.dtype.itemsize, K)
 
 
 def decode_in_kernel(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, cache, *, window=None, scale=None, cap=None):
   """``(out [B, 1, H, K], cache)``: `_decode_attention.decode_attention` where `decodes_in_kernel` said so, the
   token's key and value written into ``cache`` (a `KVCache`) by the kernel; in a ``shard_map`` manual over the mesh's
-  compiler-managed axes (all of size 1 there)."""
+  compiler-managed axes, each device on its rows and key/value heads (`_decode_split`; a query head reads its
+  group's key/value head, so the queries split with them)."""
   B, _, H, K = q_BxTxHxK.shape
   G = k_BxTxGxK.shape[2]
   scale = K**-0.5 if scale is None else scale
@@ -249,9 +265,12 @@ def decode_in_kernel(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, cache, *, window=None, sca
                          interpret=target_platform() != "tpu")
   args = (q_BxTxHxK.reshape(B, G, H // G, K), k_BxTxGxK.reshape(B, G, K), v_BxTxGxK.reshape(B, G, K), cache.k,
           cache.v, cache.valid_BxS, jnp.asarray(cache.index, jnp.int32))
-  _, free = _compiler_axes()
+  mesh, free = _compiler_axes()
   if free:
-    fn = jax.shard_map(fn, in_specs=(P(),) * len(args), out_specs=(P(),) * 3, axis_names=free, check_vma=False)
+    rows, heads = _decode_split(mesh, free, B, G)
+    split = P(rows, heads)
+    fn = jax.shard_map(fn, in_specs=(split,) * 5 + (P(rows), P()), out_specs=(split,) * 3, axis_names=free,
+                       check_vma=False)
   out, k, v = fn(*args)
   return out.reshape(B, 1, H, K), cache._replace(k=k, v=v)
 

@@ -23,7 +23,7 @@ class KVCache(NamedTuple):
   ``S`` slots of the cache, the ones this call attends to (`attended`): the cache may hold more, not yet written,
   that it never reads; ``index``: the slot of the first token of this call; ``positions_BxT``: the RoPE positions of
   this call's tokens, per row; ``kernel``: a one-token call may write and attend in one Pallas kernel (the caches are
-  whole on one device; `Decoder.decode_step`).
+  placed per device: whole on one, or rows over ``data`` and heads over ``tensor``; `Decoder.decode_step`).
   """
 
   k: jax.Array

@@ -89,8 +89,9 @@ class DecodingModel(LanguageModel, Protocol):
   def decode_step(self, tokens_BxT: jax.Array, kv: Any, valid_BxS: jax.Array, index: Any, positions_BxT: jax.Array,
                   *, last_only: bool = False, kernel: bool = False) -> tuple[jax.Array, Any]:
     """``(logits float32 [B, T or 1, V], new kv)`` of ``tokens_BxT`` written into cache slots ``index ..``, attending
-    to the first ``valid_BxS.shape[1]`` slots (the cache may be longer); ``kernel``: the caches are whole on one
-    device (a model may then write and attend in one kernel)."""
+    to the first ``valid_BxS.shape[1]`` slots (the cache may be longer); ``kernel``: the caches are placed per device
+    (whole on one, or rows over ``data`` and key/value heads over ``tensor`` of the mesh in context; a model may
+    then write and attend in one kernel per device)."""
     ...
 
 

@@ -14,9 +14,9 @@ tokens are split over up to `DECODE_STAGES` loops (`decode_stages`; `CACHE_BOUND
 caches outweigh the weights on a TPU, `decoding_program`), each attending to the first
 slots of the cache, those filled by its last token, so a decoded token reads about the slots filled
 so far rather than the whole preallocated cache (the cache is made once; a loop reads its prefix in
-place). Where the caches are whole on one device (no mesh, or a mesh of one) a decoded token's cache write and
-attention may run as one Pallas kernel per layer (`Decoder.decode_step`'s ``kernel``; on a TPU with attention
-``auto``: `meshdistill.models._decode_attention`).
+place). A decoded token's cache write and attention may run as one Pallas kernel per layer and device
+(`Decoder.decode_step`'s ``kernel``; on a TPU with attention ``auto``: `meshdistill.models._decode_attention`): on one
+device, or on a mesh where each device holds its rows (over ``data``) and key/value heads (over ``tensor``).
 
 Sampling (`sample_tokens`) is vocabulary-parallel: logits ``[B, V]`` stay split over ``tensor``
 along V and every vocabulary reduction is a max, min or sum (XLA reduces partial results over
@@ -40,6 +40,7 @@ Hugging Face checkpoints loaded into it) is supported; tunix's model zoo is not.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -212,6 +213,14 @@ def decode_stages(prompt_len: int, max_new_tokens: int, loops: int | None = None
 
 def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: SamplingConfig, return_logits, mesh,
               caches_dominate: bool = False, kernel: bool = False):
+  # the decoding kernel runs per device in a shard_map over the mesh in context (`_attention.decode_in_kernel`)
+  with contextlib.nullcontext() if mesh is None or not kernel else jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    return _decode(params, prompts_BxP, prompt_mask_BxP, key, graphdef=graphdef, cfg=cfg, return_logits=return_logits,
+                   mesh=mesh, caches_dominate=caches_dominate, kernel=kernel)
+
+
+def _decode(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: SamplingConfig, return_logits, mesh,
+            caches_dominate: bool, kernel: bool):
   model = nnx.merge(graphdef, params)
   mcfg = model.cfg
   B, Pn = prompts_BxP.shape
@@ -220,7 +229,10 @@ def _generate(params, prompts_BxP, prompt_mask_BxP, key, *, graphdef, cfg: Sampl
   S = stages[-1][1]  # every slot; each loop attends to its first `slots`
   V = mcfg.vocab_size
   logit_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch", "vocab"), mesh=mesh))
-  kv_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch",), mesh=mesh))
+  # rows over `data`; for the kernel the key/value heads over `tensor` too, as it reads them per device (where
+  # `tensor` does not divide them the projections replicate them and XLA's attention decodes: `_decode_split`)
+  heads = "kv_heads" if kernel and mcfg.n_kv_heads % split_ways(mesh, "kv_heads") == 0 else None
+  kv_sharding = None if mesh is None else NamedSharding(mesh, spec(("batch", heads), mesh=mesh))
   # whole on-chip tiles of slots (`_decode_attention.TILE`): a decoded slot's write in the decoding kernel rewrites
   # its tile; the slots past S are never valid, so never attended to
   kv = model.empty_cache(B, -(-S // TILE) * TILE, kv_sharding)
@@ -351,12 +363,13 @@ def generate(
     tokens, mask = jax.device_put((tokens, mask), NamedSharding(mesh, spec(("batch",), mesh=mesh)))
   program = decoding_program(params, merged.cfg, tokens.shape[0], tokens.shape[1] + cfg.max_new_tokens - 1, mesh)
   return program(params, tokens, mask, key, graphdef=graphdef, cfg=cfg, return_logits=return_logits, mesh=mesh,
-                 kernel=caches_on_one_device(params, mesh))
+                 kernel=caches_per_device(params, mesh))
 
 
-def caches_on_one_device(params, mesh: Mesh | None) -> bool:
-  """Whether the caches `_generate` makes are whole on one device, so that a decoded token may write and attend in
-  one Mosaic kernel (`Decoder.decode_step`'s ``kernel``): no mesh or a mesh of one, and the parameters not placed
-  over several devices (without a mesh XLA would split the caches as it splits them, which no kernel can follow)."""
+def caches_per_device(params, mesh: Mesh | None) -> bool:
+  """Whether the caches `_generate` makes are placed where a decoded token may write and attend in one Mosaic kernel
+  per device (`Decoder.decode_step`'s ``kernel``): on a mesh (rows over ``data``, key/value heads over ``tensor``,
+  the kernel in a ``shard_map`` over it), or without one on a single device: parameters placed over several devices
+  without a mesh let XLA split the caches as it splits them, which no kernel can follow."""
   devices = {d for x in jax.tree.leaves(params) for d in getattr(getattr(x, "sharding", None), "device_set", ())}
-  return (mesh is None or mesh.devices.size == 1) and len(devices) <= 1
+  return mesh is not None or len(devices) <= 1
