@@ -347,12 +347,13 @@ def test_decoding_kernel_writes_the_new_slot_and_attends_as_the_explicit_scores_
     assert rel_err(got, np.asarray(want, np.float32)) < 1e-2, (index, N, rel_err(got, want))
 
 
-def test_generation_through_the_decoding_kernel_equals_the_xla_path():
+def test_generation_through_the_decoding_kernel_equals_the_xla_path(chip):
   """A bfloat16 decoder generating with ``attention: auto`` on the chip decodes through the kernel (one call per layer
   and decoding loop, traced) and gives the logits and greedy tokens of the same model with ``attention: xla``
   (bfloat16 roundings in other orders: 1e-2; tokens on rows no near-tie could fork), a sliding window, a final soft
   cap and left-padded prompts of 9, 4 and 13 tokens; every token an id of the vocabulary, every logit finite (with
-  the soft cap in bfloat16 the greedy pick was once the id ``V`` on this chip, then NaN: `vocab_argmax`)."""
+  the soft cap in bfloat16 the greedy pick was once the id ``V`` on this chip, then NaN: `vocab_argmax`). On a mesh of
+  the chip (as the on-policy path passes its run's mesh) the kernel runs in a ``shard_map`` and gives the same."""
   from meshdistill.models import _decode_attention
 
   cfg = CHIP_CFG.replace(dtype="bfloat16", attn_softcap=None, qk_norm=True, sliding_window=24)
@@ -385,6 +386,15 @@ def test_generation_through_the_decoding_kernel_equals_the_xla_path():
       assert top2[1] - top2[0] < 2e-2 * np.abs(want[r, fork]).max(), (r, fork, top2)
     compared += fork + 1
   assert compared >= N, compared  # (at least one row's worth of positions)
+  # on a mesh of the chip (the on-policy path passes the run's mesh): the kernel in a shard_map, the same numbers
+  calls.clear()
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(_decode_attention, "decode_attention", spy)
+    meshed = generate(model, tokens, mask, None, SamplingConfig(max_new_tokens=N, temperature=0.0), return_logits=True,
+                      mesh=jax.sharding.Mesh(np.array([chip]).reshape(1, 1), ("data", "tensor")))
+  assert len(calls) == cfg.n_layers * len(decode_stages(tokens.shape[1], N)), len(calls)
+  np.testing.assert_array_equal(np.asarray(meshed.tokens_BxN), tokens_got)
+  np.testing.assert_allclose(np.asarray(meshed.logits_BxNxV), got, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
