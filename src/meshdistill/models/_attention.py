@@ -237,6 +237,12 @@ def _decode_split(mesh, free, B: int, G: int):
   return rows, heads
 
 
+def decodes_with_kernel(attention: str, platform: str) -> bool:
+  """Whether a model of this ``attention`` decodes through the decoding kernel on ``platform`` where its caches allow
+  (`decodes_in_kernel`): ``auto`` on a TPU, ``splash`` anywhere (interpreted off a TPU, as the splash kernel is)."""
+  return attention == "splash" or (attention == "auto" and platform == "tpu")
+
+
 def decodes_in_kernel(attention: str, cache, T: int, want_probs: bool) -> bool:
   """Whether a decoding call writes its token's key and value and attends in one Pallas kernel
   (`_decode_attention.decode_attention`): one token against caches its caller placed for a kernel per device
@@ -244,9 +250,7 @@ def decodes_in_kernel(attention: str, cache, T: int, want_probs: bool) -> bool:
   context, `_decode_split`) in the kernel's tiles (`_decode_attention.usable`), no probabilities captured, and the
   model's ``attention`` ``auto`` compiled for a TPU or ``splash`` (off a TPU interpreted, as the splash kernel is:
   for checks)."""
-  if not (cache.kernel and T == 1 and not want_probs) or attention not in ("auto", "splash"):
-    return False
-  if attention == "auto" and target_platform() != "tpu":
+  if not (cache.kernel and T == 1 and not want_probs and decodes_with_kernel(attention, target_platform())):
     return False
   mesh, free = _compiler_axes()
   B, G, S, K = cache.k.shape

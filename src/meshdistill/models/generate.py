@@ -54,6 +54,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshdistill.parallel.mesh import check_batch, platform_of
 from meshdistill.parallel.rules import spec, split_ways
+from meshdistill.models._attention import decodes_with_kernel
 from meshdistill.models._decode_attention import TILE
 from meshdistill.models.decoder import Decoder
 from meshdistill.models.contract import DecodingModel, check_model
@@ -305,10 +306,7 @@ def decoding_program(params, mcfg, batch: int, slots: int, mesh: Mesh | None = N
   mesh each device decodes its rows (``batch`` split as `generate` splits it) against its share of the weights and
   key/value heads (both split over ``tensor``, so that split cancels)."""
   leaves = jax.tree.leaves(params)
-  sharding = getattr(leaves[0], "sharding", None) if leaves else None
-  on_params = mesh is None and sharding is not None  # without a mesh, where the parameters are
-  platform = next(iter(sharding.device_set)).platform if on_params else platform_of(mesh)
-  if platform != "tpu":
+  if _platform(params, mesh) != "tpu":
     return _generate_jit
   itemsize = jnp.dtype(mcfg.compute_dtype).itemsize
   weight_bytes = sum(int(np.prod(x.shape)) for x in leaves) * itemsize
@@ -362,8 +360,19 @@ def generate(
   if mesh is not None:
     tokens, mask = jax.device_put((tokens, mask), NamedSharding(mesh, spec(("batch",), mesh=mesh)))
   program = decoding_program(params, merged.cfg, tokens.shape[0], tokens.shape[1] + cfg.max_new_tokens - 1, mesh)
+  attention = getattr(merged.cfg, "attention", "xla")  # (a model without the choice: no decoding kernel)
+  kernel = decodes_with_kernel(attention, _platform(params, mesh)) and caches_per_device(params, mesh)
   return program(params, tokens, mask, key, graphdef=graphdef, cfg=cfg, return_logits=return_logits, mesh=mesh,
-                 kernel=caches_per_device(params, mesh))
+                 kernel=kernel)
+
+
+def _platform(params, mesh: Mesh | None) -> str:
+  """The platform decoding runs on: the mesh's, or without one where the parameters are (the default backend's)."""
+  leaves = jax.tree.leaves(params)
+  sharding = getattr(leaves[0], "sharding", None) if leaves else None
+  if mesh is None and sharding is not None:
+    return next(iter(sharding.device_set)).platform
+  return platform_of(mesh)
 
 
 def caches_per_device(params, mesh: Mesh | None) -> bool:
