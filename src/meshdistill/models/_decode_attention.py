@@ -95,14 +95,15 @@ def decode_attention(q_BxGxRxK, k_new_BxGxK, v_new_BxGxK, k_BxGxSxK, v_BxGxSxK, 
 
   B, G, S, K = k_BxGxSxK.shape
   R, N = q_BxGxRxK.shape[2], valid_BxN.shape[1]
-  if not usable(S, k_BxGxSxK.dtype.itemsize, K) or N > S:
+  itemsize = k_BxGxSxK.dtype.itemsize
+  if not usable(S, itemsize, K) or N > S:
     raise ValueError(f"decode_attention needs a cache of 2-byte values in whole {TILE}-slot tiles, heads a multiple "
                      f"of 64 wide, a (row, head)'s keys and values within {STEP_BYTES} bytes and at most S attended "
                      f"slots; got a {k_BxGxSxK.dtype} cache [B, G, S, K] = "
                      f"{(B, G, S, K)} with {N} attended (keep the XLA path there)")
   slots = min(S, -(-N // TILE) * TILE)  # the tiles holding the attended slots
   valid = jnp.pad(valid_BxN.astype(jnp.int32), ((0, 0), (0, slots - N)))[:, None, :]  # [B, 1, slots]
-  rows, heads = _blocks(B, G, slots, K, k_BxGxSxK.dtype.itemsize)
+  rows, heads = _blocks(B, G, slots, K, itemsize)
   index = jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
   new = pl.BlockSpec((rows, heads, 1, K), lambda b, g, i: (b, g, 0, 0))
   cache = pl.BlockSpec((rows, heads, slots, K), lambda b, g, i: (b, g, 0, 0))
@@ -113,7 +114,6 @@ def decode_attention(q_BxGxRxK, k_new_BxGxK, v_new_BxGxK, k_BxGxSxK, v_BxGxSxK, 
                 pl.BlockSpec((rows, 1, slots), lambda b, g, i: (b, 0, 0)), cache, cache],
       out_specs=[pl.BlockSpec((rows, heads, R, K), lambda b, g, i: (b, g, 0, 0)), tile, tile],
   )
-  itemsize = k_BxGxSxK.dtype.itemsize
   read = 2 * B * G * slots * K * itemsize
   cost = pl.CostEstimate(flops=4 * B * G * R * slots * K, transcendentals=B * G * R * slots,
                          bytes_accessed=read + 2 * B * G * TILE * K * itemsize + 2 * q_BxGxRxK.size * itemsize)

@@ -205,8 +205,9 @@ class Decoder(nnx.Module):
     (the first ``valid_BxS.shape[1]``, a cache may hold more) are the ones attended to; ``positions_BxT``:
     each row's RoPE positions. ``last_only``: the logits of the last position only (``[B, 1, V]``). ``kernel``: the
     caches are placed per device (whole on one, or rows over ``data`` and key/value heads over ``tensor`` of the mesh
-    in context), so a one-token call may write its keys and values and attend in one Pallas kernel per layer (`meshdistill.models._attention.decodes_in_kernel`: with ``attention`` ``auto`` on a TPU). The
-    layers run unrolled, scanned blocks included (`layer_blocks`).
+    in context), so a one-token call may write its keys and values and attend in one Pallas kernel per layer
+    (`meshdistill.models._attention.decodes_in_kernel`: with ``attention`` ``auto`` on a TPU). The layers run
+    unrolled, scanned blocks included (`layer_blocks`).
     """
     x = scale_embed(self.cfg, gathered(self.embed)(tokens_BxT))
     blocks = layer_blocks(self.blocks, _place) if self.cfg.scanned else self.blocks  # stacked: static slices
