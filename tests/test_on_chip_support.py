@@ -1,6 +1,6 @@
-"""What the TPU support adds that a CPU can check: the splash kernel's block sizes, `plan --devices local` refused
-off a TPU, the devices line of a job, the profile benchmarks' reading of a compiled step's HLO, and the chip test
-run's check for a TPU that JAX could not take."""
+"""What the TPU support adds that a CPU can check: the splash kernel's block sizes and kept residuals, `plan --devices
+local` refused off a TPU, the devices line of a job, the profile benchmarks' reading of a compiled step's HLO, and the
+chip test run's check for a TPU that JAX could not take."""
 
 import importlib.util
 import pathlib
@@ -56,6 +56,41 @@ def test_splash_forward_and_backward_fit_a_v5e_chips_on_chip_memory(dtype, head_
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape(4), shape(2), shape(2)).compile().as_text()
   blocks = re.findall(r"block_q_dkv\W+(\d+)", hlo)
   assert blocks and {int(b) for b in blocks} == {backward_block}, blocks
+
+
+@pytest.mark.skipif(not __import__("meshdistill.planner", fromlist=["x"]).libtpu_available(),
+                    reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+def test_the_dots_policies_keep_the_splash_kernels_residuals_so_its_forward_runs_once_per_step():
+  """Compiled for one v5e chip: a rematerialised attention's value and gradient run the splash forward kernel once
+  under the "dots" policies (its output and log-sum-exp are kept, `ATTENTION_RESIDUALS`) and twice under "full";
+  the gradients are the same either way (interpreted on this CPU, bit for bit: the same kernel on the same
+  inputs)."""
+  from jax.sharding import SingleDeviceSharding
+
+  from meshdistill.models._config import REMAT_POLICIES
+  from meshdistill.planner._hardware import tpu_target
+
+  def attend(q, k, v, interpret):
+    return jnp.sum(_attention._splash_attention(q, k, v, interpret=interpret).astype(jnp.float32) ** 2)
+
+  device = SingleDeviceSharding(tpu_target("v5e:2x2").devices[0])
+  shape = lambda heads: jax.ShapeDtypeStruct((1, heads, 256, 128), jnp.bfloat16, sharding=device)  # noqa: E731
+  forwards = {}
+  for name in ("full", "dots", "dots_no_batch"):
+    step = jax.value_and_grad(jax.checkpoint(lambda q, k, v: attend(q, k, v, False), policy=REMAT_POLICIES[name]),
+                              argnums=(0, 1, 2))
+    hlo = jax.jit(step).lower(shape(4), shape(2), shape(2)).compile().as_text()
+    calls = [line for line in hlo.splitlines() if "custom-call" in line and "tpu_custom_call" in line]
+    forwards[name] = sum("splash_mqa_fwd" in line for line in calls)
+    assert sum("splash_mqa_dkv" in line for line in calls) == 1, (name, calls)
+  assert forwards == {"full": 2, "dots": 1, "dots_no_batch": 1}
+
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (1, h, 256, 128), jnp.bfloat16) for key, h in zip(keys, (4, 2, 2)))
+  grads = {name: jax.jit(jax.grad(jax.checkpoint(lambda q, k, v: attend(q, k, v, True), policy=REMAT_POLICIES[name]),
+                                  argnums=(0, 1, 2)))(q, k, v) for name in ("full", "dots")}
+  for full, dots in zip(grads["full"], grads["dots"]):
+    assert jnp.array_equal(full, dots)
 
 
 def test_plan_for_local_devices_off_a_tpu_is_refused_naming_what_would_work():

@@ -27,7 +27,7 @@ from meshdistill.parallel.mesh import DATA, TENSOR, target_platform  # noqa: F40
 # Context parallelism: a device's slice of the sequence, its kernel chosen by its index along `context`.
 from meshdistill.models._context import CONTEXT, ContextShard
 from meshdistill.models import _decode_attention, _head_prep
-from meshdistill.models._config import RopeScaling
+from meshdistill.models._config import ATTENTION_RESIDUALS, RopeScaling
 from meshdistill.models._variants import band, per_head_matmul, softcap
 from meshdistill.models._visible import segment_mask
 
@@ -368,7 +368,8 @@ def _splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, int
     # the trace that makes it, so each trace (the custom_vjp of `_at_default_precision`, a remat's recomputation)
     # gets its own instead of reading another's (an escaped tracer).
     kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret,
-                                                  attn_logits_soft_cap=cap)
+                                                  attn_logits_soft_cap=cap,
+                                                  residual_checkpoint_name=ATTENTION_RESIDUALS)
     if not ids:
       return jax.vmap(jax.vmap(kernel))(q, k, v)
     per_row = lambda q, k, v, ids, kv_ids: jax.vmap(  # noqa: E731  (each row's ids for every group of its heads)

@@ -21,12 +21,18 @@ from meshdistill.parallel.rules import split_ways
 # "none"):
 # "none" keeps every activation for the backward pass; "full" keeps only each block's
 # input and recomputes the block; "dots" keeps matmul outputs; "dots_no_batch" keeps
-# only matmuls without batch dimensions (the weight projections, not attention scores).
+# only matmuls without batch dimensions (the weight projections, not attention scores). Both "dots" policies also
+# keep what the splash kernel's backward pass reads of its forward (its output and log-sum-exp, named
+# `ATTENTION_RESIDUALS`): without them the backward pass runs the forward kernel again for them (a Pallas call is no
+# matmul to a policy), for [B, H, T] float32 and the [B, H, T, K] output the output projection reads anyway.
+ATTENTION_RESIDUALS = "attention_residuals"
+_KEEP_ATTENTION = jax.checkpoint_policies.save_only_these_names(ATTENTION_RESIDUALS)
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.checkpoint_dots, _KEEP_ATTENTION),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _KEEP_ATTENTION),
 }
 
 # Attention kernels, by `ModelConfig.attention` name. Every one is causal grouped-query attention
