@@ -215,7 +215,7 @@ def compile_hlo(pair: str, s: Setting, topology: str, layers: tuple[int, int] | 
     tcfg, scfg = tcfg.with_layers(range(layers[0])), scfg.with_layers(range(layers[1]))
   target = parse_target(topology, None)
   mesh = make_mesh(1, 1, devices=list(target.devices[:1]))
-  strategy = md.ChunkedLogitKD(temperature=2.0, alpha=0.5, chunk_size=s.chunk)
+  strategy = md.ChunkedLogitKD(temperature=2.0, alpha=0.5, chunk_size=s.chunk, loss_kernel=s.loss)
   with use_splash_blocks(s.blocks):
     d = abstract_distiller(tcfg, scfg, strategy, s.optimizer(), mesh)
     if s.metrics == "light":

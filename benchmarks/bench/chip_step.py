@@ -175,7 +175,7 @@ def measure(pair: str, s: Setting, steps: int, profile: bool, out_dir: str | Non
   t0 = time.perf_counter()
   teacher = md.init_model(tcfg, seed=0, mesh=mesh)
   student = md.init_model(scfg, seed=1, mesh=mesh)
-  strategy = md.ChunkedLogitKD(temperature=2.0, alpha=0.5, chunk_size=s.chunk_size)
+  strategy = md.ChunkedLogitKD(temperature=2.0, alpha=0.5, chunk_size=s.chunk_size, loss_kernel=s.loss)
   d = md.Distiller(student, teacher, mesh=mesh, strategy=strategy, optimizer=s.optimizer(), micro_batch=s.micro_batch,
                    chunk_size="auto" if s.chunk == "auto" else None)
   if s.metrics == "light":  # the step the training loop runs on every step it does not log: the same update

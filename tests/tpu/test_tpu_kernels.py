@@ -154,17 +154,19 @@ def test_splash_decoder_with_local_layers_and_softcaps_equals_explicit_attention
   assert max(errors.values()) < F32_TOL, {k: e for k, e in errors.items() if e >= F32_TOL}
 
 
-def test_chunked_logit_kd_loss_metrics_and_grads_equal_full_logit_kd():
+@pytest.mark.parametrize("loss_kernel", ["pallas", "xla"], ids=["loss-kernel", "xla-loss"])
+def test_chunked_logit_kd_loss_metrics_and_grads_equal_full_logit_kd(loss_kernel):
   """`ChunkedLogitKD` (vocabulary projections chunk by chunk from the final hidden states, never the [N, V] logits)
   against `LogitKD` on the full logits: every reported sum and the gradients of the student's hidden states and head.
-  4 x 256 tokens, D 256, V 2048, chunks of 384 (the last one padded)."""
+  4 x 256 tokens, D 256, V 2048, chunks of 384 (the last one padded); each chunk's values and logits gradient from
+  the Pallas kernel (``loss_kernel="pallas"``: on the chip what ``auto`` takes) and from XLA."""
   B, T, D, E, V = 4, 256, 256, 384, 2048
   k = jax.random.split(jax.random.key(0), 6)
   s, t = jax.random.normal(k[0], (B, T, D)), jax.random.normal(k[1], (B, T, E))
   w, wt = 0.1 * jax.random.normal(k[2], (D, V)), 0.1 * jax.random.normal(k[3], (E, V))
   targets, mask = jax.random.randint(k[4], (B, T), 0, V), (jax.random.uniform(k[5], (B, T)) > 0.2).astype(jnp.float32)
   recipe = {"temperature": 2.0, "alpha": 0.5}
-  plain, chunked = LogitKD(**recipe), ChunkedLogitKD(chunk_size=384, **recipe)
+  plain, chunked = LogitKD(**recipe), ChunkedLogitKD(chunk_size=384, loss_kernel=loss_kernel, **recipe)
 
   def full(s, w, t, wt, targets, mask):
     per_seq = jax.vmap(plain.per_sequence, in_axes=(None, 0, 0, 0, 0, None))
@@ -180,7 +182,9 @@ def test_chunked_logit_kd_loss_metrics_and_grads_equal_full_logit_kd():
   inputs = (s, w, t, wt, targets, mask)  # arguments, not constants of the program (XLA would fold them)
   with jax.default_matmul_precision(HIGHEST):
     (_, want), want_grads = jax.jit(jax.value_and_grad(full, argnums=(0, 1), has_aux=True))(*inputs)
-    (_, got), grads = jax.jit(jax.value_and_grad(by_chunks, argnums=(0, 1), has_aux=True))(*inputs)
+    step = jax.jit(jax.value_and_grad(by_chunks, argnums=(0, 1), has_aux=True))
+    (_, got), grads = step(*inputs)
+    assert ("kl_value_and_grad" in str(jax.make_jaxpr(step)(*inputs))) == (loss_kernel == "pallas")
   assert set(got) == set(want) >= {"loss", "kl", "ce", "teacher_ce", "agree"}
   for name in want:
     if name == "corr":  # a correlation near 0: its rounding is absolute
@@ -189,6 +193,38 @@ def test_chunked_logit_kd_loss_metrics_and_grads_equal_full_logit_kd():
       assert rel_err(got[name], want[name]) < F32_TOL, (name, float(got[name]), float(want[name]))
   for name, g, r in zip(("hidden", "head"), grads, want_grads):
     assert rel_err(g, r) < F32_TOL, (name, rel_err(g, r))
+
+
+@pytest.mark.parametrize("vocab", [151936, 262144], ids=["qwen3-vocab", "gemma3-vocab"])
+def test_loss_kernel_gives_the_fused_recipes_values_and_logits_gradient_at_a_models_vocabulary(vocab):
+  """`kl_value_and_grad` (one read of both chunks' float32 logits) against `forward_kl_terms` and the autodiff
+  gradient of its loss sum, both on the chip, on a chunk of 256 tokens of a real vocabulary (the kernel's rows hold
+  every column on chip): the values within the float32 bound (summation order over V), the gradient in float32
+  likewise and in bfloat16 within one rounding of it; masked tokens exactly 0, the arg-max agreement seen."""
+  from meshdistill.losses._fused import forward_kl_terms
+  from meshdistill.losses._kl_kernel import kl_value_and_grad
+
+  C = 256
+  k = jax.random.split(jax.random.key(1), 4)
+  s = 3.0 * jax.random.normal(k[0], (C, vocab))
+  t = (s + 2.0 * jax.random.normal(k[1], (C, vocab))).at[: C // 2].set(s[: C // 2])  # half the rows agree
+  targets = jax.random.randint(k[2], (C,), 0, vocab).at[5].set(-100)
+  keep = jax.random.bernoulli(k[3], 0.8, (C,))
+
+  def reference(s, t, targets, keep):
+    out = forward_kl_terms(s, t, targets, keep, 2.0, 0.5)
+    return jnp.sum(out["loss"]), out
+
+  (_, want), want_grad = jax.jit(jax.value_and_grad(reference, has_aux=True))(s, t, targets, keep)
+  got, grad = kl_value_and_grad(s, t, targets, keep, 2.0, 0.5, grad_dtype=jnp.float32)
+  _, grad_bf16 = kl_value_and_grad(s, t, targets, keep, 2.0, 0.5)
+  for name in want:
+    assert rel_err(got[name], want[name]) < F32_TOL, (name, rel_err(got[name], want[name]))
+    assert not jnp.any(jnp.where(keep, 0.0, got[name])), name
+  assert float(jnp.sum(got["agree"])) >= float(jnp.sum(keep[: C // 2]))
+  assert rel_err(grad, want_grad) < F32_TOL
+  assert rel_err(grad_bf16.astype(jnp.float32), want_grad) < 2 ** -8
+  assert not jnp.any(jnp.where(keep[:, None], 0.0, grad))
 
 
 def test_scanned_blocks_equal_unrolled_blocks_with_the_same_weights():

@@ -104,13 +104,16 @@ def _chunks(x, n_chunks: int, chunk: int):
   return x.reshape(n_chunks, chunk, *x.shape[1:])
 
 
-def _scan(token_fn, chunk, grad_key, tied, with_grad, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N):
+def _scan(token_fn, chunk, grad_key, tied, with_grad, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N,
+          fused=None):
   """Sums of ``token_fn`` over chunks; with ``with_grad`` also d sums[grad_key] / d (s_NxD, s_head_DxV).
 
   ``tied``: (student, teacher), whether each head is the transpose of a ``[V, D]`` table (`chunked_token_sums`'s
   ``tied_heads``). The loop reads each head as the model stores it: the table of a tied head, transposed inside the
   loop (where the transpose is the matmuls' own operand order), and the student's head gradient is accumulated in
-  that shape. A head transposed before the loop enters it as a copy made once per step (the loop's operands keep
+  that shape. ``fused``: ``token_fn``'s values and the gradient of its ``grad_key`` sum with respect to the student
+  logits in one call (``fused(params, s_CxV, t_CxV, targets_C, mask_C, grad_dtype=...) -> ({name: [C]}, d_CxV)``),
+  used in the gradient pass instead of autodiff of ``token_fn``. A head transposed before the loop enters it as a copy made once per step (the loop's operands keep
   their own layout), and the gradient leaves it as another: on a TPU v5e, the Qwen3 pair's 4 x 2048 step spent 9.8
   ms of the compiler's estimate and 1.45 GiB of its memory on them (`benchmarks/step_cycles.py`)."""
   n = s_NxD.shape[0]
@@ -143,7 +146,11 @@ def _scan(token_fn, chunk, grad_key, tied, with_grad, params, s_NxD, s_head_DxV,
       return jax.tree.map(jnp.add, carry, sums), None
     acc, d_head = carry
     s_CxV = head_logits(s_CxD, s_head)
-    (_, sums), d_CxV = jax.value_and_grad(logit_sums, has_aux=True)(s_CxV, t_CxV, targets_C, mask_C)
+    if fused is not None:  # values and logits gradient in one call (one read of both chunks)
+      out, d_CxV = fused(params, s_CxV, t_CxV, targets_C, mask_C, grad_dtype=s_head_DxV.dtype)
+      sums = _sums(out)
+    else:
+      (_, sums), d_CxV = jax.value_and_grad(logit_sums, has_aux=True)(s_CxV, t_CxV, targets_C, mask_C)
     # The logits' gradient, formed once in the head's dtype (what the matrix unit reads: a float32 operand of a
     # default-precision TPU matmul is rounded to bfloat16 all the same), feeds both matmuls below; left in float32,
     # each matmul recomputes it from both chunks' float32 logits.
@@ -169,23 +176,24 @@ def _scan(token_fn, chunk, grad_key, tied, with_grad, params, s_NxD, s_head_DxV,
   return sums, (d_NxD, (d_tab.T if tied[0] else d_tab).astype(s_head_DxV.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fused(token_fn, chunk, grad_key, tied, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _fused(token_fn, chunk, grad_key, tied, fused, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N):
   sums, _ = _scan(token_fn, chunk, grad_key, tied, False, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N,
                   mask_N)
   return sums
 
 
-def _fused_fwd(token_fn, chunk, grad_key, tied, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N, mask_N):
+def _fused_fwd(token_fn, chunk, grad_key, tied, fused, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N,
+               mask_N):
   sums, grads = _scan(token_fn, chunk, grad_key, tied, True, params, s_NxD, s_head_DxV, t_NxE, t_head_ExV, targets_N,
-                      mask_N)
+                      mask_N, fused)
   zero_like = lambda x: jnp.zeros(x.shape, x.dtype)  # noqa: E731
   zeros = (jax.tree.map(zero_like, params), zero_like(t_NxE), zero_like(t_head_ExV), zero_like(mask_N))
   return sums, (grads, zeros, targets_N)
 
 
-def _fused_bwd(token_fn, chunk, grad_key, tied, res, g):
-  del token_fn, chunk, tied
+def _fused_bwd(token_fn, chunk, grad_key, tied, fused, res, g):
+  del token_fn, chunk, tied, fused
   (d_NxD, d_head_DxV), (d_params, d_teacher, d_teacher_head, d_mask), targets_N = res
   scale = g[grad_key]
   d_targets = jnp.zeros(targets_N.shape, jax.dtypes.float0)
@@ -216,6 +224,7 @@ def chunked_token_sums(
     chunk_size: int,
     grad_key: str = "loss",
     tied_heads: tuple[bool, bool] = (False, False),
+    value_and_grad: Callable | None = None,
 ) -> dict[str, jax.Array]:
   """Token sums of ``token_fn`` on logits formed ``chunk_size`` tokens at a time.
 
@@ -236,6 +245,11 @@ def chunked_token_sums(
       stores it (an LM head tied to the embedding, ``ModelConfig.tie_embeddings``). Where the loss does not know it,
       the chunk loop carries the transposed table as a copy made once per step (and the student head's gradient is
       transposed back); the values are the same either way.
+    value_and_grad: ``token_fn``'s fused form where it has one: ``value_and_grad(params, student_CxV,
+      teacher_CxV, targets_C, mask_C, grad_dtype=...) -> ({name: [C]}, d_CxV)``, the per-token values and the gradient
+      of their ``grad_key`` sum with respect to the student logits (in ``grad_dtype``, the head's), e.g. a kernel
+      that reads both chunks once (`meshdistill.losses._kl_kernel`). The gradient pass calls it instead of
+      differentiating ``token_fn``; the values are ``token_fn``'s.
 
   Returns:
     ``{name: scalar}``: the sum over the N tokens of each output of ``token_fn`` (float32).
@@ -247,7 +261,7 @@ def chunked_token_sums(
     return _naive(token_fn, params, student_NxD, student_head_DxV, teacher_NxE, teacher_head_ExV, targets_N, mask_N)
   chunk = min(chunk_size, student_NxD.shape[0])
   tied = tuple(bool(t) for t in tied_heads)
-  return _fused(token_fn, chunk, grad_key, tied, params, student_NxD, student_head_DxV, teacher_NxE,
+  return _fused(token_fn, chunk, grad_key, tied, value_and_grad, params, student_NxD, student_head_DxV, teacher_NxE,
                 teacher_head_ExV, targets_N, mask_N)
 
 

@@ -9,7 +9,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from meshdistill.losses import chunked_token_sums
+from meshdistill.losses import _kl_kernel, chunked_token_sums
 from meshdistill.models import ModelOutput
 from meshdistill.models import softcap
 from meshdistill.losses.schedules import check_integer
@@ -36,12 +36,19 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
       logits at once (the naive loss, same numbers). Memory per device scales with
       ``chunk_size * V / tensor`` instead of ``b * T * V / tensor``.
     capture: must include ``"final"`` (the LM-head input).
+    loss_kernel: how the default recipe (the full forward KL, no logit soft-caps) forms a chunk's values and
+      logits gradient: ``"auto"`` (default) in one Pallas kernel that reads both chunks' logits once where it
+      applies (a TPU target, nothing split over a compiler-managed mesh axis, a vocabulary of whole 128-column
+      tiles: `meshdistill.losses._kl_kernel.applies`), else in XLA; ``"xla"`` always in XLA (two passes over the
+      logits); ``"pallas"`` the kernel wherever it applies besides the platform (interpreted off a TPU: slow, for
+      numerics checks). The same values either way, within float32 rounding.
 
   No top-k variant: that needs a vocabulary-wide top-k per token (use `LogitKD(top_k=...)`).
   """
 
   chunk_size: int = 1024
   capture: tuple[str, ...] = ("final",)
+  loss_kernel: str = "auto"
   reads_tied_heads: ClassVar[bool] = True  # the chunk loop reads a tied head's table as stored
 
   def __post_init__(self):
@@ -49,6 +56,9 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
     check_integer(
         "ChunkedLogitKD.chunk_size", self.chunk_size, 0, meaning=": tokens per chunk (e.g. 1024), or 0 for the unchunked loss"
     )
+    if self.loss_kernel not in _kl_kernel.KERNELS:
+      raise ValueError(f"ChunkedLogitKD.loss_kernel={self.loss_kernel!r}; choose one of {_kl_kernel.KERNELS} "
+                       "(auto: the Pallas kernel on a TPU where it applies, else XLA)")
     if "final" not in self.capture:
       raise ValueError(f"ChunkedLogitKD.capture={self.capture!r} must include 'final' (the LM-head input)")
 
@@ -68,8 +78,11 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
     student_head_DxV, teacher_head_ExV = heads
     s_final, t_final = student.final, teacher.final
     token_fn = self.token_terms
+    fused = None
     if any(c is not None for c in softcaps):
       token_fn = functools.partial(_capped, self.token_terms, *softcaps)
+    elif self.term_name == "kl" and _kl_kernel.applies(student_head_DxV.shape[1], self.loss_kernel):
+      fused = _kl_kernel.token_value_and_grad  # the default recipe's values and logits gradient in one read
     return chunked_token_sums(
         token_fn,
         self.scalars(step),
@@ -81,6 +94,7 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
         jnp.asarray(mask_BxT, jnp.float32).reshape(-1),
         chunk_size=self.chunk_size,
         tied_heads=tied_heads,
+        value_and_grad=fused,
     )
 
 
