@@ -20,7 +20,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from meshdistill.parallel.mesh import target_platform
+from jax.sharding import PartitionSpec as P
+
+from meshdistill.parallel.mesh import compiler_axes, target_platform
 
 ROWS = 16  # rows of both chunks per grid step: a bfloat16 gradient's tile (16 sublanes)
 LANES = 128  # columns per inner step: one lane tile
@@ -53,14 +55,17 @@ def applies(V: int, kernel: str = "auto") -> bool:
     raise ValueError(f"ChunkedLogitKD.loss_kernel={kernel!r}; choose one of {KERNELS}")
   if kernel == "xla" or (kernel == "auto" and target_platform() != "tpu"):
     return False
-  mesh = jax.sharding.get_abstract_mesh()
-  split = not mesh.empty and any(mesh.shape[axis] > 1 for axis in mesh.auto_axes)
-  return not split and usable(V)
+  mesh, free = compiler_axes()
+  return all(mesh.shape[axis] == 1 for axis in free) and usable(V)
 
 
 def token_value_and_grad(params, student_CxV, teacher_CxV, targets_C, mask_C, *, grad_dtype):
   """`kl_value_and_grad` as the chunk loop calls a token function's fused form (``params``: the recipe's
-  ``temperature`` and ``alpha``; interpreted off a TPU)."""
+  ``temperature`` and ``alpha``; interpreted off a TPU). The gradient is written in ``grad_dtype`` (the head's), in
+  bfloat16 where a TPU's default-precision matmuls would round a float32 one to it before reading it: half the bytes,
+  the same products."""
+  if target_platform() == "tpu" and jax.config.jax_default_matmul_precision in (None, "default", "bfloat16", "fastest"):
+    grad_dtype = jnp.bfloat16
   return kl_value_and_grad(student_CxV, teacher_CxV, targets_C, mask_C, params["temperature"], params["alpha"],
                            grad_dtype=grad_dtype)
 
@@ -69,13 +74,12 @@ def _kernel(scalars_ref, rows_ref, s_ref, t_ref, terms_ref, d_ref, *, unroll):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
 
   tau, alpha = scalars_ref[0], scalars_ref[1]
-  inv_tau = 1.0 / tau
   R, V = s_ref.shape
   rows = rows_ref[...]  # [R, 8]: max s, max t, sum s, sum t, target, keep
   m_s, m_t = rows[:, 0:1], rows[:, 1:2]
   mean_s, mean_t = rows[:, 2:3] / V, rows[:, 3:4] / V
   target, keep = rows[:, 4:5].astype(jnp.int32), rows[:, 5:6]
-  m_s_tau, m_t_tau = m_s * inv_tau, m_t * inv_tau
+  m_s_tau, m_t_tau = m_s / tau, m_t / tau  # divided, as `_fused._shifted` does (a product by 1 / tau rounds apart)
   lane = jax.lax.broadcasted_iota(jnp.int32, (R, LANES), 1)
   steps = V // LANES
 
@@ -85,7 +89,7 @@ def _kernel(scalars_ref, rows_ref, s_ref, t_ref, terms_ref, d_ref, *, unroll):
 
   def sums(j, acc):
     start, s, t = columns(j)
-    a_tau, b_tau = s * inv_tau - m_s_tau, t * inv_tau - m_t_tau
+    a_tau, b_tau = s / tau - m_s_tau, t / tau - m_t_tau
     a_1, b_1 = s - m_s, t - m_t
     e_t_tau = jnp.exp(b_tau)
     is_target = lane + start == target
@@ -120,8 +124,8 @@ def _kernel(scalars_ref, rows_ref, s_ref, t_ref, terms_ref, d_ref, *, unroll):
 
   def gradient(j, carry):
     start, s, t = columns(j)
-    p_s_tau = jnp.exp(s * inv_tau - m_s_tau) * inv_z_s_tau
-    p_t_tau = jnp.exp(t * inv_tau - m_t_tau) * inv_z_t_tau
+    p_s_tau = jnp.exp(s / tau - m_s_tau) * inv_z_s_tau
+    p_t_tau = jnp.exp(t / tau - m_t_tau) * inv_z_t_tau
     p_s_1 = jnp.exp(s - m_s) * inv_z_s_1
     onehot = jnp.where(lane + start == target, 1.0, 0.0)
     d_ref[:, pl.ds(start, LANES)] = (w_tau * (p_s_tau - p_t_tau) + w_1 * (p_s_1 - onehot)).astype(d_ref.dtype)
@@ -163,7 +167,7 @@ def kl_value_and_grad(s_CxV, t_CxV, targets_C, keep_C, tau, alpha, *, grad_dtype
   rows = jnp.pad(rows, ((0, 0), (0, 8 - rows.shape[1])))
   scalars = jnp.stack([jnp.asarray(tau, jnp.float32), jnp.asarray(alpha, jnp.float32)])
   n = (C + pad) // ROWS
-  terms, d = pl.pallas_call(
+  call = pl.pallas_call(
       functools.partial(_kernel, unroll=unroll),
       grid=(n,),
       in_specs=[
@@ -177,7 +181,11 @@ def kl_value_and_grad(s_CxV, t_CxV, targets_C, keep_C, tau, alpha, *, grad_dtype
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_BYTES),
       interpret=interpret,
       name="kl_value_and_grad",
-  )(scalars, rows, s_CxV, t_CxV)
+  )
+  _, free = compiler_axes()
+  if free:  # a Mosaic kernel is never auto-partitioned: manual over the mesh's axes (`applies`: each of size 1)
+    call = jax.shard_map(call, in_specs=P(), out_specs=P(), axis_names=free, check_vma=False)
+  terms, d = call(scalars, rows, s_CxV, t_CxV)
   return {name: terms[:C, i] for i, name in enumerate(NAMES)}, d[:C]
 
 

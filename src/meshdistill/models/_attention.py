@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 # The splash kernel runs per device in a shard_map over the mesh's auto axes and reads its own query heads by
 # `axis_index` over `tensor`: a collective over named mesh axes (as `_context` and `moe`: the places in models/ that
 # name them).
-from meshdistill.parallel.mesh import DATA, TENSOR, target_platform  # noqa: F401  (target_platform: re-exported)
+from meshdistill.parallel.mesh import DATA, TENSOR, compiler_axes  # noqa: F401
+from meshdistill.parallel.mesh import target_platform  # noqa: F401  (re-exported)
 # Context parallelism: a device's slice of the sequence, its kernel chosen by its index along `context`.
 from meshdistill.models._context import CONTEXT, ContextShard
 from meshdistill.models import _decode_attention, _head_prep
@@ -148,7 +149,7 @@ def splash_attention(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, segment_ids_BxT=None, cont
                   for i in range(context.ways)]
       return jax.lax.switch(jax.lax.axis_index(CONTEXT), branches, q, k, v, *ids)
 
-  mesh, free = _compiler_axes()
+  mesh, free = compiler_axes()
   if not free:
     return attend(q_BxHxTxK, k_BxGxTxK, v_BxGxTxK, *segments)
   B, H = q_BxHxTxK.shape[:2]
@@ -185,14 +186,6 @@ def _shifted_splash(q, k, v, *ids, offset: int, **options):
   return _splash_attention(q, k, v, *ids[:1], offset=offset, kv_segment_ids_BxS=ids[1] if ids else None, **options)
 
 
-def _compiler_axes():
-  """The mesh in context and its compiler-managed (not manual) axes, size 1 too: the TPU compiler refuses a Mosaic
-  kernel under any auto-partitioned axis, so the kernels here run in a ``shard_map`` manual over all of them."""
-  mesh = jax.sharding.get_abstract_mesh()
-  manual = set(getattr(mesh, "manual_axes", ()))
-  return mesh, {a for a in mesh.axis_names if a not in manual}
-
-
 def query_prescale(K: int, scale: float | None, dtype) -> float:
   """The factor `_splash_attention` scales the queries by (``1 / sqrt(K)``, or ``scale``, each rounded to the
   queries' ``dtype`` as it rounds them), for a producer that applies it first (`heads_in_kernel`'s ``post_scale``);
@@ -207,7 +200,7 @@ def prep_in_kernel(T: int, K: int) -> bool:
   device (the kernel cannot be partitioned; there the XLA form stays)."""
   if target_platform() != "tpu":
     return False
-  mesh, free = _compiler_axes()
+  mesh, free = compiler_axes()
   return _head_prep.usable(T, K, tuple(mesh.shape[a] for a in free))
 
 
@@ -215,7 +208,7 @@ def heads_in_kernel(y_BxTxHK, n_heads: int, cos_TxK, sin_TxK, scale_K=None, eps:
   """`_head_prep.norm_rope_heads` where `prep_in_kernel` said so: in a ``shard_map`` manual over the mesh's
   compiler-managed axes (all of size 1 there; the TPU compiler refuses a Mosaic kernel under any of them)."""
   fn = functools.partial(_head_prep.norm_rope_heads, n_heads=n_heads, eps=eps, post_scale=post_scale)
-  _, free = _compiler_axes()
+  _, free = compiler_axes()
   if not free:
     return fn(y_BxTxHK, cos_TxK=cos_TxK, sin_TxK=sin_TxK, scale_K=scale_K)
   args = (y_BxTxHK, cos_TxK, sin_TxK) + (() if scale_K is None else (scale_K,))
@@ -252,7 +245,7 @@ def decodes_in_kernel(attention: str, cache, T: int, want_probs: bool) -> bool:
   for checks)."""
   if not (cache.kernel and T == 1 and not want_probs and decodes_with_kernel(attention, target_platform())):
     return False
-  mesh, free = _compiler_axes()
+  mesh, free = compiler_axes()
   B, G, S, K = cache.k.shape
   return _decode_split(mesh, free, B, G) is not None and _decode_attention.usable(S, cache.k.dtype.itemsize, K)
 
@@ -269,7 +262,7 @@ def decode_in_kernel(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, cache, *, window=None, sca
                          interpret=target_platform() != "tpu")
   args = (q_BxTxHxK.reshape(B, G, H // G, K), k_BxTxGxK.reshape(B, G, K), v_BxTxGxK.reshape(B, G, K), cache.k,
           cache.v, cache.valid_BxS, jnp.asarray(cache.index, jnp.int32))
-  mesh, free = _compiler_axes()
+  mesh, free = compiler_axes()
   if free:
     rows, heads = _decode_split(mesh, free, B, G)
     split = P(rows, heads)

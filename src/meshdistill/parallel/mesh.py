@@ -242,6 +242,15 @@ def host_to_global(batch: Any, mesh: Mesh) -> Any:
   return jax.tree.map(one, batch)
 
 
+def compiler_axes():
+  """The mesh of the program being traced and its compiler-managed (not manual) axes, size 1 too: the TPU compiler
+  refuses a Mosaic kernel under any auto-partitioned axis, so the package's kernels run in a ``shard_map`` manual
+  over all of them."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(mesh, "manual_axes", ()))
+  return mesh, {a for a in mesh.axis_names if a not in manual}
+
+
 def auto_tensor_size() -> int:
   """The number of devices of ``tensor`` in the mesh of the program being traced, where the compiler manages
   that axis (auto): arrays may then be split over it. 1 with no mesh in scope, no ``tensor`` axis, or ``tensor``

@@ -1,0 +1,146 @@
+"""The loss kernel (`losses._kl_kernel`: the default recipe's values and logits gradient in one read of a chunk's
+logits) against `losses.forward_kl_terms` and its autodiff gradient, interpreted on the CPU; where the chunked loss
+takes it; compiled for a v5e chip with libtpu."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshdistill as md
+from meshdistill import losses
+from meshdistill.losses import _kl_kernel
+from meshdistill.losses._kl_kernel import kl_value_and_grad
+from meshdistill.planner import libtpu_available
+
+C, V = 40, 256  # 40 rows: the kernel pads them to 48 (blocks of 16); V: two lane tiles
+
+
+def logits(seed, scale=3.0, offset=0.0):
+  rng = np.random.default_rng(seed)
+  s = rng.normal(size=(C, V)) * scale + offset
+  t = 0.7 * s + rng.normal(size=(C, V)) * scale + offset
+  s[0, 5] = t[0, 5] = s.max() + 1.0  # a shared arg-max; row 1: the student ties on two tokens
+  s[1, 7] = s[1, 9] = s[1].max() + 1.0
+  t[1, 9] = t[1].max() + 1.0
+  y = rng.integers(0, V, C)
+  y[3], y[4] = -100, V  # ids outside the vocabulary: no cross-entropy
+  keep = np.ones(C, bool)
+  keep[[2, 5, 11, 39]] = False
+  return jnp.asarray(s, jnp.float32), jnp.asarray(t, jnp.float32), jnp.asarray(y), jnp.asarray(keep)
+
+
+def reference(s, t, y, keep, tau, alpha):
+  """`forward_kl_terms`'s values and the autodiff gradient of their loss sum (what the chunk loop took before)."""
+  (_, out), grad = jax.value_and_grad(lambda s: (lambda o: (jnp.sum(o["loss"]), o))(
+      losses.forward_kl_terms(s, t, y, keep, tau, alpha)), has_aux=True)(s)
+  return out, grad
+
+
+@pytest.mark.parametrize("tau,alpha", [(1.0, 0.5), (2.5, 0.0), (0.7, 1.0), (2.0, 0.5)])
+@pytest.mark.parametrize("scale,offset", [(3.0, 0.0), (300.0, 0.0), (2.0, 1e3)])  # large magnitudes, large offsets
+def test_the_kernel_gives_the_fused_recipes_values_and_the_gradient_of_its_loss_sum(tau, alpha, scale, offset):
+  """The same formulas in float32, the sums over V in another order (per lane, then across lanes): the bounds of
+  `tests/test_fused.py` (float32 rounding of sums of 256 terms), and the rounding of the shifted logits ``s / tau -
+  m / tau``, which the kernel divides by the temperature it reads at run time where XLA may fold a constant one into
+  a product: one float32 rounding of the largest logit over tau, a few times over (``shift``; it moves every
+  exponent, so the values and the gradient by that much relatively). Masked and padded rows exactly 0; arg-max ties
+  and agreement exactly as the XLA form counts them."""
+  s, t, y, keep = logits(0, scale, offset)
+  want, want_grad = reference(s, t, y, keep, tau, alpha)
+  got, grad = kl_value_and_grad(s, t, y, keep, tau, alpha, grad_dtype=jnp.float32, interpret=True)
+  shift = 4 * float(np.finfo(np.float32).eps) * float(jnp.maximum(jnp.max(jnp.abs(s)), jnp.max(jnp.abs(t)))) / tau
+  assert set(got) == set(want)
+  for k in want:
+    assert got[k].shape == (C,) and got[k].dtype == jnp.float32
+    top = max(1.0, float(jnp.max(jnp.abs(want[k]))))
+    np.testing.assert_allclose(got[k], want[k], rtol=2e-6, atol=max(2e-6, shift) * top, err_msg=k)
+    np.testing.assert_array_equal(np.asarray(got[k])[~np.asarray(keep)], 0.0)
+  np.testing.assert_array_equal(got["agree"], want["agree"])
+  assert float(got["ce"][3]) == float(got["ce"][4]) == 0.0 and float(jnp.sum(got["agree"])) > 0
+  assert grad.shape == (C, V)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=max(1e-6, shift) * float(jnp.max(jnp.abs(want_grad))))
+  np.testing.assert_array_equal(np.asarray(grad)[~np.asarray(keep)], 0.0)
+
+
+def test_the_bfloat16_gradient_is_the_float32_one_rounded_once():
+  s, t, y, keep = logits(1)
+  _, grad = kl_value_and_grad(s, t, y, keep, 2.0, 0.5, grad_dtype=jnp.float32, interpret=True)
+  _, grad_bf16 = kl_value_and_grad(s, t, y, keep, 2.0, 0.5, interpret=True)
+  assert grad_bf16.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(grad_bf16, grad.astype(jnp.bfloat16))
+
+
+def test_the_kernel_takes_whole_lane_tiles_of_float32_logits_only():
+  s, t, y, keep = logits(2)
+  with pytest.raises(ValueError, match=r"vocabulary of 200 is not usable .*multiple of 128.*forward_kl_terms"):
+    kl_value_and_grad(s[:, :200], t[:, :200], y, keep, 2.0, 0.5, interpret=True)
+  with pytest.raises(ValueError, match=r"float32 \[C, V\] logits"):
+    kl_value_and_grad(s.astype(jnp.bfloat16), t, y, keep, 2.0, 0.5, interpret=True)
+  assert _kl_kernel.usable(151936) and _kl_kernel.usable(262144) and not _kl_kernel.usable(1 << 20)
+
+
+def test_the_chunked_loss_takes_the_kernel_where_it_applies():
+  """``auto``: on a TPU target only (this CPU: XLA); ``pallas``: anywhere; ``xla``: never; not where a
+  compiler-managed mesh axis has several devices (the rows' sums need all of V on one device), nor for a vocabulary
+  of partial lane tiles; an unknown name is refused naming the choices."""
+  assert not _kl_kernel.applies(V, "auto") and _kl_kernel.applies(V, "pallas") and not _kl_kernel.applies(V, "xla")
+  assert not _kl_kernel.applies(200, "pallas")
+  with jax.set_mesh(md.make_mesh(data=1, tensor=1, devices=jax.devices()[:1])):
+    assert _kl_kernel.applies(V, "pallas")
+  with jax.set_mesh(md.make_mesh(data=2, tensor=4)):
+    assert not _kl_kernel.applies(V, "pallas")
+  with pytest.raises(ValueError, match=r"loss_kernel='fast'; choose one of \('auto', 'pallas', 'xla'\)"):
+    md.ChunkedLogitKD(loss_kernel="fast")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["head", "tied-table"])
+def test_chunked_logit_kd_through_the_kernel_equals_the_xla_passes(tied):
+  """The whole chunked loss on a 1x1 mesh (the kernel inside its ``shard_map``), chunks of 16 of 48 tokens: every
+  sum and the gradients of the student's hidden states and head as with ``loss_kernel="xla"`` (each chunk's
+  logits gradient is rounded to the head's bfloat16 on both paths: equal here bit for bit or within one rounding)."""
+  B, T, D, E = 2, 24, 32, 64
+  k = jax.random.split(jax.random.key(0), 6)
+  hs, ht = jax.random.normal(k[0], (B, T, D), jnp.bfloat16), jax.random.normal(k[1], (B, T, E), jnp.bfloat16)
+  w = (0.3 * jax.random.normal(k[2], (V, D) if tied else (D, V))).astype(jnp.bfloat16)
+  wt = (0.3 * jax.random.normal(k[3], (E, V))).astype(jnp.bfloat16)
+  y, mask = jax.random.randint(k[4], (B, T), 0, V), jax.random.bernoulli(k[5], 0.8, (B, T)).astype(jnp.float32)
+
+  def run(kernel):
+    strategy = md.ChunkedLogitKD(temperature=2.0, alpha=0.5, chunk_size=16, loss_kernel=kernel)
+
+    def loss(hs, w):
+      sums = strategy.per_batch({}, md.ModelOutput(logits=None, final=hs), md.ModelOutput(logits=None, final=ht),
+                                (w.T if tied else w, wt), y, mask, 0, tied_heads=(tied, False))
+      return sums["loss"], sums
+
+    step = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    with jax.set_mesh(md.make_mesh(data=1, tensor=1, devices=jax.devices()[:1])):
+      assert ("kl_value_and_grad" in str(jax.make_jaxpr(step)(hs, w))) == (kernel == "pallas")
+      return jax.jit(step)(hs, w)
+
+  (_, want), want_grads = run("xla")
+  (_, got), grads = run("pallas")
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=2e-6, atol=2e-6, err_msg=name)
+  for g, r in zip(grads, want_grads):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=2 ** -8,
+                               atol=2 ** -8 * float(jnp.max(jnp.abs(r.astype(jnp.float32)))))
+
+
+@pytest.mark.skipif(not libtpu_available(), reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+@pytest.mark.parametrize("vocab", [151936, 262144], ids=["qwen3", "gemma3"])
+def test_the_kernel_fits_a_v5e_chip_at_a_models_vocabulary(vocab):
+  """Compiled for one v5e chip (libtpu here, nothing runs) on a 1024-token chunk: a block of 16 rows of both
+  models' float32 logits and the gradient, double-buffered, within the kernel's on-chip memory; one Mosaic call."""
+  from jax.sharding import SingleDeviceSharding
+
+  from meshdistill.planner._hardware import tpu_target
+
+  device = SingleDeviceSharding(tpu_target("v5e:2x2").devices[0])
+  f32 = jax.ShapeDtypeStruct((1024, vocab), jnp.float32, sharding=device)
+  ids = jax.ShapeDtypeStruct((1024,), jnp.int32, sharding=device)
+  keep = jax.ShapeDtypeStruct((1024,), jnp.bool_, sharding=device)
+  call = jax.jit(lambda s, t, y, k: kl_value_and_grad(s, t, y, k, 2.0, 0.5, interpret=False))
+  hlo = call.lower(f32, f32, ids, keep).compile().as_text()
+  assert sum("tpu_custom_call" in line and "custom-call" in line for line in hlo.splitlines()) == 1
