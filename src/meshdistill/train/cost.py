@@ -136,6 +136,24 @@ _INNER = re.compile(r"\s(?:fusion|reduce|reduce-window|scatter|sort|map|select-a
                     r"all-reduce-start|reduce-scatter-start)\(.*?(?:calls|to_apply)=%([^\s,)]+)")
 _CALLS = re.compile(r"calls=%([^\s,)]+)")
 _MATMUL = (" convolution(", " dot(")
+# Mosaic kernels of the package bound by HBM bandwidth (a kernel's name: its instruction's): their time on a chip is
+# the bytes of their operands and results over its bandwidth (`estimated_cycles`' ``kernel_bytes``)
+STREAMING_KERNELS = ("kl_value_and_grad",)
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+             "s64": 8, "u64": 8, "f64": 8}
+
+
+def _call_bytes(line: str) -> int:
+  """The bytes of a custom call's results (the shapes before ``custom-call(``) and operands (its
+  ``operand_layout_constraints``)."""
+  results, _, rest = line.partition(" custom-call(")
+  operands = rest.partition("operand_layout_constraints={")[2].partition("}, ")[0]
+  total = 0
+  for text in (results.partition("=")[2], operands):
+    for dtype, dims in _SHAPE.findall(text):
+      total += _ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
 
 
 def estimated_cycles(prog: Program) -> dict[str, int] | None:
@@ -144,11 +162,12 @@ def estimated_cycles(prog: Program) -> dict[str, int] | None:
   own instructions, each times its runs per step (loops counted whole, as `parse` counts them), in two parts:
   ``matmul`` (a dot or convolution, or a fusion around one) and ``other`` (elementwise work, reductions, copies,
   layout changes). ``kernel_calls``: the runs of Mosaic kernels (``tpu_custom_call``: the splash attention kernel,
-  the package's Pallas kernels), which carry no estimate. None where no instruction carries one."""
+  the package's Pallas kernels), which carry no estimate; ``kernel_bytes``: the bytes the runs of the
+  `STREAMING_KERNELS` among them read and write. None where no instruction carries one."""
   inner = set()
   for text in prog.computations.values():
     inner.update(_INNER.findall(text))
-  out, seen = {"matmul": 0, "other": 0, "kernel_calls": 0}, False
+  out, seen = {"matmul": 0, "other": 0, "kernel_calls": 0, "kernel_bytes": 0}, False
   for name, text in prog.computations.items():
     runs = prog.times.get(name)
     if runs is None or name in inner:
@@ -156,7 +175,10 @@ def estimated_cycles(prog: Program) -> dict[str, int] | None:
     for line in text.splitlines():
       m = _CYCLES.search(line)
       if m is None:
-        out["kernel_calls"] += runs * ('custom_call_target="tpu_custom_call"' in line)
+        mosaic = 'custom_call_target="tpu_custom_call"' in line
+        out["kernel_calls"] += runs * mosaic
+        if mosaic and any(re.match(rf"\s*(?:ROOT\s+)?%{k}\b", line) for k in STREAMING_KERNELS):
+          out["kernel_bytes"] += runs * _call_bytes(line)
         continue
       seen = True
       called = _CALLS.search(line)
@@ -170,13 +192,14 @@ class ChipCalibration:
   """The chip source: steps measured on one chip of ``generation``, predicted from what the TPU compiler itself
   estimates for the program and from the attention kernels it cannot see:
 
-      step = matmul_cycles * s_matmul + other_cycles * s_other + kernel_s / kernel_fraction
+      step = matmul_cycles * s_matmul + other_cycles * s_other + kernel_s / kernel_fraction + stream_s
 
   ``matmul_cycles`` / ``other_cycles``: the compiler's ``estimated_cycles`` of its matmul fusions and of the rest of
   the program (elementwise work, reductions, copies), loops counted whole (`estimated_cycles`);
   ``s_matmul`` / ``s_other``: the seconds one estimated cycle of each takes on the chip; ``kernel_s``: the Pallas
   attention kernels' executed FLOPs at peak (`kernel_flops(executed=True)`), ``kernel_fraction`` the
-  share of peak they reach. Fitted by least squares on the log of predicted / measured step time (the planner's
+  share of peak they reach; ``stream_s``: the `STREAMING_KERNELS`' bytes at the chip's HBM bandwidth, added as it
+  is (not fitted: no measured row had them). Fitted by least squares on the log of predicted / measured step time (the planner's
   `meshdistill.planner._calibrate.calibrate_chip`);
   ``band``: the largest leave-one-config-out error."""
 
@@ -202,7 +225,8 @@ class ChipCalibration:
     cycles = time.get("cycles")
     if generation != self.generation or not cycles or time.get("step_s") is None:
       return None
-    step = self.step_seconds(cycles["matmul"], cycles["other"], time.get("kernel_s") or 0.0)
+    step = self.step_seconds(cycles["matmul"], cycles["other"], time.get("kernel_s") or 0.0) + (time.get("stream_s")
+                                                                                                 or 0.0)
     scale = time["step_s"] / step
     band = None if math.isnan(self.band) else self.band
     return {"step_s": step, "low_s": None if band is None else step * (1 - band),
