@@ -382,6 +382,8 @@ def steps_table(steps: list[dict], key=_order) -> list[str]:
     attn = s["attn"] + (f" ({s.get('blocks')})" if s["attn"] == "splash" else "")
     if s.get("dtypes") == "auto":  # the models' defaults: dtype and param_dtype auto too
       attn += ", dtypes auto"
+    if s.get("loss", "xla") != "xla":  # the chunked loss's values and gradient in the one-read kernel
+      attn += f", loss kernel {s['loss']}"
     remat = s['remat'] + (f" -> {r['remat_chosen']}" if r.get('remat_chosen') else '')  # auto: what it chose
     chunk = s['chunk'] if s['chunk'] != "auto" else f"auto -> {(r.get('auto') or {}).get('chunk', '?')}"
     rows = f"{s['b']} x {s['t']}"
@@ -577,6 +579,8 @@ def _side_setting(r: dict) -> str:
   if s.get("mb", "whole") != "whole":
     words.append(f"micro-batch {s['mb']}" + (f" -> {auto['micro_batch']}" if "micro_batch" in auto else ""))
   words.append(f"attention {s['attn']}" + (", dtypes auto" if s.get("dtypes") == "auto" else ""))
+  if s.get("loss", "xla") != "xla":
+    words.append(f"loss kernel {s['loss']}")
   return ", ".join(words)
 
 

@@ -81,16 +81,17 @@ def test_the_kernel_takes_whole_lane_tiles_of_float32_logits_only():
 
 
 def test_the_chunked_loss_takes_the_kernel_where_it_applies():
-  """``auto``: on a TPU target only (this CPU: XLA); ``pallas``: anywhere; ``xla``: never; not where a
-  compiler-managed mesh axis has several devices (the rows' sums need all of V on one device), nor for a vocabulary
-  of partial lane tiles; an unknown name is refused naming the choices."""
-  assert not _kl_kernel.applies(V, "auto") and _kl_kernel.applies(V, "pallas") and not _kl_kernel.applies(V, "xla")
+  """``pallas``: on any platform (this CPU: interpreted); ``xla`` (the default): never; not where a compiler-managed
+  mesh axis has several devices (the rows' sums need all of V on one device), nor for a vocabulary of partial lane
+  tiles; an unknown name is refused naming the choices."""
+  assert md.ChunkedLogitKD().loss_kernel == "xla"
+  assert _kl_kernel.applies(V, "pallas") and not _kl_kernel.applies(V, "xla")
   assert not _kl_kernel.applies(200, "pallas")
   with jax.set_mesh(md.make_mesh(data=1, tensor=1, devices=jax.devices()[:1])):
     assert _kl_kernel.applies(V, "pallas")
   with jax.set_mesh(md.make_mesh(data=2, tensor=4)):
     assert not _kl_kernel.applies(V, "pallas")
-  with pytest.raises(ValueError, match=r"loss_kernel='fast'; choose one of \('auto', 'pallas', 'xla'\)"):
+  with pytest.raises(ValueError, match=r"loss_kernel='fast'; choose one of \('xla', 'pallas'\)"):
     md.ChunkedLogitKD(loss_kernel="fast")
 
 

@@ -36,7 +36,7 @@ class Setting:
   metrics: str = "full"  # the step measured: "full" (`Distiller.step`) or "light" (its `metrics_light` step)
   scan: str = "both"  # the models whose layers are scanned (`ModelConfig.scan_layers`): both, teacher, student, none
   dtypes: str = "bf16"  # "bf16": both compute in bfloat16, the teacher stored so (named); "auto": the defaults
-  loss: str = "auto"  # `ChunkedLogitKD.loss_kernel`: auto (the Pallas kernel on a TPU) or xla
+  loss: str = "xla"  # `ChunkedLogitKD.loss_kernel`: xla (the default) or pallas (the one-read kernel)
   only: str = ""  # the systems of `tpu_step.py --systems` that measure this setting, joined by "+" ("": every one)
 
   @classmethod
@@ -52,8 +52,8 @@ class Setting:
       raise SystemExit(f"--config {text!r}: mb={kw['mb']!r}; choose whole, auto or a number of rows")
     if kw.get("metrics", "full") not in ("full", "light"):
       raise SystemExit(f"--config {text!r}: metrics={kw['metrics']!r}; choose full or light")
-    if kw.get("loss", "auto") not in ("auto", "xla"):
-      raise SystemExit(f"--config {text!r}: loss={kw['loss']!r}; choose auto or xla")
+    if kw.get("loss", "xla") not in ("xla", "pallas"):
+      raise SystemExit(f"--config {text!r}: loss={kw['loss']!r}; choose xla or pallas")
     if "only" in kw and not all(kw["only"].split("+")):
       raise SystemExit(f"--config {text!r}: only={kw['only']!r}; name systems joined by '+', e.g. only=tunix+plain")
     if kw.get("scan", "both") not in SCAN:
@@ -71,7 +71,7 @@ class Setting:
     scan = "" if self.scan == "both" else f",scan={self.scan}"
     dtypes = "" if self.dtypes == "bf16" else f",dtypes={self.dtypes}"
     mb = "" if self.mb == "whole" else f",mb={self.mb}"
-    loss = "" if self.loss == "auto" else f",loss={self.loss}"
+    loss = "" if self.loss == "xla" else f",loss={self.loss}"
     return (f"b={self.b},t={self.t},remat={self.remat},chunk={self.chunk},attn={self.attn},blocks={self.blocks}"
             f"{mu}{light}{scan}{dtypes}{mb}{loss}")
 

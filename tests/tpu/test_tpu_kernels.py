@@ -159,7 +159,7 @@ def test_chunked_logit_kd_loss_metrics_and_grads_equal_full_logit_kd(loss_kernel
   """`ChunkedLogitKD` (vocabulary projections chunk by chunk from the final hidden states, never the [N, V] logits)
   against `LogitKD` on the full logits: every reported sum and the gradients of the student's hidden states and head.
   4 x 256 tokens, D 256, V 2048, chunks of 384 (the last one padded); each chunk's values and logits gradient from
-  the Pallas kernel (``loss_kernel="pallas"``: on the chip what ``auto`` takes) and from XLA."""
+  the Pallas kernel (``loss_kernel="pallas"``) and from XLA (the default)."""
   B, T, D, E, V = 4, 256, 256, 384, 2048
   k = jax.random.split(jax.random.key(0), 6)
   s, t = jax.random.normal(k[0], (B, T, D)), jax.random.normal(k[1], (B, T, E))

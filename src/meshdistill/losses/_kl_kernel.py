@@ -8,9 +8,13 @@ v5e they are bound by that bandwidth. Here a grid step holds a block of rows of 
 sweeps it twice there (sums, then the gradient), so HBM is read once. The maxima and the plain logit sums (the
 correlation's means) come in from XLA, which reduces them in the fusion that forms the logits.
 
+Not the default (`ChunkedLogitKD.loss_kernel="xla"`): on a v5e chip the kernel is bound by its vector work, not by
+the bytes it saves (the Qwen3 pair's 4 x 2048 step: 35.1 ms for its 8 calls against 30.7 ms for XLA's two passes,
+the step 415 against 411 ms; ``benchmarks/results/tpu_step.md``). It is kept as the tested starting point of a
+faster one (fewer vector operations per logit, wider column steps).
+
 The values are those of `forward_kl_terms` and the gradient that of its ``loss`` sum, formed by the same formulas in
-float32 (the sums in another order: equal within float32 rounding), masked tokens exactly 0. What it saves on a chip:
-``benchmarks/results/tpu_step.md``.
+float32 (the sums in another order: equal within float32 rounding), masked tokens exactly 0.
 """
 
 from __future__ import annotations
@@ -43,17 +47,17 @@ def usable(V: int, grad_itemsize: int = 2) -> bool:
   return V % LANES == 0 and vmem_bytes(V, grad_itemsize) <= VMEM_BYTES - (4 << 20)
 
 
-KERNELS = ("auto", "pallas", "xla")  # `ChunkedLogitKD.loss_kernel`
+KERNELS = ("xla", "pallas")  # `ChunkedLogitKD.loss_kernel`
 
 
-def applies(V: int, kernel: str = "auto") -> bool:
+def applies(V: int, kernel: str = "pallas") -> bool:
   """Whether the chunked loss of the default recipe takes `kl_value_and_grad` for a vocabulary of ``V`` with
-  ``loss_kernel=kernel``: ``auto`` on a TPU target, ``pallas`` anywhere (off a TPU interpreted: slow, for numerics
-  checks), ``xla`` never; and only where the program being traced splits nothing over a compiler-managed mesh axis
-  (the kernel's sums need every column of a row on its device) and V is `usable`."""
+  ``loss_kernel=kernel``: ``pallas`` (on a TPU compiled, elsewhere interpreted: slow, for numerics checks) where the
+  program being traced splits nothing over a compiler-managed mesh axis (the kernel's sums need every column of a row
+  on its device) and V is `usable`; ``xla`` never."""
   if kernel not in KERNELS:
     raise ValueError(f"ChunkedLogitKD.loss_kernel={kernel!r}; choose one of {KERNELS}")
-  if kernel == "xla" or (kernel == "auto" and target_platform() != "tpu"):
+  if kernel == "xla":
     return False
   mesh, free = compiler_axes()
   return all(mesh.shape[axis] == 1 for axis in free) and usable(V)

@@ -37,18 +37,18 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
       ``chunk_size * V / tensor`` instead of ``b * T * V / tensor``.
     capture: must include ``"final"`` (the LM-head input).
     loss_kernel: how the default recipe (the full forward KL, no logit soft-caps) forms a chunk's values and
-      logits gradient: ``"auto"`` (default) in one Pallas kernel that reads both chunks' logits once where it
-      applies (a TPU target, nothing split over a compiler-managed mesh axis, a vocabulary of whole 128-column
-      tiles: `meshdistill.losses._kl_kernel.applies`), else in XLA; ``"xla"`` always in XLA (two passes over the
-      logits); ``"pallas"`` the kernel wherever it applies besides the platform (interpreted off a TPU: slow, for
-      numerics checks). The same values either way, within float32 rounding.
+      logits gradient: ``"xla"`` (default) in two XLA passes over both chunks' logits; ``"pallas"`` in one Pallas
+      kernel that reads them once, where it applies (nothing split over a compiler-managed mesh axis, a vocabulary
+      of whole 128-column tiles: `meshdistill.losses._kl_kernel.applies`; interpreted off a TPU: slow, for numerics
+      checks), else in XLA. The same values either way, within float32 rounding; on a v5e chip the kernel is not yet
+      the faster (`meshdistill.losses._kl_kernel`).
 
   No top-k variant: that needs a vocabulary-wide top-k per token (use `LogitKD(top_k=...)`).
   """
 
   chunk_size: int = 1024
   capture: tuple[str, ...] = ("final",)
-  loss_kernel: str = "auto"
+  loss_kernel: str = "xla"
   reads_tied_heads: ClassVar[bool] = True  # the chunk loop reads a tied head's table as stored
 
   def __post_init__(self):
@@ -58,7 +58,7 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
     )
     if self.loss_kernel not in _kl_kernel.KERNELS:
       raise ValueError(f"ChunkedLogitKD.loss_kernel={self.loss_kernel!r}; choose one of {_kl_kernel.KERNELS} "
-                       "(auto: the Pallas kernel on a TPU where it applies, else XLA)")
+                       "(pallas: one read of each chunk's logits where it applies)")
     if "final" not in self.capture:
       raise ValueError(f"ChunkedLogitKD.capture={self.capture!r} must include 'final' (the LM-head input)")
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from meshdistill.core.chips import chip_of_kind
+from meshdistill.core.chips import TPU_CHIPS, chip_of_kind
 from meshdistill.models import splash_block_sizes
 from meshdistill.models.decoder import ModelConfig
 
@@ -324,7 +324,8 @@ def step_seconds(hlo: str, teacher: ModelConfig | None, student: ModelConfig, re
   """The calibrated seconds of one device's compiled step (``hlo``: its optimised program text, as
   ``compiled.as_text()`` gives it, compiled for a TPU): the compiler's estimated cycles (`estimated_cycles`) and
   the splash kernels of ``tokens`` tokens on this device at ``seq`` per row (`kernel_flops`, executed, at
-  ``peak_flops``) through ``calibration``. Collectives are not in it (one chip's). None where the program carries
+  ``peak_flops``) through ``calibration``, and the `STREAMING_KERNELS`' bytes at the chip's HBM bandwidth.
+  Collectives are not in it (one chip's). None where the program carries
   no estimate (not compiled for a TPU) or holds a loop without a trip count."""
   try:
     cycles = estimated_cycles(parse(hlo))
@@ -333,7 +334,8 @@ def step_seconds(hlo: str, teacher: ModelConfig | None, student: ModelConfig, re
   if cycles is None:
     return None
   kernels = kernel_flops(teacher, student, remat, seq, executed=True) * tokens
-  return calibration.step_seconds(cycles["matmul"], cycles["other"], kernels / peak_flops)
+  stream_s = cycles["kernel_bytes"] / TPU_CHIPS[calibration.generation].hbm_bandwidth  # the streaming kernels'
+  return calibration.step_seconds(cycles["matmul"], cycles["other"], kernels / peak_flops) + stream_s
 
 
 __all__ = ["CHIP_CALIBRATION", "ChipCalibration", "Loop", "Program", "calibration_for",
