@@ -9,7 +9,7 @@ sweeps it twice there (sums, then the gradient), so HBM is read once. The maxima
 correlation's means) come in from XLA, which reduces them in the fusion that forms the logits.
 
 Not the default (`ChunkedLogitKD.loss_kernel="xla"`): on a v5e chip the kernel is bound by its vector work, not by
-the bytes it saves (the Qwen3 pair's 4 x 2048 step: 35.1 ms for its 8 calls against 30.7 ms for XLA's two passes,
+the bytes it saves (the Qwen3 pair's 4 x 2048 step: 35.1 ms for its 8 runs a step against 30.7 ms for XLA's two passes,
 the step 415 against 411 ms; ``benchmarks/results/tpu_step.md``). It is kept as the tested starting point of a
 faster one (fewer vector operations per logit, wider column steps).
 
