@@ -33,6 +33,21 @@ def make_batch(seed: int = 0, batch: int = 8, seq: int = 8, vocab: int = VOCAB, 
   return {"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32), "mask": mask}
 
 
+def kd_logits(rows: int, vocab: int, seed: int, scale: float = 3.0, offset: float = 0.0):
+  """Student and teacher logits ``[rows, vocab]`` (float32) with the cases a fused loss must count exactly: row 0 a
+  shared arg-max, row 1 a student tied on two tokens; target ids and a float mask (rows 2, 5, 11 masked)."""
+  rng = np.random.default_rng(seed)
+  s = rng.normal(size=(rows, vocab)) * scale + offset
+  t = 0.7 * s + rng.normal(size=(rows, vocab)) * scale + offset
+  s[0, 5] = t[0, 5] = s.max() + 1.0
+  s[1, 7] = s[1, 9] = s[1].max() + 1.0
+  t[1, 9] = t[1].max() + 1.0
+  y = rng.integers(0, vocab, rows)
+  m = np.ones(rows, np.float32)
+  m[[2, 5, 11]] = 0.0
+  return jnp.asarray(s, jnp.float32), jnp.asarray(t, jnp.float32), jnp.asarray(y), jnp.asarray(m)
+
+
 def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
   """Leaf-by-leaf allclose of two pytrees keyed by path, ignoring Variable metadata (a layout may
   partition a weight differently, e.g. key/value projections replicated when `tensor` > n_kv_heads)."""

@@ -10,6 +10,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from helpers import kd_logits
+
 import meshdistill as md
 from meshdistill import losses
 from meshdistill.parallel.collectives import all_reduce_census
@@ -35,16 +37,7 @@ def fused(s, t, y, m, tau, alpha):
 
 
 def logits(seed, scale=3.0, offset=0.0):
-  rng = np.random.default_rng(seed)
-  s = rng.normal(size=(T, V)) * scale + offset
-  t = 0.7 * s + rng.normal(size=(T, V)) * scale + offset
-  s[0, 5] = t[0, 5] = s.max() + 1.0  # a shared arg-max; row 1: the student ties on two tokens
-  s[1, 7] = s[1, 9] = s[1].max() + 1.0
-  t[1, 9] = t[1].max() + 1.0
-  y = rng.integers(0, V, T)
-  m = np.ones(T, np.float32)
-  m[[2, 5, 11]] = 0.0
-  return jnp.asarray(s, jnp.float32), jnp.asarray(t, jnp.float32), jnp.asarray(y), jnp.asarray(m)
+  return kd_logits(T, V, seed, scale, offset)
 
 
 @pytest.mark.parametrize("tau,alpha", [(1.0, 0.5), (2.5, 0.0), (0.7, 1.0), (2.0, 0.5)])

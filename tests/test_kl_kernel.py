@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import kd_logits
+
 import meshdistill as md
 from meshdistill import losses
 from meshdistill.losses import _kl_kernel
@@ -17,17 +19,9 @@ C, V = 40, 256  # 40 rows: the kernel pads them to 48 (blocks of 16); V: two lan
 
 
 def logits(seed, scale=3.0, offset=0.0):
-  rng = np.random.default_rng(seed)
-  s = rng.normal(size=(C, V)) * scale + offset
-  t = 0.7 * s + rng.normal(size=(C, V)) * scale + offset
-  s[0, 5] = t[0, 5] = s.max() + 1.0  # a shared arg-max; row 1: the student ties on two tokens
-  s[1, 7] = s[1, 9] = s[1].max() + 1.0
-  t[1, 9] = t[1].max() + 1.0
-  y = rng.integers(0, V, C)
-  y[3], y[4] = -100, V  # ids outside the vocabulary: no cross-entropy
-  keep = np.ones(C, bool)
-  keep[[2, 5, 11, 39]] = False
-  return jnp.asarray(s, jnp.float32), jnp.asarray(t, jnp.float32), jnp.asarray(y), jnp.asarray(keep)
+  """`helpers.kd_logits` with two target ids outside the vocabulary (no cross-entropy) and a padded row masked."""
+  s, t, y, m = kd_logits(C, V, seed, scale, offset)
+  return s, t, y.at[3].set(-100).at[4].set(V), (m > 0).at[39].set(False)
 
 
 def reference(s, t, y, keep, tau, alpha):
