@@ -111,11 +111,12 @@ def _scan(token_fn, chunk, grad_key, tied, with_grad, params, s_NxD, s_head_DxV,
   ``tied``: (student, teacher), whether each head is the transpose of a ``[V, D]`` table (`chunked_token_sums`'s
   ``tied_heads``). The loop reads each head as the model stores it: the table of a tied head, transposed inside the
   loop (where the transpose is the matmuls' own operand order), and the student's head gradient is accumulated in
-  that shape. ``fused``: ``token_fn``'s values and the gradient of its ``grad_key`` sum with respect to the student
-  logits in one call (``fused(params, s_CxV, t_CxV, targets_C, mask_C, grad_dtype=...) -> ({name: [C]}, d_CxV)``),
-  used in the gradient pass instead of autodiff of ``token_fn``. A head transposed before the loop enters it as a copy made once per step (the loop's operands keep
+  that shape. A head transposed before the loop enters it as a copy made once per step (the loop's operands keep
   their own layout), and the gradient leaves it as another: on a TPU v5e, the Qwen3 pair's 4 x 2048 step spent 9.8
-  ms of the compiler's estimate and 1.45 GiB of its memory on them (`benchmarks/step_cycles.py`)."""
+  ms of the compiler's estimate and 1.45 GiB of its memory on them (`benchmarks/step_cycles.py`). ``fused``:
+  ``token_fn``'s values and the gradient of its ``grad_key`` sum with respect to the student logits in one call
+  (``fused(params, s_CxV, t_CxV, targets_C, mask_C, grad_dtype=...) -> ({name: [C]}, d_CxV)``), used in the gradient
+  pass instead of autodiff of ``token_fn``."""
   n = s_NxD.shape[0]
   s_tab = s_head_DxV.T if tied[0] else s_head_DxV  # the tables as stored: transposes of transposes cancel
   t_tab = t_head_ExV.T if tied[1] else t_head_ExV

@@ -199,8 +199,8 @@ class ChipCalibration:
   ``s_matmul`` / ``s_other``: the seconds one estimated cycle of each takes on the chip; ``kernel_s``: the Pallas
   attention kernels' executed FLOPs at peak (`kernel_flops(executed=True)`), ``kernel_fraction`` the
   share of peak they reach; ``stream_s``: the `STREAMING_KERNELS`' bytes at the chip's HBM bandwidth, added as it
-  is (not fitted: no measured row had them). Fitted by least squares on the log of predicted / measured step time (the planner's
-  `meshdistill.planner._calibrate.calibrate_chip`);
+  is (not fitted: no measured row had them). Fitted by least squares on the log of predicted / measured step time
+  (the planner's `meshdistill.planner._calibrate.calibrate_chip`);
   ``band``: the largest leave-one-config-out error."""
 
   generation: str
