@@ -127,7 +127,9 @@ def test_chunked_logit_kd_through_the_kernel_equals_the_xla_passes(tied):
 @pytest.mark.parametrize("vocab", [151936, 262144], ids=["qwen3", "gemma3"])
 def test_the_kernel_fits_a_v5e_chip_at_a_models_vocabulary(vocab):
   """Compiled for one v5e chip (libtpu here, nothing runs) on a 1024-token chunk: a block of 16 rows of both
-  models' float32 logits and the gradient, double-buffered, within the kernel's on-chip memory; one Mosaic call."""
+  models' float32 logits and the gradient, double-buffered, within the kernel's on-chip memory; one Mosaic call,
+  whose bytes (both chunks read, the gradient and the per-token values written) the planner's estimate counts at
+  the chip's bandwidth (`train.cost.estimated_cycles`' ``kernel_bytes``)."""
   from jax.sharding import SingleDeviceSharding
 
   from meshdistill.planner._hardware import tpu_target
@@ -139,3 +141,8 @@ def test_the_kernel_fits_a_v5e_chip_at_a_models_vocabulary(vocab):
   call = jax.jit(lambda s, t, y, k: kl_value_and_grad(s, t, y, k, 2.0, 0.5, interpret=False))
   hlo = call.lower(f32, f32, ids, keep).compile().as_text()
   assert sum("tpu_custom_call" in line and "custom-call" in line for line in hlo.splitlines()) == 1
+  from meshdistill.train import cost
+
+  cycles = cost.estimated_cycles(cost.parse(hlo))
+  per_row = vocab * (4 + 4 + 2) + 8 * 4 + 128 * 4  # both logits, the gradient, a row's 8 inputs and 128 outputs
+  assert cycles["kernel_calls"] == 1 and cycles["kernel_bytes"] == 1024 * per_row + 2 * 4  # and tau, alpha

@@ -148,7 +148,8 @@ def _call_bytes(line: str) -> int:
   """The bytes of a custom call's results (the shapes before ``custom-call(``) and operands (its
   ``operand_layout_constraints``)."""
   results, _, rest = line.partition(" custom-call(")
-  operands = rest.partition("operand_layout_constraints={")[2].partition("}, ")[0]
+  operands = rest.partition("operand_layout_constraints={")[2]
+  operands = operands[: operands.find("}}") + 1]  # the list's shapes, each with its layout in braces
   total = 0
   for text in (results.partition("=")[2], operands):
     for dtype, dims in _SHAPE.findall(text):
