@@ -11,8 +11,7 @@ from helpers import kd_logits
 
 import meshdistill as md
 from meshdistill import losses
-from meshdistill.losses import _kl_kernel
-from meshdistill.losses._kl_kernel import kl_value_and_grad
+from meshdistill.losses import kl_kernel_applies, kl_kernel_usable, kl_value_and_grad
 from meshdistill.planner import libtpu_available
 
 C, V = 40, 256  # 40 rows: the kernel pads them to 48 (blocks of 16); V: two lane tiles
@@ -71,7 +70,7 @@ def test_the_kernel_takes_whole_lane_tiles_of_float32_logits_only():
     kl_value_and_grad(s[:, :200], t[:, :200], y, keep, 2.0, 0.5, interpret=True)
   with pytest.raises(ValueError, match=r"float32 \[C, V\] logits"):
     kl_value_and_grad(s.astype(jnp.bfloat16), t, y, keep, 2.0, 0.5, interpret=True)
-  assert _kl_kernel.usable(151936) and _kl_kernel.usable(262144) and not _kl_kernel.usable(1 << 20)
+  assert kl_kernel_usable(151936) and kl_kernel_usable(262144) and not kl_kernel_usable(1 << 20)
 
 
 def test_the_chunked_loss_takes_the_kernel_where_it_applies():
@@ -79,12 +78,12 @@ def test_the_chunked_loss_takes_the_kernel_where_it_applies():
   mesh axis has several devices (the rows' sums need all of V on one device), nor for a vocabulary of partial lane
   tiles; an unknown name is refused naming the choices."""
   assert md.ChunkedLogitKD().loss_kernel == "xla"
-  assert _kl_kernel.applies(V, "pallas") and not _kl_kernel.applies(V, "xla")
-  assert not _kl_kernel.applies(200, "pallas")
+  assert kl_kernel_applies(V, "pallas") and not kl_kernel_applies(V, "xla")
+  assert not kl_kernel_applies(200, "pallas")
   with jax.set_mesh(md.make_mesh(data=1, tensor=1, devices=jax.devices()[:1])):
-    assert _kl_kernel.applies(V, "pallas")
+    assert kl_kernel_applies(V, "pallas")
   with jax.set_mesh(md.make_mesh(data=2, tensor=4)):
-    assert not _kl_kernel.applies(V, "pallas")
+    assert not kl_kernel_applies(V, "pallas")
   with pytest.raises(ValueError, match=r"loss_kernel='fast'; choose one of \('xla', 'pallas'\)"):
     md.ChunkedLogitKD(loss_kernel="fast")
 

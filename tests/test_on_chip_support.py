@@ -67,7 +67,7 @@ def test_the_dots_policies_keep_the_splash_kernels_residuals_so_its_forward_runs
   inputs)."""
   from jax.sharding import SingleDeviceSharding
 
-  from meshdistill.models._config import REMAT_POLICIES
+  from meshdistill.models import REMAT_POLICIES
   from meshdistill.planner._hardware import tpu_target
 
   def attend(q, k, v, interpret):

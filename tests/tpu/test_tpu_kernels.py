@@ -201,8 +201,7 @@ def test_loss_kernel_gives_the_fused_recipes_values_and_logits_gradient_at_a_mod
   gradient of its loss sum, both on the chip, on a chunk of 256 tokens of a real vocabulary (the kernel's rows hold
   every column on chip): the values within the float32 bound (summation order over V), the gradient in float32
   likewise and in bfloat16 within one rounding of it; masked tokens exactly 0, the arg-max agreement seen."""
-  from meshdistill.losses._fused import forward_kl_terms
-  from meshdistill.losses._kl_kernel import kl_value_and_grad
+  from meshdistill.losses import forward_kl_terms, kl_value_and_grad
 
   C = 256
   k = jax.random.split(jax.random.key(1), 4)

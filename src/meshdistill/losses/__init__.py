@@ -5,7 +5,10 @@ values ``[T]`` with masked tokens exactly 0; `jax.vmap` lifts them over a batch.
 
 Divergences (`DIVERGENCES`, `get_divergence`): ``forward_kl``, ``reverse_kl``, ``jsd``
 (generalised, ``beta``), ``skew_kl`` / ``skew_reverse_kl`` (``skew``), ``tvd``, ``mse``
-(centred logits). `forward_kl_terms`: the default recipe's loss and metrics fused (one pass over V). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`; `TopK` (a teacher given by its
+(centred logits). `forward_kl_terms`: the default recipe's loss and metrics fused (one pass over V);
+`kl_value_and_grad`: the same values and their loss's logits gradient in one Pallas kernel (`LOSS_KERNELS`,
+`kl_kernel_applies`: `ChunkedLogitKD.loss_kernel`). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`;
+`TopK` (a teacher given by its
 top-k, e.g. an offline cache) and `narrow_topk`. A teacher of another tokenizer (`Aligned`): `span_logprobs` (merged
 ``bayesian`` or ``observed``, `observed_spans`), `uld`, `matched_divergence` (GOLD's ``beta``), `matched_kl`,
 `hybrid_uld` on the spans both tokenizations agree on (per span ``[S]`` instead of per token); on the next byte of
@@ -52,6 +55,8 @@ from meshdistill.losses._divergences import (
     tvd,
 )
 from meshdistill.losses._fused import forward_kl_terms
+from meshdistill.losses._kl_kernel import (LOSS_KERNELS, kl_kernel_applies, kl_kernel_usable, kl_token_value_and_grad,
+                                          kl_value_and_grad)
 from meshdistill.losses._next_byte import (
     ByteTables,
     byte_kl,
@@ -105,6 +110,11 @@ __all__ = [
     "cross_entropy",
     "forward_kl",
     "forward_kl_terms",
+    "LOSS_KERNELS",
+    "kl_kernel_applies",
+    "kl_kernel_usable",
+    "kl_token_value_and_grad",
+    "kl_value_and_grad",
     "get_distribution_divergence",
     "get_divergence",
     "jsd",

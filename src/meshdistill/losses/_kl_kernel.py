@@ -41,29 +41,29 @@ def vmem_bytes(V: int, grad_itemsize: int = 2) -> int:
   return 2 * ROWS * V * (4 + 4 + grad_itemsize)
 
 
-def usable(V: int, grad_itemsize: int = 2) -> bool:
+def kl_kernel_usable(V: int, grad_itemsize: int = 2) -> bool:
   """Whether `kl_value_and_grad` takes a vocabulary of ``V``: whole lane tiles and a block within `VMEM_BYTES`
   (V up to about 390k columns)."""
   return V % LANES == 0 and vmem_bytes(V, grad_itemsize) <= VMEM_BYTES - (4 << 20)
 
 
-KERNELS = ("xla", "pallas")  # `ChunkedLogitKD.loss_kernel`
+LOSS_KERNELS = ("xla", "pallas")  # `ChunkedLogitKD.loss_kernel`
 
 
-def applies(V: int, kernel: str = "pallas") -> bool:
+def kl_kernel_applies(V: int, kernel: str = "pallas") -> bool:
   """Whether the chunked loss of the default recipe takes `kl_value_and_grad` for a vocabulary of ``V`` with
   ``loss_kernel=kernel``: ``pallas`` (on a TPU compiled, elsewhere interpreted: slow, for numerics checks) where the
   program being traced splits nothing over a compiler-managed mesh axis (the kernel's sums need every column of a row
-  on its device) and V is `usable`; ``xla`` never."""
-  if kernel not in KERNELS:
-    raise ValueError(f"ChunkedLogitKD.loss_kernel={kernel!r}; choose one of {KERNELS}")
+  on its device) and V is `kl_kernel_usable`; ``xla`` never."""
+  if kernel not in LOSS_KERNELS:
+    raise ValueError(f"ChunkedLogitKD.loss_kernel={kernel!r}; choose one of {LOSS_KERNELS}")
   if kernel == "xla":
     return False
   mesh, free = compiler_axes()
-  return all(mesh.shape[axis] == 1 for axis in free) and usable(V)
+  return all(mesh.shape[axis] == 1 for axis in free) and kl_kernel_usable(V)
 
 
-def token_value_and_grad(params, student_CxV, teacher_CxV, targets_C, mask_C, *, grad_dtype):
+def kl_token_value_and_grad(params, student_CxV, teacher_CxV, targets_C, mask_C, *, grad_dtype):
   """`kl_value_and_grad` as the chunk loop calls a token function's fused form (``params``: the recipe's
   ``temperature`` and ``alpha``; interpreted off a TPU). The gradient is written in ``grad_dtype`` (the head's), in
   bfloat16 where a TPU's default-precision matmuls would round a float32 one to it before reading it: half the bytes,
@@ -144,8 +144,8 @@ def kl_value_and_grad(s_CxV, t_CxV, targets_C, keep_C, tau, alpha, *, grad_dtype
   """`forward_kl_terms`'s per-token values (``{name: [C]}``, float32, 0 where ``keep_C`` is False) and the gradient
   of their ``loss`` sum with respect to the student logits (``[C, V]`` in ``grad_dtype``), from float32 logits
   ``s_CxV`` (student) and ``t_CxV`` (teacher) read once. ``C`` is padded to whole blocks of `ROWS` (padded rows are
-  masked); ``V`` must be `usable`. ``tau``, ``alpha``: scalars (traced or not); no gradient flows through this
-  function (it IS the gradient). ``interpret``: Pallas interpret mode (slow: for numerics checks off a TPU); None
+  masked); ``V`` must be `kl_kernel_usable`. ``tau``, ``alpha``: scalars (traced or not); no gradient flows through
+  this function (it IS the gradient). ``interpret``: Pallas interpret mode (slow: for numerics checks off a TPU); None
   follows `target_platform`."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
@@ -157,7 +157,7 @@ def kl_value_and_grad(s_CxV, t_CxV, targets_C, keep_C, tau, alpha, *, grad_dtype
   if s_CxV.dtype != jnp.float32 or t_CxV.dtype != jnp.float32 or t_CxV.shape != (C, V):
     raise ValueError(f"kl_value_and_grad takes float32 [C, V] logits of both models, got {s_CxV.dtype}{s_CxV.shape} "
                      f"and {t_CxV.dtype}{t_CxV.shape}")
-  if not usable(V, itemsize):
+  if not kl_kernel_usable(V, itemsize):
     raise ValueError(f"kl_value_and_grad: a vocabulary of {V} is not usable (a multiple of {LANES}, a block of "
                      f"{ROWS} rows of both models within {VMEM_BYTES >> 20} MiB of on-chip memory); use the XLA path "
                      "(`forward_kl_terms`)")
@@ -187,10 +187,10 @@ def kl_value_and_grad(s_CxV, t_CxV, targets_C, keep_C, tau, alpha, *, grad_dtype
       name="kl_value_and_grad",
   )
   _, free = compiler_axes()
-  if free:  # a Mosaic kernel is never auto-partitioned: manual over the mesh's axes (`applies`: each of size 1)
+  if free:  # a Mosaic kernel is never auto-partitioned: manual over the mesh's axes (each of size 1 where it applies)
     call = jax.shard_map(call, in_specs=P(), out_specs=P(), axis_names=free, check_vma=False)
   terms, d = call(scalars, rows, s_CxV, t_CxV)
   return {name: terms[:C, i] for i, name in enumerate(NAMES)}, d[:C]
 
 
-__all__ = ["KERNELS", "applies", "kl_value_and_grad", "token_value_and_grad", "usable"]
+__all__ = ["LOSS_KERNELS", "kl_kernel_applies", "kl_value_and_grad", "kl_token_value_and_grad", "kl_kernel_usable"]

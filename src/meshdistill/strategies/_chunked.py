@@ -9,7 +9,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from meshdistill.losses import _kl_kernel, chunked_token_sums
+from meshdistill.losses import LOSS_KERNELS, chunked_token_sums, kl_kernel_applies, kl_token_value_and_grad
 from meshdistill.models import ModelOutput
 from meshdistill.models import softcap
 from meshdistill.losses.schedules import check_integer
@@ -39,9 +39,9 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
     loss_kernel: how the default recipe (the full forward KL, no logit soft-caps) forms a chunk's values and
       logits gradient: ``"xla"`` (default) in two XLA passes over both chunks' logits; ``"pallas"`` in one Pallas
       kernel that reads them once, where it applies (nothing split over a compiler-managed mesh axis, a vocabulary
-      of whole 128-column tiles: `meshdistill.losses._kl_kernel.applies`; interpreted off a TPU: slow, for numerics
+      of whole 128-column tiles: `meshdistill.losses.kl_kernel_applies`; interpreted off a TPU: slow, for numerics
       checks), else in XLA. The same values either way, within float32 rounding; on a v5e chip the kernel is not yet
-      the faster (`meshdistill.losses._kl_kernel`).
+      the faster (`meshdistill.losses.kl_value_and_grad`).
 
   No top-k variant: that needs a vocabulary-wide top-k per token (use `LogitKD(top_k=...)`).
   """
@@ -56,8 +56,8 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
     check_integer(
         "ChunkedLogitKD.chunk_size", self.chunk_size, 0, meaning=": tokens per chunk (e.g. 1024), or 0 for the unchunked loss"
     )
-    if self.loss_kernel not in _kl_kernel.KERNELS:
-      raise ValueError(f"ChunkedLogitKD.loss_kernel={self.loss_kernel!r}; choose one of {_kl_kernel.KERNELS} "
+    if self.loss_kernel not in LOSS_KERNELS:
+      raise ValueError(f"ChunkedLogitKD.loss_kernel={self.loss_kernel!r}; choose one of {LOSS_KERNELS} "
                        "(pallas: one read of each chunk's logits where it applies)")
     if "final" not in self.capture:
       raise ValueError(f"ChunkedLogitKD.capture={self.capture!r} must include 'final' (the LM-head input)")
@@ -81,8 +81,8 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
     fused = None
     if any(c is not None for c in softcaps):
       token_fn = functools.partial(_capped, self.token_terms, *softcaps)
-    elif self.term_name == "kl" and _kl_kernel.applies(student_head_DxV.shape[1], self.loss_kernel):
-      fused = _kl_kernel.token_value_and_grad  # the default recipe's values and logits gradient in one read
+    elif self.term_name == "kl" and kl_kernel_applies(student_head_DxV.shape[1], self.loss_kernel):
+      fused = kl_token_value_and_grad  # the default recipe's values and logits gradient in one read
     return chunked_token_sums(
         token_fn,
         self.scalars(step),
