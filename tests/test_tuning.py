@@ -170,7 +170,7 @@ def test_a_tpu_programs_estimated_cycles_become_the_chip_calibrations_seconds():
   from meshdistill.planner import TPU_CHIPS
   from meshdistill.train import cost
 
-  assert cost.estimated_cycles(cost.parse(PROGRAM)) == {"matmul": 400, "other": 47, "kernel_calls": 0}
+  assert cost.estimated_cycles(cost.parse(PROGRAM)) == {"matmul": 400, "other": 47, "kernel_calls": 0, "kernel_bytes": 0}
   calibration, peak = cost.calibration_for("TPU v5 lite")
   assert calibration is cost.CHIP_CALIBRATION and peak == TPU_CHIPS["v5e"].peak_bf16_flops  # one chip, one peak
   assert cost.calibration_for("cpu") is None and cost.calibration_for("TPU v6 lite") is None
