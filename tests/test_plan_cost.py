@@ -379,7 +379,9 @@ def test_the_attention_kernels_executed_flops_count_whole_blocks_and_pad_narrow_
     assert kernel_flops(cfg, cfg, "none", 2048) == pytest.approx(4 * 1024 * 4 * cfg.hd * 2 * (1 + 3))
   assert kernel_flops(narrow, narrow, "none", 2048, executed=True) == kernel_flops(wide, wide, "none", 2048,
                                                                                    executed=True)
-  # the student's forward again under a remat policy; XLA attention runs no kernel
+  # the student's forward again under remat full; XLA attention runs no kernel
   assert kernel_flops(wide, wide, "full", 2048) == pytest.approx(kernel_flops(wide, wide, "none", 2048) * 5 / 4)
+  for kept in ("dots", "dots_no_batch"):  # the splash kernel's residuals kept: its forward runs once
+    assert kernel_flops(wide, wide, kept, 2048, executed=True) == kernel_flops(wide, wide, "none", 2048, executed=True)
   assert kernel_flops(wide.replace(attention="xla"), wide.replace(attention="xla"), "full", 2048,
                       executed=True) == 0

@@ -267,8 +267,9 @@ def kernel_flops(teacher: ModelConfig | None, student: ModelConfig, remat: str, 
   """FLOPs per token of the attention matmuls that run inside Pallas kernels (``attention='splash'``), which XLA's
   cost analysis cannot see. Causal attention of one layer: ``4 * keys * n_heads * head_dim`` per token forward
   (q.k and p.v over ``keys = seq / 2`` on average; a sliding layer's ``min(window, seq / 2)``, as
-  ``benchmarks/tpu_step.py`` counts model FLOPs); the student adds its backward (twice the forward) and, under a
-  remat policy, the forward again (a custom call's outputs are never saved). The teacher runs forward only
+  ``benchmarks/tpu_step.py`` counts model FLOPs); the student adds its backward (twice the forward) and, under
+  ``remat="full"``, the forward again (the ``dots`` policies keep the kernel's output and log-sum-exp,
+  `meshdistill.models._config.ATTENTION_RESIDUALS`; ``full`` keeps nothing). The teacher runs forward only
   (``None``: no teacher).
 
   ``executed``: what the kernel computes rather than what the model needs: every block of queries x keys that the
@@ -285,9 +286,10 @@ def kernel_flops(teacher: ModelConfig | None, student: ModelConfig, remat: str, 
     block = _kernel_block(cfg, seq, backward)
     keys = sum(_executed_keys(seq, w, block) for w in windows)
     return 4.0 * keys * cfg.n_heads * max(cfg.hd, 128)
+  again = remat == "full"  # the forward kernel run again in the backward pass
   if not executed:
-    return forward(teacher) + forward(student) * (3 + (remat != "none"))
-  return forward(teacher) + forward(student) * (1 + (remat != "none")) + 2 * forward(student, backward=True)
+    return forward(teacher) + forward(student) * (3 + again)
+  return forward(teacher) + forward(student) * (1 + again) + 2 * forward(student, backward=True)
 
 
 def _kernel_block(cfg: ModelConfig, seq: int, backward: bool) -> int:
