@@ -246,14 +246,12 @@ def calibrated_ms(hlo: str, kernel_s: float | None, topology: str) -> float | No
   compiler's matmul / other cycles, `meshdistill.train.cost.estimated_cycles`, the kernels' executed-FLOP time and
   the streaming kernels' bytes at the chip's HBM bandwidth), in ms; None for another generation than the one the
   chip source was measured on."""
-  from meshdistill.planner import TPU_CHIPS
   from meshdistill.train import cost
 
   cal, cycles = cost.CHIP_CALIBRATION, cost.estimated_cycles(cost.parse(hlo))
   if cal is None or cycles is None or kernel_s is None or topology.split(":")[0] != cal.generation:
     return None
-  stream_s = cycles.get("kernel_bytes", 0) / TPU_CHIPS[cal.generation].hbm_bandwidth
-  return 1e3 * (cal.step_seconds(cycles["matmul"], cycles["other"], kernel_s) + stream_s)
+  return 1e3 * cal.step_seconds(cycles["matmul"], cycles["other"], kernel_s, cycles["kernel_bytes"])
 
 
 def report(hlo: str, ghz: float, top: int, grep: str | None, before_hlo: str | None, extra: dict,

@@ -26,6 +26,7 @@ from meshdistill.train.distiller import Distiller
 from meshdistill.parallel.backends import ShardMapLayout
 from meshdistill.parallel.collectives import replica_groups
 from meshdistill.train.memory import MemoryReport
+from meshdistill.train.cost import HLO_SHAPE, shape_bytes
 from meshdistill.parallel.mesh import TENSOR, batch_sharding
 from meshdistill.models import abstract_params
 from meshdistill.models.decoder import ModelConfig
@@ -248,20 +249,11 @@ def _num(x) -> float | None:
 # --------------------------------------------------------------------------- collectives
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<type>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\(")
-_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,{} ]*\})\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _GROUPS_MESH = re.compile(  # XLA's named form: mesh['axis_0'=4,'axis_1'=2] {'axis_0'} (`replica_groups` reads it)
     r"replica_groups=(mesh\[[^\]]*\](?:, device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\))? \{[^}]*\})")
 _PAIRS = re.compile(r"source_target_pairs=\{(\{[\d,{} ]*\})\}")
-_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
-
-
-def _bytes(dtype: str, dims: str) -> int:
-  bits = _BITS.get(dtype) or (8 if dtype.startswith("f8") else int(re.sub(r"\D", "", dtype) or 32))
-  return math.prod(int(d) for d in dims.split(",") if d) * bits // 8
-
-
 def _groups(line: str) -> list[list[int]] | None:
   m = _GROUPS_IOTA.search(line)
   if m:
@@ -323,7 +315,7 @@ def collectives(hlo: str, mesh_shape: Any) -> list[dict[str, Any]]:
     if not m or "-done(" in line:
       continue
     kind = m.group("op")
-    shapes = [_bytes(t, d) for t, d in _SHAPE.findall(m.group("type"))]
+    shapes = [shape_bytes(t, d) for t, d in HLO_SHAPE.findall(m.group("type"))]
     if not shapes:
       continue
     size = max(shapes) if m.group("start") and kind in ("all-gather", "collective-permute") else sum(shapes)

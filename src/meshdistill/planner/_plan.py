@@ -250,7 +250,6 @@ class Planner:
         executed = kernel_flops(self.teacher, self.student, k.remat, self.seq, executed=True) * tokens / n
         p.time["cycles"] = cycles
         p.time["kernel_s"] = executed / self.target.per_device(chip.peak_bf16_flops)
-        p.time["stream_s"] = cycles.get("kernel_bytes", 0) / self.target.per_device(chip.hbm_bandwidth)
     p.time["calibrated"] = None if cal is None else cal.of(p.time, chip.family)
     if p.time["calibrated"] is None and cal is not None and cal is not _calibrate.CALIBRATION:
       p.time["calibrated"] = _calibrate.CALIBRATION.of(p.time, chip.family)  # a program without the chip's terms

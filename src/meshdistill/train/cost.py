@@ -139,9 +139,15 @@ _MATMUL = (" convolution(", " dot(")
 # Mosaic kernels of the package bound by HBM bandwidth (a kernel's name: its instruction's): their time on a chip is
 # the bytes of their operands and results over its bandwidth (`estimated_cycles`' ``kernel_bytes``)
 STREAMING_KERNELS = ("kl_value_and_grad",)
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
-             "s64": 8, "u64": 8, "f64": 8}
+# an array shape in HLO text (``bf16[8192,2048]``): its element type and dimensions (`shape_bytes`)
+HLO_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
+
+
+def shape_bytes(dtype: str, dims: str) -> int:
+  """The bytes of an HLO array of element type ``dtype`` and dimensions ``dims`` (`HLO_SHAPE`'s two groups)."""
+  bits = _BITS.get(dtype) or (8 if dtype.startswith("f8") else int(re.sub(r"\D", "", dtype) or 32))
+  return math.prod(int(d) for d in dims.split(",") if d) * bits // 8
 
 
 def _call_bytes(line: str) -> int:
@@ -150,11 +156,7 @@ def _call_bytes(line: str) -> int:
   results, _, rest = line.partition(" custom-call(")
   operands = rest.partition("operand_layout_constraints={")[2]
   operands = operands[: operands.find("}}") + 1]  # the list's shapes, each with its layout in braces
-  total = 0
-  for text in (results.partition("=")[2], operands):
-    for dtype, dims in _SHAPE.findall(text):
-      total += _ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return total
+  return sum(shape_bytes(*shape) for text in (results.partition("=")[2], operands) for shape in HLO_SHAPE.findall(text))
 
 
 def estimated_cycles(prog: Program) -> dict[str, int] | None:
@@ -193,15 +195,15 @@ class ChipCalibration:
   """The chip source: steps measured on one chip of ``generation``, predicted from what the TPU compiler itself
   estimates for the program and from the attention kernels it cannot see:
 
-      step = matmul_cycles * s_matmul + other_cycles * s_other + kernel_s / kernel_fraction + stream_s
+      step = matmul_cycles * s_matmul + other_cycles * s_other + kernel_s / kernel_fraction + kernel_bytes / bandwidth
 
   ``matmul_cycles`` / ``other_cycles``: the compiler's ``estimated_cycles`` of its matmul fusions and of the rest of
   the program (elementwise work, reductions, copies), loops counted whole (`estimated_cycles`);
   ``s_matmul`` / ``s_other``: the seconds one estimated cycle of each takes on the chip; ``kernel_s``: the Pallas
   attention kernels' executed FLOPs at peak (`kernel_flops(executed=True)`), ``kernel_fraction`` the
-  share of peak they reach; ``stream_s``: the `STREAMING_KERNELS`' bytes at the chip's HBM bandwidth, added as it
-  is (not fitted: no measured row had them). Fitted by least squares on the log of predicted / measured step time
-  (the planner's `meshdistill.planner._calibrate.calibrate_chip`);
+  share of peak they reach; ``kernel_bytes``: the `STREAMING_KERNELS`' bytes (`estimated_cycles`), at the HBM
+  bandwidth of the generation's chip, added as they are (not fitted: no measured row had them). Fitted by least
+  squares on the log of predicted / measured step time (the planner's `meshdistill.planner._calibrate.calibrate_chip`);
   ``band``: the largest leave-one-config-out error."""
 
   generation: str
@@ -213,8 +215,10 @@ class ChipCalibration:
   row_names: tuple[str, ...] = ()
   source: str = "chip"
 
-  def step_seconds(self, matmul_cycles: float, other_cycles: float, kernel_s: float) -> float:
-    return matmul_cycles * self.s_matmul + other_cycles * self.s_other + kernel_s / self.kernel_fraction
+  def step_seconds(self, matmul_cycles: float, other_cycles: float, kernel_s: float,
+                   kernel_bytes: float = 0.0) -> float:
+    return (matmul_cycles * self.s_matmul + other_cycles * self.s_other + kernel_s / self.kernel_fraction
+            + (kernel_bytes / TPU_CHIPS[self.generation].hbm_bandwidth if kernel_bytes else 0.0))
 
   def predict(self, terms: Sequence[Sequence[float]]) -> np.ndarray:
     """Step seconds of rows of ``(matmul_cycles, other_cycles, kernel_s)``."""
@@ -226,8 +230,8 @@ class ChipCalibration:
     cycles = time.get("cycles")
     if generation != self.generation or not cycles or time.get("step_s") is None:
       return None
-    step = self.step_seconds(cycles["matmul"], cycles["other"], time.get("kernel_s") or 0.0) + (time.get("stream_s")
-                                                                                                 or 0.0)
+    step = self.step_seconds(cycles["matmul"], cycles["other"], time.get("kernel_s") or 0.0,
+                             cycles.get("kernel_bytes", 0))
     scale = time["step_s"] / step
     band = None if math.isnan(self.band) else self.band
     return {"step_s": step, "low_s": None if band is None else step * (1 - band),
@@ -337,8 +341,7 @@ def step_seconds(hlo: str, teacher: ModelConfig | None, student: ModelConfig, re
   if cycles is None:
     return None
   kernels = kernel_flops(teacher, student, remat, seq, executed=True) * tokens
-  stream_s = cycles["kernel_bytes"] / TPU_CHIPS[calibration.generation].hbm_bandwidth  # the streaming kernels'
-  return calibration.step_seconds(cycles["matmul"], cycles["other"], kernels / peak_flops) + stream_s
+  return calibration.step_seconds(cycles["matmul"], cycles["other"], kernels / peak_flops, cycles["kernel_bytes"])
 
 
 __all__ = ["CHIP_CALIBRATION", "ChipCalibration", "Loop", "Program", "calibration_for",
