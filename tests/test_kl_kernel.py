@@ -144,4 +144,49 @@ def test_the_kernel_fits_a_v5e_chip_at_a_models_vocabulary(vocab):
 
   cycles = cost.estimated_cycles(cost.parse(hlo))
   per_row = vocab * (4 + 4 + 2) + 8 * 4 + 128 * 4  # both logits, the gradient, a row's 8 inputs and 128 outputs
-  assert cycles["kernel_calls"] == 1 and cycles["kernel_bytes"] == 1024 * per_row + 2 * 4  # and tau, alpha
+  assert cycles["kernel_calls"] == 1 and cycles["kernel_bytes"] == 1024 * per_row + 3 * 4  # and tau, 1 / tau, alpha
+
+
+def test_without_metrics_the_kernel_gives_the_same_loss_terms_and_gradient():
+  """``metrics=False`` (a metrics-light step's form) sums the same four terms in the same order: ``loss``, ``kl`` and
+  ``ce`` and the gradient equal bit for bit; the metrics are not formed."""
+  s, t, y, keep = logits(3)
+  full, grad = kl_value_and_grad(s, t, y, keep, 1.5, 0.5, grad_dtype=jnp.float32, interpret=True)
+  light, grad_light = kl_value_and_grad(s, t, y, keep, 1.5, 0.5, grad_dtype=jnp.float32, interpret=True,
+                                        metrics=False)
+  assert set(light) == set(losses.LOSS_NAMES) == {"loss", "kl", "ce"} and set(full) > set(light)
+  for k in light:
+    np.testing.assert_array_equal(light[k], full[k], err_msg=k)
+  np.testing.assert_array_equal(grad_light, grad)
+
+
+def test_the_metrics_light_step_runs_the_kernel_without_its_metrics(monkeypatch):
+  """A `Distiller` with the loss kernel on one device: its step forms the metrics in the kernel, its metrics-light
+  step (`Distiller.metrics_light`, what the training loop runs between logs) does not, and both give the same loss
+  and the same new parameters (the same terms, summed alike)."""
+  from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
+  import optax
+
+  from meshdistill.losses import _kl_kernel
+
+  seen = []
+  real = _kl_kernel.kl_value_and_grad
+
+  def spy(*args, metrics=True, **kw):
+    seen.append(metrics)
+    return real(*args, metrics=metrics, **kw)
+
+  monkeypatch.setattr(_kl_kernel, "kl_value_and_grad", spy)
+  mesh = md.make_mesh(data=1, tensor=1, devices=jax.devices()[:1])
+  teacher = md.init_model(TEACHER_CFG.replace(vocab_size=V), seed=0, mesh=mesh)
+  student = md.init_model(STUDENT_CFG.replace(vocab_size=V), seed=1, mesh=mesh)
+  d = md.Distiller(student, teacher, mesh=mesh, optimizer=optax.sgd(1.0),
+                   strategy=md.ChunkedLogitKD(chunk_size=32, loss_kernel="pallas"))
+  batch = make_batch(seed=0, vocab=V)
+  state_full, full = d.step(d.init_state(), batch)
+  assert seen == [True] and {"corr", "agree", "teacher_ce"} <= set(full)
+  state_light, light = d.metrics_light().step(d.init_state(), batch)
+  assert seen == [True, False] and "corr" not in light
+  np.testing.assert_allclose(light["loss"], full["loss"], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(state_light.params), jax.tree.leaves(state_full.params)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-6)

@@ -55,8 +55,8 @@ from meshdistill.losses._divergences import (
     tvd,
 )
 from meshdistill.losses._fused import forward_kl_terms
-from meshdistill.losses._kl_kernel import (LOSS_KERNELS, kl_kernel_applies, kl_kernel_usable, kl_token_value_and_grad,
-                                          kl_value_and_grad)
+from meshdistill.losses._kl_kernel import (LOSS_KERNELS, LOSS_NAMES, kl_kernel_applies, kl_kernel_usable,
+                                          kl_token_value_and_grad, kl_value_and_grad)
 from meshdistill.losses._next_byte import (
     ByteTables,
     byte_kl,
@@ -111,6 +111,7 @@ __all__ = [
     "forward_kl",
     "forward_kl_terms",
     "LOSS_KERNELS",
+    "LOSS_NAMES",
     "kl_kernel_applies",
     "kl_kernel_usable",
     "kl_token_value_and_grad",

@@ -16,6 +16,9 @@ Two kinds of strategy, told apart by ``needs_head``:
   shard before any reduction; a strategy that declares ``reads_tied_heads`` also gets ``tied_heads=(student,
   teacher)``: True where that head is the model's ``[V, D]`` embedding table transposed (``cfg.tie_embeddings``), a
   layout hint (`meshdistill.losses.chunked_token_sums` then reads the table as stored, not a transposed copy);
+  one that declares ``drops_metrics`` gets ``metrics=False`` in the metrics-light step (which reads ``"loss"`` only):
+  it may then leave out the other sums and the work that forms them (work XLA would not drop by itself, e.g. a
+  kernel's);
 
 Both return a dict of token SUMS over their rows: ``"loss"`` is required, every other entry
 is reported as a metric; the step sums over the global batch and divides by the global count
@@ -74,6 +77,7 @@ class Strategy(abc.ABC):
   # config's distill.chunk_size chooses (None: no such form)
   chunked_form: ClassVar[str | None] = None
   reads_tied_heads: ClassVar[bool] = False  # True: per_batch takes tied_heads=(student, teacher) (see the docstring)
+  drops_metrics: ClassVar[bool] = False  # True: per_batch takes metrics=False in a metrics-light step (docstring)
   count: ClassVar[Any] = None  # None: a mean over unmasked tokens; else count(mask_BxT) -> what the loss averages over
 
   def init_params(self, student_cfg, teacher_cfg, key) -> Any:

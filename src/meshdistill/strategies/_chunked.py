@@ -9,7 +9,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from meshdistill.losses import LOSS_KERNELS, chunked_token_sums, kl_kernel_applies, kl_token_value_and_grad
+from meshdistill.losses import (LOSS_KERNELS, LOSS_NAMES, chunked_token_sums, kl_kernel_applies,
+                               kl_token_value_and_grad)
 from meshdistill.models import ModelOutput
 from meshdistill.models import softcap
 from meshdistill.losses.schedules import check_integer
@@ -50,6 +51,7 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
   capture: tuple[str, ...] = ("final",)
   loss_kernel: str = "xla"
   reads_tied_heads: ClassVar[bool] = True  # the chunk loop reads a tied head's table as stored
+  drops_metrics: ClassVar[bool] = True  # a metrics-light step's loss kernel forms the loss's sums only
 
   def __post_init__(self):
     super().__post_init__()
@@ -64,7 +66,7 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
 
   def per_batch(
       self, params, student: ModelOutput, teacher: ModelOutput, heads, targets_BxT, mask_BxT, step,
-      softcaps=(None, None), tied_heads=(False, False),
+      softcaps=(None, None), tied_heads=(False, False), metrics: bool = True,
   ) -> dict[str, jax.Array]:
     """Token sums over this device's rows.
 
@@ -72,7 +74,9 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
     teacher_ExV)`` with V split over ``tensor``; ``targets_BxT``, ``mask_BxT``: [b, T]; ``softcaps``: the
     models' final logit soft-caps, applied to each chunk's logits (elementwise, on each vocabulary shard) before
     the loss reduces anything; ``tied_heads``: which head is its model's embedding table transposed
-    (`chunked_token_sums` reads those tables as stored).
+    (`chunked_token_sums` reads those tables as stored); ``metrics``: False (a metrics-light step) sums only the
+    loss's own terms (``loss``, ``kl``, ``ce``: `meshdistill.losses.LOSS_NAMES`), and the loss kernel skips the
+    metrics' work.
     """
     del params
     student_head_DxV, teacher_head_ExV = heads
@@ -82,7 +86,10 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
     if any(c is not None for c in softcaps):
       token_fn = functools.partial(_capped, self.token_terms, *softcaps)
     elif self.term_name == "kl" and kl_kernel_applies(student_head_DxV.shape[1], self.loss_kernel):
-      fused = kl_token_value_and_grad  # the default recipe's values and logits gradient in one read
+      # the default recipe's values and logits gradient in one read
+      fused = functools.partial(kl_token_value_and_grad, metrics=metrics)
+    if not metrics:
+      token_fn = functools.partial(_only, token_fn, LOSS_NAMES)
     return chunked_token_sums(
         token_fn,
         self.scalars(step),
@@ -96,6 +103,12 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
         tied_heads=tied_heads,
         value_and_grad=fused,
     )
+
+
+def _only(token_fn, names, params, student_CxV, teacher_CxV, targets_C, mask_C):
+  """``token_fn``'s values of ``names`` (those it has)."""
+  out = token_fn(params, student_CxV, teacher_CxV, targets_C, mask_C)
+  return {k: v for k, v in out.items() if k in names}
 
 
 def _capped(token_fn, student_cap, teacher_cap, params, student_CxV, teacher_CxV, targets_C, mask_C):

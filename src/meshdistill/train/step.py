@@ -296,6 +296,8 @@ def _student_local(
       capped = {"softcaps": caps} if any(c is not None for c in caps) else {}
       if strategy.reads_tied_heads:  # which heads are tables transposed: a layout hint, the same values
         capped["tied_heads"] = (bool(student.cfg.tie_embeddings), teacher_tied)
+      if light and strategy.drops_metrics:  # only the loss is read: the strategy may skip the metrics' work
+        capped["metrics"] = False
       sums = strategy.per_batch(params["strategy"], student_out, teacher_out, heads, targets_BxT, mask_BxT, step,
                                 **capped)
     else:
