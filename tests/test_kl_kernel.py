@@ -74,18 +74,42 @@ def test_the_kernel_takes_whole_lane_tiles_of_float32_logits_only():
 
 
 def test_the_chunked_loss_takes_the_kernel_where_it_applies():
-  """``pallas``: on any platform (this CPU: interpreted); ``xla`` (the default): never; not where a compiler-managed
-  mesh axis has several devices (the rows' sums need all of V on one device), nor for a vocabulary of partial lane
-  tiles; an unknown name is refused naming the choices."""
-  assert md.ChunkedLogitKD().loss_kernel == "xla"
+  """``pallas``: on any platform (this CPU: interpreted); ``auto`` (the default): where the step is compiled for a
+  TPU, not here; ``xla``: never; none of them where a compiler-managed mesh axis has several devices (the rows' sums
+  need all of V on one device), nor for a vocabulary of partial lane tiles; an unknown name is refused naming the
+  choices."""
+  assert md.ChunkedLogitKD().loss_kernel == "auto"
   assert kl_kernel_applies(V, "pallas") and not kl_kernel_applies(V, "xla")
-  assert not kl_kernel_applies(200, "pallas")
+  assert not kl_kernel_applies(V, "auto") and jax.default_backend() == "cpu"
+  assert kl_kernel_applies(V, "auto", platform="tpu") and not kl_kernel_applies(V, "auto", platform="gpu")
+  assert not kl_kernel_applies(200, "pallas") and not kl_kernel_applies(200, "auto", platform="tpu")
   with jax.set_mesh(md.make_mesh(data=1, tensor=1, devices=jax.devices()[:1])):
-    assert kl_kernel_applies(V, "pallas")
+    assert kl_kernel_applies(V, "pallas") and kl_kernel_applies(V, "auto", platform="tpu")
   with jax.set_mesh(md.make_mesh(data=2, tensor=4)):
-    assert not kl_kernel_applies(V, "pallas")
-  with pytest.raises(ValueError, match=r"loss_kernel='fast'; choose one of \('xla', 'pallas'\)"):
+    assert not kl_kernel_applies(V, "pallas") and not kl_kernel_applies(V, "auto", platform="tpu")
+  with pytest.raises(ValueError, match=r"loss_kernel='fast'; choose one of \('auto', 'xla', 'pallas'\)"):
     md.ChunkedLogitKD(loss_kernel="fast")
+
+
+@pytest.mark.skipif(not libtpu_available(), reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
+def test_auto_takes_the_kernel_in_a_step_compiled_for_a_tpu():
+  """The choice `auto` makes for a TPU target, seen on this CPU as the planner sees it: the chunked loss traced under
+  a mesh of a v5e topology's abstract devices (`target_platform` reads ``tpu`` from it) calls the kernel, and the
+  same loss under this CPU's mesh does not."""
+  from meshdistill.planner._hardware import tpu_target
+
+  strategy = md.ChunkedLogitKD(chunk_size=16)
+  hs, w = jnp.ones((2, 24, 32), jnp.bfloat16), jnp.ones((32, V), jnp.bfloat16)
+
+  def loss(hs, w):
+    out = md.ModelOutput(logits=None, final=hs)
+    return strategy.per_batch({}, out, out, (w, w), jnp.zeros((2, 24), jnp.int32), jnp.ones((2, 24)), 0)["loss"]
+
+  for devices, want in ((tpu_target("v5e:2x2").devices[:1], True), (jax.devices()[:1], False)):
+    mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, 1), ("data", "tensor"))
+    with jax.set_mesh(mesh):
+      jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(hs, w))
+    assert ("kl_value_and_grad" in jaxpr) == want, devices
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["head", "tied-table"])

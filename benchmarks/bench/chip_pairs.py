@@ -36,7 +36,9 @@ class Setting:
   metrics: str = "full"  # the step measured: "full" (`Distiller.step`) or "light" (its `metrics_light` step)
   scan: str = "both"  # the models whose layers are scanned (`ModelConfig.scan_layers`): both, teacher, student, none
   dtypes: str = "bf16"  # "bf16": both compute in bfloat16, the teacher stored so (named); "auto": the defaults
-  loss: str = "xla"  # `ChunkedLogitKD.loss_kernel`: xla (the default) or pallas (the one-read kernel)
+  # `ChunkedLogitKD.loss_kernel`: xla (XLA's two passes: what a row that names none measured), pallas (the one-read
+  # kernel) or auto (the package's default: the kernel on a TPU)
+  loss: str = "xla"
   only: str = ""  # the systems of `tpu_step.py --systems` that measure this setting, joined by "+" ("": every one)
 
   @classmethod
@@ -52,8 +54,8 @@ class Setting:
       raise SystemExit(f"--config {text!r}: mb={kw['mb']!r}; choose whole, auto or a number of rows")
     if kw.get("metrics", "full") not in ("full", "light"):
       raise SystemExit(f"--config {text!r}: metrics={kw['metrics']!r}; choose full or light")
-    if kw.get("loss", "xla") not in ("xla", "pallas"):
-      raise SystemExit(f"--config {text!r}: loss={kw['loss']!r}; choose xla or pallas")
+    if kw.get("loss", "xla") not in ("xla", "pallas", "auto"):
+      raise SystemExit(f"--config {text!r}: loss={kw['loss']!r}; choose xla, pallas or auto")
     if "only" in kw and not all(kw["only"].split("+")):
       raise SystemExit(f"--config {text!r}: only={kw['only']!r}; name systems joined by '+', e.g. only=tunix+plain")
     if kw.get("scan", "both") not in SCAN:

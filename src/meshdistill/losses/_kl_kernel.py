@@ -6,12 +6,14 @@ makes two passes over them: the forward pass of `meshdistill.losses._fused` (its
 (the logits' gradient, whose normalisers need every column first). Both passes read both chunks from HBM; on a TPU
 v5e they are bound by that bandwidth. Here a grid step holds a block of rows of both chunks in on-chip memory and
 sweeps it twice there (sums, then the gradient), so HBM is read once. The maxima and the plain logit sums (the
-correlation's means) come in from XLA, which reduces them in the fusion that forms the logits.
+correlation's means) and the logits at the target ids come in from XLA, which reduces them in the fusion that forms
+the logits.
 
-Not the default (`ChunkedLogitKD.loss_kernel="xla"`): on a v5e chip the kernel is bound by its vector work, not by
-the bytes it saves (the Qwen3 pair's 4 x 2048 step: 35.1 ms for its 8 runs a step against 30.7 ms for XLA's two passes,
-the step 415 against 411 ms; ``benchmarks/results/tpu_step.md``). It is kept as the tested starting point of a
-faster one (fewer vector operations per logit, wider column steps).
+The default on a TPU (`ChunkedLogitKD.loss_kernel="auto"`). A v5e chip's vector unit, not HBM, bounds it, so a
+logit costs few vector operations: the shifted logits are ``(s - max s) / tau`` as a product by ``1 / tau`` (no
+division per element), each softmax's normaliser is folded into its row's weight of the gradient, and no column is
+compared with the target ids in the sums (``benchmarks/loss_kernel.py`` and ``benchmarks/results/tpu_step.md``: its
+time against XLA's passes). Elsewhere the loss stays in XLA (interpreted, the kernel is for numerics checks only).
 
 The values are those of `forward_kl_terms` and the gradient that of its ``loss`` sum, formed by the same formulas in
 float32 (the sums in another order: equal within float32 rounding), masked tokens exactly 0.
@@ -48,17 +50,18 @@ def kl_kernel_usable(V: int, grad_itemsize: int = 2) -> bool:
   return V % LANES == 0 and vmem_bytes(V, grad_itemsize) <= VMEM_BYTES - (4 << 20)
 
 
-LOSS_KERNELS = ("xla", "pallas")  # `ChunkedLogitKD.loss_kernel`
+LOSS_KERNELS = ("auto", "xla", "pallas")  # `ChunkedLogitKD.loss_kernel`
 
 
-def kl_kernel_applies(V: int, kernel: str = "pallas") -> bool:
+def kl_kernel_applies(V: int, kernel: str = "pallas", platform: str | None = None) -> bool:
   """Whether the chunked loss of the default recipe takes `kl_value_and_grad` for a vocabulary of ``V`` with
   ``loss_kernel=kernel``: ``pallas`` (on a TPU compiled, elsewhere interpreted: slow, for numerics checks) where the
   program being traced splits nothing over a compiler-managed mesh axis (the kernel's sums need every column of a row
-  on its device) and V is `kl_kernel_usable`; ``xla`` never."""
+  on its device) and V is `kl_kernel_usable`; ``auto`` (the default) likewise where that program is compiled for a
+  TPU (``platform``; None: `target_platform`), else not; ``xla`` never."""
   if kernel not in LOSS_KERNELS:
     raise ValueError(f"ChunkedLogitKD.loss_kernel={kernel!r}; choose one of {LOSS_KERNELS}")
-  if kernel == "xla":
+  if kernel == "xla" or (kernel == "auto" and (platform or target_platform()) != "tpu"):
     return False
   mesh, free = compiler_axes()
   return all(mesh.shape[axis] == 1 for axis in free) and kl_kernel_usable(V)

@@ -38,18 +38,19 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
       ``chunk_size * V / tensor`` instead of ``b * T * V / tensor``.
     capture: must include ``"final"`` (the LM-head input).
     loss_kernel: how the default recipe (the full forward KL, no logit soft-caps) forms a chunk's values and
-      logits gradient: ``"xla"`` (default) in two XLA passes over both chunks' logits; ``"pallas"`` in one Pallas
-      kernel that reads them once, where it applies (nothing split over a compiler-managed mesh axis, a vocabulary
-      of whole 128-column tiles: `meshdistill.losses.kl_kernel_applies`; interpreted off a TPU: slow, for numerics
-      checks), else in XLA. The same values either way, within float32 rounding; on a v5e chip the kernel is not yet
-      the faster (`meshdistill.losses.kl_value_and_grad`).
+      logits gradient: ``"auto"`` (default) in one Pallas kernel that reads both chunks' logits once
+      (`meshdistill.losses.kl_value_and_grad`) where the step is compiled for a TPU and the kernel applies (nothing
+      split over a compiler-managed mesh axis, a vocabulary of whole 128-column tiles:
+      `meshdistill.losses.kl_kernel_applies`), else in XLA; ``"xla"``: always in two XLA passes over them;
+      ``"pallas"``: the kernel wherever it applies (interpreted off a TPU: slow, for numerics checks). The same
+      values either way, within float32 rounding.
 
   No top-k variant: that needs a vocabulary-wide top-k per token (use `LogitKD(top_k=...)`).
   """
 
   chunk_size: int = 1024
   capture: tuple[str, ...] = ("final",)
-  loss_kernel: str = "xla"
+  loss_kernel: str = "auto"
   reads_tied_heads: ClassVar[bool] = True  # the chunk loop reads a tied head's table as stored
   drops_metrics: ClassVar[bool] = True  # a metrics-light step's loss kernel forms the loss's sums only
 
@@ -60,7 +61,7 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
     )
     if self.loss_kernel not in LOSS_KERNELS:
       raise ValueError(f"ChunkedLogitKD.loss_kernel={self.loss_kernel!r}; choose one of {LOSS_KERNELS} "
-                       "(pallas: one read of each chunk's logits where it applies)")
+                       "(auto: the one-read kernel on a TPU where it applies; pallas: wherever it applies; xla: never)")
     if "final" not in self.capture:
       raise ValueError(f"ChunkedLogitKD.capture={self.capture!r} must include 'final' (the LM-head input)")
 
