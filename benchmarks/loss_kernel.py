@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
+from bench.chip_step import commit_or_exit
+from bench.results import append_row, libtpu_version
 from meshdistill.losses import forward_kl_terms, kl_value_and_grad
 
 TAU, ALPHA = 2.0, 0.5
@@ -69,21 +69,6 @@ def _time(fn, args, repeats: int) -> float:
   return statistics.median(times)
 
 
-def _versions() -> tuple[str, str, str]:
-  try:
-    from importlib.metadata import version
-
-    libtpu = version("libtpu")
-  except Exception:  # pylint: disable=broad-except
-    libtpu = "-"
-  try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=True).stdout.strip()
-  except Exception:  # pylint: disable=broad-except
-    commit = "-"
-  return commit, jax.__version__, libtpu
-
-
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--vocab", default="151936,262144", help="vocabularies (comma-separated)")
@@ -101,8 +86,7 @@ def main(argv=None) -> None:
   runs = [int(r) for r in args.runs.split(",")]
   if len(runs) != len(vocabs):
     raise SystemExit(f"--runs={args.runs!r} needs one count per vocabulary of --vocab={args.vocab!r}")
-  commit, jax_version, libtpu = _versions()
-  commit = args.commit or commit
+  commit, jax_version, libtpu = commit_or_exit(ap, args.commit)[:7], jax.__version__, libtpu_version() or "-"
   device = jax.devices()[0].device_kind
   date = datetime.date.today().isoformat()
   command = "python3 benchmarks/loss_kernel.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
@@ -134,10 +118,8 @@ def main(argv=None) -> None:
     print(f"| {r['vocab']:,} | {r['chunk']} | {r['variant']} | {r['ms']:.2f} | {r['step_ms']:.1f} ({r['runs']}) | "
           f"{r['vs_xla']:.2f} | {r['floor_ms']:.2f} | {r['date']} | {r['commit']} | {r['device']} | {r['jax']} | "
           f"{r['libtpu']} | `{r['command']}` |")
-  if args.out:
-    with open(args.out, "a", encoding="utf-8") as f:
-      for r in rows:
-        f.write(json.dumps(r) + "\n")
+  for r in rows if args.out else ():
+    append_row(args.out, r)
 
 
 if __name__ == "__main__":

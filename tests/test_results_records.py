@@ -12,7 +12,8 @@ from helpers import bench_module
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TPU_STEP = REPO / "benchmarks" / "results" / "tpu_step.md"
 # the results a reader of the chip's figures reads: they say what was measured, not how the measuring was arranged
-RECORDS = (TPU_STEP, REPO / "docs" / "tpu.md", REPO / "benchmarks" / "results" / "throughput_notes.md")
+RECORDS = (TPU_STEP, REPO / "docs" / "tpu.md", REPO / "benchmarks" / "results" / "throughput_notes.md",
+           REPO / "benchmarks" / "results" / "loss_kernel.md")
 SCHEDULING = re.compile(r"\b(sessions?|lent|earlier|turns?)\b", re.IGNORECASE)
 
 
