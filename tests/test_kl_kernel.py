@@ -34,10 +34,10 @@ def reference(s, t, y, keep, tau, alpha):
 @pytest.mark.parametrize("scale,offset", [(3.0, 0.0), (300.0, 0.0), (2.0, 1e3)])  # large magnitudes, large offsets
 def test_the_kernel_gives_the_fused_recipes_values_and_the_gradient_of_its_loss_sum(tau, alpha, scale, offset):
   """The same formulas in float32, the sums over V in another order (per lane, then across lanes): the bounds of
-  `tests/test_fused.py` (float32 rounding of sums of 256 terms), and the rounding of the shifted logits ``s / tau -
-  m / tau``, which the kernel divides by the temperature it reads at run time where XLA may fold a constant one into
-  a product: one float32 rounding of the largest logit over tau, a few times over (``shift``; it moves every
-  exponent, so the values and the gradient by that much relatively). Masked and padded rows exactly 0; arg-max ties
+  `tests/test_fused.py` (float32 rounding of sums of 256 terms), and the rounding of the shifted logits, which the
+  XLA form forms as ``s / tau - m / tau`` and the kernel as ``(s - m) * (1 / tau)``: one float32 rounding of the
+  largest logit over tau, a few times over (``shift``; it moves every exponent, so the values and the gradient by that
+  much relatively). Masked and padded rows exactly 0; arg-max ties
   and agreement exactly as the XLA form counts them."""
   s, t, y, keep = logits(0, scale, offset)
   want, want_grad = reference(s, t, y, keep, tau, alpha)
