@@ -38,8 +38,8 @@ reductions leave the grouping to the combiner, which (measured) grouped the loss
 correlation's and kept 4 all-reduces per chunk. Everywhere else (one device; the student over the batch,
 where ``tensor`` is manual and every device holds all of V) the reductions stay separate: each reads its
 elementwise input as XLA fuses it in, while XLA:CPU writes a stack out before reducing it, for full
-``[B, T, V]`` logits several times their size (one-device cost of the chunked loss: 10.9 ms
-stacked, 10.1 ms separate, 12.3 ms term by term). There the correlation's means come from plain sums of the
+``[B, T, V]`` logits several times their size (on one device the separate reductions were the cheapest of the
+three forms: stacked, separate, term by term). There the correlation's means come from plain sums of the
 logits, which depend on nothing else, so XLA reduces them in the pass that forms the logits and their maxima; sums
 after the shift by the maximum waited for it, a pass of their own over both chunks' logits (what that pass cost on a
 TPU: `benchmarks/results/tpu_step.md`, "Changes to the code").
