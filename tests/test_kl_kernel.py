@@ -214,3 +214,39 @@ def test_the_metrics_light_step_runs_the_kernel_without_its_metrics(monkeypatch)
   np.testing.assert_allclose(light["loss"], full["loss"], rtol=1e-6)
   for a, b in zip(jax.tree.leaves(state_light.params), jax.tree.leaves(state_full.params)):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape, backend, applies", [
+    ((8, 1), "pmap", True),  # the classic path: every device holds all of V
+    ((8, 1), "shard_map", True),  # rows over data, tensor of size 1
+    ((2, 4), "shard_map", False),  # V split over tensor (compiler-managed): XLA's passes
+], ids=["pmap-8", "8x1", "2x4"])
+def test_the_kernel_in_every_layout_gives_one_devices_numbers(monkeypatch, shape, backend, applies):
+  """The step with ``loss_kernel="pallas"`` on the mesh layouts and the ``pmap`` path: the kernel where it applies,
+  XLA's passes where the vocabulary is split, and the loss and metrics of one device within float32 summation
+  bounds (the same tokens' sums in another order)."""
+  from helpers import STUDENT_CFG, TEACHER_CFG, make_batch
+
+  from meshdistill.losses import _kl_kernel
+
+  calls = []
+  real = _kl_kernel.kl_value_and_grad
+  monkeypatch.setattr(_kl_kernel, "kl_value_and_grad", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  batch = make_batch(seed=0, vocab=V)
+
+  def metrics(shape, backend):
+    mesh = None if shape is None else md.make_mesh(*shape)
+    place = mesh if backend == "shard_map" else None
+    teacher = md.init_model(TEACHER_CFG.replace(vocab_size=V), seed=0, mesh=place)
+    student = md.init_model(STUDENT_CFG.replace(vocab_size=V), seed=1, mesh=place)
+    d = md.Distiller(student, teacher, mesh=mesh, backend=backend,
+                     strategy=md.ChunkedLogitKD(chunk_size=16, loss_kernel="pallas"))
+    return d.step(d.init_state(), batch)[1]
+
+  want = metrics(None, "single")
+  assert calls == [1]
+  got = metrics(shape, backend)
+  assert len(calls) == (2 if applies else 1)
+  bound = 64 * float(np.finfo(np.float32).eps)  # a sum of the batch's 48 tokens' values, rounded in another order
+  for k in ("loss", "kl", "ce", "teacher_ce", "corr", "agree"):
+    np.testing.assert_allclose(got[k], want[k], rtol=bound, atol=bound, err_msg=k)
