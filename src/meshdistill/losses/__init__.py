@@ -7,7 +7,7 @@ Divergences (`DIVERGENCES`, `get_divergence`): ``forward_kl``, ``reverse_kl``, `
 (generalised, ``beta``), ``skew_kl`` / ``skew_reverse_kl`` (``skew``), ``tvd``, ``mse``
 (centred logits). `forward_kl_terms`: the default recipe's loss and metrics fused (one pass over V);
 `kl_value_and_grad`: the same values and their loss's logits gradient in one Pallas kernel (`LOSS_KERNELS`,
-`kl_kernel_applies`: `ChunkedLogitKD.loss_kernel`). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`;
+`kl_kernel_applies`: `ChunkedLogitKD.loss_kernel`, the default on a TPU; `LOSS_NAMES`: its metrics-light form's). Top-k teachers: `teacher_topk`, `topk_tail`, `topk_divergence`;
 `TopK` (a teacher given by its
 top-k, e.g. an offline cache) and `narrow_topk`. A teacher of another tokenizer (`Aligned`): `span_logprobs` (merged
 ``bayesian`` or ``observed``, `observed_spans`), `uld`, `matched_divergence` (GOLD's ``beta``), `matched_kl`,
