@@ -10,10 +10,11 @@ correlation's means) and the logits at the target ids come in from XLA, which re
 the logits.
 
 The default on a TPU (`ChunkedLogitKD.loss_kernel="auto"`). On a v5e chip a form with a division per logit was
-bound by its vector work, so here a logit costs few vector operations: the shifted logits are ``(s - max s) / tau`` as a product by ``1 / tau`` (no
-division per element), each softmax's normaliser is folded into its row's weight of the gradient, and no column is
-compared with the target ids in the sums (``benchmarks/loss_kernel.py`` and ``benchmarks/results/tpu_step.md``: its
-time against XLA's passes). Elsewhere the loss stays in XLA (interpreted, the kernel is for numerics checks only).
+bound by its vector work, so here a logit costs few vector operations: the shifted logits are ``(s - max s) / tau``
+as a product by ``1 / tau`` (no division per element), each softmax's normaliser is folded into its row's weight of
+the gradient, and no column is compared with the target ids in the sums (``benchmarks/loss_kernel.py`` and
+``benchmarks/results/tpu_step.md``: its time against XLA's passes). Elsewhere the loss stays in XLA (interpreted,
+the kernel is for numerics checks only).
 
 The values are those of `forward_kl_terms` and the gradient that of its ``loss`` sum, formed by the same formulas in
 float32 (the sums in another order: equal within float32 rounding), masked tokens exactly 0.
