@@ -91,6 +91,15 @@ def test_the_chunked_loss_takes_the_kernel_where_it_applies():
     md.ChunkedLogitKD(loss_kernel="fast")
 
 
+def test_the_kernel_applies_only_where_the_gradient_it_would_write_fits():
+  """A float32 head's gradient is written in float32 where the matmuls do not round it (here, off a TPU): for a
+  vocabulary of 300,032 its block would not fit the kernel's on-chip memory (a bfloat16 one does), so the loss stays
+  in XLA rather than fail; at Gemma 3's 262,144 both fit."""
+  assert kl_kernel_applies(300032, "pallas") and kl_kernel_applies(300032, "pallas", head_dtype=jnp.bfloat16)
+  assert not kl_kernel_applies(300032, "pallas", head_dtype=jnp.float32)
+  assert kl_kernel_applies(262144, "pallas", head_dtype=jnp.float32)
+
+
 @pytest.mark.skipif(not libtpu_available(), reason="needs libtpu: pip install 'meshdistill[tpu]' (in the test extra)")
 def test_auto_takes_the_kernel_in_a_step_compiled_for_a_tpu():
   """The choice `auto` makes for a TPU target, seen on this CPU as the planner sees it: the chunked loss traced under

@@ -54,29 +54,36 @@ def kl_kernel_usable(V: int, grad_itemsize: int = 2) -> bool:
 LOSS_KERNELS = ("auto", "xla", "pallas")  # `ChunkedLogitKD.loss_kernel`
 
 
-def kl_kernel_applies(V: int, kernel: str = "pallas", platform: str | None = None) -> bool:
+def kl_kernel_applies(V: int, kernel: str = "pallas", platform: str | None = None, head_dtype=jnp.bfloat16) -> bool:
   """Whether the chunked loss of the default recipe takes `kl_value_and_grad` for a vocabulary of ``V`` with
   ``loss_kernel=kernel``: ``pallas`` (on a TPU compiled, elsewhere interpreted: slow, for numerics checks) where the
   program being traced splits nothing over a compiler-managed mesh axis (the kernel's sums need every column of a row
-  on its device) and V is `kl_kernel_usable`; ``auto`` (the default) likewise where that program is compiled for a
-  TPU (``platform``; None: `target_platform`), else not; ``xla`` never."""
+  on its device) and V is `kl_kernel_usable` with the gradient in the dtype the chunk loop has it written in for a
+  head of ``head_dtype``; ``auto`` (the default) likewise where that program is compiled for a TPU (``platform``;
+  None: `target_platform`), else not; ``xla`` never."""
   if kernel not in LOSS_KERNELS:
     raise ValueError(f"ChunkedLogitKD.loss_kernel={kernel!r}; choose one of {LOSS_KERNELS}")
   if kernel == "xla" or (kernel == "auto" and (platform or target_platform()) != "tpu"):
     return False
   mesh, free = compiler_axes()
-  return all(mesh.shape[axis] == 1 for axis in free) and kl_kernel_usable(V)
+  return all(mesh.shape[axis] == 1 for axis in free) and kl_kernel_usable(V, _grad_dtype(head_dtype).itemsize)
+
+
+def _grad_dtype(head_dtype) -> jnp.dtype:
+  """The dtype a chunk's logits gradient is written in for a head of ``head_dtype``: bfloat16 where a TPU's
+  default-precision matmuls would round a float32 one to it before reading it (half the bytes, the same products),
+  else the head's."""
+  if target_platform() == "tpu" and jax.config.jax_default_matmul_precision in (None, "default", "bfloat16", "fastest"):
+    return jnp.dtype(jnp.bfloat16)
+  return jnp.dtype(head_dtype)
 
 
 def kl_token_value_and_grad(params, student_CxV, teacher_CxV, targets_C, mask_C, *, grad_dtype, metrics=True):
   """`kl_value_and_grad` as the chunk loop calls a token function's fused form (``params``: the recipe's
-  ``temperature`` and ``alpha``; interpreted off a TPU). The gradient is written in ``grad_dtype`` (the head's), in
-  bfloat16 where a TPU's default-precision matmuls would round a float32 one to it before reading it: half the bytes,
-  the same products."""
-  if target_platform() == "tpu" and jax.config.jax_default_matmul_precision in (None, "default", "bfloat16", "fastest"):
-    grad_dtype = jnp.bfloat16
+  ``temperature`` and ``alpha``; interpreted off a TPU), the gradient written in `_grad_dtype` of ``grad_dtype``
+  (the head's)."""
   return kl_value_and_grad(student_CxV, teacher_CxV, targets_C, mask_C, params["temperature"], params["alpha"],
-                           grad_dtype=grad_dtype, metrics=metrics)
+                           grad_dtype=_grad_dtype(grad_dtype), metrics=metrics)
 
 
 def _kernel(scalars_ref, rows_ref, s_ref, t_ref, terms_ref, d_ref, *, unroll, metrics):

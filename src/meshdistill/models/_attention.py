@@ -23,8 +23,7 @@ from jax.sharding import PartitionSpec as P
 # The splash kernel runs per device in a shard_map over the mesh's auto axes and reads its own query heads by
 # `axis_index` over `tensor`: a collective over named mesh axes (as `_context` and `moe`: the places in models/ that
 # name them).
-from meshdistill.parallel.mesh import DATA, TENSOR, compiler_axes  # noqa: F401
-from meshdistill.parallel.mesh import target_platform  # noqa: F401  (re-exported)
+from meshdistill.parallel.mesh import DATA, TENSOR, compiler_axes, target_platform  # noqa: F401  (re-exported)
 # Context parallelism: a device's slice of the sequence, its kernel chosen by its index along `context`.
 from meshdistill.models._context import CONTEXT, ContextShard
 from meshdistill.models import _decode_attention, _head_prep

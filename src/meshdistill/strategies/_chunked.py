@@ -86,7 +86,8 @@ class ChunkedLogitKD(LogitRecipe, BatchStrategy):
     fused = None
     if any(c is not None for c in softcaps):
       token_fn = functools.partial(_capped, self.token_terms, *softcaps)
-    elif self.term_name == "kl" and kl_kernel_applies(student_head_DxV.shape[1], self.loss_kernel):
+    elif self.term_name == "kl" and kl_kernel_applies(student_head_DxV.shape[1], self.loss_kernel,
+                                                       head_dtype=student_head_DxV.dtype):
       # the default recipe's values and logits gradient in one read
       fused = functools.partial(kl_token_value_and_grad, metrics=metrics)
     if not metrics:
