@@ -9,7 +9,7 @@ calls it:
   the gradient); ``xla, loss only``: the same with the metrics' sums unused (what a metrics-light step keeps);
 - ``pallas``: `kl_value_and_grad` (one read of both chunks); ``pallas, loss only``: its ``metrics=False`` form.
 
-Each is timed as the median of ``--repeats`` calls after a compile and a warm-up call; the HBM floor is the bytes one
+Each is timed as the median of ``--repeats`` calls after a compile (`bench.harness.median_call`); the HBM floor is the bytes one
 read of both chunks and one write of the gradient take at ``--hbm-gbs`` (a v5e: 819 GB/s). Prints a Markdown table
 (ms a chunk, ms for ``--runs`` chunks: the chunks of a step, and each variant's time over XLA's), with the date,
 commit, device, jax and libtpu versions and the command; ``--out`` also appends its rows as JSON lines.
@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import shlex
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 from bench.chip_step import commit_or_exit
+from bench.harness import median_call
 from bench.results import append_row, libtpu_version
 from meshdistill.losses import forward_kl_terms, kl_value_and_grad
 
@@ -56,17 +55,6 @@ def _pallas(loss_only: bool, unroll: int):
     return {k: jnp.sum(v) for k, v in out.items()}, d
 
   return run
-
-
-def _time(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile
-  jax.block_until_ready(fn(*args))  # warm-up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def main(argv=None) -> None:
@@ -105,7 +93,8 @@ def main(argv=None) -> None:
     floor = (2 * 4 + 2) * args.chunk * vocab / (args.hbm_gbs * 1e9)
     base = None
     for name, fn in variants.items():
-      seconds = _time(jax.jit(fn), inputs, args.repeats)
+      call = jax.jit(fn)
+      seconds = median_call(lambda: call(*inputs), args.repeats)  # noqa: B023
       base = base or seconds
       rows.append({"vocab": vocab, "chunk": args.chunk, "variant": name, "ms": seconds * 1e3, "runs": n,
                    "step_ms": n * seconds * 1e3, "vs_xla": seconds / base, "floor_ms": floor * 1e3, "date": date,
